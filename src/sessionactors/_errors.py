@@ -1,0 +1,142 @@
+"""The exception hierarchy: every error is a :class:`SessionActorsError`.
+
+Each error also subclasses the builtin a user would naturally catch, and its
+message names the session, says what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EventsExpiredError",
+    "FencedOutError",
+    "InvalidSessionNameError",
+    "MailboxFullError",
+    "ModelError",
+    "SessionActorsError",
+    "SessionBusyError",
+    "SessionCrashedError",
+    "SessionExistsError",
+    "SessionNotFoundError",
+    "SessionStoppedError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotVersionError",
+    "StoreError",
+    "SubscriberLaggedError",
+    "TurnCancelledError",
+    "TurnFailedError",
+]
+
+
+class SessionActorsError(Exception):
+    """Base class of every error raised by sessionactors.
+
+    ``session_id`` names the session the error is about (``None`` when it is
+    about no single session).
+    """
+
+    def __init__(self, message: str, *, session_id: str | None = None) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+
+
+class SessionNotFoundError(SessionActorsError, LookupError):
+    """The session is neither live nor stored."""
+
+
+class SessionExistsError(SessionActorsError):
+    """A session of that name is already live or stored."""
+
+
+class InvalidSessionNameError(SessionActorsError, ValueError):
+    """A session name breaks the naming rules (empty, too long, control characters)."""
+
+
+class TurnFailedError(SessionActorsError):
+    """The agent or its model raised during the turn; ``__cause__`` is the original."""
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+
+
+class TurnCancelledError(SessionActorsError):
+    """The turn was cancelled with ``ref.cancel()`` (or by the session stopping)."""
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+
+
+class SessionCrashedError(SessionActorsError):
+    """The session's actor crashed while the request was pending, or keeps crashing."""
+
+
+class SessionStoppedError(SessionActorsError):
+    """The session (or the registry) is stopped and takes no more requests."""
+
+
+class MailboxFullError(SessionActorsError):
+    """``submit_nowait`` found the session's mailbox full."""
+
+
+class SubscriberLaggedError(SessionActorsError):
+    """A subscriber fell behind its bounded buffer and was ended.
+
+    ``last_seq`` is the seq of the last event it received: subscribe again with
+    ``after=last_seq`` to resume without a gap.
+    """
+
+    def __init__(self, message: str, *, session_id: str | None = None, last_seq: int) -> None:
+        super().__init__(message, session_id=session_id)
+        self.last_seq = last_seq
+
+
+class EventsExpiredError(SessionActorsError, LookupError):
+    """The events asked for are no longer available.
+
+    ``oldest_seq`` is the seq of the oldest event still available; reload the
+    history with ``ref.history()`` and subscribe with ``after=oldest_seq - 1``.
+    """
+
+    def __init__(self, message: str, *, session_id: str | None = None, oldest_seq: int) -> None:
+        super().__init__(message, session_id=session_id)
+        self.oldest_seq = oldest_seq
+
+
+class SnapshotError(SessionActorsError, ValueError):
+    """Snapshot or journal bytes could not be turned back into records."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """The bytes carry a schema version this version of sessionactors cannot read."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """The bytes are not a valid snapshot (truncated, garbled, wrong types, too large)."""
+
+
+class StoreError(SessionActorsError, OSError):
+    """The store failed to read or write."""
+
+
+class FencedOutError(StoreError):
+    """A write carried a stale fencing token: another worker now owns the session."""
+
+
+class SessionBusyError(SessionActorsError):
+    """The session cannot take this request now (for example a review is pending)."""
+
+
+class ModelError(SessionActorsError):
+    """A model adapter could not get an answer (HTTP error, malformed stream).
+
+    It becomes the ``__cause__`` of the turn's :class:`TurnFailedError`.
+    ``status_code`` is the HTTP status when there was one.
+    """
+
+    def __init__(
+        self, message: str, *, session_id: str | None = None, status_code: int | None = None
+    ) -> None:
+        super().__init__(message, session_id=session_id)
+        self.status_code = status_code

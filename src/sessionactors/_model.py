@@ -1,0 +1,72 @@
+"""The model seam: what the actor asks of a language model.
+
+A model is anything with ``stream(request)`` returning an async iterator of
+chunks. Text arrives as :class:`TextChunk`; tool calls as
+:class:`ToolCallChunk` fragments, which share an ``index`` per call, as
+OpenAI-compatible servers stream them.
+"""
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from ._records import Message
+
+__all__ = ["Model", "ModelChunk", "ModelRequest", "TextChunk", "ToolCallChunk", "ToolSpec"]
+
+
+@attrs.frozen(kw_only=True)
+class ToolSpec:
+    """What the model is told about one tool: its name, purpose and JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = attrs.field(
+        factory=lambda: {"type": "object", "properties": {}}
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ModelRequest:
+    """One request to the model: the messages (system prompt first) and the tools.
+
+    ``messages`` is a read-only sequence; it stays valid after the turn.
+    """
+
+    session_id: str
+    messages: Sequence[Message]
+    tools: tuple[ToolSpec, ...] = ()
+
+
+@attrs.frozen
+class TextChunk:
+    """A piece of the reply's text."""
+
+    text: str
+
+
+@attrs.frozen
+class ToolCallChunk:
+    """A fragment of one tool call; fragments of one call share ``index``.
+
+    The first fragment of a call usually carries ``id`` and ``name``; the
+    ``arguments`` of all fragments, joined, are the call's JSON arguments.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+ModelChunk = TextChunk | ToolCallChunk
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A language model that streams its answer to a request."""
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
+        """Stream the answer to ``request`` as chunks."""
+        ...

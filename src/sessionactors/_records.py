@@ -1,0 +1,166 @@
+"""The durable records: messages, tool calls, reviews and the session state.
+
+Pure values (attrs, frozen); no trio here. These classes are what the codec
+writes to snapshots and journals, so their fields follow the format rules:
+new fields get defaults, field types never change.
+"""
+
+import datetime
+import enum
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CompletedTurn",
+    "Message",
+    "ReviewRequest",
+    "Role",
+    "SessionInfo",
+    "SessionState",
+    "Status",
+    "ToolCall",
+    "new_id",
+    "utcnow",
+]
+
+#: The snapshot format version this code writes.
+SCHEMA_VERSION = 1
+
+
+def utcnow() -> datetime.datetime:
+    """The current time, timezone-aware, in UTC."""
+    return datetime.datetime.now(datetime.UTC)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh, unique, sortable-enough identifier such as ``msg_3f2a...``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Role(enum.Enum):
+    """Who wrote a message."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+class Status(enum.Enum):
+    """Where a session is in its life."""
+
+    NEW = "new"  #: spawned, no turn yet
+    IDLE = "idle"  #: live, waiting for a request
+    RUNNING = "running"  #: a turn is in flight
+    WAITING = "waiting"  #: a turn waits on a human review
+    HIBERNATED = "hibernated"  #: not live; its state is in the store
+    STOPPED = "stopped"  #: finished; takes no more requests
+    FAILED = "failed"  #: crashed past its restart intensity
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    """One call of a tool that the model asked for; ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@attrs.frozen(kw_only=True)
+class Message:
+    """One message of a conversation.
+
+    A ``Role.TOOL`` message answers the call whose id is ``tool_call_id``;
+    ``is_error`` marks a tool result that reports a failure. ``interrupted``
+    marks an assistant message whose turn was cancelled part-way.
+    """
+
+    id: str
+    role: Role
+    content: str
+    created_at: datetime.datetime
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    interrupted: bool = False
+    is_error: bool = False
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        role: Role,
+        content: str,
+        *,
+        tool_calls: tuple[ToolCall, ...] = (),
+        tool_call_id: str | None = None,
+        interrupted: bool = False,
+        is_error: bool = False,
+    ) -> "Message":
+        """A new message with a fresh id, stamped now."""
+        return cls(
+            id=new_id("msg"),
+            role=role,
+            content=content,
+            created_at=utcnow(),
+            tool_calls=tool_calls,
+            tool_call_id=tool_call_id,
+            interrupted=interrupted,
+            is_error=is_error,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ReviewRequest:
+    """A tool call that waits for a person's approval before it runs."""
+
+    id: str
+    session_id: str
+    tool_call: ToolCall
+    created_at: datetime.datetime
+    turn_id: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class CompletedTurn:
+    """What an idempotency key already produced: the turn and its reply."""
+
+    key: str
+    turn_id: str
+    reply: Message
+
+
+@attrs.frozen(kw_only=True)
+class SessionState:
+    """Everything durable about one session; what a snapshot holds."""
+
+    schema_version: int = SCHEMA_VERSION
+    session_id: str
+    agent: str | None = None
+    status: Status = Status.NEW
+    messages: tuple[Message, ...] = ()
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    event_seq: int = 0
+    created_at: datetime.datetime
+    updated_at: datetime.datetime
+    system_prompt: str | None = None
+    summary: str | None = None
+    completed: tuple[CompletedTurn, ...] = ()
+    reviews: tuple[ReviewRequest, ...] = ()
+    turn_count: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class SessionInfo:
+    """A short description of one session, live or stored."""
+
+    session_id: str
+    agent: str | None
+    status: Status
+    message_count: int
+    updated_at: datetime.datetime
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)

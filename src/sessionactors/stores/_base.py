@@ -1,0 +1,143 @@
+"""The store protocol: how sessions are kept durable.
+
+A store deals in bytes: snapshots and journal entries are encoded by the
+codec before they reach it, so a store never needs to understand a record.
+Each session has
+
+* one snapshot (its state as of ``snapshot_seq``),
+* a journal of entries, each with the ``seq`` of the event it holds, strictly
+  increasing; entries after the snapshot are replayed over it on load, and
+  entries up to it are kept for subscribers replaying events until trimmed,
+* an info blob (a short encoded description, for listings),
+* a lease: an owner, an expiry and a fencing token that strictly increases
+  with every successful claim.
+
+Writes may carry ``fence``: when it is not ``None`` the store checks, in the
+same atomic step as the write, that it equals the session's current fencing
+token and that the lease is unexpired, and raises :class:`FencedOutError`
+otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+__all__ = ["JournalEntry", "Lease", "Store", "StoredSession"]
+
+
+@attrs.frozen
+class JournalEntry:
+    """One journal entry: the encoded event and its seq."""
+
+    seq: int
+    data: bytes
+
+
+@attrs.frozen(kw_only=True)
+class StoredSession:
+    """What ``load`` returns: the latest snapshot and the entries after it."""
+
+    snapshot: bytes
+    snapshot_seq: int
+    entries: tuple[JournalEntry, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Lease:
+    """A successful claim: the fencing token to put on every write."""
+
+    owner: str
+    fence: int
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An async, durable home for sessions. Every method may raise ``StoreError``."""
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        """Store a new session with ``snapshot`` at seq 0.
+
+        Raises ``SessionExistsError`` if the name is already stored.
+        """
+        ...
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        """The session's snapshot and the journal entries after it, or ``None``."""
+        ...
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        """Append entries (seqs strictly above every stored one) durably, atomically.
+
+        Raises ``SessionNotFoundError`` if the session is not stored, and
+        ``FencedOutError`` for a stale ``fence``.
+        """
+        ...
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        """Replace the snapshot with one covering every event up to ``seq``.
+
+        Atomically drops journal entries with seq <= ``trim_upto`` (which is
+        at most ``seq``). Raises like ``append``.
+        """
+        ...
+
+    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        """``(trimmed_upto, entries)``: the kept entries with seq > ``after``, in order.
+
+        ``trimmed_upto`` is the highest seq ever trimmed (0 if none): entries at or
+        below it are gone. Raises ``SessionNotFoundError`` if not stored.
+        """
+        ...
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        """``(session_id, info)`` for every stored session."""
+        ...
+
+    async def exists(self, session_id: str) -> bool:
+        """Whether the session is stored."""
+        ...
+
+    async def delete(self, session_id: str) -> bool:
+        """Remove the session everywhere (snapshot, journal, lease); whether it existed."""
+        ...
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
+        """Take the session's lease for ``ttl`` seconds.
+
+        Succeeds (with a fencing token larger than any issued before for this
+        session) if the lease is free, expired, or already ``owner``'s; returns
+        ``None`` if another owner holds an unexpired lease. A session need not
+        be stored to be claimed.
+        """
+        ...
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        """Extend ``lease`` for ``ttl`` seconds; ``False`` if it is no longer held."""
+        ...
+
+    async def release(self, session_id: str, lease: Lease) -> None:
+        """Give the lease up, if still held by ``lease``; otherwise do nothing."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release resources (connections, threads). Idempotent."""
+        ...
