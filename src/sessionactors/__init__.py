@@ -1,5 +1,9 @@
 """sessionactors: many concurrent, durable LLM conversations as trio actors."""
 
+from ._agent import Agent as Agent
+from ._codec import dump_snapshot as dump_snapshot
+from ._codec import load_snapshot as load_snapshot
+
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError
@@ -45,3 +49,11 @@ from ._records import SessionInfo as SessionInfo
 from ._records import SessionState as SessionState
 from ._records import Status as Status
 from ._records import ToolCall as ToolCall
+from ._ref import Reply as Reply
+from ._ref import SessionRef as SessionRef
+from ._ref import Turn as Turn
+from ._registry import Registry as Registry
+from ._registry import RegistryStatistics as RegistryStatistics
+from ._registry import open_registry as open_registry
+from .stores._memory import MemoryStore as MemoryStore
+from .stores._sqlite import SQLiteStore as SQLiteStore

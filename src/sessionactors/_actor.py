@@ -1,0 +1,683 @@
+"""The session actor: one trio task that owns a session, reached through its mailbox.
+
+Turns run one at a time in mailbox order. Reads (history, state) and
+``cancel`` are served out of band. The task also supervises itself: a crash
+(an exception that is not the agent's) fails the waiters with
+SessionCrashedError and restarts the actor from its durable state, within a
+restart intensity.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from ._agent import Agent, run_turn
+from ._codec import dump_event, dump_info, dump_snapshot, load_event, load_snapshot
+from ._errors import (
+    SessionActorsError,
+    SessionBusyError,
+    SessionCrashedError,
+    SessionNotFoundError,
+    SessionStoppedError,
+    TurnCancelledError,
+    TurnFailedError,
+)
+from ._events import (
+    Delta,
+    Event,
+    MessageAdded,
+    StatusChanged,
+    TurnCancelled,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+)
+from ._hub import Hub
+from ._records import Message, ReviewRequest, Role, Status, ToolCall
+from ._session import LiveSession
+from .stores._base import JournalEntry, Lease, Store
+
+if TYPE_CHECKING:
+    from ._registry import Counters, RegistryConfig
+
+__all__ = ["SEQ_GAP", "Actor", "Host", "Pending", "session_task"]
+
+#: How far seq jumps when a session wakes from a state that was not hibernated
+#: cleanly (the process died): above any seq the lost incarnation can have used.
+SEQ_GAP = 1 << 20
+
+
+class Pending:
+    """The result slot of one request; any number of callers may wait on it."""
+
+    __slots__ = ("_event", "done", "error", "result")
+
+    def __init__(self) -> None:
+        self._event: trio.Event | None = None
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    def resolved(cls, result: Any) -> Pending:
+        p = cls()
+        p.result = result
+        p.done = True
+        return p
+
+    def set_result(self, result: Any) -> None:
+        if not self.done:
+            self.result = result
+            self._finish()
+
+    def set_error(self, error: BaseException) -> None:
+        if not self.done:
+            self.error = error
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> Any:
+        if self.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class TurnRequest:
+    __slots__ = ("key", "pending", "text", "turn_id")
+
+    def __init__(self, turn_id: str, text: str, key: str | None, pending: Pending) -> None:
+        self.turn_id = turn_id
+        self.text = text
+        self.key = key
+        self.pending = pending
+
+
+class CallRequest:
+    """A request other than a turn, run in mailbox order (hibernate, edits, reviews)."""
+
+    __slots__ = ("args", "kind", "pending")
+
+    def __init__(self, kind: str, args: dict[str, Any], pending: Pending) -> None:
+        self.kind = kind
+        self.args = args
+        self.pending = pending
+
+
+Request = TurnRequest | CallRequest
+
+
+class Host(Protocol):
+    """What an actor needs from its registry."""
+
+    store: Store
+    config: RegistryConfig
+    stats: Counters
+    owner_id: str
+
+    def agent_for(self, session: LiveSession) -> Agent: ...
+    def hub_for(self, session_id: str) -> Hub: ...
+    def detach(self, actor: Actor) -> None: ...
+    def replace(self, old: Actor, new: Actor) -> None: ...
+    def mark_failed(self, actor: Actor, reason: str) -> None: ...
+
+
+class Actor:
+    """One incarnation of a session's actor. Live things are compared by identity."""
+
+    __slots__ = (
+        "_ready",
+        "_since_snapshot",
+        "_system_cache",
+        "abort_reason",
+        "deleted",
+        "done",
+        "host",
+        "hub",
+        "inflight_keys",
+        "lease",
+        "load_error",
+        "partial",
+        "receive",
+        "run_scope",
+        "send",
+        "session",
+        "session_id",
+        "stop_requested",
+        "turn_id",
+        "turn_request",
+        "turn_scope",
+        "unsaved",
+    )
+
+    def __init__(self, host: Host, session_id: str, session: LiveSession | None) -> None:
+        self.host = host
+        self.session_id = session_id
+        self.session: LiveSession = session  # type: ignore[assignment]  # set by load
+        self._ready: trio.Event | None = None if session is not None else trio.Event()
+        self.send, self.receive = trio.open_memory_channel[Request](host.config.mailbox_size)
+        self.hub: Hub | None = None
+        self.turn_request: TurnRequest | None = None
+        self.turn_scope: trio.CancelScope | None = None
+        self.turn_id = ""
+        self.partial: list[str] = []
+        self.inflight_keys: dict[str, Pending] = {}
+        self.stop_requested = False
+        self.abort_reason: str | None = None
+        self.deleted = False
+        self.run_scope: trio.CancelScope | None = None
+        self.done: trio.Event | None = None
+        self.lease: Lease | None = None
+        self.load_error: SessionActorsError | None = None
+        self.unsaved: list[Event] = []
+        self._since_snapshot = 0
+        self._system_cache: tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None = (
+            None
+        )
+
+    def __repr__(self) -> str:
+        return f"<Actor {self.session_id!r}>"
+
+    # ---- out-of-band reads -------------------------------------------------
+
+    async def ready(self) -> LiveSession:
+        """Wait until the state is loaded; raise what the load raised."""
+        if self._ready is not None:
+            await self._ready.wait()
+            if self.load_error is not None:
+                raise self.load_error
+        else:
+            await trio.lowlevel.checkpoint()
+        return self.session
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready is None
+
+    def cancel_turn(self) -> bool:
+        if self.turn_scope is None:
+            return False
+        self.turn_scope.cancel()
+        return True
+
+    # ---- TurnContext ---------------------------------------------------------
+
+    def request_messages(self) -> Sequence[Message]:
+        session = self.session
+        agent = self.host.agent_for(session)
+        key = (session.system_prompt, session.summary, agent.system_prompt)
+        cache = self._system_cache
+        if cache is None or cache[0] != key:
+            cache = self._system_cache = (key, session.system_messages(agent.system_prompt))
+        return session.view(cache[1])
+
+    def delta(self, text: str) -> None:
+        self._emit(Delta(session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, text=text))
+
+    def add_message(self, message: Message) -> None:
+        self._durable(MessageAdded(session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, message=message))
+
+    async def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> bool:
+        from ._tooling import run_tool_calls
+
+        return await run_tool_calls(self, agent, calls)
+
+    # ---- event plumbing ----------------------------------------------------------
+
+    def _seq(self) -> int:
+        assert self.hub is not None
+        return self.hub.next_seq()
+
+    def _emit(self, event: Event) -> None:
+        assert self.hub is not None
+        self.hub.publish(event)
+
+    def _durable(self, event: Event, *, publish: bool = True) -> Event:
+        self.session.apply(event)
+        self.unsaved.append(event)
+        if publish:
+            self._emit(event)
+        return event
+
+    def _set_status(self, status: Status) -> None:
+        if self.session.status is status:
+            return
+        self.session.status = status
+        self._emit(StatusChanged(session_id=self.session_id, seq=self._seq(), status=status))
+
+    async def commit(self) -> None:
+        """Make the unsaved journal events durable (per the durability policy)."""
+        host = self.host
+        if host.config.durability != "turn" or not self.unsaved:
+            return
+        events = self.unsaved
+        entries = [JournalEntry(e.seq, dump_event(e)) for e in events]
+        await host.store.append(
+            self.session_id,
+            entries,
+            dump_info(self.session.info()),
+            fence=self.lease.fence if self.lease else None,
+        )
+        del events[: len(entries)]
+        self._since_snapshot += len(entries)
+        if self._since_snapshot >= host.config.snapshot_every:
+            await self._write_snapshot(self.session.status)
+
+    async def _write_snapshot(self, status: Status) -> None:
+        host = self.host
+        session = self.session
+        assert self.hub is not None
+        seq = max(self.hub.seq, session.event_seq)
+        session.event_seq = seq
+        state = attrs.evolve(session.to_state(), status=status)
+        await host.store.write_snapshot(
+            self.session_id,
+            dump_snapshot(state),
+            seq,
+            dump_info(session.info(status)),
+            trim_upto=max(0, seq - host.config.journal_keep_seqs),
+            fence=self.lease.fence if self.lease else None,
+        )
+        self.unsaved.clear()
+        self._since_snapshot = 0
+
+    # ---- the loop ---------------------------------------------------------
+
+    async def load(self) -> None:
+        """Wake: rebuild the state from the store (snapshot + journal tail)."""
+        host = self.host
+        sid = self.session_id
+        stored = await host.store.load(sid)
+        if stored is None:
+            raise SessionNotFoundError(
+                f"session {sid!r} does not exist; create it with registry.spawn({sid!r})",
+                session_id=sid,
+            )
+        state = load_snapshot(stored.snapshot, session_id=sid)
+        if state.session_id != sid:
+            from ._errors import SnapshotCorruptError
+
+            raise SnapshotCorruptError(
+                f"the snapshot stored for session {sid!r} belongs to {state.session_id!r}; "
+                "the store is inconsistent: restore it or delete the session",
+                session_id=sid,
+            )
+        session = LiveSession(state)
+        clean = state.status is Status.HIBERNATED and not stored.entries
+        durable_seq = max(state.event_seq, stored.snapshot_seq)
+        for entry in stored.entries:
+            session.apply(load_event(entry.data, session_id=sid))
+            durable_seq = max(durable_seq, entry.seq)
+        if session.status is Status.STOPPED:
+            raise SessionStoppedError(
+                f"session {sid!r} is stopped and takes no more requests; "
+                f"spawn a new session or delete this one with registry.delete({sid!r})",
+                session_id=sid,
+            )
+        self._since_snapshot = len(stored.entries)
+        self.session = session
+        hub = self.hub = host.hub_for(sid)
+        if self.unsaved:  # not durable yet (durability="hibernate"): replay them too
+            for event in self.unsaved:
+                session.apply(event)
+        known = hub.seq
+        hub.advance(max(durable_seq, session.event_seq))
+        session.status = _resting_status(session)
+        if not clean and known <= durable_seq:
+            # The last incarnation may have published events past its last durable
+            # write; jump above them, durably, before publishing anything.
+            hub.advance(durable_seq + SEQ_GAP)
+            self._durable(
+                StatusChanged(session_id=sid, seq=self._seq(), status=session.status),
+                publish=True,
+            )
+            await self.commit()
+        host.stats.woken += 1
+
+    async def run(self) -> None:
+        """Serve the mailbox until hibernated, stopped, or closed."""
+        host = self.host
+        if self._ready is not None:
+            ready = self._ready
+            try:
+                await self.load()
+            except SessionActorsError as exc:
+                self.load_error = exc
+                ready.set()
+                self._fail_queued(exc)
+                host.detach(self)
+                return
+            self._ready = None
+            ready.set()
+        elif self.hub is None:
+            self.hub = host.hub_for(self.session_id)
+            self.hub.advance(self.session.event_seq)
+        idle = host.config.idle_timeout
+        receive = self.receive
+        while True:
+            if self.stop_requested:
+                await self._finish_stop()
+                return
+            if self.abort_reason is not None:
+                self._fail_queued(_stopped_error(self.session_id, self.abort_reason))
+                await self._hibernate_now()
+                return
+            try:
+                if idle is None:
+                    request = await receive.receive()
+                else:
+                    request = None
+                    with trio.move_on_after(idle):
+                        request = await receive.receive()
+                    if request is None:
+                        host.stats.idle_hibernations += 1
+                        if await self._hibernate_if_idle():
+                            return
+                        continue
+            except trio.EndOfChannel:
+                # the registry is closing (or the session stopping): queue drained
+                if self.stop_requested:
+                    continue
+                await self._hibernate_now()
+                return
+            if isinstance(request, TurnRequest):
+                await self._turn(request)
+            elif request.kind == "hibernate":
+                left = await self._hibernate_if_idle()
+                request.pending.set_result(left)
+                if left:
+                    return
+            else:
+                await self._call(request)
+
+    async def _turn(self, request: TurnRequest) -> None:
+        session = self.session
+        sid = self.session_id
+        key = request.key
+        if key is not None:
+            done = session.completed.get(key)
+            if done is not None:
+                self.inflight_keys.pop(key, None)
+                request.pending.set_result((done.turn_id, done.reply, ()))
+                return
+        if session.reviews:
+            review = next(iter(session.reviews.values()))
+            request.pending.set_error(_busy_error(sid, review))
+            if key is not None:
+                self.inflight_keys.pop(key, None)
+            return
+        try:
+            agent = self.host.agent_for(session)
+        except LookupError as exc:
+            error = TurnFailedError(str(exc), session_id=sid, turn_id=request.turn_id)
+            error.__cause__ = exc
+            request.pending.set_error(error)
+            return
+        turn_id = self.turn_id = request.turn_id
+        self.turn_request = request
+        self._set_status(Status.RUNNING)
+        self._emit(TurnStarted(session_id=sid, seq=self._seq(), turn_id=turn_id, text=request.text))
+        self.add_message(Message.create(Role.USER, request.text))
+        await self._drive(agent, request.pending, key)
+
+    async def _drive(self, agent: Agent, pending: Pending, key: str | None) -> None:
+        """Run (or resume) the turn loop and settle its outcome."""
+        sid = self.session_id
+        turn_id = self.turn_id
+        failure: BaseException | None = None
+        final: Message | None = None
+        self.partial = []
+        with trio.CancelScope() as scope:
+            self.turn_scope = scope
+            try:
+                final = await run_turn(agent, self)
+            except Exception as exc:
+                failure = exc
+        self.turn_scope = None
+        stats = self.host.stats
+        outcome: Event
+        error: BaseException | None = None
+        if scope.cancelled_caught:
+            text = "".join(self.partial)
+            if text:
+                self.add_message(
+                    Message.create(Role.ASSISTANT, text, interrupted=True)
+                )
+            outcome = TurnCancelled(session_id=sid, seq=self._seq(), turn_id=turn_id)
+            if self.abort_reason is not None or self.stop_requested:
+                error = _stopped_error(sid, self.abort_reason or "stop")
+            else:
+                error = TurnCancelledError(
+                    f"turn {turn_id} of session {sid!r} was cancelled; what it streamed is "
+                    "kept in the history, marked interrupted",
+                    session_id=sid,
+                    turn_id=turn_id,
+                )
+            stats.turns_cancelled += 1
+        elif failure is not None:
+            outcome = TurnFailed(
+                session_id=sid, seq=self._seq(), turn_id=turn_id, error=_describe(failure)
+            )
+            error = TurnFailedError(
+                f"turn {turn_id} of session {sid!r} failed: {_describe(failure)}; "
+                "the session is fine, send the next message when the cause is fixed",
+                session_id=sid,
+                turn_id=turn_id,
+            )
+            error.__cause__ = failure
+            stats.turns_failed += 1
+        elif final is None:
+            # paused for a review: the outcome comes when the review is resolved
+            self._set_status(Status.WAITING)
+            await self.commit()
+            pending.set_result((turn_id, None, tuple(self.session.reviews.values())))
+            self.turn_request = None
+            return
+        else:
+            outcome = TurnFinished(
+                session_id=sid, seq=self._seq(), turn_id=turn_id, message=final, idempotency_key=key
+            )
+            stats.turns_completed += 1
+        self._durable(outcome, publish=False)
+        if self.abort_reason is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.host.config.write_bound):
+                await self.commit()
+        else:
+            await self.commit()
+        self._emit(outcome)
+        self.turn_request = None
+        if key is not None:
+            self.inflight_keys.pop(key, None)
+        self._set_status(_resting_status(self.session))
+        if error is not None:
+            pending.set_error(error)
+        else:
+            pending.set_result((turn_id, final, ()))
+
+    async def _call(self, request: CallRequest) -> None:
+        from ._tooling import run_call
+
+        try:
+            result = await run_call(self, request.kind, request.args)
+        except SessionActorsError as exc:
+            request.pending.set_error(exc)
+            return
+        request.pending.set_result(result)
+
+    # ---- endings ---------------------------------------------------------------
+
+    def _fail_queued(self, error: BaseException) -> None:
+        while True:
+            try:
+                request = self.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            request.pending.set_error(error)
+        for pending in self.inflight_keys.values():
+            pending.set_error(error)
+        self.inflight_keys.clear()
+
+    def close_mailbox(self) -> None:
+        self.send.close()
+
+    async def _hibernate_if_idle(self) -> bool:
+        """Snapshot; leave if nothing arrived meanwhile (else stay live)."""
+        if self.session.reviews and self.turn_request is not None:
+            return False
+        await self._snapshot_for_hibernation()
+        if self.receive.statistics().current_buffer_used:
+            return False
+        self._leave(Status.HIBERNATED)
+        return True
+
+    async def _hibernate_now(self) -> None:
+        """Hibernate at once (registry closing), shielded and bounded."""
+        with trio.CancelScope(shield=True), trio.move_on_after(self.host.config.write_bound):
+            await self._snapshot_for_hibernation()
+        self._fail_queued(_stopped_error(self.session_id, "closing"))
+        self._leave(Status.HIBERNATED)
+
+    async def _snapshot_for_hibernation(self) -> None:
+        self._set_status(Status.HIBERNATED)
+        await self._write_snapshot(Status.HIBERNATED)
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            await self.host.store.release(self.session_id, lease)
+
+    def _leave(self, status: Status) -> None:
+        self.session.status = status
+        self.send.close()
+        self.receive.close()
+        self.host.detach(self)
+        self.host.stats.hibernated += status is Status.HIBERNATED
+
+    async def _finish_stop(self) -> None:
+        sid = self.session_id
+        self._fail_queued(_stopped_error(sid, "stop"))
+        self._durable(StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED))
+        with trio.CancelScope(shield=True), trio.move_on_after(self.host.config.write_bound):
+            await self.commit()
+            await self._write_snapshot(Status.STOPPED)
+        self._leave(Status.STOPPED)
+        if self.hub is not None:
+            self.hub.close()
+
+
+def _resting_status(session: LiveSession) -> Status:
+    if session.reviews:
+        return Status.WAITING
+    if session.turn_count == 0 and not session.messages:
+        return Status.NEW
+    return Status.IDLE
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
+    return SessionBusyError(
+        f"session {sid!r} is waiting on review {review.id!r} of tool "
+        f"{review.tool_call.name!r}; resolve it with ref.review({review.id!r}, approve=...) "
+        "before sending a new message",
+        session_id=sid,
+    )
+
+
+def _stopped_error(sid: str, reason: str) -> SessionStoppedError:
+    if reason == "stop":
+        text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
+    else:
+        text = (
+            f"session {sid!r} did not run this request: the registry was closing; "
+            "send it again once a registry is open"
+        )
+    return SessionStoppedError(text, session_id=sid)
+
+
+def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> SessionCrashedError:
+    if failed:
+        return SessionCrashedError(
+            f"session {sid!r} crashed too often and is marked failed ({_describe(exc)}); "
+            "fix the cause, then restart the process or delete the session",
+            session_id=sid,
+        )
+    return SessionCrashedError(
+        f"session {sid!r} crashed while handling this request ({_describe(exc)}); it was "
+        "restarted from its last durable state, so retry the request",
+        session_id=sid,
+    )
+
+
+async def session_task(host: Host, actor: Actor) -> None:
+    """The supervised life of one session: run, and restart after crashes."""
+    config = host.config
+    crashes: deque[float] = deque()
+    while True:
+        scope = actor.run_scope = trio.CancelScope()
+        try:
+            with scope:
+                await actor.run()
+            if scope.cancelled_caught:  # deleted
+                error = SessionNotFoundError(
+                    f"session {actor.session_id!r} was deleted while this request was pending",
+                    session_id=actor.session_id,
+                )
+                if actor.turn_request is not None:
+                    actor.turn_request.pending.set_error(error)
+                actor._fail_queued(error)
+                actor.receive.close()
+                host.detach(actor)
+            return
+        except Exception as exc:
+            host.stats.crashes += 1
+            now = trio.current_time()
+            crashes.append(now)
+            while crashes and now - crashes[0] > config.restart_window:
+                crashes.popleft()
+            failed = len(crashes) > config.max_restarts
+            error = crashed_error(actor.session_id, exc, failed=failed)
+            error.__cause__ = exc
+            actor.send.close()
+            if actor.turn_request is not None:
+                actor.turn_request.pending.set_error(error)
+                actor.turn_request = None
+            actor._fail_queued(error)
+            actor.receive.close()
+            if failed:
+                host.mark_failed(actor, _describe(exc))
+                return
+            host.stats.restarts += 1
+            fresh = Actor(host, actor.session_id, None)
+            fresh.hub = actor.hub
+            if config.durability != "turn":
+                fresh.unsaved = _completed_prefix(actor.unsaved)
+            fresh.lease = actor.lease
+            host.replace(actor, fresh)
+            actor = fresh
+            await trio.lowlevel.checkpoint()
+
+
+def _completed_prefix(events: list[Event]) -> list[Event]:
+    """The unsaved events up to the last turn outcome (drop a half-done turn)."""
+    last = -1
+    for i, e in enumerate(events):
+        if isinstance(e, TurnFinished | TurnFailed | TurnCancelled | StatusChanged):
+            last = i
+    return events[: last + 1]
+

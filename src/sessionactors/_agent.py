@@ -1,0 +1,144 @@
+"""Agent (model + system prompt + tools + limits) and the turn loop.
+
+The loop asks the model, streams its text as deltas, assembles tool-call
+fragments into calls, runs the tools, and asks again, until the model answers
+with text or ``max_steps`` is reached. It talks to the session only through a
+:class:`TurnContext`, which the actor provides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
+from ._records import Message, Role, ToolCall, new_id
+
+__all__ = ["Agent", "MaxStepsError", "TurnContext", "run_turn"]
+
+
+class MaxStepsError(RuntimeError):
+    """The model kept calling tools past the agent's ``max_steps``."""
+
+
+def _tools_converter(tools: Iterable[Any]) -> tuple[Any, ...]:
+    out = tuple(tools)
+    names = [t.name for t in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"agent has several tools named {sorted(dup)}; tool names must be unique")
+    return out
+
+
+@attrs.frozen
+class Agent:
+    """What runs a session's turns: a model, a system prompt, tools and limits.
+
+    A frozen value: share one agent between many sessions.
+    """
+
+    model: Model
+    system_prompt: str = ""
+    tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
+    max_steps: int = attrs.field(default=8)
+    compaction: Any = None
+
+    @max_steps.validator
+    def _check_max_steps(self, _: object, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"max_steps must be at least 1, not {value}")
+
+    @property
+    def tool_specs(self) -> tuple[ToolSpec, ...]:
+        return tuple(t.spec for t in self.tools)
+
+    def find_tool(self, name: str) -> Any:
+        for t in self.tools:
+            if t.name == name:
+                return t
+        return None
+
+
+class TurnContext(Protocol):
+    """What the turn loop may do to its session (provided by the actor)."""
+
+    session_id: str
+    turn_id: str
+    #: text streamed so far in the current model step (kept if the turn is cancelled)
+    partial: list[str]
+
+    def request_messages(self) -> Sequence[Message]: ...
+    def delta(self, text: str) -> None: ...
+    def add_message(self, message: Message) -> None: ...
+    async def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> bool:
+        """Run the calls and add their results; False if the turn must pause (review)."""
+        ...
+
+
+@attrs.define
+class _CallParts:
+    id: str | None = None
+    name: str | None = None
+    arguments: list[str] = attrs.Factory(list)
+
+
+def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
+    """Turn fragments (grouped by index) into tool calls, in index order."""
+    calls = []
+    for index in sorted(parts):
+        p = parts[index]
+        if not p.name:
+            raise ValueError(f"the model streamed a tool call (index {index}) without a name")
+        calls.append(
+            ToolCall(
+                id=p.id or new_id("call"),
+                name=p.name,
+                arguments="".join(p.arguments) or "{}",
+            )
+        )
+    return tuple(calls)
+
+
+async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
+    """Run one turn; the final assistant message, or None if it paused for a review."""
+    specs = agent.tool_specs
+    for _step in range(agent.max_steps):
+        request = ModelRequest(
+            session_id=ctx.session_id, messages=ctx.request_messages(), tools=specs
+        )
+        parts: dict[int, _CallParts] = {}
+        ctx.partial.clear()
+        async for chunk in agent.model.stream(request):
+            if isinstance(chunk, TextChunk):
+                if chunk.text:
+                    ctx.partial.append(chunk.text)
+                    ctx.delta(chunk.text)
+            elif isinstance(chunk, ToolCallChunk):
+                p = parts.get(chunk.index)
+                if p is None:
+                    p = parts[chunk.index] = _CallParts()
+                if chunk.id:
+                    p.id = chunk.id
+                if chunk.name:
+                    p.name = chunk.name
+                if chunk.arguments:
+                    p.arguments.append(chunk.arguments)
+            else:
+                raise TypeError(f"the model streamed {chunk!r}, not a TextChunk or ToolCallChunk")
+        text = "".join(ctx.partial)
+        ctx.partial.clear()
+        calls = assemble_calls(parts)
+        message = Message.create(Role.ASSISTANT, text, tool_calls=calls)
+        ctx.add_message(message)
+        if not calls:
+            return message
+        if not await ctx.run_tool_calls(agent, calls):
+            return None
+        await trio.lowlevel.checkpoint()
+    raise MaxStepsError(
+        f"the model was still calling tools after max_steps={agent.max_steps} steps; "
+        "raise Agent.max_steps or make the tools' results more decisive"
+    )

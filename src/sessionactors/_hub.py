@@ -1,0 +1,150 @@
+"""Per-session event fan-out: seq numbering, a bounded replay ring, bounded subscribers.
+
+The actor only ever calls ``publish``, which never blocks: a subscriber whose
+buffer is full is ended (it will raise SubscriberLaggedError after reading
+what it already has) and the others are not slowed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import attrs
+import trio
+
+from ._errors import SubscriberLaggedError
+from ._events import Delta, Event, MessageAdded, TurnFinished
+
+__all__ = ["Hub", "HubConfig", "Subscriber"]
+
+
+@attrs.frozen(kw_only=True)
+class HubConfig:
+    """Bounds of the replay ring (events and bytes) and of each subscriber's buffer."""
+
+    replay_events: int = 1000
+    replay_bytes: int = 1 << 20
+    subscriber_buffer: int = 1000
+
+
+def _size(event: Event) -> int:
+    """A cheap estimate of the memory an event holds, for the ring's byte bound."""
+    if isinstance(event, Delta):
+        return 96 + len(event.text)
+    if isinstance(event, MessageAdded | TurnFinished):
+        return 160 + len(event.message.content)
+    return 128
+
+
+class Subscriber:
+    """One subscription's buffer: the hub writes with send_nowait, the reader reads."""
+
+    __slots__ = ("lagged", "receive", "send")
+
+    def __init__(self, buffer: int) -> None:
+        self.send, self.receive = trio.open_memory_channel[Event](buffer)
+        self.lagged = False
+
+
+class Hub:
+    """Event fan-out for one session; outlives the actor while it has subscribers."""
+
+    __slots__ = ("_config", "_ring", "_ring_bytes", "_subs", "seq", "session_id")
+
+    def __init__(self, session_id: str, config: HubConfig, seq: int = 0) -> None:
+        self.session_id = session_id
+        self.seq = seq
+        self._config = config
+        self._ring: deque[tuple[Event, int]] | None = None
+        self._ring_bytes = 0
+        self._subs: set[Subscriber] = set()
+
+    def __repr__(self) -> str:
+        return f"<Hub {self.session_id!r} seq={self.seq} subscribers={len(self._subs)}>"
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subs)
+
+    def next_seq(self) -> int:
+        """Assign the next seq; the event must then be published, in seq order."""
+        self.seq += 1
+        return self.seq
+
+    def advance(self, seq: int) -> None:
+        """Make sure the next seq assigned is above ``seq`` (after a wake)."""
+        if seq > self.seq:
+            self.seq = seq
+
+    def publish(self, event: Event) -> None:
+        """Keep the event for replay and hand it to every subscriber, never blocking."""
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = deque()
+        size = _size(event)
+        ring.append((event, size))
+        self._ring_bytes += size
+        config = self._config
+        while ring and (len(ring) > config.replay_events or self._ring_bytes > config.replay_bytes):
+            self._ring_bytes -= ring.popleft()[1]
+        if self._subs:
+            for sub in tuple(self._subs):
+                try:
+                    sub.send.send_nowait(event)
+                except trio.WouldBlock:
+                    self._evict(sub)
+                except trio.BrokenResourceError:
+                    self._subs.discard(sub)
+
+    def publish_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.publish(event)
+
+    def _evict(self, sub: Subscriber) -> None:
+        sub.lagged = True
+        sub.send.close()
+        self._subs.discard(sub)
+
+    def ring_covers(self, after: int) -> bool:
+        """Whether every event with seq > ``after`` that this hub published is in the ring."""
+        if after >= self.seq:
+            return True
+        if not self._ring:
+            return False
+        return self._ring[0][0].seq <= after + 1
+
+    def ring_after(self, after: int) -> list[Event]:
+        """The ring's events with seq > ``after``, in order."""
+        if not self._ring:
+            return []
+        return [event for event, _ in self._ring if event.seq > after]
+
+    @property
+    def oldest_seq(self) -> int | None:
+        return self._ring[0][0].seq if self._ring else None
+
+    def subscribe(self) -> Subscriber:
+        sub = Subscriber(self._config.subscriber_buffer)
+        self._subs.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self._subs.discard(sub)
+        sub.send.close()
+        sub.receive.close()
+
+    def close(self) -> None:
+        """End every subscription cleanly (session stopped or deleted)."""
+        for sub in self._subs:
+            sub.send.close()
+        self._subs.clear()
+
+
+def lagged_error(session_id: str, last_seq: int) -> SubscriberLaggedError:
+    return SubscriberLaggedError(
+        f"subscriber of session {session_id!r} fell behind and was ended after seq "
+        f"{last_seq}; subscribe again with after={last_seq} to resume",
+        session_id=session_id,
+        last_seq=last_seq,
+    )

@@ -1,0 +1,295 @@
+"""The caller's side: SessionRef (a cheap handle), Turn and Reply."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from ._actor import Actor, CallRequest, Pending, TurnRequest
+from ._errors import MailboxFullError, SessionStoppedError
+from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
+from ._records import Message, ReviewRequest, SessionState, new_id
+
+if TYPE_CHECKING:
+    from ._registry import Registry
+
+__all__ = ["Reply", "SessionRef", "Turn"]
+
+
+@attrs.frozen(kw_only=True)
+class Reply:
+    """The answer to one turn.
+
+    ``message`` is the final assistant message (``None`` while the turn waits
+    on ``reviews``).
+    """
+
+    turn_id: str
+    message: Message | None
+    reviews: tuple[ReviewRequest, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The reply's text ("" while waiting on a review)."""
+        return self.message.content if self.message is not None else ""
+
+
+@attrs.define(eq=False)
+class Turn:
+    """A submitted turn; ``await turn.reply()`` waits for its outcome."""
+
+    id: str
+    session_id: str
+    _pending: Pending = attrs.field(alias="pending", repr=False)
+
+    async def reply(self) -> Reply:
+        """Wait for the turn's reply.
+
+        Raises TurnFailedError, TurnCancelledError, SessionCrashedError or
+        SessionStoppedError for the turn's other outcomes. Cancelling the
+        wait abandons it; the turn runs on.
+        """
+        turn_id, message, reviews = await self._pending.wait()
+        return Reply(turn_id=turn_id, message=message, reviews=reviews)
+
+    @property
+    def done(self) -> bool:
+        """Whether the outcome is known."""
+        return self._pending.done
+
+
+@attrs.define(eq=False, repr=False)
+class SessionRef:
+    """A handle to a session by name; holding one keeps nothing alive.
+
+    A request through it wakes the session if it is hibernated; it raises
+    SessionNotFoundError if the name is neither live nor stored.
+    """
+
+    _registry: Registry = attrs.field(alias="registry")
+    session_id: str
+
+    def __repr__(self) -> str:
+        return f"<SessionRef {self.session_id!r}>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SessionRef):
+            return NotImplemented
+        return self._registry is other._registry and self.session_id == other.session_id
+
+    def __hash__(self) -> int:
+        return hash((id(self._registry), self.session_id))
+
+    # ---- turns -------------------------------------------------------------------
+
+    async def send(self, text: str, *, idempotency_key: str | None = None) -> Reply:
+        """Run one turn and wait for its reply (after it is durable)."""
+        turn = await self.submit(text, idempotency_key=idempotency_key)
+        return await turn.reply()
+
+    async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
+        """Put a turn in the mailbox, waiting for room; don't wait for the reply."""
+        _check_text(self.session_id, text)
+        for _ in range(100):
+            actor = self._registry._activate(self.session_id)
+            if not actor.is_ready:
+                await actor.ready()
+            turn = self._dedupe(actor, idempotency_key)
+            if turn is not None:
+                await trio.lowlevel.checkpoint()
+                return turn
+            turn, request = self._new_turn(text, idempotency_key)
+            if idempotency_key is not None:
+                actor.inflight_keys[idempotency_key] = request.pending
+            try:
+                await actor.send.send(request)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                if idempotency_key is not None:
+                    actor.inflight_keys.pop(idempotency_key, None)
+                await self._registry._after_closed_mailbox(actor)
+                continue
+            except BaseException:
+                if idempotency_key is not None:
+                    actor.inflight_keys.pop(idempotency_key, None)
+                raise
+            return turn
+        raise SessionStoppedError(  # pragma: no cover - a session flapping without end
+            f"session {self.session_id!r} kept closing its mailbox; try again",
+            session_id=self.session_id,
+        )
+
+    def submit_nowait(self, text: str, *, idempotency_key: str | None = None) -> Turn:
+        """Like ``submit``, but raise MailboxFullError instead of waiting for room."""
+        _check_text(self.session_id, text)
+        actor = self._registry._activate(self.session_id)
+        turn = self._dedupe(actor, idempotency_key)
+        if turn is not None:
+            return turn
+        turn, request = self._new_turn(text, idempotency_key)
+        try:
+            actor.send.send_nowait(request)
+        except trio.WouldBlock:
+            raise MailboxFullError(
+                f"the mailbox of session {self.session_id!r} is full "
+                f"({self._registry.config.mailbox_size} requests waiting); "
+                "use await ref.submit(...) to wait for room, or retry later",
+                session_id=self.session_id,
+            ) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise self._registry._closed_error(actor) from None
+        if idempotency_key is not None:
+            actor.inflight_keys[idempotency_key] = request.pending
+        return turn
+
+    def _new_turn(self, text: str, key: str | None) -> tuple[Turn, TurnRequest]:
+        pending = Pending()
+        turn_id = new_id("turn")
+        return (
+            Turn(id=turn_id, session_id=self.session_id, pending=pending),
+            TurnRequest(turn_id, text, key, pending),
+        )
+
+    def _dedupe(self, actor: Actor, key: str | None) -> Turn | None:
+        if key is None:
+            return None
+        pending = actor.inflight_keys.get(key)
+        if pending is None and actor.is_ready:
+            done = actor.session.completed.get(key)
+            if done is not None:
+                pending = Pending.resolved((done.turn_id, done.reply, ()))
+                return Turn(id=done.turn_id, session_id=self.session_id, pending=pending)
+        if pending is None:
+            return None
+        return Turn(id=new_id("turn"), session_id=self.session_id, pending=pending)
+
+    # ---- reads and control -------------------------------------------------------
+
+    async def history(self) -> list[Message]:
+        """The messages so far (a copy), without waiting behind queued turns."""
+        session = await self._registry._ready(self.session_id)
+        return list(session.messages)
+
+    async def state(self) -> SessionState:
+        """The session's whole state, without waiting behind queued turns."""
+        actor = self._registry._activate(self.session_id)
+        session = await actor.ready()
+        state = session.to_state()
+        if actor.hub is not None and actor.hub.seq > state.event_seq:
+            state = attrs.evolve(state, event_seq=actor.hub.seq)
+        return state
+
+    async def cancel(self) -> bool:
+        """Cancel the turn in flight, out of band; whether there was one."""
+        await trio.lowlevel.checkpoint()
+        actor = self._registry._live.get(self.session_id)
+        return actor is not None and actor.cancel_turn()
+
+    async def hibernate(self) -> None:
+        """Snapshot the session to the store and end its task, after the queued requests.
+
+        If requests arrive meanwhile, the snapshot is written and the session
+        stays live to serve them. A session that is not live is left alone.
+        """
+        actor = self._registry._live.get(self.session_id)
+        if actor is None:
+            await trio.lowlevel.checkpoint()
+            return
+        await self._call(actor, "hibernate", {})
+
+    async def stop(self) -> None:
+        """Finish the session: the turn in flight completes, queued requests fail
+        with SessionStoppedError, and later requests raise SessionStoppedError."""
+        actor = self._registry._activate(self.session_id)
+        await actor.ready()
+        await self._registry._stop(actor)
+
+    async def _call(self, actor: Actor, kind: str, args: dict[str, object]) -> object:
+        pending = Pending()
+        try:
+            await actor.send.send(CallRequest(kind, args, pending))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            await trio.lowlevel.checkpoint()
+            return None
+        return await pending.wait()
+
+    async def _request(self, kind: str, args: dict[str, object]) -> object:
+        """A non-turn request in mailbox order, waking the session if needed."""
+        for _ in range(100):
+            actor = self._registry._activate(self.session_id)
+            pending = Pending()
+            try:
+                await actor.send.send(CallRequest(kind, args, pending))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                await self._registry._after_closed_mailbox(actor)
+                continue
+            return await pending.wait()
+        raise SessionStoppedError(  # pragma: no cover
+            f"session {self.session_id!r} kept closing its mailbox; try again",
+            session_id=self.session_id,
+        )
+
+    # ---- events --------------------------------------------------------------------
+
+    def subscribe(self, after: int | None = None) -> _Subscription:
+        """Events of this session: live from now on, or replayed from ``after``.
+
+        An async context manager yielding an async iterator. ``after=seq``
+        first replays every still-available event with a larger seq
+        (EventsExpiredError if some are gone), then continues live with no
+        gap and no duplicate. Subscribing does not wake the session.
+        """
+        return _Subscription(self._registry, self.session_id, after)
+
+    @asynccontextmanager
+    async def stream(
+        self, text: str, *, idempotency_key: str | None = None
+    ) -> AsyncIterator[AsyncIterator[Event]]:
+        """Submit a turn and iterate over that turn's events only, ending with its outcome."""
+        async with self.subscribe() as events:
+            turn = await self.submit(text, idempotency_key=idempotency_key)
+
+            async def only_this_turn() -> AsyncIterator[Event]:
+                async for event in events:
+                    if getattr(event, "turn_id", None) != turn.id:
+                        continue
+                    yield event
+                    if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
+                        return
+
+            gen = only_this_turn()
+            try:
+                yield gen
+            finally:
+                await gen.aclose()
+
+
+class _Subscription:
+    """``async with ref.subscribe(after) as events: async for event in events``."""
+
+    def __init__(self, registry: Registry, session_id: str, after: int | None) -> None:
+        self._registry = registry
+        self._session_id = session_id
+        self._after = after
+        self._iterator: object = None
+
+    async def __aenter__(self) -> AsyncIterator[Event]:
+        iterator = await self._registry._open_subscription(self._session_id, self._after)
+        self._iterator = iterator
+        return iterator
+
+    async def __aexit__(self, *exc: object) -> None:
+        from ._subscription import EventIterator
+
+        assert isinstance(self._iterator, EventIterator)
+        self._iterator.close()
+
+
+def _check_text(session_id: str, text: object) -> None:
+    if not isinstance(text, str):
+        raise TypeError(
+            f"a message to session {session_id!r} must be str, not {type(text).__name__}"
+        )

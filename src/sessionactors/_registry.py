@@ -1,0 +1,491 @@
+"""open_registry / Registry: names, activation, supervision, hibernation, shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from ._actor import Actor, session_task
+from ._agent import Agent
+from ._codec import dump_info, dump_snapshot, load_event, load_info, load_snapshot
+from ._errors import (
+    SessionCrashedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    SessionStoppedError,
+)
+from ._hub import Hub, HubConfig
+from ._names import validate_name
+from ._records import SessionInfo, Status, new_id
+from ._ref import SessionRef
+from ._session import LiveSession
+from ._subscription import EventIterator, open_event_iterator
+from .stores._base import Store
+from .stores._memory import MemoryStore
+
+__all__ = ["Registry", "RegistryConfig", "RegistryStatistics", "open_registry"]
+
+Durability = Literal["turn", "hibernate"]
+
+
+@attrs.frozen(kw_only=True)
+class RegistryConfig:
+    """The registry's options (see ``open_registry``)."""
+
+    idle_timeout: float | None = None
+    mailbox_size: int = 64
+    shutdown_grace: float = 10.0
+    max_restarts: int = 3
+    restart_window: float = 5.0
+    durability: Durability = "turn"
+    snapshot_every: int = 1000
+    journal_keep_seqs: int = 100_000
+    write_bound: float = 30.0
+    hub: HubConfig = HubConfig()
+
+
+@attrs.define
+class Counters:
+    """The registry's running counters (see ``Registry.statistics``)."""
+
+    spawned: int = 0
+    woken: int = 0
+    hibernated: int = 0
+    idle_hibernations: int = 0
+    crashes: int = 0
+    restarts: int = 0
+    failed: int = 0
+    turns_completed: int = 0
+    turns_failed: int = 0
+    turns_cancelled: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class RegistryStatistics:
+    """A snapshot of the registry's counters."""
+
+    live: int
+    failed_sessions: int
+    subscribers: int
+    spawned: int
+    woken: int
+    hibernated: int
+    idle_hibernations: int
+    crashes: int
+    restarts: int
+    failed: int
+    turns_completed: int
+    turns_failed: int
+    turns_cancelled: int
+
+
+@attrs.define(eq=False, repr=False)
+class Registry:
+    """Spawns, finds and supervises session actors by name. Made by ``open_registry``."""
+
+    store: Store
+    agents: Mapping[str, Agent]
+    config: RegistryConfig
+    _nursery: trio.Nursery = attrs.field(alias="nursery")
+    owner_id: str = attrs.field(factory=lambda: new_id("worker"))
+    stats: Counters = attrs.field(factory=Counters)
+    _live: dict[str, Actor] = attrs.field(factory=dict, init=False)
+    _hubs: dict[str, Hub] = attrs.field(factory=dict, init=False)
+    _failed: dict[str, str] = attrs.field(factory=dict, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
+
+    def __repr__(self) -> str:
+        return f"<Registry live={len(self._live)} store={type(self.store).__name__}>"
+
+    # ---- public ---------------------------------------------------------------
+
+    async def spawn(
+        self,
+        name: str,
+        *,
+        agent: str | None = None,
+        system_prompt: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionRef:
+        """Create a new session and start its actor.
+
+        ``agent`` is a key of the registry's ``agents`` (optional when there is
+        one); ``system_prompt`` overrides the agent's for this session.
+        Raises SessionExistsError if the name is live or stored.
+        """
+        validate_name(name)
+        self._check_open(name)
+        key = self._agent_key(agent, name)
+        if name in self._live:
+            raise _exists_error(name)
+        session = LiveSession.new(
+            name, agent=key, metadata=metadata, system_prompt=system_prompt
+        )
+        try:
+            snapshot = dump_snapshot(session.to_state())
+            info = dump_info(session.info())
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"session {name!r} cannot be stored: {exc}; metadata must be plain data "
+                "(str keys; str, int, float, bool, None, bytes, lists and dicts)"
+            ) from exc
+        await self.store.create(name, snapshot, info)
+        if name in self._live:  # woken meanwhile by a request racing this spawn
+            raise _exists_error(name)
+        actor = Actor(self, name, session)
+        self._live[name] = actor
+        self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
+        self.stats.spawned += 1
+        return SessionRef(self, name)
+
+    def ref(self, name: str) -> SessionRef:
+        """A handle to ``name``: no I/O. Its first request wakes the session, or
+        raises SessionNotFoundError if it is neither live nor stored."""
+        validate_name(name)
+        return SessionRef(self, name)
+
+    async def get_or_spawn(
+        self,
+        name: str,
+        *,
+        agent: str | None = None,
+        system_prompt: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionRef:
+        """The session ``name``, spawned with these options if it does not exist."""
+        validate_name(name)
+        if name in self._live or await self.store.exists(name):
+            return SessionRef(self, name)
+        try:
+            return await self.spawn(
+                name, agent=agent, system_prompt=system_prompt, metadata=metadata
+            )
+        except SessionExistsError:
+            return SessionRef(self, name)
+
+    async def delete(self, name: str) -> None:
+        """Remove the conversation everywhere: actor, subscribers, store.
+
+        Pending requests fail with SessionNotFoundError. The name can be
+        spawned afresh afterwards. Raises SessionNotFoundError if there was
+        nothing to delete.
+        """
+        validate_name(name)
+        actor = self._live.get(name)
+        if actor is not None:
+            actor.deleted = True
+            actor.close_mailbox()
+            if actor.run_scope is not None:
+                actor.run_scope.cancel()
+            await self._wait_gone(actor)
+        hub = self._hubs.pop(name, None)
+        if hub is not None:
+            hub.close()
+        was_failed = self._failed.pop(name, None) is not None
+        existed = await self.store.delete(name)
+        if not (existed or actor is not None or was_failed):
+            raise SessionNotFoundError(
+                f"session {name!r} does not exist, so there is nothing to delete",
+                session_id=name,
+            )
+
+    def live(self) -> list[str]:
+        """The names of the sessions whose actors are running now."""
+        return list(self._live)
+
+    async def sessions(self) -> list[SessionInfo]:
+        """A SessionInfo for every session, live or stored, sorted by name."""
+        infos: dict[str, SessionInfo] = {}
+        for name, blob in await self.store.list_sessions():
+            infos[name] = load_info(blob, session_id=name)
+        for name, actor in self._live.items():
+            if actor.is_ready and actor.load_error is None:
+                infos[name] = actor.session.info()
+        for name in self._failed:
+            if name in infos:
+                infos[name] = attrs.evolve(infos[name], status=Status.FAILED)
+        return [infos[name] for name in sorted(infos)]
+
+    def statistics(self) -> RegistryStatistics:
+        """A frozen snapshot of the registry's counters."""
+        s = self.stats
+        return RegistryStatistics(
+            live=len(self._live),
+            failed_sessions=len(self._failed),
+            subscribers=sum(h.subscriber_count for h in self._hubs.values()),
+            spawned=s.spawned,
+            woken=s.woken,
+            hibernated=s.hibernated,
+            idle_hibernations=s.idle_hibernations,
+            crashes=s.crashes,
+            restarts=s.restarts,
+            failed=s.failed,
+            turns_completed=s.turns_completed,
+            turns_failed=s.turns_failed,
+            turns_cancelled=s.turns_cancelled,
+        )
+
+    # ---- the actor's host -----------------------------------------------------------
+
+    def agent_for(self, session: LiveSession) -> Agent:
+        key = session.agent
+        agent = self.agents.get(key) if key is not None else None
+        if agent is None:
+            raise LookupError(
+                f"session {session.session_id!r} runs agent {key!r}, which this registry does "
+                f"not have (it has {sorted(self.agents)}); pass it in open_registry(agents=...)"
+            )
+        return agent
+
+    def hub_for(self, session_id: str) -> Hub:
+        hub = self._hubs.get(session_id)
+        if hub is None:
+            hub = self._hubs[session_id] = Hub(session_id, self.config.hub)
+        return hub
+
+    def detach(self, actor: Actor) -> None:
+        name = actor.session_id
+        if self._live.get(name) is actor:
+            del self._live[name]
+        self._release_hub(name)
+        if actor.done is None:
+            actor.done = trio.Event()
+        actor.done.set()
+
+    def replace(self, old: Actor, new: Actor) -> None:
+        if self._live.get(old.session_id) is old:
+            self._live[old.session_id] = new
+        if old.done is not None:
+            old.done.set()
+
+    def mark_failed(self, actor: Actor, reason: str) -> None:
+        self._failed[actor.session_id] = reason
+        self.stats.failed += 1
+        self.detach(actor)
+
+    # ---- internals for refs ---------------------------------------------------------
+
+    def _check_open(self, name: str) -> None:
+        if self._closing:
+            raise SessionStoppedError(
+                f"the registry is closed, so session {name!r} takes no requests; "
+                "open a registry to continue",
+                session_id=name,
+            )
+
+    def _activate(self, name: str) -> Actor:
+        """The live actor of ``name``, starting one (which loads itself) if needed."""
+        actor = self._live.get(name)
+        if actor is not None:
+            return actor
+        validate_name(name)
+        self._check_open(name)
+        reason = self._failed.get(name)
+        if reason is not None:
+            raise SessionCrashedError(
+                f"session {name!r} crashed too often and is marked failed ({reason}); fix "
+                "the cause, then restart the process or delete the session",
+                session_id=name,
+            )
+        actor = Actor(self, name, None)
+        self._live[name] = actor
+        self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
+        return actor
+
+    async def _ready(self, name: str) -> LiveSession:
+        return await self._activate(name).ready()
+
+    def _closed_error(self, actor: Actor) -> Exception:
+        name = actor.session_id
+        if actor.load_error is not None:
+            return actor.load_error
+        if actor.deleted:
+            return SessionNotFoundError(
+                f"session {name!r} was deleted", session_id=name
+            )
+        if self._closing:
+            return SessionStoppedError(
+                f"the registry is closing, so session {name!r} takes no requests; "
+                "send it again once a registry is open",
+                session_id=name,
+            )
+        if actor.stop_requested:
+            return SessionStoppedError(
+                f"session {name!r} was stopped; spawn a new session to continue",
+                session_id=name,
+            )
+        if name in self._failed:
+            return SessionCrashedError(
+                f"session {name!r} crashed too often and is marked failed", session_id=name
+            )
+        return trio.WouldBlock()  # hibernated or restarted: try again
+
+    async def _after_closed_mailbox(self, actor: Actor) -> None:
+        error = self._closed_error(actor)
+        if not isinstance(error, trio.WouldBlock):
+            raise error
+        await trio.lowlevel.checkpoint()
+
+    async def _wait_gone(self, actor: Actor) -> None:
+        if actor.done is None:
+            actor.done = trio.Event()
+        await actor.done.wait()
+
+    async def _stop(self, actor: Actor) -> None:
+        actor.stop_requested = True
+        actor.close_mailbox()
+        await self._wait_gone(actor)
+
+    async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
+        validate_name(name)
+        hub = self.hub_for(name)
+        iterator = await open_event_iterator(
+            name, hub, self.store, after, lambda: self._release_hub(name)
+        )
+        if name not in self._live:
+            try:
+                stopped = await self._stored_status(name) is Status.STOPPED
+            except BaseException:
+                iterator.close()
+                raise
+            if stopped:
+                iterator.close()
+        return iterator
+
+    async def _stored_status(self, name: str) -> Status:
+        stored = await self.store.load(name)
+        if stored is None:
+            raise SessionNotFoundError(
+                f"session {name!r} does not exist; create it with registry.spawn({name!r})",
+                session_id=name,
+            )
+        session = LiveSession(load_snapshot(stored.snapshot, session_id=name))
+        for entry in stored.entries:
+            session.apply(load_event(entry.data, session_id=name))
+        return session.status
+
+    def _release_hub(self, name: str) -> None:
+        hub = self._hubs.get(name)
+        if hub is not None and hub.subscriber_count == 0 and name not in self._live:
+            del self._hubs[name]
+
+    def _agent_key(self, agent: str | None, name: str) -> str:
+        if agent is None:
+            if len(self.agents) == 1:
+                return next(iter(self.agents))
+            raise ValueError(
+                f"registry has {len(self.agents)} agents ({sorted(self.agents)}); say which "
+                f"one session {name!r} runs with spawn({name!r}, agent=...)"
+            )
+        if agent not in self.agents:
+            raise ValueError(
+                f"session {name!r} asks for agent {agent!r}, but the registry's agents are "
+                f"{sorted(self.agents)}"
+            )
+        return agent
+
+    async def _shutdown(self) -> None:
+        """No new requests; accepted turns get ``shutdown_grace``; then hibernate all."""
+        self._closing = True
+        for actor in list(self._live.values()):
+            actor.close_mailbox()
+        with trio.move_on_after(self.config.shutdown_grace):
+            await self._wait_all_gone()
+        for actor in list(self._live.values()):
+            actor.abort_reason = "closing"
+            actor.cancel_turn()
+        with trio.move_on_after(self.config.write_bound):
+            await self._wait_all_gone()
+
+    async def _wait_all_gone(self) -> None:
+        while self._live:
+            await self._wait_gone(next(iter(self._live.values())))
+
+
+def _exists_error(name: str) -> SessionExistsError:
+    return SessionExistsError(
+        f"session {name!r} already exists; use registry.ref({name!r}) to talk to it",
+        session_id=name,
+    )
+
+
+@asynccontextmanager
+async def open_registry(
+    *,
+    store: Store | None = None,
+    agents: Mapping[str, Agent] | None = None,
+    idle_timeout: float | None = None,
+    mailbox_size: int = 64,
+    shutdown_grace: float = 10.0,
+    max_restarts: int = 3,
+    restart_window: float = 5.0,
+    durability: Durability = "turn",
+    replay_events: int = 1000,
+    replay_bytes: int = 1 << 20,
+    subscriber_buffer: int = 1000,
+    snapshot_every: int = 1000,
+    journal_keep_seqs: int = 100_000,
+) -> AsyncIterator[Registry]:
+    """Open a registry of session actors; leaving the block shuts it down.
+
+    - ``store``: where sessions are kept (default: a new ``MemoryStore``).
+      The registry closes it on exit; stores reopen on next use.
+    - ``agents``: name -> Agent; names let a session find its agent after a restart.
+    - ``idle_timeout``: seconds without a request before a session hibernates
+      (``None``: never).
+    - ``mailbox_size``: requests a session queues before senders wait.
+    - ``shutdown_grace``: seconds that accepted turns may keep running on exit.
+    - ``max_restarts`` crashes within ``restart_window`` seconds are restarted;
+      one more marks the session failed.
+    - ``durability``: ``"turn"`` (default) returns a reply only once the turn is
+      durable in the store; ``"hibernate"`` writes only on hibernation and exit,
+      so a process crash loses the turns since the last snapshot.
+    - ``replay_events`` / ``replay_bytes``: the per-session replay ring's bounds;
+      ``subscriber_buffer``: events a subscriber may fall behind before it is ended.
+    - ``snapshot_every``: journal entries between automatic snapshots;
+      ``journal_keep_seqs``: how far back (in seq) the journal is kept for replay.
+    """
+    if agents is None or not agents:
+        raise ValueError("open_registry needs agents={name: Agent(...)}, at least one")
+    for key, value in agents.items():
+        if not isinstance(value, Agent):
+            raise TypeError(f"agents[{key!r}] must be an Agent, not {type(value).__name__}")
+    if durability not in ("turn", "hibernate"):
+        raise ValueError(f"durability must be 'turn' or 'hibernate', not {durability!r}")
+    if mailbox_size < 1:
+        raise ValueError(f"mailbox_size must be at least 1, not {mailbox_size}")
+    if idle_timeout is not None and idle_timeout <= 0:
+        raise ValueError(f"idle_timeout must be positive or None, not {idle_timeout}")
+    config = RegistryConfig(
+        idle_timeout=idle_timeout,
+        mailbox_size=mailbox_size,
+        shutdown_grace=shutdown_grace,
+        max_restarts=max_restarts,
+        restart_window=restart_window,
+        durability=durability,
+        snapshot_every=snapshot_every,
+        journal_keep_seqs=journal_keep_seqs,
+        hub=HubConfig(
+            replay_events=replay_events,
+            replay_bytes=replay_bytes,
+            subscriber_buffer=subscriber_buffer,
+        ),
+    )
+    the_store: Store = store if store is not None else MemoryStore()
+    try:
+        async with trio.open_nursery() as nursery:
+            registry = Registry(
+                store=the_store, agents=dict(agents), config=config, nursery=nursery
+            )
+            try:
+                yield registry
+            finally:
+                await registry._shutdown()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):
+            await the_store.aclose()

@@ -1,0 +1,252 @@
+"""The live, mutable state of one session and the fold of journal events over it.
+
+Pure (no trio). The actor that owns a session changes its state only by
+``apply``-ing durable events, the same function that rebuilds the state from a
+snapshot plus the journal on wake: what is replayed is what was lived.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
+
+from ._events import (
+    Event,
+    HistoryEdited,
+    MessageAdded,
+    MetadataChanged,
+    ReviewRequested,
+    ReviewResolved,
+    StatusChanged,
+    TurnCancelled,
+    TurnFailed,
+    TurnFinished,
+)
+from ._records import (
+    CompletedTurn,
+    Message,
+    ReviewRequest,
+    Role,
+    SessionInfo,
+    SessionState,
+    Status,
+    utcnow,
+)
+
+__all__ = ["DURABLE_EVENTS", "MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
+
+#: Events that change the durable state and so go to the journal.
+DURABLE_EVENTS: tuple[type[Event], ...] = (
+    MessageAdded,
+    TurnFinished,
+    TurnFailed,
+    TurnCancelled,
+    StatusChanged,
+    ReviewRequested,
+    ReviewResolved,
+    HistoryEdited,
+    MetadataChanged,
+)
+
+#: How many idempotency keys a session remembers (the most recent ones).
+MAX_COMPLETED_KEYS = 1000
+
+
+class HistoryView(Sequence[Message]):
+    """A read-only view of the first ``length`` messages of a list, after a prefix.
+
+    Building a model request must not copy a long history; the actor never
+    mutates a list in place except by appending, and edits replace the list,
+    so a view stays valid (and unchanged) after the turn.
+    """
+
+    __slots__ = ("_items", "_length", "_prefix")
+
+    def __init__(self, prefix: tuple[Message, ...], items: list[Message], length: int) -> None:
+        self._prefix = prefix
+        self._items = items
+        self._length = length
+
+    def __len__(self) -> int:
+        return len(self._prefix) + self._length
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Message]: ...
+    def __getitem__(self, index: int | slice) -> Message | Sequence[Message]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("history index out of range")
+        p = len(self._prefix)
+        return self._prefix[index] if index < p else self._items[index - p]
+
+    def __iter__(self) -> Iterator[Message]:
+        yield from self._prefix
+        items = self._items
+        for i in range(self._length):
+            yield items[i]
+
+    def __repr__(self) -> str:
+        return f"<HistoryView of {len(self)} messages>"
+
+
+class LiveSession:
+    """Mutable state of one session, owned by one actor task."""
+
+    __slots__ = (
+        "agent",
+        "completed",
+        "created_at",
+        "event_seq",
+        "messages",
+        "metadata",
+        "reviews",
+        "session_id",
+        "status",
+        "summary",
+        "system_prompt",
+        "turn_count",
+        "updated_at",
+    )
+
+    def __init__(self, state: SessionState) -> None:
+        self.session_id = state.session_id
+        self.agent = state.agent
+        self.status = state.status
+        self.messages: list[Message] = list(state.messages)
+        self.metadata: Mapping[str, Any] = state.metadata
+        self.event_seq = state.event_seq
+        self.created_at = state.created_at
+        self.updated_at = state.updated_at
+        self.system_prompt = state.system_prompt
+        self.summary = state.summary
+        self.completed: dict[str, CompletedTurn] = {c.key: c for c in state.completed}
+        self.reviews: dict[str, ReviewRequest] = {r.id: r for r in state.reviews}
+        self.turn_count = state.turn_count
+
+    @classmethod
+    def new(
+        cls,
+        session_id: str,
+        *,
+        agent: str | None,
+        metadata: Mapping[str, Any] | None = None,
+        system_prompt: str | None = None,
+    ) -> LiveSession:
+        now = utcnow()
+        return cls(
+            SessionState(
+                session_id=session_id,
+                agent=agent,
+                status=Status.NEW,
+                metadata=dict(metadata or {}),
+                created_at=now,
+                updated_at=now,
+                system_prompt=system_prompt,
+            )
+        )
+
+    def to_state(self) -> SessionState:
+        """A frozen copy of the state, for snapshots and ``ref.state()``."""
+        return SessionState(
+            session_id=self.session_id,
+            agent=self.agent,
+            status=self.status,
+            messages=tuple(self.messages),
+            metadata=self.metadata,
+            event_seq=self.event_seq,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            system_prompt=self.system_prompt,
+            summary=self.summary,
+            completed=tuple(self.completed.values()),
+            reviews=tuple(self.reviews.values()),
+            turn_count=self.turn_count,
+        )
+
+    def info(self, status: Status | None = None) -> SessionInfo:
+        return SessionInfo(
+            session_id=self.session_id,
+            agent=self.agent,
+            status=status or self.status,
+            message_count=len(self.messages),
+            updated_at=self.updated_at,
+            metadata=self.metadata,
+        )
+
+    def view(self, prefix: tuple[Message, ...]) -> HistoryView:
+        """The history as the model sees it, after ``prefix`` (system prompt, summary)."""
+        return HistoryView(prefix, self.messages, len(self.messages))
+
+    def find(self, message_id: str) -> int:
+        """The index of a message in the history, or -1."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].id == message_id:
+                return i
+        return -1
+
+    def apply(self, event: Event, *, now: datetime.datetime | None = None) -> None:
+        """Fold one durable event into the state (events of other kinds only bump seq)."""
+        if event.seq > self.event_seq:
+            self.event_seq = event.seq
+        if isinstance(event, MessageAdded):
+            self.messages.append(event.message)
+            self.updated_at = event.message.created_at
+            return
+        if now is None:
+            now = utcnow()
+        if isinstance(event, TurnFinished):
+            self.turn_count += 1
+            self.updated_at = now
+            if event.idempotency_key is not None:
+                self.completed[event.idempotency_key] = CompletedTurn(
+                    key=event.idempotency_key, turn_id=event.turn_id, reply=event.message
+                )
+                if len(self.completed) > MAX_COMPLETED_KEYS:
+                    del self.completed[next(iter(self.completed))]
+        elif isinstance(event, TurnFailed | TurnCancelled):
+            self.turn_count += 1
+            self.updated_at = now
+        elif isinstance(event, StatusChanged):
+            self.status = event.status
+            self.updated_at = now
+        elif isinstance(event, ReviewRequested):
+            self.reviews[event.review.id] = event.review
+        elif isinstance(event, ReviewResolved):
+            self.reviews.pop(event.review_id, None)
+        elif isinstance(event, HistoryEdited):
+            if event.removed:
+                gone = set(event.removed)
+                self.messages = [m for m in self.messages if m.id not in gone]
+            if event.summary is not None:
+                self.summary = event.summary or None
+            self.updated_at = now
+        elif isinstance(event, MetadataChanged):
+            self.metadata = event.metadata
+            self.updated_at = now
+
+    def system_messages(self, system_prompt: str) -> tuple[Message, ...]:
+        """What goes before the history in a model request: prompt, then summary."""
+        out: list[Message] = []
+        prompt = self.system_prompt if self.system_prompt is not None else system_prompt
+        if prompt:
+            out.append(_system_message("sys_prompt", prompt, self.created_at))
+        if self.summary:
+            out.append(
+                _system_message(
+                    "sys_summary",
+                    f"Summary of the earlier conversation:\n{self.summary}",
+                    self.created_at,
+                )
+            )
+        return tuple(out)
+
+
+def _system_message(id_: str, content: str, at: datetime.datetime) -> Message:
+    return Message(id=id_, role=Role.SYSTEM, content=content, created_at=at)
