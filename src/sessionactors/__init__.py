@@ -55,5 +55,8 @@ from ._ref import Turn as Turn
 from ._registry import Registry as Registry
 from ._registry import RegistryStatistics as RegistryStatistics
 from ._registry import open_registry as open_registry
+from ._tools import Tool as Tool
+from ._tools import ToolOutcome as ToolOutcome
+from ._tools import tool as tool
 from .stores._memory import MemoryStore as MemoryStore
 from .stores._sqlite import SQLiteStore as SQLiteStore

@@ -23,7 +23,7 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: Mapping[str, Any] = attrs.field(
-        factory=lambda: {"type": "object", "properties": {}}
+        factory=lambda: {"type": "object", "properties": {}}, hash=False
     )
 
 
