@@ -175,7 +175,7 @@ class Actor:
         self.turn_scope: trio.CancelScope | None = None
         self.turn_id = ""
         self.partial: list[str] = []
-        self.inflight_keys: dict[str, Pending] = {}
+        self.inflight_keys: dict[str, TurnRequest] = {}  # idempotency key -> its turn
         self.stop_requested = False
         self.abort_reason: str | None = None
         self.deleted = False
@@ -185,9 +185,9 @@ class Actor:
         self.load_error: SessionActorsError | None = None
         self.unsaved: list[Event] = []
         self._since_snapshot = 0
-        self._system_cache: tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None = (
-            None
-        )
+        self._system_cache: (
+            tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
+        ) = None
 
     def __repr__(self) -> str:
         return f"<Actor {self.session_id!r}>"
@@ -226,10 +226,16 @@ class Actor:
         return session.view(cache[1])
 
     def delta(self, text: str) -> None:
-        self._emit(Delta(session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, text=text))
+        self._emit(
+            Delta(session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, text=text)
+        )
 
     def add_message(self, message: Message) -> None:
-        self._durable(MessageAdded(session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, message=message))
+        self._durable(
+            MessageAdded(
+                session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, message=message
+            )
+        )
 
     async def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> bool:
         from ._tooling import run_tool_calls
@@ -454,9 +460,7 @@ class Actor:
         if scope.cancelled_caught:
             text = "".join(self.partial)
             if text:
-                self.add_message(
-                    Message.create(Role.ASSISTANT, text, interrupted=True)
-                )
+                self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self._seq(), turn_id=turn_id)
             if self.abort_reason is not None or self.stop_requested:
                 error = _stopped_error(sid, self.abort_reason or "stop")
@@ -527,8 +531,8 @@ class Actor:
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
             request.pending.set_error(error)
-        for pending in self.inflight_keys.values():
-            pending.set_error(error)
+        for inflight in self.inflight_keys.values():
+            inflight.pending.set_error(error)
         self.inflight_keys.clear()
 
     def close_mailbox(self) -> None:
@@ -630,6 +634,8 @@ async def session_task(host: Host, actor: Actor) -> None:
     crashes: deque[float] = deque()
     while True:
         scope = actor.run_scope = trio.CancelScope()
+        if actor.deleted:  # deleted before this task began
+            scope.cancel()
         try:
             with scope:
                 await actor.run()
@@ -638,6 +644,9 @@ async def session_task(host: Host, actor: Actor) -> None:
                     f"session {actor.session_id!r} was deleted while this request was pending",
                     session_id=actor.session_id,
                 )
+                if actor._ready is not None:  # deleted while waking: release its waiters
+                    actor.load_error = error
+                    actor._ready.set()
                 if actor.turn_request is not None:
                     actor.turn_request.pending.set_error(error)
                 actor._fail_queued(error)
@@ -680,4 +689,3 @@ def _completed_prefix(events: list[Event]) -> list[Event]:
         if isinstance(e, TurnFinished | TurnFailed | TurnCancelled | StatusChanged):
             last = i
     return events[: last + 1]
-

@@ -45,6 +45,8 @@ class Turn:
     id: str
     session_id: str
     _pending: Pending = attrs.field(alias="pending", repr=False)
+    #: True when an idempotency key had already completed: the stored reply, no new turn
+    replayed: bool = False
 
     async def reply(self) -> Reply:
         """Wait for the turn's reply.
@@ -103,19 +105,16 @@ class SessionRef:
                 await trio.lowlevel.checkpoint()
                 return turn
             turn, request = self._new_turn(text, idempotency_key)
-            if idempotency_key is not None:
-                actor.inflight_keys[idempotency_key] = request.pending
             try:
                 await actor.send.send(request)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
-                if idempotency_key is not None:
-                    actor.inflight_keys.pop(idempotency_key, None)
                 await self._registry._after_closed_mailbox(actor)
                 continue
-            except BaseException:
-                if idempotency_key is not None:
-                    actor.inflight_keys.pop(idempotency_key, None)
-                raise
+            if idempotency_key is not None and not request.pending.done:
+                # Joinable only once it is in the mailbox: a request abandoned while it
+                # waited for room must leave no joiner waiting forever. A same-key request
+                # queued meanwhile is answered from the first one's reply by the actor.
+                actor.inflight_keys.setdefault(idempotency_key, request)
             return turn
         raise SessionStoppedError(  # pragma: no cover - a session flapping without end
             f"session {self.session_id!r} kept closing its mailbox; try again",
@@ -142,7 +141,7 @@ class SessionRef:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise self._registry._closed_error(actor) from None
         if idempotency_key is not None:
-            actor.inflight_keys[idempotency_key] = request.pending
+            actor.inflight_keys[idempotency_key] = request
         return turn
 
     def _new_turn(self, text: str, key: str | None) -> tuple[Turn, TurnRequest]:
@@ -156,15 +155,18 @@ class SessionRef:
     def _dedupe(self, actor: Actor, key: str | None) -> Turn | None:
         if key is None:
             return None
-        pending = actor.inflight_keys.get(key)
-        if pending is None and actor.is_ready:
+        inflight = actor.inflight_keys.get(key)
+        if inflight is None and actor.is_ready:
             done = actor.session.completed.get(key)
             if done is not None:
                 pending = Pending.resolved((done.turn_id, done.reply, ()))
-                return Turn(id=done.turn_id, session_id=self.session_id, pending=pending)
-        if pending is None:
+                return Turn(
+                    id=done.turn_id, session_id=self.session_id, pending=pending, replayed=True
+                )
+        if inflight is None:
             return None
-        return Turn(id=new_id("turn"), session_id=self.session_id, pending=pending)
+        # the turn already running or queued for this key: same id, same outcome
+        return Turn(id=inflight.turn_id, session_id=self.session_id, pending=inflight.pending)
 
     # ---- reads and control -------------------------------------------------------
 
@@ -174,12 +176,15 @@ class SessionRef:
         return list(session.messages)
 
     async def state(self) -> SessionState:
-        """The session's whole state, without waiting behind queued turns."""
-        actor = self._registry._activate(self.session_id)
-        session = await actor.ready()
+        """The session's whole state, without waiting behind queued turns.
+
+        A stopped session's state is read from the store.
+        """
+        session = await self._registry._ready(self.session_id)
         state = session.to_state()
-        if actor.hub is not None and actor.hub.seq > state.event_seq:
-            state = attrs.evolve(state, event_seq=actor.hub.seq)
+        hub = self._registry._hubs.get(self.session_id)
+        if hub is not None and hub.seq > state.event_seq:
+            state = attrs.evolve(state, event_seq=hub.seq)
         return state
 
     async def cancel(self) -> bool:
@@ -202,9 +207,17 @@ class SessionRef:
 
     async def stop(self) -> None:
         """Finish the session: the turn in flight completes, queued requests fail
-        with SessionStoppedError, and later requests raise SessionStoppedError."""
+        with SessionStoppedError, and later requests raise SessionStoppedError.
+
+        Stopping a stopped session does nothing.
+        """
         actor = self._registry._activate(self.session_id)
-        await actor.ready()
+        try:
+            await actor.ready()
+        except SessionStoppedError:
+            if self._registry._closing:
+                raise
+            return
         await self._registry._stop(actor)
 
     async def _call(self, actor: Actor, kind: str, args: dict[str, object]) -> object:
@@ -253,6 +266,8 @@ class SessionRef:
             turn = await self.submit(text, idempotency_key=idempotency_key)
 
             async def only_this_turn() -> AsyncIterator[Event]:
+                if turn.replayed:  # no new turn ran: nothing to stream
+                    return
                 async for event in events:
                     if getattr(event, "turn_id", None) != turn.id:
                         continue

@@ -122,9 +122,7 @@ class Registry:
         key = self._agent_key(agent, name)
         if name in self._live:
             raise _exists_error(name)
-        session = LiveSession.new(
-            name, agent=key, metadata=metadata, system_prompt=system_prompt
-        )
+        session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
         try:
             snapshot = dump_snapshot(session.to_state())
             info = dump_info(session.info())
@@ -133,7 +131,10 @@ class Registry:
                 f"session {name!r} cannot be stored: {exc}; metadata must be plain data "
                 "(str keys; str, int, float, bool, None, bytes, lists and dicts)"
             ) from exc
-        await self.store.create(name, snapshot, info)
+        try:
+            await self.store.create(name, snapshot, info)
+        except SessionExistsError:  # stored: say what to do in the registry's terms
+            raise _exists_error(name) from None
         if name in self._live:  # woken meanwhile by a request racing this spawn
             raise _exists_error(name)
         actor = Actor(self, name, session)
@@ -297,16 +298,20 @@ class Registry:
         return actor
 
     async def _ready(self, name: str) -> LiveSession:
-        return await self._activate(name).ready()
+        """The live session, woken if needed; a stopped one is read from the store."""
+        try:
+            return await self._activate(name).ready()
+        except SessionStoppedError:
+            if self._closing:
+                raise
+            return await self._stored_session(name)
 
     def _closed_error(self, actor: Actor) -> Exception:
         name = actor.session_id
         if actor.load_error is not None:
             return actor.load_error
         if actor.deleted:
-            return SessionNotFoundError(
-                f"session {name!r} was deleted", session_id=name
-            )
+            return SessionNotFoundError(f"session {name!r} was deleted", session_id=name)
         if self._closing:
             return SessionStoppedError(
                 f"the registry is closing, so session {name!r} takes no requests; "
@@ -343,12 +348,18 @@ class Registry:
     async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
         hub = self.hub_for(name)
+        live = self._live
         iterator = await open_event_iterator(
-            name, hub, self.store, after, lambda: self._release_hub(name)
+            name,
+            hub,
+            self.store,
+            after,
+            lambda: self._release_hub(name),
+            lambda: live[name].unsaved if name in live else (),
         )
         if name not in self._live:
             try:
-                stopped = await self._stored_status(name) is Status.STOPPED
+                stopped = (await self._stored_session(name)).status is Status.STOPPED
             except BaseException:
                 iterator.close()
                 raise
@@ -356,7 +367,8 @@ class Registry:
                 iterator.close()
         return iterator
 
-    async def _stored_status(self, name: str) -> Status:
+    async def _stored_session(self, name: str) -> LiveSession:
+        """The session's state read from the store, without waking it."""
         stored = await self.store.load(name)
         if stored is None:
             raise SessionNotFoundError(
@@ -366,7 +378,7 @@ class Registry:
         session = LiveSession(load_snapshot(stored.snapshot, session_id=name))
         for entry in stored.entries:
             session.apply(load_event(entry.data, session_id=name))
-        return session.status
+        return session
 
     def _release_hub(self, name: str) -> None:
         hub = self._hubs.get(name)

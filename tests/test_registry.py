@@ -1,0 +1,514 @@
+"""The registry: names, lookup, supervision across many sessions, idle hibernation, shutdown."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from sessionactors.stores import JournalEntry, MemoryStore, StoredSession
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+
+
+class FaultyStore(MemoryStore):
+    """A MemoryStore whose ``append`` fails for chosen sessions: a store fault crashes the actor.
+
+    ``faults[name]`` is how many of that session's next appends fail (-1: all).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults: dict[str, int] = {}
+        self.injected = 0
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        left = self.faults.get(session_id, 0)
+        if left:
+            self.faults[session_id] = left - 1 if left > 0 else left
+            self.injected += 1
+            await trio.lowlevel.checkpoint()
+            raise OSError(f"injected store fault for {session_id!r}")
+        await super().append(session_id, entries, info, fence=fence)
+
+
+class GatedLoadStore(MemoryStore):
+    """A MemoryStore whose ``load`` waits for ``gate`` when one is set (a slow wake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: trio.Event | None = None
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().load(session_id)
+
+
+def pairs(history: Sequence[sa.Message]) -> list[tuple[str, str]]:
+    """The history as (user text, reply text) pairs; fails unless it alternates user/assistant."""
+    roles = [m.role for m in history]
+    assert roles == [sa.Role.USER, sa.Role.ASSISTANT] * (len(history) // 2), roles
+    return [(history[i].content, history[i + 1].content) for i in range(0, len(history), 2)]
+
+
+def echo_step(request: sa.ModelRequest) -> str:
+    """A scripted step that answers with the last message's text."""
+    return request.messages[-1].content
+
+
+# ---- scale and isolation ---------------------------------------------------------------
+
+
+async def test_many_sessions_many_messages_lose_duplicate_and_misroute_nothing(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """1,000 sessions sent 10 messages each, all at once, answer every message exactly once,
+    each with its own reply, in its own session."""
+    names = [f"s{i}" for i in range(1000)]
+    replies: dict[str, sa.Reply] = {}
+    async with sa.open_registry(agents=echo_agents) as registry:
+        refs = [await registry.spawn(name) for name in names]
+
+        async def sender(ref: sa.SessionRef, text: str) -> None:
+            replies[text] = await ref.send(text)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for ref in refs:
+                    for j in range(10):
+                        nursery.start_soon(sender, ref, f"{ref.session_id}/m{j}")
+            histories = {ref.session_id: await ref.history() for ref in refs}
+        stats = registry.statistics()
+
+    assert len(replies) == 10_000
+    assert all(reply.text == text for text, reply in replies.items())
+    assert len({reply.turn_id for reply in replies.values()}) == 10_000
+    for name, history in histories.items():
+        turns = pairs(history)
+        assert sorted(turns) == sorted((f"{name}/m{j}",) * 2 for j in range(10))
+    assert (stats.turns_completed, stats.crashes) == (10_000, 0)
+
+
+async def test_a_crash_in_one_of_many_sessions_touches_no_other(
+    echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
+) -> None:
+    """A crash in one of 1,000 sessions fails only its waiter with SessionCrashedError, restarts
+    it from its last completed turn, and past the restart intensity marks it failed, while
+    the other 999 answer and the registry stays open."""
+    store = FaultyStore()
+    names = [f"s{i}" for i in range(1000)]
+    victim = "s500"
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        refs = {name: await registry.spawn(name) for name in names}
+        replies: dict[str, sa.Reply] = {}
+        crashed: list[sa.SessionCrashedError] = []
+
+        async def sender(name: str, text: str) -> None:
+            if name == victim:
+                with pytest.raises(sa.SessionCrashedError) as info:
+                    await refs[name].send(text)
+                crashed.append(info.value)
+            else:
+                replies[name] = await refs[name].send(text)
+
+        async def round_of_sends(text: str) -> None:
+            replies.clear()
+            async with trio.open_nursery() as nursery:
+                for name in names:
+                    nursery.start_soon(sender, name, f"{name} {text}")
+
+        with trio.fail_after(60):
+            for name in names:
+                await refs[name].send(f"{name} first")
+            store.faults[victim] = 1
+            await round_of_sends("second")
+        assert len(crashed) == 1
+        assert store.injected == 1  # negative control: the fault fired, once
+        assert isinstance(crashed[0].__cause__, OSError)
+        assert sorted(replies) == sorted(set(names) - {victim})
+        assert all(reply.text == f"{name} second" for name, reply in replies.items())
+
+        with trio.fail_after(60):
+            # restarted from its last completed turn; it answers the next message
+            assert pairs(await refs[victim].history()) == [(f"{victim} first",) * 2]
+            assert (await refs[victim].send("third")).text == "third"
+            assert (registry.statistics().crashes, registry.statistics().restarts) == (1, 1)
+
+            await trio.sleep(6)  # let the first crash leave the restart window
+            store.faults[victim] = -1
+            for _ in range(3):
+                with pytest.raises(sa.SessionCrashedError, match="restarted"):
+                    await refs[victim].send("crash")
+            crashed.clear()
+            await round_of_sends("fourth")  # the crash past the intensity, among the others
+            assert len(crashed) == 1
+            assert "marked failed" in str(crashed[0])
+            assert len(replies) == 999
+            with pytest.raises(sa.SessionCrashedError, match="marked failed"):
+                await refs[victim].send("fails fast")
+            with pytest.raises(sa.SessionCrashedError):
+                refs[victim].submit_nowait("fails fast too")
+            assert (await refs["s1"].send("still open")).text == "still open"
+            infos = {info.session_id: info for info in await registry.sessions()}
+        stats = registry.statistics()
+
+    assert infos[victim].status is sa.Status.FAILED
+    assert {info.status for name, info in infos.items() if name != victim} == {sa.Status.IDLE}
+    assert (stats.crashes, stats.restarts, stats.failed, stats.failed_sessions) == (5, 4, 1, 1)
+    assert victim not in registry.live()
+
+
+# ---- shutdown -------------------------------------------------------------------------
+
+
+async def test_shutdown_lets_accepted_turns_finish_within_the_grace(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Leaving the registry block lets the turn in flight and the queued turns finish within
+    shutdown_grace, then hibernates the sessions to the store."""
+    store = MemoryStore()
+    agents = {"slow": sa.Agent(model=EchoModel(delay=1.0))}
+    with trio.fail_after(60):
+        async with sa.open_registry(agents=agents, store=store, shutdown_grace=30) as registry:
+            ref = await registry.spawn("g")
+            turns = [await ref.submit(f"word{i} more") for i in range(5)]
+            await trio.testing.wait_all_tasks_blocked()
+            started = trio.current_time()
+        assert trio.current_time() - started == pytest.approx(10)  # 5 turns x 2 words x 1 s
+        assert registry.live() == []
+        texts = [(await turn.reply()).text for turn in turns]
+
+    assert texts == [f"word{i} more" for i in range(5)]
+    async with sa.open_registry(agents=agents, store=store) as registry:
+        with trio.fail_after(10):
+            (info,) = await registry.sessions()
+            history = await registry.ref("g").history()
+    assert info.status is sa.Status.HIBERNATED
+    assert pairs(history) == [(text, text) for text in texts]
+
+
+async def test_shutdown_past_the_grace_fails_the_rest_and_stops_cleanly(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Past shutdown_grace the turn in flight is cut off, what is still queued fails with
+    SessionStoppedError, and the registry stops cleanly and takes no new requests."""
+    store = MemoryStore()
+    never = trio.Event()
+    model = ScriptedModel(
+        [Scripted(text="quick"), Scripted(text="stuck forever", wait=never, wait_after=1)]
+    )
+    with trio.fail_after(60):
+        async with sa.open_registry(
+            agents={"m": sa.Agent(model=model)}, store=store, shutdown_grace=5
+        ) as registry:
+            ref = await registry.spawn("h")
+            other = await registry.spawn("idle")
+            quick = await ref.submit("quick")
+            stuck = await ref.submit("stuck")
+            queued = [await ref.submit(f"queued {i}") for i in range(3)]
+            await trio.testing.wait_all_tasks_blocked()
+            started = trio.current_time()
+        assert trio.current_time() - started == pytest.approx(5)
+        assert (await quick.reply()).text == "quick"
+        with pytest.raises(sa.SessionStoppedError):
+            await stuck.reply()
+        for turn in queued:
+            with pytest.raises(sa.SessionStoppedError):
+                await turn.reply()
+        with pytest.raises(sa.SessionStoppedError):
+            await ref.send("after close")
+        with pytest.raises(sa.SessionStoppedError):
+            await other.send("after close")
+        with pytest.raises(sa.SessionStoppedError):
+            await registry.spawn("new")
+        assert registry.live() == []
+
+    async with sa.open_registry(agents={"m": sa.Agent(model=model)}, store=store) as registry:
+        with trio.fail_after(10):
+            history = await registry.ref("h").history()
+    assert [(m.content, m.interrupted) for m in history] == [
+        ("quick", False),
+        ("quick", False),
+        ("stuck", False),
+        ("stuck", True),
+    ]
+
+
+# ---- names and lookup -----------------------------------------------------------------
+
+
+async def test_spawn_refuses_a_live_or_stored_name(echo_agents: dict[str, sa.Agent]) -> None:
+    """spawn raises SessionExistsError for a name that is live and for one that is only stored."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("taken")
+            with pytest.raises(sa.SessionExistsError) as live:
+                await registry.spawn("taken")
+            await ref.send("hello")
+            await ref.hibernate()
+            assert registry.live() == []
+            with pytest.raises(sa.SessionExistsError) as stored:
+                await registry.spawn("taken")
+            history = await ref.history()  # the stored session is untouched
+
+    assert live.value.session_id == stored.value.session_id == "taken"
+    assert "registry.ref('taken')" in str(live.value)
+    assert "registry.ref('taken')" in str(stored.value)
+    assert pairs(history) == [("hello", "hello")]
+
+
+async def test_a_request_to_an_unknown_name_raises_not_found(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """registry.ref of an unknown name is a cheap handle, and its requests raise
+    SessionNotFoundError, a LookupError, without creating the session."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        ref = registry.ref("unknown")
+        with trio.fail_after(10):
+            with pytest.raises(sa.SessionNotFoundError) as info:
+                await ref.send("hello?")
+            with pytest.raises(LookupError):
+                await ref.history()
+            with pytest.raises(sa.SessionNotFoundError):
+                await ref.state()
+            with pytest.raises(sa.SessionNotFoundError):
+                await registry.delete("unknown")
+            sessions = await registry.sessions()
+
+    assert info.value.session_id == "unknown"
+    assert "unknown" in str(info.value)
+    assert sessions == []
+    assert registry.live() == []
+
+
+async def test_get_or_spawn_spawns_once_and_then_finds(echo_agents: dict[str, sa.Agent]) -> None:
+    """get_or_spawn spawns a missing session and returns the existing one, live or stored,
+    leaving its state as it was."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.get_or_spawn("g", metadata={"tenant": "acme"})
+            await ref.send("hi")
+            again = await registry.get_or_spawn("g", metadata={"tenant": "other"})
+            await ref.hibernate()
+            stored = await registry.get_or_spawn("g", metadata={"tenant": "third"})
+            state = await stored.state()
+
+    assert again == ref == stored
+    assert state.metadata == {"tenant": "acme"}
+    assert pairs(state.messages) == [("hi", "hi")]
+    assert registry.statistics().spawned == 1
+
+
+async def test_live_sessions_and_statistics_describe_the_registry(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """live() lists running actors, sessions() describes every session live or stored, and
+    statistics() counts what happened."""
+    before = datetime.datetime.now(datetime.UTC)
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            fresh = await registry.spawn("a-fresh", metadata={"tenant": "acme"})
+            talked = await registry.spawn("b-talked")
+            sleeper = await registry.spawn("c-sleeper")
+            await talked.send("one")
+            await talked.send("two")
+            await sleeper.send("zzz")
+            await sleeper.hibernate()
+            live = registry.live()
+            infos = await registry.sessions()
+            stats = registry.statistics()
+            assert fresh.session_id in live
+
+    assert sorted(live) == ["a-fresh", "b-talked"]
+    assert [i.session_id for i in infos] == ["a-fresh", "b-talked", "c-sleeper"]
+    a, b, c = infos
+    assert (a.agent, a.status, a.message_count, a.metadata) == (
+        "echo",
+        sa.Status.NEW,
+        0,
+        {"tenant": "acme"},
+    )
+    assert (b.status, b.message_count, b.metadata) == (sa.Status.IDLE, 4, {})
+    assert (c.status, c.message_count) == (sa.Status.HIBERNATED, 2)
+    assert all(before <= i.updated_at <= datetime.datetime.now(datetime.UTC) for i in infos)
+    assert isinstance(stats, sa.RegistryStatistics)
+    assert (stats.live, stats.spawned, stats.hibernated, stats.turns_completed) == (2, 3, 1, 3)
+    assert (stats.crashes, stats.failed_sessions, stats.turns_failed) == (0, 0, 0)
+
+
+async def test_spawn_needs_a_known_agent(echo_agents: dict[str, sa.Agent]) -> None:
+    """spawn needs agent= when the registry has several agents and refuses an unknown one."""
+    agents = {**echo_agents, "other": sa.Agent(model=EchoModel(prefix="other: "))}
+    async with sa.open_registry(agents=agents) as registry:
+        with trio.fail_after(10):
+            with pytest.raises(ValueError, match="agent"):
+                await registry.spawn("x")
+            with pytest.raises(ValueError, match="nope"):
+                await registry.spawn("x", agent="nope")
+            ref = await registry.spawn("x", agent="other")
+            reply = await ref.send("hi")
+            sessions = await registry.sessions()
+
+    assert reply.text == "other: hi"
+    assert [i.agent for i in sessions] == ["other"]
+
+
+# ---- delete ---------------------------------------------------------------------------------
+
+
+async def test_delete_fails_pending_requests_and_frees_the_name(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """delete() fails the turn in flight and the queued ones with SessionNotFoundError, empties
+    the store, and the name can be spawned afresh."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="held", wait=gate), echo_step], repeat=True)
+    store = MemoryStore()
+    async with sa.open_registry(agents={"m": sa.Agent(model=model)}, store=store) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("d")
+            inflight = await ref.submit("held")
+            queued = [await ref.submit(f"queued {i}") for i in range(2)]
+            await trio.testing.wait_all_tasks_blocked()
+            await registry.delete("d")
+            for turn in [inflight, *queued]:
+                with pytest.raises(sa.SessionNotFoundError):
+                    await turn.reply()
+            assert registry.live() == []
+            assert await registry.sessions() == []
+            assert await store.load("d") is None
+            with pytest.raises(sa.SessionNotFoundError):
+                await ref.send("gone")
+            again = await registry.spawn("d")
+            reply = await again.send("fresh start")
+            history = await again.history()
+            await registry.delete("d")
+            with pytest.raises(sa.SessionNotFoundError):
+                await registry.delete("d")
+            assert await store.exists("d") is False
+
+    assert reply.text == "fresh start"
+    assert pairs(history) == [("fresh start", "fresh start")]
+
+
+async def test_delete_removes_a_hibernated_session(echo_agents: dict[str, sa.Agent]) -> None:
+    """delete() of a session that is only stored removes it from the store."""
+    store = MemoryStore()
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("h")
+            await ref.send("hello")
+            await ref.hibernate()
+            await registry.delete("h")
+            assert await registry.sessions() == []
+            assert await store.load("h") is None
+            fresh = await registry.spawn("h")
+            history = await fresh.history()
+
+    assert history == []
+
+
+async def test_delete_before_a_wake_begins_fails_the_queued_request(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """delete() right after a request woke a hibernated session fails that request with
+    SessionNotFoundError instead of running it."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("w")
+            await ref.send("hello")
+            await ref.hibernate()
+            queued = ref.submit_nowait("too late")  # wakes the session: its task is not running yet
+            await registry.delete("w")
+            with pytest.raises(sa.SessionNotFoundError):
+                await queued.reply()
+            assert await registry.sessions() == []
+
+
+async def test_delete_during_a_wake_fails_everyone_waiting_for_it(
+    echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
+) -> None:
+    """delete() while a session is loading from the store fails the reads and turns waiting for
+    the wake with SessionNotFoundError; none waits forever."""
+    store = GatedLoadStore()
+    outcomes: list[BaseException] = []
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("w")
+            await ref.send("hello")
+            await ref.hibernate()
+            store.gate = trio.Event()  # never set: the wake hangs in the store
+
+            async def waiter(request: Callable[[], Awaitable[object]]) -> None:
+                with pytest.raises(sa.SessionNotFoundError) as info:
+                    await request()
+                outcomes.append(info.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter, ref.history)
+                nursery.start_soon(waiter, ref.state)
+                nursery.start_soon(waiter, partial(ref.send, "blocked on the wake"))
+                await trio.testing.wait_all_tasks_blocked()
+                assert registry.live() == ["w"]
+                await registry.delete("w")
+            store.gate = None
+            assert await registry.sessions() == []
+
+    assert len(outcomes) == 3
+
+
+# ---- idle hibernation -------------------------------------------------------------------
+
+
+async def test_idle_session_hibernates_and_wakes_with_its_history(
+    echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
+) -> None:
+    """A session idle longer than idle_timeout hibernates, and the next message wakes it
+    with its history."""
+    async with sa.open_registry(agents=echo_agents, idle_timeout=60) as registry:
+        with trio.fail_after(600):
+            ref = await registry.spawn("sleepy")
+            await ref.send("before")
+            await trio.sleep(59)
+            assert registry.live() == ["sleepy"]
+            await trio.sleep(2)
+            assert registry.live() == []
+            (info,) = await registry.sessions()
+            assert info.status is sa.Status.HIBERNATED
+            reply = await ref.send("after")
+            assert registry.live() == ["sleepy"]
+            history = await ref.history()
+        stats = registry.statistics()
+
+    assert reply.text == "after"
+    assert pairs(history) == [("before", "before"), ("after", "after")]
+    assert (stats.idle_hibernations, stats.hibernated, stats.woken) == (1, 1, 1)
+
+
+async def test_open_registry_checks_its_options(echo_agents: dict[str, sa.Agent]) -> None:
+    """open_registry refuses missing agents and out-of-range options before it opens."""
+    bad: list[dict[str, object]] = [
+        {"agents": {}},
+        {"agents": echo_agents, "mailbox_size": 0},
+        {"agents": echo_agents, "idle_timeout": 0},
+        {"agents": echo_agents, "durability": "never"},
+    ]
+    for options in bad:
+        with pytest.raises(ValueError):
+            async with sa.open_registry(**options):  # type: ignore[arg-type]
+                pass
+    with pytest.raises(TypeError):
+        async with sa.open_registry(agents={"x": EchoModel()}):  # type: ignore[dict-item]
+            pass
