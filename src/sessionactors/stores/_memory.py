@@ -1,0 +1,274 @@
+"""``MemoryStore``: sessions kept in process memory, for tests and exploration.
+
+It is also the reference implementation of the :class:`~sessionactors.stores.Store`
+contract: the validation helpers and error messages here are shared by the
+other stores, so every store words the same mistake the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from .._errors import FencedOutError, SessionExistsError, SessionNotFoundError, StoreError
+from ._base import JournalEntry, Lease, StoredSession
+
+__all__ = ["MemoryStore"]
+
+
+# Shared validation and messages ---------------------------------------------
+
+
+def _check_ttl(ttl: float) -> None:
+    if not (isinstance(ttl, int | float) and math.isfinite(ttl) and ttl > 0):
+        raise ValueError(f"lease ttl must be a positive number of seconds, not {ttl!r}")
+
+
+def _exists_error(session_id: str) -> SessionExistsError:
+    return SessionExistsError(
+        f"session {session_id!r} is already stored; load it, or delete it first",
+        session_id=session_id,
+    )
+
+
+def _not_found_error(session_id: str) -> SessionNotFoundError:
+    return SessionNotFoundError(
+        f"session {session_id!r} is not stored; create it first",
+        session_id=session_id,
+    )
+
+
+def _fence_problem(
+    *,
+    fence: int,
+    owner: str | None,
+    current: int | None,
+    lease_until: float,
+    now: float,
+) -> str | None:
+    """Why a write carrying ``fence`` must be refused, or ``None`` if it may go ahead."""
+    if current is None:
+        return "no lease was ever claimed"
+    if fence != current:
+        return f"the current fencing token is {current}"
+    if owner is None:
+        return "the lease was released"
+    if lease_until < now:
+        return "the lease has expired"
+    return None
+
+
+def _fenced_out_error(session_id: str, fence: int, problem: str) -> FencedOutError:
+    return FencedOutError(
+        f"session {session_id!r}: write with fencing token {fence} refused ({problem}); "
+        "another worker may own the session now: stop writing and claim it again",
+        session_id=session_id,
+    )
+
+
+def _check_entries(session_id: str, entries: Sequence[JournalEntry], last_seq: int) -> int:
+    """Check that the seqs strictly increase above ``last_seq``; return the new last seq."""
+    for entry in entries:
+        if entry.seq <= last_seq:
+            raise StoreError(
+                f"session {session_id!r}: journal seq {entry.seq} is not above the last "
+                f"stored seq {last_seq}; seqs must strictly increase (nothing was written)",
+                session_id=session_id,
+            )
+        last_seq = entry.seq
+    return last_seq
+
+
+def _check_snapshot_seqs(session_id: str, seq: int, trim_upto: int, snapshot_seq: int) -> None:
+    if trim_upto > seq:
+        raise StoreError(
+            f"session {session_id!r}: cannot trim the journal up to {trim_upto}, beyond the "
+            f"snapshot's seq {seq}; pass trim_upto <= seq (nothing was written)",
+            session_id=session_id,
+        )
+    if seq < snapshot_seq:
+        raise StoreError(
+            f"session {session_id!r}: snapshot seq {seq} is older than the stored "
+            f"snapshot's seq {snapshot_seq}; snapshots only move forward (nothing was written)",
+            session_id=session_id,
+        )
+
+
+# The store -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Session:
+    snapshot: bytes
+    snapshot_seq: int
+    info: bytes
+    last_seq: int = 0
+    trimmed_upto: int = 0
+    journal: list[JournalEntry] = attrs.Factory(list)
+
+
+@attrs.define(eq=False)
+class _Lease:
+    owner: str | None
+    fence: int
+    until: float
+
+
+@attrs.define(eq=False)
+class MemoryStore:
+    """A :class:`~sessionactors.stores.Store` that keeps everything in this process's memory.
+
+    Nothing survives the process; it is meant for tests and exploration. Every
+    method checkpoints, like a real store's would, and leases expire on wall-clock
+    time (``time.time()``), like they do across processes.
+    """
+
+    _sessions: dict[str, _Session] = attrs.field(init=False, factory=dict, repr=False)
+    # Leases outlive their sessions: a name deleted and created again must still
+    # get fencing tokens larger than any issued before.
+    _leases: dict[str, _Lease] = attrs.field(init=False, factory=dict, repr=False)
+
+    def __repr__(self) -> str:
+        return f"<MemoryStore with {len(self._sessions)} sessions>"
+
+    def _get(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise _not_found_error(session_id)
+        return session
+
+    def _check_fence(self, session_id: str, fence: int | None) -> None:
+        if fence is None:
+            return
+        lease = self._leases.get(session_id)
+        problem = _fence_problem(
+            fence=fence,
+            owner=lease.owner if lease else None,
+            current=lease.fence if lease else None,
+            lease_until=lease.until if lease else 0.0,
+            now=time.time(),
+        )
+        if problem is not None:
+            raise _fenced_out_error(session_id, fence, problem)
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        if session_id in self._sessions:
+            raise _exists_error(session_id)
+        self._sessions[session_id] = _Session(
+            snapshot=bytes(snapshot), snapshot_seq=0, info=bytes(info)
+        )
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        await trio.lowlevel.checkpoint()
+        session = self._sessions.get(session_id)
+        if session is None:
+            return None
+        return StoredSession(
+            snapshot=session.snapshot,
+            snapshot_seq=session.snapshot_seq,
+            entries=tuple(e for e in session.journal if e.seq > session.snapshot_seq),
+        )
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+        session = self._get(session_id)
+        self._check_fence(session_id, fence)
+        copies = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
+        session.last_seq = _check_entries(session_id, copies, session.last_seq)
+        session.journal.extend(copies)
+        session.info = bytes(info)
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+        session = self._get(session_id)
+        self._check_fence(session_id, fence)
+        _check_snapshot_seqs(session_id, seq, trim_upto, session.snapshot_seq)
+        session.snapshot = bytes(snapshot)
+        session.snapshot_seq = seq
+        session.last_seq = max(session.last_seq, seq)
+        session.info = bytes(info)
+        if trim_upto > session.trimmed_upto:
+            session.trimmed_upto = trim_upto
+            session.journal = [e for e in session.journal if e.seq > trim_upto]
+
+    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        await trio.lowlevel.checkpoint()
+        session = self._get(session_id)
+        return session.trimmed_upto, [e for e in session.journal if e.seq > after]
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        await trio.lowlevel.checkpoint()
+        return [(session_id, s.info) for session_id, s in self._sessions.items()]
+
+    async def exists(self, session_id: str) -> bool:
+        await trio.lowlevel.checkpoint()
+        return session_id in self._sessions
+
+    async def delete(self, session_id: str) -> bool:
+        await trio.lowlevel.checkpoint()
+        lease = self._leases.get(session_id)
+        if lease is not None:
+            lease.owner = None
+            lease.until = 0.0
+        return self._sessions.pop(session_id, None) is not None
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
+        _check_ttl(ttl)
+        await trio.lowlevel.checkpoint()
+        now = time.time()
+        lease = self._leases.get(session_id)
+        if lease is None:
+            lease = self._leases[session_id] = _Lease(owner=owner, fence=1, until=now + ttl)
+        elif lease.owner is None or lease.owner == owner or lease.until < now:
+            lease.owner = owner
+            lease.fence += 1
+            lease.until = now + ttl
+        else:
+            return None
+        return Lease(owner=owner, fence=lease.fence)
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        _check_ttl(ttl)
+        await trio.lowlevel.checkpoint()
+        now = time.time()
+        held = self._leases.get(session_id)
+        if (
+            held is None
+            or held.owner != lease.owner
+            or held.fence != lease.fence
+            or held.until < now
+        ):
+            return False
+        held.until = now + ttl
+        return True
+
+    async def release(self, session_id: str, lease: Lease) -> None:
+        await trio.lowlevel.checkpoint()
+        held = self._leases.get(session_id)
+        if held is not None and held.owner == lease.owner and held.fence == lease.fence:
+            held.owner = None
+            held.until = 0.0
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,484 @@
+"""``check_store``: the conformance suite every store must pass."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from .._errors import (
+    FencedOutError,
+    SessionActorsError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StoreError,
+)
+from ..stores._base import JournalEntry, Lease, Store, StoredSession
+
+__all__ = ["check_store"]
+
+_Check = Callable[[Store], Awaitable[None]]
+_CHECKS: list[tuple[str, _Check]] = []
+
+# Leases in the expiry check live this long; the check sleeps a little longer.
+_SHORT_TTL = 0.3
+_LONG_TTL = 60.0
+
+
+async def check_store(make_store: Callable[[], Store | Awaitable[Store]]) -> None:
+    """Check that the stores ``make_store`` makes keep the ``Store`` contract.
+
+    Run it inside a trio test::
+
+        async def test_my_store_conforms(tmp_path):
+            with trio.fail_after(30):
+                await check_store(lambda: MyStore(tmp_path / f"{uuid.uuid4()}.db"))
+
+    Every call of ``make_store()`` (sync, or async and awaited) must give a new,
+    empty store independent of the others; each property is checked on its own
+    store, which ``check_store`` closes when done with it. The first property
+    that does not hold raises ``AssertionError`` naming it; an unexpected
+    exception from the store is reported the same way, with it as the cause.
+
+    Leases expire on wall-clock time, so the suite runs on real time (it
+    sleeps about half a second): do not run it under a mock or autojump clock.
+    It takes about a second, plus the store's own latency. It sets no
+    timeouts: wrap it in ``trio.fail_after`` to bound a store that hangs.
+    """
+    for name, check in _CHECKS:
+        made = make_store()
+        store = await made if inspect.isawaitable(made) else made
+        try:
+            await check(store)
+        except AssertionError as exc:
+            raise AssertionError(f"store check failed: {name}: {exc}") from exc
+        except Exception as exc:
+            raise AssertionError(
+                f"store check failed: {name}: the store raised {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            with trio.move_on_after(10, shield=True):
+                await store.aclose()
+                await store.aclose()  # idempotent
+
+
+def _check(name: str) -> Callable[[_Check], _Check]:
+    def register(check: _Check) -> _Check:
+        _CHECKS.append((name, check))
+        return check
+
+    return register
+
+
+def _expect(condition: bool, detail: str) -> None:
+    if not condition:
+        raise AssertionError(detail)
+
+
+async def _expect_raises(
+    error: type[SessionActorsError], call: Awaitable[object], what: str, session_id: str
+) -> None:
+    try:
+        await call
+    except error as exc:
+        _expect(
+            exc.session_id == session_id,
+            f"{what} raised {type(exc).__name__} with session_id={exc.session_id!r}, "
+            f"expected {session_id!r}",
+        )
+    except Exception as exc:
+        raise AssertionError(
+            f"{what} raised {type(exc).__name__} ({exc}), expected {error.__name__}"
+        ) from exc
+    else:
+        raise AssertionError(f"{what} returned, expected it to raise {error.__name__}")
+
+
+def _entries(*seqs: int, tag: bytes = b"e") -> list[JournalEntry]:
+    return [JournalEntry(seq, tag + b"-%d" % seq) for seq in seqs]
+
+
+async def _load(store: Store, session_id: str) -> StoredSession:
+    stored = await store.load(session_id)
+    _expect(stored is not None, f"load({session_id!r}) returned None for a stored session")
+    assert stored is not None
+    return stored
+
+
+async def _expect_journal(
+    store: Store, session_id: str, *, after: int, trimmed: int, expected: Sequence[JournalEntry]
+) -> None:
+    got = await store.read_journal(session_id, after)
+    _expect(
+        got == (trimmed, list(expected)),
+        f"read_journal({session_id!r}, {after}) returned {got!r}, "
+        f"expected {(trimmed, list(expected))!r}",
+    )
+
+
+async def _expect_load(
+    store: Store, session_id: str, *, snapshot: bytes, seq: int, entries: Sequence[JournalEntry]
+) -> None:
+    expected = StoredSession(snapshot=snapshot, snapshot_seq=seq, entries=tuple(entries))
+    got = await _load(store, session_id)
+    _expect(got == expected, f"load({session_id!r}) returned {got!r}, expected {expected!r}")
+    _expect(
+        type(got.snapshot) is bytes and all(type(e.data) is bytes for e in got.entries),
+        f"load({session_id!r}) returned data that is not bytes",
+    )
+
+
+async def _claim(store: Store, session_id: str, owner: str, ttl: float = _LONG_TTL) -> Lease:
+    lease = await store.claim(session_id, owner, ttl)
+    _expect(lease is not None, f"claim({session_id!r}, {owner!r}) of a free lease returned None")
+    assert lease is not None
+    _expect(lease.owner == owner, f"claim by {owner!r} returned a lease for {lease.owner!r}")
+    return lease
+
+
+def _expect_larger(new: Lease, old: Lease, what: str) -> None:
+    _expect(
+        new.fence > old.fence,
+        f"{what}: fencing token {new.fence} is not larger than the earlier {old.fence}",
+    )
+
+
+@_check("a new store is empty and implements the Store protocol")
+async def _check_new_store(store: Store) -> None:
+    _expect(isinstance(store, Store), f"{store!r} lacks methods of the Store protocol")
+    listed = await store.list_sessions()
+    _expect(listed == [], f"list_sessions() of a new store returned {listed!r}")
+
+
+@_check("create then load returns the snapshot at seq 0")
+async def _check_create_load(store: Store) -> None:
+    await store.create("s", b"snapshot-0", b"info-0")
+    await _expect_load(store, "s", snapshot=b"snapshot-0", seq=0, entries=[])
+    _expect(await store.exists("s"), "exists('s') is False after create")
+    await _expect_journal(store, "s", after=0, trimmed=0, expected=[])
+
+
+@_check("create of a stored name raises SessionExistsError and changes nothing")
+async def _check_create_twice(store: Store) -> None:
+    await store.create("s", b"first", b"info")
+    await _expect_raises(
+        SessionExistsError, store.create("s", b"second", b"info"), "a second create('s')", "s"
+    )
+    await _expect_load(store, "s", snapshot=b"first", seq=0, entries=[])
+
+
+@_check("load of an unknown session returns None")
+async def _check_load_unknown(store: Store) -> None:
+    got = await store.load("missing")
+    _expect(got is None, f"load('missing') returned {got!r}")
+    _expect(not await store.exists("missing"), "exists('missing') is True")
+
+
+@_check("appended entries load in order")
+async def _check_append(store: Store) -> None:
+    await store.create("s", b"snap", b"info")
+    await store.append("s", _entries(1, 2), b"info")
+    await store.append("s", _entries(3), b"info")
+    await store.append("s", _entries(7, 10), b"info")
+    everything = _entries(1, 2, 3, 7, 10)
+    await _expect_load(store, "s", snapshot=b"snap", seq=0, entries=everything)
+    await _expect_journal(store, "s", after=0, trimmed=0, expected=everything)
+    await _expect_journal(store, "s", after=3, trimmed=0, expected=_entries(7, 10))
+    await _expect_journal(store, "s", after=10, trimmed=0, expected=[])
+
+
+@_check("load returns the snapshot and only the journal entries after it")
+async def _check_journal_tail(store: Store) -> None:
+    await store.create("s", b"snap-0", b"info")
+    await store.append("s", _entries(1, 2, 3, 4, 5), b"info")
+    await store.write_snapshot("s", b"snap-3", 3, b"info", trim_upto=0)
+    await _expect_load(store, "s", snapshot=b"snap-3", seq=3, entries=_entries(4, 5))
+    await _expect_journal(store, "s", after=0, trimmed=0, expected=_entries(1, 2, 3, 4, 5))
+
+
+@_check("write_snapshot with trim_upto drops the entries up to it")
+async def _check_compaction(store: Store) -> None:
+    await store.create("s", b"snap-0", b"info")
+    await store.append("s", _entries(1, 2, 3, 4, 5, 6), b"info")
+    await store.write_snapshot("s", b"snap-4", 4, b"info", trim_upto=2)
+    await _expect_journal(store, "s", after=0, trimmed=2, expected=_entries(3, 4, 5, 6))
+    await _expect_journal(store, "s", after=4, trimmed=2, expected=_entries(5, 6))
+    await _expect_load(store, "s", snapshot=b"snap-4", seq=4, entries=_entries(5, 6))
+    await store.write_snapshot("s", b"snap-6", 6, b"info", trim_upto=6)
+    await _expect_journal(store, "s", after=0, trimmed=6, expected=[])
+    await _expect_load(store, "s", snapshot=b"snap-6", seq=6, entries=[])
+    await store.append("s", _entries(7), b"info")
+    await _expect_journal(store, "s", after=0, trimmed=6, expected=_entries(7))
+    await _expect_load(store, "s", snapshot=b"snap-6", seq=6, entries=_entries(7))
+
+
+@_check("reads and writes of an unknown session raise SessionNotFoundError")
+async def _check_unknown(store: Store) -> None:
+    await _expect_raises(
+        SessionNotFoundError, store.read_journal("missing", 0), "read_journal('missing')", "missing"
+    )
+    await _expect_raises(
+        SessionNotFoundError,
+        store.append("missing", _entries(1), b"info"),
+        "append('missing')",
+        "missing",
+    )
+    await _expect_raises(
+        SessionNotFoundError,
+        store.write_snapshot("missing", b"snap", 1, b"info", trim_upto=0),
+        "write_snapshot('missing')",
+        "missing",
+    )
+    _expect(not await store.exists("missing"), "a failed write to 'missing' stored it")
+
+
+@_check("a journal seq not above every stored one raises StoreError and writes nothing")
+async def _check_seqs(store: Store) -> None:
+    await store.create("s", b"snap", b"info")
+    await store.append("s", _entries(1, 2), b"info")
+    for bad, what in [
+        (_entries(2), "a repeated seq"),
+        (_entries(1), "a lower seq"),
+        (_entries(3, 3), "a batch repeating a seq"),
+        (_entries(4, 3), "a batch out of order"),
+    ]:
+        await _expect_raises(StoreError, store.append("s", bad, b"info"), f"append of {what}", "s")
+    await _expect_journal(store, "s", after=0, trimmed=0, expected=_entries(1, 2))
+    await store.append("s", _entries(3), b"info")
+    await store.write_snapshot("s", b"snap-3", 3, b"info", trim_upto=3)
+    await _expect_raises(
+        StoreError, store.append("s", _entries(3), b"info"), "append of a trimmed seq", "s"
+    )
+    await store.append("s", _entries(4), b"info")
+    await _expect_journal(store, "s", after=0, trimmed=3, expected=_entries(4))
+
+
+@_check("list_sessions returns every session with its latest info")
+async def _check_list(store: Store) -> None:
+    await store.create("a", b"snap", b"a-0")
+    await store.create("b", b"snap", b"b-0")
+    await store.create("c", b"snap", b"c-0")
+    await store.append("b", _entries(1), b"b-1")
+    await store.write_snapshot("c", b"snap-1", 1, b"c-1", trim_upto=0)
+    listed = sorted(await store.list_sessions())
+    expected = [("a", b"a-0"), ("b", b"b-1"), ("c", b"c-1")]
+    _expect(listed == expected, f"list_sessions() returned {listed!r}, expected {expected!r}")
+
+
+@_check("delete removes the snapshot, journal and lease, and the name can be created afresh")
+async def _check_delete(store: Store) -> None:
+    await store.create("a", b"snap-a", b"info")
+    await store.create("b", b"snap-b", b"info")
+    await store.append("a", _entries(1, 2), b"info")
+    before = await _claim(store, "a", "worker-1")
+    _expect(await store.delete("a"), "delete('a') of a stored session returned False")
+    _expect(not await store.exists("a"), "exists('a') is True after delete")
+    got = await store.load("a")
+    _expect(got is None, f"load('a') returned {got!r} after delete")
+    listed = await store.list_sessions()
+    _expect(listed == [("b", b"info")], f"list_sessions() returned {listed!r} after delete")
+    await _expect_raises(
+        SessionNotFoundError, store.read_journal("a", 0), "read_journal after delete", "a"
+    )
+    _expect(not await store.delete("a"), "a second delete('a') returned True")
+    _expect(not await store.delete("missing"), "delete('missing') returned True")
+    # The lease went with the session, but fencing tokens keep growing.
+    after = await _claim(store, "a", "worker-2")
+    _expect_larger(after, before, "a claim after delete")
+    await store.create("a", b"snap-a2", b"info")
+    await _expect_load(store, "a", snapshot=b"snap-a2", seq=0, entries=[])
+    await _expect_journal(store, "a", after=0, trimmed=0, expected=[])
+    await store.append("a", _entries(1), b"info", fence=after.fence)
+    await _expect_raises(
+        FencedOutError,
+        store.append("a", _entries(2), b"info", fence=before.fence),
+        "append with a token from before the delete",
+        "a",
+    )
+    await _expect_load(store, "a", snapshot=b"snap-a2", seq=0, entries=_entries(1))
+
+
+_NAMES = [
+    "../../etc/passwd",
+    "/absolute/path",
+    "C:\\Windows\\system32",
+    "..",
+    ".",
+    "a/b?c#d%20e&f=g",
+    "'; DROP TABLE sessions; --",
+    'robert"); DELETE FROM journal; --',
+    "%",
+    "_",
+    "*",
+    "Session",
+    "session",
+    "caf\u00e9",  # composed
+    "cafe\u0301",  # decomposed: a different name
+    "\u4f1a\u8bdd-\U0001f642",
+    " leading and trailing space ",
+    "\u00e9" * 128,  # 256 UTF-8 bytes
+    "x" * 256,
+]
+
+
+@_check("names that look like paths, SQL or unicode tricks are stored and returned exactly")
+async def _check_names(store: Store) -> None:
+    for name in _NAMES:
+        await store.create(name, name.encode() + b"!", name.encode())
+        await store.append(name, [JournalEntry(1, name.encode())], name.encode() + b"?")
+    listed = sorted(await store.list_sessions())
+    expected = sorted((name, name.encode() + b"?") for name in _NAMES)
+    _expect(listed == expected, f"list_sessions() returned {listed!r}, expected {expected!r}")
+    for name in _NAMES:
+        _expect(await store.exists(name), f"exists({name!r}) is False")
+        await _expect_load(
+            store,
+            name,
+            snapshot=name.encode() + b"!",
+            seq=0,
+            entries=[JournalEntry(1, name.encode())],
+        )
+    for name in _NAMES[::2]:
+        _expect(await store.delete(name), f"delete({name!r}) returned False")
+    kept = sorted(session_id for session_id, _ in await store.list_sessions())
+    _expect(kept == sorted(_NAMES[1::2]), f"list_sessions() after deletes named {kept!r}")
+
+
+@_check("concurrent claims of one session have exactly one winner")
+async def _check_concurrent_claims(store: Store) -> None:
+    results: dict[str, Lease | None] = {}
+
+    async def claim(owner: str) -> None:
+        results[owner] = await store.claim("s", owner, _LONG_TTL)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(claim, f"worker-{i}")
+    winners = {owner: lease for owner, lease in results.items() if lease is not None}
+    _expect(len(winners) == 1, f"{len(winners)} of 50 concurrent claims won: {winners!r}")
+    ((owner, lease),) = winners.items()
+    _expect(lease.owner == owner, f"the winner {owner!r} got a lease for {lease.owner!r}")
+
+
+@_check("claims, renewals and releases follow the lease and its fencing token")
+async def _check_claims(store: Store) -> None:
+    await store.create("s", b"snap", b"info")
+    first = await _claim(store, "s", "worker-1")
+    issued = [first]
+    other = await store.claim("s", "worker-2", _LONG_TTL)
+    _expect(other is None, f"claim by worker-2 of a held lease returned {other!r}")
+    again = await _claim(store, "s", "worker-1")
+    _expect_larger(again, first, "a re-claim by the same owner")
+    issued.append(again)
+    _expect(
+        not await store.renew("s", first, _LONG_TTL),
+        "renew with a token replaced by a re-claim returned True",
+    )
+    _expect(await store.renew("s", again, _LONG_TTL), "renew by the holder returned False")
+    _expect(
+        not await store.renew("s", Lease(owner="worker-2", fence=again.fence), _LONG_TTL),
+        "renew by an owner that does not hold the lease returned True",
+    )
+    await store.release("s", first)  # stale: nothing happens
+    other = await store.claim("s", "worker-2", _LONG_TTL)
+    _expect(other is None, "release with a stale lease freed the lease")
+    await store.release("s", again)
+    _expect(not await store.renew("s", again, _LONG_TTL), "renew of a released lease returned True")
+    second = await _claim(store, "s", "worker-2")
+    issued.append(second)
+    await store.release("s", second)
+    issued.append(await _claim(store, "s", "worker-1"))
+    fences = [lease.fence for lease in issued]
+    _expect(
+        all(a < b for a, b in itertools.pairwise(fences)),
+        f"fencing tokens did not strictly increase: {fences}",
+    )
+    unstored = await _claim(store, "never-created", "worker-1")
+    _expect(not await store.exists("never-created"), "a claim created the session")
+    await store.release("never-created", unstored)
+
+
+@_check("writes with a stale fencing token raise FencedOutError and write nothing")
+async def _check_fencing(store: Store) -> None:
+    await store.create("s", b"snap-0", b"info")
+    old = await _claim(store, "s", "worker-1")
+    await store.append("s", _entries(1, 2), b"info", fence=old.fence)
+    await store.write_snapshot("s", b"snap-1", 1, b"info", trim_upto=0, fence=old.fence)
+    await store.release("s", old)
+    await _expect_raises(
+        FencedOutError,
+        store.append("s", _entries(3), b"info", fence=old.fence),
+        "append with the token of a released lease",
+        "s",
+    )
+    new = await _claim(store, "s", "worker-2")
+    await _expect_raises(
+        FencedOutError,
+        store.append("s", _entries(3), b"info", fence=old.fence),
+        "append with a stale token",
+        "s",
+    )
+    await _expect_raises(
+        FencedOutError,
+        store.write_snapshot("s", b"snap-stale", 2, b"info", trim_upto=2, fence=old.fence),
+        "write_snapshot with a stale token",
+        "s",
+    )
+    await _expect_raises(
+        FencedOutError,
+        store.append("s", _entries(3), b"info", fence=new.fence + 1000),
+        "append with a token never issued",
+        "s",
+    )
+    await _expect_load(store, "s", snapshot=b"snap-1", seq=1, entries=_entries(2))
+    await _expect_journal(store, "s", after=0, trimmed=0, expected=_entries(1, 2))
+    await store.append("s", _entries(3), b"info", fence=new.fence)
+    # Writes without a token are never fenced, even while another owner holds the lease.
+    await store.append("s", _entries(4), b"info")
+    await store.write_snapshot("s", b"snap-4", 4, b"info", trim_upto=1)
+    await _expect_load(store, "s", snapshot=b"snap-4", seq=4, entries=[])
+    await _expect_journal(store, "s", after=0, trimmed=1, expected=_entries(2, 3, 4))
+    await store.create("unleased", b"snap", b"info")
+    await _expect_raises(
+        FencedOutError,
+        store.append("unleased", _entries(1), b"info", fence=1),
+        "append with a token for a session never claimed",
+        "unleased",
+    )
+    await store.append("unleased", _entries(1), b"info")
+
+
+@_check("an expired lease can be taken over, and its token no longer writes")
+async def _check_expiry(store: Store) -> None:
+    await store.create("expiring", b"snap", b"info")
+    await store.create("renewed", b"snap", b"info")
+    expiring = await _claim(store, "expiring", "worker-1", _SHORT_TTL)
+    renewed = await _claim(store, "renewed", "worker-1", _SHORT_TTL)
+    _expect(await store.renew("renewed", renewed, _LONG_TTL), "renew by the holder returned False")
+    other = await store.claim("expiring", "worker-2", _LONG_TTL)
+    _expect(other is None, "a lease was taken over before it expired")
+    await trio.sleep(_SHORT_TTL * 1.5)
+    await _expect_raises(
+        FencedOutError,
+        store.append("expiring", _entries(1), b"info", fence=expiring.fence),
+        "append with the token of an expired lease",
+        "expiring",
+    )
+    _expect(
+        not await store.renew("expiring", expiring, _LONG_TTL),
+        "renew of an expired lease returned True",
+    )
+    other = await store.claim("renewed", "worker-2", _LONG_TTL)
+    _expect(other is None, "a renewed lease was taken over at its first expiry")
+    takeover = await _claim(store, "expiring", "worker-2")
+    _expect_larger(takeover, expiring, "a takeover of an expired lease")
+    await _expect_raises(
+        FencedOutError,
+        store.append("expiring", _entries(1), b"info", fence=expiring.fence),
+        "append with the token of a lease taken over",
+        "expiring",
+    )
+    await store.append("expiring", _entries(1), b"info", fence=takeover.fence)
+    await _expect_load(store, "expiring", snapshot=b"snap", seq=0, entries=_entries(1))
