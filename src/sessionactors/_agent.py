@@ -14,10 +14,11 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from ._history import Estimator, default_estimate
 from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
 from ._records import Message, Role, ToolCall, new_id
 
-__all__ = ["Agent", "MaxStepsError", "TurnContext", "run_turn"]
+__all__ = ["Agent", "Compaction", "MaxStepsError", "TurnContext", "run_turn"]
 
 
 class MaxStepsError(RuntimeError):
@@ -33,6 +34,31 @@ def _tools_converter(tools: Iterable[Any]) -> tuple[Any, ...]:
     return out
 
 
+DEFAULT_SUMMARY_INSTRUCTIONS = (
+    "Summarize the conversation below for your own later use: keep names, facts, "
+    "decisions, open questions and what the user wants. Be concise. If an earlier "
+    "summary is given, fold it in."
+)
+
+
+@attrs.frozen(kw_only=True)
+class Compaction:
+    """Keep long conversations inside the model's context.
+
+    Before a turn whose request is estimated above ``max_tokens``, the history
+    except the last ``keep_last`` messages (never splitting a tool call from
+    its results) is summarized by ``summarizer`` (default: the agent's model)
+    and replaced by the summary, which the model then sees after the system
+    prompt. ``estimate`` counts tokens (default: about four characters a token).
+    """
+
+    max_tokens: int
+    keep_last: int = 20
+    summarizer: Model | None = None
+    estimate: Estimator = default_estimate
+    instructions: str = DEFAULT_SUMMARY_INSTRUCTIONS
+
+
 @attrs.frozen
 class Agent:
     """What runs a session's turns: a model, a system prompt, tools and limits.
@@ -44,7 +70,7 @@ class Agent:
     system_prompt: str = ""
     tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
     max_steps: int = attrs.field(default=8)
-    compaction: Any = None
+    compaction: Compaction | None = None
 
     @max_steps.validator
     def _check_max_steps(self, _: object, value: int) -> None:
@@ -102,6 +128,25 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
+def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -> None:
+    if isinstance(chunk, TextChunk):
+        if chunk.text:
+            ctx.partial.append(chunk.text)
+            ctx.delta(chunk.text)
+    elif isinstance(chunk, ToolCallChunk):
+        p = parts.get(chunk.index)
+        if p is None:
+            p = parts[chunk.index] = _CallParts()
+        if chunk.id:
+            p.id = chunk.id
+        if chunk.name:
+            p.name = chunk.name
+        if chunk.arguments:
+            p.arguments.append(chunk.arguments)
+    else:
+        raise TypeError(f"the model streamed {chunk!r}, not a TextChunk or ToolCallChunk")
+
+
 async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
     """Run one turn; the final assistant message, or None if it paused for a review."""
     specs = agent.tool_specs
@@ -111,23 +156,15 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         )
         parts: dict[int, _CallParts] = {}
         ctx.partial.clear()
-        async for chunk in agent.model.stream(request):
-            if isinstance(chunk, TextChunk):
-                if chunk.text:
-                    ctx.partial.append(chunk.text)
-                    ctx.delta(chunk.text)
-            elif isinstance(chunk, ToolCallChunk):
-                p = parts.get(chunk.index)
-                if p is None:
-                    p = parts[chunk.index] = _CallParts()
-                if chunk.id:
-                    p.id = chunk.id
-                if chunk.name:
-                    p.name = chunk.name
-                if chunk.arguments:
-                    p.arguments.append(chunk.arguments)
-            else:
-                raise TypeError(f"the model streamed {chunk!r}, not a TextChunk or ToolCallChunk")
+        stream = agent.model.stream(request)
+        try:
+            async for chunk in stream:
+                _take_chunk(chunk, ctx, parts)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:  # close an abandoned stream (an HTTP response) now
+                with trio.CancelScope(shield=True):
+                    await aclose()
         text = "".join(ctx.partial)
         ctx.partial.clear()
         calls = assemble_calls(parts)

@@ -128,7 +128,7 @@ class SessionBusyError(SessionActorsError):
     """The session cannot take this request now (for example a review is pending)."""
 
 
-class ModelError(SessionActorsError):
+class ModelError(SessionActorsError, RuntimeError):
     """A model adapter could not get an answer (HTTP error, malformed stream).
 
     It becomes the ``__cause__`` of the turn's :class:`TurnFailedError`.

@@ -1,0 +1,457 @@
+"""A model adapter for OpenAI-compatible chat completion servers.
+
+:class:`OpenAIChatModel` streams ``POST {base_url}/chat/completions`` with
+``stream: true`` and turns the server-sent events into
+:class:`~sessionactors.TextChunk` and :class:`~sessionactors.ToolCallChunk`
+values, exactly as they arrive. It works with OpenAI itself and with the
+servers that copy its API (vLLM, llama.cpp, Ollama, LM Studio, ...).
+
+Transient failures (HTTP 429 and 5xx, connection errors) are retried with
+exponential backoff, but only until the first chunk has been yielded: after
+that a failure is raised, since the consumer has already seen part of the
+answer. Everything else becomes a :class:`~sessionactors.ModelError`.
+
+This module needs the ``openai`` extra (httpx and httpx-sse).
+"""
+
+import contextlib
+import datetime
+import email.utils
+import json
+import random
+import ssl
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any, NoReturn, cast
+
+import attrs
+import httpx
+import trio
+from httpx_sse import EventSource
+
+from .._errors import ModelError
+from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
+from .._records import Message, Role
+
+__all__ = ["OpenAIChatModel"]
+
+#: The HTTP statuses worth asking again for.
+_RETRYABLE_STATUS = frozenset({429}) | frozenset(range(500, 600))
+
+#: Transport errors that may be gone on the next attempt.
+_RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+
+#: httpx's own timeouts for an owned client: generous to connect, none to read
+#: (a model may think for minutes between two chunks; the caller owns time
+#: with ``trio.fail_after``).
+_TIMEOUT = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=60.0)
+
+#: How much of an error response is read to find the server's message.
+_MAX_ERROR_BODY = 64 * 1024
+
+#: How much of a server's text is quoted in an error message.
+_MAX_QUOTE = 300
+
+
+def _quote(text: str) -> str:
+    text = text.strip()
+    if len(text) > _MAX_QUOTE:
+        text = text[:_MAX_QUOTE] + "..."
+    return repr(text)
+
+
+def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(
+            f"base_url must start with http:// or https://, got {value!r}; "
+            "for example 'http://127.0.0.1:8000/v1'"
+        )
+
+
+def _check_finite(instance: object, attribute: "attrs.Attribute[float]", value: float) -> None:
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _json_default(value: object) -> object:
+    # Tool schemas are Mappings and may hold tuples; JSON wants dicts and lists.
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+@attrs.define(eq=False)
+class OpenAIChatModel:
+    """A :class:`~sessionactors.Model` that streams from an OpenAI-compatible server.
+
+    ``base_url`` is the API root, usually ending in ``/v1``
+    (``http://127.0.0.1:8000/v1``); ``model`` the model name the server knows;
+    ``api_key`` is sent as a Bearer token when given.
+
+    A request that fails with HTTP 429 or 5xx, or cannot reach the server, is
+    tried up to ``max_retries`` more times before the first chunk is yielded,
+    waiting ``backoff * 2**attempt`` seconds (plus a little jitter, at most
+    ``max_backoff``); a ``Retry-After`` header from the server takes the place
+    of that wait, and is capped at ``max_backoff`` too.
+
+    ``extra_body`` adds fields to the request body (``temperature``,
+    ``max_tokens``, ...); the fields the adapter sets itself (``model``,
+    ``messages``, ``tools``, ``stream``) win. ``headers`` adds HTTP headers.
+
+    ``client`` is an ``httpx.AsyncClient`` to share (its connection pool and
+    timeouts are used, and it is never closed here); give it a read timeout of
+    ``None`` (``httpx.Timeout(60.0, read=None)``), since httpx's default of 5
+    seconds is shorter than many models take to start answering. Without one,
+    each call of :meth:`stream` opens its own client and closes it at the end.
+
+    Constructing the model does no I/O. There is no timeout parameter: wrap
+    the turn in ``trio.fail_after`` (or ``move_on_after``).
+    """
+
+    base_url: str = attrs.field(validator=_check_url)
+    model: str
+    api_key: str | None = attrs.field(default=None, repr=False)
+    max_retries: int = attrs.field(
+        default=3,
+        kw_only=True,
+        validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)],
+    )
+    backoff: float = attrs.field(default=0.5, kw_only=True, validator=_check_finite)
+    max_backoff: float = attrs.field(default=8.0, kw_only=True, validator=_check_finite)
+    extra_body: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True, repr=False)
+    headers: Mapping[str, str] | None = attrs.field(default=None, kw_only=True, repr=False)
+    client: httpx.AsyncClient | None = attrs.field(default=None, kw_only=True, repr=False)
+    # Loading the CA bundle takes tens of milliseconds of blocking work: it is
+    # done once, in a worker thread, and shared by the clients this model owns.
+    _ssl_context: ssl.SSLContext | None = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        """The endpoint the model posts to."""
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelChunk, None]:
+        """Stream the answer to ``request``: text and tool-call fragments as they arrive.
+
+        Raises :class:`~sessionactors.ModelError` when the server refuses the
+        request, keeps failing, or sends something that is not a chat
+        completion stream. Cancelling the task reading the stream, or
+        closing the generator early (read it inside
+        ``contextlib.aclosing(model.stream(request))``), closes the HTTP
+        response.
+        """
+        session_id = request.session_id
+        payload = self._encode(request)
+        headers = self._request_headers()
+        yielded = False
+        async with contextlib.AsyncExitStack() as stack:
+            client = self.client
+            if client is None:
+                if self._ssl_context is None:
+                    self._ssl_context = await trio.to_thread.run_sync(httpx.create_ssl_context)
+                client = await stack.enter_async_context(
+                    httpx.AsyncClient(timeout=_TIMEOUT, verify=self._ssl_context)
+                )
+            attempt = 0
+            while True:
+                delay: float
+                try:
+                    async with client.stream(
+                        "POST", self.url, content=payload, headers=headers
+                    ) as response:
+                        status = response.status_code
+                        if not 200 <= status < 300:
+                            detail = await self._error_detail(response)
+                            if status not in _RETRYABLE_STATUS or attempt >= self.max_retries:
+                                self._raise_status(session_id, status, detail, attempt)
+                            delay = self._delay(attempt, response.headers)
+                        else:
+                            self._check_content_type(session_id, response)
+                            parser = _StreamParser(self, session_id)
+                            events = EventSource(response).aiter_sse()
+                            async with contextlib.aclosing(events):
+                                async for event in events:
+                                    chunks = parser.feed(event.event, event.data)
+                                    for chunk in chunks:
+                                        yielded = True
+                                        yield chunk
+                                    if parser.done:
+                                        break
+                            parser.finish()
+                            return
+                except _RETRYABLE_ERRORS as exc:
+                    if yielded:
+                        raise ModelError(
+                            f"session {session_id!r}: the stream from {self.url} broke after "
+                            f"part of the answer had arrived ({type(exc).__name__}: {exc}); "
+                            "the partial answer cannot be resumed, run the turn again",
+                            session_id=session_id,
+                        ) from exc
+                    if attempt >= self.max_retries:
+                        raise ModelError(
+                            f"session {session_id!r}: could not get an answer from {self.url} "
+                            f"after {attempt + 1} attempt(s) ({type(exc).__name__}: {exc}); "
+                            "check that the server is running and that base_url is right",
+                            session_id=session_id,
+                        ) from exc
+                    delay = self._delay(attempt, None)
+                except httpx.HTTPError as exc:
+                    raise ModelError(
+                        f"session {session_id!r}: the request to {self.url} failed "
+                        f"({type(exc).__name__}: {exc}); check base_url and the client's settings",
+                        session_id=session_id,
+                    ) from exc
+                attempt += 1
+                await trio.sleep(delay)
+
+    # -- the request ---------------------------------------------------------
+
+    def _encode(self, request: ModelRequest) -> bytes:
+        body: dict[str, Any] = dict(self.extra_body or {})
+        body["model"] = self.model
+        body["messages"] = [_message_to_openai(m, request.session_id) for m in request.messages]
+        if request.tools:
+            body["tools"] = [_tool_to_openai(t) for t in request.tools]
+        else:
+            body.pop("tools", None)
+        body["stream"] = True
+        try:
+            return json.dumps(body, ensure_ascii=False, default=_json_default).encode()
+        except (TypeError, ValueError) as exc:
+            raise ModelError(
+                f"session {request.session_id!r}: the request body cannot be written as JSON "
+                f"({exc}); tool parameters and extra_body must hold only JSON values",
+                session_id=request.session_id,
+            ) from exc
+
+    def _request_headers(self) -> dict[str, str]:
+        headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+        headers.update(self.headers or {})
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    # -- the response --------------------------------------------------------
+
+    def _check_content_type(self, session_id: str, response: httpx.Response) -> None:
+        content_type = response.headers.get("content-type", "")
+        if "text/event-stream" not in content_type.partition(";")[0]:
+            raise ModelError(
+                f"session {session_id!r}: {self.url} answered with content-type "
+                f"{content_type!r} instead of an event stream; check that base_url points "
+                "to an OpenAI-compatible API (it usually ends in /v1)",
+                session_id=session_id,
+            )
+
+    async def _error_detail(self, response: httpx.Response) -> str:
+        """The server's own words about an error response, from its (bounded) body."""
+        body = bytearray()
+        # httpx types it as an iterator, but it is an async generator: close it.
+        chunks = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                body += chunk
+                if len(body) >= _MAX_ERROR_BODY:
+                    break
+        text = bytes(body[:_MAX_ERROR_BODY]).decode("utf-8", errors="replace")
+        with contextlib.suppress(ValueError):
+            message = _error_message(json.loads(text))
+            if message:
+                return _quote(message)
+        return _quote(text) if text.strip() else (response.reason_phrase or "no details")
+
+    def _raise_status(self, session_id: str, status: int, detail: str, attempt: int) -> NoReturn:
+        if status in (401, 403):
+            advice = "check the api_key"
+        elif status == 404:
+            advice = "check base_url (it usually ends in /v1) and the model name"
+        elif status in _RETRYABLE_STATUS:
+            advice = (
+                f"gave up after {attempt + 1} attempt(s); try again later "
+                "or raise max_retries and max_backoff"
+            )
+        elif 400 <= status < 500:
+            advice = "check the messages, the tools' schemas and extra_body"
+        else:
+            advice = "check base_url"
+        raise ModelError(
+            f"session {session_id!r}: {self.url} answered HTTP {status}: {detail}; {advice}",
+            session_id=session_id,
+            status_code=status,
+        )
+
+    def _delay(self, attempt: int, headers: httpx.Headers | None) -> float:
+        """How long to wait before attempt number ``attempt + 1``."""
+        if headers is not None:
+            retry_after = _retry_after(headers)
+            if retry_after is not None:
+                return min(retry_after, self.max_backoff)
+        delay = self.backoff * 2.0**attempt
+        return min(delay * (1.0 + 0.25 * random.random()), self.max_backoff)
+
+
+@attrs.define(eq=False)
+class _StreamParser:
+    """Turns the events of one chat completion stream into chunks."""
+
+    model: OpenAIChatModel
+    session_id: str
+    done: bool = False
+    finished: bool = False
+
+    def feed(self, event: str, data: str) -> list[ModelChunk]:
+        if not data:
+            # A ``retry:``-only block, a keep-alive, or an event without data.
+            return []
+        if data.strip() == "[DONE]":
+            self.done = True
+            return []
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            self._malformed(f"an event's data is not JSON: {_quote(data)}")
+        if not isinstance(payload, dict):
+            self._malformed(f"an event's data is not a JSON object: {_quote(data)}")
+        if payload.get("error") is not None or event == "error":
+            message = _error_message(payload) or data
+            raise ModelError(
+                f"session {self.session_id!r}: {self.model.url} reported an error in the "
+                f"stream: {_quote(message)}; check the request, or run the turn again",
+                session_id=self.session_id,
+            )
+        choices = payload.get("choices")
+        if not isinstance(choices, list):
+            self._malformed(f"a chunk has no 'choices' list: {_quote(data)}")
+        chunks: list[ModelChunk] = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                self._malformed(f"a choice is not a JSON object: {_quote(data)}")
+            if choice.get("index") not in (0, None):
+                continue  # only the first choice is the answer
+            if choice.get("finish_reason"):
+                self.finished = True
+            delta = choice.get("delta")
+            if delta is None:
+                continue
+            if not isinstance(delta, dict):
+                self._malformed(f"a choice's 'delta' is not a JSON object: {_quote(data)}")
+            content = delta.get("content")
+            if content is not None:
+                if not isinstance(content, str):
+                    self._malformed(f"'delta.content' is not a string: {_quote(data)}")
+                if content:
+                    chunks.append(TextChunk(content))
+            tool_calls = delta.get("tool_calls")
+            if tool_calls is not None:
+                if not isinstance(tool_calls, list):
+                    self._malformed(f"'delta.tool_calls' is not a list: {_quote(data)}")
+                for position, fragment in enumerate(tool_calls):
+                    chunks.append(self._tool_call_chunk(fragment, position, data))
+        return chunks
+
+    def finish(self) -> None:
+        """Check, once the stream has ended, that it ended properly."""
+        if not (self.done or self.finished):
+            raise ModelError(
+                f"session {self.session_id!r}: the stream from {self.model.url} ended before "
+                "'data: [DONE]' and without a finish_reason, so the answer may be cut short; "
+                "run the turn again",
+                session_id=self.session_id,
+            )
+
+    def _tool_call_chunk(self, fragment: object, position: int, data: str) -> ToolCallChunk:
+        if not isinstance(fragment, dict):
+            self._malformed(f"a tool call fragment is not a JSON object: {_quote(data)}")
+        index = fragment.get("index", position)
+        call_id = fragment.get("id")
+        function = fragment.get("function") or {}
+        if not isinstance(function, dict):
+            self._malformed(f"a tool call's 'function' is not a JSON object: {_quote(data)}")
+        name = function.get("name")
+        arguments = function.get("arguments")
+        if (
+            not isinstance(index, int)
+            or isinstance(index, bool)
+            or not isinstance(call_id, str | None)
+            or not isinstance(name, str | None)
+            or not isinstance(arguments, str | None)
+        ):
+            self._malformed(f"a tool call fragment has fields of the wrong type: {_quote(data)}")
+        return ToolCallChunk(
+            index, id=call_id or None, name=name or None, arguments=arguments or ""
+        )
+
+    def _malformed(self, what: str) -> NoReturn:
+        raise ModelError(
+            f"session {self.session_id!r}: {self.model.url} sent a malformed stream: {what}; "
+            "check that base_url points to an OpenAI-compatible API",
+            session_id=self.session_id,
+        )
+
+
+def _message_to_openai(message: Message, session_id: str) -> dict[str, Any]:
+    if message.role is Role.TOOL:
+        if message.tool_call_id is None:
+            raise ModelError(
+                f"session {session_id!r}: tool message {message.id!r} has no tool_call_id, "
+                "so the model cannot tell which call it answers",
+                session_id=session_id,
+            )
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    converted: dict[str, Any] = {"role": message.role.value, "content": message.content}
+    if message.role is Role.ASSISTANT and message.tool_calls:
+        converted["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+        if not message.content:
+            converted["content"] = None
+    return converted
+
+
+def _tool_to_openai(tool: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.parameters,
+        },
+    }
+
+
+def _error_message(payload: object) -> str | None:
+    """The message in an error body: OpenAI's ``{"error": {"message"}}`` and its cousins."""
+    if not isinstance(payload, dict):
+        return None
+    error = payload.get("error", payload)
+    if isinstance(error, str):
+        return error
+    if isinstance(error, dict):
+        for key in ("message", "detail", "error"):
+            value = error.get(key)
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """The wait a server asked for, in seconds, or ``None`` when it asked for none."""
+    value = headers.get("retry-after-ms")
+    if value is not None:
+        with contextlib.suppress(ValueError):
+            return max(0.0, float(value) / 1000.0)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    with contextlib.suppress(ValueError):
+        return max(0.0, float(value))
+    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+        when = email.utils.parsedate_to_datetime(value)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+    return None
