@@ -1,6 +1,7 @@
 """sessionactors: many concurrent, durable LLM conversations as trio actors."""
 
 from ._agent import Agent as Agent
+from ._agent import Compaction as Compaction
 from ._codec import dump_snapshot as dump_snapshot
 from ._codec import load_snapshot as load_snapshot
 

@@ -10,7 +10,7 @@ restart intensity.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -369,6 +369,8 @@ class Actor:
                 return
             self._ready = None
             ready.set()
+            if self.session.open_turn is not None and not self.session.reviews:
+                await self.resume_interrupted()
         elif self.hub is None:
             self.hub = host.hub_for(self.session_id)
             self.hub.advance(self.session.event_seq)
@@ -436,12 +438,36 @@ class Actor:
         turn_id = self.turn_id = request.turn_id
         self.turn_request = request
         self._set_status(Status.RUNNING)
-        self._emit(TurnStarted(session_id=sid, seq=self._seq(), turn_id=turn_id, text=request.text))
+        self._durable(
+            TurnStarted(
+                session_id=sid,
+                seq=self._seq(),
+                turn_id=turn_id,
+                text=request.text,
+                idempotency_key=key,
+            )
+        )
         self.add_message(Message.create(Role.USER, request.text))
-        await self._drive(agent, request.pending, key)
+        await self._drive(agent, request.pending, key, before=self._compact_before)
 
-    async def _drive(self, agent: Agent, pending: Pending, key: str | None) -> None:
-        """Run (or resume) the turn loop and settle its outcome."""
+    async def _compact_before(self, agent: Agent) -> bool:
+        from ._tooling import maybe_compact
+
+        await maybe_compact(self, agent)
+        return True
+
+    async def _drive(
+        self,
+        agent: Agent,
+        pending: Pending,
+        key: str | None,
+        before: Callable[[Agent], Awaitable[bool]] | None = None,
+    ) -> None:
+        """Run (or resume) the turn loop and settle its outcome.
+
+        ``before`` runs first, inside the turn's cancel scope; if it returns
+        False the turn pauses (a review) without asking the model.
+        """
         sid = self.session_id
         turn_id = self.turn_id
         failure: BaseException | None = None
@@ -450,7 +476,8 @@ class Actor:
         with trio.CancelScope() as scope:
             self.turn_scope = scope
             try:
-                final = await run_turn(agent, self)
+                if before is None or await before(agent):
+                    final = await run_turn(agent, self)
             except Exception as exc:
                 failure = exc
         self.turn_scope = None
@@ -513,14 +540,43 @@ class Actor:
             pending.set_result((turn_id, final, ()))
 
     async def _call(self, request: CallRequest) -> None:
-        from ._tooling import run_call
+        from ._tooling import resolve_review, run_call
 
         try:
+            if request.kind == "review":
+                await resolve_review(self, request.pending, **request.args)
+                return
             result = await run_call(self, request.kind, request.args)
         except SessionActorsError as exc:
             request.pending.set_error(exc)
             return
         request.pending.set_result(result)
+
+    async def resume_interrupted(self) -> None:
+        """Finish a turn whose process died mid-tool (found open on wake)."""
+        from ._tooling import resume_tool_calls
+
+        open_turn = self.session.open_turn
+        assert open_turn is not None
+        self.turn_id = open_turn.turn_id
+        try:
+            agent = self.host.agent_for(self.session)
+        except LookupError as exc:
+            outcome = TurnFailed(
+                session_id=self.session_id,
+                seq=self._seq(),
+                turn_id=self.turn_id,
+                error=_describe(exc),
+            )
+            self._durable(outcome)
+            await self.commit()
+            return
+        self._set_status(Status.RUNNING)
+
+        async def before(agent: Agent) -> bool:
+            return await resume_tool_calls(self, agent, interrupted=True)
+
+        await self._drive(agent, Pending(), open_turn.idempotency_key, before=before)
 
     # ---- endings ---------------------------------------------------------------
 

@@ -45,6 +45,7 @@ class TurnStarted(Event):
 
     turn_id: str
     text: str = ""
+    idempotency_key: str | None = None
 
 
 @attrs.frozen(kw_only=True)

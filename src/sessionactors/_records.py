@@ -17,6 +17,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "CompletedTurn",
     "Message",
+    "OpenTurn",
     "ReviewRequest",
     "Role",
     "SessionInfo",
@@ -135,6 +136,19 @@ class CompletedTurn:
 
 
 @attrs.frozen(kw_only=True)
+class OpenTurn:
+    """A turn that began durably and has no outcome yet.
+
+    It is open while it waits on a review, or if its process died while a
+    tool ran; ``started_calls`` are the tool calls that began running.
+    """
+
+    turn_id: str
+    idempotency_key: str | None = None
+    started_calls: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class SessionState:
     """Everything durable about one session; what a snapshot holds."""
 
@@ -152,6 +166,7 @@ class SessionState:
     completed: tuple[CompletedTurn, ...] = ()
     reviews: tuple[ReviewRequest, ...] = ()
     turn_count: int = 0
+    open_turn: OpenTurn | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -164,3 +179,4 @@ class SessionInfo:
     message_count: int
     updated_at: datetime.datetime
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    pending_reviews: int = 0

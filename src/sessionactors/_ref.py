@@ -245,6 +245,38 @@ class SessionRef:
             session_id=self.session_id,
         )
 
+    # ---- reviews and history edits ---------------------------------------------
+
+    async def review(self, review_id: str, approve: bool, note: str | None = None) -> Reply:
+        """Approve (the tool runs) or deny (the model is told, with ``note``) a pending
+        review; the turn then goes on, and this returns its reply (which may list
+        further reviews)."""
+        turn_id, message, reviews = await self._request(
+            "review", {"review_id": review_id, "approve": approve, "note": note}
+        )  # type: ignore[misc]
+        return Reply(turn_id=turn_id, message=message, reviews=reviews)
+
+    async def pending_reviews(self) -> list[ReviewRequest]:
+        """The reviews this session waits on (at most one at a time)."""
+        session = await self._registry._ready(self.session_id)
+        return list(session.reviews.values())
+
+    async def truncate(self, keep_last: int) -> int:
+        """Drop all but the last ``keep_last`` messages (more if a tool call and its
+        results would be split); returns how many were removed."""
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, not {keep_last}")
+        return int(await self._request("truncate", {"keep_last": keep_last}))  # type: ignore[call-overload]
+
+    async def rewind(self, message_id: str) -> int:
+        """Drop every message after ``message_id`` (keeping a tool call's results);
+        returns how many were removed."""
+        return int(await self._request("rewind", {"message_id": message_id}))  # type: ignore[call-overload]
+
+    async def set_summary(self, text: str) -> None:
+        """Set the summary the model sees after the system prompt ("" clears it)."""
+        await self._request("set_summary", {"text": text})
+
     # ---- events --------------------------------------------------------------------
 
     def subscribe(self, after: int | None = None) -> _Subscription:

@@ -20,7 +20,8 @@ from ._errors import (
 )
 from ._hub import Hub, HubConfig
 from ._names import validate_name
-from ._records import SessionInfo, Status, new_id
+from ._history import rewind_end
+from ._records import ReviewRequest, SessionInfo, Status, new_id
 from ._ref import SessionRef
 from ._session import LiveSession
 from ._subscription import EventIterator, open_event_iterator
@@ -123,6 +124,12 @@ class Registry:
         if name in self._live:
             raise _exists_error(name)
         session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
+        return await self._create(session)
+
+    async def _create(self, session: LiveSession) -> SessionRef:
+        name = session.session_id
+        if name in self._live:
+            raise _exists_error(name)
         try:
             snapshot = dump_snapshot(session.to_state())
             info = dump_info(session.info())
@@ -142,6 +149,44 @@ class Registry:
         self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
         self.stats.spawned += 1
         return SessionRef(self, name)
+
+    async def fork(self, name: str, new_name: str, *, at: str | None = None) -> SessionRef:
+        """A new session ``new_name`` with ``name``'s history up to message ``at``
+        (all of it if None; a tool call keeps its results), agent, metadata,
+        system prompt and summary."""
+        validate_name(new_name)
+        self._check_open(new_name)
+        source = await self._ready(name)
+        messages = source.messages
+        if at is not None:
+            index = source.find(at)
+            if index < 0:
+                from ._tooling import MessageNotFoundError
+
+                raise MessageNotFoundError(
+                    f"session {name!r} has no message {at!r}; take ids from ref.history()",
+                    session_id=name,
+                )
+            messages = messages[: rewind_end(messages, index)]
+        session = LiveSession.new(
+            new_name,
+            agent=source.agent,
+            metadata=source.metadata,
+            system_prompt=source.system_prompt,
+        )
+        session.messages = list(messages)
+        session.summary = source.summary
+        if messages:
+            session.status = Status.IDLE
+        return await self._create(session)
+
+    async def pending_reviews(self) -> list[ReviewRequest]:
+        """Every pending review of every session, live or stored, oldest first."""
+        out: list[ReviewRequest] = []
+        for info in await self.sessions():
+            if info.pending_reviews:
+                out.extend((await self._ready(info.session_id)).reviews.values())
+        return sorted(out, key=lambda r: r.created_at)
 
     def ref(self, name: str) -> SessionRef:
         """A handle to ``name``: no I/O. Its first request wakes the session, or

@@ -19,13 +19,16 @@ from ._events import (
     ReviewRequested,
     ReviewResolved,
     StatusChanged,
+    ToolCallStarted,
     TurnCancelled,
     TurnFailed,
     TurnFinished,
+    TurnStarted,
 )
 from ._records import (
     CompletedTurn,
     Message,
+    OpenTurn,
     ReviewRequest,
     Role,
     SessionInfo,
@@ -38,6 +41,8 @@ __all__ = ["DURABLE_EVENTS", "MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
 
 #: Events that change the durable state and so go to the journal.
 DURABLE_EVENTS: tuple[type[Event], ...] = (
+    TurnStarted,
+    ToolCallStarted,
     MessageAdded,
     TurnFinished,
     TurnFailed,
@@ -106,6 +111,7 @@ class LiveSession:
         "event_seq",
         "messages",
         "metadata",
+        "open_turn",
         "reviews",
         "session_id",
         "status",
@@ -129,6 +135,7 @@ class LiveSession:
         self.completed: dict[str, CompletedTurn] = {c.key: c for c in state.completed}
         self.reviews: dict[str, ReviewRequest] = {r.id: r for r in state.reviews}
         self.turn_count = state.turn_count
+        self.open_turn: OpenTurn | None = state.open_turn
 
     @classmethod
     def new(
@@ -168,6 +175,7 @@ class LiveSession:
             completed=tuple(self.completed.values()),
             reviews=tuple(self.reviews.values()),
             turn_count=self.turn_count,
+            open_turn=self.open_turn,
         )
 
     def info(self, status: Status | None = None) -> SessionInfo:
@@ -178,6 +186,7 @@ class LiveSession:
             message_count=len(self.messages),
             updated_at=self.updated_at,
             metadata=self.metadata,
+            pending_reviews=len(self.reviews),
         )
 
     def view(self, prefix: tuple[Message, ...]) -> HistoryView:
@@ -201,7 +210,18 @@ class LiveSession:
             return
         if now is None:
             now = utcnow()
-        if isinstance(event, TurnFinished):
+        if isinstance(event, TurnStarted):
+            self.open_turn = OpenTurn(turn_id=event.turn_id, idempotency_key=event.idempotency_key)
+            self.updated_at = now
+        elif isinstance(event, ToolCallStarted):
+            if self.open_turn is not None:
+                self.open_turn = OpenTurn(
+                    turn_id=self.open_turn.turn_id,
+                    idempotency_key=self.open_turn.idempotency_key,
+                    started_calls=(*self.open_turn.started_calls, event.tool_call.id),
+                )
+        elif isinstance(event, TurnFinished):
+            self.open_turn = None
             self.turn_count += 1
             self.updated_at = now
             if event.idempotency_key is not None:
@@ -211,6 +231,7 @@ class LiveSession:
                 if len(self.completed) > MAX_COMPLETED_KEYS:
                     del self.completed[next(iter(self.completed))]
         elif isinstance(event, TurnFailed | TurnCancelled):
+            self.open_turn = None
             self.turn_count += 1
             self.updated_at = now
         elif isinstance(event, StatusChanged):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -46,11 +46,13 @@ class EventIterator:
 
     async def __anext__(self) -> Event:
         replay = self._replay
+        if replay:
+            # checkpoint before taking an event: a cancelled read must lose nothing
+            await trio.lowlevel.checkpoint()
         while replay:
             event = replay.popleft()
             if event.seq > self._cursor:
                 self._cursor = event.seq
-                await trio.lowlevel.checkpoint()
                 return event
         receive = self._sub.receive
         while True:
@@ -77,16 +79,25 @@ async def open_event_iterator(
     store: Store,
     after: int | None,
     on_close: Callable[[], None],
+    unsaved: Callable[[], Iterable[Event]] = tuple,
 ) -> EventIterator:
-    """Subscribe first (so nothing published meanwhile is missed), then gather the replay."""
+    """Subscribe first (so nothing published meanwhile is missed), then gather the replay.
+
+    ``unsaved`` gives the session's durable events that are not in the store yet.
+    """
     sub = hub.subscribe()
     try:
         if after is None:
             return EventIterator(session_id, hub, sub, [], hub.seq, on_close)
         if after < 0:
             raise ValueError(f"after must be a seq (>= 0), not {after}")
-        if hub.ring_covers(after):
+        # A hub still at seq 0 was made for a subscriber of a session that is not live
+        # (hibernated, stopped): it knows nothing of the session's past, so ask the store.
+        if hub.seq and hub.ring_covers(after):
             return EventIterator(session_id, hub, sub, hub.ring_after(after), after, on_close)
+        # What memory holds now (the ring, durable events not stored yet), then the journal.
+        found: dict[int, Event] = {e.seq: e for e in unsaved() if e.seq > after}
+        found.update((e.seq, e) for e in hub.ring_after(after))
         trimmed, entries = await store.read_journal(session_id, after)
         if trimmed > after:
             raise EventsExpiredError(
@@ -96,13 +107,18 @@ async def open_event_iterator(
                 session_id=session_id,
                 oldest_seq=trimmed + 1,
             )
-        oldest_in_ring = hub.oldest_seq
-        replay = [
-            event
-            for event in (load_event(e.data, session_id=session_id) for e in entries)
-            if oldest_in_ring is None or event.seq < oldest_in_ring
-        ]
-        replay.extend(hub.ring_after(after))
+        for entry in entries:
+            if entry.seq not in found:
+                found[entry.seq] = load_event(entry.data, session_id=session_id)
+        # Events published during the read wait in the buffer: they join the replay, or a
+        # replayed event with a larger seq would make the iterator skip them.
+        while True:
+            try:
+                event = sub.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            found[event.seq] = event
+        replay = [found[seq] for seq in sorted(found) if seq > after]
         return EventIterator(session_id, hub, sub, replay, after, on_close)
     except BaseException:
         hub.unsubscribe(sub)

@@ -1,0 +1,79 @@
+"""Pure rules for cutting a history without separating tool calls from their results.
+
+A "tool group" is an assistant message with tool calls followed by the tool
+messages that answer them. Every cut keeps or drops a group whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ._records import Message, Role
+
+__all__ = ["default_estimate", "rewind_end", "split_for_keep_last", "tool_pairs_intact"]
+
+
+def _group_start(messages: Sequence[Message], index: int) -> int:
+    """The index where the tool group containing ``index`` starts (itself if none)."""
+    i = index
+    while i > 0 and messages[i].role is Role.TOOL:
+        i -= 1
+    if i != index and messages[i].role is Role.ASSISTANT and messages[i].tool_calls:
+        return i
+    return index if messages[index].role is not Role.TOOL else i
+
+
+def split_for_keep_last(messages: Sequence[Message], keep_last: int) -> int:
+    """The index of the first message kept when keeping (at least) the last ``keep_last``.
+
+    The cut moves earlier when it would fall inside a tool group.
+    """
+    if keep_last <= 0:
+        return len(messages)
+    cut = max(0, len(messages) - keep_last)
+    if cut >= len(messages):
+        return len(messages)
+    return _group_start(messages, cut)
+
+
+def rewind_end(messages: Sequence[Message], index: int) -> int:
+    """The end (exclusive) of the history kept when rewinding to ``messages[index]``.
+
+    Keeping an assistant message with tool calls keeps its results too; keeping
+    one tool result keeps the rest of its group.
+    """
+    end = index + 1
+    start = _group_start(messages, index)
+    if messages[start].role is Role.ASSISTANT and messages[start].tool_calls:
+        while end < len(messages) and messages[end].role is Role.TOOL:
+            end += 1
+    return end
+
+
+def tool_pairs_intact(messages: Sequence[Message]) -> bool:
+    """Whether every tool result follows its call and every call has its result."""
+    open_calls: set[str] = set()
+    for m in messages:
+        if m.role is Role.TOOL:
+            if m.tool_call_id not in open_calls:
+                return False
+            open_calls.discard(m.tool_call_id)
+            continue
+        if open_calls:
+            return False
+        if m.role is Role.ASSISTANT and m.tool_calls:
+            open_calls = {c.id for c in m.tool_calls}
+    return not open_calls
+
+
+def default_estimate(messages: Sequence[Message]) -> int:
+    """A rough token count: about four characters a token, plus a few per message."""
+    total = 0
+    for m in messages:
+        total += 4 + len(m.content) // 4
+        for call in m.tool_calls:
+            total += 4 + (len(call.name) + len(call.arguments)) // 4
+    return total
+
+
+Estimator = Callable[[Sequence[Message]], int]
