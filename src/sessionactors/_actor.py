@@ -19,6 +19,7 @@ import trio
 from ._agent import Agent, run_turn
 from ._codec import dump_event, dump_info, dump_snapshot, load_event, load_snapshot
 from ._errors import (
+    FencedOutError,
     SessionActorsError,
     SessionBusyError,
     SessionCrashedError,
@@ -149,6 +150,7 @@ class Actor:
         "host",
         "hub",
         "inflight_keys",
+        "kill_error",
         "lease",
         "load_error",
         "partial",
@@ -182,6 +184,7 @@ class Actor:
         self.run_scope: trio.CancelScope | None = None
         self.done: trio.Event | None = None
         self.lease: Lease | None = None
+        self.kill_error: SessionActorsError | None = None
         self.load_error: SessionActorsError | None = None
         self.unsaved: list[Event] = []
         self._since_snapshot = 0
@@ -303,10 +306,33 @@ class Actor:
 
     # ---- the loop ---------------------------------------------------------
 
+    async def claim(self) -> None:
+        """Take the session's lease (shared stores): one live owner at a time."""
+        host = self.host
+        if not host.config.leases:
+            return
+        lease = await host.store.claim(self.session_id, host.owner_id, host.config.lease_ttl)
+        if lease is None:
+            raise SessionBusyError(
+                f"session {self.session_id!r} is live on another worker (it holds the "
+                "session's lease); send the request through that worker, or retry after "
+                "it hibernates the session or its lease expires",
+                session_id=self.session_id,
+            )
+        self.lease = lease
+
+    def kill(self, error: SessionActorsError) -> None:
+        """Stop at once (deleted, or the lease was lost): waiters get ``error``."""
+        self.kill_error = error
+        self.send.close()
+        if self.run_scope is not None:
+            self.run_scope.cancel()
+
     async def load(self) -> None:
         """Wake: rebuild the state from the store (snapshot + journal tail)."""
         host = self.host
         sid = self.session_id
+        await self.claim()
         stored = await host.store.load(sid)
         if stored is None:
             raise SessionNotFoundError(
@@ -695,8 +721,8 @@ async def session_task(host: Host, actor: Actor) -> None:
         try:
             with scope:
                 await actor.run()
-            if scope.cancelled_caught:  # deleted
-                error = SessionNotFoundError(
+            if scope.cancelled_caught:  # deleted, or its lease was lost
+                error = actor.kill_error or SessionNotFoundError(
                     f"session {actor.session_id!r} was deleted while this request was pending",
                     session_id=actor.session_id,
                 )
@@ -708,6 +734,17 @@ async def session_task(host: Host, actor: Actor) -> None:
                 actor._fail_queued(error)
                 actor.receive.close()
                 host.detach(actor)
+            return
+        except FencedOutError as exc:
+            # another worker owns the session now: stop here, no restart
+            host.stats.leases_lost += 1
+            actor.send.close()
+            if actor.turn_request is not None:
+                actor.turn_request.pending.set_error(exc)
+            actor._fail_queued(exc)
+            actor.receive.close()
+            actor.lease = None
+            host.detach(actor)
             return
         except Exception as exc:
             host.stats.crashes += 1

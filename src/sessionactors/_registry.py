@@ -13,10 +13,12 @@ from ._actor import Actor, session_task
 from ._agent import Agent
 from ._codec import dump_info, dump_snapshot, load_event, load_info, load_snapshot
 from ._errors import (
+    FencedOutError,
     SessionCrashedError,
     SessionExistsError,
     SessionNotFoundError,
     SessionStoppedError,
+    StoreError,
 )
 from ._hub import Hub, HubConfig
 from ._names import validate_name
@@ -46,6 +48,8 @@ class RegistryConfig:
     snapshot_every: int = 1000
     journal_keep_seqs: int = 100_000
     write_bound: float = 30.0
+    leases: bool = False
+    lease_ttl: float = 30.0
     hub: HubConfig = HubConfig()
 
 
@@ -63,6 +67,7 @@ class Counters:
     turns_completed: int = 0
     turns_failed: int = 0
     turns_cancelled: int = 0
+    leases_lost: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +87,7 @@ class RegistryStatistics:
     turns_completed: int
     turns_failed: int
     turns_cancelled: int
+    leases_lost: int
 
 
 @attrs.define(eq=False, repr=False)
@@ -145,6 +151,9 @@ class Registry:
         if name in self._live:  # woken meanwhile by a request racing this spawn
             raise _exists_error(name)
         actor = Actor(self, name, session)
+        await actor.claim()
+        if name in self._live:
+            raise _exists_error(name)
         self._live[name] = actor
         self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
         self.stats.spawned += 1
@@ -273,6 +282,7 @@ class Registry:
             turns_completed=s.turns_completed,
             turns_failed=s.turns_failed,
             turns_cancelled=s.turns_cancelled,
+            leases_lost=s.leases_lost,
         )
 
     # ---- the actor's host -----------------------------------------------------------
@@ -458,6 +468,31 @@ class Registry:
         with trio.move_on_after(self.config.write_bound):
             await self._wait_all_gone()
 
+    async def _renew_leases(self) -> None:
+        """Keep the leases of live sessions; stop at once a session whose lease is lost."""
+        ttl = self.config.lease_ttl
+        while True:
+            await trio.sleep(ttl / 3)
+            for actor in list(self._live.values()):
+                lease = actor.lease
+                if lease is None:
+                    continue
+                try:
+                    held = await self.store.renew(actor.session_id, lease, ttl)
+                except StoreError:
+                    continue  # try again next round; the store decides at expiry
+                if not held and actor.lease is lease:
+                    self.stats.leases_lost += 1
+                    actor.lease = None
+                    actor.kill(
+                        FencedOutError(
+                            f"session {actor.session_id!r} lost its lease (another worker "
+                            "took it over); this worker stopped it, so send the request "
+                            "again: it goes to the session's new owner",
+                            session_id=actor.session_id,
+                        )
+                    )
+
     async def _wait_all_gone(self) -> None:
         while self._live:
             await self._wait_gone(next(iter(self._live.values())))
@@ -486,6 +521,8 @@ async def open_registry(
     subscriber_buffer: int = 1000,
     snapshot_every: int = 1000,
     journal_keep_seqs: int = 100_000,
+    leases: bool | None = None,
+    lease_ttl: float = 30.0,
 ) -> AsyncIterator[Registry]:
     """Open a registry of session actors; leaving the block shuts it down.
 
@@ -505,6 +542,10 @@ async def open_registry(
       ``subscriber_buffer``: events a subscriber may fall behind before it is ended.
     - ``snapshot_every``: journal entries between automatic snapshots;
       ``journal_keep_seqs``: how far back (in seq) the journal is kept for replay.
+    - ``leases``: whether a live session holds its lease in the store, so that at
+      most one worker runs it (default: yes for every store but ``MemoryStore``);
+      ``lease_ttl``: seconds a lease lasts unless renewed (renewed every third of it).
+      A worker that dies loses its leases after ``lease_ttl``.
     """
     if agents is None or not agents:
         raise ValueError("open_registry needs agents={name: Agent(...)}, at least one")
@@ -517,7 +558,7 @@ async def open_registry(
         raise ValueError(f"mailbox_size must be at least 1, not {mailbox_size}")
     if idle_timeout is not None and idle_timeout <= 0:
         raise ValueError(f"idle_timeout must be positive or None, not {idle_timeout}")
-    config = RegistryConfig(
+    config = RegistryConfig(  # leases settled below, once the store is known
         idle_timeout=idle_timeout,
         mailbox_size=mailbox_size,
         shutdown_grace=shutdown_grace,
@@ -526,6 +567,8 @@ async def open_registry(
         durability=durability,
         snapshot_every=snapshot_every,
         journal_keep_seqs=journal_keep_seqs,
+        leases=bool(leases),
+        lease_ttl=lease_ttl,
         hub=HubConfig(
             replay_events=replay_events,
             replay_bytes=replay_bytes,
@@ -533,11 +576,17 @@ async def open_registry(
         ),
     )
     the_store: Store = store if store is not None else MemoryStore()
+    if leases is None:
+        config = attrs.evolve(config, leases=not isinstance(the_store, MemoryStore))
+    if lease_ttl <= 0:
+        raise ValueError(f"lease_ttl must be positive, not {lease_ttl}")
     try:
         async with trio.open_nursery() as nursery:
             registry = Registry(
                 store=the_store, agents=dict(agents), config=config, nursery=nursery
             )
+            if config.leases:
+                nursery.start_soon(registry._renew_leases, name="lease renewal")
             try:
                 yield registry
             finally:
