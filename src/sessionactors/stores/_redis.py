@@ -1,0 +1,557 @@
+"""``RedisStore``: sessions kept in Redis, shared by many worker processes.
+
+Layout (every key starts with ``prefix``; ``<n>`` is the session name as
+unpadded base64url of its UTF-8 bytes, so no character of a name ever
+reaches a key, a pattern or a script unescaped)::
+
+    <prefix>:fence          fencing counter shared by every session (INCR)
+    <prefix>:sessions       set of every stored ``<n>`` (for list_sessions)
+    <prefix>:s:<n>:meta     hash: snap (snapshot bytes), seq (its seq),
+                            last (highest seq appended), trimmed (highest seq trimmed)
+    <prefix>:s:<n>:info     the info blob
+    <prefix>:s:<n>:log      the journal, a stream whose entry ids are ``<seq>-0``
+    <prefix>:s:<n>:lease    hash: owner, fence; expires with the lease (PEXPIRE)
+
+Every write is one Lua script, so it is atomic and, when it carries a fencing
+token, checks that token in the same step. Fencing tokens come from one
+counter per prefix: they strictly increase for every session, across claims,
+releases and deletes, and no per-session key outlives a delete.
+
+The store speaks to a standalone Redis (6.2 or later: ``XTRIM MINID`` and
+exclusive ``XRANGE`` ranges); the scripts touch more than one hash slot, so
+Redis Cluster is not supported.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import attrs
+import coredis
+import coredis.exceptions
+import trio
+from coredis.commands import Script
+from coredis.retry import NoRetryPolicy
+
+from .._errors import StoreError
+from ._base import JournalEntry, Lease, StoredSession
+from ._memory import (
+    _check_entries,
+    _check_snapshot_seqs,
+    _check_ttl,
+    _exists_error,
+    _fenced_out_error,
+    _not_found_error,
+)
+
+__all__ = ["RedisStore"]
+
+_T = TypeVar("_T")
+
+# Seqs and fences travel through Lua, whose numbers are doubles: keep them exact.
+_MAX_SEQ: Final = 2**53 - 1
+_MGET_CHUNK: Final = 500
+
+# Status codes returned by the write scripts.
+_OK: Final = 0
+_NOT_FOUND: Final = 1
+_FENCED: Final = 2
+_SEQ_CONFLICT: Final = 3
+_OLDER_SNAPSHOT: Final = 4
+
+# A fenced write passes when the lease exists (unexpired) and holds ``fence``.
+# Replies {2, current fence or nil} otherwise.
+_CHECK_FENCE: Final = """
+if ARGV[1] ~= '' then
+  local current = redis.call('HGET', KEYS[4], 'fence')
+  if current ~= ARGV[1] then return {2, current} end
+end
+"""
+
+# KEYS: meta, info, log, index.  ARGV: snapshot, info, encoded name.
+_CREATE: Final = Script[bytes](
+    script="""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[1], 'snap', ARGV[1], 'seq', '0', 'last', '0', 'trimmed', '0')
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: meta, info, log, lease.  ARGV: fence or '', info, then seq, data pairs.
+_APPEND: Final = Script[bytes](
+    script="""
+if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
+"""
+    + _CHECK_FENCE
+    + """
+if #ARGV >= 3 then
+  local m = redis.call('HMGET', KEYS[1], 'last', 'seq')
+  local floor = math.max(tonumber(m[1]), tonumber(m[2]))
+  if tonumber(ARGV[3]) <= floor then return {3, floor} end
+  for i = 3, #ARGV, 2 do
+    redis.call('XADD', KEYS[3], ARGV[i] .. '-0', 'd', ARGV[i + 1])
+  end
+  redis.call('HSET', KEYS[1], 'last', ARGV[#ARGV - 1])
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return {0}
+"""
+)
+
+# KEYS: meta, info, log, lease.
+# ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0').
+_WRITE_SNAPSHOT: Final = Script[bytes](
+    script="""
+if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
+"""
+    + _CHECK_FENCE
+    + """
+local stored = redis.call('HGET', KEYS[1], 'seq')
+if tonumber(ARGV[4]) < tonumber(stored) then return {4, stored} end
+redis.call('HSET', KEYS[1], 'snap', ARGV[3], 'seq', ARGV[4])
+if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'trimmed')) then
+  redis.call('XTRIM', KEYS[3], 'MINID', ARGV[6])
+  redis.call('HSET', KEYS[1], 'trimmed', ARGV[5])
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return {0}
+"""
+)
+
+# KEYS: meta, log.  Returns false, or {snapshot, seq, entries after seq}.
+_LOAD: Final = Script[bytes](
+    script="""
+local m = redis.call('HMGET', KEYS[1], 'snap', 'seq')
+if not m[1] then return false end
+return {m[1], m[2], redis.call('XRANGE', KEYS[2], '(' .. m[2] .. '-0', '+')}
+"""
+)
+
+# KEYS: meta, log.  ARGV: first id ('(<after>-0' or '-').
+# Returns false, or {trimmed, entries}.
+_READ_JOURNAL: Final = Script[bytes](
+    script="""
+local t = redis.call('HGET', KEYS[1], 'trimmed')
+if not t then return false end
+return {t, redis.call('XRANGE', KEYS[2], ARGV[1], '+')}
+"""
+)
+
+# KEYS: meta, info, log, lease, index.  ARGV: encoded name.
+_DELETE: Final = Script[bytes](
+    script="""
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('SREM', KEYS[5], ARGV[1])
+return existed
+"""
+)
+
+# KEYS: lease, fence counter.  ARGV: owner, ttl in ms.  Returns the new fence or false.
+_CLAIM: Final = Script[bytes](
+    script="""
+local current = redis.call('HGET', KEYS[1], 'owner')
+if current and current ~= ARGV[1] then return false end
+local fence = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return fence
+"""
+)
+
+# KEYS: lease.  ARGV: owner, fence, ttl in ms.
+_RENEW: Final = Script[bytes](
+    script="""
+local v = redis.call('HMGET', KEYS[1], 'owner', 'fence')
+if v[1] ~= ARGV[1] or v[2] ~= ARGV[2] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: lease.  ARGV: owner, fence.
+_RELEASE: Final = Script[bytes](
+    script="""
+local v = redis.call('HMGET', KEYS[1], 'owner', 'fence')
+if v[1] ~= ARGV[1] or v[2] ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+)
+
+# What a lost or refused connection can raise from inside coredis.
+_TRANSPORT_ERRORS: Final = (
+    coredis.exceptions.RedisError,
+    OSError,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.EndOfStream,
+)
+
+
+def _encode_name(session_id: str) -> str:
+    raw = session_id.encode("utf-8", "surrogatepass")
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _decode_name(encoded: bytes) -> str | None:
+    try:
+        raw = base64.urlsafe_b64decode(encoded + b"=" * (-len(encoded) % 4))
+        return raw.decode("utf-8", "surrogatepass")
+    except ValueError:
+        return None
+
+
+def _ttl_ms(ttl: float) -> str:
+    _check_ttl(ttl)
+    return str(max(1, math.ceil(ttl * 1000)))
+
+
+def _fence_arg(fence: int | None) -> str:
+    return "" if fence is None else str(fence)
+
+
+def _check_max_seq(session_id: str, seq: int) -> None:
+    if seq > _MAX_SEQ:
+        raise StoreError(
+            f"session {session_id!r}: seq {seq} is above 2**53 - 1, the largest the redis "
+            "store keeps exactly; keep seqs below it (nothing was written)",
+            session_id=session_id,
+        )
+
+
+def _check_status(reply: Any, session_id: str, fence: int | None) -> None:
+    """Raise the error a write script's status reply stands for."""
+    status = int(reply[0])
+    if status == _OK:
+        return
+    if status == _NOT_FOUND:
+        raise _not_found_error(session_id)
+    if status == _FENCED and fence is not None:
+        current = reply[1] if len(reply) > 1 else None
+        problem = (
+            "the lease is not held: released, expired or never claimed"
+            if current is None
+            else f"the current fencing token is {int(current)}"
+        )
+        raise _fenced_out_error(session_id, fence, problem)
+    raise StoreError(
+        f"session {session_id!r}: unexpected reply {reply!r} from redis; "
+        "check that nothing else writes under this store's prefix",
+        session_id=session_id,
+    )
+
+
+def _entries(reply: Any) -> list[JournalEntry]:
+    # XRANGE reply: [[b'<seq>-0', [b'd', data]], ...]
+    return [
+        JournalEntry(int(bytes(eid).split(b"-", 1)[0]), bytes(fields[1])) for eid, fields in reply
+    ]
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
+
+
+class _Unavailable(Exception):
+    """The client could not be opened."""
+
+
+@attrs.define(eq=False)
+class _Connection:
+    """One lazily opened client, owned by a system task of the trio run that opened it."""
+
+    token: trio.lowlevel.TrioToken
+    ready: trio.Event = attrs.field(factory=trio.Event)
+    stop: trio.Event = attrs.field(factory=trio.Event)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    client: coredis.Redis[bytes] | None = None
+    error: BaseException | None = None
+
+
+async def _own_client(conn: _Connection, client: coredis.Redis[bytes]) -> None:
+    # The client's connection pool runs a task group that must be entered and
+    # exited by one task: this one, which lives until aclose() or the end of the run.
+    try:
+        async with client:
+            conn.client = client
+            conn.ready.set()
+            await conn.stop.wait()
+    except Exception as exc:
+        conn.error = exc
+    finally:
+        conn.client = None
+        conn.ready.set()
+        conn.done.set()
+
+
+@attrs.define(eq=False, repr=False)
+class RedisStore:
+    """A :class:`~sessionactors.stores.Store` in Redis, for many processes or machines.
+
+    ``url`` is a ``redis://``, ``rediss://`` or ``unix://`` URL; every key starts
+    with ``prefix``, so several applications can share one database. Nothing is
+    opened here: the first call connects inside the running trio run, and a call
+    after :meth:`aclose` connects again.
+
+    ``client`` is an already opened ``coredis.Redis`` (``decode_responses=False``)
+    to use instead of ``url``: its owner keeps it open and closes it, not
+    :meth:`aclose`.
+
+    Needs the ``redis`` extra (coredis).
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = attrs.field(default="sessionactors", kw_only=True)
+    _client: coredis.Redis[bytes] | None = attrs.field(default=None, kw_only=True, alias="client")
+    _conn: _Connection | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self._client is None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"redis url {_redact(self.url)!r} is not a redis://, rediss:// or unix:// url; "
+                "pass one like 'redis://127.0.0.1:6379/0'"
+            )
+        if self._client is not None and self._client.decode_responses:
+            raise ValueError(
+                "the coredis client decodes responses; open it with decode_responses=False"
+            )
+        if not self.prefix:
+            raise ValueError("redis key prefix is empty; pass a prefix such as 'sessionactors'")
+
+    def __repr__(self) -> str:
+        where = "client" if self._client is not None else repr(_redact(self.url))
+        return f"RedisStore({where}, prefix={self.prefix!r})"
+
+    # -- keys ----------------------------------------------------------------------
+
+    def _keys(self, session_id: str) -> tuple[str, str, str, str]:
+        base = f"{self.prefix}:s:{_encode_name(session_id)}"
+        return f"{base}:meta", f"{base}:info", f"{base}:log", f"{base}:lease"
+
+    @property
+    def _index_key(self) -> str:
+        return f"{self.prefix}:sessions"
+
+    @property
+    def _fence_key(self) -> str:
+        return f"{self.prefix}:fence"
+
+    # -- connection ----------------------------------------------------------------
+
+    async def _connected(self) -> tuple[coredis.Redis[bytes], _Connection | None]:
+        if self._client is not None:
+            await trio.lowlevel.checkpoint()
+            return self._client, None
+        token = trio.lowlevel.current_trio_token()
+        conn = self._conn
+        if conn is None or conn.token is not token or conn.done.is_set():
+            conn = self._conn = _Connection(token)
+            client = coredis.Redis.from_url(self.url, retry_policy=NoRetryPolicy())
+            trio.lowlevel.spawn_system_task(_own_client, conn, client, name=repr(self))
+        await conn.ready.wait()
+        if conn.client is None:
+            raise _Unavailable(str(conn.error)) from conn.error
+        return conn.client, conn
+
+    async def _run(
+        self,
+        doing: str,
+        session_id: str | None,
+        call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+    ) -> _T:
+        where = f"session {session_id!r}" if session_id is not None else "sessions"
+        conn: _Connection | None = None
+        try:
+            client, conn = await self._connected()
+            return await call(client)
+        except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
+            raise StoreError(
+                f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
+                "check that redis-server is reachable, then retry",
+                session_id=session_id,
+            ) from exc
+        except RuntimeError as exc:
+            # coredis refuses commands once its pool has been closed under them.
+            if conn is None or not conn.done.is_set():
+                raise
+            raise StoreError(
+                f"could not {doing} {where}: the redis store was closed meanwhile; retry",
+                session_id=session_id,
+            ) from exc
+
+    # -- the Store protocol --------------------------------------------------------
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        meta, info_key, log, _lease = self._keys(session_id)
+        created: Any = await self._run(
+            "create",
+            session_id,
+            lambda c: _CREATE(
+                [meta, info_key, log, self._index_key],
+                [snapshot, info, _encode_name(session_id)],
+                client=c,
+            ),
+        )
+        if not created:
+            raise _exists_error(session_id)
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        meta, _info, log, _lease = self._keys(session_id)
+        reply: Any = await self._run("load", session_id, lambda c: _LOAD([meta, log], client=c))
+        if reply is None:
+            return None
+        snapshot, seq, entries = reply
+        return StoredSession(
+            snapshot=bytes(snapshot), snapshot_seq=int(seq), entries=tuple(_entries(entries))
+        )
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        # The order within the batch is checked here; the script checks it against the store.
+        _check_max_seq(session_id, _check_entries(session_id, entries, 0))
+        args: list[str | bytes] = [_fence_arg(fence), info]
+        for entry in entries:
+            args += [str(entry.seq), entry.data]
+        reply: Any = await self._run(
+            "append to",
+            session_id,
+            lambda c: _APPEND(list(self._keys(session_id)), args, client=c),
+        )
+        if int(reply[0]) == _SEQ_CONFLICT:
+            _check_entries(session_id, entries, int(reply[1]))  # raises, worded as everywhere
+        _check_status(reply, session_id, fence)
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        _check_snapshot_seqs(session_id, seq, trim_upto, 0)
+        _check_max_seq(session_id, seq)
+        trim_upto = max(trim_upto, 0)
+        args: list[str | bytes] = [
+            _fence_arg(fence),
+            info,
+            snapshot,
+            str(seq),
+            str(trim_upto),
+            f"{trim_upto + 1}-0",
+        ]
+        reply: Any = await self._run(
+            "write a snapshot of",
+            session_id,
+            lambda c: _WRITE_SNAPSHOT(list(self._keys(session_id)), args, client=c),
+        )
+        if int(reply[0]) == _OLDER_SNAPSHOT:
+            _check_snapshot_seqs(session_id, seq, trim_upto, int(reply[1]))  # raises
+        _check_status(reply, session_id, fence)
+
+    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        meta, _info, log, _lease = self._keys(session_id)
+        start = "-" if after < 0 else f"({min(after, _MAX_SEQ)}-0"
+        reply: Any = await self._run(
+            "read the journal of",
+            session_id,
+            lambda c: _READ_JOURNAL([meta, log], [start], client=c),
+        )
+        if reply is None:
+            raise _not_found_error(session_id)
+        trimmed, entries = reply
+        return int(trimmed), _entries(entries)
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        async def run(client: coredis.Redis[bytes]) -> list[tuple[str, bytes]]:
+            members = sorted(await client.smembers(self._index_key))
+            found: list[tuple[str, bytes]] = []
+            for start in range(0, len(members), _MGET_CHUNK):
+                names: list[str] = []
+                keys: list[str] = []
+                for member in members[start : start + _MGET_CHUNK]:
+                    name = _decode_name(member)
+                    if name is not None:
+                        names.append(name)
+                        keys.append(self._keys(name)[1])
+                if not keys:
+                    continue
+                infos = await client.mget(keys)
+                # A session deleted between the two reads has no info: skip it.
+                found += [(n, i) for n, i in zip(names, infos, strict=True) if i is not None]
+            found.sort()
+            return found
+
+        return await self._run("list", None, run)
+
+    async def exists(self, session_id: str) -> bool:
+        meta = self._keys(session_id)[0]
+        count = await self._run("look up", session_id, lambda c: c.exists([meta]))
+        return bool(count)
+
+    async def delete(self, session_id: str) -> bool:
+        keys = [*self._keys(session_id), self._index_key]
+        existed: Any = await self._run(
+            "delete", session_id, lambda c: _DELETE(keys, [_encode_name(session_id)], client=c)
+        )
+        return bool(existed)
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
+        args = [owner, _ttl_ms(ttl)]
+        lease_key = self._keys(session_id)[3]
+        fence: Any = await self._run(
+            "claim",
+            session_id,
+            lambda c: _CLAIM([lease_key, self._fence_key], args, client=c),
+        )
+        if fence is None:
+            return None
+        return Lease(owner=owner, fence=int(fence))
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        args = [lease.owner, str(lease.fence), _ttl_ms(ttl)]
+        lease_key = self._keys(session_id)[3]
+        renewed: Any = await self._run(
+            "renew the lease of", session_id, lambda c: _RENEW([lease_key], args, client=c)
+        )
+        return bool(renewed)
+
+    async def release(self, session_id: str, lease: Lease) -> None:
+        args = [lease.owner, str(lease.fence)]
+        lease_key = self._keys(session_id)[3]
+        await self._run(
+            "release the lease of", session_id, lambda c: _RELEASE([lease_key], args, client=c)
+        )
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None or conn.token is not trio.lowlevel.current_trio_token():
+            # Nothing open in this run (a client opened by an earlier run died with it).
+            await trio.lowlevel.checkpoint()
+            return
+        conn.stop.set()
+        await conn.done.wait()

@@ -1,0 +1,590 @@
+"""RedisStore against a real redis-server: the store contract, leases and fencing."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import re
+import sys
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
+from urllib.parse import urlsplit
+
+import coredis
+import pytest
+import trio
+
+from sessionactors._errors import (
+    FencedOutError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StoreError,
+)
+from sessionactors.stores import JournalEntry, Lease, StoredSession
+from sessionactors.stores._redis import RedisStore
+from sessionactors.testing import check_store
+
+pytestmark = pytest.mark.redis
+
+E = JournalEntry
+MakeStore = Callable[..., RedisStore]
+
+
+def _new_prefix() -> str:
+    return f"sa-test:{uuid.uuid4().hex}"
+
+
+async def _drop_prefixes(url: str, prefixes: list[str]) -> None:
+    async with coredis.Redis.from_url(url) as client:
+        for prefix in prefixes:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+            if keys:
+                await client.unlink(keys)
+
+
+@pytest.fixture
+async def make_store(redis_url: str) -> AsyncIterator[MakeStore]:
+    """``make_store(prefix=None)``: a RedisStore on a fresh prefix (or on ``prefix``)."""
+    stores: list[RedisStore] = []
+    prefixes: list[str] = []
+
+    def make(prefix: str | None = None) -> RedisStore:
+        if prefix is None:
+            prefix = _new_prefix()
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+        store = RedisStore(redis_url, prefix=prefix)
+        stores.append(store)
+        return store
+
+    yield make
+    with trio.fail_after(30):
+        for store in stores:
+            await store.aclose()
+        await _drop_prefixes(redis_url, prefixes)
+
+
+async def _keys_under(url: str, prefix: str) -> list[str]:
+    async with coredis.Redis.from_url(url, decode_responses=True) as client:
+        return sorted([key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)])
+
+
+# -- the store contract ----------------------------------------------------------------
+
+
+async def test_passes_check_store(make_store: MakeStore) -> None:
+    """RedisStore passes the shared store conformance suite."""
+    with trio.fail_after(120):
+        await check_store(make_store)
+
+
+async def test_create_load_exists_and_duplicate(make_store: MakeStore) -> None:
+    """A created session loads with its snapshot at seq 0, and creating it again fails."""
+    store = make_store()
+    with trio.fail_after(10):
+        assert await store.load("s") is None
+        assert not await store.exists("s")
+        await store.create("s", b"snap", b"info")
+        assert await store.exists("s")
+        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        with pytest.raises(SessionExistsError, match="'s' is already stored") as caught:
+            await store.create("s", b"other", b"other")
+        assert caught.value.session_id == "s"
+        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        assert await store.list_sessions() == [("s", b"info")]
+
+
+async def test_append_load_and_read_journal(make_store: MakeStore) -> None:
+    """Appended entries come back in order from load and read_journal; info follows each write."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"i0")
+        await store.append("s", [E(1, b"one"), E(2, b"two")], b"i1")
+        await store.append("s", [], b"i2")
+        await store.append("s", [E(5, b"five")], b"i3")
+        loaded = await store.load("s")
+        assert loaded is not None
+        assert loaded.entries == (E(1, b"one"), E(2, b"two"), E(5, b"five"))
+        assert await store.read_journal("s", 0) == (0, [E(1, b"one"), E(2, b"two"), E(5, b"five")])
+        assert await store.read_journal("s", 2) == (0, [E(5, b"five")])
+        assert await store.read_journal("s", 3) == (0, [E(5, b"five")])
+        assert await store.read_journal("s", 5) == (0, [])
+        assert await store.list_sessions() == [("s", b"i3")]
+
+
+async def test_append_rejects_seqs_not_above_stored_ones(make_store: MakeStore) -> None:
+    """An append whose seqs are not strictly above every stored one fails and writes nothing."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"i0")
+        await store.append("s", [E(1, b"one"), E(2, b"two")], b"i1")
+        before = await store.load("s")
+        for batch in ([E(2, b"again")], [E(1, b"old"), E(3, b"new")], [E(4, b"x"), E(4, b"y")]):
+            with pytest.raises(StoreError, match="'s'"):
+                await store.append("s", batch, b"bad")
+        assert await store.load("s") == before
+        assert await store.list_sessions() == [("s", b"i1")]
+
+
+async def test_write_snapshot_compacts_the_journal(make_store: MakeStore) -> None:
+    """A snapshot replaces the old one and trims journal entries up to trim_upto."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap0", b"i0")
+        await store.append("s", [E(seq, b"%d" % seq) for seq in range(1, 6)], b"i1")
+        await store.write_snapshot("s", b"snap3", 3, b"i2", trim_upto=2)
+        assert await store.load("s") == StoredSession(
+            snapshot=b"snap3", snapshot_seq=3, entries=(E(4, b"4"), E(5, b"5"))
+        )
+        assert await store.read_journal("s", 0) == (2, [E(3, b"3"), E(4, b"4"), E(5, b"5")])
+        await store.write_snapshot("s", b"snap5", 5, b"i3", trim_upto=5)
+        assert await store.load("s") == StoredSession(snapshot=b"snap5", snapshot_seq=5)
+        assert await store.read_journal("s", 0) == (5, [])
+        with pytest.raises(StoreError):
+            await store.append("s", [E(5, b"again")], b"bad")
+        await store.append("s", [E(6, b"6")], b"i4")
+        assert await store.read_journal("s", 0) == (5, [E(6, b"6")])
+        assert await store.list_sessions() == [("s", b"i4")]
+        with pytest.raises(StoreError, match="trim_upto"):
+            await store.write_snapshot("s", b"x", 6, b"x", trim_upto=7)
+        with pytest.raises(StoreError, match="older"):
+            await store.write_snapshot("s", b"x", 4, b"x", trim_upto=0)
+        assert await store.load("s") == StoredSession(
+            snapshot=b"snap5", snapshot_seq=5, entries=(E(6, b"6"),)
+        )
+
+
+async def test_missing_session_errors(make_store: MakeStore) -> None:
+    """Writes and journal reads of a session that is not stored raise SessionNotFoundError."""
+    store = make_store()
+    with trio.fail_after(10):
+        with pytest.raises(SessionNotFoundError, match="'nope'"):
+            await store.append("nope", [E(1, b"x")], b"i")
+        with pytest.raises(SessionNotFoundError, match="'nope'"):
+            await store.write_snapshot("nope", b"x", 1, b"i", trim_upto=0)
+        with pytest.raises(SessionNotFoundError, match="'nope'"):
+            await store.read_journal("nope", 0)
+        assert await store.list_sessions() == []
+        assert not await store.exists("nope")
+
+
+async def test_delete_removes_everything(make_store: MakeStore, redis_url: str) -> None:
+    """Delete removes snapshot, journal, info, lease and index entry and says if it existed."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"i0")
+        await store.append("s", [E(1, b"one")], b"i1")
+        lease = await store.claim("s", "w1", 30)
+        assert lease is not None
+        assert await store.delete("s")
+        assert not await store.delete("s")
+        assert await store.load("s") is None
+        assert await store.list_sessions() == []
+        assert await _keys_under(redis_url, store.prefix) == [f"{store.prefix}:fence"]
+        other = await store.claim("s", "w2", 30)
+        assert other is not None
+        assert other.fence > lease.fence
+        await store.create("s", b"fresh", b"i")
+        assert await store.load("s") == StoredSession(snapshot=b"fresh", snapshot_seq=0)
+        await store.append("s", [E(1, b"one again")], b"i")
+        assert await store.read_journal("s", 0) == (0, [E(1, b"one again")])
+
+
+# -- names -----------------------------------------------------------------------------
+
+AWKWARD_NAMES = [
+    "*",
+    "?",
+    "[ab]",
+    "[",
+    "a*",
+    "a?",
+    "a",
+    "a:b",
+    ":",
+    "a:s:b:meta",
+    "sessions",
+    "fence",
+    "a\nb",
+    "line\n",
+    "\\",
+    "{tag}",
+    "sp ace",
+    "会话-ü-😀",
+    "x" * 256,
+    "é" * 128,
+    "😀" * 64,
+]
+
+
+async def test_awkward_names_are_stored_exactly(make_store: MakeStore, redis_url: str) -> None:
+    """Names with glob, separator, newline and non-ASCII characters round-trip and never collide."""
+    store = make_store()
+    assert all(len(name.encode()) <= 256 for name in AWKWARD_NAMES)
+    with trio.fail_after(20):
+        for index, name in enumerate(AWKWARD_NAMES):
+            await store.create(name, name.encode() + b"!", b"%d" % index)
+            await store.append(name, [E(1, name.encode())], b"%d" % index)
+        assert await store.list_sessions() == sorted(
+            (name, b"%d" % index) for index, name in enumerate(AWKWARD_NAMES)
+        )
+        for name in AWKWARD_NAMES:
+            assert await store.exists(name)
+            assert await store.load(name) == StoredSession(
+                snapshot=name.encode() + b"!", snapshot_seq=0, entries=(E(1, name.encode()),)
+            )
+        keys = await _keys_under(redis_url, store.prefix)
+        escaped = re.compile(
+            rf"{re.escape(store.prefix)}:(sessions|fence|s:[A-Za-z0-9_-]*:(meta|info|log))"
+        )
+        assert all(escaped.fullmatch(key) for key in keys), keys
+        assert await store.delete("a*")
+        assert await store.delete("[ab]")
+        remaining = [name for name in AWKWARD_NAMES if name not in ("a*", "[ab]")]
+        assert [name for name, _ in await store.list_sessions()] == sorted(remaining)
+        for name in remaining:
+            assert await store.exists(name)
+
+
+# -- leases and fencing ----------------------------------------------------------------
+
+
+async def test_claim_renew_release(make_store: MakeStore) -> None:
+    """A lease is exclusive until released, renewal needs the current token, and tokens grow."""
+    store = make_store()
+    with trio.fail_after(10):
+        first = await store.claim("s", "w1", 30)
+        assert first is not None
+        assert first.owner == "w1"
+        assert await store.claim("s", "w2", 30) is None
+        again = await store.claim("s", "w1", 30)
+        assert again is not None
+        assert again.fence > first.fence
+        assert not await store.renew("s", first, 30)
+        assert await store.renew("s", again, 30)
+        await store.release("s", first)  # stale: does nothing
+        assert await store.claim("s", "w2", 30) is None
+        await store.release("s", again)
+        assert not await store.renew("s", again, 30)
+        other = await store.claim("s", "w2", 30)
+        assert other is not None
+        assert other.fence > again.fence
+        await store.release("s", Lease(owner="w1", fence=other.fence))  # wrong owner
+        assert await store.claim("s", "w1", 30) is None
+
+
+async def test_expired_lease_can_be_taken_over(make_store: MakeStore) -> None:
+    """After its wall-clock ttl a lease is taken by another owner and its old token is refused."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"i0")
+        short = await store.claim("s", "w1", 0.05)
+        assert short is not None
+        await trio.sleep(0.2)
+        with pytest.raises(FencedOutError, match="'s'"):
+            await store.append("s", [E(1, b"late")], b"bad", fence=short.fence)
+        assert not await store.renew("s", short, 30)
+        taken = await store.claim("s", "w2", 30)
+        assert taken is not None
+        assert taken.fence > short.fence
+        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+
+
+async def test_stale_token_is_rejected_and_nothing_written(make_store: MakeStore) -> None:
+    """Append and write_snapshot with a superseded token raise FencedOutError and write nothing."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap0", b"i0")
+        old = await store.claim("s", "w1", 30)
+        assert old is not None
+        await store.append("s", [E(1, b"one")], b"i1", fence=old.fence)
+        await store.release("s", old)
+        new = await store.claim("s", "w2", 30)
+        assert new is not None
+        before = (await store.load("s"), await store.read_journal("s", 0))
+
+        with pytest.raises(FencedOutError, match="'s'") as caught:
+            await store.append("s", [E(2, b"stale")], b"stale", fence=old.fence)
+        assert caught.value.session_id == "s"
+        with pytest.raises(FencedOutError, match="'s'"):
+            await store.write_snapshot("s", b"stale", 1, b"stale", trim_upto=1, fence=old.fence)
+        with pytest.raises(FencedOutError):
+            await store.append("s", [E(2, b"never issued")], b"x", fence=new.fence + 1000)
+
+        assert (await store.load("s"), await store.read_journal("s", 0)) == before
+        assert await store.list_sessions() == [("s", b"i1")]
+
+        # Negative control: the current token, and no token at all, do write.
+        await store.append("s", [E(2, b"two")], b"i2", fence=new.fence)
+        await store.write_snapshot("s", b"snap2", 2, b"i3", trim_upto=1, fence=new.fence)
+        await store.append("s", [E(3, b"three")], b"i4")
+        assert await store.load("s") == StoredSession(
+            snapshot=b"snap2", snapshot_seq=2, entries=(E(3, b"three"),)
+        )
+
+
+async def test_fifty_concurrent_claims_have_one_winner(make_store: MakeStore) -> None:
+    """Fifty tasks claiming one session through separate connections yield exactly one lease."""
+    prefix = _new_prefix()
+    stores = [make_store(prefix) for _ in range(50)]
+    results: list[Lease | None] = [None] * 50
+
+    async def claim(index: int) -> None:
+        results[index] = await stores[index].claim("contested", f"w{index}", 30)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            for index in range(50):
+                nursery.start_soon(claim, index)
+    winners = [lease for lease in results if lease is not None]
+    assert len(winners) == 1
+
+
+_WORKER = """
+import sys
+import coredis
+import trio
+from coredis.commands import Script
+from sessionactors.stores import _redis
+
+# While holding the lease: raise a flag no one else may hold, count the round, log it.
+ENTER = '''
+if redis.call('GET', KEYS[1]) then return -1 end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX') then
+  redis.call('RPUSH', KEYS[5], ARGV[1] .. ' overlaps ' .. redis.call('GET', KEYS[2]))
+end
+local round = redis.call('INCR', KEYS[3])
+redis.call('RPUSH', KEYS[4], round .. ' ' .. ARGV[1] .. ' ' .. ARGV[2])
+if round >= tonumber(ARGV[3]) then redis.call('SET', KEYS[1], '1') end
+return round
+'''
+LEAVE = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end"
+# Start the next round: wake every worker (a list keeps only the latest signal).
+WAKE = '''
+for _, key in ipairs(KEYS) do
+  redis.call('RPUSH', key, ARGV[1])
+  redis.call('LTRIM', key, -1, -1)
+end
+'''
+# The negative control: a claim that hands out a fresh token without looking at the lease.
+BROKEN_CLAIM = "return redis.call('INCR', KEYS[2])"
+
+async def main(url, prefix, name, names, rounds, mode):
+    if mode == "broken":
+        _redis._CLAIM = Script(script=BROKEN_CLAIM)
+    store = _redis.RedisStore(url, prefix=prefix)
+    keys = [f"{prefix}:test:{key}" for key in ("stop", "flag", "counter", "log", "errors")]
+    wake = [f"{prefix}:test:wake:{other}" for other in names.split(",")]
+    mine = f"{prefix}:test:wake:{name}"
+    async with coredis.Redis.from_url(url) as client:
+        await client.rpush(f"{prefix}:test:ready", [name])
+        while True:
+            signal = await client.blpop([mine], timeout=10)
+            if signal is None:
+                sys.exit(f"{name}: no signal for 10 s")
+            if signal[1] == b"stop":
+                break
+            lease = await store.claim("race", name, 60)
+            if lease is None:
+                continue  # the holder wakes everyone once it has released
+            entered = await client.eval(ENTER, keys, [name, str(lease.fence), str(rounds)])
+            if entered != -1:
+                await client.eval(LEAVE, [keys[1]], [name])
+            await store.release("race", lease)
+            await client.eval(WAKE, wake, ["stop" if entered in (-1, rounds) else "go"])
+    await store.aclose()
+
+trio.run(main, *sys.argv[1:5], int(sys.argv[5]), sys.argv[6])
+"""
+
+
+async def _race(
+    url: str, prefix: str, processes: int, rounds: int, mode: str
+) -> tuple[list[str], list[tuple[int, str, int]]]:
+    """Run the worker processes; return the overlaps seen and the log of (round, owner, fence)."""
+    names = [f"p{index}" for index in range(processes)]
+
+    async def worker(name: str) -> None:
+        command = [sys.executable, "-c", _WORKER, url, prefix, name, ",".join(names)]
+        command += [str(rounds), mode]
+        done = await trio.run_process(
+            command, capture_stdout=True, capture_stderr=True, check=False
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"worker {name} failed:\n{done.stderr.decode(errors='replace')}")
+
+    async with coredis.Redis.from_url(url, decode_responses=True) as client:
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(worker, name)
+            for _ in names:  # start together, once every process is up
+                assert await client.blpop([f"{prefix}:test:ready"], timeout=30) is not None
+            for name in names:
+                await client.rpush(f"{prefix}:test:wake:{name}", ["go"])
+        overlaps = await client.lrange(f"{prefix}:test:errors", 0, -1)
+        lines = await client.lrange(f"{prefix}:test:log", 0, -1)
+    log = [(int(round_), name, int(fence)) for round_, name, fence in map(str.split, lines)]
+    return overlaps, log
+
+
+@pytest.mark.parametrize(("processes", "rounds"), [(2, 600), (8, 400)])
+async def test_processes_racing_for_a_lease_have_one_owner_per_round(
+    make_store: MakeStore, redis_url: str, processes: int, rounds: int
+) -> None:
+    """Processes racing to claim one session never overlap as owners, and tokens keep growing."""
+    with trio.fail_after(60):
+        overlaps, log = await _race(redis_url, make_store().prefix, processes, rounds, "real")
+    assert overlaps == []
+    assert [round_ for round_, _, _ in log] == list(range(1, rounds + 1))
+    assert all(a < b for a, b in itertools.pairwise(fence for _, _, fence in log))
+    assert len({name for _, name, _ in log}) > 1  # the race was real: several processes won
+
+
+async def test_process_race_catches_a_claim_without_exclusion(
+    make_store: MakeStore, redis_url: str
+) -> None:
+    """The process race reports overlapping owners when claims ignore the current lease."""
+    with trio.fail_after(60):
+        overlaps, log = await _race(redis_url, make_store().prefix, 2, 50, "broken")
+    assert overlaps != []
+    assert len(log) == 50
+
+
+# -- connections -----------------------------------------------------------------------
+
+
+async def test_reconnects_after_aclose(make_store: MakeStore) -> None:
+    """After aclose (which may be repeated) the next call connects again and sees the same data."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.aclose()
+        await store.create("s", b"snap", b"i")
+        await store.aclose()
+        await store.aclose()
+        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        await store.append("s", [E(1, b"one")], b"i1")
+        await store.aclose()
+        assert await store.read_journal("s", 0) == (0, [E(1, b"one")])
+
+
+async def test_concurrent_first_calls_all_succeed(make_store: MakeStore) -> None:
+    """Many tasks making the first calls on a fresh store all succeed."""
+    store = make_store()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            for index in range(200):
+                nursery.start_soon(store.create, f"s{index}", b"snap", b"i")
+        assert len(await store.list_sessions()) == 200
+
+
+def test_usable_from_a_new_trio_run(redis_url: str) -> None:
+    """A store used in one trio run connects again in the next one."""
+    store = RedisStore(redis_url, prefix=_new_prefix())
+
+    async def first() -> None:
+        with trio.fail_after(10):
+            await store.create("s", b"snap", b"i")
+
+    async def second() -> None:
+        with trio.fail_after(10):
+            assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+            await store.aclose()
+            await _drop_prefixes(redis_url, [store.prefix])
+
+    trio.run(first)
+    trio.run(second)
+
+
+async def test_uses_a_given_client_and_leaves_it_open(redis_url: str) -> None:
+    """A store built on an open coredis client uses it and does not close it."""
+    prefix = _new_prefix()
+    with trio.fail_after(10):
+        async with coredis.Redis.from_url(redis_url) as client:
+            store = RedisStore(client=client, prefix=prefix)
+            await store.create("s", b"snap", b"i")
+            await store.aclose()
+            assert await store.exists("s")
+            assert await client.exists([f"{prefix}:sessions"]) == 1
+        await _drop_prefixes(redis_url, [prefix])
+
+
+async def test_unreachable_server_raises_store_error() -> None:
+    """Calls against a server that is not there raise StoreError naming the session."""
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connections are refused
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", prefix=_new_prefix())
+        with warnings.catch_warnings():
+            # coredis leaves a failed connection's internal streams to the garbage collector.
+            warnings.simplefilter("ignore", ResourceWarning)
+            with trio.fail_after(10):
+                with pytest.raises(StoreError, match="'s'") as caught:
+                    await store.load("s")
+                assert caught.value.session_id == "s"
+                with pytest.raises(StoreError, match="'s'"):
+                    await store.claim("s", "w1", 30)
+                await store.aclose()
+            del caught
+            gc.collect()
+
+
+def test_rejects_bad_arguments() -> None:
+    """Bad urls, an empty prefix and a decoding client are refused at construction, without I/O."""
+    with pytest.raises(ValueError, match="url"):
+        RedisStore("http://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="prefix"):
+        RedisStore(prefix="")
+    with pytest.raises(ValueError, match="decode_responses"):
+        RedisStore(client=coredis.Redis.from_url("redis://127.0.0.1:1/0", decode_responses=True))
+    assert "secret" not in repr(RedisStore("redis://:secret@127.0.0.1:6379/0"))
+
+
+async def test_recovers_when_the_server_comes_back(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """While the server is down calls raise StoreError, and once it is back they work again."""
+    with contextlib.ExitStack() as first, contextlib.ExitStack() as second:
+        url = await trio.to_thread.run_sync(first.enter_context, private_redis_server())
+        store = RedisStore(url, prefix=_new_prefix())
+        with trio.fail_after(30):
+            await store.create("s", b"snap", b"i")
+            await trio.to_thread.run_sync(first.close)  # the server stops, its data is gone
+            with warnings.catch_warnings():
+                # coredis leaves a failed connection's internal streams to the garbage collector.
+                warnings.simplefilter("ignore", ResourceWarning)
+                with pytest.raises(StoreError, match="'s'"):
+                    await store.exists("s")
+                gc.collect()
+            port = urlsplit(url).port
+            await trio.to_thread.run_sync(second.enter_context, private_redis_server(port))
+            assert not await store.exists("s")
+            await store.create("s", b"again", b"i")
+            assert await store.load("s") == StoredSession(snapshot=b"again", snapshot_seq=0)
+            await store.aclose()
+
+
+async def test_cancelled_calls_leave_replies_in_order(make_store: MakeStore) -> None:
+    """Calls cancelled while waiting for redis do not hand their replies to later calls."""
+    store = make_store()
+    with trio.fail_after(30):
+        for index in range(20):
+            await store.create(f"s{index}", b"snap-%d" % index, b"i")
+        wrong: list[StoredSession | None] = []
+
+        async def loader(index: int) -> None:
+            for attempt in range(40):
+                with trio.move_on_after(0.0001 * (attempt % 20)):
+                    got = await store.load(f"s{index}")
+                    if got is None or got.snapshot != b"snap-%d" % index:
+                        wrong.append(got)
+                got = await store.load(f"s{index}")
+                if got is None or got.snapshot != b"snap-%d" % index:
+                    wrong.append(got)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(20):
+                nursery.start_soon(loader, index)
+    assert wrong == []
