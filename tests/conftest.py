@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 import sessionactors as sa
@@ -12,3 +19,32 @@ from sessionactors.testing import EchoModel
 def echo_agents() -> dict[str, sa.Agent]:
     """One agent, "echo", whose model streams the user's words back."""
     return {"echo": sa.Agent(model=EchoModel())}
+
+
+def _load_redis_server() -> ModuleType:
+    # tests/ is not a package: load the helper from its path, whatever sys.path holds.
+    name = "_sessionactors_tests_redis_server"
+    module = sys.modules.get(name)
+    if module is None:
+        path = Path(__file__).resolve().parent / "redis_server.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The URL of a redis-server for this test session (skips if there is none)."""
+    with _load_redis_server().redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def private_redis_server() -> Callable[..., AbstractContextManager[str]]:
+    """``private_redis_server(port=None)``: a context manager running a throwaway redis-server."""
+    start: Callable[..., AbstractContextManager[str]] = _load_redis_server().private_redis_server
+    return start
