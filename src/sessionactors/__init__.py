@@ -4,7 +4,6 @@ from ._agent import Agent as Agent
 from ._agent import Compaction as Compaction
 from ._codec import dump_snapshot as dump_snapshot
 from ._codec import load_snapshot as load_snapshot
-
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError

@@ -428,6 +428,7 @@ class Actor:
                     continue
                 await self._hibernate_now()
                 return
+            assert request is not None
             if isinstance(request, TurnRequest):
                 await self._turn(request)
             elif request.kind == "hibernate":

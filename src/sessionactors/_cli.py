@@ -276,9 +276,10 @@ async def _crash_and_recover(
     other = await other_ref.send("business as usual")
     _say(f"   {bystander} answered meanwhile: {other.text!r}")
     again = await victim_ref.send("and now?")
+    restarts = registry.statistics().restarts - before
     _say(
-        f"   {victim} was restarted from its durable state ({registry.statistics().restarts - before}"
-        f" restart) and answers: {again.text!r}"
+        f"   {victim} was restarted from its durable state ({restarts} restart) "
+        f"and answers: {again.text!r}"
     )
 
 

@@ -26,8 +26,7 @@ def validate_name(name: object) -> str:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidSessionNameError(
-            f"session name {name[:40]!r} is not valid unicode (lone surrogate); "
-            "use printable text",
+            f"session name {name[:40]!r} is not valid unicode (lone surrogate); use printable text",
             session_id=None,
         ) from None
     if size > MAX_NAME_BYTES:

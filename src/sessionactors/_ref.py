@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -229,7 +229,7 @@ class SessionRef:
             return None
         return await pending.wait()
 
-    async def _request(self, kind: str, args: dict[str, object]) -> object:
+    async def _request(self, kind: str, args: dict[str, object]) -> Any:
         """A non-turn request in mailbox order, waking the session if needed."""
         for _ in range(100):
             actor = self._registry._activate(self.session_id)
@@ -251,9 +251,10 @@ class SessionRef:
         """Approve (the tool runs) or deny (the model is told, with ``note``) a pending
         review; the turn then goes on, and this returns its reply (which may list
         further reviews)."""
-        turn_id, message, reviews = await self._request(
+        result = await self._request(
             "review", {"review_id": review_id, "approve": approve, "note": note}
-        )  # type: ignore[misc]
+        )
+        turn_id, message, reviews = result
         return Reply(turn_id=turn_id, message=message, reviews=reviews)
 
     async def pending_reviews(self) -> list[ReviewRequest]:
@@ -266,12 +267,14 @@ class SessionRef:
         results would be split); returns how many were removed."""
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, not {keep_last}")
-        return int(await self._request("truncate", {"keep_last": keep_last}))  # type: ignore[call-overload]
+        removed: int = await self._request("truncate", {"keep_last": keep_last})
+        return removed
 
     async def rewind(self, message_id: str) -> int:
         """Drop every message after ``message_id`` (keeping a tool call's results);
         returns how many were removed."""
-        return int(await self._request("rewind", {"message_id": message_id}))  # type: ignore[call-overload]
+        removed: int = await self._request("rewind", {"message_id": message_id})
+        return removed
 
     async def set_summary(self, text: str) -> None:
         """Set the summary the model sees after the system prompt ("" clears it)."""
@@ -297,7 +300,7 @@ class SessionRef:
         async with self.subscribe() as events:
             turn = await self.submit(text, idempotency_key=idempotency_key)
 
-            async def only_this_turn() -> AsyncIterator[Event]:
+            async def only_this_turn() -> AsyncGenerator[Event, None]:
                 if turn.replayed:  # no new turn ran: nothing to stream
                     return
                 async for event in events:

@@ -20,9 +20,9 @@ from ._errors import (
     SessionStoppedError,
     StoreError,
 )
+from ._history import rewind_end
 from ._hub import Hub, HubConfig
 from ._names import validate_name
-from ._history import rewind_end
 from ._records import ReviewRequest, SessionInfo, Status, new_id
 from ._ref import SessionRef
 from ._session import LiveSession
@@ -50,7 +50,7 @@ class RegistryConfig:
     write_bound: float = 30.0
     leases: bool = False
     lease_ttl: float = 30.0
-    hub: HubConfig = HubConfig()
+    hub: HubConfig = attrs.field(factory=HubConfig)
 
 
 @attrs.define

@@ -11,7 +11,7 @@ import trio
 from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk
 from .._records import Role, ToolCall
 
-__all__ = ["EchoModel", "Scripted", "ScriptExhaustedError", "ScriptedModel"]
+__all__ = ["EchoModel", "ScriptExhaustedError", "Scripted", "ScriptedModel"]
 
 _WORD = re.compile(r"\s*\S+")
 
@@ -74,6 +74,10 @@ class ScriptExhaustedError(RuntimeError):
 Step = str | Scripted | BaseException | Callable[[ModelRequest], "str | Scripted"]
 
 
+def _to_steps(steps: Iterable[Step]) -> list[Step]:
+    return list(steps)
+
+
 @attrs.define(eq=False)
 class ScriptedModel:
     """Plays scripted answers in order, one per model request.
@@ -85,7 +89,7 @@ class ScriptedModel:
     ScriptExhaustedError. Every request is recorded in ``requests``.
     """
 
-    steps: list[Step] = attrs.field(converter=list, factory=list)
+    steps: list[Step] = attrs.field(converter=_to_steps, factory=list)
     repeat: bool = False
     requests: list[ModelRequest] = attrs.field(factory=list, init=False)
     _next: int = attrs.field(default=0, init=False)
