@@ -523,6 +523,7 @@ async def open_registry(
     journal_keep_seqs: int = 100_000,
     leases: bool | None = None,
     lease_ttl: float = 30.0,
+    worker_id: str | None = None,
 ) -> AsyncIterator[Registry]:
     """Open a registry of session actors; leaving the block shuts it down.
 
@@ -543,9 +544,14 @@ async def open_registry(
     - ``snapshot_every``: journal entries between automatic snapshots;
       ``journal_keep_seqs``: how far back (in seq) the journal is kept for replay.
     - ``leases``: whether a live session holds its lease in the store, so that at
-      most one worker runs it (default: yes for every store but ``MemoryStore``);
-      ``lease_ttl``: seconds a lease lasts unless renewed (renewed every third of it).
-      A worker that dies loses its leases after ``lease_ttl``.
+      most one worker runs it. Default: yes for stores shared by several workers
+      (``RedisStore``), no for ``MemoryStore`` and ``SQLiteStore`` (pass
+      ``leases=True`` when several processes share one SQLite file).
+      ``lease_ttl``: seconds a lease lasts unless renewed (renewed every third of
+      it); a worker that dies loses its leases after ``lease_ttl``.
+    - ``worker_id``: this worker's identity in leases (default: a fresh one). A
+      worker restarted with the same id takes its sessions back at once instead
+      of waiting for its old leases to expire.
     """
     if agents is None or not agents:
         raise ValueError("open_registry needs agents={name: Agent(...)}, at least one")
@@ -577,7 +583,9 @@ async def open_registry(
     )
     the_store: Store = store if store is not None else MemoryStore()
     if leases is None:
-        config = attrs.evolve(config, leases=not isinstance(the_store, MemoryStore))
+        config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
+    if worker_id is not None and not worker_id:
+        raise ValueError("worker_id must be a non-empty string or None")
     if lease_ttl <= 0:
         raise ValueError(f"lease_ttl must be positive, not {lease_ttl}")
     try:
@@ -585,6 +593,8 @@ async def open_registry(
             registry = Registry(
                 store=the_store, agents=dict(agents), config=config, nursery=nursery
             )
+            if worker_id is not None:
+                registry.owner_id = worker_id
             if config.leases:
                 nursery.start_soon(registry._renew_leases, name="lease renewal")
             try:

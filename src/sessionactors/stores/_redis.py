@@ -316,6 +316,9 @@ class RedisStore:
     Needs the ``redis`` extra (coredis).
     """
 
+    #: Several workers share this store: registries hold leases on it by default.
+    shared_by_workers = True
+
     url: str = "redis://127.0.0.1:6379/0"
     prefix: str = attrs.field(default="sessionactors", kw_only=True)
     _client: coredis.Redis[bytes] | None = attrs.field(default=None, kw_only=True, alias="client")
