@@ -96,6 +96,7 @@ MAX_METADATA_DEPTH: Final = 32
 
 # msgpack limits on top of the size cap: no session holds more entries in one
 # array (messages) or one map (metadata), and a Timestamp is at most 12 bytes.
+# Dumping checks metadata against them too; records reach the size cap first.
 _MAX_ARRAY_LEN: Final = 1_000_000
 _MAX_MAP_LEN: Final = 100_000
 _MAX_EXT_LEN: Final = 12
@@ -208,13 +209,16 @@ def _is_enum(type_: Any) -> bool:
 
 def _enum_structure_factory(cls: type[enum.Enum]) -> Callable[[Any, object], enum.Enum]:
     members = {member.value: member for member in cls}
+    value_types = frozenset(type(value) for value in members)
     name = cls.__name__
 
     def structure_enum(value: Any, _: object) -> enum.Enum:
-        try:
-            return members[value]
-        except (KeyError, TypeError):
-            raise _InvalidValueError(f"not a {name} value") from None
+        # The type check first: True would find a member whose value is 1.
+        if value.__class__ in value_types:
+            member = members.get(value)
+            if member is not None:
+                return member
+        raise _InvalidValueError(f"not a {name} value")
 
     return structure_enum
 
@@ -347,6 +351,8 @@ def _plain(value: Any, depth: int) -> Any:
     if depth > MAX_METADATA_DEPTH:
         raise _PlainError(ValueError, f"is nested deeper than {MAX_METADATA_DEPTH} levels")
     if isinstance(value, Mapping):
+        if len(value) > _MAX_MAP_LEN:
+            raise _PlainError(ValueError, f"has more than {_MAX_MAP_LEN} entries")
         out = {}
         for key, item in value.items():
             if key.__class__ is not str:
@@ -358,6 +364,8 @@ def _plain(value: Any, depth: int) -> Any:
                 raise
         return out
     if cls is list or cls is tuple:
+        if len(value) > _MAX_ARRAY_LEN:
+            raise _PlainError(ValueError, f"has more than {_MAX_ARRAY_LEN} items")
         items = []
         for index, item in enumerate(value):
             try:

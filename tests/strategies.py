@@ -1,0 +1,193 @@
+"""Hypothesis strategies for records and events, shared by the test modules.
+
+Records are built field by field from their attrs types, so a field added to a
+record is generated (and round-tripped) without touching this module; a field
+of a type it does not know raises ``TypeError`` here, to be taught.
+
+Every value drawn survives a codec round trip unchanged: datetimes are
+timezone-aware, integers fit msgpack, floats are never NaN, metadata is plain
+data (lists rather than tuples) nested well under the codec's limit, and ids
+and session names are valid names (non-empty, no control characters).
+"""
+
+import datetime
+import enum
+import sys
+import types
+from collections.abc import Mapping
+from typing import Any, TypeVar, Union, cast, get_args, get_origin
+
+import attrs
+from hypothesis import strategies as st
+
+import sessionactors as sa
+from sessionactors._records import SCHEMA_VERSION
+
+__all__ = [
+    "MSGPACK_INT_MAX",
+    "MSGPACK_INT_MIN",
+    "aware_datetimes",
+    "event_classes",
+    "events",
+    "identifiers",
+    "messages",
+    "metadata",
+    "records",
+    "session_infos",
+    "session_states",
+    "texts",
+    "tool_calls",
+]
+
+#: The integers msgpack can hold.
+MSGPACK_INT_MIN = -(2**63)
+MSGPACK_INT_MAX = 2**64 - 1
+
+_T = TypeVar("_T")
+
+_OFFSETS = [datetime.UTC] + [
+    datetime.timezone(datetime.timedelta(minutes=minutes)) for minutes in (-480, -150, 60, 330)
+]
+
+
+def identifiers() -> st.SearchStrategy[str]:
+    """Ids and session names: short, non-empty, without control characters."""
+    return st.text(st.characters(exclude_categories=("Cc", "Cs")), min_size=1, max_size=24)
+
+
+def texts() -> st.SearchStrategy[str]:
+    """Message content and other free text (any unicode but lone surrogates)."""
+    return st.text(max_size=80)
+
+
+def aware_datetimes() -> st.SearchStrategy[datetime.datetime]:
+    """Timezone-aware datetimes across nearly all of the datetime range, at several offsets."""
+    return st.datetimes(
+        min_value=datetime.datetime(1, 1, 2),
+        max_value=datetime.datetime(9999, 12, 30),
+        timezones=st.sampled_from(_OFFSETS),
+    )
+
+
+def _plain(depth: int) -> st.SearchStrategy[Any]:
+    scalars: st.SearchStrategy[Any] = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(MSGPACK_INT_MIN, MSGPACK_INT_MAX),
+        st.floats(allow_nan=False),
+        st.text(max_size=20),
+        st.binary(max_size=20),
+    )
+    if depth <= 1:
+        return scalars
+    inner = _plain(depth - 1)
+    return st.one_of(
+        scalars,
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.text(max_size=10), inner, max_size=3),
+    )
+
+
+def metadata(max_depth: int = 4) -> st.SearchStrategy[Mapping[str, Any]]:
+    """Metadata: a map of JSON-ish values (plus bytes) at most ``max_depth`` levels deep."""
+    return st.dictionaries(st.text(max_size=10), _plain(max_depth - 1), max_size=4)
+
+
+_SEQS = st.integers(0, 2**63 - 1)
+#: Fields of type str that hold an id or a name rather than free text.
+_ID_FIELDS = frozenset({"id", "key", "name", "agent", "idempotency_key"})
+
+
+def _is_id(name: str) -> bool:
+    return name in _ID_FIELDS or name.endswith("_id")
+
+
+def _for_type(type_: Any, name: str) -> st.SearchStrategy[Any]:
+    """A strategy for one field of type ``type_`` named ``name``."""
+    origin, args = get_origin(type_), get_args(type_)
+    if origin in (Union, types.UnionType):
+        options = [arg for arg in args if arg is not type(None)]
+        strategy = st.one_of([_for_type(arg, name) for arg in options])
+        return st.none() | strategy if len(options) < len(args) else strategy
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        items = _for_type(args[0], name.removesuffix("s"))
+        return st.lists(items, max_size=3).map(tuple)
+    if origin is Mapping and args == (str, Any):
+        return metadata()
+    if type_ is str:
+        return identifiers() if _is_id(name) else texts()
+    if type_ is bool:
+        return st.booleans()
+    if type_ is int:
+        return _SEQS
+    if type_ is float:
+        return st.floats(allow_nan=False)
+    if type_ is bytes:
+        return st.binary(max_size=20)
+    if type_ is datetime.datetime:
+        return aware_datetimes()
+    if isinstance(type_, type) and issubclass(type_, enum.Enum):
+        return st.sampled_from(type_)
+    if attrs.has(type_):
+        return records(type_)
+    raise TypeError(f"no strategy for field {name!r} of type {type_!r}: add one to strategies.py")
+
+
+def records(cls: type[_T], **overrides: st.SearchStrategy[Any]) -> st.SearchStrategy[_T]:
+    """Instances of the attrs class ``cls``, every field drawn from its type."""
+    fields = {
+        field.name: overrides[field.name]
+        if field.name in overrides
+        else _for_type(field.type, field.name)
+        for field in attrs.fields(cast(Any, cls))
+        if field.init
+    }
+    return st.builds(cls, **fields)
+
+
+def tool_calls() -> st.SearchStrategy[sa.ToolCall]:
+    """A tool call with arbitrary (not necessarily JSON) argument text."""
+    return records(sa.ToolCall)
+
+
+def messages() -> st.SearchStrategy[sa.Message]:
+    """A message of any role, with or without tool calls and metadata."""
+    return records(sa.Message, metadata=metadata(max_depth=3))
+
+
+def session_states() -> st.SearchStrategy[sa.SessionState]:
+    """A session state at the current schema version, with a few messages."""
+    return records(
+        sa.SessionState,
+        schema_version=st.just(SCHEMA_VERSION),
+        messages=st.lists(messages(), max_size=4).map(tuple),
+    )
+
+
+def session_infos() -> st.SearchStrategy[sa.SessionInfo]:
+    """A session's short description."""
+    return records(sa.SessionInfo)
+
+
+def event_classes() -> list[type[sa.Event]]:
+    """Every concrete event class the package defines (every subclass of ``Event``)."""
+    # attrs replaces each slotted class with a new one; the replaced class can
+    # linger among the subclasses until it is collected, so only the class its
+    # module exports counts.
+    found: set[type[sa.Event]] = set()
+    pending = list(sa.Event.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        module = sys.modules.get(cls.__module__)
+        if (
+            cls.__module__.startswith("sessionactors.")
+            and getattr(module, cls.__name__, None) is cls
+        ):
+            found.add(cls)
+    return sorted(found, key=lambda cls: cls.__name__)
+
+
+def events(*classes: type[sa.Event]) -> st.SearchStrategy[sa.Event]:
+    """An event of one of ``classes`` (by default of every concrete event class)."""
+    return st.one_of([records(cls) for cls in classes or event_classes()])
