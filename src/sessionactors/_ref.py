@@ -338,8 +338,17 @@ class _Subscription:
         self._iterator.close()
 
 
+#: The longest message a turn accepts, in characters (journal entries stay loadable).
+MAX_TEXT_CHARS = 8 * 1024 * 1024
+
+
 def _check_text(session_id: str, text: object) -> None:
     if not isinstance(text, str):
         raise TypeError(
             f"a message to session {session_id!r} must be str, not {type(text).__name__}"
+        )
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(
+            f"a message of {len(text):,} characters to session {session_id!r} is over the "
+            f"limit of {MAX_TEXT_CHARS:,}; send large documents in parts or by reference"
         )

@@ -46,13 +46,24 @@ def _idempotent(agent: Agent, call: ToolCall) -> bool:
     return tool is None or bool(tool.idempotent)
 
 
+#: Tool results longer than this many characters are cut (with a note for the model).
+MAX_TOOL_RESULT_CHARS = 1024 * 1024
+
+
 async def _invoke(agent: Agent, call: ToolCall) -> tuple[str, bool]:
     tool = agent.find_tool(call.name)
     if tool is None:
         names = ", ".join(t.name for t in agent.tools) or "none"
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     outcome = await tool.invoke(call.arguments)
-    return outcome.content, outcome.is_error
+    content = outcome.content
+    if len(content) > MAX_TOOL_RESULT_CHARS:
+        content = (
+            content[:MAX_TOOL_RESULT_CHARS]
+            + f"\n[result cut: it was {len(outcome.content):,} characters, over the limit of "
+            f"{MAX_TOOL_RESULT_CHARS:,}]"
+        )
+    return content, outcome.is_error
 
 
 def _record_result(actor: Actor, call: ToolCall, content: str, is_error: bool) -> None:
@@ -155,7 +166,9 @@ async def resume_tool_calls(actor: Actor, agent: Agent, *, interrupted: bool) ->
     started = set(open_turn.started_calls) if open_turn is not None else set()
     rest: list[ToolCall] = []
     for call in calls:
-        if interrupted and call.id in started and not _idempotent(agent, call) and not rest:
+        # every started non-idempotent call, even after one that runs again (its result
+        # then comes before theirs: results are matched to calls by id)
+        if interrupted and call.id in started and not _idempotent(agent, call):
             _record_result(
                 actor,
                 call,
@@ -205,6 +218,11 @@ async def resolve_review(
         return await resume_tool_calls(actor, agent, interrupted=False)
 
     key = session.open_turn.idempotency_key if session.open_turn is not None else None
+    from ._actor import TurnRequest
+
+    # the turn in flight is this review's: a crash fails its caller (the supervisor
+    # fails actor.turn_request) instead of leaving ref.review() waiting forever
+    actor.turn_request = TurnRequest(review.turn_id, "", key, pending)
     await actor._drive(agent, pending, key, before=before)
 
 
