@@ -1,0 +1,43 @@
+"""How-to: shut a registry down gracefully with shutdown_grace."""
+
+import trio
+
+import sessionactors as sa
+from sessionactors.testing import Scripted, ScriptedModel
+
+
+async def main() -> None:
+    never = trio.Event()  # the slow model waits on this forever
+    agents = {
+        # Three words, 0.05 s apart: done well inside the grace period.
+        "quick": sa.Agent(model=ScriptedModel([Scripted(text="done in time", delay=0.05)])),
+        # Streams two words, then hangs.
+        "slow": sa.Agent(
+            model=ScriptedModel([Scripted(text="this never finishes", wait=never, wait_after=2)])
+        ),
+    }
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=agents, shutdown_grace=0.5) as registry:
+        quick = await registry.spawn("quick-1", agent="quick")
+        slow = await registry.spawn("slow-1", agent="slow")
+        quick_turn = await quick.submit("hi")
+        slow_turn = await slow.submit("hi")
+        queued_turn = await slow.submit("and then?")  # waits behind the slow turn
+    # Leaving the block: no new requests; accepted turns get up to shutdown_grace seconds;
+    # then the turn still running is cancelled, whatever is queued fails, and every live
+    # session is hibernated to the store.
+    print("quick:", (await quick_turn.reply()).text)
+    for name, turn in [("slow", slow_turn), ("queued", queued_turn)]:
+        try:
+            await turn.reply()
+        except sa.SessionStoppedError as exc:
+            print(f"{name}: SessionStoppedError: {exc}")
+
+    # What the slow turn streamed is kept, marked interrupted.
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        last = (await registry.ref("slow-1").history())[-1]
+        print(f"kept: {last.content!r} interrupted={last.interrupted}")
+
+
+if __name__ == "__main__":
+    trio.run(main)

@@ -1,0 +1,293 @@
+"""The documentation's examples run, quote their files exactly, and use only the public API."""
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXAMPLES = sorted((DOCS / "examples").glob("*.py"))
+PAGES = sorted(DOCS.rglob("*.md"))
+TEXT_FILES = sorted(p for p in DOCS.rglob("*") if p.is_file() and p.suffix in (".py", ".md"))
+
+# What each example must print (substrings of its standard output). Every example has an
+# entry, so that each one shows something a reader, and this test, can check.
+EXPECTED = {
+    "tutorial_01_first_registry.py": [
+        "reply: Say hi to Ada.",
+        "spawn again: session 'support-123' already exists",
+        "same session: True",
+    ],
+    "tutorial_02_submit.py": [
+        "submitted: 3 turns",
+        "'message 0' answered turn True",
+        "'message 2' answered turn True",
+        "nowait: one more",
+    ],
+    "tutorial_03_history.py": [
+        "     user: Hello there.",
+        "assistant: How are you?",
+        "status: idle | messages: 4",
+        "listed: chat-1 4 {'tenant': 'acme'}",
+    ],
+    "tutorial_04_streaming.py": [
+        "seq 1: StatusChanged",
+        "seq 4: Delta",
+        "seq 8: TurnFinished",
+        "reply: one two three",
+        "streamed: four five six",
+    ],
+    "tutorial_05_hibernate.py": [
+        "after hibernate, live: []",
+        "history after waking: ['Remember me.', 'Remember me.']",
+        "live again: ['chat-1']",
+        "after idling, live: []",
+        "status: hibernated",
+        "not found: session 'nobody' does not exist",
+    ],
+    "tutorial_06_restart.py": [
+        "reply: After the restart.",
+        "history: ['Before the restart.', 'Before the restart.', 'After the restart.', "
+        "'After the restart.']",
+        "replayed: 2 finished turns",
+    ],
+    "howto_durability.py": [
+        "durability='turn': 4 journal entries on disk at reply time, 2 messages",
+        "durability='hibernate': 0 journal entries on disk at reply time, 2 messages",
+        "journal tail 4 entries",
+        "replay from 0 expired; oldest available seq:",
+    ],
+    "howto_resume_stream.py": [
+        "resumed without gaps: True",
+        "lagged; last seq delivered:",
+        "caught up without gaps: True",
+        "expired; oldest available seq:",
+        "next event after the reload: True",
+    ],
+    "howto_http_stream.py": [
+        "events sent: 5",
+        "last event: event: done",
+        "client gone after 2 events",
+        "after reconnecting: event: done",
+        "assistant kept: a reply nobody reads to the end",
+    ],
+    "howto_shutdown.py": [
+        "quick: done in time",
+        "slow: SessionStoppedError:",
+        "queued: SessionStoppedError:",
+        "interrupted=True",
+    ],
+    "howto_timeouts.py": [
+        "gave up waiting after 0.25 s",
+        "finished anyway: one two three four five six",
+        "cancelled one: True",
+        "the waiter gets TurnCancelledError",
+        "interrupted=True",
+    ],
+    "howto_idempotency.py": [
+        "same reply: True | same turn: True",
+        "model asked: 1 time(s)",
+        "history: 2 messages",
+        "replayed: True",
+        "joined: True True",
+        "history: 4 messages",
+    ],
+    "howto_tools_review.py": [
+        "the model is told about: ['lookup_order', 'refund']",
+        "waiting on reviews: 1 | refunds so far: []",
+        "review: support-1 refund",
+        "busy: resolve the review first",
+        "reply: Order A1001 is refunded. | refunds: ['A1001']",
+    ],
+    "howto_history.py": [
+        "fork: ['message 0', 'message 1']",
+        "rewind removed 4: ['message 0', 'message 1', 'message 2']",
+        "truncate removed 4: ['message 2']",
+        "summary: The user counted from 0 to 1.",
+    ],
+    "howto_compaction.py": [
+        "compactions: 5",
+        "summary: The user counted upwards.",
+        "the summarizer saw: user: this is message number 0",
+    ],
+    "howto_testing.py": [
+        "passed: test_greet_replies_in_the_session",
+        "passed: test_the_model_sees_the_system_prompt_first",
+        "passed: test_a_model_failure_fails_the_turn_not_the_session",
+        "passed: test_a_turn_held_open_can_be_cancelled",
+    ],
+    "howto_custom_store.py": [
+        "implements the protocol: True",
+        "check_store: passed",
+        "a broken store fails:",
+        "reply: stored in dicts",
+        "stored sessions: ['chat']",
+    ],
+    "howto_openai.py": [
+        "reply: Order A1001 is shipped",
+        "roles: ['user', 'assistant', 'tool', 'assistant']",
+    ],
+    "explanation_supervision.py": [
+        "crashed: OSError - simulated disk fault",
+        "history: ['first', 'first']",
+        "restarts: 1",
+        "seq still rising: True",
+        "next reply: third",
+        "bystander: unaffected",
+    ],
+    "explanation_unclean_stop.py": [
+        "woken with 2 messages",
+        "jumped by about 2**20: True",
+    ],
+}
+
+# An example quoted in a page: the marker line, then a python fence holding the file's text.
+QUOTE = re.compile(
+    r"<!-- example: (?P<path>[\w./-]+) -->\n```python\n(?P<code>.*?)^```$",
+    re.DOTALL | re.MULTILINE,
+)
+
+# `import sessionactors._x`, `from sessionactors.stores._base import`, `from ._x import`,
+# `from .. import _x`, `from sessionactors import _x`: any module or name with a leading "_".
+PRIVATE_IMPORT = re.compile(
+    r"^\s*(?:"
+    r"(?:from|import)\s+sessionactors(?:\.\w+)*\._\w*"
+    r"|from\s+\.+_\w*"
+    r"|from\s+(?:sessionactors(?:\.\w+)*|\.+)\s+import\s+\(?\s*_"
+    r")",
+    re.MULTILINE,
+)
+
+
+def quotes() -> list[tuple[Path, str, str]]:
+    """(page, quoted path relative to docs/, quoted code) for every quote in every page."""
+    return [
+        (page, match["path"], match["code"])
+        for page in PAGES
+        for match in QUOTE.finditer(page.read_text())
+    ]
+
+
+def test_there_are_examples_and_pages() -> None:
+    """The docs have example programs and the four kinds of pages."""
+    assert EXAMPLES
+    for part in ("tutorial", "howto", "reference", "explanation"):
+        assert (DOCS / part / "index.md").is_file(), part
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs_and_prints_what_the_docs_say(example: Path, tmp_path: Path) -> None:
+    """Each example exits with status 0 within 60 s and prints its expected lines."""
+    done = subprocess.run(
+        [sys.executable, str(example)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"{example.name} failed:\n{done.stdout}\n{done.stderr}"
+    assert example.name in EXPECTED, f"add the expected output of {example.name} to EXPECTED"
+    for line in EXPECTED[example.name]:
+        assert line in done.stdout, f"{example.name} did not print {line!r}:\n{done.stdout}"
+
+
+def test_every_expectation_has_its_example() -> None:
+    """No expectation is left over from a renamed or removed example."""
+    assert set(EXPECTED) <= {p.name for p in EXAMPLES}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_has_main_and_runs_it_with_trio(example: Path) -> None:
+    """Each example defines ``async def main()`` and ends with ``trio.run(main)``."""
+    tree = ast.parse(example.read_text())
+    mains = [
+        node for node in tree.body if isinstance(node, ast.AsyncFunctionDef) and node.name == "main"
+    ]
+    assert mains, f"{example.name} has no top-level async def main()"
+    assert 'if __name__ == "__main__":\n    trio.run(main)\n' in example.read_text()
+
+
+def test_every_example_is_quoted_in_a_page() -> None:
+    """Every example file is quoted, in full, by at least one Markdown page."""
+    quoted = {(DOCS / path).resolve() for _, path, _ in quotes()}
+    missing = [p.name for p in EXAMPLES if p.resolve() not in quoted]
+    assert not missing, f"examples no page quotes: {missing}"
+
+
+def test_quoted_examples_match_their_files() -> None:
+    """Each quote holds its file's current text (run docs/sync_examples.py to update)."""
+    assert quotes()
+    for page, path, code in quotes():
+        file = DOCS / path
+        assert file.is_file(), f"{page.relative_to(ROOT)} quotes a missing file {path}"
+        assert code == file.read_text(), (
+            f"{page.relative_to(ROOT)} quotes an old version of {path}; "
+            "run .venv/bin/python docs/sync_examples.py"
+        )
+
+
+def test_page_links_point_to_files() -> None:
+    """Relative links between the pages and to the examples lead to existing files."""
+    link = re.compile(r"\]\(((?!https?:|#)[^)#\s]+)(?:#[^)]*)?\)")
+    for page in PAGES:
+        for target in link.findall(page.read_text()):
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}"
+
+
+@pytest.mark.parametrize("path", TEXT_FILES, ids=[str(p.relative_to(DOCS)) for p in TEXT_FILES])
+def test_docs_import_no_private_module(path: Path) -> None:
+    """No file under docs/ imports a private module or name of sessionactors."""
+    found = PRIVATE_IMPORT.findall(path.read_text())
+    assert not found, f"{path.relative_to(ROOT)} imports private names: {found}"
+
+
+def test_private_import_check_catches_private_imports() -> None:
+    """The private-import pattern flags each form of private import (negative control)."""
+    for line in [
+        "from sessionactors._registry import Registry",
+        "import sessionactors._codec",
+        "from sessionactors.stores._base import Store",
+        "from ._actor import Actor",
+        "from .. import _records",
+        "from sessionactors import _errors",
+        "    from sessionactors.testing._models import EchoModel",
+    ]:
+        assert PRIVATE_IMPORT.search(line), line
+    for line in [
+        "import sessionactors as sa",
+        "from sessionactors.stores import SQLiteStore",
+        "from sessionactors.testing import EchoModel, check_store",
+        "from sessionactors.models import OpenAIChatModel",
+    ]:
+        assert not PRIVATE_IMPORT.search(line), line
+
+
+def test_reference_lists_every_public_name() -> None:
+    """The reference page has an entry for every public name of the four namespaces."""
+    text = (DOCS / "reference" / "index.md").read_text()
+    missing = []
+    for namespace in (
+        "sessionactors",
+        "sessionactors.stores",
+        "sessionactors.models",
+        "sessionactors.testing",
+    ):
+        module = importlib.import_module(namespace)
+        names = getattr(module, "__all__", None) or [
+            n
+            for n in dir(module)
+            if not n.startswith("_") and not isinstance(getattr(module, n), types.ModuleType)
+        ]
+        missing += [
+            f"{namespace}.{n}" for n in names if f'<a id="{namespace}.{n}"></a>' not in text
+        ]
+    assert not missing, (
+        f"the reference lacks {missing}; run .venv/bin/python docs/reference/generate.py"
+    )
