@@ -8,7 +8,9 @@ from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError
 from ._errors import MailboxFullError as MailboxFullError
+from ._errors import MessageNotFoundError as MessageNotFoundError
 from ._errors import ModelError as ModelError
+from ._errors import ReviewNotFoundError as ReviewNotFoundError
 from ._errors import SessionActorsError as SessionActorsError
 from ._errors import SessionBusyError as SessionBusyError
 from ._errors import SessionCrashedError as SessionCrashedError
@@ -42,7 +44,9 @@ from ._model import ModelRequest as ModelRequest
 from ._model import TextChunk as TextChunk
 from ._model import ToolCallChunk as ToolCallChunk
 from ._model import ToolSpec as ToolSpec
+from ._records import CompletedTurn as CompletedTurn
 from ._records import Message as Message
+from ._records import OpenTurn as OpenTurn
 from ._records import ReviewRequest as ReviewRequest
 from ._records import Role as Role
 from ._records import SessionInfo as SessionInfo
@@ -60,3 +64,70 @@ from ._tools import ToolOutcome as ToolOutcome
 from ._tools import tool as tool
 from .stores._memory import MemoryStore as MemoryStore
 from .stores._sqlite import SQLiteStore as SQLiteStore
+
+__all__ = [
+    "Agent",
+    "Compaction",
+    "CompletedTurn",
+    "Delta",
+    "Event",
+    "EventsExpiredError",
+    "FencedOutError",
+    "HistoryEdited",
+    "InvalidSessionNameError",
+    "MailboxFullError",
+    "MemoryStore",
+    "Message",
+    "MessageAdded",
+    "MessageNotFoundError",
+    "MetadataChanged",
+    "Model",
+    "ModelChunk",
+    "ModelError",
+    "ModelRequest",
+    "OpenTurn",
+    "Registry",
+    "RegistryStatistics",
+    "Reply",
+    "ReviewNotFoundError",
+    "ReviewRequest",
+    "ReviewRequested",
+    "ReviewResolved",
+    "Role",
+    "SQLiteStore",
+    "SessionActorsError",
+    "SessionBusyError",
+    "SessionCrashedError",
+    "SessionExistsError",
+    "SessionInfo",
+    "SessionNotFoundError",
+    "SessionRef",
+    "SessionState",
+    "SessionStoppedError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotVersionError",
+    "Status",
+    "StatusChanged",
+    "StoreError",
+    "SubscriberLaggedError",
+    "TextChunk",
+    "Tool",
+    "ToolCall",
+    "ToolCallChunk",
+    "ToolCallStarted",
+    "ToolOutcome",
+    "ToolResult",
+    "ToolSpec",
+    "Turn",
+    "TurnCancelled",
+    "TurnCancelledError",
+    "TurnFailed",
+    "TurnFailedError",
+    "TurnFinished",
+    "TurnStarted",
+    "dump_snapshot",
+    "load_snapshot",
+    "open_registry",
+    "tool",
+]

@@ -516,8 +516,10 @@ class Actor:
             if text:
                 self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self._seq(), turn_id=turn_id)
-            if self.abort_reason is not None or self.stop_requested:
-                error = _stopped_error(sid, self.abort_reason or "stop")
+            if self.abort_reason is not None:
+                error = _stopped_error(sid, "cut")
+            elif self.stop_requested:
+                error = _stopped_error(sid, "stop")
             else:
                 error = TurnCancelledError(
                     f"turn {turn_id} of session {sid!r} was cancelled; what it streamed is "
@@ -689,6 +691,12 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
 def _stopped_error(sid: str, reason: str) -> SessionStoppedError:
     if reason == "stop":
         text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
+    elif reason == "cut":
+        text = (
+            f"the turn of session {sid!r} was cut off when the registry closed after its "
+            "shutdown grace; what it streamed is kept, marked interrupted: send it again "
+            "once a registry is open"
+        )
     else:
         text = (
             f"session {sid!r} did not run this request: the registry was closing; "

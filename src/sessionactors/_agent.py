@@ -79,9 +79,11 @@ class Agent:
 
     @property
     def tool_specs(self) -> tuple[ToolSpec, ...]:
+        """What the model is told about the agent's tools."""
         return tuple(t.spec for t in self.tools)
 
     def find_tool(self, name: str) -> Any:
+        """The tool called ``name``, or None."""
         for t in self.tools:
             if t.name == name:
                 return t

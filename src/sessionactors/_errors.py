@@ -11,7 +11,9 @@ __all__ = [
     "FencedOutError",
     "InvalidSessionNameError",
     "MailboxFullError",
+    "MessageNotFoundError",
     "ModelError",
+    "ReviewNotFoundError",
     "SessionActorsError",
     "SessionBusyError",
     "SessionCrashedError",
@@ -95,8 +97,9 @@ class SubscriberLaggedError(SessionActorsError):
 class EventsExpiredError(SessionActorsError, LookupError):
     """The events asked for are no longer available.
 
-    ``oldest_seq`` is the seq of the oldest event still available; reload the
-    history with ``ref.history()`` and subscribe with ``after=oldest_seq - 1``.
+    ``oldest_seq`` is the seq of the oldest event still available. To resume,
+    reload the state with ``state = await ref.state()`` and subscribe with
+    ``after=state.event_seq``.
     """
 
     def __init__(self, message: str, *, session_id: str | None = None, oldest_seq: int) -> None:
@@ -140,3 +143,11 @@ class ModelError(SessionActorsError, RuntimeError):
     ) -> None:
         super().__init__(message, session_id=session_id)
         self.status_code = status_code
+
+
+class ReviewNotFoundError(SessionActorsError, LookupError):
+    """No pending review of the session has that id."""
+
+
+class MessageNotFoundError(SessionActorsError, LookupError):
+    """No message of the session has that id."""

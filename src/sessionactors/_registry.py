@@ -170,7 +170,7 @@ class Registry:
         if at is not None:
             index = source.find(at)
             if index < 0:
-                from ._tooling import MessageNotFoundError
+                from ._errors import MessageNotFoundError
 
                 raise MessageNotFoundError(
                     f"session {name!r} has no message {at!r}; take ids from ref.history()",

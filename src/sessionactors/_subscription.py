@@ -102,8 +102,8 @@ async def open_event_iterator(
         if trimmed > after:
             raise EventsExpiredError(
                 f"events of session {session_id!r} after seq {after} are no longer "
-                f"available; the oldest available is seq {trimmed + 1}: reload the history "
-                f"with ref.history() and subscribe with after={trimmed}",
+                f"available; the oldest available is seq {trimmed + 1}: reload the state "
+                "with ref.state() and subscribe with after=state.event_seq",
                 session_id=session_id,
                 oldest_seq=trimmed + 1,
             )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._errors import SessionActorsError, SessionBusyError
+from ._errors import MessageNotFoundError, ReviewNotFoundError, SessionBusyError
 from ._events import HistoryEdited, ReviewRequested, ReviewResolved, ToolCallStarted, ToolResult
 from ._history import rewind_end, split_for_keep_last
 from ._model import ModelRequest, TextChunk
@@ -19,21 +19,12 @@ if TYPE_CHECKING:
     from ._agent import Agent
 
 __all__ = [
-    "ReviewNotFoundError",
     "maybe_compact",
     "resolve_review",
     "resume_tool_calls",
     "run_call",
     "run_tool_calls",
 ]
-
-
-class ReviewNotFoundError(SessionActorsError, LookupError):
-    """No pending review has that id."""
-
-
-class MessageNotFoundError(SessionActorsError, LookupError):
-    """No message of the session has that id."""
 
 
 def _needs_review(agent: Agent, call: ToolCall) -> bool:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ._memory import MemoryStore as MemoryStore
     from ._redis import RedisStore as RedisStore
     from ._sqlite import SQLiteStore as SQLiteStore
+    from ._sqlite import SQLiteStoreStatistics as SQLiteStoreStatistics
 
 __all__ = [
     "JournalEntry",
@@ -23,11 +24,17 @@ __all__ = [
     "MemoryStore",
     "RedisStore",
     "SQLiteStore",
+    "SQLiteStoreStatistics",
     "Store",
     "StoredSession",
 ]
 
-_LAZY = {"MemoryStore": "_memory", "SQLiteStore": "_sqlite", "RedisStore": "_redis"}
+_LAZY = {
+    "MemoryStore": "_memory",
+    "SQLiteStore": "_sqlite",
+    "SQLiteStoreStatistics": "_sqlite",
+    "RedisStore": "_redis",
+}
 
 
 def __getattr__(name: str) -> Any:

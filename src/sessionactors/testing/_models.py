@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 import attrs
 import trio
 
+from .._errors import SessionActorsError
 from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk
 from .._records import Role, ToolCall
 
@@ -28,6 +29,7 @@ class EchoModel:
     prefix: str = ""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
+        """Stream the last user message back, one word per chunk."""
         text = ""
         for message in reversed(request.messages):
             if message.role is Role.USER:
@@ -64,10 +66,11 @@ class Scripted:
     error: BaseException | None = None
 
     def text_chunks(self) -> list[str]:
+        """The text chunks this answer streams."""
         return list(self.chunks) if self.chunks is not None else _words(self.text)
 
 
-class ScriptExhaustedError(RuntimeError):
+class ScriptExhaustedError(SessionActorsError, RuntimeError):
     """The ScriptedModel was asked for more answers than it was given."""
 
 
@@ -99,6 +102,7 @@ class ScriptedModel:
         self.steps.extend(steps)
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
+        """Play the next scripted answer (recording the request)."""
         self.requests.append(request)
         if self._next < len(self.steps):
             step = self.steps[self._next]
