@@ -52,11 +52,24 @@ class Compaction:
     prompt. ``estimate`` counts tokens (default: about four characters a token).
     """
 
-    max_tokens: int
-    keep_last: int = 20
+    max_tokens: int = attrs.field()
+    keep_last: int = attrs.field(default=20)
     summarizer: Model | None = None
     estimate: Estimator = default_estimate
     instructions: str = DEFAULT_SUMMARY_INSTRUCTIONS
+
+    @max_tokens.validator
+    def _check_max_tokens(self, _: object, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"Compaction max_tokens must be at least 1, not {value}")
+
+    @keep_last.validator
+    def _check_keep_last(self, _: object, value: int) -> None:
+        # 0 would summarize away the user's new message before the model reads it
+        if value < 1:
+            raise ValueError(
+                f"Compaction keep_last must be at least 1 (the user's new message), not {value}"
+            )
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ from ._errors import (
     SessionStoppedError,
     StoreError,
 )
-from ._history import rewind_end
+from ._history import rewind_end, tool_pairs_intact
 from ._hub import Hub, HubConfig
 from ._names import validate_name
 from ._records import ReviewRequest, SessionInfo, Status, new_id
@@ -177,6 +177,16 @@ class Registry:
                     session_id=name,
                 )
             messages = messages[: rewind_end(messages, index)]
+        if not tool_pairs_intact(messages):
+            # a call still waits for its result (a review, or a tool running now)
+            from ._errors import SessionBusyError
+
+            raise SessionBusyError(
+                f"session {name!r} has a tool call without its result yet (a pending review "
+                "or a running tool), so its history cannot be forked as it is; fork at an "
+                "earlier message, or after the call is answered",
+                session_id=name,
+            )
         session = LiveSession.new(
             new_name,
             agent=source.agent,

@@ -120,16 +120,29 @@ def _request_review(actor: Actor, call: ToolCall) -> None:
 async def run_tool_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> bool:
     """Run the calls in order, pausing at the first that needs a review (False)."""
     i = 0
-    while i < len(calls):
-        j = i
-        while j < len(calls) and not _needs_review(agent, calls[j]):
-            j += 1
-        if j > i:
-            await _run_batch(actor, agent, calls[i:j])
-        if j < len(calls):
-            _request_review(actor, calls[j])
-            return False
-        i = j
+    try:
+        while i < len(calls):
+            j = i
+            while j < len(calls) and not _needs_review(agent, calls[j]):
+                j += 1
+            if j > i:
+                await _run_batch(actor, agent, calls[i:j])
+            if j < len(calls):
+                _request_review(actor, calls[j])
+                return False
+            i = j
+    except BaseException:
+        # cancelled while tools ran: answer every open call, so that the history never
+        # keeps a call without its result (the model would be sent a broken history)
+        for call in _unanswered_calls(actor):
+            _record_result(
+                actor,
+                call,
+                "this call was cancelled before its result was recorded; it may or may "
+                "not have taken effect: check before retrying",
+                True,
+            )
+        raise
     return True
 
 

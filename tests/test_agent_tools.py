@@ -1,0 +1,558 @@
+"""The tool loop: calls, concurrency, errors, limits, streamed fragments, events, journaling,
+and resumption after a crash in the middle of a tool."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from sessionactors import _tooling
+from sessionactors._history import tool_pairs_intact
+from sessionactors.stores import JournalEntry, MemoryStore
+from sessionactors.testing import Scripted, ScriptedModel
+
+
+def call(name: str, arguments: object = None, *, id: str | None = None) -> sa.ToolCall:
+    """A tool call with JSON ``arguments`` (``{}`` if None) and a fresh id unless given."""
+    return sa.ToolCall(
+        id=id or f"call_{uuid.uuid4().hex}",
+        name=name,
+        arguments=json.dumps(arguments if arguments is not None else {}),
+    )
+
+
+def tool_messages(history: Sequence[sa.Message]) -> list[sa.Message]:
+    return [m for m in history if m.role is sa.Role.TOOL]
+
+
+async def settle() -> None:
+    """Let every task in the run reach a blocking point (the session finishes what it does)."""
+    with trio.fail_after(10):
+        await trio.testing.wait_all_tasks_blocked()
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+async def test_text_then_tool_call_then_final_answer(autojump_clock: trio.abc.Clock) -> None:
+    """A turn streams text with a tool call, runs the tool, asks again, and replies with text."""
+    seen: list[str] = []
+
+    @sa.tool
+    async def lookup(order_id: str) -> str:
+        """Look up an order by its id."""
+        seen.append(order_id)
+        return f"order {order_id}: shipped"
+
+    first = call("lookup", {"order_id": "A1"})
+    model = ScriptedModel([Scripted(text="Let me check.", tool_calls=[first]), "It shipped."])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            reply = await ref.send("Where is A1?")
+        history = await ref.history()
+
+    assert reply.text == "It shipped."
+    assert reply.reviews == ()
+    assert seen == ["A1"]
+    assert [(m.role, m.content) for m in history] == [
+        (sa.Role.USER, "Where is A1?"),
+        (sa.Role.ASSISTANT, "Let me check."),
+        (sa.Role.TOOL, "order A1: shipped"),
+        (sa.Role.ASSISTANT, "It shipped."),
+    ]
+    assert history[1].tool_calls == (first,)
+    assert history[2].tool_call_id == first.id
+    assert not history[2].is_error
+    assert len(model.requests) == 2
+    assert [s.name for s in model.requests[0].tools] == ["lookup"]
+    assert model.requests[0].tools == (lookup.spec,)
+    assert model.requests[1].tools == (lookup.spec,)
+    assert [m.role for m in model.requests[1].messages] == [
+        sa.Role.USER,
+        sa.Role.ASSISTANT,
+        sa.Role.TOOL,
+    ]
+
+
+async def test_independent_calls_run_concurrently(autojump_clock: trio.abc.Clock) -> None:
+    """Two calls of one step run at once: each waits on something only the other one sets."""
+    ping_seen = trio.Event()
+    pong_seen = trio.Event()
+
+    @sa.tool
+    async def ping() -> str:
+        """Signal ping, then wait for pong."""
+        ping_seen.set()
+        await pong_seen.wait()
+        return "ping done"
+
+    @sa.tool
+    async def pong() -> str:
+        """Wait for ping, then signal pong."""
+        await ping_seen.wait()
+        pong_seen.set()
+        return "pong done"
+
+    model = ScriptedModel([Scripted(tool_calls=[call("ping"), call("pong")]), "both done"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[ping, pong])}) as reg:
+        ref = await reg.spawn("s")
+        with trio.fail_after(5):
+            reply = await ref.send("go")
+        history = await ref.history()
+
+    assert reply.text == "both done"
+    assert [m.content for m in tool_messages(history)] == ["ping done", "pong done"]
+
+
+async def test_concurrent_calls_take_the_longest_and_results_keep_call_order(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Two 10 s tools of one step finish in 10 s, and their results follow the calls' order."""
+    finished: list[str] = []
+
+    @sa.tool
+    async def slow(name: str, seconds: float) -> str:
+        """Sleep, then answer."""
+        await trio.sleep(seconds)
+        finished.append(name)
+        return f"{name} after {seconds}"
+
+    calls = [
+        call("slow", {"name": "first", "seconds": 10}),
+        call("slow", {"name": "second", "seconds": 9}),
+    ]
+    model = ScriptedModel([Scripted(tool_calls=calls), "done"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[slow])}) as registry:
+        ref = await registry.spawn("s")
+        start = trio.current_time()
+        with trio.fail_after(60):
+            await ref.send("go")
+        elapsed = trio.current_time() - start
+        history = await ref.history()
+
+    assert 10 <= elapsed < 11
+    assert finished == ["second", "first"]  # the second call finished first...
+    results = tool_messages(history)  # ...but the results are recorded in call order
+    assert [m.tool_call_id for m in results] == [c.id for c in calls]
+    assert [m.content for m in results] == ["first after 10.0", "second after 9.0"]
+
+
+async def test_a_tool_that_raises_gives_the_model_an_error_result(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A tool raising is an is_error result the model sees, not a failed turn."""
+
+    @sa.tool
+    async def explode() -> str:
+        """Always fails."""
+        raise ValueError("the warehouse is on fire")
+
+    model = ScriptedModel([Scripted(tool_calls=[call("explode")]), "Sorry, that failed."])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[explode])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            reply = await ref.send("go")
+        history = await ref.history()
+        state = await ref.state()
+
+    assert reply.text == "Sorry, that failed."
+    (result,) = tool_messages(history)
+    assert result.is_error
+    assert "the warehouse is on fire" in result.content
+    assert "ValueError" in result.content
+    assert model.requests[1].messages[-1] == result
+    assert state.status is sa.Status.IDLE
+
+
+async def test_an_unknown_tool_gives_the_model_an_error_result(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A call of a tool the agent does not have is an error result naming the tools it has."""
+
+    @sa.tool
+    async def lookup() -> str:
+        """Look something up."""
+        return "found"
+
+    model = ScriptedModel([Scripted(tool_calls=[call("teleport")]), "I cannot do that."])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            reply = await ref.send("go")
+        history = await ref.history()
+
+    assert reply.text == "I cannot do that."
+    (result,) = tool_messages(history)
+    assert result.is_error
+    assert "'teleport'" in result.content
+    assert "lookup" in result.content
+
+
+async def test_max_steps_fails_the_turn_saying_so(autojump_clock: trio.abc.Clock) -> None:
+    """A model that keeps calling tools fails the turn after max_steps, and the session goes on."""
+    count = 0
+
+    @sa.tool
+    async def again() -> str:
+        """Count a call."""
+        nonlocal count
+        count += 1
+        return "again"
+
+    looping = ScriptedModel([lambda request: Scripted(tool_calls=[call("again")])] * 3 + ["fine"])
+    agent = sa.Agent(model=looping, tools=[again], max_steps=3)
+    async with sa.open_registry(agents={"a": agent}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5), pytest.raises(sa.TurnFailedError, match="max_steps=3") as info:
+            await ref.send("loop")
+        with trio.fail_after(5):
+            after = await ref.send("stop it")
+        history = await ref.history()
+
+    assert "MaxStepsError" in str(info.value)
+    assert count == 3
+    assert len(looping.requests) == 4
+    assert after.text == "fine"
+    assert tool_pairs_intact(history)
+
+
+def test_max_steps_must_be_positive() -> None:
+    """An agent refuses max_steps below one."""
+    with pytest.raises(ValueError, match="max_steps must be at least 1"):
+        sa.Agent(model=ScriptedModel(), max_steps=0)
+
+
+async def test_fragments_of_calls_spread_over_many_chunks_assemble_exactly(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Interleaved fragments (id and name first, arguments in many pieces) become exact calls."""
+    args_a = json.dumps({"order_id": "A-1001", "note": 'quotes " and \\ and ünïcode'})
+    args_b = json.dumps({"order_id": "B-7", "items": [1, 2, 3]})
+    got: list[tuple[str, str]] = []
+
+    @sa.tool(parameters={"type": "object"})
+    async def record(**kwargs: object) -> str:
+        """Record the arguments."""
+        got.append(("record", json.dumps(kwargs)))
+        return "ok"
+
+    class FragmentModel:
+        """Streams two interleaved calls, their arguments one character at a time."""
+
+        def __init__(self) -> None:
+            self.requests: list[sa.ModelRequest] = []
+
+        async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+            self.requests.append(request)
+            await trio.lowlevel.checkpoint()
+            if len(self.requests) > 1:
+                yield sa.TextChunk("recorded")
+                return
+            yield sa.TextChunk("Recording ")
+            yield sa.ToolCallChunk(1, id="call_b", name="record")
+            yield sa.ToolCallChunk(0, id="call_a", name="record")
+            yield sa.TextChunk("both.")
+            for i in range(max(len(args_a), len(args_b))):
+                if i < len(args_b):
+                    yield sa.ToolCallChunk(1, arguments=args_b[i])
+                if i < len(args_a):
+                    yield sa.ToolCallChunk(0, arguments=args_a[i])
+                if i % 5 == 0:
+                    yield sa.ToolCallChunk(0)  # an empty fragment changes nothing
+
+    model = FragmentModel()
+    agent = sa.Agent(model=model, tools=[record])
+    async with sa.open_registry(agents={"a": agent}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            reply = await ref.send("go")
+        history = await ref.history()
+
+    assert reply.text == "recorded"
+    assert history[1].content == "Recording both."
+    assert history[1].tool_calls == (
+        sa.ToolCall(id="call_a", name="record", arguments=args_a),
+        sa.ToolCall(id="call_b", name="record", arguments=args_b),
+    )
+    assert sorted(got) == sorted([("record", args_a), ("record", args_b)])
+    assert [m.tool_call_id for m in tool_messages(history)] == ["call_a", "call_b"]
+
+
+async def test_tool_events_carry_the_turn_id(autojump_clock: trio.abc.Clock) -> None:
+    """ToolCallStarted and ToolResult are published, in order, with the id of their turn."""
+
+    @sa.tool
+    async def lookup() -> str:
+        """Look something up."""
+        return "found"
+
+    first = call("lookup")
+    model = ScriptedModel([Scripted(tool_calls=[first]), "done"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as registry:
+        ref = await registry.spawn("s")
+        events: list[sa.Event] = []
+        async with ref.subscribe() as stream:
+            with trio.fail_after(5):
+                reply = await ref.send("go")
+                async for event in stream:
+                    events.append(event)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+
+    tool_events = [e for e in events if isinstance(e, sa.ToolCallStarted | sa.ToolResult)]
+    assert [type(e) for e in tool_events] == [sa.ToolCallStarted, sa.ToolResult]
+    started, result = tool_events
+    assert isinstance(started, sa.ToolCallStarted)
+    assert isinstance(result, sa.ToolResult)
+    assert started.turn_id == result.turn_id == reply.turn_id
+    assert started.tool_call == first
+    assert result.tool_call_id == first.id
+    assert result.content == "found"
+    assert not result.is_error
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs)
+
+
+@pytest.mark.parametrize("how", ["hibernate", "restart"])
+async def test_tool_calls_are_journaled_like_messages(
+    how: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """After hibernation or a registry restart the history holds the calls and results."""
+
+    @sa.tool
+    async def lookup(key: str) -> str:
+        """Look something up."""
+        return f"value of {key}"
+
+    calls = [call("lookup", {"key": "x"}), call("lookup", {"key": "y"})]
+    store = MemoryStore()
+    model = ScriptedModel([Scripted(text="checking", tool_calls=calls), "x and y found"])
+    agents = {"a": sa.Agent(model=model, tools=[lookup])}
+    async with sa.open_registry(agents=agents, store=store) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("go")
+        before = await ref.history()
+        if how == "hibernate":
+            await ref.hibernate()
+            assert "s" not in registry.live()
+            after = await registry.ref("s").history()
+    if how == "restart":
+        async with sa.open_registry(agents=agents, store=store) as registry:
+            after = await registry.ref("s").history()
+
+    assert after == before
+    assert [m.role for m in after] == [
+        sa.Role.USER,
+        sa.Role.ASSISTANT,
+        sa.Role.TOOL,
+        sa.Role.TOOL,
+        sa.Role.ASSISTANT,
+    ]
+    assert after[1].tool_calls == tuple(calls)
+    assert [m.content for m in after[2:4]] == ["value of x", "value of y"]
+
+
+# ---- a crash in the middle of a tool -------------------------------------------------------
+
+
+class FaultAfterStore(MemoryStore):
+    """A MemoryStore whose next ``append`` fails once ``arm()`` was called (by a tool as it runs).
+
+    Only the first arming counts, so a tool run again after the crash does not crash it again.
+    The failed write crashes the actor after the tool started, as a process death would;
+    ``on_fault`` runs just before the failure is raised.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.injected = 0
+        self.on_fault: Callable[[], None] | None = None
+
+    def arm(self) -> None:
+        if not self.injected:
+            self.armed = True
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        if self.armed:
+            self.armed = False
+            self.injected += 1
+            if self.on_fault is not None:
+                self.on_fault()
+            await trio.lowlevel.checkpoint()
+            raise OSError(f"injected store fault for {session_id!r}")
+        await super().append(session_id, entries, info, fence=fence)
+
+
+def crash_harness(
+    store: FaultAfterStore, calls: Sequence[sa.ToolCall]
+) -> tuple[sa.Agent, ScriptedModel, dict[str, int]]:
+    """An agent whose one step calls ``calls``; its tools count runs and arm the store fault.
+
+    ``charge`` is not idempotent, ``lookup`` is.
+    """
+    runs = {"charge": 0, "lookup": 0}
+
+    async def charge(amount: int) -> str:
+        runs["charge"] += 1
+        store.arm()
+        await trio.lowlevel.checkpoint()
+        return f"charged {amount}"
+
+    async def lookup(key: str) -> str:
+        runs["lookup"] += 1
+        store.arm()
+        await trio.lowlevel.checkpoint()
+        return f"value of {key}"
+
+    tools = [
+        sa.Tool(name="charge", fn=charge, idempotent=False),
+        sa.Tool(name="lookup", fn=lookup),
+    ]
+    model = ScriptedModel(
+        [Scripted(tool_calls=calls), "lost with the crash", "answered after the crash"]
+    )
+    return sa.Agent(model=model, tools=tools), model, runs
+
+
+async def crash_mid_tool(
+    store: FaultAfterStore, agent: sa.Agent
+) -> tuple[list[sa.Message], sa.SessionState]:
+    """Send one turn that crashes after its tools started; the history and state once settled."""
+    async with sa.open_registry(agents={"a": agent}, store=store) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5), pytest.raises(sa.SessionCrashedError, match="injected"):
+            await ref.send("pay")
+        await settle()
+        assert registry.statistics().restarts == 1
+        history = await ref.history()
+        state = await ref.state()
+    assert store.injected == 1
+    return history, state
+
+
+async def test_a_non_idempotent_tool_interrupted_by_a_crash_is_not_run_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """After a crash mid-tool the non-idempotent call ran once; the model is told it was interrupted."""
+    store = FaultAfterStore()
+    charge = call("charge", {"amount": 5})
+    agent, model, runs = crash_harness(store, [charge])
+
+    history, state = await crash_mid_tool(store, agent)
+
+    assert runs == {"charge": 1, "lookup": 0}
+    assert [m.role for m in history] == [
+        sa.Role.USER,
+        sa.Role.ASSISTANT,
+        sa.Role.TOOL,
+        sa.Role.ASSISTANT,
+    ]
+    result = history[2]
+    assert result.tool_call_id == charge.id
+    assert result.is_error
+    assert "interrupted" in result.content
+    assert history[3].content == "answered after the crash"
+    assert len(model.requests) == 3  # the turn was resumed: the model was asked again
+    assert model.requests[2].messages[-1] == result
+    assert state.open_turn is None
+    assert state.status is sa.Status.IDLE
+    assert tool_pairs_intact(history)
+
+
+async def test_crash_harness_catches_a_non_idempotent_tool_run_twice(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock
+) -> None:
+    """Negative control: if resumption treats all calls as idempotent, the harness sees two runs."""
+    store = FaultAfterStore()
+    agent, _, runs = crash_harness(store, [call("charge", {"amount": 5})])
+    store.on_fault = lambda: monkeypatch.setattr(_tooling, "_idempotent", lambda agent, c: True)
+
+    history, _ = await crash_mid_tool(store, agent)
+
+    assert runs["charge"] == 2
+    assert not any("interrupted" in m.content for m in tool_messages(history))
+
+
+@pytest.mark.parametrize("order", ["charge_first", "lookup_first"])
+async def test_an_idempotent_tool_interrupted_by_a_crash_is_run_again(
+    order: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """After a crash mid-batch the idempotent call runs again, the non-idempotent one does not."""
+    store = FaultAfterStore()
+    charge = call("charge", {"amount": 5})
+    lookup = call("lookup", {"key": "k"})
+    calls = [charge, lookup] if order == "charge_first" else [lookup, charge]
+    agent, model, runs = crash_harness(store, calls)
+
+    history, _ = await crash_mid_tool(store, agent)
+
+    assert runs == {"charge": 1, "lookup": 2}
+    results = {m.tool_call_id: m for m in tool_messages(history)}
+    assert set(results) == {charge.id, lookup.id}
+    assert "interrupted" in results[charge.id].content
+    assert results[charge.id].is_error
+    assert results[lookup.id].content == "value of k"
+    assert not results[lookup.id].is_error
+    assert history[-1].content == "answered after the crash"
+    assert len(model.requests) == 3
+    assert tool_pairs_intact(history)
+
+
+async def test_cancelling_a_turn_while_tools_run_answers_every_call(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A turn cancelled while its tools run leaves every call of the step with a result."""
+    started = trio.Event()
+
+    async def slow() -> str:
+        started.set()
+        await trio.sleep_forever()
+        return "never"  # pragma: no cover
+
+    async def quick() -> str:
+        await trio.lowlevel.checkpoint()
+        return "quick"
+
+    tools = [
+        sa.Tool(name="slow", fn=slow),
+        sa.Tool(name="quick", fn=quick),
+        sa.Tool(name="refund", fn=quick, requires_review=True, idempotent=False),
+    ]
+    calls = [call("quick"), call("slow"), call("refund"), call("quick")]
+    model = ScriptedModel([Scripted(tool_calls=calls), "next answer"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=tools)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            turn = await ref.submit("go")
+            await started.wait()
+            assert await ref.cancel()
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+            history = await ref.history()
+            reply = await ref.send("and now?")
+        state = await ref.state()
+
+    results = {m.tool_call_id: m for m in tool_messages(history)}
+    assert set(results) == {c.id for c in calls}
+    assert all(results[c.id].is_error for c in calls[1:])
+    assert all("cancelled" in results[c.id].content for c in calls[1:])
+    assert tool_pairs_intact(history)
+    assert reply.text == "next answer"
+    assert tool_pairs_intact(model.requests[-1].messages)
+    assert state.reviews == ()
