@@ -492,3 +492,27 @@ async def test_a_crash_while_an_approved_call_runs_fails_the_review_and_is_not_r
     assert "interrupted" in history[2].content
     assert history[-1].content == "Please check A1."
     assert tool_pairs_intact(history)
+
+
+async def test_a_review_without_its_agent_fails_clearly_and_stays_pending() -> None:
+    """Resolving a review of a session whose agent is missing raises TurnFailedError and keeps the review."""
+    from sessionactors._records import ToolCall
+    from sessionactors.testing import Scripted, ScriptedModel
+
+    async def act() -> str:
+        return "done"
+
+    risky = sa.Tool(name="risky", fn=act, requires_review=True)
+    model = ScriptedModel([Scripted(tool_calls=[ToolCall(id="c", name="risky", arguments="{}")])])
+    store = sa.MemoryStore()
+    async with sa.open_registry(
+        store=store, agents={"a": sa.Agent(model=model, tools=[risky])}
+    ) as r:
+        reply = await (await r.spawn("s", agent="a")).send("go")
+        review_id = reply.reviews[0].id
+    other = {"b": sa.Agent(model=ScriptedModel([]))}
+    async with sa.open_registry(store=store, agents=other) as r:
+        with trio.fail_after(5), pytest.raises(sa.TurnFailedError, match="agent 'a'"):
+            await r.ref("s").review(review_id, approve=True)
+        assert [x.id for x in await r.ref("s").pending_reviews()] == [review_id]
+        assert r.statistics().crashes == 0

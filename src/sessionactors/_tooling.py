@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._errors import MessageNotFoundError, ReviewNotFoundError, SessionBusyError
+from ._errors import (
+    MessageNotFoundError,
+    ReviewNotFoundError,
+    SessionBusyError,
+    TurnFailedError,
+)
 from ._events import HistoryEdited, ReviewRequested, ReviewResolved, ToolCallStarted, ToolResult
 from ._history import rewind_end, split_for_keep_last
 from ._model import ModelRequest, TextChunk
@@ -198,7 +203,14 @@ async def resolve_review(
             f"{known}); list them with ref.pending_reviews()",
             session_id=actor.session_id,
         )
-    agent = actor.host.agent_for(session)
+    try:
+        agent = actor.host.agent_for(session)
+    except LookupError as exc:
+        raise TurnFailedError(
+            f"{exc}; the review stays pending until the agent is back",
+            session_id=actor.session_id,
+            turn_id=review.turn_id,
+        ) from exc
     actor.turn_id = review.turn_id
     actor._durable(
         ReviewResolved(
