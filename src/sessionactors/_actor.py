@@ -142,7 +142,9 @@ class Actor:
 
     __slots__ = (
         "_ready",
+        "_journal_size",
         "_since_snapshot",
+        "_snapshot_size",
         "_system_cache",
         "abort_reason",
         "deleted",
@@ -188,6 +190,8 @@ class Actor:
         self.load_error: SessionActorsError | None = None
         self.unsaved: list[Event] = []
         self._since_snapshot = 0
+        self._journal_size = 0  # bytes journaled since the snapshot
+        self._snapshot_size = 0  # bytes of the latest snapshot
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
@@ -283,7 +287,13 @@ class Actor:
         )
         del events[: len(entries)]
         self._since_snapshot += len(entries)
-        if self._since_snapshot >= host.config.snapshot_every:
+        self._journal_size += sum(len(e.data) for e in entries)
+        # Compact once the journal outweighs the snapshot: a snapshot costs as much
+        # as the history is long, so this keeps a turn's cost independent of it.
+        if (
+            self._since_snapshot >= host.config.snapshot_every
+            and self._journal_size >= self._snapshot_size
+        ):
             await self._write_snapshot(self.session.status)
 
     async def _write_snapshot(self, status: Status) -> None:
@@ -293,9 +303,10 @@ class Actor:
         seq = max(self.hub.seq, session.event_seq)
         session.event_seq = seq
         state = attrs.evolve(session.to_state(), status=status)
+        snapshot = dump_snapshot(state)
         await host.store.write_snapshot(
             self.session_id,
-            dump_snapshot(state),
+            snapshot,
             seq,
             dump_info(session.info(status)),
             trim_upto=max(0, seq - host.config.journal_keep_seqs),
@@ -303,6 +314,8 @@ class Actor:
         )
         self.unsaved.clear()
         self._since_snapshot = 0
+        self._journal_size = 0
+        self._snapshot_size = len(snapshot)
 
     # ---- the loop ---------------------------------------------------------
 
@@ -361,6 +374,8 @@ class Actor:
                 session_id=sid,
             )
         self._since_snapshot = len(stored.entries)
+        self._journal_size = sum(len(e.data) for e in stored.entries)
+        self._snapshot_size = len(stored.snapshot)
         self.session = session
         hub = self.hub = host.hub_for(sid)
         if self.unsaved:  # not durable yet (durability="hibernate"): replay them too

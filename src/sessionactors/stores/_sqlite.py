@@ -45,13 +45,18 @@ __all__ = ["SQLiteStore", "SQLiteStoreStatistics"]
 
 _SCHEMA_VERSION: Final = 1
 _SCHEMA: Final = (
+    # The snapshot lives in a table of its own: appends update a session's row
+    # (last_seq, info), and that must not rewrite a large snapshot each time.
     """CREATE TABLE IF NOT EXISTS sessions (
         session_id TEXT PRIMARY KEY NOT NULL,
-        snapshot BLOB NOT NULL,
         snapshot_seq INTEGER NOT NULL,
         last_seq INTEGER NOT NULL,
         trimmed_upto INTEGER NOT NULL,
         info BLOB NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS snapshots (
+        session_id TEXT PRIMARY KEY NOT NULL,
+        data BLOB NOT NULL
     )""",
     """CREATE TABLE IF NOT EXISTS journal (
         session_id TEXT NOT NULL,
@@ -494,20 +499,26 @@ class SQLiteStore:
 
         def op(conn: sqlite3.Connection, now: float) -> None:
             inserted = conn.execute(
-                "INSERT INTO sessions (session_id, snapshot, snapshot_seq, last_seq, "
-                "trimmed_upto, info) VALUES (?, ?, 0, 0, 0, ?) "
+                "INSERT INTO sessions (session_id, snapshot_seq, last_seq, "
+                "trimmed_upto, info) VALUES (?, 0, 0, 0, ?) "
                 "ON CONFLICT (session_id) DO NOTHING",
-                (session_id, snapshot, info),
+                (session_id, info),
             ).rowcount
             if inserted != 1:
                 raise _exists_error(session_id)
+            conn.execute(
+                "INSERT OR REPLACE INTO snapshots (session_id, data) VALUES (?, ?)",
+                (session_id, snapshot),
+            )
 
         await self._call(session_id, op, writes=True)
 
     async def load(self, session_id: str) -> StoredSession | None:
         def op(conn: sqlite3.Connection, now: float) -> StoredSession | None:
             row = conn.execute(
-                "SELECT snapshot, snapshot_seq FROM sessions WHERE session_id = ?", (session_id,)
+                "SELECT snapshots.data, sessions.snapshot_seq FROM sessions JOIN snapshots "
+                "USING (session_id) WHERE session_id = ?",
+                (session_id,),
             ).fetchone()
             if row is None:
                 return None
@@ -584,9 +595,12 @@ class SQLiteStore:
                 )
                 trimmed_upto = trim_upto
             conn.execute(
-                "UPDATE sessions SET snapshot = ?, snapshot_seq = ?, last_seq = ?, "
+                "UPDATE sessions SET snapshot_seq = ?, last_seq = ?, "
                 "trimmed_upto = ?, info = ? WHERE session_id = ?",
-                (snapshot, seq, max(last_seq, seq), trimmed_upto, info, session_id),
+                (seq, max(last_seq, seq), trimmed_upto, info, session_id),
+            )
+            conn.execute(
+                "UPDATE snapshots SET data = ? WHERE session_id = ?", (snapshot, session_id)
             )
 
         await self._call(session_id, op, writes=True)
@@ -628,6 +642,7 @@ class SQLiteStore:
     async def delete(self, session_id: str) -> bool:
         def op(conn: sqlite3.Connection, now: float) -> bool:
             conn.execute("DELETE FROM journal WHERE session_id = ?", (session_id,))
+            conn.execute("DELETE FROM snapshots WHERE session_id = ?", (session_id,))
             conn.execute(
                 "UPDATE leases SET owner = NULL, lease_until = 0 WHERE session_id = ?",
                 (session_id,),
