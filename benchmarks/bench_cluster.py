@@ -1,0 +1,176 @@
+"""9. Many workers on one RedisStore: a send across workers, and turns per second.
+
+Needs a redis-server (``SESSIONACTORS_REDIS_URL``, or a ``redis-server`` binary
+started on a free port on 127.0.0.1 and stopped afterwards); skipped otherwise.
+The workers are separate processes (``python -m sessionactors._cluster_demo
+worker``), each a registry on the same RedisStore, echo model, default
+durability (every reply waits for its turn's journal append in Redis).
+
+- send latency: this process is a worker too. ``await ref.send(text)`` one after
+  another to a session it runs itself, against one that another worker process
+  runs (the request goes to the owner's inbox and the reply comes back through
+  this worker's inbox). Mean per send over ``K`` sends, median of the rounds
+  (the two alternate within each round).
+- throughput: ``S`` sessions, ``T`` turns each, all sessions at once, run by one
+  worker process, against the same load split over three worker processes
+  (each sends to the sessions it owns, as a load balancer with session affinity
+  does), and against three workers where every request enters through a worker
+  that does not own its session (a load balancer without affinity). Wall clock
+  from the first command to the last answer, median of the rounds.
+
+The machine has few cores: three workers and redis-server share them, so the
+ratio says how much a second and third process add here, not what more
+machines would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+
+import trio
+
+import sessionactors as sa
+from _common import Row, log, median, now, paired, redis_url, spread
+from sessionactors._cluster_demo import WorkerProcess
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel
+
+TTL = 10.0
+TEXT = "Where is my order A1042?"
+
+
+async def latency(url: str, sends: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Per round: mean seconds per send to a local session and to a remote one."""
+    prefix = f"bench-cluster-{uuid.uuid4().hex[:8]}"
+    local_times: list[float] = []
+    remote_times: list[float] = []
+    store = RedisStore(url, prefix=prefix)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with trio.open_nursery() as nursery:
+        worker = await WorkerProcess.start(nursery, url, prefix, "remote-worker", TTL)
+        try:
+            async with sa.open_registry(store=store, agents=agents, lease_ttl=TTL) as registry:
+                local = await registry.spawn("local")
+                assert "error" not in await worker.call("spawn", names=["remote"])
+                remote = registry.ref("remote")
+                for ref in (local, remote):  # warm up: connections, scripts, owner hints
+                    for _ in range(50):
+                        assert (await ref.send(TEXT)).text == TEXT
+                assert registry.live() == ["local"]
+                for r in range(rounds):
+                    order = [(local, local_times), (remote, remote_times)]
+                    for ref, times in order if r % 2 == 0 else order[::-1]:
+                        start = now()
+                        for _ in range(sends):
+                            await ref.send(TEXT)
+                        times.append((now() - start) / sends)
+                    log(
+                        f"  round {r + 1}/{rounds}: local {local_times[-1] * 1e6:.0f} us, "
+                        f"remote {remote_times[-1] * 1e6:.0f} us"
+                    )
+        finally:
+            await worker.quit()
+            nursery.cancel_scope.cancel()
+    return local_times, remote_times
+
+
+async def throughput(url: str, workers: int, sessions: int, turns: int, across: bool) -> float:
+    """Turns per second of ``workers`` processes running ``sessions`` x ``turns``."""
+    prefix = f"bench-cluster-{uuid.uuid4().hex[:8]}"
+    names = [f"tp-{i:05d}" for i in range(sessions)]
+    async with trio.open_nursery() as nursery:
+        procs: list[WorkerProcess] = []
+        try:
+
+            async def start(i: int) -> None:
+                procs.append(await WorkerProcess.start(nursery, url, prefix, f"w{i}", TTL))
+
+            async with trio.open_nursery() as starting:
+                for i in range(workers):
+                    starting.start_soon(start, i)
+            shares = [names[i::workers] for i in range(workers)]
+            for proc, share in zip(procs, shares, strict=True):  # each owns its share
+                assert "error" not in await proc.call("spawn", names=share)
+            if across:  # every worker talks to sessions another one owns
+                shares = shares[1:] + shares[:1]
+            begin = now()
+            async with trio.open_nursery() as talking:
+                for proc, share in zip(procs, shares, strict=True):
+
+                    async def talk(proc: WorkerProcess = proc, share: list[str] = share) -> None:
+                        answer = await proc.call("converse", names=share, turns=turns)
+                        assert "error" not in answer, answer
+
+                    talking.start_soon(talk)
+            elapsed = now() - begin
+        finally:
+            for proc in procs:
+                await proc.quit()
+            nursery.cancel_scope.cancel()
+    return sessions * turns / elapsed
+
+
+def main(args: argparse.Namespace) -> list[Row]:
+    sends = 100 if args.quick else 300
+    rounds = 3 if args.quick else 5
+    sessions = 150 if args.quick else 600
+    turns = 3 if args.quick else 5
+    tp_rounds = 2 if args.quick else 3
+    with redis_url() as url:
+        if url is None:
+            log("  skipped: no SESSIONACTORS_REDIS_URL and no redis-server binary")
+            return []
+        local, remote = trio.run(latency, url, sends, rounds)
+        results: dict[str, list[float]] = {"one": [], "three": [], "across": []}
+        for r in range(tp_rounds):
+            results["one"].append(trio.run(throughput, url, 1, sessions, turns, False))
+            results["three"].append(trio.run(throughput, url, 3, sessions, turns, False))
+            results["across"].append(trio.run(throughput, url, 3, sessions, turns, True))
+            log(
+                f"  round {r + 1}/{tp_rounds}: "
+                + ", ".join(f"{k} {v[-1]:.0f} turns/s" for k, v in results.items())
+            )
+    group = "9 many workers on one RedisStore"
+    load = f"{sessions} sessions x {turns} turns, all at once"
+    return [
+        Row(
+            benchmark=group,
+            name="ref.send to a session another worker runs (vs one this worker runs)",
+            measured=median(remote) * 1e6,
+            unit="us",
+            baseline=median(local) * 1e6,
+            baseline_name="ref.send to a session live in this worker",
+            baseline_unit="us",
+            paired_ratio=paired(remote, local),
+            notes=f"{sends} sequential sends x {rounds} rounds, echo model; {spread(remote)}",
+        ),
+        Row(
+            benchmark=group,
+            name="durable turns per second, 3 worker processes (vs 1)",
+            measured=median(results["three"]),
+            unit="turns/s",
+            baseline=median(results["one"]),
+            baseline_name="1 worker process, same load",
+            baseline_unit="turns/s",
+            paired_ratio=paired(results["three"], results["one"]),
+            notes=f"{load}; each worker sends to the sessions it owns; {spread(results['three'])}",
+        ),
+        Row(
+            benchmark=group,
+            name="durable turns per second, 3 workers, every request via a non-owner (vs 1)",
+            measured=median(results["across"]),
+            unit="turns/s",
+            baseline=median(results["one"]),
+            baseline_name="1 worker process, same load",
+            baseline_unit="turns/s",
+            paired_ratio=paired(results["across"], results["one"]),
+            notes=f"{load}; every turn forwarded to its owner; {spread(results['across'])}",
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    from _common import run_main
+
+    run_main(main, __doc__.splitlines()[0])

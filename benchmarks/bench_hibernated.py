@@ -1,0 +1,230 @@
+"""8. Memory the registry holds for 100,000 hibernated sessions.
+
+In a fresh interpreter per measurement: open a registry, settle, read RSS (the empty
+registry); spawn 100,000 sessions (RSS while all are live); hibernate every
+one with ``ref.hibernate()``; settle (``gc.collect()`` + ``malloc_trim``) and
+read RSS again. The delta against the empty registry is what stays behind.
+
+Two stores: a discard store (keeps nothing: the delta is the registry's own
+memory, the number with the target) and MemoryStore (keeps every snapshot in
+the same process, so its delta is the registry plus the stored sessions).
+``sys.getallocatedblocks()`` is reported too: it counts live Python
+allocations, which is not blurred by free memory that the allocator keeps.
+
+The baseline is the same life for plain trio tasks (100,000 tasks, each
+blocked on its memory channel, then all ended): what RSS keeps after a burst
+of that size even when nothing is retained (trio's task sets and the
+allocator's free pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+import trio.testing
+
+import sessionactors as sa
+from _common import (
+    HERE,
+    InstantModel,
+    Row,
+    agents,
+    child,
+    child_exit,
+    cpu,
+    log,
+    settled_rss,
+)
+from sessionactors.stores import JournalEntry, Lease, StoredSession
+
+SCRIPT = HERE / "bench_hibernated.py"
+
+
+class DiscardStore:
+    """A store that keeps nothing (writes vanish, loads find nothing): the registry alone."""
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        await trio.lowlevel.checkpoint()
+        return None
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        await trio.lowlevel.checkpoint()
+        return 0, []
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        await trio.lowlevel.checkpoint()
+        return []
+
+    async def exists(self, session_id: str) -> bool:
+        await trio.lowlevel.checkpoint()
+        return False
+
+    async def delete(self, session_id: str) -> bool:
+        await trio.lowlevel.checkpoint()
+        return False
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
+        await trio.lowlevel.checkpoint()
+        return Lease(owner=owner, fence=1)
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        await trio.lowlevel.checkpoint()
+        return True
+
+    async def release(self, session_id: str, lease: Lease) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def _measure_raw(n: int) -> None:
+    """The baseline: the same life for plain trio tasks (start, idle, end, forget)."""
+    mailboxes: dict[str, trio.MemorySendChannel[object]] = {}
+
+    async def idle(receive: trio.MemoryReceiveChannel[object]) -> None:
+        async for _ in receive:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        await trio.testing.wait_all_tasks_blocked()
+        empty, empty_blocks = settled_rss(), sys.getallocatedblocks()
+        for i in range(n):
+            send, receive = trio.open_memory_channel[object](64)
+            mailboxes[f"s{i:06d}"] = send
+            nursery.start_soon(idle, receive)
+        await trio.testing.wait_all_tasks_blocked()
+        live = settled_rss()
+        for i in range(n):
+            await mailboxes.pop(f"s{i:06d}").aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        held, held_blocks = settled_rss(), sys.getallocatedblocks()
+        child_exit(
+            {
+                "empty": empty,
+                "live": live - empty,
+                "held": held - empty,
+                "blocks": held_blocks - empty_blocks,
+                "hibernate_cpu": 0.0,
+                "n": n,
+            }
+        )
+
+
+async def _measure(n: int, store_kind: str) -> None:
+    if store_kind == "raw":
+        await _measure_raw(n)
+    store: Any = DiscardStore() if store_kind == "discard" else sa.MemoryStore()
+    async with sa.open_registry(agents=agents(InstantModel()), store=store) as registry:
+        await trio.testing.wait_all_tasks_blocked()
+        empty, empty_blocks = settled_rss(), sys.getallocatedblocks()
+        for i in range(n):
+            await registry.spawn(f"s{i:06d}")
+        await trio.testing.wait_all_tasks_blocked()
+        live = settled_rss()
+        start = cpu()
+        for i in range(n):
+            await registry.ref(f"s{i:06d}").hibernate()
+        await trio.testing.wait_all_tasks_blocked()
+        hibernate_cpu = cpu() - start
+        stats = registry.statistics()
+        assert stats.live == 0, stats
+        held, held_blocks = settled_rss(), sys.getallocatedblocks()
+        child_exit(
+            {
+                "empty": empty,
+                "live": live - empty,
+                "held": held - empty,
+                "blocks": held_blocks - empty_blocks,
+                "hibernate_cpu": hibernate_cpu,
+                "n": n,
+            }
+        )
+
+
+def main(args: argparse.Namespace) -> list[Row]:
+    if args.child:
+        trio.run(_measure, args.n, args.child)
+    n = 20_000 if args.quick else 100_000
+    results: dict[str, dict[str, Any]] = {}
+    for kind in ("raw", "discard", "memory"):
+        got = results[kind] = child(SCRIPT, kind, n=n)
+        log(
+            f"  {kind}: live {got['live'] / 2**20:.1f} MB, held after hibernating "
+            f"{got['held'] / 2**20:.2f} MB, {got['blocks']} more blocks, "
+            f"hibernate {got['hibernate_cpu'] / n * 1e6:.1f} us each (cpu)"
+        )
+    group = f"8 registry memory, {n:,} hibernated"
+    rows = []
+    for kind, label, target, base, base_name in (
+        (
+            "discard",
+            "a discard store: the registry alone",
+            10.0,
+            "raw",
+            "plain trio: RSS left after as many idle tasks ended",
+        ),
+        (
+            "memory",
+            "MemoryStore: registry + stored snapshots",
+            None,
+            "discard",
+            "the registry alone (discard store)",
+        ),
+    ):
+        got = results[kind]
+        rows.append(
+            Row(
+                benchmark=group,
+                name=f"RSS held after hibernating all ({label})",
+                measured=got["held"] / 2**20,
+                unit="MB",
+                baseline=results[base]["held"] / 2**20,
+                baseline_name=base_name,
+                baseline_unit="MB",
+                target_on="measured" if target else "",
+                target_op="<=" if target else "",
+                target_value=target,
+                notes=(
+                    f"{n:,} sessions; {got['live'] / 2**20:.0f} MB while live; "
+                    f"{got['blocks'] / n:+.3f} live allocations per session; "
+                    f"hibernate {got['hibernate_cpu'] / n * 1e6:.0f} us each (cpu)"
+                ),
+            )
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    from _common import run_main
+
+    run_main(main, __doc__ or "")

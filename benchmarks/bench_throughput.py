@@ -1,0 +1,145 @@
+"""6. Durable turns per second: 1,000 concurrent sessions on SQLite.
+
+1,000 sessions, each sending ``T`` turns one after another, all sessions at
+once (the instant model; every turn adds 2 messages). Wall clock from the
+first send to the last reply, in a fresh SQLite file (in a temporary
+directory) per run.
+
+- ``durability="turn"`` (the default: each reply waits until its turn is
+  committed; SQLiteStore groups the appends of many sessions in one commit),
+- against ``durability="hibernate"`` on the same store (the turns are only
+  written at hibernation, not measured here): what durability costs;
+- against the OpenAI Agents SDK: ``agents.SQLiteSession(session_id, db_path)``
+  per session, one file, and ``await session.add_items([user, assistant])``
+  per turn (the same 2 messages), 1,000 sessions at once under asyncio.
+
+Both stores run SQLite's default ``synchronous=FULL`` in WAL mode. The rounds
+alternate the three and the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import trio
+
+import sessionactors as sa
+from _common import InstantModel, Row, agents, log, median, now, paired, spread, temp_dir
+
+USER_TEXT = "Where is my order A1042? It was due yesterday."
+
+
+async def ours(path: Path, sessions: int, turns: int, durability: str) -> float:
+    """Turns per second."""
+    store = sa.SQLiteStore(path)
+    async with sa.open_registry(
+        agents=agents(InstantModel()), store=store, durability=durability
+    ) as registry:
+        refs: list[sa.SessionRef] = []
+
+        async def spawn(i: int) -> None:
+            refs.append(await registry.spawn(f"tp-{i:05d}"))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(sessions):
+                nursery.start_soon(spawn, i)
+
+        async def talk(ref: sa.SessionRef) -> None:
+            for _ in range(turns):
+                await ref.send(USER_TEXT)
+
+        start = now()
+        async with trio.open_nursery() as nursery:
+            for ref in refs:
+                nursery.start_soon(talk, ref)
+        elapsed = now() - start
+    return sessions * turns / elapsed
+
+
+def sdk(path: Path, sessions: int, turns: int) -> float:
+    """Turns per second of ``agents.SQLiteSession.add_items`` (2 items a turn)."""
+    from agents import SQLiteSession
+
+    async def run() -> float:
+        stores = [SQLiteSession(f"tp-{i:05d}", path) for i in range(sessions)]
+        try:
+
+            async def talk(session: SQLiteSession) -> None:
+                for _ in range(turns):
+                    await session.add_items(
+                        [
+                            {"role": "user", "content": USER_TEXT},
+                            {"role": "assistant", "content": "ok"},
+                        ]
+                    )
+
+            start = now()
+            await asyncio.gather(*(talk(s) for s in stores))
+            elapsed = now() - start
+            assert len(await stores[0].get_items()) == 2 * turns
+        finally:
+            for s in stores:
+                s.close()
+        return sessions * turns / elapsed
+
+    return asyncio.run(run())
+
+
+def main(args: argparse.Namespace) -> list[Row]:
+    sessions = 1000
+    turns = 2 if args.quick else 5
+    count = 2 if args.quick else 5
+    results: dict[str, list[float]] = {"turn": [], "hibernate": [], "sdk": []}
+    with temp_dir() as tmp:
+        for r in range(count):
+            results["turn"].append(trio.run(ours, tmp / f"turn-{r}.db", sessions, turns, "turn"))
+            results["hibernate"].append(
+                trio.run(ours, tmp / f"hib-{r}.db", sessions, turns, "hibernate")
+            )
+            results["sdk"].append(sdk(tmp / f"sdk-{r}.db", sessions, turns))
+            log(
+                f"  round {r + 1}/{count}: "
+                + ", ".join(f"{k} {v[-1]:.0f} turns/s" for k, v in results.items())
+            )
+    per_turn = {k: [1e6 / v for v in values] for k, values in results.items()}
+    group = "6 durable turns, 1,000 sessions, SQLite"
+    load = f"{sessions:,} sessions x {turns} turns"
+    return [
+        Row(
+            benchmark=group,
+            name='time per turn, durability="turn" (vs "hibernate")',
+            measured=median(per_turn["turn"]),
+            unit="us",
+            baseline=median(per_turn["hibernate"]),
+            baseline_name='durability="hibernate", same store',
+            baseline_unit="us",
+            target_on="ratio",
+            target_op="<=",
+            target_value=2.0,
+            paired_ratio=paired(per_turn["turn"], per_turn["hibernate"]),
+            notes=f"{load}; {median(results['turn']):.0f} vs "
+            f"{median(results['hibernate']):.0f} turns/s; {spread(per_turn['turn'])}",
+        ),
+        Row(
+            benchmark=group,
+            name='durable turns per second, durability="turn" (vs OpenAI Agents SDK)',
+            measured=median(results["turn"]),
+            unit="turns/s",
+            baseline=median(results["sdk"]),
+            baseline_name="agents.SQLiteSession.add_items, 2 items a turn",
+            baseline_unit="turns/s",
+            target_on="ratio",
+            target_op=">=",
+            target_value=10.0,
+            paired_ratio=paired(results["turn"], results["sdk"]),
+            notes=f"{load}; SDK {1e6 / median(results['sdk']) / 2:.0f} us per message",
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    from _common import run_main
+
+    run_main(main, __doc__ or "")
