@@ -122,3 +122,23 @@ def test_the_property_catches_turns_served_out_of_mailbox_order(
     plan = [[(0, 0.0, "submit", 2)] * 3, [(0, 0.0, "submit", 0)] * 2]
     with pytest.raises(AssertionError, match="not whole turns in mailbox order"):
         trio.run(play, plan, 4, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_ids_are_unique_in_a_forked_child() -> None:
+    """A forked child draws ids that its parent never does."""
+    import os
+
+    from sessionactors._records import new_id
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.write(write, "\n".join(new_id("msg") for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        child = set(f.read().split())
+    parent = {new_id("msg") for _ in range(100)}
+    assert len(child) == 100
+    assert not child & parent

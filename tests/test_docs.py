@@ -60,7 +60,7 @@ EXPECTED = {
     "howto_durability.py": [
         "durability='turn': 4 journal entries on disk at reply time, 2 messages",
         "durability='hibernate': 0 journal entries on disk at reply time, 2 messages",
-        "journal tail 4 entries",
+        "journal tail 8 entries",
         "replay from 0 expired; oldest available seq:",
     ],
     "howto_resume_stream.py": [

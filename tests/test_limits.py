@@ -19,7 +19,7 @@ async def test_an_oversized_message_is_refused_with_a_clear_error(
     async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
         ref = await registry.spawn("big")
         with trio.fail_after(5):
-            with pytest.raises(ValueError, match="'big'.*over the limit"):
+            with pytest.raises(ValueError, match=r"'big'.*over the limit"):
                 await ref.send("x" * 101)
             assert (await ref.send("small")).text == "small"
         assert registry.statistics().crashes == 0
@@ -41,7 +41,7 @@ async def test_an_oversized_tool_result_is_cut_with_a_note(monkeypatch: pytest.M
         ref = await registry.spawn("s")
         with trio.fail_after(5):
             assert (await ref.send("go")).text == "done"
-        result = [m for m in await ref.history() if m.role is sa.Role.TOOL][0]
+        result = next(m for m in await ref.history() if m.role is sa.Role.TOOL)
         assert result.content.startswith("y" * 50)
         assert "result cut: it was 500 characters" in result.content
         assert len(result.content) < 200

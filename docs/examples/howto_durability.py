@@ -36,7 +36,7 @@ async def snapshots_and_trimming(path: str) -> None:
     async with sa.open_registry(
         store=SQLiteStore(path),
         agents={"echo": agent},
-        snapshot_every=8,  # a snapshot after every 8 journal entries (default 1000)
+        snapshot_every=8,  # at least 8 journal entries between snapshots (default 1000)
         journal_keep_seqs=20,  # keep the journal for replay 20 seqs back (default 100_000)
     ) as registry:
         ref = await registry.spawn("long")

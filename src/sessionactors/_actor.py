@@ -46,11 +46,15 @@ from .stores._base import JournalEntry, Lease, Store
 if TYPE_CHECKING:
     from ._registry import Counters, RegistryConfig
 
-__all__ = ["SEQ_GAP", "Actor", "Host", "Pending", "session_task"]
+__all__ = ["SEQ_GAP", "Actor", "Host", "LeaseHeldError", "Pending", "session_task"]
 
 #: How far seq jumps when a session wakes from a state that was not hibernated
 #: cleanly (the process died): above any seq the lost incarnation can have used.
 SEQ_GAP = 1 << 20
+
+
+class LeaseHeldError(SessionBusyError):
+    """Another worker holds the session's lease: the session is live there."""
 
 
 class Pending:
@@ -141,8 +145,8 @@ class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
 
     __slots__ = (
-        "_ready",
         "_journal_size",
+        "_ready",
         "_since_snapshot",
         "_snapshot_size",
         "_system_cache",
@@ -326,7 +330,7 @@ class Actor:
             return
         lease = await host.store.claim(self.session_id, host.owner_id, host.config.lease_ttl)
         if lease is None:
-            raise SessionBusyError(
+            raise LeaseHeldError(
                 f"session {self.session_id!r} is live on another worker (it holds the "
                 "session's lease); send the request through that worker, or retry after "
                 "it hibernates the session or its lease expires",
@@ -447,7 +451,11 @@ class Actor:
             if isinstance(request, TurnRequest):
                 await self._turn(request)
             elif request.kind == "hibernate":
-                left = await self._hibernate_if_idle()
+                try:
+                    left = await self._hibernate_if_idle()
+                except BaseException as exc:  # fenced out, crashed, killed: answer anyway
+                    request.pending.set_error(self._cut_short(exc))
+                    raise
                 request.pending.set_result(left)
                 if left:
                     return
@@ -594,7 +602,25 @@ class Actor:
         except SessionActorsError as exc:
             request.pending.set_error(exc)
             return
+        except BaseException as exc:  # crashed or killed: its waiter must not wait forever
+            request.pending.set_error(self._cut_short(exc))
+            raise
         request.pending.set_result(result)
+
+    def _cut_short(self, exc: BaseException) -> SessionActorsError:
+        """The error for the waiter of a request that ``exc`` interrupted."""
+        sid = self.session_id
+        if isinstance(exc, SessionActorsError):
+            return exc
+        if isinstance(exc, Exception):
+            return crashed_error(sid, exc)
+        if self.kill_error is not None:  # cancelled: the lease was lost, or deleted
+            return self.kill_error
+        if self.deleted:
+            return SessionNotFoundError(
+                f"session {sid!r} was deleted while this request was pending", session_id=sid
+            )
+        return _stopped_error(sid, "closing")
 
     async def resume_interrupted(self) -> None:
         """Finish a turn whose process died mid-tool (found open on wake)."""

@@ -175,11 +175,12 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         try:
             async for chunk in stream:
                 _take_chunk(chunk, ctx, parts)
-        finally:
+        except BaseException:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # close an abandoned stream (an HTTP response) now
                 with trio.CancelScope(shield=True):
                     await aclose()
+            raise
         text = "".join(ctx.partial)
         ctx.partial.clear()
         calls = assemble_calls(parts)

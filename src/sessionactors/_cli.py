@@ -310,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--sessions", type=int, default=1000)
     demo.add_argument("--turns", type=int, default=3)
     demo.add_argument("--path", default=None, help="SQLite file (default: a temporary one)")
+    sub.add_parser("demo-cluster", help="three workers on one local redis-server; one is killed")
     chat = sub.add_parser("chat", help="chat with an OpenAI-compatible server")
     chat.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     chat.add_argument("--model", required=True)
@@ -321,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "chat":
         trio.run(_chat, args)
         return
+    if args.command == "demo-cluster":
+        from ._cluster_demo import demo_cluster
+
+        raise SystemExit(demo_cluster())
     if args.command == "demo":
         tmp = None
         path = args.path

@@ -8,7 +8,7 @@ what it already has) and the others are not slowed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -50,7 +50,7 @@ class Subscriber:
 class Hub:
     """Event fan-out for one session; outlives the actor while it has subscribers."""
 
-    __slots__ = ("_config", "_ring", "_ring_bytes", "_subs", "seq", "session_id")
+    __slots__ = ("_config", "_ring", "_ring_bytes", "_subs", "seq", "session_id", "tap")
 
     def __init__(self, session_id: str, config: HubConfig, seq: int = 0) -> None:
         self.session_id = session_id
@@ -59,6 +59,8 @@ class Hub:
         self._ring: deque[tuple[Event, int]] | None = None
         self._ring_bytes = 0
         self._subs: set[Subscriber] = set()
+        #: Called with every published event (a cluster's publisher), or None.
+        self.tap: Callable[[Event], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Hub {self.session_id!r} seq={self.seq} subscribers={len(self._subs)}>"
@@ -79,6 +81,8 @@ class Hub:
 
     def publish(self, event: Event) -> None:
         """Keep the event for replay and hand it to every subscriber, never blocking."""
+        if self.tap is not None:
+            self.tap(event)
         ring = self._ring
         if ring is None:
             ring = self._ring = deque()
@@ -100,6 +104,13 @@ class Hub:
     def publish_all(self, events: Iterable[Event]) -> None:
         for event in events:
             self.publish(event)
+
+    def lose(self) -> None:
+        """Events were lost upstream: end every subscription as lagged, forget the ring."""
+        for sub in tuple(self._subs):
+            self._evict(sub)
+        self._ring = None
+        self._ring_bytes = 0
 
     def _evict(self, sub: Subscriber) -> None:
         sub.lagged = True

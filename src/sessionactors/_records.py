@@ -7,7 +7,9 @@ new fields get defaults, field types never change.
 
 import datetime
 import enum
-import uuid
+import itertools
+import os
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,9 +39,26 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+_ID_PREFIX = secrets.token_hex(8)  # this process; ids stay unique across processes
+_ID_COUNTER = itertools.count(1)
+
+
+def _reseed_ids() -> None:
+    """A forked worker must not repeat its parent's ids."""
+    global _ID_PREFIX, _ID_COUNTER
+    _ID_PREFIX = secrets.token_hex(8)
+    _ID_COUNTER = itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_reseed_ids)
+
+
 def new_id(prefix: str) -> str:
-    """A fresh, unique, sortable-enough identifier such as ``msg_3f2a...``."""
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """A fresh identifier such as ``msg_3f2a9c...0001a``, unique across processes.
+
+    A random part per process and a counter: cheaper than a UUID on every turn.
+    """
+    return f"{prefix}_{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
 class Role(enum.Enum):

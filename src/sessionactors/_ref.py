@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ._actor import Actor, CallRequest, Pending, TurnRequest
+from ._actor import Actor, CallRequest, LeaseHeldError, Pending, TurnRequest
 from ._errors import MailboxFullError, SessionStoppedError
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
 from ._records import Message, ReviewRequest, SessionState, new_id
 
 if TYPE_CHECKING:
+    from ._cluster import Cluster
     from ._registry import Registry
 
 __all__ = ["Reply", "SessionRef", "Turn"]
@@ -74,9 +75,15 @@ class SessionRef:
 
     _registry: Registry = attrs.field(alias="registry")
     session_id: str
+    #: Serve requests in this process only, never forwarding them to another worker
+    #: (a worker serving a request that another one forwarded to it).
+    _local: bool = attrs.field(default=False, kw_only=True, alias="local")
 
     def __repr__(self) -> str:
         return f"<SessionRef {self.session_id!r}>"
+
+    def _cluster(self) -> Cluster | None:
+        return None if self._local else self._registry._cluster
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SessionRef):
@@ -90,16 +97,33 @@ class SessionRef:
 
     async def send(self, text: str, *, idempotency_key: str | None = None) -> Reply:
         """Run one turn and wait for its reply (after it is durable)."""
-        turn = await self.submit(text, idempotency_key=idempotency_key)
+        _check_text(self.session_id, text)
+        turn = await self._submit(text, idempotency_key, ack=False)
         return await turn.reply()
 
     async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
         """Put a turn in the mailbox, waiting for room; don't wait for the reply."""
         _check_text(self.session_id, text)
+        return await self._submit(text, idempotency_key, ack=True)
+
+    async def _submit(self, text: str, idempotency_key: str | None, *, ack: bool) -> Turn:
+        # ``ack``: a turn forwarded to another worker returns once accepted there
+        # (else once answered: ``send`` needs only the reply, a round trip less).
+        cluster = self._cluster()
         for _ in range(100):
+            if cluster is not None and cluster.owned_elsewhere(self.session_id):
+                forwarded = await cluster.submit(self.session_id, text, idempotency_key, ack=ack)
+                if forwarded is not None:
+                    return forwarded
             actor = self._registry._activate(self.session_id)
             if not actor.is_ready:
-                await actor.ready()
+                try:
+                    await actor.ready()
+                except LeaseHeldError:
+                    if cluster is None:
+                        raise
+                    cluster.held_elsewhere(self.session_id)  # live on another worker
+                    continue
             turn = self._dedupe(actor, idempotency_key)
             if turn is not None:
                 await trio.lowlevel.checkpoint()
@@ -122,7 +146,12 @@ class SessionRef:
         )
 
     def submit_nowait(self, text: str, *, idempotency_key: str | None = None) -> Turn:
-        """Like ``submit``, but raise MailboxFullError instead of waiting for room."""
+        """Like ``submit``, but raise MailboxFullError instead of waiting for room.
+
+        It does no I/O, so it reaches only sessions that are live in this process
+        or can be woken here: a session live on another worker fails the turn with
+        SessionBusyError (``submit`` forwards it).
+        """
         _check_text(self.session_id, text)
         actor = self._registry._activate(self.session_id)
         turn = self._dedupe(actor, idempotency_key)
@@ -191,6 +220,9 @@ class SessionRef:
         """Cancel the turn in flight, out of band; whether there was one."""
         await trio.lowlevel.checkpoint()
         actor = self._registry._live.get(self.session_id)
+        cluster = self._cluster()
+        if actor is None and cluster is not None:  # maybe live on another worker
+            return bool((await cluster.call(self.session_id, "cancel", {}))[1])
         return actor is not None and actor.cancel_turn()
 
     async def hibernate(self) -> None:
@@ -201,6 +233,9 @@ class SessionRef:
         """
         actor = self._registry._live.get(self.session_id)
         if actor is None:
+            cluster = self._cluster()
+            if cluster is not None:  # maybe live on another worker
+                await cluster.call(self.session_id, "hibernate", {})
             await trio.lowlevel.checkpoint()
             return
         await self._call(actor, "hibernate", {})
@@ -211,14 +246,23 @@ class SessionRef:
 
         Stopping a stopped session does nothing.
         """
-        actor = self._registry._activate(self.session_id)
-        try:
-            await actor.ready()
-        except SessionStoppedError:
-            if self._registry._closing:
-                raise
+        cluster = self._cluster()
+        for _ in range(100):
+            actor = self._registry._activate(self.session_id)
+            try:
+                await actor.ready()
+            except SessionStoppedError:
+                if self._registry._closing:
+                    raise
+                return
+            except LeaseHeldError:
+                if cluster is None:
+                    raise
+                if (await cluster.call(self.session_id, "stop", {}))[0]:
+                    return
+                continue  # free again: stop it here
+            await self._registry._stop(actor)
             return
-        await self._registry._stop(actor)
 
     async def _call(self, actor: Actor, kind: str, args: dict[str, object]) -> object:
         pending = Pending()
@@ -231,7 +275,12 @@ class SessionRef:
 
     async def _request(self, kind: str, args: dict[str, object]) -> Any:
         """A non-turn request in mailbox order, waking the session if needed."""
+        cluster = self._cluster()
         for _ in range(100):
+            if cluster is not None and cluster.owned_elsewhere(self.session_id):
+                sent, result = await cluster.call(self.session_id, kind, args)
+                if sent:
+                    return result
             actor = self._registry._activate(self.session_id)
             pending = Pending()
             try:
@@ -239,7 +288,12 @@ class SessionRef:
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 await self._registry._after_closed_mailbox(actor)
                 continue
-            return await pending.wait()
+            try:
+                return await pending.wait()
+            except LeaseHeldError:  # the wake found the session live on another worker
+                if cluster is None:
+                    raise
+                cluster.held_elsewhere(self.session_id)
         raise SessionStoppedError(  # pragma: no cover
             f"session {self.session_id!r} kept closing its mailbox; try again",
             session_id=self.session_id,

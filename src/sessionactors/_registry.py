@@ -9,8 +9,9 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from ._actor import Actor, session_task
+from ._actor import Actor, LeaseHeldError, session_task
 from ._agent import Agent
+from ._cluster import Cluster, start_cluster
 from ._codec import dump_info, dump_snapshot, load_event, load_info, load_snapshot
 from ._errors import (
     FencedOutError,
@@ -104,6 +105,8 @@ class Registry:
     _hubs: dict[str, Hub] = attrs.field(factory=dict, init=False)
     _failed: dict[str, str] = attrs.field(factory=dict, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    #: Requests and events across workers (stores with a transport, e.g. RedisStore).
+    _cluster: Cluster | None = attrs.field(default=None, init=False)
 
     def __repr__(self) -> str:
         return f"<Registry live={len(self._live)} store={type(self.store).__name__}>"
@@ -150,8 +153,16 @@ class Registry:
             raise _exists_error(name) from None
         if name in self._live:  # woken meanwhile by a request racing this spawn
             raise _exists_error(name)
+        if self._cluster is not None:
+            await self._cluster.reset_events(name)  # a deleted namesake's stream
         actor = Actor(self, name, session)
-        await actor.claim()
+        try:
+            await actor.claim()
+        except LeaseHeldError:
+            if self._cluster is None:
+                raise
+            self._cluster.held_elsewhere(name)  # woken on another worker already
+            return SessionRef(self, name)
         if name in self._live:
             raise _exists_error(name)
         self._live[name] = actor
@@ -239,8 +250,18 @@ class Registry:
         spawned afresh afterwards. Raises SessionNotFoundError if there was
         nothing to delete.
         """
+        await self._delete(name)
+
+    async def _delete(self, name: str, *, local: bool = False) -> None:
         validate_name(name)
         actor = self._live.get(name)
+        if (
+            actor is None
+            and self._cluster is not None
+            and not local
+            and (await self._cluster.call(name, "delete", {}))[0]
+        ):
+            return  # deleted by the worker that ran it
         if actor is not None:
             actor.deleted = True
             actor.close_mailbox()
@@ -252,6 +273,8 @@ class Registry:
             hub.close()
         was_failed = self._failed.pop(name, None) is not None
         existed = await self.store.delete(name)
+        if self._cluster is not None:
+            await self._cluster.end_events(name)  # ends subscriptions on every worker
         if not (existed or actor is not None or was_failed):
             raise SessionNotFoundError(
                 f"session {name!r} does not exist, so there is nothing to delete",
@@ -281,7 +304,8 @@ class Registry:
         return RegistryStatistics(
             live=len(self._live),
             failed_sessions=len(self._failed),
-            subscribers=sum(h.subscriber_count for h in self._hubs.values()),
+            subscribers=sum(h.subscriber_count for h in self._hubs.values())
+            + (self._cluster.subscriber_count if self._cluster is not None else 0),
             spawned=s.spawned,
             woken=s.woken,
             hibernated=s.hibernated,
@@ -311,6 +335,8 @@ class Registry:
         hub = self._hubs.get(session_id)
         if hub is None:
             hub = self._hubs[session_id] = Hub(session_id, self.config.hub)
+            if self._cluster is not None:
+                hub.tap = self._cluster.tap_for(session_id)
         return hub
 
     def detach(self, actor: Actor) -> None:
@@ -362,14 +388,30 @@ class Registry:
         self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
         return actor
 
-    async def _ready(self, name: str) -> LiveSession:
-        """The live session, woken if needed; a stopped one is read from the store."""
-        try:
-            return await self._activate(name).ready()
-        except SessionStoppedError:
-            if self._closing:
-                raise
-            return await self._stored_session(name)
+    async def _ready(self, name: str, *, local: bool = False) -> LiveSession:
+        """The live session, woken if needed; a stopped one is read from the store.
+
+        A session live on another worker is read from there (unless ``local``).
+        """
+        cluster = None if local else self._cluster
+        for _ in range(100):
+            if cluster is not None and cluster.owned_elsewhere(name):
+                session = await cluster.read(name)
+                if session is not None:
+                    return session
+            try:
+                return await self._activate(name).ready()
+            except LeaseHeldError:
+                if cluster is None:
+                    raise
+                cluster.held_elsewhere(name)
+            except SessionStoppedError:
+                if self._closing:
+                    raise
+                return await self._stored_session(name)
+        raise SessionCrashedError(  # pragma: no cover - a session moving without end
+            f"session {name!r} kept moving between workers; try again", session_id=name
+        )
 
     def _closed_error(self, actor: Actor) -> Exception:
         name = actor.session_id
@@ -412,6 +454,8 @@ class Registry:
 
     async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
+        if self._cluster is not None:  # from the session's event stream, wherever it runs
+            return await self._cluster.open_subscription(name, after)
         hub = self.hub_for(name)
         live = self._live
         iterator = await open_event_iterator(
@@ -558,7 +602,11 @@ async def open_registry(
       (``RedisStore``), no for ``MemoryStore`` and ``SQLiteStore`` (pass
       ``leases=True`` when several processes share one SQLite file).
       ``lease_ttl``: seconds a lease lasts unless renewed (renewed every third of
-      it); a worker that dies loses its leases after ``lease_ttl``.
+      it); a worker that dies loses its leases after ``lease_ttl``. With a store that
+      connects workers (``RedisStore``), a request for a session live on another
+      worker goes to that worker and its answer comes back (a turn with an
+      ``idempotency_key`` is sent again to the next owner if that worker dies), and
+      ``subscribe()`` receives the session's events wherever it runs.
     - ``worker_id``: this worker's identity in leases (default: a fresh one). A
       worker restarted with the same id takes its sessions back at once instead
       of waiting for its old leases to expire.
@@ -607,10 +655,13 @@ async def open_registry(
                 registry.owner_id = worker_id
             if config.leases:
                 nursery.start_soon(registry._renew_leases, name="lease renewal")
+                registry._cluster = await start_cluster(registry, nursery)
             try:
                 yield registry
             finally:
                 await registry._shutdown()
+                if registry._cluster is not None:
+                    await registry._cluster.aclose()
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):

@@ -1,0 +1,274 @@
+"""A worker process for the cluster tests: one registry on a RedisStore, driven by JSON lines.
+
+Usage: cluster_worker.py URL PREFIX WORKER_ID LEASE_TTL MODE WORD_DELAY
+
+MODE is "normal"; "stale-write" (renewals report success without reaching the
+store, as if they were stuck, so that only a fenced write can notice a lost
+lease); "nofence" (stale-write, and writes drop their fencing token: broken
+on purpose, a negative control); or "ack-early" (durability="hibernate": replies
+before the turn is durable, another negative control); or "broken-claim" (a claim
+that hands out a token without looking at the current holder: a negative control).
+
+Each stdin line is a command ``{"id": n, "op": ..., ...}``; the answer is one
+stdout line ``{"id": n, ...}``. ``traffic`` also prints ``{"ack": ...}`` after
+every reply. The first line printed is ``{"ready": WORKER_ID}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+import sessionactors as sa
+from sessionactors._codec import load_event
+from sessionactors.stores import JournalEntry, Lease
+from sessionactors.stores._redis import RedisStore
+from sessionactors.testing import EchoModel
+
+
+class LoggingStore(RedisStore):
+    """Records every write (start time, kind, user texts, outcome); optionally broken."""
+
+    mode: str = "normal"
+    writes: list[dict[str, Any]]
+
+    async def _logged(self, kind: str, texts: list[str], write: Any) -> None:
+        record: dict[str, Any] = {"t": time.monotonic(), "kind": kind, "texts": texts}
+        self.writes.append(record)
+        try:
+            await write
+        except BaseException as exc:
+            record["error"] = type(exc).__name__
+            raise
+        record["error"] = None
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        texts = []
+        for entry in entries:
+            event = load_event(entry.data)
+            if isinstance(event, sa.MessageAdded) and event.message.role is sa.Role.USER:
+                texts.append(event.message.content)
+        if self.mode == "nofence":
+            fence = None
+        await self._logged("append", texts, super().append(session_id, entries, info, fence=fence))
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        if self.mode == "nofence":
+            fence = None
+        write = super().write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+        await self._logged("snapshot", [], write)
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        if self.mode in ("stale-write", "nofence"):
+            await trio.lowlevel.checkpoint()
+            return True
+        return await super().renew(session_id, lease, ttl)
+
+
+class EchoOrFail(EchoModel):
+    """Echoes the user's words; raises ValueError when they start with "fail"."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        last = next(m for m in reversed(request.messages) if m.role is sa.Role.USER)
+        if last.content.startswith("fail"):
+            await trio.lowlevel.checkpoint()
+            raise ValueError(f"asked to fail: {last.content!r}")
+        async for chunk in super().stream(request):
+            yield chunk
+
+
+def emit(line: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+
+
+def error_of(exc: BaseException) -> dict[str, Any]:
+    return {"error": type(exc).__name__, "message": str(exc)}
+
+
+async def lines() -> AsyncIterator[dict[str, Any]]:
+    stream = trio.lowlevel.FdStream(os.dup(0))
+    buffer = b""
+    while True:
+        data = await stream.receive_some(65536)
+        if not data:
+            return
+        buffer += data
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                yield json.loads(line)
+
+
+async def traffic(registry: sa.Registry, names: list[str], turns: int, tag: str) -> None:
+    async def converse(name: str) -> None:
+        ref = registry.ref(name)
+        for i in range(turns):
+            text = f"{tag}|{name}|{i}"
+            for _attempt in range(20):
+                try:
+                    reply = await ref.send(text, idempotency_key=text)
+                except sa.SessionActorsError as exc:
+                    emit({"fail": text, **error_of(exc)})
+                    await trio.sleep(0.05)
+                    continue
+                if reply.text != text:
+                    emit({"fail": text, "error": "misrouted", "message": reply.text})
+                emit({"ack": text, "name": name, "i": i, "tag": tag})
+                break
+
+    async with trio.open_nursery() as nursery:
+        for name in names:
+            nursery.start_soon(converse, name)
+
+
+async def serve(registry: sa.Registry, store: LoggingStore, nursery: trio.Nursery) -> None:
+    async for cmd in lines():
+        op = cmd["op"]
+        rid = cmd.get("id")
+        try:
+            if op == "quit":
+                emit({"id": rid, "ok": True})
+                return
+            if op == "spawn":
+                for name in cmd["names"]:
+                    await registry.get_or_spawn(name)
+                emit({"id": rid, "ok": True})
+            elif op == "send":
+                nursery.start_soon(send_one, registry, cmd)
+            elif op == "start_turn":
+                nursery.start_soon(start_turn, registry, cmd)
+            elif op == "traffic":
+
+                async def run_traffic(cmd: dict[str, Any] = cmd) -> None:
+                    await traffic(registry, cmd["names"], cmd["turns"], cmd["tag"])
+                    emit({"id": cmd["id"], "done": True})
+
+                nursery.start_soon(run_traffic)
+            elif op == "wake":
+                nursery.start_soon(wake, registry, cmd)
+            elif op == "hibernate":
+                await registry.ref(cmd["name"]).hibernate()
+                emit({"id": rid, "ok": True, "live": registry.live()})
+            elif op == "live":
+                emit({"id": rid, "live": registry.live(), "fences": fences(registry)})
+            elif op == "history":
+                history = await registry.ref(cmd["name"]).history()
+                emit({"id": rid, "messages": [[m.role.value, m.content] for m in history]})
+            elif op == "writes":
+                emit({"id": rid, "writes": store.writes})
+            elif op == "stats":
+                assert registry._cluster is not None
+                emit({"id": rid, **attrs.asdict(registry._cluster.stats)})
+            else:
+                emit({"id": rid, "error": "ValueError", "message": f"unknown op {op!r}"})
+        except Exception as exc:
+            emit({"id": rid, **error_of(exc)})
+
+
+def fences(registry: sa.Registry) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for name in registry.live():
+        actor = registry._live[name]
+        out[name] = actor.lease.fence if actor.lease is not None else None
+    return out
+
+
+async def send_one(registry: sa.Registry, cmd: dict[str, Any]) -> None:
+    try:
+        reply = await registry.ref(cmd["name"]).send(cmd["text"], idempotency_key=cmd.get("key"))
+    except Exception as exc:
+        emit({"id": cmd["id"], **error_of(exc)})
+        return
+    emit({"id": cmd["id"], "text": reply.text, "turn_id": reply.turn_id})
+
+
+async def start_turn(registry: sa.Registry, cmd: dict[str, Any]) -> None:
+    try:
+        turn = await registry.ref(cmd["name"]).submit(cmd["text"])
+    except Exception as exc:
+        emit({"id": cmd["id"], **error_of(exc)})
+        return
+    emit({"id": cmd["id"], "turn_id": turn.id})
+    try:
+        reply = await turn.reply()
+    except Exception as exc:
+        emit({"outcome": turn.id, **error_of(exc)})
+        return
+    emit({"outcome": turn.id, "text": reply.text})
+
+
+async def wake(registry: sa.Registry, cmd: dict[str, Any]) -> None:
+    name = cmd["name"]
+    if registry._cluster is not None:  # race as a worker that never saw the session
+        registry._cluster._owners.pop(name, None)
+    try:
+        history = await registry.ref(name).history()
+    except Exception as exc:
+        emit({"id": cmd["id"], **error_of(exc)})
+        return
+    fence = fences(registry).get(name)
+    emit({"id": cmd["id"], "live": name in registry.live(), "fence": fence, "n": len(history)})
+
+
+async def main(url: str, prefix: str, worker: str, ttl: float, mode: str, delay: float) -> None:
+    if mode == "broken-claim":
+        from coredis.commands import Script
+
+        from sessionactors.stores import _redis
+
+        _redis._CLAIM = Script(  # type: ignore[misc]
+            script="""
+local fence = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return fence
+"""
+        )
+    store = LoggingStore(url, prefix=prefix)
+    store.mode = mode
+    store.writes = []
+    agents = {"echo": sa.Agent(model=EchoOrFail(delay=delay))}
+    durability = "hibernate" if mode == "ack-early" else "turn"
+    async with sa.open_registry(
+        store=store,
+        agents=agents,
+        lease_ttl=ttl,
+        worker_id=worker,
+        shutdown_grace=1.0,
+        durability=durability,
+    ) as registry:
+        emit({"ready": worker})
+        async with trio.open_nursery() as nursery:
+            await serve(registry, store, nursery)
+            nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    url, prefix, worker, ttl, mode, delay = sys.argv[1:7]
+    trio.run(main, url, prefix, worker, float(ttl), mode, float(delay))
