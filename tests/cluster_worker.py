@@ -27,7 +27,7 @@ import attrs
 import trio
 
 import sessionactors as sa
-from sessionactors._codec import load_event
+from sessionactors._codec import load_events
 from sessionactors.stores import JournalEntry, Lease
 from sessionactors.stores._redis import RedisStore
 from sessionactors.testing import EchoModel
@@ -59,9 +59,9 @@ class LoggingStore(RedisStore):
     ) -> None:
         texts = []
         for entry in entries:
-            event = load_event(entry.data)
-            if isinstance(event, sa.MessageAdded) and event.message.role is sa.Role.USER:
-                texts.append(event.message.content)
+            for event in load_events(entry.data):
+                if isinstance(event, sa.MessageAdded) and event.message.role is sa.Role.USER:
+                    texts.append(event.message.content)
         if self.mode == "nofence":
             fence = None
         await self._logged("append", texts, super().append(session_id, entries, info, fence=fence))

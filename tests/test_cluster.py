@@ -23,7 +23,7 @@ import trio
 
 import sessionactors as sa
 from sessionactors._actor import SEQ_GAP
-from sessionactors._codec import load_event
+from sessionactors._codec import load_events
 from sessionactors._tooling import MessageNotFoundError
 from sessionactors.stores._redis import RedisStore
 from sessionactors.testing import EchoModel
@@ -188,9 +188,9 @@ async def stored_user_texts(url: str, prefix: str, name: str) -> list[str]:
     finally:
         await store.aclose()
     for entry in entries:
-        event = load_event(entry.data)
-        if isinstance(event, sa.MessageAdded) and event.message.role is sa.Role.USER:
-            texts.append(event.message.content)
+        for event in load_events(entry.data):
+            if isinstance(event, sa.MessageAdded) and event.message.role is sa.Role.USER:
+                texts.append(event.message.content)
     return texts
 
 

@@ -58,9 +58,9 @@ EXPECTED = {
         "replayed: 2 finished turns",
     ],
     "howto_durability.py": [
-        "durability='turn': 4 journal entries on disk at reply time, 2 messages",
+        "durability='turn': 1 journal entries on disk at reply time, 2 messages",
         "durability='hibernate': 0 journal entries on disk at reply time, 2 messages",
-        "journal tail 8 entries",
+        "journal tail 2 entries",
         "replay from 0 expired; oldest available seq:",
     ],
     "howto_resume_stream.py": [

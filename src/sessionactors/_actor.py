@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import dump_event, dump_info, dump_snapshot, load_event, load_snapshot
+from ._codec import dump_events, dump_info, dump_snapshot, load_events, load_snapshot
 from ._errors import (
     FencedOutError,
     SessionActorsError,
@@ -255,13 +255,19 @@ class Actor:
 
     # ---- event plumbing ----------------------------------------------------------
 
+    def _hub(self) -> Hub:
+        """The session's hub, made on the first event (an idle session needs none)."""
+        hub = self.hub
+        if hub is None:
+            hub = self.hub = self.host.hub_for(self.session_id)
+            hub.advance(self.session.event_seq)
+        return hub
+
     def _seq(self) -> int:
-        assert self.hub is not None
-        return self.hub.next_seq()
+        return self._hub().next_seq()
 
     def _emit(self, event: Event) -> None:
-        assert self.hub is not None
-        self.hub.publish(event)
+        self._hub().publish(event)
 
     def _durable(self, event: Event, *, publish: bool = True) -> Event:
         self.session.apply(event)
@@ -282,15 +288,17 @@ class Actor:
         if host.config.durability != "turn" or not self.unsaved:
             return
         events = self.unsaved
-        entries = [JournalEntry(e.seq, dump_event(e)) for e in events]
+        count = len(events)
+        # one entry per commit: a turn's events cost one row, not one each
+        entries = [JournalEntry(events[-1].seq, dump_events(events))]
         await host.store.append(
             self.session_id,
             entries,
             dump_info(self.session.info()),
             fence=self.lease.fence if self.lease else None,
         )
-        del events[: len(entries)]
-        self._since_snapshot += len(entries)
+        del events[:count]
+        self._since_snapshot += count
         self._journal_size += sum(len(e.data) for e in entries)
         # Compact once the journal outweighs the snapshot: a snapshot costs as much
         # as the history is long, so this keeps a turn's cost independent of it.
@@ -303,8 +311,7 @@ class Actor:
     async def _write_snapshot(self, status: Status) -> None:
         host = self.host
         session = self.session
-        assert self.hub is not None
-        seq = max(self.hub.seq, session.event_seq)
+        seq = max(self._hub().seq, session.event_seq)
         session.event_seq = seq
         state = attrs.evolve(session.to_state(), status=status)
         snapshot = dump_snapshot(state)
@@ -369,7 +376,9 @@ class Actor:
         clean = state.status is Status.HIBERNATED and not stored.entries
         durable_seq = max(state.event_seq, stored.snapshot_seq)
         for entry in stored.entries:
-            session.apply(load_event(entry.data, session_id=sid))
+            for event in load_events(entry.data, session_id=sid):
+                if event.seq > stored.snapshot_seq:
+                    session.apply(event)
             durable_seq = max(durable_seq, entry.seq)
         if session.status is Status.STOPPED:
             raise SessionStoppedError(
@@ -416,9 +425,6 @@ class Actor:
             ready.set()
             if self.session.open_turn is not None and not self.session.reviews:
                 await self.resume_interrupted()
-        elif self.hub is None:
-            self.hub = host.hub_for(self.session_id)
-            self.hub.advance(self.session.event_seq)
         idle = host.config.idle_timeout
         receive = self.receive
         while True:
@@ -703,8 +709,7 @@ class Actor:
             await self.commit()
             await self._write_snapshot(Status.STOPPED)
         self._leave(Status.STOPPED)
-        if self.hub is not None:
-            self.hub.close()
+        self._hub().close()
 
 
 def _resting_status(session: LiveSession) -> Status:
@@ -763,7 +768,7 @@ def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> Sess
 async def session_task(host: Host, actor: Actor) -> None:
     """The supervised life of one session: run, and restart after crashes."""
     config = host.config
-    crashes: deque[float] = deque()
+    crashes: deque[float] | None = None  # made on the first crash
     while True:
         scope = actor.run_scope = trio.CancelScope()
         if actor.deleted:  # deleted before this task began
@@ -799,6 +804,8 @@ async def session_task(host: Host, actor: Actor) -> None:
         except Exception as exc:
             host.stats.crashes += 1
             now = trio.current_time()
+            if crashes is None:
+                crashes = deque()
             crashes.append(now)
             while crashes and now - crashes[0] > config.restart_window:
                 crashes.popleft()

@@ -44,7 +44,7 @@ import msgpack
 import trio
 
 from ._actor import LeaseHeldError, Pending
-from ._codec import dump_event, dump_snapshot, load_event, load_snapshot
+from ._codec import dump_event, dump_snapshot, load_event, load_events, load_snapshot
 from ._errors import (
     SessionActorsError,
     SessionCrashedError,
@@ -1086,8 +1086,13 @@ class Cluster:
             top = await self.transport.last_event_seq(name)
             if top == 0 or top >= upto:
                 return
-            trimmed, entries = await self.registry.store.read_journal(name, top)
-            entries = [e for e in entries if e.seq <= upto]
+            trimmed, batches = await self.registry.store.read_journal(name, top)
+            entries = [  # one stream item per event (a journal entry holds a commit's)
+                JournalEntry(event.seq, dump_event(event))
+                for batch in batches
+                for event in load_events(batch.data, session_id=name)
+                if top < event.seq <= upto
+            ]
             gone = min(trimmed, upto)  # entries up to here are no longer in the journal
             if len(entries) > keep:  # keep the stream's bound: the oldest are skipped
                 gone = max(gone, entries[-keep - 1].seq)

@@ -38,7 +38,7 @@ over the size limit, so whatever it writes loads again.
 
 import datetime
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Union, get_args, get_origin
 
 import attrs
@@ -78,9 +78,11 @@ __all__ = [
     "MIGRATIONS",
     "RETIRED_EVENT_TAGS",
     "dump_event",
+    "dump_events",
     "dump_info",
     "dump_snapshot",
     "load_event",
+    "load_events",
     "load_info",
     "load_snapshot",
 ]
@@ -528,6 +530,15 @@ def _foreign_ext(code: int, data: bytes) -> _Extension:
 
 def _unpack_map(data: bytes, what: str, session_id: str | None, max_size: int) -> dict[str, Any]:
     """Size check, then msgpack with tight limits; the result is a map."""
+    raw = _unpack(data, what, session_id, max_size)
+    if raw.__class__ is not dict:
+        raise _corrupt(what, session_id, f"expected a map, got {_type_name(raw)}")
+    result: dict[str, Any] = raw
+    return result
+
+
+def _unpack(data: bytes, what: str, session_id: str | None, max_size: int) -> Any:
+    """Size check, then msgpack with tight limits."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"{what} data must be bytes, not {_type_name(data)}")
     size = len(data)
@@ -547,8 +558,6 @@ def _unpack_map(data: bytes, what: str, session_id: str | None, max_size: int) -
         )
     except _DECODE_ERRORS as exc:
         raise _corrupt(what, session_id, _describe(exc)) from exc
-    if raw.__class__ is not dict:
-        raise _corrupt(what, session_id, f"expected a map, got {_type_name(raw)}")
     return raw
 
 
@@ -719,7 +728,53 @@ def load_event(
     data: bytes, *, session_id: str | None = None, max_size: int = DEFAULT_MAX_EVENT_BYTES
 ) -> Event:
     """Decode one journal entry; raises :class:`SnapshotCorruptError` if it is not valid."""
-    raw = _unpack_map(data, "journal entry", session_id, max_size)
+    return _structure_event_map(
+        _unpack_map(data, "journal entry", session_id, max_size), session_id
+    )
+
+
+def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BYTES) -> bytes:
+    """Encode the events of one commit as one journal entry (an array of tagged maps).
+
+    Raises like :func:`dump_event`.
+    """
+    if not events:
+        raise ValueError("a journal entry holds at least one event")
+    for event in events:
+        if event.__class__ not in _TAG_OF:
+            raise TypeError(f"{_type_name(event)} has no journal tag; give it one in EVENT_TAGS")
+    return _encode(_unstructure_events, events, "journal entry", events[0].session_id, max_size)
+
+
+def load_events(
+    data: bytes, *, session_id: str | None = None, max_size: int = DEFAULT_MAX_EVENT_BYTES
+) -> list[Event]:
+    """Decode a journal entry: one event (a map) or a commit's events (an array of maps).
+
+    Raises :class:`SnapshotCorruptError` if it is not valid.
+    """
+    raw = _unpack(data, "journal entry", session_id, max_size)
+    if raw.__class__ is dict:
+        return [_structure_event_map(raw, session_id)]
+    if raw.__class__ is not list or not raw:
+        raise _corrupt(
+            "journal entry",
+            session_id,
+            f"expected a map or a non-empty array, got {_type_name(raw)}",
+        )
+    events = []
+    for item in raw:
+        if item.__class__ is not dict:
+            raise _corrupt("journal entry", session_id, f"expected maps, got {_type_name(item)}")
+        events.append(_structure_event_map(item, session_id))
+    return events
+
+
+def _unstructure_events(events: Sequence[Event]) -> list[Any]:
+    return [_unstructure_event(e) for e in events]
+
+
+def _structure_event_map(raw: dict[str, Any], session_id: str | None) -> Event:
     session_id = _session_id_in(raw, session_id)
     tag = raw.get(_TAG_KEY)
     if tag.__class__ is not str:

@@ -12,7 +12,7 @@ import trio
 from ._actor import Actor, LeaseHeldError, session_task
 from ._agent import Agent
 from ._cluster import Cluster, start_cluster
-from ._codec import dump_info, dump_snapshot, load_event, load_info, load_snapshot
+from ._codec import dump_info, dump_snapshot, load_events, load_info, load_snapshot
 from ._errors import (
     FencedOutError,
     SessionCrashedError,
@@ -486,7 +486,9 @@ class Registry:
             )
         session = LiveSession(load_snapshot(stored.snapshot, session_id=name))
         for entry in stored.entries:
-            session.apply(load_event(entry.data, session_id=name))
+            for event in load_events(entry.data, session_id=name):
+                if event.seq > stored.snapshot_seq:
+                    session.apply(event)
         return session
 
     def _release_hub(self, name: str) -> None:

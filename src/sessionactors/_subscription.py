@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import trio
 
-from ._codec import load_event
+from ._codec import load_events
 from ._errors import EventsExpiredError
 from ._events import Event
 from ._hub import Hub, Subscriber, lagged_error
@@ -107,9 +107,10 @@ async def open_event_iterator(
                 session_id=session_id,
                 oldest_seq=trimmed + 1,
             )
-        for entry in entries:
-            if entry.seq not in found:
-                found[entry.seq] = load_event(entry.data, session_id=session_id)
+        for entry in entries:  # an entry holds one commit's events
+            for event in load_events(entry.data, session_id=session_id):
+                if event.seq > after:
+                    found.setdefault(event.seq, event)
         # Events published during the read wait in the buffer: they join the replay, or a
         # replayed event with a larger seq would make the iterator skip them.
         while True:
