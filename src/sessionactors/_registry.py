@@ -103,6 +103,8 @@ class Registry:
     stats: Counters = attrs.field(factory=Counters)
     _live: dict[str, Actor] = attrs.field(factory=dict, init=False)
     _hubs: dict[str, Hub] = attrs.field(factory=dict, init=False)
+    _live_peak: int = attrs.field(default=64, init=False)
+    _hubs_peak: int = attrs.field(default=64, init=False)
     _failed: dict[str, str] = attrs.field(factory=dict, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     #: Requests and events across workers (stores with a transport, e.g. RedisStore).
@@ -166,6 +168,7 @@ class Registry:
         if name in self._live:
             raise _exists_error(name)
         self._live[name] = actor
+        self._live_peak = max(self._live_peak, len(self._live))
         self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
         self.stats.spawned += 1
         return SessionRef(self, name)
@@ -335,6 +338,7 @@ class Registry:
         hub = self._hubs.get(session_id)
         if hub is None:
             hub = self._hubs[session_id] = Hub(session_id, self.config.hub)
+            self._hubs_peak = max(self._hubs_peak, len(self._hubs))
             if self._cluster is not None:
                 hub.tap = self._cluster.tap_for(session_id)
         return hub
@@ -343,6 +347,10 @@ class Registry:
         name = actor.session_id
         if self._live.get(name) is actor:
             del self._live[name]
+            if len(self._live) * 8 < self._live_peak:
+                # a dict keeps its peak size: after a wave of hibernations, let it go
+                self._live = dict(self._live)
+                self._live_peak = max(len(self._live), 64)
         self._release_hub(name)
         if actor.done is None:
             actor.done = trio.Event()
@@ -385,6 +393,7 @@ class Registry:
             )
         actor = Actor(self, name, None)
         self._live[name] = actor
+        self._live_peak = max(self._live_peak, len(self._live))
         self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
         return actor
 
@@ -457,14 +466,13 @@ class Registry:
         if self._cluster is not None:  # from the session's event stream, wherever it runs
             return await self._cluster.open_subscription(name, after)
         hub = self.hub_for(name)
-        live = self._live
         iterator = await open_event_iterator(
             name,
             hub,
             self.store,
             after,
             lambda: self._release_hub(name),
-            lambda: live[name].unsaved if name in live else (),
+            lambda: self._live[name].unsaved if name in self._live else (),
         )
         if name not in self._live:
             try:
@@ -495,6 +503,9 @@ class Registry:
         hub = self._hubs.get(name)
         if hub is not None and hub.subscriber_count == 0 and name not in self._live:
             del self._hubs[name]
+            if len(self._hubs) * 8 < self._hubs_peak:
+                self._hubs = dict(self._hubs)
+                self._hubs_peak = max(len(self._hubs), 64)
 
     def _agent_key(self, agent: str | None, name: str) -> str:
         if agent is None:
