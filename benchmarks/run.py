@@ -44,13 +44,8 @@ BENCHMARKS: dict[str, str] = {
     "history": "7 durable turn at 10,000 messages vs 10",
     "hibernated": "8 registry memory for 100,000 hibernated sessions",
     "cluster": "9 RedisStore workers: a send across workers vs a local one; turns/s, 3 vs 1",
+    "agent": "10 agents that act: a tool round trip vs a text turn; compaction at 10,000",
 }
-# Later benchmarks, once their features land (placeholders only, no rows yet):
-# - "tools": a turn with one tool round trip (model -> tool -> model) vs a plain
-#   text turn, same instant model.
-# - "compaction": a turn that compacts a 10,000-message history (sa.Compaction)
-#   vs the same turn without compaction.
-# (The send across workers, once a placeholder here, is "cluster" above.)
 
 TIMEOUT = 900  # seconds per benchmark: a safety net, not a measurement
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
@@ -105,3 +106,23 @@ async def test_hostile_names_are_stored_safely_on_sqlite(tmp_path: Path) -> None
     written = {p.name for p in store_dir.iterdir()}
     assert written <= {"sessions.db", "sessions.db-wal", "sessions.db-shm"}
     assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+async def test_replay_without_a_journal_says_the_events_are_gone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With durability="hibernate", replay from before a hibernation raises EventsExpiredError, not a silent gap."""
+    agents = {"a": sa.Agent(model=ScriptedModel(["one", "two"]))}
+    async with sa.open_registry(agents=agents, durability="hibernate") as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send("first")
+            await ref.send("second")
+            await ref.hibernate()
+        state = await ref.state()
+        with pytest.raises(sa.EventsExpiredError) as info:
+            async with ref.subscribe(after=1):
+                pass  # pragma: no cover
+        assert info.value.oldest_seq > 1
+        async with ref.subscribe(after=state.event_seq):  # resuming from the state works
+            pass

@@ -134,11 +134,11 @@ class Host(Protocol):
     stats: Counters
     owner_id: str
 
-    def agent_for(self, session: LiveSession) -> Agent: ...
-    def hub_for(self, session_id: str) -> Hub: ...
-    def detach(self, actor: Actor) -> None: ...
-    def replace(self, old: Actor, new: Actor) -> None: ...
-    def mark_failed(self, actor: Actor, reason: str) -> None: ...
+    def _agent_for(self, session: LiveSession) -> Agent: ...
+    def _hub_for(self, session_id: str) -> Hub: ...
+    def _detach(self, actor: Actor) -> None: ...
+    def _replace(self, old: Actor, new: Actor) -> None: ...
+    def _mark_failed(self, actor: Actor, reason: str) -> None: ...
 
 
 class Actor:
@@ -229,7 +229,7 @@ class Actor:
 
     def request_messages(self) -> Sequence[Message]:
         session = self.session
-        agent = self.host.agent_for(session)
+        agent = self.host._agent_for(session)
         key = (session.system_prompt, session.summary, agent.system_prompt)
         cache = self._system_cache
         if cache is None or cache[0] != key:
@@ -259,7 +259,7 @@ class Actor:
         """The session's hub, made on the first event (an idle session needs none)."""
         hub = self.hub
         if hub is None:
-            hub = self.hub = self.host.hub_for(self.session_id)
+            hub = self.hub = self.host._hub_for(self.session_id)
             hub.advance(self.session.event_seq)
         return hub
 
@@ -320,7 +320,11 @@ class Actor:
             snapshot,
             seq,
             dump_info(session.info(status)),
-            trim_upto=max(0, seq - host.config.journal_keep_seqs),
+            # without a journal ("hibernate"), replay reaches no further back than this
+            # snapshot: say so (EventsExpiredError) rather than replay a silent gap
+            trim_upto=seq
+            if host.config.durability != "turn"
+            else max(0, seq - host.config.journal_keep_seqs),
             fence=self.lease.fence if self.lease else None,
         )
         self.unsaved.clear()
@@ -390,7 +394,7 @@ class Actor:
         self._journal_size = sum(len(e.data) for e in stored.entries)
         self._snapshot_size = len(stored.snapshot)
         self.session = session
-        hub = self.hub = host.hub_for(sid)
+        hub = self.hub = host._hub_for(sid)
         if self.unsaved:  # not durable yet (durability="hibernate"): replay them too
             for event in self.unsaved:
                 session.apply(event)
@@ -419,7 +423,7 @@ class Actor:
                 self.load_error = exc
                 ready.set()
                 self._fail_queued(exc)
-                host.detach(self)
+                host._detach(self)
                 return
             self._ready = None
             ready.set()
@@ -485,7 +489,7 @@ class Actor:
                 self.inflight_keys.pop(key, None)
             return
         try:
-            agent = self.host.agent_for(session)
+            agent = self.host._agent_for(session)
         except LookupError as exc:
             error = TurnFailedError(str(exc), session_id=sid, turn_id=request.turn_id)
             error.__cause__ = exc
@@ -636,7 +640,7 @@ class Actor:
         assert open_turn is not None
         self.turn_id = open_turn.turn_id
         try:
-            agent = self.host.agent_for(self.session)
+            agent = self.host._agent_for(self.session)
         except LookupError as exc:
             outcome = TurnFailed(
                 session_id=self.session_id,
@@ -698,7 +702,7 @@ class Actor:
         self.session.status = status
         self.send.close()
         self.receive.close()
-        self.host.detach(self)
+        self.host._detach(self)
         self.host.stats.hibernated += status is Status.HIBERNATED
 
     async def _finish_stop(self) -> None:
@@ -788,7 +792,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                     actor.turn_request.pending.set_error(error)
                 actor._fail_queued(error)
                 actor.receive.close()
-                host.detach(actor)
+                host._detach(actor)
             return
         except FencedOutError as exc:
             # another worker owns the session now: stop here, no restart
@@ -799,7 +803,7 @@ async def session_task(host: Host, actor: Actor) -> None:
             actor._fail_queued(exc)
             actor.receive.close()
             actor.lease = None
-            host.detach(actor)
+            host._detach(actor)
             return
         except Exception as exc:
             host.stats.crashes += 1
@@ -819,7 +823,7 @@ async def session_task(host: Host, actor: Actor) -> None:
             actor._fail_queued(error)
             actor.receive.close()
             if failed:
-                host.mark_failed(actor, _describe(exc))
+                host._mark_failed(actor, _describe(exc))
                 return
             host.stats.restarts += 1
             fresh = Actor(host, actor.session_id, None)
@@ -827,7 +831,7 @@ async def session_task(host: Host, actor: Actor) -> None:
             if config.durability != "turn":
                 fresh.unsaved = _completed_prefix(actor.unsaved)
             fresh.lease = actor.lease
-            host.replace(actor, fresh)
+            host._replace(actor, fresh)
             actor = fresh
             await trio.lowlevel.checkpoint()
 

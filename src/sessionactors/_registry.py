@@ -324,7 +324,7 @@ class Registry:
 
     # ---- the actor's host -----------------------------------------------------------
 
-    def agent_for(self, session: LiveSession) -> Agent:
+    def _agent_for(self, session: LiveSession) -> Agent:
         key = session.agent
         agent = self.agents.get(key) if key is not None else None
         if agent is None:
@@ -334,7 +334,7 @@ class Registry:
             )
         return agent
 
-    def hub_for(self, session_id: str) -> Hub:
+    def _hub_for(self, session_id: str) -> Hub:
         hub = self._hubs.get(session_id)
         if hub is None:
             hub = self._hubs[session_id] = Hub(session_id, self.config.hub)
@@ -343,7 +343,7 @@ class Registry:
                 hub.tap = self._cluster.tap_for(session_id)
         return hub
 
-    def detach(self, actor: Actor) -> None:
+    def _detach(self, actor: Actor) -> None:
         name = actor.session_id
         if self._live.get(name) is actor:
             del self._live[name]
@@ -356,16 +356,16 @@ class Registry:
             actor.done = trio.Event()
         actor.done.set()
 
-    def replace(self, old: Actor, new: Actor) -> None:
+    def _replace(self, old: Actor, new: Actor) -> None:
         if self._live.get(old.session_id) is old:
             self._live[old.session_id] = new
         if old.done is not None:
             old.done.set()
 
-    def mark_failed(self, actor: Actor, reason: str) -> None:
+    def _mark_failed(self, actor: Actor, reason: str) -> None:
         self._failed[actor.session_id] = reason
         self.stats.failed += 1
-        self.detach(actor)
+        self._detach(actor)
 
     # ---- internals for refs ---------------------------------------------------------
 
@@ -465,7 +465,7 @@ class Registry:
         validate_name(name)
         if self._cluster is not None:  # from the session's event stream, wherever it runs
             return await self._cluster.open_subscription(name, after)
-        hub = self.hub_for(name)
+        hub = self._hub_for(name)
         iterator = await open_event_iterator(
             name,
             hub,

@@ -204,7 +204,7 @@ async def resolve_review(
             session_id=actor.session_id,
         )
     try:
-        agent = actor.host.agent_for(session)
+        agent = actor.host._agent_for(session)
     except LookupError as exc:
         raise TurnFailedError(
             f"{exc}; the review stays pending until the agent is back",
