@@ -508,7 +508,8 @@ class Actor:
             )
         )
         self.add_message(Message.create(Role.USER, request.text))
-        await self._drive(agent, request.pending, key, before=self._compact_before)
+        before = self._compact_before if agent.compaction is not None else None
+        await self._drive(agent, request.pending, key, before=before)
 
     async def _compact_before(self, agent: Agent) -> bool:
         from ._tooling import maybe_compact

@@ -88,10 +88,12 @@ class Hub:
             ring = self._ring = deque()
         size = _size(event)
         ring.append((event, size))
-        self._ring_bytes += size
+        ring_bytes = self._ring_bytes + size
         config = self._config
-        while ring and (len(ring) > config.replay_events or self._ring_bytes > config.replay_bytes):
-            self._ring_bytes -= ring.popleft()[1]
+        if len(ring) > config.replay_events or ring_bytes > config.replay_bytes:
+            while ring and (len(ring) > config.replay_events or ring_bytes > config.replay_bytes):
+                ring_bytes -= ring.popleft()[1]
+        self._ring_bytes = ring_bytes
         if self._subs:
             for sub in tuple(self._subs):
                 try:

@@ -208,11 +208,8 @@ class LiveSession:
             self.messages.append(event.message)
             self.updated_at = event.message.created_at
             return
-        if now is None:
-            now = utcnow()
-        if isinstance(event, TurnStarted):
+        if isinstance(event, TurnStarted):  # its user message sets updated_at next
             self.open_turn = OpenTurn(turn_id=event.turn_id, idempotency_key=event.idempotency_key)
-            self.updated_at = now
         elif isinstance(event, ToolCallStarted):
             if self.open_turn is not None:
                 self.open_turn = OpenTurn(
@@ -223,7 +220,7 @@ class LiveSession:
         elif isinstance(event, TurnFinished):
             self.open_turn = None
             self.turn_count += 1
-            self.updated_at = now
+            self.updated_at = event.message.created_at
             if event.idempotency_key is not None:
                 self.completed[event.idempotency_key] = CompletedTurn(
                     key=event.idempotency_key, turn_id=event.turn_id, reply=event.message
@@ -233,10 +230,10 @@ class LiveSession:
         elif isinstance(event, TurnFailed | TurnCancelled):
             self.open_turn = None
             self.turn_count += 1
-            self.updated_at = now
+            self.updated_at = now or utcnow()
         elif isinstance(event, StatusChanged):
             self.status = event.status
-            self.updated_at = now
+            self.updated_at = now or utcnow()
         elif isinstance(event, ReviewRequested):
             self.reviews[event.review.id] = event.review
         elif isinstance(event, ReviewResolved):
@@ -247,10 +244,10 @@ class LiveSession:
                 self.messages = [m for m in self.messages if m.id not in gone]
             if event.summary is not None:
                 self.summary = event.summary or None
-            self.updated_at = now
+            self.updated_at = now or utcnow()
         elif isinstance(event, MetadataChanged):
             self.metadata = event.metadata
-            self.updated_at = now
+            self.updated_at = now or utcnow()
 
     def system_messages(self, system_prompt: str) -> tuple[Message, ...]:
         """What goes before the history in a model request: prompt, then summary."""
