@@ -115,3 +115,17 @@ async def test_without_fencing_no_fenced_out_error_is_raised(tmp_path: Path) -> 
     # through fencing: FencedOutError comes from the token alone
     assert not isinstance(error, sa.FencedOutError)
     assert "stale write from A" not in texts
+
+
+async def test_a_request_for_an_unknown_name_holds_no_lease(tmp_path: Path) -> None:
+    """A request that finds no such session leaves its lease free, so another worker can spawn the name at once."""
+    path = tmp_path / "shared.db"
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=sa.SQLiteStore(path), agents=AGENTS, leases=True) as a,
+            sa.open_registry(store=sa.SQLiteStore(path), agents=AGENTS, leases=True) as b,
+        ):
+            with pytest.raises(sa.SessionNotFoundError):
+                await a.ref("later").send("is anyone there?")
+            ref = await b.spawn("later")
+            assert (await ref.send("here")).text == "here"

@@ -9,6 +9,7 @@ restart intensity.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +26,7 @@ from ._errors import (
     SessionCrashedError,
     SessionNotFoundError,
     SessionStoppedError,
+    StoreError,
     TurnCancelledError,
     TurnFailedError,
 )
@@ -349,6 +351,18 @@ class Actor:
             )
         self.lease = lease
 
+    async def _release_lease(self) -> None:
+        """Give the lease back, if held (shielded and bounded; a failure only lets it expire)."""
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(self.host.config.write_bound),
+            contextlib.suppress(StoreError),  # else the lease expires on its own
+        ):
+            await self.host.store.release(self.session_id, lease)
+
     def kill(self, error: SessionActorsError) -> None:
         """Stop at once (deleted, or the lease was lost): waiters get ``error``."""
         self.kill_error = error
@@ -423,6 +437,7 @@ class Actor:
                 self.load_error = exc
                 ready.set()
                 self._fail_queued(exc)
+                await self._release_lease()  # not found or stopped: hold nothing
                 host._detach(self)
                 return
             self._ready = None
