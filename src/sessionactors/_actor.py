@@ -509,6 +509,8 @@ class Actor:
             error = TurnFailedError(str(exc), session_id=sid, turn_id=request.turn_id)
             error.__cause__ = exc
             request.pending.set_error(error)
+            if key is not None:  # a retry with this key runs again once the agent is back
+                self.inflight_keys.pop(key, None)
             return
         turn_id = self.turn_id = request.turn_id
         self.turn_request = request
