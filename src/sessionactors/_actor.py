@@ -26,6 +26,7 @@ from ._errors import (
     SessionCrashedError,
     SessionNotFoundError,
     SessionStoppedError,
+    SnapshotCorruptError,
     StoreError,
     TurnCancelledError,
     TurnFailedError,
@@ -43,7 +44,7 @@ from ._events import (
 from ._hub import Hub
 from ._records import Message, ReviewRequest, Role, Status, ToolCall
 from ._session import LiveSession
-from .stores._base import JournalEntry, Lease, Store
+from .stores._base import JournalEntry, Lease, Store, StoredSession
 
 if TYPE_CHECKING:
     from ._registry import Counters, RegistryConfig
@@ -375,29 +376,11 @@ class Actor:
         host = self.host
         sid = self.session_id
         await self.claim()
-        stored = await host.store.load(sid)
-        if stored is None:
-            raise SessionNotFoundError(
-                f"session {sid!r} does not exist; create it with registry.spawn({sid!r})",
-                session_id=sid,
-            )
-        state = load_snapshot(stored.snapshot, session_id=sid)
-        if state.session_id != sid:
-            from ._errors import SnapshotCorruptError
-
-            raise SnapshotCorruptError(
-                f"the snapshot stored for session {sid!r} belongs to {state.session_id!r}; "
-                "the store is inconsistent: restore it or delete the session",
-                session_id=sid,
-            )
-        session = LiveSession(state)
-        clean = state.status is Status.HIBERNATED and not stored.entries
-        durable_seq = max(state.event_seq, stored.snapshot_seq)
-        for entry in stored.entries:
-            for event in load_events(entry.data, session_id=sid):
-                if event.seq > stored.snapshot_seq:
-                    session.apply(event)
-            durable_seq = max(durable_seq, entry.seq)
+        session, stored = await read_stored(host.store, sid)
+        clean = not stored.entries and session.status is Status.HIBERNATED
+        durable_seq = max(
+            session.event_seq, stored.snapshot_seq, *(entry.seq for entry in stored.entries)
+        )
         if session.status is Status.STOPPED:
             raise SessionStoppedError(
                 f"session {sid!r} is stopped and takes no more requests; "
@@ -732,6 +715,29 @@ class Actor:
             await self._write_snapshot(Status.STOPPED)
         self._leave(Status.STOPPED)
         self._hub().close()
+
+
+async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, StoredSession]:
+    """The session as the store has it (snapshot + journal tail), without waking it."""
+    stored = await store.load(session_id)
+    if stored is None:
+        raise SessionNotFoundError(
+            f"session {session_id!r} does not exist; create it with registry.spawn({session_id!r})",
+            session_id=session_id,
+        )
+    state = load_snapshot(stored.snapshot, session_id=session_id)
+    if state.session_id != session_id:
+        raise SnapshotCorruptError(
+            f"the snapshot stored for session {session_id!r} belongs to "
+            f"{state.session_id!r}; the store is inconsistent: restore it or delete the session",
+            session_id=session_id,
+        )
+    session = LiveSession(state)
+    for entry in stored.entries:
+        for event in load_events(entry.data, session_id=session_id):
+            if event.seq > stored.snapshot_seq:
+                session.apply(event)
+    return session, stored
 
 
 def _resting_status(session: LiveSession) -> Status:

@@ -8,7 +8,7 @@ what it already has) and the others are not slowed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -102,10 +102,6 @@ class Hub:
                     self._evict(sub)
                 except trio.BrokenResourceError:
                     self._subs.discard(sub)
-
-    def publish_all(self, events: Iterable[Event]) -> None:
-        for event in events:
-            self.publish(event)
 
     def lose(self) -> None:
         """Events were lost upstream: end every subscription as lagged, forget the ring."""

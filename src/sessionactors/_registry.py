@@ -9,10 +9,10 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from ._actor import Actor, LeaseHeldError, session_task
+from ._actor import Actor, LeaseHeldError, read_stored, session_task
 from ._agent import Agent
 from ._cluster import Cluster, start_cluster
-from ._codec import dump_info, dump_snapshot, load_events, load_info, load_snapshot
+from ._codec import dump_info, dump_snapshot, load_info
 from ._errors import (
     FencedOutError,
     SessionCrashedError,
@@ -486,17 +486,7 @@ class Registry:
 
     async def _stored_session(self, name: str) -> LiveSession:
         """The session's state read from the store, without waking it."""
-        stored = await self.store.load(name)
-        if stored is None:
-            raise SessionNotFoundError(
-                f"session {name!r} does not exist; create it with registry.spawn({name!r})",
-                session_id=name,
-            )
-        session = LiveSession(load_snapshot(stored.snapshot, session_id=name))
-        for entry in stored.entries:
-            for event in load_events(entry.data, session_id=name):
-                if event.seq > stored.snapshot_seq:
-                    session.apply(event)
+        session, _ = await read_stored(self.store, name)
         return session
 
     def _release_hub(self, name: str) -> None:

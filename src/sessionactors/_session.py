@@ -37,22 +37,7 @@ from ._records import (
     utcnow,
 )
 
-__all__ = ["DURABLE_EVENTS", "MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
-
-#: Events that change the durable state and so go to the journal.
-DURABLE_EVENTS: tuple[type[Event], ...] = (
-    TurnStarted,
-    ToolCallStarted,
-    MessageAdded,
-    TurnFinished,
-    TurnFailed,
-    TurnCancelled,
-    StatusChanged,
-    ReviewRequested,
-    ReviewResolved,
-    HistoryEdited,
-    MetadataChanged,
-)
+__all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
 
 #: How many idempotency keys a session remembers (the most recent ones).
 MAX_COMPLETED_KEYS = 1000

@@ -142,10 +142,3 @@ async def _play(script: Scripted) -> AsyncIterator[ModelChunk]:
         await script.wait.wait()
     if script.error is not None:
         raise script.error
-
-
-def scripted_calls(*calls: tuple[str, str]) -> Iterable[ToolCall]:
-    """Tool calls from ``(name, arguments_json)`` pairs, with fresh ids."""
-    from .._records import new_id
-
-    return [ToolCall(id=new_id("call"), name=n, arguments=a) for n, a in calls]
