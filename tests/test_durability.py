@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import sessionactors as sa
 from sessionactors.testing import ScriptedModel
+from strategies import MSGPACK_INT_MAX, MSGPACK_INT_MIN
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 HISTORIES = st.lists(st.tuples(TEXT, TEXT), min_size=0, max_size=8)
@@ -57,7 +58,11 @@ async def hibernate_and_wake(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     turns=HISTORIES,
-    metadata=st.dictionaries(st.text(max_size=8), st.integers() | TEXT | st.none(), max_size=4),
+    metadata=st.dictionaries(
+        st.text(max_size=8),
+        st.integers(MSGPACK_INT_MIN, MSGPACK_INT_MAX) | TEXT | st.none(),
+        max_size=4,
+    ),
     summary=st.none() | TEXT,
 )
 def test_hibernate_and_wake_keep_the_state_exactly(

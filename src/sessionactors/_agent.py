@@ -190,7 +190,8 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
             return message
         if not await ctx.run_tool_calls(agent, calls):
             return None
-        await trio.lowlevel.checkpoint()
+        # Tools checkpoint as they run; between steps, only a pending cancel matters.
+        await trio.lowlevel.checkpoint_if_cancelled()
     raise MaxStepsError(
         f"the model was still calling tools after max_steps={agent.max_steps} steps; "
         "raise Agent.max_steps or make the tools' results more decisive"

@@ -30,7 +30,7 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, overload
+from typing import Any, Final, Literal, overload
 
 import attrs
 import trio
@@ -227,11 +227,15 @@ def _reject_constant(constant: str) -> Any:
     raise ValueError(f"{constant} is not allowed in JSON")
 
 
+#: One decoder for every call (``json.loads`` with options builds a new one each time).
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
     if not arguments.strip():
         return {}
     try:
-        parsed = json.loads(arguments, parse_constant=_reject_constant)
+        parsed = _DECODER.decode(arguments)
     except json.JSONDecodeError as exc:
         return ToolOutcome(
             content=f"arguments for tool {name!r} are not valid JSON ({exc.msg} at "

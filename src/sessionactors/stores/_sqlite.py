@@ -92,7 +92,7 @@ _CLAIM: Final = """
     RETURNING fence
 """
 
-_Op = Callable[[sqlite3.Connection, float], Any]
+_Op = Callable[..., Any]  # (connection, now, *args)
 
 
 @attrs.frozen(kw_only=True)
@@ -126,7 +126,18 @@ _WITHDRAWN: Final = 2
 class _Request:
     """One call waiting for the connection's thread; ``op is None`` means: stop."""
 
-    __slots__ = ("appends", "op", "raise_cancel", "session_id", "state", "task", "token", "writes")
+    __slots__ = (
+        "appends",
+        "args",
+        "op",
+        "raise_cancel",
+        "session_id",
+        "state",
+        "task",
+        "token",
+        "worker",
+        "writes",
+    )
 
     def __init__(
         self,
@@ -136,8 +147,11 @@ class _Request:
         writes: bool,
         appends: bool = False,
         waiter: bool = True,
+        args: tuple[Any, ...] = (),
     ) -> None:
         self.op = op
+        self.args = args
+        self.worker: _Worker | None = None
         self.session_id = session_id
         self.writes = writes
         self.appends = appends
@@ -149,21 +163,34 @@ class _Request:
         else:
             self.token = self.task = None
 
+    def abort(self, raise_cancel: Any) -> trio.lowlevel.Abort:
+        """The abort function of the waiting caller (runs on its trio thread)."""
+        assert self.worker is not None
+        if self.worker.withdraw(self):
+            return trio.lowlevel.Abort.SUCCEEDED
+        self.raise_cancel = raise_cancel
+        return trio.lowlevel.Abort.FAILED
 
-def _deliver(request: _Request, result: outcome.Outcome[Any]) -> None:
-    # Runs on the caller's trio thread, so it never races the abort function.
-    if request.raise_cancel is not None:
-        result = outcome.capture(request.raise_cancel)
-    assert request.task is not None
-    trio.lowlevel.reschedule(request.task, result)
+
+def _deliver(answers: list[tuple[_Request, outcome.Outcome[Any]]]) -> None:
+    # Runs on the callers' trio thread, so it never races the abort function.
+    for request, result in answers:
+        if request.raise_cancel is not None:
+            result = outcome.capture(request.raise_cancel)
+        assert request.task is not None
+        trio.lowlevel.reschedule(request.task, result)
 
 
-def _answer(request: _Request, result: outcome.Outcome[Any]) -> None:
-    if request.token is None:
-        return
-    # The caller's run is over (it was interrupted): nobody is left to answer.
-    with contextlib.suppress(trio.RunFinishedError):
-        request.token.run_sync_soon(_deliver, request, result)
+def _answer(answers: Sequence[tuple[_Request, outcome.Outcome[Any]]]) -> None:
+    """Wake every caller: one hop per trio run, not one per request."""
+    by_token: dict[trio.lowlevel.TrioToken, list[tuple[_Request, outcome.Outcome[Any]]]] = {}
+    for request, result in answers:
+        if request.token is not None:
+            by_token.setdefault(request.token, []).append((request, result))
+    for token, group in by_token.items():
+        # The caller's run is over (it was interrupted): nobody is left to answer.
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(_deliver, group)
 
 
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
@@ -254,7 +281,7 @@ class _Worker:
                     if conn is not None:
                         conn.close()
                         conn = None
-                    _answer(stop[0], outcome.Value(None))
+                    _answer([(stop[0], outcome.Value(None))])
                     return
         finally:
             if conn is not None:
@@ -308,8 +335,7 @@ class _Worker:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                 conn.close()
-            for request in batch:
-                _answer(request, outcome.Error(_store_error(self._path, request, exc)))
+            _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
             return None
         with self._counters.lock:
             if writes:
@@ -320,15 +346,23 @@ class _Worker:
                 if request.appends and isinstance(result, outcome.Value)
             )
             self._counters.largest_batch = max(self._counters.largest_batch, len(batch))
-        for request, result in zip(batch, results, strict=True):
-            _answer(request, result)
+        _answer(list(zip(batch, results, strict=True)))
         return conn
 
     def _run_one(self, conn: sqlite3.Connection, request: _Request) -> outcome.Outcome[Any]:
         assert request.op is not None
+        if request.appends:
+            # An append checks everything before it writes, so a refusal leaves nothing
+            # to undo; an SQLite error in it fails the whole batch (no savepoint needed).
+            try:
+                return outcome.Value(request.op(conn, time.time(), *request.args))
+            except sqlite3.Error:
+                raise
+            except Exception as exc:
+                return outcome.Error(exc)
         conn.execute("SAVEPOINT request")
         try:
-            value = request.op(conn, time.time())
+            value = request.op(conn, time.time(), *request.args)
         except sqlite3.Error as exc:
             # Undo just this request; if that is impossible, the error aborts the batch.
             conn.execute("ROLLBACK TO request")
@@ -375,6 +409,44 @@ def _check_fence(conn: sqlite3.Connection, session_id: str, fence: int | None, n
     )
     if problem is not None:
         raise _fenced_out_error(session_id, fence, problem)
+
+
+def _append(
+    conn: sqlite3.Connection,
+    now: float,
+    session_id: str,
+    rows: list[tuple[str, int, bytes]],
+    info: bytes,
+    fence: int | None,
+    last_seq: int | None,
+) -> None:
+    """``SQLiteStore.append`` in the transaction: it checks everything before it writes
+    (see ``_Worker._run_one``)."""
+    if fence is not None:
+        if not conn.execute(
+            "SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)
+        ).fetchone():
+            raise _not_found_error(session_id)
+        _check_fence(conn, session_id, fence, now)
+    if last_seq is None:
+        updated = conn.execute(
+            "UPDATE sessions SET info = ? WHERE session_id = ? RETURNING 1", (info, session_id)
+        ).fetchone()
+    else:
+        updated = conn.execute(
+            "UPDATE sessions SET last_seq = ?, info = ? "
+            "WHERE session_id = ? AND last_seq < ? RETURNING 1",
+            (last_seq, info, session_id, rows[0][1]),
+        ).fetchone()
+    if updated is None:  # nothing was written: say why
+        row = conn.execute(
+            "SELECT last_seq FROM sessions WHERE session_id = ?", (session_id,)
+        ).fetchone()
+        if row is None:
+            raise _not_found_error(session_id)
+        _check_entries(session_id, [JournalEntry(seq, data) for _, seq, data in rows], row[0])
+        raise AssertionError("unreachable: the seqs were checked")  # pragma: no cover
+    conn.executemany("INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)", rows)
 
 
 @attrs.define(eq=False, repr=False)
@@ -453,18 +525,12 @@ class SQLiteStore:
         *,
         writes: bool,
         appends: bool = False,
+        args: tuple[Any, ...] = (),
     ) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
-        request = _Request(op, session_id=session_id, writes=writes, appends=appends)
-        worker = self._submit(request)
-
-        def abort(raise_cancel: Any) -> trio.lowlevel.Abort:
-            if worker.withdraw(request):
-                return trio.lowlevel.Abort.SUCCEEDED
-            request.raise_cancel = raise_cancel
-            return trio.lowlevel.Abort.FAILED
-
-        return await trio.lowlevel.wait_task_rescheduled(abort)
+        request = _Request(op, session_id=session_id, writes=writes, appends=appends, args=args)
+        request.worker = self._submit(request)
+        return await trio.lowlevel.wait_task_rescheduled(request.abort)
 
     async def aclose(self) -> None:
         """Finish every queued request, close the connection and stop its thread.
@@ -544,27 +610,16 @@ class SQLiteStore:
         *,
         fence: int | None = None,
     ) -> None:
-        copies = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
-        info = bytes(info)
-
-        def op(conn: sqlite3.Connection, now: float) -> None:
-            row = conn.execute(
-                "SELECT last_seq FROM sessions WHERE session_id = ?", (session_id,)
-            ).fetchone()
-            if row is None:
-                raise _not_found_error(session_id)
-            _check_fence(conn, session_id, fence, now)
-            last_seq = _check_entries(session_id, copies, row[0])
-            conn.executemany(
-                "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
-                [(session_id, e.seq, e.data) for e in copies],
-            )
-            conn.execute(
-                "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ?",
-                (last_seq, info, session_id),
-            )
-
-        await self._call(session_id, op, writes=True, appends=True)
+        rows = [(session_id, e.seq, bytes(e.data)) for e in entries]
+        # Checked before the transaction: the seqs strictly increase among themselves.
+        last_seq = _check_entries(session_id, entries, entries[0].seq - 1) if entries else None
+        await self._call(
+            session_id,
+            _append,
+            writes=True,
+            appends=True,
+            args=(session_id, rows, bytes(info), fence, last_seq),
+        )
 
     async def write_snapshot(
         self,
