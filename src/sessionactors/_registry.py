@@ -35,6 +35,10 @@ __all__ = ["Registry", "RegistryConfig", "RegistryStatistics", "open_registry"]
 
 Durability = Literal["turn", "hibernate"]
 
+#: A registry whose live count has fallen to an eighth of a peak at least this
+#: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
+GENERATION_PEAK = 1024
+
 
 @attrs.frozen(kw_only=True)
 class RegistryConfig:
@@ -101,6 +105,15 @@ class Registry:
     _nursery: trio.Nursery = attrs.field(alias="nursery")
     owner_id: str = attrs.field(factory=lambda: new_id("worker"))
     stats: Counters = attrs.field(factory=Counters)
+    #: Where session tasks start: the current generation's nursery, or the registry's
+    #: own while there is none (see ``_run_generation``).
+    _sessions: trio.Nursery = attrs.field(
+        default=attrs.Factory(lambda self: self._nursery, takes_self=True), init=False
+    )
+    #: Set to close the current generation to new sessions (it ends with its last one).
+    _generation_retired: trio.Event | None = attrs.field(default=None, init=False)
+    #: A generation's task is scheduled and not yet running.
+    _generation_pending: bool = attrs.field(default=False, init=False)
     _live: dict[str, Actor] = attrs.field(factory=dict, init=False)
     _hubs: dict[str, Hub] = attrs.field(factory=dict, init=False)
     _live_peak: int = attrs.field(default=64, init=False)
@@ -169,7 +182,7 @@ class Registry:
             raise _exists_error(name)
         self._live[name] = actor
         self._live_peak = max(self._live_peak, len(self._live))
-        self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
+        self._start(actor)
         self.stats.spawned += 1
         return SessionRef(self, name)
 
@@ -348,9 +361,10 @@ class Registry:
         if self._live.get(name) is actor:
             del self._live[name]
             if len(self._live) * 8 < self._live_peak:
-                # a dict keeps its peak size: after a wave of hibernations, let it go
-                self._live = dict(self._live)
-                self._live_peak = max(len(self._live), 64)
+                # far below its peak: give back what a wave of sessions left behind
+                if self._live_peak >= GENERATION_PEAK:
+                    self._retire_generation()
+                self._live_peak = _compact(self._live)
         self._release_hub(name)
         if actor.done is None:
             actor.done = trio.Event()
@@ -394,7 +408,7 @@ class Registry:
         actor = Actor(self, name, None)
         self._live[name] = actor
         self._live_peak = max(self._live_peak, len(self._live))
-        self._nursery.start_soon(session_task, self, actor, name=f"session {name!r}")
+        self._start(actor)
         return actor
 
     async def _ready(self, name: str, *, local: bool = False) -> LiveSession:
@@ -494,8 +508,7 @@ class Registry:
         if hub is not None and hub.subscriber_count == 0 and name not in self._live:
             del self._hubs[name]
             if len(self._hubs) * 8 < self._hubs_peak:
-                self._hubs = dict(self._hubs)
-                self._hubs_peak = max(len(self._hubs), 64)
+                self._hubs_peak = _compact(self._hubs)
 
     def _agent_key(self, agent: str | None, name: str) -> str:
         if agent is None:
@@ -550,9 +563,83 @@ class Registry:
                         )
                     )
 
+    # ---- generations: the nurseries that session tasks run in -------------------------
+
+    def _start(self, actor: Actor) -> None:
+        if self._sessions is self._nursery:
+            self._open_generation()
+        self._sessions.start_soon(session_task, self, actor, name=f"session {actor.session_id!r}")
+
+    def _open_generation(self) -> None:
+        """Schedule a new generation; sessions start in the registry's nursery until it runs."""
+        if not self._generation_pending and not self._closing:
+            self._generation_pending = True
+            self._nursery.start_soon(self._run_generation, name="sessions generation")
+
+    def _retire_generation(self) -> None:
+        """Close the current generation to new sessions: it ends with its last session,
+        and the next session opens a new one.
+
+        A nursery's set of tasks and its cancel status's set of children keep the size
+        of their peak (CPython never shrinks a set when items leave it): after a wave of
+        100,000 sessions that hibernate, 8 MB. Only a nursery that ends frees them. The
+        next generation is opened by the next session that starts, not here, so that
+        nothing long-lived is allocated while a wave of sessions is leaving.
+        """
+        retired = self._generation_retired
+        if retired is not None:
+            self._generation_retired = None
+            self._sessions = self._nursery
+            retired.set()
+
+    async def _run_generation(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Host the sessions that start until the generation retires, then end with them.
+
+        A crash is handled inside its session's task; an exception that escapes one
+        still cancels every session and leaves the registry, in the shape it would have
+        from the registry's own nursery.
+        """
+        retired = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._retire_generation()  # at most one generation takes sessions
+                self._sessions, self._generation_retired = nursery, retired
+                self._generation_pending = False
+                task_status.started()
+                try:
+                    await retired.wait()
+                finally:
+                    if self._generation_retired is retired:  # cancelled
+                        self._generation_retired = None
+                        self._sessions = self._nursery
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
     async def _wait_all_gone(self) -> None:
         while self._live:
             await self._wait_gone(next(iter(self._live.values())))
+
+
+def _compact(table: dict[str, Any]) -> int:
+    """Shrink a dict that is far below its peak size, in place; its new peak.
+
+    CPython never shrinks a dict as entries leave, so a registry that held 100,000
+    sessions would keep their tables. The dict object stays the same one: a new
+    object made while a wave of sessions leaves would be allocated among the
+    wave's memory and keep a whole allocator arena (1 MiB) alive after it; an empty
+    dict gives its table back and allocates nothing.
+    """
+    if table:
+        entries = dict(table)  # sized for what is left
+        table.clear()
+        table.update(entries)  # takes a copy of that table
+    else:
+        table.clear()
+    return max(len(table), 64)
 
 
 def _exists_error(name: str) -> SessionExistsError:
@@ -656,6 +743,8 @@ async def open_registry(
             )
             if worker_id is not None:
                 registry.owner_id = worker_id
+            registry._generation_pending = True
+            await nursery.start(registry._run_generation, name="sessions generation")
             if config.leases:
                 nursery.start_soon(registry._renew_leases, name="lease renewal")
                 registry._cluster = await start_cluster(registry, nursery)
