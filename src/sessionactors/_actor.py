@@ -18,7 +18,14 @@ import attrs
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import dump_events, dump_info, dump_snapshot, load_events, load_snapshot
+from ._codec import (
+    SnapshotWriter,
+    dump_events,
+    dump_info,
+    dump_snapshot,
+    load_events,
+    load_snapshot,
+)
 from ._errors import (
     FencedOutError,
     SessionActorsError,
@@ -44,6 +51,13 @@ from ._events import (
 from ._hub import Hub
 from ._records import Message, ReviewRequest, Role, Status, ToolCall
 from ._session import LiveSession
+from ._tooling import (
+    maybe_compact,
+    resolve_review,
+    resume_tool_calls,
+    run_call,
+    run_tool_calls,
+)
 from .stores._base import JournalEntry, Lease, Store, StoredSession
 
 if TYPE_CHECKING:
@@ -152,6 +166,7 @@ class Actor:
         "_ready",
         "_since_snapshot",
         "_snapshot_size",
+        "_snapshot_writer",
         "_system_cache",
         "abort_reason",
         "deleted",
@@ -199,6 +214,7 @@ class Actor:
         self._since_snapshot = 0
         self._journal_size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
+        self._snapshot_writer: SnapshotWriter | None = None  # made for a long history
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
@@ -252,8 +268,6 @@ class Actor:
         )
 
     async def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> bool:
-        from ._tooling import run_tool_calls
-
         return await run_tool_calls(self, agent, calls)
 
     # ---- event plumbing ----------------------------------------------------------
@@ -267,16 +281,16 @@ class Actor:
         return hub
 
     def _seq(self) -> int:
-        return self._hub().next_seq()
+        return (self.hub or self._hub()).next_seq()
 
     def _emit(self, event: Event) -> None:
-        self._hub().publish(event)
+        (self.hub or self._hub()).publish(event)
 
     def _durable(self, event: Event, *, publish: bool = True) -> Event:
         self.session.apply(event)
         self.unsaved.append(event)
         if publish:
-            self._emit(event)
+            (self.hub or self._hub()).publish(event)
         return event
 
     def _set_status(self, status: Status) -> None:
@@ -317,7 +331,10 @@ class Actor:
         seq = max(self._hub().seq, session.event_seq)
         session.event_seq = seq
         state = attrs.evolve(session.to_state(), status=status)
-        snapshot = dump_snapshot(state)
+        writer = self._snapshot_writer
+        if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
+            writer = self._snapshot_writer = SnapshotWriter()
+        snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
         await host.store.write_snapshot(
             self.session_id,
             snapshot,
@@ -512,8 +529,6 @@ class Actor:
         await self._drive(agent, request.pending, key, before=before)
 
     async def _compact_before(self, agent: Agent) -> bool:
-        from ._tooling import maybe_compact
-
         await maybe_compact(self, agent)
         return True
 
@@ -603,8 +618,6 @@ class Actor:
             pending.set_result((turn_id, final, ()))
 
     async def _call(self, request: CallRequest) -> None:
-        from ._tooling import resolve_review, run_call
-
         try:
             if request.kind == "review":
                 await resolve_review(self, request.pending, **request.args)
@@ -635,8 +648,6 @@ class Actor:
 
     async def resume_interrupted(self) -> None:
         """Finish a turn whose process died mid-tool (found open on wake)."""
-        from ._tooling import resume_tool_calls
-
         open_turn = self.session.open_turn
         assert open_turn is not None
         self.turn_id = open_turn.turn_id

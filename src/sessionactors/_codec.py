@@ -451,6 +451,7 @@ _unstructure_info: Final = _CONVERTER.get_unstructure_hook(SessionInfo)
 _structure_info: Final = _CONVERTER.get_structure_hook(SessionInfo)
 # Each event class's own hook and tag, looked up once: a journal entry is written
 # every turn, and the union's dispatch is most of its cost. Same bytes as the union's.
+_unstructure_message: Final = _CONVERTER.get_unstructure_hook(Message)
 _EVENT_HOOKS: Final = {
     cls: (tag, _CONVERTER.get_unstructure_hook(cls)) for cls, tag in _TAG_OF.items()
 }
@@ -719,6 +720,101 @@ def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_B
             f" snapshots are written at version {SCHEMA_VERSION}; leave the default"
         )
     return _encode(_unstructure_state, state, "snapshot", state.session_id, max_size)
+
+
+class SnapshotWriter:
+    """Encodes one session's successive snapshots; the same bytes as :func:`dump_snapshot`.
+
+    A snapshot holds the whole history, so writing one costs as much as the
+    history is long. This keeps the packed bytes of the messages the previous
+    snapshot held, and packs only the messages added since, as long as the
+    history still starts with the very same message objects (an edit that drops
+    or replaces any of them means a full encoding). Short histories are packed
+    afresh each time and keep nothing: they are cheap, and the saved bytes cost
+    memory (about as much as the snapshot itself).
+    """
+
+    #: By default, histories shorter than this are packed afresh.
+    MIN_MESSAGES: Final = 128
+
+    __slots__ = ("_body", "_messages", "_min_messages")
+
+    def __init__(self, min_messages: int = MIN_MESSAGES) -> None:
+        self._min_messages = min_messages
+        self._messages: tuple[Message, ...] = ()
+        self._body = b""
+
+    def clear(self) -> None:
+        """Forget the saved bytes (the session hibernates: nothing to reuse)."""
+        self._messages = ()
+        self._body = b""
+
+    def dump(self, state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> bytes:
+        """Encode ``state``; raises like :func:`dump_snapshot`."""
+        if (
+            state.__class__ is not SessionState
+            or state.schema_version != SCHEMA_VERSION
+            or len(state.messages) < self._min_messages
+        ):
+            self.clear()
+            return dump_snapshot(state, max_size=max_size)
+        try:
+            data = self._dump(state, state.messages)
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            data = None
+        if data is None or len(data) > max_size:
+            # dump_snapshot says what is wrong
+            self.clear()
+            return dump_snapshot(state, max_size=max_size)
+        return data
+
+    def _dump(self, state: SessionState, messages: tuple[Message, ...]) -> bytes:
+        packer = _packer()
+        previous = self._messages
+        if previous and len(previous) <= len(messages) and all(map(_is, previous, messages)):
+            new = messages[len(previous) :]
+            body = self._body
+        else:
+            new, body = messages, b""
+        if new:
+            packed = packer.pack([_unstructure_message(m) for m in new])
+            body += packed[_array_header_size(len(new)) :]
+        # Every field but the messages, packed as the state's own map would be.
+        raw = _unstructure_state(attrs.evolve(state, messages=()))
+        keys = list(raw)
+        at = keys.index("messages")
+        if len(keys) > 15:  # pragma: no cover - a fixmap has room for 15 fields
+            raise ValueError("too many fields for the snapshot writer")
+        head = packer.pack({k: raw[k] for k in keys[:at]})[1:]
+        tail = packer.pack({k: raw[k] for k in keys[at + 1 :]})[1:]
+        data = b"".join(
+            (
+                bytes((0x80 | len(keys),)),
+                head,
+                packer.pack("messages"),
+                _array_header(len(messages)),
+                body,
+                tail,
+            )
+        )
+        self._messages, self._body = messages, body
+        return data
+
+
+def _is(a: object, b: object) -> bool:
+    return a is b
+
+
+def _array_header_size(count: int) -> int:
+    return 1 if count < 16 else 3 if count < 1 << 16 else 5
+
+
+def _array_header(count: int) -> bytes:
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
 
 
 def load_snapshot(

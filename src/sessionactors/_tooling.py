@@ -51,7 +51,8 @@ async def _invoke(agent: Agent, call: ToolCall) -> tuple[str, bool]:
     if tool is None:
         names = ", ".join(t.name for t in agent.tools) or "none"
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
-    outcome = await tool.invoke(call.arguments)
+    await trio.lowlevel.checkpoint_if_cancelled()
+    outcome = await tool._run(call.arguments)
     content = outcome.content
     if len(content) > MAX_TOOL_RESULT_CHARS:
         content = (
@@ -78,13 +79,15 @@ def _record_result(actor: Actor, call: ToolCall, content: str, is_error: bool) -
 
 async def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> None:
     """Record the calls as started; before a non-idempotent one runs, make that durable."""
+    commit = False
     for call in calls:
         actor._durable(
             ToolCallStarted(
                 session_id=actor.session_id, seq=actor._seq(), turn_id=actor.turn_id, tool_call=call
             )
         )
-    if not all(_idempotent(agent, c) for c in calls):
+        commit = commit or not _idempotent(agent, call)
+    if commit:
         with trio.CancelScope(shield=True):
             await actor.commit()
 
@@ -92,17 +95,17 @@ async def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) ->
 async def _run_batch(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> None:
     """Run independent calls concurrently; record their results in call order."""
     await _start_calls(actor, agent, calls)
+    if len(calls) == 1:
+        _record_result(actor, calls[0], *await _invoke(agent, calls[0]))
+        return
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:
         results[i] = await _invoke(agent, call)
 
-    if len(calls) == 1:
-        await one(0, calls[0])
-    else:
-        async with trio.open_nursery() as nursery:
-            for i, call in enumerate(calls):
-                nursery.start_soon(one, i, call)
+    async with trio.open_nursery() as nursery:
+        for i, call in enumerate(calls):
+            nursery.start_soon(one, i, call)
     for call, (content, is_error) in zip(calls, results, strict=True):
         _record_result(actor, call, content, is_error)
 

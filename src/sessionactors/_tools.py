@@ -139,6 +139,11 @@ class Tool:
         and other exceptions that are not :class:`Exception` propagate.
         """
         await trio.lowlevel.checkpoint()
+        return await self._run(arguments)
+
+    async def _run(self, arguments: str) -> ToolOutcome:
+        """:meth:`invoke` without its own checkpoint: the turn loop's path (it checks
+        for cancellation itself; a tool that blocks yields anyway)."""
         parsed = _parse_arguments(self.name, arguments)
         if isinstance(parsed, ToolOutcome):
             return parsed
@@ -152,7 +157,7 @@ class Tool:
         try:
             kwargs = {key: self._converters.get(key, _identity)(v) for key, v in parsed.items()}
             result = self.fn(**kwargs)
-            if inspect.isawaitable(result):
+            if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
         except Exception as exc:
             return ToolOutcome(content=_describe_exception(exc), is_error=True)
@@ -227,12 +232,14 @@ def _reject_constant(constant: str) -> Any:
     raise ValueError(f"{constant} is not allowed in JSON")
 
 
+_CoroutineType: Final = types.CoroutineType
+
 #: One decoder for every call (``json.loads`` with options builds a new one each time).
 _DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
-    if not arguments.strip():
+    if arguments == "{}" or not arguments.strip():  # a call without arguments
         return {}
     try:
         parsed = _DECODER.decode(arguments)
