@@ -57,7 +57,8 @@ class Hub:
         self.session_id = session_id
         self.seq = seq
         self._config = config
-        self._ring: deque[tuple[Event, int]] | None = None
+        # events only (a tuple with its size per event would be one more object to keep)
+        self._ring: deque[Event] | None = None
         self._ring_bytes = 0
         self._subs: set[Subscriber] = set()
         #: Called with every published event (a cluster's publisher), or None.
@@ -87,13 +88,12 @@ class Hub:
         ring = self._ring
         if ring is None:
             ring = self._ring = deque()
-        size = _size(event)
-        ring.append((event, size))
-        ring_bytes = self._ring_bytes + size
+        ring.append(event)
+        ring_bytes = self._ring_bytes + _size(event)
         config = self._config
         if len(ring) > config.replay_events or ring_bytes > config.replay_bytes:
             while ring and (len(ring) > config.replay_events or ring_bytes > config.replay_bytes):
-                ring_bytes -= ring.popleft()[1]
+                ring_bytes -= _size(ring.popleft())
         self._ring_bytes = ring_bytes
         if self._subs:
             for sub in tuple(self._subs):
@@ -122,17 +122,17 @@ class Hub:
             return True
         if not self._ring:
             return False
-        return self._ring[0][0].seq <= after + 1
+        return self._ring[0].seq <= after + 1
 
     def ring_after(self, after: int) -> list[Event]:
         """The ring's events with seq > ``after``, in order."""
         if not self._ring:
             return []
-        return [event for event, _ in self._ring if event.seq > after]
+        return [event for event in self._ring if event.seq > after]
 
     @property
     def oldest_seq(self) -> int | None:
-        return self._ring[0][0].seq if self._ring else None
+        return self._ring[0].seq if self._ring else None
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber(self._config.subscriber_buffer)
