@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from sessionactors import SessionNotFoundError, StoreError
-from sessionactors.stores import JournalEntry, SQLiteStore, StoredSession
+from sessionactors.stores import JournalEntry, SQLiteStore, StoredSession, _sqlite
 from sessionactors.testing import check_store
 
 WORKER = Path(__file__).with_name("sqlite_claim_worker.py")
@@ -140,9 +140,8 @@ async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
         await store.aclose()
 
 
-async def test_a_failing_request_does_not_fail_its_batch(tmp_path: Path) -> None:
-    """Requests that fail in a shared transaction leave the others in it committed."""
-    path = tmp_path / "s.db"
+async def _mixed_batch(path: Path) -> tuple[dict[str, BaseException | None], SQLiteStore]:
+    """Five appends, two of them refused, queued to share one transaction."""
     store = SQLiteStore(path, busy_timeout=30)
     for name in ("good", "a", "b", "bad"):
         await store.create(name, b"snap", b"info")
@@ -175,17 +174,63 @@ async def test_a_failing_request_does_not_fail_its_batch(tmp_path: Path) -> None
                 nursery.start_soon(run, "good-b", lambda: store.append("b", _entries(1), b"i"))
                 await _wait_until(lambda: store.statistics().requests_queued == 4)
                 blocker.execute("COMMIT")
+    finally:
+        blocker.close()
+    return results, store
+
+
+def _batch_problems(results: dict[str, BaseException | None]) -> list[str]:
+    """What went wrong in _mixed_batch: a good append failed, or a bad one did not."""
+    problems = [
+        f"{label} failed: {results[label]!r}"
+        for label in ("first", "good-a", "good-b")
+        if results[label] is not None
+    ]
+    if not isinstance(results["stale"], StoreError) or isinstance(
+        results["stale"], SessionNotFoundError
+    ):
+        problems.append(f"stale: {results['stale']!r}")
+    if not isinstance(results["missing"], SessionNotFoundError):
+        problems.append(f"missing: {results['missing']!r}")
+    return problems
+
+
+async def test_a_failing_request_does_not_fail_its_batch(tmp_path: Path) -> None:
+    """Requests that fail in a shared transaction leave the others in it committed
+    (the appends first try one statement for all, then run one by one)."""
+    results, store = await _mixed_batch(tmp_path / "s.db")
+    try:
         assert store.statistics().largest_batch >= 4
-        assert results["first"] is None
-        assert results["good-a"] is None
-        assert results["good-b"] is None
-        assert isinstance(results["stale"], StoreError)
-        assert isinstance(results["missing"], SessionNotFoundError)
+        assert _batch_problems(results) == []
         for name in ("good", "a", "b"):
             assert await store.read_journal(name, 0) == (0, _entries(1))
         assert await store.read_journal("bad", 0) == (0, _entries(1))
     finally:
-        blocker.close()
+        await store.aclose()
+
+
+async def test_grouped_appends_that_skip_the_refusal_check_are_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: appends grouped without checking that every one was accepted
+    fail the same checks (the stale append's rows collide, and the batch is lost)."""
+
+    def unchecked(conn: sqlite3.Connection, appends: list[tuple[object, ...]]) -> bool:
+        conn.executemany(
+            "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ?",
+            [(last, info, sid) for sid, _, info, _, last in appends],
+        )
+        conn.executemany(
+            "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
+            [row for _, rows, _, _, _ in appends for row in rows],  # type: ignore[attr-defined]
+        )
+        return True
+
+    monkeypatch.setattr(_sqlite, "_append_all", unchecked)
+    results, store = await _mixed_batch(tmp_path / "s.db")
+    try:
+        assert _batch_problems(results) != []
+    finally:
         await store.aclose()
 
 

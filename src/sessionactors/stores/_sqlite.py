@@ -217,6 +217,7 @@ class _Worker:
         self._queue: deque[_Request] = deque()
         self.queued = 0
         self._stopping = False
+        self._waiting = False  # the thread waits for requests (under _lock)
         self._thread = threading.Thread(
             target=self._run, name=f"sessionactors-sqlite {self._path}", daemon=True
         )
@@ -233,7 +234,8 @@ class _Worker:
                 self._stopping = True
             self._queue.append(request)
             self.queued += 1
-            self._wakeup.notify()
+            if self._waiting:  # a busy thread takes the queue when it is done
+                self._wakeup.notify()
         return True
 
     def withdraw(self, request: _Request) -> bool:
@@ -256,7 +258,9 @@ class _Worker:
     def _take_batch(self) -> list[_Request]:
         with self._lock:
             while not self._queue:
+                self._waiting = True
                 self._wakeup.wait()
+                self._waiting = False
             batch: list[_Request] = []
             while self._queue and len(batch) < _MAX_BATCH:
                 request = self._queue.popleft()
@@ -324,8 +328,7 @@ class _Worker:
             if conn is None:
                 conn = self._open()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
-            for request in batch:
-                results.append(self._run_one(conn, request))
+            results = self._run_all(conn, batch)
             conn.execute("COMMIT")
         except Exception as exc:
             # The whole transaction is lost (or the file could not be opened): fail
@@ -348,6 +351,31 @@ class _Worker:
             self._counters.largest_batch = max(self._counters.largest_batch, len(batch))
         _answer(list(zip(batch, results, strict=True)))
         return conn
+
+    def _run_all(
+        self, conn: sqlite3.Connection, batch: list[_Request]
+    ) -> list[outcome.Outcome[Any]]:
+        """Every request's outcome, run in order; consecutive plain appends run in bulk."""
+        results: list[outcome.Outcome[Any]] = []
+        run: list[_Request] = []
+        for request in batch:
+            if _bulk_append(request):
+                run.append(request)
+                continue
+            if run:
+                results += self._run_appends(conn, run)
+                run = []
+            results.append(self._run_one(conn, request))
+        if run:
+            results += self._run_appends(conn, run)
+        return results
+
+    def _run_appends(
+        self, conn: sqlite3.Connection, run: list[_Request]
+    ) -> list[outcome.Outcome[Any]]:
+        if len(run) > 1 and _append_all(conn, [r.args for r in run]):
+            return [outcome.Value(None) for _ in run]
+        return [self._run_one(conn, r) for r in run]
 
     def _run_one(self, conn: sqlite3.Connection, request: _Request) -> outcome.Outcome[Any]:
         assert request.op is not None
@@ -447,6 +475,31 @@ def _append(
         _check_entries(session_id, [JournalEntry(seq, data) for _, seq, data in rows], row[0])
         raise AssertionError("unreachable: the seqs were checked")  # pragma: no cover
     conn.executemany("INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)", rows)
+
+
+def _bulk_append(request: _Request) -> bool:
+    """An append that can join others in one statement: entries, and no fence to check."""
+    return request.op is _append and request.args[3] is None and request.args[4] is not None
+
+
+def _append_all(conn: sqlite3.Connection, appends: list[tuple[Any, ...]]) -> bool:
+    """Run many fence-free appends with one statement per table; False (and nothing
+    written) if any of them is refused, for the caller to run them one by one."""
+    conn.execute("SAVEPOINT appends")
+    updated = conn.executemany(
+        "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ? AND last_seq < ?",
+        [(last, info, session_id, rows[0][1]) for session_id, rows, info, _, last in appends],
+    ).rowcount
+    if updated != len(appends):
+        conn.execute("ROLLBACK TO appends")
+        conn.execute("RELEASE appends")
+        return False
+    conn.executemany(
+        "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
+        [row for _, rows, _, _, _ in appends for row in rows],
+    )
+    conn.execute("RELEASE appends")
+    return True
 
 
 @attrs.define(eq=False, repr=False)
