@@ -685,7 +685,8 @@ async def open_registry(
       so a process crash loses the turns since the last snapshot.
     - ``replay_events`` / ``replay_bytes``: the per-session replay ring's bounds;
       ``subscriber_buffer``: events a subscriber may fall behind before it is ended.
-    - ``snapshot_every``: journal entries between automatic snapshots;
+    - ``snapshot_every``: the fewest journaled events between automatic snapshots
+      (a snapshot also waits until the journal outweighs the last one in bytes);
       ``journal_keep_seqs``: how far back (in seq) the journal is kept for replay.
     - ``leases``: whether a live session holds its lease in the store, so that at
       most one worker runs it. Default: yes for stores shared by several workers
