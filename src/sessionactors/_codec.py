@@ -449,9 +449,9 @@ _unstructure_event: Final = _CONVERTER.get_unstructure_hook(_EventUnion)
 _structure_event: Final = _CONVERTER.get_structure_hook(_EventUnion)
 _unstructure_info: Final = _CONVERTER.get_unstructure_hook(SessionInfo)
 _structure_info: Final = _CONVERTER.get_structure_hook(SessionInfo)
+_unstructure_message: Final = _CONVERTER.get_unstructure_hook(Message)
 # Each event class's own hook and tag, looked up once: a journal entry is written
 # every turn, and the union's dispatch is most of its cost. Same bytes as the union's.
-_unstructure_message: Final = _CONVERTER.get_unstructure_hook(Message)
 _EVENT_HOOKS: Final = {
     cls: (tag, _CONVERTER.get_unstructure_hook(cls)) for cls, tag in _TAG_OF.items()
 }
