@@ -267,8 +267,8 @@ class Actor:
             )
         )
 
-    async def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> bool:
-        return await run_tool_calls(self, agent, calls)
+    def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> Awaitable[bool]:
+        return run_tool_calls(self, agent, calls)  # its coroutine: no layer of our own
 
     # ---- event plumbing ----------------------------------------------------------
 

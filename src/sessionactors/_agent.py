@@ -8,7 +8,7 @@ with text or ``max_steps`` is reached. It talks to the session only through a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -114,7 +114,7 @@ class TurnContext(Protocol):
     def request_messages(self) -> Sequence[Message]: ...
     def delta(self, text: str) -> None: ...
     def add_message(self, message: Message) -> None: ...
-    async def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> bool:
+    def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> Awaitable[bool]:
         """Run the calls and add their results; False if the turn must pause (review)."""
         ...
 

@@ -77,8 +77,8 @@ def _record_result(actor: Actor, call: ToolCall, content: str, is_error: bool) -
     actor.add_message(Message.create(Role.TOOL, content, tool_call_id=call.id, is_error=is_error))
 
 
-async def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> None:
-    """Record the calls as started; before a non-idempotent one runs, make that durable."""
+def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> bool:
+    """Record the calls as started; whether one is not idempotent (then commit first)."""
     commit = False
     for call in calls:
         actor._durable(
@@ -87,14 +87,15 @@ async def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) ->
             )
         )
         commit = commit or not _idempotent(agent, call)
-    if commit:
-        with trio.CancelScope(shield=True):
-            await actor.commit()
+    return commit
 
 
 async def _run_batch(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> None:
     """Run independent calls concurrently; record their results in call order."""
-    await _start_calls(actor, agent, calls)
+    if _start_calls(actor, agent, calls):
+        # before a non-idempotent call runs, its start is durable
+        with trio.CancelScope(shield=True):
+            await actor.commit()
     if len(calls) == 1:
         _record_result(actor, calls[0], *await _invoke(agent, calls[0]))
         return
