@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple, cast
 
 import attrs
 import outcome
@@ -373,7 +373,7 @@ class _Worker:
     def _run_appends(
         self, conn: sqlite3.Connection, run: list[_Request]
     ) -> list[outcome.Outcome[Any]]:
-        if len(run) > 1 and _append_all(conn, [r.args for r in run]):
+        if len(run) > 1 and _append_all(conn, [cast(_AppendArgs, r.args) for r in run]):
             return [outcome.Value(None) for _ in run]
         return [self._run_one(conn, r) for r in run]
 
@@ -439,6 +439,16 @@ def _check_fence(conn: sqlite3.Connection, session_id: str, fence: int | None, n
         raise _fenced_out_error(session_id, fence, problem)
 
 
+class _AppendArgs(NamedTuple):
+    """What ``_append`` is called with, after the connection and the time."""
+
+    session_id: str
+    rows: list[tuple[str, int, bytes]]
+    info: bytes
+    fence: int | None
+    last_seq: int | None  # None: no entries, only the info changes
+
+
 def _append(
     conn: sqlite3.Connection,
     now: float,
@@ -479,16 +489,19 @@ def _append(
 
 def _bulk_append(request: _Request) -> bool:
     """An append that can join others in one statement: entries, and no fence to check."""
-    return request.op is _append and request.args[3] is None and request.args[4] is not None
+    if request.op is not _append:
+        return False
+    args = cast(_AppendArgs, request.args)
+    return args.fence is None and args.last_seq is not None
 
 
-def _append_all(conn: sqlite3.Connection, appends: list[tuple[Any, ...]]) -> bool:
+def _append_all(conn: sqlite3.Connection, appends: list[_AppendArgs]) -> bool:
     """Run many fence-free appends with one statement per table; False (and nothing
     written) if any of them is refused, for the caller to run them one by one."""
     conn.execute("SAVEPOINT appends")
     updated = conn.executemany(
         "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ? AND last_seq < ?",
-        [(last, info, session_id, rows[0][1]) for session_id, rows, info, _, last in appends],
+        [(a.last_seq, a.info, a.session_id, a.rows[0][1]) for a in appends],
     ).rowcount
     if updated != len(appends):
         conn.execute("ROLLBACK TO appends")
@@ -496,7 +509,7 @@ def _append_all(conn: sqlite3.Connection, appends: list[tuple[Any, ...]]) -> boo
         return False
     conn.executemany(
         "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
-        [row for _, rows, _, _, _ in appends for row in rows],
+        [row for a in appends for row in a.rows],
     )
     conn.execute("RELEASE appends")
     return True
@@ -671,7 +684,7 @@ class SQLiteStore:
             _append,
             writes=True,
             appends=True,
-            args=(session_id, rows, bytes(info), fence, last_seq),
+            args=_AppendArgs(session_id, rows, bytes(info), fence, last_seq),
         )
 
     async def write_snapshot(
