@@ -13,6 +13,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors import _tooling
+from sessionactors._codec import load_events
 from sessionactors._history import tool_pairs_intact
 from sessionactors.stores import JournalEntry, MemoryStore
 from sessionactors.testing import Scripted, ScriptedModel
@@ -283,6 +284,46 @@ async def test_fragments_of_calls_spread_over_many_chunks_assemble_exactly(
     )
     assert sorted(got) == sorted([("record", args_a), ("record", args_b)])
     assert [m.tool_call_id for m in tool_messages(history)] == ["call_a", "call_b"]
+
+
+async def test_only_non_idempotent_starts_are_journaled(autojump_clock: trio.abc.Clock) -> None:
+    """Both starts are published; only the non-idempotent call's is journaled and kept
+    in the open turn (a wake must not run it again; an idempotent call just runs again)."""
+
+    @sa.tool
+    async def lookup() -> str:
+        """Look something up."""
+        return "found"
+
+    @sa.tool(idempotent=False)
+    async def refund() -> str:
+        """Refund the order."""
+        return "refunded"
+
+    safe, risky = call("lookup"), call("refund")
+    model = ScriptedModel([Scripted(tool_calls=[safe, risky]), "done"])
+    store = MemoryStore()
+    agents = {"a": sa.Agent(model=model, tools=[lookup, refund])}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("s")
+        published: list[sa.Event] = []
+        async with ref.subscribe() as stream:
+            with trio.fail_after(5):
+                await ref.send("go")
+                async for event in stream:
+                    published.append(event)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+        _, entries = await store.read_journal("s", 0)
+
+    journaled = [event for entry in entries for event in load_events(entry.data)]
+    started = [e.tool_call for e in published if isinstance(e, sa.ToolCallStarted)]
+    assert started == [safe, risky]
+    assert [e.tool_call for e in journaled if isinstance(e, sa.ToolCallStarted)] == [risky]
+    # the calls and their results are journaled all the same, as messages
+    added = [e.message for e in journaled if isinstance(e, sa.MessageAdded)]
+    assert [c.id for m in added for c in m.tool_calls] == [safe.id, risky.id]
+    assert [m.tool_call_id for m in added if m.role is sa.Role.TOOL] == [safe.id, risky.id]
 
 
 async def test_tool_events_carry_the_turn_id(autojump_clock: trio.abc.Clock) -> None:

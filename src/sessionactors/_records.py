@@ -159,7 +159,8 @@ class OpenTurn:
     """A turn that began durably and has no outcome yet.
 
     It is open while it waits on a review, or if its process died while a
-    tool ran; ``started_calls`` are the tool calls that began running.
+    tool ran; ``started_calls`` are the calls of non-idempotent tools that began
+    running (a wake never runs them again; idempotent calls simply run again).
     """
 
     turn_id: str

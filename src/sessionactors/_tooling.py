@@ -78,15 +78,22 @@ def _record_result(actor: Actor, call: ToolCall, content: str, is_error: bool) -
 
 
 def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> bool:
-    """Record the calls as started; whether one is not idempotent (then commit first)."""
+    """Publish the calls' starts; whether one is not idempotent (then commit first).
+
+    Only a non-idempotent call's start goes into the journal (and the open turn's
+    ``started_calls``): a wake must not run it again. An idempotent call simply
+    runs again after a crash, so its start is published and not journaled.
+    """
     commit = False
     for call in calls:
-        actor._durable(
-            ToolCallStarted(
-                session_id=actor.session_id, seq=actor._seq(), turn_id=actor.turn_id, tool_call=call
-            )
+        event = ToolCallStarted(
+            session_id=actor.session_id, seq=actor._seq(), turn_id=actor.turn_id, tool_call=call
         )
-        commit = commit or not _idempotent(agent, call)
+        if _idempotent(agent, call):
+            actor._emit(event)
+        else:
+            actor._durable(event)
+            commit = True
     return commit
 
 
