@@ -2,10 +2,12 @@
 
 One OS thread owns the connection and serves requests from a queue, so the
 trio thread never blocks on the disk. Each time it wakes it takes everything
-queued and runs it in one transaction (``BEGIN IMMEDIATE ... COMMIT``), each
-request inside its own savepoint: the appends of many sessions share one
-fsync'd commit, and one failing request does not fail the others. Every caller
-is answered through its own trio token, after the commit.
+queued and runs it in one transaction (``BEGIN IMMEDIATE ... COMMIT``): the
+appends of many sessions share one fsync'd commit, and one failing request does
+not fail the others. Appends check everything before they write, and a batch's
+appends go in with one statement per table (one by one if any is refused);
+every other request runs in its own savepoint. The callers are answered after
+the commit, with one wakeup per trio run.
 
 Leases live in the same file, so they work across processes: a claim is a
 single upsert, and a fenced write checks the token inside the transaction
@@ -127,7 +129,6 @@ class _Request:
     """One call waiting for the connection's thread; ``op is None`` means: stop."""
 
     __slots__ = (
-        "appends",
         "args",
         "op",
         "raise_cancel",
@@ -145,7 +146,6 @@ class _Request:
         *,
         session_id: str | None,
         writes: bool,
-        appends: bool = False,
         waiter: bool = True,
         args: tuple[Any, ...] = (),
     ) -> None:
@@ -154,7 +154,6 @@ class _Request:
         self.worker: _Worker | None = None
         self.session_id = session_id
         self.writes = writes
-        self.appends = appends
         self.state = _QUEUED
         self.raise_cancel: Any = None
         if waiter:
@@ -346,7 +345,7 @@ class _Worker:
             self._counters.appends += sum(
                 1
                 for request, result in zip(batch, results, strict=True)
-                if request.appends and isinstance(result, outcome.Value)
+                if request.op is _append and isinstance(result, outcome.Value)
             )
             self._counters.largest_batch = max(self._counters.largest_batch, len(batch))
         _answer(list(zip(batch, results, strict=True)))
@@ -379,7 +378,7 @@ class _Worker:
 
     def _run_one(self, conn: sqlite3.Connection, request: _Request) -> outcome.Outcome[Any]:
         assert request.op is not None
-        if request.appends:
+        if request.op is _append:
             # An append checks everything before it writes, so a refusal leaves nothing
             # to undo; an SQLite error in it fails the whole batch (no savepoint needed).
             try:
@@ -590,11 +589,10 @@ class SQLiteStore:
         op: _Op,
         *,
         writes: bool,
-        appends: bool = False,
         args: tuple[Any, ...] = (),
     ) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
-        request = _Request(op, session_id=session_id, writes=writes, appends=appends, args=args)
+        request = _Request(op, session_id=session_id, writes=writes, args=args)
         request.worker = self._submit(request)
         return await trio.lowlevel.wait_task_rescheduled(request.abort)
 
@@ -683,7 +681,6 @@ class SQLiteStore:
             session_id,
             _append,
             writes=True,
-            appends=True,
             args=_AppendArgs(session_id, rows, bytes(info), fence, last_seq),
         )
 
