@@ -75,12 +75,19 @@ class LeaseHeldError(SessionBusyError):
 
 
 class Pending:
-    """The result slot of one request; any number of callers may wait on it."""
+    """The result slot of one request; any number of callers may wait on it.
 
-    __slots__ = ("_event", "done", "error", "result")
+    Its first waiter parks directly (no ``trio.Event``): a request in flight
+    keeps as few objects alive as it can, which matters to the collector when
+    thousands are in flight. Further waiters (callers joining a turn by its
+    idempotency key) queue behind it.
+    """
+
+    __slots__ = ("_others", "_task", "done", "error", "result")
 
     def __init__(self) -> None:
-        self._event: trio.Event | None = None
+        self._task: trio.lowlevel.Task | None = None  # the first waiter
+        self._others: dict[trio.lowlevel.Task, None] | None = None  # the rest, in order
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -104,16 +111,38 @@ class Pending:
 
     def _finish(self) -> None:
         self.done = True
-        if self._event is not None:
-            self._event.set()
+        task, others = self._task, self._others
+        self._task = self._others = None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+        if others is not None:
+            for task in others:
+                trio.lowlevel.reschedule(task)
+
+    def _abort_first(self, _: object) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     async def wait(self) -> Any:
         if self.done:
             await trio.lowlevel.checkpoint()
         else:
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
+            task = trio.lowlevel.current_task()
+            if self._task is None:
+                self._task = task
+                await trio.lowlevel.wait_task_rescheduled(self._abort_first)
+            else:
+                others = self._others
+                if others is None:
+                    others = self._others = {}
+                others[task] = None
+
+                def abort(_: object) -> trio.lowlevel.Abort:
+                    if self._others is not None:
+                        del self._others[task]
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                await trio.lowlevel.wait_task_rescheduled(abort)
         if self.error is not None:
             raise self.error
         return self.result
@@ -475,6 +504,7 @@ class Actor:
             assert request is not None
             if isinstance(request, TurnRequest):
                 await self._turn(request)
+                request = None  # an idle actor keeps no finished request alive
             elif request.kind == "hibernate":
                 try:
                     left = await self._hibernate_if_idle()

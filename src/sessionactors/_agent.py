@@ -128,6 +128,8 @@ class _CallParts:
 
 def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
     """Turn fragments (grouped by index) into tool calls, in index order."""
+    if not parts:
+        return ()
     calls = []
     for index in sorted(parts):
         p = parts[index]

@@ -210,6 +210,10 @@ def _is_enum(type_: Any) -> bool:
     return isinstance(type_, type) and issubclass(type_, enum.Enum)
 
 
+def _enum_unstructure_factory(cls: type[enum.Enum]) -> Callable[[enum.Enum], Any]:
+    return {member: member.value for member in cls}.__getitem__
+
+
 def _enum_structure_factory(cls: type[enum.Enum]) -> Callable[[Any, object], enum.Enum]:
     members = {member.value: member for member in cls}
     value_types = frozenset(type(value) for value in members)
@@ -431,6 +435,8 @@ def _make_converter() -> cattrs.Converter:
     # Passed through for msgpack itself to write (datetimes as Timestamps):
     # the generated hooks then read these fields inline, with no call.
     conv.register_unstructure_hook(datetime.datetime, identity)
+    # an enum's value from a dict: the ``.value`` property is a slow descriptor
+    conv.register_unstructure_hook_factory(_is_enum, _enum_unstructure_factory)
     conv.register_unstructure_hook(str | None, identity)
     conv.register_unstructure_hook_func(_is_metadata, _unstructure_metadata)
     # A history is long: a comprehension over the item's own hook beats the

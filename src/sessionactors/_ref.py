@@ -39,6 +39,11 @@ class Reply:
         return self.message.content if self.message is not None else ""
 
 
+def _reply(outcome: tuple[str, Message | None, tuple[ReviewRequest, ...]]) -> Reply:
+    turn_id, message, reviews = outcome
+    return Reply(turn_id=turn_id, message=message, reviews=reviews)
+
+
 @attrs.define(eq=False)
 class Turn:
     """A submitted turn; ``await turn.reply()`` waits for its outcome."""
@@ -56,8 +61,7 @@ class Turn:
         SessionStoppedError for the turn's other outcomes. Cancelling the
         wait abandons it; the turn runs on.
         """
-        turn_id, message, reviews = await self._pending.wait()
-        return Reply(turn_id=turn_id, message=message, reviews=reviews)
+        return _reply(await self._pending.wait())
 
     @property
     def done(self) -> bool:
@@ -99,7 +103,7 @@ class SessionRef:
         """Run one turn and wait for its reply (after it is durable)."""
         _check_text(self.session_id, text)
         turn = await self._submit(text, idempotency_key, ack=False)
-        return await turn.reply()
+        return _reply(await turn._pending.wait())  # Turn.reply(), one coroutine less
 
     async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
         """Put a turn in the mailbox, waiting for room; don't wait for the reply."""

@@ -68,12 +68,12 @@ class HistoryView(Sequence[Message]):
     def __getitem__(self, index: int | slice) -> Message | Sequence[Message]:
         if isinstance(index, slice):
             return list(self)[index]
-        n = len(self)
+        p = len(self._prefix)
+        n = p + self._length
         if index < 0:
             index += n
         if not 0 <= index < n:
             raise IndexError("history index out of range")
-        p = len(self._prefix)
         return self._prefix[index] if index < p else self._items[index - p]
 
     def __iter__(self) -> Iterator[Message]:
