@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -503,8 +503,10 @@ class Actor:
                 return
             assert request is not None
             if isinstance(request, TurnRequest):
-                await self._turn(request)
+                drive = self._turn(request)
                 request = None  # an idle actor keeps no finished request alive
+                if drive is not None:
+                    await drive
             elif request.kind == "hibernate":
                 try:
                     left = await self._hibernate_if_idle()
@@ -517,7 +519,11 @@ class Actor:
             else:
                 await self._call(request)
 
-    async def _turn(self, request: TurnRequest) -> None:
+    def _turn(self, request: TurnRequest) -> Coroutine[Any, Any, None] | None:
+        """Start a turn: its driver to await, or None if it was answered at once.
+
+        Not a coroutine itself: a turn in flight keeps one frame less alive.
+        """
         session = self.session
         sid = self.session_id
         key = request.key
@@ -526,13 +532,13 @@ class Actor:
             if done is not None:
                 self.inflight_keys.pop(key, None)
                 request.pending.set_result((done.turn_id, done.reply, ()))
-                return
+                return None
         if session.reviews:
             review = next(iter(session.reviews.values()))
             request.pending.set_error(_busy_error(sid, review))
             if key is not None:
                 self.inflight_keys.pop(key, None)
-            return
+            return None
         try:
             agent = self.host._agent_for(session)
         except LookupError as exc:
@@ -541,7 +547,7 @@ class Actor:
             request.pending.set_error(error)
             if key is not None:  # a retry with this key runs again once the agent is back
                 self.inflight_keys.pop(key, None)
-            return
+            return None
         turn_id = self.turn_id = request.turn_id
         self.turn_request = request
         self._set_status(Status.RUNNING)
@@ -556,7 +562,7 @@ class Actor:
         )
         self.add_message(Message.create(Role.USER, request.text))
         before = self._compact_before if agent.compaction is not None else None
-        await self._drive(agent, request.pending, key, before=before)
+        return self._drive(agent, request.pending, key, before=before)
 
     async def _compact_before(self, agent: Agent) -> bool:
         await maybe_compact(self, agent)
