@@ -1001,6 +1001,20 @@ def test_unencodable_metadata_is_refused(meta: dict[Any, Any], error: type, matc
     assert "golden-minimal" in str(info.value)
 
 
+def test_a_value_that_is_not_the_enum_is_refused() -> None:
+    """An enum field holding its value (or anything else) is a TypeError naming the
+    session, in journal entries and snapshots alike."""
+    wrong = attrs.evolve(_REPLY, role="assistant")
+    with pytest.raises(TypeError, match="'assistant' is not a Role") as info:
+        dump_event(sa.MessageAdded(session_id="s", seq=1, message=wrong))
+    assert "'s'" in str(info.value)
+    for status in ("idle", ["idle"]):  # a value, and one that cannot even be looked up
+        with pytest.raises(TypeError, match="golden-minimal"):
+            dump_snapshot(attrs.evolve(_MINIMAL, status=status))
+    with pytest.raises(TypeError, match="'idle' is not a Status"):
+        dump_snapshot(attrs.evolve(_MINIMAL, status="idle"))
+
+
 def test_dump_refuses_other_schema_versions() -> None:
     """A state claiming another schema version is not written as version 1."""
     with pytest.raises(ValueError, match="schema_version 2"):

@@ -76,3 +76,64 @@ async def test_waiting_on_a_done_slot_is_still_a_checkpoint() -> None:
         scope.cancel()
         with pytest.raises(trio.Cancelled):
             await pending.wait()
+
+
+def _idle(pending: Pending) -> bool:
+    """Nothing of a waiter is left behind (the point of parking directly)."""
+    return pending._task is None and not pending._others
+
+
+@pytest.mark.parametrize("order", ["cancel first", "set first"])
+@pytest.mark.parametrize("error", [False, True])
+async def test_a_cancel_and_the_outcome_in_the_same_tick(order: str, error: bool) -> None:
+    pending = Pending()
+    got: dict[int, str] = {}
+    scopes = [trio.CancelScope() for _ in range(2)]
+
+    async def wait(i: int) -> None:
+        with scopes[i]:
+            try:
+                got[i] = await pending.wait()
+            except KeyError:
+                got[i] = "error"
+            return
+        got[i] = "cancelled"
+
+    def settle() -> None:
+        if error:
+            pending.set_error(KeyError("k"))
+        else:
+            pending.set_result("r")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(wait, i)
+            await trio.testing.wait_all_tasks_blocked()
+        if order == "cancel first":
+            scopes[0].cancel()
+            settle()
+        else:
+            settle()
+            scopes[0].cancel()
+    outcome = "error" if error else "r"
+    # a waiter already woken keeps its outcome; a cancelled one was withdrawn first
+    assert got == {0: "cancelled" if order == "cancel first" else outcome, 1: outcome}
+    assert _idle(pending)
+
+
+async def test_a_waiter_cancelled_before_it_waits_leaves_nothing_and_can_wait_again() -> None:
+    pending = Pending()
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await pending.wait()
+    assert scope.cancelled_caught
+    assert _idle(pending)
+
+    async def settle_soon() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        pending.set_result("r")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(settle_soon)
+        assert await pending.wait() == "r"  # the same task as above
+    assert _idle(pending)

@@ -504,9 +504,9 @@ class Actor:
             assert request is not None
             if isinstance(request, TurnRequest):
                 drive = self._turn(request)
-                request = None  # an idle actor keeps no finished request alive
                 if drive is not None:
                     await drive
+                del drive  # an idle actor keeps no spent coroutine alive
             elif request.kind == "hibernate":
                 try:
                     left = await self._hibernate_if_idle()
@@ -518,6 +518,7 @@ class Actor:
                     return
             else:
                 await self._call(request)
+            request = None  # nor a finished request (its result included)
 
     def _turn(self, request: TurnRequest) -> Coroutine[Any, Any, None] | None:
         """Start a turn: its driver to await, or None if it was answered at once.

@@ -210,8 +210,22 @@ def _is_enum(type_: Any) -> bool:
     return isinstance(type_, type) and issubclass(type_, enum.Enum)
 
 
+class _EnumValues(dict[Any, Any]):
+    """An enum's members to their values; anything else is a TypeError, which the
+    encoder reports as it does every value of a wrong type."""
+
+    __slots__ = ("_cls",)
+
+    def __init__(self, cls: type[enum.Enum]) -> None:
+        super().__init__((member, member.value) for member in cls)
+        self._cls = cls
+
+    def __missing__(self, key: Any) -> Any:
+        raise TypeError(f"{key!r} is not a {self._cls.__name__}")
+
+
 def _enum_unstructure_factory(cls: type[enum.Enum]) -> Callable[[enum.Enum], Any]:
-    return {member: member.value for member in cls}.__getitem__
+    return _EnumValues(cls).__getitem__  # the dict's own lookup: no Python frame
 
 
 def _enum_structure_factory(cls: type[enum.Enum]) -> Callable[[Any, object], enum.Enum]:
