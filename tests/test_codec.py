@@ -1,7 +1,9 @@
 """The codec: round trips, golden files that load forever, and hostile bytes."""
 
+import copy
 import datetime
 import enum
+import json
 import re
 import types
 import typing
@@ -1094,3 +1096,39 @@ def test_failing_migration_is_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_migrations_today() -> None:
     """Version 1 is the first format, so there is nothing to migrate yet."""
     assert MIGRATIONS == {}
+
+
+def test_messages_without_metadata_share_one_read_only_mapping() -> None:
+    """No empty dict per message: one shared mapping, which refuses changes and
+    otherwise behaves as an empty dict (equality, JSON, copies, the codec)."""
+    a = sa.Message.create(sa.Role.USER, "a")
+    b = sa.Message.create(sa.Role.ASSISTANT, "b")
+    assert a.metadata is b.metadata
+    assert a.metadata == {}
+    assert isinstance(a.metadata, dict)
+    for change in (
+        lambda m: m.__setitem__("k", 1),
+        lambda m: m.update(k=1),
+        lambda m: m.setdefault("k", 1),
+        lambda m: m.pop("k", None),
+        lambda m: m.clear(),
+    ):
+        with pytest.raises(TypeError, match="read-only"):
+            change(a.metadata)
+    assert a.metadata == {}
+    assert json.dumps(a.metadata) == "{}"
+    assert type(copy.copy(a.metadata)) is dict
+    assert type(copy.deepcopy(a.metadata)) is dict
+    assert attrs.asdict(a)["metadata"] == {}
+    # an empty map decodes to it; the bytes are those of an empty dict
+    event = sa.MessageAdded(session_id="s", seq=1, message=a)
+    assert dump_event(event) == dump_event(
+        attrs.evolve(event, message=attrs.evolve(a, metadata={}))
+    )
+    loaded = load_event(dump_event(event))
+    assert isinstance(loaded, sa.MessageAdded)
+    assert loaded == event
+    assert loaded.message.metadata is a.metadata
+    # metadata given is the caller's own, as before
+    given_meta = {"k": 1}
+    assert attrs.evolve(a, metadata=given_meta).metadata is given_meta

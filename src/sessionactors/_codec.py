@@ -68,7 +68,7 @@ from ._events import (
     TurnFinished,
     TurnStarted,
 )
-from ._records import SCHEMA_VERSION, Message, SessionInfo, SessionState, ToolCall
+from ._records import NO_METADATA, SCHEMA_VERSION, Message, SessionInfo, SessionState, ToolCall
 
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES",
@@ -351,7 +351,8 @@ def _structure_metadata(value: Any, _: object) -> dict[str, Any]:
         raise _InvalidValueError(f"expected a map, got {_type_name(value)}")
     if value:
         _check_loaded(value, 1)
-    return value
+        return value
+    return NO_METADATA  # type: ignore[return-value]
 
 
 class _PlainError(Exception):
@@ -407,8 +408,8 @@ def _plain(value: Any, depth: int) -> Any:
 
 
 def _unstructure_metadata(value: Mapping[str, Any]) -> dict[str, Any]:
-    if value.__class__ is dict and not value:
-        return value
+    if value is NO_METADATA or (value.__class__ is dict and not value):
+        return value  # type: ignore[return-value]
     try:
         out: dict[str, Any] = _plain(value, 1)
     except _PlainError as exc:

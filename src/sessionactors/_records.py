@@ -82,6 +82,26 @@ class Status(enum.Enum):
     FAILED = "failed"  #: crashed past its restart intensity
 
 
+class _NoMetadata(dict[str, Any]):
+    """The empty metadata that records made without any share: read-only, so that
+    sharing it is safe (and a message without metadata costs no dict of its own)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("metadata is read-only; make a new record with the metadata it needs")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self) -> Any:  # copies are plain empty dicts
+        return (dict, ())
+
+
+#: The shared empty metadata (a read-only dict).
+NO_METADATA: Mapping[str, Any] = _NoMetadata()
+
+
 @attrs.frozen(kw_only=True)
 class ToolCall:
     """One call of a tool that the model asked for; ``arguments`` is JSON text."""
@@ -98,6 +118,11 @@ class Message:
     A ``Role.TOOL`` message answers the call whose id is ``tool_call_id``;
     ``is_error`` marks a tool result that reports a failure. ``interrupted``
     marks an assistant message whose turn was cancelled part-way.
+
+    ``metadata`` is read-only, like the message: messages made without any
+    share one empty mapping (a ``dict`` that refuses changes), so a long
+    history holds no empty dict per message. Give a message metadata with
+    ``attrs.evolve(message, metadata={...})``.
     """
 
     id: str
@@ -108,7 +133,7 @@ class Message:
     tool_call_id: str | None = None
     interrupted: bool = False
     is_error: bool = False
-    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    metadata: Mapping[str, Any] = NO_METADATA
 
     @classmethod
     def create(
