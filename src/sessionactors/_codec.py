@@ -352,7 +352,7 @@ def _structure_metadata(value: Any, _: object) -> dict[str, Any]:
     if value:
         _check_loaded(value, 1)
         return value
-    return NO_METADATA  # type: ignore[return-value]
+    return NO_METADATA
 
 
 class _PlainError(Exception):
@@ -409,7 +409,7 @@ def _plain(value: Any, depth: int) -> Any:
 
 def _unstructure_metadata(value: Mapping[str, Any]) -> dict[str, Any]:
     if value is NO_METADATA or (value.__class__ is dict and not value):
-        return value  # type: ignore[return-value]
+        return value
     try:
         out: dict[str, Any] = _plain(value, 1)
     except _PlainError as exc:

@@ -11,7 +11,7 @@ import itertools
 import os
 import secrets
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -99,7 +99,7 @@ class _NoMetadata(dict[str, Any]):
 
 
 #: The shared empty metadata (a read-only dict).
-NO_METADATA: Mapping[str, Any] = _NoMetadata()
+NO_METADATA: Final = _NoMetadata()
 
 
 @attrs.frozen(kw_only=True)
