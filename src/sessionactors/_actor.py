@@ -193,6 +193,7 @@ class Actor:
     __slots__ = (
         "_journal_size",
         "_ready",
+        "_settled",
         "_since_snapshot",
         "_snapshot_size",
         "_snapshot_writer",
@@ -212,7 +213,9 @@ class Actor:
         "send",
         "session",
         "session_id",
+        "stop_error",
         "stop_requested",
+        "stored_clean",
         "turn_id",
         "turn_request",
         "turn_scope",
@@ -232,6 +235,10 @@ class Actor:
         self.partial: list[str] = []
         self.inflight_keys: dict[str, TurnRequest] = {}  # idempotency key -> its turn
         self.stop_requested = False
+        self.stop_error: SessionActorsError | None = None  # why a requested stop failed
+        # The store holds a clean hibernation: a wake after this process dies would not
+        # jump seq, so a status is journaled before anything more is published.
+        self.stored_clean = False
         self.abort_reason: str | None = None
         self.deleted = False
         self.run_scope: trio.CancelScope | None = None
@@ -240,6 +247,8 @@ class Actor:
         self.kill_error: SessionActorsError | None = None
         self.load_error: SessionActorsError | None = None
         self.unsaved: list[Event] = []
+        # unsaved[:_settled] were answered: a restart without a journal keeps them
+        self._settled = 0
         self._since_snapshot = 0
         self._journal_size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
@@ -344,6 +353,7 @@ class Actor:
             fence=self.lease.fence if self.lease else None,
         )
         del events[:count]
+        self._settled = max(0, self._settled - count)
         self._since_snapshot += count
         self._journal_size += sum(len(e.data) for e in entries)
         # Compact once the journal outweighs the snapshot: a snapshot costs as much
@@ -377,9 +387,34 @@ class Actor:
             fence=self.lease.fence if self.lease else None,
         )
         self.unsaved.clear()
+        self._settled = 0
         self._since_snapshot = 0
         self._journal_size = 0
         self._snapshot_size = len(snapshot)
+
+    async def _journal_status(self) -> None:
+        """Journal the resting status now, whatever the durability policy; then publish it.
+
+        A wake jumps seq past a lost incarnation's events only if the store shows
+        that the session was live (a journal after its snapshot). This write shows
+        it after a clean wake, and it records a jump so that the next one starts above.
+        """
+        session = self.session
+        status = session.status = _resting_status(session)
+        event = StatusChanged(session_id=self.session_id, seq=self._seq(), status=status)
+        if self.host.config.durability == "turn":
+            self._durable(event, publish=False)
+            await self.commit()
+        else:  # the journal holds only these, and the next snapshot drops them
+            session.apply(event)
+            await self.host.store.append(
+                self.session_id,
+                [JournalEntry(event.seq, dump_events([event]))],
+                dump_info(session.info()),
+                fence=self.lease.fence if self.lease else None,
+            )
+        self.stored_clean = False
+        self._emit(event)
 
     # ---- the loop ---------------------------------------------------------
 
@@ -444,15 +479,12 @@ class Actor:
         known = hub.seq
         hub.advance(max(durable_seq, session.event_seq))
         session.status = _resting_status(session)
+        self.stored_clean = clean
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
             # write; jump above them, durably, before publishing anything.
             hub.advance(durable_seq + SEQ_GAP)
-            self._durable(
-                StatusChanged(session_id=sid, seq=self._seq(), status=session.status),
-                publish=True,
-            )
-            await self.commit()
+            await self._journal_status()
         host.stats.woken += 1
 
     async def run(self) -> None:
@@ -472,10 +504,14 @@ class Actor:
             self._ready = None
             ready.set()
             if self.session.open_turn is not None and not self.session.reviews:
+                self._settled = len(self.unsaved)
+                if self.stored_clean:
+                    await self._journal_status()
                 await self.resume_interrupted()
         idle = host.config.idle_timeout
         receive = self.receive
         while True:
+            self._settled = len(self.unsaved)  # every request before this one is answered
             if self.stop_requested:
                 await self._finish_stop()
                 return
@@ -502,6 +538,14 @@ class Actor:
                 await self._hibernate_now()
                 return
             assert request is not None
+            if self.stored_clean and (
+                isinstance(request, TurnRequest) or request.kind != "hibernate"
+            ):
+                try:
+                    await self._journal_status()
+                except BaseException as exc:
+                    request.pending.set_error(self._cut_short(exc))
+                    raise
             if isinstance(request, TurnRequest):
                 drive = self._turn(request)
                 if drive is not None:
@@ -640,8 +684,13 @@ class Actor:
             stats.turns_completed += 1
         self._durable(outcome, publish=False)
         if self.abort_reason is not None:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.host.config.write_bound):
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(self.host.config.write_bound) as bound,
+            ):
                 await self.commit()
+            if bound.cancelled_caught and error is None:  # not durable: no reply
+                error = _stopped_error(sid, "unsaved")
         else:
             await self.commit()
         self._emit(outcome)
@@ -678,9 +727,7 @@ class Actor:
         if self.kill_error is not None:  # cancelled: the lease was lost, or deleted
             return self.kill_error
         if self.deleted:
-            return SessionNotFoundError(
-                f"session {sid!r} was deleted while this request was pending", session_id=sid
-            )
+            return _deleted_error(sid)
         return _stopped_error(sid, "closing")
 
     async def resume_interrupted(self) -> None:
@@ -724,28 +771,39 @@ class Actor:
         self.send.close()
 
     async def _hibernate_if_idle(self) -> bool:
-        """Snapshot; leave if nothing arrived meanwhile (else stay live)."""
+        """Snapshot; leave if nothing arrived meanwhile (else stay live, lease kept)."""
         if self.session.reviews and self.turn_request is not None:
             return False
         await self._snapshot_for_hibernation()
         if self.receive.statistics().current_buffer_used:
+            self.stored_clean = True
             return False
         self._leave(Status.HIBERNATED)
+        await self._release_lease()  # after leaving: a request now wakes a new actor
         return True
 
     async def _hibernate_now(self) -> None:
         """Hibernate at once (registry closing), shielded and bounded."""
-        with trio.CancelScope(shield=True), trio.move_on_after(self.host.config.write_bound):
+        bound = self.host.config.write_bound
+        with trio.CancelScope(shield=True), trio.move_on_after(bound) as writing:
             await self._snapshot_for_hibernation()
         self._fail_queued(_stopped_error(self.session_id, "closing"))
         self._leave(Status.HIBERNATED)
+        if not writing.cancelled_caught:  # else the store is stuck: the lease expires
+            await self._release_lease()
 
     async def _snapshot_for_hibernation(self) -> None:
-        self._set_status(Status.HIBERNATED)
+        """Write the hibernated state; its status event is published once it is stored."""
+        session = self.session
+        event = None
+        if session.status is not Status.HIBERNATED:
+            session.status = Status.HIBERNATED
+            event = StatusChanged(
+                session_id=self.session_id, seq=self._seq(), status=Status.HIBERNATED
+            )
         await self._write_snapshot(Status.HIBERNATED)
-        if self.lease is not None:
-            lease, self.lease = self.lease, None
-            await self.host.store.release(self.session_id, lease)
+        if event is not None:
+            self._emit(event)
 
     def _leave(self, status: Status) -> None:
         self.session.status = status
@@ -757,10 +815,19 @@ class Actor:
     async def _finish_stop(self) -> None:
         sid = self.session_id
         self._fail_queued(_stopped_error(sid, "stop"))
-        self._durable(StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED))
-        with trio.CancelScope(shield=True), trio.move_on_after(self.host.config.write_bound):
+        event = StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED)
+        self._durable(event, publish=False)
+        bound = self.host.config.write_bound
+        with trio.CancelScope(shield=True), trio.move_on_after(bound) as writing:
             await self.commit()
             await self._write_snapshot(Status.STOPPED)
+        if writing.cancelled_caught:
+            raise StoreError(
+                f"session {sid!r} is not stopped: the store did not take the stop within "
+                f"write_bound ({bound} s); call stop() again once the store answers",
+                session_id=sid,
+            )
+        self._emit(event)
         self._leave(Status.STOPPED)
         self._hub().close()
 
@@ -813,6 +880,12 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
 def _stopped_error(sid: str, reason: str) -> SessionStoppedError:
     if reason == "stop":
         text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
+    elif reason == "unsaved":
+        text = (
+            f"the registry closed before the store took the turn of session {sid!r} (it "
+            "did not answer within write_bound), so the turn may be lost: send it again "
+            "once a registry is open (with an idempotency key, a retry cannot run it twice)"
+        )
     elif reason == "cut":
         text = (
             f"the turn of session {sid!r} was cut off when the registry closed after its "
@@ -851,34 +924,23 @@ async def session_task(host: Host, actor: Actor) -> None:
             scope.cancel()
         try:
             with scope:
+                if crashes is not None:  # a restart lets the others run first
+                    await trio.lowlevel.checkpoint()
                 await actor.run()
             if scope.cancelled_caught:  # deleted, or its lease was lost
-                error = actor.kill_error or SessionNotFoundError(
-                    f"session {actor.session_id!r} was deleted while this request was pending",
-                    session_id=actor.session_id,
-                )
-                if actor._ready is not None:  # deleted while waking: release its waiters
-                    actor.load_error = error
-                    actor._ready.set()
-                if actor.turn_request is not None:
-                    actor.turn_request.pending.set_error(error)
-                actor._fail_queued(error)
-                actor.receive.close()
-                host._detach(actor)
+                _end(host, actor, actor.kill_error or _deleted_error(actor.session_id))
             return
         except FencedOutError as exc:
             # another worker owns the session now: stop here, no restart
             host.stats.leases_lost += 1
-            actor.send.close()
-            if actor.turn_request is not None:
-                actor.turn_request.pending.set_error(exc)
-            actor._fail_queued(exc)
-            actor.receive.close()
             actor.lease = None
-            host._detach(actor)
+            _end(host, actor, exc)
             return
         except Exception as exc:
             host.stats.crashes += 1
+            if actor.deleted:  # crashed while being deleted: nothing to restart
+                _end(host, actor, _deleted_error(actor.session_id))
+                return
             now = trio.current_time()
             if crashes is None:
                 crashes = deque()
@@ -888,6 +950,8 @@ async def session_task(host: Host, actor: Actor) -> None:
             failed = len(crashes) > config.max_restarts
             error = crashed_error(actor.session_id, exc, failed=failed)
             error.__cause__ = exc
+            if actor.stop_requested:  # the stop did not happen: its caller hears why
+                actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
             actor.send.close()
             if actor.turn_request is not None:
                 actor.turn_request.pending.set_error(error)
@@ -900,18 +964,35 @@ async def session_task(host: Host, actor: Actor) -> None:
             host.stats.restarts += 1
             fresh = Actor(host, actor.session_id, None)
             fresh.hub = actor.hub
-            if config.durability != "turn":
-                fresh.unsaved = _completed_prefix(actor.unsaved)
+            if config.durability != "turn":  # what was answered, not the request cut short
+                fresh.unsaved = actor.unsaved[: actor._settled]
             fresh.lease = actor.lease
             host._replace(actor, fresh)
             actor = fresh
-            await trio.lowlevel.checkpoint()
+        except BaseException:
+            # Cancelled from outside: the registry gave up waiting (a stalled store).
+            # Nobody is left to answer these requests, so answer them now.
+            actor.send.close()
+            if actor.turn_request is not None:
+                actor.turn_request.pending.set_error(_stopped_error(actor.session_id, "unsaved"))
+            actor._fail_queued(_stopped_error(actor.session_id, "closing"))
+            raise
 
 
-def _completed_prefix(events: list[Event]) -> list[Event]:
-    """The unsaved events up to the last turn outcome (drop a half-done turn)."""
-    last = -1
-    for i, e in enumerate(events):
-        if isinstance(e, TurnFinished | TurnFailed | TurnCancelled | StatusChanged):
-            last = i
-    return events[: last + 1]
+def _end(host: Host, actor: Actor, error: SessionActorsError) -> None:
+    """The actor is gone for good (deleted, or its lease lost): fail every waiter."""
+    actor.send.close()
+    if actor._ready is not None:  # ended while waking: release its waiters
+        actor.load_error = error
+        actor._ready.set()
+    if actor.turn_request is not None:
+        actor.turn_request.pending.set_error(error)
+    actor._fail_queued(error)
+    actor.receive.close()
+    host._detach(actor)
+
+
+def _deleted_error(sid: str) -> SessionNotFoundError:
+    return SessionNotFoundError(
+        f"session {sid!r} was deleted while this request was pending", session_id=sid
+    )

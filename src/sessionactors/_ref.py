@@ -248,7 +248,9 @@ class SessionRef:
         """Finish the session: the turn in flight completes, queued requests fail
         with SessionStoppedError, and later requests raise SessionStoppedError.
 
-        Stopping a stopped session does nothing.
+        Stopping a stopped session does nothing. If the store does not take the
+        stop, this raises (a ``StoreError``, say) and the session is not stopped:
+        it restarts from its durable state; call ``stop()`` again.
         """
         cluster = self._cluster()
         for _ in range(100):

@@ -119,6 +119,8 @@ class Registry:
     _live_peak: int = attrs.field(default=64, init=False)
     _hubs_peak: int = attrs.field(default=64, init=False)
     _failed: dict[str, str] = attrs.field(factory=dict, init=False)
+    #: Names being deleted, and by how many calls: no request wakes them meanwhile.
+    _deleting: dict[str, int] = attrs.field(factory=dict, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     #: Requests and events across workers (stores with a transport, e.g. RedisStore).
     _cluster: Cluster | None = attrs.field(default=None, init=False)
@@ -262,14 +264,23 @@ class Registry:
     async def delete(self, name: str) -> None:
         """Remove the conversation everywhere: actor, subscribers, store.
 
-        Pending requests fail with SessionNotFoundError. The name can be
-        spawned afresh afterwards. Raises SessionNotFoundError if there was
-        nothing to delete.
+        Pending requests fail with SessionNotFoundError, and so do requests
+        that come while the deletion runs. The name can be spawned afresh
+        afterwards. Raises SessionNotFoundError if there was nothing to delete.
         """
         await self._delete(name)
 
     async def _delete(self, name: str, *, local: bool = False) -> None:
         validate_name(name)
+        self._deleting[name] = self._deleting.get(name, 0) + 1
+        try:
+            await self._delete_now(name, local=local)
+        finally:
+            left = self._deleting.pop(name) - 1
+            if left:
+                self._deleting[name] = left
+
+    async def _delete_now(self, name: str, *, local: bool) -> None:
         actor = self._live.get(name)
         if (
             actor is None
@@ -398,6 +409,12 @@ class Registry:
             return actor
         validate_name(name)
         self._check_open(name)
+        if name in self._deleting:
+            raise SessionNotFoundError(
+                f"session {name!r} is being deleted, so it takes no requests; spawn it "
+                "afresh once the deletion is done",
+                session_id=name,
+            )
         reason = self._failed.get(name)
         if reason is not None:
             raise SessionCrashedError(
@@ -474,6 +491,8 @@ class Registry:
         actor.stop_requested = True
         actor.close_mailbox()
         await self._wait_gone(actor)
+        if actor.stop_error is not None:  # it crashed instead, and was restarted
+            raise actor.stop_error
 
     async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
