@@ -268,3 +268,33 @@ async def test_a_turn_whose_write_times_out_at_shutdown_gets_no_reply(
     [result] = outcome
     assert isinstance(result, sa.SessionStoppedError), result
     assert "may be lost" in str(result)
+
+
+async def test_a_store_failure_inside_a_turn_is_not_the_agents_failure() -> None:
+    """A non-idempotent tool's start could not be journaled: the tool does not run,
+    the caller hears the session crashed (not that the agent failed), and the session
+    restarts from what the store has."""
+    runs: list[str] = []
+
+    @sa.tool(idempotent=False)
+    async def refund() -> str:
+        """Refund the order."""
+        runs.append("refund")
+        return "refunded"
+
+    store = GatedStore()
+    model = ScriptedModel(
+        ["one", Scripted(tool_calls=[sa.ToolCall(id="c1", name="refund")]), "done"]
+    )
+    async with sa.open_registry(
+        store=store, agents={"a": sa.Agent(model=model, tools=[refund])}
+    ) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        store.failures["append"] = 1  # the start of the refund
+        with pytest.raises(sa.SessionCrashedError) as caught:
+            await ref.send("refund it")
+        assert isinstance(caught.value.__cause__, sa.StoreError)
+        assert runs == []
+        assert [m.content for m in await ref.history()] == ["one", "one"]
+        assert reg.statistics().turns_failed == 0

@@ -635,6 +635,8 @@ class Actor:
             try:
                 if before is None or await before(agent):
                     final = await run_turn(agent, self)
+            except StoreError:
+                raise  # the store failed, not the agent: the actor restarts from it
             except Exception as exc:
                 failure = exc
         self.turn_scope = None
