@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import trio
 
 from sessionactors import StoreError
-from sessionactors.stores import JournalEntry, MemoryStore
+from sessionactors.stores import JournalEntry, Lease, MemoryStore
 
 
 class FaultyStore(MemoryStore):
@@ -41,8 +41,8 @@ class FaultyStore(MemoryStore):
 class GatedStore(MemoryStore):
     """A MemoryStore whose writes can be held or made to fail, per operation.
 
-    ``gates[op]``: the next calls of ``op`` ("append", "write_snapshot" or
-    "delete") wait for that event (one never set: a stalled store).
+    ``gates[op]``: the next calls of ``op`` ("append", "write_snapshot",
+    "delete" or "release") wait for that event (one never set: a stalled store).
     ``failures[op]``: how many of the next calls of ``op`` raise StoreError.
     """
 
@@ -89,3 +89,7 @@ class GatedStore(MemoryStore):
     async def delete(self, session_id: str) -> bool:
         await self._enter("delete", session_id)
         return await super().delete(session_id)
+
+    async def release(self, session_id: str, lease: Lease) -> None:
+        await self._enter("release", session_id)
+        await super().release(session_id, lease)

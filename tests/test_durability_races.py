@@ -7,7 +7,8 @@ registry: nothing after it runs, and the store keeps what it had.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
@@ -15,7 +16,7 @@ import trio.testing
 
 import sessionactors as sa
 from faults import GatedStore
-from sessionactors.stores import MemoryStore
+from sessionactors.stores import MemoryStore, StoredSession
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
@@ -89,6 +90,28 @@ async def test_a_request_during_hibernation_keeps_the_session_live_and_its_lease
         assert (await turn.reply()).text == "two"
     async with sa.open_registry(store=store, agents=ECHO) as c:
         assert [m.content for m in await c.ref("s").history()] == ["one", "one", "two", "two"]
+
+
+async def test_a_request_while_the_lease_is_given_back_wakes_the_session_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The actor leaves before it gives its lease back: a request meanwhile is not
+    stranded in a mailbox that is about to close."""
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="A") as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        async with trio.open_nursery() as nursery:
+            gate = store.gates["release"] = trio.Event()
+            nursery.start_soon(ref.hibernate)
+            await trio.testing.wait_all_tasks_blocked()  # snapshot written, releasing
+            del store.gates["release"]
+            with trio.fail_after(60):
+                assert (await ref.send("two")).text == "two"
+            gate.set()
+        assert reg.live() == ["s"]
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        assert [m.content for m in await reg.ref("s").history()] == ["one", "one", "two", "two"]
 
 
 async def test_a_death_after_a_hibernation_that_stayed_live_reuses_no_seq() -> None:
@@ -209,12 +232,59 @@ async def test_a_registry_giving_up_on_a_stalled_store_answers_every_waiter(
     assert isinstance(outcomes["queued"], sa.SessionStoppedError)
 
 
-async def test_a_stop_the_store_refuses_raises_and_the_session_goes_on() -> None:
-    store = GatedStore()
+class StalledLoads(GatedStore):
+    stall = False
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        if self.stall:
+            await trio.sleep_forever()
+        return await super().load(session_id)
+
+
+async def test_a_registry_giving_up_answers_a_stop_and_a_wake_too(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = StalledLoads()
+    outcomes: dict[str, object] = {}
+
+    async def wait(name: str, request: Callable[[], Awaitable[object]]) -> None:
+        try:
+            with trio.fail_after(3600):  # instant on the autojump clock
+                outcomes[name] = await request()
+        except (sa.SessionActorsError, trio.TooSlowError) as exc:
+            outcomes[name] = exc
+
     async with sa.open_registry(store=store, agents=ECHO) as reg:
+        await (await reg.spawn("woken")).send("one")
+    async with trio.open_nursery() as callers:
+        async with sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg:
+            ref = await reg.spawn("s")
+            await ref.send("warm up")
+            store.gates["append"] = trio.Event()  # the store stalls
+            await ref.submit("in flight")
+            await trio.testing.wait_all_tasks_blocked()
+            callers.start_soon(wait, "stop", ref.stop)
+            store.stall = True
+            callers.start_soon(wait, "wake", reg.ref("woken").history)
+            await trio.testing.wait_all_tasks_blocked()
+        assert reg.live() == []
+    assert isinstance(outcomes["stop"], sa.SessionStoppedError)
+    assert isinstance(outcomes["wake"], sa.SessionStoppedError)
+
+
+# The write that makes a stop: the journal's, or without one the snapshot's.
+STOP_WRITES = [("turn", "append"), ("hibernate", "write_snapshot")]
+
+
+@pytest.mark.parametrize(("durability", "write"), STOP_WRITES)
+async def test_a_stop_the_store_refuses_raises_and_the_session_goes_on(
+    durability: str, write: str
+) -> None:
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO, durability=durability) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        store.failures["append"] = 1
+        store.failures[write] = 1
         with pytest.raises(sa.StoreError):
             await ref.stop()
         assert (await ref.send("two")).text == "two"  # it was not stopped
@@ -223,6 +293,72 @@ async def test_a_stop_the_store_refuses_raises_and_the_session_goes_on() -> None
             await ref.send("three")
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         assert (await reg.ref("s").state()).status is sa.Status.STOPPED
+
+
+async def test_a_stop_in_the_journal_holds_when_its_snapshot_fails() -> None:
+    """The snapshot after a journaled stop only compacts: if it fails, the stop holds."""
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        store.failures["write_snapshot"] = 1
+        await ref.stop()
+        with pytest.raises(sa.SessionStoppedError):
+            await ref.send("two")
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        assert (await reg.ref("s").state()).status is sa.Status.STOPPED
+        with pytest.raises(sa.SessionStoppedError):
+            await reg.ref("s").send("three")
+
+
+@pytest.mark.parametrize(("durability", "write"), STOP_WRITES)
+async def test_a_stop_the_store_does_not_answer_raises(
+    autojump_clock: trio.abc.Clock, durability: str, write: str
+) -> None:
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO, durability=durability) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        gate = store.gates[write] = trio.Event()  # stalled
+        with pytest.raises(sa.StoreError, match="may not be stopped"):
+            await ref.stop()
+        del store.gates[write]
+        gate.set()
+        assert (await ref.send("two")).text == "two"
+
+
+async def test_a_stop_during_a_hibernation_still_stops() -> None:
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        gate = store.gates["write_snapshot"] = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ref.hibernate)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(ref.stop)
+            await trio.testing.wait_all_tasks_blocked()
+            del store.gates["write_snapshot"]
+            gate.set()
+        with pytest.raises(sa.SessionStoppedError):
+            await ref.send("two")
+
+
+async def test_a_stop_fenced_out_by_another_worker_raises() -> None:
+    store = MemoryStore()
+    async with (
+        sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="A") as a,
+        sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="B") as b,
+    ):
+        ref = await a.spawn("s")
+        await ref.send("one")
+        lease = await store.claim("s", "A", 30.0)  # A's lease ends while A still runs s
+        assert lease is not None
+        await store.release("s", lease)
+        await b.ref("s").history()  # B takes the session over
+        with pytest.raises(sa.FencedOutError):
+            await ref.stop()
+        assert (await b.ref("s").send("two")).text == "two"
 
 
 class ShieldedModel:
@@ -237,10 +373,12 @@ class ShieldedModel:
         yield sa.TextChunk("done")
 
 
-async def test_a_turn_whose_write_times_out_at_shutdown_gets_no_reply(
-    autojump_clock: trio.abc.Clock,
+@pytest.mark.parametrize("snapshot_lands", [True, False])
+async def test_a_turn_finishing_past_the_grace_is_answered_by_what_was_stored(
+    autojump_clock: trio.abc.Clock, snapshot_lands: bool
 ) -> None:
-    """Past the grace, a turn that still finishes is answered only if it was stored."""
+    """Past the grace, a turn that still finishes but whose journal write times out
+    gets its reply if the closing snapshot stores it, and an error if nothing does."""
     store = GatedStore()
     release = trio.Event()
     outcome: list[object] = []
@@ -255,6 +393,8 @@ async def test_a_turn_whose_write_times_out_at_shutdown_gets_no_reply(
     async def finish_late() -> None:
         await trio.sleep(5)  # past the grace: the registry is cutting the turn
         store.gates["append"] = trio.Event()  # from now on the store stalls
+        if not snapshot_lands:
+            store.gates["write_snapshot"] = trio.Event()
         release.set()
 
     agents = {"a": sa.Agent(model=ShieldedModel(release))}
@@ -266,8 +406,14 @@ async def test_a_turn_whose_write_times_out_at_shutdown_gets_no_reply(
         outer.start_soon(wait, await ref.submit("x"))
         outer.start_soon(finish_late)
     [result] = outcome
-    assert isinstance(result, sa.SessionStoppedError), result
-    assert "may be lost" in str(result)
+    if snapshot_lands:
+        assert isinstance(result, sa.Reply), result
+        assert result.text == "done"
+        async with sa.open_registry(store=store, agents=ECHO) as reg:
+            assert [m.content for m in await reg.ref("s").history()] == ["x", "done"]
+    else:
+        assert isinstance(result, sa.SessionStoppedError), result
+        assert "may be lost" in str(result)
 
 
 async def test_a_store_failure_inside_a_turn_is_not_the_agents_failure() -> None:
@@ -298,3 +444,97 @@ async def test_a_store_failure_inside_a_turn_is_not_the_agents_failure() -> None
         assert runs == []
         assert [m.content for m in await ref.history()] == ["one", "one"]
         assert reg.statistics().turns_failed == 0
+
+
+@pytest.mark.parametrize(
+    ("action", "write"),
+    [("send", "append"), ("hibernate", "write_snapshot"), ("stop", "append")],
+)
+async def test_nothing_is_published_before_the_write_that_covers_it(
+    autojump_clock: trio.abc.Clock, action: str, write: str
+) -> None:
+    """After a clean wake, the first event of a turn (the status journaled first), a
+    hibernation and a stop are published only once stored: a process dying during
+    that write has shown its subscribers nothing a later wake could number again."""
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        await (await reg.spawn("s")).send("one")
+    seen: list[sa.Event] = []
+    with trio.CancelScope() as process:
+        async with (
+            sa.open_registry(store=store, agents=ECHO) as reg,
+            trio.open_nursery() as nursery,
+        ):
+            ref = reg.ref("s")
+            await ref.history()  # a read wakes it and writes nothing
+            nursery.start_soon(watch, ref, seen)
+            await trio.testing.wait_all_tasks_blocked()
+            store.gates[write] = trio.Event()
+            request = {"send": partial(ref.send, "two"), "hibernate": ref.hibernate}
+            nursery.start_soon(request.get(action, ref.stop))
+            await trio.testing.wait_all_tasks_blocked()  # in the write
+            process.cancel()
+    assert seen == []
+
+
+async def test_without_a_journal_a_crash_drops_only_the_request_it_cut() -> None:
+    """durability="hibernate": a turn that crashes half-way leaves nothing of itself,
+    and everything answered before it stays."""
+    model = ScriptedModel(
+        [
+            "one",
+            "one more",
+            Scripted(text="half of it", error=sa.StoreError("disk gone", session_id="s")),
+            "three",
+        ]
+    )
+    async with sa.open_registry(
+        store=MemoryStore(), agents={"a": sa.Agent(model=model)}, durability="hibernate"
+    ) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        await ref.send("one more")
+        assert await ref.truncate(2) == 2  # answered: the first exchange is gone
+        with pytest.raises(sa.SessionCrashedError):
+            await ref.send("two")
+        state = await ref.state()
+        assert [m.content for m in state.messages] == ["one more", "one more"]
+        assert state.open_turn is None
+        assert (await ref.send("three")).text == "three"
+
+
+async def test_a_crash_while_being_deleted_does_not_restart_the_session() -> None:
+    """A write that was already running (shielded) when the deletion began fails:
+    the session is not restarted from the store that is being cleared."""
+
+    @sa.tool(idempotent=False)
+    async def refund() -> str:
+        """Refund the order."""
+        return "refunded"
+
+    store = GatedStore()
+    model = ScriptedModel([Scripted(tool_calls=[sa.ToolCall(id="c1", name="refund")]), "ok"])
+    outcome: list[BaseException] = []
+
+    async def send(ref: sa.SessionRef) -> None:
+        with pytest.raises(sa.SessionActorsError) as caught:
+            await ref.send("refund it")
+        outcome.append(caught.value)
+
+    async with sa.open_registry(
+        store=store, agents={"a": sa.Agent(model=model, tools=[refund])}
+    ) as reg:
+        ref = await reg.spawn("s")
+        async with trio.open_nursery() as nursery:
+            gate = store.gates["append"] = trio.Event()
+            nursery.start_soon(send, ref)
+            await trio.testing.wait_all_tasks_blocked()  # journaling the refund's start
+            nursery.start_soon(reg.delete, "s")
+            await trio.testing.wait_all_tasks_blocked()
+            store.failures["append"] = 1
+            del store.gates["append"]
+            gate.set()
+        assert isinstance(outcome[0], sa.SessionNotFoundError)
+        assert reg.live() == []
+        assert reg.statistics().restarts == 0
+        assert not await store.exists("s")

@@ -201,6 +201,7 @@ class Actor:
         "abort_reason",
         "deleted",
         "done",
+        "held",
         "host",
         "hub",
         "inflight_keys",
@@ -234,6 +235,9 @@ class Actor:
         self.turn_id = ""
         self.partial: list[str] = []
         self.inflight_keys: dict[str, TurnRequest] = {}  # idempotency key -> its turn
+        # A closing turn's answer, kept until the closing snapshot says whether it was
+        # stored (its turn_request stays set meanwhile): (error, result)
+        self.held: tuple[BaseException | None, Any] | None = None
         self.stop_requested = False
         self.stop_error: SessionActorsError | None = None  # why a requested stop failed
         # The store holds a clean hibernation: a wake after this process dies would not
@@ -441,7 +445,7 @@ class Actor:
         with (
             trio.CancelScope(shield=True),
             trio.move_on_after(self.host.config.write_bound),
-            contextlib.suppress(StoreError),  # else the lease expires on its own
+            contextlib.suppress(Exception),  # else the lease expires on its own
         ):
             await self.host.store.release(self.session_id, lease)
 
@@ -504,9 +508,8 @@ class Actor:
             self._ready = None
             ready.set()
             if self.session.open_turn is not None and not self.session.reviews:
+                # (never from a clean hibernation: a hibernated open turn waits on a review)
                 self._settled = len(self.unsaved)
-                if self.stored_clean:
-                    await self._journal_status()
                 await self.resume_interrupted()
         idle = host.config.idle_timeout
         receive = self.receive
@@ -685,25 +688,43 @@ class Actor:
             )
             stats.turns_completed += 1
         self._durable(outcome, publish=False)
+        stored = True
         if self.abort_reason is not None:
             with (
                 trio.CancelScope(shield=True),
                 trio.move_on_after(self.host.config.write_bound) as bound,
             ):
                 await self.commit()
-            if bound.cancelled_caught and error is None:  # not durable: no reply
-                error = _stopped_error(sid, "unsaved")
+            stored = not bound.cancelled_caught
         else:
             await self.commit()
         self._emit(outcome)
-        self.turn_request = None
         if key is not None:
             self.inflight_keys.pop(key, None)
         self._set_status(_resting_status(self.session))
+        if not stored:  # answered by the closing snapshot: the turn is in it, or lost
+            if self.turn_request is not None:
+                self.held = (error, (turn_id, final, ()))
+            return
+        self.turn_request = None
         if error is not None:
             pending.set_error(error)
         else:
             pending.set_result((turn_id, final, ()))
+
+    def _answer_held(self, *, stored: bool) -> None:
+        """Answer a closing turn that waited for the closing snapshot."""
+        held, request = self.held, self.turn_request
+        if held is None or request is None:
+            return
+        self.held = self.turn_request = None
+        error, result = held
+        if not stored:
+            request.pending.set_error(_stopped_error(self.session_id, "unsaved"))
+        elif error is not None:
+            request.pending.set_error(error)
+        else:
+            request.pending.set_result(result)
 
     async def _call(self, request: CallRequest) -> None:
         try:
@@ -777,8 +798,8 @@ class Actor:
         if self.session.reviews and self.turn_request is not None:
             return False
         await self._snapshot_for_hibernation()
-        if self.receive.statistics().current_buffer_used:
-            self.stored_clean = True
+        if self.receive.statistics().current_buffer_used or self.stop_requested:
+            self.stored_clean = True  # staying live (to serve them, or to stop)
             return False
         self._leave(Status.HIBERNATED)
         await self._release_lease()  # after leaving: a request now wakes a new actor
@@ -789,6 +810,7 @@ class Actor:
         bound = self.host.config.write_bound
         with trio.CancelScope(shield=True), trio.move_on_after(bound) as writing:
             await self._snapshot_for_hibernation()
+        self._answer_held(stored=not writing.cancelled_caught)
         self._fail_queued(_stopped_error(self.session_id, "closing"))
         self._leave(Status.HIBERNATED)
         if not writing.cancelled_caught:  # else the store is stuck: the lease expires
@@ -815,20 +837,32 @@ class Actor:
         self.host.stats.hibernated += status is Status.HIBERNATED
 
     async def _finish_stop(self) -> None:
+        """Stop: one write makes it so, the journal's (or, without one, the snapshot's)."""
         sid = self.session_id
-        self._fail_queued(_stopped_error(sid, "stop"))
         event = StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED)
         self._durable(event, publish=False)
+        journal = self.host.config.durability == "turn"
         bound = self.host.config.write_bound
         with trio.CancelScope(shield=True), trio.move_on_after(bound) as writing:
-            await self.commit()
-            await self._write_snapshot(Status.STOPPED)
+            if journal:
+                await self.commit()
+            else:
+                await self._write_snapshot(Status.STOPPED)
         if writing.cancelled_caught:
             raise StoreError(
-                f"session {sid!r} is not stopped: the store did not take the stop within "
-                f"write_bound ({bound} s); call stop() again once the store answers",
+                f"session {sid!r} may not be stopped: the store did not answer within "
+                f"{bound:g} s; call stop() again once it does",
                 session_id=sid,
             )
+        if journal:  # it is stopped; the snapshot only compacts the journal
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(bound),
+                contextlib.suppress(StoreError),
+            ):
+                await self._write_snapshot(Status.STOPPED)
+        self._answer_held(stored=True)
+        self._fail_queued(_stopped_error(sid, "stop"))
         self._emit(event)
         self._leave(Status.STOPPED)
         self._hub().close()
@@ -884,9 +918,9 @@ def _stopped_error(sid: str, reason: str) -> SessionStoppedError:
         text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
     elif reason == "unsaved":
         text = (
-            f"the registry closed before the store took the turn of session {sid!r} (it "
-            "did not answer within write_bound), so the turn may be lost: send it again "
-            "once a registry is open (with an idempotency key, a retry cannot run it twice)"
+            f"the registry closed before the store confirmed the turn of session {sid!r} "
+            "(it did not answer in time), so the turn may be lost: send it again once a "
+            "registry is open (with an idempotency key, a retry cannot run it twice)"
         )
     elif reason == "cut":
         text = (
@@ -971,18 +1005,19 @@ async def session_task(host: Host, actor: Actor) -> None:
             fresh.lease = actor.lease
             host._replace(actor, fresh)
             actor = fresh
-        except BaseException:
-            # Cancelled from outside: the registry gave up waiting (a stalled store).
-            # Nobody is left to answer these requests, so answer them now.
-            actor.send.close()
+        except trio.Cancelled:
+            # Cancelled from outside: the registry gave up waiting (a stalled store), or
+            # something else escaped it. Nobody is left to answer, so answer them now.
             if actor.turn_request is not None:
                 actor.turn_request.pending.set_error(_stopped_error(actor.session_id, "unsaved"))
-            actor._fail_queued(_stopped_error(actor.session_id, "closing"))
+            _end(host, actor, _stopped_error(actor.session_id, "closing"))
             raise
 
 
 def _end(host: Host, actor: Actor, error: SessionActorsError) -> None:
-    """The actor is gone for good (deleted, or its lease lost): fail every waiter."""
+    """The actor is gone for good (deleted, lease lost, cancelled): fail every waiter."""
+    if actor.stop_requested and not actor.deleted:  # the stop did not happen either
+        actor.stop_error = error
     actor.send.close()
     if actor._ready is not None:  # ended while waking: release its waiters
         actor.load_error = error
