@@ -64,13 +64,18 @@ MUTANTS = {
     ),
     "marker-only-turn-durability": (
         ACTOR,
-        "            if self.stored_clean and (",
-        "            if self.stored_clean and self.host.config.durability == 'turn' and (",
+        "            if (\n                self.stored_clean\n",
+        "            if (\n                self.stored_clean and self.host.config.durability == 'turn'\n",
     ),
     "no-marker-before-requests": (
         ACTOR,
-        "            if self.stored_clean and (",
-        "            if False and (",
+        "            if (\n                self.stored_clean\n",
+        "            if (\n                False\n",
+    ),
+    "no-marker-when-the-jump-falls-behind": (
+        ACTOR,
+        "or (self.hub is not None and self.hub.seq - self._stored_seq >= SEQ_GAP // 2)",
+        "or False",
     ),
     "release-before-leave": (
         ACTOR,

@@ -16,6 +16,7 @@ import trio.testing
 
 import sessionactors as sa
 from faults import GatedStore
+from sessionactors import _actor as actor_module
 from sessionactors.stores import MemoryStore, StoredSession
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
@@ -538,3 +539,29 @@ async def test_a_crash_while_being_deleted_does_not_restart_the_session() -> Non
         assert reg.live() == []
         assert reg.statistics().restarts == 0
         assert not await store.exists("s")
+
+
+async def test_without_a_journal_a_long_live_session_keeps_the_jump_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """durability="hibernate" writes nothing between snapshots, so a session live for
+    long could publish more events than a wake's jump covers: it journals a status
+    whenever it is half-way there. (The jump is made small here to show it.)"""
+    monkeypatch.setattr(actor_module, "SEQ_GAP", 64)
+    store = MemoryStore()
+    seen: list[sa.Event] = []
+    with trio.CancelScope() as process:
+        async with (
+            sa.open_registry(store=store, agents=ECHO, durability="hibernate") as reg,
+            trio.open_nursery() as nursery,
+        ):
+            ref = await reg.spawn("s")
+            nursery.start_soon(watch, ref, seen)
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(20):
+                await ref.send(f"turn {i} of many words")
+            await trio.testing.wait_all_tasks_blocked()
+            process.cancel()
+    last = seen[-1].seq
+    assert last > 3 * 64
+    assert_a_whole_new_turn(await next_turn_after(store, last, durability="hibernate"), last)

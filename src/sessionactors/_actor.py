@@ -197,6 +197,7 @@ class Actor:
         "_since_snapshot",
         "_snapshot_size",
         "_snapshot_writer",
+        "_stored_seq",
         "_system_cache",
         "abort_reason",
         "deleted",
@@ -255,6 +256,7 @@ class Actor:
         self._settled = 0
         self._since_snapshot = 0
         self._journal_size = 0  # bytes journaled since the snapshot
+        self._stored_seq = 0  # the highest seq the store has: a wake jumps past it
         self._snapshot_size = 0  # bytes of the latest snapshot
         self._snapshot_writer: SnapshotWriter | None = None  # made for a long history
         self._system_cache: (
@@ -356,6 +358,7 @@ class Actor:
             dump_info(self.session.info()),
             fence=self.lease.fence if self.lease else None,
         )
+        self._stored_seq = events[count - 1].seq
         del events[:count]
         self._settled = max(0, self._settled - count)
         self._since_snapshot += count
@@ -392,6 +395,7 @@ class Actor:
         )
         self.unsaved.clear()
         self._settled = 0
+        self._stored_seq = seq
         self._since_snapshot = 0
         self._journal_size = 0
         self._snapshot_size = len(snapshot)
@@ -417,6 +421,7 @@ class Actor:
                 dump_info(session.info()),
                 fence=self.lease.fence if self.lease else None,
             )
+            self._stored_seq = event.seq
         self.stored_clean = False
         self._emit(event)
 
@@ -484,6 +489,7 @@ class Actor:
         hub.advance(max(durable_seq, session.event_seq))
         session.status = _resting_status(session)
         self.stored_clean = clean
+        self._stored_seq = durable_seq
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
             # write; jump above them, durably, before publishing anything.
@@ -541,9 +547,11 @@ class Actor:
                 await self._hibernate_now()
                 return
             assert request is not None
-            if self.stored_clean and (
-                isinstance(request, TurnRequest) or request.kind != "hibernate"
-            ):
+            if (
+                self.stored_clean
+                # without a journal: the jump must still clear what was published
+                or (self.hub is not None and self.hub.seq - self._stored_seq >= SEQ_GAP // 2)
+            ) and (isinstance(request, TurnRequest) or request.kind != "hibernate"):
                 try:
                     await self._journal_status()
                 except BaseException as exc:
