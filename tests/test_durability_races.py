@@ -479,29 +479,129 @@ async def test_nothing_is_published_before_the_write_that_covers_it(
 
 
 async def test_without_a_journal_a_crash_drops_only_the_request_it_cut() -> None:
-    """durability="hibernate": a turn that crashes half-way leaves nothing of itself,
-    and everything answered before it stays."""
-    model = ScriptedModel(
-        [
-            "one",
-            "one more",
-            Scripted(text="half of it", error=sa.StoreError("disk gone", session_id="s")),
-            "three",
-        ]
-    )
-    async with sa.open_registry(
-        store=MemoryStore(), agents={"a": sa.Agent(model=model)}, durability="hibernate"
-    ) as reg:
+    """durability="hibernate": a turn that crashes at its very end leaves nothing of
+    itself, and everything answered before it stays."""
+
+    class Crash(Exception):
+        pass
+
+    def crash_on_outcome(event: sa.Event) -> None:  # the actor's own code fails
+        if isinstance(event, sa.TurnFinished):
+            raise Crash("the actor broke")
+
+    async with sa.open_registry(store=MemoryStore(), agents=ECHO, durability="hibernate") as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
         await ref.send("one more")
         assert await ref.truncate(2) == 2  # answered: the first exchange is gone
+        hub = reg._hub_for("s")
+        hub.tap = crash_on_outcome
         with pytest.raises(sa.SessionCrashedError):
             await ref.send("two")
+        hub.tap = None
         state = await ref.state()
         assert [m.content for m in state.messages] == ["one more", "one more"]
         assert state.open_turn is None
+        assert reg.statistics().restarts == 1
         assert (await ref.send("three")).text == "three"
+
+
+async def test_a_store_error_from_the_model_is_the_agents_failure() -> None:
+    """Only the actor's own failed write restarts it; the same error type raised by
+    the model fails the turn like any other model error."""
+    model = ScriptedModel(
+        [Scripted(text="half", error=sa.StoreError("the model's own", session_id="s")), "ok"]
+    )
+    async with sa.open_registry(store=MemoryStore(), agents={"a": sa.Agent(model=model)}) as reg:
+        ref = await reg.spawn("s")
+        with pytest.raises(sa.TurnFailedError):
+            await ref.send("one")
+        assert reg.statistics().restarts == 0
+        assert (await ref.send("two")).text == "ok"
+
+
+@pytest.mark.parametrize("action", ["send", "stop"])
+async def test_a_failed_compaction_does_not_undo_what_the_journal_took(action: str) -> None:
+    """The snapshot that compacts the journal comes after the write that counts: if
+    it fails, the turn (or stop) is still done and said to be."""
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        store.failures["write_snapshot"] = 1
+        if action == "send":
+            assert (await ref.send("two")).text == "two"
+        else:
+            await ref.stop()
+        assert store.failures["write_snapshot"] == 0  # the compaction was tried
+        assert reg.statistics().restarts == 0
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        state = await reg.ref("s").state()
+    if action == "send":
+        assert [m.content for m in state.messages] == ["one", "one", "two", "two"]
+    else:
+        assert state.status is sa.Status.STOPPED
+
+
+async def test_a_stop_while_a_hibernation_ends_stops_the_session() -> None:
+    """stop() finds the actor, and the actor leaves (hibernated) before the stop
+    reaches it: the stop goes to the session's next actor instead of being lost.
+    The race is decided by trio's scheduling, so it is run many times."""
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        for i in range(30):
+            ref = await reg.spawn(f"s{i}")
+            await ref.send("one")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ref.hibernate)
+                await ref.stop()
+            with pytest.raises(sa.SessionStoppedError):
+                await ref.send("two")
+
+
+async def test_a_stop_reports_when_its_actor_left_without_stopping() -> None:
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        actor = reg._live["s"]
+        await ref.hibernate()
+        assert await reg._stop(actor) is False  # left hibernated: not stopped
+
+
+async def test_a_registry_giving_up_on_parallel_tools_answers_the_caller(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Cancelled inside the tools' nursery, the actor sees a group of cancellations."""
+
+    async def stubborn() -> str:
+        """Ignores cancellation for a while."""
+        with trio.CancelScope(shield=True):
+            await trio.sleep(100)
+        await trio.lowlevel.checkpoint()
+        return "done"
+
+    tools = [sa.Tool(name=n, fn=stubborn) for n in ("a", "b")]
+    calls = [sa.ToolCall(id=n, name=n) for n in ("a", "b")]
+    model = ScriptedModel([Scripted(tool_calls=calls), "ok"])
+    outcome: list[object] = []
+
+    async def wait(turn: sa.Turn) -> None:
+        try:
+            with trio.fail_after(3600):  # instant on the autojump clock
+                outcome.append(await turn.reply())
+        except (sa.SessionActorsError, trio.TooSlowError) as exc:
+            outcome.append(exc)
+
+    async with (
+        trio.open_nursery() as callers,
+        sa.open_registry(agents={"a": sa.Agent(model=model, tools=tools)}, shutdown_grace=1) as reg,
+    ):
+        ref = await reg.spawn("s")
+        callers.start_soon(wait, await ref.submit("go"))
+        await trio.testing.wait_all_tasks_blocked()
+    [result] = outcome
+    assert isinstance(result, sa.SessionStoppedError), result
 
 
 async def test_a_crash_while_being_deleted_does_not_restart_the_session() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -191,13 +191,13 @@ class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
 
     __slots__ = (
+        "_journal_at",
         "_journal_size",
         "_ready",
         "_settled",
         "_since_snapshot",
         "_snapshot_size",
         "_snapshot_writer",
-        "_stored_seq",
         "_system_cache",
         "abort_reason",
         "deleted",
@@ -217,6 +217,7 @@ class Actor:
         "session_id",
         "stop_error",
         "stop_requested",
+        "store_fault",
         "stored_clean",
         "turn_id",
         "turn_request",
@@ -244,6 +245,7 @@ class Actor:
         # The store holds a clean hibernation: a wake after this process dies would not
         # jump seq, so a status is journaled before anything more is published.
         self.stored_clean = False
+        self.store_fault: StoreError | None = None  # the last write of ours that failed
         self.abort_reason: str | None = None
         self.deleted = False
         self.run_scope: trio.CancelScope | None = None
@@ -256,7 +258,9 @@ class Actor:
         self._settled = 0
         self._since_snapshot = 0
         self._journal_size = 0  # bytes journaled since the snapshot
-        self._stored_seq = 0  # the highest seq the store has: a wake jumps past it
+        # A status is journaled (whatever the durability) before the seq reaches this:
+        # a wake jumps SEQ_GAP past the highest seq the store has, so that stays ahead.
+        self._journal_at = SEQ_GAP // 2
         self._snapshot_size = 0  # bytes of the latest snapshot
         self._snapshot_writer: SnapshotWriter | None = None  # made for a long history
         self._system_cache: (
@@ -345,31 +349,57 @@ class Actor:
 
     async def commit(self) -> None:
         """Make the unsaved journal events durable (per the durability policy)."""
+        if await self._append_unsaved():
+            await self._compact_if_due()
+
+    async def _append_unsaved(self) -> bool:
+        """Journal the unsaved events (with durability "turn"); whether it wrote."""
         host = self.host
         if host.config.durability != "turn" or not self.unsaved:
-            return
+            return False
         events = self.unsaved
         count = len(events)
         # one entry per commit: a turn's events cost one row, not one each
-        entries = [JournalEntry(events[-1].seq, dump_events(events))]
-        await host.store.append(
-            self.session_id,
-            entries,
-            dump_info(self.session.info()),
-            fence=self.lease.fence if self.lease else None,
-        )
-        self._stored_seq = events[count - 1].seq
+        entry = JournalEntry(events[-1].seq, dump_events(events))
+        try:
+            await host.store.append(
+                self.session_id,
+                [entry],
+                dump_info(self.session.info()),
+                fence=self.lease.fence if self.lease else None,
+            )
+        except StoreError as exc:
+            self.store_fault = exc
+            raise
+        self._journal_at = entry.seq + SEQ_GAP // 2
         del events[:count]
         self._settled = max(0, self._settled - count)
         self._since_snapshot += count
-        self._journal_size += sum(len(e.data) for e in entries)
-        # Compact once the journal outweighs the snapshot: a snapshot costs as much
-        # as the history is long, so this keeps a turn's cost independent of it.
+        self._journal_size += len(entry.data)
+        return True
+
+    async def _compact_if_due(self) -> None:
+        """Snapshot once the journal outweighs the snapshot: a snapshot costs as much
+        as the history is long, so this keeps a turn's cost independent of it.
+
+        Only compaction: what it would write is journaled already, so if the store
+        refuses it the journal just stays longer until the next try.
+        """
         if (
-            self._since_snapshot >= host.config.snapshot_every
+            self._since_snapshot >= self.host.config.snapshot_every
             and self._journal_size >= self._snapshot_size
         ):
-            await self._write_snapshot(self.session.status)
+            with contextlib.suppress(StoreError):
+                await self._write_snapshot(self.session.status)
+
+    @contextlib.contextmanager
+    def _bounded_write(self) -> Iterator[trio.CancelScope]:
+        """Shielded (a cancel must not abandon a write half-way) and bounded by write_bound."""
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(self.host.config.write_bound) as bound,
+        ):
+            yield bound
 
     async def _write_snapshot(self, status: Status) -> None:
         host = self.host
@@ -395,7 +425,7 @@ class Actor:
         )
         self.unsaved.clear()
         self._settled = 0
-        self._stored_seq = seq
+        self._journal_at = seq + SEQ_GAP // 2
         self._since_snapshot = 0
         self._journal_size = 0
         self._snapshot_size = len(snapshot)
@@ -421,7 +451,7 @@ class Actor:
                 dump_info(session.info()),
                 fence=self.lease.fence if self.lease else None,
             )
-            self._stored_seq = event.seq
+            self._journal_at = event.seq + SEQ_GAP // 2
         self.stored_clean = False
         self._emit(event)
 
@@ -447,11 +477,8 @@ class Actor:
         lease, self.lease = self.lease, None
         if lease is None:
             return
-        with (
-            trio.CancelScope(shield=True),
-            trio.move_on_after(self.host.config.write_bound),
-            contextlib.suppress(Exception),  # else the lease expires on its own
-        ):
+        # any failure only lets the lease expire (and the actor may have left already)
+        with self._bounded_write(), contextlib.suppress(Exception):
             await self.host.store.release(self.session_id, lease)
 
     def kill(self, error: SessionActorsError) -> None:
@@ -489,7 +516,7 @@ class Actor:
         hub.advance(max(durable_seq, session.event_seq))
         session.status = _resting_status(session)
         self.stored_clean = clean
-        self._stored_seq = durable_seq
+        self._journal_at = durable_seq + SEQ_GAP // 2
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
             # write; jump above them, durably, before publishing anything.
@@ -550,7 +577,7 @@ class Actor:
             if (
                 self.stored_clean
                 # without a journal: the jump must still clear what was published
-                or (self.hub is not None and self.hub.seq - self._stored_seq >= SEQ_GAP // 2)
+                or (self.hub is not None and self.hub.seq >= self._journal_at)
             ) and (isinstance(request, TurnRequest) or request.kind != "hibernate"):
                 try:
                     await self._journal_status()
@@ -646,9 +673,9 @@ class Actor:
             try:
                 if before is None or await before(agent):
                     final = await run_turn(agent, self)
-            except StoreError:
-                raise  # the store failed, not the agent: the actor restarts from it
             except Exception as exc:
+                if exc is self.store_fault:  # our write failed, not the agent: restart
+                    raise
                 failure = exc
         self.turn_scope = None
         stats = self.host.stats
@@ -697,12 +724,9 @@ class Actor:
             stats.turns_completed += 1
         self._durable(outcome, publish=False)
         stored = True
-        if self.abort_reason is not None:
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(self.host.config.write_bound) as bound,
-            ):
-                await self.commit()
+        if self.abort_reason is not None:  # closing: the hibernation snapshot compacts
+            with self._bounded_write() as bound:
+                await self._append_unsaved()
             stored = not bound.cancelled_caught
         else:
             await self.commit()
@@ -806,8 +830,8 @@ class Actor:
         if self.session.reviews and self.turn_request is not None:
             return False
         await self._snapshot_for_hibernation()
-        if self.receive.statistics().current_buffer_used or self.stop_requested:
-            self.stored_clean = True  # staying live (to serve them, or to stop)
+        if self.receive.statistics().current_buffer_used:
+            self.stored_clean = True  # staying live to serve them
             return False
         self._leave(Status.HIBERNATED)
         await self._release_lease()  # after leaving: a request now wakes a new actor
@@ -815,8 +839,7 @@ class Actor:
 
     async def _hibernate_now(self) -> None:
         """Hibernate at once (registry closing), shielded and bounded."""
-        bound = self.host.config.write_bound
-        with trio.CancelScope(shield=True), trio.move_on_after(bound) as writing:
+        with self._bounded_write() as writing:
             await self._snapshot_for_hibernation()
         self._answer_held(stored=not writing.cancelled_caught)
         self._fail_queued(_stopped_error(self.session_id, "closing"))
@@ -850,24 +873,19 @@ class Actor:
         event = StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED)
         self._durable(event, publish=False)
         journal = self.host.config.durability == "turn"
-        bound = self.host.config.write_bound
-        with trio.CancelScope(shield=True), trio.move_on_after(bound) as writing:
+        with self._bounded_write() as writing:
             if journal:
-                await self.commit()
+                await self._append_unsaved()
             else:
                 await self._write_snapshot(Status.STOPPED)
         if writing.cancelled_caught:
             raise StoreError(
                 f"session {sid!r} may not be stopped: the store did not answer within "
-                f"{bound:g} s; call stop() again once it does",
+                f"{self.host.config.write_bound:g} s; call stop() again once it does",
                 session_id=sid,
             )
         if journal:  # it is stopped; the snapshot only compacts the journal
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(bound),
-                contextlib.suppress(StoreError),
-            ):
+            with self._bounded_write(), contextlib.suppress(StoreError):
                 await self._write_snapshot(Status.STOPPED)
         self._answer_held(stored=True)
         self._fail_queued(_stopped_error(sid, "stop"))
@@ -996,12 +1014,7 @@ async def session_task(host: Host, actor: Actor) -> None:
             error.__cause__ = exc
             if actor.stop_requested:  # the stop did not happen: its caller hears why
                 actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
-            actor.send.close()
-            if actor.turn_request is not None:
-                actor.turn_request.pending.set_error(error)
-                actor.turn_request = None
-            actor._fail_queued(error)
-            actor.receive.close()
+            _fail_waiters(actor, error)
             if failed:
                 host._mark_failed(actor, _describe(exc))
                 return
@@ -1013,12 +1026,16 @@ async def session_task(host: Host, actor: Actor) -> None:
             fresh.lease = actor.lease
             host._replace(actor, fresh)
             actor = fresh
-        except trio.Cancelled:
-            # Cancelled from outside: the registry gave up waiting (a stalled store), or
-            # something else escaped it. Nobody is left to answer, so answer them now.
-            if actor.turn_request is not None:
-                actor.turn_request.pending.set_error(_stopped_error(actor.session_id, "unsaved"))
-            _end(host, actor, _stopped_error(actor.session_id, "closing"))
+        except BaseException as exc:
+            if _cancelled(exc):
+                # Cancelled from outside: the registry gave up waiting (a stalled store),
+                # or something escaped it. Nobody is left to answer, so answer them now.
+                cut = actor._cut_short(exc)  # killed, deleted, or closing
+                if actor.turn_request is not None and actor.kill_error is None:
+                    actor.turn_request.pending.set_error(
+                        cut if actor.deleted else _stopped_error(actor.session_id, "unsaved")
+                    )
+                _end(host, actor, cut)
             raise
 
 
@@ -1026,15 +1043,28 @@ def _end(host: Host, actor: Actor, error: SessionActorsError) -> None:
     """The actor is gone for good (deleted, lease lost, cancelled): fail every waiter."""
     if actor.stop_requested and not actor.deleted:  # the stop did not happen either
         actor.stop_error = error
+    _fail_waiters(actor, error)
+    host._detach(actor)
+
+
+def _fail_waiters(actor: Actor, error: SessionActorsError) -> None:
+    """Close the mailbox and fail everyone waiting on this actor with ``error``."""
     actor.send.close()
     if actor._ready is not None:  # ended while waking: release its waiters
         actor.load_error = error
         actor._ready.set()
     if actor.turn_request is not None:
         actor.turn_request.pending.set_error(error)
+        actor.turn_request = None
     actor._fail_queued(error)
     actor.receive.close()
-    host._detach(actor)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is a cancellation (or a group of nothing else, from a nursery)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
 
 
 def _deleted_error(sid: str) -> SessionNotFoundError:

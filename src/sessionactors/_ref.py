@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from ._actor import Actor, CallRequest, LeaseHeldError, Pending, TurnRequest
-from ._errors import MailboxFullError, SessionStoppedError
+from ._errors import MailboxFullError, SessionCrashedError, SessionStoppedError
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
 from ._records import Message, ReviewRequest, SessionState, new_id
 
@@ -248,9 +248,11 @@ class SessionRef:
         """Finish the session: the turn in flight completes, queued requests fail
         with SessionStoppedError, and later requests raise SessionStoppedError.
 
-        Stopping a stopped session does nothing. If the store does not take the
-        stop, this raises (a ``StoreError``, say) and the session is not stopped:
-        it restarts from its durable state; call ``stop()`` again.
+        Stopping a stopped session does nothing. If the store refuses the stop,
+        this raises (a ``StoreError``, say) and the session is not stopped: it
+        restarts from its durable state. If the store does not answer in time,
+        the error says the session may not be stopped. Either way, calling
+        ``stop()`` again is safe.
         """
         cluster = self._cluster()
         for _ in range(100):
@@ -267,8 +269,12 @@ class SessionRef:
                 if (await cluster.call(self.session_id, "stop", {}))[0]:
                     return
                 continue  # free again: stop it here
-            await self._registry._stop(actor)
-            return
+            if await self._registry._stop(actor):
+                return
+        raise SessionCrashedError(  # pragma: no cover - a session that never holds still
+            f"session {self.session_id!r} kept leaving before it could stop; call stop() again",
+            session_id=self.session_id,
+        )
 
     async def _call(self, actor: Actor, kind: str, args: dict[str, object]) -> object:
         pending = Pending()

@@ -487,12 +487,14 @@ class Registry:
             actor.done = trio.Event()
         await actor.done.wait()
 
-    async def _stop(self, actor: Actor) -> None:
+    async def _stop(self, actor: Actor) -> bool:
+        """Stop ``actor``; False if it left without stopping (it hibernated first)."""
         actor.stop_requested = True
         actor.close_mailbox()
         await self._wait_gone(actor)
-        if actor.stop_error is not None:  # it crashed instead, and was restarted
+        if actor.stop_error is not None:  # the stop did not happen (see session_task)
             raise actor.stop_error
+        return actor.deleted or actor.session.status is Status.STOPPED
 
     async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
