@@ -123,6 +123,31 @@ MUTANTS = {
         "        if actor.stop_error is not None:  # the stop did not happen (see session_task)\n            raise actor.stop_error",
         "        pass",
     ),
+    "compaction-failure-fails-the-write": (
+        ACTOR,
+        "            with contextlib.suppress(StoreError):\n                await self._write_snapshot(self.session.status)",
+        "            if True:\n                await self._write_snapshot(self.session.status)",
+    ),
+    "stop-compacts-inside-its-write": (
+        ACTOR,
+        "                await self.commit(compact=False)\n            else:\n                await self._write_snapshot(Status.STOPPED)",
+        "                await self.commit()\n            else:\n                await self._write_snapshot(Status.STOPPED)",
+    ),
+    "only-a-plain-cancel-answers": (
+        ACTOR,
+        "            if _cancelled(exc):",
+        "            if isinstance(exc, trio.Cancelled):",
+    ),
+    "any-store-error-is-a-crash": (
+        ACTOR,
+        "                if exc is self.store_fault:",
+        "                if isinstance(exc, StoreError):",
+    ),
+    "stop-trusts-a-hibernated-actor": (
+        REGISTRY,
+        "        return actor.deleted or actor.session.status is Status.STOPPED",
+        "        return True",
+    ),
 }
 
 

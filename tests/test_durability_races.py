@@ -543,6 +543,20 @@ async def test_a_failed_compaction_does_not_undo_what_the_journal_took(action: s
         assert state.status is sa.Status.STOPPED
 
 
+async def test_a_stalled_compaction_does_not_make_a_stored_stop_unsure(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as reg:
+        ref = await reg.spawn("s")  # its journal outweighs its snapshot at the first write
+        gate = store.gates["write_snapshot"] = trio.Event()  # snapshots stall
+        await ref.stop()  # journaled: done, whatever the snapshot after it does
+        del store.gates["write_snapshot"]
+        gate.set()
+        with pytest.raises(sa.SessionStoppedError):
+            await ref.send("two")
+
+
 async def test_a_stop_while_a_hibernation_ends_stops_the_session() -> None:
     """stop() finds the actor, and the actor leaves (hibernated) before the stop
     reaches it: the stop goes to the session's next actor instead of being lost.

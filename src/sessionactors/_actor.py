@@ -347,16 +347,17 @@ class Actor:
         self.session.status = status
         self._emit(StatusChanged(session_id=self.session_id, seq=self._seq(), status=status))
 
-    async def commit(self) -> None:
-        """Make the unsaved journal events durable (per the durability policy)."""
-        if await self._append_unsaved():
-            await self._compact_if_due()
+    async def commit(self, *, compact: bool = True) -> None:
+        """Make the unsaved journal events durable (per the durability policy).
 
-    async def _append_unsaved(self) -> bool:
-        """Journal the unsaved events (with durability "turn"); whether it wrote."""
+        Then, if ``compact``, snapshot once the journal outweighs the snapshot: a
+        snapshot costs as much as the history is long, so this keeps a turn's cost
+        independent of it. That snapshot only compacts (what it holds is journaled
+        already): if the store refuses it, the journal waits for the next try.
+        """
         host = self.host
         if host.config.durability != "turn" or not self.unsaved:
-            return False
+            return
         events = self.unsaved
         count = len(events)
         # one entry per commit: a turn's events cost one row, not one each
@@ -376,17 +377,9 @@ class Actor:
         self._settled = max(0, self._settled - count)
         self._since_snapshot += count
         self._journal_size += len(entry.data)
-        return True
-
-    async def _compact_if_due(self) -> None:
-        """Snapshot once the journal outweighs the snapshot: a snapshot costs as much
-        as the history is long, so this keeps a turn's cost independent of it.
-
-        Only compaction: what it would write is journaled already, so if the store
-        refuses it the journal just stays longer until the next try.
-        """
         if (
-            self._since_snapshot >= self.host.config.snapshot_every
+            compact
+            and self._since_snapshot >= host.config.snapshot_every
             and self._journal_size >= self._snapshot_size
         ):
             with contextlib.suppress(StoreError):
@@ -726,7 +719,7 @@ class Actor:
         stored = True
         if self.abort_reason is not None:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
-                await self._append_unsaved()
+                await self.commit(compact=False)
             stored = not bound.cancelled_caught
         else:
             await self.commit()
@@ -875,7 +868,7 @@ class Actor:
         journal = self.host.config.durability == "turn"
         with self._bounded_write() as writing:
             if journal:
-                await self._append_unsaved()
+                await self.commit(compact=False)
             else:
                 await self._write_snapshot(Status.STOPPED)
         if writing.cancelled_caught:
