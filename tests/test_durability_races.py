@@ -520,27 +520,80 @@ async def test_a_store_error_from_the_model_is_the_agents_failure() -> None:
         assert (await ref.send("two")).text == "ok"
 
 
-@pytest.mark.parametrize("action", ["send", "stop"])
-async def test_a_failed_compaction_does_not_undo_what_the_journal_took(action: str) -> None:
+class Oversized(GatedStore):
+    """Refuses a snapshot the way the codec refuses an oversized one."""
+
+    refuse = False
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        if self.refuse:
+            self.refuse = False
+            raise ValueError(f"the snapshot of {session_id!r} is too large")
+        await super().write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+
+
+@pytest.mark.parametrize("fault", ["store", "too large"])
+async def test_a_failed_compaction_does_not_undo_what_the_journal_took(fault: str) -> None:
     """The snapshot that compacts the journal comes after the write that counts: if
-    it fails, the turn (or stop) is still done and said to be."""
-    store = GatedStore()
+    it fails, the turn is still done and said to be."""
+    store = Oversized()
     async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        store.failures["write_snapshot"] = 1
-        if action == "send":
-            assert (await ref.send("two")).text == "two"
+        if fault == "store":
+            store.failures["write_snapshot"] = 1
         else:
-            await ref.stop()
-        assert store.failures["write_snapshot"] == 0  # the compaction was tried
+            store.refuse = True
+        assert (await ref.send("two")).text == "two"
+        assert store.failures.get("write_snapshot", 0) == 0  # the compaction was tried
+        assert not store.refuse
         assert reg.statistics().restarts == 0
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         state = await reg.ref("s").state()
-    if action == "send":
-        assert [m.content for m in state.messages] == ["one", "one", "two", "two"]
-    else:
-        assert state.status is sa.Status.STOPPED
+    assert [m.content for m in state.messages] == ["one", "one", "two", "two"]
+
+
+async def test_a_session_restarted_while_the_registry_closes_is_hibernated(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """durability="hibernate": the closing snapshot fails once; the restarted actor
+    takes nothing new and hibernates what was answered, without waiting out the grace."""
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO, durability="hibernate") as reg:
+        await (await reg.spawn("s")).send("one")
+        store.failures["write_snapshot"] = 1
+    assert trio.current_time() < 1
+    assert store.failures["write_snapshot"] == 0
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        assert [m.content for m in await reg.ref("s").history()] == ["one", "one"]
+
+
+async def test_a_stop_that_waits_for_a_crashing_actor_stops_its_successor() -> None:
+    """The actor stop() found crashed and was replaced before the stop reached it."""
+    store = GatedStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        actor = reg._live["s"]
+        store.failures["append"] = 1
+        with pytest.raises(sa.SessionCrashedError):
+            await ref.send("two")  # the actor crashes and is replaced
+        with trio.fail_after(5):
+            assert await reg._stop(actor) is False  # it left without stopping
+            await ref.stop()
+        with pytest.raises(sa.SessionStoppedError):
+            await ref.send("three")
 
 
 async def test_a_stalled_compaction_does_not_make_a_stored_stop_unsure(
@@ -679,3 +732,13 @@ async def test_without_a_journal_a_long_live_session_keeps_the_jump_ahead(
     last = seen[-1].seq
     assert last > 3 * 64
     assert_a_whole_new_turn(await next_turn_after(store, last, durability="hibernate"), last)
+
+
+async def test_a_stop_racing_a_delete_says_the_session_is_gone() -> None:
+    async with sa.open_registry(store=MemoryStore(), agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reg.delete, "s")
+            with pytest.raises(sa.SessionNotFoundError):
+                await ref.stop()

@@ -179,6 +179,7 @@ class Host(Protocol):
     config: RegistryConfig
     stats: Counters
     owner_id: str
+    _closing: bool
 
     def _agent_for(self, session: LiveSession) -> Agent: ...
     def _hub_for(self, session_id: str) -> Hub: ...
@@ -382,7 +383,7 @@ class Actor:
             and self._since_snapshot >= host.config.snapshot_every
             and self._journal_size >= self._snapshot_size
         ):
-            with contextlib.suppress(StoreError):
+            with contextlib.suppress(Exception):  # the entries are stored: only compaction
                 await self._write_snapshot(self.session.status)
 
     @contextlib.contextmanager
@@ -861,7 +862,11 @@ class Actor:
         self.host.stats.hibernated += status is Status.HIBERNATED
 
     async def _finish_stop(self) -> None:
-        """Stop: one write makes it so, the journal's (or, without one, the snapshot's)."""
+        """Stop: one write makes it so, the journal's (or, without one, the snapshot's).
+
+        The journal is not compacted here: the stopped session's tail stays within
+        the compaction bound, and the caller need not wait for a snapshot.
+        """
         sid = self.session_id
         event = StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED)
         self._durable(event, publish=False)
@@ -877,9 +882,6 @@ class Actor:
                 f"{self.host.config.write_bound:g} s; call stop() again once it does",
                 session_id=sid,
             )
-        if journal:  # it is stopped; the snapshot only compacts the journal
-            with self._bounded_write(), contextlib.suppress(StoreError):
-                await self._write_snapshot(Status.STOPPED)
         self._answer_held(stored=True)
         self._fail_queued(_stopped_error(sid, "stop"))
         self._emit(event)
@@ -1017,6 +1019,9 @@ async def session_task(host: Host, actor: Actor) -> None:
             if config.durability != "turn":  # what was answered, not the request cut short
                 fresh.unsaved = actor.unsaved[: actor._settled]
             fresh.lease = actor.lease
+            if host._closing:  # it takes nothing new: it only hibernates what it has
+                fresh.close_mailbox()
+                fresh.abort_reason = actor.abort_reason
             host._replace(actor, fresh)
             actor = fresh
         except BaseException as exc:
@@ -1024,9 +1029,10 @@ async def session_task(host: Host, actor: Actor) -> None:
                 # Cancelled from outside: the registry gave up waiting (a stalled store),
                 # or something escaped it. Nobody is left to answer, so answer them now.
                 cut = actor._cut_short(exc)  # killed, deleted, or closing
-                if actor.turn_request is not None and actor.kill_error is None:
+                if actor.turn_request is not None and not (actor.kill_error or actor.deleted):
+                    # closing, not killed or deleted: its write may not have landed
                     actor.turn_request.pending.set_error(
-                        cut if actor.deleted else _stopped_error(actor.session_id, "unsaved")
+                        _stopped_error(actor.session_id, "unsaved")
                     )
                 _end(host, actor, cut)
             raise

@@ -384,8 +384,9 @@ class Registry:
     def _replace(self, old: Actor, new: Actor) -> None:
         if self._live.get(old.session_id) is old:
             self._live[old.session_id] = new
-        if old.done is not None:
-            old.done.set()
+        if old.done is None:  # a waiter may come later (ref.stop after ready())
+            old.done = trio.Event()
+        old.done.set()
 
     def _mark_failed(self, actor: Actor, reason: str) -> None:
         self._failed[actor.session_id] = reason
@@ -494,7 +495,12 @@ class Registry:
         await self._wait_gone(actor)
         if actor.stop_error is not None:  # the stop did not happen (see session_task)
             raise actor.stop_error
-        return actor.deleted or actor.session.status is Status.STOPPED
+        if actor.deleted:
+            raise SessionNotFoundError(
+                f"session {actor.session_id!r} was deleted while it was being stopped",
+                session_id=actor.session_id,
+            )
+        return actor.session.status is Status.STOPPED
 
     async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
