@@ -163,6 +163,11 @@ MUTANTS = {
         "        if actor.deleted:\n            raise SessionNotFoundError(",
         "        if False:\n            raise SessionNotFoundError(",
     ),
+    "stop-leaves-a-journal-tail": (
+        ACTOR,
+        "        if journal:  # compaction only: the stop is stored already\n",
+        "        if False:\n",
+    ),
 }
 
 

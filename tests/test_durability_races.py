@@ -742,3 +742,18 @@ async def test_a_stop_racing_a_delete_says_the_session_is_gone() -> None:
             nursery.start_soon(reg.delete, "s")
             with pytest.raises(sa.SessionNotFoundError):
                 await ref.stop()
+
+
+async def test_a_stopped_session_reads_the_same_every_time() -> None:
+    """Its stop is compacted into a snapshot after stop() returns, so a read replays
+    no journal tail (which would stamp the stop with the time of the read)."""
+    async with sa.open_registry(store=MemoryStore(), agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        await ref.stop()
+        await trio.testing.wait_all_tasks_blocked()  # the snapshot after the stop
+        [info] = await reg.sessions()
+        first = await ref.state()
+        second = await ref.state()
+    assert first.updated_at == second.updated_at == info.updated_at
+    assert first.status is sa.Status.STOPPED

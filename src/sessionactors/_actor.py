@@ -864,8 +864,8 @@ class Actor:
     async def _finish_stop(self) -> None:
         """Stop: one write makes it so, the journal's (or, without one, the snapshot's).
 
-        The journal is not compacted here: the stopped session's tail stays within
-        the compaction bound, and the caller need not wait for a snapshot.
+        With a journal, a snapshot follows once the actor has left (the caller does
+        not wait for it): reads of the stopped session then replay no journal tail.
         """
         sid = self.session_id
         event = StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED)
@@ -887,6 +887,9 @@ class Actor:
         self._emit(event)
         self._leave(Status.STOPPED)
         self._hub().close()
+        if journal:  # compaction only: the stop is stored already
+            with self._bounded_write(), contextlib.suppress(Exception):
+                await self._write_snapshot(Status.STOPPED)
 
 
 async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, StoredSession]:
