@@ -44,17 +44,23 @@ class GatedStore(MemoryStore):
     ``gates[op]``: the next calls of ``op`` ("append", "write_snapshot",
     "delete" or "release") wait for that event (one never set: a stalled store).
     ``failures[op]``: how many of the next calls of ``op`` raise StoreError.
+    ``refusals[op]``: an exception the next call of ``op`` raises instead.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.gates: dict[str, trio.Event] = {}
         self.failures: dict[str, int] = {}
+        self.refusals: dict[str, Exception] = {}
 
     async def _enter(self, op: str, session_id: str) -> None:
         gate = self.gates.get(op)
         if gate is not None:
             await gate.wait()
+        refusal = self.refusals.pop(op, None)
+        if refusal is not None:
+            await trio.lowlevel.checkpoint()
+            raise refusal
         if self.failures.get(op):
             self.failures[op] -= 1
             await trio.lowlevel.checkpoint()

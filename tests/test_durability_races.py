@@ -29,6 +29,17 @@ async def watch(ref: sa.SessionRef, seen: list[sa.Event], after: int | None = No
             seen.append(event)
 
 
+async def settle(
+    outcomes: dict[str, object], name: str, request: Callable[[], Awaitable[object]]
+) -> None:
+    """Record what ``request`` ends with: its result, or the error it raises."""
+    try:
+        with trio.fail_after(3600):  # instant on the autojump clock; a hang fails
+            outcomes[name] = await request()
+    except (sa.SessionActorsError, trio.TooSlowError) as exc:
+        outcomes[name] = exc
+
+
 async def crash_in_a_held_turn(store: MemoryStore, seen: list[sa.Event], **options: object) -> None:
     """Wake ``s`` in a new "process", start a turn that streams and holds, then die."""
     held = ScriptedModel([Scripted(text="two two two", wait=trio.Event(), wait_after=1)])
@@ -211,21 +222,13 @@ async def test_a_registry_giving_up_on_a_stalled_store_answers_every_waiter(
 ) -> None:
     store = GatedStore()
     outcomes: dict[str, object] = {}
-
-    async def wait(name: str, turn: sa.Turn) -> None:
-        try:
-            with trio.fail_after(3600):  # instant on the autojump clock
-                outcomes[name] = await turn.reply()
-        except (sa.SessionActorsError, trio.TooSlowError) as exc:
-            outcomes[name] = exc
-
     async with trio.open_nursery() as callers:
         async with sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg:
             ref = await reg.spawn("s")
             await ref.send("warm up")
             store.gates["append"] = trio.Event()  # never set: the store stalls
-            callers.start_soon(wait, "in flight", await ref.submit("in flight"))
-            callers.start_soon(wait, "queued", await ref.submit("queued"))
+            callers.start_soon(settle, outcomes, "in flight", (await ref.submit("in flight")).reply)
+            callers.start_soon(settle, outcomes, "queued", (await ref.submit("queued")).reply)
             await trio.testing.wait_all_tasks_blocked()
         assert trio.current_time() < 60  # grace + write_bound, not forever
     assert isinstance(outcomes["in flight"], sa.SessionStoppedError)
@@ -247,14 +250,6 @@ async def test_a_registry_giving_up_answers_a_stop_and_a_wake_too(
 ) -> None:
     store = StalledLoads()
     outcomes: dict[str, object] = {}
-
-    async def wait(name: str, request: Callable[[], Awaitable[object]]) -> None:
-        try:
-            with trio.fail_after(3600):  # instant on the autojump clock
-                outcomes[name] = await request()
-        except (sa.SessionActorsError, trio.TooSlowError) as exc:
-            outcomes[name] = exc
-
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         await (await reg.spawn("woken")).send("one")
     async with trio.open_nursery() as callers:
@@ -264,9 +259,9 @@ async def test_a_registry_giving_up_answers_a_stop_and_a_wake_too(
             store.gates["append"] = trio.Event()  # the store stalls
             await ref.submit("in flight")
             await trio.testing.wait_all_tasks_blocked()
-            callers.start_soon(wait, "stop", ref.stop)
+            callers.start_soon(settle, outcomes, "stop", ref.stop)
             store.stall = True
-            callers.start_soon(wait, "wake", reg.ref("woken").history)
+            callers.start_soon(settle, outcomes, "wake", reg.ref("woken").history)
             await trio.testing.wait_all_tasks_blocked()
         assert reg.live() == []
     assert isinstance(outcomes["stop"], sa.SessionStoppedError)
@@ -382,14 +377,7 @@ async def test_a_turn_finishing_past_the_grace_is_answered_by_what_was_stored(
     gets its reply if the closing snapshot stores it, and an error if nothing does."""
     store = GatedStore()
     release = trio.Event()
-    outcome: list[object] = []
-
-    async def wait(turn: sa.Turn) -> None:
-        try:
-            with trio.fail_after(3600):  # instant on the autojump clock
-                outcome.append(await turn.reply())
-        except (sa.SessionActorsError, trio.TooSlowError) as exc:
-            outcome.append(exc)
+    outcomes: dict[str, object] = {}
 
     async def finish_late() -> None:
         await trio.sleep(5)  # past the grace: the registry is cutting the turn
@@ -404,9 +392,9 @@ async def test_a_turn_finishing_past_the_grace_is_answered_by_what_was_stored(
         sa.open_registry(store=store, agents=agents, shutdown_grace=1) as reg,
     ):
         ref = await reg.spawn("s")
-        outer.start_soon(wait, await ref.submit("x"))
+        outer.start_soon(settle, outcomes, "x", (await ref.submit("x")).reply)
         outer.start_soon(finish_late)
-    [result] = outcome
+    result = outcomes["x"]
     if snapshot_lands:
         assert isinstance(result, sa.Reply), result
         assert result.text == "done"
@@ -520,44 +508,21 @@ async def test_a_store_error_from_the_model_is_the_agents_failure() -> None:
         assert (await ref.send("two")).text == "ok"
 
 
-class Oversized(GatedStore):
-    """Refuses a snapshot the way the codec refuses an oversized one."""
-
-    refuse = False
-
-    async def write_snapshot(
-        self,
-        session_id: str,
-        snapshot: bytes,
-        seq: int,
-        info: bytes,
-        *,
-        trim_upto: int,
-        fence: int | None = None,
-    ) -> None:
-        if self.refuse:
-            self.refuse = False
-            raise ValueError(f"the snapshot of {session_id!r} is too large")
-        await super().write_snapshot(
-            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
-        )
-
-
 @pytest.mark.parametrize("fault", ["store", "too large"])
 async def test_a_failed_compaction_does_not_undo_what_the_journal_took(fault: str) -> None:
     """The snapshot that compacts the journal comes after the write that counts: if
     it fails, the turn is still done and said to be."""
-    store = Oversized()
+    store = GatedStore()
     async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
         if fault == "store":
             store.failures["write_snapshot"] = 1
-        else:
-            store.refuse = True
+        else:  # what the codec raises for an oversized snapshot
+            store.refusals["write_snapshot"] = ValueError("the snapshot is too large")
         assert (await ref.send("two")).text == "two"
-        assert store.failures.get("write_snapshot", 0) == 0  # the compaction was tried
-        assert not store.refuse
+        assert not store.failures.get("write_snapshot")  # the compaction was tried
+        assert not store.refusals
         assert reg.statistics().restarts == 0
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         state = await reg.ref("s").state()
@@ -651,24 +616,16 @@ async def test_a_registry_giving_up_on_parallel_tools_answers_the_caller(
     tools = [sa.Tool(name=n, fn=stubborn) for n in ("a", "b")]
     calls = [sa.ToolCall(id=n, name=n) for n in ("a", "b")]
     model = ScriptedModel([Scripted(tool_calls=calls), "ok"])
-    outcome: list[object] = []
-
-    async def wait(turn: sa.Turn) -> None:
-        try:
-            with trio.fail_after(3600):  # instant on the autojump clock
-                outcome.append(await turn.reply())
-        except (sa.SessionActorsError, trio.TooSlowError) as exc:
-            outcome.append(exc)
+    outcomes: dict[str, object] = {}
 
     async with (
         trio.open_nursery() as callers,
         sa.open_registry(agents={"a": sa.Agent(model=model, tools=tools)}, shutdown_grace=1) as reg,
     ):
         ref = await reg.spawn("s")
-        callers.start_soon(wait, await ref.submit("go"))
+        callers.start_soon(settle, outcomes, "go", (await ref.submit("go")).reply)
         await trio.testing.wait_all_tasks_blocked()
-    [result] = outcome
-    assert isinstance(result, sa.SessionStoppedError), result
+    assert isinstance(outcomes["go"], sa.SessionStoppedError), outcomes["go"]
 
 
 async def test_a_crash_while_being_deleted_does_not_restart_the_session() -> None:
