@@ -155,7 +155,7 @@ MUTANTS = {
     ),
     "replace-leaves-late-waiters": (
         REGISTRY,
-        "        if old.done is None:  # a waiter may come later (ref.stop after ready())\n            old.done = trio.Event()\n        old.done.set()",
+        "        _gone_event(old).set()  # a waiter may come later (ref.stop after ready())",
         "        if old.done is not None:\n            old.done.set()",
     ),
     "stop-ignores-a-deletion": (

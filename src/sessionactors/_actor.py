@@ -255,7 +255,8 @@ class Actor:
         self.kill_error: SessionActorsError | None = None
         self.load_error: SessionActorsError | None = None
         self.unsaved: list[Event] = []
-        # unsaved[:_settled] were answered: a restart without a journal keeps them
+        # unsaved[:_settled] were answered: a restart without a journal (the only
+        # one that keeps unsaved events) keeps them
         self._settled = 0
         self._since_snapshot = 0
         self._journal_size = 0  # bytes journaled since the snapshot
@@ -375,7 +376,6 @@ class Actor:
             raise
         self._journal_at = entry.seq + SEQ_GAP // 2
         del events[:count]
-        self._settled = max(0, self._settled - count)
         self._since_snapshot += count
         self._journal_size += len(entry.data)
         if (

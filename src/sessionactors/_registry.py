@@ -377,16 +377,12 @@ class Registry:
                     self._retire_generation()
                 self._live_peak = _compact(self._live)
         self._release_hub(name)
-        if actor.done is None:
-            actor.done = trio.Event()
-        actor.done.set()
+        _gone_event(actor).set()
 
     def _replace(self, old: Actor, new: Actor) -> None:
         if self._live.get(old.session_id) is old:
             self._live[old.session_id] = new
-        if old.done is None:  # a waiter may come later (ref.stop after ready())
-            old.done = trio.Event()
-        old.done.set()
+        _gone_event(old).set()  # a waiter may come later (ref.stop after ready())
 
     def _mark_failed(self, actor: Actor, reason: str) -> None:
         self._failed[actor.session_id] = reason
@@ -484,12 +480,11 @@ class Registry:
         await trio.lowlevel.checkpoint()
 
     async def _wait_gone(self, actor: Actor) -> None:
-        if actor.done is None:
-            actor.done = trio.Event()
-        await actor.done.wait()
+        await _gone_event(actor).wait()
 
     async def _stop(self, actor: Actor) -> bool:
-        """Stop ``actor``; False if it left without stopping (it hibernated first)."""
+        """Stop ``actor``; False if it left without stopping (it hibernated, or was
+        replaced after a crash, first)."""
         actor.stop_requested = True
         actor.close_mailbox()
         await self._wait_gone(actor)
@@ -649,6 +644,13 @@ class Registry:
     async def _wait_all_gone(self) -> None:
         while self._live:
             await self._wait_gone(next(iter(self._live.values())))
+
+
+def _gone_event(actor: Actor) -> trio.Event:
+    """The event set once ``actor`` is gone, made when first needed (most never are)."""
+    if actor.done is None:
+        actor.done = trio.Event()
+    return actor.done
 
 
 def _compact(table: dict[str, Any]) -> int:
