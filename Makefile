@@ -1,30 +1,35 @@
-# Every target creates .venv and installs what it needs on its own.
+# Every target creates .venv and installs what it needs, and only that.
 PY := .venv/bin/python
-STAMP := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+HASH := $(shell cksum pyproject.toml | cut -d' ' -f1)
+VENV := .venv/.created-$(HASH)
 
-.PHONY: install demo demo-cluster test soak lint bench clean
+.PHONY: demo demo-cluster test soak mutants lint bench clean
 
-$(STAMP): pyproject.toml
-	python3 -m venv .venv && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[dev,bench]' && touch $(STAMP)
+$(VENV): pyproject.toml
+	python3 -m venv .venv && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e . && touch $@
 
-install: $(STAMP)
+.venv/.extra-%-$(HASH): $(VENV)
+	$(PY) -m pip install -q -e '.[$*]' && touch $@
 
-demo: $(STAMP)
+demo: $(VENV)
 	$(PY) -m sessionactors demo
 
-demo-cluster: $(STAMP)
+demo-cluster: .venv/.extra-redis-$(HASH)
 	$(PY) -m sessionactors demo-cluster
 
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not soak"
+test: .venv/.extra-test-$(HASH)
+	$(PY) -m pytest -q -m "not soak and not mutants"
 
-soak: $(STAMP)
+soak: .venv/.extra-test-$(HASH)
 	$(PY) -m pytest -q -m soak
 
-lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks docs && $(PY) -m ruff format --check src tests benchmarks docs && $(PY) -m mypy
+mutants: .venv/.extra-test-$(HASH)
+	$(PY) -m pytest -q -m mutants
 
-bench: $(STAMP)
+lint: .venv/.extra-lint-$(HASH)
+	$(PY) -m ruff check sessionactors tests benchmarks docs && $(PY) -m ruff format --check sessionactors tests benchmarks docs && $(PY) -m mypy
+
+bench: .venv/.extra-bench-$(HASH)
 	$(PY) benchmarks/run.py
 
 clean:

@@ -1,6 +1,6 @@
 """Negative controls for test_durability_races.py: each broken variant must be caught.
 
-Every case copies ``src/`` and ``tests/`` to a temporary directory, breaks one
+Every case copies ``sessionactors/`` and ``tests/`` to a temporary directory, breaks one
 guard of the durability code there (undoing one fix), and runs the race tests
 against the copy in a subprocess: they must fail. A variant whose code has
 changed fails here too, so the list is kept in step with the code.
@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.mutants
+
+
 ROOT = Path(__file__).resolve().parent.parent
-ACTOR = "src/sessionactors/_actor.py"
-REGISTRY = "src/sessionactors/_registry.py"
+ACTOR = "sessionactors/_actor.py"
+REGISTRY = "sessionactors/_registry.py"
 
 # name: (file, the code as it is, the broken variant)
 MUTANTS = {
@@ -174,7 +177,7 @@ MUTANTS = {
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_the_race_tests_catch_a_broken_variant(name: str, tmp_path: Path) -> None:
     path, sound, broken = MUTANTS[name]
-    shutil.copytree(ROOT / "src", tmp_path / "src")
+    shutil.copytree(ROOT / "sessionactors", tmp_path / "sessionactors")
     shutil.copytree(ROOT / "tests", tmp_path / "tests")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     target = tmp_path / path
@@ -192,7 +195,7 @@ def test_the_race_tests_catch_a_broken_variant(name: str, tmp_path: Path) -> Non
             "tests/test_durability_races.py",
         ],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=300,
