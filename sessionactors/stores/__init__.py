@@ -1,5 +1,9 @@
 """Stores: where sessions are kept durable.
 
+A store deals in bytes: ``dump_events`` / ``load_events`` are the codec of a
+journal entry (the events of one commit), as ``sessionactors.dump_snapshot`` /
+``load_snapshot`` are of a snapshot, for store authors and for inspection.
+
 ``MemoryStore`` and ``SQLiteStore`` need nothing beyond the core
 dependencies; ``RedisStore`` needs the ``redis`` extra (coredis) and is
 imported on first use.
@@ -7,6 +11,8 @@ imported on first use.
 
 from typing import TYPE_CHECKING, Any
 
+from .._codec import dump_events as dump_events
+from .._codec import load_events as load_events
 from ._base import JournalEntry as JournalEntry
 from ._base import Lease as Lease
 from ._base import Store as Store
@@ -27,6 +33,8 @@ __all__ = [
     "SQLiteStoreStatistics",
     "Store",
     "StoredSession",
+    "dump_events",
+    "load_events",
 ]
 
 _LAZY = {
