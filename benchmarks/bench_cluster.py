@@ -2,7 +2,7 @@
 
 Needs a redis-server (``SESSIONACTORS_REDIS_URL``, or a ``redis-server`` binary
 started on a free port on 127.0.0.1 and stopped afterwards); skipped otherwise.
-The workers are separate processes (``python -m sessionactors._cluster_demo
+The workers are separate processes (``python -m sessionactors._demo_cluster
 worker``), each a registry on the same RedisStore, echo model, default
 durability (every reply waits for its turn's journal append in Redis).
 
@@ -32,7 +32,7 @@ import trio
 
 import sessionactors as sa
 from _common import Row, log, median, now, paired, redis_url, spread
-from sessionactors._cluster_demo import WorkerProcess
+from sessionactors._demo_cluster import WorkerProcess
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 

@@ -7,7 +7,9 @@ from ._codec import load_snapshot as load_snapshot
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError
+from ._errors import LeaseHeldError as LeaseHeldError
 from ._errors import MailboxFullError as MailboxFullError
+from ._errors import MaxStepsError as MaxStepsError
 from ._errors import MessageNotFoundError as MessageNotFoundError
 from ._errors import ModelError as ModelError
 from ._errors import ReviewNotFoundError as ReviewNotFoundError
@@ -53,12 +55,12 @@ from ._records import SessionInfo as SessionInfo
 from ._records import SessionState as SessionState
 from ._records import Status as Status
 from ._records import ToolCall as ToolCall
-from ._ref import Reply as Reply
 from ._ref import SessionRef as SessionRef
 from ._ref import Turn as Turn
 from ._registry import Registry as Registry
 from ._registry import RegistryStatistics as RegistryStatistics
 from ._registry import open_registry as open_registry
+from ._requests import Reply as Reply
 from ._tools import Tool as Tool
 from ._tools import ToolOutcome as ToolOutcome
 from ._tools import tool as tool
@@ -75,7 +77,9 @@ __all__ = [
     "FencedOutError",
     "HistoryEdited",
     "InvalidSessionNameError",
+    "LeaseHeldError",
     "MailboxFullError",
+    "MaxStepsError",
     "MemoryStore",
     "Message",
     "MessageAdded",

@@ -1,33 +1,28 @@
 """The session actor: one trio task that owns a session, reached through its mailbox.
 
 Turns run one at a time in mailbox order. Reads (history, state) and
-``cancel`` are served out of band. The task also supervises itself: a crash
-(an exception that is not the agent's) fails the waiters with
-SessionCrashedError and restarts the actor from its durable state, within a
-restart intensity.
+``cancel`` are served out of band. The actor's life is one :class:`Phase`,
+changed only by the actor's own methods (the registry asks through
+``request_stop``, ``close``, ``abort`` and ``kill``); supervision, which
+restarts it after a crash, lives in ``_supervisor``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
+import enum
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-import attrs
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import (
-    SnapshotWriter,
-    dump_events,
-    dump_info,
-    dump_snapshot,
-    load_events,
-    load_snapshot,
-)
+from ._codec import load_events, load_snapshot
+from ._config import RegistryConfig
 from ._errors import (
-    FencedOutError,
+    LeaseHeldError,
+    MessageNotFoundError,
+    ReviewNotFoundError,
     SessionActorsError,
     SessionBusyError,
     SessionCrashedError,
@@ -41,114 +36,71 @@ from ._errors import (
 from ._events import (
     Delta,
     Event,
+    HistoryEdited,
     MessageAdded,
+    ReviewResolved,
     StatusChanged,
     TurnCancelled,
     TurnFailed,
     TurnFinished,
     TurnStarted,
 )
+from ._history import rewind_end, split_for_keep_last
 from ._hub import Hub
+from ._journal import SEQ_GAP, Journal
+from ._pending import Pending
 from ._records import Message, ReviewRequest, Role, Status, ToolCall
+from ._requests import Call, Hibernate, Reply, ResolveReview, Rewind, SetSummary, Truncate
 from ._session import LiveSession
-from ._tooling import (
+from ._tool_calls import (
     maybe_compact,
-    resolve_review,
+    record_result,
     resume_tool_calls,
-    run_call,
+    run_batch,
     run_tool_calls,
 )
-from .stores._base import JournalEntry, Lease, Store, StoredSession
+from .stores._base import Lease, Store, StoredSession
 
-if TYPE_CHECKING:
-    from ._registry import Counters, RegistryConfig
+__all__ = [
+    "Actor",
+    "CallMail",
+    "Counters",
+    "Host",
+    "Phase",
+    "TurnMail",
+    "crashed_error",
+    "deleted_error",
+    "describe",
+    "read_stored",
+    "stopped_error",
+]
 
-__all__ = ["SEQ_GAP", "Actor", "Host", "LeaseHeldError", "Pending", "session_task"]
 
-#: How far seq jumps when a session wakes from a state that was not hibernated
-#: cleanly (the process died): above any seq the lost incarnation can have used.
-SEQ_GAP = 1 << 20
+class Phase(enum.Enum):
+    """Where an actor incarnation is in its life. Transitions (and only these):
 
-
-class LeaseHeldError(SessionBusyError):
-    """Another worker holds the session's lease: the session is live there."""
-
-
-class Pending:
-    """The result slot of one request; any number of callers may wait on it.
-
-    Its first waiter parks directly (no ``trio.Event``): a request in flight
-    keeps as few objects alive as it can, which matters to the collector when
-    thousands are in flight. Further waiters (callers joining a turn by its
-    idempotency key) queue behind it.
+    LOADING -> SERVING (its state is read) | LEFT (the load failed),
+               or, while it loads, what SERVING may become
+    SERVING -> STOPPING (``request_stop``) | CLOSING (``close``) | ABORTING | LEFT (hibernated)
+    CLOSING -> STOPPING | ABORTING (``abort``: the grace ran out) | LEFT
+    STOPPING -> LEFT (the stop is durable, or failed: ``stop_error``)
+    ABORTING -> LEFT (hibernated at once)
+    any but LEFT -> KILLED (``kill``: deleted, or its lease lost; ``kill_error``)
+    KILLED -> LEFT
     """
 
-    __slots__ = ("_others", "_task", "done", "error", "result")
-
-    def __init__(self) -> None:
-        self._task: trio.lowlevel.Task | None = None  # the first waiter
-        self._others: dict[trio.lowlevel.Task, None] | None = None  # the rest, in order
-        self.done = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    @classmethod
-    def resolved(cls, result: Any) -> Pending:
-        p = cls()
-        p.result = result
-        p.done = True
-        return p
-
-    def set_result(self, result: Any) -> None:
-        if not self.done:
-            self.result = result
-            self._finish()
-
-    def set_error(self, error: BaseException) -> None:
-        if not self.done:
-            self.error = error
-            self._finish()
-
-    def _finish(self) -> None:
-        self.done = True
-        task, others = self._task, self._others
-        self._task = self._others = None
-        if task is not None:
-            trio.lowlevel.reschedule(task)
-        if others is not None:
-            for task in others:
-                trio.lowlevel.reschedule(task)
-
-    def _abort_first(self, _: object) -> trio.lowlevel.Abort:
-        self._task = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    async def wait(self) -> Any:
-        if self.done:
-            await trio.lowlevel.checkpoint()
-        else:
-            task = trio.lowlevel.current_task()
-            if self._task is None:
-                self._task = task
-                await trio.lowlevel.wait_task_rescheduled(self._abort_first)
-            else:
-                others = self._others
-                if others is None:
-                    others = self._others = {}
-                others[task] = None
-
-                def abort(_: object) -> trio.lowlevel.Abort:
-                    if self._others is not None:
-                        del self._others[task]
-                    return trio.lowlevel.Abort.SUCCEEDED
-
-                await trio.lowlevel.wait_task_rescheduled(abort)
-        if self.error is not None:
-            raise self.error
-        return self.result
+    LOADING = "loading"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    CLOSING = "closing"
+    ABORTING = "aborting"
+    KILLED = "killed"
+    LEFT = "left"
 
 
-class TurnRequest:
+class TurnMail:
+    """A turn in the mailbox."""
+
     __slots__ = ("key", "pending", "text", "turn_id")
 
     def __init__(self, turn_id: str, text: str, key: str | None, pending: Pending) -> None:
@@ -158,119 +110,164 @@ class TurnRequest:
         self.pending = pending
 
 
-class CallRequest:
-    """A request other than a turn, run in mailbox order (hibernate, edits, reviews)."""
+class CallMail:
+    """A request other than a turn, served in mailbox order."""
 
-    __slots__ = ("args", "kind", "pending")
+    __slots__ = ("pending", "request")
 
-    def __init__(self, kind: str, args: dict[str, Any], pending: Pending) -> None:
-        self.kind = kind
-        self.args = args
+    def __init__(self, request: Call, pending: Pending) -> None:
+        self.request = request
         self.pending = pending
 
 
-Request = TurnRequest | CallRequest
+Mail = TurnMail | CallMail
+
+
+class Counters:
+    """The registry's running counters, kept by the actors (see ``Registry.statistics``)."""
+
+    __slots__ = (
+        "crashes",
+        "failed",
+        "hibernated",
+        "idle_hibernations",
+        "leases_lost",
+        "restarts",
+        "spawned",
+        "turns_cancelled",
+        "turns_completed",
+        "turns_failed",
+        "woken",
+    )
+
+    def __init__(self) -> None:
+        self.spawned = self.woken = self.hibernated = self.idle_hibernations = 0
+        self.crashes = self.restarts = self.failed = self.leases_lost = 0
+        self.turns_completed = self.turns_failed = self.turns_cancelled = 0
 
 
 class Host(Protocol):
-    """What an actor needs from its registry."""
+    """What an actor needs from the table of live sessions that runs it."""
 
     store: Store
     config: RegistryConfig
     stats: Counters
-    owner_id: str
-    _closing: bool
+    worker_id: str
 
-    def _agent_for(self, session: LiveSession) -> Agent: ...
-    def _hub_for(self, session_id: str) -> Hub: ...
-    def _detach(self, actor: Actor) -> None: ...
-    def _replace(self, old: Actor, new: Actor) -> None: ...
-    def _mark_failed(self, actor: Actor, reason: str) -> None: ...
+    @property
+    def closing(self) -> bool: ...
+    def agent_for(self, session: LiveSession) -> Agent: ...
+    def hub_for(self, session_id: str) -> Hub: ...
+    def detach(self, actor: Actor) -> None: ...
+    def replace(self, old: Actor, new: Actor) -> None: ...
+    def mark_failed(self, actor: Actor, reason: str) -> None: ...
 
 
 class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
 
     __slots__ = (
-        "_journal_at",
-        "_journal_size",
         "_ready",
-        "_settled",
-        "_since_snapshot",
-        "_snapshot_size",
-        "_snapshot_writer",
         "_system_cache",
-        "abort_reason",
-        "deleted",
         "done",
         "held",
         "host",
         "hub",
         "inflight_keys",
+        "journal",
         "kill_error",
         "lease",
         "load_error",
         "partial",
+        "phase",
         "receive",
         "run_scope",
         "send",
         "session",
         "session_id",
         "stop_error",
-        "stop_requested",
-        "store_fault",
-        "stored_clean",
         "turn_id",
-        "turn_request",
+        "turn_mail",
         "turn_scope",
-        "unsaved",
     )
 
     def __init__(self, host: Host, session_id: str, session: LiveSession | None) -> None:
         self.host = host
         self.session_id = session_id
         self.session: LiveSession = session  # type: ignore[assignment]  # set by load
+        self.phase = Phase.LOADING if session is None else Phase.SERVING
         self._ready: trio.Event | None = None if session is not None else trio.Event()
-        self.send, self.receive = trio.open_memory_channel[Request](host.config.mailbox_size)
+        self.send, self.receive = trio.open_memory_channel[Mail](host.config.mailbox_size)
+        self.journal = Journal(host.store, host.config, session_id)
         self.hub: Hub | None = None
-        self.turn_request: TurnRequest | None = None
+        self.turn_mail: TurnMail | None = None  # the turn in flight, answered when it ends
         self.turn_scope: trio.CancelScope | None = None
         self.turn_id = ""
         self.partial: list[str] = []
-        self.inflight_keys: dict[str, TurnRequest] = {}  # idempotency key -> its turn
+        self.inflight_keys: dict[str, TurnMail] = {}  # idempotency key -> its turn
         # A closing turn's answer, kept until the closing snapshot says whether it was
-        # stored (its turn_request stays set meanwhile): (error, result)
-        self.held: tuple[BaseException | None, Any] | None = None
-        self.stop_requested = False
+        # stored (its turn_mail stays set meanwhile): (error, reply)
+        self.held: tuple[BaseException | None, Reply] | None = None
         self.stop_error: SessionActorsError | None = None  # why a requested stop failed
-        # The store holds a clean hibernation: a wake after this process dies would not
-        # jump seq, so a status is journaled before anything more is published.
-        self.stored_clean = False
-        self.store_fault: StoreError | None = None  # the last write of ours that failed
-        self.abort_reason: str | None = None
-        self.deleted = False
-        self.run_scope: trio.CancelScope | None = None
-        self.done: trio.Event | None = None
-        self.lease: Lease | None = None
-        self.kill_error: SessionActorsError | None = None
+        self.kill_error: SessionActorsError | None = None  # why it was killed
         self.load_error: SessionActorsError | None = None
-        self.unsaved: list[Event] = []
-        # unsaved[:_settled] were answered: a restart without a journal (the only
-        # one that keeps unsaved events) keeps them
-        self._settled = 0
-        self._since_snapshot = 0
-        self._journal_size = 0  # bytes journaled since the snapshot
-        # A status is journaled (whatever the durability) before the seq reaches this:
-        # a wake jumps SEQ_GAP past the highest seq the store has, so that stays ahead.
-        self._journal_at = SEQ_GAP // 2
-        self._snapshot_size = 0  # bytes of the latest snapshot
-        self._snapshot_writer: SnapshotWriter | None = None  # made for a long history
+        self.run_scope: trio.CancelScope | None = None  # set by the supervisor
+        self.done: trio.Event | None = None  # made when someone waits for it to leave
+        self.lease: Lease | None = None
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
 
     def __repr__(self) -> str:
-        return f"<Actor {self.session_id!r}>"
+        return f"<Actor {self.session_id!r} {self.phase.value}>"
+
+    # ---- what others ask of it (each a documented transition) ----------------------
+
+    def request_stop(self) -> None:
+        """``ref.stop()``: take nothing new; the loop stops once the turn in flight ends."""
+        if self.phase in (Phase.LOADING, Phase.SERVING, Phase.CLOSING):
+            self.phase = Phase.STOPPING
+        self.send.close()
+
+    def close(self) -> None:
+        """The registry is closing: take nothing new; drain the mailbox, then hibernate."""
+        if self.phase in (Phase.LOADING, Phase.SERVING):
+            self.phase = Phase.CLOSING
+        self.send.close()
+
+    def abort(self) -> None:
+        """The shutdown grace ran out: cut the turn in flight and hibernate at once."""
+        if self.phase in (Phase.LOADING, Phase.SERVING, Phase.CLOSING):
+            self.phase = Phase.ABORTING
+        self.cancel_turn()
+
+    def kill(self, error: SessionActorsError) -> None:
+        """Stop at once, writing nothing (deleted, or its lease lost): waiters get ``error``."""
+        if self.phase is not Phase.LEFT:
+            self.phase = Phase.KILLED
+            self.kill_error = error
+        self.send.close()
+        if self.run_scope is not None:
+            self.run_scope.cancel()
+
+    def note_inflight(self, key: str, mail: TurnMail) -> None:
+        """A turn with an idempotency key is in the mailbox: callers with its key join it."""
+        self.inflight_keys.setdefault(key, mail)
+
+    def cancel_turn(self) -> bool:
+        """Cancel the turn in flight, out of band; whether there was one."""
+        if self.turn_scope is None:
+            return False
+        self.turn_scope.cancel()
+        return True
+
+    @property
+    def deleted(self) -> bool:
+        return self.phase is Phase.KILLED and isinstance(self.kill_error, SessionNotFoundError)
+
+    @property
+    def stopping(self) -> bool:
+        return self.phase is Phase.STOPPING
 
     # ---- out-of-band reads -------------------------------------------------
 
@@ -288,17 +285,11 @@ class Actor:
     def is_ready(self) -> bool:
         return self._ready is None
 
-    def cancel_turn(self) -> bool:
-        if self.turn_scope is None:
-            return False
-        self.turn_scope.cancel()
-        return True
-
-    # ---- TurnContext ---------------------------------------------------------
+    # ---- TurnContext / TurnHost ----------------------------------------------------
 
     def request_messages(self) -> Sequence[Message]:
         session = self.session
-        agent = self.host._agent_for(session)
+        agent = self.host.agent_for(session)
         key = (session.system_prompt, session.summary, agent.system_prompt)
         cache = self._system_cache
         if cache is None or cache[0] != key:
@@ -306,14 +297,17 @@ class Actor:
         return session.view(cache[1])
 
     def delta(self, text: str) -> None:
-        self._emit(
-            Delta(session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, text=text)
+        self.emit(
+            Delta(session_id=self.session_id, seq=self.next_seq(), turn_id=self.turn_id, text=text)
         )
 
     def add_message(self, message: Message) -> None:
-        self._durable(
+        self.durable(
             MessageAdded(
-                session_id=self.session_id, seq=self._seq(), turn_id=self.turn_id, message=message
+                session_id=self.session_id,
+                seq=self.next_seq(),
+                turn_id=self.turn_id,
+                message=message,
             )
         )
 
@@ -326,19 +320,19 @@ class Actor:
         """The session's hub, made on the first event (an idle session needs none)."""
         hub = self.hub
         if hub is None:
-            hub = self.hub = self.host._hub_for(self.session_id)
+            hub = self.hub = self.host.hub_for(self.session_id)
             hub.advance(self.session.event_seq)
         return hub
 
-    def _seq(self) -> int:
+    def next_seq(self) -> int:
         return (self.hub or self._hub()).next_seq()
 
-    def _emit(self, event: Event) -> None:
+    def emit(self, event: Event) -> None:
         (self.hub or self._hub()).publish(event)
 
-    def _durable(self, event: Event, *, publish: bool = True) -> Event:
+    def durable(self, event: Event, *, publish: bool = True) -> Event:
         self.session.apply(event)
-        self.unsaved.append(event)
+        self.journal.unsaved.append(event)
         if publish:
             (self.hub or self._hub()).publish(event)
         return event
@@ -347,44 +341,25 @@ class Actor:
         if self.session.status is status:
             return
         self.session.status = status
-        self._emit(StatusChanged(session_id=self.session_id, seq=self._seq(), status=status))
+        self.emit(StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status))
+
+    @property
+    def _fence(self) -> int | None:
+        return self.lease.fence if self.lease is not None else None
 
     async def commit(self, *, compact: bool = True) -> None:
-        """Make the unsaved journal events durable (per the durability policy).
-
-        Then, if ``compact``, snapshot once the journal outweighs the snapshot: a
-        snapshot costs as much as the history is long, so this keeps a turn's cost
-        independent of it. That snapshot only compacts (what it holds is journaled
-        already): if the store refuses it, the journal waits for the next try.
-        """
-        host = self.host
-        if host.config.durability != "turn" or not self.unsaved:
-            return
-        events = self.unsaved
-        count = len(events)
-        # one entry per commit: a turn's events cost one row, not one each
-        entry = JournalEntry(events[-1].seq, dump_events(events))
-        try:
-            await host.store.append(
-                self.session_id,
-                [entry],
-                dump_info(self.session.info()),
-                fence=self.lease.fence if self.lease else None,
+        """Make the unsaved journal events durable (per the durability policy)."""
+        journal = self.journal
+        if journal.unsaved and journal.config.durability == "turn":
+            session = self.session
+            await journal.commit(
+                session, self._fence, max(self._hub().seq, session.event_seq), compact=compact
             )
-        except StoreError as exc:
-            self.store_fault = exc
-            raise
-        self._journal_at = entry.seq + SEQ_GAP // 2
-        del events[:count]
-        self._since_snapshot += count
-        self._journal_size += len(entry.data)
-        if (
-            compact
-            and self._since_snapshot >= host.config.snapshot_every
-            and self._journal_size >= self._snapshot_size
-        ):
-            with contextlib.suppress(Exception):  # the entries are stored: only compaction
-                await self._write_snapshot(self.session.status)
+
+    async def _write_snapshot(self, status: Status) -> None:
+        await self.journal.write_snapshot(
+            self.session, self._fence, max(self._hub().seq, self.session.event_seq), status
+        )
 
     @contextlib.contextmanager
     def _bounded_write(self) -> Iterator[trio.CancelScope]:
@@ -395,35 +370,6 @@ class Actor:
         ):
             yield bound
 
-    async def _write_snapshot(self, status: Status) -> None:
-        host = self.host
-        session = self.session
-        seq = max(self._hub().seq, session.event_seq)
-        session.event_seq = seq
-        state = attrs.evolve(session.to_state(), status=status)
-        writer = self._snapshot_writer
-        if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
-            writer = self._snapshot_writer = SnapshotWriter()
-        snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
-        await host.store.write_snapshot(
-            self.session_id,
-            snapshot,
-            seq,
-            dump_info(session.info(status)),
-            # without a journal ("hibernate"), replay reaches no further back than this
-            # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-            trim_upto=seq
-            if host.config.durability != "turn"
-            else max(0, seq - host.config.journal_keep_seqs),
-            fence=self.lease.fence if self.lease else None,
-        )
-        self.unsaved.clear()
-        self._settled = 0
-        self._journal_at = seq + SEQ_GAP // 2
-        self._since_snapshot = 0
-        self._journal_size = 0
-        self._snapshot_size = len(snapshot)
-
     async def _journal_status(self) -> None:
         """Journal the resting status now, whatever the durability policy; then publish it.
 
@@ -433,35 +379,29 @@ class Actor:
         """
         session = self.session
         status = session.status = _resting_status(session)
-        event = StatusChanged(session_id=self.session_id, seq=self._seq(), status=status)
+        event = StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status)
         if self.host.config.durability == "turn":
-            self._durable(event, publish=False)
+            self.durable(event, publish=False)
             await self.commit()
         else:  # the journal holds only these, and the next snapshot drops them
             session.apply(event)
-            await self.host.store.append(
-                self.session_id,
-                [JournalEntry(event.seq, dump_events([event]))],
-                dump_info(session.info()),
-                fence=self.lease.fence if self.lease else None,
-            )
-            self._journal_at = event.seq + SEQ_GAP // 2
-        self.stored_clean = False
-        self._emit(event)
+            await self.journal.append_now(session, event, self._fence)
+        self.journal.stored_clean = False
+        self.emit(event)
 
-    # ---- the loop ---------------------------------------------------------
+    # ---- the lease ---------------------------------------------------------------
 
     async def claim(self) -> None:
         """Take the session's lease (shared stores): one live owner at a time."""
         host = self.host
         if not host.config.leases:
             return
-        lease = await host.store.claim(self.session_id, host.owner_id, host.config.lease_ttl)
+        lease = await host.store.claim(self.session_id, host.worker_id, host.config.lease_ttl)
         if lease is None:
             raise LeaseHeldError(
-                f"session {self.session_id!r} is live on another worker (it holds the "
-                "session's lease); send the request through that worker, or retry after "
-                "it hibernates the session or its lease expires",
+                f"session {self.session_id!r} is live on another worker (another process "
+                "holds the session's lease); send the request through that worker, or retry "
+                "after it hibernates the session or its lease expires",
                 session_id=self.session_id,
             )
         self.lease = lease
@@ -471,16 +411,10 @@ class Actor:
         lease, self.lease = self.lease, None
         if lease is None:
             return
-        # any failure only lets the lease expire (and the actor may have left already)
         with self._bounded_write(), contextlib.suppress(Exception):
             await self.host.store.release(self.session_id, lease)
 
-    def kill(self, error: SessionActorsError) -> None:
-        """Stop at once (deleted, or the lease was lost): waiters get ``error``."""
-        self.kill_error = error
-        self.send.close()
-        if self.run_scope is not None:
-            self.run_scope.cancel()
+    # ---- the loop ---------------------------------------------------------
 
     async def load(self) -> None:
         """Wake: rebuild the state from the store (snapshot + journal tail)."""
@@ -498,19 +432,16 @@ class Actor:
                 f"spawn a new session or delete this one with registry.delete({sid!r})",
                 session_id=sid,
             )
-        self._since_snapshot = len(stored.entries)
-        self._journal_size = sum(len(e.data) for e in stored.entries)
-        self._snapshot_size = len(stored.snapshot)
+        journal = self.journal
+        journal.loaded(stored, durable_seq)
         self.session = session
-        hub = self.hub = host._hub_for(sid)
-        if self.unsaved:  # not durable yet (durability="hibernate"): replay them too
-            for event in self.unsaved:
-                session.apply(event)
+        hub = self.hub = host.hub_for(sid)
+        for event in journal.unsaved:  # not durable yet (durability="hibernate"): replay
+            session.apply(event)
         known = hub.seq
         hub.advance(max(durable_seq, session.event_seq))
         session.status = _resting_status(session)
-        self.stored_clean = clean
-        self._journal_at = durable_seq + SEQ_GAP // 2
+        journal.stored_clean = clean
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
             # write; jump above them, durably, before publishing anything.
@@ -521,6 +452,7 @@ class Actor:
     async def run(self) -> None:
         """Serve the mailbox until hibernated, stopped, or closed."""
         host = self.host
+        journal = self.journal
         if self._ready is not None:
             ready = self._ready
             try:
@@ -530,116 +462,107 @@ class Actor:
                 ready.set()
                 self._fail_queued(exc)
                 await self._release_lease()  # not found or stopped: hold nothing
-                host._detach(self)
+                self.leave_table()
                 return
             self._ready = None
+            if self.phase is Phase.LOADING:
+                self.phase = Phase.SERVING
             ready.set()
             if self.session.open_turn is not None and not self.session.reviews:
                 # (never from a clean hibernation: a hibernated open turn waits on a review)
-                self._settled = len(self.unsaved)
+                journal.settled = len(journal.unsaved)
                 await self.resume_interrupted()
         idle = host.config.idle_timeout
         receive = self.receive
         while True:
-            self._settled = len(self.unsaved)  # every request before this one is answered
-            if self.stop_requested:
+            journal.settled = len(journal.unsaved)  # every request before this is answered
+            if self.phase is Phase.STOPPING:
                 await self._finish_stop()
                 return
-            if self.abort_reason is not None:
-                self._fail_queued(_stopped_error(self.session_id, self.abort_reason))
+            if self.phase is Phase.ABORTING:
+                self._fail_queued(stopped_error(self.session_id, "closing"))
                 await self._hibernate_now()
                 return
             try:
                 if idle is None:
-                    request = await receive.receive()
+                    mail = await receive.receive()
                 else:
-                    request = None
+                    mail = None
                     with trio.move_on_after(idle):
-                        request = await receive.receive()
-                    if request is None:
+                        mail = await receive.receive()
+                    if mail is None:
                         host.stats.idle_hibernations += 1
                         if await self._hibernate_if_idle():
                             return
                         continue
             except trio.EndOfChannel:
                 # the registry is closing (or the session stopping): queue drained
-                if self.stop_requested:
+                if self.stopping:
                     continue
                 await self._hibernate_now()
                 return
-            assert request is not None
-            if (
-                self.stored_clean
-                # without a journal: the jump must still clear what was published
-                or (self.hub is not None and self.hub.seq >= self._journal_at)
-            ) and (isinstance(request, TurnRequest) or request.kind != "hibernate"):
+            assert mail is not None
+            if journal.must_journal_status(self.hub.seq if self.hub is not None else 0) and (
+                mail.__class__ is TurnMail or not isinstance(mail.request, Hibernate)  # type: ignore[union-attr]
+            ):
                 try:
                     await self._journal_status()
                 except BaseException as exc:
-                    request.pending.set_error(self._cut_short(exc))
+                    mail.pending.set_error(self.cut_short(exc))
                     raise
-            if isinstance(request, TurnRequest):
-                drive = self._turn(request)
+            if isinstance(mail, TurnMail):
+                drive = self._turn(mail)
                 if drive is not None:
                     await drive
                 del drive  # an idle actor keeps no spent coroutine alive
-            elif request.kind == "hibernate":
-                try:
-                    left = await self._hibernate_if_idle()
-                except BaseException as exc:  # fenced out, crashed, killed: answer anyway
-                    request.pending.set_error(self._cut_short(exc))
-                    raise
-                request.pending.set_result(left)
-                if left:
-                    return
-            else:
-                await self._call(request)
-            request = None  # nor a finished request (its result included)
+            elif await self._call(mail):
+                return
+            mail = None  # nor a finished request (its result included)
 
-    def _turn(self, request: TurnRequest) -> Coroutine[Any, Any, None] | None:
+    def _turn(self, mail: TurnMail) -> Coroutine[Any, Any, None] | None:
         """Start a turn: its driver to await, or None if it was answered at once.
 
         Not a coroutine itself: a turn in flight keeps one frame less alive.
         """
         session = self.session
         sid = self.session_id
-        key = request.key
+        key = mail.key
         if key is not None:
             done = session.completed.get(key)
             if done is not None:
                 self.inflight_keys.pop(key, None)
-                request.pending.set_result((done.turn_id, done.reply, ()))
+                mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
         if session.reviews:
             review = next(iter(session.reviews.values()))
-            request.pending.set_error(_busy_error(sid, review))
+            mail.pending.set_error(_busy_error(sid, review))
             if key is not None:
                 self.inflight_keys.pop(key, None)
             return None
         try:
-            agent = self.host._agent_for(session)
+            agent = self.host.agent_for(session)
         except LookupError as exc:
-            error = TurnFailedError(str(exc), session_id=sid, turn_id=request.turn_id)
+            error = TurnFailedError(str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
-            request.pending.set_error(error)
+            mail.pending.set_error(error)
             if key is not None:  # a retry with this key runs again once the agent is back
                 self.inflight_keys.pop(key, None)
             return None
-        turn_id = self.turn_id = request.turn_id
-        self.turn_request = request
+        turn_id = self.turn_id = mail.turn_id
+        self.turn_mail = mail
         self._set_status(Status.RUNNING)
-        self._durable(
+        self.durable(
             TurnStarted(
                 session_id=sid,
-                seq=self._seq(),
+                seq=self.next_seq(),
                 turn_id=turn_id,
-                text=request.text,
+                text=mail.text,
                 idempotency_key=key,
             )
         )
-        self.add_message(Message.create(Role.USER, request.text))
+        self.add_message(Message.create(Role.USER, mail.text))
         before = self._compact_before if agent.compaction is not None else None
-        return self._drive(agent, request.pending, key, before=before)
+        return self._drive(agent, mail.pending, key, before=before)
 
     async def _compact_before(self, agent: Agent) -> bool:
         await maybe_compact(self, agent)
@@ -668,7 +591,7 @@ class Actor:
                 if before is None or await before(agent):
                     final = await run_turn(agent, self)
             except Exception as exc:
-                if exc is self.store_fault:  # our write failed, not the agent: restart
+                if exc is self.journal.fault:  # our write failed, not the agent: restart
                     raise
                 failure = exc
         self.turn_scope = None
@@ -679,11 +602,11 @@ class Actor:
             text = "".join(self.partial)
             if text:
                 self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
-            outcome = TurnCancelled(session_id=sid, seq=self._seq(), turn_id=turn_id)
-            if self.abort_reason is not None:
-                error = _stopped_error(sid, "cut")
-            elif self.stop_requested:
-                error = _stopped_error(sid, "stop")
+            outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
+            if self.phase is Phase.ABORTING:
+                error = stopped_error(sid, "cut")
+            elif self.phase is Phase.STOPPING:
+                error = stopped_error(sid, "stop")
             else:
                 error = TurnCancelledError(
                     f"turn {turn_id} of session {sid!r} was cancelled; what it streamed is "
@@ -694,10 +617,10 @@ class Actor:
             stats.turns_cancelled += 1
         elif failure is not None:
             outcome = TurnFailed(
-                session_id=sid, seq=self._seq(), turn_id=turn_id, error=_describe(failure)
+                session_id=sid, seq=self.next_seq(), turn_id=turn_id, error=describe(failure)
             )
             error = TurnFailedError(
-                f"turn {turn_id} of session {sid!r} failed: {_describe(failure)}; "
+                f"turn {turn_id} of session {sid!r} failed: {describe(failure)}; "
                 "the session is fine, send the next message when the cause is fixed",
                 session_id=sid,
                 turn_id=turn_id,
@@ -708,65 +631,83 @@ class Actor:
             # paused for a review: the outcome comes when the review is resolved
             self._set_status(Status.WAITING)
             await self.commit()
-            pending.set_result((turn_id, None, tuple(self.session.reviews.values())))
-            self.turn_request = None
+            pending.set_result(
+                Reply(turn_id=turn_id, message=None, reviews=tuple(self.session.reviews.values()))
+            )
+            self.turn_mail = None
             return
         else:
             outcome = TurnFinished(
-                session_id=sid, seq=self._seq(), turn_id=turn_id, message=final, idempotency_key=key
+                session_id=sid,
+                seq=self.next_seq(),
+                turn_id=turn_id,
+                message=final,
+                idempotency_key=key,
             )
             stats.turns_completed += 1
-        self._durable(outcome, publish=False)
+        self.durable(outcome, publish=False)
         stored = True
-        if self.abort_reason is not None:  # closing: the hibernation snapshot compacts
+        if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
             stored = not bound.cancelled_caught
         else:
             await self.commit()
-        self._emit(outcome)
+        self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
         self._set_status(_resting_status(self.session))
+        reply = Reply(turn_id=turn_id, message=final)
         if not stored:  # answered by the closing snapshot: the turn is in it, or lost
-            if self.turn_request is not None:
-                self.held = (error, (turn_id, final, ()))
+            if self.turn_mail is not None:
+                self.held = (error, reply)
             return
-        self.turn_request = None
+        self.turn_mail = None
         if error is not None:
             pending.set_error(error)
         else:
-            pending.set_result((turn_id, final, ()))
+            pending.set_result(reply)
 
     def _answer_held(self, *, stored: bool) -> None:
         """Answer a closing turn that waited for the closing snapshot."""
-        held, request = self.held, self.turn_request
-        if held is None or request is None:
+        held, mail = self.held, self.turn_mail
+        if held is None or mail is None:
             return
-        self.held = self.turn_request = None
-        error, result = held
+        self.held = self.turn_mail = None
+        error, reply = held
         if not stored:
-            request.pending.set_error(_stopped_error(self.session_id, "unsaved"))
+            mail.pending.set_error(stopped_error(self.session_id, "unsaved"))
         elif error is not None:
-            request.pending.set_error(error)
+            mail.pending.set_error(error)
         else:
-            request.pending.set_result(result)
+            mail.pending.set_result(reply)
 
-    async def _call(self, request: CallRequest) -> None:
+    async def _call(self, mail: CallMail) -> bool:
+        """Serve a request other than a turn; whether the actor left (hibernated)."""
+        request = mail.request
+        pending = mail.pending
         try:
-            if request.kind == "review":
-                await resolve_review(self, request.pending, **request.args)
-                return
-            result = await run_call(self, request.kind, request.args)
+            if isinstance(request, Hibernate):
+                left = await self._hibernate_if_idle()
+                pending.set_result(left)
+                return left
+            if isinstance(request, ResolveReview):
+                await self._resolve_review(request, pending)
+                return False
+            result = await self._edit(request)
         except SessionActorsError as exc:
-            request.pending.set_error(exc)
-            return
+            if isinstance(request, Hibernate):  # fenced out, store failure: answer, then go
+                pending.set_error(self.cut_short(exc))
+                raise
+            pending.set_error(exc)
+            return False
         except BaseException as exc:  # crashed or killed: its waiter must not wait forever
-            request.pending.set_error(self._cut_short(exc))
+            pending.set_error(self.cut_short(exc))
             raise
-        request.pending.set_result(result)
+        pending.set_result(result)
+        return False
 
-    def _cut_short(self, exc: BaseException) -> SessionActorsError:
+    def cut_short(self, exc: BaseException) -> SessionActorsError:
         """The error for the waiter of a request that ``exc`` interrupted."""
         sid = self.session_id
         if isinstance(exc, SessionActorsError):
@@ -775,9 +716,101 @@ class Actor:
             return crashed_error(sid, exc)
         if self.kill_error is not None:  # cancelled: the lease was lost, or deleted
             return self.kill_error
-        if self.deleted:
-            return _deleted_error(sid)
-        return _stopped_error(sid, "closing")
+        return stopped_error(sid, "closing")
+
+    # ---- reviews and history edits ---------------------------------------------------
+
+    async def _resolve_review(self, request: ResolveReview, pending: Pending) -> None:
+        """Approve (run the tool) or deny (tell the model), then let the turn go on."""
+        session = self.session
+        sid = self.session_id
+        review = session.reviews.get(request.review_id)
+        if review is None:
+            known = ", ".join(session.reviews) or "none"
+            raise ReviewNotFoundError(
+                f"session {sid!r} has no pending review {request.review_id!r} (pending: "
+                f"{known}); list them with ref.pending_reviews()",
+                session_id=sid,
+            )
+        try:
+            agent = self.host.agent_for(session)
+        except LookupError as exc:
+            raise TurnFailedError(
+                f"{exc}; the review stays pending until the agent is back",
+                session_id=sid,
+                turn_id=review.turn_id,
+            ) from exc
+        self.turn_id = review.turn_id
+        approve, note = request.approve, request.note
+        self.durable(
+            ReviewResolved(
+                session_id=sid,
+                seq=self.next_seq(),
+                turn_id=review.turn_id,
+                review_id=request.review_id,
+                approved=approve,
+                note=note,
+            )
+        )
+        self._set_status(Status.RUNNING)
+        call = review.tool_call
+
+        async def before(agent: Agent) -> bool:
+            if approve:
+                await run_batch(self, agent, [call])
+            else:
+                text = "a reviewer denied this call; it did not run"
+                record_result(self, call, f"{text}: {note}" if note else text, True)
+            return await resume_tool_calls(self, agent, interrupted=False)
+
+        key = session.open_turn.idempotency_key if session.open_turn is not None else None
+        # the turn in flight is this review's: a crash fails its caller (the supervisor
+        # fails turn_mail) instead of leaving ref.review() waiting forever
+        self.turn_mail = TurnMail(review.turn_id, "", key, pending)
+        await self._drive(agent, pending, key, before=before)
+
+    def _refuse_while_reviewing(self, what: str) -> None:
+        if self.session.reviews:
+            review = next(iter(self.session.reviews.values()))
+            raise SessionBusyError(
+                f"session {self.session_id!r} cannot {what} while review {review.id!r} is "
+                f"pending; resolve it with ref.review({review.id!r}, approve=...) first",
+                session_id=self.session_id,
+            )
+
+    async def _edit(self, request: Truncate | Rewind | SetSummary) -> int:
+        """A history edit, in mailbox order; returns how many messages were removed."""
+        session = self.session
+        sid = self.session_id
+        removed: tuple[str, ...] = ()
+        summary: str | None = None
+        if isinstance(request, Truncate):
+            self._refuse_while_reviewing("truncate")
+            cut = split_for_keep_last(session.messages, request.keep_last)
+            removed = tuple(m.id for m in session.messages[:cut])
+            reason = "truncate"
+        elif isinstance(request, Rewind):
+            self._refuse_while_reviewing("rewind")
+            index = session.find(request.message_id)
+            if index < 0:
+                raise MessageNotFoundError(
+                    f"session {sid!r} has no message {request.message_id!r}; take ids from "
+                    "ref.history()",
+                    session_id=sid,
+                )
+            end = rewind_end(session.messages, index)
+            removed = tuple(m.id for m in session.messages[end:])
+            reason = "rewind"
+        else:
+            summary = request.text
+            reason = "set_summary"
+        self.durable(
+            HistoryEdited(
+                session_id=sid, seq=self.next_seq(), reason=reason, removed=removed, summary=summary
+            )
+        )
+        await self.commit()
+        return len(removed)
 
     async def resume_interrupted(self) -> None:
         """Finish a turn whose process died mid-tool (found open on wake)."""
@@ -785,15 +818,15 @@ class Actor:
         assert open_turn is not None
         self.turn_id = open_turn.turn_id
         try:
-            agent = self.host._agent_for(self.session)
+            agent = self.host.agent_for(self.session)
         except LookupError as exc:
             outcome = TurnFailed(
                 session_id=self.session_id,
-                seq=self._seq(),
+                seq=self.next_seq(),
                 turn_id=self.turn_id,
-                error=_describe(exc),
+                error=describe(exc),
             )
-            self._durable(outcome)
+            self.durable(outcome)
             await self.commit()
             return
         self._set_status(Status.RUNNING)
@@ -808,24 +841,38 @@ class Actor:
     def _fail_queued(self, error: BaseException) -> None:
         while True:
             try:
-                request = self.receive.receive_nowait()
+                mail = self.receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
-            request.pending.set_error(error)
+            mail.pending.set_error(error)
         for inflight in self.inflight_keys.values():
             inflight.pending.set_error(error)
         self.inflight_keys.clear()
 
-    def close_mailbox(self) -> None:
+    def fail_waiters(self, error: SessionActorsError) -> None:
+        """Close the mailbox and fail everyone waiting on this incarnation with ``error``."""
         self.send.close()
+        if self._ready is not None:  # ended while waking: release its waiters
+            self.load_error = error
+            self._ready.set()
+        if self.turn_mail is not None:
+            self.turn_mail.pending.set_error(error)
+            self.turn_mail = None
+        self._fail_queued(error)
+        self.receive.close()
+
+    def leave_table(self) -> None:
+        """This incarnation is gone: out of the table of live sessions."""
+        self.phase = Phase.LEFT
+        self.host.detach(self)
 
     async def _hibernate_if_idle(self) -> bool:
         """Snapshot; leave if nothing arrived meanwhile (else stay live, lease kept)."""
-        if self.session.reviews and self.turn_request is not None:
+        if self.session.reviews and self.turn_mail is not None:
             return False
         await self._snapshot_for_hibernation()
         if self.receive.statistics().current_buffer_used:
-            self.stored_clean = True  # staying live to serve them
+            self.journal.stored_clean = True  # staying live to serve them
             return False
         self._leave(Status.HIBERNATED)
         await self._release_lease()  # after leaving: a request now wakes a new actor
@@ -836,7 +883,7 @@ class Actor:
         with self._bounded_write() as writing:
             await self._snapshot_for_hibernation()
         self._answer_held(stored=not writing.cancelled_caught)
-        self._fail_queued(_stopped_error(self.session_id, "closing"))
+        self._fail_queued(stopped_error(self.session_id, "closing"))
         self._leave(Status.HIBERNATED)
         if not writing.cancelled_caught:  # else the store is stuck: the lease expires
             await self._release_lease()
@@ -848,17 +895,17 @@ class Actor:
         if session.status is not Status.HIBERNATED:
             session.status = Status.HIBERNATED
             event = StatusChanged(
-                session_id=self.session_id, seq=self._seq(), status=Status.HIBERNATED
+                session_id=self.session_id, seq=self.next_seq(), status=Status.HIBERNATED
             )
         await self._write_snapshot(Status.HIBERNATED)
         if event is not None:
-            self._emit(event)
+            self.emit(event)
 
     def _leave(self, status: Status) -> None:
         self.session.status = status
         self.send.close()
         self.receive.close()
-        self.host._detach(self)
+        self.leave_table()
         self.host.stats.hibernated += status is Status.HIBERNATED
 
     async def _finish_stop(self) -> None:
@@ -868,8 +915,8 @@ class Actor:
         not wait for it): reads of the stopped session then replay no journal tail.
         """
         sid = self.session_id
-        event = StatusChanged(session_id=sid, seq=self._seq(), status=Status.STOPPED)
-        self._durable(event, publish=False)
+        event = StatusChanged(session_id=sid, seq=self.next_seq(), status=Status.STOPPED)
+        self.durable(event, publish=False)
         journal = self.host.config.durability == "turn"
         with self._bounded_write() as writing:
             if journal:
@@ -883,8 +930,8 @@ class Actor:
                 session_id=sid,
             )
         self._answer_held(stored=True)
-        self._fail_queued(_stopped_error(sid, "stop"))
-        self._emit(event)
+        self._fail_queued(stopped_error(sid, "stop"))
+        self.emit(event)
         self._leave(Status.STOPPED)
         self._hub().close()
         if journal:  # compaction only: the stop is stored already
@@ -923,7 +970,7 @@ def _resting_status(session: LiveSession) -> Status:
     return Status.IDLE
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -937,7 +984,7 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
     )
 
 
-def _stopped_error(sid: str, reason: str) -> SessionStoppedError:
+def stopped_error(sid: str, reason: str) -> SessionStoppedError:
     if reason == "stop":
         text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
     elif reason == "unsaved":
@@ -963,113 +1010,18 @@ def _stopped_error(sid: str, reason: str) -> SessionStoppedError:
 def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> SessionCrashedError:
     if failed:
         return SessionCrashedError(
-            f"session {sid!r} crashed too often and is marked failed ({_describe(exc)}); "
+            f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); "
             "fix the cause, then restart the process or delete the session",
             session_id=sid,
         )
     return SessionCrashedError(
-        f"session {sid!r} crashed while handling this request ({_describe(exc)}); it was "
+        f"session {sid!r} crashed while handling this request ({describe(exc)}); it was "
         "restarted from its last durable state, so retry the request",
         session_id=sid,
     )
 
 
-async def session_task(host: Host, actor: Actor) -> None:
-    """The supervised life of one session: run, and restart after crashes."""
-    config = host.config
-    crashes: deque[float] | None = None  # made on the first crash
-    while True:
-        scope = actor.run_scope = trio.CancelScope()
-        if actor.deleted:  # deleted before this task began
-            scope.cancel()
-        try:
-            with scope:
-                if crashes is not None:  # a restart lets the others run first
-                    await trio.lowlevel.checkpoint()
-                await actor.run()
-            if scope.cancelled_caught:  # deleted, or its lease was lost
-                _end(host, actor, actor.kill_error or _deleted_error(actor.session_id))
-            return
-        except FencedOutError as exc:
-            # another worker owns the session now: stop here, no restart
-            host.stats.leases_lost += 1
-            actor.lease = None
-            _end(host, actor, exc)
-            return
-        except Exception as exc:
-            host.stats.crashes += 1
-            if actor.deleted:  # crashed while being deleted: nothing to restart
-                _end(host, actor, _deleted_error(actor.session_id))
-                return
-            now = trio.current_time()
-            if crashes is None:
-                crashes = deque()
-            crashes.append(now)
-            while crashes and now - crashes[0] > config.restart_window:
-                crashes.popleft()
-            failed = len(crashes) > config.max_restarts
-            error = crashed_error(actor.session_id, exc, failed=failed)
-            error.__cause__ = exc
-            if actor.stop_requested:  # the stop did not happen: its caller hears why
-                actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
-            _fail_waiters(actor, error)
-            if failed:
-                host._mark_failed(actor, _describe(exc))
-                return
-            host.stats.restarts += 1
-            fresh = Actor(host, actor.session_id, None)
-            fresh.hub = actor.hub
-            if config.durability != "turn":  # what was answered, not the request cut short
-                fresh.unsaved = actor.unsaved[: actor._settled]
-            fresh.lease = actor.lease
-            if host._closing:  # it takes nothing new: it only hibernates what it has
-                fresh.close_mailbox()
-                fresh.abort_reason = actor.abort_reason
-            host._replace(actor, fresh)
-            actor = fresh
-        except BaseException as exc:
-            if _cancelled(exc):
-                # Cancelled from outside: the registry gave up waiting (a stalled store),
-                # or something escaped it. Nobody is left to answer, so answer them now.
-                cut = actor._cut_short(exc)  # killed, deleted, or closing
-                if actor.turn_request is not None and not (actor.kill_error or actor.deleted):
-                    # closing, not killed or deleted: its write may not have landed
-                    actor.turn_request.pending.set_error(
-                        _stopped_error(actor.session_id, "unsaved")
-                    )
-                _end(host, actor, cut)
-            raise
-
-
-def _end(host: Host, actor: Actor, error: SessionActorsError) -> None:
-    """The actor is gone for good (deleted, lease lost, cancelled): fail every waiter."""
-    if actor.stop_requested and not actor.deleted:  # the stop did not happen either
-        actor.stop_error = error
-    _fail_waiters(actor, error)
-    host._detach(actor)
-
-
-def _fail_waiters(actor: Actor, error: SessionActorsError) -> None:
-    """Close the mailbox and fail everyone waiting on this actor with ``error``."""
-    actor.send.close()
-    if actor._ready is not None:  # ended while waking: release its waiters
-        actor.load_error = error
-        actor._ready.set()
-    if actor.turn_request is not None:
-        actor.turn_request.pending.set_error(error)
-        actor.turn_request = None
-    actor._fail_queued(error)
-    actor.receive.close()
-
-
-def _cancelled(exc: BaseException) -> bool:
-    """Whether ``exc`` is a cancellation (or a group of nothing else, from a nursery)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)[1] is None
-    return isinstance(exc, trio.Cancelled)
-
-
-def _deleted_error(sid: str) -> SessionNotFoundError:
+def deleted_error(sid: str) -> SessionNotFoundError:
     return SessionNotFoundError(
         f"session {sid!r} was deleted while this request was pending", session_id=sid
     )

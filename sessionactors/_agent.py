@@ -14,15 +14,12 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from ._errors import MaxStepsError
 from ._history import Estimator, default_estimate
 from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
 from ._records import Message, Role, ToolCall, new_id
 
-__all__ = ["Agent", "Compaction", "MaxStepsError", "TurnContext", "run_turn"]
-
-
-class MaxStepsError(RuntimeError):
-    """The model kept calling tools past the agent's ``max_steps``."""
+__all__ = ["Agent", "Compaction", "TurnContext", "run_turn"]
 
 
 def _tools_converter(tools: Iterable[Any]) -> tuple[Any, ...]:

@@ -10,7 +10,9 @@ __all__ = [
     "EventsExpiredError",
     "FencedOutError",
     "InvalidSessionNameError",
+    "LeaseHeldError",
     "MailboxFullError",
+    "MaxStepsError",
     "MessageNotFoundError",
     "ModelError",
     "ReviewNotFoundError",
@@ -131,6 +133,22 @@ class SessionBusyError(SessionActorsError):
     """The session cannot take this request now (for example a review is pending)."""
 
 
+class LeaseHeldError(SessionBusyError):
+    """Another process holds the session's lease: it is live there, not here.
+
+    Send the request through that process (a registry on a store that connects
+    workers does so itself), or retry once it hibernates the session or its
+    lease expires.
+    """
+
+
+class MaxStepsError(SessionActorsError, RuntimeError):
+    """The model kept calling tools past the agent's ``max_steps``.
+
+    It becomes the ``__cause__`` of the turn's :class:`TurnFailedError`.
+    """
+
+
 class ModelError(SessionActorsError, RuntimeError):
     """A model adapter could not get an answer (HTTP error, malformed stream).
 
@@ -151,3 +169,9 @@ class ReviewNotFoundError(SessionActorsError, LookupError):
 
 class MessageNotFoundError(SessionActorsError, LookupError):
     """No message of the session has that id."""
+
+
+# Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).
+for _name in __all__:
+    globals()[_name].__module__ = "sessionactors"
+del _name

@@ -10,22 +10,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-import attrs
 import trio
 
+from ._config import HubConfig
 from ._errors import SubscriberLaggedError
 from ._events import Delta, Event, MessageAdded, TurnFinished
 
-__all__ = ["Hub", "HubConfig", "Subscriber"]
-
-
-@attrs.frozen(kw_only=True)
-class HubConfig:
-    """Bounds of the replay ring (events and bytes) and of each subscriber's buffer."""
-
-    replay_events: int = 1000
-    replay_bytes: int = 1 << 20
-    subscriber_buffer: int = 1000
+__all__ = ["Hub", "Subscriber", "lagged_error"]
 
 
 def _size(event: Event) -> int:

@@ -183,8 +183,8 @@ async def serve(registry: sa.Registry, store: LoggingStore, nursery: trio.Nurser
             elif op == "writes":
                 emit({"id": rid, "writes": store.writes})
             elif op == "stats":
-                assert registry._cluster is not None
-                emit({"id": rid, **attrs.asdict(registry._cluster.stats)})
+                assert registry._dispatcher.router is not None
+                emit({"id": rid, **attrs.asdict(registry._dispatcher.router.stats)})
             else:
                 emit({"id": rid, "error": "ValueError", "message": f"unknown op {op!r}"})
         except Exception as exc:
@@ -194,7 +194,7 @@ async def serve(registry: sa.Registry, store: LoggingStore, nursery: trio.Nurser
 def fences(registry: sa.Registry) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for name in registry.live():
-        actor = registry._live[name]
+        actor = registry._sessions.live[name]
         out[name] = actor.lease.fence if actor.lease is not None else None
     return out
 
@@ -225,8 +225,8 @@ async def start_turn(registry: sa.Registry, cmd: dict[str, Any]) -> None:
 
 async def wake(registry: sa.Registry, cmd: dict[str, Any]) -> None:
     name = cmd["name"]
-    if registry._cluster is not None:  # race as a worker that never saw the session
-        registry._cluster._owners.pop(name, None)
+    if registry._dispatcher.router is not None:  # race as a worker that never saw the session
+        registry._dispatcher.router._owners.pop(name, None)
     try:
         history = await registry.ref(name).history()
     except Exception as exc:

@@ -39,6 +39,7 @@ from coredis.commands import Script
 from coredis.retry import NoRetryPolicy
 
 from .._errors import StoreError
+from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
     _check_entries,
@@ -341,11 +342,30 @@ class RedisStore:
         where = "client" if self._client is not None else repr(_redact(self.url))
         return f"RedisStore({where}, prefix={self.prefix!r})"
 
+    # -- many workers ----------------------------------------------------------------
+
+    async def open_router(self, host: RouterHost, nursery: trio.Nursery) -> Router:
+        """The multi-worker router of a registry on this store: requests and events
+        reach a session on whichever worker runs it (``sessionactors.workers``)."""
+        from ..workers import open_cluster
+        from ._redis_transport import RedisTransport
+
+        return await open_cluster(host, RedisTransport(self), nursery)
+
     # -- keys ----------------------------------------------------------------------
 
+    def _key(self, kind: str, name: str, suffix: str) -> str:
+        """The key ``<prefix>:<kind>:<name, escaped>:<suffix>`` (kind "s": a session's,
+        "w": a worker's)."""
+        return f"{self.prefix}:{kind}:{_encode_name(name)}:{suffix}"
+
     def _keys(self, session_id: str) -> tuple[str, str, str, str]:
-        base = f"{self.prefix}:s:{_encode_name(session_id)}"
-        return f"{base}:meta", f"{base}:info", f"{base}:log", f"{base}:lease"
+        return (
+            self._key("s", session_id, "meta"),
+            self._key("s", session_id, "info"),
+            self._key("s", session_id, "log"),
+            self._key("s", session_id, "lease"),
+        )
 
     @property
     def _index_key(self) -> str:

@@ -1,35 +1,46 @@
-"""What an actor does beyond plain turns: tool calls, reviews, resumption,
-compaction and history edits. Every change goes through durable events."""
+"""A turn's tool calls, their reviews and resumption, and compaction.
+
+Every change goes through durable events that the actor folds into its state;
+these functions reach the actor only through :class:`TurnHost`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import trio
 
-from ._errors import (
-    MessageNotFoundError,
-    ReviewNotFoundError,
-    SessionBusyError,
-    TurnFailedError,
-)
-from ._events import HistoryEdited, ReviewRequested, ReviewResolved, ToolCallStarted, ToolResult
-from ._history import rewind_end, split_for_keep_last
+from ._agent import Agent
+from ._events import Event, HistoryEdited, ReviewRequested, ToolCallStarted, ToolResult
+from ._history import split_for_keep_last
 from ._model import ModelRequest, TextChunk
-from ._records import Message, ReviewRequest, Role, Status, ToolCall, new_id, utcnow
-
-if TYPE_CHECKING:
-    from ._actor import Actor, Pending
-    from ._agent import Agent
+from ._records import Message, ReviewRequest, Role, ToolCall, new_id, utcnow
+from ._session import LiveSession
 
 __all__ = [
+    "TurnHost",
     "maybe_compact",
-    "resolve_review",
+    "record_result",
     "resume_tool_calls",
-    "run_call",
+    "run_batch",
     "run_tool_calls",
 ]
+
+
+class TurnHost(Protocol):
+    """What the tool-call steps of a turn may do to their session (the actor)."""
+
+    session_id: str
+    turn_id: str
+    session: LiveSession
+
+    def next_seq(self) -> int: ...
+    def emit(self, event: Event) -> None: ...
+    def durable(self, event: Event, *, publish: bool = True) -> Event: ...
+    def add_message(self, message: Message) -> None: ...
+    def request_messages(self) -> Sequence[Message]: ...
+    async def commit(self, *, compact: bool = True) -> None: ...
 
 
 def _needs_review(agent: Agent, call: ToolCall) -> bool:
@@ -63,11 +74,11 @@ async def _invoke(agent: Agent, call: ToolCall) -> tuple[str, bool]:
     return content, outcome.is_error
 
 
-def _record_result(actor: Actor, call: ToolCall, content: str, is_error: bool) -> None:
-    actor._emit(
+def record_result(actor: TurnHost, call: ToolCall, content: str, is_error: bool) -> None:
+    actor.emit(
         ToolResult(
             session_id=actor.session_id,
-            seq=actor._seq(),
+            seq=actor.next_seq(),
             turn_id=actor.turn_id,
             tool_call_id=call.id,
             content=content,
@@ -77,7 +88,7 @@ def _record_result(actor: Actor, call: ToolCall, content: str, is_error: bool) -
     actor.add_message(Message.create(Role.TOOL, content, tool_call_id=call.id, is_error=is_error))
 
 
-def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> bool:
+def _start_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bool:
     """Publish the calls' starts; whether one is not idempotent (then commit first).
 
     Only a non-idempotent call's start goes into the journal (and the open turn's
@@ -87,24 +98,24 @@ def _start_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> bool:
     commit = False
     for call in calls:
         event = ToolCallStarted(
-            session_id=actor.session_id, seq=actor._seq(), turn_id=actor.turn_id, tool_call=call
+            session_id=actor.session_id, seq=actor.next_seq(), turn_id=actor.turn_id, tool_call=call
         )
         if _idempotent(agent, call):
-            actor._emit(event)
+            actor.emit(event)
         else:
-            actor._durable(event)
+            actor.durable(event)
             commit = True
     return commit
 
 
-async def _run_batch(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> None:
+async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
     """Run independent calls concurrently; record their results in call order."""
     if _start_calls(actor, agent, calls):
         # before a non-idempotent call runs, its start is durable
         with trio.CancelScope(shield=True):
             await actor.commit()
     if len(calls) == 1:
-        _record_result(actor, calls[0], *await _invoke(agent, calls[0]))
+        record_result(actor, calls[0], *await _invoke(agent, calls[0]))
         return
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
 
@@ -115,10 +126,10 @@ async def _run_batch(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> N
         for i, call in enumerate(calls):
             nursery.start_soon(one, i, call)
     for call, (content, is_error) in zip(calls, results, strict=True):
-        _record_result(actor, call, content, is_error)
+        record_result(actor, call, content, is_error)
 
 
-def _request_review(actor: Actor, call: ToolCall) -> None:
+def _request_review(actor: TurnHost, call: ToolCall) -> None:
     review = ReviewRequest(
         id=new_id("review"),
         session_id=actor.session_id,
@@ -126,14 +137,14 @@ def _request_review(actor: Actor, call: ToolCall) -> None:
         created_at=utcnow(),
         turn_id=actor.turn_id,
     )
-    actor._durable(
+    actor.durable(
         ReviewRequested(
-            session_id=actor.session_id, seq=actor._seq(), turn_id=actor.turn_id, review=review
+            session_id=actor.session_id, seq=actor.next_seq(), turn_id=actor.turn_id, review=review
         )
     )
 
 
-async def run_tool_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) -> bool:
+async def run_tool_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bool:
     """Run the calls in order, pausing at the first that needs a review (False)."""
     i = 0
     try:
@@ -142,7 +153,7 @@ async def run_tool_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) 
             while j < len(calls) and not _needs_review(agent, calls[j]):
                 j += 1
             if j > i:
-                await _run_batch(actor, agent, calls[i:j])
+                await run_batch(actor, agent, calls[i:j])
             if j < len(calls):
                 _request_review(actor, calls[j])
                 return False
@@ -151,7 +162,7 @@ async def run_tool_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) 
         # cancelled while tools ran: answer every open call, so that the history never
         # keeps a call without its result (the model would be sent a broken history)
         for call in _unanswered_calls(actor):
-            _record_result(
+            record_result(
                 actor,
                 call,
                 "this call was cancelled before its result was recorded; it may or may "
@@ -162,7 +173,7 @@ async def run_tool_calls(actor: Actor, agent: Agent, calls: Sequence[ToolCall]) 
     return True
 
 
-def _unanswered_calls(actor: Actor) -> tuple[ToolCall, ...]:
+def _unanswered_calls(actor: TurnHost) -> tuple[ToolCall, ...]:
     """The calls of the last assistant message that have no result yet, in order."""
     messages = actor.session.messages
     for i in range(len(messages) - 1, -1, -1):
@@ -175,7 +186,7 @@ def _unanswered_calls(actor: Actor) -> tuple[ToolCall, ...]:
     return ()
 
 
-async def resume_tool_calls(actor: Actor, agent: Agent, *, interrupted: bool) -> bool:
+async def resume_tool_calls(actor: TurnHost, agent: Agent, *, interrupted: bool) -> bool:
     """Answer the open turn's remaining calls; False if it pauses for a review again.
 
     After a crash (``interrupted``), a non-idempotent call that had started
@@ -189,7 +200,7 @@ async def resume_tool_calls(actor: Actor, agent: Agent, *, interrupted: bool) ->
         # every started non-idempotent call, even after one that runs again (its result
         # then comes before theirs: results are matched to calls by id)
         if interrupted and call.id in started and not _idempotent(agent, call):
-            _record_result(
+            record_result(
                 actor,
                 call,
                 "this call was interrupted by a crash after it started; it was not run "
@@ -199,58 +210,6 @@ async def resume_tool_calls(actor: Actor, agent: Agent, *, interrupted: bool) ->
         else:
             rest.append(call)
     return await run_tool_calls(actor, agent, rest)
-
-
-async def resolve_review(
-    actor: Actor, pending: Pending, *, review_id: str, approve: bool, note: str | None
-) -> None:
-    """Approve (run the tool) or deny (tell the model), then let the turn go on."""
-    session = actor.session
-    review = session.reviews.get(review_id)
-    if review is None:
-        known = ", ".join(session.reviews) or "none"
-        raise ReviewNotFoundError(
-            f"session {actor.session_id!r} has no pending review {review_id!r} (pending: "
-            f"{known}); list them with ref.pending_reviews()",
-            session_id=actor.session_id,
-        )
-    try:
-        agent = actor.host._agent_for(session)
-    except LookupError as exc:
-        raise TurnFailedError(
-            f"{exc}; the review stays pending until the agent is back",
-            session_id=actor.session_id,
-            turn_id=review.turn_id,
-        ) from exc
-    actor.turn_id = review.turn_id
-    actor._durable(
-        ReviewResolved(
-            session_id=actor.session_id,
-            seq=actor._seq(),
-            turn_id=review.turn_id,
-            review_id=review_id,
-            approved=approve,
-            note=note,
-        )
-    )
-    actor._set_status(Status.RUNNING)
-    call = review.tool_call
-
-    async def before(agent: Agent) -> bool:
-        if approve:
-            await _run_batch(actor, agent, [call])
-        else:
-            text = "a reviewer denied this call; it did not run"
-            _record_result(actor, call, f"{text}: {note}" if note else text, True)
-        return await resume_tool_calls(actor, agent, interrupted=False)
-
-    key = session.open_turn.idempotency_key if session.open_turn is not None else None
-    from ._actor import TurnRequest
-
-    # the turn in flight is this review's: a crash fails its caller (the supervisor
-    # fails actor.turn_request) instead of leaving ref.review() waiting forever
-    actor.turn_request = TurnRequest(review.turn_id, "", key, pending)
-    await actor._drive(agent, pending, key, before=before)
 
 
 def _transcript(messages: Sequence[Message]) -> str:
@@ -266,7 +225,7 @@ def _transcript(messages: Sequence[Message]) -> str:
     return "\n".join(lines)
 
 
-async def maybe_compact(actor: Actor, agent: Agent) -> None:
+async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
     """Summarize the older history when the next request would exceed the budget."""
     compaction = agent.compaction
     if compaction is None:
@@ -303,57 +262,12 @@ async def maybe_compact(actor: Actor, agent: Agent) -> None:
     summary = "".join(chunks).strip()
     if not summary:
         return
-    actor._durable(
+    actor.durable(
         HistoryEdited(
             session_id=actor.session_id,
-            seq=actor._seq(),
+            seq=actor.next_seq(),
             reason="compaction",
             removed=tuple(m.id for m in older),
             summary=summary,
         )
     )
-
-
-def _refuse_while_reviewing(actor: Actor, what: str) -> None:
-    if actor.session.reviews:
-        review = next(iter(actor.session.reviews.values()))
-        raise SessionBusyError(
-            f"session {actor.session_id!r} cannot {what} while review {review.id!r} is "
-            f"pending; resolve it with ref.review({review.id!r}, approve=...) first",
-            session_id=actor.session_id,
-        )
-
-
-async def run_call(actor: Actor, kind: str, args: dict[str, Any]) -> Any:
-    """Serve a history edit in mailbox order; returns how many messages were removed."""
-    session = actor.session
-    sid = actor.session_id
-    removed: tuple[str, ...] = ()
-    summary: str | None = None
-    if kind == "truncate":
-        _refuse_while_reviewing(actor, "truncate")
-        keep_last = args["keep_last"]
-        cut = split_for_keep_last(session.messages, keep_last)
-        removed = tuple(m.id for m in session.messages[:cut])
-    elif kind == "rewind":
-        _refuse_while_reviewing(actor, "rewind")
-        index = session.find(args["message_id"])
-        if index < 0:
-            raise MessageNotFoundError(
-                f"session {sid!r} has no message {args['message_id']!r}; take ids from "
-                "ref.history()",
-                session_id=sid,
-            )
-        end = rewind_end(session.messages, index)
-        removed = tuple(m.id for m in session.messages[end:])
-    elif kind == "set_summary":
-        summary = args["text"]
-    else:
-        raise ValueError(f"unknown request kind {kind!r} for session {sid!r}")
-    actor._durable(
-        HistoryEdited(
-            session_id=sid, seq=actor._seq(), reason=kind, removed=removed, summary=summary
-        )
-    )
-    await actor.commit()
-    return len(removed)

@@ -1,12 +1,14 @@
 """Location transparency on a shared store: requests and events across workers.
 
-With a store that offers a :class:`Transport` (``RedisStore`` does; ``MemoryStore``
-and ``SQLiteStore`` do not, and keep raising ``SessionBusyError`` for a session
-live in another process), every worker of a registry:
+The multi-worker layer: a plug-in behind the core's router seam
+(``sessionactors._router``). With a store that offers a :class:`Transport`
+(``RedisStore`` does; ``MemoryStore`` and ``SQLiteStore`` do not, and keep raising
+``LeaseHeldError`` for a session live in another process), every worker of a
+registry:
 
 * announces itself: a liveness key holding its incarnation (a fresh id per
   registry), renewed every third of ``lease_ttl``, and an inbox (a stream named
-  by ``registry.owner_id``) that one task reads;
+  by ``registry.worker_id``) that one task reads;
 * forwards a request for a session whose lease another worker holds to that
   worker's inbox, naming its own inbox for the answer. The owner runs it through
   its own registry (waking the session if it hibernated it meanwhile) and answers
@@ -35,36 +37,44 @@ live in another process), every worker of a registry:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 import attrs
 import msgpack
 import trio
 
-from ._actor import LeaseHeldError, Pending
-from ._codec import dump_event, dump_snapshot, load_event, load_events, load_snapshot
-from ._errors import (
+from .._codec import dump_event, dump_snapshot, load_event, load_events, load_snapshot
+from .._errors import (
+    LeaseHeldError,
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
     SnapshotError,
     StoreError,
 )
-from ._events import Event, MessageAdded, ReviewRequested, StatusChanged
-from ._hub import Hub
-from ._records import Message, ReviewRequest, Status, new_id
-from ._ref import SessionRef, Turn
-from ._session import LiveSession
-from ._subscription import EventIterator, open_event_iterator
-from .stores._base import JournalEntry, Store
+from .._events import Event, MessageAdded, ReviewRequested, StatusChanged
+from .._hub import Hub
+from .._pending import Pending
+from .._records import Message, ReviewRequest, SessionState, Status, new_id
+from .._ref import Turn, new_turn
+from .._requests import (
+    Call,
+    Cancel,
+    Delete,
+    Hibernate,
+    Reply,
+    ResolveReview,
+    Rewind,
+    SetSummary,
+    Stop,
+    Truncate,
+)
+from .._router import NOT_ROUTED, RouterHost
+from .._subscription import EventIterator, open_event_iterator
+from ..stores._base import JournalEntry, Store
 
-if TYPE_CHECKING:
-    from ._registry import Registry
-    from .stores._redis import RedisStore
-
-__all__ = ["Cluster", "ClusterStatistics", "RedisTransport", "Transport", "start_cluster"]
+__all__ = ["Cluster", "ClusterStatistics", "StreamItem", "Transport", "open_cluster"]
 
 #: One entry of a session's event stream: (seq, kind, payload). Kinds: "event"
 #: (payload: the codec's bytes), "lost" (payload: the first lost seq, ASCII; the
@@ -73,12 +83,23 @@ StreamItem = tuple[int, str, bytes]
 
 _QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions together
 _BATCH: Final = 1000  # events per publishing round trip
-_READ_COUNT: Final = 1000  # entries per stream per read
 _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
-_EVENTS_TTL: Final = 24 * 3600.0  # an event stream nobody writes to expires after a day
 _MAX_HINTS: Final = 100_000
-_SAFE_CALLS: Final = frozenset({"set_summary", "cancel", "hibernate"})
+#: Requests that may run twice without harm: sent again to the next owner if one dies.
+_SAFE_CALLS: Final = (SetSummary, Cancel, Hibernate)
+#: The requests a worker forwards, by their wire tag (never reuse a retired tag).
+_CALL_TAGS: Final[dict[str, type[Any]]] = {
+    "truncate": Truncate,
+    "rewind": Rewind,
+    "set_summary": SetSummary,
+    "review": ResolveReview,
+    "hibernate": Hibernate,
+    "cancel": Cancel,
+    "stop": Stop,
+    "delete": Delete,
+}
+_TAG_OF: Final = {cls: tag for tag, cls in _CALL_TAGS.items()}
 # Errors that are plain builtins when the owner raises them.
 _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "ValueError": ValueError,
@@ -150,248 +171,6 @@ class Transport(Protocol):
         ...
 
 
-def transport_for(store: Store) -> Transport | None:
-    """The store's transport: its ``cluster_transport()``, RedisStore's, or None."""
-    make = getattr(store, "cluster_transport", None)
-    if callable(make):
-        return cast(Transport, make())
-    import sys
-
-    redis_module = sys.modules.get("sessionactors.stores._redis")
-    if redis_module is not None and isinstance(store, redis_module.RedisStore):
-        return RedisTransport(store)
-    return None
-
-
-async def start_cluster(registry: Registry, nursery: trio.Nursery) -> Cluster | None:
-    """Start the registry's cluster tasks in ``nursery`` if its store has a transport."""
-    transport = transport_for(registry.store)
-    if transport is None:
-        await trio.lowlevel.checkpoint()
-        return None
-    cluster = Cluster(registry, transport)
-    await nursery.start(cluster.run)
-    return cluster
-
-
-# ---- Redis -------------------------------------------------------------------------
-
-_POST: Final = """
-local who = redis.call('GET', KEYS[1])
-if not who then return false end
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
-if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
-return who
-"""
-_HEARTBEAT: Final = """
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[2], 'MINID', ARGV[4]) end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-_LEAVE: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 1
-"""
-_PUBLISH: Final = """
-local pos = 3
-for i = 1, #KEYS do
-  local n = tonumber(ARGV[pos])
-  pos = pos + 1
-  for j = 1, n do
-    redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
-    pos = pos + 3
-  end
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
-end
-return 0
-"""
-_EVENTS_AFTER: Final = """
-local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
-"""
-_END_EVENTS: Final = """
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local seq = 0
-if #last > 0 then seq = tonumber(string.match(last[1][1], '^(%d+)')) end
-redis.call('XADD', KEYS[1], string.format('%d-0', seq + 1), 'gone', '1')
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-
-
-def _ms(seconds: float) -> str:
-    return str(max(1, math.ceil(seconds * 1000)))
-
-
-def _seq_of(identifier: Any) -> int:
-    return int(bytes(identifier).split(b"-", 1)[0])
-
-
-def _item(identifier: Any, fields: Mapping[Any, Any]) -> StreamItem:
-    seq = _seq_of(identifier)
-    data = fields.get(b"d")
-    if data is not None:
-        return (seq, "event", bytes(data))
-    lost = fields.get(b"lost")
-    if lost is not None:
-        return (seq, "lost", bytes(lost))
-    return (seq, "gone", b"")
-
-
-def _script_items(reply: Any) -> list[StreamItem]:
-    # a script's XRANGE reply: [[id, [field, value, ...]], ...]
-    out: list[StreamItem] = []
-    for identifier, flat in reply:
-        fields = {bytes(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
-        out.append(_item(identifier, fields))
-    return out
-
-
-class RedisTransport:
-    """The transport of a :class:`~sessionactors.stores.RedisStore`, under its prefix.
-
-    Keys: ``<prefix>:w:<worker>:alive`` (its incarnation, expiring),
-    ``<prefix>:w:<worker>:inbox`` (a stream) and ``<prefix>:s:<name>:ev`` (a
-    session's events), names escaped as the store escapes them.
-    """
-
-    def __init__(self, store: RedisStore) -> None:
-        from coredis.commands import Script
-
-        from .stores._redis import _encode_name
-
-        self._store = store
-        self._encode = _encode_name
-        self._post = Script[bytes](script=_POST)
-        self._heartbeat = Script[bytes](script=_HEARTBEAT)
-        self._leave = Script[bytes](script=_LEAVE)
-        self._publish = Script[bytes](script=_PUBLISH)
-        self._events_after = Script[bytes](script=_EVENTS_AFTER)
-        self._end_events = Script[bytes](script=_END_EVENTS)
-
-    def _worker(self, worker: str) -> tuple[str, str]:
-        base = f"{self._store.prefix}:w:{self._encode(worker)}"
-        return f"{base}:alive", f"{base}:inbox"
-
-    def _events(self, session_id: str) -> str:
-        return f"{self._store.prefix}:s:{self._encode(session_id)}:ev"
-
-    async def heartbeat(
-        self, worker: str, incarnation: str, ttl: float, keep_from: str | None
-    ) -> None:
-        keys = list(self._worker(worker))
-        args = [incarnation, _ms(ttl), _ms(3 * ttl), keep_from or ""]
-        await self._store._run(
-            "announce worker", None, lambda c: self._heartbeat(keys, args, client=c)
-        )
-
-    async def leave(self, worker: str, incarnation: str) -> None:
-        keys = list(self._worker(worker))
-        await self._store._run(
-            "retire worker", None, lambda c: self._leave(keys, [incarnation], client=c)
-        )
-
-    async def incarnation(self, worker: str) -> str | None:
-        alive = self._worker(worker)[0]
-        value: Any = await self._store._run("look up worker", None, lambda c: c.get(alive))
-        return None if value is None else bytes(value).decode()
-
-    async def lease_owner(self, session_id: str) -> str | None:
-        lease = self._store._keys(session_id)[3]
-        value: Any = await self._store._run(
-            "look up the owner of", session_id, lambda c: c.hget(lease, "owner")
-        )
-        return None if value is None else bytes(value).decode()
-
-    async def post(self, worker: str, message: bytes, ttl: float) -> str | None:
-        keys = list(self._worker(worker))
-        args: list[str | bytes] = [message, _ms(3 * ttl)]
-        value: Any = await self._store._run(
-            "send a request to", None, lambda c: self._post(keys, args, client=c)
-        )
-        return None if value is None else bytes(value).decode()
-
-    async def read(
-        self,
-        worker: str,
-        inbox_after: str,
-        streams: Mapping[str, int],
-        block: float | None,
-    ) -> tuple[list[tuple[str, bytes]], dict[str, list[StreamItem]]]:
-        inbox = self._worker(worker)[1]
-        ids: dict[str, str] = {inbox: inbox_after}
-        names: dict[bytes, str] = {}
-        for name, seq in streams.items():
-            key = self._events(name)
-            ids[key] = f"{seq}-0"
-            names[key.encode()] = name
-        wait = None if block is None else max(1, int(block * 1000))
-        reply: Any = await self._store._run(
-            "read the inbox of", None, lambda c: c.xread(ids, count=_READ_COUNT, block=wait)
-        )
-        messages: list[tuple[str, bytes]] = []
-        events: dict[str, list[StreamItem]] = {}
-        for raw_key, entries in (reply or {}).items():
-            got = bytes(raw_key)
-            if got == inbox.encode():
-                for entry in entries:
-                    data = entry.field_values.get(b"m")
-                    if data is not None:
-                        messages.append((bytes(entry.identifier).decode(), bytes(data)))
-            elif got in names:
-                events[names[got]] = [_item(e.identifier, e.field_values) for e in entries]
-        return messages, events
-
-    async def publish(self, batches: Mapping[str, Sequence[StreamItem]], keep: int) -> None:
-        keys: list[str] = []
-        args: list[str | bytes] = [str(max(1, keep)), _ms(_EVENTS_TTL)]
-        for name, items in batches.items():
-            if not items:
-                continue
-            keys.append(self._events(name))
-            args.append(str(len(items)))
-            for seq, kind, payload in items:
-                field = {"event": "d", "lost": "lost"}.get(kind, "gone")
-                args += [f"{seq}-0", field, payload or b"1"]
-        if keys:
-            await self._store._run(
-                "publish events of", None, lambda c: self._publish(keys, args, client=c)
-            )
-
-    async def last_event_seq(self, session_id: str) -> int:
-        key = self._events(session_id)
-        reply: Any = await self._store._run(
-            "read the events of", session_id, lambda c: c.xrevrange(key, "+", "-", count=1)
-        )
-        return _seq_of(reply[0].identifier) if reply else 0
-
-    async def events_after(
-        self, session_id: str, after: int
-    ) -> tuple[int | None, list[StreamItem]]:
-        key = self._events(session_id)
-        start = f"({after}-0" if after >= 0 else "-"
-        reply: Any = await self._store._run(
-            "read the events of",
-            session_id,
-            lambda c: self._events_after([key], [start], client=c),
-        )
-        first, entries = reply
-        oldest = _seq_of(first[0][0]) if first else None
-        return oldest, _script_items(entries)
-
-    async def reset_events(self, session_id: str) -> None:
-        key = self._events(session_id)
-        await self._store._run("reset the events of", session_id, lambda c: c.delete([key]))
-
-    async def end_events(self, session_id: str) -> None:
-        key = self._events(session_id)
-        ttl = [_ms(60.0)]
-        await self._store._run(
-            "end the events of", session_id, lambda c: self._end_events([key], ttl, client=c)
-        )
-
-
 # ---- wire format -------------------------------------------------------------------
 
 
@@ -408,10 +187,8 @@ def _unpack(data: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _dump_reply(
-    name: str, result: tuple[str, Message | None, Sequence[ReviewRequest]]
-) -> dict[str, Any]:
-    turn_id, message, reviews = result
+def _dump_reply(name: str, reply: Reply) -> dict[str, Any]:
+    turn_id, message, reviews = reply.turn_id, reply.message, reply.reviews
     return {
         "turn_id": turn_id,
         "message": (
@@ -426,7 +203,7 @@ def _dump_reply(
     }
 
 
-def _load_reply(name: str, body: Any) -> tuple[str, Message | None, tuple[ReviewRequest, ...]]:
+def _load_reply(name: str, body: Any) -> Reply:
     turn_id = str(body["turn_id"])
     message: Message | None = None
     if body["message"] is not None:
@@ -438,7 +215,17 @@ def _load_reply(name: str, body: Any) -> tuple[str, Message | None, tuple[Review
         event = load_event(bytes(data), session_id=name)
         assert isinstance(event, ReviewRequested)
         reviews.append(event.review)
-    return turn_id, message, tuple(reviews)
+    return Reply(turn_id=turn_id, message=message, reviews=tuple(reviews))
+
+
+def _dump_call(request: Call | Cancel | Stop | Delete) -> dict[str, Any]:
+    return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
+
+
+def _load_call(body: Any) -> Call | Cancel | Stop | Delete:
+    cls = _CALL_TAGS[str(body["t"])]
+    request: Call | Cancel | Stop | Delete = cls(**dict(body["f"]))
+    return request
 
 
 def _error_classes() -> dict[str, type[SessionActorsError]]:
@@ -551,7 +338,7 @@ class _Replay:
         if oldest is not None and oldest <= after + 1 and not lost:
             return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
         # The stream does not reach back to ``after``: the journal has the durable events.
-        trimmed, entries = await self._cluster.registry.store.read_journal(session_id, after)
+        trimmed, entries = await self._cluster.host.store.read_journal(session_id, after)
         for entry in entries:
             found.setdefault(entry.seq, entry.data)
         return trimmed, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
@@ -560,12 +347,12 @@ class _Replay:
 class Cluster:
     """One worker's side of the cluster: inbox, forwarding, event streams, mirrors."""
 
-    def __init__(self, registry: Registry, transport: Transport) -> None:
-        self.registry = registry
+    def __init__(self, host: RouterHost, transport: Transport) -> None:
+        self.host = host
         self.transport = transport
-        self.worker = registry.owner_id
+        self.worker = host.worker_id
         self.incarnation = new_id("inc")
-        self.ttl = registry.config.lease_ttl
+        self.ttl = host.config.lease_ttl
         self.stats = ClusterStatistics()
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -700,34 +487,30 @@ class Cluster:
     async def _serve(self, body: dict[str, Any]) -> None:
         """Run a request another worker sent, and answer it."""
         self.stats.served += 1
-        registry = self.registry
+        host = self.host
         try:
             op = str(body["op"])
             name = str(body["s"])
-            ref = SessionRef(registry, name, local=True)
-            if name not in registry._live:
+            if not host.is_live(name):
                 # Hibernated (or lost) since the requester looked: it is live nowhere,
                 # so the requester wakes it itself.
                 raise LeaseHeldError(f"session {name!r} is not live here", session_id=name)
             if op == "turn":
                 key = body.get("key")
-                turn = await ref.submit(str(body["text"]), idempotency_key=key)
+                turn = await host.submit_here(name, str(body["text"]), key)
                 if body.get("ack"):
                     await self._answer(
                         body, {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
                     )
                 reply = await turn.reply()
-                result = (reply.turn_id, reply.message, reply.reviews)
-                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, result)})
+                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, reply)})
             elif op == "read":
-                session = await registry._ready(name, local=True)
-                state = session.to_state()
-                hub = registry._hubs.get(name)
-                if hub is not None and hub.seq > state.event_seq:
-                    state = attrs.evolve(state, event_seq=hub.seq)
+                state = await host.read_here(name)
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
             elif op == "call":
-                value = await self._serve_call(ref, name, str(body["kind"]), dict(body["args"]))
+                value = await host.call_here(name, _load_call(body["req"]))
+                if isinstance(value, Reply):
+                    value = _dump_reply(name, value)
                 await self._answer(body, {"ok": "value", "value": value})
             else:
                 raise ValueError(f"unknown cluster request {op!r}")
@@ -735,29 +518,12 @@ class Cluster:
             self.stats.moved += 1
             await self._answer(body, {"moved": True})
         except SessionStoppedError as exc:
-            if registry._closing:  # not run here: the session's next owner will
+            if host.closing:  # not run here: the session's next owner will
                 await self._answer(body, {"moved": True})
             else:
                 await self._answer(body, _dump_error(exc))
         except Exception as exc:
             await self._answer(body, _dump_error(exc))
-
-    async def _serve_call(self, ref: SessionRef, name: str, kind: str, args: dict[str, Any]) -> Any:
-        if kind == "stop":
-            await ref.stop()
-            return None
-        if kind == "cancel":
-            return await ref.cancel()
-        if kind == "hibernate":
-            await ref.hibernate()
-            return None
-        if kind == "delete":
-            await self.registry._delete(name, local=True)
-            return None
-        result = await ref._request(kind, args)
-        if kind == "review":
-            return _dump_reply(name, cast(Any, result))
-        return result
 
     async def _answer(self, request: Mapping[str, Any], body: dict[str, Any]) -> None:
         body["re"] = request.get("id")
@@ -771,9 +537,9 @@ class Cluster:
 
     # ---- the requester's side ------------------------------------------------------
 
-    def owned_elsewhere(self, name: str) -> bool:
+    def elsewhere(self, name: str) -> bool:
         """Whether this worker believes another one runs ``name`` (no I/O)."""
-        return name in self._owners and name not in self.registry._live
+        return name in self._owners and not self.host.is_live(name)
 
     def held_elsewhere(self, name: str) -> None:
         """Note that another worker holds ``name``'s lease (owner not known yet)."""
@@ -795,12 +561,7 @@ class Cluster:
             return None
         if forwarded.early_error is not None:
             raise forwarded.early_error
-        return Turn(
-            id=forwarded.turn_id,
-            session_id=name,
-            pending=forwarded.pending,
-            replayed=forwarded.replayed,
-        )
+        return new_turn(forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed)
 
     async def _carry_turn(
         self, name: str, text: str, key: str | None, ack: bool, forwarded: _Forwarded
@@ -821,11 +582,11 @@ class Cluster:
                     forwarded.local = True
                     return
                 # accepted by an owner that died; the session is free now: run it here
-                reply = await SessionRef(self.registry, name).send(text, idempotency_key=key)
-                forwarded.pending.set_result((reply.turn_id, reply.message, reply.reviews))
+                turn = await self.host.submit(name, text, key, ack=False)
+                forwarded.pending.set_result(await turn.reply())
                 return
             result = _load_reply(name, self._check(answer, name)["reply"])
-            forwarded.turn_id = forwarded.turn_id or result[0]
+            forwarded.turn_id = forwarded.turn_id or result.turn_id
             forwarded.pending.set_result(result)
         except Exception as exc:
             if ack and not forwarded.accepted:
@@ -836,27 +597,25 @@ class Cluster:
                 forwarded.pending.set_error(_closing_error(name))
             forwarded.settled.set()
 
-    async def read(self, name: str) -> LiveSession | None:
+    async def read(self, name: str) -> SessionState | None:
         """The session's state from its owner; None if the session is free."""
         answer = await self._forward(name, {"op": "read", "s": name}, retry_safe=True)
         if answer is None:
             return None
         state = load_snapshot(bytes(self._check(answer, name)["state"]), session_id=name)
-        return LiveSession(state)
+        return state
 
-    async def call(self, name: str, kind: str, args: Mapping[str, Any]) -> tuple[bool, Any]:
-        """Run a request other than a turn at the session's owner: (sent, result).
-
-        ``sent`` is False when no other worker holds the session.
-        """
-        request = {"op": "call", "s": name, "kind": kind, "args": dict(args)}
-        answer = await self._forward(name, request, retry_safe=kind in _SAFE_CALLS)
+    async def call(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
+        """Run a request other than a turn at the session's owner; NOT_ROUTED when no
+        other worker holds the session."""
+        body = {"op": "call", "s": name, "req": _dump_call(request)}
+        answer = await self._forward(name, body, retry_safe=isinstance(request, _SAFE_CALLS))
         if answer is None:
-            return False, None
+            return NOT_ROUTED
         value = self._check(answer, name)["value"]
-        if kind == "review":
-            return True, _load_reply(name, value)
-        return True, value
+        if isinstance(request, ResolveReview):
+            return _load_reply(name, value)
+        return value
 
     def _running(self, name: str) -> trio.Nursery:
         if self._nursery is None or self._closing:
@@ -1012,7 +771,7 @@ class Cluster:
         ranges[name] = (first, last)
 
     async def _publish_loop(self) -> None:
-        keep = self.registry.config.hub.replay_events
+        keep = self.host.config.hub.replay_events
         receive = self._receive
         while True:
             first = await receive.receive()
@@ -1086,7 +845,7 @@ class Cluster:
             top = await self.transport.last_event_seq(name)
             if top == 0 or top >= upto:
                 return
-            trimmed, batches = await self.registry.store.read_journal(name, top)
+            trimmed, batches = await self.host.store.read_journal(name, top)
             entries = [  # one stream item per event (a journal entry holds a commit's)
                 JournalEntry(event.seq, dump_event(event))
                 for batch in batches
@@ -1110,13 +869,13 @@ class Cluster:
 
     async def open_subscription(self, name: str, after: int | None) -> EventIterator:
         """A subscription fed by the session's event stream, wherever the session runs."""
-        registry = self.registry
+        host = self.host
         found = self._mirrors.get(name)
         if found is None:
             top = await self.transport.last_event_seq(name)
             found = self._mirrors.get(name)
             if found is None:
-                found = self._mirrors[name] = Hub(name, registry.config.hub)
+                found = self._mirrors[name] = Hub(name, host.config.hub)
                 found.advance(top)
                 self._positions[name] = top
                 self._poke()
@@ -1128,9 +887,9 @@ class Cluster:
             after,
             lambda: self._release_mirror(name, hub),
         )
-        if name not in registry._live:
+        if not host.is_live(name):
             try:
-                stopped = (await registry._stored_session(name)).status is Status.STOPPED
+                stopped = (await host.stored_status(name)) is Status.STOPPED
             except BaseException:
                 iterator.close()
                 raise
@@ -1184,10 +943,10 @@ class Cluster:
             del self._mirrors[name]
             self._positions.pop(name, None)
 
-    async def reset_events(self, name: str) -> None:
+    async def created(self, name: str) -> None:
         await self.transport.reset_events(name)
 
-    async def end_events(self, name: str) -> None:
+    async def deleted(self, name: str) -> None:
         with contextlib.suppress(StoreError):  # remote subscribers then stay open
             await self.transport.end_events(name)
 
@@ -1198,3 +957,10 @@ def _closing_error(name: str) -> SessionStoppedError:
         "send it again once a registry is open",
         session_id=name,
     )
+
+
+async def open_cluster(host: RouterHost, transport: Transport, nursery: trio.Nursery) -> Cluster:
+    """Start a registry's multi-worker router over ``transport`` in ``nursery``."""
+    cluster = Cluster(host, transport)
+    await nursery.start(cluster.run)
+    return cluster

@@ -6,7 +6,7 @@ every request goes to the next worker in turn, whichever worker runs the
 conversation. It then kills one worker with SIGKILL and shows every
 conversation carrying on, with every acknowledged message still there.
 
-The worker processes run ``python -m sessionactors._cluster_demo worker ...``
+The worker processes run ``python -m sessionactors._demo_cluster worker ...``
 and take one JSON command per stdin line (the benchmarks drive them too).
 """
 
@@ -197,7 +197,7 @@ class WorkerProcess:
     async def start(
         cls, nursery: trio.Nursery, url: str, prefix: str, name: str, ttl: float
     ) -> WorkerProcess:
-        command = [sys.executable, "-m", "sessionactors._cluster_demo", "worker"]
+        command = [sys.executable, "-m", "sessionactors._demo_cluster", "worker"]
         command += [url, prefix, name, str(ttl)]
         process = await trio.lowlevel.open_process(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE

@@ -1,0 +1,378 @@
+"""The dispatcher: every request of a ref goes here, and on to where its session runs.
+
+It asks the router (when the registry has one) whether another worker runs the
+session, and otherwise serves the request from the local table, waking the
+session if needed. One retry loop (``_route``) covers every way a request can
+miss its target: the session moved to another worker, or its mailbox closed
+between the lookup and the send (it hibernated, or restarted after a crash).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import attrs
+import trio
+
+from ._actor import Actor, CallMail, TurnMail, deleted_error
+from ._config import RegistryConfig
+from ._errors import (
+    LeaseHeldError,
+    MailboxFullError,
+    SessionCrashedError,
+    SessionNotFoundError,
+    SessionStoppedError,
+)
+from ._names import validate_name
+from ._pending import Pending
+from ._records import SessionState, Status, new_id
+from ._ref import Turn, new_turn
+from ._requests import Call, Cancel, Delete, Hibernate, Reply, Stop
+from ._router import NOT_ROUTED, Router
+from ._sessions import Sessions
+from ._subscription import EventIterator
+from .stores._base import Store
+
+__all__ = ["Dispatcher"]
+
+#: How often a request may miss its session (moved, or its mailbox closed) before
+#: its caller gets SessionCrashedError.
+_MAX_ATTEMPTS: Final = 100
+
+
+class _Again:
+    """A local attempt found the session's mailbox closed: look it up again."""
+
+
+_AGAIN: Final = _Again()
+
+
+class Dispatcher:
+    """Routes the typed requests of refs; the router's host for requests from elsewhere."""
+
+    __slots__ = ("router", "sessions")
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
+        self.router: Router | None = None
+
+    # ---- the one retry loop -------------------------------------------------------------
+
+    async def _route(
+        self,
+        name: str,
+        here: Callable[[], Awaitable[Any]],
+        remote: Callable[[Router], Awaitable[Any]] | None = None,
+    ) -> Any:
+        """Serve ``here``, or at the session's owner elsewhere (``remote``, when the
+        registry has a router); look the session up again after a miss."""
+        router = self.router if remote is not None else None
+        for _ in range(_MAX_ATTEMPTS):
+            if router is not None and router.elsewhere(name):
+                result = await remote(router)  # type: ignore[misc]
+                if result is not NOT_ROUTED:
+                    return result
+            try:
+                result = await here()
+            except LeaseHeldError:
+                if router is None:
+                    raise
+                router.held_elsewhere(name)  # live on another worker: go there
+                continue
+            if result is not _AGAIN:
+                return result
+            await trio.lowlevel.checkpoint()
+        raise SessionCrashedError(
+            f"session {name!r} kept moving between workers or closing its mailbox while "
+            "this request looked for it; send the request again",
+            session_id=name,
+        )
+
+    # ---- turns ---------------------------------------------------------------------------
+
+    async def submit(self, name: str, text: str, key: str | None, *, ack: bool) -> Turn:
+        """A turn in the session's mailbox (here or at its owner), waiting for room.
+
+        With ``ack`` the caller returns now; without, it waits on the reply next (a
+        turn forwarded to another worker then returns once answered).
+        """
+        turn: Turn = await self._route(
+            name,
+            lambda: self._submit_here(name, text, key, ack=ack),
+            None
+            if self.router is None
+            else (lambda router: _or_not_routed(router.submit(name, text, key, ack=ack))),
+        )
+        return turn
+
+    async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
+        """A turn in the mailbox here, never routed (a request another worker forwarded)."""
+        turn: Turn = await self._route(name, lambda: self._submit_here(name, text, key, ack=True))
+        return turn
+
+    async def _submit_here(self, name: str, text: str, key: str | None, *, ack: bool) -> Any:
+        sessions = self.sessions
+        actor = sessions.live.get(name)
+        if actor is None:
+            actor = sessions.activate(name)
+        if not actor.is_ready:
+            await actor.ready()
+        turn = _joined(actor, name, key)
+        if turn is not None:
+            await trio.lowlevel.checkpoint()
+            return turn
+        pending = Pending()
+        turn_id = new_id("turn")
+        mail = TurnMail(turn_id, text, key, pending)
+        send = actor.send
+        try:
+            # no schedule point of our own when there is room: ``send`` parks once, on
+            # the reply; ``submit`` checkpoints below
+            send.send_nowait(mail)
+        except trio.WouldBlock:
+            try:
+                await send.send(mail)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return await self._after_closed(actor)
+            ack = False  # it checkpointed
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return await self._after_closed(actor)
+        if key is not None and not pending.done:
+            # Joinable only once it is in the mailbox: a request abandoned while it
+            # waited for room leaves no joiner waiting forever. A same-key request
+            # queued meanwhile is answered from the first one's reply by the actor.
+            actor.note_inflight(key, mail)
+        if ack:
+            await trio.lowlevel.checkpoint()
+        return new_turn(turn_id, name, pending)
+
+    def submit_nowait(self, name: str, text: str, key: str | None) -> Turn:
+        sessions = self.sessions
+        actor = sessions.activate(name)
+        turn = _joined(actor, name, key)
+        if turn is not None:
+            return turn
+        pending = Pending()
+        turn_id = new_id("turn")
+        mail = TurnMail(turn_id, text, key, pending)
+        try:
+            actor.send.send_nowait(mail)
+        except trio.WouldBlock:
+            raise MailboxFullError(
+                f"the mailbox of session {name!r} is full "
+                f"({sessions.config.mailbox_size} requests waiting); "
+                "use await ref.submit(...) to wait for room, or retry later",
+                session_id=name,
+            ) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            error = sessions.closed_error(actor)
+            raise error or SessionStoppedError(
+                f"session {name!r} is changing hands (hibernating or restarting); "
+                "use await ref.submit(...), which waits for it",
+                session_id=name,
+            ) from None
+        if key is not None:
+            actor.note_inflight(key, mail)
+        return new_turn(turn_id, name, pending)
+
+    async def _after_closed(self, actor: Actor) -> _Again:
+        error = self.sessions.closed_error(actor)
+        if error is not None:
+            raise error
+        return _AGAIN
+
+    # ---- other requests ----------------------------------------------------------------------
+
+    async def call(self, name: str, request: Call | Cancel | Stop) -> Any:
+        if isinstance(request, Cancel):
+            return await self._cancel(name)
+        if isinstance(request, Hibernate):
+            return await self._hibernate(name)
+        return await self._route(
+            name,
+            lambda: (
+                self._stop_here(name)
+                if isinstance(request, Stop)
+                else self._mail_here(name, request)
+            ),
+            None if self.router is None else (lambda router: router.call(name, request)),
+        )
+
+    async def call_here(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
+        """Serve a request here, never routed (a request another worker forwarded)."""
+        if isinstance(request, Delete):
+            return await self.delete(name, route=False)
+        if isinstance(request, Cancel):
+            await trio.lowlevel.checkpoint()
+            actor = self.sessions.live.get(name)
+            return actor is not None and actor.cancel_turn()
+        if isinstance(request, Hibernate):
+            actor = self.sessions.live.get(name)
+            if actor is not None:
+                return await self._mail(actor, request)
+            await trio.lowlevel.checkpoint()
+            return None
+        return await self._route(
+            name,
+            lambda: (
+                self._stop_here(name)
+                if isinstance(request, Stop)
+                else self._mail_here(name, request)
+            ),
+        )
+
+    def _serve_here(self, name: str, request: Call | Stop) -> Awaitable[Any]:
+        if isinstance(request, Stop):
+            return self._stop_here(name)
+        return self._mail_here(name, request)
+
+    async def _mail_here(self, name: str, request: Call) -> Any:
+        """A request in the mailbox here, waking the session; its result."""
+        actor = self.sessions.activate(name)
+        pending = Pending()
+        try:
+            await actor.send.send(CallMail(request, pending))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return await self._after_closed(actor)
+        return await pending.wait()  # LeaseHeldError if the wake found it elsewhere
+
+    async def _mail(self, actor: Actor, request: Call) -> Any:
+        """A request in a live actor's mailbox; None if it left meanwhile."""
+        pending = Pending()
+        try:
+            await actor.send.send(CallMail(request, pending))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            await trio.lowlevel.checkpoint()
+            return None
+        return await pending.wait()
+
+    async def _cancel(self, name: str) -> bool:
+        await trio.lowlevel.checkpoint()
+        actor = self.sessions.live.get(name)
+        if actor is None and self.router is not None:  # maybe live on another worker
+            result = await self.router.call(name, Cancel())
+            return result is not NOT_ROUTED and bool(result)
+        return actor is not None and actor.cancel_turn()
+
+    async def _hibernate(self, name: str) -> None:
+        actor = self.sessions.live.get(name)
+        if actor is None:
+            if self.router is not None:  # maybe live on another worker
+                await self.router.call(name, Hibernate())
+            await trio.lowlevel.checkpoint()
+            return
+        await self._mail(actor, Hibernate())
+
+    async def _stop_here(self, name: str) -> Any:
+        sessions = self.sessions
+        actor = sessions.activate(name)
+        try:
+            await actor.ready()
+        except SessionStoppedError:
+            if sessions.closing:
+                raise
+            return None  # stopped already
+        if await sessions.stop(actor):
+            return None
+        return _AGAIN  # it left without stopping (hibernated, restarted): again
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    async def read(self, name: str) -> SessionState:
+        """The session's state (here, at its owner, or for a stopped one, the store's)."""
+        state: SessionState = await self._route(
+            name,
+            lambda: self.read_here(name),
+            None if self.router is None else (lambda router: _or_not_routed(router.read(name))),
+        )
+        return state
+
+    async def read_here(self, name: str) -> SessionState:
+        session = await self.sessions.ready(name)
+        state = session.to_state()
+        hub = self.sessions.hubs.get(name)
+        if hub is not None and hub.seq > state.event_seq:
+            state = attrs.evolve(state, event_seq=hub.seq)
+        return state
+
+    async def open_subscription(self, name: str, after: int | None) -> EventIterator:
+        validate_name(name)
+        self.sessions.check_open(name)
+        if self.router is not None:  # from the session's event stream, wherever it runs
+            return await self.router.open_subscription(name, after)
+        return await self.sessions.open_subscription(name, after)
+
+    # ---- delete ------------------------------------------------------------------------------
+
+    async def delete(self, name: str, *, route: bool = True) -> None:
+        """Remove the session everywhere: actor, subscribers, store."""
+        validate_name(name)
+        sessions = self.sessions
+        sessions.deleting[name] = sessions.deleting.get(name, 0) + 1
+        try:
+            router = self.router
+            if (
+                route
+                and router is not None
+                and name not in sessions.live
+                and await router.call(name, Delete()) is not NOT_ROUTED
+            ):
+                return  # deleted by the worker that ran it
+            existed = await sessions.delete_here(name, deleted_error(name))
+            if router is not None:
+                await router.deleted(name)  # ends subscriptions on every worker
+        finally:
+            left = sessions.deleting.pop(name) - 1
+            if left:
+                sessions.deleting[name] = left
+        if not existed:
+            raise SessionNotFoundError(
+                f"session {name!r} does not exist, so there is nothing to delete",
+                session_id=name,
+            )
+
+    # ---- the router's host -----------------------------------------------------------------
+
+    @property
+    def worker_id(self) -> str:
+        return self.sessions.worker_id
+
+    @property
+    def store(self) -> Store:
+        return self.sessions.store
+
+    @property
+    def config(self) -> RegistryConfig:
+        return self.sessions.config
+
+    @property
+    def closing(self) -> bool:
+        return self.sessions.closing
+
+    def is_live(self, name: str) -> bool:
+        return name in self.sessions.live
+
+    async def stored_status(self, name: str) -> Status:
+        return (await self.sessions.stored_session(name)).status
+
+
+def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
+    """The turn a request with idempotency key ``key`` joins: the one running or queued
+    with that key (same id, same outcome), or the completed one's stored reply."""
+    if key is None:
+        return None
+    inflight = actor.inflight_keys.get(key)
+    if inflight is not None:
+        return new_turn(inflight.turn_id, name, inflight.pending)
+    if actor.is_ready:
+        done = actor.session.completed.get(key)
+        if done is not None:
+            reply = Reply(turn_id=done.turn_id, message=done.reply)
+            return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
+    return None
+
+
+async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:
+    result = await awaitable
+    return NOT_ROUTED if result is None else result

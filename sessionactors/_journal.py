@@ -1,0 +1,156 @@
+"""One session's journal writer: what is durable, what is not yet, and when to compact.
+
+The actor folds every durable event into its state and hands it here; a
+commit appends the events not yet stored as one journal entry (one row per
+turn, not one per event), and a snapshot replaces the journal once the
+journal outweighs it, so a turn's cost stays independent of the history's
+length. Waking is the latest snapshot plus the journal tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import attrs
+
+from ._codec import SnapshotWriter, dump_events, dump_info, dump_snapshot
+from ._config import RegistryConfig
+from ._errors import StoreError
+from ._events import Event
+from ._records import Status
+from ._session import LiveSession
+from .stores._base import JournalEntry, Store, StoredSession
+
+__all__ = ["SEQ_GAP", "Journal"]
+
+#: How far seq jumps when a session wakes from a state that was not hibernated
+#: cleanly (the process died): above any seq the lost incarnation can have used.
+SEQ_GAP = 1 << 20
+
+
+class Journal:
+    """The durable side of one actor incarnation (owned by it, like its state)."""
+
+    __slots__ = (
+        "_since_snapshot",
+        "_size",
+        "_snapshot_size",
+        "_writer",
+        "at",
+        "config",
+        "fault",
+        "session_id",
+        "settled",
+        "store",
+        "stored_clean",
+        "unsaved",
+    )
+
+    def __init__(self, store: Store, config: RegistryConfig, session_id: str) -> None:
+        self.store = store
+        self.config = config
+        self.session_id = session_id
+        #: Durable events not in the store yet (all of them without a journal).
+        self.unsaved: list[Event] = []
+        #: unsaved[:settled] were answered: a restart without a journal keeps them.
+        self.settled = 0
+        #: The store holds a clean hibernation: a wake after this process dies would
+        #: not jump seq, so a status is journaled before anything more is published.
+        self.stored_clean = False
+        #: The last write of ours that failed (a turn that sees it restarts the actor).
+        self.fault: StoreError | None = None
+        #: A status is journaled (whatever the durability) before seq reaches this: a
+        #: wake jumps SEQ_GAP past the highest stored seq, so that stays ahead.
+        self.at = SEQ_GAP // 2
+        self._since_snapshot = 0
+        self._size = 0  # bytes journaled since the snapshot
+        self._snapshot_size = 0  # bytes of the latest snapshot
+        self._writer: SnapshotWriter | None = None  # made for a long history
+
+    def loaded(self, stored: StoredSession, durable_seq: int) -> None:
+        """Take the bookkeeping of what a wake read from the store."""
+        self._since_snapshot = len(stored.entries)
+        self._size = sum(len(e.data) for e in stored.entries)
+        self._snapshot_size = len(stored.snapshot)
+        self.at = durable_seq + SEQ_GAP // 2
+
+    def add(self, event: Event) -> None:
+        self.unsaved.append(event)
+
+    def must_journal_status(self, seq: int) -> bool:
+        """Whether a status must be journaled before the next request publishes."""
+        return self.stored_clean or seq >= self.at
+
+    async def commit(
+        self, session: LiveSession, fence: int | None, snapshot_seq: int, *, compact: bool = True
+    ) -> None:
+        """Make the unsaved events durable (with a journal, ``durability="turn"``).
+
+        Then, if ``compact``, snapshot once the journal outweighs the snapshot. That
+        snapshot only compacts (what it holds is journaled already): if the store
+        refuses it, the journal waits for the next try.
+        """
+        events = self.unsaved
+        if self.config.durability != "turn" or not events:
+            return
+        count = len(events)
+        entry = JournalEntry(events[-1].seq, dump_events(events))
+        try:
+            await self.store.append(
+                self.session_id, [entry], dump_info(session.info()), fence=fence
+            )
+        except StoreError as exc:
+            self.fault = exc
+            raise
+        self.at = entry.seq + SEQ_GAP // 2
+        del events[:count]
+        self._since_snapshot += count
+        self._size += len(entry.data)
+        if (
+            compact
+            and self._since_snapshot >= self.config.snapshot_every
+            and self._size >= self._snapshot_size
+        ):
+            with contextlib.suppress(Exception):  # the entries are stored: only compaction
+                await self.write_snapshot(session, fence, snapshot_seq, session.status)
+
+    async def write_snapshot(
+        self, session: LiveSession, fence: int | None, seq: int, status: Status
+    ) -> None:
+        """Replace the stored snapshot with the state as of ``seq`` (>= session.event_seq)."""
+        config = self.config
+        session.event_seq = seq
+        state = attrs.evolve(session.to_state(), status=status)
+        writer = self._writer
+        if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
+            writer = self._writer = SnapshotWriter()
+        snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
+        await self.store.write_snapshot(
+            self.session_id,
+            snapshot,
+            seq,
+            dump_info(session.info(status)),
+            # without a journal ("hibernate"), replay reaches no further back than this
+            # snapshot: say so (EventsExpiredError) rather than replay a silent gap
+            trim_upto=seq
+            if config.durability != "turn"
+            else max(0, seq - config.journal_keep_seqs),
+            fence=fence,
+        )
+        self.unsaved.clear()
+        self.settled = 0
+        self.at = seq + SEQ_GAP // 2
+        self._since_snapshot = 0
+        self._size = 0
+        self._snapshot_size = len(snapshot)
+
+    async def append_now(self, session: LiveSession, event: Event, fence: int | None) -> None:
+        """Journal one event at once, whatever the durability policy (a status that
+        records a seq jump; without a journal, the next snapshot drops it)."""
+        await self.store.append(
+            self.session_id,
+            [JournalEntry(event.seq, dump_events([event]))],
+            dump_info(session.info()),
+            fence=fence,
+        )
+        self.at = event.seq + SEQ_GAP // 2

@@ -1,0 +1,87 @@
+"""The result slot of one request: the caller waits on it, the actor fills it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+__all__ = ["Pending"]
+
+
+class Pending:
+    """The result slot of one request; any number of callers may wait on it.
+
+    Its first waiter parks directly (no ``trio.Event``): a request in flight
+    keeps as few objects alive as it can, which matters to the collector when
+    thousands are in flight. Further waiters (callers joining a turn by its
+    idempotency key) queue behind it. Cancelling a wait only abandons it.
+    """
+
+    __slots__ = ("_others", "_task", "done", "error", "result")
+
+    def __init__(self) -> None:
+        self._task: trio.lowlevel.Task | None = None  # the first waiter
+        self._others: dict[trio.lowlevel.Task, None] | None = None  # the rest, in order
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    def resolved(cls, result: Any) -> Pending:
+        p = cls()
+        p.result = result
+        p.done = True
+        return p
+
+    def set_result(self, result: Any) -> None:
+        if not self.done:
+            self.result = result
+            self._finish()
+
+    def set_error(self, error: BaseException) -> None:
+        if not self.done:
+            self.error = error
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
+        task, others = self._task, self._others
+        self._task = self._others = None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+        if others is not None:
+            for task in others:
+                trio.lowlevel.reschedule(task)
+
+    def _abort_first(self, _: object) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def wait(self) -> Any:
+        """The result (or raise the error), parking until it is known.
+
+        A wait that finds the result already known still checkpoints.
+        """
+        if self.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            task = trio.lowlevel.current_task()
+            if self._task is None:
+                self._task = task
+                await trio.lowlevel.wait_task_rescheduled(self._abort_first)
+            else:
+                others = self._others
+                if others is None:
+                    others = self._others = {}
+                others[task] = None
+
+                def abort(_: object) -> trio.lowlevel.Abort:
+                    if self._others is not None:
+                        del self._others[task]
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                await trio.lowlevel.wait_task_rescheduled(abort)
+        if self.error is not None:
+            raise self.error
+        return self.result

@@ -1,0 +1,125 @@
+"""The router seam: where a session runs, here or on another worker.
+
+The core knows only this protocol. A registry on a store that connects
+workers (a :class:`RoutingStore`, e.g. ``RedisStore``) opens the store's
+router; every request then asks it first, and serves the request here when
+the router says the session is not live elsewhere. Without one, every session
+runs here. The multi-worker layer is a plug-in that implements it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+
+import trio
+
+from ._config import RegistryConfig
+from ._events import Event
+from ._records import SessionState, Status
+from ._requests import Call, Cancel, Delete, Stop
+from ._subscription import EventIterator
+from .stores._base import Store
+
+if TYPE_CHECKING:
+    from ._ref import Turn
+
+__all__ = ["NOT_ROUTED", "Router", "RouterHost", "RoutingStore"]
+
+
+class _NotRouted:
+    def __repr__(self) -> str:
+        return "NOT_ROUTED"
+
+
+#: A router's answer when the session is live nowhere else: serve it here.
+NOT_ROUTED: Final = _NotRouted()
+
+
+class RouterHost(Protocol):
+    """What a router may ask of the registry it serves."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def config(self) -> RegistryConfig: ...
+    @property
+    def closing(self) -> bool: ...
+    def is_live(self, name: str) -> bool: ...
+    async def submit(self, name: str, text: str, key: str | None, *, ack: bool) -> Turn:
+        """Put a turn in the session's mailbox wherever it runs (routed as a ref's)."""
+        ...
+
+    async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
+        """Put a turn in the session's mailbox here (waking it), never routing it."""
+        ...
+
+    async def call_here(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
+        """Serve a request here, never routing it."""
+        ...
+
+    async def read_here(self, name: str) -> SessionState:
+        """The session's state here, never routing the read."""
+        ...
+
+    async def stored_status(self, name: str) -> Status:
+        """The session's status as the store has it."""
+        ...
+
+
+class Router(Protocol):
+    """Decides where a session runs and carries requests and events to it."""
+
+    @property
+    def subscriber_count(self) -> int: ...
+    def elsewhere(self, name: str) -> bool:
+        """Whether another worker is believed to run ``name`` (no I/O)."""
+        ...
+
+    def held_elsewhere(self, name: str) -> None:
+        """A wake here found ``name``'s lease held by another worker."""
+        ...
+
+    async def submit(self, name: str, text: str, key: str | None, *, ack: bool) -> Turn | None:
+        """Send a turn to the session's owner; None if it is live nowhere else.
+
+        With ``ack``, return once the owner accepted it; otherwise once answered.
+        """
+        ...
+
+    async def call(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
+        """Serve a request at the session's owner; NOT_ROUTED if it is live nowhere else."""
+        ...
+
+    async def read(self, name: str) -> SessionState | None:
+        """The session's state from its owner; None if it is live nowhere else."""
+        ...
+
+    def tap_for(self, name: str) -> Callable[[Event], None] | None:
+        """Called with every event the session publishes here (for subscribers elsewhere)."""
+        ...
+
+    async def open_subscription(self, name: str, after: int | None) -> EventIterator:
+        """A subscription to the session's events, wherever it runs."""
+        ...
+
+    async def created(self, name: str) -> None:
+        """A session of this name was created here (a deleted namesake's events end)."""
+        ...
+
+    async def deleted(self, name: str) -> None:
+        """The session was deleted: its subscriptions on every worker end."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class RoutingStore(Protocol):
+    """A store that connects the workers that share it."""
+
+    async def open_router(self, host: RouterHost, nursery: trio.Nursery) -> Router:
+        """Start the router's tasks in ``nursery`` and return it."""
+        ...

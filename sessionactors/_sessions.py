@@ -1,0 +1,427 @@
+"""The table of sessions live in this process: activation, hubs, stops, shutdown.
+
+It is the actors' :class:`~sessionactors._actor.Host`. It knows nothing of
+other workers: the dispatcher asks the router before it comes here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from ._actor import Actor, Counters, read_stored
+from ._agent import Agent
+from ._codec import dump_info, dump_snapshot
+from ._config import RegistryConfig
+from ._errors import (
+    FencedOutError,
+    SessionCrashedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    SessionStoppedError,
+    StoreError,
+)
+from ._hub import Hub
+from ._names import validate_name
+from ._records import Status
+from ._router import Router
+from ._session import LiveSession
+from ._subscription import EventIterator, open_event_iterator
+from ._supervisor import session_task
+from .stores._base import Store
+
+__all__ = ["GENERATION_PEAK", "Sessions", "exists_error"]
+
+#: A table whose live count has fallen to an eighth of a peak at least this
+#: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
+GENERATION_PEAK = 1024
+
+
+class Sessions:
+    """Live actors by name, their hubs, and the nurseries their tasks run in."""
+
+    def __init__(
+        self,
+        store: Store,
+        agents: Mapping[str, Agent],
+        config: RegistryConfig,
+        worker_id: str,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.store = store
+        self.agents = agents
+        self.config = config
+        self.worker_id = worker_id
+        self.stats = Counters()
+        self.router: Router | None = None
+        self.live: dict[str, Actor] = {}
+        self.hubs: dict[str, Hub] = {}
+        self.failed: dict[str, str] = {}
+        #: Names being deleted, and by how many calls: no request wakes them meanwhile.
+        self.deleting: dict[str, int] = {}
+        self._closing = False
+        self._nursery = nursery
+        #: Where session tasks start: the current generation's nursery, or the
+        #: registry's own while there is none (see ``_run_generation``).
+        self._sessions = nursery
+        self._generation_retired: trio.Event | None = None
+        self._generation_pending = False
+        self._live_peak = 64
+        self._hubs_peak = 64
+
+    # ---- the actors' host -----------------------------------------------------------
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def agent_for(self, session: LiveSession) -> Agent:
+        key = session.agent
+        agent = self.agents.get(key) if key is not None else None
+        if agent is None:
+            raise LookupError(
+                f"session {session.session_id!r} runs agent {key!r}, which this registry does "
+                f"not have (it has {sorted(self.agents)}); pass it in open_registry(agents=...)"
+            )
+        return agent
+
+    def hub_for(self, session_id: str) -> Hub:
+        hub = self.hubs.get(session_id)
+        if hub is None:
+            hub = self.hubs[session_id] = Hub(session_id, self.config.hub)
+            self._hubs_peak = max(self._hubs_peak, len(self.hubs))
+            if self.router is not None:
+                hub.tap = self.router.tap_for(session_id)
+        return hub
+
+    def detach(self, actor: Actor) -> None:
+        name = actor.session_id
+        if self.live.get(name) is actor:
+            del self.live[name]
+            if len(self.live) * 8 < self._live_peak:
+                # far below its peak: give back what a wave of sessions left behind
+                if self._live_peak >= GENERATION_PEAK:
+                    self._retire_generation()
+                self._live_peak = _compact(self.live)
+        self.release_hub(name)
+        _gone_event(actor).set()
+
+    def replace(self, old: Actor, new: Actor) -> None:
+        if self.live.get(old.session_id) is old:
+            self.live[old.session_id] = new
+        _gone_event(old).set()  # a waiter may come later (ref.stop after ready())
+
+    def mark_failed(self, actor: Actor, reason: str) -> None:
+        self.failed[actor.session_id] = reason
+        self.stats.failed += 1
+        self.detach(actor)
+
+    # ---- activation -------------------------------------------------------------------
+
+    def check_open(self, name: str) -> None:
+        if self._closing:
+            raise SessionStoppedError(
+                f"the registry is closed, so session {name!r} takes no requests; "
+                "open a registry to continue",
+                session_id=name,
+            )
+
+    def activate(self, name: str) -> Actor:
+        """The live actor of ``name``, starting one (which loads itself) if needed."""
+        actor = self.live.get(name)
+        if actor is not None:
+            return actor
+        validate_name(name)
+        self.check_open(name)
+        if name in self.deleting:
+            raise SessionNotFoundError(
+                f"session {name!r} is being deleted, so it takes no requests; spawn it "
+                "afresh once the deletion is done",
+                session_id=name,
+            )
+        reason = self.failed.get(name)
+        if reason is not None:
+            raise SessionCrashedError(
+                f"session {name!r} crashed too often and is marked failed ({reason}); fix "
+                "the cause, then restart the process or delete the session",
+                session_id=name,
+            )
+        actor = Actor(self, name, None)
+        self._add(actor)
+        return actor
+
+    def _add(self, actor: Actor) -> None:
+        self.live[actor.session_id] = actor
+        self._live_peak = max(self._live_peak, len(self.live))
+        self._start(actor)
+
+    async def create(self, session: LiveSession) -> None:
+        """Store a new session and start its actor; SessionExistsError if it exists.
+
+        LeaseHeldError if another worker woke it first.
+        """
+        name = session.session_id
+        if name in self.live:
+            raise exists_error(name)
+        try:
+            snapshot = dump_snapshot(session.to_state())
+            info = dump_info(session.info())
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"session {name!r} cannot be stored: {exc}; metadata must be plain data "
+                "(str keys; str, int, float, bool, None, bytes, lists and dicts)"
+            ) from exc
+        try:
+            await self.store.create(name, snapshot, info)
+        except SessionExistsError:  # stored: say what to do in the registry's terms
+            raise exists_error(name) from None
+        if name in self.live:  # woken meanwhile by a request racing this spawn
+            raise exists_error(name)
+        if self.router is not None:
+            await self.router.created(name)  # a deleted namesake's events end
+        actor = Actor(self, name, session)
+        await actor.claim()
+        if name in self.live:
+            raise exists_error(name)
+        self._add(actor)
+        self.stats.spawned += 1
+
+    async def ready(self, name: str) -> LiveSession:
+        """The session here, woken if needed; a stopped one is read from the store."""
+        try:
+            return await self.activate(name).ready()
+        except SessionStoppedError:
+            if self._closing:
+                raise
+            return await self.stored_session(name)
+
+    async def stored_session(self, name: str) -> LiveSession:
+        """The session's state read from the store, without waking it."""
+        session, _ = await read_stored(self.store, name)
+        return session
+
+    def closed_error(self, actor: Actor) -> Exception | None:
+        """Why ``actor``'s mailbox is closed, or None if a new actor may serve (retry)."""
+        name = actor.session_id
+        if actor.load_error is not None:
+            return actor.load_error
+        if actor.deleted:
+            return SessionNotFoundError(f"session {name!r} was deleted", session_id=name)
+        if self._closing:
+            return SessionStoppedError(
+                f"the registry is closing, so session {name!r} takes no requests; "
+                "send it again once a registry is open",
+                session_id=name,
+            )
+        if actor.stopping:
+            return SessionStoppedError(
+                f"session {name!r} was stopped; spawn a new session to continue",
+                session_id=name,
+            )
+        if name in self.failed:
+            return SessionCrashedError(
+                f"session {name!r} crashed too often and is marked failed", session_id=name
+            )
+        return None  # hibernated or restarted: try again
+
+    async def wait_gone(self, actor: Actor) -> None:
+        await _gone_event(actor).wait()
+
+    # ---- stop and delete -------------------------------------------------------------
+
+    async def stop(self, actor: Actor) -> bool:
+        """Stop ``actor``; False if it left without stopping (it hibernated, or was
+        replaced after a crash, first)."""
+        actor.request_stop()
+        await self.wait_gone(actor)
+        if actor.stop_error is not None:  # the stop did not happen (see the supervisor)
+            raise actor.stop_error
+        if actor.deleted:
+            raise SessionNotFoundError(
+                f"session {actor.session_id!r} was deleted while it was being stopped",
+                session_id=actor.session_id,
+            )
+        if actor.kill_error is not None:
+            raise actor.kill_error
+        return actor.session.status is Status.STOPPED
+
+    async def delete_here(self, name: str, kill_error: SessionNotFoundError) -> bool:
+        """Remove the session here and from the store; whether there was anything."""
+        actor = self.live.get(name)
+        if actor is not None:
+            actor.kill(kill_error)
+            await self.wait_gone(actor)
+        hub = self.hubs.pop(name, None)
+        if hub is not None:
+            hub.close()
+        was_failed = self.failed.pop(name, None) is not None
+        existed = await self.store.delete(name)
+        return existed or actor is not None or was_failed
+
+    # ---- subscriptions ----------------------------------------------------------------
+
+    async def open_subscription(self, name: str, after: int | None) -> EventIterator:
+        """A subscription served from this process's hub (and the store's journal)."""
+        hub = self.hub_for(name)
+        iterator = await open_event_iterator(
+            name,
+            hub,
+            self.store,
+            after,
+            lambda: self.release_hub(name),
+            lambda: self.live[name].journal.unsaved if name in self.live else (),
+        )
+        if name not in self.live:
+            try:
+                stopped = (await self.stored_session(name)).status is Status.STOPPED
+            except BaseException:
+                iterator.close()
+                raise
+            if stopped:
+                iterator.close()
+        return iterator
+
+    def release_hub(self, name: str) -> None:
+        hub = self.hubs.get(name)
+        if hub is not None and hub.subscriber_count == 0 and name not in self.live:
+            del self.hubs[name]
+            if len(self.hubs) * 8 < self._hubs_peak:
+                self._hubs_peak = _compact(self.hubs)
+
+    @property
+    def subscriber_count(self) -> int:
+        return sum(h.subscriber_count for h in self.hubs.values())
+
+    # ---- shutdown and leases -----------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """No new requests; accepted turns get ``shutdown_grace``; then hibernate all."""
+        self._closing = True
+        for actor in list(self.live.values()):
+            actor.close()
+        with trio.move_on_after(self.config.shutdown_grace):
+            await self._wait_all_gone()
+        for actor in list(self.live.values()):
+            actor.abort()
+        with trio.move_on_after(self.config.write_bound):
+            await self._wait_all_gone()
+
+    async def _wait_all_gone(self) -> None:
+        while self.live:
+            await self.wait_gone(next(iter(self.live.values())))
+
+    async def renew_leases(self) -> None:
+        """Keep the leases of live sessions; stop at once a session whose lease is lost."""
+        ttl = self.config.lease_ttl
+        while True:
+            await trio.sleep(ttl / 3)
+            for actor in list(self.live.values()):
+                lease = actor.lease
+                if lease is None:
+                    continue
+                try:
+                    held = await self.store.renew(actor.session_id, lease, ttl)
+                except StoreError:
+                    continue  # try again next round; the store decides at expiry
+                if not held and actor.lease is lease:
+                    self.stats.leases_lost += 1
+                    actor.lease = None
+                    actor.kill(
+                        FencedOutError(
+                            f"session {actor.session_id!r} lost its lease (another worker "
+                            "took it over); this worker stopped it, so send the request "
+                            "again: it goes to the session's new owner",
+                            session_id=actor.session_id,
+                        )
+                    )
+
+    # ---- generations: the nurseries that session tasks run in -------------------------
+
+    def _start(self, actor: Actor) -> None:
+        if self._sessions is self._nursery:
+            self._open_generation()
+        self._sessions.start_soon(session_task, self, actor, name=f"session {actor.session_id!r}")
+
+    def _open_generation(self) -> None:
+        """Schedule a new generation; sessions start in the registry's nursery until it runs."""
+        if not self._generation_pending and not self._closing:
+            self._generation_pending = True
+            self._nursery.start_soon(self.run_generation, name="sessions generation")
+
+    def _retire_generation(self) -> None:
+        """Close the current generation to new sessions: it ends with its last session,
+        and the next session opens a new one.
+
+        A nursery's set of tasks and its cancel status's set of children keep the size
+        of their peak (CPython never shrinks a set when items leave it): after a wave of
+        100,000 sessions that hibernate, 8 MB. Only a nursery that ends frees them. The
+        next generation is opened by the next session that starts, not here, so that
+        nothing long-lived is allocated while a wave of sessions is leaving.
+        """
+        retired = self._generation_retired
+        if retired is not None:
+            self._generation_retired = None
+            self._sessions = self._nursery
+            retired.set()
+
+    async def run_generation(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Host the sessions that start until the generation retires, then end with them.
+
+        A crash is handled inside its session's task; an exception that escapes one
+        still cancels every session and leaves the registry, in the shape it would have
+        from the registry's own nursery.
+        """
+        self._generation_pending = True
+        retired = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._retire_generation()  # at most one generation takes sessions
+                self._sessions, self._generation_retired = nursery, retired
+                self._generation_pending = False
+                task_status.started()
+                try:
+                    await retired.wait()
+                finally:
+                    if self._generation_retired is retired:  # cancelled
+                        self._generation_retired = None
+                        self._sessions = self._nursery
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+
+def _gone_event(actor: Actor) -> trio.Event:
+    """The event set once ``actor`` is gone, made when first needed (most never are)."""
+    if actor.done is None:
+        actor.done = trio.Event()
+    return actor.done
+
+
+def _compact(table: dict[str, Any]) -> int:
+    """Shrink a dict that is far below its peak size, in place; its new peak.
+
+    CPython never shrinks a dict as entries leave, so a registry that held 100,000
+    sessions would keep their tables. The dict object stays the same one: a new
+    object made while a wave of sessions leaves would be allocated among the
+    wave's memory and keep a whole allocator arena (1 MiB) alive after it; an empty
+    dict gives its table back and allocates nothing.
+    """
+    if table:
+        entries = dict(table)  # sized for what is left
+        table.clear()
+        table.update(entries)  # takes a copy of that table
+    else:
+        table.clear()
+    return max(len(table), 64)
+
+
+def exists_error(name: str) -> SessionExistsError:
+    return SessionExistsError(
+        f"session {name!r} already exists; use registry.ref({name!r}) to talk to it",
+        session_id=name,
+    )

@@ -1,0 +1,103 @@
+"""Supervision: the life of one session's task, restarting its actor after crashes.
+
+A turn's own failures (the agent or model raised) fail that turn only. A crash
+of the actor itself (a bug, a store fault) fails the waiters with
+SessionCrashedError and starts a fresh incarnation from the durable state,
+within a restart intensity; past it the session is marked failed. Other
+sessions never notice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import trio
+
+from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe, stopped_error
+from ._errors import FencedOutError, SessionActorsError
+
+__all__ = ["session_task"]
+
+
+async def session_task(host: Host, actor: Actor) -> None:
+    """The supervised life of one session: run, and restart after crashes."""
+    config = host.config
+    crashes: deque[float] | None = None  # made on the first crash
+    while True:
+        scope = actor.run_scope = trio.CancelScope()
+        if actor.phase is Phase.KILLED:  # deleted before this task began
+            scope.cancel()
+        try:
+            with scope:
+                if crashes is not None:  # a restart lets the others run first
+                    await trio.lowlevel.checkpoint()
+                await actor.run()
+            if scope.cancelled_caught:  # deleted, or its lease was lost
+                _end(actor, actor.kill_error or deleted_error(actor.session_id))
+            return
+        except FencedOutError as exc:
+            # another worker owns the session now: stop here, no restart
+            host.stats.leases_lost += 1
+            actor.lease = None
+            _end(actor, exc)
+            return
+        except Exception as exc:
+            host.stats.crashes += 1
+            if actor.deleted:  # crashed while being deleted: nothing to restart
+                _end(actor, deleted_error(actor.session_id))
+                return
+            now = trio.current_time()
+            if crashes is None:
+                crashes = deque()
+            crashes.append(now)
+            while crashes and now - crashes[0] > config.restart_window:
+                crashes.popleft()
+            failed = len(crashes) > config.max_restarts
+            error = crashed_error(actor.session_id, exc, failed=failed)
+            error.__cause__ = exc
+            if actor.stopping:  # the stop did not happen: its caller hears why
+                actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
+            actor.fail_waiters(error)
+            if failed:
+                actor.phase = Phase.LEFT
+                host.mark_failed(actor, describe(exc))
+                return
+            host.stats.restarts += 1
+            fresh = Actor(host, actor.session_id, None)
+            fresh.hub = actor.hub
+            if config.durability != "turn":  # what was answered, not the request cut short
+                journal = actor.journal
+                fresh.journal.unsaved = journal.unsaved[: journal.settled]
+            fresh.lease = actor.lease
+            if host.closing:  # it takes nothing new: it only hibernates what it has
+                fresh.close()
+                if actor.phase is Phase.ABORTING:
+                    fresh.abort()
+            actor.phase = Phase.LEFT
+            host.replace(actor, fresh)
+            actor = fresh
+        except BaseException as exc:
+            if _cancelled(exc):
+                # Cancelled from outside: the registry gave up waiting (a stalled store),
+                # or something escaped it. Nobody is left to answer, so answer them now.
+                cut = actor.cut_short(exc)  # killed, deleted, or closing
+                if actor.turn_mail is not None and actor.kill_error is None:
+                    # closing, not killed or deleted: its write may not have landed
+                    actor.turn_mail.pending.set_error(stopped_error(actor.session_id, "unsaved"))
+                _end(actor, cut)
+            raise
+
+
+def _end(actor: Actor, error: SessionActorsError) -> None:
+    """The actor is gone for good (deleted, lease lost, cancelled): fail every waiter."""
+    if actor.stopping:  # the stop did not happen either
+        actor.stop_error = error
+    actor.fail_waiters(error)
+    actor.leave_table()
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is a cancellation (or a group of nothing else, from a nursery)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)

@@ -1,0 +1,247 @@
+"""The multi-worker transport of ``RedisStore``: liveness keys, inboxes, event streams.
+
+Every call is one round trip through the store's connection (and its error
+translation); the Lua scripts keep each step atomic. The multi-worker layer
+(``sessionactors.workers``) drives it through its ``Transport`` protocol.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, Protocol, TypeVar
+
+import coredis
+from coredis.commands import Script
+
+from ..workers import StreamItem
+
+_T = TypeVar("_T")
+
+
+class _Redis(Protocol):
+    """What the transport uses of its ``RedisStore``: keys and one call with its errors
+    translated to ``StoreError``."""
+
+    def _key(self, kind: str, name: str, suffix: str) -> str: ...
+    async def _run(
+        self,
+        doing: str,
+        session_id: str | None,
+        call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+    ) -> _T: ...
+
+
+__all__ = ["RedisTransport"]
+
+_READ_COUNT: Final = 1000  # entries per stream per read
+_EVENTS_TTL: Final = 24 * 3600.0  # an event stream nobody writes to expires after a day
+
+_POST: Final = """
+local who = redis.call('GET', KEYS[1])
+if not who then return false end
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
+if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+return who
+"""
+_HEARTBEAT: Final = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[2], 'MINID', ARGV[4]) end
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+_LEAVE: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+_PUBLISH: Final = """
+local pos = 3
+for i = 1, #KEYS do
+  local n = tonumber(ARGV[pos])
+  pos = pos + 1
+  for j = 1, n do
+    redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    pos = pos + 3
+  end
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+end
+return 0
+"""
+_EVENTS_AFTER: Final = """
+local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
+"""
+_END_EVENTS: Final = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local seq = 0
+if #last > 0 then seq = tonumber(string.match(last[1][1], '^(%d+)')) end
+redis.call('XADD', KEYS[1], string.format('%d-0', seq + 1), 'gone', '1')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds * 1000)))
+
+
+def _seq_of(identifier: Any) -> int:
+    return int(bytes(identifier).split(b"-", 1)[0])
+
+
+def _item(identifier: Any, fields: Mapping[Any, Any]) -> StreamItem:
+    seq = _seq_of(identifier)
+    data = fields.get(b"d")
+    if data is not None:
+        return (seq, "event", bytes(data))
+    lost = fields.get(b"lost")
+    if lost is not None:
+        return (seq, "lost", bytes(lost))
+    return (seq, "gone", b"")
+
+
+def _script_items(reply: Any) -> list[StreamItem]:
+    # a script's XRANGE reply: [[id, [field, value, ...]], ...]
+    out: list[StreamItem] = []
+    for identifier, flat in reply:
+        fields = {bytes(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
+        out.append(_item(identifier, fields))
+    return out
+
+
+class RedisTransport:
+    """The transport of a :class:`~sessionactors.stores.RedisStore`, under its prefix.
+
+    Keys: ``<prefix>:w:<worker>:alive`` (its incarnation, expiring),
+    ``<prefix>:w:<worker>:inbox`` (a stream) and ``<prefix>:s:<name>:ev`` (a
+    session's events), names escaped as the store escapes them.
+    """
+
+    def __init__(self, store: _Redis) -> None:
+        self._store = store
+        self._post = Script[bytes](script=_POST)
+        self._heartbeat = Script[bytes](script=_HEARTBEAT)
+        self._leave = Script[bytes](script=_LEAVE)
+        self._publish = Script[bytes](script=_PUBLISH)
+        self._events_after = Script[bytes](script=_EVENTS_AFTER)
+        self._end_events = Script[bytes](script=_END_EVENTS)
+
+    def _worker(self, worker: str) -> tuple[str, str]:
+        return self._store._key("w", worker, "alive"), self._store._key("w", worker, "inbox")
+
+    def _events(self, session_id: str) -> str:
+        return self._store._key("s", session_id, "ev")
+
+    async def heartbeat(
+        self, worker: str, incarnation: str, ttl: float, keep_from: str | None
+    ) -> None:
+        keys = list(self._worker(worker))
+        args = [incarnation, _ms(ttl), _ms(3 * ttl), keep_from or ""]
+        await self._store._run(
+            "announce worker", None, lambda c: self._heartbeat(keys, args, client=c)
+        )
+
+    async def leave(self, worker: str, incarnation: str) -> None:
+        keys = list(self._worker(worker))
+        await self._store._run(
+            "retire worker", None, lambda c: self._leave(keys, [incarnation], client=c)
+        )
+
+    async def incarnation(self, worker: str) -> str | None:
+        alive = self._worker(worker)[0]
+        value: Any = await self._store._run("look up worker", None, lambda c: c.get(alive))
+        return None if value is None else bytes(value).decode()
+
+    async def lease_owner(self, session_id: str) -> str | None:
+        lease = self._store._key("s", session_id, "lease")
+        value: Any = await self._store._run(
+            "look up the owner of", session_id, lambda c: c.hget(lease, "owner")
+        )
+        return None if value is None else bytes(value).decode()
+
+    async def post(self, worker: str, message: bytes, ttl: float) -> str | None:
+        keys = list(self._worker(worker))
+        args: list[str | bytes] = [message, _ms(3 * ttl)]
+        value: Any = await self._store._run(
+            "send a request to", None, lambda c: self._post(keys, args, client=c)
+        )
+        return None if value is None else bytes(value).decode()
+
+    async def read(
+        self,
+        worker: str,
+        inbox_after: str,
+        streams: Mapping[str, int],
+        block: float | None,
+    ) -> tuple[list[tuple[str, bytes]], dict[str, list[StreamItem]]]:
+        inbox = self._worker(worker)[1]
+        ids: dict[str, str] = {inbox: inbox_after}
+        names: dict[bytes, str] = {}
+        for name, seq in streams.items():
+            key = self._events(name)
+            ids[key] = f"{seq}-0"
+            names[key.encode()] = name
+        wait = None if block is None else max(1, int(block * 1000))
+        reply: Any = await self._store._run(
+            "read the inbox of", None, lambda c: c.xread(ids, count=_READ_COUNT, block=wait)
+        )
+        messages: list[tuple[str, bytes]] = []
+        events: dict[str, list[StreamItem]] = {}
+        for raw_key, entries in (reply or {}).items():
+            got = bytes(raw_key)
+            if got == inbox.encode():
+                for entry in entries:
+                    data = entry.field_values.get(b"m")
+                    if data is not None:
+                        messages.append((bytes(entry.identifier).decode(), bytes(data)))
+            elif got in names:
+                events[names[got]] = [_item(e.identifier, e.field_values) for e in entries]
+        return messages, events
+
+    async def publish(self, batches: Mapping[str, Sequence[StreamItem]], keep: int) -> None:
+        keys: list[str] = []
+        args: list[str | bytes] = [str(max(1, keep)), _ms(_EVENTS_TTL)]
+        for name, items in batches.items():
+            if not items:
+                continue
+            keys.append(self._events(name))
+            args.append(str(len(items)))
+            for seq, kind, payload in items:
+                field = {"event": "d", "lost": "lost"}.get(kind, "gone")
+                args += [f"{seq}-0", field, payload or b"1"]
+        if keys:
+            await self._store._run(
+                "publish events of", None, lambda c: self._publish(keys, args, client=c)
+            )
+
+    async def last_event_seq(self, session_id: str) -> int:
+        key = self._events(session_id)
+        reply: Any = await self._store._run(
+            "read the events of", session_id, lambda c: c.xrevrange(key, "+", "-", count=1)
+        )
+        return _seq_of(reply[0].identifier) if reply else 0
+
+    async def events_after(
+        self, session_id: str, after: int
+    ) -> tuple[int | None, list[StreamItem]]:
+        key = self._events(session_id)
+        start = f"({after}-0" if after >= 0 else "-"
+        reply: Any = await self._store._run(
+            "read the events of",
+            session_id,
+            lambda c: self._events_after([key], [start], client=c),
+        )
+        first, entries = reply
+        oldest = _seq_of(first[0][0]) if first else None
+        return oldest, _script_items(entries)
+
+    async def reset_events(self, session_id: str) -> None:
+        key = self._events(session_id)
+        await self._store._run("reset the events of", session_id, lambda c: c.delete([key]))
+
+    async def end_events(self, session_id: str) -> None:
+        key = self._events(session_id)
+        ttl = [_ms(60.0)]
+        await self._store._run(
+            "end the events of", session_id, lambda c: self._end_events([key], ttl, client=c)
+        )
