@@ -27,7 +27,7 @@ mutants: .venv/.extra-test-$(HASH)
 	$(PY) -m pytest -q -m mutants
 
 lint: .venv/.extra-lint-$(HASH)
-	$(PY) -m ruff check sessionactors tests benchmarks docs && $(PY) -m ruff format --check sessionactors tests benchmarks docs && $(PY) -m mypy
+	$(PY) -m ruff check sessionactors tests benchmarks docs && $(PY) -m ruff format --check sessionactors tests benchmarks docs && $(PY) -m mypy && $(PY) tests/check_layers.py
 
 bench: .venv/.extra-bench-$(HASH)
 	$(PY) benchmarks/run.py
