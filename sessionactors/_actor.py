@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import trio
 
@@ -49,7 +49,7 @@ from ._history import rewind_end, split_for_keep_last
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
 from ._pending import Pending
-from ._records import Message, ReviewRequest, Role, Status, ToolCall
+from ._records import Message, ReviewRequest, Role, Status, ToolCall, new_id, utcnow
 from ._requests import Call, Hibernate, Reply, ResolveReview, Rewind, SetSummary, Truncate
 from ._session import LiveSession
 from ._tool_calls import (
@@ -123,6 +123,16 @@ class CallMail:
 Mail = TurnMail | CallMail
 
 
+class _Resume:
+    """The request a wake makes for itself: finish the turn its process left open."""
+
+
+RESUME: Final = _Resume()
+#: What the serving loop returns to leave a turn scope that was cancelled as a turn
+#: ended (the turn was settled as it ended): the next turn gets a fresh scope.
+RESCOPE: Final = _Resume()
+
+
 class Counters:
     """The registry's running counters, kept by the actors (see ``Registry.statistics``)."""
 
@@ -167,12 +177,15 @@ class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
 
     __slots__ = (
+        "_cut",
         "_ready",
+        "_rescope",
         "_system_cache",
         "done",
         "held",
         "host",
         "hub",
+        "in_turn",
         "inflight_keys",
         "journal",
         "kill_error",
@@ -201,7 +214,10 @@ class Actor:
         self.journal = Journal(host.store, host.config, session_id)
         self.hub: Hub | None = None
         self.turn_mail: TurnMail | None = None  # the turn in flight, answered when it ends
-        self.turn_scope: trio.CancelScope | None = None
+        self.turn_scope: trio.CancelScope | None = None  # made by the first turn
+        self.in_turn = False  # a turn is running in turn_scope: cancel() may cut it
+        self._cut: tuple[Pending, str | None] | None = None  # the turn a cut would settle
+        self._rescope = False  # leave turn_scope at the next request (see _drive)
         self.turn_id = ""
         self.partial: list[str] = []
         self.inflight_keys: dict[str, TurnMail] = {}  # idempotency key -> its turn
@@ -256,7 +272,7 @@ class Actor:
 
     def cancel_turn(self) -> bool:
         """Cancel the turn in flight, out of band; whether there was one."""
-        if self.turn_scope is None:
+        if not self.in_turn or self.turn_scope is None:
             return False
         self.turn_scope.cancel()
         return True
@@ -338,10 +354,14 @@ class Actor:
         return event
 
     def _set_status(self, status: Status) -> None:
-        if self.session.status is status:
+        """Change the status; publish it unless a turn's own events say it (running:
+        ``TurnStarted``; idle: the turn's outcome)."""
+        session = self.session
+        if session.status is status:
             return
-        self.session.status = status
-        self.emit(StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status))
+        session.status = status
+        if status is not Status.RUNNING and status is not Status.IDLE:
+            self.emit(StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status))
 
     @property
     def _fence(self) -> int | None:
@@ -450,9 +470,15 @@ class Actor:
         host.stats.woken += 1
 
     async def run(self) -> None:
-        """Serve the mailbox until hibernated, stopped, or closed."""
-        host = self.host
+        """Serve the mailbox until hibernated, stopped, or closed.
+
+        Turns run inside ``turn_scope``, made by the first request that runs a
+        turn and kept for the turns after it: a scope is made again only after a
+        cancellation (``ref.cancel()``, or the registry's grace running out) cut a
+        turn, which is then settled outside it.
+        """
         journal = self.journal
+        mail: Mail | _Resume | None = None
         if self._ready is not None:
             ready = self._ready
             try:
@@ -471,37 +497,70 @@ class Actor:
             if self.session.open_turn is not None and not self.session.reviews:
                 # (never from a clean hibernation: a hibernated open turn waits on a review)
                 journal.settled = len(journal.unsaved)
-                await self.resume_interrupted()
+                mail = RESUME
+        while True:
+            if mail is None:
+                mail = await self._serve(None, outside=True)
+                if mail is None:
+                    return  # left
+            scope = self.turn_scope = trio.CancelScope()
+            with scope:
+                if await self._serve(mail, outside=False) is None:
+                    return  # left
+            mail = None
+            self.turn_scope = None
+            cut, self._cut = self._cut, None
+            if cut is not None:  # the turn in flight was cancelled: settle it here
+                await self._settle(*cut, failure=None, final=None, cancelled=True)
+
+    async def _serve(self, mail: Mail | _Resume | None, *, outside: bool) -> Mail | _Resume | None:
+        """Serve requests, ``mail`` first, until the actor leaves (None); outside the turn
+        scope, return the first request that runs a turn instead of serving it."""
+        host = self.host
+        journal = self.journal
         idle = host.config.idle_timeout
         receive = self.receive
         while True:
-            journal.settled = len(journal.unsaved)  # every request before this is answered
-            if self.phase is Phase.STOPPING:
-                await self._finish_stop()
-                return
-            if self.phase is Phase.ABORTING:
-                self._fail_queued(stopped_error(self.session_id, "closing"))
-                await self._hibernate_now()
-                return
-            try:
-                if idle is None:
-                    mail = await receive.receive()
-                else:
-                    mail = None
-                    with trio.move_on_after(idle):
+            if mail is None:
+                if self._rescope:  # cancelled as a turn ended: a fresh scope for the next
+                    self._rescope = False
+                    return RESCOPE
+                journal.settled = len(journal.unsaved)  # every request before is answered
+                if self.phase is Phase.STOPPING:
+                    await self._finish_stop()
+                    return None
+                if self.phase is Phase.ABORTING:
+                    self._fail_queued(stopped_error(self.session_id, "closing"))
+                    await self._hibernate_now()
+                    return None
+                try:
+                    if idle is None:
                         mail = await receive.receive()
-                    if mail is None:
-                        host.stats.idle_hibernations += 1
-                        if await self._hibernate_if_idle():
-                            return
+                    else:
+                        with trio.move_on_after(idle):
+                            mail = await receive.receive()
+                        if mail is None:
+                            host.stats.idle_hibernations += 1
+                            if await self._hibernate_if_idle():
+                                return None
+                            continue
+                except trio.EndOfChannel:
+                    # the registry is closing (or the session stopping): queue drained
+                    if self.stopping:
                         continue
-            except trio.EndOfChannel:
-                # the registry is closing (or the session stopping): queue drained
-                if self.stopping:
-                    continue
-                await self._hibernate_now()
-                return
-            assert mail is not None
+                    await self._hibernate_now()
+                    return None
+            if mail is RESUME:
+                if outside:
+                    return mail
+                await self.resume_interrupted()
+                mail = None
+                continue
+            assert not isinstance(mail, _Resume)
+            if outside and (
+                mail.__class__ is TurnMail or isinstance(mail.request, ResolveReview)  # type: ignore[union-attr]
+            ):
+                return mail  # served inside the turn scope
             if journal.must_journal_status(self.hub.seq if self.hub is not None else 0) and (
                 mail.__class__ is TurnMail or not isinstance(mail.request, Hibernate)  # type: ignore[union-attr]
             ):
@@ -516,7 +575,7 @@ class Actor:
                     await drive
                 del drive  # an idle actor keeps no spent coroutine alive
             elif await self._call(mail):
-                return
+                return None
             mail = None  # nor a finished request (its result included)
 
     def _turn(self, mail: TurnMail) -> Coroutine[Any, Any, None] | None:
@@ -551,16 +610,17 @@ class Actor:
         turn_id = self.turn_id = mail.turn_id
         self.turn_mail = mail
         self._set_status(Status.RUNNING)
-        self.durable(
+        self.durable(  # the user's message joins the history with it
             TurnStarted(
                 session_id=sid,
                 seq=self.next_seq(),
                 turn_id=turn_id,
                 text=mail.text,
                 idempotency_key=key,
+                message_id=new_id("msg"),
+                created_at=utcnow(),
             )
         )
-        self.add_message(Message.create(Role.USER, mail.text))
         before = self._compact_before if agent.compaction is not None else None
         return self._drive(agent, mail.pending, key, before=before)
 
@@ -577,28 +637,51 @@ class Actor:
     ) -> None:
         """Run (or resume) the turn loop and settle its outcome.
 
-        ``before`` runs first, inside the turn's cancel scope; if it returns
-        False the turn pauses (a review) without asking the model.
+        ``before`` runs first, inside the turn scope; if it returns False the turn
+        pauses (a review) without asking the model. A cancellation leaves the turn
+        scope with ``_cut`` set, for ``run`` to settle outside it.
         """
-        sid = self.session_id
-        turn_id = self.turn_id
         failure: BaseException | None = None
         final: Message | None = None
         self.partial = []
-        with trio.CancelScope() as scope:
-            self.turn_scope = scope
-            try:
-                if before is None or await before(agent):
-                    final = await run_turn(agent, self)
-            except Exception as exc:
-                if exc is self.journal.fault:  # our write failed, not the agent: restart
-                    raise
-                failure = exc
-        self.turn_scope = None
+        self._cut = (pending, key)
+        self.in_turn = True
+        try:
+            if before is None or await before(agent):
+                final = await run_turn(agent, self)
+        except Exception as exc:
+            if exc is self.journal.fault:  # our write failed, not the agent: restart
+                raise
+            failure = exc
+        finally:
+            self.in_turn = False
+        self._cut = None
+        scope = self.turn_scope
+        if scope is not None and scope.cancel_called:
+            # cancelled as the turn ended: settle it as it ended, and have the loop
+            # leave the cancelled scope before anything else
+            self._rescope = True
+            with trio.CancelScope(shield=True):
+                await self._settle(pending, key, failure=failure, final=final, cancelled=False)
+            return
+        await self._settle(pending, key, failure=failure, final=final, cancelled=False)
+
+    async def _settle(
+        self,
+        pending: Pending,
+        key: str | None,
+        *,
+        failure: BaseException | None,
+        final: Message | None,
+        cancelled: bool,
+    ) -> None:
+        """Record the turn's outcome durably, publish it, and answer its caller."""
+        sid = self.session_id
+        turn_id = self.turn_id
         stats = self.host.stats
         outcome: Event
         error: BaseException | None = None
-        if scope.cancelled_caught:
+        if cancelled:
             text = "".join(self.partial)
             if text:
                 self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
@@ -702,7 +785,8 @@ class Actor:
             pending.set_error(exc)
             return False
         except BaseException as exc:  # crashed or killed: its waiter must not wait forever
-            pending.set_error(self.cut_short(exc))
+            if self._cut is None:  # (a review's turn that was cut is settled by run)
+                pending.set_error(self.cut_short(exc))
             raise
         pending.set_result(result)
         return False

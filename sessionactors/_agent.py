@@ -162,7 +162,11 @@ def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -
 
 
 async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
-    """Run one turn; the final assistant message, or None if it paused for a review."""
+    """Run one turn; the final assistant message, or None if it paused for a review.
+
+    Messages with tool calls join the history through ``ctx.add_message``; the
+    final one is returned, for the caller to record with the turn's outcome.
+    """
     specs = agent.tool_specs
     for _step in range(agent.max_steps):
         request = ModelRequest(
@@ -184,9 +188,9 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         ctx.partial.clear()
         calls = assemble_calls(parts)
         message = Message.create(Role.ASSISTANT, text, tool_calls=calls)
-        ctx.add_message(message)
         if not calls:
-            return message
+            return message  # it joins the history with the turn's outcome
+        ctx.add_message(message)
         if not await ctx.run_tool_calls(agent, calls):
             return None
         # Tools checkpoint as they run; between steps, only a pending cancel matters.

@@ -97,14 +97,18 @@ class Dispatcher:
         With ``ack`` the caller returns now; without, it waits on the reply next (a
         turn forwarded to another worker then returns once answered).
         """
-        turn: Turn = await self._route(
+        if self.router is None:
+            turn = await self._submit_here(name, text, key, ack=ack)
+            if turn is not _AGAIN:  # the common case: served here at the first try
+                return turn  # type: ignore[no-any-return]
+        turn = await self._route(
             name,
             lambda: self._submit_here(name, text, key, ack=ack),
             None
             if self.router is None
             else (lambda router: _or_not_routed(router.submit(name, text, key, ack=ack))),
         )
-        return turn
+        return turn  # type: ignore[no-any-return]
 
     async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
         """A turn in the mailbox here, never routed (a request another worker forwarded)."""

@@ -6,12 +6,13 @@ turn outcomes, history edits, reviews, status changes to a final status) are
 also the session's journal: folding them over a snapshot rebuilds its state.
 """
 
+import datetime
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
-from ._records import Message, ReviewRequest, Status, ToolCall
+from ._records import Message, ReviewRequest, Role, Status, ToolCall
 
 __all__ = [
     "Delta",
@@ -39,13 +40,33 @@ class Event:
     seq: int
 
 
+#: ``created_at`` of events that carry no message (journals written by 0.1).
+NO_TIME: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
 @attrs.frozen(kw_only=True)
 class TurnStarted(Event):
-    """A turn left the mailbox and began; ``text`` is the user's input."""
+    """A turn left the mailbox and began; ``text`` is the user's input.
+
+    The user's message (``message``: id ``message_id``, stamped ``created_at``)
+    joins the history with this event. (Journals written by 0.1 carried it in a
+    ``MessageAdded`` that followed, and left ``message_id`` empty.)
+    """
 
     turn_id: str
     text: str = ""
     idempotency_key: str | None = None
+    message_id: str = ""
+    created_at: datetime.datetime = NO_TIME
+
+    @property
+    def message(self) -> Message | None:
+        """The user's message this turn added to the history (None in 0.1 journals)."""
+        if not self.message_id:
+            return None
+        return Message(
+            id=self.message_id, role=Role.USER, content=self.text, created_at=self.created_at
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -66,7 +87,11 @@ class MessageAdded(Event):
 
 @attrs.frozen(kw_only=True)
 class TurnFinished(Event):
-    """The turn ended with a reply; ``message`` is the final assistant message."""
+    """The turn ended with a reply; ``message`` is the final assistant message.
+
+    The message joins the history with this event (0.1 journals carried it in a
+    ``MessageAdded`` just before).
+    """
 
     turn_id: str
     message: Message
@@ -105,12 +130,31 @@ class ToolCallStarted(Event):
 
 @attrs.frozen(kw_only=True)
 class ToolResult(Event):
-    """A tool finished; its result message is added right after."""
+    """A tool finished; its result (``message``, a ``Role.TOOL`` message with id
+    ``message_id``) joins the history with this event. (0.1 published it only and
+    journaled a ``MessageAdded`` with the message after it, leaving ``message_id``
+    empty.)"""
 
     turn_id: str
     tool_call_id: str
     content: str
     is_error: bool = False
+    message_id: str = ""
+    created_at: datetime.datetime = NO_TIME
+
+    @property
+    def message(self) -> Message | None:
+        """The tool message this result added to the history (None before 0.2)."""
+        if not self.message_id:
+            return None
+        return Message(
+            id=self.message_id,
+            role=Role.TOOL,
+            content=self.content,
+            created_at=self.created_at,
+            tool_call_id=self.tool_call_id,
+            is_error=self.is_error,
+        )
 
 
 @attrs.frozen(kw_only=True)

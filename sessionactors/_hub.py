@@ -14,7 +14,7 @@ import trio
 
 from ._config import HubConfig
 from ._errors import SubscriberLaggedError
-from ._events import Delta, Event, MessageAdded, TurnFinished
+from ._events import Delta, Event, MessageAdded, ToolResult, TurnFinished, TurnStarted
 
 __all__ = ["Hub", "Subscriber", "lagged_error"]
 
@@ -26,6 +26,10 @@ def _size(event: Event) -> int:
         return 96 + len(event.text)  # type: ignore[attr-defined]
     if cls is MessageAdded or cls is TurnFinished:
         return 160 + len(event.message.content)  # type: ignore[attr-defined]
+    if cls is TurnStarted:
+        return 160 + len(event.text)  # type: ignore[attr-defined]
+    if cls is ToolResult:
+        return 160 + len(event.content)  # type: ignore[attr-defined]
     return 128
 
 

@@ -20,6 +20,7 @@ from ._events import (
     ReviewResolved,
     StatusChanged,
     ToolCallStarted,
+    ToolResult,
     TurnCancelled,
     TurnFailed,
     TurnFinished,
@@ -193,8 +194,17 @@ class LiveSession:
             self.messages.append(event.message)
             self.updated_at = event.message.created_at
             return
-        if isinstance(event, TurnStarted):  # its user message sets updated_at next
+        if isinstance(event, TurnStarted):
             self.open_turn = OpenTurn(turn_id=event.turn_id, idempotency_key=event.idempotency_key)
+            message = event.message
+            if message is not None:  # (0.1: a MessageAdded follows with it)
+                self.messages.append(message)
+                self.updated_at = message.created_at
+        elif isinstance(event, ToolResult):
+            message = event.message
+            if message is not None:  # (0.1 journaled a MessageAdded with it instead)
+                self.messages.append(message)
+                self.updated_at = message.created_at
         elif isinstance(event, ToolCallStarted):
             if self.open_turn is not None:
                 self.open_turn = OpenTurn(
@@ -205,6 +215,9 @@ class LiveSession:
         elif isinstance(event, TurnFinished):
             self.open_turn = None
             self.turn_count += 1
+            messages = self.messages
+            if not messages or messages[-1].id != event.message.id:
+                messages.append(event.message)  # (0.1: a MessageAdded brought it already)
             self.updated_at = event.message.created_at
             if event.idempotency_key is not None:
                 self.completed[event.idempotency_key] = CompletedTurn(

@@ -75,7 +75,8 @@ async def _invoke(agent: Agent, call: ToolCall) -> tuple[str, bool]:
 
 
 def record_result(actor: TurnHost, call: ToolCall, content: str, is_error: bool) -> None:
-    actor.emit(
+    """The call's result joins the history (as a tool message) with its ToolResult."""
+    actor.durable(
         ToolResult(
             session_id=actor.session_id,
             seq=actor.next_seq(),
@@ -83,9 +84,10 @@ def record_result(actor: TurnHost, call: ToolCall, content: str, is_error: bool)
             tool_call_id=call.id,
             content=content,
             is_error=is_error,
+            message_id=new_id("msg"),
+            created_at=utcnow(),
         )
     )
-    actor.add_message(Message.create(Role.TOOL, content, tool_call_id=call.id, is_error=is_error))
 
 
 def _start_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bool:
