@@ -20,6 +20,7 @@ from ._agent import Agent, run_turn
 from ._codec import load_events, load_snapshot
 from ._config import RegistryConfig
 from ._errors import (
+    FencedOutError,
     LeaseHeldError,
     MessageNotFoundError,
     ReviewNotFoundError,
@@ -171,6 +172,9 @@ class Host(Protocol):
     def detach(self, actor: Actor) -> None: ...
     def replace(self, old: Actor, new: Actor) -> None: ...
     def mark_failed(self, actor: Actor, reason: str) -> None: ...
+    def unwritten(self, session_id: str, error: Exception) -> None:
+        """The session's acknowledged state could not be written as it left."""
+        ...
 
 
 class Actor:
@@ -649,7 +653,7 @@ class Actor:
         try:
             if before is None or await before(agent):
                 final = await run_turn(agent, self)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # the agent's or model's: this turn's only
             if exc is self.journal.fault:  # our write failed, not the agent: restart
                 raise
             failure = exc
@@ -963,14 +967,49 @@ class Actor:
         return True
 
     async def _hibernate_now(self) -> None:
-        """Hibernate at once (registry closing), shielded and bounded."""
+        """Hibernate at once (registry closing), shielded and bounded.
+
+        A store that refuses the snapshot is asked again until the bound. If state
+        that was acknowledged is in no other write (``durability="hibernate"``), a
+        final failure is reported to the registry, which raises it on exit.
+        """
+        error: Exception | None = None
         with self._bounded_write() as writing:
-            await self._snapshot_for_hibernation()
-        self._answer_held(stored=not writing.cancelled_caught)
+            delay = 0.01
+            while True:
+                try:
+                    await self._snapshot_for_hibernation()
+                    error = None
+                    break
+                except FencedOutError:
+                    raise  # another worker owns it: nothing of ours to write
+                except (StoreError, ValueError, TypeError) as exc:
+                    error = exc
+                    if not isinstance(exc, StoreError) or not self._acknowledged_unsaved():
+                        break  # a retry cannot help, or the journal holds it all
+                    await trio.sleep(delay)
+                    delay = min(2 * delay, 1.0)
+        stored = error is None and not writing.cancelled_caught
+        self._answer_held(stored=stored)
         self._fail_queued(stopped_error(self.session_id, "closing"))
+        if not stored and self._acknowledged_unsaved():
+            # (with a journal, what is not stored was never acknowledged: its caller
+            # heard so)
+            self.host.unwritten(
+                self.session_id,
+                error
+                or StoreError(
+                    f"the store did not answer within {self.host.config.write_bound:g} s",
+                    session_id=self.session_id,
+                ),
+            )
         self._leave(Status.HIBERNATED)
         if not writing.cancelled_caught:  # else the store is stuck: the lease expires
             await self._release_lease()
+
+    def _acknowledged_unsaved(self) -> bool:
+        """Whether acknowledged state is in no write yet (only without a journal)."""
+        return bool(self.journal.unsaved) and self.host.config.durability != "turn"
 
     async def _snapshot_for_hibernation(self) -> None:
         """Write the hibernated state; its status event is published once it is stored."""

@@ -7,6 +7,7 @@ what it already has) and the others are not slowed.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ from ._errors import SubscriberLaggedError
 from ._events import Delta, Event, MessageAdded, ToolResult, TurnFinished, TurnStarted
 
 __all__ = ["Hub", "Subscriber", "lagged_error"]
+
+log = logging.getLogger("sessionactors")
 
 
 def _size(event: Event) -> int:
@@ -107,6 +110,7 @@ class Hub:
         self._ring_bytes = 0
 
     def _evict(self, sub: Subscriber) -> None:
+        log.info("a subscriber of session %r fell behind and was cut off", self.session_id)
         sub.lagged = True
         sub.send.close()
         self._subs.discard(sub)

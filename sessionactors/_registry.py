@@ -23,6 +23,7 @@ from ._errors import (
     MessageNotFoundError,
     SessionBusyError,
     SessionExistsError,
+    StoreError,
 )
 from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
@@ -276,6 +277,29 @@ class Registry(metaclass=NoPublicConstructor):
 
 
 @asynccontextmanager
+async def _unwrapped() -> AsyncIterator[None]:
+    """A single exception out of the registry's nursery comes out as itself.
+
+    The block's body runs inside the nursery, so an error raised there (or by a
+    task of the registry) arrives wrapped in an ExceptionGroup; only failures that
+    really happened together stay grouped, as trio-websocket does for its
+    nursery-shaped context managers.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        exc = group.exceptions[0]
+        if isinstance(exc, BaseExceptionGroup):
+            raise
+        try:
+            raise exc from exc.__cause__  # the group is no context of its own
+        finally:
+            del exc, group
+
+
+@asynccontextmanager
 async def open_registry(
     *,
     store: Store | None = None,
@@ -358,7 +382,7 @@ async def open_registry(
     if leases is None:
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
     try:
-        async with trio.open_nursery() as nursery:
+        async with _unwrapped(), trio.open_nursery() as nursery:
             sessions = Sessions(
                 the_store, dict(agents), config, worker_id or new_id("worker"), nursery
             )
@@ -380,3 +404,12 @@ async def open_registry(
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):
             await the_store.aclose()
+    if sessions.unwritten_state:
+        names = sorted(sessions.unwritten_state)
+        first = sessions.unwritten_state[names[0]]
+        raise StoreError(
+            f"the registry closed without writing the state of session(s) {names} "
+            f"({first}): with durability='hibernate' their turns since the last snapshot "
+            "are lost; make the store writable, and use durability='turn' for turns that "
+            "must survive a failing store"
+        ) from first

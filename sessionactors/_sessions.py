@@ -6,6 +6,7 @@ other workers: the dispatcher asks the router before it comes here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,8 @@ from .stores._base import Store
 
 __all__ = ["GENERATION_PEAK", "Sessions", "exists_error"]
 
+log = logging.getLogger("sessionactors")
+
 #: A table whose live count has fallen to an eighth of a peak at least this
 #: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
 GENERATION_PEAK = 1024
@@ -59,6 +62,8 @@ class Sessions:
         self.live: dict[str, Actor] = {}
         self.hubs: dict[str, Hub] = {}
         self.failed: dict[str, str] = {}
+        #: Sessions whose acknowledged state could not be written as they left.
+        self.unwritten_state: dict[str, Exception] = {}
         #: Names being deleted, and by how many calls: no request wakes them meanwhile.
         self.deleting: dict[str, int] = {}
         self._closing = False
@@ -112,6 +117,15 @@ class Sessions:
         if self.live.get(old.session_id) is old:
             self.live[old.session_id] = new
         _gone_event(old).set()  # a waiter may come later (ref.stop after ready())
+
+    def unwritten(self, session_id: str, error: Exception) -> None:
+        log.error(
+            "session %r left without writing its state (turns acknowledged since its "
+            "last snapshot are lost): %s",
+            session_id,
+            error,
+        )
+        self.unwritten_state[session_id] = error
 
     def mark_failed(self, actor: Actor, reason: str) -> None:
         self.failed[actor.session_id] = reason
@@ -323,9 +337,16 @@ class Sessions:
                     continue
                 try:
                     held = await self.store.renew(actor.session_id, lease, ttl)
-                except StoreError:
+                except StoreError as exc:
+                    log.warning(
+                        "could not renew the lease of session %r: %s", actor.session_id, exc
+                    )
                     continue  # try again next round; the store decides at expiry
                 if not held and actor.lease is lease:
+                    log.warning(
+                        "session %r lost its lease to another worker; stopped here",
+                        actor.session_id,
+                    )
                     self.stats.leases_lost += 1
                     actor.lease = None
                     actor.kill(

@@ -9,6 +9,7 @@ sessions never notice.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import trio
@@ -17,6 +18,8 @@ from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe, 
 from ._errors import FencedOutError, SessionActorsError
 
 __all__ = ["session_task"]
+
+log = logging.getLogger("sessionactors")
 
 
 async def session_task(host: Host, actor: Actor) -> None:
@@ -37,6 +40,9 @@ async def session_task(host: Host, actor: Actor) -> None:
             return
         except FencedOutError as exc:
             # another worker owns the session now: stop here, no restart
+            log.warning(
+                "session %r was fenced out (another worker owns it now): %s", actor.session_id, exc
+            )
             host.stats.leases_lost += 1
             actor.lease = None
             _end(actor, exc)
@@ -59,9 +65,21 @@ async def session_task(host: Host, actor: Actor) -> None:
                 actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
             actor.fail_waiters(error)
             if failed:
+                log.error(
+                    "session %r crashed %d times within %g s and is marked failed",
+                    actor.session_id,
+                    len(crashes),
+                    config.restart_window,
+                    exc_info=exc,
+                )
                 actor.phase = Phase.LEFT
                 host.mark_failed(actor, describe(exc))
                 return
+            log.warning(
+                "session %r crashed and restarts from its durable state",
+                actor.session_id,
+                exc_info=exc,
+            )
             host.stats.restarts += 1
             fresh = Actor(host, actor.session_id, None)
             fresh.hub = actor.hub

@@ -135,8 +135,8 @@ class Tool:
 
         Empty ``arguments`` (as some models send for a tool without
         parameters) mean ``{}``. Bad arguments and exceptions raised by the
-        function become an outcome with ``is_error=True``; ``trio.Cancelled``
-        and other exceptions that are not :class:`Exception` propagate.
+        function (``SystemExit`` included) become an outcome with ``is_error=True``;
+        ``trio.Cancelled``, ``KeyboardInterrupt`` and the like propagate.
         """
         await trio.lowlevel.checkpoint()
         return await self._run(arguments)
@@ -162,7 +162,7 @@ class Tool:
             result = self.fn(**kwargs)
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only
             return ToolOutcome(content=_describe_exception(exc), is_error=True)
         return _encode_result(self.name, result)
 
@@ -267,7 +267,7 @@ def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
     return parsed
 
 
-def _describe_exception(exc: Exception) -> str:
+def _describe_exception(exc: BaseException) -> str:
     message = str(exc)
     kind = type(exc).__name__
     return f"{kind}: {message}" if message else kind
