@@ -290,9 +290,7 @@ async def _unwrapped() -> AsyncIterator[None]:
     except BaseExceptionGroup as group:
         if len(group.exceptions) != 1:
             raise
-        exc = group.exceptions[0]
-        if isinstance(exc, BaseExceptionGroup):
-            raise
+        exc = group.exceptions[0]  # (a group the block raised comes out as that group)
         try:
             raise exc from exc.__cause__  # the group is no context of its own
         finally:

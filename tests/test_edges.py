@@ -1,0 +1,273 @@
+"""Promises at the edges: bad input is refused before anything is written, errors
+come out as themselves, a failing final write is loud, crashes are logged."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import JournalEntry, MemoryStore
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+
+ECHO = {"echo": sa.Agent(model=EchoModel())}
+
+
+async def test_an_error_from_the_block_comes_out_as_itself() -> None:
+    """``except sa.SessionNotFoundError`` around the registry's block catches it."""
+    with pytest.raises(sa.SessionNotFoundError) as info:
+        async with sa.open_registry(agents=ECHO) as registry:
+            await registry.ref("nobody").send("hi")
+    assert not isinstance(info.value, BaseExceptionGroup)
+    assert type(info.value).__module__ == "sessionactors"
+
+
+async def test_errors_that_happened_together_stay_grouped() -> None:
+    """A group the block's own nursery raised comes out as that group, not nested."""
+
+    async def fail(exc: Exception) -> None:
+        raise exc  # at once: both tasks fail in the same batch
+
+    with pytest.RaisesGroup(KeyError, ValueError):
+        async with sa.open_registry(agents=ECHO), trio.open_nursery() as nursery:
+            nursery.start_soon(fail, KeyError("a"))
+            nursery.start_soon(fail, ValueError("b"))
+
+
+class ExitingModel:
+    """A model whose stream calls sys.exit()."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        raise SystemExit(3)
+        yield sa.TextChunk("never")  # pragma: no cover
+
+
+async def test_a_model_that_exits_fails_its_turn_only() -> None:
+    """SystemExit from a model is that turn's failure; the session takes the next turn."""
+    agents = {"x": sa.Agent(model=ExitingModel()), "echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(agents=agents) as registry:
+        bad = await registry.spawn("bad", agent="x")
+        good = await registry.spawn("good", agent="echo")
+        with pytest.raises(sa.TurnFailedError) as info:
+            await bad.send("hi")
+        assert isinstance(info.value.__cause__, SystemExit)
+        assert (await good.send("still here")).text == "still here"
+        assert registry.statistics().crashes == 0
+
+
+async def test_a_tool_that_exits_fails_its_call_only() -> None:
+    """SystemExit from a tool becomes an error result the model sees."""
+
+    @sa.tool
+    async def leave() -> str:
+        """Leave."""
+        raise SystemExit(1)
+
+    call = sa.ToolCall(id="c1", name="leave", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), Scripted(text="ok")])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[leave])}) as registry:
+        ref = await registry.spawn("s")
+        assert (await ref.send("go")).text == "ok"
+        tool_messages = [m for m in await ref.history() if m.role is sa.Role.TOOL]
+        assert tool_messages[0].is_error
+        assert "SystemExit" in tool_messages[0].content
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("idle_timeout", math.nan, ValueError),
+        ("idle_timeout", math.inf, ValueError),
+        ("idle_timeout", 0, ValueError),
+        ("idle_timeout", "5", TypeError),
+        ("mailbox_size", 1.5, TypeError),
+        ("mailbox_size", 0, ValueError),
+        ("mailbox_size", True, TypeError),
+        ("lease_ttl", math.inf, ValueError),
+        ("lease_ttl", math.nan, ValueError),
+        ("shutdown_grace", -1, ValueError),
+        ("max_restarts", -1, ValueError),
+        ("restart_window", math.nan, ValueError),
+        ("subscriber_buffer", 0, ValueError),
+        ("durability", "sometimes", ValueError),
+        ("leases", "yes", TypeError),
+        ("worker_id", "", ValueError),
+    ],
+)
+async def test_options_are_checked_when_the_registry_opens(
+    option: str, value: object, error: type[Exception]
+) -> None:
+    """A bad option fails open_registry with an error that names it, before anything runs."""
+    with pytest.raises(error, match=option):
+        async with sa.open_registry(agents=ECHO, **{option: value}):  # type: ignore[arg-type]
+            pytest.fail("the registry opened")  # pragma: no cover
+
+
+BAD_CALLS = {
+    "send with an int key": lambda ref: ref.send("hi", idempotency_key=5),
+    "send with a bytes key": lambda ref: ref.send("hi", idempotency_key=b"k"),
+    "submit with an empty key": lambda ref: ref.submit("hi", idempotency_key=""),
+    "send of bytes": lambda ref: ref.send(b"hi"),
+    "send of a lone surrogate": lambda ref: ref.send("broken \ud800 text"),
+    "set_summary of an int": lambda ref: ref.set_summary(123),
+    "truncate to a float": lambda ref: ref.truncate(1.5),
+    "truncate to True": lambda ref: ref.truncate(True),
+    "rewind to an int": lambda ref: ref.rewind(7),
+    "review with a non-bool": lambda ref: ref.review("r", approve="yes"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BAD_CALLS))
+async def test_bad_arguments_are_refused_before_anything_is_written(call: str) -> None:
+    """A wrong type or value is a TypeError/ValueError naming the session, and the
+    session reloads as it was."""
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("edge-1")
+        await ref.send("before")
+        before = await ref.state()
+        with pytest.raises((TypeError, ValueError), match="edge-1"):
+            await BAD_CALLS[call](ref)
+        assert (await ref.state()).messages == before.messages
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        after = await registry.ref("edge-1").state()
+    assert [m.content for m in after.messages] == ["before", "before"]
+
+
+async def test_bad_spawn_arguments_are_refused() -> None:
+    """spawn() checks system_prompt and metadata before it stores anything."""
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        with pytest.raises(TypeError, match="system_prompt"):
+            await registry.spawn("s", system_prompt=123)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="metadata"):
+            await registry.spawn("s", metadata=[("a", 1)])  # type: ignore[arg-type]
+        assert await registry.sessions() == []
+
+
+async def test_subscribe_checks_after() -> None:
+    """``after`` must be an int seq: a str is a TypeError naming the session."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("s")
+        with pytest.raises(TypeError, match="'s'"):
+            ref.subscribe(after="5")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="'s'"):
+            ref.subscribe(after=-1)
+
+
+async def test_library_objects_have_no_public_constructor() -> None:
+    """Registry, SessionRef and Turn are made by the library; calling them says how."""
+    with pytest.raises(TypeError, match="open_registry"):
+        sa.Registry()
+    with pytest.raises(TypeError, match=r"registry\.ref"):
+        sa.SessionRef()
+    with pytest.raises(TypeError, match="submit"):
+        sa.Turn()
+
+
+class SnapshotRefusingStore(MemoryStore):
+    """A MemoryStore whose snapshot writes fail while ``broken`` (a stuck disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+        self.refused = 0
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        if self.broken:
+            self.refused += 1
+            await trio.lowlevel.checkpoint()
+            raise sa.StoreError(f"disk stuck writing {session_id!r}", session_id=session_id)
+        await super().write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        await super().append(session_id, entries, info, fence=fence)
+
+
+@pytest.mark.parametrize("broken", [True, False])
+async def test_a_final_snapshot_that_fails_without_a_journal_is_loud(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, broken: bool
+) -> None:
+    """With durability="hibernate", a closing snapshot the store keeps refusing is
+    retried, then raised from the registry's block naming the session, and logged;
+    with a sound store (the control) nothing is raised."""
+    store = SnapshotRefusingStore()
+
+    async def run() -> None:
+        async with sa.open_registry(store=store, agents=ECHO, durability="hibernate") as reg:
+            ref = await reg.spawn("kept-1")
+            await ref.send("acknowledged")
+            store.broken = broken
+
+    if broken:
+        with pytest.raises(sa.StoreError, match="kept-1"):
+            await run()
+        assert store.refused > 1  # retried
+        assert any(
+            r.levelno == logging.ERROR and "kept-1" in r.getMessage() for r in caplog.records
+        )
+    else:
+        await run()
+        async with sa.open_registry(store=store, agents=ECHO) as reg:
+            assert [m.content for m in await reg.ref("kept-1").history()] == [
+                "acknowledged",
+                "acknowledged",
+            ]
+
+
+class CrashOnceStore(MemoryStore):
+    """Its next append for a session raises a plain OSError (a fault of the store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.crash = False
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        if self.crash:
+            self.crash = False
+            await trio.lowlevel.checkpoint()
+            raise OSError("the disk went away")
+        await super().append(session_id, entries, info, fence=fence)
+
+
+async def test_a_crash_and_its_restart_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """An actor crash leaves one WARNING naming the session under 'sessionactors'."""
+    store = CrashOnceStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("logged-1")
+        store.crash = True
+        with pytest.raises(sa.SessionCrashedError):
+            await ref.send("boom")
+        assert (await ref.send("again")).text == "again"
+    records = [r for r in caplog.records if r.name == "sessionactors"]
+    assert [r.levelno for r in records] == [logging.WARNING]
+    assert "logged-1" in records[0].getMessage()
