@@ -100,10 +100,17 @@ class TurnFinished(Event):
 
 @attrs.frozen(kw_only=True)
 class TurnFailed(Event):
-    """The agent or its model raised; ``error`` describes it."""
+    """The agent or its model raised; ``error`` describes it.
+
+    ``lost``: the session itself crashed during the turn and restarted from its
+    durable state, which holds nothing of this turn: every event the turn
+    published (its user message included) no longer holds. Such an outcome is
+    published, never journaled.
+    """
 
     turn_id: str
     error: str
+    lost: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -232,7 +232,13 @@ class SessionRef(metaclass=NoPublicConstructor):
     async def stream(
         self, text: str, *, idempotency_key: str | None = None
     ) -> AsyncIterator[AsyncIterator[Event]]:
-        """Submit a turn and iterate over that turn's events only, ending with its outcome."""
+        """Submit a turn and iterate over that turn's events only, ending with its outcome.
+
+        The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session
+        crashed and the turn is void) or ``TurnCancelled``; if the session's events
+        end first (it was deleted or stopped, or the registry closed), iterating
+        raises the turn's error instead.
+        """
         async with self.subscribe() as events:
             turn = await self.submit(text, idempotency_key=idempotency_key)
 
@@ -245,6 +251,9 @@ class SessionRef(metaclass=NoPublicConstructor):
                     yield event
                     if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
                         return
+                # the events ended before the turn's outcome (the session was deleted,
+                # stopped, or the registry closed): its caller's error ends the stream
+                await turn.reply()
 
             gen = only_this_turn()
             try:

@@ -321,6 +321,8 @@ class Sessions:
             actor.abort()
         with trio.move_on_after(self.config.write_bound):
             await self._wait_all_gone()
+        for hub in self.hubs.values():  # no subscription waits on a closed registry
+            hub.close()
 
     async def _wait_all_gone(self) -> None:
         while self.live:

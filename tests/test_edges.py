@@ -271,3 +271,51 @@ async def test_a_crash_and_its_restart_are_logged(caplog: pytest.LogCaptureFixtu
     records = [r for r in caplog.records if r.name == "sessionactors"]
     assert [r.levelno for r in records] == [logging.WARNING]
     assert "logged-1" in records[0].getMessage()
+
+
+async def test_a_stream_ends_when_its_session_crashes_mid_turn() -> None:
+    """The turn's stream ends with a TurnFailed marked lost, and the history does
+    not hold the turn."""
+    store = CrashOnceStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("crashy")
+        store.crash = True  # the turn's journal write fails: the actor crashes
+        seen: list[sa.Event] = []
+        with trio.fail_after(5):
+            async with ref.stream("lost words") as events:
+                seen.extend([event async for event in events])
+        assert isinstance(seen[0], sa.TurnStarted)
+        outcome = seen[-1]
+        assert isinstance(outcome, sa.TurnFailed)
+        assert outcome.lost
+        assert await ref.history() == []
+
+
+async def test_a_stream_whose_session_is_deleted_raises() -> None:
+    """A stream whose session is deleted mid-turn raises SessionNotFoundError."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="never finished", wait=gate, wait_after=1)])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("doomed")
+        with trio.fail_after(5), pytest.raises(sa.SessionNotFoundError):
+            async with ref.stream("hi") as events:
+                async for event in events:
+                    if isinstance(event, sa.Delta):
+                        await registry.delete("doomed")
+
+
+async def test_nothing_waits_on_a_closed_registry() -> None:
+    """After the registry closes, subscribing raises and an open subscription ends."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("s")
+        subscription = ref.subscribe()
+        events = await subscription.__aenter__()
+    with trio.fail_after(5):
+        remaining = [event async for event in events]  # ends: the hub closed
+    assert all(isinstance(event, sa.StatusChanged) for event in remaining), remaining
+    await subscription.__aexit__(None, None, None)
+    with pytest.raises(sa.SessionStoppedError, match="'s'"):
+        async with ref.subscribe():
+            pass  # pragma: no cover
+    with pytest.raises(sa.SessionStoppedError):
+        await ref.send("late")
