@@ -297,11 +297,15 @@ async def test_a_stream_whose_session_is_deleted_raises() -> None:
     model = ScriptedModel([Scripted(text="never finished", wait=gate, wait_after=1)])
     async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
         ref = await registry.spawn("doomed")
-        with trio.fail_after(5), pytest.raises(sa.SessionNotFoundError):
+
+        async def stream_and_delete() -> None:
             async with ref.stream("hi") as events:
                 async for event in events:
                     if isinstance(event, sa.Delta):
                         await registry.delete("doomed")
+
+        with trio.fail_after(5), pytest.raises(sa.SessionNotFoundError):
+            await stream_and_delete()
 
 
 async def test_nothing_waits_on_a_closed_registry() -> None:
