@@ -572,6 +572,8 @@ class Actor:
                     await self._journal_status()
                 except BaseException as exc:
                     mail.pending.set_error(self.cut_short(exc))
+                    if isinstance(mail, TurnMail) and isinstance(exc, Exception):
+                        self.lose_turn(mail.turn_id, exc)
                     raise
             if isinstance(mail, TurnMail):
                 drive = self._turn(mail)
@@ -926,27 +928,49 @@ class Actor:
 
     # ---- endings ---------------------------------------------------------------
 
-    def _fail_queued(self, error: BaseException) -> None:
+    def lose_turn(self, turn_id: str, cause: BaseException) -> None:
+        """Tell subscribers that turn ``turn_id`` is void: the session crashed, and its
+        durable state holds nothing of it (published, never journaled)."""
+        if self.hub is None:
+            return  # nobody subscribed
+        self.emit(
+            TurnFailed(
+                session_id=self.session_id,
+                seq=self.next_seq(),
+                turn_id=turn_id,
+                error=f"the session crashed and restarted without this turn ({describe(cause)})",
+                lost=True,
+            )
+        )
+
+    def _fail_queued(self, error: BaseException, *, crash: BaseException | None = None) -> None:
         while True:
             try:
                 mail = self.receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
             mail.pending.set_error(error)
+            if crash is not None and isinstance(mail, TurnMail):
+                self.lose_turn(mail.turn_id, crash)
         for inflight in self.inflight_keys.values():
             inflight.pending.set_error(error)
         self.inflight_keys.clear()
 
-    def fail_waiters(self, error: SessionActorsError) -> None:
-        """Close the mailbox and fail everyone waiting on this incarnation with ``error``."""
+    def fail_waiters(
+        self, error: SessionActorsError, *, crash: BaseException | None = None
+    ) -> None:
+        """Close the mailbox and fail everyone waiting on this incarnation with ``error``;
+        after a ``crash``, tell subscribers that the turns it takes with it are void."""
         self.send.close()
         if self._ready is not None:  # ended while waking: release its waiters
             self.load_error = error
             self._ready.set()
         if self.turn_mail is not None:
             self.turn_mail.pending.set_error(error)
+            if crash is not None:
+                self.lose_turn(self.turn_id, crash)
             self.turn_mail = None
-        self._fail_queued(error)
+        self._fail_queued(error, crash=crash)
         self.receive.close()
 
     def leave_table(self) -> None:

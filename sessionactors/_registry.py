@@ -19,7 +19,6 @@ from ._codec import load_info
 from ._config import Durability, RegistryConfig, make_config
 from ._dispatch import Dispatcher
 from ._errors import (
-    LeaseHeldError,
     MessageNotFoundError,
     SessionBusyError,
     SessionExistsError,
@@ -106,7 +105,8 @@ class Registry(metaclass=NoPublicConstructor):
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> SessionRef:
-        """Create a new session and start its actor.
+        """Create a new session: it is stored at once, and its actor starts with its
+        first request (until then it holds no task and no memory here).
 
         ``agent`` is a key of the registry's ``agents`` (optional when there is
         one); ``system_prompt`` overrides the agent's for this session.
@@ -130,15 +130,8 @@ class Registry(metaclass=NoPublicConstructor):
         return await self._start_session(session)
 
     async def _start_session(self, session: LiveSession) -> SessionRef:
-        name = session.session_id
-        try:
-            await self._sessions.create(session)
-        except LeaseHeldError:
-            router = self._dispatcher.router
-            if router is None:
-                raise
-            router.held_elsewhere(name)  # woken on another worker already
-        return self._ref(name)
+        await self._sessions.create(session)
+        return self._ref(session.session_id)
 
     async def fork(self, name: str, new_name: str, *, at: str | None = None) -> SessionRef:
         """A new session ``new_name`` with ``name``'s history up to message ``at``

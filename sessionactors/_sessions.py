@@ -163,18 +163,16 @@ class Sessions:
                 session_id=name,
             )
         actor = Actor(self, name, None)
-        self._add(actor)
-        return actor
-
-    def _add(self, actor: Actor) -> None:
-        self.live[actor.session_id] = actor
+        self.live[name] = actor
         self._live_peak = max(self._live_peak, len(self.live))
         self._start(actor)
+        return actor
 
     async def create(self, session: LiveSession) -> None:
-        """Store a new session and start its actor; SessionExistsError if it exists.
+        """Store a new session; SessionExistsError if it exists.
 
-        LeaseHeldError if another worker woke it first.
+        Its actor starts with its first request, as a hibernated session's does (a
+        virtual actor): a spawn does nothing the session needs only once it is used.
         """
         name = session.session_id
         if name in self.live:
@@ -195,11 +193,6 @@ class Sessions:
             raise exists_error(name)
         if self.router is not None:
             await self.router.created(name)  # a deleted namesake's events end
-        actor = Actor(self, name, session)
-        await actor.claim()
-        if name in self.live:
-            raise exists_error(name)
-        self._add(actor)
         self.stats.spawned += 1
 
     async def ready(self, name: str) -> LiveSession:

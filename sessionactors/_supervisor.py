@@ -16,7 +16,6 @@ import trio
 
 from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe, stopped_error
 from ._errors import FencedOutError, SessionActorsError
-from ._events import TurnFailed
 
 __all__ = ["session_task"]
 
@@ -64,8 +63,7 @@ async def session_task(host: Host, actor: Actor) -> None:
             error.__cause__ = exc
             if actor.stopping:  # the stop did not happen: its caller hears why
                 actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
-            _publish_lost_turn(actor, exc)
-            actor.fail_waiters(error)
+            actor.fail_waiters(error, crash=exc)
             if failed:
                 log.error(
                     "session %r crashed %d times within %g s and is marked failed",
@@ -106,21 +104,6 @@ async def session_task(host: Host, actor: Actor) -> None:
                     actor.turn_mail.pending.set_error(stopped_error(actor.session_id, "unsaved"))
                 _end(actor, cut)
             raise
-
-
-def _publish_lost_turn(actor: Actor, exc: BaseException) -> None:
-    """Tell subscribers that the turn in flight (if any) is void: nothing of it is stored."""
-    if actor.turn_mail is None or actor.hub is None:
-        return
-    actor.emit(
-        TurnFailed(
-            session_id=actor.session_id,
-            seq=actor.next_seq(),
-            turn_id=actor.turn_id,
-            error=f"the session crashed and restarted without this turn ({describe(exc)})",
-            lost=True,
-        )
-    )
 
 
 def _end(actor: Actor, error: SessionActorsError) -> None:

@@ -264,6 +264,7 @@ async def test_a_crash_and_its_restart_are_logged(caplog: pytest.LogCaptureFixtu
     store = CrashOnceStore()
     async with sa.open_registry(store=store, agents=ECHO) as registry:
         ref = await registry.spawn("logged-1")
+        await ref.send("first")
         store.crash = True
         with pytest.raises(sa.SessionCrashedError):
             await ref.send("boom")
@@ -279,7 +280,8 @@ async def test_a_stream_ends_when_its_session_crashes_mid_turn() -> None:
     store = CrashOnceStore()
     async with sa.open_registry(store=store, agents=ECHO) as registry:
         ref = await registry.spawn("crashy")
-        store.crash = True  # the turn's journal write fails: the actor crashes
+        await ref.send("first")
+        store.crash = True  # the next turn's journal write fails: the actor crashes
         seen: list[sa.Event] = []
         with trio.fail_after(5):
             async with ref.stream("lost words") as events:
@@ -288,7 +290,7 @@ async def test_a_stream_ends_when_its_session_crashes_mid_turn() -> None:
         outcome = seen[-1]
         assert isinstance(outcome, sa.TurnFailed)
         assert outcome.lost
-        assert await ref.history() == []
+        assert [m.content for m in await ref.history()] == ["first", "first"]
 
 
 async def test_a_stream_whose_session_is_deleted_raises() -> None:
@@ -323,3 +325,49 @@ async def test_nothing_waits_on_a_closed_registry() -> None:
             pass  # pragma: no cover
     with pytest.raises(sa.SessionStoppedError):
         await ref.send("late")
+
+
+async def test_a_stream_whose_session_crashes_as_it_wakes_raises() -> None:
+    """A stream whose turn meets a crash while the session wakes raises
+    SessionCrashedError instead of waiting."""
+    store = CrashOnceStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("crashy")
+        store.crash = True  # the wake's first write fails
+
+        async def stream() -> None:
+            async with ref.stream("never started") as events:
+                async for _ in events:
+                    pass  # pragma: no cover
+
+        with trio.fail_after(5), pytest.raises(sa.SessionCrashedError, match="crashy"):
+            await stream()
+        assert (await ref.send("again")).text == "again"
+
+
+async def test_turns_a_crash_takes_with_it_are_marked_lost_for_subscribers() -> None:
+    """The turn in flight and the turns queued behind it each get a TurnFailed marked
+    lost when the session crashes; their callers get SessionCrashedError."""
+    store = CrashOnceStore()
+    gate = trio.Event()
+    model = ScriptedModel(
+        [Scripted(text="warm"), Scripted(text="held", wait=gate), Scripted(text="queued")]
+    )
+    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        await ref.send("warm up")
+        async with ref.subscribe() as events:
+            first = await ref.submit("one")
+            second = await ref.submit("two")
+            store.crash = True
+            gate.set()
+            lost: set[str] = set()
+            with trio.fail_after(5):
+                async for event in events:
+                    if isinstance(event, sa.TurnFailed) and event.lost:
+                        lost.add(event.turn_id)
+                        if lost == {first.id, second.id}:
+                            break
+        for turn in (first, second):
+            with pytest.raises(sa.SessionCrashedError):
+                await turn.reply()
