@@ -7,6 +7,7 @@ table (``_sessions``) or, through the router seam, at the worker that runs it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,9 +22,12 @@ from ._dispatch import Dispatcher
 from ._errors import (
     MessageNotFoundError,
     SessionBusyError,
+    SessionCrashedError,
     SessionExistsError,
+    SnapshotError,
     StoreError,
 )
+from ._events import NO_TIME
 from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
 from ._names import validate_name
@@ -36,6 +40,8 @@ from .stores._base import Store
 from .stores._memory import MemoryStore
 
 __all__ = ["Registry", "RegistryStatistics", "open_registry"]
+
+log = logging.getLogger("sessionactors")
 
 
 @attrs.frozen(kw_only=True)
@@ -208,11 +214,25 @@ class Registry(metaclass=NoPublicConstructor):
         return list(self._sessions.live)
 
     async def sessions(self) -> list[SessionInfo]:
-        """A SessionInfo for every session, live or stored, sorted by name."""
+        """A SessionInfo for every session, live or stored, sorted by name.
+
+        A session whose stored description cannot be read is listed with status
+        ``FAILED`` and logged, so one bad record never fails the listing.
+        """
         sessions = self._sessions
         infos: dict[str, SessionInfo] = {}
         for name, blob in await self.store.list_sessions():
-            infos[name] = load_info(blob, session_id=name)
+            try:
+                infos[name] = load_info(blob, session_id=name)
+            except SnapshotError as exc:
+                log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)
+                infos[name] = SessionInfo(
+                    session_id=name,
+                    agent=None,
+                    status=Status.FAILED,
+                    message_count=0,
+                    updated_at=NO_TIME,
+                )
         for name, actor in sessions.live.items():
             if actor.is_ready and actor.load_error is None:
                 infos[name] = actor.session.info()
@@ -226,7 +246,12 @@ class Registry(metaclass=NoPublicConstructor):
         out: list[ReviewRequest] = []
         for info in await self.sessions():
             if info.pending_reviews:
-                out.extend((await self._dispatcher.read(info.session_id)).reviews)
+                try:
+                    out.extend((await self._dispatcher.read(info.session_id)).reviews)
+                except (SnapshotError, SessionCrashedError) as exc:  # its own fault only
+                    log.warning(
+                        "pending reviews of session %r are unreadable: %s", info.session_id, exc
+                    )
         return sorted(out, key=lambda r: r.created_at)
 
     def statistics(self) -> RegistryStatistics:

@@ -3,6 +3,7 @@ come out as themselves, a failing final write is loud, crashes are logged."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
@@ -371,3 +372,21 @@ async def test_turns_a_crash_takes_with_it_are_marked_lost_for_subscribers() -> 
         for turn in (first, second):
             with pytest.raises(sa.SessionCrashedError):
                 await turn.reply()
+
+
+async def test_one_unreadable_record_does_not_fail_the_listing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A session whose stored info is garbage is listed as failed, and logged; the
+    other sessions are listed as they are."""
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        await (await registry.spawn("good")).send("hi")
+        now = datetime.datetime.now(datetime.UTC)
+        state = sa.SessionState(session_id="bad", agent="echo", created_at=now, updated_at=now)
+        await store.create("bad", sa.dump_snapshot(state), b"\xc1 not msgpack")
+        infos = {info.session_id: info for info in await registry.sessions()}
+        assert infos["bad"].status is sa.Status.FAILED
+        assert infos["good"].message_count == 2
+        assert await registry.pending_reviews() == []
+    assert any("bad" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
