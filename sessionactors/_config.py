@@ -39,7 +39,7 @@ class RegistryConfig:
     restart_window: float = 5.0
     durability: Durability = "turn"
     snapshot_every: int = 1000
-    journal_keep_seqs: int = 100_000
+    journal_keep_events: int = 100_000
     write_bound: float = WRITE_BOUND
     leases: bool = False
     lease_ttl: float = 30.0
@@ -78,7 +78,7 @@ def make_config(
     replay_bytes: object,
     subscriber_buffer: object,
     snapshot_every: object,
-    journal_keep_seqs: object,
+    journal_keep_events: object,
     leases: object,
     lease_ttl: object,
     worker_id: object,
@@ -102,7 +102,7 @@ def make_config(
         restart_window=_seconds("restart_window", restart_window),
         durability=durability,
         snapshot_every=_count("snapshot_every", snapshot_every, 1),
-        journal_keep_seqs=_count("journal_keep_seqs", journal_keep_seqs, 0),
+        journal_keep_events=_count("journal_keep_events", journal_keep_events, 0),
         leases=bool(leases),
         lease_ttl=_seconds("lease_ttl", lease_ttl),
         worker_id=worker_id,

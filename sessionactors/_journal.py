@@ -10,6 +10,7 @@ length. Waking is the latest snapshot plus the journal tail.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import attrs
 
@@ -32,6 +33,8 @@ class Journal:
     """The durable side of one actor incarnation (owned by it, like its state)."""
 
     __slots__ = (
+        "_journaled",
+        "_marks",
         "_since_snapshot",
         "_size",
         "_snapshot_size",
@@ -66,6 +69,10 @@ class Journal:
         self._size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
         self._writer: SnapshotWriter | None = None  # made for a long history
+        #: Events journaled by this incarnation, and (seq, that count) at each snapshot:
+        #: replay keeps journal_keep_events events, counted, not measured in seq.
+        self._journaled = 0
+        self._marks: deque[tuple[int, int]] | None = None
 
     def loaded(self, stored: StoredSession, durable_seq: int) -> None:
         """Take the bookkeeping of what a wake read from the store."""
@@ -104,6 +111,7 @@ class Journal:
             raise
         self.at = entry.seq + SEQ_GAP // 2
         del events[:count]
+        self._journaled += count
         self._since_snapshot += count
         self._size += len(entry.data)
         if (
@@ -132,17 +140,30 @@ class Journal:
             dump_info(session.info(status)),
             # without a journal ("hibernate"), replay reaches no further back than this
             # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-            trim_upto=seq
-            if config.durability != "turn"
-            else max(0, seq - config.journal_keep_seqs),
+            trim_upto=seq if config.durability != "turn" else self._trim_point(),
             fence=fence,
         )
+        if config.durability == "turn":
+            marks = self._marks
+            if marks is None:
+                marks = self._marks = deque()
+            marks.append((seq, self._journaled))
         self.unsaved.clear()
         self.settled = 0
         self.at = seq + SEQ_GAP // 2
         self._since_snapshot = 0
         self._size = 0
         self._snapshot_size = len(snapshot)
+
+    def _trim_point(self) -> int:
+        """The highest seq the journal may drop: at least journal_keep_events events
+        journaled after it (0: drop nothing; after a restart, until it has counted)."""
+        marks = self._marks
+        keep = self.config.journal_keep_events
+        point = 0
+        while marks and self._journaled - marks[0][1] >= keep:
+            point = marks.popleft()[0]
+        return point
 
     async def append_now(self, session: LiveSession, event: Event, fence: int | None) -> None:
         """Journal one event at once, whatever the durability policy (a status that

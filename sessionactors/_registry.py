@@ -330,7 +330,8 @@ async def open_registry(
     replay_bytes: int = 1 << 20,
     subscriber_buffer: int = 1000,
     snapshot_every: int = 1000,
-    journal_keep_seqs: int = 100_000,
+    journal_keep_events: int = 100_000,
+    journal_keep_seqs: int | None = None,
     leases: bool | None = None,
     lease_ttl: float = 30.0,
     worker_id: str | None = None,
@@ -353,7 +354,10 @@ async def open_registry(
       ``subscriber_buffer``: events a subscriber may fall behind before it is ended.
     - ``snapshot_every``: the fewest journaled events between automatic snapshots
       (a snapshot also waits until the journal outweighs the last one in bytes);
-      ``journal_keep_seqs``: how far back (in seq) the journal is kept for replay.
+      ``journal_keep_events``: how many journaled events, at least, are kept for
+      ``subscribe(after=...)`` replay when a snapshot compacts the journal (counted
+      in events, so a seq jump after an unclean stop trims nothing early);
+      ``journal_keep_seqs`` is its older name.
     - ``leases``: whether a live session holds its lease in the store, so that at
       most one worker runs it. Default: yes for stores shared by several workers
       (``RedisStore``), no for ``MemoryStore`` and ``SQLiteStore`` (pass
@@ -389,7 +393,7 @@ async def open_registry(
         replay_bytes=replay_bytes,
         subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every,
-        journal_keep_seqs=journal_keep_seqs,
+        journal_keep_events=journal_keep_events if journal_keep_seqs is None else journal_keep_seqs,
         leases=leases,
         lease_ttl=lease_ttl,
         worker_id=worker_id,

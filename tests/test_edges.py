@@ -390,3 +390,36 @@ async def test_one_unreadable_record_does_not_fail_the_listing(
         assert infos["good"].message_count == 2
         assert await registry.pending_reviews() == []
     assert any("bad" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+async def test_a_client_connected_before_an_unclean_stop_resumes() -> None:
+    """Retention is counted in events: after an unclean stop (the seq jumps far) and
+    many snapshots, a client resumes after the last seq it saw before the stop."""
+    store = MemoryStore()
+    seen: list[sa.Event] = []
+    with trio.CancelScope() as process:  # a process that dies without closing
+        async with sa.open_registry(store=store, agents=ECHO) as registry:
+            ref = await registry.spawn("s")
+            async with ref.subscribe() as events:
+                for word in ("one", "two", "three"):
+                    await ref.send(word)
+                async for event in events:
+                    seen.append(event)
+                    if isinstance(event, sa.TurnFinished) and event.message.content == "three":
+                        break
+            process.cancel()
+    last = seen[-1].seq
+    async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as registry:
+        ref = registry.ref("s")
+        for i in range(40):
+            await ref.send(f"after {i}")
+        async with ref.subscribe(after=last) as events:
+            replayed = []
+            with trio.fail_after(5):
+                async for event in events:
+                    replayed.append(event)
+                    if isinstance(event, sa.TurnFinished) and event.message.content == "after 39":
+                        break
+    finished = [e.message.content for e in replayed if isinstance(e, sa.TurnFinished)]
+    assert finished == [f"after {i}" for i in range(40)]
+    assert all(e.seq > last for e in replayed)
