@@ -3,10 +3,6 @@ still answer, restart and close as before."""
 
 from __future__ import annotations
 
-import gc
-import sys
-import tracemalloc
-import types
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,6 +10,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from memory import grow_trio_task_table, traced_memory
 from sessionactors.stores import MemoryStore
 from sessionactors.testing import FaultyStore
 
@@ -139,24 +136,6 @@ async def test_an_exception_escaping_a_session_leaves_the_registry_in_one_group(
             await ref.send("stop")
 
 
-def new_memory_held_by(root: object) -> int:
-    """Bytes of the objects reachable from ``root`` that were allocated while tracemalloc traced."""
-    seen = {id(root)}
-    stack = [root]
-    total = 0
-    while stack:
-        obj = stack.pop()
-        if tracemalloc.get_object_traceback(obj) is not None:
-            total += sys.getsizeof(obj)
-        for ref in gc.get_referents(obj):
-            if id(ref) not in seen and not isinstance(
-                ref, type | types.ModuleType | types.FunctionType | types.BuiltinFunctionType
-            ):
-                seen.add(id(ref))
-                stack.append(ref)
-    return total
-
-
 async def test_a_wave_gives_back_the_memory_it_took(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
@@ -167,27 +146,17 @@ async def test_a_wave_gives_back_the_memory_it_took(
     with trio.fail_after(60):
         async with sa.open_registry(agents=echo_agents, store=store) as registry:
             await wave(registry, WAVE, keep=0)
-        async with trio.open_nursery() as nursery:  # trio's own task table, grown past the wave
-            for _ in range(4 * WAVE):
-                nursery.start_soon(trio.lowlevel.checkpoint)
-        async with sa.open_registry(agents=echo_agents, store=store) as registry:
-            refs = [registry.ref(f"w{i}") for i in range(WAVE)]
-            await trio.testing.wait_all_tasks_blocked()
-            gc.collect()
-            tracemalloc.start()
-            try:
+        await grow_trio_task_table(4 * WAVE)
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        refs = [registry.ref(f"w{i}") for i in range(WAVE)]
+        async with traced_memory(store) as held:
+            with trio.fail_after(60):
                 for ref in refs:
                     await ref.history()  # wakes it
                 async with refs[0].subscribe():  # kept while subscribed
                     for ref in refs:
                         await ref.hibernate()
-                    await trio.testing.wait_all_tasks_blocked()
-                await trio.testing.wait_all_tasks_blocked()
-                gc.collect()
-                held = tracemalloc.get_traced_memory()[0] - new_memory_held_by(store)
-            finally:
-                tracemalloc.stop()
-            stats = registry.statistics()
+        stats = registry.statistics()
     # A registry that kept its tables at the wave's size would hold about 100 bytes a session.
-    assert held < 16 * WAVE, f"{held} bytes held after a wave of {WAVE} sessions"
+    assert held.bytes < 16 * WAVE, f"{held.bytes} bytes held after a wave of {WAVE} sessions"
     assert (stats.live, stats.subscribers, stats.woken, stats.hibernated) == (0, 0, WAVE, WAVE)
