@@ -436,7 +436,9 @@ async def test_a_session_restarted_while_the_registry_closes_is_hibernated(
         assert [m.content for m in await reg.ref("s").history()] == ["one", "one"]
 
 
-async def test_a_stop_racing_a_crash_of_its_actor_stops_the_session_or_raises() -> None:
+async def test_a_stop_racing_a_crash_of_its_actor_stops_the_session_or_raises(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     """A stop() racing a crash of the actor it found either stops the session (the crashed
     actor's successor) or raises, and never returns without stopping it; the race is decided
     by trio's scheduling, so it is run many times and both outcomes must occur."""
