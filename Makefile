@@ -3,7 +3,7 @@ PY := .venv/bin/python
 HASH := $(shell cksum pyproject.toml | cut -d' ' -f1)
 VENV := .venv/.created-$(HASH)
 
-.PHONY: demo demo-cluster test soak mutants lint bench clean
+.PHONY: demo demo-cluster test soak lint bench clean
 
 $(VENV): pyproject.toml
 	python3 -m venv .venv && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e . && touch $@
@@ -18,13 +18,10 @@ demo-cluster: .venv/.extra-redis-$(HASH)
 	$(PY) -m sessionactors demo-cluster
 
 test: .venv/.extra-test-$(HASH)
-	$(PY) -m pytest -q -m "not soak and not mutants"
+	$(PY) -m pytest -q -m "not soak"
 
 soak: .venv/.extra-test-$(HASH)
 	$(PY) -m pytest -q -m soak
-
-mutants: .venv/.extra-test-$(HASH)
-	$(PY) -m pytest -q -m mutants
 
 lint: .venv/.extra-lint-$(HASH)
 	$(PY) -m ruff check sessionactors tests benchmarks docs && $(PY) -m ruff format --check sessionactors tests benchmarks docs && $(PY) -m mypy && $(PY) tests/check_layers.py

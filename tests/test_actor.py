@@ -9,9 +9,8 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from faults import FaultyStore
 from sessionactors.stores import MemoryStore
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 
 def pairs(history: Sequence[sa.Message]) -> list[tuple[str, str]]:
@@ -233,12 +232,10 @@ async def test_full_mailbox_rejects_nowait_and_backpressures_submit() -> None:
         with trio.fail_after(10):
             first = await ref.submit("held")
             await trio.testing.wait_all_tasks_blocked()  # the held turn left the mailbox
-            mailbox = registry._live["box"].receive
             accepted = [ref.submit_nowait(f"nowait {i}") for i in range(3)]
-            for _ in range(3):
+            for _ in range(3):  # full at mailbox_size, however often it is tried
                 with pytest.raises(sa.MailboxFullError) as info:
                     ref.submit_nowait("one too many")
-                assert mailbox.statistics().current_buffer_used == 3
             assert info.value.session_id == "box"
 
             late: list[sa.Turn] = []
@@ -250,8 +247,8 @@ async def test_full_mailbox_rejects_nowait_and_backpressures_submit() -> None:
                 nursery.start_soon(submitter)
                 await trio.testing.wait_all_tasks_blocked()
                 assert late == []  # backpressure: waiting for room
-                stats = mailbox.statistics()
-                assert (stats.current_buffer_used, stats.tasks_waiting_send) == (3, 1)
+                with pytest.raises(sa.MailboxFullError):
+                    ref.submit_nowait("still full")
                 gate.set()
             replies = [await t.reply() for t in [first, *accepted, *late]]
 
@@ -372,7 +369,7 @@ async def test_crash_restarts_from_the_last_completed_turn() -> None:
         ref = await r.spawn("x")
         with trio.fail_after(10):
             await ref.send("kept")
-            store.faults["x"] = 1
+            store.fail("append", session_id="x")
             doomed = await ref.submit("lost")
             queued = await ref.submit("queued")
             with pytest.raises(sa.SessionCrashedError) as info:
@@ -401,16 +398,16 @@ async def test_restart_intensity_marks_the_session_failed(autojump_clock: trio.a
         other = await registry.spawn("good")
         with trio.fail_after(30):
             # Crashes spread over more than the window never reach the limit.
-            store.faults["bad"] = 1
+            store.fail("append", session_id="bad")
             for _ in range(5):
                 with pytest.raises(sa.SessionCrashedError, match="restarted"):
                     await ref.send("spread out")
-                store.faults["bad"] = 1
+                store.fail("append", session_id="bad")
                 await trio.sleep(2)
-            store.faults["bad"] = 0
+            store.fail("append", session_id="bad", times=0)
             assert (await ref.send("fine")).text == "fine"
             await trio.sleep(6)
-        store.faults["bad"] = -1
+        store.fail("append", session_id="bad", times=None)
         with trio.fail_after(10):
             for _ in range(3):
                 with pytest.raises(sa.SessionCrashedError, match="restarted"):
@@ -426,7 +423,7 @@ async def test_restart_intensity_marks_the_session_failed(autojump_clock: trio.a
             stats = registry.statistics()
             assert "bad" not in registry.live()
             await registry.delete("bad")  # a failed name can be deleted and spawned afresh
-            store.faults["bad"] = 0
+            store.fail("append", session_id="bad", times=0)
             assert (await (await registry.spawn("bad")).send("new")).text == "new"
 
     assert infos["bad"].status is sa.Status.FAILED

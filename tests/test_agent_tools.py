@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors import _tooling
-from sessionactors._codec import load_events
-from sessionactors._history import tool_pairs_intact
-from sessionactors.stores import JournalEntry, MemoryStore
-from sessionactors.testing import Scripted, ScriptedModel
+from history_rules import tool_pairs_intact
+from sessionactors.stores import MemoryStore, load_events
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 
 def call(name: str, arguments: object = None, *, id: str | None = None) -> sa.ToolCall:
@@ -404,44 +402,16 @@ async def test_tool_calls_are_journaled_like_messages(
 # ---- a crash in the middle of a tool -------------------------------------------------------
 
 
-class FaultAfterStore(MemoryStore):
-    """A MemoryStore whose next ``append`` fails once ``arm()`` was called (by a tool as it runs).
-
-    Only the first arming counts, so a tool run again after the crash does not crash it again.
-    The failed write crashes the actor after the tool started, as a process death would;
-    ``on_fault`` runs just before the failure is raised.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-        self.injected = 0
-        self.on_fault: Callable[[], None] | None = None
-
-    def arm(self) -> None:
-        if not self.injected:
-            self.armed = True
-
-    async def append(
-        self,
-        session_id: str,
-        entries: Sequence[JournalEntry],
-        info: bytes,
-        *,
-        fence: int | None = None,
-    ) -> None:
-        if self.armed:
-            self.armed = False
-            self.injected += 1
-            if self.on_fault is not None:
-                self.on_fault()
-            await trio.lowlevel.checkpoint()
-            raise OSError(f"injected store fault for {session_id!r}")
-        await super().append(session_id, entries, info, fence=fence)
+def arm(store: FaultyStore) -> None:
+    """Make the store's next append fail, unless a fault fired already (a tool run again
+    after the crash does not crash it again): the actor crashes after the tool started,
+    as a process death would."""
+    if not store.injected:
+        store.fail("append", error=OSError("injected store fault"))
 
 
 def crash_harness(
-    store: FaultAfterStore, calls: Sequence[sa.ToolCall]
+    store: FaultyStore, calls: Sequence[sa.ToolCall]
 ) -> tuple[sa.Agent, ScriptedModel, dict[str, int]]:
     """An agent whose one step calls ``calls``; its tools count runs and arm the store fault.
 
@@ -451,13 +421,13 @@ def crash_harness(
 
     async def charge(amount: int) -> str:
         runs["charge"] += 1
-        store.arm()
+        arm(store)
         await trio.lowlevel.checkpoint()
         return f"charged {amount}"
 
     async def lookup(key: str) -> str:
         runs["lookup"] += 1
-        store.arm()
+        arm(store)
         await trio.lowlevel.checkpoint()
         return f"value of {key}"
 
@@ -472,7 +442,7 @@ def crash_harness(
 
 
 async def crash_mid_tool(
-    store: FaultAfterStore, agent: sa.Agent
+    store: FaultyStore, agent: sa.Agent
 ) -> tuple[list[sa.Message], sa.SessionState]:
     """Send one turn that crashes after its tools started; the history and state once settled."""
     async with sa.open_registry(agents={"a": agent}, store=store) as registry:
@@ -491,7 +461,7 @@ async def test_a_non_idempotent_tool_interrupted_by_a_crash_is_not_run_again(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """After a crash mid-tool the non-idempotent call ran once; the model is told it was interrupted."""
-    store = FaultAfterStore()
+    store = FaultyStore()
     charge = call("charge", {"amount": 5})
     agent, model, runs = crash_harness(store, [charge])
 
@@ -516,18 +486,19 @@ async def test_a_non_idempotent_tool_interrupted_by_a_crash_is_not_run_again(
     assert tool_pairs_intact(history)
 
 
-async def test_crash_harness_catches_a_non_idempotent_tool_run_twice(
-    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock
-) -> None:
-    """Negative control: if resumption treats all calls as idempotent, the harness sees two runs."""
-    store = FaultAfterStore()
-    agent, _, runs = crash_harness(store, [call("charge", {"amount": 5})])
-    store.on_fault = lambda: monkeypatch.setattr(_tooling, "_idempotent", lambda agent, c: True)
+async def test_crash_harness_counts_a_call_run_again(autojump_clock: trio.abc.Clock) -> None:
+    """The harness counts a second run, with no interruption noted, for a call that the
+    recovery runs again (the idempotent lookup next to the charge): the negative control of
+    the tests that find one run."""
+    store = FaultyStore()
+    lookup = call("lookup", {"key": "k"})
+    agent, _, runs = crash_harness(store, [call("charge", {"amount": 5}), lookup])
 
     history, _ = await crash_mid_tool(store, agent)
 
-    assert runs["charge"] == 2
-    assert not any("interrupted" in m.content for m in tool_messages(history))
+    assert runs["lookup"] == 2
+    result = next(m for m in tool_messages(history) if m.tool_call_id == lookup.id)
+    assert "interrupted" not in result.content
 
 
 @pytest.mark.parametrize("order", ["charge_first", "lookup_first"])
@@ -535,7 +506,7 @@ async def test_an_idempotent_tool_interrupted_by_a_crash_is_run_again(
     order: str, autojump_clock: trio.abc.Clock
 ) -> None:
     """After a crash mid-batch the idempotent call runs again, the non-idempotent one does not."""
-    store = FaultAfterStore()
+    store = FaultyStore()
     charge = call("charge", {"amount": 5})
     lookup = call("lookup", {"key": "k"})
     calls = [charge, lookup] if order == "charge_first" else [lookup, charge]

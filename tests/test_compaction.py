@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors._history import tool_pairs_intact
+from history_rules import tool_pairs_intact
 from sessionactors.stores import MemoryStore
 from sessionactors.testing import Scripted, ScriptedModel
 

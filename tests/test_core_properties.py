@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -11,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sessionactors as sa
-from sessionactors._actor import Actor
 from sessionactors.testing import EchoModel
 
 #: One submit of a caller: the pause before it, how it is made, and how long the reply is.
@@ -24,16 +27,26 @@ steps = st.tuples(
 callers = st.lists(st.lists(steps, min_size=1, max_size=6), min_size=1, max_size=5)
 
 
-async def play(plan: list[list[tuple[int, float, str, int]]], mailbox_size: int) -> None:
+@asynccontextmanager
+async def a_session(mailbox_size: int) -> AsyncIterator[Any]:
+    """A session of a registry whose model echoes the user, taking 0.1 s a word."""
     agents = {"echo": sa.Agent(model=EchoModel(delay=0.1))}
+    async with sa.open_registry(agents=agents, mailbox_size=mailbox_size) as registry:
+        yield await registry.spawn("prop")
+
+
+async def play(
+    plan: list[list[tuple[int, float, str, int]]],
+    mailbox_size: int,
+    session: Callable[[int], AbstractAsyncContextManager[Any]] = a_session,
+) -> None:
     # Appended right before each request enters the mailbox, in the same trio step: a
     # ready session enqueues without yielding first and senders waiting for room are
     # admitted first come, first served, so this is the mailbox order.
     accepted: list[str] = []
     turns: dict[str, sa.Turn] = {}
     replies: dict[str, sa.Reply] = {}
-    async with sa.open_registry(agents=agents, mailbox_size=mailbox_size) as registry:
-        ref = await registry.spawn("prop")
+    async with session(mailbox_size) as ref:
 
         async def caller(index: int, my_steps: list[tuple[int, float, str, int]]) -> None:
             for k, (checkpoints, pause, how, words) in enumerate(my_steps):
@@ -87,58 +100,121 @@ def test_any_interleaving_of_submits_serializes_whole_turns(
     trio.run(play, plan, mailbox_size, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-class _LastInFirstOut:
-    """A broken mailbox for the negative control: it serves the newest waiting request first."""
+@attrs.frozen
+class _Reply:
+    text: str
+    turn_id: str
 
-    def __init__(self, inner: trio.MemoryReceiveChannel[object]) -> None:
-        self._inner = inner
-        self._waiting: list[object] = []
 
-    async def receive(self) -> object:
-        if not self._waiting:
-            self._waiting.append(await self._inner.receive())
+@attrs.define(eq=False)
+class _Turn:
+    text: str
+    turn_id: str
+    done: trio.Event = attrs.Factory(trio.Event)
+
+    async def reply(self) -> _Reply:
+        await self.done.wait()
+        return _Reply(self.text, self.turn_id)
+
+
+@attrs.define(eq=False)
+class LastInFirstOut:
+    """A session broken on purpose for the negative control: it serves the newest waiting
+    request first. It has what ``play`` uses of a SessionRef."""
+
+    send_channel: trio.MemorySendChannel[_Turn]
+    receive_channel: trio.MemoryReceiveChannel[_Turn]
+    messages: list[sa.Message] = attrs.Factory(list)
+    count: int = 0
+
+    def _turn(self, text: str) -> _Turn:
+        self.count += 1
+        return _Turn(text, f"turn_{self.count}")
+
+    def submit_nowait(self, text: str) -> _Turn:
+        turn = self._turn(text)
+        try:
+            self.send_channel.send_nowait(turn)
+        except trio.WouldBlock:
+            raise sa.MailboxFullError("full", session_id="prop") from None
+        return turn
+
+    async def submit(self, text: str) -> _Turn:
+        turn = self._turn(text)
+        await self.send_channel.send(turn)
+        return turn
+
+    async def send(self, text: str) -> _Reply:
+        return await (await self.submit(text)).reply()
+
+    async def history(self) -> list[sa.Message]:
+        await trio.lowlevel.checkpoint()
+        return list(self.messages)
+
+    async def serve(self) -> None:
+        waiting: list[_Turn] = []
         while True:
-            try:
-                self._waiting.append(self._inner.receive_nowait())
-            except trio.WouldBlock:
-                break
-        return self._waiting.pop()
+            if not waiting:
+                waiting.append(await self.receive_channel.receive())
+            while True:
+                try:
+                    waiting.append(self.receive_channel.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            turn = waiting.pop()  # the newest
+            for _ in turn.text.split():
+                await trio.sleep(0.1)
+            self.messages += [
+                sa.Message.create(sa.Role.USER, turn.text),
+                sa.Message.create(sa.Role.ASSISTANT, turn.text),
+            ]
+            turn.done.set()
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
+
+@asynccontextmanager
+async def a_broken_session(mailbox_size: int) -> AsyncIterator[LastInFirstOut]:
+    send_channel, receive_channel = trio.open_memory_channel[_Turn](mailbox_size)
+    session = LastInFirstOut(send_channel, receive_channel)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.serve)
+        yield session
+        nursery.cancel_scope.cancel()
 
 
-def test_the_property_catches_turns_served_out_of_mailbox_order(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_property_catches_turns_served_out_of_mailbox_order() -> None:
     """The property fails for a session that serves its mailbox newest first (negative control)."""
-    original = Actor.__init__
-
-    def broken_init(self: Actor, *args: Any) -> None:
-        original(self, *args)
-        self.receive = _LastInFirstOut(self.receive)  # type: ignore[assignment]
-
-    monkeypatch.setattr(Actor, "__init__", broken_init)
     plan = [[(0, 0.0, "submit", 2)] * 3, [(0, 0.0, "submit", 0)] * 2]
     with pytest.raises(AssertionError, match="not whole turns in mailbox order"):
-        trio.run(play, plan, 4, clock=trio.testing.MockClock(autojump_threshold=0))
+        trio.run(
+            play, plan, 4, a_broken_session, clock=trio.testing.MockClock(autojump_threshold=0)
+        )
+
+
+async def ids_drawn() -> set[str]:
+    """The turn and message ids of a few turns in a new registry."""
+    ids: set[str] = set()
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("ids")
+        for i in range(20):
+            reply = await ref.send(f"turn {i}")
+            ids |= {reply.turn_id, reply.message.id}
+        ids |= {m.id for m in await ref.history()}
+    return ids
 
 
 def test_ids_are_unique_in_a_forked_child() -> None:
-    """A forked child draws ids that its parent never does."""
-    import os
-
-    from sessionactors._records import new_id
-
+    """A forked child draws turn and message ids that its parent never does."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
-        os.write(write, "\n".join(new_id("msg") for _ in range(100)).encode())
-        os._exit(0)
+        try:
+            os.write(write, "\n".join(trio.run(ids_drawn)).encode())
+        finally:
+            os._exit(0)
     os.close(write)
     os.waitpid(pid, 0)
     with os.fdopen(read) as f:
         child = set(f.read().split())
-    parent = {new_id("msg") for _ in range(100)}
-    assert len(child) == 100
+    parent = trio.run(ids_drawn)
+    assert len(child) == len(parent) == 60
     assert not child & parent

@@ -1,12 +1,15 @@
 """Races and faults around durability: what a caller was told stays true.
 
-Each test drives one interleaving deterministically (a store whose writes can
-be held or made to fail). A "process death" is a cancel scope around a
-registry: nothing after it runs, and the store keeps what it had.
+Each test drives one interleaving deterministically (the test kit's FaultyStore
+holds or fails writes on demand). A "process death" is a cancel scope around a
+registry: nothing after it runs, and the store keeps what it had. The checks
+that any store must pass (and that catch the test kit's FlawedStore) are in
+durability_checks.py, run by test_durability_controls.py.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
@@ -15,18 +18,15 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from faults import GatedStore
-from sessionactors import _actor as actor_module
-from sessionactors.stores import MemoryStore, StoredSession
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
-
-ECHO = {"a": sa.Agent(model=EchoModel())}
-
-
-async def watch(ref: sa.SessionRef, seen: list[sa.Event], after: int | None = None) -> None:
-    async with ref.subscribe(after=after) as events:
-        async for event in events:
-            seen.append(event)
+from durability_checks import (
+    ECHO,
+    assert_a_whole_new_turn,
+    crash_in_a_held_turn,
+    next_turn_after,
+    watch,
+)
+from sessionactors.stores import MemoryStore
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 
 async def settle(
@@ -40,48 +40,10 @@ async def settle(
         outcomes[name] = exc
 
 
-async def crash_in_a_held_turn(store: MemoryStore, seen: list[sa.Event], **options: object) -> None:
-    """Wake ``s`` in a new "process", start a turn that streams and holds, then die."""
-    held = ScriptedModel([Scripted(text="two two two", wait=trio.Event(), wait_after=1)])
-    with trio.CancelScope() as process:
-        async with (
-            sa.open_registry(store=store, agents={"a": sa.Agent(model=held)}, **options) as reg,
-            trio.open_nursery() as nursery,
-        ):
-            nursery.start_soon(watch, reg.ref("s"), seen)
-            await trio.testing.wait_all_tasks_blocked()
-            await reg.ref("s").submit("two")
-            await trio.testing.wait_all_tasks_blocked()  # streaming, not committed
-            process.cancel()
-    assert any(isinstance(e, sa.Delta) for e in seen)
-
-
-async def next_turn_after(store: MemoryStore, last: int, **options: object) -> list[sa.Event]:
-    """In a new "process": resume a subscription after ``last``, run one turn."""
-    got: list[sa.Event] = []
-    async with (
-        sa.open_registry(store=store, agents=ECHO, **options) as reg,
-        trio.open_nursery() as nursery,
-    ):
-        nursery.start_soon(watch, reg.ref("s"), got, last)
-        await trio.testing.wait_all_tasks_blocked()
-        await reg.ref("s").send("three")
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
-    return got
-
-
-def assert_a_whole_new_turn(events: list[sa.Event], last: int) -> None:
-    kinds = [type(e) for e in events]
-    assert sa.TurnStarted in kinds, kinds
-    assert sa.TurnFinished in kinds, kinds
-    assert all(e.seq > last for e in events)
-
-
 async def test_a_request_during_hibernation_keeps_the_session_live_and_its_lease() -> None:
     """A message that arrives while the hibernation snapshot is written keeps the
     session live here, lease included: another worker cannot take it meanwhile."""
-    store = GatedStore()
+    store = FaultyStore()
     async with (
         sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="A") as a,
         sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="B") as b,
@@ -89,12 +51,11 @@ async def test_a_request_during_hibernation_keeps_the_session_live_and_its_lease
         ref = await a.spawn("s")
         await ref.send("one")
         async with trio.open_nursery() as nursery:
-            gate = store.gates["write_snapshot"] = trio.Event()
+            gate = store.hold("write_snapshot")
             nursery.start_soon(ref.hibernate)
             await trio.testing.wait_all_tasks_blocked()
             turn = await ref.submit("two")  # while the snapshot is being written
-            del store.gates["write_snapshot"]
-            gate.set()
+            gate.open()
         assert a.live() == ["s"]
         with pytest.raises(sa.SessionBusyError):
             await b.ref("s").send("from b")
@@ -109,18 +70,18 @@ async def test_a_request_while_the_lease_is_given_back_wakes_the_session_again(
 ) -> None:
     """The actor leaves before it gives its lease back: a request meanwhile is not
     stranded in a mailbox that is about to close."""
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="A") as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
         async with trio.open_nursery() as nursery:
-            gate = store.gates["release"] = trio.Event()
+            gate = store.hold("release")
             nursery.start_soon(ref.hibernate)
             await trio.testing.wait_all_tasks_blocked()  # snapshot written, releasing
-            del store.gates["release"]
+            assert gate.waiting == 1
             with trio.fail_after(60):
                 assert (await ref.send("two")).text == "two"
-            gate.set()
+            gate.open()
         assert reg.live() == ["s"]
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         assert [m.content for m in await reg.ref("s").history()] == ["one", "one", "two", "two"]
@@ -129,7 +90,7 @@ async def test_a_request_while_the_lease_is_given_back_wakes_the_session_again(
 async def test_a_death_after_a_hibernation_that_stayed_live_reuses_no_seq() -> None:
     """The stored snapshot said hibernated while the session went on: the next wake
     must still jump past every seq that was published."""
-    store = GatedStore()
+    store = FaultyStore()
     seen: list[sa.Event] = []
     held = ScriptedModel(["one", Scripted(text="two two two", wait=trio.Event(), wait_after=1)])
     with trio.CancelScope() as process:
@@ -140,25 +101,14 @@ async def test_a_death_after_a_hibernation_that_stayed_live_reuses_no_seq() -> N
             ref = await reg.spawn("s")
             await ref.send("one")
             nursery.start_soon(watch, ref, seen)
-            gate = store.gates["write_snapshot"] = trio.Event()
+            gate = store.hold("write_snapshot")
             nursery.start_soon(ref.hibernate)
             await trio.testing.wait_all_tasks_blocked()
             await ref.submit("two")  # keeps the session live
-            del store.gates["write_snapshot"]
-            gate.set()
+            gate.open()
             await trio.testing.wait_all_tasks_blocked()  # turn two streams, not committed
             process.cancel()
     assert any(isinstance(e, sa.Delta) for e in seen)
-    last = seen[-1].seq
-    assert_a_whole_new_turn(await next_turn_after(store, last), last)
-
-
-async def test_a_death_in_the_first_turn_after_a_clean_wake_reuses_no_seq() -> None:
-    store = MemoryStore()
-    async with sa.open_registry(store=store, agents=ECHO) as reg:
-        await (await reg.spawn("s")).send("one")
-    seen: list[sa.Event] = []
-    await crash_in_a_held_turn(store, seen)
     last = seen[-1].seq
     assert_a_whole_new_turn(await next_turn_after(store, last), last)
 
@@ -180,10 +130,10 @@ async def test_without_a_journal_seqs_keep_rising_across_repeated_deaths() -> No
 
 @pytest.mark.parametrize("durability", ["turn", "hibernate"])
 async def test_a_request_during_delete_does_not_bring_the_session_back(durability: str) -> None:
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, durability=durability) as reg:
         await (await reg.spawn("s")).send("secret")
-        gate = store.gates["delete"] = trio.Event()
+        gate = store.hold("delete")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reg.delete, "s")
             await trio.testing.wait_all_tasks_blocked()  # the actor is gone, the store not yet
@@ -191,8 +141,7 @@ async def test_a_request_during_delete_does_not_bring_the_session_back(durabilit
                 await reg.ref("s").history()
             with pytest.raises(sa.SessionNotFoundError, match="being deleted"):
                 await reg.ref("s").send("hello")
-            del store.gates["delete"]
-            gate.set()
+            gate.open()
         assert reg.live() == []
         assert not await store.exists("s")
         with pytest.raises(sa.SessionNotFoundError):
@@ -202,13 +151,13 @@ async def test_a_request_during_delete_does_not_bring_the_session_back(durabilit
 
 async def test_without_a_journal_a_restart_keeps_every_answered_edit() -> None:
     """durability="hibernate": a crash drops only the request it interrupted."""
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, durability="hibernate") as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
         assert await ref.truncate(0) == 2
         await ref.set_summary("what the user said")
-        store.failures["write_snapshot"] = 1
+        store.fail("write_snapshot")
         with pytest.raises(sa.StoreError):
             await ref.hibernate()  # the actor crashes and restarts
         state = await ref.state()
@@ -220,13 +169,13 @@ async def test_without_a_journal_a_restart_keeps_every_answered_edit() -> None:
 async def test_a_registry_giving_up_on_a_stalled_store_answers_every_waiter(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    store = GatedStore()
+    store = FaultyStore()
     outcomes: dict[str, object] = {}
     async with trio.open_nursery() as callers:
         async with sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg:
             ref = await reg.spawn("s")
             await ref.send("warm up")
-            store.gates["append"] = trio.Event()  # never set: the store stalls
+            store.hold("append")  # never opened: the store stalls
             callers.start_soon(settle, outcomes, "in flight", (await ref.submit("in flight")).reply)
             callers.start_soon(settle, outcomes, "queued", (await ref.submit("queued")).reply)
             await trio.testing.wait_all_tasks_blocked()
@@ -236,19 +185,10 @@ async def test_a_registry_giving_up_on_a_stalled_store_answers_every_waiter(
     assert isinstance(outcomes["queued"], sa.SessionStoppedError)
 
 
-class StalledLoads(GatedStore):
-    stall = False
-
-    async def load(self, session_id: str) -> StoredSession | None:
-        if self.stall:
-            await trio.sleep_forever()
-        return await super().load(session_id)
-
-
 async def test_a_registry_giving_up_answers_a_stop_and_a_wake_too(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    store = StalledLoads()
+    store = FaultyStore()
     outcomes: dict[str, object] = {}
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         await (await reg.spawn("woken")).send("one")
@@ -256,11 +196,11 @@ async def test_a_registry_giving_up_answers_a_stop_and_a_wake_too(
         async with sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg:
             ref = await reg.spawn("s")
             await ref.send("warm up")
-            store.gates["append"] = trio.Event()  # the store stalls
+            store.hold("append")  # never opened: the store stalls
             await ref.submit("in flight")
             await trio.testing.wait_all_tasks_blocked()
             callers.start_soon(settle, outcomes, "stop", ref.stop)
-            store.stall = True
+            store.hold("load")  # never opened: wakes stall too
             callers.start_soon(settle, outcomes, "wake", reg.ref("woken").history)
             await trio.testing.wait_all_tasks_blocked()
         assert reg.live() == []
@@ -276,11 +216,11 @@ STOP_WRITES = [("turn", "append"), ("hibernate", "write_snapshot")]
 async def test_a_stop_the_store_refuses_raises_and_the_session_goes_on(
     durability: str, write: str
 ) -> None:
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, durability=durability) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        store.failures[write] = 1
+        store.fail(write)
         with pytest.raises(sa.StoreError):
             await ref.stop()
         assert (await ref.send("two")).text == "two"  # it was not stopped
@@ -293,11 +233,11 @@ async def test_a_stop_the_store_refuses_raises_and_the_session_goes_on(
 
 async def test_a_stop_in_the_journal_holds_when_its_snapshot_fails() -> None:
     """The snapshot after a journaled stop only compacts: if it fails, the stop holds."""
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        store.failures["write_snapshot"] = 1
+        store.fail("write_snapshot")
         await ref.stop()
         with pytest.raises(sa.SessionStoppedError):
             await ref.send("two")
@@ -311,50 +251,31 @@ async def test_a_stop_in_the_journal_holds_when_its_snapshot_fails() -> None:
 async def test_a_stop_the_store_does_not_answer_raises(
     autojump_clock: trio.abc.Clock, durability: str, write: str
 ) -> None:
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, durability=durability) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        gate = store.gates[write] = trio.Event()  # stalled
+        gate = store.hold(write)  # stalled
         with pytest.raises(sa.StoreError, match="may not be stopped"):
             await ref.stop()
-        del store.gates[write]
-        gate.set()
+        gate.open()
         assert (await ref.send("two")).text == "two"
 
 
 async def test_a_stop_during_a_hibernation_still_stops() -> None:
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        gate = store.gates["write_snapshot"] = trio.Event()
+        gate = store.hold("write_snapshot")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ref.hibernate)
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(ref.stop)
             await trio.testing.wait_all_tasks_blocked()
-            del store.gates["write_snapshot"]
-            gate.set()
+            gate.open()
         with pytest.raises(sa.SessionStoppedError):
             await ref.send("two")
-
-
-async def test_a_stop_fenced_out_by_another_worker_raises() -> None:
-    store = MemoryStore()
-    async with (
-        sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="A") as a,
-        sa.open_registry(store=store, agents=ECHO, leases=True, worker_id="B") as b,
-    ):
-        ref = await a.spawn("s")
-        await ref.send("one")
-        lease = await store.claim("s", "A", 30.0)  # A's lease ends while A still runs s
-        assert lease is not None
-        await store.release("s", lease)
-        await b.ref("s").history()  # B takes the session over
-        with pytest.raises(sa.FencedOutError):
-            await ref.stop()
-        assert (await b.ref("s").send("two")).text == "two"
 
 
 class ShieldedModel:
@@ -375,15 +296,15 @@ async def test_a_turn_finishing_past_the_grace_is_answered_by_what_was_stored(
 ) -> None:
     """Past the grace, a turn that still finishes but whose journal write times out
     gets its reply if the closing snapshot stores it, and an error if nothing does."""
-    store = GatedStore()
+    store = FaultyStore()
     release = trio.Event()
     outcomes: dict[str, object] = {}
 
     async def finish_late() -> None:
         await trio.sleep(5)  # past the grace: the registry is cutting the turn
-        store.gates["append"] = trio.Event()  # from now on the store stalls
+        store.hold("append")  # from now on the store stalls
         if not snapshot_lands:
-            store.gates["write_snapshot"] = trio.Event()
+            store.hold("write_snapshot")
         release.set()
 
     agents = {"a": sa.Agent(model=ShieldedModel(release))}
@@ -417,7 +338,7 @@ async def test_a_store_failure_inside_a_turn_is_not_the_agents_failure() -> None
         runs.append("refund")
         return "refunded"
 
-    store = GatedStore()
+    store = FaultyStore()
     model = ScriptedModel(
         ["one", Scripted(tool_calls=[sa.ToolCall(id="c1", name="refund")]), "done"]
     )
@@ -426,7 +347,7 @@ async def test_a_store_failure_inside_a_turn_is_not_the_agents_failure() -> None
     ) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
-        store.failures["append"] = 1  # the start of the refund
+        store.fail("append")  # the start of the refund
         with pytest.raises(sa.SessionCrashedError) as caught:
             await ref.send("refund it")
         assert isinstance(caught.value.__cause__, sa.StoreError)
@@ -445,7 +366,7 @@ async def test_nothing_is_published_before_the_write_that_covers_it(
     """After a clean wake, the first event of a turn (the status journaled first), a
     hibernation and a stop are published only once stored: a process dying during
     that write has shown its subscribers nothing a later wake could number again."""
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         await (await reg.spawn("s")).send("one")
     seen: list[sa.Event] = []
@@ -458,40 +379,12 @@ async def test_nothing_is_published_before_the_write_that_covers_it(
             await ref.history()  # a read wakes it and writes nothing
             nursery.start_soon(watch, ref, seen)
             await trio.testing.wait_all_tasks_blocked()
-            store.gates[write] = trio.Event()
+            store.hold(write)
             request = {"send": partial(ref.send, "two"), "hibernate": ref.hibernate}
             nursery.start_soon(request.get(action, ref.stop))
             await trio.testing.wait_all_tasks_blocked()  # in the write
             process.cancel()
     assert seen == []
-
-
-async def test_without_a_journal_a_crash_drops_only_the_request_it_cut() -> None:
-    """durability="hibernate": a turn that crashes at its very end leaves nothing of
-    itself, and everything answered before it stays."""
-
-    class Crash(Exception):
-        pass
-
-    def crash_on_outcome(event: sa.Event) -> None:  # the actor's own code fails
-        if isinstance(event, sa.TurnFinished):
-            raise Crash("the actor broke")
-
-    async with sa.open_registry(store=MemoryStore(), agents=ECHO, durability="hibernate") as reg:
-        ref = await reg.spawn("s")
-        await ref.send("one")
-        await ref.send("one more")
-        assert await ref.truncate(2) == 2  # answered: the first exchange is gone
-        hub = reg._hub_for("s")
-        hub.tap = crash_on_outcome
-        with pytest.raises(sa.SessionCrashedError):
-            await ref.send("two")
-        hub.tap = None
-        state = await ref.state()
-        assert [m.content for m in state.messages] == ["one more", "one more"]
-        assert state.open_turn is None
-        assert reg.statistics().restarts == 1
-        assert (await ref.send("three")).text == "three"
 
 
 async def test_a_store_error_from_the_model_is_the_agents_failure() -> None:
@@ -512,17 +405,16 @@ async def test_a_store_error_from_the_model_is_the_agents_failure() -> None:
 async def test_a_failed_compaction_does_not_undo_what_the_journal_took(fault: str) -> None:
     """The snapshot that compacts the journal comes after the write that counts: if
     it fails, the turn is still done and said to be."""
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as reg:
         ref = await reg.spawn("s")
         await ref.send("one")
         if fault == "store":
-            store.failures["write_snapshot"] = 1
+            store.fail("write_snapshot")
         else:  # what the codec raises for an oversized snapshot
-            store.refusals["write_snapshot"] = ValueError("the snapshot is too large")
+            store.fail("write_snapshot", error=ValueError("the snapshot is too large"))
         assert (await ref.send("two")).text == "two"
-        assert not store.failures.get("write_snapshot")  # the compaction was tried
-        assert not store.refusals
+        assert store.injected == 1  # the compaction was tried
         assert reg.statistics().restarts == 0
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         state = await reg.ref("s").state()
@@ -534,43 +426,60 @@ async def test_a_session_restarted_while_the_registry_closes_is_hibernated(
 ) -> None:
     """durability="hibernate": the closing snapshot fails once; the restarted actor
     takes nothing new and hibernates what was answered, without waiting out the grace."""
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, durability="hibernate") as reg:
         await (await reg.spawn("s")).send("one")
-        store.failures["write_snapshot"] = 1
+        store.fail("write_snapshot")
     assert trio.current_time() < 1
-    assert store.failures["write_snapshot"] == 0
+    assert store.injected == 1
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         assert [m.content for m in await reg.ref("s").history()] == ["one", "one"]
 
 
-async def test_a_stop_that_waits_for_a_crashing_actor_stops_its_successor() -> None:
-    """The actor stop() found crashed and was replaced before the stop reached it."""
-    store = GatedStore()
+async def test_a_stop_racing_a_crash_of_its_actor_stops_the_session_or_raises(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A stop() racing a crash of the actor it found either stops the session (the crashed
+    actor's successor) or raises, and never returns without stopping it; the race is decided
+    by trio's scheduling, so it is run many times and both outcomes must occur."""
+    store = FaultyStore()
+    outcomes: Counter[str] = Counter()
     async with sa.open_registry(store=store, agents=ECHO) as reg:
-        ref = await reg.spawn("s")
-        await ref.send("one")
-        actor = reg._live["s"]
-        store.failures["append"] = 1
-        with pytest.raises(sa.SessionCrashedError):
-            await ref.send("two")  # the actor crashes and is replaced
-        with trio.fail_after(5):
-            assert await reg._stop(actor) is False  # it left without stopping
-            await ref.stop()
-        with pytest.raises(sa.SessionStoppedError):
-            await ref.send("three")
+        for i in range(30):
+            name = f"s{i}"
+            ref = await reg.spawn(name)
+            await ref.send("one")
+            gate = store.hold("append", session_id=name)
+            results: dict[str, object] = {}
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(settle, results, "two", partial(ref.send, "two"))
+                await trio.testing.wait_all_tasks_blocked()  # its first write is held
+                store.fail("append", session_id=name)
+                gate.open()  # the write fails: the actor crashes as the stop arrives
+                await settle(results, "stop", ref.stop)
+            assert isinstance(results["two"], sa.SessionCrashedError), results
+            if results["stop"] is None:
+                outcomes["stopped"] += 1
+            else:  # the crash came first: the stop did not happen, and says so
+                assert isinstance(results["stop"], sa.StoreError), results
+                outcomes["refused"] += 1
+                with trio.fail_after(5):
+                    await ref.stop()
+            with pytest.raises(sa.SessionStoppedError):
+                await ref.send("three")
+    assert store.injected == 30
+    assert set(outcomes) == {"stopped", "refused"}, outcomes
 
 
 async def test_a_stalled_compaction_does_not_make_a_stored_stop_unsure(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    store = GatedStore()
+    store = FaultyStore()
     async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as reg:
         ref = await reg.spawn("s")  # its journal outweighs its snapshot at the first write
-        gate = store.gates["write_snapshot"] = trio.Event()  # snapshots stall
+        gate = store.hold("write_snapshot")  # snapshots stall
         await ref.stop()  # journaled: done, whatever the snapshot after it does
-        del store.gates["write_snapshot"]
-        gate.set()
+        gate.open()
         with pytest.raises(sa.SessionStoppedError):
             await ref.send("two")
 
@@ -589,16 +498,6 @@ async def test_a_stop_while_a_hibernation_ends_stops_the_session() -> None:
                 await ref.stop()
             with pytest.raises(sa.SessionStoppedError):
                 await ref.send("two")
-
-
-async def test_a_stop_reports_when_its_actor_left_without_stopping() -> None:
-    store = MemoryStore()
-    async with sa.open_registry(store=store, agents=ECHO) as reg:
-        ref = await reg.spawn("s")
-        await ref.send("one")
-        actor = reg._live["s"]
-        await ref.hibernate()
-        assert await reg._stop(actor) is False  # left hibernated: not stopped
 
 
 async def test_a_registry_giving_up_on_parallel_tools_answers_the_caller(
@@ -637,7 +536,7 @@ async def test_a_crash_while_being_deleted_does_not_restart_the_session() -> Non
         """Refund the order."""
         return "refunded"
 
-    store = GatedStore()
+    store = FaultyStore()
     model = ScriptedModel([Scripted(tool_calls=[sa.ToolCall(id="c1", name="refund")]), "ok"])
     outcome: list[BaseException] = []
 
@@ -651,43 +550,52 @@ async def test_a_crash_while_being_deleted_does_not_restart_the_session() -> Non
     ) as reg:
         ref = await reg.spawn("s")
         async with trio.open_nursery() as nursery:
-            gate = store.gates["append"] = trio.Event()
+            gate = store.hold("append")
             nursery.start_soon(send, ref)
             await trio.testing.wait_all_tasks_blocked()  # journaling the refund's start
             nursery.start_soon(reg.delete, "s")
             await trio.testing.wait_all_tasks_blocked()
-            store.failures["append"] = 1
-            del store.gates["append"]
-            gate.set()
+            store.fail("append")
+            gate.open()
         assert isinstance(outcome[0], sa.SessionNotFoundError)
         assert reg.live() == []
         assert reg.statistics().restarts == 0
         assert not await store.exists("s")
 
 
+class Chatty:
+    """Streams ``count`` one-character chunks at once: many events, quickly."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        await trio.lowlevel.checkpoint()
+        for _ in range(self.count):
+            yield sa.TextChunk("x")
+
+
+#: How far past the highest stored seq a wake after a death numbers its events (see
+#: docs/examples/explanation_unclean_stop.py): a session must not publish more unstored.
+SEQ_JUMP = 2**20
+
+
 async def test_without_a_journal_a_long_live_session_keeps_the_jump_ahead(
-    monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock,
 ) -> None:
-    """durability="hibernate" writes nothing between snapshots, so a session live for
-    long could publish more events than a wake's jump covers: it journals a status
-    whenever it is half-way there. (The jump is made small here to show it.)"""
-    monkeypatch.setattr(actor_module, "SEQ_GAP", 64)
+    """durability="hibernate" writes nothing between snapshots, so a session live for long
+    publishes more events than a wake's jump covers: it journals a status whenever it is
+    half-way there, and a death after that reuses no seq."""
     store = MemoryStore()
-    seen: list[sa.Event] = []
+    agents = {"a": sa.Agent(model=Chatty(300_000))}
     with trio.CancelScope() as process:
-        async with (
-            sa.open_registry(store=store, agents=ECHO, durability="hibernate") as reg,
-            trio.open_nursery() as nursery,
-        ):
+        async with sa.open_registry(store=store, agents=agents, durability="hibernate") as reg:
             ref = await reg.spawn("s")
-            nursery.start_soon(watch, ref, seen)
-            await trio.testing.wait_all_tasks_blocked()
-            for i in range(20):
-                await ref.send(f"turn {i} of many words")
-            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(4):
+                await ref.send("go")
+            last = (await ref.state()).event_seq
             process.cancel()
-    last = seen[-1].seq
-    assert last > 3 * 64
+    assert last > SEQ_JUMP
     assert_a_whole_new_turn(await next_turn_after(store, last, durability="hibernate"), last)
 
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sessionactors as sa
-from sessionactors._history import rewind_end, split_for_keep_last, tool_pairs_intact
+from history_rules import kept_by_rewind, kept_by_truncate, tool_pairs_intact
 from sessionactors.stores import MemoryStore
 from sessionactors.testing import Scripted, ScriptedModel
 
@@ -362,7 +362,7 @@ async def test_edits_survive_hibernation_and_restart(
         assert got[name].summary == summary
 
 
-# ---- properties: the pure rules -----------------------------------------------------------------
+# ---- properties: the reference rules (tests/history_rules.py) -----------------------------------
 
 _T0 = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
 
@@ -415,19 +415,12 @@ def build(builder: HistoryBuilder, drawn: Sequence[tuple[int, list[int]]]) -> li
     return out
 
 
-def truncate(messages: list[sa.Message], keep_last: int) -> list[sa.Message]:
-    return messages[split_for_keep_last(messages, keep_last) :]
-
-
-def rewind(messages: list[sa.Message], index: int) -> list[sa.Message]:
-    return messages[: rewind_end(messages, index)]
-
-
 @settings(max_examples=400, deadline=None)
 @given(data=st.data())
-def test_pure_cuts_never_split_a_tool_group(data: st.DataObject) -> None:
-    """Any sequence of truncate, rewind, compaction and fork on a history of text turns and
-    tool groups leaves every call with its results."""
+def test_the_reference_cuts_never_split_a_tool_group(data: st.DataObject) -> None:
+    """Any sequence of truncate, rewind, compaction and fork by the rules the live test
+    checks against leaves every call with its results, on any history of text turns and
+    tool groups."""
     builder = HistoryBuilder()
     messages = build(builder, data.draw(st.lists(blocks(), max_size=12), label="history"))
     assert tool_pairs_intact(messages)
@@ -436,17 +429,17 @@ def test_pure_cuts_never_split_a_tool_group(data: st.DataObject) -> None:
         before = messages
         if op in ("truncate", "compact"):
             keep = data.draw(st.integers(0, len(messages) + 2), label="keep_last")
-            cut = split_for_keep_last(messages, keep)
-            if op == "compact" and cut <= 0:
-                continue
-            messages = truncate(messages, keep)
+            kept = kept_by_truncate(messages, keep)
+            if op == "compact" and len(kept) == len(messages):
+                continue  # compaction summarizes only when something is cut
+            messages = kept
             assert len(messages) >= min(keep, len(before))  # at least keep_last are kept
             assert messages == before[len(before) - len(messages) :]  # a suffix
         elif op in ("rewind", "fork"):
             if not messages:
                 continue
             index = data.draw(st.integers(0, len(messages) - 1), label="at")
-            kept = rewind(messages, index)
+            kept = kept_by_rewind(messages, index)
             assert before[index] in kept
             assert kept == before[: len(kept)]  # a prefix
             if op == "fork" and data.draw(st.booleans(), label="continue on the fork"):
@@ -478,7 +471,7 @@ def test_tool_pairs_intact_catches_broken_histories() -> None:
     # the naive cut (len - keep_last) would split the group; the rule moves the cut earlier
     naive = whole[len(whole) - 4 :]
     assert not tool_pairs_intact(naive)
-    assert truncate(whole, 4) == whole[2:]
+    assert kept_by_truncate(whole, 4) == whole[2:]
 
 
 # ---- properties: through a live registry --------------------------------------------------------
@@ -492,7 +485,7 @@ def test_tool_pairs_intact_catches_broken_histories() -> None:
 @given(data=st.data())
 def test_live_edits_never_split_a_tool_group(data: st.DataObject) -> None:
     """Through a live registry, turns with tool calls mixed with truncate, rewind, compaction and
-    fork keep every call with its results, exactly as the pure rules predict."""
+    fork keep every call with its results, exactly as the reference rules predict."""
     keep_last = data.draw(st.integers(1, 6), label="compaction keep_last")
 
     async def main() -> None:
@@ -526,8 +519,8 @@ def test_live_edits_never_split_a_tool_group(data: st.DataObject) -> None:
                     if op == "truncate":
                         keep = data.draw(st.integers(0, len(history) + 1), label="keep_last")
                         removed = await ref.truncate(keep)
-                        assert await ref.history() == truncate(history, keep)
-                        assert removed == len(history) - len(truncate(history, keep))
+                        assert await ref.history() == kept_by_truncate(history, keep)
+                        assert removed == len(history) - len(kept_by_truncate(history, keep))
                     elif op in ("rewind", "fork") and history:
                         index = data.draw(st.integers(0, len(history) - 1), label="at")
                         if op == "rewind":
@@ -539,7 +532,7 @@ def test_live_edits_never_split_a_tool_group(data: st.DataObject) -> None:
                             refs.append(fork)
                             assert await ref.history() == history
                             ref = fork
-                        assert await ref.history() == rewind(history, index)
+                        assert await ref.history() == kept_by_rewind(history, index)
                     elif op == "compact":
                         compact_now = True
                         summaries = len(summarizer.requests)

@@ -11,22 +11,8 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from faults import FaultyStore
-from sessionactors.stores import MemoryStore, StoredSession
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
-
-
-class GatedLoadStore(MemoryStore):
-    """A MemoryStore whose ``load`` waits for ``gate`` when one is set (a slow wake)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate: trio.Event | None = None
-
-    async def load(self, session_id: str) -> StoredSession | None:
-        if self.gate is not None:
-            await self.gate.wait()
-        return await super().load(session_id)
+from sessionactors.stores import MemoryStore
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 
 def pairs(history: Sequence[sa.Message]) -> list[tuple[str, str]]:
@@ -105,7 +91,7 @@ async def test_a_crash_in_one_of_many_sessions_touches_no_other(
         with trio.fail_after(60):
             for name in names:
                 await refs[name].send(f"{name} first")
-            store.faults[victim] = 1
+            store.fail("append", session_id=victim)
             await round_of_sends("second")
         assert len(crashed) == 1
         assert store.injected == 1  # negative control: the fault fired, once
@@ -120,7 +106,7 @@ async def test_a_crash_in_one_of_many_sessions_touches_no_other(
             assert (registry.statistics().crashes, registry.statistics().restarts) == (1, 1)
 
             await trio.sleep(6)  # let the first crash leave the restart window
-            store.faults[victim] = -1
+            store.fail("append", session_id=victim, times=None)
             for _ in range(3):
                 with pytest.raises(sa.SessionCrashedError, match="restarted"):
                     await refs[victim].send("crash")
@@ -415,14 +401,14 @@ async def test_delete_during_a_wake_fails_everyone_waiting_for_it(
 ) -> None:
     """delete() while a session is loading from the store fails the reads and turns waiting for
     the wake with SessionNotFoundError; none waits forever."""
-    store = GatedLoadStore()
+    store = FaultyStore()
     outcomes: list[BaseException] = []
     async with sa.open_registry(agents=echo_agents, store=store) as registry:
         with trio.fail_after(10):
             ref = await registry.spawn("w")
             await ref.send("hello")
             await ref.hibernate()
-            store.gate = trio.Event()  # never set: the wake hangs in the store
+            store.hold("load")  # never opened: the wake hangs in the store
 
             async def waiter(request: Callable[[], Awaitable[object]]) -> None:
                 with pytest.raises(sa.SessionNotFoundError) as info:
@@ -436,7 +422,6 @@ async def test_delete_during_a_wake_fails_everyone_waiting_for_it(
                 await trio.testing.wait_all_tasks_blocked()
                 assert registry.live() == ["w"]
                 await registry.delete("w")
-            store.gate = None
             assert await registry.sessions() == []
 
     assert len(outcomes) == 3

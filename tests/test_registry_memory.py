@@ -1,8 +1,8 @@
-"""What the registry keeps after a wave of sessions: generation nurseries, tables, counters."""
+"""What the registry keeps after a wave of sessions: the memory it took, and sessions that
+still answer, restart and close as before."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,30 +10,13 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from faults import FaultyStore
-from sessionactors._registry import GENERATION_PEAK
+from memory import grow_trio_task_table, traced_memory
 from sessionactors.stores import MemoryStore
+from sessionactors.testing import FaultyStore
 
-GENERATION = "sessions generation"
-
-
-def generations(registry: sa.Registry) -> set[trio.Nursery]:
-    """The generation nurseries that are open now."""
-    return {
-        nursery
-        for task in registry._nursery.child_tasks
-        if task.name == GENERATION
-        for nursery in task.child_nurseries
-    }
-
-
-def host(registry: sa.Registry, name: str) -> trio.Nursery:
-    """The nursery that runs session ``name``'s task."""
-    wanted = f"session {name!r}"
-    nurseries = [registry._nursery, *generations(registry)]
-    found = [n for n in nurseries for task in n.child_tasks if task.name == wanted]
-    assert len(found) == 1, (name, found)
-    return found[0]
+#: A wave of sessions large enough that the registry gives back what it took when the
+#: wave falls to an eighth of its peak.
+WAVE = 1024
 
 
 async def wave(registry: sa.Registry, size: int, keep: int) -> list[sa.SessionRef]:
@@ -45,47 +28,40 @@ async def wave(registry: sa.Registry, size: int, keep: int) -> list[sa.SessionRe
     return refs
 
 
-async def test_after_a_wave_new_sessions_start_in_a_fresh_generation(
+async def test_after_a_wave_the_sessions_left_and_new_ones_answer_and_restart(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
-    """Once a wave falls to an eighth of its peak, new and woken sessions run in a fresh
-    generation nursery, the sessions left in the old one keep answering and are still
-    restarted after a crash, and the old nursery ends with its last session."""
+    """Once a wave falls to an eighth of its peak, new and woken sessions answer, the
+    sessions left from the wave keep answering and are still restarted after a crash, and
+    the counters are exact."""
     store = FaultyStore()
+    keep = WAVE // 16
     with trio.fail_after(60):
         async with sa.open_registry(agents=echo_agents, store=store) as registry:
-            (first,) = generations(registry)
-            refs = await wave(registry, GENERATION_PEAK, keep=GENERATION_PEAK // 16)
-            assert generations(registry) == {first}  # kept open by the sessions left in it
-            assert host(registry, "w0") is first
-
-            await registry.spawn("late")  # opens the next generation
-            await trio.testing.wait_all_tasks_blocked()
-            (second,) = generations(registry) - {first}
+            refs = await wave(registry, WAVE, keep=keep)
+            assert len(registry.live()) == keep
+            late = await registry.spawn("late")
             later = await registry.spawn("later")
             assert (await refs[-1].send("back")).text == "back"  # woken
-            await trio.testing.wait_all_tasks_blocked()
-            assert host(registry, "later") is second
-            assert host(registry, refs[-1].session_id) is second
+            assert (await late.send("late")).text == "late"
 
-            # a session of the old generation answers, and is restarted after a crash
+            # a session left from the wave answers, and is restarted after a crash
             assert (await refs[0].send("still here")).text == "still here"
-            store.faults["w0"] = 1
+            store.fail("append", session_id="w0")
             with pytest.raises(sa.SessionCrashedError, match="restarted"):
                 await refs[0].send("crash")
             assert (await refs[0].send("again")).text == "again"
-            assert host(registry, "w0") is first
             assert store.injected == 1  # negative control: the fault fired
 
-            for ref in refs[: GENERATION_PEAK // 16]:
+            for ref in refs[:keep]:
                 await ref.hibernate()
             await trio.testing.wait_all_tasks_blocked()
-            assert generations(registry) == {second}  # the old one ended with its sessions
             assert (await later.send("new")).text == "new"
+            assert sorted(registry.live()) == sorted(["late", "later", refs[-1].session_id])
             stats = registry.statistics()
         assert registry.live() == []
 
-    assert (stats.spawned, stats.crashes, stats.restarts) == (GENERATION_PEAK + 2, 1, 1)
+    assert (stats.spawned, stats.crashes, stats.restarts) == (WAVE + 2, 1, 1)
     async with sa.open_registry(agents=echo_agents, store=store) as registry:
         with trio.fail_after(10):
             assert [m.content for m in await registry.ref("w0").history()] == [
@@ -97,19 +73,18 @@ async def test_after_a_wave_new_sessions_start_in_a_fresh_generation(
             assert len(await registry.ref("later").history()) == 2
 
 
-async def test_closing_hibernates_the_sessions_of_every_generation(
+async def test_closing_hibernates_the_sessions_left_from_a_wave_and_the_new_ones(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
-    """Leaving the registry hibernates the sessions of a retired generation and of the
-    current one alike, and nothing they were told is lost."""
+    """Leaving the registry hibernates the sessions left from a wave and those spawned after
+    it alike, and nothing they were told is lost."""
     store = MemoryStore()
-    keep = GENERATION_PEAK // 16
+    keep = WAVE // 16
     with trio.fail_after(60):
         async with sa.open_registry(agents=echo_agents, store=store) as registry:
-            refs = await wave(registry, GENERATION_PEAK, keep=keep)
+            refs = await wave(registry, WAVE, keep=keep)
             new = [await registry.spawn(f"n{i}") for i in range(3)]
             await trio.testing.wait_all_tasks_blocked()
-            assert len(generations(registry)) == 2
             for ref in [*refs[:keep], *new]:
                 await ref.submit(f"{ref.session_id} last words")
         assert registry.live() == []
@@ -121,18 +96,17 @@ async def test_closing_hibernates_the_sessions_of_every_generation(
                 assert [m.content for m in history] == [f"{ref.session_id} last words"] * 2
 
 
-async def test_cancelling_the_registry_block_ends_every_generation(
+async def test_cancelling_the_registry_block_after_a_wave_ends_every_session(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
-    """Cancelling the block around the registry, with sessions in a retired and a current
-    generation, ends it promptly, and a later request fails with SessionStoppedError."""
+    """Cancelling the block around the registry, with sessions left from a wave and new
+    ones, ends it promptly, and a later request fails with SessionStoppedError."""
     with trio.fail_after(60):
         with trio.CancelScope() as scope:
             async with sa.open_registry(agents=echo_agents) as registry:
-                refs = await wave(registry, GENERATION_PEAK, keep=GENERATION_PEAK // 16)
+                refs = await wave(registry, WAVE, keep=WAVE // 16)
                 await registry.spawn("late")
                 await trio.testing.wait_all_tasks_blocked()
-                assert len(generations(registry)) == 2
                 scope.cancel()
                 await trio.sleep_forever()
         assert scope.cancelled_caught
@@ -162,23 +136,27 @@ async def test_an_exception_escaping_a_session_leaves_the_registry_in_one_group(
             await ref.send("stop")
 
 
-async def test_a_wave_leaves_the_registry_tables_and_counters_as_they_were(
+async def test_a_wave_gives_back_the_memory_it_took(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
-    """After a wave has hibernated, the registry's tables are the same dicts at their
-    empty size, and its counters are exact."""
+    """After a wave of sessions has woken and hibernated again (one subscriber kept), the
+    registry holds at most a few bytes per session of the wave, besides what the store
+    keeps, and its counters are exact."""
+    store = MemoryStore()
     with trio.fail_after(60):
-        async with sa.open_registry(agents=echo_agents) as registry:
-            live, hubs = registry._live, registry._hubs
-            refs = [await registry.spawn(f"w{i}") for i in range(GENERATION_PEAK)]
-            async with refs[0].subscribe():  # a hub, kept while subscribed
+        async with sa.open_registry(agents=echo_agents, store=store) as registry:
+            await wave(registry, WAVE, keep=0)
+        await grow_trio_task_table(4 * WAVE)
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        refs = [registry.ref(f"w{i}") for i in range(WAVE)]
+        async with traced_memory(store) as held:
+            with trio.fail_after(60):
                 for ref in refs:
-                    await ref.hibernate()
-                await trio.testing.wait_all_tasks_blocked()
-                assert list(registry._hubs) == ["w0"]
-            assert registry._live is live
-            assert registry._hubs is hubs
-            assert sys.getsizeof(live) == sys.getsizeof(hubs) == sys.getsizeof({})
-            stats = registry.statistics()
-    assert (stats.live, stats.spawned, stats.hibernated) == (0, GENERATION_PEAK, GENERATION_PEAK)
-    assert repr(registry.stats).startswith(f"Counters(spawned={GENERATION_PEAK}, woken=0, ")
+                    await ref.history()  # wakes it
+                async with refs[0].subscribe():  # kept while subscribed
+                    for ref in refs:
+                        await ref.hibernate()
+        stats = registry.statistics()
+    # A registry that kept its tables at the wave's size would hold about 100 bytes a session.
+    assert held.bytes < 16 * WAVE, f"{held.bytes} bytes held after a wave of {WAVE} sessions"
+    assert (stats.live, stats.subscribers, stats.woken, stats.hibernated) == (0, 0, WAVE, WAVE)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,9 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors._history import tool_pairs_intact
-from sessionactors.stores import JournalEntry, MemoryStore
-from sessionactors.testing import Scripted, ScriptedModel
+from history_rules import tool_pairs_intact
+from sessionactors.stores import MemoryStore
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 
 def call(name: str, arguments: object = None) -> sa.ToolCall:
@@ -428,45 +427,18 @@ async def test_calls_before_a_reviewed_one_run_before_the_pause(
     assert [m.tool_call_id for m in results] == [look.id, refund.id, look_again.id]
 
 
-class FaultAfterStore(MemoryStore):
-    """A MemoryStore whose next ``append`` fails after ``arm()`` (called by a tool as it runs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-        self.injected = 0
-
-    def arm(self) -> None:
-        if not self.injected:
-            self.armed = True
-
-    async def append(
-        self,
-        session_id: str,
-        entries: Sequence[JournalEntry],
-        info: bytes,
-        *,
-        fence: int | None = None,
-    ) -> None:
-        if self.armed:
-            self.armed = False
-            self.injected += 1
-            await trio.lowlevel.checkpoint()
-            raise OSError(f"injected store fault for {session_id!r}")
-        await super().append(session_id, entries, info, fence=fence)
-
-
 async def test_a_crash_while_an_approved_call_runs_fails_the_review_and_is_not_run_again(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """A crash while an approved non-idempotent call runs fails the review's caller; on recovery
     the call is not run again and the model is told it was interrupted."""
-    store = FaultAfterStore()
+    store = FaultyStore()
     refunded: list[str] = []
 
     async def refund(order_id: str) -> str:
         refunded.append(order_id)
-        store.arm()
+        if not store.injected:  # the next append fails: the actor crashes mid-call
+            store.fail("append", error=OSError("injected store fault"))
         await trio.lowlevel.checkpoint()
         return f"refunded {order_id}"
 
@@ -496,14 +468,15 @@ async def test_a_crash_while_an_approved_call_runs_fails_the_review_and_is_not_r
 
 async def test_a_review_without_its_agent_fails_clearly_and_stays_pending() -> None:
     """Resolving a review of a session whose agent is missing raises TurnFailedError and keeps the review."""
-    from sessionactors._records import ToolCall
     from sessionactors.testing import Scripted, ScriptedModel
 
     async def act() -> str:
         return "done"
 
     risky = sa.Tool(name="risky", fn=act, requires_review=True)
-    model = ScriptedModel([Scripted(tool_calls=[ToolCall(id="c", name="risky", arguments="{}")])])
+    model = ScriptedModel(
+        [Scripted(tool_calls=[sa.ToolCall(id="c", name="risky", arguments="{}")])]
+    )
     store = sa.MemoryStore()
     async with sa.open_registry(
         store=store, agents={"a": sa.Agent(model=model, tools=[risky])}

@@ -14,8 +14,7 @@ import pytest
 import trio
 from hypothesis import given
 
-from sessionactors._model import ToolSpec
-from sessionactors._tools import Tool, ToolOutcome, tool
+from sessionactors import Tool, ToolOutcome, ToolSpec, tool
 
 
 class Colour(enum.Enum):

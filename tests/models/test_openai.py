@@ -11,18 +11,19 @@ import httpx
 import pytest
 import trio
 
-from sessionactors._errors import ModelError
-from sessionactors._model import (
+from sessionactors import (
+    Message,
     Model,
     ModelChunk,
+    ModelError,
     ModelRequest,
+    Role,
     TextChunk,
+    ToolCall,
     ToolCallChunk,
     ToolSpec,
 )
-from sessionactors._records import Message, Role, ToolCall
 from sessionactors.models import OpenAIChatModel
-from sessionactors.models._openai import _retry_after
 
 from .fake_openai_server import (
     FakeOpenAI,
@@ -484,11 +485,27 @@ def test_invalid_settings_are_refused(kwargs: dict[str, Any]) -> None:
         OpenAIChatModel(**settings)
 
 
-def test_retry_after_reads_seconds_and_http_dates() -> None:
-    """Retry-After is read as seconds or an HTTP date; anything else is ignored."""
-    past = email.utils.format_datetime(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC), True)
-    assert _retry_after(httpx.Headers({"retry-after": "2.5"})) == 2.5
-    assert _retry_after(httpx.Headers({"retry-after-ms": "250"})) == 0.25
-    assert _retry_after(httpx.Headers({"retry-after": past})) == 0.0
-    assert _retry_after(httpx.Headers({"retry-after": "soon"})) is None
-    assert _retry_after(httpx.Headers()) is None
+PAST = email.utils.format_datetime(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC), True)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [("retry-after", "0.05"), ("retry-after-ms", "50"), ("retry-after", PAST)],
+    ids=["seconds", "milliseconds", "a past date"],
+)
+async def test_retry_after_is_read_as_seconds_milliseconds_or_a_date(
+    fake: FakeOpenAI, header: tuple[str, str]
+) -> None:
+    """A 429 whose Retry-After is seconds or an HTTP date, or whose Retry-After-Ms is
+    milliseconds, is retried after that short wait instead of the long backoff."""
+    fake.push(error_reply(429, "slow down", headers=(header,)), text_reply("ok"))
+    model = make_model(fake, backoff=WAIT * 2, max_backoff=WAIT * 2)  # outlasts collect()
+    assert await collect(model) == [TextChunk("ok")]
+    assert len(fake.requests) == 2
+
+
+async def test_a_retry_after_that_is_no_time_leaves_the_backoff(fake: FakeOpenAI) -> None:
+    """A Retry-After that is neither seconds nor a date is ignored: the backoff applies."""
+    fake.push(error_reply(429, "slow down", headers=(("retry-after", "soon"),)), text_reply("ok"))
+    assert await collect(make_model(fake)) == [TextChunk("ok")]
+    assert len(fake.requests) == 2

@@ -1,0 +1,244 @@
+"""The test kit's stores: FaultyStore stalls and fails on demand, FlawedStore breaks the contract."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from sessionactors.stores import JournalEntry, MemoryStore, Store, dump_events
+from sessionactors.testing import (
+    EchoModel,
+    FaultyStore,
+    FlawedStore,
+    check_store,
+    journal_events,
+)
+
+ECHO = {"echo": sa.Agent(model=EchoModel())}
+SNAPSHOT = b"\x81\xaeschema_version\x01"  # a store keeps bytes; it never decodes them
+
+
+def entry(seq: int) -> JournalEntry:
+    return JournalEntry(seq, bytes([seq]))
+
+
+# ---- FaultyStore -------------------------------------------------------------------
+
+
+async def test_a_faulty_store_without_faults_keeps_the_store_contract() -> None:
+    """FaultyStore passes check_store over a MemoryStore when no fault is planned."""
+    with trio.fail_after(60):
+        await check_store(lambda: FaultyStore(MemoryStore()))
+
+
+async def test_a_faulty_store_is_a_store(autojump_clock: trio.abc.Clock) -> None:
+    """FaultyStore implements the Store protocol and a registry runs on it."""
+    store = FaultyStore()
+    assert isinstance(store, Store)
+    assert isinstance(store.store, MemoryStore)
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        with trio.fail_after(10):
+            assert (await (await registry.spawn("s")).send("hi")).text == "hi"
+    assert store.calls["append"] >= 1
+    assert store.injected == 0
+
+
+async def test_a_failure_fires_as_many_times_as_planned() -> None:
+    """fail() raises StoreError for the next ``times`` calls, then the calls go through."""
+    store = FaultyStore()
+    await store.create("s", SNAPSHOT, b"")
+    store.fail("append", times=2)
+    assert store.failures_left("append") == 2
+    for _ in range(2):
+        with pytest.raises(sa.StoreError, match="injected append fault for session 's'"):
+            await store.append("s", [entry(1)], b"")
+    assert store.failures_left("append") == 0
+    await store.append("s", [entry(1)], b"")
+    assert store.injected == 2
+    assert store.calls["append"] == 3
+    _, entries = await store.read_journal("s", 0)
+    assert entries == [entry(1)]
+
+
+async def test_a_failure_can_be_for_one_session_and_raise_a_given_error() -> None:
+    """A failure for one session leaves the others alone, and raises the error it was given."""
+    store = FaultyStore()
+    for name in ("a", "b"):
+        await store.create(name, SNAPSHOT, b"")
+    store.fail("append", session_id="a", times=None, error=OSError("disk on fire"))
+    assert store.failures_left("append", session_id="a") is None
+    await store.append("b", [entry(1)], b"")
+    for seq in (1, 2):
+        with pytest.raises(OSError, match="disk on fire"):
+            await store.append("a", [entry(seq)], b"")
+    store.fail("append", session_id="a", times=0)  # cleared
+    await store.append("a", [entry(1)], b"")
+    assert store.injected == 2
+
+
+async def test_a_failure_for_a_session_comes_before_one_for_any() -> None:
+    """With failures planned for a session and for any session, that session's fires first."""
+    store = FaultyStore()
+    await store.create("a", SNAPSHOT, b"")
+    store.fail("exists", error=KeyError("any"))
+    store.fail("exists", session_id="a", error=LookupError("a"))
+    with pytest.raises(LookupError, match="a"):
+        await store.exists("a")
+    with pytest.raises(KeyError, match="any"):
+        await store.exists("a")
+    assert await store.exists("a")
+
+
+async def test_a_held_call_waits_for_its_gate() -> None:
+    """hold() keeps calls of that operation waiting until gate.open(), then lets them through."""
+    store = FaultyStore()
+    await store.create("s", SNAPSHOT, b"")
+    gate = store.hold("append")
+    done: list[int] = []
+
+    async def append(seq: int) -> None:
+        await store.append("s", [entry(seq)], b"")
+        done.append(seq)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(append, 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (gate.waiting, gate.held, done) == (1, 1, [])
+        assert (await store.read_journal("s", 0))[1] == []  # not written yet
+        gate.open()
+    assert done == [1]
+    assert (gate.waiting, gate.is_open) == (0, True)
+    await store.append("s", [entry(2)], b"")  # an open gate holds nothing more
+    assert [e.seq for e in (await store.read_journal("s", 0))[1]] == [1, 2]
+
+
+async def test_a_gate_after_the_call_holds_its_acknowledgement() -> None:
+    """hold(after=True) lets the call reach the store and holds only its return."""
+    store = FaultyStore()
+    await store.create("s", SNAPSHOT, b"")
+    gate = store.hold("append", after=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.append, "s", [entry(1)], b"")
+        await trio.testing.wait_all_tasks_blocked()
+        assert gate.waiting == 1
+        assert (await store.read_journal("s", 0))[1] == [entry(1)]  # written already
+        gate.open()
+
+
+async def test_a_gate_for_one_session_holds_only_its_calls() -> None:
+    """A gate with a session_id holds that session's calls and no other's."""
+    store = FaultyStore()
+    gate = store.hold("create", session_id="slow")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.create, "slow", SNAPSHOT, b"")
+        await store.create("fast", SNAPSHOT, b"")
+        await trio.testing.wait_all_tasks_blocked()
+        assert gate.waiting == 1
+        assert not await store.exists("slow")
+        gate.open()
+    assert await store.exists("slow")
+
+
+async def test_a_held_call_fails_if_a_failure_is_planned_when_it_goes_on() -> None:
+    """A call waits at its gate first, then meets the failures planned by then."""
+    store = FaultyStore()
+    await store.create("s", SNAPSHOT, b"")
+    gate = store.hold("append")
+    errors: list[BaseException] = []
+
+    async def append() -> None:
+        try:
+            await store.append("s", [entry(1)], b"")
+        except sa.StoreError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(append)
+        await trio.testing.wait_all_tasks_blocked()
+        store.fail("append")
+        gate.open()
+    assert len(errors) == 1
+    assert (await store.read_journal("s", 0))[1] == []
+
+
+def test_unknown_operations_are_refused() -> None:
+    """hold() and fail() name the store operations when given another name."""
+    store = FaultyStore()
+    with pytest.raises(ValueError, match="'apend' is not a store operation; use one of create"):
+        store.hold("apend")
+    with pytest.raises(ValueError, match="not a store operation"):
+        store.fail("snapshot")
+    with pytest.raises(ValueError, match="at least 0"):
+        store.fail("append", times=-1)
+
+
+async def test_a_store_fault_in_a_turn_crashes_only_that_session(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """An append that fails for one session crashes its actor (the waiter gets
+    SessionCrashedError caused by the fault); it restarts and the other session is untouched."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        victim, other = await registry.spawn("victim"), await registry.spawn("other")
+        store.fail("append", session_id="victim")
+        with trio.fail_after(10):
+            with pytest.raises(sa.SessionCrashedError) as crash:
+                await victim.send("lost")
+            assert (await other.send("fine")).text == "fine"
+            assert (await victim.send("again")).text == "again"
+    assert isinstance(crash.value.__cause__, sa.StoreError)
+    assert store.injected == 1
+
+
+# ---- FlawedStore -------------------------------------------------------------------
+
+
+def test_flaws_are_checked() -> None:
+    """FlawedStore refuses a flaw it does not have, naming those it has."""
+    with pytest.raises(ValueError, match="'lose_everything' is not a flaw FlawedStore has"):
+        FlawedStore("lose_everything")
+
+
+@pytest.mark.parametrize("flaw", FlawedStore.FLAWS)
+async def test_the_store_conformance_suite_catches_a_flawed_store(flaw: str) -> None:
+    """check_store fails for a store with any of FlawedStore's flaws."""
+    with trio.fail_after(60), pytest.raises(AssertionError, match="store check failed"):
+        await check_store(lambda: FlawedStore(flaw, MemoryStore()))
+
+
+async def test_appends_acknowledged_early_are_lost_with_the_process() -> None:
+    """With ack_appends_early an append lands only when the same wrapper is called again,
+    so a process that dies first (its wrapper dropped) loses it."""
+    disk = MemoryStore()
+    first = FlawedStore("ack_appends_early", disk)
+    await first.create("s", SNAPSHOT, b"")
+    await first.append("s", [entry(1)], b"")
+    await first.append("s", [entry(2)], b"")  # writes 1, keeps 2 back
+    assert (await first.read_journal("s", 0))[1] == [entry(1), entry(2)]  # writes 2
+    await first.append("s", [entry(3)], b"")
+    second = FlawedStore("ack_appends_early", disk)  # the next process
+    assert (await second.read_journal("s", 0))[1] == [entry(1), entry(2)]
+
+
+async def test_journal_events_decodes_what_the_store_holds(autojump_clock: trio.abc.Clock) -> None:
+    """journal_events returns the journaled events of a session above ``after``, decoded."""
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            reply = await ref.send("hello")
+    events = await journal_events(store, "s")
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    finished = [e for e in events if isinstance(e, sa.TurnFinished)]
+    assert [e.turn_id for e in finished] == [reply.turn_id]
+    added = [e.message.content for e in events if isinstance(e, sa.MessageAdded)]
+    assert added == ["hello", "hello"]
+    after = finished[0].seq - 1
+    assert await journal_events(store, "s", after=after) == [e for e in events if e.seq > after]
+    with pytest.raises(sa.SessionNotFoundError):
+        await journal_events(store, "nobody")
+    await store.create("raw", SNAPSHOT, b"")
+    await store.append("raw", [JournalEntry(1, dump_events(finished))], b"")
+    assert await journal_events(store, "raw") == finished
