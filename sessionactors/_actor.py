@@ -410,7 +410,7 @@ class Actor:
         else:  # the journal holds only these, and the next snapshot drops them
             session.apply(event)
             await self.journal.append_now(session, event, self._fence)
-        self.journal.stored_clean = False
+        self.journal.status_due = False
         self.emit(event)
 
     # ---- the lease ---------------------------------------------------------------
@@ -465,12 +465,12 @@ class Actor:
         known = hub.seq
         hub.advance(max(durable_seq, session.event_seq))
         session.status = _resting_status(session)
-        journal.stored_clean = clean
+        journal.status_due = clean
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
-            # write; jump above them, durably, before publishing anything.
+            # write; jump above them, and journal that before publishing anything.
             hub.advance(durable_seq + SEQ_GAP)
-            await self._journal_status()
+            journal.status_due = True
         host.stats.woken += 1
 
     async def run(self) -> None:
@@ -557,6 +557,8 @@ class Actor:
             if mail is RESUME:
                 if outside:
                     return mail
+                if journal.must_journal_status(self.hub.seq if self.hub is not None else 0):
+                    await self._journal_status()
                 await self.resume_interrupted()
                 mail = None
                 continue
@@ -571,7 +573,14 @@ class Actor:
                 try:
                     await self._journal_status()
                 except BaseException as exc:
-                    mail.pending.set_error(self.cut_short(exc))
+                    # the actor crashes over it (and restarts): its caller hears so
+                    error: SessionActorsError
+                    if isinstance(exc, Exception) and not isinstance(exc, FencedOutError):
+                        error = crashed_error(self.session_id, exc)
+                        error.__cause__ = exc
+                    else:
+                        error = self.cut_short(exc)
+                    mail.pending.set_error(error)
                     if isinstance(mail, TurnMail) and isinstance(exc, Exception):
                         self.lose_turn(mail.turn_id, exc)
                     raise
@@ -984,7 +993,7 @@ class Actor:
             return False
         await self._snapshot_for_hibernation()
         if self.receive.statistics().current_buffer_used:
-            self.journal.stored_clean = True  # staying live to serve them
+            self.journal.status_due = True  # staying live to serve them
             return False
         self._leave(Status.HIBERNATED)
         await self._release_lease()  # after leaving: a request now wakes a new actor

@@ -120,7 +120,10 @@ class Dispatcher:
         actor = sessions.live.get(name)
         if actor is None:
             actor = sessions.activate(name)
-        if not actor.is_ready:
+        if not actor.is_ready and (key is not None or self.router is not None):
+            # a key is looked up in the loaded state, and a router must hear of a
+            # session live elsewhere; any other turn joins the mailbox of a waking
+            # session at once, in the order of the calls (a failed wake fails it)
             await actor.ready()
         turn = _joined(actor, name, key)
         if turn is not None:

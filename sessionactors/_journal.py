@@ -44,8 +44,8 @@ class Journal:
         "fault",
         "session_id",
         "settled",
+        "status_due",
         "store",
-        "stored_clean",
         "unsaved",
     )
 
@@ -57,9 +57,10 @@ class Journal:
         self.unsaved: list[Event] = []
         #: unsaved[:settled] were answered: a restart without a journal keeps them.
         self.settled = 0
-        #: The store holds a clean hibernation: a wake after this process dies would
-        #: not jump seq, so a status is journaled before anything more is published.
-        self.stored_clean = False
+        #: A status is journaled before anything more is published: after a clean
+        #: hibernation (a wake after this process dies would not jump seq otherwise),
+        #: and after a wake's seq jump (so that the next wake jumps above it).
+        self.status_due = False
         #: The last write of ours that failed (a turn that sees it restarts the actor).
         self.fault: StoreError | None = None
         #: A status is journaled (whatever the durability) before seq reaches this: a
@@ -86,7 +87,7 @@ class Journal:
 
     def must_journal_status(self, seq: int) -> bool:
         """Whether a status must be journaled before the next request publishes."""
-        return self.stored_clean or seq >= self.at
+        return self.status_due or seq >= self.at
 
     async def commit(
         self, session: LiveSession, fence: int | None, snapshot_seq: int, *, compact: bool = True

@@ -318,10 +318,11 @@ async def test_only_non_idempotent_starts_are_journaled(autojump_clock: trio.abc
     started = [e.tool_call for e in published if isinstance(e, sa.ToolCallStarted)]
     assert started == [safe, risky]
     assert [e.tool_call for e in journaled if isinstance(e, sa.ToolCallStarted)] == [risky]
-    # the calls and their results are journaled all the same, as messages
+    # the calls are journaled all the same, as a message, and their results with them
     added = [e.message for e in journaled if isinstance(e, sa.MessageAdded)]
     assert [c.id for m in added for c in m.tool_calls] == [safe.id, risky.id]
-    assert [m.tool_call_id for m in added if m.role is sa.Role.TOOL] == [safe.id, risky.id]
+    results = [e.message for e in journaled if isinstance(e, sa.ToolResult)]
+    assert [m.tool_call_id for m in results if m is not None] == [safe.id, risky.id]
 
 
 async def test_tool_events_carry_the_turn_id(autojump_clock: trio.abc.Clock) -> None:

@@ -413,12 +413,13 @@ async def test_a_failed_compaction_does_not_undo_what_the_journal_took(fault: st
             store.fail("write_snapshot")
         else:  # what the codec raises for an oversized snapshot
             store.fail("write_snapshot", error=ValueError("the snapshot is too large"))
-        assert (await ref.send("two")).text == "two"
+        two = "two " + "x" * 400  # its journal entry outweighs the snapshot: compaction
+        assert (await ref.send(two)).text == two
         assert store.injected == 1  # the compaction was tried
         assert reg.statistics().restarts == 0
     async with sa.open_registry(store=store, agents=ECHO) as reg:
         state = await reg.ref("s").state()
-    assert [m.content for m in state.messages] == ["one", "one", "two", "two"]
+    assert [m.content for m in state.messages] == ["one", "one", two, two]
 
 
 async def test_a_session_restarted_while_the_registry_closes_is_hibernated(

@@ -328,21 +328,19 @@ async def test_nothing_waits_on_a_closed_registry() -> None:
         await ref.send("late")
 
 
-async def test_a_stream_whose_session_crashes_as_it_wakes_raises() -> None:
-    """A stream whose turn meets a crash while the session wakes raises
-    SessionCrashedError instead of waiting."""
+async def test_a_stream_whose_session_crashes_before_its_turn_starts_ends() -> None:
+    """A turn that a crash takes with it before it starts (the wake's first write
+    fails) ends its stream with a TurnFailed marked lost."""
     store = CrashOnceStore()
     async with sa.open_registry(store=store, agents=ECHO) as registry:
         ref = await registry.spawn("crashy")
         store.crash = True  # the wake's first write fails
-
-        async def stream() -> None:
+        with trio.fail_after(5):
             async with ref.stream("never started") as events:
-                async for _ in events:
-                    pass  # pragma: no cover
-
-        with trio.fail_after(5), pytest.raises(sa.SessionCrashedError, match="crashy"):
-            await stream()
+                seen = [event async for event in events]
+        assert len(seen) == 1
+        assert isinstance(seen[0], sa.TurnFailed)
+        assert seen[0].lost
         assert (await ref.send("again")).text == "again"
 
 
