@@ -446,7 +446,13 @@ class Actor:
         sid = self.session_id
         await self.claim()
         session, stored = await read_stored(host.store, sid)
-        clean = not stored.entries and session.status is Status.HIBERNATED
+        # clean: no incarnation can have published anything the store does not show
+        # (hibernated, or never woken since spawn); a status is journaled before the
+        # first publish, so that the next wake knows whether to jump
+        clean = not stored.entries and (
+            session.status is Status.HIBERNATED
+            or (session.status is Status.NEW and session.event_seq == 0)
+        )
         durable_seq = max(
             session.event_seq, stored.snapshot_seq, *(entry.seq for entry in stored.entries)
         )

@@ -36,7 +36,7 @@ async def snapshot_problems(disk: Store) -> list[str]:
 
         async def until_a_snapshot(what: str) -> None:
             """Send big turns until one is followed by a snapshot (the journal outweighs it)."""
-            for _ in range(10):
+            for _ in range(40):
                 before = store.calls["write_snapshot"]
                 await ref.send(BIG)
                 if store.calls["write_snapshot"] > before:
