@@ -38,8 +38,9 @@ EXPECTED = {
     ],
     "tutorial_04_streaming.py": [
         "seq 1: StatusChanged",
-        "seq 4: Delta",
-        "seq 8: TurnFinished",
+        "seq 2: TurnStarted",
+        "seq 3: Delta",
+        "seq 6: TurnFinished",
         "reply: one two three",
         "streamed: four five six",
     ],
@@ -58,9 +59,9 @@ EXPECTED = {
         "replayed: 2 finished turns",
     ],
     "howto_durability.py": [
-        "durability='turn': 1 journal entries on disk at reply time, 2 messages",
-        "durability='hibernate': 0 journal entries on disk at reply time, 2 messages",
-        "journal tail 2 entries",
+        "durability='turn': 2 journal entries on disk at reply time, 2 messages",
+        "durability='hibernate': 1 journal entries on disk at reply time, 2 messages",
+        "journal tail 6 entries",
         "replay from 0 expired; oldest available seq:",
     ],
     "howto_resume_stream.py": [

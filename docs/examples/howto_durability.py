@@ -36,18 +36,18 @@ async def snapshots_and_trimming(path: str) -> None:
     async with sa.open_registry(
         store=SQLiteStore(path),
         agents={"echo": agent},
-        snapshot_every=8,  # at least 8 journal entries between snapshots (default 1000)
-        journal_keep_seqs=20,  # keep the journal for replay 20 seqs back (default 100_000)
+        snapshot_every=8,  # at least 8 journaled events between snapshots (default 1000)
+        journal_keep_events=8,  # keep 8 journaled events for replay (default 100_000)
     ) as registry:
         ref = await registry.spawn("long")
-        for i in range(11):
+        for i in range(30):
             await ref.send(f"message {i}")
         observer = SQLiteStore(path)
         stored = await observer.load("long")
         assert stored is not None
         print(f"snapshot at seq {stored.snapshot_seq}, journal tail {len(stored.entries)} entries")
         await observer.aclose()
-        # Events older than journal_keep_seqs are gone from the journal:
+        # Events older than the newest journal_keep_events are gone from the journal:
         await ref.hibernate()
         try:
             async with ref.subscribe(after=0):

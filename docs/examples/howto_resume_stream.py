@@ -52,11 +52,11 @@ async def main() -> None:
         # 4. Events too old to replay raise EventsExpiredError at subscribe time.
         #    Reload the state instead: its messages and its event_seq go together.
     async with sa.open_registry(
-        agents={"echo": agent}, replay_events=4, journal_keep_seqs=4, snapshot_every=4
+        agents={"echo": agent}, replay_events=4, journal_keep_events=4, snapshot_every=4
     ) as registry:
         ref = await registry.spawn("short-memory")
-        for i in range(3):
-            await ref.send(f"message {i}")
+        for i in range(12):
+            await ref.send(f"message {i}: " + "a long message " * 20)
         try:
             async with ref.subscribe(after=1):
                 pass
@@ -65,7 +65,7 @@ async def main() -> None:
             state = await ref.state()
             print("reloaded", len(state.messages), "messages up to seq", state.event_seq)
             async with ref.subscribe(after=state.event_seq) as events:
-                turn = await ref.submit("message 3")
+                turn = await ref.submit("one more")
                 fresh: list[int] = []
                 await read_until_finished(events, turn.id, fresh)
             print("next event after the reload:", fresh[0] == state.event_seq + 1)
