@@ -83,6 +83,11 @@ class Host:
         Its exception is raised as itself. Cancelling the asyncio caller cancels
         the trio call (which, for a library call, abandons only the wait).
         """
+        if self.state != "running":
+            raise RuntimeError(
+                "the registry this object belongs to is closed (its trio run has ended); "
+                "use it inside the `async with sessionactors.aio.open_registry(...)` block"
+            )
         call: _Call[T] = _Call(self.loop.create_future())
         self.run_sync_soon(lambda: self._spawn(call, fn, args))
         try:

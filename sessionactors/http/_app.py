@@ -8,6 +8,7 @@ everything else here goes through anyio, which runs on either loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -15,12 +16,14 @@ import importlib.resources
 import inspect
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, cast
 
 import anyio
 import sniffio
+import trio
 from starlette.applications import Starlette
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
@@ -178,6 +181,8 @@ class SessionsApp:
         self._draining = False
         self._streams: set[anyio.CancelScope] = set()
         self._checked_loop = False
+        self._portal: Callable[[Callable[[], None]], object] | None = None
+        self._loop_thread = 0
         routes: list[Route | WebSocketRoute] = []
         if chat_page:
             page, client = _static("index.html"), _static("sessionactors.js")
@@ -213,10 +218,30 @@ class SessionsApp:
         return self._registry
 
     def drain(self) -> None:
-        """End every open event stream and WebSocket; answer later requests with 503."""
+        """End every open event stream and WebSocket; answer later requests with 503.
+
+        It may be called from any thread (a signal handler's, a test's).
+        """
         self._draining = True
+        portal = self._portal
+        if portal is not None and threading.get_ident() != self._loop_thread:
+            portal(self._end_streams)
+        else:
+            self._end_streams()
+
+    def _end_streams(self) -> None:
         for scope in list(self._streams):
             scope.cancel()
+
+    def _remember_loop(self) -> None:
+        """Note the serving loop's thread and how to reach it, for ``drain()``."""
+        if self._portal is not None:
+            return
+        self._loop_thread = threading.get_ident()
+        if sniffio.current_async_library() == "trio":
+            self._portal = trio.lowlevel.current_trio_token().run_sync_soon
+        else:
+            self._portal = asyncio.get_running_loop().call_soon_threadsafe
 
     # ---- plumbing ------------------------------------------------------------------
 
@@ -230,6 +255,7 @@ class SessionsApp:
             opened = aio.open_registry(**self._options)
         else:  # pragma: no cover - no other ASGI servers' loops
             raise RuntimeError(f"sessionactors.http runs on trio or asyncio, not {library}")
+        self._remember_loop()
         async with opened as registry:
             self._registry = registry
             try:
@@ -239,6 +265,7 @@ class SessionsApp:
 
     def track(self, scope: anyio.CancelScope) -> None:
         """Remember an open stream's scope, so that ``drain()`` can end it."""
+        self._remember_loop()
         self._streams.add(scope)
         if self._draining:
             scope.cancel()

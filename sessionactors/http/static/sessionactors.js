@@ -187,7 +187,7 @@ export class SessionsClient {
         if (controller.signal.aborted) return;
         onStatus("reconnecting");
         await sleep(delay);
-        delay = Math.min(delay * 2, 5000);
+        delay = Math.min(delay * 2, 3000);
       }
     };
     run();
