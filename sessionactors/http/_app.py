@@ -44,7 +44,7 @@ from ._json import (
     state_to_json,
     to_json,
 )
-from ._sse import EventStreamResponse, Stream, frame, select_all
+from ._sse import EventStreamResponse, FrameCache, Select, Stream, frame
 
 __all__ = ["Action", "Authorize", "SessionsApp", "create_app"]
 
@@ -177,6 +177,7 @@ class SessionsApp:
         self._authorize = authorize
         self._create_sessions = create_sessions
         self.heartbeat = heartbeat
+        self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
         self._streams: set[anyio.CancelScope] = set()
@@ -473,7 +474,7 @@ class SessionsApp:
                 return
             yield Stream(
                 events,
-                select=_turn_events(turn.id),
+                select=self._turn_events(turn.id),
                 side=functools.partial(_outcome, turn.reply),
             )
 
@@ -516,7 +517,7 @@ class SessionsApp:
         async with ref.subscribe() as events:
             yield Stream(
                 events,
-                select=_turn_events(review.turn_id or None),
+                select=self._turn_events(review.turn_id or None),
                 side=functools.partial(_outcome, ref.review, review.id, approve, note),
             )
 
@@ -525,7 +526,7 @@ class SessionsApp:
             after = _after(request)
             ref = await self._existing_ref(registry, name)
             return cast(
-                Response, EventStreamResponse(self, functools.partial(_all_events, ref, after))
+                Response, EventStreamResponse(self, functools.partial(self._all_events, ref, after))
             )
 
         return await self._handle(request, "events", handler)
@@ -621,6 +622,27 @@ class SessionsApp:
         if self._draining:
             await _ws_close(websocket, None, 1001)
 
+    @asynccontextmanager
+    async def _all_events(self, ref: AnyRef, after: int | None) -> AsyncIterator[Stream]:
+        frames = self._frames
+
+        def select(event: sa.Event) -> tuple[bytes | None, bool]:
+            return frames(event), False
+
+        async with ref.subscribe(after) as events:
+            yield Stream(events, select=select)
+
+    def _turn_events(self, turn_id: str | None) -> Select:
+        """One turn's events, up to its outcome or the review it then waits on."""
+        frames = self._frames
+
+        def select(event: sa.Event) -> tuple[bytes | None, bool]:
+            if turn_id is not None and getattr(event, "turn_id", None) != turn_id:
+                return None, False
+            return frames(event), isinstance(event, _OUTCOMES)
+
+        return select
+
     def _status(self, error: BaseException) -> int:
         if isinstance(error, _RequestError):
             return error.status
@@ -631,27 +653,10 @@ class SessionsApp:
         return error_status(error)
 
 
-@asynccontextmanager
-async def _all_events(ref: AnyRef, after: int | None) -> AsyncIterator[Stream]:
-    async with ref.subscribe(after) as events:
-        yield Stream(events, select=select_all)
-
-
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
     """Wait for a turn's reply; its failure or cancellation is told by its events."""
     with contextlib.suppress(sa.TurnFailedError, sa.TurnCancelledError):
         await wait(*args)
-
-
-def _turn_events(turn_id: str | None) -> Callable[[sa.Event], tuple[dict[str, Any] | None, bool]]:
-    """One turn's events, up to its outcome or the review it then waits on."""
-
-    def select(event: sa.Event) -> tuple[dict[str, Any] | None, bool]:
-        if turn_id is not None and getattr(event, "turn_id", None) != turn_id:
-            return None, False
-        return event_to_json(event), isinstance(event, _OUTCOMES)
-
-    return select
 
 
 async def _ws_close(websocket: WebSocket, body: bytes | memoryview | None, code: int) -> None:

@@ -1,11 +1,18 @@
 """Server-sent events: framing, and one response that streams a session's events.
 
-A stream is a subscription's events (read with a heartbeat deadline, which is
-safe: a cancelled read loses no event), a ``select`` function that turns an
-event into the JSON to send (or nothing) and says whether it is the last one,
-and optionally a ``side`` coroutine (the turn's reply) whose failure ends the
-stream with an error frame. The response watches for the client going away
-and ends the stream when the app drains.
+A stream is a subscription's events, a ``select`` function that turns an
+event into the frame to send (or nothing) and says whether it is the last
+one, and optionally a ``side`` coroutine (the turn's reply) whose failure
+ends the stream with an error frame.
+
+Two tasks serve it: a reader takes events from the subscription into a
+bounded outbox, and a writer sends what the outbox holds in one body
+message, so that events that arrive together leave in one socket write. A
+client that reads too slowly fills the outbox, then its subscription's
+buffer, and is ended like any lagging subscriber (it resumes with
+Last-Event-ID). The writer sends a heartbeat comment when it has had nothing
+to send for ``heartbeat`` seconds. The response also watches for the client
+going away and ends when the app drains.
 """
 
 from __future__ import annotations
@@ -25,14 +32,18 @@ from ._json import dumps, error_json, event_to_json
 if TYPE_CHECKING:
     from ._app import SessionsApp
 
-__all__ = ["EventStreamResponse", "Stream", "error_frame", "event_frame", "frame"]
+__all__ = ["EventStreamResponse", "FrameCache", "Stream", "error_frame", "frame"]
 
 log = logging.getLogger("sessionactors.http")
 
-Select = Callable[[sa.Event], tuple[dict[str, Any] | None, bool]]
+#: select(event) -> (the frame to send or None, whether it is the stream's last event)
+Select = Callable[[sa.Event], tuple[bytes | None, bool]]
 
 #: How long (milliseconds) a browser's EventSource waits before it reconnects.
 RETRY_MS: Final = 1000
+
+#: Frames an event stream holds for a client that reads slowly.
+OUTBOX_FRAMES: Final = 256
 
 HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -47,19 +58,33 @@ def frame(data: dict[str, Any], event_id: int | None = None) -> bytes:
     return head + b"data: " + dumps(data) + b"\n\n"
 
 
-def event_frame(event: sa.Event) -> bytes:
-    """An event as SSE: its seq as ``id:``, its JSON form as ``data:``."""
-    return frame(event_to_json(event), event.seq)
-
-
 def error_frame(error: BaseException, status: int | None = None) -> bytes:
     """An error as SSE (no ``id:``): ``{"type": "error", ...}``."""
     return frame({"type": "error", **error_json(error, status=status)})
 
 
-def select_all(event: sa.Event) -> tuple[dict[str, Any] | None, bool]:
-    """Every event, never the last."""
-    return event_to_json(event), False
+class FrameCache:
+    """The SSE frame of each recent event, made once for all the clients that send it.
+
+    Keyed by (session, seq) and checked by identity: a deleted session's namesake,
+    whose seqs start again, never gets another event's frame.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._frames: dict[tuple[str, int], tuple[sa.Event, bytes]] = {}
+
+    def __call__(self, event: sa.Event) -> bytes:
+        key = (event.session_id, event.seq)
+        cached = self._frames.get(key)
+        if cached is not None and cached[0] is event:
+            return cached[1]
+        data = frame(event_to_json(event), event.seq)
+        frames = self._frames
+        if len(frames) >= self._size:
+            del frames[next(iter(frames))]  # the oldest
+        frames[key] = (event, data)
+        return data
 
 
 @attrs.define(eq=False)
@@ -67,16 +92,49 @@ class Stream:
     """What an event-stream response sends (see the module docstring)."""
 
     events: AsyncIterator[sa.Event] | None
-    select: Select = select_all
+    select: Select | None = None
     prelude: Sequence[bytes] = ()
     side: Callable[[], Awaitable[None]] | None = None
 
 
-@attrs.define(eq=False)
-class _State:
-    failure: BaseException | None = None
-    waiting: anyio.CancelScope | None = None
-    gone: bool = False  # the client disconnected
+class _Outbox:
+    """Frames waiting for the writer; ``closed`` once the reader has put its last one."""
+
+    def __init__(self, first: bytes) -> None:
+        self.frames: list[bytes] = [first]
+        self.closed = False
+        self._filled = anyio.Event()
+        self._emptied: anyio.Event | None = None
+
+    def put(self, data: bytes) -> None:
+        if not self.closed:
+            self.frames.append(data)
+            self._filled.set()
+
+    def close(self, last: bytes | None = None) -> None:
+        if self.closed:
+            return
+        if last is not None:
+            self.frames.append(last)
+        self.closed = True
+        self._filled.set()
+
+    async def wait_filled(self) -> None:
+        await self._filled.wait()
+
+    def take(self) -> bytes:
+        data = b"".join(self.frames)
+        self.frames.clear()
+        self._filled = anyio.Event()
+        if self._emptied is not None:
+            self._emptied.set()
+            self._emptied = None
+        return data
+
+    async def wait_room(self) -> None:
+        while len(self.frames) >= OUTBOX_FRAMES:
+            self._emptied = emptied = anyio.Event()
+            await emptied.wait()
 
 
 class EventStreamResponse:
@@ -104,16 +162,18 @@ class EventStreamResponse:
             await response(scope, receive, send)
 
     async def _run(self, stream: Stream, receive: Any, send: Any) -> None:
-        state = _State()
+        outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
+        gone = False
         async with anyio.create_task_group() as group:
             self._app.track(group.cancel_scope)
             try:
 
                 async def watch() -> None:
+                    nonlocal gone
                     while True:
                         message = await receive()
                         if message["type"] == "http.disconnect":
-                            state.gone = True
+                            gone = True
                             group.cancel_scope.cancel()
                             return
 
@@ -121,54 +181,50 @@ class EventStreamResponse:
                     try:
                         await wait()
                     except Exception as exc:
-                        state.failure = exc
-                        if state.waiting is not None:
-                            state.waiting.cancel()
+                        outbox.close(error_frame(exc))
 
                 group.start_soon(watch)
                 if stream.side is not None:
                     group.start_soon(side, stream.side)
-                first = f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude)
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-                if stream.events is not None:
-                    await self._forward(stream, stream.events, state, send)
+                if stream.events is not None and stream.select is not None:
+                    group.start_soon(_read, stream.events, stream.select, outbox)
+                else:
+                    outbox.close()
+                await self._write(outbox, send)
                 group.cancel_scope.cancel()
             finally:
                 self._app.untrack(group.cancel_scope)
-        if not state.gone:
+        if not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _forward(
-        self, stream: Stream, events: AsyncIterator[sa.Event], state: _State, send: Any
-    ) -> None:
+    async def _write(self, outbox: _Outbox, send: Any) -> None:
         heartbeat = self._app.heartbeat
-
-        async def write(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
         while True:
-            if state.failure is not None:
-                await write(error_frame(state.failure))
-                return
-            event: sa.Event | None = None
-            with anyio.CancelScope(deadline=anyio.current_time() + heartbeat) as waiting:
-                state.waiting = waiting
-                try:
-                    event = await events.__anext__()
-                except StopAsyncIteration:
-                    return
-                except sa.SubscriberLaggedError as exc:
-                    # the client resumes with Last-Event-ID: the last seq it received
-                    await write(error_frame(exc))
-                    return
-                finally:
-                    state.waiting = None
-            if event is None:
-                if state.failure is None:
-                    await write(b": heartbeat\n\n")
+            if outbox.frames:
+                data = outbox.take()
+                await send({"type": "http.response.body", "body": data, "more_body": True})
                 continue
-            data, last = stream.select(event)
-            if data is not None:
-                await write(frame(data, event.seq))
-            if last:
+            if outbox.closed:
                 return
+            with anyio.move_on_after(heartbeat) as waiting:
+                await outbox.wait_filled()
+            if waiting.cancelled_caught:
+                body = b": heartbeat\n\n"
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def _read(events: AsyncIterator[sa.Event], select: Select, outbox: _Outbox) -> None:
+    try:
+        async for event in events:
+            data, last = select(event)
+            if data is not None:
+                outbox.put(data)
+            if last:
+                break
+            if len(outbox.frames) >= OUTBOX_FRAMES:
+                await outbox.wait_room()
+    except sa.SubscriberLaggedError as exc:
+        # the client resumes with Last-Event-ID: the last seq it received
+        outbox.close(error_frame(exc))
+    else:
+        outbox.close()
