@@ -290,14 +290,14 @@ class EventStream:
 
     # ---- the trio side ----------------------------------------------------------
 
-    async def put(self, event: sa.Event) -> None:
+    async def _put(self, event: sa.Event) -> None:
         self._events.append(event)
         self._wake_reader()
         while len(self._events) >= _EVENTS_AHEAD:
             self._room = room = trio.Event()
             await room.wait()
 
-    def end(self, error: BaseException | None) -> None:
+    def _end(self, error: BaseException | None) -> None:
         self._ended = True
         self._error = error
         self._wake_reader()
@@ -345,7 +345,7 @@ class _Subscription:
                 if not entered.done():
                     entered.set_result(None)
                 async for event in events:
-                    await stream.put(event)
+                    await stream._put(event)
         except trio.Cancelled:
             raise
         except BaseException as exc:  # to the asyncio reader, as itself
@@ -356,7 +356,7 @@ class _Subscription:
                     error or RuntimeError("the subscription ended before it began")
                 )
             else:
-                stream.end(error)
+                stream._end(error)
 
 
 @asynccontextmanager

@@ -5,10 +5,9 @@ trio worker and under uvicorn; ``python -m sessionactors serve`` serves it.
 Needs the ``http`` extra (Starlette, anyio, hypercorn).
 """
 
-from ._app import Action as Action
-from ._app import Authorize as Authorize
 from ._app import SessionsApp as SessionsApp
 from ._app import create_app as create_app
 from ._json import event_to_json as event_to_json
+from ._serve import serve as serve
 
-__all__ = ["Action", "Authorize", "SessionsApp", "create_app", "event_to_json"]
+__all__ = ["SessionsApp", "create_app", "event_to_json", "serve"]

@@ -80,7 +80,7 @@ def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None
 
 
 def create_app(
-    registry: AnyRegistry | None = None,
+    registry: sa.Registry | aio.Registry | None = None,
     *,
     token: str | None = None,
     authorize: Authorize | None = None,
@@ -176,7 +176,7 @@ class SessionsApp:
         self._token = token.encode() if token is not None else None
         self._authorize = authorize
         self._create_sessions = create_sessions
-        self.heartbeat = heartbeat
+        self._heartbeat = heartbeat
         self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
@@ -214,7 +214,7 @@ class SessionsApp:
         await self._app(scope, receive, send)
 
     @property
-    def registry(self) -> AnyRegistry | None:
+    def registry(self) -> sa.Registry | aio.Registry | None:
         """The registry served (None while the lifespan has not opened it)."""
         return self._registry
 
@@ -264,18 +264,18 @@ class SessionsApp:
             finally:
                 self.drain()
 
-    def track(self, scope: anyio.CancelScope) -> None:
+    def _track(self, scope: anyio.CancelScope) -> None:
         """Remember an open stream's scope, so that ``drain()`` can end it."""
         self._remember_loop()
         self._streams.add(scope)
         if self._draining:
             scope.cancel()
 
-    def untrack(self, scope: anyio.CancelScope) -> None:
+    def _untrack(self, scope: anyio.CancelScope) -> None:
         """Forget a stream that has ended."""
         self._streams.discard(scope)
 
-    def error_response(self, error: BaseException) -> Response:
+    def _error_response(self, error: BaseException) -> Response:
         """The JSON response for an error raised while serving a request."""
         if isinstance(error, _RequestError):
             return _json(error.body, error.status, _auth_header(error.status))
@@ -396,7 +396,7 @@ class SessionsApp:
             await self._admit(request, name or None, action)
             return await handler(self._registry_now(), name)
         except Exception as exc:
-            return self.error_response(exc)
+            return self._error_response(exc)
 
     # ---- routes --------------------------------------------------------------------
 
@@ -547,7 +547,7 @@ class SessionsApp:
         except WebSocketDisconnect:
             return
         except Exception as exc:
-            response = self.error_response(exc)
+            response = self._error_response(exc)
             await _ws_close(websocket, response.body, 4000 + response.status_code)
 
     async def _converse(
@@ -575,7 +575,7 @@ class SessionsApp:
                 await failed(exc)
 
         async with anyio.create_task_group() as group:
-            self.track(group.cancel_scope)
+            self._track(group.cancel_scope)
             try:
                 group.start_soon(forward)
                 while True:
@@ -618,7 +618,7 @@ class SessionsApp:
                     except (ValueError, _RequestError, sa.SessionActorsError) as exc:
                         await failed(exc)
             finally:
-                self.untrack(group.cancel_scope)
+                self._untrack(group.cancel_scope)
         if self._draining:
             await _ws_close(websocket, None, 1001)
 

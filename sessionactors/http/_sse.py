@@ -158,14 +158,14 @@ class EventStreamResponse:
             if started:  # the stream already ended with what it could say
                 log.warning("an event stream ended with %r", exc)
                 return
-            response = self._app.error_response(exc)
+            response = self._app._error_response(exc)
             await response(scope, receive, send)
 
     async def _run(self, stream: Stream, receive: Any, send: Any) -> None:
         outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
         gone = False
         async with anyio.create_task_group() as group:
-            self._app.track(group.cancel_scope)
+            self._app._track(group.cancel_scope)
             try:
 
                 async def watch() -> None:
@@ -193,12 +193,12 @@ class EventStreamResponse:
                 await self._write(outbox, send)
                 group.cancel_scope.cancel()
             finally:
-                self._app.untrack(group.cancel_scope)
+                self._app._untrack(group.cancel_scope)
         if not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _write(self, outbox: _Outbox, send: Any) -> None:
-        heartbeat = self._app.heartbeat
+        heartbeat = self._app._heartbeat
         while True:
             if outbox.frames:
                 data = outbox.take()
