@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -24,6 +25,26 @@ from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, release_host
 
 __all__ = ["Registry", "SessionRef", "Turn", "open_registry"]
+
+
+def _forward(host: Host, target: object, name: str) -> Any:
+    """An async method of the trio object that this class does not spell out yet (one
+    the core added since), called through the host like the others."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    method = getattr(target, name)  # AttributeError as the trio object gives it
+    if not inspect.iscoroutinefunction(method):
+        raise AttributeError(
+            f"{type(target).__name__}.{name} is not an async method; sessionactors.aio "
+            "forwards only those"
+        )
+
+    @functools.wraps(method)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        return await host.call(functools.partial(method, *args, **kwargs))
+
+    return call
+
 
 #: Events a subscription passes to asyncio ahead of its reader.
 _EVENTS_AHEAD: Final = 256
@@ -82,6 +103,9 @@ class SessionRef:
         if not isinstance(other, SessionRef):
             return NotImplemented
         return self._ref == other._ref
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward(self._host, self._ref, name)
 
     def __hash__(self) -> int:
         return hash(self._ref)
@@ -179,6 +203,9 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<aio Registry live={len(self._registry.live())}>"
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward(self._host, self._registry, name)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await self._host.call(functools.partial(fn, *args, **kwargs))

@@ -275,16 +275,30 @@ class SessionsApp:
         """Forget a stream that has ended."""
         self._streams.discard(scope)
 
-    def _error_response(self, error: BaseException) -> Response:
-        """The JSON response for an error raised while serving a request."""
+    def _error_body(
+        self, error: BaseException, session: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """The status and JSON body that tell a client about ``error``."""
         if isinstance(error, _RequestError):
-            return _json(error.body, error.status, _auth_header(error.status))
+            body = dict(error.body)
+            if session:  # say which session the refused request was for
+                body["message"] = f"session {session!r}: {body['message']}"
+                body["session_id"] = session
+            return error.status, body
+        if isinstance(error, json.JSONDecodeError):
+            refused = _RequestError(422, "InvalidJSON", f"the frame is not valid JSON ({error})")
+            return self._error_body(refused, session)
         status = error_status(error)
         if isinstance(error, sa.SessionStoppedError) and self._draining:
             status = 503
         if status == 500:
             log.error("request failed", exc_info=error)
-        return _json(error_json(error, status=status), status)
+        return status, error_json(error, status=status)
+
+    def _error_response(self, error: BaseException, session: str | None = None) -> Response:
+        """The JSON response for an error raised while serving a request."""
+        status, body = self._error_body(error, session)
+        return _json(body, status, _auth_header(status))
 
     def _registry_now(self) -> AnyRegistry:
         registry = self._registry
@@ -396,7 +410,7 @@ class SessionsApp:
             await self._admit(request, name or None, action)
             return await handler(self._registry_now(), name)
         except Exception as exc:
-            return self._error_response(exc)
+            return self._error_response(exc, name or None)
 
     # ---- routes --------------------------------------------------------------------
 
@@ -547,8 +561,8 @@ class SessionsApp:
         except WebSocketDisconnect:
             return
         except Exception as exc:
-            response = self._error_response(exc)
-            await _ws_close(websocket, response.body, 4000 + response.status_code)
+            status, body = self._error_body(exc, name)
+            await _ws_close(websocket, {"type": "error", **body}, 4000 + status)
 
     async def _converse(
         self, registry: AnyRegistry, ref: AnyRef, websocket: WebSocket, events: Any
@@ -557,7 +571,8 @@ class SessionsApp:
             await websocket.send_text(dumps(data).decode())
 
         async def failed(exc: Exception) -> None:
-            await say({"type": "error", **error_json(exc, status=self._status(exc))})
+            _, body = self._error_body(exc, ref.session_id)
+            await say({"type": "error", **body})
 
         async def forward() -> None:
             try:
@@ -643,15 +658,6 @@ class SessionsApp:
 
         return select
 
-    def _status(self, error: BaseException) -> int:
-        if isinstance(error, _RequestError):
-            return error.status
-        if isinstance(error, json.JSONDecodeError):
-            return 422
-        if isinstance(error, sa.SessionStoppedError) and self._draining:
-            return 503
-        return error_status(error)
-
 
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
     """Wait for a turn's reply; its failure or cancellation is told by its events."""
@@ -659,11 +665,10 @@ async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
         await wait(*args)
 
 
-async def _ws_close(websocket: WebSocket, body: bytes | memoryview | None, code: int) -> None:
+async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: int) -> None:
     try:
-        if body is not None:
-            data = bytes(body).decode()
-            await websocket.send_text(json.dumps({"type": "error", **json.loads(data)}))
+        if frame is not None:
+            await websocket.send_text(dumps(frame).decode())
         await websocket.close(code)
     except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
         pass

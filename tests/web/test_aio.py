@@ -3,6 +3,7 @@ model and a tool that await asyncio."""
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,13 @@ def test_library_errors_reach_asyncio_code_as_themselves() -> None:
                 await ref.review("no-such-review", approve=True)
             with pytest.raises(TypeError):
                 await ref.send(42)  # type: ignore[arg-type]
+            # an async method the core adds before aio spells it out is forwarded
+            forwarded = registry.__getattr__("sessions")
+            assert [info.session_id for info in await forwarded()] == ["b"]
+            with pytest.raises(AttributeError):
+                registry.no_such_method  # noqa: B018
+            with pytest.raises(AttributeError, match="not an async method"):
+                ref.__getattr__("submit_nowait")
         with pytest.raises(ValueError, match="agents"):
             async with aio.open_registry(agents={}):
                 pass
@@ -330,3 +338,21 @@ async def test_an_asyncio_app_under_uvicorn_uses_the_registry_from_its_handlers(
             assert r.json() == {"text": "and now?"}
     contents = [m.content for m in state["history"]]
     assert contents[-4:] == [text, text, "and now?", "and now?"]
+
+
+@pytest.mark.parametrize(
+    ("trio_class", "aio_class"),
+    [(sa.Registry, aio.Registry), (sa.SessionRef, aio.SessionRef), (sa.Turn, aio.Turn)],
+    ids=["Registry", "SessionRef", "Turn"],
+)
+def test_the_asyncio_classes_spell_out_every_method_of_the_trio_ones(
+    trio_class: type, aio_class: type
+) -> None:
+    """Every public method of the trio class has its asyncio counterpart, async where the
+    trio one is async (a method the core adds is forwarded meanwhile, but untyped)."""
+    for name, member in vars(trio_class).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        ours = vars(aio_class).get(name)
+        assert ours is not None, f"sessionactors.aio.{aio_class.__name__} lacks {name}()"
+        assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(member), name

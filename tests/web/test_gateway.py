@@ -288,6 +288,8 @@ async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
                 r = await client.request(method, path, **kwargs)
                 assert r.status_code == 422, (method, path, kwargs, r.text)
                 assert r.json()["message"]
+                if path.startswith("/sessions/e/"):
+                    assert r.json()["message"].startswith("session 'e'"), r.json()
 
             r = await client.post("/sessions/e/reviews/r-none", json={"approve": True})
             assert r.status_code == 404
@@ -419,6 +421,8 @@ async def test_the_websocket_carries_events_and_takes_messages(serve: Serve) -> 
                 await ws.send("not json")
                 error = await ws.receive()
                 assert (error["type"], error["status"]) == ("error", 422)
+                assert error["error"] == "InvalidJSON"
+                assert error["session_id"] == "w"
                 await ws.send({"type": "message", "text": "over the socket"})
                 frames = []
                 while not frames or frames[-1]["type"] != "TurnFinished":
