@@ -157,7 +157,7 @@ EXPECTED = {
     "howto_gateway_uvicorn.py": [
         "reply: served by uvicorn",
         "sessions: ['grace']",
-        "bad input: 422 'text' must be a string, got int",
+        "bad input: 422 session 'grace': 'text' must be a string, got int",
     ],
     "explanation_supervision.py": [
         "crashed: OSError - simulated disk fault",
