@@ -25,6 +25,7 @@ import anyio
 import sniffio
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
@@ -204,7 +205,11 @@ class SessionsApp:
             WebSocketRoute("/sessions/{name}/ws", self._websocket),
         ]
         lifespan = self._lifespan if registry is None else None
-        self._app = Starlette(routes=routes, lifespan=lifespan)
+        self._app = Starlette(
+            routes=routes,
+            lifespan=lifespan,
+            exception_handlers={HTTPException: _http_exception},
+        )
 
     def __repr__(self) -> str:
         return f"<SessionsApp registry={self._registry!r}>"
@@ -672,6 +677,16 @@ async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: in
         await websocket.close(code)
     except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
         pass
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
+    assert isinstance(exc, HTTPException)
+    name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
+    message = f"{request.method} {request.url.path}: {exc.detail.lower()}"
+    if exc.status_code == 404:
+        message += "; the routes are under /sessions (see the HTTP gateway how-to)"
+    return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
 
 
 def _info_json(info: sa.SessionInfo) -> dict[str, Any]:

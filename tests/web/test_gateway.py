@@ -291,6 +291,12 @@ async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
                 if path.startswith("/sessions/e/"):
                     assert r.json()["message"].startswith("session 'e'"), r.json()
 
+            r = await client.get("/no/such/route")
+            assert (r.status_code, r.json()["error"]) == (404, "NotFound")
+            r = await client.put("/sessions/e/messages", json={"text": "x"})
+            assert (r.status_code, r.json()["error"]) == (405, "MethodNotAllowed")
+            assert "POST" in r.headers["allow"]
+
             r = await client.post("/sessions/e/reviews/r-none", json={"approve": True})
             assert r.status_code == 404
             assert r.json()["error"] == "ReviewNotFoundError"
