@@ -1,7 +1,9 @@
 """The HTTP gateway against real servers on 127.0.0.1: hypercorn's trio worker with a trio
 registry, and uvicorn with an asyncio registry (asyncio model and tool)."""
 
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -10,8 +12,10 @@ import attrs
 import httpx
 import pytest
 import trio
+import uvicorn
 
 import sessionactors as sa
+import sessionactors.aio as aio
 from sessionactors.http import SessionsApp, create_app, event_to_json
 
 from .chat_agents import asyncio_agents, trio_agents
@@ -525,3 +529,38 @@ def test_event_to_json_is_the_documented_form() -> None:
     assert json.loads(json.dumps(data)) == data
     status = event_to_json(sa.StatusChanged(session_id="s", seq=8, status=sa.Status.IDLE))
     assert status == {"type": "StatusChanged", "session_id": "s", "seq": 8, "status": "idle"}
+
+
+async def test_an_open_asyncio_registry_can_be_served_under_uvicorn() -> None:
+    """``create_app(registry)`` serves an aio registry opened on the loop that runs uvicorn."""
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def program() -> None:
+        async with aio.open_registry(agents=asyncio_agents(delay=0.001)) as registry:
+            app = create_app(registry)
+            assert app.registry is registry
+            config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+            server = state["server"] = uvicorn.Server(config)
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.01)
+            state["port"] = server.servers[0].sockets[0].getsockname()[1]
+            started.set()
+            await serving
+            state["history"] = [m.content for m in await registry.ref("o").history()]
+
+    thread = threading.Thread(target=asyncio.run, args=(program(),))
+    thread.start()
+    try:
+        with trio.fail_after(10):
+            await trio.to_thread.run_sync(started.wait, abandon_on_cancel=True)
+            url = f"http://127.0.0.1:{state['port']}"
+            async with httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/sessions/o/messages", json={"text": "mine too"})
+                assert r.json()["text"] == "mine too"
+    finally:
+        if "server" in state:
+            state["server"].should_exit = True
+        await trio.to_thread.run_sync(thread.join)
+    assert state["history"] == ["mine too", "mine too"]
