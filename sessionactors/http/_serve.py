@@ -83,7 +83,7 @@ async def serve(
     ``task_status.started(url)`` gives the address it listens on (``port=0``
     picks a free one). On the first signal it drains the app (event streams
     and WebSockets end; new requests get 503), waits up to
-    ``GRACEFUL_SECONDS`` for the requests in flight, and closes the registry
+    10 seconds for the requests in flight, and closes the registry
     (``shutdown_grace``, then hibernation). A second signal stops at once.
     Call it from the main thread (signals are delivered there).
     """
