@@ -17,6 +17,7 @@ its run. Trio code waits on asyncio work with :func:`wait_asyncio`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
@@ -61,6 +62,11 @@ class Host:
         assert self.token is not None
         self.token.run_sync_soon(fn)
 
+    def cancel_soon(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` inside the trio run soon; nothing if the run has ended."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self.run_sync_soon(scope.cancel)
+
     async def _main(self) -> None:
         async with trio.open_nursery() as nursery:
             self.token = trio.lowlevel.current_trio_token()
@@ -83,11 +89,7 @@ class Host:
         Its exception is raised as itself. Cancelling the asyncio caller cancels
         the trio call (which, for a library call, abandons only the wait).
         """
-        if self.state != "running":
-            raise RuntimeError(
-                "the registry this object belongs to is closed (its trio run has ended); "
-                "use it inside the `async with sessionactors.aio.open_registry(...)` block"
-            )
+        self._check_running()
         call: _Call[T] = _Call(self.loop.create_future())
         self.run_sync_soon(lambda: self._spawn(call, fn, args))
         try:
@@ -111,9 +113,17 @@ class Host:
 
         ``fn`` runs inside ``scope`` and must not raise: it reports to asyncio itself.
         """
+        self._check_running()
         task = Task(self, self.loop.create_future())
         self.run_sync_soon(lambda: self._start(task, fn))
         return task
+
+    def _check_running(self) -> None:
+        if self.state != "running":
+            raise RuntimeError(
+                "the registry this object belongs to is closed (its trio run has ended); "
+                "use it inside the `async with sessionactors.aio.open_registry(...)` block"
+            )
 
     def _start(self, task: Task, fn: Callable[[trio.CancelScope], Awaitable[None]]) -> None:
         if task.cancel_requested or self.nursery is None:
@@ -147,7 +157,7 @@ class _Call(Generic[T]):
     def abandon(self, host: Host) -> None:
         scope = self.scope
         if scope is not None:
-            host.run_sync_soon(scope.cancel)
+            host.cancel_soon(scope)
 
 
 @attrs.define(eq=False)
@@ -175,7 +185,7 @@ class Task:
         self.cancel_requested = True
         scope = self.scope
         if scope is not None and not self.finished.done():
-            self.host.run_sync_soon(scope.cancel)
+            self.host.cancel_soon(scope)
 
     async def aclose(self) -> None:
         """Cancel the trio task and wait until it has ended."""
