@@ -1,4 +1,5 @@
-"""The ``sessionactors`` command (``python -m sessionactors``): its sub-commands."""
+"""The ``sessionactors`` command (``python -m sessionactors``): ``demo`` (the main job),
+``demo-cluster``, ``chat`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -56,7 +57,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     chat.add_argument("--session", default="chat")
     chat.add_argument("--db", default="sessionactors-chat.db", help="SQLite file")
     chat.add_argument("--system-prompt", default="You are a helpful assistant.")
+    serve = sub.add_parser("serve", help="serve sessions over HTTP, with a chat page (extra http)")
+    serve.add_argument("--store", required=True, help="sqlite:///path.db, memory:// or redis://...")
+    serve.add_argument("--agent", required=True, help="MODULE:ATTRIBUTE: an Agent or a mapping")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from .http._serve import main as serve_main
+
+        raise SystemExit(serve_main(args))
     if args.command == "chat":
         trio.run(_chat, args)
         return

@@ -134,6 +134,32 @@ EXPECTED = {
         "reply: Order A1001 is shipped",
         "roles: ['user', 'assistant', 'tool', 'assistant']",
     ],
+    "howto_asyncio.py": [
+        "reply: Order A1001 is shipped.",
+        "roles: ['user', 'assistant', 'tool', 'assistant']",
+        "streamed: ['streamed ', 'word ', 'by ', 'word ']",
+        "gave up waiting",
+        "kept: a reply that takes a while to write",
+        "not found: session 'nobody' does not exist",
+    ],
+    "howto_asyncio_starlette.py": [
+        "reply: hello over HTTP",
+        "streamed: streamed word by word",
+        "after a restart: 4 messages",
+    ],
+    "howto_gateway_trio.py": [
+        "reply: hello over HTTP",
+        "events: ['TurnStarted', 'MessageAdded', 'Delta', 'Delta', 'Delta', 'MessageAdded', "
+        "'TurnFinished']",
+        "['Delta', 'MessageAdded', 'TurnFinished']",
+        "error: 404 SessionNotFoundError",
+        "without the token: 401",
+    ],
+    "howto_gateway_uvicorn.py": [
+        "reply: served by uvicorn",
+        "sessions: ['grace']",
+        "bad input: 422 session 'grace': 'text' must be a string, got int",
+    ],
     "explanation_supervision.py": [
         "crashed: OSError - simulated disk fault",
         "history: ['first', 'first']",
@@ -206,13 +232,18 @@ def test_every_expectation_has_its_example() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_has_main_and_runs_it_with_trio(example: Path) -> None:
-    """Each example defines ``async def main()`` and ends with ``trio.run(main)``."""
+    """Each example defines ``async def main()`` and ends with ``trio.run(main)`` (or, for
+    the asyncio how-tos, ``asyncio.run(main())``)."""
     tree = ast.parse(example.read_text())
     mains = [
         node for node in tree.body if isinstance(node, ast.AsyncFunctionDef) and node.name == "main"
     ]
     assert mains, f"{example.name} has no top-level async def main()"
-    assert 'if __name__ == "__main__":\n    trio.run(main)\n' in example.read_text()
+    text = example.read_text()
+    assert (
+        'if __name__ == "__main__":\n    trio.run(main)\n' in text
+        or 'if __name__ == "__main__":\n    asyncio.run(main())\n' in text
+    )
 
 
 def test_every_example_is_quoted_in_a_page() -> None:
@@ -271,7 +302,7 @@ def test_private_import_check_catches_private_imports() -> None:
 
 
 def test_reference_lists_every_public_name() -> None:
-    """The reference page has an entry for every public name of the four namespaces."""
+    """The reference page has an entry for every public name of the public namespaces."""
     text = (DOCS / "reference" / "index.md").read_text()
     missing = []
     for namespace in (
@@ -279,6 +310,8 @@ def test_reference_lists_every_public_name() -> None:
         "sessionactors.stores",
         "sessionactors.models",
         "sessionactors.testing",
+        "sessionactors.aio",
+        "sessionactors.http",
     ):
         module = importlib.import_module(namespace)
         names = getattr(module, "__all__", None) or [

@@ -29,6 +29,8 @@ NAMESPACES = [
     "sessionactors.stores",
     "sessionactors.models",
     "sessionactors.testing",
+    "sessionactors.aio",
+    "sessionactors.http",
 ]
 
 INTRO = {
@@ -44,6 +46,15 @@ INTRO = {
         "Adapters for real model servers. `OpenAIChatModel` needs the `openai` extra."
     ),
     "sessionactors.testing": ("Fakes for tests and examples, and the store conformance suite."),
+    "sessionactors.aio": (
+        "The library from asyncio: a registry opened inside a running asyncio loop (trio's "
+        "guest mode on that loop), with the methods, records, events and errors of the trio "
+        "API; asyncio models and tools run as asyncio tasks."
+    ),
+    "sessionactors.http": (
+        "An ASGI gateway (JSON, server-sent events, WebSocket) and the chat page, for "
+        "hypercorn's trio worker and for uvicorn. Needs the `http` extra."
+    ),
 }
 
 # Top-level names grouped by topic; a name not listed lands in "Other", so nothing is lost.
@@ -100,7 +111,7 @@ GROUPS = {
 }
 
 # Made by the library, not by users: shown without their constructor's arguments.
-NOT_CONSTRUCTED = {"Registry", "SessionRef", "Turn"}
+NOT_CONSTRUCTED = {"Registry", "SessionRef", "Turn", "EventStream", "SessionsApp"}
 
 # Methods the registry's session actors call: public names, but not for users.
 HIDDEN_MEMBERS = {"Registry": {"agent_for", "hub_for", "detach", "replace", "mark_failed"}}
@@ -401,7 +412,7 @@ def render() -> str:
     out = [
         "# Reference",
         "",
-        "Every public name of the four public namespaces, with its signature and docstring.",
+        "Every public name of the public namespaces, with its signature and docstring.",
         "This page is generated from the code by `docs/reference/generate.py`; do not edit",
         "it by hand. Anything not listed here (modules whose names start with `_`) is",
         "private and may change without notice.",

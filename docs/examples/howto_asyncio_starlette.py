@@ -1,0 +1,95 @@
+"""How-to: a Starlette (or FastAPI) app under uvicorn, with the registry opened in its lifespan."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+import sessionactors as sa
+import sessionactors.aio
+
+
+class EchoModel:
+    """An asyncio model: streams the user's words back."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        for word in request.messages[-1].content.split(" "):
+            await asyncio.sleep(0.01)
+            yield sa.TextChunk(word + " ")
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    store = sa.SQLiteStore("sessions.db")
+    async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
+        app.state.registry = registry
+        yield  # serving; on shutdown every live session is hibernated to the store
+
+
+async def send_message(request: Request) -> JSONResponse:
+    registry: sessionactors.aio.Registry = request.app.state.registry
+    ref = await registry.get_or_spawn(request.path_params["name"])
+    try:
+        reply = await ref.send((await request.json())["text"])
+    except sa.SessionBusyError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=409)
+    return JSONResponse({"text": reply.text.strip()})
+
+
+async def stream_message(request: Request) -> StreamingResponse:
+    registry: sessionactors.aio.Registry = request.app.state.registry
+    ref = await registry.get_or_spawn(request.path_params["name"])
+    text = (await request.json())["text"]
+
+    async def words() -> AsyncIterator[str]:
+        async with ref.stream(text) as events:
+            async for event in events:
+                if isinstance(event, sa.Delta):
+                    yield event.text
+
+    return StreamingResponse(words(), media_type="text/plain")
+
+
+app = Starlette(
+    routes=[
+        Route("/chat/{name}/messages", send_message, methods=["POST"]),
+        Route("/chat/{name}/stream", stream_message, methods=["POST"]),
+    ],
+    lifespan=lifespan,
+)
+
+
+async def main() -> None:
+    # What `uvicorn app:app` does, on a free port, so that this file can call itself.
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        r = await client.post("/chat/ada/messages", json={"text": "hello over HTTP"})
+        print("reply:", r.json()["text"])
+        body = {"text": "streamed word by word"}
+        async with client.stream("POST", "/chat/ada/stream", json=body) as r:
+            chunks = [chunk async for chunk in r.aiter_text()]
+        print("streamed:", "".join(chunks).strip())
+    server.should_exit = True
+    await serving
+
+    # The lifespan closed the registry: the conversation is in the store.
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    store = sa.SQLiteStore("sessions.db")
+    async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
+        history = await registry.ref("ada").history()
+        print("after a restart:", len(history), "messages")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,299 @@
+"""The trio guest run on an asyncio loop, and the two ways across it.
+
+One asyncio loop hosts at most one trio run (trio keeps its run in a
+thread-local), so every registry opened on that loop shares one
+:class:`Host`, started by the first and ended by the last (a reference
+count). Trio's guest mode runs trio's scheduler as callbacks of the asyncio
+loop, on the loop's own thread: no second thread, no locks, and asyncio
+objects (futures, tasks) can be touched from trio code directly.
+
+Asyncio code does not call trio code directly: it hands a function to the
+trio run with :meth:`Host.call` (a request and its answer) or
+:meth:`Host.start` (a trio task that keeps running, for subscriptions), both
+through ``TrioToken.run_sync_soon``, trio's documented entry from outside
+its run. Trio code waits on asyncio work with :func:`wait_asyncio`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import attrs
+import outcome
+import trio
+
+__all__ = ["Host", "acquire_host", "release_host", "wait_asyncio", "wait_future_uncancelled"]
+
+T = TypeVar("T")
+
+#: The host of each running loop (weak: a loop that is gone takes its entry with it).
+_HOSTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Host] = weakref.WeakKeyDictionary()
+
+
+@attrs.define(eq=False)
+class Host:
+    """One trio guest run on one asyncio loop.
+
+    Lifecycle (``state``), changed only by :func:`acquire_host` and
+    :func:`release_host`: ``"starting"`` until the trio run's nursery exists,
+    ``"running"`` while any registry uses it (``users`` > 0), ``"stopping"``
+    once the last one left, until ``finished`` is done.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    state: str = "starting"
+    users: int = 0
+    started: asyncio.Future[None] = attrs.field(init=False)
+    finished: asyncio.Future[None] = attrs.field(init=False)
+    token: trio.lowlevel.TrioToken | None = None
+    nursery: trio.Nursery | None = None
+    _stop: trio.Event = attrs.field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.started = self.loop.create_future()
+        self.finished = self.loop.create_future()
+
+    def run_sync_soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` inside the trio run soon (from anywhere)."""
+        assert self.token is not None
+        self.token.run_sync_soon(fn)
+
+    def cancel_soon(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` inside the trio run soon; nothing if the run has ended."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self.run_sync_soon(scope.cancel)
+
+    async def _main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.token = trio.lowlevel.current_trio_token()
+            self.nursery = nursery
+            _resolve(self.started, None)
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    def _done(self, result: outcome.Outcome[None]) -> None:
+        if isinstance(result, outcome.Error):
+            _fail(self.started, result.error)
+            _fail(self.finished, result.error)
+        else:
+            _resolve(self.started, None)
+            _resolve(self.finished, None)
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in the trio run and return its result to asyncio.
+
+        Its exception is raised as itself. Cancelling the asyncio caller cancels
+        the trio call (which, for a library call, abandons only the wait).
+        """
+        self._check_running()
+        call: _Call[T] = _Call(self.loop.create_future())
+        self.run_sync_soon(lambda: self._spawn(call, fn, args))
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            call.abandon(self)
+            raise
+
+    def _spawn(
+        self, call: _Call[T], fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]
+    ) -> None:
+        if call.future.done():  # abandoned before it began
+            return
+        if self.nursery is None or self.state == "stopping":
+            _fail(call.future, RuntimeError("the trio run of sessionactors.aio has ended"))
+            return
+        self.nursery.start_soon(call.run, fn, args)
+
+    def start(self, fn: Callable[[trio.CancelScope], Awaitable[None]]) -> Task:
+        """Start ``fn(scope)`` as a trio task; the returned :class:`Task` ends or cancels it.
+
+        ``fn`` runs inside ``scope`` and must not raise: it reports to asyncio itself.
+        """
+        self._check_running()
+        task = Task(self, self.loop.create_future())
+        self.run_sync_soon(lambda: self._start(task, fn))
+        return task
+
+    def _check_running(self) -> None:
+        if self.state != "running":
+            raise RuntimeError(
+                "the registry this object belongs to is closed (its trio run has ended); "
+                "use it inside the `async with sessionactors.aio.open_registry(...)` block"
+            )
+
+    def _start(self, task: Task, fn: Callable[[trio.CancelScope], Awaitable[None]]) -> None:
+        if task.cancel_requested or self.nursery is None:
+            _resolve(task.finished, None)
+            return
+        self.nursery.start_soon(task.run, fn)
+
+
+@attrs.define(eq=False)
+class _Call(Generic[T]):
+    """One asyncio-to-trio call: its future, and its trio cancel scope once it runs."""
+
+    future: asyncio.Future[T]
+    scope: trio.CancelScope | None = None
+
+    async def run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:
+        if self.future.done():
+            return
+        with trio.CancelScope() as self.scope:
+            try:
+                result = await fn(*args)
+            except trio.Cancelled:
+                if not self.future.done():  # the host's run is ending under it
+                    _fail(self.future, RuntimeError("the trio run of sessionactors.aio ended"))
+                raise
+            except BaseException as exc:  # handed to the asyncio caller, as itself
+                _fail(self.future, exc)
+                return
+            _resolve(self.future, result)
+
+    def abandon(self, host: Host) -> None:
+        scope = self.scope
+        if scope is not None:
+            host.cancel_soon(scope)
+
+
+@attrs.define(eq=False)
+class Task:
+    """A trio task started from asyncio; ``finished`` is done when it has ended."""
+
+    host: Host
+    finished: asyncio.Future[None]
+    scope: trio.CancelScope | None = None
+    cancel_requested: bool = False
+
+    async def run(self, fn: Callable[[trio.CancelScope], Awaitable[None]]) -> None:
+        try:
+            with trio.CancelScope() as self.scope:
+                if self.cancel_requested:
+                    self.scope.cancel()
+                await fn(self.scope)
+        finally:
+            _resolve(self.finished, None)
+
+    def cancel(self) -> None:
+        """Cancel the trio task (from asyncio; it ends soon after)."""
+        if self.cancel_requested:
+            return
+        self.cancel_requested = True
+        scope = self.scope
+        if scope is not None and not self.finished.done():
+            self.host.cancel_soon(scope)
+
+    async def aclose(self) -> None:
+        """Cancel the trio task and wait until it has ended."""
+        self.cancel()
+        await wait_future_uncancelled(self.finished)
+
+
+async def acquire_host() -> Host:
+    """The running loop's host, started if there is none; release it when done."""
+    loop = asyncio.get_running_loop()
+    host = _HOSTS.get(loop)
+    while host is not None and host.state == "stopping":
+        await wait_future_uncancelled(host.finished)
+        host = _HOSTS.get(loop)
+    if host is None:
+        host = Host(loop)
+        try:
+            trio.lowlevel.start_guest_run(
+                host._main,
+                run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+                run_sync_soon_not_threadsafe=loop.call_soon,
+                done_callback=host._done,
+                host_uses_signal_set_wakeup_fd=True,
+                strict_exception_groups=True,
+            )
+        except RuntimeError as exc:
+            raise RuntimeError(
+                "sessionactors.aio could not start trio on this asyncio loop's thread: "
+                f"{exc}; a thread runs at most one trio run (from trio code, use "
+                "sessionactors.open_registry directly)"
+            ) from exc
+        _HOSTS[loop] = host
+    host.users += 1
+    try:
+        await wait_future_uncancelled(host.started)  # quick: a few loop iterations
+    except BaseException:
+        await release_host(host)
+        raise
+    if host.state == "starting":
+        host.state = "running"
+    return host
+
+
+async def release_host(host: Host) -> None:
+    """One user less; the last one ends the trio run and waits for it to end."""
+    host.users -= 1
+    if host.users > 0 or host.state == "stopping":
+        return
+    host.state = "stopping"
+    if host.token is not None:
+        host.run_sync_soon(host._stop.set)
+    try:
+        await wait_future_uncancelled(host.finished)
+    finally:
+        if _HOSTS.get(host.loop) is host:
+            del _HOSTS[host.loop]
+
+
+async def wait_future_uncancelled(future: asyncio.Future[T]) -> T:
+    """Wait for ``future`` even if the waiting task is cancelled meanwhile; then
+    raise that cancellation (cleanup that must finish, as under a trio shield)."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            if future.cancelled():
+                raise
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+    return future.result()
+
+
+async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
+    """From trio: run ``awaitable`` as an asyncio task and wait for its result.
+
+    Cancelling the trio caller cancels the asyncio task and waits for it to end.
+    """
+    task = asyncio.ensure_future(awaitable, loop=host.loop)
+    done = trio.Event()
+    task.add_done_callback(lambda _: host.run_sync_soon(done.set))
+    try:
+        await done.wait()
+    except trio.Cancelled:
+        task.cancel()
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        raise
+    return task_result(task)
+
+
+def task_result(task: asyncio.Future[T]) -> T:
+    """The task's result; an asyncio cancellation that did not come from trio becomes
+    a RuntimeError, so that it is not mistaken for trio's own cancellation."""
+    if task.cancelled():
+        raise RuntimeError(
+            "an asyncio task that sessionactors.aio ran for a model or tool was cancelled "
+            "by someone else (is the asyncio loop shutting down?)"
+        )
+    return task.result()
+
+
+def _resolve(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,457 @@
+"""The asyncio face of a registry: the same methods, records, events and errors.
+
+Each asynchronous method hands the trio method of the same name to the host's
+trio run and waits, in asyncio, for its answer. Subscriptions run as a trio
+task that reads the trio subscription and passes its events to asyncio
+through a bounded buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Final
+
+import attrs
+import trio
+
+import sessionactors as sa
+
+from ._adapters import adapt_agent
+from ._host import Host, Task, acquire_host, release_host
+
+__all__ = ["Registry", "SessionRef", "Turn", "open_registry"]
+
+
+def _forward(host: Host, target: object, name: str) -> Any:
+    """An async method of the trio object that this class does not spell out yet (one
+    the core added since), called through the host like the others."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    method = getattr(target, name)  # AttributeError as the trio object gives it
+    if not inspect.iscoroutinefunction(method):
+        raise AttributeError(
+            f"{type(target).__name__}.{name} is not an async method; sessionactors.aio "
+            "forwards only those"
+        )
+
+    @functools.wraps(method)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        return await host.call(functools.partial(method, *args, **kwargs))
+
+    return call
+
+
+#: Events a subscription passes to asyncio ahead of its reader.
+_EVENTS_AHEAD: Final = 256
+
+
+@attrs.define(eq=False, repr=False)
+class Turn:
+    """A submitted turn; ``await turn.reply()`` waits, in asyncio, for its outcome."""
+
+    _host: Host = attrs.field(alias="host")
+    _turn: sa.Turn = attrs.field(alias="turn")
+
+    def __repr__(self) -> str:
+        return f"<aio Turn {self._turn.id!r} of session {self._turn.session_id!r}>"
+
+    @property
+    def id(self) -> str:
+        """The turn's id (the ``turn_id`` of its events)."""
+        return self._turn.id
+
+    @property
+    def session_id(self) -> str:
+        """The session the turn belongs to."""
+        return self._turn.session_id
+
+    @property
+    def replayed(self) -> bool:
+        """True when an idempotency key had already completed: the stored reply, no new turn."""
+        return self._turn.replayed
+
+    @property
+    def done(self) -> bool:
+        """Whether the outcome is known."""
+        return self._turn.done
+
+    async def reply(self) -> sa.Reply:
+        """Wait for the turn's reply; cancelling the wait abandons it (the turn runs on)."""
+        return await self._host.call(self._turn.reply)
+
+
+@attrs.define(eq=False, repr=False)
+class SessionRef:
+    """A handle to a session by name, for asyncio code; holding one keeps nothing alive.
+
+    It offers the methods of :class:`sessionactors.SessionRef`, with the same
+    arguments, results and errors.
+    """
+
+    _host: Host = attrs.field(alias="host")
+    _ref: sa.SessionRef = attrs.field(alias="ref")
+
+    def __repr__(self) -> str:
+        return f"<aio SessionRef {self._ref.session_id!r}>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SessionRef):
+            return NotImplemented
+        return self._ref == other._ref
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward(self._host, self._ref, name)
+
+    def __hash__(self) -> int:
+        return hash(self._ref)
+
+    @property
+    def session_id(self) -> str:
+        """The session's name."""
+        return self._ref.session_id
+
+    async def send(self, text: str, *, idempotency_key: str | None = None) -> sa.Reply:
+        """Run one turn and wait for its reply (after it is durable)."""
+        return await self._host.call(
+            functools.partial(self._ref.send, text, idempotency_key=idempotency_key)
+        )
+
+    async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
+        """Put a turn in the mailbox, waiting for room; don't wait for the reply."""
+        turn = await self._host.call(
+            functools.partial(self._ref.submit, text, idempotency_key=idempotency_key)
+        )
+        return Turn(self._host, turn)
+
+    def submit_nowait(self, text: str, *, idempotency_key: str | None = None) -> Turn:
+        """Like ``submit``, but raise MailboxFullError instead of waiting for room.
+
+        It runs at once on the loop's thread, where the trio run lives too.
+        """
+        return Turn(self._host, self._ref.submit_nowait(text, idempotency_key=idempotency_key))
+
+    def subscribe(self, after: int | None = None) -> AbstractAsyncContextManager[EventStream]:
+        """Events of this session, live from now on or replayed from ``after``
+        (see :meth:`sessionactors.SessionRef.subscribe`): ``async with
+        ref.subscribe() as events: async for event in events: ...``."""
+        return _Subscription(self._host, lambda: self._ref.subscribe(after))
+
+    def stream(
+        self, text: str, *, idempotency_key: str | None = None
+    ) -> AbstractAsyncContextManager[EventStream]:
+        """Submit a turn and iterate over that turn's events only, ending with its outcome."""
+        return _Subscription(
+            self._host, lambda: self._ref.stream(text, idempotency_key=idempotency_key)
+        )
+
+    async def history(self) -> list[sa.Message]:
+        """The messages so far, without waiting behind queued turns."""
+        return await self._host.call(self._ref.history)
+
+    async def state(self) -> sa.SessionState:
+        """The session's whole state, without waiting behind queued turns."""
+        return await self._host.call(self._ref.state)
+
+    async def cancel(self) -> bool:
+        """Cancel the turn in flight, out of band; whether there was one."""
+        return await self._host.call(self._ref.cancel)
+
+    async def hibernate(self) -> None:
+        """Snapshot the session to the store and end its task, after the queued requests."""
+        await self._host.call(self._ref.hibernate)
+
+    async def stop(self) -> None:
+        """Finish the session; later requests raise SessionStoppedError."""
+        await self._host.call(self._ref.stop)
+
+    async def review(self, review_id: str, approve: bool, note: str | None = None) -> sa.Reply:
+        """Approve or deny a pending review; the turn goes on, and this returns its reply."""
+        return await self._host.call(functools.partial(self._ref.review, review_id, approve, note))
+
+    async def pending_reviews(self) -> list[sa.ReviewRequest]:
+        """The reviews this session waits on."""
+        return await self._host.call(self._ref.pending_reviews)
+
+    async def truncate(self, keep_last: int) -> int:
+        """Drop all but the last ``keep_last`` messages; returns how many were removed."""
+        return await self._host.call(self._ref.truncate, keep_last)
+
+    async def rewind(self, message_id: str) -> int:
+        """Drop every message after ``message_id``; returns how many were removed."""
+        return await self._host.call(self._ref.rewind, message_id)
+
+    async def set_summary(self, text: str) -> None:
+        """Set the summary the model sees after the system prompt ("" clears it)."""
+        await self._host.call(self._ref.set_summary, text)
+
+
+@attrs.define(eq=False, repr=False)
+class Registry:
+    """A registry for asyncio code, made by :func:`open_registry`.
+
+    It offers the methods of :class:`sessionactors.Registry`, with the same
+    arguments, results and errors; its refs are :class:`SessionRef`.
+    """
+
+    _host: Host = attrs.field(alias="host")
+    _registry: sa.Registry = attrs.field(alias="registry")
+
+    def __repr__(self) -> str:
+        return f"<aio Registry live={len(self._registry.live())}>"
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward(self._host, self._registry, name)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await self._host.call(functools.partial(fn, *args, **kwargs))
+
+    def _wrap(self, ref: sa.SessionRef) -> SessionRef:
+        return SessionRef(self._host, ref)
+
+    async def spawn(
+        self,
+        name: str,
+        *,
+        agent: str | None = None,
+        system_prompt: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionRef:
+        """Create a new session and start its actor (SessionExistsError if it exists)."""
+        ref = await self._call(
+            self._registry.spawn,
+            name,
+            agent=agent,
+            system_prompt=system_prompt,
+            metadata=metadata,
+        )
+        return self._wrap(ref)
+
+    async def get_or_spawn(
+        self,
+        name: str,
+        *,
+        agent: str | None = None,
+        system_prompt: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionRef:
+        """The session ``name``, spawned with these options if it does not exist."""
+        ref = await self._call(
+            self._registry.get_or_spawn,
+            name,
+            agent=agent,
+            system_prompt=system_prompt,
+            metadata=metadata,
+        )
+        return self._wrap(ref)
+
+    def ref(self, name: str) -> SessionRef:
+        """A handle to ``name``: no I/O; its first request wakes the session."""
+        return self._wrap(self._registry.ref(name))
+
+    async def fork(self, name: str, new_name: str, *, at: str | None = None) -> SessionRef:
+        """A new session ``new_name`` with ``name``'s history up to message ``at``."""
+        return self._wrap(await self._call(self._registry.fork, name, new_name, at=at))
+
+    async def delete(self, name: str) -> None:
+        """Remove the conversation everywhere: actor, subscribers, store."""
+        await self._call(self._registry.delete, name)
+
+    def live(self) -> list[str]:
+        """The names of the sessions whose actors are running now."""
+        return self._registry.live()
+
+    async def sessions(self) -> list[sa.SessionInfo]:
+        """A SessionInfo for every session, live or stored, sorted by name."""
+        infos: list[sa.SessionInfo] = await self._call(self._registry.sessions)
+        return infos
+
+    async def pending_reviews(self) -> list[sa.ReviewRequest]:
+        """Every pending review of every session, live or stored, oldest first."""
+        reviews: list[sa.ReviewRequest] = await self._call(self._registry.pending_reviews)
+        return reviews
+
+    def statistics(self) -> sa.RegistryStatistics:
+        """A frozen snapshot of the registry's counters."""
+        return self._registry.statistics()
+
+
+class EventStream:
+    """The events of an asyncio subscription (``async for event in events``)."""
+
+    def __init__(self, host: Host) -> None:
+        self._host = host
+        self._events: deque[sa.Event] = deque()
+        self._ended = False
+        self._error: BaseException | None = None
+        self._reader: asyncio.Future[None] | None = None  # the asyncio reader waits
+        self._room: trio.Event | None = None  # the trio pump waits
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> sa.Event:
+        events = self._events
+        while not events:
+            if self._ended:
+                error, self._error = self._error, None
+                if error is not None:
+                    raise error
+                raise StopAsyncIteration
+            self._reader = reader = self._host.loop.create_future()
+            try:
+                await reader
+            finally:
+                if self._reader is reader:
+                    self._reader = None
+        event = events.popleft()
+        room = self._room
+        if room is not None and len(events) <= _EVENTS_AHEAD // 2:
+            self._room = None
+            self._host.run_sync_soon(room.set)
+        return event
+
+    # ---- the trio side ----------------------------------------------------------
+
+    async def _put(self, event: sa.Event) -> None:
+        self._events.append(event)
+        self._wake_reader()
+        while len(self._events) >= _EVENTS_AHEAD:
+            self._room = room = trio.Event()
+            await room.wait()
+
+    def _end(self, error: BaseException | None) -> None:
+        self._ended = True
+        self._error = error
+        self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        reader = self._reader
+        if reader is not None:
+            self._reader = None
+            if not reader.done():
+                reader.set_result(None)
+
+
+class _Subscription:
+    """``async with`` a trio subscription (or stream) from asyncio."""
+
+    def __init__(
+        self,
+        host: Host,
+        open_events: Callable[[], AbstractAsyncContextManager[AsyncIterator[sa.Event]]],
+    ) -> None:
+        self._host = host
+        self._open_events = open_events
+        self._stream = EventStream(host)
+        self._entered: asyncio.Future[None] = host.loop.create_future()
+        self._task: Task | None = None
+
+    async def __aenter__(self) -> EventStream:
+        self._task = self._host.start(self._pump)
+        try:
+            await self._entered
+        except BaseException:
+            await self._task.aclose()
+            raise
+        return self._stream
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._task is not None
+        await self._task.aclose()
+
+    async def _pump(self, scope: trio.CancelScope) -> None:
+        stream, entered = self._stream, self._entered
+        error: BaseException | None = None
+        try:
+            async with self._open_events() as events:
+                if not entered.done():
+                    entered.set_result(None)
+                async for event in events:
+                    await stream._put(event)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:  # to the asyncio reader, as itself
+            error = exc
+        finally:
+            if not entered.done():
+                entered.set_exception(
+                    error or RuntimeError("the subscription ended before it began")
+                )
+            else:
+                stream._end(error)
+
+
+@asynccontextmanager
+async def open_registry(**options: Any) -> AsyncIterator[Registry]:
+    """Open a registry from asyncio code; leaving the block shuts it down.
+
+    It takes the arguments of :func:`sessionactors.open_registry` and must be
+    entered inside a running asyncio loop. The registry lives in trio's guest
+    mode on that loop (started by the first registry of the loop, ended by its
+    last). The agents' models, summarizers and tool functions are asyncio code
+    and run in asyncio tasks of the loop, except the library's own and those
+    marked with :func:`trio_native`. Leaving the block shuts the registry down as
+    ``sessionactors.open_registry`` does: the accepted turns get
+    ``shutdown_grace`` seconds, then every live session is hibernated. A
+    cancellation while it shuts down cuts the grace short, as in trio.
+    """
+    host = await acquire_host()
+    try:
+        agents = options.get("agents")
+        if isinstance(agents, Mapping):
+            options["agents"] = {
+                key: adapt_agent(host, agent) if isinstance(agent, sa.Agent) else agent
+                for key, agent in agents.items()
+            }
+        loop = host.loop
+        ready: asyncio.Future[sa.Registry] = loop.create_future()
+        closed: asyncio.Future[None] = loop.create_future()
+        close = trio.Event()
+
+        async def run(scope: trio.CancelScope) -> None:
+            try:
+                async with sa.open_registry(**options) as registry:
+                    if ready.done():  # the opener stopped waiting: close again at once
+                        return
+                    ready.set_result(registry)
+                    await close.wait()
+            except BaseException as exc:
+                error: BaseException = exc
+                if isinstance(exc, trio.Cancelled):
+                    error = RuntimeError("the registry was cancelled")
+                if not ready.done():
+                    ready.set_exception(error)
+                elif not closed.done():
+                    closed.set_exception(error)
+                if isinstance(exc, trio.Cancelled):
+                    raise
+            else:
+                if not closed.done():
+                    closed.set_result(None)
+
+        task = host.start(run)
+        try:
+            registry = await ready
+        except BaseException:
+            await task.aclose()
+            raise
+        try:
+            yield Registry(host, registry)
+        finally:
+            host.run_sync_soon(close.set)
+            try:
+                await asyncio.shield(closed)
+            except asyncio.CancelledError:
+                if closed.done():
+                    raise
+                await task.aclose()  # cancelled while closing: cut the grace short
+                if not closed.cancelled():
+                    closed.exception()  # seen: the cancellation is what propagates
+                raise
+    finally:
+        await release_host(host)

@@ -1,0 +1,767 @@
+"""The ASGI gateway: routes, server-sent events, the WebSocket, errors and authorization.
+
+The same code serves under trio (hypercorn's trio worker, with a
+``sessionactors.Registry``) and under asyncio (uvicorn, with a
+``sessionactors.aio.Registry``): both registries have the same methods, and
+everything else here goes through anyio, which runs on either loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import importlib.resources
+import inspect
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Final, Literal, cast
+
+import anyio
+import sniffio
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+import sessionactors as sa
+
+from .. import aio
+from ._json import (
+    dumps,
+    error_json,
+    error_status,
+    event_to_json,
+    metadata_json,
+    plain_error,
+    reply_to_json,
+    state_to_json,
+    to_json,
+)
+from ._sse import EventStreamResponse, FrameCache, Select, Stream, frame
+
+__all__ = ["Action", "Authorize", "SessionsApp", "create_app"]
+
+log = logging.getLogger("sessionactors.http")
+
+#: What a request does, as the ``action`` argument of ``authorize``.
+Action = Literal["list", "read", "send", "events", "cancel", "review", "delete", "websocket"]
+
+#: ``authorize(request, session_name, action)``: True lets the request through.
+Authorize = Callable[[HTTPConnection, str | None, Action], bool | Awaitable[bool]]
+
+AnyRegistry = sa.Registry | aio.Registry
+AnyRef = sa.SessionRef | aio.SessionRef
+
+_OUTCOMES: Final = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled, sa.ReviewRequested)
+
+
+class _RequestError(Exception):
+    """A request the gateway refuses before it reaches the registry."""
+
+    def __init__(self, status: int, name: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = plain_error(name, message, status)
+
+
+def _static(name: str) -> bytes:
+    return importlib.resources.files("sessionactors.http").joinpath("static", name).read_bytes()
+
+
+def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(dumps(data), status, headers, media_type="application/json")
+
+
+def create_app(
+    registry: sa.Registry | aio.Registry | None = None,
+    *,
+    token: str | None = None,
+    authorize: Authorize | None = None,
+    create_sessions: bool = True,
+    heartbeat: float = 15.0,
+    chat_page: bool = True,
+    max_body: int = 16 * 1024 * 1024,
+    **registry_options: Any,
+) -> SessionsApp:
+    """An ASGI 3 application serving a registry's sessions over HTTP, SSE and WebSocket.
+
+    Two forms:
+
+    - ``create_app(registry)`` with an open registry: a
+      ``sessionactors.Registry`` when the app is served by trio (hypercorn's
+      trio worker, in the same trio run), a ``sessionactors.aio.Registry``
+      when it is served by asyncio (uvicorn, on the same loop).
+    - ``create_app(store=..., agents=..., **registry_options)``: the app
+      opens the registry itself in the ASGI lifespan, on whichever loop
+      serves it, with the arguments of ``sessionactors.open_registry``, and
+      closes it (grace, then hibernation) when the server shuts down.
+
+    Options:
+
+    - ``token``: every request to ``/sessions...`` needs
+      ``Authorization: Bearer TOKEN`` (or ``?access_token=TOKEN``, for
+      browsers' WebSocket and EventSource); otherwise 401.
+    - ``authorize(request, session_name, action)``: called for every request
+      to ``/sessions...`` (``session_name`` is None for the listing); a false
+      result answers 403. It may be async. ``action`` is one of ``"list"``,
+      ``"read"``, ``"send"``, ``"events"``, ``"cancel"``, ``"review"``,
+      ``"delete"``, ``"websocket"``.
+    - ``create_sessions``: whether a message (or a WebSocket) to an unknown
+      session creates it (default) or answers 404.
+    - ``heartbeat``: seconds of silence after which an event stream sends a
+      comment line, so that proxies and browsers keep it open.
+    - ``chat_page``: serve the chat page at ``/`` and its client at
+      ``/sessionactors.js``.
+    - ``max_body``: the largest request body accepted, in bytes (413 above).
+    """
+    if registry is not None and registry_options:
+        raise TypeError(
+            "create_app() takes either an open registry or the options to open one "
+            f"(got both a registry and {sorted(registry_options)})"
+        )
+    if registry is None and not registry_options.get("agents"):
+        raise TypeError(
+            "create_app() needs an open registry, or agents={name: Agent(...)} "
+            "(and a store=...) to open one in the app's lifespan"
+        )
+    if registry is not None and not isinstance(registry, sa.Registry | aio.Registry):
+        raise TypeError(
+            "create_app(registry) takes a sessionactors.Registry or a "
+            f"sessionactors.aio.Registry, not {type(registry).__name__}"
+        )
+    if heartbeat <= 0:
+        raise ValueError(f"heartbeat must be a positive number of seconds, not {heartbeat}")
+    return SessionsApp(
+        registry,
+        registry_options,
+        token=token,
+        authorize=authorize,
+        create_sessions=create_sessions,
+        heartbeat=heartbeat,
+        chat_page=chat_page,
+        max_body=max_body,
+    )
+
+
+class SessionsApp:
+    """The ASGI application that :func:`create_app` makes.
+
+    ``registry`` is the registry it serves (None until the lifespan opened it).
+    ``drain()`` ends every open event stream and WebSocket and answers later
+    requests with 503: call it when shutting down, before the server waits
+    for open connections (``python -m sessionactors serve`` does).
+    """
+
+    def __init__(
+        self,
+        registry: AnyRegistry | None,
+        registry_options: dict[str, Any],
+        *,
+        token: str | None,
+        authorize: Authorize | None,
+        create_sessions: bool,
+        heartbeat: float,
+        chat_page: bool,
+        max_body: int,
+    ) -> None:
+        self._registry = registry
+        self._options = registry_options
+        self._token = token.encode() if token is not None else None
+        self._authorize = authorize
+        self._create_sessions = create_sessions
+        self._heartbeat = heartbeat
+        self._frames = FrameCache()
+        self._max_body = max_body
+        self._draining = False
+        self._streams: set[anyio.CancelScope] = set()
+        self._checked_loop = False
+        self._portal: Callable[[Callable[[], None]], object] | None = None
+        self._loop_thread = 0
+        routes: list[Route | WebSocketRoute] = []
+        if chat_page:
+            page, client = _static("index.html"), _static("sessionactors.js")
+            routes += [
+                Route("/", lambda _: Response(page, media_type="text/html")),
+                Route(
+                    "/sessionactors.js", lambda _: Response(client, media_type="text/javascript")
+                ),
+            ]
+        routes += [
+            Route("/sessions", self._list, methods=["GET"]),
+            Route("/sessions/{name}", self._read, methods=["GET"]),
+            Route("/sessions/{name}", self._delete, methods=["DELETE"]),
+            Route("/sessions/{name}/messages", self._message, methods=["POST"]),
+            Route("/sessions/{name}/events", self._events, methods=["GET"]),
+            Route("/sessions/{name}/cancel", self._cancel, methods=["POST"]),
+            Route("/sessions/{name}/reviews/{review_id}", self._review, methods=["POST"]),
+            WebSocketRoute("/sessions/{name}/ws", self._websocket),
+        ]
+        lifespan = self._lifespan if registry is None else None
+        self._app = Starlette(
+            routes=routes,
+            lifespan=lifespan,
+            exception_handlers={HTTPException: _http_exception},
+        )
+
+    def __repr__(self) -> str:
+        return f"<SessionsApp registry={self._registry!r}>"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI 3 entry point."""
+        await self._app(scope, receive, send)
+
+    @property
+    def registry(self) -> sa.Registry | aio.Registry | None:
+        """The registry served (None while the lifespan has not opened it)."""
+        return self._registry
+
+    def drain(self) -> None:
+        """End every open event stream and WebSocket; answer later requests with 503.
+
+        It may be called from any thread (a signal handler's, a test's).
+        """
+        self._draining = True
+        portal = self._portal
+        if portal is not None and threading.get_ident() != self._loop_thread:
+            portal(self._end_streams)
+        else:
+            self._end_streams()
+
+    def _end_streams(self) -> None:
+        for scope in list(self._streams):
+            scope.cancel()
+
+    def _remember_loop(self) -> None:
+        """Note the serving loop's thread and how to reach it, for ``drain()``."""
+        if self._portal is not None:
+            return
+        self._loop_thread = threading.get_ident()
+        if sniffio.current_async_library() == "trio":
+            self._portal = trio.lowlevel.current_trio_token().run_sync_soon
+        else:
+            self._portal = asyncio.get_running_loop().call_soon_threadsafe
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _lifespan(self, _app: object) -> AsyncIterator[None]:
+        library = sniffio.current_async_library()
+        opened: AbstractAsyncContextManager[AnyRegistry]
+        if library == "trio":
+            opened = sa.open_registry(**self._options)
+        elif library == "asyncio":
+            opened = aio.open_registry(**self._options)
+        else:  # pragma: no cover - no other ASGI servers' loops
+            raise RuntimeError(f"sessionactors.http runs on trio or asyncio, not {library}")
+        self._remember_loop()
+        async with opened as registry:
+            self._registry = registry
+            try:
+                yield
+            finally:
+                self.drain()
+
+    def _track(self, scope: anyio.CancelScope) -> None:
+        """Remember an open stream's scope, so that ``drain()`` can end it."""
+        self._remember_loop()
+        self._streams.add(scope)
+        if self._draining:
+            scope.cancel()
+
+    def _untrack(self, scope: anyio.CancelScope) -> None:
+        """Forget a stream that has ended."""
+        self._streams.discard(scope)
+
+    def _error_body(
+        self, error: BaseException, session: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """The status and JSON body that tell a client about ``error``."""
+        if isinstance(error, _RequestError):
+            body = dict(error.body)
+            if session:  # say which session the refused request was for
+                body["message"] = f"session {session!r}: {body['message']}"
+                body["session_id"] = session
+            return error.status, body
+        if isinstance(error, json.JSONDecodeError):
+            refused = _RequestError(422, "InvalidJSON", f"the frame is not valid JSON ({error})")
+            return self._error_body(refused, session)
+        status = error_status(error)
+        if isinstance(error, sa.SessionStoppedError) and self._draining:
+            status = 503
+        if status == 500:
+            log.error("request failed", exc_info=error)
+        return status, error_json(error, status=status)
+
+    def _error_response(self, error: BaseException, session: str | None = None) -> Response:
+        """The JSON response for an error raised while serving a request."""
+        status, body = self._error_body(error, session)
+        return _json(body, status, _auth_header(status))
+
+    def _registry_now(self) -> AnyRegistry:
+        registry = self._registry
+        if registry is None or self._draining:
+            raise _RequestError(
+                503, "ShuttingDown", "the server is shutting down; retry in a moment"
+            )
+        if not self._checked_loop:
+            library = sniffio.current_async_library()
+            trio_registry = isinstance(registry, sa.Registry)
+            if trio_registry != (library == "trio"):
+                raise _RequestError(
+                    500,
+                    "WrongLoop",
+                    f"this app serves a {'trio' if trio_registry else 'asyncio'} registry "
+                    f"but runs on {library}: under uvicorn, open the registry with "
+                    "sessionactors.aio.open_registry; under hypercorn's trio worker, with "
+                    "sessionactors.open_registry (or let create_app(store=..., agents=...) "
+                    "open it)",
+                )
+            self._checked_loop = True
+        return registry
+
+    async def _admit(self, request: HTTPConnection, name: str | None, action: Action) -> None:
+        """Refuse (raise _RequestError) a request that is not allowed."""
+        self._registry_now()
+        if self._token is not None:
+            given = _bearer(request)
+            if given is None or not hmac.compare_digest(given.encode(), self._token):
+                raise _RequestError(
+                    401,
+                    "Unauthorized",
+                    "this server needs a token: send 'Authorization: Bearer <token>' "
+                    "(or ?access_token=<token> from a browser's WebSocket or EventSource)",
+                )
+        if self._authorize is not None:
+            allowed = self._authorize(request, name, action)
+            if inspect.isawaitable(allowed):
+                allowed = await allowed
+            if not allowed:
+                what = f"session {name!r}" if name is not None else "the sessions"
+                raise _RequestError(403, "Forbidden", f"this request may not {action} {what}")
+
+    async def _exists(self, registry: AnyRegistry, name: str) -> bool:
+        if name in registry.live():
+            return True
+        if isinstance(registry, sa.Registry):
+            return await registry.store.exists(name)
+        trio_registry: sa.Registry = registry._registry
+        exists: bool = await registry._host.call(trio_registry.store.exists, name)
+        return exists
+
+    async def _existing_ref(self, registry: AnyRegistry, name: str) -> AnyRef:
+        ref = registry.ref(name)  # validates the name
+        if not await self._exists(registry, name):
+            raise sa.SessionNotFoundError(
+                f"session {name!r} does not exist; send it a message first "
+                f"(POST /sessions/{name}/messages) to create it",
+                session_id=name,
+            )
+        return ref
+
+    async def _ref_to_write(self, registry: AnyRegistry, name: str, agent: str | None) -> AnyRef:
+        if not self._create_sessions:
+            return registry.ref(name)
+        if name in registry.live():
+            return registry.ref(name)
+        return await registry.get_or_spawn(name, agent=agent)
+
+    async def _submit(
+        self, registry: AnyRegistry, ref: AnyRef, text: str, key: str | None
+    ) -> sa.Turn | aio.Turn:
+        # A live session's full mailbox answers 429 at once: an HTTP client retries
+        # later instead of holding a connection open. Elsewhere (hibernated, on
+        # another worker) submit wakes or forwards it.
+        if ref.session_id in registry.live():
+            return ref.submit_nowait(text, idempotency_key=key)
+        return await ref.submit(text, idempotency_key=key)
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        size = int(request.headers.get("content-length") or 0)
+        if size > self._max_body:
+            raise _too_large(self._max_body)
+        chunks = bytearray()
+        async for chunk in request.stream():
+            chunks += chunk
+            if len(chunks) > self._max_body:
+                raise _too_large(self._max_body)
+        if not chunks:
+            return {}
+        try:
+            data = json.loads(chunks)
+        except ValueError as exc:
+            raise _RequestError(
+                422, "InvalidJSON", f"the request body is not valid JSON ({exc}); send an object"
+            ) from None
+        if not isinstance(data, dict):
+            raise _RequestError(422, "InvalidRequest", "the request body must be a JSON object")
+        return data
+
+    async def _handle(
+        self,
+        request: Request,
+        action: Action,
+        handler: Callable[[AnyRegistry, str], Awaitable[Response]],
+    ) -> Response:
+        name: str = request.path_params.get("name", "")
+        try:
+            await self._admit(request, name or None, action)
+            return await handler(self._registry_now(), name)
+        except Exception as exc:
+            return self._error_response(exc, name or None)
+
+    # ---- routes --------------------------------------------------------------------
+
+    async def _list(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, _name: str) -> Response:
+            limit = _int_param(request, "limit", 100, low=1, high=1000)
+            after = request.query_params.get("after")
+            infos = await registry.sessions()
+            if after is not None:
+                infos = [info for info in infos if info.session_id > after]
+            page = infos[:limit]
+            more = len(infos) > limit
+            return _json(
+                {
+                    "sessions": [_info_json(info) for info in page],
+                    "next": page[-1].session_id if more and page else None,
+                }
+            )
+
+        return await self._handle(request, "list", handler)
+
+    async def _read(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            state = await registry.ref(name).state()
+            return _json(state_to_json(state))
+
+        return await self._handle(request, "read", handler)
+
+    async def _delete(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            await registry.delete(name)
+            return _json({"deleted": name})
+
+        return await self._handle(request, "delete", handler)
+
+    async def _cancel(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            ref = await self._existing_ref(registry, name)
+            return _json({"cancelled": await ref.cancel()})
+
+        return await self._handle(request, "cancel", handler)
+
+    async def _message(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            data = await self._body(request)
+            text = _string(data, "text")
+            key = _optional_string(data, "idempotency_key")
+            agent = _optional_string(data, "agent")
+            if len(text) > 8 * 1024 * 1024:
+                raise _RequestError(
+                    422, "InvalidRequest", "'text' is over 8 MiB characters; send less"
+                )
+            ref = await self._ref_to_write(registry, name, agent)
+            if _wants_events(request):
+                return cast(
+                    Response,
+                    EventStreamResponse(
+                        self, functools.partial(self._turn_stream, registry, ref, text, key)
+                    ),
+                )
+            turn = await self._submit(registry, ref, text, key)
+            return _json(reply_to_json(await turn.reply()))
+
+        return await self._handle(request, "send", handler)
+
+    @asynccontextmanager
+    async def _turn_stream(
+        self, registry: AnyRegistry, ref: AnyRef, text: str, key: str | None
+    ) -> AsyncIterator[Stream]:
+        async with ref.subscribe() as events:
+            turn = await self._submit(registry, ref, text, key)
+            if turn.replayed:  # an idempotency key that already completed: no new events
+                reply = await turn.reply()
+                yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
+                return
+            yield Stream(
+                events,
+                select=self._turn_events(turn.id),
+                side=functools.partial(_outcome, turn.reply),
+            )
+
+    async def _review(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            review_id: str = request.path_params["review_id"]
+            data = await self._body(request)
+            approve = data.get("approve")
+            if not isinstance(approve, bool):
+                raise _RequestError(
+                    422, "InvalidRequest", "'approve' must be true or false (a JSON boolean)"
+                )
+            note = _optional_string(data, "note")
+            ref = await self._existing_ref(registry, name)
+            if not _wants_events(request):
+                reply = await ref.review(review_id, approve, note)
+                return _json(reply_to_json(reply))
+            pending = {r.id: r for r in await ref.pending_reviews()}
+            review = pending.get(review_id)
+            if review is None:
+                raise sa.ReviewNotFoundError(
+                    f"session {name!r} has no pending review {review_id!r}; "
+                    f"GET /sessions/{name} lists its pending reviews",
+                    session_id=name,
+                )
+            return cast(
+                Response,
+                EventStreamResponse(
+                    self,
+                    functools.partial(self._review_stream, ref, review, approve, note),
+                ),
+            )
+
+        return await self._handle(request, "review", handler)
+
+    @asynccontextmanager
+    async def _review_stream(
+        self, ref: AnyRef, review: sa.ReviewRequest, approve: bool, note: str | None
+    ) -> AsyncIterator[Stream]:
+        async with ref.subscribe() as events:
+            yield Stream(
+                events,
+                select=self._turn_events(review.turn_id or None),
+                side=functools.partial(_outcome, ref.review, review.id, approve, note),
+            )
+
+    async def _events(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            after = _after(request)
+            ref = await self._existing_ref(registry, name)
+            return cast(
+                Response, EventStreamResponse(self, functools.partial(self._all_events, ref, after))
+            )
+
+        return await self._handle(request, "events", handler)
+
+    async def _websocket(self, websocket: WebSocket) -> None:
+        name: str = websocket.path_params["name"]
+        await websocket.accept()
+        try:
+            await self._admit(websocket, name, "websocket")
+            registry = self._registry_now()
+            after = _after(websocket)
+            if self._create_sessions:
+                ref = await self._ref_to_write(registry, name, websocket.query_params.get("agent"))
+            else:
+                ref = await self._existing_ref(registry, name)
+            async with ref.subscribe(after) as events:
+                await self._converse(registry, ref, websocket, events)
+        except WebSocketDisconnect:
+            return
+        except Exception as exc:
+            status, body = self._error_body(exc, name)
+            await _ws_close(websocket, {"type": "error", **body}, 4000 + status)
+
+    async def _converse(
+        self, registry: AnyRegistry, ref: AnyRef, websocket: WebSocket, events: Any
+    ) -> None:
+        async def say(data: dict[str, Any]) -> None:
+            await websocket.send_text(dumps(data).decode())
+
+        async def failed(exc: Exception) -> None:
+            _, body = self._error_body(exc, ref.session_id)
+            await say({"type": "error", **body})
+
+        async def forward() -> None:
+            try:
+                async for event in events:
+                    await say(event_to_json(event))
+            except sa.SubscriberLaggedError as exc:
+                await failed(exc)  # reconnect with ?after=last_seq
+            await websocket.close(1000)
+            group.cancel_scope.cancel()
+
+        async def wait_reply(wait: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                await _outcome(wait)
+            except Exception as exc:
+                await failed(exc)
+
+        async with anyio.create_task_group() as group:
+            self._track(group.cancel_scope)
+            try:
+                group.start_soon(forward)
+                while True:
+                    try:
+                        data = json.loads(await websocket.receive_text())
+                        if not isinstance(data, dict):
+                            raise _RequestError(422, "InvalidRequest", "send a JSON object")
+                        kind = data.get("type")
+                        if kind == "message":
+                            text = _string(data, "text")
+                            key = _optional_string(data, "idempotency_key")
+                            turn = await self._submit(registry, ref, text, key)
+                            await say(
+                                {"type": "submitted", "turn_id": turn.id, "replayed": turn.replayed}
+                            )
+                            group.start_soon(wait_reply, turn.reply)
+                        elif kind == "cancel":
+                            await say({"type": "cancelled", "cancelled": await ref.cancel()})
+                        elif kind == "review":
+                            review_id = _string(data, "review_id")
+                            approve = data.get("approve")
+                            if not isinstance(approve, bool):
+                                raise _RequestError(
+                                    422, "InvalidRequest", "'approve' must be true or false"
+                                )
+                            note = _optional_string(data, "note")
+                            group.start_soon(
+                                wait_reply, functools.partial(ref.review, review_id, approve, note)
+                            )
+                        else:
+                            raise _RequestError(
+                                422,
+                                "InvalidRequest",
+                                f"unknown message type {kind!r}; send 'message', 'cancel' or "
+                                "'review'",
+                            )
+                    except WebSocketDisconnect:
+                        group.cancel_scope.cancel()
+                        return
+                    except (ValueError, _RequestError, sa.SessionActorsError) as exc:
+                        await failed(exc)
+            finally:
+                self._untrack(group.cancel_scope)
+        if self._draining:
+            await _ws_close(websocket, None, 1001)
+
+    @asynccontextmanager
+    async def _all_events(self, ref: AnyRef, after: int | None) -> AsyncIterator[Stream]:
+        frames = self._frames
+
+        def select(event: sa.Event) -> tuple[bytes | None, bool]:
+            return frames(event), False
+
+        async with ref.subscribe(after) as events:
+            yield Stream(events, select=select)
+
+    def _turn_events(self, turn_id: str | None) -> Select:
+        """One turn's events, up to its outcome or the review it then waits on."""
+        frames = self._frames
+
+        def select(event: sa.Event) -> tuple[bytes | None, bool]:
+            if turn_id is not None and getattr(event, "turn_id", None) != turn_id:
+                return None, False
+            return frames(event), isinstance(event, _OUTCOMES)
+
+        return select
+
+
+async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    """Wait for a turn's reply; its failure or cancellation is told by its events."""
+    with contextlib.suppress(sa.TurnFailedError, sa.TurnCancelledError):
+        await wait(*args)
+
+
+async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: int) -> None:
+    try:
+        if frame is not None:
+            await websocket.send_text(dumps(frame).decode())
+        await websocket.close(code)
+    except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
+        pass
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
+    assert isinstance(exc, HTTPException)
+    name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
+    message = f"{request.method} {request.url.path}: {exc.detail.lower()}"
+    if exc.status_code == 404:
+        message += "; the routes are under /sessions (see the HTTP gateway how-to)"
+    return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
+
+
+def _info_json(info: sa.SessionInfo) -> dict[str, Any]:
+    data: dict[str, Any] = to_json(info)
+    data["metadata"] = metadata_json(info.metadata)
+    return data
+
+
+def _bearer(request: HTTPConnection) -> str | None:
+    header = request.headers.get("authorization")
+    if header is not None:
+        scheme, _, value = header.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else None
+    return request.query_params.get("access_token")
+
+
+def _auth_header(status: int) -> dict[str, str] | None:
+    return {"WWW-Authenticate": 'Bearer realm="sessionactors"'} if status == 401 else None
+
+
+def _too_large(limit: int) -> _RequestError:
+    return _RequestError(413, "RequestTooLarge", f"the request body is over {limit:,} bytes")
+
+
+def _wants_events(request: Request) -> bool:
+    return "text/event-stream" in request.headers.get("accept", "")
+
+
+def _string(data: dict[str, Any], key: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str):
+        got = "nothing" if value is None else type(value).__name__
+        raise _RequestError(422, "InvalidRequest", f"{key!r} must be a string, got {got}")
+    return value
+
+
+def _optional_string(data: dict[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _RequestError(
+            422, "InvalidRequest", f"{key!r} must be a string or null, not {type(value).__name__}"
+        )
+    return value
+
+
+def _int_param(request: Request, key: str, default: int, *, low: int, high: int) -> int:
+    raw = request.query_params.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise _RequestError(
+            422, "InvalidRequest", f"?{key}= must be an integer from {low} to {high}, not {raw!r}"
+        )
+    return value
+
+
+def _after(request: HTTPConnection) -> int | None:
+    """The seq to resume after: the Last-Event-ID header, else ``?after=``."""
+    raw = request.headers.get("last-event-id")
+    source = "Last-Event-ID"
+    if raw is None or not raw.strip():
+        raw = request.query_params.get("after")
+        source = "?after="
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise _RequestError(
+            422, "InvalidRequest", f"{source} must be an event seq (an integer >= 0), not {raw!r}"
+        )
+    return value

@@ -1,0 +1,135 @@
+"""``python -m sessionactors serve``: the gateway under hypercorn's trio worker."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from typing import Any, Final
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+import sessionactors as sa
+
+from ._app import SessionsApp, create_app
+
+__all__ = ["main", "open_store", "serve"]
+
+#: Seconds the server waits for requests in flight (a turn being answered) after a signal.
+GRACEFUL_SECONDS: Final = 10.0
+
+
+def open_store(url: str) -> Any:
+    """A store from a URL: ``sqlite:///relative.db``, ``sqlite:////absolute.db``,
+    ``memory://`` or ``redis://host:port/db`` (extra ``redis``)."""
+    if url.startswith("sqlite://"):
+        path = url.removeprefix("sqlite://")
+        if not path.startswith("/") or path == "/":
+            raise ValueError(f"--store {url!r}: write sqlite:///relative.db or sqlite:////abs.db")
+        return sa.SQLiteStore(path[1:])
+    if url in ("memory://", "memory:"):
+        return sa.MemoryStore()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from sessionactors.stores import RedisStore
+
+        return RedisStore(url)
+    raise ValueError(
+        f"--store {url!r} is not a store URL; use sqlite:///path.db, memory:// or redis://..."
+    )
+
+
+def load_agents(spec: str) -> dict[str, sa.Agent]:
+    """``MODULE:ATTRIBUTE`` naming an Agent (its key is ATTRIBUTE) or a mapping of them,
+    importable from the current directory."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--agent {spec!r}: write MODULE:ATTRIBUTE, e.g. myagents:support")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    try:
+        value = getattr(module, attribute)
+    except AttributeError:
+        raise ValueError(f"--agent {spec!r}: module {module_name!r} has no {attribute!r}") from None
+    if isinstance(value, sa.Agent):
+        return {attribute: value}
+    if (
+        isinstance(value, Mapping)
+        and value
+        and all(isinstance(a, sa.Agent) for a in value.values())
+    ):
+        return {str(key): agent for key, agent in value.items()}
+    raise ValueError(
+        f"--agent {spec!r} is a {type(value).__name__}, not a sessionactors.Agent or a "
+        "mapping of names to Agents"
+    )
+
+
+async def serve(
+    app: SessionsApp,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` with hypercorn's trio worker until SIGINT or SIGTERM.
+
+    ``task_status.started(url)`` gives the address it listens on (``port=0``
+    picks a free one). On the first signal it drains the app (event streams
+    and WebSockets end; new requests get 503), waits up to
+    10 seconds for the requests in flight, and closes the registry
+    (``shutdown_grace``, then hibernation). A second signal stops at once.
+    Call it from the main thread (signals are delivered there).
+    """
+    config = hypercorn.config.Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = GRACEFUL_SECONDS
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_signals() -> None:
+                async for signum in signals:
+                    if stop.is_set():  # the second one: stop now
+                        nursery.cancel_scope.cancel()
+                        return
+                    name = signal.Signals(signum).name
+                    print(f"{name}: shutting down (again to stop at once)", file=sys.stderr)
+                    app.drain()
+                    stop.set()
+
+            async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+                await hypercorn.trio.serve(
+                    app, config, shutdown_trigger=stop.wait, task_status=task_status
+                )
+                nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
+
+            nursery.start_soon(on_signals)
+            binds: list[str] = await nursery.start(run_server)
+            task_status.started(binds[0])
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve the command line's store and agents; the exit status."""
+    try:
+        store = open_store(args.store)
+        agents = load_agents(args.agent)
+    except (ValueError, ImportError) as exc:
+        print(f"sessionactors serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(store=store, agents=agents, token=args.token)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve, app, host=args.host, port=args.port))
+            print(f"sessionactors: serving {sorted(agents)} at {url}/", flush=True)
+
+    trio.run(run)
+    return 0

@@ -1,0 +1,237 @@
+"""Server-sent events: framing, and one response that streams a session's events.
+
+A stream is a subscription's events, a ``select`` function that turns an
+event into the frame to send (or nothing) and says whether it is the last
+one, and optionally a ``side`` coroutine (the turn's reply) whose failure
+ends the stream with an error frame.
+
+Two tasks serve it: a reader takes events from the subscription into a
+bounded outbox, and a writer sends what the outbox holds in one body
+message, so that events that arrive together leave in one socket write. A
+client that reads too slowly fills the outbox, then its subscription's
+buffer, and is ended like any lagging subscriber (it resumes with
+Last-Event-ID). The writer sends a heartbeat comment when it has had nothing
+to send for ``heartbeat`` seconds. The response also watches for the client
+going away and ends when the app drains.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, Protocol
+
+import anyio
+import attrs
+
+import sessionactors as sa
+
+from ._json import dumps, error_json, event_to_json
+
+
+class _App(Protocol):
+    """What a streaming response needs of its app: error answers and drain tracking."""
+
+    def _error_response(self, error: BaseException, session: str | None = None) -> Any: ...
+    def _track(self, scope: anyio.CancelScope) -> None: ...
+    def _untrack(self, scope: anyio.CancelScope) -> None: ...
+    @property
+    def _heartbeat(self) -> float: ...
+
+__all__ = ["EventStreamResponse", "FrameCache", "Stream", "error_frame", "frame"]
+
+log = logging.getLogger("sessionactors.http")
+
+#: select(event) -> (the frame to send or None, whether it is the stream's last event)
+Select = Callable[[sa.Event], tuple[bytes | None, bool]]
+
+#: How long (milliseconds) a browser's EventSource waits before it reconnects.
+RETRY_MS: Final = 1000
+
+#: Frames an event stream holds for a client that reads slowly.
+OUTBOX_FRAMES: Final = 256
+
+HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # no buffering in a reverse proxy (nginx)
+]
+
+
+def frame(data: dict[str, Any], event_id: int | None = None) -> bytes:
+    """One SSE message: ``id:`` (when given) and one ``data:`` line of JSON."""
+    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    return head + b"data: " + dumps(data) + b"\n\n"
+
+
+def error_frame(error: BaseException, status: int | None = None) -> bytes:
+    """An error as SSE (no ``id:``): ``{"type": "error", ...}``."""
+    return frame({"type": "error", **error_json(error, status=status)})
+
+
+class FrameCache:
+    """The SSE frame of each recent event, made once for all the clients that send it.
+
+    Keyed by (session, seq) and checked by identity: a deleted session's namesake,
+    whose seqs start again, never gets another event's frame.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._frames: dict[tuple[str, int], tuple[sa.Event, bytes]] = {}
+
+    def __call__(self, event: sa.Event) -> bytes:
+        key = (event.session_id, event.seq)
+        cached = self._frames.get(key)
+        if cached is not None and cached[0] is event:
+            return cached[1]
+        data = frame(event_to_json(event), event.seq)
+        frames = self._frames
+        if len(frames) >= self._size:
+            del frames[next(iter(frames))]  # the oldest
+        frames[key] = (event, data)
+        return data
+
+
+@attrs.define(eq=False)
+class Stream:
+    """What an event-stream response sends (see the module docstring)."""
+
+    events: AsyncIterator[sa.Event] | None
+    select: Select | None = None
+    prelude: Sequence[bytes] = ()
+    side: Callable[[], Awaitable[None]] | None = None
+
+
+class _Outbox:
+    """Frames waiting for the writer; ``closed`` once the reader has put its last one."""
+
+    def __init__(self, first: bytes) -> None:
+        self.frames: list[bytes] = [first]
+        self.closed = False
+        self._filled = anyio.Event()
+        self._emptied: anyio.Event | None = None
+
+    def put(self, data: bytes) -> None:
+        if not self.closed:
+            self.frames.append(data)
+            self._filled.set()
+
+    def close(self, last: bytes | None = None) -> None:
+        if self.closed:
+            return
+        if last is not None:
+            self.frames.append(last)
+        self.closed = True
+        self._filled.set()
+
+    async def wait_filled(self) -> None:
+        await self._filled.wait()
+
+    def take(self) -> bytes:
+        data = b"".join(self.frames)
+        self.frames.clear()
+        self._filled = anyio.Event()
+        if self._emptied is not None:
+            self._emptied.set()
+            self._emptied = None
+        return data
+
+    async def wait_room(self) -> None:
+        while len(self.frames) >= OUTBOX_FRAMES:
+            self._emptied = emptied = anyio.Event()
+            await emptied.wait()
+
+
+class EventStreamResponse:
+    """An ASGI response: opens a :class:`Stream`, answers errors as JSON before the
+    first byte and as error frames after it."""
+
+    def __init__(
+        self, app: _App, open_stream: Callable[[], AbstractAsyncContextManager[Stream]]
+    ) -> None:
+        self._app = app
+        self._open = open_stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+        try:
+            async with self._open() as stream:
+                await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+                started = True
+                await self._run(stream, receive, send)
+        except Exception as exc:
+            if started:  # the stream already ended with what it could say
+                log.warning("an event stream ended with %r", exc)
+                return
+            response = self._app._error_response(exc)
+            await response(scope, receive, send)
+
+    async def _run(self, stream: Stream, receive: Any, send: Any) -> None:
+        outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
+        gone = False
+        async with anyio.create_task_group() as group:
+            self._app._track(group.cancel_scope)
+            try:
+
+                async def watch() -> None:
+                    nonlocal gone
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            gone = True
+                            group.cancel_scope.cancel()
+                            return
+
+                async def side(wait: Callable[[], Awaitable[None]]) -> None:
+                    try:
+                        await wait()
+                    except Exception as exc:
+                        outbox.close(error_frame(exc))
+
+                group.start_soon(watch)
+                if stream.side is not None:
+                    group.start_soon(side, stream.side)
+                if stream.events is not None and stream.select is not None:
+                    group.start_soon(_read, stream.events, stream.select, outbox)
+                else:
+                    outbox.close()
+                await self._write(outbox, send)
+                group.cancel_scope.cancel()
+            finally:
+                self._app._untrack(group.cancel_scope)
+        if not gone:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _write(self, outbox: _Outbox, send: Any) -> None:
+        heartbeat = self._app._heartbeat
+        while True:
+            if outbox.frames:
+                data = outbox.take()
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                continue
+            if outbox.closed:
+                return
+            with anyio.move_on_after(heartbeat) as waiting:
+                await outbox.wait_filled()
+            if waiting.cancelled_caught:
+                body = b": heartbeat\n\n"
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def _read(events: AsyncIterator[sa.Event], select: Select, outbox: _Outbox) -> None:
+    try:
+        async for event in events:
+            data, last = select(event)
+            if data is not None:
+                outbox.put(data)
+            if last:
+                break
+            if len(outbox.frames) >= OUTBOX_FRAMES:
+                await outbox.wait_room()
+    except sa.SubscriberLaggedError as exc:
+        # the client resumes with Last-Event-ID: the last seq it received
+        outbox.close(error_frame(exc))
+    else:
+        outbox.close()

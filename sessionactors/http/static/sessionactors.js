@@ -1,0 +1,214 @@
+// sessionactors.js: a small browser client for the sessionactors HTTP gateway.
+//
+// No dependencies and no build step: copy this file next to your page and
+//
+//   import { SessionsClient } from "./sessionactors.js";
+//   const client = new SessionsClient({ token: "..." });          // token: optional
+//   const reply = await client.send("support-1", "Hello");         // the reply, once durable
+//   for await (const event of client.stream("support-1", "Hi")) {  // one turn's events
+//     if (event.type === "Delta") show(event.text);
+//   }
+//   const sub = client.subscribe("support-1", {                    // every event, resumed
+//     after: state.event_seq,                                      // after a drop with
+//     onEvent: (event) => render(event),                           // Last-Event-ID
+//     onStatus: (status) => console.log(status),
+//   });
+//   sub.close();
+//
+// Events are the gateway's JSON form: {"type": "Delta", "session_id": ..., "seq": ...,
+// ...fields}. Frames that are not session events have a lower-case type: "reply" (a
+// turn replayed for an idempotency key) and "error" ({"error", "message", "status"}).
+// It uses fetch (not EventSource), so that it can send a bearer token and POST.
+
+/** An HTTP error answered by the gateway: `status` and its JSON `body`. */
+export class HttpError extends Error {
+  constructor(status, body) {
+    super((body && body.message) || `HTTP ${status}`);
+    this.name = "HttpError";
+    this.status = status;
+    this.body = body;
+  }
+}
+
+/**
+ * Read server-sent events from a fetch Response: yields {id, data} with `data` parsed
+ * from JSON (comments and retry-only blocks are skipped).
+ */
+export async function* readEvents(response, signal) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  const onAbort = () => reader.cancel().catch(() => {});
+  if (signal) signal.addEventListener("abort", onAbort, { once: true });
+  try {
+    while (true) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        let id = null;
+        const data = [];
+        for (const line of block.split("\n")) {
+          if (line.startsWith("id:")) id = line.slice(3).trim();
+          else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+        }
+        if (data.length) yield { id, data: JSON.parse(data.join("\n")) };
+      }
+    }
+  } finally {
+    if (signal) signal.removeEventListener("abort", onAbort);
+    reader.releaseLock();
+  }
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/** A client of one gateway: JSON calls, one turn's stream, and resumable subscriptions. */
+export class SessionsClient {
+  /**
+   * @param {object} options
+   * @param {string} [options.baseUrl] where the gateway is mounted (default: this page's
+   *   directory)
+   * @param {string|null} [options.token] sent as `Authorization: Bearer <token>`
+   */
+  constructor({ baseUrl = undefined, token = null } = {}) {
+    this.baseUrl = new URL(baseUrl ?? ".", document.baseURI);
+    this.token = token;
+  }
+
+  /** The URL of a gateway path such as `sessions/a/events`. */
+  url(path) {
+    return new URL(path, this.baseUrl);
+  }
+
+  headers(extra = {}) {
+    const headers = { ...extra };
+    if (this.token) headers.Authorization = `Bearer ${this.token}`;
+    return headers;
+  }
+
+  sessionPath(name, rest = "") {
+    return `sessions/${encodeURIComponent(name)}${rest}`;
+  }
+
+  /** One JSON request; resolves to the answer, or throws an HttpError. */
+  async request(method, path, body = undefined) {
+    const init = { method, headers: this.headers({ Accept: "application/json" }) };
+    if (body !== undefined) {
+      init.body = JSON.stringify(body);
+      init.headers["Content-Type"] = "application/json";
+    }
+    const response = await fetch(this.url(path), init);
+    const data = await response.json().catch(() => null);
+    if (!response.ok) throw new HttpError(response.status, data);
+    return data;
+  }
+
+  /** A page of sessions: {sessions: [...], next: name or null}. */
+  listSessions({ limit = 100, after = null } = {}) {
+    const query = new URLSearchParams({ limit: String(limit) });
+    if (after !== null) query.set("after", after);
+    return this.request("GET", `sessions?${query}`);
+  }
+
+  /** A session's state: status, metadata, messages, pending_reviews, event_seq. */
+  getSession(name) {
+    return this.request("GET", this.sessionPath(name));
+  }
+
+  /** Send a message and wait for the reply ({turn_id, text, message, reviews}). */
+  send(name, text, { idempotencyKey = null, agent = null } = {}) {
+    return this.request("POST", this.sessionPath(name, "/messages"), {
+      text,
+      idempotency_key: idempotencyKey,
+      agent,
+    });
+  }
+
+  /** Send a message and iterate over that turn's events, ending with its outcome. */
+  async *stream(name, text, { idempotencyKey = null, agent = null, signal = undefined } = {}) {
+    const response = await fetch(this.url(this.sessionPath(name, "/messages")), {
+      method: "POST",
+      headers: this.headers({ Accept: "text/event-stream", "Content-Type": "application/json" }),
+      body: JSON.stringify({ text, idempotency_key: idempotencyKey, agent }),
+      signal,
+    });
+    if (!response.ok) throw new HttpError(response.status, await response.json().catch(() => null));
+    for await (const { data } of readEvents(response, signal)) yield data;
+  }
+
+  /**
+   * Every event of a session, live, resumed after a dropped connection with
+   * Last-Event-ID. `after`: the seq to start after (the `event_seq` of the state you
+   * rendered), or null for live events only. `onStatus` gets "connecting", "open",
+   * "reconnecting", or "failed" (with the error: a 4xx answer is not retried).
+   * `onExpired(error)` is called when the events after the cursor are gone (410):
+   * reload the state and subscribe again. Returns {close(), lastSeq}.
+   */
+  subscribe(name, { after = null, onEvent, onStatus = () => {}, onExpired = null, retryMs = 500 } = {}) {
+    const controller = new AbortController();
+    const subscription = {
+      lastSeq: after,
+      close: () => controller.abort(),
+    };
+    const run = async () => {
+      let delay = retryMs;
+      while (!controller.signal.aborted) {
+        onStatus("connecting");
+        try {
+          const headers = this.headers({ Accept: "text/event-stream" });
+          if (subscription.lastSeq !== null) headers["Last-Event-ID"] = String(subscription.lastSeq);
+          const response = await fetch(this.url(this.sessionPath(name, "/events")), {
+            headers,
+            signal: controller.signal,
+          });
+          if (!response.ok) throw new HttpError(response.status, await response.json().catch(() => null));
+          onStatus("open");
+          delay = retryMs;
+          for await (const { id, data } of readEvents(response, controller.signal)) {
+            if (id !== null) subscription.lastSeq = Number(id);
+            onEvent(data);
+          }
+        } catch (error) {
+          if (controller.signal.aborted) return;
+          if (error instanceof HttpError && error.status === 410 && onExpired) {
+            onStatus("failed", error);
+            onExpired(error);
+            return;
+          }
+          if (error instanceof HttpError && error.status < 500 && error.status !== 429) {
+            onStatus("failed", error);
+            return;
+          }
+        }
+        if (controller.signal.aborted) return;
+        onStatus("reconnecting");
+        await sleep(delay);
+        delay = Math.min(delay * 2, 3000);
+      }
+    };
+    run();
+    return subscription;
+  }
+
+  /** Cancel the turn in flight: {cancelled: bool}. */
+  cancel(name) {
+    return this.request("POST", this.sessionPath(name, "/cancel"));
+  }
+
+  /** Approve or deny a pending review; resolves to the turn's reply. */
+  review(name, reviewId, approve, note = null) {
+    return this.request("POST", this.sessionPath(name, `/reviews/${encodeURIComponent(reviewId)}`), {
+      approve,
+      note,
+    });
+  }
+
+  /** Delete a session everywhere. */
+  deleteSession(name) {
+    return this.request("DELETE", this.sessionPath(name));
+  }
+}

@@ -1,0 +1,91 @@
+"""Agents for the gateway tests: one behaviour, written as trio code and as asyncio code.
+
+The model echoes the user's words one at a time (``DELAY`` seconds apart), except
+"refund ORDER", which calls the ``refund`` tool; that tool needs a person's
+review, and after it ran the model answers "Refunded: <the tool's result>".
+``python -m sessionactors serve --agent chat_agents:agents`` serves the trio version.
+"""
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Sequence
+
+import trio
+
+import sessionactors as sa
+from sessionactors.testing import Scripted, ScriptedModel
+
+#: Seconds between two streamed words.
+DELAY = 0.05
+
+_WORD = re.compile(r"\s*\S+")
+
+
+def _decide(messages: Sequence[sa.Message]) -> tuple[str, str]:
+    """("text", reply) or ("call", order id) for the conversation so far."""
+    last = messages[-1]
+    if last.role is sa.Role.TOOL:
+        return "text", f"Refunded: {last.content}"
+    text = last.content
+    if text.startswith("refund "):
+        return "call", text.removeprefix("refund ").strip()
+    return "text", text
+
+
+def _call(order_id: str) -> sa.ToolCall:
+    return sa.ToolCall(
+        id=f"call-{order_id}", name="refund", arguments=f'{{"order_id": "{order_id}"}}'
+    )
+
+
+def trio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:
+    """The agents as trio code: a ScriptedModel and a trio tool."""
+
+    def step(request: sa.ModelRequest) -> Scripted:
+        kind, value = _decide(request.messages)
+        if kind == "call":
+            return Scripted(tool_calls=[_call(value)])
+        return Scripted(text=value, delay=delay)
+
+    async def refund(order_id: str) -> str:
+        await trio.sleep(0)
+        return f"order {order_id} refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, description="Refund an order.", requires_review=True)
+    return {"shop": sa.Agent(model=ScriptedModel([step], repeat=True), tools=[tool])}
+
+
+class AsyncioModel:
+    """The same model, as asyncio code (what an asyncio app's model looks like)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.tasks: list[bool] = []  # whether each stream ran in an asyncio task
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        self.tasks.append(asyncio.current_task() is not None)
+        kind, value = _decide(request.messages)
+        if kind == "call":
+            await asyncio.sleep(0)
+            call = _call(value)
+            yield sa.ToolCallChunk(0, id=call.id, name=call.name, arguments=call.arguments)
+            return
+        for word in _WORD.findall(value):
+            await asyncio.sleep(self.delay)
+            yield sa.TextChunk(word)
+
+
+def asyncio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:
+    """The agents as asyncio code: an asyncio model and an asyncio tool."""
+
+    async def refund(order_id: str) -> str:
+        await asyncio.sleep(0)
+        assert asyncio.current_task() is not None
+        return f"order {order_id} refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, description="Refund an order.", requires_review=True)
+    return {"shop": sa.Agent(model=AsyncioModel(delay), tools=[tool])}
+
+
+#: What ``serve --agent chat_agents:agents`` serves.
+agents = trio_agents()

@@ -1,0 +1,117 @@
+"""The chat page at / in headless Chromium (Debian's chromium driven by Playwright), against
+``python -m sessionactors serve`` behind a proxy whose connections the test can drop."""
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .proxy import open_proxy
+from .served import serve_command
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+pytestmark = pytest.mark.skipif(
+    not shutil.which(CHROMIUM) and not os.environ.get("SESSIONACTORS_REQUIRE_CHROMIUM"),
+    reason=f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)",
+)
+
+# Records the text of every streaming bubble as it changes, to see the reply grow.
+WATCH_STREAMING = """() => {
+  window.partials = [];
+  new MutationObserver(() => {
+    for (const el of document.querySelectorAll('.message.streaming'))
+      window.partials.push(el.textContent);
+  }).observe(document.getElementById('messages'),
+             {subtree: true, childList: true, characterData: true});
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """One headless Chromium for the module."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def test_the_chat_page_streams_resumes_reloads_and_reviews(browser: object, tmp_path: Path) -> None:
+    """On the chat page a person opens a session, sends with Enter and sees the reply grow
+    word by word; after a dropped connection the page resumes with Last-Event-ID and shows
+    what happened meanwhile exactly once; a reload shows the history; a refund waits for
+    the Approve button and then finishes."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'chat.db'}"
+    with (
+        serve_command(store, "--token", "page-token") as server,
+        open_proxy(server.port) as proxy,
+    ):
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"http://127.0.0.1:{proxy.port}/#token=page-token")
+        page.evaluate(WATCH_STREAMING)
+
+        # open a session, type, Enter: the reply streams in word by word
+        page.fill("#new-session", "web-1")
+        page.press("#new-session", "Enter")
+        expect(page.locator("#title")).to_have_text("web-1")
+        page.fill("#text", "hello there from the browser")
+        page.press("#text", "Enter")
+        assistant = page.locator(".message.assistant")
+        expect(assistant.last).to_have_text("hello there from the browser", timeout=10_000)
+        partials = page.evaluate("window.partials")
+        assert "hello there" in partials, partials  # seen before the reply was complete
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        expect(page.locator("#session-list button")).to_have_text(["web-1"])
+
+        # the connection drops; a reply happens meanwhile; the page resumes and shows it once
+        proxy.drop()
+        expect(page.locator("#status")).to_have_text("reconnecting", timeout=10_000)
+        headers = {"authorization": "Bearer page-token"}
+        reply = httpx.post(
+            f"{server.url}/sessions/web-1/messages",
+            json={"text": "sent while you were away"},
+            headers=headers,
+            timeout=10,
+        )
+        assert reply.json()["text"] == "sent while you were away"
+        proxy.restore()
+        expect(page.locator("#status")).to_have_text("connected", timeout=15_000)
+        expect(assistant.last).to_have_text("sent while you were away", timeout=10_000)
+        texts = ["hello there from the browser", "sent while you were away"]
+        expect(page.locator(".message")).to_have_text([texts[0], texts[0], texts[1], texts[1]])
+
+        # a reload shows the history
+        page.reload()
+        expect(page.locator(".message")).to_have_text([texts[0], texts[0], texts[1], texts[1]])
+
+        # a refund waits for a person; Approve lets it run and the reply arrives
+        page.fill("#text", "refund A1")
+        page.press("#text", "Enter")
+        review = page.locator(".review")
+        expect(review).to_contain_text('refund({"order_id": "A1"})', timeout=10_000)
+        review.locator("button.approve").click()
+        expect(assistant.last).to_have_text("Refunded: order A1 refunded", timeout=10_000)
+        expect(review).to_have_count(0)
+        expect(page.locator(".message.tool")).to_have_text(["order A1 refunded"])
+        page.close()
+        assert not errors

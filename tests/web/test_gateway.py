@@ -1,0 +1,558 @@
+"""The HTTP gateway against real servers on 127.0.0.1: hypercorn's trio worker with a trio
+registry, and uvicorn with an asyncio registry (asyncio model and tool)."""
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+import uvicorn
+
+import sessionactors as sa
+import sessionactors.aio as aio
+from sessionactors.http import SessionsApp, create_app, event_to_json
+
+from .chat_agents import asyncio_agents, trio_agents
+from .servers import serve_asyncio, serve_trio
+from .wsclient import Closed, open_websocket
+
+SSE = {"accept": "text/event-stream"}
+
+
+@attrs.frozen
+class Served:
+    url: str
+    app: SessionsApp
+    kind: str
+
+    def registry(self) -> Any:
+        assert self.app.registry is not None
+        return self.app.registry
+
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+@pytest.fixture(params=["hypercorn-trio", "uvicorn-asyncio"])
+def serve(request: pytest.FixtureRequest) -> Serve:
+    """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server."""
+    kind: str = request.param
+
+    @asynccontextmanager
+    async def start(*, delay: float = 0.02, **options: Any) -> AsyncIterator[Served]:
+        trio_side = kind == "hypercorn-trio"
+        agents = trio_agents(delay) if trio_side else asyncio_agents(delay)
+        app = create_app(agents=agents, **options)
+        async with (serve_trio if trio_side else serve_asyncio)(app) as url:
+            yield Served(url, app, kind)
+
+    return start
+
+
+class SSEReader:
+    """SSE messages of a response as (id or None, JSON data); comments and retry-only
+    blocks are skipped (a parser of its own: no async generator is left unclosed)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._lines = response.aiter_lines()
+
+    async def next(self) -> tuple[int | None, dict[str, Any]]:
+        event_id: int | None = None
+        data: list[str] = []
+        async for line in self._lines:
+            if line == "":
+                if data:
+                    return event_id, json.loads("\n".join(data))
+                event_id = None
+            elif line.startswith("id:"):
+                event_id = int(line[3:].strip())
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+        raise AssertionError("the stream ended")
+
+    async def until(self, stop: Callable[[dict[str, Any]], bool]) -> list:
+        """(id, data) of each message, up to and including the one ``stop`` accepts."""
+        out = []
+        while True:
+            out.append(await self.next())
+            if stop(out[-1][1]):
+                return out
+
+
+async def read_until(response: httpx.Response, stop: Callable[[dict[str, Any]], bool]) -> list:
+    """(id, data) of each SSE message, up to and including the one ``stop`` accepts."""
+    return await SSEReader(response).until(stop)
+
+
+def finished(data: dict[str, Any]) -> bool:
+    return data["type"] in ("TurnFinished", "TurnFailed", "TurnCancelled")
+
+
+async def wait_no_subscribers(served: Served) -> None:
+    with trio.fail_after(5):
+        while served.registry().statistics().subscribers:
+            await trio.sleep(0.01)
+
+
+async def test_messages_and_session_routes_answer_json(serve: Serve) -> None:
+    """A message creates the session and answers its reply; the session routes read,
+    list, cancel and delete it."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            r = await client.post("/sessions/chat-1/messages", json={"text": "hello there"})
+            assert r.status_code == 200, r.text
+            reply = r.json()
+            assert reply["text"] == "hello there"
+            assert reply["message"]["role"] == "assistant"
+            assert reply["reviews"] == []
+
+            state = (await client.get("/sessions/chat-1")).json()
+            assert state["status"] in ("idle", "running")
+            assert [m["content"] for m in state["messages"]] == ["hello there", "hello there"]
+            assert state["event_seq"] > 0
+            assert state["pending_reviews"] == []
+
+            await client.post("/sessions/chat-2/messages", json={"text": "second"})
+            page = (await client.get("/sessions", params={"limit": 1})).json()
+            assert [s["session_id"] for s in page["sessions"]] == ["chat-1"]
+            assert page["next"] == "chat-1"
+            rest = (await client.get("/sessions", params={"after": page["next"]})).json()
+            assert [s["session_id"] for s in rest["sessions"]] == ["chat-2"]
+            assert rest["next"] is None
+            assert rest["sessions"][0]["message_count"] == 2
+
+            r = await client.post("/sessions/chat-1/cancel")
+            assert r.json() == {"cancelled": False}
+            r = await client.delete("/sessions/chat-1")
+            assert r.json() == {"deleted": "chat-1"}
+            assert (await client.get("/sessions/chat-1")).status_code == 404
+
+
+async def test_a_streamed_message_sends_its_turn_events_with_seq_ids(serve: Serve) -> None:
+    """With Accept: text/event-stream a message answers its turn's events, each with its
+    seq as the SSE id, in the one JSON form, ending with the turn's outcome."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            body = {"text": "one two three"}
+            async with client.stream("POST", "/sessions/s/messages", json=body, headers=SSE) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                got = await read_until(r, finished)
+            types = [data["type"] for _, data in got]
+            assert types == ["TurnStarted", "Delta", "Delta", "Delta", "TurnFinished"]
+            assert [seq for seq, _ in got] == [data["seq"] for _, data in got]
+            seqs = [seq for seq, _ in got]
+            assert seqs == sorted(seqs)
+            assert "".join(d["text"] for _, d in got if d["type"] == "Delta") == "one two three"
+            turn = got[0][1]["turn_id"]
+            assert all(d["turn_id"] == turn and d["session_id"] == "s" for _, d in got)
+
+
+async def test_sse_resumes_from_the_middle_of_a_reply_with_every_event_once(
+    serve: Serve,
+) -> None:
+    """A client that drops the events stream mid-reply and reconnects with Last-Event-ID
+    gets every event exactly once, as a client that never dropped sees them."""
+    async with serve(delay=0.03) as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            await client.post("/sessions/r/messages", json={"text": "warm up"})
+            start = (await client.get("/sessions/r")).json()["event_seq"]
+            reference: list[tuple[int, dict]] = []
+            first: list[tuple[int, dict]] = []
+            second: list[tuple[int, dict]] = []
+            connected = trio.Event()
+
+            async def read_all() -> None:
+                params = {"after": start}
+                async with client.stream("GET", "/sessions/r/events", params=params) as r:
+                    reference.extend(await read_until(r, lambda d: d["type"] == "TurnFinished"))
+
+            async def drop_and_resume() -> None:
+                headers = {"last-event-id": str(start)}
+                async with client.stream("GET", "/sessions/r/events", headers=headers) as r:
+                    connected.set()
+                    reader = SSEReader(r)
+                    while sum(d["type"] == "Delta" for _, d in first) < 3:
+                        first.append(await reader.next())
+                    # leaving the block drops the connection in the middle of the reply
+                last = first[-1][0]
+                async with client.stream(
+                    "GET", "/sessions/r/events", headers={"last-event-id": str(last)}
+                ) as r:
+                    second.extend(await read_until(r, lambda d: d["type"] == "TurnFinished"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_all)
+                nursery.start_soon(drop_and_resume)
+                await connected.wait()
+                text = "one two three four five six seven eight"
+                r = await client.post("/sessions/r/messages", json={"text": text})
+                assert r.status_code == 200
+
+    seqs = [seq for seq, _ in reference]
+    assert seqs == list(range(start + 1, start + 1 + len(seqs)))
+    assert [seq for seq, _ in first + second] == seqs
+    assert [data for _, data in first + second] == [data for _, data in reference]
+    deltas = [d["text"] for _, d in reference if d["type"] == "Delta"]
+    assert "".join(deltas) == "one two three four five six seven eight"
+    assert 3 <= len(first) < len(reference)
+
+
+async def test_a_client_that_goes_away_mid_stream_leaves_no_subscription(serve: Serve) -> None:
+    """Clients that disconnect in the middle of an events stream or of a streamed message
+    leave the registry with no subscriber; the turn runs on and its reply is kept."""
+    async with serve(delay=0.03) as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            await client.post("/sessions/d/messages", json={"text": "hi"})
+            text = "a reply nobody reads to the end"
+            async with trio.open_nursery() as nursery:
+                listening = trio.Event()
+
+                async def listen_then_leave() -> None:
+                    async with client.stream("GET", "/sessions/d/events") as r:
+                        listening.set()
+                        await read_until(r, lambda d: d["type"] == "Delta")
+                    # leaving the block closes the connection mid-stream
+
+                nursery.start_soon(listen_then_leave)
+                await listening.wait()
+                body = {"text": text}
+                async with client.stream(
+                    "POST", "/sessions/d/messages", json=body, headers=SSE
+                ) as r:
+                    await read_until(r, lambda d: d["type"] == "Delta")
+            assert served.registry().statistics().subscribers <= 2
+            await wait_no_subscribers(served)
+            while (await client.get("/sessions/d")).json()["messages"][-1]["content"] != text:
+                await trio.sleep(0.02)
+
+
+async def test_event_streams_send_heartbeats_while_quiet(serve: Serve) -> None:
+    """An events stream with nothing to say sends a heartbeat comment every ``heartbeat``."""
+    async with serve(heartbeat=0.1) as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            await client.post("/sessions/h/messages", json={"text": "hi"})
+            async with client.stream("GET", "/sessions/h/events") as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if lines.count(": heartbeat") == 2:
+                        break
+            assert lines[0] == "retry: 1000"
+
+
+async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
+    """Unknown sessions and reviews answer 404, a pending review 409, bad input 422, a full
+    mailbox 429; each body names the error and says what to do."""
+    async with (
+        serve(mailbox_size=1, delay=0.05) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(20):
+            for method, path in [
+                ("GET", "/sessions/nobody"),
+                ("GET", "/sessions/nobody/events"),
+                ("POST", "/sessions/nobody/cancel"),
+                ("DELETE", "/sessions/nobody"),
+            ]:
+                r = await client.request(method, path)
+                assert r.status_code == 404, (method, path, r.text)
+                body = r.json()
+                assert body["error"] == "SessionNotFoundError"
+                assert body["session_id"] == "nobody"
+                assert "'nobody'" in body["message"]
+
+            await client.post("/sessions/e/messages", json={"text": "hi"})
+            bad = [
+                ("POST", "/sessions/e/messages", {"content": b"{not json"}),
+                ("POST", "/sessions/e/messages", {"json": ["a list"]}),
+                ("POST", "/sessions/e/messages", {"json": {"text": 42}}),
+                ("POST", "/sessions/e/messages", {"json": {"text": "x", "idempotency_key": 1}}),
+                ("POST", "/sessions/e/reviews/r1", {"json": {"approve": "yes"}}),
+                ("GET", "/sessions/e/events", {"headers": {"last-event-id": "abc"}}),
+                ("GET", "/sessions/e/events", {"params": {"after": "-1"}}),
+                ("GET", "/sessions", {"params": {"limit": "0"}}),
+                ("GET", "/sessions/bad%01name", {}),
+            ]
+            for method, path, kwargs in bad:
+                r = await client.request(method, path, **kwargs)
+                assert r.status_code == 422, (method, path, kwargs, r.text)
+                assert r.json()["message"]
+                if path.startswith("/sessions/e/"):
+                    assert r.json()["message"].startswith("session 'e'"), r.json()
+
+            r = await client.get("/no/such/route")
+            assert (r.status_code, r.json()["error"]) == (404, "NotFound")
+            r = await client.put("/sessions/e/messages", json={"text": "x"})
+            assert (r.status_code, r.json()["error"]) == (405, "MethodNotAllowed")
+            assert "POST" in r.headers["allow"]
+
+            r = await client.post("/sessions/e/reviews/r-none", json={"approve": True})
+            assert r.status_code == 404
+            assert r.json()["error"] == "ReviewNotFoundError"
+
+            # a pending review: the next message is refused with 409
+            reply = (await client.post("/sessions/e/messages", json={"text": "refund A7"})).json()
+            [review] = reply["reviews"]
+            assert review["tool_call"]["name"] == "refund"
+            r = await client.post("/sessions/e/messages", json={"text": "hello?"})
+            assert r.status_code == 409
+            assert r.json()["error"] == "SessionBusyError"
+            assert review["id"] in r.json()["message"]
+            r = await client.post(f"/sessions/e/reviews/{review['id']}", json={"approve": True})
+            assert r.json()["text"] == "Refunded: order A7 refunded"
+
+            # a turn runs, one waits in the mailbox (of 1): the next is refused with 429
+            async with trio.open_nursery() as nursery:
+                running, queued = trio.Event(), trio.Event()
+
+                async def stream(text: str, started: trio.Event, wait_for: str) -> None:
+                    body = {"text": text}
+                    async with client.stream(
+                        "POST", "/sessions/e/messages", json=body, headers=SSE
+                    ) as r:
+                        assert r.status_code == 200
+                        reader = SSEReader(r)
+                        if wait_for != "headers":
+                            await reader.until(lambda d: d["type"] == wait_for)
+                        started.set()
+                        await reader.until(finished)
+
+                nursery.start_soon(stream, "one two three four five six seven", running, "Delta")
+                await running.wait()
+                nursery.start_soon(stream, "queued", queued, "headers")
+                await queued.wait()
+                r = await client.post("/sessions/e/messages", json={"text": "one too many"})
+                assert r.status_code == 429, r.text
+                assert r.json()["error"] == "MailboxFullError"
+
+
+async def test_a_token_is_required_when_set(serve: Serve) -> None:
+    """With a token, API requests without it (or with another) answer 401; the header or
+    ?access_token= lets them through; the chat page itself needs none."""
+    async with serve(token="s3cret") as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic x"}):
+                r = await client.get("/sessions", headers=headers)
+                assert r.status_code == 401
+                assert r.headers["www-authenticate"].startswith("Bearer")
+                assert r.json()["error"] == "Unauthorized"
+            r = await client.get("/sessions", headers={"authorization": "Bearer s3cret"})
+            assert r.status_code == 200
+            r = await client.get("/sessions", params={"access_token": "s3cret"})
+            assert r.status_code == 200
+            r = await client.get("/")
+            assert r.status_code == 200
+            assert "<html" in r.text
+            r = await client.get("/sessionactors.js")
+            assert "export class SessionsClient" in r.text
+
+
+async def test_the_authorize_hook_decides_per_session_and_action(serve: Serve) -> None:
+    """``authorize(request, session_name, action)`` sees every API request; false answers 403."""
+    seen: list[tuple[str | None, str]] = []
+
+    async def authorize(request: Any, name: str | None, action: str) -> bool:
+        seen.append((name, action))
+        return request.headers.get("x-tenant") == "acme" and not (name or "").startswith("other")
+
+    async with (
+        serve(authorize=authorize) as served,
+        httpx.AsyncClient(base_url=served.url, headers={"x-tenant": "acme"}) as client,
+    ):
+        with trio.fail_after(10):
+            assert (
+                await client.post("/sessions/a/messages", json={"text": "x"})
+            ).status_code == 200
+            r = await client.post("/sessions/other-1/messages", json={"text": "x"})
+            assert r.status_code == 403
+            assert r.json()["error"] == "Forbidden"
+            r = await client.get("/sessions", headers={"x-tenant": "evil"})
+            assert r.status_code == 403
+    assert ("a", "send") in seen
+    assert ("other-1", "send") in seen
+    assert (None, "list") in seen
+
+
+async def test_a_replayed_idempotent_message_streams_its_stored_reply(serve: Serve) -> None:
+    """A streamed message whose idempotency key already completed answers one "reply"
+    frame with the stored reply, and runs no second turn."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            body = {"text": "only once", "idempotency_key": "k1"}
+            first = (await client.post("/sessions/i/messages", json=body)).json()
+            async with client.stream("POST", "/sessions/i/messages", json=body, headers=SSE) as r:
+                [(seq, data)] = await read_until(r, lambda d: d["type"] == "reply")
+            assert seq is None
+            assert data["turn_id"] == first["turn_id"]
+            assert data["text"] == "only once"
+            assert len((await client.get("/sessions/i")).json()["messages"]) == 2
+
+
+async def test_a_streamed_review_answer_sends_the_rest_of_the_turn(serve: Serve) -> None:
+    """Approving a review with Accept: text/event-stream streams the turn's remaining events."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            reply = (await client.post("/sessions/v/messages", json={"text": "refund B2"})).json()
+            review_id = reply["reviews"][0]["id"]
+            state = (await client.get("/sessions/v")).json()
+            assert [r["id"] for r in state["pending_reviews"]] == [review_id]
+            async with client.stream(
+                "POST", f"/sessions/v/reviews/{review_id}", json={"approve": True}, headers=SSE
+            ) as r:
+                got = await read_until(r, finished)
+            types = [d["type"] for _, d in got]
+            assert types[0] == "ReviewResolved"
+            assert "ToolResult" in types
+            assert got[-1][1]["message"]["content"] == "Refunded: order B2 refunded"
+
+
+async def test_the_websocket_carries_events_and_takes_messages(serve: Serve) -> None:
+    """A WebSocket gets the session's events in their JSON form and takes messages and
+    cancels; bad frames get error frames, and the connection lives on."""
+    async with serve() as served:
+        ws_url = served.url.replace("http://", "ws://") + "/sessions/w/ws"
+        with trio.fail_after(10):
+            async with open_websocket(ws_url) as ws:
+                await ws.send("not json")
+                error = await ws.receive()
+                assert (error["type"], error["status"]) == ("error", 422)
+                assert error["error"] == "InvalidJSON"
+                assert error["session_id"] == "w"
+                await ws.send({"type": "message", "text": "over the socket"})
+                frames = []
+                while not frames or frames[-1]["type"] != "TurnFinished":
+                    frames.append(await ws.receive())
+                assert frames[0]["type"] == "submitted"
+                events = [f for f in frames if "seq" in f]
+                assert "".join(e["text"] for e in events if e["type"] == "Delta") == (
+                    "over the socket"
+                )
+                await ws.send({"type": "cancel"})
+                while (frame := await ws.receive())["type"] != "cancelled":
+                    pass
+                assert frame == {"type": "cancelled", "cancelled": False}
+            await wait_no_subscribers(served)
+
+
+async def test_the_websocket_of_an_unknown_session_is_closed_with_404(serve: Serve) -> None:
+    """Without create_sessions, a WebSocket to an unknown session gets a 404 error frame and
+    close code 4404; a wrong token gets 401 and 4401."""
+    async with serve(create_sessions=False, token="t") as served:
+        base = served.url.replace("http://", "ws://")
+        with trio.fail_after(10):
+            for path, status in [
+                ("/sessions/nope/ws?access_token=t", 404),
+                ("/sessions/x/ws", 401),
+            ]:
+                async with open_websocket(base + path) as ws:
+                    error = await ws.receive()
+                    assert error["status"] == status
+                    with pytest.raises(Closed) as closed:
+                        await ws.receive()
+                    assert closed.value.code == 4000 + status
+
+
+async def test_a_draining_app_ends_streams_and_answers_503(serve: Serve) -> None:
+    """``drain()`` ends open event streams at once; later requests answer 503."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            await client.post("/sessions/z/messages", json={"text": "hi"})
+            async with client.stream("GET", "/sessions/z/events") as r:
+                lines = r.aiter_lines()
+                assert await lines.__anext__() == "retry: 1000"  # the stream is open
+                served.app.drain()
+                rest = [line async for line in lines]  # and it ends
+            assert ": heartbeat" not in rest
+            r = await client.get("/sessions/z")
+            assert r.status_code == 503
+            assert r.json()["error"] == "ShuttingDown"
+
+
+async def test_an_open_trio_registry_can_be_served_under_hypercorn() -> None:
+    """``create_app(registry)`` serves a registry the caller opened in the same trio run."""
+    async with sa.open_registry(agents=trio_agents()) as registry:
+        app = create_app(registry)
+        assert app.registry is registry
+        async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+            with trio.fail_after(10):
+                r = await client.post("/sessions/o/messages", json={"text": "mine"})
+                assert r.json()["text"] == "mine"
+        assert [m.content for m in await registry.ref("o").history()] == ["mine", "mine"]
+
+
+async def test_a_trio_registry_served_by_asyncio_is_refused_with_a_clear_error() -> None:
+    """A trio registry served by uvicorn answers 500 WrongLoop, saying what to use instead."""
+    async with sa.open_registry(agents=trio_agents()) as registry:
+        app = create_app(registry)
+        async with serve_asyncio(app) as url, httpx.AsyncClient(base_url=url) as client:
+            with trio.fail_after(10):
+                r = await client.get("/sessions")
+        assert r.status_code == 500
+        assert r.json()["error"] == "WrongLoop"
+        assert "sessionactors.aio.open_registry" in r.json()["message"]
+
+
+def test_create_app_checks_its_arguments() -> None:
+    """create_app takes a registry or registry options, not both and not neither."""
+    with pytest.raises(TypeError, match="agents="):
+        create_app()
+    with pytest.raises(TypeError, match="not str"):
+        create_app("registry")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="heartbeat"):
+        create_app(agents=trio_agents(), heartbeat=0)
+
+
+def test_event_to_json_is_the_documented_form() -> None:
+    """An event's JSON form is its class name as "type", then its fields, records nested."""
+    message = sa.Message.create(sa.Role.ASSISTANT, "hi")
+    event = sa.TurnFinished(session_id="s", seq=7, turn_id="t", message=message)
+    data = event_to_json(event)
+    assert list(data)[:4] == ["type", "session_id", "seq", "turn_id"]
+    assert data["type"] == "TurnFinished"
+    assert data["message"]["role"] == "assistant"
+    assert data["message"]["created_at"] == message.created_at.isoformat()
+    assert json.loads(json.dumps(data)) == data
+    status = event_to_json(sa.StatusChanged(session_id="s", seq=8, status=sa.Status.IDLE))
+    assert status == {"type": "StatusChanged", "session_id": "s", "seq": 8, "status": "idle"}
+
+
+async def test_an_open_asyncio_registry_can_be_served_under_uvicorn() -> None:
+    """``create_app(registry)`` serves an aio registry opened on the loop that runs uvicorn."""
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def program() -> None:
+        async with aio.open_registry(agents=asyncio_agents(delay=0.001)) as registry:
+            app = create_app(registry)
+            assert app.registry is registry
+            config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+            server = state["server"] = uvicorn.Server(config)
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.01)
+            state["port"] = server.servers[0].sockets[0].getsockname()[1]
+            started.set()
+            await serving
+            state["history"] = [m.content for m in await registry.ref("o").history()]
+
+    thread = threading.Thread(target=asyncio.run, args=(program(),))
+    thread.start()
+    try:
+        with trio.fail_after(10):
+            await trio.to_thread.run_sync(started.wait, abandon_on_cancel=True)
+            url = f"http://127.0.0.1:{state['port']}"
+            async with httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/sessions/o/messages", json={"text": "mine too"})
+                assert r.json()["text"] == "mine too"
+    finally:
+        if "server" in state:
+            state["server"].should_exit = True
+        await trio.to_thread.run_sync(thread.join)
+    assert state["history"] == ["mine too", "mine too"]

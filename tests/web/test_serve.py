@@ -1,0 +1,77 @@
+"""``python -m sessionactors serve``: it serves, and shuts down gracefully on a signal."""
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import sessionactors as sa
+
+from .chat_agents import trio_agents
+from .served import HERE, serve_command
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_shuts_down_gracefully_on_a_signal(tmp_path: Path, stop: int) -> None:
+    """On SIGINT or SIGTERM the server ends its open event streams, finishes, hibernates
+    every session to the store and exits with status 0."""
+    path = tmp_path / "served.db"
+    connected, ended = threading.Event(), threading.Event()
+    with (
+        serve_command(f"sqlite:///{path}", stop=stop) as server,
+        httpx.Client(base_url=server.url, timeout=10) as client,
+    ):
+        reply = client.post("/sessions/kept/messages", json={"text": "keep me"})
+        assert reply.json()["text"] == "keep me"
+
+        def listen() -> None:
+            with (
+                httpx.Client(base_url=server.url, timeout=30) as listener,
+                listener.stream("GET", "/sessions/kept/events") as response,
+            ):
+                for _ in response.iter_lines():
+                    connected.set()  # and read on, until the server ends the stream
+            ended.set()
+
+        thread = threading.Thread(target=listen)
+        thread.start()
+        assert connected.wait(timeout=10)
+    thread.join(timeout=30)
+    assert ended.is_set()
+
+    async def reopen() -> list[str]:
+        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
+            [info] = await reg.sessions()
+            assert info.status is sa.Status.HIBERNATED
+            return [m.content for m in await reg.ref("kept").history()]
+
+    assert trio.run(reopen) == ["keep me", "keep me"]
+
+
+def test_serve_refuses_bad_arguments_with_a_message() -> None:
+    """A store URL or an agent that cannot be used exits with status 2 and says why."""
+    cases = [
+        (["--store", "ftp://x", "--agent", "chat_agents:agents"], "not a store URL"),
+        (["--store", "memory://", "--agent", "chat_agents:nothing"], "has no 'nothing'"),
+        (["--store", "memory://", "--agent", "chat_agents:DELAY"], "not a sessionactors.Agent"),
+        (["--store", "memory://", "--agent", "chat_agents"], "MODULE:ATTRIBUTE"),
+    ]
+    processes = [  # at once: each takes a moment to start
+        subprocess.Popen(
+            [sys.executable, "-m", "sessionactors", "serve", *args],
+            cwd=HERE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, _ in cases
+    ]
+    for process, (_, said) in zip(processes, cases, strict=True):
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 2, stderr
+        assert said in stderr
