@@ -39,6 +39,7 @@ class _App(Protocol):
     @property
     def _heartbeat(self) -> float: ...
 
+
 __all__ = ["EventStreamResponse", "FrameCache", "Stream", "error_frame", "frame"]
 
 log = logging.getLogger("sessionactors.http")
