@@ -50,7 +50,16 @@ from ._history import rewind_end, split_for_keep_last
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
 from ._pending import Pending
-from ._records import Message, ReviewRequest, Role, Status, ToolCall, new_id, utcnow
+from ._records import (
+    Message,
+    ReviewRequest,
+    Role,
+    Status,
+    ToolCall,
+    new_id,
+    storable,
+    utcnow,
+)
 from ._requests import Call, Hibernate, Reply, ResolveReview, Rewind, SetSummary, Truncate
 from ._session import LiveSession
 from ._tool_calls import (
@@ -703,7 +712,7 @@ class Actor:
         outcome: Event
         error: BaseException | None = None
         if cancelled:
-            text = "".join(self.partial)
+            text = storable("".join(self.partial))
             if text:
                 self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)

@@ -17,7 +17,7 @@ import trio
 from ._errors import MaxStepsError
 from ._history import Estimator, default_estimate
 from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
-from ._records import Message, Role, ToolCall, new_id
+from ._records import Message, Role, ToolCall, new_id, storable
 
 __all__ = ["Agent", "Compaction", "TurnContext", "run_turn"]
 
@@ -134,9 +134,9 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         calls.append(
             ToolCall(
-                id=p.id or new_id("call"),
-                name=p.name,
-                arguments="".join(p.arguments) or "{}",
+                id=storable(p.id) if p.id else new_id("call"),
+                name=storable(p.name),
+                arguments=storable("".join(p.arguments)) or "{}",
             )
         )
     return tuple(calls)
@@ -144,10 +144,14 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
 
 def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -> None:
     if isinstance(chunk, TextChunk):
-        if chunk.text:
-            ctx.partial.append(chunk.text)
-            ctx.delta(chunk.text)
+        text = chunk.text
+        if text.__class__ is not str:
+            raise TypeError(f"the model streamed a TextChunk whose text is {text!r}, not a str")
+        if text:
+            ctx.partial.append(text)
+            ctx.delta(storable(text))
     elif isinstance(chunk, ToolCallChunk):
+        _check_call_chunk(chunk)
         p = parts.get(chunk.index)
         if p is None:
             p = parts[chunk.index] = _CallParts()
@@ -159,6 +163,20 @@ def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -
             p.arguments.append(chunk.arguments)
     else:
         raise TypeError(f"the model streamed {chunk!r}, not a TextChunk or ToolCallChunk")
+
+
+def _check_call_chunk(chunk: ToolCallChunk) -> None:
+    """A fragment of a tool call holds what a stored call can hold, or fails the turn."""
+    if isinstance(chunk.index, bool) or not isinstance(chunk.index, int):
+        raise TypeError(f"the model streamed a ToolCallChunk whose index is {chunk.index!r}")
+    for field in ("id", "name"):
+        value = getattr(chunk, field)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"the model streamed a ToolCallChunk whose {field} is {value!r}")
+    if not isinstance(chunk.arguments, str):
+        raise TypeError(
+            f"the model streamed a ToolCallChunk whose arguments are {chunk.arguments!r}"
+        )
 
 
 async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
@@ -184,7 +202,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 with trio.CancelScope(shield=True):
                     await aclose()
             raise
-        text = "".join(ctx.partial)
+        text = storable("".join(ctx.partial))
         ctx.partial.clear()
         calls = assemble_calls(parts)
         message = Message.create(Role.ASSISTANT, text, tool_calls=calls)

@@ -27,6 +27,7 @@ __all__ = [
     "Status",
     "ToolCall",
     "new_id",
+    "storable",
     "utcnow",
 ]
 
@@ -51,6 +52,23 @@ def _reseed_ids() -> None:
 
 
 os.register_at_fork(after_in_child=_reseed_ids)
+
+
+def storable(text: str) -> str:
+    """``text`` as it can be stored: valid Unicode.
+
+    Text from a model or a tool may hold lone surrogates (what ``json.loads`` makes
+    of ``"\\ud800"``, or ``os.fsdecode`` of a file name that is not UTF-8), which no
+    store can encode. A surrogate pair split across two pieces is joined again, and
+    every lone surrogate becomes U+FFFD, the replacement character.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def new_id(prefix: str) -> str:

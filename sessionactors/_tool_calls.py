@@ -15,7 +15,7 @@ from ._agent import Agent
 from ._events import Event, HistoryEdited, ReviewRequested, ToolCallStarted, ToolResult
 from ._history import split_for_keep_last
 from ._model import ModelRequest, TextChunk
-from ._records import Message, ReviewRequest, Role, ToolCall, new_id, utcnow
+from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
 from ._session import LiveSession
 
 __all__ = [
@@ -64,7 +64,7 @@ async def _invoke(agent: Agent, call: ToolCall) -> tuple[str, bool]:
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     await trio.lowlevel.checkpoint_if_cancelled()
     outcome = await tool._run(call.arguments)
-    content = outcome.content
+    content = storable(outcome.content)
     if len(content) > MAX_TOOL_RESULT_CHARS:
         content = (
             content[:MAX_TOOL_RESULT_CHARS]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -421,3 +422,61 @@ async def test_a_client_connected_before_an_unclean_stop_resumes() -> None:
     finished = [e.message.content for e in replayed if isinstance(e, sa.TurnFinished)]
     assert finished == [f"after {i}" for i in range(40)]
     assert all(e.seq > last for e in replayed)
+
+
+class ChunkModel:
+    """Streams the given chunks, as they are (a model under test)."""
+
+    def __init__(self, *chunks: object) -> None:
+        self.chunks = chunks
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        for chunk in self.chunks:
+            yield chunk  # type: ignore[misc]
+
+
+async def test_a_model_streaming_wrong_types_fails_its_turn_and_stores_nothing_bad() -> None:
+    """A tool-call fragment with an int name fails the turn; the session reloads."""
+    store = MemoryStore()
+    model = ChunkModel(sa.ToolCallChunk(index=0, name=123))  # type: ignore[arg-type]
+    async with sa.open_registry(store=store, agents={"m": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("typed")
+        with pytest.raises(sa.TurnFailedError, match="name"):
+            await ref.send("hi")
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        history = await registry.ref("typed").history()
+    assert [m.role for m in history] == [sa.Role.USER]
+
+
+async def test_text_that_is_not_valid_unicode_is_stored_repaired() -> None:
+    """Lone surrogates from a model or a tool become U+FFFD, a pair split across two
+    chunks is joined, and the session reloads after a restart, identical."""
+
+    @sa.tool
+    async def listing() -> str:
+        """A file name that is not UTF-8."""
+        return os.fsdecode(b"report-\xff.txt")
+
+    call = sa.ToolCall(id="c1", name="listing", arguments="{}")
+    split = "\ud83d\ude00"  # two lone surrogates: the halves of one emoji
+    tool_model = ScriptedModel([Scripted(tool_calls=[call]), Scripted(chunks=["ok"])])
+    agents = {
+        "text": sa.Agent(
+            model=ChunkModel(sa.TextChunk("smile " + split[0]), sa.TextChunk(split[1]))
+        ),
+        "lone": sa.Agent(model=ChunkModel(sa.TextChunk("broken \ud800 end"))),
+        "tool": sa.Agent(model=tool_model, tools=[listing]),
+    }
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        assert (await (await registry.spawn("a", agent="text")).send("hi")).text == "smile 😀"
+        assert (
+            await (await registry.spawn("b", agent="lone")).send("hi")
+        ).text == "broken \ufffd end"
+        tool_ref = await registry.spawn("c", agent="tool")
+        await tool_ref.send("list")
+        before = {name: await registry.ref(name).history() for name in "abc"}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        after = {name: await registry.ref(name).history() for name in "abc"}
+    assert after == before
+    assert "report-\ufffd.txt" in [m.content for m in after["c"]]
