@@ -125,6 +125,11 @@ EXPECTED = {
         "passed: test_a_model_failure_fails_the_turn_not_the_session",
         "passed: test_a_turn_held_open_can_be_cancelled",
     ],
+    "howto_testing_stores.py": [
+        "passed: test_a_store_fault_crashes_the_session_and_it_recovers",
+        "passed: test_a_reply_returns_once_its_turn_is_durable",
+        "passed: test_the_check_fails_over_a_store_that_loses_appends",
+    ],
     "howto_custom_store.py": [
         "implements the protocol: True",
         "check_store: passed",
