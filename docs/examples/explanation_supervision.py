@@ -3,23 +3,11 @@
 import trio
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel
-
-
-class FlakyStore(sa.MemoryStore):
-    """A MemoryStore whose next journal append fails, like a disk fault would."""
-
-    fail_next_append = False
-
-    async def append(self, session_id, entries, info, *, fence=None):
-        if self.fail_next_append:
-            self.fail_next_append = False
-            raise OSError("simulated disk fault")
-        await super().append(session_id, entries, info, fence=fence)
+from sessionactors.testing import EchoModel, FaultyStore
 
 
 async def main() -> None:
-    store = FlakyStore()
+    store = FaultyStore()  # a MemoryStore whose operations fail when told to
     agent = sa.Agent(model=EchoModel())
     async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
         ref = await registry.spawn("chat")
@@ -29,7 +17,7 @@ async def main() -> None:
 
         # The store fails while the turn is being made durable: that is not the agent's
         # fault, so the actor itself crashes. Its waiter is told; the supervisor restarts it.
-        store.fail_next_append = True
+        store.fail("append", session_id="chat", error=OSError("simulated disk fault"))
         try:
             await ref.send("second")
         except sa.SessionCrashedError as exc:

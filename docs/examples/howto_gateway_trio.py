@@ -54,7 +54,7 @@ async def main() -> None:
                 print("events:", [e["type"] for e in events])
 
                 # Resuming after a seq, as a browser does with Last-Event-ID.
-                middle = events[3]["seq"]
+                middle = events[1]["seq"]  # the first Delta
                 resume = {**SSE, "last-event-id": str(middle)}
                 async with client.stream("GET", "/sessions/ada/events", headers=resume) as r:
                     rest = await read_events(r, until="TurnFinished")

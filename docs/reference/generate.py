@@ -45,7 +45,10 @@ INTRO = {
     "sessionactors.models": (
         "Adapters for real model servers. `OpenAIChatModel` needs the `openai` extra."
     ),
-    "sessionactors.testing": ("Fakes for tests and examples, and the store conformance suite."),
+    "sessionactors.testing": (
+        "Fakes for tests and examples: models, stores that fail or break on purpose, a "
+        "reader of a session's journal, and the store conformance suite."
+    ),
     "sessionactors.aio": (
         "The library from asyncio: a registry opened inside a running asyncio loop (trio's "
         "guest mode on that loop), with the methods, records, events and errors of the trio "
