@@ -122,6 +122,12 @@ EXPECTED = {
         "passed: test_a_model_failure_fails_the_turn_not_the_session",
         "passed: test_a_turn_held_open_can_be_cancelled",
     ],
+    "howto_testing_stores.py": [
+        "passed: test_a_store_fault_crashes_the_session_and_it_restarts",
+        "passed: test_a_stalled_store_holds_the_reply_until_the_write_lands",
+        "passed: test_the_durability_check_passes_and_catches_a_store_that_loses_writes",
+        "flaws: lose_appends, ack_appends_early, lose_snapshots",
+    ],
     "howto_custom_store.py": [
         "implements the protocol: True",
         "check_store: passed",
