@@ -7,7 +7,8 @@ store, as if they were stuck, so that only a fenced write can notice a lost
 lease); "nofence" (stale-write, and writes drop their fencing token: broken
 on purpose, a negative control); or "ack-early" (durability="hibernate": replies
 before the turn is durable, another negative control); or "broken-claim" (a claim
-that hands out a token without looking at the current holder: a negative control).
+that hands out a lease whoever holds it, and writes without a fencing token: a
+negative control).
 
 Each stdin line is a command ``{"id": n, "op": ..., ...}``; the answer is one
 stdout line ``{"id": n, ...}``. ``traffic`` also prints ``{"ack": ...}`` after
@@ -27,9 +28,7 @@ import attrs
 import trio
 
 import sessionactors as sa
-from sessionactors._codec import load_events
-from sessionactors.stores import JournalEntry, Lease
-from sessionactors.stores._redis import RedisStore
+from sessionactors.stores import JournalEntry, Lease, RedisStore, load_events
 from sessionactors.testing import EchoModel
 
 
@@ -38,6 +37,9 @@ class LoggingStore(RedisStore):
 
     mode: str = "normal"
     writes: list[dict[str, Any]]
+
+    def _fence(self, fence: int | None) -> int | None:
+        return None if self.mode in ("nofence", "broken-claim") else fence
 
     async def _logged(self, kind: str, texts: list[str], write: Any) -> None:
         record: dict[str, Any] = {"t": time.monotonic(), "kind": kind, "texts": texts}
@@ -60,11 +62,13 @@ class LoggingStore(RedisStore):
         texts = []
         for entry in entries:
             for event in load_events(entry.data):
-                if isinstance(event, sa.MessageAdded) and event.message.role is sa.Role.USER:
-                    texts.append(event.message.content)
-        if self.mode == "nofence":
-            fence = None
-        await self._logged("append", texts, super().append(session_id, entries, info, fence=fence))
+                message = (
+                    event.message if isinstance(event, sa.TurnStarted | sa.MessageAdded) else None
+                )
+                if message is not None and message.role is sa.Role.USER:
+                    texts.append(message.content)
+        write = super().append(session_id, entries, info, fence=self._fence(fence))
+        await self._logged("append", texts, write)
 
     async def write_snapshot(
         self,
@@ -76,15 +80,19 @@ class LoggingStore(RedisStore):
         trim_upto: int,
         fence: int | None = None,
     ) -> None:
-        if self.mode == "nofence":
-            fence = None
         write = super().write_snapshot(
-            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=self._fence(fence)
         )
         await self._logged("snapshot", [], write)
 
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
+        lease = await super().claim(session_id, owner, ttl)
+        if lease is None and self.mode == "broken-claim":  # another holds it: take it anyway
+            return Lease(owner=owner, fence=0)
+        return lease
+
     async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
-        if self.mode in ("stale-write", "nofence"):
+        if self.mode in ("stale-write", "nofence", "broken-claim"):
             await trio.lowlevel.checkpoint()
             return True
         return await super().renew(session_id, lease, ttl)
@@ -155,9 +163,9 @@ async def serve(registry: sa.Registry, store: LoggingStore, nursery: trio.Nurser
             if op == "quit":
                 emit({"id": rid, "ok": True})
                 return
-            if op == "spawn":
+            if op == "spawn":  # spawned and woken here: this worker owns them
                 for name in cmd["names"]:
-                    await registry.get_or_spawn(name)
+                    await (await registry.get_or_spawn(name)).state()
                 emit({"id": rid, "ok": True})
             elif op == "send":
                 nursery.start_soon(send_one, registry, cmd)
@@ -176,27 +184,18 @@ async def serve(registry: sa.Registry, store: LoggingStore, nursery: trio.Nurser
                 await registry.ref(cmd["name"]).hibernate()
                 emit({"id": rid, "ok": True, "live": registry.live()})
             elif op == "live":
-                emit({"id": rid, "live": registry.live(), "fences": fences(registry)})
+                emit({"id": rid, "live": registry.live()})
             elif op == "history":
                 history = await registry.ref(cmd["name"]).history()
                 emit({"id": rid, "messages": [[m.role.value, m.content] for m in history]})
             elif op == "writes":
                 emit({"id": rid, "writes": store.writes})
             elif op == "stats":
-                assert registry._dispatcher.router is not None
-                emit({"id": rid, **attrs.asdict(registry._dispatcher.router.stats)})
+                emit({"id": rid, **attrs.asdict(registry.statistics())})
             else:
                 emit({"id": rid, "error": "ValueError", "message": f"unknown op {op!r}"})
         except Exception as exc:
             emit({"id": rid, **error_of(exc)})
-
-
-def fences(registry: sa.Registry) -> dict[str, int | None]:
-    out: dict[str, int | None] = {}
-    for name in registry.live():
-        actor = registry._sessions.live[name]
-        out[name] = actor.lease.fence if actor.lease is not None else None
-    return out
 
 
 async def send_one(registry: sa.Registry, cmd: dict[str, Any]) -> None:
@@ -225,31 +224,15 @@ async def start_turn(registry: sa.Registry, cmd: dict[str, Any]) -> None:
 
 async def wake(registry: sa.Registry, cmd: dict[str, Any]) -> None:
     name = cmd["name"]
-    if registry._dispatcher.router is not None:  # race as a worker that never saw the session
-        registry._dispatcher.router._owners.pop(name, None)
     try:
         history = await registry.ref(name).history()
     except Exception as exc:
         emit({"id": cmd["id"], **error_of(exc)})
         return
-    fence = fences(registry).get(name)
-    emit({"id": cmd["id"], "live": name in registry.live(), "fence": fence, "n": len(history)})
+    emit({"id": cmd["id"], "live": name in registry.live(), "n": len(history)})
 
 
 async def main(url: str, prefix: str, worker: str, ttl: float, mode: str, delay: float) -> None:
-    if mode == "broken-claim":
-        from coredis.commands import Script
-
-        from sessionactors.stores import _redis
-
-        _redis._CLAIM = Script(  # type: ignore[misc]
-            script="""
-local fence = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return fence
-"""
-        )
     store = LoggingStore(url, prefix=prefix)
     store.mode = mode
     store.writes = []
