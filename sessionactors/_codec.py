@@ -1,7 +1,9 @@
 """The codec: snapshot, journal and info bytes to records and back.
 
 Pure (no trio). Everything goes through one private cattrs converter, built
-by :func:`_make_converter`, and msgpack.
+by :func:`_make_converter` when this module loads, and msgpack. Every hook
+the converter will ever use is made then too (:func:`_build_hooks`), so
+decoding stored bytes never generates, compiles or executes code.
 
 Formats (version 1):
 
@@ -9,36 +11,58 @@ Formats (version 1):
   them ``schema_version``, the version of the format. Older versions are
   carried forward by :data:`MIGRATIONS`; newer ones raise
   :class:`SnapshotVersionError`.
-* A journal entry is one event: a msgpack map of the event's fields plus its
-  tag from :data:`EVENT_TAGS` under ``"type"``.
+* A journal entry is one event, or the events of one commit: a msgpack map
+  of the event's fields plus its tag from :data:`EVENT_TAGS` under
+  ``"type"``, or an array of such maps.
 * A session info is a msgpack map of the fields of :class:`SessionInfo`.
 * Datetimes are msgpack Timestamps (UTC, microseconds kept), enums their
-  string values, tuples arrays. Metadata is plain msgpack data: maps with
-  string keys, arrays, strings, bytes, numbers, booleans, nil and timestamps,
-  nested at most :data:`MAX_METADATA_DEPTH` deep. A tuple in metadata is
-  written as an array and so comes back as a list.
+  string values, tuples arrays. Every integer field of a record is a seq or
+  a count: from 0 to :data:`MAX_SEQ` (2**53 - 1), so that arithmetic on it
+  (a wake's seq jump) can never overflow a 64-bit store column, and a double
+  (Lua, JSON) holds it exactly. Metadata is plain msgpack data: maps with
+  string keys, arrays, strings, bytes, numbers, booleans, nil and
+  timestamps, nested at most :data:`MAX_METADATA_DEPTH` deep. A tuple in
+  metadata is written as an array and so comes back as a list.
 
 Rules for changing a format: a new field gets a default (older bytes keep
-loading), a field's type never changes, a tag is never reused; a change that
-older bytes cannot simply default bumps :data:`SCHEMA_VERSION` and adds a
-migration. A reader never drops what it does not understand: fields it does
-not know, like a newer ``schema_version``, raise :class:`SnapshotVersionError`
-(a newer sessionactors wrote them: upgrade); an unknown event tag raises
-:class:`SnapshotCorruptError`.
+loading), a field's type never changes, a tag is never reused. A new
+snapshot field also bumps :data:`SCHEMA_VERSION` (its migration adds nothing:
+the default fills it in), so that an older sessionactors refuses the newer
+snapshot with :class:`SnapshotVersionError`: a reader takes fields it does
+not know for damage (:class:`SnapshotCorruptError`), since one flipped bit in
+a field's name looks just like them. Journal entries and infos carry no
+version: a new event field comes with a new event tag, and an unknown tag is
+:class:`SnapshotCorruptError` whose message says to upgrade if a newer
+sessionactors wrote it.
 
 Loading never trusts its input: the size is capped, msgpack runs with tight
-limits and knows no extension but Timestamp, every value is checked against
-its field's type without coercion (``"5"`` never becomes ``5`` nor ``True``
-``1``; an integer is accepted for a float field and becomes a float), and any
-failure is raised as :class:`SnapshotCorruptError` or
-:class:`SnapshotVersionError`. Dumping trusts the record's field types (mypy
-checks them) but refuses naive datetimes, unencodable metadata and output
-over the size limit, so whatever it writes loads again.
+limits and knows no extension but Timestamp, the number of maps and arrays
+is capped by the size (:data:`CONTAINER_BYTES`), every value is checked
+against its field's type without coercion (``"5"`` never becomes ``5`` nor
+``True`` ``1``; an integer is accepted for a float field and becomes a
+float) and every integer field against its range, and any failure is raised
+as :class:`SnapshotCorruptError` or :class:`SnapshotVersionError`.
+
+Memory: loading costs at most about 30 times the stored size, whatever the
+bytes hold (measured with tracemalloc at 4 MB and 64 MB: the worst shapes
+found, small maps and short strings packed as densely as the limits allow,
+peak at 26-27x; real histories at 1-11x). Without the cap on maps and
+arrays, a 3.8 MB snapshot of empty maps took 270 MB.
+
+Dumping refuses what loading would refuse, before anything is written: a
+value of the wrong type in any field (``TypeError``), an integer field out
+of its range, a naive datetime, text that is not valid Unicode (a lone
+surrogate), metadata that is not plain data, and output over the size
+limit or with more maps and arrays than its size allows (``ValueError``);
+every message names the session and the field. Whatever it writes loads
+back equal (metadata as plain data: tuples come back as lists).
 """
 
 import datetime
 import enum
+import itertools
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Union, get_args, get_origin
 
@@ -71,13 +95,20 @@ from ._events import (
 from ._records import NO_METADATA, SCHEMA_VERSION, Message, SessionInfo, SessionState, ToolCall
 
 __all__ = [
+    "CONTAINER_BYTES",
     "DEFAULT_MAX_EVENT_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
     "EVENT_TAGS",
+    "FREE_CONTAINERS",
     "MAX_INFO_BYTES",
+    "MAX_JOURNAL_ENTRY_BYTES",
     "MAX_METADATA_DEPTH",
+    "MAX_SEQ",
+    "MAX_SNAPSHOT_BYTES",
+    "MAX_TEXT_CHARS",
     "MIGRATIONS",
     "RETIRED_EVENT_TAGS",
+    "SnapshotWriter",
     "dump_event",
     "dump_events",
     "dump_info",
@@ -89,13 +120,31 @@ __all__ = [
 ]
 
 #: The largest snapshot written or read by default (64 MiB).
-DEFAULT_MAX_SNAPSHOT_BYTES: Final = 64 * 1024 * 1024
-#: The largest journal entry written or read by default (16 MiB).
-DEFAULT_MAX_EVENT_BYTES: Final = 16 * 1024 * 1024
+MAX_SNAPSHOT_BYTES: Final = 64 * 1024 * 1024
+#: The largest journal entry (the events of one commit) written or read by default (16 MiB).
+MAX_JOURNAL_ENTRY_BYTES: Final = 16 * 1024 * 1024
+#: The same limits under their first names.
+DEFAULT_MAX_SNAPSHOT_BYTES: Final = MAX_SNAPSHOT_BYTES
+DEFAULT_MAX_EVENT_BYTES: Final = MAX_JOURNAL_ENTRY_BYTES
 #: The largest session info written or read (it carries the session's metadata).
-MAX_INFO_BYTES: Final = DEFAULT_MAX_EVENT_BYTES
+MAX_INFO_BYTES: Final = MAX_JOURNAL_ENTRY_BYTES
+#: The longest text (in characters) that one turn can carry and still be journaled:
+#: UTF-8 takes at most 4 bytes a character, a turn's entry may hold its input twice
+#: (``TurnStarted.text`` and the user message), and half the entry is left for the
+#: reply and the rest (4 * 2 * 1 MiB = 8 MiB of the 16 MiB).
+MAX_TEXT_CHARS: Final = 1024 * 1024
+#: The largest value of an integer field of a record (seqs and counts; the least is 0).
+MAX_SEQ: Final = 2**53 - 1
 #: How deeply metadata may nest: the metadata map is level 1, a list in it level 2.
 MAX_METADATA_DEPTH: Final = 32
+#: Bytes of data for each map or array beyond the first FREE_CONTAINERS: decoding
+#: refuses data that holds more (a Python dict costs 64 bytes or more, its msgpack
+#: form one), and dumping refuses to write it. Every record's own fields take more
+#: than this many bytes for each map and array they make, so only metadata can
+#: reach the limit.
+CONTAINER_BYTES: Final = 16
+#: Maps and arrays that any data may hold whatever its size.
+FREE_CONTAINERS: Final = 16384
 
 # msgpack limits on top of the size cap: no session holds more entries in one
 # array (messages) or one map (metadata), and a Timestamp is at most 12 bytes.
@@ -139,7 +188,7 @@ class _InvalidValueError(ValueError):
 
 
 class _UnknownFieldsError(_InvalidValueError):
-    """A map has keys its record does not know: likely from a newer sessionactors."""
+    """A map has keys its record does not know: a damaged field name."""
 
 
 class _Extension:
@@ -155,6 +204,11 @@ def _type_name(value: object) -> str:
     if isinstance(value, _Extension):
         return f"msgpack extension type {value.code}"
     return type(value).__name__
+
+
+def _a(name: str) -> str:
+    """``name`` with its indefinite article."""
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
 
 
 # -- strict structure hooks: check, never coerce ------------------------------------
@@ -173,8 +227,11 @@ def _structure_optional_str(value: Any, _: object) -> str | None:
 
 
 def _structure_int(value: Any, _: object) -> int:
+    # Every integer field is a seq or a count: range-checked like any other input.
     if value.__class__ is int:
-        return value
+        if 0 <= value <= MAX_SEQ:
+            return value
+        raise _InvalidValueError("an integer out of range (0 to 2**53 - 1)")
     raise _InvalidValueError(f"expected an integer, got {_type_name(value)}")
 
 
@@ -303,11 +360,14 @@ def _attrs_structure_factory(
             raise _InvalidValueError(f"expected a map for {name}, got {_type_name(value)}")
         if allowed.issuperset(value):
             return structure(value, cls)
-        # Whatever else is wrong comes first: unknown fields alone suggest a
-        # newer format, unknown fields beside wrong ones corruption.
+        # Whatever else is wrong comes first (a damaged name also leaves its
+        # field missing, which says more).
         structure({key: item for key, item in value.items() if key in allowed}, cls)
         unknown = ", ".join(sorted(repr(key)[:40] for key in value.keys() - allowed))
-        raise _UnknownFieldsError(f"unknown fields in {name} ({unknown})")
+        raise _UnknownFieldsError(
+            f"unknown fields in {name} ({unknown}): damaged field names, or written by"
+            " a newer sessionactors"
+        )
 
     return structure_attrs
 
@@ -431,6 +491,31 @@ def _register_tuple_unstructure(conv: cattrs.Converter, item: type[Any]) -> None
     conv.register_unstructure_hook_func(lambda t: t == target, unstructure)
 
 
+def _optional_record(type_: Any) -> Any:
+    """The record class ``X`` of ``X | None``, or ``None`` for any other type."""
+    if get_origin(type_) not in (Union, types.UnionType):
+        return None
+    args = get_args(type_)
+    if len(args) != 2 or type(None) not in args:
+        return None
+    (inner,) = (arg for arg in args if arg is not type(None))
+    return inner if attrs.has(inner) else None
+
+
+def _optional_structure_factory(
+    type_: Any, converter: cattrs.Converter
+) -> Callable[[Any, object], Any]:
+    # cattrs' own Optional hook looks the inner hook up on first use, making it
+    # then: while decoding stored bytes. This one takes it when it is made.
+    inner = _optional_record(type_)
+    structure = converter.get_structure_hook(inner)
+
+    def structure_optional(value: Any, _: object) -> Any:
+        return None if value is None else structure(value, inner)
+
+    return structure_optional
+
+
 def _make_converter() -> cattrs.Converter:
     """Build the codec's converter; every hook is registered before first use."""
     conv = cattrs.Converter(detailed_validation=True)
@@ -445,6 +530,9 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook_factory(_is_enum, _enum_structure_factory)
     conv.register_structure_hook_factory(_is_homogeneous_tuple, _tuple_structure_factory)
     conv.register_structure_hook_func(_is_metadata, _structure_metadata)
+    conv.register_structure_hook_factory(
+        lambda t: _optional_record(t) is not None, _optional_structure_factory
+    )
     conv.register_structure_hook_factory(attrs.has, _attrs_structure_factory)
 
     # Passed through for msgpack itself to write (datetimes as Timestamps):
@@ -460,7 +548,41 @@ def _make_converter() -> cattrs.Converter:
         _register_tuple_unstructure(conv, item)
 
     configure_tagged_union(_EventUnion, conv, tag_generator=_TAG_OF.__getitem__, tag_name=_TAG_KEY)
+    _build_hooks(conv)
     return conv
+
+
+def _record_types() -> list[Any]:
+    """Every type that a persisted record holds, records first, each once."""
+    found: list[Any] = []
+    pending: list[Any] = [SessionState, SessionInfo, *EVENT_TAGS.values()]
+    while pending:
+        type_ = pending.pop()
+        if type_ in found:
+            continue
+        found.append(type_)
+        if attrs.has(type_):
+            pending.extend(field.type for field in attrs.fields(type_))
+        else:
+            pending.extend(arg for arg in get_args(type_) if arg is not Ellipsis)
+    return found
+
+
+def _build_hooks(conv: cattrs.Converter) -> None:
+    """Make, now, every hook that encoding and decoding will ask the converter for.
+
+    cattrs makes a record's hooks on first use, by generating and executing
+    code; done here, no stored bytes ever meet that step. The union's hooks
+    are made by ``configure_tagged_union``; each field's hook is made with
+    its record's.
+    """
+    for type_ in _record_types():
+        if type_ is Any or type_ is type(None):
+            continue
+        conv.get_structure_hook(type_)
+        conv.get_unstructure_hook(type_)
+    conv.get_structure_hook(_EventUnion)
+    conv.get_unstructure_hook(_EventUnion)
 
 
 _CONVERTER: Final = _make_converter()
@@ -476,6 +598,267 @@ _unstructure_message: Final = _CONVERTER.get_unstructure_hook(Message)
 _EVENT_HOOKS: Final = {
     cls: (tag, _CONVERTER.get_unstructure_hook(cls)) for cls, tag in _TAG_OF.items()
 }
+
+
+# -- checking what is dumped ---------------------------------------------------------
+#
+# cattrs unstructures by the declared types without looking at the values, and
+# msgpack writes whatever it is given: an int in a str field would be written,
+# and then refused on every load. Each record class gets a checker, made here
+# from its fields (the code is generated and compiled once, as cattrs does its
+# hooks): it refuses every value that loading would refuse, and counts the maps
+# and arrays the record makes. Only a refusal takes the slow path that names
+# the field.
+
+
+class _FieldError(Exception):
+    """A value that loading would refuse; ``path`` is filled in on the way out."""
+
+    def __init__(self, error: type[Exception], problem: str) -> None:
+        super().__init__(problem)
+        self.error = error
+        self.problem = problem
+        self.path: list[str] = []
+
+
+def _refuse(value: Any, expected: str, at: str = "") -> None:
+    """Raise the error for the field ``at`` holding ``value`` where ``expected`` belongs."""
+    if value.__class__ is int and expected == _COUNT:
+        error = _FieldError(ValueError, f"is {value}, out of range; expected {expected}")
+    elif isinstance(value, datetime.datetime) and expected == _AWARE:
+        error = _FieldError(ValueError, "is a naive datetime; use an aware one such as utcnow()")
+    else:
+        error = _FieldError(TypeError, f"is {_a(_type_name(value))}; expected {expected}")
+    if at:
+        error.path.append(at)
+    raise error
+
+
+_COUNT: Final = "an integer from 0 to 2**53 - 1"
+_AWARE: Final = "an aware datetime"
+
+
+def _is_str(value: Any) -> bool:
+    # a str subclass (a StrEnum member) is written as its text and loads equal
+    return isinstance(value, str)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEQ
+
+
+def _is_aware(value: Any) -> bool:
+    return isinstance(value, datetime.datetime) and value.utcoffset() is not None
+
+
+def _check_records(values: Any, check: Callable[[Any], int], expected: str, at: str) -> int:
+    """Check the tuple of records in field ``at``; the number of maps and arrays it makes."""
+    if values.__class__ is not tuple:
+        _refuse(values, expected, at)
+    count = 1
+    for index, value in enumerate(values):
+        try:
+            count += check(value)
+        except _FieldError as exc:
+            exc.path += (f"[{index}]", at)
+            raise
+    return count
+
+
+def _check_strings(values: Any, expected: str, at: str) -> int:
+    """Check the tuple of strings in field ``at``; it makes one array."""
+    if values.__class__ is not tuple:
+        _refuse(values, expected, at)
+    for index, value in enumerate(values):
+        if not _is_str(value):
+            _refuse(value, "a string", f"{at}[{index}]")
+    return 1
+
+
+_FLAT: Final = frozenset({str, float, bool, bytes, type(None)})
+
+
+def _check_metadata(value: Any, at: str) -> int:
+    """Check the metadata in field ``at`` as loading would; the maps and arrays in it."""
+    if value.__class__ is dict:  # most metadata: a flat map of short values
+        for key, item in value.items():
+            if key.__class__ is not str or (
+                item.__class__ not in _FLAT
+                and not (item.__class__ is int and -(2**63) <= item < 2**64)
+            ):
+                break
+        else:
+            return 1
+    elif not isinstance(value, Mapping):
+        _refuse(value, "a mapping", at)
+    try:
+        return _plain_count(value, 1)
+    except _PlainError as exc:
+        error = _FieldError(exc.error, exc.problem)
+        error.path = [*exc.path, at]
+        raise error from None
+
+
+def _plain_count(value: Any, depth: int) -> int:
+    cls = value.__class__
+    if cls is int:
+        if -(2**63) <= value < 2**64:
+            return 0
+        raise _PlainError(ValueError, "is an integer out of the 64-bit range")
+    if cls in _SCALARS:
+        return 0
+    if depth > MAX_METADATA_DEPTH:
+        raise _PlainError(ValueError, f"is nested deeper than {MAX_METADATA_DEPTH} levels")
+    if isinstance(value, Mapping):
+        if len(value) > _MAX_MAP_LEN:
+            raise _PlainError(ValueError, f"has more than {_MAX_MAP_LEN} entries")
+        count = 1
+        for key, item in value.items():
+            if key.__class__ is not str:
+                raise _PlainError(TypeError, f"has a {_type_name(key)} key; keys must be str")
+            try:
+                count += _plain_count(item, depth + 1)
+            except _PlainError as exc:
+                exc.path.append(f"[{key!r}]")
+                raise
+        return count
+    if cls is list or cls is tuple:
+        if len(value) > _MAX_ARRAY_LEN:
+            raise _PlainError(ValueError, f"has more than {_MAX_ARRAY_LEN} items")
+        count = 1
+        for index, item in enumerate(value):
+            try:
+                count += _plain_count(item, depth + 1)
+            except _PlainError as exc:
+                exc.path.append(f"[{index}]")
+                raise
+        return count
+    _plain(value, depth)  # an aware datetime; anything else raises, saying what is wrong
+    return 0
+
+
+def _field_check(name: str, type_: Any, names: dict[str, Any]) -> list[str]:
+    """Source lines that check ``v`` (the value of field ``name``) and count into ``n``."""
+    expected = _expected(type_)
+    names[f"x_{name}"] = expected
+    at = f"'.{name}'"
+    refuse = f"_refuse(v, x_{name}, {at})"
+    if type_ is str:
+        return [f"if v.__class__ is not str and not _is_str(v): {refuse}"]
+    if type_ == str | None:
+        return [f"if v is not None and v.__class__ is not str and not _is_str(v): {refuse}"]
+    if type_ is int:
+        return [
+            f"if v.__class__ is not int or not 0 <= v <= {MAX_SEQ}:",
+            f"    if not _is_count(v): {refuse}",
+        ]
+    if type_ is bool:
+        return [f"if v.__class__ is not bool: {refuse}"]
+    if type_ is datetime.datetime:
+        return [
+            "if v.__class__ is not _datetime or v.tzinfo is None:",
+            f"    if not _is_aware(v): {refuse}",
+        ]
+    if _is_enum(type_):
+        names[f"e_{name}"] = type_
+        return [f"if v.__class__ is not e_{name}: {refuse}"]
+    if _is_metadata(type_):
+        return [f"n += 1 if v is _NO_METADATA else _check_metadata(v, {at})"]
+    if _is_homogeneous_tuple(type_):
+        item = get_args(type_)[0]
+        empty = "if v.__class__ is tuple and not v: n += 1"
+        if item is str:
+            return [empty, f"else: n += _check_strings(v, x_{name}, {at})"]
+        if attrs.has(item):
+            names[f"c_{name}"] = _CHECKS[item]
+            return [empty, f"else: n += _check_records(v, c_{name}, x_{name}, {at})"]
+    inner = type_ if attrs.has(type_) else _optional_record(type_)
+    if inner is not None:
+        names[f"c_{name}"] = _CHECKS[inner]
+        check = [
+            f"try: n += c_{name}(v)",
+            f"except _FieldError as exc: exc.path.append({at}); raise",
+        ]
+        if inner is type_:
+            return check
+        return ["if v is not None:", *(f"    {line}" for line in check)]
+    raise TypeError(f"the codec cannot check a field of type {type_!r}: teach _field_check")
+
+
+def _expected(type_: Any) -> str:
+    if type_ is int:
+        return _COUNT
+    if type_ is datetime.datetime:
+        return _AWARE
+    if type_ == str | None:
+        return "a string or None"
+    if _is_metadata(type_):
+        return "a mapping"
+    if _is_homogeneous_tuple(type_):
+        return f"a tuple of {_expected(get_args(type_)[0])}"
+    inner = _optional_record(type_)
+    if inner is not None:
+        return f"{_a(inner.__name__)} or None"
+    return {str: "a string", bool: "a bool"}.get(type_) or _a(getattr(type_, "__name__", "value"))
+
+
+class _Checks(dict[type[Any], Callable[[Any], int]]):
+    """Each record class's checker, made on first lookup (while this module loads)."""
+
+    def __missing__(self, cls: type[Any]) -> Callable[[Any], int]:
+        names: dict[str, Any] = {
+            "cls": cls,
+            "_refuse": _refuse,
+            "_FieldError": _FieldError,
+            "_is_str": _is_str,
+            "_is_count": _is_count,
+            "_is_aware": _is_aware,
+            "_datetime": datetime.datetime,
+            "_NO_METADATA": NO_METADATA,
+            "_check_metadata": _check_metadata,
+            "_check_records": _check_records,
+            "_check_strings": _check_strings,
+            "x_cls": _a(cls.__name__),
+        }
+        lines = [
+            "def check(o):",
+            "    if o.__class__ is not cls: _refuse(o, x_cls)",
+            "    n = 1",
+        ]
+        for field in attrs.fields(cls):
+            lines.append(f"    v = o.{field.name}")
+            lines += [f"    {line}" for line in _field_check(field.name, field.type, names)]
+        lines.append("    return n")
+        code = compile("\n".join(lines), f"<sessionactors codec check {cls.__name__}>", "exec")
+        exec(code, names)  # at import only: the code is made from the record's own fields
+        check: Callable[[Any], int] = names["check"]
+        self[cls] = check
+        return check
+
+
+_CHECKS: Final = _Checks()
+for _type in _record_types():
+    if attrs.has(_type):
+        _CHECKS[_type]
+del _type
+_check_state: Final = _CHECKS[SessionState]
+_check_info: Final = _CHECKS[SessionInfo]
+_check_message: Final = _CHECKS[Message]
+
+
+def _raise(error: Exception) -> int:
+    raise error
+
+
+def _check(check: Callable[[Any], int], record: Any, what: str, session_id: object) -> int:
+    """Run ``check`` on ``record``; a refusal names the session and the field."""
+    try:
+        return check(record)
+    except _FieldError as exc:
+        where = "$" + "".join(reversed(exc.path))
+        raise exc.error(
+            f"cannot encode the {what} of session {session_id!r}: {where} {exc.problem}"
+        ) from None
 
 
 # -- decoding ----------------------------------------------------------------------
@@ -506,6 +889,8 @@ def _describe(exc: BaseException) -> str:
         detail = "not valid msgpack"
     elif isinstance(exc, msgpack.StackError):
         detail = "nested too deeply"
+    elif isinstance(exc, _OverBudgetError):
+        detail = str(exc)
     elif isinstance(exc, UnicodeDecodeError):
         detail = "a string is not valid UTF-8"
     elif exc.__class__ is ValueError and "incomplete" in str(exc):
@@ -542,26 +927,13 @@ def _corrupt(what: str, session_id: str | None, detail: str) -> SnapshotCorruptE
     )
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
-    return [exc]
-
-
 def _refusal(what: str, session_id: str | None, exc: BaseException) -> SnapshotError:
-    """The error for a map that does not structure: a newer format, or corruption.
+    """The error for a map that does not structure: corruption.
 
-    Fields this version does not know, and nothing else wrong, are what a
-    newer sessionactors writes (a new field with a default): upgrade.
+    Fields this version does not know are taken for damage too: one flipped
+    bit in a field's name makes an unknown field, and a newer sessionactors
+    that adds a snapshot field raises ``schema_version`` (see the module's rules).
     """
-    if all(isinstance(leaf, _UnknownFieldsError) for leaf in _leaves(exc)):
-        name = "an unknown session" if session_id is None else f"session {session_id!r}"
-        return SnapshotVersionError(
-            f"the {what} of {name} has fields this sessionactors does not know"
-            f" ({_describe(exc)}): a newer sessionactors wrote it; upgrade sessionactors"
-            " to load it",
-            session_id=session_id,
-        )
     return _corrupt(what, session_id, _describe(exc))
 
 
@@ -586,12 +958,17 @@ def _unpack(data: bytes, what: str, session_id: str | None, max_size: int) -> An
     size = len(data)
     if size > max_size:
         raise _corrupt(what, session_id, f"{size} bytes is over the limit of {max_size} bytes")
+    # Data this small cannot hold more maps and arrays than the budget allows:
+    # no hooks (a call per map and array) for it.
+    hook = None if size <= FREE_CONTAINERS else _ContainerBudget(_container_limit(size))
     try:
         raw = msgpack.unpackb(
             data,
             timestamp=3,
             strict_map_key=True,
             ext_hook=_foreign_ext,
+            list_hook=hook,
+            object_hook=hook,
             max_str_len=size,
             max_bin_len=size,
             max_array_len=min(size, _MAX_ARRAY_LEN),
@@ -601,6 +978,33 @@ def _unpack(data: bytes, what: str, session_id: str | None, max_size: int) -> An
     except _DECODE_ERRORS as exc:
         raise _corrupt(what, session_id, _describe(exc)) from exc
     return raw
+
+
+class _OverBudgetError(ValueError):
+    """Data with more maps and arrays than its size allows."""
+
+
+class _ContainerBudget:
+    """msgpack's list and object hook: counts the maps and arrays as they are made,
+    and stops the decoding once there are more than ``limit``.
+
+    msgpack calls it as each one is complete, so at most one map or array more
+    than the limit is ever made (its length is capped by the data's size).
+    """
+
+    __slots__ = ("_count", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self._count = itertools.count(1).__next__
+        self._limit = limit
+
+    def __call__(self, value: Any) -> Any:
+        if self._count() > self._limit:
+            raise _OverBudgetError(
+                f"more maps and arrays than {self._limit} (one per {CONTAINER_BYTES} bytes"
+                f" beyond {FREE_CONTAINERS})"
+            )
+        return value
 
 
 def _session_id_in(raw: dict[str, Any], session_id: str | None) -> str | None:
@@ -660,8 +1064,14 @@ def _packer() -> msgpack.Packer:
 
 
 def _encode(
-    unstructure: Callable[[Any], Any], record: Any, what: str, session_id: object, max_size: int
+    unstructure: Callable[[Any], Any],
+    record: Any,
+    what: str,
+    session_id: object,
+    max_size: int,
+    containers: int,
 ) -> bytes:
+    """Pack a checked record (``containers``: the maps and arrays it makes)."""
     try:
         data: bytes = _packer().pack(unstructure(record))
     except (ValueError, TypeError, AttributeError, OverflowError) as exc:
@@ -672,12 +1082,29 @@ def _encode(
             problem = str(exc)
         error = ValueError if isinstance(exc, ValueError | OverflowError) else TypeError
         raise error(f"cannot encode the {what} of session {session_id!r}: {problem}") from exc
-    if len(data) > max_size:
+    _check_size(data, containers, what, session_id, max_size)
+    return data
+
+
+def _container_limit(size: int) -> int:
+    """The most maps and arrays that ``size`` bytes may hold (loading refuses more)."""
+    return size // CONTAINER_BYTES + FREE_CONTAINERS
+
+
+def _check_size(data: bytes, containers: int, what: str, session_id: object, max_size: int) -> None:
+    size = len(data)
+    if size > max_size:
         raise ValueError(
-            f"the {what} of session {session_id!r} would be {len(data)} bytes, over the limit"
+            f"the {what} of session {session_id!r} would be {size} bytes, over the limit"
             f" of {max_size} bytes; make it smaller (truncate or compact the history)"
         )
-    return data
+    if containers > _container_limit(size):
+        raise ValueError(
+            f"the {what} of session {session_id!r} would hold {containers} maps and arrays"
+            f" in {size} bytes, more than loading accepts ({_container_limit(size)}: one per"
+            f" {CONTAINER_BYTES} bytes beyond {FREE_CONTAINERS}); metadata holds too many"
+            " small maps or lists: flatten it"
+        )
 
 
 _PACKABLE: Final = (
@@ -701,7 +1128,11 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
         return f"{path} is nested too deeply"
     if isinstance(value, dict):
         for key, item in value.items():
-            found = _find_unencodable(item, f"{path}.{key}", depth + 1)
+            # a key is quoted with repr: a lone surrogate in it is escaped, not printed
+            found = _find_unencodable(key, f"{path} key {key!r}", depth + 1)
+            if not found:
+                name = key if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+                found = _find_unencodable(item, f"{path}.{name}", depth + 1)
             if found:
                 return found
     elif isinstance(value, list | tuple):
@@ -729,9 +1160,13 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
 def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> bytes:
     """Encode a session's state as snapshot bytes at :data:`SCHEMA_VERSION`.
 
-    Raises ``ValueError`` for a naive datetime, metadata that is not plain
-    data or output over ``max_size`` bytes, and ``TypeError`` for a value
-    msgpack cannot hold.
+    Refuses, before writing anything, whatever :func:`load_snapshot` would
+    refuse: ``TypeError`` for a value of the wrong type in any field, and
+    ``ValueError`` for an integer field out of its range (0 to
+    :data:`MAX_SEQ`), a naive datetime, text that is not valid Unicode,
+    metadata that is not plain data, and output over ``max_size`` bytes or
+    with more maps and arrays than its size allows. The message names the
+    session and the field.
     """
     if not isinstance(state, SessionState):
         raise TypeError(f"expected a SessionState, got {_type_name(state)}")
@@ -740,7 +1175,8 @@ def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_B
             f"session {state.session_id!r} has schema_version {state.schema_version!r}, but"
             f" snapshots are written at version {SCHEMA_VERSION}; leave the default"
         )
-    return _encode(_unstructure_state, state, "snapshot", state.session_id, max_size)
+    containers = _check(_check_state, state, "snapshot", state.session_id)
+    return _encode(_unstructure_state, state, "snapshot", state.session_id, max_size, containers)
 
 
 class SnapshotWriter:
@@ -758,17 +1194,19 @@ class SnapshotWriter:
     #: By default, histories shorter than this are packed afresh.
     MIN_MESSAGES: Final = 128
 
-    __slots__ = ("_body", "_messages", "_min_messages")
+    __slots__ = ("_body", "_containers", "_messages", "_min_messages")
 
     def __init__(self, min_messages: int = MIN_MESSAGES) -> None:
         self._min_messages = min_messages
         self._messages: tuple[Message, ...] = ()
         self._body = b""
+        self._containers = 0  # the maps and arrays of the saved messages
 
     def clear(self) -> None:
         """Forget the saved bytes (the session hibernates: nothing to reuse)."""
         self._messages = ()
         self._body = b""
+        self._containers = 0
 
     def dump(self, state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> bytes:
         """Encode ``state``; raises like :func:`dump_snapshot`."""
@@ -780,28 +1218,35 @@ class SnapshotWriter:
             self.clear()
             return dump_snapshot(state, max_size=max_size)
         try:
-            data = self._dump(state, state.messages)
-        except (ValueError, TypeError, AttributeError, OverflowError):
-            data = None
-        if data is None or len(data) > max_size:
+            data, containers = self._dump(state, state.messages)
+        except (ValueError, TypeError, AttributeError, OverflowError, _FieldError):
+            data, containers = None, 0
+        if data is None or len(data) > max_size or containers > _container_limit(len(data)):
             # dump_snapshot says what is wrong
             self.clear()
             return dump_snapshot(state, max_size=max_size)
         return data
 
-    def _dump(self, state: SessionState, messages: tuple[Message, ...]) -> bytes:
+    def _dump(self, state: SessionState, messages: tuple[Message, ...]) -> tuple[bytes, int]:
+        """The snapshot's bytes and the maps and arrays in it; checks what it packs."""
         packer = _packer()
         previous = self._messages
         if previous and len(previous) <= len(messages) and all(map(_is, previous, messages)):
             new = messages[len(previous) :]
             body = self._body
+            containers = self._containers
         else:
-            new, body = messages, b""
+            new, body, containers = messages, b"", 0
+        if messages.__class__ is not tuple:
+            raise TypeError("messages is not a tuple")
         if new:
+            containers += sum(map(_check_message, new))
             packed = packer.pack([_unstructure_message(m) for m in new])
             body += packed[_array_header_size(len(new)) :]
         # Every field but the messages, packed as the state's own map would be.
-        raw = _unstructure_state(attrs.evolve(state, messages=()))
+        rest = attrs.evolve(state, messages=())
+        total = _check_state(rest) + containers  # the empty tuple counted the array
+        raw = _unstructure_state(rest)
         keys = list(raw)
         at = keys.index("messages")
         if len(keys) > 15:  # pragma: no cover - a fixmap has room for 15 fields
@@ -818,8 +1263,8 @@ class SnapshotWriter:
                 tail,
             )
         )
-        self._messages, self._body = messages, body
-        return data
+        self._messages, self._body, self._containers = messages, body, containers
+        return data, total
 
 
 def _is(a: object, b: object) -> bool:
@@ -870,7 +1315,10 @@ def dump_event(event: Event, *, max_size: int = DEFAULT_MAX_EVENT_BYTES) -> byte
     """
     if event.__class__ not in _TAG_OF:
         raise TypeError(f"{_type_name(event)} has no journal tag; give it one in EVENT_TAGS")
-    return _encode(_unstructure_event, event, "journal entry", event.session_id, max_size)
+    containers = _check(_CHECKS[event.__class__], event, "journal entry", event.session_id)
+    return _encode(
+        _unstructure_event, event, "journal entry", event.session_id, max_size, containers
+    )
 
 
 def load_event(
@@ -885,14 +1333,24 @@ def load_event(
 def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BYTES) -> bytes:
     """Encode the events of one commit as one journal entry (an array of tagged maps).
 
-    Raises like :func:`dump_event`.
+    Raises ``TypeError`` for an event class without a journal tag, and refuses
+    whatever :func:`load_events` would refuse, as :func:`dump_snapshot` does,
+    naming the session and the field (``$[1].message.content``).
     """
     if not events:
         raise ValueError("a journal entry holds at least one event")
-    for event in events:
-        if event.__class__ not in _TAG_OF:
+    session_id = events[0].session_id
+    containers = 1
+    for index, event in enumerate(events):
+        check = _CHECKS.get(event.__class__) if event.__class__ in _TAG_OF else None
+        if check is None:
             raise TypeError(f"{_type_name(event)} has no journal tag; give it one in EVENT_TAGS")
-    return _encode(_unstructure_events, events, "journal entry", events[0].session_id, max_size)
+        try:
+            containers += check(event)
+        except _FieldError as exc:
+            exc.path.append(f"[{index}]")
+            _check(_raise, exc, "journal entry", session_id)
+    return _encode(_unstructure_events, events, "journal entry", session_id, max_size, containers)
 
 
 def load_events(
@@ -951,7 +1409,8 @@ def dump_info(info: SessionInfo) -> bytes:
     """Encode a session's short description; raises as :func:`dump_snapshot` does."""
     if not isinstance(info, SessionInfo):
         raise TypeError(f"expected a SessionInfo, got {_type_name(info)}")
-    return _encode(_unstructure_info, info, "info", info.session_id, MAX_INFO_BYTES)
+    containers = _check(_check_info, info, "info", info.session_id)
+    return _encode(_unstructure_info, info, "info", info.session_id, MAX_INFO_BYTES, containers)
 
 
 def load_info(data: bytes, *, session_id: str | None = None) -> SessionInfo:

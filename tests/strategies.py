@@ -5,9 +5,13 @@ record is generated (and round-tripped) without touching this module; a field
 of a type it does not know raises ``TypeError`` here, to be taught.
 
 Every value drawn survives a codec round trip unchanged: datetimes are
-timezone-aware, integers fit msgpack, floats are never NaN, metadata is plain
-data (lists rather than tuples) nested well under the codec's limit, and ids
-and session names are valid names (non-empty, no control characters).
+timezone-aware, integer fields are seqs and counts (0 to ``MAX_SEQ``),
+metadata integers fit msgpack, floats are never NaN, metadata is plain data
+(lists rather than tuples) nested well under the codec's limit, and ids and
+session names are valid names (non-empty, no control characters).
+
+``with_a_wrong_value`` draws records with one value anywhere in them replaced
+by an arbitrary one, to drive the encoder with what it must refuse.
 """
 
 import datetime
@@ -21,7 +25,7 @@ import attrs
 from hypothesis import strategies as st
 
 import sessionactors as sa
-from sessionactors._records import SCHEMA_VERSION
+from sessionactors.stores import MAX_SEQ
 
 __all__ = [
     "MSGPACK_INT_MAX",
@@ -37,6 +41,8 @@ __all__ = [
     "session_states",
     "texts",
     "tool_calls",
+    "with_a_wrong_value",
+    "wrong_values",
 ]
 
 #: The integers msgpack can hold.
@@ -93,7 +99,8 @@ def metadata(max_depth: int = 4) -> st.SearchStrategy[Mapping[str, Any]]:
     return st.dictionaries(st.text(max_size=10), _plain(max_depth - 1), max_size=4)
 
 
-_SEQS = st.integers(0, 2**63 - 1)
+_SEQS = st.integers(0, MAX_SEQ)
+_SCHEMA_VERSION = attrs.fields(sa.SessionState).schema_version.default
 #: Fields of type str that hold an id or a name rather than free text.
 _ID_FIELDS = frozenset({"id", "key", "name", "agent", "idempotency_key"})
 
@@ -159,7 +166,7 @@ def session_states() -> st.SearchStrategy[sa.SessionState]:
     """A session state at the current schema version, with a few messages."""
     return records(
         sa.SessionState,
-        schema_version=st.just(SCHEMA_VERSION),
+        schema_version=st.just(_SCHEMA_VERSION),
         messages=st.lists(messages(), max_size=4).map(tuple),
     )
 
@@ -191,3 +198,88 @@ def event_classes() -> list[type[sa.Event]]:
 def events(*classes: type[sa.Event]) -> st.SearchStrategy[sa.Event]:
     """An event of one of ``classes`` (by default of every concrete event class)."""
     return st.one_of([records(cls) for cls in classes or event_classes()])
+
+
+def wrong_values() -> st.SearchStrategy[Any]:
+    """Values of every kind, most of them wrong for most fields: numbers of any
+    size and sign, booleans, text with lone surrogates, bytes, naive and aware
+    datetimes, containers, enums and records."""
+    naive = st.datetimes(min_value=datetime.datetime(1, 1, 2))
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.sampled_from([-1, MAX_SEQ, MAX_SEQ + 1, 2**63, 2**64, -(2**63) - 1]),
+        st.floats(),
+        st.text(max_size=5),
+        st.text(st.characters(categories=("Cs",)), min_size=1, max_size=3),
+        st.binary(max_size=5),
+        naive,
+        aware_datetimes(),
+        st.sampled_from(list(sa.Role) + list(sa.Status)),
+        st.builds(object),
+    )
+    return (
+        st.recursive(
+            scalars,
+            lambda inner: st.one_of(
+                st.lists(inner, max_size=3),
+                st.lists(inner, max_size=3).map(tuple),
+                st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=3),
+                st.frozensets(st.integers(), max_size=2),
+            ),
+            max_leaves=6,
+        )
+        | records(sa.ToolCall)
+        | messages()
+    )
+
+
+def _places(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a record: attribute names into records, indexes into tuples,
+    keys into metadata."""
+    if attrs.has(type(value)):
+        out = []
+        for field in attrs.fields(type(value)):
+            out.append((*path, field.name))
+            out += _places(getattr(value, field.name), (*path, field.name))
+        return out
+    if isinstance(value, tuple | list):
+        out = []
+        for index, item in enumerate(value):
+            out.append((*path, index))
+            out += _places(item, (*path, index))
+        return out
+    if isinstance(value, Mapping):
+        out = []
+        for key, item in value.items():
+            out.append((*path, key))
+            out += _places(item, (*path, key))
+        return out
+    return []
+
+
+def _replace(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if attrs.has(type(value)):
+        return attrs.evolve(value, **{head: _replace(getattr(value, head), rest, new)})
+    if isinstance(value, tuple | list):
+        items = list(value)
+        items[head] = _replace(items[head], rest, new)
+        return type(value)(items)
+    copy = dict(value)
+    copy[head] = _replace(copy[head], rest, new)
+    return copy
+
+
+@st.composite
+def with_a_wrong_value(draw: st.DrawFn, base: st.SearchStrategy[_T]) -> _T:
+    """A record from ``base`` with the value at one place in it replaced by any value."""
+    record = draw(base)
+    places = _places(record)
+    if not places:
+        return record
+    path = draw(st.sampled_from(places))
+    return cast(_T, _replace(record, path, draw(wrong_values())))

@@ -1,8 +1,12 @@
 """Stores: where sessions are kept durable.
 
 A store deals in bytes: ``dump_events`` / ``load_events`` are the codec of a
-journal entry (the events of one commit), as ``sessionactors.dump_snapshot`` /
-``load_snapshot`` are of a snapshot, for store authors and for inspection.
+journal entry (the events of one commit), ``dump_info`` / ``load_info`` of a
+session's info, as ``sessionactors.dump_snapshot`` / ``load_snapshot`` are of
+a snapshot, for store authors and for inspection. ``MAX_SNAPSHOT_BYTES`` and
+``MAX_JOURNAL_ENTRY_BYTES`` are the sizes the codec writes and reads, and
+``MAX_SEQ`` the largest seq (and count) a record holds: a store refuses to
+write a seq above it, and takes one read back above it for damage.
 
 ``MemoryStore`` and ``SQLiteStore`` need nothing beyond the core
 dependencies; ``RedisStore`` needs the ``redis`` extra (coredis) and is
@@ -11,8 +15,13 @@ imported on first use.
 
 from typing import TYPE_CHECKING, Any
 
+from .._codec import MAX_JOURNAL_ENTRY_BYTES as MAX_JOURNAL_ENTRY_BYTES
+from .._codec import MAX_SEQ as MAX_SEQ
+from .._codec import MAX_SNAPSHOT_BYTES as MAX_SNAPSHOT_BYTES
 from .._codec import dump_events as dump_events
+from .._codec import dump_info as dump_info
 from .._codec import load_events as load_events
+from .._codec import load_info as load_info
 from ._base import JournalEntry as JournalEntry
 from ._base import Lease as Lease
 from ._base import Store as Store
@@ -24,9 +33,12 @@ if TYPE_CHECKING:
     from ._sqlite import SQLiteStore as SQLiteStore
     from ._sqlite import SQLiteStoreStatistics as SQLiteStoreStatistics
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "JournalEntry",
     "Lease",
+    "MAX_JOURNAL_ENTRY_BYTES",
+    "MAX_SEQ",
+    "MAX_SNAPSHOT_BYTES",
     "MemoryStore",
     "RedisStore",
     "SQLiteStore",
@@ -34,7 +46,9 @@ __all__ = [
     "Store",
     "StoredSession",
     "dump_events",
+    "dump_info",
     "load_events",
+    "load_info",
 ]
 
 _LAZY = {

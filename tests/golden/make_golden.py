@@ -14,7 +14,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from sessionactors._codec import dump_event, dump_info, dump_snapshot  # noqa: E402
+from sessionactors import dump_snapshot  # noqa: E402
+from sessionactors.stores import dump_events, dump_info  # noqa: E402
 from test_codec import (  # noqa: E402
     GOLDEN_EVENTS,
     GOLDEN_INFOS,
@@ -25,7 +26,8 @@ from test_codec import (  # noqa: E402
 
 def main() -> None:
     blobs = {stem: dump_snapshot(state) for stem, state in GOLDEN_SNAPSHOTS.items()}
-    blobs |= {event_stem(tag): dump_event(event) for tag, event in GOLDEN_EVENTS.items()}
+    # an event is written as a journal entry of its own (the 0.1 files hold a bare map)
+    blobs |= {event_stem(tag): dump_events([event]) for tag, event in GOLDEN_EVENTS.items()}
     blobs |= {stem: dump_info(info) for stem, info in GOLDEN_INFOS.items()}
     for stem, data in sorted(blobs.items()):
         path = HERE / f"{stem}.msgpack"
