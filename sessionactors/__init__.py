@@ -1,5 +1,7 @@
 """sessionactors: many concurrent, durable LLM conversations as trio actors."""
 
+import logging as _logging
+
 from ._agent import Agent as Agent
 from ._agent import Compaction as Compaction
 from ._codec import dump_snapshot as dump_snapshot
@@ -66,6 +68,9 @@ from ._tools import ToolOutcome as ToolOutcome
 from ._tools import tool as tool
 from .stores._memory import MemoryStore as MemoryStore
 from .stores._sqlite import SQLiteStore as SQLiteStore
+
+# The library logs under "sessionactors"; the application decides where it goes.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
     "Agent",
