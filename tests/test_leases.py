@@ -8,8 +8,8 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import Lease
-from sessionactors.testing import EchoModel
+from sessionactors.stores import Lease, Store
+from sessionactors.testing import EchoModel, FlawedStore
 
 AGENTS = {"echo": sa.Agent(model=EchoModel())}
 
@@ -67,16 +67,7 @@ class PausedRenewals(sa.SQLiteStore):
         return True
 
 
-class NoFencing(PausedRenewals):
-    """Broken on purpose: writes drop their fencing token (the negative control)."""
-
-    async def append(self, session_id, entries, info, *, fence=None):  # type: ignore[no-untyped-def]
-        await super().append(session_id, entries, info, fence=None)
-
-
-async def stale_owner_writes(
-    path: Path, store_a: sa.SQLiteStore
-) -> tuple[BaseException | None, list[str]]:
+async def stale_owner_writes(path: Path, store_a: Store) -> tuple[BaseException | None, list[str]]:
     """A owns "s", its lease lapses, B takes over; A sends once more. Returns A's error and the stored texts."""
     error: BaseException | None = None
     async with sa.open_registry(store=store_a, agents=AGENTS, leases=True, lease_ttl=0.3) as a:
@@ -107,10 +98,12 @@ async def test_a_stale_worker_is_fenced_out(tmp_path: Path) -> None:
 
 
 async def test_without_fencing_no_fenced_out_error_is_raised(tmp_path: Path) -> None:
-    """The same scenario with a store that drops the token raises no FencedOutError (negative control)."""
+    """The same scenario with a store that drops the token (the test kit's FlawedStore) raises no FencedOutError (negative control)."""
     path = tmp_path / "shared.db"
     with trio.fail_after(30):
-        error, texts = await stale_owner_writes(path, NoFencing(path))
+        error, texts = await stale_owner_writes(
+            path, FlawedStore("ignore_fences", PausedRenewals(path))
+        )
     # the store's seq check still refuses it (the new owner's seqs jumped), but not
     # through fencing: FencedOutError comes from the token alone
     assert not isinstance(error, sa.FencedOutError)
