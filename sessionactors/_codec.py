@@ -43,11 +43,15 @@ against its field's type without coercion (``"5"`` never becomes ``5`` nor
 float) and every integer field against its range, and any failure is raised
 as :class:`SnapshotCorruptError` or :class:`SnapshotVersionError`.
 
-Memory: loading costs at most about 30 times the stored size, whatever the
-bytes hold (measured with tracemalloc at 4 MB and 64 MB: the worst shapes
-found, small maps and short strings packed as densely as the limits allow,
-peak at 26-27x; real histories at 1-11x). Without the cap on maps and
-arrays, a 3.8 MB snapshot of empty maps took 270 MB.
+Memory: loading costs at most about 26 times the stored size, whatever the
+bytes hold. Measured with tracemalloc (peak while loading, over the size):
+the worst shapes found, short strings and small maps packed as densely as
+the limits allow, or maps of many distinct short keys, peak at 25.6x at
+4 MB and 25.4x at 64 MB (1.7 GB); refused data at most 12x before it is
+refused; real histories at 1-11x (tool calls are the densest). A short
+string is the floor: 3 bytes of msgpack, a 59-byte Python object. Without
+the cap on maps and arrays, empty maps cost 73x (270 MB for a 3.8 MB
+snapshot).
 
 Dumping refuses what loading would refuse, before anything is written: a
 value of the wrong type in any field (``TypeError``), an integer field out
@@ -960,7 +964,7 @@ def _unpack(data: bytes, what: str, session_id: str | None, max_size: int) -> An
         raise _corrupt(what, session_id, f"{size} bytes is over the limit of {max_size} bytes")
     # Data this small cannot hold more maps and arrays than the budget allows:
     # no hooks (a call per map and array) for it.
-    hook = None if size <= FREE_CONTAINERS else _ContainerBudget(_container_limit(size))
+    hook = None if size <= FREE_CONTAINERS else _container_budget(_container_limit(size))
     try:
         raw = msgpack.unpackb(
             data,
@@ -984,27 +988,24 @@ class _OverBudgetError(ValueError):
     """Data with more maps and arrays than its size allows."""
 
 
-class _ContainerBudget:
+def _container_budget(limit: int) -> Callable[[Any], Any]:
     """msgpack's list and object hook: counts the maps and arrays as they are made,
     and stops the decoding once there are more than ``limit``.
 
     msgpack calls it as each one is complete, so at most one map or array more
     than the limit is ever made (its length is capped by the data's size).
     """
+    count = itertools.count(1).__next__
 
-    __slots__ = ("_count", "_limit")
-
-    def __init__(self, limit: int) -> None:
-        self._count = itertools.count(1).__next__
-        self._limit = limit
-
-    def __call__(self, value: Any) -> Any:
-        if self._count() > self._limit:
+    def hook(value: Any) -> Any:
+        if count() > limit:
             raise _OverBudgetError(
-                f"more maps and arrays than {self._limit} (one per {CONTAINER_BYTES} bytes"
+                f"more maps and arrays than {limit} (one per {CONTAINER_BYTES} bytes"
                 f" beyond {FREE_CONTAINERS})"
             )
         return value
+
+    return hook
 
 
 def _session_id_in(raw: dict[str, Any], session_id: str | None) -> str | None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import JournalEntry, Lease, Store, StoredSession
+from sessionactors.stores import MAX_SEQ, JournalEntry, Lease, Store, StoredSession
 from sessionactors.testing import EchoModel, check_store
 
 
@@ -82,9 +82,10 @@ class DictStore:
         self._check_fence(session_id, fence)
         last = s["last_seq"]
         for entry in entries:  # check everything before writing anything
-            if entry.seq <= last:
+            if not last < entry.seq <= MAX_SEQ:
                 raise sa.StoreError(
-                    f"session {session_id!r}: seq {entry.seq} is not above {last}",
+                    f"session {session_id!r}: seq {entry.seq} is not above {last}"
+                    " (or is above MAX_SEQ)",
                     session_id=session_id,
                 )
             last = entry.seq
@@ -105,7 +106,7 @@ class DictStore:
         await trio.lowlevel.checkpoint()
         s = self._get(session_id)
         self._check_fence(session_id, fence)
-        if trim_upto > seq or seq < s["snapshot_seq"]:
+        if trim_upto > seq or seq < s["snapshot_seq"] or seq > MAX_SEQ:
             raise sa.StoreError(
                 f"session {session_id!r}: bad snapshot seq {seq} / trim {trim_upto}",
                 session_id=session_id,

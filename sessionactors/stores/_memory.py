@@ -14,7 +14,14 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from .._errors import FencedOutError, SessionExistsError, SessionNotFoundError, StoreError
+from .._codec import MAX_SEQ
+from .._errors import (
+    FencedOutError,
+    SessionExistsError,
+    SessionNotFoundError,
+    SnapshotCorruptError,
+    StoreError,
+)
 from ._base import JournalEntry, Lease, StoredSession
 
 __all__ = ["MemoryStore"]
@@ -70,9 +77,20 @@ def _fenced_out_error(session_id: str, fence: int, problem: str) -> FencedOutErr
     )
 
 
+def _check_seq(session_id: str, seq: object, what: str) -> None:
+    """A seq to write must be an integer from 0 to ``MAX_SEQ``."""
+    if seq.__class__ is not int or not 0 <= seq <= MAX_SEQ:
+        raise StoreError(
+            f"session {session_id!r}: {what} {seq!r} is not an integer from 0 to 2**53 - 1"
+            " (MAX_SEQ); seqs stay in that range (nothing was written)",
+            session_id=session_id,
+        )
+
+
 def _check_entries(session_id: str, entries: Sequence[JournalEntry], last_seq: int) -> int:
     """Check that the seqs strictly increase above ``last_seq``; return the new last seq."""
     for entry in entries:
+        _check_seq(session_id, entry.seq, "journal seq")
         if entry.seq <= last_seq:
             raise StoreError(
                 f"session {session_id!r}: journal seq {entry.seq} is not above the last "
@@ -84,6 +102,8 @@ def _check_entries(session_id: str, entries: Sequence[JournalEntry], last_seq: i
 
 
 def _check_snapshot_seqs(session_id: str, seq: int, trim_upto: int, snapshot_seq: int) -> None:
+    _check_seq(session_id, seq, "snapshot seq")
+    _check_seq(session_id, trim_upto, "trim_upto")
     if trim_upto > seq:
         raise StoreError(
             f"session {session_id!r}: cannot trim the journal up to {trim_upto}, beyond the "
@@ -96,6 +116,42 @@ def _check_snapshot_seqs(session_id: str, seq: int, trim_upto: int, snapshot_seq
             f"snapshot's seq {snapshot_seq}; snapshots only move forward (nothing was written)",
             session_id=session_id,
         )
+
+
+def _stored_corrupt(session_id: str, problem: str) -> SnapshotCorruptError:
+    return SnapshotCorruptError(
+        f"the store's record of session {session_id!r} is corrupt: {problem}; it was changed"
+        " behind sessionactors' back: restore the session from a backup or delete it with"
+        f" registry.delete({session_id!r})",
+        session_id=session_id,
+    )
+
+
+def _check_stored_seq(session_id: str, seq: object, what: str, least: int = 0) -> int:
+    """A seq read back from the store: an integer from ``least`` to ``MAX_SEQ``, or corrupt."""
+    if seq.__class__ is not int or not least <= seq <= MAX_SEQ:
+        raise _stored_corrupt(
+            session_id, f"{what} is {str(seq)[:40]!r}, not an integer from {least} to 2**53 - 1"
+        )
+    return seq
+
+
+def _check_stored_entries(
+    session_id: str, rows: Sequence[tuple[object, object]], after: int
+) -> list[JournalEntry]:
+    """Journal rows read back from the store: seqs in range and rising above ``after``,
+    data bytes; anything else is corrupt."""
+    entries = []
+    last = after
+    for seq, data in rows:
+        last_seen = _check_stored_seq(session_id, seq, "a journal seq", 1)
+        if last_seen <= last:
+            raise _stored_corrupt(session_id, f"journal seq {last_seen} is not above {last}")
+        if data.__class__ is not bytes:
+            raise _stored_corrupt(session_id, f"the journal entry at seq {seq} is not bytes")
+        last = last_seen
+        entries.append(JournalEntry(last_seen, data))
+    return entries
 
 
 # The store -------------------------------------------------------------------

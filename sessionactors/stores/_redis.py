@@ -38,24 +38,29 @@ import trio
 from coredis.commands import Script
 from coredis.retry import NoRetryPolicy
 
+from .._codec import MAX_SEQ
 from .._errors import StoreError
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
     _check_entries,
     _check_snapshot_seqs,
+    _check_stored_entries,
+    _check_stored_seq,
     _check_ttl,
     _exists_error,
     _fenced_out_error,
     _not_found_error,
+    _stored_corrupt,
 )
 
 __all__ = ["RedisStore"]
 
 _T = TypeVar("_T")
 
-# Seqs and fences travel through Lua, whose numbers are doubles: keep them exact.
-_MAX_SEQ: Final = 2**53 - 1
+# Seqs and fences travel through Lua, whose numbers are doubles: keep them exact
+# (the codec's bound on every seq is the same).
+_MAX_SEQ: Final = MAX_SEQ
 _MGET_CHUNK: Final = 500
 
 # Status codes returned by the write scripts.
@@ -127,11 +132,13 @@ return {0}
 """
 )
 
-# KEYS: meta, log.  Returns false, or {snapshot, seq, entries after seq}.
+# KEYS: meta, log.  Returns false, or {snapshot, seq, entries after seq} (no entries
+# if seq is not a number: the caller refuses it).
 _LOAD: Final = Script[bytes](
     script="""
 local m = redis.call('HMGET', KEYS[1], 'snap', 'seq')
 if not m[1] then return false end
+if not string.match(m[2] or '', '^%d+$') then return {m[1], m[2] or '', {}} end
 return {m[1], m[2], redis.call('XRANGE', KEYS[2], '(' .. m[2] .. '-0', '+')}
 """
 )
@@ -251,11 +258,31 @@ def _check_status(reply: Any, session_id: str, fence: int | None) -> None:
     )
 
 
-def _entries(reply: Any) -> list[JournalEntry]:
-    # XRANGE reply: [[b'<seq>-0', [b'd', data]], ...]
-    return [
-        JournalEntry(int(bytes(eid).split(b"-", 1)[0]), bytes(fields[1])) for eid, fields in reply
-    ]
+def _stored_int(raw: Any) -> Any:
+    """An integer read back from redis (its decimal digits), or ``raw`` as it is, for
+    the range check to refuse."""
+    try:
+        text = bytes(raw).decode("ascii")
+        if text.isdigit() or (text[:1] == "-" and text[1:].isdigit()):
+            return int(text)
+    except (TypeError, ValueError):
+        pass
+    return raw
+
+
+def _entries(session_id: str, reply: Any, after: int) -> list[JournalEntry]:
+    """The journal entries of an XRANGE reply (``[[b'<seq>-0', [b'd', data]], ...]``),
+    their seqs checked like any value read back from the store."""
+    rows = []
+    try:
+        for eid, fields in reply:
+            seq, _, tail = bytes(eid).partition(b"-")
+            if tail != b"0" or len(fields) != 2 or bytes(fields[0]) != b"d":
+                raise _stored_corrupt(session_id, "a journal entry has a foreign layout")
+            rows.append((_stored_int(seq), bytes(fields[1])))
+    except (TypeError, ValueError) as exc:
+        raise _stored_corrupt(session_id, "a journal entry has a foreign layout") from exc
+    return _check_stored_entries(session_id, rows, after)
 
 
 def _redact(url: str) -> str:
@@ -440,8 +467,11 @@ class RedisStore:
         if reply is None:
             return None
         snapshot, seq, entries = reply
+        seq = _check_stored_seq(session_id, _stored_int(seq), "the snapshot's seq")
         return StoredSession(
-            snapshot=bytes(snapshot), snapshot_seq=int(seq), entries=tuple(_entries(entries))
+            snapshot=bytes(snapshot),
+            snapshot_seq=seq,
+            entries=tuple(_entries(session_id, entries, seq)),
         )
 
     async def append(
@@ -507,7 +537,9 @@ class RedisStore:
         if reply is None:
             raise _not_found_error(session_id)
         trimmed, entries = reply
-        return int(trimmed), _entries(entries)
+        what = "the journal's trimmed seq"
+        trimmed = _check_stored_seq(session_id, _stored_int(trimmed), what)
+        return trimmed, _entries(session_id, entries, min(max(after, 0), _MAX_SEQ))
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         async def run(client: coredis.Redis[bytes]) -> list[tuple[str, bytes]]:

@@ -4,14 +4,29 @@ One OS thread owns the connection and serves requests from a queue, so the
 trio thread never blocks on the disk. Each time it wakes it takes everything
 queued and runs it in one transaction (``BEGIN IMMEDIATE ... COMMIT``): the
 appends of many sessions share one fsync'd commit, and one failing request does
-not fail the others. Appends check everything before they write, and a batch's
-appends go in with one statement per table (one by one if any is refused);
-every other request runs in its own savepoint. The callers are answered after
-the commit, with one wakeup per trio run.
+not fail the others. A batch's appends go in with one statement per table; if
+any of them is refused (or collides with rows written behind the store's
+back), they run again one by one, each in its own savepoint, as every other
+request does, so that a failure is its own session's only. The callers are
+answered after the commit, with one wakeup per trio run.
 
 Leases live in the same file, so they work across processes: a claim is a
 single upsert, and a fenced write checks the token inside the transaction
 that writes, while holding the database's write lock.
+
+Which processes may open the file is decided by an advisory lock (``flock``)
+on a side file, ``<path>.lock``, taken when the store first opens the file
+and held until :meth:`SQLiteStore.aclose`: exclusive by default, so that a
+second process is refused with a clear error instead of both writing the same
+sessions; shared with ``shared=True``, in every process, which then turn
+leases on. Stores of one process share its lock. An exclusive lock's file is
+removed when its last store closes; a shared one's stays. ``readonly=True``
+takes no lock and writes nothing.
+
+A file is created with its tables under a temporary name and linked into
+place, so a file at ``path`` always holds them: one that exists without them
+(truncated to 0 bytes, or another program's database) is refused, never read
+as an empty store.
 """
 
 from __future__ import annotations
@@ -19,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import sqlite3
 import threading
 import time
+import urllib.parse
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,17 +48,26 @@ import attrs
 import outcome
 import trio
 
+from .._codec import MAX_SEQ
 from .._errors import StoreError
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
     _check_entries,
     _check_snapshot_seqs,
+    _check_stored_entries,
+    _check_stored_seq,
     _check_ttl,
     _exists_error,
     _fence_problem,
     _fenced_out_error,
     _not_found_error,
+    _stored_corrupt,
 )
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock between processes
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["SQLiteStore", "SQLiteStoreStatistics"]
 
@@ -192,8 +218,16 @@ def _answer(answers: Sequence[tuple[_Request, outcome.Outcome[Any]]]) -> None:
             token.run_sync_soon(_deliver, group)
 
 
+class _OpenError(Exception):
+    """The file cannot be opened as this store; the message says why and what to do."""
+
+
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
     about = f"session {request.session_id!r}: " if request.session_id is not None else ""
+    if isinstance(exc, _OpenError):
+        error = StoreError(f"{about}{exc}", session_id=request.session_id)
+        error.__cause__ = exc.__cause__
+        return error
     error = StoreError(
         f"{about}the sqlite store at {path!r} failed ({exc}); "
         "check the file, its directory and the disk, then retry",
@@ -203,6 +237,132 @@ def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError
     return error
 
 
+# The lock between processes ----------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Held:
+    fd: int
+    count: int
+    path: str  # the lock file's
+    shared: bool
+
+
+# This process's locks, by the lock file's path: the stores of one process share
+# one lock (flock locks belong to an open file, so a second open in the same
+# process would conflict with the first).
+_HELD: Final[dict[str, _Held]] = {}
+_HELD_LOCK: Final = threading.Lock()
+
+
+def _forget_locks_after_fork() -> None:
+    # A forked child is another process: it takes locks of its own. Closing its
+    # copies leaves the parent's locks in place.
+    for held in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(held.fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_after_fork)
+
+
+def _acquire_lock(path: str, *, shared: bool) -> str | None:
+    """Lock ``<path>.lock`` for this process (exclusive unless ``shared``); its key.
+
+    An exclusive lock's file is removed when it is released (see
+    :func:`_release_lock`), so the lock is taken on the file that is at the path
+    at that moment: a file removed meanwhile is dropped, and the lock taken again.
+    """
+    if fcntl is None:  # pragma: no cover - not POSIX
+        return None
+    lock_path = os.path.abspath(f"{path}.lock")
+    with _HELD_LOCK:
+        held = _HELD.get(lock_path)
+        if held is not None:
+            held.count += 1
+            return lock_path
+        for _ in range(100):
+            fd = _open_lock_file(path, lock_path)
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                message = _in_use_message(path, lock_path, fd, shared=shared)
+                os.close(fd)
+                raise _OpenError(message) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                current = os.stat(lock_path)
+            except FileNotFoundError:
+                current = None
+            mine = os.fstat(fd)
+            if current is None or (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+                os.close(fd)  # removed by its last holder meanwhile: lock the new one
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {'shared' if shared else 'exclusive'}\n".encode(), 0)
+            _HELD[lock_path] = _Held(fd=fd, count=1, path=lock_path, shared=shared)
+            return lock_path
+    raise _OpenError(  # pragma: no cover - another process removing it 100 times in a row
+        f"the sqlite store at {path!r} cannot take its lock {lock_path!r}: it keeps being"
+        " removed; retry"
+    )
+
+
+def _open_lock_file(path: str, lock_path: str) -> int:
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise _OpenError(
+            f"the sqlite store at {path!r} cannot open its lock file {lock_path!r} ({exc});"
+            " check that its directory exists and can be written"
+        ) from exc
+
+
+def _in_use_message(path: str, lock_path: str, fd: int, *, shared: bool) -> str:
+    try:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").split()
+    except OSError:
+        holder = []
+    who = f"process {holder[0]} ({holder[1]})" if len(holder) == 2 else "another process"
+    if shared:
+        return (
+            f"the sqlite store at {path!r} is in use by {who}, which opened it unshared;"
+            " to share a file between processes, open it with SQLiteStore(path,"
+            " shared=True) in every one of them (leases then keep each session in one"
+            f" process), or stop that process. The lock is {lock_path!r}"
+        )
+    return (
+        f"the sqlite store at {path!r} is in use by {who}; two processes writing one"
+        " file without leases would both change the same sessions. Run one process per"
+        " file, or open the store with SQLiteStore(path, shared=True) in every process"
+        " (leases then keep each session in one of them); to look at it while it is in"
+        f" use, open it with readonly=True. The lock is {lock_path!r}"
+    )
+
+
+def _release_lock(key: str | None) -> None:
+    """This process no longer needs the lock ``key`` (when its last store closes, the
+    lock is released; an exclusive lock's file is removed first, while still held,
+    so that nothing of the store stays beside the database)."""
+    if key is None:
+        return
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held.count -= 1
+        if held.count == 0:
+            del _HELD[key]
+            if not held.shared:
+                with contextlib.suppress(OSError):
+                    os.unlink(held.path)
+            os.close(held.fd)  # releases the flock
+
+
 class _Worker:
     """The OS thread that owns one connection, and its queue of requests."""
 
@@ -210,6 +370,10 @@ class _Worker:
         self._path = store.path
         self._synchronous = _SYNCHRONOUS[store.synchronous]
         self._busy_timeout = store.busy_timeout
+        self._shared = store.shared
+        self._readonly = store.readonly
+        self._locked = False  # this worker holds (its share of) the process's lock
+        self._lock_key: str | None = None
         self._counters = store._counters
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -284,34 +448,67 @@ class _Worker:
                     if conn is not None:
                         conn.close()
                         conn = None
+                    self._unlock()
                     _answer([(stop[0], outcome.Value(None))])
                     return
         finally:
             if conn is not None:
                 conn.close()
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._locked:
+            self._locked = False
+            _release_lock(self._lock_key)
 
     def _open(self) -> sqlite3.Connection:
+        """Open the file: lock it for this process, create it if it does not exist, and
+        check that it is a sessionactors store this version reads."""
+        path = self._path
+        if self._readonly:
+            return self._open_readonly()
+        if not self._locked:
+            # Held until the store is closed, across reconnections: another process
+            # must not slip in between.
+            self._lock_key = _acquire_lock(path, shared=self._shared)
+            self._locked = True
+        if not os.path.exists(path):
+            _create(path)
+        elif os.path.getsize(path) == 0:
+            raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
         conn = sqlite3.connect(
-            self._path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=True
+            path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=True
         )
         try:
+            _check_schema(conn, path)
             (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
             if str(mode).lower() != "wal":
                 raise sqlite3.OperationalError(f"cannot use WAL mode (journal mode is {mode!r})")
             conn.execute(self._synchronous)
-            (version,) = conn.execute("PRAGMA user_version").fetchone()
-            if version < _SCHEMA_VERSION:
-                conn.execute("BEGIN IMMEDIATE")
-                (version,) = conn.execute("PRAGMA user_version").fetchone()
-                if version < _SCHEMA_VERSION:
-                    for statement in _SCHEMA:
-                        conn.execute(statement)
-                conn.execute("COMMIT")
-            if version > _SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(
-                    f"the file has schema version {version}, newer than this version of "
-                    f"sessionactors reads ({_SCHEMA_VERSION}); upgrade sessionactors"
-                )
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        path = self._path
+        if not os.path.exists(path):
+            raise _OpenError(
+                f"the sqlite store at {path!r} does not exist; a read-only store opens only"
+                " an existing file"
+            )
+        if os.path.getsize(path) == 0:
+            raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        conn = sqlite3.connect(
+            uri,
+            uri=True,
+            timeout=self._busy_timeout,
+            isolation_level=None,
+            check_same_thread=True,
+        )
+        try:
+            _check_schema(conn, path)
         except BaseException:
             conn.close()
             raise
@@ -377,16 +574,9 @@ class _Worker:
         return [self._run_one(conn, r) for r in run]
 
     def _run_one(self, conn: sqlite3.Connection, request: _Request) -> outcome.Outcome[Any]:
+        """Run one request in a savepoint of its own: its failure undoes it alone, and
+        fails its caller alone, under its own session's name."""
         assert request.op is not None
-        if request.op is _append:
-            # An append checks everything before it writes, so a refusal leaves nothing
-            # to undo; an SQLite error in it fails the whole batch (no savepoint needed).
-            try:
-                return outcome.Value(request.op(conn, time.time(), *request.args))
-            except sqlite3.Error:
-                raise
-            except Exception as exc:
-                return outcome.Error(exc)
         conn.execute("SAVEPOINT request")
         try:
             value = request.op(conn, time.time(), *request.args)
@@ -394,6 +584,8 @@ class _Worker:
             # Undo just this request; if that is impossible, the error aborts the batch.
             conn.execute("ROLLBACK TO request")
             conn.execute("RELEASE request")
+            if request.op is _append and isinstance(exc, sqlite3.IntegrityError):
+                return outcome.Error(_append_conflict(conn, cast(_AppendArgs, request.args)))
             return outcome.Error(_store_error(self._path, request, exc))
         except Exception as exc:
             conn.execute("ROLLBACK TO request")
@@ -401,6 +593,95 @@ class _Worker:
             return outcome.Error(exc)
         conn.execute("RELEASE request")
         return outcome.Value(value)
+
+
+_TABLES: Final = ("journal", "leases", "sessions", "snapshots")
+
+
+def _not_ours(path: str, problem: str) -> str:
+    return (
+        f"the sqlite store at {path!r} is not a sessionactors store: {problem}; restore the"
+        " file from a backup, or pass the path of a store (or of a file that does not exist"
+        " yet: it is created)"
+    )
+
+
+def _check_schema(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a file that is not a sessionactors store this version reads."""
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        tables = sorted(
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?, ?)",
+                _TABLES,
+            )
+        )
+    except sqlite3.DatabaseError as exc:
+        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+            raise  # busy, not foreign
+        raise _OpenError(_not_ours(path, f"it is not an SQLite database ({exc})")) from exc
+    if version > _SCHEMA_VERSION:
+        raise _OpenError(
+            f"the sqlite store at {path!r} has schema version {version}, newer than this"
+            f" version of sessionactors reads ({_SCHEMA_VERSION}); upgrade sessionactors"
+        )
+    if version != _SCHEMA_VERSION or tuple(tables) != _TABLES:
+        raise _OpenError(_not_ours(path, "it does not hold the tables of one"))
+
+
+def _create(path: str) -> None:
+    """Create the store's file with its tables, all at once.
+
+    The tables are made in a file of another name, which is then linked to
+    ``path`` only if nothing is there yet: a file at ``path`` always holds
+    them (a crash leaves at most the temporary file), and of two processes
+    creating the store at once, one makes it and the other uses it.
+    """
+    temporary = f"{path}.new-{os.getpid()}-{secrets.token_hex(4)}"
+    conn = sqlite3.connect(temporary, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("BEGIN IMMEDIATE")
+        for statement in _SCHEMA:
+            conn.execute(statement)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()  # the last connection: the WAL is written back and removed
+    try:
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            return  # made by another process meanwhile
+        except OSError:  # pragma: no cover - a file system without hard links
+            if os.path.exists(path):
+                return
+            os.rename(temporary, path)
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the new name is durable before anything is written to it
+        finally:
+            os.close(directory)
+    finally:
+        for leftover in (temporary, f"{temporary}-wal", f"{temporary}-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+
+
+def _append_conflict(conn: sqlite3.Connection, args: _AppendArgs) -> StoreError:
+    """The error for an append whose rows collide with journal rows already stored,
+    though above the session's last seq: rows written behind the store's back."""
+    session_id = args.session_id
+    (highest,) = conn.execute(
+        "SELECT max(seq) FROM journal WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return StoreError(
+        f"session {session_id!r}: the journal already holds an entry at seq"
+        f" {args.rows[0][1]} or above (up to {highest}), above the session's last seq:"
+        " rows were written behind the store's back; nothing was written. Restore the"
+        f" file from a backup, or delete the session with registry.delete({session_id!r})",
+        session_id=session_id,
+    )
 
 
 def _fspath(path: str | os.PathLike[str]) -> str:
@@ -414,6 +695,11 @@ def _upper(value: str) -> str:
 def _check_synchronous(_: object, __: object, value: str) -> None:
     if value not in _SYNCHRONOUS:
         raise ValueError(f"synchronous must be one of {sorted(_SYNCHRONOUS)}, not {value!r}")
+
+
+def _check_flag(_: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if value.__class__ is not bool:
+        raise TypeError(f"{attribute.name} must be True or False, not {value!r}")
 
 
 def _check_busy_timeout(_: object, __: object, value: float) -> None:
@@ -457,8 +743,7 @@ def _append(
     fence: int | None,
     last_seq: int | None,
 ) -> None:
-    """``SQLiteStore.append`` in the transaction: it checks everything before it writes
-    (see ``_Worker._run_one``)."""
+    """``SQLiteStore.append`` in the transaction (in a savepoint: see ``_Worker._run_one``)."""
     if fence is not None:
         if not conn.execute(
             "SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)
@@ -496,22 +781,27 @@ def _bulk_append(request: _Request) -> bool:
 
 def _append_all(conn: sqlite3.Connection, appends: list[_AppendArgs]) -> bool:
     """Run many fence-free appends with one statement per table; False (and nothing
-    written) if any of them is refused, for the caller to run them one by one."""
+    written) if any of them is refused or collides with a stored row, for the caller
+    to run them one by one."""
     conn.execute("SAVEPOINT appends")
     updated = conn.executemany(
         "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ? AND last_seq < ?",
         [(a.last_seq, a.info, a.session_id, a.rows[0][1]) for a in appends],
     ).rowcount
-    if updated != len(appends):
-        conn.execute("ROLLBACK TO appends")
-        conn.execute("RELEASE appends")
-        return False
-    conn.executemany(
-        "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
-        [row for a in appends for row in a.rows],
-    )
+    if updated == len(appends):
+        try:
+            conn.executemany(
+                "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
+                [row for a in appends for row in a.rows],
+            )
+        except sqlite3.IntegrityError:
+            pass  # rows written behind the store's back: one by one, each fails alone
+        else:
+            conn.execute("RELEASE appends")
+            return True
+    conn.execute("ROLLBACK TO appends")
     conn.execute("RELEASE appends")
-    return True
+    return False
 
 
 @attrs.define(eq=False, repr=False)
@@ -526,8 +816,20 @@ class SQLiteStore:
     loss for speed). ``busy_timeout`` is how long, in seconds, to wait for
     another process's write lock before failing with ``StoreError``.
 
-    Several processes may share the file: leases and fencing make a session
-    live in one of them at a time.
+    One process writes the file by default: the store locks it (an advisory
+    lock on ``<path>.lock``, held until :meth:`aclose`), and a store in a
+    second process fails its first call with ``StoreError`` saying so. Stores
+    of one process share the lock. With ``shared=True`` in every process,
+    several processes may write the file: ``shared_by_workers`` is then true,
+    so the registry turns leases on, and leases and fencing keep a session
+    live in one of them at a time. ``readonly=True`` opens an existing file
+    for reading only (SQLite's ``mode=ro``), takes no lock, so it works while
+    another process writes the file, and refuses every write with
+    ``StoreError``: for operators' tools.
+
+    A file that exists but is not a sessionactors store (truncated to 0
+    bytes, or another program's database) fails the first call with
+    ``StoreError``; it is never read as an empty store.
 
     A call cancelled while queued is withdrawn and never runs. A call already
     being written waits for its transaction to finish (milliseconds; at most
@@ -544,6 +846,8 @@ class SQLiteStore:
     busy_timeout: float = attrs.field(
         default=5.0, kw_only=True, converter=float, validator=_check_busy_timeout
     )
+    shared: bool = attrs.field(default=False, kw_only=True, validator=_check_flag)
+    readonly: bool = attrs.field(default=False, kw_only=True, validator=_check_flag)
     _counters: _Counters = attrs.field(init=False, factory=_Counters, repr=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
     _worker: _Worker | None = attrs.field(init=False, default=None, repr=False)
@@ -553,7 +857,14 @@ class SQLiteStore:
 
     def __repr__(self) -> str:
         state = "open" if self._worker is not None else "closed"
-        return f"<SQLiteStore {self.path!r} ({state})>"
+        mode = ", shared" if self.shared else ", read-only" if self.readonly else ""
+        return f"<SQLiteStore {self.path!r} ({state}{mode})>"
+
+    @property
+    def shared_by_workers(self) -> bool:
+        """Whether several processes may write the file (``shared=True``): the
+        registry then claims a lease for every session it runs."""
+        return self.shared
 
     def statistics(self) -> SQLiteStoreStatistics:
         """The store's counters (they survive ``aclose``)."""
@@ -592,6 +903,13 @@ class SQLiteStore:
         args: tuple[Any, ...] = (),
     ) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
+        if writes and self.readonly:
+            about = f"session {session_id!r}: " if session_id is not None else ""
+            raise StoreError(
+                f"{about}the sqlite store at {self.path!r} is read-only (readonly=True);"
+                " nothing was written. Open it without readonly=True to write",
+                session_id=session_id,
+            )
         request = _Request(op, session_id=session_id, writes=writes, args=args)
         request.worker = self._submit(request)
         return await trio.lowlevel.wait_task_rescheduled(request.abort)
@@ -653,14 +971,17 @@ class SQLiteStore:
             if row is None:
                 return None
             snapshot, snapshot_seq = row
-            entries = conn.execute(
+            snapshot_seq = _check_stored_seq(session_id, snapshot_seq, "the snapshot's seq")
+            if snapshot.__class__ is not bytes:
+                raise _stored_corrupt(session_id, "the snapshot is not bytes")
+            rows = conn.execute(
                 "SELECT seq, data FROM journal WHERE session_id = ? AND seq > ? ORDER BY seq",
                 (session_id, snapshot_seq),
             ).fetchall()
             return StoredSession(
                 snapshot=snapshot,
                 snapshot_seq=snapshot_seq,
-                entries=tuple(JournalEntry(seq, data) for seq, data in entries),
+                entries=tuple(_check_stored_entries(session_id, rows, snapshot_seq)),
             )
 
         result: StoredSession | None = await self._call(session_id, op, writes=False)
@@ -724,17 +1045,20 @@ class SQLiteStore:
         await self._call(session_id, op, writes=True)
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        since = min(max(after, 0), MAX_SEQ)  # every stored seq is in this range
+
         def op(conn: sqlite3.Connection, now: float) -> tuple[int, list[JournalEntry]]:
             row = conn.execute(
                 "SELECT trimmed_upto FROM sessions WHERE session_id = ?", (session_id,)
             ).fetchone()
             if row is None:
                 raise _not_found_error(session_id)
-            entries = conn.execute(
+            trimmed = _check_stored_seq(session_id, row[0], "the journal's trimmed seq")
+            rows = conn.execute(
                 "SELECT seq, data FROM journal WHERE session_id = ? AND seq > ? ORDER BY seq",
-                (session_id, after),
+                (session_id, since),
             ).fetchall()
-            return row[0], [JournalEntry(seq, data) for seq, data in entries]
+            return trimmed, _check_stored_entries(session_id, rows, since)
 
         result: tuple[int, list[JournalEntry]] = await self._call(session_id, op, writes=False)
         return result

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from .._codec import MAX_SEQ
 from .._errors import (
     FencedOutError,
     SessionActorsError,
@@ -482,3 +483,80 @@ async def _check_expiry(store: Store) -> None:
     )
     await store.append("expiring", _entries(1), b"info", fence=takeover.fence)
     await _expect_load(store, "expiring", snapshot=b"snap", seq=0, entries=_entries(1))
+
+
+@_check("seqs up to MAX_SEQ are stored; a seq above it raises StoreError and writes nothing")
+async def _check_seq_range(store: Store) -> None:
+    await store.create("s", b"snap", b"info")
+    for bad in (MAX_SEQ + 1, 2**63, 2**64):
+        await _expect_raises(
+            StoreError, store.append("s", _entries(bad), b"info"), f"append of seq {bad}", "s"
+        )
+        await _expect_raises(
+            StoreError,
+            store.write_snapshot("s", b"snap-bad", bad, b"info", trim_upto=0),
+            f"write_snapshot at seq {bad}",
+            "s",
+        )
+    await _expect_load(store, "s", snapshot=b"snap", seq=0, entries=[])
+    await store.append("s", _entries(1, MAX_SEQ), b"info")
+    await _expect_load(store, "s", snapshot=b"snap", seq=0, entries=_entries(1, MAX_SEQ))
+    await _expect_journal(store, "s", after=1, trimmed=0, expected=_entries(MAX_SEQ))
+    await store.write_snapshot("s", b"snap-max", MAX_SEQ, b"info", trim_upto=MAX_SEQ)
+    await _expect_load(store, "s", snapshot=b"snap-max", seq=MAX_SEQ, entries=[])
+    await _expect_journal(store, "s", after=0, trimmed=MAX_SEQ, expected=[])
+
+
+@_check("appends made together each succeed or fail alone, under their own session's name")
+async def _check_appends_fail_alone(store: Store) -> None:
+    names = [f"s{i}" for i in range(24)]
+    for name in names:
+        await store.create(name, b"snap", b"info")
+    await store.append("s7", _entries(1, 2), b"info")
+    failed: dict[str, BaseException] = {}
+
+    async def append(name: str, seq: int) -> None:
+        try:
+            await store.append(name, _entries(seq), b"info-2")
+        except Exception as exc:
+            failed[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        for name in names:
+            nursery.start_soon(append, name, 2 if name == "s7" else 1)  # s7's is stale
+        nursery.start_soon(append, "missing", 1)
+    stale, missing = failed.pop("s7", None), failed.pop("missing", None)
+    _expect(
+        not failed,
+        "appends next to a failing one failed: "
+        + ", ".join(f"{name}: {type(exc).__name__} ({exc})" for name, exc in failed.items()),
+    )
+    _expect(
+        isinstance(stale, StoreError) and stale.session_id == "s7",
+        f"the stale append to 's7' raised {stale!r}, expected StoreError for 's7'",
+    )
+    _expect(
+        isinstance(missing, SessionNotFoundError) and missing.session_id == "missing",
+        f"the append to 'missing' raised {missing!r}, expected SessionNotFoundError",
+    )
+    for name in names:
+        expected = _entries(1, 2) if name == "s7" else _entries(1)
+        await _expect_journal(store, name, after=0, trimmed=0, expected=expected)
+    listed = dict(await store.list_sessions())
+    _expect(listed["s1"] == b"info-2", f"the info of 's1' is {listed['s1']!r}, expected b'info-2'")
+    _expect(
+        listed["s7"] == b"info", f"a refused append replaced the info of 's7': {listed['s7']!r}"
+    )
+
+
+@_check("a store used after aclose holds what it held, or raises StoreError: never reads empty")
+async def _check_reuse_after_aclose(store: Store) -> None:
+    await store.create("s", b"snap", b"info")
+    await store.append("s", _entries(1), b"info-1")
+    await store.aclose()
+    try:
+        listed = await store.list_sessions()
+    except StoreError:
+        return  # a closed store may refuse; it must not look empty
+    _expect(listed == [("s", b"info-1")], f"list_sessions() after aclose returned {listed!r}")
+    await _expect_load(store, "s", snapshot=b"snap", seq=0, entries=_entries(1))

@@ -1,7 +1,8 @@
 """A worker process for the cross-process claim test of SQLiteStore.
 
-Usage: ``python sqlite_claim_worker.py PATH OWNER``. It prints ``ready`` once its
-store is open, then answers each command read from stdin with one line:
+Usage: ``python sqlite_claim_worker.py PATH OWNER``. It opens the file shared
+(``SQLiteStore(path, shared=True)``), prints ``ready`` once its store is open,
+then answers each command read from stdin with one line:
 ``claim`` -> ``won FENCE`` or ``lost``; ``release`` -> ``released``; ``exit`` ends.
 Each command runs in its own ``trio.run``, with one store object throughout.
 """
@@ -18,7 +19,7 @@ SESSION = "contested"
 
 
 def main(path: str, owner: str) -> None:
-    store = SQLiteStore(path)
+    store = SQLiteStore(path, shared=True)
     trio.run(store.exists, SESSION)  # opens the file
     print("ready", flush=True)
     lease: Lease | None = None

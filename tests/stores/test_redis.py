@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
 import itertools
@@ -17,14 +18,14 @@ import coredis
 import pytest
 import trio
 
-from sessionactors._errors import (
+from sessionactors import (
     FencedOutError,
     SessionExistsError,
     SessionNotFoundError,
+    SnapshotCorruptError,
     StoreError,
 )
-from sessionactors.stores import JournalEntry, Lease, StoredSession
-from sessionactors.stores._redis import RedisStore
+from sessionactors.stores import MAX_SEQ, JournalEntry, Lease, RedisStore, StoredSession
 from sessionactors.testing import check_store
 
 pytestmark = pytest.mark.redis
@@ -347,8 +348,7 @@ _WORKER = """
 import sys
 import coredis
 import trio
-from coredis.commands import Script
-from sessionactors.stores import _redis
+from sessionactors.stores import Lease, RedisStore
 
 # While holding the lease: raise a flag no one else may hold, count the round, log it.
 ENTER = '''
@@ -369,13 +369,16 @@ for _, key in ipairs(KEYS) do
   redis.call('LTRIM', key, -1, -1)
 end
 '''
-# The negative control: a claim that hands out a fresh token without looking at the lease.
-BROKEN_CLAIM = "return redis.call('INCR', KEYS[2])"
+
+# The negative control: a claim that hands out a fresh token (from the prefix's
+# fencing counter) without looking at the lease.
+class BrokenClaim(RedisStore):
+    async def claim(self, session_id, owner, ttl):
+        async with coredis.Redis.from_url(self.url) as client:
+            return Lease(owner=owner, fence=await client.incr(f"{self.prefix}:fence"))
 
 async def main(url, prefix, name, names, rounds, mode):
-    if mode == "broken":
-        _redis._CLAIM = Script(script=BROKEN_CLAIM)
-    store = _redis.RedisStore(url, prefix=prefix)
+    store = (BrokenClaim if mode == "broken" else RedisStore)(url, prefix=prefix)
     keys = [f"{prefix}:test:{key}" for key in ("stop", "flag", "counter", "log", "errors")]
     wake = [f"{prefix}:test:wake:{other}" for other in names.split(",")]
     mine = f"{prefix}:test:wake:{name}"
@@ -588,3 +591,54 @@ async def test_cancelled_calls_leave_replies_in_order(make_store: MakeStore) -> 
             for index in range(20):
                 nursery.start_soon(loader, index)
     assert wrong == []
+
+
+# -- values written behind the store's back --------------------------------------------
+
+
+def _key(store: RedisStore, name: str, part: str) -> str:
+    """A session's key, as the store's documented layout names it."""
+    encoded = base64.urlsafe_b64encode(name.encode()).rstrip(b"=").decode()
+    return f"{store.prefix}:s:{encoded}:{part}"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("snapshot seq", "the snapshot's seq"),
+        ("negative snapshot seq", "the snapshot's seq"),
+        ("trimmed", "trimmed seq"),
+        ("journal seq", "journal seq"),
+        ("journal layout", "foreign layout"),
+    ],
+)
+async def test_values_read_back_are_range_checked(
+    make_store: MakeStore, redis_url: str, change: str, match: str
+) -> None:
+    """A seq out of range or not a number, or a journal entry of another layout, read
+    back from redis is SnapshotCorruptError naming the session."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"info")
+        await store.append("s", [E(1, b"one")], b"info")
+        async with coredis.Redis.from_url(redis_url) as client:
+            if change == "snapshot seq":
+                await client.hset(_key(store, "s", "meta"), {"seq": str(MAX_SEQ + 1)})
+            elif change == "negative snapshot seq":
+                await client.hset(_key(store, "s", "meta"), {"seq": "-3"})
+            elif change == "trimmed":
+                await client.hset(_key(store, "s", "meta"), {"trimmed": "lots"})
+            elif change == "journal seq":
+                await client.xadd(
+                    _key(store, "s", "log"), {"d": b"x"}, identifier="2305843009213693952-0"
+                )
+            else:
+                await client.xadd(_key(store, "s", "log"), {"other": b"x"}, identifier="5-0")
+        raised: list[SnapshotCorruptError] = []
+        for read in (lambda: store.load("s"), lambda: store.read_journal("s", 0)):
+            try:
+                await read()
+            except SnapshotCorruptError as exc:
+                raised.append(exc)
+        assert raised
+        assert all(exc.session_id == "s" and match in str(exc) for exc in raised)

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
 import itertools
 import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
-from sessionactors import SessionNotFoundError, StoreError
-from sessionactors.stores import JournalEntry, SQLiteStore, StoredSession, _sqlite
+from sessionactors import SessionNotFoundError, SnapshotCorruptError, StoreError
+from sessionactors.stores import MAX_SEQ, JournalEntry, SQLiteStore, StoredSession
 from sessionactors.testing import check_store
 
 WORKER = Path(__file__).with_name("sqlite_claim_worker.py")
+HOLDER = Path(__file__).with_name("sqlite_holder.py")
 
 
 def _entries(*seqs: int) -> list[JournalEntry]:
@@ -97,20 +101,38 @@ def test_store_serves_successive_trio_runs(tmp_path: Path) -> None:
     assert not _worker_threads()
 
 
-async def test_wal_and_full_synchronous_are_in_effect(tmp_path: Path) -> None:
-    """The file is in WAL mode and the store's connection commits with synchronous=FULL."""
+async def statements_run_by(store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The statements the store runs on the connections it opens for one call (each
+    connection sqlite3.connect makes meanwhile traces its statements)."""
+    traced: list[str] = []
+    connect = sqlite3.connect
+
+    def tracing_connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = connect(*args, **kwargs)
+        conn.set_trace_callback(traced.append)
+        return conn
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sqlite3, "connect", tracing_connect)
+        try:
+            await store.list_sessions()
+        finally:
+            await store.aclose()
+    return traced
+
+
+async def test_wal_and_full_synchronous_are_in_effect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is in WAL mode and the store's connection commits with synchronous=FULL
+    (or the setting given)."""
     path = tmp_path / "s.db"
-
-    def synchronous(conn: sqlite3.Connection, now: float) -> int:
-        return int(conn.execute("PRAGMA synchronous").fetchone()[0])
-
     with trio.fail_after(10):
-        store = SQLiteStore(path)
-        assert await store._call(None, synchronous, writes=False) == 2  # FULL
-        await store.aclose()
-        relaxed = SQLiteStore(path, synchronous="normal")
-        assert await relaxed._call(None, synchronous, writes=False) == 1  # NORMAL
-        await relaxed.aclose()
+        full = await statements_run_by(SQLiteStore(path), monkeypatch)
+        assert "PRAGMA synchronous = FULL" in full
+        relaxed = await statements_run_by(SQLiteStore(path, synchronous="normal"), monkeypatch)
+        assert "PRAGMA synchronous = NORMAL" in relaxed
+        assert "PRAGMA synchronous = FULL" not in relaxed
     conn = sqlite3.connect(path)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -209,29 +231,18 @@ async def test_a_failing_request_does_not_fail_its_batch(tmp_path: Path) -> None
         await store.aclose()
 
 
-async def test_grouped_appends_that_skip_the_refusal_check_are_caught(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Negative control: appends grouped without checking that every one was accepted
-    fail the same checks (the stale append's rows collide, and the batch is lost)."""
-
-    def unchecked(conn: sqlite3.Connection, appends: list[tuple[object, ...]]) -> bool:
-        conn.executemany(
-            "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ?",
-            [(last, info, sid) for sid, _, info, _, last in appends],
-        )
-        conn.executemany(
-            "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
-            [row for _, rows, _, _, _ in appends for row in rows],  # type: ignore[attr-defined]
-        )
-        return True
-
-    monkeypatch.setattr(_sqlite, "_append_all", unchecked)
-    results, store = await _mixed_batch(tmp_path / "s.db")
-    try:
-        assert _batch_problems(results) != []
-    finally:
-        await store.aclose()
+def test_the_batch_check_catches_a_batch_that_fails_together() -> None:
+    """Negative control: results where one refused append failed the others, under its
+    name, as a whole-transaction failure once did, are reported as problems."""
+    stale = StoreError("session 'bad': seq 1 is not above 1", session_id="bad")
+    together: dict[str, BaseException | None] = {
+        "first": None,
+        "stale": stale,
+        "good-a": stale,
+        "missing": SessionNotFoundError("session 'nope' is not stored", session_id="nope"),
+        "good-b": stale,
+    }
+    assert _batch_problems(together) == [f"good-a failed: {stale!r}", f"good-b failed: {stale!r}"]
 
 
 async def test_cancelled_append_is_all_or_nothing(tmp_path: Path) -> None:
@@ -299,7 +310,7 @@ async def test_unopenable_file_raises_store_error(tmp_path: Path) -> None:
     with trio.fail_after(10), pytest.raises(StoreError, match="no-such-dir") as info:
         await store.create("s", b"snap", b"info")
     assert info.value.session_id == "s"
-    assert isinstance(info.value.__cause__, sqlite3.Error)
+    assert isinstance(info.value.__cause__, OSError | sqlite3.Error)
     await store.aclose()
 
 
@@ -381,3 +392,440 @@ async def test_claims_across_processes_have_one_winner(tmp_path: Path) -> None:
                 for stream in (worker.process.stdin, worker.process.stdout):
                     if stream is not None:
                         await stream.aclose()
+
+
+# -- rows written behind the store's back -----------------------------------------------
+
+
+def _behind_the_back(path: Path, *statements: tuple[str, Sequence[object]]) -> None:
+    """Change the file with plain sqlite3, as another program (or damage) would."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for sql, params in statements:
+            conn.execute(sql, params)
+    finally:
+        conn.close()
+
+
+async def _appends_in_one_transaction(
+    store: SQLiteStore, path: Path, appends: dict[str, list[JournalEntry]]
+) -> dict[str, BaseException | None]:
+    """Run ``appends`` together, queued behind a first append (to the session "pilot")
+    that waits for another connection's write lock, so that they share the next
+    transaction; what each one raised (None: it returned)."""
+    blocker = sqlite3.connect(path, isolation_level=None)
+    results: dict[str, BaseException | None] = {}
+
+    started: set[str] = set()
+
+    async def append(name: str, entries: list[JournalEntry]) -> None:
+        started.add(name)
+        try:
+            await store.append(name, entries, b"info-2")
+        except Exception as exc:
+            results[name] = exc
+        else:
+            results[name] = None
+
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(append, "pilot", _entries(1))
+            await _wait_until(
+                lambda: "pilot" in started and store.statistics().requests_queued == 0
+            )
+            assert "pilot" not in results  # it waits for the lock
+            for name, entries in appends.items():
+                nursery.start_soon(append, name, entries)
+            await _wait_until(lambda: store.statistics().requests_queued == len(appends))
+            blocker.execute("COMMIT")
+    finally:
+        blocker.close()
+    assert results.pop("pilot") is None
+    return results
+
+
+async def test_a_stray_journal_row_fails_only_its_own_session(tmp_path: Path) -> None:
+    """An append that collides with a journal row written behind the store's back fails
+    alone, with StoreError naming its session; the appends committed with it succeed."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path, busy_timeout=30)
+    names = [f"s{i}" for i in range(40)]
+    try:
+        with trio.fail_after(30):
+            for name in [*names, "stray", "pilot"]:
+                await store.create(name, b"snap", b"info")
+            await store.append("stray", _entries(1), b"info")
+            before = store.statistics()
+            _behind_the_back(
+                path, ("INSERT INTO journal VALUES (?, ?, ?)", ("stray", 3, b"behind the back"))
+            )
+            appends = {name: _entries(1) for name in names} | {"stray": _entries(2, 3)}
+            results = await _appends_in_one_transaction(store, path, appends)
+            assert store.statistics().largest_batch > before.largest_batch
+            failed = {name: exc for name, exc in results.items() if exc is not None}
+            assert list(failed) == ["stray"], failed
+            assert isinstance(failed["stray"], StoreError)
+            assert failed["stray"].session_id == "stray"
+            assert "behind the store's back" in str(failed["stray"])
+            for name in names:
+                assert await store.read_journal(name, 0) == (0, _entries(1))
+            # nothing of the failed append was written; the session goes on past the row
+            assert await store.read_journal("stray", 0) == (
+                0,
+                [*_entries(1), JournalEntry(3, b"behind the back")],
+            )
+            await store.append("stray", _entries(4), b"info")
+    finally:
+        await store.aclose()
+
+
+def test_a_stray_row_fails_a_grouped_insert(tmp_path: Path) -> None:
+    """Negative control: the stray row makes the group's rows, inserted with one statement
+    as grouped appends first are, fail as a whole."""
+    path = tmp_path / "plain.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("CREATE TABLE journal (session_id, seq, data, PRIMARY KEY (session_id, seq))")
+        conn.execute("INSERT INTO journal VALUES ('stray', 3, x'00')")
+        conn.execute("BEGIN")
+        rows = [(f"s{i}", 1, b"e") for i in range(40)] + [("stray", 2, b"e"), ("stray", 3, b"e")]
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.executemany("INSERT INTO journal VALUES (?, ?, ?)", rows)
+        conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (("UPDATE sessions SET snapshot_seq = ?", (2**62,)), "the snapshot's seq"),
+        (("UPDATE sessions SET snapshot_seq = ?", (-1,)), "the snapshot's seq"),
+        (("UPDATE sessions SET snapshot_seq = ?", ("one",)), "the snapshot's seq"),
+        (("UPDATE sessions SET trimmed_upto = ?", (MAX_SEQ + 1,)), "trimmed seq"),
+        (("INSERT INTO journal VALUES ('s', ?, x'00')", (2**63 - 1,)), "journal seq"),
+        (("INSERT INTO journal VALUES ('s', ?, x'00')", (2.5,)), "journal seq"),
+        (("INSERT INTO journal VALUES ('s', ?, 'text')", (5,)), "not bytes"),
+        (("UPDATE snapshots SET data = ?", ("text",)), "snapshot is not bytes"),
+    ],
+)
+async def test_values_read_back_are_range_checked(
+    tmp_path: Path, change: tuple[str, Sequence[object]], match: str
+) -> None:
+    """A seq out of range (or not an integer), or data that is not bytes, read back from
+    the file is SnapshotCorruptError naming the session, from load or read_journal."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path)
+    try:
+        with trio.fail_after(10):
+            await store.create("s", b"snap", b"info")
+            await store.append("s", _entries(1), b"info")
+            await store.aclose()
+            _behind_the_back(path, change)
+            raised: list[SnapshotCorruptError] = []
+            for read in (lambda: store.load("s"), lambda: store.read_journal("s", 0)):
+                try:
+                    await read()
+                except SnapshotCorruptError as exc:
+                    raised.append(exc)
+            assert raised
+            assert all(exc.session_id == "s" for exc in raised)
+            assert all(match in str(exc) and "restore" in str(exc) for exc in raised)
+    finally:
+        await store.aclose()
+
+
+async def test_a_seq_above_max_seq_is_refused_before_sqlite_sees_it(tmp_path: Path) -> None:
+    """An append or snapshot at a seq beyond 2**63 (which SQLite cannot even hold) is a
+    StoreError naming the session, not an OverflowError."""
+    store = SQLiteStore(tmp_path / "s.db")
+    try:
+        with trio.fail_after(10):
+            await store.create("s", b"snap", b"info")
+            with pytest.raises(StoreError, match="MAX_SEQ") as info:
+                await store.append("s", _entries(2**64), b"info")
+            assert info.value.session_id == "s"
+            with pytest.raises(StoreError, match="MAX_SEQ"):
+                await store.write_snapshot("s", b"snap", 2**70, b"info", trim_upto=0)
+            assert await store.read_journal("s", 2**70) == (0, [])
+    finally:
+        await store.aclose()
+
+
+# -- files that are not a store ---------------------------------------------------------
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _another_programs_database(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.execute("INSERT INTO notes VALUES ('mine')")
+    conn.commit()
+    conn.close()
+
+
+async def _truncated_store(path: Path) -> None:
+    store = SQLiteStore(path)
+    await store.create("s", b"snap", b"info")
+    await store.aclose()
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        ("truncated", "the file is empty"),
+        ("text", "not an SQLite database"),
+        ("another program's", "does not hold the tables"),
+    ],
+)
+async def test_a_file_that_is_not_a_store_is_refused_untouched(
+    tmp_path: Path, make: str, match: str
+) -> None:
+    """A file that exists but is not a sessionactors store (truncated to 0 bytes, text,
+    another program's SQLite database) fails the first call with StoreError, read-only
+    or not, and is left as it was: it never reads as an empty store."""
+    path = tmp_path / "s.db"
+    if make == "truncated":
+        await _truncated_store(path)
+    elif make == "text":
+        path.write_bytes(b"these are not the sessions you are looking for\n" * 100)
+    else:
+        _another_programs_database(path)
+    digest = _digest(path)
+    for store in (SQLiteStore(path), SQLiteStore(path, readonly=True)):
+        try:
+            with trio.fail_after(10), pytest.raises(StoreError, match=match) as info:
+                await store.list_sessions()
+            assert "not a sessionactors store" in str(info.value)
+        finally:
+            await store.aclose()
+    assert _digest(path) == digest
+
+
+def test_sqlite_reads_an_empty_file_as_an_empty_database(tmp_path: Path) -> None:
+    """Negative control: SQLite itself opens a truncated file as an empty database, which
+    a store that only connected would list as holding no sessions."""
+    path = tmp_path / "empty.db"
+    path.write_bytes(b"")
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+    finally:
+        conn.close()
+
+
+async def test_a_new_file_is_created_whole(tmp_path: Path) -> None:
+    """A store on a path that does not exist creates the file with its tables, and
+    leaves nothing beside it once closed (no temporary file, no lock file)."""
+    path = tmp_path / "new.db"
+    store = SQLiteStore(path)
+    with trio.fail_after(10):
+        assert await store.list_sessions() == []
+        await store.aclose()
+    conn = sqlite3.connect(path)
+    try:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+    finally:
+        conn.close()
+    assert {"sessions", "snapshots", "journal", "leases"} <= tables
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.db"]
+
+
+# -- one file, several processes --------------------------------------------------------
+
+
+class _Holder:
+    """A process holding a store on a file (tests/stores/sqlite_holder.py)."""
+
+    def __init__(self, process: trio.Process, first_line: str) -> None:
+        self.process = process
+        self.first_line = first_line
+
+    @classmethod
+    async def start(cls, path: Path, mode: str) -> _Holder:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(HOLDER), str(path), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        holder = cls(process, "")
+        holder.first_line = await holder.receive()
+        return holder
+
+    @property
+    def ready(self) -> bool:
+        return self.first_line == "ready"
+
+    async def ask(self, command: str) -> str:
+        assert self.process.stdin is not None
+        await self.process.stdin.send_all(command.encode() + b"\n")
+        return await self.receive()
+
+    async def receive(self) -> str:
+        assert self.process.stdout is not None
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = await self.process.stdout.receive_some(1)
+            if not chunk:
+                break
+            line += chunk
+        return line.decode().strip()
+
+    async def stop(self) -> None:
+        with trio.CancelScope(shield=True):
+            if self.process.returncode is None and self.process.stdin is not None:
+                with trio.move_on_after(10):
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await self.process.stdin.send_all(b"exit\n")
+                    await self.process.wait()
+            if self.process.returncode is None:
+                self.process.kill()
+            await self.process.wait()
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    await stream.aclose()
+
+
+async def test_a_second_process_is_refused_by_default(tmp_path: Path) -> None:
+    """While one process has the file open, another process's store (and this one's) fails
+    with StoreError naming the holder and saying how to share the file; once it closes,
+    the file opens."""
+    path = tmp_path / "s.db"
+    holders: list[_Holder] = []
+    try:
+        with trio.fail_after(60):
+            first = await _Holder.start(path, "exclusive")
+            holders.append(first)
+            assert first.ready, first.first_line
+            assert await first.ask("create a") == "created"
+            second = await _Holder.start(path, "exclusive")
+            holders.append(second)
+            assert second.first_line.startswith("refused ")
+            assert f"process {first.process.pid} (exclusive)" in second.first_line
+            here = SQLiteStore(path)
+            with pytest.raises(StoreError, match=r"in use by .*shared=True.*readonly=True"):
+                await here.list_sessions()
+            await here.aclose()
+            await first.stop()
+            assert await here.list_sessions() == [("a", b"info")]
+            await here.aclose()
+    finally:
+        for holder in holders:
+            await holder.stop()
+
+
+async def test_processes_that_share_the_file_all_open_it(tmp_path: Path) -> None:
+    """Stores opened with shared=True in several processes all work, and see each other's
+    sessions; a store that is not shared is refused meanwhile, and the other way round."""
+    path = tmp_path / "s.db"
+    holders: list[_Holder] = []
+    try:
+        with trio.fail_after(60):
+            for _ in range(3):
+                holders.append(await _Holder.start(path, "shared"))
+            assert all(holder.ready for holder in holders), [h.first_line for h in holders]
+            assert await holders[0].ask("create a") == "created"
+            assert await holders[1].ask("create b") == "created"
+            assert await holders[2].ask("list") == "a,b"
+            shared = SQLiteStore(path, shared=True)
+            assert shared.shared_by_workers
+            assert [name for name, _ in await shared.list_sessions()] == ["a", "b"]
+            await shared.aclose()
+            unshared = await _Holder.start(path, "exclusive")
+            holders.append(unshared)
+            assert unshared.first_line.startswith("refused ")
+            assert "shared=True" in unshared.first_line
+            for holder in holders:
+                await holder.stop()
+            holders = [await _Holder.start(path, "exclusive")]
+            assert holders[0].ready
+            late = await _Holder.start(path, "shared")
+            holders.append(late)
+            assert late.first_line.startswith("refused ")
+            assert "opened it unshared" in late.first_line
+    finally:
+        for holder in holders:
+            await holder.stop()
+
+
+async def test_a_read_only_store_reads_a_file_in_use_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """readonly=True opens a file another process writes, reads its sessions, refuses
+    every write with StoreError, and leaves the file's bytes as they were."""
+    path = tmp_path / "s.db"
+    holder = await _Holder.start(path, "exclusive")
+    try:
+        with trio.fail_after(60):
+            assert holder.ready, holder.first_line
+            assert await holder.ask("create a") == "created"
+            digest = _digest(path)
+            reader = SQLiteStore(path, readonly=True)
+            assert not reader.shared_by_workers
+            assert await reader.list_sessions() == [("a", b"info")]
+            assert await reader.load("a") == StoredSession(
+                snapshot=b"snapshot", snapshot_seq=0, entries=(JournalEntry(1, b"entry"),)
+            )
+            writes = [
+                reader.create("b", b"snap", b"info"),
+                reader.append("a", _entries(2), b"info"),
+                reader.write_snapshot("a", b"snap", 1, b"info", trim_upto=0),
+                reader.delete("a"),
+                reader.claim("a", "me", 30),
+            ]
+            for write in writes:
+                with pytest.raises(StoreError, match="read-only"):
+                    await write
+            await reader.aclose()
+            assert await holder.ask("create c") == "created"  # the holder still writes
+            assert await holder.ask("list") == "a,c"
+            assert _digest(path) == digest  # the new session went to the WAL, not the file
+    finally:
+        await holder.stop()
+
+
+async def test_a_read_only_store_needs_an_existing_file(tmp_path: Path) -> None:
+    """readonly=True on a path where there is no file raises StoreError and creates none."""
+    reader = SQLiteStore(tmp_path / "none.db", readonly=True)
+    with trio.fail_after(10), pytest.raises(StoreError, match="does not exist"):
+        await reader.list_sessions()
+    await reader.aclose()
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_stores_of_one_process_share_its_lock(tmp_path: Path) -> None:
+    """Two stores of one process on one file both work; the process keeps the file
+    locked until the last of them closes."""
+    path = tmp_path / "s.db"
+    first, second = SQLiteStore(path), SQLiteStore(str(path))
+    holders: list[_Holder] = []
+    try:
+        with trio.fail_after(60):
+            await first.create("a", b"snap", b"info")
+            assert await second.list_sessions() == [("a", b"info")]
+            await first.aclose()
+            holders.append(await _Holder.start(path, "exclusive"))
+            assert holders[-1].first_line.startswith("refused ")
+            await second.aclose()
+            holders.append(await _Holder.start(path, "exclusive"))
+            assert holders[-1].ready
+    finally:
+        await first.aclose()
+        await second.aclose()
+        for holder in holders:
+            await holder.stop()
+
+
+def test_sharing_flags_must_be_booleans() -> None:
+    """shared and readonly take True or False only."""
+    with pytest.raises(TypeError, match="shared"):
+        SQLiteStore("x.db", shared="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="readonly"):
+        SQLiteStore("x.db", readonly=1)  # type: ignore[arg-type]
+    assert not SQLiteStore("x.db").shared_by_workers
+    assert "shared" in repr(SQLiteStore("x.db", shared=True))
