@@ -61,14 +61,20 @@ SCRIPT = HERE / "bench_hibernated.py"
 
 
 class DiscardStore:
-    """A store that keeps nothing (writes vanish, loads find nothing): the registry alone."""
+    """A store that keeps nothing once used (writes vanish; a spawned session's first
+    snapshot is kept until its first wake reads it): the registry alone."""
+
+    def __init__(self) -> None:
+        self._created: dict[str, bytes] = {}
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        self._created[session_id] = snapshot
 
     async def load(self, session_id: str) -> StoredSession | None:
         await trio.lowlevel.checkpoint()
-        return None
+        snapshot = self._created.pop(session_id, None)
+        return None if snapshot is None else StoredSession(snapshot=snapshot, snapshot_seq=0)
 
     async def append(
         self,
@@ -188,9 +194,9 @@ async def _measure_raw(n: int) -> None:
 async def _wave(
     registry: sa.Registry, n: int, rss: array.array[int], times: array.array[float]
 ) -> None:
-    """Spawn ``n`` sessions, read RSS, hibernate them all (timed)."""
+    """Spawn and wake ``n`` sessions, read RSS, hibernate them all (timed)."""
     for i in range(n):
-        await registry.spawn(f"s{i:06d}")
+        await (await registry.spawn(f"s{i:06d}")).state()  # live: its actor started
     await trio.testing.wait_all_tasks_blocked()
     rss[0] = settled_rss()
     times[0] = cpu()

@@ -127,9 +127,9 @@ async def _worker(url: str, prefix: str, worker_id: str, ttl: float) -> None:
 
     async def run(registry: Registry, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
-        if op == "spawn":
+        if op == "spawn":  # spawned and woken: this worker runs them
             for name in cmd["names"]:
-                await registry.get_or_spawn(name)
+                await (await registry.get_or_spawn(name)).state()
             return {"ok": True}
         if op == "send":
             reply = await registry.ref(cmd["name"]).send(
