@@ -17,7 +17,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import load_events, load_snapshot
+from ._codec import MAX_SEQ, load_events, load_snapshot
 from ._config import RegistryConfig
 from ._errors import (
     FencedOutError,
@@ -465,6 +465,13 @@ class Actor:
         durable_seq = max(
             session.event_seq, stored.snapshot_seq, *(entry.seq for entry in stored.entries)
         )
+        if durable_seq + SEQ_GAP > MAX_SEQ:  # a wake's jump must stay a storable seq
+            raise SnapshotCorruptError(
+                f"session {sid!r} is stored with seq {durable_seq}, too close to the "
+                f"largest seq ({MAX_SEQ}) for a wake; the store is damaged: restore it "
+                "from a backup or delete the session",
+                session_id=sid,
+            )
         if session.status is Status.STOPPED:
             raise SessionStoppedError(
                 f"session {sid!r} is stopped and takes no more requests; "

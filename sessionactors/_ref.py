@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from ._codec import MAX_TEXT_CHARS
 from ._errors import SessionStoppedError
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
 from ._final import NoPublicConstructor
@@ -288,8 +289,6 @@ class _Subscription:
             self._iterator.close()
 
 
-#: The longest message a turn accepts, in characters (journal entries stay loadable).
-MAX_TEXT_CHARS = 8 * 1024 * 1024
 
 
 def _check_type(session_id: str, what: str, value: object, kind: type) -> None:

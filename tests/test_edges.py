@@ -13,7 +13,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import JournalEntry, MemoryStore
+from sessionactors.stores import MAX_SEQ, JournalEntry, MemoryStore
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 ECHO = {"echo": sa.Agent(model=EchoModel())}
@@ -480,3 +480,20 @@ async def test_text_that_is_not_valid_unicode_is_stored_repaired() -> None:
         after = {name: await registry.ref(name).history() for name in "abc"}
     assert after == before
     assert "report-\ufffd.txt" in [m.content for m in after["c"]]
+
+
+async def test_a_stored_seq_near_the_largest_fails_its_own_session_only() -> None:
+    """A session stored with a seq a wake cannot jump past is SnapshotCorruptError for it;
+    the other sessions go on."""
+    store = MemoryStore()
+    now = datetime.datetime.now(datetime.UTC)
+    state = sa.SessionState(
+        session_id="far", agent="echo", created_at=now, updated_at=now, event_seq=MAX_SEQ - 10
+    )
+    await store.create("far", sa.dump_snapshot(state), b"")
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        other = await registry.spawn("near")
+        with pytest.raises(sa.SnapshotCorruptError, match="far"):
+            await registry.ref("far").send("hi")
+        assert (await other.send("fine")).text == "fine"
+        assert registry.statistics().crashes == 0

@@ -10,7 +10,7 @@ from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 #: The longest message a turn accepts, and the longest tool result kept whole, in characters
 #: (as their error message and note say).
-MAX_TEXT_CHARS = 8 * 1024 * 1024
+MAX_TEXT_CHARS = 1024 * 1024
 MAX_TOOL_RESULT_CHARS = 1024 * 1024
 
 
@@ -20,7 +20,7 @@ async def test_an_oversized_message_is_refused_with_a_clear_error() -> None:
     async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
         ref = await registry.spawn("big")
         with trio.fail_after(30):
-            with pytest.raises(ValueError, match=r"'big' is over the limit of 8,388,608"):
+            with pytest.raises(ValueError, match=r"'big' is over the limit of 1,048,576"):
                 await ref.send("x" * (MAX_TEXT_CHARS + 1))
             assert (await ref.send("small")).text == "small"
         assert registry.statistics().crashes == 0
