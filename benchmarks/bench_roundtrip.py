@@ -159,7 +159,7 @@ def main(args: argparse.Namespace) -> list[Row]:
             2.0,
             cpu_note,
         ),
-        vs("turn", "raw", 'ref.send, durability="turn", MemoryStore', floor, used, 2.0, cpu_note),
+        vs("turn", "raw", 'ref.send, durability="turn", MemoryStore', floor, used, 2.5, cpu_note),
         vs(
             "pykka",
             "raw",

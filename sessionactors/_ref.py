@@ -289,8 +289,6 @@ class _Subscription:
             self._iterator.close()
 
 
-
-
 def _check_type(session_id: str, what: str, value: object, kind: type) -> None:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(
