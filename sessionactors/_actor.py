@@ -133,14 +133,15 @@ class CallMail:
 Mail = TurnMail | CallMail
 
 
-class _Resume:
-    """The request a wake makes for itself: finish the turn its process left open."""
+class _Signal:
+    """A marker the serving loop passes to itself, never a caller's request."""
 
 
-RESUME: Final = _Resume()
+#: The request a wake makes for itself: finish the turn its process left open.
+RESUME: Final = _Signal()
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
-RESCOPE: Final = _Resume()
+RESCOPE: Final = _Signal()
 
 
 class Counters:
@@ -403,6 +404,10 @@ class Actor:
         ):
             yield bound
 
+    def _status_due(self) -> bool:
+        """Whether a status must be journaled before this request publishes anything."""
+        return self.journal.must_journal_status(self.hub.seq if self.hub is not None else 0)
+
     async def _journal_status(self) -> None:
         """Journal the resting status now, whatever the durability policy; then publish it.
 
@@ -504,7 +509,7 @@ class Actor:
         turn, which is then settled outside it.
         """
         journal = self.journal
-        mail: Mail | _Resume | None = None
+        mail: Mail | _Signal | None = None
         if self._ready is not None:
             ready = self._ready
             try:
@@ -539,7 +544,7 @@ class Actor:
             if cut is not None:  # the turn in flight was cancelled: settle it here
                 await self._settle(*cut, failure=None, final=None, cancelled=True)
 
-    async def _serve(self, mail: Mail | _Resume | None, *, outside: bool) -> Mail | _Resume | None:
+    async def _serve(self, mail: Mail | _Signal | None, *, outside: bool) -> Mail | _Signal | None:
         """Serve requests, ``mail`` first, until the actor leaves (None); outside the turn
         scope, return the first request that runs a turn instead of serving it."""
         host = self.host
@@ -579,17 +584,17 @@ class Actor:
             if mail is RESUME:
                 if outside:
                     return mail
-                if journal.must_journal_status(self.hub.seq if self.hub is not None else 0):
+                if self._status_due():
                     await self._journal_status()
                 await self.resume_interrupted()
                 mail = None
                 continue
-            assert not isinstance(mail, _Resume)
+            assert not isinstance(mail, _Signal)
             if outside and (
                 mail.__class__ is TurnMail or isinstance(mail.request, ResolveReview)  # type: ignore[union-attr]
             ):
                 return mail  # served inside the turn scope
-            if journal.must_journal_status(self.hub.seq if self.hub is not None else 0) and (
+            if self._status_due() and (
                 mail.__class__ is TurnMail or not isinstance(mail.request, Hibernate)  # type: ignore[union-attr]
             ):
                 try:

@@ -116,10 +116,7 @@ class Dispatcher:
         return turn
 
     async def _submit_here(self, name: str, text: str, key: str | None, *, ack: bool) -> Any:
-        sessions = self.sessions
-        actor = sessions.live.get(name)
-        if actor is None:
-            actor = sessions.activate(name)
+        actor = self.sessions.activate(name)  # the live one, or a new one that wakes
         if not actor.is_ready and (key is not None or self.router is not None):
             # a key is looked up in the loaded state, and a router must hear of a
             # session live elsewhere; any other turn joins the mailbox of a waking
@@ -198,11 +195,7 @@ class Dispatcher:
             return await self._hibernate(name)
         return await self._route(
             name,
-            lambda: (
-                self._stop_here(name)
-                if isinstance(request, Stop)
-                else self._mail_here(name, request)
-            ),
+            lambda: self._serve_here(name, request),
             None if self.router is None else (lambda router: router.call(name, request)),
         )
 
@@ -222,11 +215,7 @@ class Dispatcher:
             return None
         return await self._route(
             name,
-            lambda: (
-                self._stop_here(name)
-                if isinstance(request, Stop)
-                else self._mail_here(name, request)
-            ),
+            lambda: self._serve_here(name, request),
         )
 
     def _serve_here(self, name: str, request: Call | Stop) -> Awaitable[Any]:

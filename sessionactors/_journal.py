@@ -82,9 +82,6 @@ class Journal:
         self._snapshot_size = len(stored.snapshot)
         self.at = durable_seq + SEQ_GAP // 2
 
-    def add(self, event: Event) -> None:
-        self.unsaved.append(event)
-
     def must_journal_status(self, seq: int) -> bool:
         """Whether a status must be journaled before the next request publishes."""
         return self.status_due or seq >= self.at

@@ -35,7 +35,7 @@ from ._records import ReviewRequest, SessionInfo, Status, new_id
 from ._ref import SessionRef
 from ._router import RoutingStore
 from ._session import LiveSession
-from ._sessions import Sessions, exists_error
+from ._sessions import Sessions
 from .stores._base import Store
 from .stores._memory import MemoryStore
 
@@ -130,8 +130,6 @@ class Registry(metaclass=NoPublicConstructor):
             raise TypeError(
                 f"metadata for session {name!r} must be a mapping, not {type(metadata).__name__}"
             )
-        if name in self._sessions.live:
-            raise exists_error(name)
         session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
         return await self._start_session(session)
 
