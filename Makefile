@@ -3,7 +3,7 @@ PY := .venv/bin/python
 HASH := $(shell cksum pyproject.toml | cut -d' ' -f1)
 VENV := .venv/.created-$(HASH)
 
-.PHONY: demo demo-cluster test soak lint bench clean
+.PHONY: demo demo-cluster test soak lint bench survey clean
 
 $(VENV): pyproject.toml
 	python3 -m venv .venv && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e . && touch $@
@@ -28,6 +28,10 @@ lint: .venv/.extra-lint-$(HASH)
 
 bench: .venv/.extra-bench-$(HASH)
 	$(PY) benchmarks/run.py
+
+# bad inputs, corrupt stores and faults through the public API: benchmarks/results/edges.md
+survey: .venv/.extra-test-$(HASH)
+	$(PY) benchmarks/survey_edges.py
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache
