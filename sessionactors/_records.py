@@ -138,7 +138,9 @@ class Message:
 
     A ``Role.TOOL`` message answers the call whose id is ``tool_call_id``;
     ``is_error`` marks a tool result that reports a failure. ``interrupted``
-    marks an assistant message whose turn was cancelled part-way.
+    marks an assistant message whose turn was cancelled part-way, or the
+    "(no reply: ...)" message that a failed or cancelled turn leaves after its
+    user message (so that roles keep alternating).
 
     ``metadata`` is read-only, like the message: messages made without any
     share one empty mapping (a ``dict`` that refuses changes), so a long

@@ -339,14 +339,14 @@ class LiveSession:
             status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
         elif refused is not None and turn_id in refused:
             status, error = TurnStatus.FAILED, refused[turn_id]
-        elif since is not None and issued >= since:
-            status = TurnStatus.QUEUED
         elif issued <= self.turns_forgotten:
             raise TurnNotFoundError(
                 f"session {sid!r} no longer knows what became of turn {turn_id!r}: it keeps "
                 f"the outcomes of its last {MAX_TURN_RECORDS} turns, and this one is older",
                 session_id=sid,
             )
+        elif since is not None and issued >= since:
+            status = TurnStatus.QUEUED
         return TurnOutcome(session_id=sid, turn_id=turn_id, status=status, error=error)
 
     def system_messages(self, system_prompt: str) -> tuple[Message, ...]:

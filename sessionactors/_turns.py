@@ -3,25 +3,26 @@
 Pure (no trio); ``LiveSession.outcome`` applies the rules. A turn id names its
 session (a short hash of the name) and the time it was issued, in microseconds
 from a clock that never repeats or goes back in this process:
-``turn_<tag>_<time>_<unique>``. Together with the outcomes a session keeps
+``turn_<tag>_<time>_<process>``. Together with the outcomes a session keeps
 durably (the last :data:`MAX_TURN_RECORDS`), that decides every id:
 
 - recorded: finished, failed or cancelled, as recorded;
 - the session's open turn: running, or waiting on a review;
-- issued since the live actor began (it issued it): queued (or refused);
-- issued for this session before that, and newer than the records forgotten:
-  lost, since every incarnation that could still run it is gone and none
-  recorded it;
-- older than the records forgotten: its record is gone (TurnNotFoundError);
+- refused before it started (while this incarnation lives): failed;
+- issued no later than the newest record forgotten: its record is gone
+  (TurnNotFoundError);
+- issued since the live actor began (it issued it): queued;
+- issued for this session before that: lost, since every incarnation that
+  could still run it is gone and none recorded it;
 - not an id of this session's form: never issued for it (TurnNotFoundError).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
 import time
-
-from ._records import new_id
 
 __all__ = ["MAX_TURN_RECORDS", "new_turn_id", "now_us", "session_tag", "turn_id_time"]
 
@@ -29,6 +30,16 @@ __all__ = ["MAX_TURN_RECORDS", "new_turn_id", "now_us", "session_tag", "turn_id_
 MAX_TURN_RECORDS = 1000
 
 _last_us = 0
+_PROCESS = secrets.token_hex(4)  # ids of two processes differ even at the same microsecond
+
+
+def _reseed() -> None:
+    """A forked worker must not repeat its parent's ids."""
+    global _PROCESS
+    _PROCESS = secrets.token_hex(4)
+
+
+os.register_at_fork(after_in_child=_reseed)
 
 
 def now_us() -> int:
@@ -48,7 +59,7 @@ def session_tag(session_id: str) -> str:
 
 def new_turn_id(tag: str) -> str:
     """A fresh turn id for the session whose tag is ``tag``, stamped now."""
-    return new_id(f"turn_{tag}_{now_us():x}")
+    return f"turn_{tag}_{now_us():x}_{_PROCESS}"
 
 
 def turn_id_time(turn_id: str, tag: str | None = None) -> int | None:
