@@ -14,6 +14,7 @@ from ._errors import MailboxFullError as MailboxFullError
 from ._errors import MaxStepsError as MaxStepsError
 from ._errors import MessageNotFoundError as MessageNotFoundError
 from ._errors import ModelError as ModelError
+from ._errors import NothingToRetryError as NothingToRetryError
 from ._errors import ReviewNotFoundError as ReviewNotFoundError
 from ._errors import SessionActorsError as SessionActorsError
 from ._errors import SessionBusyError as SessionBusyError
@@ -28,6 +29,7 @@ from ._errors import StoreError as StoreError
 from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
+from ._errors import TurnNotFoundError as TurnNotFoundError
 from ._events import Delta as Delta
 from ._events import Event as Event
 from ._events import HistoryEdited as HistoryEdited
@@ -57,6 +59,9 @@ from ._records import SessionInfo as SessionInfo
 from ._records import SessionState as SessionState
 from ._records import Status as Status
 from ._records import ToolCall as ToolCall
+from ._records import TurnOutcome as TurnOutcome
+from ._records import TurnRecord as TurnRecord
+from ._records import TurnStatus as TurnStatus
 from ._ref import SessionRef as SessionRef
 from ._ref import Turn as Turn
 from ._registry import Registry as Registry
@@ -94,6 +99,7 @@ __all__ = [
     "ModelChunk",
     "ModelError",
     "ModelRequest",
+    "NothingToRetryError",
     "OpenTurn",
     "Registry",
     "RegistryStatistics",
@@ -134,7 +140,11 @@ __all__ = [
     "TurnFailed",
     "TurnFailedError",
     "TurnFinished",
+    "TurnNotFoundError",
+    "TurnOutcome",
+    "TurnRecord",
     "TurnStarted",
+    "TurnStatus",
     "dump_snapshot",
     "load_snapshot",
     "open_registry",

@@ -23,6 +23,7 @@ from ._errors import (
     FencedOutError,
     LeaseHeldError,
     MessageNotFoundError,
+    NothingToRetryError,
     ReviewNotFoundError,
     SessionActorsError,
     SessionBusyError,
@@ -56,11 +57,22 @@ from ._records import (
     Role,
     Status,
     ToolCall,
+    TurnOutcome,
+    TurnStatus,
     new_id,
     storable,
     utcnow,
 )
-from ._requests import Call, Hibernate, Reply, ResolveReview, Rewind, SetSummary, Truncate
+from ._requests import (
+    Call,
+    Hibernate,
+    Reply,
+    ResolveReview,
+    Retry,
+    Rewind,
+    SetSummary,
+    Truncate,
+)
 from ._session import LiveSession
 from ._tool_calls import (
     maybe_compact,
@@ -69,6 +81,7 @@ from ._tool_calls import (
     run_batch,
     run_tool_calls,
 )
+from ._turns import new_turn_id, now_us, session_tag
 from .stores._base import Lease, Store, StoredSession
 
 __all__ = [
@@ -139,6 +152,13 @@ class _Signal:
 
 #: The request a wake makes for itself: finish the turn its process left open.
 RESUME: Final = _Signal()
+#: What a turn that failed or was cancelled leaves in the history after its user
+#: message when it streamed no reply to keep: a marked assistant message (``interrupted``),
+#: so that the next user message never follows a user message.
+NO_REPLY_FAILED: Final = "(no reply: this turn failed)"
+NO_REPLY_CANCELLED: Final = "(no reply: this turn was cancelled)"
+#: How many refused turns (refused before they started) an actor remembers.
+_MAX_REFUSED: Final = 100
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
@@ -195,6 +215,7 @@ class Actor:
         "_ready",
         "_rescope",
         "_system_cache",
+        "born",
         "done",
         "held",
         "host",
@@ -208,11 +229,13 @@ class Actor:
         "partial",
         "phase",
         "receive",
+        "refused",
         "run_scope",
         "send",
         "session",
         "session_id",
         "stop_error",
+        "tag",
         "turn_id",
         "turn_mail",
         "turn_scope",
@@ -247,6 +270,9 @@ class Actor:
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
+        self.tag = session_tag(session_id)  # what its turn ids carry
+        self.born = now_us()  # it issued every turn id of its session from then on
+        self.refused: dict[str, str] | None = None  # turns refused before they began
 
     def __repr__(self) -> str:
         return f"<Actor {self.session_id!r} {self.phase.value}>"
@@ -290,6 +316,26 @@ class Actor:
             return False
         self.turn_scope.cancel()
         return True
+
+    def new_turn_id(self) -> str:
+        """A fresh id for a turn of this session (see ``_turns``)."""
+        return new_turn_id(self.tag)
+
+    def outcome(self, turn_id: str) -> TurnOutcome:
+        """What became of ``turn_id``, with what this incarnation knows (loaded)."""
+        return self.session.outcome(turn_id, since=self.born, refused=self.refused)
+
+    def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
+        """Answer a turn that cannot start with ``error``; remember it (in memory)."""
+        mail.pending.set_error(error)
+        refused = self.refused
+        if refused is None:
+            refused = self.refused = {}
+        refused[mail.turn_id] = str(error)
+        if len(refused) > _MAX_REFUSED:
+            del refused[next(iter(refused))]
+        if mail.key is not None:  # a retry with this key runs again once it can
+            self.inflight_keys.pop(mail.key, None)
 
     @property
     def deleted(self) -> bool:
@@ -591,7 +637,7 @@ class Actor:
                 continue
             assert not isinstance(mail, _Signal)
             if outside and (
-                mail.__class__ is TurnMail or isinstance(mail.request, ResolveReview)  # type: ignore[union-attr]
+                mail.__class__ is TurnMail or isinstance(mail.request, ResolveReview | Retry)  # type: ignore[union-attr]
             ):
                 return mail  # served inside the turn scope
             if self._status_due() and (
@@ -635,19 +681,14 @@ class Actor:
                 mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
         if session.reviews:
-            review = next(iter(session.reviews.values()))
-            mail.pending.set_error(_busy_error(sid, review))
-            if key is not None:
-                self.inflight_keys.pop(key, None)
+            self._refuse(mail, _busy_error(sid, next(iter(session.reviews.values()))))
             return None
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
             error = TurnFailedError(str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
-            mail.pending.set_error(error)
-            if key is not None:  # a retry with this key runs again once the agent is back
-                self.inflight_keys.pop(key, None)
+            self._refuse(mail, error)
             return None
         turn_id = self.turn_id = mail.turn_id
         self.turn_mail = mail
@@ -724,9 +765,8 @@ class Actor:
         outcome: Event
         error: BaseException | None = None
         if cancelled:
-            text = storable("".join(self.partial))
-            if text:
-                self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
+            text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
+            self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
             if self.phase is Phase.ABORTING:
                 error = stopped_error(sid, "cut")
@@ -741,6 +781,7 @@ class Actor:
                 )
             stats.turns_cancelled += 1
         elif failure is not None:
+            self.add_message(Message.create(Role.ASSISTANT, NO_REPLY_FAILED, interrupted=True))
             outcome = TurnFailed(
                 session_id=sid, seq=self.next_seq(), turn_id=turn_id, error=describe(failure)
             )
@@ -819,6 +860,9 @@ class Actor:
             if isinstance(request, ResolveReview):
                 await self._resolve_review(request, pending)
                 return False
+            if isinstance(request, Retry):
+                await self._retry(pending)
+                return False
             result = await self._edit(request)
         except SessionActorsError as exc:
             if isinstance(request, Hibernate):  # fenced out, store failure: answer, then go
@@ -895,6 +939,62 @@ class Actor:
         self.turn_mail = TurnMail(review.turn_id, "", key, pending)
         await self._drive(agent, pending, key, before=before)
 
+    async def _retry(self, pending: Pending) -> None:
+        """Run the last turn again if it failed or was cancelled: what it left after its
+        user message goes, and a new turn answers that message (no second copy)."""
+        session = self.session
+        sid = self.session_id
+        self._refuse_while_reviewing("retry")
+        last = session.last_turn()
+        index = session.find(last.message_id) if last is not None and last.message_id else -1
+        if (
+            last is None
+            or last.status not in (TurnStatus.FAILED, TurnStatus.CANCELLED)
+            or index < 0
+            or any(m.role is Role.USER for m in session.messages[index + 1 :])
+        ):
+            what = (
+                "no turn yet"
+                if last is None
+                else f"its last turn {last.turn_id} {last.status.value}"
+                if last.status not in (TurnStatus.FAILED, TurnStatus.CANCELLED)
+                else f"the user message of its last turn {last.turn_id} is no longer last "
+                "in the history"
+            )
+            raise NothingToRetryError(
+                f"session {sid!r} has nothing to retry ({what}); retry() runs a failed or "
+                "cancelled last turn again: send a new message instead",
+                session_id=sid,
+            )
+        try:
+            agent = self.host.agent_for(session)
+        except LookupError as exc:
+            raise TurnFailedError(
+                f"{exc}; retry once the agent is back", session_id=sid, turn_id=last.turn_id
+            ) from exc
+        user = session.messages[index]
+        removed = tuple(m.id for m in session.messages[index + 1 :])
+        if removed:
+            self.durable(
+                HistoryEdited(session_id=sid, seq=self.next_seq(), reason="retry", removed=removed)
+            )
+        turn_id = self.turn_id = self.new_turn_id()
+        self.turn_mail = TurnMail(turn_id, user.content, None, pending)
+        self._set_status(Status.RUNNING)
+        self.durable(
+            TurnStarted(
+                session_id=sid,
+                seq=self.next_seq(),
+                turn_id=turn_id,
+                text=user.content,
+                message_id=user.id,
+                created_at=user.created_at,
+                retry_of=last.turn_id,
+            )
+        )
+        before = self._compact_before if agent.compaction is not None else None
+        await self._drive(agent, pending, None, before=before)
+
     def _refuse_while_reviewing(self, what: str) -> None:
         if self.session.reviews:
             review = next(iter(self.session.reviews.values()))
@@ -946,6 +1046,7 @@ class Actor:
         try:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
+            self.add_message(Message.create(Role.ASSISTANT, NO_REPLY_FAILED, interrupted=True))
             outcome = TurnFailed(
                 session_id=self.session_id,
                 seq=self.next_seq(),

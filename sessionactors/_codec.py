@@ -1250,13 +1250,11 @@ class SnapshotWriter:
         raw = _unstructure_state(rest)
         keys = list(raw)
         at = keys.index("messages")
-        if len(keys) > 15:  # pragma: no cover - a fixmap has room for 15 fields
-            raise ValueError("too many fields for the snapshot writer")
         head = packer.pack({k: raw[k] for k in keys[:at]})[1:]
         tail = packer.pack({k: raw[k] for k in keys[at + 1 :]})[1:]
         data = b"".join(
             (
-                bytes((0x80 | len(keys),)),
+                _map_header(len(keys)),
                 head,
                 packer.pack("messages"),
                 _array_header(len(messages)),
@@ -1266,6 +1264,11 @@ class SnapshotWriter:
         )
         self._messages, self._body, self._containers = messages, body, containers
         return data, total
+
+
+def _map_header(count: int) -> bytes:
+    """The msgpack header of a map of ``count`` entries (as msgpack packs it)."""
+    return bytes((0x80 | count,)) if count <= 15 else b"\xde" + count.to_bytes(2, "big")
 
 
 def _is(a: object, b: object) -> bool:

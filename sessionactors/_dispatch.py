@@ -26,10 +26,11 @@ from ._errors import (
 )
 from ._names import validate_name
 from ._pending import Pending
-from ._records import SessionState, Status, new_id
+from ._records import SessionState, Status, TurnOutcome
 from ._ref import Turn, new_turn
 from ._requests import Call, Cancel, Delete, Hibernate, Reply, Stop
 from ._router import NOT_ROUTED, Router
+from ._session import LiveSession
 from ._sessions import Sessions
 from ._subscription import EventIterator
 from .stores._base import Store
@@ -127,7 +128,7 @@ class Dispatcher:
             await trio.lowlevel.checkpoint()
             return turn
         pending = Pending()
-        turn_id = new_id("turn")
+        turn_id = actor.new_turn_id()
         mail = TurnMail(turn_id, text, key, pending)
         send = actor.send
         try:
@@ -158,7 +159,7 @@ class Dispatcher:
         if turn is not None:
             return turn
         pending = Pending()
-        turn_id = new_id("turn")
+        turn_id = actor.new_turn_id()
         mail = TurnMail(turn_id, text, key, pending)
         try:
             actor.send.send_nowait(mail)
@@ -292,6 +293,27 @@ class Dispatcher:
             state = attrs.evolve(state, event_seq=hub.seq)
         return state
 
+    async def outcome(self, name: str, turn_id: str) -> TurnOutcome:
+        """What became of turn ``turn_id`` of the session (here, or from its owner's state)."""
+        outcome: TurnOutcome = await self._route(
+            name,
+            lambda: self._outcome_here(name, turn_id),
+            None
+            if self.router is None
+            else (lambda router: _outcome_in(router.read(name), turn_id)),
+        )
+        return outcome
+
+    async def _outcome_here(self, name: str, turn_id: str) -> TurnOutcome:
+        actor = self.sessions.activate(name)
+        try:
+            await actor.ready()
+        except SessionStoppedError:
+            if self.sessions.closing:
+                raise
+            return (await self.sessions.stored_session(name)).outcome(turn_id)
+        return actor.outcome(turn_id)
+
     async def open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
         self.sessions.check_open(name)
@@ -367,6 +389,16 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
             reply = Reply(turn_id=done.turn_id, message=done.reply)
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
     return None
+
+
+async def _outcome_in(read: Awaitable[SessionState | None], turn_id: str) -> Any:
+    """The outcome from the state of a session live on another worker (NOT_ROUTED if
+    it is live nowhere else). Its mailbox is not in the state: a turn it has not
+    recorded reads as queued (never lost: that worker may still run it)."""
+    state = await read
+    if state is None:
+        return NOT_ROUTED
+    return LiveSession(state).outcome(turn_id, since=0)
 
 
 async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:

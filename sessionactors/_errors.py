@@ -15,6 +15,7 @@ __all__ = [
     "MaxStepsError",
     "MessageNotFoundError",
     "ModelError",
+    "NothingToRetryError",
     "ReviewNotFoundError",
     "SessionActorsError",
     "SessionBusyError",
@@ -29,6 +30,7 @@ __all__ = [
     "SubscriberLaggedError",
     "TurnCancelledError",
     "TurnFailedError",
+    "TurnNotFoundError",
 ]
 
 
@@ -169,6 +171,14 @@ class ReviewNotFoundError(SessionActorsError, LookupError):
 
 class MessageNotFoundError(SessionActorsError, LookupError):
     """No message of the session has that id."""
+
+
+class TurnNotFoundError(SessionActorsError, LookupError):
+    """The session never issued that turn id, or no longer keeps its outcome."""
+
+
+class NothingToRetryError(SessionActorsError, LookupError):
+    """``ref.retry()`` found no failed or cancelled last turn to run again."""
 
 
 # Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).

@@ -51,6 +51,9 @@ class TurnStarted(Event):
     The user's message (``message``: id ``message_id``, stamped ``created_at``)
     joins the history with this event. (Journals written by 0.1 carried it in a
     ``MessageAdded`` that followed, and left ``message_id`` empty.)
+
+    ``retry_of``: this turn runs turn ``retry_of`` again (``ref.retry()``); its
+    user message is that turn's, already in the history, so nothing joins it.
     """
 
     turn_id: str
@@ -58,6 +61,7 @@ class TurnStarted(Event):
     idempotency_key: str | None = None
     message_id: str = ""
     created_at: datetime.datetime = NO_TIME
+    retry_of: str | None = None
 
     @property
     def message(self) -> Message | None:

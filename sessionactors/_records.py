@@ -26,6 +26,9 @@ __all__ = [
     "SessionState",
     "Status",
     "ToolCall",
+    "TurnOutcome",
+    "TurnRecord",
+    "TurnStatus",
     "new_id",
     "storable",
     "utcnow",
@@ -135,7 +138,9 @@ class Message:
 
     A ``Role.TOOL`` message answers the call whose id is ``tool_call_id``;
     ``is_error`` marks a tool result that reports a failure. ``interrupted``
-    marks an assistant message whose turn was cancelled part-way.
+    marks an assistant message whose turn was cancelled part-way, or the
+    "(no reply: ...)" message that a failed or cancelled turn leaves after its
+    user message (so that roles keep alternating).
 
     ``metadata`` is read-only, like the message: messages made without any
     share one empty mapping (a ``dict`` that refuses changes), so a long
@@ -209,6 +214,37 @@ class OpenTurn:
     turn_id: str
     idempotency_key: str | None = None
     started_calls: tuple[str, ...] = ()
+    #: the id of the user's message the turn answers ("" in states written before 0.3)
+    message_id: str = ""
+
+
+class TurnStatus(enum.Enum):
+    """What became of a turn (see ``SessionRef.turn_outcome``)."""
+
+    QUEUED = "queued"  #: in the mailbox, not started yet
+    RUNNING = "running"  #: in flight
+    WAITING = "waiting"  #: paused on a human review (``ref.review``)
+    FINISHED = "finished"  #: ended with a reply
+    FAILED = "failed"  #: the agent, its model or a tool raised; or it was refused
+    CANCELLED = "cancelled"  #: ``ref.cancel()`` (or the shutdown grace) cut it
+    #: accepted, but it did not run and never will: the session crashed, stopped
+    #: or closed before the turn was durable; the history holds nothing of it
+    LOST = "lost"
+
+
+@attrs.frozen(kw_only=True)
+class TurnRecord:
+    """How one turn ended, as its session keeps it (durable, in ``SessionState.turns``).
+
+    ``message_id`` is the user's message the turn answered, ``reply_id`` its
+    final reply (finished turns), ``error`` what went wrong (failed turns).
+    """
+
+    turn_id: str
+    status: TurnStatus
+    message_id: str = ""
+    reply_id: str | None = None
+    error: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -230,6 +266,11 @@ class SessionState:
     reviews: tuple[ReviewRequest, ...] = ()
     turn_count: int = 0
     open_turn: OpenTurn | None = None
+    #: How the most recent turns ended, oldest first (see ``ref.turn_outcome``).
+    turns: tuple[TurnRecord, ...] = ()
+    #: Turns issued before this time (microseconds since the epoch, as in their ids)
+    #: and not in ``turns`` are forgotten: their records were dropped.
+    turns_forgotten: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -243,3 +284,18 @@ class SessionInfo:
     updated_at: datetime.datetime
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
     pending_reviews: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class TurnOutcome:
+    """What became of one turn: the answer of ``await ref.turn_outcome(turn_id)``.
+
+    ``message`` is the final reply of a finished turn (``None`` if a history edit
+    has removed it since); ``error`` says why a failed turn failed.
+    """
+
+    session_id: str
+    turn_id: str
+    status: TurnStatus
+    message: Message | None = None
+    error: str | None = None

@@ -18,13 +18,14 @@ from ._errors import SessionStoppedError
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
 from ._final import NoPublicConstructor
 from ._pending import Pending
-from ._records import Message, ReviewRequest, SessionState
+from ._records import Message, ReviewRequest, SessionState, TurnOutcome
 from ._requests import (
     Call,
     Cancel,
     Hibernate,
     Reply,
     ResolveReview,
+    Retry,
     Rewind,
     SetSummary,
     Stop,
@@ -42,6 +43,7 @@ class Dispatcher(Protocol):
     def submit_nowait(self, name: str, text: str, key: str | None) -> Turn: ...
     async def call(self, name: str, request: Call | Cancel | Stop) -> Any: ...
     async def read(self, name: str) -> SessionState: ...
+    async def outcome(self, name: str, turn_id: str) -> TurnOutcome: ...
     async def open_subscription(self, name: str, after: int | None) -> EventIterator: ...
 
 
@@ -131,7 +133,35 @@ class SessionRef(metaclass=NoPublicConstructor):
         _check_key(self.session_id, idempotency_key)
         return self._dispatcher.submit_nowait(self.session_id, text, idempotency_key)
 
+    async def retry(self) -> Reply:
+        """Run the last turn again if it failed or was cancelled, and wait for its reply.
+
+        What that turn left after its user message (the marked "no reply" message,
+        an interrupted partial reply, its tool calls and results) is removed, and a
+        new turn (a new turn id; its ``TurnStarted`` names the old one in
+        ``retry_of``) answers the same user message: the history holds it once.
+        Queued behind the requests before it, like a turn. Raises
+        NothingToRetryError if the last turn did not fail and was not cancelled,
+        or if a user message has joined the history after it.
+        """
+        reply: Reply = await self._dispatcher.call(self.session_id, Retry())
+        return reply
+
     # ---- reads and control -------------------------------------------------------
+
+    async def turn_outcome(self, turn_id: str) -> TurnOutcome:
+        """What became of turn ``turn_id``: queued, running, waiting (on a review),
+        finished (with its reply), failed (with the error), cancelled, or lost.
+
+        Served without waiting behind queued turns; it answers after hibernation
+        and restarts too, for the session's last 1000 turns. Lost means that the
+        turn was accepted but will never run and left nothing in the history (the
+        session crashed, stopped or closed before the turn was durable): send it
+        again. Raises TurnNotFoundError if the session never issued ``turn_id``,
+        or no longer keeps its outcome.
+        """
+        _check_type(self.session_id, "turn_id", turn_id, str)
+        return await self._dispatcher.outcome(self.session_id, turn_id)
 
     async def history(self) -> list[Message]:
         """The messages so far (a copy), without waiting behind queued turns."""

@@ -20,6 +20,7 @@ __all__ = [
     "Reply",
     "Request",
     "ResolveReview",
+    "Retry",
     "Rewind",
     "SetSummary",
     "Stop",
@@ -95,8 +96,13 @@ class Hibernate:
     """Snapshot and leave once idle; answered with whether the session left."""
 
 
+@attrs.frozen(kw_only=True)
+class Retry:
+    """Run the last turn again if it failed or was cancelled; answered with its :class:`Reply`."""
+
+
 #: What the actor serves in mailbox order, behind the turns queued before it.
-Call = Edit | ResolveReview | Hibernate
+Call = Edit | ResolveReview | Hibernate | Retry
 
 # ---- requests served out of band ----------------------------------------------------------
 

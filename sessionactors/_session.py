@@ -11,6 +11,9 @@ import datetime
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
+import attrs
+
+from ._errors import TurnNotFoundError
 from ._events import (
     Event,
     HistoryEdited,
@@ -35,13 +38,19 @@ from ._records import (
     SessionInfo,
     SessionState,
     Status,
+    TurnOutcome,
+    TurnRecord,
+    TurnStatus,
     utcnow,
 )
+from ._turns import MAX_TURN_RECORDS, session_tag, turn_id_time
 
 __all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
 
 #: How many idempotency keys a session remembers (the most recent ones).
 MAX_COMPLETED_KEYS = 1000
+#: A turn's recorded error is cut to this many characters.
+MAX_ERROR_CHARS = 2000
 
 
 class HistoryView(Sequence[Message]):
@@ -104,6 +113,8 @@ class LiveSession:
         "summary",
         "system_prompt",
         "turn_count",
+        "turns",
+        "turns_forgotten",
         "updated_at",
     )
 
@@ -122,6 +133,8 @@ class LiveSession:
         self.reviews: dict[str, ReviewRequest] = {r.id: r for r in state.reviews}
         self.turn_count = state.turn_count
         self.open_turn: OpenTurn | None = state.open_turn
+        self.turns: dict[str, TurnRecord] = {t.turn_id: t for t in state.turns}
+        self.turns_forgotten = state.turns_forgotten
 
     @classmethod
     def new(
@@ -162,6 +175,8 @@ class LiveSession:
             reviews=tuple(self.reviews.values()),
             turn_count=self.turn_count,
             open_turn=self.open_turn,
+            turns=tuple(self.turns.values()),
+            turns_forgotten=self.turns_forgotten,
         )
 
     def info(self, status: Status | None = None) -> SessionInfo:
@@ -195,9 +210,13 @@ class LiveSession:
             self.updated_at = event.message.created_at
             return
         if isinstance(event, TurnStarted):
-            self.open_turn = OpenTurn(turn_id=event.turn_id, idempotency_key=event.idempotency_key)
+            self.open_turn = OpenTurn(
+                turn_id=event.turn_id,
+                idempotency_key=event.idempotency_key,
+                message_id=event.message_id,
+            )
             message = event.message
-            if message is not None:  # (0.1: a MessageAdded follows with it)
+            if message is not None and event.retry_of is None:  # (0.1: a MessageAdded follows)
                 self.messages.append(message)
                 self.updated_at = message.created_at
         elif isinstance(event, ToolResult):
@@ -207,12 +226,12 @@ class LiveSession:
                 self.updated_at = message.created_at
         elif isinstance(event, ToolCallStarted):
             if self.open_turn is not None:
-                self.open_turn = OpenTurn(
-                    turn_id=self.open_turn.turn_id,
-                    idempotency_key=self.open_turn.idempotency_key,
+                self.open_turn = attrs.evolve(
+                    self.open_turn,
                     started_calls=(*self.open_turn.started_calls, event.tool_call.id),
                 )
         elif isinstance(event, TurnFinished):
+            self._record(event.turn_id, TurnStatus.FINISHED, reply_id=event.message.id)
             self.open_turn = None
             self.turn_count += 1
             messages = self.messages
@@ -226,6 +245,10 @@ class LiveSession:
                 if len(self.completed) > MAX_COMPLETED_KEYS:
                     del self.completed[next(iter(self.completed))]
         elif isinstance(event, TurnFailed | TurnCancelled):
+            if isinstance(event, TurnCancelled):
+                self._record(event.turn_id, TurnStatus.CANCELLED)
+            elif not event.lost:  # (a lost turn's outcome is never journaled)
+                self._record(event.turn_id, TurnStatus.FAILED, error=event.error)
             self.open_turn = None
             self.turn_count += 1
             self.updated_at = now or utcnow()
@@ -246,6 +269,85 @@ class LiveSession:
         elif isinstance(event, MetadataChanged):
             self.metadata = event.metadata
             self.updated_at = now or utcnow()
+
+    def _record(
+        self,
+        turn_id: str,
+        status: TurnStatus,
+        *,
+        reply_id: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Keep how the turn ended (the last MAX_TURN_RECORDS turns)."""
+        open_turn = self.open_turn
+        message_id = open_turn.message_id if open_turn is not None else ""
+        if error is not None and len(error) > MAX_ERROR_CHARS:
+            error = error[:MAX_ERROR_CHARS] + "..."
+        turns = self.turns
+        turns.pop(turn_id, None)  # (a re-recorded turn moves to the end)
+        turns[turn_id] = TurnRecord(
+            turn_id=turn_id, status=status, message_id=message_id, reply_id=reply_id, error=error
+        )
+        if len(turns) > MAX_TURN_RECORDS:
+            gone = turns.pop(next(iter(turns)))
+            issued = turn_id_time(gone.turn_id)
+            if issued is not None and issued > self.turns_forgotten:
+                self.turns_forgotten = issued
+
+    def last_turn(self) -> TurnRecord | None:
+        """How the most recent turn ended (None before the first)."""
+        return next(reversed(self.turns.values()), None)
+
+    def outcome(
+        self,
+        turn_id: str,
+        *,
+        since: int | None = None,
+        refused: Mapping[str, str] | None = None,
+    ) -> TurnOutcome:
+        """What became of ``turn_id`` (the rules are in ``_turns``).
+
+        ``since``: when the live actor began (it issued every id of this session
+        from then on; None when the session is not live here); ``refused``: the
+        turns it refused before they started, with the error.
+        """
+        sid = self.session_id
+        record = self.turns.get(turn_id)
+        if record is not None:
+            message = None
+            if record.reply_id is not None:
+                index = self.find(record.reply_id)
+                message = self.messages[index] if index >= 0 else None
+            return TurnOutcome(
+                session_id=sid,
+                turn_id=turn_id,
+                status=record.status,
+                message=message,
+                error=record.error,
+            )
+        issued = turn_id_time(turn_id, session_tag(sid))
+        if issued is None:
+            raise TurnNotFoundError(
+                f"session {sid!r} never issued a turn id {turn_id!r:.80}; take turn ids from "
+                "reply.turn_id or turn.id of this session",
+                session_id=sid,
+            )
+        status = TurnStatus.LOST
+        error = None
+        open_turn = self.open_turn
+        if open_turn is not None and open_turn.turn_id == turn_id:
+            status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
+        elif refused is not None and turn_id in refused:
+            status, error = TurnStatus.FAILED, refused[turn_id]
+        elif issued <= self.turns_forgotten:
+            raise TurnNotFoundError(
+                f"session {sid!r} no longer knows what became of turn {turn_id!r}: it keeps "
+                f"the outcomes of its last {MAX_TURN_RECORDS} turns, and this one is older",
+                session_id=sid,
+            )
+        elif since is not None and issued >= since:
+            status = TurnStatus.QUEUED
+        return TurnOutcome(session_id=sid, turn_id=turn_id, status=status, error=error)
 
     def system_messages(self, system_prompt: str) -> tuple[Message, ...]:
         """What goes before the history in a model request: prompt, then summary."""

@@ -193,7 +193,14 @@ async def test_model_failure_fails_the_turn_not_the_session() -> None:
     assert failed.turn_id == info.value.turn_id
     assert "the model broke" in failed.error
     assert reply.text == "recovered"
-    assert [m.content for m in history] == ["first", "second", "recovered"]
+    # the failed turn leaves a marked "no reply" message: roles keep alternating
+    assert [m.content for m in history] == [
+        "first",
+        "(no reply: this turn failed)",
+        "second",
+        "recovered",
+    ]
+    assert [m.interrupted for m in history] == [False, True, False, False]
     assert (stats.turns_failed, stats.turns_completed, stats.crashes) == (1, 1, 0)
 
 

@@ -63,7 +63,7 @@ EXPECTED = {
         "['StatusChanged', 'TurnStarted', 'TurnFinished']",
         "durability='hibernate': journaled at reply time: ['StatusChanged']",
         "2 messages after a clean restart",
-        "journal tail 6 entries",
+        "journal tail 11 entries",
         "replay from 0 expired; oldest available seq:",
     ],
     "howto_resume_stream.py": [
@@ -100,6 +100,15 @@ EXPECTED = {
         "replayed: True",
         "joined: True True",
         "history: 4 messages",
+    ],
+    "howto_turn_outcomes.py": [
+        "status: failed | RuntimeError: provider unavailable",
+        "  assistant: (no reply: this turn failed) (interrupted=True)",
+        "retried: It ships tomorrow.",
+        "history: ['When does my order ship?', 'It ships tomorrow.']",
+        "now: finished",
+        "nothing to retry: NothingToRetryError",
+        "unknown id: TurnNotFoundError",
     ],
     "howto_tools_review.py": [
         "the model is told about: ['lookup_order', 'refund']",

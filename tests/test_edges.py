@@ -445,7 +445,8 @@ async def test_a_model_streaming_wrong_types_fails_its_turn_and_stores_nothing_b
             await ref.send("hi")
     async with sa.open_registry(store=store, agents=ECHO) as registry:
         history = await registry.ref("typed").history()
-    assert [m.role for m in history] == [sa.Role.USER]
+    assert [m.role for m in history] == [sa.Role.USER, sa.Role.ASSISTANT]  # + "no reply"
+    assert history[-1].interrupted
 
 
 async def test_text_that_is_not_valid_unicode_is_stored_repaired() -> None:

@@ -189,6 +189,14 @@ class SessionRef:
         """Set the summary the model sees after the system prompt ("" clears it)."""
         await self._host.call(self._ref.set_summary, text)
 
+    async def turn_outcome(self, turn_id: str) -> sa.TurnOutcome:
+        """What became of turn ``turn_id`` (see :meth:`sessionactors.SessionRef.turn_outcome`)."""
+        return await self._host.call(self._ref.turn_outcome, turn_id)
+
+    async def retry(self) -> sa.Reply:
+        """Run the last turn again if it failed or was cancelled; its reply."""
+        return await self._host.call(self._ref.retry)
+
 
 @attrs.define(eq=False, repr=False)
 class Registry:

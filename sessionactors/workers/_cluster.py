@@ -65,6 +65,7 @@ from .._requests import (
     Hibernate,
     Reply,
     ResolveReview,
+    Retry,
     Rewind,
     SetSummary,
     Stop,
@@ -98,6 +99,7 @@ _CALL_TAGS: Final[dict[str, type[Any]]] = {
     "cancel": Cancel,
     "stop": Stop,
     "delete": Delete,
+    "retry": Retry,
 }
 _TAG_OF: Final = {cls: tag for tag, cls in _CALL_TAGS.items()}
 # Errors that are plain builtins when the owner raises them.
@@ -613,7 +615,7 @@ class Cluster:
         if answer is None:
             return NOT_ROUTED
         value = self._check(answer, name)["value"]
-        if isinstance(request, ResolveReview):
+        if isinstance(request, ResolveReview | Retry):
             return _load_reply(name, value)
         return value
 

@@ -1,0 +1,74 @@
+"""Turn ids, and the rules that decide what became of a turn (``ref.turn_outcome``).
+
+Pure (no trio); ``LiveSession.outcome`` applies the rules. A turn id names its
+session (a short hash of the name) and the time it was issued, in microseconds
+from a clock that never repeats or goes back in this process:
+``turn_<tag>_<time>_<process>``. Together with the outcomes a session keeps
+durably (the last :data:`MAX_TURN_RECORDS`), that decides every id:
+
+- recorded: finished, failed or cancelled, as recorded;
+- the session's open turn: running, or waiting on a review;
+- refused before it started (while this incarnation lives): failed;
+- issued no later than the newest record forgotten: its record is gone
+  (TurnNotFoundError);
+- issued since the live actor began (it issued it): queued;
+- issued for this session before that: lost, since every incarnation that
+  could still run it is gone and none recorded it;
+- not an id of this session's form: never issued for it (TurnNotFoundError).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+
+__all__ = ["MAX_TURN_RECORDS", "new_turn_id", "now_us", "session_tag", "turn_id_time"]
+
+#: How many turn outcomes a session keeps (the most recent ones).
+MAX_TURN_RECORDS = 1000
+
+_last_us = 0
+_PROCESS = secrets.token_hex(4)  # ids of two processes differ even at the same microsecond
+
+
+def _reseed() -> None:
+    """A forked worker must not repeat its parent's ids."""
+    global _PROCESS
+    _PROCESS = secrets.token_hex(4)
+
+
+os.register_at_fork(after_in_child=_reseed)
+
+
+def now_us() -> int:
+    """Microseconds since the epoch, rising at every call in this process."""
+    global _last_us
+    now = time.time_ns() // 1000
+    if now <= _last_us:
+        now = _last_us + 1
+    _last_us = now
+    return now
+
+
+def session_tag(session_id: str) -> str:
+    """The short hash of a session's name that its turn ids carry."""
+    return hashlib.blake2b(session_id.encode("utf-8"), digest_size=4).hexdigest()
+
+
+def new_turn_id(tag: str) -> str:
+    """A fresh turn id for the session whose tag is ``tag``, stamped now."""
+    return f"turn_{tag}_{now_us():x}_{_PROCESS}"
+
+
+def turn_id_time(turn_id: str, tag: str | None = None) -> int | None:
+    """When ``turn_id`` was issued (as by :func:`now_us`), or None if it is not of the
+    form, or (with ``tag``) not of that session."""
+    parts = turn_id.split("_")
+    if len(parts) != 4 or parts[0] != "turn" or (tag is not None and parts[1] != tag):
+        return None
+    try:
+        return int(parts[2], 16)
+    except ValueError:
+        return None
