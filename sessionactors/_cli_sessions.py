@@ -357,30 +357,42 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _owning(store: Store, name: str, doing: str) -> Any:
+async def _writing(store: Store, name: str, doing: str) -> Any:
     """Hold ``name``'s lease while a write command changes it, on a store that several
-    processes share; refused while another process holds it."""
-    if not getattr(store, "shared_by_workers", False):
-        yield
-        return
-    owner = f"sessionactors-cli-{os.getpid()}"
-    lease = await store.claim(name, owner, LEASE_TTL)
-    if lease is None:
-        raise LeaseHeldError(
-            f"session {name!r} is live in another process (it holds the session's lease), "
-            f"so it cannot be {doing} from here; do it through that process (e.g. "
-            f"registry.delete({name!r})), or retry once the session hibernates",
-            session_id=name,
-        )
+    processes share (refused while another process holds it); say clearly when a
+    SQLite file held by another process refuses to open."""
     try:
-        yield
-    finally:
-        with (
-            trio.CancelScope(shield=True),
-            trio.move_on_after(10),
-            contextlib.suppress(SessionActorsError),
-        ):
-            await store.release(name, lease)
+        if not getattr(store, "shared_by_workers", False):
+            yield
+            return
+        owner = f"sessionactors-cli-{os.getpid()}"
+        lease = await store.claim(name, owner, LEASE_TTL)
+        if lease is None:
+            raise LeaseHeldError(
+                f"session {name!r} is live in another process (it holds the session's lease), "
+                f"so it cannot be {doing} from here; do it through that process (e.g. "
+                f"registry.delete({name!r})), or retry once the session hibernates",
+                session_id=name,
+            )
+        try:
+            yield
+        finally:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(10),
+                contextlib.suppress(SessionActorsError),
+            ):
+                await store.release(name, lease)
+    except StoreError as exc:
+        if "in use by" not in str(exc):
+            raise
+        problem = str(exc).removeprefix(f"session {name!r}: ")
+        raise StoreError(
+            f"session {name!r} cannot be {doing}: {problem}. A server run with "
+            "'python -m sessionactors serve' shares its file with --store "
+            "'sqlite:///PATH?shared=true'",
+            session_id=name,
+        ) from exc
 
 
 def _read_document(path: str) -> Any:
@@ -425,23 +437,6 @@ async def _delete(store: Store, args: argparse.Namespace) -> int:
             raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
     _out(f"deleted session {name!r}")
     return 0
-
-
-@contextlib.asynccontextmanager
-async def _writing(store: Store, name: str, doing: str) -> Any:
-    """The session's lease for a write, and a clear word when the store refuses to open."""
-    try:
-        async with _owning(store, name, doing):
-            yield
-    except StoreError as exc:
-        if "in use by" not in str(exc):
-            raise
-        raise StoreError(
-            f"session {name!r} cannot be {doing}: {exc}. A server run with "
-            "'python -m sessionactors serve' shares its file with --store "
-            "'sqlite:///PATH?shared=true'",
-            session_id=name,
-        ) from exc
 
 
 _READS: Final = frozenset({"list", "show", "export", "tail"})
