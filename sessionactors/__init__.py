@@ -50,6 +50,7 @@ from ._model import ModelRequest as ModelRequest
 from ._model import TextChunk as TextChunk
 from ._model import ToolCallChunk as ToolCallChunk
 from ._model import ToolSpec as ToolSpec
+from ._reading import read_session as read_session
 from ._records import CompletedTurn as CompletedTurn
 from ._records import Message as Message
 from ._records import OpenTurn as OpenTurn
@@ -148,5 +149,6 @@ __all__ = [
     "dump_snapshot",
     "load_snapshot",
     "open_registry",
+    "read_session",
     "tool",
 ]

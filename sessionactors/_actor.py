@@ -17,7 +17,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import MAX_SEQ, load_events, load_snapshot
+from ._codec import MAX_SEQ
 from ._config import RegistryConfig
 from ._errors import (
     FencedOutError,
@@ -51,6 +51,7 @@ from ._history import rewind_end, split_for_keep_last
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
 from ._pending import Pending
+from ._reading import read_stored
 from ._records import (
     Message,
     ReviewRequest,
@@ -82,7 +83,7 @@ from ._tool_calls import (
     run_tool_calls,
 )
 from ._turns import new_turn_id, now_us, session_tag
-from .stores._base import Lease, Store, StoredSession
+from .stores._base import Lease, Store
 
 __all__ = [
     "Actor",
@@ -94,7 +95,6 @@ __all__ = [
     "crashed_error",
     "deleted_error",
     "describe",
-    "read_stored",
     "stopped_error",
 ]
 
@@ -1221,29 +1221,6 @@ class Actor:
         if journal:  # compaction only: the stop is stored already
             with self._bounded_write(), contextlib.suppress(Exception):
                 await self._write_snapshot(Status.STOPPED)
-
-
-async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, StoredSession]:
-    """The session as the store has it (snapshot + journal tail), without waking it."""
-    stored = await store.load(session_id)
-    if stored is None:
-        raise SessionNotFoundError(
-            f"session {session_id!r} does not exist; create it with registry.spawn({session_id!r})",
-            session_id=session_id,
-        )
-    state = load_snapshot(stored.snapshot, session_id=session_id)
-    if state.session_id != session_id:
-        raise SnapshotCorruptError(
-            f"the snapshot stored for session {session_id!r} belongs to "
-            f"{state.session_id!r}; the store is inconsistent: restore it or delete the session",
-            session_id=session_id,
-        )
-    session = LiveSession(state)
-    for entry in stored.entries:
-        for event in load_events(entry.data, session_id=session_id):
-            if event.seq > stored.snapshot_seq:
-                session.apply(event)
-    return session, stored
 
 
 def _resting_status(session: LiveSession) -> Status:

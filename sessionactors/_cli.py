@@ -1,5 +1,5 @@
 """The ``sessionactors`` command (``python -m sessionactors``): ``demo`` (the main job),
-``demo-cluster``, ``chat`` and ``serve``."""
+``demo-cluster``, ``chat``, ``serve`` and ``sessions`` (see ``_cli_sessions``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import trio
 
 from ._agent import Agent
+from ._cli_sessions import add_parser as add_sessions_parser
+from ._cli_sessions import run as run_sessions
 from ._events import Delta
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
@@ -42,8 +45,15 @@ async def _chat(args: argparse.Namespace) -> None:
             _say()
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in arguments are one line on stderr (and exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sessionactors")
+    parser = _Parser(prog="sessionactors")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job on the embedded SQLite store")
     demo.add_argument("--sessions", type=int, default=1000)
@@ -63,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    add_sessions_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "sessions":
+        raise SystemExit(run_sessions(args))
     if args.command == "serve":
         from .http._serve import main as serve_main
 

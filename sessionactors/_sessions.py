@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from ._actor import Actor, Counters, read_stored
+from ._actor import Actor, Counters
 from ._agent import Agent
 from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
@@ -26,6 +26,7 @@ from ._errors import (
 )
 from ._hub import Hub
 from ._names import validate_name
+from ._reading import read_stored
 from ._records import Status
 from ._router import Router
 from ._session import LiveSession

@@ -22,7 +22,12 @@ PACKAGE = "sessionactors"
 #: under one of PLUGINS, and an error otherwise (a new module must pick a layer).
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("values", frozenset({"_records", "_events", "_errors", "_requests", "_model", "_final"})),
-    ("pure logic", frozenset({"_names", "_history", "_codec", "_session", "_config", "_turns"})),
+    (
+        "pure logic",
+        frozenset(
+            {"_names", "_history", "_codec", "_session", "_config", "_turns", "_json", "_export"}
+        ),
+    ),
     (
         "seams",
         frozenset(
@@ -34,6 +39,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "_hub",
                 "_subscription",
                 "_pending",
+                "_reading",
             }
         ),
     ),
@@ -47,12 +53,14 @@ PLUGINS: tuple[str, ...] = (
     "stores._sqlite",
     "stores._redis",
     "stores._redis_transport",
+    "stores._url",
     "workers",
     "models",
     "testing",
     "aio",
     "http",
     "_cli",
+    "_cli_sessions",
     "_demo",
     "_demo_cluster",
     "__main__",

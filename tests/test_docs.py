@@ -58,6 +58,14 @@ EXPECTED = {
         "'After the restart.']",
         "replayed: 2 finished turns",
     ],
+    "howto_operations.py": [
+        "read without waking: chat-1 2 messages",
+        "acme's sessions: ['chat-3', 'chat-1']",
+        "export format sessionactors.session version 1",
+        "imported session 'chat-1-copy' (2 messages)",
+        "deleted session 'chat-1'",
+        "the copy answers: Still there? (4 messages)",
+    ],
     "howto_durability.py": [
         "durability='turn': journaled at reply time: "
         "['StatusChanged', 'TurnStarted', 'TurnFinished']",

@@ -69,6 +69,7 @@ GROUPS = {
         "SessionRef",
         "Turn",
         "Reply",
+        "read_session",
     ],
     "Agents, models and tools": [
         "Agent",

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 import hypercorn.config
 import hypercorn.trio
@@ -17,31 +17,13 @@ import trio
 
 import sessionactors as sa
 
+from ..stores._url import open_store
 from ._app import SessionsApp, create_app
 
 __all__ = ["main", "open_store", "serve"]
 
 #: Seconds the server waits for requests in flight (a turn being answered) after a signal.
 GRACEFUL_SECONDS: Final = 10.0
-
-
-def open_store(url: str) -> Any:
-    """A store from a URL: ``sqlite:///relative.db``, ``sqlite:////absolute.db``,
-    ``memory://`` or ``redis://host:port/db`` (extra ``redis``)."""
-    if url.startswith("sqlite://"):
-        path = url.removeprefix("sqlite://")
-        if not path.startswith("/") or path == "/":
-            raise ValueError(f"--store {url!r}: write sqlite:///relative.db or sqlite:////abs.db")
-        return sa.SQLiteStore(path[1:])
-    if url in ("memory://", "memory:"):
-        return sa.MemoryStore()
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from sessionactors.stores import RedisStore
-
-        return RedisStore(url)
-    raise ValueError(
-        f"--store {url!r} is not a store URL; use sqlite:///path.db, memory:// or redis://..."
-    )
 
 
 def load_agents(spec: str) -> dict[str, sa.Agent]:

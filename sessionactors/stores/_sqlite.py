@@ -373,6 +373,7 @@ class _Worker:
         self._shared = store.shared
         self._readonly = store.readonly
         self._locked = False  # this worker holds (its share of) the process's lock
+        self._immutable = False  # a read-only connection that ignores any WAL (see below)
         self._lock_key: str | None = None
         self._counters = store._counters
         self._lock = threading.Lock()
@@ -499,7 +500,15 @@ class _Worker:
             )
         if os.path.getsize(path) == 0:
             raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
-        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        # Nothing of the file may change, -wal and -shm included. While a process has
+        # the file open (its -shm exists), readonly_shm=1 maps that -shm read-only:
+        # plain mode=ro would record its read position there. With no -shm, no process
+        # has the file open and the WAL is checkpointed into it: immutable=1 reads it
+        # without creating a -wal or -shm, and _serve reopens the connection once a
+        # -shm appears (a writer opened the file), before its next transaction.
+        self._immutable = not os.path.exists(f"{path}-shm")
+        mode = "immutable=1" if self._immutable else "readonly_shm=1"
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro&{mode}"
         conn = sqlite3.connect(
             uri,
             uri=True,
@@ -521,6 +530,9 @@ class _Worker:
         results: list[outcome.Outcome[Any]] = []
         writes = any(r.writes for r in batch)
         try:
+            if conn is not None and self._immutable and os.path.exists(f"{self._path}-shm"):
+                conn.close()  # a writer opened the file: read it through its WAL from now on
+                conn = None
             if conn is None:
                 conn = self._open()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
@@ -824,8 +836,9 @@ class SQLiteStore:
     so the registry turns leases on, and leases and fencing keep a session
     live in one of them at a time. ``readonly=True`` opens an existing file
     for reading only (SQLite's ``mode=ro``), takes no lock, so it works while
-    another process writes the file, and refuses every write with
-    ``StoreError``: for operators' tools.
+    another process writes the file, changes no byte of the file or of its
+    ``-wal`` and ``-shm`` files (and creates neither), and refuses every write
+    with ``StoreError``: for operators' tools.
 
     A file that exists but is not a sessionactors store (truncated to 0
     bytes, or another program's database) fails the first call with

@@ -789,6 +789,85 @@ async def test_a_read_only_store_reads_a_file_in_use_and_changes_nothing(
         await holder.stop()
 
 
+def _files(path: Path) -> dict[str, str | None]:
+    """The digest of the database and of its -wal and -shm files (None: absent)."""
+    out: dict[str, str | None] = {}
+    for suffix in ("", "-wal", "-shm"):
+        side = Path(f"{path}{suffix}")
+        out[suffix] = _digest(side) if side.exists() else None
+    return out
+
+
+async def test_a_read_only_store_changes_no_byte_of_the_wal_or_shm(tmp_path: Path) -> None:
+    """readonly=True leaves the database, its WAL and its shared-memory file byte for
+    byte as they were, while another process writes the file (a plain read-only SQLite
+    connection records its read position in the -shm file)."""
+    path = tmp_path / "s.db"
+    holder = await _Holder.start(path, "exclusive")
+    try:
+        with trio.fail_after(60):
+            assert holder.ready, holder.first_line
+            for name in ("a", "b"):
+                assert await holder.ask(f"create {name}") == "created"  # written after any read
+                before = _files(path)
+                assert before["-shm"] is not None
+                reader = SQLiteStore(path, readonly=True)
+                assert [n for n, _ in await reader.list_sessions()][-1] == name
+                assert await reader.load(name) is not None
+                await reader.aclose()
+                assert _files(path) == before
+    finally:
+        await holder.stop()
+
+
+def test_a_plain_read_only_connection_changes_the_shm(tmp_path: Path) -> None:
+    """Negative control: SQLite's mode=ro alone writes the -shm file of a database that
+    another process has open (what the test above would catch)."""
+    path = tmp_path / "raw.db"
+    writer = sqlite3.connect(path, isolation_level=None)
+    try:
+        writer.execute("PRAGMA journal_mode = WAL")
+        writer.execute("CREATE TABLE t (x)")
+        writer.execute("INSERT INTO t VALUES (1)")
+        before = _files(path)
+        code = (
+            "import sqlite3, sys; "
+            "c = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True); "
+            "c.execute('SELECT count(*) FROM t').fetchone(); c.close()"
+        )
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+        assert _files(path)["-shm"] != before["-shm"]
+    finally:
+        writer.close()
+
+
+async def test_a_read_only_store_of_a_closed_file_creates_nothing_and_sees_a_writer_start(
+    tmp_path: Path,
+) -> None:
+    """readonly=True on a file no process has open creates no -wal or -shm file beside
+    it; once a writer opens the file, the same reader sees what it writes."""
+    path = tmp_path / "s.db"
+    writer = SQLiteStore(path)
+    await writer.create("a", b"snapshot", b"info")
+    await writer.aclose()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["s.db"]
+    reader = SQLiteStore(path, readonly=True)
+    try:
+        with trio.fail_after(60):
+            assert await reader.list_sessions() == [("a", b"info")]
+            assert sorted(p.name for p in tmp_path.iterdir()) == files
+            holder = await _Holder.start(path, "exclusive")
+            try:
+                assert holder.ready, holder.first_line
+                assert await holder.ask("create b") == "created"
+                assert [n for n, _ in await reader.list_sessions()] == ["a", "b"]
+            finally:
+                await holder.stop()
+    finally:
+        await reader.aclose()
+
+
 async def test_a_read_only_store_needs_an_existing_file(tmp_path: Path) -> None:
     """readonly=True on a path where there is no file raises StoreError and creates none."""
     reader = SQLiteStore(tmp_path / "none.db", readonly=True)

@@ -1,0 +1,450 @@
+"""``python -m sessionactors sessions ...``: list, show, export, import, delete and tail
+the sessions of a store.
+
+Read commands (``list``, ``show``, ``export``, ``tail``) open the store for
+reading only (a SQLite file with ``readonly=True``) and read sessions with
+``read_session``: they wake, write, lease and lock nothing and need no agent, so
+they run beside a server using the same store and leave its files unchanged.
+Write commands (``import``, ``delete``) take the session's lease on a store
+that several processes share, and are refused while another process holds it.
+Errors are one line on stderr and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TextIO
+
+import trio
+
+from ._codec import dump_info, dump_snapshot, load_info
+from ._errors import (
+    LeaseHeldError,
+    SessionActorsError,
+    SessionExistsError,
+    SessionNotFoundError,
+    SnapshotError,
+    StoreError,
+)
+from ._events import NO_TIME
+from ._export import dump_export, load_export
+from ._json import event_to_json, metadata_json, state_to_json
+from ._names import validate_name
+from ._reading import read_events, read_session
+from ._records import SessionInfo, SessionState, Status, utcnow
+from ._session import LiveSession
+from .stores._base import Store
+from .stores._sqlite import SQLiteStore
+from .stores._url import open_store
+
+__all__ = ["add_parser", "run"]
+
+#: Seconds between two reads of the journal while ``tail`` follows a session.
+TAIL_INTERVAL: Final = 0.5
+#: How long a write command holds the session's lease, in seconds (it is released
+#: when the command ends; this bounds how long a killed command blocks the session).
+LEASE_TTL: Final = 30.0
+
+
+def add_parser(commands: Any) -> None:
+    """Add ``sessions`` and its subcommands to the command line's subparsers."""
+    sessions = commands.add_parser(
+        "sessions", help="list, show, export, import, delete and tail the sessions of a store"
+    )
+    sub = sessions.add_subparsers(dest="sessions_command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+        parser.add_argument(
+            "--store",
+            required=True,
+            help="sqlite:///path.db (sqlite:////absolute.db) or redis://host:port/db",
+        )
+        return parser
+
+    listing = command("list", "list sessions, newest activity first")
+    listing.add_argument("--status", choices=[s.value for s in Status])
+    listing.add_argument(
+        "--meta",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="only sessions whose metadata has KEY equal to VALUE (VALUE as JSON if it parses: "
+        "n=5 is a number, tenant=acme a string); repeat for more keys",
+    )
+    listing.add_argument("--limit", type=_positive, default=None, metavar="N")
+    listing.add_argument("--after", metavar="NAME", help="start after this session (paging)")
+    listing.add_argument("--json", action="store_true", help="one JSON array")
+    show = command("show", "a session's status, metadata, summary, reviews and messages")
+    show.add_argument("name", metavar="NAME")
+    show.add_argument("--events", action="store_true", help="also its journaled events")
+    show.add_argument("--json", action="store_true", help="one JSON object")
+    export = command("export", "write a session as versioned JSON to standard output")
+    export.add_argument("name", metavar="NAME")
+    imported = command("import", "store a session from an export (FILE, or - for stdin)")
+    imported.add_argument("file", metavar="FILE")
+    imported.add_argument("--as", dest="rename", metavar="NAME", help="store it under NAME")
+    delete = command("delete", "delete a session from the store")
+    delete.add_argument("name", metavar="NAME")
+    delete.add_argument("--yes", action="store_true", help="yes, delete it")
+    tail = command("tail", "print a session's events as JSON lines as they are stored")
+    tail.add_argument("name", metavar="NAME")
+    tail.add_argument(
+        "--after",
+        type=_seq,
+        default=None,
+        metavar="SEQ",
+        help="begin with the stored events after SEQ (default: from now on)",
+    )
+    tail.add_argument("--no-follow", action="store_true", help="print the stored events and stop")
+
+
+def _positive(text: str) -> int:
+    value = _seq(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _seq(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one ``sessions`` command; its exit status (errors: one line on stderr)."""
+    name = args.sessions_command
+    command = _COMMANDS[name]
+    try:
+        if name == "delete" and not args.yes:
+            raise ValueError(
+                f"this deletes session {args.name!r} and all its history; "
+                "run it again with --yes to do it"
+            )
+        store = _open(args.store, write=name not in _READS)
+        return trio.run(_with_store, store, command, args)
+    except KeyboardInterrupt:
+        return 130
+    except (SessionActorsError, ValueError, OSError) as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"sessionactors sessions {name}: {text}", file=sys.stderr)
+        return 1
+
+
+def _open(url: str, *, write: bool) -> Store:
+    """The store of ``url``: read-only for reads; for writes, a SQLite file that a
+    process has opened shared (its lock file is there) is opened shared too."""
+    store: Store = open_store(url, readonly=not write)
+    if write and isinstance(store, SQLiteStore) and not store.shared:
+        path = store.path
+        if os.path.exists(f"{path}.lock"):
+            store = SQLiteStore(path, shared=True)
+    return store
+
+
+async def _with_store(
+    store: Store, command: Callable[[Store, argparse.Namespace], Awaitable[int]], args: Any
+) -> int:
+    try:
+        return await command(store, args)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await store.aclose()
+
+
+def _out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+# ---- list -----------------------------------------------------------------------
+
+
+async def list_sessions(
+    store: Store,
+    *,
+    status: Status | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    limit: int | None = None,
+    after: str | None = None,
+) -> list[SessionInfo]:
+    """A page of the store's sessions, newest activity first (then by name, descending),
+    read without waking any.
+
+    For now this reads every session's info and filters, sorts and pages here; it is
+    to call the store's paged listing (``registry.sessions(status=, metadata=, limit=,
+    after=)``'s, on branch ``listing``) instead, which costs one page.
+    """
+    infos: list[SessionInfo] = []
+    for name, blob in await store.list_sessions():
+        try:
+            infos.append(load_info(blob, session_id=name))
+        except SnapshotError:  # one bad record never fails the listing
+            infos.append(
+                SessionInfo(
+                    session_id=name,
+                    agent=None,
+                    status=Status.FAILED,
+                    message_count=0,
+                    updated_at=NO_TIME,
+                )
+            )
+    infos.sort(key=lambda i: (i.updated_at, i.session_id), reverse=True)
+    if after is not None:
+        start = next((i + 1 for i, info in enumerate(infos) if info.session_id == after), -1)
+        if start < 0:
+            raise SessionNotFoundError(
+                f"session {after!r}, given as --after, is not stored (deleted since it was "
+                "listed?); list again from the start",
+                session_id=after,
+            )
+        infos = infos[start:]
+    missing = object()
+    infos = [
+        info
+        for info in infos
+        if (status is None or info.status is status)
+        and all(info.metadata.get(k, missing) == v for k, v in (metadata or {}).items())
+    ]
+    return infos if limit is None else infos[:limit]
+
+
+def _parse_meta(pairs: Sequence[str]) -> dict[str, Any]:
+    wanted: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--meta {pair!r}: write KEY=VALUE, e.g. --meta tenant=acme")
+        try:
+            wanted[key] = json.loads(text)
+        except ValueError:
+            wanted[key] = text
+    return wanted
+
+
+def _info_json(info: SessionInfo) -> dict[str, Any]:
+    return {
+        "name": info.session_id,
+        "agent": info.agent,
+        "status": info.status.value,
+        "message_count": info.message_count,
+        "updated_at": info.updated_at.isoformat(),
+        "metadata": metadata_json(info.metadata),
+        "pending_reviews": info.pending_reviews,
+    }
+
+
+async def _list(store: Store, args: argparse.Namespace) -> int:
+    infos = await list_sessions(
+        store,
+        status=Status(args.status) if args.status else None,
+        metadata=_parse_meta(args.meta),
+        limit=args.limit,
+        after=args.after,
+    )
+    if args.json:
+        _out(json.dumps([_info_json(i) for i in infos], ensure_ascii=False))
+        return 0
+    for info in infos:
+        meta = json.dumps(metadata_json(info.metadata), ensure_ascii=False)
+        _out(
+            f"{info.session_id}\t{info.status.value}\t{info.message_count} messages\t"
+            f"{info.updated_at.isoformat(timespec='seconds')}\t{meta}"
+        )
+    return 0
+
+
+# ---- show, export, tail ------------------------------------------------------------
+
+
+async def _show(store: Store, args: argparse.Namespace) -> int:
+    state = await read_session(store, args.name)
+    events = (await read_events(store, args.name, 0))[1] if args.events else None
+    if args.json:
+        body = state_to_json(state)
+        body["system_prompt"] = state.system_prompt
+        body["turn_count"] = state.turn_count
+        if events is not None:
+            body["events"] = [event_to_json(e) for e in events]
+        _out(json.dumps(body, ensure_ascii=False))
+        return 0
+    _print_state(state, sys.stdout)
+    if events is not None:
+        _out("events (journaled):")
+        for event in events:
+            _out(f"  {json.dumps(event_to_json(event), ensure_ascii=False)}")
+    return 0
+
+
+def _print_state(state: SessionState, out: TextIO) -> None:
+    def line(text: str = "") -> None:
+        out.write(text + "\n")
+
+    line(f"session {state.session_id}")
+    line(f"  status: {state.status.value}   agent: {state.agent}   seq: {state.event_seq}")
+    line(f"  created: {state.created_at.isoformat()}   updated: {state.updated_at.isoformat()}")
+    line(f"  metadata: {json.dumps(metadata_json(state.metadata), ensure_ascii=False)}")
+    if state.system_prompt is not None:
+        line(f"  system prompt: {state.system_prompt}")
+    line(f"  summary: {state.summary if state.summary else '(none)'}")
+    if state.open_turn is not None:
+        line(f"  open turn: {state.open_turn.turn_id}")
+    line(f"pending reviews: {len(state.reviews)}")
+    for review in state.reviews:
+        call = review.tool_call
+        line(f"  {review.id}: {call.name}({call.arguments})  since {review.created_at.isoformat()}")
+    line(f"messages: {len(state.messages)}")
+    for message in state.messages:
+        flags = " (interrupted)" if message.interrupted else ""
+        line(f"  [{message.role.value}] {message.content}{flags}")
+        for call in message.tool_calls:
+            line(f"      calls {call.name}({call.arguments}) as {call.id}")
+
+
+async def _export(store: Store, args: argparse.Namespace) -> int:
+    state = await read_session(store, args.name)
+    _out(json.dumps(dump_export(state, exported_at=utcnow()), ensure_ascii=False, indent=2))
+    return 0
+
+
+async def _tail(store: Store, args: argparse.Namespace) -> int:
+    name = args.name
+    validate_name(name)
+    after = args.after
+    if after is None:
+        after = (await read_session(store, name)).event_seq
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+            warned = False
+            while True:
+                trimmed, events = await read_events(store, name, after)
+                if trimmed > after and not warned:
+                    print(
+                        f"sessionactors sessions tail: the events of session {name!r} up to "
+                        f"seq {trimmed} were compacted away; following from there",
+                        file=sys.stderr,
+                    )
+                    warned = True
+                for event in events:
+                    _out(json.dumps(event_to_json(event), ensure_ascii=False))
+                    after = max(after, event.seq)
+                sys.stdout.flush()
+                if args.no_follow:
+                    nursery.cancel_scope.cancel()
+                    return 0
+                await trio.sleep(TAIL_INTERVAL)
+    return 0
+
+
+# ---- import, delete ----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _writing(store: Store, name: str, doing: str) -> Any:
+    """Hold ``name``'s lease while a write command changes it, on a store that several
+    processes share (refused while another process holds it); say clearly when a
+    SQLite file held by another process refuses to open."""
+    try:
+        if not getattr(store, "shared_by_workers", False):
+            yield
+            return
+        owner = f"sessionactors-cli-{os.getpid()}"
+        lease = await store.claim(name, owner, LEASE_TTL)
+        if lease is None:
+            raise LeaseHeldError(
+                f"session {name!r} is live in another process (it holds the session's lease), "
+                f"so it cannot be {doing} from here; do it through that process (e.g. "
+                f"registry.delete({name!r})), or retry once the session hibernates",
+                session_id=name,
+            )
+        try:
+            yield
+        finally:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(10),
+                contextlib.suppress(SessionActorsError),
+            ):
+                await store.release(name, lease)
+    except StoreError as exc:
+        if "in use by" not in str(exc):
+            raise
+        problem = str(exc).removeprefix(f"session {name!r}: ")
+        raise StoreError(
+            f"session {name!r} cannot be {doing}: {problem}. A server run with "
+            "'python -m sessionactors serve' shares its file with --store "
+            "'sqlite:///PATH?shared=true'",
+            session_id=name,
+        ) from exc
+
+
+def _read_document(path: str) -> Any:
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        where = "standard input" if path == "-" else repr(path)
+        raise ValueError(f"{where} is not JSON ({exc}); pass a file written by export") from None
+
+
+async def _import(store: Store, args: argparse.Namespace) -> int:
+    document = _read_document(args.file)
+    if args.rename is not None:
+        validate_name(args.rename)
+    state = load_export(document, name=args.rename)
+    name = state.session_id
+    snapshot = dump_snapshot(state)
+    info = dump_info(LiveSession(state).info())
+    async with _writing(store, name, "imported"):
+        try:
+            await store.create(name, snapshot, info)
+        except SessionExistsError:
+            raise SessionExistsError(
+                f"session {name!r} already exists in this store; import it under another "
+                "name with --as NAME, or delete the stored one first",
+                session_id=name,
+            ) from None
+    _out(f"imported session {name!r} ({len(state.messages)} messages)")
+    return 0
+
+
+async def _delete(store: Store, args: argparse.Namespace) -> int:
+    name = args.name
+    validate_name(name)
+    async with _writing(store, name, "deleted"):
+        if not await store.delete(name):
+            raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
+    _out(f"deleted session {name!r}")
+    return 0
+
+
+_READS: Final = frozenset({"list", "show", "export", "tail"})
+_COMMANDS: Final[dict[str, Callable[[Store, argparse.Namespace], Awaitable[int]]]] = {
+    "list": _list,
+    "show": _show,
+    "export": _export,
+    "tail": _tail,
+    "import": _import,
+    "delete": _delete,
+}

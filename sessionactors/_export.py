@@ -1,0 +1,109 @@
+"""The export format: a whole session as one versioned JSON document.
+
+Pure (no trio, no I/O). ``python -m sessionactors sessions export`` writes it and
+``sessions import`` reads it; docs/howto/operations.md documents it. Version 1::
+
+    {
+      "format": "sessionactors.session",
+      "version": 1,
+      "exported_at": "2025-01-31T12:00:00+00:00",
+      "session": {...},      # the whole SessionState as JSON, to read
+      "snapshot": "..."      # the same state as snapshot bytes, base64: what import restores
+    }
+
+``session`` holds every field of the session's state (name, agent, status,
+system prompt, summary, metadata, messages, pending reviews, idempotency keys,
+the open turn, seq and counters) in the JSON forms of the HTTP gateway, for
+people and tools to read. ``snapshot`` is ``sessionactors.dump_snapshot`` of
+the same state: what import restores, exactly (bytes in metadata, datetimes to
+the microsecond), checked by the snapshot codec (which also migrates older
+snapshot versions). Import refuses a document whose ``session`` differs from
+its snapshot, so a hand edit is never silently ignored. A later version adds
+fields; import refuses a version newer than it knows.
+"""
+
+import base64
+import binascii
+import datetime
+import json
+from typing import Any, Final
+
+import attrs
+
+from ._codec import dump_snapshot, load_snapshot
+from ._errors import SnapshotCorruptError, SnapshotVersionError
+from ._json import to_json
+from ._records import SessionState, Status
+
+__all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "dump_export", "load_export"]
+
+#: The ``format`` field of every export.
+EXPORT_FORMAT: Final = "sessionactors.session"
+#: The version written; import reads this one and older ones.
+EXPORT_VERSION: Final = 1
+
+
+def dump_export(state: SessionState, *, exported_at: datetime.datetime) -> dict[str, Any]:
+    """The export document of ``state`` (JSON-ready)."""
+    return {
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "exported_at": exported_at.isoformat(),
+        "session": _readable(state),
+        "snapshot": base64.b64encode(dump_snapshot(state)).decode("ascii"),
+    }
+
+
+def load_export(document: Any, *, name: str | None = None) -> SessionState:
+    """The state an export document holds, as a stored session to import.
+
+    ``name`` renames it. Its status becomes ``hibernated`` (it is stored, not
+    live), unless it is stopped or was never used. Raises
+    ``SnapshotCorruptError`` for a document that is not a valid export and
+    ``SnapshotVersionError`` for a newer version.
+    """
+    if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
+        raise SnapshotCorruptError(
+            f'this is not a sessionactors session export (no "format": {EXPORT_FORMAT!r}); '
+            "pass a file written by 'python -m sessionactors sessions export'"
+        )
+    version = document.get("version")
+    if version.__class__ is not int or version < 1:
+        raise SnapshotCorruptError(f"the export's version is {version!r:.40}, not a version")
+    if version > EXPORT_VERSION:
+        raise SnapshotVersionError(
+            f"the export is version {version}, newer than this sessionactors reads "
+            f"({EXPORT_VERSION}); import it with a newer sessionactors"
+        )
+    snapshot = document.get("snapshot")
+    try:
+        data = base64.b64decode(snapshot, validate=True) if isinstance(snapshot, str) else None
+    except binascii.Error:
+        data = None
+    if data is None:
+        raise SnapshotCorruptError('the export\'s "snapshot" is not base64 text')
+    state = load_snapshot(data)
+    if _canonical(_readable(state)) != _canonical(document.get("session")):
+        raise SnapshotCorruptError(
+            f'the export of session {state.session_id!r} has a "session" that differs from '
+            'its "snapshot" (edited by hand?); import restores the snapshot, so export the '
+            "session again rather than editing the file",
+            session_id=state.session_id,
+        )
+    if name is not None and name != state.session_id:
+        state = attrs.evolve(
+            state,
+            session_id=name,
+            reviews=tuple(attrs.evolve(r, session_id=name) for r in state.reviews),
+        )
+    if state.status is not Status.STOPPED and (state.messages or state.event_seq):
+        state = attrs.evolve(state, status=Status.HIBERNATED)
+    return state
+
+
+def _readable(state: SessionState) -> Any:
+    return to_json(state)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)

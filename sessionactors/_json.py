@@ -1,0 +1,82 @@
+"""The JSON forms of events and records: one documented form for each, used by the
+HTTP gateway and the command line alike.
+
+Pure (no trio, no I/O).
+"""
+
+import base64
+import datetime
+import enum
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+import cattrs
+
+from ._events import Event, ToolResult, TurnStarted
+from ._records import SessionState
+
+__all__ = ["dumps", "event_to_json", "metadata_json", "state_to_json", "to_json"]
+
+
+def _converter() -> cattrs.Converter:
+    converter = cattrs.Converter()
+    converter.register_unstructure_hook(datetime.datetime, lambda d: d.isoformat())
+    converter.register_unstructure_hook(bytes, lambda b: base64.b64encode(b).decode("ascii"))
+    converter.register_unstructure_hook(enum.Enum, lambda e: e.value)
+    return converter
+
+
+_CONVERTER: Final = _converter()
+
+
+def event_to_json(event: Event) -> dict[str, Any]:
+    """The one JSON form of an event: a dict ready for ``json.dumps``.
+
+    ``"type"`` is the event's class name (``"Delta"``, ``"TurnFinished"``),
+    followed by ``"session_id"``, ``"seq"`` and the event's own fields, each under
+    its attribute name: records (a ``Message``, a ``ToolCall``, a
+    ``ReviewRequest``) become objects of their fields, enums their values
+    (``"assistant"``), datetimes ISO 8601 strings with their UTC offset, tuples
+    arrays, and bytes in metadata base64 strings. ``TurnStarted`` and ``ToolResult``
+    also carry ``"message"``: the user's or the tool's message that joined the
+    history with them. The SSE ``id:`` of an event
+    is its ``seq``; the HTTP routes and the WebSocket send exactly this form.
+    """
+    fields = _CONVERTER.unstructure(event, unstructure_as=type(event))
+    if isinstance(event, TurnStarted | ToolResult):
+        # the message that joined the history with the event (null in 0.1 journals)
+        message = event.message
+        fields["message"] = to_json(message) if message is not None else None
+    return {"type": type(event).__name__, **fields}
+
+
+def to_json(record: Any) -> Any:
+    """A record (``Message``, ``ReviewRequest``, ``SessionInfo`` ...) as JSON-ready data."""
+    return _CONVERTER.unstructure(record, unstructure_as=type(record))
+
+
+def state_to_json(state: SessionState) -> dict[str, Any]:
+    """What ``GET /sessions/{name}`` answers: the state a client shows."""
+    return {
+        "session_id": state.session_id,
+        "agent": state.agent,
+        "status": state.status.value,
+        "metadata": metadata_json(state.metadata),
+        "event_seq": state.event_seq,
+        "created_at": state.created_at.isoformat(),
+        "updated_at": state.updated_at.isoformat(),
+        "summary": state.summary,
+        "messages": [to_json(m) for m in state.messages],
+        "pending_reviews": [to_json(r) for r in state.reviews],
+    }
+
+
+def dumps(data: Any) -> bytes:
+    """Compact UTF-8 JSON (never a raw newline: SSE ``data:`` lines stay one line)."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def metadata_json(metadata: Mapping[str, Any]) -> Any:
+    """Metadata as JSON-ready data (bytes as base64 strings)."""
+    return _CONVERTER.unstructure(dict(metadata))

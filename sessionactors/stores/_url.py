@@ -1,0 +1,46 @@
+"""A store from a URL, as the command line takes it (``--store``)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+__all__ = ["open_store"]
+
+
+def open_store(url: str, *, readonly: bool = False) -> Any:
+    """A store from a URL: ``sqlite:///relative.db``, ``sqlite:////absolute.db``
+    (``?shared=true``: several processes write the file, with leases),
+    ``memory://`` or ``redis://host:port/db`` (extra ``redis``).
+
+    ``readonly`` opens a SQLite file with ``readonly=True`` (no lock, no byte
+    changed); it changes nothing for the other stores, which read without writing.
+    Raises ``ValueError`` for a URL that names no store.
+    """
+    if url.startswith("sqlite://"):
+        path, _, query = url.removeprefix("sqlite://").partition("?")
+        if not path.startswith("/") or path == "/":
+            raise ValueError(f"--store {url!r}: write sqlite:///relative.db or sqlite:////abs.db")
+        options = urllib.parse.parse_qs(query, keep_blank_values=True)
+        shared = options.pop("shared", ["false"])[-1].lower()
+        if options or shared not in ("true", "false", "1", "0"):
+            raise ValueError(
+                f"--store {url!r}: the only option of a sqlite URL is ?shared=true "
+                "(several processes write the file, with leases)"
+            )
+        from ._sqlite import SQLiteStore
+
+        if readonly:
+            return SQLiteStore(path[1:], readonly=True)
+        return SQLiteStore(path[1:], shared=shared in ("true", "1"))
+    if url in ("memory://", "memory:"):
+        from ._memory import MemoryStore
+
+        return MemoryStore()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from ._redis import RedisStore
+
+        return RedisStore(url)
+    raise ValueError(
+        f"--store {url!r} is not a store URL; use sqlite:///path.db, memory:// or redis://..."
+    )

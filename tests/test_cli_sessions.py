@@ -1,0 +1,445 @@
+"""``python -m sessionactors sessions ...``, run as a command against real stores, beside
+a server process that uses the same store."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.testing import EchoModel
+
+HERE = Path(__file__).resolve().parent
+SERVER = HERE / "sessions_server.py"
+
+
+def sessions(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m sessionactors sessions ARGS``."""
+    return subprocess.run(
+        [sys.executable, "-m", "sessionactors", "sessions", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def ok(*args: str, stdin: str | None = None) -> str:
+    done = sessions(*args, stdin=stdin)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    return done.stdout
+
+
+def refused(*args: str, stdin: str | None = None) -> str:
+    """The one line on stderr of a command that fails (and prints no traceback)."""
+    done = sessions(*args, stdin=stdin)
+    assert done.returncode != 0
+    assert done.stdout == ""
+    assert done.stderr.endswith("\n")
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+class Server:
+    """A process holding sessions on a store (tests/sessions_server.py)."""
+
+    def __init__(self, spec: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(SERVER), spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.receive() == "ready"
+
+    def receive(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def ask(self, command: str) -> str:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.receive()
+
+    def stop(self) -> None:
+        with contextlib.suppress(BrokenPipeError):
+            self.ask("exit")
+        try:
+            self.process.wait(30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    stream.close()
+
+
+@contextlib.contextmanager
+def serving(spec: str) -> Iterator[Server]:
+    server = Server(spec)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def populate(server: Server) -> None:
+    """Three sessions: ``a`` (acme), ``b`` (globex), ``c`` (acme), with activity in that order."""
+    for name, tenant in (("a", "acme"), ("b", "globex"), ("c", "acme")):
+        assert server.ask(f"spawn {name} tenant={tenant}") == "ok"
+        assert server.ask(f"send {name} hello from {name}") == f"hello from {name}"
+
+
+def digests(path: Path) -> dict[str, str | None]:
+    """The bytes of the database, its -wal and its -shm (None: absent)."""
+    out: dict[str, str | None] = {}
+    for suffix in ("", "-wal", "-shm"):
+        side = Path(f"{path}{suffix}")
+        out[suffix] = hashlib.sha256(side.read_bytes()).hexdigest() if side.exists() else None
+    return out
+
+
+# ---- reading beside a server -------------------------------------------------------
+
+
+def test_read_commands_leave_a_served_store_byte_for_byte_unchanged(tmp_path: Path) -> None:
+    """list, show, export and tail read a SQLite store that a server process holds open
+    (exclusively, as by default), and leave its file, -wal and -shm byte for byte as they
+    were, each time after the server wrote."""
+    path = tmp_path / "served.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+        reads = [
+            ["list", "--store", store],
+            ["list", "--store", store, "--json", "--meta", "tenant=acme"],
+            ["show", "a", "--store", store],
+            ["show", "a", "--store", store, "--json", "--events"],
+            ["export", "a", "--store", store],
+            ["tail", "a", "--store", store, "--after", "0", "--no-follow"],
+        ]
+        for i, args in enumerate(reads):
+            assert server.ask(f"send b turn {i}") == f"turn {i}"  # new WAL frames
+            before = digests(path)
+            assert before["-shm"] is not None
+            ok(*args)
+            assert digests(path) == before, args
+        assert Path(f"{path}.lock").exists()  # still the server's
+
+
+def test_list_orders_filters_and_pages(tmp_path: Path) -> None:
+    """list shows the newest activity first, filters by status and metadata, and pages
+    with --limit and --after; --json gives name, status, message_count, updated_at and
+    metadata."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+        rows = json.loads(ok("list", "--store", store, "--json"))
+        assert [r["name"] for r in rows] == ["c", "b", "a"]
+        assert {"name", "status", "message_count", "updated_at", "metadata"} <= set(rows[0])
+        assert rows[0]["message_count"] == 2
+        assert rows[0]["metadata"] == {"tenant": "acme"}
+        acme = json.loads(ok("list", "--store", store, "--json", "--meta", "tenant=acme"))
+        assert [r["name"] for r in acme] == ["c", "a"]
+        assert json.loads(ok("list", "--store", store, "--json", "--meta", "tenant=x")) == []
+        page = json.loads(ok("list", "--store", store, "--json", "--limit", "2"))
+        assert [r["name"] for r in page] == ["c", "b"]
+        rest = json.loads(ok("list", "--store", store, "--json", "--after", "b"))
+        assert [r["name"] for r in rest] == ["a"]
+        status = rows[0]["status"]
+        same = json.loads(ok("list", "--store", store, "--json", "--status", status))
+        assert "c" in [r["name"] for r in same]
+        text = ok("list", "--store", store).splitlines()
+        assert [line.split("\t")[0] for line in text] == ["c", "b", "a"]
+        assert "after" in refused("list", "--store", store, "--after", "nobody")
+
+
+def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:
+    """show prints the status, metadata, summary, pending reviews and messages; --json
+    gives messages (with role and content) and metadata; --events adds the journal."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+        body = json.loads(ok("show", "a", "--store", store, "--json", "--events"))
+        assert [(m["role"], m["content"]) for m in body["messages"]] == [
+            ("user", "hello from a"),
+            ("assistant", "hello from a"),
+        ]
+        assert body["metadata"] == {"tenant": "acme"}
+        assert body["system_prompt"] is None
+        assert "TurnFinished" in [e["type"] for e in body["events"]]
+        text = ok("show", "a", "--store", store)
+        for part in ("session a", '"tenant": "acme"', "summary:", "pending reviews: 0"):
+            assert part in text
+        assert "[assistant] hello from a" in text
+        assert "'nobody'" in refused("show", "nobody", "--store", store)
+
+
+# ---- export and import -------------------------------------------------------------
+
+
+@attrs.define
+class RecordingModel:
+    """Echoes, and keeps every request it was sent."""
+
+    requests: list[sa.ModelRequest] = attrs.Factory(list)
+
+    def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        self.requests.append(request)
+        return EchoModel().stream(request)
+
+
+def test_an_exported_session_imports_and_takes_turns_with_its_whole_history(
+    tmp_path: Path,
+) -> None:
+    """export writes a versioned JSON document; import (from a file or stdin, under its
+    name or another) stores it whole, and the imported session takes a turn with its
+    whole history in front of the model; importing over a stored name is refused."""
+    source = tmp_path / "source.db"
+    target = tmp_path / "target.db"
+    with serving(f"sqlite:{source}") as server:
+        populate(server)
+        assert server.ask("send a second words") == "second words"
+        exported = ok("export", "a", "--store", f"sqlite:///{source}")
+    document = json.loads(exported)
+    assert document["format"] == "sessionactors.session"
+    assert document["version"] == 1
+    assert document["session"]["session_id"] == "a"
+    assert document["session"]["agent"] == "echo"
+    assert document["session"]["metadata"] == {"tenant": "acme"}
+    assert len(document["session"]["messages"]) == 4
+    file = tmp_path / "a.json"
+    file.write_text(exported)
+    store = f"sqlite:///{target}"
+    assert "imported session 'a'" in ok("import", str(file), "--store", store)
+    assert "'b2'" in ok("import", "-", "--as", "b2", "--store", store, stdin=exported)
+    line = refused("import", str(file), "--store", store)
+    assert "already exists" in line
+    assert "--as" in line
+
+    model = RecordingModel()
+
+    async def turn() -> tuple[list[str], list[str]]:
+        agents = {"echo": sa.Agent(model=model)}
+        async with sa.open_registry(store=sa.SQLiteStore(target), agents=agents) as registry:
+            names = [info.session_id for info in await registry.sessions()]
+            reply = await registry.ref("b2").send("third time")
+            assert reply.text == "third time"
+            return names, [m.content for m in await registry.ref("b2").history()]
+
+    names, history = trio.run(turn)
+    assert names == ["a", "b2"]
+    seen = [(m.role.value, m.content) for m in model.requests[0].messages]
+    assert seen == [
+        ("user", "hello from a"),
+        ("assistant", "hello from a"),
+        ("user", "second words"),
+        ("assistant", "second words"),
+        ("user", "third time"),
+    ]
+    assert history[-1] == "third time"
+
+
+def test_import_refuses_what_is_not_a_faithful_export(tmp_path: Path) -> None:
+    """import refuses, in one line and before writing anything, a file that is not JSON,
+    not an export, a newer version, or an export whose readable part was edited."""
+    path = tmp_path / "s.db"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+        document = json.loads(ok("export", "a", "--store", f"sqlite:///{path}"))
+    target = f"sqlite:///{tmp_path / 'target.db'}"
+    edited = json.loads(json.dumps(document))
+    edited["session"]["messages"][0]["content"] = "changed"
+    newer = dict(document, version=2)
+    cases = {
+        "not json": "is not JSON",
+        json.dumps({"format": "other"}): "not a sessionactors session export",
+        json.dumps(newer): "newer",
+        json.dumps(edited): "differs from its",
+    }
+    for text, expected in cases.items():
+        assert expected in refused("import", "-", "--store", target, stdin=text)
+    assert not (tmp_path / "target.db").exists() or ok("list", "--store", target) == ""
+
+
+# ---- writing beside a server ------------------------------------------------------
+
+
+def test_write_commands_honour_the_lease_of_a_server_sharing_the_file(tmp_path: Path) -> None:
+    """delete refuses, in one line, a session live in a server that shares the file (it
+    holds the session's lease), and deletes it once the server hibernated it; import
+    works beside that server."""
+    path = tmp_path / "shared.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite-shared:{path}") as server:
+        populate(server)
+        line = refused("delete", "a", "--yes", "--store", store)
+        assert "'a' is live in another process" in line
+        assert server.ask("hibernate a") == "ok"
+        assert "deleted session 'a'" in ok("delete", "a", "--yes", "--store", store)
+        assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == [
+            "c",
+            "b",
+        ]
+        exported = ok("export", "b", "--store", store)
+        ok("import", "-", "--as", "b-copy", "--store", store, stdin=exported)
+        assert server.ask("send b-copy and on") == "and on"  # the server takes it up
+    assert "'a'" in refused("delete", "a", "--yes", "--store", store)  # gone
+
+
+def test_write_commands_beside_an_exclusive_server_say_to_share_the_file(
+    tmp_path: Path,
+) -> None:
+    """A server holding its file exclusively (the default) refuses a write command,
+    which says so in one line and names the fix (shared=True, ?shared=true)."""
+    path = tmp_path / "s.db"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+        before = digests(path)
+        line = refused("delete", "a", "--yes", "--store", f"sqlite:///{path}")
+        assert "in use by process" in line
+        assert "shared=True" in line
+        assert "?shared=true" in line
+        assert digests(path) == before
+
+
+def test_delete_needs_yes(tmp_path: Path) -> None:
+    """delete without --yes deletes nothing and says how to confirm, in one line."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+    assert "--yes" in refused("delete", "a", "--store", store)
+    assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == [
+        "c",
+        "b",
+        "a",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["list", "--store", "ftp://x"], "not a store URL"),
+        (["list", "--store", "sqlite://relative.db"], "sqlite:///relative.db"),
+        (["list", "--store", "sqlite:///{tmp}/none.db"], "does not exist"),
+        (["list", "--store", "sqlite:///{tmp}/s.db?mode=rw"], "?shared=true"),
+        (["show", "x", "--store", "sqlite:///{tmp}/not-a-store.db"], "not a sessionactors store"),
+        (["list", "--limit", "0", "--store", "sqlite:///{tmp}/s.db"], "--limit"),
+        (["list", "--meta", "novalue", "--store", "sqlite:///{tmp}/s.db"], "KEY=VALUE"),
+        (["show", "\x01", "--store", "sqlite:///{tmp}/s.db"], "control"),
+        (["import", "{tmp}/missing.json", "--store", "sqlite:///{tmp}/s.db"], "missing.json"),
+        (["list"], "--store"),
+    ],
+)
+def test_errors_are_one_line_without_a_traceback(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    """A bad URL, a missing file, a bad argument or a bad name fails with one line on
+    stderr and a non-zero exit status."""
+    (tmp_path / "not-a-store.db").write_bytes(b"not sqlite at all" * 100)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    line = refused(*args)
+    assert expected in line, line
+
+
+# ---- tail ---------------------------------------------------------------------------
+
+
+async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path) -> None:
+    """tail prints one JSON line per event that a server in another process stores, from
+    the events after --after on, and ends cleanly (status 0, nothing on stderr) on SIGINT."""
+    path = tmp_path / "s.db"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+        command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a"]
+        command += ["--store", f"sqlite:///{path}", "--after", "0"]
+        process = await trio.lowlevel.open_process(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        lines = _Lines(process.stdout)
+        try:
+            with trio.fail_after(60):
+                seen: list[dict[str, Any]] = []
+                while not any(e["type"] == "TurnFinished" for e in seen):
+                    seen.append(json.loads(await lines.next()))
+                assert seen[-1]["message"]["content"] == "hello from a"
+                reply = await trio.to_thread.run_sync(server.ask, "send a later words")
+                assert reply == "later words"
+                later: list[dict[str, Any]] = []
+                while not any(e["type"] == "TurnFinished" for e in later):
+                    later.append(json.loads(await lines.next()))
+                assert later[0]["seq"] > seen[-1]["seq"]
+                assert later[-1]["message"]["content"] == "later words"
+                process.send_signal(signal.SIGINT)
+                assert await process.wait() == 0
+                assert await process.stderr.receive_some() == b""
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+
+
+@attrs.define
+class _Lines:
+    """The lines of a process's output, one at a time."""
+
+    stream: trio.abc.ReceiveStream
+    buffer: bytes = b""
+
+    async def next(self) -> str:
+        while b"\n" not in self.buffer:
+            chunk = await self.stream.receive_some()
+            assert chunk, "the process ended its output"
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+
+# ---- redis --------------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_read_commands_on_redis_beside_a_server(redis_url: str) -> None:
+    """list, show, export and tail work on a Redis store that a server process uses."""
+    url = redis_url.rsplit("/", 1)[0] + "/7"
+    run = uuid.uuid4().hex[:12]
+    with serving(url) as server:
+        for name in ("r1", "r2"):
+            assert server.ask(f"spawn {run}-{name} run={run}") == "ok"
+            assert server.ask(f"send {run}-{name} hi {name}") == f"hi {name}"
+        rows = json.loads(ok("list", "--store", url, "--json", "--meta", f"run={run}"))
+        assert [r["name"] for r in rows] == [f"{run}-r2", f"{run}-r1"]
+        body = json.loads(ok("show", f"{run}-r1", "--store", url, "--json"))
+        assert [m["content"] for m in body["messages"]] == ["hi r1", "hi r1"]
+        document = json.loads(ok("export", f"{run}-r1", "--store", url))
+        assert document["session"]["metadata"] == {"run": run}
+        events = ok("tail", f"{run}-r1", "--store", url, "--after", "0", "--no-follow")
+        assert "TurnFinished" in events
+        line = refused("delete", f"{run}-r1", "--yes", "--store", url)
+        assert "live in another process" in line
+    assert "deleted" in ok("delete", f"{run}-r1", "--yes", "--store", url)
+    assert "deleted" in ok("delete", f"{run}-r2", "--yes", "--store", url)
