@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Final, Protocol
 
@@ -20,6 +21,7 @@ from ._agent import Agent, run_turn
 from ._codec import MAX_SEQ, load_events, load_snapshot
 from ._config import RegistryConfig
 from ._errors import (
+    AgentNotFoundError,
     FencedOutError,
     LeaseHeldError,
     MessageNotFoundError,
@@ -39,6 +41,7 @@ from ._events import (
     Event,
     HistoryEdited,
     MessageAdded,
+    MetadataChanged,
     ReviewResolved,
     StatusChanged,
     TurnCancelled,
@@ -49,6 +52,7 @@ from ._events import (
 from ._history import rewind_end, split_for_keep_last
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
+from ._metadata import check_metadata, merge_metadata
 from ._pending import Pending
 from ._records import (
     Message,
@@ -60,7 +64,16 @@ from ._records import (
     storable,
     utcnow,
 )
-from ._requests import Call, Hibernate, Reply, ResolveReview, Rewind, SetSummary, Truncate
+from ._requests import (
+    Call,
+    Hibernate,
+    Reply,
+    ResolveReview,
+    Rewind,
+    SetMetadata,
+    SetSummary,
+    Truncate,
+)
 from ._session import LiveSession
 from ._tool_calls import (
     maybe_compact,
@@ -84,6 +97,8 @@ __all__ = [
     "read_stored",
     "stopped_error",
 ]
+
+log = logging.getLogger("sessionactors")
 
 
 class Phase(enum.Enum):
@@ -643,7 +658,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            error = TurnFailedError(str(exc), session_id=sid, turn_id=mail.turn_id)
+            error = AgentNotFoundError(str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
             mail.pending.set_error(error)
             if key is not None:  # a retry with this key runs again once the agent is back
@@ -819,7 +834,11 @@ class Actor:
             if isinstance(request, ResolveReview):
                 await self._resolve_review(request, pending)
                 return False
-            result = await self._edit(request)
+            result: Any
+            if isinstance(request, SetMetadata):
+                result = await self._set_metadata(request)
+            else:
+                result = await self._edit(request)
         except SessionActorsError as exc:
             if isinstance(request, Hibernate):  # fenced out, store failure: answer, then go
                 pending.set_error(self.cut_short(exc))
@@ -861,7 +880,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            raise TurnFailedError(
+            raise AgentNotFoundError(
                 f"{exc}; the review stays pending until the agent is back",
                 session_id=sid,
                 turn_id=review.turn_id,
@@ -938,23 +957,31 @@ class Actor:
         await self.commit()
         return len(removed)
 
+    async def _set_metadata(self, request: SetMetadata) -> dict[str, Any]:
+        """Merge metadata changes, in mailbox order; returns the metadata now."""
+        sid = self.session_id
+        # checked whole before it is journaled: the merge may outgrow a limit
+        merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+        self.durable(MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged))
+        await self.commit()
+        return dict(merged)
+
     async def resume_interrupted(self) -> None:
-        """Finish a turn whose process died mid-tool (found open on wake)."""
+        """Finish a turn whose process died mid-tool (found open on wake).
+
+        Without the session's agent here (a registry opened to read and manage the
+        store), the turn stays open, to be finished by the next registry that has
+        the agent and wakes the session.
+        """
         open_turn = self.session.open_turn
         assert open_turn is not None
-        self.turn_id = open_turn.turn_id
         try:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
-            outcome = TurnFailed(
-                session_id=self.session_id,
-                seq=self.next_seq(),
-                turn_id=self.turn_id,
-                error=describe(exc),
-            )
-            self.durable(outcome)
-            await self.commit()
+            log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
+            await trio.lowlevel.checkpoint()
             return
+        self.turn_id = open_turn.turn_id
         self._set_status(Status.RUNNING)
 
         async def before(agent: Agent) -> bool:

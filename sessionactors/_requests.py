@@ -6,6 +6,9 @@ forwards them encodes exactly these. No ``kind`` strings, no argument dicts,
 no bare tuples. Pure values: no trio here.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 
 from ._records import Message, ReviewRequest
@@ -21,6 +24,7 @@ __all__ = [
     "Request",
     "ResolveReview",
     "Rewind",
+    "SetMetadata",
     "SetSummary",
     "Stop",
     "SubmitTurn",
@@ -82,6 +86,14 @@ Edit = Truncate | Rewind | SetSummary
 
 
 @attrs.frozen(kw_only=True)
+class SetMetadata:
+    """Merge ``changes`` into the metadata (a key set to None goes); answered with
+    the metadata as it now is."""
+
+    changes: Mapping[str, Any]
+
+
+@attrs.frozen(kw_only=True)
 class ResolveReview:
     """Approve or deny a pending review; answered with the turn's :class:`Reply`."""
 
@@ -96,7 +108,7 @@ class Hibernate:
 
 
 #: What the actor serves in mailbox order, behind the turns queued before it.
-Call = Edit | ResolveReview | Hibernate
+Call = Edit | SetMetadata | ResolveReview | Hibernate
 
 # ---- requests served out of band ----------------------------------------------------------
 
