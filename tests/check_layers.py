@@ -22,7 +22,10 @@ PACKAGE = "sessionactors"
 #: under one of PLUGINS, and an error otherwise (a new module must pick a layer).
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("values", frozenset({"_records", "_events", "_errors", "_requests", "_model", "_final"})),
-    ("pure logic", frozenset({"_names", "_history", "_codec", "_session", "_config", "_listing", "_metadata"})),
+    (
+        "pure logic",
+        frozenset({"_names", "_history", "_codec", "_session", "_config", "_listing", "_metadata"}),
+    ),
     (
         "seams",
         frozenset(
