@@ -246,9 +246,13 @@ class Registry(metaclass=NoPublicConstructor):
         wanted, pairs = check_listing(status, metadata, limit, after)
         if after is not None:
             validate_name(after)
-        batch = LISTING_BATCH
-        if limit is not None and wanted is None and not pairs:
-            batch = min(limit, LISTING_BATCH)
+        # unfiltered, a page reads `limit` sessions; filtered, twice that to start with
+        # (doubling while matches are scarce): reading more costs more on a big store
+        batch = (
+            LISTING_BATCH
+            if limit is None
+            else min(limit * (1 if wanted is None and not pairs else 2), LISTING_BATCH)
+        )
         out: list[SessionInfo] = []
         async with aclosing(self._listed(after, batch)) as listed:
             async for name, blob in listed:
@@ -274,6 +278,7 @@ class Registry(metaclass=NoPublicConstructor):
                 yield item
             if len(page) < batch:
                 return
+            batch = min(batch * 2, LISTING_BATCH)
             page = await self._next_page(store, page, batch)
 
     @staticmethod

@@ -46,6 +46,11 @@ async def populate(registry: sa.Registry) -> None:
     await registry.ref("s5").hibernate()
 
 
+def joined(pages: list[list[str]]) -> list[str]:
+    """The pages' names, one list."""
+    return [name for page in pages for name in page]
+
+
 async def pages(registry: sa.Registry, limit: int, **filters: object) -> list[list[str]]:
     """Every page of ``limit`` sessions, each continuing after the last one's name."""
     out: list[list[str]] = []
@@ -72,7 +77,7 @@ async def test_sessions_are_listed_newest_first_in_pages(
             assert names == newest_first(everything)
             assert names[:2] == ["s7", "s3"]
             assert [len(p) for p in await pages(registry, 3)] == [3, 3, 3, 1]
-            assert sum(await pages(registry, 3), []) == names
+            assert joined(await pages(registry, 3)) == names
             assert [i.session_id for i in await registry.sessions(after=names[4])] == names[5:]
 
 
@@ -88,7 +93,7 @@ async def test_sessions_filter_by_status_and_metadata(
             gold = [n for n in names if int(n[1:]) % 2 == 0]
             listed = await registry.sessions(metadata={"tier": "gold"})
             assert [i.session_id for i in listed] == gold
-            assert sum(await pages(registry, 2, metadata={"tier": "gold"}), []) == gold
+            assert joined(await pages(registry, 2, metadata={"tier": "gold"})) == gold
             hibernated = await registry.sessions(status=sa.Status.HIBERNATED)
             assert [i.session_id for i in hibernated] == ["s5"]
             assert [i.session_id for i in await registry.sessions(status="hibernated")] == ["s5"]
@@ -112,7 +117,7 @@ async def test_sessions_refuses_bad_arguments(echo_agents: dict[str, sa.Agent]) 
                 await registry.sessions(metadata=[("tier", "gold")])  # type: ignore[arg-type]
             with pytest.raises(TypeError, match="after must be"):
                 await registry.sessions(after=3)  # type: ignore[arg-type]
-            with pytest.raises(sa.SessionNotFoundError, match="'gone'.*list again") as info:
+            with pytest.raises(sa.SessionNotFoundError, match=r"'gone'.*list again") as info:
                 await registry.sessions(after="gone")
             assert info.value.session_id == "gone"
 
@@ -197,8 +202,8 @@ async def test_a_store_without_list_page_is_listed_whole(
                 listings.append(
                     [
                         [i.session_id for i in await registry.sessions()],
-                        sum(await pages(registry, 4), []),
-                        sum(await pages(registry, 2, metadata={"tier": "free"}), []),
+                        joined(await pages(registry, 4)),
+                        joined(await pages(registry, 2, metadata={"tier": "free"})),
                     ]
                 )
     old_listing, paged_listing = listings
@@ -230,7 +235,7 @@ async def test_unreadable_info_is_listed_as_failed(
                 ("b", sa.Status.FAILED),
                 ("a", sa.Status.HIBERNATED),
             ]
-            assert sum(await pages(registry, 1), []) == ["c", "b", "a"]
+            assert joined(await pages(registry, 1)) == ["c", "b", "a"]
             failed = await registry.sessions(status="failed")
             assert [i.session_id for i in failed] == ["b"]
 
@@ -256,11 +261,11 @@ async def test_an_older_sqlite_file_is_migrated_and_read_only_lists_unmigrated(
     async with sa.open_registry(store=sa.SQLiteStore(path, readonly=True)) as registry:
         with trio.fail_after(10):
             assert [i.session_id for i in await registry.sessions()] == expected
-            assert sum(await pages(registry, 2), []) == expected
+            assert joined(await pages(registry, 2)) == expected
     assert path.read_bytes() == before
     async with sa.open_registry(store=sa.SQLiteStore(path)) as registry:
         with trio.fail_after(10):
-            assert sum(await pages(registry, 2), []) == expected
+            assert joined(await pages(registry, 2)) == expected
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone() == (2,)
         plan = " ".join(
@@ -299,7 +304,7 @@ async def test_a_registry_without_agents_reads_and_manages_a_store(
             await registry.spawn("later", agent="echo", metadata={"tier": "new"})
             with pytest.raises(ValueError, match="say which agent session 'x'"):
                 await registry.spawn("x")
-            with pytest.raises(sa.AgentNotFoundError, match="'kept'.*agents=") as info:
+            with pytest.raises(sa.AgentNotFoundError, match=r"'kept'.*agents=") as info:
                 await ref.send("are you there?")
             assert isinstance(info.value, sa.TurnFailedError)
             assert isinstance(info.value, LookupError)
