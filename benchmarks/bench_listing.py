@@ -80,7 +80,7 @@ async def run_store(kind: str, make: Any, count: int, calls: int) -> list[Row]:
         sa.open_registry(store=stores[LARGE]) as large,
     ):
         registries = {SMALL: small, LARGE: large}
-        for what, options in kinds.items():  # warm up (SQLite's page cache, the thread)
+        for options in kinds.values():  # warm up (SQLite's page cache, the thread)
             for size, registry in registries.items():
                 await time_pages(registry, 3, **options(size))
         for _ in range(count):
