@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, str] = {
     "cluster": "9 RedisStore workers: a send across workers vs a local one; turns/s, 3 vs 1",
     "agent": "10 agents that act: a tool round trip vs a text turn; compaction at 10,000",
     "sse": "11 SSE clients: cost per event vs an in-process subscriber; delay to 1,000 clients",
+    "listing": "12 paging a listing: a page at 100,000 sessions vs at 1,000 (memory, SQLite)",
 }
 
 TIMEOUT = 900  # seconds per benchmark: a safety net, not a measurement

@@ -6,6 +6,7 @@ from ._agent import Agent as Agent
 from ._agent import Compaction as Compaction
 from ._codec import dump_snapshot as dump_snapshot
 from ._codec import load_snapshot as load_snapshot
+from ._errors import AgentNotFoundError as AgentNotFoundError
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError
@@ -80,6 +81,7 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
     "Agent",
+    "AgentNotFoundError",
     "Compaction",
     "CompletedTurn",
     "Delta",

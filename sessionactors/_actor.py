@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Final, Protocol
 
@@ -20,6 +21,7 @@ from ._agent import Agent, run_turn
 from ._codec import MAX_SEQ
 from ._config import RegistryConfig
 from ._errors import (
+    AgentNotFoundError,
     FencedOutError,
     LeaseHeldError,
     MessageNotFoundError,
@@ -40,6 +42,7 @@ from ._events import (
     Event,
     HistoryEdited,
     MessageAdded,
+    MetadataChanged,
     ReviewResolved,
     StatusChanged,
     TurnCancelled,
@@ -50,6 +53,7 @@ from ._events import (
 from ._history import rewind_end, split_for_keep_last
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
+from ._metadata import check_metadata, merge_metadata
 from ._pending import Pending
 from ._reading import read_stored
 from ._records import (
@@ -71,6 +75,7 @@ from ._requests import (
     ResolveReview,
     Retry,
     Rewind,
+    SetMetadata,
     SetSummary,
     Truncate,
 )
@@ -97,6 +102,8 @@ __all__ = [
     "describe",
     "stopped_error",
 ]
+
+log = logging.getLogger("sessionactors")
 
 
 class Phase(enum.Enum):
@@ -686,7 +693,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            error = TurnFailedError(str(exc), session_id=sid, turn_id=mail.turn_id)
+            error = AgentNotFoundError(str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
             self._refuse(mail, error)
             return None
@@ -863,7 +870,11 @@ class Actor:
             if isinstance(request, Retry):
                 await self._retry(pending)
                 return False
-            result = await self._edit(request)
+            result: Any
+            if isinstance(request, SetMetadata):
+                result = await self._set_metadata(request)
+            else:
+                result = await self._edit(request)
         except SessionActorsError as exc:
             if isinstance(request, Hibernate):  # fenced out, store failure: answer, then go
                 pending.set_error(self.cut_short(exc))
@@ -905,7 +916,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            raise TurnFailedError(
+            raise AgentNotFoundError(
                 f"{exc}; the review stays pending until the agent is back",
                 session_id=sid,
                 turn_id=review.turn_id,
@@ -1038,24 +1049,31 @@ class Actor:
         await self.commit()
         return len(removed)
 
+    async def _set_metadata(self, request: SetMetadata) -> dict[str, Any]:
+        """Merge metadata changes, in mailbox order; returns the metadata now."""
+        sid = self.session_id
+        # checked whole before it is journaled: the merge may outgrow a limit
+        merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+        self.durable(MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged))
+        await self.commit()
+        return dict(merged)
+
     async def resume_interrupted(self) -> None:
-        """Finish a turn whose process died mid-tool (found open on wake)."""
+        """Finish a turn whose process died mid-tool (found open on wake).
+
+        Without the session's agent here (a registry opened to read and manage the
+        store), the turn stays open, to be finished by the next registry that has
+        the agent and wakes the session.
+        """
         open_turn = self.session.open_turn
         assert open_turn is not None
-        self.turn_id = open_turn.turn_id
         try:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
-            self.add_message(Message.create(Role.ASSISTANT, NO_REPLY_FAILED, interrupted=True))
-            outcome = TurnFailed(
-                session_id=self.session_id,
-                seq=self.next_seq(),
-                turn_id=self.turn_id,
-                error=describe(exc),
-            )
-            self.durable(outcome)
-            await self.commit()
+            log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
+            await trio.lowlevel.checkpoint()
             return
+        self.turn_id = open_turn.turn_id
         self._set_status(Status.RUNNING)
 
         async def before(agent: Agent) -> bool:

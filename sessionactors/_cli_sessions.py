@@ -18,25 +18,23 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TextIO
 
 import trio
 
-from ._codec import dump_info, dump_snapshot, load_info
+from ._codec import dump_info, dump_snapshot
 from ._errors import (
     LeaseHeldError,
     SessionActorsError,
     SessionExistsError,
     SessionNotFoundError,
-    SnapshotError,
     StoreError,
 )
-from ._events import NO_TIME
 from ._export import dump_export, load_export
 from ._json import event_to_json, metadata_json, state_to_json
 from ._names import validate_name
-from ._reading import read_events, read_session
+from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, utcnow
 from ._session import LiveSession
 from .stores._base import Store
@@ -170,55 +168,6 @@ def _out(text: str = "") -> None:
 # ---- list -----------------------------------------------------------------------
 
 
-async def list_sessions(
-    store: Store,
-    *,
-    status: Status | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    limit: int | None = None,
-    after: str | None = None,
-) -> list[SessionInfo]:
-    """A page of the store's sessions, newest activity first (then by name, descending),
-    read without waking any.
-
-    For now this reads every session's info and filters, sorts and pages here; it is
-    to call the store's paged listing (``registry.sessions(status=, metadata=, limit=,
-    after=)``'s, on branch ``listing``) instead, which costs one page.
-    """
-    infos: list[SessionInfo] = []
-    for name, blob in await store.list_sessions():
-        try:
-            infos.append(load_info(blob, session_id=name))
-        except SnapshotError:  # one bad record never fails the listing
-            infos.append(
-                SessionInfo(
-                    session_id=name,
-                    agent=None,
-                    status=Status.FAILED,
-                    message_count=0,
-                    updated_at=NO_TIME,
-                )
-            )
-    infos.sort(key=lambda i: (i.updated_at, i.session_id), reverse=True)
-    if after is not None:
-        start = next((i + 1 for i, info in enumerate(infos) if info.session_id == after), -1)
-        if start < 0:
-            raise SessionNotFoundError(
-                f"session {after!r}, given as --after, is not stored (deleted since it was "
-                "listed?); list again from the start",
-                session_id=after,
-            )
-        infos = infos[start:]
-    missing = object()
-    infos = [
-        info
-        for info in infos
-        if (status is None or info.status is status)
-        and all(info.metadata.get(k, missing) == v for k, v in (metadata or {}).items())
-    ]
-    return infos if limit is None else infos[:limit]
-
-
 def _parse_meta(pairs: Sequence[str]) -> dict[str, Any]:
     wanted: dict[str, Any] = {}
     for pair in pairs:
@@ -245,7 +194,7 @@ def _info_json(info: SessionInfo) -> dict[str, Any]:
 
 
 async def _list(store: Store, args: argparse.Namespace) -> int:
-    infos = await list_sessions(
+    infos = await list_stored(
         store,
         status=Status(args.status) if args.status else None,
         metadata=_parse_meta(args.meta),

@@ -7,6 +7,7 @@ message names the session, says what happened and what to do about it.
 from __future__ import annotations
 
 __all__ = [
+    "AgentNotFoundError",
     "EventsExpiredError",
     "FencedOutError",
     "InvalidSessionNameError",
@@ -64,6 +65,12 @@ class TurnFailedError(SessionActorsError):
     def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
         super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
+
+
+class AgentNotFoundError(TurnFailedError, LookupError):
+    """The registry has no agent by the name the session runs with, so it cannot run
+    the session's turns (it can still read and manage the session): open the registry
+    with that agent in ``agents=``."""
 
 
 class TurnCancelledError(SessionActorsError):

@@ -9,15 +9,23 @@ disturbed.
 
 from __future__ import annotations
 
-from ._codec import load_events, load_snapshot
-from ._errors import SessionNotFoundError, SnapshotCorruptError
-from ._events import Event
-from ._names import validate_name
-from ._records import SessionState
-from ._session import LiveSession
-from .stores._base import Store, StoredSession
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping
+from contextlib import aclosing
+from typing import Any
 
-__all__ = ["read_events", "read_session", "read_stored"]
+from ._codec import load_events, load_info, load_snapshot
+from ._errors import SessionNotFoundError, SnapshotCorruptError, SnapshotError
+from ._events import NO_TIME, Event
+from ._listing import LISTING_BATCH, check_listing, matches, page_of
+from ._names import validate_name
+from ._records import SessionInfo, SessionState, Status
+from ._session import LiveSession
+from .stores._base import PagedStore, Store, StoredSession
+
+__all__ = ["describe_stored", "list_stored", "read_events", "read_session", "read_stored"]
+
+log = logging.getLogger("sessionactors")
 
 
 async def read_session(store: Store, name: str) -> SessionState:
@@ -75,3 +83,77 @@ async def read_events(store: Store, session_id: str, after: int) -> tuple[int, l
     for entry in entries:
         events += (e for e in load_events(entry.data, session_id=session_id) if e.seq > after)
     return trimmed, events
+
+
+def describe_stored(name: str, blob: bytes) -> SessionInfo:
+    """The SessionInfo stored for ``name``; ``FAILED`` (and a log line) if unreadable."""
+    try:
+        return load_info(blob, session_id=name)
+    except SnapshotError as exc:
+        log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)
+        return SessionInfo(
+            session_id=name, agent=None, status=Status.FAILED, message_count=0, updated_at=NO_TIME
+        )
+
+
+async def list_stored(
+    store: Store,
+    *,
+    status: Status | str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    limit: int | None = None,
+    after: str | None = None,
+    describe: Callable[[str, bytes], SessionInfo] = describe_stored,
+) -> list[SessionInfo]:
+    """A listing of ``store`` as ``Registry.sessions`` documents it, read without waking
+    any session; ``describe`` turns a stored ``(name, info)`` into the listed info."""
+    wanted, pairs = check_listing(status, metadata, limit, after)
+    if after is not None:
+        validate_name(after)
+    # unfiltered, a page reads `limit` sessions; filtered, twice that to start with
+    # (doubling while matches are scarce): reading more costs more on a big store
+    batch = (
+        LISTING_BATCH
+        if limit is None
+        else min(limit * (1 if wanted is None and not pairs else 2), LISTING_BATCH)
+    )
+    out: list[SessionInfo] = []
+    async with aclosing(_listed(store, after, batch)) as listed:
+        async for name, blob in listed:
+            info = describe(name, blob)
+            if matches(info, wanted, pairs):
+                out.append(info)
+                if limit is not None and len(out) >= limit:
+                    break
+    return out
+
+
+async def _listed(
+    store: Store, after: str | None, batch: int
+) -> AsyncGenerator[tuple[str, bytes], None]:
+    """``(name, info)`` of the stored sessions after ``after``, in listing order."""
+    if not isinstance(store, PagedStore):  # a store of an older protocol: all at once
+        for item in page_of(await store.list_sessions(), after=after, limit=1 << 62):
+            yield item
+        return
+    page = await store.list_page(after=after, limit=batch)
+    while True:
+        for item in page:
+            yield item
+        if len(page) < batch:
+            return
+        batch = min(batch * 2, LISTING_BATCH)
+        page = await _next_page(store, page, batch)
+
+
+async def _next_page(
+    store: PagedStore, page: list[tuple[str, bytes]], batch: int
+) -> list[tuple[str, bytes]]:
+    """The page after ``page``: after its last session, or, if that was deleted
+    meanwhile, after the last one of it still stored."""
+    for name, _ in reversed(page):
+        try:
+            return await store.list_page(after=name, limit=batch)
+        except SessionNotFoundError:
+            continue
+    return await store.list_page(after=None, limit=batch)  # all gone: start again

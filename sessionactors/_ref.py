@@ -7,7 +7,7 @@ its arguments first: nothing the store would refuse reaches a session.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -17,6 +17,7 @@ from ._codec import MAX_TEXT_CHARS
 from ._errors import SessionStoppedError
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
 from ._final import NoPublicConstructor
+from ._metadata import check_metadata
 from ._pending import Pending
 from ._records import Message, ReviewRequest, SessionState, TurnOutcome
 from ._requests import (
@@ -27,6 +28,7 @@ from ._requests import (
     ResolveReview,
     Retry,
     Rewind,
+    SetMetadata,
     SetSummary,
     Stop,
     Truncate,
@@ -240,6 +242,22 @@ class SessionRef(metaclass=NoPublicConstructor):
         """Set the summary the model sees after the system prompt ("" clears it)."""
         _check_text(self.session_id, text, "summary")
         await self._dispatcher.call(self.session_id, SetSummary(text=text))
+
+    async def set_metadata(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge ``changes`` into the session's metadata; returns the metadata as it now is.
+
+        A merge, not a replacement: the keys given are set, a key given as ``None``
+        is removed, the others stay (``set_metadata({"tier": "gold", "trial":
+        None})``). The change is journaled (it survives hibernation and restarts),
+        published as a ``MetadataChanged`` event carrying the whole new metadata,
+        and served in mailbox order, after the turns queued before it. Metadata is
+        plain data, as for ``spawn(metadata=...)``: anything else raises
+        ``TypeError`` or ``ValueError`` naming the session, before anything is written.
+        """
+        sid = self.session_id
+        request = SetMetadata(changes=check_metadata(sid, changes))
+        metadata: dict[str, Any] = await self._dispatcher.call(sid, request)
+        return metadata
 
     # ---- events --------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import attrs
 import trio
 
 from ._agent import Agent
-from ._codec import load_info
 from ._config import Durability, RegistryConfig, make_config
 from ._dispatch import Dispatcher
 from ._errors import (
@@ -27,10 +26,10 @@ from ._errors import (
     SnapshotError,
     StoreError,
 )
-from ._events import NO_TIME
 from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
 from ._names import validate_name
+from ._reading import describe_stored, list_stored
 from ._records import ReviewRequest, SessionInfo, Status, new_id
 from ._ref import SessionRef
 from ._router import RoutingStore
@@ -115,7 +114,9 @@ class Registry(metaclass=NoPublicConstructor):
         first request (until then it holds no task and no memory here).
 
         ``agent`` is a key of the registry's ``agents`` (optional when there is
-        one); ``system_prompt`` overrides the agent's for this session.
+        one; any name in a registry without agents, which stores the session for
+        a registry with that agent to run); ``system_prompt`` overrides the
+        agent's for this session.
         Raises SessionExistsError if the name is live or stored.
         """
         validate_name(name)
@@ -211,38 +212,61 @@ class Registry(metaclass=NoPublicConstructor):
         """The names of the sessions whose actors are running now."""
         return list(self._sessions.live)
 
-    async def sessions(self) -> list[SessionInfo]:
-        """A SessionInfo for every session, live or stored, sorted by name.
+    async def sessions(
+        self,
+        *,
+        status: Status | str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[SessionInfo]:
+        """SessionInfos of the stored sessions, newest activity first.
 
-        A session whose stored description cannot be read is listed with status
-        ``FAILED`` and logged, so one bad record never fails the listing.
+        The order: by ``updated_at`` (the time of the last message or metadata
+        change the store has recorded), newest first; sessions of the same time by
+        name, descending. ``status`` (a ``Status`` or its value, ``"idle"``) keeps
+        the sessions in that status, ``metadata`` those whose metadata has every
+        key given with an equal value. ``limit`` returns at most that many;
+        ``after=name`` continues after that session (pass the last name of the
+        previous page), and raises ``SessionNotFoundError`` if it is not stored.
+        A session that becomes active while pages are read moves to the front:
+        list again from the start to see it.
+
+        Stores that list a page at a time (``PagedStore``: memory, SQLite, Redis)
+        are read in pages, so a page costs the same however many sessions are
+        stored; a filter reads pages until it has ``limit`` matches. A store with
+        only ``list_sessions`` is read whole on every call. Live sessions are
+        described as they are now (a running one as ``running``). A session whose
+        stored description cannot be read is listed with status ``FAILED`` and
+        logged, so one bad record never fails the listing.
         """
+        return await list_stored(
+            self.store,
+            status=status,
+            metadata=metadata,
+            limit=limit,
+            after=after,
+            describe=self._describe,
+        )
+
+    def _describe(self, name: str, blob: bytes) -> SessionInfo:
+        """The listing's SessionInfo of ``name``: as it is live here, else as stored."""
         sessions = self._sessions
-        infos: dict[str, SessionInfo] = {}
-        for name, blob in await self.store.list_sessions():
-            try:
-                infos[name] = load_info(blob, session_id=name)
-            except SnapshotError as exc:
-                log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)
-                infos[name] = SessionInfo(
-                    session_id=name,
-                    agent=None,
-                    status=Status.FAILED,
-                    message_count=0,
-                    updated_at=NO_TIME,
-                )
-        for name, actor in sessions.live.items():
-            if actor.is_ready and actor.load_error is None:
-                infos[name] = actor.session.info()
-        for name in sessions.failed:
-            if name in infos:
-                infos[name] = attrs.evolve(infos[name], status=Status.FAILED)
-        return [infos[name] for name in sorted(infos)]
+        actor = sessions.live.get(name)
+        if actor is not None and actor.is_ready and actor.load_error is None:
+            info = actor.session.info()
+        else:
+            info = describe_stored(name, blob)
+        if name in sessions.failed:
+            info = attrs.evolve(info, status=Status.FAILED)
+        return info
 
     async def pending_reviews(self) -> list[ReviewRequest]:
         """Every pending review of every session, live or stored, oldest first."""
         out: list[ReviewRequest] = []
-        for info in await self.sessions():
+        # every session in the store's own order: no sorting, no paging
+        for name, blob in await self.store.list_sessions():
+            info = self._describe(name, blob)
             if info.pending_reviews:
                 try:
                     out.extend((await self._dispatcher.read(info.session_id)).reviews)
@@ -277,6 +301,14 @@ class Registry(metaclass=NoPublicConstructor):
 
     def _agent_key(self, agent: str | None, name: str) -> str:
         agents = self._sessions.agents
+        if not agents:  # a registry that manages sessions: any agent name, run elsewhere
+            if isinstance(agent, str) and agent:
+                return agent
+            raise ValueError(
+                f"registry has no agents, so say which agent session {name!r} will run "
+                f"with: spawn({name!r}, agent='support'); a registry opened with that "
+                "agent runs its turns"
+            )
         if agent is None:
             if len(agents) == 1:
                 return next(iter(agents))
@@ -339,6 +371,9 @@ async def open_registry(
     - ``store``: where sessions are kept (default: a new ``MemoryStore``).
       The registry closes it on exit; stores reopen on next use.
     - ``agents``: name -> Agent; names let a session find its agent after a restart.
+      Only turns need them: without agents (the default), the registry reads and
+      manages the store (listings, state and history, metadata, deletes, spawns
+      that name their agent), and a turn raises ``AgentNotFoundError``.
     - ``idle_timeout``: seconds without a request before a session hibernates
       (``None``: never).
     - ``mailbox_size``: requests a session queues before senders wait.
@@ -373,8 +408,8 @@ async def open_registry(
     Every option is checked here: a wrong type or range raises ``TypeError`` or
     ``ValueError`` naming it, before anything starts.
     """
-    if agents is None or not agents:
-        raise ValueError("open_registry needs agents={name: Agent(...)}, at least one")
+    if agents is None:
+        agents = {}
     if not isinstance(agents, Mapping):
         raise TypeError(f"open_registry: agents must be a mapping, not {type(agents).__name__}")
     for key, value in agents.items():

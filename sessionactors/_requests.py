@@ -6,6 +6,9 @@ forwards them encodes exactly these. No ``kind`` strings, no argument dicts,
 no bare tuples. Pure values: no trio here.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 
 from ._records import Message, ReviewRequest
@@ -22,6 +25,7 @@ __all__ = [
     "ResolveReview",
     "Retry",
     "Rewind",
+    "SetMetadata",
     "SetSummary",
     "Stop",
     "SubmitTurn",
@@ -83,6 +87,14 @@ Edit = Truncate | Rewind | SetSummary
 
 
 @attrs.frozen(kw_only=True)
+class SetMetadata:
+    """Merge ``changes`` into the metadata (a key set to None goes); answered with
+    the metadata as it now is."""
+
+    changes: Mapping[str, Any]
+
+
+@attrs.frozen(kw_only=True)
 class ResolveReview:
     """Approve or deny a pending review; answered with the turn's :class:`Reply`."""
 
@@ -102,7 +114,7 @@ class Retry:
 
 
 #: What the actor serves in mailbox order, behind the turns queued before it.
-Call = Edit | ResolveReview | Hibernate | Retry
+Call = Edit | SetMetadata | ResolveReview | Hibernate | Retry
 
 # ---- requests served out of band ----------------------------------------------------------
 

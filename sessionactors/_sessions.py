@@ -87,9 +87,15 @@ class Sessions:
         key = session.agent
         agent = self.agents.get(key) if key is not None else None
         if agent is None:
+            has = (
+                f"it has {sorted(self.agents)}"
+                if self.agents
+                else "it was opened without agents, to read and manage sessions"
+            )
             raise LookupError(
                 f"session {session.session_id!r} runs agent {key!r}, which this registry does "
-                f"not have (it has {sorted(self.agents)}); pass it in open_registry(agents=...)"
+                f"not have ({has}); to run its turns, pass it in "
+                f"open_registry(agents={{{key!r}: Agent(...)}})"
             )
         return agent
 

@@ -25,7 +25,18 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "pure logic",
         frozenset(
-            {"_names", "_history", "_codec", "_session", "_config", "_turns", "_json", "_export"}
+            {
+                "_names",
+                "_history",
+                "_codec",
+                "_session",
+                "_config",
+                "_turns",
+                "_json",
+                "_export",
+                "_listing",
+                "_metadata",
+            }
         ),
     ),
     (

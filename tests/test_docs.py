@@ -125,6 +125,15 @@ EXPECTED = {
         "busy: resolve the review first",
         "reply: Order A1001 is refunded. | refunds: ['A1001']",
     ],
+    "howto_manage_sessions.py": [
+        "page 1: ['customer-6', 'customer-5', 'customer-4']",
+        "page 2: ['customer-3', 'customer-2', 'customer-1']",
+        "gold: ['customer-6', 'customer-3', 'customer-0']",
+        "hibernated: 7",
+        "metadata: {'tier': 'gold'}",
+        "no turn: session 'customer-1' runs agent 'support', which this registry does not have",
+        "gold now: ['customer-0', 'customer-1', 'customer-3', 'customer-6']",
+    ],
     "howto_history.py": [
         "fork: ['message 0', 'message 1']",
         "rewind removed 4: ['message 0', 'message 1', 'message 2']",

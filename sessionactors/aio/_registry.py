@@ -197,6 +197,11 @@ class SessionRef:
         """Run the last turn again if it failed or was cancelled; its reply."""
         return await self._host.call(self._ref.retry)
 
+    async def set_metadata(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge ``changes`` into the metadata (``None`` removes a key); returns it now."""
+        metadata: dict[str, Any] = await self._host.call(self._ref.set_metadata, changes)
+        return metadata
+
 
 @attrs.define(eq=False, repr=False)
 class Registry:
@@ -273,9 +278,19 @@ class Registry:
         """The names of the sessions whose actors are running now."""
         return self._registry.live()
 
-    async def sessions(self) -> list[sa.SessionInfo]:
-        """A SessionInfo for every session, live or stored, sorted by name."""
-        infos: list[sa.SessionInfo] = await self._call(self._registry.sessions)
+    async def sessions(
+        self,
+        *,
+        status: sa.Status | str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[sa.SessionInfo]:
+        """SessionInfos of the stored sessions, newest activity first, filtered and
+        paged as ``sessionactors.Registry.sessions`` does."""
+        infos: list[sa.SessionInfo] = await self._call(
+            self._registry.sessions, status=status, metadata=metadata, limit=limit, after=after
+        )
         return infos
 
     async def pending_reviews(self) -> list[sa.ReviewRequest]:

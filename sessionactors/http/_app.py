@@ -423,9 +423,8 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, _name: str) -> Response:
             limit = _int_param(request, "limit", 100, low=1, high=1000)
             after = request.query_params.get("after")
-            infos = await registry.sessions()
-            if after is not None:
-                infos = [info for info in infos if info.session_id > after]
+            # newest activity first, read a page at a time (one more: is there a next?)
+            infos = await registry.sessions(limit=limit + 1, after=after)
             page = infos[:limit]
             more = len(infos) > limit
             return _json(

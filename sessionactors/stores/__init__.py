@@ -3,7 +3,8 @@
 A store deals in bytes: ``dump_events`` / ``load_events`` are the codec of a
 journal entry (the events of one commit), ``dump_info`` / ``load_info`` of a
 session's info, as ``sessionactors.dump_snapshot`` / ``load_snapshot`` are of
-a snapshot, for store authors and for inspection. ``MAX_SNAPSHOT_BYTES`` and
+a snapshot, for store authors and for inspection; ``info_activity`` reads the
+activity time that a paged listing (``PagedStore.list_page``) orders by. ``MAX_SNAPSHOT_BYTES`` and
 ``MAX_JOURNAL_ENTRY_BYTES`` are the sizes the codec writes and reads, and
 ``MAX_SEQ`` the largest seq (and count) a record holds: a store refuses to
 write a seq above it, and takes one read back above it for damage.
@@ -22,8 +23,10 @@ from .._codec import dump_events as dump_events
 from .._codec import dump_info as dump_info
 from .._codec import load_events as load_events
 from .._codec import load_info as load_info
+from .._listing import info_activity as info_activity
 from ._base import JournalEntry as JournalEntry
 from ._base import Lease as Lease
+from ._base import PagedStore as PagedStore
 from ._base import Store as Store
 from ._base import StoredSession as StoredSession
 
@@ -40,6 +43,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "MAX_SEQ",
     "MAX_SNAPSHOT_BYTES",
     "MemoryStore",
+    "PagedStore",
     "RedisStore",
     "SQLiteStore",
     "SQLiteStoreStatistics",
@@ -47,6 +51,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "StoredSession",
     "dump_events",
     "dump_info",
+    "info_activity",
     "load_events",
     "load_info",
 ]

@@ -12,6 +12,9 @@ Each session has
 * a lease: an owner, an expiry and a fencing token that strictly increases
   with every successful claim.
 
+A store may also list its sessions a page at a time (:class:`PagedStore`); one
+that does not is listed through ``list_sessions``, all at once.
+
 Writes may carry ``fence``: when it is not ``None`` the store checks, in the
 same atomic step as the write, that it equals the session's current fencing
 token and that the lease is unexpired, and raises :class:`FencedOutError`
@@ -25,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ["JournalEntry", "Lease", "Store", "StoredSession"]
+__all__ = ["JournalEntry", "Lease", "PagedStore", "Store", "StoredSession"]
 
 
 @attrs.frozen
@@ -140,4 +143,26 @@ class Store(Protocol):
 
     async def aclose(self) -> None:
         """Release resources (connections, threads). Idempotent."""
+        ...
+
+
+@runtime_checkable
+class PagedStore(Store, Protocol):
+    """A :class:`Store` that lists its sessions a page at a time.
+
+    ``registry.sessions()`` pages through a store that has ``list_page``; a store
+    with only ``list_sessions`` still works, but every listing then reads (and
+    sorts) every session's info.
+    """
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        """Up to ``limit`` (>= 1) ``(session_id, info)``, newest activity first.
+
+        The order: by the ``updated_at`` in each session's info, newest first
+        (read with ``info_activity`` from the info bytes each write brings; info
+        that cannot be read counts as the oldest), then by name, descending.
+        ``after`` is a stored session's name: the page starts just past it.
+        Raises ``SessionNotFoundError`` if ``after`` is not stored. A page costs
+        about the same however many sessions are stored.
+        """
         ...

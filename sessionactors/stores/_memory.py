@@ -7,6 +7,7 @@ other stores, so every store words the same mistake the same way.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from .._errors import (
     SnapshotCorruptError,
     StoreError,
 )
+from .._listing import after_not_found, info_activity
 from ._base import JournalEntry, Lease, StoredSession
 
 __all__ = ["MemoryStore"]
@@ -162,6 +164,7 @@ class _Session:
     snapshot: bytes
     snapshot_seq: int
     info: bytes
+    activity: int
     last_seq: int = 0
     trimmed_upto: int = 0
     journal: list[JournalEntry] = attrs.Factory(list)
@@ -187,6 +190,9 @@ class MemoryStore:
     # Leases outlive their sessions: a name deleted and created again must still
     # get fencing tokens larger than any issued before.
     _leases: dict[str, _Lease] = attrs.field(init=False, factory=dict, repr=False)
+    # (activity, session_id) of every session, ascending: listings read it backwards.
+    # The sessions active last sit at its end, where moving them costs least.
+    _order: list[tuple[int, str]] = attrs.field(init=False, factory=list, repr=False)
 
     def __repr__(self) -> str:
         return f"<MemoryStore with {len(self._sessions)} sessions>"
@@ -211,13 +217,25 @@ class MemoryStore:
         if problem is not None:
             raise _fenced_out_error(session_id, fence, problem)
 
+    def _set_info(self, session_id: str, session: _Session, info: bytes) -> None:
+        session.info = bytes(info)
+        activity = info_activity(session.info)
+        if activity != session.activity:
+            order = self._order
+            del order[bisect.bisect_left(order, (session.activity, session_id))]
+            session.activity = activity
+            bisect.insort(order, (activity, session_id))
+
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await trio.lowlevel.checkpoint()
         if session_id in self._sessions:
             raise _exists_error(session_id)
+        info = bytes(info)
+        activity = info_activity(info)
         self._sessions[session_id] = _Session(
-            snapshot=bytes(snapshot), snapshot_seq=0, info=bytes(info)
+            snapshot=bytes(snapshot), snapshot_seq=0, info=info, activity=activity
         )
+        bisect.insort(self._order, (activity, session_id))
 
     async def load(self, session_id: str) -> StoredSession | None:
         await trio.lowlevel.checkpoint()
@@ -244,7 +262,7 @@ class MemoryStore:
         copies = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
         session.last_seq = _check_entries(session_id, copies, session.last_seq)
         session.journal.extend(copies)
-        session.info = bytes(info)
+        self._set_info(session_id, session, info)
 
     async def write_snapshot(
         self,
@@ -263,7 +281,7 @@ class MemoryStore:
         session.snapshot = bytes(snapshot)
         session.snapshot_seq = seq
         session.last_seq = max(session.last_seq, seq)
-        session.info = bytes(info)
+        self._set_info(session_id, session, info)
         if trim_upto > session.trimmed_upto:
             session.trimmed_upto = trim_upto
             session.journal = [e for e in session.journal if e.seq > trim_upto]
@@ -277,6 +295,20 @@ class MemoryStore:
         await trio.lowlevel.checkpoint()
         return [(session_id, s.info) for session_id, s in self._sessions.items()]
 
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        await trio.lowlevel.checkpoint()
+        order = self._order
+        end = len(order)
+        if after is not None:
+            session = self._sessions.get(after)
+            if session is None:
+                raise after_not_found(after)
+            end = bisect.bisect_left(order, (session.activity, after))
+        sessions = self._sessions
+        return [
+            (name, sessions[name].info) for _, name in reversed(order[max(0, end - limit) : end])
+        ]
+
     async def exists(self, session_id: str) -> bool:
         await trio.lowlevel.checkpoint()
         return session_id in self._sessions
@@ -287,7 +319,11 @@ class MemoryStore:
         if lease is not None:
             lease.owner = None
             lease.until = 0.0
-        return self._sessions.pop(session_id, None) is not None
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        del self._order[bisect.bisect_left(self._order, (session.activity, session_id))]
+        return True
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
         _check_ttl(ttl)

@@ -6,6 +6,9 @@ reaches a key, a pattern or a script unescaped)::
 
     <prefix>:fence          fencing counter shared by every session (INCR)
     <prefix>:sessions       set of every stored ``<n>`` (for list_sessions)
+    <prefix>:activity       sorted set: the UTF-8 bytes of every stored name in hex
+                            (which sorts as the names do), scored by its info's
+                            activity time (for list_page; see _index_activity)
     <prefix>:s:<n>:meta     hash: snap (snapshot bytes), seq (its seq),
                             last (highest seq appended), trimmed (highest seq trimmed)
     <prefix>:s:<n>:info     the info blob
@@ -40,6 +43,7 @@ from coredis.retry import NoRetryPolicy
 
 from .._codec import MAX_SEQ
 from .._errors import StoreError
+from .._listing import after_not_found, info_activity
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -460,6 +464,7 @@ class RedisStore:
         )
         if not created:
             raise _exists_error(session_id)
+        await self._index_activity(session_id, info)
 
     async def load(self, session_id: str) -> StoredSession | None:
         meta, _info, log, _lease = self._keys(session_id)
@@ -495,6 +500,7 @@ class RedisStore:
         if int(reply[0]) == _SEQ_CONFLICT:
             _check_entries(session_id, entries, int(reply[1]))  # raises, worded as everywhere
         _check_status(reply, session_id, fence)
+        await self._index_activity(session_id, info)
 
     async def write_snapshot(
         self,
@@ -525,6 +531,7 @@ class RedisStore:
         if int(reply[0]) == _OLDER_SNAPSHOT:
             _check_snapshot_seqs(session_id, seq, trim_upto, int(reply[1]))  # raises
         _check_status(reply, session_id, fence)
+        await self._index_activity(session_id, info)
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
         meta, _info, log, _lease = self._keys(session_id)
@@ -563,6 +570,75 @@ class RedisStore:
 
         return await self._run("list", None, run)
 
+    # -- the listing order (a sorted set beside the sessions' keys) ------------------
+
+    @property
+    def _activity_key(self) -> str:
+        return f"{self.prefix}:activity"
+
+    async def _index_activity(self, session_id: str, info: bytes | None) -> None:
+        """Put the session in the listing order after a write of its ``info`` (take
+        it out after a delete: ``None``).
+
+        A command of its own after the write, not a step of it: a process that dies
+        in between leaves the order a step behind, which ``list_page`` mends (a
+        member without info is skipped and removed, a session without a member is
+        added), and the session's next write puts right.
+        """
+        member = session_id.encode().hex()
+        key = self._activity_key
+        if info is None:
+            await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
+        else:
+            score: dict[str | bytes, int | float] = {member: info_activity(info)}
+            await self._run("list", session_id, lambda c: c.zadd(key, score))
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        key = self._activity_key
+
+        async def run(client: coredis.Redis[bytes]) -> list[tuple[str, bytes]]:
+            if await client.zcard(key) < await client.scard(self._index_key):
+                await self._add_unlisted(client)
+            start = 0
+            if after is not None:
+                rank = await client.zrevrank(key, after.encode().hex())
+                if rank is None:
+                    raise after_not_found(after)
+                start = int(rank) + 1  # type: ignore[arg-type]
+            page: list[tuple[str, bytes]] = []
+            while len(page) < limit:
+                want = limit - len(page)
+                members = await client.zrange(key, start, start + want - 1, rev=True)
+                if not members:
+                    break
+                start += len(members)
+                names = [bytes.fromhex(bytes(m).decode()).decode() for m in members]
+                infos = await client.mget([self._keys(name)[1] for name in names])
+                gone = [m for m, i in zip(members, infos, strict=True) if i is None]
+                if gone:  # deleted by a process that died before unlisting them
+                    await client.zrem(key, gone)
+                    start -= len(gone)
+                page += [(n, i) for n, i in zip(names, infos, strict=True) if i is not None]
+            return page
+
+        return await self._run("list", after, run)
+
+    async def _add_unlisted(self, client: coredis.Redis[bytes]) -> None:
+        """List the sessions stored without a place in the listing order (by an older
+        version of this store, or a process that died between a create and its
+        listing): only those, each scored by its info."""
+        stored = await self.list_sessions()
+        for start in range(0, len(stored), _MGET_CHUNK):
+            chunk = [
+                (name.encode().hex(), info) for name, info in stored[start : start + _MGET_CHUNK]
+            ]
+            scores = await client.zmscore(self._activity_key, [m for m, _ in chunk])
+            missing: dict[str | bytes, int | float] = {
+                m: info_activity(i) for (m, i), s in zip(chunk, scores, strict=True) if s is None
+            }
+            if missing:
+                await client.zadd(self._activity_key, missing, condition=coredis.PureToken.NX)
+
     async def exists(self, session_id: str) -> bool:
         meta = self._keys(session_id)[0]
         count = await self._run("look up", session_id, lambda c: c.exists([meta]))
@@ -573,6 +649,7 @@ class RedisStore:
         existed: Any = await self._run(
             "delete", session_id, lambda c: _DELETE(keys, [_encode_name(session_id)], client=c)
         )
+        await self._index_activity(session_id, None)
         return bool(existed)
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:

@@ -50,6 +50,7 @@ import trio
 
 from .._codec import MAX_SEQ
 from .._errors import StoreError
+from .._listing import after_not_found, info_activity, page_of
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
     _check_entries,
@@ -71,7 +72,12 @@ except ImportError:  # pragma: no cover - not POSIX: no lock between processes
 
 __all__ = ["SQLiteStore", "SQLiteStoreStatistics"]
 
-_SCHEMA_VERSION: Final = 1
+_SCHEMA_VERSION: Final = 2
+# Version 2 added sessions.activity (the info's updated_at, in microseconds) and
+# its index, for listings newest first a page at a time; see _migrate.
+_ACTIVITY_INDEX: Final = (
+    "CREATE INDEX IF NOT EXISTS sessions_by_activity ON sessions (activity, session_id)"
+)
 _SCHEMA: Final = (
     # The snapshot lives in a table of its own: appends update a session's row
     # (last_seq, info), and that must not rewrite a large snapshot each time.
@@ -80,8 +86,10 @@ _SCHEMA: Final = (
         snapshot_seq INTEGER NOT NULL,
         last_seq INTEGER NOT NULL,
         trimmed_upto INTEGER NOT NULL,
-        info BLOB NOT NULL
+        info BLOB NOT NULL,
+        activity INTEGER NOT NULL DEFAULT 0
     )""",
+    _ACTIVITY_INDEX,
     """CREATE TABLE IF NOT EXISTS snapshots (
         session_id TEXT PRIMARY KEY NOT NULL,
         data BLOB NOT NULL
@@ -100,7 +108,7 @@ _SCHEMA: Final = (
         fence INTEGER NOT NULL,
         lease_until REAL NOT NULL
     )""",
-    "PRAGMA user_version = 1",  # _SCHEMA_VERSION
+    "PRAGMA user_version = 2",  # _SCHEMA_VERSION
 )
 # PRAGMA values cannot be bound parameters: only these fixed statements are run.
 _SYNCHRONOUS: Final = {
@@ -481,7 +489,8 @@ class _Worker:
             path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=True
         )
         try:
-            _check_schema(conn, path)
+            if _check_schema(conn, path) < _SCHEMA_VERSION:
+                _migrate(conn)
             (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
             if str(mode).lower() != "wal":
                 raise sqlite3.OperationalError(f"cannot use WAL mode (journal mode is {mode!r})")
@@ -618,8 +627,9 @@ def _not_ours(path: str, problem: str) -> str:
     )
 
 
-def _check_schema(conn: sqlite3.Connection, path: str) -> None:
-    """Refuse a file that is not a sessionactors store this version reads."""
+def _check_schema(conn: sqlite3.Connection, path: str) -> int:
+    """Refuse a file that is not a sessionactors store this version reads; its version
+    (older ones are migrated when opened for writing, and read as they are)."""
     try:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
         tables = sorted(
@@ -638,8 +648,32 @@ def _check_schema(conn: sqlite3.Connection, path: str) -> None:
             f"the sqlite store at {path!r} has schema version {version}, newer than this"
             f" version of sessionactors reads ({_SCHEMA_VERSION}); upgrade sessionactors"
         )
-    if version != _SCHEMA_VERSION or tuple(tables) != _TABLES:
+    if version not in (1, _SCHEMA_VERSION) or tuple(tables) != _TABLES:
         raise _OpenError(_not_ours(path, "it does not hold the tables of one"))
+    return int(version)
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a version 1 file to version 2: every session's activity time, read from
+    its info, in a new column with an index. One transaction, under the write lock,
+    so that of several processes opening the file one migrates it."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        if version == 1:
+            conn.execute("ALTER TABLE sessions ADD COLUMN activity INTEGER NOT NULL DEFAULT 0")
+            rows = conn.execute("SELECT session_id, info FROM sessions").fetchall()
+            conn.executemany(
+                "UPDATE sessions SET activity = ? WHERE session_id = ?",
+                [(info_activity(info), name) for name, info in rows if isinstance(info, bytes)],
+            )
+            conn.execute(_ACTIVITY_INDEX)
+            conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def _create(path: str) -> None:
@@ -744,6 +778,7 @@ class _AppendArgs(NamedTuple):
     info: bytes
     fence: int | None
     last_seq: int | None  # None: no entries, only the info changes
+    activity: int  # the info's (see _listing.info_activity)
 
 
 def _append(
@@ -754,6 +789,7 @@ def _append(
     info: bytes,
     fence: int | None,
     last_seq: int | None,
+    activity: int,
 ) -> None:
     """``SQLiteStore.append`` in the transaction (in a savepoint: see ``_Worker._run_one``)."""
     if fence is not None:
@@ -764,13 +800,14 @@ def _append(
         _check_fence(conn, session_id, fence, now)
     if last_seq is None:
         updated = conn.execute(
-            "UPDATE sessions SET info = ? WHERE session_id = ? RETURNING 1", (info, session_id)
+            "UPDATE sessions SET info = ?, activity = ? WHERE session_id = ? RETURNING 1",
+            (info, activity, session_id),
         ).fetchone()
     else:
         updated = conn.execute(
-            "UPDATE sessions SET last_seq = ?, info = ? "
+            "UPDATE sessions SET last_seq = ?, info = ?, activity = ? "
             "WHERE session_id = ? AND last_seq < ? RETURNING 1",
-            (last_seq, info, session_id, rows[0][1]),
+            (last_seq, info, activity, session_id, rows[0][1]),
         ).fetchone()
     if updated is None:  # nothing was written: say why
         row = conn.execute(
@@ -797,8 +834,9 @@ def _append_all(conn: sqlite3.Connection, appends: list[_AppendArgs]) -> bool:
     to run them one by one."""
     conn.execute("SAVEPOINT appends")
     updated = conn.executemany(
-        "UPDATE sessions SET last_seq = ?, info = ? WHERE session_id = ? AND last_seq < ?",
-        [(a.last_seq, a.info, a.session_id, a.rows[0][1]) for a in appends],
+        "UPDATE sessions SET last_seq = ?, info = ?, activity = ? "
+        "WHERE session_id = ? AND last_seq < ?",
+        [(a.last_seq, a.info, a.activity, a.session_id, a.rows[0][1]) for a in appends],
     ).rowcount
     if updated == len(appends):
         try:
@@ -957,13 +995,14 @@ class SQLiteStore:
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         snapshot, info = bytes(snapshot), bytes(info)
+        activity = info_activity(info)
 
         def op(conn: sqlite3.Connection, now: float) -> None:
             inserted = conn.execute(
                 "INSERT INTO sessions (session_id, snapshot_seq, last_seq, "
-                "trimmed_upto, info) VALUES (?, 0, 0, 0, ?) "
+                "trimmed_upto, info, activity) VALUES (?, 0, 0, 0, ?, ?) "
                 "ON CONFLICT (session_id) DO NOTHING",
-                (session_id, info),
+                (session_id, info, activity),
             ).rowcount
             if inserted != 1:
                 raise _exists_error(session_id)
@@ -1009,13 +1048,14 @@ class SQLiteStore:
         fence: int | None = None,
     ) -> None:
         rows = [(session_id, e.seq, bytes(e.data)) for e in entries]
+        info = bytes(info)
         # Checked before the transaction: the seqs strictly increase among themselves.
         last_seq = _check_entries(session_id, entries, entries[0].seq - 1) if entries else None
         await self._call(
             session_id,
             _append,
             writes=True,
-            args=_AppendArgs(session_id, rows, bytes(info), fence, last_seq),
+            args=_AppendArgs(session_id, rows, info, fence, last_seq, info_activity(info)),
         )
 
     async def write_snapshot(
@@ -1029,6 +1069,7 @@ class SQLiteStore:
         fence: int | None = None,
     ) -> None:
         snapshot, info = bytes(snapshot), bytes(info)
+        activity = info_activity(info)
 
         def op(conn: sqlite3.Connection, now: float) -> None:
             row = conn.execute(
@@ -1048,8 +1089,8 @@ class SQLiteStore:
                 trimmed_upto = trim_upto
             conn.execute(
                 "UPDATE sessions SET snapshot_seq = ?, last_seq = ?, "
-                "trimmed_upto = ?, info = ? WHERE session_id = ?",
-                (seq, max(last_seq, seq), trimmed_upto, info, session_id),
+                "trimmed_upto = ?, info = ?, activity = ? WHERE session_id = ?",
+                (seq, max(last_seq, seq), trimmed_upto, info, activity, session_id),
             )
             conn.execute(
                 "UPDATE snapshots SET data = ? WHERE session_id = ?", (snapshot, session_id)
@@ -1082,6 +1123,34 @@ class SQLiteStore:
             return [(session_id, info) for session_id, info in rows]
 
         result: list[tuple[str, bytes]] = await self._call(None, op, writes=False)
+        return result
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        def op(conn: sqlite3.Connection, now: float) -> list[tuple[str, bytes]]:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version < 2:  # an unmigrated file opened read-only: no index to page on
+                rows = conn.execute("SELECT session_id, info FROM sessions")
+                return page_of(rows, after=after, limit=limit)
+            if after is None:
+                rows = conn.execute(
+                    "SELECT session_id, info FROM sessions "
+                    "ORDER BY activity DESC, session_id DESC LIMIT ?",
+                    (limit,),
+                )
+            else:
+                row = conn.execute(
+                    "SELECT activity FROM sessions WHERE session_id = ?", (after,)
+                ).fetchone()
+                if row is None:
+                    raise after_not_found(after)
+                rows = conn.execute(
+                    "SELECT session_id, info FROM sessions WHERE (activity, session_id) < (?, ?) "
+                    "ORDER BY activity DESC, session_id DESC LIMIT ?",
+                    (row[0], after, limit),
+                )
+            return [(session_id, info) for session_id, info in rows]
+
+        result: list[tuple[str, bytes]] = await self._call(after, op, writes=False)
         return result
 
     async def exists(self, session_id: str) -> bool:

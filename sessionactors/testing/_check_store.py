@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from .._codec import MAX_SEQ
+from .._codec import MAX_SEQ, dump_info
 from .._errors import (
     FencedOutError,
     SessionActorsError,
@@ -16,7 +17,8 @@ from .._errors import (
     SessionNotFoundError,
     StoreError,
 )
-from ..stores._base import JournalEntry, Lease, Store, StoredSession
+from .._records import SessionInfo, Status
+from ..stores._base import JournalEntry, Lease, PagedStore, Store, StoredSession
 
 __all__ = ["check_store"]
 
@@ -266,6 +268,51 @@ async def _check_list(store: Store) -> None:
     listed = sorted(await store.list_sessions())
     expected = [("a", b"a-0"), ("b", b"b-1"), ("c", b"c-1")]
     _expect(listed == expected, f"list_sessions() returned {listed!r}, expected {expected!r}")
+
+
+def _info_at(name: str, minute: int) -> bytes:
+    at = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(minutes=minute)
+    info = SessionInfo(
+        session_id=name, agent=None, status=Status.IDLE, message_count=0, updated_at=at
+    )
+    return dump_info(info)
+
+
+@_check("list_page pages newest activity first (then by name, descending), after a name")
+async def _check_list_page(store: Store) -> None:
+    if not isinstance(store, PagedStore):
+        return  # a store without list_page is listed whole, through list_sessions
+    minutes = {"a": 3, "b": 1, "c": 3, "d": 2, "e": 0, "f \u00fc": 3, "g": 1}
+    for name, minute in minutes.items():
+        await store.create(name, b"snap", _info_at(name, minute))
+    await store.append("e", _entries(1), _info_at("e", 5))  # moves to the front
+    await store.write_snapshot("b", b"snap-1", 1, _info_at("b", 4), trim_upto=0)
+    await store.delete("d")
+    await store.append("g", _entries(1), b"unreadable")  # counts as the oldest
+    infos = {name: _info_at(name, minute) for name, minute in minutes.items()}
+    infos.update(e=_info_at("e", 5), b=_info_at("b", 4), g=b"unreadable")
+    order = ["e", "b", "f \u00fc", "c", "a", "g"]
+    expected = [(name, infos[name]) for name in order]
+    whole = await store.list_page(after=None, limit=100)
+    _expect(whole == expected, f"list_page(limit=100) returned {whole!r}, expected {expected!r}")
+    pages: list[tuple[str, bytes]] = []
+    after: str | None = None
+    for _ in range(10):
+        page = await store.list_page(after=after, limit=2)
+        _expect(len(page) <= 2, f"list_page(limit=2) returned {len(page)} sessions")
+        if not page:
+            break
+        pages += page
+        after = page[-1][0]
+    _expect(pages == expected, f"pages of 2 joined are {pages!r}, expected {expected!r}")
+    tail = await store.list_page(after="c", limit=100)
+    _expect(tail == expected[4:], f"list_page(after='c') returned {tail!r}")
+    await _expect_raises(
+        SessionNotFoundError,
+        store.list_page(after="d", limit=10),
+        "list_page after a deleted session",
+        "d",
+    )
 
 
 @_check("delete removes the snapshot, journal and lease, and the name can be created afresh")

@@ -67,6 +67,7 @@ from .._requests import (
     ResolveReview,
     Retry,
     Rewind,
+    SetMetadata,
     SetSummary,
     Stop,
     Truncate,
@@ -88,12 +89,13 @@ _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before 
 _ANSWER_ATTEMPTS: Final = 5
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
-_SAFE_CALLS: Final = (SetSummary, Cancel, Hibernate)
+_SAFE_CALLS: Final = (SetSummary, SetMetadata, Cancel, Hibernate)
 #: The requests a worker forwards, by their wire tag (never reuse a retired tag).
 _CALL_TAGS: Final[dict[str, type[Any]]] = {
     "truncate": Truncate,
     "rewind": Rewind,
     "set_summary": SetSummary,
+    "set_metadata": SetMetadata,
     "review": ResolveReview,
     "hibernate": Hibernate,
     "cancel": Cancel,
@@ -177,13 +179,14 @@ class Transport(Protocol):
 
 
 def _pack(body: Mapping[str, Any]) -> bytes:
-    data: bytes = msgpack.packb(body, use_bin_type=True)
+    # (datetimes: metadata may hold them, and set_metadata carries metadata)
+    data: bytes = msgpack.packb(body, use_bin_type=True, datetime=True)
     return data
 
 
 def _unpack(data: bytes) -> dict[str, Any] | None:
     try:
-        body = msgpack.unpackb(data, raw=False, max_map_len=64, max_array_len=100_000)
+        body = msgpack.unpackb(data, raw=False, timestamp=3, max_map_len=64, max_array_len=100_000)
     except (ValueError, TypeError):
         return None
     return body if isinstance(body, dict) else None

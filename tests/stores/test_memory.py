@@ -298,6 +298,16 @@ class _FailsTogether(_Wrapped):
                 self.failure = None
 
 
+class _PagesByName(_Wrapped):
+    """Lists a page at a time, but by name instead of by activity."""
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        listed = sorted(await self.inner.list_sessions(), reverse=True)
+        names = [name for name, _ in listed]
+        start = names.index(after) + 1 if after is not None else 0
+        return listed[start : start + limit]
+
+
 class _ForgetsOnClose(_Wrapped):
     async def aclose(self) -> None:
         self.inner = MemoryStore()  # reopens as an empty store
@@ -322,6 +332,7 @@ async def test_a_store_keeping_its_own_leases_passes() -> None:
         (_AcceptsAnySeq, "a seq above it raises StoreError"),
         (_FailsTogether, "each succeed or fail alone"),
         (_ForgetsOnClose, "never reads empty"),
+        (_PagesByName, "newest activity first"),
     ],
 )
 async def test_check_store_catches_a_broken_store(

@@ -239,7 +239,7 @@ async def test_awkward_names_are_stored_exactly(make_store: MakeStore, redis_url
             )
         keys = await _keys_under(redis_url, store.prefix)
         escaped = re.compile(
-            rf"{re.escape(store.prefix)}:(sessions|fence|s:[A-Za-z0-9_-]*:(meta|info|log))"
+            rf"{re.escape(store.prefix)}:(sessions|fence|activity|s:[A-Za-z0-9_-]*:(meta|info|log))"
         )
         assert all(escaped.fullmatch(key) for key in keys), keys
         assert await store.delete("a*")

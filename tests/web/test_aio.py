@@ -145,8 +145,8 @@ def test_library_errors_reach_asyncio_code_as_themselves() -> None:
                 registry.no_such_method  # noqa: B018
             with pytest.raises(AttributeError, match="not an async method"):
                 ref.__getattr__("submit_nowait")
-        with pytest.raises(ValueError, match="agents"):
-            async with aio.open_registry(agents={}):
+        with pytest.raises(TypeError, match="agents"):
+            async with aio.open_registry(agents=[]):  # type: ignore[arg-type]
                 pass
 
     run(main)

@@ -120,10 +120,10 @@ async def test_messages_and_session_routes_answer_json(serve: Serve) -> None:
 
             await client.post("/sessions/chat-2/messages", json={"text": "second"})
             page = (await client.get("/sessions", params={"limit": 1})).json()
-            assert [s["session_id"] for s in page["sessions"]] == ["chat-1"]
-            assert page["next"] == "chat-1"
+            assert [s["session_id"] for s in page["sessions"]] == ["chat-2"]  # newest first
+            assert page["next"] == "chat-2"
             rest = (await client.get("/sessions", params={"after": page["next"]})).json()
-            assert [s["session_id"] for s in rest["sessions"]] == ["chat-2"]
+            assert [s["session_id"] for s in rest["sessions"]] == ["chat-1"]
             assert rest["next"] is None
             assert rest["sessions"][0]["message_count"] == 2
 

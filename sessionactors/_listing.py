@@ -1,0 +1,116 @@
+"""The order sessions are listed in, and what a listing filters on.
+
+Pure (no trio). A listing runs newest activity first: by the ``updated_at`` of
+the session's info (the time of its last message), sessions with the same time
+by name, descending. Both keys descending is an order every store keeps with
+one index: SQLite an index on ``(activity, session_id)``, Redis a sorted set
+(whose members of one score are ordered by name), a list kept sorted in memory.
+
+A store reads the activity time out of the info bytes it is given with
+:func:`info_activity` (integer microseconds, so that it is exact in an SQLite
+integer and a Redis score alike); unreadable info sorts as the oldest, and the
+registry lists it as failed.
+"""
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import msgpack
+
+from ._errors import SessionNotFoundError
+from ._records import SessionInfo, Status
+
+__all__ = [
+    "LISTING_BATCH",
+    "after_not_found",
+    "check_listing",
+    "info_activity",
+    "listing_key",
+    "matches",
+    "page_of",
+]
+
+#: How many sessions the registry asks a store for at a time.
+LISTING_BATCH: Final = 500
+
+_UPDATED_AT: Final = "updated_at"
+
+
+def info_activity(info: bytes) -> int:
+    """The session's activity time (``updated_at``) in microseconds since the epoch,
+    read from its encoded info; 0 if the info cannot be read."""
+    try:
+        raw = msgpack.unpackb(
+            info,
+            raw=False,
+            timestamp=0,
+            strict_map_key=True,
+            max_ext_len=12,
+        )
+        stamp = raw[_UPDATED_AT]
+    except Exception:  # damaged info: the registry lists the session as failed
+        return 0
+    if stamp.__class__ is not msgpack.Timestamp:
+        return 0
+    micros: int = stamp.seconds * 1_000_000 + stamp.nanoseconds // 1000
+    return max(0, micros)
+
+
+def listing_key(session_id: str, info: bytes) -> tuple[int, str]:
+    """The session's place in a listing: the larger the key, the earlier it comes."""
+    return (info_activity(info), session_id)
+
+
+def page_of(
+    items: Iterable[tuple[str, bytes]], *, after: str | None, limit: int
+) -> list[tuple[str, bytes]]:
+    """A page of ``(session_id, info)`` in listing order, from every session at once
+    (for stores that offer only ``list_sessions``: it costs the whole listing)."""
+    keyed = sorted(((listing_key(name, info), name, info) for name, info in items), reverse=True)
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, (_, name, _) in enumerate(keyed) if name == after), -1)
+        if start < 0:
+            raise after_not_found(after)
+    return [(name, info) for _, name, info in keyed[start : start + limit]]
+
+
+def after_not_found(after: str) -> SessionNotFoundError:
+    return SessionNotFoundError(
+        f"session {after!r}, given as after=, is not stored (it was deleted since it was "
+        "listed?); list again from the start",
+        session_id=after,
+    )
+
+
+def check_listing(
+    status: object, metadata: object, limit: object, after: object
+) -> tuple[Status | None, dict[str, Any] | None]:
+    """Check ``registry.sessions()``'s arguments; the status as a ``Status``."""
+    wanted: Status | None = None
+    if status is not None:
+        if isinstance(status, Status):
+            wanted = status
+        elif isinstance(status, str) and status in Status._value2member_map_:
+            wanted = Status(status)
+        else:
+            values = ", ".join(s.value for s in Status)
+            raise ValueError(f"status must be a Status or one of {values}; not {status!r:.60}")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of key to value, not {metadata!r:.60}")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"limit must be a whole number >= 1 or None, not {limit!r:.60}")
+    if after is not None and not isinstance(after, str):
+        raise TypeError(f"after must be a session name (str) or None, not {after!r:.60}")
+    return wanted, None if metadata is None else dict(metadata)
+
+
+def matches(info: SessionInfo, status: Status | None, metadata: Mapping[str, Any] | None) -> bool:
+    """Whether ``info`` has ``status`` and every key of ``metadata`` with an equal value."""
+    if status is not None and info.status is not status:
+        return False
+    if metadata:
+        have = info.metadata
+        missing = object()
+        return all(have.get(key, missing) == value for key, value in metadata.items())
+    return True

@@ -1,0 +1,48 @@
+"""A session's metadata: the checks and the merge behind ``ref.set_metadata``.
+
+Pure (no trio). Metadata is plain data, as the codec stores it; a change is
+checked by encoding it as the event that will journal it, so that what is
+refused here is exactly what the store would refuse, before anything is written.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._codec import dump_event
+from ._events import MetadataChanged
+
+__all__ = ["PLAIN_DATA", "check_metadata", "merge_metadata"]
+
+#: What metadata may hold, as error messages say it.
+PLAIN_DATA = (
+    "metadata must be plain data (str keys; str, int, float, bool, None, bytes, "
+    "aware datetimes, lists and dicts)"
+)
+
+
+def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
+    """``metadata`` as a dict, if the codec can store it; else ``TypeError`` /
+    ``ValueError`` naming the session and the offending key."""
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"metadata for session {session_id!r} must be a mapping, not {type(metadata).__name__}"
+        )
+    changes = dict(metadata)
+    try:
+        dump_event(MetadataChanged(session_id=session_id, seq=0, metadata=changes))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"metadata for session {session_id!r} cannot be stored: {exc}; {PLAIN_DATA}"
+        ) from None
+    return changes
+
+
+def merge_metadata(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``current`` with ``changes`` merged in: a key set to ``None`` is removed."""
+    merged = dict(current)
+    for key, value in changes.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,380 @@
+"""Listing sessions: newest activity first, filtered, in pages, from every store; a
+registry without agents reads and manages a store; ref.set_metadata merges metadata."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import JournalEntry, Lease, RedisStore, StoredSession
+
+StoreFactory = Callable[[], sa.MemoryStore | sa.SQLiteStore | RedisStore]
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
+    """A factory of one store (the same store on every call): memory, SQLite or Redis."""
+    if request.param == "memory":
+        store = sa.MemoryStore()
+        return lambda: store
+    if request.param == "sqlite":
+        return lambda: sa.SQLiteStore(tmp_path / "sessions.db")
+    url = request.getfixturevalue("redis_url")
+    prefix = f"listing-{uuid.uuid4().hex}"
+    return lambda: RedisStore(url, prefix=prefix)
+
+
+def newest_first(infos: Sequence[sa.SessionInfo]) -> list[str]:
+    """The names of ``infos`` in the listing order: updated_at, then name, descending."""
+    ordered = sorted(infos, key=lambda i: (i.updated_at, i.session_id), reverse=True)
+    return [i.session_id for i in ordered]
+
+
+async def populate(registry: sa.Registry) -> None:
+    """Ten sessions: tier gold for even numbers; s3 and s7 talked to last, s5 hibernated."""
+    for i in range(10):
+        ref = await registry.spawn(f"s{i}", metadata={"tier": "gold" if i % 2 == 0 else "free"})
+        await ref.send(f"hello {i}")
+    for name in ("s3", "s7"):
+        await registry.ref(name).send("once more")
+    await registry.ref("s5").hibernate()
+
+
+def joined(pages: list[list[str]]) -> list[str]:
+    """The pages' names, one list."""
+    return [name for page in pages for name in page]
+
+
+async def pages(registry: sa.Registry, limit: int, **filters: object) -> list[list[str]]:
+    """Every page of ``limit`` sessions, each continuing after the last one's name."""
+    out: list[list[str]] = []
+    after: str | None = None
+    while True:
+        page = await registry.sessions(limit=limit, after=after, **filters)  # type: ignore[arg-type]
+        if not page:
+            return out
+        out.append([i.session_id for i in page])
+        after = page[-1].session_id
+
+
+async def test_sessions_are_listed_newest_first_in_pages(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """sessions() lists newest activity first (name descending on ties); pages of `limit`
+    joined with `after` give the whole listing, on every store."""
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(20):
+            await populate(registry)
+            everything = await registry.sessions()
+            assert len(everything) == 10
+            names = [i.session_id for i in everything]
+            assert names == newest_first(everything)
+            assert names[:2] == ["s7", "s3"]
+            assert [len(p) for p in await pages(registry, 3)] == [3, 3, 3, 1]
+            assert joined(await pages(registry, 3)) == names
+            assert [i.session_id for i in await registry.sessions(after=names[4])] == names[5:]
+
+
+async def test_sessions_filter_by_status_and_metadata(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """status= (a Status or its value) and metadata= key=value filters keep the matching
+    sessions, in listing order, paged the same way."""
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(20):
+            await populate(registry)
+            names = [i.session_id for i in await registry.sessions()]
+            gold = [n for n in names if int(n[1:]) % 2 == 0]
+            listed = await registry.sessions(metadata={"tier": "gold"})
+            assert [i.session_id for i in listed] == gold
+            assert joined(await pages(registry, 2, metadata={"tier": "gold"})) == gold
+            hibernated = await registry.sessions(status=sa.Status.HIBERNATED)
+            assert [i.session_id for i in hibernated] == ["s5"]
+            assert [i.session_id for i in await registry.sessions(status="hibernated")] == ["s5"]
+            assert await registry.sessions(status="idle", metadata={"tier": "free"}, limit=1)
+            assert await registry.sessions(metadata={"tier": "gold", "missing": 1}) == []
+            assert await registry.sessions(metadata={}) == await registry.sessions()
+
+
+async def test_sessions_refuses_bad_arguments(echo_agents: dict[str, sa.Agent]) -> None:
+    """Bad filters raise ValueError or TypeError saying what is accepted; an `after` that is
+    not stored raises SessionNotFoundError naming it."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            await registry.spawn("a")
+            with pytest.raises(ValueError, match="status must be a Status or one of new"):
+                await registry.sessions(status="sleepy")
+            for limit in (0, -1, 1.5, True):
+                with pytest.raises(ValueError, match="limit must be"):
+                    await registry.sessions(limit=limit)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="metadata must be a mapping"):
+                await registry.sessions(metadata=[("tier", "gold")])  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="after must be"):
+                await registry.sessions(after=3)  # type: ignore[arg-type]
+            with pytest.raises(sa.SessionNotFoundError, match=r"'gone'.*list again") as info:
+                await registry.sessions(after="gone")
+            assert info.value.session_id == "gone"
+
+
+class _ListsWhole:
+    """A store of the older protocol: no list_page, only list_sessions."""
+
+    def __init__(self) -> None:
+        self.inner = sa.MemoryStore()
+        self.listed = 0
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        await self.inner.create(session_id, snapshot, info)
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        return await self.inner.load(session_id)
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        await self.inner.append(session_id, entries, info, fence=fence)
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        await self.inner.write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+
+    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        return await self.inner.read_journal(session_id, after)
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        self.listed += 1
+        return await self.inner.list_sessions()
+
+    async def exists(self, session_id: str) -> bool:
+        return await self.inner.exists(session_id)
+
+    async def delete(self, session_id: str) -> bool:
+        return await self.inner.delete(session_id)
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
+        return await self.inner.claim(session_id, owner, ttl)
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        return await self.inner.renew(session_id, lease, ttl)
+
+    async def release(self, session_id: str, lease: Lease) -> None:
+        await self.inner.release(session_id, lease)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_store_without_list_page_is_listed_whole(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """A store with only list_sessions is still a Store and lists, filters and pages as a
+    paged store does, reading every session each time."""
+    old = _ListsWhole()
+    assert isinstance(old, sa.stores.Store)
+    assert not isinstance(old, sa.stores.PagedStore)
+    paged = sa.MemoryStore()
+    listings: list[list[list[str]]] = []
+    for store in (old, paged):
+        async with sa.open_registry(store=store, agents=echo_agents) as registry:
+            with trio.fail_after(20):
+                await populate(registry)
+                listings.append(
+                    [
+                        [i.session_id for i in await registry.sessions()],
+                        joined(await pages(registry, 4)),
+                        joined(await pages(registry, 2, metadata={"tier": "free"})),
+                    ]
+                )
+    old_listing, paged_listing = listings
+    assert [len(x) for x in old_listing] == [10, 10, 5]
+    assert old_listing[0] == old_listing[1]
+    assert old.listed > 1
+    # the same sessions, in the same order relative to each other's activity
+    assert sorted(old_listing[0]) == sorted(paged_listing[0])
+
+
+async def test_unreadable_info_is_listed_as_failed(
+    tmp_path: Path, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """A session whose stored info was damaged behind the store's back is listed as FAILED
+    in its place, and the rest of the listing (and its pages) is unaffected."""
+    path = tmp_path / "sessions.db"
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            for name in ("a", "b", "c"):
+                await (await registry.spawn(name)).send("hi")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE sessions SET info = x'c1' WHERE session_id = 'b'")
+    db.close()
+    async with sa.open_registry(store=sa.SQLiteStore(path)) as registry:
+        with trio.fail_after(10):
+            infos = await registry.sessions()
+            assert [(i.session_id, i.status) for i in infos] == [
+                ("c", sa.Status.HIBERNATED),
+                ("b", sa.Status.FAILED),
+                ("a", sa.Status.HIBERNATED),
+            ]
+            assert joined(await pages(registry, 1)) == ["c", "b", "a"]
+            failed = await registry.sessions(status="failed")
+            assert [i.session_id for i in failed] == ["b"]
+
+
+async def test_an_older_sqlite_file_is_migrated_and_read_only_lists_unmigrated(
+    tmp_path: Path, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """A schema 1 file (no activity column) lists newest first: read-only as it is, leaving
+    its bytes unchanged, and migrated with its index when opened for writing."""
+    path = tmp_path / "sessions.db"
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            for name in ("b", "a", "c"):
+                await (await registry.spawn(name)).send("hi")
+            await registry.ref("a").send("again")
+    with sqlite3.connect(path) as db:  # back to schema 1, as an older version wrote it
+        db.execute("DROP INDEX sessions_by_activity")
+        db.execute("ALTER TABLE sessions DROP COLUMN activity")
+        db.execute("PRAGMA user_version = 1")
+    db.close()
+    before = path.read_bytes()
+    expected = ["a", "c", "b"]
+    async with sa.open_registry(store=sa.SQLiteStore(path, readonly=True)) as registry:
+        with trio.fail_after(10):
+            assert [i.session_id for i in await registry.sessions()] == expected
+            assert joined(await pages(registry, 2)) == expected
+    assert path.read_bytes() == before
+    async with sa.open_registry(store=sa.SQLiteStore(path)) as registry:
+        with trio.fail_after(10):
+            assert joined(await pages(registry, 2)) == expected
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (2,)
+        plan = " ".join(
+            str(row)
+            for row in db.execute(
+                "EXPLAIN QUERY PLAN SELECT session_id FROM sessions "
+                "ORDER BY activity DESC, session_id DESC LIMIT 5"
+            )
+        )
+    db.close()
+    assert "sessions_by_activity" in plan
+    assert "TEMP B-TREE" not in plan  # read in index order, not sorted
+
+
+# ---- a registry without agents -------------------------------------------------------------
+
+
+async def test_a_registry_without_agents_reads_and_manages_a_store(
+    tmp_path: Path, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """open_registry(store=...) without agents lists, reads, changes metadata, spawns and
+    deletes; only a turn fails, with AgentNotFoundError naming the session and agents=."""
+    path = tmp_path / "sessions.db"
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            await (await registry.spawn("kept", metadata={"tier": "free"})).send("hello there")
+            await registry.spawn("doomed")
+    async with sa.open_registry(store=sa.SQLiteStore(path)) as registry:
+        with trio.fail_after(10):
+            assert registry.agents == {}
+            assert {i.session_id for i in await registry.sessions()} == {"kept", "doomed"}
+            ref = registry.ref("kept")
+            assert [m.content for m in await ref.history()] == ["hello there", "hello there"]
+            assert await ref.set_metadata({"tier": "gold"}) == {"tier": "gold"}
+            await registry.delete("doomed")
+            await registry.spawn("later", agent="echo", metadata={"tier": "new"})
+            with pytest.raises(ValueError, match="say which agent session 'x'"):
+                await registry.spawn("x")
+            with pytest.raises(sa.AgentNotFoundError, match=r"'kept'.*agents=") as info:
+                await ref.send("are you there?")
+            assert isinstance(info.value, sa.TurnFailedError)
+            assert isinstance(info.value, LookupError)
+            assert info.value.session_id == "kept"
+            assert len(await ref.history()) == 2  # the refused turn left nothing
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            infos = {i.session_id: i for i in await registry.sessions()}
+            assert set(infos) == {"kept", "later"}
+            assert infos["kept"].metadata == {"tier": "gold"}
+            assert (await registry.ref("later").send("now")).text == "now"
+
+
+# ---- set_metadata ------------------------------------------------------------------------
+
+
+async def test_set_metadata_merges_publishes_and_survives_restarts(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """set_metadata merges (None removes a key), publishes MetadataChanged with the whole
+    metadata, and the change survives hibernation and a new registry on every store."""
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("s", metadata={"tier": "free", "trial": True})
+            async with ref.subscribe() as events:
+                merged = await ref.set_metadata({"tier": "gold", "trial": None, "n": [1, 2]})
+                event = await events.__anext__()
+                while not isinstance(event, sa.MetadataChanged):  # (the wake's StatusChanged)
+                    event = await events.__anext__()
+            assert merged == {"tier": "gold", "n": [1, 2]}
+            assert isinstance(event, sa.MetadataChanged)
+            assert event.metadata == merged
+            assert (await ref.state()).metadata == merged
+            await ref.hibernate()
+            assert (await ref.state()).metadata == merged
+            await ref.send("hi")
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = registry.ref("s")
+            assert (await ref.state()).metadata == merged
+            [info] = await registry.sessions(metadata={"tier": "gold"})
+            assert info.metadata == merged
+            assert await ref.set_metadata({}) == merged
+
+
+async def test_set_metadata_refuses_what_cannot_be_stored_before_writing(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """Metadata that is not plain data, or not a mapping, raises TypeError or ValueError
+    naming the session and the key, and nothing is journaled or published."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("meta", metadata={"tier": "free"})
+            await ref.send("hi")
+            seq = (await ref.state()).event_seq
+            _, journal = await store.read_journal("meta", 0)
+            deep: list[object] = [1]
+            for _ in range(100):
+                deep = [deep]
+            bad: list[tuple[object, type[Exception], str]] = [
+                ({"when": object()}, TypeError, r"metadata\['when'\]"),
+                ({1: "one"}, TypeError, "keys must be str"),
+                (["tier", "gold"], TypeError, "must be a mapping"),
+                ({"deep": deep}, ValueError, "nested"),
+            ]
+            for changes, error, match in bad:
+                with pytest.raises(error, match=match) as info:
+                    await ref.set_metadata(changes)  # type: ignore[arg-type]
+                assert "'meta'" in str(info.value)
+            assert (await ref.state()).event_seq == seq
+            assert (await ref.state()).metadata == {"tier": "free"}
+            assert (await store.read_journal("meta", 0))[1] == journal
