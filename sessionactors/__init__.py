@@ -24,10 +24,12 @@ from ._errors import SessionStoppedError as SessionStoppedError
 from ._errors import SnapshotCorruptError as SnapshotCorruptError
 from ._errors import SnapshotError as SnapshotError
 from ._errors import SnapshotVersionError as SnapshotVersionError
+from ._errors import StoreConfigurationError as StoreConfigurationError
 from ._errors import StoreError as StoreError
 from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
+from ._errors import WorkerUnreachableError as WorkerUnreachableError
 from ._events import Delta as Delta
 from ._events import Event as Event
 from ._events import HistoryEdited as HistoryEdited
@@ -118,6 +120,7 @@ __all__ = [
     "SnapshotVersionError",
     "Status",
     "StatusChanged",
+    "StoreConfigurationError",
     "StoreError",
     "SubscriberLaggedError",
     "TextChunk",
@@ -135,6 +138,7 @@ __all__ = [
     "TurnFailedError",
     "TurnFinished",
     "TurnStarted",
+    "WorkerUnreachableError",
     "dump_snapshot",
     "load_snapshot",
     "open_registry",

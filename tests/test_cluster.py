@@ -356,11 +356,6 @@ async def test_a_subscription_on_another_worker_sees_every_event_through_a_failo
             assert [(e.seq, type(e)) for e in replayed] == [(e.seq, type(e)) for e in events]
 
 
-@pytest.mark.xfail(
-    reason="the multi-worker layer replays only what the owner's trimmed event stream still "
-    "holds, silently skipping the journal's older events (to be fixed with the layer's rebuild)",
-    strict=True,
-)
 async def test_replay_on_any_worker_falls_back_to_the_journal(cluster: Cluster) -> None:
     """Where the owner's event stream no longer reaches back (it keeps about replay_events), subscribe(after=) on another worker replays the journal's events with their seqs."""
     words = " ".join(f"w{i}" for i in range(400))
@@ -456,6 +451,39 @@ async def test_events_dropped_on_overflow_show_as_lag_never_as_a_gap(cluster: Cl
                     await admin.client_unpause()
     assert stream_problems(seqs, error, finished.is_set()) == []
     assert isinstance(error, sa.SubscriberLaggedError)  # the queue overflowed, and it said so
+
+
+async def test_a_stream_trimmed_past_a_remote_subscriber_shows_as_lag(cluster: Cluster) -> None:
+    """When the owner's event stream is trimmed past a subscriber on another worker, the subscriber gets SubscriberLaggedError at the last event it saw, never a silent gap, and subscribing again with after= replays the rest from the journal."""
+    words = " ".join(f"w{i}" for i in range(3000))
+    seqs: list[int] = []
+    error: BaseException | None = None
+    with trio.fail_after(40):
+        async with (
+            cluster.registry(replay_events=5) as a,  # the stream keeps a few events only
+            cluster.registry(subscriber_buffer=100_000) as b,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("warm up")
+            async with b.ref("s").subscribe() as stream:
+                turn = await ref.submit(words)
+                try:
+                    async for event in stream:
+                        seqs.append(event.seq)
+                        if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                            break
+                except sa.SubscriberLaggedError as exc:
+                    error = exc
+            await turn.reply()
+            finished = error is None
+            if error is not None:  # the journal has the turn's durable events
+                async with b.ref("s").subscribe(after=seqs[-1] if seqs else 0) as stream:
+                    async for event in stream:
+                        if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                            finished = True
+                            break
+    assert stream_problems(seqs, error, error is None) == []
+    assert finished
 
 
 def test_the_stream_check_catches_a_silent_gap_or_end() -> None:

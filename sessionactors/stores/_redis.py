@@ -39,7 +39,7 @@ from coredis.commands import Script
 from coredis.retry import NoRetryPolicy
 
 from .._codec import MAX_SEQ
-from .._errors import StoreError
+from .._errors import StoreConfigurationError, StoreError
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -205,6 +205,29 @@ _TRANSPORT_ERRORS: Final = (
 )
 
 
+# What a retry cannot fix: the store's user lacks a permission, the server lacks a
+# command (renamed, disabled, too old), keys of one call sit in several cluster slots.
+_CONFIGURATION_ERRORS: Final = (
+    coredis.exceptions.AuthorizationError,
+    coredis.exceptions.AuthenticationError,
+    coredis.exceptions.ClusterCrossSlotError,
+    coredis.exceptions.UnknownCommandError,
+)
+_CONFIGURATION_CODES: Final = ("NOPERM", "CROSSSLOT", "NOAUTH", "WRONGPASS", "ERR unknown command")
+
+#: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
+DEFAULT_TIMEOUT: Final = 5.0
+
+
+def _configuration_problem(exc: BaseException) -> bool:
+    if isinstance(exc, _CONFIGURATION_ERRORS):
+        return True
+    # an error raised by a command inside a script comes back as the script's error
+    return isinstance(exc, coredis.exceptions.ResponseError) and any(
+        code in str(exc) for code in _CONFIGURATION_CODES
+    )
+
+
 def _encode_name(session_id: str) -> str:
     raw = session_id.encode("utf-8", "surrogatepass")
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
@@ -341,6 +364,13 @@ class RedisStore:
     to use instead of ``url``: its owner keeps it open and closes it, not
     :meth:`aclose`.
 
+    ``timeout`` (seconds, default 5) bounds every call to redis, connecting
+    included: a call that gets no answer in time (redis stopped, frozen, or
+    unreachable) raises :class:`~sessionactors.StoreError`, as a refused
+    connection does. Blocking reads wait that long on top of their own wait.
+    Errors a retry cannot fix (a permission the user lacks, a disabled command,
+    ``CROSSSLOT``) raise :class:`~sessionactors.StoreConfigurationError`.
+
     Needs the ``redis`` extra (coredis).
     """
 
@@ -350,6 +380,7 @@ class RedisStore:
     url: str = "redis://127.0.0.1:6379/0"
     prefix: str = attrs.field(default="sessionactors", kw_only=True)
     _client: coredis.Redis[bytes] | None = attrs.field(default=None, kw_only=True, alias="client")
+    timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
     _conn: _Connection | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -364,6 +395,11 @@ class RedisStore:
             )
         if not self.prefix:
             raise ValueError("redis key prefix is empty; pass a prefix such as 'sessionactors'")
+        if not (isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf):
+            raise ValueError(
+                f"redis timeout {self.timeout!r} is not a positive number of seconds; "
+                f"pass one such as {DEFAULT_TIMEOUT}"
+            )
 
     def __repr__(self) -> str:
         where = "client" if self._client is not None else repr(_redact(self.url))
@@ -424,26 +460,45 @@ class RedisStore:
         doing: str,
         session_id: str | None,
         call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+        *,
+        block: float = 0.0,
     ) -> _T:
+        """One call, bounded by ``timeout`` (plus ``block``, a blocking read's own wait),
+        its errors translated to ``StoreError``."""
         where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
-        try:
-            client, conn = await self._connected()
-            return await call(client)
-        except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
-            raise StoreError(
-                f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
-                "check that redis-server is reachable, then retry",
-                session_id=session_id,
-            ) from exc
-        except RuntimeError as exc:
-            # coredis refuses commands once its pool has been closed under them.
-            if conn is None or not conn.done.is_set():
-                raise
-            raise StoreError(
-                f"could not {doing} {where}: the redis store was closed meanwhile; retry",
-                session_id=session_id,
-            ) from exc
+        with trio.move_on_after(self.timeout + block):
+            try:
+                client, conn = await self._connected()
+                return await call(client)
+            except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
+                if _configuration_problem(exc):
+                    raise StoreConfigurationError(
+                        f"redis at {_redact(self.url)} refused to {doing} {where}: {exc}; "
+                        "a retry cannot fix this: grant the store's redis user the commands "
+                        "and keys under its prefix (scripts, streams, blocking reads), and on "
+                        "a cluster keep one session's keys in one slot",
+                        session_id=session_id,
+                    ) from exc
+                raise StoreError(
+                    f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
+                    "check that redis-server is reachable, then retry",
+                    session_id=session_id,
+                ) from exc
+            except RuntimeError as exc:
+                # coredis refuses commands once its pool has been closed under them.
+                if conn is None or not conn.done.is_set():
+                    raise
+                raise StoreError(
+                    f"could not {doing} {where}: the redis store was closed meanwhile; retry",
+                    session_id=session_id,
+                ) from exc
+        raise StoreError(
+            f"could not {doing} {where}: redis at {_redact(self.url)} did not answer within "
+            f"{self.timeout} s (RedisStore(timeout=...)); check that redis-server is running "
+            "and not overloaded, then retry",
+            session_id=session_id,
+        )
 
     # -- the Store protocol --------------------------------------------------------
 
