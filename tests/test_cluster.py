@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -9,13 +10,16 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import coredis
 import pytest
@@ -586,6 +590,72 @@ async def test_killing_a_worker_that_acks_early_is_caught(cluster: Cluster) -> N
     with trio.fail_after(40):
         problems = await kill_rounds(cluster, 1, "ack-early")
     assert any("is missing" in p for p in problems)
+
+
+async def test_redis_killed_and_restarted_under_traffic(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """Redis killed -9 mid-traffic and restarted on its append-only file (fsync always): both workers' traffic ends (no sender hangs), every acknowledged message is stored once, and no keyed message runs twice."""
+    aof = ("--appendonly", "yes", "--appendfsync", "always")
+    names = ["s0", "s1", "s2", "s3"]
+    with tempfile.TemporaryDirectory(prefix="sessionactors-aof-") as directory:
+        server = contextlib.ExitStack()
+        start = partial(private_redis_server, options=aof, directory=directory)
+        url = await trio.to_thread.run_sync(server.enter_context, start())
+        async with coredis.Redis.from_url(url) as client:
+            pid = int((await client.info("server"))["process_id"])
+        try:
+            with trio.fail_after(90):
+                async with trio.open_nursery() as nursery:
+                    cluster = Cluster(nursery, url, "sa-test:killed")
+                    try:
+                        workers = await cluster.start_many(["w0", "w1"])
+                        await workers[0].call("spawn", names=names[:2])
+                        await workers[1].call("spawn", names=names[2:])
+                        async with trio.open_nursery() as traffic:
+                            for worker in workers:
+                                traffic.start_soon(
+                                    partial(
+                                        worker.call,
+                                        "traffic",
+                                        names=names,
+                                        turns=25,
+                                        tag=worker.name,
+                                    )
+                                )
+                            await workers[0].wait_for(partial(acked_enough, workers[0], "w0", 10))
+                            os.kill(pid, signal.SIGKILL)
+                            await trio.sleep(TTL)
+                            server.close()
+                            port = urlsplit(url).port
+                            await trio.to_thread.run_sync(server.enter_context, start(port))
+                        assert not any(worker.ended for worker in workers)
+                        acked = [ack for worker in workers for ack in worker.acks]
+                        assert len(acked) > 20
+                        problems = []
+                        async with cluster.registry() as t:
+                            for name in names:
+                                counts = Counter(user_texts(await t.ref(name).history()))
+                                problems += [
+                                    f"{text!r} ran {n} times" for text, n in counts.items() if n > 1
+                                ]
+                                problems += [
+                                    f"acknowledged {ack['ack']!r} is missing"
+                                    for ack in acked
+                                    if ack["name"] == name and counts[ack["ack"]] != 1
+                                ]
+                        assert problems == []
+                        fails = {fail["error"] for worker in workers for fail in worker.fails}
+                        assert fails, "the outage went unnoticed"
+                        assert fails <= set(dir(sa)), fails  # typed sessionactors errors only
+                    finally:
+                        cluster.kill_all()
+                        with trio.move_on_after(10):
+                            for worker in cluster.workers:
+                                await worker.process.wait()
+                        nursery.cancel_scope.cancel()
+        finally:
+            server.close()
 
 
 async def test_a_lease_lost_while_hibernating_ends_the_call(cluster: Cluster) -> None:
