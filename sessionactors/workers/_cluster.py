@@ -582,8 +582,10 @@ class Cluster:
         if data is None:
             state = "working" if rid in self._serving else "unknown"
             data = _pack({"re": rid, "ok": state})
-        with contextlib.suppress(StoreError):  # it asks again
+        try:
             await self.transport.post(str(ping.get("from")), data, self.ttl)
+        except StoreError as exc:
+            _fatal(exc)  # otherwise it asks again
 
     # ---- the requester's side ------------------------------------------------------
 
