@@ -26,11 +26,13 @@ from ._errors import SessionStoppedError as SessionStoppedError
 from ._errors import SnapshotCorruptError as SnapshotCorruptError
 from ._errors import SnapshotError as SnapshotError
 from ._errors import SnapshotVersionError as SnapshotVersionError
+from ._errors import StoreConfigurationError as StoreConfigurationError
 from ._errors import StoreError as StoreError
 from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
 from ._errors import TurnNotFoundError as TurnNotFoundError
+from ._errors import WorkerUnreachableError as WorkerUnreachableError
 from ._events import Delta as Delta
 from ._events import Event as Event
 from ._events import HistoryEdited as HistoryEdited
@@ -127,6 +129,7 @@ __all__ = [
     "SnapshotVersionError",
     "Status",
     "StatusChanged",
+    "StoreConfigurationError",
     "StoreError",
     "SubscriberLaggedError",
     "TextChunk",
@@ -148,6 +151,7 @@ __all__ = [
     "TurnRecord",
     "TurnStarted",
     "TurnStatus",
+    "WorkerUnreachableError",
     "dump_snapshot",
     "load_snapshot",
     "open_registry",

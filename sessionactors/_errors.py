@@ -27,11 +27,13 @@ __all__ = [
     "SnapshotCorruptError",
     "SnapshotError",
     "SnapshotVersionError",
+    "StoreConfigurationError",
     "StoreError",
     "SubscriberLaggedError",
     "TurnCancelledError",
     "TurnFailedError",
     "TurnNotFoundError",
+    "WorkerUnreachableError",
 ]
 
 
@@ -136,6 +138,21 @@ class StoreError(SessionActorsError, OSError):
 
 class FencedOutError(StoreError):
     """A write carried a stale fencing token: another worker now owns the session."""
+
+
+class StoreConfigurationError(StoreError):
+    """The store refused an operation that a retry cannot fix: a permission the store's
+    user lacks, a command the server disabled or renamed, keys spread over the slots
+    of a cluster. Fix the server's configuration (its message says what to allow)."""
+
+
+class WorkerUnreachableError(SessionActorsError, TimeoutError):
+    """A request sent to the worker that runs the session got no word from it within
+    its deadline (the shared store or that worker did not answer).
+
+    The request may or may not have run there: send it again (a turn sent with
+    ``idempotency_key=`` runs once however often it is sent).
+    """
 
 
 class SessionBusyError(SessionActorsError):

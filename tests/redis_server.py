@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -73,10 +73,19 @@ def _binary() -> str:
 
 
 @contextlib.contextmanager
-def private_redis_server(port: int | None = None) -> Iterator[str]:
-    """Start a throwaway redis-server (on ``port``, or a free one); yield its URL, then stop it."""
+def private_redis_server(
+    port: int | None = None, *, options: Sequence[str] = (), directory: str | None = None
+) -> Iterator[str]:
+    """Start a throwaway redis-server (on ``port``, or a free one); yield its URL, then stop it.
+
+    ``options`` are more command-line options (they override the defaults, e.g.
+    ``["--appendonly", "yes"]``); ``directory`` keeps its files (to restart it on them).
+    """
     binary = _binary()
-    with tempfile.TemporaryDirectory(prefix="sessionactors-redis-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = directory or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="sessionactors-redis-")
+        )
         log_path = Path(tmp) / "redis.log"
         for _attempt in range(1 if port else 3):  # another process may take a free port first
             chosen = port or _free_port()
@@ -90,6 +99,7 @@ def private_redis_server(port: int | None = None) -> Iterator[str]:
                         "--appendonly", "no",
                         "--daemonize", "no",
                         "--dir", tmp,
+                        *options,
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -9,13 +10,16 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import coredis
 import pytest
@@ -356,11 +360,6 @@ async def test_a_subscription_on_another_worker_sees_every_event_through_a_failo
             assert [(e.seq, type(e)) for e in replayed] == [(e.seq, type(e)) for e in events]
 
 
-@pytest.mark.xfail(
-    reason="the multi-worker layer replays only what the owner's trimmed event stream still "
-    "holds, silently skipping the journal's older events (to be fixed with the layer's rebuild)",
-    strict=True,
-)
 async def test_replay_on_any_worker_falls_back_to_the_journal(cluster: Cluster) -> None:
     """Where the owner's event stream no longer reaches back (it keeps about replay_events), subscribe(after=) on another worker replays the journal's events with their seqs."""
     words = " ".join(f"w{i}" for i in range(400))
@@ -456,6 +455,39 @@ async def test_events_dropped_on_overflow_show_as_lag_never_as_a_gap(cluster: Cl
                     await admin.client_unpause()
     assert stream_problems(seqs, error, finished.is_set()) == []
     assert isinstance(error, sa.SubscriberLaggedError)  # the queue overflowed, and it said so
+
+
+async def test_a_stream_trimmed_past_a_remote_subscriber_shows_as_lag(cluster: Cluster) -> None:
+    """When the owner's event stream is trimmed past a subscriber on another worker, the subscriber gets SubscriberLaggedError at the last event it saw, never a silent gap, and subscribing again with after= replays the rest from the journal."""
+    words = " ".join(f"w{i}" for i in range(3000))
+    seqs: list[int] = []
+    error: BaseException | None = None
+    with trio.fail_after(40):
+        async with (
+            cluster.registry(replay_events=5) as a,  # the stream keeps a few events only
+            cluster.registry(subscriber_buffer=100_000) as b,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("warm up")
+            async with b.ref("s").subscribe() as stream:
+                turn = await ref.submit(words)
+                try:
+                    async for event in stream:
+                        seqs.append(event.seq)
+                        if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                            break
+                except sa.SubscriberLaggedError as exc:
+                    error = exc
+            await turn.reply()
+            finished = error is None
+            if error is not None:  # the journal has the turn's durable events
+                async with b.ref("s").subscribe(after=seqs[-1] if seqs else 0) as stream:
+                    async for event in stream:
+                        if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                            finished = True
+                            break
+    assert stream_problems(seqs, error, error is None) == []
+    assert finished
 
 
 def test_the_stream_check_catches_a_silent_gap_or_end() -> None:
@@ -558,6 +590,72 @@ async def test_killing_a_worker_that_acks_early_is_caught(cluster: Cluster) -> N
     with trio.fail_after(40):
         problems = await kill_rounds(cluster, 1, "ack-early")
     assert any("is missing" in p for p in problems)
+
+
+async def test_redis_killed_and_restarted_under_traffic(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """Redis killed -9 mid-traffic and restarted on its append-only file (fsync always): both workers' traffic ends (no sender hangs), every acknowledged message is stored once, and no keyed message runs twice."""
+    aof = ("--appendonly", "yes", "--appendfsync", "always")
+    names = ["s0", "s1", "s2", "s3"]
+    with tempfile.TemporaryDirectory(prefix="sessionactors-aof-") as directory:
+        server = contextlib.ExitStack()
+        start = partial(private_redis_server, options=aof, directory=directory)
+        url = await trio.to_thread.run_sync(server.enter_context, start())
+        async with coredis.Redis.from_url(url) as client:
+            pid = int((await client.info("server"))["process_id"])
+        try:
+            with trio.fail_after(90):
+                async with trio.open_nursery() as nursery:
+                    cluster = Cluster(nursery, url, "sa-test:killed")
+                    try:
+                        workers = await cluster.start_many(["w0", "w1"])
+                        await workers[0].call("spawn", names=names[:2])
+                        await workers[1].call("spawn", names=names[2:])
+                        async with trio.open_nursery() as traffic:
+                            for worker in workers:
+                                traffic.start_soon(
+                                    partial(
+                                        worker.call,
+                                        "traffic",
+                                        names=names,
+                                        turns=25,
+                                        tag=worker.name,
+                                    )
+                                )
+                            await workers[0].wait_for(partial(acked_enough, workers[0], "w0", 10))
+                            os.kill(pid, signal.SIGKILL)
+                            await trio.sleep(TTL)
+                            server.close()
+                            port = urlsplit(url).port
+                            await trio.to_thread.run_sync(server.enter_context, start(port))
+                        assert not any(worker.ended for worker in workers)
+                        acked = [ack for worker in workers for ack in worker.acks]
+                        assert len(acked) > 20
+                        problems = []
+                        async with cluster.registry() as t:
+                            for name in names:
+                                counts = Counter(user_texts(await t.ref(name).history()))
+                                problems += [
+                                    f"{text!r} ran {n} times" for text, n in counts.items() if n > 1
+                                ]
+                                problems += [
+                                    f"acknowledged {ack['ack']!r} is missing"
+                                    for ack in acked
+                                    if ack["name"] == name and counts[ack["ack"]] != 1
+                                ]
+                        assert problems == []
+                        fails = {fail["error"] for worker in workers for fail in worker.fails}
+                        assert fails, "the outage went unnoticed"
+                        assert fails <= set(dir(sa)), fails  # typed sessionactors errors only
+                    finally:
+                        cluster.kill_all()
+                        with trio.move_on_after(10):
+                            for worker in cluster.workers:
+                                await worker.process.wait()
+                        nursery.cancel_scope.cancel()
+        finally:
+            server.close()
 
 
 async def test_a_lease_lost_while_hibernating_ends_the_call(cluster: Cluster) -> None:

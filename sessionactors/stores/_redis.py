@@ -16,9 +16,13 @@ reaches a key, a pattern or a script unescaped)::
     <prefix>:s:<n>:lease    hash: owner, fence; expires with the lease (PEXPIRE)
 
 Every write is one Lua script, so it is atomic and, when it carries a fencing
-token, checks that token in the same step. Fencing tokens come from one
-counter per prefix: they strictly increase for every session, across claims,
-releases and deletes, and no per-session key outlives a delete.
+token, checks that token in the same step, with the lease's owner and the
+journal's last seq as the writer last saw them (a lease claimed through this
+store object): a stale owner's write is refused even after redis lost data
+and issued its token again. Fencing tokens come from one counter per prefix,
+and are at least the server's clock in microseconds: they strictly increase
+for every session, across claims, releases, deletes and restores from an
+older backup, and no per-session key outlives a delete.
 
 The store speaks to a standalone Redis (6.2 or later: ``XTRIM MINID`` and
 exclusive ``XRANGE`` ranges); the scripts touch more than one hash slot, so
@@ -42,7 +46,7 @@ from coredis.commands import Script
 from coredis.retry import NoRetryPolicy
 
 from .._codec import MAX_SEQ
-from .._errors import StoreError
+from .._errors import StoreConfigurationError, StoreError
 from .._listing import after_not_found, info_activity
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
@@ -73,15 +77,28 @@ _NOT_FOUND: Final = 1
 _FENCED: Final = 2
 _SEQ_CONFLICT: Final = 3
 _OLDER_SNAPSHOT: Final = 4
+_MOVED_ON: Final = 5
 
-# A fenced write passes when the lease exists (unexpired) and holds ``fence``.
-# Replies {2, current fence or nil} otherwise.
-_CHECK_FENCE: Final = """
+
+def _check_fence(owner: int) -> str:
+    """A fenced write passes when the lease exists (unexpired) and holds ``fence``
+    (ARGV[1]) and, when given, the owner (ARGV[owner]); and when given, the journal's
+    last seq is one of the writer's (ARGV[owner + 1], or ARGV[owner + 2]: the last
+    append whose outcome it did not hear). Replies {2, current fence or nil}, or
+    {5, last seq}: another owner wrote since (the store may have lost data and
+    issued a fence again), so the writer's view is stale."""
+    return f"""
 if ARGV[1] ~= '' then
-  local current = redis.call('HGET', KEYS[4], 'fence')
-  if current ~= ARGV[1] then return {2, current} end
+  local lease = redis.call('HMGET', KEYS[4], 'fence', 'owner')
+  if lease[1] ~= ARGV[1] then return {{2, lease[1]}} end
+  if ARGV[{owner}] ~= '' and lease[2] ~= ARGV[{owner}] then return {{2, lease[1]}} end
+  if ARGV[{owner + 1}] ~= '' then
+    local last = redis.call('HGET', KEYS[1], 'last')
+    if last ~= ARGV[{owner + 1}] and last ~= ARGV[{owner + 2}] then return {{5, last}} end
+  end
 end
 """
+
 
 # KEYS: meta, info, log, index.  ARGV: snapshot, info, encoded name.
 _CREATE: Final = Script[bytes](
@@ -95,18 +112,19 @@ return 1
 """
 )
 
-# KEYS: meta, info, log, lease.  ARGV: fence or '', info, then seq, data pairs.
+# KEYS: meta, info, log, lease.
+# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), then seq, data pairs.
 _APPEND: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
-    + _CHECK_FENCE
+    + _check_fence(3)
     + """
-if #ARGV >= 3 then
+if #ARGV >= 6 then
   local m = redis.call('HMGET', KEYS[1], 'last', 'seq')
   local floor = math.max(tonumber(m[1]), tonumber(m[2]))
-  if tonumber(ARGV[3]) <= floor then return {3, floor} end
-  for i = 3, #ARGV, 2 do
+  if tonumber(ARGV[6]) <= floor then return {3, floor} end
+  for i = 6, #ARGV, 2 do
     redis.call('XADD', KEYS[3], ARGV[i] .. '-0', 'd', ARGV[i + 1])
   end
   redis.call('HSET', KEYS[1], 'last', ARGV[#ARGV - 1])
@@ -117,12 +135,13 @@ return {0}
 )
 
 # KEYS: meta, info, log, lease.
-# ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0').
+# ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0'),
+# owner or '', last seq expected or '' (twice).
 _WRITE_SNAPSHOT: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
-    + _CHECK_FENCE
+    + _check_fence(7)
     + """
 local stored = redis.call('HGET', KEYS[1], 'seq')
 if tonumber(ARGV[4]) < tonumber(stored) then return {4, stored} end
@@ -167,15 +186,23 @@ return existed
 """
 )
 
-# KEYS: lease, fence counter.  ARGV: owner, ttl in ms.  Returns the new fence or false.
+# KEYS: lease, fence counter, meta.  ARGV: owner, ttl in ms.
+# Returns false, or {the new fence, the journal's last seq}. A fence is above every one
+# issued before, also after the counter went back with lost data (a restore from an
+# older backup, a lagging replica): it is at least the server's clock in microseconds.
 _CLAIM: Final = Script[bytes](
     script="""
 local current = redis.call('HGET', KEYS[1], 'owner')
 if current and current ~= ARGV[1] then return false end
 local fence = redis.call('INCR', KEYS[2])
+local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if fence < floor then fence = floor end
+fence = string.format('%d', fence)
+redis.call('SET', KEYS[2], fence)
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return fence
+return {fence, redis.call('HGET', KEYS[3], 'last') or '0'}
 """
 )
 
@@ -209,6 +236,29 @@ _TRANSPORT_ERRORS: Final = (
 )
 
 
+# What a retry cannot fix: the store's user lacks a permission, the server lacks a
+# command (renamed, disabled, too old), keys of one call sit in several cluster slots.
+_CONFIGURATION_ERRORS: Final = (
+    coredis.exceptions.AuthorizationError,
+    coredis.exceptions.AuthenticationError,
+    coredis.exceptions.ClusterCrossSlotError,
+    coredis.exceptions.UnknownCommandError,
+)
+_CONFIGURATION_CODES: Final = ("NOPERM", "CROSSSLOT", "NOAUTH", "WRONGPASS", "ERR unknown command")
+
+#: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
+DEFAULT_TIMEOUT: Final = 5.0
+
+
+def _configuration_problem(exc: BaseException) -> bool:
+    if isinstance(exc, _CONFIGURATION_ERRORS):
+        return True
+    # an error raised by a command inside a script comes back as the script's error
+    return isinstance(exc, coredis.exceptions.ResponseError) and any(
+        code in str(exc) for code in _CONFIGURATION_CODES
+    )
+
+
 def _encode_name(session_id: str) -> str:
     raw = session_id.encode("utf-8", "surrogatepass")
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
@@ -231,6 +281,13 @@ def _fence_arg(fence: int | None) -> str:
     return "" if fence is None else str(fence)
 
 
+def _position_args(held: _Held | None) -> list[str | bytes]:
+    """The owner and the journal positions a fenced write expects (empty: no check)."""
+    if held is None:
+        return ["", "", ""]
+    return [held.owner, held.last, held.unsure]
+
+
 def _check_max_seq(session_id: str, seq: int) -> None:
     if seq > _MAX_SEQ:
         raise StoreError(
@@ -240,6 +297,17 @@ def _check_max_seq(session_id: str, seq: int) -> None:
         )
 
 
+@attrs.define
+class _Held:
+    """A lease claimed through this store: the journal's last seq as its holder knows
+    it, and the last seq of an append whose outcome it did not hear (or "")."""
+
+    fence: int
+    owner: str
+    last: str
+    unsure: str = ""
+
+
 def _check_status(reply: Any, session_id: str, fence: int | None) -> None:
     """Raise the error a write script's status reply stands for."""
     status = int(reply[0])
@@ -247,6 +315,14 @@ def _check_status(reply: Any, session_id: str, fence: int | None) -> None:
         return
     if status == _NOT_FOUND:
         raise _not_found_error(session_id)
+    if status == _MOVED_ON and fence is not None:
+        last = reply[1] if len(reply) > 1 else None
+        raise _fenced_out_error(
+            session_id,
+            fence,
+            f"the journal's last seq is {_stored_int(last)!r}, not the one this owner wrote "
+            "last: another owner wrote since",
+        )
     if status == _FENCED and fence is not None:
         current = reply[1] if len(reply) > 1 else None
         problem = (
@@ -345,6 +421,13 @@ class RedisStore:
     to use instead of ``url``: its owner keeps it open and closes it, not
     :meth:`aclose`.
 
+    ``timeout`` (seconds, default 5) bounds every call to redis, connecting
+    included: a call that gets no answer in time (redis stopped, frozen, or
+    unreachable) raises :class:`~sessionactors.StoreError`, as a refused
+    connection does. Blocking reads wait that long on top of their own wait.
+    Errors a retry cannot fix (a permission the user lacks, a disabled command,
+    ``CROSSSLOT``) raise :class:`~sessionactors.StoreConfigurationError`.
+
     Needs the ``redis`` extra (coredis).
     """
 
@@ -354,7 +437,9 @@ class RedisStore:
     url: str = "redis://127.0.0.1:6379/0"
     prefix: str = attrs.field(default="sessionactors", kw_only=True)
     _client: coredis.Redis[bytes] | None = attrs.field(default=None, kw_only=True, alias="client")
+    timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
     _conn: _Connection | None = attrs.field(default=None, init=False)
+    _held: dict[str, _Held] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         if self._client is None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
@@ -368,6 +453,11 @@ class RedisStore:
             )
         if not self.prefix:
             raise ValueError("redis key prefix is empty; pass a prefix such as 'sessionactors'")
+        if not (isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf):
+            raise ValueError(
+                f"redis timeout {self.timeout!r} is not a positive number of seconds; "
+                f"pass one such as {DEFAULT_TIMEOUT}"
+            )
 
     def __repr__(self) -> str:
         where = "client" if self._client is not None else repr(_redact(self.url))
@@ -428,26 +518,45 @@ class RedisStore:
         doing: str,
         session_id: str | None,
         call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+        *,
+        block: float = 0.0,
     ) -> _T:
+        """One call, bounded by ``timeout`` (plus ``block``, a blocking read's own wait),
+        its errors translated to ``StoreError``."""
         where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
-        try:
-            client, conn = await self._connected()
-            return await call(client)
-        except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
-            raise StoreError(
-                f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
-                "check that redis-server is reachable, then retry",
-                session_id=session_id,
-            ) from exc
-        except RuntimeError as exc:
-            # coredis refuses commands once its pool has been closed under them.
-            if conn is None or not conn.done.is_set():
-                raise
-            raise StoreError(
-                f"could not {doing} {where}: the redis store was closed meanwhile; retry",
-                session_id=session_id,
-            ) from exc
+        with trio.move_on_after(self.timeout + block):
+            try:
+                client, conn = await self._connected()
+                return await call(client)
+            except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
+                if _configuration_problem(exc):
+                    raise StoreConfigurationError(
+                        f"redis at {_redact(self.url)} refused to {doing} {where}: {exc}; "
+                        "a retry cannot fix this: grant the store's redis user the commands "
+                        "and keys under its prefix (scripts, streams, blocking reads), and on "
+                        "a cluster keep one session's keys in one slot",
+                        session_id=session_id,
+                    ) from exc
+                raise StoreError(
+                    f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
+                    "check that redis-server is reachable, then retry",
+                    session_id=session_id,
+                ) from exc
+            except RuntimeError as exc:
+                # coredis refuses commands once its pool has been closed under them.
+                if conn is None or not conn.done.is_set():
+                    raise
+                raise StoreError(
+                    f"could not {doing} {where}: the redis store was closed meanwhile; retry",
+                    session_id=session_id,
+                ) from exc
+        raise StoreError(
+            f"could not {doing} {where}: redis at {_redact(self.url)} did not answer within "
+            f"{self.timeout} s (RedisStore(timeout=...)); check that redis-server is running "
+            "and not overloaded, then retry",
+            session_id=session_id,
+        )
 
     # -- the Store protocol --------------------------------------------------------
 
@@ -489,14 +598,24 @@ class RedisStore:
     ) -> None:
         # The order within the batch is checked here; the script checks it against the store.
         _check_max_seq(session_id, _check_entries(session_id, entries, 0))
-        args: list[str | bytes] = [_fence_arg(fence), info]
+        held = self._holder(session_id, fence)
+        args: list[str | bytes] = [_fence_arg(fence), info, *_position_args(held)]
         for entry in entries:
             args += [str(entry.seq), entry.data]
-        reply: Any = await self._run(
-            "append to",
-            session_id,
-            lambda c: _APPEND(list(self._keys(session_id)), args, client=c),
-        )
+        try:
+            reply: Any = await self._run(
+                "append to",
+                session_id,
+                lambda c: _APPEND(list(self._keys(session_id)), args, client=c),
+            )
+        except StoreError:
+            if held is not None and entries:  # it may have been written: both are fine
+                held.unsure = str(entries[-1].seq)
+            raise
+        if held is not None and entries and int(reply[0]) == _OK:
+            held.last, held.unsure = str(entries[-1].seq), ""
+        elif int(reply[0]) in (_FENCED, _MOVED_ON):
+            self._held.pop(session_id, None)
         if int(reply[0]) == _SEQ_CONFLICT:
             _check_entries(session_id, entries, int(reply[1]))  # raises, worded as everywhere
         _check_status(reply, session_id, fence)
@@ -522,6 +641,7 @@ class RedisStore:
             str(seq),
             str(trim_upto),
             f"{trim_upto + 1}-0",
+            *_position_args(self._holder(session_id, fence)),
         ]
         reply: Any = await self._run(
             "write a snapshot of",
@@ -654,15 +774,22 @@ class RedisStore:
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
         args = [owner, _ttl_ms(ttl)]
-        lease_key = self._keys(session_id)[3]
-        fence: Any = await self._run(
+        meta, _info, _log, lease_key = self._keys(session_id)
+        reply: Any = await self._run(
             "claim",
             session_id,
-            lambda c: _CLAIM([lease_key, self._fence_key], args, client=c),
+            lambda c: _CLAIM([lease_key, self._fence_key, meta], args, client=c),
         )
-        if fence is None:
+        if reply is None:
             return None
-        return Lease(owner=owner, fence=int(fence))
+        fence, last = int(reply[0]), bytes(reply[1]).decode()
+        self._held[session_id] = _Held(fence, owner, last)
+        return Lease(owner=owner, fence=fence)
+
+    def _holder(self, session_id: str, fence: int | None) -> _Held | None:
+        """What this store knows of the lease ``fence`` (None: it was not claimed here)."""
+        held = self._held.get(session_id)
+        return held if held is not None and fence is not None and held.fence == fence else None
 
     async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
         args = [lease.owner, str(lease.fence), _ttl_ms(ttl)]
@@ -675,6 +802,8 @@ class RedisStore:
     async def release(self, session_id: str, lease: Lease) -> None:
         args = [lease.owner, str(lease.fence)]
         lease_key = self._keys(session_id)[3]
+        if self._holder(session_id, lease.fence) is not None:
+            del self._held[session_id]
         await self._run(
             "release the lease of", session_id, lambda c: _RELEASE([lease_key], args, client=c)
         )

@@ -29,6 +29,8 @@ class _Redis(Protocol):
         doing: str,
         session_id: str | None,
         call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+        *,
+        block: float = 0.0,
     ) -> _T: ...
 
 
@@ -147,11 +149,6 @@ class RedisTransport:
             "retire worker", None, lambda c: self._leave(keys, [incarnation], client=c)
         )
 
-    async def incarnation(self, worker: str) -> str | None:
-        alive = self._worker(worker)[0]
-        value: Any = await self._store._run("look up worker", None, lambda c: c.get(alive))
-        return None if value is None else bytes(value).decode()
-
     async def lease_owner(self, session_id: str) -> str | None:
         lease = self._store._key("s", session_id, "lease")
         value: Any = await self._store._run(
@@ -183,7 +180,10 @@ class RedisTransport:
             names[key.encode()] = name
         wait = None if block is None else max(1, int(block * 1000))
         reply: Any = await self._store._run(
-            "read the inbox of", None, lambda c: c.xread(ids, count=_READ_COUNT, block=wait)
+            "read the inbox of",
+            None,
+            lambda c: c.xread(ids, count=_READ_COUNT, block=wait),
+            block=block or 0.0,
         )
         messages: list[tuple[str, bytes]] = []
         events: dict[str, list[StreamItem]] = {}
@@ -218,6 +218,13 @@ class RedisTransport:
         key = self._events(session_id)
         reply: Any = await self._store._run(
             "read the events of", session_id, lambda c: c.xrevrange(key, "+", "-", count=1)
+        )
+        return _seq_of(reply[0].identifier) if reply else 0
+
+    async def first_event_seq(self, session_id: str) -> int:
+        key = self._events(session_id)
+        reply: Any = await self._store._run(
+            "read the events of", session_id, lambda c: c.xrange(key, "-", "+", count=1)
         )
         return _seq_of(reply[0].identifier) if reply else 0
 

@@ -16,10 +16,15 @@ registry:
   raised again on this side as the same sessionactors error. "Moved" answers (the
   worker no longer owns the session, or is closing) send the request on to the
   session's current owner;
-* watches the owner while it waits (every third of ``lease_ttl``): if its
-  incarnation is gone (it died, or restarted), a request with an idempotency key
-  and every read is sent again, to the session's next owner; a turn without a key
-  fails with SessionCrashedError, since it may or may not have run;
+* asks the owner about its request while it waits (every third of ``lease_ttl``
+  without word): the ping's post says whether the owner's incarnation is still the
+  live one, and the owner answers "working", its answer again (one whose post
+  failed or was lost), or "unknown" (the request never reached it: sent again).
+  If the incarnation is gone (it died, or restarted), a request with an idempotency
+  key and every read is sent again, to the session's next owner; a turn without a
+  key fails with SessionCrashedError, since it may or may not have run. With no
+  word for two lease lifetimes (the store or the owner does not answer) the caller
+  gets WorkerUnreachableError: no caller waits forever;
 * publishes the events of the sessions it runs to one stream per session whose
   entry ids are ``<seq>-0``, so a stale ex-owner's events are refused by Redis,
   from one publisher task fed by a bounded queue: the actor never waits on the
@@ -51,7 +56,9 @@ from .._errors import (
     SessionCrashedError,
     SessionStoppedError,
     SnapshotError,
+    StoreConfigurationError,
     StoreError,
+    WorkerUnreachableError,
 )
 from .._events import Event, MessageAdded, ReviewRequested, StatusChanged
 from .._hub import Hub
@@ -87,6 +94,7 @@ _QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions to
 _BATCH: Final = 1000  # events per publishing round trip
 _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
+_ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, Cancel, Hibernate)
@@ -128,10 +136,6 @@ class Transport(Protocol):
         """Say the worker is gone (if this incarnation is the live one)."""
         ...
 
-    async def incarnation(self, worker: str) -> str | None:
-        """The live incarnation of ``worker``, or None if it is not alive."""
-        ...
-
     async def lease_owner(self, session_id: str) -> str | None:
         """The worker holding the session's lease, or None."""
         ...
@@ -158,6 +162,10 @@ class Transport(Protocol):
 
     async def last_event_seq(self, session_id: str) -> int:
         """The seq of the newest entry of the session's event stream (0 if none)."""
+        ...
+
+    async def first_event_seq(self, session_id: str) -> int:
+        """The seq of the oldest entry of the session's event stream (0 if none)."""
         ...
 
     async def events_after(
@@ -342,11 +350,10 @@ class _Replay:
         lost = any(kind == "lost" for _, kind, _ in items)
         if oldest is not None and oldest <= after + 1 and not lost:
             return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
-        # The stream does not reach back to ``after``: the journal has the durable events.
+        # The stream does not reach back to ``after``: the journal has the durable events
+        # (an entry holds a commit's events; the subscription merges them by seq).
         trimmed, entries = await self._cluster.host.store.read_journal(session_id, after)
-        for entry in entries:
-            found.setdefault(entry.seq, entry.data)
-        return trimmed, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+        return trimmed, entries + [JournalEntry(seq, found[seq]) for seq in sorted(found)]
 
 
 class Cluster:
@@ -363,7 +370,8 @@ class Cluster:
         self._closing = False
         self._waiters: dict[str, trio.MemorySendChannel[dict[str, Any]]] = {}
         self._owners: dict[str, str] = {}  # session -> owner hint ("": another, unknown)
-        self._alive: dict[str, tuple[float, str | None]] = {}
+        self._serving: set[str] = set()  # ids of the requests being served here
+        self._answered: dict[str, bytes] = {}  # the latest answers, by request id
         self._mirrors: dict[str, Hub] = {}
         self._positions: dict[str, int] = {}
         self._inbox_last = "0-0"
@@ -404,7 +412,8 @@ class Cluster:
                             self.worker, self.incarnation, self.ttl, None
                         )
                         break
-                    except StoreError:
+                    except StoreError as exc:
+                        _fatal(exc)
                         await trio.sleep(min(1.0, self.ttl / 3))
                 nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
                 nursery.start_soon(self._read_loop, name="cluster inbox")
@@ -446,7 +455,8 @@ class Cluster:
             keep_from, self._keep_from = self._keep_from, None
             try:
                 await self.transport.heartbeat(self.worker, self.incarnation, self.ttl, keep_from)
-            except StoreError:
+            except StoreError as exc:
+                _fatal(exc)
                 self._keep_from = self._keep_from or keep_from
 
     async def _read_loop(self) -> None:
@@ -456,7 +466,8 @@ class Cluster:
                 messages, events = await self.transport.read(
                     self.worker, self._inbox_last, dict(self._positions), block
                 )
-            except StoreError:
+            except StoreError as exc:
+                _fatal(exc)  # e.g. a user without blocking reads: never retried in silence
                 await trio.sleep(min(1.0, block))
                 continue
             for message_id, data in messages:
@@ -469,6 +480,8 @@ class Cluster:
                     ms, _, n = self._inbox_last.partition("-")
                     self._keep_from = f"{ms}-{int(n or 0) + 1}"
             for name, items in events.items():
+                if items and items[0][0] > self._positions.get(name, 0) + 1:
+                    await self._check_gap(name)
                 self._feed(name, items)
 
     def _dispatch(self, data: bytes) -> None:
@@ -483,14 +496,28 @@ class Cluster:
                 ):
                     send.send_nowait(body)
             return
-        if body.get("op") == "wake" or self._nursery is None:
+        op = body.get("op")
+        if op == "wake" or self._nursery is None:
             return
-        self._nursery.start_soon(self._serve, body, name="cluster request")
+        if op == "ping":
+            self._nursery.start_soon(self._pong, body, name="cluster pong")
+            return
+        rid = str(body.get("id"))
+        if rid in self._serving or rid in self._answered:
+            return  # a request sent again while its first copy runs or was answered
+        self._serving.add(rid)
+        self._nursery.start_soon(self._serve, rid, body, name="cluster request")
 
     # ---- the owner's side ----------------------------------------------------------
 
-    async def _serve(self, body: dict[str, Any]) -> None:
+    async def _serve(self, rid: str, body: dict[str, Any]) -> None:
         """Run a request another worker sent, and answer it."""
+        try:
+            await self._serve_request(body)
+        finally:
+            self._serving.discard(rid)
+
+    async def _serve_request(self, body: dict[str, Any]) -> None:
         self.stats.served += 1
         host = self.host
         try:
@@ -531,14 +558,39 @@ class Cluster:
             await self._answer(body, _dump_error(exc))
 
     async def _answer(self, request: Mapping[str, Any], body: dict[str, Any]) -> None:
-        body["re"] = request.get("id")
+        """Post an answer; a final one is also kept, for a requester that asks again
+        (its post failed, or the store lost it before the requester read it)."""
+        rid = str(request.get("id"))
+        body["re"] = rid
         data = _pack(body)
+        if body.get("ok") != "ack":
+            self._answered[rid] = data
+            if len(self._answered) > _ANSWERS_KEPT:
+                del self._answered[next(iter(self._answered))]
+        await self._post_answer(str(request.get("from")), data)
+
+    async def _post_answer(self, to: str, data: bytes) -> None:
         for attempt in range(_ANSWER_ATTEMPTS):
             try:
-                await self.transport.post(str(request.get("from")), data, self.ttl)
-                return
-            except StoreError:
-                await trio.sleep(0.05 * (attempt + 1))
+                if await self.transport.post(to, data, self.ttl) is not None:
+                    return
+            except StoreError as exc:
+                _fatal(exc)
+            # not delivered (the requester's liveness key is back within a third of
+            # lease_ttl if the store lost it); its ping fetches the answer otherwise
+            await trio.sleep(min(self.ttl / 3, 0.05 * (attempt + 1)))
+
+    async def _pong(self, ping: Mapping[str, Any]) -> None:
+        """Tell a requester how its request ``q`` stands here."""
+        rid = str(ping.get("q"))
+        data = self._answered.get(rid)
+        if data is None:
+            state = "working" if rid in self._serving else "unknown"
+            data = _pack({"re": rid, "ok": state})
+        try:
+            await self.transport.post(str(ping.get("from")), data, self.ttl)
+        except StoreError as exc:
+            _fatal(exc)  # otherwise it asks again
 
     # ---- the requester's side ------------------------------------------------------
 
@@ -666,9 +718,12 @@ class Cluster:
                     await trio.sleep(min(self.ttl / 10, 0.01 * (attempt + 1)))
                     continue
                 self.stats.forwarded += 1
-                answer = await self._wait_answer(name, owner, incarnation, receive, on_ack)
+                answer = await self._wait_answer(name, owner, incarnation, rid, receive, on_ack)
             finally:
                 del self._waiters[rid]
+            if answer.get("ok") == "unknown":  # it never got the request: send it again
+                self.stats.moved += 1
+                continue
             if answer is _OWNER_DIED:
                 self._owners.pop(name, None)
                 self.stats.owner_deaths += 1
@@ -698,35 +753,50 @@ class Cluster:
         name: str,
         owner: str,
         incarnation: str,
+        rid: str,
         receive: trio.MemoryReceiveChannel[dict[str, Any]],
         on_ack: Callable[[Mapping[str, Any]], None] | None,
     ) -> dict[str, Any]:
+        """The owner's answer, _OWNER_DIED, or {"ok": "unknown"} (the owner never got
+        the request); WorkerUnreachableError after two lease lifetimes without word."""
+        heard = trio.current_time()
+        acked = False
+        failure: StoreError | None = None
+        ping = _pack({"op": "ping", "q": rid, "from": self.worker})
         while True:
             with trio.move_on_after(self.ttl / 3):
-                try:
-                    answer = await receive.receive()
-                except (trio.EndOfChannel, trio.ClosedResourceError):
-                    raise _closing_error(name) from None
-                if answer.get("ok") == "ack":
-                    if on_ack is not None:
-                        on_ack(answer)
-                    continue
-                return answer
-            if not await self._owner_alive(owner, incarnation):
-                return _OWNER_DIED
-
-    async def _owner_alive(self, owner: str, incarnation: str) -> bool:
-        now = trio.current_time()
-        cached = self._alive.get(owner)
-        if cached is None or now - cached[0] > self.ttl / 6:
+                while True:
+                    try:
+                        answer = await receive.receive()
+                    except (trio.EndOfChannel, trio.ClosedResourceError):
+                        raise _closing_error(name) from None
+                    heard = trio.current_time()
+                    if answer.get("ok") == "ack":
+                        acked = True
+                        if on_ack is not None:
+                            on_ack(answer)
+                    elif answer.get("ok") == "unknown" and acked:
+                        return _OWNER_DIED  # it had the turn and forgot it: it restarted
+                    elif answer.get("ok") != "working":
+                        return answer
             try:
-                current = await self.transport.incarnation(owner)
-            except StoreError:
-                return True  # cannot tell: keep waiting (the caller owns time)
-            cached = self._alive[owner] = (trio.current_time(), current)
-            if len(self._alive) > 1000:
-                del self._alive[next(iter(self._alive))]
-        return cached[1] == incarnation
+                current = await self.transport.post(owner, ping, self.ttl)
+            except StoreError as exc:
+                _fatal(exc)
+                failure = exc
+            else:
+                if current != incarnation:
+                    return _OWNER_DIED
+            silence = trio.current_time() - heard
+            if silence > 2 * self.ttl:
+                raise WorkerUnreachableError(
+                    f"session {name!r}: no word from worker {owner!r}, which runs it, for "
+                    f"{silence:.1f} s ("
+                    + ("the store did not answer" if failure else "it did not answer")
+                    + "); the request may or may not have run there: send it again (a turn "
+                    "sent with idempotency_key=... runs once however often it is sent)",
+                    session_id=name,
+                ) from failure
 
     # ---- events: publishing ------------------------------------------------------------
 
@@ -810,7 +880,8 @@ class Cluster:
             if groups:
                 try:
                     await self.transport.publish(groups, keep)
-                except StoreError:
+                except StoreError as exc:
+                    _fatal(exc)
                     await self._mark_failed(groups)
                 groups.clear()
 
@@ -867,7 +938,8 @@ class Cluster:
             items += [(e.seq, "event", e.data) for e in entries if e.seq > gone]
             if items:
                 await self.transport.publish({name: items}, keep)
-        except SessionActorsError:
+        except SessionActorsError as exc:
+            _fatal(exc)
             return  # deleted meanwhile, or the store is unreachable: subscribers replay
 
     # ---- events: subscriptions ---------------------------------------------------------
@@ -919,6 +991,21 @@ class Cluster:
 
         self._nursery.start_soon(poke, name="cluster poke")
 
+    async def _check_gap(self, name: str) -> None:
+        """The stream skips seqs after a mirror's position: if it was trimmed past it
+        (it outran the reader, or the store lost it), the mirror's subscribers lag."""
+        position = self._positions.get(name, 0)
+        if not position:
+            return  # a new mirror: its subscribers' replay came from the journal
+        try:
+            oldest = await self.transport.first_event_seq(name)
+        except StoreError as exc:
+            _fatal(exc)
+            oldest = 0
+        hub = self._mirrors.get(name)
+        if hub is not None and not 0 < oldest <= position + 1:
+            hub.lose()  # they subscribe again with after=, which reads the journal
+
     def _feed(self, name: str, items: Sequence[StreamItem]) -> None:
         hub = self._mirrors.get(name)
         for seq, kind, payload in items:
@@ -954,6 +1041,12 @@ class Cluster:
     async def deleted(self, name: str) -> None:
         with contextlib.suppress(StoreError):  # remote subscribers then stay open
             await self.transport.end_events(name)
+
+
+def _fatal(exc: BaseException) -> None:
+    """Raise ``exc`` again if no retry can fix it (the store's configuration)."""
+    if isinstance(exc, StoreConfigurationError):
+        raise exc
 
 
 def _closing_error(name: str) -> SessionStoppedError:

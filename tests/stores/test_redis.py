@@ -6,8 +6,11 @@ import base64
 import contextlib
 import gc
 import itertools
+import os
 import re
+import signal
 import sys
+import tempfile
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -642,3 +645,74 @@ async def test_values_read_back_are_range_checked(
                 raised.append(exc)
         assert raised
         assert all(exc.session_id == "s" and match in str(exc) for exc in raised)
+
+
+async def restored_from_an_older_backup(
+    private_redis_server: Callable[..., AbstractContextManager[str]], *, fenced: bool
+) -> list[str]:
+    """Owner A claims after redis saved a backup and writes; redis restarts from that
+    backup; B claims and writes; then A writes again. Problems: a write of A accepted
+    after B's, or A's stale write in the journal after B's."""
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="sessionactors-rdb-") as directory:
+        server = contextlib.ExitStack()
+        url = await trio.to_thread.run_sync(
+            server.enter_context, private_redis_server(directory=directory)
+        )
+        try:
+            a, b = RedisStore(url, prefix="r"), RedisStore(url, prefix="r")
+            with trio.fail_after(30):
+                await a.create("s", b"snap", b"i")
+                await a.append("s", [E(1, b"early")], b"i")
+                async with coredis.Redis.from_url(url) as client:
+                    await client.save()  # the backup: before A's claim
+                    pid = int((await client.info("server"))["process_id"])
+                lease_a = await a.claim("s", "A", 0.5)
+                assert lease_a is not None
+                fence_a = lease_a.fence if fenced else None
+                await a.append("s", [E(2, b"A's turn")], b"i", fence=fence_a)
+                os.kill(pid, signal.SIGKILL)  # restarted from the older backup
+                port = urlsplit(url).port
+                server.close()
+                await trio.to_thread.run_sync(
+                    server.enter_context, private_redis_server(port, directory=directory)
+                )
+                with warnings.catch_warnings():  # (see test_recovers_when_the_server_comes_back)
+                    warnings.simplefilter("ignore", ResourceWarning)
+                    for _attempt in range(20):  # the connection breaks once
+                        with contextlib.suppress(StoreError):
+                            lease_b = await b.claim("s", "B", 30)
+                            break
+                    gc.collect()
+                assert lease_b is not None
+                await b.append(
+                    "s", [E(2, b"B's turn")], b"i", fence=lease_b.fence if fenced else None
+                )
+                try:
+                    await a.append("s", [E(3, b"A's stale turn")], b"i", fence=fence_a)
+                    problems.append("A's write after B's was accepted")
+                except FencedOutError:
+                    pass
+                _, entries = await b.read_journal("s", 0)
+                if [e.data for e in entries] != [b"early", b"B's turn"]:
+                    problems.append(f"the journal holds {[e.data for e in entries]}")
+            await a.aclose()
+            await b.aclose()
+        finally:
+            server.close()
+    return problems
+
+
+async def test_a_stale_owner_is_fenced_out_after_a_restore_from_an_older_backup(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """After redis restarts from a backup older than A's claim and B claims, A's next write is refused and the journal holds no stale write after B's."""
+    assert await restored_from_an_older_backup(private_redis_server, fenced=True) == []
+
+
+async def test_the_restore_check_catches_unfenced_writes(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """The same check reports the stale write when writes carry no fencing token (negative control)."""
+    problems = await restored_from_an_older_backup(private_redis_server, fenced=False)
+    assert "A's write after B's was accepted" in problems

@@ -1,0 +1,175 @@
+"""Many workers while redis fails under them: every caller gets an answer or a typed error."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import attrs
+import coredis
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel
+
+pytestmark = pytest.mark.redis
+
+TTL = 1.0
+TIMEOUT = 0.5  # RedisStore(timeout=): well below the faults' length
+AGENTS = {"echo": sa.Agent(model=EchoModel())}
+AOF_ALWAYS = ("--appendonly", "yes", "--appendfsync", "always")
+#: No caller may wait longer than this (a generous bound: the check is "no hang").
+NO_HANG = 60
+
+
+@attrs.define
+class Outcome:
+    """What one send got: its reply, or the error it raised."""
+
+    text: str
+    key: str | None
+    reply: sa.Reply | None = None
+    error: type[sa.SessionActorsError] | None = None  # (not the error: it holds frames)
+
+
+@attrs.define
+class Traffic:
+    """Senders on two workers, one of which runs the session, until told to stop."""
+
+    outcomes: list[Outcome] = attrs.Factory(list)
+    stop: trio.Event = attrs.Factory(trio.Event)
+    replies: int = 0
+    ended: int = 0  # sends that ended, with a reply or an error
+    progress: trio.Event = attrs.Factory(trio.Event)
+
+    async def sender(self, registry: sa.Registry, tag: str) -> None:
+        for i in range(10_000):
+            if self.stop.is_set():
+                return
+            text = f"{tag} {i}"
+            outcome = Outcome(text, key=text if i % 2 else None)
+            self.outcomes.append(outcome)
+            try:
+                outcome.reply = await registry.ref("s").send(text, idempotency_key=outcome.key)
+                self.replies += 1
+            except sa.SessionActorsError as exc:  # typed: the caller can act on it
+                outcome.error = type(exc)
+                await trio.sleep(0.05)
+            finally:
+                self.ended += 1
+                self.progress.set()
+                self.progress = trio.Event()
+
+    async def wait_until(self, check: Callable[[], bool]) -> None:
+        while not check():
+            await self.progress.wait()
+
+
+def untyped(outcomes: list[Outcome]) -> list[Outcome]:
+    """Outcomes that are neither a reply nor a sessionactors error (none should be)."""
+    return [o for o in outcomes if o.reply is None and o.error is None]
+
+
+async def pid_of(url: str) -> int:
+    async with coredis.Redis.from_url(url) as client:
+        info = await client.info("server")
+    return int(info["process_id"])
+
+
+@contextlib.asynccontextmanager
+async def two_workers(url: str, **options: Any) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
+    """Registries "a" (runs session "s") and "b" on one redis, with short deadlines."""
+    options = {"lease_ttl": TTL, "agents": AGENTS, "shutdown_grace": 1.0, **options}
+    async with (
+        sa.open_registry(store=RedisStore(url, timeout=TIMEOUT), worker_id="a", **options) as a,
+        sa.open_registry(store=RedisStore(url, timeout=TIMEOUT), worker_id="b", **options) as b,
+    ):
+        await (await a.spawn("s")).send("hello")
+        yield a, b
+
+
+async def run_through(
+    url: str, fault: Callable[[], Any], *, stores_survive: bool = True
+) -> tuple[Traffic, Counter[str]]:
+    """Traffic from both workers while ``fault`` runs, then until more replies come.
+    Returns the traffic and the stored user texts (counted), read by a third worker."""
+    traffic = Traffic()
+    with trio.fail_after(NO_HANG):
+        async with two_workers(url) as (a, b), trio.open_nursery() as nursery:
+            for registry, tag in ((a, "a"), (b, "b"), (b, "b2")):
+                nursery.start_soon(traffic.sender, registry, tag)
+            await traffic.wait_until(lambda: traffic.replies >= 6)
+            await fault()
+            replies, ended = traffic.replies, traffic.ended
+            if stores_survive:  # it recovers
+                await traffic.wait_until(lambda: traffic.replies >= replies + 6)
+            else:  # every sender hears back again
+                await traffic.wait_until(lambda: traffic.ended >= ended + 9)
+            traffic.stop.set()
+        texts: Counter[str] = Counter()
+        if stores_survive:
+            async with sa.open_registry(
+                store=RedisStore(url, timeout=TIMEOUT), agents=AGENTS, lease_ttl=TTL
+            ) as c:
+                history = await c.ref("s").history()
+            texts.update(m.content for m in history if m.role is sa.Role.USER)
+    return traffic, texts
+
+
+def lost_or_repeated(traffic: Traffic, texts: Counter[str]) -> list[str]:
+    """Acknowledged turns missing from the store; keyed turns stored more than once."""
+    problems = [
+        f"acknowledged {o.text!r} is missing"
+        for o in traffic.outcomes
+        if o.reply and not texts[o.text]
+    ]
+    problems += [
+        f"keyed {o.text!r} ran {texts[o.text]} times"
+        for o in traffic.outcomes
+        if o.key is not None and texts[o.text] > 1
+    ]
+    return problems
+
+
+async def test_redis_frozen_past_the_timeout(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """Redis frozen by SIGSTOP for longer than the store's timeout and the lease: every send ends with a reply or a typed error, nothing acknowledged is lost, no keyed turn runs twice."""
+    with private_redis_server(options=AOF_ALWAYS) as url:
+        pid = await pid_of(url)
+
+        async def freeze() -> None:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await trio.sleep(4 * TTL)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        traffic, texts = await run_through(url, freeze)
+    assert untyped(traffic.outcomes) == []
+    assert lost_or_repeated(traffic, texts) == []
+    assert any(
+        o.error and issubclass(o.error, sa.StoreError | sa.WorkerUnreachableError)
+        for o in traffic.outcomes
+    )
+
+
+async def test_redis_flushed(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """FLUSHALL under traffic (everything stored is gone): every send still ends with a reply or a typed error, none waits forever."""
+    with private_redis_server() as url:
+
+        async def flush() -> None:
+            async with coredis.Redis.from_url(url) as client:
+                await client.flushall()
+
+        traffic, _ = await run_through(url, flush, stores_survive=False)
+    assert untyped(traffic.outcomes) == []
