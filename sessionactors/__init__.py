@@ -48,6 +48,7 @@ from ._model import ModelRequest as ModelRequest
 from ._model import TextChunk as TextChunk
 from ._model import ToolCallChunk as ToolCallChunk
 from ._model import ToolSpec as ToolSpec
+from ._model import UsageChunk as UsageChunk
 from ._records import CompletedTurn as CompletedTurn
 from ._records import Message as Message
 from ._records import OpenTurn as OpenTurn
@@ -57,12 +58,17 @@ from ._records import SessionInfo as SessionInfo
 from ._records import SessionState as SessionState
 from ._records import Status as Status
 from ._records import ToolCall as ToolCall
+from ._records import Usage as Usage
 from ._ref import SessionRef as SessionRef
 from ._ref import Turn as Turn
 from ._registry import Registry as Registry
 from ._registry import RegistryStatistics as RegistryStatistics
 from ._registry import open_registry as open_registry
 from ._requests import Reply as Reply
+from ._telemetry import ModelCallTrace as ModelCallTrace
+from ._telemetry import Telemetry as Telemetry
+from ._telemetry import ToolCallTrace as ToolCallTrace
+from ._telemetry import TurnTrace as TurnTrace
 from ._tools import Tool as Tool
 from ._tools import ToolOutcome as ToolOutcome
 from ._tools import tool as tool
@@ -91,6 +97,7 @@ __all__ = [
     "MessageNotFoundError",
     "MetadataChanged",
     "Model",
+    "ModelCallTrace",
     "ModelChunk",
     "ModelError",
     "ModelRequest",
@@ -120,11 +127,13 @@ __all__ = [
     "StatusChanged",
     "StoreError",
     "SubscriberLaggedError",
+    "Telemetry",
     "TextChunk",
     "Tool",
     "ToolCall",
     "ToolCallChunk",
     "ToolCallStarted",
+    "ToolCallTrace",
     "ToolOutcome",
     "ToolResult",
     "ToolSpec",
@@ -135,6 +144,9 @@ __all__ = [
     "TurnFailedError",
     "TurnFinished",
     "TurnStarted",
+    "TurnTrace",
+    "Usage",
+    "UsageChunk",
     "dump_snapshot",
     "load_snapshot",
     "open_registry",

@@ -62,6 +62,7 @@ from ._records import (
 )
 from ._requests import Call, Hibernate, Reply, ResolveReview, Rewind, SetSummary, Truncate
 from ._session import LiveSession
+from ._telemetry import Telemetry, TurnTrace
 from ._tool_calls import (
     maybe_compact,
     record_result,
@@ -142,6 +143,8 @@ RESUME: Final = _Signal()
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
+#: The context a turn runs in without telemetry (reusable).
+_NO_TRACE: Final = contextlib.nullcontext()
 
 
 class Counters:
@@ -174,6 +177,7 @@ class Host(Protocol):
     config: RegistryConfig
     stats: Counters
     worker_id: str
+    telemetry: Telemetry | None
 
     @property
     def closing(self) -> bool: ...
@@ -213,6 +217,7 @@ class Actor:
         "session",
         "session_id",
         "stop_error",
+        "trace",
         "turn_id",
         "turn_mail",
         "turn_scope",
@@ -225,7 +230,7 @@ class Actor:
         self.phase = Phase.LOADING if session is None else Phase.SERVING
         self._ready: trio.Event | None = None if session is not None else trio.Event()
         self.send, self.receive = trio.open_memory_channel[Mail](host.config.mailbox_size)
-        self.journal = Journal(host.store, host.config, session_id)
+        self.journal = Journal(host.store, host.config, session_id, host.telemetry)
         self.hub: Hub | None = None
         self.turn_mail: TurnMail | None = None  # the turn in flight, answered when it ends
         self.turn_scope: trio.CancelScope | None = None  # made by the first turn
@@ -234,6 +239,7 @@ class Actor:
         self._rescope = False  # leave turn_scope at the next request (see _drive)
         self.turn_id = ""
         self.partial: list[str] = []
+        self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
         self.inflight_keys: dict[str, TurnMail] = {}  # idempotency key -> its turn
         # A closing turn's answer, kept until the closing snapshot says whether it was
         # stored (its turn_mail stays set meanwhile): (error, reply)
@@ -688,9 +694,18 @@ class Actor:
         self.partial = []
         self._cut = (pending, key)
         self.in_turn = True
+        telemetry = self.host.telemetry
+        if telemetry is not None:
+            self.trace = telemetry.turn(
+                session_id=self.session_id,
+                turn_id=self.turn_id,
+                agent=self.session.agent,
+                queued=self.receive.statistics().current_buffer_used,
+            )
         try:
-            if before is None or await before(agent):
-                final = await run_turn(agent, self)
+            with _NO_TRACE if self.trace is None else self.trace.activate():
+                if before is None or await before(agent):
+                    final = await run_turn(agent, self)
         except (Exception, SystemExit) as exc:  # the agent's or model's: this turn's only
             if exc is self.journal.fault:  # our write failed, not the agent: restart
                 raise
@@ -760,6 +775,7 @@ class Actor:
                 Reply(turn_id=turn_id, message=None, reviews=tuple(self.session.reviews.values()))
             )
             self.turn_mail = None
+            self.end_trace("waiting", None)
             return
         else:
             outcome = TurnFinished(
@@ -783,6 +799,8 @@ class Actor:
             self.inflight_keys.pop(key, None)
         self._set_status(_resting_status(self.session))
         reply = Reply(turn_id=turn_id, message=final)
+        outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
+        self.end_trace(outcome_name, failure)
         if not stored:  # answered by the closing snapshot: the turn is in it, or lost
             if self.turn_mail is not None:
                 self.held = (error, reply)
@@ -792,6 +810,13 @@ class Actor:
             pending.set_error(error)
         else:
             pending.set_result(reply)
+
+    def end_trace(self, outcome: str, error: BaseException | None) -> None:
+        """Tell the turn's telemetry how it ended (see ``TurnTrace.end``)."""
+        trace = self.trace
+        if trace is not None:
+            self.trace = None
+            trace.end(outcome, error)
 
     def _answer_held(self, *, stored: bool) -> None:
         """Answer a closing turn that waited for the closing snapshot."""
@@ -998,6 +1023,7 @@ class Actor:
         """Close the mailbox and fail everyone waiting on this incarnation with ``error``;
         after a ``crash``, tell subscribers that the turns it takes with it are void."""
         self.send.close()
+        self.end_trace("crashed", crash or error)
         if self._ready is not None:  # ended while waking: release its waiters
             self.load_error = error
             self._ready.set()

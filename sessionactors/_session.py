@@ -35,6 +35,7 @@ from ._records import (
     SessionInfo,
     SessionState,
     Status,
+    Usage,
     utcnow,
 )
 
@@ -105,6 +106,7 @@ class LiveSession:
         "system_prompt",
         "turn_count",
         "updated_at",
+        "usage",
     )
 
     def __init__(self, state: SessionState) -> None:
@@ -122,6 +124,7 @@ class LiveSession:
         self.reviews: dict[str, ReviewRequest] = {r.id: r for r in state.reviews}
         self.turn_count = state.turn_count
         self.open_turn: OpenTurn | None = state.open_turn
+        self.usage: Usage = state.usage
 
     @classmethod
     def new(
@@ -162,6 +165,7 @@ class LiveSession:
             reviews=tuple(self.reviews.values()),
             turn_count=self.turn_count,
             open_turn=self.open_turn,
+            usage=self.usage,
         )
 
     def info(self, status: Status | None = None) -> SessionInfo:
@@ -173,6 +177,7 @@ class LiveSession:
             updated_at=self.updated_at,
             metadata=self.metadata,
             pending_reviews=len(self.reviews),
+            usage=self.usage,
         )
 
     def view(self, prefix: tuple[Message, ...]) -> HistoryView:
@@ -191,8 +196,11 @@ class LiveSession:
         if event.seq > self.event_seq:
             self.event_seq = event.seq
         if isinstance(event, MessageAdded):
-            self.messages.append(event.message)
-            self.updated_at = event.message.created_at
+            added = event.message
+            self.messages.append(added)
+            self.updated_at = added.created_at
+            if added.usage is not None:
+                self.usage += added.usage
             return
         if isinstance(event, TurnStarted):
             self.open_turn = OpenTurn(turn_id=event.turn_id, idempotency_key=event.idempotency_key)
@@ -218,6 +226,8 @@ class LiveSession:
             messages = self.messages
             if not messages or messages[-1].id != event.message.id:
                 messages.append(event.message)  # (0.1: a MessageAdded brought it already)
+                if event.message.usage is not None:
+                    self.usage += event.message.usage
             self.updated_at = event.message.created_at
             if event.idempotency_key is not None:
                 self.completed[event.idempotency_key] = CompletedTurn(

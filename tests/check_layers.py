@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "_hub",
                 "_subscription",
                 "_pending",
+                "_telemetry",
             }
         ),
     ),
