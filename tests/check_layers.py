@@ -53,6 +53,7 @@ PLUGINS: tuple[str, ...] = (
     "testing",
     "aio",
     "http",
+    "otel",
     "_cli",
     "_demo",
     "_demo_cluster",
@@ -60,7 +61,7 @@ PLUGINS: tuple[str, ...] = (
 )
 
 #: Public faces: they only re-export, and may name anything.
-FACES = frozenset({"", "stores", "models", "testing", "workers", "aio", "http"})
+FACES = frozenset({"", "stores", "models", "testing", "workers", "aio", "http", "otel"})
 
 
 def _rank(module: str) -> int | None:
