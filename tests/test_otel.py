@@ -272,7 +272,7 @@ def test_every_metric_is_documented_in_the_how_to() -> None:
 
 async def test_telemetry_must_be_a_telemetry() -> None:
     """open_registry refuses a telemetry that is not a sessionactors.Telemetry, naming it."""
-    with pytest.raises(TypeError, match="telemetry must be a sessionactors.Telemetry"):
+    with pytest.raises(TypeError, match=r"telemetry must be a sessionactors\.Telemetry"):
         async with sa.open_registry(
             agents={"a": sa.Agent(model=ScriptedModel())}, telemetry=object()
         ):  # type: ignore[arg-type]

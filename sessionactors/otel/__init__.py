@@ -1,4 +1,5 @@
-"""OpenTelemetry traces and metrics (the ``otel`` extra): ``open_registry(..., telemetry=OpenTelemetry())``.
+"""OpenTelemetry traces and metrics (the ``otel`` extra), enabled with
+``open_registry(..., telemetry=OpenTelemetry())``.
 
 A plug-in: it imports the core, and nothing in the core imports it.
 """
