@@ -64,8 +64,9 @@ class TurnTrace:
 
     def end(self, outcome: str, error: BaseException | None) -> None:
         """The turn ended: ``outcome`` is ``"finished"``, ``"failed"``,
-        ``"cancelled"`` or ``"waiting"`` (paused for a review); ``error`` is what
-        failed it."""
+        ``"cancelled"``, ``"waiting"`` (paused for a review) or ``"crashed"`` (the
+        session crashed, or was deleted or fenced out, in the middle of it);
+        ``error`` is what failed it."""
 
 
 class Telemetry:
