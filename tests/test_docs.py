@@ -330,6 +330,7 @@ def test_reference_lists_every_public_name() -> None:
         "sessionactors.testing",
         "sessionactors.aio",
         "sessionactors.http",
+        "sessionactors.otel",
     ):
         module = importlib.import_module(namespace)
         names = getattr(module, "__all__", None) or [

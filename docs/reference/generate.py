@@ -136,6 +136,10 @@ PRIVATE_TYPES = {"_Subscription": "AsyncContextManager[AsyncIterator[Event]]"}
 
 # Values that are neither classes nor functions, so they carry no docstring of their own.
 VALUE_DOCS = {
+    "METRICS": (
+        "Every metric `OpenTelemetry` records: name -> (instrument, unit, what it measures);"
+        " the [observability how-to](../howto/observability.md) lists them."
+    ),
     "ModelChunk": (
         "What a model's `stream` yields: a `TextChunk`, a `ToolCallChunk` or a `UsageChunk`."
     ),
@@ -385,6 +389,8 @@ def entry(namespace: str, name: str, obj: Any, seen: dict[int, str]) -> list[str
         out += ["```", "", doc(obj), ""]
     else:
         shown = annotation(obj) if isinstance(obj, types.UnionType) else repr(obj)
+        if isinstance(obj, dict):  # a table: its entries are described in its docs
+            shown = f"{{...}}  # {len(obj)} entries"
         out += ["```python", f"{name} = {shown}", "```", "", VALUE_DOCS.get(name, ""), ""]
     return out
 
