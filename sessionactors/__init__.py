@@ -53,6 +53,7 @@ from ._model import ModelRequest as ModelRequest
 from ._model import TextChunk as TextChunk
 from ._model import ToolCallChunk as ToolCallChunk
 from ._model import ToolSpec as ToolSpec
+from ._model import UsageChunk as UsageChunk
 from ._reading import read_session as read_session
 from ._records import CompletedTurn as CompletedTurn
 from ._records import Message as Message
@@ -66,12 +67,17 @@ from ._records import ToolCall as ToolCall
 from ._records import TurnOutcome as TurnOutcome
 from ._records import TurnRecord as TurnRecord
 from ._records import TurnStatus as TurnStatus
+from ._records import Usage as Usage
 from ._ref import SessionRef as SessionRef
 from ._ref import Turn as Turn
 from ._registry import Registry as Registry
 from ._registry import RegistryStatistics as RegistryStatistics
 from ._registry import open_registry as open_registry
 from ._requests import Reply as Reply
+from ._telemetry import ModelCallTrace as ModelCallTrace
+from ._telemetry import Telemetry as Telemetry
+from ._telemetry import ToolCallTrace as ToolCallTrace
+from ._telemetry import TurnTrace as TurnTrace
 from ._tools import Tool as Tool
 from ._tools import ToolOutcome as ToolOutcome
 from ._tools import tool as tool
@@ -101,6 +107,7 @@ __all__ = [
     "MessageNotFoundError",
     "MetadataChanged",
     "Model",
+    "ModelCallTrace",
     "ModelChunk",
     "ModelError",
     "ModelRequest",
@@ -132,11 +139,13 @@ __all__ = [
     "StoreConfigurationError",
     "StoreError",
     "SubscriberLaggedError",
+    "Telemetry",
     "TextChunk",
     "Tool",
     "ToolCall",
     "ToolCallChunk",
     "ToolCallStarted",
+    "ToolCallTrace",
     "ToolOutcome",
     "ToolResult",
     "ToolSpec",
@@ -151,6 +160,9 @@ __all__ = [
     "TurnRecord",
     "TurnStarted",
     "TurnStatus",
+    "TurnTrace",
+    "Usage",
+    "UsageChunk",
     "WorkerUnreachableError",
     "dump_snapshot",
     "load_snapshot",

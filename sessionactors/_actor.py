@@ -80,6 +80,7 @@ from ._requests import (
     Truncate,
 )
 from ._session import LiveSession
+from ._telemetry import Telemetry, TurnTrace
 from ._tool_calls import (
     maybe_compact,
     record_result,
@@ -169,6 +170,8 @@ _MAX_REFUSED: Final = 100
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
+#: The context a turn runs in without telemetry (reusable).
+_NO_TRACE: Final = contextlib.nullcontext()
 
 
 class Counters:
@@ -201,6 +204,7 @@ class Host(Protocol):
     config: RegistryConfig
     stats: Counters
     worker_id: str
+    telemetry: Telemetry | None
 
     @property
     def closing(self) -> bool: ...
@@ -243,6 +247,7 @@ class Actor:
         "session_id",
         "stop_error",
         "tag",
+        "trace",
         "turn_id",
         "turn_mail",
         "turn_scope",
@@ -255,7 +260,7 @@ class Actor:
         self.phase = Phase.LOADING if session is None else Phase.SERVING
         self._ready: trio.Event | None = None if session is not None else trio.Event()
         self.send, self.receive = trio.open_memory_channel[Mail](host.config.mailbox_size)
-        self.journal = Journal(host.store, host.config, session_id)
+        self.journal = Journal(host.store, host.config, session_id, host.telemetry)
         self.hub: Hub | None = None
         self.turn_mail: TurnMail | None = None  # the turn in flight, answered when it ends
         self.turn_scope: trio.CancelScope | None = None  # made by the first turn
@@ -264,6 +269,7 @@ class Actor:
         self._rescope = False  # leave turn_scope at the next request (see _drive)
         self.turn_id = ""
         self.partial: list[str] = []
+        self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
         self.inflight_keys: dict[str, TurnMail] = {}  # idempotency key -> its turn
         # A closing turn's answer, kept until the closing snapshot says whether it was
         # stored (its turn_mail stays set meanwhile): (error, reply)
@@ -736,9 +742,18 @@ class Actor:
         self.partial = []
         self._cut = (pending, key)
         self.in_turn = True
+        telemetry = self.host.telemetry
+        if telemetry is not None:
+            self.trace = telemetry.turn(
+                session_id=self.session_id,
+                turn_id=self.turn_id,
+                agent=self.session.agent,
+                queued=self.receive.statistics().current_buffer_used,
+            )
         try:
-            if before is None or await before(agent):
-                final = await run_turn(agent, self)
+            with _NO_TRACE if self.trace is None else self.trace.activate():
+                if before is None or await before(agent):
+                    final = await run_turn(agent, self)
         except (Exception, SystemExit) as exc:  # the agent's or model's: this turn's only
             if exc is self.journal.fault:  # our write failed, not the agent: restart
                 raise
@@ -808,6 +823,7 @@ class Actor:
                 Reply(turn_id=turn_id, message=None, reviews=tuple(self.session.reviews.values()))
             )
             self.turn_mail = None
+            self.end_trace("waiting", None)
             return
         else:
             outcome = TurnFinished(
@@ -831,6 +847,8 @@ class Actor:
             self.inflight_keys.pop(key, None)
         self._set_status(_resting_status(self.session))
         reply = Reply(turn_id=turn_id, message=final)
+        outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
+        self.end_trace(outcome_name, failure)
         if not stored:  # answered by the closing snapshot: the turn is in it, or lost
             if self.turn_mail is not None:
                 self.held = (error, reply)
@@ -840,6 +858,13 @@ class Actor:
             pending.set_error(error)
         else:
             pending.set_result(reply)
+
+    def end_trace(self, outcome: str, error: BaseException | None) -> None:
+        """Tell the turn's telemetry how it ended (see ``TurnTrace.end``)."""
+        trace = self.trace
+        if trace is not None:
+            self.trace = None
+            trace.end(outcome, error)
 
     def _answer_held(self, *, stored: bool) -> None:
         """Answer a closing turn that waited for the closing snapshot."""
@@ -1117,6 +1142,7 @@ class Actor:
         """Close the mailbox and fail everyone waiting on this incarnation with ``error``;
         after a ``crash``, tell subscribers that the turns it takes with it are void."""
         self.send.close()
+        self.end_trace("crashed", crash or error)
         if self._ready is not None:  # ended while waking: release its waiters
             self.load_error = error
             self._ready.set()

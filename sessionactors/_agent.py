@@ -14,10 +14,12 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from ._codec import MAX_SEQ
 from ._errors import MaxStepsError
 from ._history import Estimator, default_estimate
-from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
-from ._records import Message, Role, ToolCall, new_id, storable
+from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec, UsageChunk
+from ._records import Message, Role, ToolCall, Usage, new_id, storable
+from ._telemetry import TurnTrace
 
 __all__ = ["Agent", "Compaction", "TurnContext", "run_turn"]
 
@@ -107,6 +109,8 @@ class TurnContext(Protocol):
     turn_id: str
     #: text streamed so far in the current model step (kept if the turn is cancelled)
     partial: list[str]
+    #: the turn's instrumentation, if the registry has telemetry
+    trace: TurnTrace | None
 
     def request_messages(self) -> Sequence[Message]: ...
     def delta(self, text: str) -> None: ...
@@ -121,6 +125,14 @@ class _CallParts:
     id: str | None = None
     name: str | None = None
     arguments: list[str] = attrs.Factory(list)
+
+
+@attrs.define
+class _Step:
+    """What one model call has streamed besides text: tool-call fragments, usage."""
+
+    parts: dict[int, _CallParts] = attrs.Factory(dict)
+    usage: Usage | None = None
 
 
 def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
@@ -142,7 +154,7 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -> None:
+def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
     if isinstance(chunk, TextChunk):
         text = chunk.text
         if text.__class__ is not str:
@@ -152,6 +164,7 @@ def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -
             ctx.delta(storable(text))
     elif isinstance(chunk, ToolCallChunk):
         _check_call_chunk(chunk)
+        parts = step.parts
         p = parts.get(chunk.index)
         if p is None:
             p = parts[chunk.index] = _CallParts()
@@ -161,8 +174,20 @@ def _take_chunk(chunk: object, ctx: TurnContext, parts: dict[int, _CallParts]) -
             p.name = chunk.name
         if chunk.arguments:
             p.arguments.append(chunk.arguments)
+    elif isinstance(chunk, UsageChunk):
+        for field in ("input_tokens", "output_tokens"):
+            value = getattr(chunk, field)
+            if value.__class__ is not int or not 0 <= value <= MAX_SEQ:
+                raise TypeError(
+                    f"the model streamed a UsageChunk whose {field} is {value!r}, "
+                    "not a count (an int from 0)"
+                )
+        usage = Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
+        step.usage = usage if step.usage is None else step.usage + usage
     else:
-        raise TypeError(f"the model streamed {chunk!r}, not a TextChunk or ToolCallChunk")
+        raise TypeError(
+            f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk"
+        )
 
 
 def _check_call_chunk(chunk: ToolCallChunk) -> None:
@@ -186,26 +211,35 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
     final one is returned, for the caller to record with the turn's outcome.
     """
     specs = agent.tool_specs
+    trace = ctx.trace
     for _step in range(agent.max_steps):
         request = ModelRequest(
             session_id=ctx.session_id, messages=ctx.request_messages(), tools=specs
         )
-        parts: dict[int, _CallParts] = {}
+        step = _Step()
         ctx.partial.clear()
+        call = first = trace.model_call(agent.model, request) if trace is not None else None
         stream = agent.model.stream(request)
         try:
             async for chunk in stream:
-                _take_chunk(chunk, ctx, parts)
-        except BaseException:
+                if first is not None:
+                    first.first_chunk()
+                    first = None
+                _take_chunk(chunk, ctx, step)
+        except BaseException as exc:
+            if call is not None:
+                call.end(step.usage, exc)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # close an abandoned stream (an HTTP response) now
                 with trio.CancelScope(shield=True):
                     await aclose()
             raise
+        if call is not None:
+            call.end(step.usage, None)
         text = storable("".join(ctx.partial))
         ctx.partial.clear()
-        calls = assemble_calls(parts)
-        message = Message.create(Role.ASSISTANT, text, tool_calls=calls)
+        calls = assemble_calls(step.parts)
+        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=step.usage)
         if not calls:
             return message  # it joins the history with the turn's outcome
         ctx.add_message(message)

@@ -75,7 +75,7 @@ import cattrs
 import msgpack
 from cattrs.errors import IterableValidationError, IterableValidationNote
 from cattrs.fns import identity
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception as _cattrs_format_exception
 
@@ -495,6 +495,15 @@ def _register_tuple_unstructure(conv: cattrs.Converter, item: type[Any]) -> None
     conv.register_unstructure_hook_func(lambda t: t == target, unstructure)
 
 
+def _register_usage_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:
+    """``cls`` is written without its ``usage`` while that is the default: records
+    without usage keep the bytes they had before the field existed (and load in an
+    older sessionactors)."""
+    conv.register_unstructure_hook(
+        cls, make_dict_unstructure_fn(cls, conv, usage=override(omit_if_default=True))
+    )
+
+
 def _optional_record(type_: Any) -> Any:
     """The record class ``X`` of ``X | None``, or ``None`` for any other type."""
     if get_origin(type_) not in (Union, types.UnionType):
@@ -548,8 +557,12 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(_is_metadata, _unstructure_metadata)
     # A history is long: a comprehension over the item's own hook beats the
     # generic iterable hook's generator (msgpack writes lists and tuples alike).
-    for item in (ToolCall, Message):
-        _register_tuple_unstructure(conv, item)
+    # Each hook is made after the hooks of the fields it reads.
+    _register_tuple_unstructure(conv, ToolCall)
+    _register_usage_omitted(conv, Message)
+    _register_tuple_unstructure(conv, Message)
+    _register_usage_omitted(conv, SessionState)
+    _register_usage_omitted(conv, SessionInfo)
 
     configure_tagged_union(_EventUnion, conv, tag_generator=_TAG_OF.__getitem__, tag_name=_TAG_KEY)
     _build_hooks(conv)
@@ -1250,6 +1263,7 @@ class SnapshotWriter:
         raw = _unstructure_state(rest)
         keys = list(raw)
         at = keys.index("messages")
+        # (both parts have fewer than 16 fields: each packs with a one-byte header)
         head = packer.pack({k: raw[k] for k in keys[:at]})[1:]
         tail = packer.pack({k: raw[k] for k in keys[at + 1 :]})[1:]
         data = b"".join(

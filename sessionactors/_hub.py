@@ -49,7 +49,16 @@ class Subscriber:
 class Hub:
     """Event fan-out for one session; outlives the actor while it has subscribers."""
 
-    __slots__ = ("_config", "_ring", "_ring_bytes", "_subs", "seq", "session_id", "tap")
+    __slots__ = (
+        "_config",
+        "_ring",
+        "_ring_bytes",
+        "_subs",
+        "on_lag",
+        "seq",
+        "session_id",
+        "tap",
+    )
 
     def __init__(self, session_id: str, config: HubConfig, seq: int = 0) -> None:
         self.session_id = session_id
@@ -61,6 +70,8 @@ class Hub:
         self._subs: set[Subscriber] = set()
         #: Called with every published event (a cluster's publisher), or None.
         self.tap: Callable[[Event], None] | None = None
+        #: Called with the session's name when a subscriber is cut off, or None.
+        self.on_lag: Callable[[str], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Hub {self.session_id!r} seq={self.seq} subscribers={len(self._subs)}>"
@@ -114,6 +125,8 @@ class Hub:
         sub.lagged = True
         sub.send.close()
         self._subs.discard(sub)
+        if self.on_lag is not None:
+            self.on_lag(self.session_id)
 
     def ring_covers(self, after: int) -> bool:
         """Whether every event with seq > ``after`` that this hub published is in the ring."""

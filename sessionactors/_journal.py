@@ -10,7 +10,9 @@ length. Waking is the latest snapshot plus the journal tail.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
+from collections.abc import Awaitable
 
 import attrs
 
@@ -20,6 +22,7 @@ from ._errors import StoreError
 from ._events import Event
 from ._records import Status
 from ._session import LiveSession
+from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
 
 __all__ = ["SEQ_GAP", "Journal"]
@@ -46,11 +49,19 @@ class Journal:
         "settled",
         "status_due",
         "store",
+        "telemetry",
         "unsaved",
     )
 
-    def __init__(self, store: Store, config: RegistryConfig, session_id: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        config: RegistryConfig,
+        session_id: str,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.store = store
+        self.telemetry = telemetry
         self.config = config
         self.session_id = session_id
         #: Durable events not in the store yet (all of them without a journal).
@@ -101,8 +112,9 @@ class Journal:
         count = len(events)
         entry = JournalEntry(events[-1].seq, dump_events(events))
         try:
-            await self.store.append(
-                self.session_id, [entry], dump_info(session.info()), fence=fence
+            await self._timed(
+                "append",
+                self.store.append(self.session_id, [entry], dump_info(session.info()), fence=fence),
             )
         except StoreError as exc:
             self.fault = exc
@@ -131,15 +143,18 @@ class Journal:
         if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
             writer = self._writer = SnapshotWriter()
         snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
-        await self.store.write_snapshot(
-            self.session_id,
-            snapshot,
-            seq,
-            dump_info(session.info(status)),
-            # without a journal ("hibernate"), replay reaches no further back than this
-            # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-            trim_upto=seq if config.durability != "turn" else self._trim_point(),
-            fence=fence,
+        await self._timed(
+            "snapshot",
+            self.store.write_snapshot(
+                self.session_id,
+                snapshot,
+                seq,
+                dump_info(session.info(status)),
+                # without a journal ("hibernate"), replay reaches no further back than this
+                # snapshot: say so (EventsExpiredError) rather than replay a silent gap
+                trim_upto=seq if config.durability != "turn" else self._trim_point(),
+                fence=fence,
+            ),
         )
         if config.durability == "turn":
             marks = self._marks
@@ -166,10 +181,30 @@ class Journal:
     async def append_now(self, session: LiveSession, event: Event, fence: int | None) -> None:
         """Journal one event at once, whatever the durability policy (a status that
         records a seq jump; without a journal, the next snapshot drops it)."""
-        await self.store.append(
-            self.session_id,
-            [JournalEntry(event.seq, dump_events([event]))],
-            dump_info(session.info()),
-            fence=fence,
+        await self._timed(
+            "append",
+            self.store.append(
+                self.session_id,
+                [JournalEntry(event.seq, dump_events([event]))],
+                dump_info(session.info()),
+                fence=fence,
+            ),
         )
         self.at = event.seq + SEQ_GAP // 2
+
+    def _timed(self, operation: str, write: Awaitable[None]) -> Awaitable[None]:
+        """``write``, timed for the telemetry if there is one (else ``write`` itself)."""
+        telemetry = self.telemetry
+        return write if telemetry is None else _timed_write(telemetry, operation, write)
+
+
+async def _timed_write(telemetry: Telemetry, operation: str, write: Awaitable[None]) -> None:
+    start = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        await write
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        telemetry.store_write(operation=operation, seconds=time.perf_counter() - start, error=error)

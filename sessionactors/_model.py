@@ -3,7 +3,8 @@
 A model is anything with ``stream(request)`` returning an async iterator of
 chunks. Text arrives as :class:`TextChunk`; tool calls as
 :class:`ToolCallChunk` fragments, which share an ``index`` per call, as
-OpenAI-compatible servers stream them.
+OpenAI-compatible servers stream them; the tokens the model counted, if it
+reports them, as :class:`UsageChunk`.
 """
 
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -13,7 +14,15 @@ import attrs
 
 from ._records import Message
 
-__all__ = ["Model", "ModelChunk", "ModelRequest", "TextChunk", "ToolCallChunk", "ToolSpec"]
+__all__ = [
+    "Model",
+    "ModelChunk",
+    "ModelRequest",
+    "TextChunk",
+    "ToolCallChunk",
+    "ToolSpec",
+    "UsageChunk",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +69,22 @@ class ToolCallChunk:
     arguments: str = ""
 
 
-ModelChunk = TextChunk | ToolCallChunk
+@attrs.frozen
+class UsageChunk:
+    """The tokens the model counted for this answer: ``input_tokens`` read (the
+    prompt) and ``output_tokens`` written (the completion).
+
+    Usually the last chunk (OpenAI sends it after the text when asked with
+    ``stream_options.include_usage``); several in one answer add up. The turn keeps
+    the sum on the answer's assistant message (``Message.usage``) and adds it to
+    the session's ``usage``.
+    """
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+ModelChunk = TextChunk | ToolCallChunk | UsageChunk
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ __all__ = [
     "TurnOutcome",
     "TurnRecord",
     "TurnStatus",
+    "Usage",
     "new_id",
     "storable",
     "utcnow",
@@ -133,6 +134,37 @@ class ToolCall:
 
 
 @attrs.frozen(kw_only=True)
+class Usage:
+    """Tokens counted by a model: ``input_tokens`` read (the prompt) and
+    ``output_tokens`` written (the completion).
+
+    On an assistant message, what the model reported for that answer; on a
+    session's state and listing, the sum over the session's life (it keeps
+    counting when the history is truncated or compacted). Add two with ``+``.
+    """
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Input and output tokens together."""
+        return self.input_tokens + self.output_tokens
+
+    def __add__(self, other: "Usage") -> "Usage":
+        if not isinstance(other, Usage):
+            return NotImplemented
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+        )
+
+
+#: No tokens counted (the default of a session's usage).
+NO_USAGE: Final = Usage()
+
+
+@attrs.frozen(kw_only=True)
 class Message:
     """One message of a conversation.
 
@@ -141,6 +173,9 @@ class Message:
     marks an assistant message whose turn was cancelled part-way, or the
     "(no reply: ...)" message that a failed or cancelled turn leaves after its
     user message (so that roles keep alternating).
+
+    ``usage`` is what the model reported for an assistant message (None when it
+    reported nothing, and on other messages).
 
     ``metadata`` is read-only, like the message: messages made without any
     share one empty mapping (a ``dict`` that refuses changes), so a long
@@ -157,6 +192,7 @@ class Message:
     interrupted: bool = False
     is_error: bool = False
     metadata: Mapping[str, Any] = NO_METADATA
+    usage: Usage | None = None
 
     @classmethod
     def create(
@@ -168,6 +204,7 @@ class Message:
         tool_call_id: str | None = None,
         interrupted: bool = False,
         is_error: bool = False,
+        usage: Usage | None = None,
     ) -> "Message":
         """A new message with a fresh id, stamped now."""
         return cls(
@@ -179,6 +216,7 @@ class Message:
             tool_call_id=tool_call_id,
             interrupted=interrupted,
             is_error=is_error,
+            usage=usage,
         )
 
 
@@ -249,7 +287,11 @@ class TurnRecord:
 
 @attrs.frozen(kw_only=True)
 class SessionState:
-    """Everything durable about one session; what a snapshot holds."""
+    """Everything durable about one session; what a snapshot holds.
+
+    ``usage`` sums the tokens that the models reported for the session's
+    assistant messages, over its whole life.
+    """
 
     schema_version: int = SCHEMA_VERSION
     session_id: str
@@ -271,11 +313,13 @@ class SessionState:
     #: Turns issued before this time (microseconds since the epoch, as in their ids)
     #: and not in ``turns`` are forgotten: their records were dropped.
     turns_forgotten: int = 0
+    usage: Usage = NO_USAGE
 
 
 @attrs.frozen(kw_only=True)
 class SessionInfo:
-    """A short description of one session, live or stored."""
+    """A short description of one session, live or stored (``usage``: the tokens
+    its models reported, summed, as in its state)."""
 
     session_id: str
     agent: str | None
@@ -284,6 +328,7 @@ class SessionInfo:
     updated_at: datetime.datetime
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
     pending_reviews: int = 0
+    usage: Usage = NO_USAGE
 
 
 @attrs.frozen(kw_only=True)

@@ -35,6 +35,7 @@ from ._ref import SessionRef
 from ._router import RoutingStore
 from ._session import LiveSession
 from ._sessions import Sessions
+from ._telemetry import Telemetry
 from .stores._base import Store
 from .stores._memory import MemoryStore
 
@@ -365,6 +366,7 @@ async def open_registry(
     leases: bool | None = None,
     lease_ttl: float = 30.0,
     worker_id: str | None = None,
+    telemetry: Telemetry | None = None,
 ) -> AsyncIterator[Registry]:
     """Open a registry of session actors; leaving the block shuts it down.
 
@@ -404,6 +406,9 @@ async def open_registry(
     - ``worker_id``: this worker's identity in leases (default: a fresh one). A
       worker restarted with the same id takes its sessions back at once instead
       of waiting for its old leases to expire.
+    - ``telemetry``: what the registry reports its turns, model and tool calls,
+      store writes and cut-off subscribers to (``sessionactors.otel.OpenTelemetry()``
+      for OpenTelemetry traces and metrics); default ``None``: nothing is reported.
 
     Every option is checked here: a wrong type or range raises ``TypeError`` or
     ``ValueError`` naming it, before anything starts.
@@ -431,6 +436,11 @@ async def open_registry(
         lease_ttl=lease_ttl,
         worker_id=worker_id,
     )
+    if telemetry is not None and not isinstance(telemetry, Telemetry):
+        raise TypeError(
+            "open_registry: telemetry must be a sessionactors.Telemetry (such as "
+            f"sessionactors.otel.OpenTelemetry()), not {type(telemetry).__name__}"
+        )
     the_store: Store = store if store is not None else MemoryStore()
     if leases is None:
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
@@ -439,8 +449,11 @@ async def open_registry(
             sessions = Sessions(
                 the_store, dict(agents), config, worker_id or new_id("worker"), nursery
             )
+            sessions.telemetry = telemetry
             dispatcher = Dispatcher(sessions)
             registry = Registry._create(sessions, dispatcher)
+            if telemetry is not None:
+                telemetry.registry_opened(registry)
             await nursery.start(sessions.run_generation, name="sessions generation")
             if config.leases:
                 nursery.start_soon(sessions.renew_leases, name="lease renewal")
@@ -453,6 +466,8 @@ async def open_registry(
                 await sessions.shutdown()
                 if dispatcher.router is not None:
                     await dispatcher.router.aclose()
+                if telemetry is not None:
+                    telemetry.registry_closed(registry)
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):

@@ -41,6 +41,7 @@ from ._records import (
     TurnOutcome,
     TurnRecord,
     TurnStatus,
+    Usage,
     utcnow,
 )
 from ._turns import MAX_TURN_RECORDS, session_tag, turn_id_time
@@ -116,6 +117,7 @@ class LiveSession:
         "turns",
         "turns_forgotten",
         "updated_at",
+        "usage",
     )
 
     def __init__(self, state: SessionState) -> None:
@@ -135,6 +137,7 @@ class LiveSession:
         self.open_turn: OpenTurn | None = state.open_turn
         self.turns: dict[str, TurnRecord] = {t.turn_id: t for t in state.turns}
         self.turns_forgotten = state.turns_forgotten
+        self.usage: Usage = state.usage
 
     @classmethod
     def new(
@@ -177,6 +180,7 @@ class LiveSession:
             open_turn=self.open_turn,
             turns=tuple(self.turns.values()),
             turns_forgotten=self.turns_forgotten,
+            usage=self.usage,
         )
 
     def info(self, status: Status | None = None) -> SessionInfo:
@@ -188,6 +192,7 @@ class LiveSession:
             updated_at=self.updated_at,
             metadata=self.metadata,
             pending_reviews=len(self.reviews),
+            usage=self.usage,
         )
 
     def view(self, prefix: tuple[Message, ...]) -> HistoryView:
@@ -206,8 +211,11 @@ class LiveSession:
         if event.seq > self.event_seq:
             self.event_seq = event.seq
         if isinstance(event, MessageAdded):
-            self.messages.append(event.message)
-            self.updated_at = event.message.created_at
+            added = event.message
+            self.messages.append(added)
+            self.updated_at = added.created_at
+            if added.usage is not None:
+                self.usage += added.usage
             return
         if isinstance(event, TurnStarted):
             self.open_turn = OpenTurn(
@@ -237,6 +245,8 @@ class LiveSession:
             messages = self.messages
             if not messages or messages[-1].id != event.message.id:
                 messages.append(event.message)  # (0.1: a MessageAdded brought it already)
+                if event.message.usage is not None:
+                    self.usage += event.message.usage
             self.updated_at = event.message.created_at
             if event.idempotency_key is not None:
                 self.completed[event.idempotency_key] = CompletedTurn(

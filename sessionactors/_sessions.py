@@ -32,6 +32,7 @@ from ._router import Router
 from ._session import LiveSession
 from ._subscription import EventIterator, open_event_iterator
 from ._supervisor import session_task
+from ._telemetry import Telemetry
 from .stores._base import Store
 
 __all__ = ["GENERATION_PEAK", "Sessions", "exists_error"]
@@ -59,6 +60,8 @@ class Sessions:
         self.config = config
         self.worker_id = worker_id
         self.stats = Counters()
+        #: What the registry reports to (``open_registry(telemetry=...)``), or None.
+        self.telemetry: Telemetry | None = None
         self.router: Router | None = None
         self.live: dict[str, Actor] = {}
         self.hubs: dict[str, Hub] = {}
@@ -106,7 +109,13 @@ class Sessions:
             self._hubs_peak = max(self._hubs_peak, len(self.hubs))
             if self.router is not None:
                 hub.tap = self.router.tap_for(session_id)
+            if self.telemetry is not None:
+                hub.on_lag = self._lagged
         return hub
+
+    def _lagged(self, session_id: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.subscriber_lagged(session_id=session_id)
 
     def detach(self, actor: Actor) -> None:
         name = actor.session_id

@@ -17,6 +17,7 @@ from ._history import split_for_keep_last
 from ._model import ModelRequest, TextChunk
 from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
 from ._session import LiveSession
+from ._telemetry import TurnTrace
 
 __all__ = [
     "TurnHost",
@@ -34,6 +35,7 @@ class TurnHost(Protocol):
     session_id: str
     turn_id: str
     session: LiveSession
+    trace: TurnTrace | None
 
     def next_seq(self) -> int: ...
     def emit(self, event: Event) -> None: ...
@@ -57,13 +59,20 @@ def _idempotent(agent: Agent, call: ToolCall) -> bool:
 MAX_TOOL_RESULT_CHARS = 1024 * 1024
 
 
-async def _invoke(agent: Agent, call: ToolCall) -> tuple[str, bool]:
+async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tuple[str, bool]:
     tool = agent.find_tool(call.name)
     if tool is None:
         names = ", ".join(t.name for t in agent.tools) or "none"
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     await trio.lowlevel.checkpoint_if_cancelled()
-    outcome = await tool._run(call.arguments)
+    if trace is None:
+        outcome = await tool._run(call.arguments)
+    else:
+        errors: list[BaseException] = []
+        with trace.tool_call(call) as traced:  # current in this task: the tool's spans nest
+            outcome = await tool._run(call.arguments, errors.append)
+            if outcome.is_error:
+                traced.failed(errors[0] if errors else None, outcome.content)
     content = storable(outcome.content)
     if len(content) > MAX_TOOL_RESULT_CHARS:
         content = (
@@ -117,12 +126,12 @@ async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         with trio.CancelScope(shield=True):
             await actor.commit()
     if len(calls) == 1:
-        record_result(actor, calls[0], *await _invoke(agent, calls[0]))
+        record_result(actor, calls[0], *await _invoke(agent, calls[0], actor.trace))
         return
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:
-        results[i] = await _invoke(agent, call)
+        results[i] = await _invoke(agent, call, actor.trace)
 
     async with trio.open_nursery() as nursery:
         for i, call in enumerate(calls):

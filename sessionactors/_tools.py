@@ -141,9 +141,12 @@ class Tool:
         await trio.lowlevel.checkpoint()
         return await self._run(arguments)
 
-    async def _run(self, arguments: str) -> ToolOutcome:
+    async def _run(
+        self, arguments: str, on_error: Callable[[BaseException], None] | None = None
+    ) -> ToolOutcome:
         """:meth:`invoke` without its own checkpoint: the turn loop's path (it checks
-        for cancellation itself; a tool that blocks yields anyway)."""
+        for cancellation itself; a tool that blocks yields anyway). ``on_error`` hears
+        the exception a failing function raised."""
         parsed = _parse_arguments(self.name, arguments)
         if isinstance(parsed, ToolOutcome):
             return parsed
@@ -163,6 +166,8 @@ class Tool:
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
         except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only
+            if on_error is not None:
+                on_error(exc)
             return ToolOutcome(content=_describe_exception(exc), is_error=True)
         return _encode_result(self.name, result)
 

@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "_subscription",
                 "_pending",
                 "_reading",
+                "_telemetry",
             }
         ),
     ),
@@ -70,6 +71,7 @@ PLUGINS: tuple[str, ...] = (
     "testing",
     "aio",
     "http",
+    "otel",
     "_cli",
     "_cli_sessions",
     "_demo",
@@ -78,7 +80,7 @@ PLUGINS: tuple[str, ...] = (
 )
 
 #: Public faces: they only re-export, and may name anything.
-FACES = frozenset({"", "stores", "models", "testing", "workers", "aio", "http"})
+FACES = frozenset({"", "stores", "models", "testing", "workers", "aio", "http", "otel"})
 
 
 def _rank(module: str) -> int | None:

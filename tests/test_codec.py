@@ -285,6 +285,66 @@ def test_info_round_trip(info: sa.SessionInfo) -> None:
     assert load_info(dump_info(info)) == info
 
 
+_USAGES = st.builds(
+    sa.Usage, input_tokens=st.integers(0, MAX_SEQ), output_tokens=st.integers(0, MAX_SEQ)
+)
+
+
+@ROUND_TRIP
+@given(session_states(), _USAGES, st.lists(st.none() | _USAGES, min_size=1, max_size=4))
+def test_usage_round_trips_on_messages_state_and_info(
+    state: sa.SessionState, usage: sa.Usage, per_message: list[sa.Usage | None]
+) -> None:
+    """Token usage on messages, on the state and on the info loads back equal, in snapshots,
+    journal entries and infos."""
+    messages = tuple(
+        attrs.evolve(sa.Message.create(sa.Role.ASSISTANT, "a"), usage=u) for u in per_message
+    )
+    state = attrs.evolve(state, messages=messages, usage=usage)
+    assert load_snapshot(dump_snapshot(state)) == state
+    info = sa.SessionInfo(
+        session_id="s", agent=None, status=sa.Status.IDLE, message_count=1,
+        updated_at=state.updated_at, usage=usage,
+    )  # fmt: skip
+    assert load_info(dump_info(info)) == info
+    added = [sa.MessageAdded(session_id="s", seq=1, turn_id="t", message=m) for m in messages]
+    assert load_events(dump_events(added)) == added
+
+
+def test_records_without_usage_are_written_as_before_it_existed() -> None:
+    """A message, state or info without usage is written without the field, so older
+    readers still load it; with usage the field is there."""
+    message = sa.Message.create(sa.Role.ASSISTANT, "hi")
+    state = sa.SessionState(
+        session_id="s", messages=(message,), created_at=message.created_at,
+        updated_at=message.created_at,
+    )  # fmt: skip
+    raw = msgpack.unpackb(dump_snapshot(state))
+    assert "usage" not in raw
+    assert "usage" not in raw["messages"][0]
+    counted = sa.Usage(input_tokens=5, output_tokens=7)
+    state = attrs.evolve(state, messages=(attrs.evolve(message, usage=counted),), usage=counted)
+    raw = msgpack.unpackb(dump_snapshot(state))
+    assert raw["usage"] == raw["messages"][0]["usage"] == {"input_tokens": 5, "output_tokens": 7}
+
+
+@pytest.mark.parametrize("count", [-1, MAX_SEQ + 1, "5", 1.0, True])
+def test_usage_counts_out_of_range_are_refused_both_ways(count: Any) -> None:
+    """A usage count that is not an integer from 0 to MAX_SEQ is refused when dumped and
+    when loaded."""
+    message = sa.Message.create(sa.Role.ASSISTANT, "hi")
+    state = sa.SessionState(
+        session_id="s", created_at=message.created_at, updated_at=message.created_at,
+        usage=sa.Usage(input_tokens=count),
+    )  # fmt: skip
+    with pytest.raises((TypeError, ValueError), match=r"\$\.usage\.input_tokens"):
+        dump_snapshot(state)
+    raw = msgpack.unpackb(dump_snapshot(attrs.evolve(state, usage=sa.Usage())), timestamp=3)
+    raw["usage"] = {"input_tokens": count, "output_tokens": 0}
+    with pytest.raises(sa.SnapshotCorruptError, match="usage"):
+        load_snapshot(msgpack.packb(raw, datetime=True))
+
+
 @ROUND_TRIP
 @given(session_states())
 def test_loaded_datetimes_are_utc(state: sa.SessionState) -> None:

@@ -164,6 +164,16 @@ EXPECTED = {
         "reply: stored in dicts",
         "stored sessions: ['chat']",
     ],
+    "howto_observability.py": [
+        "reply: It shipped.",
+        "this answer: Usage(input_tokens=160, output_tokens=4)",
+        "session total: 302 tokens",
+        "listed: 280 in, 22 out",
+        "invoke_agent support\n  chat ScriptedModel\n  chat ScriptedModel\n"
+        "  execute_tool lookup_order\n    orders.select",
+        "gen_ai.client.token.usage input: 280",
+        "sessionactors.turns finished: 1",
+    ],
     "howto_openai.py": [
         "reply: Order A1001 is shipped",
         "roles: ['user', 'assistant', 'tool', 'assistant']",
@@ -346,6 +356,7 @@ def test_reference_lists_every_public_name() -> None:
         "sessionactors.testing",
         "sessionactors.aio",
         "sessionactors.http",
+        "sessionactors.otel",
     ):
         module = importlib.import_module(namespace)
         names = getattr(module, "__all__", None) or [

@@ -31,6 +31,7 @@ NAMESPACES = [
     "sessionactors.testing",
     "sessionactors.aio",
     "sessionactors.http",
+    "sessionactors.otel",
 ]
 
 INTRO = {
@@ -58,6 +59,11 @@ INTRO = {
         "An ASGI gateway (JSON, server-sent events, WebSocket) and the chat page, for "
         "hypercorn's trio worker and for uvicorn. Needs the `http` extra."
     ),
+    "sessionactors.otel": (
+        "OpenTelemetry traces and metrics after the GenAI semantic conventions, through the "
+        "core's `Telemetry` seam. Needs the `otel` extra (`opentelemetry-api`); the "
+        "application brings the SDK and its exporters."
+    ),
 }
 
 # Top-level names grouped by topic; a name not listed lands in "Other", so nothing is lost.
@@ -79,6 +85,7 @@ GROUPS = {
         "ModelChunk",
         "TextChunk",
         "ToolCallChunk",
+        "UsageChunk",
         "ToolSpec",
         "tool",
         "Tool",
@@ -92,6 +99,7 @@ GROUPS = {
         "SessionState",
         "Status",
         "SessionInfo",
+        "Usage",
     ],
     "Events": [
         "Event",
@@ -110,6 +118,7 @@ GROUPS = {
         "MetadataChanged",
     ],
     "Stores": ["MemoryStore", "SQLiteStore"],
+    "Telemetry": ["Telemetry", "TurnTrace", "ModelCallTrace", "ToolCallTrace"],
     "Snapshots": ["dump_snapshot", "load_snapshot"],
     "Errors": [],  # filled with every exception class
 }
@@ -128,7 +137,13 @@ PRIVATE_TYPES = {"_Subscription": "AsyncContextManager[AsyncIterator[Event]]"}
 
 # Values that are neither classes nor functions, so they carry no docstring of their own.
 VALUE_DOCS = {
-    "ModelChunk": "What a model's `stream` yields: a `TextChunk` or a `ToolCallChunk`.",
+    "METRICS": (
+        "Every metric `OpenTelemetry` records: name -> (instrument, unit, what it measures);"
+        " the [observability how-to](../howto/observability.md) lists them."
+    ),
+    "ModelChunk": (
+        "What a model's `stream` yields: a `TextChunk`, a `ToolCallChunk` or a `UsageChunk`."
+    ),
 }
 
 
@@ -375,6 +390,8 @@ def entry(namespace: str, name: str, obj: Any, seen: dict[int, str]) -> list[str
         out += ["```", "", doc(obj), ""]
     else:
         shown = annotation(obj) if isinstance(obj, types.UnionType) else repr(obj)
+        if isinstance(obj, dict):  # a table: its entries are described in its docs
+            shown = f"{{...}}  # {len(obj)} entries"
         out += ["```python", f"{name} = {shown}", "```", "", VALUE_DOCS.get(name, ""), ""]
     return out
 

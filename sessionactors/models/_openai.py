@@ -3,7 +3,9 @@
 :class:`OpenAIChatModel` streams ``POST {base_url}/chat/completions`` with
 ``stream: true`` and turns the server-sent events into
 :class:`~sessionactors.TextChunk` and :class:`~sessionactors.ToolCallChunk`
-values, exactly as they arrive. It works with OpenAI itself and with the
+values, exactly as they arrive, and the token counts the server reports at
+the end (it asks for them with ``stream_options.include_usage``) into a
+:class:`~sessionactors.UsageChunk`. It works with OpenAI itself and with the
 servers that copy its API (vLLM, llama.cpp, Ollama, LM Studio, ...).
 
 Transient failures (HTTP 429 and 5xx, connection errors) are retried with
@@ -29,7 +31,7 @@ import trio
 from httpx_sse import EventSource
 
 from .._errors import ModelError
-from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, ToolSpec
+from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, ToolSpec, UsageChunk
 from .._records import Message, Role
 
 __all__ = ["OpenAIChatModel"]
@@ -95,7 +97,10 @@ class OpenAIChatModel:
 
     ``extra_body`` adds fields to the request body (``temperature``,
     ``max_tokens``, ...); the fields the adapter sets itself (``model``,
-    ``messages``, ``tools``, ``stream``) win. ``headers`` adds HTTP headers.
+    ``messages``, ``tools``, ``stream``) win. The adapter asks for token counts
+    with ``stream_options: {"include_usage": true}`` unless ``extra_body`` has
+    ``stream_options`` of its own (give ``{"include_usage": False}`` to a server
+    that refuses it). ``headers`` adds HTTP headers.
 
     ``client`` is an ``httpx.AsyncClient`` to share (its connection pool and
     timeouts are used, and it is never closed here); give it a read timeout of
@@ -214,6 +219,7 @@ class OpenAIChatModel:
         else:
             body.pop("tools", None)
         body["stream"] = True
+        body.setdefault("stream_options", {"include_usage": True})
         try:
             return json.dumps(body, ensure_ascii=False, default=_json_default).encode()
         except (TypeError, ValueError) as exc:
@@ -322,6 +328,9 @@ class _StreamParser:
         if not isinstance(choices, list):
             self._malformed(f"a chunk has no 'choices' list: {_quote(data)}")
         chunks: list[ModelChunk] = []
+        usage = payload.get("usage")
+        if usage is not None:  # (null in every chunk but the last, with include_usage)
+            chunks.append(self._usage_chunk(usage, data))
         for choice in choices:
             if not isinstance(choice, dict):
                 self._malformed(f"a choice is not a JSON object: {_quote(data)}")
@@ -379,6 +388,15 @@ class _StreamParser:
         return ToolCallChunk(
             index, id=call_id or None, name=name or None, arguments=arguments or ""
         )
+
+    def _usage_chunk(self, usage: object, data: str) -> UsageChunk:
+        if not isinstance(usage, dict):
+            self._malformed(f"'usage' is not a JSON object: {_quote(data)}")
+        counts = [usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0]
+        for count in counts:
+            if count.__class__ is not int or count < 0:
+                self._malformed(f"'usage' holds a count that is not an integer: {_quote(data)}")
+        return UsageChunk(*counts)
 
     def _malformed(self, what: str) -> NoReturn:
         raise ModelError(

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 
 import attrs
 import trio
 
 from .._errors import SessionActorsError
-from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk
-from .._records import Role, ToolCall
+from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, UsageChunk
+from .._records import Role, ToolCall, Usage
 
 __all__ = ["EchoModel", "ScriptExhaustedError", "Scripted", "ScriptedModel"]
 
@@ -54,6 +55,7 @@ class Scripted:
     - ``delay``: seconds to sleep before each chunk.
     - ``wait``: a ``trio.Event`` to wait on before streaming (to hold a turn open);
       ``wait_after`` chunks are streamed first.
+    - ``usage``: tokens to report, as a ``UsageChunk`` after the other chunks.
     - ``error``: raised after the chunks (a model failure).
     """
 
@@ -64,6 +66,7 @@ class Scripted:
     wait: trio.Event | None = None
     wait_after: int = 0
     error: BaseException | None = None
+    usage: Usage | None = None
 
     def text_chunks(self) -> list[str]:
         """The text chunks this answer streams."""
@@ -120,17 +123,21 @@ class ScriptedModel:
             await trio.lowlevel.checkpoint()
             raise step
         script = step if isinstance(step, Scripted) else Scripted(text=step)
-        async for chunk in _play(script):
-            yield chunk
+        # closed with this stream, when a consumer stops reading it part-way
+        async with contextlib.aclosing(_play(script)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
 
-async def _play(script: Scripted) -> AsyncIterator[ModelChunk]:
+async def _play(script: Scripted) -> AsyncGenerator[ModelChunk, None]:
     chunks: list[ModelChunk] = [TextChunk(c) for c in script.text_chunks()]
     for index, call in enumerate(script.tool_calls):
         half = len(call.arguments) // 2
         chunks.append(ToolCallChunk(index, id=call.id, name=call.name))
         chunks.append(ToolCallChunk(index, arguments=call.arguments[:half]))
         chunks.append(ToolCallChunk(index, arguments=call.arguments[half:]))
+    if script.usage is not None:
+        chunks.append(UsageChunk(script.usage.input_tokens, script.usage.output_tokens))
     await trio.lowlevel.checkpoint()
     for i, chunk in enumerate(chunks):
         if script.wait is not None and i == script.wait_after:

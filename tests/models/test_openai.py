@@ -22,6 +22,8 @@ from sessionactors import (
     ToolCall,
     ToolCallChunk,
     ToolSpec,
+    Usage,
+    UsageChunk,
 )
 from sessionactors.models import OpenAIChatModel
 
@@ -218,6 +220,7 @@ async def test_request_converts_messages_tools_and_headers(fake: FakeOpenAI) -> 
         "temperature": 0.2,
         "model": "test-model",
         "stream": True,
+        "stream_options": {"include_usage": True},
         "messages": [
             {"role": "system", "content": "You are helpful."},
             {"role": "user", "content": "Where is A1001?"},
@@ -242,6 +245,67 @@ async def test_request_converts_messages_tools_and_headers(fake: FakeOpenAI) -> 
     assert recorded.headers["x-trace"] == "t1"
     assert recorded.headers["content-type"] == "application/json"
     assert recorded.headers["accept"] == "text/event-stream"
+
+
+def usage_chunk(prompt: Any, completion: Any) -> dict[str, Any]:
+    """The last chunk a server sends when asked for usage: no choices, the counts."""
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": 0,
+        },
+    }
+
+
+async def test_reads_the_usage_from_the_last_chunk(fake: FakeOpenAI) -> None:
+    """The usage the server sends after the answer becomes a UsageChunk; null usage is skipped."""
+    fake.push(
+        Reply(pieces=sse(delta(content="Hi"), {**finish(), "usage": None}, usage_chunk(12, 3)))
+    )
+    chunks = await collect(make_model(fake))
+    assert chunks == [TextChunk("Hi"), UsageChunk(12, 3)]
+
+
+async def test_a_turn_keeps_the_usage_the_server_reports(fake: FakeOpenAI) -> None:
+    """Through a registry, the reported usage lands on the reply and is summed in state and listing."""
+    import sessionactors as sa
+
+    for prompt in (10, 20):
+        fake.push(Reply(pieces=sse(delta(content="ok"), finish(), usage_chunk(prompt, 2))))
+    agent = sa.Agent(model=make_model(fake))
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": agent}) as registry:
+            ref = await registry.spawn("s")
+            first = await ref.send("one")
+            await ref.send("two")
+            state = await ref.state()
+            [info] = await registry.sessions()
+    assert first.message is not None
+    assert first.message.usage == Usage(input_tokens=10, output_tokens=2)
+    assert state.usage == info.usage == Usage(input_tokens=30, output_tokens=4)
+    assert all(r.body["stream_options"] == {"include_usage": True} for r in fake.requests)
+
+
+async def test_stream_options_in_extra_body_are_kept(fake: FakeOpenAI) -> None:
+    """A server that refuses stream_options can be spared them through extra_body."""
+    fake.push(text_reply("ok"))
+    await collect(make_model(fake, extra_body={"stream_options": {"include_usage": False}}))
+    [recorded] = fake.requests
+    assert recorded.body["stream_options"] == {"include_usage": False}
+
+
+@pytest.mark.parametrize(
+    "usage", [[1, 2], {"prompt_tokens": "5"}, {"prompt_tokens": -1}, {"completion_tokens": 1.5}]
+)
+async def test_a_malformed_usage_is_a_malformed_stream(fake: FakeOpenAI, usage: Any) -> None:
+    """Usage that is not an object of non-negative integer counts is a ModelError."""
+    fake.push(Reply(pieces=sse(delta(content="Hi"), {"choices": [], "usage": usage})))
+    with pytest.raises(ModelError, match="usage"):
+        await collect(make_model(fake))
 
 
 async def test_request_omits_tools_and_authorization_when_absent(fake: FakeOpenAI) -> None:

@@ -1,0 +1,317 @@
+"""OpenTelemetry traces and metrics of a registry, after the GenAI semantic conventions.
+
+A plug-in: it implements the core's :class:`~sessionactors.Telemetry` seam with
+``opentelemetry-api`` (the ``otel`` extra); the application brings the SDK and
+its exporters. Nothing in the core imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, Final
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from .._model import Model, ModelRequest
+from .._records import ToolCall, Usage
+from .._telemetry import ModelCallTrace, Telemetry, ToolCallTrace, TurnTrace
+
+__all__ = ["METRICS", "OpenTelemetry"]
+
+_SCOPE: Final = "sessionactors"
+
+#: Every metric this plug-in records: name -> (instrument, unit, what it measures).
+METRICS: Final[dict[str, tuple[str, str, str]]] = {
+    "sessionactors.turns": (
+        "counter",
+        "{turn}",
+        "turns that ended, by sessionactors.turn.outcome (finished, failed, cancelled,"
+        " waiting, crashed) and gen_ai.agent.name",
+    ),
+    "sessionactors.turn.duration": (
+        "histogram",
+        "s",
+        "how long a turn ran, from its start to its outcome being durable; same attributes",
+    ),
+    "gen_ai.client.operation.duration": (
+        "histogram",
+        "s",
+        "how long one model call took (gen_ai.operation.name=chat, gen_ai.request.model,"
+        " error.type when it failed)",
+    ),
+    "gen_ai.client.operation.time_to_first_chunk": (
+        "histogram",
+        "s",
+        "from a model call's start to its first chunk (the time to the first token)",
+    ),
+    "gen_ai.client.token.usage": (
+        "histogram",
+        "{token}",
+        "tokens a model call reported, by gen_ai.token.type (input or output)",
+    ),
+    "sessionactors.sessions.live": (
+        "observable up-down counter",
+        "{session}",
+        "sessions whose actors run now, over the instrumented registries",
+    ),
+    "sessionactors.sessions.hibernations": (
+        "observable counter",
+        "{session}",
+        "sessions hibernated (state written to the store, actor gone) since the registries opened",
+    ),
+    "sessionactors.sessions.wakes": (
+        "observable counter",
+        "{session}",
+        "hibernated sessions woken from the store since the registries opened",
+    ),
+    "sessionactors.mailbox.depth": (
+        "histogram",
+        "{request}",
+        "requests waiting in a session's mailbox as each turn starts",
+    ),
+    "sessionactors.subscribers.lagged": (
+        "counter",
+        "{subscriber}",
+        "subscribers cut off because they fell behind (SubscriberLaggedError)",
+    ),
+    "sessionactors.store.write.duration": (
+        "histogram",
+        "s",
+        "how long one store write took, by sessionactors.store.operation (append or"
+        " snapshot) and error.type when it failed",
+    ),
+}
+
+# The GenAI conventions' advice for durations (seconds) and token counts.
+_SECONDS: Final = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+_SECONDS_WIDE: Final = (*_SECONDS, 40.96, 81.92, 163.84, 327.68)
+_STORE_SECONDS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+_TOKENS: Final = tuple(4.0**i for i in range(14))  # 1, 4, 16, ... 67108864
+_DEPTHS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+
+
+def _error_type(error: BaseException | None) -> str:
+    return "_OTHER" if error is None else type(error).__qualname__
+
+
+def _model_name(model: Model) -> str:
+    """The model's own name if it has one (``OpenAIChatModel.model``), else its class."""
+    name = getattr(model, "model", None)
+    return name if isinstance(name, str) and name else type(model).__name__
+
+
+class OpenTelemetry(Telemetry):
+    """Traces and metrics through OpenTelemetry: ``open_registry(..., telemetry=OpenTelemetry())``.
+
+    Spans follow the GenAI semantic conventions: one trace per turn, rooted at an
+    ``invoke_agent {agent}`` span (``gen_ai.conversation.id`` = the session's name,
+    ``sessionactors.turn.id``), with a ``chat {model}`` span per model call and an
+    ``execute_tool {tool}`` span per tool call. The turn's span is current while
+    the turn runs and a tool's while it runs, so spans that tools make nest under
+    them. Failures set the span's status to ERROR and ``error.type``.
+
+    Metrics are listed in :data:`METRICS`. ``tracer_provider`` and
+    ``meter_provider`` default to the global ones (set by the application's SDK
+    setup); without an SDK every call is OpenTelemetry's no-op. One instance may
+    serve several registries.
+    """
+
+    def __init__(self, *, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+        self._tracer = trace.get_tracer(_SCOPE, tracer_provider=tracer_provider)
+        meter = metrics.get_meter(_SCOPE, meter_provider=meter_provider)
+        self._registries: list[Any] = []
+
+        def histogram(name: str, bounds: Iterable[float]) -> metrics.Histogram:
+            _, unit, description = METRICS[name]
+            return meter.create_histogram(
+                name, unit, description, explicit_bucket_boundaries_advisory=list(bounds)
+            )
+
+        def counter(name: str) -> metrics.Counter:
+            _, unit, description = METRICS[name]
+            return meter.create_counter(name, unit, description)
+
+        self.turns = counter("sessionactors.turns")
+        self.turn_duration = histogram("sessionactors.turn.duration", _SECONDS_WIDE)
+        self.call_duration = histogram("gen_ai.client.operation.duration", _SECONDS_WIDE)
+        self.first_chunk = histogram("gen_ai.client.operation.time_to_first_chunk", _SECONDS)
+        self.tokens = histogram("gen_ai.client.token.usage", _TOKENS)
+        self.mailbox_depth = histogram("sessionactors.mailbox.depth", _DEPTHS)
+        self.lagged = counter("sessionactors.subscribers.lagged")
+        self.store_writes = histogram("sessionactors.store.write.duration", _STORE_SECONDS)
+        for name, field in (
+            ("sessionactors.sessions.live", "live"),
+            ("sessionactors.sessions.hibernations", "hibernated"),
+            ("sessionactors.sessions.wakes", "woken"),
+        ):
+            kind, unit, description = METRICS[name]
+            make = (
+                meter.create_observable_up_down_counter
+                if kind.endswith("up-down counter")
+                else meter.create_observable_counter
+            )
+            make(name, [self._observer(field)], unit, description)
+
+    def __repr__(self) -> str:
+        return f"<OpenTelemetry registries={len(self._registries)}>"
+
+    def _observer(self, field: str) -> Any:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            stats = [registry.statistics() for registry in self._registries]
+            return [Observation(sum(getattr(s, field) for s in stats))]
+
+        return observe
+
+    # ---- the seam ------------------------------------------------------------------
+
+    def registry_opened(self, registry: Any) -> None:
+        self._registries.append(registry)
+
+    def registry_closed(self, registry: Any) -> None:
+        with contextlib.suppress(ValueError):
+            self._registries.remove(registry)
+
+    def turn(
+        self, *, session_id: str, turn_id: str, agent: str | None, queued: int
+    ) -> TurnTrace | None:
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.conversation.id": session_id,
+            "sessionactors.turn.id": turn_id,
+        }
+        if agent is not None:
+            attributes["gen_ai.agent.name"] = agent
+        span = self._tracer.start_span(
+            f"invoke_agent {agent}" if agent else "invoke_agent",
+            # a root: one turn is one trace, whoever's context started the actor
+            context=otel_context.Context(),
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+        )
+        self.mailbox_depth.record(queued)
+        return _Turn(self, span, agent)
+
+    def store_write(self, *, operation: str, seconds: float, error: BaseException | None) -> None:
+        attributes = {"sessionactors.store.operation": operation}
+        if error is not None:
+            attributes["error.type"] = _error_type(error)
+        self.store_writes.record(seconds, attributes)
+
+    def subscriber_lagged(self, *, session_id: str) -> None:
+        self.lagged.add(1)
+
+
+class _Turn(TurnTrace):
+    __slots__ = ("_agent", "_otel", "_span", "_start")
+
+    def __init__(self, otel: OpenTelemetry, span: Span, agent: str | None) -> None:
+        self._otel = otel
+        self._span = span
+        self._agent = agent
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        with trace.use_span(
+            self._span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+        ):
+            yield
+
+    def model_call(self, model: Model, request: ModelRequest) -> ModelCallTrace:
+        name = _model_name(model)
+        span = self._otel._tracer.start_span(
+            f"chat {name}",
+            context=trace.set_span_in_context(self._span),
+            kind=SpanKind.CLIENT,
+            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": name},
+        )
+        return _ModelCall(self._otel, span, name)
+
+    @contextlib.contextmanager
+    def tool_call(self, call: ToolCall) -> Iterator[ToolCallTrace]:
+        span = self._otel._tracer.start_span(
+            f"execute_tool {call.name}",
+            context=trace.set_span_in_context(self._span),
+            kind=SpanKind.INTERNAL,
+            attributes={
+                "gen_ai.operation.name": "execute_tool",
+                "gen_ai.tool.name": call.name,
+                "gen_ai.tool.call.id": call.id,
+                "gen_ai.tool.type": "function",
+            },
+        )
+        with trace.use_span(span, end_on_exit=True):  # an exception (a cancel) is recorded
+            yield _ToolCall(span)
+
+    def end(self, outcome: str, error: BaseException | None) -> None:
+        span = self._span
+        attributes: dict[str, Any] = {"sessionactors.turn.outcome": outcome}
+        if self._agent is not None:
+            attributes["gen_ai.agent.name"] = self._agent
+        span.set_attribute("sessionactors.turn.outcome", outcome)
+        if error is not None and outcome in ("failed", "crashed"):
+            attributes["error.type"] = _error_type(error)
+            _fail(span, error)
+        span.end()
+        self._otel.turns.add(1, attributes)
+        self._otel.turn_duration.record(time.perf_counter() - self._start, attributes)
+
+
+class _ModelCall(ModelCallTrace):
+    __slots__ = ("_name", "_otel", "_span", "_start")
+
+    def __init__(self, otel: OpenTelemetry, span: Span, name: str) -> None:
+        self._otel = otel
+        self._span = span
+        self._name = name
+        self._start = time.perf_counter()
+
+    def first_chunk(self) -> None:
+        self._otel.first_chunk.record(
+            time.perf_counter() - self._start,
+            {"gen_ai.operation.name": "chat", "gen_ai.request.model": self._name},
+        )
+
+    def end(self, usage: Usage | None, error: BaseException | None) -> None:
+        span = self._span
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.request.model": self._name,
+        }
+        if usage is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+            tokens = self._otel.tokens
+            tokens.record(usage.input_tokens, {**attributes, "gen_ai.token.type": "input"})
+            tokens.record(usage.output_tokens, {**attributes, "gen_ai.token.type": "output"})
+        if error is not None:
+            attributes["error.type"] = _error_type(error)
+            _fail(span, error)
+        span.end()
+        self._otel.call_duration.record(time.perf_counter() - self._start, attributes)
+
+
+class _ToolCall(ToolCallTrace):
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def failed(self, error: BaseException | None, message: str) -> None:
+        span = self._span
+        if error is not None:
+            _fail(span, error)
+        else:
+            span.set_attribute("error.type", "_OTHER")
+            span.set_status(Status(StatusCode.ERROR, message[:200]))
+
+
+def _fail(span: Span, error: BaseException) -> None:
+    span.set_attribute("error.type", _error_type(error))
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:200]))

@@ -1,0 +1,317 @@
+"""OpenTelemetry: spans and metrics of turns, model and tool calls, checked with the SDK's
+in-memory exporters; and the core never imports opentelemetry without the plug-in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+import sessionactors as sa
+from sessionactors.otel import METRICS, OpenTelemetry
+from sessionactors.testing import Scripted, ScriptedModel
+
+
+class Otel:
+    """An SDK set up for one test: spans and metrics kept in memory."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        self.telemetry = OpenTelemetry(
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
+        )
+
+    def spans(self) -> list[ReadableSpan]:
+        return list(self.exporter.get_finished_spans())
+
+    def span(self, name: str) -> ReadableSpan:
+        [found] = [s for s in self.spans() if s.name == name]
+        return found
+
+    def points(self, name: str) -> list[Any]:
+        """The data points of metric ``name`` (empty if it recorded nothing)."""
+        data = self.reader.get_metrics_data()
+        out = []
+        for resource in data.resource_metrics if data is not None else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == name:
+                        out.extend(metric.data.data_points)
+        return out
+
+    def by(self, name: str, key: str) -> dict[Any, Any]:
+        """Metric ``name``'s points by the value of attribute ``key``."""
+        return {p.attributes.get(key): p for p in self.points(name)}
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    setup = Otel()
+    yield setup
+    setup.tracer_provider.shutdown()
+    setup.meter_provider.shutdown()
+
+
+def parent_of(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+def call(name: str, id: str, **arguments: Any) -> sa.ToolCall:
+    return sa.ToolCall(id=id, name=name, arguments=json.dumps(arguments))
+
+
+async def test_a_turn_is_one_trace_with_chat_and_tool_spans_and_the_tools_own_spans_nested(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """invoke_agent is the root of each turn's own trace; chat and execute_tool spans are its
+    children with the GenAI attributes, and spans a tool makes (in concurrent tools too) nest
+    under that tool's execute_tool span."""
+    app_tracer = otel.tracer_provider.get_tracer("app")
+
+    @sa.tool
+    async def lookup(order_id: str) -> str:
+        """Look up an order."""
+        with app_tracer.start_as_current_span(f"db {order_id}"):
+            await trio.sleep(1)
+        return "shipped"
+
+    model = ScriptedModel(
+        [
+            Scripted(
+                text="Checking.",
+                tool_calls=[
+                    call("lookup", "c1", order_id="A1"),
+                    call("lookup", "c2", order_id="B2"),
+                ],
+                usage=sa.Usage(input_tokens=50, output_tokens=7),
+            ),
+            Scripted(text="Both shipped.", usage=sa.Usage(input_tokens=80, output_tokens=3)),
+            "Bye.",
+        ]
+    )
+    agent = sa.Agent(model=model, tools=[lookup])
+    async with sa.open_registry(agents={"support": agent}, telemetry=otel.telemetry) as registry:
+        ref = await registry.spawn("s-1")
+        with trio.fail_after(30):
+            with app_tracer.start_as_current_span("caller"):  # not the turn's parent
+                first = await ref.send("Where are A1 and B2?")
+            second = await ref.send("Thanks")
+
+    turns = [s for s in otel.spans() if s.name == "invoke_agent support"]
+    assert [t.attributes["sessionactors.turn.id"] for t in turns] == [first.turn_id, second.turn_id]
+    turn = turns[0]
+    assert turn.parent is None
+    assert turns[1].context.trace_id != turn.context.trace_id
+    assert dict(turn.attributes) == {
+        "gen_ai.operation.name": "invoke_agent",
+        "gen_ai.agent.name": "support",
+        "gen_ai.conversation.id": "s-1",
+        "sessionactors.turn.id": first.turn_id,
+        "sessionactors.turn.outcome": "finished",
+    }
+    in_first = [s for s in otel.spans() if s.context.trace_id == turn.context.trace_id]
+    chats = [s for s in in_first if s.name == "chat ScriptedModel"]
+    assert len(chats) == 2
+    for chat, (i, o) in zip(chats, [(50, 7), (80, 3)], strict=True):
+        assert parent_of(chat) == turn.context.span_id
+        assert chat.attributes["gen_ai.operation.name"] == "chat"
+        assert chat.attributes["gen_ai.request.model"] == "ScriptedModel"
+        assert chat.attributes["gen_ai.usage.input_tokens"] == i
+        assert chat.attributes["gen_ai.usage.output_tokens"] == o
+    tools = {
+        s.attributes["gen_ai.tool.call.id"]: s for s in in_first if s.name == "execute_tool lookup"
+    }
+    assert sorted(tools) == ["c1", "c2"]
+    for call_id, order in (("c1", "A1"), ("c2", "B2")):
+        tool_span = tools[call_id]
+        assert parent_of(tool_span) == turn.context.span_id
+        assert tool_span.attributes["gen_ai.operation.name"] == "execute_tool"
+        assert tool_span.attributes["gen_ai.tool.name"] == "lookup"
+        assert tool_span.status.status_code is StatusCode.UNSET
+        assert parent_of(otel.span(f"db {order}")) == tool_span.context.span_id
+    # the second turn reported no usage: its chat span says nothing of tokens
+    [last_chat] = [
+        s
+        for s in otel.spans()
+        if s.context.trace_id == turns[1].context.trace_id and s.name.startswith("chat")
+    ]
+    assert "gen_ai.usage.input_tokens" not in last_chat.attributes
+    assert parent_of(otel.span("caller")) is None
+
+
+async def test_failures_set_error_status_and_type(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """A model that raises marks its chat span and the turn's span ERROR with the exception's
+    type; a tool that raises marks its execute_tool span only (the turn goes on)."""
+
+    @sa.tool
+    async def broken() -> str:
+        """Always fails."""
+        raise KeyError("gone")
+
+    model = ScriptedModel(
+        [ValueError("model down"), Scripted(tool_calls=[call("broken", "c9")]), "Sorry."]
+    )
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=[broken])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("hi")
+            await ref.send("again")
+
+    failed, finished = [s for s in otel.spans() if s.name == "invoke_agent a"]
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes["error.type"] == "ValueError"
+    assert failed.attributes["sessionactors.turn.outcome"] == "failed"
+    [failed_chat] = [
+        s for s in otel.spans() if s.parent and s.parent.span_id == failed.context.span_id
+    ]
+    assert failed_chat.status.status_code is StatusCode.ERROR
+    assert failed_chat.attributes["error.type"] == "ValueError"
+    tool_span = otel.span("execute_tool broken")
+    assert tool_span.status.status_code is StatusCode.ERROR
+    assert tool_span.attributes["error.type"] == "KeyError"
+    assert finished.status.status_code is StatusCode.UNSET
+    assert (
+        otel.by("sessionactors.turns", "sessionactors.turn.outcome")["failed"].attributes[
+            "error.type"
+        ]
+        == "ValueError"
+    )
+
+
+async def test_metrics_count_turns_tokens_sessions_store_writes_and_lagging_subscribers(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """Turns by outcome, turn and call durations, time to first chunk, token usage, live and
+    hibernated sessions, mailbox depth, store writes and cut-off subscribers are recorded."""
+    gate = trio.Event()
+    model = ScriptedModel(
+        [
+            Scripted(
+                text="one two three four five six",
+                usage=sa.Usage(input_tokens=9, output_tokens=6),
+                wait=gate,
+                wait_after=0,
+            ),
+            Scripted(text="ok", usage=sa.Usage(input_tokens=20, output_tokens=1)),
+            RuntimeError("boom"),
+        ]
+    )
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model)}, telemetry=otel.telemetry, subscriber_buffer=1
+    ) as registry:
+        ref = await registry.spawn("s")
+        other = await registry.spawn("t")
+        with trio.fail_after(10):
+            async with ref.subscribe() as events:  # never read: cut off
+                first = await ref.submit("hello")
+                queued = [await ref.submit("again"), await ref.submit("fails")]
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+                await first.reply()
+                await queued[0].reply()
+                with pytest.raises(sa.TurnFailedError):
+                    await queued[1].reply()
+                with pytest.raises(sa.SubscriberLaggedError):
+                    async for _ in events:
+                        pass
+            await other.state()  # live, no turn
+            assert otel.points("sessionactors.sessions.live")[0].value == 2
+            await ref.hibernate()
+
+        turns = otel.by("sessionactors.turns", "sessionactors.turn.outcome")
+        assert {k: p.value for k, p in turns.items()} == {"finished": 2, "failed": 1}
+        assert turns["finished"].attributes["gen_ai.agent.name"] == "a"
+        assert sum(p.count for p in otel.points("sessionactors.turn.duration")) == 3
+        calls = otel.points("gen_ai.client.operation.duration")
+        assert sum(p.count for p in calls) == 3
+        assert {p.attributes.get("error.type") for p in calls} == {None, "RuntimeError"}
+        assert sum(p.count for p in otel.points("gen_ai.client.operation.time_to_first_chunk")) == 2
+        tokens = otel.by("gen_ai.client.token.usage", "gen_ai.token.type")
+        assert (tokens["input"].sum, tokens["input"].count) == (29, 2)
+        assert (tokens["output"].sum, tokens["output"].count) == (7, 2)
+        assert tokens["input"].attributes["gen_ai.request.model"] == "ScriptedModel"
+        [depth] = otel.points("sessionactors.mailbox.depth")
+        assert (depth.count, depth.max) == (3, 2)  # the first turn saw two waiting behind it
+        assert otel.points("sessionactors.subscribers.lagged")[0].value == 1
+        writes = otel.by("sessionactors.store.write.duration", "sessionactors.store.operation")
+        assert writes["append"].count >= 3
+        assert writes["snapshot"].count >= 1
+        assert otel.points("sessionactors.sessions.hibernations")[0].value >= 1
+    # a closed registry is no longer observed
+    assert otel.points("sessionactors.sessions.live")[0].value == 0
+
+
+def test_every_metric_is_documented_in_the_how_to() -> None:
+    """Each metric name the plug-in records appears in docs/howto/observability.md."""
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "howto" / "observability.md").read_text()
+    assert [name for name in METRICS if f"`{name}`" not in page] == []
+
+
+async def test_telemetry_must_be_a_telemetry() -> None:
+    """open_registry refuses a telemetry that is not a sessionactors.Telemetry, naming it."""
+    with pytest.raises(TypeError, match=r"telemetry must be a sessionactors\.Telemetry"):
+        async with sa.open_registry(
+            agents={"a": sa.Agent(model=ScriptedModel())}, telemetry=object()
+        ):  # type: ignore[arg-type]
+            pass
+
+
+_WITHOUT_PLUGIN = textwrap.dedent(
+    """
+    import sys
+    import trio
+    {before}
+    import sessionactors as sa
+    from sessionactors.testing import EchoModel
+
+    async def main():
+        async with sa.open_registry(agents={{"a": sa.Agent(model=EchoModel())}}) as registry:
+            ref = await registry.spawn("s")
+            assert (await ref.send("hello there")).text == "hello there"
+
+    trio.run(main)
+    print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"))
+    """
+)
+
+
+def modules_after_a_turn(before: str = "") -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PLUGIN.format(before=before)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    loaded: list[str] = json.loads(out.stdout.strip().replace("'", '"'))
+    return loaded
+
+
+def test_the_core_never_imports_opentelemetry() -> None:
+    """Importing sessionactors and running a turn loads no opentelemetry module; the check
+    sees one when the plug-in is imported (negative control)."""
+    assert modules_after_a_turn() == []
+    assert "opentelemetry.trace" in modules_after_a_turn("import sessionactors.otel")
