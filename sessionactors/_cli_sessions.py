@@ -32,7 +32,7 @@ from ._errors import (
     StoreError,
 )
 from ._export import dump_export, load_export
-from ._json import event_to_json, metadata_json, state_to_json
+from ._json import event_to_json, metadata_json, state_to_json, to_json
 from ._names import validate_name
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, utcnow
@@ -190,6 +190,7 @@ def _info_json(info: SessionInfo) -> dict[str, Any]:
         "updated_at": info.updated_at.isoformat(),
         "metadata": metadata_json(info.metadata),
         "pending_reviews": info.pending_reviews,
+        "usage": to_json(info.usage),
     }
 
 

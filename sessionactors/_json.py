@@ -69,6 +69,7 @@ def state_to_json(state: SessionState) -> dict[str, Any]:
         "summary": state.summary,
         "messages": [to_json(m) for m in state.messages],
         "pending_reviews": [to_json(r) for r in state.reviews],
+        "usage": to_json(state.usage),
     }
 
 
