@@ -25,6 +25,7 @@ from ._errors import SnapshotCorruptError as SnapshotCorruptError
 from ._errors import SnapshotError as SnapshotError
 from ._errors import SnapshotVersionError as SnapshotVersionError
 from ._errors import StoreError as StoreError
+from ._errors import StoreNotDurableError as StoreNotDurableError
 from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
@@ -119,6 +120,7 @@ __all__ = [
     "Status",
     "StatusChanged",
     "StoreError",
+    "StoreNotDurableError",
     "SubscriberLaggedError",
     "TextChunk",
     "Tool",

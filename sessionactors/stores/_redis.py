@@ -2,33 +2,38 @@
 
 Layout (every key starts with ``prefix``; ``<n>`` is the session name as
 unpadded base64url of its UTF-8 bytes, so no character of a name ever
-reaches a key, a pattern or a script unescaped)::
+reaches a key, a pattern or a script unescaped; ``<g>`` is the name's key
+group, ``crc32(UTF-8 name) % 1024``)::
 
-    <prefix>:fence          fencing counter shared by every session (INCR)
-    <prefix>:sessions       set of every stored ``<n>`` (for list_sessions)
-    <prefix>:s:<n>:meta     hash: snap (snapshot bytes), seq (its seq),
-                            last (highest seq appended), trimmed (highest seq trimmed)
-    <prefix>:s:<n>:info     the info blob
-    <prefix>:s:<n>:log      the journal, a stream whose entry ids are ``<seq>-0``
-    <prefix>:s:<n>:lease    hash: owner, fence; expires with the lease (PEXPIRE)
+    <prefix>:{g<g>}:fence       fencing counter of the sessions of group <g> (INCR)
+    <prefix>:{g<g>}:sessions    set of the stored ``<n>`` of group <g> (for list_sessions)
+    <prefix>:{g<g>}:s:<n>:meta  hash: snap (snapshot bytes), seq (its seq),
+                                last (highest seq appended), trimmed (highest seq trimmed)
+    <prefix>:{g<g>}:s:<n>:info  the info blob
+    <prefix>:{g<g>}:s:<n>:log   the journal, a stream whose entry ids are ``<seq>-0``
+    <prefix>:{g<g>}:s:<n>:lease hash: owner, fence; expires with the lease (PEXPIRE)
 
-Every write is one Lua script, so it is atomic and, when it carries a fencing
-token, checks that token in the same step. Fencing tokens come from one
-counter per prefix: they strictly increase for every session, across claims,
-releases and deletes, and no per-session key outlives a delete.
+``{g<g>}`` is a Redis Cluster hash tag: every key a script touches shares its
+session's group, so it sits in one hash slot, and the groups spread the
+sessions over the cluster's masters. Every write is one Lua script, so it is
+atomic and, when it carries a fencing token, checks that token in the same
+step. Fencing tokens come from the group's counter, which is never deleted:
+they strictly increase for every session, across claims, releases and
+deletes, and no per-session key outlives a delete.
 
-The store speaks to a standalone Redis (6.2 or later: ``XTRIM MINID`` and
-exclusive ``XRANGE`` ranges); the scripts touch more than one hash slot, so
-Redis Cluster is not supported.
+The store speaks to Redis 6.2 or later (``XTRIM MINID`` and exclusive
+``XRANGE`` ranges): one server, a Redis Cluster or a Sentinel's master (see
+``_redis_connect`` for the URLs); it checks the server's persistence when it
+connects.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import attrs
@@ -36,10 +41,9 @@ import coredis
 import coredis.exceptions
 import trio
 from coredis.commands import Script
-from coredis.retry import NoRetryPolicy
 
 from .._codec import MAX_SEQ
-from .._errors import StoreError
+from .._errors import StoreError, StoreNotDurableError
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -53,6 +57,7 @@ from ._memory import (
     _not_found_error,
     _stored_corrupt,
 )
+from ._redis_connect import Client, Target, check_persistence, open_client, redact
 
 __all__ = ["RedisStore"]
 
@@ -62,6 +67,8 @@ _T = TypeVar("_T")
 # (the codec's bound on every seq is the same).
 _MAX_SEQ: Final = MAX_SEQ
 _MGET_CHUNK: Final = 500
+#: Key groups (hash tags): a session's keys share its group's slot in a Redis Cluster.
+_GROUPS: Final = 1024
 
 # Status codes returned by the write scripts.
 _OK: Final = 0
@@ -210,12 +217,24 @@ def _encode_name(session_id: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
+def _group(name: str) -> int:
+    """The key group of a session (or worker) name: its keys' hash tag."""
+    return zlib.crc32(name.encode("utf-8", "surrogatepass")) % _GROUPS
+
+
 def _decode_name(encoded: bytes) -> str | None:
     try:
         raw = base64.urlsafe_b64decode(encoded + b"=" * (-len(encoded) % 4))
         return raw.decode("utf-8", "surrogatepass")
     except ValueError:
         return None
+
+
+def _pipeline(client: Client) -> Any:
+    """A pipeline without a transaction (on a cluster, one per master it reaches)."""
+    if isinstance(client, coredis.RedisCluster | coredis.Redis):
+        return client.pipeline(transaction=False)
+    raise TypeError(f"a redis store needs a coredis.Redis or RedisCluster, not {client!r}")
 
 
 def _ttl_ms(ttl: float) -> str:
@@ -285,17 +304,6 @@ def _entries(session_id: str, reply: Any, after: int) -> list[JournalEntry]:
     return _check_stored_entries(session_id, rows, after)
 
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
-
-
 class _Unavailable(Exception):
     """The client could not be opened."""
 
@@ -308,15 +316,16 @@ class _Connection:
     ready: trio.Event = attrs.field(factory=trio.Event)
     stop: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
-    client: coredis.Redis[bytes] | None = None
+    client: Client | None = None
     error: BaseException | None = None
 
 
-async def _own_client(conn: _Connection, client: coredis.Redis[bytes]) -> None:
+async def _own_client(conn: _Connection, target: Target) -> None:
     # The client's connection pool runs a task group that must be entered and
     # exited by one task: this one, which lives until aclose() or the end of the run.
     try:
-        async with client:
+        async with open_client(target) as client:
+            await check_persistence(client, target, redact(target.url))
             conn.client = client
             conn.ready.set()
             await conn.stop.wait()
@@ -332,14 +341,26 @@ async def _own_client(conn: _Connection, client: coredis.Redis[bytes]) -> None:
 class RedisStore:
     """A :class:`~sessionactors.stores.Store` in Redis, for many processes or machines.
 
-    ``url`` is a ``redis://``, ``rediss://`` or ``unix://`` URL; every key starts
-    with ``prefix``, so several applications can share one database. Nothing is
-    opened here: the first call connects inside the running trio run, and a call
-    after :meth:`aclose` connects again.
+    ``url`` names one server (``redis://host:port/db``, ``rediss://`` with TLS,
+    ``unix:///path/to/socket``), a Redis Cluster (``redis+cluster://host:port``, more
+    nodes separated by commas; ``rediss+cluster://`` with TLS) or the master that
+    Sentinel knows as ``service`` (``redis+sentinel://host:port/service[/db]``). Every
+    key starts with ``prefix``, so several applications can share one database.
+    Nothing is opened here: the first call connects inside the running trio run, and
+    a call after :meth:`aclose` connects again.
 
-    ``client`` is an already opened ``coredis.Redis`` (``decode_responses=False``)
-    to use instead of ``url``: its owner keeps it open and closes it, not
-    :meth:`aclose`.
+    ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
+    the server when it connects, before its first read or write; a server that
+    falls short raises :class:`~sessionactors.StoreNotDurableError`, which says how
+    to fix it. ``"always"`` (the default) needs ``appendonly yes`` and ``appendfsync
+    always``: every acknowledged write is on disk. ``"everysec"`` also accepts
+    ``appendfsync everysec``, which can lose up to about a second of acknowledged
+    writes when the machine crashes. ``"volatile"`` checks nothing, for tests and
+    caches. On a cluster every master is checked.
+
+    ``client`` is an already opened ``coredis.Redis`` or ``coredis.RedisCluster``
+    (``decode_responses=False``) to use instead of ``url``, checked on the first
+    call: its owner keeps it open and closes it, not :meth:`aclose`.
 
     Needs the ``redis`` extra (coredis).
     """
@@ -349,24 +370,30 @@ class RedisStore:
 
     url: str = "redis://127.0.0.1:6379/0"
     prefix: str = attrs.field(default="sessionactors", kw_only=True)
-    _client: coredis.Redis[bytes] | None = attrs.field(default=None, kw_only=True, alias="client")
+    persistence: str | None = attrs.field(default=None, kw_only=True)
+    _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
+    _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
+    _client_checked: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self._client is None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(
-                f"redis url {_redact(self.url)!r} is not a redis://, rediss:// or unix:// url; "
-                "pass one like 'redis://127.0.0.1:6379/0'"
-            )
+        url = "redis://" if self._client is not None else self.url
+        self._target = Target.parse(url, self.persistence)
+        self.persistence = self._target.persistence
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
             )
         if not self.prefix:
             raise ValueError("redis key prefix is empty; pass a prefix such as 'sessionactors'")
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(
+                f"redis key prefix {self.prefix!r} holds a brace, which would change the "
+                "keys' Redis Cluster hash tags; pass a prefix without {{ or }}"
+            )
 
     def __repr__(self) -> str:
-        where = "client" if self._client is not None else repr(_redact(self.url))
+        where = "client" if self._client is not None else repr(redact(self.url))
         return f"RedisStore({where}, prefix={self.prefix!r})"
 
     # -- many workers ----------------------------------------------------------------
@@ -381,10 +408,17 @@ class RedisStore:
 
     # -- keys ----------------------------------------------------------------------
 
+    # Every key is built here, under its group's hash tag: keys that one script
+    # touches must share a group (a Redis Cluster runs a script on one slot).
+
+    def _group_key(self, group: int, suffix: str) -> str:
+        """The key ``<prefix>:{g<group>}:<suffix>``, shared by a key group."""
+        return f"{self.prefix}:{{g{group}}}:{suffix}"
+
     def _key(self, kind: str, name: str, suffix: str) -> str:
-        """The key ``<prefix>:<kind>:<name, escaped>:<suffix>`` (kind "s": a session's,
-        "w": a worker's)."""
-        return f"{self.prefix}:{kind}:{_encode_name(name)}:{suffix}"
+        """The key ``<prefix>:{g<group>}:<kind>:<name, escaped>:<suffix>`` (kind "s": a
+        session's, "w": a worker's), in the group of ``name``."""
+        return self._group_key(_group(name), f"{kind}:{_encode_name(name)}:{suffix}")
 
     def _keys(self, session_id: str) -> tuple[str, str, str, str]:
         return (
@@ -394,27 +428,31 @@ class RedisStore:
             self._key("s", session_id, "lease"),
         )
 
-    @property
-    def _index_key(self) -> str:
-        return f"{self.prefix}:sessions"
+    def _index_key(self, session_id: str) -> str:
+        """The set of the stored sessions of ``session_id``'s group."""
+        return self._group_key(_group(session_id), "sessions")
 
-    @property
-    def _fence_key(self) -> str:
-        return f"{self.prefix}:fence"
+    def _fence_key(self, session_id: str) -> str:
+        """The fencing counter of ``session_id``'s group."""
+        return self._group_key(_group(session_id), "fence")
 
     # -- connection ----------------------------------------------------------------
 
-    async def _connected(self) -> tuple[coredis.Redis[bytes], _Connection | None]:
+    async def _connected(self) -> tuple[Client, _Connection | None]:
         if self._client is not None:
+            if not self._client_checked:
+                await check_persistence(self._client, self._target, "the given client")
+                self._client_checked = True
             await trio.lowlevel.checkpoint()
             return self._client, None
         token = trio.lowlevel.current_trio_token()
         conn = self._conn
         if conn is None or conn.token is not token or conn.done.is_set():
             conn = self._conn = _Connection(token)
-            client = coredis.Redis.from_url(self.url, retry_policy=NoRetryPolicy())
-            trio.lowlevel.spawn_system_task(_own_client, conn, client, name=repr(self))
+            trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
         await conn.ready.wait()
+        if isinstance(conn.error, StoreNotDurableError):
+            raise conn.error
         if conn.client is None:
             raise _Unavailable(str(conn.error)) from conn.error
         return conn.client, conn
@@ -423,16 +461,18 @@ class RedisStore:
         self,
         doing: str,
         session_id: str | None,
-        call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+        call: Callable[[Client], Awaitable[_T]],
     ) -> _T:
         where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
         try:
             client, conn = await self._connected()
             return await call(client)
+        except StoreNotDurableError:
+            raise
         except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
             raise StoreError(
-                f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
+                f"could not {doing} {where} in redis at {redact(self.url)}: {exc}; "
                 "check that redis-server is reachable, then retry",
                 session_id=session_id,
             ) from exc
@@ -453,7 +493,7 @@ class RedisStore:
             "create",
             session_id,
             lambda c: _CREATE(
-                [meta, info_key, log, self._index_key],
+                [meta, info_key, log, self._index_key(session_id)],
                 [snapshot, info, _encode_name(session_id)],
                 client=c,
             ),
@@ -542,22 +582,23 @@ class RedisStore:
         return trimmed, _entries(session_id, entries, min(max(after, 0), _MAX_SEQ))
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
-        async def run(client: coredis.Redis[bytes]) -> list[tuple[str, bytes]]:
-            members = sorted(await client.smembers(self._index_key))
+        async def run(client: Client) -> list[tuple[str, bytes]]:
+            # Every group's index in one pipeline (on a cluster, one per master), then
+            # the infos of each group's members: one slot per MGET.
+            async with _pipeline(client) as pipe:
+                replies = [pipe.smembers(self._group_key(g, "sessions")) for g in range(_GROUPS)]
+            batches: list[list[str]] = []
+            for reply in replies:
+                names = sorted(n for m in await reply if (n := _decode_name(m)) is not None)
+                batches += [names[i : i + _MGET_CHUNK] for i in range(0, len(names), _MGET_CHUNK)]
+            if not batches:
+                return []
+            async with _pipeline(client) as pipe:
+                infos = [pipe.mget([self._keys(name)[1] for name in names]) for names in batches]
             found: list[tuple[str, bytes]] = []
-            for start in range(0, len(members), _MGET_CHUNK):
-                names: list[str] = []
-                keys: list[str] = []
-                for member in members[start : start + _MGET_CHUNK]:
-                    name = _decode_name(member)
-                    if name is not None:
-                        names.append(name)
-                        keys.append(self._keys(name)[1])
-                if not keys:
-                    continue
-                infos = await client.mget(keys)
+            for names, reply in zip(batches, infos, strict=True):
                 # A session deleted between the two reads has no info: skip it.
-                found += [(n, i) for n, i in zip(names, infos, strict=True) if i is not None]
+                found += [(n, i) for n, i in zip(names, await reply, strict=True) if i is not None]
             found.sort()
             return found
 
@@ -569,7 +610,7 @@ class RedisStore:
         return bool(count)
 
     async def delete(self, session_id: str) -> bool:
-        keys = [*self._keys(session_id), self._index_key]
+        keys = [*self._keys(session_id), self._index_key(session_id)]
         existed: Any = await self._run(
             "delete", session_id, lambda c: _DELETE(keys, [_encode_name(session_id)], client=c)
         )
@@ -581,7 +622,7 @@ class RedisStore:
         fence: Any = await self._run(
             "claim",
             session_id,
-            lambda c: _CLAIM([lease_key, self._fence_key], args, client=c),
+            lambda c: _CLAIM([lease_key, self._fence_key(session_id)], args, client=c),
         )
         if fence is None:
             return None
