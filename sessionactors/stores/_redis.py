@@ -325,7 +325,11 @@ async def _own_client(conn: _Connection, target: Target) -> None:
     # exited by one task: this one, which lives until aclose() or the end of the run.
     try:
         async with open_client(target) as client:
-            await check_persistence(client, target, redact(target.url))
+            try:
+                await check_persistence(client, target, redact(target.url))
+            except StoreNotDurableError as exc:
+                conn.error = exc  # raised as it is to every waiting call
+                return
             conn.client = client
             conn.ready.set()
             await conn.stop.wait()
