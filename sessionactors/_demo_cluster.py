@@ -65,15 +65,18 @@ def _ping(port: int) -> bool:
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
-    """Run a throwaway redis-server on a free loopback port; yield its URL."""
+    """Run a throwaway durable redis-server (append-only file, fsync on every write) on a
+    free loopback port; yield its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisMissingError(INSTALL_HINT)
     with tempfile.TemporaryDirectory(prefix="sessionactors-redis-") as tmp:
         port = _free_port()
         process = subprocess.Popen(
+            # durable, as RedisStore demands: every acknowledged write is on disk
             [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", tmp],
+             "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no",
+             "--dir", tmp],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,

@@ -27,7 +27,9 @@ GRACEFUL_SECONDS: Final = 10.0
 
 def open_store(url: str) -> Any:
     """A store from a URL: ``sqlite:///relative.db``, ``sqlite:////absolute.db``,
-    ``memory://`` or ``redis://host:port/db`` (extra ``redis``)."""
+    ``memory://``, or a ``RedisStore`` URL (extra ``redis``): ``redis://host:port/db``,
+    ``rediss://``, ``unix://``, ``redis+cluster://host:port`` or
+    ``redis+sentinel://host:port/service``, with ``?persistence=`` if needed."""
     if url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://")
         if not path.startswith("/") or path == "/":
@@ -35,7 +37,8 @@ def open_store(url: str) -> Any:
         return sa.SQLiteStore(path[1:])
     if url in ("memory://", "memory:"):
         return sa.MemoryStore()
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
+    if url.startswith(tuple(f"{scheme}://" for scheme in schemes)):
         from sessionactors.stores import RedisStore
 
         return RedisStore(url)
