@@ -416,7 +416,7 @@ def demo_cluster() -> int:
     _say("== sessionactors demo-cluster: three workers, one redis-server, one killed")
     try:
         with redis_server() as url:
-            _say(f"redis-server started at {url}")
+            _say(f"redis-server started at {url} (appendonly yes, appendfsync always)")
             ok = trio.run(_demo, url)
     except RedisMissingError as exc:
         _say(str(exc))
