@@ -229,7 +229,8 @@ def _ping(port: int) -> bool:
 
 @contextlib.contextmanager
 def redis_url() -> Iterator[str | None]:
-    """``SESSIONACTORS_REDIS_URL``, else a private redis-server on 127.0.0.1, else None."""
+    """``SESSIONACTORS_REDIS_URL``, else a private durable redis-server on 127.0.0.1, else
+    None."""
     url = os.environ.get("SESSIONACTORS_REDIS_URL")
     if url:
         yield url
@@ -239,26 +240,29 @@ def redis_url() -> Iterator[str | None]:
         yield None
         return
     port = _free_port()
-    process = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while not _ping(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                yield None
-                return
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
+    with tempfile.TemporaryDirectory(prefix="sessionactors-bench-redis-") as tmp:
+        # durable, as RedisStore demands: an append-only file fsync'd on every write
+        process = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--dir", tmp,
+             "--appendonly", "yes", "--appendfsync", "always"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
         try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            deadline = time.monotonic() + 10
+            while not _ping(port):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    yield None
+                    return
+                time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def rounds(quick: bool, full: int, small: int = 3) -> int:

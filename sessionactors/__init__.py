@@ -28,6 +28,7 @@ from ._errors import SnapshotError as SnapshotError
 from ._errors import SnapshotVersionError as SnapshotVersionError
 from ._errors import StoreConfigurationError as StoreConfigurationError
 from ._errors import StoreError as StoreError
+from ._errors import StoreNotDurableError as StoreNotDurableError
 from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
@@ -138,6 +139,7 @@ __all__ = [
     "StatusChanged",
     "StoreConfigurationError",
     "StoreError",
+    "StoreNotDurableError",
     "SubscriberLaggedError",
     "Telemetry",
     "TextChunk",

@@ -14,6 +14,7 @@ import trio
 from ._agent import Agent
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
+from ._errors import SessionActorsError
 from ._events import Delta
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
@@ -30,7 +31,8 @@ async def _chat(args: argparse.Namespace) -> None:
 
     model = OpenAIChatModel(base_url=args.base_url, model=args.model, api_key=args.api_key)
     agent = Agent(model=model, system_prompt=args.system_prompt)
-    async with open_registry(store=SQLiteStore(args.db), agents={"chat": agent}) as registry:
+    store = SQLiteStore(args.db, shared=args.shared)
+    async with open_registry(store=store, agents={"chat": agent}) as registry:
         ref = await registry.get_or_spawn(args.session)
         history = await ref.history()
         _say(f"session {args.session!r} ({len(history)} messages so far); an empty line quits")
@@ -66,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     chat.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     chat.add_argument("--session", default="chat")
     chat.add_argument("--db", default="sessionactors-chat.db", help="SQLite file")
+    chat.add_argument(
+        "--shared",
+        action="store_true",
+        help="share the file with other processes (a server on sqlite:///FILE?shared=true), "
+        "with leases: one process serves a session at a time",
+    )
     chat.add_argument("--system-prompt", default="You are a helpful assistant.")
     serve = sub.add_parser("serve", help="serve sessions over HTTP, with a chat page (extra http)")
     serve.add_argument("--store", required=True, help="sqlite:///path.db, memory:// or redis://...")
@@ -82,7 +90,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(serve_main(args))
     if args.command == "chat":
-        trio.run(_chat, args)
+        try:
+            trio.run(_chat, args)
+        except SessionActorsError as exc:  # one line, no traceback
+            text = " ".join(str(exc).split())
+            if "in use by process" in text and not args.shared:
+                text += "; for chat, pass --shared"
+            print(f"sessionactors chat: {text}", file=sys.stderr)
+            raise SystemExit(1) from None
         return
     if args.command == "demo-cluster":
         from ._demo_cluster import demo_cluster

@@ -65,15 +65,18 @@ def _ping(port: int) -> bool:
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
-    """Run a throwaway redis-server on a free loopback port; yield its URL."""
+    """Run a throwaway durable redis-server (append-only file, fsync on every write) on a
+    free loopback port; yield its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisMissingError(INSTALL_HINT)
     with tempfile.TemporaryDirectory(prefix="sessionactors-redis-") as tmp:
         port = _free_port()
         process = subprocess.Popen(
+            # durable, as RedisStore demands: every acknowledged write is on disk
             [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", tmp],
+             "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no",
+             "--dir", tmp],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
@@ -413,7 +416,7 @@ def demo_cluster() -> int:
     _say("== sessionactors demo-cluster: three workers, one redis-server, one killed")
     try:
         with redis_server() as url:
-            _say(f"redis-server started at {url}")
+            _say(f"redis-server started at {url} (appendonly yes, appendfsync always)")
             ok = trio.run(_demo, url)
     except RedisMissingError as exc:
         _say(str(exc))

@@ -29,6 +29,7 @@ __all__ = [
     "SnapshotVersionError",
     "StoreConfigurationError",
     "StoreError",
+    "StoreNotDurableError",
     "SubscriberLaggedError",
     "TurnCancelledError",
     "TurnFailedError",
@@ -134,6 +135,16 @@ class SnapshotCorruptError(SnapshotError):
 
 class StoreError(SessionActorsError, OSError):
     """The store failed to read or write."""
+
+
+class StoreNotDurableError(StoreError):
+    """The store's server is configured so that it can lose writes it acknowledged.
+
+    Raised when a store connects, before anything is read or written. The
+    message says what the server runs with and how to fix it; a store for
+    tests or caches can opt out explicitly (``RedisStore(url,
+    persistence="volatile")``).
+    """
 
 
 class FencedOutError(StoreError):

@@ -64,6 +64,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
 PLUGINS: tuple[str, ...] = (
     "stores._sqlite",
     "stores._redis",
+    "stores._redis_connect",
     "stores._redis_transport",
     "stores._url",
     "workers",

@@ -43,6 +43,30 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """The ``redis+cluster://`` URL of a three-master Redis Cluster (skips if there is none)."""
+    with _load_redis_server().redis_cluster() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_url() -> Iterator[str]:
+    """The ``redis+sentinel://`` URL of a master behind a Sentinel (skips if there is none)."""
+    with _load_redis_server().redis_sentinel() as url:
+        yield url
+
+
+@pytest.fixture(params=["redis", "cluster", "sentinel"])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """Each deployment in turn: one server, a three-master cluster, a Sentinel's master."""
+    fixture = {"redis": "redis_url", "cluster": "redis_cluster_url"}.get(
+        request.param, "redis_sentinel_url"
+    )
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
 @pytest.fixture
 def private_redis_server() -> Callable[..., AbstractContextManager[str]]:
     """``private_redis_server(port=None)``: a context manager running a throwaway redis-server."""

@@ -1,10 +1,14 @@
 """Find or start the redis-server the Redis tests run against.
 
-``SESSIONACTORS_REDIS_URL`` names a running server (CI starts one and sets it).
-Otherwise a private ``redis-server`` is started on a free loopback port, with
-persistence off, for as long as the context manager is open. Without a
-``redis-server`` binary the tests are skipped, unless
-``SESSIONACTORS_REQUIRE_REDIS=1``, which turns the skip into a failure.
+``SESSIONACTORS_REDIS_URL`` names a running server (CI starts one and sets it),
+``SESSIONACTORS_REDIS_CLUSTER_URL`` a three-master Redis Cluster
+(``redis+cluster://``) and ``SESSIONACTORS_REDIS_SENTINEL_URL`` a master behind a
+Sentinel (``redis+sentinel://``). Otherwise private ones are started on free
+loopback ports, for as long as the context manager is open. Every server they
+start is durable (``appendonly yes``, ``appendfsync always``, in a temporary
+directory), as ``RedisStore`` requires by default. Without a ``redis-server``
+binary the tests are skipped, unless ``SESSIONACTORS_REQUIRE_REDIS=1``, which
+turns the skip into a failure.
 """
 
 from __future__ import annotations
@@ -23,19 +27,50 @@ from urllib.parse import urlsplit
 
 import pytest
 
-__all__ = ["REQUIRE_ENV", "URL_ENV", "ping", "private_redis_server", "redis_server"]
+__all__ = [
+    "CLUSTER_URL_ENV",
+    "DURABLE",
+    "REQUIRE_ENV",
+    "SENTINEL_URL_ENV",
+    "URL_ENV",
+    "ping",
+    "private_redis_cluster",
+    "private_redis_sentinel",
+    "private_redis_server",
+    "redis_cluster",
+    "redis_sentinel",
+    "redis_server",
+]
 
 URL_ENV = "SESSIONACTORS_REDIS_URL"
+CLUSTER_URL_ENV = "SESSIONACTORS_REDIS_CLUSTER_URL"
+SENTINEL_URL_ENV = "SESSIONACTORS_REDIS_SENTINEL_URL"
 REQUIRE_ENV = "SESSIONACTORS_REQUIRE_REDIS"
+#: What makes a server keep every acknowledged write (RedisStore's default demand).
+DURABLE = ("--appendonly", "yes", "--appendfsync", "always", "--save", "")
 
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
+_MAX_CLUSTER_PORT = 55535  # a cluster node's bus port is its port + 10000
 
 
 def _unavailable(reason: str) -> NoReturn:
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1 makes redis mandatory)", pytrace=False)
     pytest.skip(reason)
+
+
+def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
+    """One command to the server at 127.0.0.1:``port``; its raw reply (b"" if unreachable)."""
+    request = f"*{len(args)}\r\n".encode()
+    for arg in args:
+        request += f"${len(arg.encode())}\r\n{arg}\r\n".encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(request)
+            return sock.recv(65536)
+    except OSError:
+        return b""
 
 
 def ping(host: str, port: int, *, timeout: float = 1.0) -> bool:
@@ -48,11 +83,13 @@ def ping(host: str, port: int, *, timeout: float = 1.0) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _free_port(highest: int = 65535) -> int:
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port <= highest:
+            return port
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -65,57 +102,133 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def _binary() -> str:
-    binary = shutil.which("redis-server")
+def _binary(name: str = "redis-server") -> str:
+    binary = shutil.which(name)
     if binary is None:
-        _unavailable("redis-server is not installed (apt-get install redis-server)")
+        _unavailable(f"{name} is not installed (apt-get install redis-server)")
     return binary
+
+
+def _wait_until(ready: object, process: subprocess.Popen[bytes], log: Path, what: str) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT
+    while process.poll() is None and time.monotonic() < deadline:
+        if ready():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    tail = log.read_text(errors="replace")[-2000:]
+    pytest.fail(f"{what} did not start; its log ends with:\n{tail}", pytrace=False)
+
+
+@contextlib.contextmanager
+def _server(
+    stack: contextlib.ExitStack, tmp: Path, port: int, args: Sequence[str], what: str
+) -> Iterator[None]:
+    """Run ``redis-server`` with ``args`` on ``port`` in its own directory under ``tmp``."""
+    folder = tmp / str(port)
+    folder.mkdir(exist_ok=True)  # (a restart on the same port finds its files again)
+    log_path = folder / "redis.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [_binary(), *args, "--bind", "127.0.0.1", "--port", str(port),
+             "--daemonize", "no", "--dir", str(folder)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    stack.callback(_stop, process)
+    _wait_until(lambda: ping("127.0.0.1", port), process, log_path, what)
+    yield
 
 
 @contextlib.contextmanager
 def private_redis_server(
-    port: int | None = None, *, options: Sequence[str] = (), directory: str | None = None
+    port: int | None = None, *, config: Sequence[str] = (), directory: str | None = None
 ) -> Iterator[str]:
-    """Start a throwaway redis-server (on ``port``, or a free one); yield its URL, then stop it.
-
-    ``options`` are more command-line options (they override the defaults, e.g.
-    ``["--appendonly", "yes"]``); ``directory`` keeps its files (to restart it on them).
-    """
-    binary = _binary()
-    with contextlib.ExitStack() as stack:
-        tmp = directory or stack.enter_context(
+    """Start a throwaway durable redis-server (on ``port``, or a free one), with the extra
+    command-line ``config`` (``("--appendonly", "no")`` makes it volatile); yield its URL,
+    then stop it. ``directory`` keeps its files (to restart it on them, on the same port)."""
+    _binary()
+    with contextlib.ExitStack() as files:
+        tmp = directory or files.enter_context(
             tempfile.TemporaryDirectory(prefix="sessionactors-redis-")
         )
-        log_path = Path(tmp) / "redis.log"
-        for _attempt in range(1 if port else 3):  # another process may take a free port first
+        for attempt in range(1 if port else 3):  # another process may take a free port first
             chosen = port or _free_port()
-            with log_path.open("wb") as log:
-                process = subprocess.Popen(
-                    [
-                        binary,
-                        "--bind", "127.0.0.1",
-                        "--port", str(chosen),
-                        "--save", "",
-                        "--appendonly", "no",
-                        "--daemonize", "no",
-                        "--dir", tmp,
-                        *options,
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )  # fmt: skip
-            try:
-                deadline = time.monotonic() + _START_TIMEOUT
-                while process.poll() is None and time.monotonic() < deadline:
-                    if ping("127.0.0.1", chosen):
-                        yield f"redis://127.0.0.1:{chosen}/0"
-                        return
-                    time.sleep(0.02)
-            finally:
-                _stop(process)
-        tail = log_path.read_text(errors="replace")[-2000:]
-        pytest.fail(f"could not start {binary}; its log ends with:\n{tail}", pytrace=False)
+            with contextlib.ExitStack() as stack:
+                try:
+                    stack.enter_context(
+                        _server(stack, Path(tmp), chosen, [*DURABLE, *config], "redis-server")
+                    )
+                except pytest.fail.Exception:
+                    if port or attempt == 2:
+                        raise
+                    continue
+                yield f"redis://127.0.0.1:{chosen}/0"
+                return
+
+
+@contextlib.contextmanager
+def private_redis_cluster(masters: int = 3) -> Iterator[str]:
+    """Start a throwaway durable Redis Cluster of ``masters`` masters and no replicas on
+    127.0.0.1; yield its ``redis+cluster://`` URL (one node), then stop it."""
+    redis_cli = _binary("redis-cli")
+    with (
+        tempfile.TemporaryDirectory(prefix="sessionactors-cluster-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        ports = [_free_port(_MAX_CLUSTER_PORT) for _ in range(masters)]
+        for port in ports:
+            args = [*DURABLE, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            stack.enter_context(_server(stack, Path(tmp), port, args, "a cluster node"))
+        created = subprocess.run(
+            [redis_cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )  # fmt: skip
+        if created.returncode != 0:
+            pytest.fail(f"redis-cli --cluster create failed:\n{created.stdout[-2000:]!r}")
+        deadline = time.monotonic() + 30
+        while not all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in ports):
+            if time.monotonic() > deadline:
+                pytest.fail("the private redis cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+
+
+@contextlib.contextmanager
+def private_redis_sentinel(service: str = "sa-test") -> Iterator[str]:
+    """Start a throwaway durable redis-server and one Sentinel watching it as ``service``;
+    yield the ``redis+sentinel://`` URL, then stop both."""
+    with (
+        tempfile.TemporaryDirectory(prefix="sessionactors-sentinel-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        master, sentinel = _free_port(), _free_port()
+        stack.enter_context(_server(stack, Path(tmp), master, DURABLE, "redis-server"))
+        conf = Path(tmp) / "sentinel.conf"
+        conf.write_text(f"sentinel monitor {service} 127.0.0.1 {master} 1\n")
+        args = [str(conf), "--sentinel"]
+        stack.enter_context(_server(stack, Path(tmp), sentinel, args, "redis sentinel"))
+        deadline = time.monotonic() + _START_TIMEOUT
+        while str(master).encode() not in _command(
+            sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service
+        ):
+            if time.monotonic() > deadline:
+                pytest.fail("the private sentinel does not know its master")
+            time.sleep(0.05)
+        yield f"redis+sentinel://127.0.0.1:{sentinel}/{service}"
+
+
+@contextlib.contextmanager
+def _from_env(env: str, start: contextlib.AbstractContextManager[str]) -> Iterator[str]:
+    url = os.environ.get(env)
+    if url:
+        yield url
+        return
+    with start as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -130,3 +243,13 @@ def redis_server() -> Iterator[str]:
         return
     with private_redis_server() as url:
         yield url
+
+
+def redis_cluster() -> contextlib.AbstractContextManager[str]:
+    """The ``redis+cluster://`` URL of a three-master cluster; skip (or fail) if there is none."""
+    return _from_env(CLUSTER_URL_ENV, private_redis_cluster())
+
+
+def redis_sentinel() -> contextlib.AbstractContextManager[str]:
+    """The ``redis+sentinel://`` URL of a master behind a Sentinel; skip (or fail) without one."""
+    return _from_env(SENTINEL_URL_ENV, private_redis_sentinel())

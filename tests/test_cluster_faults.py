@@ -142,7 +142,7 @@ async def test_redis_frozen_past_the_timeout(
     private_redis_server: Callable[..., AbstractContextManager[str]],
 ) -> None:
     """Redis frozen by SIGSTOP for longer than the store's timeout and the lease: every send ends with a reply or a typed error, nothing acknowledged is lost, no keyed turn runs twice."""
-    with private_redis_server(options=AOF_ALWAYS) as url:
+    with private_redis_server(config=AOF_ALWAYS) as url:
         pid = await pid_of(url)
 
         async def freeze() -> None:

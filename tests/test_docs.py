@@ -174,6 +174,13 @@ EXPECTED = {
         "gen_ai.client.token.usage input: 280",
         "sessionactors.turns finished: 1",
     ],
+    "howto_redis.py": [
+        "RedisStore('rediss://:***@redis.example.com:6380/0', prefix='sessionactors') "
+        "demands persistence='always'",
+        "RedisStore('redis+cluster://10.0.0.1:7000,10.0.0.2:7000'",
+        "everysec\nvolatile\n",
+        "refused: redis url 'redis+sentinel://10.0.0.5:26379' names no service",
+    ],
     "howto_openai.py": [
         "reply: Order A1001 is shipped",
         "roles: ['user', 'assistant', 'tool', 'assistant']",

@@ -2,40 +2,46 @@
 
 Layout (every key starts with ``prefix``; ``<n>`` is the session name as
 unpadded base64url of its UTF-8 bytes, so no character of a name ever
-reaches a key, a pattern or a script unescaped)::
+reaches a key, a pattern or a script unescaped; ``<g>`` is the name's key
+group, ``crc32(UTF-8 name) % 1024``)::
 
-    <prefix>:fence          fencing counter shared by every session (INCR)
-    <prefix>:sessions       set of every stored ``<n>`` (for list_sessions)
-    <prefix>:activity       sorted set: the UTF-8 bytes of every stored name in hex
-                            (which sorts as the names do), scored by its info's
-                            activity time (for list_page; see _index_activity)
-    <prefix>:s:<n>:meta     hash: snap (snapshot bytes), seq (its seq),
-                            last (highest seq appended), trimmed (highest seq trimmed)
-    <prefix>:s:<n>:info     the info blob
-    <prefix>:s:<n>:log      the journal, a stream whose entry ids are ``<seq>-0``
-    <prefix>:s:<n>:lease    hash: owner, fence; expires with the lease (PEXPIRE)
+    <prefix>:{g<g>}:fence       fencing counter of the sessions of group <g> (INCR)
+    <prefix>:{g<g>}:sessions    set of the stored ``<n>`` of group <g> (for list_sessions)
+    <prefix>:{g<g>}:s:<n>:meta  hash: snap (snapshot bytes), seq (its seq),
+                                last (highest seq appended), trimmed (highest seq trimmed)
+    <prefix>:{g<g>}:s:<n>:info  the info blob
+    <prefix>:{g<g>}:s:<n>:log   the journal, a stream whose entry ids are ``<seq>-0``
+    <prefix>:{g<g>}:s:<n>:lease hash: owner, fence; expires with the lease (PEXPIRE)
+    <prefix>:activity           sorted set: the UTF-8 bytes of every stored name in hex
+                                (which sorts as the names do), scored by its info's
+                                activity time (for list_page; see _index_activity)
 
-Every write is one Lua script, so it is atomic and, when it carries a fencing
-token, checks that token in the same step, with the lease's owner and the
-journal's last seq as the writer last saw them (a lease claimed through this
-store object): a stale owner's write is refused even after redis lost data
-and issued its token again. Fencing tokens come from one counter per prefix,
-and are at least the server's clock in microseconds: they strictly increase
-for every session, across claims, releases, deletes and restores from an
-older backup, and no per-session key outlives a delete.
+``{g<g>}`` is a Redis Cluster hash tag: every key a script touches shares its
+session's group, so it sits in one hash slot, and the groups spread the
+sessions over the cluster's masters (the activity index is one key, written
+by single-key commands after each script). Every write is one Lua script, so
+it is atomic and, when it carries a fencing token, checks that token in the
+same step, with the lease's owner and the journal's last seq as the writer
+last saw them (a lease claimed through this store object): a stale owner's
+write is refused even after redis lost data and issued its token again.
+Fencing tokens come from the group's counter, which is never deleted, and are
+at least the server's clock in microseconds: they strictly increase for every
+session, across claims, releases, deletes and restores from an older backup,
+and no per-session key outlives a delete.
 
-The store speaks to a standalone Redis (6.2 or later: ``XTRIM MINID`` and
-exclusive ``XRANGE`` ranges); the scripts touch more than one hash slot, so
-Redis Cluster is not supported.
+The store speaks to Redis 6.2 or later (``XTRIM MINID`` and exclusive
+``XRANGE`` ranges): one server, a Redis Cluster or a Sentinel's master (see
+``_redis_connect`` for the URLs); it checks the server's persistence when it
+connects.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import attrs
@@ -43,10 +49,9 @@ import coredis
 import coredis.exceptions
 import trio
 from coredis.commands import Script
-from coredis.retry import NoRetryPolicy
 
 from .._codec import MAX_SEQ
-from .._errors import StoreConfigurationError, StoreError
+from .._errors import StoreConfigurationError, StoreError, StoreNotDurableError
 from .._listing import after_not_found, info_activity
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
@@ -61,6 +66,7 @@ from ._memory import (
     _not_found_error,
     _stored_corrupt,
 )
+from ._redis_connect import Client, Target, check_persistence, open_client, redact
 
 __all__ = ["RedisStore"]
 
@@ -70,6 +76,8 @@ _T = TypeVar("_T")
 # (the codec's bound on every seq is the same).
 _MAX_SEQ: Final = MAX_SEQ
 _MGET_CHUNK: Final = 500
+#: Key groups (hash tags): a session's keys share its group's slot in a Redis Cluster.
+_GROUPS: Final = 1024
 
 # Status codes returned by the write scripts.
 _OK: Final = 0
@@ -264,12 +272,24 @@ def _encode_name(session_id: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
+def _group(name: str) -> int:
+    """The key group of a session (or worker) name: its keys' hash tag."""
+    return zlib.crc32(name.encode("utf-8", "surrogatepass")) % _GROUPS
+
+
 def _decode_name(encoded: bytes) -> str | None:
     try:
         raw = base64.urlsafe_b64decode(encoded + b"=" * (-len(encoded) % 4))
         return raw.decode("utf-8", "surrogatepass")
     except ValueError:
         return None
+
+
+def _pipeline(client: Client) -> Any:
+    """A pipeline without a transaction (on a cluster, one per master it reaches)."""
+    if isinstance(client, coredis.RedisCluster | coredis.Redis):
+        return client.pipeline(transaction=False)
+    raise TypeError(f"a redis store needs a coredis.Redis or RedisCluster, not {client!r}")
 
 
 def _ttl_ms(ttl: float) -> str:
@@ -365,17 +385,6 @@ def _entries(session_id: str, reply: Any, after: int) -> list[JournalEntry]:
     return _check_stored_entries(session_id, rows, after)
 
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
-
-
 class _Unavailable(Exception):
     """The client could not be opened."""
 
@@ -388,15 +397,20 @@ class _Connection:
     ready: trio.Event = attrs.field(factory=trio.Event)
     stop: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
-    client: coredis.Redis[bytes] | None = None
+    client: Client | None = None
     error: BaseException | None = None
 
 
-async def _own_client(conn: _Connection, client: coredis.Redis[bytes]) -> None:
+async def _own_client(conn: _Connection, target: Target) -> None:
     # The client's connection pool runs a task group that must be entered and
     # exited by one task: this one, which lives until aclose() or the end of the run.
     try:
-        async with client:
+        async with open_client(target) as client:
+            try:
+                await check_persistence(client, target, redact(target.url))
+            except StoreNotDurableError as exc:
+                conn.error = exc  # raised as it is to every waiting call
+                return
             conn.client = client
             conn.ready.set()
             await conn.stop.wait()
@@ -412,14 +426,26 @@ async def _own_client(conn: _Connection, client: coredis.Redis[bytes]) -> None:
 class RedisStore:
     """A :class:`~sessionactors.stores.Store` in Redis, for many processes or machines.
 
-    ``url`` is a ``redis://``, ``rediss://`` or ``unix://`` URL; every key starts
-    with ``prefix``, so several applications can share one database. Nothing is
-    opened here: the first call connects inside the running trio run, and a call
-    after :meth:`aclose` connects again.
+    ``url`` names one server (``redis://host:port/db``, ``rediss://`` with TLS,
+    ``unix:///path/to/socket``), a Redis Cluster (``redis+cluster://host:port``, more
+    nodes separated by commas; ``rediss+cluster://`` with TLS) or the master that
+    Sentinel knows as ``service`` (``redis+sentinel://host:port/service[/db]``). Every
+    key starts with ``prefix``, so several applications can share one database.
+    Nothing is opened here: the first call connects inside the running trio run, and
+    a call after :meth:`aclose` connects again.
 
-    ``client`` is an already opened ``coredis.Redis`` (``decode_responses=False``)
-    to use instead of ``url``: its owner keeps it open and closes it, not
-    :meth:`aclose`.
+    ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
+    the server when it connects, before its first read or write; a server that
+    falls short raises :class:`~sessionactors.StoreNotDurableError`, which says how
+    to fix it. ``"always"`` (the default) needs ``appendonly yes`` and ``appendfsync
+    always``: every acknowledged write is on disk. ``"everysec"`` also accepts
+    ``appendfsync everysec``, which can lose up to about a second of acknowledged
+    writes when the machine crashes. ``"volatile"`` checks nothing, for tests and
+    caches. On a cluster every master is checked.
+
+    ``client`` is an already opened ``coredis.Redis`` or ``coredis.RedisCluster``
+    (``decode_responses=False``) to use instead of ``url``, checked on the first
+    call: its owner keeps it open and closes it, not :meth:`aclose`.
 
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or
@@ -436,17 +462,19 @@ class RedisStore:
 
     url: str = "redis://127.0.0.1:6379/0"
     prefix: str = attrs.field(default="sessionactors", kw_only=True)
-    _client: coredis.Redis[bytes] | None = attrs.field(default=None, kw_only=True, alias="client")
+    persistence: str | None = attrs.field(default=None, kw_only=True)
+    _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
+    _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
+    _client_checked: bool = attrs.field(default=False, init=False)
     _held: dict[str, _Held] = attrs.field(factory=dict, init=False)
+    _listing_mended: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self._client is None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(
-                f"redis url {_redact(self.url)!r} is not a redis://, rediss:// or unix:// url; "
-                "pass one like 'redis://127.0.0.1:6379/0'"
-            )
+        url = "redis://" if self._client is not None else self.url
+        self._target = Target.parse(url, self.persistence)
+        self.persistence = self._target.persistence
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
@@ -458,9 +486,14 @@ class RedisStore:
                 f"redis timeout {self.timeout!r} is not a positive number of seconds; "
                 f"pass one such as {DEFAULT_TIMEOUT}"
             )
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(
+                f"redis key prefix {self.prefix!r} holds a brace, which would change the "
+                "keys' Redis Cluster hash tags; pass a prefix without {{ or }}"
+            )
 
     def __repr__(self) -> str:
-        where = "client" if self._client is not None else repr(_redact(self.url))
+        where = "client" if self._client is not None else repr(redact(self.url))
         return f"RedisStore({where}, prefix={self.prefix!r})"
 
     # -- many workers ----------------------------------------------------------------
@@ -475,10 +508,17 @@ class RedisStore:
 
     # -- keys ----------------------------------------------------------------------
 
+    # Every key is built here, under its group's hash tag: keys that one script
+    # touches must share a group (a Redis Cluster runs a script on one slot).
+
+    def _group_key(self, group: int, suffix: str) -> str:
+        """The key ``<prefix>:{g<group>}:<suffix>``, shared by a key group."""
+        return f"{self.prefix}:{{g{group}}}:{suffix}"
+
     def _key(self, kind: str, name: str, suffix: str) -> str:
-        """The key ``<prefix>:<kind>:<name, escaped>:<suffix>`` (kind "s": a session's,
-        "w": a worker's)."""
-        return f"{self.prefix}:{kind}:{_encode_name(name)}:{suffix}"
+        """The key ``<prefix>:{g<group>}:<kind>:<name, escaped>:<suffix>`` (kind "s": a
+        session's, "w": a worker's), in the group of ``name``."""
+        return self._group_key(_group(name), f"{kind}:{_encode_name(name)}:{suffix}")
 
     def _keys(self, session_id: str) -> tuple[str, str, str, str]:
         return (
@@ -488,27 +528,31 @@ class RedisStore:
             self._key("s", session_id, "lease"),
         )
 
-    @property
-    def _index_key(self) -> str:
-        return f"{self.prefix}:sessions"
+    def _index_key(self, session_id: str) -> str:
+        """The set of the stored sessions of ``session_id``'s group."""
+        return self._group_key(_group(session_id), "sessions")
 
-    @property
-    def _fence_key(self) -> str:
-        return f"{self.prefix}:fence"
+    def _fence_key(self, session_id: str) -> str:
+        """The fencing counter of ``session_id``'s group."""
+        return self._group_key(_group(session_id), "fence")
 
     # -- connection ----------------------------------------------------------------
 
-    async def _connected(self) -> tuple[coredis.Redis[bytes], _Connection | None]:
+    async def _connected(self) -> tuple[Client, _Connection | None]:
         if self._client is not None:
+            if not self._client_checked:
+                await check_persistence(self._client, self._target, "the given client")
+                self._client_checked = True
             await trio.lowlevel.checkpoint()
             return self._client, None
         token = trio.lowlevel.current_trio_token()
         conn = self._conn
         if conn is None or conn.token is not token or conn.done.is_set():
             conn = self._conn = _Connection(token)
-            client = coredis.Redis.from_url(self.url, retry_policy=NoRetryPolicy())
-            trio.lowlevel.spawn_system_task(_own_client, conn, client, name=repr(self))
+            trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
         await conn.ready.wait()
+        if isinstance(conn.error, StoreNotDurableError):
+            raise conn.error
         if conn.client is None:
             raise _Unavailable(str(conn.error)) from conn.error
         return conn.client, conn
@@ -517,7 +561,7 @@ class RedisStore:
         self,
         doing: str,
         session_id: str | None,
-        call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+        call: Callable[[Client], Awaitable[_T]],
         *,
         block: float = 0.0,
     ) -> _T:
@@ -529,17 +573,19 @@ class RedisStore:
             try:
                 client, conn = await self._connected()
                 return await call(client)
+            except StoreNotDurableError:
+                raise
             except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
                 if _configuration_problem(exc):
                     raise StoreConfigurationError(
-                        f"redis at {_redact(self.url)} refused to {doing} {where}: {exc}; "
+                        f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
                         "a retry cannot fix this: grant the store's redis user the commands "
                         "and keys under its prefix (scripts, streams, blocking reads), and on "
                         "a cluster keep one session's keys in one slot",
                         session_id=session_id,
                     ) from exc
                 raise StoreError(
-                    f"could not {doing} {where} in redis at {_redact(self.url)}: {exc}; "
+                    f"could not {doing} {where} in redis at {redact(self.url)}: {exc}; "
                     "check that redis-server is reachable, then retry",
                     session_id=session_id,
                 ) from exc
@@ -552,7 +598,7 @@ class RedisStore:
                     session_id=session_id,
                 ) from exc
         raise StoreError(
-            f"could not {doing} {where}: redis at {_redact(self.url)} did not answer within "
+            f"could not {doing} {where}: redis at {redact(self.url)} did not answer within "
             f"{self.timeout} s (RedisStore(timeout=...)); check that redis-server is running "
             "and not overloaded, then retry",
             session_id=session_id,
@@ -566,7 +612,7 @@ class RedisStore:
             "create",
             session_id,
             lambda c: _CREATE(
-                [meta, info_key, log, self._index_key],
+                [meta, info_key, log, self._index_key(session_id)],
                 [snapshot, info, _encode_name(session_id)],
                 client=c,
             ),
@@ -669,22 +715,23 @@ class RedisStore:
         return trimmed, _entries(session_id, entries, min(max(after, 0), _MAX_SEQ))
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
-        async def run(client: coredis.Redis[bytes]) -> list[tuple[str, bytes]]:
-            members = sorted(await client.smembers(self._index_key))
+        async def run(client: Client) -> list[tuple[str, bytes]]:
+            # Every group's index in one pipeline (on a cluster, one per master), then
+            # the infos of each group's members: one slot per MGET.
+            async with _pipeline(client) as pipe:
+                replies = [pipe.smembers(self._group_key(g, "sessions")) for g in range(_GROUPS)]
+            batches: list[list[str]] = []
+            for reply in replies:
+                names = sorted(n for m in await reply if (n := _decode_name(m)) is not None)
+                batches += [names[i : i + _MGET_CHUNK] for i in range(0, len(names), _MGET_CHUNK)]
+            if not batches:
+                return []
+            async with _pipeline(client) as pipe:
+                infos = [pipe.mget([self._keys(name)[1] for name in names]) for names in batches]
             found: list[tuple[str, bytes]] = []
-            for start in range(0, len(members), _MGET_CHUNK):
-                names: list[str] = []
-                keys: list[str] = []
-                for member in members[start : start + _MGET_CHUNK]:
-                    name = _decode_name(member)
-                    if name is not None:
-                        names.append(name)
-                        keys.append(self._keys(name)[1])
-                if not keys:
-                    continue
-                infos = await client.mget(keys)
+            for names, reply in zip(batches, infos, strict=True):
                 # A session deleted between the two reads has no info: skip it.
-                found += [(n, i) for n, i in zip(names, infos, strict=True) if i is not None]
+                found += [(n, i) for n, i in zip(names, await reply, strict=True) if i is not None]
             found.sort()
             return found
 
@@ -716,9 +763,10 @@ class RedisStore:
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         key = self._activity_key
 
-        async def run(client: coredis.Redis[bytes]) -> list[tuple[str, bytes]]:
-            if await client.zcard(key) < await client.scard(self._index_key):
+        async def run(client: Client) -> list[tuple[str, bytes]]:
+            if not self._listing_mended:  # once per store object: see _add_unlisted
                 await self._add_unlisted(client)
+                self._listing_mended = True
             start = 0
             if after is not None:
                 rank = await client.zrevrank(key, after.encode().hex())
@@ -733,7 +781,9 @@ class RedisStore:
                     break
                 start += len(members)
                 names = [bytes.fromhex(bytes(m).decode()).decode() for m in members]
-                infos = await client.mget([self._keys(name)[1] for name in names])
+                async with _pipeline(client) as pipe:  # one slot per GET on a cluster
+                    replies = [pipe.get(self._keys(name)[1]) for name in names]
+                infos = [await reply for reply in replies]
                 gone = [m for m, i in zip(members, infos, strict=True) if i is None]
                 if gone:  # deleted by a process that died before unlisting them
                     await client.zrem(key, gone)
@@ -743,10 +793,11 @@ class RedisStore:
 
         return await self._run("list", after, run)
 
-    async def _add_unlisted(self, client: coredis.Redis[bytes]) -> None:
+    async def _add_unlisted(self, client: Client) -> None:
         """List the sessions stored without a place in the listing order (by an older
         version of this store, or a process that died between a create and its
-        listing): only those, each scored by its info."""
+        listing): only those, each scored by its info. Done at a store object's
+        first listing, as it reads every session's info."""
         stored = await self.list_sessions()
         for start in range(0, len(stored), _MGET_CHUNK):
             chunk = [
@@ -765,7 +816,7 @@ class RedisStore:
         return bool(count)
 
     async def delete(self, session_id: str) -> bool:
-        keys = [*self._keys(session_id), self._index_key]
+        keys = [*self._keys(session_id), self._index_key(session_id)]
         existed: Any = await self._run(
             "delete", session_id, lambda c: _DELETE(keys, [_encode_name(session_id)], client=c)
         )
@@ -778,7 +829,7 @@ class RedisStore:
         reply: Any = await self._run(
             "claim",
             session_id,
-            lambda c: _CLAIM([lease_key, self._fence_key, meta], args, client=c),
+            lambda c: _CLAIM([lease_key, self._fence_key(session_id), meta], args, client=c),
         )
         if reply is None:
             return None

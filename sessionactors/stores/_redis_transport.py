@@ -11,10 +11,10 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
-import coredis
 from coredis.commands import Script
 
 from ..workers import StreamItem
+from ._redis_connect import Client
 
 _T = TypeVar("_T")
 
@@ -28,7 +28,7 @@ class _Redis(Protocol):
         self,
         doing: str,
         session_id: str | None,
-        call: Callable[[coredis.Redis[bytes]], Awaitable[_T]],
+        call: Callable[[Client], Awaitable[_T]],
         *,
         block: float = 0.0,
     ) -> _T: ...

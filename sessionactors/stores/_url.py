@@ -11,7 +11,9 @@ __all__ = ["open_store"]
 def open_store(url: str, *, readonly: bool = False) -> Any:
     """A store from a URL: ``sqlite:///relative.db``, ``sqlite:////absolute.db``
     (``?shared=true``: several processes write the file, with leases),
-    ``memory://`` or ``redis://host:port/db`` (extra ``redis``).
+    ``memory://``, or a ``RedisStore`` URL (extra ``redis``): ``redis://host:port/db``,
+    ``rediss://``, ``unix://``, ``redis+cluster://host:port`` or
+    ``redis+sentinel://host:port/service``, with ``?persistence=`` if needed.
 
     ``readonly`` opens a SQLite file with ``readonly=True`` (no lock, no byte
     changed); it changes nothing for the other stores, which read without writing.
@@ -37,7 +39,8 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
         from ._memory import MemoryStore
 
         return MemoryStore()
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
+    if url.startswith(tuple(f"{scheme}://" for scheme in schemes)):
         from ._redis import RedisStore
 
         return RedisStore(url)

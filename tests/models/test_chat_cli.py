@@ -53,3 +53,38 @@ async def test_chat_streams_replies_and_keeps_the_conversation(tmp_path: Path) -
         "Hello Ada!",
         "are you there?",
     ]
+
+
+async def test_chat_shares_a_file_that_a_server_shares(tmp_path: Path) -> None:
+    """With --shared, chat runs beside another process that shares the SQLite file
+    (leases keep each session to one process); without it, chat is refused with a
+    one-line error that says how to share the file."""
+    import sessionactors as sa
+    from sessionactors.testing import EchoModel
+
+    db = tmp_path / "chat.db"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with (
+        open_fake_openai() as server,
+        sa.open_registry(store=sa.SQLiteStore(db, shared=True), agents=agents) as registry,
+    ):
+        await (await registry.spawn("served", agent="echo")).send("kept")
+        server.push(text_reply("Hello", " Ada!"))
+        with trio.fail_after(60):
+            refused = await trio.run_process(
+                [sys.executable, "-m", "sessionactors", "chat", "--base-url", server.base_url,
+                 "--model", "local", "--db", str(db), "--session", "ada"],
+                stdin=b"hi\n\n", capture_stdout=True, capture_stderr=True, check=False,
+            )  # fmt: skip
+            shared = await trio.run_process(
+                [sys.executable, "-m", "sessionactors", "chat", "--base-url", server.base_url,
+                 "--model", "local", "--db", str(db), "--session", "ada", "--shared"],
+                stdin=b"hi\n\n", capture_stdout=True, capture_stderr=True,
+            )  # fmt: skip
+        assert [m.content for m in await registry.ref("served").history()] == ["kept", "kept"]
+    error = refused.stderr.decode().strip()
+    assert refused.returncode != 0
+    assert "shared" in error
+    assert "Traceback" not in error, error
+    assert len(error.splitlines()) == 1, error
+    assert "Hello Ada!" in shared.stdout.decode()

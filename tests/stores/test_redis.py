@@ -13,6 +13,7 @@ import sys
 import tempfile
 import uuid
 import warnings
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from urllib.parse import urlsplit
@@ -69,6 +70,11 @@ async def make_store(redis_url: str) -> AsyncIterator[MakeStore]:
         for store in stores:
             await store.aclose()
         await _drop_prefixes(redis_url, prefixes)
+
+
+def _group_key(store: RedisStore, name: str, suffix: str) -> str:
+    """A key of the group of session ``name``, as the store's documented layout names it."""
+    return f"{store.prefix}:{{g{zlib.crc32(name.encode()) % 1024}}}:{suffix}"
 
 
 async def _keys_under(url: str, prefix: str) -> list[str]:
@@ -187,7 +193,7 @@ async def test_delete_removes_everything(make_store: MakeStore, redis_url: str) 
         assert not await store.delete("s")
         assert await store.load("s") is None
         assert await store.list_sessions() == []
-        assert await _keys_under(redis_url, store.prefix) == [f"{store.prefix}:fence"]
+        assert await _keys_under(redis_url, store.prefix) == [_group_key(store, "s", "fence")]
         other = await store.claim("s", "w2", 30)
         assert other is not None
         assert other.fence > lease.fence
@@ -242,7 +248,7 @@ async def test_awkward_names_are_stored_exactly(make_store: MakeStore, redis_url
             )
         keys = await _keys_under(redis_url, store.prefix)
         escaped = re.compile(
-            rf"{re.escape(store.prefix)}:(sessions|fence|activity|s:[A-Za-z0-9_-]*:(meta|info|log))"
+            rf"{re.escape(store.prefix)}:(activity|\{{g[0-9]+\}}:(sessions|fence|s:[A-Za-z0-9_-]*:(meta|info|log)))"
         )
         assert all(escaped.fullmatch(key) for key in keys), keys
         assert await store.delete("a*")
@@ -349,6 +355,7 @@ async def test_fifty_concurrent_claims_have_one_winner(make_store: MakeStore) ->
 
 _WORKER = """
 import sys
+import zlib
 import coredis
 import trio
 from sessionactors.stores import Lease, RedisStore
@@ -373,12 +380,14 @@ for _, key in ipairs(KEYS) do
 end
 '''
 
-# The negative control: a claim that hands out a fresh token (from the prefix's
-# fencing counter) without looking at the lease.
+# The negative control: a claim that hands out a fresh token (from the session's
+# group's fencing counter) without looking at the lease.
 class BrokenClaim(RedisStore):
     async def claim(self, session_id, owner, ttl):
+        group = zlib.crc32(session_id.encode()) % 1024
         async with coredis.Redis.from_url(self.url) as client:
-            return Lease(owner=owner, fence=await client.incr(f"{self.prefix}:fence"))
+            fence = await client.incr(f"{self.prefix}:{{g{group}}}:fence")
+            return Lease(owner=owner, fence=fence)
 
 async def main(url, prefix, name, names, rounds, mode):
     store = (BrokenClaim if mode == "broken" else RedisStore)(url, prefix=prefix)
@@ -513,7 +522,7 @@ async def test_uses_a_given_client_and_leaves_it_open(redis_url: str) -> None:
             await store.create("s", b"snap", b"i")
             await store.aclose()
             assert await store.exists("s")
-            assert await client.exists([f"{prefix}:sessions"]) == 1
+            assert await client.exists([_group_key(store, "s", "sessions")]) == 1
         await _drop_prefixes(redis_url, [prefix])
 
 
@@ -602,7 +611,7 @@ async def test_cancelled_calls_leave_replies_in_order(make_store: MakeStore) -> 
 def _key(store: RedisStore, name: str, part: str) -> str:
     """A session's key, as the store's documented layout names it."""
     encoded = base64.urlsafe_b64encode(name.encode()).rstrip(b"=").decode()
-    return f"{store.prefix}:s:{encoded}:{part}"
+    return _group_key(store, name, f"s:{encoded}:{part}")
 
 
 @pytest.mark.parametrize(
@@ -647,6 +656,10 @@ async def test_values_read_back_are_range_checked(
         assert all(exc.session_id == "s" and match in str(exc) for exc in raised)
 
 
+#: A server that keeps only what its last SAVE wrote (the backup a restore goes back to).
+RDB_ONLY = ("--appendonly", "no")
+
+
 async def restored_from_an_older_backup(
     private_redis_server: Callable[..., AbstractContextManager[str]], *, fenced: bool
 ) -> list[str]:
@@ -657,10 +670,11 @@ async def restored_from_an_older_backup(
     with tempfile.TemporaryDirectory(prefix="sessionactors-rdb-") as directory:
         server = contextlib.ExitStack()
         url = await trio.to_thread.run_sync(
-            server.enter_context, private_redis_server(directory=directory)
+            server.enter_context, private_redis_server(directory=directory, config=RDB_ONLY)
         )
         try:
-            a, b = RedisStore(url, prefix="r"), RedisStore(url, prefix="r")
+            a = RedisStore(url, prefix="r", persistence="volatile")
+            b = RedisStore(url, prefix="r", persistence="volatile")
             with trio.fail_after(30):
                 await a.create("s", b"snap", b"i")
                 await a.append("s", [E(1, b"early")], b"i")
@@ -675,7 +689,8 @@ async def restored_from_an_older_backup(
                 port = urlsplit(url).port
                 server.close()
                 await trio.to_thread.run_sync(
-                    server.enter_context, private_redis_server(port, directory=directory)
+                    server.enter_context,
+                    private_redis_server(port, directory=directory, config=RDB_ONLY),
                 )
                 with warnings.catch_warnings():  # (see test_recovers_when_the_server_comes_back)
                     warnings.simplefilter("ignore", ResourceWarning)

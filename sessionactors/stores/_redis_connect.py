@@ -1,0 +1,246 @@
+"""Where a ``RedisStore`` connects: its URL's deployment, the client for it, and the
+persistence check every new connection passes before it is used.
+
+URLs::
+
+    redis://[[user]:password@]host[:port][/db]      one server (rediss:// with TLS,
+    unix://[[user]:password@]/path/to/socket         unix:// over a local socket)
+    redis+cluster://[[user]:password@]host:port[,host:port...]   a Redis Cluster
+                                                     (rediss+cluster:// with TLS)
+    redis+sentinel://host:port[,host:port...]/service[/db]       the master that
+                                                     Sentinel names ``service``
+
+Every URL takes ``?persistence=always|everysec|volatile`` (see :data:`PERSISTENCE`);
+a ``redis://`` URL also takes coredis' own query options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final, Literal, TypeAlias, get_args
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import attrs
+import coredis
+import coredis.exceptions
+from coredis.connection import TCPLocation
+from coredis.retry import ConstantRetryPolicy, NoRetryPolicy
+
+from .._errors import StoreNotDurableError
+
+__all__ = ["PERSISTENCE", "Client", "Persistence", "Target", "check_persistence", "open_client"]
+
+#: Any coredis client: one server, a cluster, or a Sentinel's master.
+Client: TypeAlias = coredis.client.Client[bytes]
+
+Persistence: TypeAlias = Literal["always", "everysec", "volatile"]
+#: What a store demands of its server before it writes:
+#: ``"always"`` (the default): ``appendonly yes`` and ``appendfsync always``, every
+#: acknowledged write is on disk; ``"everysec"``: ``appendonly yes`` with at least
+#: ``appendfsync everysec``, a machine crash or power loss can take up to about a
+#: second of acknowledged writes; ``"volatile"``: no check, for tests and caches
+#: (without persistence a restart loses everything).
+PERSISTENCE: Final[tuple[Persistence, ...]] = get_args(Persistence)
+
+_STANDALONE: Final = ("redis", "rediss", "unix")
+_CLUSTER: Final = ("redis+cluster", "rediss+cluster")
+_SENTINEL: Final = ("redis+sentinel",)
+SCHEMES: Final = (*_STANDALONE, *_CLUSTER, *_SENTINEL)
+
+# A cluster client retries only what the server refused before running it (a slot
+# moving, the cluster not ready yet); a lost connection is the caller's to judge.
+_CLUSTER_RETRY: Final = ConstantRetryPolicy(
+    (coredis.exceptions.ClusterDownError,), retries=2, delay=0.1
+)
+
+
+def redact(url: str) -> str:
+    """``url`` without its password."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+
+
+def _locations(netloc: str, url: str) -> list[TCPLocation]:
+    locations = []
+    for item in netloc.rpartition("@")[2].split(","):
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(
+                f"redis url {redact(url)!r}: {item!r} is not host:port; write every node or "
+                "sentinel as host:port, separated by commas"
+            )
+        locations.append(TCPLocation(host.strip("[]"), int(port)))
+    return locations
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """A parsed store URL: what to connect to and what to demand of it."""
+
+    url: str
+    scheme: str
+    persistence: Persistence
+    query: Mapping[str, str] = attrs.field(factory=dict)
+    locations: tuple[TCPLocation, ...] = ()
+    service: str = ""
+    db: int = 0
+
+    @classmethod
+    def parse(cls, url: str, persistence: str | None) -> Target:
+        """Check ``url`` (and ``persistence``, which overrides the URL's); no I/O."""
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES:
+            raise ValueError(
+                f"redis url {redact(url)!r} is not a redis://, rediss://, unix://, "
+                "redis+cluster:// or redis+sentinel:// url; pass one like "
+                "'redis://127.0.0.1:6379/0'"
+            )
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        chosen = persistence or query.pop("persistence", None) or "always"
+        query.pop("persistence", None)
+        if chosen not in PERSISTENCE:
+            raise ValueError(
+                f"redis persistence {chosen!r} is not one of {', '.join(PERSISTENCE)}; "
+                "'always' keeps every acknowledged write"
+            )
+        found: Persistence = chosen
+        if parts.scheme in _STANDALONE:
+            return cls(url=url, scheme=parts.scheme, persistence=found, query=query)
+        if query:
+            raise ValueError(
+                f"redis url {redact(url)!r}: {parts.scheme}:// takes no option but "
+                "persistence; drop " + ", ".join(sorted(query))
+            )
+        locations = tuple(_locations(parts.netloc, url))
+        if parts.scheme in _CLUSTER:
+            return cls(url=url, scheme=parts.scheme, persistence=found, locations=locations)
+        service, _, db = parts.path.strip("/").partition("/")
+        if not service or not (db or "0").isdigit():
+            raise ValueError(
+                f"redis url {redact(url)!r} names no service: write "
+                "redis+sentinel://host:port/service or .../service/db"
+            )
+        if "@" in parts.netloc:
+            raise ValueError(
+                f"redis url {redact(url)!r}: a redis+sentinel:// url takes no password; "
+                "pass an opened client with client= instead"
+            )
+        return cls(
+            url=url,
+            scheme=parts.scheme,
+            persistence=found,
+            locations=locations,
+            service=service,
+            db=int(db or "0"),
+        )
+
+    @property
+    def cluster(self) -> bool:
+        return self.scheme in _CLUSTER
+
+
+@contextlib.asynccontextmanager
+async def open_client(target: Target) -> AsyncIterator[Client]:
+    """The opened client for ``target``, closed on exit."""
+    if target.scheme in _STANDALONE:
+        parts = urlsplit(target.url)
+        url = urlunsplit(parts._replace(query=urlencode(dict(target.query))))
+        async with coredis.Redis.from_url(url, retry_policy=NoRetryPolicy()) as client:
+            yield client
+    elif target.cluster:
+        parts = urlsplit(target.url)
+        user, colon, password = parts.netloc.rpartition("@")[0].partition(":")
+        cluster = coredis.RedisCluster[bytes](
+            startup_nodes=target.locations,
+            username=user or None,
+            password=password if colon else None,
+            ssl=target.scheme.startswith("rediss"),
+            retry_policy=_CLUSTER_RETRY,
+            decode_responses=False,
+        )
+        async with cluster:
+            yield cluster
+    else:
+        async with (
+            coredis.Sentinel(target.locations, retry_policy=NoRetryPolicy()) as sentinel,
+            sentinel.primary_for(target.service, db=target.db) as primary,
+        ):
+            yield primary
+
+
+def _problem(appendonly: bytes | None, fsync: bytes | None, wanted: Persistence) -> str | None:
+    """What the server's settings risk against ``wanted`` (None: nothing)."""
+    if appendonly != b"yes":
+        return (
+            "appendonly is off, so a restart loses every write since the last RDB "
+            "snapshot (all of them without one)"
+        )
+    if fsync == b"always":
+        return None
+    if fsync is None:
+        if wanted == "everysec":
+            return None
+        return (
+            "appendfsync cannot be read (CONFIG GET is refused), so the store cannot "
+            "tell that every write reaches the disk"
+        )
+    if fsync == b"everysec":
+        if wanted == "everysec":
+            return None
+        return (
+            "appendfsync is everysec, so a machine crash or power loss can take up to "
+            "about a second of acknowledged writes"
+        )
+    return (
+        f"appendfsync is {fsync.decode(errors='replace')}, so the operating system "
+        "decides when writes reach the disk and a machine crash can take any of them"
+    )
+
+
+async def _settings(client: Client) -> tuple[bytes | None, bytes | None]:
+    """``appendonly`` and ``appendfsync`` of one server; ``appendfsync`` is None when
+    only INFO can be read."""
+    try:
+        got: Any = await client.config_get(["appendonly", "appendfsync"])
+        return got.get(b"appendonly"), got.get(b"appendfsync")
+    except coredis.exceptions.ResponseError:
+        # CONFIG is disabled or not allowed for this user: INFO still says whether
+        # the append-only file is on, not how often it is synced.
+        info: Any = await client.info("persistence")
+        enabled = str(info.get("aof_enabled", "0")) == "1"
+        return (b"yes" if enabled else b"no"), None
+
+
+async def check_persistence(client: Client, target: Target, where: str) -> None:
+    """Raise ``StoreNotDurableError`` if a server behind ``client`` can lose writes it
+    acknowledged, as ``target.persistence`` counts them."""
+    if target.persistence == "volatile":
+        return
+    problems: list[str] = []
+    if isinstance(client, coredis.RedisCluster):
+        for node in client.primaries:
+            async with node:
+                problem = _problem(*await _settings(node), target.persistence)
+            if problem is not None:
+                location = node.connection_pool.location
+                problems.append(f"master {location}: {problem}")
+    else:
+        problem = _problem(*await _settings(client), target.persistence)
+        if problem is not None:
+            problems.append(problem)
+    if not problems:
+        return
+    raise StoreNotDurableError(
+        f"redis at {where} can lose acknowledged writes: {'; '.join(problems)}. "
+        "Run it with appendonly yes and appendfsync always (in redis.conf, or "
+        "CONFIG SET appendonly yes, CONFIG SET appendfsync always, CONFIG REWRITE). "
+        "To accept losing up to about a second of acknowledged writes on a machine crash "
+        "(appendfsync everysec), pass RedisStore(url, persistence='everysec'); for tests "
+        "and caches that may lose everything, persistence='volatile' "
+        "(or ?persistence=... in the url)"
+    )

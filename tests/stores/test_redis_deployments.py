@@ -1,0 +1,273 @@
+"""RedisStore on the deployments users run (one server, a Redis Cluster, Sentinel), and
+its check of the server's persistence when it connects."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
+from urllib.parse import urlsplit
+
+import coredis
+import pytest
+import trio
+from coredis.connection import TCPLocation
+
+from sessionactors import StoreError, StoreNotDurableError
+from sessionactors.stores import JournalEntry, RedisStore, StoredSession
+from sessionactors.testing import check_store
+
+pytestmark = pytest.mark.redis
+
+PrivateServer = Callable[..., AbstractContextManager[str]]
+VOLATILE = ("--appendonly", "no")
+EVERYSEC = ("--appendfsync", "everysec")
+NO_CONFIG = ("--rename-command", "CONFIG", "")
+
+
+@contextlib.asynccontextmanager
+async def raw_clients(url: str) -> AsyncIterator[list[coredis.Redis[bytes]]]:
+    """A plain client on every master behind ``url`` (one server, a cluster's masters,
+    or the master a Sentinel names), to look behind the store's back."""
+    parts = urlsplit(url)
+    async with contextlib.AsyncExitStack() as stack:
+        if parts.scheme == "redis+cluster":
+            cluster = await stack.enter_async_context(
+                coredis.RedisCluster(parts.hostname, parts.port)
+            )
+            clients = [await stack.enter_async_context(node) for node in cluster.primaries]
+        elif parts.scheme == "redis+sentinel":
+            sentinel = await stack.enter_async_context(
+                coredis.Sentinel([TCPLocation(parts.hostname or "", parts.port or 26379)])
+            )
+            primary = sentinel.primary_for(parts.path.strip("/").split("/")[0])
+            clients = [await stack.enter_async_context(primary)]
+        else:
+            clients = [await stack.enter_async_context(coredis.Redis.from_url(url))]
+        yield clients
+
+
+async def keys_under(url: str, prefix: str) -> dict[int, list[bytes]]:
+    """The keys under ``prefix`` on each master behind ``url``, by master."""
+    async with raw_clients(url) as clients:
+        return {
+            index: [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+            for index, client in enumerate(clients)
+        }
+
+
+async def drop(url: str, prefix: str) -> None:
+    async with raw_clients(url) as clients:
+        for client in clients:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+            for key in keys:  # one by one: a cluster master refuses keys of several slots
+                await client.unlink([key])
+
+
+# -- deployments ------------------------------------------------------------------------
+
+
+async def test_passes_check_store_on_every_deployment(any_redis_url: str) -> None:
+    """The store contract holds on one server, on a three-master Redis Cluster and on the
+    master a Sentinel names."""
+    prefixes: list[str] = []
+    stores: list[RedisStore] = []
+
+    def make() -> RedisStore:
+        prefixes.append(f"sa-test:{uuid.uuid4().hex}")
+        stores.append(RedisStore(any_redis_url, prefix=prefixes[-1]))
+        return stores[-1]
+
+    try:
+        with trio.fail_after(120):
+            await check_store(make)
+    finally:
+        with trio.fail_after(30):
+            for store in stores:
+                await store.aclose()
+            for prefix in prefixes:
+                await drop(any_redis_url, prefix)
+
+
+async def test_sessions_spread_over_the_cluster_and_list_from_every_master(
+    redis_cluster_url: str,
+) -> None:
+    """On a cluster, sessions land on every master, and one listing finds them all."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = RedisStore(redis_cluster_url, prefix=prefix)
+    names = [f"chat-{index}" for index in range(40)]
+    try:
+        with trio.fail_after(60):
+            for name in names:
+                await store.create(name, b"snap", name.encode())
+                await store.append(name, [JournalEntry(1, b"one")], name.encode())
+                lease = await store.claim(name, "w1", 30)
+                assert lease is not None
+            assert await store.list_sessions() == sorted((n, n.encode()) for n in names)
+            by_master = await keys_under(redis_cluster_url, prefix)
+            assert len(by_master) == 3
+            assert all(by_master.values()), "every master holds some sessions"
+            assert await store.delete(names[0])
+            assert [n for n, _ in await store.list_sessions()] == sorted(names[1:])
+    finally:
+        with trio.fail_after(30):
+            await store.aclose()
+            await drop(redis_cluster_url, prefix)
+
+
+def test_rejects_bad_deployment_urls() -> None:
+    """Cluster and Sentinel URLs that name no node or no service, options those URLs do
+    not take, and an unknown persistence are refused at construction, without I/O."""
+    bad = [
+        "redis+cluster://127.0.0.1",
+        "redis+cluster://127.0.0.1:7000,nohost",
+        "redis+sentinel://127.0.0.1:26379",
+        "redis+sentinel://127.0.0.1:26379/service/db",
+        "redis+sentinel://:secret@127.0.0.1:26379/service",
+        "redis+cluster://127.0.0.1:7000?stream_timeout=1",
+        "redis://127.0.0.1:6379/0?persistence=sometimes",
+    ]
+    for url in bad:
+        with pytest.raises(ValueError, match="redis"):
+            RedisStore(url)
+    with pytest.raises(ValueError, match="persistence"):
+        RedisStore("redis://127.0.0.1:6379/0", persistence="sometimes")
+    with pytest.raises(ValueError, match="brace"):
+        RedisStore("redis://127.0.0.1:6379/0", prefix="app{1}")
+    assert RedisStore("redis+sentinel://h1:1,h2:2/svc/3").persistence == "always"
+    assert RedisStore("redis://h:1/0?persistence=everysec").persistence == "everysec"
+    assert "secret" not in repr(RedisStore("redis+cluster://u:secret@h1:1,h2:2"))
+
+
+# -- the persistence check ------------------------------------------------------------
+
+
+async def _started(
+    private_redis_server: PrivateServer, *config: str
+) -> tuple[str, Callable[[], None]]:
+    stack = contextlib.ExitStack()
+    url = await trio.to_thread.run_sync(stack.enter_context, private_redis_server(config=config))
+    return url, stack.close
+
+
+async def _dbsize(url: str) -> int:
+    async with raw_clients(url) as clients:
+        return int(await clients[0].dbsize())
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (VOLATILE, "appendonly is off"),
+        (EVERYSEC, "appendfsync is everysec, so a machine crash"),
+        (("--appendfsync", "no"), "appendfsync is no"),
+        (NO_CONFIG, "CONFIG GET is refused"),
+    ],
+)
+async def test_refuses_a_server_that_can_lose_acknowledged_writes(
+    private_redis_server: PrivateServer, config: tuple[str, ...], match: str
+) -> None:
+    """By default a server that can lose acknowledged writes is refused on the first call
+    with StoreNotDurableError, which says how to fix it, and nothing is written."""
+    url, stop = await _started(private_redis_server, *config)
+    try:
+        store = RedisStore(url, prefix="sa-test")
+        with trio.fail_after(10):
+            for call in (lambda: store.create("s", b"snap", b"i"), lambda: store.load("s")):
+                with pytest.raises(StoreNotDurableError, match=match) as caught:
+                    await call()
+                message = str(caught.value)
+                assert "appendonly yes and appendfsync always" in message
+                assert "about a second" in message
+                assert "persistence='volatile'" in message
+                assert isinstance(caught.value, StoreError)
+            await store.aclose()
+            if config != NO_CONFIG:
+                assert await _dbsize(url) == 0
+    finally:
+        await trio.to_thread.run_sync(stop)
+
+
+@pytest.mark.parametrize(
+    ("config", "persistence", "url_option"),
+    [
+        (VOLATILE, "volatile", False),
+        (VOLATILE, "volatile", True),
+        (EVERYSEC, "everysec", False),
+        (EVERYSEC, "everysec", True),
+        (NO_CONFIG, "everysec", False),
+        ((*VOLATILE, *NO_CONFIG), "volatile", False),
+    ],
+)
+async def test_an_explicit_opt_out_accepts_a_weaker_server(
+    private_redis_server: PrivateServer,
+    config: tuple[str, ...],
+    persistence: str,
+    url_option: bool,
+) -> None:
+    """persistence='everysec' accepts an append-only file synced every second (or one
+    whose sync policy cannot be read), persistence='volatile' any server; given as an
+    argument or in the URL."""
+    url, stop = await _started(private_redis_server, *config)
+    try:
+        if url_option:
+            store = RedisStore(f"{url}?persistence={persistence}", prefix="sa-test")
+        else:
+            store = RedisStore(url, prefix="sa-test", persistence=persistence)
+        with trio.fail_after(10):
+            await store.create("s", b"snap", b"i")
+            assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+            await store.aclose()
+    finally:
+        await trio.to_thread.run_sync(stop)
+
+
+async def test_everysec_still_refuses_a_server_without_an_append_only_file(
+    private_redis_server: PrivateServer,
+) -> None:
+    """persistence='everysec' refuses a server without an append-only file, also when
+    only INFO can be read."""
+    url, stop = await _started(private_redis_server, *VOLATILE, *NO_CONFIG)
+    try:
+        store = RedisStore(url, prefix="sa-test", persistence="everysec")
+        with trio.fail_after(10), pytest.raises(StoreNotDurableError, match="appendonly is off"):
+            await store.exists("s")
+        await store.aclose()
+    finally:
+        await trio.to_thread.run_sync(stop)
+
+
+async def test_a_server_made_durable_is_accepted_on_the_next_call(
+    private_redis_server: PrivateServer,
+) -> None:
+    """Once the operator turns on appendonly and appendfsync always, the next call of the
+    same store connects and works."""
+    url, stop = await _started(private_redis_server, *VOLATILE)
+    try:
+        store = RedisStore(url, prefix="sa-test")
+        with trio.fail_after(20):
+            with pytest.raises(StoreNotDurableError):
+                await store.exists("s")
+            async with raw_clients(url) as (client,):
+                await client.config_set({"appendonly": "yes", "appendfsync": "always"})
+            await store.create("s", b"snap", b"i")
+            assert await store.exists("s")
+            await store.aclose()
+    finally:
+        await trio.to_thread.run_sync(stop)
+
+
+async def test_a_given_client_is_checked_too(private_redis_server: PrivateServer) -> None:
+    """A store built on an opened client checks that client's server on the first call."""
+    url, stop = await _started(private_redis_server, *VOLATILE)
+    try:
+        with trio.fail_after(10):
+            async with coredis.Redis.from_url(url) as client:
+                store = RedisStore(client=client, prefix="sa-test")
+                with pytest.raises(StoreNotDurableError):
+                    await store.exists("s")
+                opted_out = RedisStore(client=client, prefix="sa-test", persistence="volatile")
+                assert not await opted_out.exists("s")
+    finally:
+        await trio.to_thread.run_sync(stop)
