@@ -3,10 +3,12 @@ replaces the history whole; both journaled, published, checked before anything i
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import attrs
@@ -15,8 +17,10 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+import sessionactors.aio as aio
 from history_rules import tool_pairs_intact
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 User, Assistant, System, Tool = sa.Role.USER, sa.Role.ASSISTANT, sa.Role.SYSTEM, sa.Role.TOOL
 
@@ -369,3 +373,57 @@ async def test_history_writes_wait_behind_a_running_turn_in_mailbox_order(
                 ("assistant", "a person's answer"),
             ]
             assert added.id not in {m.id for m in model.requests[0].messages}
+
+
+def test_asyncio_code_adds_and_replaces_messages() -> None:
+    """sessionactors.aio offers add_messages and replace_history with the same checks."""
+
+    async def main() -> list[sa.Message]:
+        agents = {"a": sa.Agent(model=ScriptedModel(["ok"]))}
+        async with asyncio.timeout(20), aio.open_registry(agents=agents) as registry:
+            ref = await registry.spawn("aio")
+            await ref.add_messages(every_role())
+            with pytest.raises(sa.InvalidHistoryError, match="'aio'"):
+                await ref.add_messages(tool_group(call("lookup"))[:1])
+            replacement = [sa.Message.create(User, "imported")]
+            await ref.replace_history(replacement)
+            assert await ref.history() == replacement
+            await ref.send("and now?")
+            return await ref.history()
+
+    history = asyncio.run(main())
+    assert brief(history) == [("user", "imported"), ("user", "and now?"), ("assistant", "ok")]
+
+
+@pytest.mark.redis
+async def test_history_writes_through_another_worker_reach_the_owner(redis_url: str) -> None:
+    """add_messages and replace_history through a worker that does not run the session are
+    forwarded to its owner (records and refusals alike) and journaled there."""
+    prefix = f"history-{uuid.uuid4().hex}"
+
+    def open_worker() -> AbstractAsyncContextManager[sa.Registry]:
+        store = RedisStore(redis_url, prefix=prefix)
+        return sa.open_registry(store=store, agents={"a": sa.Agent(model=EchoModel())})
+
+    with trio.fail_after(30):
+        async with open_worker() as owner, open_worker() as other:
+            await owner.spawn("s")
+            await owner.ref("s").send("hello")  # live on the owner
+            ref = other.ref("s")
+            added = every_role()
+            added[2] = attrs.evolve(
+                added[2], metadata={"when": datetime.datetime.now(datetime.UTC)}
+            )
+            await ref.add_messages(added)
+            assert other.live() == []
+            assert (await owner.ref("s").history())[2:] == added
+            with pytest.raises(sa.InvalidHistoryError, match=r"'s'.*already has") as info:
+                await ref.add_messages(added[:1])
+            assert info.value.session_id == "s"
+            await ref.replace_history(added[:3])
+            assert await owner.ref("s").history() == added[:3]
+            await ref.replace_history([])
+            assert await ref.history() == []
+            assert other.live() == []
+        async with open_worker() as again:
+            assert await again.ref("s").history() == []
