@@ -15,6 +15,8 @@ import attrs
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -427,3 +429,51 @@ async def test_history_writes_through_another_worker_reach_the_owner(redis_url: 
             assert other.live() == []
         async with open_worker() as again:
             assert await again.ref("s").history() == []
+
+
+@st.composite
+def loose_messages(draw: st.DrawFn) -> list[sa.Message]:
+    """Messages in any order: text, assistant messages calling tools c0-c2, tool results
+    for c0-c2 or for no call; every id unique."""
+    ids = (f"m{i}" for i in range(1000))
+    at = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+    call_ids = st.sampled_from(["c0", "c1", "c2"])
+    out = []
+    for kind in draw(st.lists(st.sampled_from(["user", "text", "asks", "result"]), max_size=8)):
+        if kind == "user":
+            out.append(sa.Message(id=next(ids), role=User, content="u", created_at=at))
+        elif kind == "text":
+            out.append(sa.Message(id=next(ids), role=Assistant, content="a", created_at=at))
+        elif kind == "asks":
+            made = draw(st.lists(call_ids, min_size=1, max_size=3, unique=True))
+            calls = tuple(sa.ToolCall(id=c, name="t") for c in made)
+            message = sa.Message(id=next(ids), role=Assistant, content="", created_at=at)
+            out.append(attrs.evolve(message, tool_calls=calls))
+        else:
+            answers = draw(st.one_of(st.none(), call_ids))
+            message = sa.Message(id=next(ids), role=Tool, content="r", created_at=at)
+            out.append(attrs.evolve(message, tool_call_id=answers))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages=loose_messages(), replace=st.booleans())
+def test_a_block_is_accepted_exactly_when_no_tool_call_is_separated_from_its_results(
+    messages: list[sa.Message], replace: bool
+) -> None:
+    """Any block of messages is taken whole when every call is answered right after it (by
+    the tests' own rule), and refused whole with InvalidHistoryError otherwise."""
+
+    async def main() -> None:
+        async with sa.open_registry(agents={"a": sa.Agent(model=ScriptedModel())}) as registry:
+            ref = await registry.spawn("s")
+            write = ref.replace_history if replace else ref.add_messages
+            if tool_pairs_intact(messages):
+                await write(messages)
+                assert await ref.history() == messages
+            else:
+                with pytest.raises(sa.InvalidHistoryError, match="'s'"):
+                    await write(messages)
+                assert await ref.history() == []
+
+    trio.run(main)
