@@ -51,7 +51,7 @@ from ._events import (
     TurnStarted,
 )
 from ._history import rewind_end, split_for_keep_last
-from ._history_input import check_entry, check_new_ids
+from ._history_input import KnownIds, check_entry, check_new_ids
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
 from ._metadata import check_metadata, merge_metadata
@@ -234,6 +234,7 @@ class Actor:
         "inflight_keys",
         "journal",
         "kill_error",
+        "known_ids",
         "lease",
         "load_error",
         "partial",
@@ -280,6 +281,7 @@ class Actor:
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
+        self.known_ids: KnownIds | None = None  # made by the first add_messages
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.born = now_us()  # it issued every turn id of its session from then on
         self.refused: dict[str, str] | None = None  # turns refused before they began
@@ -1081,7 +1083,10 @@ class Actor:
             )
         messages = request.messages
         if not replace:
-            check_new_ids(sid, session.messages, messages, what)
+            known = self.known_ids
+            if known is None:
+                known = self.known_ids = KnownIds()
+            check_new_ids(sid, known.of(session.messages), messages, what)
         seq = self._hub().seq
         events: list[Event] = []
         if replace and session.messages:

@@ -15,7 +15,7 @@ from ._events import Event, MessageAdded
 from ._history import separated_pair
 from ._records import Message, Role
 
-__all__ = ["check_entry", "check_messages", "check_new_ids"]
+__all__ = ["KnownIds", "check_entry", "check_messages", "check_new_ids"]
 
 
 def check_messages(session_id: str, messages: object, what: str) -> tuple[Message, ...]:
@@ -69,16 +69,34 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
     return given
 
 
-def check_new_ids(
-    session_id: str, history: Sequence[Message], messages: Sequence[Message], what: str
-) -> None:
-    """:class:`InvalidHistoryError` if a message of ``messages`` has the id of one in
-    ``history``."""
-    if not messages:
-        return
-    new = {m.id for m in messages}
-    for message in history:
-        if message.id in new:
+class KnownIds:
+    """The ids of a session's history, kept up to date cheaply: the fold only appends to
+    its list of messages, or replaces the list whole (an edit), so what was appended
+    since the last look is added, and a new list is indexed afresh."""
+
+    __slots__ = ("_count", "_ids", "_of")
+
+    def __init__(self) -> None:
+        self._of: list[Message] | None = None
+        self._count = 0
+        self._ids: set[str] = set()
+
+    def of(self, messages: list[Message]) -> set[str]:
+        """The ids of ``messages`` (the session's list)."""
+        if messages is not self._of or len(messages) < self._count:
+            self._of, self._count, self._ids = messages, 0, set()
+        ids = self._ids
+        for i in range(self._count, len(messages)):
+            ids.add(messages[i].id)
+        self._count = len(messages)
+        return ids
+
+
+def check_new_ids(session_id: str, known: set[str], messages: Sequence[Message], what: str) -> None:
+    """:class:`InvalidHistoryError` if a message of ``messages`` has an id in ``known``
+    (the ids of the history)."""
+    for message in messages:
+        if message.id in known:
             raise _invalid(
                 session_id,
                 what,

@@ -477,3 +477,27 @@ def test_a_block_is_accepted_exactly_when_no_tool_call_is_separated_from_its_res
                 assert await ref.history() == []
 
     trio.run(main)
+
+
+async def test_ids_are_checked_against_the_history_as_it_is_after_turns_and_edits(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """add_messages refuses the id of any message in the history now (one a turn added
+    after the last add included) and takes the id of one an edit removed."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("s")
+            first = sa.Message.create(User, "first")
+            await ref.add_messages([first])
+            reply = await ref.send("a turn")
+            assert reply.message is not None
+            for taken in (first, reply.message):
+                with pytest.raises(sa.InvalidHistoryError, match="already has"):
+                    await ref.add_messages([attrs.evolve(taken, role=Assistant)])
+            assert await ref.truncate(keep_last=1) == 2  # first and the turn's user message go
+            await ref.add_messages([first])
+            with pytest.raises(sa.InvalidHistoryError, match="already has"):
+                await ref.add_messages([first])
+            await ref.replace_history([reply.message])
+            await ref.add_messages([first])
+            assert await ref.history() == [reply.message, first]
