@@ -9,6 +9,7 @@ from ._codec import load_snapshot as load_snapshot
 from ._errors import AgentNotFoundError as AgentNotFoundError
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
+from ._errors import InvalidHistoryError as InvalidHistoryError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError
 from ._errors import LeaseHeldError as LeaseHeldError
 from ._errors import MailboxFullError as MailboxFullError
@@ -98,6 +99,7 @@ __all__ = [
     "EventsExpiredError",
     "FencedOutError",
     "HistoryEdited",
+    "InvalidHistoryError",
     "InvalidSessionNameError",
     "LeaseHeldError",
     "MailboxFullError",

@@ -51,6 +51,7 @@ from ._events import (
     TurnStarted,
 )
 from ._history import rewind_end, split_for_keep_last
+from ._history_input import KnownIds, check_entry, check_new_ids
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
 from ._metadata import check_metadata, merge_metadata
@@ -69,8 +70,10 @@ from ._records import (
     utcnow,
 )
 from ._requests import (
+    AddMessages,
     Call,
     Hibernate,
+    ReplaceHistory,
     Reply,
     ResolveReview,
     Retry,
@@ -235,6 +238,7 @@ class Actor:
         "inflight_keys",
         "journal",
         "kill_error",
+        "known_ids",
         "lease",
         "load_error",
         "partial",
@@ -283,6 +287,7 @@ class Actor:
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
+        self.known_ids: KnownIds | None = None  # made by the first add_messages
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.born = now_us()  # it issued every turn id of its session from then on
         self.refused: dict[str, str] | None = None  # turns refused before they began
@@ -898,6 +903,9 @@ class Actor:
             result: Any
             if isinstance(request, SetMetadata):
                 result = await self._set_metadata(request)
+            elif isinstance(request, AddMessages | ReplaceHistory):
+                await self._put_messages(request)
+                result = None
             else:
                 result = await self._edit(request)
         except SessionActorsError as exc:
@@ -1082,6 +1090,48 @@ class Actor:
         self.durable(MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged))
         await self.commit()
         return dict(merged)
+
+    async def _put_messages(self, request: AddMessages | ReplaceHistory) -> None:
+        """Append messages to the history, or replace it whole, without a turn (in
+        mailbox order); the messages were checked as a block by the caller's ref."""
+        session = self.session
+        sid = self.session_id
+        replace = isinstance(request, ReplaceHistory)
+        what = "replace_history" if replace else "add_messages"
+        self._refuse_while_reviewing(what)
+        if session.open_turn is not None:  # a crash left it mid-tool; its agent is not here
+            raise SessionBusyError(
+                f"session {sid!r} cannot {what} while turn {session.open_turn.turn_id!r} is "
+                "unfinished (a tool call waits for its result); open the registry with the "
+                "session's agent, so that the turn finishes when the session wakes",
+                session_id=sid,
+            )
+        messages = request.messages
+        if not replace:
+            known = self.known_ids
+            if known is None:
+                known = self.known_ids = KnownIds()
+            check_new_ids(sid, known.of(session.messages), messages, what)
+        seq = self._hub().seq
+        events: list[Event] = []
+        if replace and session.messages:
+            removed = tuple(m.id for m in session.messages)
+            events.append(
+                HistoryEdited(
+                    session_id=sid, seq=seq + 1, reason="replace_history", removed=removed
+                )
+            )
+        for message in messages:
+            events.append(MessageAdded(session_id=sid, seq=seq + len(events) + 1, message=message))
+        if not events:
+            await trio.lowlevel.checkpoint()
+            return
+        check_entry(sid, events, what)  # the entry as it will be journaled: refused whole
+        for event in events:
+            self.next_seq()  # (the seq the event already carries)
+            self.durable(event)
+        self._set_status(_resting_status(session))
+        await self.commit()
 
     async def resume_interrupted(self) -> None:
         """Finish a turn whose process died mid-tool (found open on wake).

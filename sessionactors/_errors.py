@@ -10,6 +10,7 @@ __all__ = [
     "AgentNotFoundError",
     "EventsExpiredError",
     "FencedOutError",
+    "InvalidHistoryError",
     "InvalidSessionNameError",
     "LeaseHeldError",
     "MailboxFullError",
@@ -60,6 +61,12 @@ class SessionExistsError(SessionActorsError):
 
 class InvalidSessionNameError(SessionActorsError, ValueError):
     """A session name breaks the naming rules (empty, too long, control characters)."""
+
+
+class InvalidHistoryError(SessionActorsError, ValueError):
+    """Messages given to ``ref.add_messages`` or ``ref.replace_history`` would not
+    make a valid history: a tool call separated from its results, or a message id
+    that is empty or used twice. Nothing was written."""
 
 
 class TurnFailedError(SessionActorsError):

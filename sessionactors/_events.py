@@ -188,7 +188,9 @@ class ReviewResolved(Event):
 
 @attrs.frozen(kw_only=True)
 class HistoryEdited(Event):
-    """Messages were removed (truncate, rewind, compaction) and/or the summary set.
+    """Messages were removed and/or the summary set; ``reason`` says by what:
+    ``"truncate"``, ``"rewind"``, ``"set_summary"``, ``"compaction"``, ``"retry"``, or
+    ``"replace_history"`` (every message goes; a ``MessageAdded`` per new one follows).
 
     ``summary`` is ``None`` when the summary did not change.
     """

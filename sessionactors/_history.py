@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 
 from ._records import Message, Role
 
-__all__ = ["default_estimate", "rewind_end", "split_for_keep_last", "tool_pairs_intact"]
+__all__ = [
+    "default_estimate",
+    "rewind_end",
+    "separated_pair",
+    "split_for_keep_last",
+    "tool_pairs_intact",
+]
 
 
 def _group_start(messages: Sequence[Message], index: int) -> int:
@@ -52,18 +58,38 @@ def rewind_end(messages: Sequence[Message], index: int) -> int:
 
 def tool_pairs_intact(messages: Sequence[Message]) -> bool:
     """Whether every tool result follows its call and every call has its result."""
-    open_calls: set[str] = set()
-    for m in messages:
+    return separated_pair(messages) is None
+
+
+def separated_pair(messages: Sequence[Message]) -> str | None:
+    """What separates a tool call from its results in ``messages``, in words (None if
+    nothing): each assistant message with tool calls must be followed at once by one
+    tool message per call, and a tool message must answer a call just made."""
+    open_calls: dict[str, str] = {}  # call id -> the id of the message that made it
+    for index, m in enumerate(messages):
         if m.role is Role.TOOL:
-            if m.tool_call_id not in open_calls:
-                return False
-            open_calls.discard(m.tool_call_id)
+            if m.tool_call_id is None or m.tool_call_id not in open_calls:
+                return (
+                    f"messages[{index}] is a tool result for call {m.tool_call_id!r}, which "
+                    "the assistant message just before it did not make (or was answered already)"
+                )
+            del open_calls[m.tool_call_id]
             continue
         if open_calls:
-            return False
+            call_id, by = next(iter(open_calls.items()))
+            return (
+                f"tool call {call_id!r} of message {by!r} has no result before "
+                f"messages[{index}]; give each call's tool message right after it"
+            )
         if m.role is Role.ASSISTANT and m.tool_calls:
-            open_calls = {c.id for c in m.tool_calls}
-    return not open_calls
+            open_calls = {c.id: m.id for c in m.tool_calls}
+    if open_calls:
+        call_id, by = next(iter(open_calls.items()))
+        return (
+            f"tool call {call_id!r} of message {by!r} has no result; give each call's "
+            "tool message right after it"
+        )
+    return None
 
 
 def default_estimate(messages: Sequence[Message]) -> int:

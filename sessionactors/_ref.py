@@ -7,7 +7,7 @@ its arguments first: nothing the store would refuse reaches a session.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -17,13 +17,16 @@ from ._codec import MAX_TEXT_CHARS
 from ._errors import SessionStoppedError
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
 from ._final import NoPublicConstructor
+from ._history_input import check_messages
 from ._metadata import check_metadata
 from ._pending import Pending
 from ._records import Message, ReviewRequest, SessionState, TurnOutcome
 from ._requests import (
+    AddMessages,
     Call,
     Cancel,
     Hibernate,
+    ReplaceHistory,
     Reply,
     ResolveReview,
     Retry,
@@ -258,6 +261,43 @@ class SessionRef(metaclass=NoPublicConstructor):
         request = SetMetadata(changes=check_metadata(sid, changes))
         metadata: dict[str, Any] = await self._dispatcher.call(sid, request)
         return metadata
+
+    async def add_messages(self, messages: Iterable[Message]) -> None:
+        """Append ``messages`` to the history without calling the model.
+
+        For messages that no turn of this session produced: a person's reply in a
+        support chat (``sa.Message.create(sa.Role.ASSISTANT, "...")``), a system
+        note, or a conversation imported from elsewhere, tool calls and results
+        included. The next turn's model request holds them, after the messages
+        already there. Any role may be added; an assistant message with tool calls
+        must come with one tool message per call right after it, in the same call.
+
+        The messages are journaled together (they survive hibernation and
+        restarts), published as one ``MessageAdded`` event each (with no
+        ``turn_id``), and served in mailbox order, after the turns queued before.
+        Refused before anything is written: anything but ``sa.Message`` records,
+        or a field of the wrong type (``TypeError``), what cannot be stored
+        (``ValueError``), and an id that is empty, given twice or already in the
+        history, or a tool call separated from its results
+        (:class:`InvalidHistoryError`); ``SessionBusyError`` while a review is pending.
+        """
+        sid = self.session_id
+        request = AddMessages(messages=check_messages(sid, messages, "add_messages"))
+        await self._dispatcher.call(sid, request)
+
+    async def replace_history(self, messages: Iterable[Message]) -> None:
+        """Replace the whole history with ``messages`` (``[]`` clears it), without
+        calling the model.
+
+        The system prompt, summary, metadata and turn outcomes stay. Published as a
+        ``HistoryEdited`` event (``reason="replace_history"``) that removes every
+        message, then one ``MessageAdded`` per new message, all journaled together;
+        served in mailbox order. The messages are checked as for
+        :meth:`add_messages` (ids need only be unique among themselves).
+        """
+        sid = self.session_id
+        request = ReplaceHistory(messages=check_messages(sid, messages, "replace_history"))
+        await self._dispatcher.call(sid, request)
 
     # ---- events --------------------------------------------------------------------
 

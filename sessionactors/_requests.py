@@ -14,12 +14,14 @@ import attrs
 from ._records import Message, ReviewRequest
 
 __all__ = [
+    "AddMessages",
     "Call",
     "Cancel",
     "Delete",
     "Edit",
     "Hibernate",
     "ReadState",
+    "ReplaceHistory",
     "Reply",
     "Request",
     "ResolveReview",
@@ -95,6 +97,20 @@ class SetMetadata:
 
 
 @attrs.frozen(kw_only=True)
+class AddMessages:
+    """Append ``messages`` (checked) to the history without a turn; answered with None."""
+
+    messages: tuple[Message, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ReplaceHistory:
+    """Replace the whole history with ``messages`` (checked); answered with None."""
+
+    messages: tuple[Message, ...]
+
+
+@attrs.frozen(kw_only=True)
 class ResolveReview:
     """Approve or deny a pending review; answered with the turn's :class:`Reply`."""
 
@@ -114,7 +130,7 @@ class Retry:
 
 
 #: What the actor serves in mailbox order, behind the turns queued before it.
-Call = Edit | SetMetadata | ResolveReview | Hibernate | Retry
+Call = Edit | SetMetadata | AddMessages | ReplaceHistory | ResolveReview | Hibernate | Retry
 
 # ---- requests served out of band ----------------------------------------------------------
 

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "_names",
                 "_history",
+                "_history_input",
                 "_codec",
                 "_session",
                 "_config",

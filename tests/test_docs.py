@@ -140,6 +140,12 @@ EXPECTED = {
         "truncate removed 4: ['message 2']",
         "summary: The user counted from 0 to 1.",
     ],
+    "howto_add_messages.py": [
+        "   system: Ada (human agent) joined the chat.",
+        "the model saw 7 messages",
+        "refused: tool call 'call_1' of message 'late' has no result",
+        "after replace: 4 messages",
+    ],
     "howto_compaction.py": [
         "compactions: 5",
         "summary: The user counted upwards.",

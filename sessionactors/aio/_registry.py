@@ -12,7 +12,7 @@ import asyncio
 import functools
 import inspect
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final
 
@@ -201,6 +201,16 @@ class SessionRef:
         """Merge ``changes`` into the metadata (``None`` removes a key); returns it now."""
         metadata: dict[str, Any] = await self._host.call(self._ref.set_metadata, changes)
         return metadata
+
+    async def add_messages(self, messages: Iterable[sa.Message]) -> None:
+        """Append messages to the history without calling the model (see
+        :meth:`sessionactors.SessionRef.add_messages`)."""
+        await self._host.call(self._ref.add_messages, messages)
+
+    async def replace_history(self, messages: Iterable[sa.Message]) -> None:
+        """Replace the whole history with ``messages`` (see
+        :meth:`sessionactors.SessionRef.replace_history`)."""
+        await self._host.call(self._ref.replace_history, messages)
 
 
 @attrs.define(eq=False, repr=False)

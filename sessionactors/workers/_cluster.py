@@ -49,7 +49,14 @@ import attrs
 import msgpack
 import trio
 
-from .._codec import dump_event, dump_snapshot, load_event, load_events, load_snapshot
+from .._codec import (
+    dump_event,
+    dump_events,
+    dump_snapshot,
+    load_event,
+    load_events,
+    load_snapshot,
+)
 from .._errors import (
     LeaseHeldError,
     SessionActorsError,
@@ -66,10 +73,12 @@ from .._pending import Pending
 from .._records import Message, ReviewRequest, SessionState, Status, new_id
 from .._ref import Turn, new_turn
 from .._requests import (
+    AddMessages,
     Call,
     Cancel,
     Delete,
     Hibernate,
+    ReplaceHistory,
     Reply,
     ResolveReview,
     Retry,
@@ -97,7 +106,7 @@ _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
-_SAFE_CALLS: Final = (SetSummary, SetMetadata, Cancel, Hibernate)
+_SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate)
 #: The requests a worker forwards, by their wire tag (never reuse a retired tag).
 _CALL_TAGS: Final[dict[str, type[Any]]] = {
     "truncate": Truncate,
@@ -110,6 +119,8 @@ _CALL_TAGS: Final[dict[str, type[Any]]] = {
     "stop": Stop,
     "delete": Delete,
     "retry": Retry,
+    "add_messages": AddMessages,
+    "replace_history": ReplaceHistory,
 }
 _TAG_OF: Final = {cls: tag for tag, cls in _CALL_TAGS.items()}
 # Errors that are plain builtins when the owner raises them.
@@ -231,13 +242,23 @@ def _load_reply(name: str, body: Any) -> Reply:
     return Reply(turn_id=turn_id, message=message, reviews=tuple(reviews))
 
 
-def _dump_call(request: Call | Cancel | Stop | Delete) -> dict[str, Any]:
+def _dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, Any]:
+    if isinstance(request, AddMessages | ReplaceHistory):  # records: the codec's bytes
+        added = [MessageAdded(session_id=name, seq=0, message=m) for m in request.messages]
+        return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
     return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
 
 
-def _load_call(body: Any) -> Call | Cancel | Stop | Delete:
+def _load_call(name: str, body: Any) -> Call | Cancel | Stop | Delete:
     cls = _CALL_TAGS[str(body["t"])]
-    request: Call | Cancel | Stop | Delete = cls(**dict(body["f"]))
+    request: Call | Cancel | Stop | Delete
+    if cls is AddMessages or cls is ReplaceHistory:
+        data = body["m"]
+        events = [] if data is None else load_events(bytes(data), session_id=name)
+        messages = tuple(e.message for e in events if isinstance(e, MessageAdded))
+        request = cls(messages=messages)
+    else:
+        request = cls(**dict(body["f"]))
     return request
 
 
@@ -540,7 +561,7 @@ class Cluster:
                 state = await host.read_here(name)
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
             elif op == "call":
-                value = await host.call_here(name, _load_call(body["req"]))
+                value = await host.call_here(name, _load_call(name, body["req"]))
                 if isinstance(value, Reply):
                     value = _dump_reply(name, value)
                 await self._answer(body, {"ok": "value", "value": value})
@@ -665,7 +686,7 @@ class Cluster:
     async def call(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
         """Run a request other than a turn at the session's owner; NOT_ROUTED when no
         other worker holds the session."""
-        body = {"op": "call", "s": name, "req": _dump_call(request)}
+        body = {"op": "call", "s": name, "req": _dump_call(name, request)}
         answer = await self._forward(name, body, retry_safe=isinstance(request, _SAFE_CALLS))
         if answer is None:
             return NOT_ROUTED

@@ -1,0 +1,136 @@
+"""Messages a caller puts into a history: the checks behind ``ref.add_messages`` and
+``ref.replace_history``.
+
+Pure (no trio). The messages are checked as the events that will journal them
+(one ``MessageAdded`` each), with the codec's own checks, so that what is
+refused here is what the store would refuse, before anything is written; and
+as a history: unique ids, every tool call followed by its results.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from ._codec import dump_event, dump_events
+from ._errors import InvalidHistoryError
+from ._events import Event, MessageAdded
+from ._history import separated_pair
+from ._records import Message, Role
+
+__all__ = ["KnownIds", "check_entry", "check_messages", "check_new_ids"]
+
+
+def check_messages(session_id: str, messages: object, what: str) -> tuple[Message, ...]:
+    """``messages`` as a tuple, if they can join a history as one block.
+
+    ``TypeError`` for anything but an iterable of :class:`Message` records or a
+    field of the wrong type, ``ValueError`` for what the codec refuses (too
+    long, a naive datetime), :class:`InvalidHistoryError` for an empty or
+    repeated id and a tool call separated from its results. Every message names
+    the session and ``what`` was called.
+    """
+    if isinstance(messages, str | bytes | Mapping | Message) or not isinstance(messages, Iterable):
+        raise TypeError(
+            f"{what} for session {session_id!r} takes a list of sa.Message records "
+            f"(sa.Message.create(role, content)), not {type(messages).__name__}"
+        )
+    given = tuple(messages)
+    for index, message in enumerate(given):
+        if not isinstance(message, Message):
+            raise TypeError(
+                f"{what} for session {session_id!r}: messages[{index}] is "
+                f"{type(message).__name__}, not an sa.Message; make one with "
+                "sa.Message.create(role, content)"
+            )
+    if given:
+        check_entry(session_id, [_added(session_id, m) for m in given], what)
+    seen: set[str] = set()
+    for index, message in enumerate(given):
+        if not message.id:
+            raise _invalid(session_id, what, f"messages[{index}] has an empty id")
+        if message.id in seen:
+            raise _invalid(session_id, what, f"message id {message.id!r} appears twice")
+        seen.add(message.id)
+        if message.tool_calls and message.role is not Role.ASSISTANT:
+            raise _invalid(
+                session_id,
+                what,
+                f"messages[{index}] is a {message.role.value} message with tool calls; "
+                "only assistant messages call tools",
+            )
+        if message.tool_call_id is not None and message.role is not Role.TOOL:
+            raise _invalid(
+                session_id,
+                what,
+                f"messages[{index}] is a {message.role.value} message with a tool_call_id; "
+                "only tool messages answer a call",
+            )
+    problem = separated_pair(given)
+    if problem is not None:
+        raise _invalid(session_id, what, problem)
+    return given
+
+
+class KnownIds:
+    """The ids of a session's history, kept up to date cheaply: the fold only appends to
+    its list of messages, or replaces the list whole (an edit), so what was appended
+    since the last look is added, and a new list is indexed afresh."""
+
+    __slots__ = ("_count", "_ids", "_of")
+
+    def __init__(self) -> None:
+        self._of: list[Message] | None = None
+        self._count = 0
+        self._ids: set[str] = set()
+
+    def of(self, messages: list[Message]) -> set[str]:
+        """The ids of ``messages`` (the session's list)."""
+        if messages is not self._of or len(messages) < self._count:
+            self._of, self._count, self._ids = messages, 0, set()
+        ids = self._ids
+        for i in range(self._count, len(messages)):
+            ids.add(messages[i].id)
+        self._count = len(messages)
+        return ids
+
+
+def check_new_ids(session_id: str, known: set[str], messages: Sequence[Message], what: str) -> None:
+    """:class:`InvalidHistoryError` if a message of ``messages`` has an id in ``known``
+    (the ids of the history)."""
+    for message in messages:
+        if message.id in known:
+            raise _invalid(
+                session_id,
+                what,
+                f"the session already has a message with id {message.id!r}",
+            )
+
+
+def check_entry(session_id: str, events: Sequence[Event], what: str) -> None:
+    """Encode ``events`` as the journal entry they will be; ``TypeError`` /
+    ``ValueError`` naming the session (and the message at fault) if the codec refuses."""
+    try:
+        dump_events(events)
+    except (TypeError, ValueError) as exc:
+        for index, event in enumerate(events):  # which message? (only on a refusal)
+            if isinstance(event, MessageAdded):
+                try:
+                    dump_event(event)
+                except (TypeError, ValueError) as one:
+                    raise type(one)(
+                        f"{what} for session {session_id!r}: messages[{index}] cannot be "
+                        f"stored ({one})"
+                    ) from None
+        raise type(exc)(
+            f"{what} for session {session_id!r}: the messages cannot be stored together "
+            f"({exc}); give them in smaller batches"
+        ) from None
+
+
+def _added(session_id: str, message: Message) -> MessageAdded:
+    return MessageAdded(session_id=session_id, seq=0, message=message)
+
+
+def _invalid(session_id: str, what: str, problem: str) -> InvalidHistoryError:
+    return InvalidHistoryError(
+        f"{what} for session {session_id!r} refused, nothing was written: {problem}",
+        session_id=session_id,
+    )
