@@ -134,8 +134,13 @@ def run(args: argparse.Namespace) -> int:
         return trio.run(_with_store, store, command, args)
     except KeyboardInterrupt:
         return 130
-    except (SessionActorsError, ValueError, OSError) as exc:
+    except Exception as raised:  # one line, never a traceback (a group: its first error)
+        exc: BaseException = raised
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
         text = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, SessionActorsError | ValueError | OSError):
+            text = f"{type(exc).__name__}: {text}"
         print(f"sessionactors sessions {name}: {text}", file=sys.stderr)
         return 1
 
@@ -284,7 +289,13 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
             nursery.start_soon(stop_on_signal)
             warned = False
             while True:
-                trimmed, events = await read_events(store, name, after)
+                try:
+                    trimmed, events = await read_events(store, name, after)
+                except SessionNotFoundError:
+                    raise SessionNotFoundError(
+                        f"session {name!r} is not stored (deleted?); nothing more to follow",
+                        session_id=name,
+                    ) from None
                 if trimmed > after and not warned:
                     print(
                         f"sessionactors sessions tail: the events of session {name!r} up to "
@@ -346,15 +357,15 @@ async def _writing(store: Store, name: str, doing: str) -> Any:
 
 
 def _read_document(path: str) -> Any:
-    if path == "-":
-        text = sys.stdin.read()
-    else:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
+    where = "standard input" if path == "-" else repr(path)
     try:
+        if path == "-":
+            text = sys.stdin.buffer.read().decode("utf-8")
+        else:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
         return json.loads(text)
-    except ValueError as exc:
-        where = "standard input" if path == "-" else repr(path)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
         raise ValueError(f"{where} is not JSON ({exc}); pass a file written by export") from None
 
 

@@ -8,7 +8,7 @@ refused here is exactly what the store would refuse, before anything is written.
 from collections.abc import Mapping
 from typing import Any
 
-from ._codec import dump_event
+from ._codec import dump_event, load_event
 from ._events import MetadataChanged
 
 __all__ = ["PLAIN_DATA", "check_metadata", "merge_metadata"]
@@ -21,20 +21,23 @@ PLAIN_DATA = (
 
 
 def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
-    """``metadata`` as a dict, if the codec can store it; else ``TypeError`` /
-    ``ValueError`` naming the session and the offending key."""
+    """``metadata`` as a dict, in the form the codec reads it back, if the codec can
+    store it; else ``TypeError`` / ``ValueError`` naming the session and the
+    offending key."""
     if not isinstance(metadata, Mapping):
         raise TypeError(
             f"metadata for session {session_id!r} must be a mapping, not {type(metadata).__name__}"
         )
-    changes = dict(metadata)
     try:
-        dump_event(MetadataChanged(session_id=session_id, seq=0, metadata=changes))
+        data = dump_event(MetadataChanged(session_id=session_id, seq=0, metadata=dict(metadata)))
     except (TypeError, ValueError) as exc:
         raise type(exc)(
             f"metadata for session {session_id!r} cannot be stored: {exc}; {PLAIN_DATA}"
         ) from None
-    return changes
+    # as the store gives it back (a tuple reads as a list): the same before and after a restart
+    loaded = load_event(data, session_id=session_id)
+    assert isinstance(loaded, MetadataChanged)
+    return dict(loaded.metadata)
 
 
 def merge_metadata(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

@@ -348,6 +348,9 @@ def test_delete_needs_yes(tmp_path: Path) -> None:
         (["list", "--meta", "novalue", "--store", "sqlite:///{tmp}/s.db"], "KEY=VALUE"),
         (["show", "\x01", "--store", "sqlite:///{tmp}/s.db"], "control"),
         (["import", "{tmp}/missing.json", "--store", "sqlite:///{tmp}/s.db"], "missing.json"),
+        (["import", "{tmp}/nested.json", "--store", "sqlite:///{tmp}/s.db"], "not JSON"),
+        (["import", "{tmp}/latin1.json", "--store", "sqlite:///{tmp}/s.db"], "latin1.json"),
+        (["tail", "nobody", "--after", "0", "--store", "sqlite:///{tmp}/s.db"], "nobody"),
         (["list"], "--store"),
     ],
 )
@@ -357,12 +360,63 @@ def test_errors_are_one_line_without_a_traceback(
     """A bad URL, a missing file, a bad argument or a bad name fails with one line on
     stderr and a non-zero exit status."""
     (tmp_path / "not-a-store.db").write_bytes(b"not sqlite at all" * 100)
+    (tmp_path / "nested.json").write_text("[" * 100_000)
+    (tmp_path / "latin1.json").write_bytes(b'{"format": "caf\xe9"}')
+    if any("s.db" in a for a in args):
+        trio.run(_store_with_one_session, tmp_path / "s.db")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     line = refused(*args)
     assert expected in line, line
 
 
+async def _store_with_one_session(path: Path) -> None:
+    agent = sa.Agent(model=EchoModel())
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents={"echo": agent}) as registry:
+        await (await registry.spawn("a")).send("hello from a")
+
+
 # ---- tail ---------------------------------------------------------------------------
+
+
+async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Path) -> None:
+    """tail, started while no process has the file open, prints what a later process
+    stores, and ends (status 1, one line naming the session) once the session is
+    deleted, rather than following it forever."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    await _store_with_one_session(path)
+    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a", "--store", store]
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(60):
+            await trio.sleep(1)  # tail has read the session (no event yet)
+            agent = sa.Agent(model=EchoModel())
+            async with sa.open_registry(
+                store=sa.SQLiteStore(path), agents={"echo": agent}
+            ) as registry:
+                await registry.ref("a").send("later words")
+            lines = _Lines(process.stdout)
+            seen: list[dict[str, Any]] = []
+            while not any(e["type"] == "TurnFinished" for e in seen):
+                seen.append(json.loads(await lines.next()))
+            assert seen[-1]["message"]["content"] == "later words"
+            await trio.to_thread.run_sync(ok, "delete", "a", "--yes", "--store", store)
+            assert await process.wait() == 1
+            error = b""
+            while chunk := await process.stderr.receive_some():
+                error += chunk
+            assert error.count(b"\n") == 1, error
+            assert b"'a' is not stored" in error
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await process.stdout.aclose()
+        await process.stderr.aclose()
 
 
 async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path) -> None:

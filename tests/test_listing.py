@@ -378,3 +378,22 @@ async def test_set_metadata_refuses_what_cannot_be_stored_before_writing(
             assert (await ref.state()).event_seq == seq
             assert (await ref.state()).metadata == {"tier": "free"}
             assert (await store.read_journal("meta", 0))[1] == journal
+
+
+async def test_set_metadata_keeps_what_a_restart_reads(echo_agents: dict[str, sa.Agent]) -> None:
+    """Metadata set with a tuple (or a mapping of another type) is kept as the store
+    gives it back (a list, a dict), as spawn(metadata=...) keeps it: the state and
+    the listing read the same before and after hibernation, and a filter on the
+    stored form matches at once."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("s", metadata={"at_spawn": (1, 2)})
+            merged = await ref.set_metadata({"pair": (1, 2), "nested": {"t": ("x",)}})
+            expected = {"at_spawn": [1, 2], "pair": [1, 2], "nested": {"t": ["x"]}}
+            assert merged == expected
+            assert type(merged["pair"]) is list
+            assert (await ref.state()).metadata == expected
+            [info] = await registry.sessions(metadata={"pair": [1, 2]})
+            assert info.metadata == expected
+            await ref.hibernate()
+            assert (await ref.state()).metadata == expected

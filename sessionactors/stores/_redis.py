@@ -415,6 +415,9 @@ async def _own_client(conn: _Connection, target: Target) -> None:
             conn.ready.set()
             await conn.stop.wait()
     except Exception as exc:
+        # the client's task group wraps the cause: keep the cause, for the error to name
+        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
         conn.error = exc
     finally:
         conn.client = None

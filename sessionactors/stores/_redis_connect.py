@@ -110,6 +110,12 @@ class Target:
             )
         found: Persistence = chosen
         if parts.scheme in _STANDALONE:
+            db = parts.path.strip("/") if parts.scheme != "unix" else ""
+            if db and not (db.isascii() and db.isdigit()):
+                raise ValueError(
+                    f"redis url {redact(url)!r}: {db!r} is not a database number; write "
+                    "redis://host:port/N with N a number (0 if not given)"
+                )
             return cls(url=url, scheme=parts.scheme, persistence=found, query=query)
         if query:
             raise ValueError(

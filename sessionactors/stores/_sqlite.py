@@ -352,6 +352,15 @@ def _in_use_message(path: str, lock_path: str, fd: int, *, shared: bool) -> str:
     )
 
 
+def _file_stamp(path: str) -> tuple[int, ...] | None:
+    """What changes when a file is written or replaced: inode, size, times (None: gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _release_lock(key: str | None) -> None:
     """This process no longer needs the lock ``key`` (when its last store closes, the
     lock is released; an exclusive lock's file is removed first, while still held,
@@ -382,6 +391,7 @@ class _Worker:
         self._readonly = store.readonly
         self._locked = False  # this worker holds (its share of) the process's lock
         self._immutable = False  # a read-only connection that ignores any WAL (see below)
+        self._stamp: tuple[int, ...] | None = None  # the file as that connection opened it
         self._lock_key: str | None = None
         self._counters = store._counters
         self._lock = threading.Lock()
@@ -516,6 +526,7 @@ class _Worker:
         # without creating a -wal or -shm, and _serve reopens the connection once a
         # -shm appears (a writer opened the file), before its next transaction.
         self._immutable = not os.path.exists(f"{path}-shm")
+        self._stamp = _file_stamp(path)
         mode = "immutable=1" if self._immutable else "readonly_shm=1"
         uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro&{mode}"
         conn = sqlite3.connect(
@@ -532,6 +543,12 @@ class _Worker:
             raise
         return conn
 
+    def _file_changed(self) -> bool:
+        """Whether a writer has opened the file, or changed it, since it was opened
+        immutable."""
+        path = self._path
+        return os.path.exists(f"{path}-shm") or _file_stamp(path) != self._stamp
+
     def _serve(
         self, conn: sqlite3.Connection | None, batch: list[_Request]
     ) -> sqlite3.Connection | None:
@@ -539,8 +556,10 @@ class _Worker:
         results: list[outcome.Outcome[Any]] = []
         writes = any(r.writes for r in batch)
         try:
-            if conn is not None and self._immutable and os.path.exists(f"{self._path}-shm"):
-                conn.close()  # a writer opened the file: read it through its WAL from now on
+            if conn is not None and self._immutable and self._file_changed():
+                # A writer has the file open (read it through its WAL from now on), or
+                # came and went since: an immutable connection would not see its writes.
+                conn.close()
                 conn = None
             if conn is None:
                 conn = self._open()

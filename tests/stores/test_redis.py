@@ -539,6 +539,9 @@ async def test_unreachable_server_raises_store_error() -> None:
                 with pytest.raises(StoreError, match="'s'") as caught:
                     await store.load("s")
                 assert caught.value.session_id == "s"
+                # the cause itself, not the wording of a task group around it
+                assert "Unable to establish a connection" in str(caught.value)
+                assert "sub-exception" not in str(caught.value)
                 with pytest.raises(StoreError, match="'s'"):
                     await store.claim("s", "w1", 30)
                 await store.aclose()
@@ -552,6 +555,12 @@ def test_rejects_bad_arguments() -> None:
         RedisStore("http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="prefix"):
         RedisStore(prefix="")
+    for url in ("redis://127.0.0.1:6379/sessions", "rediss://h:6379/0/1", "redis://h/-1"):
+        with pytest.raises(ValueError, match="database number"):
+            RedisStore(url)
+    RedisStore("redis://127.0.0.1:6379")
+    RedisStore("redis://127.0.0.1:6379/")
+    RedisStore("unix:///run/redis.sock?db=2")
     with pytest.raises(ValueError, match="decode_responses"):
         RedisStore(client=coredis.Redis.from_url("redis://127.0.0.1:1/0", decode_responses=True))
     assert "secret" not in repr(RedisStore("redis://:secret@127.0.0.1:6379/0"))
@@ -731,3 +740,13 @@ async def test_the_restore_check_catches_unfenced_writes(
     """The same check reports the stale write when writes carry no fencing token (negative control)."""
     problems = await restored_from_an_older_backup(private_redis_server, fenced=False)
     assert "A's write after B's was accepted" in problems
+
+
+async def test_a_database_the_server_lacks_is_named_in_the_error(redis_url: str) -> None:
+    """A database number the server does not have: the error says so (a retry cannot fix it)."""
+    store = RedisStore(redis_url.rsplit("/", 1)[0] + "/99999", prefix=_new_prefix())
+    try:
+        with trio.fail_after(10), pytest.raises(StoreError, match="DB index is out of range"):
+            await store.load("s")
+    finally:
+        await store.aclose()

@@ -908,3 +908,28 @@ def test_sharing_flags_must_be_booleans() -> None:
         SQLiteStore("x.db", readonly=1)  # type: ignore[arg-type]
     assert not SQLiteStore("x.db").shared_by_workers
     assert "shared" in repr(SQLiteStore("x.db", shared=True))
+
+
+async def test_a_read_only_store_of_a_closed_file_sees_a_writer_that_came_and_went(
+    tmp_path: Path,
+) -> None:
+    """A reader that opened a file no process had open sees what a writer stored
+    while it had the file open, also when that writer has closed the file again
+    (its -wal and -shm gone) before the reader's next read."""
+    path = tmp_path / "s.db"
+    writer = SQLiteStore(path)
+    await writer.create("a", b"snapshot", b"info")
+    await writer.aclose()
+    reader = SQLiteStore(path, readonly=True)
+    try:
+        with trio.fail_after(60):
+            assert [n for n, _ in await reader.list_sessions()] == ["a"]
+            writer = SQLiteStore(path)
+            await writer.create("b", b"snapshot", b"info")
+            assert await writer.delete("a")
+            await writer.aclose()
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]
+            assert [n for n, _ in await reader.list_sessions()] == ["b"]
+            assert await reader.load("a") is None
+    finally:
+        await reader.aclose()
