@@ -91,7 +91,7 @@ from ._tool_calls import (
     run_batch,
     run_tool_calls,
 )
-from ._turns import new_turn_id, now_us, session_tag
+from ._turns import new_turn_id, session_tag
 from .stores._base import Lease, Store
 
 __all__ = [
@@ -229,7 +229,6 @@ class Actor:
         "_ready",
         "_rescope",
         "_system_cache",
-        "born",
         "done",
         "held",
         "host",
@@ -243,6 +242,7 @@ class Actor:
         "load_error",
         "partial",
         "phase",
+        "queued",
         "receive",
         "refused",
         "run_scope",
@@ -289,7 +289,7 @@ class Actor:
         ) = None
         self.known_ids: KnownIds | None = None  # made by the first add_messages
         self.tag = session_tag(session_id)  # what its turn ids carry
-        self.born = now_us()  # it issued every turn id of its session from then on
+        self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
 
     def __repr__(self) -> str:
@@ -339,9 +339,20 @@ class Actor:
         """A fresh id for a turn of this session (see ``_turns``)."""
         return new_turn_id(self.tag)
 
+    def note_queued(self, turn_id: str, queued: bool = True) -> None:
+        """Note that turn ``turn_id`` is in the mailbox (``queued=False``: it is not, or
+        no longer): ``turn_outcome`` reads such a turn as queued."""
+        ids = self.queued
+        if queued:
+            if ids is None:
+                ids = self.queued = set()
+            ids.add(turn_id)
+        elif ids:
+            ids.discard(turn_id)
+
     def outcome(self, turn_id: str) -> TurnOutcome:
         """What became of ``turn_id``, with what this incarnation knows (loaded)."""
-        return self.session.outcome(turn_id, since=self.born, refused=self.refused)
+        return self.session.outcome(turn_id, queued=self.queued, refused=self.refused)
 
     def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
         """Answer a turn that cannot start with ``error``; remember it (in memory)."""
@@ -689,6 +700,8 @@ class Actor:
 
         Not a coroutine itself: a turn in flight keeps one frame less alive.
         """
+        if self.queued:
+            self.queued.discard(mail.turn_id)
         session = self.session
         sid = self.session_id
         key = mail.key
@@ -1180,8 +1193,10 @@ class Actor:
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
             mail.pending.set_error(error)
-            if crash is not None and isinstance(mail, TurnMail):
-                self.lose_turn(mail.turn_id, crash)
+            if isinstance(mail, TurnMail):
+                self.note_queued(mail.turn_id, False)
+                if crash is not None:
+                    self.lose_turn(mail.turn_id, crash)
         for inflight in self.inflight_keys.values():
             inflight.pending.set_error(error)
         self.inflight_keys.clear()

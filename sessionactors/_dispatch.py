@@ -131,6 +131,7 @@ class Dispatcher:
         turn_id = actor.new_turn_id()
         mail = TurnMail(turn_id, text, key, pending)
         send = actor.send
+        actor.note_queued(turn_id)  # before: the actor may start it before send returns
         try:
             # no schedule point of our own when there is room: ``send`` parks once, on
             # the reply; ``submit`` checkpoints below
@@ -138,10 +139,14 @@ class Dispatcher:
         except trio.WouldBlock:
             try:
                 await send.send(mail)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return await self._after_closed(actor)
+            except BaseException as exc:  # not queued: closed, or the caller gave up
+                actor.note_queued(turn_id, False)
+                if isinstance(exc, trio.ClosedResourceError | trio.BrokenResourceError):
+                    return await self._after_closed(actor)
+                raise
             ack = False  # it checkpointed
         except (trio.ClosedResourceError, trio.BrokenResourceError):
+            actor.note_queued(turn_id, False)
             return await self._after_closed(actor)
         if key is not None and not pending.done:
             # Joinable only once it is in the mailbox: a request abandoned while it
@@ -163,6 +168,7 @@ class Dispatcher:
         mail = TurnMail(turn_id, text, key, pending)
         try:
             actor.send.send_nowait(mail)
+            actor.note_queued(turn_id)
         except trio.WouldBlock:
             raise MailboxFullError(
                 f"the mailbox of session {name!r} is full "
@@ -287,7 +293,7 @@ class Dispatcher:
 
     async def read_here(self, name: str) -> SessionState:
         session = await self.sessions.ready(name)
-        state = session.to_state()
+        state = session.copy_out()
         hub = self.sessions.hubs.get(name)
         if hub is not None and hub.seq > state.event_seq:
             state = attrs.evolve(state, event_seq=hub.seq)
@@ -398,7 +404,20 @@ async def _outcome_in(read: Awaitable[SessionState | None], turn_id: str) -> Any
     state = await read
     if state is None:
         return NOT_ROUTED
-    return LiveSession(state).outcome(turn_id, since=0)
+    return LiveSession(state).outcome(turn_id, queued=_ANY_TURN)
+
+
+class _AnyTurn(frozenset[str]):
+    """Holds every turn id: the owner's mailbox as another worker must assume it."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return True
+
+
+_ANY_TURN: Final = _AnyTurn()
 
 
 async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:

@@ -9,7 +9,7 @@ as a history: unique ids, every tool call followed by its results.
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ._codec import dump_event, dump_events
+from ._codec import dump_event, dump_events, load_events
 from ._errors import InvalidHistoryError
 from ._events import Event, MessageAdded
 from ._history import separated_pair
@@ -41,7 +41,10 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
                 "sa.Message.create(role, content)"
             )
     if given:
-        check_entry(session_id, [_added(session_id, m) for m in given], what)
+        # the session's own copies, as a restart will read them: nothing the caller
+        # still holds (a metadata dict, a list in it) is shared with the history
+        entry = check_entry(session_id, [_added(session_id, m) for m in given], what)
+        given = tuple(e.message for e in load_events(entry) if isinstance(e, MessageAdded))
     seen: set[str] = set()
     for index, message in enumerate(given):
         if not message.id:
@@ -104,11 +107,11 @@ def check_new_ids(session_id: str, known: set[str], messages: Sequence[Message],
             )
 
 
-def check_entry(session_id: str, events: Sequence[Event], what: str) -> None:
+def check_entry(session_id: str, events: Sequence[Event], what: str) -> bytes:
     """Encode ``events`` as the journal entry they will be; ``TypeError`` /
     ``ValueError`` naming the session (and the message at fault) if the codec refuses."""
     try:
-        dump_events(events)
+        return dump_events(events)
     except (TypeError, ValueError) as exc:
         for index, event in enumerate(events):  # which message? (only on a refusal)
             if isinstance(event, MessageAdded):

@@ -7,6 +7,7 @@ table (``_sessions``) or, through the router seam, at the worker that runs it.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -256,6 +257,8 @@ class Registry(metaclass=NoPublicConstructor):
         actor = sessions.live.get(name)
         if actor is not None and actor.is_ready and actor.load_error is None:
             info = actor.session.info()
+            if info.metadata:  # handed out: changing it must change nothing here
+                info = attrs.evolve(info, metadata=copy.deepcopy(info.metadata))
         else:
             info = describe_stored(name, blob)
         if name in sessions.failed:

@@ -7,8 +7,9 @@ snapshot plus the journal on wake: what is replayed is what was lived.
 
 from __future__ import annotations
 
+import copy
 import datetime
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import attrs
@@ -162,7 +163,8 @@ class LiveSession:
         )
 
     def to_state(self) -> SessionState:
-        """A frozen copy of the state, for snapshots and ``ref.state()``."""
+        """A frozen copy of the state, for snapshots (``ref.state()`` hands out
+        :meth:`copy_out`, whose metadata is a copy too)."""
         return SessionState(
             session_id=self.session_id,
             agent=self.agent,
@@ -182,6 +184,13 @@ class LiveSession:
             turns_forgotten=self.turns_forgotten,
             usage=self.usage,
         )
+
+    def copy_out(self) -> SessionState:
+        """The state to hand out: changing its metadata changes nothing here."""
+        state = self.to_state()
+        if state.metadata:
+            state = attrs.evolve(state, metadata=copy.deepcopy(state.metadata))
+        return state
 
     def info(self, status: Status | None = None) -> SessionInfo:
         return SessionInfo(
@@ -277,7 +286,7 @@ class LiveSession:
                 self.summary = event.summary or None
             self.updated_at = now or utcnow()
         elif isinstance(event, MetadataChanged):
-            self.metadata = event.metadata
+            self.metadata = copy.deepcopy(event.metadata)  # its own: the event is published
             self.updated_at = now or utcnow()
 
     def _record(
@@ -312,14 +321,14 @@ class LiveSession:
         self,
         turn_id: str,
         *,
-        since: int | None = None,
+        queued: Collection[str] | None = None,
         refused: Mapping[str, str] | None = None,
     ) -> TurnOutcome:
         """What became of ``turn_id`` (the rules are in ``_turns``).
 
-        ``since``: when the live actor began (it issued every id of this session
-        from then on; None when the session is not live here); ``refused``: the
-        turns it refused before they started, with the error.
+        ``queued``: the ids of the turns in the live actor's mailbox (None when the
+        session is not live here); ``refused``: the turns it refused before they
+        started, with the error.
         """
         sid = self.session_id
         record = self.turns.get(turn_id)
@@ -355,7 +364,7 @@ class LiveSession:
                 f"the outcomes of its last {MAX_TURN_RECORDS} turns, and this one is older",
                 session_id=sid,
             )
-        elif since is not None and issued >= since:
+        elif queued and turn_id in queued:
             status = TurnStatus.QUEUED
         return TurnOutcome(session_id=sid, turn_id=turn_id, status=status, error=error)
 

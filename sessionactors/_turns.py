@@ -11,9 +11,9 @@ durably (the last :data:`MAX_TURN_RECORDS`), that decides every id:
 - refused before it started (while this incarnation lives): failed;
 - issued no later than the newest record forgotten: its record is gone
   (TurnNotFoundError);
-- issued since the live actor began (it issued it): queued;
-- issued for this session before that: lost, since every incarnation that
-  could still run it is gone and none recorded it;
+- in the live actor's mailbox: queued;
+- any other id of this session's form: lost (an incarnation that could have
+  run it is gone and none recorded it, or it was never accepted);
 - not an id of this session's form: never issued for it (TurnNotFoundError).
 """
 

@@ -501,3 +501,31 @@ async def test_ids_are_checked_against_the_history_as_it_is_after_turns_and_edit
             await ref.replace_history([reply.message])
             await ref.add_messages([first])
             assert await ref.history() == [reply.message, first]
+
+
+async def test_added_messages_are_the_sessions_own_not_the_callers() -> None:
+    """What add_messages accepted is what a restart reads: the caller changing its
+    message's metadata afterwards changes nothing in the session."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=EchoModel())}) as reg:
+        ref = await reg.spawn("own", agent="a")
+        kept = {"k": "v", "list": [1, 2], "pair": (3, 4)}
+        message = attrs.evolve(sa.Message.create(sa.Role.USER, "hi"), metadata=kept)
+        await ref.add_messages([message])
+        kept["k"] = "changed"
+        kept["list"].append(object())  # type: ignore[attr-defined]
+        live = (await ref.history())[-1].metadata
+        await ref.hibernate()
+        stored = (await ref.history())[-1].metadata
+    assert live == stored == {"k": "v", "list": [1, 2], "pair": [3, 4]}
+
+
+async def test_a_state_handed_out_cannot_change_the_session() -> None:
+    """Changing the metadata of a SessionState or SessionInfo the session handed out
+    changes nothing in the session (nothing journaled could say so)."""
+    async with sa.open_registry(agents={"a": sa.Agent(model=EchoModel())}) as reg:
+        ref = await reg.spawn("own", agent="a", metadata={"tenant": "acme"})
+        (await ref.state()).metadata["tenant"] = "evil"
+        (await reg.sessions())[0].metadata["tenant"] = "evil"
+        assert (await ref.state()).metadata == {"tenant": "acme"}
+        assert (await reg.sessions())[0].metadata == {"tenant": "acme"}

@@ -303,3 +303,23 @@ async def test_retry_after_a_cancel_drops_the_partial_reply() -> None:
             history = [m.content for m in await ref.history()]
     assert reply.text == "whole"
     assert history == ["go", "whole"]
+
+
+async def test_an_id_the_live_session_never_queued_never_reads_queued() -> None:
+    """A made-up id of the session's form (or a real id altered) is not in its mailbox:
+    it reads lost, never queued, so a caller polling for its end is not kept waiting."""
+    hold = trio.Event()
+    model = ScriptedModel([Scripted(text="held", wait=hold), "next"])
+    async with sa.open_registry(agents=agents_of(model)) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            running = await ref.submit("one")
+            queued = await ref.submit("two")
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await ref.turn_outcome(queued.id)).status is sa.TurnStatus.QUEUED
+            for forged in (queued.id + "x", running.id[:-1] + "z"):
+                outcome = await ref.turn_outcome(forged)
+                assert outcome.status is sa.TurnStatus.LOST, forged
+            hold.set()
+            await queued.reply()
+            assert (await ref.turn_outcome(queued.id)).status is sa.TurnStatus.FINISHED
