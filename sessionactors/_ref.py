@@ -159,7 +159,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         finished (with its reply), failed (with the error), cancelled, or lost.
 
         Served without waiting behind queued turns; it answers after hibernation
-        and restarts too, for the session's last 1000 turns. Lost means that the
+        and restarts too, for the session's last 256 turns. Lost means that the
         turn was accepted but will never run and left nothing in the history (the
         session crashed, stopped or closed before the turn was durable): send it
         again. Raises TurnNotFoundError if the session never issued ``turn_id``,

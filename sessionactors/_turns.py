@@ -27,7 +27,7 @@ import time
 __all__ = ["MAX_TURN_RECORDS", "new_turn_id", "now_us", "session_tag", "turn_id_time"]
 
 #: How many turn outcomes a session keeps (the most recent ones).
-MAX_TURN_RECORDS = 1000
+MAX_TURN_RECORDS = 256
 
 _last_us = 0
 _PROCESS = secrets.token_hex(4)  # ids of two processes differ even at the same microsecond

@@ -225,20 +225,20 @@ async def test_an_id_never_issued_for_the_session_is_a_typed_error() -> None:
                 await a.turn_outcome(5)  # type: ignore[arg-type]
 
 
-async def test_outcomes_are_kept_for_the_last_thousand_turns() -> None:
+async def test_outcomes_are_kept_for_the_last_256_turns() -> None:
     """Retention is bounded: the oldest outcome is forgotten with a clear error."""
     async with sa.open_registry(agents=agents_of(EchoModel())) as registry:
         ref = await registry.spawn("many")
         with trio.fail_after(60):
             first = await ref.send("0")
             second = await ref.send("1")
-            for i in range(999):
+            for i in range(255):
                 await ref.send(str(i))
             state = await ref.state()
-            with pytest.raises(sa.TurnNotFoundError, match="last 1000 turns"):
+            with pytest.raises(sa.TurnNotFoundError, match="last 256 turns"):
                 await ref.turn_outcome(first.turn_id)
             kept = await ref.turn_outcome(second.turn_id)
-    assert len(state.turns) == 1000
+    assert len(state.turns) == 256
     assert kept.status is sa.TurnStatus.FINISHED
 
 
