@@ -23,6 +23,7 @@ answered with an untyped error.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import random
@@ -42,6 +43,7 @@ from sessionactors.testing import EchoModel, FaultyStore
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TYPED = (sa.SessionActorsError, TypeError, ValueError)
+_NAIVE = datetime.datetime(2026, 1, 1)  # no timezone: refused
 
 
 def _agents(model: Any = None) -> dict[str, sa.Agent]:
@@ -104,6 +106,24 @@ BAD_CALLS: dict[str, Callable[[sa.SessionRef], Awaitable[Any] | Any]] = {
     "subscribe after a str": lambda ref: ref.subscribe(after="5"),
     "subscribe after a negative seq": lambda ref: ref.subscribe(after=-2),
     "send of a lone surrogate": lambda ref: ref.send("broken \ud800 text"),
+    "set_metadata of a list": lambda ref: ref.set_metadata([("a", 1)]),
+    "set_metadata with an unstorable value": lambda ref: ref.set_metadata({"a": object()}),
+    "add_messages of a dict": lambda ref: ref.add_messages({"role": "user"}),
+    "add_messages of a str": lambda ref: ref.add_messages("hello"),
+    "add_messages separating a tool call from its result": lambda ref: ref.add_messages(
+        [
+            sa.Message.create(
+                sa.Role.ASSISTANT, "", tool_calls=(sa.ToolCall(id="c1", name="lookup"),)
+            ),
+            sa.Message.create(sa.Role.USER, "in between"),
+        ]
+    ),
+    "replace_history with a naive datetime": lambda ref: ref.replace_history(
+        [attrs.evolve(sa.Message.create(sa.Role.USER, "x"), created_at=_NAIVE)]
+    ),
+    "turn_outcome of an int": lambda ref: ref.turn_outcome(5),
+    "turn_outcome of another session's id": lambda ref: ref.turn_outcome("turn_x_1_2"),
+    "retry with nothing to retry": lambda ref: ref.retry(),
 }
 
 
