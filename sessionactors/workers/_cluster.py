@@ -36,7 +36,7 @@ registry:
   a wake there, or a failover) with the same seqs and the same ``after=`` replay:
   the stream, then the store's journal for what the stream no longer holds, then
   live events. One task reads the inbox and every mirrored stream with a single
-  blocking read.
+  blocking read (on a Redis Cluster, one read per slot: see the transport).
 """
 
 from __future__ import annotations
