@@ -25,6 +25,7 @@ class _Redis(Protocol):
     translated to ``StoreError``."""
 
     def _key(self, kind: str, name: str, suffix: str) -> str: ...
+    def _keys(self, session_id: str) -> tuple[str, str, str, str, str]: ...
     async def _run(
         self,
         doing: str,
@@ -159,9 +160,9 @@ class RedisTransport:
         )
 
     async def lease_owner(self, session_id: str) -> str | None:
-        lease = self._store._key("s", session_id, "lease")
+        shard = self._store._keys(session_id)[4]  # a session's owner is its shard's
         value: Any = await self._store._run(
-            "look up the owner of", session_id, lambda c: c.hget(lease, "owner")
+            "look up the owner of", session_id, lambda c: c.hget(shard, "owner")
         )
         return None if value is None else bytes(value).decode()
 
