@@ -18,6 +18,11 @@ durability (every reply waits for its turn's journal append in Redis).
   that does not own its session (a load balancer without affinity). Wall clock
   from the first command to the last answer, median of the rounds.
 
+- lease renewal: ``N`` sessions claimed by one worker on ``RedisStore`` (their
+  shards' leases), then one renewal round (``renew_many``: one pipeline of shard
+  renewals), against the budget of a round at ``lease_ttl=3`` (a third of it).
+  Median of the rounds.
+
 The machine has few cores: three workers and redis-server share them, so the
 ratio says how much a second and third process add here, not what more
 machines would.
@@ -33,10 +38,11 @@ import trio
 import sessionactors as sa
 from _common import Row, log, median, now, paired, redis_url, spread
 from sessionactors._demo_cluster import WorkerProcess
-from sessionactors.stores import RedisStore
+from sessionactors.stores import Lease, RedisStore
 from sessionactors.testing import EchoModel
 
 TTL = 10.0
+RENEW_TTL = 3.0
 TEXT = "Where is my order A1042?"
 
 
@@ -111,6 +117,32 @@ async def throughput(url: str, workers: int, sessions: int, turns: int, across: 
     return sessions * turns / elapsed
 
 
+async def renewal(url: str, sessions: int, rounds: int) -> list[float]:
+    """Seconds per renewal round of one worker holding ``sessions`` leases."""
+    store = RedisStore(url, prefix=f"bench-cluster-{uuid.uuid4().hex[:8]}")
+    leases: dict[str, Lease] = {}
+    limit = trio.CapacityLimiter(64)
+
+    async def claim(name: str) -> None:
+        async with limit:
+            lease = await store.claim(name, "w0", RENEW_TTL)
+            assert lease is not None
+            leases[name] = lease
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(sessions):
+                nursery.start_soon(claim, f"lease-{i:06d}")
+        times = []
+        for _ in range(rounds):
+            start = now()
+            assert not await store.renew_many(leases, RENEW_TTL)
+            times.append(now() - start)
+        return times
+    finally:
+        await store.aclose()
+
+
 def main(args: argparse.Namespace) -> list[Row]:
     sends = 100 if args.quick else 300
     rounds = 3 if args.quick else 5
@@ -122,6 +154,8 @@ def main(args: argparse.Namespace) -> list[Row]:
             log("  skipped: no SESSIONACTORS_REDIS_URL and no redis-server binary")
             return []
         local, remote = trio.run(latency, url, sends, rounds)
+        leased = 5_000 if args.quick else 20_000
+        renewals = trio.run(renewal, url, leased, rounds)
         results: dict[str, list[float]] = {"one": [], "three": [], "across": []}
         for r in range(tp_rounds):
             results["one"].append(trio.run(throughput, url, 1, sessions, turns, False))
@@ -144,6 +178,17 @@ def main(args: argparse.Namespace) -> list[Row]:
             baseline_unit="us",
             paired_ratio=paired(remote, local),
             notes=f"{sends} sequential sends x {rounds} rounds, echo model; {spread(remote)}",
+        ),
+        Row(
+            benchmark=group,
+            name=f"one lease renewal round of a worker with {leased} sessions (vs lease_ttl/3)",
+            measured=median(renewals) * 1e3,
+            unit="ms",
+            baseline=RENEW_TTL / 3 * 1e3,
+            baseline_name="the time between renewals at lease_ttl=3",
+            baseline_unit="ms",
+            paired_ratio=median(renewals) / (RENEW_TTL / 3),
+            notes=f"RedisStore.renew_many, one pipeline of shard renewals; {spread(renewals)}",
         ),
         Row(
             benchmark=group,

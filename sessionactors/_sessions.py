@@ -33,7 +33,7 @@ from ._session import LiveSession
 from ._subscription import EventIterator, open_event_iterator
 from ._supervisor import session_task
 from ._telemetry import Telemetry
-from .stores._base import Store
+from .stores._base import LeaseBatchStore, Store
 
 __all__ = ["GENERATION_PEAK", "Sessions", "exists_error"]
 
@@ -338,36 +338,48 @@ class Sessions:
             await self.wait_gone(next(iter(self.live.values())))
 
     async def renew_leases(self) -> None:
-        """Keep the leases of live sessions; stop at once a session whose lease is lost."""
+        """Keep the leases of live sessions; stop at once a session whose lease is lost.
+
+        A store that renews in batches (``LeaseBatchStore``: one round trip for all,
+        whatever their number) gets one call per round; any other store one per session.
+        """
         ttl = self.config.lease_ttl
         while True:
             await trio.sleep(ttl / 3)
-            for actor in list(self.live.values()):
-                lease = actor.lease
-                if lease is None:
-                    continue
+            held = {a.session_id: a.lease for a in self.live.values() if a.lease is not None}
+            if isinstance(self.store, LeaseBatchStore):
                 try:
-                    held = await self.store.renew(actor.session_id, lease, ttl)
+                    lost = await self.store.renew_many(held, ttl)
                 except StoreError as exc:
-                    log.warning(
-                        "could not renew the lease of session %r: %s", actor.session_id, exc
-                    )
+                    log.warning("could not renew the leases of %d sessions: %s", len(held), exc)
                     continue  # try again next round; the store decides at expiry
-                if not held and actor.lease is lease:
-                    log.warning(
-                        "session %r lost its lease to another worker; stopped here",
-                        actor.session_id,
-                    )
-                    self.stats.leases_lost += 1
-                    actor.lease = None
-                    actor.kill(
-                        FencedOutError(
-                            f"session {actor.session_id!r} lost its lease (another worker "
-                            "took it over); this worker stopped it, so send the request "
-                            "again: it goes to the session's new owner",
-                            session_id=actor.session_id,
-                        )
-                    )
+            else:
+                lost = set()
+                for name, lease in held.items():
+                    try:
+                        if not await self.store.renew(name, lease, ttl):
+                            lost.add(name)
+                    except StoreError as exc:
+                        log.warning("could not renew the lease of session %r: %s", name, exc)
+            for name in lost:
+                actor = self.live.get(name)
+                if actor is not None and actor.lease is held[name]:
+                    self._lease_lost(actor)
+
+    def _lease_lost(self, actor: Actor) -> None:
+        """Stop a session whose lease another worker took: its turn, model and tool
+        calls included, are cancelled at once."""
+        log.warning("session %r lost its lease to another worker; stopped here", actor.session_id)
+        self.stats.leases_lost += 1
+        actor.lease = None
+        actor.kill(
+            FencedOutError(
+                f"session {actor.session_id!r} lost its lease (another worker "
+                "took it over); this worker stopped it, so send the request "
+                "again: it goes to the session's new owner",
+                session_id=actor.session_id,
+            )
+        )
 
     # ---- generations: the nurseries that session tasks run in -------------------------
 

@@ -225,8 +225,9 @@ async def stored_user_texts(url: str, prefix: str, name: str) -> list[str]:
 # -- requests across workers -------------------------------------------------------------
 
 
-async def test_requests_through_another_worker_reach_the_owner(cluster: Cluster) -> None:
+async def test_requests_through_another_worker_reach_the_owner(any_cluster: Cluster) -> None:
     """Sends, reads and edits through a worker that does not run the session reach its owner, and its errors come back with their type."""
+    cluster = any_cluster
     with trio.fail_after(40):
         a = await cluster.start("a")
         assert (await a.call("spawn", names=["s"]))["ok"]
@@ -318,9 +319,10 @@ def check_stream(events: list[sa.Event], acked: dict[str, str]) -> list[str]:
 
 
 async def test_a_subscription_on_another_worker_sees_every_event_through_a_failover(
-    cluster: Cluster,
+    any_cluster: Cluster,
 ) -> None:
     """A subscriber on a third worker sees every event once and in order, deltas included, while the owner is killed and another takes over."""
+    cluster = any_cluster
     with trio.fail_after(50):
         a, c = await cluster.start_many(["a", "c"], delay=0.05)
         await a.call("spawn", names=["s"])
@@ -382,8 +384,9 @@ async def test_a_subscription_on_another_worker_sees_every_event_through_a_failo
             assert [(e.seq, type(e)) for e in replayed] == [(e.seq, type(e)) for e in events]
 
 
-async def test_replay_on_any_worker_falls_back_to_the_journal(cluster: Cluster) -> None:
+async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Cluster) -> None:
     """Where the owner's event stream no longer reaches back (it keeps about replay_events), subscribe(after=) on another worker replays the journal's events with their seqs."""
+    cluster = any_cluster
     words = " ".join(f"w{i}" for i in range(400))
     with trio.fail_after(30):
         async with cluster.registry(replay_events=5) as a, cluster.registry() as b:
@@ -403,9 +406,10 @@ async def test_replay_on_any_worker_falls_back_to_the_journal(cluster: Cluster) 
 
 
 async def test_replay_on_any_worker_says_where_the_trimmed_journal_begins(
-    cluster: Cluster,
+    any_cluster: Cluster,
 ) -> None:
     """Where the owner's event stream and its journal are both trimmed, subscribe(after=0) on another worker raises EventsExpiredError, and replays from where it says the events begin."""
+    cluster = any_cluster
     with trio.fail_after(30):
         async with (
             cluster.registry(replay_events=5, journal_keep_events=1, snapshot_every=1) as a,
@@ -479,8 +483,9 @@ async def test_events_dropped_on_overflow_show_as_lag_never_as_a_gap(cluster: Cl
     assert isinstance(error, sa.SubscriberLaggedError)  # the queue overflowed, and it said so
 
 
-async def test_a_stream_trimmed_past_a_remote_subscriber_shows_as_lag(cluster: Cluster) -> None:
+async def test_a_stream_trimmed_past_a_remote_subscriber_shows_as_lag(any_cluster: Cluster) -> None:
     """When the owner's event stream is trimmed past a subscriber on another worker, the subscriber gets SubscriberLaggedError at the last event it saw, never a silent gap, and subscribing again with after= replays the rest from the journal."""
+    cluster = any_cluster
     words = " ".join(f"w{i}" for i in range(3000))
     seqs: list[int] = []
     error: BaseException | None = None

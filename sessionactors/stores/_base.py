@@ -23,12 +23,12 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ["JournalEntry", "Lease", "PagedStore", "Store", "StoredSession"]
+__all__ = ["JournalEntry", "Lease", "LeaseBatchStore", "PagedStore", "Store", "StoredSession"]
 
 
 @attrs.frozen
@@ -128,8 +128,9 @@ class Store(Protocol):
 
         Succeeds (with a fencing token larger than any issued before for this
         session) if the lease is free, expired, or already ``owner``'s; returns
-        ``None`` if another owner holds an unexpired lease. A session need not
-        be stored to be claimed.
+        ``None`` if another owner holds an unexpired lease (in a store that leases
+        sessions by shard, such as ``RedisStore``, a lease on the session's shard).
+        A session need not be stored to be claimed.
         """
         ...
 
@@ -165,4 +166,20 @@ class PagedStore(Store, Protocol):
         Raises ``SessionNotFoundError`` if ``after`` is not stored. A page costs
         about the same however many sessions are stored.
         """
+        ...
+
+
+@runtime_checkable
+class LeaseBatchStore(Store, Protocol):
+    """A :class:`Store` that renews many leases in one step (``RedisStore`` renews the
+    shards that hold them in one round trip).
+
+    A registry on such a store renews every live session's lease with one call per
+    renewal interval instead of one call per session; a store without ``renew_many``
+    is renewed session by session.
+    """
+
+    async def renew_many(self, leases: Mapping[str, Lease], ttl: float) -> set[str]:
+        """Extend every lease (session name -> lease) for ``ttl`` seconds; the names
+        whose leases are no longer held."""
         ...

@@ -11,10 +11,19 @@ group, ``crc32(UTF-8 name) % 1024``)::
                                 last (highest seq appended), trimmed (highest seq trimmed)
     <prefix>:{g<g>}:s:<n>:info  the info blob
     <prefix>:{g<g>}:s:<n>:log   the journal, a stream whose entry ids are ``<seq>-0``
-    <prefix>:{g<g>}:s:<n>:lease hash: owner, fence; expires with the lease (PEXPIRE)
+    <prefix>:{g<g>}:s:<n>:lease hash: owner, fence, epoch (of the shard it was taken under)
+    <prefix>:{g<g>}:shard       the lease of shard <g> (every session of group <g>):
+                                hash: owner, epoch, n (sessions held); expires (PEXPIRE)
     <prefix>:activity           sorted set: the UTF-8 bytes of every stored name in hex
                                 (which sorts as the names do), scored by its info's
                                 activity time (for list_page; see _index_activity)
+
+Leases are held by shard, the key groups: a worker that claims a session takes
+its shard's lease if it is free (its epoch: that claim's fence), or shares it if
+it is the worker's already; a session's lease counts only while the shard's lease
+it was taken under lives, and a worker renews its shards in one pipeline
+(``renew_many``) whatever the number of its sessions. The shard goes with its last
+session's release; a dead worker's shards are free once their leases expire.
 
 ``{g<g>}`` is a Redis Cluster hash tag: every key a script touches shares its
 session's group, so it sits in one hash slot, and the groups spread the
@@ -40,7 +49,7 @@ from __future__ import annotations
 import base64
 import math
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import anyio
@@ -89,17 +98,21 @@ _MOVED_ON: Final = 5
 
 
 def _check_fence(owner: int) -> str:
-    """A fenced write passes when the lease exists (unexpired) and holds ``fence``
-    (ARGV[1]) and, when given, the owner (ARGV[owner]); and when given, the journal's
+    """A fenced write passes when the lease exists and holds ``fence`` (ARGV[1]) and,
+    when given, the owner (ARGV[owner]); when its shard's lease (KEYS[5]) is unexpired
+    and still the one the session's lease was taken under (the same owner and epoch);
+    and when given, the journal's
     last seq is one of the writer's (ARGV[owner + 1], or ARGV[owner + 2]: the last
     append whose outcome it did not hear). Replies {2, current fence or nil}, or
     {5, last seq}: another owner wrote since (the store may have lost data and
     issued a fence again), so the writer's view is stale."""
     return f"""
 if ARGV[1] ~= '' then
-  local lease = redis.call('HMGET', KEYS[4], 'fence', 'owner')
+  local lease = redis.call('HMGET', KEYS[4], 'fence', 'owner', 'epoch')
   if lease[1] ~= ARGV[1] then return {{2, lease[1]}} end
   if ARGV[{owner}] ~= '' and lease[2] ~= ARGV[{owner}] then return {{2, lease[1]}} end
+  local shard = redis.call('HMGET', KEYS[5], 'owner', 'epoch')
+  if shard[1] ~= lease[2] or shard[2] ~= lease[3] then return {{2}} end
   if ARGV[{owner + 1}] ~= '' then
     local last = redis.call('HGET', KEYS[1], 'last')
     if last ~= ARGV[{owner + 1}] and last ~= ARGV[{owner + 2}] then return {{5, last}} end
@@ -120,7 +133,7 @@ return 1
 """
 )
 
-# KEYS: meta, info, log, lease.
+# KEYS: meta, info, log, lease, shard.
 # ARGV: fence or '', info, owner or '', last seq expected or '' (twice), then seq, data pairs.
 _APPEND: Final = Script[bytes](
     script="""
@@ -142,7 +155,7 @@ return {0}
 """
 )
 
-# KEYS: meta, info, log, lease.
+# KEYS: meta, info, log, lease, shard.
 # ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0'),
 # owner or '', last seq expected or '' (twice).
 _WRITE_SNAPSHOT: Final = Script[bytes](
@@ -184,52 +197,88 @@ return {t, redis.call('XRANGE', KEYS[2], ARGV[1], '+')}
 """
 )
 
-# KEYS: meta, info, log, lease, index.  ARGV: encoded name.
+# KEYS: meta, info, log, lease, shard, index.  ARGV: encoded name.
 _DELETE: Final = Script[bytes](
     script="""
 local existed = redis.call('EXISTS', KEYS[1])
+local lease = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
+local shard = redis.call('HMGET', KEYS[5], 'owner', 'epoch')
+if lease[1] and lease[1] == shard[1] and lease[2] == shard[2] then
+  if redis.call('HINCRBY', KEYS[5], 'n', -1) <= 0 then redis.call('DEL', KEYS[5]) end
+end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-redis.call('SREM', KEYS[5], ARGV[1])
+redis.call('SREM', KEYS[6], ARGV[1])
 return existed
 """
 )
 
-# KEYS: lease, fence counter, meta.  ARGV: owner, ttl in ms.
-# Returns false, or {the new fence, the journal's last seq}. A fence is above every one
-# issued before, also after the counter went back with lost data (a restore from an
-# older backup, a lagging replica): it is at least the server's clock in microseconds.
+# Leases are held by shard: a session's lease (KEYS[1]: owner, fence, epoch) counts
+# while its shard's lease (KEYS[4]: owner, epoch, n = the sessions it holds; expiring)
+# is the one it was taken under. A worker renews its shards, not its sessions.
+
+# KEYS: lease, fence counter, meta, shard.  ARGV: owner, ttl in ms.
+# Returns false (the shard is another owner's), or {the new fence, the journal's last
+# seq, the shard's epoch}. A fence is above every one issued before, also after the
+# counter went back with lost data (a restore from an older backup, a lagging
+# replica): it is at least the server's clock in microseconds. A shard taken anew
+# gets its first session's fence as its epoch.
 _CLAIM: Final = Script[bytes](
     script="""
-local current = redis.call('HGET', KEYS[1], 'owner')
-if current and current ~= ARGV[1] then return false end
+local shard = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
+if shard[1] and shard[1] ~= ARGV[1] then return false end
 local fence = redis.call('INCR', KEYS[2])
 local now = redis.call('TIME')
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
 if fence < floor then fence = floor end
 fence = string.format('%d', fence)
 redis.call('SET', KEYS[2], fence)
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {fence, redis.call('HGET', KEYS[3], 'last') or '0'}
+local epoch = shard[2]
+if not shard[1] then
+  epoch = fence
+  redis.call('DEL', KEYS[4])
+  redis.call('HSET', KEYS[4], 'owner', ARGV[1], 'epoch', epoch, 'n', 0)
+end
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'epoch')
+if lease[1] ~= ARGV[1] or lease[2] ~= epoch then redis.call('HINCRBY', KEYS[4], 'n', 1) end
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'epoch', epoch)
+return {fence, redis.call('HGET', KEYS[3], 'last') or '0', epoch}
 """
 )
 
-# KEYS: lease.  ARGV: owner, fence, ttl in ms.
+# KEYS: lease, shard.  ARGV: owner, fence, ttl in ms.
 _RENEW: Final = Script[bytes](
     script="""
-local v = redis.call('HMGET', KEYS[1], 'owner', 'fence')
+local v = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'epoch')
 if v[1] ~= ARGV[1] or v[2] ~= ARGV[2] then return 0 end
+local shard = redis.call('HMGET', KEYS[2], 'owner', 'epoch')
+if shard[1] ~= v[1] or shard[2] ~= v[3] then return 0 end
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: shard.  ARGV: owner, epoch, ttl in ms.  Whether the shard is still held.
+_RENEW_SHARD: Final = Script[bytes](
+    script="""
+local shard = redis.call('HMGET', KEYS[1], 'owner', 'epoch')
+if shard[1] ~= ARGV[1] or shard[2] ~= ARGV[2] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 )
 
-# KEYS: lease.  ARGV: owner, fence.
+# KEYS: lease, shard.  ARGV: owner, fence.  The shard goes with its last session.
 _RELEASE: Final = Script[bytes](
     script="""
-local v = redis.call('HMGET', KEYS[1], 'owner', 'fence')
+local v = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'epoch')
 if v[1] ~= ARGV[1] or v[2] ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
+local shard = redis.call('HMGET', KEYS[2], 'owner', 'epoch')
+if shard[1] == v[1] and shard[2] == v[3] then
+  if redis.call('HINCRBY', KEYS[2], 'n', -1) <= 0 then redis.call('DEL', KEYS[2]) end
+end
 return 1
 """
 )
@@ -319,12 +368,13 @@ def _check_max_seq(session_id: str, seq: int) -> None:
 
 @attrs.define
 class _Held:
-    """A lease claimed through this store: the journal's last seq as its holder knows
-    it, and the last seq of an append whose outcome it did not hear (or "")."""
+    """A lease claimed through this store: its shard's epoch, the journal's last seq as
+    its holder knows it, and the last seq of an append whose outcome it did not hear (or "")."""
 
     fence: int
     owner: str
     last: str
+    epoch: str = ""  # the epoch of the shard the lease was taken under
     unsure: str = ""
 
 
@@ -523,13 +573,18 @@ class RedisStore:
         session's, "w": a worker's), in the group of ``name``."""
         return self._group_key(_group(name), f"{kind}:{_encode_name(name)}:{suffix}")
 
-    def _keys(self, session_id: str) -> tuple[str, str, str, str]:
+    def _keys(self, session_id: str) -> tuple[str, str, str, str, str]:
         return (
             self._key("s", session_id, "meta"),
             self._key("s", session_id, "info"),
             self._key("s", session_id, "log"),
             self._key("s", session_id, "lease"),
+            self._shard_key(_group(session_id)),
         )
+
+    def _shard_key(self, group: int) -> str:
+        """The lease of shard ``group``: the sessions of a key group are leased together."""
+        return self._group_key(group, "shard")
 
     def _index_key(self, session_id: str) -> str:
         """The set of the stored sessions of ``session_id``'s group."""
@@ -610,7 +665,7 @@ class RedisStore:
     # -- the Store protocol --------------------------------------------------------
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
-        meta, info_key, log, _lease = self._keys(session_id)
+        meta, info_key, log, _lease, _shard = self._keys(session_id)
         created: Any = await self._run(
             "create",
             session_id,
@@ -625,7 +680,7 @@ class RedisStore:
         await self._index_activity(session_id, info)
 
     async def load(self, session_id: str) -> StoredSession | None:
-        meta, _info, log, _lease = self._keys(session_id)
+        meta, _info, log, _lease, _shard = self._keys(session_id)
         reply: Any = await self._run("load", session_id, lambda c: _LOAD([meta, log], client=c))
         if reply is None:
             return None
@@ -703,7 +758,7 @@ class RedisStore:
         await self._index_activity(session_id, info)
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
-        meta, _info, log, _lease = self._keys(session_id)
+        meta, _info, log, _lease, _shard = self._keys(session_id)
         start = "-" if after < 0 else f"({min(after, _MAX_SEQ)}-0"
         reply: Any = await self._run(
             "read the journal of",
@@ -828,16 +883,16 @@ class RedisStore:
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
         args = [owner, _ttl_ms(ttl)]
-        meta, _info, _log, lease_key = self._keys(session_id)
+        meta, _info, _log, lease_key, shard = self._keys(session_id)
         reply: Any = await self._run(
             "claim",
             session_id,
-            lambda c: _CLAIM([lease_key, self._fence_key(session_id), meta], args, client=c),
+            lambda c: _CLAIM([lease_key, self._fence_key(session_id), meta, shard], args, client=c),
         )
         if reply is None:
             return None
-        fence, last = int(reply[0]), bytes(reply[1]).decode()
-        self._held[session_id] = _Held(fence, owner, last)
+        fence, last, epoch = int(reply[0]), bytes(reply[1]).decode(), bytes(reply[2]).decode()
+        self._held[session_id] = _Held(fence, owner, last, epoch)
         return Lease(owner=owner, fence=fence)
 
     def _holder(self, session_id: str, fence: int | None) -> _Held | None:
@@ -847,19 +902,54 @@ class RedisStore:
 
     async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
         args = [lease.owner, str(lease.fence), _ttl_ms(ttl)]
-        lease_key = self._keys(session_id)[3]
+        keys = list(self._keys(session_id)[3:])
         renewed: Any = await self._run(
-            "renew the lease of", session_id, lambda c: _RENEW([lease_key], args, client=c)
+            "renew the lease of", session_id, lambda c: _RENEW(keys, args, client=c)
         )
         return bool(renewed)
 
+    async def renew_many(self, leases: Mapping[str, Lease], ttl: float) -> set[str]:
+        """Renew the shards that hold ``leases`` in one round trip (on a cluster, one
+        per master): the names whose leases are no longer held (their shard was lost)."""
+        ms = _ttl_ms(ttl)
+        shards: dict[tuple[int, str], list[str]] = {}  # (group, epoch) -> sessions
+        lost: set[str] = set()
+        for name, lease in leases.items():
+            held = self._holder(name, lease.fence)
+            if held is None or held.owner != lease.owner:
+                lost.add(name)  # not claimed through this store: no shard to renew
+            else:
+                shards.setdefault((_group(name), held.epoch), []).append(name)
+        owners = {name: leases[name].owner for names in shards.values() for name in names}
+
+        async def run(client: Client) -> list[Any]:
+            async with _pipeline(client) as pipe:
+                replies: list[Any] = [
+                    _RENEW_SHARD(
+                        [self._shard_key(group)],
+                        [owners[names[0]], epoch, ms],
+                        client=pipe,
+                    )
+                    for (group, epoch), names in shards.items()
+                ]
+            return [await reply for reply in replies]
+
+        if shards:
+            held_still = await self._run("renew the leases of", None, run)
+            for names, ok in zip(shards.values(), held_still, strict=True):
+                if not ok:
+                    lost.update(names)
+        else:
+            await trio.lowlevel.checkpoint()
+        return lost
+
     async def release(self, session_id: str, lease: Lease) -> None:
         args = [lease.owner, str(lease.fence)]
-        lease_key = self._keys(session_id)[3]
+        keys = list(self._keys(session_id)[3:])
         if self._holder(session_id, lease.fence) is not None:
             del self._held[session_id]
         await self._run(
-            "release the lease of", session_id, lambda c: _RELEASE([lease_key], args, client=c)
+            "release the lease of", session_id, lambda c: _RELEASE(keys, args, client=c)
         )
 
     async def aclose(self) -> None:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
+import coredis
 from coredis.commands import Script
 
 from ..workers import StreamItem
@@ -24,6 +25,7 @@ class _Redis(Protocol):
     translated to ``StoreError``."""
 
     def _key(self, kind: str, name: str, suffix: str) -> str: ...
+    def _keys(self, session_id: str) -> tuple[str, str, str, str, str]: ...
     async def _run(
         self,
         doing: str,
@@ -38,6 +40,9 @@ __all__ = ["RedisTransport"]
 
 _READ_COUNT: Final = 1000  # entries per stream per read
 _EVENTS_TTL: Final = 24 * 3600.0  # an event stream nobody writes to expires after a day
+#: On a cluster, how long a read waits on the inbox's slot before it looks at the
+#: streams of other slots again (milliseconds).
+_CLUSTER_POLL_MS: Final = 20
 
 _POST: Final = """
 local who = redis.call('GET', KEYS[1])
@@ -81,6 +86,11 @@ redis.call('XADD', KEYS[1], string.format('%d-0', seq + 1), 'gone', '1')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
+
+
+def _tag(key: str) -> str:
+    """The hash tag of a key (its key group: the keys of one slot on a cluster)."""
+    return key[key.index("{") : key.index("}") + 1]
 
 
 def _ms(seconds: float) -> str:
@@ -150,9 +160,9 @@ class RedisTransport:
         )
 
     async def lease_owner(self, session_id: str) -> str | None:
-        lease = self._store._key("s", session_id, "lease")
+        shard = self._store._keys(session_id)[4]  # a session's owner is its shard's
         value: Any = await self._store._run(
-            "look up the owner of", session_id, lambda c: c.hget(lease, "owner")
+            "look up the owner of", session_id, lambda c: c.hget(shard, "owner")
         )
         return None if value is None else bytes(value).decode()
 
@@ -179,15 +189,35 @@ class RedisTransport:
             ids[key] = f"{seq}-0"
             names[key.encode()] = name
         wait = None if block is None else max(1, int(block * 1000))
-        reply: Any = await self._store._run(
-            "read the inbox of",
-            None,
-            lambda c: c.xread(ids, count=_READ_COUNT, block=wait),
-            block=block or 0.0,
+
+        async def run(client: Client) -> dict[Any, Any]:
+            if not isinstance(client, coredis.RedisCluster):
+                return dict(await client.xread(ids, count=_READ_COUNT, block=wait) or {})
+            # A cluster reads one slot per XREAD: the other slots' streams without
+            # waiting, then a wait on the inbox's slot, cut short while other slots
+            # have streams to look at again.
+            by_tag: dict[str, dict[str, str]] = {}
+            for key, start in ids.items():
+                by_tag.setdefault(_tag(key), {})[key] = start
+            mine = by_tag.pop(_tag(inbox))
+            found: dict[Any, Any] = {}
+            if by_tag:
+                async with client.pipeline(transaction=False) as pipe:
+                    replies = [pipe.xread(group, count=_READ_COUNT) for group in by_tag.values()]
+                for reply in replies:
+                    found.update(await reply or {})
+            patience = None if found else wait
+            if by_tag and patience is not None:
+                patience = min(patience, _CLUSTER_POLL_MS)
+            found.update(await client.xread(mine, count=_READ_COUNT, block=patience) or {})
+            return found
+
+        reply: dict[Any, Any] = await self._store._run(
+            "read the inbox of", None, run, block=block or 0.0
         )
         messages: list[tuple[str, bytes]] = []
         events: dict[str, list[StreamItem]] = {}
-        for raw_key, entries in (reply or {}).items():
+        for raw_key, entries in reply.items():
             got = bytes(raw_key)
             if got == inbox.encode():
                 for entry in entries:
@@ -199,20 +229,32 @@ class RedisTransport:
         return messages, events
 
     async def publish(self, batches: Mapping[str, Sequence[StreamItem]], keep: int) -> None:
-        keys: list[str] = []
-        args: list[str | bytes] = [str(max(1, keep)), _ms(_EVENTS_TTL)]
+        calls: dict[str, tuple[list[str], list[str | bytes]]] = {}
+        head: list[str | bytes] = [str(max(1, keep)), _ms(_EVENTS_TTL)]
         for name, items in batches.items():
             if not items:
                 continue
-            keys.append(self._events(name))
+            key = self._events(name)
+            keys, args = calls.setdefault(_tag(key), ([], list(head)))
+            keys.append(key)
             args.append(str(len(items)))
             for seq, kind, payload in items:
                 field = {"event": "d", "lost": "lost"}.get(kind, "gone")
                 args += [f"{seq}-0", field, payload or b"1"]
-        if keys:
-            await self._store._run(
-                "publish events of", None, lambda c: self._publish(keys, args, client=c)
-            )
+
+        async def run(client: Client) -> None:
+            if not isinstance(client, coredis.RedisCluster):  # one script for every stream
+                keys, args = [], list(head)
+                for some_keys, some_args in calls.values():
+                    keys += some_keys
+                    args += some_args[len(head) :]
+                await self._publish(keys, args, client=client)
+                return
+            for keys, args in calls.values():  # a cluster runs a script on one slot
+                await self._publish(keys, args, client=client)
+
+        if calls:
+            await self._store._run("publish events of", None, run)
 
     async def last_event_seq(self, session_id: str) -> int:
         key = self._events(session_id)

@@ -36,7 +36,7 @@ registry:
   a wake there, or a failover) with the same seqs and the same ``after=`` replay:
   the stream, then the store's journal for what the stream no longer holds, then
   live events. One task reads the inbox and every mirrored stream with a single
-  blocking read.
+  blocking read (on a Redis Cluster, one read per slot: see the transport).
 """
 
 from __future__ import annotations
@@ -544,10 +544,8 @@ class Cluster:
         try:
             op = str(body["op"])
             name = str(body["s"])
-            if not host.is_live(name):
-                # Hibernated (or lost) since the requester looked: it is live nowhere,
-                # so the requester wakes it itself.
-                raise LeaseHeldError(f"session {name!r} is not live here", session_id=name)
+            # Not live here (hibernated, or a session of a shard this worker holds):
+            # it wakes here, as its shard's owner; a claim refused says "moved".
             if op == "turn":
                 key = body.get("key")
                 turn = await host.submit_here(name, str(body["text"]), key)
