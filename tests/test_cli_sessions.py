@@ -536,6 +536,14 @@ async def test_write_commands_on_redis_reach_the_worker_that_holds_the_shard(
             assert len(held["shard"]) == 1  # the server's only
             assert held["lease"] == held["shard"]
         assert await leases_held(url) == {"shard": set(), "lease": set()}
+        store = RedisStore(url)  # the check sees a lease left behind
+        try:
+            lease = await store.claim("anchor", "left-behind", 30.0)
+            assert lease is not None
+            assert await leases_held(url) == {"shard": {"left-behind"}, "lease": {"left-behind"}}
+            await store.release("anchor", lease)
+        finally:
+            await store.aclose()
 
 
 async def _write_beside(server: Server, url: str) -> None:
