@@ -553,7 +553,7 @@ async def _write_beside(server: Server, url: str) -> None:
         return trio.to_thread.run_sync(functools.partial(ok, *args, "--store", url, stdin=stdin))
 
     anchor = "anchor"
-    asleep, live, imported, taken = shard_mates(anchor, "mate", 4)
+    asleep, live, taken = shard_mates(anchor, "mate", 3)
     for name in (anchor, asleep, live, taken):
         assert await ask(f"spawn {name}") == "ok"
         assert await ask(f"send {name} hello {name}") == f"hello {name}"
@@ -563,21 +563,31 @@ async def _write_beside(server: Server, url: str) -> None:
         assert await store.claim(asleep, "probe", 30.0) is None
     finally:
         await store.aclose()
-    async with (
-        sa.open_registry(store=RedisStore(url)) as watcher,
-        watcher.ref(live).subscribe() as events,
-    ):
-        assert f"deleted session {asleep!r}" in await run("delete", asleep, "--yes")
-        assert f"deleted session {live!r}" in await run("delete", live, "--yes")
-        with trio.fail_after(60):
-            async for _ in events:
-                pass  # the deletion ends the stream
-    for name in (asleep, live):
-        assert f"{name!r}" in refused("show", name, "--store", url)
-    exported = await run("export", anchor)
-    line = await run("import", "-", "--as", imported, stdin=exported)
-    assert f"imported session {imported!r}" in line
-    assert await ask(f"send {imported} and on") == "and on"  # the server runs it
+    assert (await ask("live")).split() == sorted([anchor, live, taken])
+    async with sa.open_registry(store=RedisStore(url)) as watcher:
+        async with watcher.ref(live).subscribe() as events:
+            assert f"deleted session {asleep!r}" in await run("delete", asleep, "--yes")
+            assert f"deleted session {live!r}" in await run("delete", live, "--yes")
+            with trio.fail_after(60):
+                async for _ in events:
+                    pass  # the deletion ends the stream
+        assert (await ask("live")).split() == sorted([anchor, taken])  # the server deleted it
+        for name in (asleep, live):
+            assert f"{name!r}" in refused("show", name, "--store", url)
+        exported = await run("export", anchor)
+        line = await run("import", "-", "--as", live, stdin=exported)  # the name again
+        assert f"imported session {live!r}" in line
+        seq = json.loads(await run("show", live, "--json"))["event_seq"]
+        async with watcher.ref(live).subscribe() as events:
+            assert await ask(f"send {live} and on") == "and on"  # the server runs it
+            seqs: list[int] = []
+            with trio.fail_after(60):
+                async for event in events:
+                    seqs.append(event.seq)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+        # every event of the turn: the deleted namesake's event stream is gone
+        assert seqs == list(range(seq + 1, seq + 1 + len(seqs)))
     line = refused("import", "-", "--as", taken, "--store", url, stdin=exported)
     assert "already exists" in line
     assert "'nobody'" in refused("delete", "nobody", "--yes", "--store", url)
