@@ -5,8 +5,10 @@ Read commands (``list``, ``show``, ``export``, ``tail``) open the store for
 reading only (a SQLite file with ``readonly=True``) and read sessions with
 ``read_session``: they wake, write, lease and lock nothing and need no agent, so
 they run beside a server using the same store and leave its files unchanged.
-Write commands (``import``, ``delete``) take the session's lease on a store
-that several processes share, and are refused while another process holds it.
+Write commands (``import``, ``delete``) on a store that connects workers (Redis)
+join them as an agentless registry, so a delete is done by the worker that runs
+the session or holds its shard; on a SQLite file that several processes share
+they take the session's lease, and are refused while another process holds it.
 Errors are one line on stderr and a non-zero exit status.
 """
 
@@ -18,7 +20,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final, TextIO
 
 import trio
@@ -35,7 +37,9 @@ from ._export import dump_export, load_export
 from ._json import event_to_json, metadata_json, state_to_json, to_json
 from ._names import validate_name
 from ._reading import list_stored, read_events, read_session
-from ._records import SessionInfo, SessionState, Status, utcnow
+from ._records import SessionInfo, SessionState, Status, new_id, utcnow
+from ._registry import Registry, create_session, open_registry
+from ._router import RoutingStore
 from ._session import LiveSession
 from .stores._base import Store
 from .stores._sqlite import SQLiteStore
@@ -45,8 +49,9 @@ __all__ = ["add_parser", "run"]
 
 #: Seconds between two reads of the journal while ``tail`` follows a session.
 TAIL_INTERVAL: Final = 0.5
-#: How long a write command holds the session's lease, in seconds (it is released
-#: when the command ends; this bounds how long a killed command blocks the session).
+#: How long a write command holds the session's lease on a shared SQLite file, in
+#: seconds (it is released when the command ends; this bounds how long a killed
+#: command blocks the session).
 LEASE_TTL: Final = 30.0
 
 
@@ -318,10 +323,19 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _writing(store: Store, name: str, doing: str) -> Any:
-    """Hold ``name``'s lease while a write command changes it, on a store that several
-    processes share (refused while another process holds it); say clearly when a
-    SQLite file held by another process refuses to open."""
+async def _joined(store: Store) -> AsyncIterator[Registry]:
+    """An agentless registry on a store that connects workers: it joins them through
+    the router, so a delete reaches the worker that holds the session's shard. It
+    wakes nothing, so it holds no lease, and it leaves the workers on exit."""
+    async with open_registry(store=store, worker_id=new_id("sessionactors-cli")) as registry:
+        yield registry
+
+
+@contextlib.asynccontextmanager
+async def _leased(store: Store, name: str, doing: str) -> AsyncIterator[None]:
+    """Hold ``name``'s lease while a write command changes it, on a SQLite file that
+    several processes share (refused while another process holds it); say clearly
+    when a file held by another process refuses to open."""
     try:
         if not getattr(store, "shared_by_workers", False):
             yield
@@ -375,17 +389,21 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
         validate_name(args.rename)
     state = load_export(document, name=args.rename)
     name = state.session_id
-    snapshot = dump_snapshot(state)
-    info = dump_info(LiveSession(state).info())
-    async with _writing(store, name, "imported"):
-        try:
-            await store.create(name, snapshot, info)
-        except SessionExistsError:
-            raise SessionExistsError(
-                f"session {name!r} already exists in this store; import it under another "
-                "name with --as NAME, or delete the stored one first",
-                session_id=name,
-            ) from None
+    try:
+        if isinstance(store, RoutingStore):  # stored as a spawn is: it wakes where it is used
+            async with _joined(store) as registry:
+                await create_session(registry, state)
+        else:
+            snapshot = dump_snapshot(state)
+            info = dump_info(LiveSession(state).info())
+            async with _leased(store, name, "imported"):
+                await store.create(name, snapshot, info)
+    except SessionExistsError:
+        raise SessionExistsError(
+            f"session {name!r} already exists in this store; import it under another "
+            "name with --as NAME, or delete the stored one first",
+            session_id=name,
+        ) from None
     _out(f"imported session {name!r} ({len(state.messages)} messages)")
     return 0
 
@@ -393,9 +411,13 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
 async def _delete(store: Store, args: argparse.Namespace) -> int:
     name = args.name
     validate_name(name)
-    async with _writing(store, name, "deleted"):
-        if not await store.delete(name):
-            raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
+    if isinstance(store, RoutingStore):  # by the worker that runs it or holds its shard
+        async with _joined(store) as registry:
+            await registry.delete(name)
+    else:
+        async with _leased(store, name, "deleted"):
+            if not await store.delete(name):
+                raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
     _out(f"deleted session {name!r}")
     return 0
 

@@ -31,7 +31,7 @@ from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
 from ._names import validate_name
 from ._reading import describe_stored, list_stored
-from ._records import ReviewRequest, SessionInfo, Status, new_id
+from ._records import ReviewRequest, SessionInfo, SessionState, Status, new_id
 from ._ref import SessionRef
 from ._router import RoutingStore
 from ._session import LiveSession
@@ -40,7 +40,7 @@ from ._telemetry import Telemetry
 from .stores._base import Store
 from .stores._memory import MemoryStore
 
-__all__ = ["Registry", "RegistryStatistics", "open_registry"]
+__all__ = ["Registry", "RegistryStatistics", "create_session", "open_registry"]
 
 log = logging.getLogger("sessionactors")
 
@@ -326,6 +326,15 @@ class Registry(metaclass=NoPublicConstructor):
                 f"{sorted(agents)}"
             )
         return agent
+
+
+async def create_session(registry: Registry, state: SessionState) -> SessionRef:
+    """Store ``state`` whole as a new session, as ``registry.spawn`` stores a new one
+    (the command line's import): SessionExistsError if the name is live or stored."""
+    name = state.session_id
+    validate_name(name)
+    registry._sessions.check_open(name)
+    return await registry._start_session(LiveSession(state))
 
 
 @asynccontextmanager

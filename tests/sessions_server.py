@@ -8,6 +8,7 @@ leases on) or a ``redis://`` URL. It opens a registry with one agent, ``echo``, 
 - ``spawn NAME KEY=VALUE ...`` -> ``ok`` (a session with that metadata),
 - ``send NAME TEXT...`` -> the reply's text (one turn; the session stays live),
 - ``hibernate NAME`` -> ``ok``,
+- ``live`` -> the names of its live sessions, sorted, separated by spaces,
 - ``exit`` (or the end of stdin) closes the registry and ends.
 """
 
@@ -47,6 +48,8 @@ async def main(spec: str) -> None:
                 name, _, text = rest.partition(" ")
                 reply = await registry.ref(name).send(text)
                 print(reply.text, flush=True)
+            elif command == "live":
+                print(" ".join(sorted(registry.live())), flush=True)
             elif command == "hibernate":
                 await registry.ref(rest).hibernate()
                 print("ok", flush=True)

@@ -4,21 +4,27 @@ a server process that uses the same store."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import itertools
 import json
 import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import attrs
+import coredis
 import pytest
 import trio
 
 import sessionactors as sa
+from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
 HERE = Path(__file__).resolve().parent
@@ -493,7 +499,95 @@ def test_read_commands_on_redis_beside_a_server(redis_url: str) -> None:
         assert document["session"]["metadata"] == {"run": run}
         events = ok("tail", f"{run}-r1", "--store", url, "--after", "0", "--no-follow")
         assert "TurnFinished" in events
-        line = refused("delete", f"{run}-r1", "--yes", "--store", url)
-        assert "live in another process" in line
     assert "deleted" in ok("delete", f"{run}-r1", "--yes", "--store", url)
     assert "deleted" in ok("delete", f"{run}-r2", "--yes", "--store", url)
+
+
+def shard_mates(name: str, prefix: str, count: int) -> list[str]:
+    """``count`` names ``prefix-<k>`` in the shard of ``name`` (``crc32(name) % 1024``)."""
+    shard = zlib.crc32(name.encode()) % 1024
+    names = (f"{prefix}-{k}" for k in itertools.count())
+    return list(
+        itertools.islice((n for n in names if zlib.crc32(n.encode()) % 1024 == shard), count)
+    )
+
+
+async def leases_held(url: str) -> dict[str, set[str]]:
+    """The owners of the shard leases and of the session leases in the redis at ``url``."""
+    async with coredis.Redis.from_url(url, decode_responses=True) as admin:
+        return {
+            kind: {await admin.hget(key, "owner") or "" for key in await admin.keys(f"*:{kind}")}
+            for kind in ("shard", "lease")
+        }
+
+
+@pytest.mark.redis
+async def test_write_commands_on_redis_reach_the_worker_that_holds_the_shard(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """Beside a server that holds a shard (it serves a session of it), delete of a hibernated
+    session and of a session live in that server, and import, of names in that shard, all
+    work: the write goes through the server (a live session's subscribers see its events
+    end), and the command leaves no lease behind."""
+    with private_redis_server() as url:
+        with serving(url) as server:
+            await _write_beside(server, url)
+            held = await leases_held(url)
+            assert len(held["shard"]) == 1  # the server's only
+            assert held["lease"] == held["shard"]
+        assert await leases_held(url) == {"shard": set(), "lease": set()}
+        store = RedisStore(url)  # the check sees a lease left behind
+        try:
+            lease = await store.claim("anchor", "left-behind", 30.0)
+            assert lease is not None
+            assert await leases_held(url) == {"shard": {"left-behind"}, "lease": {"left-behind"}}
+            await store.release("anchor", lease)
+        finally:
+            await store.aclose()
+
+
+async def _write_beside(server: Server, url: str) -> None:
+    ask = functools.partial(trio.to_thread.run_sync, server.ask)
+
+    def run(*args: str, stdin: str | None = None) -> Any:
+        return trio.to_thread.run_sync(functools.partial(ok, *args, "--store", url, stdin=stdin))
+
+    anchor = "anchor"
+    asleep, live, taken = shard_mates(anchor, "mate", 3)
+    for name in (anchor, asleep, live, taken):
+        assert await ask(f"spawn {name}") == "ok"
+        assert await ask(f"send {name} hello {name}") == f"hello {name}"
+    assert await ask(f"hibernate {asleep}") == "ok"
+    store = RedisStore(url)
+    try:  # the premise: the server holds the shard, so a direct claim is refused
+        assert await store.claim(asleep, "probe", 30.0) is None
+    finally:
+        await store.aclose()
+    assert (await ask("live")).split() == sorted([anchor, live, taken])
+    async with sa.open_registry(store=RedisStore(url)) as watcher:
+        async with watcher.ref(live).subscribe() as events:
+            assert f"deleted session {asleep!r}" in await run("delete", asleep, "--yes")
+            assert f"deleted session {live!r}" in await run("delete", live, "--yes")
+            with trio.fail_after(60):
+                async for _ in events:
+                    pass  # the deletion ends the stream
+        assert (await ask("live")).split() == sorted([anchor, taken])  # the server deleted it
+        for name in (asleep, live):
+            assert f"{name!r}" in refused("show", name, "--store", url)
+        exported = await run("export", anchor)
+        line = await run("import", "-", "--as", live, stdin=exported)  # the name again
+        assert f"imported session {live!r}" in line
+        seq = json.loads(await run("show", live, "--json"))["event_seq"]
+        async with watcher.ref(live).subscribe() as events:
+            assert await ask(f"send {live} and on") == "and on"  # the server runs it
+            seqs: list[int] = []
+            with trio.fail_after(60):
+                async for event in events:
+                    seqs.append(event.seq)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+        # every event of the turn: the deleted namesake's event stream is gone
+        assert seqs == list(range(seq + 1, seq + 1 + len(seqs)))
+    line = refused("import", "-", "--as", taken, "--store", url, stdin=exported)
+    assert "already exists" in line
+    assert "'nobody'" in refused("delete", "nobody", "--yes", "--store", url)
