@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import coredis
 import pytest
 import trio
+from coredis.connection import TCPLocation
 from coredis.tokens import PureToken
 
 import sessionactors as sa
@@ -169,6 +170,12 @@ async def _workers_on(url: str) -> AsyncIterator[Cluster]:
         host, _, port = url.removeprefix("redis+cluster://").rpartition(":")
         async with coredis.RedisCluster(host, int(port)) as cluster_client:
             admins = list(cluster_client.primaries)
+    elif url.startswith("redis+sentinel://"):
+        where, _, service = url.removeprefix("redis+sentinel://").partition("/")
+        host, _, port = where.rpartition(":")
+        async with coredis.Sentinel([TCPLocation(host, int(port))]) as sentinel:
+            address = await sentinel.discover_primary(service)
+        admins = [coredis.Redis(*address)]
     else:
         admins = [coredis.Redis.from_url(url)]
     for admin in admins:
@@ -185,10 +192,17 @@ async def cluster(redis_url: str) -> AsyncIterator[Cluster]:
         yield the_cluster
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
+_DEPLOYMENTS = {
+    "redis": "redis_url",
+    "redis-cluster": "redis_cluster_url",
+    "redis-sentinel": "redis_sentinel_url",
+}
+
+
+@pytest.fixture(params=sorted(_DEPLOYMENTS))
 async def any_cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    """Workers on one redis-server, then on a three-master Redis Cluster."""
-    fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"
+    """Workers on one redis-server, on a three-master Redis Cluster, and through Sentinel."""
+    fixture = _DEPLOYMENTS[request.param]
     async for the_cluster in _workers_on(request.getfixturevalue(fixture)):
         yield the_cluster
 
