@@ -1,8 +1,9 @@
 """The multi-worker transport of ``RedisStore``: liveness keys, inboxes, event streams.
 
 A session's events go to its stream only while a worker other than its owner
-subscribes: the subscriber sets the session's watch key (and renews it), the
-owner hears of it from the subscriber's request or, after a wake, from its claim.
+subscribes: the owner sets the session's watch key when a subscriber's request
+reaches it, the subscriber's worker renews it, and a worker that wakes the session
+hears of it from its claim.
 
 Every call is one round trip through the store's connection (and its error
 translation); the Lua scripts keep each step atomic. The multi-worker layer

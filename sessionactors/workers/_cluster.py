@@ -28,10 +28,11 @@ registry:
 * serves a subscription to a session it runs from the session's hub here, as a
   registry without other workers does: its events never reach the store;
 * publishes the events of a session it runs only while a worker elsewhere
-  subscribes to it: the subscriber sets the session's watch key (renewed every
-  third of ``lease_ttl``) and asks the owner to "watch" it (a forwarded request,
-  answered with the seq it starts from); a worker that wakes the session learns of
-  the key from its claim; an owner stops once the key expired. Events go to one
+  subscribes to it: the subscriber asks the owner to "watch" it (a forwarded
+  request, answered with the seq it starts from), the owner sets the session's
+  watch key, which the subscriber's worker renews every third of ``lease_ttl``; a
+  worker that wakes the session learns of the key from its claim; an owner stops
+  once the key expired. Events go to one
   stream per session whose entry ids are ``<seq>-0``, so a stale ex-owner's events
   are refused by Redis, from one publisher task fed by a bounded queue: the actor
   never waits on the store. Events that do not fit are dropped and replaced by a
