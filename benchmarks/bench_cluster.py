@@ -18,6 +18,12 @@ durability (every reply waits for its turn's journal append in Redis).
   that does not own its session (a load balancer without affinity). Wall clock
   from the first command to the last answer, median of the rounds.
 
+- a durable turn with no subscriber elsewhere: ``await ref.send(text)`` of a
+  300-word turn (the echo model streams 300 deltas) to a session this worker runs,
+  on a registry over ``RedisStore`` (the multi-worker layer running, no worker
+  subscribed elsewhere), against the same on a registry over the same store
+  without the multi-worker layer (the journal write alone: the same appends and
+  leases, no router). Mean per send over ``K`` sends, median of the rounds.
 - lease renewal: ``N`` sessions claimed by one worker on ``RedisStore`` (their
   shards' leases), then one renewal round (``renew_many``: one pipeline of shard
   renewals), against the budget of a round at ``lease_ttl=3`` (a third of it).
@@ -38,7 +44,7 @@ import trio
 import sessionactors as sa
 from _common import Row, log, median, now, paired, redis_url, spread
 from sessionactors._demo_cluster import WorkerProcess
-from sessionactors.stores import Lease, RedisStore
+from sessionactors.stores import Lease, RedisStore, Store
 from sessionactors.testing import EchoModel
 
 TTL = 10.0
@@ -79,6 +85,53 @@ async def latency(url: str, sends: int, rounds: int) -> tuple[list[float], list[
             await worker.quit()
             nursery.cancel_scope.cancel()
     return local_times, remote_times
+
+
+LONG_TEXT = " ".join(f"w{i}" for i in range(300))
+
+
+class JournalOnly:
+    """A RedisStore without its multi-worker router: every Store call, no open_router."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> object:
+        if name == "open_router":
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+
+async def turn_cost(url: str, sends: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Per round: mean seconds per 300-delta durable turn with the multi-worker layer
+    (no remote subscriber) and without it (the journal write alone)."""
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    routed_times: list[float] = []
+    alone_times: list[float] = []
+    routed_store = RedisStore(url, prefix=f"bench-cluster-{uuid.uuid4().hex[:8]}")
+    alone_store: Store = JournalOnly(  # type: ignore[assignment]
+        RedisStore(url, prefix=f"bench-cluster-{uuid.uuid4().hex[:8]}")
+    )
+    async with (
+        sa.open_registry(store=routed_store, agents=agents, lease_ttl=TTL) as routed,
+        sa.open_registry(store=alone_store, agents=agents, lease_ttl=TTL) as alone,
+    ):
+        refs = [await routed.spawn("turns"), await alone.spawn("turns")]
+        for ref in refs:  # warm up
+            for _ in range(20):
+                assert (await ref.send(LONG_TEXT)).text == LONG_TEXT
+        for r in range(rounds):
+            order = list(zip(refs, (routed_times, alone_times), strict=True))
+            for ref, times in order if r % 2 == 0 else order[::-1]:
+                start = now()
+                for _ in range(sends):
+                    await ref.send(LONG_TEXT)
+                times.append((now() - start) / sends)
+            log(
+                f"  round {r + 1}/{rounds}: routed {routed_times[-1] * 1e6:.0f} us, "
+                f"journal alone {alone_times[-1] * 1e6:.0f} us"
+            )
+    return routed_times, alone_times
 
 
 async def throughput(url: str, workers: int, sessions: int, turns: int, across: bool) -> float:
@@ -154,6 +207,7 @@ def main(args: argparse.Namespace) -> list[Row]:
             log("  skipped: no SESSIONACTORS_REDIS_URL and no redis-server binary")
             return []
         local, remote = trio.run(latency, url, sends, rounds)
+        routed, alone = trio.run(turn_cost, url, sends // 3, rounds)
         leased = 5_000 if args.quick else 20_000
         renewals = trio.run(renewal, url, leased, rounds)
         results: dict[str, list[float]] = {"one": [], "three": [], "across": []}
@@ -177,7 +231,24 @@ def main(args: argparse.Namespace) -> list[Row]:
             baseline_name="ref.send to a session live in this worker",
             baseline_unit="us",
             paired_ratio=paired(remote, local),
+            target_on="ratio",
+            target_op="<=",
+            target_value=1.5,
             notes=f"{sends} sequential sends x {rounds} rounds, echo model; {spread(remote)}",
+        ),
+        Row(
+            benchmark=group,
+            name="a durable 300-delta turn, no subscriber elsewhere (vs the journal write alone)",
+            measured=median(routed) * 1e6,
+            unit="us",
+            baseline=median(alone) * 1e6,
+            baseline_name="the same turn on RedisStore without the multi-worker layer",
+            baseline_unit="us",
+            paired_ratio=paired(routed, alone),
+            target_on="ratio",
+            target_op="<=",
+            target_value=1.3,
+            notes=f"{sends // 3} sequential sends x {rounds} rounds, echo model; {spread(routed)}",
         ),
         Row(
             benchmark=group,

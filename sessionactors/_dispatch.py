@@ -323,7 +323,7 @@ class Dispatcher:
     async def open_subscription(self, name: str, after: int | None) -> EventIterator:
         validate_name(name)
         self.sessions.check_open(name)
-        if self.router is not None:  # from the session's event stream, wherever it runs
+        if self.router is not None:  # from wherever the session runs
             return await self.router.open_subscription(name, after)
         return await self.sessions.open_subscription(name, after)
 
@@ -379,6 +379,13 @@ class Dispatcher:
 
     async def stored_status(self, name: str) -> Status:
         return (await self.sessions.stored_session(name)).status
+
+    def event_seq_here(self, name: str) -> int | None:
+        hub = self.sessions.hubs.get(name)
+        return hub.seq if hub is not None and name in self.sessions.live else None
+
+    async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:
+        return await self.sessions.open_subscription(name, after)
 
 
 def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:

@@ -68,6 +68,14 @@ class RouterHost(Protocol):
         """The session's status as the store has it."""
         ...
 
+    def event_seq_here(self, name: str) -> int | None:
+        """The seq of the last event the session published here; None if not live here."""
+        ...
+
+    async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:
+        """A subscription to the session's hub here (and the store's journal)."""
+        ...
+
 
 class Router(Protocol):
     """Decides where a session runs and carries requests and events to it."""

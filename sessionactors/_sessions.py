@@ -126,6 +126,11 @@ class Sessions:
                 if self._live_peak >= GENERATION_PEAK:
                     self._retire_generation()
                 self._live_peak = _compact(self.live)
+        hub = self.hubs.get(name)
+        if hub is not None and hub.subscriber_count and self.router and not self._closing:
+            # With other workers the session may wake elsewhere, where this hub hears
+            # nothing: its subscribers end as lagged and subscribe again with after=.
+            hub.lose()
         self.release_hub(name)
         _gone_event(actor).set()
 

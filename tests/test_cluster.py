@@ -310,6 +310,47 @@ async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Clu
 # -- subscriptions across workers --------------------------------------------------------
 
 
+async def event_stream_keys(admin: coredis.Redis[bytes], prefix: str) -> list[bytes]:
+    """The keys of sessions' event streams under ``prefix`` (journals are ``:log``)."""
+    return [key async for key in admin.scan_iter(match=f"{prefix}:*:ev", count=1000)]
+
+
+async def read_until_finished(events: Any, turn_id: str | None = None) -> list[sa.Event]:
+    seen = []
+    async for event in events:
+        seen.append(event)
+        if isinstance(event, sa.TurnFinished) and turn_id in (None, event.turn_id):
+            break
+    return seen
+
+
+async def test_events_reach_redis_only_for_a_subscriber_on_another_worker(
+    cluster: Cluster,
+) -> None:
+    """Turns of a session that nobody on another worker subscribes to write no event to redis, a subscriber on its own worker included; once another worker subscribes, it sees the session's events from then on."""
+    with trio.fail_after(30):
+        async with (
+            cluster.registry() as a,
+            cluster.registry() as b,
+            coredis.Redis.from_url(cluster.url) as admin,
+        ):
+            ref = await a.spawn("s")
+            async with ref.subscribe() as local:
+                turn = await ref.submit("one two")
+                seen = await read_until_finished(local, turn.id)
+            assert [e.text for e in seen if isinstance(e, sa.Delta)] == ["one", " two"]
+            await ref.send("three")
+            keys = await event_stream_keys(admin, cluster.prefix)
+            assert keys == []
+
+            async with b.ref("s").subscribe() as remote:
+                turn = await ref.submit("four five")
+                seen = await read_until_finished(remote, turn.id)
+            assert "".join(e.text for e in seen if isinstance(e, sa.Delta)) == "four five"
+            assert seen[0].seq > (await ref.state()).event_seq - len(seen) - 1
+            assert len(await event_stream_keys(admin, cluster.prefix)) == 1
+
+
 def check_stream(events: list[sa.Event], acked: dict[str, str]) -> list[str]:
     """Problems: seqs not rising, or an acknowledged turn not seen whole and once."""
     problems = []

@@ -12,6 +12,8 @@ group, ``crc32(UTF-8 name) % 1024``)::
     <prefix>:{g<g>}:s:<n>:info  the info blob
     <prefix>:{g<g>}:s:<n>:log   the journal, a stream whose entry ids are ``<seq>-0``
     <prefix>:{g<g>}:s:<n>:lease hash: owner, fence, epoch (of the shard it was taken under)
+    <prefix>:{g<g>}:s:<n>:watch set while a worker other than the owner subscribes to the
+                                session (expiring; see the multi-worker transport)
     <prefix>:{g<g>}:shard       the lease of shard <g> (every session of group <g>):
                                 hash: owner, epoch, n (sessions held); expires (PEXPIRE)
     <prefix>:activity           sorted set: the UTF-8 bytes of every stored name in hex
@@ -216,12 +218,12 @@ return existed
 # while its shard's lease (KEYS[4]: owner, epoch, n = the sessions it holds; expiring)
 # is the one it was taken under. A worker renews its shards, not its sessions.
 
-# KEYS: lease, fence counter, meta, shard.  ARGV: owner, ttl in ms.
+# KEYS: lease, fence counter, meta, shard, watch.  ARGV: owner, ttl in ms.
 # Returns false (the shard is another owner's), or {the new fence, the journal's last
-# seq, the shard's epoch}. A fence is above every one issued before, also after the
-# counter went back with lost data (a restore from an older backup, a lagging
-# replica): it is at least the server's clock in microseconds. A shard taken anew
-# gets its first session's fence as its epoch.
+# seq, the shard's epoch, whether another worker subscribes to the session}. A fence
+# is above every one issued before, also after the counter went back with lost data
+# (a restore from an older backup, a lagging replica): it is at least the server's
+# clock in microseconds. A shard taken anew gets its first session's fence as its epoch.
 _CLAIM: Final = Script[bytes](
     script="""
 local shard = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
@@ -243,7 +245,7 @@ if lease[1] ~= ARGV[1] or lease[2] ~= epoch then redis.call('HINCRBY', KEYS[4], 
 redis.call('PEXPIRE', KEYS[4], ARGV[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'epoch', epoch)
-return {fence, redis.call('HGET', KEYS[3], 'last') or '0', epoch}
+return {fence, redis.call('HGET', KEYS[3], 'last') or '0', epoch, redis.call('EXISTS', KEYS[5])}
 """
 )
 
@@ -376,6 +378,7 @@ class _Held:
     last: str
     epoch: str = ""  # the epoch of the shard the lease was taken under
     unsure: str = ""
+    watched: bool = False  # another worker subscribed when it was claimed (not yet taken)
 
 
 def _check_status(reply: Any, session_id: str, fence: int | None) -> None:
@@ -585,6 +588,10 @@ class RedisStore:
     def _shard_key(self, group: int) -> str:
         """The lease of shard ``group``: the sessions of a key group are leased together."""
         return self._group_key(group, "shard")
+
+    def _watch_key(self, session_id: str) -> str:
+        """Set while a worker other than the owner subscribes to ``session_id``."""
+        return self._key("s", session_id, "watch")
 
     def _index_key(self, session_id: str) -> str:
         """The set of the stored sessions of ``session_id``'s group."""
@@ -887,13 +894,26 @@ class RedisStore:
         reply: Any = await self._run(
             "claim",
             session_id,
-            lambda c: _CLAIM([lease_key, self._fence_key(session_id), meta, shard], args, client=c),
+            lambda c: _CLAIM(
+                [lease_key, self._fence_key(session_id), meta, shard, self._watch_key(session_id)],
+                args,
+                client=c,
+            ),
         )
         if reply is None:
             return None
         fence, last, epoch = int(reply[0]), bytes(reply[1]).decode(), bytes(reply[2]).decode()
-        self._held[session_id] = _Held(fence, owner, last, epoch)
+        self._held[session_id] = _Held(fence, owner, last, epoch, watched=bool(int(reply[3])))
         return Lease(owner=owner, fence=fence)
+
+    def _take_watched(self, session_id: str) -> bool:
+        """Whether the claim of ``session_id``'s lease found another worker subscribed
+        (asked once per claim: the multi-worker transport then publishes its events)."""
+        held = self._held.get(session_id)
+        if held is None or not held.watched:
+            return False
+        held.watched = False
+        return True
 
     def _holder(self, session_id: str, fence: int | None) -> _Held | None:
         """What this store knows of the lease ``fence`` (None: it was not claimed here)."""

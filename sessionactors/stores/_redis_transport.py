@@ -1,5 +1,10 @@
 """The multi-worker transport of ``RedisStore``: liveness keys, inboxes, event streams.
 
+A session's events go to its stream only while a worker other than its owner
+subscribes: the owner sets the session's watch key when a subscriber's request
+reaches it, the subscriber's worker renews it, and a worker that wakes the session
+hears of it from its claim.
+
 Every call is one round trip through the store's connection (and its error
 translation); the Lua scripts keep each step atomic. The multi-worker layer
 (``sessionactors.workers``) drives it through its ``Transport`` protocol.
@@ -9,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar, cast
 
 import coredis
 from coredis.commands import Script
@@ -26,6 +31,8 @@ class _Redis(Protocol):
 
     def _key(self, kind: str, name: str, suffix: str) -> str: ...
     def _keys(self, session_id: str) -> tuple[str, str, str, str, str]: ...
+    def _watch_key(self, session_id: str) -> str: ...
+    def _take_watched(self, session_id: str) -> bool: ...
     async def _run(
         self,
         doing: str,
@@ -158,6 +165,31 @@ class RedisTransport:
         await self._store._run(
             "retire worker", None, lambda c: self._leave(keys, [incarnation], client=c)
         )
+
+    async def watch(self, names: Sequence[str], ttl: float) -> None:
+        ms = _ms(3 * ttl)
+
+        async def run(client: Client) -> None:
+            async with cast(Any, client).pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.set(self._store._watch_key(name), b"1", px=int(ms))
+
+        if names:
+            await self._store._run("watch the events of", None, run)
+
+    async def watched(self, names: Sequence[str]) -> set[str]:
+        async def run(client: Client) -> list[Any]:
+            async with cast(Any, client).pipeline(transaction=False) as pipe:
+                replies = [pipe.exists([self._store._watch_key(name)]) for name in names]
+            return [await reply for reply in replies]
+
+        if not names:
+            return set()
+        found = await self._store._run("look up the subscribers of", None, run)
+        return {name for name, n in zip(names, found, strict=True) if n}
+
+    def take_watched(self, session_id: str) -> bool:
+        return self._store._take_watched(session_id)
 
     async def lease_owner(self, session_id: str) -> str | None:
         shard = self._store._keys(session_id)[4]  # a session's owner is its shard's

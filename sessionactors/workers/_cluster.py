@@ -25,18 +25,27 @@ registry:
   key fails with SessionCrashedError, since it may or may not have run. With no
   word for two lease lifetimes (the store or the owner does not answer) the caller
   gets WorkerUnreachableError: no caller waits forever;
-* publishes the events of the sessions it runs to one stream per session whose
-  entry ids are ``<seq>-0``, so a stale ex-owner's events are refused by Redis,
-  from one publisher task fed by a bounded queue: the actor never waits on the
-  store. Events that do not fit are dropped and replaced by a marker, which
-  subscribers see as lag (never as a silent gap). A new incarnation first
-  publishes the journal entries its dead predecessor had not published;
-* serves every subscription from those streams, a local session's included, so
-  a subscription follows its session from worker to worker (hibernation here and
-  a wake there, or a failover) with the same seqs and the same ``after=`` replay:
-  the stream, then the store's journal for what the stream no longer holds, then
-  live events. One task reads the inbox and every mirrored stream with a single
-  blocking read (on a Redis Cluster, one read per slot: see the transport).
+* serves a subscription to a session it runs from the session's hub here, as a
+  registry without other workers does: its events never reach the store;
+* publishes the events of a session it runs only while a worker elsewhere
+  subscribes to it: the subscriber asks the owner to "watch" it (a forwarded
+  request, answered with the seq it starts from), the owner sets the session's
+  watch key, which the subscriber's worker renews every third of ``lease_ttl``; a
+  worker that wakes the session learns of the key from its claim; an owner stops
+  once the key expired. Events go to one
+  stream per session whose entry ids are ``<seq>-0``, so a stale ex-owner's events
+  are refused by Redis, from one publisher task fed by a bounded queue: the actor
+  never waits on the store. Events that do not fit are dropped and replaced by a
+  marker, which subscribers see as lag (never as a silent gap). An owner that
+  starts publishing first publishes the journal entries the stream lacks;
+* serves a subscription to a session it does not run from that stream, so it
+  follows its session from worker to worker (a failover, or a wake elsewhere) with
+  the same seqs and the same ``after=`` replay: the stream, then the store's journal
+  for what the stream does not hold, then live events. One task reads the inbox and
+  every mirrored stream with a single blocking read (on a Redis Cluster, one read per
+  slot: see the transport). A local subscription whose session leaves this worker
+  (hibernated, or its shard lost) ends as lagged: subscribed again with ``after=``,
+  it follows the session wherever it wakes.
 """
 
 from __future__ import annotations
@@ -149,6 +158,18 @@ class Transport(Protocol):
 
     async def lease_owner(self, session_id: str) -> str | None:
         """The worker holding the session's lease, or None."""
+        ...
+
+    async def watch(self, names: Sequence[str], ttl: float) -> None:
+        """Say a worker other than the owner subscribes to the sessions (for 3 * ttl)."""
+        ...
+
+    async def watched(self, names: Sequence[str]) -> set[str]:
+        """Those of the sessions some worker still watches."""
+        ...
+
+    def take_watched(self, session_id: str) -> bool:
+        """Whether this worker's claim of the session found it watched (once per claim)."""
         ...
 
     async def post(self, worker: str, message: bytes, ttl: float) -> str | None:
@@ -394,6 +415,9 @@ class Cluster:
         self._serving: set[str] = set()  # ids of the requests being served here
         self._answered: dict[str, bytes] = {}  # the latest answers, by request id
         self._mirrors: dict[str, Hub] = {}
+        #: Sessions whose events this worker publishes (another worker subscribes), and
+        #: whether the stream must first catch up from the journal.
+        self._watched: dict[str, bool] = {}
         self._positions: dict[str, int] = {}
         self._inbox_last = "0-0"
         self._read_since_trim = 0
@@ -479,6 +503,16 @@ class Cluster:
             except StoreError as exc:
                 _fatal(exc)
                 self._keep_from = self._keep_from or keep_from
+            try:
+                await self.transport.watch(list(self._mirrors), self.ttl)
+                if self._watched:
+                    names = list(self._watched)
+                    still = await self.transport.watched(names)
+                    for name in names:
+                        if name not in still:  # nobody elsewhere subscribes any more
+                            self._watched.pop(name, None)
+            except StoreError as exc:
+                _fatal(exc)
 
     async def _read_loop(self) -> None:
         block = max(0.05, min(self.ttl / 3, 5.0))
@@ -558,6 +592,14 @@ class Cluster:
             elif op == "read":
                 state = await host.read_here(name)
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
+            elif op == "watch":  # another worker subscribes: publish from now on
+                await host.read_here(name)  # wakes it here (or says it moved)
+                await self.transport.watch([name], self.ttl)  # for its next owners too
+                seq = host.event_seq_here(name)
+                if seq is not None and name not in self._watched:
+                    self._watched[name] = False
+                    self._enqueue(name, _CatchUp(seq))
+                await self._answer(body, {"ok": "value", "value": -1 if seq is None else seq})
             elif op == "call":
                 value = await host.call_here(name, _load_call(name, body["req"]))
                 if isinstance(value, Reply):
@@ -820,13 +862,19 @@ class Cluster:
     # ---- events: publishing ------------------------------------------------------------
 
     def tap_for(self, name: str) -> Callable[[Event], None]:
-        """The function a session's hub calls with every event it publishes."""
-        first = True
+        """The function a session's hub calls with every event it publishes: it goes
+        to the session's stream while another worker subscribes, nowhere otherwise."""
+        watched = self._watched
+        take_watched = self.transport.take_watched
 
         def tap(event: Event) -> None:
-            nonlocal first
-            if first:
-                first = False
+            catch_up = watched.get(name)
+            if catch_up is None:
+                if not take_watched(name):
+                    return  # nobody elsewhere subscribes
+                catch_up = True
+            if catch_up:
+                watched[name] = False
                 if event.seq > 1:
                     self._enqueue(name, _CatchUp(event.seq - 1))
             self._enqueue(name, event)
@@ -964,17 +1012,35 @@ class Cluster:
     # ---- events: subscriptions ---------------------------------------------------------
 
     async def open_subscription(self, name: str, after: int | None) -> EventIterator:
-        """A subscription fed by the session's event stream, wherever the session runs."""
+        """A subscription to the session's hub here if it runs here; otherwise fed by
+        the session's event stream, wherever the session runs."""
         host = self.host
         found = self._mirrors.get(name)
-        if found is None:
-            top = await self.transport.last_event_seq(name)
+        top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
+        for _ in range(_MAX_ATTEMPTS):
+            if found is not None or host.is_live(name):
+                break
+            answer = await self._forward(name, {"op": "watch", "s": name}, retry_safe=True)
+            if answer is not None:  # its owner publishes its events from ``top`` on
+                top = int(self._check(answer, name)["value"])
+                break
+            try:  # live nowhere, or its shard is this worker's: it wakes here
+                await host.read_here(name)
+            except SessionStoppedError:
+                break  # stopped: the local subscription replays and ends
+            except LeaseHeldError:
+                continue  # another worker woke it meanwhile: ask that one
+            if not host.is_live(name):
+                break
             found = self._mirrors.get(name)
-            if found is None:
-                found = self._mirrors[name] = Hub(name, host.config.hub)
-                found.advance(top)
-                self._positions[name] = top
-                self._poke()
+        if found is None and top < 0:
+            return await host.open_subscription_here(name, after)
+        found = found or self._mirrors.get(name)  # (another subscription made it meanwhile)
+        if found is None:
+            found = self._mirrors[name] = Hub(name, host.config.hub)
+            found.advance(top)
+            self._positions[name] = top
+            self._poke()
         hub: Hub = found
         iterator = await open_event_iterator(
             name,
