@@ -316,7 +316,7 @@ async def rebalance_on_join(cluster: Cluster, idle_timeout: float | None) -> lis
             for name in names:
                 assert (await (await a.spawn(name)).send("one")).text == "one"
             b = await cluster.start("b")
-            with trio.move_on_after(3 if idle_timeout is None else 30):
+            with trio.move_on_after(1 if idle_timeout is None else 30):
                 while a.live():  # its sessions idle out: their shards go back
                     await trio.sleep(0.05)
             await b.call("spawn", names=names[1::2])
