@@ -307,6 +307,42 @@ async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Clu
             assert user_texts(await b.ref("s").history()) == ["one", "two", "three"]
 
 
+async def rebalance_on_join(cluster: Cluster, idle_timeout: float | None) -> list[str]:
+    """Worker a runs 20 sessions; worker b joins, waits until a has none live (or a
+    bound passes) and asks for every other one; then a sends to all 20. The names b runs."""
+    names = [f"rebalance-{i}" for i in range(20)]
+    with trio.fail_after(60):
+        async with cluster.registry(idle_timeout=idle_timeout) as a:
+            for name in names:
+                assert (await (await a.spawn(name)).send("one")).text == "one"
+            b = await cluster.start("b")
+            with trio.move_on_after(1 if idle_timeout is None else 30):
+                while a.live():  # its sessions idle out: their shards go back
+                    await trio.sleep(0.05)
+            await b.call("spawn", names=names[1::2])
+            for name in names:
+                assert (await a.ref(name).send("two")).text == "two"
+                assert user_texts(await a.ref(name).history()) == ["one", "two"]
+            b_live: list[str] = (await b.call("live"))["live"]
+            assert not set(a.live()) & set(b_live)  # one owner each
+            return b_live
+
+
+async def test_a_joining_worker_takes_the_shards_of_sessions_that_went_idle(
+    cluster: Cluster,
+) -> None:
+    """Sessions that idled out on one worker wake on a worker that joined when it is asked
+    first, and stay there: the other worker's requests for them are forwarded."""
+    b_live = await rebalance_on_join(cluster, idle_timeout=0.3)
+    assert set(b_live) >= {f"rebalance-{i}" for i in range(1, 20, 2)}
+
+
+async def test_without_idle_timeout_a_joining_worker_takes_no_shard(cluster: Cluster) -> None:
+    """Sessions that never idle keep their shards on their worker: a joining worker's
+    requests for them are forwarded there."""
+    assert await rebalance_on_join(cluster, idle_timeout=None) == []
+
+
 # -- subscriptions across workers --------------------------------------------------------
 
 
