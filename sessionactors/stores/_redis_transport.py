@@ -19,6 +19,7 @@ from typing import Any, Final, Protocol, TypeVar, cast
 import coredis
 from coredis.commands import Script
 
+from .._codec import MAX_SEQ
 from ..workers import StreamItem
 from ._redis_connect import Client
 
@@ -85,11 +86,11 @@ _EVENTS_AFTER: Final = """
 local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
 """
+# The end marker's id is above every seq (ARGV[2], the largest), so that a reader
+# whose position is past what the stream holds (it never published, or was
+# trimmed) still reads it; nothing is published to a deleted session's stream.
 _END_EVENTS: Final = """
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local seq = 0
-if #last > 0 then seq = tonumber(string.match(last[1][1], '^(%d+)')) end
-redis.call('XADD', KEYS[1], string.format('%d-0', seq + 1), 'gone', '1')
+redis.call('XADD', KEYS[1], ARGV[2] .. '-0', 'gone', '1')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
@@ -322,7 +323,7 @@ class RedisTransport:
 
     async def end_events(self, session_id: str) -> None:
         key = self._events(session_id)
-        ttl = [_ms(60.0)]
+        args = [_ms(60.0), str(MAX_SEQ)]
         await self._store._run(
-            "end the events of", session_id, lambda c: self._end_events([key], ttl, client=c)
+            "end the events of", session_id, lambda c: self._end_events([key], args, client=c)
         )

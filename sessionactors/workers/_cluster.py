@@ -535,7 +535,12 @@ class Cluster:
                     ms, _, n = self._inbox_last.partition("-")
                     self._keep_from = f"{ms}-{int(n or 0) + 1}"
             for name, items in events.items():
-                if items and items[0][0] > self._positions.get(name, 0) + 1:
+                first = items[0] if items else None
+                if (
+                    first is not None
+                    and first[1] != "gone"  # (the end marker's seq is above every seq)
+                    and first[0] > self._positions.get(name, 0) + 1
+                ):
                     await self._check_gap(name)
                 self._feed(name, items)
 
