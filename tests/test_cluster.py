@@ -878,8 +878,8 @@ async def race_to_wake(
             answers[index] = await workers[index].call("wake", name=name)
 
         async with trio.open_nursery() as nursery:
-            for index in range(processes):
-                nursery.start_soon(wake, index)
+            for k in range(processes):  # each round asks another process first
+                nursery.start_soon(wake, (round_ + k) % processes)
         assert all("error" not in answer for answer in answers), answers
         owners = [i for i, answer in enumerate(answers) if answer.get("live")]
         if len(owners) != 1:
