@@ -186,11 +186,18 @@ class LiveSession:
         )
 
     def copy_out(self) -> SessionState:
-        """The state to hand out: changing its metadata changes nothing here."""
+        """The state to hand out: changing its metadata, or a message's, changes nothing
+        here (most messages share the read-only empty metadata and are not copied)."""
         state = self.to_state()
+        changes: dict[str, Any] = {}
         if state.metadata:
-            state = attrs.evolve(state, metadata=copy.deepcopy(state.metadata))
-        return state
+            changes["metadata"] = copy.deepcopy(state.metadata)
+        if any(m.metadata for m in state.messages):
+            changes["messages"] = tuple(
+                attrs.evolve(m, metadata=copy.deepcopy(m.metadata)) if m.metadata else m
+                for m in state.messages
+            )
+        return attrs.evolve(state, **changes) if changes else state
 
     def info(self, status: Status | None = None) -> SessionInfo:
         return SessionInfo(

@@ -529,3 +529,15 @@ async def test_a_state_handed_out_cannot_change_the_session() -> None:
         (await reg.sessions())[0].metadata["tenant"] = "evil"
         assert (await ref.state()).metadata == {"tenant": "acme"}
         assert (await reg.sessions())[0].metadata == {"tenant": "acme"}
+
+
+async def test_a_history_handed_out_cannot_change_the_session() -> None:
+    """Changing the metadata of a message that ref.history() handed out changes nothing
+    in the session."""
+    async with sa.open_registry(agents={"a": sa.Agent(model=EchoModel())}) as reg:
+        ref = await reg.spawn("own", agent="a")
+        message = attrs.evolve(sa.Message.create(sa.Role.USER, "hi"), metadata={"k": [1]})
+        await ref.add_messages([message])
+        handed = (await ref.history())[-1].metadata
+        handed["k"].append(2)  # type: ignore[index]
+        assert (await ref.history())[-1].metadata == {"k": [1]}
