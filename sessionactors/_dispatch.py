@@ -26,7 +26,7 @@ from ._errors import (
 )
 from ._names import validate_name
 from ._pending import Pending
-from ._records import SessionState, Status, TurnOutcome
+from ._records import SessionState, Status, TurnOutcome, TurnStatus
 from ._ref import Turn, new_turn
 from ._requests import Call, Cancel, Delete, Hibernate, Reply, Stop
 from ._router import NOT_ROUTED, Router
@@ -411,20 +411,7 @@ async def _outcome_in(read: Awaitable[SessionState | None], turn_id: str) -> Any
     state = await read
     if state is None:
         return NOT_ROUTED
-    return LiveSession(state).outcome(turn_id, queued=_ANY_TURN)
-
-
-class _AnyTurn(frozenset[str]):
-    """Holds every turn id: the owner's mailbox as another worker must assume it."""
-
-    def __contains__(self, item: object) -> bool:
-        return True
-
-    def __bool__(self) -> bool:
-        return True
-
-
-_ANY_TURN: Final = _AnyTurn()
+    return LiveSession(state).outcome(turn_id, unrecorded=TurnStatus.QUEUED)
 
 
 async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:

@@ -330,12 +330,15 @@ class LiveSession:
         *,
         queued: Collection[str] | None = None,
         refused: Mapping[str, str] | None = None,
+        unrecorded: TurnStatus = TurnStatus.LOST,
     ) -> TurnOutcome:
         """What became of ``turn_id`` (the rules are in ``_turns``).
 
         ``queued``: the ids of the turns in the live actor's mailbox (None when the
         session is not live here); ``refused``: the turns it refused before they
-        started, with the error.
+        started, with the error; ``unrecorded``: the status of an id of this
+        session that is none of these nor recorded (read from another worker,
+        which cannot see the owner's mailbox: queued).
         """
         sid = self.session_id
         record = self.turns.get(turn_id)
@@ -358,7 +361,7 @@ class LiveSession:
                 "reply.turn_id or turn.id of this session",
                 session_id=sid,
             )
-        status = TurnStatus.LOST
+        status = unrecorded
         error = None
         open_turn = self.open_turn
         if open_turn is not None and open_turn.turn_id == turn_id:
