@@ -62,7 +62,12 @@ import trio
 from coredis.commands import Script
 
 from .._codec import MAX_SEQ
-from .._errors import StoreConfigurationError, StoreError, StoreNotDurableError
+from .._errors import (
+    StoreConfigurationError,
+    StoreError,
+    StoreNotDurableError,
+    StoreNotReplicatedError,
+)
 from .._listing import after_not_found, info_activity
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
@@ -503,10 +508,22 @@ class RedisStore:
     (``decode_responses=False``) to use instead of ``url``, checked on the first
     call: its owner keeps it open and closes it, not :meth:`aclose`.
 
+    ``replicas`` (or ``?replicas=`` in the URL; default 0: no wait) is the number of
+    replicas every write this store acknowledges must reach: creates, journal
+    appends, snapshots and deletes each wait (``WAIT``) until that many replicas
+    confirm them, for at most ``replica_timeout`` seconds (or ``?replica_timeout=``;
+    default 1). Fewer in time raise
+    :class:`~sessionactors.StoreNotReplicatedError`: the primary ran the write and
+    keeps it, but it is lost if the primary fails before a replica has it, so treat
+    its outcome as unsure. A replica confirms what it received, not what it wrote
+    to its disk: run the replicas durable too. Leases and the listing order are not
+    waited for (fencing does not rest on them surviving).
+
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or
     unreachable) raises :class:`~sessionactors.StoreError`, as a refused
-    connection does. Blocking reads wait that long on top of their own wait.
+    connection does. Blocking reads wait that long on top of their own wait, and
+    writes that wait for replicas ``replica_timeout`` on top.
     Errors a retry cannot fix (a permission the user lacks, a disabled command,
     ``CROSSSLOT``) raise :class:`~sessionactors.StoreConfigurationError`.
 
@@ -521,6 +538,8 @@ class RedisStore:
     persistence: str | None = attrs.field(default=None, kw_only=True)
     _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
+    replicas: int | None = attrs.field(default=None, kw_only=True)
+    replica_timeout: float | None = attrs.field(default=None, kw_only=True)
     _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
     _client_checked: bool = attrs.field(default=False, init=False)
@@ -529,8 +548,10 @@ class RedisStore:
 
     def __attrs_post_init__(self) -> None:
         url = "redis://" if self._client is not None else self.url
-        self._target = Target.parse(url, self.persistence)
+        self._target = Target.parse(url, self.persistence, self.replicas, self.replica_timeout)
         self.persistence = self._target.persistence
+        self.replicas = self._target.replicas
+        self.replica_timeout = self._target.replica_timeout
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
@@ -550,7 +571,8 @@ class RedisStore:
 
     def __repr__(self) -> str:
         where = "client" if self._client is not None else repr(redact(self.url))
-        return f"RedisStore({where}, prefix={self.prefix!r})"
+        waits = f", replicas={self.replicas}" if self.replicas else ""
+        return f"RedisStore({where}, prefix={self.prefix!r}{waits})"
 
     # -- many workers ----------------------------------------------------------------
 
@@ -640,6 +662,17 @@ class RedisStore:
                 return await call(client)
             except StoreNotDurableError:
                 raise
+            except coredis.exceptions.ReplicationError as exc:
+                raise StoreNotReplicatedError(
+                    f"redis at {redact(self.url)} ran the write to {doing} {where}, but "
+                    f"fewer than {self.replicas} replica(s) confirmed it within "
+                    f"{self.replica_timeout:g} s (RedisStore(replicas=..., "
+                    "replica_timeout=...)): it is kept on the primary, and lost if the "
+                    "primary fails before a replica has it. Read the session before "
+                    "writing it again, and check that the replicas are connected and "
+                    "keeping up (INFO replication on the primary)",
+                    session_id=session_id,
+                ) from exc
             except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
                 if _configuration_problem(exc):
                     raise StoreConfigurationError(
@@ -669,18 +702,38 @@ class RedisStore:
             session_id=session_id,
         )
 
+    async def _write(
+        self,
+        doing: str,
+        session_id: str,
+        script: Script[bytes],
+        keys: Sequence[str],
+        args: Sequence[str | bytes],
+    ) -> Any:
+        """Run a write ``script`` that the caller hears of as done: with ``replicas``,
+        its reply waits until that many replicas confirm it (``WAIT``, on the
+        connection that wrote), or raises ``StoreNotReplicatedError``."""
+        replicas = self._target.replicas
+        if not replicas:
+            return await self._run(doing, session_id, lambda c: script(keys, args, client=c))
+        wait_ms = max(1, math.ceil(self._target.replica_timeout * 1000))
+
+        async def run(client: Client) -> Any:
+            with client.ensure_replication(replicas, wait_ms):
+                return await script(keys, args, client=client)
+
+        return await self._run(doing, session_id, run, block=self._target.replica_timeout)
+
     # -- the Store protocol --------------------------------------------------------
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         meta, info_key, log, _lease, _shard = self._keys(session_id)
-        created: Any = await self._run(
+        created: Any = await self._write(
             "create",
             session_id,
-            lambda c: _CREATE(
-                [meta, info_key, log, self._index_key(session_id)],
-                [snapshot, info, _encode_name(session_id)],
-                client=c,
-            ),
+            _CREATE,
+            [meta, info_key, log, self._index_key(session_id)],
+            [snapshot, info, _encode_name(session_id)],
         )
         if not created:
             raise _exists_error(session_id)
@@ -714,10 +767,8 @@ class RedisStore:
         for entry in entries:
             args += [str(entry.seq), entry.data]
         try:
-            reply: Any = await self._run(
-                "append to",
-                session_id,
-                lambda c: _APPEND(list(self._keys(session_id)), args, client=c),
+            reply: Any = await self._write(
+                "append to", session_id, _APPEND, self._keys(session_id), args
             )
         except StoreError:
             if held is not None and entries:  # it may have been written: both are fine
@@ -754,10 +805,8 @@ class RedisStore:
             f"{trim_upto + 1}-0",
             *_position_args(self._holder(session_id, fence)),
         ]
-        reply: Any = await self._run(
-            "write a snapshot of",
-            session_id,
-            lambda c: _WRITE_SNAPSHOT(list(self._keys(session_id)), args, client=c),
+        reply: Any = await self._write(
+            "write a snapshot of", session_id, _WRITE_SNAPSHOT, self._keys(session_id), args
         )
         if int(reply[0]) == _OLDER_SNAPSHOT:
             _check_snapshot_seqs(session_id, seq, trim_upto, int(reply[1]))  # raises
@@ -882,8 +931,8 @@ class RedisStore:
 
     async def delete(self, session_id: str) -> bool:
         keys = [*self._keys(session_id), self._index_key(session_id)]
-        existed: Any = await self._run(
-            "delete", session_id, lambda c: _DELETE(keys, [_encode_name(session_id)], client=c)
+        existed: Any = await self._write(
+            "delete", session_id, _DELETE, keys, [_encode_name(session_id)]
         )
         await self._index_activity(session_id, None)
         return bool(existed)
