@@ -82,7 +82,15 @@ from ._memory import (
     _not_found_error,
     _stored_corrupt,
 )
-from ._redis_connect import Client, Target, check_persistence, open_client, redact
+from ._redis_connect import (
+    USE_CLUSTER_URL,
+    Client,
+    Target,
+    check_deployment,
+    check_persistence,
+    open_client,
+    redact,
+)
 
 __all__ = ["RedisStore"]
 
@@ -308,19 +316,41 @@ _CONFIGURATION_ERRORS: Final = (
     coredis.exceptions.ClusterCrossSlotError,
     coredis.exceptions.UnknownCommandError,
 )
-_CONFIGURATION_CODES: Final = ("NOPERM", "CROSSSLOT", "NOAUTH", "WRONGPASS", "ERR unknown command")
+# (lower case; coredis drops the error code of some replies, and a command refused
+# inside a script comes back as the script's error, worded by the server)
+_CONFIGURATION_CODES: Final = (
+    "noperm",
+    "no permissions",
+    "can't run this command",
+    "can't access",
+    "crossslot",
+    "noauth",
+    "wrongpass",
+    "unknown command",
+)
 
 #: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
 DEFAULT_TIMEOUT: Final = 5.0
 
 
-def _configuration_problem(exc: BaseException) -> bool:
-    if isinstance(exc, _CONFIGURATION_ERRORS):
-        return True
+def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
+    """What to do about ``exc`` if no retry can fix it (None: a retry may)."""
+    if isinstance(exc, coredis.exceptions.AskError) and not isinstance(
+        client, coredis.RedisCluster
+    ):
+        # MOVED or ASK: a client for one server reached a cluster node
+        return f"the server is a node of a Redis Cluster: {USE_CLUSTER_URL}"
     # an error raised by a command inside a script comes back as the script's error
-    return isinstance(exc, coredis.exceptions.ResponseError) and any(
-        code in str(exc) for code in _CONFIGURATION_CODES
-    )
+    if isinstance(exc, _CONFIGURATION_ERRORS) or (
+        isinstance(exc, coredis.exceptions.ResponseError)
+        and any(code in str(exc).lower() for code in _CONFIGURATION_CODES)
+    ):
+        return (
+            "grant the store's redis user the commands and keys under its prefix "
+            "(scripts, streams, blocking reads), and on a cluster keep one session's "
+            "keys in one slot"
+        )
+    return None
 
 
 def _encode_name(session_id: str) -> str:
@@ -465,8 +495,9 @@ async def _own_client(conn: _Connection, target: Target) -> None:
     try:
         async with open_client(target) as client:
             try:
+                await check_deployment(client, target, redact(target.url))
                 await check_persistence(client, target, redact(target.url))
-            except StoreNotDurableError as exc:
+            except (StoreNotDurableError, StoreConfigurationError) as exc:
                 conn.error = exc  # raised as it is to every waiting call
                 return
             conn.client = client
@@ -524,8 +555,11 @@ class RedisStore:
     unreachable) raises :class:`~sessionactors.StoreError`, as a refused
     connection does. Blocking reads wait that long on top of their own wait, and
     writes that wait for replicas ``replica_timeout`` on top.
-    Errors a retry cannot fix (a permission the user lacks, a disabled command,
-    ``CROSSSLOT``) raise :class:`~sessionactors.StoreConfigurationError`.
+    Errors a retry cannot fix (a permission the user lacks, scripting or blocking
+    commands disabled for it or on the server, ``CROSSSLOT``, a ``redis://`` URL
+    that reaches a node of a Redis Cluster) raise
+    :class:`~sessionactors.StoreConfigurationError`, which says what to change; a
+    multi-worker registry that meets one fails with it rather than retry.
 
     Needs the ``redis`` extra (coredis).
     """
@@ -628,6 +662,7 @@ class RedisStore:
     async def _connected(self) -> tuple[Client, _Connection | None]:
         if self._client is not None:
             if not self._client_checked:
+                await check_deployment(self._client, self._target, "the given client")
                 await check_persistence(self._client, self._target, "the given client")
                 self._client_checked = True
             await trio.lowlevel.checkpoint()
@@ -638,7 +673,7 @@ class RedisStore:
             conn = self._conn = _Connection(token)
             trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
         await conn.ready.wait()
-        if isinstance(conn.error, StoreNotDurableError):
+        if isinstance(conn.error, StoreNotDurableError | StoreConfigurationError):
             raise conn.error
         if conn.client is None:
             raise _Unavailable(str(conn.error)) from conn.error
@@ -656,11 +691,12 @@ class RedisStore:
         its errors translated to ``StoreError``."""
         where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
+        client: Client | None = None
         with trio.move_on_after(self.timeout + block):
             try:
                 client, conn = await self._connected()
                 return await call(client)
-            except StoreNotDurableError:
+            except (StoreNotDurableError, StoreConfigurationError):
                 raise
             except coredis.exceptions.ReplicationError as exc:
                 raise StoreNotReplicatedError(
@@ -674,12 +710,11 @@ class RedisStore:
                     session_id=session_id,
                 ) from exc
             except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
-                if _configuration_problem(exc):
+                fix = _configuration_problem(exc, client)
+                if fix is not None:
                     raise StoreConfigurationError(
                         f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
-                        "a retry cannot fix this: grant the store's redis user the commands "
-                        "and keys under its prefix (scripts, streams, blocking reads), and on "
-                        "a cluster keep one session's keys in one slot",
+                        f"a retry cannot fix this: {fix}",
                         session_id=session_id,
                     ) from exc
                 raise StoreError(

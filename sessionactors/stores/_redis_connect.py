@@ -29,7 +29,7 @@ import coredis.exceptions
 from coredis.connection import TCPLocation
 from coredis.retry import ConstantRetryPolicy, NoRetryPolicy
 
-from .._errors import StoreNotDurableError
+from .._errors import StoreConfigurationError, StoreNotDurableError
 
 __all__ = [
     "DEFAULT_REPLICA_TIMEOUT",
@@ -37,6 +37,7 @@ __all__ = [
     "Client",
     "Persistence",
     "Target",
+    "check_deployment",
     "check_persistence",
     "open_client",
 ]
@@ -256,6 +257,31 @@ async def open_client(target: Target) -> AsyncIterator[Client]:
             sentinel.primary_for(target.service, db=target.db) as primary,
         ):
             yield primary
+
+
+#: What to do when a plain url reaches a Redis Cluster node.
+USE_CLUSTER_URL: Final = (
+    "connect with a redis+cluster://host:port url (rediss+cluster:// with TLS), "
+    "listing one or more of the cluster's nodes"
+)
+
+
+async def check_deployment(client: Client, target: Target, where: str) -> None:
+    """Raise ``StoreConfigurationError`` if a client for one server reached a node of a
+    Redis Cluster (it would reach only the slots that node serves)."""
+    if isinstance(client, coredis.RedisCluster):
+        return
+    try:
+        info: Any = await client.info("cluster")
+    except coredis.exceptions.ResponseError:
+        return  # INFO is not allowed: a MOVED reply says so later (see RedisStore._run)
+    if str(info.get("cluster_enabled", "0")) == "1":
+        scheme = urlsplit(target.url).scheme
+        raise StoreConfigurationError(
+            f"redis at {where} is a node of a Redis Cluster, which a {scheme}:// url "
+            "cannot use (a session's keys live on the master that serves their slot); "
+            f"a retry cannot fix this: {USE_CLUSTER_URL}"
+        )
 
 
 def _problem(appendonly: bytes | None, fsync: bytes | None, wanted: Persistence) -> str | None:
