@@ -29,8 +29,9 @@ session's release; a dead worker's shards are free once their leases expire.
 
 ``{g<g>}`` is a Redis Cluster hash tag: every key a script touches shares its
 session's group, so it sits in one hash slot, and the groups spread the
-sessions over the cluster's masters (the activity index is one key, written
-by single-key commands after each script). Every write is one Lua script, so
+sessions over the cluster's masters (the activity index is one key: on one
+server the write scripts update it in the same step, on a cluster single-key
+commands after each script do). Every write is one Lua script, so
 it is atomic and, when it carries a fencing token, checks that token in the
 same step, with the lease's owner and the journal's last seq as the writer
 last saw them (a lease claimed through this store object): a stale owner's
@@ -136,7 +137,17 @@ end
 """
 
 
-# KEYS: meta, info, log, index.  ARGV: snapshot, info, encoded name.
+# A write that succeeds also puts the session in the listing order in the same step
+# when the store gets the activity index as its last key (one server: no slots to
+# keep apart); on a cluster that index sits in another slot and is written after.
+def _list_in_script(key: int, member: int, score: int) -> str:
+    return f"""
+if KEYS[{key}] then redis.call('ZADD', KEYS[{key}], ARGV[{score}], ARGV[{member}]) end
+"""
+
+
+# KEYS: meta, info, log, index[, activity].
+# ARGV: snapshot, info, encoded name, listing member, its score.
 _CREATE: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -144,35 +155,42 @@ redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[1], 'snap', ARGV[1], 'seq', '0', 'last', '0', 'trimmed', '0')
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[3])
+"""
+    + _list_in_script(5, 4, 5)
+    + """
 return 1
 """
 )
 
-# KEYS: meta, info, log, lease, shard.
-# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), then seq, data pairs.
+# KEYS: meta, info, log, lease, shard[, activity].
+# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), listing member,
+# its score, then seq, data pairs.
 _APPEND: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
     + _check_fence(3)
     + """
-if #ARGV >= 6 then
+if #ARGV >= 8 then
   local m = redis.call('HMGET', KEYS[1], 'last', 'seq')
   local floor = math.max(tonumber(m[1]), tonumber(m[2]))
-  if tonumber(ARGV[6]) <= floor then return {3, floor} end
-  for i = 6, #ARGV, 2 do
+  if tonumber(ARGV[8]) <= floor then return {3, floor} end
+  for i = 8, #ARGV, 2 do
     redis.call('XADD', KEYS[3], ARGV[i] .. '-0', 'd', ARGV[i + 1])
   end
   redis.call('HSET', KEYS[1], 'last', ARGV[#ARGV - 1])
 end
 redis.call('SET', KEYS[2], ARGV[2])
+"""
+    + _list_in_script(6, 6, 7)
+    + """
 return {0}
 """
 )
 
-# KEYS: meta, info, log, lease, shard.
+# KEYS: meta, info, log, lease, shard[, activity].
 # ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0'),
-# owner or '', last seq expected or '' (twice).
+# owner or '', last seq expected or '' (twice), listing member, its score.
 _WRITE_SNAPSHOT: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
@@ -187,6 +205,9 @@ if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'trimmed')) then
   redis.call('HSET', KEYS[1], 'trimmed', ARGV[5])
 end
 redis.call('SET', KEYS[2], ARGV[2])
+"""
+    + _list_in_script(6, 10, 11)
+    + """
 return {0}
 """
 )
@@ -212,7 +233,8 @@ return {t, redis.call('XRANGE', KEYS[2], ARGV[1], '+')}
 """
 )
 
-# KEYS: meta, info, log, lease, shard, index.  ARGV: encoded name.
+# KEYS: meta, info, log, lease, shard, index[, activity].  ARGV: encoded name, listing
+# member.
 _DELETE: Final = Script[bytes](
     script="""
 local existed = redis.call('EXISTS', KEYS[1])
@@ -223,6 +245,7 @@ if lease[1] and lease[1] == shard[1] and lease[2] == shard[2] then
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
 redis.call('SREM', KEYS[6], ARGV[1])
+if KEYS[7] then redis.call('ZREM', KEYS[7], ARGV[2]) end
 return existed
 """
 )
@@ -381,6 +404,12 @@ def _pipeline(client: Client) -> Any:
 def _ttl_ms(ttl: float) -> str:
     _check_ttl(ttl)
     return str(max(1, math.ceil(ttl * 1000)))
+
+
+def _listing(session_id: str, info: bytes | None) -> list[str]:
+    """The session's member in the listing order (the UTF-8 bytes of its name in hex,
+    which sort as the names do) and its score, the activity time of ``info``."""
+    return [session_id.encode().hex(), "" if info is None else str(info_activity(info))]
 
 
 def _fence_arg(fence: int | None) -> str:
@@ -767,8 +796,8 @@ class RedisStore:
             "create",
             session_id,
             _CREATE,
-            [meta, info_key, log, self._index_key(session_id)],
-            [snapshot, info, _encode_name(session_id)],
+            [meta, info_key, log, self._index_key(session_id), *self._listing_key()],
+            [snapshot, info, _encode_name(session_id), *_listing(session_id, info)],
         )
         if not created:
             raise _exists_error(session_id)
@@ -798,13 +827,17 @@ class RedisStore:
         # The order within the batch is checked here; the script checks it against the store.
         _check_max_seq(session_id, _check_entries(session_id, entries, 0))
         held = self._holder(session_id, fence)
-        args: list[str | bytes] = [_fence_arg(fence), info, *_position_args(held)]
+        args: list[str | bytes] = [
+            _fence_arg(fence),
+            info,
+            *_position_args(held),
+            *_listing(session_id, info),
+        ]
         for entry in entries:
             args += [str(entry.seq), entry.data]
         try:
-            reply: Any = await self._write(
-                "append to", session_id, _APPEND, self._keys(session_id), args
-            )
+            keys = [*self._keys(session_id), *self._listing_key()]
+            reply: Any = await self._write("append to", session_id, _APPEND, keys, args)
         except StoreError:
             if held is not None and entries:  # it may have been written: both are fine
                 held.unsure = str(entries[-1].seq)
@@ -839,9 +872,11 @@ class RedisStore:
             str(trim_upto),
             f"{trim_upto + 1}-0",
             *_position_args(self._holder(session_id, fence)),
+            *_listing(session_id, info),
         ]
+        keys = [*self._keys(session_id), *self._listing_key()]
         reply: Any = await self._write(
-            "write a snapshot of", session_id, _WRITE_SNAPSHOT, self._keys(session_id), args
+            "write a snapshot of", session_id, _WRITE_SNAPSHOT, keys, args
         )
         if int(reply[0]) == _OLDER_SNAPSHOT:
             _check_snapshot_seqs(session_id, seq, trim_upto, int(reply[1]))  # raises
@@ -892,22 +927,35 @@ class RedisStore:
     def _activity_key(self) -> str:
         return f"{self.prefix}:activity"
 
+    def _listing_key(self) -> list[str]:
+        """The listing order's key, for a write script to list its session in the same
+        step (one server), or none (a cluster: it sits in a slot of its own)."""
+        return [] if self._on_cluster else [self._activity_key]
+
+    @property
+    def _on_cluster(self) -> bool:
+        return self._target.cluster or isinstance(self._client, coredis.RedisCluster)
+
     async def _index_activity(self, session_id: str, info: bytes | None) -> None:
-        """Put the session in the listing order after a write of its ``info`` (take
-        it out after a delete: ``None``).
+        """On a cluster, put the session in the listing order after a write of its
+        ``info`` (take it out after a delete: ``None``); on one server the write's
+        script did (see ``_listing_key``).
 
         A command of its own after the write, not a step of it: a process that dies
         in between leaves the order a step behind, which ``list_page`` mends (a
         member without info is skipped and removed, a session without a member is
         added), and the session's next write puts right.
         """
-        member = session_id.encode().hex()
+        if not self._on_cluster:
+            await trio.lowlevel.checkpoint()
+            return
+        member, score = _listing(session_id, info)
         key = self._activity_key
         if info is None:
             await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
         else:
-            score: dict[str | bytes, int | float] = {member: info_activity(info)}
-            await self._run("list", session_id, lambda c: c.zadd(key, score))
+            scores: dict[str | bytes, int | float] = {member: int(score)}
+            await self._run("list", session_id, lambda c: c.zadd(key, scores))
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         key = self._activity_key
@@ -965,10 +1013,9 @@ class RedisStore:
         return bool(count)
 
     async def delete(self, session_id: str) -> bool:
-        keys = [*self._keys(session_id), self._index_key(session_id)]
-        existed: Any = await self._write(
-            "delete", session_id, _DELETE, keys, [_encode_name(session_id)]
-        )
+        keys = [*self._keys(session_id), self._index_key(session_id), *self._listing_key()]
+        args = [_encode_name(session_id), _listing(session_id, None)[0]]
+        existed: Any = await self._write("delete", session_id, _DELETE, keys, args)
         await self._index_activity(session_id, None)
         return bool(existed)
 
