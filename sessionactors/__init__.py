@@ -30,6 +30,7 @@ from ._errors import SnapshotVersionError as SnapshotVersionError
 from ._errors import StoreConfigurationError as StoreConfigurationError
 from ._errors import StoreError as StoreError
 from ._errors import StoreNotDurableError as StoreNotDurableError
+from ._errors import StoreNotReplicatedError as StoreNotReplicatedError
 from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
@@ -142,6 +143,7 @@ __all__ = [
     "StoreConfigurationError",
     "StoreError",
     "StoreNotDurableError",
+    "StoreNotReplicatedError",
     "SubscriberLaggedError",
     "Telemetry",
     "TextChunk",

@@ -31,6 +31,7 @@ __all__ = [
     "StoreConfigurationError",
     "StoreError",
     "StoreNotDurableError",
+    "StoreNotReplicatedError",
     "SubscriberLaggedError",
     "TurnCancelledError",
     "TurnFailedError",
@@ -151,6 +152,21 @@ class StoreNotDurableError(StoreError):
     message says what the server runs with and how to fix it; a store for
     tests or caches can opt out explicitly (``RedisStore(url,
     persistence="volatile")``).
+    """
+
+
+class StoreNotReplicatedError(StoreError, TimeoutError):
+    """Fewer replicas than the store demands (``RedisStore(url, replicas=N)``) confirmed
+    a write within their time (``replica_timeout``).
+
+    The primary ran the write: it is not undone, later reads there see it, and it
+    reaches the replicas once they catch up; but it can be lost if the primary
+    fails before a replica has it. Take it as a write whose outcome is unsure: read
+    the session before writing it again (a turn retried with the same
+    ``idempotency_key`` runs once), and check the replicas (``INFO replication``
+    on the primary). Through a registry, the turn's caller gets
+    :class:`SessionCrashedError` with this error as its ``__cause__``, and the
+    session restarts from what the primary holds.
     """
 
 

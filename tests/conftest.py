@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -72,3 +73,11 @@ def private_redis_server() -> Callable[..., AbstractContextManager[str]]:
     """``private_redis_server(port=None)``: a context manager running a throwaway redis-server."""
     start: Callable[..., AbstractContextManager[str]] = _load_redis_server().private_redis_server
     return start
+
+
+@pytest.fixture(scope="session")
+def redis_replicated() -> Iterator[Any]:
+    """A durable primary with one durable replica for this test session: ``.url``,
+    ``.replica_urls``, ``.replica_pids`` (``tests/redis_server.py``'s ``Replicated``)."""
+    with _load_redis_server().private_redis_replicated() as replicated:
+        yield replicated

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -33,8 +34,10 @@ __all__ = [
     "REQUIRE_ENV",
     "SENTINEL_URL_ENV",
     "URL_ENV",
+    "Replicated",
     "ping",
     "private_redis_cluster",
+    "private_redis_replicated",
     "private_redis_sentinel",
     "private_redis_server",
     "redis_cluster",
@@ -122,8 +125,9 @@ def _wait_until(ready: object, process: subprocess.Popen[bytes], log: Path, what
 @contextlib.contextmanager
 def _server(
     stack: contextlib.ExitStack, tmp: Path, port: int, args: Sequence[str], what: str
-) -> Iterator[None]:
-    """Run ``redis-server`` with ``args`` on ``port`` in its own directory under ``tmp``."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``redis-server`` with ``args`` on ``port`` in its own directory under ``tmp``;
+    yield its process."""
     folder = tmp / str(port)
     folder.mkdir(exist_ok=True)  # (a restart on the same port finds its files again)
     log_path = folder / "redis.log"
@@ -137,7 +141,7 @@ def _server(
         )  # fmt: skip
     stack.callback(_stop, process)
     _wait_until(lambda: ping("127.0.0.1", port), process, log_path, what)
-    yield
+    yield process
 
 
 @contextlib.contextmanager
@@ -195,6 +199,46 @@ def private_redis_cluster(masters: int = 3) -> Iterator[str]:
                 pytest.fail("the private redis cluster did not reach cluster_state:ok")
             time.sleep(0.05)
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """A primary and its replicas, started by :func:`private_redis_replicated`."""
+
+    url: str  #: the primary's ``redis://`` URL
+    replica_urls: tuple[str, ...]
+    replica_pids: tuple[int, ...]  #: to freeze a replica (SIGSTOP) and thaw it (SIGCONT)
+
+
+@contextlib.contextmanager
+def private_redis_replicated(replicas: int = 1) -> Iterator[Replicated]:
+    """Start a throwaway durable primary and ``replicas`` durable replicas of it on
+    127.0.0.1; yield them once every replica is in sync, then stop them all."""
+    with (
+        tempfile.TemporaryDirectory(prefix="sessionactors-replicated-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        primary = _free_port()
+        stack.enter_context(_server(stack, Path(tmp), primary, DURABLE, "the primary"))
+        ports: list[int] = []
+        pids: list[int] = []
+        for _ in range(replicas):
+            port = _free_port()
+            args = [*DURABLE, "--replicaof", "127.0.0.1", str(primary)]
+            pids.append(stack.enter_context(_server(stack, Path(tmp), port, args, "a replica")).pid)
+            ports.append(port)
+        deadline = time.monotonic() + _START_TIMEOUT
+        while not all(
+            b"master_link_status:up" in _command(port, "INFO", "replication") for port in ports
+        ):
+            if time.monotonic() > deadline:
+                pytest.fail("the private replicas did not reach master_link_status:up")
+            time.sleep(0.05)
+        yield Replicated(
+            url=f"redis://127.0.0.1:{primary}/0",
+            replica_urls=tuple(f"redis://127.0.0.1:{port}/0" for port in ports),
+            replica_pids=tuple(pids),
+        )
 
 
 @contextlib.contextmanager

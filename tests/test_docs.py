@@ -185,6 +185,7 @@ EXPECTED = {
         "demands persistence='always'",
         "RedisStore('redis+cluster://10.0.0.1:7000,10.0.0.2:7000'",
         "everysec\nvolatile\n",
+        "waits for 1 replica(s), 0.5 s at most\n2\n",
         "refused: redis url 'redis+sentinel://10.0.0.5:26379' names no service",
     ],
     "howto_openai.py": [

@@ -22,6 +22,12 @@ async def main() -> None:
     # ... or opt out for a test or a cache, in the code or in the URL.
     print(RedisStore("redis://127.0.0.1:6379/15?persistence=volatile").persistence)
 
+    # Every acknowledged write waits until one replica has it (at most half a second,
+    # else StoreNotReplicatedError), in the code or in the URL.
+    store = RedisStore("redis+sentinel://10.0.0.5:26379/sessions", replicas=1, replica_timeout=0.5)
+    print(f"waits for {store.replicas} replica(s), {store.replica_timeout} s at most")
+    print(RedisStore("redis://127.0.0.1:6379/0?replicas=2").replicas)
+
     try:
         RedisStore("redis+sentinel://10.0.0.5:26379")
     except ValueError as exc:

@@ -29,8 +29,9 @@ session's release; a dead worker's shards are free once their leases expire.
 
 ``{g<g>}`` is a Redis Cluster hash tag: every key a script touches shares its
 session's group, so it sits in one hash slot, and the groups spread the
-sessions over the cluster's masters (the activity index is one key, written
-by single-key commands after each script). Every write is one Lua script, so
+sessions over the cluster's masters (the activity index is one key: on one
+server the write scripts update it in the same step, on a cluster single-key
+commands after each script do). Every write is one Lua script, so
 it is atomic and, when it carries a fencing token, checks that token in the
 same step, with the lease's owner and the journal's last seq as the writer
 last saw them (a lease claimed through this store object): a stale owner's
@@ -62,7 +63,12 @@ import trio
 from coredis.commands import Script
 
 from .._codec import MAX_SEQ
-from .._errors import StoreConfigurationError, StoreError, StoreNotDurableError
+from .._errors import (
+    StoreConfigurationError,
+    StoreError,
+    StoreNotDurableError,
+    StoreNotReplicatedError,
+)
 from .._listing import after_not_found, info_activity
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
@@ -77,7 +83,15 @@ from ._memory import (
     _not_found_error,
     _stored_corrupt,
 )
-from ._redis_connect import Client, Target, check_persistence, open_client, redact
+from ._redis_connect import (
+    USE_CLUSTER_URL,
+    Client,
+    Target,
+    check_deployment,
+    check_persistence,
+    open_client,
+    redact,
+)
 
 __all__ = ["RedisStore"]
 
@@ -123,7 +137,17 @@ end
 """
 
 
-# KEYS: meta, info, log, index.  ARGV: snapshot, info, encoded name.
+# A write that succeeds also puts the session in the listing order in the same step
+# when the store gets the activity index as its last key (one server: no slots to
+# keep apart); on a cluster that index sits in another slot and is written after.
+def _list_in_script(key: int, member: int, score: int) -> str:
+    return f"""
+if KEYS[{key}] then redis.call('ZADD', KEYS[{key}], ARGV[{score}], ARGV[{member}]) end
+"""
+
+
+# KEYS: meta, info, log, index[, activity].
+# ARGV: snapshot, info, encoded name, listing member, its score.
 _CREATE: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -131,35 +155,42 @@ redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[1], 'snap', ARGV[1], 'seq', '0', 'last', '0', 'trimmed', '0')
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[3])
+"""
+    + _list_in_script(5, 4, 5)
+    + """
 return 1
 """
 )
 
-# KEYS: meta, info, log, lease, shard.
-# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), then seq, data pairs.
+# KEYS: meta, info, log, lease, shard[, activity].
+# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), listing member,
+# its score, then seq, data pairs.
 _APPEND: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
     + _check_fence(3)
     + """
-if #ARGV >= 6 then
+if #ARGV >= 8 then
   local m = redis.call('HMGET', KEYS[1], 'last', 'seq')
   local floor = math.max(tonumber(m[1]), tonumber(m[2]))
-  if tonumber(ARGV[6]) <= floor then return {3, floor} end
-  for i = 6, #ARGV, 2 do
+  if tonumber(ARGV[8]) <= floor then return {3, floor} end
+  for i = 8, #ARGV, 2 do
     redis.call('XADD', KEYS[3], ARGV[i] .. '-0', 'd', ARGV[i + 1])
   end
   redis.call('HSET', KEYS[1], 'last', ARGV[#ARGV - 1])
 end
 redis.call('SET', KEYS[2], ARGV[2])
+"""
+    + _list_in_script(6, 6, 7)
+    + """
 return {0}
 """
 )
 
-# KEYS: meta, info, log, lease, shard.
+# KEYS: meta, info, log, lease, shard[, activity].
 # ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0'),
-# owner or '', last seq expected or '' (twice).
+# owner or '', last seq expected or '' (twice), listing member, its score.
 _WRITE_SNAPSHOT: Final = Script[bytes](
     script="""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
@@ -174,6 +205,9 @@ if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'trimmed')) then
   redis.call('HSET', KEYS[1], 'trimmed', ARGV[5])
 end
 redis.call('SET', KEYS[2], ARGV[2])
+"""
+    + _list_in_script(6, 10, 11)
+    + """
 return {0}
 """
 )
@@ -199,7 +233,8 @@ return {t, redis.call('XRANGE', KEYS[2], ARGV[1], '+')}
 """
 )
 
-# KEYS: meta, info, log, lease, shard, index.  ARGV: encoded name.
+# KEYS: meta, info, log, lease, shard, index[, activity].  ARGV: encoded name, listing
+# member.
 _DELETE: Final = Script[bytes](
     script="""
 local existed = redis.call('EXISTS', KEYS[1])
@@ -210,6 +245,7 @@ if lease[1] and lease[1] == shard[1] and lease[2] == shard[2] then
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
 redis.call('SREM', KEYS[6], ARGV[1])
+if KEYS[7] then redis.call('ZREM', KEYS[7], ARGV[2]) end
 return existed
 """
 )
@@ -303,19 +339,41 @@ _CONFIGURATION_ERRORS: Final = (
     coredis.exceptions.ClusterCrossSlotError,
     coredis.exceptions.UnknownCommandError,
 )
-_CONFIGURATION_CODES: Final = ("NOPERM", "CROSSSLOT", "NOAUTH", "WRONGPASS", "ERR unknown command")
+# (lower case; coredis drops the error code of some replies, and a command refused
+# inside a script comes back as the script's error, worded by the server)
+_CONFIGURATION_CODES: Final = (
+    "noperm",
+    "no permissions",
+    "can't run this command",
+    "can't access",
+    "crossslot",
+    "noauth",
+    "wrongpass",
+    "unknown command",
+)
 
 #: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
 DEFAULT_TIMEOUT: Final = 5.0
 
 
-def _configuration_problem(exc: BaseException) -> bool:
-    if isinstance(exc, _CONFIGURATION_ERRORS):
-        return True
+def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
+    """What to do about ``exc`` if no retry can fix it (None: a retry may)."""
+    if isinstance(exc, coredis.exceptions.AskError) and not isinstance(
+        client, coredis.RedisCluster
+    ):
+        # MOVED or ASK: a client for one server reached a cluster node
+        return f"the server is a node of a Redis Cluster: {USE_CLUSTER_URL}"
     # an error raised by a command inside a script comes back as the script's error
-    return isinstance(exc, coredis.exceptions.ResponseError) and any(
-        code in str(exc) for code in _CONFIGURATION_CODES
-    )
+    if isinstance(exc, _CONFIGURATION_ERRORS) or (
+        isinstance(exc, coredis.exceptions.ResponseError)
+        and any(code in str(exc).lower() for code in _CONFIGURATION_CODES)
+    ):
+        return (
+            "grant the store's redis user the commands and keys under its prefix "
+            "(scripts, streams, blocking reads), and on a cluster keep one session's "
+            "keys in one slot"
+        )
+    return None
 
 
 def _encode_name(session_id: str) -> str:
@@ -346,6 +404,12 @@ def _pipeline(client: Client) -> Any:
 def _ttl_ms(ttl: float) -> str:
     _check_ttl(ttl)
     return str(max(1, math.ceil(ttl * 1000)))
+
+
+def _listing(session_id: str, info: bytes | None) -> list[str]:
+    """The session's member in the listing order (the UTF-8 bytes of its name in hex,
+    which sort as the names do) and its score, the activity time of ``info``."""
+    return [session_id.encode().hex(), "" if info is None else str(info_activity(info))]
 
 
 def _fence_arg(fence: int | None) -> str:
@@ -460,8 +524,9 @@ async def _own_client(conn: _Connection, target: Target) -> None:
     try:
         async with open_client(target) as client:
             try:
+                await check_deployment(client, target, redact(target.url))
                 await check_persistence(client, target, redact(target.url))
-            except StoreNotDurableError as exc:
+            except (StoreNotDurableError, StoreConfigurationError) as exc:
                 conn.error = exc  # raised as it is to every waiting call
                 return
             conn.client = client
@@ -503,12 +568,27 @@ class RedisStore:
     (``decode_responses=False``) to use instead of ``url``, checked on the first
     call: its owner keeps it open and closes it, not :meth:`aclose`.
 
+    ``replicas`` (or ``?replicas=`` in the URL; default 0: no wait) is the number of
+    replicas every write this store acknowledges must reach: creates, journal
+    appends, snapshots and deletes each wait (``WAIT``) until that many replicas
+    confirm them, for at most ``replica_timeout`` seconds (or ``?replica_timeout=``;
+    default 1). Fewer in time raise
+    :class:`~sessionactors.StoreNotReplicatedError`: the primary ran the write and
+    keeps it, but it is lost if the primary fails before a replica has it, so treat
+    its outcome as unsure. A replica confirms what it received, not what it wrote
+    to its disk: run the replicas durable too. Leases and the listing order are not
+    waited for (fencing does not rest on them surviving).
+
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or
     unreachable) raises :class:`~sessionactors.StoreError`, as a refused
-    connection does. Blocking reads wait that long on top of their own wait.
-    Errors a retry cannot fix (a permission the user lacks, a disabled command,
-    ``CROSSSLOT``) raise :class:`~sessionactors.StoreConfigurationError`.
+    connection does. Blocking reads wait that long on top of their own wait, and
+    writes that wait for replicas ``replica_timeout`` on top.
+    Errors a retry cannot fix (a permission the user lacks, scripting or blocking
+    commands disabled for it or on the server, ``CROSSSLOT``, a ``redis://`` URL
+    that reaches a node of a Redis Cluster) raise
+    :class:`~sessionactors.StoreConfigurationError`, which says what to change; a
+    multi-worker registry that meets one fails with it rather than retry.
 
     Needs the ``redis`` extra (coredis).
     """
@@ -521,6 +601,8 @@ class RedisStore:
     persistence: str | None = attrs.field(default=None, kw_only=True)
     _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
+    replicas: int | None = attrs.field(default=None, kw_only=True)
+    replica_timeout: float | None = attrs.field(default=None, kw_only=True)
     _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
     _client_checked: bool = attrs.field(default=False, init=False)
@@ -529,8 +611,10 @@ class RedisStore:
 
     def __attrs_post_init__(self) -> None:
         url = "redis://" if self._client is not None else self.url
-        self._target = Target.parse(url, self.persistence)
+        self._target = Target.parse(url, self.persistence, self.replicas, self.replica_timeout)
         self.persistence = self._target.persistence
+        self.replicas = self._target.replicas
+        self.replica_timeout = self._target.replica_timeout
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
@@ -550,7 +634,8 @@ class RedisStore:
 
     def __repr__(self) -> str:
         where = "client" if self._client is not None else repr(redact(self.url))
-        return f"RedisStore({where}, prefix={self.prefix!r})"
+        waits = f", replicas={self.replicas}" if self.replicas else ""
+        return f"RedisStore({where}, prefix={self.prefix!r}{waits})"
 
     # -- many workers ----------------------------------------------------------------
 
@@ -606,6 +691,7 @@ class RedisStore:
     async def _connected(self) -> tuple[Client, _Connection | None]:
         if self._client is not None:
             if not self._client_checked:
+                await check_deployment(self._client, self._target, "the given client")
                 await check_persistence(self._client, self._target, "the given client")
                 self._client_checked = True
             await trio.lowlevel.checkpoint()
@@ -616,7 +702,7 @@ class RedisStore:
             conn = self._conn = _Connection(token)
             trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
         await conn.ready.wait()
-        if isinstance(conn.error, StoreNotDurableError):
+        if isinstance(conn.error, StoreNotDurableError | StoreConfigurationError):
             raise conn.error
         if conn.client is None:
             raise _Unavailable(str(conn.error)) from conn.error
@@ -634,19 +720,30 @@ class RedisStore:
         its errors translated to ``StoreError``."""
         where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
+        client: Client | None = None
         with trio.move_on_after(self.timeout + block):
             try:
                 client, conn = await self._connected()
                 return await call(client)
-            except StoreNotDurableError:
+            except (StoreNotDurableError, StoreConfigurationError):
                 raise
+            except coredis.exceptions.ReplicationError as exc:
+                raise StoreNotReplicatedError(
+                    f"redis at {redact(self.url)} ran the write to {doing} {where}, but "
+                    f"fewer than {self.replicas} replica(s) confirmed it within "
+                    f"{self.replica_timeout:g} s (RedisStore(replicas=..., "
+                    "replica_timeout=...)): it is kept on the primary, and lost if the "
+                    "primary fails before a replica has it. Read the session before "
+                    "writing it again, and check that the replicas are connected and "
+                    "keeping up (INFO replication on the primary)",
+                    session_id=session_id,
+                ) from exc
             except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
-                if _configuration_problem(exc):
+                fix = _configuration_problem(exc, client)
+                if fix is not None:
                     raise StoreConfigurationError(
                         f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
-                        "a retry cannot fix this: grant the store's redis user the commands "
-                        "and keys under its prefix (scripts, streams, blocking reads), and on "
-                        "a cluster keep one session's keys in one slot",
+                        f"a retry cannot fix this: {fix}",
                         session_id=session_id,
                     ) from exc
                 raise StoreError(
@@ -669,18 +766,38 @@ class RedisStore:
             session_id=session_id,
         )
 
+    async def _write(
+        self,
+        doing: str,
+        session_id: str,
+        script: Script[bytes],
+        keys: Sequence[str],
+        args: Sequence[str | bytes],
+    ) -> Any:
+        """Run a write ``script`` that the caller hears of as done: with ``replicas``,
+        its reply waits until that many replicas confirm it (``WAIT``, on the
+        connection that wrote), or raises ``StoreNotReplicatedError``."""
+        replicas = self._target.replicas
+        if not replicas:
+            return await self._run(doing, session_id, lambda c: script(keys, args, client=c))
+        wait_ms = max(1, math.ceil(self._target.replica_timeout * 1000))
+
+        async def run(client: Client) -> Any:
+            with client.ensure_replication(replicas, wait_ms):
+                return await script(keys, args, client=client)
+
+        return await self._run(doing, session_id, run, block=self._target.replica_timeout)
+
     # -- the Store protocol --------------------------------------------------------
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         meta, info_key, log, _lease, _shard = self._keys(session_id)
-        created: Any = await self._run(
+        created: Any = await self._write(
             "create",
             session_id,
-            lambda c: _CREATE(
-                [meta, info_key, log, self._index_key(session_id)],
-                [snapshot, info, _encode_name(session_id)],
-                client=c,
-            ),
+            _CREATE,
+            [meta, info_key, log, self._index_key(session_id), *self._listing_key()],
+            [snapshot, info, _encode_name(session_id), *_listing(session_id, info)],
         )
         if not created:
             raise _exists_error(session_id)
@@ -710,15 +827,17 @@ class RedisStore:
         # The order within the batch is checked here; the script checks it against the store.
         _check_max_seq(session_id, _check_entries(session_id, entries, 0))
         held = self._holder(session_id, fence)
-        args: list[str | bytes] = [_fence_arg(fence), info, *_position_args(held)]
+        args: list[str | bytes] = [
+            _fence_arg(fence),
+            info,
+            *_position_args(held),
+            *_listing(session_id, info),
+        ]
         for entry in entries:
             args += [str(entry.seq), entry.data]
         try:
-            reply: Any = await self._run(
-                "append to",
-                session_id,
-                lambda c: _APPEND(list(self._keys(session_id)), args, client=c),
-            )
+            keys = [*self._keys(session_id), *self._listing_key()]
+            reply: Any = await self._write("append to", session_id, _APPEND, keys, args)
         except StoreError:
             if held is not None and entries:  # it may have been written: both are fine
                 held.unsure = str(entries[-1].seq)
@@ -753,11 +872,11 @@ class RedisStore:
             str(trim_upto),
             f"{trim_upto + 1}-0",
             *_position_args(self._holder(session_id, fence)),
+            *_listing(session_id, info),
         ]
-        reply: Any = await self._run(
-            "write a snapshot of",
-            session_id,
-            lambda c: _WRITE_SNAPSHOT(list(self._keys(session_id)), args, client=c),
+        keys = [*self._keys(session_id), *self._listing_key()]
+        reply: Any = await self._write(
+            "write a snapshot of", session_id, _WRITE_SNAPSHOT, keys, args
         )
         if int(reply[0]) == _OLDER_SNAPSHOT:
             _check_snapshot_seqs(session_id, seq, trim_upto, int(reply[1]))  # raises
@@ -808,22 +927,35 @@ class RedisStore:
     def _activity_key(self) -> str:
         return f"{self.prefix}:activity"
 
+    def _listing_key(self) -> list[str]:
+        """The listing order's key, for a write script to list its session in the same
+        step (one server), or none (a cluster: it sits in a slot of its own)."""
+        return [] if self._on_cluster else [self._activity_key]
+
+    @property
+    def _on_cluster(self) -> bool:
+        return self._target.cluster or isinstance(self._client, coredis.RedisCluster)
+
     async def _index_activity(self, session_id: str, info: bytes | None) -> None:
-        """Put the session in the listing order after a write of its ``info`` (take
-        it out after a delete: ``None``).
+        """On a cluster, put the session in the listing order after a write of its
+        ``info`` (take it out after a delete: ``None``); on one server the write's
+        script did (see ``_listing_key``).
 
         A command of its own after the write, not a step of it: a process that dies
         in between leaves the order a step behind, which ``list_page`` mends (a
         member without info is skipped and removed, a session without a member is
         added), and the session's next write puts right.
         """
-        member = session_id.encode().hex()
+        if not self._on_cluster:
+            await trio.lowlevel.checkpoint()
+            return
+        member, score = _listing(session_id, info)
         key = self._activity_key
         if info is None:
             await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
         else:
-            score: dict[str | bytes, int | float] = {member: info_activity(info)}
-            await self._run("list", session_id, lambda c: c.zadd(key, score))
+            scores: dict[str | bytes, int | float] = {member: int(score)}
+            await self._run("list", session_id, lambda c: c.zadd(key, scores))
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         key = self._activity_key
@@ -881,10 +1013,9 @@ class RedisStore:
         return bool(count)
 
     async def delete(self, session_id: str) -> bool:
-        keys = [*self._keys(session_id), self._index_key(session_id)]
-        existed: Any = await self._run(
-            "delete", session_id, lambda c: _DELETE(keys, [_encode_name(session_id)], client=c)
-        )
+        keys = [*self._keys(session_id), self._index_key(session_id), *self._listing_key()]
+        args = [_encode_name(session_id), _listing(session_id, None)[0]]
+        existed: Any = await self._write("delete", session_id, _DELETE, keys, args)
         await self._index_activity(session_id, None)
         return bool(existed)
 

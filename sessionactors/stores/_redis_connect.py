@@ -10,13 +10,15 @@ URLs::
     redis+sentinel://host:port[,host:port...]/service[/db]       the master that
                                                      Sentinel names ``service``
 
-Every URL takes ``?persistence=always|everysec|volatile`` (see :data:`PERSISTENCE`);
-a ``redis://`` URL also takes coredis' own query options.
+Every URL takes ``?persistence=always|everysec|volatile`` (see :data:`PERSISTENCE`),
+``?replicas=N`` and ``?replica_timeout=seconds`` (see ``RedisStore``); a ``redis://``
+URL also takes coredis' own query options.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final, Literal, TypeAlias, get_args
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -27,9 +29,18 @@ import coredis.exceptions
 from coredis.connection import TCPLocation
 from coredis.retry import ConstantRetryPolicy, NoRetryPolicy
 
-from .._errors import StoreNotDurableError
+from .._errors import StoreConfigurationError, StoreNotDurableError
 
-__all__ = ["PERSISTENCE", "Client", "Persistence", "Target", "check_persistence", "open_client"]
+__all__ = [
+    "DEFAULT_REPLICA_TIMEOUT",
+    "PERSISTENCE",
+    "Client",
+    "Persistence",
+    "Target",
+    "check_deployment",
+    "check_persistence",
+    "open_client",
+]
 
 #: Any coredis client: one server, a cluster, or a Sentinel's master.
 Client: TypeAlias = coredis.client.Client[bytes]
@@ -42,6 +53,11 @@ Persistence: TypeAlias = Literal["always", "everysec", "volatile"]
 #: second of acknowledged writes; ``"volatile"``: no check, for tests and caches
 #: (without persistence a restart loses everything).
 PERSISTENCE: Final[tuple[Persistence, ...]] = get_args(Persistence)
+
+#: Seconds a write waits for its replicas (RedisStore's replica_timeout).
+DEFAULT_REPLICA_TIMEOUT: Final = 1.0
+#: The query options every store URL takes (the others go to coredis).
+_OPTIONS: Final = ("persistence", "replicas", "replica_timeout")
 
 _STANDALONE: Final = ("redis", "rediss", "unix")
 _CLUSTER: Final = ("redis+cluster", "rediss+cluster")
@@ -65,6 +81,35 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
+def _from_query(raw: str, kind: type[int] | type[float]) -> object:
+    """A number given in a URL's query, or ``raw`` itself for the check to refuse."""
+    try:
+        return kind(raw) if raw.strip() == raw and raw.isascii() else raw
+    except ValueError:
+        return raw
+
+
+def _replicas(given: object, url: str) -> int:
+    """``replicas``, checked: a whole number of replicas, 0 or more."""
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise ValueError(
+            f"redis replicas {given!r} (for {redact(url)}) is not a whole number of "
+            "replicas; pass 0 (the default: no wait) or the number of replicas every "
+            "acknowledged write must reach, such as replicas=1"
+        )
+    return given
+
+
+def _replica_timeout(given: object, url: str) -> float:
+    """``replica_timeout``, checked: a positive, finite number of seconds."""
+    if isinstance(given, bool) or not isinstance(given, int | float) or not 0 < given < math.inf:
+        raise ValueError(
+            f"redis replica_timeout {given!r} (for {redact(url)}) is not a positive number "
+            f"of seconds; pass one such as {DEFAULT_REPLICA_TIMEOUT}"
+        )
+    return float(given)
+
+
 def _locations(netloc: str, url: str) -> list[TCPLocation]:
     locations = []
     for item in netloc.rpartition("@")[2].split(","):
@@ -85,14 +130,23 @@ class Target:
     url: str
     scheme: str
     persistence: Persistence
+    replicas: int = 0
+    replica_timeout: float = DEFAULT_REPLICA_TIMEOUT
     query: Mapping[str, str] = attrs.field(factory=dict)
     locations: tuple[TCPLocation, ...] = ()
     service: str = ""
     db: int = 0
 
     @classmethod
-    def parse(cls, url: str, persistence: str | None) -> Target:
-        """Check ``url`` (and ``persistence``, which overrides the URL's); no I/O."""
+    def parse(
+        cls,
+        url: str,
+        persistence: str | None,
+        replicas: int | None = None,
+        replica_timeout: float | None = None,
+    ) -> Target:
+        """Check ``url`` (and ``persistence``, ``replicas`` and ``replica_timeout``,
+        which override the URL's options); no I/O."""
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES:
             raise ValueError(
@@ -101,14 +155,24 @@ class Target:
                 "'redis://127.0.0.1:6379/0'"
             )
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        chosen = persistence or query.pop("persistence", None) or "always"
-        query.pop("persistence", None)
+        options = {name: query.pop(name) for name in _OPTIONS if name in query}
+        chosen = persistence or options.get("persistence") or "always"
         if chosen not in PERSISTENCE:
             raise ValueError(
                 f"redis persistence {chosen!r} is not one of {', '.join(PERSISTENCE)}; "
                 "'always' keeps every acknowledged write"
             )
         found: Persistence = chosen
+        count = _replicas(
+            _from_query(options.get("replicas", "0"), int) if replicas is None else replicas,
+            url,
+        )
+        patience = _replica_timeout(
+            _from_query(options.get("replica_timeout", str(DEFAULT_REPLICA_TIMEOUT)), float)
+            if replica_timeout is None
+            else replica_timeout,
+            url,
+        )
         if parts.scheme in _STANDALONE:
             db = parts.path.strip("/") if parts.scheme != "unix" else ""
             if db and not (db.isascii() and db.isdigit()):
@@ -116,15 +180,29 @@ class Target:
                     f"redis url {redact(url)!r}: {db!r} is not a database number; write "
                     "redis://host:port/N with N a number (0 if not given)"
                 )
-            return cls(url=url, scheme=parts.scheme, persistence=found, query=query)
+            return cls(
+                url=url,
+                scheme=parts.scheme,
+                persistence=found,
+                query=query,
+                replicas=count,
+                replica_timeout=patience,
+            )
         if query:
             raise ValueError(
                 f"redis url {redact(url)!r}: {parts.scheme}:// takes no option but "
-                "persistence; drop " + ", ".join(sorted(query))
+                f"{', '.join(_OPTIONS)}; drop " + ", ".join(sorted(query))
             )
         locations = tuple(_locations(parts.netloc, url))
         if parts.scheme in _CLUSTER:
-            return cls(url=url, scheme=parts.scheme, persistence=found, locations=locations)
+            return cls(
+                url=url,
+                scheme=parts.scheme,
+                persistence=found,
+                locations=locations,
+                replicas=count,
+                replica_timeout=patience,
+            )
         service, _, db = parts.path.strip("/").partition("/")
         if not service or not (db or "0").isdigit():
             raise ValueError(
@@ -143,6 +221,8 @@ class Target:
             locations=locations,
             service=service,
             db=int(db or "0"),
+            replicas=count,
+            replica_timeout=patience,
         )
 
     @property
@@ -177,6 +257,31 @@ async def open_client(target: Target) -> AsyncIterator[Client]:
             sentinel.primary_for(target.service, db=target.db) as primary,
         ):
             yield primary
+
+
+#: What to do when a plain url reaches a Redis Cluster node.
+USE_CLUSTER_URL: Final = (
+    "connect with a redis+cluster://host:port url (rediss+cluster:// with TLS), "
+    "listing one or more of the cluster's nodes"
+)
+
+
+async def check_deployment(client: Client, target: Target, where: str) -> None:
+    """Raise ``StoreConfigurationError`` if a client for one server reached a node of a
+    Redis Cluster (it would reach only the slots that node serves)."""
+    if isinstance(client, coredis.RedisCluster):
+        return
+    try:
+        info: Any = await client.info("cluster")
+    except coredis.exceptions.ResponseError:
+        return  # INFO is not allowed: a MOVED reply says so later (see RedisStore._run)
+    if str(info.get("cluster_enabled", "0")) == "1":
+        scheme = urlsplit(target.url).scheme
+        raise StoreConfigurationError(
+            f"redis at {where} is a node of a Redis Cluster, which a {scheme}:// url "
+            "cannot use (a session's keys live on the master that serves their slot); "
+            f"a retry cannot fix this: {USE_CLUSTER_URL}"
+        )
 
 
 def _problem(appendonly: bytes | None, fsync: bytes | None, wanted: Persistence) -> str | None:

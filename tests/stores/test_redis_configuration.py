@@ -1,0 +1,203 @@
+"""Errors no retry can fix are fatal and say what to change: a Redis user without a
+command, a key pattern, scripting or blocking commands, and a cluster node reached
+through a plain ``redis://`` URL. Real redis-servers and ACL users, no mocks."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
+from urllib.parse import urlsplit, urlunsplit
+
+import coredis
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors import StoreConfigurationError, StoreError
+from sessionactors.stores import JournalEntry, RedisStore
+from sessionactors.testing import EchoModel
+
+pytestmark = pytest.mark.redis
+
+AGENTS = {"echo": sa.Agent(model=EchoModel())}
+#: Everything a store and the multi-worker layer use: every command, key and channel.
+FULL = ("on", "resetkeys", "~*", "resetchannels", "&*", "+@all")
+
+
+@contextlib.asynccontextmanager
+async def acl_user(url: str, *rules: str) -> AsyncIterator[str]:
+    """A Redis user with ``rules`` on the server at ``url`` for the block; yield a URL
+    that logs in as that user."""
+    name = f"sa-test-{uuid.uuid4().hex[:12]}"
+    password = uuid.uuid4().hex
+    async with coredis.Redis.from_url(url) as admin:
+        await admin.acl_setuser(name, "reset", f">{password}", *rules)
+        try:
+            parts = urlsplit(url)
+            netloc = f"{name}:{password}@{parts.hostname}:{parts.port}"
+            yield urlunsplit(parts._replace(netloc=netloc))
+        finally:
+            await admin.acl_deluser([name])
+
+
+def _prefix() -> str:
+    return f"sa-test:{uuid.uuid4().hex}"
+
+
+def check_fatal(error: BaseException, *needles: str) -> StoreConfigurationError:
+    """``error`` is a StoreConfigurationError, or a group of nothing else, whose message
+    says a retry cannot fix it and holds every needle; the first of them."""
+    errors = [error]
+    while any(isinstance(e, BaseExceptionGroup) for e in errors):
+        errors = [
+            inner
+            for e in errors
+            for inner in (e.exceptions if isinstance(e, BaseExceptionGroup) else [e])
+        ]
+    for each in errors:
+        assert isinstance(each, StoreConfigurationError), repr(error)
+        assert isinstance(each, StoreError)
+        message = str(each)
+        assert "a retry cannot fix this" in message
+        for needle in needles:
+            assert needle in message
+    first = errors[0]
+    assert isinstance(first, StoreConfigurationError)
+    return first
+
+
+@contextlib.contextmanager
+def raises_fatal(*needles: str) -> Iterator[list[StoreConfigurationError]]:
+    """Expect a StoreConfigurationError (perhaps in a group) from the block."""
+    found: list[StoreConfigurationError] = []
+    try:
+        yield found
+    except BaseException as exc:
+        found.append(check_fatal(exc, *needles))
+    else:
+        pytest.fail("the block raised no StoreConfigurationError")
+
+
+async def test_a_full_user_works(redis_url: str) -> None:
+    """The control: a user granted every command, key and channel runs the store."""
+    async with acl_user(redis_url, *FULL) as url:
+        store = RedisStore(url, prefix=_prefix())
+        with trio.fail_after(10):
+            await store.create("chat", b"snap", b"info")
+            await store.append("chat", [JournalEntry(1, b"one")], b"info")
+            assert await store.list_page(after=None, limit=10) == [("chat", b"info")]
+            await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("rules", "needles"),
+    [
+        # a command the store needs (its listing order, on one server a script's step)
+        ((*FULL, "-zadd"), ("can't run this command",)),
+        # a command a script needs: refused inside the script
+        ((*FULL, "-xadd"), ("can't run this command",)),
+        # the keys under the store's prefix
+        (("on", "resetkeys", "~elsewhere:*", "&*", "+@all"), ("no permissions to access",)),
+        # no scripting at all
+        ((*FULL, "-@scripting"), ("no permissions to run the 'evalsha' command",)),
+    ],
+    ids=["no-zadd", "no-xadd", "no-keys", "no-scripting"],
+)
+async def test_a_user_without_a_needed_permission_gets_a_fatal_error(
+    redis_url: str, rules: tuple[str, ...], needles: tuple[str, ...]
+) -> None:
+    """A store whose Redis user lacks a command, a script's command, the keys under its
+    prefix or scripting raises StoreConfigurationError naming the session and the
+    refusal, at once and on every call: never a retryable StoreError."""
+    async with acl_user(redis_url, *rules) as url:
+        store = RedisStore(url, prefix=_prefix())
+        with trio.fail_after(10):
+            calls = [
+                lambda: store.create("chat", b"snap", b"info"),
+                lambda: store.append("chat", [JournalEntry(1, b"one")], b"info"),
+            ]
+            if "-xadd" in rules:  # a create writes no journal entry
+                await calls.pop(0)()
+            for call in calls:
+                with raises_fatal(*needles, "grant the store's redis user") as found:
+                    await call()
+                error = found[0]
+                assert error.session_id == "chat"
+                assert "session 'chat'" in str(error)
+            await store.aclose()
+
+
+async def test_a_user_without_scripting_fails_a_registry_call_at_once(redis_url: str) -> None:
+    """Through a registry, spawning with a user that cannot run scripts raises the
+    StoreConfigurationError to the caller, within the store's timeout."""
+    async with acl_user(redis_url, *FULL, "-@scripting") as url:
+        store = RedisStore(url, prefix=_prefix(), timeout=2)
+        with trio.fail_after(20), raises_fatal("no permissions to run the 'evalsha' command"):
+            async with sa.open_registry(store=store, agents=AGENTS, lease_ttl=1) as registry:
+                await registry.spawn("chat")
+        await store.aclose()
+
+
+async def test_a_user_without_blocking_commands_ends_a_registry_with_a_fatal_error(
+    redis_url: str,
+) -> None:
+    """A multi-worker registry whose Redis user cannot run blocking commands (its
+    inbox and remote subscriptions are blocking reads) fails with
+    StoreConfigurationError instead of hanging or retrying in silence."""
+    async with acl_user(redis_url, *FULL, "-@blocking") as url:
+        store = RedisStore(url, prefix=_prefix(), timeout=2)
+        with trio.fail_after(20), raises_fatal("no permissions to run the 'xread' command"):
+            async with sa.open_registry(store=store, agents=AGENTS, lease_ttl=1) as registry:
+                ref = await registry.spawn("chat")
+                async with ref.stream("hello there") as events:
+                    async for _ in events:
+                        pass
+                await trio.sleep_forever()
+        await store.aclose()
+
+
+async def test_a_plain_url_to_a_cluster_node_says_to_use_redis_cluster(
+    redis_cluster_url: str,
+) -> None:
+    """A redis:// URL that points at a node of a Redis Cluster fails with a
+    StoreConfigurationError that says to use redis+cluster://, for every session
+    (whichever slot its keys hash to), never as a retryable error."""
+    node = urlsplit(redis_cluster_url).netloc.split(",")[0]
+    store = RedisStore(f"redis://{node}/0", prefix=_prefix())
+    try:
+        with trio.fail_after(20):
+            for name in [f"chat-{index}" for index in range(8)]:
+                with raises_fatal("redis+cluster://"):
+                    await store.create(name, b"snap", b"info")
+                with raises_fatal("redis+cluster://"):
+                    await store.load(name)
+        with trio.fail_after(10):
+            host, _, port = node.rpartition(":")
+            async with coredis.Redis(host, int(port)) as client:
+                given = RedisStore(client=client, prefix=_prefix())
+                with raises_fatal("redis+cluster://", "the given client"):
+                    await given.exists("chat")
+    finally:
+        with trio.fail_after(10):
+            await store.aclose()
+
+
+async def test_a_server_without_scripts_gets_a_fatal_error(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """A server whose EVAL and EVALSHA are disabled (renamed away) fails every store
+    call with StoreConfigurationError, not a retryable error."""
+    disabled = ("--rename-command", "EVALSHA", "", "--rename-command", "EVAL", "")
+    with contextlib.ExitStack() as stack:
+        url = await trio.to_thread.run_sync(
+            stack.enter_context, private_redis_server(config=disabled)
+        )
+        store = RedisStore(url, prefix=_prefix())
+        with trio.fail_after(10):
+            with raises_fatal("unknown command", "session 'chat'"):
+                await store.create("chat", b"snap", b"info")
+            with raises_fatal("unknown command"):
+                await store.load("chat")
+            await store.aclose()

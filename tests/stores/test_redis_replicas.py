@@ -1,0 +1,234 @@
+"""RedisStore(replicas=N): every acknowledged write waits for N replicas, and fewer in
+time is a typed error, against a real durable primary and replica."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors import StoreError, StoreNotReplicatedError
+from sessionactors.stores import JournalEntry, RedisStore
+from sessionactors.testing import EchoModel, check_store
+
+pytestmark = pytest.mark.redis
+
+E = JournalEntry
+PATIENCE = 0.3  # replica_timeout of the tests that freeze the replica
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The process ``pid`` stopped (SIGSTOP) for the block, then resumed."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _prefix() -> str:
+    return f"sa-test:{uuid.uuid4().hex}"
+
+
+def test_rejects_bad_replica_arguments() -> None:
+    """A replica count that is not a whole number of at least 0, or a replica_timeout
+    that is not a positive finite number of seconds, is refused at construction, as an
+    argument or in the URL, with a message that names it and says what to pass."""
+    url = "redis://127.0.0.1:6379/0"
+    for replicas in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=r"redis replicas .* replicas=1"):
+            RedisStore(url, replicas=replicas)  # type: ignore[arg-type]
+    for patience in (0, -1, math.inf, math.nan, "1", False):
+        with pytest.raises(ValueError, match=r"redis replica_timeout .* positive number"):
+            RedisStore(url, replicas=1, replica_timeout=patience)  # type: ignore[arg-type]
+    bad_urls = [
+        f"{url}?replicas=-1",
+        f"{url}?replicas=one",
+        f"{url}?replicas=",
+        f"{url}?replica_timeout=0",
+        f"{url}?replica_timeout=soon",
+        "redis+cluster://127.0.0.1:7000?replicas=x",
+    ]
+    for bad in bad_urls:
+        with pytest.raises(ValueError, match="redis replica"):
+            RedisStore(bad)
+    default = RedisStore(url)
+    assert (default.replicas, default.replica_timeout) == (0, 1.0)
+    from_url = RedisStore(f"{url}?replicas=2&replica_timeout=0.25&persistence=everysec")
+    assert (from_url.replicas, from_url.replica_timeout) == (2, 0.25)
+    assert from_url.persistence == "everysec"
+    overridden = RedisStore(f"{url}?replicas=2", replicas=1, replica_timeout=3)
+    assert (overridden.replicas, overridden.replica_timeout) == (1, 3.0)
+    assert RedisStore("redis+cluster://h1:1,h2:2?replicas=1").replicas == 1
+    assert RedisStore("redis+sentinel://h:1/svc?replica_timeout=2").replica_timeout == 2.0
+    assert "replicas=1" in repr(overridden)
+
+
+async def test_passes_check_store_waiting_for_a_replica(redis_replicated: Any) -> None:
+    """The store contract holds when every write waits for one replica."""
+    stores: list[RedisStore] = []
+
+    def make() -> RedisStore:
+        stores.append(RedisStore(redis_replicated.url, prefix=_prefix(), replicas=1))
+        return stores[-1]
+
+    try:
+        with trio.fail_after(120):
+            await check_store(make)
+    finally:
+        with trio.fail_after(30):
+            for store in stores:
+                await store.aclose()
+
+
+async def test_an_acknowledged_write_is_on_the_replica(redis_replicated: Any) -> None:
+    """Once a create, an append, a snapshot or a delete returns, the replica holds it."""
+    prefix = _prefix()
+    store = RedisStore(redis_replicated.url, prefix=prefix, replicas=1)
+    replica = RedisStore(redis_replicated.replica_urls[0], prefix=prefix)
+    try:
+        with trio.fail_after(20):
+            await store.create("chat", b"snap", b"info")
+            assert await replica.exists("chat")
+            await store.append("chat", [E(1, b"one"), E(2, b"two")], b"info")
+            stored = await replica.load("chat")
+            assert stored is not None
+            assert [e.seq for e in stored.entries] == [1, 2]
+            await store.write_snapshot("chat", b"snap2", 2, b"info", trim_upto=2)
+            stored = await replica.load("chat")
+            assert stored is not None
+            assert (stored.snapshot, stored.entries) == (b"snap2", ())
+            assert await store.delete("chat")
+            assert not await replica.exists("chat")
+    finally:
+        with trio.fail_after(10):
+            await store.aclose()
+            await replica.aclose()
+
+
+@pytest.mark.parametrize("in_url", [False, True])
+async def test_a_frozen_replica_fails_acknowledged_writes_in_time(
+    redis_replicated: Any, in_url: bool
+) -> None:
+    """With the replica stopped (SIGSTOP), each write that waits for it raises
+    StoreNotReplicatedError, naming the session, within replica_timeout; the write is
+    kept on the primary; a store that does not wait (the control) writes as before."""
+    prefix = _prefix()
+    if in_url:
+        url = f"{redis_replicated.url}?replicas=1&replica_timeout={PATIENCE}"
+        store = RedisStore(url, prefix=prefix)
+    else:
+        store = RedisStore(
+            redis_replicated.url, prefix=prefix, replicas=1, replica_timeout=PATIENCE
+        )
+    control = RedisStore(redis_replicated.url, prefix=prefix)
+    try:
+        with trio.fail_after(30):
+            await store.create("chat", b"snap", b"info")
+            with frozen(redis_replicated.replica_pids[0]):
+                writes = [
+                    lambda: store.append("chat", [E(1, b"one")], b"info"),
+                    lambda: store.write_snapshot("chat", b"snap1", 1, b"info", trim_upto=0),
+                    lambda: store.create("other", b"snap", b"info"),
+                    lambda: store.delete("other"),
+                ]
+                for write in writes:
+                    started = trio.current_time()
+                    with pytest.raises(StoreNotReplicatedError) as caught:
+                        await write()
+                    took = trio.current_time() - started
+                    assert PATIENCE <= took < PATIENCE + 2
+                    error = caught.value
+                    assert isinstance(error, StoreError)
+                    assert isinstance(error, TimeoutError)
+                    assert error.session_id in ("chat", "other")
+                    message = str(error)
+                    assert f"session {error.session_id!r}" in message
+                    assert "fewer than 1 replica(s) confirmed it within 0.3 s" in message
+                    assert "kept on the primary" in message
+                    assert "INFO replication" in message
+                # the control: a store that does not wait for replicas is not held up
+                with trio.fail_after(PATIENCE):
+                    await control.append("chat", [E(2, b"two")], b"info")
+                # the unconfirmed writes are on the primary
+                stored = await control.load("chat")
+                assert stored is not None
+                assert (stored.snapshot, [e.seq for e in stored.entries]) == (b"snap1", [2])
+                assert not await control.exists("other")
+            await store.append("chat", [E(3, b"three")], b"info")  # confirmed again
+    finally:
+        with trio.fail_after(10):
+            await store.aclose()
+            await control.aclose()
+
+
+async def test_more_replicas_than_exist_is_refused(redis_replicated: Any) -> None:
+    """Asking for more replicas than the primary has fails every acknowledged write
+    with StoreNotReplicatedError, and reads still work."""
+    store = RedisStore(redis_replicated.url, prefix=_prefix(), replicas=2, replica_timeout=PATIENCE)
+    try:
+        with trio.fail_after(10):
+            with pytest.raises(StoreNotReplicatedError, match="fewer than 2 replica"):
+                await store.create("chat", b"snap", b"info")
+            assert await store.exists("chat")
+    finally:
+        with trio.fail_after(10):
+            await store.aclose()
+
+
+async def test_a_fenced_owner_writes_on_after_an_unconfirmed_append(
+    redis_replicated: Any,
+) -> None:
+    """An append whose replicas did not confirm it leaves the lease holder able to write
+    on (the store takes its outcome as unsure, not as lost or as another owner's)."""
+    store = RedisStore(redis_replicated.url, prefix=_prefix(), replicas=1, replica_timeout=PATIENCE)
+    try:
+        with trio.fail_after(20):
+            await store.create("chat", b"snap", b"info")
+            lease = await store.claim("chat", "w1", 30)
+            assert lease is not None
+            await store.append("chat", [E(1, b"one")], b"info", fence=lease.fence)
+            with frozen(redis_replicated.replica_pids[0]), pytest.raises(StoreNotReplicatedError):
+                await store.append("chat", [E(2, b"two")], b"info", fence=lease.fence)
+            await store.append("chat", [E(3, b"three")], b"info", fence=lease.fence)
+            stored = await store.load("chat")
+            assert stored is not None
+            assert [e.seq for e in stored.entries] == [1, 2, 3]
+    finally:
+        with trio.fail_after(10):
+            await store.aclose()
+
+
+async def test_a_turn_through_a_registry_hears_of_an_unconfirmed_write(
+    redis_replicated: Any,
+) -> None:
+    """Through a registry, a turn whose journal append no replica confirmed fails with
+    SessionCrashedError caused by StoreNotReplicatedError; the session restarts from what
+    the primary holds, which includes that turn."""
+    store = RedisStore(redis_replicated.url, prefix=_prefix(), replicas=1, replica_timeout=PATIENCE)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    try:
+        with trio.fail_after(30):
+            async with sa.open_registry(store=store, agents=agents) as registry:
+                ref = await registry.spawn("chat")
+                await ref.send("first")
+                with (
+                    frozen(redis_replicated.replica_pids[0]),
+                    pytest.raises(sa.SessionCrashedError) as caught,
+                ):
+                    await ref.send("second")
+                assert isinstance(caught.value.__cause__, StoreNotReplicatedError)
+                texts = [m.content for m in await ref.history()]
+                assert texts[-2:] == ["second", "second"]
+    finally:
+        with trio.fail_after(10):
+            await store.aclose()
