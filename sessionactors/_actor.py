@@ -867,8 +867,9 @@ class Actor:
             self.inflight_keys.pop(key, None)
         self._set_status(_resting_status(self.session))
         reply = Reply(turn_id=turn_id, message=final)
-        outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
-        self.end_trace(outcome_name, failure)
+        if self.trace is not None:
+            outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
+            self.end_trace(outcome_name, failure)
         if not stored:  # answered by the closing snapshot: the turn is in it, or lost
             if self.turn_mail is not None:
                 self.held = (error, reply)
