@@ -217,7 +217,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         request = ModelRequest(
             session_id=ctx.session_id, messages=ctx.request_messages(), tools=specs
         )
-        step = _Step()
+        step: _Step | None = None  # made by the first chunk that is not text
         partial = ctx.partial
         partial.clear()
         call = first = trace.model_call(agent.model, request) if trace is not None else None
@@ -237,23 +237,26 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                         partial.append(text)
                         ctx.delta(storable(text))
                 else:
+                    if step is None:
+                        step = _Step()
                     _take_chunk(chunk, ctx, step)
         except BaseException as exc:
             if call is not None:
-                call.end(step.usage, exc)
+                call.end(step.usage if step is not None else None, exc)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # close an abandoned stream (an HTTP response) now
                 with trio.CancelScope(shield=True):
                     await aclose()
             raise
+        usage = step.usage if step is not None else None
         if call is not None:
-            call.end(step.usage, None)
+            call.end(usage, None)
         text = storable("".join(partial))
         partial.clear()
-        if not step.parts:
-            return Message.create(Role.ASSISTANT, text, usage=step.usage)  # joins with the outcome
+        if step is None or not step.parts:
+            return Message.create(Role.ASSISTANT, text, usage=usage)  # joins with the outcome
         calls = assemble_calls(step.parts)
-        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=step.usage)
+        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=usage)
         ctx.add_message(message)
         if not await ctx.run_tool_calls(agent, calls):
             return None
