@@ -173,8 +173,6 @@ _MAX_REFUSED: Final = 100
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
-#: The context a turn runs in without telemetry (reusable).
-_NO_TRACE: Final = contextlib.nullcontext()
 
 
 class Counters:
@@ -757,7 +755,7 @@ class Actor:
         """
         failure: BaseException | None = None
         final: Message | None = None
-        self.partial = []
+        self.partial.clear()
         self._cut = (pending, key)
         self.in_turn = True
         telemetry = self.host.telemetry
@@ -769,9 +767,13 @@ class Actor:
                 queued=self.receive.statistics().current_buffer_used,
             )
         try:
-            with _NO_TRACE if self.trace is None else self.trace.activate():
+            if self.trace is None:
                 if before is None or await before(agent):
                     final = await run_turn(agent, self)
+            else:
+                with self.trace.activate():
+                    if before is None or await before(agent):
+                        final = await run_turn(agent, self)
         except (Exception, SystemExit) as exc:  # the agent's or model's: this turn's only
             if exc is self.journal.fault:  # our write failed, not the agent: restart
                 raise
@@ -865,8 +867,9 @@ class Actor:
             self.inflight_keys.pop(key, None)
         self._set_status(_resting_status(self.session))
         reply = Reply(turn_id=turn_id, message=final)
-        outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
-        self.end_trace(outcome_name, failure)
+        if self.trace is not None:
+            outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
+            self.end_trace(outcome_name, failure)
         if not stored:  # answered by the closing snapshot: the turn is in it, or lost
             if self.turn_mail is not None:
                 self.held = (error, reply)

@@ -92,7 +92,8 @@ class Agent:
     @property
     def tool_specs(self) -> tuple[ToolSpec, ...]:
         """What the model is told about the agent's tools."""
-        return tuple(t.spec for t in self.tools)
+        tools = self.tools
+        return tuple([t.spec for t in tools]) if tools else ()
 
     def find_tool(self, name: str) -> Any:
         """The tool called ``name``, or None."""
@@ -216,8 +217,9 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         request = ModelRequest(
             session_id=ctx.session_id, messages=ctx.request_messages(), tools=specs
         )
-        step = _Step()
-        ctx.partial.clear()
+        step: _Step | None = None  # made by the first chunk that is not text
+        partial = ctx.partial
+        partial.clear()
         call = first = trace.model_call(agent.model, request) if trace is not None else None
         stream = agent.model.stream(request)
         try:
@@ -225,23 +227,36 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 if first is not None:
                     first.first_chunk()
                     first = None
-                _take_chunk(chunk, ctx, step)
+                if chunk.__class__ is TextChunk:  # the common chunk, inline
+                    text = chunk.text
+                    if text.__class__ is not str:
+                        raise TypeError(
+                            f"the model streamed a TextChunk whose text is {text!r}, not a str"
+                        )
+                    if text:
+                        partial.append(text)
+                        ctx.delta(storable(text))
+                else:
+                    if step is None:
+                        step = _Step()
+                    _take_chunk(chunk, ctx, step)
         except BaseException as exc:
             if call is not None:
-                call.end(step.usage, exc)
+                call.end(step.usage if step is not None else None, exc)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # close an abandoned stream (an HTTP response) now
                 with trio.CancelScope(shield=True):
                     await aclose()
             raise
+        usage = step.usage if step is not None else None
         if call is not None:
-            call.end(step.usage, None)
-        text = storable("".join(ctx.partial))
-        ctx.partial.clear()
+            call.end(usage, None)
+        text = storable("".join(partial))
+        partial.clear()
+        if step is None or not step.parts:
+            return Message.create(Role.ASSISTANT, text, usage=usage)  # joins with the outcome
         calls = assemble_calls(step.parts)
-        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=step.usage)
-        if not calls:
-            return message  # it joins the history with the turn's outcome
+        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=usage)
         ctx.add_message(message)
         if not await ctx.run_tool_calls(agent, calls):
             return None

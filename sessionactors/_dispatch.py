@@ -111,6 +111,24 @@ class Dispatcher:
         )
         return turn  # type: ignore[no-any-return]
 
+    def enqueue(self, name: str, text: str) -> Pending | None:
+        """A turn without idempotency key in the mailbox of a session served here, at
+        once: its result slot; None if that takes a wait or another worker (``submit``).
+
+        No schedule point and no ``Turn``: ``ref.send`` parks once, on the reply.
+        """
+        if self.router is not None:
+            return None
+        actor = self.sessions.activate(name)  # the live one, or a new one that wakes
+        pending = Pending()
+        turn_id = actor.new_turn_id()
+        try:
+            actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            return None  # full (submit waits for room) or closed (submit looks again)
+        actor.note_queued(turn_id)  # (the actor runs no sooner than our caller parks)
+        return pending
+
     async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
         """A turn in the mailbox here, never routed (a request another worker forwarded)."""
         turn: Turn = await self._route(name, lambda: self._submit_here(name, text, key, ack=True))

@@ -45,6 +45,7 @@ class Dispatcher(Protocol):
     """Where a ref's requests go: the registry's dispatcher (here or elsewhere)."""
 
     async def submit(self, name: str, text: str, key: str | None, *, ack: bool) -> Turn: ...
+    def enqueue(self, name: str, text: str) -> Pending | None: ...
     def submit_nowait(self, name: str, text: str, key: str | None) -> Turn: ...
     async def call(self, name: str, request: Call | Cancel | Stop) -> Any: ...
     async def read(self, name: str) -> SessionState: ...
@@ -116,9 +117,14 @@ class SessionRef(metaclass=NoPublicConstructor):
         """Run one turn and wait for its reply (after it is durable)."""
         sid = self.session_id
         _check_text(sid, text)
-        _check_key(sid, idempotency_key)
-        turn = await self._dispatcher.submit(sid, text, idempotency_key, ack=False)
-        reply: Reply = await turn._pending.wait()  # Turn.reply(), one coroutine less
+        pending = None
+        if idempotency_key is None:  # the common case: queued at once, no Turn made
+            pending = self._dispatcher.enqueue(sid, text)
+        if pending is None:
+            _check_key(sid, idempotency_key)
+            turn = await self._dispatcher.submit(sid, text, idempotency_key, ack=False)
+            pending = turn._pending
+        reply: Reply = await pending.wait()  # Turn.reply(), one coroutine less
         return reply
 
     async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
