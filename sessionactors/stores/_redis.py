@@ -503,6 +503,15 @@ class RedisStore:
     (``decode_responses=False``) to use instead of ``url``, checked on the first
     call: its owner keeps it open and closes it, not :meth:`aclose`.
 
+    ``balance`` (default True): the workers of registries on this store share its
+    shards fairly. Each shard (a fixed group of session names) prefers one of the
+    live workers; a session that wakes goes to its shard's preferred worker, and
+    a worker hands the shards that prefer another worker over to it, a few at a
+    time, at their sessions' turn boundaries. When a worker joins, about 1/n of the
+    shards move to it; when one leaves, its shards spread over the others. With
+    ``balance=False`` a session wakes on the worker that was asked first and stays
+    there while it is live.
+
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or
     unreachable) raises :class:`~sessionactors.StoreError`, as a refused
@@ -521,6 +530,7 @@ class RedisStore:
     persistence: str | None = attrs.field(default=None, kw_only=True)
     _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
+    balance: bool = attrs.field(default=True, kw_only=True)
     _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
     _client_checked: bool = attrs.field(default=False, init=False)
@@ -560,7 +570,7 @@ class RedisStore:
         from ..workers import open_cluster
         from ._redis_transport import RedisTransport
 
-        return await open_cluster(host, RedisTransport(self), nursery)
+        return await open_cluster(host, RedisTransport(self), nursery, balance=self.balance)
 
     # -- keys ----------------------------------------------------------------------
 
@@ -588,6 +598,10 @@ class RedisStore:
     def _shard_key(self, group: int) -> str:
         """The lease of shard ``group``: the sessions of a key group are leased together."""
         return self._group_key(group, "shard")
+
+    def _shard(self, session_id: str) -> int:
+        """The shard of ``session_id``: its key group, whose sessions are leased together."""
+        return _group(session_id)
 
     def _watch_key(self, session_id: str) -> str:
         """Set while a worker other than the owner subscribes to ``session_id``."""
