@@ -387,6 +387,49 @@ async def test_a_hibernated_session_wakes_on_its_preferred_worker(cluster: Clust
             assert b.statistics().hibernated == stats.hibernated
 
 
+class GatedEcho:
+    """Echoes the user's words once ``gate`` is set: a turn that runs as long as a test wants."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        await self.gate.wait()
+        yield sa.TextChunk(request.messages[-1].content)
+
+
+async def test_a_shard_in_a_long_turn_stays_until_the_turn_ends(cluster: Cluster) -> None:
+    """With balancing, sessions in a turn longer than lease_ttl stay on their worker while it runs (requests for them get answered there after a bounded wait) and spread once their turns ended."""
+    model = GatedEcho()
+    names = [f"long-{i}" for i in range(8)]
+    agents = {"echo": sa.Agent(model=model)}
+
+    def open_worker(worker_id: str) -> Any:
+        store = RedisStore(cluster.url, prefix=cluster.prefix)
+        return sa.open_registry(store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id)
+
+    with trio.fail_after(60):
+        async with open_worker("a") as a:
+            turns = [await (await a.spawn(name)).submit("long turn") for name in names]
+            async with open_worker("b") as b:
+                await trio.sleep(TTL)  # each has listed the other: hand-overs begin
+                with trio.fail_after(4 * TTL):  # held at most lease_ttl, then served on a
+                    for name in names:
+                        assert (await b.ref(name).state()).status is sa.Status.RUNNING
+                assert set(a.live()) == set(names)
+                assert b.live() == []
+                model.gate.set()
+                for turn in turns:
+                    assert (await turn.reply()).text == "long turn"
+                with trio.move_on_after(10 * TTL):  # tried again a few rounds later
+                    while not b.live():
+                        for name in names:
+                            await b.ref(name).state()  # wakes it where it belongs
+                        await trio.sleep(0.05)
+                assert b.live()
+                assert not set(a.live()) & set(b.live())
+
+
 async def shards_follow_the_workers(
     cluster: Cluster, *, balance: bool
 ) -> tuple[set[str], set[str], list[str]]:
@@ -396,7 +439,7 @@ async def shards_follow_the_workers(
     joined, sessions not on b once a left, acknowledged turns missing, run twice, or out
     of order.)"""
     names = [f"busy-{i}" for i in range(16)]
-    agents = {"echo": sa.Agent(model=EchoModel(delay=0.002))}
+    agents = {"echo": sa.Agent(model=EchoModel(delay=0.05))}  # turns in flight all along
     acked: list[str] = []
     errors: list[BaseException] = []
 
