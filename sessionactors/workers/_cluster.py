@@ -158,6 +158,7 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
 _HANDOVERS: Final = 8  # shards a worker hands over at a time (balancing)
 _RETRY_ROUNDS: Final = 10  # balancing rounds before a shard that stayed is tried again
+_BUSY_TRIES: Final = 3  # hibernations a hand-over tries while a session stays busy
 
 
 class Transport(Protocol):
@@ -1021,19 +1022,25 @@ class Cluster:
 
     async def _hand_over(self, shard: int) -> None:
         """Hibernate the shard's sessions here at their next turn boundary (new requests
-        for them wait meanwhile), which releases the shard; or give up after ``lease_ttl``."""
+        for them wait meanwhile), which releases the shard; or give up after ``lease_ttl``,
+        or at once if a session stays busy (a turn waits on a review)."""
         handover = self._leaving[shard]
         host = self.host
         try:
             with trio.move_on_after(max(1.0, self.ttl)):
+                busy = 0
                 while True:
                     names = [n for n in host.live_names() if self.transport.shard(n) == shard]
                     if not names:
                         handover.moved = True
                         break
+                    stayed: list[str] = []
                     async with trio.open_nursery() as nursery:
                         for name in names:
-                            nursery.start_soon(self._hibernate_here, name)
+                            nursery.start_soon(self._hibernate_here, name, stayed)
+                    busy += bool(stayed)
+                    if busy >= _BUSY_TRIES:
+                        break
                     await trio.sleep(0.01)  # (a session that left is gone from the table soon)
         finally:
             del self._leaving[shard]
@@ -1045,10 +1052,12 @@ class Cluster:
                 self.stats.kept += 1
                 self._kept[shard] = trio.current_time() + _RETRY_ROUNDS * self.ttl / 3
 
-    async def _hibernate_here(self, name: str) -> None:
-        """Hibernate a session here once the requests in its mailbox are done."""
+    async def _hibernate_here(self, name: str, stayed: list[str]) -> None:
+        """Hibernate a session here once the requests in its mailbox are done; note it in
+        ``stayed`` if it stays live (a turn waits on a review, or a request came in)."""
         with contextlib.suppress(SessionActorsError):  # gone meanwhile, or fenced out
-            await self.host.call_here(name, Hibernate())
+            if await self.host.call_here(name, Hibernate()) is False:
+                stayed.append(name)
 
     # ---- events: publishing ------------------------------------------------------------
 
