@@ -16,7 +16,11 @@ durability (every reply waits for its turn's journal append in Redis).
   (each sends to the sessions it owns, as a load balancer with session affinity
   does), and against three workers where every request enters through a worker
   that does not own its session (a load balancer without affinity). Wall clock
-  from the first command to the last answer, median of the rounds.
+  from the first command to the last answer, median of the rounds. These place
+  the sessions themselves (``RedisStore(balance=False)``). A fourth load runs on
+  three workers that share the shards fairly (``balance=True``, the default): the
+  sessions, created hibernated, are woken through any worker, which places each
+  on its shard's preferred worker; then each worker sends to the sessions it runs.
 
 - a durable turn with no subscriber elsewhere: ``await ref.send(text)`` of a
   300-word turn (the echo model streams 300 deltas) to a session this worker runs,
@@ -48,6 +52,7 @@ from sessionactors.stores import Lease, RedisStore, Store
 from sessionactors.testing import EchoModel
 
 TTL = 10.0
+BALANCE_TTL = 3.0  # the balanced workers list each other within a third of it
 RENEW_TTL = 3.0
 TEXT = "Where is my order A1042?"
 
@@ -57,10 +62,12 @@ async def latency(url: str, sends: int, rounds: int) -> tuple[list[float], list[
     prefix = f"bench-cluster-{uuid.uuid4().hex[:8]}"
     local_times: list[float] = []
     remote_times: list[float] = []
-    store = RedisStore(url, prefix=prefix)
+    store = RedisStore(url, prefix=prefix, balance=False)  # "local" stays local
     agents = {"echo": sa.Agent(model=EchoModel())}
     async with trio.open_nursery() as nursery:
-        worker = await WorkerProcess.start(nursery, url, prefix, "remote-worker", TTL)
+        worker = await WorkerProcess.start(
+            nursery, url, prefix, "remote-worker", TTL, balance=False
+        )
         try:
             async with sa.open_registry(store=store, agents=agents, lease_ttl=TTL) as registry:
                 local = await registry.spawn("local")
@@ -143,7 +150,9 @@ async def throughput(url: str, workers: int, sessions: int, turns: int, across: 
         try:
 
             async def start(i: int) -> None:
-                procs.append(await WorkerProcess.start(nursery, url, prefix, f"w{i}", TTL))
+                procs.append(
+                    await WorkerProcess.start(nursery, url, prefix, f"w{i}", TTL, balance=False)
+                )
 
             async with trio.open_nursery() as starting:
                 for i in range(workers):
@@ -168,6 +177,50 @@ async def throughput(url: str, workers: int, sessions: int, turns: int, across: 
                 await proc.quit()
             nursery.cancel_scope.cancel()
     return sessions * turns / elapsed
+
+
+async def balanced_throughput(
+    url: str, workers: int, sessions: int, turns: int
+) -> tuple[float, list[int]]:
+    """Turns per second of ``workers`` balanced processes, each sending to the sessions
+    placed on it; and how many each ran."""
+    prefix = f"bench-cluster-{uuid.uuid4().hex[:8]}"
+    names = [f"tp-{i:05d}" for i in range(sessions)]
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    store = RedisStore(url, prefix=prefix, balance=False)
+    async with sa.open_registry(store=store, agents=agents, lease_ttl=BALANCE_TTL) as creating:
+        for name in names:
+            await creating.spawn(name)  # hibernated as the registry closes
+    async with trio.open_nursery() as nursery:
+        procs: list[WorkerProcess] = []
+        try:
+
+            async def start(i: int) -> None:
+                procs.append(await WorkerProcess.start(nursery, url, prefix, f"w{i}", BALANCE_TTL))
+
+            async with trio.open_nursery() as starting:
+                for i in range(workers):
+                    starting.start_soon(start, i)
+            await trio.sleep(BALANCE_TTL)  # each has listed the others (every third of it)
+            for i, proc in enumerate(procs):  # woken through any worker: placed by shard
+                assert "error" not in await proc.call("spawn", names=names[i::workers])
+            owned = [list((await proc.call("live"))["live"]) for proc in procs]
+            assert sorted(n for share in owned for n in share) == names, "not placed once each"
+            begin = now()
+            async with trio.open_nursery() as talking:
+                for proc, share in zip(procs, owned, strict=True):
+
+                    async def talk(proc: WorkerProcess = proc, share: list[str] = share) -> None:
+                        answer = await proc.call("converse", names=share, turns=turns)
+                        assert "error" not in answer, answer
+
+                    talking.start_soon(talk)
+            elapsed = now() - begin
+        finally:
+            for proc in procs:
+                await proc.quit()
+            nursery.cancel_scope.cancel()
+    return sessions * turns / elapsed, [len(share) for share in owned]
 
 
 async def renewal(url: str, sessions: int, rounds: int) -> list[float]:
@@ -210,11 +263,14 @@ def main(args: argparse.Namespace) -> list[Row]:
         routed, alone = trio.run(turn_cost, url, sends // 3, rounds)
         leased = 5_000 if args.quick else 20_000
         renewals = trio.run(renewal, url, leased, rounds)
-        results: dict[str, list[float]] = {"one": [], "three": [], "across": []}
+        results: dict[str, list[float]] = {"one": [], "three": [], "across": [], "balanced": []}
+        shares: list[int] = []
         for r in range(tp_rounds):
             results["one"].append(trio.run(throughput, url, 1, sessions, turns, False))
             results["three"].append(trio.run(throughput, url, 3, sessions, turns, False))
             results["across"].append(trio.run(throughput, url, 3, sessions, turns, True))
+            rate, shares = trio.run(balanced_throughput, url, 3, sessions, turns)
+            results["balanced"].append(rate)
             log(
                 f"  round {r + 1}/{tp_rounds}: "
                 + ", ".join(f"{k} {v[-1]:.0f} turns/s" for k, v in results.items())
@@ -282,6 +338,19 @@ def main(args: argparse.Namespace) -> list[Row]:
             baseline_unit="turns/s",
             paired_ratio=paired(results["across"], results["one"]),
             notes=f"{load}; every turn forwarded to its owner; {spread(results['across'])}",
+        ),
+        Row(
+            benchmark=group,
+            name="durable turns per second, 3 workers sharing the shards fairly (vs 1)",
+            measured=median(results["balanced"]),
+            unit="turns/s",
+            baseline=median(results["one"]),
+            baseline_name="1 worker process, same load",
+            baseline_unit="turns/s",
+            paired_ratio=paired(results["balanced"], results["one"]),
+            notes=f"{load}; sessions placed by their shards' preferred workers (balance=True), "
+            f"each worker sends to those it runs; sessions per worker {shares}; "
+            f"{spread(results['balanced'])}",
         ),
     ]
 

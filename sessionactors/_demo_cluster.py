@@ -119,14 +119,14 @@ async def _commands() -> AsyncIterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-async def _worker(url: str, prefix: str, worker_id: str, ttl: float) -> None:
+async def _worker(url: str, prefix: str, worker_id: str, ttl: float, balance: bool) -> None:
     from ._agent import Agent
     from ._registry import Registry, open_registry
     from .stores._redis import RedisStore
     from .testing._models import EchoModel
 
     agents = {"echo": Agent(model=EchoModel())}
-    store = RedisStore(url, prefix=prefix)
+    store = RedisStore(url, prefix=prefix, balance=balance)
 
     async def run(registry: Registry, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
@@ -178,10 +178,11 @@ async def _worker(url: str, prefix: str, worker_id: str, ttl: float) -> None:
 
 
 def worker_main(argv: Sequence[str]) -> None:
-    """``worker URL PREFIX WORKER_ID LEASE_TTL``: serve JSON commands on stdin."""
-    url, prefix, worker_id, ttl = argv
+    """``worker URL PREFIX WORKER_ID LEASE_TTL [fixed]``: serve JSON commands on stdin
+    (``fixed``: ``RedisStore(balance=False)``)."""
+    url, prefix, worker_id, ttl, *rest = argv
     with contextlib.suppress(KeyboardInterrupt):
-        trio.run(_worker, url, prefix, worker_id, float(ttl))
+        trio.run(_worker, url, prefix, worker_id, float(ttl), rest != ["fixed"])
 
 
 class WorkerProcess:
@@ -198,10 +199,17 @@ class WorkerProcess:
 
     @classmethod
     async def start(
-        cls, nursery: trio.Nursery, url: str, prefix: str, name: str, ttl: float
+        cls,
+        nursery: trio.Nursery,
+        url: str,
+        prefix: str,
+        name: str,
+        ttl: float,
+        *,
+        balance: bool = True,
     ) -> WorkerProcess:
         command = [sys.executable, "-m", "sessionactors._demo_cluster", "worker"]
-        command += [url, prefix, name, str(ttl)]
+        command += [url, prefix, name, str(ttl)] + ([] if balance else ["fixed"])
         process = await trio.lowlevel.open_process(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )

@@ -395,6 +395,9 @@ class Dispatcher:
     def is_live(self, name: str) -> bool:
         return name in self.sessions.live
 
+    def live_names(self) -> list[str]:
+        return list(self.sessions.live)
+
     async def stored_status(self, name: str) -> Status:
         return (await self.sessions.stored_session(name)).status
 

@@ -1,6 +1,6 @@
 """A worker process for the cluster tests: one registry on a RedisStore, driven by JSON lines.
 
-Usage: cluster_worker.py URL PREFIX WORKER_ID LEASE_TTL MODE WORD_DELAY
+Usage: cluster_worker.py URL PREFIX WORKER_ID LEASE_TTL MODE WORD_DELAY [BALANCE]
 
 MODE is "normal"; "stale-write" (renewals report success without reaching the
 store, as if they were stuck, so that only a fenced write can notice a lost
@@ -8,7 +8,8 @@ lease); "nofence" (stale-write, and writes drop their fencing token: broken
 on purpose, a negative control); or "ack-early" (durability="hibernate": replies
 before the turn is durable, another negative control); or "broken-claim" (a claim
 that hands out a lease whoever holds it, and writes without a fencing token: a
-negative control).
+negative control). BALANCE is "balance" (the default: the workers share the shards
+fairly) or "fixed" (``RedisStore(balance=False)``: a session stays where it woke).
 
 Each stdin line is a command ``{"id": n, "op": ..., ...}``; the answer is one
 stdout line ``{"id": n, ...}``. ``traffic`` also prints ``{"ack": ...}`` after
@@ -238,8 +239,10 @@ async def wake(registry: sa.Registry, cmd: dict[str, Any]) -> None:
     emit({"id": cmd["id"], "live": name in registry.live(), "n": len(history)})
 
 
-async def main(url: str, prefix: str, worker: str, ttl: float, mode: str, delay: float) -> None:
-    store = LoggingStore(url, prefix=prefix)
+async def main(
+    url: str, prefix: str, worker: str, ttl: float, mode: str, delay: float, balance: bool
+) -> None:
+    store = LoggingStore(url, prefix=prefix, balance=balance)
     store.mode = mode
     store.writes = []
     agents = {"echo": sa.Agent(model=EchoOrFail(delay=delay))}
@@ -260,4 +263,5 @@ async def main(url: str, prefix: str, worker: str, ttl: float, mode: str, delay:
 
 if __name__ == "__main__":
     url, prefix, worker, ttl, mode, delay = sys.argv[1:7]
-    trio.run(main, url, prefix, worker, float(ttl), mode, float(delay))
+    balance = (sys.argv[7] if len(sys.argv) > 7 else "balance") == "balance"
+    trio.run(main, url, prefix, worker, float(ttl), mode, float(delay), balance)

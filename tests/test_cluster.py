@@ -119,9 +119,12 @@ class Cluster:
         self.prefix = prefix
         self.workers: list[Worker] = []
 
-    async def start(self, name: str, *, mode: str = "normal", delay: float = 0.0) -> Worker:
+    async def start(
+        self, name: str, *, mode: str = "normal", delay: float = 0.0, balance: bool = True
+    ) -> Worker:
+        """A worker process; with ``balance=False`` its sessions stay where they woke."""
         command = [sys.executable, str(WORKER), self.url, self.prefix, name, str(TTL), mode]
-        command.append(str(delay))
+        command += [str(delay), "balance" if balance else "fixed"]
         process = await trio.lowlevel.open_process(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -141,9 +144,9 @@ class Cluster:
                 nursery.start_soon(one, name)
         return [workers[name] for name in names]
 
-    def registry(self, **options: Any) -> Any:
+    def registry(self, *, balance: bool = True, **options: Any) -> Any:
         """A registry in this process on the same prefix (a worker too)."""
-        store = RedisStore(self.url, prefix=self.prefix)
+        store = RedisStore(self.url, prefix=self.prefix, balance=balance)
         options.setdefault("lease_ttl", TTL)
         return sa.open_registry(store=store, agents=AGENTS, **options)
 
@@ -291,14 +294,14 @@ async def test_requests_through_another_worker_reach_the_owner(any_cluster: Clus
 
 
 async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Cluster) -> None:
-    """A request for a hibernated session wakes it on the worker that received it."""
+    """Without balancing, a request for a hibernated session wakes it on the worker that received it."""
     cluster = any_cluster
     with trio.fail_after(30):
-        a = await cluster.start("a")
+        a = await cluster.start("a", balance=False)
         await a.call("spawn", names=["s"])
         await a.call("send", name="s", text="one")
         await a.call("hibernate", name="s")
-        async with cluster.registry() as b:
+        async with cluster.registry(balance=False) as b:
             assert (await b.ref("s").send("two")).text == "two"
             assert b.live() == ["s"]
             answer = await a.call("send", name="s", text="three")
@@ -307,15 +310,17 @@ async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Clu
             assert user_texts(await b.ref("s").history()) == ["one", "two", "three"]
 
 
-async def rebalance_on_join(cluster: Cluster, idle_timeout: float | None) -> list[str]:
+async def rebalance_on_join(
+    cluster: Cluster, idle_timeout: float | None, *, balance: bool = False
+) -> list[str]:
     """Worker a runs 20 sessions; worker b joins, waits until a has none live (or a
     bound passes) and asks for every other one; then a sends to all 20. The names b runs."""
     names = [f"rebalance-{i}" for i in range(20)]
     with trio.fail_after(60):
-        async with cluster.registry(idle_timeout=idle_timeout) as a:
+        async with cluster.registry(idle_timeout=idle_timeout, balance=balance) as a:
             for name in names:
                 assert (await (await a.spawn(name)).send("one")).text == "one"
-            b = await cluster.start("b")
+            b = await cluster.start("b", balance=balance)
             with trio.move_on_after(1 if idle_timeout is None else 30):
                 while a.live():  # its sessions idle out: their shards go back
                     await trio.sleep(0.05)
@@ -331,16 +336,183 @@ async def rebalance_on_join(cluster: Cluster, idle_timeout: float | None) -> lis
 async def test_a_joining_worker_takes_the_shards_of_sessions_that_went_idle(
     cluster: Cluster,
 ) -> None:
-    """Sessions that idled out on one worker wake on a worker that joined when it is asked
-    first, and stay there: the other worker's requests for them are forwarded."""
+    """Without balancing, sessions that idled out on one worker wake on a worker that joined when it is asked first, and stay there: the other worker's requests for them are forwarded."""
     b_live = await rebalance_on_join(cluster, idle_timeout=0.3)
     assert set(b_live) >= {f"rebalance-{i}" for i in range(1, 20, 2)}
 
 
-async def test_without_idle_timeout_a_joining_worker_takes_no_shard(cluster: Cluster) -> None:
-    """Sessions that never idle keep their shards on their worker: a joining worker's
-    requests for them are forwarded there."""
+async def test_without_balancing_a_joining_worker_takes_no_busy_shard(cluster: Cluster) -> None:
+    """Without balancing, sessions that never idle keep their shards on their worker: a joining worker's requests for them are forwarded there (the negative control of the next test)."""
     assert await rebalance_on_join(cluster, idle_timeout=None) == []
+
+
+async def test_a_joining_worker_takes_its_share_of_the_busy_shards(cluster: Cluster) -> None:
+    """With balancing, a worker that joins gets about half of the shards of sessions that never idle, each session on one worker."""
+    b_live = await rebalance_on_join(cluster, idle_timeout=None, balance=True)
+    assert 4 <= len(b_live) <= 16  # 20 sessions: about 10 each
+
+
+# -- shards shared fairly ------------------------------------------------------------------
+
+
+async def test_a_hibernated_session_wakes_on_its_preferred_worker(cluster: Cluster) -> None:
+    """With balancing, a hibernated session wakes on the same worker whichever worker is asked, the sessions spread over the workers, and none moves afterwards."""
+    names = [f"placed-{i}" for i in range(12)]
+    with trio.fail_after(40):
+        a = await cluster.start("a")
+        await a.call("spawn", names=names)
+        async with cluster.registry(worker_id="b") as b:
+            await trio.sleep(TTL)  # each worker has listed the other
+            placements = []
+            for asker in ("b", "a"):
+                for name in names:
+                    await b.ref(name).hibernate()  # wherever it runs
+                assert (await a.call("live"))["live"] == []
+                assert b.live() == []
+                for name in names:
+                    if asker == "b":
+                        assert (await b.ref(name).send("hi")).text == "hi"
+                    else:
+                        assert (await a.call("send", name=name, text="hi"))["text"] == "hi"
+                on_a = set((await a.call("live"))["live"])
+                on_b = set(b.live())
+                assert on_a | on_b == set(names)
+                assert not on_a & on_b
+                placements.append(on_b)
+            assert placements[0] == placements[1]  # the same worker, whoever asked
+            assert 2 <= len(placements[0]) <= 10  # spread over both
+            stats = b.statistics()
+            await trio.sleep(TTL)  # balancing rounds: nothing to move
+            assert set(b.live()) == placements[0]
+            assert b.statistics().hibernated == stats.hibernated
+
+
+class GatedEcho:
+    """Echoes the user's words once ``gate`` is set: a turn that runs as long as a test wants."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        await self.gate.wait()
+        yield sa.TextChunk(request.messages[-1].content)
+
+
+async def test_a_shard_in_a_long_turn_stays_until_the_turn_ends(cluster: Cluster) -> None:
+    """With balancing, sessions in a turn longer than lease_ttl stay on their worker while it runs (requests for them get answered there after a bounded wait) and spread once their turns ended."""
+    model = GatedEcho()
+    names = [f"long-{i}" for i in range(8)]
+    agents = {"echo": sa.Agent(model=model)}
+
+    def open_worker(worker_id: str) -> Any:
+        store = RedisStore(cluster.url, prefix=cluster.prefix)
+        return sa.open_registry(store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id)
+
+    with trio.fail_after(60):
+        async with open_worker("a") as a:
+            turns = [await (await a.spawn(name)).submit("long turn") for name in names]
+            async with open_worker("b") as b:
+                await trio.sleep(TTL)  # each has listed the other: hand-overs begin
+                with trio.fail_after(4 * TTL):  # held at most lease_ttl, then served on a
+                    for name in names:
+                        assert (await b.ref(name).state()).status is sa.Status.RUNNING
+                assert set(a.live()) == set(names)
+                assert b.live() == []
+                model.gate.set()
+                for turn in turns:
+                    assert (await turn.reply()).text == "long turn"
+                with trio.move_on_after(10 * TTL):  # tried again a few rounds later
+                    while not b.live():
+                        for name in names:
+                            await b.ref(name).state()  # wakes it where it belongs
+                        await trio.sleep(0.05)
+                assert b.live()
+                assert not set(a.live()) & set(b.live())
+
+
+async def shards_follow_the_workers(
+    cluster: Cluster, *, balance: bool
+) -> tuple[set[str], set[str], list[str]]:
+    """Worker a runs 16 busy sessions (turns from every worker all along, each keyed and
+    sent again after a typed error until acknowledged); b joins; then a leaves. (Names on
+    a, names on b, once b holds its share or a bound passes; problems: an error while b
+    joined, sessions not on b once a left, acknowledged turns missing, run twice, or out
+    of order.)"""
+    names = [f"busy-{i}" for i in range(16)]
+    agents = {"echo": sa.Agent(model=EchoModel(delay=0.05))}  # turns in flight all along
+    acked: list[str] = []
+    errors: list[BaseException] = []
+
+    def open_worker(worker_id: str) -> Any:
+        store = RedisStore(cluster.url, prefix=cluster.prefix, balance=balance)
+        return sa.open_registry(
+            store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id, shutdown_grace=1.0
+        )
+
+    async def converse(registry: sa.Registry, sender: str, name: str, stop: trio.Event) -> None:
+        i = 0
+        while not stop.is_set():
+            text = f"{sender}|{name}|{i}"
+            try:
+                reply = await registry.ref(name).send(text, idempotency_key=text)
+            except sa.SessionActorsError as exc:  # typed: sent again with its key
+                errors.append(exc)
+                await trio.sleep(0.01)
+                continue
+            assert reply.text == text
+            acked.append(text)
+            i += 1
+
+    async def run_worker(
+        worker_id: str, leave: trio.Event, task_status: trio.TaskStatus[sa.Registry]
+    ) -> None:
+        async with open_worker(worker_id) as registry:
+            task_status.started(registry)
+            await leave.wait()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            a_stop, a_leave, b_stop, b_leave = (trio.Event() for _ in range(4))
+            a = await nursery.start(run_worker, "a", a_leave)
+            for name in names:
+                await a.spawn(name)
+                nursery.start_soon(converse, a, "a", name, a_stop)
+            while len(acked) < 100 or set(a.live()) != set(names):  # a is busy with all
+                await trio.sleep(0.01)
+            b = await nursery.start(run_worker, "b", b_leave)
+            for name in names:
+                nursery.start_soon(converse, b, "b", name, b_stop)
+            with trio.move_on_after(10 * TTL):  # b gets its share
+                while len(b.live()) < 4 or set(a.live()) & set(b.live()):
+                    await trio.sleep(0.01)
+            on_a, on_b = set(a.live()), set(b.live())
+            problems = [f"error while b joined: {e!r}" for e in errors]  # hand-overs are seamless
+            a_stop.set()
+            a_leave.set()  # a leaves: b takes every session over
+            with trio.move_on_after(10 * TTL):
+                while set(b.live()) != set(names):
+                    await trio.sleep(0.01)
+            problems += [f"{n} not on b once a left" for n in sorted(set(names) - set(b.live()))]
+            b_stop.set()
+            b_leave.set()
+        problems += await turn_problems(cluster, names, acked)
+    return on_a, on_b, problems
+
+
+async def test_busy_sessions_follow_the_workers_that_join_and_leave(cluster: Cluster) -> None:
+    """Busy sessions spread over a worker that joins and all go to the other when one leaves; no acknowledged turn is lost, none runs twice, each sender's turns stay in order."""
+    on_a, on_b, problems = await shards_follow_the_workers(cluster, balance=True)
+    assert problems == []
+    assert len(on_b) >= 4
+    assert on_a
+    assert not on_a & on_b
+
+
+async def test_busy_sessions_without_balancing_stay_where_they_run(cluster: Cluster) -> None:
+    """The same check finds no session on the worker that joined when balancing is off (negative control)."""
+    _, on_b, problems = await shards_follow_the_workers(cluster, balance=False)
+    assert problems == []
+    assert on_b == set()
 
 
 # -- subscriptions across workers --------------------------------------------------------
@@ -415,9 +587,10 @@ async def test_a_subscription_on_another_worker_sees_every_event_through_a_failo
     """A subscriber on a third worker sees every event once and in order, deltas included, while the owner is killed and another takes over."""
     cluster = any_cluster
     with trio.fail_after(50):
-        a, c = await cluster.start_many(["a", "c"], delay=0.05)
+        # (fixed placement: the session stays on a until it dies, then goes to c)
+        a, c = await cluster.start_many(["a", "c"], delay=0.05, balance=False)
         await a.call("spawn", names=["s"])
-        async with cluster.registry() as t:
+        async with cluster.registry(balance=False) as t:
             events: list[sa.Event] = []
             got_event = trio.Event()
             acked: dict[str, str] = {}
@@ -670,8 +843,14 @@ async def kill_rounds(cluster: Cluster, rounds: int, mode: str) -> list[str]:
         workers.append(replacement)
         all_workers.append(replacement)
 
-    acked = [ack for worker in all_workers for ack in worker.acks]
+    acked = [ack["ack"] for worker in all_workers for ack in worker.acks]
     assert len(acked) > 50
+    return await turn_problems(cluster, names, acked)
+
+
+async def turn_problems(cluster: Cluster, names: list[str], acked: list[str]) -> list[str]:
+    """Problems in the histories of ``names`` (user texts ``sender|name|i``): an
+    acknowledged text missing, a text stored twice, a sender's texts out of order."""
     problems = []
     async with cluster.registry() as t:
         for name in names:
@@ -680,9 +859,9 @@ async def kill_rounds(cluster: Cluster, rounds: int, mode: str) -> list[str]:
             for text in texts:
                 counts[text] += 1
             problems += [f"{name}: {text!r} ran {n} times" for text, n in counts.items() if n > 1]
-            for ack in acked:
-                if ack["name"] == name and counts[ack["ack"]] != 1:
-                    problems.append(f"{name}: acknowledged {ack['ack']!r} is missing")
+            for text in acked:
+                if text.split("|")[1] == name and counts[text] != 1:
+                    problems.append(f"{name}: acknowledged {text!r} is missing")
             by_sender: dict[str, list[int]] = defaultdict(list)
             for text in texts:
                 sender, _, i = text.split("|")
@@ -862,7 +1041,11 @@ async def race_to_wake(
     """Worker processes all read a hibernated session none of them has seen at once, then its
     owner hibernates it; a new session each round, so that no worker knows the last owner.
     Problems: a round without exactly one owner."""
-    workers = await cluster.start_many([f"p{i}" for i in range(processes)], mode=mode)
+    # (fixed placement: with balancing, most requests go to the preferred worker, and a
+    # session may move between the answers, so "live" would not mean the only owner)
+    workers = await cluster.start_many(
+        [f"p{i}" for i in range(processes)], mode=mode, balance=False
+    )
     names = [f"race{i}" for i in range(rounds)]
     await workers[0].call("spawn", names=names)
     for name in names:

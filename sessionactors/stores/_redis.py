@@ -579,6 +579,15 @@ class RedisStore:
     to its disk: run the replicas durable too. Leases and the listing order are not
     waited for (fencing does not rest on them surviving).
 
+    ``balance`` (default True): the workers of registries on this store share its
+    shards fairly. Each shard (a fixed group of session names) prefers one of the
+    live workers; a session that wakes goes to its shard's preferred worker, and
+    a worker hands the shards that prefer another worker over to it, a few at a
+    time, at their sessions' turn boundaries. When a worker joins, about 1/n of the
+    shards move to it; when one leaves, its shards spread over the others. With
+    ``balance=False`` a session wakes on the worker that was asked first and stays
+    there while it is live.
+
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or
     unreachable) raises :class:`~sessionactors.StoreError`, as a refused
@@ -603,6 +612,7 @@ class RedisStore:
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
     replicas: int | None = attrs.field(default=None, kw_only=True)
     replica_timeout: float | None = attrs.field(default=None, kw_only=True)
+    balance: bool = attrs.field(default=True, kw_only=True)
     _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
     _client_checked: bool = attrs.field(default=False, init=False)
@@ -645,7 +655,7 @@ class RedisStore:
         from ..workers import open_cluster
         from ._redis_transport import RedisTransport
 
-        return await open_cluster(host, RedisTransport(self), nursery)
+        return await open_cluster(host, RedisTransport(self), nursery, balance=self.balance)
 
     # -- keys ----------------------------------------------------------------------
 
@@ -673,6 +683,10 @@ class RedisStore:
     def _shard_key(self, group: int) -> str:
         """The lease of shard ``group``: the sessions of a key group are leased together."""
         return self._group_key(group, "shard")
+
+    def _shard(self, session_id: str) -> int:
+        """The shard of ``session_id``: its key group, whose sessions are leased together."""
+        return _group(session_id)
 
     def _watch_key(self, session_id: str) -> str:
         """Set while a worker other than the owner subscribes to ``session_id``."""

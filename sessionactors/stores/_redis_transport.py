@@ -30,9 +30,12 @@ class _Redis(Protocol):
     """What the transport uses of its ``RedisStore``: keys and one call with its errors
     translated to ``StoreError``."""
 
+    prefix: str
+
     def _key(self, kind: str, name: str, suffix: str) -> str: ...
     def _keys(self, session_id: str) -> tuple[str, str, str, str, str]: ...
     def _watch_key(self, session_id: str) -> str: ...
+    def _shard(self, session_id: str) -> int: ...
     def _take_watched(self, session_id: str) -> bool: ...
     async def _run(
         self,
@@ -64,6 +67,21 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[2], 'MINID', ARGV[4]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
+"""
+# The live workers: a sorted set scored by when each one's announcement expires
+# (the server's clock, in ms). ARGV: worker, its ttl in ms ('' withdraws it), the
+# set's own expiry in ms. Returns the workers still live.
+_MEMBERS: Final = """
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if ARGV[2] == '' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+else
+  redis.call('ZADD', KEYS[1], ms + tonumber(ARGV[2]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 _LEAVE: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
@@ -133,8 +151,9 @@ class RedisTransport:
     """The transport of a :class:`~sessionactors.stores.RedisStore`, under its prefix.
 
     Keys: ``<prefix>:w:<worker>:alive`` (its incarnation, expiring),
-    ``<prefix>:w:<worker>:inbox`` (a stream) and ``<prefix>:s:<name>:ev`` (a
-    session's events), names escaped as the store escapes them.
+    ``<prefix>:w:<worker>:inbox`` (a stream), ``<prefix>:s:<name>:ev`` (a
+    session's events), names escaped as the store escapes them, and
+    ``<prefix>:workers`` (the live workers, for placing shards).
     """
 
     def __init__(self, store: _Redis) -> None:
@@ -142,6 +161,7 @@ class RedisTransport:
         self._post = Script[bytes](script=_POST)
         self._heartbeat = Script[bytes](script=_HEARTBEAT)
         self._leave = Script[bytes](script=_LEAVE)
+        self._members = Script[bytes](script=_MEMBERS)
         self._publish = Script[bytes](script=_PUBLISH)
         self._events_after = Script[bytes](script=_EVENTS_AFTER)
         self._end_events = Script[bytes](script=_END_EVENTS)
@@ -166,6 +186,17 @@ class RedisTransport:
         await self._store._run(
             "retire worker", None, lambda c: self._leave(keys, [incarnation], client=c)
         )
+
+    async def members(self, worker: str, ttl: float | None) -> list[str]:
+        key = f"{self._store.prefix}:workers"  # one key: single-key commands only
+        args = [worker, "" if ttl is None else _ms(ttl), _ms(3 * (ttl or 1.0))]
+        reply: Any = await self._store._run(
+            "list the workers of", None, lambda c: self._members([key], args, client=c)
+        )
+        return [bytes(member).decode("utf-8", "surrogatepass") for member in reply]
+
+    def shard(self, session_id: str) -> int:
+        return self._store._shard(session_id)
 
     async def watch(self, names: Sequence[str], ttl: float) -> None:
         ms = _ms(3 * ttl)

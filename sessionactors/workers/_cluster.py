@@ -45,12 +45,28 @@ registry:
   every mirrored stream with a single blocking read (on a Redis Cluster, one read per
   slot: see the transport). A local subscription whose session leaves this worker
   (hibernated, or its shard lost) ends as lagged: subscribed again with ``after=``,
-  it follows the session wherever it wakes.
+  it follows the session wherever it wakes;
+* shares the shards fairly (``balance``, the default): every worker lists the live
+  workers every third of ``lease_ttl`` (each one announces itself for ``lease_ttl``)
+  and gives every shard a preferred worker by rendezvous hashing over them, so a
+  worker that joins or leaves moves only about 1/n of the shards. A request for a
+  session of a free shard that prefers another live worker is forwarded there, and
+  wakes the session there. A worker holding shards that prefer another worker hands
+  a few of them over per round (``_HANDOVERS`` at a time): it holds new requests for
+  the shard's sessions, hibernates them once the turns already in their mailboxes
+  are done (a turn boundary: nothing acknowledged is cut or run twice), which
+  releases the shard; the held requests then go to the shard's next owner (its
+  preferred worker wakes it). A shard whose sessions do not all come to rest within
+  ``lease_ttl`` (a long turn, a turn waiting on a review) stays, its held requests
+  are served here, and it is tried again later. Without a fresh list of the
+  workers (the store does not answer), a worker places nothing elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, cast
 
@@ -140,6 +156,9 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "KeyError": KeyError,
 }
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
+_HANDOVERS: Final = 8  # shards a worker hands over at a time (balancing)
+_RETRY_ROUNDS: Final = 10  # balancing rounds before a shard that stayed is tried again
+_BUSY_TRIES: Final = 3  # hibernations a hand-over tries while a session stays busy
 
 
 class Transport(Protocol):
@@ -158,6 +177,15 @@ class Transport(Protocol):
 
     async def lease_owner(self, session_id: str) -> str | None:
         """The worker holding the session's lease, or None."""
+        ...
+
+    async def members(self, worker: str, ttl: float | None) -> list[str]:
+        """Count ``worker`` among the live workers for ``ttl`` seconds (None: no longer);
+        the live workers."""
+        ...
+
+    def shard(self, session_id: str) -> int:
+        """The shard of a session: the sessions whose leases are held together."""
         ...
 
     async def watch(self, names: Sequence[str], ttl: float) -> None:
@@ -340,6 +368,9 @@ class ClusterStatistics:
     owner_deaths: int = 0  # waits that ended because the owner died
     unreachable: int = 0  # requests not sent: the lease holder was not alive
     events_lost: int = 0  # events dropped before reaching the stream (lag markers)
+    placed: int = 0  # requests for a free shard sent to its preferred worker
+    handed_over: int = 0  # shards this worker gave up for their preferred worker
+    kept: int = 0  # handovers given up: the shard's sessions did not come to rest in time
 
 
 class _Forwarded:
@@ -377,6 +408,26 @@ class _Lost:
 
 
 _Item = Event | _CatchUp | _Lost
+
+
+class _Handover:
+    """A shard this worker hands over: its requests wait for ``done``; ``moved`` says
+    whether the shard left (its sessions hibernated) or stays here."""
+
+    __slots__ = ("done", "moved")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.moved = False
+
+
+def _weight(shard: int, worker: str) -> int:
+    """The rendezvous weight of ``worker`` for ``shard``: the heaviest live worker is
+    the shard's preferred one."""
+    digest = hashlib.blake2b(f"{shard}|{worker}".encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(digest.digest(), "big")
+
+
 _OWNER_DIED: Final[dict[str, Any]] = {"died": True}
 
 
@@ -401,9 +452,10 @@ class _Replay:
 class Cluster:
     """One worker's side of the cluster: inbox, forwarding, event streams, mirrors."""
 
-    def __init__(self, host: RouterHost, transport: Transport) -> None:
+    def __init__(self, host: RouterHost, transport: Transport, *, balance: bool = True) -> None:
         self.host = host
         self.transport = transport
+        self.balance = balance
         self.worker = host.worker_id
         self.incarnation = new_id("inc")
         self.ttl = host.config.lease_ttl
@@ -431,6 +483,14 @@ class Cluster:
         self._failed: dict[str, tuple[int, int]] = {}
         self._publishing = False
         self._flushed: trio.Event | None = None  # set once the queue is empty (closing)
+        # Balancing: the live workers as last listed (and when), each shard's preferred
+        # worker among them, the shards being handed over, and when a shard that
+        # stayed may be tried again.
+        self._members: tuple[str, ...] = ()
+        self._members_at = -math.inf
+        self._preferred: dict[int, str] = {}
+        self._leaving: dict[int, _Handover] = {}
+        self._kept: dict[int, float] = {}
 
     def __repr__(self) -> str:
         return f"<Cluster worker={self.worker!r}>"
@@ -462,6 +522,7 @@ class Cluster:
                         await trio.sleep(min(1.0, self.ttl / 3))
                 nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
                 nursery.start_soon(self._read_loop, name="cluster inbox")
+                nursery.start_soon(self._balance_loop, name="cluster balance")
         finally:
             self._nursery = None
             for send in list(self._waiters.values()):
@@ -474,6 +535,7 @@ class Cluster:
         """Flush the events, retire this worker and turn away what its inbox still holds."""
         self._closing = True
         with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
+            await self._withdraw()
             if self._receive.statistics().current_buffer_used or self._publishing:
                 flushed = self._flushed = trio.Event()
                 with trio.move_on_after(min(2.0, self.ttl)):
@@ -583,6 +645,13 @@ class Cluster:
         try:
             op = str(body["op"])
             name = str(body["s"])
+            handover = self._leaving.get(self.transport.shard(name))
+            if handover is not None:  # its shard is leaving: wait, then send it on
+                await handover.done.wait()
+                if handover.moved:
+                    self.stats.moved += 1
+                    await self._answer(body, {"moved": True})
+                    return
             # Not live here (hibernated, or a session of a shard this worker holds):
             # it wakes here, as its shard's owner; a claim refused says "moved".
             if op == "turn":
@@ -661,8 +730,14 @@ class Cluster:
     # ---- the requester's side ------------------------------------------------------
 
     def elsewhere(self, name: str) -> bool:
-        """Whether this worker believes another one runs ``name`` (no I/O)."""
-        return name in self._owners and not self.host.is_live(name)
+        """Whether this worker believes another one runs ``name``, or should (its shard
+        is being handed over, or prefers another worker); no I/O."""
+        shard = self.transport.shard(name)
+        if shard in self._leaving:
+            return True
+        if self.host.is_live(name):
+            return False
+        return name in self._owners or self._preferred_worker(shard) != self.worker
 
     def held_elsewhere(self, name: str) -> None:
         """Note that another worker holds ``name``'s lease (owner not known yet)."""
@@ -763,11 +838,19 @@ class Cluster:
         None if no other worker holds the session (the caller runs it here).
         """
         self._running(name)
+        shard = self.transport.shard(name)
         for attempt in range(_MAX_ATTEMPTS):
+            handover = self._leaving.get(shard)
+            if handover is not None:  # handing the shard over: wait for its next owner
+                await handover.done.wait()
             owner = self._owners.get(name) or None
             if owner is None:
                 owner = await self.transport.lease_owner(name)
-                if owner is None or owner == self.worker:
+                if owner is None:  # a free shard: it wakes at its preferred worker
+                    owner = self._preferred_worker(shard)
+                    if owner != self.worker:
+                        self.stats.placed += 1
+                if owner == self.worker:
                     self._owners.pop(name, None)
                     return None
                 self.held_elsewhere(name)
@@ -781,6 +864,7 @@ class Cluster:
                 if incarnation is None:  # not alive: its leases lapse within lease_ttl
                     self.stats.unreachable += 1
                     self._owners.pop(name, None)
+                    self._drop_member(owner)
                     await trio.sleep(min(self.ttl / 10, 0.01 * (attempt + 1)))
                     continue
                 self.stats.forwarded += 1
@@ -863,6 +947,117 @@ class Cluster:
                     "sent with idempotency_key=... runs once however often it is sent)",
                     session_id=name,
                 ) from failure
+
+    # ---- balancing: shards go to their preferred workers ---------------------------------
+
+    def _preferred_worker(self, shard: int) -> str:
+        """The live worker that ``shard`` prefers (this one without a fresh list)."""
+        if (
+            not self.balance
+            or len(self._members) < 2
+            or trio.current_time() - self._members_at > self.ttl
+        ):
+            return self.worker
+        found = self._preferred.get(shard)
+        if found is None:
+            found = self._preferred[shard] = max(
+                self._members, key=lambda worker: _weight(shard, worker)
+            )
+        return found
+
+    def _set_members(self, members: Sequence[str]) -> None:
+        found = tuple(sorted({*members, self.worker}))
+        if found != self._members:
+            self._members = found
+            self._preferred.clear()
+
+    def _drop_member(self, worker: str) -> None:
+        """A worker found not alive: place nothing there until it is listed again."""
+        if worker in self._members and worker != self.worker:
+            self._set_members([m for m in self._members if m != worker])
+
+    async def _withdraw(self) -> None:
+        """No longer count as a live worker (closing): nothing is placed here any more."""
+        self._members = ()
+        with contextlib.suppress(StoreError):
+            await self.transport.members(self.worker, None)
+
+    async def _balance_loop(self) -> None:
+        """List the live workers every third of ``lease_ttl``; hand over shards that
+        prefer another one."""
+        while not self.host.closing:
+            try:
+                members = await self.transport.members(self.worker, self.ttl)
+            except StoreError as exc:
+                _fatal(exc)  # without a fresh list, nothing is placed elsewhere
+            else:
+                self._members_at = trio.current_time()
+                self._set_members(members)
+                if self.balance and not self._closing:
+                    self._start_handovers()
+            await trio.sleep(self.ttl / 3)
+        await self._withdraw()
+
+    def _start_handovers(self) -> None:
+        """Start handing over the shards held here that prefer another worker, a few at
+        a time, those with the fewest live sessions first."""
+        room = _HANDOVERS - len(self._leaving)
+        if room <= 0 or len(self._members) < 2 or self._nursery is None:
+            return
+        now = trio.current_time()
+        held: dict[int, int] = {}
+        for name in self.host.live_names():
+            shard = self.transport.shard(name)
+            held[shard] = held.get(shard, 0) + 1
+        due = sorted(
+            (count, shard)
+            for shard, count in held.items()
+            if shard not in self._leaving
+            and self._kept.get(shard, -math.inf) <= now
+            and self._preferred_worker(shard) != self.worker
+        )
+        for _, shard in due[:room]:
+            self._leaving[shard] = _Handover()
+            self._nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
+
+    async def _hand_over(self, shard: int) -> None:
+        """Hibernate the shard's sessions here at their next turn boundary (new requests
+        for them wait meanwhile), which releases the shard; or give up after ``lease_ttl``,
+        or at once if a session stays busy (a turn waits on a review)."""
+        handover = self._leaving[shard]
+        host = self.host
+        try:
+            with trio.move_on_after(max(1.0, self.ttl)):
+                busy = 0
+                while True:
+                    names = [n for n in host.live_names() if self.transport.shard(n) == shard]
+                    if not names:
+                        handover.moved = True
+                        break
+                    stayed: list[str] = []
+                    async with trio.open_nursery() as nursery:
+                        for name in names:
+                            nursery.start_soon(self._hibernate_here, name, stayed)
+                    busy += bool(stayed)
+                    if busy >= _BUSY_TRIES:
+                        break
+                    await trio.sleep(0.01)  # (a session that left is gone from the table soon)
+        finally:
+            del self._leaving[shard]
+            handover.done.set()
+            if handover.moved:
+                self.stats.handed_over += 1
+                self._kept.pop(shard, None)
+            else:
+                self.stats.kept += 1
+                self._kept[shard] = trio.current_time() + _RETRY_ROUNDS * self.ttl / 3
+
+    async def _hibernate_here(self, name: str, stayed: list[str]) -> None:
+        """Hibernate a session here once the requests in its mailbox are done; note it in
+        ``stayed`` if it stays live (a turn waits on a review, or a request came in)."""
+        with contextlib.suppress(SessionActorsError):  # gone meanwhile, or fenced out
+            if await self.host.call_here(name, Hibernate()) is False:
+                stayed.append(name)
 
     # ---- events: publishing ------------------------------------------------------------
 
@@ -1147,8 +1342,11 @@ def _closing_error(name: str) -> SessionStoppedError:
     )
 
 
-async def open_cluster(host: RouterHost, transport: Transport, nursery: trio.Nursery) -> Cluster:
-    """Start a registry's multi-worker router over ``transport`` in ``nursery``."""
-    cluster = Cluster(host, transport)
+async def open_cluster(
+    host: RouterHost, transport: Transport, nursery: trio.Nursery, *, balance: bool = True
+) -> Cluster:
+    """Start a registry's multi-worker router over ``transport`` in ``nursery``; with
+    ``balance``, the workers share the shards fairly (see the module docstring)."""
+    cluster = Cluster(host, transport, balance=balance)
     await nursery.start(cluster.run)
     return cluster
