@@ -20,6 +20,7 @@ translation); the Lua scripts keep each step atomic. The multi-worker layer
 from __future__ import annotations
 
 import binascii
+import contextlib
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, cast
@@ -120,6 +121,22 @@ def _slot(key: bytes) -> int:
     """The cluster slot of a key with a hash tag (CRC16/XMODEM of the tag, as Redis)."""
     tag = key[key.index(b"{") + 1 : key.index(b"}")]
     return binascii.crc_hqx(tag, 0) % 16384
+
+
+async def _refusals(connection: Any) -> None:
+    """Raise the error the server answers to a subscription it refuses (a permission)."""
+    async with contextlib.aclosing(connection.streamed_messages) as replies:
+        async for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+
+
+def _first_error(group: BaseExceptionGroup[Any]) -> Exception | None:
+    for exc in group.exceptions:
+        found = _first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if isinstance(found, Exception):
+            return found
+    return None
 
 
 def _ms(seconds: float) -> str:
@@ -272,24 +289,39 @@ class RedisTransport:
             async with acquired as connection:
                 try:
                     connection.send_command(command, channel)
-                    with trio.fail_after(self._store.timeout):
-                        pushes = connection.push_messages.__aiter__()
-                        push = await pushes.__anext__()
+                    async with (
+                        trio.open_nursery() as nursery,
+                        contextlib.aclosing(connection.push_messages) as pushes,
+                    ):
+                        nursery.start_soon(_refusals, connection)
+                        with trio.fail_after(self._store.timeout):
+                            push = await pushes.__anext__()
                         if bytes(push[0]) != kinds[0]:
                             raise coredis.exceptions.ConnectionError(
                                 f"the server answered {push!r} to {command.decode()}"
                             )
-                    subscribed()
-                    async for push in pushes:
-                        kind = bytes(push[0])
-                        if kind == kinds[1]:
-                            deliver(bytes(push[2]))
-                        elif kind == kinds[2]:  # (a cluster moved the slot): subscribe again
-                            raise coredis.exceptions.ConnectionError("unsubscribed by the server")
+                        subscribed()
+                        async for push in pushes:
+                            kind = bytes(push[0])
+                            if kind == kinds[1]:
+                                deliver(bytes(push[2]))
+                            elif kind == kinds[2]:  # (a cluster moved the slot): again
+                                raise coredis.exceptions.ConnectionError(
+                                    "unsubscribed by the server"
+                                )
+                except BaseExceptionGroup as group:  # the cause, for the store to translate
+                    cause = _first_error(group)
+                    if cause is None:
+                        raise
+                    if isinstance(cause, trio.TooSlowError):
+                        raise coredis.exceptions.ConnectionError(
+                            f"{command.decode()} was not acknowledged in time"
+                        ) from group
+                    raise cause from group
                 finally:
                     connection.invalidate()  # subscribed: never back into the pool
 
-        await self._store._run("receive the messages of", None, run, block=math.inf)
+        await self._store._run("subscribe to the requests for", None, run, block=math.inf)
 
     async def read(
         self,
