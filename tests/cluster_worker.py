@@ -8,7 +8,11 @@ lease); "nofence" (stale-write, and writes drop their fencing token: broken
 on purpose, a negative control); or "ack-early" (durability="hibernate": replies
 before the turn is durable, another negative control); or "broken-claim" (a claim
 that hands out a lease whoever holds it, and writes without a fencing token: a
-negative control). BALANCE is "balance" (the default: the workers share the shards
+negative control); or "lose-answer" (the first final answer to each request sent
+to this worker is lost on the way: the requester is told it was heard, as when a
+connection drops after the server counted its subscriber); or "lose-answers" (every
+final answer is lost, copies too: a negative control for the recovery of
+"lose-answer"). BALANCE is "balance" (the default: the workers share the shards
 fairly) or "fixed" (``RedisStore(balance=False)``: a session stays where it woke).
 
 Each stdin line is a command ``{"id": n, "op": ..., ...}``; the answer is one
@@ -26,6 +30,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
+import msgpack
 import trio
 
 import sessionactors as sa
@@ -91,6 +96,26 @@ class LoggingStore(RedisStore):
         if lease is None and self.mode == "broken-claim":  # another holds it: take it anyway
             return Lease(owner=owner, fence=0)
         return lease
+
+    async def open_router(self, host: Any, nursery: trio.Nursery) -> Any:
+        router = await super().open_router(host, nursery)
+        if self.mode in ("lose-answer", "lose-answers"):
+            transport = router.transport
+            send = transport.send
+            lost: set[str] = set()
+
+            async def lossy(worker: str, incarnation: str, message: bytes) -> bool:
+                body = msgpack.unpackb(message, timestamp=3)
+                if body.get("ok") == "reply" and (
+                    self.mode == "lose-answers" or body["re"] not in lost
+                ):
+                    lost.add(body["re"])
+                    await trio.lowlevel.checkpoint()
+                    return True  # "heard", then lost on the way
+                return bool(await send(worker, incarnation, message))
+
+            transport.send = lossy
+        return router
 
     async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
         if self.mode in ("stale-write", "nofence", "broken-claim"):

@@ -293,6 +293,88 @@ async def test_requests_through_another_worker_reach_the_owner(any_cluster: Clus
         assert (await a.call("live"))["live"] == []
 
 
+async def answer_lost_in_transit(cluster: Cluster, mode: str) -> tuple[sa.Reply | None, list[str]]:
+    """A send through this process to a session that worker "a" runs in ``mode``: its
+    reply (None if it failed with WorkerUnreachableError) and the stored user texts."""
+    a = await cluster.start("a", mode=mode)
+    assert (await a.call("spawn", names=["s"]))["ok"]
+    reply = None
+    async with cluster.registry() as b:
+        with contextlib.suppress(sa.WorkerUnreachableError):
+            reply = await b.ref("s").send("one")  # no idempotency key: must not run again
+        texts = user_texts(await b.ref("s").history())
+    return reply, texts
+
+
+async def test_an_answer_lost_in_transit_is_fetched_by_the_waiting_caller(cluster: Cluster) -> None:
+    """A turn's answer that the owner sent but the requester never got reaches the caller when it asks the owner again, and the turn runs once."""
+    with trio.fail_after(30):
+        reply, texts = await answer_lost_in_transit(cluster, "lose-answer")
+    assert reply is not None
+    assert reply.text == "one"
+    assert texts == ["one"]
+
+
+async def test_answers_that_never_arrive_end_in_a_typed_error_not_a_second_run(
+    cluster: Cluster,
+) -> None:
+    """With every answer lost (negative control: the loss is real), the caller gets WorkerUnreachableError within its deadline and the turn still ran once."""
+    with trio.fail_after(30):
+        reply, texts = await answer_lost_in_transit(cluster, "lose-answers")
+    assert reply is None
+    assert texts == ["one"]
+
+
+async def test_a_request_sent_while_its_owner_listens_nowhere_arrives_once_it_listens_again(
+    cluster: Cluster,
+) -> None:
+    """A request sent while the owner is alive but not subscribed (its connection was killed while it was stopped) is sent again until the owner listens again, and runs once."""
+    with trio.fail_after(30):
+        a = await cluster.start("a")
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        async with cluster.registry() as b, coredis.Redis.from_url(cluster.url) as admin:
+            assert (await b.ref("s").send("warm up")).text == "warm up"
+            resumed = False
+            outcome: list[sa.Reply] = []
+
+            async def send() -> None:
+                outcome.append(await b.ref("s").send("one", idempotency_key="k-1"))
+
+            a.signal(signal.SIGSTOP)
+            try:
+                assert await admin.client_kill(type_=PureToken.PUBSUB)  # a's, and b's
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(send)
+                    await trio.sleep(TTL / 2)  # (well within a's liveness: it is alive)
+                    assert not outcome  # not heard while a listens nowhere
+                    resumed = True
+                    a.signal(signal.SIGCONT)
+            finally:
+                if not resumed:
+                    a.signal(signal.SIGCONT)
+            assert outcome[0].text == "one"
+            assert user_texts(await b.ref("s").history()) == ["warm up", "one"]
+
+
+async def test_a_store_user_without_channels_ends_the_registry_with_a_clear_error(
+    redis_url: str,
+) -> None:
+    """A store user that may use the keys and commands but no pub/sub channel ends the registry with StoreConfigurationError naming the channels, not with requests that wait in silence."""
+    user = f"sa-test-{uuid.uuid4().hex[:8]}"
+    async with coredis.Redis.from_url(redis_url) as admin:
+        await admin.acl_setuser(user, "on", ">pw", "~*", "+@all", "resetchannels")
+        try:
+            parts = urlsplit(redis_url)
+            url = parts._replace(netloc=f"{user}:pw@{parts.netloc}").geturl()
+            store = RedisStore(url, prefix=f"sa-test:{uuid.uuid4().hex}")
+            refused = pytest.RaisesExc(sa.StoreConfigurationError, match="channels")
+            with trio.fail_after(20), pytest.RaisesGroup(refused, flatten_subgroups=True):
+                async with sa.open_registry(store=store, agents=AGENTS, lease_ttl=TTL):
+                    await trio.sleep_forever()
+        finally:
+            await admin.acl_deluser([user])
+
+
 async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Cluster) -> None:
     """Without balancing, a request for a hibernated session wakes it on the worker that received it."""
     cluster = any_cluster

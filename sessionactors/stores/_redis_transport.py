@@ -1,5 +1,12 @@
 """The multi-worker transport of ``RedisStore``: liveness keys, inboxes, event streams.
 
+Requests and answers between workers go over pub/sub (``PUBLISH``, or ``SPUBLISH``
+on a Redis Cluster), on a channel per worker incarnation that one dedicated
+connection of that incarnation subscribes to: one round trip each way, never
+written to the append-only file. Pub/sub is at most once: a publish says how many
+subscribers got the message, and the multi-worker layer asks again about anything
+that may have been lost on the way.
+
 A session's events go to its stream only while a worker other than its owner
 subscribes: the owner sets the session's watch key when a subscriber's request
 reaches it, the subscriber's worker renews it, and a worker that wakes the session
@@ -12,11 +19,14 @@ translation); the Lua scripts keep each step atomic. The multi-worker layer
 
 from __future__ import annotations
 
+import binascii
+import contextlib
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, cast
 
 import coredis
+import trio
 from coredis.commands import Script
 
 from .._codec import MAX_SEQ
@@ -37,6 +47,8 @@ class _Redis(Protocol):
     def _watch_key(self, session_id: str) -> str: ...
     def _shard(self, session_id: str) -> int: ...
     def _take_watched(self, session_id: str) -> bool: ...
+    @property
+    def timeout(self) -> float: ...
     async def _run(
         self,
         doing: str,
@@ -54,6 +66,10 @@ _EVENTS_TTL: Final = 24 * 3600.0  # an event stream nobody writes to expires aft
 #: On a cluster, how long a read waits on the inbox's slot before it looks at the
 #: streams of other slots again (milliseconds).
 _CLUSTER_POLL_MS: Final = 20
+
+# The pushes of a subscription: (subscribed, a message, unsubscribed by the server).
+_PLAIN: Final = (b"subscribe", b"message", b"unsubscribe")
+_SHARDED: Final = (b"ssubscribe", b"smessage", b"sunsubscribe")
 
 _POST: Final = """
 local who = redis.call('GET', KEYS[1])
@@ -119,6 +135,28 @@ def _tag(key: str) -> str:
     return key[key.index("{") : key.index("}") + 1]
 
 
+def _slot(key: bytes) -> int:
+    """The cluster slot of a key with a hash tag (CRC16/XMODEM of the tag, as Redis)."""
+    tag = key[key.index(b"{") + 1 : key.index(b"}")]
+    return binascii.crc_hqx(tag, 0) % 16384
+
+
+async def _refusals(connection: Any) -> None:
+    """Raise the error the server answers to a subscription it refuses (a permission)."""
+    async with contextlib.aclosing(connection.streamed_messages) as replies:
+        async for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+
+
+def _first_error(group: BaseExceptionGroup[Any]) -> Exception | None:
+    for exc in group.exceptions:
+        found = _first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if isinstance(found, Exception):
+            return found
+    return None
+
+
 def _ms(seconds: float) -> str:
     return str(max(1, math.ceil(seconds * 1000)))
 
@@ -151,9 +189,11 @@ class RedisTransport:
     """The transport of a :class:`~sessionactors.stores.RedisStore`, under its prefix.
 
     Keys: ``<prefix>:w:<worker>:alive`` (its incarnation, expiring),
-    ``<prefix>:w:<worker>:inbox`` (a stream), ``<prefix>:s:<name>:ev`` (a
-    session's events), names escaped as the store escapes them, and
-    ``<prefix>:workers`` (the live workers, for placing shards).
+    ``<prefix>:w:<worker>:inbox`` (a stream, for wake-ups of the worker's reader),
+    ``<prefix>:s:<name>:ev`` (a session's events), names escaped as the store
+    escapes them, ``<prefix>:workers`` (the live workers, for placing shards), and
+    channel ``<prefix>:w:<worker>:in:<incarnation>`` (requests and answers to that
+    incarnation).
     """
 
     def __init__(self, store: _Redis) -> None:
@@ -168,6 +208,9 @@ class RedisTransport:
 
     def _worker(self, worker: str) -> tuple[str, str]:
         return self._store._key("w", worker, "alive"), self._store._key("w", worker, "inbox")
+
+    def _channel(self, worker: str, incarnation: str) -> str:
+        return self._store._key("w", worker, f"in:{incarnation}")
 
     def _events(self, session_id: str) -> str:
         return self._store._key("s", session_id, "ev")
@@ -237,6 +280,79 @@ class RedisTransport:
             "send a request to", None, lambda c: self._post(keys, args, client=c)
         )
         return None if value is None else bytes(value).decode()
+
+    async def incarnation(self, worker: str) -> str | None:
+        alive = self._worker(worker)[0]
+        value: Any = await self._store._run("look up worker", None, lambda c: c.get(alive))
+        return None if value is None else bytes(value).decode()
+
+    async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
+        channel = self._channel(worker, incarnation)
+
+        async def run(client: Client) -> int:
+            if isinstance(client, coredis.RedisCluster):  # the channel's slot's master
+                return int(await client.spublish(channel, message))
+            return int(await client.publish(channel, message))
+
+        return bool(await self._store._run("send a message to", None, run))
+
+    async def listen(
+        self,
+        worker: str,
+        incarnation: str,
+        deliver: Callable[[bytes], None],
+        subscribed: Callable[[], None],
+    ) -> None:
+        channel = self._channel(worker, incarnation).encode()
+
+        async def run(client: Client) -> None:
+            # One connection of the client's pool, kept for this: the subscription's
+            # messages come straight off it (coredis' PubSub classes add tasks on the
+            # way, and its ShardedPubSub does not give its connections back).
+            pool: Any = client.connection_pool
+            if isinstance(client, coredis.RedisCluster):  # the channel's slot's master
+                node = pool.cluster_layout.node_for_slot(_slot(channel))
+                acquired = pool.acquire(node=node)
+                command, kinds = b"SSUBSCRIBE", _SHARDED
+            else:
+                acquired = pool.acquire()
+                command, kinds = b"SUBSCRIBE", _PLAIN
+            async with acquired as connection:
+                try:
+                    connection.send_command(command, channel)
+                    async with (
+                        trio.open_nursery() as nursery,
+                        contextlib.aclosing(connection.push_messages) as pushes,
+                    ):
+                        nursery.start_soon(_refusals, connection)
+                        with trio.fail_after(self._store.timeout):
+                            push = await pushes.__anext__()
+                        if bytes(push[0]) != kinds[0]:
+                            raise coredis.exceptions.ConnectionError(
+                                f"the server answered {push!r} to {command.decode()}"
+                            )
+                        subscribed()
+                        async for push in pushes:
+                            kind = bytes(push[0])
+                            if kind == kinds[1]:
+                                deliver(bytes(push[2]))
+                            elif kind == kinds[2]:  # (a cluster moved the slot): again
+                                raise coredis.exceptions.ConnectionError(
+                                    "unsubscribed by the server"
+                                )
+                except BaseExceptionGroup as group:  # the cause, for the store to translate
+                    cause = _first_error(group)
+                    if cause is None:
+                        raise
+                    if isinstance(cause, trio.TooSlowError):
+                        raise coredis.exceptions.ConnectionError(
+                            f"{command.decode()} was not acknowledged in time"
+                        ) from group
+                    raise cause from group
+                finally:
+                    connection.invalidate()  # subscribed: never back into the pool
+
+        await self._store._run("subscribe to the requests for", None, run, block=math.inf)
 
     async def read(
         self,

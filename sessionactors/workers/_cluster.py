@@ -7,19 +7,23 @@ The multi-worker layer: a plug-in behind the core's router seam
 registry:
 
 * announces itself: a liveness key holding its incarnation (a fresh id per
-  registry), renewed every third of ``lease_ttl``, and an inbox (a stream named
-  by ``registry.worker_id``) that one task reads;
-* forwards a request for a session whose lease another worker holds to that
-  worker's inbox, naming its own inbox for the answer. The owner runs it through
+  registry), renewed every third of ``lease_ttl``, and a channel of that
+  incarnation that one connection listens to (pub/sub: nothing is written to the
+  store, a send says whether the incarnation listened, and a message can still be
+  lost on the way: the asking below finds out);
+* forwards a request for a session whose lease another worker holds to the
+  channel of that worker's live incarnation (looked up once and kept until a send
+  finds nobody listening), naming its own for the answer. The owner runs it through
   its own registry (waking the session if it hibernated it meanwhile) and answers
   with the reply (codec-encoded), the result, or the error's type and message,
   raised again on this side as the same sessionactors error. "Moved" answers (the
   worker no longer owns the session, or is closing) send the request on to the
   session's current owner;
 * asks the owner about its request while it waits (every third of ``lease_ttl``
-  without word): the ping's post says whether the owner's incarnation is still the
-  live one, and the owner answers "working", its answer again (one whose post
-  failed or was lost), or "unknown" (the request never reached it: sent again).
+  without word): a ping nobody hears asks the store whether the owner's incarnation
+  is still the live one, and the owner answers "working", its answer again (one
+  whose send failed or was lost), or "unknown" (the request never reached it: sent
+  again).
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run. With no
@@ -200,8 +204,29 @@ class Transport(Protocol):
         """Whether this worker's claim of the session found it watched (once per claim)."""
         ...
 
+    async def incarnation(self, worker: str) -> str | None:
+        """The live incarnation of ``worker``, or None."""
+        ...
+
+    async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
+        """Hand ``message`` to that incarnation of ``worker`` if it listens (at most
+        once: it may still be lost on the way); whether it listened."""
+        ...
+
+    async def listen(
+        self,
+        worker: str,
+        incarnation: str,
+        deliver: Callable[[bytes], None],
+        subscribed: Callable[[], None],
+    ) -> None:
+        """Call ``deliver`` with every message sent to this incarnation of ``worker``,
+        once ``subscribed`` was called, until the connection fails (``StoreError``)."""
+        ...
+
     async def post(self, worker: str, message: bytes, ttl: float) -> str | None:
-        """Append to the worker's inbox if it is alive; its incarnation, or None."""
+        """Append to the worker's inbox (it wakes the worker's reader) if it is alive;
+        its incarnation, or None."""
         ...
 
     async def read(
@@ -464,6 +489,8 @@ class Cluster:
         self._closing = False
         self._waiters: dict[str, trio.MemorySendChannel[dict[str, Any]]] = {}
         self._owners: dict[str, str] = {}  # session -> owner hint ("": another, unknown)
+        self._incarnations: dict[str, str] = {}  # worker -> its live incarnation, as last seen
+        self._listening: trio.CancelScope | None = None
         self._serving: set[str] = set()  # ids of the requests being served here
         self._answered: dict[str, bytes] = {}  # the latest answers, by request id
         self._mirrors: dict[str, Hub] = {}
@@ -508,6 +535,7 @@ class Cluster:
                 self._nursery = nursery
                 nursery.start_soon(self._publish_loop, name="cluster events")
                 task_status.started()  # no I/O before this: opening a registry stays cheap
+                await nursery.start(self._listen_loop, name="cluster requests")
                 while True:
                     try:
                         # Start after what an earlier incarnation with this worker id left
@@ -532,7 +560,8 @@ class Cluster:
             self._mirrors.clear()
 
     async def aclose(self) -> None:
-        """Flush the events, retire this worker and turn away what its inbox still holds."""
+        """Flush the events and retire this worker (requests that still reach it until
+        its nursery ends are answered "moved")."""
         self._closing = True
         with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
             await self._withdraw()
@@ -540,15 +569,8 @@ class Cluster:
                 flushed = self._flushed = trio.Event()
                 with trio.move_on_after(min(2.0, self.ttl)):
                     await flushed.wait()
-            try:
+            with contextlib.suppress(StoreError):
                 await self.transport.leave(self.worker, self.incarnation)
-                messages, _ = await self.transport.read(self.worker, self._inbox_last, {}, None)
-            except StoreError:
-                return
-            for _, data in messages:
-                body = _unpack(data)
-                if body is not None and "op" in body and body["op"] != "wake":
-                    await self._answer(body, {"moved": True})
 
     async def _skip_stale_inbox(self) -> None:
         messages, _ = await self.transport.read(self.worker, "0-0", {}, None)
@@ -556,12 +578,40 @@ class Cluster:
             self._inbox_last = messages[-1][0]
             messages, _ = await self.transport.read(self.worker, self._inbox_last, {}, None)
 
+    async def _listen_loop(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Receive this incarnation's requests and answers; subscribe again whenever
+        the connection is lost (messages sent meanwhile are asked about again)."""
+        started = False
+
+        def subscribed() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started()
+
+        while True:
+            with trio.CancelScope() as self._listening:
+                try:
+                    await self.transport.listen(
+                        self.worker, self.incarnation, self._dispatch, subscribed
+                    )
+                except StoreError as exc:
+                    _fatal(exc)
+                    await trio.sleep(min(1.0, self.ttl / 10))
+
     async def _heartbeat_loop(self) -> None:
+        wake = _pack({"op": "wake"})
         while True:
             await trio.sleep(self.ttl / 3)
             keep_from, self._keep_from = self._keep_from, None
             try:
                 await self.transport.heartbeat(self.worker, self.incarnation, self.ttl, keep_from)
+                # A subscription the server dropped in silence is made again.
+                listening = self._listening
+                if not await self.transport.send(self.worker, self.incarnation, wake) and listening:
+                    listening.cancel()
             except StoreError as exc:
                 _fatal(exc)
                 self._keep_from = self._keep_from or keep_from
@@ -702,17 +752,17 @@ class Cluster:
             self._answered[rid] = data
             if len(self._answered) > _ANSWERS_KEPT:
                 del self._answered[next(iter(self._answered))]
-        await self._post_answer(str(request.get("from")), data)
+        await self._post_answer(str(request.get("from")), str(request.get("fi")), data)
 
-    async def _post_answer(self, to: str, data: bytes) -> None:
+    async def _post_answer(self, to: str, incarnation: str, data: bytes) -> None:
         for attempt in range(_ANSWER_ATTEMPTS):
             try:
-                if await self.transport.post(to, data, self.ttl) is not None:
+                if await self.transport.send(to, incarnation, data):
                     return
             except StoreError as exc:
                 _fatal(exc)
-            # not delivered (the requester's liveness key is back within a third of
-            # lease_ttl if the store lost it); its ping fetches the answer otherwise
+            # nobody listened (the requester subscribes again within moments if its
+            # connection dropped); its ping fetches the answer otherwise
             await trio.sleep(min(self.ttl / 3, 0.05 * (attempt + 1)))
 
     async def _pong(self, ping: Mapping[str, Any]) -> None:
@@ -723,7 +773,7 @@ class Cluster:
             state = "working" if rid in self._serving else "unknown"
             data = _pack({"re": rid, "ok": state})
         try:
-            await self.transport.post(str(ping.get("from")), data, self.ttl)
+            await self.transport.send(str(ping.get("from")), str(ping.get("fi")), data)
         except StoreError as exc:
             _fatal(exc)  # otherwise it asks again
 
@@ -751,6 +801,19 @@ class Cluster:
         With ``ack``, return once the owner has accepted the turn (its mailbox had
         room); otherwise once its reply is known.
         """
+        if not ack:  # carried by the caller's task: a caller that gives up abandons it
+            request = {"op": "turn", "s": name, "text": text, "key": key, "ack": False}
+            answer = await self._forward(name, request, retry_safe=key is not None)
+            if answer is None:
+                return None
+            pending = Pending()
+            try:
+                reply = _load_reply(name, self._check(answer, name)["reply"])
+            except Exception as exc:
+                pending.set_error(exc)
+                return new_turn("", name, pending)
+            pending.set_result(reply)
+            return new_turn(reply.turn_id, name, pending)
         nursery = self._running(name)
         forwarded = _Forwarded()
         nursery.start_soon(self._carry_turn, name, text, key, ack, forwarded)
@@ -855,17 +918,32 @@ class Cluster:
                     return None
                 self.held_elsewhere(name)
                 self._owners[name] = owner
-            rid = new_id("rq")
-            send, receive = trio.open_memory_channel[dict[str, Any]](4)
-            self._waiters[rid] = send
-            try:
-                body = {**request, "id": rid, "from": self.worker}
-                incarnation = await self.transport.post(owner, _pack(body), self.ttl)
+            incarnation = self._incarnations.get(owner)
+            if incarnation is None:
+                incarnation = await self.transport.incarnation(owner)
                 if incarnation is None:  # not alive: its leases lapse within lease_ttl
                     self.stats.unreachable += 1
                     self._owners.pop(name, None)
                     self._drop_member(owner)
                     await trio.sleep(min(self.ttl / 10, 0.01 * (attempt + 1)))
+                    continue
+                self._incarnations[owner] = incarnation
+            rid = new_id("rq")
+            send, receive = trio.open_memory_channel[dict[str, Any]](4)
+            self._waiters[rid] = send
+            try:
+                body = {**request, "id": rid, "from": self.worker, "fi": self.incarnation}
+                if not await self.transport.send(owner, incarnation, _pack(body)):
+                    # Nobody listens there: a new incarnation, one that is gone, or one
+                    # between two subscriptions (looked up again next time).
+                    self._incarnations.pop(owner, None)
+                    current = await self.transport.incarnation(owner)
+                    if current is None or current == incarnation:
+                        self.stats.unreachable += 1
+                        self._owners.pop(name, None)
+                        await trio.sleep(min(self.ttl / 10, 0.01 * (attempt + 1)))
+                    else:
+                        self._incarnations[owner] = current
                     continue
                 self.stats.forwarded += 1
                 answer = await self._wait_answer(name, owner, incarnation, rid, receive, on_ack)
@@ -912,7 +990,7 @@ class Cluster:
         heard = trio.current_time()
         acked = False
         failure: StoreError | None = None
-        ping = _pack({"op": "ping", "q": rid, "from": self.worker})
+        ping = _pack({"op": "ping", "q": rid, "from": self.worker, "fi": self.incarnation})
         while True:
             with trio.move_on_after(self.ttl / 3):
                 while True:
@@ -930,13 +1008,15 @@ class Cluster:
                     elif answer.get("ok") != "working":
                         return answer
             try:
-                current = await self.transport.post(owner, ping, self.ttl)
+                # not heard: gone, or between two subscriptions (it hears the next ping)
+                if (
+                    not await self.transport.send(owner, incarnation, ping)
+                    and await self.transport.incarnation(owner) != incarnation
+                ):
+                    return _OWNER_DIED
             except StoreError as exc:
                 _fatal(exc)
                 failure = exc
-            else:
-                if current != incarnation:
-                    return _OWNER_DIED
             silence = trio.current_time() - heard
             if silence > 2 * self.ttl:
                 raise WorkerUnreachableError(
