@@ -82,6 +82,26 @@ async def test_sessions_are_listed_newest_first_in_pages(
             assert [i.session_id for i in await registry.sessions(after=names[4])] == names[5:]
 
 
+async def test_a_listing_follows_every_turn_between_listings(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """Each listing puts the session talked to last first, whatever was listed before it,
+    and a session deleted and made again is listed once, in its new place."""
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(20):
+            for name in ("a", "b", "c"):
+                await (await registry.spawn(name)).send("hi")
+            for name in ("a", "c", "b", "a", "a", "c"):
+                await registry.ref(name).send("again")
+                listed = [i.session_id for i in await registry.sessions()]
+                assert listed[0] == name
+                assert sorted(listed) == ["a", "b", "c"]
+            await registry.delete("b")
+            await (await registry.spawn("b")).send("back")
+            await registry.ref("a").send("last")
+            assert [i.session_id for i in await registry.sessions()] == ["a", "b", "c"]
+
+
 async def test_sessions_filter_by_status_and_metadata(
     make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
 ) -> None:

@@ -193,6 +193,10 @@ class MemoryStore:
     # (activity, session_id) of every session, ascending: listings read it backwards.
     # The sessions active last sit at its end, where moving them costs least.
     _order: list[tuple[int, str]] = attrs.field(init=False, factory=list, repr=False)
+    # Sessions whose info changed since their place in _order was set: a write only
+    # notes it, and the next listing reads the activity of each once (a turn's write
+    # then decodes no info).
+    _moved: set[str] = attrs.field(init=False, factory=set, repr=False)
 
     def __repr__(self) -> str:
         return f"<MemoryStore with {len(self._sessions)} sessions>"
@@ -219,12 +223,23 @@ class MemoryStore:
 
     def _set_info(self, session_id: str, session: _Session, info: bytes) -> None:
         session.info = bytes(info)
-        activity = info_activity(session.info)
-        if activity != session.activity:
-            order = self._order
-            del order[bisect.bisect_left(order, (session.activity, session_id))]
-            session.activity = activity
-            bisect.insort(order, (activity, session_id))
+        self._moved.add(session_id)
+
+    def _reorder(self) -> None:
+        """Put the sessions whose info changed in their places in ``_order``."""
+        moved = self._moved
+        if not moved:
+            return
+        order = self._order
+        sessions = self._sessions
+        for session_id in moved:
+            session = sessions[session_id]
+            activity = info_activity(session.info)
+            if activity != session.activity:
+                del order[bisect.bisect_left(order, (session.activity, session_id))]
+                session.activity = activity
+                bisect.insort(order, (activity, session_id))
+        moved.clear()
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -297,6 +312,7 @@ class MemoryStore:
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         await trio.lowlevel.checkpoint()
+        self._reorder()
         order = self._order
         end = len(order)
         if after is not None:
@@ -322,6 +338,7 @@ class MemoryStore:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
+        self._moved.discard(session_id)
         del self._order[bisect.bisect_left(self._order, (session.activity, session_id))]
         return True
 
