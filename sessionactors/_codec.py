@@ -951,9 +951,12 @@ class _FastBuilder:
             lines += [
                 f"{indent}if {v} is _NO_METADATA: n += 1",
                 f"{indent}else:",
-                f"{indent}    try: n += _check_metadata({v}, '')",
+                f"{indent}    try: {v}_n = _check_metadata({v}, '')",
                 f"{indent}    except _FieldError: {slow}",
-                f"{indent}    {v} = _unstructure_metadata({v})",
+                f"{indent}    n += {v}_n",
+                # a dict without maps or lists in it is plain data as it is: no copy
+                f"{indent}    if {v}_n != 1 or {v}.__class__ is not dict:",
+                f"{indent}        {v} = _unstructure_metadata({v})",
             ]
             return v
         if _is_homogeneous_tuple(type_):
