@@ -116,6 +116,7 @@ __all__ = [
     "dump_event",
     "dump_events",
     "dump_info",
+    "dump_live_info",
     "dump_snapshot",
     "load_event",
     "load_events",
@@ -994,9 +995,12 @@ class _FastBuilder:
         return self.record(inner, v, indent + "    ", inner in _USAGE_OMITTED)
 
 
-def _make_fast(cls: type[Any], tag: str | None) -> Callable[[Any], tuple[dict[str, Any], int]]:
+def _make_fast(
+    cls: type[Any], tag: str | None, *, exact: bool = True
+) -> Callable[[Any], tuple[dict[str, Any], int]]:
     """The fast function of ``cls``: its map (with the tag ``tag``, if given) and the
-    number of maps and arrays in it; raises _Slow for anything unusual."""
+    number of maps and arrays in it; raises _Slow for anything unusual. Without
+    ``exact``, it reads the fields from any object that has them as attributes."""
     names: dict[str, Any] = {
         "_Slow": _Slow,
         "_FieldError": _FieldError,
@@ -1009,7 +1013,10 @@ def _make_fast(cls: type[Any], tag: str | None) -> Callable[[Any], tuple[dict[st
         "cls": cls,
     }
     builder = _FastBuilder(names)
-    builder.lines += ["def fast(o):", "    if o.__class__ is not cls: raise _Slow", "    n = 0"]
+    builder.lines.append("def fast(o):")
+    if exact:
+        builder.lines.append("    if o.__class__ is not cls: raise _Slow")
+    builder.lines.append("    n = 0")
     result = builder.record(cls, "o", "    ", cls in _USAGE_OMITTED)
     if tag is not None:
         builder.lines.append(f"    {result}[{_TAG_KEY!r}] = {tag!r}")
@@ -1022,6 +1029,7 @@ def _make_fast(cls: type[Any], tag: str | None) -> Callable[[Any], tuple[dict[st
 
 _FAST_EVENTS: Final = {cls: _make_fast(cls, tag) for cls, tag in _TAG_OF.items()}
 _fast_info: Final = _make_fast(SessionInfo, None)
+_fast_live_info: Final = _make_fast(SessionInfo, None, exact=False)
 
 
 def _raise(error: Exception) -> int:
@@ -1614,6 +1622,18 @@ def dump_info(info: SessionInfo) -> bytes:
         raise TypeError(f"expected a SessionInfo, got {_type_name(info)}")
     containers = _check(_check_info, info, "info", info.session_id)
     return _encode(_unstructure_info, info, "info", info.session_id, MAX_INFO_BYTES, containers)
+
+
+def dump_live_info(session: Any) -> bytes:
+    """``dump_info(session.info())`` for a live session (any object with the fields of
+    :class:`SessionInfo` as attributes, and ``info()``), without making the record."""
+    try:
+        raw, containers = _fast_live_info(session)
+        data: bytes = _packer().pack(raw)
+    except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
+        return dump_info(session.info())  # the general path says what is wrong
+    _check_size(data, containers, "info", session.session_id, MAX_INFO_BYTES)
+    return data
 
 
 def load_info(data: bytes, *, session_id: str | None = None) -> SessionInfo:
