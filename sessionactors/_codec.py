@@ -1541,7 +1541,8 @@ def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BY
     except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
         pass  # the general path says what is wrong, if anything is
     else:
-        _check_size(data, containers, "journal entry", session_id, max_size)
+        if len(data) > max_size or containers > FREE_CONTAINERS:  # (else within the limits)
+            _check_size(data, containers, "journal entry", session_id, max_size)
         return data
     containers = 1
     for index, event in enumerate(events):
@@ -1616,7 +1617,8 @@ def dump_info(info: SessionInfo) -> bytes:
     except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
         pass  # the general path says what is wrong, if anything is
     else:
-        _check_size(data, containers, "info", info.session_id, MAX_INFO_BYTES)
+        if len(data) > MAX_INFO_BYTES or containers > FREE_CONTAINERS:
+            _check_size(data, containers, "info", info.session_id, MAX_INFO_BYTES)
         return data
     if not isinstance(info, SessionInfo):
         raise TypeError(f"expected a SessionInfo, got {_type_name(info)}")
@@ -1632,7 +1634,8 @@ def dump_live_info(session: Any) -> bytes:
         data: bytes = _packer().pack(raw)
     except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
         return dump_info(session.info())  # the general path says what is wrong
-    _check_size(data, containers, "info", session.session_id, MAX_INFO_BYTES)
+    if len(data) > MAX_INFO_BYTES or containers > FREE_CONTAINERS:
+        _check_size(data, containers, "info", session.session_id, MAX_INFO_BYTES)
     return data
 
 

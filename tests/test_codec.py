@@ -1479,6 +1479,16 @@ def test_metadata_too_dense_to_load_is_refused_on_dump() -> None:
         dump_snapshot(state)
     with pytest.raises(ValueError, match="flatten"):
         dump_events([sa.MetadataChanged(session_id="s", seq=1, metadata=state.metadata)])
+    info = sa.SessionInfo(
+        session_id="s",
+        agent=None,
+        status=sa.Status.IDLE,
+        message_count=0,
+        updated_at=state.updated_at,
+        metadata=state.metadata,
+    )
+    with pytest.raises(ValueError, match="flatten"):
+        dump_info(info)
 
 
 # -- encode only what decodes ---------------------------------------------------------
