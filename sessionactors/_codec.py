@@ -116,6 +116,7 @@ __all__ = [
     "dump_event",
     "dump_events",
     "dump_info",
+    "dump_live_info",
     "dump_snapshot",
     "load_event",
     "load_events",
@@ -495,10 +496,15 @@ def _register_tuple_unstructure(conv: cattrs.Converter, item: type[Any]) -> None
     conv.register_unstructure_hook_func(lambda t: t == target, unstructure)
 
 
+#: The records written without their ``usage`` while it is the default.
+_USAGE_OMITTED: Final = frozenset({Message, SessionState, SessionInfo})
+
+
 def _register_usage_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:
     """``cls`` is written without its ``usage`` while that is the default: records
     without usage keep the bytes they had before the field existed (and load in an
     older sessionactors)."""
+    assert cls in _USAGE_OMITTED  # the fast path omits it too
     conv.register_unstructure_hook(
         cls, make_dict_unstructure_fn(cls, conv, usage=override(omit_if_default=True))
     )
@@ -861,6 +867,169 @@ del _type
 _check_state: Final = _CHECKS[SessionState]
 _check_info: Final = _CHECKS[SessionInfo]
 _check_message: Final = _CHECKS[Message]
+
+
+# -- the fast path: check and unstructure in one generated function --------------
+#
+# A journal entry and an info are written every turn. For each event class and
+# SessionInfo, a function made here from the record's fields (like the checkers)
+# checks every field and builds the record's map in one frame, with its nested
+# records inlined: the same maps, and so the same bytes, as the checker and the
+# cattrs hook make, and the same count of maps and arrays. It accepts only what
+# the checker accepts, more strictly (exact classes, plain metadata); anything
+# else raises _Slow, and the general path (which names what is wrong) runs instead.
+
+
+class _Slow(Exception):
+    """A value the fast path does not take: encode it the general way."""
+
+
+#: Fields written only when they differ from their default (see _register_usage_omitted).
+_OMITTED_IF_DEFAULT: Final = "usage"
+
+
+class _FastBuilder:
+    """The source of one fast function: statements that check and build, variable by
+    variable (``o0`` the record, ``d0`` its map, ``n`` the maps and arrays)."""
+
+    def __init__(self, names: dict[str, Any]) -> None:
+        self.names = names
+        self.lines: list[str] = []
+        self.count = 0
+
+    def name(self, prefix: str, value: Any) -> str:
+        self.count += 1
+        key = f"{prefix}{self.count}"
+        self.names[key] = value
+        return key
+
+    def record(self, cls: type[Any], obj: str, indent: str, omit: bool) -> str:
+        """Statements that check ``obj`` (already known to be a ``cls``) and build its
+        map; the map's variable."""
+        lines = self.lines
+        lines.append(f"{indent}n += 1")
+        items: list[str] = []
+        late: list[str] = []
+        for field in attrs.fields(cls):
+            value = f"{obj}_{field.name}"
+            lines.append(f"{indent}{value} = {obj}.{field.name}")
+            expr = self.field(field.type, value, indent)
+            if omit and field.name == _OMITTED_IF_DEFAULT:
+                default = self.name("default", field.default)
+                late.append(f"{indent}if {value} != {default}: {obj}_d[{field.name!r}] = {expr}")
+            else:
+                items.append(f"{field.name!r}: {expr}")
+        lines.append(f"{indent}{obj}_d = {{{', '.join(items)}}}")
+        lines.extend(late)
+        return f"{obj}_d"
+
+    def field(self, type_: Any, v: str, indent: str) -> str:
+        """Statements that check the value ``v`` of a field of ``type_``; its expression."""
+        lines = self.lines
+        slow = "raise _Slow"
+        if type_ is str:
+            lines.append(f"{indent}if {v}.__class__ is not str: {slow}")
+            return v
+        if type_ == str | None:
+            lines.append(f"{indent}if {v} is not None and {v}.__class__ is not str: {slow}")
+            return v
+        if type_ is int:
+            lines.append(
+                f"{indent}if {v}.__class__ is not int or not 0 <= {v} <= {MAX_SEQ}: {slow}"
+            )
+            return v
+        if type_ is bool:
+            lines.append(f"{indent}if {v}.__class__ is not bool: {slow}")
+            return v
+        if type_ is datetime.datetime:
+            lines.append(f"{indent}if {v}.__class__ is not _datetime or {v}.tzinfo is None: {slow}")
+            return v
+        if _is_enum(type_):
+            enum_name = self.name("enum", type_)
+            lines.append(f"{indent}if {v}.__class__ is not {enum_name}: {slow}")
+            return f"{v}._value_"
+        if _is_metadata(type_):
+            lines += [
+                f"{indent}if {v} is _NO_METADATA: n += 1",
+                f"{indent}else:",
+                f"{indent}    try: {v}_n = _check_metadata({v}, '')",
+                f"{indent}    except _FieldError: {slow}",
+                f"{indent}    n += {v}_n",
+                # a dict without maps or lists in it is plain data as it is: no copy
+                f"{indent}    if {v}_n != 1 or {v}.__class__ is not dict:",
+                f"{indent}        {v} = _unstructure_metadata({v})",
+            ]
+            return v
+        if _is_homogeneous_tuple(type_):
+            item = get_args(type_)[0]
+            hook = self.name("hook", _CONVERTER.get_unstructure_hook(type_))
+            if item is str:
+                count = f"_check_strings({v}, '', '')"
+            elif attrs.has(item):
+                count = f"_check_records({v}, {self.name('check', _CHECKS[item])}, '', '')"
+            else:  # pragma: no cover - no such field today
+                raise TypeError(f"no fast path for a field of type {type_!r}")
+            lines += [
+                f"{indent}if {v}.__class__ is not tuple: {slow}",
+                f"{indent}if {v}:",
+                f"{indent}    try: n += {count}",
+                f"{indent}    except _FieldError: {slow}",
+                f"{indent}    {v} = {hook}({v})",
+                f"{indent}else:",
+                f"{indent}    n += 1",
+                f"{indent}    {v} = []",
+            ]
+            return v
+        inner = type_ if attrs.has(type_) else _optional_record(type_)
+        if inner is None:  # pragma: no cover - no such field today
+            raise TypeError(f"no fast path for a field of type {type_!r}")
+        cls_name = self.name("cls", inner)
+        if inner is type_:
+            lines.append(f"{indent}if {v}.__class__ is not {cls_name}: {slow}")
+            return self.record(inner, v, indent, inner in _USAGE_OMITTED)
+        lines += [
+            f"{indent}if {v} is None: {v}_d = None",
+            f"{indent}elif {v}.__class__ is not {cls_name}: {slow}",
+            f"{indent}else:",
+        ]
+        return self.record(inner, v, indent + "    ", inner in _USAGE_OMITTED)
+
+
+def _make_fast(
+    cls: type[Any], tag: str | None, *, exact: bool = True
+) -> Callable[[Any], tuple[dict[str, Any], int]]:
+    """The fast function of ``cls``: its map (with the tag ``tag``, if given) and the
+    number of maps and arrays in it; raises _Slow for anything unusual. Without
+    ``exact``, it reads the fields from any object that has them as attributes."""
+    names: dict[str, Any] = {
+        "_Slow": _Slow,
+        "_FieldError": _FieldError,
+        "_datetime": datetime.datetime,
+        "_NO_METADATA": NO_METADATA,
+        "_check_metadata": _check_metadata,
+        "_check_records": _check_records,
+        "_check_strings": _check_strings,
+        "_unstructure_metadata": _unstructure_metadata,
+        "cls": cls,
+    }
+    builder = _FastBuilder(names)
+    builder.lines.append("def fast(o):")
+    if exact:
+        builder.lines.append("    if o.__class__ is not cls: raise _Slow")
+    builder.lines.append("    n = 0")
+    result = builder.record(cls, "o", "    ", cls in _USAGE_OMITTED)
+    if tag is not None:
+        builder.lines.append(f"    {result}[{_TAG_KEY!r}] = {tag!r}")
+    builder.lines.append(f"    return {result}, n")
+    code = compile("\n".join(builder.lines), f"<sessionactors codec fast {cls.__name__}>", "exec")
+    exec(code, names)  # at import only: the code is made from the record's own fields
+    fast: Callable[[Any], tuple[dict[str, Any], int]] = names["fast"]
+    return fast
+
+
+_FAST_EVENTS: Final = {cls: _make_fast(cls, tag) for cls, tag in _TAG_OF.items()}
+_fast_info: Final = _make_fast(SessionInfo, None)
+_fast_live_info: Final = _make_fast(SessionInfo, None, exact=False)
 
 
 def _raise(error: Exception) -> int:
@@ -1358,6 +1527,23 @@ def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BY
     if not events:
         raise ValueError("a journal entry holds at least one event")
     session_id = events[0].session_id
+    try:
+        containers = 1
+        maps = []
+        for event in events:
+            fast = _FAST_EVENTS.get(event.__class__)
+            if fast is None:
+                raise _Slow
+            raw, count = fast(event)
+            containers += count
+            maps.append(raw)
+        data: bytes = _packer().pack(maps)
+    except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
+        pass  # the general path says what is wrong, if anything is
+    else:
+        if len(data) > max_size or containers > FREE_CONTAINERS:  # (else within the limits)
+            _check_size(data, containers, "journal entry", session_id, max_size)
+        return data
     containers = 1
     for index, event in enumerate(events):
         check = _CHECKS.get(event.__class__) if event.__class__ in _TAG_OF else None
@@ -1425,10 +1611,32 @@ def _structure_event_map(raw: dict[str, Any], session_id: str | None) -> Event:
 
 def dump_info(info: SessionInfo) -> bytes:
     """Encode a session's short description; raises as :func:`dump_snapshot` does."""
+    try:
+        raw, containers = _fast_info(info)
+        data: bytes = _packer().pack(raw)
+    except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
+        pass  # the general path says what is wrong, if anything is
+    else:
+        if len(data) > MAX_INFO_BYTES or containers > FREE_CONTAINERS:
+            _check_size(data, containers, "info", info.session_id, MAX_INFO_BYTES)
+        return data
     if not isinstance(info, SessionInfo):
         raise TypeError(f"expected a SessionInfo, got {_type_name(info)}")
     containers = _check(_check_info, info, "info", info.session_id)
     return _encode(_unstructure_info, info, "info", info.session_id, MAX_INFO_BYTES, containers)
+
+
+def dump_live_info(session: Any) -> bytes:
+    """``dump_info(session.info())`` for a live session (any object with the fields of
+    :class:`SessionInfo` as attributes, and ``info()``), without making the record."""
+    try:
+        raw, containers = _fast_live_info(session)
+        data: bytes = _packer().pack(raw)
+    except (_Slow, ValueError, TypeError, AttributeError, OverflowError):
+        return dump_info(session.info())  # the general path says what is wrong
+    if len(data) > MAX_INFO_BYTES or containers > FREE_CONTAINERS:
+        _check_size(data, containers, "info", session.session_id, MAX_INFO_BYTES)
+    return data
 
 
 def load_info(data: bytes, *, session_id: str | None = None) -> SessionInfo:

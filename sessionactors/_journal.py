@@ -16,7 +16,7 @@ from collections.abc import Awaitable
 
 import attrs
 
-from ._codec import SnapshotWriter, dump_events, dump_info, dump_snapshot
+from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import StoreError
 from ._events import Event
@@ -114,7 +114,7 @@ class Journal:
         try:
             await self._timed(
                 "append",
-                self.store.append(self.session_id, [entry], dump_info(session.info()), fence=fence),
+                self.store.append(self.session_id, [entry], dump_live_info(session), fence=fence),
             )
         except StoreError as exc:
             self.fault = exc
@@ -186,7 +186,7 @@ class Journal:
             self.store.append(
                 self.session_id,
                 [JournalEntry(event.seq, dump_events([event]))],
-                dump_info(session.info()),
+                dump_live_info(session),
                 fence=fence,
             ),
         )

@@ -199,6 +199,16 @@ class LiveSession:
             )
         return attrs.evolve(state, **changes) if changes else state
 
+    @property
+    def message_count(self) -> int:
+        """As in :meth:`info` (the codec reads the info's fields from a live session)."""
+        return len(self.messages)
+
+    @property
+    def pending_reviews(self) -> int:
+        """As in :meth:`info`."""
+        return len(self.reviews)
+
     def info(self, status: Status | None = None) -> SessionInfo:
         return SessionInfo(
             session_id=self.session_id,

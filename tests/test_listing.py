@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -80,6 +81,56 @@ async def test_sessions_are_listed_newest_first_in_pages(
             assert [len(p) for p in await pages(registry, 3)] == [3, 3, 3, 1]
             assert joined(await pages(registry, 3)) == names
             assert [i.session_id for i in await registry.sessions(after=names[4])] == names[5:]
+
+
+async def test_a_listing_follows_every_turn_between_listings(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """Each listing puts the session talked to last first, whatever was listed before it,
+    and a session deleted and made again is listed once, in its new place."""
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(20):
+            for name in ("a", "b", "c"):
+                await (await registry.spawn(name)).send("hi")
+            for name in ("a", "c", "b", "a", "a", "c"):
+                await registry.ref(name).send("again")
+                listed = [i.session_id for i in await registry.sessions()]
+                assert listed[0] == name
+                assert sorted(listed) == ["a", "b", "c"]
+            await registry.delete("b")
+            await (await registry.spawn("b")).send("back")
+            await registry.ref("a").send("last")
+            assert [i.session_id for i in await registry.sessions()] == ["a", "b", "c"]
+
+
+async def test_the_stored_info_follows_the_state_after_every_turn(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """After each durable turn, the info the store holds says what the session's state
+    says: message count, time, metadata (nested too), reviews and usage."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=echo_agents) as registry:
+        with trio.fail_after(20):
+            meta = {"tier": "gold", "tags": ["a", {"b": 1}], "n": 3}
+            ref = await registry.spawn("s", metadata=meta)
+            for text in ("one", "two", "three"):
+                await ref.send(text)
+                state = await ref.state()
+                (info,) = [
+                    sa.stores.load_info(data)
+                    for name, data in await store.list_sessions()
+                    if name == "s"
+                ]
+                assert attrs.evolve(info, status=state.status) == sa.SessionInfo(
+                    session_id="s",
+                    agent=state.agent,
+                    status=state.status,
+                    message_count=len(state.messages),
+                    updated_at=state.updated_at,
+                    metadata=meta,
+                    pending_reviews=len(state.reviews),
+                    usage=state.usage,
+                )
 
 
 async def test_sessions_filter_by_status_and_metadata(

@@ -182,8 +182,10 @@ class MemoryStore:
     """A :class:`~sessionactors.stores.Store` that keeps everything in this process's memory.
 
     Nothing survives the process; it is meant for tests and exploration. Every
-    method checkpoints, like a real store's would, and leases expire on wall-clock
-    time (``time.time()``), like they do across processes.
+    method checkpoints, like a real store's would, except that ``append`` is only
+    a cancel point (``trio.lowlevel.checkpoint_if_cancelled``): a turn's journal
+    write has nothing to wait for here, so it lets no other task run first. Leases
+    expire on wall-clock time (``time.time()``), like they do across processes.
     """
 
     _sessions: dict[str, _Session] = attrs.field(init=False, factory=dict, repr=False)
@@ -193,6 +195,10 @@ class MemoryStore:
     # (activity, session_id) of every session, ascending: listings read it backwards.
     # The sessions active last sit at its end, where moving them costs least.
     _order: list[tuple[int, str]] = attrs.field(init=False, factory=list, repr=False)
+    # Sessions whose info changed since their place in _order was set: a write only
+    # notes it, and the next listing reads the activity of each once (a turn's write
+    # then decodes no info).
+    _moved: set[str] = attrs.field(init=False, factory=set, repr=False)
 
     def __repr__(self) -> str:
         return f"<MemoryStore with {len(self._sessions)} sessions>"
@@ -219,12 +225,23 @@ class MemoryStore:
 
     def _set_info(self, session_id: str, session: _Session, info: bytes) -> None:
         session.info = bytes(info)
-        activity = info_activity(session.info)
-        if activity != session.activity:
-            order = self._order
-            del order[bisect.bisect_left(order, (session.activity, session_id))]
-            session.activity = activity
-            bisect.insort(order, (activity, session_id))
+        self._moved.add(session_id)
+
+    def _reorder(self) -> None:
+        """Put the sessions whose info changed in their places in ``_order``."""
+        moved = self._moved
+        if not moved:
+            return
+        order = self._order
+        sessions = self._sessions
+        for session_id in moved:
+            session = sessions[session_id]
+            activity = info_activity(session.info)
+            if activity != session.activity:
+                del order[bisect.bisect_left(order, (session.activity, session_id))]
+                session.activity = activity
+                bisect.insort(order, (activity, session_id))
+        moved.clear()
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -256,10 +273,16 @@ class MemoryStore:
         *,
         fence: int | None = None,
     ) -> None:
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
         session = self._get(session_id)
         self._check_fence(session_id, fence)
-        copies = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
+        # kept as they are when nothing can change them (a frozen entry of bytes)
+        copies = [
+            e
+            if e.__class__ is JournalEntry and e.data.__class__ is bytes
+            else JournalEntry(e.seq, bytes(e.data))
+            for e in entries
+        ]
         session.last_seq = _check_entries(session_id, copies, session.last_seq)
         session.journal.extend(copies)
         self._set_info(session_id, session, info)
@@ -297,6 +320,7 @@ class MemoryStore:
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         await trio.lowlevel.checkpoint()
+        self._reorder()
         order = self._order
         end = len(order)
         if after is not None:
@@ -322,6 +346,7 @@ class MemoryStore:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
+        self._moved.discard(session_id)
         del self._order[bisect.bisect_left(self._order, (session.activity, session_id))]
         return True
 
