@@ -182,10 +182,8 @@ class MemoryStore:
     """A :class:`~sessionactors.stores.Store` that keeps everything in this process's memory.
 
     Nothing survives the process; it is meant for tests and exploration. Every
-    method checkpoints, like a real store's would, except that ``append`` is only
-    a cancel point (``trio.lowlevel.checkpoint_if_cancelled``): a turn's journal
-    write has nothing to wait for here, so it lets no other task run first. Leases
-    expire on wall-clock time (``time.time()``), like they do across processes.
+    method checkpoints, like a real store's would, and leases expire on wall-clock
+    time (``time.time()``), like they do across processes.
     """
 
     _sessions: dict[str, _Session] = attrs.field(init=False, factory=dict, repr=False)
@@ -273,7 +271,7 @@ class MemoryStore:
         *,
         fence: int | None = None,
     ) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await trio.lowlevel.checkpoint()
         session = self._get(session_id)
         self._check_fence(session_id, fence)
         # kept as they are when nothing can change them (a frozen entry of bytes)
