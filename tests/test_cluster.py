@@ -669,23 +669,43 @@ async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Clust
     assert len([e for e in replayed if isinstance(e, sa.Delta)]) < 400  # and no more deltas
 
 
+#: Options under which a hibernation trims the journal to its last event and the hub
+#: keeps 5 events: a replay from seq 0 finds the oldest events gone.
+TRIMMING: dict[str, Any] = {"replay_events": 5, "journal_keep_events": 1, "snapshot_every": 1}
+
+
+@pytest.mark.parametrize("path", ["balanced", "wakes-on-subscriber", "runs-on-owner"])
 async def test_replay_on_any_worker_says_where_the_trimmed_journal_begins(
-    any_cluster: Cluster,
+    any_cluster: Cluster, path: str
 ) -> None:
-    """Where the owner's event stream and its journal are both trimmed, subscribe(after=0) on another worker raises EventsExpiredError, and replays from where it says the events begin."""
+    """Where the journal is trimmed, subscribe(after=0) on another worker raises EventsExpiredError at the journal's start, whether the session wakes on the subscriber's worker, runs on another, or goes where its shard prefers, and replays from where it says the events begin."""
     cluster = any_cluster
+    balance = path == "balanced"
+    # A session runs with the options of the worker it runs on: with balancing that
+    # may be either, so both trim alike.
+    b_options = TRIMMING if balance else {}
     with trio.fail_after(30):
         async with (
-            cluster.registry(replay_events=5, journal_keep_events=1, snapshot_every=1) as a,
-            cluster.registry() as b,
+            cluster.registry(balance=balance, **TRIMMING) as a,
+            cluster.registry(balance=balance, **b_options) as b,
         ):
             ref = await a.spawn("s")
             await ref.send(" ".join(f"w{i}" for i in range(400)))  # the stream keeps the last
             await ref.send("three four")
-            await ref.hibernate()  # the snapshot trims the journal to the last 5 seqs
+            await ref.hibernate()  # the snapshot trims the journal to its last event
+            if path == "runs-on-owner":
+                await ref.history()  # wakes it on a (without balancing: where asked)
+                assert (a.live(), b.live()) == (["s"], [])
+            journaled = await journal_events(a.store, "s")
+            assert journaled[0].seq > 1  # the oldest events are gone
             with pytest.raises(sa.EventsExpiredError) as expired:
                 async with b.ref("s").subscribe(after=0):
                     pass
+            if path == "wakes-on-subscriber":
+                assert (a.live(), b.live()) == ([], ["s"])
+            elif path == "runs-on-owner":
+                assert (a.live(), b.live()) == (["s"], [])
+            assert 1 < expired.value.oldest_seq <= journaled[0].seq
             async with b.ref("s").subscribe(after=expired.value.oldest_seq - 1) as stream:
                 first = await stream.__anext__()
             assert first.seq >= expired.value.oldest_seq
