@@ -537,9 +537,9 @@ async def test_events_reach_redis_only_for_a_subscriber_on_another_worker(
 ) -> None:
     """Turns of a session that nobody on another worker subscribes to write no event to redis, a subscriber on its own worker included; once another worker subscribes, it sees the session's events from then on."""
     with trio.fail_after(30):
-        async with (
-            cluster.registry() as a,
-            cluster.registry() as b,
+        async with (  # without balancing the session stays on a
+            cluster.registry(balance=False) as a,
+            cluster.registry(balance=False) as b,
             coredis.Redis.from_url(cluster.url) as admin,
         ):
             ref = await a.spawn("s")
@@ -547,6 +547,7 @@ async def test_events_reach_redis_only_for_a_subscriber_on_another_worker(
                 turn = await ref.submit("one two")
                 seen = await read_until_finished(local, turn.id)
             assert [e.text for e in seen if isinstance(e, sa.Delta)] == ["one", " two"]
+            assert (a.live(), b.live()) == (["s"], [])
             await ref.send("three")
             keys = await event_stream_keys(admin, cluster.prefix)
             assert keys == []
@@ -653,9 +654,13 @@ async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Clust
     cluster = any_cluster
     words = " ".join(f"w{i}" for i in range(400))
     with trio.fail_after(30):
-        async with cluster.registry(replay_events=5) as a, cluster.registry() as b:
+        async with (  # without balancing the session runs on a, with a's options
+            cluster.registry(replay_events=5, balance=False) as a,
+            cluster.registry(balance=False) as b,
+        ):
             ref = await a.spawn("s")
             await ref.send(words)
+            assert (a.live(), b.live()) == (["s"], [])
             journaled = await journal_events(a.store, "s")
             replayed: list[sa.Event] = []
             async with b.ref("s").subscribe(after=0) as stream:
@@ -689,6 +694,8 @@ async def test_replay_on_any_worker_says_where_the_trimmed_journal_begins(
             cluster.registry(balance=balance, **TRIMMING) as a,
             cluster.registry(balance=balance, **b_options) as b,
         ):
+            if balance:  # each worker has listed the other: "s" goes where its shard
+                await trio.sleep(TTL)  # prefers and stays there (one incarnation counts)
             ref = await a.spawn("s")
             await ref.send(" ".join(f"w{i}" for i in range(400)))  # the stream keeps the last
             await ref.send("three four")
@@ -732,12 +739,16 @@ async def test_events_dropped_on_overflow_show_as_lag_never_as_a_gap(cluster: Cl
     with trio.fail_after(40):
         async with (
             # the stream keeps every event (a reader behind a trimmed stream is another matter)
-            cluster.registry(lease_ttl=30, durability="hibernate", replay_events=100_000) as a,
-            cluster.registry(lease_ttl=30, subscriber_buffer=100_000) as b,
+            # (without balancing the session runs on a, with a's options)
+            cluster.registry(
+                lease_ttl=30, durability="hibernate", replay_events=100_000, balance=False
+            ) as a,
+            cluster.registry(lease_ttl=30, subscriber_buffer=100_000, balance=False) as b,
             coredis.Redis.from_url(cluster.url) as admin,
         ):
             ref = await a.spawn("s")
             await ref.send("warm up")
+            assert (a.live(), b.live()) == (["s"], [])
 
             async def subscribe(task_status: trio.TaskStatus[None]) -> None:
                 nonlocal error
@@ -775,11 +786,13 @@ async def test_a_stream_trimmed_past_a_remote_subscriber_shows_as_lag(any_cluste
     error: BaseException | None = None
     with trio.fail_after(40):
         async with (
-            cluster.registry(replay_events=5) as a,  # the stream keeps a few events only
-            cluster.registry(subscriber_buffer=100_000) as b,
+            # the stream keeps a few events only; without balancing the session stays on a
+            cluster.registry(replay_events=5, balance=False) as a,
+            cluster.registry(subscriber_buffer=100_000, balance=False) as b,
         ):
             ref = await a.spawn("s")
             await ref.send("warm up")
+            assert (a.live(), b.live()) == (["s"], [])
             async with b.ref("s").subscribe() as stream:
                 turn = await ref.submit(words)
                 try:
