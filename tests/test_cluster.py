@@ -619,9 +619,9 @@ async def test_events_reach_redis_only_for_a_subscriber_on_another_worker(
 ) -> None:
     """Turns of a session that nobody on another worker subscribes to write no event to redis, a subscriber on its own worker included; once another worker subscribes, it sees the session's events from then on."""
     with trio.fail_after(30):
-        async with (
-            cluster.registry() as a,
-            cluster.registry() as b,
+        async with (  # without balancing the session stays on a
+            cluster.registry(balance=False) as a,
+            cluster.registry(balance=False) as b,
             coredis.Redis.from_url(cluster.url) as admin,
         ):
             ref = await a.spawn("s")
@@ -629,6 +629,7 @@ async def test_events_reach_redis_only_for_a_subscriber_on_another_worker(
                 turn = await ref.submit("one two")
                 seen = await read_until_finished(local, turn.id)
             assert [e.text for e in seen if isinstance(e, sa.Delta)] == ["one", " two"]
+            assert (a.live(), b.live()) == (["s"], [])
             await ref.send("three")
             keys = await event_stream_keys(admin, cluster.prefix)
             assert keys == []
@@ -735,9 +736,13 @@ async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Clust
     cluster = any_cluster
     words = " ".join(f"w{i}" for i in range(400))
     with trio.fail_after(30):
-        async with cluster.registry(replay_events=5) as a, cluster.registry() as b:
+        async with (  # without balancing the session runs on a, with a's options
+            cluster.registry(replay_events=5, balance=False) as a,
+            cluster.registry(balance=False) as b,
+        ):
             ref = await a.spawn("s")
             await ref.send(words)
+            assert (a.live(), b.live()) == (["s"], [])
             journaled = await journal_events(a.store, "s")
             replayed: list[sa.Event] = []
             async with b.ref("s").subscribe(after=0) as stream:
@@ -751,23 +756,45 @@ async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Clust
     assert len([e for e in replayed if isinstance(e, sa.Delta)]) < 400  # and no more deltas
 
 
+#: Options under which a hibernation trims the journal to its last event and the hub
+#: keeps 5 events: a replay from seq 0 finds the oldest events gone.
+TRIMMING: dict[str, Any] = {"replay_events": 5, "journal_keep_events": 1, "snapshot_every": 1}
+
+
+@pytest.mark.parametrize("path", ["balanced", "wakes-on-subscriber", "runs-on-owner"])
 async def test_replay_on_any_worker_says_where_the_trimmed_journal_begins(
-    any_cluster: Cluster,
+    any_cluster: Cluster, path: str
 ) -> None:
-    """Where the owner's event stream and its journal are both trimmed, subscribe(after=0) on another worker raises EventsExpiredError, and replays from where it says the events begin."""
+    """Where the journal is trimmed, subscribe(after=0) on another worker raises EventsExpiredError at the journal's start, whether the session wakes on the subscriber's worker, runs on another, or goes where its shard prefers, and replays from where it says the events begin."""
     cluster = any_cluster
+    balance = path == "balanced"
+    # A session runs with the options of the worker it runs on: with balancing that
+    # may be either, so both trim alike.
+    b_options = TRIMMING if balance else {}
     with trio.fail_after(30):
         async with (
-            cluster.registry(replay_events=5, journal_keep_events=1, snapshot_every=1) as a,
-            cluster.registry() as b,
+            cluster.registry(balance=balance, **TRIMMING) as a,
+            cluster.registry(balance=balance, **b_options) as b,
         ):
+            if balance:  # each worker has listed the other: "s" goes where its shard
+                await trio.sleep(TTL)  # prefers and stays there (one incarnation counts)
             ref = await a.spawn("s")
             await ref.send(" ".join(f"w{i}" for i in range(400)))  # the stream keeps the last
             await ref.send("three four")
-            await ref.hibernate()  # the snapshot trims the journal to the last 5 seqs
+            await ref.hibernate()  # the snapshot trims the journal to its last event
+            if path == "runs-on-owner":
+                await ref.history()  # wakes it on a (without balancing: where asked)
+                assert (a.live(), b.live()) == (["s"], [])
+            journaled = await journal_events(a.store, "s")
+            assert journaled[0].seq > 1  # the oldest events are gone
             with pytest.raises(sa.EventsExpiredError) as expired:
                 async with b.ref("s").subscribe(after=0):
                     pass
+            if path == "wakes-on-subscriber":
+                assert (a.live(), b.live()) == ([], ["s"])
+            elif path == "runs-on-owner":
+                assert (a.live(), b.live()) == (["s"], [])
+            assert 1 < expired.value.oldest_seq <= journaled[0].seq
             async with b.ref("s").subscribe(after=expired.value.oldest_seq - 1) as stream:
                 first = await stream.__anext__()
             assert first.seq >= expired.value.oldest_seq
@@ -794,12 +821,16 @@ async def test_events_dropped_on_overflow_show_as_lag_never_as_a_gap(cluster: Cl
     with trio.fail_after(40):
         async with (
             # the stream keeps every event (a reader behind a trimmed stream is another matter)
-            cluster.registry(lease_ttl=30, durability="hibernate", replay_events=100_000) as a,
-            cluster.registry(lease_ttl=30, subscriber_buffer=100_000) as b,
+            # (without balancing the session runs on a, with a's options)
+            cluster.registry(
+                lease_ttl=30, durability="hibernate", replay_events=100_000, balance=False
+            ) as a,
+            cluster.registry(lease_ttl=30, subscriber_buffer=100_000, balance=False) as b,
             coredis.Redis.from_url(cluster.url) as admin,
         ):
             ref = await a.spawn("s")
             await ref.send("warm up")
+            assert (a.live(), b.live()) == (["s"], [])
 
             async def subscribe(task_status: trio.TaskStatus[None]) -> None:
                 nonlocal error
@@ -837,11 +868,13 @@ async def test_a_stream_trimmed_past_a_remote_subscriber_shows_as_lag(any_cluste
     error: BaseException | None = None
     with trio.fail_after(40):
         async with (
-            cluster.registry(replay_events=5) as a,  # the stream keeps a few events only
-            cluster.registry(subscriber_buffer=100_000) as b,
+            # the stream keeps a few events only; without balancing the session stays on a
+            cluster.registry(replay_events=5, balance=False) as a,
+            cluster.registry(subscriber_buffer=100_000, balance=False) as b,
         ):
             ref = await a.spawn("s")
             await ref.send("warm up")
+            assert (a.live(), b.live()) == (["s"], [])
             async with b.ref("s").subscribe() as stream:
                 turn = await ref.submit(words)
                 try:
