@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,67 @@ async def test_a_failing_request_does_not_fail_its_batch(tmp_path: Path) -> None
             assert await store.read_journal(name, 0) == (0, _entries(1))
         assert await store.read_journal("bad", 0) == (0, _entries(1))
     finally:
+        await store.aclose()
+
+
+async def test_a_refused_append_among_many_after_other_writes_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """Appends grouped after another write of the same transaction (a create): one of
+    them refused fails alone; the create and the other appends commit."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path, busy_timeout=30)
+    names = [f"s{i}" for i in range(30)]
+    blocker: sqlite3.Connection | None = None
+    results: dict[str, BaseException | None] = {}
+    started: set[str] = set()
+
+    async def run(label: str, call: Callable[[], Any]) -> None:
+        started.add(label)
+        try:
+            await call()
+        except Exception as exc:
+            results[label] = exc
+        else:
+            results[label] = None
+
+    try:
+        with trio.fail_after(30):
+            for name in [*names, "stale", "pilot"]:
+                await store.create(name, b"snap", b"info")
+            await store.append("stale", _entries(1), b"info")
+            blocker = sqlite3.connect(path, isolation_level=None)
+            blocker.execute("BEGIN IMMEDIATE")  # holds the write lock: requests pile up
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "pilot", lambda: store.append("pilot", _entries(1), b"i"))
+                await _wait_until(
+                    lambda: "pilot" in started and store.statistics().requests_queued == 0
+                )
+                assert "pilot" not in results  # it waits for the lock
+                nursery.start_soon(run, "new", lambda: store.create("new", b"snap", b"info"))
+                await _wait_until(lambda: store.statistics().requests_queued == 1)
+                for name in names[:15]:
+                    nursery.start_soon(run, name, partial(store.append, name, _entries(1), b"i"))
+                await _wait_until(lambda: store.statistics().requests_queued == 16)
+                nursery.start_soon(run, "stale", lambda: store.append("stale", _entries(1), b"i"))
+                await _wait_until(lambda: store.statistics().requests_queued == 17)
+                for name in names[15:]:
+                    nursery.start_soon(run, name, partial(store.append, name, _entries(1), b"i"))
+                await _wait_until(lambda: store.statistics().requests_queued == 32)
+                blocker.execute("COMMIT")
+        assert store.statistics().largest_batch >= 32
+        failed = {label: exc for label, exc in results.items() if exc is not None}
+        assert list(failed) == ["stale"], failed
+        assert isinstance(failed["stale"], StoreError)
+        assert not isinstance(failed["stale"], SessionNotFoundError)
+        assert failed["stale"].session_id == "stale"
+        assert await store.exists("new")
+        for name in ["pilot", *names]:
+            assert await store.read_journal(name, 0) == (0, _entries(1))
+        assert await store.read_journal("stale", 0) == (0, _entries(1))
+    finally:
+        if blocker is not None:
+            blocker.close()
         await store.aclose()
 
 
