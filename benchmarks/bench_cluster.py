@@ -141,6 +141,21 @@ async def turn_cost(url: str, sends: int, rounds: int) -> tuple[list[float], lis
     return routed_times, alone_times
 
 
+async def converse(procs: list[WorkerProcess], shares: list[list[str]], turns: int) -> float:
+    """Every worker sends ``turns`` turns to each session of its share, all at once; the
+    seconds that took."""
+    begin = now()
+    async with trio.open_nursery() as talking:
+        for proc, share in zip(procs, shares, strict=True):
+
+            async def talk(proc: WorkerProcess = proc, share: list[str] = share) -> None:
+                answer = await proc.call("converse", names=share, turns=turns)
+                assert "error" not in answer, answer
+
+            talking.start_soon(talk)
+    return now() - begin
+
+
 async def throughput(url: str, workers: int, sessions: int, turns: int, across: bool) -> float:
     """Turns per second of ``workers`` processes running ``sessions`` x ``turns``."""
     prefix = f"bench-cluster-{uuid.uuid4().hex[:8]}"
@@ -162,16 +177,7 @@ async def throughput(url: str, workers: int, sessions: int, turns: int, across: 
                 assert "error" not in await proc.call("spawn", names=share)
             if across:  # every worker talks to sessions another one owns
                 shares = shares[1:] + shares[:1]
-            begin = now()
-            async with trio.open_nursery() as talking:
-                for proc, share in zip(procs, shares, strict=True):
-
-                    async def talk(proc: WorkerProcess = proc, share: list[str] = share) -> None:
-                        answer = await proc.call("converse", names=share, turns=turns)
-                        assert "error" not in answer, answer
-
-                    talking.start_soon(talk)
-            elapsed = now() - begin
+            elapsed = await converse(procs, shares, turns)
         finally:
             for proc in procs:
                 await proc.quit()
@@ -206,16 +212,7 @@ async def balanced_throughput(
                 assert "error" not in await proc.call("spawn", names=names[i::workers])
             owned = [list((await proc.call("live"))["live"]) for proc in procs]
             assert sorted(n for share in owned for n in share) == names, "not placed once each"
-            begin = now()
-            async with trio.open_nursery() as talking:
-                for proc, share in zip(procs, owned, strict=True):
-
-                    async def talk(proc: WorkerProcess = proc, share: list[str] = share) -> None:
-                        answer = await proc.call("converse", names=share, turns=turns)
-                        assert "error" not in answer, answer
-
-                    talking.start_soon(talk)
-            elapsed = now() - begin
+            elapsed = await converse(procs, owned, turns)
         finally:
             for proc in procs:
                 await proc.quit()
