@@ -230,6 +230,7 @@ class Actor:
         "_cut",
         "_ready",
         "_rescope",
+        "_scope_cancelled",
         "_system_cache",
         "done",
         "held",
@@ -273,6 +274,7 @@ class Actor:
         self.in_turn = False  # a turn is running in turn_scope: cancel() may cut it
         self._cut: tuple[Pending, str | None] | None = None  # the turn a cut would settle
         self._rescope = False  # leave turn_scope at the next request (see _drive)
+        self._scope_cancelled = False  # cancel_turn() cancelled turn_scope
         self.turn_id = ""
         self.partial: list[str] = []
         self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
@@ -335,6 +337,7 @@ class Actor:
         if not self.in_turn or self.turn_scope is None:
             return False
         self.turn_scope.cancel()
+        self._scope_cancelled = True
         return True
 
     def new_turn_id(self) -> str:
@@ -615,6 +618,7 @@ class Actor:
                 if mail is None:
                     return  # left
             scope = self.turn_scope = trio.CancelScope()
+            self._scope_cancelled = False
             with scope:
                 if await self._serve(mail, outside=False) is None:
                     return  # left
@@ -790,8 +794,7 @@ class Actor:
         finally:
             self.in_turn = False
         self._cut = None
-        scope = self.turn_scope
-        if scope is not None and scope.cancel_called:
+        if self._scope_cancelled:  # (turn_scope.cancel_called, without asking the clock)
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
@@ -874,7 +877,11 @@ class Actor:
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
-        self._set_status(_resting_status(self.session))
+        status = _resting_status(self.session)
+        if status is not Status.IDLE:  # (idle is what the outcome says)
+            self._set_status(status)
+        else:
+            self.session.status = status
         reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         if self.trace is not None:
             outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"

@@ -12,7 +12,13 @@ from typing import Protocol
 import trio
 
 from ._agent import Agent
-from ._events import Event, HistoryEdited, ReviewRequested, ToolCallStarted, ToolResult
+from ._events import (
+    Event,
+    HistoryEdited,
+    ReviewRequested,
+    make_tool_call_started,
+    make_tool_result,
+)
 from ._history import split_for_keep_last
 from ._model import ModelRequest, TextChunk
 from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
@@ -86,7 +92,7 @@ async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tupl
 def record_result(actor: TurnHost, call: ToolCall, content: str, is_error: bool) -> None:
     """The call's result joins the history (as a tool message) with its ToolResult."""
     actor.durable(
-        ToolResult(
+        make_tool_result(
             session_id=actor.session_id,
             seq=actor.next_seq(),
             turn_id=actor.turn_id,
@@ -108,7 +114,7 @@ def _start_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bo
     """
     commit = False
     for call in calls:
-        event = ToolCallStarted(
+        event = make_tool_call_started(
             session_id=actor.session_id, seq=actor.next_seq(), turn_id=actor.turn_id, tool_call=call
         )
         if _idempotent(agent, call):
