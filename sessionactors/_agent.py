@@ -279,8 +279,16 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 usage=usage,
             )
         calls = assemble_calls(step.parts)
-        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=usage)
-        ctx.add_message(message)
+        ctx.add_message(
+            make_message(
+                id=new_id("msg"),
+                role=Role.ASSISTANT,
+                content=text,
+                created_at=utcnow(),
+                tool_calls=calls,
+                usage=usage,
+            )
+        )
         if not await ctx.run_tool_calls(agent, calls):
             return None
         # Tools checkpoint as they run; between steps, only a pending cancel matters.

@@ -51,6 +51,8 @@ class Hub:
 
     __slots__ = (
         "_config",
+        "_max_bytes",
+        "_max_events",
         "_ring",
         "_ring_bytes",
         "_subs",
@@ -64,6 +66,8 @@ class Hub:
         self.session_id = session_id
         self.seq = seq
         self._config = config
+        self._max_events = config.replay_events
+        self._max_bytes = config.replay_bytes
         # events only (a tuple with its size per event would be one more object to keep)
         self._ring: deque[Event] | None = None
         self._ring_bytes = 0
@@ -99,9 +103,9 @@ class Hub:
             ring = self._ring = deque()
         ring.append(event)
         ring_bytes = self._ring_bytes + _size(event)
-        config = self._config
-        if len(ring) > config.replay_events or ring_bytes > config.replay_bytes:
-            while ring and (len(ring) > config.replay_events or ring_bytes > config.replay_bytes):
+        most, most_bytes = self._max_events, self._max_bytes
+        if len(ring) > most or ring_bytes > most_bytes:
+            while ring and (len(ring) > most or ring_bytes > most_bytes):
                 ring_bytes -= _size(ring.popleft())
         self._ring_bytes = ring_bytes
         if self._subs:

@@ -24,6 +24,7 @@ from ._model import ModelRequest, TextChunk
 from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
+from ._tools import ToolOutcome
 
 __all__ = [
     "TurnHost",
@@ -72,13 +73,17 @@ async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tupl
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     await trio.lowlevel.checkpoint_if_cancelled()
     if trace is None:
-        outcome = await tool._run(call.arguments)
-    else:
-        errors: list[BaseException] = []
-        with trace.tool_call(call) as traced:  # current in this task: the tool's spans nest
-            outcome = await tool._run(call.arguments, errors.append)
-            if outcome.is_error:
-                traced.failed(errors[0] if errors else None, outcome.content)
+        return _result(await tool._run(call.arguments))
+    errors: list[BaseException] = []
+    with trace.tool_call(call) as traced:  # current in this task: the tool's spans nest
+        outcome = await tool._run(call.arguments, errors.append)
+        if outcome.is_error:
+            traced.failed(errors[0] if errors else None, outcome.content)
+    return _result(outcome)
+
+
+def _result(outcome: ToolOutcome) -> tuple[str, bool]:
+    """What of a tool's outcome joins the history: its text, storable and within bounds."""
     content = storable(outcome.content)
     if len(content) > MAX_TOOL_RESULT_CHARS:
         content = (
@@ -132,7 +137,14 @@ async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         with trio.CancelScope(shield=True):
             await actor.commit()
     if len(calls) == 1:
-        record_result(actor, calls[0], *await _invoke(agent, calls[0], actor.trace))
+        call = calls[0]
+        tool = agent.find_tool(call.name)
+        if tool is not None and actor.trace is None:  # _invoke's common case, inline
+            await trio.lowlevel.checkpoint_if_cancelled()
+            content, is_error = _result(await tool._run(call.arguments))
+        else:
+            content, is_error = await _invoke(agent, call, actor.trace)
+        record_result(actor, call, content, is_error)
         return
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
 
