@@ -51,8 +51,6 @@ class Hub:
 
     __slots__ = (
         "_config",
-        "_max_bytes",
-        "_max_events",
         "_ring",
         "_ring_bytes",
         "_subs",
@@ -66,8 +64,6 @@ class Hub:
         self.session_id = session_id
         self.seq = seq
         self._config = config
-        self._max_events = config.replay_events
-        self._max_bytes = config.replay_bytes
         # events only (a tuple with its size per event would be one more object to keep)
         self._ring: deque[Event] | None = None
         self._ring_bytes = 0
@@ -103,7 +99,8 @@ class Hub:
             ring = self._ring = deque()
         ring.append(event)
         ring_bytes = self._ring_bytes + _size(event)
-        most, most_bytes = self._max_events, self._max_bytes
+        config = self._config
+        most, most_bytes = config.replay_events, config.replay_bytes
         if len(ring) > most or ring_bytes > most_bytes:
             while ring and (len(ring) > most or ring_bytes > most_bytes):
                 ring_bytes -= _size(ring.popleft())
