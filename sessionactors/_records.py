@@ -56,25 +56,28 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
     fields = attrs.fields(cls)  # type: ignore[arg-type]
     if hasattr(cls, "__attrs_post_init__") or hasattr(cls, "__attrs_pre_init__"):
         raise TypeError(f"{cls.__name__} has an init hook; build it with its constructor")
-    setters: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    setters: dict[str, Any] = {"_new_": object.__new__, "_cls_": cls}
     params: list[str] = []
     body: list[str] = []
     for i, field in enumerate(fields):
         if field.validator is not None or field.converter is not None or not field.init:
-            raise TypeError(f"{cls.__name__}.{field.name} is checked or converted on init")
+            raise TypeError(f"{cls.__name__}.{field.name} does more than store its argument")
         if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
             raise TypeError(f"{cls.__name__}.{field.name} has a factory default")
-        setters[f"_s{i}"] = getattr(cls, field.name).__set__  # the slot's member descriptor
+        name = field.alias or field.name  # the keyword of the class's own __init__
+        if not name.isidentifier() or name.endswith("_"):
+            raise TypeError(f"{cls.__name__}.{field.name}: no maker for this field name")
+        setters[f"_s{i}_"] = getattr(cls, field.name).__set__  # the slot's member descriptor
         if field.default is attrs.NOTHING:
-            params.append(field.name)
+            params.append(name)
         else:
-            setters[f"_d{i}"] = field.default
-            params.append(f"{field.name}=_d{i}")
-        body.append(f"    _s{i}(self, {field.name})")
+            setters[f"_d{i}_"] = field.default
+            params.append(f"{name}=_d{i}_")
+        body.append(f"    _s{i}_(self_, {name})")
     source = (
-        f"def make(*, {', '.join(params)}):\n    self = _new(_cls)\n"
+        f"def make(*, {', '.join(params)}):\n    self_ = _new_(_cls_)\n"
         + "\n".join(body)
-        + "\n    return self\n"
+        + "\n    return self_\n"
     )
     namespace: dict[str, Any] = {}
     exec(compile(source, f"<sessionactors maker {cls.__name__}>", "exec"), setters, namespace)
