@@ -38,7 +38,6 @@ from ._errors import (
     TurnFailedError,
 )
 from ._events import (
-    Delta,
     Event,
     HistoryEdited,
     MessageAdded,
@@ -47,8 +46,11 @@ from ._events import (
     StatusChanged,
     TurnCancelled,
     TurnFailed,
-    TurnFinished,
     TurnStarted,
+    make_delta,
+    make_message_added,
+    make_turn_finished,
+    make_turn_started,
 )
 from ._history import rewind_end, split_for_keep_last
 from ._history_input import KnownIds, check_entry, check_new_ids
@@ -65,6 +67,7 @@ from ._records import (
     ToolCall,
     TurnOutcome,
     TurnStatus,
+    maker,
     new_id,
     storable,
     utcnow,
@@ -170,6 +173,7 @@ NO_REPLY_FAILED: Final = "(no reply: this turn failed)"
 NO_REPLY_CANCELLED: Final = "(no reply: this turn was cancelled)"
 #: How many refused turns (refused before they started) an actor remembers.
 _MAX_REFUSED: Final = 100
+_make_reply: Final = maker(Reply)
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
@@ -226,6 +230,7 @@ class Actor:
         "_cut",
         "_ready",
         "_rescope",
+        "_scope_cancelled",
         "_system_cache",
         "done",
         "held",
@@ -269,6 +274,7 @@ class Actor:
         self.in_turn = False  # a turn is running in turn_scope: cancel() may cut it
         self._cut: tuple[Pending, str | None] | None = None  # the turn a cut would settle
         self._rescope = False  # leave turn_scope at the next request (see _drive)
+        self._scope_cancelled = False  # cancel_turn() cancelled turn_scope
         self.turn_id = ""
         self.partial: list[str] = []
         self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
@@ -331,6 +337,7 @@ class Actor:
         if not self.in_turn or self.turn_scope is None:
             return False
         self.turn_scope.cancel()
+        self._scope_cancelled = True
         return True
 
     def new_turn_id(self) -> str:
@@ -390,9 +397,10 @@ class Actor:
 
     # ---- TurnContext / TurnHost ----------------------------------------------------
 
-    def request_messages(self) -> Sequence[Message]:
+    def request_messages(self, agent: Agent | None = None) -> Sequence[Message]:
         session = self.session
-        agent = self.host.agent_for(session)
+        if agent is None:
+            agent = self.host.agent_for(session)
         key = (session.system_prompt, session.summary, agent.system_prompt)
         cache = self._system_cache
         if cache is None or cache[0] != key:
@@ -400,19 +408,21 @@ class Actor:
         return session.view(cache[1])
 
     def delta(self, text: str) -> None:
-        self.emit(
-            Delta(session_id=self.session_id, seq=self.next_seq(), turn_id=self.turn_id, text=text)
+        hub = self.hub or self._hub()
+        hub.publish(
+            make_delta(
+                session_id=self.session_id, seq=hub.next_seq(), turn_id=self.turn_id, text=text
+            )
         )
 
     def add_message(self, message: Message) -> None:
-        self.durable(
-            MessageAdded(
-                session_id=self.session_id,
-                seq=self.next_seq(),
-                turn_id=self.turn_id,
-                message=message,
-            )
+        hub = self.hub or self._hub()
+        event = make_message_added(
+            session_id=self.session_id, seq=hub.next_seq(), turn_id=self.turn_id, message=message
         )
+        self.session.apply(event)
+        self.journal.unsaved.append(event)
+        hub.publish(event)
 
     def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> Awaitable[bool]:
         return run_tool_calls(self, agent, calls)  # its coroutine: no layer of our own
@@ -608,6 +618,7 @@ class Actor:
                 if mail is None:
                     return  # left
             scope = self.turn_scope = trio.CancelScope()
+            self._scope_cancelled = False
             with scope:
                 if await self._serve(mail, outside=False) is None:
                     return  # left
@@ -721,18 +732,20 @@ class Actor:
             return None
         turn_id = self.turn_id = mail.turn_id
         self.turn_mail = mail
-        self._set_status(Status.RUNNING)
-        self.durable(  # the user's message joins the history with it
-            TurnStarted(
-                session_id=sid,
-                seq=self.next_seq(),
-                turn_id=turn_id,
-                text=mail.text,
-                idempotency_key=key,
-                message_id=new_id("msg"),
-                created_at=utcnow(),
-            )
+        session.status = Status.RUNNING  # (published as the TurnStarted)
+        hub = self.hub or self._hub()
+        event = make_turn_started(  # the user's message joins the history with it
+            session_id=sid,
+            seq=hub.next_seq(),
+            turn_id=turn_id,
+            text=mail.text,
+            idempotency_key=key,
+            message_id=new_id("msg"),
+            created_at=utcnow(),
         )
+        session.apply(event)
+        self.journal.unsaved.append(event)
+        hub.publish(event)
         before = self._compact_before if agent.compaction is not None else None
         return self._drive(agent, mail.pending, key, before=before)
 
@@ -781,8 +794,7 @@ class Actor:
         finally:
             self.in_turn = False
         self._cut = None
-        scope = self.turn_scope
-        if scope is not None and scope.cancel_called:
+        if self._scope_cancelled:  # (turn_scope.cancel_called, without asking the clock)
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
@@ -846,7 +858,7 @@ class Actor:
             self.end_trace("waiting", None)
             return
         else:
-            outcome = TurnFinished(
+            outcome = make_turn_finished(
                 session_id=sid,
                 seq=self.next_seq(),
                 turn_id=turn_id,
@@ -865,8 +877,12 @@ class Actor:
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
-        self._set_status(_resting_status(self.session))
-        reply = Reply(turn_id=turn_id, message=final)
+        status = _resting_status(self.session)
+        if status is not Status.IDLE:  # (idle is what the outcome says)
+            self._set_status(status)
+        else:
+            self.session.status = status
+        reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         if self.trace is not None:
             outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
             self.end_trace(outcome_name, failure)

@@ -17,8 +17,18 @@ import trio
 from ._codec import MAX_SEQ
 from ._errors import MaxStepsError
 from ._history import Estimator, default_estimate
-from ._model import Model, ModelRequest, TextChunk, ToolCallChunk, ToolSpec, UsageChunk
-from ._records import Message, Role, ToolCall, Usage, new_id, storable
+from ._model import Model, TextChunk, ToolCallChunk, ToolSpec, UsageChunk, make_request
+from ._records import (
+    Message,
+    Role,
+    ToolCall,
+    Usage,
+    make_message,
+    make_tool_call,
+    new_id,
+    storable,
+    utcnow,
+)
 from ._telemetry import TurnTrace
 
 __all__ = ["Agent", "Compaction", "TurnContext", "run_turn"]
@@ -83,6 +93,13 @@ class Agent:
     tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
     max_steps: int = attrs.field(default=8)
     compaction: Compaction | None = None
+    # made once from ``tools``: what the model is told, and the tools by name
+    _specs: tuple[ToolSpec, ...] = attrs.field(init=False, repr=False, eq=False, hash=False)
+    _by_name: dict[str, Any] = attrs.field(init=False, repr=False, eq=False, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_specs", tuple([t.spec for t in self.tools]))
+        object.__setattr__(self, "_by_name", {t.name: t for t in self.tools})
 
     @max_steps.validator
     def _check_max_steps(self, _: object, value: int) -> None:
@@ -92,15 +109,11 @@ class Agent:
     @property
     def tool_specs(self) -> tuple[ToolSpec, ...]:
         """What the model is told about the agent's tools."""
-        tools = self.tools
-        return tuple([t.spec for t in tools]) if tools else ()
+        return self._specs
 
     def find_tool(self, name: str) -> Any:
         """The tool called ``name``, or None."""
-        for t in self.tools:
-            if t.name == name:
-                return t
-        return None
+        return self._by_name.get(name)
 
 
 class TurnContext(Protocol):
@@ -113,7 +126,10 @@ class TurnContext(Protocol):
     #: the turn's instrumentation, if the registry has telemetry
     trace: TurnTrace | None
 
-    def request_messages(self) -> Sequence[Message]: ...
+    def request_messages(self, agent: Agent | None = None) -> Sequence[Message]:
+        """What the model is sent: the system messages, then the history."""
+        ...
+
     def delta(self, text: str) -> None: ...
     def add_message(self, message: Message) -> None: ...
     def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> Awaitable[bool]:
@@ -146,7 +162,7 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         calls.append(
-            ToolCall(
+            make_tool_call(
                 id=storable(p.id) if p.id else new_id("call"),
                 name=storable(p.name),
                 arguments=storable("".join(p.arguments)) or "{}",
@@ -211,17 +227,18 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
     Messages with tool calls join the history through ``ctx.add_message``; the
     final one is returned, for the caller to record with the turn's outcome.
     """
-    specs = agent.tool_specs
+    specs = agent._specs
     trace = ctx.trace
+    model = agent.model
     for _step in range(agent.max_steps):
-        request = ModelRequest(
-            session_id=ctx.session_id, messages=ctx.request_messages(), tools=specs
+        request = make_request(
+            session_id=ctx.session_id, messages=ctx.request_messages(agent), tools=specs
         )
         step: _Step | None = None  # made by the first chunk that is not text
         partial = ctx.partial
         partial.clear()
-        call = first = trace.model_call(agent.model, request) if trace is not None else None
-        stream = agent.model.stream(request)
+        call = first = trace.model_call(model, request) if trace is not None else None
+        stream = model.stream(request)
         try:
             async for chunk in stream:
                 if first is not None:
@@ -253,11 +270,25 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
             call.end(usage, None)
         text = storable("".join(partial))
         partial.clear()
-        if step is None or not step.parts:
-            return Message.create(Role.ASSISTANT, text, usage=usage)  # joins with the outcome
+        if step is None or not step.parts:  # the reply: it joins with the outcome
+            return make_message(
+                id=new_id("msg"),
+                role=Role.ASSISTANT,
+                content=text,
+                created_at=utcnow(),
+                usage=usage,
+            )
         calls = assemble_calls(step.parts)
-        message = Message.create(Role.ASSISTANT, text, tool_calls=calls, usage=usage)
-        ctx.add_message(message)
+        ctx.add_message(
+            make_message(
+                id=new_id("msg"),
+                role=Role.ASSISTANT,
+                content=text,
+                created_at=utcnow(),
+                tool_calls=calls,
+                usage=usage,
+            )
+        )
         if not await ctx.run_tool_calls(agent, calls):
             return None
         # Tools checkpoint as they run; between steps, only a pending cancel matters.

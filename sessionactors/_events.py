@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import attrs
 
-from ._records import Message, ReviewRequest, Role, Status, ToolCall
+from ._records import Message, ReviewRequest, Role, Status, ToolCall, make_message, maker
 
 __all__ = [
     "Delta",
@@ -29,6 +29,12 @@ __all__ = [
     "TurnFailed",
     "TurnFinished",
     "TurnStarted",
+    "make_delta",
+    "make_message_added",
+    "make_tool_call_started",
+    "make_tool_result",
+    "make_turn_finished",
+    "make_turn_started",
 ]
 
 
@@ -68,7 +74,7 @@ class TurnStarted(Event):
         """The user's message this turn added to the history (None in 0.1 journals)."""
         if not self.message_id:
             return None
-        return Message(
+        return make_message(
             id=self.message_id, role=Role.USER, content=self.text, created_at=self.created_at
         )
 
@@ -158,7 +164,7 @@ class ToolResult(Event):
         """The tool message this result added to the history (None before 0.2)."""
         if not self.message_id:
             return None
-        return Message(
+        return make_message(
             id=self.message_id,
             role=Role.TOOL,
             content=self.content,
@@ -205,3 +211,12 @@ class MetadataChanged(Event):
     """The session's metadata was replaced."""
 
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+#: Fast constructors of the events a turn makes (see ``_records.maker``).
+make_turn_started: Final = maker(TurnStarted)
+make_delta: Final = maker(Delta)
+make_message_added: Final = maker(MessageAdded)
+make_turn_finished: Final = maker(TurnFinished)
+make_tool_call_started: Final = maker(ToolCallStarted)
+make_tool_result: Final = maker(ToolResult)

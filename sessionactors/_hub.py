@@ -100,8 +100,9 @@ class Hub:
         ring.append(event)
         ring_bytes = self._ring_bytes + _size(event)
         config = self._config
-        if len(ring) > config.replay_events or ring_bytes > config.replay_bytes:
-            while ring and (len(ring) > config.replay_events or ring_bytes > config.replay_bytes):
+        most, most_bytes = config.replay_events, config.replay_bytes
+        if len(ring) > most or ring_bytes > most_bytes:
+            while ring and (len(ring) > most or ring_bytes > most_bytes):
                 ring_bytes -= _size(ring.popleft())
         self._ring_bytes = ring_bytes
         if self._subs:

@@ -8,11 +8,11 @@ reports them, as :class:`UsageChunk`.
 """
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import attrs
 
-from ._records import Message
+from ._records import Message, maker
 
 __all__ = [
     "Model",
@@ -22,6 +22,7 @@ __all__ = [
     "ToolCallChunk",
     "ToolSpec",
     "UsageChunk",
+    "make_request",
 ]
 
 
@@ -46,6 +47,10 @@ class ModelRequest:
     session_id: str
     messages: Sequence[Message]
     tools: tuple[ToolSpec, ...] = ()
+
+
+#: A fast constructor of requests, for the turn loop (see ``_records.maker``).
+make_request: Final = maker(ModelRequest)
 
 
 @attrs.frozen

@@ -43,6 +43,7 @@ from ._records import (
     TurnRecord,
     TurnStatus,
     Usage,
+    make_turn_record,
     utcnow,
 )
 from ._turns import MAX_TURN_RECORDS, session_tag, turn_id_time
@@ -102,13 +103,13 @@ class LiveSession:
     """Mutable state of one session, owned by one actor task."""
 
     __slots__ = (
+        "_open",
         "agent",
         "completed",
         "created_at",
         "event_seq",
         "messages",
         "metadata",
-        "open_turn",
         "reviews",
         "session_id",
         "status",
@@ -135,7 +136,9 @@ class LiveSession:
         self.completed: dict[str, CompletedTurn] = {c.key: c for c in state.completed}
         self.reviews: dict[str, ReviewRequest] = {r.id: r for r in state.reviews}
         self.turn_count = state.turn_count
-        self.open_turn: OpenTurn | None = state.open_turn
+        # The open turn: as the TurnStarted that opened it until someone asks for an
+        # OpenTurn (most turns end without anyone asking; see ``open_turn``).
+        self._open: OpenTurn | TurnStarted | None = state.open_turn
         self.turns: dict[str, TurnRecord] = {t.turn_id: t for t in state.turns}
         self.turns_forgotten = state.turns_forgotten
         self.usage: Usage = state.usage
@@ -232,60 +235,74 @@ class LiveSession:
                 return i
         return -1
 
+    @property
+    def open_turn(self) -> OpenTurn | None:
+        """The turn that began durably and has no outcome yet, or None."""
+        open_ = self._open
+        if isinstance(open_, TurnStarted):
+            open_ = self._open = OpenTurn(
+                turn_id=open_.turn_id,
+                idempotency_key=open_.idempotency_key,
+                message_id=open_.message_id,
+            )
+        return open_
+
+    @open_turn.setter
+    def open_turn(self, value: OpenTurn | None) -> None:
+        self._open = value
+
     def apply(self, event: Event, *, now: datetime.datetime | None = None) -> None:
         """Fold one durable event into the state (events of other kinds only bump seq)."""
         if event.seq > self.event_seq:
             self.event_seq = event.seq
-        if isinstance(event, MessageAdded):
+        if isinstance(event, TurnStarted):
+            self._open = event  # an OpenTurn when asked for (see ``open_turn``)
+            if event.retry_of is None:  # (a retry's user message is in the history)
+                message = event.message
+                if message is not None:  # (0.1: a MessageAdded follows)
+                    self.messages.append(message)
+                    self.updated_at = message.created_at
+        elif isinstance(event, TurnFinished):
+            reply = event.message
+            self._record(event.turn_id, TurnStatus.FINISHED, reply_id=reply.id)
+            self._open = None
+            self.turn_count += 1
+            messages = self.messages
+            if not messages or messages[-1].id != reply.id:
+                messages.append(reply)  # (0.1: a MessageAdded brought it already)
+                if reply.usage is not None:
+                    self.usage += reply.usage
+            self.updated_at = reply.created_at
+            key = event.idempotency_key
+            if key is not None:
+                completed = self.completed
+                completed[key] = CompletedTurn(key=key, turn_id=event.turn_id, reply=reply)
+                if len(completed) > MAX_COMPLETED_KEYS:
+                    del completed[next(iter(completed))]
+        elif isinstance(event, MessageAdded):
             added = event.message
             self.messages.append(added)
             self.updated_at = added.created_at
             if added.usage is not None:
                 self.usage += added.usage
-            return
-        if isinstance(event, TurnStarted):
-            self.open_turn = OpenTurn(
-                turn_id=event.turn_id,
-                idempotency_key=event.idempotency_key,
-                message_id=event.message_id,
-            )
-            message = event.message
-            if message is not None and event.retry_of is None:  # (0.1: a MessageAdded follows)
-                self.messages.append(message)
-                self.updated_at = message.created_at
         elif isinstance(event, ToolResult):
             message = event.message
             if message is not None:  # (0.1 journaled a MessageAdded with it instead)
                 self.messages.append(message)
                 self.updated_at = message.created_at
         elif isinstance(event, ToolCallStarted):
-            if self.open_turn is not None:
-                self.open_turn = attrs.evolve(
-                    self.open_turn,
-                    started_calls=(*self.open_turn.started_calls, event.tool_call.id),
+            open_turn = self.open_turn
+            if open_turn is not None:
+                self._open = attrs.evolve(
+                    open_turn,
+                    started_calls=(*open_turn.started_calls, event.tool_call.id),
                 )
-        elif isinstance(event, TurnFinished):
-            self._record(event.turn_id, TurnStatus.FINISHED, reply_id=event.message.id)
-            self.open_turn = None
-            self.turn_count += 1
-            messages = self.messages
-            if not messages or messages[-1].id != event.message.id:
-                messages.append(event.message)  # (0.1: a MessageAdded brought it already)
-                if event.message.usage is not None:
-                    self.usage += event.message.usage
-            self.updated_at = event.message.created_at
-            if event.idempotency_key is not None:
-                self.completed[event.idempotency_key] = CompletedTurn(
-                    key=event.idempotency_key, turn_id=event.turn_id, reply=event.message
-                )
-                if len(self.completed) > MAX_COMPLETED_KEYS:
-                    del self.completed[next(iter(self.completed))]
         elif isinstance(event, TurnFailed | TurnCancelled):
             if isinstance(event, TurnCancelled):
                 self._record(event.turn_id, TurnStatus.CANCELLED)
             elif not event.lost:  # (a lost turn's outcome is never journaled)
                 self._record(event.turn_id, TurnStatus.FAILED, error=event.error)
-            self.open_turn = None
+            self._open = None
             self.turn_count += 1
             self.updated_at = now or utcnow()
         elif isinstance(event, StatusChanged):
@@ -303,7 +320,8 @@ class LiveSession:
                 self.summary = event.summary or None
             self.updated_at = now or utcnow()
         elif isinstance(event, MetadataChanged):
-            self.metadata = copy.deepcopy(event.metadata)  # its own: the event is published
+            # its own: the event is published
+            self.metadata = copy.deepcopy(event.metadata)
             self.updated_at = now or utcnow()
 
     def _record(
@@ -315,13 +333,13 @@ class LiveSession:
         error: str | None = None,
     ) -> None:
         """Keep how the turn ended (the last MAX_TURN_RECORDS turns)."""
-        open_turn = self.open_turn
-        message_id = open_turn.message_id if open_turn is not None else ""
+        open_ = self._open  # (an OpenTurn or the TurnStarted: both carry message_id)
+        message_id = open_.message_id if open_ is not None else ""
         if error is not None and len(error) > MAX_ERROR_CHARS:
             error = error[:MAX_ERROR_CHARS] + "..."
         turns = self.turns
         turns.pop(turn_id, None)  # (a re-recorded turn moves to the end)
-        turns[turn_id] = TurnRecord(
+        turns[turn_id] = make_turn_record(
             turn_id=turn_id, status=status, message_id=message_id, reply_id=reply_id, error=error
         )
         if len(turns) > MAX_TURN_RECORDS:
@@ -373,8 +391,8 @@ class LiveSession:
             )
         status = unrecorded
         error = None
-        open_turn = self.open_turn
-        if open_turn is not None and open_turn.turn_id == turn_id:
+        open_ = self._open
+        if open_ is not None and open_.turn_id == turn_id:
             status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
         elif refused is not None and turn_id in refused:
             status, error = TurnStatus.FAILED, refused[turn_id]

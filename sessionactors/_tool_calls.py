@@ -12,12 +12,19 @@ from typing import Protocol
 import trio
 
 from ._agent import Agent
-from ._events import Event, HistoryEdited, ReviewRequested, ToolCallStarted, ToolResult
+from ._events import (
+    Event,
+    HistoryEdited,
+    ReviewRequested,
+    make_tool_call_started,
+    make_tool_result,
+)
 from ._history import split_for_keep_last
 from ._model import ModelRequest, TextChunk
 from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
+from ._tools import ToolOutcome
 
 __all__ = [
     "TurnHost",
@@ -41,7 +48,7 @@ class TurnHost(Protocol):
     def emit(self, event: Event) -> None: ...
     def durable(self, event: Event, *, publish: bool = True) -> Event: ...
     def add_message(self, message: Message) -> None: ...
-    def request_messages(self) -> Sequence[Message]: ...
+    def request_messages(self, agent: Agent | None = None) -> Sequence[Message]: ...
     async def commit(self, *, compact: bool = True) -> None: ...
 
 
@@ -66,13 +73,17 @@ async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tupl
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     await trio.lowlevel.checkpoint_if_cancelled()
     if trace is None:
-        outcome = await tool._run(call.arguments)
-    else:
-        errors: list[BaseException] = []
-        with trace.tool_call(call) as traced:  # current in this task: the tool's spans nest
-            outcome = await tool._run(call.arguments, errors.append)
-            if outcome.is_error:
-                traced.failed(errors[0] if errors else None, outcome.content)
+        return _result(await tool._run(call.arguments))
+    errors: list[BaseException] = []
+    with trace.tool_call(call) as traced:  # current in this task: the tool's spans nest
+        outcome = await tool._run(call.arguments, errors.append)
+        if outcome.is_error:
+            traced.failed(errors[0] if errors else None, outcome.content)
+    return _result(outcome)
+
+
+def _result(outcome: ToolOutcome) -> tuple[str, bool]:
+    """What of a tool's outcome joins the history: its text, storable and within bounds."""
     content = storable(outcome.content)
     if len(content) > MAX_TOOL_RESULT_CHARS:
         content = (
@@ -86,7 +97,7 @@ async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tupl
 def record_result(actor: TurnHost, call: ToolCall, content: str, is_error: bool) -> None:
     """The call's result joins the history (as a tool message) with its ToolResult."""
     actor.durable(
-        ToolResult(
+        make_tool_result(
             session_id=actor.session_id,
             seq=actor.next_seq(),
             turn_id=actor.turn_id,
@@ -108,7 +119,7 @@ def _start_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bo
     """
     commit = False
     for call in calls:
-        event = ToolCallStarted(
+        event = make_tool_call_started(
             session_id=actor.session_id, seq=actor.next_seq(), turn_id=actor.turn_id, tool_call=call
         )
         if _idempotent(agent, call):
@@ -126,7 +137,14 @@ async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         with trio.CancelScope(shield=True):
             await actor.commit()
     if len(calls) == 1:
-        record_result(actor, calls[0], *await _invoke(agent, calls[0], actor.trace))
+        call = calls[0]
+        tool = agent.find_tool(call.name)
+        if tool is not None and actor.trace is None:  # _invoke's common case, inline
+            await trio.lowlevel.checkpoint_if_cancelled()
+            content, is_error = _result(await tool._run(call.arguments))
+        else:
+            content, is_error = await _invoke(agent, call, actor.trace)
+        record_result(actor, call, content, is_error)
         return
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
 
@@ -241,7 +259,7 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
     compaction = agent.compaction
     if compaction is None:
         return
-    if compaction.estimate(actor.request_messages()) <= compaction.max_tokens:
+    if compaction.estimate(actor.request_messages(agent)) <= compaction.max_tokens:
         return
     history = actor.session.messages
     cut = split_for_keep_last(history, compaction.keep_last)

@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from ._model import ToolSpec
+from ._records import maker
 
 __all__ = ["Tool", "ToolOutcome", "tool"]
 
@@ -54,6 +55,9 @@ class ToolOutcome:
 
     content: str
     is_error: bool = False
+
+
+_outcome: Final = maker(ToolOutcome)
 
 
 def _check_name(_instance: object, _attribute: object, name: Any) -> None:
@@ -148,27 +152,34 @@ class Tool:
         for cancellation itself; a tool that blocks yields anyway). ``on_error`` hears
         the exception a failing function raised."""
         parsed = _parse_arguments(self.name, arguments)
-        if isinstance(parsed, ToolOutcome):
+        if isinstance(parsed, ToolOutcome):  # not valid JSON
             return parsed
-        errors: list[str] = []
         schema = self._spec.parameters
         # No arguments always fit a schema derived from a signature that requires none.
         if parsed or self.parameters is not None or schema.get("required"):
+            errors: list[str] = []
             _check(schema, parsed, (), errors)
-        if errors:
-            return ToolOutcome(
-                content=f"arguments for tool {self.name!r} are invalid: " + "; ".join(errors),
-                is_error=True,
-            )
+            if errors:
+                return _outcome(
+                    content=f"arguments for tool {self.name!r} are invalid: " + "; ".join(errors),
+                    is_error=True,
+                )
         try:
-            kwargs = {key: self._converters.get(key, _identity)(v) for key, v in parsed.items()}
-            result = self.fn(**kwargs)
+            if parsed:
+                converters = self._converters
+                result = self.fn(
+                    **{key: converters.get(key, _identity)(v) for key, v in parsed.items()}
+                )
+            else:
+                result = self.fn()
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
         except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only
             if on_error is not None:
                 on_error(exc)
-            return ToolOutcome(content=_describe_exception(exc), is_error=True)
+            return _outcome(content=_describe_exception(exc), is_error=True)
+        if result.__class__ is str:
+            return _outcome(content=result, is_error=False)
         return _encode_result(self.name, result)
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import datetime
 
+import attrs
 import msgpack
+import pytest
 import trio
 
 import sessionactors as sa
 from sessionactors.stores import JournalEntry, MemoryStore, dump_events
-from sessionactors.testing import EchoModel, journal_events
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, journal_events
 
 ECHO = {"echo": sa.Agent(model=EchoModel())}
 
@@ -109,3 +111,46 @@ async def test_a_journal_written_by_0_1_folds_to_the_state_of_today() -> None:
     assert list(old.messages) == [user, asks, result, final]
     assert old.messages == new.messages
     assert (old.turn_count, old.open_turn, old.summary) == (new.turn_count, new.open_turn, None)
+
+
+async def test_the_records_a_turn_makes_are_whole_frozen_values() -> None:
+    """Every event a turn with a tool call publishes, the messages it adds and the model
+    request it makes are frozen values with every field set, equal to themselves rebuilt
+    through their class."""
+
+    @sa.tool
+    async def lookup(order: str) -> str:
+        """Look an order up."""
+        return f"{order} shipped"
+
+    model = ScriptedModel(
+        [
+            Scripted(
+                text="Checking.",
+                tool_calls=[sa.ToolCall(id="call-1", name="lookup", arguments='{"order": "A1"}')],
+            ),
+            "It shipped.",
+        ]
+    )
+    agents = {"tools": sa.Agent(model=model, tools=[lookup])}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("records", agent="tools")
+        async with ref.subscribe() as events:
+            reply = await ref.send("where is A1?")
+            published: list[sa.Event] = []
+            with trio.fail_after(5):
+                async for event in events:
+                    published.append(event)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+        history = await ref.history()
+    values: list[object] = [*published, *history, *model.requests, reply]
+    values += [c for m in history for c in m.tool_calls]
+    kinds = {type(e) for e in published}
+    assert {sa.TurnStarted, sa.Delta, sa.MessageAdded, sa.ToolCallStarted, sa.ToolResult} <= kinds
+    for value in values:
+        fields = attrs.fields(type(value))
+        assert all(hasattr(value, f.name) for f in fields), value
+        assert attrs.evolve(value) == value  # type: ignore[misc]
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            value.seq = 0  # type: ignore[attr-defined]
