@@ -460,6 +460,17 @@ async def test_the_worker_channel_runs_over_tls(
     assert {c["laddr"] for c in channels} == {f"127.0.0.1:{tls_port}"}  # the TLS port
 
 
+async def test_the_worker_channel_runs_over_a_unix_socket(
+    private_redis_server: Callable[..., AbstractContextManager[str]], tmp_path: Path
+) -> None:
+    """With a unix:// url, the worker channel's own connections come in over that socket and carry a forwarded send."""
+    path = tmp_path / "redis.sock"
+    with private_redis_server(config=("--unixsocket", str(path))) as plain:
+        channels = await forwarded_over(f"unix://{path}", plain)
+    assert len(channels) >= 2
+    assert all(str(path) in c["laddr"] for c in channels), channels
+
+
 async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Cluster) -> None:
     """Without balancing, a request for a hibernated session wakes it on the worker that received it."""
     cluster = any_cluster

@@ -226,7 +226,8 @@ class _Links:
     publishes too, and on a cluster one to each other master published to, read by
     tasks of the subscription's nursery."""
 
-    def __init__(self, subscribed: RespConnection, nursery: trio.Nursery) -> None:
+    def __init__(self, channel: bytes, subscribed: RespConnection, nursery: trio.Nursery) -> None:
+        self.channel = channel  # the one subscribed to
         self._subscribed = subscribed
         self._nursery = nursery
         self._nodes: dict[str, RespConnection] = {str(subscribed.endpoint): subscribed}
@@ -384,7 +385,10 @@ class RedisTransport:
 
         async def run(client: Client) -> int:
             links = self._links
-            if links is not None:
+            # (a message to this worker's own channel, its check that it still listens,
+            # goes the way other workers' messages come: after a Sentinel failover
+            # the channel's connection may still reach the old master)
+            if links is not None and channel != links.channel:
                 try:
                     return await links.publish(client, channel, message)
                 except coredis.exceptions.RedisError:
@@ -435,7 +439,7 @@ class RedisTransport:
                             f"{command.decode()} was not acknowledged in time"
                         )
                     assert connection is not None
-                    self._links = _Links(connection, nursery)
+                    self._links = _Links(channel, connection, nursery)
                     subscribed()
             except BaseExceptionGroup as group:  # the cause, for the store to translate
                 cause = _first_error(group)
