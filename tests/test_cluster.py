@@ -471,6 +471,34 @@ async def test_the_worker_channel_runs_over_a_unix_socket(
     assert all(str(path) in c["laddr"] for c in channels), channels
 
 
+async def channel_ids(url: str) -> set[int]:
+    """The ids of the worker channel's connections that the server at ``url`` lists."""
+    async with coredis.Redis.from_url(url) as admin:
+        return {int(c["id"]) for c in await admin.client_list() if c["name"] == CHANNEL_CLIENT}
+
+
+async def test_callers_that_give_up_mid_send_leave_the_channel_connection_alone(
+    cluster: Cluster,
+) -> None:
+    """Forwarded sends whose callers give up at random moments, while the request is being written included, do not cost the worker its channel connection (a half-written command would): it keeps the same connection, and the next send is answered."""
+    chance = random.Random(7)
+    with trio.fail_after(60):
+        async with (
+            cluster.registry(balance=False, worker_id="a") as a,
+            cluster.registry(balance=False, worker_id="b") as b,
+        ):
+            await (await a.spawn("s")).send("hello")
+            assert (await b.ref("s").send("forwarded")).text == "forwarded"
+            assert b.live() == []
+            before = await channel_ids(cluster.url)
+            assert len(before) >= 2
+            for i in range(400):
+                with trio.move_on_after(chance.random() * 0.0004):
+                    await b.ref("s").send(f"given up {i}")
+            assert (await b.ref("s").send("after")).text == "after"
+            assert before <= await channel_ids(cluster.url)
+
+
 async def test_a_session_live_nowhere_wakes_on_the_worker_asked(any_cluster: Cluster) -> None:
     """Without balancing, a request for a hibernated session wakes it on the worker that received it."""
     cluster = any_cluster

@@ -192,9 +192,10 @@ def _script_items(reply: Any) -> list[StreamItem]:
     return out
 
 
-async def _endpoint(client: Client, slot: int | None) -> Endpoint:
+async def _endpoint(client: Client, slot: int | None, patience: float) -> Endpoint:
     """Where the store's client connects, as it was configured (TLS, credentials): its
-    server, the Sentinel's current master, or on a cluster the master of ``slot``."""
+    server, the Sentinel's current master, or on a cluster the master of ``slot``;
+    a write may take ``patience`` seconds (the store's timeout)."""
     pool: Any = client.connection_pool
     options: Mapping[str, Any] = getattr(pool, "connection_kwargs", None) or {}
     master = False
@@ -218,6 +219,7 @@ async def _endpoint(client: Client, slot: int | None) -> Endpoint:
         username=username,
         password=password,
         master=master,
+        write_within=patience,
     )
 
 
@@ -226,10 +228,13 @@ class _Links:
     publishes too, and on a cluster one to each other master published to, read by
     tasks of the subscription's nursery."""
 
-    def __init__(self, channel: bytes, subscribed: RespConnection, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, channel: bytes, subscribed: RespConnection, nursery: trio.Nursery, patience: float
+    ) -> None:
         self.channel = channel  # the one subscribed to
         self._subscribed = subscribed
         self._nursery = nursery
+        self._patience = patience  # the store's timeout
         self._nodes: dict[str, RespConnection] = {str(subscribed.endpoint): subscribed}
         self._opening: dict[str, trio.Event] = {}
 
@@ -251,7 +256,7 @@ class _Links:
             await opening.wait()  # another send opens it
         opening = self._opening[name] = trio.Event()
         try:
-            endpoint = await _endpoint(client, slot)
+            endpoint = await _endpoint(client, slot, self._patience)
             connection = cast(RespConnection, await self._nursery.start(_read_replies, endpoint))
             self._nodes[name] = connection
             return connection
@@ -429,7 +434,8 @@ class RedisTransport:
             try:
                 async with trio.open_nursery() as nursery:
                     with trio.move_on_after(timeout):
-                        endpoint = await _endpoint(client, _slot(channel) if cluster else None)
+                        slot = _slot(channel) if cluster else None
+                        endpoint = await _endpoint(client, slot, timeout)
                         connection = await connect(endpoint, _CLIENT_NAME)
                         nursery.start_soon(connection.read, on_push)
                         await connection.send(command, channel)
@@ -439,7 +445,7 @@ class RedisTransport:
                             f"{command.decode()} was not acknowledged in time"
                         )
                     assert connection is not None
-                    self._links = _Links(channel, connection, nursery)
+                    self._links = _Links(channel, connection, nursery, timeout)
                     subscribed()
             except BaseExceptionGroup as group:  # the cause, for the store to translate
                 cause = _first_error(group)

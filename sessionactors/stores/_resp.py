@@ -36,7 +36,9 @@ _READ_SIZE: Final = 65536
 class Endpoint:
     """Where and how to connect: ``host``/``port`` or a unix socket ``path``; TLS with
     ``ssl_context``; ``username``/``password`` for ``AUTH``; ``master``: refuse a
-    server whose role is not master (a Sentinel's master that was demoted)."""
+    server whose role is not master (a Sentinel's master that was demoted);
+    ``write_within``: seconds a command's write may take before the connection is
+    given up."""
 
     host: str = ""
     port: int = 0
@@ -45,6 +47,7 @@ class Endpoint:
     username: str | None = None
     password: str | None = None
     master: bool = False
+    write_within: float = 5.0
 
     def __str__(self) -> str:
         return self.path or f"{self.host}:{self.port}"
@@ -207,15 +210,25 @@ class RespConnection:
                 ) from self._error
             if waiter is not None:
                 self._waiting.append(waiter)
-            try:
-                await self._stream.send_all(data)
-            except BaseException as exc:  # cut short: what the server got is unknown
-                self._fail(exc)
-                if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError):
+            # A write cut short would leave half a command on the connection: a caller
+            # that gives up meanwhile does not cut it (its reply is read and dropped);
+            # a write that takes longer than the endpoint's ``write_within`` (the
+            # server stopped reading) gives the connection up.
+            patience = self.endpoint.write_within
+            with trio.CancelScope(shield=True), trio.move_on_after(patience) as bound:
+                try:
+                    await self._stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._fail(exc)
                     raise coredis.exceptions.ConnectionError(
                         f"the connection to redis at {self.endpoint} is lost: {exc}"
                     ) from exc
-                raise
+            if bound.cancelled_caught:
+                error = coredis.exceptions.ConnectionError(
+                    f"redis at {self.endpoint} took no command for {patience} s"
+                )
+                self._fail(error)
+                raise error
 
     def _fail(self, exc: BaseException) -> None:
         """Give up the connection: every waiting command fails, reading stops."""
