@@ -257,7 +257,11 @@ class _Links:
         opening = self._opening[name] = trio.Event()
         try:
             endpoint = await _endpoint(client, slot, self._patience)
-            connection = cast(RespConnection, await self._nursery.start(_read_replies, endpoint))
+            try:
+                started = await self._nursery.start(_read_replies, endpoint)
+            except RuntimeError as exc:  # the subscription ended meanwhile
+                raise coredis.exceptions.ConnectionError(str(exc)) from exc
+            connection = cast(RespConnection, started)
             self._nodes[name] = connection
             return connection
         finally:
