@@ -288,7 +288,9 @@ async def test_requests_through_another_worker_reach_the_owner(any_cluster: Clus
             before = len(await ref.history())
             assert await ref.truncate(2) == before - 2
             assert len(await ref.history()) == 2
-            assert b.live() == []
+            # (not b.live() == []: "nobody", whose wake here failed, may still be on
+            # its way out of b's live sessions)
+            assert "s" not in b.live()
             await ref.stop()
             with pytest.raises(sa.SessionStoppedError):
                 await ref.send("after stop")
