@@ -67,6 +67,7 @@ PLUGINS: tuple[str, ...] = (
     "stores._redis",
     "stores._redis_connect",
     "stores._redis_transport",
+    "stores._resp",
     "stores._url",
     "workers",
     "models",

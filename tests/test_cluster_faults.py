@@ -173,3 +173,65 @@ async def test_redis_flushed(
 
         traffic, _ = await run_through(url, flush, stores_survive=False)
     assert untyped(traffic.outcomes) == []
+
+
+#: A forwarded send's caller hears back within the store's timeout plus two lease
+#: lifetimes without word (WorkerUnreachableError); this leaves room on a busy machine.
+FROZEN_DEADLINE = TIMEOUT + 2 * TTL + 2.0
+
+
+async def send_while_frozen(url: str, timeout: float) -> list[sa.Reply | BaseException]:
+    """Worker "b" sends to session "s", which worker "a" runs in a slow turn, and redis is
+    frozen while the send waits; what the send got within ``FROZEN_DEADLINE`` (nothing if
+    it still waits), then redis thaws."""
+    slow = {"echo": sa.Agent(model=EchoModel(delay=0.2))}  # 0.2 s per word
+    options: dict[str, Any] = {"lease_ttl": TTL, "agents": slow, "shutdown_grace": 1.0}
+    pid = await pid_of(url)
+    outcome: list[sa.Reply | BaseException] = []
+    async with (
+        sa.open_registry(store=RedisStore(url, timeout=timeout), worker_id="a", **options) as a,
+        sa.open_registry(store=RedisStore(url, timeout=timeout), worker_id="b", **options) as b,
+    ):
+        await (await a.spawn("s")).send("hello")
+        assert (await b.ref("s").send("forwarded")).text == "forwarded"
+        assert b.live() == []  # it ran on a: the send was forwarded
+
+        async def send() -> None:
+            try:
+                outcome.append(await b.ref("s").send("frozen"))
+            except sa.SessionActorsError as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            await trio.sleep(0.1)  # the request is in a's turn (or on its way)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with trio.move_on_after(FROZEN_DEADLINE):
+                    while not outcome:
+                        await trio.sleep(0.05)
+                heard = list(outcome)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+    return heard
+
+
+@pytest.mark.parametrize(
+    ("timeout", "bounded"),
+    [(TIMEOUT, True), (10.0**6, False)],
+    ids=["store-timeout", "control-without-a-usable-timeout"],
+)
+async def test_a_forwarded_send_with_redis_frozen_ends_within_its_deadline(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    timeout: float,
+    bounded: bool,
+) -> None:
+    """Redis frozen by SIGSTOP while a send forwarded to another worker waits for its answer: the caller gets a reply or a typed error within the store's timeout plus two lease lifetimes. Control (the deadline comes from the timeout of every call, the worker channel's included): with a timeout too long to matter, the send still waits when that deadline has passed."""
+    with private_redis_server(config=AOF_ALWAYS) as url, trio.fail_after(NO_HANG):
+        heard = await send_while_frozen(url, timeout)
+    if not bounded:
+        assert heard == []
+        return
+    assert len(heard) == 1
+    got = heard[0]
+    assert isinstance(got, sa.Reply | sa.StoreError | sa.WorkerUnreachableError), repr(got)

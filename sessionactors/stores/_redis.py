@@ -753,6 +753,10 @@ class RedisStore:
                     session_id=session_id,
                 ) from exc
             except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
+                if trio.current_effective_deadline() == -math.inf:
+                    # cancelled meanwhile (coredis reports a connect it could not
+                    # finish as a ConnectionError): the cancellation, not an error
+                    await trio.lowlevel.checkpoint()
                 fix = _configuration_problem(exc, client)
                 if fix is not None:
                     raise StoreConfigurationError(

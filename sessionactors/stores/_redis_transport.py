@@ -1,11 +1,21 @@
 """The multi-worker transport of ``RedisStore``: liveness keys, inboxes, event streams.
 
 Requests and answers between workers go over pub/sub (``PUBLISH``, or ``SPUBLISH``
-on a Redis Cluster), on a channel per worker incarnation that one dedicated
-connection of that incarnation subscribes to: one round trip each way, never
-written to the append-only file. Pub/sub is at most once: a publish says how many
-subscribers got the message, and the multi-worker layer asks again about anything
-that may have been lost on the way.
+on a Redis Cluster), on a channel per worker incarnation that one connection of
+that incarnation subscribes to: one round trip each way, never written to the
+append-only file. Pub/sub is at most once: a publish says how many subscribers got
+the message, and the multi-worker layer asks again about anything that may have
+been lost on the way.
+
+The channel has connections of its own (``_resp``: RESP3 over the same TCP, TLS or
+unix socket, with the same credentials as the store's client, to its server, the
+Sentinel's current master, or on a cluster the master of the channel's slot): the
+subscribing task reads its messages straight off the socket, and sends go out on
+the same connection (on a cluster, on one per master published to), so a message
+crosses no task between the socket and the multi-worker layer. Every call keeps
+the store's timeout and error translation; a send whose connection is lost or
+refused goes through the store's client instead, and a subscription that is lost
+ends ``listen``, which the multi-worker layer calls again.
 
 A session's events go to its stream only while a worker other than its owner
 subscribes: the owner sets the session's watch key when a subscriber's request
@@ -26,12 +36,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, cast
 
 import coredis
+import coredis.pool
 import trio
 from coredis.commands import Script
+from coredis.connection import UnixDomainSocketLocation
 
 from .._codec import MAX_SEQ
 from ..workers import StreamItem
 from ._redis_connect import Client
+from ._resp import Endpoint, RespConnection, connect
 
 _T = TypeVar("_T")
 
@@ -70,6 +83,8 @@ _CLUSTER_POLL_MS: Final = 20
 # The pushes of a subscription: (subscribed, a message, unsubscribed by the server).
 _PLAIN: Final = (b"subscribe", b"message", b"unsubscribe")
 _SHARDED: Final = (b"ssubscribe", b"smessage", b"sunsubscribe")
+#: The name of the channel's own connections in ``CLIENT LIST``.
+_CLIENT_NAME: Final = "sessionactors-channel"
 
 _POST: Final = """
 local who = redis.call('GET', KEYS[1])
@@ -141,14 +156,6 @@ def _slot(key: bytes) -> int:
     return binascii.crc_hqx(tag, 0) % 16384
 
 
-async def _refusals(connection: Any) -> None:
-    """Raise the error the server answers to a subscription it refuses (a permission)."""
-    async with contextlib.aclosing(connection.streamed_messages) as replies:
-        async for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-
-
 def _first_error(group: BaseExceptionGroup[Any]) -> Exception | None:
     for exc in group.exceptions:
         found = _first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
@@ -185,6 +192,101 @@ def _script_items(reply: Any) -> list[StreamItem]:
     return out
 
 
+async def _endpoint(client: Client, slot: int | None, patience: float) -> Endpoint:
+    """Where the store's client connects, as it was configured (TLS, credentials): its
+    server, the Sentinel's current master, or on a cluster the master of ``slot``;
+    a write may take ``patience`` seconds (the store's timeout)."""
+    pool: Any = client.connection_pool
+    options: Mapping[str, Any] = getattr(pool, "connection_kwargs", None) or {}
+    master = False
+    if slot is not None:
+        location: Any = pool.cluster_layout.node_for_slot(slot)
+    elif isinstance(pool, coredis.pool.SentinelConnectionPool):
+        location, master = await pool.get_primary_location(), True
+    else:
+        location = pool.location
+    username, password = options.get("username"), options.get("password")
+    provider = options.get("credential_provider")
+    if provider is not None:
+        credentials = await provider.get_credentials()
+        username, password = credentials.username, credentials.password
+    unix = isinstance(location, UnixDomainSocketLocation)
+    return Endpoint(
+        host="" if unix else str(location.host),
+        port=0 if unix else int(location.port),
+        path=str(location.path) if unix else "",
+        ssl_context=options.get("ssl_context"),
+        username=username,
+        password=password,
+        master=master,
+        write_within=patience,
+    )
+
+
+class _Links:
+    """The channel's connections while a subscription lives: the subscribed one, which
+    publishes too, and on a cluster one to each other master published to, read by
+    tasks of the subscription's nursery."""
+
+    def __init__(
+        self, channel: bytes, subscribed: RespConnection, nursery: trio.Nursery, patience: float
+    ) -> None:
+        self.channel = channel  # the one subscribed to
+        self._subscribed = subscribed
+        self._nursery = nursery
+        self._patience = patience  # the store's timeout
+        self._nodes: dict[str, RespConnection] = {str(subscribed.endpoint): subscribed}
+        self._opening: dict[str, trio.Event] = {}
+
+    async def publish(self, client: Client, channel: bytes, message: bytes) -> int:
+        if not isinstance(client, coredis.RedisCluster):
+            return int(await self._subscribed.command(b"PUBLISH", channel, message))
+        node = client.connection_pool.cluster_layout.node_for_slot(_slot(channel))
+        connection = await self._node(client, f"{node.host}:{node.port}", _slot(channel))
+        return int(await connection.command(b"SPUBLISH", channel, message))
+
+    async def _node(self, client: Client, name: str, slot: int) -> RespConnection:
+        while True:
+            connection = self._nodes.get(name)
+            if connection is not None and connection.usable:
+                return connection
+            opening = self._opening.get(name)
+            if opening is None:
+                break
+            await opening.wait()  # another send opens it
+        opening = self._opening[name] = trio.Event()
+        try:
+            endpoint = await _endpoint(client, slot, self._patience)
+            try:
+                started = await self._nursery.start(_read_replies, endpoint)
+            except RuntimeError as exc:  # the subscription ended meanwhile
+                raise coredis.exceptions.ConnectionError(str(exc)) from exc
+            connection = cast(RespConnection, started)
+            self._nodes[name] = connection
+            return connection
+        finally:
+            del self._opening[name]
+            opening.set()
+
+
+def _ignore(push: list[Any]) -> None:
+    pass
+
+
+async def _read_replies(
+    endpoint: Endpoint, task_status: trio.TaskStatus[RespConnection] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A publishing connection to another master, read until it is lost (then opened
+    again by the next send that needs it)."""
+    connection = await connect(endpoint, _CLIENT_NAME)
+    try:
+        task_status.started(connection)
+        with contextlib.suppress(coredis.exceptions.RedisError):
+            await connection.read(_ignore)
+    finally:
+        await connection.aclose()
+
+
 class RedisTransport:
     """The transport of a :class:`~sessionactors.stores.RedisStore`, under its prefix.
 
@@ -205,6 +307,7 @@ class RedisTransport:
         self._publish = Script[bytes](script=_PUBLISH)
         self._events_after = Script[bytes](script=_EVENTS_AFTER)
         self._end_events = Script[bytes](script=_END_EVENTS)
+        self._links: _Links | None = None  # while listen() is subscribed
 
     def _worker(self, worker: str) -> tuple[str, str]:
         return self._store._key("w", worker, "alive"), self._store._key("w", worker, "inbox")
@@ -287,9 +390,18 @@ class RedisTransport:
         return None if value is None else bytes(value).decode()
 
     async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
-        channel = self._channel(worker, incarnation)
+        channel = self._channel(worker, incarnation).encode()
 
         async def run(client: Client) -> int:
+            links = self._links
+            # (a message to this worker's own channel, its check that it still listens,
+            # goes the way other workers' messages come: after a Sentinel failover
+            # the channel's connection may still reach the old master)
+            if links is not None and channel != links.channel:
+                try:
+                    return await links.publish(client, channel, message)
+                except coredis.exceptions.RedisError:
+                    pass  # that connection failed: the store's client sends it (at most once)
             if isinstance(client, coredis.RedisCluster):  # the channel's slot's master
                 return int(await client.spublish(channel, message))
             return int(await client.publish(channel, message))
@@ -304,53 +416,50 @@ class RedisTransport:
         subscribed: Callable[[], None],
     ) -> None:
         channel = self._channel(worker, incarnation).encode()
+        timeout = self._store.timeout
 
         async def run(client: Client) -> None:
-            # One connection of the client's pool, kept for this: the subscription's
-            # messages come straight off it (coredis' PubSub classes add tasks on the
-            # way, and its ShardedPubSub does not give its connections back).
-            pool: Any = client.connection_pool
-            if isinstance(client, coredis.RedisCluster):  # the channel's slot's master
-                node = pool.cluster_layout.node_for_slot(_slot(channel))
-                acquired = pool.acquire(node=node)
-                command, kinds = b"SSUBSCRIBE", _SHARDED
-            else:
-                acquired = pool.acquire()
-                command, kinds = b"SUBSCRIBE", _PLAIN
-            async with acquired as connection:
-                try:
-                    connection.send_command(command, channel)
-                    async with (
-                        trio.open_nursery() as nursery,
-                        contextlib.aclosing(connection.push_messages) as pushes,
-                    ):
-                        nursery.start_soon(_refusals, connection)
-                        with trio.fail_after(self._store.timeout):
-                            push = await pushes.__anext__()
-                        if bytes(push[0]) != kinds[0]:
-                            raise coredis.exceptions.ConnectionError(
-                                f"the server answered {push!r} to {command.decode()}"
-                            )
-                        subscribed()
-                        async for push in pushes:
-                            kind = bytes(push[0])
-                            if kind == kinds[1]:
-                                deliver(bytes(push[2]))
-                            elif kind == kinds[2]:  # (a cluster moved the slot): again
-                                raise coredis.exceptions.ConnectionError(
-                                    "unsubscribed by the server"
-                                )
-                except BaseExceptionGroup as group:  # the cause, for the store to translate
-                    cause = _first_error(group)
-                    if cause is None:
-                        raise
-                    if isinstance(cause, trio.TooSlowError):
+            # A connection of its own (see _resp): the subscription's messages are
+            # handed on as they are read, and sends go out on it too.
+            cluster = isinstance(client, coredis.RedisCluster)
+            command, kinds = (b"SSUBSCRIBE", _SHARDED) if cluster else (b"SUBSCRIBE", _PLAIN)
+            confirmed = trio.Event()
+
+            def on_push(push: list[Any]) -> None:
+                kind = push[0]
+                if kind == kinds[1]:
+                    deliver(push[2])
+                elif kind == kinds[0]:
+                    confirmed.set()
+                elif kind == kinds[2]:  # (a cluster moved the slot): again
+                    raise coredis.exceptions.ConnectionError("unsubscribed by the server")
+
+            connection: RespConnection | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    with trio.move_on_after(timeout):
+                        slot = _slot(channel) if cluster else None
+                        endpoint = await _endpoint(client, slot, timeout)
+                        connection = await connect(endpoint, _CLIENT_NAME)
+                        nursery.start_soon(connection.read, on_push)
+                        await connection.send(command, channel)
+                        await confirmed.wait()
+                    if not confirmed.is_set():
                         raise coredis.exceptions.ConnectionError(
                             f"{command.decode()} was not acknowledged in time"
-                        ) from group
-                    raise cause from group
-                finally:
-                    connection.invalidate()  # subscribed: never back into the pool
+                        )
+                    assert connection is not None
+                    self._links = _Links(channel, connection, nursery, timeout)
+                    subscribed()
+            except BaseExceptionGroup as group:  # the cause, for the store to translate
+                cause = _first_error(group)
+                if cause is None:
+                    raise
+                raise cause from group
+            finally:
+                self._links = None
+                if connection is not None:
+                    await connection.aclose()
 
         await self._store._run("subscribe to the requests for", None, run, block=math.inf)
 
