@@ -39,11 +39,14 @@ def _size(event: Event) -> int:
 class Subscriber:
     """One subscription's buffer: the hub writes with send_nowait, the reader reads."""
 
-    __slots__ = ("lagged", "receive", "send")
+    __slots__ = ("lagged", "left", "receive", "send")
 
     def __init__(self, buffer: int) -> None:
         self.send, self.receive = trio.open_memory_channel[Event](buffer)
+        #: Ended because it fell behind: events were lost.
         self.lagged = False
+        #: Ended because the session left this process (see ``Hub.leave``): nothing lost.
+        self.left = False
 
 
 class Hub:
@@ -119,6 +122,14 @@ class Hub:
             self._evict(sub)
         self._ring = None
         self._ring_bytes = 0
+
+    def leave(self) -> None:
+        """The session left this process (it may wake on another worker): end every
+        subscription after the events it has, marked as left, not lagged."""
+        for sub in self._subs:
+            sub.left = True
+            sub.send.close()
+        self._subs.clear()
 
     def _evict(self, sub: Subscriber) -> None:
         log.info("a subscriber of session %r fell behind and was cut off", self.session_id)

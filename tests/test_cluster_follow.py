@@ -7,6 +7,7 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
+import coredis
 import pytest
 import trio
 
@@ -89,9 +90,6 @@ def stream_problems(follower: Follower, acked: dict[str, str]) -> list[str]:
     return problems
 
 
-@pytest.mark.xfail(
-    reason="a local subscription ends as lagged when its session leaves the worker", strict=True
-)
 async def test_subscriptions_follow_their_sessions_to_a_worker_that_joins(redis_url: str) -> None:
     """With balancing, subscribers on the owner of busy sessions see every event once and in order, the turns run on a worker that joined and took their shards included, and none lags."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
@@ -149,9 +147,6 @@ async def check_followers(followers: dict[str, Follower], acked: dict[str, dict[
     assert problems == []
 
 
-@pytest.mark.xfail(
-    reason="a local subscription ends as lagged when its session leaves the worker", strict=True
-)
 async def test_a_subscription_follows_a_hibernated_session_to_where_it_wakes(
     redis_url: str,
 ) -> None:
@@ -162,6 +157,7 @@ async def test_a_subscription_follows_a_hibernated_session_to_where_it_wakes(
         async with (  # without balancing a session wakes on the worker asked
             open_worker(redis_url, prefix, "a", balance=False) as a,
             open_worker(redis_url, prefix, "b", balance=False) as b,
+            coredis.Redis.from_url(redis_url) as admin,
             trio.open_nursery() as readers,
         ):
 
@@ -182,5 +178,45 @@ async def test_a_subscription_follows_a_hibernated_session_to_where_it_wakes(
                 await send(b, f"reaches it on {asker.worker_id} from b")
                 assert (a.live(), b.live()) == (["s"], []) if asker is a else ([], ["s"])
                 await follower.wait_for(set(acked))
+                if asker is a:  # back on its own worker: it reads the session's hub there
+                    await trio.sleep(4 * TTL)  # (the watch mark expires)
+                    published = await stream_length(admin, prefix)
+                    await send(a, "on a without redis")
+                    await follower.wait_for(set(acked))
+                    assert await stream_length(admin, prefix) == published
             assert stream_problems(follower, acked) == []
             readers.cancel_scope.cancel()
+
+
+async def stream_length(admin: coredis.Redis[bytes], prefix: str) -> int:
+    """How many events went to the sessions' event streams under ``prefix``."""
+    keys = [key async for key in admin.scan_iter(match=f"{prefix}:*:ev", count=1000)]
+    return sum([await admin.xlen(key) for key in keys])
+
+
+async def test_a_subscription_read_late_follows_its_session_with_every_delta(
+    redis_url: str,
+) -> None:
+    """A subscriber that reads only after its session hibernated and ran a turn on another worker still sees every event of that turn once and in order, deltas included."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    acked: dict[str, str] = {}
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", balance=False) as a,
+            open_worker(redis_url, prefix, "b", balance=False) as b,
+        ):
+            await a.spawn("s")
+            reply = await a.ref("s").send("one on a")
+            acked[reply.turn_id] = reply.text
+            follower = Follower()
+            async with a.ref("s").subscribe(after=0) as stream:
+                await a.ref("s").hibernate()
+                for text in ("two on b", "three on b"):  # it wakes on b
+                    reply = await b.ref("s").send(text)
+                    acked[reply.turn_id] = text
+                assert (a.live(), b.live()) == ([], ["s"])
+                async for event in stream:  # read from here on
+                    follower.events.append(event)
+                    if isinstance(event, sa.TurnFinished) and event.turn_id == reply.turn_id:
+                        break
+            assert stream_problems(follower, acked) == []

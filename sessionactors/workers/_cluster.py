@@ -47,9 +47,14 @@ registry:
   the same seqs and the same ``after=`` replay: the stream, then the store's journal
   for what the stream does not hold, then live events. One task reads the inbox and
   every mirrored stream with a single blocking read (on a Redis Cluster, one read per
-  slot: see the transport). A local subscription whose session leaves this worker
-  (hibernated, or its shard lost) ends as lagged: subscribed again with ``after=``,
-  it follows the session wherever it wakes;
+  slot: see the transport);
+* goes on with a local subscription whose session leaves this worker (hibernated,
+  handed over, or its shard lost) as one fed by that stream, from the last seq it
+  delivered (``EventIterator.follow``), without waking the session: it marks the
+  session watched first, so whoever wakes it next publishes from its first event on;
+  an owner that took it before is asked to publish from that seq, its hub's events
+  first (deltas included; the journal fills in what the hub no longer holds). Only
+  a subscriber that fell behind, or a stream trimmed past its reader, lags;
 * shares the shards fairly (``balance``, the default): every worker lists the live
   workers every third of ``lease_ttl`` (each one announces itself for ``lease_ttl``)
   and gives every shard a preferred worker by rendezvous hashing over them, so a
@@ -655,6 +660,8 @@ class Cluster:
                 ):
                     await self._check_gap(name)
                 self._feed(name, items)
+                if items and self.host.is_live(name):
+                    self._rejoin(name)
 
     def _dispatch(self, data: bytes) -> None:
         body = _unpack(data)
@@ -722,7 +729,15 @@ class Cluster:
                 seq = host.event_seq_here(name)
                 if seq is not None and name not in self._watched:
                     self._watched[name] = False
+                    # A subscription that follows the session from ``after`` on: the
+                    # events since then that the hub still holds go first, deltas too.
+                    since = body.get("after")
+                    held = None if since is None else host.events_here(name, int(since))
+                    if since is not None and held is not None:
+                        seq = int(since)
                     self._enqueue(name, _CatchUp(seq))
+                    for event in held or ():
+                        self._enqueue(name, event)
                 await self._answer(body, {"ok": "value", "value": -1 if seq is None else seq})
             elif op == "call":
                 value = await host.call_here(name, _load_call(name, body["req"]))
@@ -1313,9 +1328,41 @@ class Cluster:
             if not host.is_live(name):
                 break
             found = self._mirrors.get(name)
+        return await self._subscribe(name, after, top)
+
+    async def _follow(self, name: str, after: int) -> EventIterator:
+        """Go on with a subscription whose session left this worker, from ``after`` (the
+        last seq it delivered): from the session's hub here if it woke here again, from
+        its event stream otherwise, wherever it runs; a session that runs nowhere is not
+        woken (its next owner publishes its events)."""
+        top = -1
+        for _ in range(_MAX_ATTEMPTS):
+            if self.host.is_live(name) or name in self._mirrors:
+                break
+            # Watched first: whoever claims the session from now on publishes its events.
+            await self.transport.watch([name], self.ttl)
+            owner = await self.transport.lease_owner(name)
+            if owner is None or owner == self.worker:
+                top = after  # it runs nowhere: its next owner publishes from its wake on
+                break
+            # Another worker took it before: it publishes from ``after`` (or the journal
+            # fills in what its hub no longer holds).
+            request = {"op": "watch", "s": name, "after": after}
+            answer = await self._forward(name, request, retry_safe=True)
+            if answer is not None:
+                top = max(after, int(self._check(answer, name)["value"]))
+                break
+        return await self._subscribe(name, after, top)
+
+    async def _subscribe(self, name: str, after: int | None, top: int) -> EventIterator:
+        """A subscription from the session's hub here (``top`` < 0) or from its event
+        stream, read from ``top`` on (a mirror made now starts there)."""
+        host = self.host
+        found = self._mirrors.get(name)
         if found is None and top < 0:
-            return await host.open_subscription_here(name, after)
-        found = found or self._mirrors.get(name)  # (another subscription made it meanwhile)
+            iterator = await host.open_subscription_here(name, after)
+            iterator.follow = lambda seq: self._follow(name, seq)
+            return iterator
         if found is None:
             found = self._mirrors[name] = Hub(name, host.config.hub)
             found.advance(top)
@@ -1329,6 +1376,7 @@ class Cluster:
             after,
             lambda: self._release_mirror(name, hub),
         )
+        iterator.follow = lambda seq: self._follow(name, seq)  # (back here: see _rejoin)
         if not host.is_live(name):
             try:
                 stopped = (await host.stored_status(name)) is Status.STOPPED
@@ -1393,6 +1441,17 @@ class Cluster:
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
                 self._end_mirror(name, hub)
                 return
+
+    def _rejoin(self, name: str) -> None:
+        """The session runs here again: once the hub here holds every event after the
+        mirror's, the mirror's subscriptions follow it (they go on from the hub here)."""
+        hub = self._mirrors.get(name)
+        position = self._positions.get(name)
+        if hub is None or position is None or self.host.events_here(name, position) is None:
+            return
+        del self._mirrors[name]
+        self._positions.pop(name, None)
+        hub.leave()
 
     def _end_mirror(self, name: str, hub: Hub) -> None:
         hub.close()
