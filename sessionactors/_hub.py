@@ -56,6 +56,7 @@ class Hub:
         "_config",
         "_ring",
         "_ring_bytes",
+        "_skipped",
         "_subs",
         "on_lag",
         "seq",
@@ -71,6 +72,8 @@ class Hub:
         self._ring: deque[Event] | None = None
         self._ring_bytes = 0
         self._subs: set[Subscriber] = set()
+        # The seqs a wake jumped over (see ``jump``), as (last before, last skipped).
+        self._skipped: tuple[int, int] | None = None
         #: Called with every published event (a cluster's publisher), or None.
         self.tap: Callable[[Event], None] | None = None
         #: Called with the session's name when a subscriber is cut off, or None.
@@ -91,6 +94,14 @@ class Hub:
     def advance(self, seq: int) -> None:
         """Make sure the next seq assigned is above ``seq`` (after a wake)."""
         if seq > self.seq:
+            self.seq = seq
+
+    def jump(self, seq: int) -> None:
+        """Advance to ``seq`` after an unclean stop: the seqs skipped were never used by
+        this session's durable events (a previous owner may have published ephemeral
+        ones, which are lost), so the ring replays the same after any of them."""
+        if seq > self.seq:
+            self._skipped = (self.seq, seq)
             self.seq = seq
 
     def publish(self, event: Event) -> None:
@@ -141,6 +152,9 @@ class Hub:
 
     def ring_covers(self, after: int) -> bool:
         """Whether every event with seq > ``after`` that this hub published is in the ring."""
+        skipped = self._skipped
+        if skipped is not None and skipped[0] <= after < skipped[1]:
+            after = skipped[1]  # (nothing durable in between: see ``jump``)
         if after >= self.seq:
             return True
         if not self._ring:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import coredis
@@ -12,7 +13,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from sessionactors.stores import Lease, RedisStore
 from sessionactors.testing import EchoModel
 
 pytestmark = pytest.mark.redis
@@ -27,6 +28,19 @@ def open_worker(
     store = RedisStore(url, prefix=prefix, balance=balance)
     options.setdefault("lease_ttl", TTL)
     return sa.open_registry(store=store, agents=AGENTS, worker_id=worker_id, **options)
+
+
+class StallingStore(RedisStore):
+    """With ``stalled``, renews no lease but reports every one held, as a worker frozen
+    past its leases would."""
+
+    stalled = False
+
+    async def renew_many(self, leases: Mapping[str, Lease], ttl: float) -> set[str]:
+        if self.stalled:
+            await trio.lowlevel.checkpoint()
+            return set()
+        return await super().renew_many(leases, ttl)
 
 
 class Follower:
@@ -220,3 +234,42 @@ async def test_a_subscription_read_late_follows_its_session_with_every_delta(
                     if isinstance(event, sa.TurnFinished) and event.turn_id == reply.turn_id:
                         break
             assert stream_problems(follower, acked) == []
+
+
+async def test_subscriptions_follow_their_sessions_when_their_worker_loses_the_shard(
+    redis_url: str,
+) -> None:
+    """Subscribers on a worker that lost its sessions' shard see every event once and in order as the sessions run on the worker that took them over (before or after the loss was noticed), and none lags."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    names = ["s1", "s2"]
+    acked: dict[str, dict[str, str]] = {name: {} for name in names}
+    store = StallingStore(redis_url, prefix=prefix, balance=False)
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=store, agents=AGENTS, lease_ttl=TTL, worker_id="a") as a,
+            open_worker(redis_url, prefix, "b", balance=False) as b,
+            trio.open_nursery() as readers,
+        ):
+
+            async def send(registry: sa.Registry, name: str, text: str) -> None:
+                reply = await registry.ref(name).send(text)
+                acked[name][reply.turn_id] = text
+
+            followers = {name: Follower() for name in names}
+            for name in names:
+                await a.spawn(name)
+                await send(a, name, "one on a")
+                await readers.start(followers[name].run, a, name)
+            store.stalled = True
+            await trio.sleep(2 * TTL)  # a's leases expire
+            await send(b, "s1", "two on b")  # b takes s1 over before a notices
+            assert b.live() == ["s1"]
+            store.stalled = False
+            while a.live():  # a notices and stops both
+                await trio.sleep(0.05)
+            await send(b, "s2", "two on b")  # b wakes s2 after a noticed
+            for name in names:
+                await send(a, name, "three via a")
+            await check_followers(followers, acked)
+            assert a.statistics().leases_lost == 2
+            readers.cancel_scope.cancel()

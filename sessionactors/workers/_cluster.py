@@ -503,6 +503,10 @@ class Cluster:
         #: whether the stream must first catch up from the journal.
         self._watched: dict[str, bool] = {}
         self._positions: dict[str, int] = {}
+        #: Mirrors made for a subscription that followed its session, whose stream was
+        #: not read yet: seqs missing before its first event are judged by the journal
+        #: (a wake after an unclean stop jumps over seqs that were never durable).
+        self._unread: set[str] = set()
         self._inbox_last = "0-0"
         self._read_since_trim = 0
         self._keep_from: str | None = None
@@ -658,7 +662,9 @@ class Cluster:
                     and first[1] != "gone"  # (the end marker's seq is above every seq)
                     and first[0] > self._positions.get(name, 0) + 1
                 ):
-                    await self._check_gap(name)
+                    await self._check_gap(name, first[0])
+                if items:
+                    self._unread.discard(name)
                 self._feed(name, items)
                 if items and self.host.is_live(name):
                     self._rejoin(name)
@@ -1352,11 +1358,14 @@ class Cluster:
             if answer is not None:
                 top = max(after, int(self._check(answer, name)["value"]))
                 break
-        return await self._subscribe(name, after, top)
+        return await self._subscribe(name, after, top, followed=True)
 
-    async def _subscribe(self, name: str, after: int | None, top: int) -> EventIterator:
+    async def _subscribe(
+        self, name: str, after: int | None, top: int, *, followed: bool = False
+    ) -> EventIterator:
         """A subscription from the session's hub here (``top`` < 0) or from its event
-        stream, read from ``top`` on (a mirror made now starts there)."""
+        stream, read from ``top`` on (a mirror made now starts there; ``followed``: for
+        a subscription that follows its session from ``top``)."""
         host = self.host
         found = self._mirrors.get(name)
         if found is None and top < 0:
@@ -1367,6 +1376,8 @@ class Cluster:
             found = self._mirrors[name] = Hub(name, host.config.hub)
             found.advance(top)
             self._positions[name] = top
+            if followed:
+                self._unread.add(name)
             self._poke()
         hub: Hub = found
         iterator = await open_event_iterator(
@@ -1391,6 +1402,7 @@ class Cluster:
         if self._mirrors.get(name) is hub and hub.subscriber_count == 0:
             del self._mirrors[name]
             self._positions.pop(name, None)
+            self._unread.discard(name)
 
     def _poke(self) -> None:
         """Have the reader start over, now reading a new mirror's stream too."""
@@ -1404,9 +1416,10 @@ class Cluster:
 
         self._nursery.start_soon(poke, name="cluster poke")
 
-    async def _check_gap(self, name: str) -> None:
-        """The stream skips seqs after a mirror's position: if it was trimmed past it
-        (it outran the reader, or the store lost it), the mirror's subscribers lag."""
+    async def _check_gap(self, name: str, first: int) -> None:
+        """The stream skips seqs after a mirror's position (its next event is ``first``):
+        if it was trimmed past it (it outran the reader, or the store lost it), the
+        mirror's subscribers lag."""
         position = self._positions.get(name, 0)
         if not position:
             return  # a new mirror: its subscribers' replay came from the journal
@@ -1415,9 +1428,26 @@ class Cluster:
         except StoreError as exc:
             _fatal(exc)
             oldest = 0
+        if 0 < oldest <= position + 1:
+            return
+        if name in self._unread and await self._never_durable(name, position, first):
+            return  # the new owner jumped over them: a followed subscription missed nothing
         hub = self._mirrors.get(name)
-        if hub is not None and not 0 < oldest <= position + 1:
+        if hub is not None:
             hub.lose()  # they subscribe again with after=, which reads the journal
+
+    async def _never_durable(self, name: str, position: int, first: int) -> bool:
+        """Whether the journal holds no event with a seq between ``position`` and ``first``."""
+        try:
+            trimmed, entries = await self.host.store.read_journal(name, position)
+        except SessionActorsError as exc:
+            _fatal(exc)
+            return False
+        return trimmed <= position and not any(
+            position < event.seq < first
+            for entry in entries
+            for event in load_events(entry.data, session_id=name)
+        )
 
     def _feed(self, name: str, items: Sequence[StreamItem]) -> None:
         hub = self._mirrors.get(name)
@@ -1451,6 +1481,7 @@ class Cluster:
             return
         del self._mirrors[name]
         self._positions.pop(name, None)
+        self._unread.discard(name)
         hub.leave()
 
     def _end_mirror(self, name: str, hub: Hub) -> None:
@@ -1458,6 +1489,7 @@ class Cluster:
         if self._mirrors.get(name) is hub:
             del self._mirrors[name]
             self._positions.pop(name, None)
+            self._unread.discard(name)
 
     async def created(self, name: str) -> None:
         await self.transport.reset_events(name)
