@@ -273,3 +273,30 @@ async def test_subscriptions_follow_their_sessions_when_their_worker_loses_the_s
             await check_followers(followers, acked)
             assert a.statistics().leases_lost == 2
             readers.cancel_scope.cancel()
+
+
+async def test_a_subscriber_that_fell_behind_lags_even_if_its_session_left(
+    redis_url: str,
+) -> None:
+    """A subscriber on the owner that fell behind by more than its buffer ends as lagged after its last buffered event, also when its session left the worker since: only a loss ends a stream as lagged."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", balance=False, subscriber_buffer=4) as a,
+            open_worker(redis_url, prefix, "b", balance=False) as b,
+        ):
+            await a.spawn("s")
+            seen: list[sa.Event] = []
+            async with a.ref("s").subscribe() as stream:
+                await a.ref("s").send("more words than the buffer holds")  # never read
+                await a.ref("s").hibernate()
+                await b.ref("s").send("it wakes on b")
+                error: BaseException | None = None
+                try:
+                    async for event in stream:
+                        seen.append(event)
+                except sa.SubscriberLaggedError as exc:
+                    error = exc
+            assert len(seen) == 4
+            assert isinstance(error, sa.SubscriberLaggedError)
+            assert error.last_seq == seen[-1].seq
