@@ -66,8 +66,9 @@ registry:
   are done (a turn boundary: nothing acknowledged is cut or run twice), which
   releases the shard; the held requests then go to the shard's next owner (its
   preferred worker wakes it). A shard whose sessions do not all come to rest within
-  ``lease_ttl`` (a long turn, a turn waiting on a review) stays, its held requests
-  are served here, and it is tried again later. Without a fresh list of the
+  ``lease_ttl`` (a long turn; a turn waiting on a review is at rest: the session
+  hibernates with it) stays, its held requests are served here, and it is tried
+  again later. Without a fresh list of the
   workers (the store does not answer), a worker places nothing elsewhere.
 """
 
@@ -1124,7 +1125,7 @@ class Cluster:
     async def _hand_over(self, shard: int) -> None:
         """Hibernate the shard's sessions here at their next turn boundary (new requests
         for them wait meanwhile), which releases the shard; or give up after ``lease_ttl``,
-        or at once if a session stays busy (a turn waits on a review)."""
+        or at once if a session stays busy (requests keep coming in)."""
         handover = self._leaving[shard]
         host = self.host
         try:
@@ -1155,7 +1156,7 @@ class Cluster:
 
     async def _hibernate_here(self, name: str, stayed: list[str]) -> None:
         """Hibernate a session here once the requests in its mailbox are done; note it in
-        ``stayed`` if it stays live (a turn waits on a review, or a request came in)."""
+        ``stayed`` if it stays live (a request came in meanwhile)."""
         with contextlib.suppress(SessionActorsError):  # gone meanwhile, or fenced out
             if await self.host.call_here(name, Hibernate()) is False:
                 stayed.append(name)
