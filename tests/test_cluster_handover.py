@@ -11,7 +11,7 @@ import trio
 
 import sessionactors as sa
 from sessionactors.stores import RedisStore
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 pytestmark = pytest.mark.redis
 
@@ -86,3 +86,33 @@ async def test_sessions_waiting_on_a_review_move_with_it_to_a_worker_that_joins(
                         sa.Role.TOOL,
                         sa.Role.ASSISTANT,
                     ]
+
+
+async def test_a_worker_hands_over_its_share_of_many_shards_without_waiting_for_rounds(
+    redis_url: str,
+) -> None:
+    """With balancing, a worker hands over every shard that prefers a worker that joins within a few balancing rounds however many there are: the next hand-over starts as soon as one is done, eight at a time, instead of eight per round."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+
+    def open_worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix)
+        return sa.open_registry(store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id)
+
+    with trio.fail_after(60):
+        async with open_worker("a") as a:
+            limit = trio.CapacityLimiter(16)
+
+            async def wake(name: str) -> None:
+                async with limit:
+                    await (await a.spawn(name)).send("hello")
+
+            async with trio.open_nursery() as nursery:
+                for i in range(384):  # about 320 shards: half of them prefer b
+                    nursery.start_soon(wake, f"many-{i}")
+            async with open_worker("b"):
+                await trio.sleep(3 * TTL)  # 9 rounds: 72 shards at eight per round
+                handed_over = 384 - len(a.live())
+                await trio.sleep(3 * TTL)
+                assert 384 - len(a.live()) == handed_over  # nothing was left to hand over
+                assert 100 <= handed_over <= 284

@@ -61,7 +61,9 @@ registry:
   worker that joins or leaves moves only about 1/n of the shards. A request for a
   session of a free shard that prefers another live worker is forwarded there, and
   wakes the session there. A worker holding shards that prefer another worker hands
-  a few of them over per round (``_HANDOVERS`` at a time): it holds new requests for
+  them over, ``_HANDOVERS`` at a time (listed every round, the next one started as
+  soon as one is done, so the pace follows how fast sessions come to rest, not the
+  rounds): it holds new requests for
   the shard's sessions, hibernates them once the turns already in their mailboxes
   are done (a turn boundary: nothing acknowledged is cut or run twice), which
   releases the shard; the held requests then go to the shard's next owner (its
@@ -74,6 +76,7 @@ registry:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import math
@@ -528,6 +531,7 @@ class Cluster:
         self._preferred: dict[int, str] = {}
         self._leaving: dict[int, _Handover] = {}
         self._kept: dict[int, float] = {}
+        self._due: collections.deque[int] = collections.deque()  # shards to hand over next
 
     def __repr__(self) -> str:
         return f"<Cluster worker={self.worker!r}>"
@@ -1101,10 +1105,10 @@ class Cluster:
         await self._withdraw()
 
     def _start_handovers(self) -> None:
-        """Start handing over the shards held here that prefer another worker, a few at
-        a time, those with the fewest live sessions first."""
-        room = _HANDOVERS - len(self._leaving)
-        if room <= 0 or len(self._members) < 2 or self._nursery is None:
+        """Hand over the shards held here that prefer another worker, a few at a time
+        (the next as soon as one is done), those with the fewest live sessions first."""
+        self._due.clear()
+        if len(self._members) < 2 or self._nursery is None:
             return
         now = trio.current_time()
         held: dict[int, int] = {}
@@ -1118,9 +1122,23 @@ class Cluster:
             and self._kept.get(shard, -math.inf) <= now
             and self._preferred_worker(shard) != self.worker
         )
-        for _, shard in due[:room]:
+        self._due.extend(shard for _, shard in due)
+        self._next_handovers()
+
+    def _next_handovers(self) -> None:
+        """Start handing over due shards while fewer than ``_HANDOVERS`` are in flight."""
+        nursery = self._nursery
+        while len(self._leaving) < _HANDOVERS and self._due and nursery is not None:
+            shard = self._due.popleft()
+            if (
+                shard in self._leaving
+                or self._closing
+                or not self.balance
+                or self._preferred_worker(shard) == self.worker
+            ):
+                continue  # (the workers changed since the round listed it)
             self._leaving[shard] = _Handover()
-            self._nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
+            nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
 
     async def _hand_over(self, shard: int) -> None:
         """Hibernate the shard's sessions here at their next turn boundary (new requests
@@ -1153,6 +1171,7 @@ class Cluster:
             else:
                 self.stats.kept += 1
                 self._kept[shard] = trio.current_time() + _RETRY_ROUNDS * self.ttl / 3
+            self._next_handovers()
 
     async def _hibernate_here(self, name: str, stayed: list[str]) -> None:
         """Hibernate a session here once the requests in its mailbox are done; note it in
