@@ -80,6 +80,9 @@ class EventIterator:
         from the last seq delivered (on failure, the next read tries again)."""
         assert self.follow is not None
         nxt = await self.follow(self._cursor)
+        if self._closed:  # (closed meanwhile, by another task)
+            nxt.close()
+            return
         hub, sub, on_close = self._hub, self._sub, self._on_close
         self._hub, self._sub, self._on_close = nxt._hub, nxt._sub, nxt._on_close
         self._replay.extend(nxt._replay)

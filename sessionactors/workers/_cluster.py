@@ -1133,6 +1133,7 @@ class Cluster:
             if (
                 shard in self._leaving
                 or self._closing
+                or self.host.closing
                 or not self.balance
                 or self._preferred_worker(shard) == self.worker
             ):
@@ -1460,14 +1461,14 @@ class Cluster:
         """Whether the journal holds no event with a seq between ``position`` and ``first``."""
         try:
             trimmed, entries = await self.host.store.read_journal(name, position)
-        except SessionActorsError as exc:
+            return trimmed <= position and not any(
+                position < event.seq < first
+                for entry in entries
+                for event in load_events(entry.data, session_id=name)
+            )
+        except SessionActorsError as exc:  # unreadable: count it as a gap
             _fatal(exc)
             return False
-        return trimmed <= position and not any(
-            position < event.seq < first
-            for entry in entries
-            for event in load_events(entry.data, session_id=name)
-        )
 
     def _feed(self, name: str, items: Sequence[StreamItem]) -> None:
         hub = self._mirrors.get(name)
