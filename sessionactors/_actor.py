@@ -579,7 +579,7 @@ class Actor:
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
             # write; jump above them, and journal that before publishing anything.
-            hub.advance(durable_seq + SEQ_GAP)
+            hub.jump(durable_seq + SEQ_GAP)
             journal.status_due = True
         host.stats.woken += 1
 

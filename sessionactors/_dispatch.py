@@ -24,6 +24,7 @@ from ._errors import (
     SessionNotFoundError,
     SessionStoppedError,
 )
+from ._events import Event
 from ._names import validate_name
 from ._pending import Pending
 from ._records import SessionState, Status, TurnOutcome, TurnStatus
@@ -404,6 +405,12 @@ class Dispatcher:
     def event_seq_here(self, name: str) -> int | None:
         hub = self.sessions.hubs.get(name)
         return hub.seq if hub is not None and name in self.sessions.live else None
+
+    def events_here(self, name: str, after: int) -> list[Event] | None:
+        hub = self.sessions.hubs.get(name)
+        if hub is None or name not in self.sessions.live or not hub.ring_covers(after):
+            return None
+        return hub.ring_after(after)
 
     async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:
         return await self.sessions.open_subscription(name, after)

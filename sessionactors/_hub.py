@@ -39,11 +39,14 @@ def _size(event: Event) -> int:
 class Subscriber:
     """One subscription's buffer: the hub writes with send_nowait, the reader reads."""
 
-    __slots__ = ("lagged", "receive", "send")
+    __slots__ = ("lagged", "left", "receive", "send")
 
     def __init__(self, buffer: int) -> None:
         self.send, self.receive = trio.open_memory_channel[Event](buffer)
+        #: Ended because it fell behind: events were lost.
         self.lagged = False
+        #: Ended because the session left this process (see ``Hub.leave``): nothing lost.
+        self.left = False
 
 
 class Hub:
@@ -53,6 +56,7 @@ class Hub:
         "_config",
         "_ring",
         "_ring_bytes",
+        "_skipped",
         "_subs",
         "on_lag",
         "seq",
@@ -68,6 +72,8 @@ class Hub:
         self._ring: deque[Event] | None = None
         self._ring_bytes = 0
         self._subs: set[Subscriber] = set()
+        # The seqs a wake jumped over (see ``jump``), as (last before, last skipped).
+        self._skipped: tuple[int, int] | None = None
         #: Called with every published event (a cluster's publisher), or None.
         self.tap: Callable[[Event], None] | None = None
         #: Called with the session's name when a subscriber is cut off, or None.
@@ -88,6 +94,14 @@ class Hub:
     def advance(self, seq: int) -> None:
         """Make sure the next seq assigned is above ``seq`` (after a wake)."""
         if seq > self.seq:
+            self.seq = seq
+
+    def jump(self, seq: int) -> None:
+        """Advance to ``seq`` after an unclean stop: the seqs skipped were never used by
+        this session's durable events (a previous owner may have published ephemeral
+        ones, which are lost), so the ring replays the same after any of them."""
+        if seq > self.seq:
+            self._skipped = (self.seq, seq)
             self.seq = seq
 
     def publish(self, event: Event) -> None:
@@ -121,6 +135,14 @@ class Hub:
         self._ring = None
         self._ring_bytes = 0
 
+    def leave(self) -> None:
+        """The session left this process (it may wake on another worker): end every
+        subscription after the events it has, marked as left, not lagged."""
+        for sub in self._subs:
+            sub.left = True
+            sub.send.close()
+        self._subs.clear()
+
     def _evict(self, sub: Subscriber) -> None:
         log.info("a subscriber of session %r fell behind and was cut off", self.session_id)
         sub.lagged = True
@@ -131,6 +153,9 @@ class Hub:
 
     def ring_covers(self, after: int) -> bool:
         """Whether every event with seq > ``after`` that this hub published is in the ring."""
+        skipped = self._skipped
+        if skipped is not None and skipped[0] <= after < skipped[1]:
+            after = skipped[1]  # (nothing durable in between: see ``jump``)
         if after >= self.seq:
             return True
         if not self._ring:

@@ -76,6 +76,11 @@ class RouterHost(Protocol):
         """The seq of the last event the session published here; None if not live here."""
         ...
 
+    def events_here(self, name: str, after: int) -> list[Event] | None:
+        """The events after ``after`` that the session published here, in order, if its
+        hub here still holds them all; None otherwise (or if it is not live here)."""
+        ...
+
     async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:
         """A subscription to the session's hub here (and the store's journal)."""
         ...

@@ -129,8 +129,9 @@ class Sessions:
         hub = self.hubs.get(name)
         if hub is not None and hub.subscriber_count and self.router and not self._closing:
             # With other workers the session may wake elsewhere, where this hub hears
-            # nothing: its subscribers end as lagged and subscribe again with after=.
-            hub.lose()
+            # nothing: its subscriptions end, and the router's follow them (see
+            # ``EventIterator.follow``).
+            hub.leave()
         self.release_hub(name)
         _gone_event(actor).set()
 

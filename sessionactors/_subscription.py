@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -35,6 +35,10 @@ class EventIterator:
         self._cursor = cursor
         self._on_close = on_close
         self._closed = False
+        #: Where the subscription goes on when its session leaves this process (a
+        #: multi-worker router sets it): called with the last seq delivered, it returns
+        #: the subscription that continues from there. Without it, that ends as lagged.
+        self.follow: Callable[[int], Awaitable[EventIterator]] | None = None
 
     @property
     def last_seq(self) -> int:
@@ -45,26 +49,47 @@ class EventIterator:
         return self
 
     async def __anext__(self) -> Event:
-        replay = self._replay
-        if replay:
-            # checkpoint before taking an event: a cancelled read must lose nothing
-            await trio.lowlevel.checkpoint()
-        while replay:
-            event = replay.popleft()
-            if event.seq > self._cursor:
-                self._cursor = event.seq
-                return event
-        receive = self._sub.receive
         while True:
-            try:
-                event = await receive.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                if self._sub.lagged:
-                    raise lagged_error(self._session_id, self._cursor) from None
-                raise StopAsyncIteration from None
-            if event.seq > self._cursor:
-                self._cursor = event.seq
-                return event
+            replay = self._replay
+            if replay:
+                # checkpoint before taking an event: a cancelled read must lose nothing
+                await trio.lowlevel.checkpoint()
+            while replay:
+                event = replay.popleft()
+                if event.seq > self._cursor:
+                    self._cursor = event.seq
+                    return event
+            receive = self._sub.receive
+            while True:
+                try:
+                    event = await receive.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    sub = self._sub
+                    if sub.lagged or (sub.left and self.follow is None):
+                        raise lagged_error(self._session_id, self._cursor) from None
+                    if not sub.left or self._closed:
+                        raise StopAsyncIteration from None
+                    break
+                if event.seq > self._cursor:
+                    self._cursor = event.seq
+                    return event
+            await self._go_on()
+
+    async def _go_on(self) -> None:
+        """The session left this process: go on with the subscription ``follow`` opens
+        from the last seq delivered (on failure, the next read tries again)."""
+        assert self.follow is not None
+        nxt = await self.follow(self._cursor)
+        if self._closed:  # (closed meanwhile, by another task)
+            nxt.close()
+            return
+        hub, sub, on_close = self._hub, self._sub, self._on_close
+        self._hub, self._sub, self._on_close = nxt._hub, nxt._sub, nxt._on_close
+        self._replay.extend(nxt._replay)
+        self.follow = nxt.follow
+        nxt._closed = True  # what it held is this iterator's now
+        hub.unsubscribe(sub)
+        on_close()
 
     def close(self) -> None:
         if not self._closed:

@@ -47,27 +47,36 @@ registry:
   the same seqs and the same ``after=`` replay: the stream, then the store's journal
   for what the stream does not hold, then live events. One task reads the inbox and
   every mirrored stream with a single blocking read (on a Redis Cluster, one read per
-  slot: see the transport). A local subscription whose session leaves this worker
-  (hibernated, or its shard lost) ends as lagged: subscribed again with ``after=``,
-  it follows the session wherever it wakes;
+  slot: see the transport);
+* goes on with a local subscription whose session leaves this worker (hibernated,
+  handed over, or its shard lost) as one fed by that stream, from the last seq it
+  delivered (``EventIterator.follow``), without waking the session: it marks the
+  session watched first, so whoever wakes it next publishes from its first event on;
+  an owner that took it before is asked to publish from that seq, its hub's events
+  first (deltas included; the journal fills in what the hub no longer holds). Only
+  a subscriber that fell behind, or a stream trimmed past its reader, lags;
 * shares the shards fairly (``balance``, the default): every worker lists the live
   workers every third of ``lease_ttl`` (each one announces itself for ``lease_ttl``)
   and gives every shard a preferred worker by rendezvous hashing over them, so a
   worker that joins or leaves moves only about 1/n of the shards. A request for a
   session of a free shard that prefers another live worker is forwarded there, and
   wakes the session there. A worker holding shards that prefer another worker hands
-  a few of them over per round (``_HANDOVERS`` at a time): it holds new requests for
+  them over, ``_HANDOVERS`` at a time (listed every round, the next one started as
+  soon as one is done, so the pace follows how fast sessions come to rest, not the
+  rounds): it holds new requests for
   the shard's sessions, hibernates them once the turns already in their mailboxes
   are done (a turn boundary: nothing acknowledged is cut or run twice), which
   releases the shard; the held requests then go to the shard's next owner (its
   preferred worker wakes it). A shard whose sessions do not all come to rest within
-  ``lease_ttl`` (a long turn, a turn waiting on a review) stays, its held requests
-  are served here, and it is tried again later. Without a fresh list of the
+  ``lease_ttl`` (a long turn; a turn waiting on a review is at rest: the session
+  hibernates with it) stays, its held requests are served here, and it is tried
+  again later. Without a fresh list of the
   workers (the store does not answer), a worker places nothing elsewhere.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import math
@@ -498,6 +507,10 @@ class Cluster:
         #: whether the stream must first catch up from the journal.
         self._watched: dict[str, bool] = {}
         self._positions: dict[str, int] = {}
+        #: Mirrors made for a subscription that followed its session, whose stream was
+        #: not read yet: seqs missing before its first event are judged by the journal
+        #: (a wake after an unclean stop jumps over seqs that were never durable).
+        self._unread: set[str] = set()
         self._inbox_last = "0-0"
         self._read_since_trim = 0
         self._keep_from: str | None = None
@@ -518,6 +531,7 @@ class Cluster:
         self._preferred: dict[int, str] = {}
         self._leaving: dict[int, _Handover] = {}
         self._kept: dict[int, float] = {}
+        self._due: collections.deque[int] = collections.deque()  # shards to hand over next
 
     def __repr__(self) -> str:
         return f"<Cluster worker={self.worker!r}>"
@@ -653,8 +667,12 @@ class Cluster:
                     and first[1] != "gone"  # (the end marker's seq is above every seq)
                     and first[0] > self._positions.get(name, 0) + 1
                 ):
-                    await self._check_gap(name)
+                    await self._check_gap(name, first[0])
+                if items:
+                    self._unread.discard(name)
                 self._feed(name, items)
+                if items and self.host.is_live(name):
+                    self._rejoin(name)
 
     def _dispatch(self, data: bytes) -> None:
         body = _unpack(data)
@@ -722,7 +740,15 @@ class Cluster:
                 seq = host.event_seq_here(name)
                 if seq is not None and name not in self._watched:
                     self._watched[name] = False
+                    # A subscription that follows the session from ``after`` on: the
+                    # events since then that the hub still holds go first, deltas too.
+                    since = body.get("after")
+                    held = None if since is None else host.events_here(name, int(since))
+                    if since is not None and held is not None:
+                        seq = int(since)
                     self._enqueue(name, _CatchUp(seq))
+                    for event in held or ():
+                        self._enqueue(name, event)
                 await self._answer(body, {"ok": "value", "value": -1 if seq is None else seq})
             elif op == "call":
                 value = await host.call_here(name, _load_call(name, body["req"]))
@@ -1079,10 +1105,10 @@ class Cluster:
         await self._withdraw()
 
     def _start_handovers(self) -> None:
-        """Start handing over the shards held here that prefer another worker, a few at
-        a time, those with the fewest live sessions first."""
-        room = _HANDOVERS - len(self._leaving)
-        if room <= 0 or len(self._members) < 2 or self._nursery is None:
+        """Hand over the shards held here that prefer another worker, a few at a time
+        (the next as soon as one is done), those with the fewest live sessions first."""
+        self._due.clear()
+        if len(self._members) < 2 or self._nursery is None:
             return
         now = trio.current_time()
         held: dict[int, int] = {}
@@ -1096,14 +1122,29 @@ class Cluster:
             and self._kept.get(shard, -math.inf) <= now
             and self._preferred_worker(shard) != self.worker
         )
-        for _, shard in due[:room]:
+        self._due.extend(shard for _, shard in due)
+        self._next_handovers()
+
+    def _next_handovers(self) -> None:
+        """Start handing over due shards while fewer than ``_HANDOVERS`` are in flight."""
+        nursery = self._nursery
+        while len(self._leaving) < _HANDOVERS and self._due and nursery is not None:
+            shard = self._due.popleft()
+            if (
+                shard in self._leaving
+                or self._closing
+                or self.host.closing
+                or not self.balance
+                or self._preferred_worker(shard) == self.worker
+            ):
+                continue  # (the workers changed since the round listed it)
             self._leaving[shard] = _Handover()
-            self._nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
+            nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
 
     async def _hand_over(self, shard: int) -> None:
         """Hibernate the shard's sessions here at their next turn boundary (new requests
         for them wait meanwhile), which releases the shard; or give up after ``lease_ttl``,
-        or at once if a session stays busy (a turn waits on a review)."""
+        or at once if a session stays busy (requests keep coming in)."""
         handover = self._leaving[shard]
         host = self.host
         try:
@@ -1131,10 +1172,11 @@ class Cluster:
             else:
                 self.stats.kept += 1
                 self._kept[shard] = trio.current_time() + _RETRY_ROUNDS * self.ttl / 3
+            self._next_handovers()
 
     async def _hibernate_here(self, name: str, stayed: list[str]) -> None:
         """Hibernate a session here once the requests in its mailbox are done; note it in
-        ``stayed`` if it stays live (a turn waits on a review, or a request came in)."""
+        ``stayed`` if it stays live (a request came in meanwhile)."""
         with contextlib.suppress(SessionActorsError):  # gone meanwhile, or fenced out
             if await self.host.call_here(name, Hibernate()) is False:
                 stayed.append(name)
@@ -1313,13 +1355,50 @@ class Cluster:
             if not host.is_live(name):
                 break
             found = self._mirrors.get(name)
+        return await self._subscribe(name, after, top)
+
+    async def _follow(self, name: str, after: int) -> EventIterator:
+        """Go on with a subscription whose session left this worker, from ``after`` (the
+        last seq it delivered): from the session's hub here if it woke here again, from
+        its event stream otherwise, wherever it runs; a session that runs nowhere is not
+        woken (its next owner publishes its events)."""
+        top = -1
+        for _ in range(_MAX_ATTEMPTS):
+            if self.host.is_live(name) or name in self._mirrors:
+                break
+            # Watched first: whoever claims the session from now on publishes its events.
+            await self.transport.watch([name], self.ttl)
+            owner = await self.transport.lease_owner(name)
+            if owner is None or owner == self.worker:
+                top = after  # it runs nowhere: its next owner publishes from its wake on
+                break
+            # Another worker took it before: it publishes from ``after`` (or the journal
+            # fills in what its hub no longer holds).
+            request = {"op": "watch", "s": name, "after": after}
+            answer = await self._forward(name, request, retry_safe=True)
+            if answer is not None:
+                top = max(after, int(self._check(answer, name)["value"]))
+                break
+        return await self._subscribe(name, after, top, followed=True)
+
+    async def _subscribe(
+        self, name: str, after: int | None, top: int, *, followed: bool = False
+    ) -> EventIterator:
+        """A subscription from the session's hub here (``top`` < 0) or from its event
+        stream, read from ``top`` on (a mirror made now starts there; ``followed``: for
+        a subscription that follows its session from ``top``)."""
+        host = self.host
+        found = self._mirrors.get(name)
         if found is None and top < 0:
-            return await host.open_subscription_here(name, after)
-        found = found or self._mirrors.get(name)  # (another subscription made it meanwhile)
+            iterator = await host.open_subscription_here(name, after)
+            iterator.follow = lambda seq: self._follow(name, seq)
+            return iterator
         if found is None:
             found = self._mirrors[name] = Hub(name, host.config.hub)
             found.advance(top)
             self._positions[name] = top
+            if followed:
+                self._unread.add(name)
             self._poke()
         hub: Hub = found
         iterator = await open_event_iterator(
@@ -1329,6 +1408,7 @@ class Cluster:
             after,
             lambda: self._release_mirror(name, hub),
         )
+        iterator.follow = lambda seq: self._follow(name, seq)  # (back here: see _rejoin)
         if not host.is_live(name):
             try:
                 stopped = (await host.stored_status(name)) is Status.STOPPED
@@ -1343,6 +1423,7 @@ class Cluster:
         if self._mirrors.get(name) is hub and hub.subscriber_count == 0:
             del self._mirrors[name]
             self._positions.pop(name, None)
+            self._unread.discard(name)
 
     def _poke(self) -> None:
         """Have the reader start over, now reading a new mirror's stream too."""
@@ -1356,9 +1437,10 @@ class Cluster:
 
         self._nursery.start_soon(poke, name="cluster poke")
 
-    async def _check_gap(self, name: str) -> None:
-        """The stream skips seqs after a mirror's position: if it was trimmed past it
-        (it outran the reader, or the store lost it), the mirror's subscribers lag."""
+    async def _check_gap(self, name: str, first: int) -> None:
+        """The stream skips seqs after a mirror's position (its next event is ``first``):
+        if it was trimmed past it (it outran the reader, or the store lost it), the
+        mirror's subscribers lag."""
         position = self._positions.get(name, 0)
         if not position:
             return  # a new mirror: its subscribers' replay came from the journal
@@ -1367,9 +1449,26 @@ class Cluster:
         except StoreError as exc:
             _fatal(exc)
             oldest = 0
+        if 0 < oldest <= position + 1:
+            return
+        if name in self._unread and await self._never_durable(name, position, first):
+            return  # the new owner jumped over them: a followed subscription missed nothing
         hub = self._mirrors.get(name)
-        if hub is not None and not 0 < oldest <= position + 1:
+        if hub is not None:
             hub.lose()  # they subscribe again with after=, which reads the journal
+
+    async def _never_durable(self, name: str, position: int, first: int) -> bool:
+        """Whether the journal holds no event with a seq between ``position`` and ``first``."""
+        try:
+            trimmed, entries = await self.host.store.read_journal(name, position)
+            return trimmed <= position and not any(
+                position < event.seq < first
+                for entry in entries
+                for event in load_events(entry.data, session_id=name)
+            )
+        except SessionActorsError as exc:  # unreadable: count it as a gap
+            _fatal(exc)
+            return False
 
     def _feed(self, name: str, items: Sequence[StreamItem]) -> None:
         hub = self._mirrors.get(name)
@@ -1394,11 +1493,24 @@ class Cluster:
                 self._end_mirror(name, hub)
                 return
 
+    def _rejoin(self, name: str) -> None:
+        """The session runs here again: once the hub here holds every event after the
+        mirror's, the mirror's subscriptions follow it (they go on from the hub here)."""
+        hub = self._mirrors.get(name)
+        position = self._positions.get(name)
+        if hub is None or position is None or self.host.events_here(name, position) is None:
+            return
+        del self._mirrors[name]
+        self._positions.pop(name, None)
+        self._unread.discard(name)
+        hub.leave()
+
     def _end_mirror(self, name: str, hub: Hub) -> None:
         hub.close()
         if self._mirrors.get(name) is hub:
             del self._mirrors[name]
             self._positions.pop(name, None)
+            self._unread.discard(name)
 
     async def created(self, name: str) -> None:
         await self.transport.reset_events(name)
