@@ -599,9 +599,11 @@ class Actor:
                 await self.load()
             except SessionActorsError as exc:
                 self.load_error = exc
+                # not found or stopped: hold nothing, and say so only once the lease is
+                # free (a caller may spawn the name elsewhere at once)
+                await self._release_lease()
                 ready.set()
                 self._fail_queued(exc)
-                await self._release_lease()  # not found or stopped: hold nothing
                 self.leave_table()
                 return
             self._ready = None

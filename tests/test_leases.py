@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import Lease, Store
-from sessionactors.testing import EchoModel, FlawedStore
+from sessionactors.testing import EchoModel, FaultyStore, FlawedStore
 
 AGENTS = {"echo": sa.Agent(model=EchoModel())}
 
@@ -108,6 +109,33 @@ async def test_without_fencing_no_fenced_out_error_is_raised(tmp_path: Path) -> 
     # through fencing: FencedOutError comes from the token alone
     assert not isinstance(error, sa.FencedOutError)
     assert "stale write from A" not in texts
+
+
+async def test_a_request_for_an_unknown_name_is_answered_after_its_lease_is_free(
+    tmp_path: Path,
+) -> None:
+    """The caller of a request that found no such session hears of it only once the
+    lease its wake took is given back: a spawn elsewhere right after never finds it held."""
+    path = tmp_path / "shared.db"
+    store = FaultyStore(sa.SQLiteStore(path))
+    gate = store.hold("release", session_id="later")
+    errors: list[Exception] = []
+
+    async def ask(registry: sa.Registry) -> None:
+        with pytest.raises(sa.SessionNotFoundError) as caught:
+            await registry.ref("later").send("is anyone there?")
+        errors.append(caught.value)
+
+    with trio.fail_after(30):
+        async with sa.open_registry(store=store, agents=AGENTS, leases=True) as a:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, a)
+                while not gate.waiting:
+                    await trio.sleep(0.01)  # the release runs in SQLite's thread
+                await trio.testing.wait_all_tasks_blocked()
+                assert errors == []  # the lease is still held: no answer yet
+                gate.open()
+            assert len(errors) == 1
 
 
 async def test_a_request_for_an_unknown_name_holds_no_lease(tmp_path: Path) -> None:
