@@ -5,7 +5,9 @@ where a round trip's every hop counts: coredis reads each connection in a task o
 its own and writes through another, so a message crossed two extra tasks on each
 side. Here the task that subscribes reads the socket itself and hands each message
 on as it is parsed, and a command is written by the task that sends it; that task
-waits only for its reply, which the reading task passes it.
+waits only for its reply, which the reading task passes it. A plain socket is read
+and written through its descriptor (trio's stream adds a schedule point after every
+send and every receive that succeeded at once).
 
 It speaks RESP3 (``HELLO 3``, with ``AUTH`` when credentials are given) over TCP,
 TLS or a unix socket, to one server: a subscribed RESP3 connection may still send
