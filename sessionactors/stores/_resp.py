@@ -337,7 +337,7 @@ class RespConnection:
                 while True:
                     buffer = self._buffer
                     pos = 0
-                    while True:
+                    while pos < len(buffer):
                         try:
                             value, end = parse(buffer, pos)
                         except _Incomplete:
