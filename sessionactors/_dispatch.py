@@ -130,6 +130,22 @@ class Dispatcher:
         actor.note_queued(turn_id)  # (the actor runs no sooner than our caller parks)
         return pending
 
+    def enqueue_here(self, name: str, text: str) -> Pending | None:
+        """A turn without idempotency key in the mailbox of a session live and loaded
+        here, at once, never routed (a request another worker forwarded): its result
+        slot; None if that takes a wait or a wake (``submit_here``)."""
+        actor = self.sessions.live.get(name)
+        if actor is None or not actor.is_ready:
+            return None
+        pending = Pending()
+        turn_id = actor.new_turn_id()
+        try:
+            actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            return None  # full (submit_here waits for room) or closed (it looks again)
+        actor.note_queued(turn_id)
+        return pending
+
     async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
         """A turn in the mailbox here, never routed (a request another worker forwarded)."""
         turn: Turn = await self._route(name, lambda: self._submit_here(name, text, key, ack=True))

@@ -22,6 +22,7 @@ from ._subscription import EventIterator
 from .stores._base import Store
 
 if TYPE_CHECKING:
+    from ._pending import Pending
     from ._ref import Turn
 
 __all__ = ["NOT_ROUTED", "Router", "RouterHost", "RoutingStore"]
@@ -58,6 +59,12 @@ class RouterHost(Protocol):
 
     async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
         """Put a turn in the session's mailbox here (waking it), never routing it."""
+        ...
+
+    def enqueue_here(self, name: str, text: str) -> Pending | None:
+        """Put a turn without idempotency key in the mailbox of a session live and
+        loaded here, at once, never routing it: its result slot; None if that would
+        take a wait or a wake (then ``submit_here``)."""
         ...
 
     async def call_here(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:

@@ -298,6 +298,31 @@ async def test_requests_through_another_worker_reach_the_owner(any_cluster: Clus
         assert (await a.call("live"))["live"] == []
 
 
+async def test_forwarded_turns_to_a_full_mailbox_wait_for_room_and_run_once(
+    cluster: Cluster,
+) -> None:
+    """Turns forwarded all at once to a session whose owner's mailbox is full wait for room there: each runs once and each caller gets its own reply."""
+    with trio.fail_after(40):
+        async with (
+            cluster.registry(balance=False, mailbox_size=1) as owner,
+            cluster.registry(balance=False) as caller,
+        ):
+            await owner.spawn("s")
+            await owner.ref("s").send("warm")
+            replies: dict[int, str] = {}
+
+            async def send(i: int) -> None:
+                replies[i] = (await caller.ref("s").send(f"t{i}")).text
+
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(send, i)
+            assert replies == {i: f"t{i}" for i in range(20)}
+            assert caller.live() == []  # every turn ran at the owner
+            texts = user_texts(await owner.ref("s").history())
+            assert sorted(texts) == sorted(["warm"] + [f"t{i}" for i in range(20)])
+
+
 async def answer_lost_in_transit(cluster: Cluster, mode: str) -> tuple[sa.Reply | None, list[str]]:
     """A send through this process to a session that worker "a" runs in ``mode``: its
     reply (None if it failed with WorkerUnreachableError) and the stored user texts."""

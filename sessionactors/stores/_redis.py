@@ -715,7 +715,8 @@ class RedisStore:
         if conn is None or conn.token is not token or conn.done.is_set():
             conn = self._conn = _Connection(token)
             trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
-        await conn.ready.wait()
+        if not conn.ready.is_set():  # (once ready, the call is the schedule point)
+            await conn.ready.wait()
         if isinstance(conn.error, StoreNotDurableError | StoreConfigurationError):
             raise conn.error
         if conn.client is None:

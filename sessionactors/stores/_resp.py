@@ -5,7 +5,9 @@ where a round trip's every hop counts: coredis reads each connection in a task o
 its own and writes through another, so a message crossed two extra tasks on each
 side. Here the task that subscribes reads the socket itself and hands each message
 on as it is parsed, and a command is written by the task that sends it; that task
-waits only for its reply, which the reading task passes it.
+waits only for its reply, which the reading task passes it. A plain socket is read
+and written through its descriptor (trio's stream adds a schedule point after every
+send and every receive that succeeded at once).
 
 It speaks RESP3 (``HELLO 3``, with ``AUTH`` when credentials are given) over TCP,
 TLS or a unix socket, to one server: a subscribed RESP3 connection may still send
@@ -18,6 +20,7 @@ call's. Nothing else of the store uses it.
 from __future__ import annotations
 
 import collections
+import os
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -176,6 +179,14 @@ class RespConnection:
         self._writing = trio.StrictFIFOLock()
         self._error: BaseException | None = None
         self._reading = trio.CancelScope()
+        # A plain socket (TCP or unix, not TLS) is written and read straight through
+        # its descriptor: trio's stream yields once more after every send and every
+        # receive that succeeded at once (two schedule points per message, each a
+        # pass of the scheduler, on each side of a forwarded request). None once the
+        # connection is given up; a closed socket's number is -1 (never another file).
+        self._socket: trio.socket.SocketType | None = (
+            stream.socket if isinstance(stream, trio.SocketStream) and os.name == "posix" else None
+        )
 
     def __repr__(self) -> str:
         return f"<RespConnection {self.endpoint}>"
@@ -192,6 +203,7 @@ class RespConnection:
     async def send(self, *args: bytes | str | int) -> None:
         """Write a command whose answer comes as a push (``SUBSCRIBE``), not a reply."""
         await self._write(pack(args), None)
+        await trio.lowlevel.cancel_shielded_checkpoint()  # (the write may not have parked)
 
     async def command(self, *args: bytes | str | int) -> Any:
         """Run one command and return its reply; an error reply raises ResponseError."""
@@ -203,13 +215,33 @@ class RespConnection:
         return _raise_for(waiter.value)
 
     async def _write(self, data: bytes, waiter: _Waiter | None) -> None:
-        async with self._writing:
+        lock = self._writing
+        if self._socket is None or lock.locked():
+            await lock.acquire()
+        else:  # nobody writing: no schedule point before the command goes out
+            await trio.lowlevel.checkpoint_if_cancelled()
+            lock.acquire_nowait()
+        try:
             if self._error is not None:
                 raise coredis.exceptions.ConnectionError(
                     f"the connection to redis at {self.endpoint} is lost: {self._error}"
                 ) from self._error
             if waiter is not None:
                 self._waiting.append(waiter)
+            rest: bytes | memoryview = data
+            if self._socket is not None:  # what the socket takes at once goes now
+                try:
+                    sent = os.write(self._socket.fileno(), data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._fail(exc)
+                    raise coredis.exceptions.ConnectionError(
+                        f"the connection to redis at {self.endpoint} is lost: {exc}"
+                    ) from exc
+                if sent == len(data):
+                    return
+                rest = memoryview(data)[sent:]
             # A write cut short would leave half a command on the connection: a caller
             # that gives up meanwhile does not cut it (its reply is read and dropped);
             # a write that takes longer than the endpoint's ``write_within`` (the
@@ -217,7 +249,7 @@ class RespConnection:
             patience = self.endpoint.write_within
             with trio.CancelScope(shield=True), trio.move_on_after(patience) as bound:
                 try:
-                    await self._stream.send_all(data)
+                    await self._stream.send_all(rest)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._fail(exc)
                     raise coredis.exceptions.ConnectionError(
@@ -229,11 +261,14 @@ class RespConnection:
                 )
                 self._fail(error)
                 raise error
+        finally:
+            lock.release()
 
     def _fail(self, exc: BaseException) -> None:
         """Give up the connection: every waiting command fails, reading stops."""
         if self._error is None:
             self._error = exc
+        self._socket = None
         while self._waiting:
             waiter = self._waiting.popleft()
             waiter.error = self._error
@@ -241,12 +276,41 @@ class RespConnection:
         self._reading.cancel()
 
     async def _receive(self) -> None:
-        try:
-            data = await self._stream.receive_some(_READ_SIZE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise coredis.exceptions.ConnectionError(
-                f"the connection to redis at {self.endpoint} is lost: {exc}"
-            ) from exc
+        """Append what the socket has to the buffer, waiting for something; it is a
+        schedule point."""
+        if self._socket is None:
+            try:
+                data = await self._stream.receive_some(_READ_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise coredis.exceptions.ConnectionError(
+                    f"the connection to redis at {self.endpoint} is lost: {exc}"
+                ) from exc
+        else:
+            waited = False
+            while True:
+                sock = self._socket
+                if sock is None:  # given up meanwhile
+                    raise coredis.exceptions.ConnectionError(
+                        f"the connection to redis at {self.endpoint} is lost: {self._error}"
+                    )
+                try:
+                    data = os.read(sock.fileno(), _READ_SIZE)
+                    break
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise coredis.exceptions.ConnectionError(
+                        f"the connection to redis at {self.endpoint} is lost: {exc}"
+                    ) from exc
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError as exc:
+                    raise coredis.exceptions.ConnectionError(
+                        f"the connection to redis at {self.endpoint} is lost: {exc}"
+                    ) from exc
+                waited = True
+            if not waited:  # (a schedule point all the same)
+                await trio.lowlevel.checkpoint()
         if not data:
             raise coredis.exceptions.ConnectionError(
                 f"redis at {self.endpoint} closed the connection"
@@ -273,7 +337,7 @@ class RespConnection:
                 while True:
                     buffer = self._buffer
                     pos = 0
-                    while True:
+                    while pos < len(buffer):
                         try:
                             value, end = parse(buffer, pos)
                         except _Incomplete:

@@ -696,18 +696,39 @@ class Cluster:
         if rid in self._serving or rid in self._answered:
             return  # a request sent again while its first copy runs or was answered
         self._serving.add(rid)
-        self._nursery.start_soon(self._serve, rid, body, name="cluster request")
+        queued = self._queue_turn(body) if op == "turn" else None
+        self._nursery.start_soon(self._serve, rid, body, queued, name="cluster request")
 
     # ---- the owner's side ----------------------------------------------------------
 
-    async def _serve(self, rid: str, body: dict[str, Any]) -> None:
+    def _queue_turn(self, body: Mapping[str, Any]) -> Pending | None:
+        """A forwarded turn put in the mailbox of its session, live here, at once (the
+        actor starts it while the serving task starts); None when that takes a wait,
+        a wake, a handover or an idempotency key (the serving task submits it)."""
+        name, text = body.get("s"), body.get("text")
+        if (
+            body.get("ack")
+            or body.get("key") is not None
+            or self._closing
+            or self.host.closing
+            or not isinstance(name, str)
+            or not isinstance(text, str)
+            or self.transport.shard(name) in self._leaving
+        ):
+            return None
+        try:
+            return self.host.enqueue_here(name, text)
+        except Exception:  # (the serving task meets it again, and answers it)
+            return None
+
+    async def _serve(self, rid: str, body: dict[str, Any], queued: Pending | None) -> None:
         """Run a request another worker sent, and answer it."""
         try:
-            await self._serve_request(body)
+            await self._serve_request(body, queued)
         finally:
             self._serving.discard(rid)
 
-    async def _serve_request(self, body: dict[str, Any]) -> None:
+    async def _serve_request(self, body: dict[str, Any], queued: Pending | None = None) -> None:
         self.stats.served += 1
         host = self.host
         try:
@@ -722,7 +743,10 @@ class Cluster:
                     return
             # Not live here (hibernated, or a session of a shard this worker holds):
             # it wakes here, as its shard's owner; a claim refused says "moved".
-            if op == "turn":
+            if op == "turn" and queued is not None:
+                reply = await queued.wait()
+                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, reply)})
+            elif op == "turn":
                 key = body.get("key")
                 turn = await host.submit_here(name, str(body["text"]), key)
                 if body.get("ack"):
@@ -1016,7 +1040,7 @@ class Cluster:
         heard = trio.current_time()
         acked = False
         failure: StoreError | None = None
-        ping = _pack({"op": "ping", "q": rid, "from": self.worker, "fi": self.incarnation})
+        ping = b""  # made when first needed: most answers come before
         while True:
             with trio.move_on_after(self.ttl / 3):
                 while True:
@@ -1033,6 +1057,9 @@ class Cluster:
                         return _OWNER_DIED  # it had the turn and forgot it: it restarted
                     elif answer.get("ok") != "working":
                         return answer
+            ping = ping or _pack(
+                {"op": "ping", "q": rid, "from": self.worker, "fi": self.incarnation}
+            )
             try:
                 # not heard: gone, or between two subscriptions (it hears the next ping)
                 if (
