@@ -869,6 +869,11 @@ class Actor:
             )
             stats.turns_completed += 1
         self.durable(outcome, publish=False)
+        # the info written with the outcome says the status the session rests in (a
+        # listing elsewhere reads it); idle is what the outcome says, any other is told
+        status = _resting_status(self.session)
+        announce = status is not Status.IDLE and status is not self.session.status
+        self.session.status = status
         stored = True
         if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
@@ -879,11 +884,8 @@ class Actor:
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
-        status = _resting_status(self.session)
-        if status is not Status.IDLE:  # (idle is what the outcome says)
-            self._set_status(status)
-        else:
-            self.session.status = status
+        if announce:
+            self.emit(StatusChanged(session_id=sid, seq=self.next_seq(), status=status))
         reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         if self.trace is not None:
             outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
