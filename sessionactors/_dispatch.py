@@ -120,15 +120,7 @@ class Dispatcher:
         """
         if self.router is not None:
             return None
-        actor = self.sessions.activate(name)  # the live one, or a new one that wakes
-        pending = Pending()
-        turn_id = actor.new_turn_id()
-        try:
-            actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            return None  # full (submit waits for room) or closed (submit looks again)
-        actor.note_queued(turn_id)  # (the actor runs no sooner than our caller parks)
-        return pending
+        return _enqueue(self.sessions.activate(name), text)  # the live one, or one waking
 
     def enqueue_here(self, name: str, text: str) -> Pending | None:
         """A turn without idempotency key in the mailbox of a session live and loaded
@@ -137,14 +129,7 @@ class Dispatcher:
         actor = self.sessions.live.get(name)
         if actor is None or not actor.is_ready:
             return None
-        pending = Pending()
-        turn_id = actor.new_turn_id()
-        try:
-            actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            return None  # full (submit_here waits for room) or closed (it looks again)
-        actor.note_queued(turn_id)
-        return pending
+        return _enqueue(actor, text)
 
     async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
         """A turn in the mailbox here, never routed (a request another worker forwarded)."""
@@ -461,3 +446,16 @@ async def _outcome_in(read: Awaitable[SessionState | None], turn_id: str) -> Any
 async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:
     result = await awaitable
     return NOT_ROUTED if result is None else result
+
+
+def _enqueue(actor: Actor, text: str) -> Pending | None:
+    """A turn without idempotency key in ``actor``'s mailbox at once: its result slot;
+    None if the mailbox is full (the caller waits for room) or closed (it looks again)."""
+    pending = Pending()
+    turn_id = actor.new_turn_id()
+    try:
+        actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
+    except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+        return None
+    actor.note_queued(turn_id)  # (the actor runs no sooner than our caller parks)
+    return pending

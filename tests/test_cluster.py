@@ -667,10 +667,11 @@ async def test_a_shard_in_a_long_turn_stays_until_the_turn_ends(cluster: Cluster
 
 
 async def shards_follow_the_workers(
-    cluster: Cluster, *, balance: bool
+    cluster: Cluster, *, balance: bool, keyed: bool = True
 ) -> tuple[set[str], set[str], list[str]]:
     """Worker a runs 16 busy sessions (turns from every worker all along, each keyed and
-    sent again after a typed error until acknowledged); b joins; then a leaves. (Names on
+    sent again after a typed error until acknowledged; with ``keyed=False`` sent once,
+    without a key); b joins; then a leaves. (Names on
     a, names on b, once b holds its share or a bound passes; problems: an error while b
     joined, sessions not on b once a left, acknowledged turns missing, run twice, or out
     of order.)"""
@@ -690,10 +691,11 @@ async def shards_follow_the_workers(
         while not stop.is_set():
             text = f"{sender}|{name}|{i}"
             try:
-                reply = await registry.ref(name).send(text, idempotency_key=text)
+                reply = await registry.ref(name).send(text, idempotency_key=text if keyed else None)
             except sa.SessionActorsError as exc:  # typed: sent again with its key
                 errors.append(exc)
                 await trio.sleep(0.01)
+                i += 0 if keyed else 1  # (without a key it may have run: not sent again)
                 continue
             assert reply.text == text
             acked.append(text)
@@ -742,6 +744,15 @@ async def test_busy_sessions_follow_the_workers_that_join_and_leave(cluster: Clu
     assert len(on_b) >= 4
     assert on_a
     assert not on_a & on_b
+
+
+async def test_unkeyed_turns_sent_through_hand_overs_run_once(cluster: Cluster) -> None:
+    """The same with turns sent once, without an idempotency key, from both workers
+    (forwarded turns take the owner's direct path into the mailbox): none runs twice
+    across the hand-overs, and every acknowledged one is stored once, in order."""
+    _, on_b, problems = await shards_follow_the_workers(cluster, balance=True, keyed=False)
+    assert problems == []
+    assert len(on_b) >= 4
 
 
 async def test_busy_sessions_without_balancing_stay_where_they_run(cluster: Cluster) -> None:

@@ -717,6 +717,8 @@ class RedisStore:
             trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
         if not conn.ready.is_set():  # (once ready, the call is the schedule point)
             await conn.ready.wait()
+        elif conn.client is None:  # no call follows: a schedule point all the same
+            await trio.lowlevel.checkpoint()
         if isinstance(conn.error, StoreNotDurableError | StoreConfigurationError):
             raise conn.error
         if conn.client is None:

@@ -401,7 +401,9 @@ class RedisTransport:
                 try:
                     return await links.publish(client, channel, message)
                 except coredis.exceptions.RedisError:
-                    pass  # that connection failed: the store's client sends it (at most once)
+                    # that connection failed: the store's client sends it (it may come
+                    # twice; requests and answers are told apart by their ids)
+                    pass
             if isinstance(client, coredis.RedisCluster):  # the channel's slot's master
                 return int(await client.spublish(channel, message))
             return int(await client.publish(channel, message))

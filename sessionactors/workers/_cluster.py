@@ -734,6 +734,12 @@ class Cluster:
         try:
             op = str(body["op"])
             name = str(body["s"])
+            if queued is not None:
+                # In the mailbox already, before any hand-over of its shard began (a
+                # hand-over's hibernation queues behind it): it runs here, and only here.
+                reply = await queued.wait()
+                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, reply)})
+                return
             handover = self._leaving.get(self.transport.shard(name))
             if handover is not None:  # its shard is leaving: wait, then send it on
                 await handover.done.wait()
@@ -743,10 +749,7 @@ class Cluster:
                     return
             # Not live here (hibernated, or a session of a shard this worker holds):
             # it wakes here, as its shard's owner; a claim refused says "moved".
-            if op == "turn" and queued is not None:
-                reply = await queued.wait()
-                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, reply)})
-            elif op == "turn":
+            if op == "turn":
                 key = body.get("key")
                 turn = await host.submit_here(name, str(body["text"]), key)
                 if body.get("ack"):
