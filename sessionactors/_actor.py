@@ -177,6 +177,8 @@ _make_reply: Final = maker(Reply)
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
+#: The context a turn runs in without telemetry (reusable).
+_NO_TRACE: Final = contextlib.nullcontext()
 
 
 class Counters:
@@ -416,13 +418,14 @@ class Actor:
         )
 
     def add_message(self, message: Message) -> None:
-        hub = self.hub or self._hub()
-        event = make_message_added(
-            session_id=self.session_id, seq=hub.next_seq(), turn_id=self.turn_id, message=message
+        self.durable(
+            make_message_added(
+                session_id=self.session_id,
+                seq=self.next_seq(),
+                turn_id=self.turn_id,
+                message=message,
+            )
         )
-        self.session.apply(event)
-        self.journal.unsaved.append(event)
-        hub.publish(event)
 
     def run_tool_calls(self, agent: Agent, calls: Sequence[ToolCall]) -> Awaitable[bool]:
         return run_tool_calls(self, agent, calls)  # its coroutine: no layer of our own
@@ -735,19 +738,17 @@ class Actor:
         turn_id = self.turn_id = mail.turn_id
         self.turn_mail = mail
         session.status = Status.RUNNING  # (published as the TurnStarted)
-        hub = self.hub or self._hub()
-        event = make_turn_started(  # the user's message joins the history with it
-            session_id=sid,
-            seq=hub.next_seq(),
-            turn_id=turn_id,
-            text=mail.text,
-            idempotency_key=key,
-            message_id=new_id("msg"),
-            created_at=utcnow(),
+        self.durable(  # the user's message joins the history with it
+            make_turn_started(
+                session_id=sid,
+                seq=self.next_seq(),
+                turn_id=turn_id,
+                text=mail.text,
+                idempotency_key=key,
+                message_id=new_id("msg"),
+                created_at=utcnow(),
+            )
         )
-        session.apply(event)
-        self.journal.unsaved.append(event)
-        hub.publish(event)
         before = self._compact_before if agent.compaction is not None else None
         return self._drive(agent, mail.pending, key, before=before)
 
@@ -782,13 +783,9 @@ class Actor:
                 queued=self.receive.statistics().current_buffer_used,
             )
         try:
-            if self.trace is None:
+            with _NO_TRACE if self.trace is None else self.trace.activate():
                 if before is None or await before(agent):
                     final = await run_turn(agent, self)
-            else:
-                with self.trace.activate():
-                    if before is None or await before(agent):
-                        final = await run_turn(agent, self)
         except (Exception, SystemExit) as exc:  # the agent's or model's: this turn's only
             if exc is self.journal.fault:  # our write failed, not the agent: restart
                 raise

@@ -32,6 +32,7 @@ from coredis.tokens import PureToken
 import sessionactors as sa
 from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import EchoModel, journal_events
+from stream_checks import check_stream
 
 pytestmark = pytest.mark.redis
 
@@ -159,10 +160,11 @@ class Cluster:
                 worker.signal(signal.SIGKILL)
 
 
-async def _workers_on(url: str) -> AsyncIterator[Cluster]:
-    prefix = f"sa-test:{uuid.uuid4().hex}"
+@contextlib.asynccontextmanager
+async def workers_at(url: str, prefix: str | None = None) -> AsyncIterator[Cluster]:
+    """Workers on ``url`` under ``prefix`` (a fresh one by default), killed at the end."""
     async with trio.open_nursery() as nursery:
-        the_cluster = Cluster(nursery, url, prefix)
+        the_cluster = Cluster(nursery, url, prefix or f"sa-test:{uuid.uuid4().hex}")
         try:
             yield the_cluster
         finally:
@@ -171,6 +173,13 @@ async def _workers_on(url: str) -> AsyncIterator[Cluster]:
                 for worker in the_cluster.workers:
                     await worker.process.wait()
             nursery.cancel_scope.cancel()
+
+
+async def _workers_on(url: str) -> AsyncIterator[Cluster]:
+    """Workers on a shared server: their keys are removed afterwards."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    async with workers_at(url, prefix) as the_cluster:
+        yield the_cluster
     if url.startswith("redis+cluster://"):
         host, _, port = url.removeprefix("redis+cluster://").rpartition(":")
         async with coredis.RedisCluster(host, int(port)) as cluster_client:
@@ -407,21 +416,6 @@ async def test_a_store_user_without_channels_ends_the_registry_with_a_clear_erro
 
 #: The name of the worker channel's own connections in ``CLIENT LIST``.
 CHANNEL_CLIENT = "sessionactors-channel"
-
-
-@contextlib.asynccontextmanager
-async def workers_at(url: str) -> AsyncIterator[Cluster]:
-    """Workers on ``url`` (a private server: nothing to clean up but the processes)."""
-    async with trio.open_nursery() as nursery:
-        the_cluster = Cluster(nursery, url, f"sa-test:{uuid.uuid4().hex}")
-        try:
-            yield the_cluster
-        finally:
-            the_cluster.kill_all()
-            with trio.move_on_after(10):
-                for worker in the_cluster.workers:
-                    await worker.process.wait()
-            nursery.cancel_scope.cancel()
 
 
 async def forwarded_over(url: str, admin_url: str) -> list[dict[str, Any]]:
@@ -805,28 +799,6 @@ async def test_events_reach_redis_only_for_a_subscriber_on_another_worker(
             assert "".join(e.text for e in seen if isinstance(e, sa.Delta)) == "four five"
             assert seen[0].seq > (await ref.state()).event_seq - len(seen) - 1
             assert len(await event_stream_keys(admin, cluster.prefix)) == 1
-
-
-def check_stream(events: list[sa.Event], acked: dict[str, str]) -> list[str]:
-    """Problems: seqs not rising, or an acknowledged turn not seen whole and once."""
-    problems = []
-    seqs = [e.seq for e in events]
-    if any(b <= a for a, b in itertools.pairwise(seqs)):
-        problems.append(f"seqs do not strictly rise: {seqs}")
-    by_turn: dict[str, list[sa.Event]] = defaultdict(list)
-    for event in events:
-        turn_id = getattr(event, "turn_id", None)
-        if turn_id is not None:
-            by_turn[turn_id].append(event)
-    for turn_id, text in acked.items():
-        seen = by_turn.get(turn_id, [])
-        kinds = [type(e).__name__ for e in seen]
-        deltas = "".join(e.text for e in seen if isinstance(e, sa.Delta))
-        if kinds.count("TurnStarted") != 1 or kinds.count("TurnFinished") != 1:
-            problems.append(f"turn {turn_id} ({text!r}) seen as {kinds}")
-        elif deltas != text:
-            problems.append(f"turn {turn_id}: deltas {deltas!r}, reply {text!r}")
-    return problems
 
 
 async def test_a_subscription_on_another_worker_sees_every_event_through_a_failover(

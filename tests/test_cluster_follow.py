@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +14,7 @@ import trio
 import sessionactors as sa
 from sessionactors.stores import Lease, RedisStore
 from sessionactors.testing import EchoModel
+from stream_checks import check_stream
 
 pytestmark = pytest.mark.redis
 
@@ -85,23 +85,7 @@ def stream_problems(follower: Follower, acked: dict[str, str]) -> list[str]:
     problems = [] if follower.error is None else [f"the stream ended: {follower.error!r}"]
     if follower.ended and follower.error is None:
         problems.append("the stream ended")
-    seqs = [e.seq for e in follower.events]
-    if any(b <= a for a, b in itertools.pairwise(seqs)):
-        problems.append(f"seqs do not strictly rise: {seqs}")
-    by_turn: dict[str, list[sa.Event]] = defaultdict(list)
-    for event in follower.events:
-        turn_id = getattr(event, "turn_id", None)
-        if turn_id is not None:
-            by_turn[turn_id].append(event)
-    for turn_id, text in acked.items():
-        seen = by_turn.get(turn_id, [])
-        kinds = [type(e).__name__ for e in seen]
-        deltas = "".join(e.text for e in seen if isinstance(e, sa.Delta))
-        if kinds.count("TurnStarted") != 1 or kinds.count("TurnFinished") != 1:
-            problems.append(f"turn {turn_id} ({text!r}) seen as {kinds}")
-        elif deltas != text:
-            problems.append(f"turn {turn_id}: deltas {deltas!r}, reply {text!r}")
-    return problems
+    return problems + check_stream(follower.events, acked)
 
 
 async def test_subscriptions_follow_their_sessions_to_a_worker_that_joins(

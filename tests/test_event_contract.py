@@ -17,6 +17,19 @@ from sessionactors.testing import EchoModel, Scripted, ScriptedModel, journal_ev
 ECHO = {"echo": sa.Agent(model=EchoModel())}
 
 
+async def send_and_watch(ref: sa.SessionRef, text: str) -> tuple[sa.Reply, list[sa.Event]]:
+    """Send ``text``; its reply and the events a subscriber saw up to its TurnFinished."""
+    async with ref.subscribe() as events:
+        reply = await ref.send(text)
+        published: list[sa.Event] = []
+        with trio.fail_after(5):
+            async for event in events:
+                published.append(event)
+                if isinstance(event, sa.TurnFinished):
+                    break
+    return reply, published
+
+
 async def test_a_turn_publishes_its_start_deltas_and_outcome_and_journals_two_events() -> None:
     """A plain turn publishes TurnStarted (with the user's message), one Delta a word and
     TurnFinished (with the reply); it journals TurnStarted and TurnFinished only."""
@@ -25,14 +38,7 @@ async def test_a_turn_publishes_its_start_deltas_and_outcome_and_journals_two_ev
         ref = await registry.spawn("contract")
         await ref.send("warm up")  # the wake's own status event comes first
         first = (await ref.state()).event_seq
-        async with ref.subscribe() as events:
-            reply = await ref.send("hello brave world")
-            published: list[sa.Event] = []
-            with trio.fail_after(5):
-                async for event in events:
-                    published.append(event)
-                    if isinstance(event, sa.TurnFinished):
-                        break
+        reply, published = await send_and_watch(ref, "hello brave world")
         history = await ref.history()
     kinds = [type(e) for e in published]
     assert kinds == [sa.TurnStarted, sa.Delta, sa.Delta, sa.Delta, sa.TurnFinished]
@@ -135,14 +141,7 @@ async def test_the_records_a_turn_makes_are_whole_frozen_values() -> None:
     agents = {"tools": sa.Agent(model=model, tools=[lookup])}
     async with sa.open_registry(agents=agents) as registry:
         ref = await registry.spawn("records", agent="tools")
-        async with ref.subscribe() as events:
-            reply = await ref.send("where is A1?")
-            published: list[sa.Event] = []
-            with trio.fail_after(5):
-                async for event in events:
-                    published.append(event)
-                    if isinstance(event, sa.TurnFinished):
-                        break
+        reply, published = await send_and_watch(ref, "where is A1?")
         history = await ref.history()
     values: list[object] = [*published, *history, *model.requests, reply]
     values += [c for m in history for c in m.tool_calls]

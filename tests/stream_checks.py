@@ -1,0 +1,31 @@
+"""What a subscriber's stream must show: rising seqs, and each acknowledged turn once, whole."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import sessionactors as sa
+
+
+def check_stream(events: list[sa.Event], acked: dict[str, str]) -> list[str]:
+    """Problems: seqs not rising, or an acknowledged turn (turn id -> reply text) not
+    seen whole and once."""
+    problems = []
+    seqs = [e.seq for e in events]
+    if any(b <= a for a, b in itertools.pairwise(seqs)):
+        problems.append(f"seqs do not strictly rise: {seqs}")
+    by_turn: dict[str, list[sa.Event]] = defaultdict(list)
+    for event in events:
+        turn_id = getattr(event, "turn_id", None)
+        if turn_id is not None:
+            by_turn[turn_id].append(event)
+    for turn_id, text in acked.items():
+        seen = by_turn.get(turn_id, [])
+        kinds = [type(e).__name__ for e in seen]
+        deltas = "".join(e.text for e in seen if isinstance(e, sa.Delta))
+        if kinds.count("TurnStarted") != 1 or kinds.count("TurnFinished") != 1:
+            problems.append(f"turn {turn_id} ({text!r}) seen as {kinds}")
+        elif deltas != text:
+            problems.append(f"turn {turn_id}: deltas {deltas!r}, reply {text!r}")
+    return problems
