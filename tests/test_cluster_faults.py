@@ -16,6 +16,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from net_proxy import proxy_to
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -235,3 +236,55 @@ async def test_a_forwarded_send_with_redis_frozen_ends_within_its_deadline(
     assert len(heard) == 1
     got = heard[0]
     assert isinstance(got, sa.Reply | sa.StoreError | sa.WorkerUnreachableError), repr(got)
+
+
+#: After a worker's connections to redis go silent, its sends get replies again
+#: within this (a generous bound: the check is that it recovers at all).
+RECOVERED_WITHIN = 20 * TTL
+
+
+@pytest.mark.parametrize("silenced", ["sender", "owner", "idle owner"])
+async def test_a_worker_whose_connections_went_silent_recovers(
+    private_redis_server: Callable[..., AbstractContextManager[str]], silenced: str
+) -> None:
+    """Every connection one worker holds to redis goes silent at once, both ends still open (a half-open path: a firewall or NAT that lost its state); connections made afterwards work. That worker sends turns to the session the other runs ("sender"), or runs the session the other sends to, under traffic ("owner") or with nothing in flight ("idle owner": only its own checks can notice). Sends fail with typed errors for a while, then every sender gets replies again; nothing acknowledged is lost and no keyed turn runs twice."""
+    with private_redis_server(config=AOF_ALWAYS) as url, trio.fail_after(NO_HANG):
+        traffic = Traffic()
+        options: dict[str, Any] = {"lease_ttl": TTL, "agents": AGENTS, "shutdown_grace": 1.0}
+        fixed: dict[str, Any] = {"timeout": TIMEOUT, "balance": False}  # the owner keeps "s"
+        async with (
+            proxy_to(url) as (proxy, proxied),
+            sa.open_registry(store=RedisStore(url, **fixed), worker_id="a", **options) as a,
+            sa.open_registry(store=RedisStore(proxied, **fixed), worker_id="b", **options) as b,
+        ):
+            owner, sender = (a, b) if silenced == "sender" else (b, a)
+            await (await owner.spawn("s")).send("hello")
+            assert (await sender.ref("s").send("forwarded")).text == "forwarded"
+            assert sender.live() == []  # its sends are forwarded
+            if silenced == "idle owner":
+                await trio.sleep(TTL)  # b's checks have seen its channel work
+                assert proxy.blackhole() >= 2  # b's store client and its worker channel
+            since = len(traffic.outcomes)
+
+            def recovered() -> bool:  # every sender has replies since the silence
+                later = traffic.outcomes[since:]
+                return all(
+                    sum(1 for o in later if o.reply and o.text.split()[0] == tag) >= 3
+                    for tag in ("x", "y")
+                )
+
+            async with trio.open_nursery() as nursery:
+                for tag in ("x", "y"):
+                    nursery.start_soon(traffic.sender, sender, tag)
+                if silenced != "idle owner":
+                    await traffic.wait_until(lambda: traffic.replies >= 6)
+                    assert proxy.blackhole() >= 2
+                    since = len(traffic.outcomes)
+                with trio.move_on_after(RECOVERED_WITHIN):
+                    await traffic.wait_until(recovered)
+                traffic.stop.set()
+            history = await a.ref("s").history()
+    texts = Counter(m.content for m in history if m.role is sa.Role.USER)
+    assert recovered(), f"a sender had no replies for {RECOVERED_WITHIN} s after"
+    assert untyped(traffic.outcomes) == []
+    assert lost_or_repeated(traffic, texts) == []

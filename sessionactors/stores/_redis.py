@@ -516,22 +516,31 @@ class _Connection:
     done: trio.Event = attrs.field(factory=trio.Event)
     client: Client | None = None
     error: BaseException | None = None
+    opening: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    def close(self) -> None:
+        """Close the client; one still opening (connecting, checking) at once."""
+        self.stop.set()
+        if not self.ready.is_set():
+            self.error = self.error or ConnectionError("given up while it was opening")
+            self.opening.cancel()
 
 
 async def _own_client(conn: _Connection, target: Target) -> None:
     # The client's connection pool runs a task group that must be entered and
     # exited by one task: this one, which lives until aclose() or the end of the run.
     try:
-        async with open_client(target) as client:
-            try:
-                await check_deployment(client, target, redact(target.url))
-                await check_persistence(client, target, redact(target.url))
-            except (StoreNotDurableError, StoreConfigurationError) as exc:
-                conn.error = exc  # raised as it is to every waiting call
-                return
-            conn.client = client
-            conn.ready.set()
-            await conn.stop.wait()
+        with conn.opening:
+            async with open_client(target) as client:
+                try:
+                    await check_deployment(client, target, redact(target.url))
+                    await check_persistence(client, target, redact(target.url))
+                except (StoreNotDurableError, StoreConfigurationError) as exc:
+                    conn.error = exc  # raised as it is to every waiting call
+                    return
+                conn.client = client
+                conn.ready.set()
+                await conn.stop.wait()
     except Exception as exc:
         # the client's task group wraps the cause: keep the cause, for the error to name
         while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
@@ -702,19 +711,26 @@ class RedisStore:
 
     # -- connection ----------------------------------------------------------------
 
-    async def _connected(self) -> tuple[Client, _Connection | None]:
+    def _connection(self) -> _Connection | None:
+        """The connection of this run (opened on first use); None with a given client."""
         if self._client is not None:
-            if not self._client_checked:
-                await check_deployment(self._client, self._target, "the given client")
-                await check_persistence(self._client, self._target, "the given client")
-                self._client_checked = True
-            await trio.lowlevel.checkpoint()
-            return self._client, None
+            return None
         token = trio.lowlevel.current_trio_token()
         conn = self._conn
         if conn is None or conn.token is not token or conn.done.is_set():
             conn = self._conn = _Connection(token)
             trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
+        return conn
+
+    async def _connected(self, conn: _Connection | None) -> Client:
+        if conn is None:
+            assert self._client is not None
+            if not self._client_checked:
+                await check_deployment(self._client, self._target, "the given client")
+                await check_persistence(self._client, self._target, "the given client")
+                self._client_checked = True
+            await trio.lowlevel.checkpoint()
+            return self._client
         if not conn.ready.is_set():  # (once ready, the call is the schedule point)
             await conn.ready.wait()
         elif conn.client is None:  # no call follows: a schedule point all the same
@@ -723,7 +739,7 @@ class RedisStore:
             raise conn.error
         if conn.client is None:
             raise _Unavailable(str(conn.error)) from conn.error
-        return conn.client, conn
+        return conn.client
 
     async def _run(
         self,
@@ -740,7 +756,8 @@ class RedisStore:
         client: Client | None = None
         with trio.move_on_after(self.timeout + block):
             try:
-                client, conn = await self._connected()
+                conn = self._connection()
+                client = await self._connected(conn)
                 return await call(client)
             except (StoreNotDurableError, StoreConfigurationError):
                 raise
@@ -780,6 +797,12 @@ class RedisStore:
                     f"could not {doing} {where}: the redis store was closed meanwhile; retry",
                     session_id=session_id,
                 ) from exc
+        if conn is not None and self._conn is conn:
+            # No answer in time: the next calls open a new client. Its connections may
+            # be half-open (the server gone without a word, a firewall that dropped
+            # them), which no reply would ever end.
+            self._conn = None
+            conn.close()
         raise StoreError(
             f"could not {doing} {where}: redis at {redact(self.url)} did not answer within "
             f"{self.timeout} s (RedisStore(timeout=...)); check that redis-server is running "
@@ -1130,5 +1153,5 @@ class RedisStore:
             # Nothing open in this run (a client opened by an earlier run died with it).
             await trio.lowlevel.checkpoint()
             return
-        conn.stop.set()
+        conn.close()
         await conn.done.wait()

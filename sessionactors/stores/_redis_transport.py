@@ -239,11 +239,23 @@ class _Links:
         self._opening: dict[str, trio.Event] = {}
 
     async def publish(self, client: Client, channel: bytes, message: bytes) -> int:
+        """Publish on the channel's own connection; a connection that gives no reply
+        within half the store's timeout is given up (it may be half-open: the server
+        unreachable, the socket still open), and ConnectionError leaves the other half
+        to the store's client."""
         if not isinstance(client, coredis.RedisCluster):
-            return int(await self._subscribed.command(b"PUBLISH", channel, message))
-        node = client.connection_pool.cluster_layout.node_for_slot(_slot(channel))
-        connection = await self._node(client, f"{node.host}:{node.port}", _slot(channel))
-        return int(await connection.command(b"SPUBLISH", channel, message))
+            connection, command = self._subscribed, b"PUBLISH"
+        else:
+            node = client.connection_pool.cluster_layout.node_for_slot(_slot(channel))
+            connection = await self._node(client, f"{node.host}:{node.port}", _slot(channel))
+            command = b"SPUBLISH"
+        with trio.move_on_after(self._patience / 2):
+            return int(await connection.command(command, channel, message))
+        # (the subscription, if it was this connection, is made again on a new one)
+        connection.give_up(f"no reply to {command.decode()} within {self._patience / 2:g} s")
+        raise coredis.exceptions.ConnectionError(
+            f"redis at {connection.endpoint} gave no reply in time on the worker channel"
+        )
 
     async def _node(self, client: Client, name: str, slot: int) -> RespConnection:
         while True:

@@ -264,6 +264,15 @@ class RespConnection:
         finally:
             lock.release()
 
+    def give_up(self, reason: str) -> None:
+        """Stop using the connection (a server that stopped answering, or a connection
+        gone half-open): every waiting command fails and :meth:`read` ends."""
+        self._fail(
+            coredis.exceptions.ConnectionError(
+                f"the connection to redis at {self.endpoint} was given up: {reason}"
+            )
+        )
+
     def _fail(self, exc: BaseException) -> None:
         """Give up the connection: every waiting command fails, reading stops."""
         if self._error is None:

@@ -79,6 +79,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, cast
@@ -500,6 +501,11 @@ class Cluster:
         self._owners: dict[str, str] = {}  # session -> owner hint ("": another, unknown)
         self._incarnations: dict[str, str] = {}  # worker -> its live incarnation, as last seen
         self._listening: trio.CancelScope | None = None
+        #: Subscriptions made so far; the heartbeat's last wake to its own channel
+        #: (its number, and the subscription it went to), and the last wake heard.
+        self._subscriptions = 0
+        self._wake_sent: tuple[int, int] | None = None
+        self._wake_heard = 0
         self._serving: set[str] = set()  # ids of the requests being served here
         self._answered: dict[str, bytes] = {}  # the latest answers, by request id
         self._mirrors: dict[str, Hub] = {}
@@ -601,6 +607,7 @@ class Cluster:
 
         def subscribed() -> None:
             nonlocal started
+            self._subscriptions += 1
             if not started:
                 started = True
                 task_status.started()
@@ -616,16 +623,31 @@ class Cluster:
                     await trio.sleep(min(1.0, self.ttl / 10))
 
     async def _heartbeat_loop(self) -> None:
-        wake = _pack({"op": "wake"})
-        while True:
+        for count in itertools.count(1):
             await trio.sleep(self.ttl / 3)
             keep_from, self._keep_from = self._keep_from, None
             try:
                 await self.transport.heartbeat(self.worker, self.incarnation, self.ttl, keep_from)
-                # A subscription the server dropped in silence is made again.
+                # A subscription the server dropped in silence is made again, and so is
+                # one that went deaf (its connection half-open: the server still counts
+                # it, but the last wake sent to it never came through).
                 listening = self._listening
-                if not await self.transport.send(self.worker, self.incarnation, wake) and listening:
-                    listening.cancel()
+                sent, self._wake_sent = self._wake_sent, None
+                if (
+                    listening is not None
+                    and sent is not None
+                    and sent[1] == self._subscriptions  # (judged on the one it went to)
+                    and self._wake_heard != sent[0]
+                ):
+                    listening.cancel()  # (the next round's wake goes to the new one)
+                    listening = None
+                if listening is not None:
+                    subscription = self._subscriptions
+                    wake = _pack({"op": "wake", "n": count})
+                    if await self.transport.send(self.worker, self.incarnation, wake):
+                        self._wake_sent = (count, subscription)
+                    else:
+                        listening.cancel()
             except StoreError as exc:
                 _fatal(exc)
                 self._keep_from = self._keep_from or keep_from
@@ -687,7 +709,10 @@ class Cluster:
                     send.send_nowait(body)
             return
         op = body.get("op")
-        if op == "wake" or self._nursery is None:
+        if op == "wake":
+            self._wake_heard = body.get("n") or self._wake_heard
+            return
+        if self._nursery is None:
             return
         if op == "ping":
             self._nursery.start_soon(self._pong, body, name="cluster pong")

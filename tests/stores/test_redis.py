@@ -22,6 +22,7 @@ import coredis
 import pytest
 import trio
 
+from net_proxy import proxy_to
 from sessionactors import (
     FencedOutError,
     SessionExistsError,
@@ -587,6 +588,19 @@ async def test_recovers_when_the_server_comes_back(
             assert not await store.exists("s")
             await store.create("s", b"again", b"i")
             assert await store.load("s") == StoredSession(snapshot=b"again", snapshot_seq=0)
+            await store.aclose()
+
+
+async def test_recovers_when_its_connections_go_silent(redis_url: str) -> None:
+    """Every connection the store holds goes silent, both ends still open (a server gone without a word, a firewall that lost its state); new connections work. A call gets no answer within the timeout and raises StoreError; the calls after it open new connections and work."""
+    async with proxy_to(redis_url) as (proxy, proxied):
+        store = RedisStore(proxied, prefix=_new_prefix(), timeout=0.5)
+        with trio.fail_after(30):
+            await store.create("s", b"snap", b"i")
+            assert proxy.blackhole() >= 1
+            with pytest.raises(StoreError, match=r"did not answer within 0\.5 s"):
+                await store.exists("s")
+            assert await store.exists("s")  # (a call that fails again would raise here)
             await store.aclose()
 
 
