@@ -362,8 +362,21 @@ class Actor:
         return self.session.outcome(turn_id, queued=self.queued, refused=self.refused)
 
     def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
-        """Answer a turn that cannot start with ``error``; remember it (in memory)."""
+        """Answer a turn that cannot start with ``error``; remember it (in memory).
+
+        Its subscribers hear it too, as a ``TurnFailed`` (published, never journaled:
+        the turn left nothing in the history), or ``ref.stream`` would wait forever
+        for the outcome of a turn that never began.
+        """
         mail.pending.set_error(error)
+        self.emit(
+            TurnFailed(
+                session_id=self.session_id,
+                seq=self.next_seq(),
+                turn_id=mail.turn_id,
+                error=describe(error),
+            )
+        )
         refused = self.refused
         if refused is None:
             refused = self.refused = {}

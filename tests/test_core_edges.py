@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import trio
 import trio.testing
 
@@ -54,3 +55,27 @@ async def test_a_cancel_while_an_approved_call_runs_leaves_the_call_answered(
             assert tool_pairs_intact(model.requests[-1].messages)
         await ref.hibernate()
         assert tool_pairs_intact(await registry.ref("s").history())
+
+
+async def test_a_streamed_turn_refused_while_a_review_is_pending_ends_with_its_error(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``ref.stream`` of a turn the session refuses (a review is pending) ends with a
+    ``TurnFailed`` saying why, instead of waiting forever for events that never come."""
+    refund_call = sa.ToolCall(id="call_1", name="refund", arguments="{}")
+    tool = sa.Tool(name="refund", fn=lambda: "done", requires_review=True, idempotent=False)
+    model = ScriptedModel([Scripted(text="Refunding.", tool_calls=[refund_call])])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            assert (await ref.send("Refund")).reviews
+            async with ref.stream("And now?") as events:
+                seen = [event async for event in events]
+            assert [type(e) for e in seen] == [sa.TurnFailed]
+            assert "SessionBusyError" in seen[0].error  # type: ignore[attr-defined]
+            assert not seen[0].lost  # type: ignore[attr-defined]
+            turn = await ref.submit("Again?")
+            with pytest.raises(sa.SessionBusyError):
+                await turn.reply()
+            outcome = await ref.turn_outcome(turn.id)
+            assert outcome.status is sa.TurnStatus.FAILED
