@@ -955,8 +955,11 @@ class Actor:
             else:
                 result = await self._edit(request)
         except SessionActorsError as exc:
-            if isinstance(request, Hibernate):  # fenced out, store failure: answer, then go
-                pending.set_error(self.cut_short(exc))
+            if isinstance(request, Hibernate) or exc is self.journal.fault:
+                # fenced out, or a write failed: what the request changed in memory is
+                # not stored, and no later commit may store it: answer, then restart
+                # from the durable state (as a turn whose write fails does)
+                pending.set_error(exc)
                 raise
             pending.set_error(exc)
             return False

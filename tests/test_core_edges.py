@@ -10,7 +10,7 @@ import trio.testing
 
 import sessionactors as sa
 from history_rules import tool_pairs_intact
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 
 async def test_a_cancel_while_an_approved_call_runs_leaves_the_call_answered(
@@ -79,3 +79,42 @@ async def test_a_streamed_turn_refused_while_a_review_is_pending_ends_with_its_e
                 await turn.reply()
             outcome = await ref.turn_outcome(turn.id)
             assert outcome.status is sa.TurnStatus.FAILED
+
+
+async def test_a_request_whose_journal_write_fails_leaves_nothing_behind(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A metadata change, added messages or a history edit whose journal write fails
+    raises to its caller and leaves no trace: not in the state, not written later by
+    the next turn's commit, not after a wake."""
+    store = FaultyStore()
+    agents = {"a": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=store, agents=agents, max_restarts=10) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("hello there")
+            kept = await ref.history()
+            added = sa.Message.create(sa.Role.ASSISTANT, "a person's note")
+            for request in (
+                lambda: ref.set_metadata({"tier": "gold"}),
+                lambda: ref.add_messages([added]),
+                lambda: ref.truncate(0),
+                lambda: ref.set_summary("a summary"),
+            ):
+                store.fail("append", session_id="s")
+                with pytest.raises(sa.StoreError):
+                    await request()
+                assert store.injected
+                store.injected = 0
+                state = await ref.state()
+                assert "tier" not in state.metadata
+                assert [m.id for m in state.messages] == [m.id for m in kept]
+                assert state.summary is None
+            await ref.send("after")
+            await ref.hibernate()
+            state = await registry.ref("s").state()
+            assert "tier" not in state.metadata
+            assert added.id not in [m.id for m in state.messages]
+            assert [m.id for m in state.messages[:2]] == [m.id for m in kept]
+            assert state.summary is None
+            await ref.add_messages([added])  # refused before, so not there: it joins now
