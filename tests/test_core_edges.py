@@ -118,3 +118,40 @@ async def test_a_request_whose_journal_write_fails_leaves_nothing_behind(
             assert [m.id for m in state.messages[:2]] == [m.id for m in kept]
             assert state.summary is None
             await ref.add_messages([added])  # refused before, so not there: it joins now
+
+
+async def test_pending_reviews_skip_a_session_deleted_while_they_are_gathered(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A session deleted while ``registry.pending_reviews()`` reads it drops out of the
+    answer; the listing of the others does not fail."""
+    store = FaultyStore()
+    tool = sa.Tool(name="refund", fn=lambda: "done", requires_review=True, idempotent=False)
+
+    def answer(request: sa.ModelRequest) -> Scripted | str:
+        if request.messages[-1].role is sa.Role.USER:
+            return Scripted(tool_calls=[sa.ToolCall(id="c", name="refund", arguments="{}")])
+        return "ok"
+
+    model = ScriptedModel([answer], repeat=True)
+    async with sa.open_registry(
+        store=store, agents={"a": sa.Agent(model=model, tools=[tool])}
+    ) as registry:
+        with trio.fail_after(5):
+            for name in ["gone", "kept"]:
+                ref = await registry.spawn(name)
+                assert (await ref.send("Refund")).reviews
+                await ref.hibernate()
+            gate = store.hold("load", session_id="gone")
+            found: list[list[sa.ReviewRequest]] = []
+
+            async def gather() -> None:
+                found.append(await registry.pending_reviews())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gather)
+                await trio.testing.wait_all_tasks_blocked()
+                assert gate.waiting == 1  # the wake of "gone" waits on its load
+                await registry.delete("gone")
+                gate.open()
+            assert [r.session_id for r in found[0]] == ["kept"]
