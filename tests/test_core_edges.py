@@ -155,3 +155,27 @@ async def test_pending_reviews_skip_a_session_deleted_while_they_are_gathered(
                 await registry.delete("gone")
                 gate.open()
             assert [r.session_id for r in found[0]] == ["kept"]
+
+
+async def test_a_review_whose_journal_write_fails_stays_pending(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A review answer whose turn cannot be journaled raises to the reviewer and leaves
+    the review pending, so answering it again works."""
+    store = FaultyStore()
+    tool = sa.Tool(name="refund", fn=lambda: "done", requires_review=True, idempotent=False)
+    call = sa.ToolCall(id="c", name="refund", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), "Not refunded.", "Not refunded."])
+    agent = sa.Agent(model=model, tools=[tool])
+    async with sa.open_registry(store=store, agents={"a": agent}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            (review,) = (await ref.send("Refund")).reviews
+            store.fail("append", session_id="s")
+            with pytest.raises(sa.StoreError):
+                await ref.review(review.id, approve=False)
+            assert store.injected == 1
+            assert [r.id for r in await ref.pending_reviews()] == [review.id]
+            reply = await ref.review(review.id, approve=False)
+            assert reply.text == "Not refunded."
+            assert tool_pairs_intact(await ref.history())
