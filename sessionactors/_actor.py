@@ -626,10 +626,14 @@ class Actor:
             if self.phase is Phase.LOADING:
                 self.phase = Phase.SERVING
             ready.set()
-            if self.session.open_turn is not None and not self.session.reviews:
+            open_turn = self.session.open_turn
+            if open_turn is not None and not self.session.reviews:
                 # (never from a clean hibernation: a hibernated open turn waits on a review)
                 journal.settled = len(journal.unsaved)
                 mail = RESUME
+                key = open_turn.idempotency_key
+                if key is not None:  # a retry with its key joins it: its id, its events
+                    self.note_inflight(key, TurnMail(open_turn.turn_id, "", key, Pending()))
         while True:
             if mail is None:
                 mail = await self._serve(None, outside=True)
@@ -1191,10 +1195,22 @@ class Actor:
         """
         open_turn = self.session.open_turn
         assert open_turn is not None
+        key = open_turn.idempotency_key
+        joined = self.inflight_keys.get(key) if key is not None else None
+        pending = joined.pending if joined is not None else Pending()
         try:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
             log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
+            error = AgentNotFoundError(
+                f"{exc}; the turn stays open until a registry with its agent wakes the session",
+                session_id=self.session_id,
+                turn_id=open_turn.turn_id,
+            )
+            error.__cause__ = exc
+            pending.set_error(error)  # (callers that joined it by its key)
+            if key is not None:
+                self.inflight_keys.pop(key, None)
             await trio.lowlevel.checkpoint()
             return
         self.turn_id = open_turn.turn_id
@@ -1203,7 +1219,7 @@ class Actor:
         async def before(agent: Agent) -> bool:
             return await resume_tool_calls(self, agent, interrupted=True)
 
-        await self._drive(agent, Pending(), open_turn.idempotency_key, before=before)
+        await self._drive(agent, pending, key, before=before)
 
     # ---- endings ---------------------------------------------------------------
 

@@ -179,3 +179,50 @@ async def test_a_review_whose_journal_write_fails_stays_pending(
             reply = await ref.review(review.id, approve=False)
             assert reply.text == "Not refunded."
             assert tool_pairs_intact(await ref.history())
+
+
+async def test_a_keyed_retry_during_a_resumed_turn_joins_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request whose idempotency key is the key of a turn a restart resumes joins that
+    turn (its id, its events, its reply): ``ref.stream`` of it ends with the turn's
+    outcome, and the turn runs once."""
+    store = FaultyStore()
+    go_on = trio.Event()
+    runs: list[str] = []
+
+    async def refund() -> str:
+        runs.append("refund")
+        store.fail("append", session_id="s")  # the turn's outcome cannot be written
+        await trio.lowlevel.checkpoint()
+        return "refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, idempotent=False)
+    call = sa.ToolCall(id="c", name="refund", arguments="{}")
+    model = ScriptedModel(
+        [Scripted(tool_calls=[call]), "Refunded.", Scripted(text="Checked.", wait=go_on)]
+    )
+    agent = sa.Agent(model=model, tools=[tool])
+    async with sa.open_registry(store=store, agents={"a": agent}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            with pytest.raises(sa.SessionCrashedError):
+                await ref.send("Refund A1", idempotency_key="k1")
+            seen: list[sa.Event] = []
+
+            async def watch() -> None:
+                async with ref.stream("Refund A1", idempotency_key="k1") as events:
+                    seen.extend([event async for event in events])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch)
+                await trio.testing.wait_all_tasks_blocked()
+                go_on.set()
+            assert isinstance(seen[-1], sa.TurnFinished)
+            assert seen[-1].message.content == "Checked."
+            reply = await ref.send("Refund A1", idempotency_key="k1")
+            assert reply.turn_id == seen[-1].turn_id
+            assert reply.text == "Checked."
+        assert runs == ["refund"]
+        history = await ref.history()
+        assert [m.content for m in history if m.role is sa.Role.USER] == ["Refund A1"]
