@@ -206,7 +206,7 @@ class Registry(metaclass=NoPublicConstructor):
         """Remove the conversation everywhere: actor, subscribers, store.
 
         Pending requests fail with SessionNotFoundError, and so do requests
-        that come while the deletion runs. The name can be spawned afresh
+        and subscriptions that come while the deletion runs; subscriptions end. The name can be spawned afresh
         afterwards. Raises SessionNotFoundError if there was nothing to delete.
         """
         await self._dispatcher.delete(name)

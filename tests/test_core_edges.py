@@ -226,3 +226,27 @@ async def test_a_keyed_retry_during_a_resumed_turn_joins_it(
         assert runs == ["refund"]
         history = await ref.history()
         assert [m.content for m in history if m.role is sa.Role.USER] == ["Refund A1"]
+
+
+async def test_a_subscription_opened_while_its_session_is_deleted_is_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Subscribing to a session while it is being deleted raises SessionNotFoundError,
+    as a request does, instead of leaving a subscription to nothing open (one that
+    would later carry the events of a new session of the same name)."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("hello")
+            gate = store.hold("delete", session_id="s")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(registry.delete, "s")
+                await trio.testing.wait_all_tasks_blocked()
+                assert gate.waiting == 1
+                with pytest.raises(sa.SessionNotFoundError, match="'s'"):
+                    async with ref.subscribe():
+                        pass
+                gate.open()
+            ref = await registry.spawn("s")
+            await ref.send("a new conversation")
