@@ -206,8 +206,9 @@ class Registry(metaclass=NoPublicConstructor):
         """Remove the conversation everywhere: actor, subscribers, store.
 
         Pending requests fail with SessionNotFoundError, and so do requests
-        and subscriptions that come while the deletion runs; subscriptions end. The name can be spawned afresh
-        afterwards. Raises SessionNotFoundError if there was nothing to delete.
+        and subscriptions that come while the deletion runs; subscriptions
+        end. The name can be spawned afresh afterwards. Raises
+        SessionNotFoundError if there was nothing to delete.
         """
         await self._dispatcher.delete(name)
 
