@@ -250,3 +250,33 @@ async def test_a_subscription_opened_while_its_session_is_deleted_is_refused(
                 gate.open()
             ref = await registry.spawn("s")
             await ref.send("a new conversation")
+
+
+async def test_a_keyed_retry_of_an_open_turn_without_its_agent_is_told_so(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request joining by its key a turn left open by a crash, woken by a registry
+    without the session's agent, fails with AgentNotFoundError instead of waiting."""
+    store = FaultyStore()
+
+    async def refund() -> str:
+        store.fail("append", session_id="s")  # the turn's outcome cannot be written
+        await trio.lowlevel.checkpoint()
+        return "refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, idempotent=False)
+    call = sa.ToolCall(id="c", name="refund", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), "Refunded."])
+    agents = {"a": sa.Agent(model=model, tools=[tool])}
+    with trio.fail_after(5):
+        async with sa.open_registry(store=store, agents=agents, max_restarts=0) as registry:
+            ref = await registry.spawn("s")
+            with pytest.raises(sa.SessionCrashedError):  # marked failed: not resumed here
+                await ref.send("Refund A1", idempotency_key="k1")
+        other = {"b": sa.Agent(model=EchoModel())}
+        async with sa.open_registry(store=store, agents=other) as registry:
+            turn = await registry.ref("s").submit("Refund A1", idempotency_key="k1")
+            with pytest.raises(sa.AgentNotFoundError, match="'a'"):
+                await turn.reply()
+            state = await registry.ref("s").state()
+            assert state.status is not sa.Status.FAILED
