@@ -362,8 +362,21 @@ class Actor:
         return self.session.outcome(turn_id, queued=self.queued, refused=self.refused)
 
     def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
-        """Answer a turn that cannot start with ``error``; remember it (in memory)."""
+        """Answer a turn that cannot start with ``error``; remember it (in memory).
+
+        Its subscribers hear it too, as a ``TurnFailed`` (published, never journaled:
+        the turn left nothing in the history), or ``ref.stream`` would wait forever
+        for the outcome of a turn that never began.
+        """
         mail.pending.set_error(error)
+        self.emit(
+            TurnFailed(
+                session_id=self.session_id,
+                seq=self.next_seq(),
+                turn_id=mail.turn_id,
+                error=describe(error),
+            )
+        )
         refused = self.refused
         if refused is None:
             refused = self.refused = {}
@@ -613,10 +626,14 @@ class Actor:
             if self.phase is Phase.LOADING:
                 self.phase = Phase.SERVING
             ready.set()
-            if self.session.open_turn is not None and not self.session.reviews:
+            open_turn = self.session.open_turn
+            if open_turn is not None and not self.session.reviews:
                 # (never from a clean hibernation: a hibernated open turn waits on a review)
                 journal.settled = len(journal.unsaved)
                 mail = RESUME
+                key = open_turn.idempotency_key
+                if key is not None:  # a retry with its key joins it: its id, its events
+                    self.note_inflight(key, TurnMail(open_turn.turn_id, "", key, Pending()))
         while True:
             if mail is None:
                 mail = await self._serve(None, outside=True)
@@ -942,8 +959,11 @@ class Actor:
             else:
                 result = await self._edit(request)
         except SessionActorsError as exc:
-            if isinstance(request, Hibernate):  # fenced out, store failure: answer, then go
-                pending.set_error(self.cut_short(exc))
+            if isinstance(request, Hibernate) or exc is self.journal.fault:
+                # fenced out, or a write failed: what the request changed in memory is
+                # not stored, and no later commit may store it: answer, then restart
+                # from the durable state (as a turn whose write fails does)
+                pending.set_error(exc)
                 raise
             pending.set_error(exc)
             return False
@@ -1175,10 +1195,22 @@ class Actor:
         """
         open_turn = self.session.open_turn
         assert open_turn is not None
+        key = open_turn.idempotency_key
+        joined = self.inflight_keys.get(key) if key is not None else None
+        pending = joined.pending if joined is not None else Pending()
         try:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
             log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
+            error = AgentNotFoundError(
+                f"{exc}; the turn stays open until a registry with its agent wakes the session",
+                session_id=self.session_id,
+                turn_id=open_turn.turn_id,
+            )
+            error.__cause__ = exc
+            pending.set_error(error)  # (callers that joined it by its key)
+            if key is not None:
+                self.inflight_keys.pop(key, None)
             await trio.lowlevel.checkpoint()
             return
         self.turn_id = open_turn.turn_id
@@ -1187,7 +1219,7 @@ class Actor:
         async def before(agent: Agent) -> bool:
             return await resume_tool_calls(self, agent, interrupted=True)
 
-        await self._drive(agent, Pending(), open_turn.idempotency_key, before=before)
+        await self._drive(agent, pending, key, before=before)
 
     # ---- endings ---------------------------------------------------------------
 

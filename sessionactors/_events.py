@@ -112,6 +112,10 @@ class TurnFinished(Event):
 class TurnFailed(Event):
     """The agent or its model raised; ``error`` describes it.
 
+    A turn the session refused before it began (a review pending, its agent
+    missing) ends with one too, published and never journaled: it left nothing
+    in the history, and its caller got the same error.
+
     ``lost``: the session itself crashed during the turn and restarted from its
     durable state, which holds nothing of this turn: every event the turn
     published (its user message included) no longer holds. Such an outcome is

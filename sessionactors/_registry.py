@@ -24,6 +24,7 @@ from ._errors import (
     SessionBusyError,
     SessionCrashedError,
     SessionExistsError,
+    SessionNotFoundError,
     SnapshotError,
     StoreError,
 )
@@ -205,8 +206,9 @@ class Registry(metaclass=NoPublicConstructor):
         """Remove the conversation everywhere: actor, subscribers, store.
 
         Pending requests fail with SessionNotFoundError, and so do requests
-        that come while the deletion runs. The name can be spawned afresh
-        afterwards. Raises SessionNotFoundError if there was nothing to delete.
+        and subscriptions that come while the deletion runs; subscriptions
+        end. The name can be spawned afresh afterwards. Raises
+        SessionNotFoundError if there was nothing to delete.
         """
         await self._dispatcher.delete(name)
 
@@ -266,7 +268,11 @@ class Registry(metaclass=NoPublicConstructor):
         return info
 
     async def pending_reviews(self) -> list[ReviewRequest]:
-        """Every pending review of every session, live or stored, oldest first."""
+        """Every pending review of every session, live or stored, oldest first.
+
+        A session deleted while they are gathered is left out; one whose state
+        cannot be read is logged and left out: neither fails the others.
+        """
         out: list[ReviewRequest] = []
         # every session in the store's own order: no sorting, no paging
         for name, blob in await self.store.list_sessions():
@@ -274,6 +280,8 @@ class Registry(metaclass=NoPublicConstructor):
             if info.pending_reviews:
                 try:
                     out.extend((await self._dispatcher.read(info.session_id)).reviews)
+                except SessionNotFoundError:
+                    continue  # deleted since it was listed: it waits on nothing now
                 except (SnapshotError, SessionCrashedError) as exc:  # its own fault only
                     log.warning(
                         "pending reviews of session %r are unreadable: %s", info.session_id, exc

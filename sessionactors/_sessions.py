@@ -172,11 +172,7 @@ class Sessions:
         validate_name(name)
         self.check_open(name)
         if name in self.deleting:
-            raise SessionNotFoundError(
-                f"session {name!r} is being deleted, so it takes no requests; spawn it "
-                "afresh once the deletion is done",
-                session_id=name,
-            )
+            raise _deleting_error(name)
         reason = self.failed.get(name)
         if reason is not None:
             raise SessionCrashedError(
@@ -293,6 +289,8 @@ class Sessions:
 
     async def open_subscription(self, name: str, after: int | None) -> EventIterator:
         """A subscription served from this process's hub (and the store's journal)."""
+        if name in self.deleting:  # its hub is closed, or will be: nothing to follow
+            raise _deleting_error(name)
         hub = self.hub_for(name)
         iterator = await open_event_iterator(
             name,
@@ -443,6 +441,14 @@ class Sessions:
             if len(group.exceptions) == 1:
                 raise group.exceptions[0] from None
             raise
+
+
+def _deleting_error(name: str) -> SessionNotFoundError:
+    return SessionNotFoundError(
+        f"session {name!r} is being deleted, so it takes no requests; spawn it "
+        "afresh once the deletion is done",
+        session_id=name,
+    )
 
 
 def _gone_event(actor: Actor) -> trio.Event:

@@ -131,7 +131,28 @@ def _start_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bo
 
 
 async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
-    """Run independent calls concurrently; record their results in call order."""
+    """Run independent calls concurrently; record their results in call order.
+
+    Cancelled (or failing) while they run, it answers every call of the step that
+    has no result yet before it raises: the history never keeps a call without its
+    result (the model would be sent a broken history). Every call runs here, an
+    approved one (``ref.review``) included.
+    """
+    try:
+        await _run_batch(actor, agent, calls)
+    except BaseException:
+        for call in _unanswered_calls(actor):
+            record_result(
+                actor,
+                call,
+                "this call was cancelled before its result was recorded; it may or may "
+                "not have taken effect: check before retrying",
+                True,
+            )
+        raise
+
+
+async def _run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
     if _start_calls(actor, agent, calls):
         # before a non-idempotent call runs, its start is durable
         with trio.CancelScope(shield=True):
@@ -176,29 +197,16 @@ def _request_review(actor: TurnHost, call: ToolCall) -> None:
 async def run_tool_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bool:
     """Run the calls in order, pausing at the first that needs a review (False)."""
     i = 0
-    try:
-        while i < len(calls):
-            j = i
-            while j < len(calls) and not _needs_review(agent, calls[j]):
-                j += 1
-            if j > i:
-                await run_batch(actor, agent, calls[i:j])
-            if j < len(calls):
-                _request_review(actor, calls[j])
-                return False
-            i = j
-    except BaseException:
-        # cancelled while tools ran: answer every open call, so that the history never
-        # keeps a call without its result (the model would be sent a broken history)
-        for call in _unanswered_calls(actor):
-            record_result(
-                actor,
-                call,
-                "this call was cancelled before its result was recorded; it may or may "
-                "not have taken effect: check before retrying",
-                True,
-            )
-        raise
+    while i < len(calls):
+        j = i
+        while j < len(calls) and not _needs_review(agent, calls[j]):
+            j += 1
+        if j > i:
+            await run_batch(actor, agent, calls[i:j])  # (answers every call if cut)
+        if j < len(calls):
+            _request_review(actor, calls[j])
+            return False
+        i = j
     return True
 
 
