@@ -1,0 +1,76 @@
+"""Many workers at the edges: shutdowns, answers kept for requesters, channels."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel
+
+pytestmark = pytest.mark.redis
+
+TTL = 1.0
+
+
+@attrs.frozen
+class HangingModel:
+    """Holds every turn open (until cancelled); ``started`` is set when one begins."""
+
+    started: trio.Event
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        self.started.set()
+        await trio.sleep_forever()
+        yield sa.TextChunk("never")  # pragma: no cover
+
+
+def open_worker(url: str, prefix: str, worker_id: str, model: Any, **options: Any) -> Any:
+    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
+    store = RedisStore(url, prefix=prefix, balance=False)
+    options.setdefault("lease_ttl", TTL)
+    agents = {"echo": sa.Agent(model=model)}
+    return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
+
+
+def user_texts(messages: list[sa.Message]) -> list[str]:
+    return [m.content for m in messages if m.role is sa.Role.USER]
+
+
+async def test_a_forwarded_turn_cut_by_its_owners_shutdown_is_not_run_again(
+    redis_url: str,
+) -> None:
+    """A turn forwarded to a worker whose registry closes and cuts it after its shutdown grace fails with SessionStoppedError for its caller: it is not sent on to the session's next owner to run a second time."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    started = trio.Event()
+    outcome: list[sa.Reply | sa.SessionActorsError] = []
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "b", EchoModel()) as b:
+
+            async def send() -> None:
+                try:
+                    outcome.append(await b.ref("s").send("only once"))
+                except sa.SessionActorsError as exc:
+                    outcome.append(exc)
+
+            async with (
+                trio.open_nursery() as nursery,
+                open_worker(redis_url, prefix, "a", HangingModel(started), shutdown_grace=0.2) as a,
+            ):
+                await a.spawn("s")
+                await a.ref("s").history()  # live on a
+                nursery.start_soon(send)
+                await started.wait()  # the forwarded turn runs on a
+            # a closed, and cut the turn off after its grace
+            texts = user_texts(await b.ref("s").history())
+    assert texts == ["only once"]
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], sa.SessionStoppedError), repr(outcome[0])
+    assert outcome[0].session_id == "s"
+    assert outcome[0].turn_id.startswith("turn_")  # it had started: it may be in the history
