@@ -788,7 +788,9 @@ class Cluster:
             self.stats.moved += 1
             await self._answer(body, {"moved": True})
         except SessionStoppedError as exc:
-            if host.closing:  # not run here: the session's next owner will
+            # Not run here (closing): the session's next owner runs it. A turn that had
+            # started (cut off by the shutdown) is in the history: never run it again.
+            if host.closing and not exc.turn_id:
                 await self._answer(body, {"moved": True})
             else:
                 await self._answer(body, _dump_error(exc))
