@@ -74,3 +74,25 @@ async def test_a_forwarded_turn_cut_by_its_owners_shutdown_is_not_run_again(
     assert isinstance(outcome[0], sa.SessionStoppedError), repr(outcome[0])
     assert outcome[0].session_id == "s"
     assert outcome[0].turn_id.startswith("turn_")  # it had started: it may be in the history
+
+
+async def test_metadata_of_any_storable_size_is_set_through_another_worker(
+    redis_url: str,
+) -> None:
+    """Metadata changes with more keys than a small map, and the merged metadata they answer with, cross workers like any other request: the caller gets the merged metadata at once, not a WorkerUnreachableError after two lease lifetimes."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    many = {f"key-{i}": i for i in range(100)}
+    more = {f"more-{i}": [i] * 3 for i in range(40)}
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            with trio.fail_after(TTL):  # (well within two lease lifetimes)
+                assert await b.ref("s").set_metadata(many) == many
+                # a request under the bound whose answer (the merged metadata) is above it
+                assert await b.ref("s").set_metadata(more) == many | more
+            assert b.live() == []  # it ran on a
+            assert (await a.ref("s").state()).metadata == many | more
