@@ -88,6 +88,8 @@ import msgpack
 import trio
 
 from .._codec import (
+    MAX_ARRAY_LEN,
+    MAX_MAP_LEN,
     dump_event,
     dump_events,
     dump_snapshot,
@@ -287,8 +289,12 @@ def _pack(body: Mapping[str, Any]) -> bytes:
 
 
 def _unpack(data: bytes) -> dict[str, Any] | None:
+    # (the codec's bounds: metadata, which set_metadata carries and answers with, may
+    # hold as many keys and items as the store keeps)
     try:
-        body = msgpack.unpackb(data, raw=False, timestamp=3, max_map_len=64, max_array_len=100_000)
+        body = msgpack.unpackb(
+            data, raw=False, timestamp=3, max_map_len=MAX_MAP_LEN, max_array_len=MAX_ARRAY_LEN
+        )
     except (ValueError, TypeError):
         return None
     return body if isinstance(body, dict) else None
