@@ -191,7 +191,8 @@ class StoreConfigurationError(StoreError):
 
 class WorkerUnreachableError(SessionActorsError, TimeoutError):
     """A request sent to the worker that runs the session got no word from it within
-    its deadline (the shared store or that worker did not answer).
+    its deadline (the shared store or that worker did not answer), or never reached
+    it in that time (that worker said so whenever it was asked).
 
     The request may or may not have run there: send it again (a turn sent with
     ``idempotency_key=`` runs once however often it is sent).

@@ -27,8 +27,9 @@ registry:
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run. With no
-  word for two lease lifetimes (the store or the owner does not answer) the caller
-  gets WorkerUnreachableError: no caller waits forever;
+  word for two lease lifetimes (the store or the owner does not answer), or with
+  every copy sent for that long answered "unknown", the caller gets
+  WorkerUnreachableError: no caller waits forever;
 * serves a subscription to a session it runs from the session's hub here, as a
   registry without other workers does: its events never reach the store;
 * publishes the events of a session it runs only while a worker elsewhere
@@ -963,6 +964,8 @@ class Cluster:
         """
         self._running(name)
         shard = self.transport.shard(name)
+        unheard_since: float | None = None  # since when the owner says it never got it
+        unheard_copies = 0
         for attempt in range(_MAX_ATTEMPTS):
             handover = self._leaving.get(shard)
             if handover is not None:  # handing the shard over: wait for its next owner
@@ -990,6 +993,7 @@ class Cluster:
                     continue
                 self._incarnations[owner] = incarnation
             rid = new_id("rq")
+            sent_at = trio.current_time()
             send, receive = trio.open_memory_channel[dict[str, Any]](4)
             self._waiters[rid] = send
             try:
@@ -1011,8 +1015,21 @@ class Cluster:
             finally:
                 del self._waiters[rid]
             if answer.get("ok") == "unknown":  # it never got the request: send it again
+                # (a copy lost on the way); every copy lost for two lease lifetimes
+                # (the owner cannot read them, or they never reach it): give up
+                unheard_since = sent_at if unheard_since is None else unheard_since
+                unheard_copies += 1
+                unheard = trio.current_time() - unheard_since
+                if unheard > 2 * self.ttl:
+                    raise WorkerUnreachableError(
+                        f"session {name!r}: worker {owner!r}, which runs it, never got this "
+                        f"request in {unheard:.1f} s ({unheard_copies} copies lost), so it did "
+                        "not run there; send it again",
+                        session_id=name,
+                    )
                 self.stats.moved += 1
                 continue
+            unheard_since, unheard_copies = None, 0
             if answer is _OWNER_DIED:
                 self._owners.pop(name, None)
                 self.stats.owner_deaths += 1
