@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -96,3 +98,32 @@ async def test_metadata_of_any_storable_size_is_set_through_another_worker(
                 assert await b.ref("s").set_metadata(more) == many | more
             assert b.live() == []  # it ran on a
             assert (await a.ref("s").state()).metadata == many | more
+
+
+async def test_reads_through_another_worker_leave_no_copy_of_the_history_behind(
+    redis_url: str,
+) -> None:
+    """Reading a session's history through another worker many times keeps no copy of each answer on the owner: the memory the two workers hold stays flat, whatever the number of reads."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    big = [sa.Message.create(sa.Role.USER, f"{i} " + "x" * 50_000) for i in range(4)]
+    with trio.fail_after(60):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").add_messages(big)  # live on a: about 200 KB of history
+            assert len(await b.ref("s").history()) == 4
+            gc.collect()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                for _ in range(40):
+                    assert len(await b.ref("s").history()) == 4
+                gc.collect()
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            assert b.live() == []  # every read was answered by a
+    # 40 kept answers would hold about 8 MB
+    assert grown < 2_000_000, f"{grown / 1e6:.1f} MB held after 40 reads"
