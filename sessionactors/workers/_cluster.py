@@ -22,8 +22,8 @@ registry:
 * asks the owner about its request while it waits (every third of ``lease_ttl``
   without word): a ping nobody hears asks the store whether the owner's incarnation
   is still the live one, and the owner answers "working", its answer again (one
-  whose send failed or was lost), or "unknown" (the request never reached it: sent
-  again).
+  whose send failed or was lost; a read's is not kept, it is read again), or
+  "unknown" (the request never reached it: sent again).
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run. With no
@@ -145,6 +145,7 @@ _BATCH: Final = 1000  # events per publishing round trip
 _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
+_NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answers are not
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate)
@@ -806,11 +807,13 @@ class Cluster:
 
     async def _answer(self, request: Mapping[str, Any], body: dict[str, Any]) -> None:
         """Post an answer; a final one is also kept, for a requester that asks again
-        (its post failed, or the store lost it before the requester read it)."""
+        (its post failed, or the store lost it before the requester read it), except
+        a read's (a whole state, safe to read again: its requester hears "unknown"
+        and asks again)."""
         rid = str(request.get("id"))
         body["re"] = rid
         data = _pack(body)
-        if body.get("ok") != "ack":
+        if body.get("ok") != "ack" and request.get("op") not in _NOT_KEPT:
             self._answered[rid] = data
             if len(self._answered) > _ANSWERS_KEPT:
                 del self._answered[next(iter(self._answered))]
