@@ -839,9 +839,9 @@ class Actor:
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
             if self.phase is Phase.ABORTING:
-                error = stopped_error(sid, "cut")
+                error = stopped_error(sid, "cut", turn_id)
             elif self.phase is Phase.STOPPING:
-                error = stopped_error(sid, "stop")
+                error = stopped_error(sid, "stop", turn_id)
             else:
                 error = TurnCancelledError(
                     f"turn {turn_id} of session {sid!r} was cancelled; what it streamed is "
@@ -929,7 +929,7 @@ class Actor:
         self.held = self.turn_mail = None
         error, reply = held
         if not stored:
-            mail.pending.set_error(stopped_error(self.session_id, "unsaved"))
+            mail.pending.set_error(stopped_error(self.session_id, "unsaved", mail.turn_id))
         elif error is not None:
             mail.pending.set_error(error)
         else:
@@ -1406,7 +1406,9 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
     )
 
 
-def stopped_error(sid: str, reason: str) -> SessionStoppedError:
+def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedError:
+    """The error of a request the session did not finish; ``turn_id``: the turn that
+    had started (it may be in the history)."""
     if reason == "stop":
         text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
     elif reason == "unsaved":
@@ -1426,7 +1428,7 @@ def stopped_error(sid: str, reason: str) -> SessionStoppedError:
             f"session {sid!r} did not run this request: the registry was closing; "
             "send it again once a registry is open"
         )
-    return SessionStoppedError(text, session_id=sid)
+    return SessionStoppedError(text, session_id=sid, turn_id=turn_id)
 
 
 def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> SessionCrashedError:

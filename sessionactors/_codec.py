@@ -104,8 +104,10 @@ __all__ = [
     "DEFAULT_MAX_SNAPSHOT_BYTES",
     "EVENT_TAGS",
     "FREE_CONTAINERS",
+    "MAX_ARRAY_LEN",
     "MAX_INFO_BYTES",
     "MAX_JOURNAL_ENTRY_BYTES",
+    "MAX_MAP_LEN",
     "MAX_METADATA_DEPTH",
     "MAX_SEQ",
     "MAX_SNAPSHOT_BYTES",
@@ -154,8 +156,8 @@ FREE_CONTAINERS: Final = 16384
 # msgpack limits on top of the size cap: no session holds more entries in one
 # array (messages) or one map (metadata), and a Timestamp is at most 12 bytes.
 # Dumping checks metadata against them too; records reach the size cap first.
-_MAX_ARRAY_LEN: Final = 1_000_000
-_MAX_MAP_LEN: Final = 100_000
+MAX_ARRAY_LEN: Final = 1_000_000
+MAX_MAP_LEN: Final = 100_000
 _MAX_EXT_LEN: Final = 12
 
 #: Migrations of the raw snapshot map: ``MIGRATIONS[n]`` turns a version ``n``
@@ -438,8 +440,8 @@ def _plain(value: Any, depth: int) -> Any:
     if depth > MAX_METADATA_DEPTH:
         raise _PlainError(ValueError, f"is nested deeper than {MAX_METADATA_DEPTH} levels")
     if isinstance(value, Mapping):
-        if len(value) > _MAX_MAP_LEN:
-            raise _PlainError(ValueError, f"has more than {_MAX_MAP_LEN} entries")
+        if len(value) > MAX_MAP_LEN:
+            raise _PlainError(ValueError, f"has more than {MAX_MAP_LEN} entries")
         out = {}
         for key, item in value.items():
             if key.__class__ is not str:
@@ -451,8 +453,8 @@ def _plain(value: Any, depth: int) -> Any:
                 raise
         return out
     if cls is list or cls is tuple:
-        if len(value) > _MAX_ARRAY_LEN:
-            raise _PlainError(ValueError, f"has more than {_MAX_ARRAY_LEN} items")
+        if len(value) > MAX_ARRAY_LEN:
+            raise _PlainError(ValueError, f"has more than {MAX_ARRAY_LEN} items")
         items = []
         for index, item in enumerate(value):
             try:
@@ -733,8 +735,8 @@ def _plain_count(value: Any, depth: int) -> int:
     if depth > MAX_METADATA_DEPTH:
         raise _PlainError(ValueError, f"is nested deeper than {MAX_METADATA_DEPTH} levels")
     if isinstance(value, Mapping):
-        if len(value) > _MAX_MAP_LEN:
-            raise _PlainError(ValueError, f"has more than {_MAX_MAP_LEN} entries")
+        if len(value) > MAX_MAP_LEN:
+            raise _PlainError(ValueError, f"has more than {MAX_MAP_LEN} entries")
         count = 1
         for key, item in value.items():
             if key.__class__ is not str:
@@ -746,8 +748,8 @@ def _plain_count(value: Any, depth: int) -> int:
                 raise
         return count
     if cls is list or cls is tuple:
-        if len(value) > _MAX_ARRAY_LEN:
-            raise _PlainError(ValueError, f"has more than {_MAX_ARRAY_LEN} items")
+        if len(value) > MAX_ARRAY_LEN:
+            raise _PlainError(ValueError, f"has more than {MAX_ARRAY_LEN} items")
         count = 1
         for index, item in enumerate(value):
             try:
@@ -1157,8 +1159,8 @@ def _unpack(data: bytes, what: str, session_id: str | None, max_size: int) -> An
             object_hook=hook,
             max_str_len=size,
             max_bin_len=size,
-            max_array_len=min(size, _MAX_ARRAY_LEN),
-            max_map_len=min(size, _MAX_MAP_LEN),
+            max_array_len=min(size, MAX_ARRAY_LEN),
+            max_map_len=min(size, MAX_MAP_LEN),
             max_ext_len=_MAX_EXT_LEN,
         )
     except _DECODE_ERRORS as exc:

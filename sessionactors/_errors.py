@@ -97,7 +97,16 @@ class SessionCrashedError(SessionActorsError):
 
 
 class SessionStoppedError(SessionActorsError):
-    """The session (or the registry) is stopped and takes no more requests."""
+    """The session (or the registry) is stopped and takes no more requests.
+
+    ``turn_id`` names the turn that had started when the session stopped under it
+    (cut off, or not confirmed by the store): it may be in the history. It is empty
+    when the request never ran.
+    """
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
 
 
 class MailboxFullError(SessionActorsError):
@@ -182,7 +191,8 @@ class StoreConfigurationError(StoreError):
 
 class WorkerUnreachableError(SessionActorsError, TimeoutError):
     """A request sent to the worker that runs the session got no word from it within
-    its deadline (the shared store or that worker did not answer).
+    its deadline (the shared store or that worker did not answer), or never reached
+    it in that time (that worker said so whenever it was asked).
 
     The request may or may not have run there: send it again (a turn sent with
     ``idempotency_key=`` runs once however often it is sent).

@@ -101,7 +101,8 @@ async def session_task(host: Host, actor: Actor) -> None:
                 cut = actor.cut_short(exc)  # killed, deleted, or closing
                 if actor.turn_mail is not None and actor.kill_error is None:
                     # closing, not killed or deleted: its write may not have landed
-                    actor.turn_mail.pending.set_error(stopped_error(actor.session_id, "unsaved"))
+                    mail = actor.turn_mail
+                    mail.pending.set_error(stopped_error(actor.session_id, "unsaved", mail.turn_id))
                 _end(actor, cut)
             raise
 

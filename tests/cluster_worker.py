@@ -115,6 +115,17 @@ class LoggingStore(RedisStore):
                 return bool(await send(worker, incarnation, message))
 
             transport.send = lossy
+        if self.mode == "lose-requests":  # every request this worker sends is lost
+            transport = router.transport
+            send_on = transport.send
+
+            async def unheard(worker: str, incarnation: str, message: bytes) -> bool:
+                if msgpack.unpackb(message, timestamp=3).get("op") in ("turn", "read", "call"):
+                    await trio.lowlevel.checkpoint()
+                    return True  # "heard", then lost on the way
+                return bool(await send_on(worker, incarnation, message))
+
+            transport.send = unheard
         return router
 
     async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:

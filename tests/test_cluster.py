@@ -364,6 +364,21 @@ async def test_answers_that_never_arrive_end_in_a_typed_error_not_a_second_run(
     assert texts == ["one"]
 
 
+async def test_a_request_that_never_reaches_its_owner_ends_within_the_deadline(
+    cluster: Cluster,
+) -> None:
+    """A request whose every copy is lost on the way (the owner answers every ping "unknown") ends with WorkerUnreachableError within two lease lifetimes of being sent, and never ran."""
+    with trio.fail_after(30):
+        a = await cluster.start("a", balance=False)
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        b = await cluster.start("b", mode="lose-requests", balance=False)
+        with trio.fail_after(2 * TTL + 5.0):  # the deadline, with room for a busy machine
+            answer = await b.call("send", name="s", text="lost")
+        assert answer["error"] == "WorkerUnreachableError", answer
+        assert "'s'" in answer["message"]
+        assert user_texts((await a.call("history", name="s"))["messages"]) == []
+
+
 async def test_a_request_sent_while_its_owner_listens_nowhere_arrives_once_it_listens_again(
     cluster: Cluster,
 ) -> None:

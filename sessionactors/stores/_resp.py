@@ -69,10 +69,12 @@ class _ErrorReply:
 
 
 class _Incomplete(Exception):
-    """The buffer ends inside a value: read more."""
+    """The buffer ends inside a value: read more.
 
-
-_INCOMPLETE: Final = _Incomplete()
+    Raised as a new instance each time: one instance raised again and again keeps
+    adding to its traceback, which holds every frame it passed (and what they had
+    parsed), for as long as the connection lives.
+    """
 
 
 def _count(line: bytes | bytearray) -> int:
@@ -89,7 +91,7 @@ def parse(buffer: bytes | bytearray, pos: int) -> tuple[Any, int]:
     ``_Incomplete`` if the buffer ends first."""
     end = buffer.find(_CRLF, pos)
     if end < 0:
-        raise _INCOMPLETE
+        raise _Incomplete
     kind = buffer[pos]
     line = buffer[pos + 1 : end]
     pos = end + 2
@@ -99,7 +101,7 @@ def parse(buffer: bytes | bytearray, pos: int) -> tuple[Any, int]:
             return None, pos
         stop = pos + size
         if len(buffer) < stop + 2:
-            raise _INCOMPLETE
+            raise _Incomplete
         data = bytes(buffer[pos:stop])
         if kind == 0x21:
             return _ErrorReply(data.decode("utf-8", "replace")), stop + 2

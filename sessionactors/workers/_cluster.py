@@ -22,13 +22,14 @@ registry:
 * asks the owner about its request while it waits (every third of ``lease_ttl``
   without word): a ping nobody hears asks the store whether the owner's incarnation
   is still the live one, and the owner answers "working", its answer again (one
-  whose send failed or was lost), or "unknown" (the request never reached it: sent
-  again).
+  whose send failed or was lost; a read's is not kept, it is read again), or
+  "unknown" (the request never reached it: sent again).
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run. With no
-  word for two lease lifetimes (the store or the owner does not answer) the caller
-  gets WorkerUnreachableError: no caller waits forever;
+  word for two lease lifetimes (the store or the owner does not answer), or with
+  every copy sent for that long answered "unknown", the caller gets
+  WorkerUnreachableError: no caller waits forever;
 * serves a subscription to a session it runs from the session's hub here, as a
   registry without other workers does: its events never reach the store;
 * publishes the events of a session it runs only while a worker elsewhere
@@ -89,6 +90,8 @@ import msgpack
 import trio
 
 from .._codec import (
+    MAX_ARRAY_LEN,
+    MAX_MAP_LEN,
     dump_event,
     dump_events,
     dump_snapshot,
@@ -143,6 +146,7 @@ _BATCH: Final = 1000  # events per publishing round trip
 _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
+_NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answers are not
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate)
@@ -288,8 +292,12 @@ def _pack(body: Mapping[str, Any]) -> bytes:
 
 
 def _unpack(data: bytes) -> dict[str, Any] | None:
+    # (the codec's bounds: metadata, which set_metadata carries and answers with, may
+    # hold as many keys and items as the store keeps)
     try:
-        body = msgpack.unpackb(data, raw=False, timestamp=3, max_map_len=64, max_array_len=100_000)
+        body = msgpack.unpackb(
+            data, raw=False, timestamp=3, max_map_len=MAX_MAP_LEN, max_array_len=MAX_ARRAY_LEN
+        )
     except (ValueError, TypeError):
         return None
     return body if isinstance(body, dict) else None
@@ -813,7 +821,9 @@ class Cluster:
             self.stats.moved += 1
             await self._answer(body, {"moved": True})
         except SessionStoppedError as exc:
-            if host.closing:  # not run here: the session's next owner will
+            # Not run here (closing): the session's next owner runs it. A turn that had
+            # started (cut off by the shutdown) is in the history: never run it again.
+            if host.closing and not exc.turn_id:
                 await self._answer(body, {"moved": True})
             else:
                 await self._answer(body, _dump_error(exc))
@@ -822,11 +832,13 @@ class Cluster:
 
     async def _answer(self, request: Mapping[str, Any], body: dict[str, Any]) -> None:
         """Post an answer; a final one is also kept, for a requester that asks again
-        (its post failed, or the store lost it before the requester read it)."""
+        (its post failed, or the store lost it before the requester read it), except
+        a read's (a whole state, safe to read again: its requester hears "unknown"
+        and asks again)."""
         rid = str(request.get("id"))
         body["re"] = rid
         data = _pack(body)
-        if body.get("ok") != "ack":
+        if body.get("ok") != "ack" and request.get("op") not in _NOT_KEPT:
             self._answered[rid] = data
             if len(self._answered) > _ANSWERS_KEPT:
                 del self._answered[next(iter(self._answered))]
@@ -980,6 +992,8 @@ class Cluster:
         """
         self._running(name)
         shard = self.transport.shard(name)
+        unheard_since: float | None = None  # since when the owner says it never got it
+        unheard_copies = 0
         for attempt in range(_MAX_ATTEMPTS):
             handover = self._leaving.get(shard)
             if handover is not None:  # handing the shard over: wait for its next owner
@@ -1007,6 +1021,7 @@ class Cluster:
                     continue
                 self._incarnations[owner] = incarnation
             rid = new_id("rq")
+            sent_at = trio.current_time()
             send, receive = trio.open_memory_channel[dict[str, Any]](4)
             self._waiters[rid] = send
             try:
@@ -1028,8 +1043,21 @@ class Cluster:
             finally:
                 del self._waiters[rid]
             if answer.get("ok") == "unknown":  # it never got the request: send it again
+                # (a copy lost on the way); every copy lost for two lease lifetimes
+                # (the owner cannot read them, or they never reach it): give up
+                unheard_since = sent_at if unheard_since is None else unheard_since
+                unheard_copies += 1
+                unheard = trio.current_time() - unheard_since
+                if unheard > 2 * self.ttl:
+                    raise WorkerUnreachableError(
+                        f"session {name!r}: worker {owner!r}, which runs it, never got this "
+                        f"request in {unheard:.1f} s ({unheard_copies} copies lost), so it did "
+                        "not run there; send it again",
+                        session_id=name,
+                    )
                 self.stats.moved += 1
                 continue
+            unheard_since, unheard_copies = None, 0
             if answer is _OWNER_DIED:
                 self._owners.pop(name, None)
                 self.stats.owner_deaths += 1
