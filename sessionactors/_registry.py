@@ -426,6 +426,13 @@ async def open_registry(
     Every option is checked here: a wrong type or range raises ``TypeError`` or
     ``ValueError`` naming it, before anything starts.
     """
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise RuntimeError(
+            "sessionactors.open_registry runs under trio (trio.run, hypercorn's trio worker); "
+            "from asyncio (asyncio.run, FastAPI, uvicorn) use sessionactors.aio.open_registry"
+        ) from None
     if agents is None:
         agents = {}
     if not isinstance(agents, Mapping):
