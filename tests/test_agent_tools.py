@@ -241,7 +241,7 @@ def test_agent_refuses_what_is_not_a_model_or_a_tool() -> None:
         sa.Agent(model=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"tools\[0\] is a function.*@sa.tool"):
         sa.Agent(model=ScriptedModel(), tools=[lookup])
-    with pytest.raises(TypeError, match="tools must be a list of sa.Tool"):
+    with pytest.raises(TypeError, match=r"tools must be a list of sa\.Tool"):
         sa.Agent(model=ScriptedModel(), tools=lookup)  # type: ignore[arg-type]
     assert sa.Agent(model=ScriptedModel(), tools=[sa.tool(lookup)]).tool_specs[0].name == "lookup"
 

@@ -868,6 +868,33 @@ async def test_a_subscription_on_another_worker_sees_every_event_through_a_failo
             assert [(e.seq, type(e)) for e in replayed] == [(e.seq, type(e)) for e in events]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: ref.stream() through another worker waits for the outcome of a "
+    "turn its dead owner never finishes (send() raises SessionCrashedError instead)",
+)
+@pytest.mark.parametrize("key", [None, "k1"])
+async def test_a_stream_from_another_worker_ends_when_the_owner_dies_mid_turn(
+    cluster: Cluster, key: str | None
+) -> None:
+    """ref.stream() on a worker that does not run the session ends when the owner is killed
+    in the middle of the turn, within a few lease lifetimes (with the turn's error, or,
+    with an idempotency key, the turn run again), rather than waiting forever."""
+    with trio.fail_after(50):
+        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+        await a.call("spawn", names=["s"])  # spawned and woken on a
+        async with cluster.registry(balance=False) as t:
+            seen: list[sa.Event] = []
+            text = "one two three four five six seven eight nine ten eleven twelve"
+            with contextlib.suppress(sa.SessionCrashedError), trio.fail_after(8 * TTL):
+                async with t.ref("s").stream(text, idempotency_key=key) as events:
+                    async for event in events:
+                        seen.append(event)
+                        if isinstance(event, sa.Delta) and len(seen) == 2:
+                            a.signal(signal.SIGKILL)
+            assert isinstance(seen[0], sa.TurnStarted)
+
+
 async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Cluster) -> None:
     """Where the owner's event stream no longer reaches back (it keeps about replay_events), subscribe(after=) on another worker replays the journal's events with their seqs."""
     cluster = any_cluster
