@@ -30,12 +30,25 @@ from ._records import (
     utcnow,
 )
 from ._telemetry import TurnTrace
+from ._tools import Tool
 
 __all__ = ["Agent", "Compaction", "TurnContext", "run_turn"]
 
 
 def _tools_converter(tools: Iterable[Any]) -> tuple[Any, ...]:
+    if isinstance(tools, str | bytes | Tool) or not isinstance(tools, Iterable):
+        raise TypeError(
+            f"Agent tools must be a list of sa.Tool (make them with @sa.tool), "
+            f"not {type(tools).__name__}"
+        )
     out = tuple(tools)
+    for i, t in enumerate(out):
+        if not isinstance(t, Tool):
+            kind = "a function" if callable(t) else type(t).__name__
+            raise TypeError(
+                f"Agent tools[{i}] is {kind} ({t!r:.60}), not an sa.Tool; decorate the "
+                "function with @sa.tool, or wrap it: sa.Tool(name=..., fn=...)"
+            )
     names = [t.name for t in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -88,7 +101,7 @@ class Agent:
     A frozen value: share one agent between many sessions.
     """
 
-    model: Model
+    model: Model = attrs.field()
     system_prompt: str = ""
     tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
     max_steps: int = attrs.field(default=8)
@@ -100,6 +113,15 @@ class Agent:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_specs", tuple([t.spec for t in self.tools]))
         object.__setattr__(self, "_by_name", {t.name: t for t in self.tools})
+
+    @model.validator
+    def _check_model(self, _: object, value: Model) -> None:
+        if not callable(getattr(value, "stream", None)):
+            raise TypeError(
+                "Agent model must have a stream(request) method, such as "
+                "sessionactors.models.OpenAIChatModel(base_url=..., model='gpt-4o') or "
+                f"sessionactors.testing.EchoModel(), not {type(value).__name__} ({value!r:.60})"
+            )
 
     @max_steps.validator
     def _check_max_steps(self, _: object, value: int) -> None:

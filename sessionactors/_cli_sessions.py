@@ -103,7 +103,8 @@ def add_parser(commands: Any) -> None:
         type=_seq,
         default=None,
         metavar="SEQ",
-        help="begin with the stored events after SEQ (default: from now on)",
+        help="begin with the stored events after SEQ (default: from now on; "
+        "with --no-follow, every stored event)",
     )
     tail.add_argument("--no-follow", action="store_true", help="print the stored events and stop")
 
@@ -281,8 +282,8 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     name = args.name
     validate_name(name)
     after = args.after
-    if after is None:
-        after = (await read_session(store, name)).event_seq
+    if after is None:  # follow from now on; with --no-follow, print what is stored
+        after = 0 if args.no_follow else (await read_session(store, name)).event_seq
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 

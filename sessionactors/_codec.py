@@ -467,9 +467,10 @@ def _plain(value: Any, depth: int) -> Any:
         if value.tzinfo is None:
             raise _PlainError(ValueError, "is a naive datetime; use an aware one such as utcnow()")
         return value
+    article = "an" if cls.__name__[:1].lower() in "aeiou" else "a"
     raise _PlainError(
         TypeError,
-        f"is a {cls.__name__}; metadata holds plain data (dict with str keys, list,"
+        f"is {article} {cls.__name__}; metadata holds plain data (dict with str keys, list,"
         " tuple, str, bytes, int, float, bool, None, aware datetime)",
     )
 

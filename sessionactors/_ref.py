@@ -12,10 +12,17 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from ._codec import MAX_TEXT_CHARS
-from ._errors import SessionStoppedError
-from ._events import Event, TurnCancelled, TurnFailed, TurnFinished
+from ._errors import (
+    FencedOutError,
+    SessionActorsError,
+    SessionCrashedError,
+    SessionStoppedError,
+    WorkerUnreachableError,
+)
+from ._events import Event, TurnCancelled, TurnFailed, TurnFinished, TurnStarted
 from ._final import NoPublicConstructor
 from ._history_input import check_messages
 from ._metadata import check_metadata
@@ -51,6 +58,7 @@ class Dispatcher(Protocol):
     async def read(self, name: str) -> SessionState: ...
     async def outcome(self, name: str, turn_id: str) -> TurnOutcome: ...
     async def open_subscription(self, name: str, after: int | None) -> EventIterator: ...
+    def runs_here(self, name: str) -> bool: ...
 
 
 @attrs.define(eq=False)
@@ -331,8 +339,10 @@ class SessionRef(metaclass=NoPublicConstructor):
 
         The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session
         crashed and the turn is void) or ``TurnCancelled``; if the session's events
-        end first (it was deleted or stopped, or the registry closed), iterating
-        raises the turn's error instead.
+        end first (it was deleted or stopped, or the registry closed), or the worker
+        that ran it died, iterating raises the turn's error instead. With
+        ``idempotency_key``, a turn sent again after its worker died is followed under
+        its new turn id (a second ``TurnStarted``).
         """
         async with self.subscribe() as events:
             turn = await self.submit(text, idempotency_key=idempotency_key)
@@ -340,14 +350,45 @@ class SessionRef(metaclass=NoPublicConstructor):
             async def only_this_turn() -> AsyncGenerator[Event, None]:
                 if turn.replayed:  # no new turn ran: nothing to stream
                     return
-                async for event in events:
-                    if getattr(event, "turn_id", None) != turn.id:
+                following = turn.id
+                # a turn that runs here publishes its outcome even if its actor crashes
+                # (lost=True); one that runs on another worker may end without one
+                runs_here, name = self._dispatcher.runs_here, self.session_id
+                here = runs_here(name)
+                while True:
+                    event: Event | None = None
+                    if here and not turn.done and runs_here(name):
+                        try:
+                            event = await events.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    else:
+                        with trio.move_on_after(_OUTCOME_CHECK):
+                            try:
+                                event = await events.__anext__()
+                            except StopAsyncIteration:
+                                break
+                    if event is None:  # a quiet while: is the turn over elsewhere?
+                        if turn.done and await _void_elsewhere(turn, following):
+                            break
+                        continue
+                    turn_id = getattr(event, "turn_id", None)
+                    if (
+                        turn_id != following
+                        and idempotency_key is not None
+                        and isinstance(event, TurnStarted)
+                        and event.idempotency_key == idempotency_key
+                    ):
+                        # its worker died mid-turn and the key ran it again, as a new turn
+                        following = event.turn_id
+                    if turn_id != following:
                         continue
                     yield event
                     if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
                         return
                 # the events ended before the turn's outcome (the session was deleted,
-                # stopped, or the registry closed): its caller's error ends the stream
+                # stopped, or the registry closed), or the worker that ran it died: its
+                # caller's error ends the stream
                 await turn.reply()
 
             gen = only_this_turn()
@@ -355,6 +396,24 @@ class SessionRef(metaclass=NoPublicConstructor):
                 yield gen
             finally:
                 await gen.aclose()
+
+
+#: Seconds without an event after which a stream checks whether its turn ended
+#: without an outcome it will ever see (its worker died: see ``_void_elsewhere``).
+_OUTCOME_CHECK = 1.0
+
+
+async def _void_elsewhere(turn: Turn, following: str) -> bool:
+    """Whether a finished ``turn`` will publish no outcome for ``following``: the worker
+    that ran it died or lost it (the caller's error says so), or it ran again under
+    another turn id. Other errors have their outcome event on its way."""
+    try:
+        reply = await turn.reply()
+    except (SessionCrashedError, WorkerUnreachableError, FencedOutError):
+        return True
+    except SessionActorsError:
+        return False
+    return reply.turn_id != following
 
 
 class _Subscription:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -433,6 +434,13 @@ async def open_registry(
     Every option is checked here: a wrong type or range raises ``TypeError`` or
     ``ValueError`` naming it, before anything starts.
     """
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise RuntimeError(
+            "sessionactors.open_registry runs under trio (trio.run, hypercorn's trio worker); "
+            "from asyncio (asyncio.run, FastAPI, uvicorn) use sessionactors.aio.open_registry"
+        ) from None
     if agents is None:
         agents = {}
     if not isinstance(agents, Mapping):
@@ -460,6 +468,20 @@ async def open_registry(
         raise TypeError(
             "open_registry: telemetry must be a sessionactors.Telemetry (such as "
             f"sessionactors.otel.OpenTelemetry()), not {type(telemetry).__name__}"
+        )
+    if store is not None and not isinstance(store, Store):
+        if isinstance(store, str | bytes | os.PathLike):
+            hint = (
+                f"{store!r} is a URL or a path; build the store yourself, "
+                "e.g. sa.SQLiteStore('sessions.db') or RedisStore('redis://host:6379/0')"
+            )
+        else:
+            methods = [n for n, v in vars(Store).items() if callable(v) and n[0] != "_"]
+            missing = sorted(n for n in methods if not callable(getattr(store, n, None)))
+            hint = f"{type(store).__name__} lacks {', '.join(missing)}"
+        raise TypeError(
+            "open_registry: store must be a store such as sa.SQLiteStore(path), "
+            f"sa.MemoryStore() or sessionactors.stores.RedisStore(url): {hint}"
         )
     the_store: Store = store if store is not None else MemoryStore()
     if leases is None:

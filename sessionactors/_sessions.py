@@ -25,6 +25,7 @@ from ._errors import (
     StoreError,
 )
 from ._hub import Hub
+from ._metadata import unstorable
 from ._names import validate_name
 from ._reading import read_stored
 from ._records import Status
@@ -199,10 +200,7 @@ class Sessions:
             snapshot = dump_snapshot(session.to_state())
             info = dump_info(session.info())
         except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"session {name!r} cannot be stored: {exc}; metadata must be plain data "
-                "(str keys; str, int, float, bool, None, bytes, lists and dicts)"
-            ) from exc
+            raise type(exc)(f"session {name!r} {unstorable(exc)}") from exc
         try:
             await self.store.create(name, snapshot, info)
         except SessionExistsError:  # stored: say what to do in the registry's terms

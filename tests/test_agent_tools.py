@@ -228,6 +228,24 @@ def test_max_steps_must_be_positive() -> None:
         sa.Agent(model=ScriptedModel(), max_steps=0)
 
 
+def test_agent_refuses_what_is_not_a_model_or_a_tool() -> None:
+    """A model name, None, or a plain function among the tools is refused when the agent is
+    made, with a TypeError that says what to pass, not at the first turn."""
+
+    def lookup(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(TypeError, match=r"model must have a stream\(request\) method.*str"):
+        sa.Agent(model="gpt-4o")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model must have a stream"):
+        sa.Agent(model=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"tools\[0\] is a function.*@sa.tool"):
+        sa.Agent(model=ScriptedModel(), tools=[lookup])
+    with pytest.raises(TypeError, match=r"tools must be a list of sa\.Tool"):
+        sa.Agent(model=ScriptedModel(), tools=lookup)  # type: ignore[arg-type]
+    assert sa.Agent(model=ScriptedModel(), tools=[sa.tool(lookup)]).tool_specs[0].name == "lookup"
+
+
 async def test_fragments_of_calls_spread_over_many_chunks_assemble_exactly(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -384,6 +384,17 @@ async def _store_with_one_session(path: Path) -> None:
 # ---- tail ---------------------------------------------------------------------------
 
 
+async def test_tail_no_follow_without_after_prints_every_stored_event(tmp_path: Path) -> None:
+    """tail --no-follow without --after prints the events the store holds (as --after 0),
+    rather than nothing: "from now on" and "stop now" together would print nothing."""
+    path = tmp_path / "s.db"
+    await _store_with_one_session(path)
+    store = f"sqlite:///{path}"
+    everything = ok("tail", "a", "--store", store, "--after", "0", "--no-follow")
+    assert "TurnFinished" in everything
+    assert ok("tail", "a", "--store", store, "--no-follow") == everything
+
+
 async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Path) -> None:
     """tail, started while no process has the file open, prints what a later process
     stores, and ends (status 1, one line naming the session) once the session is

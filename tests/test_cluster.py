@@ -883,6 +883,45 @@ async def test_a_subscription_on_another_worker_sees_every_event_through_a_failo
             assert [(e.seq, type(e)) for e in replayed] == [(e.seq, type(e)) for e in events]
 
 
+@pytest.mark.parametrize("key", [None, "k1"])
+async def test_a_stream_from_another_worker_ends_when_the_owner_dies_mid_turn(
+    cluster: Cluster, key: str | None
+) -> None:
+    """ref.stream() on a worker that does not run the session ends when the owner is killed
+    in the middle of the turn, within a few lease lifetimes, rather than waiting forever:
+    without an idempotency key with the SessionCrashedError that send() raises; with one,
+    it follows the turn the key runs again (a second TurnStarted) to its outcome."""
+    with trio.fail_after(50):
+        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+        await a.call("spawn", names=["s"])  # spawned and woken on a
+        async with cluster.registry(balance=False) as t:
+            seen: list[sa.Event] = []
+            error: sa.SessionCrashedError | None = None
+            text = "one two three four five six seven eight nine ten eleven twelve"
+            try:
+                with trio.fail_after(8 * TTL):
+                    async with t.ref("s").stream(text, idempotency_key=key) as events:
+                        async for event in events:
+                            seen.append(event)
+                            if isinstance(event, sa.Delta) and len(seen) == 2:
+                                a.signal(signal.SIGKILL)
+            except sa.SessionCrashedError as exc:
+                error = exc
+            started = [e for e in seen if isinstance(e, sa.TurnStarted)]
+            assert started[0] == seen[0]
+            if key is None:
+                assert error is not None
+                assert "died before answering" in str(error)
+                assert len(started) == 1
+            else:
+                assert error is None
+                assert len(started) == 2  # the turn again, as a new turn on a new owner
+                last = seen[-1]
+                assert isinstance(last, sa.TurnFinished)
+                assert last.turn_id == started[1].turn_id != started[0].turn_id
+                assert last.message.content.strip() == text
+
+
 async def test_replay_on_any_worker_falls_back_to_the_journal(any_cluster: Cluster) -> None:
     """Where the owner's event stream no longer reaches back (it keeps about replay_events), subscribe(after=) on another worker replays the journal's events with their seqs."""
     cluster = any_cluster

@@ -3,6 +3,7 @@ registry without agents reads and manages a store; ref.set_metadata merges metad
 
 from __future__ import annotations
 
+import datetime
 import sqlite3
 import uuid
 from collections.abc import Callable, Sequence
@@ -368,6 +369,26 @@ async def test_set_metadata_refuses_what_cannot_be_stored_before_writing(
             assert (await ref.state()).event_seq == seq
             assert (await ref.state()).metadata == {"tier": "free"}
             assert (await store.read_journal("meta", 0))[1] == journal
+
+
+async def test_metadata_errors_say_what_is_allowed_once_and_alike_at_spawn(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """spawn(metadata=...) and set_metadata refuse the same values with the same error
+    type, and the message lists what metadata may hold once, not twice."""
+    naive = datetime.datetime(2026, 1, 1)
+    async with sa.open_registry(agents=echo_agents) as registry:
+        ref = await registry.spawn("meta")
+        for bad, error in (({"o": object()}, TypeError), ({"t": naive}, ValueError)):
+            with pytest.raises(error) as at_set:
+                await ref.set_metadata(bad)
+            with pytest.raises(error) as at_spawn:
+                await registry.spawn("other", metadata=bad)
+            for info in (at_set, at_spawn):
+                text = str(info.value)
+                assert text.count("plain data") <= 1, text
+                assert "is a object" not in text
+        assert [info.session_id for info in await registry.sessions()] == ["meta"]
 
 
 async def test_set_metadata_keeps_what_a_restart_reads(echo_agents: dict[str, sa.Agent]) -> None:

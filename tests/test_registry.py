@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
@@ -470,4 +471,23 @@ async def test_open_registry_checks_its_options(echo_agents: dict[str, sa.Agent]
                 pass
     with pytest.raises(TypeError):
         async with sa.open_registry(agents={"x": EchoModel()}):  # type: ignore[dict-item]
+            pass
+
+
+async def test_open_registry_refuses_a_url_or_path_as_store(tmp_path: Path) -> None:
+    """A store URL or a file path in store= is refused at once with a TypeError that names
+    the store to build, and no file is made."""
+    path = tmp_path / "sessions.db"
+    for store in (f"sqlite:///{path}", path, str(path)):
+        with pytest.raises(TypeError, match=r"store must be a store such as sa.SQLiteStore"):
+            async with sa.open_registry(store=store):  # type: ignore[arg-type]
+                pass
+    assert list(tmp_path.iterdir()) == []
+
+    class HalfAStore:
+        async def load(self, session_id: str) -> None:
+            return None
+
+    with pytest.raises(TypeError, match="HalfAStore lacks aclose, append, claim"):
+        async with sa.open_registry(store=HalfAStore()):  # type: ignore[arg-type]
             pass

@@ -433,6 +433,14 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
     ``shutdown_grace`` seconds, then every live session is hibernated. A
     cancellation while it shuts down cuts the grace short, as in trio.
     """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "sessionactors.aio.open_registry must be entered in a running asyncio loop "
+            "(asyncio.run, uvicorn); under trio (trio.run, hypercorn's trio worker) use "
+            "sessionactors.open_registry"
+        ) from None
     host = await acquire_host()
     try:
         agents = options.get("agents")

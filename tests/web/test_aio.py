@@ -152,6 +152,18 @@ def test_library_errors_reach_asyncio_code_as_themselves() -> None:
     run(main)
 
 
+def test_the_trio_registry_under_asyncio_says_to_use_the_aio_one() -> None:
+    """sessionactors.open_registry under asyncio (a FastAPI lifespan, say) fails at once
+    with a RuntimeError that names sessionactors.aio.open_registry."""
+
+    async def main() -> None:
+        async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"from asyncio.*sessionactors\.aio\.open_registry"):
+        run(main)
+
+
 def test_cancelling_an_asyncio_caller_abandons_only_its_wait() -> None:
     """Cancelling the asyncio task that awaits a reply abandons the wait: the turn runs on;
     ``ref.cancel()`` cancels the turn, whose asyncio model task is cancelled; a full mailbox
@@ -267,13 +279,14 @@ def test_trio_native_marks_a_model_to_run_in_trio() -> None:
 
 
 def test_open_registry_needs_a_running_asyncio_loop() -> None:
-    """Outside asyncio, aio.open_registry says so."""
+    """Outside asyncio, aio.open_registry says so, and under trio it names
+    sessionactors.open_registry."""
 
     async def main() -> None:
         async with aio.open_registry(agents={"e": sa.Agent(model=EchoModel())}):
             pass
 
-    with pytest.raises(RuntimeError, match="no running event loop"):
+    with pytest.raises(RuntimeError, match=r"under trio.*use sessionactors\.open_registry"):
         trio.run(main)
 
 
