@@ -118,13 +118,20 @@ _LEAVE: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
+# An entry whose id is not above the stream's last is dropped (it is there already, or
+# the stream ended); any other refusal (out of memory, say) fails the call, which the
+# multi-worker layer then marks as lost: a reader never skips an event in silence.
 _PUBLISH: Final = """
 local pos = 3
 for i = 1, #KEYS do
   local n = tonumber(ARGV[pos])
   pos = pos + 1
   for j = 1, n do
-    redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    local r = redis.pcall(
+      'XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
+      return r
+    end
     pos = pos + 3
   end
   redis.call('PEXPIRE', KEYS[i], ARGV[2])
