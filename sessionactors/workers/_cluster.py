@@ -35,9 +35,10 @@ registry:
 * publishes the events of a session it runs only while a worker elsewhere
   subscribes to it: the subscriber asks the owner to "watch" it (a forwarded
   request, answered with the seq it starts from), the owner sets the session's
-  watch key, which the subscriber's worker renews every third of ``lease_ttl``; a
-  worker that wakes the session learns of the key from its claim; an owner stops
-  once the key expired. Events go to one
+  watch key, which the subscriber's worker renews every third of ``lease_ttl`` (a
+  renewal that finds the session deleted ends its stream, in case its deleter could
+  not); a worker that wakes the session learns of the key from its claim; an owner
+  stops once the key expired. Events go to one
   stream per session whose entry ids are ``<seq>-0``, so a stale ex-owner's events
   are refused by Redis, from one publisher task fed by a bounded queue: the actor
   never waits on the store. Events that do not fit, or that Redis refuses (out
@@ -212,7 +213,8 @@ class Transport(Protocol):
         ...
 
     async def watch(self, names: Sequence[str], ttl: float) -> None:
-        """Say a worker other than the owner subscribes to the sessions (for 3 * ttl)."""
+        """Say a worker other than the owner subscribes to the sessions (for 3 * ttl);
+        end the event stream of any of them no longer stored (see ``end_events``)."""
         ...
 
     async def watched(self, names: Sequence[str]) -> set[str]:
@@ -283,7 +285,8 @@ class Transport(Protocol):
         ...
 
     async def end_events(self, session_id: str) -> None:
-        """Mark the session's event stream as ended (the session was deleted)."""
+        """Mark the session's event stream as ended (the session was deleted), unless a
+        session of that name is stored again; once."""
         ...
 
 
@@ -1613,7 +1616,9 @@ class Cluster:
         await self.transport.reset_events(name)
 
     async def deleted(self, name: str) -> None:
-        with contextlib.suppress(StoreError):  # remote subscribers then stay open
+        # (if this fails, the workers that subscribe end the stream: their next watch
+        # finds the session gone)
+        with contextlib.suppress(StoreError):
             await self.transport.end_events(name)
 
 
