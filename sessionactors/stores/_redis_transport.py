@@ -393,7 +393,7 @@ class RedisTransport:
 
         async def run(client: Client) -> None:
             async with cast(Any, client).pipeline(transaction=False) as pipe:
-                replies = [
+                replies: list[Any] = [
                     self._watch(
                         [self._events(name), self._meta(name), self._store._watch_key(name)],
                         args,
