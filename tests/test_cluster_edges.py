@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
+import coredis
 import pytest
 import trio
 
@@ -153,3 +156,119 @@ async def test_the_worker_channel_holds_no_memory_per_message(redis_url: str) ->
                 tracemalloc.stop()
     # (what one answer in flight holds is well under this; a few KB per answer is not)
     assert grown < 1_500_000, f"{grown / 1e6:.1f} MB held after 400 reads"
+
+
+async def redis_full(admin: coredis.Redis[bytes], full: bool) -> None:
+    """Make redis refuse every write that needs memory (maxmemory reached, no eviction),
+    or give it room again."""
+    await admin.config_set({"maxmemory-policy": "noeviction", "maxmemory": 1 if full else 0})
+
+
+def stream_problems(seqs: list[int], error: BaseException | None, finished: bool) -> list[str]:
+    """What a subscriber that saw ``seqs`` and ended with ``error`` was not told: gaps, a
+    lag reported at another seq, or an end without the last event."""
+    problems = [f"gap {x} -> {y}" for x, y in itertools.pairwise(seqs) if y != x + 1]
+    if isinstance(error, sa.SubscriberLaggedError):
+        if seqs and error.last_seq != seqs[-1]:
+            problems.append(f"lag reported after {error.last_seq}, last seen {seqs[-1]}")
+    elif not finished:
+        problems.append(f"the subscriber stopped at {seqs[-1:]} and was not told")
+    return problems
+
+
+@pytest.mark.parametrize("then", ["another turn", "nothing"])
+async def test_events_redis_refuses_for_lack_of_memory_show_as_lag_never_as_a_gap(
+    private_redis_server: Callable[..., AbstractContextManager[str]], then: str
+) -> None:
+    """Events that redis refuses to a session's stream for lack of memory (maxmemory, noeviction) end a subscriber on another worker with SubscriberLaggedError at the last event it saw once redis has room again, whether another turn follows or not: never a silent gap, never a wait without end."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    seqs: list[int] = []
+    texts: list[str] = []
+    error: BaseException | None = None
+    finished = trio.Event()
+    seen = trio.Event()
+    with private_redis_server() as url, trio.fail_after(40):
+        async with (
+            # the turns write nothing to the store (redis refuses every write meanwhile)
+            open_worker(url, prefix, "a", EchoModel(), lease_ttl=30, durability="hibernate") as a,
+            open_worker(url, prefix, "b", EchoModel(), lease_ttl=30) as b,
+            coredis.Redis.from_url(url) as admin,
+            trio.open_nursery() as nursery,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("warm up")
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                nonlocal error, seen
+                with trio.move_on_after(20):
+                    async with b.ref("s").subscribe() as stream:
+                        task_status.started()
+                        try:
+                            async for event in stream:
+                                seqs.append(event.seq)
+                                if isinstance(event, sa.TurnFinished):
+                                    texts.append(event.message.content)
+                                    seen.set()
+                                    seen = trio.Event()
+                                    if event.message.content == "after":
+                                        break
+                        except sa.SubscriberLaggedError as exc:
+                            error = exc
+                finished.set()
+
+            await nursery.start(subscribe)
+            await ref.send("before")  # its events reach the subscriber through the stream
+            while texts != ["before"]:
+                await seen.wait()
+            await redis_full(admin, True)
+            try:
+                assert (await ref.send("lost on the way")).text == "lost on the way"
+                await trio.sleep(0.5)  # (the worker publishes its events meanwhile)
+            finally:
+                await redis_full(admin, False)
+            if then == "another turn":
+                await ref.send("after")
+            with trio.move_on_after(10):
+                await finished.wait()
+            assert (a.live(), b.live()) == (["s"], [])
+    assert stream_problems(seqs, error, "after" in texts) == []
+    assert isinstance(error, sa.SubscriberLaggedError), (seqs, texts)
+
+
+async def test_a_subscription_elsewhere_ends_when_its_deleted_sessions_end_was_refused(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """A session deleted while redis refuses to mark the end of its events (out of memory) still ends a subscription to it on another worker, soon after redis has room again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    ended = trio.Event()
+    with private_redis_server() as url, trio.fail_after(40):
+        async with (
+            open_worker(url, prefix, "a", EchoModel()) as a,
+            open_worker(url, prefix, "b", EchoModel()) as b,
+            coredis.Redis.from_url(url) as admin,
+            trio.open_nursery() as nursery,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("hello")
+            assert (a.live(), b.live()) == (["s"], [])
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                async with b.ref("s").subscribe() as stream:
+                    task_status.started()
+                    async for _ in stream:
+                        pass
+                ended.set()
+
+            await nursery.start(subscribe)
+            await ref.hibernate()  # live nowhere: the subscription waits for its next owner
+            await trio.sleep(TTL)  # (it has followed the session by now)
+            await redis_full(admin, True)
+            try:
+                await a.delete("s")  # deleted; the end of its events could not be marked
+            finally:
+                await redis_full(admin, False)
+            with trio.move_on_after(4 * TTL):
+                await ended.wait()
+            assert ended.is_set(), "the subscription on b never ended"
+            with pytest.raises(sa.SessionNotFoundError):
+                await b.ref("s").history()

@@ -76,6 +76,7 @@ __all__ = ["RedisTransport"]
 
 _READ_COUNT: Final = 1000  # entries per stream per read
 _EVENTS_TTL: Final = 24 * 3600.0  # an event stream nobody writes to expires after a day
+_END_TTL: Final = 60.0  # an ended stream is kept this long for its readers
 #: On a cluster, how long a read waits on the inbox's slot before it looks at the
 #: streams of other slots again (milliseconds).
 _CLUSTER_POLL_MS: Final = 20
@@ -118,13 +119,20 @@ _LEAVE: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
+# An entry whose id is not above the stream's last is dropped (it is there already, or
+# the stream ended); any other refusal (out of memory, say) fails the call, which the
+# multi-worker layer then marks as lost: a reader never skips an event in silence.
 _PUBLISH: Final = """
 local pos = 3
 for i = 1, #KEYS do
   local n = tonumber(ARGV[pos])
   pos = pos + 1
   for j = 1, n do
-    redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    local r = redis.pcall(
+      'XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
+      return r
+    end
     pos = pos + 3
   end
   redis.call('PEXPIRE', KEYS[i], ARGV[2])
@@ -138,11 +146,30 @@ return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
 # The end marker's id is above every seq (ARGV[2], the largest), so that a reader
 # whose position is past what the stream holds (it never published, or was
 # trimmed) still reads it; nothing is published to a deleted session's stream.
-_END_EVENTS: Final = """
-redis.call('XADD', KEYS[1], ARGV[2] .. '-0', 'gone', '1')
+# KEYS: the events, the session's meta key (a session of that name stored again:
+# no end); the marker is written once. Returns whether the stream is ended.
+_MARK_END: Final = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local r = redis.pcall('XADD', KEYS[1], ARGV[2] .. '-0', 'gone', '1')
+if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
+  return r
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
+_END_EVENTS: Final = _MARK_END
+# A subscriber's worker renews the watch of a stored session and ends the stream of
+# one that is gone (deleted while its end could not be marked: its subscribers would
+# wait without end). KEYS: as _MARK_END, then the watch key; ARGV[3]: its ttl in ms.
+_WATCH: Final = (
+    """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+  return 0
+end
+"""
+    + _MARK_END
+)
 
 
 def _tag(key: str) -> str:
@@ -319,6 +346,7 @@ class RedisTransport:
         self._publish = Script[bytes](script=_PUBLISH)
         self._events_after = Script[bytes](script=_EVENTS_AFTER)
         self._end_events = Script[bytes](script=_END_EVENTS)
+        self._watch = Script[bytes](script=_WATCH)
         self._links: _Links | None = None  # while listen() is subscribed
 
     def _worker(self, worker: str) -> tuple[str, str]:
@@ -329,6 +357,10 @@ class RedisTransport:
 
     def _events(self, session_id: str) -> str:
         return self._store._key("s", session_id, "ev")
+
+    def _meta(self, session_id: str) -> str:
+        """The key a stored session always has (the event stream's key group)."""
+        return self._store._keys(session_id)[0]
 
     async def heartbeat(
         self, worker: str, incarnation: str, ttl: float, keep_from: str | None
@@ -357,12 +389,20 @@ class RedisTransport:
         return self._store._shard(session_id)
 
     async def watch(self, names: Sequence[str], ttl: float) -> None:
-        ms = _ms(3 * ttl)
+        args = [_ms(_END_TTL), str(MAX_SEQ), _ms(3 * ttl)]
 
         async def run(client: Client) -> None:
             async with cast(Any, client).pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.set(self._store._watch_key(name), b"1", px=int(ms))
+                replies: list[Any] = [
+                    self._watch(
+                        [self._events(name), self._meta(name), self._store._watch_key(name)],
+                        args,
+                        client=pipe,
+                    )
+                    for name in names
+                ]
+            for reply in replies:
+                await reply
 
         if names:
             await self._store._run("watch the events of", None, run)
@@ -592,8 +632,8 @@ class RedisTransport:
         await self._store._run("reset the events of", session_id, lambda c: c.delete([key]))
 
     async def end_events(self, session_id: str) -> None:
-        key = self._events(session_id)
-        args = [_ms(60.0), str(MAX_SEQ)]
+        keys = [self._events(session_id), self._meta(session_id)]
+        args = [_ms(_END_TTL), str(MAX_SEQ)]
         await self._store._run(
-            "end the events of", session_id, lambda c: self._end_events([key], args, client=c)
+            "end the events of", session_id, lambda c: self._end_events(keys, args, client=c)
         )

@@ -35,13 +35,16 @@ registry:
 * publishes the events of a session it runs only while a worker elsewhere
   subscribes to it: the subscriber asks the owner to "watch" it (a forwarded
   request, answered with the seq it starts from), the owner sets the session's
-  watch key, which the subscriber's worker renews every third of ``lease_ttl``; a
-  worker that wakes the session learns of the key from its claim; an owner stops
-  once the key expired. Events go to one
+  watch key, which the subscriber's worker renews every third of ``lease_ttl`` (a
+  renewal that finds the session deleted ends its stream, in case its deleter could
+  not); a worker that wakes the session learns of the key from its claim; an owner
+  stops once the key expired. Events go to one
   stream per session whose entry ids are ``<seq>-0``, so a stale ex-owner's events
   are refused by Redis, from one publisher task fed by a bounded queue: the actor
-  never waits on the store. Events that do not fit are dropped and replaced by a
-  marker, which subscribers see as lag (never as a silent gap). An owner that
+  never waits on the store. Events that do not fit, or that Redis refuses (out
+  of memory, unreachable), are dropped and replaced by a marker, written before
+  the session's next event or, without one, as soon as Redis takes it, which
+  subscribers see as lag (never as a silent gap). An owner that
   starts publishing first publishes the journal entries the stream lacks;
 * serves a subscription to a session it does not run from that stream, so it
   follows its session from worker to worker (a failover, or a wake elsewhere) with
@@ -143,6 +146,9 @@ StreamItem = tuple[int, str, bytes]
 
 _QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions together
 _BATCH: Final = 1000  # events per publishing round trip
+#: Seconds between attempts to write lag markers that the store refused, while no
+#: newer event comes to carry them (their readers would otherwise wait without end).
+_MARKER_RETRY: Final = 0.5
 _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
@@ -207,7 +213,8 @@ class Transport(Protocol):
         ...
 
     async def watch(self, names: Sequence[str], ttl: float) -> None:
-        """Say a worker other than the owner subscribes to the sessions (for 3 * ttl)."""
+        """Say a worker other than the owner subscribes to the sessions (for 3 * ttl);
+        end the event stream of any of them no longer stored (see ``end_events``)."""
         ...
 
     async def watched(self, names: Sequence[str]) -> set[str]:
@@ -278,7 +285,8 @@ class Transport(Protocol):
         ...
 
     async def end_events(self, session_id: str) -> None:
-        """Mark the session's event stream as ended (the session was deleted)."""
+        """Mark the session's event stream as ended (the session was deleted), unless a
+        session of that name is stored again; once."""
         ...
 
 
@@ -1321,16 +1329,21 @@ class Cluster:
         keep = self.host.config.hub.replay_events
         receive = self._receive
         while True:
-            first = await receive.receive()
+            batch: list[tuple[str, _Item]] = []
+            if self._failed or self._lost:  # markers to write, with or without new events
+                with trio.move_on_after(_MARKER_RETRY):
+                    batch.append(await receive.receive())
+            else:
+                batch.append(await receive.receive())
             self._publishing = True
             try:
-                batch = [first]
                 while len(batch) < _BATCH:
                     try:
                         batch.append(receive.receive_nowait())
                     except trio.WouldBlock:
                         break
-                await self._publish_batch(batch, keep)
+                if batch:
+                    await self._publish_batch(batch, keep)
                 if not receive.statistics().current_buffer_used and (self._failed or self._lost):
                     markers = [
                         (n, cast(_Item, _Lost(*r)))
@@ -1381,9 +1394,13 @@ class Cluster:
         await flush()
 
     async def _mark_failed(self, groups: Mapping[str, Sequence[StreamItem]]) -> None:
+        """Note the items the stream may lack as lost (a marker's range stays whole; only
+        events are counted: a marker's were counted when they were dropped)."""
         for name, items in groups.items():
-            seqs = [seq for seq, _, _ in items]
-            self._lose(name, min(seqs), max(seqs), self._failed, len(items))
+            first = min(int(data) if kind == "lost" else seq for seq, kind, data in items)
+            last = max(seq for seq, _, _ in items)
+            lost = sum(kind == "event" for _, kind, _ in items)
+            self._lose(name, first, last, self._failed, lost)
         await trio.sleep(0.05)
 
     async def _catch_up(self, name: str, upto: int, keep: int) -> None:
@@ -1599,7 +1616,9 @@ class Cluster:
         await self.transport.reset_events(name)
 
     async def deleted(self, name: str) -> None:
-        with contextlib.suppress(StoreError):  # remote subscribers then stay open
+        # (if this fails, the workers that subscribe end the stream: their next watch
+        # finds the session gone)
+        with contextlib.suppress(StoreError):
             await self.transport.end_events(name)
 
 
