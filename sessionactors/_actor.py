@@ -171,8 +171,9 @@ RESUME: Final = _Signal()
 #: so that the next user message never follows a user message.
 NO_REPLY_FAILED: Final = "(no reply: this turn failed)"
 NO_REPLY_CANCELLED: Final = "(no reply: this turn was cancelled)"
-#: How many refused turns (refused before they started) an actor remembers.
-_MAX_REFUSED: Final = 100
+#: How many refused turns (refused before they started) an actor remembers, and
+#: how many turns answered by a completed key's stored reply.
+_MAX_REMEMBERED: Final = 100
 _make_reply: Final = maker(Reply)
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
@@ -250,6 +251,8 @@ class Actor:
         "queued",
         "receive",
         "refused",
+        "replays",
+        "room_waits",
         "run_scope",
         "send",
         "session",
@@ -281,6 +284,9 @@ class Actor:
         self.partial: list[str] = []
         self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
         self.inflight_keys: dict[str, TurnMail] = {}  # idempotency key -> its turn
+        # idempotency key -> set once the request with it that waits for mailbox room
+        # is queued or gave up (the dispatcher's: same-key requests join it)
+        self.room_waits: dict[str, trio.Event] | None = None
         # A closing turn's answer, kept until the closing snapshot says whether it was
         # stored (its turn_mail stays set meanwhile): (error, reply)
         self.held: tuple[BaseException | None, Reply] | None = None
@@ -297,6 +303,8 @@ class Actor:
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
+        # turns answered by the stored reply of a completed key: id -> the completed turn's
+        self.replays: dict[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"<Actor {self.session_id!r} {self.phase.value}>"
@@ -358,7 +366,11 @@ class Actor:
             ids.discard(turn_id)
 
     def outcome(self, turn_id: str) -> TurnOutcome:
-        """What became of ``turn_id``, with what this incarnation knows (loaded)."""
+        """What became of ``turn_id``, with what this incarnation knows (loaded); a turn
+        answered by a completed key's stored reply has that turn's outcome."""
+        replays = self.replays
+        if replays:
+            turn_id = replays.get(turn_id, turn_id)
         return self.session.outcome(turn_id, queued=self.queued, refused=self.refused)
 
     def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
@@ -381,7 +393,7 @@ class Actor:
         if refused is None:
             refused = self.refused = {}
         refused[mail.turn_id] = str(error)
-        if len(refused) > _MAX_REFUSED:
+        if len(refused) > _MAX_REMEMBERED:
             del refused[next(iter(refused))]
         if mail.key is not None:  # a retry with this key runs again once it can
             self.inflight_keys.pop(mail.key, None)
@@ -739,7 +751,15 @@ class Actor:
         if key is not None:
             done = session.completed.get(key)
             if done is not None:
+                # (queued before its session could look the key up: submit_nowait to a
+                # session still waking) it is the completed turn: its id, reply, outcome
                 self.inflight_keys.pop(key, None)
+                replays = self.replays
+                if replays is None:
+                    replays = self.replays = {}
+                replays[mail.turn_id] = done.turn_id
+                if len(replays) > _MAX_REMEMBERED:
+                    del replays[next(iter(replays))]
                 mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
         if session.reviews:
