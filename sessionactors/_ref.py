@@ -38,7 +38,7 @@ from ._requests import (
 )
 from ._subscription import EventIterator
 
-__all__ = ["MAX_TEXT_CHARS", "Dispatcher", "SessionRef", "Turn"]
+__all__ = ["MAX_TEXT_CHARS", "Dispatcher", "SessionRef", "Turn", "check_unicode"]
 
 
 class Dispatcher(Protocol):
@@ -434,14 +434,20 @@ def _check_text(session_id: str, text: object, what: str = "a message") -> None:
             f"{what} of {len(text):,} characters to session {session_id!r} is over the "
             f"limit of {MAX_TEXT_CHARS:,}; send large documents in parts or by reference"
         )
+    check_unicode(text, f"{what} to session {session_id!r}")
+
+
+def check_unicode(text: str, subject: str) -> None:
+    """ValueError, saying so of ``subject``, if ``text`` holds a lone surrogate (no
+    store can hold it)."""
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(
-                f"{what} to session {session_id!r} is not valid Unicode: it holds a lone "
-                f"surrogate ({text[exc.start]!r} at index {exc.start}), which cannot be "
-                "stored; decode the input with errors='replace' first"
+                f"{subject} is not valid Unicode: it holds a lone surrogate "
+                f"({text[exc.start]!r} at index {exc.start}), which cannot be stored; "
+                "decode the input with errors='replace' first"
             ) from None
 
 

@@ -198,11 +198,8 @@ class Sessions:
         try:
             snapshot = dump_snapshot(session.to_state())
             info = dump_info(session.info())
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"session {name!r} cannot be stored: {exc}; metadata must be plain data "
-                "(str keys; str, int, float, bool, None, bytes, lists and dicts)"
-            ) from exc
+        except (TypeError, ValueError) as exc:  # the codec's message says what, where
+            raise type(exc)(f"session {name!r} cannot be stored: {exc}") from exc
         try:
             await self.store.create(name, snapshot, info)
         except SessionExistsError:  # stored: say what to do in the registry's terms
