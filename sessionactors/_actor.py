@@ -235,7 +235,9 @@ class Actor:
         "_rescope",
         "_scope_cancelled",
         "_system_cache",
+        "after_crash",
         "done",
+        "due",
         "held",
         "host",
         "hub",
@@ -303,6 +305,13 @@ class Actor:
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
+        #: A turn's outcome event while its commit runs (published once it is stored),
+        #: with the turn's id.
+        self.due: tuple[str, Event] | None = None
+        #: Set by the supervisor on an incarnation that follows a crash: the outcome the
+        #: crashed one could not publish (its commit raised), and the events that say its
+        #: turns are void; published once this one has read what the store kept.
+        self.after_crash: tuple[tuple[str, Event] | None, list[TurnFailed]] | None = None
         # turns answered by the stored reply of a completed key: id -> the completed turn's
         self.replays: dict[str, str] | None = None
 
@@ -627,6 +636,7 @@ class Actor:
                 await self.load()
             except SessionActorsError as exc:
                 self.load_error = exc
+                self.publish_after_crash(loaded=False)
                 # not found or stopped: hold nothing, and say so only once the lease is
                 # free (a caller may spawn the name elsewhere at once)
                 await self._release_lease()
@@ -637,6 +647,7 @@ class Actor:
             self._ready = None
             if self.phase is Phase.LOADING:
                 self.phase = Phase.SERVING
+            self.publish_after_crash(loaded=True)
             ready.set()
             open_turn = self.session.open_turn
             if open_turn is not None and not self.session.reviews:
@@ -727,7 +738,9 @@ class Actor:
                         error = self.cut_short(exc)
                     mail.pending.set_error(error)
                     if isinstance(mail, TurnMail) and isinstance(exc, Exception):
-                        self.lose_turn(mail.turn_id, exc)
+                        lost = self.lost_event(mail.turn_id, exc)
+                        if lost is not None:
+                            self.emit(lost)
                     raise
             if isinstance(mail, TurnMail):
                 drive = self._turn(mail)
@@ -909,12 +922,14 @@ class Actor:
         announce = status is not Status.IDLE and status is not self.session.status
         self.session.status = status
         stored = True
+        self.due = (turn_id, outcome)  # (a crash now leaves it to the next incarnation: see run)
         if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
             stored = not bound.cancelled_caught
         else:
             await self.commit()
+        self.due = None
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
@@ -1243,22 +1258,27 @@ class Actor:
 
     # ---- endings ---------------------------------------------------------------
 
-    def lose_turn(self, turn_id: str, cause: BaseException) -> None:
-        """Tell subscribers that turn ``turn_id`` is void: the session crashed, and its
-        durable state holds nothing of it (published, never journaled)."""
+    def lost_event(self, turn_id: str, cause: BaseException) -> TurnFailed | None:
+        """The event that tells subscribers that turn ``turn_id`` is void: the session
+        crashed, and its durable state holds nothing of it (published, never journaled);
+        None if nobody ever subscribed. Its seq is taken now: publish it in order."""
         if self.hub is None:
-            return  # nobody subscribed
-        self.emit(
-            TurnFailed(
-                session_id=self.session_id,
-                seq=self.next_seq(),
-                turn_id=turn_id,
-                error=f"the session crashed and restarted without this turn ({describe(cause)})",
-                lost=True,
-            )
+            return None
+        return TurnFailed(
+            session_id=self.session_id,
+            seq=self.next_seq(),
+            turn_id=turn_id,
+            error=f"the session crashed and restarted without this turn ({describe(cause)})",
+            lost=True,
         )
 
-    def _fail_queued(self, error: BaseException, *, crash: BaseException | None = None) -> None:
+    def _fail_queued(
+        self,
+        error: BaseException,
+        *,
+        crash: BaseException | None = None,
+        lost: list[TurnFailed] | None = None,
+    ) -> None:
         while True:
             try:
                 mail = self.receive.receive_nowait()
@@ -1267,17 +1287,24 @@ class Actor:
             mail.pending.set_error(error)
             if isinstance(mail, TurnMail):
                 self.note_queued(mail.turn_id, False)
-                if crash is not None:
-                    self.lose_turn(mail.turn_id, crash)
+                if crash is not None and lost is not None:
+                    event = self.lost_event(mail.turn_id, crash)
+                    if event is not None:
+                        lost.append(event)
         for inflight in self.inflight_keys.values():
             inflight.pending.set_error(error)
         self.inflight_keys.clear()
 
     def fail_waiters(
         self, error: SessionActorsError, *, crash: BaseException | None = None
-    ) -> None:
-        """Close the mailbox and fail everyone waiting on this incarnation with ``error``;
-        after a ``crash``, tell subscribers that the turns it takes with it are void."""
+    ) -> list[TurnFailed]:
+        """Close the mailbox and fail everyone waiting on this incarnation with ``error``.
+
+        After a ``crash``, returns the events that tell subscribers that the turns it
+        takes with it are void, for the supervisor to publish once it is known which
+        of them the store kept (see ``publish_after_crash``).
+        """
+        lost: list[TurnFailed] = []
         self.send.close()
         self.end_trace("crashed", crash or error)
         if self._ready is not None:  # ended while waking: release its waiters
@@ -1286,10 +1313,31 @@ class Actor:
         if self.turn_mail is not None:
             self.turn_mail.pending.set_error(error)
             if crash is not None:
-                self.lose_turn(self.turn_id, crash)
+                event = self.lost_event(self.turn_id, crash)
+                if event is not None:
+                    lost.append(event)
             self.turn_mail = None
-        self._fail_queued(error, crash=crash)
+        self._fail_queued(error, crash=crash, lost=lost)
         self.receive.close()
+        return lost
+
+    def publish_after_crash(self, *, loaded: bool) -> None:
+        """Publish what the crashed incarnation before this one left unsaid, now that
+        this one has read the store (``loaded``) or failed to: the outcome whose commit
+        raised if the store kept it after all (with its own seq: nothing was published
+        after it), then that the other turns it took with it are void."""
+        after = self.after_crash
+        if after is None:
+            return
+        self.after_crash = None
+        due, lost = after
+        kept = None
+        if loaded and due is not None and due[0] in self.session.turns:  # its outcome's record
+            kept = due[0]
+            self.emit(due[1])
+        for event in lost:
+            if event.turn_id != kept:
+                self.emit(event)
 
     def leave_table(self) -> None:
         """This incarnation is gone: out of the table of live sessions."""

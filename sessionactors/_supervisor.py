@@ -63,8 +63,18 @@ async def session_task(host: Host, actor: Actor) -> None:
             error.__cause__ = exc
             if actor.stopping:  # the stop did not happen: its caller hears why
                 actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
-            actor.fail_waiters(error, crash=exc)
+            # What its subscribers have not heard yet: the outcome whose commit raised (the
+            # store may have kept it) and that the turns it takes with it are void, said
+            # by the next incarnation once it has read what the store kept.
+            prior = actor.after_crash  # (it crashed before it had read the store)
+            lost = actor.fail_waiters(error, crash=exc)
+            due = actor.due
+            if prior is not None:
+                due = due or prior[0]
+                lost = prior[1] + lost
             if failed:
+                for event in lost:  # no next incarnation: the store is not read again
+                    actor.emit(event)
                 log.error(
                     "session %r crashed %d times within %g s and is marked failed",
                     actor.session_id,
@@ -83,6 +93,8 @@ async def session_task(host: Host, actor: Actor) -> None:
             host.stats.restarts += 1
             fresh = Actor(host, actor.session_id, None)
             fresh.hub = actor.hub
+            if due is not None or lost:
+                fresh.after_crash = (due, lost)
             if config.durability != "turn":  # what was answered, not the request cut short
                 journal = actor.journal
                 fresh.journal.unsaved = journal.unsaved[: journal.settled]
@@ -112,6 +124,7 @@ def _end(actor: Actor, error: SessionActorsError) -> None:
     if actor.stopping:  # the stop did not happen either
         actor.stop_error = error
     actor.fail_waiters(error)
+    actor.publish_after_crash(loaded=False)
     actor.leave_table()
 
 
