@@ -46,6 +46,7 @@ from ._events import (
     StatusChanged,
     TurnCancelled,
     TurnFailed,
+    TurnFinished,
     TurnStarted,
     make_delta,
     make_message_added,
@@ -158,6 +159,8 @@ class CallMail:
 
 
 Mail = TurnMail | CallMail
+#: The event a turn ends with.
+Outcome = TurnFinished | TurnFailed | TurnCancelled
 
 
 class _Signal:
@@ -305,13 +308,12 @@ class Actor:
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
-        #: A turn's outcome event while its commit runs (published once it is stored),
-        #: with the turn's id.
-        self.due: tuple[str, Event] | None = None
+        #: A turn's outcome event while its commit runs: published once it is stored.
+        self.due: Outcome | None = None
         #: Set by the supervisor on an incarnation that follows a crash: the outcome the
         #: crashed one could not publish (its commit raised), and the events that say its
         #: turns are void; published once this one has read what the store kept.
-        self.after_crash: tuple[tuple[str, Event] | None, list[TurnFailed]] | None = None
+        self.after_crash: tuple[Outcome | None, list[TurnFailed]] | None = None
         # turns answered by the stored reply of a completed key: id -> the completed turn's
         self.replays: dict[str, str] | None = None
 
@@ -865,7 +867,7 @@ class Actor:
         sid = self.session_id
         turn_id = self.turn_id
         stats = self.host.stats
-        outcome: Event
+        outcome: Outcome
         error: BaseException | None = None
         if cancelled:
             text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
@@ -922,7 +924,7 @@ class Actor:
         announce = status is not Status.IDLE and status is not self.session.status
         self.session.status = status
         stored = True
-        self.due = (turn_id, outcome)  # (a crash now leaves it to the next incarnation: see run)
+        self.due = outcome  # (a crash now leaves it to the next incarnation: see run)
         if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
@@ -1332,9 +1334,9 @@ class Actor:
         self.after_crash = None
         due, lost = after
         kept = None
-        if loaded and due is not None and due[0] in self.session.turns:  # its outcome's record
-            kept = due[0]
-            self.emit(due[1])
+        if loaded and due is not None and due.turn_id in self.session.turns:  # its record
+            kept = due.turn_id
+            self.emit(due)
         for event in lost:
             if event.turn_id != kept:
                 self.emit(event)
