@@ -1501,7 +1501,18 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     return SessionStoppedError(text, session_id=sid, turn_id=turn_id)
 
 
-def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> SessionCrashedError:
+def crashed_error(
+    sid: str, exc: BaseException, *, failed: bool = False, storing: str = ""
+) -> SessionCrashedError:
+    """``storing``: the turn whose outcome the store was writing (it may have kept it)."""
+    if storing:
+        return SessionCrashedError(
+            f"session {sid!r} crashed while the store wrote the outcome of turn {storing} "
+            f"({describe(exc)}); it was restarted from its last durable state, which may "
+            f"hold that outcome: ask ref.turn_outcome({storing!r}) before sending it again "
+            "(with an idempotency key, a retry cannot run it twice)",
+            session_id=sid,
+        )
     if failed:
         return SessionCrashedError(
             f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); "

@@ -67,8 +67,13 @@ async def session_task(host: Host, actor: Actor) -> None:
             # store may have kept it) and that the turns it takes with it are void, said
             # by the next incarnation once it has read what the store kept.
             prior = actor.after_crash  # (it crashed before it had read the store)
+            due, mail = actor.due, actor.turn_mail
+            if not failed and due is not None and mail is not None and mail.turn_id == due.turn_id:
+                # the write of its outcome raised: the store may have kept it
+                unsure = crashed_error(actor.session_id, exc, storing=due.turn_id)
+                unsure.__cause__ = exc
+                mail.pending.set_error(unsure)
             lost = actor.fail_waiters(error, crash=exc)
-            due = actor.due
             if prior is not None:
                 due = due or prior[0]
                 lost = prior[1] + lost

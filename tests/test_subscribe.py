@@ -356,7 +356,7 @@ async def crash_on_the_outcome(*, kept: bool) -> tuple[list[sa.Event], list[sa.E
             async with ref.subscribe() as events:
                 store.fail("append", session_id="s", after=kept)
                 turn = await ref.submit("two")
-                with pytest.raises(sa.SessionCrashedError):
+                with pytest.raises(sa.SessionCrashedError) as crashed:
                     await turn.reply()
                 live = await read_until(events, lambda e: is_outcome(e) and e.turn_id == turn.id)
                 outcome = await ref.turn_outcome(turn.id)
@@ -364,6 +364,8 @@ async def crash_on_the_outcome(*, kept: bool) -> tuple[list[sa.Event], list[sa.E
                 ring = await read_until(events, lambda e: is_outcome(e) and e.turn_id == turn.id)
             history = [m.content for m in await ref.history()]
     assert store.injected == 1  # the fault fired, once
+    # its caller cannot know either: it is told how to find out before sending it again
+    assert f"ref.turn_outcome({turn.id!r})" in str(crashed.value)
     finished = outcome.status is sa.TurnStatus.FINISHED
     assert finished is kept
     assert history == ["one", "first", "two", "second"] if kept else ["one", "first"]
@@ -373,7 +375,7 @@ async def crash_on_the_outcome(*, kept: bool) -> tuple[list[sa.Event], list[sa.E
 async def test_an_outcome_the_store_kept_though_its_write_raised_is_published() -> None:
     """A turn whose outcome write raised but was kept by the store is published as it ended
     (TurnFinished, not as lost), live and to a subscriber resuming from the ring, with
-    rising seqs."""
+    rising seqs; its caller is told to ask turn_outcome before sending it again."""
     live, ring = await crash_on_the_outcome(kept=True)
     assert live[-1] == ring[-1]
     assert isinstance(live[-1], sa.TurnFinished)
