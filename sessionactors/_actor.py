@@ -46,6 +46,7 @@ from ._events import (
     StatusChanged,
     TurnCancelled,
     TurnFailed,
+    TurnFinished,
     TurnStarted,
     make_delta,
     make_message_added,
@@ -158,6 +159,8 @@ class CallMail:
 
 
 Mail = TurnMail | CallMail
+#: The event a turn ends with.
+Outcome = TurnFinished | TurnFailed | TurnCancelled
 
 
 class _Signal:
@@ -171,8 +174,9 @@ RESUME: Final = _Signal()
 #: so that the next user message never follows a user message.
 NO_REPLY_FAILED: Final = "(no reply: this turn failed)"
 NO_REPLY_CANCELLED: Final = "(no reply: this turn was cancelled)"
-#: How many refused turns (refused before they started) an actor remembers.
-_MAX_REFUSED: Final = 100
+#: How many refused turns (refused before they started) an actor remembers, and
+#: how many turns answered by a completed key's stored reply.
+_MAX_REMEMBERED: Final = 100
 _make_reply: Final = maker(Reply)
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
@@ -234,7 +238,9 @@ class Actor:
         "_rescope",
         "_scope_cancelled",
         "_system_cache",
+        "after_crash",
         "done",
+        "due",
         "held",
         "host",
         "hub",
@@ -250,6 +256,8 @@ class Actor:
         "queued",
         "receive",
         "refused",
+        "replays",
+        "room_waits",
         "run_scope",
         "send",
         "session",
@@ -281,6 +289,9 @@ class Actor:
         self.partial: list[str] = []
         self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
         self.inflight_keys: dict[str, TurnMail] = {}  # idempotency key -> its turn
+        # idempotency key -> set once the request with it that waits for mailbox room
+        # is queued or gave up (the dispatcher's: same-key requests join it)
+        self.room_waits: dict[str, trio.Event] | None = None
         # A closing turn's answer, kept until the closing snapshot says whether it was
         # stored (its turn_mail stays set meanwhile): (error, reply)
         self.held: tuple[BaseException | None, Reply] | None = None
@@ -297,6 +308,14 @@ class Actor:
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
+        #: A turn's outcome event while its commit runs: published once it is stored.
+        self.due: Outcome | None = None
+        #: Set by the supervisor on an incarnation that follows a crash: the outcome the
+        #: crashed one could not publish (its commit raised), and the events that say its
+        #: turns are void; published once this one has read what the store kept.
+        self.after_crash: tuple[Outcome | None, list[TurnFailed]] | None = None
+        # turns answered by the stored reply of a completed key: id -> the completed turn's
+        self.replays: dict[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"<Actor {self.session_id!r} {self.phase.value}>"
@@ -358,7 +377,11 @@ class Actor:
             ids.discard(turn_id)
 
     def outcome(self, turn_id: str) -> TurnOutcome:
-        """What became of ``turn_id``, with what this incarnation knows (loaded)."""
+        """What became of ``turn_id``, with what this incarnation knows (loaded); a turn
+        answered by a completed key's stored reply has that turn's outcome."""
+        replays = self.replays
+        if replays:
+            turn_id = replays.get(turn_id, turn_id)
         return self.session.outcome(turn_id, queued=self.queued, refused=self.refused)
 
     def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
@@ -381,7 +404,7 @@ class Actor:
         if refused is None:
             refused = self.refused = {}
         refused[mail.turn_id] = str(error)
-        if len(refused) > _MAX_REFUSED:
+        if len(refused) > _MAX_REMEMBERED:
             del refused[next(iter(refused))]
         if mail.key is not None:  # a retry with this key runs again once it can
             self.inflight_keys.pop(mail.key, None)
@@ -615,6 +638,7 @@ class Actor:
                 await self.load()
             except SessionActorsError as exc:
                 self.load_error = exc
+                self.publish_after_crash(loaded=False)
                 # not found or stopped: hold nothing, and say so only once the lease is
                 # free (a caller may spawn the name elsewhere at once)
                 await self._release_lease()
@@ -625,6 +649,7 @@ class Actor:
             self._ready = None
             if self.phase is Phase.LOADING:
                 self.phase = Phase.SERVING
+            self.publish_after_crash(loaded=True)
             ready.set()
             open_turn = self.session.open_turn
             if open_turn is not None and not self.session.reviews:
@@ -715,7 +740,9 @@ class Actor:
                         error = self.cut_short(exc)
                     mail.pending.set_error(error)
                     if isinstance(mail, TurnMail) and isinstance(exc, Exception):
-                        self.lose_turn(mail.turn_id, exc)
+                        lost = self.lost_event(mail.turn_id, exc)
+                        if lost is not None:
+                            self.emit(lost)
                     raise
             if isinstance(mail, TurnMail):
                 drive = self._turn(mail)
@@ -739,7 +766,15 @@ class Actor:
         if key is not None:
             done = session.completed.get(key)
             if done is not None:
+                # (queued before its session could look the key up: submit_nowait to a
+                # session still waking) it is the completed turn: its id, reply, outcome
                 self.inflight_keys.pop(key, None)
+                replays = self.replays
+                if replays is None:
+                    replays = self.replays = {}
+                replays[mail.turn_id] = done.turn_id
+                if len(replays) > _MAX_REMEMBERED:
+                    del replays[next(iter(replays))]
                 mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
         if session.reviews:
@@ -832,7 +867,7 @@ class Actor:
         sid = self.session_id
         turn_id = self.turn_id
         stats = self.host.stats
-        outcome: Event
+        outcome: Outcome
         error: BaseException | None = None
         if cancelled:
             text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
@@ -889,12 +924,14 @@ class Actor:
         announce = status is not Status.IDLE and status is not self.session.status
         self.session.status = status
         stored = True
+        self.due = outcome  # (a crash now leaves it to the next incarnation: see run)
         if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
             stored = not bound.cancelled_caught
         else:
             await self.commit()
+        self.due = None
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
@@ -1223,22 +1260,27 @@ class Actor:
 
     # ---- endings ---------------------------------------------------------------
 
-    def lose_turn(self, turn_id: str, cause: BaseException) -> None:
-        """Tell subscribers that turn ``turn_id`` is void: the session crashed, and its
-        durable state holds nothing of it (published, never journaled)."""
+    def lost_event(self, turn_id: str, cause: BaseException) -> TurnFailed | None:
+        """The event that tells subscribers that turn ``turn_id`` is void: the session
+        crashed, and its durable state holds nothing of it (published, never journaled);
+        None if nobody ever subscribed. Its seq is taken now: publish it in order."""
         if self.hub is None:
-            return  # nobody subscribed
-        self.emit(
-            TurnFailed(
-                session_id=self.session_id,
-                seq=self.next_seq(),
-                turn_id=turn_id,
-                error=f"the session crashed and restarted without this turn ({describe(cause)})",
-                lost=True,
-            )
+            return None
+        return TurnFailed(
+            session_id=self.session_id,
+            seq=self.next_seq(),
+            turn_id=turn_id,
+            error=f"the session crashed and restarted without this turn ({describe(cause)})",
+            lost=True,
         )
 
-    def _fail_queued(self, error: BaseException, *, crash: BaseException | None = None) -> None:
+    def _fail_queued(
+        self,
+        error: BaseException,
+        *,
+        crash: BaseException | None = None,
+        lost: list[TurnFailed] | None = None,
+    ) -> None:
         while True:
             try:
                 mail = self.receive.receive_nowait()
@@ -1247,17 +1289,24 @@ class Actor:
             mail.pending.set_error(error)
             if isinstance(mail, TurnMail):
                 self.note_queued(mail.turn_id, False)
-                if crash is not None:
-                    self.lose_turn(mail.turn_id, crash)
+                if crash is not None and lost is not None:
+                    event = self.lost_event(mail.turn_id, crash)
+                    if event is not None:
+                        lost.append(event)
         for inflight in self.inflight_keys.values():
             inflight.pending.set_error(error)
         self.inflight_keys.clear()
 
     def fail_waiters(
         self, error: SessionActorsError, *, crash: BaseException | None = None
-    ) -> None:
-        """Close the mailbox and fail everyone waiting on this incarnation with ``error``;
-        after a ``crash``, tell subscribers that the turns it takes with it are void."""
+    ) -> list[TurnFailed]:
+        """Close the mailbox and fail everyone waiting on this incarnation with ``error``.
+
+        After a ``crash``, returns the events that tell subscribers that the turns it
+        takes with it are void, for the supervisor to publish once it is known which
+        of them the store kept (see ``publish_after_crash``).
+        """
+        lost: list[TurnFailed] = []
         self.send.close()
         self.end_trace("crashed", crash or error)
         if self._ready is not None:  # ended while waking: release its waiters
@@ -1266,10 +1315,31 @@ class Actor:
         if self.turn_mail is not None:
             self.turn_mail.pending.set_error(error)
             if crash is not None:
-                self.lose_turn(self.turn_id, crash)
+                event = self.lost_event(self.turn_id, crash)
+                if event is not None:
+                    lost.append(event)
             self.turn_mail = None
-        self._fail_queued(error, crash=crash)
+        self._fail_queued(error, crash=crash, lost=lost)
         self.receive.close()
+        return lost
+
+    def publish_after_crash(self, *, loaded: bool) -> None:
+        """Publish what the crashed incarnation before this one left unsaid, now that
+        this one has read the store (``loaded``) or failed to: the outcome whose commit
+        raised if the store kept it after all (with its own seq: nothing was published
+        after it), then that the other turns it took with it are void."""
+        after = self.after_crash
+        if after is None:
+            return
+        self.after_crash = None
+        due, lost = after
+        kept = None
+        if loaded and due is not None and due.turn_id in self.session.turns:  # its record
+            kept = due.turn_id
+            self.emit(due)
+        for event in lost:
+            if event.turn_id != kept:
+                self.emit(event)
 
     def leave_table(self) -> None:
         """This incarnation is gone: out of the table of live sessions."""
@@ -1431,7 +1501,18 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     return SessionStoppedError(text, session_id=sid, turn_id=turn_id)
 
 
-def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> SessionCrashedError:
+def crashed_error(
+    sid: str, exc: BaseException, *, failed: bool = False, storing: str = ""
+) -> SessionCrashedError:
+    """``storing``: the turn whose outcome the store was writing (it may have kept it)."""
+    if storing:
+        return SessionCrashedError(
+            f"session {sid!r} crashed while the store wrote the outcome of turn {storing} "
+            f"({describe(exc)}); it was restarted from its last durable state, which may "
+            f"hold that outcome: ask ref.turn_outcome({storing!r}) before sending it again "
+            "(with an idempotency key, a retry cannot run it twice)",
+            session_id=sid,
+        )
     if failed:
         return SessionCrashedError(
             f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); "

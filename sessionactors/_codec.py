@@ -1334,7 +1334,10 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
         try:
             value.encode()
         except UnicodeEncodeError:
-            return f"{path} is a string that is not valid unicode (a lone surrogate)"
+            return (
+                f"{path} is a string that is not valid unicode (a lone surrogate); decode "
+                "the input with errors='replace' first"
+            )
     elif not isinstance(value, _PACKABLE):
         return f"{path} is a {_type_name(value)}, which has no msgpack form"
     return None

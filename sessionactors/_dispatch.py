@@ -147,10 +147,18 @@ class Dispatcher:
             # session live elsewhere; any other turn joins the mailbox of a waking
             # session at once, in the order of the calls (a failed wake fails it)
             await actor.ready()
-        turn = _joined(actor, name, key)
-        if turn is not None:
-            await trio.lowlevel.checkpoint()
-            return turn
+        while key is not None:
+            turn = _joined(actor, name, key)
+            if turn is not None:
+                await trio.lowlevel.checkpoint()
+                return turn
+            room = actor.room_waits.get(key) if actor.room_waits else None
+            if room is None:
+                break
+            # a request with this key waits for room: join it once it is queued (or
+            # take its place if its caller gave up)
+            await room.wait()
+            ack = False  # it checkpointed
         pending = Pending()
         turn_id = actor.new_turn_id()
         mail = TurnMail(turn_id, text, key, pending)
@@ -161,21 +169,34 @@ class Dispatcher:
             # the reply; ``submit`` checkpoints below
             send.send_nowait(mail)
         except trio.WouldBlock:
+            room = waits = None
+            if key is not None:
+                room = trio.Event()
+                waits = actor.room_waits
+                if waits is None:
+                    waits = actor.room_waits = {}
+                waits[key] = room
             try:
                 await send.send(mail)
+                if key is not None and not pending.done:
+                    actor.note_inflight(key, mail)  # (before its waiters look again)
             except BaseException as exc:  # not queued: closed, or the caller gave up
                 actor.note_queued(turn_id, False)
                 if isinstance(exc, trio.ClosedResourceError | trio.BrokenResourceError):
                     return await self._after_closed(actor)
                 raise
+            finally:
+                if waits is not None and key is not None and room is not None:
+                    del waits[key]
+                    room.set()
             ack = False  # it checkpointed
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             actor.note_queued(turn_id, False)
             return await self._after_closed(actor)
         if key is not None and not pending.done:
             # Joinable only once it is in the mailbox: a request abandoned while it
-            # waited for room leaves no joiner waiting forever. A same-key request
-            # queued meanwhile is answered from the first one's reply by the actor.
+            # waited for room leaves no joiner waiting forever (they wait on its room
+            # event, then look again).
             actor.note_inflight(key, mail)
         if ack:
             await trio.lowlevel.checkpoint()
@@ -426,14 +447,14 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
     with that key (same id, same outcome), or the completed one's stored reply."""
     if key is None:
         return None
-    inflight = actor.inflight_keys.get(key)
-    if inflight is not None:
-        return new_turn(inflight.turn_id, name, inflight.pending)
-    if actor.is_ready:
+    if actor.is_ready:  # first: a request queued with the key may not have been looked at
         done = actor.session.completed.get(key)
         if done is not None:
             reply = Reply(turn_id=done.turn_id, message=done.reply)
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
+    inflight = actor.inflight_keys.get(key)
+    if inflight is not None:
+        return new_turn(inflight.turn_id, name, inflight.pending)
     return None
 
 

@@ -11,20 +11,7 @@ from typing import Any
 from ._codec import dump_event, load_event
 from ._events import MetadataChanged
 
-__all__ = ["PLAIN_DATA", "check_metadata", "merge_metadata", "unstorable"]
-
-#: What metadata may hold, as error messages say it.
-PLAIN_DATA = (
-    "metadata must be plain data (str keys; str, int, float, bool, None, bytes, "
-    "aware datetimes, lists and dicts)"
-)
-
-
-def unstorable(exc: Exception) -> str:
-    """The end of a message about metadata the codec refused: its reason, then what
-    metadata may hold unless the reason says so already."""
-    reason = str(exc)
-    return f"cannot be stored: {reason}" + ("" if "plain data" in reason else f"; {PLAIN_DATA}")
+__all__ = ["check_metadata", "merge_metadata"]
 
 
 def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
@@ -37,8 +24,8 @@ def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
         )
     try:
         data = dump_event(MetadataChanged(session_id=session_id, seq=0, metadata=dict(metadata)))
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"metadata for session {session_id!r} {unstorable(exc)}") from None
+    except (TypeError, ValueError) as exc:  # the codec's message says what is wrong, where
+        raise type(exc)(f"metadata for session {session_id!r} cannot be stored: {exc}") from None
     # as the store gives it back (a tuple reads as a list): the same before and after a restart
     loaded = load_event(data, session_id=session_id)
     assert isinstance(loaded, MetadataChanged)

@@ -45,7 +45,7 @@ from ._requests import (
 )
 from ._subscription import EventIterator
 
-__all__ = ["MAX_TEXT_CHARS", "Dispatcher", "SessionRef", "Turn"]
+__all__ = ["MAX_TEXT_CHARS", "Dispatcher", "SessionRef", "Turn", "check_unicode"]
 
 
 class Dispatcher(Protocol):
@@ -61,17 +61,52 @@ class Dispatcher(Protocol):
     def runs_here(self, name: str) -> bool: ...
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)
 class Turn(metaclass=NoPublicConstructor):
     """A submitted turn; ``await turn.reply()`` waits for its outcome. Made by ``submit``."""
 
     _made_by = "ref.submit(...) returns one"
 
-    id: str
+    _id: str = attrs.field(alias="id")
     session_id: str
-    _pending: Pending = attrs.field(alias="pending", repr=False)
-    #: True when an idempotency key had already completed: the stored reply, no new turn
-    replayed: bool = False
+    _pending: Pending = attrs.field(alias="pending")
+    _replayed: bool = attrs.field(default=False, alias="replayed")
+
+    def __repr__(self) -> str:
+        return f"Turn(id={self.id!r}, session_id={self.session_id!r}, replayed={self.replayed})"
+
+    def _replayed_as(self) -> str | None:
+        """The id of the completed turn whose stored reply answered this one, if the
+        session found its idempotency key completed only once it looked (``submit_nowait``
+        to a session still waking)."""
+        pending = self._pending
+        if pending.done and pending.error is None:
+            turn_id: str = pending.result.turn_id
+            if turn_id != self._id:  # (a turn's own reply carries its own id)
+                return turn_id
+        return None
+
+    @property
+    def id(self) -> str:
+        """The turn's id: the ``turn_id`` of its events, its reply and its outcome.
+
+        For a replayed turn, the id of the turn that completed with its key.
+        """
+        if self._replayed:
+            return self._id
+        return self._replayed_as() or self._id
+
+    @property
+    def replayed(self) -> bool:
+        """True when its idempotency key had already completed: the stored reply, no new turn.
+
+        Known when ``submit`` returns. A ``submit_nowait`` to a session that is still
+        waking cannot look its key up at once: until its reply is known (``turn.done``)
+        such a turn reads not replayed, under an id of its own that ``turn_outcome``
+        also answers; once the session found the key completed, ``replayed`` is True
+        and ``id`` is the completed turn's.
+        """
+        return self._replayed or self._replayed_as() is not None
 
     async def reply(self) -> Reply:
         """Wait for the turn's reply.
@@ -458,14 +493,20 @@ def _check_text(session_id: str, text: object, what: str = "a message") -> None:
             f"{what} of {len(text):,} characters to session {session_id!r} is over the "
             f"limit of {MAX_TEXT_CHARS:,}; send large documents in parts or by reference"
         )
+    check_unicode(text, f"{what} to session {session_id!r}")
+
+
+def check_unicode(text: str, subject: str) -> None:
+    """ValueError, saying so of ``subject``, if ``text`` holds a lone surrogate (no
+    store can hold it)."""
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(
-                f"{what} to session {session_id!r} is not valid Unicode: it holds a lone "
-                f"surrogate ({text[exc.start]!r} at index {exc.start}), which cannot be "
-                "stored; decode the input with errors='replace' first"
+                f"{subject} is not valid Unicode: it holds a lone surrogate "
+                f"({text[exc.start]!r} at index {exc.start}), which cannot be stored; "
+                "decode the input with errors='replace' first"
             ) from None
 
 

@@ -34,7 +34,7 @@ from ._history import rewind_end, tool_pairs_intact
 from ._names import validate_name
 from ._reading import describe_stored, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, new_id
-from ._ref import SessionRef
+from ._ref import SessionRef, check_unicode
 from ._router import RoutingStore
 from ._session import LiveSession
 from ._sessions import Sessions
@@ -121,7 +121,9 @@ class Registry(metaclass=NoPublicConstructor):
         one; any name in a registry without agents, which stores the session for
         a registry with that agent to run); ``system_prompt`` overrides the
         agent's for this session.
-        Raises SessionExistsError if the name is live or stored.
+        Raises SessionExistsError if the name is live or stored, and TypeError or
+        ValueError naming the session and what is wrong (a ``system_prompt`` or
+        metadata the store cannot hold), before anything is stored.
         """
         validate_name(name)
         self._sessions.check_open(name)
@@ -131,6 +133,8 @@ class Registry(metaclass=NoPublicConstructor):
                 f"system_prompt for session {name!r} must be str or None, "
                 f"not {type(system_prompt).__name__}"
             )
+        if system_prompt is not None:
+            check_unicode(system_prompt, f"the system_prompt of session {name!r}")
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(
                 f"metadata for session {name!r} must be a mapping, not {type(metadata).__name__}"

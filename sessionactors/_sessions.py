@@ -25,7 +25,6 @@ from ._errors import (
     StoreError,
 )
 from ._hub import Hub
-from ._metadata import unstorable
 from ._names import validate_name
 from ._reading import read_stored
 from ._records import Status
@@ -199,8 +198,8 @@ class Sessions:
         try:
             snapshot = dump_snapshot(session.to_state())
             info = dump_info(session.info())
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"session {name!r} {unstorable(exc)}") from exc
+        except (TypeError, ValueError) as exc:  # the codec's message says what, where
+            raise type(exc)(f"session {name!r} cannot be stored: {exc}") from exc
         try:
             await self.store.create(name, snapshot, info)
         except SessionExistsError:  # stored: say what to do in the registry's terms

@@ -63,8 +63,23 @@ async def session_task(host: Host, actor: Actor) -> None:
             error.__cause__ = exc
             if actor.stopping:  # the stop did not happen: its caller hears why
                 actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
-            actor.fail_waiters(error, crash=exc)
+            # What its subscribers have not heard yet: the outcome whose commit raised (the
+            # store may have kept it) and that the turns it takes with it are void, said
+            # by the next incarnation once it has read what the store kept.
+            prior = actor.after_crash  # (it crashed before it had read the store)
+            due, mail = actor.due, actor.turn_mail
+            if not failed and due is not None and mail is not None and mail.turn_id == due.turn_id:
+                # the write of its outcome raised: the store may have kept it
+                unsure = crashed_error(actor.session_id, exc, storing=due.turn_id)
+                unsure.__cause__ = exc
+                mail.pending.set_error(unsure)
+            lost = actor.fail_waiters(error, crash=exc)
+            if prior is not None:
+                due = due or prior[0]
+                lost = prior[1] + lost
             if failed:
+                for event in lost:  # no next incarnation: the store is not read again
+                    actor.emit(event)
                 log.error(
                     "session %r crashed %d times within %g s and is marked failed",
                     actor.session_id,
@@ -83,6 +98,8 @@ async def session_task(host: Host, actor: Actor) -> None:
             host.stats.restarts += 1
             fresh = Actor(host, actor.session_id, None)
             fresh.hub = actor.hub
+            if due is not None or lost:
+                fresh.after_crash = (due, lost)
             if config.durability != "turn":  # what was answered, not the request cut short
                 journal = actor.journal
                 fresh.journal.unsaved = journal.unsaved[: journal.settled]
@@ -112,6 +129,7 @@ def _end(actor: Actor, error: SessionActorsError) -> None:
     if actor.stopping:  # the stop did not happen either
         actor.stop_error = error
     actor.fail_waiters(error)
+    actor.publish_after_crash(loaded=False)
     actor.leave_table()
 
 

@@ -365,6 +365,110 @@ async def test_simultaneous_submits_with_one_key_run_one_turn() -> None:
     assert len(model.requests) == 1
 
 
+@pytest.mark.parametrize("loaded", [True, False], ids=["loaded", "hibernated"])
+@pytest.mark.parametrize("way", ["send", "submit", "submit_nowait"])
+async def test_a_replayed_turn_looks_replayed_however_it_was_submitted(
+    way: str, loaded: bool
+) -> None:
+    """A request whose idempotency key completed is the original turn, whichever way it was
+    submitted and whether or not its session was loaded: replayed, the original id, and the
+    original outcome."""
+    model = ScriptedModel(["paid"])
+    async with sa.open_registry(agents=agents_of(model)) as registry:
+        ref = await registry.spawn("r")
+        with trio.fail_after(10):
+            first = await ref.send("pay 10", idempotency_key="k")
+            if not loaded:
+                await ref.hibernate()
+                assert registry.live() == []
+            ref = registry.ref("r")
+            turn: sa.Turn | None = None
+            if way == "send":
+                reply = await ref.send("pay 10", idempotency_key="k")
+            else:
+                if way == "submit":
+                    turn = await ref.submit("pay 10", idempotency_key="k")
+                else:
+                    turn = ref.submit_nowait("pay 10", idempotency_key="k")
+                at_once = turn.id  # (a waking session has not looked the key up yet)
+                reply = await turn.reply()
+                assert await ref.turn_outcome(at_once) == await ref.turn_outcome(turn.id)
+            outcome = await ref.turn_outcome(reply.turn_id if turn is None else turn.id)
+            history = await ref.history()
+
+    assert reply.turn_id == first.turn_id
+    assert reply.message == first.message
+    if turn is not None:
+        assert turn.replayed
+        assert turn.id == first.turn_id
+    assert outcome.status is sa.TurnStatus.FINISHED
+    assert outcome.turn_id == first.turn_id
+    assert outcome.message == first.message
+    assert pairs(history) == [("pay 10", "paid")]
+    assert len(model.requests) == 1
+
+
+async def test_a_keyed_submit_behind_a_submit_nowait_to_a_waking_session_is_replayed() -> None:
+    """A submit or stream whose key completed is replayed when it returns, even when a
+    submit_nowait with that key reached the waking session first."""
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("w")
+        with trio.fail_after(10):
+            first = await ref.send("pay", idempotency_key="k")
+            await ref.hibernate()
+            early = ref.submit_nowait("pay", idempotency_key="k")
+            turn = await ref.submit("pay", idempotency_key="k")
+            replayed_at_once = turn.replayed, turn.id
+            async with ref.stream("pay", idempotency_key="k") as events:
+                streamed = [event async for event in events]
+            await early.reply()
+
+    assert replayed_at_once == (True, first.turn_id)
+    assert streamed == []
+    assert (early.replayed, early.id) == (True, first.turn_id)
+
+
+async def test_same_key_submits_waiting_for_room_share_one_turn(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Same-key submits that all wait for mailbox room share one turn: one id, its reply and
+    its outcome, and a stream of it ends with that turn's outcome."""
+    gate = trio.Event()
+    model = ScriptedModel([held("held", gate), echo_step], repeat=True)
+    turns: list[sa.Turn] = []
+    streamed: list[sa.Event] = []
+    async with sa.open_registry(agents=agents_of(model), mailbox_size=1) as registry:
+        ref = await registry.spawn("q")
+        with trio.fail_after(10):
+            first = await ref.submit("held")
+            await trio.testing.wait_all_tasks_blocked()
+            filler = await ref.submit("filler")
+
+            async def submitter() -> None:
+                turns.append(await ref.submit("pay", idempotency_key="k"))
+
+            async def streamer() -> None:
+                async with ref.stream("pay", idempotency_key="k") as events:
+                    streamed.extend([event async for event in events])
+
+            async with trio.open_nursery() as nursery:
+                for task in (submitter, submitter, streamer):
+                    nursery.start_soon(task)
+                    await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+            await first.reply()
+            await filler.reply()
+            replies = [await turn.reply() for turn in turns]
+            outcomes = [await ref.turn_outcome(turn.id) for turn in turns]
+            history = await ref.history()
+
+    assert turns[0].id == turns[1].id == replies[0].turn_id == replies[1].turn_id
+    assert [o.status for o in outcomes] == [sa.TurnStatus.FINISHED] * 2
+    assert isinstance(streamed[-1], sa.TurnFinished)
+    assert streamed[-1].turn_id == turns[0].id
+    assert pairs(history) == [("held", "held"), ("filler", "filler"), ("pay", "pay")]
+
+
 # ---- crashes -------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Sequence
 
+import attrs
 import pytest
 import trio
 
@@ -148,6 +149,65 @@ async def test_bad_spawn_arguments_are_refused() -> None:
             await registry.spawn("s", system_prompt=123)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="metadata"):
             await registry.spawn("s", metadata=[("a", 1)])  # type: ignore[arg-type]
+        assert await registry.sessions() == []
+
+
+LONE = "broken \ud800 text"  # a lone surrogate: a str that no store can hold
+
+
+def _message(content: str = "x", **changes: object) -> sa.Message:
+    return attrs.evolve(sa.Message.create(sa.Role.USER, content), **changes)
+
+
+LONE_SURROGATES = {
+    "spawn system_prompt": ("system_prompt", lambda r, ref: r.spawn("n", system_prompt=LONE)),
+    "get_or_spawn system_prompt": (
+        "system_prompt",
+        lambda r, ref: r.get_or_spawn("n", system_prompt=LONE),
+    ),
+    "spawn metadata value": ("metadata", lambda r, ref: r.spawn("n", metadata={"a": LONE})),
+    "spawn metadata key": ("metadata", lambda r, ref: r.spawn("n", metadata={LONE: 1})),
+    "set_metadata value": ("metadata", lambda r, ref: ref.set_metadata({"a": [LONE]})),
+    "set_metadata key": ("metadata", lambda r, ref: ref.set_metadata({LONE: 1})),
+    "send": ("message", lambda r, ref: ref.send(LONE)),
+    "set_summary": ("summary", lambda r, ref: ref.set_summary(LONE)),
+    "add_messages content": ("content", lambda r, ref: ref.add_messages([_message(LONE)])),
+    "add_messages metadata": (
+        "metadata",
+        lambda r, ref: ref.add_messages([_message(metadata={"a": LONE})]),
+    ),
+    "replace_history content": ("content", lambda r, ref: ref.replace_history([_message(LONE)])),
+}
+
+
+@pytest.mark.parametrize("call", sorted(LONE_SURROGATES))
+async def test_text_that_is_not_valid_unicode_is_refused_as_such(call: str) -> None:
+    """A lone surrogate in any text a caller gives is a ValueError naming the session and
+    the input, saying what is wrong and what to do, and nothing is written."""
+    what, bad = LONE_SURROGATES[call]
+    store = MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("edge-1")
+        await ref.send("before")
+        with pytest.raises(ValueError, match=r"'edge-1'|'n'") as info:
+            await bad(registry, ref)
+        assert [name for name, _ in await store.list_sessions()] == ["edge-1"]
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        after = await registry.ref("edge-1").state()
+    assert [m.content for m in after.messages] == ["before", "before"]
+    message = str(info.value)
+    assert what in message
+    assert "lone surrogate" in message
+    assert "errors='replace'" in message
+    assert "plain data" not in message
+
+
+async def test_spawn_metadata_of_a_type_with_no_stored_form_says_what_metadata_may_hold() -> None:
+    """spawn(metadata=...) with a value the store cannot hold is a TypeError that names the
+    key and says what metadata may hold."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        with pytest.raises(TypeError, match=r"'s'.*metadata.*when.*plain data"):
+            await registry.spawn("s", metadata={"when": object()})
         assert await registry.sessions() == []
 
 

@@ -343,6 +343,58 @@ async def test_store_replay_seam_has_no_gap_or_duplicate(
     assert [e for e in got if e in required] == required
 
 
+async def crash_on_the_outcome(*, kept: bool) -> tuple[list[sa.Event], list[sa.Event]]:
+    """A turn whose outcome commit raises (with ``kept``, after the store kept it): the
+    events a subscriber saw live, and those replayed from the ring after the turn."""
+    store = FaultyStore()
+    live: list[sa.Event] = []
+    async with sa.open_registry(store=store, agents=scripted("first", "second")) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send("one")
+            before = (await ref.state()).event_seq
+            async with ref.subscribe() as events:
+                store.fail("append", session_id="s", after=kept)
+                turn = await ref.submit("two")
+                with pytest.raises(sa.SessionCrashedError) as crashed:
+                    await turn.reply()
+                live = await read_until(events, lambda e: is_outcome(e) and e.turn_id == turn.id)
+                outcome = await ref.turn_outcome(turn.id)
+            async with ref.subscribe(after=before) as events:
+                ring = await read_until(events, lambda e: is_outcome(e) and e.turn_id == turn.id)
+            history = [m.content for m in await ref.history()]
+    assert store.injected == 1  # the fault fired, once
+    # its caller cannot know either: it is told how to find out before sending it again
+    assert f"ref.turn_outcome({turn.id!r})" in str(crashed.value)
+    finished = outcome.status is sa.TurnStatus.FINISHED
+    assert finished is kept
+    assert history == ["one", "first", "two", "second"] if kept else ["one", "first"]
+    return live, ring
+
+
+async def test_an_outcome_the_store_kept_though_its_write_raised_is_published() -> None:
+    """A turn whose outcome write raised but was kept by the store is published as it ended
+    (TurnFinished, not as lost), live and to a subscriber resuming from the ring, with
+    rising seqs; its caller is told to ask turn_outcome before sending it again."""
+    live, ring = await crash_on_the_outcome(kept=True)
+    assert live[-1] == ring[-1]
+    assert isinstance(live[-1], sa.TurnFinished)
+    assert live[-1].message.content == "second"
+    assert [e for e in live if isinstance(e, sa.TurnFailed)] == []
+    assert seqs(live) == sorted(set(seqs(live)))
+    assert seqs(ring) == sorted(set(seqs(ring)))
+
+
+async def test_an_outcome_the_store_did_not_keep_is_published_as_lost() -> None:
+    """A turn whose outcome write failed (negative control) is published as lost, live and
+    from the ring, and never as finished."""
+    live, ring = await crash_on_the_outcome(kept=False)
+    assert live[-1] == ring[-1]
+    assert isinstance(live[-1], sa.TurnFailed)
+    assert live[-1].lost
+    assert [e for e in live if isinstance(e, sa.TurnFinished)] == []
+
+
 async def test_expired_events_raise_with_the_oldest_available_seq(
     autojump_clock: trio.testing.MockClock, echo_agents: dict[str, sa.Agent]
 ) -> None:

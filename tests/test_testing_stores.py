@@ -62,6 +62,22 @@ async def test_a_failure_fires_as_many_times_as_planned() -> None:
     assert entries == [entry(1)]
 
 
+async def test_a_failure_after_the_call_keeps_what_the_store_did() -> None:
+    """fail(after=True) lets the call reach the wrapped store, then raises: the write is
+    kept, its acknowledgement lost."""
+    store = FaultyStore()
+    await store.create("s", SNAPSHOT, b"")
+    store.fail("append", after=True)
+    assert store.failures_left("append", after=True) == 1
+    assert store.failures_left("append") == 0
+    with pytest.raises(sa.StoreError, match="after the store did it"):
+        await store.append("s", [entry(1)], b"")
+    await store.append("s", [entry(2)], b"")
+    _, entries = await store.read_journal("s", 0)
+    assert entries == [entry(1), entry(2)]
+    assert store.injected == 1
+
+
 async def test_a_failure_can_be_for_one_session_and_raise_a_given_error() -> None:
     """A failure for one session leaves the others alone, and raises the error it was given."""
     store = FaultyStore()

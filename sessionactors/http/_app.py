@@ -493,7 +493,7 @@ class SessionsApp:
             yield Stream(
                 events,
                 select=self._turn_events(turn.id),
-                side=functools.partial(_outcome, turn.reply),
+                side=functools.partial(_sse_outcome, turn),
             )
 
     async def _review(self, request: Request) -> Response:
@@ -593,6 +593,15 @@ class SessionsApp:
             except Exception as exc:
                 await failed(exc)
 
+        async def wait_turn(turn: sa.Turn | aio.Turn) -> None:
+            try:
+                data = await _replayed_late(turn)
+            except Exception as exc:
+                await failed(exc)
+            else:
+                if data is not None:
+                    await say(data)
+
         async with anyio.create_task_group() as group:
             self._track(group.cancel_scope)
             try:
@@ -607,10 +616,10 @@ class SessionsApp:
                             text = _string(data, "text")
                             key = _optional_string(data, "idempotency_key")
                             turn = await self._submit(registry, ref, text, key)
-                            await say(
-                                {"type": "submitted", "turn_id": turn.id, "replayed": turn.replayed}
-                            )
-                            group.start_soon(wait_reply, turn.reply)
+                            again = turn.replayed
+                            await say({"type": "submitted", "turn_id": turn.id, "replayed": again})
+                            if not again:
+                                group.start_soon(wait_turn, turn)
                         elif kind == "cancel":
                             await say({"type": "cancelled", "cancelled": await ref.cancel()})
                         elif kind == "review":
@@ -667,6 +676,23 @@ async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
     """Wait for a turn's reply; its failure or cancellation is told by its events."""
     with contextlib.suppress(sa.TurnFailedError, sa.TurnCancelledError):
         await wait(*args)
+
+
+async def _replayed_late(turn: sa.Turn | aio.Turn) -> dict[str, Any] | None:
+    """Wait for the reply of a turn that was not replayed when submitted (see
+    ``_outcome``); its "reply" frame if it turned out to be (submitted to a session
+    still waking, which had yet to look its idempotency key up): no events come for it."""
+    with contextlib.suppress(sa.TurnFailedError, sa.TurnCancelledError):
+        reply = await turn.reply()
+        if turn.replayed:
+            return {"type": "reply", **reply_to_json(reply)}
+    return None
+
+
+async def _sse_outcome(turn: sa.Turn | aio.Turn) -> bytes | None:
+    """``_replayed_late`` for an event stream: the frame that ends it, if any."""
+    data = await _replayed_late(turn)
+    return None if data is None else frame(data)
 
 
 async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: int) -> None:

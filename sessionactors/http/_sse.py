@@ -3,7 +3,8 @@
 A stream is a subscription's events, a ``select`` function that turns an
 event into the frame to send (or nothing) and says whether it is the last
 one, and optionally a ``side`` coroutine (the turn's reply) whose failure
-ends the stream with an error frame.
+ends the stream with an error frame, and which may end it with a last frame
+of its own.
 
 Two tasks serve it: a reader takes events from the subscription into a
 bounded outbox, and a writer sends what the outbox holds in one body
@@ -102,7 +103,7 @@ class Stream:
     events: AsyncIterator[sa.Event] | None
     select: Select | None = None
     prelude: Sequence[bytes] = ()
-    side: Callable[[], Awaitable[None]] | None = None
+    side: Callable[[], Awaitable[bytes | None]] | None = None
 
 
 class _Outbox:
@@ -185,11 +186,14 @@ class EventStreamResponse:
                             group.cancel_scope.cancel()
                             return
 
-                async def side(wait: Callable[[], Awaitable[None]]) -> None:
+                async def side(wait: Callable[[], Awaitable[bytes | None]]) -> None:
                     try:
-                        await wait()
+                        last = await wait()
                     except Exception as exc:
                         outbox.close(error_frame(exc))
+                    else:
+                        if last is not None:
+                            outbox.close(last)
 
                 group.start_soon(watch)
                 if stream.side is not None:

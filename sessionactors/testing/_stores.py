@@ -120,11 +120,14 @@ class FaultyStore:
       until ``gate.open()``; a gate never opened is a store that hangs. With
       ``after=True`` the call reaches the wrapped store first and its result is
       held (the write is done; its acknowledgement is late).
-    - ``fail(operation, session_id=None, times=1, error=None)``: the next
-      ``times`` calls (``None``: every call, until ``fail(..., times=0)``)
-      raise ``error``, by default a ``StoreError``, instead of reaching the
-      wrapped store. A failure for one session takes precedence over one for
-      any. A call waits at its gates before it fails.
+    - ``fail(operation, session_id=None, times=1, error=None, after=False)``:
+      the next ``times`` calls (``None``: every call, until ``fail(...,
+      times=0)``) raise ``error``, by default a ``StoreError``, instead of
+      reaching the wrapped store. With ``after=True`` the call reaches the
+      wrapped store first and then raises: the write is done, its
+      acknowledgement is lost (a timeout after the server applied it). A
+      failure for one session takes precedence over one for any. A call waits
+      at its gates before it fails.
     - ``calls`` counts the calls of each operation; ``injected`` counts the
       failures raised: a test asserts on it to prove its fault fired.
 
@@ -140,7 +143,7 @@ class FaultyStore:
     calls: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     injected: int = attrs.field(default=0, init=False)
     _gates: list[Gate] = attrs.field(factory=list, init=False)
-    _failures: dict[tuple[str, str | None], _Failure] = attrs.field(factory=dict, init=False)
+    _failures: dict[tuple[str, str | None, bool], _Failure] = attrs.field(factory=dict, init=False)
 
     def __repr__(self) -> str:
         return f"<FaultyStore over {self.store!r}>"
@@ -160,22 +163,26 @@ class FaultyStore:
         session_id: str | None = None,
         times: int | None = 1,
         error: BaseException | None = None,
+        after: bool = False,
     ) -> None:
-        """Make the next ``times`` calls of ``operation`` raise (replacing an earlier plan)."""
+        """Make the next ``times`` calls of ``operation`` raise (replacing an earlier plan);
+        with ``after``, once the wrapped store has done the call."""
         _check_operation(operation)
         if times is not None and times < 0:
             raise ValueError(f"times must be None (every call) or at least 0, not {times}")
-        key = (operation, session_id)
+        key = (operation, session_id, after)
         if times == 0:
             self._failures.pop(key, None)
         else:
             self._failures[key] = _Failure(times, error)
 
-    def failures_left(self, operation: str, *, session_id: str | None = None) -> int | None:
-        """How many failures planned by ``fail(operation, session_id=...)`` have not fired
-        (``None``: every call fails)."""
+    def failures_left(
+        self, operation: str, *, session_id: str | None = None, after: bool = False
+    ) -> int | None:
+        """How many failures planned by ``fail(operation, session_id=..., after=...)`` have
+        not fired (``None``: every call fails)."""
         _check_operation(operation)
-        failure = self._failures.get((operation, session_id))
+        failure = self._failures.get((operation, session_id, after))
         if failure is None:
             return 0
         return failure.times
@@ -183,9 +190,19 @@ class FaultyStore:
     async def _enter(self, operation: str, session_id: str | None) -> None:
         self.calls[operation] += 1
         held = await self._wait(operation, session_id, after=False)
-        key = (operation, session_id)
+        await self._fail(operation, session_id, after=False, held=held)
+
+    async def _leave(self, operation: str, session_id: str | None) -> None:
+        """The wrapped store did the call: its answer waits at gates, or is lost."""
+        held = await self._wait(operation, session_id, after=True)
+        await self._fail(operation, session_id, after=True, held=held)
+
+    async def _fail(
+        self, operation: str, session_id: str | None, *, after: bool, held: bool
+    ) -> None:
+        key = (operation, session_id, after)
         if key not in self._failures:
-            key = (operation, None)
+            key = (operation, None, after)
         failure = self._failures.get(key)
         if failure is None:
             return
@@ -199,8 +216,9 @@ class FaultyStore:
             await trio.lowlevel.checkpoint()
         if failure.error is not None:
             raise failure.error
+        lost = " after the store did it" if after else ""
         raise StoreError(
-            f"injected {operation} fault for session {session_id!r} (FaultyStore)",
+            f"injected {operation} fault{lost} for session {session_id!r} (FaultyStore)",
             session_id=session_id,
         )
 
@@ -216,12 +234,12 @@ class FaultyStore:
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await self._enter("create", session_id)
         await self.store.create(session_id, snapshot, info)
-        await self._wait("create", session_id, after=True)
+        await self._leave("create", session_id)
 
     async def load(self, session_id: str) -> StoredSession | None:
         await self._enter("load", session_id)
         result = await self.store.load(session_id)
-        await self._wait("load", session_id, after=True)
+        await self._leave("load", session_id)
         return result
 
     async def append(
@@ -234,7 +252,7 @@ class FaultyStore:
     ) -> None:
         await self._enter("append", session_id)
         await self.store.append(session_id, entries, info, fence=fence)
-        await self._wait("append", session_id, after=True)
+        await self._leave("append", session_id)
 
     async def write_snapshot(
         self,
@@ -250,53 +268,53 @@ class FaultyStore:
         await self.store.write_snapshot(
             session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
         )
-        await self._wait("write_snapshot", session_id, after=True)
+        await self._leave("write_snapshot", session_id)
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
         await self._enter("read_journal", session_id)
         result = await self.store.read_journal(session_id, after)
-        await self._wait("read_journal", session_id, after=True)
+        await self._leave("read_journal", session_id)
         return result
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         await self._enter("list_sessions", None)
         result = await self.store.list_sessions()
-        await self._wait("list_sessions", None, after=True)
+        await self._leave("list_sessions", None)
         return result
 
     async def exists(self, session_id: str) -> bool:
         await self._enter("exists", session_id)
         result = await self.store.exists(session_id)
-        await self._wait("exists", session_id, after=True)
+        await self._leave("exists", session_id)
         return result
 
     async def delete(self, session_id: str) -> bool:
         await self._enter("delete", session_id)
         result = await self.store.delete(session_id)
-        await self._wait("delete", session_id, after=True)
+        await self._leave("delete", session_id)
         return result
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:
         await self._enter("claim", session_id)
         result = await self.store.claim(session_id, owner, ttl)
-        await self._wait("claim", session_id, after=True)
+        await self._leave("claim", session_id)
         return result
 
     async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
         await self._enter("renew", session_id)
         result = await self.store.renew(session_id, lease, ttl)
-        await self._wait("renew", session_id, after=True)
+        await self._leave("renew", session_id)
         return result
 
     async def release(self, session_id: str, lease: Lease) -> None:
         await self._enter("release", session_id)
         await self.store.release(session_id, lease)
-        await self._wait("release", session_id, after=True)
+        await self._leave("release", session_id)
 
     async def aclose(self) -> None:
         await self._enter("aclose", None)
         await self.store.aclose()
-        await self._wait("aclose", None, after=True)
+        await self._leave("aclose", None)
 
 
 # ---- FlawedStore -------------------------------------------------------------------

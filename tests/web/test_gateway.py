@@ -17,6 +17,7 @@ import uvicorn
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.http import SessionsApp, create_app, event_to_json
+from sessionactors.testing import FaultyStore
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import serve_asyncio, serve_trio
@@ -393,6 +394,65 @@ async def test_a_replayed_idempotent_message_streams_its_stored_reply(serve: Ser
             assert data["turn_id"] == first["turn_id"]
             assert data["text"] == "only once"
             assert len((await client.get("/sessions/i")).json()["messages"]) == 2
+
+
+@asynccontextmanager
+async def waking_session(
+    name: str, key: str
+) -> AsyncIterator[tuple[str, httpx.AsyncClient, sa.Reply, Any]]:
+    """A session whose ``key`` completed, served by an app over a store that holds its
+    load: (base url, client, the reply of that key's turn, the gate to open). A read
+    wakes it before this yields, and waits at the gate."""
+    stored = sa.MemoryStore()
+    agents = trio_agents()
+    async with sa.open_registry(store=stored, agents=agents) as registry:
+        first = await (await registry.spawn(name)).send("only once", idempotency_key=key)
+    store = FaultyStore(stored)
+    loading = store.hold("load", session_id=name)
+    app = create_app(store=store, agents=agents)
+    async with (
+        serve_trio(app) as url,
+        httpx.AsyncClient(base_url=url) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(client.get, f"/sessions/{name}")  # wakes it: the load is held
+        with trio.fail_after(10):
+            while not loading.waiting:
+                await trio.sleep(0.01)
+        yield url, client, first, loading
+
+
+async def test_a_replayed_message_to_a_waking_session_streams_its_stored_reply() -> None:
+    """A streamed message whose idempotency key completed, sent while its session wakes
+    (the store is slow to load it), ends with the stored reply instead of waiting."""
+    async with waking_session("i", "k1") as (_, client, first, loading):
+        with trio.fail_after(10):
+            body = {"text": "only once", "idempotency_key": "k1"}
+            async with client.stream("POST", "/sessions/i/messages", json=body, headers=SSE) as r:
+                loading.open()
+                got = await read_until(r, lambda d: d["type"] in ("reply", "TurnFinished"))
+            assert got[-1][1]["type"] == "reply"
+            assert got[-1][1]["turn_id"] == first.turn_id
+            state = (await client.get("/sessions/i")).json()
+            assert len(state["messages"]) == 2
+
+
+async def test_a_replayed_websocket_message_to_a_waking_session_gets_its_stored_reply() -> None:
+    """A WebSocket message whose idempotency key completed, sent while its session wakes,
+    gets a "reply" frame with the stored reply (no events follow for it)."""
+    async with waking_session("w", "k1") as (url, _, first, loading):
+        with trio.fail_after(10):
+            async with open_websocket(url.replace("http://", "ws://") + "/sessions/w/ws") as ws:
+                await ws.send({"type": "message", "text": "only once", "idempotency_key": "k1"})
+                submitted = await ws.receive()
+                loading.open()
+                frame = submitted
+                while frame["type"] not in ("reply", "TurnFinished"):
+                    frame = await ws.receive()
+            assert submitted["type"] == "submitted"
+            assert frame["type"] == "reply"
+            assert frame["turn_id"] == first.turn_id
+            assert frame["text"] == "only once"
 
 
 async def test_a_streamed_review_answer_sends_the_rest_of_the_turn(serve: Serve) -> None:
