@@ -29,3 +29,15 @@ def check_stream(events: list[sa.Event], acked: dict[str, str]) -> list[str]:
         elif deltas != text:
             problems.append(f"turn {turn_id}: deltas {deltas!r}, reply {text!r}")
     return problems
+
+
+def stream_problems(seqs: list[int], error: BaseException | None, finished: bool) -> list[str]:
+    """What a subscriber that saw ``seqs`` and ended with ``error`` was not told: gaps, a
+    lag reported at another seq, or an end without the last event."""
+    problems = [f"gap {x} -> {y}" for x, y in itertools.pairwise(seqs) if y != x + 1]
+    if isinstance(error, sa.SubscriberLaggedError):
+        if seqs and error.last_seq != seqs[-1]:
+            problems.append(f"lag reported after {error.last_seq}, last seen {seqs[-1]}")
+    elif not finished:
+        problems.append(f"the subscriber stopped at {seqs[-1:]} and was not told")
+    return problems

@@ -32,7 +32,7 @@ from coredis.tokens import PureToken
 import sessionactors as sa
 from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import EchoModel, journal_events
-from stream_checks import check_stream
+from stream_checks import check_stream, stream_problems
 
 pytestmark = pytest.mark.redis
 
@@ -989,18 +989,6 @@ async def test_replay_on_any_worker_says_where_the_trimmed_journal_begins(
             async with b.ref("s").subscribe(after=expired.value.oldest_seq - 1) as stream:
                 first = await stream.__anext__()
             assert first.seq >= expired.value.oldest_seq
-
-
-def stream_problems(seqs: list[int], error: BaseException | None, finished: bool) -> list[str]:
-    """What a subscriber that saw ``seqs`` and ended with ``error`` was not told: gaps, a
-    lag reported at another seq, or an end without the last event."""
-    problems = [f"gap {x} -> {y}" for x, y in itertools.pairwise(seqs) if y != x + 1]
-    if isinstance(error, sa.SubscriberLaggedError):
-        if seqs and error.last_seq != seqs[-1]:
-            problems.append(f"lag reported after {error.last_seq}, last seen {seqs[-1]}")
-    elif not finished:
-        problems.append(f"the subscriber stopped at {seqs[-1:]} and was not told")
-    return problems
 
 
 async def test_events_dropped_on_overflow_show_as_lag_never_as_a_gap(cluster: Cluster) -> None:
