@@ -219,7 +219,10 @@ class Host(Protocol):
     def hub_for(self, session_id: str) -> Hub: ...
     def detach(self, actor: Actor) -> None: ...
     def replace(self, old: Actor, new: Actor) -> None: ...
-    def mark_failed(self, actor: Actor, reason: str) -> None: ...
+    def mark_failed(self, actor: Actor, reason: str, retry_after: float | None = None) -> None:
+        """Refuse the session's requests: for ``retry_after`` seconds, or for good."""
+        ...
+
     def unwritten(self, session_id: str, error: Exception) -> None:
         """The session's acknowledged state could not be written as it left."""
         ...
@@ -1431,11 +1434,17 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     return SessionStoppedError(text, session_id=sid, turn_id=turn_id)
 
 
-def crashed_error(sid: str, exc: BaseException, *, failed: bool = False) -> SessionCrashedError:
+def crashed_error(
+    sid: str, exc: BaseException, *, failed: bool = False, retry_after: float | None = None
+) -> SessionCrashedError:
     if failed:
+        then = (
+            "fix the cause, then restart the process or delete the session"
+            if retry_after is None
+            else f"its store failed, so it is tried again on a request in {retry_after:g} s"
+        )
         return SessionCrashedError(
-            f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); "
-            "fix the cause, then restart the process or delete the session",
+            f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); {then}",
             session_id=sid,
         )
     return SessionCrashedError(
