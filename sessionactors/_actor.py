@@ -223,7 +223,10 @@ class Host(Protocol):
     def hub_for(self, session_id: str) -> Hub: ...
     def detach(self, actor: Actor) -> None: ...
     def replace(self, old: Actor, new: Actor) -> None: ...
-    def mark_failed(self, actor: Actor, reason: str) -> None: ...
+    def mark_failed(self, actor: Actor, reason: str, retry_after: float | None = None) -> None:
+        """Refuse the session's requests: for ``retry_after`` seconds, or for good."""
+        ...
+
     def unwritten(self, session_id: str, error: Exception) -> None:
         """The session's acknowledged state could not be written as it left."""
         ...
@@ -1502,9 +1505,15 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
 
 
 def crashed_error(
-    sid: str, exc: BaseException, *, failed: bool = False, storing: str = ""
+    sid: str,
+    exc: BaseException,
+    *,
+    failed: bool = False,
+    retry_after: float | None = None,
+    storing: str = "",
 ) -> SessionCrashedError:
-    """``storing``: the turn whose outcome the store was writing (it may have kept it)."""
+    """``storing``: the turn whose outcome the store was writing (it may have kept it);
+    ``retry_after``: with ``failed``, the seconds until the session may start again."""
     if storing:
         return SessionCrashedError(
             f"session {sid!r} crashed while the store wrote the outcome of turn {storing} "
@@ -1514,9 +1523,13 @@ def crashed_error(
             session_id=sid,
         )
     if failed:
+        then = (
+            "fix the cause, then restart the process or delete the session"
+            if retry_after is None
+            else f"its store failed, so it is tried again on a request in {retry_after:g} s"
+        )
         return SessionCrashedError(
-            f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); "
-            "fix the cause, then restart the process or delete the session",
+            f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); {then}",
             session_id=sid,
         )
     return SessionCrashedError(

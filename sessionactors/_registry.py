@@ -268,7 +268,7 @@ class Registry(metaclass=NoPublicConstructor):
                 info = attrs.evolve(info, metadata=copy.deepcopy(info.metadata))
         else:
             info = describe_stored(name, blob)
-        if name in sessions.failed:
+        if sessions.is_failed(name):
             info = attrs.evolve(info, status=Status.FAILED)
         return info
 
@@ -300,7 +300,7 @@ class Registry(metaclass=NoPublicConstructor):
         router = self._dispatcher.router
         return RegistryStatistics(
             live=len(sessions.live),
-            failed_sessions=len(sessions.failed),
+            failed_sessions=sum(1 for name in list(sessions.failed) if sessions.is_failed(name)),
             subscribers=sessions.subscriber_count
             + (router.subscriber_count if router is not None else 0),
             spawned=s.spawned,

@@ -65,7 +65,9 @@ class Sessions:
         self.router: Router | None = None
         self.live: dict[str, Actor] = {}
         self.hubs: dict[str, Hub] = {}
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # session -> why it is marked failed
+        #: Sessions failed by their store (it may come back): when they may start again.
+        self.retry_at: dict[str, float] = {}
         #: Sessions whose acknowledged state could not be written as they left.
         self.unwritten_state: dict[str, Exception] = {}
         #: Names being deleted, and by how many calls: no request wakes them meanwhile.
@@ -149,10 +151,36 @@ class Sessions:
         )
         self.unwritten_state[session_id] = error
 
-    def mark_failed(self, actor: Actor, reason: str) -> None:
+    def mark_failed(self, actor: Actor, reason: str, retry_after: float | None = None) -> None:
         self.failed[actor.session_id] = reason
+        if retry_after is not None:
+            self.retry_at[actor.session_id] = trio.current_time() + retry_after
         self.stats.failed += 1
         self.detach(actor)
+
+    def is_failed(self, name: str) -> bool:
+        """Whether ``name`` is marked failed (a mark for its store's failures lapses)."""
+        if name not in self.failed:
+            return False
+        at = self.retry_at.get(name)
+        if at is not None and trio.current_time() >= at:
+            del self.failed[name], self.retry_at[name]
+            return False
+        return True
+
+    def failed_error(self, name: str) -> SessionCrashedError:
+        """What a request to a session marked failed gets."""
+        at = self.retry_at.get(name)
+        if at is None:
+            then = "fix the cause, then restart the process or delete the session"
+        else:
+            wait = max(0.0, at - trio.current_time())
+            then = f"its store failed, so it is tried again on a request in {wait:.1f} s"
+        return SessionCrashedError(
+            f"session {name!r} crashed too often and is marked failed "
+            f"({self.failed[name]}); {then}",
+            session_id=name,
+        )
 
     # ---- activation -------------------------------------------------------------------
 
@@ -173,13 +201,8 @@ class Sessions:
         self.check_open(name)
         if name in self.deleting:
             raise _deleting_error(name)
-        reason = self.failed.get(name)
-        if reason is not None:
-            raise SessionCrashedError(
-                f"session {name!r} crashed too often and is marked failed ({reason}); fix "
-                "the cause, then restart the process or delete the session",
-                session_id=name,
-            )
+        if self.is_failed(name):
+            raise self.failed_error(name)
         actor = Actor(self, name, None)
         self.live[name] = actor
         self._live_peak = max(self._live_peak, len(self.live))
@@ -242,10 +265,8 @@ class Sessions:
                 f"session {name!r} was stopped; spawn a new session to continue",
                 session_id=name,
             )
-        if name in self.failed:
-            return SessionCrashedError(
-                f"session {name!r} crashed too often and is marked failed", session_id=name
-            )
+        if self.is_failed(name):
+            return self.failed_error(name)
         return None  # hibernated or restarted: try again
 
     async def wait_gone(self, actor: Actor) -> None:
@@ -279,6 +300,7 @@ class Sessions:
         if hub is not None:
             hub.close()
         was_failed = self.failed.pop(name, None) is not None
+        self.retry_at.pop(name, None)
         existed = await self.store.delete(name)
         return existed or actor is not None or was_failed
 

@@ -15,7 +15,13 @@ from collections import deque
 import trio
 
 from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe, stopped_error
-from ._errors import FencedOutError, SessionActorsError
+from ._errors import (
+    FencedOutError,
+    SessionActorsError,
+    StoreConfigurationError,
+    StoreError,
+    StoreNotDurableError,
+)
 
 __all__ = ["session_task"]
 
@@ -59,7 +65,10 @@ async def session_task(host: Host, actor: Actor) -> None:
             while crashes and now - crashes[0] > config.restart_window:
                 crashes.popleft()
             failed = len(crashes) > config.max_restarts
-            error = crashed_error(actor.session_id, exc, failed=failed)
+            # a store can come back (a restart, a failover): one that failed the session
+            # only rests it for a window; any other cause marks it failed for good
+            retry_after = config.restart_window if _store_fault(exc) else None
+            error = crashed_error(actor.session_id, exc, failed=failed, retry_after=retry_after)
             error.__cause__ = exc
             if actor.stopping:  # the stop did not happen: its caller hears why
                 actor.stop_error = exc if isinstance(exc, SessionActorsError) else error
@@ -88,7 +97,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                     exc_info=exc,
                 )
                 actor.phase = Phase.LEFT
-                host.mark_failed(actor, describe(exc))
+                host.mark_failed(actor, describe(exc), retry_after)
                 return
             log.warning(
                 "session %r crashed and restarts from its durable state",
@@ -131,6 +140,14 @@ def _end(actor: Actor, error: SessionActorsError) -> None:
     actor.fail_waiters(error)
     actor.publish_after_crash(loaded=False)
     actor.leave_table()
+
+
+def _store_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store failure a later call may not meet (not a refusal of
+    the store's configuration, which no retry fixes)."""
+    return isinstance(exc, StoreError) and not isinstance(
+        exc, StoreConfigurationError | StoreNotDurableError
+    )
 
 
 def _cancelled(exc: BaseException) -> bool:

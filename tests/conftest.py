@@ -75,6 +75,14 @@ def private_redis_server() -> Callable[..., AbstractContextManager[str]]:
     return start
 
 
+@pytest.fixture
+def private_redis_sentinel() -> Callable[..., AbstractContextManager[str]]:
+    """``private_redis_sentinel(service=..., replicas=0)``: a context manager running a
+    throwaway master, its replicas and a Sentinel; it gives the ``redis+sentinel://`` URL."""
+    start: Callable[..., AbstractContextManager[str]] = _load_redis_server().private_redis_sentinel
+    return start
+
+
 @pytest.fixture(scope="session")
 def redis_replicated() -> Iterator[Any]:
     """A durable primary with one durable replica for this test session: ``.url``,

@@ -242,15 +242,28 @@ def private_redis_replicated(replicas: int = 1) -> Iterator[Replicated]:
 
 
 @contextlib.contextmanager
-def private_redis_sentinel(service: str = "sa-test") -> Iterator[str]:
-    """Start a throwaway durable redis-server and one Sentinel watching it as ``service``;
-    yield the ``redis+sentinel://`` URL, then stop both."""
+def private_redis_sentinel(service: str = "sa-test", *, replicas: int = 0) -> Iterator[str]:
+    """Start a throwaway durable redis-server, ``replicas`` durable replicas of it and one
+    Sentinel watching it as ``service``; yield the ``redis+sentinel://`` URL once the
+    Sentinel knows the master and every replica is in sync, then stop them all."""
     with (
         tempfile.TemporaryDirectory(prefix="sessionactors-sentinel-") as tmp,
         contextlib.ExitStack() as stack,
     ):
         master, sentinel = _free_port(), _free_port()
-        stack.enter_context(_server(stack, Path(tmp), master, DURABLE, "redis-server"))
+        args = [*DURABLE, "--repl-diskless-sync-delay", "0"]  # (replicas in sync at once)
+        stack.enter_context(_server(stack, Path(tmp), master, args, "redis-server"))
+        ports = [_free_port() for _ in range(replicas)]
+        for port in ports:
+            args = [*DURABLE, "--replicaof", "127.0.0.1", str(master)]
+            stack.enter_context(_server(stack, Path(tmp), port, args, "a replica"))
+        deadline = time.monotonic() + _START_TIMEOUT
+        while not all(
+            b"master_link_status:up" in _command(port, "INFO", "replication") for port in ports
+        ):  # in sync before the Sentinel starts: its first look at the master lists them
+            if time.monotonic() > deadline:
+                pytest.fail("the private replicas did not reach master_link_status:up")
+            time.sleep(0.05)
         conf = Path(tmp) / "sentinel.conf"
         conf.write_text(f"sentinel monitor {service} 127.0.0.1 {master} 1\n")
         args = [str(conf), "--sentinel"]
@@ -258,9 +271,12 @@ def private_redis_sentinel(service: str = "sa-test") -> Iterator[str]:
         deadline = time.monotonic() + _START_TIMEOUT
         while str(master).encode() not in _command(
             sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service
+        ) or not all(
+            str(port).encode() in _command(sentinel, "SENTINEL", "REPLICAS", service)
+            for port in ports
         ):
             if time.monotonic() > deadline:
-                pytest.fail("the private sentinel does not know its master")
+                pytest.fail("the private sentinel does not know its master and replicas")
             time.sleep(0.05)
         yield f"redis+sentinel://127.0.0.1:{sentinel}/{service}"
 

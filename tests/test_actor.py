@@ -542,6 +542,40 @@ async def test_restart_intensity_marks_the_session_failed(autojump_clock: trio.a
     assert stats.crashes == 9
 
 
+async def test_a_session_failed_by_its_store_is_tried_again_after_the_window(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A session marked failed because its store kept failing (StoreError: a store can come back, as after a failover) rests for restart_window; then the next request starts it again from its durable state. One that crashed for another cause (here a store that raises RuntimeError: a bug) stays failed until the process restarts or it is deleted."""
+    store = FaultyStore()
+    async with sa.open_registry(
+        agents={"echo": sa.Agent(model=EchoModel())}, store=store, restart_window=5.0
+    ) as registry:
+        flaky, buggy = await registry.spawn("flaky"), await registry.spawn("buggy")
+        for ref in (flaky, buggy):
+            await ref.send("kept")
+        store.fail("append", session_id="flaky", times=None)
+        store.fail("append", session_id="buggy", times=None, error=RuntimeError("a bug"))
+        with trio.fail_after(10):
+            for ref in (flaky, buggy):
+                for _ in range(3):
+                    with pytest.raises(sa.SessionCrashedError, match="restarted"):
+                        await ref.send("crash")
+                with pytest.raises(sa.SessionCrashedError, match="marked failed"):
+                    await ref.send("crash")
+        store.fail("append", session_id="flaky", times=0)
+        store.fail("append", session_id="buggy", times=0)
+        with pytest.raises(sa.SessionCrashedError, match="tried again"):
+            await flaky.send("too early")
+        await trio.sleep(5)
+        with trio.fail_after(10):
+            assert (await flaky.send("back")).text == "back"
+            with pytest.raises(sa.SessionCrashedError, match="marked failed"):
+                await buggy.send("still failed")
+        assert pairs(await flaky.history()) == [("kept", "kept"), ("back", "back")]
+        infos = {i.session_id: i.status for i in await registry.sessions()}
+    assert infos == {"flaky": sa.Status.IDLE, "buggy": sa.Status.FAILED}
+
+
 async def test_sharing_an_abandoned_keyed_submit_does_not_wait_forever(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -741,6 +741,13 @@ class RedisStore:
             raise _Unavailable(str(conn.error)) from conn.error
         return conn.client
 
+    def _reconnect(self, conn: _Connection | None) -> None:
+        """Have the calls after this one open a new client (if ``conn`` is still the
+        current one); the calls running on it end with an error."""
+        if conn is not None and self._conn is conn:
+            self._conn = None
+            conn.close()
+
     async def _run(
         self,
         doing: str,
@@ -762,6 +769,10 @@ class RedisStore:
             except (StoreNotDurableError, StoreConfigurationError):
                 raise
             except coredis.exceptions.ReplicationError as exc:
+                if self._target.sentinel:
+                    # A failover may have made another server the master and left this
+                    # one without replicas: the next calls ask the Sentinel again.
+                    self._reconnect(conn)
                 raise StoreNotReplicatedError(
                     f"redis at {redact(self.url)} ran the write to {doing} {where}, but "
                     f"fewer than {self.replicas} replica(s) confirmed it within "
@@ -797,12 +808,10 @@ class RedisStore:
                     f"could not {doing} {where}: the redis store was closed meanwhile; retry",
                     session_id=session_id,
                 ) from exc
-        if conn is not None and self._conn is conn:
-            # No answer in time: the next calls open a new client. Its connections may
-            # be half-open (the server gone without a word, a firewall that dropped
-            # them), which no reply would ever end.
-            self._conn = None
-            conn.close()
+        # No answer in time: the next calls open a new client. Its connections may be
+        # half-open (the server gone without a word, a firewall that dropped them),
+        # which no reply would ever end.
+        self._reconnect(conn)
         raise StoreError(
             f"could not {doing} {where}: redis at {redact(self.url)} did not answer within "
             f"{self.timeout} s (RedisStore(timeout=...)); check that redis-server is running "

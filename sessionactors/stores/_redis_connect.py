@@ -229,6 +229,10 @@ class Target:
     def cluster(self) -> bool:
         return self.scheme in _CLUSTER
 
+    @property
+    def sentinel(self) -> bool:
+        return self.scheme in _SENTINEL
+
 
 @contextlib.asynccontextmanager
 async def open_client(target: Target) -> AsyncIterator[Client]:

@@ -4,6 +4,7 @@ its check of the server's persistence when it connects."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
@@ -14,9 +15,10 @@ import pytest
 import trio
 from coredis.connection import TCPLocation
 
+import sessionactors as sa
 from sessionactors import StoreError, StoreNotDurableError
 from sessionactors.stores import JournalEntry, RedisStore, StoredSession
-from sessionactors.testing import check_store
+from sessionactors.testing import EchoModel, check_store
 
 pytestmark = pytest.mark.redis
 
@@ -271,3 +273,77 @@ async def test_a_given_client_is_checked_too(private_redis_server: PrivateServer
                 assert not await opted_out.exists("s")
     finally:
         await trio.to_thread.run_sync(stop)
+
+
+# -- a Sentinel failover ------------------------------------------------------------------
+
+#: Turns go through the new master within this of a failover, by replicas waited for.
+#: The old master takes writes until the Sentinel converts it, about 10 s after the
+#: failover; a server that joins a master as its replica syncs after
+#: ``repl-diskless-sync-delay`` (5 s by default); a session failed by its store rests
+#: ``restart_window`` (5 s). Waiting for every replica waits for the old master too.
+FAILOVER_WITHIN = {2: 40.0, 1: 20.0}
+
+
+async def ask_sentinel(url: str, *args: str) -> bytes:
+    """One command to the Sentinel behind ``url``; its raw reply."""
+    parts = urlsplit(url)
+    request = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+    async with await trio.open_tcp_stream(parts.hostname or "", parts.port or 26379) as stream:
+        await stream.send_all(request.encode())
+        return await stream.receive_some(65536)
+
+
+@pytest.mark.parametrize("waited", [2, 1], ids=["every-replica", "one-of-two"])
+async def test_turns_go_on_through_a_sentinel_failover(
+    private_redis_sentinel: PrivateServer, waited: int
+) -> None:
+    """A Sentinel failover (``SENTINEL FAILOVER``; a master and two replicas) under a stream of turns: sends fail with typed errors while the master changes, then go on through the new master in the same process (the store leaves a master whose replicas left for the Sentinel's new one; the session, failed by its store meanwhile, rests and starts again). With ``replicas=2`` (every replica) every acknowledged turn is kept. With ``replicas=1`` some acknowledged just before the switch may be lost (the old master still had a replica that then followed the new one), as the Redis how-to says."""
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    with private_redis_sentinel(replicas=2) as url, trio.fail_after(120):
+        service = urlsplit(url).path.strip("/")
+        acked: list[str] = []
+        refused = 0
+        store = RedisStore(url, replicas=waited, timeout=1.0)
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            ref = await registry.spawn("s")
+
+            async def send(text: str) -> bool:
+                nonlocal refused
+                try:
+                    await ref.send(text)
+                except sa.SessionActorsError:
+                    refused += 1
+                    return False
+                acked.append(text)
+                return True
+
+            for i in range(3):
+                assert await send(f"before {i}")
+            master = await ask_sentinel(url, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service)
+            with trio.fail_after(20):  # (until the Sentinel has looked at the replicas)
+                while b"NOGOODSLAVE" in (
+                    reply := await ask_sentinel(url, "SENTINEL", "FAILOVER", service)
+                ):
+                    await trio.sleep(0.2)
+            assert reply.startswith(b"+OK"), reply
+            start = trio.current_time()
+            after = 0  # turns acknowledged once the Sentinel names another master
+            with trio.move_on_after(FAILOVER_WITHIN[waited]):
+                for i in itertools.count():
+                    sent = await send(f"after {i}")
+                    now = await ask_sentinel(url, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service)
+                    after += sent and now != master
+                    if after >= 5:
+                        break
+                    await trio.sleep(0.1)
+            took = trio.current_time() - start
+        assert after >= 5, f"{after} turns went through the new master in {took:.1f} s"
+        assert refused  # the failover was felt
+        async with sa.open_registry(store=RedisStore(url), agents=agents) as registry:
+            history = await registry.ref("s").history()
+    stored = {m.content for m in history if m.role is sa.Role.USER}
+    lost = [text for text in acked if text not in stored]
+    if waited == 2:
+        assert lost == []
+    assert all(text.startswith("after") for text in lost)  # never what came before
