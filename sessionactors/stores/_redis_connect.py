@@ -288,8 +288,15 @@ async def check_deployment(client: Client, target: Target, where: str) -> None:
         )
 
 
-def _problem(appendonly: bytes | None, fsync: bytes | None, wanted: Persistence) -> str | None:
+def _problem(
+    appendonly: bytes | None, fsync: bytes | None, evicts: str | None, wanted: Persistence
+) -> str | None:
     """What the server's settings risk against ``wanted`` (None: nothing)."""
+    if evicts is not None:
+        return (
+            f"maxmemory is set with maxmemory-policy {evicts}, so redis deletes keys when "
+            "its memory runs short: stored turns, or whole sessions, gone without a word"
+        )
     if appendonly != b"yes":
         return (
             "appendonly is off, so a restart loses every write since the last RDB "
@@ -317,18 +324,22 @@ def _problem(appendonly: bytes | None, fsync: bytes | None, wanted: Persistence)
     )
 
 
-async def _settings(client: Client) -> tuple[bytes | None, bytes | None]:
-    """``appendonly`` and ``appendfsync`` of one server; ``appendfsync`` is None when
-    only INFO can be read."""
+async def _settings(client: Client) -> tuple[bytes | None, bytes | None, str | None]:
+    """``appendonly`` and ``appendfsync`` of one server (``appendfsync`` is None when
+    only INFO can be read), and its eviction policy if it evicts (maxmemory set, a
+    policy other than noeviction)."""
+    memory: Any = await client.info("memory")
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    evicts = policy if int(memory.get("maxmemory", 0) or 0) and policy != "noeviction" else None
     try:
         got: Any = await client.config_get(["appendonly", "appendfsync"])
-        return got.get(b"appendonly"), got.get(b"appendfsync")
+        return got.get(b"appendonly"), got.get(b"appendfsync"), evicts
     except coredis.exceptions.ResponseError:
         # CONFIG is disabled or not allowed for this user: INFO still says whether
         # the append-only file is on, not how often it is synced.
         info: Any = await client.info("persistence")
         enabled = str(info.get("aof_enabled", "0")) == "1"
-        return (b"yes" if enabled else b"no"), None
+        return (b"yes" if enabled else b"no"), None, evicts
 
 
 async def check_persistence(client: Client, target: Target, where: str) -> None:
@@ -352,8 +363,10 @@ async def check_persistence(client: Client, target: Target, where: str) -> None:
         return
     raise StoreNotDurableError(
         f"redis at {where} can lose acknowledged writes: {'; '.join(problems)}. "
-        "Run it with appendonly yes and appendfsync always (in redis.conf, or "
-        "CONFIG SET appendonly yes, CONFIG SET appendfsync always, CONFIG REWRITE). "
+        "Run it with appendonly yes and appendfsync always, and without eviction "
+        "(maxmemory-policy noeviction, or no maxmemory) (in redis.conf, or CONFIG SET "
+        "appendonly yes, CONFIG SET appendfsync always, CONFIG SET maxmemory-policy "
+        "noeviction, CONFIG REWRITE). "
         "To accept losing up to about a second of acknowledged writes on a machine crash "
         "(appendfsync everysec), pass RedisStore(url, persistence='everysec'); for tests "
         "and caches that may lose everything, persistence='volatile' "

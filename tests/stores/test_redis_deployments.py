@@ -26,6 +26,7 @@ PrivateServer = Callable[..., AbstractContextManager[str]]
 VOLATILE = ("--appendonly", "no")
 EVERYSEC = ("--appendfsync", "everysec")
 NO_CONFIG = ("--rename-command", "CONFIG", "")
+EVICTING = ("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
 
 
 @contextlib.asynccontextmanager
@@ -165,6 +166,8 @@ async def _dbsize(url: str) -> int:
         (EVERYSEC, "appendfsync is everysec, so a machine crash"),
         (("--appendfsync", "no"), "appendfsync is no"),
         (NO_CONFIG, "CONFIG GET is refused"),
+        (EVICTING, "maxmemory-policy allkeys-lru, so redis deletes keys"),
+        ((*EVICTING, *NO_CONFIG), "maxmemory-policy allkeys-lru, so redis deletes keys"),
     ],
 )
 async def test_refuses_a_server_that_can_lose_acknowledged_writes(
@@ -181,11 +184,12 @@ async def test_refuses_a_server_that_can_lose_acknowledged_writes(
                     await call()
                 message = str(caught.value)
                 assert "appendonly yes and appendfsync always" in message
+                assert "maxmemory-policy noeviction" in message
                 assert "about a second" in message
                 assert "persistence='volatile'" in message
                 assert isinstance(caught.value, StoreError)
             await store.aclose()
-            if config != NO_CONFIG:
+            if "CONFIG" not in config:
                 assert await _dbsize(url) == 0
     finally:
         await trio.to_thread.run_sync(stop)
@@ -200,6 +204,7 @@ async def test_refuses_a_server_that_can_lose_acknowledged_writes(
         (EVERYSEC, "everysec", True),
         (NO_CONFIG, "everysec", False),
         ((*VOLATILE, *NO_CONFIG), "volatile", False),
+        (EVICTING, "volatile", False),
     ],
 )
 async def test_an_explicit_opt_out_accepts_a_weaker_server(
@@ -220,6 +225,24 @@ async def test_an_explicit_opt_out_accepts_a_weaker_server(
         with trio.fail_after(10):
             await store.create("s", b"snap", b"i")
             assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+            await store.aclose()
+    finally:
+        await trio.to_thread.run_sync(stop)
+
+
+async def test_a_memory_limit_without_eviction_is_accepted(
+    private_redis_server: PrivateServer,
+) -> None:
+    """maxmemory with maxmemory-policy noeviction loses nothing acknowledged (redis refuses
+    writes when full, and the store says so): accepted."""
+    url, stop = await _started(
+        private_redis_server, "--maxmemory", "100mb", "--maxmemory-policy", "noeviction"
+    )
+    try:
+        store = RedisStore(url, prefix="sa-test")
+        with trio.fail_after(10):
+            await store.create("s", b"snap", b"i")
+            assert await store.exists("s")
             await store.aclose()
     finally:
         await trio.to_thread.run_sync(stop)
