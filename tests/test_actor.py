@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import trio
@@ -428,21 +429,29 @@ async def test_a_keyed_submit_behind_a_submit_nowait_to_a_waking_session_is_repl
     assert (early.replayed, early.id) == (True, first.turn_id)
 
 
+@contextlib.asynccontextmanager
+async def full_mailbox() -> AsyncIterator[tuple[sa.SessionRef, trio.Event, sa.Turn, sa.Turn]]:
+    """Session "q" with ``mailbox_size=1``: its turn "held" runs until the gate opens and
+    "filler" fills the mailbox, so the next submit waits for room. Yields the ref, the
+    gate and the two turns."""
+    gate = trio.Event()
+    model = ScriptedModel([held("held", gate), echo_step], repeat=True)
+    async with sa.open_registry(agents=agents_of(model), mailbox_size=1) as registry:
+        ref = await registry.spawn("q")
+        first = await ref.submit("held")
+        await trio.testing.wait_all_tasks_blocked()
+        yield ref, gate, first, await ref.submit("filler")
+
+
 async def test_same_key_submits_waiting_for_room_share_one_turn(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """Same-key submits that all wait for mailbox room share one turn: one id, its reply and
     its outcome, and a stream of it ends with that turn's outcome."""
-    gate = trio.Event()
-    model = ScriptedModel([held("held", gate), echo_step], repeat=True)
     turns: list[sa.Turn] = []
     streamed: list[sa.Event] = []
-    async with sa.open_registry(agents=agents_of(model), mailbox_size=1) as registry:
-        ref = await registry.spawn("q")
+    async with full_mailbox() as (ref, gate, first, filler):
         with trio.fail_after(10):
-            first = await ref.submit("held")
-            await trio.testing.wait_all_tasks_blocked()
-            filler = await ref.submit("filler")
 
             async def submitter() -> None:
                 turns.append(await ref.submit("pay", idempotency_key="k"))
@@ -581,14 +590,8 @@ async def test_sharing_an_abandoned_keyed_submit_does_not_wait_forever(
 ) -> None:
     """A submit that joined a same-key submit still waiting for mailbox room gets an answer
     even when that first submit is abandoned before its request reached the mailbox."""
-    gate = trio.Event()
-    model = ScriptedModel([held("held", gate), echo_step], repeat=True)
-    async with sa.open_registry(agents=agents_of(model), mailbox_size=1) as registry:
-        ref = await registry.spawn("q")
+    async with full_mailbox() as (ref, gate, first, filler):
         with trio.fail_after(10):
-            first = await ref.submit("held")
-            await trio.testing.wait_all_tasks_blocked()
-            filler = await ref.submit("filler")
 
             async def impatient() -> None:
                 with trio.move_on_after(1):
