@@ -6,6 +6,7 @@ import enum
 import functools
 import gc
 import json
+import math
 import re
 import sys
 import tracemalloc
@@ -1511,9 +1512,15 @@ def accepted_reloads(
     return True
 
 
+#: What a NaN compares as in ``plain`` (a NaN equals no float, itself included).
+_NAN = "<nan>"
+
+
 def plain(value: Any, in_metadata: bool = False) -> Any:
     """``value`` as the codec stores it: in metadata, tuples as lists and mappings as
-    dicts; records as their class and fields."""
+    dicts; records as their class and fields; a NaN as a marker that compares equal."""
+    if isinstance(value, float) and math.isnan(value):
+        return _NAN
     if attrs.has(type(value)):
         fields = attrs.fields(type(value))
         return (type(value), {f.name: plain(getattr(value, f.name)) for f in fields})
