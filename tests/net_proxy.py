@@ -2,8 +2,9 @@
 
 ``blackhole()`` stops carrying bytes on every connection open at that moment, in both
 directions, without closing any: each end still believes it is connected, as after a
-firewall or NAT that lost its state, or a peer behind a dead link. Connections made
-afterwards are carried as usual.
+firewall or NAT that lost its state, or a peer behind a dead link. ``blackhole_up()``
+stops only what the clients send: the server's replies and pushes still come through.
+Connections made afterwards are carried as usual.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ class Proxy:
         self.port = 0
         self._target_port = target_port
         self._live: list[trio.CancelScope] = []  # one a connection, while carried
+        self._up: list[trio.CancelScope] = []  # one a connection: what its client sends
 
     def blackhole(self) -> int:
         """Silence every connection open now; how many there were."""
-        scopes, self._live = self._live, []
-        for scope in scopes:
-            scope.cancel()
-        return len(scopes)
+        return _cancel_all(self._live)
+
+    def blackhole_up(self) -> int:
+        """Silence what the client of every connection open now sends; how many there were."""
+        return _cancel_all(self._up)
 
     async def carry(self, client: trio.SocketStream) -> None:
         """Carry one connection until either end closes it, or until silenced (then hold
@@ -35,28 +38,43 @@ class Proxy:
             server = await trio.open_tcp_stream("127.0.0.1", self._target_port)
         except OSError:
             return
-        silenced = trio.CancelScope()
+        silenced, up = trio.CancelScope(), trio.CancelScope()
         self._live.append(silenced)
+        self._up.append(up)
         try:
             with silenced:
                 async with trio.open_nursery() as nursery:
 
-                    async def pump(source: trio.SocketStream, sink: trio.SocketStream) -> None:
-                        try:
-                            while data := await source.receive_some(65536):
-                                await sink.send_all(data)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            pass
-                        nursery.cancel_scope.cancel()  # one end closed: close the other
+                    async def pump(
+                        source: trio.SocketStream, sink: trio.SocketStream, scope: trio.CancelScope
+                    ) -> None:
+                        with scope:
+                            try:
+                                while data := await source.receive_some(65536):
+                                    await sink.send_all(data)
+                            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                pass
+                            nursery.cancel_scope.cancel()  # one end closed: close the other
+                        if scope.cancelled_caught:  # silenced one way: hold it open
+                            await trio.sleep_forever()
 
-                    nursery.start_soon(pump, client, server)
-                    nursery.start_soon(pump, server, client)
+                    nursery.start_soon(pump, client, server, up)
+                    nursery.start_soon(pump, server, client, trio.CancelScope())
             if silenced.cancelled_caught:  # both ends stay open, and nothing moves
                 await trio.sleep_forever()
         finally:
-            if silenced in self._live:
-                self._live.remove(silenced)
+            for scopes, scope in ((self._live, silenced), (self._up, up)):
+                if scope in scopes:
+                    scopes.remove(scope)
             await trio.aclose_forcefully(server)
+
+
+def _cancel_all(scopes: list[trio.CancelScope]) -> int:
+    taken = list(scopes)
+    scopes.clear()
+    for scope in taken:
+        scope.cancel()
+    return len(taken)
 
 
 @asynccontextmanager
