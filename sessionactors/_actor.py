@@ -403,12 +403,7 @@ class Actor:
                 error=describe(error),
             )
         )
-        refused = self.refused
-        if refused is None:
-            refused = self.refused = {}
-        refused[mail.turn_id] = str(error)
-        if len(refused) > _MAX_REMEMBERED:
-            del refused[next(iter(refused))]
+        self.refused = _remember(self.refused, mail.turn_id, str(error))
         if mail.key is not None:  # a retry with this key runs again once it can
             self.inflight_keys.pop(mail.key, None)
 
@@ -772,12 +767,7 @@ class Actor:
                 # (queued before its session could look the key up: submit_nowait to a
                 # session still waking) it is the completed turn: its id, reply, outcome
                 self.inflight_keys.pop(key, None)
-                replays = self.replays
-                if replays is None:
-                    replays = self.replays = {}
-                replays[mail.turn_id] = done.turn_id
-                if len(replays) > _MAX_REMEMBERED:
-                    del replays[next(iter(replays))]
+                self.replays = _remember(self.replays, mail.turn_id, done.turn_id)
                 mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
         if session.reviews:
@@ -1523,20 +1513,36 @@ def crashed_error(
             session_id=sid,
         )
     if failed:
-        then = (
-            "fix the cause, then restart the process or delete the session"
-            if retry_after is None
-            else f"its store failed, so it is tried again on a request in {retry_after:g} s"
-        )
-        return SessionCrashedError(
-            f"session {sid!r} crashed too often and is marked failed ({describe(exc)}); {then}",
-            session_id=sid,
-        )
+        return failed_error(sid, describe(exc), retry_after)
     return SessionCrashedError(
         f"session {sid!r} crashed while handling this request ({describe(exc)}); it was "
         "restarted from its last durable state, so retry the request",
         session_id=sid,
     )
+
+
+def failed_error(sid: str, reason: str, retry_after: float | None) -> SessionCrashedError:
+    """The error of a request to a session marked failed (by ``reason``); ``retry_after``:
+    the seconds until it may start again (None: not before the process restarts)."""
+    if retry_after is None:
+        then = "fix the cause, then restart the process or delete the session"
+    else:
+        then = f"its store failed, so it is tried again on a request in {retry_after:.1f} s"
+    return SessionCrashedError(
+        f"session {sid!r} crashed too often and is marked failed ({reason}); {then}",
+        session_id=sid,
+    )
+
+
+def _remember(table: dict[str, str] | None, key: str, value: str) -> dict[str, str]:
+    """``table`` (made if None) with ``key``: ``value``, holding the latest
+    ``_MAX_REMEMBERED`` entries."""
+    if table is None:
+        table = {}
+    table[key] = value
+    if len(table) > _MAX_REMEMBERED:
+        del table[next(iter(table))]
+    return table
 
 
 def deleted_error(sid: str) -> SessionNotFoundError:

@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from ._actor import Actor, Counters
+from ._actor import Actor, Counters, failed_error
 from ._agent import Agent
 from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
@@ -171,16 +171,8 @@ class Sessions:
     def failed_error(self, name: str) -> SessionCrashedError:
         """What a request to a session marked failed gets."""
         at = self.retry_at.get(name)
-        if at is None:
-            then = "fix the cause, then restart the process or delete the session"
-        else:
-            wait = max(0.0, at - trio.current_time())
-            then = f"its store failed, so it is tried again on a request in {wait:.1f} s"
-        return SessionCrashedError(
-            f"session {name!r} crashed too often and is marked failed "
-            f"({self.failed[name]}); {then}",
-            session_id=name,
-        )
+        wait = None if at is None else max(0.0, at - trio.current_time())
+        return failed_error(name, self.failed[name], wait)
 
     # ---- activation -------------------------------------------------------------------
 

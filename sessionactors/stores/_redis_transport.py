@@ -157,7 +157,6 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
-_END_EVENTS: Final = _MARK_END
 # A subscriber's worker renews the watch of a stored session and ends the stream of
 # one that is gone (deleted while its end could not be marked: its subscribers would
 # wait without end). KEYS: as _MARK_END, then the watch key; ARGV[3]: its ttl in ms.
@@ -345,7 +344,7 @@ class RedisTransport:
         self._members = Script[bytes](script=_MEMBERS)
         self._publish = Script[bytes](script=_PUBLISH)
         self._events_after = Script[bytes](script=_EVENTS_AFTER)
-        self._end_events = Script[bytes](script=_END_EVENTS)
+        self._end_events = Script[bytes](script=_MARK_END)
         self._watch = Script[bytes](script=_WATCH)
         self._links: _Links | None = None  # while listen() is subscribed
 
