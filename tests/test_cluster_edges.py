@@ -239,3 +239,35 @@ async def test_a_subscription_elsewhere_ends_when_its_deleted_sessions_end_was_r
             assert ended.is_set(), "the subscription on b never ended"
             with pytest.raises(sa.SessionNotFoundError):
                 await b.ref("s").history()
+
+
+#: The longest text a message may hold (sessionactors' limit): about 1 MB.
+MAX_TEXT = 1024 * 1024
+
+
+def _big_messages(count: int, start: int) -> list[sa.Message]:
+    """``count`` assistant messages of about 1 MB each, numbered from ``start``."""
+    return [
+        sa.Message.create(sa.Role.ASSISTANT, f"{i}:".ljust(MAX_TEXT, "x"))
+        for i in range(start, start + count)
+    ]
+
+
+async def test_an_answer_larger_than_redis_pubsub_limit_reaches_another_worker(
+    any_redis_url: str,
+) -> None:
+    """A history larger than Redis's 32 MB limit for a pub/sub client's output reads whole through another worker, and the channels of both workers go on carrying requests."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(120):
+        async with (
+            open_worker(any_redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(any_redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            ref = await a.spawn("s")
+            for start in (0, 12, 24):  # (a journal entry holds at most 16 MB)
+                await ref.add_messages(_big_messages(12, start))
+            assert (a.live(), b.live()) == (["s"], [])
+            history = await b.ref("s").history()  # an answer of about 36 MB
+            assert [m.content.split(":", 1)[0] for m in history] == [str(i) for i in range(36)]
+            assert (await b.ref("s").send("still there")).text == "still there"
+            assert a.live() == ["s"]

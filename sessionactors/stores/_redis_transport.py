@@ -12,7 +12,11 @@ unix socket, with the same credentials as the store's client, to its server, the
 Sentinel's current master, or on a cluster the master of the channel's slot): the
 subscribing task reads its messages straight off the socket, and sends go out on
 the same connection (on a cluster, on one per master published to), so a message
-crosses no task between the socket and the multi-worker layer. Every call keeps
+crosses no task between the socket and the multi-worker layer. A message larger
+than :data:`_BIG_MESSAGE` (the answer to a read of a long history) waits in a key
+of the receiving worker's, and the channel carries only that key: Redis cuts off a
+subscriber whose unread output passes 32 MB (``client-output-buffer-limit pubsub``),
+and the messages after it wait for it, so the worker sees them in the order sent. Every call keeps
 the store's timeout and error translation; a send whose connection is lost or
 refused goes through the store's client instead, and a subscription that is lost
 ends ``listen``, which the multi-worker layer calls again.
@@ -31,7 +35,10 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import logging
 import math
+import secrets
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, cast
 
@@ -42,11 +49,14 @@ from coredis.commands import Script
 from coredis.connection import UnixDomainSocketLocation
 
 from .._codec import MAX_SEQ
+from .._errors import StoreError
 from ..workers import StreamItem
 from ._redis_connect import Client
 from ._resp import Endpoint, RespConnection, connect
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("sessionactors")
 
 
 class _Redis(Protocol):
@@ -86,6 +96,12 @@ _PLAIN: Final = (b"subscribe", b"message", b"unsubscribe")
 _SHARDED: Final = (b"ssubscribe", b"smessage", b"sunsubscribe")
 #: The name of the channel's own connections in ``CLIENT LIST``.
 _CLIENT_NAME: Final = "sessionactors-channel"
+#: A message longer than this (bytes) goes through a key; the channel carries the key.
+_BIG_MESSAGE: Final = 64 * 1024
+#: What such a message on the channel starts with: 0xc1 starts no msgpack value.
+_BIG_MARK: Final = b"\xc1"
+#: How long such a message's key waits for its worker to take it (milliseconds).
+_BIG_TTL_MS: Final = 60_000
 
 _POST: Final = """
 local who = redis.call('GET', KEYS[1])
@@ -330,6 +346,7 @@ class RedisTransport:
 
     Keys: ``<prefix>:w:<worker>:alive`` (its incarnation, expiring),
     ``<prefix>:w:<worker>:inbox`` (a stream, for wake-ups of the worker's reader),
+    ``<prefix>:w:<worker>:msg:<token>`` (a large message to the worker, expiring),
     ``<prefix>:s:<name>:ev`` (a session's events), names escaped as the store
     escapes them, ``<prefix>:workers`` (the live workers, for placing shards), and
     channel ``<prefix>:w:<worker>:in:<incarnation>`` (requests and answers to that
@@ -442,8 +459,14 @@ class RedisTransport:
 
     async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
         channel = self._channel(worker, incarnation).encode()
+        body: bytes | None = None
+        if len(message) > _BIG_MESSAGE:  # the key goes on the channel (see the module)
+            key = self._store._key("w", worker, f"msg:{secrets.token_hex(8)}")
+            body, message = message, _BIG_MARK + key.encode()
 
         async def run(client: Client) -> int:
+            if body is not None:
+                await client.set(key, body, px=_BIG_TTL_MS)
             links = self._links
             # (a message to this worker's own channel, its check that it still listens,
             # goes the way other workers' messages come: after a Sentinel failover
@@ -477,15 +500,38 @@ class RedisTransport:
             cluster = isinstance(client, coredis.RedisCluster)
             command, kinds = (b"SSUBSCRIBE", _SHARDED) if cluster else (b"SUBSCRIBE", _PLAIN)
             confirmed = trio.Event()
+            # Messages that wait for a large one's body to be read, in the order sent
+            # (None while there is none)
+            backlog: deque[bytes] | None = None
 
             def on_push(push: list[Any]) -> None:
+                nonlocal backlog
                 kind = push[0]
                 if kind == kinds[1]:
-                    deliver(push[2])
+                    data = push[2]
+                    if backlog is not None:
+                        backlog.append(data)
+                    elif data[:1] == _BIG_MARK:
+                        backlog = deque((data,))
+                        nursery.start_soon(drain)
+                    else:
+                        deliver(data)
                 elif kind == kinds[0]:
                     confirmed.set()
                 elif kind == kinds[2]:  # (a cluster moved the slot): again
                     raise coredis.exceptions.ConnectionError("unsubscribed by the server")
+
+            async def drain() -> None:
+                nonlocal backlog
+                assert backlog is not None
+                while backlog:
+                    data: bytes | None = backlog[0]
+                    if data is not None and data[:1] == _BIG_MARK:
+                        data = await self._take(bytes(data[1:]).decode())
+                    backlog.popleft()
+                    if data is not None:
+                        deliver(data)
+                backlog = None
 
             connection: RespConnection | None = None
             try:
@@ -515,6 +561,18 @@ class RedisTransport:
                     await connection.aclose()
 
         await self._store._run("subscribe to the requests for", None, run, block=math.inf)
+
+    async def _take(self, key: str) -> bytes | None:
+        """The body of a large message sent to this worker (None if it is lost: as a
+        message on the channel may be, and the multi-worker layer asks again)."""
+        try:
+            value: Any = await self._store._run(
+                "read a message sent to", None, lambda c: c.getdel(key)
+            )
+        except StoreError as exc:
+            log.warning("a large message to this worker was lost (%s)", exc)
+            return None
+        return None if value is None else bytes(value)
 
     async def read(
         self,
