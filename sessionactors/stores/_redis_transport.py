@@ -49,7 +49,7 @@ from coredis.commands import Script
 from coredis.connection import UnixDomainSocketLocation
 
 from .._codec import MAX_SEQ
-from .._errors import StoreError
+from .._errors import StoreConfigurationError, StoreError
 from ..workers import StreamItem
 from ._redis_connect import Client
 from ._resp import Endpoint, RespConnection, connect
@@ -569,6 +569,8 @@ class RedisTransport:
             value: Any = await self._store._run(
                 "read a message sent to", None, lambda c: c.getdel(key)
             )
+        except StoreConfigurationError:
+            raise  # (no retry fixes it: the subscription fails, saying what to allow)
         except StoreError as exc:
             log.warning("a large message to this worker was lost (%s)", exc)
             return None
