@@ -182,7 +182,6 @@ _make_reply: Final = maker(Reply)
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
 #: The context a turn runs in without telemetry (reusable).
-_NO_TRACE: Final = contextlib.nullcontext()
 
 
 class Counters:
@@ -504,7 +503,7 @@ class Actor:
     async def commit(self, *, compact: bool = True) -> None:
         """Make the unsaved journal events durable (per the durability policy)."""
         journal = self.journal
-        if journal.unsaved and journal.config.durability == "turn":
+        if journal.unsaved and journal.per_turn:
             session = self.session
             await journal.commit(
                 session, self._fence, max(self._hub().seq, session.event_seq), compact=compact
@@ -538,7 +537,7 @@ class Actor:
         session = self.session
         status = session.status = _resting_status(session)
         event = StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status)
-        if self.host.config.durability == "turn":
+        if self.journal.per_turn:
             self.durable(event, publish=False)
             await self.commit()
         else:  # the journal holds only these, and the next snapshot drops them
@@ -828,9 +827,13 @@ class Actor:
                 queued=self.receive.statistics().current_buffer_used,
             )
         try:
-            with _NO_TRACE if self.trace is None else self.trace.activate():
+            if self.trace is None:
                 if before is None or await before(agent):
                     final = await run_turn(agent, self)
+            else:
+                with self.trace.activate():
+                    if before is None or await before(agent):
+                        final = await run_turn(agent, self)
         except (Exception, SystemExit) as exc:  # the agent's or model's: this turn's only
             if exc is self.journal.fault:  # our write failed, not the agent: restart
                 raise
@@ -922,7 +925,7 @@ class Actor:
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
             stored = not bound.cancelled_caught
-        else:
+        elif self.journal.per_turn:
             await self.commit()
         self.due = None
         self.emit(outcome)
@@ -1394,7 +1397,7 @@ class Actor:
 
     def _acknowledged_unsaved(self) -> bool:
         """Whether acknowledged state is in no write yet (only without a journal)."""
-        return bool(self.journal.unsaved) and self.host.config.durability != "turn"
+        return bool(self.journal.unsaved) and not self.journal.per_turn
 
     async def _snapshot_for_hibernation(self) -> None:
         """Write the hibernated state; its status event is published once it is stored."""
@@ -1425,7 +1428,7 @@ class Actor:
         sid = self.session_id
         event = StatusChanged(session_id=sid, seq=self.next_seq(), status=Status.STOPPED)
         self.durable(event, publish=False)
-        journal = self.host.config.durability == "turn"
+        journal = self.journal.per_turn
         with self._bounded_write() as writing:
             if journal:
                 await self.commit(compact=False)

@@ -45,6 +45,7 @@ class Journal:
         "at",
         "config",
         "fault",
+        "per_turn",
         "session_id",
         "settled",
         "status_due",
@@ -63,6 +64,8 @@ class Journal:
         self.store = store
         self.telemetry = telemetry
         self.config = config
+        #: Each turn is journaled as it ends (``durability="turn"``).
+        self.per_turn = config.durability == "turn"
         self.session_id = session_id
         #: Durable events not in the store yet (all of them without a journal).
         self.unsaved: list[Event] = []
@@ -107,7 +110,7 @@ class Journal:
         refuses it, the journal waits for the next try.
         """
         events = self.unsaved
-        if self.config.durability != "turn" or not events:
+        if not self.per_turn or not events:
             return
         count = len(events)
         entry = JournalEntry(events[-1].seq, dump_events(events))
@@ -136,7 +139,6 @@ class Journal:
         self, session: LiveSession, fence: int | None, seq: int, status: Status
     ) -> None:
         """Replace the stored snapshot with the state as of ``seq`` (>= session.event_seq)."""
-        config = self.config
         session.event_seq = seq
         state = attrs.evolve(session.to_state(), status=status)
         writer = self._writer
@@ -152,11 +154,11 @@ class Journal:
                 dump_info(session.info(status)),
                 # without a journal ("hibernate"), replay reaches no further back than this
                 # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-                trim_upto=seq if config.durability != "turn" else self._trim_point(),
+                trim_upto=seq if not self.per_turn else self._trim_point(),
                 fence=fence,
             ),
         )
-        if config.durability == "turn":
+        if self.per_turn:
             marks = self._marks
             if marks is None:
                 marks = self._marks = deque()
