@@ -919,7 +919,10 @@ class _FastBuilder:
             expr = self.field(field.type, value, indent)
             if omit and field.name == _OMITTED_IF_DEFAULT:
                 default = self.name("default", field.default)
-                late.append(f"{indent}if {value} != {default}: {obj}_d[{field.name!r}] = {expr}")
+                late.append(
+                    f"{indent}if {value} is not {default} and {value} != {default}: "
+                    f"{obj}_d[{field.name!r}] = {expr}"
+                )
             else:
                 items.append(f"{field.name!r}: {expr}")
         lines.append(f"{indent}{obj}_d = {{{', '.join(items)}}}")
@@ -965,11 +968,22 @@ class _FastBuilder:
             return v
         if _is_homogeneous_tuple(type_):
             item = get_args(type_)[0]
+            if attrs.has(item):  # each record inlined, as a single one is
+                cls_name = self.name("cls", item)
+                lines += [
+                    f"{indent}if {v}.__class__ is not tuple: {slow}",
+                    f"{indent}n += 1",
+                    f"{indent}{v}_l = []",
+                    f"{indent}for {v}_i in {v}:",
+                    f"{indent}    if {v}_i.__class__ is not {cls_name}: {slow}",
+                ]
+                loop = indent + "    "
+                item_map = self.record(item, f"{v}_i", loop, item in _USAGE_OMITTED)
+                lines.append(f"{loop}{v}_l.append({item_map})")
+                return f"{v}_l"
             hook = self.name("hook", _CONVERTER.get_unstructure_hook(type_))
             if item is str:
                 count = f"_check_strings({v}, '', '')"
-            elif attrs.has(item):
-                count = f"_check_records({v}, {self.name('check', _CHECKS[item])}, '', '')"
             else:  # pragma: no cover - no such field today
                 raise TypeError(f"no fast path for a field of type {type_!r}")
             lines += [
@@ -1032,6 +1046,7 @@ def _make_fast(
 
 _FAST_EVENTS: Final = {cls: _make_fast(cls, tag) for cls, tag in _TAG_OF.items()}
 _fast_info: Final = _make_fast(SessionInfo, None)
+_fast_message: Final = _make_fast(Message, None)  # (a snapshot's new messages)
 _fast_live_info: Final = _make_fast(SessionInfo, None, exact=False)
 
 
@@ -1429,8 +1444,18 @@ class SnapshotWriter:
         if messages.__class__ is not tuple:
             raise TypeError("messages is not a tuple")
         if new:
-            containers += sum(map(_check_message, new))
-            packed = packer.pack([_unstructure_message(m) for m in new])
+            maps: list[dict[str, Any]] = []
+            count = 0
+            try:
+                for message in new:
+                    raw, n = _fast_message(message)
+                    maps.append(raw)
+                    count += n
+            except _Slow:  # something unusual: the checker refuses it, or it is fine
+                count = sum(map(_check_message, new))
+                maps = [_unstructure_message(m) for m in new]
+            containers += count
+            packed = packer.pack(maps)
             body += packed[_array_header_size(len(new)) :]
         # Every field but the messages, packed as the state's own map would be.
         rest = attrs.evolve(state, messages=())

@@ -24,7 +24,7 @@ from ._model import ModelRequest, TextChunk
 from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
-from ._tools import ToolOutcome
+from ._tools import Tool, ToolOutcome
 
 __all__ = [
     "TurnHost",
@@ -139,34 +139,53 @@ async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
     approved one (``ref.review``) included.
     """
     try:
-        await _run_batch(actor, agent, calls)
+        if len(calls) == 1:
+            call = calls[0]
+            await _run_one(actor, agent, call, agent.find_tool(call.name))
+        else:
+            await _run_many(actor, agent, calls)
     except BaseException:
-        for call in _unanswered_calls(actor):
-            record_result(
-                actor,
-                call,
-                "this call was cancelled before its result was recorded; it may or may "
-                "not have taken effect: check before retrying",
-                True,
-            )
+        _answer_unanswered(actor)
         raise
 
 
-async def _run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
+def _answer_unanswered(actor: TurnHost) -> None:
+    """Give every call of the step without a result one that says it was cut short."""
+    for call in _unanswered_calls(actor):
+        record_result(
+            actor,
+            call,
+            "this call was cancelled before its result was recorded; it may or may "
+            "not have taken effect: check before retrying",
+            True,
+        )
+
+
+async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | None) -> None:
+    """One call (``tool`` is the agent's tool of its name, or None), as ``_run_many``
+    runs each: its start published, and journaled first if it is not idempotent."""
+    event = make_tool_call_started(
+        session_id=actor.session_id, seq=actor.next_seq(), turn_id=actor.turn_id, tool_call=call
+    )
+    if tool is None or tool.idempotent:
+        actor.emit(event)
+    else:
+        actor.durable(event)
+        with trio.CancelScope(shield=True):  # before it runs, its start is durable
+            await actor.commit()
+    if tool is not None and actor.trace is None:  # _invoke's common case, inline
+        await trio.lowlevel.checkpoint_if_cancelled()
+        content, is_error = _result(await tool._run(call.arguments))
+    else:
+        content, is_error = await _invoke(agent, call, actor.trace)
+    record_result(actor, call, content, is_error)
+
+
+async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
     if _start_calls(actor, agent, calls):
         # before a non-idempotent call runs, its start is durable
         with trio.CancelScope(shield=True):
             await actor.commit()
-    if len(calls) == 1:
-        call = calls[0]
-        tool = agent.find_tool(call.name)
-        if tool is not None and actor.trace is None:  # _invoke's common case, inline
-            await trio.lowlevel.checkpoint_if_cancelled()
-            content, is_error = _result(await tool._run(call.arguments))
-        else:
-            content, is_error = await _invoke(agent, call, actor.trace)
-        record_result(actor, call, content, is_error)
-        return
     results: list[tuple[str, bool]] = [("", False)] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:
@@ -196,6 +215,18 @@ def _request_review(actor: TurnHost, call: ToolCall) -> None:
 
 async def run_tool_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> bool:
     """Run the calls in order, pausing at the first that needs a review (False)."""
+    if len(calls) == 1:  # the common step: one call, its tool looked up once
+        call = calls[0]
+        tool = agent.find_tool(call.name)
+        if tool is not None and tool.requires_review:
+            _request_review(actor, call)
+            return False
+        try:
+            await _run_one(actor, agent, call, tool)
+        except BaseException:  # (as run_batch does)
+            _answer_unanswered(actor)
+            raise
+        return True
     i = 0
     while i < len(calls):
         j = i
