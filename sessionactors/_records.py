@@ -138,6 +138,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
+def id_issuer(identifier: str) -> tuple[str, int] | None:
+    """The process that made ``identifier`` with :func:`new_id`, and its place among
+    that process's ids (an id made later has a larger one); None if it is not of
+    that form."""
+    tail = identifier.rsplit("_", 1)[-1]
+    if len(tail) < 24:  # 16 for the process, 8 or more for the counter
+        return None
+    try:
+        return tail[:16], int(tail[16:], 16)
+    except ValueError:
+        return None
+
+
 class Role(enum.Enum):
     """Who wrote a message."""
 

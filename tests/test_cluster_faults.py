@@ -289,3 +289,77 @@ async def test_a_worker_whose_connections_went_silent_recovers(
     assert recovered(), f"a sender had no replies for {RECOVERED_WITHIN} s after"
     assert untyped(traffic.outcomes) == []
     assert lost_or_repeated(traffic, texts) == []
+
+
+@attrs.frozen
+class GatedEcho:
+    """Echoes; a turn whose text is "only once" waits for ``release`` first (once set,
+    no more)."""
+
+    started: trio.Event
+    release: trio.Event
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        text = request.messages[-1].content
+        if text == "only once" and not self.release.is_set():
+            self.started.set()
+            await self.release.wait()
+        yield sa.TextChunk(text)
+
+
+#: More answers than a worker keeps for requesters that ask after theirs.
+FLOOD = 10_500
+
+
+@pytest.mark.soak
+async def test_a_turn_whose_answer_was_lost_and_then_forgotten_does_not_run_again(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """A forwarded turn without idempotency key whose answer is lost on the way (its requester's connections went silent) and then dropped by its owner (more answers since than it keeps) does not run a second time when the requester asks after it: the requester gets a typed error that says it may have run."""
+    model = GatedEcho(trio.Event(), trio.Event())
+    ttl = 30.0  # the requester asks after its request a third of this after the silence
+    options: dict[str, Any] = {
+        "lease_ttl": ttl,
+        "agents": {"echo": sa.Agent(model=model)},
+        "shutdown_grace": 1.0,
+    }
+    fixed: dict[str, Any] = {"timeout": 2.0, "balance": False}  # the owner keeps "s"
+    outcome: list[sa.Reply | sa.SessionActorsError] = []
+    with private_redis_server(config=AOF_ALWAYS) as url, trio.fail_after(4 * ttl):
+        async with (
+            proxy_to(url) as (proxy, proxied),
+            sa.open_registry(store=RedisStore(url, **fixed), worker_id="a", **options) as a,
+            sa.open_registry(store=RedisStore(proxied, **fixed), worker_id="b", **options) as b,
+            sa.open_registry(store=RedisStore(url, **fixed), worker_id="c", **options) as c,
+        ):
+            for name in ("s", "t"):
+                await (await a.spawn(name)).history()  # live on a
+            assert (await c.ref("t").send("warm up")).text == "warm up"
+            assert (sorted(a.live()), b.live(), c.live()) == (["s", "t"], [], [])
+
+            async def send() -> None:
+                try:
+                    outcome.append(await b.ref("s").send("only once"))
+                except sa.SessionActorsError as exc:
+                    outcome.append(exc)
+
+            async def flood(count: int) -> None:  # answers a keeps, one per request
+                for _ in range(count):
+                    await c.ref("t").cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await model.started.wait()  # the turn runs on a
+                assert proxy.blackhole() >= 2  # b's store client and its worker channel
+                model.release.set()  # a answers into b's silent channel
+                while len(await a.ref("s").history()) < 2:  # (answered once stored)
+                    await trio.sleep(0.01)
+                with trio.fail_after(ttl / 3):  # before b asks after its turn
+                    async with trio.open_nursery() as flooding:
+                        for _ in range(20):
+                            flooding.start_soon(flood, FLOOD // 20)
+            texts = [m.content for m in await a.ref("s").history() if m.role is sa.Role.USER]
+    assert texts.count("only once") == 1, texts
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], sa.SessionCrashedError), repr(outcome[0])
+    assert "may have run" in str(outcome[0])

@@ -22,8 +22,12 @@ registry:
 * asks the owner about its request while it waits (every third of ``lease_ttl``
   without word): a ping nobody hears asks the store whether the owner's incarnation
   is still the live one, and the owner answers "working", its answer again (one
-  whose send failed or was lost; a read's is not kept, it is read again), or
-  "unknown" (the request never reached it: sent again).
+  whose send failed or was lost; a read's is not kept, it is read again),
+  "unknown" (the request never reached it: sent again), or "forgotten" (it keeps
+  the last 10,000 answers, and this request's requester issued it no later than
+  one whose answer it dropped: it may have run, so a turn without a key, or any
+  request not safe to repeat, fails with SessionCrashedError instead of running
+  twice; a copy of it that arrives now is ignored).
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run. With no
@@ -115,7 +119,7 @@ from .._errors import (
 from .._events import Event, MessageAdded, ReviewRequested, StatusChanged
 from .._hub import Hub
 from .._pending import Pending
-from .._records import Message, ReviewRequest, SessionState, Status, new_id
+from .._records import Message, ReviewRequest, SessionState, Status, id_issuer, new_id
 from .._ref import Turn, new_turn
 from .._requests import (
     AddMessages,
@@ -152,6 +156,8 @@ _MARKER_RETRY: Final = 0.5
 _MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
+#: Requesting processes for which a worker remembers the last answer it dropped.
+_ISSUERS_KEPT: Final = 10_000
 _NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answers are not
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
@@ -524,6 +530,9 @@ class Cluster:
         self._wake_heard = 0
         self._serving: set[str] = set()  # ids of the requests being served here
         self._answered: dict[str, bytes] = {}  # the latest answers, by request id
+        # requesting process -> the place (``id_issuer``) of the latest of its requests
+        # whose answer was dropped from _answered: those up to it may have been answered
+        self._forgotten: dict[str, int] = {}
         self._mirrors: dict[str, Hub] = {}
         #: Sessions whose events this worker publishes (another worker subscribes), and
         #: whether the stream must first catch up from the journal.
@@ -734,7 +743,7 @@ class Cluster:
             self._nursery.start_soon(self._pong, body, name="cluster pong")
             return
         rid = str(body.get("id"))
-        if rid in self._serving or rid in self._answered:
+        if rid in self._serving or rid in self._answered or self._maybe_forgotten(rid):
             return  # a request sent again while its first copy runs or was answered
         self._serving.add(rid)
         queued = self._queue_turn(body) if op == "turn" else None
@@ -847,9 +856,12 @@ class Cluster:
         body["re"] = rid
         data = _pack(body)
         if body.get("ok") != "ack" and request.get("op") not in _NOT_KEPT:
-            self._answered[rid] = data
-            if len(self._answered) > _ANSWERS_KEPT:
-                del self._answered[next(iter(self._answered))]
+            answered = self._answered
+            answered[rid] = data
+            if len(answered) > _ANSWERS_KEPT:
+                dropped = next(iter(answered))
+                del answered[dropped]
+                self._forget(dropped)
         await self._post_answer(str(request.get("from")), str(request.get("fi")), data)
 
     async def _post_answer(self, to: str, incarnation: str, data: bytes) -> None:
@@ -863,12 +875,34 @@ class Cluster:
             # connection dropped); its ping fetches the answer otherwise
             await trio.sleep(min(self.ttl / 3, 0.05 * (attempt + 1)))
 
+    def _forget(self, rid: str) -> None:
+        """Note that the answer to request ``rid`` is no longer kept."""
+        issuer = id_issuer(rid)
+        if issuer is None:
+            return
+        process, place = issuer
+        forgotten = self._forgotten
+        forgotten[process] = max(place, forgotten.pop(process, -1))  # (now the newest)
+        if len(forgotten) > _ISSUERS_KEPT:
+            del forgotten[next(iter(forgotten))]
+
+    def _maybe_forgotten(self, rid: str) -> bool:
+        """Whether request ``rid`` may have been answered here and its answer dropped:
+        its requester issued it no later than a request whose answer was dropped."""
+        issuer = id_issuer(rid)
+        return issuer is not None and issuer[1] <= self._forgotten.get(issuer[0], -1)
+
     async def _pong(self, ping: Mapping[str, Any]) -> None:
         """Tell a requester how its request ``q`` stands here."""
         rid = str(ping.get("q"))
         data = self._answered.get(rid)
         if data is None:
-            state = "working" if rid in self._serving else "unknown"
+            if rid in self._serving:
+                state = "working"
+            elif self._maybe_forgotten(rid):
+                state = "forgotten"  # never "unknown": that would have it sent again
+            else:
+                state = "unknown"
             data = _pack({"re": rid, "ok": state})
         try:
             await self.transport.send(str(ping.get("from")), str(ping.get("fi")), data)
@@ -1066,6 +1100,17 @@ class Cluster:
                 self.stats.moved += 1
                 continue
             unheard_since, unheard_copies = None, 0
+            if answer.get("ok") == "forgotten":  # it may have run: its answer is gone
+                if not retry_safe:
+                    raise SessionCrashedError(
+                        f"session {name!r}: worker {owner!r}, which runs it, may have run "
+                        "this request, but its answer was lost on the way and is no longer "
+                        "kept there; look at the history (or ref.turn_outcome) before sending "
+                        "it again (a turn sent with idempotency_key=... runs once however "
+                        "often it is sent)",
+                        session_id=name,
+                    )
+                continue
             if answer is _OWNER_DIED:
                 self._owners.pop(name, None)
                 self.stats.owner_deaths += 1
