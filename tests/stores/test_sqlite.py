@@ -293,6 +293,45 @@ async def test_a_refused_append_among_many_after_other_writes_fails_alone(
         await store.aclose()
 
 
+async def test_two_appends_of_one_session_in_one_transaction_commit_in_order(
+    tmp_path: Path,
+) -> None:
+    """Appends of one session queued into one transaction, beside another session's,
+    all commit, each checked against the seq the one before it stored."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path, busy_timeout=30)
+    blocker: sqlite3.Connection | None = None
+    started: list[str] = []
+
+    async def pilot() -> None:
+        started.append("pilot")
+        await store.append("pilot", _entries(1), b"i")
+
+    try:
+        with trio.fail_after(30):
+            for name in ("pilot", "a", "b"):
+                await store.create(name, b"snap", b"info")
+            blocker = sqlite3.connect(path, isolation_level=None)
+            blocker.execute("BEGIN IMMEDIATE")  # holds the write lock: requests pile up
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pilot)
+                await _wait_until(lambda: started and store.statistics().requests_queued == 0)
+                nursery.start_soon(store.append, "a", _entries(1), b"i")
+                await _wait_until(lambda: store.statistics().requests_queued == 1)
+                nursery.start_soon(store.append, "b", _entries(1), b"i")
+                await _wait_until(lambda: store.statistics().requests_queued == 2)
+                nursery.start_soon(store.append, "a", _entries(2, 3), b"i")
+                await _wait_until(lambda: store.statistics().requests_queued == 3)
+                blocker.execute("COMMIT")
+        assert store.statistics().largest_batch >= 3
+        assert await store.read_journal("a", 0) == (0, _entries(1, 2, 3))
+        assert await store.read_journal("b", 0) == (0, _entries(1))
+    finally:
+        if blocker is not None:
+            blocker.close()
+        await store.aclose()
+
+
 def test_the_batch_check_catches_a_batch_that_fails_together() -> None:
     """Negative control: results where one refused append failed the others, under its
     name, as a whole-transaction failure once did, are reported as problems."""
