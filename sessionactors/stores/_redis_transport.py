@@ -12,14 +12,16 @@ unix socket, with the same credentials as the store's client, to its server, the
 Sentinel's current master, or on a cluster the master of the channel's slot): the
 subscribing task reads its messages straight off the socket, and sends go out on
 the same connection (on a cluster, on one per master published to), so a message
-crosses no task between the socket and the multi-worker layer. A message larger
-than :data:`_BIG_MESSAGE` (the answer to a read of a long history) waits in a key
-of the receiving worker's, and the channel carries only that key: Redis cuts off a
-subscriber whose unread output passes 32 MB (``client-output-buffer-limit pubsub``),
-and the messages after it wait for it, so the worker sees them in the order sent. Every call keeps
+crosses no task between the socket and the multi-worker layer. Every call keeps
 the store's timeout and error translation; a send whose connection is lost or
 refused goes through the store's client instead, and a subscription that is lost
 ends ``listen``, which the multi-worker layer calls again.
+
+A message larger than :data:`_BIG_MESSAGE` (the answer to a read of a long
+history) waits in a key of the receiving worker's, and the channel carries only
+that key: Redis cuts off a subscriber whose unread output passes 32 MB
+(``client-output-buffer-limit pubsub``). The messages after it wait for it, so a
+worker sees its messages in the order they were sent.
 
 A session's events go to its stream only while a worker other than its owner
 subscribes: the owner sets the session's watch key when a subscriber's request
@@ -525,12 +527,11 @@ class RedisTransport:
                 nonlocal backlog
                 assert backlog is not None
                 while backlog:
-                    data: bytes | None = backlog[0]
-                    if data is not None and data[:1] == _BIG_MARK:
-                        data = await self._take(bytes(data[1:]).decode())
+                    data = backlog[0]
+                    body = await self._take(data[1:].decode()) if data[:1] == _BIG_MARK else data
                     backlog.popleft()
-                    if data is not None:
-                        deliver(data)
+                    if body is not None:  # (None: lost, as a message on the channel may be)
+                        deliver(body)
                 backlog = None
 
             connection: RespConnection | None = None

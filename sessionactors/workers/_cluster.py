@@ -889,6 +889,8 @@ class Cluster:
     def _maybe_forgotten(self, rid: str) -> bool:
         """Whether request ``rid`` may have been answered here and its answer dropped:
         its requester issued it no later than a request whose answer was dropped."""
+        if not self._forgotten:  # (the common case: no answer dropped yet)
+            return False
         issuer = id_issuer(rid)
         return issuer is not None and issuer[1] <= self._forgotten.get(issuer[0], -1)
 
