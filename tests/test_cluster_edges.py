@@ -259,9 +259,9 @@ async def test_an_answer_larger_than_redis_pubsub_limit_reaches_another_worker(
     """A history larger than Redis's 32 MB limit for a pub/sub client's output reads whole through another worker, and the channels of both workers go on carrying requests."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     with trio.fail_after(120):
-        async with (
-            open_worker(any_redis_url, prefix, "a", EchoModel()) as a,
-            open_worker(any_redis_url, prefix, "b", EchoModel()) as b,
+        async with (  # (leases that outlast writing 36 MB to a busy machine's redis)
+            open_worker(any_redis_url, prefix, "a", EchoModel(), lease_ttl=10) as a,
+            open_worker(any_redis_url, prefix, "b", EchoModel(), lease_ttl=10) as b,
         ):
             ref = await a.spawn("s")
             for start in (0, 12, 24):  # (a journal entry holds at most 16 MB)
