@@ -271,3 +271,54 @@ async def test_an_answer_larger_than_redis_pubsub_limit_reaches_another_worker(
             assert [m.content.split(":", 1)[0] for m in history] == [str(i) for i in range(36)]
             assert (await b.ref("s").send("still there")).text == "still there"
             assert a.live() == ["s"]
+
+
+async def test_a_subscription_elsewhere_to_a_deleted_session_never_hears_one_made_again_under_its_name(
+    any_redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    """A subscription on another worker to a session that is deleted and at once made again under the same name ends with the deleted one: it never delivers the new session's events as if they were the old one's."""
+    if any_redis_url.startswith("redis+cluster"):
+        # On a cluster the subscriber's worker reads each slot's streams in turn (every
+        # _CLUSTER_POLL_MS): the end marked at the delete is gone before it looks, as
+        # the new session's spawn resets the stream, and nothing tells the streams of
+        # the two sessions apart. (Not strict: on a quiet machine the race is lost
+        # every time, but a slow spawn can let the reader see the end.)
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="a re-created session's events reach the deleted one's subscribers",
+                strict=False,
+            )
+        )
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    seen: list[sa.Event] = []
+    ended = trio.Event()
+    with trio.fail_after(30):
+        async with (
+            open_worker(any_redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(any_redis_url, prefix, "b", EchoModel()) as b,
+            trio.open_nursery() as nursery,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("old one")
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                async with b.ref("s").subscribe() as stream:
+                    task_status.started()
+                    async for event in stream:
+                        seen.append(event)
+                ended.set()
+
+            await nursery.start(subscribe)
+            await ref.send("old two")
+            while not any(isinstance(e, sa.TurnFinished) for e in seen):
+                await trio.sleep(0.01)
+            await a.delete("s")
+            ref = await a.spawn("s")
+            for i in range(6):  # (past the seqs the deleted session used)
+                await ref.send(f"new {i}")
+            with trio.move_on_after(4 * TTL):
+                await ended.wait()
+            nursery.cancel_scope.cancel()
+    texts = [e.text for e in seen if isinstance(e, sa.TurnStarted)]
+    assert texts == ["old two"]
+    assert ended.is_set()
