@@ -181,7 +181,6 @@ _make_reply: Final = maker(Reply)
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
-#: The context a turn runs in without telemetry (reusable).
 
 
 class Counters:
