@@ -9,6 +9,7 @@ between the lookup and the send (it hibernated, or restarted after a crash).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -431,6 +432,10 @@ class Dispatcher:
     def event_seq_here(self, name: str) -> int | None:
         hub = self.sessions.hubs.get(name)
         return hub.seq if hub is not None and name in self.sessions.live else None
+
+    def created_here(self, name: str) -> datetime.datetime | None:
+        actor = self.sessions.live.get(name)
+        return actor.session.created_at if actor is not None and actor.is_ready else None
 
     def events_here(self, name: str, after: int) -> list[Event] | None:
         hub = self.sessions.hubs.get(name)

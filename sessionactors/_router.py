@@ -9,6 +9,7 @@ runs here. The multi-worker layer is a plug-in that implements it.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
@@ -81,6 +82,11 @@ class RouterHost(Protocol):
 
     def event_seq_here(self, name: str) -> int | None:
         """The seq of the last event the session published here; None if not live here."""
+        ...
+
+    def created_here(self, name: str) -> datetime.datetime | None:
+        """When the session live and loaded here was created (it tells it apart from
+        a deleted session of the same name); None if it is not."""
         ...
 
     def events_here(self, name: str, after: int) -> list[Event] | None:

@@ -44,7 +44,9 @@ registry:
   not); a worker that wakes the session learns of the key from its claim; an owner
   stops once the key expired. Events go to one
   stream per session whose entry ids are ``<seq>-0``, so a stale ex-owner's events
-  are refused by Redis, from one publisher task fed by a bounded queue: the actor
+  are refused by Redis (each stamped with the session's creation time, so a
+  subscriber never takes a session made again under a deleted one's name for it),
+  from one publisher task fed by a bounded queue: the actor
   never waits on the store. Events that do not fit, or that Redis refuses (out
   of memory, unreachable), are dropped and replaced by a marker, written before
   the session's next event or, without one, as soon as Redis takes it, which
@@ -86,6 +88,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import hashlib
 import itertools
 import math
@@ -145,8 +148,19 @@ __all__ = ["Cluster", "ClusterStatistics", "StreamItem", "Transport", "open_clus
 
 #: One entry of a session's event stream: (seq, kind, payload). Kinds: "event"
 #: (payload: the codec's bytes), "lost" (payload: the first lost seq, ASCII; the
-#: entry's seq is the last lost one) and "gone" (the session was deleted).
+#: entry's seq is the last lost one) and "gone" (the session was deleted). This
+#: layer stamps the payloads of "event" and "lost" (see ``_birth``).
 StreamItem = tuple[int, str, bytes]
+
+#: What a stamped stream payload starts with (0xc1 starts no msgpack value), then
+#: the creation time of the session that published it, in microseconds since the
+#: epoch (8 bytes, big-endian): a subscriber tells a session deleted and made again
+#: under its name from the one it follows, also when the end marked at the delete
+#: was gone from the stream before it looked (the new session's spawn resets it).
+_STAMPED: Final = b"\xc1"
+_STAMP_LEN: Final = 9
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_MICROSECOND: Final = datetime.timedelta(microseconds=1)
 
 _QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions together
 _BATCH: Final = 1000  # events per publishing round trip
@@ -297,6 +311,29 @@ class Transport(Protocol):
 
 
 # ---- wire format -------------------------------------------------------------------
+
+
+def _born(created: datetime.datetime) -> int:
+    """A session's creation time, as its stream's payloads carry it."""
+    return (created - _EPOCH) // _MICROSECOND
+
+
+def _birth(created: datetime.datetime | None) -> bytes:
+    """The stamp of a session's stream payloads (b"" for one not live here: unstamped)."""
+    return b"" if created is None else _STAMPED + _born(created).to_bytes(8, "big")
+
+
+def _unstamp(payload: bytes) -> tuple[int | None, bytes]:
+    """``(creation time of the session that published it or None, the payload)``."""
+    if payload[:1] == _STAMPED and len(payload) >= _STAMP_LEN:
+        return int.from_bytes(payload[1:_STAMP_LEN], "big"), payload[_STAMP_LEN:]
+    return None, payload
+
+
+def _stamp_of(answer: Mapping[str, Any]) -> int | None:
+    """The creation time in a watch's answer (None from a worker that sends none)."""
+    born = answer.get("born")
+    return born if isinstance(born, int) else None
 
 
 def _pack(body: Mapping[str, Any]) -> bytes:
@@ -495,10 +532,13 @@ class _Replay:
         self._cluster = cluster
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
-        oldest, items = await self._cluster.transport.events_after(session_id, after)
+        cluster = self._cluster
+        oldest, items = await cluster.transport.events_after(session_id, after)
+        items, replaced = cluster._own_items(session_id, items)
         found = {seq: data for seq, kind, data in items if kind == "event"}
         lost = any(kind == "lost" for _, kind, _ in items)
-        if oldest is not None and oldest <= after + 1 and not lost:
+        if replaced or (oldest is not None and oldest <= after + 1 and not lost):
+            # (replaced: the session was deleted, and its mirror ends once it reads on)
             return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
         # The stream does not reach back to ``after``: the journal has the durable events
         # (an entry holds a commit's events; the subscription merges them by seq).
@@ -538,6 +578,9 @@ class Cluster:
         #: whether the stream must first catch up from the journal.
         self._watched: dict[str, bool] = {}
         self._positions: dict[str, int] = {}
+        #: The creation time of the session each mirror follows (None: not known yet,
+        #: the first stamped entry read tells).
+        self._births: dict[str, int | None] = {}
         #: Mirrors made for a subscription that followed its session, whose stream was
         #: not read yet: seqs missing before its first event are judged by the journal
         #: (a wake after an unclean stop jumps over seqs that were never durable).
@@ -545,7 +588,8 @@ class Cluster:
         self._inbox_last = "0-0"
         self._read_since_trim = 0
         self._keep_from: str | None = None
-        self._send, self._receive = trio.open_memory_channel[tuple[str, _Item]](_QUEUE_SIZE)
+        # (session, the stamp of its payloads, what to publish)
+        self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
         # Lag markers still to write: for events the tap dropped (the queue was full;
         # written by the tap before the session's next event, or when the queue is
         # empty) and for events a failed publish lost (written by the publisher before
@@ -708,6 +752,7 @@ class Cluster:
                     ms, _, n = self._inbox_last.partition("-")
                     self._keep_from = f"{ms}-{int(n or 0) + 1}"
             for name, items in events.items():
+                items, replaced = self._own_items(name, items)
                 first = items[0] if items else None
                 if (
                     first is not None
@@ -718,8 +763,32 @@ class Cluster:
                 if items:
                     self._unread.discard(name)
                 self._feed(name, items)
-                if items and self.host.is_live(name):
+                if replaced:
+                    hub = self._mirrors.get(name)
+                    if hub is not None:
+                        self._end_mirror(name, hub)
+                elif items and self.host.is_live(name):
                     self._rejoin(name)
+
+    def _own_items(self, name: str, items: Sequence[StreamItem]) -> tuple[list[StreamItem], bool]:
+        """The items of the session a mirror follows, unstamped, and whether a session
+        made again under its name published the rest (the one it follows was deleted:
+        the mirror ends). A deleted namesake's items are skipped."""
+        born = self._births.get(name)
+        own: list[StreamItem] = []
+        for seq, kind, payload in items:
+            stamp, payload = _unstamp(payload)
+            if stamp is not None and stamp != born:
+                if born is None:  # the first the mirror reads
+                    born = stamp
+                    if name in self._births:
+                        self._births[name] = stamp
+                elif stamp > born:
+                    return own, True
+                else:
+                    continue
+            own.append((seq, kind, payload))
+        return own, False
 
     def _dispatch(self, data: bytes) -> None:
         body = _unpack(data)
@@ -812,7 +881,7 @@ class Cluster:
                 state = await host.read_here(name)
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
             elif op == "watch":  # another worker subscribes: publish from now on
-                await host.read_here(name)  # wakes it here (or says it moved)
+                state = await host.read_here(name)  # wakes it here (or says it moved)
                 await self.transport.watch([name], self.ttl)  # for its next owners too
                 seq = host.event_seq_here(name)
                 if seq is not None and name not in self._watched:
@@ -823,10 +892,14 @@ class Cluster:
                     held = None if since is None else host.events_here(name, int(since))
                     if since is not None and held is not None:
                         seq = int(since)
-                    self._enqueue(name, _CatchUp(seq))
+                    stamp = _birth(host.created_here(name))
+                    self._enqueue(name, stamp, _CatchUp(seq))
                     for event in held or ():
-                        self._enqueue(name, event)
-                await self._answer(body, {"ok": "value", "value": -1 if seq is None else seq})
+                        self._enqueue(name, stamp, event)
+                top = -1 if seq is None else seq
+                await self._answer(
+                    body, {"ok": "value", "value": top, "born": _born(state.created_at)}
+                )
             elif op == "call":
                 value = await host.call_here(name, _load_call(name, body["req"]))
                 if isinstance(value, Reply):
@@ -1326,34 +1399,41 @@ class Cluster:
         to the session's stream while another worker subscribes, nowhere otherwise."""
         watched = self._watched
         take_watched = self.transport.take_watched
+        created_here = self.host.created_here
+        created: datetime.datetime | None = None
+        born = b""
 
         def tap(event: Event) -> None:
+            nonlocal created, born
             catch_up = watched.get(name)
             if catch_up is None:
                 if not take_watched(name):
                     return  # nobody elsewhere subscribes
                 catch_up = True
+            now = created_here(name)
+            if now is not created:  # (a session made again under its name, too)
+                created, born = now, _birth(now)
             if catch_up:
                 watched[name] = False
                 if event.seq > 1:
-                    self._enqueue(name, _CatchUp(event.seq - 1))
-            self._enqueue(name, event)
+                    self._enqueue(name, born, _CatchUp(event.seq - 1))
+            self._enqueue(name, born, event)
 
         return tap
 
-    def _enqueue(self, name: str, item: _Item) -> None:
+    def _enqueue(self, name: str, born: bytes, item: _Item) -> None:
         seq = item.seq if isinstance(item, Event) else cast(_CatchUp, item).upto
         lost = self._lost.get(name)
         stats = self._send.statistics()
         if lost is not None:
             if stats.max_buffer_size - stats.current_buffer_used >= 2:
                 del self._lost[name]
-                self._send.send_nowait((name, _Lost(*lost)))
+                self._send.send_nowait((name, born, _Lost(*lost)))
             else:
                 self._lose(name, seq, seq)
                 return
         try:
-            self._send.send_nowait((name, item))
+            self._send.send_nowait((name, born, item))
         except trio.WouldBlock:
             self._lose(name, seq, seq)
 
@@ -1376,7 +1456,7 @@ class Cluster:
         keep = self.host.config.hub.replay_events
         receive = self._receive
         while True:
-            batch: list[tuple[str, _Item]] = []
+            batch: list[tuple[str, bytes, _Item]] = []
             if self._failed or self._lost:  # markers to write, with or without new events
                 with trio.move_on_after(_MARKER_RETRY):
                     batch.append(await receive.receive())
@@ -1392,8 +1472,9 @@ class Cluster:
                 if batch:
                     await self._publish_batch(batch, keep)
                 if not receive.statistics().current_buffer_used and (self._failed or self._lost):
+                    created_here = self.host.created_here
                     markers = [
-                        (n, cast(_Item, _Lost(*r)))
+                        (n, _birth(created_here(n)), cast(_Item, _Lost(*r)))
                         for ranges in (self._failed, self._lost)
                         for n, r in ranges.items()
                     ]
@@ -1405,7 +1486,7 @@ class Cluster:
                 if self._flushed is not None and not receive.statistics().current_buffer_used:
                     self._flushed.set()
 
-    async def _publish_batch(self, batch: Sequence[tuple[str, _Item]], keep: int) -> None:
+    async def _publish_batch(self, batch: Sequence[tuple[str, bytes, _Item]], keep: int) -> None:
         groups: dict[str, list[StreamItem]] = {}
 
         async def flush() -> None:
@@ -1417,10 +1498,10 @@ class Cluster:
                     await self._mark_failed(groups)
                 groups.clear()
 
-        for name, item in batch:
+        for name, born, item in batch:
             if isinstance(item, _CatchUp):
                 await flush()
-                await self._catch_up(name, item.upto, keep)
+                await self._catch_up(name, born, item.upto, keep)
                 continue
             seq = item.last if isinstance(item, _Lost) else item.seq
             failed = self._failed.get(name)
@@ -1428,12 +1509,14 @@ class Cluster:
                 if seq <= failed[1]:
                     continue  # inside a range already marked lost
                 del self._failed[name]
-                groups.setdefault(name, []).append((failed[1], "lost", str(failed[0]).encode()))
+                marker = born + str(failed[0]).encode()
+                groups.setdefault(name, []).append((failed[1], "lost", marker))
             if isinstance(item, _Lost):
-                groups.setdefault(name, []).append((item.last, "lost", str(item.first).encode()))
+                marker = born + str(item.first).encode()
+                groups.setdefault(name, []).append((item.last, "lost", marker))
                 continue
             try:
-                data = dump_event(item)
+                data = born + dump_event(item)
             except (TypeError, ValueError):
                 self._lose(name, item.seq, item.seq, self._failed)
                 continue
@@ -1444,13 +1527,15 @@ class Cluster:
         """Note the items the stream may lack as lost (a marker's range stays whole; only
         events are counted: a marker's were counted when they were dropped)."""
         for name, items in groups.items():
-            first = min(int(data) if kind == "lost" else seq for seq, kind, data in items)
+            first = min(
+                int(_unstamp(data)[1]) if kind == "lost" else seq for seq, kind, data in items
+            )
             last = max(seq for seq, _, _ in items)
             lost = sum(kind == "event" for _, kind, _ in items)
             self._lose(name, first, last, self._failed, lost)
         await trio.sleep(0.05)
 
-    async def _catch_up(self, name: str, upto: int, keep: int) -> None:
+    async def _catch_up(self, name: str, born: bytes, upto: int, keep: int) -> None:
         """Publish what the stream lacks up to ``upto`` from the journal (a dead
         predecessor's durable events); nothing if the stream was never fed."""
         try:
@@ -1470,8 +1555,8 @@ class Cluster:
                 entries = entries[-keep:]
             items: list[StreamItem] = []
             if gone > top:
-                items.append((gone, "lost", str(top + 1).encode()))
-            items += [(e.seq, "event", e.data) for e in entries if e.seq > gone]
+                items.append((gone, "lost", born + str(top + 1).encode()))
+            items += [(e.seq, "event", born + e.data) for e in entries if e.seq > gone]
             if items:
                 await self.transport.publish({name: items}, keep)
         except SessionActorsError as exc:
@@ -1486,12 +1571,14 @@ class Cluster:
         host = self.host
         found = self._mirrors.get(name)
         top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
+        born: int | None = None  # when the session it runs was created
         for _ in range(_MAX_ATTEMPTS):
             if found is not None or host.is_live(name):
                 break
             answer = await self._forward(name, {"op": "watch", "s": name}, retry_safe=True)
             if answer is not None:  # its owner publishes its events from ``top`` on
                 top = int(self._check(answer, name)["value"])
+                born = _stamp_of(answer)
                 break
             try:  # live nowhere, or its shard is this worker's: it wakes here
                 await host.read_here(name)
@@ -1502,7 +1589,7 @@ class Cluster:
             if not host.is_live(name):
                 break
             found = self._mirrors.get(name)
-        return await self._subscribe(name, after, top)
+        return await self._subscribe(name, after, top, born)
 
     async def _follow(self, name: str, after: int) -> EventIterator:
         """Go on with a subscription whose session left this worker, from ``after`` (the
@@ -1510,6 +1597,7 @@ class Cluster:
         its event stream otherwise, wherever it runs; a session that runs nowhere is not
         woken (its next owner publishes its events)."""
         top = -1
+        born: int | None = None
         for _ in range(_MAX_ATTEMPTS):
             if self.host.is_live(name) or name in self._mirrors:
                 break
@@ -1525,15 +1613,17 @@ class Cluster:
             answer = await self._forward(name, request, retry_safe=True)
             if answer is not None:
                 top = max(after, int(self._check(answer, name)["value"]))
+                born = _stamp_of(answer)
                 break
-        return await self._subscribe(name, after, top, followed=True)
+        return await self._subscribe(name, after, top, born, followed=True)
 
     async def _subscribe(
-        self, name: str, after: int | None, top: int, *, followed: bool = False
+        self, name: str, after: int | None, top: int, born: int | None, *, followed: bool = False
     ) -> EventIterator:
         """A subscription from the session's hub here (``top`` < 0) or from its event
-        stream, read from ``top`` on (a mirror made now starts there; ``followed``: for
-        a subscription that follows its session from ``top``)."""
+        stream, read from ``top`` on (a mirror made now starts there; ``born``: when
+        the session it follows was created, if known; ``followed``: for a subscription
+        that follows its session from ``top``)."""
         host = self.host
         found = self._mirrors.get(name)
         if found is None and top < 0:
@@ -1544,6 +1634,7 @@ class Cluster:
             found = self._mirrors[name] = Hub(name, host.config.hub)
             found.advance(top)
             self._positions[name] = top
+            self._births[name] = born
             if followed:
                 self._unread.add(name)
             self._poke()
@@ -1568,9 +1659,13 @@ class Cluster:
 
     def _release_mirror(self, name: str, hub: Hub) -> None:
         if self._mirrors.get(name) is hub and hub.subscriber_count == 0:
-            del self._mirrors[name]
-            self._positions.pop(name, None)
-            self._unread.discard(name)
+            self._drop_mirror(name)
+
+    def _drop_mirror(self, name: str) -> None:
+        del self._mirrors[name]
+        self._positions.pop(name, None)
+        self._births.pop(name, None)
+        self._unread.discard(name)
 
     def _poke(self) -> None:
         """Have the reader start over, now reading a new mirror's stream too."""
@@ -1647,19 +1742,18 @@ class Cluster:
         position = self._positions.get(name)
         if hub is None or position is None or self.host.events_here(name, position) is None:
             return
-        del self._mirrors[name]
-        self._positions.pop(name, None)
-        self._unread.discard(name)
+        self._drop_mirror(name)
         hub.leave()
 
     def _end_mirror(self, name: str, hub: Hub) -> None:
         hub.close()
         if self._mirrors.get(name) is hub:
-            del self._mirrors[name]
-            self._positions.pop(name, None)
-            self._unread.discard(name)
+            self._drop_mirror(name)
 
     async def created(self, name: str) -> None:
+        # (lag markers of a deleted namesake would take the new session's seqs)
+        self._lost.pop(name, None)
+        self._failed.pop(name, None)
         await self.transport.reset_events(name)
 
     async def deleted(self, name: str) -> None:
