@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -81,6 +83,30 @@ def private_redis_sentinel() -> Callable[..., AbstractContextManager[str]]:
     throwaway master, its replicas and a Sentinel; it gives the ``redis+sentinel://`` URL."""
     start: Callable[..., AbstractContextManager[str]] = _load_redis_server().private_redis_sentinel
     return start
+
+
+@pytest.fixture
+def private_redis_cluster() -> Callable[..., AbstractContextManager[str]]:
+    """``private_redis_cluster(masters=3, tls=None)``: a context manager running a
+    throwaway Redis Cluster (over TLS with ``tls=(certificate, key)``); it gives the URL."""
+    start: Callable[..., AbstractContextManager[str]] = _load_redis_server().private_redis_cluster
+    return start
+
+
+@pytest.fixture
+def tls_certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (skips without openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make the test's certificate")
+    cert, key = tmp_path / "redis.crt", tmp_path / "redis.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
 
 
 @pytest.fixture(scope="session")

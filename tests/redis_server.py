@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 
@@ -172,17 +172,28 @@ def private_redis_server(
 
 
 @contextlib.contextmanager
-def private_redis_cluster(masters: int = 3) -> Iterator[str]:
+def private_redis_cluster(
+    masters: int = 3, *, tls: tuple[Path, Path] | None = None
+) -> Iterator[str]:
     """Start a throwaway durable Redis Cluster of ``masters`` masters and no replicas on
-    127.0.0.1; yield its ``redis+cluster://`` URL (one node), then stop it."""
+    127.0.0.1; yield its ``redis+cluster://`` URL (one node), then stop it. With ``tls``
+    (a certificate and its key, the certificate its own CA), every node also takes TLS
+    on a port of its own, its bus runs over TLS, and the URL is the ``rediss+cluster://``
+    one that checks the nodes' certificate against that CA."""
     redis_cli = _binary("redis-cli")
     with (
         tempfile.TemporaryDirectory(prefix="sessionactors-cluster-") as tmp,
         contextlib.ExitStack() as stack,
     ):
         ports = [_free_port(_MAX_CLUSTER_PORT) for _ in range(masters)]
-        for port in ports:
+        tls_ports = [_free_port(_MAX_CLUSTER_PORT) for _ in ports] if tls else []
+        for i, port in enumerate(ports):
             args = [*DURABLE, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            if tls:  # (a node tells each client the port of the client's own kind)
+                cert, key = tls
+                args += ["--tls-port", str(tls_ports[i]), "--tls-cluster", "yes",
+                         "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                         "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]  # fmt: skip
             stack.enter_context(_server(stack, Path(tmp), port, args, "a cluster node"))
         created = subprocess.run(
             [redis_cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
@@ -198,7 +209,11 @@ def private_redis_cluster(masters: int = 3) -> Iterator[str]:
             if time.monotonic() > deadline:
                 pytest.fail("the private redis cluster did not reach cluster_state:ok")
             time.sleep(0.05)
-        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+        if tls:
+            query = urlencode({"ssl_ca_certs": str(tls[0]), "ssl_cert_reqs": "required"})
+            yield f"rediss+cluster://127.0.0.1:{tls_ports[0]}?{query}"
+        else:
+            yield f"redis+cluster://127.0.0.1:{ports[0]}"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -474,19 +473,11 @@ def _free_port() -> int:
 
 
 async def test_the_worker_channel_runs_over_tls(
-    private_redis_server: Callable[..., AbstractContextManager[str]], tmp_path: Path
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    tls_certificate: tuple[Path, Path],
 ) -> None:
     """With a rediss:// url (a server that takes TLS, the certificate checked against the url's CA), the worker channel's own connections come in over TLS and carry a forwarded send."""
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl binary to make the test's certificate")
-    cert, key = tmp_path / "redis.crt", tmp_path / "redis.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
+    cert, key = tls_certificate
     tls_port = _free_port()
     config = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert),
               "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),

@@ -559,7 +559,9 @@ class RedisStore:
     ``url`` names one server (``redis://host:port/db``, ``rediss://`` with TLS,
     ``unix:///path/to/socket``), a Redis Cluster (``redis+cluster://host:port``, more
     nodes separated by commas; ``rediss+cluster://`` with TLS) or the master that
-    Sentinel knows as ``service`` (``redis+sentinel://host:port/service[/db]``). Every
+    Sentinel knows as ``service`` (``redis+sentinel://host:port/service[/db]``). A TLS
+    URL takes the certificate options in its query (``ssl_ca_certs``, ``ssl_cert_reqs``,
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``). Every
     key starts with ``prefix``, so several applications can share one database.
     Nothing is opened here: the first call connects inside the running trio run, and
     a call after :meth:`aclose` connects again.

@@ -59,6 +59,18 @@ DEFAULT_REPLICA_TIMEOUT: Final = 1.0
 #: The query options every store URL takes (the others go to coredis).
 _OPTIONS: Final = ("persistence", "replicas", "replica_timeout")
 
+#: The TLS options a ``rediss+cluster://`` URL takes (those of ``rediss://``, which
+#: coredis reads itself): the CA to check the nodes against, a client certificate.
+_TLS_OPTIONS: Final = (
+    "ssl_ca_certs",
+    "ssl_cert_reqs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+)
+_CERT_REQS: Final = ("none", "optional", "required")
+_BOOLEANS: Final = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
 _STANDALONE: Final = ("redis", "rediss", "unix")
 _CLUSTER: Final = ("redis+cluster", "rediss+cluster")
 _SENTINEL: Final = ("redis+sentinel",)
@@ -110,6 +122,32 @@ def _replica_timeout(given: object, url: str) -> float:
     return float(given)
 
 
+def _tls_options(query: dict[str, str], scheme: str, url: str) -> dict[str, Any]:
+    """The TLS options of a cluster URL (taken out of ``query``), checked, as
+    ``coredis.RedisCluster`` takes them."""
+    found: dict[str, str] = {name: query.pop(name) for name in _TLS_OPTIONS if name in query}
+    if found and scheme != "rediss+cluster":
+        raise ValueError(
+            f"redis url {redact(url)!r}: {', '.join(found)} configure TLS, which "
+            f"{scheme}:// does not use; write rediss+cluster://"
+        )
+    options: dict[str, Any] = dict(found)
+    reqs = found.get("ssl_cert_reqs")
+    if reqs is not None and reqs not in _CERT_REQS:
+        raise ValueError(
+            f"redis url {redact(url)!r}: ssl_cert_reqs={reqs!r} is not one of "
+            f"{', '.join(_CERT_REQS)}; 'required' checks the nodes' certificates"
+        )
+    check = found.get("ssl_check_hostname")
+    if check is not None:
+        if check.lower() not in _BOOLEANS:
+            raise ValueError(
+                f"redis url {redact(url)!r}: ssl_check_hostname={check!r} is not true or false"
+            )
+        options["ssl_check_hostname"] = _BOOLEANS[check.lower()]
+    return options
+
+
 def _locations(netloc: str, url: str) -> list[TCPLocation]:
     locations = []
     for item in netloc.rpartition("@")[2].split(","):
@@ -133,6 +171,7 @@ class Target:
     replicas: int = 0
     replica_timeout: float = DEFAULT_REPLICA_TIMEOUT
     query: Mapping[str, str] = attrs.field(factory=dict)
+    tls: Mapping[str, Any] = attrs.field(factory=dict)  # (a cluster's: see _TLS_OPTIONS)
     locations: tuple[TCPLocation, ...] = ()
     service: str = ""
     db: int = 0
@@ -188,10 +227,12 @@ class Target:
                 replicas=count,
                 replica_timeout=patience,
             )
+        tls = _tls_options(query, parts.scheme, url) if parts.scheme in _CLUSTER else {}
         if query:
+            takes = (*_OPTIONS, *(_TLS_OPTIONS if parts.scheme == "rediss+cluster" else ()))
             raise ValueError(
                 f"redis url {redact(url)!r}: {parts.scheme}:// takes no option but "
-                f"{', '.join(_OPTIONS)}; drop " + ", ".join(sorted(query))
+                f"{', '.join(takes)}; drop " + ", ".join(sorted(query))
             )
         locations = tuple(_locations(parts.netloc, url))
         if parts.scheme in _CLUSTER:
@@ -202,6 +243,7 @@ class Target:
                 locations=locations,
                 replicas=count,
                 replica_timeout=patience,
+                tls=tls,
             )
         service, _, db = parts.path.strip("/").partition("/")
         if not service or not (db or "0").isdigit():
@@ -250,6 +292,7 @@ async def open_client(target: Target) -> AsyncIterator[Client]:
             username=user or None,
             password=password if colon else None,
             ssl=target.scheme.startswith("rediss"),
+            **target.tls,
             retry_policy=_CLUSTER_RETRY,
             decode_responses=False,
         )

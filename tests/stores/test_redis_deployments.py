@@ -8,6 +8,8 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import coredis
@@ -93,6 +95,54 @@ async def test_passes_check_store_on_every_deployment(any_redis_url: str) -> Non
                 await drop(any_redis_url, prefix)
 
 
+async def test_a_cluster_over_tls_checks_the_nodes_against_the_urls_ca(
+    private_redis_cluster: PrivateServer, tls_certificate: tuple[Path, Path]
+) -> None:
+    """A rediss+cluster:// url takes the TLS options a rediss:// url takes (here the CA that signed the nodes' certificate, which no system store holds): the store contract holds over TLS, and a turn sent through one worker runs on the other, over the worker channel's own TLS connections."""
+    with private_redis_cluster(tls=tls_certificate) as url:
+        prefix = f"sa-test:{uuid.uuid4().hex}"
+        stores: list[RedisStore] = []
+
+        def make() -> RedisStore:
+            stores.append(RedisStore(url, prefix=f"{prefix}:{len(stores)}"))
+            return stores[-1]
+
+        with trio.fail_after(120):
+            await check_store(make)
+            for store in stores:
+                await store.aclose()
+
+            def worker(worker_id: str) -> Any:
+                store = RedisStore(url, prefix=prefix, balance=False)
+                agents = {"echo": sa.Agent(model=EchoModel())}
+                return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
+
+            async with worker("a") as a, worker("b") as b:
+                await (await a.spawn("s")).send("woken on a")
+                assert (await b.ref("s").send("over tls")).text == "over tls"
+                assert (a.live(), b.live()) == (["s"], [])
+                parts = urlsplit(url)
+                cert = str(tls_certificate[0])
+                channels: list[Any] = []
+                tls_ports: set[str] = set()
+                async with (
+                    coredis.RedisCluster(
+                        parts.hostname, parts.port, ssl=True, ssl_ca_certs=cert
+                    ) as admin,
+                    contextlib.AsyncExitStack() as stack,
+                ):
+                    for node in admin.primaries:
+                        client = await stack.enter_async_context(node)
+                        tls_ports.add(str(client.connection_pool.location.port))
+                        channels += [
+                            c
+                            for c in await client.client_list()
+                            if c["name"] == "sessionactors-channel"
+                        ]
+            assert len(channels) >= 2  # a's and b's, at least
+            assert {c["laddr"].rpartition(":")[2] for c in channels} <= tls_ports
+
+
 async def test_sessions_spread_over_the_cluster_and_list_from_every_master(
     redis_cluster_url: str,
 ) -> None:
@@ -134,6 +184,18 @@ def test_rejects_bad_deployment_urls() -> None:
     for url in bad:
         with pytest.raises(ValueError, match="redis"):
             RedisStore(url)
+    tls = {  # the TLS options of a cluster url, each checked
+        "redis+cluster://127.0.0.1:7000?ssl_ca_certs=ca.pem": "write rediss\\+cluster://",
+        "rediss+cluster://127.0.0.1:7000?ssl_cert_reqs=always": "none, optional, required",
+        "rediss+cluster://127.0.0.1:7000?ssl_check_hostname=maybe": "not true or false",
+        "rediss+cluster://127.0.0.1:7000?stream_timeout=1": "ssl_ca_certs, ssl_cert_reqs",
+    }
+    for url, says in tls.items():
+        with pytest.raises(ValueError, match=says):
+            RedisStore(url)
+    assert RedisStore(
+        "rediss+cluster://h:1?ssl_ca_certs=ca.pem&ssl_cert_reqs=optional&ssl_check_hostname=no"
+    )
     with pytest.raises(ValueError, match="persistence"):
         RedisStore("redis://127.0.0.1:6379/0", persistence="sometimes")
     with pytest.raises(ValueError, match="brace"):
