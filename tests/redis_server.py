@@ -173,10 +173,11 @@ def private_redis_server(
 
 @contextlib.contextmanager
 def private_redis_cluster(
-    masters: int = 3, *, tls: tuple[Path, Path] | None = None
+    masters: int = 3, *, replicas: int = 0, tls: tuple[Path, Path] | None = None
 ) -> Iterator[str]:
-    """Start a throwaway durable Redis Cluster of ``masters`` masters and no replicas on
-    127.0.0.1; yield its ``redis+cluster://`` URL (one node), then stop it. With ``tls``
+    """Start a throwaway durable Redis Cluster of ``masters`` masters, each with
+    ``replicas`` durable replicas (in sync before it is yielded), on 127.0.0.1; yield
+    its ``redis+cluster://`` URL (one node), then stop it. With ``tls``
     (a certificate and its key, the certificate its own CA), every node also takes TLS
     on a port of its own, its bus runs over TLS, and the URL is the ``rediss+cluster://``
     one that checks the nodes' certificate against that CA."""
@@ -185,7 +186,7 @@ def private_redis_cluster(
         tempfile.TemporaryDirectory(prefix="sessionactors-cluster-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        ports = [_free_port(_MAX_CLUSTER_PORT) for _ in range(masters)]
+        ports = [_free_port(_MAX_CLUSTER_PORT) for _ in range(masters * (1 + replicas))]
         tls_ports = [_free_port(_MAX_CLUSTER_PORT) for _ in ports] if tls else []
         for i, port in enumerate(ports):
             args = [*DURABLE, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
@@ -197,7 +198,7 @@ def private_redis_cluster(
             stack.enter_context(_server(stack, Path(tmp), port, args, "a cluster node"))
         created = subprocess.run(
             [redis_cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
             capture_output=True,
             check=False,
             timeout=60,
@@ -205,7 +206,14 @@ def private_redis_cluster(
         if created.returncode != 0:
             pytest.fail(f"redis-cli --cluster create failed:\n{created.stdout[-2000:]!r}")
         deadline = time.monotonic() + 30
-        while not all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in ports):
+
+        def ready(port: int) -> bool:
+            if b"cluster_state:ok" not in _command(port, "CLUSTER", "INFO"):
+                return False
+            role = _command(port, "INFO", "replication")
+            return b"role:slave" not in role or b"master_link_status:up" in role
+
+        while not all(ready(p) for p in ports):
             if time.monotonic() > deadline:
                 pytest.fail("the private redis cluster did not reach cluster_state:ok")
             time.sleep(0.05)

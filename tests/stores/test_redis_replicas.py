@@ -8,9 +8,12 @@ import math
 import os
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
+from urllib.parse import urlsplit
 
+import coredis
 import pytest
 import trio
 
@@ -169,6 +172,47 @@ async def test_a_frozen_replica_fails_acknowledged_writes_in_time(
         with trio.fail_after(10):
             await store.aclose()
             await control.aclose()
+
+
+async def test_a_cluster_with_replicas_waits_for_them(
+    private_redis_cluster: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """On a Redis Cluster whose masters each have a replica, the store contract holds when every write waits for one replica, and with every replica stopped (SIGSTOP) a write fails with StoreNotReplicatedError within replica_timeout, kept on its master."""
+    with private_redis_cluster(replicas=1) as url:
+        stores: list[RedisStore] = []
+
+        def make(store_url: str = url, **options: Any) -> RedisStore:
+            stores.append(RedisStore(store_url, prefix=_prefix(), replicas=1, **options))
+            return stores[-1]
+
+        try:
+            with trio.fail_after(120):
+                await check_store(make)
+                waiting = make(replica_timeout=PATIENCE)
+                control = RedisStore(url, prefix=waiting.prefix)
+                stores.append(control)
+                parts = urlsplit(url)
+                pids = []
+                async with coredis.RedisCluster(parts.hostname, parts.port) as admin:
+                    for node in await admin.cluster_nodes():
+                        if "slave" in node["flags"]:
+                            async with coredis.Redis(node["host"], node["port"]) as replica:
+                                pids.append(int(str((await replica.info("server"))["process_id"])))
+                assert len(pids) == 3
+                with contextlib.ExitStack() as stack:
+                    for pid in pids:
+                        stack.enter_context(frozen(pid))
+                    for name in ("a", "b", "c"):  # (sessions on different masters, likely)
+                        started = trio.current_time()
+                        with pytest.raises(StoreNotReplicatedError, match=f"session {name!r}"):
+                            await waiting.create(name, b"snap", b"info")
+                        assert PATIENCE <= trio.current_time() - started < PATIENCE + 2
+                        assert await control.exists(name)  # kept on its master
+                await waiting.append("a", [E(1, b"one")], b"info")  # confirmed again
+        finally:
+            with trio.fail_after(30):
+                for store in stores:
+                    await store.aclose()
 
 
 async def test_more_replicas_than_exist_is_refused(redis_replicated: Any) -> None:
