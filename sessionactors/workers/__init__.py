@@ -7,8 +7,8 @@ it for each registry (``RedisStore.open_router``); a custom store offers a
 
 from ._cluster import Cluster as Cluster
 from ._cluster import ClusterStatistics as ClusterStatistics
-from ._cluster import StreamItem as StreamItem
-from ._cluster import Transport as Transport
 from ._cluster import open_cluster as open_cluster
+from ._transport import StreamItem as StreamItem
+from ._transport import Transport as Transport
 
 __all__ = ["Cluster", "ClusterStatistics", "StreamItem", "Transport", "open_cluster"]

@@ -1,5 +1,9 @@
 """Location transparency on a shared store: requests and events across workers.
 
+This module runs one worker's side (membership, forwarding, serving, balancing);
+``_transport`` holds the seam a store implements, ``_wire`` the format of the
+messages between workers, and ``_streams`` the events that cross workers.
+
 The multi-worker layer: a plug-in behind the core's router seam
 (``sessionactors._router``). With a store that offers a :class:`Transport`
 (``RedisStore`` does; ``MemoryStore`` and ``SQLiteStore`` do not, and keep raising
@@ -88,25 +92,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
 import hashlib
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Protocol, cast
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final
 
 import attrs
-import msgpack
 import trio
 
 from .._codec import (
-    MAX_ARRAY_LEN,
-    MAX_MAP_LEN,
-    dump_event,
-    dump_events,
     dump_snapshot,
-    load_event,
-    load_events,
     load_snapshot,
 )
 from .._errors import (
@@ -114,18 +110,14 @@ from .._errors import (
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
-    SnapshotError,
-    StoreConfigurationError,
     StoreError,
     WorkerUnreachableError,
 )
-from .._events import Event, MessageAdded, ReviewRequested, StatusChanged
-from .._hub import Hub
+from .._events import Event
 from .._pending import Pending
-from .._records import Message, ReviewRequest, SessionState, Status, id_issuer, new_id
+from .._records import SessionState, id_issuer, new_id
 from .._ref import Turn, new_turn
 from .._requests import (
-    AddMessages,
     Call,
     Cancel,
     Delete,
@@ -134,40 +126,28 @@ from .._requests import (
     Reply,
     ResolveReview,
     Retry,
-    Rewind,
     SetMetadata,
     SetSummary,
     Stop,
-    Truncate,
 )
 from .._router import NOT_ROUTED, RouterHost
-from .._subscription import EventIterator, open_event_iterator
-from ..stores._base import JournalEntry, Store
+from .._subscription import EventIterator
+from ._streams import MAX_ATTEMPTS, Streams
+from ._transport import Transport, fatal
+from ._wire import (
+    born,
+    dump_call,
+    dump_error,
+    dump_reply,
+    load_call,
+    load_error,
+    load_reply,
+    pack,
+    unpack,
+)
 
-__all__ = ["Cluster", "ClusterStatistics", "StreamItem", "Transport", "open_cluster"]
+__all__ = ["Cluster", "ClusterStatistics", "open_cluster"]
 
-#: One entry of a session's event stream: (seq, kind, payload). Kinds: "event"
-#: (payload: the codec's bytes), "lost" (payload: the first lost seq, ASCII; the
-#: entry's seq is the last lost one) and "gone" (the session was deleted). This
-#: layer stamps the payloads of "event" and "lost" (see ``_birth``).
-StreamItem = tuple[int, str, bytes]
-
-#: What a stamped stream payload starts with (0xc1 starts no msgpack value), then
-#: the creation time of the session that published it, in microseconds since the
-#: epoch (8 bytes, big-endian): a subscriber tells a session deleted and made again
-#: under its name from the one it follows, also when the end marked at the delete
-#: was gone from the stream before it looked (the new session's spawn resets it).
-_STAMPED: Final = b"\xc1"
-_STAMP_LEN: Final = 9
-_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-_MICROSECOND: Final = datetime.timedelta(microseconds=1)
-
-_QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions together
-_BATCH: Final = 1000  # events per publishing round trip
-#: Seconds between attempts to write lag markers that the store refused, while no
-#: newer event comes to carry them (their readers would otherwise wait without end).
-_MARKER_RETRY: Final = 0.5
-_MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 #: Requesting processes for which a worker remembers the last answer it dropped.
@@ -176,277 +156,9 @@ _NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answ
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate)
-#: The requests a worker forwards, by their wire tag (never reuse a retired tag).
-_CALL_TAGS: Final[dict[str, type[Any]]] = {
-    "truncate": Truncate,
-    "rewind": Rewind,
-    "set_summary": SetSummary,
-    "set_metadata": SetMetadata,
-    "review": ResolveReview,
-    "hibernate": Hibernate,
-    "cancel": Cancel,
-    "stop": Stop,
-    "delete": Delete,
-    "retry": Retry,
-    "add_messages": AddMessages,
-    "replace_history": ReplaceHistory,
-}
-_TAG_OF: Final = {cls: tag for tag, cls in _CALL_TAGS.items()}
-# Errors that are plain builtins when the owner raises them.
-_BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
-    "ValueError": ValueError,
-    "TypeError": TypeError,
-    "LookupError": LookupError,
-    "KeyError": KeyError,
-}
-_ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
 _HANDOVERS: Final = 8  # shards a worker hands over at a time (balancing)
 _RETRY_ROUNDS: Final = 10  # balancing rounds before a shard that stayed is tried again
 _BUSY_TRIES: Final = 3  # hibernations a hand-over tries while a session stays busy
-
-
-class Transport(Protocol):
-    """What a store offers for talking between workers (see the module docstring)."""
-
-    async def heartbeat(
-        self, worker: str, incarnation: str, ttl: float, keep_from: str | None
-    ) -> None:
-        """Say ``worker`` (this ``incarnation``) is alive for ``ttl`` seconds; drop
-        inbox entries before id ``keep_from``."""
-        ...
-
-    async def leave(self, worker: str, incarnation: str) -> None:
-        """Say the worker is gone (if this incarnation is the live one)."""
-        ...
-
-    async def lease_owner(self, session_id: str) -> str | None:
-        """The worker holding the session's lease, or None."""
-        ...
-
-    async def members(self, worker: str, ttl: float | None) -> list[str]:
-        """Count ``worker`` among the live workers for ``ttl`` seconds (None: no longer);
-        the live workers."""
-        ...
-
-    def shard(self, session_id: str) -> int:
-        """The shard of a session: the sessions whose leases are held together."""
-        ...
-
-    async def watch(self, names: Sequence[str], ttl: float) -> None:
-        """Say a worker other than the owner subscribes to the sessions (for 3 * ttl);
-        end the event stream of any of them no longer stored (see ``end_events``)."""
-        ...
-
-    async def watched(self, names: Sequence[str]) -> set[str]:
-        """Those of the sessions some worker still watches."""
-        ...
-
-    def take_watched(self, session_id: str) -> bool:
-        """Whether this worker's claim of the session found it watched (once per claim)."""
-        ...
-
-    async def incarnation(self, worker: str) -> str | None:
-        """The live incarnation of ``worker``, or None."""
-        ...
-
-    async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
-        """Hand ``message`` to that incarnation of ``worker`` if it listens (at most
-        once: it may still be lost on the way); whether it listened."""
-        ...
-
-    async def listen(
-        self,
-        worker: str,
-        incarnation: str,
-        deliver: Callable[[bytes], None],
-        subscribed: Callable[[], None],
-    ) -> None:
-        """Call ``deliver`` with every message sent to this incarnation of ``worker``,
-        once ``subscribed`` was called, until the connection fails (``StoreError``)."""
-        ...
-
-    async def post(self, worker: str, message: bytes, ttl: float) -> str | None:
-        """Append to the worker's inbox (it wakes the worker's reader) if it is alive;
-        its incarnation, or None."""
-        ...
-
-    async def read(
-        self,
-        worker: str,
-        inbox_after: str,
-        streams: Mapping[str, int],
-        block: float | None,
-    ) -> tuple[list[tuple[str, bytes]], dict[str, list[StreamItem]]]:
-        """Inbox messages after id ``inbox_after`` and events of the ``streams``
-        (session -> seq) after their seqs, waiting up to ``block`` seconds."""
-        ...
-
-    async def publish(self, batches: Mapping[str, Sequence[StreamItem]], keep: int) -> None:
-        """Append to the sessions' event streams (entries not above a stream's last
-        are dropped), each kept to about ``keep`` entries."""
-        ...
-
-    async def last_event_seq(self, session_id: str) -> int:
-        """The seq of the newest entry of the session's event stream (0 if none)."""
-        ...
-
-    async def first_event_seq(self, session_id: str) -> int:
-        """The seq of the oldest entry of the session's event stream (0 if none)."""
-        ...
-
-    async def events_after(
-        self, session_id: str, after: int
-    ) -> tuple[int | None, list[StreamItem]]:
-        """``(seq of the stream's oldest entry or None, entries after ``after``)``."""
-        ...
-
-    async def reset_events(self, session_id: str) -> None:
-        """Remove the session's event stream (a new session of that name)."""
-        ...
-
-    async def end_events(self, session_id: str) -> None:
-        """Mark the session's event stream as ended (the session was deleted), unless a
-        session of that name is stored again; once."""
-        ...
-
-
-# ---- wire format -------------------------------------------------------------------
-
-
-def _born(created: datetime.datetime) -> int:
-    """A session's creation time, as its stream's payloads carry it."""
-    return (created - _EPOCH) // _MICROSECOND
-
-
-def _birth(created: datetime.datetime | None) -> bytes:
-    """The stamp of a session's stream payloads (b"" for one not live here: unstamped)."""
-    return b"" if created is None else _STAMPED + _born(created).to_bytes(8, "big")
-
-
-def _unstamp(payload: bytes) -> tuple[int | None, bytes]:
-    """``(creation time of the session that published it or None, the payload)``."""
-    if payload[:1] == _STAMPED and len(payload) >= _STAMP_LEN:
-        return int.from_bytes(payload[1:_STAMP_LEN], "big"), payload[_STAMP_LEN:]
-    return None, payload
-
-
-def _stamp_of(answer: Mapping[str, Any]) -> int | None:
-    """The creation time in a watch's answer (None from a worker that sends none)."""
-    born = answer.get("born")
-    return born if isinstance(born, int) else None
-
-
-def _pack(body: Mapping[str, Any]) -> bytes:
-    # (datetimes: metadata may hold them, and set_metadata carries metadata)
-    data: bytes = msgpack.packb(body, use_bin_type=True, datetime=True)
-    return data
-
-
-def _unpack(data: bytes) -> dict[str, Any] | None:
-    # (the codec's bounds: metadata, which set_metadata carries and answers with, may
-    # hold as many keys and items as the store keeps)
-    try:
-        body = msgpack.unpackb(
-            data, raw=False, timestamp=3, max_map_len=MAX_MAP_LEN, max_array_len=MAX_ARRAY_LEN
-        )
-    except (ValueError, TypeError):
-        return None
-    return body if isinstance(body, dict) else None
-
-
-def _dump_reply(name: str, reply: Reply) -> dict[str, Any]:
-    turn_id, message, reviews = reply.turn_id, reply.message, reply.reviews
-    return {
-        "turn_id": turn_id,
-        "message": (
-            None
-            if message is None
-            else dump_event(MessageAdded(session_id=name, seq=0, turn_id=turn_id, message=message))
-        ),
-        "reviews": [
-            dump_event(ReviewRequested(session_id=name, seq=0, turn_id=turn_id, review=r))
-            for r in reviews
-        ],
-    }
-
-
-def _load_reply(name: str, body: Any) -> Reply:
-    turn_id = str(body["turn_id"])
-    message: Message | None = None
-    if body["message"] is not None:
-        event = load_event(bytes(body["message"]), session_id=name)
-        assert isinstance(event, MessageAdded)
-        message = event.message
-    reviews: list[ReviewRequest] = []
-    for data in body["reviews"]:
-        event = load_event(bytes(data), session_id=name)
-        assert isinstance(event, ReviewRequested)
-        reviews.append(event.review)
-    return Reply(turn_id=turn_id, message=message, reviews=tuple(reviews))
-
-
-def _dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, Any]:
-    if isinstance(request, AddMessages | ReplaceHistory):  # records: the codec's bytes
-        added = [MessageAdded(session_id=name, seq=0, message=m) for m in request.messages]
-        return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
-    return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
-
-
-def _load_call(name: str, body: Any) -> Call | Cancel | Stop | Delete:
-    cls = _CALL_TAGS[str(body["t"])]
-    request: Call | Cancel | Stop | Delete
-    if cls is AddMessages or cls is ReplaceHistory:
-        data = body["m"]
-        events = [] if data is None else load_events(bytes(data), session_id=name)
-        messages = tuple(e.message for e in events if isinstance(e, MessageAdded))
-        request = cls(messages=messages)
-    else:
-        request = cls(**dict(body["f"]))
-    return request
-
-
-def _error_classes() -> dict[str, type[SessionActorsError]]:
-    found: dict[str, type[SessionActorsError]] = {}
-    todo: list[type[SessionActorsError]] = [SessionActorsError]
-    while todo:
-        cls = todo.pop()
-        found.setdefault(cls.__name__, cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
-def _dump_error(exc: BaseException) -> dict[str, Any]:
-    extra = {}
-    for name in _ERROR_ATTRS:
-        value = getattr(exc, name, None)
-        if isinstance(value, str | int) and not isinstance(value, bool):
-            extra[name] = value
-    return {"err": type(exc).__name__, "msg": str(exc), "attrs": extra}
-
-
-def _load_error(body: Mapping[str, Any], name: str, owner: str) -> Exception:
-    kind = str(body["err"])
-    message = str(body.get("msg", ""))
-    builtin = _BUILTIN_ERRORS.get(kind)
-    if builtin is not None:
-        error: Exception = builtin(message)
-    else:
-        cls = _error_classes().get(kind)
-        if cls is None:
-            error = SessionCrashedError(
-                f"session {name!r}: its owner, worker {owner!r}, failed with {kind}: {message}",
-                session_id=name,
-            )
-        else:
-            rebuilt = cls.__new__(cls)  # its own __init__ may want more than a message
-            Exception.__init__(rebuilt, message)
-            rebuilt.session_id = name
-            for attr, value in dict(body.get("attrs") or {}).items():
-                if attr in _ERROR_ATTRS:
-                    setattr(rebuilt, attr, value)
-            error = rebuilt
-    error.add_note(f"raised by worker {owner!r}, which runs session {name!r}")
-    return error
 
 
 # ---- the cluster ----------------------------------------------------------------------
@@ -482,28 +194,6 @@ class _Forwarded:
         self.replayed = False
 
 
-class _CatchUp:
-    """Publish the journal entries up to ``upto`` that the stream lacks (a new incarnation)."""
-
-    __slots__ = ("upto",)
-
-    def __init__(self, upto: int) -> None:
-        self.upto = upto
-
-
-class _Lost:
-    """A lag marker: events ``first``..``last`` were dropped before the stream."""
-
-    __slots__ = ("first", "last")
-
-    def __init__(self, first: int, last: int) -> None:
-        self.first = first
-        self.last = last
-
-
-_Item = Event | _CatchUp | _Lost
-
-
 class _Handover:
     """A shard this worker hands over: its requests wait for ``done``; ``moved`` says
     whether the shard left (its sessions hibernated) or stays here."""
@@ -523,27 +213,6 @@ def _weight(shard: int, worker: str) -> int:
 
 
 _OWNER_DIED: Final[dict[str, Any]] = {"died": True}
-
-
-class _Replay:
-    """The ``read_journal`` a subscription replays from: the event stream, then the journal."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self._cluster = cluster
-
-    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
-        cluster = self._cluster
-        oldest, items = await cluster.transport.events_after(session_id, after)
-        items, replaced = cluster._own_items(session_id, items)
-        found = {seq: data for seq, kind, data in items if kind == "event"}
-        lost = any(kind == "lost" for _, kind, _ in items)
-        if replaced or (oldest is not None and oldest <= after + 1 and not lost):
-            # (replaced: the session was deleted, and its mirror ends once it reads on)
-            return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
-        # The stream does not reach back to ``after``: the journal has the durable events
-        # (an entry holds a commit's events; the subscription merges them by seq).
-        trimmed, entries = await self._cluster.host.store.read_journal(session_id, after)
-        return trimmed, entries + [JournalEntry(seq, found[seq]) for seq in sorted(found)]
 
 
 class Cluster:
@@ -573,31 +242,17 @@ class Cluster:
         # requesting process -> the place (``id_issuer``) of the latest of its requests
         # whose answer was dropped from _answered: those up to it may have been answered
         self._forgotten: dict[str, int] = {}
-        self._mirrors: dict[str, Hub] = {}
-        #: Sessions whose events this worker publishes (another worker subscribes), and
-        #: whether the stream must first catch up from the journal.
-        self._watched: dict[str, bool] = {}
-        self._positions: dict[str, int] = {}
-        #: The creation time of the session each mirror follows (None: not known yet,
-        #: the first stamped entry read tells).
-        self._births: dict[str, int | None] = {}
-        #: Mirrors made for a subscription that followed its session, whose stream was
-        #: not read yet: seqs missing before its first event are judged by the journal
-        #: (a wake after an unclean stop jumps over seqs that were never durable).
-        self._unread: set[str] = set()
+        self.streams = Streams(
+            host,
+            transport,
+            self.stats,
+            forward=self._forward,
+            check=self._check,
+            spawn=self._spawn,
+        )
         self._inbox_last = "0-0"
         self._read_since_trim = 0
         self._keep_from: str | None = None
-        # (session, the stamp of its payloads, what to publish)
-        self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
-        # Lag markers still to write: for events the tap dropped (the queue was full;
-        # written by the tap before the session's next event, or when the queue is
-        # empty) and for events a failed publish lost (written by the publisher before
-        # the session's next queued event, which is newer, or when the queue is empty).
-        self._lost: dict[str, tuple[int, int]] = {}
-        self._failed: dict[str, tuple[int, int]] = {}
-        self._publishing = False
-        self._flushed: trio.Event | None = None  # set once the queue is empty (closing)
         # Balancing: the live workers as last listed (and when), each shard's preferred
         # worker among them, the shards being handed over, and when a shard that
         # stayed may be tried again.
@@ -613,7 +268,7 @@ class Cluster:
 
     @property
     def subscriber_count(self) -> int:
-        return sum(hub.subscriber_count for hub in self._mirrors.values())
+        return self.streams.subscriber_count
 
     # ---- running -------------------------------------------------------------------
 
@@ -622,7 +277,7 @@ class Cluster:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._publish_loop, name="cluster events")
+                nursery.start_soon(self.streams.publish_loop, name="cluster events")
                 task_status.started()  # no I/O before this: opening a registry stays cheap
                 await nursery.start(self._listen_loop, name="cluster requests")
                 while True:
@@ -635,7 +290,7 @@ class Cluster:
                         )
                         break
                     except StoreError as exc:
-                        _fatal(exc)
+                        fatal(exc)
                         await trio.sleep(min(1.0, self.ttl / 3))
                 nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
                 nursery.start_soon(self._read_loop, name="cluster inbox")
@@ -644,9 +299,7 @@ class Cluster:
             self._nursery = None
             for send in list(self._waiters.values()):
                 send.close()
-            for hub in self._mirrors.values():
-                hub.close()
-            self._mirrors.clear()
+            self.streams.close()
 
     async def aclose(self) -> None:
         """Flush the events and retire this worker (requests that still reach it until
@@ -654,10 +307,7 @@ class Cluster:
         self._closing = True
         with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
             await self._withdraw()
-            if self._receive.statistics().current_buffer_used or self._publishing:
-                flushed = self._flushed = trio.Event()
-                with trio.move_on_after(min(2.0, self.ttl)):
-                    await flushed.wait()
+            await self.streams.flush(min(2.0, self.ttl))
             with contextlib.suppress(StoreError):
                 await self.transport.leave(self.worker, self.incarnation)
 
@@ -688,7 +338,7 @@ class Cluster:
                         self.worker, self.incarnation, self._dispatch, subscribed
                     )
                 except StoreError as exc:
-                    _fatal(exc)
+                    fatal(exc)
                     await trio.sleep(min(1.0, self.ttl / 10))
 
     async def _heartbeat_loop(self) -> None:
@@ -712,34 +362,28 @@ class Cluster:
                     listening = None
                 if listening is not None:
                     subscription = self._subscriptions
-                    wake = _pack({"op": "wake", "n": count})
+                    wake = pack({"op": "wake", "n": count})
                     if await self.transport.send(self.worker, self.incarnation, wake):
                         self._wake_sent = (count, subscription)
                     else:
                         listening.cancel()
             except StoreError as exc:
-                _fatal(exc)
+                fatal(exc)
                 self._keep_from = self._keep_from or keep_from
             try:
-                await self.transport.watch(list(self._mirrors), self.ttl)
-                if self._watched:
-                    names = list(self._watched)
-                    still = await self.transport.watched(names)
-                    for name in names:
-                        if name not in still:  # nobody elsewhere subscribes any more
-                            self._watched.pop(name, None)
+                await self.streams.renew()
             except StoreError as exc:
-                _fatal(exc)
+                fatal(exc)
 
     async def _read_loop(self) -> None:
         block = max(0.05, min(self.ttl / 3, 5.0))
         while True:
             try:
                 messages, events = await self.transport.read(
-                    self.worker, self._inbox_last, dict(self._positions), block
+                    self.worker, self._inbox_last, self.streams.positions(), block
                 )
             except StoreError as exc:
-                _fatal(exc)  # e.g. a user without blocking reads: never retried in silence
+                fatal(exc)  # e.g. a user without blocking reads: never retried in silence
                 await trio.sleep(min(1.0, block))
                 continue
             for message_id, data in messages:
@@ -751,47 +395,10 @@ class Cluster:
                     self._read_since_trim = 0
                     ms, _, n = self._inbox_last.partition("-")
                     self._keep_from = f"{ms}-{int(n or 0) + 1}"
-            for name, items in events.items():
-                items, replaced = self._own_items(name, items)
-                first = items[0] if items else None
-                if (
-                    first is not None
-                    and first[1] != "gone"  # (the end marker's seq is above every seq)
-                    and first[0] > self._positions.get(name, 0) + 1
-                ):
-                    await self._check_gap(name, first[0])
-                if items:
-                    self._unread.discard(name)
-                self._feed(name, items)
-                if replaced:
-                    hub = self._mirrors.get(name)
-                    if hub is not None:
-                        self._end_mirror(name, hub)
-                elif items and self.host.is_live(name):
-                    self._rejoin(name)
-
-    def _own_items(self, name: str, items: Sequence[StreamItem]) -> tuple[list[StreamItem], bool]:
-        """The items of the session a mirror follows, unstamped, and whether a session
-        made again under its name published the rest (the one it follows was deleted:
-        the mirror ends). A deleted namesake's items are skipped."""
-        born = self._births.get(name)
-        own: list[StreamItem] = []
-        for seq, kind, payload in items:
-            stamp, payload = _unstamp(payload)
-            if stamp is not None and stamp != born:
-                if born is None:  # the first the mirror reads
-                    born = stamp
-                    if name in self._births:
-                        self._births[name] = stamp
-                elif stamp > born:
-                    return own, True
-                else:
-                    continue
-            own.append((seq, kind, payload))
-        return own, False
+            await self.streams.take(events)
 
     def _dispatch(self, data: bytes) -> None:
-        body = _unpack(data)
+        body = unpack(data)
         if body is None:
             return
         if "re" in body:
@@ -857,7 +464,7 @@ class Cluster:
                 # In the mailbox already, before any hand-over of its shard began (a
                 # hand-over's hibernation queues behind it): it runs here, and only here.
                 reply = await queued.wait()
-                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, reply)})
+                await self._answer(body, {"ok": "reply", "reply": dump_reply(name, reply)})
                 return
             handover = self._leaving.get(self.transport.shard(name))
             if handover is not None:  # its shard is leaving: wait, then send it on
@@ -876,34 +483,24 @@ class Cluster:
                         body, {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
                     )
                 reply = await turn.reply()
-                await self._answer(body, {"ok": "reply", "reply": _dump_reply(name, reply)})
+                await self._answer(body, {"ok": "reply", "reply": dump_reply(name, reply)})
             elif op == "read":
                 state = await host.read_here(name)
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
             elif op == "watch":  # another worker subscribes: publish from now on
                 state = await host.read_here(name)  # wakes it here (or says it moved)
                 await self.transport.watch([name], self.ttl)  # for its next owners too
-                seq = host.event_seq_here(name)
-                if seq is not None and name not in self._watched:
-                    self._watched[name] = False
-                    # A subscription that follows the session from ``after`` on: the
-                    # events since then that the hub still holds go first, deltas too.
-                    since = body.get("after")
-                    held = None if since is None else host.events_here(name, int(since))
-                    if since is not None and held is not None:
-                        seq = int(since)
-                    stamp = _birth(host.created_here(name))
-                    self._enqueue(name, stamp, _CatchUp(seq))
-                    for event in held or ():
-                        self._enqueue(name, stamp, event)
-                top = -1 if seq is None else seq
+                # (a subscription that follows the session from ``after`` on: the events
+                # since then that the hub still holds go first, deltas too)
+                since = body.get("after")
+                top = self.streams.publish_from(name, None if since is None else int(since))
                 await self._answer(
-                    body, {"ok": "value", "value": top, "born": _born(state.created_at)}
+                    body, {"ok": "value", "value": top, "born": born(state.created_at)}
                 )
             elif op == "call":
-                value = await host.call_here(name, _load_call(name, body["req"]))
+                value = await host.call_here(name, load_call(name, body["req"]))
                 if isinstance(value, Reply):
-                    value = _dump_reply(name, value)
+                    value = dump_reply(name, value)
                 await self._answer(body, {"ok": "value", "value": value})
             else:
                 raise ValueError(f"unknown cluster request {op!r}")
@@ -916,9 +513,9 @@ class Cluster:
             if host.closing and not exc.turn_id:
                 await self._answer(body, {"moved": True})
             else:
-                await self._answer(body, _dump_error(exc))
+                await self._answer(body, dump_error(exc))
         except Exception as exc:
-            await self._answer(body, _dump_error(exc))
+            await self._answer(body, dump_error(exc))
 
     async def _answer(self, request: Mapping[str, Any], body: dict[str, Any]) -> None:
         """Post an answer; a final one is also kept, for a requester that asks again
@@ -927,7 +524,7 @@ class Cluster:
         and asks again)."""
         rid = str(request.get("id"))
         body["re"] = rid
-        data = _pack(body)
+        data = pack(body)
         if body.get("ok") != "ack" and request.get("op") not in _NOT_KEPT:
             answered = self._answered
             answered[rid] = data
@@ -943,7 +540,7 @@ class Cluster:
                 if await self.transport.send(to, incarnation, data):
                     return
             except StoreError as exc:
-                _fatal(exc)
+                fatal(exc)
             # nobody listened (the requester subscribes again within moments if its
             # connection dropped); its ping fetches the answer otherwise
             await trio.sleep(min(self.ttl / 3, 0.05 * (attempt + 1)))
@@ -978,11 +575,11 @@ class Cluster:
                 state = "forgotten"  # never "unknown": that would have it sent again
             else:
                 state = "unknown"
-            data = _pack({"re": rid, "ok": state})
+            data = pack({"re": rid, "ok": state})
         try:
             await self.transport.send(str(ping.get("from")), str(ping.get("fi")), data)
         except StoreError as exc:
-            _fatal(exc)  # otherwise it asks again
+            fatal(exc)  # otherwise it asks again
 
     # ---- the requester's side ------------------------------------------------------
 
@@ -1015,7 +612,7 @@ class Cluster:
                 return None
             pending = Pending()
             try:
-                reply = _load_reply(name, self._check(answer, name)["reply"])
+                reply = load_reply(name, self._check(answer, name)["reply"])
             except Exception as exc:
                 pending.set_error(exc)
                 return new_turn("", name, pending)
@@ -1053,7 +650,7 @@ class Cluster:
                 turn = await self.host.submit(name, text, key, ack=False)
                 forwarded.pending.set_result(await turn.reply())
                 return
-            result = _load_reply(name, self._check(answer, name)["reply"])
+            result = load_reply(name, self._check(answer, name)["reply"])
             forwarded.turn_id = forwarded.turn_id or result.turn_id
             forwarded.pending.set_result(result)
         except Exception as exc:
@@ -1076,13 +673,13 @@ class Cluster:
     async def call(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
         """Run a request other than a turn at the session's owner; NOT_ROUTED when no
         other worker holds the session."""
-        body = {"op": "call", "s": name, "req": _dump_call(name, request)}
+        body = {"op": "call", "s": name, "req": dump_call(name, request)}
         answer = await self._forward(name, body, retry_safe=isinstance(request, _SAFE_CALLS))
         if answer is None:
             return NOT_ROUTED
         value = self._check(answer, name)["value"]
         if isinstance(request, ResolveReview | Retry):
-            return _load_reply(name, value)
+            return load_reply(name, value)
         return value
 
     def _running(self, name: str) -> trio.Nursery:
@@ -1092,7 +689,7 @@ class Cluster:
 
     def _check(self, answer: dict[str, Any], name: str) -> dict[str, Any]:
         if "err" in answer:
-            raise _load_error(answer, name, str(answer.get("_owner", "?")))
+            raise load_error(answer, name, str(answer.get("_owner", "?")))
         return answer
 
     async def _forward(
@@ -1111,7 +708,7 @@ class Cluster:
         shard = self.transport.shard(name)
         unheard_since: float | None = None  # since when the owner says it never got it
         unheard_copies = 0
-        for attempt in range(_MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             handover = self._leaving.get(shard)
             if handover is not None:  # handing the shard over: wait for its next owner
                 await handover.done.wait()
@@ -1143,7 +740,7 @@ class Cluster:
             self._waiters[rid] = send
             try:
                 body = {**request, "id": rid, "from": self.worker, "fi": self.incarnation}
-                if not await self.transport.send(owner, incarnation, _pack(body)):
+                if not await self.transport.send(owner, incarnation, pack(body)):
                     # Nobody listens there: a new incarnation, one that is gone, or one
                     # between two subscriptions (looked up again next time).
                     self._incarnations.pop(owner, None)
@@ -1206,7 +803,7 @@ class Cluster:
             return answer
         raise SessionCrashedError(
             f"session {name!r}: could not reach the worker that runs it after "
-            f"{_MAX_ATTEMPTS} attempts (it kept moving or its worker kept dying); retry later",
+            f"{MAX_ATTEMPTS} attempts (it kept moving or its worker kept dying); retry later",
             session_id=name,
         )
 
@@ -1241,7 +838,7 @@ class Cluster:
                         return _OWNER_DIED  # it had the turn and forgot it: it restarted
                     elif answer.get("ok") != "working":
                         return answer
-            ping = ping or _pack(
+            ping = ping or pack(
                 {"op": "ping", "q": rid, "from": self.worker, "fi": self.incarnation}
             )
             try:
@@ -1252,7 +849,7 @@ class Cluster:
                 ):
                     return _OWNER_DIED
             except StoreError as exc:
-                _fatal(exc)
+                fatal(exc)
                 failure = exc
             silence = trio.current_time() - heard
             if silence > 2 * self.ttl:
@@ -1306,7 +903,7 @@ class Cluster:
             try:
                 members = await self.transport.members(self.worker, self.ttl)
             except StoreError as exc:
-                _fatal(exc)  # without a fresh list, nothing is placed elsewhere
+                fatal(exc)  # without a fresh list, nothing is placed elsewhere
             else:
                 self._members_at = trio.current_time()
                 self._set_members(members)
@@ -1392,381 +989,24 @@ class Cluster:
             if await self.host.call_here(name, Hibernate()) is False:
                 stayed.append(name)
 
-    # ---- events: publishing ------------------------------------------------------------
+    # ---- events -----------------------------------------------------------------------
 
     def tap_for(self, name: str) -> Callable[[Event], None]:
-        """The function a session's hub calls with every event it publishes: it goes
-        to the session's stream while another worker subscribes, nowhere otherwise."""
-        watched = self._watched
-        take_watched = self.transport.take_watched
-        created_here = self.host.created_here
-        created: datetime.datetime | None = None
-        born = b""
-
-        def tap(event: Event) -> None:
-            nonlocal created, born
-            catch_up = watched.get(name)
-            if catch_up is None:
-                if not take_watched(name):
-                    return  # nobody elsewhere subscribes
-                catch_up = True
-            now = created_here(name)
-            if now is not created:  # (a session made again under its name, too)
-                created, born = now, _birth(now)
-            if catch_up:
-                watched[name] = False
-                if event.seq > 1:
-                    self._enqueue(name, born, _CatchUp(event.seq - 1))
-            self._enqueue(name, born, event)
-
-        return tap
-
-    def _enqueue(self, name: str, born: bytes, item: _Item) -> None:
-        seq = item.seq if isinstance(item, Event) else cast(_CatchUp, item).upto
-        lost = self._lost.get(name)
-        stats = self._send.statistics()
-        if lost is not None:
-            if stats.max_buffer_size - stats.current_buffer_used >= 2:
-                del self._lost[name]
-                self._send.send_nowait((name, born, _Lost(*lost)))
-            else:
-                self._lose(name, seq, seq)
-                return
-        try:
-            self._send.send_nowait((name, born, item))
-        except trio.WouldBlock:
-            self._lose(name, seq, seq)
-
-    def _lose(
-        self,
-        name: str,
-        first: int,
-        last: int,
-        into: dict[str, tuple[int, int]] | None = None,
-        count: int = 1,
-    ) -> None:
-        ranges = self._lost if into is None else into
-        self.stats.events_lost += count
-        lost = ranges.get(name)
-        if lost is not None:
-            first, last = min(first, lost[0]), max(last, lost[1])
-        ranges[name] = (first, last)
-
-    async def _publish_loop(self) -> None:
-        keep = self.host.config.hub.replay_events
-        receive = self._receive
-        while True:
-            batch: list[tuple[str, bytes, _Item]] = []
-            if self._failed or self._lost:  # markers to write, with or without new events
-                with trio.move_on_after(_MARKER_RETRY):
-                    batch.append(await receive.receive())
-            else:
-                batch.append(await receive.receive())
-            self._publishing = True
-            try:
-                while len(batch) < _BATCH:
-                    try:
-                        batch.append(receive.receive_nowait())
-                    except trio.WouldBlock:
-                        break
-                if batch:
-                    await self._publish_batch(batch, keep)
-                if not receive.statistics().current_buffer_used and (self._failed or self._lost):
-                    created_here = self.host.created_here
-                    markers = [
-                        (n, _birth(created_here(n)), cast(_Item, _Lost(*r)))
-                        for ranges in (self._failed, self._lost)
-                        for n, r in ranges.items()
-                    ]
-                    self._failed.clear()
-                    self._lost.clear()
-                    await self._publish_batch(markers, keep)
-            finally:
-                self._publishing = False
-                if self._flushed is not None and not receive.statistics().current_buffer_used:
-                    self._flushed.set()
-
-    async def _publish_batch(self, batch: Sequence[tuple[str, bytes, _Item]], keep: int) -> None:
-        groups: dict[str, list[StreamItem]] = {}
-
-        async def flush() -> None:
-            if groups:
-                try:
-                    await self.transport.publish(groups, keep)
-                except StoreError as exc:
-                    _fatal(exc)
-                    await self._mark_failed(groups)
-                groups.clear()
-
-        for name, born, item in batch:
-            if isinstance(item, _CatchUp):
-                await flush()
-                await self._catch_up(name, born, item.upto, keep)
-                continue
-            seq = item.last if isinstance(item, _Lost) else item.seq
-            failed = self._failed.get(name)
-            if failed is not None and seq >= failed[0]:  # newer than the failed ones
-                if seq <= failed[1]:
-                    continue  # inside a range already marked lost
-                del self._failed[name]
-                marker = born + str(failed[0]).encode()
-                groups.setdefault(name, []).append((failed[1], "lost", marker))
-            if isinstance(item, _Lost):
-                marker = born + str(item.first).encode()
-                groups.setdefault(name, []).append((item.last, "lost", marker))
-                continue
-            try:
-                data = born + dump_event(item)
-            except (TypeError, ValueError):
-                self._lose(name, item.seq, item.seq, self._failed)
-                continue
-            groups.setdefault(name, []).append((item.seq, "event", data))
-        await flush()
-
-    async def _mark_failed(self, groups: Mapping[str, Sequence[StreamItem]]) -> None:
-        """Note the items the stream may lack as lost (a marker's range stays whole; only
-        events are counted: a marker's were counted when they were dropped)."""
-        for name, items in groups.items():
-            first = min(
-                int(_unstamp(data)[1]) if kind == "lost" else seq for seq, kind, data in items
-            )
-            last = max(seq for seq, _, _ in items)
-            lost = sum(kind == "event" for _, kind, _ in items)
-            self._lose(name, first, last, self._failed, lost)
-        await trio.sleep(0.05)
-
-    async def _catch_up(self, name: str, born: bytes, upto: int, keep: int) -> None:
-        """Publish what the stream lacks up to ``upto`` from the journal (a dead
-        predecessor's durable events); nothing if the stream was never fed."""
-        try:
-            top = await self.transport.last_event_seq(name)
-            if top == 0 or top >= upto:
-                return
-            trimmed, batches = await self.host.store.read_journal(name, top)
-            entries = [  # one stream item per event (a journal entry holds a commit's)
-                JournalEntry(event.seq, dump_event(event))
-                for batch in batches
-                for event in load_events(batch.data, session_id=name)
-                if top < event.seq <= upto
-            ]
-            gone = min(trimmed, upto)  # entries up to here are no longer in the journal
-            if len(entries) > keep:  # keep the stream's bound: the oldest are skipped
-                gone = max(gone, entries[-keep - 1].seq)
-                entries = entries[-keep:]
-            items: list[StreamItem] = []
-            if gone > top:
-                items.append((gone, "lost", born + str(top + 1).encode()))
-            items += [(e.seq, "event", born + e.data) for e in entries if e.seq > gone]
-            if items:
-                await self.transport.publish({name: items}, keep)
-        except SessionActorsError as exc:
-            _fatal(exc)
-            return  # deleted meanwhile, or the store is unreachable: subscribers replay
-
-    # ---- events: subscriptions ---------------------------------------------------------
+        return self.streams.tap_for(name)
 
     async def open_subscription(self, name: str, after: int | None) -> EventIterator:
-        """A subscription to the session's hub here if it runs here; otherwise fed by
-        the session's event stream, wherever the session runs."""
-        host = self.host
-        found = self._mirrors.get(name)
-        top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
-        born: int | None = None  # when the session it runs was created
-        for _ in range(_MAX_ATTEMPTS):
-            if found is not None or host.is_live(name):
-                break
-            answer = await self._forward(name, {"op": "watch", "s": name}, retry_safe=True)
-            if answer is not None:  # its owner publishes its events from ``top`` on
-                top = int(self._check(answer, name)["value"])
-                born = _stamp_of(answer)
-                break
-            try:  # live nowhere, or its shard is this worker's: it wakes here
-                await host.read_here(name)
-            except SessionStoppedError:
-                break  # stopped: the local subscription replays and ends
-            except LeaseHeldError:
-                continue  # another worker woke it meanwhile: ask that one
-            if not host.is_live(name):
-                break
-            found = self._mirrors.get(name)
-        return await self._subscribe(name, after, top, born)
-
-    async def _follow(self, name: str, after: int) -> EventIterator:
-        """Go on with a subscription whose session left this worker, from ``after`` (the
-        last seq it delivered): from the session's hub here if it woke here again, from
-        its event stream otherwise, wherever it runs; a session that runs nowhere is not
-        woken (its next owner publishes its events)."""
-        top = -1
-        born: int | None = None
-        for _ in range(_MAX_ATTEMPTS):
-            if self.host.is_live(name) or name in self._mirrors:
-                break
-            # Watched first: whoever claims the session from now on publishes its events.
-            await self.transport.watch([name], self.ttl)
-            owner = await self.transport.lease_owner(name)
-            if owner is None or owner == self.worker:
-                top = after  # it runs nowhere: its next owner publishes from its wake on
-                break
-            # Another worker took it before: it publishes from ``after`` (or the journal
-            # fills in what its hub no longer holds).
-            request = {"op": "watch", "s": name, "after": after}
-            answer = await self._forward(name, request, retry_safe=True)
-            if answer is not None:
-                top = max(after, int(self._check(answer, name)["value"]))
-                born = _stamp_of(answer)
-                break
-        return await self._subscribe(name, after, top, born, followed=True)
-
-    async def _subscribe(
-        self, name: str, after: int | None, top: int, born: int | None, *, followed: bool = False
-    ) -> EventIterator:
-        """A subscription from the session's hub here (``top`` < 0) or from its event
-        stream, read from ``top`` on (a mirror made now starts there; ``born``: when
-        the session it follows was created, if known; ``followed``: for a subscription
-        that follows its session from ``top``)."""
-        host = self.host
-        found = self._mirrors.get(name)
-        if found is None and top < 0:
-            iterator = await host.open_subscription_here(name, after)
-            iterator.follow = lambda seq: self._follow(name, seq)
-            return iterator
-        if found is None:
-            found = self._mirrors[name] = Hub(name, host.config.hub)
-            found.advance(top)
-            self._positions[name] = top
-            self._births[name] = born
-            if followed:
-                self._unread.add(name)
-            self._poke()
-        hub: Hub = found
-        iterator = await open_event_iterator(
-            name,
-            hub,
-            cast(Store, _Replay(self)),
-            after,
-            lambda: self._release_mirror(name, hub),
-        )
-        iterator.follow = lambda seq: self._follow(name, seq)  # (back here: see _rejoin)
-        if not host.is_live(name):
-            try:
-                stopped = (await host.stored_status(name)) is Status.STOPPED
-            except BaseException:
-                iterator.close()
-                raise
-            if stopped:
-                iterator.close()
-        return iterator
-
-    def _release_mirror(self, name: str, hub: Hub) -> None:
-        if self._mirrors.get(name) is hub and hub.subscriber_count == 0:
-            self._drop_mirror(name)
-
-    def _drop_mirror(self, name: str) -> None:
-        del self._mirrors[name]
-        self._positions.pop(name, None)
-        self._births.pop(name, None)
-        self._unread.discard(name)
-
-    def _poke(self) -> None:
-        """Have the reader start over, now reading a new mirror's stream too."""
-        if self._nursery is None:
-            return
-
-        async def poke() -> None:
-            # on failure the reader picks the stream up at its next round anyway
-            with contextlib.suppress(StoreError):
-                await self.transport.post(self.worker, _pack({"op": "wake"}), self.ttl)
-
-        self._nursery.start_soon(poke, name="cluster poke")
-
-    async def _check_gap(self, name: str, first: int) -> None:
-        """The stream skips seqs after a mirror's position (its next event is ``first``):
-        if it was trimmed past it (it outran the reader, or the store lost it), the
-        mirror's subscribers lag."""
-        position = self._positions.get(name, 0)
-        if not position:
-            return  # a new mirror: its subscribers' replay came from the journal
-        try:
-            oldest = await self.transport.first_event_seq(name)
-        except StoreError as exc:
-            _fatal(exc)
-            oldest = 0
-        if 0 < oldest <= position + 1:
-            return
-        if name in self._unread and await self._never_durable(name, position, first):
-            return  # the new owner jumped over them: a followed subscription missed nothing
-        hub = self._mirrors.get(name)
-        if hub is not None:
-            hub.lose()  # they subscribe again with after=, which reads the journal
-
-    async def _never_durable(self, name: str, position: int, first: int) -> bool:
-        """Whether the journal holds no event with a seq between ``position`` and ``first``."""
-        try:
-            trimmed, entries = await self.host.store.read_journal(name, position)
-            return trimmed <= position and not any(
-                position < event.seq < first
-                for entry in entries
-                for event in load_events(entry.data, session_id=name)
-            )
-        except SessionActorsError as exc:  # unreadable: count it as a gap
-            _fatal(exc)
-            return False
-
-    def _feed(self, name: str, items: Sequence[StreamItem]) -> None:
-        hub = self._mirrors.get(name)
-        for seq, kind, payload in items:
-            if hub is None or seq <= self._positions.get(name, 0):
-                continue
-            self._positions[name] = seq
-            if kind == "gone":
-                self._end_mirror(name, hub)
-                return
-            hub.advance(seq)
-            if kind == "lost":
-                hub.lose()
-                continue
-            try:
-                event = load_event(payload, session_id=name)
-            except SnapshotError:
-                hub.lose()
-                continue
-            hub.publish(event)
-            if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
-                self._end_mirror(name, hub)
-                return
-
-    def _rejoin(self, name: str) -> None:
-        """The session runs here again: once the hub here holds every event after the
-        mirror's, the mirror's subscriptions follow it (they go on from the hub here)."""
-        hub = self._mirrors.get(name)
-        position = self._positions.get(name)
-        if hub is None or position is None or self.host.events_here(name, position) is None:
-            return
-        self._drop_mirror(name)
-        hub.leave()
-
-    def _end_mirror(self, name: str, hub: Hub) -> None:
-        hub.close()
-        if self._mirrors.get(name) is hub:
-            self._drop_mirror(name)
+        return await self.streams.open_subscription(name, after)
 
     async def created(self, name: str) -> None:
-        # (lag markers of a deleted namesake would take the new session's seqs)
-        self._lost.pop(name, None)
-        self._failed.pop(name, None)
-        await self.transport.reset_events(name)
+        await self.streams.created(name)
 
     async def deleted(self, name: str) -> None:
-        # (if this fails, the workers that subscribe end the stream: their next watch
-        # finds the session gone)
-        with contextlib.suppress(StoreError):
-            await self.transport.end_events(name)
+        await self.streams.deleted(name)
 
-
-def _fatal(exc: BaseException) -> None:
-    """Raise ``exc`` again if no retry can fix it (the store's configuration)."""
-    if isinstance(exc, StoreConfigurationError):
-        raise exc
+    def _spawn(self, fn: Callable[[], Awaitable[None]], name: str) -> None:
+        """Run ``fn`` in the background while the worker runs (not at all otherwise)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, name=name)
 
 
 def _closing_error(name: str) -> SessionStoppedError:

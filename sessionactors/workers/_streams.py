@@ -1,0 +1,596 @@
+"""Events across workers: publishing a session's events to its stream while another
+worker subscribes, and serving subscriptions to sessions that run elsewhere from
+those streams (mirrors). See ``_cluster`` for the whole picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, Protocol, cast
+
+import trio
+
+from .._codec import dump_event, load_event, load_events
+from .._errors import (
+    LeaseHeldError,
+    SessionActorsError,
+    SessionStoppedError,
+    SnapshotError,
+    StoreError,
+)
+from .._events import Event, StatusChanged
+from .._hub import Hub
+from .._records import Status
+from .._router import RouterHost
+from .._subscription import EventIterator, open_event_iterator
+from ..stores._base import JournalEntry, Store
+from ._transport import StreamItem, Transport, fatal
+from ._wire import birth, pack, stamp_of, unstamp
+
+__all__ = ["MAX_ATTEMPTS", "Streams"]
+
+_QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions together
+_BATCH: Final = 1000  # events per publishing round trip
+#: Seconds between attempts to write lag markers that the store refused, while no
+#: newer event comes to carry them (their readers would otherwise wait without end).
+_MARKER_RETRY: Final = 0.5
+MAX_ATTEMPTS: Final = 200  # forwarding attempts (moves, refused posts) before giving up
+
+#: Send a request to the owner of a session and wait for its answer (None: no other
+#: worker holds it); check an answer, raising the error it carries.
+Forward = Callable[..., Awaitable[dict[str, Any] | None]]
+Check = Callable[[dict[str, Any], str], dict[str, Any]]
+
+
+class Counts(Protocol):
+    """Where the streams count the events they drop (the cluster's statistics)."""
+
+    events_lost: int
+
+
+class _CatchUp:
+    """Publish the journal entries up to ``upto`` that the stream lacks (a new incarnation)."""
+
+    __slots__ = ("upto",)
+
+    def __init__(self, upto: int) -> None:
+        self.upto = upto
+
+
+class _Lost:
+    """A lag marker: events ``first``..``last`` were dropped before the stream."""
+
+    __slots__ = ("first", "last")
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first = first
+        self.last = last
+
+
+_Item = Event | _CatchUp | _Lost
+
+
+class _Replay:
+    """The ``read_journal`` a subscription replays from: the event stream, then the journal."""
+
+    def __init__(self, streams: Streams) -> None:
+        self._streams = streams
+
+    async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        streams = self._streams
+        oldest, items = await streams.transport.events_after(session_id, after)
+        items, replaced = streams.own_items(session_id, items)
+        found = {seq: data for seq, kind, data in items if kind == "event"}
+        lost = any(kind == "lost" for _, kind, _ in items)
+        if replaced or (oldest is not None and oldest <= after + 1 and not lost):
+            # (replaced: the session was deleted, and its mirror ends once it reads on)
+            return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+        # The stream does not reach back to ``after``: the journal has the durable events
+        # (an entry holds a commit's events; the subscription merges them by seq).
+        trimmed, entries = await streams.host.store.read_journal(session_id, after)
+        return trimmed, entries + [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+
+
+class Streams:
+    """One worker's event streams: what it publishes, and the mirrors it reads."""
+
+    def __init__(
+        self,
+        host: RouterHost,
+        transport: Transport,
+        stats: Counts,
+        *,
+        forward: Forward,
+        check: Check,
+        spawn: Callable[[Callable[[], Awaitable[None]], str], None],
+    ) -> None:
+        self.host = host
+        self.transport = transport
+        self.stats = stats
+        self.worker = host.worker_id
+        self.ttl = host.config.lease_ttl
+        self._forward = forward
+        self._check = check
+        self._spawn = spawn
+        self._mirrors: dict[str, Hub] = {}
+        #: Sessions whose events this worker publishes (another worker subscribes), and
+        #: whether the stream must first catch up from the journal.
+        self._watched: dict[str, bool] = {}
+        self._positions: dict[str, int] = {}
+        #: The creation time of the session each mirror follows (None: not known yet,
+        #: the first stamped entry read tells).
+        self._births: dict[str, int | None] = {}
+        #: Mirrors made for a subscription that followed its session, whose stream was
+        #: not read yet: seqs missing before its first event are judged by the journal
+        #: (a wake after an unclean stop jumps over seqs that were never durable).
+        self._unread: set[str] = set()
+        # (session, the stamp of its payloads, what to publish)
+        self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
+        # Lag markers still to write: for events the tap dropped (the queue was full;
+        # written by the tap before the session's next event, or when the queue is
+        # empty) and for events a failed publish lost (written by the publisher before
+        # the session's next queued event, which is newer, or when the queue is empty).
+        self._lost: dict[str, tuple[int, int]] = {}
+        self._failed: dict[str, tuple[int, int]] = {}
+        self._publishing = False
+        self._flushed: trio.Event | None = None  # set once the queue is empty (closing)
+
+    @property
+    def subscriber_count(self) -> int:
+        return sum(hub.subscriber_count for hub in self._mirrors.values())
+
+    def positions(self) -> dict[str, int]:
+        """The seq each mirror's stream is read after."""
+        return dict(self._positions)
+
+    async def flush(self, patience: float) -> None:
+        """Wait up to ``patience`` seconds for the queued events to reach their streams."""
+        if self._receive.statistics().current_buffer_used or self._publishing:
+            flushed = self._flushed = trio.Event()
+            with trio.move_on_after(patience):
+                await flushed.wait()
+
+    def close(self) -> None:
+        """End every mirror's subscriptions (the worker stopped)."""
+        for hub in self._mirrors.values():
+            hub.close()
+        self._mirrors.clear()
+
+    async def renew(self) -> None:
+        """Renew the watch of every mirrored session; stop publishing the sessions that
+        nobody elsewhere subscribes to any more."""
+        await self.transport.watch(list(self._mirrors), self.ttl)
+        if self._watched:
+            names = list(self._watched)
+            still = await self.transport.watched(names)
+            for name in names:
+                if name not in still:
+                    self._watched.pop(name, None)
+
+    def publish_from(self, name: str, since: int | None) -> int:
+        """Another worker subscribes to the session, live here: publish its events from
+        now on (from ``since`` if its hub still holds the events after it, deltas
+        included); the seq it publishes from (-1: not live here)."""
+        host = self.host
+        seq = host.event_seq_here(name)
+        if seq is not None and name not in self._watched:
+            self._watched[name] = False
+            held = None if since is None else host.events_here(name, since)
+            if since is not None and held is not None:
+                seq = since
+            stamp = birth(host.created_here(name))
+            self._enqueue(name, stamp, _CatchUp(seq))
+            for event in held or ():
+                self._enqueue(name, stamp, event)
+        return -1 if seq is None else seq
+
+    async def take(self, events: Mapping[str, list[StreamItem]]) -> None:
+        """Feed what the reader read of the mirrored streams to their mirrors."""
+        for name, found in events.items():
+            items, replaced = self.own_items(name, found)
+            first = items[0] if items else None
+            if (
+                first is not None
+                and first[1] != "gone"  # (the end marker's seq is above every seq)
+                and first[0] > self._positions.get(name, 0) + 1
+            ):
+                await self._check_gap(name, first[0])
+            if items:
+                self._unread.discard(name)
+            self._feed(name, items)
+            if replaced:
+                hub = self._mirrors.get(name)
+                if hub is not None:
+                    self._end_mirror(name, hub)
+            elif items and self.host.is_live(name):
+                self._rejoin(name)
+
+    def own_items(self, name: str, items: Sequence[StreamItem]) -> tuple[list[StreamItem], bool]:
+        """The items of the session a mirror follows, unstamped, and whether a session
+        made again under its name published the rest (the one it follows was deleted:
+        the mirror ends). A deleted namesake's items are skipped."""
+        born = self._births.get(name)
+        own: list[StreamItem] = []
+        for seq, kind, payload in items:
+            stamp, payload = unstamp(payload)
+            if stamp is not None and stamp != born:
+                if born is None:  # the first the mirror reads
+                    born = stamp
+                    if name in self._births:
+                        self._births[name] = stamp
+                elif stamp > born:
+                    return own, True
+                else:
+                    continue
+            own.append((seq, kind, payload))
+        return own, False
+
+    # ---- events: publishing ------------------------------------------------------------
+
+    def tap_for(self, name: str) -> Callable[[Event], None]:
+        """The function a session's hub calls with every event it publishes: it goes
+        to the session's stream while another worker subscribes, nowhere otherwise."""
+        watched = self._watched
+        take_watched = self.transport.take_watched
+        created_here = self.host.created_here
+        created: datetime.datetime | None = None
+        born = b""
+
+        def tap(event: Event) -> None:
+            nonlocal created, born
+            catch_up = watched.get(name)
+            if catch_up is None:
+                if not take_watched(name):
+                    return  # nobody elsewhere subscribes
+                catch_up = True
+            now = created_here(name)
+            if now is not created:  # (a session made again under its name, too)
+                created, born = now, birth(now)
+            if catch_up:
+                watched[name] = False
+                if event.seq > 1:
+                    self._enqueue(name, born, _CatchUp(event.seq - 1))
+            self._enqueue(name, born, event)
+
+        return tap
+
+    def _enqueue(self, name: str, born: bytes, item: _Item) -> None:
+        seq = item.seq if isinstance(item, Event) else cast(_CatchUp, item).upto
+        lost = self._lost.get(name)
+        stats = self._send.statistics()
+        if lost is not None:
+            if stats.max_buffer_size - stats.current_buffer_used >= 2:
+                del self._lost[name]
+                self._send.send_nowait((name, born, _Lost(*lost)))
+            else:
+                self._lose(name, seq, seq)
+                return
+        try:
+            self._send.send_nowait((name, born, item))
+        except trio.WouldBlock:
+            self._lose(name, seq, seq)
+
+    def _lose(
+        self,
+        name: str,
+        first: int,
+        last: int,
+        into: dict[str, tuple[int, int]] | None = None,
+        count: int = 1,
+    ) -> None:
+        ranges = self._lost if into is None else into
+        self.stats.events_lost += count
+        lost = ranges.get(name)
+        if lost is not None:
+            first, last = min(first, lost[0]), max(last, lost[1])
+        ranges[name] = (first, last)
+
+    async def publish_loop(self) -> None:
+        keep = self.host.config.hub.replay_events
+        receive = self._receive
+        while True:
+            batch: list[tuple[str, bytes, _Item]] = []
+            if self._failed or self._lost:  # markers to write, with or without new events
+                with trio.move_on_after(_MARKER_RETRY):
+                    batch.append(await receive.receive())
+            else:
+                batch.append(await receive.receive())
+            self._publishing = True
+            try:
+                while len(batch) < _BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                if batch:
+                    await self._publish_batch(batch, keep)
+                if not receive.statistics().current_buffer_used and (self._failed or self._lost):
+                    created_here = self.host.created_here
+                    markers = [
+                        (n, birth(created_here(n)), cast(_Item, _Lost(*r)))
+                        for ranges in (self._failed, self._lost)
+                        for n, r in ranges.items()
+                    ]
+                    self._failed.clear()
+                    self._lost.clear()
+                    await self._publish_batch(markers, keep)
+            finally:
+                self._publishing = False
+                if self._flushed is not None and not receive.statistics().current_buffer_used:
+                    self._flushed.set()
+
+    async def _publish_batch(self, batch: Sequence[tuple[str, bytes, _Item]], keep: int) -> None:
+        groups: dict[str, list[StreamItem]] = {}
+
+        async def flush() -> None:
+            if groups:
+                try:
+                    await self.transport.publish(groups, keep)
+                except StoreError as exc:
+                    fatal(exc)
+                    await self._mark_failed(groups)
+                groups.clear()
+
+        for name, born, item in batch:
+            if isinstance(item, _CatchUp):
+                await flush()
+                await self._catch_up(name, born, item.upto, keep)
+                continue
+            seq = item.last if isinstance(item, _Lost) else item.seq
+            failed = self._failed.get(name)
+            if failed is not None and seq >= failed[0]:  # newer than the failed ones
+                if seq <= failed[1]:
+                    continue  # inside a range already marked lost
+                del self._failed[name]
+                marker = born + str(failed[0]).encode()
+                groups.setdefault(name, []).append((failed[1], "lost", marker))
+            if isinstance(item, _Lost):
+                marker = born + str(item.first).encode()
+                groups.setdefault(name, []).append((item.last, "lost", marker))
+                continue
+            try:
+                data = born + dump_event(item)
+            except (TypeError, ValueError):
+                self._lose(name, item.seq, item.seq, self._failed)
+                continue
+            groups.setdefault(name, []).append((item.seq, "event", data))
+        await flush()
+
+    async def _mark_failed(self, groups: Mapping[str, Sequence[StreamItem]]) -> None:
+        """Note the items the stream may lack as lost (a marker's range stays whole; only
+        events are counted: a marker's were counted when they were dropped)."""
+        for name, items in groups.items():
+            first = min(
+                int(unstamp(data)[1]) if kind == "lost" else seq for seq, kind, data in items
+            )
+            last = max(seq for seq, _, _ in items)
+            lost = sum(kind == "event" for _, kind, _ in items)
+            self._lose(name, first, last, self._failed, lost)
+        await trio.sleep(0.05)
+
+    async def _catch_up(self, name: str, born: bytes, upto: int, keep: int) -> None:
+        """Publish what the stream lacks up to ``upto`` from the journal (a dead
+        predecessor's durable events); nothing if the stream was never fed."""
+        try:
+            top = await self.transport.last_event_seq(name)
+            if top == 0 or top >= upto:
+                return
+            trimmed, batches = await self.host.store.read_journal(name, top)
+            entries = [  # one stream item per event (a journal entry holds a commit's)
+                JournalEntry(event.seq, dump_event(event))
+                for batch in batches
+                for event in load_events(batch.data, session_id=name)
+                if top < event.seq <= upto
+            ]
+            gone = min(trimmed, upto)  # entries up to here are no longer in the journal
+            if len(entries) > keep:  # keep the stream's bound: the oldest are skipped
+                gone = max(gone, entries[-keep - 1].seq)
+                entries = entries[-keep:]
+            items: list[StreamItem] = []
+            if gone > top:
+                items.append((gone, "lost", born + str(top + 1).encode()))
+            items += [(e.seq, "event", born + e.data) for e in entries if e.seq > gone]
+            if items:
+                await self.transport.publish({name: items}, keep)
+        except SessionActorsError as exc:
+            fatal(exc)
+            return  # deleted meanwhile, or the store is unreachable: subscribers replay
+
+    # ---- events: subscriptions ---------------------------------------------------------
+
+    async def open_subscription(self, name: str, after: int | None) -> EventIterator:
+        """A subscription to the session's hub here if it runs here; otherwise fed by
+        the session's event stream, wherever the session runs."""
+        host = self.host
+        found = self._mirrors.get(name)
+        top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
+        born: int | None = None  # when the session it runs was created
+        for _ in range(MAX_ATTEMPTS):
+            if found is not None or host.is_live(name):
+                break
+            answer = await self._forward(name, {"op": "watch", "s": name}, retry_safe=True)
+            if answer is not None:  # its owner publishes its events from ``top`` on
+                top = int(self._check(answer, name)["value"])
+                born = stamp_of(answer)
+                break
+            try:  # live nowhere, or its shard is this worker's: it wakes here
+                await host.read_here(name)
+            except SessionStoppedError:
+                break  # stopped: the local subscription replays and ends
+            except LeaseHeldError:
+                continue  # another worker woke it meanwhile: ask that one
+            if not host.is_live(name):
+                break
+            found = self._mirrors.get(name)
+        return await self._subscribe(name, after, top, born)
+
+    async def _follow(self, name: str, after: int) -> EventIterator:
+        """Go on with a subscription whose session left this worker, from ``after`` (the
+        last seq it delivered): from the session's hub here if it woke here again, from
+        its event stream otherwise, wherever it runs; a session that runs nowhere is not
+        woken (its next owner publishes its events)."""
+        top = -1
+        born: int | None = None
+        for _ in range(MAX_ATTEMPTS):
+            if self.host.is_live(name) or name in self._mirrors:
+                break
+            # Watched first: whoever claims the session from now on publishes its events.
+            await self.transport.watch([name], self.ttl)
+            owner = await self.transport.lease_owner(name)
+            if owner is None or owner == self.worker:
+                top = after  # it runs nowhere: its next owner publishes from its wake on
+                break
+            # Another worker took it before: it publishes from ``after`` (or the journal
+            # fills in what its hub no longer holds).
+            request = {"op": "watch", "s": name, "after": after}
+            answer = await self._forward(name, request, retry_safe=True)
+            if answer is not None:
+                top = max(after, int(self._check(answer, name)["value"]))
+                born = stamp_of(answer)
+                break
+        return await self._subscribe(name, after, top, born, followed=True)
+
+    async def _subscribe(
+        self, name: str, after: int | None, top: int, born: int | None, *, followed: bool = False
+    ) -> EventIterator:
+        """A subscription from the session's hub here (``top`` < 0) or from its event
+        stream, read from ``top`` on (a mirror made now starts there; ``born``: when
+        the session it follows was created, if known; ``followed``: for a subscription
+        that follows its session from ``top``)."""
+        host = self.host
+        found = self._mirrors.get(name)
+        if found is None and top < 0:
+            iterator = await host.open_subscription_here(name, after)
+            iterator.follow = lambda seq: self._follow(name, seq)
+            return iterator
+        if found is None:
+            found = self._mirrors[name] = Hub(name, host.config.hub)
+            found.advance(top)
+            self._positions[name] = top
+            self._births[name] = born
+            if followed:
+                self._unread.add(name)
+            self._poke()
+        hub: Hub = found
+        iterator = await open_event_iterator(
+            name,
+            hub,
+            cast(Store, _Replay(self)),
+            after,
+            lambda: self._release_mirror(name, hub),
+        )
+        iterator.follow = lambda seq: self._follow(name, seq)  # (back here: see _rejoin)
+        if not host.is_live(name):
+            try:
+                stopped = (await host.stored_status(name)) is Status.STOPPED
+            except BaseException:
+                iterator.close()
+                raise
+            if stopped:
+                iterator.close()
+        return iterator
+
+    def _release_mirror(self, name: str, hub: Hub) -> None:
+        if self._mirrors.get(name) is hub and hub.subscriber_count == 0:
+            self._drop_mirror(name)
+
+    def _drop_mirror(self, name: str) -> None:
+        del self._mirrors[name]
+        self._positions.pop(name, None)
+        self._births.pop(name, None)
+        self._unread.discard(name)
+
+    def _poke(self) -> None:
+        """Have the reader start over, now reading a new mirror's stream too."""
+
+        async def poke() -> None:
+            # on failure the reader picks the stream up at its next round anyway
+            with contextlib.suppress(StoreError):
+                await self.transport.post(self.worker, pack({"op": "wake"}), self.ttl)
+
+        self._spawn(poke, "cluster poke")
+
+    async def _check_gap(self, name: str, first: int) -> None:
+        """The stream skips seqs after a mirror's position (its next event is ``first``):
+        if it was trimmed past it (it outran the reader, or the store lost it), the
+        mirror's subscribers lag."""
+        position = self._positions.get(name, 0)
+        if not position:
+            return  # a new mirror: its subscribers' replay came from the journal
+        try:
+            oldest = await self.transport.first_event_seq(name)
+        except StoreError as exc:
+            fatal(exc)
+            oldest = 0
+        if 0 < oldest <= position + 1:
+            return
+        if name in self._unread and await self._never_durable(name, position, first):
+            return  # the new owner jumped over them: a followed subscription missed nothing
+        hub = self._mirrors.get(name)
+        if hub is not None:
+            hub.lose()  # they subscribe again with after=, which reads the journal
+
+    async def _never_durable(self, name: str, position: int, first: int) -> bool:
+        """Whether the journal holds no event with a seq between ``position`` and ``first``."""
+        try:
+            trimmed, entries = await self.host.store.read_journal(name, position)
+            return trimmed <= position and not any(
+                position < event.seq < first
+                for entry in entries
+                for event in load_events(entry.data, session_id=name)
+            )
+        except SessionActorsError as exc:  # unreadable: count it as a gap
+            fatal(exc)
+            return False
+
+    def _feed(self, name: str, items: Sequence[StreamItem]) -> None:
+        hub = self._mirrors.get(name)
+        for seq, kind, payload in items:
+            if hub is None or seq <= self._positions.get(name, 0):
+                continue
+            self._positions[name] = seq
+            if kind == "gone":
+                self._end_mirror(name, hub)
+                return
+            hub.advance(seq)
+            if kind == "lost":
+                hub.lose()
+                continue
+            try:
+                event = load_event(payload, session_id=name)
+            except SnapshotError:
+                hub.lose()
+                continue
+            hub.publish(event)
+            if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
+                self._end_mirror(name, hub)
+                return
+
+    def _rejoin(self, name: str) -> None:
+        """The session runs here again: once the hub here holds every event after the
+        mirror's, the mirror's subscriptions follow it (they go on from the hub here)."""
+        hub = self._mirrors.get(name)
+        position = self._positions.get(name)
+        if hub is None or position is None or self.host.events_here(name, position) is None:
+            return
+        self._drop_mirror(name)
+        hub.leave()
+
+    def _end_mirror(self, name: str, hub: Hub) -> None:
+        hub.close()
+        if self._mirrors.get(name) is hub:
+            self._drop_mirror(name)
+
+    async def created(self, name: str) -> None:
+        # (lag markers of a deleted namesake would take the new session's seqs)
+        self._lost.pop(name, None)
+        self._failed.pop(name, None)
+        await self.transport.reset_events(name)
+
+    async def deleted(self, name: str) -> None:
+        # (if this fails, the workers that subscribe end the stream: their next watch
+        # finds the session gone)
+        with contextlib.suppress(StoreError):
+            await self.transport.end_events(name)

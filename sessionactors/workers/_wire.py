@@ -1,0 +1,207 @@
+"""The wire format between workers: messages, replies, calls and errors, and the stamp
+on the payloads of a session's event stream.
+
+Messages are msgpack maps; a request's reply, result or error travels in the
+codec's encoding, and an error is raised again on the requester's side as the same
+sessionactors error. Wire tags are never reused.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+import msgpack
+
+from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
+from .._errors import SessionActorsError, SessionCrashedError
+from .._events import MessageAdded, ReviewRequested
+from .._records import Message, ReviewRequest
+from .._requests import (
+    AddMessages,
+    Call,
+    Cancel,
+    Delete,
+    Hibernate,
+    ReplaceHistory,
+    Reply,
+    ResolveReview,
+    Retry,
+    Rewind,
+    SetMetadata,
+    SetSummary,
+    Stop,
+    Truncate,
+)
+
+#: What a stamped stream payload starts with (0xc1 starts no msgpack value), then
+#: the creation time of the session that published it, in microseconds since the
+#: epoch (8 bytes, big-endian): a subscriber tells a session deleted and made again
+#: under its name from the one it follows, also when the end marked at the delete
+#: was gone from the stream before it looked (the new session's spawn resets it).
+_STAMPED: Final = b"\xc1"
+_STAMP_LEN: Final = 9
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_MICROSECOND: Final = datetime.timedelta(microseconds=1)
+#: The requests a worker forwards, by their wire tag (never reuse a retired tag).
+_CALL_TAGS: Final[dict[str, type[Any]]] = {
+    "truncate": Truncate,
+    "rewind": Rewind,
+    "set_summary": SetSummary,
+    "set_metadata": SetMetadata,
+    "review": ResolveReview,
+    "hibernate": Hibernate,
+    "cancel": Cancel,
+    "stop": Stop,
+    "delete": Delete,
+    "retry": Retry,
+    "add_messages": AddMessages,
+    "replace_history": ReplaceHistory,
+}
+_TAG_OF: Final = {cls: tag for tag, cls in _CALL_TAGS.items()}
+# Errors that are plain builtins when the owner raises them.
+_BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "LookupError": LookupError,
+    "KeyError": KeyError,
+}
+_ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
+
+
+def born(created: datetime.datetime) -> int:
+    """A session's creation time, as its stream's payloads carry it."""
+    return (created - _EPOCH) // _MICROSECOND
+
+
+def birth(created: datetime.datetime | None) -> bytes:
+    """The stamp of a session's stream payloads (b"" for one not live here: unstamped)."""
+    return b"" if created is None else _STAMPED + born(created).to_bytes(8, "big")
+
+
+def unstamp(payload: bytes) -> tuple[int | None, bytes]:
+    """``(creation time of the session that published it or None, the payload)``."""
+    if payload[:1] == _STAMPED and len(payload) >= _STAMP_LEN:
+        return int.from_bytes(payload[1:_STAMP_LEN], "big"), payload[_STAMP_LEN:]
+    return None, payload
+
+
+def stamp_of(answer: Mapping[str, Any]) -> int | None:
+    """The creation time in a watch's answer (None from a worker that sends none)."""
+    born = answer.get("born")
+    return born if isinstance(born, int) else None
+
+
+def pack(body: Mapping[str, Any]) -> bytes:
+    # (datetimes: metadata may hold them, and set_metadata carries metadata)
+    data: bytes = msgpack.packb(body, use_bin_type=True, datetime=True)
+    return data
+
+
+def unpack(data: bytes) -> dict[str, Any] | None:
+    # (the codec's bounds: metadata, which set_metadata carries and answers with, may
+    # hold as many keys and items as the store keeps)
+    try:
+        body = msgpack.unpackb(
+            data, raw=False, timestamp=3, max_map_len=MAX_MAP_LEN, max_array_len=MAX_ARRAY_LEN
+        )
+    except (ValueError, TypeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def dump_reply(name: str, reply: Reply) -> dict[str, Any]:
+    turn_id, message, reviews = reply.turn_id, reply.message, reply.reviews
+    return {
+        "turn_id": turn_id,
+        "message": (
+            None
+            if message is None
+            else dump_event(MessageAdded(session_id=name, seq=0, turn_id=turn_id, message=message))
+        ),
+        "reviews": [
+            dump_event(ReviewRequested(session_id=name, seq=0, turn_id=turn_id, review=r))
+            for r in reviews
+        ],
+    }
+
+
+def load_reply(name: str, body: Any) -> Reply:
+    turn_id = str(body["turn_id"])
+    message: Message | None = None
+    if body["message"] is not None:
+        event = load_event(bytes(body["message"]), session_id=name)
+        assert isinstance(event, MessageAdded)
+        message = event.message
+    reviews: list[ReviewRequest] = []
+    for data in body["reviews"]:
+        event = load_event(bytes(data), session_id=name)
+        assert isinstance(event, ReviewRequested)
+        reviews.append(event.review)
+    return Reply(turn_id=turn_id, message=message, reviews=tuple(reviews))
+
+
+def dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, Any]:
+    if isinstance(request, AddMessages | ReplaceHistory):  # records: the codec's bytes
+        added = [MessageAdded(session_id=name, seq=0, message=m) for m in request.messages]
+        return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
+    return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
+
+
+def load_call(name: str, body: Any) -> Call | Cancel | Stop | Delete:
+    cls = _CALL_TAGS[str(body["t"])]
+    request: Call | Cancel | Stop | Delete
+    if cls is AddMessages or cls is ReplaceHistory:
+        data = body["m"]
+        events = [] if data is None else load_events(bytes(data), session_id=name)
+        messages = tuple(e.message for e in events if isinstance(e, MessageAdded))
+        request = cls(messages=messages)
+    else:
+        request = cls(**dict(body["f"]))
+    return request
+
+
+def _error_classes() -> dict[str, type[SessionActorsError]]:
+    found: dict[str, type[SessionActorsError]] = {}
+    todo: list[type[SessionActorsError]] = [SessionActorsError]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def dump_error(exc: BaseException) -> dict[str, Any]:
+    extra = {}
+    for name in _ERROR_ATTRS:
+        value = getattr(exc, name, None)
+        if isinstance(value, str | int) and not isinstance(value, bool):
+            extra[name] = value
+    return {"err": type(exc).__name__, "msg": str(exc), "attrs": extra}
+
+
+def load_error(body: Mapping[str, Any], name: str, owner: str) -> Exception:
+    kind = str(body["err"])
+    message = str(body.get("msg", ""))
+    builtin = _BUILTIN_ERRORS.get(kind)
+    if builtin is not None:
+        error: Exception = builtin(message)
+    else:
+        cls = _error_classes().get(kind)
+        if cls is None:
+            error = SessionCrashedError(
+                f"session {name!r}: its owner, worker {owner!r}, failed with {kind}: {message}",
+                session_id=name,
+            )
+        else:
+            rebuilt = cls.__new__(cls)  # its own __init__ may want more than a message
+            Exception.__init__(rebuilt, message)
+            rebuilt.session_id = name
+            for attr, value in dict(body.get("attrs") or {}).items():
+                if attr in _ERROR_ATTRS:
+                    setattr(rebuilt, attr, value)
+            error = rebuilt
+    error.add_note(f"raised by worker {owner!r}, which runs session {name!r}")
+    return error
