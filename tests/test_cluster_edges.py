@@ -15,7 +15,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import EchoModel
 from stream_checks import stream_problems
 
@@ -271,6 +271,35 @@ async def test_an_answer_larger_than_redis_pubsub_limit_reaches_another_worker(
             assert [m.content.split(":", 1)[0] for m in history] == [str(i) for i in range(36)]
             assert (await b.ref("s").send("still there")).text == "still there"
             assert a.live() == ["s"]
+
+
+async def test_a_sessions_event_stream_keeps_the_entry_format_of_earlier_versions(
+    redis_url: str,
+) -> None:
+    """While another worker subscribes, the entries of a session's event stream in Redis keep the format that workers of the previous version read (a rolling upgrade runs both): an event's ``d`` field holds the codec's bytes of the event, and the session's creation time (which tells sessions of one name apart) is a field of its own."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("one")
+            async with b.ref("s").subscribe() as stream:
+                await ref.send("two")
+                async for event in stream:
+                    if isinstance(event, sa.TurnFinished):
+                        break
+            entries = []
+            async with coredis.Redis.from_url(redis_url) as raw:
+                async for key in raw.scan_iter(match=f"{prefix}:*:ev", count=1000):
+                    entries += await raw.xrange(key)  # (the session's event stream)
+    events = [e for e in entries if b"d" in e.field_values]
+    assert events, entries
+    decoded = [load_events(bytes(e.field_values[b"d"]), session_id="s") for e in events]
+    texts = [e.text for found in decoded for e in found if isinstance(e, sa.TurnStarted)]
+    assert texts == ["two"]
+    assert {len(e.field_values[b"b"]) for e in events} == {8}  # the creation time
 
 
 async def test_a_subscription_elsewhere_to_a_deleted_session_never_hears_one_made_again_under_its_name(

@@ -53,6 +53,7 @@ from coredis.connection import UnixDomainSocketLocation
 from .._codec import MAX_SEQ
 from .._errors import StoreConfigurationError, StoreError
 from ..workers import StreamItem
+from ..workers._wire import join_stamp, split_stamp
 from ._redis_connect import Client
 from ._resp import Endpoint, RespConnection, connect
 
@@ -140,18 +141,26 @@ return 1
 # An entry whose id is not above the stream's last is dropped (it is there already, or
 # the stream ended); any other refusal (out of memory, say) fails the call, which the
 # multi-worker layer then marks as lost: a reader never skips an event in silence.
+# ARGV per entry: its id, field and value, and the stamp ('' for none) that goes in a
+# field "b" of its own (workers of an earlier version read the value alone).
 _PUBLISH: Final = """
 local pos = 3
 for i = 1, #KEYS do
   local n = tonumber(ARGV[pos])
   pos = pos + 1
   for j = 1, n do
-    local r = redis.pcall(
-      'XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    local r
+    if ARGV[pos + 3] == '' then
+      r = redis.pcall(
+        'XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos], ARGV[pos + 1], ARGV[pos + 2])
+    else
+      r = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos],
+        ARGV[pos + 1], ARGV[pos + 2], 'b', ARGV[pos + 3])
+    end
     if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
       return r
     end
-    pos = pos + 3
+    pos = pos + 4
   end
   redis.call('PEXPIRE', KEYS[i], ARGV[2])
 end
@@ -218,12 +227,13 @@ def _seq_of(identifier: Any) -> int:
 
 def _item(identifier: Any, fields: Mapping[Any, Any]) -> StreamItem:
     seq = _seq_of(identifier)
+    stamp = bytes(fields.get(b"b") or b"")
     data = fields.get(b"d")
     if data is not None:
-        return (seq, "event", bytes(data))
+        return (seq, "event", join_stamp(stamp, bytes(data)))
     lost = fields.get(b"lost")
     if lost is not None:
-        return (seq, "lost", bytes(lost))
+        return (seq, "lost", join_stamp(stamp, bytes(lost)))
     return (seq, "gone", b"")
 
 
@@ -643,7 +653,8 @@ class RedisTransport:
             args.append(str(len(items)))
             for seq, kind, payload in items:
                 field = {"event": "d", "lost": "lost"}.get(kind, "gone")
-                args += [f"{seq}-0", field, payload or b"1"]
+                stamp, rest = split_stamp(payload)
+                args += [f"{seq}-0", field, rest or b"1", stamp]
 
         async def run(client: Client) -> None:
             if not isinstance(client, coredis.RedisCluster):  # one script for every stream

@@ -16,7 +16,9 @@ __all__ = ["StreamItem", "Transport", "fatal"]
 #: One entry of a session's event stream: (seq, kind, payload). Kinds: "event"
 #: (payload: the codec's bytes), "lost" (payload: the first lost seq, ASCII; the
 #: entry's seq is the last lost one) and "gone" (the session was deleted). The
-#: multi-worker layer stamps the payloads of "event" and "lost" (see ``_wire``).
+#: multi-worker layer stamps the payloads of "event" and "lost" (see ``_wire``);
+#: RedisStore keeps the stamp in a field of its own (``split_stamp``), so that
+#: workers of an earlier version, during a rolling upgrade, read the rest as before.
 StreamItem = tuple[int, str, bytes]
 
 

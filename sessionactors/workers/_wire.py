@@ -88,6 +88,19 @@ def unstamp(payload: bytes) -> tuple[int | None, bytes]:
     return None, payload
 
 
+def split_stamp(payload: bytes) -> tuple[bytes, bytes]:
+    """``(the stamp's 8 bytes or b"", the rest)``: a store keeps the stamp apart, so that
+    workers of an earlier version, which know no stamp, read the rest as before."""
+    if payload[:1] == _STAMPED and len(payload) >= _STAMP_LEN:
+        return payload[1:_STAMP_LEN], payload[_STAMP_LEN:]
+    return b"", payload
+
+
+def join_stamp(stamp: bytes, rest: bytes) -> bytes:
+    """The payload that :func:`split_stamp` split."""
+    return _STAMPED + stamp + rest if stamp else rest
+
+
 def stamp_of(answer: Mapping[str, Any]) -> int | None:
     """The creation time in a watch's answer (None from a worker that sends none)."""
     born = answer.get("born")
