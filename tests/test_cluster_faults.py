@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
@@ -363,3 +364,79 @@ async def test_a_turn_whose_answer_was_lost_and_then_forgotten_does_not_run_agai
     assert len(outcome) == 1
     assert isinstance(outcome[0], sa.SessionCrashedError), repr(outcome[0])
     assert "may have run" in str(outcome[0])
+
+
+async def drain_and_send(
+    redis_url: str, drain: float, requester_grace: float
+) -> tuple[list[sa.Reply | sa.SessionActorsError], list[str], float]:
+    """Worker a runs a turn of "s" that takes ``drain`` seconds and shuts down meanwhile
+    (its grace is longer); half a second in, worker b (``requester_grace``) sends "s" a
+    turn. What b's send got, the history, and how long b's send took."""
+    model = GatedEcho(trio.Event(), trio.Event())
+    options: dict[str, Any] = {"agents": {"echo": sa.Agent(model=model)}, "lease_ttl": TTL}
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    outcome: list[sa.Reply | sa.SessionActorsError] = []
+    took = 0.0
+
+    def worker(worker_id: str, grace: float) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        return sa.open_registry(store=store, worker_id=worker_id, shutdown_grace=grace, **options)
+
+    with trio.fail_after(2 * drain + 30):
+        async with worker("b", requester_grace) as b, trio.open_nursery() as nursery:
+
+            async def send_through_b() -> None:
+                nonlocal took
+                started = trio.current_time()
+                try:
+                    outcome.append(await b.ref("s").send("after the drain"))
+                except sa.SessionActorsError as exc:
+                    outcome.append(exc)
+                took = trio.current_time() - started
+
+            async def run_a(task_status: trio.TaskStatus[None]) -> None:
+                async with worker("a", 2 * drain) as a:
+                    ref = await a.spawn("s")
+                    nursery.start_soon(ref.send, "only once")  # a long turn, on a
+                    await model.started.wait()
+                    task_status.started()
+                # (leaving the block: a shuts down, draining the turn: its grace is long)
+
+            await nursery.start(run_a)
+            await trio.sleep(0.5)
+            nursery.start_soon(send_through_b)
+            with trio.move_on_after(drain):
+                while not outcome:
+                    await trio.sleep(0.05)
+            model.release.set()
+            with trio.fail_after(requester_grace + 10 * TTL):
+                while not outcome:
+                    await trio.sleep(0.05)
+            history = [m.content for m in await b.ref("s").history() if m.role is sa.Role.USER]
+    return outcome, history, took
+
+
+@pytest.mark.soak
+async def test_a_request_to_a_session_whose_worker_drains_a_long_turn_waits_for_it(
+    redis_url: str,
+) -> None:
+    """A turn sent through another worker to a session whose worker is shutting down while a turn runs there (a rolling restart, under a long shutdown grace) waits until that worker lets the session go, then runs on the next one: it neither fails after a fixed number of "moved" answers nor says the session crashed."""
+    drain = 20.0  # longer than the 200 "moved" answers once took at lease_ttl=1
+    outcome, history, took = await drain_and_send(redis_url, drain, requester_grace=2 * drain)
+    assert isinstance(outcome[0], sa.Reply), repr(outcome[0])
+    assert outcome[0].text == "after the drain"
+    assert took > drain - 1  # it waited for the drain
+    assert history == ["only once", "after the drain"]
+
+
+async def test_a_request_to_a_session_whose_worker_drains_too_long_says_it_did_not_run(
+    redis_url: str,
+) -> None:
+    """A turn sent through another worker to a session whose worker keeps draining a turn for longer than the sender's own shutdown grace (and two lease lifetimes) ends with SessionStoppedError saying it did not run, and it did not."""
+    outcome, history, took = await drain_and_send(redis_url, drain=8.0, requester_grace=1.0)
+    error = outcome[0]
+    assert isinstance(error, sa.SessionStoppedError), repr(error)
+    assert error.session_id == "s"
+    assert "did not run" in str(error)
+    assert 1.0 + 2 * TTL <= took < 1.0 + 2 * TTL + 2  # its grace and two lease lifetimes
+    assert history == ["only once"]

@@ -225,6 +225,10 @@ class Cluster:
         self.worker = host.worker_id
         self.incarnation = new_id("inc")
         self.ttl = host.config.lease_ttl
+        #: How long a request waits for a session that keeps moving: a worker that shuts
+        #: down keeps its sessions while its turns finish (judged by this worker's own
+        #: shutdown grace), then hibernates them within about a lease's time.
+        self._patience = host.config.shutdown_grace + 2 * self.ttl
         self.stats = ClusterStatistics()
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -708,7 +712,20 @@ class Cluster:
         shard = self.transport.shard(name)
         unheard_since: float | None = None  # since when the owner says it never got it
         unheard_copies = 0
-        for attempt in range(MAX_ATTEMPTS):
+        # "Moved" answers are bounded by time, not counted: a worker that shuts down
+        # answers so until its turns in flight are done (its shutdown grace)
+        moving_since: float | None = None
+        moves = 0
+        attempt = -1
+        while True:
+            attempt += 1
+            if attempt - moves >= MAX_ATTEMPTS:
+                raise SessionCrashedError(
+                    f"session {name!r}: could not reach the worker that runs it after "
+                    f"{MAX_ATTEMPTS} attempts (its worker kept dying or refusing messages); "
+                    "retry later",
+                    session_id=name,
+                )
             handover = self._leaving.get(shard)
             if handover is not None:  # handing the shard over: wait for its next owner
                 await handover.done.wait()
@@ -797,15 +814,21 @@ class Cluster:
             if answer.get("moved") or (retry_safe and answer.get("err") == "FencedOutError"):
                 self._owners.pop(name, None)
                 self.stats.moved += 1
-                await trio.sleep(min(self.ttl / 10, 0.002 * attempt))
+                moves += 1
+                now = trio.current_time()
+                moving_since = now if moving_since is None else moving_since
+                if now - moving_since > self._patience:
+                    raise SessionStoppedError(
+                        f"session {name!r}: worker {owner!r}, which runs it, has answered "
+                        f"that it moved for {now - moving_since:.1f} s (it is shutting "
+                        "down with a turn still running, or the session keeps moving), so "
+                        "this request did not run; send it again",
+                        session_id=name,
+                    )
+                await trio.sleep(min(self.ttl / 10, 0.002 * moves))
                 continue
             answer["_owner"] = owner
             return answer
-        raise SessionCrashedError(
-            f"session {name!r}: could not reach the worker that runs it after "
-            f"{MAX_ATTEMPTS} attempts (it kept moving or its worker kept dying); retry later",
-            session_id=name,
-        )
 
     async def _wait_answer(
         self,
