@@ -499,14 +499,17 @@ class Actor:
     def _fence(self) -> int | None:
         return self.lease.fence if self.lease is not None else None
 
-    async def commit(self, *, compact: bool = True) -> None:
-        """Make the unsaved journal events durable (per the durability policy)."""
-        journal = self.journal
-        if journal.unsaved and journal.per_turn:
-            session = self.session
-            await journal.commit(
-                session, self._fence, max(self._hub().seq, session.event_seq), compact=compact
-            )
+    def commit(self, *, compact: bool = True) -> Awaitable[None]:
+        """Make the unsaved journal events durable (per the durability policy): the
+        journal's write, to await (no coroutine of our own around it)."""
+        hub = self.hub
+        lease = self.lease
+        return self.journal.commit(
+            self.session,
+            lease.fence if lease is not None else None,
+            hub.seq if hub is not None else 0,
+            compact=compact,
+        )
 
     async def _write_snapshot(self, status: Status) -> None:
         await self.journal.write_snapshot(

@@ -916,14 +916,22 @@ class _FastBuilder:
         for field in attrs.fields(cls):
             value = f"{obj}_{field.name}"
             lines.append(f"{indent}{value} = {obj}.{field.name}")
-            expr = self.field(field.type, value, indent)
             if omit and field.name == _OMITTED_IF_DEFAULT:
+                # the default (a record) is written as nothing: checked and built only
+                # when it is not the default
                 default = self.name("default", field.default)
+                cls_name = self.name("cls", field.default.__class__)
                 late.append(
-                    f"{indent}if {value} is not {default} and {value} != {default}: "
-                    f"{obj}_d[{field.name!r}] = {expr}"
+                    f"{indent}if {value} is not {default} and "
+                    f"({value}.__class__ is not {cls_name} or {value} != {default}):"
                 )
+                start = len(lines)
+                expr = self.field(field.type, value, indent + "    ")
+                late += lines[start:]
+                del lines[start:]
+                late.append(f"{indent}    {obj}_d[{field.name!r}] = {expr}")
             else:
+                expr = self.field(field.type, value, indent)
                 items.append(f"{field.name!r}: {expr}")
         lines.append(f"{indent}{obj}_d = {{{', '.join(items)}}}")
         lines.extend(late)
@@ -956,7 +964,8 @@ class _FastBuilder:
             return f"{v}._value_"
         if _is_metadata(type_):
             lines += [
-                f"{indent}if {v} is _NO_METADATA: n += 1",
+                # the shared empty metadata, or an empty map (a session's, as spawned)
+                f"{indent}if {v} is _NO_METADATA or ({v}.__class__ is dict and not {v}): n += 1",
                 f"{indent}else:",
                 f"{indent}    try: {v}_n = _check_metadata({v}, '')",
                 f"{indent}    except _FieldError: {slow}",

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable
+from typing import Final
 
 import attrs
 
@@ -20,7 +21,7 @@ from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump
 from ._config import RegistryConfig
 from ._errors import StoreError
 from ._events import Event
-from ._records import Status
+from ._records import Status, maker
 from ._session import LiveSession
 from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
@@ -30,6 +31,7 @@ __all__ = ["SEQ_GAP", "Journal"]
 #: How far seq jumps when a session wakes from a state that was not hibernated
 #: cleanly (the process died): above any seq the lost incarnation can have used.
 SEQ_GAP = 1 << 20
+_make_entry: Final = maker(JournalEntry)
 
 
 class Journal:
@@ -101,11 +103,12 @@ class Journal:
         return self.status_due or seq >= self.at
 
     async def commit(
-        self, session: LiveSession, fence: int | None, snapshot_seq: int, *, compact: bool = True
+        self, session: LiveSession, fence: int | None, hub_seq: int, *, compact: bool = True
     ) -> None:
         """Make the unsaved events durable (with a journal, ``durability="turn"``).
 
-        Then, if ``compact``, snapshot once the journal outweighs the snapshot. That
+        Then, if ``compact``, snapshot once the journal outweighs the snapshot (as of
+        the later of ``hub_seq``, the last seq published, and the state's). That
         snapshot only compacts (what it holds is journaled already): if the store
         refuses it, the journal waits for the next try.
         """
@@ -113,7 +116,7 @@ class Journal:
         if not self.per_turn or not events:
             return
         count = len(events)
-        entry = JournalEntry(events[-1].seq, dump_events(events))
+        entry = _make_entry(seq=events[-1].seq, data=dump_events(events))
         try:
             await self._timed(
                 "append",
@@ -133,7 +136,8 @@ class Journal:
             and self._size >= self._snapshot_size
         ):
             with contextlib.suppress(Exception):  # the entries are stored: only compaction
-                await self.write_snapshot(session, fence, snapshot_seq, session.status)
+                seq = max(hub_seq, session.event_seq)
+                await self.write_snapshot(session, fence, seq, session.status)
 
     async def write_snapshot(
         self, session: LiveSession, fence: int | None, seq: int, status: Status

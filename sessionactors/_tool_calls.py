@@ -6,7 +6,7 @@ these functions reach the actor only through :class:`TurnHost`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 import trio
@@ -49,7 +49,7 @@ class TurnHost(Protocol):
     def durable(self, event: Event, *, publish: bool = True) -> Event: ...
     def add_message(self, message: Message) -> None: ...
     def request_messages(self, agent: Agent | None = None) -> Sequence[Message]: ...
-    async def commit(self, *, compact: bool = True) -> None: ...
+    def commit(self, *, compact: bool = True) -> Awaitable[None]: ...
 
 
 def _needs_review(agent: Agent, call: ToolCall) -> bool:
