@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
 import tracemalloc
 import uuid
@@ -15,7 +16,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore, load_events
+from sessionactors.stores import RedisStore, dump_info, load_events
 from sessionactors.testing import EchoModel
 from stream_checks import stream_problems
 
@@ -271,6 +272,65 @@ async def test_an_answer_larger_than_redis_pubsub_limit_reaches_another_worker(
             assert [m.content.split(":", 1)[0] for m in history] == [str(i) for i in range(36)]
             assert (await b.ref("s").send("still there")).text == "still there"
             assert a.live() == ["s"]
+
+
+async def test_a_subscription_following_its_session_elsewhere_never_hears_one_made_again_under_its_name(
+    redis_url: str,
+) -> None:
+    """A subscription whose session left its worker (hibernated there) and was then deleted and made again under its name on another worker ends: it follows the session it subscribed to, not whichever one holds the name when it next reads."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    texts: list[str] = []
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            ref = await b.spawn("s")
+            await ref.send("old one")
+            async with b.ref("s").subscribe(after=0) as stream:
+                async for event in stream:
+                    if isinstance(event, sa.TurnStarted):
+                        texts.append(event.text)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+                await b.ref("s").hibernate()  # it leaves b: the subscription follows it
+                await a.delete("s")
+                ref = await a.spawn("s")
+                for i in range(6):  # (past the seqs the deleted session used)
+                    await ref.send(f"new {i}")
+                with trio.move_on_after(4 * TTL) as waited:
+                    async for event in stream:
+                        if isinstance(event, sa.TurnStarted):
+                            texts.append(event.text)
+    assert texts == ["old one"]
+    assert not waited.cancelled_caught  # it ended
+
+
+async def test_a_session_created_before_1970_is_followed_from_another_worker(
+    redis_url: str,
+) -> None:
+    """A stored session whose creation time is before 1970 (imported from elsewhere) can be subscribed to from another worker like any other."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    long_ago = datetime.datetime(1960, 1, 1, tzinfo=datetime.UTC)
+    state = sa.SessionState(session_id="s", agent="echo", created_at=long_ago, updated_at=long_ago)
+    info = sa.SessionInfo(
+        session_id="s", agent="echo", status=state.status, message_count=0, updated_at=long_ago
+    )
+    store = RedisStore(redis_url, prefix=prefix)
+    await store.create("s", sa.dump_snapshot(state), dump_info(info))
+    await store.aclose()
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            await a.ref("s").send("one")  # live on a
+            async with b.ref("s").subscribe() as stream:
+                await a.ref("s").send("two")
+                async for event in stream:
+                    if isinstance(event, sa.TurnStarted):
+                        assert event.text == "two"
+                        break
 
 
 async def test_a_sessions_event_stream_keeps_the_entry_format_of_earlier_versions(

@@ -69,7 +69,11 @@ _TLS_OPTIONS: Final = (
     "ssl_check_hostname",
 )
 _CERT_REQS: Final = ("none", "optional", "required")
-_BOOLEANS: Final = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+#: The spellings of ``ssl_check_hostname`` (those coredis takes in a ``rediss://`` URL).
+_BOOLEANS: Final = {
+    **dict.fromkeys(("1", "t", "true", "y", "yes"), True),
+    **dict.fromkeys(("0", "f", "false", "n", "no"), False),
+}
 
 _STANDALONE: Final = ("redis", "rediss", "unix")
 _CLUSTER: Final = ("redis+cluster", "rediss+cluster")
@@ -140,11 +144,22 @@ def _tls_options(query: dict[str, str], scheme: str, url: str) -> dict[str, Any]
         )
     check = found.get("ssl_check_hostname")
     if check is not None:
-        if check.lower() not in _BOOLEANS:
+        if check and check.lower() not in _BOOLEANS:
             raise ValueError(
                 f"redis url {redact(url)!r}: ssl_check_hostname={check!r} is not true or false"
             )
-        options["ssl_check_hostname"] = _BOOLEANS[check.lower()]
+        options["ssl_check_hostname"] = _BOOLEANS.get(check.lower())
+        if options["ssl_check_hostname"] and reqs == "none":
+            raise ValueError(
+                f"redis url {redact(url)!r}: ssl_cert_reqs=none checks no certificate, so "
+                "there is no host name to check; drop ssl_check_hostname or ask for "
+                "ssl_cert_reqs=required"
+            )
+    if ("ssl_certfile" in found) != ("ssl_keyfile" in found):
+        raise ValueError(
+            f"redis url {redact(url)!r}: a client certificate takes both ssl_certfile and "
+            "ssl_keyfile (the key may be the same file)"
+        )
     return options
 
 

@@ -135,7 +135,7 @@ from .._subscription import EventIterator
 from ._streams import MAX_ATTEMPTS, Streams
 from ._transport import Transport, fatal
 from ._wire import (
-    born,
+    creation_stamp,
     dump_call,
     dump_error,
     dump_reply,
@@ -499,7 +499,7 @@ class Cluster:
                 since = body.get("after")
                 top = self.streams.publish_from(name, None if since is None else int(since))
                 await self._answer(
-                    body, {"ok": "value", "value": top, "born": born(state.created_at)}
+                    body, {"ok": "value", "value": top, "born": creation_stamp(state.created_at)}
                 )
             elif op == "call":
                 value = await host.call_here(name, load_call(name, body["req"]))
@@ -773,6 +773,11 @@ class Cluster:
                 answer = await self._wait_answer(name, owner, incarnation, rid, receive, on_ack)
             finally:
                 del self._waiters[rid]
+            moved = bool(
+                answer.get("moved") or (retry_safe and answer.get("err") == "FencedOutError")
+            )
+            if not moved:
+                moving_since = None  # (a run of "moved" answers is timed from its first)
             if answer.get("ok") == "unknown":  # it never got the request: send it again
                 # (a copy lost on the way); every copy lost for two lease lifetimes
                 # (the owner cannot read them, or they never reach it): give up
@@ -811,7 +816,7 @@ class Cluster:
                         session_id=name,
                     )
                 continue
-            if answer.get("moved") or (retry_safe and answer.get("err") == "FencedOutError"):
+            if moved:
                 self._owners.pop(name, None)
                 self.stats.moved += 1
                 moves += 1

@@ -27,7 +27,7 @@ from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
 from ..stores._base import JournalEntry, Store
 from ._transport import StreamItem, Transport, fatal
-from ._wire import birth, pack, stamp_of, unstamp
+from ._wire import birth, creation_stamp, pack, stamp_of, unstamp
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
 
@@ -93,6 +93,15 @@ class _Replay:
         return trimmed, entries + [JournalEntry(seq, found[seq]) for seq in sorted(found)]
 
 
+class _Followed:
+    """When the session a mirror follows was created, once known (None: not yet)."""
+
+    __slots__ = ("born",)
+
+    def __init__(self, born: int | None) -> None:
+        self.born = born
+
+
 class Streams:
     """One worker's event streams: what it publishes, and the mirrors it reads."""
 
@@ -119,9 +128,9 @@ class Streams:
         #: whether the stream must first catch up from the journal.
         self._watched: dict[str, bool] = {}
         self._positions: dict[str, int] = {}
-        #: The creation time of the session each mirror follows (None: not known yet,
-        #: the first stamped entry read tells).
-        self._births: dict[str, int | None] = {}
+        #: The session each mirror follows (its creation time, once known: the first
+        #: stamped entry read tells, if the owner's answer did not).
+        self._births: dict[str, _Followed] = {}
         #: Mirrors made for a subscription that followed its session, whose stream was
         #: not read yet: seqs missing before its first event are judged by the journal
         #: (a wake after an unclean stop jumps over seqs that were never durable).
@@ -211,15 +220,16 @@ class Streams:
         """The items of the session a mirror follows, unstamped, and whether a session
         made again under its name published the rest (the one it follows was deleted:
         the mirror ends). A deleted namesake's items are skipped."""
-        born = self._births.get(name)
+        followed = self._births.get(name)
+        born = None if followed is None else followed.born
         own: list[StreamItem] = []
         for seq, kind, payload in items:
             stamp, payload = unstamp(payload)
             if stamp is not None and stamp != born:
                 if born is None:  # the first the mirror reads
                     born = stamp
-                    if name in self._births:
-                        self._births[name] = stamp
+                    if followed is not None:
+                        followed.born = stamp
                 elif stamp > born:
                     return own, True
                 else:
@@ -426,15 +436,23 @@ class Streams:
             found = self._mirrors.get(name)
         return await self._subscribe(name, after, top, born)
 
-    async def _follow(self, name: str, after: int) -> EventIterator:
+    async def _follow(self, name: str, after: int, mine: int | None) -> EventIterator:
         """Go on with a subscription whose session left this worker, from ``after`` (the
         last seq it delivered): from the session's hub here if it woke here again, from
         its event stream otherwise, wherever it runs; a session that runs nowhere is not
-        woken (its next owner publishes its events)."""
+        woken (its next owner publishes its events). It ends if the name now holds
+        another session than the one it followed (``mine``: when that was created)."""
         top = -1
-        born: int | None = None
+        born = mine
+        replaced = False
         for _ in range(MAX_ATTEMPTS):
-            if self.host.is_live(name) or name in self._mirrors:
+            if self.host.is_live(name):
+                created = self.host.created_here(name)
+                replaced = (
+                    mine is not None and created is not None and creation_stamp(created) != mine
+                )
+                break
+            if name in self._mirrors:
                 break
             # Watched first: whoever claims the session from now on publishes its events.
             await self.transport.watch([name], self.ttl)
@@ -448,9 +466,14 @@ class Streams:
             answer = await self._forward(name, request, retry_safe=True)
             if answer is not None:
                 top = max(after, int(self._check(answer, name)["value"]))
-                born = stamp_of(answer)
+                now = stamp_of(answer)
+                replaced = mine is not None and now is not None and now != mine
+                born = now if mine is None else mine
                 break
-        return await self._subscribe(name, after, top, born, followed=True)
+        iterator = await self._subscribe(name, after, top, born, followed=True)
+        if replaced:  # the session it followed was deleted: it ends
+            iterator.close()
+        return iterator
 
     async def _subscribe(
         self, name: str, after: int | None, top: int, born: int | None, *, followed: bool = False
@@ -463,17 +486,20 @@ class Streams:
         found = self._mirrors.get(name)
         if found is None and top < 0:
             iterator = await host.open_subscription_here(name, after)
-            iterator.follow = lambda seq: self._follow(name, seq)
+            created = host.created_here(name)
+            mine = None if created is None else creation_stamp(created)
+            iterator.follow = lambda seq: self._follow(name, seq, mine)
             return iterator
         if found is None:
             found = self._mirrors[name] = Hub(name, host.config.hub)
             found.advance(top)
             self._positions[name] = top
-            self._births[name] = born
+            self._births[name] = _Followed(born)
             if followed:
                 self._unread.add(name)
             self._poke()
         hub: Hub = found
+        followed_session = self._births[name]
         iterator = await open_event_iterator(
             name,
             hub,
@@ -481,7 +507,8 @@ class Streams:
             after,
             lambda: self._release_mirror(name, hub),
         )
-        iterator.follow = lambda seq: self._follow(name, seq)  # (back here: see _rejoin)
+        # (back here: see _rejoin)
+        iterator.follow = lambda seq: self._follow(name, seq, followed_session.born)
         if not host.is_live(name):
             try:
                 stopped = (await host.stored_status(name)) is Status.STOPPED

@@ -38,7 +38,7 @@ from .._requests import (
 
 #: What a stamped stream payload starts with (0xc1 starts no msgpack value), then
 #: the creation time of the session that published it, in microseconds since the
-#: epoch (8 bytes, big-endian): a subscriber tells a session deleted and made again
+#: epoch (8 bytes, big-endian, signed): a subscriber tells a session deleted and made again
 #: under its name from the one it follows, also when the end marked at the delete
 #: was gone from the stream before it looked (the new session's spawn resets it).
 _STAMPED: Final = b"\xc1"
@@ -71,20 +71,23 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
 
 
-def born(created: datetime.datetime) -> int:
-    """A session's creation time, as its stream's payloads carry it."""
+def creation_stamp(created: datetime.datetime) -> int:
+    """A session's creation time, as its stream's payloads carry it (microseconds since
+    the epoch; before 1970, below 0)."""
     return (created - _EPOCH) // _MICROSECOND
 
 
 def birth(created: datetime.datetime | None) -> bytes:
     """The stamp of a session's stream payloads (b"" for one not live here: unstamped)."""
-    return b"" if created is None else _STAMPED + born(created).to_bytes(8, "big")
+    if created is None:
+        return b""
+    return _STAMPED + creation_stamp(created).to_bytes(8, "big", signed=True)
 
 
 def unstamp(payload: bytes) -> tuple[int | None, bytes]:
     """``(creation time of the session that published it or None, the payload)``."""
     if payload[:1] == _STAMPED and len(payload) >= _STAMP_LEN:
-        return int.from_bytes(payload[1:_STAMP_LEN], "big"), payload[_STAMP_LEN:]
+        return int.from_bytes(payload[1:_STAMP_LEN], "big", signed=True), payload[_STAMP_LEN:]
     return None, payload
 
 

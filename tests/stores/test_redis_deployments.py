@@ -189,13 +189,17 @@ def test_rejects_bad_deployment_urls() -> None:
         "rediss+cluster://127.0.0.1:7000?ssl_cert_reqs=always": "none, optional, required",
         "rediss+cluster://127.0.0.1:7000?ssl_check_hostname=maybe": "not true or false",
         "rediss+cluster://127.0.0.1:7000?stream_timeout=1": "ssl_ca_certs, ssl_cert_reqs",
+        "rediss+cluster://h:1?ssl_cert_reqs=none&ssl_check_hostname=yes": "checks no certificate",
+        "rediss+cluster://h:1?ssl_certfile=client.pem": "both ssl_certfile and ssl_keyfile",
+        "rediss+cluster://h:1?ssl_keyfile=client.key": "both ssl_certfile and ssl_keyfile",
     }
     for url, says in tls.items():
         with pytest.raises(ValueError, match=says):
             RedisStore(url)
-    assert RedisStore(
-        "rediss+cluster://h:1?ssl_ca_certs=ca.pem&ssl_cert_reqs=optional&ssl_check_hostname=no"
-    )
+    for check in ("no", "T", "y", "1", "False", ""):  # as rediss:// takes them
+        assert RedisStore(
+            f"rediss+cluster://h:1?ssl_ca_certs=ca.pem&ssl_cert_reqs=optional&ssl_check_hostname={check}"
+        )
     with pytest.raises(ValueError, match="persistence"):
         RedisStore("redis://127.0.0.1:6379/0", persistence="sometimes")
     with pytest.raises(ValueError, match="brace"):
