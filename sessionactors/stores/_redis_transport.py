@@ -53,6 +53,7 @@ from coredis.connection import UnixDomainSocketLocation
 from .._codec import MAX_SEQ
 from .._errors import StoreConfigurationError, StoreError
 from ..workers import StreamItem
+from ._base import JournalEntry
 from ._redis_connect import Client
 from ._resp import Endpoint, RespConnection, connect
 
@@ -68,6 +69,16 @@ class _Redis(Protocol):
     prefix: str
 
     def _key(self, kind: str, name: str, suffix: str) -> str: ...
+    async def _append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        fence: int | None,
+        message: tuple[bytes, bytes] | None,
+    ) -> int: ...
+    @property
+    def _publishes_on_append(self) -> bool: ...
     def _keys(self, session_id: str) -> tuple[str, str, str, str, str]: ...
     def _watch_key(self, session_id: str) -> str: ...
     def _shard(self, session_id: str) -> int: ...
@@ -503,6 +514,28 @@ class RedisTransport:
             return int(await client.publish(channel, message))
 
         return bool(await self._store._run("send a message to", None, run))
+
+    async def append_and_send(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        fence: int | None,
+        worker: str,
+        incarnation: str,
+        message: bytes,
+    ) -> bool:
+        """Append to the session's journal (the store's ``append``), and once it is
+        written send ``message`` as ``send`` does, in the same round trip: redis sends
+        it on only after the write is in its append-only file. Whether the incarnation
+        listened (False, with the message not sent, where the store cannot: on a
+        cluster, with replicas to wait for, or for a message that goes through a key)."""
+        store = self._store
+        if len(message) > _BIG_MESSAGE or not store._publishes_on_append:
+            await store._append(session_id, entries, info, fence, None)
+            return False
+        channel = self._channel(worker, incarnation).encode()
+        return bool(await store._append(session_id, entries, info, fence, (channel, message)))
 
     async def listen(
         self,
