@@ -163,9 +163,9 @@ return 1
 )
 
 
-def _append_script(then: str = "", after: int = 0) -> str:
-    """The append script; ``then`` runs once it has written (its value is returned
-    second), on the ``after`` arguments that follow the entries."""
+def _append_script(done: str = "return {0}", after: int = 0) -> str:
+    """The append script; ``done`` ends it once it has written, with the ``after``
+    arguments that follow the entries."""
     return (
         """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
@@ -185,9 +185,9 @@ end
 redis.call('SET', KEYS[2], ARGV[2])
 """
         + _list_in_script(6, 6, 7)
-        + f"""
-return {{0{then}}}
-"""
+        + "\n"
+        + done
+        + "\n"
     )
 
 
@@ -196,9 +196,16 @@ return {{0{then}}}
 # its score, then seq, data pairs.
 _APPEND: Final = Script[bytes](script=_append_script())
 # The same, then a message published: ARGV ends with its channel and the message; the
-# number of subscribers that got it is returned second (see RedisTransport.append_and_send).
+# number of subscribers that got it is returned second, 0 if the publish was refused
+# (the write stands: see RedisTransport.append_and_send).
 _APPEND_AND_PUBLISH: Final = Script[bytes](
-    script=_append_script(", redis.call('PUBLISH', ARGV[#ARGV - 1], ARGV[#ARGV])", 2)
+    script=_append_script(
+        """
+local heard = redis.pcall('PUBLISH', ARGV[#ARGV - 1], ARGV[#ARGV])
+if type(heard) ~= 'number' then heard = 0 end
+return {0, heard}""",
+        2,
+    )
 )
 
 # KEYS: meta, info, log, lease, shard[, activity].
