@@ -58,7 +58,7 @@ from ._history_input import KnownIds, check_entry, check_new_ids
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
 from ._metadata import check_metadata, merge_metadata
-from ._pending import Pending
+from ._pending import Append, Pending
 from ._reading import read_stored
 from ._records import (
     Message,
@@ -499,9 +499,10 @@ class Actor:
     def _fence(self) -> int | None:
         return self.lease.fence if self.lease is not None else None
 
-    def commit(self, *, compact: bool = True) -> Awaitable[None]:
-        """Make the unsaved journal events durable (per the durability policy): the
-        journal's write, to await (no coroutine of our own around it)."""
+    def commit(self, *, compact: bool = True, append: Append | None = None) -> Awaitable[None]:
+        """Make the unsaved journal events durable (per the durability policy), with
+        ``append`` if given (see ``Pending.write_outcome``): the journal's write, to
+        await (no coroutine of our own around it)."""
         hub = self.hub
         lease = self.lease
         return self.journal.commit(
@@ -509,6 +510,7 @@ class Actor:
             lease.fence if lease is not None else None,
             hub.seq if hub is not None else 0,
             compact=compact,
+            append=append,
         )
 
     async def _write_snapshot(self, status: Status) -> None:
@@ -923,19 +925,20 @@ class Actor:
         self.session.status = status
         stored = True
         self.due = outcome  # (a crash now leaves it to the next incarnation: see run)
+        reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
             stored = not bound.cancelled_caught
         elif self.journal.per_turn:
-            await self.commit()
+            write = pending.write_outcome
+            await self.commit(append=None if write is None or error is not None else write(reply))
         self.due = None
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
         if announce:
             self.emit(StatusChanged(session_id=sid, seq=self.next_seq(), status=status))
-        reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         if self.trace is not None:
             outcome_name = "cancelled" if cancelled else "finished" if failure is None else "failed"
             self.end_trace(outcome_name, failure)

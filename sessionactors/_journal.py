@@ -21,6 +21,7 @@ from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump
 from ._config import RegistryConfig
 from ._errors import StoreError
 from ._events import Event
+from ._pending import Append
 from ._records import Status, maker
 from ._session import LiveSession
 from ._telemetry import Telemetry
@@ -103,14 +104,21 @@ class Journal:
         return self.status_due or seq >= self.at
 
     async def commit(
-        self, session: LiveSession, fence: int | None, hub_seq: int, *, compact: bool = True
+        self,
+        session: LiveSession,
+        fence: int | None,
+        hub_seq: int,
+        *,
+        compact: bool = True,
+        append: Append | None = None,
     ) -> None:
         """Make the unsaved events durable (with a journal, ``durability="turn"``).
 
         Then, if ``compact``, snapshot once the journal outweighs the snapshot (as of
         the later of ``hub_seq``, the last seq published, and the state's). That
         snapshot only compacts (what it holds is journaled already): if the store
-        refuses it, the journal waits for the next try.
+        refuses it, the journal waits for the next try. ``append`` stands in for the
+        store's (see ``Pending.write_outcome``).
         """
         events = self.unsaved
         if not self.per_turn or not events:
@@ -120,7 +128,9 @@ class Journal:
         try:
             await self._timed(
                 "append",
-                self.store.append(self.session_id, [entry], dump_live_info(session), fence=fence),
+                self.store.append(self.session_id, [entry], dump_live_info(session), fence=fence)
+                if append is None
+                else append([entry], dump_live_info(session), fence),
             )
         except StoreError as exc:
             self.fault = exc

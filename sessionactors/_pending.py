@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
 
-__all__ = ["Pending"]
+__all__ = ["Append", "Pending"]
+
+#: An append of journal entries with the session's info: (entries, info, fence).
+Append = Callable[[Sequence[Any], bytes, "int | None"], Awaitable[None]]
 
 
 class Pending:
@@ -18,7 +22,7 @@ class Pending:
     idempotency key) queue behind it. Cancelling a wait only abandons it.
     """
 
-    __slots__ = ("_others", "_task", "done", "error", "result")
+    __slots__ = ("_others", "_task", "done", "error", "result", "write_outcome")
 
     def __init__(self) -> None:
         self._task: trio.lowlevel.Task | None = None  # the first waiter
@@ -26,6 +30,10 @@ class Pending:
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        #: Set by a router for a turn another worker asked for: called with the turn's
+        #: reply, it returns the call that journals the turn's outcome in place of the
+        #: store's ``append`` (the same arguments but the session), or None.
+        self.write_outcome: Callable[[Any], Append | None] | None = None
 
     @classmethod
     def resolved(cls, result: Any) -> Pending:

@@ -115,6 +115,32 @@ class LoggingStore(RedisStore):
                 return bool(await send(worker, incarnation, message))
 
             transport.send = lossy
+            append_and_send = transport.append_and_send
+
+            async def lossy_append(
+                session_id: str,
+                entries: Sequence[JournalEntry],
+                info: bytes,
+                fence: int | None,
+                worker: str,
+                incarnation: str,
+                message: bytes,
+            ) -> bool:
+                # an answer sent with its turn's journal write is lost the same way
+                body = msgpack.unpackb(message, timestamp=3)
+                if body.get("ok") == "reply" and (
+                    self.mode == "lose-answers" or body["re"] not in lost
+                ):
+                    lost.add(body["re"])
+                    await self.append(session_id, entries, info, fence=fence)
+                    return True  # "heard", then lost on the way
+                return bool(
+                    await append_and_send(
+                        session_id, entries, info, fence, worker, incarnation, message
+                    )
+                )
+
+            transport.append_and_send = lossy_append
         if self.mode == "lose-requests":  # every request this worker sends is lost
             transport = router.transport
             send_on = transport.send

@@ -162,30 +162,50 @@ return 1
 """
 )
 
-# KEYS: meta, info, log, lease, shard[, activity].
-# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), listing member,
-# its score, then seq, data pairs.
-_APPEND: Final = Script[bytes](
-    script="""
+
+def _append_script(done: str = "return {0}", after: int = 0) -> str:
+    """The append script; ``done`` ends it once it has written, with the ``after``
+    arguments that follow the entries."""
+    return (
+        """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
-    + _check_fence(3)
-    + """
-if #ARGV >= 8 then
+        + _check_fence(3)
+        + f"""
+local last = #ARGV - {after}
+if last >= 8 then
   local m = redis.call('HMGET', KEYS[1], 'last', 'seq')
   local floor = math.max(tonumber(m[1]), tonumber(m[2]))
-  if tonumber(ARGV[8]) <= floor then return {3, floor} end
-  for i = 8, #ARGV, 2 do
+  if tonumber(ARGV[8]) <= floor then return {{3, floor}} end
+  for i = 8, last, 2 do
     redis.call('XADD', KEYS[3], ARGV[i] .. '-0', 'd', ARGV[i + 1])
   end
-  redis.call('HSET', KEYS[1], 'last', ARGV[#ARGV - 1])
+  redis.call('HSET', KEYS[1], 'last', ARGV[last - 1])
 end
 redis.call('SET', KEYS[2], ARGV[2])
 """
-    + _list_in_script(6, 6, 7)
-    + """
-return {0}
-"""
+        + _list_in_script(6, 6, 7)
+        + "\n"
+        + done
+        + "\n"
+    )
+
+
+# KEYS: meta, info, log, lease, shard[, activity].
+# ARGV: fence or '', info, owner or '', last seq expected or '' (twice), listing member,
+# its score, then seq, data pairs.
+_APPEND: Final = Script[bytes](script=_append_script())
+# The same, then a message published: ARGV ends with its channel and the message; the
+# number of subscribers that got it is returned second, 0 if the publish was refused
+# (the write stands: see RedisTransport.append_and_send).
+_APPEND_AND_PUBLISH: Final = Script[bytes](
+    script=_append_script(
+        """
+local heard = redis.pcall('PUBLISH', ARGV[#ARGV - 1], ARGV[#ARGV])
+if type(heard) ~= 'number' then heard = 0 end
+return {0, heard}""",
+        2,
+    )
 )
 
 # KEYS: meta, info, log, lease, shard[, activity].
@@ -879,6 +899,18 @@ class RedisStore:
         *,
         fence: int | None = None,
     ) -> None:
+        await self._append(session_id, entries, info, fence, None)
+
+    async def _append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        fence: int | None,
+        message: tuple[bytes, bytes] | None,
+    ) -> int:
+        """Append, then publish ``message`` (channel, data) if given (on one server,
+        without replicas to wait for); how many subscribers got it."""
         # The order within the batch is checked here; the script checks it against the store.
         _check_max_seq(session_id, _check_entries(session_id, entries, 0))
         held = self._holder(session_id, fence)
@@ -890,9 +922,14 @@ class RedisStore:
         ]
         for entry in entries:
             args += [str(entry.seq), entry.data]
+        script = _APPEND
+        if message is not None:
+            assert self._publishes_on_append
+            args += message
+            script = _APPEND_AND_PUBLISH
         try:
             keys = [*self._keys(session_id), *self._listing_key()]
-            reply: Any = await self._write("append to", session_id, _APPEND, keys, args)
+            reply: Any = await self._write("append to", session_id, script, keys, args)
         except StoreError:
             if held is not None and entries:  # it may have been written: both are fine
                 held.unsure = str(entries[-1].seq)
@@ -905,6 +942,7 @@ class RedisStore:
             _check_entries(session_id, entries, int(reply[1]))  # raises, worded as everywhere
         _check_status(reply, session_id, fence)
         await self._index_activity(session_id, info)
+        return int(reply[1]) if message is not None and len(reply) > 1 else 0
 
     async def write_snapshot(
         self,
@@ -986,6 +1024,12 @@ class RedisStore:
         """The listing order's key, for a write script to list its session in the same
         step (one server), or none (a cluster: it sits in a slot of its own)."""
         return [] if self._on_cluster else [self._activity_key]
+
+    @property
+    def _publishes_on_append(self) -> bool:
+        """Whether an append may publish a message in the same step (one server, no
+        replicas to wait for: redis sends it only once the write is on its disk)."""
+        return not self._on_cluster and not self._target.replicas
 
     @property
     def _on_cluster(self) -> bool:

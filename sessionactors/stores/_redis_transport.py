@@ -54,6 +54,7 @@ from .._codec import MAX_SEQ
 from .._errors import StoreConfigurationError, StoreError
 from ..workers import StreamItem
 from ..workers._wire import join_stamp, split_stamp
+from ._base import JournalEntry
 from ._redis_connect import Client
 from ._resp import Endpoint, RespConnection, connect
 
@@ -69,6 +70,16 @@ class _Redis(Protocol):
     prefix: str
 
     def _key(self, kind: str, name: str, suffix: str) -> str: ...
+    async def _append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        fence: int | None,
+        message: tuple[bytes, bytes] | None,
+    ) -> int: ...
+    @property
+    def _publishes_on_append(self) -> bool: ...
     def _keys(self, session_id: str) -> tuple[str, str, str, str, str]: ...
     def _watch_key(self, session_id: str) -> str: ...
     def _shard(self, session_id: str) -> int: ...
@@ -283,23 +294,31 @@ class _Links:
     tasks of the subscription's nursery."""
 
     def __init__(
-        self, channel: bytes, subscribed: RespConnection, nursery: trio.Nursery, patience: float
+        self,
+        channel: bytes,
+        subscribed: RespConnection,
+        nursery: trio.Nursery,
+        patience: float,
+        *,
+        cluster: bool,
     ) -> None:
         self.channel = channel  # the one subscribed to
+        self.cluster = cluster  # on a Redis Cluster: SPUBLISH, on a connection per master
         self._subscribed = subscribed
         self._nursery = nursery
         self._patience = patience  # the store's timeout
         self._nodes: dict[str, RespConnection] = {str(subscribed.endpoint): subscribed}
         self._opening: dict[str, trio.Event] = {}
 
-    async def publish(self, client: Client, channel: bytes, message: bytes) -> int:
+    async def publish(self, client: Client | None, channel: bytes, message: bytes) -> int:
         """Publish on the channel's own connection; a connection that gives no reply
         within half the store's timeout is given up (it may be half-open: the server
         unreachable, the socket still open), and ConnectionError leaves the other half
-        to the store's client."""
-        if not isinstance(client, coredis.RedisCluster):
+        to the store's client. ``client`` (the store's) is needed on a cluster only."""
+        if not self.cluster:
             connection, command = self._subscribed, b"PUBLISH"
         else:
+            assert isinstance(client, coredis.RedisCluster)
             node = client.connection_pool.cluster_layout.node_for_slot(_slot(channel))
             connection = await self._node(client, f"{node.host}:{node.port}", _slot(channel))
             command = b"SPUBLISH"
@@ -476,14 +495,24 @@ class RedisTransport:
             key = self._store._key("w", worker, f"msg:{secrets.token_hex(8)}")
             body, message = message, _BIG_MARK + key.encode()
 
+        # (a message to this worker's own channel, its check that it still listens,
+        # goes the way other workers' messages come: after a Sentinel failover the
+        # channel's connection may still reach the old master)
+        links = self._links
+        tried = False
+        if body is None and links is not None and not links.cluster and channel != links.channel:
+            # The common case needs no store call around it: publish bounds its wait,
+            # and a failed connection leaves the message to the store's client (below).
+            try:
+                return bool(await links.publish(None, channel, message))
+            except coredis.exceptions.RedisError:
+                tried = True
+
         async def run(client: Client) -> int:
             if body is not None:
                 await client.set(key, body, px=_BIG_TTL_MS)
             links = self._links
-            # (a message to this worker's own channel, its check that it still listens,
-            # goes the way other workers' messages come: after a Sentinel failover
-            # the channel's connection may still reach the old master)
-            if links is not None and channel != links.channel:
+            if links is not None and channel != links.channel and not tried:
                 try:
                     return await links.publish(client, channel, message)
                 except coredis.exceptions.RedisError:
@@ -495,6 +524,28 @@ class RedisTransport:
             return int(await client.publish(channel, message))
 
         return bool(await self._store._run("send a message to", None, run))
+
+    async def append_and_send(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        fence: int | None,
+        worker: str,
+        incarnation: str,
+        message: bytes,
+    ) -> bool:
+        """Append to the session's journal (the store's ``append``), and once it is
+        written send ``message`` as ``send`` does, in the same round trip: redis sends
+        it on only after the write is in its append-only file. Whether the incarnation
+        listened (False, with the message not sent, where the store cannot: on a
+        cluster, with replicas to wait for, or for a message that goes through a key)."""
+        store = self._store
+        if len(message) > _BIG_MESSAGE or not store._publishes_on_append:
+            await store._append(session_id, entries, info, fence, None)
+            return False
+        channel = self._channel(worker, incarnation).encode()
+        return bool(await store._append(session_id, entries, info, fence, (channel, message)))
 
     async def listen(
         self,
@@ -559,7 +610,7 @@ class RedisTransport:
                             f"{command.decode()} was not acknowledged in time"
                         )
                     assert connection is not None
-                    self._links = _Links(channel, connection, nursery, timeout)
+                    self._links = _Links(channel, connection, nursery, timeout, cluster=cluster)
                     subscribed()
             except BaseExceptionGroup as group:  # the cause, for the store to translate
                 cause = _first_error(group)

@@ -114,7 +114,7 @@ from .._errors import (
     WorkerUnreachableError,
 )
 from .._events import Event
-from .._pending import Pending
+from .._pending import Append, Pending
 from .._records import SessionState, id_issuer, new_id
 from .._ref import Turn, new_turn
 from .._requests import (
@@ -243,6 +243,9 @@ class Cluster:
         self._wake_heard = 0
         self._serving: set[str] = set()  # ids of the requests being served here
         self._answered: dict[str, bytes] = {}  # the latest answers, by request id
+        #: Answers sent with their turn's outcome (see _answer_with_outcome), by request
+        #: id, until their serving task keeps them.
+        self._sent_answers: dict[str, bytes] = {}
         # requesting process -> the place (``id_issuer``) of the latest of its requests
         # whose answer was dropped from _answered: those up to it may have been answered
         self._forgotten: dict[str, int] = {}
@@ -447,9 +450,36 @@ class Cluster:
         ):
             return None
         try:
-            return self.host.enqueue_here(name, text)
+            pending = self.host.enqueue_here(name, text)
         except Exception:  # (the serving task meets it again, and answers it)
             return None
+        append_and_send = getattr(self.transport, "append_and_send", None)
+        if pending is not None and append_and_send is not None:
+            pending.write_outcome = self._answer_with_outcome(name, body, append_and_send)
+        return pending
+
+    def _answer_with_outcome(
+        self, name: str, request: Mapping[str, Any], append_and_send: Any
+    ) -> Callable[[Reply], Append | None]:
+        """For a turn queued at once: the journal write of its outcome that also sends
+        its answer, in the same round trip to the store (a transport that offers
+        ``append_and_send``); its serving task then only keeps the answer."""
+        rid = str(request.get("id"))
+        to, incarnation = str(request.get("from")), str(request.get("fi"))
+
+        def write(reply: Reply) -> Append | None:
+            try:  # (as _answer packs it)
+                data = pack({"ok": "reply", "reply": dump_reply(name, reply), "re": rid})
+            except Exception:  # (never the turn's fault: its serving task answers it)
+                return None
+
+            async def append(entries: Sequence[Any], info: bytes, fence: int | None) -> None:
+                if await append_and_send(name, entries, info, fence, to, incarnation, data):
+                    self._sent_answers[rid] = data
+
+            return append
+
+        return write
 
     async def _serve(self, rid: str, body: dict[str, Any], queued: Pending | None) -> None:
         """Run a request another worker sent, and answer it."""
@@ -467,7 +497,13 @@ class Cluster:
             if queued is not None:
                 # In the mailbox already, before any hand-over of its shard began (a
                 # hand-over's hibernation queues behind it): it runs here, and only here.
-                reply = await queued.wait()
+                try:
+                    reply = await queued.wait()
+                finally:
+                    sent = self._sent_answers.pop(str(body.get("id")), None)
+                if sent is not None:  # sent with the outcome's journal write
+                    self._keep(str(body.get("id")), sent)
+                    return
                 await self._answer(body, {"ok": "reply", "reply": dump_reply(name, reply)})
                 return
             handover = self._leaving.get(self.transport.shard(name))
@@ -530,13 +566,17 @@ class Cluster:
         body["re"] = rid
         data = pack(body)
         if body.get("ok") != "ack" and request.get("op") not in _NOT_KEPT:
-            answered = self._answered
-            answered[rid] = data
-            if len(answered) > _ANSWERS_KEPT:
-                dropped = next(iter(answered))
-                del answered[dropped]
-                self._forget(dropped)
+            self._keep(rid, data)
         await self._post_answer(str(request.get("from")), str(request.get("fi")), data)
+
+    def _keep(self, rid: str, data: bytes) -> None:
+        """Keep the final answer to request ``rid`` for a requester that asks again."""
+        answered = self._answered
+        answered[rid] = data
+        if len(answered) > _ANSWERS_KEPT:
+            dropped = next(iter(answered))
+            del answered[dropped]
+            self._forget(dropped)
 
     async def _post_answer(self, to: str, incarnation: str, data: bytes) -> None:
         for attempt in range(_ANSWER_ATTEMPTS):

@@ -23,7 +23,14 @@ StreamItem = tuple[int, str, bytes]
 
 
 class Transport(Protocol):
-    """What a store offers for talking between workers (see the module docstring)."""
+    """What a store offers for talking between workers (see the module docstring).
+
+    A transport may also offer ``append_and_send(session_id, entries, info, fence,
+    worker, incarnation, message) -> bool``: the store's journal append that, once
+    written, also sends ``message`` as :meth:`send` does, in the same round trip
+    (whether it was sent and heard). The owner of a forwarded turn then answers with
+    its outcome's write (RedisStore's does, on one server and through Sentinel).
+    """
 
     async def heartbeat(
         self, worker: str, incarnation: str, ttl: float, keep_from: str | None
