@@ -462,6 +462,8 @@ class _Worker:
                 work = [r for r in batch if r.op is not None]
                 if work:
                     conn = self._serve(conn, work)
+                    # (the requests hold their data: the next wait must not keep them)
+                    del batch, work
                 if stop:
                     # Nothing can be queued after a stop request.
                     if conn is not None:

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import tracemalloc
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -388,6 +389,31 @@ async def test_cancelled_append_is_all_or_nothing(tmp_path: Path) -> None:
         blocker.close()
         await store.aclose()
     assert not _worker_threads()
+
+
+async def test_an_idle_store_keeps_nothing_it_wrote(tmp_path: Path) -> None:
+    """Once an append is answered, the store keeps none of its data (its thread kept
+    its last batch, data included, until the next one came)."""
+    store = SQLiteStore(tmp_path / "s.db")
+    tracemalloc.start()
+    try:
+        with trio.fail_after(10):
+            await store.create("s", b"snap", b"info")
+            before = tracemalloc.get_traced_memory()[0]
+            entries = [JournalEntry(seq, b"%d" % seq * (1 << 20)) for seq in (1, 2, 3, 4)]
+            await store.append("s", entries, b"i")
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert held > 4 << 20  # (what is measured: the data, alive)
+            del entries
+            with trio.move_on_after(2):
+                while held > 1 << 20:
+                    await trio.sleep(0.01)
+                    gc.collect()
+                    held = tracemalloc.get_traced_memory()[0] - before
+            assert held < 1 << 20, f"{held:,} bytes still held after the append"
+    finally:
+        tracemalloc.stop()
+        await store.aclose()
 
 
 def test_dropped_store_stops_its_thread(tmp_path: Path) -> None:
