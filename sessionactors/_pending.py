@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import outcome
 import trio
 
 __all__ = ["Append", "Pending"]
@@ -56,8 +57,11 @@ class Pending:
         self.done = True
         task, others = self._task, self._others
         self._task = self._others = None
-        if task is not None:
-            trio.lowlevel.reschedule(task)
+        if task is not None:  # parked in trio's wait itself: it returns what this sends
+            error = self.error
+            trio.lowlevel.reschedule(
+                task, outcome.Value(self.result) if error is None else outcome.Error(error)
+            )
         if others is not None:
             for task in others:
                 trio.lowlevel.reschedule(task)
@@ -66,30 +70,35 @@ class Pending:
         self._task = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    async def wait(self) -> Any:
-        """The result (or raise the error), parking until it is known.
+    def wait(self) -> Awaitable[Any]:
+        """The result (or raise the error), parking until it is known: to await at once.
 
-        A wait that finds the result already known still checkpoints.
+        A wait that finds the result already known still checkpoints. Not a
+        coroutine of its own: the first waiter parks in trio's wait, which returns
+        the result (a turn waiting for its commit keeps one frame less alive, and
+        a thousand of them wait at once).
         """
+        if self.done or self._task is not None:
+            return self._wait_known_or_behind()
+        self._task = trio.lowlevel.current_task()
+        return trio.lowlevel.wait_task_rescheduled(self._abort_first)  # noqa: ASYNC105
+
+    async def _wait_known_or_behind(self) -> Any:
         if self.done:
             await trio.lowlevel.checkpoint()
         else:
             task = trio.lowlevel.current_task()
-            if self._task is None:
-                self._task = task
-                await trio.lowlevel.wait_task_rescheduled(self._abort_first)
-            else:
-                others = self._others
-                if others is None:
-                    others = self._others = {}
-                others[task] = None
+            others = self._others
+            if others is None:
+                others = self._others = {}
+            others[task] = None
 
-                def abort(_: object) -> trio.lowlevel.Abort:
-                    if self._others is not None:
-                        del self._others[task]
-                    return trio.lowlevel.Abort.SUCCEEDED
+            def abort(_: object) -> trio.lowlevel.Abort:
+                if self._others is not None:
+                    del self._others[task]
+                return trio.lowlevel.Abort.SUCCEEDED
 
-                await trio.lowlevel.wait_task_rescheduled(abort)
+            await trio.lowlevel.wait_task_rescheduled(abort)
         if self.error is not None:
             raise self.error
         return self.result

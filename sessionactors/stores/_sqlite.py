@@ -41,7 +41,7 @@ import time
 import urllib.parse
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, NamedTuple, cast
 
 import attrs
@@ -744,7 +744,7 @@ def _append_conflict(conn: sqlite3.Connection, args: _AppendArgs) -> StoreError:
     ).fetchone()
     return StoreError(
         f"session {session_id!r}: the journal already holds an entry at seq"
-        f" {args.rows[0][1]} or above (up to {highest}), above the session's last seq:"
+        f" {args.entries[0].seq} or above (up to {highest}), above the session's last seq:"
         " rows were written behind the store's back; nothing was written. Restore the"
         f" file from a backup, or delete the session with registry.delete({session_id!r})",
         session_id=session_id,
@@ -795,7 +795,7 @@ class _AppendArgs(NamedTuple):
     """What ``_append`` is called with, after the connection and the time."""
 
     session_id: str
-    rows: list[tuple[str, int, bytes]]
+    entries: Sequence[JournalEntry]  # (made rows in the thread: see _rows)
     info: bytes
     fence: int | None
     last_seq: int | None  # None: no entries, only the info changes
@@ -806,7 +806,7 @@ def _append(
     conn: sqlite3.Connection,
     now: float,
     session_id: str,
-    rows: list[tuple[str, int, bytes]],
+    entries: Sequence[JournalEntry],
     info: bytes,
     fence: int | None,
     last_seq: int | None,
@@ -828,7 +828,7 @@ def _append(
         updated = conn.execute(
             "UPDATE sessions SET last_seq = ?, info = ?, activity = ? "
             "WHERE session_id = ? AND last_seq < ? RETURNING 1",
-            (last_seq, info, activity, session_id, rows[0][1]),
+            (last_seq, info, activity, session_id, entries[0].seq),
         ).fetchone()
     if updated is None:  # nothing was written: say why
         row = conn.execute(
@@ -836,9 +836,18 @@ def _append(
         ).fetchone()
         if row is None:
             raise _not_found_error(session_id)
-        _check_entries(session_id, [JournalEntry(seq, data) for _, seq, data in rows], row[0])
+        _check_entries(session_id, entries, row[0])
         raise AssertionError("unreachable: the seqs were checked")  # pragma: no cover
-    conn.executemany("INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)", rows)
+    conn.executemany(
+        "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)", _rows(session_id, entries)
+    )
+
+
+def _rows(session_id: str, entries: Sequence[JournalEntry]) -> Iterator[tuple[str, int, bytes]]:
+    """The journal rows of an append's entries, made as SQLite takes them (a turn waiting
+    for its commit holds its entries, not rows made of them too)."""
+    for entry in entries:
+        yield session_id, entry.seq, bytes(entry.data)
 
 
 def _bulk_append(request: _Request) -> bool:
@@ -857,13 +866,13 @@ def _append_all(conn: sqlite3.Connection, appends: list[_AppendArgs]) -> bool:
     updated = conn.executemany(
         "UPDATE sessions SET last_seq = ?, info = ?, activity = ? "
         "WHERE session_id = ? AND last_seq < ?",
-        [(a.last_seq, a.info, a.activity, a.session_id, a.rows[0][1]) for a in appends],
+        [(a.last_seq, a.info, a.activity, a.session_id, a.entries[0].seq) for a in appends],
     ).rowcount
     if updated == len(appends):
         try:
             conn.executemany(
                 "INSERT INTO journal (session_id, seq, data) VALUES (?, ?, ?)",
-                [row for a in appends for row in a.rows],
+                (row for a in appends for row in _rows(a.session_id, a.entries)),
             )
         except sqlite3.IntegrityError:
             pass  # rows written behind the store's back: one by one, each fails alone
@@ -976,15 +985,18 @@ class SQLiteStore:
     ) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
         if writes and self.readonly:
-            about = f"session {session_id!r}: " if session_id is not None else ""
-            raise StoreError(
-                f"{about}the sqlite store at {self.path!r} is read-only (readonly=True);"
-                " nothing was written. Open it without readonly=True to write",
-                session_id=session_id,
-            )
+            raise self._readonly_error(session_id)
         request = _Request(op, session_id=session_id, writes=writes, args=args)
         request.worker = self._submit(request)
         return await trio.lowlevel.wait_task_rescheduled(request.abort)
+
+    def _readonly_error(self, session_id: str | None) -> StoreError:
+        about = f"session {session_id!r}: " if session_id is not None else ""
+        return StoreError(
+            f"{about}the sqlite store at {self.path!r} is read-only (readonly=True);"
+            " nothing was written. Open it without readonly=True to write",
+            session_id=session_id,
+        )
 
     async def aclose(self) -> None:
         """Finish every queued request, close the connection and stop its thread.
@@ -1068,16 +1080,19 @@ class SQLiteStore:
         *,
         fence: int | None = None,
     ) -> None:
-        rows = [(session_id, e.seq, bytes(e.data)) for e in entries]
+        # ``_call`` written out: a turn waits here for its commit, with every frame
+        # between, and a thousand turns waiting at once keep that many frames more
+        # for the garbage collector to visit (benchmark 6)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self.readonly:
+            raise self._readonly_error(session_id)
         info = bytes(info)
         # Checked before the transaction: the seqs strictly increase among themselves.
         last_seq = _check_entries(session_id, entries, entries[0].seq - 1) if entries else None
-        await self._call(
-            session_id,
-            _append,
-            writes=True,
-            args=_AppendArgs(session_id, rows, info, fence, last_seq, info_activity(info)),
-        )
+        args = _AppendArgs(session_id, entries, info, fence, last_seq, info_activity(info))
+        request = _Request(_append, session_id=session_id, writes=True, args=args)
+        request.worker = self._submit(request)
+        await trio.lowlevel.wait_task_rescheduled(request.abort)
 
     async def write_snapshot(
         self,
