@@ -925,14 +925,23 @@ class Actor:
         self.session.status = status
         stored = True
         self.due = outcome  # (a crash now leaves it to the next incarnation: see run)
-        reply = _make_reply(turn_id=turn_id, message=final, reviews=())
+        # the reply is made after the commit unless the commit sends it (see
+        # ``Pending.write_outcome``): a thousand turns waiting for a group commit hold
+        # a thousand objects less, each one more for the collector to visit
+        reply: Reply | None = None
         if self.phase is Phase.ABORTING:  # closing: the hibernation snapshot compacts
             with self._bounded_write() as bound:
                 await self.commit(compact=False)
             stored = not bound.cancelled_caught
         elif self.journal.per_turn:
             write = pending.write_outcome
-            await self.commit(append=None if write is None or error is not None else write(reply))
+            if write is not None and error is None:
+                reply = _make_reply(turn_id=turn_id, message=final, reviews=())
+                await self.commit(append=write(reply))
+            else:
+                await self.commit()
+        if reply is None:
+            reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         self.due = None
         self.emit(outcome)
         if key is not None:
