@@ -123,6 +123,35 @@ def paired(measured: list[float], baseline: list[float]) -> float:
     return statistics.median(m / b for m, b in zip(measured, baseline, strict=True))
 
 
+@dataclass
+class Collections:
+    """What the garbage collector did in a block: its seconds, and its full collections."""
+
+    seconds: float = 0.0
+    full: int = 0
+
+
+@contextlib.contextmanager
+def collector_time() -> Iterator[Collections]:
+    """Time the garbage collector's runs in the block (any thread's), for the notes."""
+    got = Collections()
+    started = 0.0
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+            return
+        got.seconds += time.perf_counter() - started
+        got.full += info["generation"] == 2
+
+    gc.callbacks.append(callback)
+    try:
+        yield got
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def spread(values: list[float]) -> str:
     """``min..max`` of the rounds, relative to the median, for the notes."""
     m = statistics.median(values)

@@ -28,12 +28,20 @@ started) is paid before the clock starts, not by whichever window its next full
 collection happens to land in (measured here: one landed in 8 of 12 windows of
 durable and hibernate turns, taking 28-84 ms of a 140-370 ms window, and 130-220 ms
 once the SDK's modules were in the heap, as they are from round 2 on; with the
-collection first, none did). Collections the timed work itself causes still count.
+collection first, none did). Collections the timed work itself causes still count,
+and each window is long enough (``T`` = 20 turns a session, 20,000 turns) to hold
+its share of them: with 5 turns a session, a window held one full collection or
+none depending on how many young collections its turns made (a full collection
+every 121 young ones; with the SDK's modules in the heap one takes about 130 ms,
+against 350 ms for the whole window), so the short windows of the lighter variants
+left their full collections out, and a change that kept two objects less alive
+per turn read as 78 -> 57 us a durable turn, because it moved the window's only
+full collection out of it (65.9 -> 57.5 us measured over 25 turns a session).
+The notes say how long the collector ran, per turn, in each variant.
 
-Both SQLite stores run SQLite's default ``synchronous=FULL`` in WAL mode. Nine
-rounds alternate the four, and the median of the per-round ratios is reported
-(one round's ratio moved between 4.5x and 7.8x within a single run on this
-machine).
+Both SQLite stores run SQLite's default ``synchronous=FULL`` in WAL mode. Five
+rounds alternate the five variants, and the median of the per-round ratios is
+reported.
 """
 
 from __future__ import annotations
@@ -47,15 +55,27 @@ from pathlib import Path
 import trio
 
 import sessionactors as sa
-from _common import InstantModel, Row, agents, log, median, now, paired, spread, temp_dir
+from _common import (
+    InstantModel,
+    Row,
+    agents,
+    collector_time,
+    log,
+    median,
+    now,
+    paired,
+    spread,
+    temp_dir,
+)
 
 USER_TEXT = "Where is my order A1042? It was due yesterday."
 
 
 async def ours(
     path: Path, sessions: int, turns: int, durability: str, *, memory: bool = False
-) -> float:
-    """Turns per second (on ``MemoryStore`` if ``memory``, else SQLite at ``path``)."""
+) -> tuple[float, float]:
+    """Turns per second (on ``MemoryStore`` if ``memory``, else SQLite at ``path``), and
+    the collector's seconds a turn."""
     store: sa.Store = sa.MemoryStore() if memory else sa.SQLiteStore(path)
     async with sa.open_registry(
         agents=agents(InstantModel()), store=store, durability=durability
@@ -76,19 +96,21 @@ async def ours(
                 await ref.send(USER_TEXT)
 
         gc.collect()  # the setup's garbage is not the turns' (see above)
-        start = now()
-        async with trio.open_nursery() as nursery:
-            for ref in refs:
-                nursery.start_soon(talk, ref)
-        elapsed = now() - start
-    return sessions * turns / elapsed
+        with collector_time() as collector:
+            start = now()
+            async with trio.open_nursery() as nursery:
+                for ref in refs:
+                    nursery.start_soon(talk, ref)
+            elapsed = now() - start
+    return sessions * turns / elapsed, collector.seconds / (sessions * turns)
 
 
-def sdk(path: Path, sessions: int, turns: int) -> float:
-    """Turns per second of ``agents.SQLiteSession.add_items`` (2 items a turn)."""
+def sdk(path: Path, sessions: int, turns: int) -> tuple[float, float]:
+    """Turns per second of ``agents.SQLiteSession.add_items`` (2 items a turn), and the
+    collector's seconds a turn."""
     from agents import SQLiteSession
 
-    async def run() -> float:
+    async def run() -> tuple[float, float]:
         stores = [SQLiteSession(f"tp-{i:05d}", path) for i in range(sessions)]
         try:
 
@@ -102,20 +124,22 @@ def sdk(path: Path, sessions: int, turns: int) -> float:
                     )
 
             gc.collect()
-            start = now()
-            await asyncio.gather(*(talk(s) for s in stores))
-            elapsed = now() - start
+            with collector_time() as collector:
+                start = now()
+                await asyncio.gather(*(talk(s) for s in stores))
+                elapsed = now() - start
             assert len(await stores[0].get_items()) == 2 * turns
         finally:
             for s in stores:
                 s.close()
-        return sessions * turns / elapsed
+        return sessions * turns / elapsed, collector.seconds / (sessions * turns)
 
     return asyncio.run(run())
 
 
-def pykka_turns(sessions: int, turns: int) -> float:
-    """Asks per second to ``sessions`` pykka ThreadingActors, all of a round at once."""
+def pykka_turns(sessions: int, turns: int) -> tuple[float, float]:
+    """Asks per second to ``sessions`` pykka ThreadingActors, all of a round at once, and
+    the collector's seconds an ask."""
     import pykka
 
     class Echo(pykka.ThreadingActor):  # type: ignore[misc]
@@ -127,21 +151,22 @@ def pykka_turns(sessions: int, turns: int) -> float:
         for actor in actors:  # every thread started and answering
             actor.ask("warm")
         gc.collect()
-        start = now()
-        for _ in range(turns):
-            futures = [actor.ask(USER_TEXT, block=False) for actor in actors]
-            for future in futures:
-                assert future.get() == USER_TEXT
-        elapsed = now() - start
+        with collector_time() as collector:
+            start = now()
+            for _ in range(turns):
+                futures = [actor.ask(USER_TEXT, block=False) for actor in actors]
+                for future in futures:
+                    assert future.get() == USER_TEXT
+            elapsed = now() - start
     finally:
         pykka.ActorRegistry.stop_all()
-    return sessions * turns / elapsed
+    return sessions * turns / elapsed, collector.seconds / (sessions * turns)
 
 
 def main(args: argparse.Namespace) -> list[Row]:
     sessions = 1000
-    turns = 2 if args.quick else 5
-    count = 2 if args.quick else 9
+    turns = 4 if args.quick else 20
+    count = 2 if args.quick else 5
     results: dict[str, list[float]] = {
         "turn": [],
         "hibernate": [],
@@ -149,17 +174,21 @@ def main(args: argparse.Namespace) -> list[Row]:
         "sdk": [],
         "pykka": [],
     }
+    collector: dict[str, list[float]] = {k: [] for k in results}  # seconds a turn
     with temp_dir() as tmp:
         for r in range(count):
-            results["turn"].append(trio.run(ours, tmp / f"turn-{r}.db", sessions, turns, "turn"))
-            results["hibernate"].append(
-                trio.run(ours, tmp / f"hib-{r}.db", sessions, turns, "hibernate")
-            )
-            results["memory"].append(
-                trio.run(partial(ours, memory=True), tmp / "unused", sessions, turns, "turn")
-            )
-            results["sdk"].append(sdk(tmp / f"sdk-{r}.db", sessions, turns))
-            results["pykka"].append(pykka_turns(sessions, turns))
+            got = {
+                "turn": trio.run(ours, tmp / f"turn-{r}.db", sessions, turns, "turn"),
+                "hibernate": trio.run(ours, tmp / f"hib-{r}.db", sessions, turns, "hibernate"),
+                "memory": trio.run(
+                    partial(ours, memory=True), tmp / "unused", sessions, turns, "turn"
+                ),
+                "sdk": sdk(tmp / f"sdk-{r}.db", sessions, turns),
+                "pykka": pykka_turns(sessions, turns),
+            }
+            for key, (rate, collected) in got.items():
+                results[key].append(rate)
+                collector[key].append(collected)
             log(
                 f"  round {r + 1}/{count}: "
                 + ", ".join(f"{k} {v[-1]:.0f} turns/s" for k, v in results.items())
@@ -167,6 +196,14 @@ def main(args: argparse.Namespace) -> list[Row]:
     per_turn = {k: [1e6 / v for v in values] for k, values in results.items()}
     group = "6 durable turns, 1,000 sessions, SQLite"
     load = f"{sessions:,} sessions x {turns} turns"
+
+    def collected(*keys: str) -> str:
+        return (
+            "garbage collector "
+            + ", ".join(f"{key} {median(collector[key]) * 1e6:.1f} us" for key in keys)
+            + " a turn"
+        )
+
     return [
         Row(
             benchmark=group,
@@ -181,7 +218,8 @@ def main(args: argparse.Namespace) -> list[Row]:
             target_value=2.0,
             paired_ratio=paired(per_turn["turn"], per_turn["hibernate"]),
             notes=f"{load}; {median(results['turn']):.0f} vs "
-            f"{median(results['hibernate']):.0f} turns/s; {spread(per_turn['turn'])}",
+            f"{median(results['hibernate']):.0f} turns/s; {spread(per_turn['turn'])}; "
+            + collected("turn", "hibernate"),
         ),
         Row(
             benchmark=group,
@@ -195,7 +233,8 @@ def main(args: argparse.Namespace) -> list[Row]:
             target_op=">=",
             target_value=8.0,
             paired_ratio=paired(results["turn"], results["sdk"]),
-            notes=f"{load}; SDK {1e6 / median(results['sdk']) / 2:.0f} us per message",
+            notes=f"{load}; SDK {1e6 / median(results['sdk']) / 2:.0f} us per message; "
+            + collected("turn", "sdk"),
         ),
         Row(
             benchmark=group,
@@ -208,7 +247,7 @@ def main(args: argparse.Namespace) -> list[Row]:
             baseline_unit="turns/s",
             paired_ratio=paired(results["memory"], results["sdk"]),
             notes=f"{load}; context for the row above: the same turns with a store that "
-            "costs nothing",
+            "costs nothing; " + collected("memory"),
         ),
         Row(
             benchmark=group,
@@ -233,7 +272,8 @@ def main(args: argparse.Namespace) -> list[Row]:
             target_op=">=",
             target_value=1.5,
             paired_ratio=paired(results["hibernate"], results["pykka"]),
-            notes=f"{load}; sessionactors on SQLite with durability='hibernate'",
+            notes=f"{load}; sessionactors on SQLite with durability='hibernate'; "
+            + collected("hibernate", "pykka"),
         ),
     ]
 
