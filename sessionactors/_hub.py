@@ -15,18 +15,34 @@ import trio
 
 from ._config import HubConfig
 from ._errors import SubscriberLaggedError
-from ._events import Delta, Event, MessageAdded, ToolResult, TurnFinished, TurnStarted
+from ._events import (
+    Delta,
+    Event,
+    MessageAdded,
+    ToolResult,
+    TurnFinished,
+    TurnStarted,
+    make_delta,
+)
 
 __all__ = ["Hub", "Subscriber", "lagged_error"]
 
 log = logging.getLogger("sessionactors")
 
 
-def _size(event: Event) -> int:
+#: A ``Delta`` as the ring keeps it: (seq, turn_id, text). A tuple of a number and
+#: strings, which the garbage collector stops tracking at its first look: a ring is
+#: mostly deltas (a reply streams many), up to ``replay_events`` of them a session,
+#: and a thousand live sessions would otherwise add a million objects to every
+#: full collection.
+_Kept = tuple[int, str, str]
+
+
+def _size(event: Event | _Kept) -> int:
     """A cheap estimate of the memory an event holds, for the ring's byte bound."""
+    if isinstance(event, tuple):
+        return 96 + len(event[2])
     cls = event.__class__
-    if cls is Delta:
-        return 96 + len(event.text)  # type: ignore[attr-defined]
     if cls is MessageAdded or cls is TurnFinished:
         return 160 + len(event.message.content)  # type: ignore[attr-defined]
     if cls is TurnStarted:
@@ -68,8 +84,9 @@ class Hub:
         self.session_id = session_id
         self.seq = seq
         self._config = config
-        # events only (a tuple with its size per event would be one more object to keep)
-        self._ring: deque[Event] | None = None
+        # events, deltas kept as _Kept (a tuple with its size per event would be one
+        # more object to keep)
+        self._ring: deque[Event | _Kept] | None = None
         self._ring_bytes = 0
         self._subs: set[Subscriber] = set()
         # The seqs a wake jumped over (see ``jump``), as (last before, last skipped).
@@ -111,8 +128,11 @@ class Hub:
         ring = self._ring
         if ring is None:
             ring = self._ring = deque()
-        ring.append(event)
-        ring_bytes = self._ring_bytes + _size(event)
+        kept: Event | _Kept = event
+        if event.__class__ is Delta:
+            kept = (event.seq, event.turn_id, event.text)
+        ring.append(kept)
+        ring_bytes = self._ring_bytes + _size(kept)
         config = self._config
         most, most_bytes = config.replay_events, config.replay_bytes
         if len(ring) > most or ring_bytes > most_bytes:
@@ -160,17 +180,24 @@ class Hub:
             return True
         if not self._ring:
             return False
-        return self._ring[0].seq <= after + 1
+        return _seq(self._ring[0]) <= after + 1
 
     def ring_after(self, after: int) -> list[Event]:
         """The ring's events with seq > ``after``, in order."""
         if not self._ring:
             return []
-        return [event for event in self._ring if event.seq > after]
+        sid = self.session_id
+        return [
+            make_delta(session_id=sid, seq=kept[0], turn_id=kept[1], text=kept[2])
+            if isinstance(kept, tuple)
+            else kept
+            for kept in self._ring
+            if _seq(kept) > after
+        ]
 
     @property
     def oldest_seq(self) -> int | None:
-        return self._ring[0].seq if self._ring else None
+        return _seq(self._ring[0]) if self._ring else None
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber(self._config.subscriber_buffer)
@@ -187,6 +214,10 @@ class Hub:
         for sub in self._subs:
             sub.send.close()
         self._subs.clear()
+
+
+def _seq(kept: Event | _Kept) -> int:
+    return kept[0] if isinstance(kept, tuple) else kept.seq
 
 
 def lagged_error(session_id: str, last_seq: int) -> SubscriberLaggedError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -66,6 +67,28 @@ async def test_the_ring_keeps_the_newest_replay_events_events(
     assert 0 < len(deltas(newest)) < 5
     kinds = {type(e) for e in everything}
     assert {sa.TurnStarted, sa.TurnFinished} <= kinds
+
+
+async def test_the_deltas_in_the_ring_are_nothing_for_the_collector_to_visit(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The deltas a live session keeps for replay are not objects the garbage collector
+    tracks (a reply streams many, a ring holds up to replay_events of them, and a
+    thousand live sessions would add a million objects to every full collection);
+    they replay as the events that were published."""
+    chunks = [f"{i} " for i in range(300)]
+    async with registry(Scripted(chunks=chunks)) as reg:
+        ref = await reg.spawn("s")
+        async with ref.subscribe() as live:
+            with trio.fail_after(60):
+                await ref.send("go")
+            published = [repr(e) for e in await read(live, 303) if isinstance(e, sa.Delta)]
+        gc.collect()
+        tracked = sum(isinstance(o, sa.Delta) for o in gc.get_objects())
+        replayed = [repr(e) for e in await replay(ref, 0) if isinstance(e, sa.Delta)]
+    assert tracked <= 10, f"{tracked} deltas tracked"
+    assert len(published) == 300
+    assert replayed == published
 
 
 async def test_the_ring_keeps_at_most_replay_bytes(autojump_clock: trio.abc.Clock) -> None:
