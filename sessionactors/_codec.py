@@ -553,19 +553,20 @@ class SnapshotWriter:
         if messages.__class__ is not tuple:
             raise TypeError("messages is not a tuple")
         if new:
-            maps: list[dict[str, Any]] = []
+            # each message packed as it is built: a long history's maps are never all
+            # alive at once (thousands of them would set the garbage collector going)
+            parts = [body]
             count = 0
             try:
                 for message in new:
                     raw, n = fast_message(message)
-                    maps.append(raw)
+                    parts.append(packer.pack(raw))
                     count += n
             except Slow:  # something unusual: the checker refuses it, or it is fine
                 count = sum(map(check_message, new))
-                maps = [unstructure_message(m) for m in new]
+                parts[1:] = [packer.pack(unstructure_message(m)) for m in new]
             containers += count
-            packed = packer.pack(maps)
-            body += packed[_array_header_size(len(new)) :]
+            body = b"".join(parts)
         # Every field but the messages, packed as the state's own map would be.
         rest = attrs.evolve(state, messages=())
         total = check_state(rest) + containers  # the empty tuple counted the array
@@ -596,10 +597,6 @@ def _map_header(count: int) -> bytes:
 
 def _is(a: object, b: object) -> bool:
     return a is b
-
-
-def _array_header_size(count: int) -> int:
-    return 1 if count < 16 else 3 if count < 1 << 16 else 5
 
 
 def _array_header(count: int) -> bytes:
