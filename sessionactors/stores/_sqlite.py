@@ -844,10 +844,11 @@ def _append(
 
 
 def _rows(session_id: str, entries: Sequence[JournalEntry]) -> Iterator[tuple[str, int, bytes]]:
-    """The journal rows of an append's entries, made as SQLite takes them (a turn waiting
-    for its commit holds its entries, not rows made of them too)."""
+    """The journal rows of an append's entries (of bytes: see ``append``), made as SQLite
+    takes them (a turn waiting for its commit holds its entries, not rows made of them
+    too)."""
     for entry in entries:
-        yield session_id, entry.seq, bytes(entry.data)
+        yield session_id, entry.seq, entry.data
 
 
 def _bulk_append(request: _Request) -> bool:
@@ -1086,6 +1087,10 @@ class SQLiteStore:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self.readonly:
             raise self._readonly_error(session_id)
+        if any(e.data.__class__ is not bytes for e in entries):
+            # bytes of its own (TypeError if it is not bytes-like): nothing the caller
+            # changes later, nothing a shared transaction could fail on
+            entries = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
         info = bytes(info)
         # Checked before the transaction: the seqs strictly increase among themselves.
         last_seq = _check_entries(session_id, entries, entries[0].seq - 1) if entries else None

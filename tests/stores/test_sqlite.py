@@ -294,6 +294,48 @@ async def test_a_refused_append_among_many_after_other_writes_fails_alone(
         await store.aclose()
 
 
+async def test_an_append_of_data_that_is_not_bytes_fails_alone(tmp_path: Path) -> None:
+    """An entry whose data is no bytes-like object fails its own append with TypeError,
+    and the appends queued with it commit."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path, busy_timeout=30)
+    results: dict[str, BaseException | None] = {}
+
+    async def run(label: str, entries: list[JournalEntry]) -> None:
+        try:
+            await store.append(label, entries, b"i")
+        except Exception as exc:
+            results[label] = exc
+        else:
+            results[label] = None
+
+    blocker: sqlite3.Connection | None = None
+    try:
+        with trio.fail_after(30):
+            for name in ("pilot", "a", "b", "bad"):
+                await store.create(name, b"snap", b"info")
+            blocker = sqlite3.connect(path, isolation_level=None)
+            blocker.execute("BEGIN IMMEDIATE")  # holds the write lock: requests pile up
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "pilot", _entries(1))
+                await _wait_until(lambda: store.statistics().requests_queued == 0)
+                await trio.sleep(0.05)  # (the pilot waits for the lock)
+                nursery.start_soon(run, "a", _entries(1))
+                nursery.start_soon(run, "b", _entries(1))
+                await _wait_until(lambda: store.statistics().requests_queued == 2)
+                nursery.start_soon(run, "bad", [JournalEntry(1, None)])  # type: ignore[arg-type]
+                await trio.sleep(0.05)
+                blocker.execute("COMMIT")
+        assert isinstance(results.pop("bad"), TypeError)
+        assert results == {"pilot": None, "a": None, "b": None}
+        assert await store.read_journal("bad", 0) == (0, [])
+        assert await store.read_journal("b", 0) == (0, _entries(1))
+    finally:
+        if blocker is not None:
+            blocker.close()
+        await store.aclose()
+
+
 async def test_two_appends_of_one_session_in_one_transaction_commit_in_order(
     tmp_path: Path,
 ) -> None:
