@@ -985,19 +985,23 @@ class SQLiteStore:
         args: tuple[Any, ...] = (),
     ) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
-        if writes and self.readonly:
-            raise self._readonly_error(session_id)
-        request = _Request(op, session_id=session_id, writes=writes, args=args)
-        request.worker = self._submit(request)
+        request = self._request(session_id, op, writes=writes, args=args)
         return await trio.lowlevel.wait_task_rescheduled(request.abort)
 
-    def _readonly_error(self, session_id: str | None) -> StoreError:
-        about = f"session {session_id!r}: " if session_id is not None else ""
-        return StoreError(
-            f"{about}the sqlite store at {self.path!r} is read-only (readonly=True);"
-            " nothing was written. Open it without readonly=True to write",
-            session_id=session_id,
-        )
+    def _request(
+        self, session_id: str | None, op: _Op, *, writes: bool, args: tuple[Any, ...]
+    ) -> _Request:
+        """The calling task's request, queued for the connection's thread: to wait on."""
+        if writes and self.readonly:
+            about = f"session {session_id!r}: " if session_id is not None else ""
+            raise StoreError(
+                f"{about}the sqlite store at {self.path!r} is read-only (readonly=True);"
+                " nothing was written. Open it without readonly=True to write",
+                session_id=session_id,
+            )
+        request = _Request(op, session_id=session_id, writes=writes, args=args)
+        request.worker = self._submit(request)
+        return request
 
     async def aclose(self) -> None:
         """Finish every queued request, close the connection and stop its thread.
@@ -1081,12 +1085,10 @@ class SQLiteStore:
         *,
         fence: int | None = None,
     ) -> None:
-        # ``_call`` written out: a turn waits here for its commit, with every frame
-        # between, and a thousand turns waiting at once keep that many frames more
-        # for the garbage collector to visit (benchmark 6)
+        # ``_call`` without its frame: a turn waits here for its commit, with every
+        # frame between, and a thousand turns waiting at once keep that many frames
+        # more for the garbage collector to visit (benchmark 6)
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self.readonly:
-            raise self._readonly_error(session_id)
         if any(e.data.__class__ is not bytes for e in entries):
             # bytes of its own (TypeError if it is not bytes-like): nothing the caller
             # changes later, nothing a shared transaction could fail on
@@ -1095,8 +1097,7 @@ class SQLiteStore:
         # Checked before the transaction: the seqs strictly increase among themselves.
         last_seq = _check_entries(session_id, entries, entries[0].seq - 1) if entries else None
         args = _AppendArgs(session_id, entries, info, fence, last_seq, info_activity(info))
-        request = _Request(_append, session_id=session_id, writes=True, args=args)
-        request.worker = self._submit(request)
+        request = self._request(session_id, _append, writes=True, args=args)
         await trio.lowlevel.wait_task_rescheduled(request.abort)
 
     async def write_snapshot(
