@@ -231,12 +231,13 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
 
 def _check_call_chunk(chunk: ToolCallChunk) -> None:
     """A fragment of a tool call holds what a stored call can hold, or fails the turn."""
-    if isinstance(chunk.index, bool) or not isinstance(chunk.index, int):
-        raise TypeError(f"the model streamed a ToolCallChunk whose index is {chunk.index!r}")
-    for field in ("id", "name"):
-        value = getattr(chunk, field)
-        if value is not None and not isinstance(value, str):
-            raise TypeError(f"the model streamed a ToolCallChunk whose {field} is {value!r}")
+    index, id_, name = chunk.index, chunk.id, chunk.name
+    if index.__class__ is not int and (isinstance(index, bool) or not isinstance(index, int)):
+        raise TypeError(f"the model streamed a ToolCallChunk whose index is {index!r}")
+    if id_ is not None and not isinstance(id_, str):
+        raise TypeError(f"the model streamed a ToolCallChunk whose id is {id_!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"the model streamed a ToolCallChunk whose name is {name!r}")
     if not isinstance(chunk.arguments, str):
         raise TypeError(
             f"the model streamed a ToolCallChunk whose arguments are {chunk.arguments!r}"
