@@ -557,10 +557,11 @@ class SnapshotWriter:
             # alive at once (thousands of them would set the garbage collector going)
             parts = [body]
             count = 0
+            exact = _exact_packer()  # (the fast maps hold exact types only)
             try:
                 for message in new:
                     raw, n = fast_message(message)
-                    parts.append(packer.pack(raw))
+                    parts.append(exact.pack(raw))
                     count += n
             except Slow:  # something unusual: the checker refuses it, or it is fine
                 count = sum(map(check_message, new))
