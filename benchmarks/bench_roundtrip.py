@@ -5,6 +5,9 @@ and an Event into a bounded memory channel, another task fills the slot and
 sets the Event. ``ref.send`` adds everything a session turn is (ids, events,
 history, the hub, the reply record, and the journal write with
 ``durability="turn"``). pykka's ``ask`` to a threading actor is the peer.
+The bare actor (``_bare_actor.py``) is a reference for reading the ratios: a
+session actor with only the guarantees the targets were set against, timed
+the same way.
 No subscribers; MemoryStore; 250 sends per session (a fresh session every
 250 turns keeps the history at a conversation's length).
 
@@ -18,11 +21,13 @@ median of the rounds' ratios.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import pykka
 import trio
 
 import sessionactors as sa
+from _bare_actor import bare_send
 from _common import InstantModel, Row, agents, cpu, log, median, now, paired, run_main, spread
 
 #: sends per session: the history stays short (500 messages at most), as in a
@@ -103,7 +108,7 @@ def pykka_ask(n: int) -> tuple[float, float]:
 def main(args: argparse.Namespace) -> list[Row]:
     n = 1000 if args.quick else 4000
     count = 3 if args.quick else 7
-    keys = ("raw", "hibernate", "turn", "pykka")
+    keys = ("raw", "hibernate", "turn", "bare", "bare-durable", "pykka")
     wall: dict[str, list[float]] = {k: [] for k in keys}
     used: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(count):
@@ -112,6 +117,8 @@ def main(args: argparse.Namespace) -> list[Row]:
             "raw": trio.run(raw_trio, n),
             "hibernate": trio.run(ref_send, n, "hibernate"),
             "turn": trio.run(ref_send, n, "turn"),
+            "bare": trio.run(partial(bare_send, n, PER_SESSION, durable=False)),
+            "bare-durable": trio.run(partial(bare_send, n, PER_SESSION, durable=True)),
             "pykka": pykka_ask(n),
         }
         for k, (w, c) in got.items():
@@ -149,6 +156,10 @@ def main(args: argparse.Namespace) -> list[Row]:
         )
 
     cpu_note = f"CPU time, {n} sends, {PER_SESSION} per session"
+    bare_note = (
+        f"{cpu_note}; the targets' guarantees and nothing more (what it leaves out: "
+        "benchmarks/_bare_actor.py)"
+    )
     return [
         vs(
             "hibernate",
@@ -160,6 +171,34 @@ def main(args: argparse.Namespace) -> list[Row]:
             cpu_note,
         ),
         vs("turn", "raw", 'ref.send, durability="turn", MemoryStore', floor, used, 2.5, cpu_note),
+        vs("bare", "raw", "the bare actor (reference)", floor, used, None, bare_note),
+        vs(
+            "bare-durable",
+            "raw",
+            "the bare actor, durable (reference)",
+            floor,
+            used,
+            None,
+            bare_note,
+        ),
+        vs(
+            "hibernate",
+            "bare",
+            'ref.send, durability="hibernate", vs the bare actor',
+            "the bare actor",
+            used,
+            None,
+            cpu_note,
+        ),
+        vs(
+            "turn",
+            "bare-durable",
+            'ref.send, durability="turn", vs the bare actor, durable',
+            "the bare actor, durable",
+            used,
+            None,
+            cpu_note,
+        ),
         vs(
             "pykka",
             "raw",
