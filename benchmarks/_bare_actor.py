@@ -32,8 +32,6 @@ import msgpack
 import outcome
 import trio
 
-from _common import cpu, now
-
 _now = datetime.datetime.now
 _UTC = datetime.UTC
 _ids = itertools.count(1)
@@ -166,22 +164,10 @@ class BareActor:
                 slot.set(Reply(turn_id, reply))
 
 
-async def bare_send(n: int, per_session: int, *, durable: bool) -> tuple[float, float]:
-    """(wall, cpu) seconds per send, as benchmark 1's ``ref_send`` measures them."""
+def bare_actors(nursery: trio.Nursery, count: int, *, durable: bool) -> list[BareActor]:
+    """``count`` bare actors on one store, running in ``nursery``."""
     store = _Store()
-    async with trio.open_nursery() as nursery:
-        actors = [BareActor(f"bare-{i}", store, durable=durable) for i in range(n // per_session)]
-        warm = BareActor("warm-up", store, durable=durable)
-        for actor in [*actors, warm]:
-            nursery.start_soon(actor.run)
-        for _ in range(50):
-            await warm.send("hi")
-        start, start_cpu = now(), cpu()
-        for actor in actors:
-            for _ in range(per_session):
-                reply = await actor.send("hi")
-        elapsed, elapsed_cpu = now() - start, cpu() - start_cpu
-        assert reply.message.content == "ok"
-        nursery.cancel_scope.cancel()
-    count = len(actors) * per_session
-    return elapsed / count, elapsed_cpu / count
+    actors = [BareActor(f"bare-{i}", store, durable=durable) for i in range(count)]
+    for actor in actors:
+        nursery.start_soon(actor.run)
+    return actors

@@ -21,13 +21,14 @@ median of the rounds' ratios.
 from __future__ import annotations
 
 import argparse
-from functools import partial
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pykka
 import trio
 
 import sessionactors as sa
-from _bare_actor import bare_send
+from _bare_actor import bare_actors
 from _common import InstantModel, Row, agents, cpu, log, median, now, paired, run_main, spread
 
 #: sends per session: the history stays short (500 messages at most), as in a
@@ -68,6 +69,23 @@ async def raw_trio(n: int) -> tuple[float, float]:
     return elapsed / n, elapsed_cpu / n
 
 
+async def _time_sends(
+    sends: list[Callable[[str], Awaitable[Any]]], warm: Callable[[str], Awaitable[Any]]
+) -> tuple[float, float]:
+    """(wall, cpu) seconds per send: ``PER_SESSION`` sends to each session, after 50
+    to a session of its own to warm up."""
+    for _ in range(50):
+        await warm("hi")
+    start, start_cpu = now(), cpu()
+    for send in sends:
+        for _ in range(PER_SESSION):
+            reply = await send("hi")
+    elapsed, elapsed_cpu = now() - start, cpu() - start_cpu
+    assert reply.message.content == "ok"
+    count = len(sends) * PER_SESSION
+    return elapsed / count, elapsed_cpu / count
+
+
 async def ref_send(n: int, durability: str) -> tuple[float, float]:
     """(wall, cpu) seconds per ``ref.send``: ``PER_SESSION`` sends to each of n // PER_SESSION."""
     async with sa.open_registry(
@@ -75,16 +93,16 @@ async def ref_send(n: int, durability: str) -> tuple[float, float]:
     ) as registry:
         refs = [await registry.spawn(f"floor-{i}") for i in range(n // PER_SESSION)]
         warm = await registry.spawn("warm-up")
-        for _ in range(50):
-            await warm.send("hi")
-        start, start_cpu = now(), cpu()
-        for ref in refs:
-            for _ in range(PER_SESSION):
-                reply = await ref.send("hi")
-        elapsed, elapsed_cpu = now() - start, cpu() - start_cpu
-        assert reply.text == "ok"
-    count = len(refs) * PER_SESSION
-    return elapsed / count, elapsed_cpu / count
+        return await _time_sends([ref.send for ref in refs], warm.send)
+
+
+async def bare_send(n: int, durable: bool) -> tuple[float, float]:
+    """The same for the bare actor (``_bare_actor.py``)."""
+    async with trio.open_nursery() as nursery:
+        actors = bare_actors(nursery, n // PER_SESSION + 1, durable=durable)
+        timed = await _time_sends([actor.send for actor in actors[1:]], actors[0].send)
+        nursery.cancel_scope.cancel()
+    return timed
 
 
 class _Echo(pykka.ThreadingActor):
@@ -117,8 +135,8 @@ def main(args: argparse.Namespace) -> list[Row]:
             "raw": trio.run(raw_trio, n),
             "hibernate": trio.run(ref_send, n, "hibernate"),
             "turn": trio.run(ref_send, n, "turn"),
-            "bare": trio.run(partial(bare_send, n, PER_SESSION, durable=False)),
-            "bare-durable": trio.run(partial(bare_send, n, PER_SESSION, durable=True)),
+            "bare": trio.run(bare_send, n, False),
+            "bare-durable": trio.run(bare_send, n, True),
             "pykka": pykka_ask(n),
         }
         for k, (w, c) in got.items():
