@@ -117,6 +117,7 @@ class BareActor:
         self._history: list[Message] = []
         self._unsaved: list[TurnStarted | TurnFinished] = []
         self._pack = msgpack.Packer(datetime=True).pack
+        self.scope = trio.CancelScope()  # cancels the turn in flight (and the actor)
 
     def send(self, text: str) -> Awaitable[Any]:
         """Queue a turn at once and return the wait for its reply."""
@@ -129,7 +130,7 @@ class BareActor:
         return self._seq
 
     async def run(self) -> None:
-        with trio.CancelScope():
+        with self.scope:
             async for text, slot in self._receive:
                 turn_id = _new_id("turn")
                 user = Message(_new_id("msg"), "user", text, _now(_UTC))
