@@ -198,7 +198,10 @@ class Registry(metaclass=NoPublicConstructor):
     ) -> SessionRef:
         """The session ``name``, spawned with these options if it does not exist."""
         validate_name(name)
-        if name in self._sessions.live or await self.store.exists(name):
+        actor = self._sessions.live.get(name)
+        # (an actor still loading may be a read of a name that is not stored: spawn
+        # waits for it to find nothing)
+        if (actor is not None and actor.is_ready) or await self.store.exists(name):
             return self._ref(name)
         try:
             return await self.spawn(

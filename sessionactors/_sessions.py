@@ -6,6 +6,7 @@ other workers: the dispatcher asks the router before it comes here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import (
     FencedOutError,
+    SessionActorsError,
     SessionCrashedError,
     SessionExistsError,
     SessionNotFoundError,
@@ -201,6 +203,15 @@ class Sessions:
         self._start(actor)
         return actor
 
+    async def loaded(self, name: str) -> None:
+        """Wait until an actor of ``name`` that is still loading has loaded: a request to
+        a name that is not stored starts one, which then finds nothing and leaves, and
+        must not pass for the session meanwhile."""
+        actor = self.live.get(name)
+        if actor is not None and not actor.is_ready:
+            with contextlib.suppress(SessionActorsError):  # it left, or it is broken:
+                await actor.ready()  # the callers look again
+
     async def create(self, session: LiveSession) -> None:
         """Store a new session; SessionExistsError if it exists.
 
@@ -208,6 +219,7 @@ class Sessions:
         virtual actor): a spawn does nothing the session needs only once it is used.
         """
         name = session.session_id
+        await self.loaded(name)
         if name in self.live:
             raise exists_error(name)
         try:

@@ -13,7 +13,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MemoryStore
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Gate, Scripted, ScriptedModel
 
 
 def pairs(history: Sequence[sa.Message]) -> list[tuple[str, str]]:
@@ -491,3 +491,48 @@ async def test_open_registry_refuses_a_url_or_path_as_store(tmp_path: Path) -> N
     with pytest.raises(TypeError, match="HalfAStore lacks aclose, append, claim"):
         async with sa.open_registry(store=HalfAStore()):  # type: ignore[arg-type]
             pass
+
+
+@pytest.mark.parametrize("make", ["get_or_spawn", "spawn"])
+async def test_a_read_of_a_name_not_stored_does_not_stand_in_for_it(
+    echo_agents: dict[str, sa.Agent], make: str
+) -> None:
+    """A read of a session that does not exist starts an actor that finds nothing; while
+    that load is in flight, a spawn of the name (or get_or_spawn, as the HTTP gateway
+    does for a first message) creates the session and its first message is answered,
+    not failed with SessionNotFoundError or refused as existing."""
+    store = FaultyStore()
+    with trio.fail_after(10):
+        await _spawn_while_a_read_loads(echo_agents, store, make)
+
+
+async def _spawn_while_a_read_loads(
+    echo_agents: dict[str, sa.Agent], store: FaultyStore, make: str
+) -> None:
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        gate = store.hold("load", session_id="web-1")
+        read: list[BaseException] = []
+
+        async def read_state() -> None:
+            try:
+                await registry.ref("web-1").state()
+            except sa.SessionNotFoundError as exc:
+                read.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_state)
+            await trio.testing.wait_all_tasks_blocked()
+            assert "web-1" in registry.live()  # its actor is loading, held at the gate
+            make_it = registry.get_or_spawn if make == "get_or_spawn" else registry.spawn
+            async with trio.open_nursery() as opener:
+                opener.start_soon(_open_gate_soon, gate)
+                ref = await make_it("web-1")
+            reply = await ref.send("hello")
+        assert reply.text == "hello"
+        assert len(read) == 1  # the read itself found nothing: it began before the spawn
+        assert pairs((await ref.state()).messages) == [("hello", "hello")]
+
+
+async def _open_gate_soon(gate: Gate) -> None:
+    await trio.testing.wait_all_tasks_blocked()
+    gate.open()

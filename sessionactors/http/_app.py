@@ -369,8 +369,8 @@ class SessionsApp:
     async def _ref_to_write(self, registry: AnyRegistry, name: str, agent: str | None) -> AnyRef:
         if not self._create_sessions:
             return registry.ref(name)
-        if name in registry.live():
-            return registry.ref(name)
+        # (not "live, so it exists": a read of a name not stored has a live actor while
+        # it loads; get_or_spawn waits for that)
         return await registry.get_or_spawn(name, agent=agent)
 
     async def _submit(

@@ -422,6 +422,38 @@ async def waking_session(
         yield url, client, first, loading
 
 
+async def test_a_first_message_while_a_read_of_the_name_loads_creates_the_session() -> None:
+    """The chat page opens a session (GET, 404 for a new name) and its first message
+    (POST) may reach the server while that read's load is still in flight: the message
+    creates the session and is answered, not failed with 404."""
+    store = FaultyStore(sa.MemoryStore())
+    loading = store.hold("load", session_id="web-1")
+    app = create_app(store=store, agents=trio_agents())
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                read: list[int] = []
+
+                async def get() -> None:
+                    read.append((await client.get("/sessions/web-1")).status_code)
+
+                nursery.start_soon(get)
+                while not loading.waiting:
+                    await trio.sleep(0.01)
+                nursery.start_soon(_open_later, loading)
+                sent = await client.post("/sessions/web-1/messages", json={"text": "hello"})
+            assert read == [404]
+            assert sent.status_code == 200, sent.text
+            assert sent.json()["text"] == "hello"
+            state = (await client.get("/sessions/web-1")).json()
+            assert [m["content"] for m in state["messages"]] == ["hello", "hello"]
+
+
+async def _open_later(gate: Any) -> None:
+    await trio.sleep(0.2)  # the message reaches the server while the load is held
+    gate.open()
+
+
 async def test_a_replayed_message_to_a_waking_session_streams_its_stored_reply() -> None:
     """A streamed message whose idempotency key completed, sent while its session wakes
     (the store is slow to load it), ends with the stored reply instead of waiting."""
