@@ -704,7 +704,7 @@ class Actor:
                             mail = await receive.receive()
                         if mail is None:
                             host.stats.idle_hibernations += 1
-                            if await self._hibernate_if_idle():
+                            if await self._hibernate_idle():
                                 return None
                             continue
                 except trio.EndOfChannel:
@@ -1356,6 +1356,25 @@ class Actor:
         self.phase = Phase.LEFT
         self.host.detach(self)
 
+    async def _hibernate_idle(self) -> bool:
+        """The idle timeout's hibernation; whether the actor left. Nobody asked for it, so
+        a store that refuses the snapshot fails no request: the session stays live (what
+        it holds is journaled, or kept for the next snapshot) and tries again when idle
+        next, instead of crashing with the requests that came meanwhile."""
+        try:
+            return await self._hibernate_if_idle()
+        except StoreError as exc:
+            if isinstance(exc, FencedOutError):
+                raise  # another worker owns it: nothing of ours to keep
+            log.warning(
+                "session %r stays live: its idle hibernation failed: %s", self.session_id, exc
+            )
+            # the snapshot may have been stored, saying hibernated: a status is
+            # journaled before anything more is published, as when a request came
+            self.session.status = _resting_status(self.session)
+            self.journal.status_due = True
+            return False
+
     async def _hibernate_if_idle(self) -> bool:
         """Snapshot; leave if nothing arrived meanwhile (else stay live, lease kept)."""
         if self.session.reviews and self.turn_mail is not None:
@@ -1387,14 +1406,14 @@ class Actor:
                     raise  # another worker owns it: nothing of ours to write
                 except (StoreError, ValueError, TypeError) as exc:
                     error = exc
-                    if not isinstance(exc, StoreError) or not self._acknowledged_unsaved():
+                    if not isinstance(exc, StoreError) or not self.acknowledged_unsaved():
                         break  # a retry cannot help, or the journal holds it all
                     await trio.sleep(delay)
                     delay = min(2 * delay, 1.0)
         stored = error is None and not writing.cancelled_caught
         self._answer_held(stored=stored)
         self._fail_queued(stopped_error(self.session_id, "closing"))
-        if not stored and self._acknowledged_unsaved():
+        if not stored and self.acknowledged_unsaved():
             # (with a journal, what is not stored was never acknowledged: its caller
             # heard so)
             self.host.unwritten(
@@ -1409,7 +1428,7 @@ class Actor:
         if not writing.cancelled_caught:  # else the store is stuck: the lease expires
             await self._release_lease()
 
-    def _acknowledged_unsaved(self) -> bool:
+    def acknowledged_unsaved(self) -> bool:
         """Whether acknowledged state is in no write yet (only without a journal)."""
         return bool(self.journal.unsaved) and not self.journal.per_turn
 
@@ -1436,8 +1455,9 @@ class Actor:
     async def _finish_stop(self) -> None:
         """Stop: one write makes it so, the journal's (or, without one, the snapshot's).
 
-        With a journal, a snapshot follows once the actor has left (the caller does
-        not wait for it): reads of the stopped session then replay no journal tail.
+        With a journal, a snapshot follows (bounded; a failure only leaves the journal
+        tail for reads to replay), before the actor leaves the table: a delete of the
+        name waits for it, so it cannot land on a session spawned afresh under the name.
         """
         sid = self.session_id
         event = StatusChanged(session_id=sid, seq=self.next_seq(), status=Status.STOPPED)
@@ -1457,11 +1477,11 @@ class Actor:
         self._answer_held(stored=True)
         self._fail_queued(stopped_error(sid, "stop"))
         self.emit(event)
-        self._leave(Status.STOPPED)
-        self._hub().close()
         if journal:  # compaction only: the stop is stored already
             with self._bounded_write(), contextlib.suppress(Exception):
                 await self._write_snapshot(Status.STOPPED)
+        self._leave(Status.STOPPED)
+        self._hub().close()
 
 
 def _resting_status(session: LiveSession) -> Status:

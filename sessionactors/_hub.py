@@ -14,7 +14,7 @@ from collections.abc import Callable
 import trio
 
 from ._config import HubConfig
-from ._errors import SubscriberLaggedError
+from ._errors import SessionActorsError, SubscriberLaggedError
 from ._events import (
     Delta,
     Event,
@@ -55,7 +55,7 @@ def _size(event: Event | _Kept) -> int:
 class Subscriber:
     """One subscription's buffer: the hub writes with send_nowait, the reader reads."""
 
-    __slots__ = ("lagged", "left", "receive", "send")
+    __slots__ = ("error", "lagged", "left", "receive", "send")
 
     def __init__(self, buffer: int) -> None:
         self.send, self.receive = trio.open_memory_channel[Event](buffer)
@@ -63,6 +63,8 @@ class Subscriber:
         self.lagged = False
         #: Ended because the session left this process (see ``Hub.leave``): nothing lost.
         self.left = False
+        #: Ended with this error, raised to the reader (see ``Hub.close``).
+        self.error: SessionActorsError | None = None
 
 
 class Hub:
@@ -75,6 +77,7 @@ class Hub:
         "_skipped",
         "_subs",
         "on_lag",
+        "published",
         "seq",
         "session_id",
         "tap",
@@ -83,6 +86,9 @@ class Hub:
     def __init__(self, session_id: str, config: HubConfig, seq: int = 0) -> None:
         self.session_id = session_id
         self.seq = seq
+        #: The seq of the last event published (or known durable: ``advance``, ``jump``):
+        #: an event with a larger seq, assigned already, is withheld until it is stored.
+        self.published = seq
         self._config = config
         # events, deltas kept as _Kept (a tuple with its size per event would be one
         # more object to keep)
@@ -112,6 +118,8 @@ class Hub:
         """Make sure the next seq assigned is above ``seq`` (after a wake)."""
         if seq > self.seq:
             self.seq = seq
+        if seq > self.published:
+            self.published = seq
 
     def jump(self, seq: int) -> None:
         """Advance to ``seq`` after an unclean stop: the seqs skipped were never used by
@@ -120,11 +128,14 @@ class Hub:
         if seq > self.seq:
             self._skipped = (self.seq, seq)
             self.seq = seq
+        if seq > self.published:
+            self.published = seq
 
     def publish(self, event: Event) -> None:
         """Keep the event for replay and hand it to every subscriber, never blocking."""
         if self.tap is not None:
             self.tap(event)
+        self.published = event.seq
         ring = self._ring
         if ring is None:
             ring = self._ring = deque()
@@ -209,9 +220,11 @@ class Hub:
         sub.send.close()
         sub.receive.close()
 
-    def close(self) -> None:
-        """End every subscription cleanly (session stopped or deleted)."""
+    def close(self, error: SessionActorsError | None = None) -> None:
+        """End every subscription: cleanly (session stopped or deleted), or with
+        ``error``, which each reader then raises after the events it has."""
         for sub in self._subs:
+            sub.error = error
             sub.send.close()
         self._subs.clear()
 

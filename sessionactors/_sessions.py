@@ -20,6 +20,7 @@ from ._config import RegistryConfig
 from ._errors import (
     FencedOutError,
     SessionActorsError,
+    SessionBusyError,
     SessionCrashedError,
     SessionExistsError,
     SessionNotFoundError,
@@ -131,11 +132,20 @@ class Sessions:
                     self._retire_generation()
                 self._live_peak = _compact(self.live)
         hub = self.hubs.get(name)
-        if hub is not None and hub.subscriber_count and self.router and not self._closing:
-            # With other workers the session may wake elsewhere, where this hub hears
-            # nothing: its subscriptions end, and the router's follow them (see
-            # ``EventIterator.follow``).
-            hub.leave()
+        if hub is not None and hub.subscriber_count:
+            error = actor.load_error
+            if error is not None and not isinstance(error, SessionBusyError):
+                # Its wake failed: the name is not stored, or stopped, or the store or
+                # the snapshot failed. Subscriptions opened while it loaded end as they
+                # would have at their start (a stopped session's cleanly, else with the
+                # error), and ``ref.stream`` then raises its turn's error: nothing will
+                # publish to this hub until a wake succeeds.
+                hub.close(None if isinstance(error, SessionStoppedError) else error)
+            elif self.router and not self._closing:
+                # With other workers the session may wake elsewhere, where this hub
+                # hears nothing: its subscriptions end, and the router's follow them
+                # (see ``EventIterator.follow``).
+                hub.leave()
         self.release_hub(name)
         _gone_event(actor).set()
 

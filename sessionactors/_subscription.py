@@ -65,6 +65,8 @@ class EventIterator:
                     event = await receive.receive()
                 except (trio.EndOfChannel, trio.ClosedResourceError):
                     sub = self._sub
+                    if sub.error is not None:
+                        raise sub.error from None
                     if sub.lagged or (sub.left and self.follow is None):
                         raise lagged_error(self._session_id, self._cursor) from None
                     if not sub.left or self._closed:
@@ -120,8 +122,11 @@ async def open_event_iterator(
         # (hibernated, stopped): it knows nothing of the session's past, so ask the store.
         if hub.seq and hub.ring_covers(after):
             return EventIterator(session_id, hub, sub, hub.ring_after(after), after, on_close)
-        # What memory holds now (the ring, durable events not stored yet), then the journal.
-        found: dict[int, Event] = {e.seq: e for e in unsaved() if e.seq > after}
+        # What memory holds now (the ring, durable events not stored yet), then the journal;
+        # not an event withheld until its write is done (a turn's outcome, a status): it
+        # comes live once stored, or never, if the write fails
+        published = hub.published
+        found: dict[int, Event] = {e.seq: e for e in unsaved() if after < e.seq <= published}
         found.update((e.seq, e) for e in hub.ring_after(after))
         trimmed, entries = await store.read_journal(session_id, after)
         if trimmed > after:

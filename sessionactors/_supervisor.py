@@ -129,6 +129,16 @@ async def session_task(host: Host, actor: Actor) -> None:
                     # closing, not killed or deleted: its write may not have landed
                     mail = actor.turn_mail
                     mail.pending.set_error(stopped_error(actor.session_id, "unsaved", mail.turn_id))
+                if actor.kill_error is None and actor.acknowledged_unsaved():
+                    # (without a journal) answered turns that no write holds: the registry
+                    # reports them on exit, as it does when its closing snapshot fails
+                    host.unwritten(
+                        actor.session_id,
+                        StoreError(
+                            f"the store did not answer within {config.write_bound:g} s",
+                            session_id=actor.session_id,
+                        ),
+                    )
                 _end(actor, cut)
             raise
 

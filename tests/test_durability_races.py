@@ -611,7 +611,7 @@ async def test_a_stop_racing_a_delete_says_the_session_is_gone() -> None:
 
 
 async def test_a_stopped_session_reads_the_same_every_time() -> None:
-    """Its stop is compacted into a snapshot after stop() returns, so a read replays
+    """Its stop is compacted into a snapshot before stop() returns, so a read replays
     no journal tail (which would stamp the stop with the time of the read)."""
     async with sa.open_registry(store=MemoryStore(), agents=ECHO) as reg:
         ref = await reg.spawn("s")

@@ -1,0 +1,298 @@
+"""Probes at the edges of a session's life: wakes, hibernations, deletes, closes.
+
+Each test places one interleaving deterministically (the test kit's FaultyStore
+holds or fails store calls; ``wait_all_tasks_blocked`` lets everything else run
+first) and checks a promise: every caller and every stream gets an answer or a
+typed error naming the session, and nothing acknowledged is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from sessionactors.testing import EchoModel, FaultyStore
+
+ECHO = {"a": sa.Agent(model=EchoModel())}
+
+
+async def test_a_stream_whose_wake_fails_ends_with_the_turns_error(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """ref.stream() to a hibernated session whose wake fails (the store's load
+    raises): the turn is refused with the store's error, and iterating the stream
+    raises it (its events end before any outcome), instead of waiting forever for an
+    outcome event that never comes."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        await ref.hibernate()
+        assert reg.live() == []
+        outcome: list[object] = []
+
+        async def stream() -> None:
+            try:
+                with trio.fail_after(3600):
+                    async with ref.stream("two") as events:
+                        async for event in events:
+                            outcome.append(event)
+            except (sa.SessionActorsError, trio.TooSlowError) as exc:
+                outcome.append(exc)
+
+        first = store.hold("load")  # the subscription's read of the stored session
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream)
+            await trio.testing.wait_all_tasks_blocked()
+            assert first.waiting == 1
+            second = store.hold("load")  # the wake's
+            first.open()
+            await trio.testing.wait_all_tasks_blocked()
+            assert second.waiting == 1
+            store.fail("load", session_id="s")
+            second.open()
+        assert store.injected == 1
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], sa.StoreError), outcome
+        assert outcome[0].session_id == "s"
+        # the store is back: the session wakes and serves
+        assert (await ref.send("three")).text == "three"
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+async def test_a_subscription_opened_while_a_wake_reads_the_store_ends_as_without_it(
+    autojump_clock: trio.abc.Clock, stopped: bool
+) -> None:
+    """A read of a stopped session (or of a name never stored) starts an actor that
+    finds it so and leaves. A subscription opened meanwhile must end as it does
+    otherwise (a stopped session's ends; a missing one's is refused with
+    SessionNotFoundError), not stay open on a session that is not there."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        if stopped:
+            ref = await reg.spawn("s")
+            await ref.send("one")
+            await ref.stop()
+        ref = reg.ref("s")
+        outcome: list[object] = []
+
+        async def subscribe() -> None:
+            try:
+                with trio.fail_after(3600):
+                    async with ref.subscribe() as events:
+                        outcome.extend([e async for e in events])
+                        outcome.append("ended")
+            except (sa.SessionActorsError, trio.TooSlowError) as exc:
+                outcome.append(exc)
+
+        async def read() -> None:
+            with contextlib.suppress(sa.SessionNotFoundError):
+                await ref.history()
+
+        gate = store.hold("load")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gate.waiting == 1  # the wake reads the store
+            assert reg.live() == ["s"]
+            nursery.start_soon(subscribe)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.open()
+        if stopped:
+            assert outcome == ["ended"]
+        else:
+            assert len(outcome) == 1
+            assert isinstance(outcome[0], sa.SessionNotFoundError), outcome
+
+
+async def test_a_subscription_opened_while_a_wake_reads_the_store_ends_as_the_registry_closes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A subscription opened while a wake reads the store, when the registry closes
+    before the store answers, ends as every subscription does then, instead of
+    staying open on a hub that no actor will ever publish to, or close."""
+    store = FaultyStore()
+    outcome: list[object] = []
+    gate = store.hold("load")
+    async with trio.open_nursery() as outside:
+        async with sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg:
+            await reg.spawn("s")
+            ref = reg.ref("s")
+
+            async def subscribe() -> None:
+                try:
+                    with trio.fail_after(3600):
+                        async with ref.subscribe() as events:
+                            outcome.extend([e async for e in events])
+                            outcome.append("ended")
+                except (sa.SessionActorsError, trio.TooSlowError) as exc:
+                    outcome.append(exc)
+
+            async def read() -> None:
+                try:
+                    await ref.history()
+                except sa.SessionActorsError as exc:
+                    outcome.append(exc)
+
+            outside.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gate.waiting == 1  # the wake reads the store
+            outside.start_soon(subscribe)
+            await trio.testing.wait_all_tasks_blocked()
+        gate.open()  # the store answers once the registry is gone
+    assert len(outcome) == 2, outcome
+    assert "ended" in outcome, outcome
+    assert [type(o) for o in outcome if o != "ended"] == [sa.SessionStoppedError], outcome
+
+
+async def test_a_resumed_subscription_replays_no_outcome_before_it_is_stored(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A subscriber resuming from beyond the replay ring while a turn's outcome is being
+    written must not be shown that outcome before it is stored: the write fails, the
+    turn is void (TurnFailed, lost), and live subscribers never see it finish."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=ECHO, replay_events=2) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one two three")
+        gate = store.hold("append", session_id="s")
+        store.fail("append", session_id="s")
+        live: list[sa.Event] = []
+        resumed: list[sa.Event] = []
+        async with ref.subscribe() as events:
+            turn = await ref.submit("four five six")
+            await trio.testing.wait_all_tasks_blocked()
+            assert gate.waiting == 1  # the turn's outcome is being written
+            async with ref.subscribe(after=1) as replayed:  # beyond the ring: the journal
+                gate.open()
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                with trio.move_on_after(60):
+                    async for event in events:
+                        live.append(event)
+                with trio.move_on_after(60):
+                    async for event in replayed:
+                        resumed.append(event)
+        assert store.injected == 1
+
+        def ends(seen: list[sa.Event]) -> list[str]:
+            return [
+                type(e).__name__
+                for e in seen
+                if isinstance(e, sa.TurnFinished | sa.TurnFailed) and e.turn_id == turn.id
+            ]
+
+        assert ends(live) == ["TurnFailed"]
+        assert ends(resumed) == ["TurnFailed"], resumed
+
+
+async def test_a_stopped_session_deleted_and_spawned_again_is_not_overwritten(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A stop is journaled, then compacted into a snapshot. If the session is
+    deleted and its name spawned afresh while that snapshot is being written, the
+    new session must not become the old one (its history, its stopped status)."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("secret")
+        gate = store.hold("write_snapshot", session_id="s")
+        spawned: list[sa.SessionRef] = []
+
+        async def delete_and_spawn() -> None:
+            await reg.delete("s")
+            spawned.append(await reg.spawn("s"))
+
+        async def stop() -> None:
+            # (deleted before it returned: it says so, as a stop racing a delete does)
+            with contextlib.suppress(sa.SessionNotFoundError):
+                await ref.stop()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gate.waiting == 1  # the stop is journaled; its compaction is held
+            nursery.start_soon(delete_and_spawn)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.open()
+        [fresh] = spawned
+        assert await fresh.history() == []
+        assert (await fresh.send("hello")).text == "hello"
+
+
+@pytest.mark.parametrize("durability", ["turn", "hibernate"])
+async def test_a_message_during_a_failed_idle_hibernation_is_served(
+    autojump_clock: trio.abc.Clock, durability: str
+) -> None:
+    """The idle timeout hibernates a session; the store refuses the snapshot while a
+    message arrives. Nobody asked for that hibernation: the message is served (not
+    failed as if the session had crashed handling it), nothing is lost, and the
+    session hibernates once the store takes snapshots again."""
+    store = FaultyStore()
+    async with sa.open_registry(
+        store=store, agents=ECHO, idle_timeout=10, durability=durability
+    ) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        gate = store.hold("write_snapshot", session_id="s")
+        store.fail("write_snapshot", session_id="s")
+        await trio.sleep(11)
+        assert gate.waiting == 1  # the idle hibernation's snapshot
+        turn = await ref.submit("two")
+        gate.open()
+        assert (await turn.reply()).text == "two"
+        assert store.injected == 1
+        assert reg.statistics().crashes == 0
+        await trio.sleep(11)
+        assert reg.live() == []  # hibernated this time
+    async with sa.open_registry(store=store.store, agents=ECHO) as reg:
+        history = [m.content for m in await reg.ref("s").history()]
+        assert history == ["one", "one", "two", "two"]
+
+
+@pytest.mark.parametrize("how", ["idle", "explicit"])
+async def test_a_registry_closing_on_a_stalled_hibernation_reports_what_it_lost(
+    autojump_clock: trio.abc.Clock, how: str
+) -> None:
+    """durability="hibernate": an answered turn is in memory only until a snapshot.
+    The registry closes while an idle (or a requested) hibernation's snapshot stalls,
+    and gives up on it: the turn is lost, and leaving the registry must say so with
+    StoreError naming the session, as it does when its own closing snapshot stalls."""
+    store = FaultyStore()
+
+    async def close_while_hibernating() -> None:
+        async with trio.open_nursery() as outside:
+            async with sa.open_registry(
+                store=store,
+                agents=ECHO,
+                durability="hibernate",
+                shutdown_grace=1,
+                idle_timeout=10 if how == "idle" else None,
+            ) as reg:
+                ref = await reg.spawn("s")
+                await ref.send("one")  # answered: in memory, in no write yet
+                gate = store.hold("write_snapshot")
+                if how == "idle":
+                    await trio.sleep(11)
+                else:
+
+                    async def hibernate() -> None:
+                        with pytest.raises(sa.SessionStoppedError):
+                            await ref.hibernate()
+
+                    outside.start_soon(hibernate)
+                    await trio.testing.wait_all_tasks_blocked()
+                assert gate.waiting == 1  # the hibernation's snapshot stalls
+            gate.open()
+
+    with pytest.raises(ExceptionGroup) as raised:  # (out of the nursery around it)
+        await close_while_hibernating()
+    [error] = raised.value.exceptions
+    assert isinstance(error, sa.StoreError)
+    assert "['s']" in str(error)
+    async with sa.open_registry(store=store.store, agents=ECHO) as reg:
+        assert await reg.ref("s").history() == []  # lost, as the error said
