@@ -211,7 +211,13 @@ def private_redis_cluster(
             if b"cluster_state:ok" not in _command(port, "CLUSTER", "INFO"):
                 return False
             role = _command(port, "INFO", "replication")
-            return b"role:slave" not in role or b"master_link_status:up" in role
+            if b"role:slave" in role and b"master_link_status:up" not in role:
+                return False
+            # every node sees every replica as one (gossip spreads roles after the
+            # links are up: a client asking this node for the replicas finds them all)
+            nodes = _command(port, "CLUSTER", "NODES").splitlines()
+            seen = sum(1 for line in nodes if b"slave" in b"".join(line.split()[2:3]))
+            return seen >= masters * replicas
 
         while not all(ready(p) for p in ports):
             if time.monotonic() > deadline:
