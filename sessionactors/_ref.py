@@ -357,6 +357,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         first replays every still-available event with a larger seq
         (EventsExpiredError if some are gone), then continues live with no
         gap and no duplicate. Subscribing does not wake the session.
+
+        It ends when the session is stopped or deleted, or the registry closes.
+        Iterating raises ``SubscriberLaggedError`` if the reader fell behind, and
+        the wake's error if a wake of the session fails while it is open (the
+        name not stored, the store or the snapshot failing): subscribe again,
+        with ``after=`` the last seq read, once the cause is fixed.
         """
         if after is not None:
             _check_type(self.session_id, "after", after, int)
@@ -374,7 +380,8 @@ class SessionRef(metaclass=NoPublicConstructor):
 
         The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session
         crashed and the turn is void) or ``TurnCancelled``; if the session's events
-        end first (it was deleted or stopped, or the registry closed), or the worker
+        end first (it was deleted or stopped, its wake failed, or the registry
+        closed), or the worker
         that ran it died, iterating raises the turn's error instead. With
         ``idempotency_key``, a turn sent again after its worker died is followed under
         its new turn id (a second ``TurnStarted``).
