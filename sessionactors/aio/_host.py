@@ -118,7 +118,25 @@ class Host:
         self.run_sync_soon(lambda: self._start(task, fn))
         return task
 
+    def check_loop(self) -> None:
+        """Refuse (RuntimeError) a call made outside the loop that hosts this trio run:
+        from another thread, or another loop, it would run trio code off its thread or
+        await a future of another loop, after the request was already handed over."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self.loop:
+            where = "another asyncio loop" if running is not None else "outside any loop"
+            raise RuntimeError(
+                "this sessionactors.aio object belongs to the asyncio loop that opened its "
+                f"registry, and was called from {where}; nothing was sent. Call it on that "
+                "loop (from another thread: asyncio.run_coroutine_threadsafe(coro, loop)), "
+                "or open a registry on this loop"
+            )
+
     def _check_running(self) -> None:
+        self.check_loop()
         if self.state != "running":
             raise RuntimeError(
                 "the registry this object belongs to is closed (its trio run has ended); "

@@ -133,6 +133,7 @@ class SessionRef:
 
         It runs at once on the loop's thread, where the trio run lives too.
         """
+        self._host.check_loop()
         return Turn(self._host, self._ref.submit_nowait(text, idempotency_key=idempotency_key))
 
     def subscribe(self, after: int | None = None) -> AbstractAsyncContextManager[EventStream]:
