@@ -45,7 +45,14 @@ from ._requests import (
 )
 from ._subscription import EventIterator
 
-__all__ = ["MAX_TEXT_CHARS", "Dispatcher", "SessionRef", "Turn", "check_unicode"]
+__all__ = [
+    "MAX_TEXT_CHARS",
+    "Dispatcher",
+    "SessionRef",
+    "Turn",
+    "check_message",
+    "check_unicode",
+]
 
 
 class Dispatcher(Protocol):
@@ -490,6 +497,13 @@ def _check_type(session_id: str, what: str, value: object, kind: type) -> None:
             f"{what} for session {session_id!r} must be {kind.__name__}, "
             f"not {type(value).__name__} ({value!r:.60})"
         )
+
+
+def check_message(session_id: str, text: object, idempotency_key: object = None) -> None:
+    """TypeError or ValueError if ``send``/``submit`` would refuse this text or key (for
+    front ends that must refuse a request before they create its session)."""
+    _check_text(session_id, text)
+    _check_key(session_id, idempotency_key)
 
 
 def _check_text(session_id: str, text: object, what: str = "a message") -> None:

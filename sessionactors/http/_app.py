@@ -34,6 +34,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
+from .._ref import check_message
 from ._json import (
     dumps,
     error_json,
@@ -287,7 +288,8 @@ class SessionsApp:
         if isinstance(error, _RequestError):
             body = dict(error.body)
             if session:  # say which session the refused request was for
-                body["message"] = f"session {session!r}: {body['message']}"
+                if f"session {session!r}" not in body["message"]:
+                    body["message"] = f"session {session!r}: {body['message']}"
                 body["session_id"] = session
             return error.status, body
         if isinstance(error, json.JSONDecodeError):
@@ -396,7 +398,7 @@ class SessionsApp:
             return {}
         try:
             data = json.loads(chunks)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nested too deep to decode)
             raise _RequestError(
                 422, "InvalidJSON", f"the request body is not valid JSON ({exc}); send an object"
             ) from None
@@ -463,10 +465,10 @@ class SessionsApp:
             text = _string(data, "text")
             key = _optional_string(data, "idempotency_key")
             agent = _optional_string(data, "agent")
-            if len(text) > 8 * 1024 * 1024:
-                raise _RequestError(
-                    422, "InvalidRequest", "'text' is over 8 MiB characters; send less"
-                )
+            try:  # refused before the first message creates its session
+                check_message(name, text, key)
+            except (TypeError, ValueError) as exc:
+                raise _RequestError(422, "InvalidRequest", str(exc)) from None
             ref = await self._ref_to_write(registry, name, agent)
             if _wants_events(request):
                 return cast(
@@ -543,6 +545,7 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             after = _after(request)
             ref = await self._existing_ref(registry, name)
+            await _check_after(ref, after)
             return cast(
                 Response, EventStreamResponse(self, functools.partial(self._all_events, ref, after))
             )
@@ -560,6 +563,7 @@ class SessionsApp:
                 ref = await self._ref_to_write(registry, name, websocket.query_params.get("agent"))
             else:
                 ref = await self._existing_ref(registry, name)
+            await _check_after(ref, after)
             async with ref.subscribe(after) as events:
                 await self._converse(registry, ref, websocket, events)
         except WebSocketDisconnect:
@@ -643,6 +647,8 @@ class SessionsApp:
                     except WebSocketDisconnect:
                         group.cancel_scope.cancel()
                         return
+                    except RecursionError as exc:  # a frame nested too deep to decode
+                        await failed(_RequestError(422, "InvalidJSON", f"the frame is {exc}"))
                     except (ValueError, _RequestError, sa.SessionActorsError) as exc:
                         await failed(exc)
             finally:
@@ -670,6 +676,25 @@ class SessionsApp:
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
+
+
+async def _check_after(ref: AnyRef, after: int | None) -> None:
+    """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the session's
+    last event: the id is of a deleted session of the same name (or of another store),
+    and a subscription after it would silently skip this session's events until its
+    seq passed the id."""
+    if after is None:
+        return
+    last = (await ref.state()).event_seq
+    if after > last:
+        name = ref.session_id
+        raise sa.EventsExpiredError(
+            f"session {name!r} has no event after seq {after}: its last event is seq "
+            f"{last} (the id is of an earlier session of that name, since deleted); "
+            f"reload the state (GET /sessions/{name}) and resume after its event_seq",
+            session_id=name,
+            oldest_seq=last + 1,
+        )
 
 
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
