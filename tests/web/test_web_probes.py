@@ -1,0 +1,179 @@
+"""Edges of the HTTP gateway and of sessionactors.aio, as a demanding client or an
+attacker hits them: each test pins one promise (bad input is refused before anything is
+written, a resume never skips events, the asyncio face answers with clear errors)."""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+import sessionactors.aio as aio
+from sessionactors.http import create_app
+
+from .chat_agents import asyncio_agents, trio_agents
+from .servers import serve_asyncio, serve_trio
+from .test_gateway import SSE, Serve, Served, SSEReader, finished
+from .wsclient import open_websocket
+
+
+@pytest.fixture(params=["hypercorn-trio", "uvicorn-asyncio"])
+def serve(request: pytest.FixtureRequest) -> Serve:
+    """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server."""
+    kind: str = request.param
+
+    @asynccontextmanager
+    async def start(*, delay: float = 0.02, **options: Any) -> AsyncIterator[Served]:
+        trio_side = kind == "hypercorn-trio"
+        agents = trio_agents(delay) if trio_side else asyncio_agents(delay)
+        app = create_app(agents=agents, **options)
+        async with (serve_trio if trio_side else serve_asyncio)(app) as url:
+            yield Served(url, app, kind)
+
+    return start
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"text": "\\ud800 a lone surrogate"}',
+        b'{"text": "x", "idempotency_key": ""}',
+        b'{"text": "x", "idempotency_key": "' + b"k" * 2000 + b'"}',
+        b'{"text": "x", "idempotency_key": "\\udc00"}',
+        b'{"text": "' + b"a" * (1024 * 1024 + 1) + b'"}',
+    ],
+    ids=["surrogate-text", "empty-key", "long-key", "surrogate-key", "text-over-1MiB"],
+)
+async def test_a_refused_first_message_creates_no_session(serve: Serve, body: bytes) -> None:
+    """A first message that is refused as bad input (422) leaves nothing behind: the name
+    is not created, not listed, and a read of it still answers 404."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            for accept in ({}, SSE):
+                r = await client.post(
+                    "/sessions/fresh/messages",
+                    content=body,
+                    headers={"content-type": "application/json", **accept},
+                )
+                assert r.status_code == 422, r.text
+                assert r.json()["session_id"] == "fresh"
+                assert "'fresh'" in r.json()["message"]
+                r = await client.get("/sessions/fresh")
+                assert r.status_code == 404, r.text
+                assert (await client.get("/sessions")).json()["sessions"] == []
+
+
+async def test_a_last_event_id_beyond_the_session_is_not_a_silent_stream(serve: Serve) -> None:
+    """A client resuming with a Last-Event-ID the session never reached (the id came from
+    a deleted session of the same name, which the chat page recreates) must not get a
+    stream that silently drops the session's events: it gets a JSON error telling it to
+    reload (as an expired id does), or the events."""
+    async with serve(delay=0.01) as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            for text in ("one two three", "four five six"):
+                await client.post("/sessions/n/messages", json={"text": text})
+            old_seq = (await client.get("/sessions/n")).json()["event_seq"]
+            assert (await client.delete("/sessions/n")).status_code == 200
+            await client.post("/sessions/n/messages", json={"text": "a new conversation"})
+            assert (await client.get("/sessions/n")).json()["event_seq"] < old_seq
+
+            for headers, params in [({"last-event-id": str(old_seq)}, {}), ({}, {"after": 10**30})]:
+                got: list[tuple[int | None, dict[str, Any]]] = []
+                async with client.stream(
+                    "GET", "/sessions/n/events", headers=headers, params=params
+                ) as r:
+                    if r.status_code == 200:
+                        async with trio.open_nursery() as nursery:
+
+                            async def read(r: httpx.Response = r, got: list[Any] = got) -> None:
+                                got.extend(await SSEReader(r).until(finished))
+                                nursery.cancel_scope.cancel()
+
+                            nursery.start_soon(read)
+                            await client.post("/sessions/n/messages", json={"text": "hello?"})
+                            with trio.move_on_after(2):
+                                await trio.sleep_forever()
+                            nursery.cancel_scope.cancel()
+                        assert got, "the stream sent nothing of the turn that just ran"
+                        assert got[-1][1]["message"]["content"] == "hello?"
+                    else:
+                        await r.aread()
+                        assert r.status_code in (409, 410, 422), r.text
+                        assert r.json()["session_id"] == "n"
+
+
+async def test_deeply_nested_json_is_bad_input_not_a_server_error(serve: Serve) -> None:
+    """A body of deeply nested JSON arrays is refused as bad input (422), not a 500; a
+    WebSocket frame of it gets an error frame and the connection lives on."""
+    nested = "[" * 100_000 + "]" * 100_000
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            r = await client.post(
+                "/sessions/deep/messages",
+                content=b'{"text": ' + nested.encode() + b"}",
+                headers={"content-type": "application/json"},
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["error"] == "InvalidJSON"
+            ws_url = served.url.replace("http://", "ws://") + "/sessions/deep/ws"
+            async with open_websocket(ws_url) as ws:
+                await ws.send(nested)
+                error = await ws.receive()
+                assert (error["type"], error["status"]) == ("error", 422), error
+                await ws.send({"type": "message", "text": "still here"})
+                frame = await ws.receive()
+                while frame["type"] != "TurnFinished":
+                    frame = await ws.receive()
+                assert frame["message"]["content"] == "still here"
+
+
+def test_a_call_from_another_event_loop_is_refused_before_it_runs() -> None:
+    """An aio ref used from another thread's event loop (a worker thread, a second
+    asyncio.run) is refused with a clear error that names the cause, and the request does
+    not run: a caller told it failed must be able to retry without a second turn."""
+
+    async def main() -> None:
+        async with aio.open_registry(agents=asyncio_agents(delay=0.001)) as registry:
+            ref = await registry.spawn("t")
+            errors: list[BaseException] = []
+
+            def elsewhere() -> None:
+                async def use() -> None:
+                    for attempt in (
+                        lambda: ref.send("from another loop"),
+                        lambda: ref.submit("submitted from another loop"),
+                        lambda: ref.history(),
+                    ):
+                        try:
+                            await attempt()
+                        except Exception as exc:
+                            errors.append(exc)
+                    try:
+                        ref.submit_nowait("nowait from another thread")
+                    except Exception as exc:
+                        errors.append(exc)
+
+                asyncio.run(use())
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            while thread.is_alive():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # a request that slipped through would have run by now
+            history = [m.content for m in await ref.history()]
+            assert history == [], history
+            assert len(errors) == 4, errors
+            for error in errors:
+                assert isinstance(error, RuntimeError), repr(error)
+                assert "loop" in str(error)
+                assert "attached to a different loop" not in str(error)
+
+    async def bounded() -> None:
+        async with asyncio.timeout(15):  # (before the fix, a nowait call could wedge it)
+            await main()
+
+    asyncio.run(bounded())
