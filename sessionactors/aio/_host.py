@@ -26,12 +26,20 @@ import attrs
 import outcome
 import trio
 
+from .._errors import SessionStoppedError
+
 __all__ = ["Host", "acquire_host", "release_host", "wait_asyncio", "wait_future_uncancelled"]
 
 T = TypeVar("T")
 
 #: The host of each running loop (weak: a loop that is gone takes its entry with it).
 _HOSTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Host] = weakref.WeakKeyDictionary()
+
+
+class RegistryClosedError(SessionStoppedError, RuntimeError):
+    """An aio object used after its registry closed and the loop's trio run ended: a
+    SessionStoppedError, as the trio registry raises (and as this raises while another
+    registry keeps the run going), and a RuntimeError, as it used to be."""
 
 
 @attrs.define(eq=False)
@@ -138,7 +146,7 @@ class Host:
     def _check_running(self) -> None:
         self.check_loop()
         if self.state != "running":
-            raise RuntimeError(
+            raise RegistryClosedError(
                 "the registry this object belongs to is closed (its trio run has ended); "
                 "use it inside the `async with sessionactors.aio.open_registry(...)` block"
             )

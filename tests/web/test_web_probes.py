@@ -3,6 +3,7 @@ attacker hits them: each test pins one promise (bad input is refused before anyt
 written, a resume never skips events, the asyncio face answers with clear errors)."""
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,6 +13,7 @@ import httpx
 import pytest
 import trio
 
+import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.http import create_app
 
@@ -174,6 +176,35 @@ def test_a_call_from_another_event_loop_is_refused_before_it_runs() -> None:
 
     async def bounded() -> None:
         async with asyncio.timeout(15):  # (before the fix, a nowait call could wedge it)
+            await main()
+
+    asyncio.run(bounded())
+
+
+@pytest.mark.parametrize("another_open", [False, True], ids=["alone", "another-open"])
+def test_a_closed_aio_registry_raises_session_stopped_like_the_trio_one(another_open: bool) -> None:
+    """A ref or registry used after its block raises SessionStoppedError, as the trio
+    registry's do, whether or not another registry still keeps the loop's trio run."""
+
+    async def main() -> None:
+        agents = asyncio_agents(delay=0.001)
+        async with contextlib.AsyncExitStack() as stack:
+            if another_open:
+                await stack.enter_async_context(aio.open_registry(agents=agents))
+            async with aio.open_registry(agents=agents) as registry:
+                ref = await registry.spawn("c")
+                await ref.send("hi")
+            for call in (lambda: ref.send("late"), ref.history, lambda: registry.spawn("d")):
+                with pytest.raises(sa.SessionStoppedError):
+                    await call()
+            with pytest.raises(sa.SessionStoppedError):
+                async with ref.subscribe():
+                    pass
+            with pytest.raises(sa.SessionStoppedError):
+                ref.submit_nowait("late")
+
+    async def bounded() -> None:
+        async with asyncio.timeout(15):
             await main()
 
     asyncio.run(bounded())
