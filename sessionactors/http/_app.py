@@ -559,7 +559,7 @@ class SessionsApp:
             await self._admit(websocket, name, "websocket")
             registry = self._registry_now()
             after = _after(websocket)
-            if self._create_sessions:
+            if self._create_sessions and not after:  # (a seq to resume after: not new)
                 ref = await self._ref_to_write(registry, name, websocket.query_params.get("agent"))
             else:
                 ref = await self._existing_ref(registry, name)

@@ -107,6 +107,15 @@ async def test_a_last_event_id_beyond_the_session_is_not_a_silent_stream(serve: 
                         assert r.status_code in (409, 410, 422), r.text
                         assert r.json()["session_id"] == "n"
 
+            # a WebSocket resuming after a seq of a name that does not exist (any more)
+            # is refused, and creates nothing
+            ws_url = served.url.replace("http://", "ws://") + f"/sessions/gone/ws?after={old_seq}"
+            async with open_websocket(ws_url) as ws:
+                error = await ws.receive()
+                assert error["type"] == "error"
+                assert error["status"] in (404, 410), error
+            assert (await client.get("/sessions/gone")).status_code == 404
+
 
 async def test_deeply_nested_json_is_bad_input_not_a_server_error(serve: Serve) -> None:
     """A body of deeply nested JSON arrays is refused as bad input (422), not a 500; a
