@@ -36,12 +36,6 @@ T = TypeVar("T")
 _HOSTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Host] = weakref.WeakKeyDictionary()
 
 
-class RegistryClosedError(SessionStoppedError, RuntimeError):
-    """An aio object used after its registry closed and the loop's trio run ended: a
-    SessionStoppedError, as the trio registry raises (and as this raises while another
-    registry keeps the run going), and a RuntimeError, as it used to be."""
-
-
 @attrs.define(eq=False)
 class Host:
     """One trio guest run on one asyncio loop.
@@ -146,7 +140,7 @@ class Host:
     def _check_running(self) -> None:
         self.check_loop()
         if self.state != "running":
-            raise RegistryClosedError(
+            raise SessionStoppedError(  # as the trio registry's objects raise
                 "the registry this object belongs to is closed (its trio run has ended); "
                 "use it inside the `async with sessionactors.aio.open_registry(...)` block"
             )

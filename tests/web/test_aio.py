@@ -224,7 +224,7 @@ def test_leaving_the_block_shuts_down_like_the_trio_registry(tmp_path: Path) -> 
             ref = await registry.spawn("d")
             turn = await ref.submit("go")
         assert turn.done
-        with pytest.raises(RuntimeError, match="closed"):
+        with pytest.raises(sa.SessionStoppedError, match="closed"):
             await turn.reply()
         async with aio.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
             [info] = await registry.sessions()
