@@ -235,8 +235,10 @@ async def _read(events: AsyncIterator[sa.Event], select: Select, outbox: _Outbox
                 break
             if len(outbox.frames) >= OUTBOX_FRAMES:
                 await outbox.wait_room()
-    except sa.SubscriberLaggedError as exc:
-        # the client resumes with Last-Event-ID: the last seq it received
+    except sa.SessionActorsError as exc:
+        # fell behind (SubscriberLaggedError), or the session's events ended with an
+        # error (its wake failed): the client resumes with Last-Event-ID, the last seq
+        # it received
         outbox.close(error_frame(exc))
     else:
         outbox.close()

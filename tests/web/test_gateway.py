@@ -648,3 +648,30 @@ async def test_an_open_asyncio_registry_can_be_served_under_uvicorn() -> None:
             state["server"].should_exit = True
         await trio.to_thread.run_sync(thread.join)
     assert state["history"] == ["mine too", "mine too"]
+
+
+async def test_a_follower_of_a_session_whose_wake_fails_gets_an_error_frame() -> None:
+    """A client following a hibernated session's events (which does not wake it), when
+    a message's wake of the session fails in the store: the message is answered 503,
+    and the follower's stream ends with an error frame naming the session (to reconnect
+    from its Last-Event-ID once the store is back), not cut off without a word."""
+    stored = sa.MemoryStore()
+    agents = trio_agents()
+    async with sa.open_registry(store=stored, agents=agents) as registry:
+        await (await registry.spawn("f")).send("hello")
+    store = FaultyStore(stored)
+    app = create_app(store=store, agents=agents)
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            async with client.stream("GET", "/sessions/f/events", headers=SSE) as events:
+                assert events.status_code == 200
+                store.fail("load", session_id="f")
+                sent = await client.post("/sessions/f/messages", json={"text": "again"})
+                assert sent.status_code == 503, sent.text
+                got = await read_until(events, lambda d: d["type"] == "error")
+            assert got[-1][1]["session_id"] == "f"
+            assert "StoreError" in got[-1][1]["error"], got[-1]
+            assert store.injected == 1
+            # the store is back: the session wakes and answers
+            sent = await client.post("/sessions/f/messages", json={"text": "again"})
+            assert sent.status_code == 200, sent.text
