@@ -358,6 +358,37 @@ class SessionsApp:
         exists: bool = await registry._host.call(trio_registry.store.exists, name)
         return exists
 
+    async def _check_after(self, registry: AnyRegistry, ref: AnyRef, after: int | None) -> None:
+        """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the
+        session's last event: the id is of a deleted session of the same name (or of
+        another store), and a subscription after it would silently skip this session's
+        events until its seq passed the id.
+
+        A session not live here is read as stored, without waking it; only an id beyond
+        that asks the session itself (live on another worker, it may be further along:
+        its deltas are not stored)."""
+        if after is None:
+            return
+        name = ref.session_id
+        live = name in registry.live()
+        if live:
+            last = (await ref.state()).event_seq
+        elif isinstance(registry, sa.Registry):
+            last = (await sa.read_session(registry.store, name)).event_seq
+        else:
+            stored = registry._registry.store
+            last = (await registry._host.call(sa.read_session, stored, name)).event_seq
+        if after > last and not live:
+            last = (await ref.state()).event_seq
+        if after > last:
+            raise sa.EventsExpiredError(
+                f"session {name!r} has no event after seq {after}: its last event is seq "
+                f"{last} (the id is of an earlier session of that name, since deleted); "
+                f"reload the state (GET /sessions/{name}) and resume after its event_seq",
+                session_id=name,
+                oldest_seq=last + 1,
+            )
+
     async def _existing_ref(self, registry: AnyRegistry, name: str) -> AnyRef:
         ref = registry.ref(name)  # validates the name
         if not await self._exists(registry, name):
@@ -545,7 +576,7 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             after = _after(request)
             ref = await self._existing_ref(registry, name)
-            await _check_after(ref, after)
+            await self._check_after(registry, ref, after)
             return cast(
                 Response, EventStreamResponse(self, functools.partial(self._all_events, ref, after))
             )
@@ -563,7 +594,7 @@ class SessionsApp:
                 ref = await self._ref_to_write(registry, name, websocket.query_params.get("agent"))
             else:
                 ref = await self._existing_ref(registry, name)
-            await _check_after(ref, after)
+            await self._check_after(registry, ref, after)
             async with ref.subscribe(after) as events:
                 await self._converse(registry, ref, websocket, events)
         except WebSocketDisconnect:
@@ -676,25 +707,6 @@ class SessionsApp:
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
-
-
-async def _check_after(ref: AnyRef, after: int | None) -> None:
-    """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the session's
-    last event: the id is of a deleted session of the same name (or of another store),
-    and a subscription after it would silently skip this session's events until its
-    seq passed the id."""
-    if after is None:
-        return
-    last = (await ref.state()).event_seq
-    if after > last:
-        name = ref.session_id
-        raise sa.EventsExpiredError(
-            f"session {name!r} has no event after seq {after}: its last event is seq "
-            f"{last} (the id is of an earlier session of that name, since deleted); "
-            f"reload the state (GET /sessions/{name}) and resume after its event_seq",
-            session_id=name,
-            oldest_seq=last + 1,
-        )
 
 
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:

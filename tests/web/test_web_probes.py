@@ -117,6 +117,27 @@ async def test_a_last_event_id_beyond_the_session_is_not_a_silent_stream(serve: 
             assert (await client.get("/sessions/gone")).status_code == 404
 
 
+async def test_a_resume_of_a_hibernated_session_does_not_wake_it() -> None:
+    """Checking a Last-Event-ID against the session reads a hibernated session as
+    stored: browsers reconnecting after a restart do not wake every session they
+    follow (subscribing does not wake a session)."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=trio_agents()) as registry:
+        ref = await registry.spawn("h")
+        await ref.send("hello")
+        last = (await ref.state()).event_seq
+    app = create_app(store=store, agents=trio_agents())
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            headers = {"last-event-id": str(last)}
+            async with client.stream("GET", "/sessions/h/events", headers=headers) as r:
+                assert r.status_code == 200
+                assert app.registry is not None
+                assert app.registry.live() == []
+            r = await client.get("/sessions/h/events", headers={"last-event-id": str(last + 1000)})
+            assert r.status_code == 410, r.text
+
+
 async def test_deeply_nested_json_is_bad_input_not_a_server_error(serve: Serve) -> None:
     """A body of deeply nested JSON arrays is refused as bad input (422), not a 500; a
     WebSocket frame of it gets an error frame and the connection lives on."""
