@@ -20,6 +20,17 @@ from sessionactors.testing import EchoModel, FaultyStore
 ECHO = {"a": sa.Agent(model=EchoModel())}
 
 
+async def follow(ref: sa.SessionRef, outcome: list[object]) -> None:
+    """Subscribe and read to the end: every event, then "ended", or the error."""
+    try:
+        with trio.fail_after(3600):
+            async with ref.subscribe() as events:
+                outcome.extend([e async for e in events])
+                outcome.append("ended")
+    except (sa.SessionActorsError, trio.TooSlowError) as exc:
+        outcome.append(exc)
+
+
 async def test_a_stream_whose_wake_fails_ends_with_the_turns_error(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -80,15 +91,6 @@ async def test_a_subscription_opened_while_a_wake_reads_the_store_ends_as_withou
         ref = reg.ref("s")
         outcome: list[object] = []
 
-        async def subscribe() -> None:
-            try:
-                with trio.fail_after(3600):
-                    async with ref.subscribe() as events:
-                        outcome.extend([e async for e in events])
-                        outcome.append("ended")
-            except (sa.SessionActorsError, trio.TooSlowError) as exc:
-                outcome.append(exc)
-
         async def read() -> None:
             with contextlib.suppress(sa.SessionNotFoundError):
                 await ref.history()
@@ -99,7 +101,7 @@ async def test_a_subscription_opened_while_a_wake_reads_the_store_ends_as_withou
             await trio.testing.wait_all_tasks_blocked()
             assert gate.waiting == 1  # the wake reads the store
             assert reg.live() == ["s"]
-            nursery.start_soon(subscribe)
+            nursery.start_soon(follow, ref, outcome)
             await trio.testing.wait_all_tasks_blocked()
             gate.open()
         if stopped:
@@ -123,15 +125,6 @@ async def test_a_subscription_opened_while_a_wake_reads_the_store_ends_as_the_re
             await reg.spawn("s")
             ref = reg.ref("s")
 
-            async def subscribe() -> None:
-                try:
-                    with trio.fail_after(3600):
-                        async with ref.subscribe() as events:
-                            outcome.extend([e async for e in events])
-                            outcome.append("ended")
-                except (sa.SessionActorsError, trio.TooSlowError) as exc:
-                    outcome.append(exc)
-
             async def read() -> None:
                 try:
                     await ref.history()
@@ -141,7 +134,7 @@ async def test_a_subscription_opened_while_a_wake_reads_the_store_ends_as_the_re
             outside.start_soon(read)
             await trio.testing.wait_all_tasks_blocked()
             assert gate.waiting == 1  # the wake reads the store
-            outside.start_soon(subscribe)
+            outside.start_soon(follow, ref, outcome)
             await trio.testing.wait_all_tasks_blocked()
         gate.open()  # the store answers once the registry is gone
     assert len(outcome) == 2, outcome

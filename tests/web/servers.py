@@ -4,14 +4,17 @@ trio run, and uvicorn on an asyncio loop in a thread of its own."""
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+import attrs
 import hypercorn.config
 import hypercorn.trio
 import trio
 import uvicorn
+
+from sessionactors.http import SessionsApp
 
 
 @asynccontextmanager
@@ -62,3 +65,20 @@ async def serve_asyncio(app: Any) -> AsyncIterator[str]:
             await trio.to_thread.run_sync(thread.join)
     if failed:
         raise failed[0]
+
+
+@attrs.frozen
+class Served:
+    """An app on a real server: its base URL, the app, and which server ("hypercorn-trio"
+    or "uvicorn-asyncio")."""
+
+    url: str
+    app: SessionsApp
+    kind: str
+
+    def registry(self) -> Any:
+        assert self.app.registry is not None
+        return self.app.registry
+
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]

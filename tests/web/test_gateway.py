@@ -5,10 +5,9 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
-import attrs
 import httpx
 import pytest
 import trio
@@ -16,44 +15,14 @@ import uvicorn
 
 import sessionactors as sa
 import sessionactors.aio as aio
-from sessionactors.http import SessionsApp, create_app, event_to_json
+from sessionactors.http import create_app, event_to_json
 from sessionactors.testing import FaultyStore
 
 from .chat_agents import asyncio_agents, trio_agents
-from .servers import serve_asyncio, serve_trio
+from .servers import Serve, Served, serve_asyncio, serve_trio
 from .wsclient import Closed, open_websocket
 
 SSE = {"accept": "text/event-stream"}
-
-
-@attrs.frozen
-class Served:
-    url: str
-    app: SessionsApp
-    kind: str
-
-    def registry(self) -> Any:
-        assert self.app.registry is not None
-        return self.app.registry
-
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
-
-
-@pytest.fixture(params=["hypercorn-trio", "uvicorn-asyncio"])
-def serve(request: pytest.FixtureRequest) -> Serve:
-    """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server."""
-    kind: str = request.param
-
-    @asynccontextmanager
-    async def start(*, delay: float = 0.02, **options: Any) -> AsyncIterator[Served]:
-        trio_side = kind == "hypercorn-trio"
-        agents = trio_agents(delay) if trio_side else asyncio_agents(delay)
-        app = create_app(agents=agents, **options)
-        async with (serve_trio if trio_side else serve_asyncio)(app) as url:
-            yield Served(url, app, kind)
-
-    return start
 
 
 class SSEReader:

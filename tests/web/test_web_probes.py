@@ -5,8 +5,6 @@ written, a resume never skips events, the asyncio face answers with clear errors
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -18,25 +16,9 @@ import sessionactors.aio as aio
 from sessionactors.http import create_app
 
 from .chat_agents import asyncio_agents, trio_agents
-from .servers import serve_asyncio, serve_trio
-from .test_gateway import SSE, Serve, Served, SSEReader, finished
+from .servers import Serve, serve_trio
+from .test_gateway import SSE, SSEReader, finished
 from .wsclient import open_websocket
-
-
-@pytest.fixture(params=["hypercorn-trio", "uvicorn-asyncio"])
-def serve(request: pytest.FixtureRequest) -> Serve:
-    """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server."""
-    kind: str = request.param
-
-    @asynccontextmanager
-    async def start(*, delay: float = 0.02, **options: Any) -> AsyncIterator[Served]:
-        trio_side = kind == "hypercorn-trio"
-        agents = trio_agents(delay) if trio_side else asyncio_agents(delay)
-        app = create_app(agents=agents, **options)
-        async with (serve_trio if trio_side else serve_asyncio)(app) as url:
-            yield Served(url, app, kind)
-
-    return start
 
 
 @pytest.mark.parametrize(
