@@ -388,10 +388,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session
         crashed and the turn is void) or ``TurnCancelled``; if the session's events
         end first (it was deleted or stopped, its wake failed, or the registry
-        closed), or the worker
-        that ran it died, iterating raises the turn's error instead. With
-        ``idempotency_key``, a turn sent again after its worker died is followed under
-        its new turn id (a second ``TurnStarted``).
+        closed), or the worker that ran it died, iterating raises the turn's error
+        instead. With ``idempotency_key``, a turn sent again after its worker died is
+        followed under its new turn id (a second ``TurnStarted``).
         """
         async with self.subscribe() as events:
             turn = await self.submit(text, idempotency_key=idempotency_key)
