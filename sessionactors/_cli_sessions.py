@@ -27,6 +27,7 @@ import trio
 
 from ._codec import dump_info, dump_snapshot
 from ._errors import (
+    InvalidSessionNameError,
     LeaseHeldError,
     SessionActorsError,
     SessionExistsError,
@@ -390,6 +391,15 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
         validate_name(args.rename)
     state = load_export(document, name=args.rename)
     name = state.session_id
+    if args.rename is None:  # the export's own name is input too: refuse what spawn refuses
+        try:
+            validate_name(name)
+        except InvalidSessionNameError as exc:
+            raise InvalidSessionNameError(
+                f"the export holds an invalid session name: {exc}; "
+                "import it under a valid name with --as NAME",
+                session_id=None,
+            ) from None
     try:
         if isinstance(store, RoutingStore):  # stored as a spawn is: it wakes where it is used
             async with _joined(store) as registry:
