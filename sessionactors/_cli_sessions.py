@@ -426,6 +426,12 @@ async def _delete(store: Store, args: argparse.Namespace) -> int:
         async with _joined(store) as registry:
             await registry.delete(name)
     else:
+        if isinstance(store, SQLiteStore) and not os.path.exists(store.path):
+            raise SessionNotFoundError(  # a mistyped path: create no store there
+                f"session {name!r} is not stored: the sqlite store at {store.path!r} does not "
+                "exist; check the --store path",
+                session_id=name,
+            )
         async with _leased(store, name, "deleted"):
             if not await store.delete(name):
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)

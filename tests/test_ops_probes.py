@@ -64,3 +64,12 @@ def test_import_refuses_an_export_whose_session_name_is_invalid(
     # a valid name given with --as restores it
     done = sessions("import", "-", "--as", "fixed", "--store", store, stdin=hostile_export(name))
     assert done.returncode == 0, done.stderr
+
+
+def test_delete_on_a_missing_sqlite_file_creates_no_file(tmp_path: Path) -> None:
+    """A mistyped --store path for delete is refused without creating a store there
+    (nothing is written for a command that finds nothing to delete)."""
+    path = tmp_path / "typo.db"
+    line = refused("delete", "x", "--yes", "--store", f"sqlite:///{path}")
+    assert "not stored" in line and "does not exist" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
