@@ -21,7 +21,7 @@ import contextlib
 import math
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final, Literal, TypeAlias, get_args
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import attrs
 import coredis
@@ -88,13 +88,24 @@ _CLUSTER_RETRY: Final = ConstantRetryPolicy(
 
 
 def redact(url: str) -> str:
-    """``url`` without its password."""
-    parts = urlsplit(url)
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
+    """``url`` without its password: the one in its user info (up to the last ``@``,
+    even where a reserved character the password did not encode ends the URL's host
+    part early) and a ``password=`` query option."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+    userinfo, at, hosts = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
+    head, mark, query = rest.partition("?")
+    if mark:
+        query = "&".join(
+            f"{key}=***" if key.lower() == "password" else item
+            for item in query.split("&")
+            for key in (item.partition("=")[0],)
+        )
+        rest = f"{head}?{query}"
+    return f"{scheme}://{rest}"
 
 
 def _from_query(raw: str, kind: type[int] | type[float]) -> object:
@@ -208,6 +219,12 @@ class Target:
                 "redis+cluster:// or redis+sentinel:// url; pass one like "
                 "'redis://127.0.0.1:6379/0'"
             )
+        if "@" not in parts.netloc and "@" in url.partition("://")[2]:
+            raise ValueError(
+                f"redis url {redact(url)!r}: its user name or password holds a character "
+                "that a URL reserves ('/', '?', '#' or '@'); percent-encode them, e.g. "
+                "urllib.parse.quote(password, safe='')"
+            )
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options = {name: query.pop(name) for name in _OPTIONS if name in query}
         chosen = persistence or options.get("persistence") or "always"
@@ -297,15 +314,17 @@ async def open_client(target: Target) -> AsyncIterator[Client]:
     if target.scheme in _STANDALONE:
         parts = urlsplit(target.url)
         url = urlunsplit(parts._replace(query=urlencode(dict(target.query))))
-        async with coredis.Redis.from_url(url, retry_policy=NoRetryPolicy()) as client:
+        async with coredis.Redis.from_url(  # user info is percent-encoded (RFC 3986)
+            url, retry_policy=NoRetryPolicy(), decode_components=True
+        ) as client:
             yield client
     elif target.cluster:
         parts = urlsplit(target.url)
         user, colon, password = parts.netloc.rpartition("@")[0].partition(":")
         cluster = coredis.RedisCluster[bytes](
             startup_nodes=target.locations,
-            username=user or None,
-            password=password if colon else None,
+            username=unquote(user) or None,
+            password=unquote(password) if colon else None,
             ssl=target.scheme.startswith("rediss"),
             **target.tls,
             retry_policy=_CLUSTER_RETRY,

@@ -1,0 +1,70 @@
+"""Probes of the stores at their edges: credentials, odd URLs, odd files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from urllib.parse import quote
+
+import pytest
+import trio
+
+from sessionactors import StoreError
+from sessionactors.stores import RedisStore
+
+PASSWORD = "p@ss/w:rd#?%"
+
+
+@pytest.mark.redis
+async def test_a_percent_encoded_password_with_reserved_characters_connects(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """A URL's password is percent-encoded (RFC 3986 userinfo), so a password with
+    '@', '/', ':', '#', '?' or '%' can be written; the store decodes it."""
+    with private_redis_server(config=("--requirepass", PASSWORD)) as url:
+        host = url.removeprefix("redis://")
+        store = RedisStore(f"redis://:{quote(PASSWORD, safe='')}@{host}")
+        try:
+            with trio.fail_after(20):
+                assert await store.list_sessions() == []
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(
+    "spell",
+    [
+        lambda host: f"redis://{host}?password=hunter2secret",
+        lambda host: f"redis://default:hunter2secret@{host}",
+        lambda host: f"redis://:hunter2/hunter2x@{host}",  # not encoded: refused, not printed
+    ],
+)
+def test_the_command_line_never_prints_the_password(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    spell: Callable[[str], str],
+) -> None:
+    """A wrong password (or a URL that cannot be parsed) gives one line on stderr
+    that names the server but never the password, however the URL carries it."""
+    with private_redis_server(config=("--requirepass", "right")) as url:
+        store = spell(url.removeprefix("redis://"))
+        for command in (["list"], ["show", "x"], ["delete", "x", "--yes"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "sessionactors", "sessions", *command, "--store", store],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert done.returncode == 1, done.stdout
+            assert "hunter2" not in done.stderr, done.stderr
+            assert "***" in done.stderr, done.stderr
+
+
+def test_store_errors_never_carry_the_password() -> None:
+    for url in ("redis://:hunter2/hunter2x@127.0.0.1:1/0", "redis://127.0.0.1:1/x?password=hunter2"):
+        with pytest.raises((ValueError, StoreError)) as raised:
+            RedisStore(url)
+        assert "hunter2" not in str(raised.value)
