@@ -90,6 +90,14 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
             "session again rather than editing the file",
             session_id=state.session_id,
         )
+    for review in state.reviews:  # a review names its session: never another one
+        if review.session_id != state.session_id:
+            raise SnapshotCorruptError(
+                f"the export of session {state.session_id!r} holds review {review.id!r} "
+                f"of session {review.session_id!r}; a session's reviews are its own: export "
+                "the session again from its store",
+                session_id=state.session_id,
+            )
     if name is not None and name != state.session_id:
         state = attrs.evolve(
             state,

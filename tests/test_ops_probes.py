@@ -73,3 +73,32 @@ def test_delete_on_a_missing_sqlite_file_creates_no_file(tmp_path: Path) -> None
     line = refused("delete", "x", "--yes", "--store", f"sqlite:///{path}")
     assert "not stored" in line and "does not exist" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_import_refuses_an_export_whose_reviews_belong_to_another_session(
+    tmp_path: Path,
+) -> None:
+    """A pending review in an export names its session; one that names another session
+    is refused (else registry.pending_reviews() lists, under the victim's name, a tool
+    call the victim never made)."""
+    from sessionactors._records import ReviewRequest, ToolCall
+
+    now = datetime.datetime.now(datetime.UTC)
+    call = ToolCall(id="c1", name="refund", arguments="{}")
+    state = SessionState(
+        session_id="s",
+        agent="echo",
+        created_at=now,
+        updated_at=now,
+        event_seq=4,
+        messages=(
+            Message(id="m1", role=Role.USER, content="refund", created_at=now),
+            Message(id="m2", role=Role.ASSISTANT, content="", tool_calls=(call,), created_at=now),
+        ),
+        reviews=(ReviewRequest(id="r1", session_id="victim", tool_call=call, created_at=now),),
+    )
+    document = json.dumps(dump_export(state, exported_at=now))
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    line = refused("import", "-", "--store", store, stdin=document)
+    assert "'victim'" in line and "'s'" in line
+    assert not (tmp_path / "s.db").exists()
