@@ -295,14 +295,29 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
 
             nursery.start_soon(stop_on_signal)
             warned = False
+            last: tuple[int, str] | None = None  # the seq and JSON of the last event printed
             while True:
-                try:
-                    trimmed, events = await read_events(store, name, after)
+                try:  # from the last event printed on: to check it is still there
+                    trimmed, events = await read_events(
+                        store, name, after if last is None else last[0] - 1
+                    )
                 except SessionNotFoundError:
                     raise SessionNotFoundError(
                         f"session {name!r} is not stored (deleted?); nothing more to follow",
                         session_id=name,
                     ) from None
+                if last is not None and trimmed < last[0]:
+                    if not events or (
+                        events[0].seq,
+                        json.dumps(event_to_json(events[0]), ensure_ascii=False),
+                    ) != last:
+                        raise SessionNotFoundError(
+                            f"session {name!r} was deleted and a new session was stored under "
+                            "its name (or it was imported again) since the events printed; "
+                            "nothing more to follow: run tail again to follow the new one",
+                            session_id=name,
+                        )
+                events = [event for event in events if event.seq > after]
                 if trimmed > after and not warned:
                     print(
                         f"sessionactors sessions tail: the events of session {name!r} up to "
@@ -311,8 +326,10 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                     )
                     warned = True
                 for event in events:
-                    _out(json.dumps(event_to_json(event), ensure_ascii=False))
+                    text = json.dumps(event_to_json(event), ensure_ascii=False)
+                    _out(text)
                     after = max(after, event.seq)
+                    last = (event.seq, text)
                 sys.stdout.flush()
                 if args.no_follow:
                     nursery.cancel_scope.cancel()

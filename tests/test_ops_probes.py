@@ -102,3 +102,63 @@ def test_import_refuses_an_export_whose_reviews_belong_to_another_session(
     line = refused("import", "-", "--store", store, stdin=document)
     assert "'victim'" in line and "'s'" in line
     assert not (tmp_path / "s.db").exists()
+
+
+async def test_tail_does_not_follow_a_session_made_again_under_its_name_as_if_it_were_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session deleted and made again under its name between two reads of ``tail``
+    is another conversation: tail ends with one line naming it, rather than skipping
+    the new session's first events (their seqs are below the old ones) and printing
+    its later ones as if they went on from the old session's."""
+    import argparse
+
+    import trio
+
+    import sessionactors as sa
+    from sessionactors import _cli_sessions
+    from sessionactors.testing import EchoModel
+
+    printed: list[dict[str, object]] = []
+    monkeypatch.setattr(_cli_sessions, "_out", lambda text="": printed.append(json.loads(text)))
+    monkeypatch.setattr(_cli_sessions, "TAIL_INTERVAL", 1.0)
+    store = sa.MemoryStore()
+    args = argparse.Namespace(name="a", after=0, no_follow=False)
+    outcome: list[BaseException | int] = []
+
+    async def tail() -> None:
+        try:
+            outcome.append(await _cli_sessions._tail(store, args))
+        except* sa.SessionActorsError as group:  # (raised in tail's nursery)
+            outcome.append(group.exceptions[0])
+
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=store, agents={"echo": sa.Agent(model=EchoModel())}) as reg,
+            trio.open_nursery() as nursery,
+        ):
+            ref = await reg.spawn("a")
+            await ref.send("old words")
+            await ref.hibernate()
+            nursery.start_soon(tail)
+            await trio.sleep(0.5)  # tail printed the old session's events
+            assert any(e["type"] == "TurnFinished" for e in printed)
+            await reg.delete("a")
+            ref = await reg.spawn("a")
+            for n in range(3):
+                await ref.send(f"new words {n}")
+            await ref.hibernate()
+            await trio.sleep(2.5)  # tail read the store again
+            nursery.cancel_scope.cancel()
+    texts = [
+        e["message"]["content"]  # type: ignore[index]
+        for e in printed
+        if e["type"] == "TurnStarted"
+    ]
+    if outcome and isinstance(outcome[0], sa.SessionActorsError):
+        assert "'a'" in str(outcome[0])
+    else:  # followed on: then it must not have skipped the new session's first events
+        assert texts[1:] == ["new words 0", "new words 1", "new words 2"], (
+            texts,
+            [(e["type"], e["seq"]) for e in printed],
+        )
