@@ -50,6 +50,9 @@ __all__ = ["add_parser", "run"]
 
 #: Seconds between two reads of the journal while ``tail`` follows a session.
 TAIL_INTERVAL: Final = 0.5
+#: The exit status when the reader of standard output closed it (as a shell reports a
+#: process that SIGPIPE ended: 128 + 13).
+EXIT_PIPE_CLOSED: Final = 141
 #: How long a write command holds the session's lease on a shared SQLite file, in
 #: seconds (it is released when the command ends; this bounds how long a killed
 #: command blocks the session).
@@ -145,11 +148,23 @@ def run(args: argparse.Namespace) -> int:
         exc: BaseException = raised
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
+        if isinstance(exc, BrokenPipeError):  # the reader stopped (`... | head`): no error
+            _quiet_stdout()
+            return EXIT_PIPE_CLOSED
         text = " ".join(str(exc).split()) or type(exc).__name__
         if not isinstance(exc, SessionActorsError | ValueError | OSError):
             text = f"{type(exc).__name__}: {text}"
         print(f"sessionactors sessions {name}: {text}", file=sys.stderr)
         return 1
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at the null device, so that the interpreter's last flush
+    of what is still buffered for a closed pipe raises nothing at exit."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
 
 
 def _open(url: str, *, write: bool) -> Store:

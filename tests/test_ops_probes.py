@@ -162,3 +162,35 @@ async def test_tail_does_not_follow_a_session_made_again_under_its_name_as_if_it
             texts,
             [(e["type"], e["seq"]) for e in printed],
         )
+
+
+async def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
+    """``sessions list | head -1`` is how operators peek at a big store: when the
+    reader closes the pipe, the command stops quietly (no error line on stderr, the
+    status of a process whose pipe closed: 141), as other shell tools do."""
+    import sessionactors as sa
+    from sessionactors._codec import dump_info
+    from sessionactors._records import utcnow
+    from sessionactors._session import LiveSession
+
+    path = tmp_path / "many.db"
+    store = sa.SQLiteStore(str(path))
+    now = utcnow()
+    for i in range(2000):
+        state = SessionState(
+            session_id=f"s{i:05d}", agent="echo", created_at=now, updated_at=now,
+            metadata={"pad": "x" * 100},
+        )  # fmt: skip
+        await store.create(state.session_id, sa.dump_snapshot(state), dump_info(LiveSession(state).info()))  # fmt: skip
+    await store.aclose()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sessionactors", "sessions", "list", "--store", f"sqlite:///{path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout.readline().startswith(b"s01999\t")
+    process.stdout.close()
+    assert process.wait(60) == 141
+    assert process.stderr.read() == b""
+    process.stderr.close()
