@@ -104,7 +104,8 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
             session_id=name,
             reviews=tuple(attrs.evolve(r, session_id=name) for r in state.reviews),
         )
-    if state.status is not Status.STOPPED and (state.messages or state.event_seq):
+    unused = state.status is Status.NEW and not state.messages and not state.event_seq
+    if state.status is not Status.STOPPED and not unused:  # stored: no process runs it
         state = attrs.evolve(state, status=Status.HIBERNATED)
     return state
 

@@ -194,3 +194,22 @@ async def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
     assert process.wait(60) == 141
     assert process.stderr.read() == b""
     process.stderr.close()
+
+
+@pytest.mark.parametrize("status", ["running", "waiting", "failed"])
+def test_an_imported_session_is_never_listed_as_running(tmp_path: Path, status: str) -> None:
+    """Import stores a session as hibernated (a stopped one stays stopped, one never
+    used stays new): an export of an empty session that says it is running, waiting or
+    failed is not listed that way (no process runs it; `list --status running` would
+    show a session that nothing runs)."""
+    import sessionactors as sa
+
+    now = datetime.datetime.now(datetime.UTC)
+    state = SessionState(
+        session_id="s", agent="echo", status=sa.Status(status), created_at=now, updated_at=now
+    )
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    document = json.dumps(dump_export(state, exported_at=now))
+    assert sessions("import", "-", "--store", store, stdin=document).returncode == 0
+    listed = json.loads(sessions("list", "--json", "--store", store).stdout)
+    assert [row["status"] for row in listed] == ["hibernated"]
