@@ -213,3 +213,57 @@ def test_an_imported_session_is_never_listed_as_running(tmp_path: Path, status: 
     assert sessions("import", "-", "--store", store, stdin=document).returncode == 0
     listed = json.loads(sessions("list", "--json", "--store", store).stdout)
     assert [row["status"] for row in listed] == ["hibernated"]
+
+
+def _messages_export(*messages: Message) -> str:
+    now = datetime.datetime.now(datetime.UTC)
+    state = SessionState(
+        session_id="s", agent="echo", created_at=now, updated_at=now, event_seq=9,
+        messages=messages,
+    )  # fmt: skip
+    return json.dumps(dump_export(state, exported_at=now))
+
+
+@pytest.mark.parametrize("problem", ["orphan tool result", "repeated id", "user calls a tool"])
+def test_import_refuses_a_history_that_breaks_the_history_rules(
+    tmp_path: Path, problem: str
+) -> None:
+    """An export's history is checked by the rules every other way into a history
+    (add_messages, replace_history) enforces: unique ids, tool calls only from the
+    assistant, no tool result without its call; else every later turn sends the
+    model a history it refuses. Refused before anything is written."""
+    from sessionactors._records import ToolCall
+
+    now = datetime.datetime.now(datetime.UTC)
+    user = Message(id="m1", role=Role.USER, content="hi", created_at=now)
+    call = ToolCall(id="c1", name="t", arguments="{}")
+    history = {
+        "orphan tool result": (
+            user,
+            Message(id="m2", role=Role.TOOL, content="r", tool_call_id="nope", created_at=now),
+        ),
+        "repeated id": (user, Message(id="m1", role=Role.ASSISTANT, content="y", created_at=now)),
+        "user calls a tool": (
+            Message(id="m1", role=Role.USER, content="hi", tool_calls=(call,), created_at=now),
+        ),
+    }[problem]
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    line = refused("import", "-", "--store", store, stdin=_messages_export(*history))
+    assert "'s'" in line
+    assert not (tmp_path / "s.db").exists()
+
+
+def test_import_takes_a_turn_cut_between_its_tool_call_and_its_result(tmp_path: Path) -> None:
+    """The history check of import lets through what a session can hold: a last
+    assistant message whose calls wait for results (a review, a cut turn)."""
+    from sessionactors._records import ToolCall
+
+    now = datetime.datetime.now(datetime.UTC)
+    call = ToolCall(id="c1", name="t", arguments="{}")
+    history = (
+        Message(id="m1", role=Role.USER, content="hi", created_at=now),
+        Message(id="m2", role=Role.ASSISTANT, content="", tool_calls=(call,), created_at=now),
+    )
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    done = sessions("import", "-", "--store", store, stdin=_messages_export(*history))
+    assert done.returncode == 0, done.stderr
