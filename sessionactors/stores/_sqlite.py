@@ -706,16 +706,16 @@ def _create(path: str) -> None:
     creating the store at once, one makes it and the other uses it.
     """
     temporary = f"{path}.new-{os.getpid()}-{secrets.token_hex(4)}"
-    conn = sqlite3.connect(temporary, isolation_level=None)
-    try:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("BEGIN IMMEDIATE")
-        for statement in _SCHEMA:
-            conn.execute(statement)
-        conn.execute("COMMIT")
-    finally:
-        conn.close()  # the last connection: the WAL is written back and removed
-    try:
+    try:  # (whatever fails, a full disk included, the temporary file goes)
+        conn = sqlite3.connect(temporary, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()  # the last connection: the WAL is written back and removed
         try:
             os.link(temporary, path)
         except FileExistsError:

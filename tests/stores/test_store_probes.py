@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -68,3 +69,20 @@ def test_store_errors_never_carry_the_password() -> None:
         with pytest.raises((ValueError, StoreError)) as raised:
             RedisStore(url)
         assert "hunter2" not in str(raised.value)
+
+
+async def test_a_store_file_that_cannot_be_created_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating a new SQLite store that fails part way (a full disk: ``database or disk
+    is full`` while its tables are made; stood in for here by a statement that fails)
+    raises StoreError and leaves no temporary file in the directory."""
+    import sessionactors as sa
+    from sessionactors.stores import _sqlite
+
+    monkeypatch.setattr(_sqlite, "_SCHEMA", (*_sqlite._SCHEMA, "INSERT INTO no_such_table VALUES (1)"))
+    store = sa.SQLiteStore(str(tmp_path / "s.db"))
+    with pytest.raises(StoreError):
+        await store.exists("x")
+    await store.aclose()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
