@@ -141,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
                 "run it again with --yes to do it"
             )
         store = _open(args.store, write=name not in _READS)
+        if name == "delete" and isinstance(store, SQLiteStore) and not os.path.exists(store.path):
+            validate_name(args.name)
+            raise SessionNotFoundError(  # a mistyped path: create no store there
+                f"session {args.name!r} is not stored: the sqlite store at {store.path!r} "
+                "does not exist; check the --store path",
+                session_id=args.name,
+            )
         return trio.run(_with_store, store, command, args)
     except KeyboardInterrupt:
         return 130
@@ -321,11 +328,13 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         f"session {name!r} is not stored (deleted?); nothing more to follow",
                         session_id=name,
                     ) from None
-                if last is not None and trimmed < last[0]:
-                    if not events or (
-                        events[0].seq,
-                        json.dumps(event_to_json(events[0]), ensure_ascii=False),
-                    ) != last:
+                if last is not None and trimmed < last[0]:  # is it still there?
+                    again = (
+                        (events[0].seq, json.dumps(event_to_json(events[0]), ensure_ascii=False))
+                        if events
+                        else None
+                    )
+                    if again != last:
                         raise SessionNotFoundError(
                             f"session {name!r} was deleted and a new session was stored under "
                             "its name (or it was imported again) since the events printed; "
@@ -458,12 +467,6 @@ async def _delete(store: Store, args: argparse.Namespace) -> int:
         async with _joined(store) as registry:
             await registry.delete(name)
     else:
-        if isinstance(store, SQLiteStore) and not os.path.exists(store.path):
-            raise SessionNotFoundError(  # a mistyped path: create no store there
-                f"session {name!r} is not stored: the sqlite store at {store.path!r} does not "
-                "exist; check the --store path",
-                session_id=name,
-            )
         async with _leased(store, name, "deleted"):
             if not await store.delete(name):
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)

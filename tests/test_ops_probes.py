@@ -51,15 +51,14 @@ def hostile_export(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["", "a\nb", "a\x00b", "x" * 300])
-def test_import_refuses_an_export_whose_session_name_is_invalid(
-    tmp_path: Path, name: str
-) -> None:
+def test_import_refuses_an_export_whose_session_name_is_invalid(tmp_path: Path, name: str) -> None:
     """An export's name is input like any other: a name that spawn refuses is refused
     by import, before anything is written (else the session is stored under a name
     that no command can show or delete)."""
     store = f"sqlite:///{tmp_path / 's.db'}"
     line = refused("import", "-", "--store", store, stdin=hostile_export(name))
-    assert "session name" in line and "--as" in line
+    assert "session name" in line
+    assert "--as" in line
     assert not (tmp_path / "s.db").exists()
     # a valid name given with --as restores it
     done = sessions("import", "-", "--as", "fixed", "--store", store, stdin=hostile_export(name))
@@ -71,7 +70,8 @@ def test_delete_on_a_missing_sqlite_file_creates_no_file(tmp_path: Path) -> None
     (nothing is written for a command that finds nothing to delete)."""
     path = tmp_path / "typo.db"
     line = refused("delete", "x", "--yes", "--store", f"sqlite:///{path}")
-    assert "not stored" in line and "does not exist" in line
+    assert "not stored" in line
+    assert "does not exist" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -100,7 +100,8 @@ def test_import_refuses_an_export_whose_reviews_belong_to_another_session(
     document = json.dumps(dump_export(state, exported_at=now))
     store = f"sqlite:///{tmp_path / 's.db'}"
     line = refused("import", "-", "--store", store, stdin=document)
-    assert "'victim'" in line and "'s'" in line
+    assert "'victim'" in line
+    assert "'s'" in line
     assert not (tmp_path / "s.db").exists()
 
 
@@ -188,7 +189,8 @@ async def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout is not None
+    assert process.stderr is not None
     assert process.stdout.readline().startswith(b"s01999\t")
     process.stdout.close()
     assert process.wait(60) == 141

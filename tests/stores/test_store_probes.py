@@ -65,7 +65,10 @@ def test_the_command_line_never_prints_the_password(
 
 
 def test_store_errors_never_carry_the_password() -> None:
-    for url in ("redis://:hunter2/hunter2x@127.0.0.1:1/0", "redis://127.0.0.1:1/x?password=hunter2"):
+    for url in (
+        "redis://:hunter2/hunter2x@127.0.0.1:1/0",
+        "redis://127.0.0.1:1/x?password=hunter2",
+    ):
         with pytest.raises((ValueError, StoreError)) as raised:
             RedisStore(url)
         assert "hunter2" not in str(raised.value)
@@ -80,7 +83,9 @@ async def test_a_store_file_that_cannot_be_created_leaves_nothing_behind(
     import sessionactors as sa
     from sessionactors.stores import _sqlite
 
-    monkeypatch.setattr(_sqlite, "_SCHEMA", (*_sqlite._SCHEMA, "INSERT INTO no_such_table VALUES (1)"))
+    monkeypatch.setattr(
+        _sqlite, "_SCHEMA", (*_sqlite._SCHEMA, "INSERT INTO no_such_table VALUES (1)")
+    )
     store = sa.SQLiteStore(str(tmp_path / "s.db"))
     with pytest.raises(StoreError):
         await store.exists("x")
