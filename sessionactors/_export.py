@@ -32,8 +32,9 @@ import attrs
 
 from ._codec import dump_snapshot, load_snapshot
 from ._errors import InvalidHistoryError, SnapshotCorruptError, SnapshotVersionError
+from ._history import broken_rule
 from ._json import to_json
-from ._records import Role, SessionState, Status
+from ._records import SessionState, Status
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "dump_export", "load_export"]
 
@@ -90,7 +91,8 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
             "session again rather than editing the file",
             session_id=state.session_id,
         )
-    problem = _history_problem(state)
+    # (a stored session may hold calls without results: waiting for a review, or cut)
+    problem = broken_rule(state.messages, calls_may_wait=True)
     if problem is not None:
         raise InvalidHistoryError(
             f"the export of session {state.session_id!r} holds a history that breaks the "
@@ -116,35 +118,6 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
     if state.status is not Status.STOPPED and not unused:  # stored: no process runs it
         state = attrs.evolve(state, status=Status.HIBERNATED)
     return state
-
-
-def _history_problem(state: SessionState) -> str | None:
-    """What breaks the rules of every history in ``state``'s messages, in words (None
-    if nothing): unique non-empty ids, tool calls only on assistant messages, and a
-    tool result only right after the call it answers. Calls still waiting for their
-    results (a review, a cut turn) are what a session can hold: not a problem."""
-    seen: set[str] = set()
-    open_calls: set[str] = set()
-    for index, message in enumerate(state.messages):
-        if not message.id:
-            return f"messages[{index}] has an empty id"
-        if message.id in seen:
-            return f"message id {message.id!r} appears twice"
-        seen.add(message.id)
-        if message.tool_calls and message.role is not Role.ASSISTANT:
-            return f"messages[{index}] is a {message.role.value} message with tool calls"
-        if message.role is Role.TOOL:
-            if message.tool_call_id not in open_calls:
-                return (
-                    f"messages[{index}] is a tool result for call {message.tool_call_id!r}, "
-                    "which the assistant message just before it did not make"
-                )
-            open_calls.discard(message.tool_call_id)
-        elif message.tool_call_id is not None:
-            return f"messages[{index}] is a {message.role.value} message with a tool_call_id"
-        else:
-            open_calls = {call.id for call in message.tool_calls}
-    return None
 
 
 def _readable(state: SessionState) -> Any:

@@ -61,10 +61,14 @@ def tool_pairs_intact(messages: Sequence[Message]) -> bool:
     return separated_pair(messages) is None
 
 
-def separated_pair(messages: Sequence[Message]) -> str | None:
+def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False) -> str | None:
     """What separates a tool call from its results in ``messages``, in words (None if
     nothing): each assistant message with tool calls must be followed at once by one
-    tool message per call, and a tool message must answer a call just made."""
+    tool message per call, and a tool message must answer a call just made.
+
+    ``calls_may_wait``: a call may also be left without a result (a stored session's
+    call that waits for its review, or was cut short), but a result still only
+    answers a call just made."""
     open_calls: dict[str, str] = {}  # call id -> the id of the message that made it
     for index, m in enumerate(messages):
         if m.role is Role.TOOL:
@@ -75,21 +79,45 @@ def separated_pair(messages: Sequence[Message]) -> str | None:
                 )
             del open_calls[m.tool_call_id]
             continue
-        if open_calls:
+        if open_calls and not calls_may_wait:
             call_id, by = next(iter(open_calls.items()))
             return (
                 f"tool call {call_id!r} of message {by!r} has no result before "
                 f"messages[{index}]; give each call's tool message right after it"
             )
-        if m.role is Role.ASSISTANT and m.tool_calls:
-            open_calls = {c.id: m.id for c in m.tool_calls}
-    if open_calls:
+        open_calls = {c.id: m.id for c in m.tool_calls} if m.role is Role.ASSISTANT else {}
+    if open_calls and not calls_may_wait:
         call_id, by = next(iter(open_calls.items()))
         return (
             f"tool call {call_id!r} of message {by!r} has no result; give each call's "
             "tool message right after it"
         )
     return None
+
+
+def broken_rule(messages: Sequence[Message], *, calls_may_wait: bool = False) -> str | None:
+    """What breaks the rules of every history in ``messages``, in words (None if
+    nothing): unique, non-empty ids; tool calls only on assistant messages, a
+    ``tool_call_id`` only on tool messages; each call's result right after it (see
+    :func:`separated_pair`)."""
+    seen: set[str] = set()
+    for index, message in enumerate(messages):
+        if not message.id:
+            return f"messages[{index}] has an empty id"
+        if message.id in seen:
+            return f"message id {message.id!r} appears twice"
+        seen.add(message.id)
+        if message.tool_calls and message.role is not Role.ASSISTANT:
+            return (
+                f"messages[{index}] is a {message.role.value} message with tool calls; "
+                "only assistant messages call tools"
+            )
+        if message.tool_call_id is not None and message.role is not Role.TOOL:
+            return (
+                f"messages[{index}] is a {message.role.value} message with a tool_call_id; "
+                "only tool messages answer a call"
+            )
+    return separated_pair(messages, calls_may_wait=calls_may_wait)
 
 
 def default_estimate(messages: Sequence[Message]) -> int:

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from ._codec import dump_event, dump_events, load_events
 from ._errors import InvalidHistoryError
 from ._events import Event, MessageAdded
-from ._history import separated_pair
-from ._records import Message, Role
+from ._history import broken_rule
+from ._records import Message
 
 __all__ = ["KnownIds", "check_entry", "check_messages", "check_new_ids"]
 
@@ -45,28 +45,7 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
         # still holds (a metadata dict, a list in it) is shared with the history
         entry = check_entry(session_id, [_added(session_id, m) for m in given], what)
         given = tuple(e.message for e in load_events(entry) if isinstance(e, MessageAdded))
-    seen: set[str] = set()
-    for index, message in enumerate(given):
-        if not message.id:
-            raise _invalid(session_id, what, f"messages[{index}] has an empty id")
-        if message.id in seen:
-            raise _invalid(session_id, what, f"message id {message.id!r} appears twice")
-        seen.add(message.id)
-        if message.tool_calls and message.role is not Role.ASSISTANT:
-            raise _invalid(
-                session_id,
-                what,
-                f"messages[{index}] is a {message.role.value} message with tool calls; "
-                "only assistant messages call tools",
-            )
-        if message.tool_call_id is not None and message.role is not Role.TOOL:
-            raise _invalid(
-                session_id,
-                what,
-                f"messages[{index}] is a {message.role.value} message with a tool_call_id; "
-                "only tool messages answer a call",
-            )
-    problem = separated_pair(given)
+    problem = broken_rule(given)
     if problem is not None:
         raise _invalid(session_id, what, problem)
     return given
