@@ -179,13 +179,21 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
     if not parts:
         return ()
     calls = []
+    seen: set[str] = set()
     for index in sorted(parts):
         p = parts[index]
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
+        call_id = storable(p.id) if p.id else ""
+        if not call_id or call_id in seen:
+            # results are matched to calls by id: a call whose id another call of the
+            # step has (a model may repeat one) gets its own, or its result could be
+            # taken for the other's and the call left without one
+            call_id = new_id("call")
+        seen.add(call_id)
         calls.append(
             make_tool_call(
-                id=storable(p.id) if p.id else new_id("call"),
+                id=call_id,
                 name=storable(p.name),
                 arguments=storable("".join(p.arguments)) or "{}",
             )

@@ -1,0 +1,73 @@
+"""Turn semantics at the edges: tool calls, reviews, idempotency keys, usage."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+import trio.testing
+
+import sessionactors as sa
+from history_rules import tool_pairs_intact
+from sessionactors.testing import Scripted, ScriptedModel
+
+
+def call(name: str, arguments: object = None, *, id: str) -> sa.ToolCall:
+    return sa.ToolCall(id=id, name=name, arguments=json.dumps(arguments or {}))
+
+
+class Shop:
+    """A reviewed, non-idempotent ``refund`` and a plain ``lookup``; runs are logged."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, str]] = []
+
+    async def _refund(self, order_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        self.runs.append(("refund", order_id))
+        return f"refunded {order_id}"
+
+    async def _lookup(self, order_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        self.runs.append(("lookup", order_id))
+        return f"paid {order_id}"
+
+    def agent(self, model: sa.Model) -> sa.Agent:
+        return sa.Agent(
+            model=model,
+            tools=[
+                sa.Tool(name="refund", fn=self._refund, requires_review=True, idempotent=False),
+                sa.Tool(name="lookup", fn=self._lookup),
+            ],
+        )
+
+
+async def test_calls_of_one_step_sharing_an_id_each_run_and_get_a_result(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A model that gives two calls of one step the same id (some servers repeat ids):
+    each call runs and the history holds one result per call. Without distinct ids the
+    call after a reviewed one was taken as answered by the reviewed call's result: it
+    never ran, and the model was sent a call without its result."""
+    shop = Shop()
+    refund = call("refund", {"order_id": "A1"}, id="call_0")
+    lookup = call("lookup", {"order_id": "A1"}, id="call_0")
+    model = ScriptedModel([Scripted(tool_calls=[refund, lookup]), "Done."])
+    async with sa.open_registry(agents={"a": shop.agent(model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            waiting = await ref.send("Refund A1")
+            reply = await ref.review(waiting.reviews[0].id, approve=True)
+        history = await ref.history()
+        # what the model was sent is a history every chat API accepts
+        sent = list(model.requests[-1].messages)
+    assert reply.text == "Done."
+    assert shop.runs == [("refund", "A1"), ("lookup", "A1")]
+    assert tool_pairs_intact(history)
+    assert tool_pairs_intact([m for m in sent if m.role is not sa.Role.SYSTEM])
+    ids = [c.id for c in history[1].tool_calls]
+    assert len(set(ids)) == 2
+    # the history a turn made is one that replace_history takes back as it is
+    async with sa.open_registry(agents={"a": shop.agent(ScriptedModel([]))}) as registry:
+        other = await registry.spawn("t")
+        await other.replace_history(history)
