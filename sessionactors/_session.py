@@ -283,7 +283,9 @@ class LiveSession:
             added = event.message
             self.messages.append(added)
             self.updated_at = added.created_at
-            if added.usage is not None:
+            # a turn's own model call counts; a message put in without a turn
+            # (add_messages, replace_history) was counted where it was made, if at all
+            if added.usage is not None and event.turn_id is not None:
                 self.usage += added.usage
         elif isinstance(event, ToolResult):
             message = event.message

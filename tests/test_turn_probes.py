@@ -71,3 +71,26 @@ async def test_calls_of_one_step_sharing_an_id_each_run_and_get_a_result(
     async with sa.open_registry(agents={"a": shop.agent(ScriptedModel([]))}) as registry:
         other = await registry.spawn("t")
         await other.replace_history(history)
+
+
+async def test_replace_history_with_the_sessions_own_messages_counts_no_tokens_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``SessionState.usage`` is the tokens the session's model calls reported. Putting
+    messages back with ``replace_history`` (the redaction of the how-to) or
+    ``add_messages`` calls no model: the usage they carry was counted (it doubled), and
+    stays the same after a wake, which replays the journal."""
+    once = sa.Usage(input_tokens=10, output_tokens=5)
+    model = ScriptedModel([Scripted(text="Hi.", usage=once)])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("Hello")
+            history = await ref.history()
+            await ref.replace_history(history)
+            await ref.add_messages([sa.Message.create(sa.Role.ASSISTANT, "P.S.", usage=once)])
+            live = (await ref.state()).usage
+            await ref.hibernate()
+            woken = (await ref.state()).usage
+            (info,) = await registry.sessions()
+    assert live == woken == info.usage == once
