@@ -109,6 +109,7 @@ __all__ = [
     "deleted_error",
     "describe",
     "stopped_error",
+    "waiting_reply",
 ]
 
 log = logging.getLogger("sessionactors")
@@ -773,6 +774,13 @@ class Actor:
                 self.replays = _remember(self.replays, mail.turn_id, done.turn_id)
                 mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
+            waiting = waiting_reply(session, key)
+            if waiting is not None:  # its turn waits on a review: as the turn answered
+                if self.inflight_keys.get(key) is mail:
+                    del self.inflight_keys[key]
+                self.replays = _remember(self.replays, mail.turn_id, waiting.turn_id)
+                mail.pending.set_result(waiting)
+                return None
         if session.reviews:
             self._refuse(mail, _busy_error(sid, next(iter(session.reviews.values()))))
             return None
@@ -1081,6 +1089,8 @@ class Actor:
         # the turn in flight is this review's: a crash fails its caller (the supervisor
         # fails turn_mail) instead of leaving ref.review() waiting forever
         self.turn_mail = TurnMail(review.turn_id, "", key, pending)
+        if key is not None:  # a retry with its key joins the turn as it goes on
+            self.inflight_keys[key] = self.turn_mail
         await self._drive(agent, pending, key, before=before)
 
     async def _retry(self, pending: Pending) -> None:
@@ -1495,6 +1505,15 @@ def _resting_status(session: LiveSession) -> Status:
 def describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def waiting_reply(session: LiveSession, key: str) -> Reply | None:
+    """The reply of the open turn with idempotency key ``key`` while it waits on a
+    review (what its caller was answered), or None."""
+    open_turn = session.open_turn
+    if open_turn is None or open_turn.idempotency_key != key or not session.reviews:
+        return None
+    return Reply(turn_id=open_turn.turn_id, message=None, reviews=tuple(session.reviews.values()))
 
 
 def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:

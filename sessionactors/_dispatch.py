@@ -16,7 +16,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from ._actor import Actor, CallMail, TurnMail, deleted_error
+from ._actor import Actor, CallMail, TurnMail, deleted_error, waiting_reply
 from ._config import RegistryConfig
 from ._errors import (
     LeaseHeldError,
@@ -453,10 +453,14 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
     if key is None:
         return None
     if actor.is_ready:  # first: a request queued with the key may not have been looked at
-        done = actor.session.completed.get(key)
+        session = actor.session
+        done = session.completed.get(key)
         if done is not None:
             reply = Reply(turn_id=done.turn_id, message=done.reply)
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
+        waiting = waiting_reply(session, key)
+        if waiting is not None:  # (known after a wake too, unlike the mail it came by)
+            return new_turn(waiting.turn_id, name, Pending.resolved(waiting))
     inflight = actor.inflight_keys.get(key)
     if inflight is not None:
         return new_turn(inflight.turn_id, name, inflight.pending)

@@ -94,3 +94,43 @@ async def test_replace_history_with_the_sessions_own_messages_counts_no_tokens_a
             woken = (await ref.state()).usage
             (info,) = await registry.sessions()
     assert live == woken == info.usage == once
+
+
+async def test_a_keyed_retry_of_a_turn_waiting_on_a_review_joins_it_after_a_wake(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A client that sent a turn with a key and lost the answer retries with the key: while
+    the turn waits on a review, the retry joins it (its id, its reviews), as it does
+    before the session hibernates. After a wake it was refused with SessionBusyError
+    ("resolve it before sending a new message"), by ``send``, ``submit`` and a
+    ``submit_nowait`` queued while the session woke alike; the turn still runs once."""
+    shop = Shop()
+    refund = call("refund", {"order_id": "A1"}, id="call_r")
+    model = ScriptedModel([Scripted(tool_calls=[refund]), "Refunded."])
+    async with sa.open_registry(agents={"a": shop.agent(model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            first = await ref.send("Refund A1", idempotency_key="req-1")
+            (review,) = first.reviews
+            again = await ref.send("Refund A1", idempotency_key="req-1")
+            assert (again.turn_id, again.reviews) == (first.turn_id, first.reviews)
+
+            await ref.hibernate()
+            nowait = ref.submit_nowait("Refund A1", idempotency_key="req-1")  # while it wakes
+            woken = await ref.send("Refund A1", idempotency_key="req-1")
+            queued = await nowait.reply()
+            for reply in (woken, queued):
+                assert (reply.turn_id, reply.reviews, reply.message) == (
+                    first.turn_id,
+                    (review,),
+                    None,
+                )
+            assert (await ref.turn_outcome(nowait.id)).status is sa.TurnStatus.WAITING
+
+            done = await ref.review(review.id, approve=True)
+            retried = await ref.send("Refund A1", idempotency_key="req-1")
+        history = await ref.history()
+    assert done.text == retried.text == "Refunded."
+    assert retried.turn_id == first.turn_id
+    assert shop.runs == [("refund", "A1")]
+    assert [m.content for m in history if m.role is sa.Role.USER] == ["Refund A1"]
