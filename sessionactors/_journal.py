@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Final
 
 import attrs
@@ -124,22 +124,22 @@ class Journal:
         if not self.per_turn or not events:
             return
         count = len(events)
-        entry = _make_entry(seq=events[-1].seq, data=dump_events(events))
+        entries = _entries(events)
         try:
             await self._timed(
                 "append",
-                self.store.append(self.session_id, [entry], dump_live_info(session), fence=fence)
+                self.store.append(self.session_id, entries, dump_live_info(session), fence=fence)
                 if append is None
-                else append([entry], dump_live_info(session), fence),
+                else append(entries, dump_live_info(session), fence),
             )
         except StoreError as exc:
             self.fault = exc
             raise
-        self.at = entry.seq + SEQ_GAP // 2
+        self.at = entries[-1].seq + SEQ_GAP // 2
         del events[:count]
         self._journaled += count
         self._since_snapshot += count
-        self._size += len(entry.data)
+        self._size += sum(len(entry.data) for entry in entries)
         if (
             compact
             and self._since_snapshot >= self.config.snapshot_every
@@ -212,6 +212,33 @@ class Journal:
         """``write``, timed for the telemetry if there is one (else ``write`` itself)."""
         telemetry = self.telemetry
         return write if telemetry is None else _timed_write(telemetry, operation, write)
+
+
+def _entries(events: Sequence[Event]) -> list[JournalEntry]:
+    """The journal entries of one commit (appended together, atomically): one, unless
+    its events outweigh an entry (a turn whose tools returned much text, step after
+    step, each result within its bound); then as few as hold them in order. Only an
+    event that is too large by itself is refused (``ValueError``)."""
+    try:
+        return [_make_entry(seq=events[-1].seq, data=dump_events(events))]
+    except ValueError:
+        if len(events) == 1:
+            raise
+    out: list[JournalEntry] = []
+    start = 0
+    while start < len(events):  # a run from ``start`` that fits (halved until it does)
+        end = len(events)
+        while True:
+            try:
+                data = dump_events(events[start:end])
+                break
+            except ValueError:
+                if end - start == 1:
+                    raise
+                end = start + (end - start) // 2
+        out.append(_make_entry(seq=events[end - 1].seq, data=data))
+        start = end
+    return out
 
 
 async def _timed_write(telemetry: Telemetry, operation: str, write: Awaitable[None]) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
@@ -134,3 +136,41 @@ async def test_a_keyed_retry_of_a_turn_waiting_on_a_review_joins_it_after_a_wake
     assert retried.turn_id == first.turn_id
     assert shop.runs == [("refund", "A1")]
     assert [m.content for m in history if m.role is sa.Role.USER] == ["Refund A1"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_turn_whose_tool_results_outweigh_one_journal_entry_is_journaled(
+    kind: str, tmp_path: Path
+) -> None:
+    """Each tool result is bounded (``MAX_TOOL_RESULT_CHARS``), but a turn's results add
+    up: six steps of a tool reading 1 Mi characters of CJK text (3 MiB each) came to more
+    than one journal entry holds (16 MiB). The turn's commit was refused, the session
+    crashed and restarted without the turn (told to "truncate or compact the history",
+    which was empty), and every retry did the same. Now the turn is journaled in several
+    entries of one append, and a new registry on the store reads it back the same."""
+
+    async def read(part: int) -> str:
+        await trio.lowlevel.checkpoint()
+        return "文" * (1024 * 1024)
+
+    tool = sa.Tool(name="read", fn=read)
+    steps = [Scripted(tool_calls=[call("read", {"part": i}, id=f"c{i}")]) for i in range(6)]
+    agents = {"a": sa.Agent(model=ScriptedModel([*steps, "Read it all."]), tools=[tool])}
+
+    def store() -> sa.MemoryStore | sa.SQLiteStore:
+        return shared if kind == "memory" else sa.SQLiteStore(str(tmp_path / "s.db"))
+
+    shared = sa.MemoryStore()
+    async with sa.open_registry(store=store(), agents=agents) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(30):
+            reply = await ref.send("Read the six parts.")
+        live = await ref.history()
+        assert registry.statistics().crashes == 0
+    assert reply.text == "Read it all."
+    assert len(live) == 14
+    async with sa.open_registry(store=store(), agents=agents) as registry:
+        with trio.fail_after(30):
+            assert await registry.ref("s").history() == live
+            outcome = await registry.ref("s").turn_outcome(reply.turn_id)
+    assert outcome.status is sa.TurnStatus.FINISHED
