@@ -327,7 +327,7 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
     async for chunk in summarizer.stream(request):
         if isinstance(chunk, TextChunk):
             chunks.append(chunk.text)
-    summary = "".join(chunks).strip()
+    summary = storable("".join(chunks)).strip()  # (as a model's reply: valid unicode)
     if not summary:
         return
     actor.durable(

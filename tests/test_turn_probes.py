@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import trio.testing
 
 import sessionactors as sa
 from history_rules import tool_pairs_intact
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 
 def call(name: str, arguments: object = None, *, id: str) -> sa.ToolCall:
@@ -174,3 +175,35 @@ async def test_a_turn_whose_tool_results_outweigh_one_journal_entry_is_journaled
             assert await registry.ref("s").history() == live
             outcome = await registry.ref("s").turn_outcome(reply.turn_id)
     assert outcome.status is sa.TurnStatus.FINISHED
+
+
+class SplitSurrogateSummarizer:
+    """A summarizer whose text holds a lone surrogate: what ``json.loads`` makes of an
+    emoji an OpenAI-compatible server split across two stream chunks, one of them lost."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        await trio.lowlevel.checkpoint()
+        yield sa.TextChunk("The user counts \ud83d")
+        yield sa.TextChunk(" words.")
+
+
+async def test_a_summary_with_a_lone_surrogate_is_stored_like_a_reply(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A model's reply is made storable (a lone surrogate becomes U+FFFD); a summary from
+    the compaction's summarizer was not: its journal entry was refused, the session
+    crashed, and every later turn compacted and crashed again (each one lost)."""
+    store = sa.MemoryStore()
+    compaction = sa.Compaction(max_tokens=5, keep_last=1, summarizer=SplitSurrogateSummarizer())
+    agents = {"a": sa.Agent(model=EchoModel(), compaction=compaction)}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("one two three four five six")
+            reply = await ref.send("seven eight nine ten")
+            state = await ref.state()
+        assert registry.statistics().crashes == 0
+    assert reply.text == "seven eight nine ten"
+    assert state.summary == "The user counts \ufffd words."
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        assert (await registry.ref("s").state()).summary == state.summary
