@@ -86,7 +86,7 @@ from ._requests import (
     SetSummary,
     Truncate,
 )
-from ._session import LiveSession
+from ._session import MAX_ERROR_CHARS, LiveSession
 from ._telemetry import Telemetry, TurnTrace
 from ._tool_calls import (
     maybe_compact,
@@ -1503,8 +1503,15 @@ def _resting_status(session: LiveSession) -> Status:
 
 
 def describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """``exc`` in words, as an event can carry and a store hold: whatever an agent's
+    exception says (a lone surrogate, megabytes of a response body, a ``__str__``
+    that raises) fails its turn, never the session that journals it."""
+    try:
+        text = str(exc)
+    except Exception:  # its own str() failed: its class still says what it is
+        text = "(its message could not be read)"
+    text = storable(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
 def waiting_reply(session: LiveSession, key: str) -> Reply | None:

@@ -207,3 +207,46 @@ async def test_a_summary_with_a_lone_surrogate_is_stored_like_a_reply(
     assert state.summary == "The user counts \ufffd words."
     async with sa.open_registry(store=store, agents=agents) as registry:
         assert (await registry.ref("s").state()).summary == state.summary
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("the server said: \ud83d"),
+        RuntimeError("x" * (17 * 1024 * 1024)),
+        UnprintableError(),
+    ],
+    ids=["lone-surrogate", "over-an-entry", "str-raises"],
+)
+async def test_a_model_error_of_any_text_fails_the_turn_not_the_session(
+    error: Exception, autojump_clock: trio.abc.Clock
+) -> None:
+    """An exception from the model fails its turn (TurnFailedError, a TurnFailed outcome),
+    never the session. One whose message the store cannot hold (a lone surrogate, more
+    than a journal entry) or cannot be read crashed the session as it wrote the turn's
+    outcome: the caller got SessionCrashedError and the failed turn was lost."""
+    model = ScriptedModel([Scripted(text="Partly", error=error), "Fine."])
+    store = sa.MemoryStore()
+    agents = {"a": sa.Agent(model=model)}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            turn = await ref.submit("Hello")
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await turn.reply()
+            assert failed.value.__cause__ is error
+            outcome = await ref.turn_outcome(turn.id)
+            assert (await ref.send("Again")).text == "Fine."
+            history = await ref.history()
+        assert registry.statistics().crashes == 0
+    assert outcome.status is sa.TurnStatus.FAILED
+    assert outcome.error is not None and outcome.error.startswith(type(error).__name__)
+    assert len(outcome.error) <= 2003
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        assert await registry.ref("s").history() == history
+        assert await registry.ref("s").turn_outcome(turn.id) == outcome
