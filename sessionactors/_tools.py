@@ -284,7 +284,10 @@ def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
 
 
 def _describe_exception(exc: BaseException) -> str:
-    message = str(exc)
+    try:
+        message = str(exc)
+    except Exception:  # its own str() failed: the model is still told what failed
+        message = "(its message could not be read)"
     kind = type(exc).__name__
     return f"{kind}: {message}" if message else kind
 
@@ -298,10 +301,10 @@ def _encode_result(name: str, result: object) -> ToolOutcome:
         return ToolOutcome(content=result)
     try:
         return ToolOutcome(content=json.dumps(result, default=_json_fallback, ensure_ascii=False))
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # (too deep: RecursionError; a str() of it that raises: any)
         return ToolOutcome(
             content=f"tool {name!r} returned a result that cannot be encoded as JSON "
-            f"({type(exc).__name__}: {exc})",
+            f"({_describe_exception(exc)})",
             is_error=True,
         )
 

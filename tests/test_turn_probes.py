@@ -250,3 +250,47 @@ async def test_a_model_error_of_any_text_fails_the_turn_not_the_session(
     async with sa.open_registry(store=store, agents=agents) as registry:
         assert await registry.ref("s").history() == history
         assert await registry.ref("s").turn_outcome(turn.id) == outcome
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def nested(depth: int) -> list[object]:
+    value: list[object] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        (lambda: nested(100_000), "cannot be encoded as JSON (RecursionError"),
+        (lambda: {"order": Unprintable()}, "cannot be encoded as JSON (RuntimeError: no text)"),
+        (lambda: (_ for _ in ()).throw(UnprintableError()), "UnprintableError"),
+    ],
+    ids=["too-deep", "str-raises", "error-str-raises"],
+)
+async def test_a_tool_whose_result_or_error_cannot_be_told_reports_an_error_result(
+    result: object, expected: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """What a tool returns goes to the model as JSON, and what it raises as an error
+    result; neither fails the turn. A result too deep for JSON, one holding an object
+    whose str() raises, or an exception whose str() raises failed the whole turn."""
+
+    async def lookup() -> object:
+        await trio.lowlevel.checkpoint()
+        return result()  # type: ignore[operator]
+
+    tool = sa.Tool(name="lookup", fn=lookup)
+    model = ScriptedModel([Scripted(tool_calls=[call("lookup", id="c1")]), "Checked."])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            reply = await ref.send("Look it up")
+        history = await ref.history()
+    assert reply.text == "Checked."
+    assert history[2].is_error
+    assert expected in history[2].content
