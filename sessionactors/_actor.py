@@ -1127,7 +1127,15 @@ class Actor:
                 f"{exc}; retry once the agent is back", session_id=sid, turn_id=last.turn_id
             ) from exc
         user = session.messages[index]
-        removed = tuple(m.id for m in session.messages[index + 1 :])
+        # what the turn left: up to its outcome's interrupted reply (a message added
+        # since, a person's note, say, stays: it joined after the turn, not with it)
+        after = session.messages[index + 1 :]
+        end = len(after)
+        for i in range(len(after) - 1, -1, -1):
+            if after[i].interrupted and after[i].role is Role.ASSISTANT:
+                end = i + 1
+                break
+        removed = tuple(m.id for m in after[:end])
         if removed:
             self.durable(
                 HistoryEdited(session_id=sid, seq=self.next_seq(), reason="retry", removed=removed)

@@ -294,3 +294,39 @@ async def test_a_tool_whose_result_or_error_cannot_be_told_reports_an_error_resu
     assert reply.text == "Checked."
     assert history[2].is_error
     assert expected in history[2].content
+
+
+async def test_retry_keeps_a_message_added_after_the_failed_turn(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``retry()`` removes what the failed turn left after its user message (its marked
+    reply, its tool calls and results). A message added since with ``add_messages`` (a
+    person's note in a support chat) is not the turn's: retry deleted it as well, an
+    acknowledged write lost without a word."""
+    shop = Shop()
+    model = ScriptedModel(
+        [
+            Scripted(tool_calls=[call("lookup", {"order_id": "A1"}, id="c1")]),
+            RuntimeError("provider down"),
+            "A1 is paid.",
+        ]
+    )
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents={"a": shop.agent(model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("Is A1 paid?")
+            note = sa.Message.create(sa.Role.ASSISTANT, "Ada here, I am looking into it.")
+            await ref.add_messages([note])
+            reply = await ref.retry()
+            history = await ref.history()
+    assert reply.text == "A1 is paid."
+    assert [(m.role, m.content) for m in history] == [
+        (sa.Role.USER, "Is A1 paid?"),
+        (sa.Role.ASSISTANT, "Ada here, I am looking into it."),
+        (sa.Role.ASSISTANT, "A1 is paid."),
+    ]
+    assert history[1].id == note.id
+    async with sa.open_registry(store=store, agents={"a": shop.agent(model)}) as registry:
+        assert await registry.ref("s").history() == history
