@@ -89,6 +89,7 @@ from ._requests import (
 from ._session import MAX_ERROR_CHARS, LiveSession
 from ._telemetry import Telemetry, TurnTrace
 from ._tool_calls import (
+    deny_for_stop,
     maybe_compact,
     record_result,
     resume_tool_calls,
@@ -1478,6 +1479,7 @@ class Actor:
         name waits for it, so it cannot land on a session spawned afresh under the name.
         """
         sid = self.session_id
+        self._end_waiting_turn()
         event = StatusChanged(session_id=sid, seq=self.next_seq(), status=Status.STOPPED)
         self.durable(event, publish=False)
         journal = self.journal.per_turn
@@ -1500,6 +1502,24 @@ class Actor:
                 await self._write_snapshot(Status.STOPPED)
         self._leave(Status.STOPPED)
         self._hub().close()
+
+    def _end_waiting_turn(self) -> None:
+        """A stop ends the turn that waits on a review, as cancelled: a stopped session
+        takes no review, so it would wait (and be listed as waiting) forever, its
+        history holding a call without a result."""
+        session = self.session
+        open_turn = session.open_turn
+        if open_turn is None or not session.reviews:
+            return
+        self.turn_id = open_turn.turn_id
+        deny_for_stop(self)
+        self.add_message(Message.create(Role.ASSISTANT, NO_REPLY_CANCELLED, interrupted=True))
+        self.durable(
+            TurnCancelled(session_id=self.session_id, seq=self.next_seq(), turn_id=self.turn_id)
+        )
+        self.host.stats.turns_cancelled += 1
+        if open_turn.idempotency_key is not None:
+            self.inflight_keys.pop(open_turn.idempotency_key, None)
 
 
 def _resting_status(session: LiveSession) -> Status:

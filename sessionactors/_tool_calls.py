@@ -16,6 +16,7 @@ from ._events import (
     Event,
     HistoryEdited,
     ReviewRequested,
+    ReviewResolved,
     make_tool_call_started,
     make_tool_result,
 )
@@ -28,6 +29,7 @@ from ._tools import Tool, ToolOutcome
 
 __all__ = [
     "TurnHost",
+    "deny_for_stop",
     "maybe_compact",
     "record_result",
     "resume_tool_calls",
@@ -239,6 +241,30 @@ async def run_tool_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall
             return False
         i = j
     return True
+
+
+def deny_for_stop(actor: TurnHost) -> None:
+    """A session stopped while its turn waits on a review: the reviews are denied and
+    the calls that did not run are answered so (nothing can resolve them any more)."""
+    session = actor.session
+    for review in list(session.reviews.values()):
+        actor.durable(
+            ReviewResolved(
+                session_id=actor.session_id,
+                seq=actor.next_seq(),
+                turn_id=review.turn_id,
+                review_id=review.id,
+                approved=False,
+                note="the session was stopped",
+            )
+        )
+    for call in _unanswered_calls(actor):
+        record_result(
+            actor,
+            call,
+            "the session was stopped before this call was reviewed; it did not run",
+            True,
+        )
 
 
 def _unanswered_calls(actor: TurnHost) -> tuple[ToolCall, ...]:

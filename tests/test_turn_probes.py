@@ -245,7 +245,8 @@ async def test_a_model_error_of_any_text_fails_the_turn_not_the_session(
             history = await ref.history()
         assert registry.statistics().crashes == 0
     assert outcome.status is sa.TurnStatus.FAILED
-    assert outcome.error is not None and outcome.error.startswith(type(error).__name__)
+    assert outcome.error is not None
+    assert outcome.error.startswith(type(error).__name__)
     assert len(outcome.error) <= 2003
     async with sa.open_registry(store=store, agents=agents) as registry:
         assert await registry.ref("s").history() == history
@@ -330,3 +331,40 @@ async def test_retry_keeps_a_message_added_after_the_failed_turn(
     assert history[1].id == note.id
     async with sa.open_registry(store=store, agents={"a": shop.agent(model)}) as registry:
         assert await registry.ref("s").history() == history
+
+
+@pytest.mark.parametrize("hibernated", [False, True], ids=["live", "hibernated"])
+async def test_stopping_a_session_whose_turn_waits_on_a_review_ends_that_turn(
+    hibernated: bool, autojump_clock: trio.abc.Clock
+) -> None:
+    """A stopped session takes no review. Its turn that waited on one read ``waiting``
+    forever, ``registry.pending_reviews()`` listed a review that ``ref.review`` can only
+    refuse (SessionStoppedError), the history kept a tool call without its result, and
+    ``fork`` refused the conversation for that pending call. Now the stop denies the
+    review and ends the turn as cancelled, durably."""
+    shop = Shop()
+    model = ScriptedModel([Scripted(tool_calls=[call("refund", {"order_id": "A1"}, id="c1")])])
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents={"a": shop.agent(model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            waiting = await ref.send("Refund A1", idempotency_key="req-1")
+            if hibernated:
+                await ref.hibernate()
+            await ref.stop()
+            outcome = await ref.turn_outcome(waiting.turn_id)
+            assert await registry.pending_reviews() == []
+            state = await ref.state()
+            fork = await registry.fork("s", "s-again")
+            assert await fork.history() == list(state.messages)
+    assert outcome.status is sa.TurnStatus.CANCELLED
+    assert state.status is sa.Status.STOPPED
+    assert state.reviews == ()
+    assert state.open_turn is None
+    assert tool_pairs_intact(state.messages)
+    assert "stopped" in state.messages[2].content
+    assert state.messages[2].is_error
+    assert state.messages[-1].interrupted
+    assert shop.runs == []
+    async with sa.open_registry(store=store, agents={"a": shop.agent(model)}) as registry:
+        assert await registry.ref("s").state() == state
