@@ -139,7 +139,8 @@ class Journal:
         del events[:count]
         self._journaled += count
         self._since_snapshot += count
-        self._size += sum(len(entry.data) for entry in entries)
+        for entry in entries:
+            self._size += len(entry.data)
         if (
             compact
             and self._since_snapshot >= self.config.snapshot_every
