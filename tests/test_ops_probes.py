@@ -11,19 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sessionactors._export import dump_export
-from sessionactors._records import Message, Role, SessionState
-
-
-def sessions(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sessionactors", "sessions", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+import sessionactors as sa
+from sessionactors.testing import export_document
+from test_cli_sessions import sessions
 
 
 def refused(*args: str, stdin: str | None = None) -> str:
@@ -39,15 +29,15 @@ def hostile_export(name: str) -> str:
     """A faithful export (its ``session`` matches its ``snapshot``) of a session named
     ``name``, as an attacker can write one."""
     now = datetime.datetime.now(datetime.UTC)
-    state = SessionState(
+    state = sa.SessionState(
         session_id=name,
         agent="echo",
         created_at=now,
         updated_at=now,
         event_seq=2,
-        messages=(Message(id="m1", role=Role.USER, content="hi", created_at=now),),
+        messages=(sa.Message(id="m1", role=sa.Role.USER, content="hi", created_at=now),),
     )
-    return json.dumps(dump_export(state, exported_at=now))
+    return json.dumps(export_document(state, exported_at=now))
 
 
 @pytest.mark.parametrize("name", ["", "a\nb", "a\x00b", "x" * 300])
@@ -81,23 +71,23 @@ def test_import_refuses_an_export_whose_reviews_belong_to_another_session(
     """A pending review in an export names its session; one that names another session
     is refused (else registry.pending_reviews() lists, under the victim's name, a tool
     call the victim never made)."""
-    from sessionactors._records import ReviewRequest, ToolCall
-
     now = datetime.datetime.now(datetime.UTC)
-    call = ToolCall(id="c1", name="refund", arguments="{}")
-    state = SessionState(
+    call = sa.ToolCall(id="c1", name="refund", arguments="{}")
+    state = sa.SessionState(
         session_id="s",
         agent="echo",
         created_at=now,
         updated_at=now,
         event_seq=4,
         messages=(
-            Message(id="m1", role=Role.USER, content="refund", created_at=now),
-            Message(id="m2", role=Role.ASSISTANT, content="", tool_calls=(call,), created_at=now),
+            sa.Message(id="m1", role=sa.Role.USER, content="refund", created_at=now),
+            sa.Message(
+                id="m2", role=sa.Role.ASSISTANT, content="", tool_calls=(call,), created_at=now
+            ),
         ),
-        reviews=(ReviewRequest(id="r1", session_id="victim", tool_call=call, created_at=now),),
+        reviews=(sa.ReviewRequest(id="r1", session_id="victim", tool_call=call, created_at=now),),
     )
-    document = json.dumps(dump_export(state, exported_at=now))
+    document = json.dumps(export_document(state, exported_at=now))
     store = f"sqlite:///{tmp_path / 's.db'}"
     line = refused("import", "-", "--store", store, stdin=document)
     assert "'victim'" in line
@@ -178,7 +168,7 @@ async def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
     store = sa.SQLiteStore(str(path))
     now = utcnow()
     for i in range(2000):
-        state = SessionState(
+        state = sa.SessionState(
             session_id=f"s{i:05d}", agent="echo", created_at=now, updated_at=now,
             metadata={"pad": "x" * 100},
         )  # fmt: skip
@@ -207,23 +197,23 @@ def test_an_imported_session_is_never_listed_as_running(tmp_path: Path, status: 
     import sessionactors as sa
 
     now = datetime.datetime.now(datetime.UTC)
-    state = SessionState(
+    state = sa.SessionState(
         session_id="s", agent="echo", status=sa.Status(status), created_at=now, updated_at=now
     )
     store = f"sqlite:///{tmp_path / 's.db'}"
-    document = json.dumps(dump_export(state, exported_at=now))
+    document = json.dumps(export_document(state, exported_at=now))
     assert sessions("import", "-", "--store", store, stdin=document).returncode == 0
     listed = json.loads(sessions("list", "--json", "--store", store).stdout)
     assert [row["status"] for row in listed] == ["hibernated"]
 
 
-def _messages_export(*messages: Message) -> str:
+def _messages_export(*messages: sa.Message) -> str:
     now = datetime.datetime.now(datetime.UTC)
-    state = SessionState(
+    state = sa.SessionState(
         session_id="s", agent="echo", created_at=now, updated_at=now, event_seq=9,
         messages=messages,
     )  # fmt: skip
-    return json.dumps(dump_export(state, exported_at=now))
+    return json.dumps(export_document(state, exported_at=now))
 
 
 @pytest.mark.parametrize("problem", ["orphan tool result", "repeated id", "user calls a tool"])
@@ -234,19 +224,24 @@ def test_import_refuses_a_history_that_breaks_the_history_rules(
     (add_messages, replace_history) enforces: unique ids, tool calls only from the
     assistant, no tool result without its call; else every later turn sends the
     model a history it refuses. Refused before anything is written."""
-    from sessionactors._records import ToolCall
-
     now = datetime.datetime.now(datetime.UTC)
-    user = Message(id="m1", role=Role.USER, content="hi", created_at=now)
-    call = ToolCall(id="c1", name="t", arguments="{}")
+    user = sa.Message(id="m1", role=sa.Role.USER, content="hi", created_at=now)
+    call = sa.ToolCall(id="c1", name="t", arguments="{}")
     history = {
         "orphan tool result": (
             user,
-            Message(id="m2", role=Role.TOOL, content="r", tool_call_id="nope", created_at=now),
+            sa.Message(
+                id="m2", role=sa.Role.TOOL, content="r", tool_call_id="nope", created_at=now
+            ),
         ),
-        "repeated id": (user, Message(id="m1", role=Role.ASSISTANT, content="y", created_at=now)),
+        "repeated id": (
+            user,
+            sa.Message(id="m1", role=sa.Role.ASSISTANT, content="y", created_at=now),
+        ),
         "user calls a tool": (
-            Message(id="m1", role=Role.USER, content="hi", tool_calls=(call,), created_at=now),
+            sa.Message(
+                id="m1", role=sa.Role.USER, content="hi", tool_calls=(call,), created_at=now
+            ),
         ),
     }[problem]
     store = f"sqlite:///{tmp_path / 's.db'}"
@@ -258,13 +253,11 @@ def test_import_refuses_a_history_that_breaks_the_history_rules(
 def test_import_takes_a_turn_cut_between_its_tool_call_and_its_result(tmp_path: Path) -> None:
     """The history check of import lets through what a session can hold: a last
     assistant message whose calls wait for results (a review, a cut turn)."""
-    from sessionactors._records import ToolCall
-
     now = datetime.datetime.now(datetime.UTC)
-    call = ToolCall(id="c1", name="t", arguments="{}")
+    call = sa.ToolCall(id="c1", name="t", arguments="{}")
     history = (
-        Message(id="m1", role=Role.USER, content="hi", created_at=now),
-        Message(id="m2", role=Role.ASSISTANT, content="", tool_calls=(call,), created_at=now),
+        sa.Message(id="m1", role=sa.Role.USER, content="hi", created_at=now),
+        sa.Message(id="m2", role=sa.Role.ASSISTANT, content="", tool_calls=(call,), created_at=now),
     )
     store = f"sqlite:///{tmp_path / 's.db'}"
     done = sessions("import", "-", "--store", store, stdin=_messages_export(*history))

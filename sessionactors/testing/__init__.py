@@ -4,6 +4,7 @@ A plug-in: it imports the core, and nothing in the core imports it.
 """
 
 from ._check_store import check_store as check_store
+from ._exports import export_document as export_document
 from ._journal import journal_events as journal_events
 from ._models import EchoModel as EchoModel
 from ._models import Scripted as Scripted
@@ -22,5 +23,6 @@ __all__ = [
     "Scripted",
     "ScriptedModel",
     "check_store",
+    "export_document",
     "journal_events",
 ]
