@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,84 +97,63 @@ def test_import_refuses_an_export_whose_reviews_belong_to_another_session(
 
 
 async def test_tail_does_not_follow_a_session_made_again_under_its_name_as_if_it_were_the_same(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     """A session deleted and made again under its name between two reads of ``tail``
     is another conversation: tail ends with one line naming it, rather than skipping
     the new session's first events (their seqs are below the old ones) and printing
     its later ones as if they went on from the old session's."""
-    import argparse
-
     import trio
 
-    import sessionactors as sa
-    from sessionactors import _cli_sessions
     from sessionactors.testing import EchoModel
 
-    printed: list[dict[str, object]] = []
-    monkeypatch.setattr(_cli_sessions, "_out", lambda text="": printed.append(json.loads(text)))
-    monkeypatch.setattr(_cli_sessions, "TAIL_INTERVAL", 1.0)
-    store = sa.MemoryStore()
-    args = argparse.Namespace(name="a", after=0, no_follow=False)
-    outcome: list[BaseException | int] = []
-
-    async def tail() -> None:
-        try:
-            outcome.append(await _cli_sessions._tail(store, args))
-        except* sa.SessionActorsError as group:  # (raised in tail's nursery)
-            outcome.append(group.exceptions[0])
-
-    with trio.fail_after(30):
-        async with (
-            sa.open_registry(store=store, agents={"echo": sa.Agent(model=EchoModel())}) as reg,
-            trio.open_nursery() as nursery,
-        ):
-            ref = await reg.spawn("a")
-            await ref.send("old words")
-            await ref.hibernate()
-            nursery.start_soon(tail)
-            await trio.sleep(0.5)  # tail printed the old session's events
-            assert any(e["type"] == "TurnFinished" for e in printed)
-            await reg.delete("a")
-            ref = await reg.spawn("a")
-            for n in range(3):
-                await ref.send(f"new words {n}")
-            await ref.hibernate()
-            await trio.sleep(2.5)  # tail read the store again
-            nursery.cancel_scope.cancel()
-    texts = [
-        e["message"]["content"]  # type: ignore[index]
-        for e in printed
-        if e["type"] == "TurnStarted"
-    ]
-    if outcome and isinstance(outcome[0], sa.SessionActorsError):
-        assert "'a'" in str(outcome[0])
+    path = tmp_path / "s.db"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "sessionactors", "sessions", "tail", "a", "--after", "0",
+         "--store", f"sqlite:///{path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert tail.stdout is not None
+    assert tail.stderr is not None
+    printed: list[dict[str, Any]] = []
+    try:
+        with trio.fail_after(60):
+            async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=agents) as reg:
+                ref = await reg.spawn("a")
+                await ref.send("old words")
+                while not any(e["type"] == "TurnFinished" for e in printed):
+                    printed.append(json.loads(await trio.to_thread.run_sync(tail.stdout.readline)))
+                await reg.delete("a")  # between two reads of tail (one every 0.5 s)
+                ref = await reg.spawn("a")
+                for n in range(3):
+                    await ref.send(f"new words {n}")
+                await trio.sleep(2)  # tail read the store again
+    finally:
+        tail.terminate()
+        rest, errors = tail.communicate(timeout=30)
+    printed += [json.loads(line) for line in rest.splitlines()]
+    texts = [e["message"]["content"] for e in printed if e["type"] == "TurnStarted"]
+    if "new words 0" not in texts:  # it ended, naming the session
+        assert "'a'" in errors, (errors, texts)
+        assert texts == ["old words"], texts
     else:  # followed on: then it must not have skipped the new session's first events
-        assert texts[1:] == ["new words 0", "new words 1", "new words 2"], (
-            texts,
-            [(e["type"], e["seq"]) for e in printed],
-        )
+        assert texts == ["old words", "new words 0", "new words 1", "new words 2"], texts
 
 
 async def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
     """``sessions list | head -1`` is how operators peek at a big store: when the
     reader closes the pipe, the command stops quietly (no error line on stderr, the
     status of a process whose pipe closed: 141), as other shell tools do."""
-    import sessionactors as sa
-    from sessionactors._codec import dump_info
-    from sessionactors._records import utcnow
-    from sessionactors._session import LiveSession
+    from sessionactors.testing import EchoModel
 
     path = tmp_path / "many.db"
-    store = sa.SQLiteStore(str(path))
-    now = utcnow()
-    for i in range(2000):
-        state = sa.SessionState(
-            session_id=f"s{i:05d}", agent="echo", created_at=now, updated_at=now,
-            metadata={"pad": "x" * 100},
-        )  # fmt: skip
-        await store.create(state.session_id, sa.dump_snapshot(state), dump_info(LiveSession(state).info()))  # fmt: skip
-    await store.aclose()
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=agents) as registry:
+        for i in range(2000):
+            await registry.spawn(f"s{i:05d}", metadata={"pad": "x" * 100})
     process = subprocess.Popen(
         [sys.executable, "-m", "sessionactors", "sessions", "list", "--store", f"sqlite:///{path}"],
         stdout=subprocess.PIPE,
