@@ -219,7 +219,8 @@ class Target:
                 "redis+cluster:// or redis+sentinel:// url; pass one like "
                 "'redis://127.0.0.1:6379/0'"
             )
-        if "@" not in parts.netloc and "@" in url.partition("://")[2]:
+        before_query = url.partition("://")[2].partition("?")[0]  # (a value may hold "@")
+        if "@" not in parts.netloc and "@" in before_query:
             raise ValueError(
                 f"redis url {redact(url)!r}: its user name or password holds a character "
                 "that a URL reserves ('/', '?', '#' or '@'); percent-encode them, e.g. "

@@ -34,6 +34,14 @@ async def test_a_percent_encoded_password_with_reserved_characters_connects(
             await store.aclose()
 
 
+def test_an_at_sign_in_a_query_option_is_no_user_info() -> None:
+    """Only the user info before the query may be refused for a reserved character:
+    an option's value may hold an "@" (a client name, a certificate's path)."""
+    RedisStore("redis://127.0.0.1:6379/0?client_name=ops@host")
+    with pytest.raises(ValueError, match="percent-encode"):
+        RedisStore("redis://:pass/word@127.0.0.1:6379/0")
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize(
     "spell",
