@@ -96,6 +96,7 @@ from ._tool_calls import (
     run_batch,
     run_tool_calls,
 )
+from ._tools import describe_exception
 from ._turns import new_turn_id, session_tag
 from .stores._base import Lease, Store
 
@@ -1534,11 +1535,7 @@ def describe(exc: BaseException) -> str:
     """``exc`` in words, as an event can carry and a store hold: whatever an agent's
     exception says (a lone surrogate, megabytes of a response body, a ``__str__``
     that raises) fails its turn, never the session that journals it."""
-    try:
-        text = str(exc)
-    except Exception:  # its own str() failed: its class still says what it is
-        text = "(its message could not be read)"
-    text = storable(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    text = storable(describe_exception(exc))
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 

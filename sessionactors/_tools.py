@@ -38,7 +38,7 @@ import trio
 from ._model import ToolSpec
 from ._records import maker
 
-__all__ = ["Tool", "ToolOutcome", "tool"]
+__all__ = ["Tool", "ToolOutcome", "describe_exception", "tool"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -177,7 +177,7 @@ class Tool:
         except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only
             if on_error is not None:
                 on_error(exc)
-            return _outcome(content=_describe_exception(exc), is_error=True)
+            return _outcome(content=describe_exception(exc), is_error=True)
         if result.__class__ is str:
             return _outcome(content=result, is_error=False)
         return _encode_result(self.name, result)
@@ -283,7 +283,8 @@ def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
     return parsed
 
 
-def _describe_exception(exc: BaseException) -> str:
+def describe_exception(exc: BaseException) -> str:
+    """``exc`` as "Kind: message" (its kind alone if its ``str()`` is empty)."""
     try:
         message = str(exc)
     except Exception:  # its own str() failed: the model is still told what failed
@@ -304,7 +305,7 @@ def _encode_result(name: str, result: object) -> ToolOutcome:
     except Exception as exc:  # (too deep: RecursionError; a str() of it that raises: any)
         return ToolOutcome(
             content=f"tool {name!r} returned a result that cannot be encoded as JSON "
-            f"({_describe_exception(exc)})",
+            f"({describe_exception(exc)})",
             is_error=True,
         )
 
