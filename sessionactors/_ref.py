@@ -131,6 +131,17 @@ class Turn(metaclass=NoPublicConstructor):
         return self._pending.done
 
 
+def known_reply(turn: Turn) -> Reply:
+    """The reply of a turn whose outcome is known (``turn.done``), or raise its error,
+    without waiting: for a host that answers after its trio run has ended."""
+    pending = turn._pending
+    assert pending.done, "only for a done turn"
+    if pending.error is not None:
+        raise pending.error
+    reply: Reply = pending.result
+    return reply
+
+
 def new_turn(turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False) -> Turn:
     """A Turn waiting on ``pending`` (for the dispatcher and routers)."""
     return Turn._create(id=turn_id, session_id=session_id, pending=pending, replayed=replayed)

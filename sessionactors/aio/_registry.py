@@ -21,6 +21,7 @@ import trio
 
 import sessionactors as sa
 
+from .._ref import known_reply
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, release_host
 
@@ -81,7 +82,12 @@ class Turn:
         return self._turn.done
 
     async def reply(self) -> sa.Reply:
-        """Wait for the turn's reply; cancelling the wait abandons it (the turn runs on)."""
+        """Wait for the turn's reply; cancelling the wait abandons it (the turn runs on).
+
+        A done turn answers at once, also after its registry's block.
+        """
+        if self._turn.done:
+            return known_reply(self._turn)
         return await self._host.call(self._turn.reply)
 
 

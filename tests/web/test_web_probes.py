@@ -220,3 +220,36 @@ def test_a_closed_aio_registry_raises_session_stopped_like_the_trio_one(another_
             await main()
 
     asyncio.run(bounded())
+
+
+@pytest.mark.parametrize("another_open", [False, True], ids=["alone", "another-open"])
+def test_a_done_aio_turn_answers_its_reply_after_the_block_like_the_trio_one(
+    another_open: bool,
+) -> None:
+    """A turn whose outcome is known answers ``reply()`` after its registry's block, as a
+    trio turn does: the reply (or the turn's error) is the caller's, not the run's."""
+
+    async def main() -> None:
+        agents = asyncio_agents(delay=0.001)
+        async with contextlib.AsyncExitStack() as stack:
+            if another_open:
+                await stack.enter_async_context(aio.open_registry(agents=agents))
+            async with aio.open_registry(agents=agents) as registry:
+                ref = await registry.spawn("c")
+                turn = await ref.submit("hi")
+                first = await turn.reply()
+                cancelled = await ref.submit("a long answer, word by word, to cut short")
+                assert await ref.cancel()
+                with pytest.raises(sa.TurnCancelledError):
+                    await cancelled.reply()
+            assert turn.done
+            assert cancelled.done
+            assert await turn.reply() == first
+            with pytest.raises(sa.TurnCancelledError):
+                await cancelled.reply()
+
+    async def bounded() -> None:
+        async with asyncio.timeout(15):
+            await main()
+
+    asyncio.run(bounded())
