@@ -38,7 +38,7 @@ from ._ref import SessionRef, check_unicode
 from ._router import RoutingStore
 from ._session import LiveSession
 from ._sessions import Sessions
-from ._telemetry import Telemetry
+from ._telemetry import Telemetry, guarded
 from .stores._base import Store
 from .stores._memory import MemoryStore
 
@@ -490,6 +490,8 @@ async def open_registry(
             "open_registry: store must be a store such as sa.SQLiteStore(path), "
             f"sa.MemoryStore() or sessionactors.stores.RedisStore(url): {hint}"
         )
+    if telemetry is not None:
+        telemetry = guarded(telemetry)
     the_store: Store = store if store is not None else MemoryStore()
     if leases is None:
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))

@@ -3,6 +3,7 @@ in-memory exporters; and the core never imports opentelemetry without the plug-i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -315,3 +316,133 @@ def test_the_core_never_imports_opentelemetry() -> None:
     sees one when the plug-in is imported (negative control)."""
     assert modules_after_a_turn() == []
     assert "opentelemetry.trace" in modules_after_a_turn("import sessionactors.otel")
+
+
+#: Every hook of the telemetry seam, as ``Telemetry``'s or a trace's method name.
+_HOOKS = [
+    "registry_opened",
+    "registry_closed",
+    "turn",
+    "store_write",
+    "subscriber_lagged",
+    "activate",
+    "model_call",
+    "first_chunk",
+    "model_end",
+    "tool_call",
+    "tool_call_exit",
+    "tool_failed",
+    "turn_end",
+]
+
+
+class _Broken(sa.Telemetry):
+    """A telemetry whose one hook ``where`` raises (as a buggy exporter would)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.called: set[str] = set()
+
+    def hook(self, name: str) -> None:
+        self.called.add(name)
+        if name == self.where:
+            raise RuntimeError(f"bug in the {name} hook")
+
+    def registry_opened(self, registry: Any) -> None:
+        self.hook("registry_opened")
+
+    def registry_closed(self, registry: Any) -> None:
+        self.hook("registry_closed")
+
+    def store_write(self, *, operation: str, seconds: float, error: BaseException | None) -> None:
+        self.hook("store_write")
+
+    def subscriber_lagged(self, *, session_id: str) -> None:
+        self.hook("subscriber_lagged")
+
+    def turn(self, **_: Any) -> sa.TurnTrace:
+        self.hook("turn")
+        telemetry = self
+
+        class Call(sa.ModelCallTrace):
+            def first_chunk(self) -> None:
+                telemetry.hook("first_chunk")
+
+            def end(self, usage: sa.Usage | None, error: BaseException | None) -> None:
+                telemetry.hook("model_end")
+
+        class Tool(sa.ToolCallTrace):
+            def failed(self, error: BaseException | None, message: str) -> None:
+                telemetry.hook("tool_failed")
+
+        class Trace(sa.TurnTrace):
+            @contextlib.contextmanager
+            def activate(self) -> Iterator[None]:
+                telemetry.hook("activate")
+                yield
+
+            def model_call(self, model: sa.Model, request: sa.ModelRequest) -> sa.ModelCallTrace:
+                telemetry.hook("model_call")
+                return Call()
+
+            @contextlib.contextmanager
+            def tool_call(self, call: sa.ToolCall) -> Iterator[sa.ToolCallTrace]:
+                telemetry.hook("tool_call")
+                yield Tool()
+                telemetry.hook("tool_call_exit")
+
+            def end(self, outcome: str, error: BaseException | None) -> None:
+                telemetry.hook("turn_end")
+
+        return Trace()
+
+
+@pytest.mark.parametrize("where", _HOOKS)
+async def test_a_telemetry_hook_that_raises_is_logged_and_fails_nothing(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Telemetry watches the work and never fails it: a hook that raises is logged (once,
+    naming the hook) and the turns, their tools, the store writes and the registry go on
+    as without it."""
+
+    async def failing(reason: str) -> str:
+        raise ValueError(reason)
+
+    tool = sa.Tool(name="failing", fn=failing, description="Fails.")
+    model = ScriptedModel(
+        [
+            Scripted(tool_calls=[call("failing", "c1", reason="no")]),
+            Scripted(text="one two three four"),
+            Scripted(text="again"),
+        ]
+    )
+    telemetry = _Broken(where)
+    store = sa.MemoryStore()
+    with trio.fail_after(10):
+        async with sa.open_registry(
+            agents={"a": sa.Agent(model=model, tools=[tool])},
+            store=store,
+            telemetry=telemetry,
+            subscriber_buffer=1,
+        ) as registry:
+            ref = await registry.spawn("s")
+            async with ref.subscribe() as events:  # never read: cut off
+                assert (await ref.send("hello")).text == "one two three four"
+                with pytest.raises(sa.SubscriberLaggedError):
+                    async for _ in events:
+                        pass
+            assert (await ref.send("hi")).text == "again"
+            assert (await ref.state()).status is sa.Status.IDLE
+            await ref.hibernate()
+        async with sa.open_registry(agents={"a": sa.Agent(model=model)}, store=store) as again:
+            contents = [m.content for m in await again.ref("s").history()]
+    assert where in telemetry.called, " ".join(sorted(telemetry.called))
+    assert contents[0] == "hello"
+    assert contents[-2:] == ["hi", "again"]
+    assert len(contents) == 6
+    reports = [
+        r for r in caplog.records if r.exc_info and f"the {where} hook" in str(r.exc_info[1])
+    ]
+    assert len(reports) == 1, "a failing hook is logged once (not at every turn)"
+    assert reports[0].levelname == "WARNING"
+    assert not [r for r in caplog.records if "crashed" in r.getMessage()]
