@@ -10,6 +10,8 @@ from typing import Literal
 
 import attrs
 
+from ._records import check_unicode
+
 __all__ = ["Durability", "HubConfig", "RegistryConfig", "make_config"]
 
 Durability = Literal["turn", "hibernate"]
@@ -94,6 +96,8 @@ def make_config(
         raise ValueError(
             f"open_registry: worker_id must be a non-empty string or None, not {worker_id!r}"
         )
+    if worker_id is not None:
+        check_unicode(worker_id, "open_registry: worker_id")
     return RegistryConfig(
         idle_timeout=None if idle_timeout is None else _seconds("idle_timeout", idle_timeout),
         mailbox_size=_count("mailbox_size", mailbox_size, 1),

@@ -30,6 +30,7 @@ __all__ = [
     "TurnRecord",
     "TurnStatus",
     "Usage",
+    "check_unicode",
     "make_message",
     "make_tool_call",
     "make_turn_record",
@@ -111,6 +112,20 @@ def _reseed_ids() -> None:
 
 
 os.register_at_fork(after_in_child=_reseed_ids)
+
+
+def check_unicode(text: str, subject: str) -> None:
+    """ValueError, saying so of ``subject``, if ``text`` holds a lone surrogate (no
+    store can hold it)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{subject} is not valid Unicode: it holds a lone surrogate "
+                f"({text[exc.start]!r} at index {exc.start}), which cannot be stored; "
+                "decode the input with errors='replace' first"
+            ) from None
 
 
 def storable(text: str) -> str:

@@ -27,7 +27,7 @@ from ._final import NoPublicConstructor
 from ._history_input import check_messages
 from ._metadata import check_metadata
 from ._pending import Pending
-from ._records import Message, ReviewRequest, SessionState, TurnOutcome
+from ._records import Message, ReviewRequest, SessionState, TurnOutcome, check_unicode
 from ._requests import (
     AddMessages,
     Call,
@@ -51,7 +51,6 @@ __all__ = [
     "SessionRef",
     "Turn",
     "check_message",
-    "check_unicode",
 ]
 
 
@@ -525,20 +524,6 @@ def _check_text(session_id: str, text: object, what: str = "a message") -> None:
             f"limit of {MAX_TEXT_CHARS:,}; send large documents in parts or by reference"
         )
     check_unicode(text, f"{what} to session {session_id!r}")
-
-
-def check_unicode(text: str, subject: str) -> None:
-    """ValueError, saying so of ``subject``, if ``text`` holds a lone surrogate (no
-    store can hold it)."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"{subject} is not valid Unicode: it holds a lone surrogate "
-                f"({text[exc.start]!r} at index {exc.start}), which cannot be stored; "
-                "decode the input with errors='replace' first"
-            ) from None
 
 
 def _check_key(session_id: str, key: object) -> None:

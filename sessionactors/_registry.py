@@ -33,8 +33,8 @@ from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
 from ._names import validate_name
 from ._reading import describe_stored, list_stored
-from ._records import ReviewRequest, SessionInfo, SessionState, Status, new_id
-from ._ref import SessionRef, check_unicode
+from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
+from ._ref import SessionRef
 from ._router import RoutingStore
 from ._session import LiveSession
 from ._sessions import Sessions
@@ -453,6 +453,13 @@ async def open_registry(
     if not isinstance(agents, Mapping):
         raise TypeError(f"open_registry: agents must be a mapping, not {type(agents).__name__}")
     for key, value in agents.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"open_registry: agents' names must be str, not {type(key).__name__} ({key!r:.60})"
+            )
+        if not key:
+            raise ValueError("open_registry: agents' names must be non-empty; name each agent")
+        check_unicode(key, f"open_registry: the name of agents[{key!r}]")
         if not isinstance(value, Agent):
             raise TypeError(f"agents[{key!r}] must be an Agent, not {type(value).__name__}")
     config = make_config(

@@ -99,14 +99,19 @@ async def test_a_tool_that_exits_fails_its_call_only() -> None:
         ("durability", "sometimes", ValueError),
         ("leases", "yes", TypeError),
         ("worker_id", "", ValueError),
+        ("worker_id", "w\udc00", ValueError),
+        ("agents", {1: ECHO["echo"]}, TypeError),
+        ("agents", {"": ECHO["echo"]}, ValueError),
+        ("agents", {"a\ud800": ECHO["echo"]}, ValueError),
     ],
 )
 async def test_options_are_checked_when_the_registry_opens(
     option: str, value: object, error: type[Exception]
 ) -> None:
     """A bad option fails open_registry with an error that names it, before anything runs."""
+    options = {"agents": ECHO, option: value}
     with pytest.raises(error, match=option):
-        async with sa.open_registry(agents=ECHO, **{option: value}):  # type: ignore[arg-type]
+        async with sa.open_registry(**options):  # type: ignore[arg-type]
             pytest.fail("the registry opened")  # pragma: no cover
 
 
