@@ -114,7 +114,9 @@ def create_app(
       to ``/sessions...`` (``session_name`` is None for the listing); a false
       result answers 403. It may be async. ``action`` is one of ``"list"``,
       ``"read"``, ``"send"``, ``"events"``, ``"cancel"``, ``"review"``,
-      ``"delete"``, ``"websocket"``.
+      ``"delete"``, ``"websocket"`` (when a WebSocket connects; then each of
+      its frames is authorized as the action it does: ``"send"``,
+      ``"cancel"``, ``"review"``).
     - ``create_sessions``: whether a message (or a WebSocket) to an unknown
       session creates it (default) or answers 404.
     - ``heartbeat``: seconds of silence after which an event stream sends a
@@ -341,6 +343,11 @@ class SessionsApp:
                     "this server needs a token: send 'Authorization: Bearer <token>' "
                     "(or ?access_token=<token> from a browser's WebSocket or EventSource)",
                 )
+        await self._authorized(request, name, action)
+
+    async def _authorized(self, request: HTTPConnection, name: str | None, action: Action) -> None:
+        """Refuse (raise _RequestError) what ``authorize`` does not allow: a request,
+        or one frame of a WebSocket (as the action it does)."""
         if self._authorize is not None:
             allowed = self._authorize(request, name, action)
             if inspect.isawaitable(allowed):
@@ -648,6 +655,7 @@ class SessionsApp:
                             raise _RequestError(422, "InvalidRequest", "send a JSON object")
                         kind = data.get("type")
                         if kind == "message":
+                            await self._authorized(websocket, ref.session_id, "send")
                             text = _string(data, "text")
                             key = _optional_string(data, "idempotency_key")
                             turn = await self._submit(registry, ref, text, key)
@@ -656,8 +664,10 @@ class SessionsApp:
                             if not again:
                                 group.start_soon(wait_turn, turn)
                         elif kind == "cancel":
+                            await self._authorized(websocket, ref.session_id, "cancel")
                             await say({"type": "cancelled", "cancelled": await ref.cancel()})
                         elif kind == "review":
+                            await self._authorized(websocket, ref.session_id, "review")
                             review_id = _string(data, "review_id")
                             approve = data.get("approve")
                             if not isinstance(approve, bool):

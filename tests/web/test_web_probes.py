@@ -253,3 +253,57 @@ def test_a_done_aio_turn_answers_its_reply_after_the_block_like_the_trio_one(
             await main()
 
     asyncio.run(bounded())
+
+
+@pytest.mark.parametrize("denied", ["send", "cancel", "review"])
+async def test_each_websocket_frame_is_authorized_as_its_own_action(
+    serve: Serve, denied: str
+) -> None:
+    """An app that lets a client hold a WebSocket but not, say, approve reviews (a
+    customer, not the staff) keeps that rule over the socket: a frame is authorized as
+    the action it does ("send", "cancel", "review"); a refused one gets a 403 error frame,
+    does nothing, and the socket lives on."""
+    seen: list[tuple[str | None, str]] = []
+
+    async def authorize(request: Any, name: str | None, action: str) -> bool:
+        seen.append((name, action))
+        return action != denied
+
+    async def until_not_an_event(ws: Any) -> dict[str, Any]:
+        frame: dict[str, Any] = await ws.receive()
+        while "seq" in frame:
+            frame = await ws.receive()
+        return frame
+
+    async with (
+        serve(authorize=authorize) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        frames: dict[str, dict[str, Any]] = {
+            "send": {"type": "message", "text": "hello"},
+            "cancel": {"type": "cancel"},
+        }
+        with trio.fail_after(20):
+            if denied == "review":  # a turn paused for a review of its refund
+                r = await client.post("/sessions/w/messages", json={"text": "refund B7"})
+                assert r.status_code == 200, r.text
+                [pending] = (await client.get("/sessions/w")).json()["pending_reviews"]
+                frames["review"] = {"type": "review", "review_id": pending["id"], "approve": True}
+            async with open_websocket(
+                served.url.replace("http://", "ws://") + "/sessions/w/ws"
+            ) as ws:
+                await ws.send(frames[denied])
+                frame = await until_not_an_event(ws)
+                assert (frame["type"], frame["status"], frame["error"]) == (
+                    "error",
+                    403,
+                    "Forbidden",
+                )
+                await ws.send({"type": "nonsense"})  # the socket lives on
+                assert (await until_not_an_event(ws))["status"] == 422
+            state = (await client.get("/sessions/w")).json()
+    assert ("w", denied) in seen
+    if denied == "review":
+        assert len(state["pending_reviews"]) == 1  # not approved
+    if denied == "send":
+        assert state["messages"] == []
