@@ -8,6 +8,7 @@ import base64
 import datetime
 import enum
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -74,8 +75,28 @@ def state_to_json(state: SessionState) -> dict[str, Any]:
 
 
 def dumps(data: Any) -> bytes:
-    """Compact UTF-8 JSON (never a raw newline: SSE ``data:`` lines stay one line)."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON (never a raw newline: SSE ``data:`` lines stay one line).
+
+    Always valid JSON: a float that is not finite (in metadata stored before such
+    values were refused) is written as ``null``, not as ``NaN``, which no JSON
+    reader takes.
+    """
+    try:
+        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"))
+    return text.encode()
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with every float that is not finite replaced by None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(value) for value in data]
+    return data
 
 
 def metadata_json(metadata: Mapping[str, Any]) -> Any:

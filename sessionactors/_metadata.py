@@ -5,6 +5,7 @@ checked by encoding it as the event that will journal it, so that what is
 refused here is exactly what the store would refuse, before anything is written.
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,31 @@ def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
     # as the store gives it back (a tuple reads as a list): the same before and after a restart
     loaded = load_event(data, session_id=session_id)
     assert isinstance(loaded, MetadataChanged)
+    where = _non_finite(loaded.metadata)
+    if where is not None:
+        raise ValueError(
+            f"metadata for session {session_id!r} cannot be stored: {where} is a float that "
+            "is not finite (NaN or an infinity), which has no JSON form; store None or a "
+            "string instead"
+        )
     return dict(loaded.metadata)
+
+
+def _non_finite(value: Any, at: str = "$") -> str | None:
+    """Where in ``value`` a float that is not finite sits (``$['key'][0]``), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else at
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = _non_finite(item, f"{at}[{key!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _non_finite(item, f"{at}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def merge_metadata(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

@@ -320,7 +320,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         None})``). The change is journaled (it survives hibernation and restarts),
         published as a ``MetadataChanged`` event carrying the whole new metadata,
         and served in mailbox order, after the turns queued before it. Metadata is
-        plain data, as for ``spawn(metadata=...)``: anything else raises
+        plain data, as for ``spawn(metadata=...)`` (floats finite): anything else raises
         ``TypeError`` or ``ValueError`` naming the session, before anything is written.
         """
         sid = self.session_id

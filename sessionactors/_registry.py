@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
+from ._metadata import check_metadata
 from ._names import validate_name
 from ._reading import describe_stored, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
@@ -135,10 +136,8 @@ class Registry(metaclass=NoPublicConstructor):
             )
         if system_prompt is not None:
             check_unicode(system_prompt, f"the system_prompt of session {name!r}")
-        if metadata is not None and not isinstance(metadata, Mapping):
-            raise TypeError(
-                f"metadata for session {name!r} must be a mapping, not {type(metadata).__name__}"
-            )
+        if metadata is not None:
+            metadata = check_metadata(name, metadata)
         session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
         return await self._start_session(session)
 

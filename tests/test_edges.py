@@ -126,6 +126,8 @@ BAD_CALLS = {
     "truncate to True": lambda ref: ref.truncate(True),
     "rewind to an int": lambda ref: ref.rewind(7),
     "review with a non-bool": lambda ref: ref.review("r", approve="yes"),
+    "set_metadata with NaN": lambda ref: ref.set_metadata({"score": math.nan}),
+    "set_metadata with an infinity in a list": lambda ref: ref.set_metadata({"s": [1, math.inf]}),
 }
 
 
@@ -563,3 +565,14 @@ async def test_a_stored_seq_near_the_largest_fails_its_own_session_only() -> Non
             await registry.ref("far").send("hi")
         assert (await other.send("fine")).text == "fine"
         assert registry.statistics().crashes == 0
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf, {"deep": [math.inf]}])
+async def test_spawn_refuses_metadata_that_json_cannot_carry(value: object) -> None:
+    """A float that is not finite (NaN, an infinity) has no JSON form: spawn refuses it
+    in metadata with a ValueError naming the session and the key, and stores nothing
+    (a session holding one made every JSON answer listing it invalid JSON)."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        with pytest.raises(ValueError, match=r"session 'm'.*score.*finite"):
+            await registry.spawn("m", metadata={"score": value})
+        assert await registry.sessions() == []

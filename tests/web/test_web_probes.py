@@ -4,9 +4,13 @@ written, a resume never skips events, the asyncio face answers with clear errors
 
 import asyncio
 import contextlib
+import datetime
+import json
+import math
 import threading
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -14,6 +18,7 @@ import trio
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.http import create_app
+from sessionactors.stores import dump_info
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import Serve, serve_trio
@@ -307,3 +312,40 @@ async def test_each_websocket_frame_is_authorized_as_its_own_action(
         assert len(state["pending_reviews"]) == 1  # not approved
     if denied == "send":
         assert state["messages"] == []
+
+
+async def test_a_stored_non_finite_float_is_answered_as_valid_json(serve: Serve) -> None:
+    """Metadata stored with a NaN or an infinity (by an earlier version, or a store
+    written by hand) is answered as null: every JSON answer stays valid JSON, which a
+    browser's JSON.parse reads (``NaN`` is not JSON, and it broke the whole listing)."""
+    store = sa.MemoryStore()
+    now = datetime.datetime.now(datetime.UTC)
+    metadata = {"score": math.nan, "range": [1.5, math.inf], "tier": "gold"}
+    state = sa.SessionState(session_id="old", agent="shop", created_at=now, updated_at=now)
+    state = attrs.evolve(state, metadata=metadata)
+    info = sa.SessionInfo(
+        session_id="old",
+        agent="shop",
+        status=sa.Status.HIBERNATED,
+        message_count=0,
+        updated_at=now,
+        metadata=metadata,
+    )
+    await store.create("old", sa.dump_snapshot(state), dump_info(info))
+
+    def strict(text: str) -> Any:
+        def refuse(constant: str) -> None:
+            raise ValueError(f"{constant} is not JSON")
+
+        return json.loads(text, parse_constant=refuse)
+
+    async with (
+        serve(store=store) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(20):
+            [listed] = strict((await client.get("/sessions")).text)["sessions"]
+            shown = strict((await client.get("/sessions/old")).text)
+    expected = {"score": None, "range": [1.5, None], "tier": "gold"}
+    assert listed["metadata"] == expected
+    assert shown["metadata"] == expected
