@@ -460,10 +460,10 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
         waiting = waiting_reply(session, key)
         if waiting is not None:  # (known after a wake too, unlike the mail it came by)
-            return new_turn(waiting.turn_id, name, Pending.resolved(waiting))
+            return new_turn(waiting.turn_id, name, Pending.resolved(waiting), joined=True)
     inflight = actor.inflight_keys.get(key)
     if inflight is not None:
-        return new_turn(inflight.turn_id, name, inflight.pending)
+        return new_turn(inflight.turn_id, name, inflight.pending, joined=True)
     return None
 
 

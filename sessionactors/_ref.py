@@ -16,6 +16,7 @@ import trio
 
 from ._codec import MAX_TEXT_CHARS
 from ._errors import (
+    EventsExpiredError,
     FencedOutError,
     SessionActorsError,
     SessionCrashedError,
@@ -78,6 +79,9 @@ class Turn(metaclass=NoPublicConstructor):
     session_id: str
     _pending: Pending = attrs.field(alias="pending")
     _replayed: bool = attrs.field(default=False, alias="replayed")
+    #: It joined a turn already queued, running or waiting on a review (its idempotency
+    #: key's): some of its events may have been published before it was submitted.
+    _joined: bool = attrs.field(default=False, alias="joined")
 
     def __repr__(self) -> str:
         return f"Turn(id={self.id!r}, session_id={self.session_id!r}, replayed={self.replayed})"
@@ -131,9 +135,14 @@ class Turn(metaclass=NoPublicConstructor):
         return self._pending.done
 
 
-def new_turn(turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False) -> Turn:
-    """A Turn waiting on ``pending`` (for the dispatcher and routers)."""
-    return Turn._create(id=turn_id, session_id=session_id, pending=pending, replayed=replayed)
+def new_turn(
+    turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False, joined: bool = False
+) -> Turn:
+    """A Turn waiting on ``pending`` (for the dispatcher and routers); ``joined``: it
+    joined a turn under way (see ``Turn._joined``)."""
+    return Turn._create(
+        id=turn_id, session_id=session_id, pending=pending, replayed=replayed, joined=joined
+    )
 
 
 @attrs.define(eq=False, repr=False)
@@ -390,10 +399,20 @@ class SessionRef(metaclass=NoPublicConstructor):
         end first (it was deleted or stopped, its wake failed, or the registry
         closed), or the worker that ran it died, iterating raises the turn's error
         instead. With ``idempotency_key``, a turn sent again after its worker died is
-        followed under its new turn id (a second ``TurnStarted``).
+        followed under its new turn id (a second ``TurnStarted``); a stream whose key
+        joins a turn already under way (running, or waiting on a review) first yields
+        that turn's events published so far that are still available (see
+        ``subscribe``), from its ``TurnStarted``.
         """
-        async with self.subscribe() as events:
+        async with self.subscribe() as live:
             turn = await self.submit(text, idempotency_key=idempotency_key)
+            events, before = live, 0
+            if turn._joined:
+                # it joined a turn under way (its key's), which may have published events
+                # before this subscription began: follow that turn from its start instead
+                before = live.last_seq
+                events = await self._open_from_oldest()
+                live.close()
 
             async def only_this_turn() -> AsyncGenerator[Event, None]:
                 if turn.replayed:  # no new turn ran: nothing to stream
@@ -429,7 +448,11 @@ class SessionRef(metaclass=NoPublicConstructor):
                     ):
                         # its worker died mid-turn and the key ran it again, as a new turn
                         following = event.turn_id
-                    if turn_id != following:
+                    if turn_id != following or (
+                        # a crash's verdict that the restarted session took back: it
+                        # resumed the turn, which was under way when this stream joined it
+                        isinstance(event, TurnFailed) and event.lost and event.seq <= before
+                    ):
                         continue
                     yield event
                     if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
@@ -443,7 +466,19 @@ class SessionRef(metaclass=NoPublicConstructor):
             try:
                 yield gen
             finally:
-                await gen.aclose()
+                try:
+                    await gen.aclose()
+                finally:
+                    events.close()
+
+    async def _open_from_oldest(self) -> EventIterator:
+        """A subscription that replays every event of the session still available."""
+        after = 0
+        while True:
+            try:
+                return await self._dispatcher.open_subscription(self.session_id, after)
+            except EventsExpiredError as exc:  # (trimmed meanwhile: again, from there)
+                after = exc.oldest_seq - 1
 
 
 #: Seconds without an event after which a stream checks whether its turn ended

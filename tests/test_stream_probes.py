@@ -1,0 +1,79 @@
+"""Probes of subscriptions and streams at their edges: joined turns, resumes, ends."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from sessionactors.testing import Scripted, ScriptedModel
+
+OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
+
+
+def review_agent() -> sa.Agent:
+    """An agent whose first turn calls a tool that needs review, then answers."""
+    refund_call = sa.ToolCall(id="call_1", name="refund", arguments="{}")
+    tool = sa.Tool(name="refund", fn=lambda: "refunded", requires_review=True, idempotent=False)
+    model = ScriptedModel([Scripted(text="Refunding.", tool_calls=[refund_call]), "Done."])
+    return sa.Agent(model=model, tools=[tool])
+
+
+async def read_until_review(events: object) -> list[sa.Event]:
+    got: list[sa.Event] = []
+    async for event in events:  # type: ignore[attr-defined]
+        got.append(event)
+        if isinstance(event, (sa.ReviewRequested, *OUTCOMES)):
+            return got
+    return got
+
+
+@pytest.mark.parametrize("hibernate", [False, True])
+async def test_a_keyed_stream_joining_a_turn_waiting_on_a_review_yields_its_events_so_far(
+    autojump_clock: trio.testing.MockClock, hibernate: bool
+) -> None:
+    """A keyed ``ref.stream`` whose key joins a turn paused on a review yields that turn's
+    events so far (up to its ``ReviewRequested``) at once, then the rest once reviewed."""
+    async with sa.open_registry(agents={"a": review_agent()}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            async with ref.stream("Refund A1", idempotency_key="K") as events:
+                first = await read_until_review(events)
+        assert isinstance(first[-1], sa.ReviewRequested)
+        if hibernate:
+            await ref.hibernate()
+            assert "s" not in registry.live()
+        with trio.fail_after(5):
+            async with ref.stream("Refund A1", idempotency_key="K") as events:
+                again = await read_until_review(events)
+                assert isinstance(again[0], sa.TurnStarted)
+                assert again[0].turn_id == first[0].turn_id  # type: ignore[attr-defined]
+                assert again[-1] == first[-1]  # the same ReviewRequested, same seq
+                await ref.review(again[-1].review.id, approve=True)  # type: ignore[attr-defined]
+                rest = [event async for event in events]
+        assert isinstance(rest[-1], sa.TurnFinished)
+        assert rest[-1].message.content == "Done."
+
+
+async def test_a_keyed_stream_joining_a_running_turn_yields_it_from_its_start(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A keyed ``ref.stream`` that joins its key's turn while it runs yields that turn from
+    its ``TurnStarted``, the deltas streamed before it joined included, to its outcome."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(chunks=["one ", "two ", "three"], wait=gate, wait_after=1)])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            async with ref.stream("go", idempotency_key="K") as first_events:
+                first = [await anext(first_events), await anext(first_events)]
+                assert isinstance(first[1], sa.Delta)
+                assert isinstance(first[0], sa.TurnStarted)
+                async with ref.stream("go", idempotency_key="K") as events:
+                    gate.set()
+                    joined = [event async for event in events]
+                rest = [event async for event in first_events]
+        assert [e.seq for e in joined] == [e.seq for e in first + rest]
+        assert isinstance(joined[0], sa.TurnStarted)
+        assert isinstance(joined[-1], sa.TurnFinished)
