@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.testing import Scripted, ScriptedModel
+import sessionactors.aio as aio
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
 
@@ -77,3 +80,31 @@ async def test_a_keyed_stream_joining_a_running_turn_yields_it_from_its_start(
         assert [e.seq for e in joined] == [e.seq for e in first + rest]
         assert isinstance(joined[0], sa.TurnStarted)
         assert isinstance(joined[-1], sa.TurnFinished)
+
+
+def test_an_asyncio_subscription_read_by_two_tasks_ends_for_both() -> None:
+    """Two asyncio tasks reading one ``sessionactors.aio`` subscription share its events
+    and both end when it ends, as two trio tasks do; neither waits forever."""
+
+    async def main() -> dict[int, list[int]]:
+        agents = {"a": sa.Agent(model=EchoModel())}
+        async with aio.open_registry(agents=agents) as registry:
+            ref = await registry.spawn("s")
+            got: dict[int, list[int]] = {1: [], 2: []}
+            async with ref.subscribe() as events:
+
+                async def reader(i: int) -> None:
+                    async for event in events:
+                        got[i].append(event.seq)
+
+                readers = [asyncio.create_task(reader(i)) for i in (1, 2)]
+                for _ in range(3):
+                    await asyncio.sleep(0)  # both wait for an event
+                await ref.send("one two three")
+                await ref.stop()
+                async with asyncio.timeout(10):
+                    await asyncio.gather(*readers)
+            return got
+
+    got = asyncio.run(main())
+    assert sorted(got[1] + got[2]) == list(range(1, len(got[1]) + len(got[2]) + 1))
