@@ -460,7 +460,9 @@ class SessionRef(metaclass=NoPublicConstructor):
                 # the events ended before the turn's outcome (the session was deleted,
                 # stopped, or the registry closed), or the worker that ran it died: its
                 # caller's error ends the stream
-                await turn.reply()
+                reply = await turn.reply()
+                if reply.reviews:  # (its caller was answered: it waits on a review)
+                    await self._ended_waiting(following)
 
             gen = only_this_turn()
             try:
@@ -470,6 +472,17 @@ class SessionRef(metaclass=NoPublicConstructor):
                     await gen.aclose()
                 finally:
                     events.close()
+
+    async def _ended_waiting(self, turn_id: str) -> None:
+        """The events of a stream ended while its turn ``turn_id`` waited on a review:
+        raise why (the session was deleted, the registry closed)."""
+        outcome = await self.turn_outcome(turn_id)
+        raise SessionStoppedError(
+            f"the events of session {self.session_id!r} ended while turn {turn_id!r} "
+            f"waited on a review (it reads {outcome.status.value} now); follow it with "
+            "ref.subscribe() and ref.turn_outcome()",
+            session_id=self.session_id,
+        )
 
     async def _open_from_oldest(self) -> EventIterator:
         """A subscription that replays every event of the session still available."""

@@ -108,3 +108,47 @@ def test_an_asyncio_subscription_read_by_two_tasks_ends_for_both() -> None:
 
     got = asyncio.run(main())
     assert sorted(got[1] + got[2]) == list(range(1, len(got[1]) + len(got[2]) + 1))
+
+
+async def test_a_stream_waiting_on_a_review_raises_when_its_session_is_deleted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``ref.stream`` of a turn paused on a review raises when the session is deleted,
+    instead of ending as if nothing were wrong, without the turn's outcome."""
+    async with sa.open_registry(agents={"a": review_agent()}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            async with ref.stream("Refund A1") as events:
+                got = await read_until_review(events)
+                assert isinstance(got[-1], sa.ReviewRequested)
+                await registry.delete("s")
+                with pytest.raises(sa.SessionNotFoundError):
+                    await anext(events)
+
+
+async def test_a_stream_waiting_on_a_review_raises_when_the_registry_closes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``ref.stream`` of a turn paused on a review raises SessionStoppedError when the
+    registry closes, instead of ending as if nothing were wrong."""
+    outcome: list[BaseException] = []
+    with trio.fail_after(5):
+        async with (
+            trio.open_nursery() as nursery,
+            sa.open_registry(agents={"a": review_agent()}) as registry,
+        ):
+            ref = await registry.spawn("s")
+            reviewed = trio.Event()
+
+            async def follow() -> None:
+                async with ref.stream("Refund A1") as events:
+                    await read_until_review(events)
+                    reviewed.set()
+                    try:
+                        await anext(events)
+                    except sa.SessionActorsError as exc:
+                        outcome.append(exc)
+
+            nursery.start_soon(follow)
+            await reviewed.wait()
+    assert [type(e) for e in outcome] == [sa.SessionStoppedError]
