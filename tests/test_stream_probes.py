@@ -10,7 +10,7 @@ import trio.testing
 
 import sessionactors as sa
 import sessionactors.aio as aio
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
 
@@ -152,3 +152,35 @@ async def test_a_stream_waiting_on_a_review_raises_when_the_registry_closes(
             nursery.start_soon(follow)
             await reviewed.wait()
     assert [type(e) for e in outcome] == [sa.SessionStoppedError]
+
+
+@pytest.mark.parametrize("withheld", ["outcome", "hibernation"])
+async def test_a_subscription_opened_while_an_event_is_being_stored_gets_it(
+    autojump_clock: trio.testing.MockClock, withheld: str
+) -> None:
+    """A live subscription opened while an event waits for its write (a turn's outcome, a
+    hibernation's status) gets that event once it is published, as every later one."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("warm up")
+            if withheld == "outcome":
+                gate = store.hold("append", session_id="s")
+                turn = await ref.submit("hello world")
+                done = turn.reply
+            else:
+                gate = store.hold("write_snapshot", session_id="s")
+                done = ref.hibernate
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(done)
+                await trio.testing.wait_all_tasks_blocked()
+                async with ref.subscribe() as events:
+                    gate.open()
+                    event = await anext(events)
+        if withheld == "outcome":
+            assert isinstance(event, sa.TurnFinished)
+            assert event.message.content == "hello world"
+        else:
+            assert isinstance(event, sa.StatusChanged)
+            assert event.status is sa.Status.HIBERNATED
