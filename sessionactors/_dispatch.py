@@ -431,7 +431,8 @@ class Dispatcher:
 
     def event_seq_here(self, name: str) -> int | None:
         hub = self.sessions.hubs.get(name)
-        return hub.seq if hub is not None and name in self.sessions.live else None
+        # the last published: an event withheld until it is stored is published after
+        return hub.published if hub is not None and name in self.sessions.live else None
 
     def created_here(self, name: str) -> datetime.datetime | None:
         actor = self.sessions.live.get(name)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
+from typing import Any
 
 import pytest
 import trio
@@ -10,6 +12,7 @@ import trio.testing
 
 import sessionactors as sa
 import sessionactors.aio as aio
+from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
@@ -184,3 +187,54 @@ async def test_a_subscription_opened_while_an_event_is_being_stored_gets_it(
         else:
             assert isinstance(event, sa.StatusChanged)
             assert event.status is sa.Status.HIBERNATED
+
+
+class HeldRedisStore(RedisStore):
+    """A RedisStore whose next journal append, once ``arm()``-ed, waits for ``release``."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        super().__init__(url, prefix=prefix, balance=False)
+        self.armed = False
+        self.held = trio.Event()
+        self.release = trio.Event()
+
+    async def append(self, *args: Any, **kwargs: Any) -> None:
+        if self.armed:
+            self.armed = False
+            self.held.set()
+            await self.release.wait()
+        await super().append(*args, **kwargs)
+
+
+@pytest.mark.redis
+async def test_a_subscription_from_another_worker_opened_while_an_outcome_is_stored_gets_it(
+    redis_url: str,
+) -> None:
+    """A live subscription on another worker, opened while the session's turn outcome
+    waits for its write, gets that outcome once it is published."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = HeldRedisStore(redis_url, prefix)
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="hello world", wait=gate)])
+    agents = {"a": sa.Agent(model=model)}
+    with trio.fail_after(10):
+        async with (
+            sa.open_registry(store=store, agents=agents, worker_id="a") as a,
+            sa.open_registry(
+                store=RedisStore(redis_url, prefix=prefix, balance=False),
+                agents=agents,
+                worker_id="b",
+            ) as b,
+        ):
+            await a.spawn("s")
+            turn = await a.ref("s").submit("hi")
+            while len(await a.ref("s").history()) < 1:  # it started: its model waits
+                await trio.sleep(0.01)
+            store.armed = True
+            gate.set()
+            await store.held.wait()  # the turn's outcome waits for its write
+            async with b.ref("s").subscribe() as events:
+                store.release.set()
+                event = await anext(events)
+            assert isinstance(event, sa.TurnFinished), event
+            assert event.turn_id == turn.id
