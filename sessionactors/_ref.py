@@ -436,7 +436,7 @@ class SessionRef(metaclass=NoPublicConstructor):
                             except StopAsyncIteration:
                                 break
                     if event is None:  # a quiet while: is the turn over elsewhere?
-                        if turn.done and await _void_elsewhere(turn, following):
+                        if turn.done and await _void_elsewhere(turn, following, runs_here(name)):
                             break
                         continue
                     turn_id = getattr(event, "turn_id", None)
@@ -499,13 +499,17 @@ class SessionRef(metaclass=NoPublicConstructor):
 _OUTCOME_CHECK = 1.0
 
 
-async def _void_elsewhere(turn: Turn, following: str) -> bool:
+async def _void_elsewhere(turn: Turn, following: str, here: bool) -> bool:
     """Whether a finished ``turn`` will publish no outcome for ``following``: the worker
     that ran it died or lost it (the caller's error says so), or it ran again under
-    another turn id. Other errors have their outcome event on its way."""
+    another turn id. Other errors have their outcome event on its way, and so has a
+    crash of a session live ``here`` (its restart publishes the outcome it finds, or
+    that the turn is lost, once it has read the store, however long that takes)."""
     try:
         reply = await turn.reply()
-    except (SessionCrashedError, WorkerUnreachableError, FencedOutError):
+    except SessionCrashedError:
+        return not here
+    except (WorkerUnreachableError, FencedOutError):
         return True
     except SessionActorsError:
         return False

@@ -13,7 +13,7 @@ import trio.testing
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Gate, Scripted, ScriptedModel
 
 OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
 
@@ -238,3 +238,34 @@ async def test_a_subscription_from_another_worker_opened_while_an_outcome_is_sto
                 event = await anext(events)
             assert isinstance(event, sa.TurnFinished), event
             assert event.turn_id == turn.id
+
+
+async def test_a_stream_whose_session_restarts_slowly_after_a_crash_ends_with_the_outcome(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``ref.stream`` of a turn whose session crashed ends with the outcome the restarted
+    session publishes (here ``TurnFailed`` with ``lost=True``) even when the restart
+    reads the store for a long while, instead of raising SessionCrashedError meanwhile."""
+    store = FaultyStore()
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="hello world", wait=gate)])
+    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        got: list[sa.Event] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery, ref.stream("hi") as events:
+                async for event in events:
+                    got.append(event)
+                    if isinstance(event, sa.TurnStarted):
+                        store.fail("append", session_id="s")  # the outcome's write fails
+                        load = store.hold("load", session_id="s")  # the restart reads slowly
+                        nursery.start_soon(open_after, load, 10)
+                        gate.set()
+        assert isinstance(got[-1], sa.TurnFailed)
+        assert got[-1].lost
+        assert got[-1].turn_id == got[0].turn_id  # type: ignore[attr-defined]
+
+
+async def open_after(gate: Gate, seconds: float) -> None:
+    await trio.sleep(seconds)
+    gate.open()
