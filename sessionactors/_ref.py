@@ -79,9 +79,13 @@ class Turn(metaclass=NoPublicConstructor):
     session_id: str
     _pending: Pending = attrs.field(alias="pending")
     _replayed: bool = attrs.field(default=False, alias="replayed")
-    #: It joined a turn already queued, running or waiting on a review (its idempotency
-    #: key's): some of its events may have been published before it was submitted.
-    _joined: bool = attrs.field(default=False, alias="joined")
+    #: It joined a turn already under way (its idempotency key's, running or waiting on
+    #: a review): the seq after which that turn's events begin (0: not known). None for
+    #: a new turn, a queued one, or a replayed one.
+    _since: int | None = attrs.field(default=None, alias="since")
+    #: For a joined turn: the seq of the last event its session had published when it
+    #: joined (a crash's lost verdict for the turn up to there was taken back: it resumed).
+    _joined_at: int = attrs.field(default=0, alias="joined_at")
 
     def __repr__(self) -> str:
         return f"Turn(id={self.id!r}, session_id={self.session_id!r}, replayed={self.replayed})"
@@ -136,12 +140,24 @@ class Turn(metaclass=NoPublicConstructor):
 
 
 def new_turn(
-    turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False, joined: bool = False
+    turn_id: str,
+    session_id: str,
+    pending: Pending,
+    *,
+    replayed: bool = False,
+    since: int | None = None,
+    joined_at: int = 0,
 ) -> Turn:
-    """A Turn waiting on ``pending`` (for the dispatcher and routers); ``joined``: it
-    joined a turn under way (see ``Turn._joined``)."""
+    """A Turn waiting on ``pending`` (for the dispatcher and routers); ``since``: it
+    joined a turn under way, whose events follow that seq, when the session had
+    published up to ``joined_at`` (see ``Turn._since``)."""
     return Turn._create(
-        id=turn_id, session_id=session_id, pending=pending, replayed=replayed, joined=joined
+        id=turn_id,
+        session_id=session_id,
+        pending=pending,
+        replayed=replayed,
+        since=since,
+        joined_at=joined_at,
     )
 
 
@@ -407,11 +423,11 @@ class SessionRef(metaclass=NoPublicConstructor):
         async with self.subscribe() as live:
             turn = await self.submit(text, idempotency_key=idempotency_key)
             events, before = live, 0
-            if turn._joined:
-                # it joined a turn under way (its key's), which may have published events
-                # before this subscription began: follow that turn from its start instead
-                before = live.last_seq
-                events = await self._open_from_oldest()
+            if turn._since is not None:
+                # it joined a turn under way (its key's), which published events before
+                # this subscription began: follow that turn from its start instead
+                before = turn._joined_at
+                events = await self._open_from(turn._since)
                 live.close()
 
             async def only_this_turn() -> AsyncGenerator[Event, None]:
@@ -484,9 +500,8 @@ class SessionRef(metaclass=NoPublicConstructor):
             session_id=self.session_id,
         )
 
-    async def _open_from_oldest(self) -> EventIterator:
-        """A subscription that replays every event of the session still available."""
-        after = 0
+    async def _open_from(self, after: int) -> EventIterator:
+        """A subscription that replays the events after ``after`` still available."""
         while True:
             try:
                 return await self._dispatcher.open_subscription(self.session_id, after)
