@@ -523,11 +523,17 @@ class SessionsApp:
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
                 return
-            yield Stream(
-                events,
-                select=self._turn_events(turn.id),
-                side=functools.partial(_sse_outcome, turn),
-            )
+            async with contextlib.AsyncExitStack() as stack:
+                since = _joined_since(turn)
+                if since is not None:
+                    # it joined its key's turn under way, which published events before
+                    # this subscription began (a review it waits on): from its start
+                    events = await _subscribe_from(stack, ref, since)
+                yield Stream(
+                    events,
+                    select=self._turn_events(turn.id),
+                    side=functools.partial(_sse_outcome, turn),
+                )
 
     async def _review(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
@@ -707,6 +713,22 @@ class SessionsApp:
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
+
+
+def _joined_since(turn: sa.Turn | aio.Turn) -> int | None:
+    """The seq after which the events of the turn under way that ``turn`` joined (by its
+    idempotency key) begin; None if it joined none (a new turn, or one still queued)."""
+    inner = turn._turn if isinstance(turn, aio.Turn) else turn
+    return inner._since
+
+
+async def _subscribe_from(stack: contextlib.AsyncExitStack, ref: AnyRef, after: int) -> Any:
+    """The session's events after ``after``, or from the oldest still available."""
+    while True:
+        try:
+            return await stack.enter_async_context(ref.subscribe(after))
+        except sa.EventsExpiredError as exc:
+            after = exc.oldest_seq - 1
 
 
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:
