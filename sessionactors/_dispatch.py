@@ -431,7 +431,8 @@ class Dispatcher:
 
     def event_seq_here(self, name: str) -> int | None:
         hub = self.sessions.hubs.get(name)
-        return hub.seq if hub is not None and name in self.sessions.live else None
+        # the last published: an event withheld until it is stored is published after
+        return hub.published if hub is not None and name in self.sessions.live else None
 
     def created_here(self, name: str) -> datetime.datetime | None:
         actor = self.sessions.live.get(name)
@@ -460,11 +461,27 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
         waiting = waiting_reply(session, key)
         if waiting is not None:  # (known after a wake too, unlike the mail it came by)
-            return new_turn(waiting.turn_id, name, Pending.resolved(waiting))
+            done_since = session.open_since(waiting.turn_id)
+            return new_turn(
+                waiting.turn_id,
+                name,
+                Pending.resolved(waiting),
+                since=done_since,
+                joined_at=_published(actor),
+            )
     inflight = actor.inflight_keys.get(key)
     if inflight is not None:
-        return new_turn(inflight.turn_id, name, inflight.pending)
+        turn_id = inflight.turn_id
+        since: int | None = None  # queued: its events are all to come
+        if not actor.queued or turn_id not in actor.queued:
+            since = actor.session.open_since(turn_id) if actor.is_ready else 0
+        return new_turn(turn_id, name, inflight.pending, since=since, joined_at=_published(actor))
     return None
+
+
+def _published(actor: Actor) -> int:
+    """The seq of the last event ``actor``'s session published (0: none, or no hub)."""
+    return actor.hub.published if actor.hub is not None else 0
 
 
 async def _outcome_in(read: Awaitable[SessionState | None], turn_id: str) -> Any:

@@ -16,6 +16,7 @@ import trio
 
 from ._codec import MAX_TEXT_CHARS
 from ._errors import (
+    EventsExpiredError,
     FencedOutError,
     SessionActorsError,
     SessionCrashedError,
@@ -77,6 +78,13 @@ class Turn(metaclass=NoPublicConstructor):
     session_id: str
     _pending: Pending = attrs.field(alias="pending")
     _replayed: bool = attrs.field(default=False, alias="replayed")
+    #: It joined a turn already under way (its idempotency key's, running or waiting on
+    #: a review): the seq after which that turn's events begin (0: not known). None for
+    #: a new turn, a queued one, or a replayed one.
+    _since: int | None = attrs.field(default=None, alias="since")
+    #: For a joined turn: the seq of the last event its session had published when it
+    #: joined (a crash's lost verdict for the turn up to there was taken back: it resumed).
+    _joined_at: int = attrs.field(default=0, alias="joined_at")
 
     def __repr__(self) -> str:
         return f"Turn(id={self.id!r}, session_id={self.session_id!r}, replayed={self.replayed})"
@@ -141,9 +149,26 @@ def known_reply(turn: Turn) -> Reply:
     return reply
 
 
-def new_turn(turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False) -> Turn:
-    """A Turn waiting on ``pending`` (for the dispatcher and routers)."""
-    return Turn._create(id=turn_id, session_id=session_id, pending=pending, replayed=replayed)
+def new_turn(
+    turn_id: str,
+    session_id: str,
+    pending: Pending,
+    *,
+    replayed: bool = False,
+    since: int | None = None,
+    joined_at: int = 0,
+) -> Turn:
+    """A Turn waiting on ``pending`` (for the dispatcher and routers); ``since``: it
+    joined a turn under way, whose events follow that seq, when the session had
+    published up to ``joined_at`` (see ``Turn._since``)."""
+    return Turn._create(
+        id=turn_id,
+        session_id=session_id,
+        pending=pending,
+        replayed=replayed,
+        since=since,
+        joined_at=joined_at,
+    )
 
 
 @attrs.define(eq=False, repr=False)
@@ -400,10 +425,20 @@ class SessionRef(metaclass=NoPublicConstructor):
         end first (it was deleted or stopped, its wake failed, or the registry
         closed), or the worker that ran it died, iterating raises the turn's error
         instead. With ``idempotency_key``, a turn sent again after its worker died is
-        followed under its new turn id (a second ``TurnStarted``).
+        followed under its new turn id (a second ``TurnStarted``); a stream whose key
+        joins a turn already under way (running, or waiting on a review) first yields
+        that turn's events published so far that are still available (see
+        ``subscribe``), from its ``TurnStarted``.
         """
-        async with self.subscribe() as events:
+        async with self.subscribe() as live:
             turn = await self.submit(text, idempotency_key=idempotency_key)
+            events, before = live, 0
+            if turn._since is not None:
+                # it joined a turn under way (its key's), which published events before
+                # this subscription began: follow that turn from its start instead
+                before = turn._joined_at
+                events = await self._open_from(turn._since)
+                live.close()
 
             async def only_this_turn() -> AsyncGenerator[Event, None]:
                 if turn.replayed:  # no new turn ran: nothing to stream
@@ -427,7 +462,7 @@ class SessionRef(metaclass=NoPublicConstructor):
                             except StopAsyncIteration:
                                 break
                     if event is None:  # a quiet while: is the turn over elsewhere?
-                        if turn.done and await _void_elsewhere(turn, following):
+                        if turn.done and await _void_elsewhere(turn, following, runs_here(name)):
                             break
                         continue
                     turn_id = getattr(event, "turn_id", None)
@@ -439,7 +474,11 @@ class SessionRef(metaclass=NoPublicConstructor):
                     ):
                         # its worker died mid-turn and the key ran it again, as a new turn
                         following = event.turn_id
-                    if turn_id != following:
+                    if turn_id != following or (
+                        # a crash's verdict that the restarted session took back: it
+                        # resumed the turn, which was under way when this stream joined it
+                        isinstance(event, TurnFailed) and event.lost and event.seq <= before
+                    ):
                         continue
                     yield event
                     if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
@@ -447,13 +486,37 @@ class SessionRef(metaclass=NoPublicConstructor):
                 # the events ended before the turn's outcome (the session was deleted,
                 # stopped, or the registry closed), or the worker that ran it died: its
                 # caller's error ends the stream
-                await turn.reply()
+                reply = await turn.reply()
+                if reply.reviews:  # (its caller was answered: it waits on a review)
+                    await self._ended_waiting(following)
 
             gen = only_this_turn()
             try:
                 yield gen
             finally:
-                await gen.aclose()
+                try:
+                    await gen.aclose()
+                finally:
+                    events.close()
+
+    async def _ended_waiting(self, turn_id: str) -> None:
+        """The events of a stream ended while its turn ``turn_id`` waited on a review:
+        raise why (the session was deleted, the registry closed)."""
+        outcome = await self.turn_outcome(turn_id)
+        raise SessionStoppedError(
+            f"the events of session {self.session_id!r} ended while turn {turn_id!r} "
+            f"waited on a review (it reads {outcome.status.value} now); follow it with "
+            "ref.subscribe() and ref.turn_outcome()",
+            session_id=self.session_id,
+        )
+
+    async def _open_from(self, after: int) -> EventIterator:
+        """A subscription that replays the events after ``after`` still available."""
+        while True:
+            try:
+                return await self._dispatcher.open_subscription(self.session_id, after)
+            except EventsExpiredError as exc:  # (trimmed meanwhile: again, from there)
+                after = exc.oldest_seq - 1
 
 
 #: Seconds without an event after which a stream checks whether its turn ended
@@ -461,13 +524,17 @@ class SessionRef(metaclass=NoPublicConstructor):
 _OUTCOME_CHECK = 1.0
 
 
-async def _void_elsewhere(turn: Turn, following: str) -> bool:
+async def _void_elsewhere(turn: Turn, following: str, here: bool) -> bool:
     """Whether a finished ``turn`` will publish no outcome for ``following``: the worker
     that ran it died or lost it (the caller's error says so), or it ran again under
-    another turn id. Other errors have their outcome event on its way."""
+    another turn id. Other errors have their outcome event on its way, and so has a
+    crash of a session live ``here`` (its restart publishes the outcome it finds, or
+    that the turn is lost, once it has read the store, however long that takes)."""
     try:
         reply = await turn.reply()
-    except (SessionCrashedError, WorkerUnreachableError, FencedOutError):
+    except SessionCrashedError:
+        return not here
+    except (WorkerUnreachableError, FencedOutError):
         return True
     except SessionActorsError:
         return False

@@ -110,6 +110,7 @@ class LiveSession:
         "event_seq",
         "messages",
         "metadata",
+        "open_seq",
         "reviews",
         "session_id",
         "status",
@@ -139,6 +140,9 @@ class LiveSession:
         # The open turn: as the TurnStarted that opened it until someone asks for an
         # OpenTurn (most turns end without anyone asking; see ``open_turn``).
         self._open: OpenTurn | TurnStarted | None = state.open_turn
+        #: The seq of the TurnStarted of the open turn, if folded since the state was
+        #: loaded (0: not known, it opened before the snapshot); see ``open_since``.
+        self.open_seq = 0
         self.turns: dict[str, TurnRecord] = {t.turn_id: t for t in state.turns}
         self.turns_forgotten = state.turns_forgotten
         self.usage: Usage = state.usage
@@ -251,12 +255,21 @@ class LiveSession:
     def open_turn(self, value: OpenTurn | None) -> None:
         self._open = value
 
+    def open_since(self, turn_id: str) -> int:
+        """The seq after which the events of turn ``turn_id``, open, begin: just before
+        its TurnStarted if known, else 0 (all of the session's events hold them)."""
+        open_ = self._open
+        if open_ is None or open_.turn_id != turn_id or not self.open_seq:
+            return 0
+        return self.open_seq - 1
+
     def apply(self, event: Event, *, now: datetime.datetime | None = None) -> None:
         """Fold one durable event into the state (events of other kinds only bump seq)."""
         if event.seq > self.event_seq:
             self.event_seq = event.seq
         if isinstance(event, TurnStarted):
             self._open = event  # an OpenTurn when asked for (see ``open_turn``)
+            self.open_seq = event.seq
             if event.retry_of is None:  # (a retry's user message is in the history)
                 message = event.message
                 if message is not None:  # (0.1: a MessageAdded follows)

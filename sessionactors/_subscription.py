@@ -115,7 +115,9 @@ async def open_event_iterator(
     sub = hub.subscribe()
     try:
         if after is None:
-            return EventIterator(session_id, hub, sub, [], hub.seq, on_close)
+            # from the last event published: one given its seq already but withheld until
+            # it is stored (a turn's outcome, a hibernation's status) comes live
+            return EventIterator(session_id, hub, sub, [], hub.published, on_close)
         if after < 0:
             raise ValueError(f"after must be a seq (>= 0), not {after}")
         # A hub still at seq 0 was made for a subscriber of a session that is not live

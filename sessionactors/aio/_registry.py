@@ -328,7 +328,8 @@ class EventStream:
         self._events: deque[sa.Event] = deque()
         self._ended = False
         self._error: BaseException | None = None
-        self._reader: asyncio.Future[None] | None = None  # the asyncio reader waits
+        # the asyncio readers wait (one each: several tasks may read one subscription)
+        self._readers: list[asyncio.Future[None]] = []
         self._room: trio.Event | None = None  # the trio pump waits
 
     def __aiter__(self) -> EventStream:
@@ -342,12 +343,13 @@ class EventStream:
                 if error is not None:
                     raise error
                 raise StopAsyncIteration
-            self._reader = reader = self._host.loop.create_future()
+            reader = self._host.loop.create_future()
+            self._readers.append(reader)
             try:
                 await reader
             finally:
-                if self._reader is reader:
-                    self._reader = None
+                if reader in self._readers:  # (cancelled before an event came)
+                    self._readers.remove(reader)
         event = events.popleft()
         room = self._room
         if room is not None and len(events) <= _EVENTS_AHEAD // 2:
@@ -370,11 +372,12 @@ class EventStream:
         self._wake_reader()
 
     def _wake_reader(self) -> None:
-        reader = self._reader
-        if reader is not None:
-            self._reader = None
-            if not reader.done():
-                reader.set_result(None)
+        readers = self._readers
+        if readers:
+            self._readers = []
+            for reader in readers:
+                if not reader.done():
+                    reader.set_result(None)
 
 
 class _Subscription:

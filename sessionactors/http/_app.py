@@ -530,11 +530,17 @@ class SessionsApp:
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
                 return
-            yield Stream(
-                events,
-                select=self._turn_events(turn.id),
-                side=functools.partial(_sse_outcome, turn),
-            )
+            async with contextlib.AsyncExitStack() as stack:
+                since, joined_at = _joined(turn)
+                if since is not None:
+                    # it joined its key's turn under way, which published events before
+                    # this subscription began (a review it waits on): from its start
+                    events = await _subscribe_from(stack, ref, since)
+                yield Stream(
+                    events,
+                    select=self._turn_events(turn.id, joined_at),
+                    side=functools.partial(_sse_outcome, turn),
+                )
 
     async def _review(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
@@ -707,16 +713,37 @@ class SessionsApp:
         async with ref.subscribe(after) as events:
             yield Stream(events, select=select)
 
-    def _turn_events(self, turn_id: str | None) -> Select:
-        """One turn's events, up to its outcome or the review it then waits on."""
+    def _turn_events(self, turn_id: str | None, joined_at: int = 0) -> Select:
+        """One turn's events, up to its outcome or the review it then waits on
+        (``joined_at``: see ``_joined``)."""
         frames = self._frames
 
         def select(event: sa.Event) -> tuple[bytes | None, bool]:
             if turn_id is not None and getattr(event, "turn_id", None) != turn_id:
                 return None, False
+            if isinstance(event, sa.TurnFailed) and event.lost and event.seq <= joined_at:
+                return None, False  # a crash's verdict taken back: the turn resumed
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
+
+
+def _joined(turn: sa.Turn | aio.Turn) -> tuple[int | None, int]:
+    """For a ``turn`` that joined its idempotency key's turn under way: the seq after
+    which that turn's events begin (None if it joined none: a new turn, or one still
+    queued), and the seq its session had published when it joined (a lost verdict for
+    the turn up to there was taken back: the turn resumed after a crash)."""
+    inner = turn._turn if isinstance(turn, aio.Turn) else turn
+    return inner._since, inner._joined_at
+
+
+async def _subscribe_from(stack: contextlib.AsyncExitStack, ref: AnyRef, after: int) -> Any:
+    """The session's events after ``after``, or from the oldest still available."""
+    while True:
+        try:
+            return await stack.enter_async_context(ref.subscribe(after))
+        except sa.EventsExpiredError as exc:
+            after = exc.oldest_seq - 1
 
 
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:

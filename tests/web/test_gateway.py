@@ -474,6 +474,24 @@ async def test_a_streamed_review_answer_sends_the_rest_of_the_turn(serve: Serve)
             assert got[-1][1]["message"]["content"] == "Refunded: order B2 refunded"
 
 
+async def test_a_streamed_retry_of_a_turn_waiting_on_a_review_sends_its_review(
+    serve: Serve,
+) -> None:
+    """A streamed message whose idempotency key joins a turn waiting on a review sends
+    that turn's events up to its ReviewRequested at once, as the first request did."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            body = {"text": "refund C3", "idempotency_key": "k-c3"}
+            seen = []
+            for _ in range(2):
+                async with client.stream(
+                    "POST", "/sessions/rv/messages", json=body, headers=SSE
+                ) as r:
+                    seen.append(await read_until(r, lambda d: d["type"] == "ReviewRequested"))
+            assert [d["type"] for _, d in seen[1]] == [d["type"] for _, d in seen[0]]
+            assert seen[1][-1] == seen[0][-1]  # the same review, with the same seq
+
+
 async def test_the_websocket_carries_events_and_takes_messages(serve: Serve) -> None:
     """A WebSocket gets the session's events in their JSON form and takes messages and
     cancels; bad frames get error frames, and the connection lives on."""
