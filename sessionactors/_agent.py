@@ -168,20 +168,25 @@ class _CallParts:
 
 @attrs.define
 class _Step:
-    """What one model call has streamed besides text: tool-call fragments, usage."""
+    """What one model call has streamed besides text: tool-call fragments, usage.
+
+    ``parts`` holds each index's call being streamed; ``calls`` every call, with its
+    index, in the order they began (an index can have several: see ``_take_chunk``).
+    """
 
     parts: dict[int, _CallParts] = attrs.Factory(dict)
+    calls: list[tuple[int, _CallParts]] = attrs.Factory(list)
     usage: Usage | None = None
 
 
-def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
-    """Turn fragments (grouped by index) into tool calls, in index order."""
-    if not parts:
+def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
+    """Turn fragments (grouped by call) into tool calls, in index order (calls of one
+    index in the order they began)."""
+    if not calls:
         return ()
-    calls = []
+    made = []
     seen: set[str] = set()
-    for index in sorted(parts):
-        p = parts[index]
+    for index, p in sorted(calls, key=lambda item: item[0]):
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         call_id = storable(p.id) if p.id else ""
@@ -191,14 +196,14 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
             # taken for the other's and the call left without one
             call_id = new_id("call")
         seen.add(call_id)
-        calls.append(
+        made.append(
             make_tool_call(
                 id=call_id,
                 name=storable(p.name),
                 arguments=storable("".join(p.arguments)) or "{}",
             )
         )
-    return tuple(calls)
+    return tuple(made)
 
 
 def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
@@ -213,8 +218,11 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
-        if p is None:
+        if p is None or (chunk.id and p.id and chunk.id != p.id):
+            # a new id at an index is a new call: some servers stream every call at
+            # index 0, one id each (merged, its arguments would be two JSON objects)
             p = parts[chunk.index] = _CallParts()
+            step.calls.append((chunk.index, p))
         if chunk.id:
             p.id = chunk.id
         if chunk.name:
@@ -301,7 +309,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
             call.end(usage, None)
         text = storable("".join(partial))
         partial.clear()
-        if step is None or not step.parts:  # the reply: it joins with the outcome
+        if step is None or not step.calls:  # the reply: it joins with the outcome
             return make_message(
                 id=new_id("msg"),
                 role=Role.ASSISTANT,
@@ -309,7 +317,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 created_at=utcnow(),
                 usage=usage,
             )
-        calls = assemble_calls(step.parts)
+        calls = assemble_calls(step.calls)
         ctx.add_message(
             make_message(
                 id=new_id("msg"),

@@ -65,7 +65,9 @@ class ToolCallChunk:
     """A fragment of one tool call; fragments of one call share ``index``.
 
     The first fragment of a call usually carries ``id`` and ``name``; the
-    ``arguments`` of all fragments, joined, are the call's JSON arguments.
+    ``arguments`` of all fragments, joined, are the call's JSON arguments. A
+    fragment whose ``id`` differs from the one its index already has begins a
+    new call (some servers stream every call at index 0, each with its own id).
     """
 
     index: int

@@ -573,3 +573,51 @@ async def test_a_retry_after_that_is_no_time_leaves_the_backoff(fake: FakeOpenAI
     fake.push(error_reply(429, "slow down", headers=(("retry-after", "soon"),)), text_reply("ok"))
     assert await collect(make_model(fake)) == [TextChunk("ok")]
     assert len(fake.requests) == 2
+
+
+async def test_calls_streamed_at_one_index_with_different_ids_are_separate_calls(
+    fake: FakeOpenAI,
+) -> None:
+    """Servers that stream every tool call at index 0 (a new id per call) get one call per
+    id through a turn: each runs with its own arguments, instead of one merged call whose
+    arguments are two JSON objects run together."""
+    import sessionactors as sa
+
+    looked_up: list[str] = []
+
+    @sa.tool
+    async def lookup(order_id: str) -> str:
+        """Look an order up."""
+        looked_up.append(order_id)
+        return f"paid {order_id}"
+
+    fragments = [
+        tool_fragment(0, id="call_a", name="lookup"),
+        tool_fragment(0, arguments='{"order_id": "A1"}'),
+        tool_fragment(0, id="call_b", name="lookup"),
+        tool_fragment(0, arguments='{"order_id": "A2"}'),
+    ]
+    fake.push(
+        Reply(pieces=sse(*(delta(tool_calls=[f]) for f in fragments), finish("tool_calls"))),
+        text_reply("Both paid."),
+    )
+    agent = sa.Agent(model=make_model(fake), tools=[lookup])
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": agent}) as registry:
+            ref = await registry.spawn("s")
+            reply = await ref.send("Check A1 and A2")
+            history = await ref.history()
+    assert reply.text == "Both paid."
+    assert sorted(looked_up) == ["A1", "A2"]
+    calls = history[1].tool_calls
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+        ("call_a", "lookup", {"order_id": "A1"}),
+        ("call_b", "lookup", {"order_id": "A2"}),
+    ]
+    assert [(m.tool_call_id, m.content) for m in history[2:4]] == [
+        ("call_a", "paid A1"),
+        ("call_b", "paid A2"),
+    ]
+    # what the server was sent next pairs each call with its own result
+    sent = fake.requests[1].body["messages"]
+    assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == ["call_a", "call_b"]

@@ -1,0 +1,64 @@
+"""The turn loop at its edges: what models stream, tools, compaction, cancellation, retry."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from history_rules import tool_pairs_intact
+from sessionactors.testing import Scripted, ScriptedModel
+
+
+class ChunkModel:
+    """Streams scripted chunk lists, one per request; records how many chunks it gave
+    and whether each stream was closed."""
+
+    def __init__(self, *answers: Sequence[sa.ModelChunk]) -> None:
+        self.answers = list(answers)
+        self.requests: list[sa.ModelRequest] = []
+        self.yielded = 0
+        self.closed = 0
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        self.requests.append(request)
+        chunks = self.answers.pop(0)
+        try:
+            for chunk in chunks:
+                await trio.lowlevel.checkpoint()
+                self.yielded += 1
+                yield chunk
+        finally:
+            self.closed += 1
+
+
+@sa.tool
+async def lookup(order_id: str) -> str:
+    """Look an order up."""
+    await trio.lowlevel.checkpoint()
+    return f"paid {order_id}"
+
+
+async def test_fragments_repeating_their_calls_id_stay_one_call(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A model that repeats a call's id on every fragment of it streams one call (only a
+    different id at an index begins another)."""
+    model = ChunkModel(
+        [
+            sa.ToolCallChunk(0, id="c1", name="lookup", arguments='{"order_id"'),
+            sa.ToolCallChunk(0, id="c1", arguments=': "A1"}'),
+        ],
+        [sa.TextChunk("done")],
+    )
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("go")
+        history = await ref.history()
+    assert [(c.id, c.arguments) for c in history[1].tool_calls] == [("c1", '{"order_id": "A1"}')]
+    assert history[2].content == "paid A1"
