@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ._codec import MAX_SEQ
-from ._errors import MaxStepsError
+from ._codec import MAX_SEQ, MAX_TEXT_CHARS
+from ._errors import MaxStepsError, ModelError
 from ._history import Estimator, default_estimate
 from ._model import Model, TextChunk, ToolCallChunk, ToolSpec, UsageChunk, make_request
 from ._records import (
@@ -206,7 +206,23 @@ def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
     return tuple(made)
 
 
-def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
+#: The most characters one model answer (its text and tool calls) may stream: what a
+#: turn can store (as much as a message the user sends). A longer one fails its turn.
+MAX_ANSWER_CHARS = MAX_TEXT_CHARS
+
+
+def answer_too_long(session_id: str) -> ModelError:
+    """The error of a model answer over :data:`MAX_ANSWER_CHARS`."""
+    return ModelError(
+        f"session {session_id!r}: the model's answer went over {MAX_ANSWER_CHARS:,} "
+        "characters (its text and tool calls), more than a turn can store, so it was "
+        "stopped; ask for a shorter answer (or check that the model is not repeating itself)",
+        session_id=session_id,
+    )
+
+
+def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
+    """Take one chunk into the step; how many characters it added to the answer."""
     if isinstance(chunk, TextChunk):
         text = chunk.text
         if text.__class__ is not str:
@@ -214,7 +230,8 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
         if text:
             ctx.partial.append(text)
             ctx.delta(storable(text))
-    elif isinstance(chunk, ToolCallChunk):
+        return len(text)
+    if isinstance(chunk, ToolCallChunk):
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
@@ -229,7 +246,8 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
             p.name = chunk.name
         if chunk.arguments:
             p.arguments.append(chunk.arguments)
-    elif isinstance(chunk, UsageChunk):
+        return len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
+    if isinstance(chunk, UsageChunk):
         for field in ("input_tokens", "output_tokens"):
             value = getattr(chunk, field)
             if value.__class__ is not int or not 0 <= value <= MAX_SEQ:
@@ -239,10 +257,8 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
                 )
         usage = Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
         step.usage = usage if step.usage is None else step.usage + usage
-    else:
-        raise TypeError(
-            f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk"
-        )
+        return 0
+    raise TypeError(f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk")
 
 
 def _check_call_chunk(chunk: ToolCallChunk) -> None:
@@ -274,6 +290,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
             session_id=ctx.session_id, messages=ctx.request_messages(agent), tools=specs
         )
         step: _Step | None = None  # made by the first chunk that is not text
+        size = 0  # characters of text and tool calls streamed (see MAX_ANSWER_CHARS)
         partial = ctx.partial
         partial.clear()
         call = first = trace.model_call(model, request) if trace is not None else None
@@ -290,12 +307,17 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                             f"the model streamed a TextChunk whose text is {text!r}, not a str"
                         )
                     if text:
+                        size += len(text)
+                        if size > MAX_ANSWER_CHARS:
+                            raise answer_too_long(ctx.session_id)
                         partial.append(text)
                         ctx.delta(storable(text))
                 else:
                     if step is None:
                         step = _Step()
-                    _take_chunk(chunk, ctx, step)
+                    size += _take_chunk(chunk, ctx, step)
+                    if size > MAX_ANSWER_CHARS:
+                        raise answer_too_long(ctx.session_id)
         except BaseException as exc:
             if call is not None:
                 call.end(step.usage if step is not None else None, exc)

@@ -62,3 +62,51 @@ async def test_fragments_repeating_their_calls_id_stay_one_call(
         history = await ref.history()
     assert [(c.id, c.arguments) for c in history[1].tool_calls] == [("c1", '{"order_id": "A1"}')]
     assert history[2].content == "paid A1"
+
+
+#: 256 Ki characters of four UTF-8 bytes each: 1 MiB; twenty of them are over what one
+#: journal entry holds
+WIDE = "\N{GRINNING FACE}" * (256 * 1024)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param([sa.TextChunk(WIDE)] * 20, id="text"),
+        pytest.param(
+            [sa.ToolCallChunk(0, id="c1", name="lookup", arguments='{"order_id": "')]
+            + [sa.ToolCallChunk(0, arguments=WIDE)] * 20,
+            id="tool-call-arguments",
+        ),
+    ],
+)
+async def test_an_answer_too_long_to_store_fails_the_turn_not_the_session(
+    autojump_clock: trio.abc.Clock, answer: list[sa.ModelChunk]
+) -> None:
+    """A model that streams more than a turn can store (a runaway answer) fails its turn
+    with a ModelError as soon as it is over the limit, and its stream is closed; the
+    session did not crash, keeps the user's message and goes on."""
+    model = ChunkModel(answer, [sa.TextChunk("short")])
+    store = sa.MemoryStore()
+    agent = sa.Agent(model=model, tools=[lookup])
+    async with sa.open_registry(agents={"a": agent}, store=store) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(30), pytest.raises(sa.TurnFailedError) as failed:
+            await ref.send("Write forever")
+        assert isinstance(failed.value.__cause__, sa.ModelError)
+        assert "'s'" in str(failed.value.__cause__)
+        assert model.yielded < len(answer)  # stopped reading at the limit
+        assert model.closed == 1
+        history = await ref.history()
+        assert [(m.role, m.interrupted) for m in history] == [
+            (sa.Role.USER, False),
+            (sa.Role.ASSISTANT, True),
+        ]
+        assert registry.statistics().restarts == 0
+        with trio.fail_after(5):
+            assert (await ref.send("Now briefly")).text == "short"
+        before = await ref.state()
+        await ref.hibernate()
+    async with sa.open_registry(agents={"a": agent}, store=store) as registry:
+        after = await registry.ref("s").state()
+    assert after.messages == before.messages
