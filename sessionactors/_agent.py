@@ -248,17 +248,22 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
             p.arguments.append(chunk.arguments)
         return len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
     if isinstance(chunk, UsageChunk):
-        for field in ("input_tokens", "output_tokens"):
-            value = getattr(chunk, field)
-            if value.__class__ is not int or not 0 <= value <= MAX_SEQ:
-                raise TypeError(
-                    f"the model streamed a UsageChunk whose {field} is {value!r}, "
-                    "not a count (an int from 0)"
-                )
-        usage = Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
+        usage = usage_of(chunk)
         step.usage = usage if step.usage is None else step.usage + usage
         return 0
     raise TypeError(f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk")
+
+
+def usage_of(chunk: UsageChunk) -> Usage:
+    """The counts of a UsageChunk, or TypeError if they are not counts."""
+    for field in ("input_tokens", "output_tokens"):
+        value = getattr(chunk, field)
+        if value.__class__ is not int or not 0 <= value <= MAX_SEQ:
+            raise TypeError(
+                f"the model streamed a UsageChunk whose {field} is {value!r}, "
+                "not a count (an int from 0)"
+            )
+    return Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
 
 
 def _check_call_chunk(chunk: ToolCallChunk) -> None:

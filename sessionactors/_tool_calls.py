@@ -11,7 +11,8 @@ from typing import Protocol
 
 import trio
 
-from ._agent import Agent
+from ._agent import MAX_ANSWER_CHARS, Agent, answer_too_long, usage_of
+from ._errors import ModelError
 from ._events import (
     Event,
     HistoryEdited,
@@ -21,11 +22,11 @@ from ._events import (
     make_tool_result,
 )
 from ._history import split_for_keep_last
-from ._model import ModelRequest, TextChunk
-from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
+from ._model import Model, ModelRequest, TextChunk, UsageChunk
+from ._records import Message, ReviewRequest, Role, ToolCall, Usage, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
-from ._tools import Tool, ToolOutcome
+from ._tools import Tool, ToolOutcome, describe_exception
 
 __all__ = [
     "TurnHost",
@@ -349,11 +350,15 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
         ),
     )
     summarizer = compaction.summarizer or agent.model
-    chunks: list[str] = []
-    async for chunk in summarizer.stream(request):
-        if isinstance(chunk, TextChunk):
-            chunks.append(chunk.text)
-    summary = storable("".join(chunks)).strip()  # (as a model's reply: valid unicode)
+    try:
+        summary, usage = await _summarize(actor, summarizer, request)
+    except Exception as exc:  # the summarizer's: this turn fails, and says why
+        raise ModelError(
+            f"session {actor.session_id!r}: compaction failed, so the turn did not run: its "
+            f"summarizer raised {describe_exception(exc)}; fix the summarizer (or raise "
+            "Compaction.max_tokens) and send the message again",
+            session_id=actor.session_id,
+        ) from exc
     if not summary:
         return
     actor.durable(
@@ -363,5 +368,43 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
             reason="compaction",
             removed=tuple(m.id for m in older),
             summary=summary,
+            usage=usage,
         )
     )
+
+
+async def _summarize(
+    actor: TurnHost, summarizer: Model, request: ModelRequest
+) -> tuple[str, Usage | None]:
+    """The summarizer's answer to ``request`` (stripped) and the tokens it reported,
+    traced as one of the turn's model calls; its stream is closed if it is abandoned."""
+    chunks: list[str] = []
+    size = 0
+    usage: Usage | None = None
+    trace = actor.trace
+    call = trace.model_call(summarizer, request) if trace is not None else None
+    stream = summarizer.stream(request)
+    try:
+        async for chunk in stream:
+            if isinstance(chunk, TextChunk):
+                text = chunk.text
+                if text.__class__ is not str:
+                    raise TypeError(f"the summarizer streamed a TextChunk whose text is {text!r}")
+                size += len(text)
+                if size > MAX_ANSWER_CHARS:
+                    raise answer_too_long(actor.session_id)
+                chunks.append(text)
+            elif isinstance(chunk, UsageChunk):
+                counts = usage_of(chunk)
+                usage = counts if usage is None else usage + counts
+    except BaseException as exc:
+        if call is not None:
+            call.end(usage, exc)
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:  # close an abandoned stream (an HTTP response) now
+            with trio.CancelScope(shield=True):
+                await aclose()
+        raise
+    if call is not None:
+        call.end(usage, None)
+    return storable("".join(chunks)).strip(), usage  # (as a model's reply: valid unicode)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -10,7 +9,6 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from history_rules import tool_pairs_intact
 from sessionactors.testing import Scripted, ScriptedModel
 
 
@@ -110,3 +108,73 @@ async def test_an_answer_too_long_to_store_fails_the_turn_not_the_session(
     async with sa.open_registry(agents={"a": agent}, store=store) as registry:
         after = await registry.ref("s").state()
     assert after.messages == before.messages
+
+
+def compacting_agent(summarizer: sa.Model) -> sa.Agent:
+    """An agent that summarizes all but the last two messages once a request is over 30
+    tokens (about two turns of this file's messages)."""
+    model = ScriptedModel([Scripted(text="fine", usage=sa.Usage(input_tokens=10, output_tokens=1))])
+    model.repeat = True
+    return sa.Agent(
+        model=model, compaction=sa.Compaction(max_tokens=30, keep_last=2, summarizer=summarizer)
+    )
+
+
+LONG = "a message long enough to fill the budget of a few turns quickly"
+
+
+async def test_the_summarizers_tokens_count_in_the_sessions_usage(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The tokens a compaction's summarizer reports are added to the session's usage (as
+    the compaction's HistoryEdited says), and stay counted after a restart."""
+    summarizer = ScriptedModel(
+        [Scripted(text="They talked.", usage=sa.Usage(input_tokens=100, output_tokens=3))],
+        repeat=True,
+    )
+    store = sa.MemoryStore()
+    agent = compacting_agent(summarizer)
+    async with sa.open_registry(agents={"a": agent}, store=store) as registry:
+        ref = await registry.spawn("s")
+        async with ref.subscribe() as events:
+            with trio.fail_after(10):
+                for _ in range(3):
+                    await ref.send(LONG)
+            compactions = []
+            with trio.move_on_after(1):
+                async for event in events:
+                    if isinstance(event, sa.HistoryEdited):
+                        compactions.append(event)
+        state = await ref.state()
+    assert len(summarizer.requests) == len(compactions) >= 1
+    summarized = sa.Usage(input_tokens=100 * len(compactions), output_tokens=3 * len(compactions))
+    assert all(e.usage == sa.Usage(input_tokens=100, output_tokens=3) for e in compactions)
+    assert state.usage == sa.Usage(input_tokens=30, output_tokens=3) + summarized
+    async with sa.open_registry(agents={"a": agent}, store=store) as registry:
+        assert (await registry.ref("s").state()).usage == state.usage
+        [info] = await registry.sessions()
+        assert info.usage == state.usage
+
+
+async def test_a_failing_summarizer_fails_the_turn_saying_compaction_failed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A summarizer that fails (here: streams text that is not a str) fails the turn with
+    a ModelError that names the compaction, its cause the summarizer's error; the
+    summarizer's stream is closed at once, and nothing of the history is removed."""
+    summarizer = ChunkModel([sa.TextChunk("They"), sa.TextChunk(b" talked"), sa.TextChunk(".")])  # type: ignore[arg-type]
+    async with sa.open_registry(agents={"a": compacting_agent(summarizer)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send(LONG)
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await ref.send(LONG)
+        error = failed.value.__cause__
+        assert isinstance(error, sa.ModelError)
+        assert "compaction" in str(error)
+        assert "'s'" in str(error)
+        assert isinstance(error.__cause__, TypeError)
+        assert summarizer.closed == 1
+        state = await ref.state()
+    assert state.summary is None
+    assert len(state.messages) == 4
