@@ -189,16 +189,20 @@ async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         # before a non-idempotent call runs, its start is durable
         with trio.CancelScope(shield=True):
             await actor.commit()
-    results: list[tuple[str, bool]] = [("", False)] * len(calls)
+    results: list[tuple[str, bool] | None] = [None] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:
         results[i] = await _invoke(agent, call, actor.trace)
 
-    async with trio.open_nursery() as nursery:
-        for i, call in enumerate(calls):
-            nursery.start_soon(one, i, call)
-    for call, (content, is_error) in zip(calls, results, strict=True):
-        record_result(actor, call, content, is_error)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i, call in enumerate(calls):
+                nursery.start_soon(one, i, call)
+    finally:
+        # (cut short, too: a call that finished keeps its result; run_batch answers the rest)
+        for call, result in zip(calls, results, strict=True):
+            if result is not None:
+                record_result(actor, call, *result)
 
 
 def _request_review(actor: TurnHost, call: ToolCall) -> None:

@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from history_rules import tool_pairs_intact
 from sessionactors.testing import Scripted, ScriptedModel
 
 
@@ -178,3 +179,53 @@ async def test_a_failing_summarizer_fails_the_turn_saying_compaction_failed(
         state = await ref.state()
     assert state.summary is None
     assert len(state.messages) == 4
+
+
+async def test_a_cancelled_step_keeps_the_results_of_its_calls_that_finished(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Cancelling a turn while one of a step's concurrent calls still runs answers that
+    call as cut short, but a call that had finished keeps its real result: the model is
+    told the payment was made, not that it may or may not have been."""
+    paid: list[str] = []
+    hanging = trio.Event()
+
+    async def pay(order_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        paid.append(order_id)
+        return f"paid {order_id}"
+
+    async def ship(order_id: str) -> str:
+        hanging.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    tools = [sa.Tool(name="pay", fn=pay, idempotent=False), sa.Tool(name="ship", fn=ship)]
+    calls = [
+        sa.ToolCall(id="c1", name="pay", arguments='{"order_id": "A1"}'),
+        sa.ToolCall(id="c2", name="ship", arguments='{"order_id": "A1"}'),
+    ]
+    model = ScriptedModel([Scripted(tool_calls=calls), "ok"])
+    store = sa.MemoryStore()
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=tools)}, store=store
+    ) as registry:
+        ref = await registry.spawn("s")
+        turn = await ref.submit("Pay and ship A1")
+        with trio.fail_after(5):
+            await hanging.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert await ref.cancel()
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+        history = await ref.history()
+        await ref.hibernate()
+    assert paid == ["A1"]
+    assert tool_pairs_intact(history)
+    results = {m.tool_call_id: m.content for m in history if m.role is sa.Role.TOOL}
+    assert results["c1"] == "paid A1"
+    assert "cancelled" in results["c2"]
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=tools)}, store=store
+    ) as registry:
+        assert await registry.ref("s").history() == history
