@@ -229,3 +229,29 @@ async def test_a_cancelled_step_keeps_the_results_of_its_calls_that_finished(
         agents={"a": sa.Agent(model=model, tools=tools)}, store=store
     ) as registry:
         assert await registry.ref("s").history() == history
+
+
+@pytest.mark.parametrize("operation", ["add_messages", "replace_history"])
+@pytest.mark.parametrize("ids", [("x1", "x1"), ("", "x2")], ids=["repeated", "empty"])
+async def test_a_message_whose_tool_calls_share_an_id_is_refused(
+    autojump_clock: trio.abc.Clock, operation: str, ids: tuple[str, str]
+) -> None:
+    """Messages put into a history whose assistant message makes two calls with one id
+    (or a call with an empty id) are refused with InvalidHistoryError and nothing is
+    written: one result cannot answer two calls, and the next model request would hold
+    a call without its result."""
+    calls = tuple(sa.ToolCall(id=i, name="lookup", arguments="{}") for i in ids)
+    messages = [
+        sa.Message.create(sa.Role.USER, "Look up A1 and A2"),
+        sa.Message.create(sa.Role.ASSISTANT, "", tool_calls=calls),
+        *(
+            sa.Message.create(sa.Role.TOOL, f"result {i}", tool_call_id=i)
+            for i in dict.fromkeys(ids)
+        ),
+    ]
+    model = ScriptedModel(["fine"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as registry:
+        ref = await registry.spawn("s")
+        with pytest.raises(sa.InvalidHistoryError, match="'s'"):
+            await getattr(ref, operation)(messages)
+        assert await ref.history() == []
