@@ -76,22 +76,59 @@ class Compaction:
 
     max_tokens: int = attrs.field()
     keep_last: int = attrs.field(default=20)
-    summarizer: Model | None = None
-    estimate: Estimator = default_estimate
-    instructions: str = DEFAULT_SUMMARY_INSTRUCTIONS
+    summarizer: Model | None = attrs.field(default=None)
+    estimate: Estimator = attrs.field(default=default_estimate)
+    instructions: str = attrs.field(default=DEFAULT_SUMMARY_INSTRUCTIONS)
 
     @max_tokens.validator
     def _check_max_tokens(self, _: object, value: int) -> None:
+        _check_count("Compaction max_tokens", value)
         if value < 1:
             raise ValueError(f"Compaction max_tokens must be at least 1, not {value}")
 
     @keep_last.validator
     def _check_keep_last(self, _: object, value: int) -> None:
+        _check_count("Compaction keep_last", value)
         # 0 would summarize away the user's new message before the model reads it
         if value < 1:
             raise ValueError(
                 f"Compaction keep_last must be at least 1 (the user's new message), not {value}"
             )
+
+    @summarizer.validator
+    def _check_summarizer(self, _: object, value: Model | None) -> None:
+        if value is not None:
+            _check_model("Compaction summarizer", value)
+
+    @estimate.validator
+    def _check_estimate(self, _: object, value: Estimator) -> None:
+        if not callable(value):
+            raise TypeError(
+                "Compaction estimate must be a function of the messages that returns their "
+                f"token count, not {type(value).__name__} ({value!r:.60})"
+            )
+
+    @instructions.validator
+    def _check_instructions(self, _: object, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"Compaction instructions must be str (what the summarizer is asked), "
+                f"not {type(value).__name__}"
+            )
+
+
+def _check_count(what: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r:.60})")
+
+
+def _check_model(what: str, value: object) -> None:
+    if not callable(getattr(value, "stream", None)):
+        raise TypeError(
+            f"{what} must have a stream(request) method, such as "
+            "sessionactors.models.OpenAIChatModel(base_url=..., model='gpt-4o') or "
+            f"sessionactors.testing.EchoModel(), not {type(value).__name__} ({value!r:.60})"
+        )
 
 
 @attrs.frozen
@@ -102,10 +139,10 @@ class Agent:
     """
 
     model: Model = attrs.field()
-    system_prompt: str = ""
+    system_prompt: str = attrs.field(default="")
     tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
     max_steps: int = attrs.field(default=8)
-    compaction: Compaction | None = None
+    compaction: Compaction | None = attrs.field(default=None)
     # made once from ``tools``: what the model is told, and the tools by name
     _specs: tuple[ToolSpec, ...] = attrs.field(init=False, repr=False, eq=False, hash=False)
     _by_name: dict[str, Any] = attrs.field(init=False, repr=False, eq=False, hash=False)
@@ -116,15 +153,24 @@ class Agent:
 
     @model.validator
     def _check_model(self, _: object, value: Model) -> None:
-        if not callable(getattr(value, "stream", None)):
+        _check_model("Agent model", value)
+
+    @system_prompt.validator
+    def _check_system_prompt(self, _: object, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"Agent system_prompt must be str, not {type(value).__name__}")
+
+    @compaction.validator
+    def _check_compaction(self, _: object, value: Compaction | None) -> None:
+        if value is not None and not isinstance(value, Compaction):
             raise TypeError(
-                "Agent model must have a stream(request) method, such as "
-                "sessionactors.models.OpenAIChatModel(base_url=..., model='gpt-4o') or "
-                f"sessionactors.testing.EchoModel(), not {type(value).__name__} ({value!r:.60})"
+                "Agent compaction must be an sa.Compaction(max_tokens=..., keep_last=...) "
+                f"or None, not {type(value).__name__}"
             )
 
     @max_steps.validator
     def _check_max_steps(self, _: object, value: int) -> None:
+        _check_count("Agent max_steps", value)
         if value < 1:
             raise ValueError(f"max_steps must be at least 1, not {value}")
 

@@ -255,3 +255,24 @@ async def test_a_message_whose_tool_calls_share_an_id_is_refused(
         with pytest.raises(sa.InvalidHistoryError, match="'s'"):
             await getattr(ref, operation)(messages)
         assert await ref.history() == []
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: sa.Agent(model=ScriptedModel(), max_steps=2.5), "max_steps"),
+        (lambda: sa.Agent(model=ScriptedModel(), system_prompt=5), "system_prompt"),
+        (lambda: sa.Agent(model=ScriptedModel(), compaction={"max_tokens": 5}), "compaction"),
+        (lambda: sa.Compaction(max_tokens=50, keep_last=1.5), "keep_last"),
+        (lambda: sa.Compaction(max_tokens="50"), "max_tokens"),
+        (lambda: sa.Compaction(max_tokens=50, summarizer="gpt-4o-mini"), "summarizer"),
+        (lambda: sa.Compaction(max_tokens=50, estimate=4), "estimate"),
+        (lambda: sa.Compaction(max_tokens=50, instructions=None), "instructions"),
+    ],
+)
+def test_an_agent_refuses_settings_its_turns_cannot_use(make: object, words: str) -> None:
+    """Settings of the wrong type are refused when the agent (or its compaction) is made,
+    with a TypeError naming the setting, instead of failing every turn later (or, for a
+    system prompt that is not text, sending the model a broken request)."""
+    with pytest.raises(TypeError, match=words):
+        make()  # type: ignore[operator]
