@@ -276,3 +276,22 @@ def test_an_agent_refuses_settings_its_turns_cannot_use(make: object, words: str
     system prompt that is not text, sending the model a broken request)."""
     with pytest.raises(TypeError, match=words):
         make()  # type: ignore[operator]
+
+
+async def test_a_summary_too_long_to_store_fails_the_turn_not_the_session(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A summarizer that streams more than a turn can store fails the turn (a ModelError
+    naming the compaction) and is stopped at the limit; the session did not crash."""
+    summarizer = ChunkModel([sa.TextChunk(WIDE)] * 20)
+    async with sa.open_registry(agents={"a": compacting_agent(summarizer)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send(LONG)
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await ref.send(LONG)
+        assert isinstance(failed.value.__cause__, sa.ModelError)
+        assert "compaction" in str(failed.value.__cause__)
+        assert summarizer.yielded < 20
+        assert registry.statistics().restarts == 0
+        assert (await ref.state()).summary is None
