@@ -8,6 +8,7 @@ with text or ``max_steps`` is reached. It talks to the session only through a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -211,6 +212,19 @@ class _CallParts:
     name: str | None = None
     arguments: list[str] = attrs.Factory(list)
 
+    def whole(self) -> bool:
+        """Whether the call is complete: named, its arguments none or whole JSON."""
+        if not self.name:
+            return False
+        text = "".join(self.arguments)
+        if not text.strip():
+            return True
+        try:
+            json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+        return True
+
 
 @attrs.define
 class _Step:
@@ -281,9 +295,10 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
-        if p is None or (chunk.id and p.id and chunk.id != p.id):
-            # a new id at an index is a new call: some servers stream every call at
-            # index 0, one id each (merged, its arguments would be two JSON objects)
+        if p is None or (chunk.id and chunk.name and p.id and chunk.id != p.id and p.whole()):
+            # another named call at an index whose call is whole is a new call: some
+            # servers stream every call at index 0, one id each (merged, the arguments
+            # would be two JSON objects); others change the id within one call
             p = parts[chunk.index] = _CallParts()
             step.calls.append((chunk.index, p))
         if chunk.id:

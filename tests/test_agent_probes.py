@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -295,3 +296,31 @@ async def test_a_summary_too_long_to_store_fails_the_turn_not_the_session(
         assert summarizer.yielded < 20
         assert registry.statistics().restarts == 0
         assert (await ref.state()).summary is None
+
+
+@pytest.mark.parametrize("name_on_each", [False, True], ids=["name-first", "name-on-each"])
+async def test_fragments_of_one_call_with_changing_ids_stay_one_call(
+    autojump_clock: trio.abc.Clock, name_on_each: bool
+) -> None:
+    """Servers whose call id changes from one fragment of a call to the next (a new id on
+    each, with or without the name) still stream one call: a different id begins a new
+    call only once the call before it is whole (named, its arguments complete JSON)."""
+    pieces = ['{"order', '_id": ', '"A1"}']
+    model = ChunkModel(
+        [
+            sa.ToolCallChunk(
+                0, id=f"id{i}", name="lookup" if i == 0 or name_on_each else None, arguments=piece
+            )
+            for i, piece in enumerate(pieces)
+        ],
+        [sa.TextChunk("done")],
+    )
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            assert (await ref.send("go")).text == "done"
+        history = await ref.history()
+    [call] = history[1].tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("lookup", {"order_id": "A1"})
+    assert history[2].content == "paid A1"
+    assert tool_pairs_intact(history)
