@@ -357,9 +357,12 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
     try:
         summary, usage = await _summarize(actor, summarizer, request)
     except Exception as exc:  # the summarizer's: this turn fails, and says why
+        said = describe_exception(exc)
+        if len(said) > 500:  # (the advice after it must survive the outcome's bound)
+            said = said[:500] + "..."
         raise ModelError(
             f"session {actor.session_id!r}: compaction failed, so the turn did not run: its "
-            f"summarizer raised {describe_exception(exc)}; fix the summarizer (or raise "
+            f"summarizer raised {said}; fix the summarizer (or raise "
             "Compaction.max_tokens) and send the message again",
             session_id=actor.session_id,
         ) from exc
