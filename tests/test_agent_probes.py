@@ -324,3 +324,26 @@ async def test_fragments_of_one_call_with_changing_ids_stay_one_call(
     assert (call.name, json.loads(call.arguments)) == ("lookup", {"order_id": "A1"})
     assert history[2].content == "paid A1"
     assert tool_pairs_intact(history)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"idempotent": "false"}, "idempotent"),
+        ({"idempotent": None}, "idempotent"),
+        ({"requires_review": "no"}, "requires_review"),
+        ({"description": 5}, "description"),
+    ],
+)
+def test_a_tool_refuses_flags_that_are_not_bools(options: dict[str, object], words: str) -> None:
+    """A tool's idempotent and requires_review must be bools and its description text: a
+    flag read from a config file as the string "false" was taken as true, so a tool
+    meant not to run twice ran again after a crash."""
+
+    async def refund(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(TypeError, match=words):
+        sa.Tool(name="refund", fn=refund, **options)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=words):
+        sa.tool(**options)(refund)  # type: ignore[call-overload]
