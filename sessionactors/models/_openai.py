@@ -62,7 +62,7 @@ def _quote(text: str) -> str:
 
 
 def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
-    if not value.startswith(("http://", "https://")):
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
         raise ValueError(
             f"base_url must start with http:// or https://, got {value!r}; "
             "for example 'http://127.0.0.1:8000/v1'"
@@ -70,8 +70,47 @@ def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) 
 
 
 def _check_finite(instance: object, attribute: "attrs.Attribute[float]", value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be a number, got {type(value).__name__}")
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_model_name(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"model must be the model name the server knows (a non-empty str, such as "
+            f"'gpt-4o-mini'), got {value!r:.60}"
+        )
+
+
+def _check_retries(instance: object, attribute: "attrs.Attribute[int]", value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"max_retries must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"max_retries must be at least 0, got {value}")
+
+
+def _check_optional(kind: type, what: str) -> Any:
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{attribute.name} must be {what} or None, got {type(value).__name__}")
+
+    return check
+
+
+def _check_headers(
+    instance: object, attribute: "attrs.Attribute[Mapping[str, str] | None]", value: object
+) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise TypeError(
+            "headers must be a mapping of header names to str values, such as "
+            f"{{'X-Team': 'support'}}, got {value!r:.60}"
+        )
 
 
 def _json_default(value: object) -> object:
@@ -113,18 +152,28 @@ class OpenAIChatModel:
     """
 
     base_url: str = attrs.field(validator=_check_url)
-    model: str
-    api_key: str | None = attrs.field(default=None, repr=False)
-    max_retries: int = attrs.field(
-        default=3,
-        kw_only=True,
-        validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)],
+    model: str = attrs.field(validator=_check_model_name)
+    api_key: str | None = attrs.field(
+        default=None, repr=False, validator=_check_optional(str, "a str")
     )
+    max_retries: int = attrs.field(default=3, kw_only=True, validator=_check_retries)
     backoff: float = attrs.field(default=0.5, kw_only=True, validator=_check_finite)
     max_backoff: float = attrs.field(default=8.0, kw_only=True, validator=_check_finite)
-    extra_body: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True, repr=False)
-    headers: Mapping[str, str] | None = attrs.field(default=None, kw_only=True, repr=False)
-    client: httpx.AsyncClient | None = attrs.field(default=None, kw_only=True, repr=False)
+    extra_body: Mapping[str, Any] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        repr=False,
+        validator=_check_optional(Mapping, "a mapping of request fields"),
+    )
+    headers: Mapping[str, str] | None = attrs.field(
+        default=None, kw_only=True, repr=False, validator=_check_headers
+    )
+    client: httpx.AsyncClient | None = attrs.field(
+        default=None,
+        kw_only=True,
+        repr=False,
+        validator=_check_optional(httpx.AsyncClient, "an httpx.AsyncClient"),
+    )
     # Loading the CA bundle takes tens of milliseconds of blocking work: it is
     # done once, in a worker thread, and shared by the clients this model owns.
     _ssl_context: ssl.SSLContext | None = attrs.field(default=None, init=False, repr=False)

@@ -621,3 +621,27 @@ async def test_calls_streamed_at_one_index_with_different_ids_are_separate_calls
     # what the server was sent next pairs each call with its own result
     sent = fake.requests[1].body["messages"]
     assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == ["call_a", "call_b"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model": None},
+        {"model": ""},
+        {"base_url": None},
+        {"api_key": 5},
+        {"extra_body": [("temperature", 0.2)]},
+        {"headers": "X-Team: a"},
+        {"headers": {"X-Team": 5}},
+        {"client": "http://127.0.0.1:8000"},
+        {"max_retries": True},
+        {"backoff": "1"},
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_when_made(kwargs: dict[str, Any]) -> None:
+    """Settings of the wrong type (or an empty model name) are refused when the model is
+    made, with an error naming the setting, instead of failing every turn with an error
+    from deep inside the request (or a request the server refuses)."""
+    settings: dict[str, Any] = {"base_url": "http://127.0.0.1:8000/v1", "model": "m", **kwargs}
+    with pytest.raises((TypeError, ValueError), match=next(iter(kwargs))):
+        OpenAIChatModel(**settings)
