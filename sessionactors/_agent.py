@@ -327,6 +327,20 @@ def usage_of(chunk: UsageChunk) -> Usage:
     return Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
 
 
+#: How long an abandoned model stream may take to close (see ``close_stream``).
+STREAM_CLOSE_SECONDS = 10.0
+
+
+async def close_stream(stream: object) -> None:
+    """Close an abandoned model stream (an HTTP response) now, even in a cancelled
+    turn, but for a bounded time: a stream whose close hangs is left to the garbage
+    collector rather than holding its turn (and its session's shutdown) forever."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with trio.move_on_after(STREAM_CLOSE_SECONDS, shield=True):
+            await aclose()
+
+
 def _check_call_chunk(chunk: ToolCallChunk) -> None:
     """A fragment of a tool call holds what a stored call can hold, or fails the turn."""
     index, id_, name = chunk.index, chunk.id, chunk.name
@@ -387,10 +401,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         except BaseException as exc:
             if call is not None:
                 call.end(step.usage if step is not None else None, exc)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:  # close an abandoned stream (an HTTP response) now
-                with trio.CancelScope(shield=True):
-                    await aclose()
+            await close_stream(stream)
             raise
         usage = step.usage if step is not None else None
         if call is not None:

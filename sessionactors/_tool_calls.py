@@ -11,7 +11,7 @@ from typing import Protocol
 
 import trio
 
-from ._agent import MAX_ANSWER_CHARS, Agent, answer_too_long, usage_of
+from ._agent import MAX_ANSWER_CHARS, Agent, answer_too_long, close_stream, usage_of
 from ._errors import ModelError
 from ._events import (
     Event,
@@ -407,10 +407,7 @@ async def _summarize(
     except BaseException as exc:
         if call is not None:
             call.end(usage, exc)
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:  # close an abandoned stream (an HTTP response) now
-            with trio.CancelScope(shield=True):
-                await aclose()
+        await close_stream(stream)
         raise
     if call is not None:
         call.end(usage, None)

@@ -347,3 +347,40 @@ def test_a_tool_refuses_flags_that_are_not_bools(options: dict[str, object], wor
         sa.Tool(name="refund", fn=refund, **options)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=words):
         sa.tool(**options)(refund)  # type: ignore[call-overload]
+
+
+class StuckCleanup:
+    """A model whose stream, once abandoned at a chunk, never finishes closing (a
+    connection whose close hangs); it streams ``first`` then text that is not a str."""
+
+    def __init__(self, first: sa.ModelChunk) -> None:
+        self.first = first
+        self.closing = trio.Event()
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[object]:
+        try:
+            yield self.first
+            yield sa.TextChunk(b"not text")  # type: ignore[arg-type]  # the turn gives up
+        finally:
+            self.closing.set()
+            await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("where", ["model", "summarizer"])
+async def test_a_stream_whose_close_hangs_does_not_hold_the_turn_forever(
+    autojump_clock: trio.abc.Clock, where: str
+) -> None:
+    """A model (or summarizer) stream that hangs while it is closed after the turn gave
+    up on it holds the turn only for a bounded time: the turn fails, the session goes on
+    and the registry closes."""
+    stuck = StuckCleanup(sa.TextChunk("They talked."))
+    agent = sa.Agent(model=stuck) if where == "model" else compacting_agent(stuck)
+    with trio.fail_after(600):
+        async with sa.open_registry(agents={"a": agent}, shutdown_grace=5) as registry:
+            ref = await registry.spawn("s")
+            if where == "summarizer":
+                await ref.send(LONG)
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send(LONG)
+            assert stuck.closing.is_set()
+            assert (await ref.state()).status is sa.Status.IDLE
