@@ -148,20 +148,22 @@ async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         else:
             await _run_many(actor, agent, calls)
     except BaseException:
-        _answer_unanswered(actor)
+        _answer_unanswered(actor, calls)
         raise
 
 
-def _answer_unanswered(actor: TurnHost) -> None:
-    """Give every call of the step without a result one that says it was cut short."""
+def _answer_unanswered(actor: TurnHost, ran: Sequence[ToolCall]) -> None:
+    """Give every call of the step without a result one that says it was cut short
+    (a call of ``ran``, which may have taken effect) or did not run (any other)."""
     for call in _unanswered_calls(actor):
-        record_result(
-            actor,
-            call,
-            "this call was cancelled before its result was recorded; it may or may "
-            "not have taken effect: check before retrying",
-            True,
-        )
+        if call in ran:
+            text = (
+                "this call was cancelled before its result was recorded; it may or may "
+                "not have taken effect: check before retrying"
+            )
+        else:
+            text = "this call did not run: its turn was cancelled before the call started"
+        record_result(actor, call, text, True)
 
 
 async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | None) -> None:
@@ -231,7 +233,7 @@ async def run_tool_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall
         try:
             await _run_one(actor, agent, call, tool)
         except BaseException:  # (as run_batch does)
-            _answer_unanswered(actor)
+            _answer_unanswered(actor, calls)
             raise
         return True
     i = 0

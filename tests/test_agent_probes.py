@@ -384,3 +384,50 @@ async def test_a_stream_whose_close_hangs_does_not_hold_the_turn_forever(
                 await ref.send(LONG)
             assert stuck.closing.is_set()
             assert (await ref.state()).status is sa.Status.IDLE
+
+
+async def test_calls_a_cancelled_turn_never_started_are_told_they_did_not_run(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Cancelling a turn while an approved call runs answers that call as cut short (it
+    may have taken effect), and the calls after it, which never started, as not run:
+    the model is not told that a refund nobody approved may have been made."""
+    started = trio.Event()
+    refunded: list[str] = []
+
+    async def refund(order_id: str) -> str:
+        refunded.append(order_id)
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    tools = [
+        sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False),
+        lookup,
+    ]
+    calls = [
+        sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}'),
+        sa.ToolCall(id="c2", name="lookup", arguments='{"order_id": "A1"}'),
+        sa.ToolCall(id="c3", name="refund", arguments='{"order_id": "A2"}'),
+    ]
+    model = ScriptedModel([Scripted(tool_calls=calls)])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=tools)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            waiting = await ref.send("Refund A1 and A2")
+            async with trio.open_nursery() as nursery:
+
+                async def approve() -> None:
+                    with pytest.raises(sa.TurnCancelledError):
+                        await ref.review(waiting.reviews[0].id, approve=True)
+
+                nursery.start_soon(approve)
+                await started.wait()
+                assert await ref.cancel()
+        history = await ref.history()
+    assert refunded == ["A1"]
+    assert tool_pairs_intact(history)
+    results = {m.tool_call_id: m.content for m in history if m.role is sa.Role.TOOL}
+    assert "may or may not have taken effect" in results["c1"]
+    assert "did not run" in results["c2"]
+    assert "did not run" in results["c3"]
