@@ -3,10 +3,12 @@
 :class:`OpenAIChatModel` streams ``POST {base_url}/chat/completions`` with
 ``stream: true`` and turns the server-sent events into
 :class:`~sessionactors.TextChunk` and :class:`~sessionactors.ToolCallChunk`
-values, exactly as they arrive, and the token counts the server reports at
-the end (it asks for them with ``stream_options.include_usage``) into a
-:class:`~sessionactors.UsageChunk`. It works with OpenAI itself and with the
-servers that copy its API (vLLM, llama.cpp, Ollama, LM Studio, ...).
+values, exactly as they arrive, and the token counts the server reports
+(it asks for them with ``stream_options.include_usage``) into one
+:class:`~sessionactors.UsageChunk` at the end: usage is a running total, so
+a server that sends it with every chunk is counted once, by its last. It
+works with OpenAI itself and with the servers that copy its API (vLLM,
+llama.cpp, Ollama, LM Studio, ...).
 
 Transient failures (HTTP 429 and 5xx, connection errors) are retried with
 exponential backoff, but only until the first chunk has been yielded: after
@@ -231,6 +233,9 @@ class OpenAIChatModel:
                                     if parser.done:
                                         break
                             parser.finish()
+                            if parser.usage is not None:  # the answer's last totals, once
+                                yielded = True
+                                yield parser.usage
                             return
                 except _RETRYABLE_ERRORS as exc:
                     if yielded:
@@ -352,6 +357,9 @@ class _StreamParser:
     session_id: str
     done: bool = False
     finished: bool = False
+    #: the last usage the stream reported: a running total (some servers send it with
+    #: every chunk), given once at the end
+    usage: UsageChunk | None = None
 
     def feed(self, event: str, data: str) -> list[ModelChunk]:
         if not data:
@@ -379,7 +387,7 @@ class _StreamParser:
         chunks: list[ModelChunk] = []
         usage = payload.get("usage")
         if usage is not None:  # (null in every chunk but the last, with include_usage)
-            chunks.append(self._usage_chunk(usage, data))
+            self.usage = self._usage_chunk(usage, data)
         for choice in choices:
             if not isinstance(choice, dict):
                 self._malformed(f"a choice is not a JSON object: {_quote(data)}")

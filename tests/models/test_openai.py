@@ -645,3 +645,27 @@ def test_settings_of_the_wrong_type_are_refused_when_made(kwargs: dict[str, Any]
     settings: dict[str, Any] = {"base_url": "http://127.0.0.1:8000/v1", "model": "m", **kwargs}
     with pytest.raises((TypeError, ValueError), match=next(iter(kwargs))):
         OpenAIChatModel(**settings)
+
+
+async def test_usage_sent_with_every_chunk_is_counted_once(fake: FakeOpenAI) -> None:
+    """A server that sends the usage so far with every chunk (OpenRouter, vLLM's
+    continuous usage stats: running totals) has the answer counted once, with its last
+    totals, not the sum of every running total."""
+    import sessionactors as sa
+
+    pieces = [
+        {**delta(content="Hel"), "usage": {"prompt_tokens": 10, "completion_tokens": 1}},
+        {**delta(content="lo"), "usage": {"prompt_tokens": 10, "completion_tokens": 2}},
+        {**finish(), "usage": {"prompt_tokens": 10, "completion_tokens": 3}},
+    ]
+    fake.push(Reply(pieces=sse(*pieces)))
+    chunks = await collect(make_model(fake))
+    assert chunks == [TextChunk("Hel"), TextChunk("lo"), UsageChunk(10, 3)]
+    fake.push(Reply(pieces=sse(*pieces)))
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": sa.Agent(model=make_model(fake))}) as registry:
+            ref = await registry.spawn("s")
+            reply = await ref.send("hi")
+            state = await ref.state()
+    assert reply.message is not None
+    assert reply.message.usage == state.usage == Usage(input_tokens=10, output_tokens=3)
