@@ -400,12 +400,13 @@ class _StreamParser:
                 continue
             if not isinstance(delta, dict):
                 self._malformed(f"a choice's 'delta' is not a JSON object: {_quote(data)}")
-            content = delta.get("content")
-            if content is not None:
-                if not isinstance(content, str):
-                    self._malformed(f"'delta.content' is not a string: {_quote(data)}")
-                if content:
-                    chunks.append(TextChunk(content))
+            for field in ("content", "refusal"):  # (a refusal is the answer's text too)
+                content = delta.get(field)
+                if content is not None:
+                    if not isinstance(content, str):
+                        self._malformed(f"'delta.{field}' is not a string: {_quote(data)}")
+                    if content:
+                        chunks.append(TextChunk(content))
             tool_calls = delta.get("tool_calls")
             if tool_calls is not None:
                 if not isinstance(tool_calls, list):

@@ -669,3 +669,20 @@ async def test_usage_sent_with_every_chunk_is_counted_once(fake: FakeOpenAI) -> 
             state = await ref.state()
     assert reply.message is not None
     assert reply.message.usage == state.usage == Usage(input_tokens=10, output_tokens=3)
+
+
+async def test_a_refusal_streamed_by_the_server_is_the_answers_text(fake: FakeOpenAI) -> None:
+    """A refusal (OpenAI streams it in delta.refusal, content null) comes out as text, so
+    the turn's reply says why the model refused instead of being empty."""
+    fake.push(
+        Reply(
+            pieces=sse(
+                delta(role="assistant", content=None, refusal=""),
+                delta(content=None, refusal="I can't help "),
+                delta(content=None, refusal="with that."),
+                finish(),
+            )
+        )
+    )
+    chunks = await collect(make_model(fake))
+    assert chunks == [TextChunk("I can't help "), TextChunk("with that.")]
