@@ -8,14 +8,15 @@ with text or ``max_steps`` is reached. It talks to the session only through a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from ._codec import MAX_SEQ
-from ._errors import MaxStepsError
+from ._codec import MAX_SEQ, MAX_TEXT_CHARS
+from ._errors import MaxStepsError, ModelError
 from ._history import Estimator, default_estimate
 from ._model import Model, TextChunk, ToolCallChunk, ToolSpec, UsageChunk, make_request
 from ._records import (
@@ -76,22 +77,59 @@ class Compaction:
 
     max_tokens: int = attrs.field()
     keep_last: int = attrs.field(default=20)
-    summarizer: Model | None = None
-    estimate: Estimator = default_estimate
-    instructions: str = DEFAULT_SUMMARY_INSTRUCTIONS
+    summarizer: Model | None = attrs.field(default=None)
+    estimate: Estimator = attrs.field(default=default_estimate)
+    instructions: str = attrs.field(default=DEFAULT_SUMMARY_INSTRUCTIONS)
 
     @max_tokens.validator
     def _check_max_tokens(self, _: object, value: int) -> None:
+        _check_count("Compaction max_tokens", value)
         if value < 1:
             raise ValueError(f"Compaction max_tokens must be at least 1, not {value}")
 
     @keep_last.validator
     def _check_keep_last(self, _: object, value: int) -> None:
+        _check_count("Compaction keep_last", value)
         # 0 would summarize away the user's new message before the model reads it
         if value < 1:
             raise ValueError(
                 f"Compaction keep_last must be at least 1 (the user's new message), not {value}"
             )
+
+    @summarizer.validator
+    def _check_summarizer(self, _: object, value: Model | None) -> None:
+        if value is not None:
+            _check_model("Compaction summarizer", value)
+
+    @estimate.validator
+    def _check_estimate(self, _: object, value: Estimator) -> None:
+        if not callable(value):
+            raise TypeError(
+                "Compaction estimate must be a function of the messages that returns their "
+                f"token count, not {type(value).__name__} ({value!r:.60})"
+            )
+
+    @instructions.validator
+    def _check_instructions(self, _: object, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"Compaction instructions must be str (what the summarizer is asked), "
+                f"not {type(value).__name__}"
+            )
+
+
+def _check_count(what: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r:.60})")
+
+
+def _check_model(what: str, value: object) -> None:
+    if not callable(getattr(value, "stream", None)):
+        raise TypeError(
+            f"{what} must have a stream(request) method, such as "
+            "sessionactors.models.OpenAIChatModel(base_url=..., model='gpt-4o') or "
+            f"sessionactors.testing.EchoModel(), not {type(value).__name__} ({value!r:.60})"
+        )
 
 
 @attrs.frozen
@@ -102,10 +140,10 @@ class Agent:
     """
 
     model: Model = attrs.field()
-    system_prompt: str = ""
+    system_prompt: str = attrs.field(default="")
     tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
     max_steps: int = attrs.field(default=8)
-    compaction: Compaction | None = None
+    compaction: Compaction | None = attrs.field(default=None)
     # made once from ``tools``: what the model is told, and the tools by name
     _specs: tuple[ToolSpec, ...] = attrs.field(init=False, repr=False, eq=False, hash=False)
     _by_name: dict[str, Any] = attrs.field(init=False, repr=False, eq=False, hash=False)
@@ -116,15 +154,24 @@ class Agent:
 
     @model.validator
     def _check_model(self, _: object, value: Model) -> None:
-        if not callable(getattr(value, "stream", None)):
+        _check_model("Agent model", value)
+
+    @system_prompt.validator
+    def _check_system_prompt(self, _: object, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"Agent system_prompt must be str, not {type(value).__name__}")
+
+    @compaction.validator
+    def _check_compaction(self, _: object, value: Compaction | None) -> None:
+        if value is not None and not isinstance(value, Compaction):
             raise TypeError(
-                "Agent model must have a stream(request) method, such as "
-                "sessionactors.models.OpenAIChatModel(base_url=..., model='gpt-4o') or "
-                f"sessionactors.testing.EchoModel(), not {type(value).__name__} ({value!r:.60})"
+                "Agent compaction must be an sa.Compaction(max_tokens=..., keep_last=...) "
+                f"or None, not {type(value).__name__}"
             )
 
     @max_steps.validator
     def _check_max_steps(self, _: object, value: int) -> None:
+        _check_count("Agent max_steps", value)
         if value < 1:
             raise ValueError(f"max_steps must be at least 1, not {value}")
 
@@ -165,23 +212,41 @@ class _CallParts:
     name: str | None = None
     arguments: list[str] = attrs.Factory(list)
 
+    def whole(self) -> bool:
+        """Whether the call is complete: named, its arguments none or whole JSON."""
+        if not self.name:
+            return False
+        text = "".join(self.arguments)
+        if not text.strip():
+            return True
+        try:
+            json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+        return True
+
 
 @attrs.define
 class _Step:
-    """What one model call has streamed besides text: tool-call fragments, usage."""
+    """What one model call has streamed besides text: tool-call fragments, usage.
+
+    ``parts`` holds each index's call being streamed; ``calls`` every call, with its
+    index, in the order they began (an index can have several: see ``_take_chunk``).
+    """
 
     parts: dict[int, _CallParts] = attrs.Factory(dict)
+    calls: list[tuple[int, _CallParts]] = attrs.Factory(list)
     usage: Usage | None = None
 
 
-def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
-    """Turn fragments (grouped by index) into tool calls, in index order."""
-    if not parts:
+def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
+    """Turn fragments (grouped by call) into tool calls, in index order (calls of one
+    index in the order they began)."""
+    if not calls:
         return ()
-    calls = []
+    made = []
     seen: set[str] = set()
-    for index in sorted(parts):
-        p = parts[index]
+    for index, p in sorted(calls, key=lambda item: item[0]):
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         call_id = storable(p.id) if p.id else ""
@@ -191,17 +256,33 @@ def assemble_calls(parts: dict[int, _CallParts]) -> tuple[ToolCall, ...]:
             # taken for the other's and the call left without one
             call_id = new_id("call")
         seen.add(call_id)
-        calls.append(
+        made.append(
             make_tool_call(
                 id=call_id,
                 name=storable(p.name),
                 arguments=storable("".join(p.arguments)) or "{}",
             )
         )
-    return tuple(calls)
+    return tuple(made)
 
 
-def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
+#: The most characters one model answer (its text and tool calls) may stream: what a
+#: turn can store (as much as a message the user sends). A longer one fails its turn.
+MAX_ANSWER_CHARS = MAX_TEXT_CHARS
+
+
+def answer_too_long(session_id: str) -> ModelError:
+    """The error of a model answer over :data:`MAX_ANSWER_CHARS`."""
+    return ModelError(
+        f"session {session_id!r}: the model's answer went over {MAX_ANSWER_CHARS:,} "
+        "characters (its text and tool calls), more than a turn can store, so it was "
+        "stopped; ask for a shorter answer (or check that the model is not repeating itself)",
+        session_id=session_id,
+    )
+
+
+def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
+    """Take one chunk into the step; how many characters it added to the answer."""
     if isinstance(chunk, TextChunk):
         text = chunk.text
         if text.__class__ is not str:
@@ -209,32 +290,55 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> None:
         if text:
             ctx.partial.append(text)
             ctx.delta(storable(text))
-    elif isinstance(chunk, ToolCallChunk):
+        return len(text)
+    if isinstance(chunk, ToolCallChunk):
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
-        if p is None:
+        if p is None or (chunk.id and chunk.name and p.id and chunk.id != p.id and p.whole()):
+            # another named call at an index whose call is whole is a new call: some
+            # servers stream every call at index 0, one id each (merged, the arguments
+            # would be two JSON objects); others change the id within one call
             p = parts[chunk.index] = _CallParts()
+            step.calls.append((chunk.index, p))
         if chunk.id:
             p.id = chunk.id
         if chunk.name:
             p.name = chunk.name
         if chunk.arguments:
             p.arguments.append(chunk.arguments)
-    elif isinstance(chunk, UsageChunk):
-        for field in ("input_tokens", "output_tokens"):
-            value = getattr(chunk, field)
-            if value.__class__ is not int or not 0 <= value <= MAX_SEQ:
-                raise TypeError(
-                    f"the model streamed a UsageChunk whose {field} is {value!r}, "
-                    "not a count (an int from 0)"
-                )
-        usage = Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
+        return len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
+    if isinstance(chunk, UsageChunk):
+        usage = usage_of(chunk)
         step.usage = usage if step.usage is None else step.usage + usage
-    else:
-        raise TypeError(
-            f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk"
-        )
+        return 0
+    raise TypeError(f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk")
+
+
+def usage_of(chunk: UsageChunk) -> Usage:
+    """The counts of a UsageChunk, or TypeError if they are not counts."""
+    for field in ("input_tokens", "output_tokens"):
+        value = getattr(chunk, field)
+        if value.__class__ is not int or not 0 <= value <= MAX_SEQ:
+            raise TypeError(
+                f"the model streamed a UsageChunk whose {field} is {value!r}, "
+                "not a count (an int from 0)"
+            )
+    return Usage(input_tokens=chunk.input_tokens, output_tokens=chunk.output_tokens)
+
+
+#: How long an abandoned model stream may take to close (see ``close_stream``).
+STREAM_CLOSE_SECONDS = 10.0
+
+
+async def close_stream(stream: object) -> None:
+    """Close an abandoned model stream (an HTTP response) now, even in a cancelled
+    turn, but for a bounded time: a stream whose close hangs is left to the garbage
+    collector rather than holding its turn (and its session's shutdown) forever."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with trio.move_on_after(STREAM_CLOSE_SECONDS, shield=True):
+            await aclose()
 
 
 def _check_call_chunk(chunk: ToolCallChunk) -> None:
@@ -266,6 +370,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
             session_id=ctx.session_id, messages=ctx.request_messages(agent), tools=specs
         )
         step: _Step | None = None  # made by the first chunk that is not text
+        size = 0  # characters of text and tool calls streamed (see MAX_ANSWER_CHARS)
         partial = ctx.partial
         partial.clear()
         call = first = trace.model_call(model, request) if trace is not None else None
@@ -282,26 +387,28 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                             f"the model streamed a TextChunk whose text is {text!r}, not a str"
                         )
                     if text:
+                        size += len(text)
+                        if size > MAX_ANSWER_CHARS:
+                            raise answer_too_long(ctx.session_id)
                         partial.append(text)
                         ctx.delta(storable(text))
                 else:
                     if step is None:
                         step = _Step()
-                    _take_chunk(chunk, ctx, step)
+                    size += _take_chunk(chunk, ctx, step)
+                    if size > MAX_ANSWER_CHARS:
+                        raise answer_too_long(ctx.session_id)
         except BaseException as exc:
             if call is not None:
                 call.end(step.usage if step is not None else None, exc)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:  # close an abandoned stream (an HTTP response) now
-                with trio.CancelScope(shield=True):
-                    await aclose()
+            await close_stream(stream)
             raise
         usage = step.usage if step is not None else None
         if call is not None:
             call.end(usage, None)
         text = storable("".join(partial))
         partial.clear()
-        if step is None or not step.parts:  # the reply: it joins with the outcome
+        if step is None or not step.calls:  # the reply: it joins with the outcome
             return make_message(
                 id=new_id("msg"),
                 role=Role.ASSISTANT,
@@ -309,7 +416,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 created_at=utcnow(),
                 usage=usage,
             )
-        calls = assemble_calls(step.parts)
+        calls = assemble_calls(step.calls)
         ctx.add_message(
             make_message(
                 id=new_id("msg"),

@@ -28,6 +28,7 @@ from ._codec_format import (
 )
 from ._events import (
     Event,
+    HistoryEdited,
 )
 from ._records import NO_METADATA, Message, SessionInfo, SessionState, ToolCall
 
@@ -342,7 +343,7 @@ def _register_tuple_unstructure(conv: cattrs.Converter, item: type[Any]) -> None
 
 
 #: The records written without their ``usage`` while it is the default.
-USAGE_OMITTED: Final = frozenset({Message, SessionState, SessionInfo})
+USAGE_OMITTED: Final = frozenset({Message, SessionState, SessionInfo, HistoryEdited})
 
 
 def _register_usage_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:
@@ -414,6 +415,7 @@ def _make_converter() -> cattrs.Converter:
     _register_tuple_unstructure(conv, Message)
     _register_usage_omitted(conv, SessionState)
     _register_usage_omitted(conv, SessionInfo)
+    _register_usage_omitted(conv, HistoryEdited)
 
     configure_tagged_union(EVENT_UNION, conv, tag_generator=TAG_OF.__getitem__, tag_name=TAG_KEY)
     _build_hooks(conv)

@@ -12,7 +12,16 @@ from typing import Any, Final
 
 import attrs
 
-from ._records import Message, ReviewRequest, Role, Status, ToolCall, make_message, maker
+from ._records import (
+    Message,
+    ReviewRequest,
+    Role,
+    Status,
+    ToolCall,
+    Usage,
+    make_message,
+    maker,
+)
 
 __all__ = [
     "Delta",
@@ -202,12 +211,14 @@ class HistoryEdited(Event):
     ``"truncate"``, ``"rewind"``, ``"set_summary"``, ``"compaction"``, ``"retry"``, or
     ``"replace_history"`` (every message goes; a ``MessageAdded`` per new one follows).
 
-    ``summary`` is ``None`` when the summary did not change.
+    ``summary`` is ``None`` when the summary did not change. ``usage``: for a
+    compaction, the tokens its summarizer reported (added to the session's usage).
     """
 
     reason: str
     removed: tuple[str, ...] = ()
     summary: str | None = None
+    usage: Usage | None = None
 
 
 @attrs.frozen(kw_only=True)

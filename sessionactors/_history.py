@@ -63,8 +63,9 @@ def tool_pairs_intact(messages: Sequence[Message]) -> bool:
 
 def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False) -> str | None:
     """What separates a tool call from its results in ``messages``, in words (None if
-    nothing): each assistant message with tool calls must be followed at once by one
-    tool message per call, and a tool message must answer a call just made.
+    nothing): each assistant message with tool calls (each with an id of its own) must
+    be followed at once by one tool message per call, and a tool message must answer a
+    call just made.
 
     ``calls_may_wait``: a call may also be left without a result (a stored session's
     call that waits for its review, or was cut short), but a result still only
@@ -86,6 +87,12 @@ def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False)
                 f"messages[{index}]; give each call's tool message right after it"
             )
         open_calls = {c.id: m.id for c in m.tool_calls} if m.role is Role.ASSISTANT else {}
+        if open_calls and (len(open_calls) < len(m.tool_calls) or "" in open_calls):
+            # one result cannot answer two calls: the other would be left without one
+            return (
+                f"messages[{index}] makes several tool calls with one id (or one with an "
+                "empty id); give each call an id of its own"
+            )
     if open_calls and not calls_may_wait:
         call_id, by = next(iter(open_calls.items()))
         return (

@@ -65,7 +65,11 @@ class ToolCallChunk:
     """A fragment of one tool call; fragments of one call share ``index``.
 
     The first fragment of a call usually carries ``id`` and ``name``; the
-    ``arguments`` of all fragments, joined, are the call's JSON arguments.
+    ``arguments`` of all fragments, joined, are the call's JSON arguments. A
+    fragment with a ``name`` and an ``id`` other than the one its index has
+    begins a new call once the call at that index is whole (named, its
+    arguments complete JSON): some servers stream every call at index 0, each
+    with its own id.
     """
 
     index: int

@@ -373,7 +373,7 @@ class SessionState:
     """Everything durable about one session; what a snapshot holds.
 
     ``usage`` sums the tokens that the models reported for the session's
-    assistant messages, over its whole life.
+    assistant messages and compactions, over its whole life.
     """
 
     schema_version: int = SCHEMA_VERSION

@@ -333,6 +333,8 @@ class LiveSession:
                 self.messages = [m for m in self.messages if m.id not in gone]
             if event.summary is not None:
                 self.summary = event.summary or None
+            if event.usage is not None:  # (a compaction's summarizer)
+                self.usage += event.usage
             self.updated_at = now or utcnow()
         elif isinstance(event, MetadataChanged):
             # its own: the event is published

@@ -11,7 +11,8 @@ from typing import Protocol
 
 import trio
 
-from ._agent import Agent
+from ._agent import MAX_ANSWER_CHARS, Agent, answer_too_long, close_stream, usage_of
+from ._errors import ModelError
 from ._events import (
     Event,
     HistoryEdited,
@@ -21,11 +22,11 @@ from ._events import (
     make_tool_result,
 )
 from ._history import split_for_keep_last
-from ._model import ModelRequest, TextChunk
-from ._records import Message, ReviewRequest, Role, ToolCall, new_id, storable, utcnow
+from ._model import Model, ModelRequest, TextChunk, UsageChunk
+from ._records import Message, ReviewRequest, Role, ToolCall, Usage, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
-from ._tools import Tool, ToolOutcome
+from ._tools import Tool, ToolOutcome, describe_exception
 
 __all__ = [
     "TurnHost",
@@ -147,20 +148,22 @@ async def run_batch(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         else:
             await _run_many(actor, agent, calls)
     except BaseException:
-        _answer_unanswered(actor)
+        _answer_unanswered(actor, calls)
         raise
 
 
-def _answer_unanswered(actor: TurnHost) -> None:
-    """Give every call of the step without a result one that says it was cut short."""
+def _answer_unanswered(actor: TurnHost, ran: Sequence[ToolCall]) -> None:
+    """Give every call of the step without a result one that says it was cut short
+    (a call of ``ran``, which may have taken effect) or did not run (any other)."""
     for call in _unanswered_calls(actor):
-        record_result(
-            actor,
-            call,
-            "this call was cancelled before its result was recorded; it may or may "
-            "not have taken effect: check before retrying",
-            True,
-        )
+        if call in ran:
+            text = (
+                "this call was cancelled before its result was recorded; it may or may "
+                "not have taken effect: check before retrying"
+            )
+        else:
+            text = "this call did not run: its turn was cancelled before the call started"
+        record_result(actor, call, text, True)
 
 
 async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | None) -> None:
@@ -188,16 +191,20 @@ async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
         # before a non-idempotent call runs, its start is durable
         with trio.CancelScope(shield=True):
             await actor.commit()
-    results: list[tuple[str, bool]] = [("", False)] * len(calls)
+    results: list[tuple[str, bool] | None] = [None] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:
         results[i] = await _invoke(agent, call, actor.trace)
 
-    async with trio.open_nursery() as nursery:
-        for i, call in enumerate(calls):
-            nursery.start_soon(one, i, call)
-    for call, (content, is_error) in zip(calls, results, strict=True):
-        record_result(actor, call, content, is_error)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i, call in enumerate(calls):
+                nursery.start_soon(one, i, call)
+    finally:
+        # (cut short, too: a call that finished keeps its result; run_batch answers the rest)
+        for call, result in zip(calls, results, strict=True):
+            if result is not None:
+                record_result(actor, call, *result)
 
 
 def _request_review(actor: TurnHost, call: ToolCall) -> None:
@@ -226,7 +233,7 @@ async def run_tool_calls(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall
         try:
             await _run_one(actor, agent, call, tool)
         except BaseException:  # (as run_batch does)
-            _answer_unanswered(actor)
+            _answer_unanswered(actor, calls)
             raise
         return True
     i = 0
@@ -349,11 +356,18 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
         ),
     )
     summarizer = compaction.summarizer or agent.model
-    chunks: list[str] = []
-    async for chunk in summarizer.stream(request):
-        if isinstance(chunk, TextChunk):
-            chunks.append(chunk.text)
-    summary = storable("".join(chunks)).strip()  # (as a model's reply: valid unicode)
+    try:
+        summary, usage = await _summarize(actor, summarizer, request)
+    except Exception as exc:  # the summarizer's: this turn fails, and says why
+        said = describe_exception(exc)
+        if len(said) > 500:  # (the advice after it must survive the outcome's bound)
+            said = said[:500] + "..."
+        raise ModelError(
+            f"session {actor.session_id!r}: compaction failed, so the turn did not run: its "
+            f"summarizer raised {said}; fix the summarizer (or raise "
+            "Compaction.max_tokens) and send the message again",
+            session_id=actor.session_id,
+        ) from exc
     if not summary:
         return
     actor.durable(
@@ -363,5 +377,40 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
             reason="compaction",
             removed=tuple(m.id for m in older),
             summary=summary,
+            usage=usage,
         )
     )
+
+
+async def _summarize(
+    actor: TurnHost, summarizer: Model, request: ModelRequest
+) -> tuple[str, Usage | None]:
+    """The summarizer's answer to ``request`` (stripped) and the tokens it reported,
+    traced as one of the turn's model calls; its stream is closed if it is abandoned."""
+    chunks: list[str] = []
+    size = 0
+    usage: Usage | None = None
+    trace = actor.trace
+    call = trace.model_call(summarizer, request) if trace is not None else None
+    stream = summarizer.stream(request)
+    try:
+        async for chunk in stream:
+            if isinstance(chunk, TextChunk):
+                text = chunk.text
+                if text.__class__ is not str:
+                    raise TypeError(f"the summarizer streamed a TextChunk whose text is {text!r}")
+                size += len(text)
+                if size > MAX_ANSWER_CHARS:
+                    raise answer_too_long(actor.session_id)
+                chunks.append(text)
+            elif isinstance(chunk, UsageChunk):
+                counts = usage_of(chunk)
+                usage = counts if usage is None else usage + counts
+    except BaseException as exc:
+        if call is not None:
+            call.end(usage, exc)
+        await close_stream(stream)
+        raise
+    if call is not None:
+        call.end(usage, None)
+    return storable("".join(chunks)).strip(), usage  # (as a model's reply: valid unicode)

@@ -68,6 +68,22 @@ def _check_name(_instance: object, _attribute: object, name: Any) -> None:
         )
 
 
+def _check_flag(instance: Any, attribute: Any, value: Any) -> None:
+    # (a flag read from a config file as "false" is true to Python)
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"tool {instance.name!r}: {attribute.name} must be True or False, "
+            f"not {type(value).__name__} ({value!r:.60})"
+        )
+
+
+def _check_description(instance: Any, _attribute: object, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"tool {instance.name!r}: description must be str, not {type(value).__name__}"
+        )
+
+
 def _check_fn(_instance: object, _attribute: object, fn: Any) -> None:
     if not callable(fn):
         raise TypeError(f"tool fn must be callable, got {fn!r}")
@@ -99,10 +115,10 @@ class Tool:
 
     name: str = attrs.field(validator=_check_name)
     fn: Callable[..., Any] = attrs.field(validator=_check_fn)
-    description: str = ""
+    description: str = attrs.field(default="", validator=_check_description)
     parameters: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
-    requires_review: bool = False
-    idempotent: bool = True
+    requires_review: bool = attrs.field(default=False, validator=_check_flag)
+    idempotent: bool = attrs.field(default=True, validator=_check_flag)
     _spec: ToolSpec = attrs.field(init=False, repr=False, eq=False, hash=False)
     _converters: Mapping[str, _Convert] = attrs.field(init=False, repr=False, eq=False, hash=False)
 

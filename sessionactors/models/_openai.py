@@ -3,10 +3,12 @@
 :class:`OpenAIChatModel` streams ``POST {base_url}/chat/completions`` with
 ``stream: true`` and turns the server-sent events into
 :class:`~sessionactors.TextChunk` and :class:`~sessionactors.ToolCallChunk`
-values, exactly as they arrive, and the token counts the server reports at
-the end (it asks for them with ``stream_options.include_usage``) into a
-:class:`~sessionactors.UsageChunk`. It works with OpenAI itself and with the
-servers that copy its API (vLLM, llama.cpp, Ollama, LM Studio, ...).
+values, exactly as they arrive, and the token counts the server reports
+(it asks for them with ``stream_options.include_usage``) into one
+:class:`~sessionactors.UsageChunk` at the end: usage is a running total, so
+a server that sends it with every chunk is counted once, by its last. It
+works with OpenAI itself and with the servers that copy its API (vLLM,
+llama.cpp, Ollama, LM Studio, ...).
 
 Transient failures (HTTP 429 and 5xx, connection errors) are retried with
 exponential backoff, but only until the first chunk has been yielded: after
@@ -62,7 +64,7 @@ def _quote(text: str) -> str:
 
 
 def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
-    if not value.startswith(("http://", "https://")):
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
         raise ValueError(
             f"base_url must start with http:// or https://, got {value!r}; "
             "for example 'http://127.0.0.1:8000/v1'"
@@ -70,8 +72,47 @@ def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) 
 
 
 def _check_finite(instance: object, attribute: "attrs.Attribute[float]", value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be a number, got {type(value).__name__}")
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_model_name(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"model must be the model name the server knows (a non-empty str, such as "
+            f"'gpt-4o-mini'), got {value!r:.60}"
+        )
+
+
+def _check_retries(instance: object, attribute: "attrs.Attribute[int]", value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"max_retries must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"max_retries must be at least 0, got {value}")
+
+
+def _check_optional(kind: type, what: str) -> Any:
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{attribute.name} must be {what} or None, got {type(value).__name__}")
+
+    return check
+
+
+def _check_headers(
+    instance: object, attribute: "attrs.Attribute[Mapping[str, str] | None]", value: object
+) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise TypeError(
+            "headers must be a mapping of header names to str values, such as "
+            f"{{'X-Team': 'support'}}, got {value!r:.60}"
+        )
 
 
 def _json_default(value: object) -> object:
@@ -113,18 +154,28 @@ class OpenAIChatModel:
     """
 
     base_url: str = attrs.field(validator=_check_url)
-    model: str
-    api_key: str | None = attrs.field(default=None, repr=False)
-    max_retries: int = attrs.field(
-        default=3,
-        kw_only=True,
-        validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)],
+    model: str = attrs.field(validator=_check_model_name)
+    api_key: str | None = attrs.field(
+        default=None, repr=False, validator=_check_optional(str, "a str")
     )
+    max_retries: int = attrs.field(default=3, kw_only=True, validator=_check_retries)
     backoff: float = attrs.field(default=0.5, kw_only=True, validator=_check_finite)
     max_backoff: float = attrs.field(default=8.0, kw_only=True, validator=_check_finite)
-    extra_body: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True, repr=False)
-    headers: Mapping[str, str] | None = attrs.field(default=None, kw_only=True, repr=False)
-    client: httpx.AsyncClient | None = attrs.field(default=None, kw_only=True, repr=False)
+    extra_body: Mapping[str, Any] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        repr=False,
+        validator=_check_optional(Mapping, "a mapping of request fields"),
+    )
+    headers: Mapping[str, str] | None = attrs.field(
+        default=None, kw_only=True, repr=False, validator=_check_headers
+    )
+    client: httpx.AsyncClient | None = attrs.field(
+        default=None,
+        kw_only=True,
+        repr=False,
+        validator=_check_optional(httpx.AsyncClient, "an httpx.AsyncClient"),
+    )
     # Loading the CA bundle takes tens of milliseconds of blocking work: it is
     # done once, in a worker thread, and shared by the clients this model owns.
     _ssl_context: ssl.SSLContext | None = attrs.field(default=None, init=False, repr=False)
@@ -182,6 +233,9 @@ class OpenAIChatModel:
                                     if parser.done:
                                         break
                             parser.finish()
+                            if parser.usage is not None:  # the answer's last totals, once
+                                yielded = True
+                                yield parser.usage
                             return
                 except _RETRYABLE_ERRORS as exc:
                     if yielded:
@@ -303,6 +357,9 @@ class _StreamParser:
     session_id: str
     done: bool = False
     finished: bool = False
+    #: the last usage the stream reported: a running total (some servers send it with
+    #: every chunk), given once at the end
+    usage: UsageChunk | None = None
 
     def feed(self, event: str, data: str) -> list[ModelChunk]:
         if not data:
@@ -330,7 +387,7 @@ class _StreamParser:
         chunks: list[ModelChunk] = []
         usage = payload.get("usage")
         if usage is not None:  # (null in every chunk but the last, with include_usage)
-            chunks.append(self._usage_chunk(usage, data))
+            self.usage = self._usage_chunk(usage, data)
         for choice in choices:
             if not isinstance(choice, dict):
                 self._malformed(f"a choice is not a JSON object: {_quote(data)}")
@@ -343,12 +400,13 @@ class _StreamParser:
                 continue
             if not isinstance(delta, dict):
                 self._malformed(f"a choice's 'delta' is not a JSON object: {_quote(data)}")
-            content = delta.get("content")
-            if content is not None:
-                if not isinstance(content, str):
-                    self._malformed(f"'delta.content' is not a string: {_quote(data)}")
-                if content:
-                    chunks.append(TextChunk(content))
+            for field in ("content", "refusal"):  # (a refusal is the answer's text too)
+                content = delta.get(field)
+                if content is not None:
+                    if not isinstance(content, str):
+                        self._malformed(f"'delta.{field}' is not a string: {_quote(data)}")
+                    if content:
+                        chunks.append(TextChunk(content))
             tool_calls = delta.get("tool_calls")
             if tool_calls is not None:
                 if not isinstance(tool_calls, list):

@@ -573,3 +573,116 @@ async def test_a_retry_after_that_is_no_time_leaves_the_backoff(fake: FakeOpenAI
     fake.push(error_reply(429, "slow down", headers=(("retry-after", "soon"),)), text_reply("ok"))
     assert await collect(make_model(fake)) == [TextChunk("ok")]
     assert len(fake.requests) == 2
+
+
+async def test_calls_streamed_at_one_index_with_different_ids_are_separate_calls(
+    fake: FakeOpenAI,
+) -> None:
+    """Servers that stream every tool call at index 0 (a new id per call) get one call per
+    id through a turn: each runs with its own arguments, instead of one merged call whose
+    arguments are two JSON objects run together."""
+    import sessionactors as sa
+
+    looked_up: list[str] = []
+
+    @sa.tool
+    async def lookup(order_id: str) -> str:
+        """Look an order up."""
+        looked_up.append(order_id)
+        return f"paid {order_id}"
+
+    fragments = [
+        tool_fragment(0, id="call_a", name="lookup"),
+        tool_fragment(0, arguments='{"order_id": "A1"}'),
+        tool_fragment(0, id="call_b", name="lookup"),
+        tool_fragment(0, arguments='{"order_id": "A2"}'),
+    ]
+    fake.push(
+        Reply(pieces=sse(*(delta(tool_calls=[f]) for f in fragments), finish("tool_calls"))),
+        text_reply("Both paid."),
+    )
+    agent = sa.Agent(model=make_model(fake), tools=[lookup])
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": agent}) as registry:
+            ref = await registry.spawn("s")
+            reply = await ref.send("Check A1 and A2")
+            history = await ref.history()
+    assert reply.text == "Both paid."
+    assert sorted(looked_up) == ["A1", "A2"]
+    calls = history[1].tool_calls
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+        ("call_a", "lookup", {"order_id": "A1"}),
+        ("call_b", "lookup", {"order_id": "A2"}),
+    ]
+    assert [(m.tool_call_id, m.content) for m in history[2:4]] == [
+        ("call_a", "paid A1"),
+        ("call_b", "paid A2"),
+    ]
+    # what the server was sent next pairs each call with its own result
+    sent = fake.requests[1].body["messages"]
+    assert [m.get("tool_call_id") for m in sent if m["role"] == "tool"] == ["call_a", "call_b"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model": None},
+        {"model": ""},
+        {"base_url": None},
+        {"api_key": 5},
+        {"extra_body": [("temperature", 0.2)]},
+        {"headers": "X-Team: a"},
+        {"headers": {"X-Team": 5}},
+        {"client": "http://127.0.0.1:8000"},
+        {"max_retries": True},
+        {"backoff": "1"},
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_when_made(kwargs: dict[str, Any]) -> None:
+    """Settings of the wrong type (or an empty model name) are refused when the model is
+    made, with an error naming the setting, instead of failing every turn with an error
+    from deep inside the request (or a request the server refuses)."""
+    settings: dict[str, Any] = {"base_url": "http://127.0.0.1:8000/v1", "model": "m", **kwargs}
+    with pytest.raises((TypeError, ValueError), match=next(iter(kwargs))):
+        OpenAIChatModel(**settings)
+
+
+async def test_usage_sent_with_every_chunk_is_counted_once(fake: FakeOpenAI) -> None:
+    """A server that sends the usage so far with every chunk (OpenRouter, vLLM's
+    continuous usage stats: running totals) has the answer counted once, with its last
+    totals, not the sum of every running total."""
+    import sessionactors as sa
+
+    pieces = [
+        {**delta(content="Hel"), "usage": {"prompt_tokens": 10, "completion_tokens": 1}},
+        {**delta(content="lo"), "usage": {"prompt_tokens": 10, "completion_tokens": 2}},
+        {**finish(), "usage": {"prompt_tokens": 10, "completion_tokens": 3}},
+    ]
+    fake.push(Reply(pieces=sse(*pieces)))
+    chunks = await collect(make_model(fake))
+    assert chunks == [TextChunk("Hel"), TextChunk("lo"), UsageChunk(10, 3)]
+    fake.push(Reply(pieces=sse(*pieces)))
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": sa.Agent(model=make_model(fake))}) as registry:
+            ref = await registry.spawn("s")
+            reply = await ref.send("hi")
+            state = await ref.state()
+    assert reply.message is not None
+    assert reply.message.usage == state.usage == Usage(input_tokens=10, output_tokens=3)
+
+
+async def test_a_refusal_streamed_by_the_server_is_the_answers_text(fake: FakeOpenAI) -> None:
+    """A refusal (OpenAI streams it in delta.refusal, content null) comes out as text, so
+    the turn's reply says why the model refused instead of being empty."""
+    fake.push(
+        Reply(
+            pieces=sse(
+                delta(role="assistant", content=None, refusal=""),
+                delta(content=None, refusal="I can't help "),
+                delta(content=None, refusal="with that."),
+                finish(),
+            )
+        )
+    )
+    chunks = await collect(make_model(fake))
+    assert chunks == [TextChunk("I can't help "), TextChunk("with that.")]
