@@ -90,6 +90,7 @@ from ._session import MAX_ERROR_CHARS, LiveSession
 from ._telemetry import Telemetry, TurnTrace
 from ._tool_calls import (
     deny_for_stop,
+    kept_on_retry,
     maybe_compact,
     record_result,
     resume_tool_calls,
@@ -1137,7 +1138,8 @@ class Actor:
             if after[i].interrupted and after[i].role is Role.ASSISTANT:
                 end = i + 1
                 break
-        removed = tuple(m.id for m in after[:end])
+        kept = kept_on_retry(agent, after[:end])
+        removed = tuple(m.id for m in after[:end] if m.id not in kept)
         if removed:
             self.durable(
                 HistoryEdited(session_id=sid, seq=self.next_seq(), reason="retry", removed=removed)

@@ -236,6 +236,8 @@ class SessionRef(metaclass=NoPublicConstructor):
         an interrupted partial reply, its tool calls and results) is removed, and a
         new turn (a new turn id; its ``TurnStarted`` names the old one in
         ``retry_of``) answers the same user message: the history holds it once.
+        The calls of tools that must not run twice (``idempotent=False``) stay, with
+        their results, so that the new turn's model sees that they ran.
         Queued behind the requests before it, like a turn. Raises
         NothingToRetryError if the last turn did not fail and was not cancelled,
         or if a user message has joined the history after it.

@@ -31,6 +31,7 @@ from ._tools import Tool, ToolOutcome, describe_exception
 __all__ = [
     "TurnHost",
     "deny_for_stop",
+    "kept_on_retry",
     "maybe_compact",
     "record_result",
     "resume_tool_calls",
@@ -272,6 +273,21 @@ def deny_for_stop(actor: TurnHost) -> None:
             "the session was stopped before this call was reviewed; it did not run",
             True,
         )
+
+
+def kept_on_retry(agent: Agent, left: Sequence[Message]) -> set[str]:
+    """Of what a failed or cancelled turn ``left``, the ids of the messages its retry
+    keeps: each assistant message that called a tool that must not run twice
+    (``idempotent=False``), with its results, so that the model sees what ran (or may
+    have) and does not run it again."""
+    kept: set[str] = set()
+    for i, message in enumerate(left):
+        calls = message.tool_calls
+        if calls and not all(_idempotent(agent, call) for call in calls):
+            ids = {call.id for call in calls}
+            kept.add(message.id)
+            kept.update(m.id for m in left[i + 1 :] if m.tool_call_id in ids)
+    return kept
 
 
 def _unanswered_calls(actor: TurnHost) -> tuple[ToolCall, ...]:

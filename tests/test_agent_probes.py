@@ -431,3 +431,63 @@ async def test_calls_a_cancelled_turn_never_started_are_told_they_did_not_run(
     assert "may or may not have taken effect" in results["c1"]
     assert "did not run" in results["c2"]
     assert "did not run" in results["c3"]
+
+
+@pytest.mark.parametrize("how", ["failed", "cancelled"])
+async def test_retry_keeps_the_calls_of_a_tool_that_must_not_run_twice(how: str) -> None:
+    """A turn that paid (a tool marked ``idempotent=False``) and then failed, or was
+    cancelled, is retried with the payment's call and result still in the history: the
+    model sees that it ran and does not pay again. Calls of idempotent tools are removed
+    with the rest of what the turn left, as before."""
+    paid: list[str] = []
+    gate = trio.Event()
+
+    async def pay(order_id: str) -> str:
+        paid.append(order_id)
+        return f"paid {order_id}"
+
+    def pay_call(call_id: str) -> sa.ToolCall:
+        return sa.ToolCall(id=call_id, name="pay", arguments='{"order_id": "A1"}')
+
+    def look_call(call_id: str) -> sa.ToolCall:
+        return sa.ToolCall(id=call_id, name="lookup", arguments='{"order_id": "A1"}')
+
+    def answer(request: sa.ModelRequest) -> Scripted:
+        # pays only if the history shows no payment (what a model does)
+        if any(m.role is sa.Role.TOOL and m.tool_call_id == "c2" for m in request.messages):
+            return Scripted(text="Paid.")
+        return Scripted(tool_calls=[pay_call("c3")])
+
+    second = (
+        RuntimeError("the model is down") if how == "failed" else Scripted(text="...", wait=gate)
+    )
+    model = ScriptedModel(
+        [
+            Scripted(tool_calls=[look_call("c1")]),
+            Scripted(tool_calls=[pay_call("c2")]),
+            second,
+            answer,
+            answer,
+        ]
+    )
+    tool = sa.Tool(name="pay", fn=pay, description="Pay an order.", idempotent=False)
+    agents = {"a": sa.Agent(model=model, tools=[tool, lookup])}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            turn = await ref.submit("pay A1")
+            if how == "cancelled":
+                await trio.testing.wait_all_tasks_blocked()
+                assert await ref.cancel()
+            with pytest.raises(sa.TurnFailedError if how == "failed" else sa.TurnCancelledError):
+                await turn.reply()
+            assert paid == ["A1"]
+            reply = await ref.retry()
+        history = await ref.history()
+    assert reply.text == "Paid."
+    assert paid == ["A1"]  # not twice
+    calls = [c.id for m in history for c in m.tool_calls]
+    assert "c2" in calls  # the payment's call and result stay
+    assert "c1" not in calls  # the lookup's went, as what the turn left does
+    assert tool_pairs_intact(history)
+    assert [m.content for m in history if m.role is sa.Role.USER] == ["pay A1"]
