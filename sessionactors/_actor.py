@@ -33,6 +33,7 @@ from ._errors import (
     SessionNotFoundError,
     SessionStoppedError,
     SnapshotCorruptError,
+    SnapshotError,
     StoreError,
     TurnCancelledError,
     TurnFailedError,
@@ -1016,7 +1017,9 @@ class Actor:
             else:
                 result = await self._edit(request)
         except SessionActorsError as exc:
-            if isinstance(request, Hibernate) or exc is self.journal.fault:
+            if (
+                isinstance(request, Hibernate) and not isinstance(exc, SnapshotError)
+            ) or exc is self.journal.fault:
                 # fenced out, or a write failed: what the request changed in memory is
                 # not stored, and no later commit may store it: answer, then restart
                 # from the durable state (as a turn whose write fails does)
@@ -1383,6 +1386,9 @@ class Actor:
         next, instead of crashing with the requests that came meanwhile."""
         try:
             return await self._hibernate_if_idle()
+        except SnapshotError as exc:  # nothing written: it stays live, as it was
+            log.warning("session %r stays live: %s", self.session_id, exc)
+            return False
         except StoreError as exc:
             if isinstance(exc, FencedOutError):
                 raise  # another worker owns it: nothing of ours to keep
@@ -1461,7 +1467,11 @@ class Actor:
             event = StatusChanged(
                 session_id=self.session_id, seq=self.next_seq(), status=Status.HIBERNATED
             )
-        await self._write_snapshot(Status.HIBERNATED)
+        try:
+            await self._write_snapshot(Status.HIBERNATED)
+        except SnapshotError:  # nothing written (the state cannot be): it stays as it was
+            session.status = _resting_status(session)
+            raise
         if event is not None:
             self.emit(event)
 

@@ -19,8 +19,8 @@ import attrs
 
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
-from ._errors import StoreError
-from ._events import Event
+from ._errors import SnapshotError, StoreError
+from ._events import Event, HistoryEdited
 from ._pending import Append
 from ._records import Status, maker
 from ._session import LiveSession
@@ -44,6 +44,7 @@ class Journal:
         "_since_snapshot",
         "_size",
         "_snapshot_size",
+        "_too_large",
         "_writer",
         "at",
         "config",
@@ -86,6 +87,7 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
+        self._too_large = False  # the last snapshot tried was over the size limit
         self._writer: SnapshotWriter | None = None  # made for a long history
         #: Events journaled by this incarnation, and (seq, that count) at each snapshot:
         #: replay keeps journal_keep_events events, counted, not measured in seq.
@@ -136,6 +138,9 @@ class Journal:
             self.fault = exc
             raise
         self.at = entries[-1].seq + SEQ_GAP // 2
+        if self._too_large and any(isinstance(e, HistoryEdited) for e in events):
+            self._too_large = False  # the edit may have made the state small enough
+            self._snapshot_size = 0
         del events[:count]
         self._journaled += count
         self._since_snapshot += count
@@ -159,7 +164,18 @@ class Journal:
         writer = self._writer
         if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
             writer = self._writer = SnapshotWriter()
-        snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
+        try:
+            snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
+        except (ValueError, TypeError) as exc:
+            # nothing is written, and retrying cannot help until the state shrinks: a
+            # compaction waits for the journal to double before it encodes it again
+            self._snapshot_size = max(self._snapshot_size, 2 * self._size)
+            self._too_large = True
+            raise SnapshotError(
+                f"the state of session {self.session_id!r} cannot be written as a snapshot "
+                f"(to hibernate or stop): {exc}",
+                session_id=self.session_id,
+            ) from exc
         await self._timed(
             "snapshot",
             self.store.write_snapshot(
@@ -184,6 +200,7 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0
         self._snapshot_size = len(snapshot)
+        self._too_large = False
 
     def _trim_point(self) -> int:
         """The highest seq the journal may drop: at least journal_keep_events events
