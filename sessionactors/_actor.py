@@ -612,6 +612,8 @@ class Actor:
             )
         journal = self.journal
         journal.loaded(stored, durable_seq)
+        if journal.base is not None:  # (durability="hibernate") answered, not written
+            session = LiveSession(journal.base)
         self.session = session
         hub = self.hub = host.hub_for(sid)
         for event in journal.unsaved:  # not durable yet (durability="hibernate"): replay
@@ -692,7 +694,7 @@ class Actor:
                 if self._rescope:  # cancelled as a turn ended: a fresh scope for the next
                     self._rescope = False
                     return RESCOPE
-                journal.settled = len(journal.unsaved)  # every request before is answered
+                journal.settle(self.session)  # every request before is answered
                 if self.phase is Phase.STOPPING:
                     await self._finish_stop()
                     return None
@@ -1456,7 +1458,7 @@ class Actor:
 
     def acknowledged_unsaved(self) -> bool:
         """Whether acknowledged state is in no write yet (only without a journal)."""
-        return bool(self.journal.unsaved) and not self.journal.per_turn
+        return self.journal.holds_unwritten()
 
     async def _snapshot_for_hibernation(self) -> None:
         """Write the hibernated state; its status event is published once it is stored."""

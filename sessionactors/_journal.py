@@ -22,7 +22,7 @@ from ._config import RegistryConfig
 from ._errors import SnapshotError, StoreError
 from ._events import Event, HistoryEdited
 from ._pending import Append
-from ._records import Status, maker
+from ._records import SessionState, Status, maker
 from ._session import LiveSession
 from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
@@ -47,8 +47,10 @@ class Journal:
         "_too_large",
         "_writer",
         "at",
+        "base",
         "config",
         "fault",
+        "floor",
         "per_turn",
         "session_id",
         "settled",
@@ -75,6 +77,11 @@ class Journal:
         self.unsaved: list[Event] = []
         #: unsaved[:settled] were answered: a restart without a journal keeps them.
         self.settled = 0
+        #: Without a journal: the state as of the answered events folded out of
+        #: ``unsaved`` (see ``settle``), which no write holds yet; a restart starts there.
+        self.base: SessionState | None = None
+        #: The seq of the last event folded into ``base``: replay from memory begins after it.
+        self.floor = 0
         #: A status is journaled before anything more is published: after a clean
         #: hibernation (a wake after this process dies would not jump seq otherwise),
         #: and after a wake's seq jump (so that the next wake jumps above it).
@@ -100,6 +107,30 @@ class Journal:
         self._size = sum(len(e.data) for e in stored.entries)
         self._snapshot_size = len(stored.snapshot)
         self.at = durable_seq + SEQ_GAP // 2
+
+    def settle(self, session: LiveSession) -> None:
+        """Every request so far is answered: a restart keeps what they changed.
+
+        Without a journal (``durability="hibernate"``) the answered events wait in
+        memory for the next snapshot; once ``snapshot_every`` of them have gathered,
+        they are folded into a copy of the state instead (nothing is written), so that
+        a session that stays live holds its history, not every event of its life.
+        """
+        unsaved = self.unsaved
+        self.settled = len(unsaved)
+        if not self.per_turn and self.settled >= self.config.snapshot_every:
+            self.base = session.to_state()
+            self.floor = unsaved[-1].seq
+            unsaved.clear()
+            self.settled = 0
+
+    def replayable(self) -> tuple[int, list[Event]]:
+        """The durable events not in the store yet, and the seq after which they begin."""
+        return self.floor, self.unsaved
+
+    def holds_unwritten(self) -> bool:
+        """Whether answered state is in no write yet (only without a journal)."""
+        return not self.per_turn and (bool(self.unsaved) or self.base is not None)
 
     def must_journal_status(self, seq: int) -> bool:
         """Whether a status must be journaled before the next request publishes."""
@@ -196,6 +227,7 @@ class Journal:
             marks.append((seq, self._journaled))
         self.unsaved.clear()
         self.settled = 0
+        self.base = None
         self.at = seq + SEQ_GAP // 2
         self._since_snapshot = 0
         self._size = 0

@@ -331,7 +331,7 @@ class Sessions:
             self.store,
             after,
             lambda: self.release_hub(name),
-            lambda: self.live[name].journal.unsaved if name in self.live else (),
+            lambda: self.live[name].journal.replayable() if name in self.live else (0, ()),
         )
         if name not in self.live:
             try:

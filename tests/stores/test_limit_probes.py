@@ -11,7 +11,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MAX_SNAPSHOT_BYTES
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, FaultyStore
 
 # One turn of EchoModel adds its input twice (the user's message and the echo).
 _BIG_TEXT = "x" * (1024 * 1024 - 64)
@@ -34,7 +34,7 @@ async def test_hibernating_a_session_too_large_to_snapshot_says_so_and_keeps_it_
         ref = await registry.spawn("big")
         await _grow_past_the_snapshot_limit(ref)
         for _ in range(5):  # more than the restart intensity allows
-            with pytest.raises(sa.SnapshotError, match="'big'.*truncate") as caught:
+            with pytest.raises(sa.SnapshotError, match=r"'big'.*truncate") as caught:
                 await ref.hibernate()
             assert caught.value.session_id == "big"
         stats = registry.statistics()
@@ -62,3 +62,130 @@ async def test_an_idle_session_too_large_to_snapshot_stays_live_without_crashing
         with trio.fail_after(5):
             assert (await ref.send("small")).text == "small"
         assert registry.live() == ["big"]
+
+
+async def _held_after(ref: sa.SessionRef, turns: int) -> int:
+    """Bytes still allocated after ``turns`` more turns, each truncated away at once."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for _ in range(turns):
+            await ref.send("a message of some length " * 10)
+            await ref.truncate(2)
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
+async def test_without_a_journal_a_busy_session_holds_no_more_than_its_history(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """durability="hibernate": a session that stays live and keeps its history short holds
+    bounded memory, however many turns it runs (the events not yet written are folded
+    into a copy of its state, without writing, every snapshot_every of them)."""
+    agent = sa.Agent(model=EchoModel())
+    async with sa.open_registry(
+        agents={"echo": agent},
+        durability="hibernate",
+        snapshot_every=20,
+        replay_events=10,
+        replay_bytes=4096,
+    ) as registry:
+        ref = await registry.spawn("busy")
+        await _held_after(ref, 100)  # warm up
+        short = await _held_after(ref, 100)
+        long = await _held_after(ref, 800)
+        assert long < short + 64 * 1024, (short, long)
+        assert len(await ref.history()) == 2
+
+
+async def _folded_session(registry: sa.Registry) -> sa.SessionRef:
+    """A session with more answered events than snapshot_every (20), none of them written."""
+    ref = await registry.spawn("busy")
+    for i in range(30):
+        await ref.send(f"turn {i}")
+    await ref.truncate(4)
+    await ref.send("last")
+    return ref
+
+
+async def test_without_a_journal_a_restart_after_folding_keeps_every_answered_turn() -> None:
+    """durability="hibernate": a restart after the answered events were folded into the
+    in-memory state keeps all of them, and so does the next clean exit."""
+    store = FaultyStore()
+    async with sa.open_registry(
+        store=store,
+        agents={"echo": sa.Agent(model=EchoModel())},
+        durability="hibernate",
+        snapshot_every=20,
+    ) as registry:
+        ref = await _folded_session(registry)
+        before = await ref.state()
+        store.fail("write_snapshot")
+        with pytest.raises(sa.StoreError):
+            await ref.hibernate()  # the actor crashes and restarts
+        assert registry.statistics().restarts == 1
+        after = await ref.state()
+        assert after.messages == before.messages
+        assert (after.turn_count, after.usage) == (before.turn_count, before.usage)
+    async with sa.open_registry(store=store, agents={"echo": sa.Agent(model=EchoModel())}) as again:
+        assert await again.ref("busy").history() == list(before.messages)
+
+
+async def test_without_a_journal_a_failed_closing_snapshot_after_folding_is_reported(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """durability="hibernate": answered turns folded into memory are still reported as not
+    written when the registry's closing snapshot fails."""
+    store = FaultyStore()
+
+    async def run() -> None:
+        async with sa.open_registry(
+            store=store,
+            agents={"echo": sa.Agent(model=EchoModel())},
+            durability="hibernate",
+            snapshot_every=20,
+        ) as registry:
+            ref = await registry.spawn("busy")
+            for i in range(10):  # 20 events: all folded, none left to write but the fold
+                await ref.send(f"turn {i}")
+            store.fail("write_snapshot", times=None)
+
+    with pytest.raises(sa.StoreError, match="'busy'"):
+        await run()
+
+
+async def test_without_a_journal_replay_from_before_a_fold_expires_instead_of_skipping(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """durability="hibernate": a resume from a seq whose events were folded away (and have
+    left the ring) gets EventsExpiredError; from a later seq, every durable event after it."""
+    async with sa.open_registry(
+        agents={"echo": sa.Agent(model=EchoModel())},
+        durability="hibernate",
+        snapshot_every=20,
+        replay_events=4,
+    ) as registry:
+        ref = await registry.spawn("busy")
+        for i in range(25):  # folded after turns 9 and 19 (20 events each time)
+            await ref.send(f"turn {i}")
+        with pytest.raises(sa.EventsExpiredError) as expired:
+            async with ref.subscribe(after=1):
+                pass
+        oldest = expired.value.oldest_seq
+        assert oldest > 1
+        durable = (sa.TurnStarted, sa.TurnFinished)
+        async with ref.subscribe(after=oldest - 1) as events:
+            await ref.send("one more")
+            replayed: list[sa.Event] = []
+            with trio.fail_after(60):
+                async for event in events:
+                    replayed.append(event)
+                    if isinstance(event, sa.TurnFinished) and event.message.content == "one more":
+                        break
+        finished = [e.message.content for e in replayed if isinstance(e, sa.TurnFinished)]
+        assert finished == [f"turn {i}" for i in range(20, 25)] + ["one more"]
+        seqs = [e.seq for e in replayed if isinstance(e, durable)]
+        assert seqs == sorted(set(seqs))
