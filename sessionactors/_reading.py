@@ -88,6 +88,11 @@ async def read_events(store: Store, session_id: str, after: int) -> tuple[int, l
 def describe_stored(name: str, blob: bytes) -> SessionInfo:
     """The SessionInfo stored for ``name``; ``FAILED`` (and a log line) if unreadable."""
     try:
+        if not isinstance(blob, bytes | bytearray | memoryview):  # a damaged store's value
+            raise SnapshotCorruptError(
+                f"the info of session {name!r} is stored as a {type(blob).__name__}, not bytes",
+                session_id=name,
+            )
         return load_info(blob, session_id=name)
     except SnapshotError as exc:
         log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import sqlite3
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import trio
@@ -189,3 +191,24 @@ async def test_without_a_journal_replay_from_before_a_fold_expires_instead_of_sk
         assert finished == [f"turn {i}" for i in range(20, 25)] + ["one more"]
         seqs = [e.seq for e in replayed if isinstance(e, durable)]
         assert seqs == sorted(set(seqs))
+
+
+@pytest.mark.parametrize("damage", ["'not bytes'", "42", "4.5"])
+async def test_a_stored_info_of_the_wrong_sql_type_fails_only_its_own_listing_row(
+    tmp_path: Path, damage: str
+) -> None:
+    """An SQLite row whose info is not a blob (text, a number) is listed as failed; the
+    listing and every other session go on."""
+    path = tmp_path / "sessions.db"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        for name in ("victim", "other"):
+            await (await registry.spawn(name)).send("hello")
+    with sqlite3.connect(path) as db:
+        db.execute(f"UPDATE sessions SET info = {damage} WHERE session_id = 'victim'")
+    db.close()
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        listed = {info.session_id: info.status for info in await registry.sessions()}
+        assert listed == {"victim": sa.Status.FAILED, "other": sa.Status.HIBERNATED}
+        assert await registry.pending_reviews() == []
+        assert (await registry.ref("other").send("still here")).text == "still here"
