@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import gc
 import sqlite3
 import tracemalloc
+import uuid
 from pathlib import Path
 
+import coredis
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import MAX_SNAPSHOT_BYTES
+from sessionactors.stores import MAX_SNAPSHOT_BYTES, RedisStore
 from sessionactors.testing import EchoModel, FaultyStore
 
 # One turn of EchoModel adds its input twice (the user's message and the echo).
@@ -212,3 +215,49 @@ async def test_a_stored_info_of_the_wrong_sql_type_fails_only_its_own_listing_ro
         assert listed == {"victim": sa.Status.FAILED, "other": sa.Status.HIBERNATED}
         assert await registry.pending_reviews() == []
         assert (await registry.ref("other").send("still here")).text == "still here"
+
+
+async def _two_sessions_in_redis(redis_url: str) -> str:
+    """A fresh prefix holding the hibernated sessions 'victim' and 'other'."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=RedisStore(redis_url, prefix=prefix), agents=agents) as reg:
+        for name in ("victim", "other"):
+            await (await reg.spawn(name)).send("hello")
+    return prefix
+
+
+async def _listed_after(redis_url: str, prefix: str) -> dict[str, sa.Status]:
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=RedisStore(redis_url, prefix=prefix), agents=agents) as reg:
+        with trio.fail_after(20):
+            listed = {info.session_id: info.status for info in await reg.sessions()}
+            assert (await reg.ref("other").send("still here")).text == "still here"
+    return listed
+
+
+@pytest.mark.redis
+async def test_a_redis_info_key_of_the_wrong_type_fails_only_its_own_listing_row(
+    redis_url: str,
+) -> None:
+    """A session whose info key holds a hash instead of a string is listed as failed; the
+    listing and the other sessions go on."""
+    prefix = await _two_sessions_in_redis(redis_url)
+    victim = base64.urlsafe_b64encode(b"victim").rstrip(b"=").decode()
+    async with coredis.Redis.from_url(redis_url) as client:
+        (key,) = [k async for k in client.scan_iter(match=f"{prefix}:*:s:{victim}:info")]
+        await client.delete([key])
+        await client.hset(key, {"not": "a string"})
+    listed = await _listed_after(redis_url, prefix)
+    assert listed == {"victim": sa.Status.FAILED, "other": sa.Status.HIBERNATED}
+
+
+@pytest.mark.redis
+async def test_a_stray_member_of_the_redis_listing_order_is_skipped(redis_url: str) -> None:
+    """A member of the listing order that names no session (not hex of a name) does not
+    fail the listing."""
+    prefix = await _two_sessions_in_redis(redis_url)
+    async with coredis.Redis.from_url(redis_url) as client:
+        await client.zadd(f"{prefix}:activity", {"not hex!": 2**40, "ff": 2**40})
+    listed = await _listed_after(redis_url, prefix)
+    assert listed == {"victim": sa.Status.HIBERNATED, "other": sa.Status.HIBERNATED}
