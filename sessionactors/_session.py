@@ -384,6 +384,11 @@ class LiveSession:
                 message=message,
                 error=record.error,
             )
+        open_ = self._open
+        if open_ is not None and open_.turn_id == turn_id:  # (issued under an earlier
+            # name, for a session imported under another: its id carries the old tag)
+            status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
+            return TurnOutcome(session_id=sid, turn_id=turn_id, status=status)
         issued = turn_id_time(turn_id, session_tag(sid))
         if issued is None:
             raise TurnNotFoundError(
@@ -393,10 +398,7 @@ class LiveSession:
             )
         status = unrecorded
         error = None
-        open_ = self._open
-        if open_ is not None and open_.turn_id == turn_id:
-            status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
-        elif refused is not None and turn_id in refused:
+        if refused is not None and turn_id in refused:
             status, error = TurnStatus.FAILED, refused[turn_id]
         elif issued <= self.turns_forgotten:
             raise TurnNotFoundError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gc
 import sqlite3
+import sys
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -16,7 +17,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MAX_SNAPSHOT_BYTES, RedisStore
-from sessionactors.testing import EchoModel, FaultyStore
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 # One turn of EchoModel adds its input twice (the user's message and the echo).
 _BIG_TEXT = "x" * (1024 * 1024 - 64)
@@ -261,3 +262,45 @@ async def test_a_stray_member_of_the_redis_listing_order_is_skipped(redis_url: s
         await client.zadd(f"{prefix}:activity", {"not hex!": 2**40, "ff": 2**40})
     listed = await _listed_after(redis_url, prefix)
     assert listed == {"victim": sa.Status.HIBERNATED, "other": sa.Status.HIBERNATED}
+
+
+async def _sessions_command(*args: str, stdin: str | None = None) -> str:
+    """The output of ``python -m sessionactors sessions ARGS``, which must succeed."""
+    with trio.fail_after(120):
+        done = await trio.run_process(
+            [sys.executable, "-m", "sessionactors", "sessions", *args],
+            stdin=None if stdin is None else stdin.encode(),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.decode()
+
+
+async def _refund(order_id: str) -> str:
+    return f"refunded {order_id}"
+
+
+async def test_a_session_imported_under_another_name_knows_its_open_turn(tmp_path: Path) -> None:
+    """A session waiting on a review, exported and imported with --as NAME, reports its
+    open turn as waiting (the turn id it was issued under its first name), then finished."""
+    refund = sa.Tool(name="refund", fn=_refund, requires_review=True, idempotent=False)
+    call = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
+    agent = sa.Agent(model=ScriptedModel([Scripted(tool_calls=[call]), "done"]), tools=[refund])
+    source, target = tmp_path / "source.db", tmp_path / "target.db"
+    async with sa.open_registry(store=sa.SQLiteStore(source), agents={"a": agent}) as registry:
+        reply = await (await registry.spawn("first")).send("refund A1")
+        assert reply.reviews
+    exported = await _sessions_command("export", "first", "--store", f"sqlite:///{source}")
+    await _sessions_command(
+        "import", "-", "--as", "second", "--store", f"sqlite:///{target}", stdin=exported
+    )
+    async with sa.open_registry(store=sa.SQLiteStore(target), agents={"a": agent}) as registry:
+        ref = registry.ref("second")
+        outcome = await ref.turn_outcome(reply.turn_id)
+        assert (outcome.session_id, outcome.status) == ("second", sa.TurnStatus.WAITING)
+        (review,) = await ref.pending_reviews()
+        final = await ref.review(review.id, approve=True)
+        assert (final.turn_id, final.text) == (reply.turn_id, "done")
+        assert (await ref.turn_outcome(reply.turn_id)).status is sa.TurnStatus.FINISHED
