@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from ._codec import load_events, load_info, load_snapshot
+from ._codec import load_info, load_journal_entry, load_snapshot
 from ._errors import SessionNotFoundError, SnapshotCorruptError, SnapshotError
 from ._events import NO_TIME, Event
 from ._listing import LISTING_BATCH, check_listing, matches, page_of
@@ -65,7 +65,7 @@ async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, Store
         )
     session = LiveSession(state)
     for entry in stored.entries:
-        for event in load_events(entry.data, session_id=session_id):
+        for event in load_journal_entry(entry.data, session_id):
             if event.seq > stored.snapshot_seq:
                 session.apply(event)
     return session, stored
@@ -81,7 +81,7 @@ async def read_events(store: Store, session_id: str, after: int) -> tuple[int, l
     trimmed, entries = await store.read_journal(session_id, after)
     events: list[Event] = []
     for entry in entries:
-        events += (e for e in load_events(entry.data, session_id=session_id) if e.seq > after)
+        events += (e for e in load_journal_entry(entry.data, session_id) if e.seq > after)
     return trimmed, events
 
 

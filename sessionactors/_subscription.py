@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
-from ._codec import load_events
+from ._codec import load_journal_entry
 from ._errors import EventsExpiredError
 from ._events import Event
 from ._hub import Hub, Subscriber, lagged_error
@@ -141,7 +141,7 @@ async def open_event_iterator(
                 oldest_seq=trimmed + 1,
             )
         for entry in entries:  # an entry holds one commit's events
-            for event in load_events(entry.data, session_id=session_id):
+            for event in load_journal_entry(entry.data, session_id):
                 if event.seq > after:
                     found.setdefault(event.seq, event)
         # Events published during the read wait in the buffer: they join the replay, or a

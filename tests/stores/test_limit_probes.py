@@ -304,3 +304,33 @@ async def test_a_session_imported_under_another_name_knows_its_open_turn(tmp_pat
         final = await ref.review(review.id, approve=True)
         assert (final.turn_id, final.text) == (reply.turn_id, "done")
         assert (await ref.turn_outcome(reply.turn_id)).status is sa.TurnStatus.FINISHED
+
+
+async def test_a_journal_entry_of_another_session_is_refused_not_folded(tmp_path: Path) -> None:
+    """A journal row that holds another session's events (a bad restore, a hand edit) is
+    SnapshotCorruptError naming the session, on wake and on replay: never folded into
+    its history, never replayed to its subscribers; the other session is untouched."""
+    path = tmp_path / "sessions.db"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    with trio.CancelScope() as process:  # dies: the turns stay in the journal only
+        async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+            for name in ("victim", "other"):
+                await (await registry.spawn(name)).send(f"{name}'s words")
+            process.cancel()
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "UPDATE journal SET data = (SELECT data FROM journal WHERE session_id = 'other' "
+            "ORDER BY seq DESC LIMIT 1) WHERE session_id = 'victim' AND seq = "
+            "(SELECT max(seq) FROM journal WHERE session_id = 'victim')"
+        )
+    db.close()
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        victim = registry.ref("victim")
+        with pytest.raises(sa.SnapshotCorruptError, match=r"'victim'.*'other'") as caught:
+            await victim.history()
+        assert caught.value.session_id == "victim"
+        with pytest.raises(sa.SnapshotCorruptError, match="'victim'"):
+            async with victim.subscribe(after=0):
+                pass
+        texts = [m.content for m in await registry.ref("other").history()]
+        assert texts == ["other's words", "other's words"]
