@@ -1012,7 +1012,12 @@ class Actor:
                 return False
             result: Any
             if isinstance(request, SetMetadata):
-                result = await self._set_metadata(request)
+                try:
+                    merged = self._merged_metadata(request)
+                except (TypeError, ValueError) as exc:  # refused before any change
+                    pending.set_error(exc)
+                    return False
+                result = await self._set_metadata(merged)
             elif isinstance(request, AddMessages | ReplaceHistory):
                 await self._put_messages(request)
                 result = None
@@ -1207,11 +1212,22 @@ class Actor:
         await self.commit()
         return len(removed)
 
-    async def _set_metadata(self, request: SetMetadata) -> dict[str, Any]:
-        """Merge metadata changes, in mailbox order; returns the metadata now."""
+    def _merged_metadata(self, request: SetMetadata) -> dict[str, Any]:
+        """The metadata with the changes merged in, checked whole (the merge may outgrow
+        a limit that each change keeps): ``TypeError`` / ``ValueError`` if refused."""
         sid = self.session_id
-        # checked whole before it is journaled: the merge may outgrow a limit
-        merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+        try:
+            return check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"metadata for session {sid!r} cannot take these changes: merged with the "
+                f"metadata it has, it cannot be stored ({exc}); remove keys (set them to "
+                "None), or keep large values elsewhere"
+            ) from None
+
+    async def _set_metadata(self, merged: dict[str, Any]) -> dict[str, Any]:
+        """Journal the merged metadata, in mailbox order; returns the metadata now."""
+        sid = self.session_id
         self.durable(MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged))
         await self.commit()
         return dict(merged)

@@ -334,3 +334,22 @@ async def test_a_journal_entry_of_another_session_is_refused_not_folded(tmp_path
                 pass
         texts = [m.content for m in await registry.ref("other").history()]
         assert texts == ["other's words", "other's words"]
+
+
+async def test_metadata_changes_whose_merge_passes_the_limit_are_refused_without_a_crash() -> None:
+    """set_metadata() whose changes each fit but whose merge with the session's metadata
+    would pass the size limit raises ValueError naming the session, before anything is
+    written; the session does not crash, and keeps its metadata."""
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("meta")
+        big = "x" * (7 * 1024 * 1024)
+        await ref.set_metadata({"a": big})
+        await ref.set_metadata({"b": big})
+        for _ in range(5):  # more than the restart intensity allows
+            with pytest.raises(ValueError, match=r"'meta'.*over the limit"):
+                await ref.set_metadata({"c": big})
+        stats = registry.statistics()
+        assert (stats.crashes, stats.restarts, stats.failed) == (0, 0, 0)
+        assert sorted((await ref.state()).metadata) == ["a", "b"]
+        assert (await ref.send("still here")).text == "still here"
