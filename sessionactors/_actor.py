@@ -18,7 +18,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import MAX_SEQ
+from ._codec import MAX_JOURNAL_ENTRY_BYTES, MAX_SEQ, MAX_TEXT_CHARS, dump_events
 from ._config import RegistryConfig
 from ._errors import (
     AgentNotFoundError,
@@ -882,6 +882,8 @@ class Actor:
         stats = self.host.stats
         outcome: Outcome
         error: BaseException | None = None
+        if final is not None and failure is None and not cancelled and self.journal.per_turn:
+            failure = _unjournalable(sid, turn_id, final)  # fails the turn, not the session
         if cancelled:
             text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
@@ -1557,6 +1559,23 @@ def _resting_status(session: LiveSession) -> Status:
     if session.turn_count == 0 and not session.messages:
         return Status.NEW
     return Status.IDLE
+
+
+def _unjournalable(sid: str, turn_id: str, final: Message) -> ValueError | None:
+    """Why a turn's final message cannot be journaled (a reply larger than a journal
+    entry holds), or None; only a long reply is encoded to know."""
+    if len(final.content) <= MAX_TEXT_CHARS:
+        return None
+    try:
+        dump_events([TurnFinished(session_id=sid, seq=1, turn_id=turn_id, message=final)])
+    except (TypeError, ValueError):
+        size = len(final.content.encode("utf-8", "surrogatepass"))
+        return ValueError(
+            f"the model's reply is {size:,} bytes, more than a journal entry of session "
+            f"{sid!r} holds ({MAX_JOURNAL_ENTRY_BYTES:,} bytes); ask for a shorter reply, "
+            "or have the model hand large content over by reference"
+        )
+    return None
 
 
 def describe(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import MAX_SNAPSHOT_BYTES, RedisStore
+from sessionactors.stores import MAX_JOURNAL_ENTRY_BYTES, MAX_SNAPSHOT_BYTES, RedisStore
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 # One turn of EchoModel adds its input twice (the user's message and the echo).
@@ -353,3 +353,22 @@ async def test_metadata_changes_whose_merge_passes_the_limit_are_refused_without
         assert (stats.crashes, stats.restarts, stats.failed) == (0, 0, 0)
         assert sorted((await ref.state()).metadata) == ["a", "b"]
         assert (await ref.send("still here")).text == "still here"
+
+
+async def test_a_model_reply_too_large_to_journal_fails_its_turn_not_the_session() -> None:
+    """durability="turn": a reply larger than a journal entry holds fails its turn with
+    TurnFailedError saying so (the user's message is kept, with the failure); the
+    session does not crash, and its next turn runs."""
+    huge = "y" * (MAX_JOURNAL_ENTRY_BYTES + 1)
+    model = ScriptedModel([huge, "small"])
+    async with sa.open_registry(agents={"big": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("talker")
+        with pytest.raises(sa.TurnFailedError, match=r"'talker'.*reply is .* bytes") as caught:
+            await ref.send("tell me everything")
+        assert (await ref.turn_outcome(caught.value.turn_id)).status is sa.TurnStatus.FAILED
+        assert (await ref.send("briefly?")).text == "small"
+        stats = registry.statistics()
+        assert (stats.crashes, stats.turns_failed) == (0, 1)
+        history = await ref.history()
+        assert history[0].content == "tell me everything"
+        assert len(history) == 4
