@@ -454,6 +454,12 @@ class Actor:
         )
 
     def add_message(self, message: Message) -> None:
+        if self.journal.per_turn:  # (a model's message with tool calls, in its turn)
+            too_large = _unjournalable(
+                self.session_id, make_message_added, message, turn_id=self.turn_id
+            )
+            if too_large is not None:
+                raise too_large  # fails the turn, not the session
         self.durable(
             make_message_added(
                 session_id=self.session_id,
@@ -883,9 +889,13 @@ class Actor:
         outcome: Outcome
         error: BaseException | None = None
         if final is not None and failure is None and not cancelled and self.journal.per_turn:
-            failure = _unjournalable(sid, turn_id, final)  # fails the turn, not the session
+            # fails the turn, not the session
+            failure = _unjournalable(
+                sid, make_turn_finished, final, turn_id=turn_id, idempotency_key=key
+            )
         if cancelled:
-            text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
+            # (cut to what a journal entry surely holds: 4 bytes a character at most)
+            text = storable("".join(self.partial))[: 2 * MAX_TEXT_CHARS] or NO_REPLY_CANCELLED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
             if self.phase is Phase.ABORTING:
@@ -1561,15 +1571,22 @@ def _resting_status(session: LiveSession) -> Status:
     return Status.IDLE
 
 
-def _unjournalable(sid: str, turn_id: str, final: Message) -> ValueError | None:
-    """Why a turn's final message cannot be journaled (a reply larger than a journal
-    entry holds), or None; only a long reply is encoded to know."""
-    if len(final.content) <= MAX_TEXT_CHARS:
+def _unjournalable(
+    sid: str, make: Callable[..., Event], message: Message, **fields: Any
+) -> ValueError | None:
+    """Why the event ``make`` builds around a model's ``message`` cannot be journaled (the
+    message is larger than a journal entry holds), or None; only a long message (text
+    and tool calls) is encoded to know."""
+    calls = message.tool_calls
+    length = len(message.content) + sum(len(c.arguments) + len(c.name) for c in calls)
+    if length <= MAX_TEXT_CHARS:
         return None
     try:
-        dump_events([TurnFinished(session_id=sid, seq=1, turn_id=turn_id, message=final)])
+        dump_events([make(session_id=sid, seq=1, message=message, **fields)])
     except (TypeError, ValueError):
-        size = len(final.content.encode("utf-8", "surrogatepass"))
+        size = len(message.content.encode("utf-8", "surrogatepass")) + sum(
+            len(c.arguments.encode("utf-8", "surrogatepass")) for c in calls
+        )
         return ValueError(
             f"the model's reply is {size:,} bytes, more than a journal entry of session "
             f"{sid!r} holds ({MAX_JOURNAL_ENTRY_BYTES:,} bytes); ask for a shorter reply, "

@@ -355,13 +355,35 @@ async def test_metadata_changes_whose_merge_passes_the_limit_are_refused_without
         assert (await ref.send("still here")).text == "still here"
 
 
-async def test_a_model_reply_too_large_to_journal_fails_its_turn_not_the_session() -> None:
-    """durability="turn": a reply larger than a journal entry holds fails its turn with
-    TurnFailedError saying so (the user's message is kept, with the failure); the
-    session does not crash, and its next turn runs."""
-    huge = "y" * (MAX_JOURNAL_ENTRY_BYTES + 1)
-    model = ScriptedModel([huge, "small"])
-    async with sa.open_registry(agents={"big": sa.Agent(model=model)}) as registry:
+@sa.tool
+async def _look(q: str) -> str:
+    """Look something up."""
+    return "found"
+
+
+_HUGE = "y" * (MAX_JOURNAL_ENTRY_BYTES + 1)
+_HUGE_STEPS: dict[str, list[str | Scripted]] = {
+    "reply": [_HUGE],
+    "text beside a tool call": [
+        Scripted(text=_HUGE, tool_calls=[sa.ToolCall(id="c1", name="_look", arguments="{}")])
+    ],
+    "tool call arguments": [
+        Scripted(tool_calls=[sa.ToolCall(id="c1", name="_look", arguments=f'{{"q": "{_HUGE}"}}')])
+    ],
+}
+
+
+@pytest.mark.parametrize("where", sorted(_HUGE_STEPS))
+async def test_a_model_message_too_large_to_journal_fails_its_turn_not_the_session(
+    where: str,
+) -> None:
+    """durability="turn": a model message larger than a journal entry holds (its reply,
+    or a step that calls tools) fails its turn with TurnFailedError saying so (the
+    user's message is kept, with the failure); the session does not crash, and its next
+    turn runs."""
+    model = ScriptedModel([*_HUGE_STEPS[where], "small"])
+    agent = sa.Agent(model=model, tools=[_look])
+    async with sa.open_registry(agents={"big": agent}) as registry:
         ref = await registry.spawn("talker")
         with pytest.raises(sa.TurnFailedError, match=r"'talker'.*reply is .* bytes") as caught:
             await ref.send("tell me everything")
@@ -372,3 +394,25 @@ async def test_a_model_reply_too_large_to_journal_fails_its_turn_not_the_session
         history = await ref.history()
         assert history[0].content == "tell me everything"
         assert len(history) == 4
+
+
+async def test_a_cancelled_turn_keeps_what_a_journal_entry_holds_of_a_huge_partial_reply(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """durability="turn": a turn cancelled after streaming more than a journal entry
+    holds keeps the start of it (marked interrupted) instead of crashing the session."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text=_HUGE + " more", wait=gate, wait_after=1), "small"])
+    async with sa.open_registry(agents={"big": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("talker")
+        turn = await ref.submit("tell me everything")
+        await trio.testing.wait_all_tasks_blocked()
+        await ref.cancel()
+        with pytest.raises(sa.TurnCancelledError):
+            await turn.reply()
+        assert registry.statistics().crashes == 0
+        cut = (await ref.history())[-1]
+        assert cut.interrupted
+        assert 0 < len(cut.content) < len(_HUGE)
+        assert _HUGE.startswith(cut.content)
+        assert (await ref.send("briefly?")).text == "small"
