@@ -54,10 +54,11 @@ async def test_hibernating_a_session_too_large_to_snapshot_says_so_and_keeps_it_
 
 
 async def test_an_idle_session_too_large_to_snapshot_stays_live_without_crashing(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The idle timeout's hibernation of a session too large to snapshot leaves it live,
-    serving requests, instead of crashing and reloading it from the store each time."""
+    serving requests, instead of crashing and reloading it from the store each time; it
+    is tried (and logged) once, and again only after the session changed."""
     agent = sa.Agent(model=EchoModel())
     async with sa.open_registry(agents={"echo": agent}, idle_timeout=5) as registry:
         ref = await registry.spawn("big")
@@ -65,9 +66,18 @@ async def test_an_idle_session_too_large_to_snapshot_stays_live_without_crashing
         await trio.sleep(60)
         stats = registry.statistics()
         assert (stats.crashes, stats.restarts, stats.woken) == (0, 0, 1)  # (the spawn)
+        assert len(await ref.history()) == 2 * _TURNS_OVER_LIMIT  # a read changes nothing
+        await trio.sleep(60)
+        assert caplog.text.count("'big' stays live") == 1
         with trio.fail_after(5):
             assert (await ref.send("small")).text == "small"
+        await trio.sleep(60)
+        assert caplog.text.count("'big' stays live") == 2
         assert registry.live() == ["big"]
+        await ref.truncate(2)
+        await trio.sleep(60)
+        assert registry.live() == []
+        assert len(await ref.history()) == 2
 
 
 async def _held_after(ref: sa.SessionRef, turns: int) -> int:
