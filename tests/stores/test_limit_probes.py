@@ -8,6 +8,7 @@ import sqlite3
 import sys
 import tracemalloc
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import coredis
@@ -16,7 +17,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import MAX_JOURNAL_ENTRY_BYTES, MAX_SNAPSHOT_BYTES, RedisStore
+from sessionactors.stores import MAX_JOURNAL_ENTRY_BYTES, MAX_SEQ, MAX_SNAPSHOT_BYTES, RedisStore
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 # One turn of EchoModel adds its input twice (the user's message and the echo).
@@ -426,3 +427,30 @@ async def test_a_cancelled_turn_keeps_what_a_journal_entry_holds_of_a_huge_parti
         assert 0 < len(cut.content) < len(_HUGE)
         assert _HUGE.startswith(cut.content)
         assert (await ref.send("briefly?")).text == "small"
+
+
+class _CountingModel:
+    """Says hi, reporting 2**52 input tokens twice per answer (each chunk is valid)."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        yield sa.TextChunk("hi")
+        for _ in range(2):
+            yield sa.UsageChunk(input_tokens=2**52, output_tokens=1)
+
+
+@pytest.mark.parametrize("durability", ["turn", "hibernate"])
+async def test_token_counts_stop_at_the_largest_count_a_store_keeps(durability: str) -> None:
+    """A model whose reported tokens add up past 2**53 - 1 (within an answer, or over the
+    session's life) leaves counts that stop there: its turns finish, the session never
+    crashes, hibernates, and wakes with the same usage."""
+    agents = {"counted": sa.Agent(model=_CountingModel())}
+    async with sa.open_registry(agents=agents, durability=durability) as registry:
+        ref = await registry.spawn("counted")
+        for _ in range(3):
+            reply = await ref.send("hello")
+            assert reply.message.usage == sa.Usage(input_tokens=MAX_SEQ, output_tokens=2)
+        usage = (await ref.state()).usage
+        assert usage == sa.Usage(input_tokens=MAX_SEQ, output_tokens=6)
+        assert registry.statistics().crashes == 0
+        await ref.hibernate()
+        assert (await ref.state()).usage == usage
