@@ -1571,11 +1571,7 @@ class Actor:
 
 
 def _resting_status(session: LiveSession) -> Status:
-    if session.reviews:
-        return Status.WAITING
-    if session.turn_count == 0 and not session.messages:
-        return Status.NEW
-    return Status.IDLE
+    return session.resting_status()
 
 
 def _unjournalable(

@@ -36,7 +36,8 @@ async def read_session(store: Store, name: str) -> SessionState:
     nothing, and needs no registry or agent, so it works on a store that a
     server in another process is using (open a SQLite file with
     ``SQLiteStore(path, readonly=True)`` there). ``status`` is the one last
-    stored: a session live elsewhere may be further along in memory than its
+    stored (idle, or waiting on a review, for a session that ran turns since it
+    was woken): a session live elsewhere may be further along in memory than its
     last durable write.
 
     Raises ``SessionNotFoundError`` if the session is not stored,
@@ -45,6 +46,8 @@ async def read_session(store: Store, name: str) -> SessionState:
     """
     validate_name(name)
     session, _ = await read_stored(store, name)
+    if session.status is Status.NEW:  # a wake's status, perhaps followed by turns
+        session.status = session.resting_status()
     return session.to_state()
 
 

@@ -212,6 +212,14 @@ class LiveSession:
         """As in :meth:`info`."""
         return len(self.reviews)
 
+    def resting_status(self) -> Status:
+        """The status between requests: waiting on a review, new (never used), or idle."""
+        if self.reviews:
+            return Status.WAITING
+        if self.turn_count == 0 and not self.messages:
+            return Status.NEW
+        return Status.IDLE
+
     def info(self, status: Status | None = None) -> SessionInfo:
         return SessionInfo(
             session_id=self.session_id,

@@ -454,3 +454,26 @@ async def test_token_counts_stop_at_the_largest_count_a_store_keeps(durability: 
         assert registry.statistics().crashes == 0
         await ref.hibernate()
         assert (await ref.state()).usage == usage
+
+
+async def test_reading_a_session_that_was_not_hibernated_says_idle_not_new(tmp_path: Path) -> None:
+    """read_session() and `sessions show` of a session that ran a turn and was never
+    hibernated (a server still running it, or one that died) give its status as idle, as
+    the listing does, never new (a session never used)."""
+    path = tmp_path / "sessions.db"
+    with trio.CancelScope() as process:
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+            await (await registry.spawn("used")).send("hello")
+            await registry.spawn("unused")
+            process.cancel()
+    reader = sa.SQLiteStore(path, readonly=True)
+    try:
+        assert (await sa.read_session(reader, "used")).status is sa.Status.IDLE
+        assert (await sa.read_session(reader, "unused")).status is sa.Status.NEW
+    finally:
+        await reader.aclose()
+    shown = await _sessions_command("show", "used", "--store", f"sqlite:///{path}")
+    assert "status: idle" in shown
+    listed = await _sessions_command("list", "--store", f"sqlite:///{path}")
+    assert "used\tidle" in listed
