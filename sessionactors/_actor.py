@@ -1476,6 +1476,13 @@ class Actor:
         stored = error is None and not writing.cancelled_caught
         self._answer_held(stored=stored)
         self._fail_queued(stopped_error(self.session_id, "closing"))
+        if error is not None and not self.acknowledged_unsaved():
+            log.warning(
+                "session %r closed without its hibernation snapshot (its journal holds "
+                "what it acknowledged; the next wake replays it): %s",
+                self.session_id,
+                error,
+            )
         if not stored and self.acknowledged_unsaved():
             # (with a journal, what is not stored was never acknowledged: its caller
             # heard so)

@@ -54,6 +54,22 @@ async def test_hibernating_a_session_too_large_to_snapshot_says_so_and_keeps_it_
         assert len(await ref.history()) == 2
 
 
+async def test_a_session_too_large_to_snapshot_is_closed_with_a_warning_and_loses_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """durability="turn": the registry's exit cannot hibernate a session too large to
+    snapshot; it says so in the log, and the next registry wakes it whole from its
+    journal."""
+    store = sa.MemoryStore()
+    agent = sa.Agent(model=EchoModel())
+    async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+        await _grow_past_the_snapshot_limit(await registry.spawn("big"))
+    assert "'big' closed without its hibernation snapshot" in caplog.text
+    async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+        assert len(await registry.ref("big").history()) == 2 * _TURNS_OVER_LIMIT
+        await registry.ref("big").truncate(2)
+
+
 async def test_an_idle_session_too_large_to_snapshot_stays_live_without_crashing(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
