@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Final, Protocol
 
+import attrs
 import trio
 
 from ._agent import Agent, run_turn
@@ -58,7 +59,7 @@ from ._history import rewind_end, split_for_keep_last
 from ._history_input import KnownIds, check_entry, check_new_ids
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
-from ._metadata import check_metadata, merge_metadata
+from ._metadata import check_info_room, check_metadata, merge_metadata
 from ._pending import Append, Pending
 from ._reading import read_stored
 from ._records import (
@@ -1233,13 +1234,15 @@ class Actor:
         a limit that each change keeps): ``TypeError`` / ``ValueError`` if refused."""
         sid = self.session_id
         try:
-            return check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+            merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+            check_info_room(attrs.evolve(self.session.info(), metadata=merged))
         except (TypeError, ValueError) as exc:
             raise type(exc)(
                 f"metadata for session {sid!r} cannot take these changes: merged with the "
                 f"metadata it has, it cannot be stored ({exc}); remove keys (set them to "
                 "None), or keep large values elsewhere"
             ) from None
+        return merged
 
     async def _set_metadata(self, merged: dict[str, Any]) -> dict[str, Any]:
         """Journal the merged metadata, in mailbox order; returns the metadata now."""

@@ -400,6 +400,39 @@ _HUGE_STEPS: dict[str, list[str | Scripted]] = {
 }
 
 
+async def test_metadata_at_the_edge_of_the_size_limits_is_stored_or_refused_never_a_crash() -> None:
+    """Metadata just under a journal entry's size (which the session's info, holding it
+    too, may pass now or once its counts grow) is stored, or refused with ValueError
+    before anything is written, by spawn() and set_metadata(): the session never
+    crashes, its turns run, and what is stored reloads."""
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("edge")
+        stored = spawned = 0
+        for margin in range(16, 400, 24):
+            metadata = {"a": "x" * (MAX_JOURNAL_ENTRY_BYTES - margin)}
+            try:
+                await ref.set_metadata(metadata)
+            except ValueError:
+                pass
+            else:
+                stored += 1
+                await ref.set_metadata({"a": None})
+            try:
+                other = await registry.spawn("spawned", metadata=metadata)
+            except ValueError:
+                continue
+            spawned += 1
+            assert (await other.send("hi")).text == "hi"
+            await other.hibernate()
+            assert (await other.state()).metadata == metadata
+            await registry.delete("spawned")
+        assert stored
+        assert spawned
+        assert registry.statistics().crashes == 0
+        await ref.hibernate()
+        assert (await ref.state()).metadata == {}
+
+
 @pytest.mark.parametrize("where", sorted(_HUGE_STEPS))
 async def test_a_model_message_too_large_to_journal_fails_its_turn_not_the_session(
     where: str,
