@@ -15,10 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Final, Protocol
 
+import attrs
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import MAX_SEQ
+from ._codec import MAX_JOURNAL_ENTRY_BYTES, MAX_SEQ, MAX_TEXT_CHARS, dump_events
 from ._config import RegistryConfig
 from ._errors import (
     AgentNotFoundError,
@@ -33,6 +34,7 @@ from ._errors import (
     SessionNotFoundError,
     SessionStoppedError,
     SnapshotCorruptError,
+    SnapshotError,
     StoreError,
     TurnCancelledError,
     TurnFailedError,
@@ -57,7 +59,7 @@ from ._history import rewind_end, split_for_keep_last
 from ._history_input import KnownIds, check_entry, check_new_ids
 from ._hub import Hub
 from ._journal import SEQ_GAP, Journal
-from ._metadata import check_metadata, merge_metadata
+from ._metadata import check_info_room, check_metadata, merge_metadata
 from ._pending import Append, Pending
 from ._reading import read_stored
 from ._records import (
@@ -243,6 +245,7 @@ class Actor:
         "_rescope",
         "_scope_cancelled",
         "_system_cache",
+        "_unwritable_at",
         "after_crash",
         "done",
         "due",
@@ -310,6 +313,9 @@ class Actor:
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
         self.known_ids: KnownIds | None = None  # made by the first add_messages
+        #: The hub's seq when the state was found too large to snapshot: the idle
+        #: timeout tries again only once something happened since.
+        self._unwritable_at: int | None = None
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
@@ -454,6 +460,12 @@ class Actor:
         )
 
     def add_message(self, message: Message) -> None:
+        if self.journal.per_turn:  # (a model's message with tool calls, in its turn)
+            too_large = _unjournalable(
+                self.session_id, make_message_added, message, turn_id=self.turn_id
+            )
+            if too_large is not None:
+                raise too_large  # fails the turn, not the session
         self.durable(
             make_message_added(
                 session_id=self.session_id,
@@ -612,6 +624,8 @@ class Actor:
             )
         journal = self.journal
         journal.loaded(stored, durable_seq)
+        if journal.base is not None:  # (durability="hibernate") answered, not written
+            session = LiveSession(journal.base)
         self.session = session
         hub = self.hub = host.hub_for(sid)
         for event in journal.unsaved:  # not durable yet (durability="hibernate"): replay
@@ -692,7 +706,7 @@ class Actor:
                 if self._rescope:  # cancelled as a turn ended: a fresh scope for the next
                     self._rescope = False
                     return RESCOPE
-                journal.settled = len(journal.unsaved)  # every request before is answered
+                journal.settle(self.session)  # every request before is answered
                 if self.phase is Phase.STOPPING:
                     await self._finish_stop()
                     return None
@@ -880,8 +894,14 @@ class Actor:
         stats = self.host.stats
         outcome: Outcome
         error: BaseException | None = None
+        if final is not None and failure is None and not cancelled and self.journal.per_turn:
+            # fails the turn, not the session
+            failure = _unjournalable(
+                sid, make_turn_finished, final, turn_id=turn_id, idempotency_key=key
+            )
         if cancelled:
-            text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
+            # (cut to what a journal entry surely holds: 4 bytes a character at most)
+            text = storable("".join(self.partial))[: 2 * MAX_TEXT_CHARS] or NO_REPLY_CANCELLED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
             if self.phase is Phase.ABORTING:
@@ -1010,14 +1030,21 @@ class Actor:
                 return False
             result: Any
             if isinstance(request, SetMetadata):
-                result = await self._set_metadata(request)
+                try:
+                    merged = self._merged_metadata(request)
+                except (TypeError, ValueError) as exc:  # refused before any change
+                    pending.set_error(exc)
+                    return False
+                result = await self._set_metadata(merged)
             elif isinstance(request, AddMessages | ReplaceHistory):
                 await self._put_messages(request)
                 result = None
             else:
                 result = await self._edit(request)
         except SessionActorsError as exc:
-            if isinstance(request, Hibernate) or exc is self.journal.fault:
+            if (
+                isinstance(request, Hibernate) and not isinstance(exc, SnapshotError)
+            ) or exc is self.journal.fault:
                 # fenced out, or a write failed: what the request changed in memory is
                 # not stored, and no later commit may store it: answer, then restart
                 # from the durable state (as a turn whose write fails does)
@@ -1204,11 +1231,24 @@ class Actor:
         await self.commit()
         return len(removed)
 
-    async def _set_metadata(self, request: SetMetadata) -> dict[str, Any]:
-        """Merge metadata changes, in mailbox order; returns the metadata now."""
+    def _merged_metadata(self, request: SetMetadata) -> dict[str, Any]:
+        """The metadata with the changes merged in, checked whole (the merge may outgrow
+        a limit that each change keeps): ``TypeError`` / ``ValueError`` if refused."""
         sid = self.session_id
-        # checked whole before it is journaled: the merge may outgrow a limit
-        merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+        try:
+            merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+            check_info_room(attrs.evolve(self.session.info(), metadata=merged))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"metadata for session {sid!r} cannot take these changes: merged with the "
+                f"metadata it has, it cannot be stored ({exc}); remove keys (set them to "
+                "None), or keep large values elsewhere"
+            ) from None
+        return merged
+
+    async def _set_metadata(self, merged: dict[str, Any]) -> dict[str, Any]:
+        """Journal the merged metadata, in mailbox order; returns the metadata now."""
+        sid = self.session_id
         self.durable(MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged))
         await self.commit()
         return dict(merged)
@@ -1383,8 +1423,14 @@ class Actor:
         a store that refuses the snapshot fails no request: the session stays live (what
         it holds is journaled, or kept for the next snapshot) and tries again when idle
         next, instead of crashing with the requests that came meanwhile."""
+        if self._unwritable_at is not None and self._unwritable_at == self._hub().seq:
+            return False  # too large to snapshot, and unchanged since
         try:
             return await self._hibernate_if_idle()
+        except SnapshotError as exc:  # nothing written: it stays live, as it was
+            log.warning("session %r stays live: %s", self.session_id, exc)
+            self._unwritable_at = self._hub().seq
+            return False
         except StoreError as exc:
             if isinstance(exc, FencedOutError):
                 raise  # another worker owns it: nothing of ours to keep
@@ -1435,6 +1481,13 @@ class Actor:
         stored = error is None and not writing.cancelled_caught
         self._answer_held(stored=stored)
         self._fail_queued(stopped_error(self.session_id, "closing"))
+        if error is not None and not self.acknowledged_unsaved():
+            log.warning(
+                "session %r closed without its hibernation snapshot (its journal holds "
+                "what it acknowledged; the next wake replays it): %s",
+                self.session_id,
+                error,
+            )
         if not stored and self.acknowledged_unsaved():
             # (with a journal, what is not stored was never acknowledged: its caller
             # heard so)
@@ -1452,7 +1505,7 @@ class Actor:
 
     def acknowledged_unsaved(self) -> bool:
         """Whether acknowledged state is in no write yet (only without a journal)."""
-        return bool(self.journal.unsaved) and not self.journal.per_turn
+        return self.journal.holds_unwritten()
 
     async def _snapshot_for_hibernation(self) -> None:
         """Write the hibernated state; its status event is published once it is stored."""
@@ -1463,7 +1516,11 @@ class Actor:
             event = StatusChanged(
                 session_id=self.session_id, seq=self.next_seq(), status=Status.HIBERNATED
             )
-        await self._write_snapshot(Status.HIBERNATED)
+        try:
+            await self._write_snapshot(Status.HIBERNATED)
+        except SnapshotError:  # nothing written (the state cannot be): it stays as it was
+            session.status = _resting_status(session)
+            raise
         if event is not None:
             self.emit(event)
 
@@ -1526,11 +1583,31 @@ class Actor:
 
 
 def _resting_status(session: LiveSession) -> Status:
-    if session.reviews:
-        return Status.WAITING
-    if session.turn_count == 0 and not session.messages:
-        return Status.NEW
-    return Status.IDLE
+    return session.resting_status()
+
+
+def _unjournalable(
+    sid: str, make: Callable[..., Event], message: Message, **fields: Any
+) -> ValueError | None:
+    """Why the event ``make`` builds around a model's ``message`` cannot be journaled (the
+    message is larger than a journal entry holds), or None; only a long message (text
+    and tool calls) is encoded to know."""
+    calls = message.tool_calls
+    length = len(message.content) + sum(len(c.arguments) + len(c.name) for c in calls)
+    if length <= MAX_TEXT_CHARS:
+        return None
+    try:
+        dump_events([make(session_id=sid, seq=1, message=message, **fields)])
+    except (TypeError, ValueError):
+        size = len(message.content.encode("utf-8", "surrogatepass")) + sum(
+            len(c.arguments.encode("utf-8", "surrogatepass")) for c in calls
+        )
+        return ValueError(
+            f"the model's reply is {size:,} bytes, more than a journal entry of session "
+            f"{sid!r} holds ({MAX_JOURNAL_ENTRY_BYTES:,} bytes); ask for a shorter reply, "
+            "or have the model hand large content over by reference"
+        )
+    return None
 
 
 def describe(exc: BaseException) -> str:

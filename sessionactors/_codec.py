@@ -142,6 +142,7 @@ __all__ = [
     "load_event",
     "load_events",
     "load_info",
+    "load_journal_entry",
     "load_snapshot",
 ]
 
@@ -716,6 +717,23 @@ def load_events(
         if item.__class__ is not dict:
             raise _corrupt("journal entry", session_id, f"expected maps, got {type_name(item)}")
         events.append(_structure_event_map(item, session_id))
+    return events
+
+
+def load_journal_entry(data: bytes, session_id: str) -> list[Event]:
+    """The events of one of ``session_id``'s journal entries, as :func:`load_events`
+    decodes them; ``SnapshotCorruptError`` if any belongs to another session (the store
+    is inconsistent: they must be neither folded into its state nor replayed)."""
+    events = load_events(data, session_id=session_id)
+    for event in events:
+        if event.session_id != session_id:
+            raise SnapshotCorruptError(
+                f"the journal of session {session_id!r} holds an event of session "
+                f"{event.session_id[:256]!r} (seq {event.seq}); the store is inconsistent: "
+                f"restore it from a backup or delete the session with "
+                f"registry.delete({session_id!r})",
+                session_id=session_id,
+            )
     return events
 
 

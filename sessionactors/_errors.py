@@ -139,7 +139,8 @@ class EventsExpiredError(SessionActorsError, LookupError):
 
 
 class SnapshotError(SessionActorsError, ValueError):
-    """Snapshot or journal bytes could not be turned back into records."""
+    """Snapshot or journal bytes could not be turned back into records, or a session's
+    state could not be made into a snapshot (it would pass the size limit)."""
 
 
 class SnapshotVersionError(SnapshotError):

@@ -19,10 +19,10 @@ import attrs
 
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
-from ._errors import StoreError
-from ._events import Event
+from ._errors import SnapshotError, StoreError
+from ._events import Event, HistoryEdited
 from ._pending import Append
-from ._records import Status, maker
+from ._records import SessionState, Status, maker
 from ._session import LiveSession
 from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
@@ -44,10 +44,13 @@ class Journal:
         "_since_snapshot",
         "_size",
         "_snapshot_size",
+        "_too_large",
         "_writer",
         "at",
+        "base",
         "config",
         "fault",
+        "floor",
         "per_turn",
         "session_id",
         "settled",
@@ -74,6 +77,11 @@ class Journal:
         self.unsaved: list[Event] = []
         #: unsaved[:settled] were answered: a restart without a journal keeps them.
         self.settled = 0
+        #: Without a journal: the state as of the answered events folded out of
+        #: ``unsaved`` (see ``settle``), which no write holds yet; a restart starts there.
+        self.base: SessionState | None = None
+        #: The seq of the last event folded into ``base``: replay from memory begins after it.
+        self.floor = 0
         #: A status is journaled before anything more is published: after a clean
         #: hibernation (a wake after this process dies would not jump seq otherwise),
         #: and after a wake's seq jump (so that the next wake jumps above it).
@@ -86,6 +94,7 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
+        self._too_large = False  # the last snapshot tried was over the size limit
         self._writer: SnapshotWriter | None = None  # made for a long history
         #: Events journaled by this incarnation, and (seq, that count) at each snapshot:
         #: replay keeps journal_keep_events events, counted, not measured in seq.
@@ -98,6 +107,30 @@ class Journal:
         self._size = sum(len(e.data) for e in stored.entries)
         self._snapshot_size = len(stored.snapshot)
         self.at = durable_seq + SEQ_GAP // 2
+
+    def settle(self, session: LiveSession) -> None:
+        """Every request so far is answered: a restart keeps what they changed.
+
+        Without a journal (``durability="hibernate"``) the answered events wait in
+        memory for the next snapshot; once ``snapshot_every`` of them have gathered,
+        they are folded into a copy of the state instead (nothing is written), so that
+        a session that stays live holds its history, not every event of its life.
+        """
+        unsaved = self.unsaved
+        self.settled = len(unsaved)
+        if not self.per_turn and self.settled >= self.config.snapshot_every:
+            self.base = session.to_state()
+            self.floor = unsaved[-1].seq
+            unsaved.clear()
+            self.settled = 0
+
+    def replayable(self) -> tuple[int, list[Event]]:
+        """The durable events not in the store yet, and the seq after which they begin."""
+        return self.floor, self.unsaved
+
+    def holds_unwritten(self) -> bool:
+        """Whether answered state is in no write yet (only without a journal)."""
+        return not self.per_turn and (bool(self.unsaved) or self.base is not None)
 
     def must_journal_status(self, seq: int) -> bool:
         """Whether a status must be journaled before the next request publishes."""
@@ -136,6 +169,9 @@ class Journal:
             self.fault = exc
             raise
         self.at = entries[-1].seq + SEQ_GAP // 2
+        if self._too_large and any(isinstance(e, HistoryEdited) for e in events):
+            self._too_large = False  # the edit may have made the state small enough
+            self._snapshot_size = 0
         del events[:count]
         self._journaled += count
         self._since_snapshot += count
@@ -159,7 +195,18 @@ class Journal:
         writer = self._writer
         if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
             writer = self._writer = SnapshotWriter()
-        snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
+        try:
+            snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
+        except (ValueError, TypeError) as exc:
+            # nothing is written, and retrying cannot help until the state shrinks: a
+            # compaction waits for the journal to double before it encodes it again
+            self._snapshot_size = max(self._snapshot_size, 2 * self._size)
+            self._too_large = True
+            raise SnapshotError(
+                f"the state of session {self.session_id!r} cannot be written as a snapshot "
+                f"(to hibernate or stop): {exc}",
+                session_id=self.session_id,
+            ) from exc
         await self._timed(
             "snapshot",
             self.store.write_snapshot(
@@ -180,10 +227,12 @@ class Journal:
             marks.append((seq, self._journaled))
         self.unsaved.clear()
         self.settled = 0
+        self.base = None
         self.at = seq + SEQ_GAP // 2
         self._since_snapshot = 0
         self._size = 0
         self._snapshot_size = len(snapshot)
+        self._too_large = False
 
     def _trim_point(self) -> int:
         """The highest seq the journal may drop: at least journal_keep_events events

@@ -9,10 +9,30 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._codec import dump_event, load_event
-from ._events import MetadataChanged
+import attrs
 
-__all__ = ["check_metadata", "merge_metadata"]
+from ._codec import MAX_SEQ, dump_event, dump_info, load_event
+from ._events import MetadataChanged
+from ._records import SessionInfo, Status, Usage
+
+__all__ = ["check_info_room", "check_metadata", "merge_metadata"]
+
+
+def check_info_room(info: SessionInfo) -> None:
+    """``ValueError`` naming the session if its info, which holds its metadata, could
+    pass the size limit as the session lives on: checked with the fields that change
+    (status, counts, usage, time) at their largest, so that no later write finds it
+    too large."""
+    dump_info(
+        attrs.evolve(
+            info,
+            status=Status.HIBERNATED,  # the longest status
+            message_count=MAX_SEQ,
+            pending_reviews=MAX_SEQ,
+            usage=Usage(input_tokens=MAX_SEQ, output_tokens=MAX_SEQ),
+            updated_at=info.updated_at.replace(microsecond=1),  # (a whole second packs shorter)
+        )
+    )
 
 
 def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from ._codec import load_events, load_info, load_snapshot
+from ._codec import load_info, load_journal_entry, load_snapshot
 from ._errors import SessionNotFoundError, SnapshotCorruptError, SnapshotError
 from ._events import NO_TIME, Event
 from ._listing import LISTING_BATCH, check_listing, matches, page_of
@@ -36,7 +36,8 @@ async def read_session(store: Store, name: str) -> SessionState:
     nothing, and needs no registry or agent, so it works on a store that a
     server in another process is using (open a SQLite file with
     ``SQLiteStore(path, readonly=True)`` there). ``status`` is the one last
-    stored: a session live elsewhere may be further along in memory than its
+    stored (idle, or waiting on a review, for a session that ran turns since it
+    was woken): a session live elsewhere may be further along in memory than its
     last durable write.
 
     Raises ``SessionNotFoundError`` if the session is not stored,
@@ -45,6 +46,8 @@ async def read_session(store: Store, name: str) -> SessionState:
     """
     validate_name(name)
     session, _ = await read_stored(store, name)
+    if session.status is Status.NEW:  # a wake's status, perhaps followed by turns
+        session.status = session.resting_status()
     return session.to_state()
 
 
@@ -65,7 +68,7 @@ async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, Store
         )
     session = LiveSession(state)
     for entry in stored.entries:
-        for event in load_events(entry.data, session_id=session_id):
+        for event in load_journal_entry(entry.data, session_id):
             if event.seq > stored.snapshot_seq:
                 session.apply(event)
     return session, stored
@@ -81,13 +84,18 @@ async def read_events(store: Store, session_id: str, after: int) -> tuple[int, l
     trimmed, entries = await store.read_journal(session_id, after)
     events: list[Event] = []
     for entry in entries:
-        events += (e for e in load_events(entry.data, session_id=session_id) if e.seq > after)
+        events += (e for e in load_journal_entry(entry.data, session_id) if e.seq > after)
     return trimmed, events
 
 
 def describe_stored(name: str, blob: bytes) -> SessionInfo:
     """The SessionInfo stored for ``name``; ``FAILED`` (and a log line) if unreadable."""
     try:
+        if not isinstance(blob, bytes | bytearray | memoryview):  # a damaged store's value
+            raise SnapshotCorruptError(
+                f"the info of session {name!r} is stored as a {type(blob).__name__}, not bytes",
+                session_id=name,
+            )
         return load_info(blob, session_id=name)
     except SnapshotError as exc:
         log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)

@@ -216,6 +216,10 @@ class ToolCall:
     arguments: str = "{}"
 
 
+#: The largest count a store keeps (the codec's MAX_SEQ): a sum of usages stops there.
+_MAX_COUNT: Final = 2**53 - 1
+
+
 @attrs.frozen(kw_only=True)
 class Usage:
     """Tokens counted by a model: ``input_tokens`` read (the prompt) and
@@ -223,7 +227,8 @@ class Usage:
 
     On an assistant message, what the model reported for that answer; on a
     session's state and listing, the sum over the session's life (it keeps
-    counting when the history is truncated or compacted). Add two with ``+``.
+    counting when the history is truncated or compacted). Add two with ``+``: a
+    sum stops at 2**53 - 1, the largest count a store keeps.
     """
 
     input_tokens: int = 0
@@ -238,8 +243,8 @@ class Usage:
         if not isinstance(other, Usage):
             return NotImplemented
         return Usage(
-            input_tokens=self.input_tokens + other.input_tokens,
-            output_tokens=self.output_tokens + other.output_tokens,
+            input_tokens=min(self.input_tokens + other.input_tokens, _MAX_COUNT),
+            output_tokens=min(self.output_tokens + other.output_tokens, _MAX_COUNT),
         )
 
 

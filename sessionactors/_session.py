@@ -216,6 +216,14 @@ class LiveSession:
         """As in :meth:`info`."""
         return len(self.reviews)
 
+    def resting_status(self) -> Status:
+        """The status between requests: waiting on a review, new (never used), or idle."""
+        if self.reviews:
+            return Status.WAITING
+        if self.turn_count == 0 and not self.messages:
+            return Status.NEW
+        return Status.IDLE
+
     def info(self, status: Status | None = None) -> SessionInfo:
         return SessionInfo(
             session_id=self.session_id,
@@ -399,6 +407,11 @@ class LiveSession:
                 message=message,
                 error=record.error,
             )
+        open_ = self._open
+        if open_ is not None and open_.turn_id == turn_id:  # (issued under an earlier
+            # name, for a session imported under another: its id carries the old tag)
+            status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
+            return TurnOutcome(session_id=sid, turn_id=turn_id, status=status)
         issued = turn_id_time(turn_id, session_tag(sid))
         if issued is None:
             raise TurnNotFoundError(
@@ -408,10 +421,7 @@ class LiveSession:
             )
         status = unrecorded
         error = None
-        open_ = self._open
-        if open_ is not None and open_.turn_id == turn_id:
-            status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
-        elif refused is not None and turn_id in refused:
+        if refused is not None and turn_id in refused:
             status, error = TurnStatus.FAILED, refused[turn_id]
         elif issued <= self.turns_forgotten:
             raise TurnNotFoundError(

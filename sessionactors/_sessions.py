@@ -28,6 +28,7 @@ from ._errors import (
     StoreError,
 )
 from ._hub import Hub
+from ._metadata import check_info_room
 from ._names import validate_name
 from ._reading import read_stored
 from ._records import Status
@@ -235,6 +236,7 @@ class Sessions:
         try:
             snapshot = dump_snapshot(session.to_state())
             info = dump_info(session.info())
+            check_info_room(session.info())  # (room for what its later writes hold)
         except (TypeError, ValueError) as exc:  # the codec's message says what, where
             raise type(exc)(f"session {name!r} cannot be stored: {exc}") from exc
         try:
@@ -331,7 +333,7 @@ class Sessions:
             self.store,
             after,
             lambda: self.release_hub(name),
-            lambda: self.live[name].journal.unsaved if name in self.live else (),
+            lambda: self.live[name].journal.replayable() if name in self.live else (0, ()),
         )
         if name not in self.live:
             try:

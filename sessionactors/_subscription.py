@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
-from ._codec import load_events
+from ._codec import load_journal_entry
 from ._errors import EventsExpiredError
 from ._events import Event
 from ._hub import Hub, Subscriber, lagged_error
@@ -106,11 +106,12 @@ async def open_event_iterator(
     store: Store,
     after: int | None,
     on_close: Callable[[], None],
-    unsaved: Callable[[], Iterable[Event]] = tuple,
+    unsaved: Callable[[], tuple[int, Iterable[Event]]] = lambda: (0, ()),
 ) -> EventIterator:
     """Subscribe first (so nothing published meanwhile is missed), then gather the replay.
 
-    ``unsaved`` gives the session's durable events that are not in the store yet.
+    ``unsaved`` gives the session's durable events that are not in the store yet, and
+    the seq after which they begin (the events before it are in no replay any more).
     """
     sub = hub.subscribe()
     try:
@@ -128,9 +129,11 @@ async def open_event_iterator(
         # not an event withheld until its write is done (a turn's outcome, a status): it
         # comes live once stored, or never, if the write fails
         published = hub.published
-        found: dict[int, Event] = {e.seq: e for e in unsaved() if after < e.seq <= published}
+        floor, pending = unsaved()
+        found: dict[int, Event] = {e.seq: e for e in pending if after < e.seq <= published}
         found.update((e.seq, e) for e in hub.ring_after(after))
         trimmed, entries = await store.read_journal(session_id, after)
+        trimmed = max(trimmed, floor)
         if trimmed > after:
             raise EventsExpiredError(
                 f"events of session {session_id!r} after seq {after} are no longer "
@@ -140,7 +143,7 @@ async def open_event_iterator(
                 oldest_seq=trimmed + 1,
             )
         for entry in entries:  # an entry holds one commit's events
-            for event in load_events(entry.data, session_id=session_id):
+            for event in load_journal_entry(entry.data, session_id):
                 if event.seq > after:
                     found.setdefault(event.seq, event)
         # Events published during the read wait in the buffer: they join the replay, or a

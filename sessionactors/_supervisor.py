@@ -112,6 +112,8 @@ async def session_task(host: Host, actor: Actor) -> None:
             if config.durability != "turn":  # what was answered, not the request cut short
                 journal = actor.journal
                 fresh.journal.unsaved = journal.unsaved[: journal.settled]
+                fresh.journal.base = journal.base
+                fresh.journal.floor = journal.floor
             fresh.lease = actor.lease
             if host.closing:  # it takes nothing new: it only hibernates what it has
                 fresh.close()

@@ -414,10 +414,30 @@ def _decode_name(encoded: bytes) -> str | None:
         return None
 
 
-def _pipeline(client: Client) -> Any:
-    """A pipeline without a transaction (on a cluster, one per master it reaches)."""
+def _member_name(member: bytes) -> str | None:
+    """The session named by a member of the listing order (see ``_listing``); None for a
+    member that names none (the store never writes one: damage)."""
+    try:
+        return bytes.fromhex(bytes(member).decode("ascii")).decode()
+    except ValueError:
+        return None
+
+
+async def _info_reply(reply: Awaitable[Any]) -> bytes | None:
+    """A session's info read by a pipeline's GET: b"" (unreadable, so listed as failed)
+    if its key holds another type than a string."""
+    try:
+        info: bytes | None = await reply
+    except coredis.exceptions.WrongTypeError:
+        return b""
+    return info
+
+
+def _pipeline(client: Client, *, raise_on_error: bool = True) -> Any:
+    """A pipeline without a transaction (on a cluster, one per master it reaches);
+    without ``raise_on_error``, each reply raises its own error when awaited."""
     if isinstance(client, coredis.RedisCluster | coredis.Redis):
-        return client.pipeline(transaction=False)
+        return client.pipeline(transaction=False, raise_on_error=raise_on_error)
     raise TypeError(f"a redis store needs a coredis.Redis or RedisCluster, not {client!r}")
 
 
@@ -1076,15 +1096,23 @@ class RedisStore:
                 if not members:
                     break
                 start += len(members)
-                names = [bytes.fromhex(bytes(m).decode()).decode() for m in members]
-                async with _pipeline(client) as pipe:  # one slot per GET on a cluster
-                    replies = [pipe.get(self._keys(name)[1]) for name in names]
-                infos = [await reply for reply in replies]
+                names = [_member_name(m) for m in members]
+                # one slot per GET on a cluster; a session's info key of the wrong type
+                # fails its own GET only (listed as unreadable), not the listing
+                async with _pipeline(client, raise_on_error=False) as pipe:
+                    replies = [pipe.get(self._keys(n)[1]) for n in names if n is not None]
+                infos: list[bytes | None] = []
+                for name in names:
+                    infos.append(None if name is None else await _info_reply(replies.pop(0)))
                 gone = [m for m, i in zip(members, infos, strict=True) if i is None]
-                if gone:  # deleted by a process that died before unlisting them
+                if gone:  # deleted by a process that died before unlisting them (or stray)
                     await client.zrem(key, gone)
                     start -= len(gone)
-                page += [(n, i) for n, i in zip(names, infos, strict=True) if i is not None]
+                page += [
+                    (n, i)
+                    for n, i in zip(names, infos, strict=True)
+                    if n is not None and i is not None
+                ]
             return page
 
         return await self._run("list", after, run)

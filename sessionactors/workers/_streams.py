@@ -12,7 +12,7 @@ from typing import Any, Final, Protocol, cast
 
 import trio
 
-from .._codec import dump_event, load_event, load_events
+from .._codec import dump_event, load_event, load_events, load_journal_entry
 from .._errors import (
     LeaseHeldError,
     SessionActorsError,
@@ -391,7 +391,7 @@ class Streams:
             entries = [  # one stream item per event (a journal entry holds a commit's)
                 JournalEntry(event.seq, dump_event(event))
                 for batch in batches
-                for event in load_events(batch.data, session_id=name)
+                for event in load_journal_entry(batch.data, name)
                 if top < event.seq <= upto
             ]
             gone = min(trimmed, upto)  # entries up to here are no longer in the journal
