@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import MAX_JOURNAL_ENTRY_BYTES, MAX_SEQ, MAX_TEXT_CHARS, dump_events
+from ._codec import MAX_SEQ
 from ._config import RegistryConfig
 from ._errors import (
     AgentNotFoundError,
@@ -460,12 +460,6 @@ class Actor:
         )
 
     def add_message(self, message: Message) -> None:
-        if self.journal.per_turn:  # (a model's message with tool calls, in its turn)
-            too_large = _unjournalable(
-                self.session_id, make_message_added, message, turn_id=self.turn_id
-            )
-            if too_large is not None:
-                raise too_large  # fails the turn, not the session
         self.durable(
             make_message_added(
                 session_id=self.session_id,
@@ -894,14 +888,8 @@ class Actor:
         stats = self.host.stats
         outcome: Outcome
         error: BaseException | None = None
-        if final is not None and failure is None and not cancelled and self.journal.per_turn:
-            # fails the turn, not the session
-            failure = _unjournalable(
-                sid, make_turn_finished, final, turn_id=turn_id, idempotency_key=key
-            )
         if cancelled:
-            # (cut to what a journal entry surely holds: 4 bytes a character at most)
-            text = storable("".join(self.partial))[: 2 * MAX_TEXT_CHARS] or NO_REPLY_CANCELLED
+            text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
             if self.phase is Phase.ABORTING:
@@ -1584,30 +1572,6 @@ class Actor:
 
 def _resting_status(session: LiveSession) -> Status:
     return session.resting_status()
-
-
-def _unjournalable(
-    sid: str, make: Callable[..., Event], message: Message, **fields: Any
-) -> ValueError | None:
-    """Why the event ``make`` builds around a model's ``message`` cannot be journaled (the
-    message is larger than a journal entry holds), or None; only a long message (text
-    and tool calls) is encoded to know."""
-    calls = message.tool_calls
-    length = len(message.content) + sum(len(c.arguments) + len(c.name) for c in calls)
-    if length <= MAX_TEXT_CHARS:
-        return None
-    try:
-        dump_events([make(session_id=sid, seq=1, message=message, **fields)])
-    except (TypeError, ValueError):
-        size = len(message.content.encode("utf-8", "surrogatepass")) + sum(
-            len(c.arguments.encode("utf-8", "surrogatepass")) for c in calls
-        )
-        return ValueError(
-            f"the model's reply is {size:,} bytes, more than a journal entry of session "
-            f"{sid!r} holds ({MAX_JOURNAL_ENTRY_BYTES:,} bytes); ask for a shorter reply, "
-            "or have the model hand large content over by reference"
-        )
-    return None
 
 
 def describe(exc: BaseException) -> str:
