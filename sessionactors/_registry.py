@@ -373,6 +373,22 @@ async def _unwrapped() -> AsyncIterator[None]:
             del exc, group
 
 
+#: The stores (by id) that an open registry without leases writes: another registry
+#: on one of them would run its sessions too, and the two would overwrite each other.
+_STORES_IN_USE: set[int] = set()
+
+
+def _claim_store(store: Store) -> None:
+    if id(store) in _STORES_IN_USE:
+        raise ValueError(
+            f"open_registry: this {type(store).__name__} is already used by an open registry "
+            "without leases, which runs its sessions; two would overwrite each other's "
+            "writes. Open one registry per store, or leases=True in every registry that "
+            "shares it"
+        )
+    _STORES_IN_USE.add(id(store))
+
+
 @asynccontextmanager
 async def open_registry(
     *,
@@ -501,6 +517,8 @@ async def open_registry(
     the_store: Store = store if store is not None else MemoryStore()
     if leases is None:
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
+    if not config.leases:
+        _claim_store(the_store)
     try:
         async with _unwrapped(), trio.open_nursery() as nursery:
             sessions = Sessions(
@@ -527,6 +545,8 @@ async def open_registry(
                     telemetry.registry_closed(registry)
                 nursery.cancel_scope.cancel()
     finally:
+        if not config.leases:
+            _STORES_IN_USE.discard(id(the_store))
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):
             await the_store.aclose()
     if sessions.unwritten_state:

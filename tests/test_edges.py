@@ -8,6 +8,7 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import attrs
 import pytest
@@ -576,3 +577,28 @@ async def test_spawn_refuses_metadata_that_json_cannot_carry(value: object) -> N
         with pytest.raises(ValueError, match=r"session 'm'.*score.*finite"):
             await registry.spawn("m", metadata={"score": value})
         assert await registry.sessions() == []
+
+
+async def test_a_store_serves_one_registry_at_a_time_without_leases(tmp_path: Path) -> None:
+    """Two registries open at once on one store object, without leases, would each run
+    a session and overwrite each other's journal (a crash, and acknowledged turns lost):
+    the second open_registry is refused, naming the way out; once the first closed, the
+    store opens again, and with leases several registries share it (a session runs in
+    one of them at a time)."""
+    for store in (sa.MemoryStore(), sa.SQLiteStore(str(tmp_path / "s.db"))):
+        async with sa.open_registry(agents=ECHO, store=store) as first:
+            await (await first.spawn("x")).send("hi")
+            with pytest.raises(ValueError, match=r"already used by an open registry.*leases=True"):
+                async with sa.open_registry(agents=ECHO, store=store):
+                    pytest.fail("the second registry opened")  # pragma: no cover
+            assert (await first.ref("x").send("still here")).text == "still here"
+        async with sa.open_registry(agents=ECHO, store=store) as again:
+            assert len(await again.ref("x").history()) == 4
+    shared = sa.MemoryStore()
+    async with (
+        sa.open_registry(agents=ECHO, store=shared, leases=True) as one,
+        sa.open_registry(agents=ECHO, store=shared, leases=True) as two,
+    ):
+        await (await one.spawn("y")).send("a")
+        with pytest.raises(sa.LeaseHeldError):  # live in the other: it runs it alone
+            await two.ref("y").send("b")
