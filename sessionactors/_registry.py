@@ -414,7 +414,9 @@ async def open_registry(
     """Open a registry of session actors; leaving the block shuts it down.
 
     - ``store``: where sessions are kept (default: a new ``MemoryStore``).
-      The registry closes it on exit; stores reopen on next use.
+      The registry closes it on exit; stores reopen on next use. One open
+      registry writes a store object at a time, unless each has ``leases=True``
+      (a second one without raises ``ValueError``).
     - ``agents``: name -> Agent; names let a session find its agent after a restart.
       Only turns need them: without agents (the default), the registry reads and
       manages the store (listings, state and history, metadata, deletes, spawns
