@@ -58,6 +58,47 @@ class RateLimited:
         yield sa.TextChunk(text)
 
 
+async def test_a_stream_through_another_worker_follows_its_turn_sent_on_when_its_owner_closes(
+    redis_url: str,
+) -> None:
+    """ref.stream() through another worker, whose turn waits in the owner's mailbox when the owner closes and is sent on to the session's next worker, yields that turn's events to its outcome: it never ends empty without one."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    model = HoldLong()
+    seen: list[sa.Event] = []
+    text = "queued behind the long turn"
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "b", EchoModel()) as b:
+            async with (
+                trio.open_nursery() as nursery,
+                open_worker(redis_url, prefix, "a", model, shutdown_grace=0.3) as a,
+            ):
+                await a.spawn("s")
+                await a.ref("s").history()  # live on a
+
+                async def long_turn() -> None:
+                    with pytest.raises(sa.SessionStoppedError):  # cut off by a's close
+                        await a.ref("s").send("long")
+
+                nursery.start_soon(long_turn)
+                await model.started.wait()
+
+                async def stream(task_status: trio.TaskStatus[None]) -> None:
+                    async with b.ref("s").stream(text) as events:
+                        task_status.started()  # accepted into a's mailbox
+                        async for event in events:
+                            seen.append(event)
+
+                await nursery.start(stream)
+            # a closed (then the stream ended): the turn a never started ran on b
+            history = await b.ref("s").history()
+    assert [m.content for m in history if m.role is sa.Role.USER] == ["long", text]
+    assert [type(e) for e in seen[:1]] == [sa.TurnStarted]
+    last = seen[-1]
+    assert isinstance(last, sa.TurnFinished), seen
+    assert last.turn_id == seen[0].turn_id
+    assert last.message.content.strip() == text
+
+
 async def test_a_turn_failed_through_another_worker_keeps_its_cause(redis_url: str) -> None:
     """A turn sent through another worker whose model fails raises TurnFailedError with the model's error as its __cause__ (type, message, status_code), as it does on the owner's own worker."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
