@@ -3,8 +3,15 @@ closes, dies or is slow; every caller gets the answer or error it would get loca
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +24,7 @@ from sessionactors.testing import EchoModel
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
+WORKER = Path(__file__).with_name("cluster_worker.py")
 
 
 def open_worker(url: str, prefix: str, worker_id: str, model: Any, **options: Any) -> Any:
@@ -122,3 +130,86 @@ async def test_a_turn_failed_through_another_worker_keeps_its_cause(redis_url: s
     assert str(cause) == str(local.__cause__)
     assert cause.status_code == 429
     assert remote.session_id == "s"
+
+
+@contextlib.asynccontextmanager
+async def worker_process(url: str, prefix: str, worker_id: str) -> AsyncIterator[trio.Process]:
+    """A tests/cluster_worker.py process (sessions stay where they woke) that has woken
+    sessions s0..s9; killed at the end."""
+    command = [sys.executable, str(WORKER), url, prefix, worker_id, str(TTL), "normal", "0"]
+    process = await trio.lowlevel.open_process(
+        [*command, "fixed"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        lines = process.stdout
+        buffer = b""
+
+        async def line() -> dict[str, Any]:
+            nonlocal buffer
+            while b"\n" not in buffer:
+                data = await lines.receive_some(65536)
+                assert data, "the worker process ended"
+                buffer += data
+            raw, buffer = buffer.split(b"\n", 1)
+            answer: dict[str, Any] = json.loads(raw)
+            return answer
+
+        assert "ready" in await line()
+        names = [f"s{i}" for i in range(10)]
+        await process.stdin.send_all(json.dumps({"id": 1, "op": "spawn", "names": names}).encode())
+        await process.stdin.send_all(b"\n")
+        assert (await line()).get("ok") is True
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        process.kill()
+        with trio.move_on_after(10):
+            await process.wait()
+
+
+async def test_requests_to_a_frozen_worker_go_to_the_next_owner_once_its_lease_lapsed(
+    redis_url: str,
+) -> None:
+    """Requests through another worker to sessions of a frozen worker (SIGSTOP: its connections stay open) are served by the next owner once the frozen worker's lease lapsed: reads and keyed turns in flight go on there within a few lease lifetimes, an unkeyed turn in flight gets SessionCrashedError, and later requests are not sent to the frozen worker again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    outcomes: dict[str, Any] = {}
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a") as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            assert (await b.ref("s0").send("warm up")).text == "warm up"
+            assert b.live() == []  # it ran on a
+            a.send_signal(signal.SIGSTOP)
+
+            async def call(label: str, request: Callable[[], Awaitable[Any]]) -> None:
+                start = trio.current_time()
+                try:
+                    outcomes[label] = await request()
+                except sa.SessionActorsError as exc:
+                    outcomes[label] = exc
+                outcomes[label + " took"] = trio.current_time() - start
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    call, "keyed", lambda: b.ref("s1").send("k", idempotency_key="k")
+                )
+                nursery.start_soon(call, "history", b.ref("s2").history)
+                nursery.start_soon(call, "metadata", lambda: b.ref("s3").set_metadata({"x": 1}))
+                nursery.start_soon(call, "unkeyed", lambda: b.ref("s4").send("u"))
+            # later requests, to sessions the worker was last seen to run
+            for name in ("s0", "s5"):
+                await call(name, lambda name=name: b.ref(name).send("later"))
+    assert isinstance(outcomes["keyed"], sa.Reply), outcomes["keyed"]
+    assert outcomes["history"] == [], outcomes["history"]
+    assert outcomes["metadata"] == {"x": 1}, outcomes["metadata"]
+    unkeyed = outcomes["unkeyed"]
+    assert isinstance(unkeyed, sa.SessionCrashedError), unkeyed
+    assert unkeyed.session_id == "s4"
+    for name in ("s0", "s5"):
+        assert isinstance(outcomes[name], sa.Reply), outcomes[name]
+        # served by b at once: the frozen worker's lease lapsed long ago
+        assert outcomes[name + " took"] < TTL, outcomes[name + " took"]

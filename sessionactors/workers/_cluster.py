@@ -24,8 +24,9 @@ registry:
   worker no longer owns the session, or is closing) send the request on to the
   session's current owner;
 * asks the owner about its request while it waits (every third of ``lease_ttl``
-  without word): a ping nobody hears asks the store whether the owner's incarnation
-  is still the live one, and the owner answers "working", its answer again (one
+  without word): a ping nobody hears, or one left without a word for longer than a
+  lease (a frozen owner's connections may still take it), asks the store whether the
+  owner's incarnation is still the live one, and the owner answers "working", its answer again (one
   whose send failed or was lost; a read's is not kept, it is read again),
   "unknown" (the request never reached it: sent again), or "forgotten" (it keeps
   the last 10,000 answers, and this request's requester issued it no later than
@@ -811,6 +812,9 @@ class Cluster:
                     continue
                 self.stats.forwarded += 1
                 answer = await self._wait_answer(name, owner, incarnation, rid, receive, on_ack)
+            except WorkerUnreachableError:
+                self._forget_owner(name, owner, incarnation)  # the next request looks again
+                raise
             finally:
                 del self._waiters[rid]
             moved = bool(
@@ -846,7 +850,7 @@ class Cluster:
                     )
                 continue
             if answer is _OWNER_DIED:
-                self._owners.pop(name, None)
+                self._forget_owner(name, owner, incarnation)
                 self.stats.owner_deaths += 1
                 if not retry_safe:
                     raise SessionCrashedError(
@@ -874,6 +878,13 @@ class Cluster:
                 continue
             answer["_owner"] = owner
             return answer
+
+    def _forget_owner(self, name: str, owner: str, incarnation: str) -> None:
+        """Look the owner of ``name``, and that worker's incarnation, up again next time
+        (it died, froze, or gave no word)."""
+        self._owners.pop(name, None)
+        if self._incarnations.get(owner) == incarnation:
+            del self._incarnations[owner]
 
     async def _wait_answer(
         self,
@@ -910,11 +921,13 @@ class Cluster:
                 {"op": "ping", "q": rid, "from": self.worker, "fi": self.incarnation}
             )
             try:
-                # not heard: gone, or between two subscriptions (it hears the next ping)
+                # not heard: gone, or between two subscriptions (it hears the next ping);
+                # heard, but silent for longer than a lease: frozen, or cut off from the
+                # store with its connections open (gone too once its liveness lapsed)
+                heard_ping = await self.transport.send(owner, incarnation, ping)
                 if (
-                    not await self.transport.send(owner, incarnation, ping)
-                    and await self.transport.incarnation(owner) != incarnation
-                ):
+                    not heard_ping or trio.current_time() - heard > self.ttl
+                ) and await self.transport.incarnation(owner) != incarnation:
                     return _OWNER_DIED
             except StoreError as exc:
                 fatal(exc)
