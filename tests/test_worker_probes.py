@@ -213,3 +213,38 @@ async def test_requests_to_a_frozen_worker_go_to_the_next_owner_once_its_lease_l
         assert isinstance(outcomes[name], sa.Reply), outcomes[name]
         # served by b at once: the frozen worker's lease lapsed long ago
         assert outcomes[name + " took"] < TTL, outcomes[name + " took"]
+
+
+@pytest.mark.parametrize("deleter", ["a", "b"])
+async def test_deleting_a_session_ends_its_subscriptions_on_every_worker_cleanly(
+    redis_url: str, deleter: str
+) -> None:
+    """Deleting a session (on its owner, or through another worker) ends its subscriptions on both workers after their last event, as on one process: the owner's own subscriber sees no SessionNotFoundError."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    ended: dict[str, str] = {}
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            registries = {"a": a, "b": b}
+            await a.spawn("s")
+            await a.ref("s").send("hello")  # live on a
+
+            async def subscribe(where: str, task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with registries[where].ref("s").subscribe() as events:
+                        task_status.started()
+                        async for _event in events:
+                            pass
+                except sa.SessionActorsError as exc:
+                    ended[where] = f"{type(exc).__name__}: {exc}"
+                else:
+                    ended[where] = "ended"
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe, "a")
+                await nursery.start(subscribe, "b")
+                await registries[deleter].ref("s").send("one more")
+                await registries[deleter].delete("s")
+    assert ended == {"a": "ended", "b": "ended"}

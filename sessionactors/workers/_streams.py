@@ -16,6 +16,7 @@ from .._codec import dump_event, load_event, load_events
 from .._errors import (
     LeaseHeldError,
     SessionActorsError,
+    SessionNotFoundError,
     SessionStoppedError,
     SnapshotError,
     StoreError,
@@ -512,6 +513,11 @@ class Streams:
         if not host.is_live(name):
             try:
                 stopped = (await host.stored_status(name)) is Status.STOPPED
+            except SessionNotFoundError:
+                if not followed:
+                    iterator.close()
+                    raise
+                stopped = True  # the session it followed was deleted: it ends, as here
             except BaseException:
                 iterator.close()
                 raise
