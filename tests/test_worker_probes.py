@@ -248,3 +248,69 @@ async def test_deleting_a_session_ends_its_subscriptions_on_every_worker_cleanly
                 await registries[deleter].ref("s").send("one more")
                 await registries[deleter].delete("s")
     assert ended == {"a": "ended", "b": "ended"}
+
+
+async def test_requests_forwarded_by_a_closing_worker_get_their_answers_within_its_grace(
+    redis_url: str,
+) -> None:
+    """A worker whose registry closes while its callers' requests run on another worker waits for their answers within its shutdown_grace, as it does for its own turns: each caller gets its reply, and no caller is told to send again a turn that runs anyway."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    outcomes: dict[str, Any] = {}
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "a", EchoModel(delay=0.1)) as a:
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            async with (
+                trio.open_nursery() as nursery,
+                open_worker(redis_url, prefix, "b", EchoModel(), shutdown_grace=10) as b,
+            ):
+
+                async def send(label: str, key: str | None) -> None:
+                    try:
+                        outcomes[label] = await b.ref("s").send(
+                            label + " a b c", idempotency_key=key
+                        )
+                    except sa.SessionActorsError as exc:
+                        outcomes[label] = exc
+
+                async def submit(label: str, key: str | None, task_status: Any) -> None:
+                    turn = await b.ref("s").submit(label + " a b c", idempotency_key=key)
+                    task_status.started()  # accepted by a
+                    try:
+                        outcomes[label] = await turn.reply()
+                    except sa.SessionActorsError as exc:
+                        outcomes[label] = exc
+
+                nursery.start_soon(send, "sent", None)
+                # (two round trips to a each: the send above is on its way before them)
+                await nursery.start(submit, "unkeyed", None)
+                await nursery.start(submit, "keyed", "k")
+            # b closed: its callers' answers came first
+            history = await a.ref("s").history()
+    for label in ("sent", "unkeyed", "keyed"):
+        assert isinstance(outcomes[label], sa.Reply), (label, outcomes[label])
+        assert outcomes[label].text.strip() == label + " a b c"
+    texts = sorted(m.content for m in history if m.role is sa.Role.USER)
+    assert texts == ["keyed a b c", "sent a b c", "unkeyed a b c"]
+
+
+async def test_a_closing_worker_tells_callers_whose_answers_outlast_its_grace_that_it_may_run(
+    redis_url: str,
+) -> None:
+    """A turn accepted by another worker whose answer outlasts the shutdown grace of its caller's closing registry fails with SessionStoppedError naming the turn (it may be in the history): never with a word that it was not run, since it runs on there."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    model = HoldLong()
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "a", model) as a:
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            async with open_worker(redis_url, prefix, "b", EchoModel(), shutdown_grace=0.3) as b:
+                turn = await b.ref("s").submit("long")
+                await model.started.wait()  # it runs on a
+            with pytest.raises(sa.SessionStoppedError) as caught:
+                await turn.reply()
+            await a.ref("s").cancel()
+    error = caught.value
+    assert error.session_id == "s"
+    assert error.turn_id == turn.id
+    assert "may have run" in str(error)

@@ -183,7 +183,16 @@ class ClusterStatistics:
 class _Forwarded:
     """A turn sent to another worker, settled by the task that carries it."""
 
-    __slots__ = ("accepted", "early_error", "local", "pending", "replayed", "settled", "turn_id")
+    __slots__ = (
+        "accepted",
+        "early_error",
+        "local",
+        "owner",
+        "pending",
+        "replayed",
+        "settled",
+        "turn_id",
+    )
 
     def __init__(self) -> None:
         self.settled = trio.Event()
@@ -192,6 +201,7 @@ class _Forwarded:
         self.early_error: BaseException | None = None
         self.pending = Pending()
         self.turn_id = ""
+        self.owner = ""  # the worker that accepted it
         self.replayed = False
 
 
@@ -234,6 +244,10 @@ class Cluster:
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._waiters: dict[str, trio.MemorySendChannel[dict[str, Any]]] = {}
+        #: Requests being forwarded (``_forward`` calls under way), and the event that
+        #: tells a closing worker that none is left.
+        self._forwarding = 0
+        self._drained: trio.Event | None = None
         self._owners: dict[str, str] = {}  # session -> owner hint ("": another, unknown)
         self._incarnations: dict[str, str] = {}  # worker -> its live incarnation, as last seen
         self._listening: trio.CancelScope | None = None
@@ -310,14 +324,23 @@ class Cluster:
             self.streams.close()
 
     async def aclose(self) -> None:
-        """Flush the events and retire this worker (requests that still reach it until
-        its nursery ends are answered "moved")."""
+        """Wait (within the shutdown grace) for the answers to the requests this worker
+        forwarded, then flush the events and retire this worker (requests that still
+        reach it until its nursery ends are answered "moved")."""
         self._closing = True
-        with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
-            await self._withdraw()
-            await self.streams.flush(min(2.0, self.ttl))
-            with contextlib.suppress(StoreError):
-                await self.transport.leave(self.worker, self.incarnation)
+        try:
+            # The requests this worker's callers sent elsewhere run on there: their
+            # answers get the shutdown grace, as this worker's own turns do.
+            with trio.move_on_after(self.host.config.shutdown_grace):
+                while self._forwarding:
+                    self._drained = trio.Event()
+                    await self._drained.wait()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
+                await self._withdraw()
+                await self.streams.flush(min(2.0, self.ttl))
+                with contextlib.suppress(StoreError):
+                    await self.transport.leave(self.worker, self.incarnation)
 
     async def _skip_stale_inbox(self) -> None:
         messages, _ = await self.transport.read(self.worker, "0-0", {}, None)
@@ -678,6 +701,7 @@ class Cluster:
     ) -> None:
         def on_ack(body: Mapping[str, Any]) -> None:
             forwarded.turn_id = str(body["turn_id"])
+            forwarded.owner = str(body.get("_owner", "?"))
             forwarded.replayed = bool(body.get("replayed"))
             forwarded.accepted = True
             forwarded.settled.set()
@@ -703,8 +727,12 @@ class Cluster:
                 forwarded.early_error = exc
             forwarded.pending.set_error(exc)
         finally:
-            if not forwarded.pending.done and not forwarded.local:
-                forwarded.pending.set_error(_closing_error(name))
+            if not forwarded.pending.done and not forwarded.local:  # (this worker closed)
+                forwarded.pending.set_error(
+                    _abandoned_error(name, forwarded.owner, forwarded.turn_id)
+                    if forwarded.accepted
+                    else _closing_error(name)
+                )
             forwarded.settled.set()
 
     async def read(self, name: str) -> SessionState | None:
@@ -750,6 +778,21 @@ class Cluster:
         None if no other worker holds the session (the caller runs it here).
         """
         self._running(name)
+        self._forwarding += 1
+        try:
+            return await self._forward_until_answered(name, request, retry_safe, on_ack)
+        finally:
+            self._forwarding -= 1
+            if not self._forwarding and self._drained is not None:
+                self._drained.set()
+
+    async def _forward_until_answered(
+        self,
+        name: str,
+        request: dict[str, Any],
+        retry_safe: bool,
+        on_ack: Callable[[Mapping[str, Any]], None] | None,
+    ) -> dict[str, Any] | None:
         shard = self.transport.shard(name)
         unheard_since: float | None = None  # since when the owner says it never got it
         unheard_copies = 0
@@ -899,6 +942,7 @@ class Cluster:
         the request); WorkerUnreachableError after two lease lifetimes without word."""
         heard = trio.current_time()
         acked = False
+        accepted = ""  # the id of the turn the owner accepted (an ack's)
         failure: StoreError | None = None
         ping = b""  # made when first needed: most answers come before
         while True:
@@ -907,10 +951,12 @@ class Cluster:
                     try:
                         answer = await receive.receive()
                     except (trio.EndOfChannel, trio.ClosedResourceError):
-                        raise _closing_error(name) from None
+                        raise _abandoned_error(name, owner, accepted) from None
                     heard = trio.current_time()
                     if answer.get("ok") == "ack":
                         acked = True
+                        accepted = str(answer.get("turn_id") or "")
+                        answer["_owner"] = owner
                         if on_ack is not None:
                             on_ack(answer)
                     elif answer.get("ok") == "unknown" and acked:
@@ -1088,6 +1134,19 @@ class Cluster:
         """Run ``fn`` in the background while the worker runs (not at all otherwise)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, name=name)
+
+
+def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError:
+    """For a request sent to ``owner`` whose answer this closing worker no longer waits
+    for (``turn_id``: the turn the owner accepted, if it said so)."""
+    return SessionStoppedError(
+        f"the registry closed before worker {owner!r}, which runs session {name!r}, "
+        "answered this request (its shutdown grace ran out): it may have run there, or "
+        "may still; look at the history (or ref.turn_outcome) before sending it again (a "
+        "turn sent with idempotency_key=... runs once however often it is sent)",
+        session_id=name,
+        turn_id=turn_id,
+    )
 
 
 def _closing_error(name: str) -> SessionStoppedError:
