@@ -314,3 +314,53 @@ async def test_a_closing_worker_tells_callers_whose_answers_outlast_its_grace_th
     assert error.session_id == "s"
     assert error.turn_id == turn.id
     assert "may have run" in str(error)
+
+
+class LeavingStore(RedisStore):
+    """A RedisStore whose worker hibernates session "s" while it answers another
+    worker's subscription to it (between its wake there and its first event published)."""
+
+    registry: sa.Registry | None = None
+    left = False
+
+    async def open_router(self, host: Any, nursery: trio.Nursery) -> Any:
+        router = await super().open_router(host, nursery)
+        transport = router.transport
+        watch = transport.watch
+
+        async def watch_then_leave(names: Any, ttl: float) -> None:
+            await watch(names, ttl)
+            if list(names) == ["s"] and not self.left and self.registry is not None:
+                self.left = True
+                await self.registry.ref("s").hibernate()
+
+        transport.watch = watch_then_leave
+        return router
+
+
+async def test_a_subscription_whose_session_left_the_worker_it_asked_hears_where_it_wakes(
+    redis_url: str,
+) -> None:
+    """A subscription through another worker, whose session hibernates there before that worker publishes its first event, follows the session to where it wakes next and hears its turns: it does not wait forever on a hub the session never comes back to."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = LeavingStore(redis_url, prefix=prefix, balance=False)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    seen: list[sa.Event] = []
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            sa.open_registry(store=store, agents=agents, worker_id="b", lease_ttl=TTL) as b,
+        ):
+            store.registry = b
+            await b.spawn("s")
+            await b.ref("s").history()  # live on b
+            async with a.ref("s").subscribe() as events:
+                assert store.left  # b let it go while it answered the subscription
+                reply = await b.ref("s").send("where are you")  # it wakes again
+                with trio.move_on_after(10):
+                    async for event in events:
+                        seen.append(event)
+                        if isinstance(event, sa.TurnFinished):
+                            break
+    finished = [e for e in seen if isinstance(e, sa.TurnFinished)]
+    assert [e.turn_id for e in finished] == [reply.turn_id], seen
