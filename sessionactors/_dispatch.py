@@ -306,12 +306,17 @@ class Dispatcher:
 
     async def _hibernate(self, name: str) -> None:
         actor = self.sessions.live.get(name)
-        if actor is None:
-            if self.router is not None:  # maybe live on another worker
-                await self.router.call(name, Hibernate())
-            await trio.lowlevel.checkpoint()
-            return
-        await self._mail(actor, Hibernate())
+        if actor is not None:
+            try:
+                await self._mail(actor, Hibernate())
+                return
+            except LeaseHeldError:  # it was waking here, and another worker runs it
+                if self.router is None:
+                    raise
+                self.router.held_elsewhere(name)
+        if self.router is not None:  # maybe live on another worker
+            await self.router.call(name, Hibernate())
+        await trio.lowlevel.checkpoint()
 
     async def _stop_here(self, name: str) -> Any:
         sessions = self.sessions

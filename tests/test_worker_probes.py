@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import RedisStore
@@ -364,3 +365,50 @@ async def test_a_subscription_whose_session_left_the_worker_it_asked_hears_where
                             break
     finished = [e for e in seen if isinstance(e, sa.TurnFinished)]
     assert [e.turn_id for e in finished] == [reply.turn_id], seen
+
+
+class GatedClaims(RedisStore):
+    """A RedisStore whose claims wait for ``gate`` (a session waking here stays waking)."""
+
+    gate: trio.Event | None = None
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Any:
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().claim(session_id, owner, ttl)
+
+
+async def test_hibernating_a_session_live_elsewhere_while_a_request_wakes_it_here(
+    redis_url: str,
+) -> None:
+    """ref.hibernate() on a worker where another request is waking the session, whose lease another worker holds, hibernates it on that worker: the caller never gets LeaseHeldError, which a registry on a store that connects workers handles itself."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = GatedClaims(redis_url, prefix=prefix, balance=False)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+            sa.open_registry(store=store, agents=agents, worker_id="a", lease_ttl=TTL) as a,
+            trio.open_nursery() as nursery,
+        ):
+            await b.spawn("s")
+            await b.ref("s").send("hello")  # live on b
+            store.gate = trio.Event()
+            read: list[int] = []
+
+            async def history() -> None:
+                read.append(len(await a.ref("s").history()))
+
+            nursery.start_soon(history)
+            while "s" not in a.live():  # its wake here waits for its claim
+                await trio.lowlevel.checkpoint()
+            gate, store.gate = store.gate, None
+
+            async def open_gate() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+
+            nursery.start_soon(open_gate)
+            await a.ref("s").hibernate()  # queued behind the wake, which finds it on b
+            assert b.live() == []  # hibernated there
+    assert read == [2]
