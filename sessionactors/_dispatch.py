@@ -299,7 +299,9 @@ class Dispatcher:
     async def _cancel(self, name: str) -> bool:
         await trio.lowlevel.checkpoint()
         actor = self.sessions.live.get(name)
-        if actor is None and self.router is not None:  # maybe live on another worker
+        if (actor is None or not actor.is_ready) and self.router is not None:
+            # maybe live on another worker (a session waking here has no turn yet, and
+            # its wake may find it there)
             result = await self.router.call(name, Cancel())
             return result is not NOT_ROUTED and bool(result)
         return actor is not None and actor.cancel_turn()

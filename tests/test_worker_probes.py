@@ -412,3 +412,38 @@ async def test_hibernating_a_session_live_elsewhere_while_a_request_wakes_it_her
             await a.ref("s").hibernate()  # queued behind the wake, which finds it on b
             assert b.live() == []  # hibernated there
     assert read == [2]
+
+
+async def test_cancelling_a_turn_running_elsewhere_while_a_request_wakes_the_session_here(
+    redis_url: str,
+) -> None:
+    """ref.cancel() on a worker where another request is waking the session, whose turn runs on another worker, cancels that turn: it does not answer False because the session waking here has no turn."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = GatedClaims(redis_url, prefix=prefix, balance=False)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    model = HoldLong()
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "b", model) as b,
+            sa.open_registry(store=store, agents=agents, worker_id="a", lease_ttl=TTL) as a,
+            trio.open_nursery() as nursery,
+        ):
+            await b.spawn("s")
+            await b.ref("s").history()  # live on b
+
+            async def long_turn() -> None:
+                with pytest.raises(sa.TurnCancelledError):
+                    await b.ref("s").send("long")
+
+            nursery.start_soon(long_turn)
+            await model.started.wait()  # the turn runs on b
+            store.gate = trio.Event()
+            nursery.start_soon(a.ref("s").history)
+            while "s" not in a.live():  # its wake here waits for its claim
+                await trio.lowlevel.checkpoint()
+            gate, store.gate = store.gate, None
+            cancelled = await a.ref("s").cancel()
+            gate.set()
+            if not cancelled:
+                await b.ref("s").cancel()  # (so that the test ends)
+    assert cancelled is True
