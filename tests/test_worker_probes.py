@@ -447,3 +447,43 @@ async def test_cancelling_a_turn_running_elsewhere_while_a_request_wakes_the_ses
             if not cancelled:
                 await b.ref("s").cancel()  # (so that the test ends)
     assert cancelled is True
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no words")
+
+
+class FailsOddly:
+    """Fails each turn with an error whose words are odd: a str() that raises, a lone
+    surrogate, or a megabyte of them."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        text = last_user_text(request)
+        await trio.lowlevel.checkpoint()
+        if text == "unprintable":
+            raise Unprintable()
+        if text == "surrogate":
+            raise ValueError("bad \udc80 byte")
+        if text == "huge":
+            raise ValueError("x" * 1_000_000)
+        yield sa.TextChunk(text)
+
+
+@pytest.mark.parametrize("text", ["unprintable", "surrogate", "huge"])
+async def test_a_turn_failed_with_odd_words_through_another_worker(
+    redis_url: str, text: str
+) -> None:
+    """A turn sent through another worker whose model fails with an error whose words are odd (a str() that raises, a lone surrogate, a megabyte) raises TurnFailedError for its caller, and both workers go on serving."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", FailsOddly()) as a,
+            open_worker(redis_url, prefix, "b", FailsOddly()) as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            with pytest.raises(sa.TurnFailedError) as caught:
+                await b.ref("s").send(text)
+            assert (await b.ref("s").send("still here")).text == "still here"
+    assert caught.value.session_id == "s"

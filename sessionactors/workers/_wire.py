@@ -18,7 +18,7 @@ import msgpack
 from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
 from .._errors import SessionActorsError, SessionCrashedError
 from .._events import MessageAdded, ReviewRequested
-from .._records import Message, ReviewRequest
+from .._records import Message, ReviewRequest, storable
 from .._requests import (
     AddMessages,
     Call,
@@ -35,6 +35,7 @@ from .._requests import (
     Stop,
     Truncate,
 )
+from .._session import MAX_ERROR_CHARS
 
 #: What a stamped stream payload starts with (0xc1 starts no msgpack value), then
 #: the creation time of the session that published it, in microseconds since the
@@ -201,17 +202,23 @@ def dump_error(exc: BaseException) -> dict[str, Any]:
     body = _dump_one(exc)
     cause = exc.__cause__
     if isinstance(cause, Exception):  # (a failed turn's: the model's or a tool's error)
-        body["cause"] = _dump_one(cause)
+        body["cause"] = _dump_one(cause, MAX_ERROR_CHARS)
     return body
 
 
-def _dump_one(exc: BaseException) -> dict[str, Any]:
+def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
     extra = {}
     for name in _ERROR_ATTRS:
         value = getattr(exc, name, None)
         if isinstance(value, str | int) and not isinstance(value, bool):
-            extra[name] = value
-    body = {"err": type(exc).__name__, "msg": str(exc), "attrs": extra}
+            extra[name] = storable(value) if isinstance(value, str) else value
+    try:  # (an agent's exception may say anything: a str() that raises, lone surrogates)
+        message = storable(str(exc))
+    except Exception:
+        message = "(its message could not be read)"
+    if limit is not None and len(message) > limit:
+        message = message[:limit] + "..."
+    body = {"err": type(exc).__name__, "msg": message, "attrs": extra}
     session_id = getattr(exc, "session_id", None)
     if isinstance(session_id, str):
         body["sid"] = session_id
