@@ -174,7 +174,7 @@ async def worker_process(url: str, prefix: str, worker_id: str) -> AsyncIterator
 async def test_requests_to_a_frozen_worker_go_to_the_next_owner_once_its_lease_lapsed(
     redis_url: str,
 ) -> None:
-    """Requests through another worker to sessions of a frozen worker (SIGSTOP: its connections stay open) are served by the next owner once the frozen worker's lease lapsed: reads and keyed turns in flight go on there within a few lease lifetimes, an unkeyed turn in flight gets SessionCrashedError, and later requests are not sent to the frozen worker again."""
+    """Requests through another worker to sessions of a frozen worker (SIGSTOP: its connections stay open) are served by the next owner once the frozen worker's lease lapsed: reads, keyed turns and other requests safe to repeat (a stop) in flight go on there within a few lease lifetimes, an unkeyed turn in flight gets SessionCrashedError, and later requests are not sent to the frozen worker again."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     outcomes: dict[str, Any] = {}
     with trio.fail_after(60):
@@ -201,12 +201,16 @@ async def test_requests_to_a_frozen_worker_go_to_the_next_owner_once_its_lease_l
                 nursery.start_soon(call, "history", b.ref("s2").history)
                 nursery.start_soon(call, "metadata", lambda: b.ref("s3").set_metadata({"x": 1}))
                 nursery.start_soon(call, "unkeyed", lambda: b.ref("s4").send("u"))
+                nursery.start_soon(call, "stop", b.ref("s6").stop)  # (safe to repeat)
             # later requests, to sessions the worker was last seen to run
             for name in ("s0", "s5"):
                 await call(name, lambda name=name: b.ref(name).send("later"))
+            stopped = (await b.ref("s6").state()).status
     assert isinstance(outcomes["keyed"], sa.Reply), outcomes["keyed"]
     assert outcomes["history"] == [], outcomes["history"]
     assert outcomes["metadata"] == {"x": 1}, outcomes["metadata"]
+    assert outcomes["stop"] is None, outcomes["stop"]
+    assert stopped is sa.Status.STOPPED
     unkeyed = outcomes["unkeyed"]
     assert isinstance(unkeyed, sa.SessionCrashedError), unkeyed
     assert unkeyed.session_id == "s4"

@@ -156,7 +156,7 @@ _ISSUERS_KEPT: Final = 10_000
 _NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answers are not
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
-_SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate)
+_SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate, Stop)
 _HANDOVERS: Final = 8  # shards a worker hands over at a time (balancing)
 _RETRY_ROUNDS: Final = 10  # balancing rounds before a shard that stayed is tried again
 _BUSY_TRIES: Final = 3  # hibernations a hand-over tries while a session stays busy
