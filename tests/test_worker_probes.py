@@ -491,3 +491,21 @@ async def test_a_turn_failed_with_odd_words_through_another_worker(
                 await b.ref("s").send(text)
             assert (await b.ref("s").send("still here")).text == "still here"
     assert caught.value.session_id == "s"
+
+
+async def test_truncating_to_more_messages_than_a_wire_integer_through_another_worker(
+    redis_url: str,
+) -> None:
+    """ref.truncate(keep_last) with keep_last past 64 bits, sent through another worker, keeps the whole history and answers 0, as on the owner's own worker: no OverflowError from the wire."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").send("hello")  # live on a
+            assert await a.ref("s").truncate(2**70) == 0
+            assert await b.ref("s").truncate(2**70) == 0
+            assert len(await b.ref("s").history()) == 2
+            assert b.live() == []  # it ran on a

@@ -78,6 +78,7 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "AttributeError": AttributeError,
 }
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
+_MAX_WIRE_INT: Final = 2**63 - 1  # the largest integer msgpack carries either way
 
 
 def creation_stamp(created: datetime.datetime) -> int:
@@ -172,6 +173,8 @@ def dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, An
     if isinstance(request, AddMessages | ReplaceHistory):  # records: the codec's bytes
         added = [MessageAdded(session_id=name, seq=0, message=m) for m in request.messages]
         return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
+    if isinstance(request, Truncate):  # (past 64 bits: all the same, every message kept)
+        request = Truncate(keep_last=min(request.keep_last, _MAX_WIRE_INT))
     return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
 
 
