@@ -78,6 +78,10 @@ class Turn(metaclass=NoPublicConstructor):
     session_id: str
     _pending: Pending = attrs.field(alias="pending")
     _replayed: bool = attrs.field(default=False, alias="replayed")
+    #: Whether ``replayed`` was known when the turn was made (a turn another worker
+    #: accepted): a reply under another id then names the turn that ran for it there
+    #: (sent on to the session's next worker), not a completed turn's stored reply.
+    _known: bool = attrs.field(default=False, alias="known")
 
     def __repr__(self) -> str:
         return f"Turn(id={self.id!r}, session_id={self.session_id!r}, replayed={self.replayed})"
@@ -113,6 +117,8 @@ class Turn(metaclass=NoPublicConstructor):
         also answers; once the session found the key completed, ``replayed`` is True
         and ``id`` is the completed turn's.
         """
+        if self._known:
+            return self._replayed
         return self._replayed or self._replayed_as() is not None
 
     async def reply(self) -> Reply:
@@ -131,9 +137,14 @@ class Turn(metaclass=NoPublicConstructor):
         return self._pending.done
 
 
-def new_turn(turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False) -> Turn:
-    """A Turn waiting on ``pending`` (for the dispatcher and routers)."""
-    return Turn._create(id=turn_id, session_id=session_id, pending=pending, replayed=replayed)
+def new_turn(
+    turn_id: str, session_id: str, pending: Pending, *, replayed: bool = False, known: bool = False
+) -> Turn:
+    """A Turn waiting on ``pending`` (for the dispatcher and routers; ``known``: whether
+    ``replayed`` is known for good, see ``Turn._known``)."""
+    return Turn._create(
+        id=turn_id, session_id=session_id, pending=pending, replayed=replayed, known=known
+    )
 
 
 @attrs.define(eq=False, repr=False)

@@ -509,3 +509,30 @@ async def test_truncating_to_more_messages_than_a_wire_integer_through_another_w
             assert await b.ref("s").truncate(2**70) == 0
             assert len(await b.ref("s").history()) == 2
             assert b.live() == []  # it ran on a
+
+
+async def test_a_turn_sent_on_by_a_closing_worker_is_not_called_replayed(redis_url: str) -> None:
+    """A turn submitted through another worker that closed before starting it, and run by the session's next worker under a new turn id, reads as that turn (turn.id is its reply's turn_id) and not as replayed: it ran, it was no stored reply."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    model = HoldLong()
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "b", EchoModel()) as b:
+            async with (
+                trio.open_nursery() as nursery,
+                open_worker(redis_url, prefix, "a", model, shutdown_grace=0.3) as a,
+            ):
+                await a.spawn("s")
+                await a.ref("s").history()  # live on a
+
+                async def long_turn() -> None:
+                    with pytest.raises(sa.SessionStoppedError):  # cut off by a's close
+                        await a.ref("s").send("long")
+
+                nursery.start_soon(long_turn)
+                await model.started.wait()
+                turn = await b.ref("s").submit("queued")  # in a's mailbox
+                assert not turn.replayed
+            reply = await turn.reply()  # run by b, a's next worker
+    assert reply.text.strip() == "queued"
+    assert turn.id == reply.turn_id
+    assert not turn.replayed

@@ -694,7 +694,9 @@ class Cluster:
             return None
         if forwarded.early_error is not None:
             raise forwarded.early_error
-        return new_turn(forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed)
+        return new_turn(
+            forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed, known=True
+        )
 
     async def _carry_turn(
         self, name: str, text: str, key: str | None, ack: bool, forwarded: _Forwarded
