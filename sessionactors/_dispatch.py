@@ -60,10 +60,6 @@ class Dispatcher:
         self.sessions = sessions
         self.router: Router | None = None
 
-    def runs_here(self, name: str) -> bool:
-        """Whether session ``name`` is live in this registry (not on another worker)."""
-        return name in self.sessions.live
-
     # ---- the one retry loop -------------------------------------------------------------
 
     async def _route(

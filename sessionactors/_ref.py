@@ -65,7 +65,6 @@ class Dispatcher(Protocol):
     async def read(self, name: str) -> SessionState: ...
     async def outcome(self, name: str, turn_id: str) -> TurnOutcome: ...
     async def open_subscription(self, name: str, after: int | None) -> EventIterator: ...
-    def runs_here(self, name: str) -> bool: ...
 
 
 @attrs.define(eq=False, repr=False)
@@ -411,28 +410,23 @@ class SessionRef(metaclass=NoPublicConstructor):
                     return
                 following = turn.id
                 # a turn that runs here publishes its outcome even if its actor crashes
-                # (lost=True); one that runs on another worker may end without one, or
-                # run under a new id (sent on to the session's next worker when the
-                # first closed before starting it): where the turns that started since
-                # began, to read a renamed one's events again once its reply names it
-                runs_here, name = self._dispatcher.runs_here, self.session_id
-                here = runs_here(name)
+                # (lost=True); one whose worker dies or loses the session may end
+                # without one, or run under a new id (sent on to the session's next
+                # worker when the first closed before starting it): where the turns
+                # that started since began, to read a renamed one's events again once
+                # its reply names it
                 source: EventIterator = events
                 starts: dict[str, int] = {}
                 async with AsyncExitStack() as stack:
                     while True:
                         event: Event | None = None
-                        if here and not turn.done and runs_here(name):
+                        # (a quiet while is looked into here too: a worker that loses the
+                        # session mid-turn publishes nothing more of it)
+                        with trio.move_on_after(_OUTCOME_CHECK):
                             try:
                                 event = await source.__anext__()
                             except StopAsyncIteration:
                                 break
-                        else:
-                            with trio.move_on_after(_OUTCOME_CHECK):
-                                try:
-                                    event = await source.__anext__()
-                                except StopAsyncIteration:
-                                    break
                         if event is None:  # a quiet while: is the turn over elsewhere?
                             if turn.done:
                                 ran_as = await _ran_as(turn)

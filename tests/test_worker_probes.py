@@ -3,9 +3,12 @@ closes, dies or is slow; every caller gets the answer or error it would get loca
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -536,3 +539,115 @@ async def test_a_turn_sent_on_by_a_closing_worker_is_not_called_replayed(redis_u
     assert reply.text.strip() == "queued"
     assert turn.id == reply.turn_id
     assert not turn.replayed
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("balance", [False, True])
+async def test_sessions_hopping_between_workers_under_mixed_traffic(
+    redis_url: str, balance: bool
+) -> None:
+    """Three workers send, stream, read and hibernate eight sessions that hibernate when idle (so they keep waking on one worker or another) for eight seconds: every stream ends with its turn's outcome, every acknowledged turn is stored, no keyed turn twice, and no call waits forever."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    names = [f"s{i}" for i in range(8)]
+    acked: list[tuple[str, str, bool]] = []
+    problems: list[str] = []
+    agents = {"echo": sa.Agent(model=EchoModel(delay=0.005))}
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=balance)
+        return sa.open_registry(
+            store=store, agents=agents, worker_id=worker_id, lease_ttl=TTL, idle_timeout=0.05
+        )
+
+    async def traffic(registry: sa.Registry, tag: str, stop: trio.Event, seed: int) -> None:
+        pick = random.Random(seed)
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            name, text = pick.choice(names), f"{tag}-{i}"
+            key = text if i % 2 else None
+            choice = pick.random()
+            with trio.fail_after(30):  # (a hang fails the test)
+                try:
+                    if choice < 0.6:
+                        await registry.ref(name).send(text, idempotency_key=key)
+                        acked.append((name, text, key is not None))
+                    elif choice < 0.85:
+                        last = None
+                        async with registry.ref(name).stream(text, idempotency_key=key) as events:
+                            async for last in events:  # noqa: B007
+                                pass
+                        if isinstance(last, sa.TurnFinished):
+                            acked.append((name, text, key is not None))
+                        else:
+                            problems.append(f"stream of {text!r} ended with {last!r}")
+                    elif choice < 0.95:
+                        await registry.ref(name).history()
+                    else:
+                        await registry.ref(name).hibernate()
+                except sa.SessionActorsError as exc:
+                    problems.append(f"{text!r}: {exc!r}")
+
+    with trio.fail_after(120):
+        async with worker("a") as a, worker("b") as b, worker("c") as c:
+            for name in names:
+                await a.spawn(name)
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                for n, registry in enumerate([a, b, c] * 3):
+                    nursery.start_soon(traffic, registry, f"w{n}", stop, n)
+                await trio.sleep(8)
+                stop.set()
+            stored: dict[str, collections.Counter[str]] = {}
+            for name in names:
+                history = await a.ref(name).history()
+                stored[name] = collections.Counter(
+                    m.content for m in history if m.role is sa.Role.USER
+                )
+    assert problems == []
+    assert acked
+    assert [t for n, t, _ in acked if not stored[n][t]] == []  # acknowledged, not stored
+    assert [t for n, t, keyed in acked if keyed and stored[n][t] > 1] == []
+
+
+class StallingRenewals(RedisStore):
+    """With ``stalled``, renews no lease but reports every one held, as a worker frozen
+    past its leases would."""
+
+    stalled = False
+
+    async def renew_many(self, leases: Any, ttl: float) -> set[str]:
+        if self.stalled:
+            await trio.lowlevel.checkpoint()
+            return set()
+        result: set[str] = await super().renew_many(leases, ttl)
+        return result
+
+
+async def test_a_stream_on_the_owner_ends_when_its_worker_loses_the_session_mid_turn(
+    redis_url: str,
+) -> None:
+    """ref.stream() on the worker that runs the session, whose lease that worker loses in the middle of the turn (another worker took it over), raises FencedOutError once the loss is noticed, though the session then publishes nothing more: it does not wait for an event that never comes."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = StallingRenewals(redis_url, prefix=prefix, balance=False)
+    model = HoldLong()
+    agents = {"echo": sa.Agent(model=model)}
+    seen: list[sa.Event] = []
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=store, agents=agents, worker_id="a", lease_ttl=TTL) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            await a.spawn("s")
+            with pytest.raises(sa.FencedOutError):  # noqa: PT012
+                async with a.ref("s").stream("long") as events:
+                    async for event in events:
+                        seen.append(event)
+                        if isinstance(event, sa.TurnStarted):
+                            await model.started.wait()
+                            store.stalled = True
+                            await trio.sleep(2 * TTL)  # a's lease expires
+                            await b.ref("s").history()  # b takes the session over
+                            assert b.live() == ["s"]
+                            store.stalled = False  # a notices at its next renewal
+    assert [type(e) for e in seen] == [sa.TurnStarted]
