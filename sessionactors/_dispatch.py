@@ -299,19 +299,26 @@ class Dispatcher:
     async def _cancel(self, name: str) -> bool:
         await trio.lowlevel.checkpoint()
         actor = self.sessions.live.get(name)
-        if actor is None and self.router is not None:  # maybe live on another worker
+        if (actor is None or not actor.is_ready) and self.router is not None:
+            # maybe live on another worker (a session waking here has no turn yet, and
+            # its wake may find it there)
             result = await self.router.call(name, Cancel())
             return result is not NOT_ROUTED and bool(result)
         return actor is not None and actor.cancel_turn()
 
     async def _hibernate(self, name: str) -> None:
         actor = self.sessions.live.get(name)
-        if actor is None:
-            if self.router is not None:  # maybe live on another worker
-                await self.router.call(name, Hibernate())
-            await trio.lowlevel.checkpoint()
-            return
-        await self._mail(actor, Hibernate())
+        if actor is not None:
+            try:
+                await self._mail(actor, Hibernate())
+                return
+            except LeaseHeldError:  # it was waking here, and another worker runs it
+                if self.router is None:
+                    raise
+                self.router.held_elsewhere(name)
+        if self.router is not None:  # maybe live on another worker
+            await self.router.call(name, Hibernate())
+        await trio.lowlevel.checkpoint()
 
     async def _stop_here(self, name: str) -> Any:
         sessions = self.sessions

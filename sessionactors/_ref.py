@@ -8,7 +8,7 @@ its arguments first: nothing the store would refuse reaches a session.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
@@ -85,6 +85,10 @@ class Turn(metaclass=NoPublicConstructor):
     #: For a joined turn: the seq of the last event its session had published when it
     #: joined (a crash's lost verdict for the turn up to there was taken back: it resumed).
     _joined_at: int = attrs.field(default=0, alias="joined_at")
+    #: Whether ``replayed`` was known when the turn was made (a turn another worker
+    #: accepted): a reply under another id then names the turn that ran for it there
+    #: (sent on to the session's next worker), not a completed turn's stored reply.
+    _known: bool = attrs.field(default=False, alias="known")
 
     def __repr__(self) -> str:
         return f"Turn(id={self.id!r}, session_id={self.session_id!r}, replayed={self.replayed})"
@@ -120,6 +124,8 @@ class Turn(metaclass=NoPublicConstructor):
         also answers; once the session found the key completed, ``replayed`` is True
         and ``id`` is the completed turn's.
         """
+        if self._known:
+            return self._replayed
         return self._replayed or self._replayed_as() is not None
 
     async def reply(self) -> Reply:
@@ -155,17 +161,20 @@ def new_turn(
     pending: Pending,
     *,
     replayed: bool = False,
+    known: bool = False,
     since: int | None = None,
     joined_at: int = 0,
 ) -> Turn:
-    """A Turn waiting on ``pending`` (for the dispatcher and routers); ``since``: it
-    joined a turn under way, whose events follow that seq, when the session had
-    published up to ``joined_at`` (see ``Turn._since``)."""
+    """A Turn waiting on ``pending`` (for the dispatcher and routers). ``known``:
+    whether ``replayed`` is known for good (see ``Turn._known``); ``since``: it joined
+    a turn under way, whose events follow that seq, when the session had published up
+    to ``joined_at`` (see ``Turn._since``)."""
     return Turn._create(
         id=turn_id,
         session_id=session_id,
         pending=pending,
         replayed=replayed,
+        known=known,
         since=since,
         joined_at=joined_at,
     )
@@ -447,44 +456,60 @@ class SessionRef(metaclass=NoPublicConstructor):
                     return
                 following = turn.id
                 # a turn that runs here publishes its outcome even if its actor crashes
-                # (lost=True); one that runs on another worker may end without one
+                # (lost=True); one whose worker dies or loses the session may end
+                # without one, or run under a new id (sent on to the session's next
+                # worker when the first closed before starting it): where the turns
+                # that started since began, to read a renamed one's events again once
+                # its reply names it
+                source: EventIterator = events
+                starts: dict[str, int] = {}
                 runs_here, name = self._dispatcher.runs_here, self.session_id
-                here = runs_here(name)
-                while True:
-                    event: Event | None = None
-                    if here and not turn.done and runs_here(name):
-                        try:
-                            event = await events.__anext__()
-                        except StopAsyncIteration:
-                            break
-                    else:
+                async with AsyncExitStack() as stack:
+                    while True:
+                        event: Event | None = None
+                        # (a quiet while is looked into here too: a worker that loses the
+                        # session mid-turn publishes nothing more of it)
                         with trio.move_on_after(_OUTCOME_CHECK):
                             try:
-                                event = await events.__anext__()
+                                event = await source.__anext__()
                             except StopAsyncIteration:
                                 break
-                    if event is None:  # a quiet while: is the turn over elsewhere?
-                        if turn.done and await _void_elsewhere(turn, following, runs_here(name)):
-                            break
-                        continue
-                    turn_id = getattr(event, "turn_id", None)
-                    if (
-                        turn_id != following
-                        and idempotency_key is not None
-                        and isinstance(event, TurnStarted)
-                        and event.idempotency_key == idempotency_key
-                    ):
-                        # its worker died mid-turn and the key ran it again, as a new turn
-                        following = event.turn_id
-                    if turn_id != following or (
-                        # a crash's verdict that the restarted session took back: it
-                        # resumed the turn, which was under way when this stream joined it
-                        isinstance(event, TurnFailed) and event.lost and event.seq <= before
-                    ):
-                        continue
-                    yield event
-                    if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
-                        return
+                        if event is None:  # a quiet while: is the turn over elsewhere?
+                            if turn.done:
+                                ran_as = await _ran_as(turn, runs_here(name))
+                                if ran_as is None:  # no outcome will come
+                                    break
+                                if ran_as and ran_as != following:
+                                    following = ran_as
+                                    start = starts.get(ran_as)
+                                    if start is not None:  # its events went by: again
+                                        source = await stack.enter_async_context(
+                                            self.subscribe(after=start - 1)
+                                        )
+                            continue
+                        turn_id = getattr(event, "turn_id", None)
+                        if (
+                            turn_id != following
+                            and idempotency_key is not None
+                            and isinstance(event, TurnStarted)
+                            and event.idempotency_key == idempotency_key
+                        ):
+                            # its worker died mid-turn and the key ran it again, as a new
+                            # turn
+                            following = event.turn_id
+                        if turn_id != following or (
+                            # a crash's verdict that the restarted session took back: it
+                            # resumed the turn, under way when this stream joined it
+                            isinstance(event, TurnFailed) and event.lost and event.seq <= before
+                        ):
+                            if isinstance(event, TurnStarted):
+                                starts[event.turn_id] = event.seq
+                                if len(starts) > _STARTS_KEPT:
+                                    del starts[next(iter(starts))]
+                            continue
+                        yield event
+                        if isinstance(event, TurnFinished | TurnFailed | TurnCancelled):
+                            return
                 # the events ended before the turn's outcome (the session was deleted,
                 # stopped, or the registry closed), or the worker that ran it died: its
                 # caller's error ends the stream
@@ -522,25 +547,30 @@ class SessionRef(metaclass=NoPublicConstructor):
 
 
 #: Seconds without an event after which a stream checks whether its turn ended
-#: without an outcome it will ever see (its worker died: see ``_void_elsewhere``).
+#: without an outcome it will ever see (its worker died: see ``_ran_as``).
 _OUTCOME_CHECK = 1.0
+#: How many other turns' starts a stream remembers while it waits for its own turn.
+_STARTS_KEPT = 4096
 
 
-async def _void_elsewhere(turn: Turn, following: str, here: bool) -> bool:
-    """Whether a finished ``turn`` will publish no outcome for ``following``: the worker
-    that ran it died or lost it (the caller's error says so), or it ran again under
-    another turn id. Other errors have their outcome event on its way, and so has a
-    crash of a session live ``here`` (its restart publishes the outcome it finds, or
-    that the turn is lost, once it has read the store, however long that takes)."""
+async def _ran_as(turn: Turn, here: bool) -> str | None:
+    """For a finished ``turn`` whose outcome event has not come after a quiet while: the
+    id it ran under (its reply's), "" if its outcome event is on its way (it failed
+    where it ran, or its session crashed ``here``, whose restart publishes the outcome
+    it finds, or that the turn is lost, however long its read of the store takes),
+    None if none will come: the worker that ran it died or lost it, or it never ran
+    (the caller's error says so)."""
     try:
         reply = await turn.reply()
     except SessionCrashedError:
-        return not here
+        return "" if here else None
     except (WorkerUnreachableError, FencedOutError):
-        return True
+        return None
+    except SessionStoppedError as exc:
+        return "" if exc.turn_id else None  # (cut off as it ran: its outcome is kept)
     except SessionActorsError:
-        return False
-    return reply.turn_id != following
+        return ""
+    return reply.turn_id
 
 
 class _Subscription:

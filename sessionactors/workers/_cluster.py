@@ -24,8 +24,9 @@ registry:
   worker no longer owns the session, or is closing) send the request on to the
   session's current owner;
 * asks the owner about its request while it waits (every third of ``lease_ttl``
-  without word): a ping nobody hears asks the store whether the owner's incarnation
-  is still the live one, and the owner answers "working", its answer again (one
+  without word): a ping nobody hears, or one left without a word for longer than a
+  lease (a frozen owner's connections may still take it), asks the store whether the
+  owner's incarnation is still the live one, and the owner answers "working", its answer again (one
   whose send failed or was lost; a read's is not kept, it is read again),
   "unknown" (the request never reached it: sent again), or "forgotten" (it keeps
   the last 10,000 answers, and this request's requester issued it no later than
@@ -155,7 +156,7 @@ _ISSUERS_KEPT: Final = 10_000
 _NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answers are not
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
-_SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate)
+_SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate, Stop)
 _HANDOVERS: Final = 8  # shards a worker hands over at a time (balancing)
 _RETRY_ROUNDS: Final = 10  # balancing rounds before a shard that stayed is tried again
 _BUSY_TRIES: Final = 3  # hibernations a hand-over tries while a session stays busy
@@ -182,7 +183,16 @@ class ClusterStatistics:
 class _Forwarded:
     """A turn sent to another worker, settled by the task that carries it."""
 
-    __slots__ = ("accepted", "early_error", "local", "pending", "replayed", "settled", "turn_id")
+    __slots__ = (
+        "accepted",
+        "early_error",
+        "local",
+        "owner",
+        "pending",
+        "replayed",
+        "settled",
+        "turn_id",
+    )
 
     def __init__(self) -> None:
         self.settled = trio.Event()
@@ -191,6 +201,7 @@ class _Forwarded:
         self.early_error: BaseException | None = None
         self.pending = Pending()
         self.turn_id = ""
+        self.owner = ""  # the worker that accepted it
         self.replayed = False
 
 
@@ -233,6 +244,10 @@ class Cluster:
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._waiters: dict[str, trio.MemorySendChannel[dict[str, Any]]] = {}
+        #: Requests being forwarded (``_forward`` calls under way), and the event that
+        #: tells a closing worker that none is left.
+        self._forwarding = 0
+        self._drained: trio.Event | None = None
         self._owners: dict[str, str] = {}  # session -> owner hint ("": another, unknown)
         self._incarnations: dict[str, str] = {}  # worker -> its live incarnation, as last seen
         self._listening: trio.CancelScope | None = None
@@ -309,14 +324,23 @@ class Cluster:
             self.streams.close()
 
     async def aclose(self) -> None:
-        """Flush the events and retire this worker (requests that still reach it until
-        its nursery ends are answered "moved")."""
+        """Wait (within the shutdown grace) for the answers to the requests this worker
+        forwarded, then flush the events and retire this worker (requests that still
+        reach it until its nursery ends are answered "moved")."""
         self._closing = True
-        with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
-            await self._withdraw()
-            await self.streams.flush(min(2.0, self.ttl))
-            with contextlib.suppress(StoreError):
-                await self.transport.leave(self.worker, self.incarnation)
+        try:
+            # The requests this worker's callers sent elsewhere run on there: their
+            # answers get the shutdown grace, as this worker's own turns do.
+            with trio.move_on_after(self.host.config.shutdown_grace):
+                while self._forwarding:
+                    self._drained = trio.Event()
+                    await self._drained.wait()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.ttl)):
+                await self._withdraw()
+                await self.streams.flush(min(2.0, self.ttl))
+                with contextlib.suppress(StoreError):
+                    await self.transport.leave(self.worker, self.incarnation)
 
     async def _skip_stale_inbox(self) -> None:
         messages, _ = await self.transport.read(self.worker, "0-0", {}, None)
@@ -670,13 +694,16 @@ class Cluster:
             return None
         if forwarded.early_error is not None:
             raise forwarded.early_error
-        return new_turn(forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed)
+        return new_turn(
+            forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed, known=True
+        )
 
     async def _carry_turn(
         self, name: str, text: str, key: str | None, ack: bool, forwarded: _Forwarded
     ) -> None:
         def on_ack(body: Mapping[str, Any]) -> None:
             forwarded.turn_id = str(body["turn_id"])
+            forwarded.owner = str(body.get("_owner", "?"))
             forwarded.replayed = bool(body.get("replayed"))
             forwarded.accepted = True
             forwarded.settled.set()
@@ -702,8 +729,12 @@ class Cluster:
                 forwarded.early_error = exc
             forwarded.pending.set_error(exc)
         finally:
-            if not forwarded.pending.done and not forwarded.local:
-                forwarded.pending.set_error(_closing_error(name))
+            if not forwarded.pending.done and not forwarded.local:  # (this worker closed)
+                forwarded.pending.set_error(
+                    _abandoned_error(name, forwarded.owner, forwarded.turn_id)
+                    if forwarded.accepted
+                    else _closing_error(name)
+                )
             forwarded.settled.set()
 
     async def read(self, name: str) -> SessionState | None:
@@ -749,6 +780,21 @@ class Cluster:
         None if no other worker holds the session (the caller runs it here).
         """
         self._running(name)
+        self._forwarding += 1
+        try:
+            return await self._forward_until_answered(name, request, retry_safe, on_ack)
+        finally:
+            self._forwarding -= 1
+            if not self._forwarding and self._drained is not None:
+                self._drained.set()
+
+    async def _forward_until_answered(
+        self,
+        name: str,
+        request: dict[str, Any],
+        retry_safe: bool,
+        on_ack: Callable[[Mapping[str, Any]], None] | None,
+    ) -> dict[str, Any] | None:
         shard = self.transport.shard(name)
         unheard_since: float | None = None  # since when the owner says it never got it
         unheard_copies = 0
@@ -811,6 +857,9 @@ class Cluster:
                     continue
                 self.stats.forwarded += 1
                 answer = await self._wait_answer(name, owner, incarnation, rid, receive, on_ack)
+            except WorkerUnreachableError:
+                self._forget_owner(name, owner, incarnation)  # the next request looks again
+                raise
             finally:
                 del self._waiters[rid]
             moved = bool(
@@ -846,7 +895,7 @@ class Cluster:
                     )
                 continue
             if answer is _OWNER_DIED:
-                self._owners.pop(name, None)
+                self._forget_owner(name, owner, incarnation)
                 self.stats.owner_deaths += 1
                 if not retry_safe:
                     raise SessionCrashedError(
@@ -875,6 +924,13 @@ class Cluster:
             answer["_owner"] = owner
             return answer
 
+    def _forget_owner(self, name: str, owner: str, incarnation: str) -> None:
+        """Look the owner of ``name``, and that worker's incarnation, up again next time
+        (it died, froze, or gave no word)."""
+        self._owners.pop(name, None)
+        if self._incarnations.get(owner) == incarnation:
+            del self._incarnations[owner]
+
     async def _wait_answer(
         self,
         name: str,
@@ -888,6 +944,7 @@ class Cluster:
         the request); WorkerUnreachableError after two lease lifetimes without word."""
         heard = trio.current_time()
         acked = False
+        accepted = ""  # the id of the turn the owner accepted (an ack's)
         failure: StoreError | None = None
         ping = b""  # made when first needed: most answers come before
         while True:
@@ -896,10 +953,12 @@ class Cluster:
                     try:
                         answer = await receive.receive()
                     except (trio.EndOfChannel, trio.ClosedResourceError):
-                        raise _closing_error(name) from None
+                        raise _abandoned_error(name, owner, accepted) from None
                     heard = trio.current_time()
                     if answer.get("ok") == "ack":
                         acked = True
+                        accepted = str(answer.get("turn_id") or "")
+                        answer["_owner"] = owner
                         if on_ack is not None:
                             on_ack(answer)
                     elif answer.get("ok") == "unknown" and acked:
@@ -910,11 +969,13 @@ class Cluster:
                 {"op": "ping", "q": rid, "from": self.worker, "fi": self.incarnation}
             )
             try:
-                # not heard: gone, or between two subscriptions (it hears the next ping)
+                # not heard: gone, or between two subscriptions (it hears the next ping);
+                # heard, but silent for longer than a lease: frozen, or cut off from the
+                # store with its connections open (gone too once its liveness lapsed)
+                heard_ping = await self.transport.send(owner, incarnation, ping)
                 if (
-                    not await self.transport.send(owner, incarnation, ping)
-                    and await self.transport.incarnation(owner) != incarnation
-                ):
+                    not heard_ping or trio.current_time() - heard > self.ttl
+                ) and await self.transport.incarnation(owner) != incarnation:
                     return _OWNER_DIED
             except StoreError as exc:
                 fatal(exc)
@@ -1075,6 +1136,19 @@ class Cluster:
         """Run ``fn`` in the background while the worker runs (not at all otherwise)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, name=name)
+
+
+def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError:
+    """For a request sent to ``owner`` whose answer this closing worker no longer waits
+    for (``turn_id``: the turn the owner accepted, if it said so)."""
+    return SessionStoppedError(
+        f"the registry closed before worker {owner!r}, which runs session {name!r}, "
+        "answered this request (its shutdown grace ran out): it may have run there, or "
+        "may still; look at the history (or ref.turn_outcome) before sending it again (a "
+        "turn sent with idempotency_key=... runs once however often it is sent)",
+        session_id=name,
+        turn_id=turn_id,
+    )
 
 
 def _closing_error(name: str) -> SessionStoppedError:

@@ -16,6 +16,7 @@ from .._codec import dump_event, load_event, load_events, load_journal_entry
 from .._errors import (
     LeaseHeldError,
     SessionActorsError,
+    SessionNotFoundError,
     SessionStoppedError,
     SnapshotError,
     StoreError,
@@ -424,15 +425,19 @@ class Streams:
             if answer is not None:  # its owner publishes its events from ``top`` on
                 top = int(self._check(answer, name)["value"])
                 born = stamp_of(answer)
-                break
+                if top >= 0:
+                    break
+                continue  # it left that worker before it could publish: look again
             try:  # live nowhere, or its shard is this worker's: it wakes here
-                await host.read_here(name)
+                state = await host.read_here(name)
             except SessionStoppedError:
                 break  # stopped: the local subscription replays and ends
             except LeaseHeldError:
                 continue  # another worker woke it meanwhile: ask that one
             if not host.is_live(name):
-                break
+                # It left again at once (hibernated): its hub here hears of it only if
+                # it wakes here next; follow it from where it was, wherever it wakes.
+                return await self._follow(name, state.event_seq if after is None else after, None)
             found = self._mirrors.get(name)
         return await self._subscribe(name, after, top, born)
 
@@ -457,6 +462,8 @@ class Streams:
             # Watched first: whoever claims the session from now on publishes its events.
             await self.transport.watch([name], self.ttl)
             owner = await self.transport.lease_owner(name)
+            if self.host.is_live(name):
+                continue  # it woke here meanwhile (its claim may have missed the watch)
             if owner is None or owner == self.worker:
                 top = after  # it runs nowhere: its next owner publishes from its wake on
                 break
@@ -512,6 +519,11 @@ class Streams:
         if not host.is_live(name):
             try:
                 stopped = (await host.stored_status(name)) is Status.STOPPED
+            except SessionNotFoundError:
+                if not followed:
+                    iterator.close()
+                    raise
+                stopped = True  # the session it followed was deleted: it ends, as here
             except BaseException:
                 iterator.close()
                 raise

@@ -18,7 +18,7 @@ import msgpack
 from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
 from .._errors import SessionActorsError, SessionCrashedError
 from .._events import MessageAdded, ReviewRequested
-from .._records import Message, ReviewRequest
+from .._records import Message, ReviewRequest, storable
 from .._requests import (
     AddMessages,
     Call,
@@ -35,6 +35,7 @@ from .._requests import (
     Stop,
     Truncate,
 )
+from .._session import MAX_ERROR_CHARS
 
 #: What a stamped stream payload starts with (0xc1 starts no msgpack value), then
 #: the creation time of the session that published it, in microseconds since the
@@ -67,8 +68,17 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "TypeError": TypeError,
     "LookupError": LookupError,
     "KeyError": KeyError,
+    # (and those a model or tool commonly raises: a failed turn's cause)
+    "RuntimeError": RuntimeError,
+    "TimeoutError": TimeoutError,
+    "OSError": OSError,
+    "ConnectionError": ConnectionError,
+    "NotImplementedError": NotImplementedError,
+    "IndexError": IndexError,
+    "AttributeError": AttributeError,
 }
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
+_MAX_WIRE_INT: Final = 2**63 - 1  # the largest integer msgpack carries either way
 
 
 def creation_stamp(created: datetime.datetime) -> int:
@@ -163,6 +173,8 @@ def dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, An
     if isinstance(request, AddMessages | ReplaceHistory):  # records: the codec's bytes
         added = [MessageAdded(session_id=name, seq=0, message=m) for m in request.messages]
         return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
+    if isinstance(request, Truncate):  # (past 64 bits: all the same, every message kept)
+        request = Truncate(keep_last=min(request.keep_last, _MAX_WIRE_INT))
     return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
 
 
@@ -190,34 +202,67 @@ def _error_classes() -> dict[str, type[SessionActorsError]]:
 
 
 def dump_error(exc: BaseException) -> dict[str, Any]:
+    body = _dump_one(exc)
+    cause = exc.__cause__
+    if isinstance(cause, Exception):  # (a failed turn's: the model's or a tool's error)
+        body["cause"] = _dump_one(cause, MAX_ERROR_CHARS)
+    return body
+
+
+def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
     extra = {}
     for name in _ERROR_ATTRS:
         value = getattr(exc, name, None)
         if isinstance(value, str | int) and not isinstance(value, bool):
-            extra[name] = value
-    return {"err": type(exc).__name__, "msg": str(exc), "attrs": extra}
+            extra[name] = storable(value) if isinstance(value, str) else value
+    try:  # (an agent's exception may say anything: a str() that raises, lone surrogates)
+        message = storable(str(exc))
+    except Exception:
+        message = "(its message could not be read)"
+    if limit is not None and len(message) > limit:
+        message = message[:limit] + "..."
+    body = {"err": type(exc).__name__, "msg": message, "attrs": extra}
+    session_id = getattr(exc, "session_id", None)
+    if isinstance(session_id, str):
+        body["sid"] = session_id
+    return body
 
 
 def load_error(body: Mapping[str, Any], name: str, owner: str) -> Exception:
     kind = str(body["err"])
     message = str(body.get("msg", ""))
-    builtin = _BUILTIN_ERRORS.get(kind)
-    if builtin is not None:
-        error: Exception = builtin(message)
-    else:
-        cls = _error_classes().get(kind)
-        if cls is None:
-            error = SessionCrashedError(
-                f"session {name!r}: its owner, worker {owner!r}, failed with {kind}: {message}",
-                session_id=name,
-            )
-        else:
-            rebuilt = cls.__new__(cls)  # its own __init__ may want more than a message
-            Exception.__init__(rebuilt, message)
-            rebuilt.session_id = name
-            for attr, value in dict(body.get("attrs") or {}).items():
-                if attr in _ERROR_ATTRS:
-                    setattr(rebuilt, attr, value)
-            error = rebuilt
+    error = _rebuilt(body, name)
+    if error is None:
+        error = SessionCrashedError(
+            f"session {name!r}: its owner, worker {owner!r}, failed with {kind}: {message}",
+            session_id=name,
+        )
+    cause = body.get("cause")
+    if isinstance(cause, Mapping):
+        # The original of a failed turn, as the owner's caller has it: a sessionactors
+        # error (ModelError, with its status_code) or a builtin; another kind is named
+        # in the error's own message.
+        sid = cause.get("sid")
+        error.__cause__ = _rebuilt(cause, sid if isinstance(sid, str) else None)
     error.add_note(f"raised by worker {owner!r}, which runs session {name!r}")
     return error
+
+
+def _rebuilt(body: Mapping[str, Any], name: str | None) -> Exception | None:
+    """The error ``body`` describes, about session ``name``, if it is of a kind known
+    here (else None)."""
+    kind = str(body.get("err"))
+    message = str(body.get("msg", ""))
+    builtin = _BUILTIN_ERRORS.get(kind)
+    if builtin is not None:
+        return builtin(message)
+    cls = _error_classes().get(kind)
+    if cls is None:
+        return None
+    rebuilt = cls.__new__(cls)  # its own __init__ may want more than a message
+    Exception.__init__(rebuilt, message)
+    rebuilt.session_id = name
+    for attr, value in dict(body.get("attrs") or {}).items():
+        if attr in _ERROR_ATTRS:
+            setattr(rebuilt, attr, value)
+    return rebuilt
