@@ -549,7 +549,7 @@ class Actor:
         it after a clean wake, and it records a jump so that the next one starts above.
         """
         session = self.session
-        status = session.status = _resting_status(session)
+        status = session.status = session.resting_status()
         event = StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status)
         if self.journal.per_turn:
             self.durable(event, publish=False)
@@ -626,7 +626,7 @@ class Actor:
             session.apply(event)
         known = hub.seq
         hub.advance(max(durable_seq, session.event_seq))
-        session.status = _resting_status(session)
+        session.status = session.resting_status()
         journal.status_due = clean
         if not clean and known <= durable_seq:
             # The last incarnation may have published events past its last durable
@@ -939,7 +939,7 @@ class Actor:
         self.durable(outcome, publish=False)
         # the info written with the outcome says the status the session rests in (a
         # listing elsewhere reads it); idle is what the outcome says, any other is told
-        status = _resting_status(self.session)
+        status = self.session.resting_status()
         announce = status is not Status.IDLE and status is not self.session.status
         self.session.status = status
         stored = True
@@ -1227,11 +1227,12 @@ class Actor:
             merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
             check_info_room(attrs.evolve(self.session.info(), metadata=merged))
         except (TypeError, ValueError) as exc:
+            detail = str(exc).removeprefix(f"metadata for session {sid!r} cannot be stored: ")
             raise type(exc)(
                 f"metadata for session {sid!r} cannot take these changes: merged with the "
-                f"metadata it has, it cannot be stored ({exc}); remove keys (set them to "
+                f"metadata it has, it cannot be stored ({detail}); remove keys (set them to "
                 "None), or keep large values elsewhere"
-            ) from None
+            ) from exc
         return merged
 
     async def _set_metadata(self, merged: dict[str, Any]) -> dict[str, Any]:
@@ -1280,7 +1281,7 @@ class Actor:
         for event in events:
             self.next_seq()  # (the seq the event already carries)
             self.durable(event)
-        self._set_status(_resting_status(session))
+        self._set_status(session.resting_status())
         await self.commit()
 
     async def resume_interrupted(self) -> None:
@@ -1427,7 +1428,7 @@ class Actor:
             )
             # the snapshot may have been stored, saying hibernated: a status is
             # journaled before anything more is published, as when a request came
-            self.session.status = _resting_status(self.session)
+            self.session.status = self.session.resting_status()
             self.journal.status_due = True
             return False
 
@@ -1507,7 +1508,7 @@ class Actor:
         try:
             await self._write_snapshot(Status.HIBERNATED)
         except SnapshotError:  # nothing written (the state cannot be): it stays as it was
-            session.status = _resting_status(session)
+            session.status = session.resting_status()
             raise
         if event is not None:
             self.emit(event)
@@ -1568,10 +1569,6 @@ class Actor:
         self.host.stats.turns_cancelled += 1
         if open_turn.idempotency_key is not None:
             self.inflight_keys.pop(open_turn.idempotency_key, None)
-
-
-def _resting_status(session: LiveSession) -> Status:
-    return session.resting_status()
 
 
 def describe(exc: BaseException) -> str:

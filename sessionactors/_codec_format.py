@@ -21,6 +21,7 @@ from ._events import (
     TurnFinished,
     TurnStarted,
 )
+from ._records import MAX_COUNT
 
 #: The largest snapshot written or read by default (64 MiB).
 MAX_SNAPSHOT_BYTES: Final = 64 * 1024 * 1024
@@ -37,7 +38,7 @@ MAX_INFO_BYTES: Final = MAX_JOURNAL_ENTRY_BYTES
 #: reply and the rest (4 * 2 * 1 MiB = 8 MiB of the 16 MiB).
 MAX_TEXT_CHARS: Final = 1024 * 1024
 #: The largest value of an integer field of a record (seqs and counts; the least is 0).
-MAX_SEQ: Final = 2**53 - 1
+MAX_SEQ: Final = MAX_COUNT
 #: How deeply metadata may nest: the metadata map is level 1, a list in it level 2.
 MAX_METADATA_DEPTH: Final = 32
 #: Bytes of data for each map or array beyond the first FREE_CONTAINERS: decoding

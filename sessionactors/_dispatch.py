@@ -303,7 +303,9 @@ class Dispatcher:
             # maybe live on another worker (a session waking here has no turn yet, and
             # its wake may find it there)
             result = await self.router.call(name, Cancel())
-            return result is not NOT_ROUTED and bool(result)
+            if result is not NOT_ROUTED:
+                return bool(result)
+            actor = self.sessions.live.get(name)  # (live nowhere else: here, if woken since)
         return actor is not None and actor.cancel_turn()
 
     async def _hibernate(self, name: str) -> None:
@@ -426,6 +428,10 @@ class Dispatcher:
     @property
     def closing(self) -> bool:
         return self.sessions.closing
+
+    @property
+    def grace_ends(self) -> float:
+        return self.sessions.grace_ends
 
     def is_live(self, name: str) -> bool:
         return name in self.sessions.live

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from ._codec import MAX_SEQ, dump_event, dump_info, load_event
+from ._codec import MAX_INFO_BYTES, MAX_SEQ, dump_event, dump_info, load_event
 from ._events import MetadataChanged
 from ._records import SessionInfo, Status, Usage
 
@@ -23,16 +23,22 @@ def check_info_room(info: SessionInfo) -> None:
     pass the size limit as the session lives on: checked with the fields that change
     (status, counts, usage, time) at their largest, so that no later write finds it
     too large."""
-    dump_info(
-        attrs.evolve(
-            info,
-            status=Status.HIBERNATED,  # the longest status
-            message_count=MAX_SEQ,
-            pending_reviews=MAX_SEQ,
-            usage=Usage(input_tokens=MAX_SEQ, output_tokens=MAX_SEQ),
-            updated_at=info.updated_at.replace(microsecond=1),  # (a whole second packs shorter)
-        )
+    largest = attrs.evolve(
+        info,
+        status=Status.HIBERNATED,  # the longest status
+        message_count=MAX_SEQ,
+        pending_reviews=MAX_SEQ,
+        usage=Usage(input_tokens=MAX_SEQ, output_tokens=MAX_SEQ),
+        updated_at=info.updated_at.replace(microsecond=1),  # (a whole second packs shorter)
     )
+    try:
+        dump_info(largest)
+    except ValueError as exc:
+        raise ValueError(
+            f"the metadata of session {info.session_id!r} leaves no room in its info, which "
+            f"holds it with fields that grow as the session lives ({MAX_INFO_BYTES:,} bytes "
+            "at most); keep large values out of metadata (store a reference to them)"
+        ) from exc
 
 
 def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, Final, TypeVar
 import attrs
 
 __all__ = [
+    "MAX_COUNT",
     "SCHEMA_VERSION",
     "CompletedTurn",
     "Message",
@@ -216,8 +217,9 @@ class ToolCall:
     arguments: str = "{}"
 
 
-#: The largest count a store keeps (the codec's MAX_SEQ): a sum of usages stops there.
-_MAX_COUNT: Final = 2**53 - 1
+#: The largest count (and seq) a record holds and a store keeps (the codec's MAX_SEQ):
+#: a sum of usages stops there.
+MAX_COUNT: Final = 2**53 - 1
 
 
 @attrs.frozen(kw_only=True)
@@ -243,8 +245,8 @@ class Usage:
         if not isinstance(other, Usage):
             return NotImplemented
         return Usage(
-            input_tokens=min(self.input_tokens + other.input_tokens, _MAX_COUNT),
-            output_tokens=min(self.output_tokens + other.output_tokens, _MAX_COUNT),
+            input_tokens=min(self.input_tokens + other.input_tokens, MAX_COUNT),
+            output_tokens=min(self.output_tokens + other.output_tokens, MAX_COUNT),
         )
 
 

@@ -67,6 +67,9 @@ class Dispatcher(Protocol):
     async def open_subscription(self, name: str, after: int | None) -> EventIterator: ...
     def runs_here(self, name: str) -> bool: ...
 
+    #: How requests reach other workers (None: this registry is alone).
+    router: Any
+
 
 @attrs.define(eq=False, repr=False)
 class Turn(metaclass=NoPublicConstructor):
@@ -153,6 +156,19 @@ def known_reply(turn: Turn) -> Reply:
         raise pending.error
     reply: Reply = pending.result
     return reply
+
+
+def joined(turn: Turn) -> tuple[int | None, int]:
+    """For a ``turn`` that joined its idempotency key's turn under way: the seq after
+    which that turn's events begin (None if it joined none: a new turn, or one still
+    queued), and the seq its session had published when it joined (see ``taken_back``)."""
+    return turn._since, turn._joined_at
+
+
+def taken_back(event: Event, joined_at: int) -> bool:
+    """Whether ``event`` is a crash's lost verdict that the restarted session took back:
+    published before a stream joined the turn (at ``joined_at``), which then resumed."""
+    return event.__class__ is TurnFailed and event.lost and event.seq <= joined_at
 
 
 def new_turn(
@@ -464,16 +480,22 @@ class SessionRef(metaclass=NoPublicConstructor):
                 source: EventIterator = events
                 starts: dict[str, int] = {}
                 runs_here, name = self._dispatcher.runs_here, self.session_id
+                alone = self._dispatcher.router is None  # (no other worker)
                 async with AsyncExitStack() as stack:
                     while True:
                         event: Event | None = None
-                        # (a quiet while is looked into here too: a worker that loses the
-                        # session mid-turn publishes nothing more of it)
-                        with trio.move_on_after(_OUTCOME_CHECK):
-                            try:
+                        if alone and not turn.done and runs_here(name):
+                            try:  # (one worker: its turn here publishes its outcome)
                                 event = await source.__anext__()
                             except StopAsyncIteration:
                                 break
+                        else:  # a quiet while is looked into: a worker that loses the
+                            # session mid-turn publishes nothing more of it
+                            with trio.move_on_after(_OUTCOME_CHECK):
+                                try:
+                                    event = await source.__anext__()
+                                except StopAsyncIteration:
+                                    break
                         if event is None:  # a quiet while: is the turn over elsewhere?
                             if turn.done:
                                 ran_as = await _ran_as(turn, runs_here(name))
@@ -497,11 +519,7 @@ class SessionRef(metaclass=NoPublicConstructor):
                             # its worker died mid-turn and the key ran it again, as a new
                             # turn
                             following = event.turn_id
-                        if turn_id != following or (
-                            # a crash's verdict that the restarted session took back: it
-                            # resumed the turn, under way when this stream joined it
-                            isinstance(event, TurnFailed) and event.lost and event.seq <= before
-                        ):
+                        if turn_id != following or taken_back(event, before):
                             if isinstance(event, TurnStarted):
                                 starts[event.turn_id] = event.seq
                                 if len(starts) > _STARTS_KEPT:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,6 +78,7 @@ class Sessions:
         #: Names being deleted, and by how many calls: no request wakes them meanwhile.
         self.deleting: dict[str, int] = {}
         self._closing = False
+        self._grace_ends = math.inf
         self._nursery = nursery
         #: Where session tasks start: the current generation's nursery, or the
         #: registry's own while there is none (see ``_run_generation``).
@@ -91,6 +93,10 @@ class Sessions:
     @property
     def closing(self) -> bool:
         return self._closing
+
+    @property
+    def grace_ends(self) -> float:
+        return self._grace_ends
 
     def agent_for(self, session: LiveSession) -> Agent:
         key = session.agent
@@ -361,9 +367,10 @@ class Sessions:
     async def shutdown(self) -> None:
         """No new requests; accepted turns get ``shutdown_grace``; then hibernate all."""
         self._closing = True
+        self._grace_ends = trio.current_time() + self.config.shutdown_grace
         for actor in list(self.live.values()):
             actor.close()
-        with trio.move_on_after(self.config.shutdown_grace):
+        with trio.move_on_at(self._grace_ends):
             await self._wait_all_gone()
         for actor in list(self.live.values()):
             actor.abort()

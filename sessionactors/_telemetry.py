@@ -145,6 +145,10 @@ def _safe_context(
         value = manager.__enter__()
     except Exception:
         failures.report(hook)
+        entered = False
+    else:
+        entered = True
+    if not entered:  # (outside the handler: the work's errors carry no hook error)
         yield default
         return
     try:

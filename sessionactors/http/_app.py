@@ -34,7 +34,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
-from .._ref import check_message
+from .._ref import check_message, joined, taken_back
 from ._json import (
     dumps,
     error_json,
@@ -524,23 +524,25 @@ class SessionsApp:
     async def _turn_stream(
         self, registry: AnyRegistry, ref: AnyRef, text: str, key: str | None
     ) -> AsyncIterator[Stream]:
-        async with ref.subscribe() as events:
+        async with contextlib.AsyncExitStack() as stack, contextlib.AsyncExitStack() as live:
+            events: Any = await live.enter_async_context(ref.subscribe())
             turn = await self._submit(registry, ref, text, key)
             if turn.replayed:  # an idempotency key that already completed: no new events
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
                 return
-            async with contextlib.AsyncExitStack() as stack:
-                since, joined_at = _joined(turn)
-                if since is not None:
-                    # it joined its key's turn under way, which published events before
-                    # this subscription began (a review it waits on): from its start
-                    events = await _subscribe_from(stack, ref, since)
-                yield Stream(
-                    events,
-                    select=self._turn_events(turn.id, joined_at),
-                    side=functools.partial(_sse_outcome, turn),
-                )
+            since, joined_at = joined(turn._turn if isinstance(turn, aio.Turn) else turn)
+            if since is not None:
+                # it joined its key's turn under way, which published events before
+                # this subscription began (a review it waits on): from its start; the
+                # live one, unread, would fill up and be cut off as lagged
+                events = await _subscribe_from(stack, ref, since)
+                await live.aclose()
+            yield Stream(
+                events,
+                select=self._turn_events(turn.id, joined_at),
+                side=functools.partial(_sse_outcome, turn),
+            )
 
     async def _review(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
@@ -715,26 +717,17 @@ class SessionsApp:
 
     def _turn_events(self, turn_id: str | None, joined_at: int = 0) -> Select:
         """One turn's events, up to its outcome or the review it then waits on
-        (``joined_at``: see ``_joined``)."""
+        (``joined_at``: see ``sessionactors._ref.joined``)."""
         frames = self._frames
 
         def select(event: sa.Event) -> tuple[bytes | None, bool]:
             if turn_id is not None and getattr(event, "turn_id", None) != turn_id:
                 return None, False
-            if isinstance(event, sa.TurnFailed) and event.lost and event.seq <= joined_at:
-                return None, False  # a crash's verdict taken back: the turn resumed
+            if taken_back(event, joined_at):  # (the turn resumed after a crash)
+                return None, False
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
-
-
-def _joined(turn: sa.Turn | aio.Turn) -> tuple[int | None, int]:
-    """For a ``turn`` that joined its idempotency key's turn under way: the seq after
-    which that turn's events begin (None if it joined none: a new turn, or one still
-    queued), and the seq its session had published when it joined (a lost verdict for
-    the turn up to there was taken back: the turn resumed after a crash)."""
-    inner = turn._turn if isinstance(turn, aio.Turn) else turn
-    return inner._since, inner._joined_at
 
 
 async def _subscribe_from(stack: contextlib.AsyncExitStack, ref: AnyRef, after: int) -> Any:

@@ -64,7 +64,11 @@ def _quote(text: str) -> str:
 
 
 def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+    if not isinstance(value, str):
+        raise TypeError(
+            f"base_url must be a str such as 'http://127.0.0.1:8000/v1', not {type(value).__name__}"
+        )
+    if not value.startswith(("http://", "https://")):
         raise ValueError(
             f"base_url must start with http:// or https://, got {value!r}; "
             "for example 'http://127.0.0.1:8000/v1'"
@@ -79,7 +83,12 @@ def _check_finite(instance: object, attribute: "attrs.Attribute[float]", value: 
 
 
 def _check_model_name(instance: object, attribute: "attrs.Attribute[str]", value: str) -> None:
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"model must be the model name the server knows (a str such as 'gpt-4o-mini'), "
+            f"not {type(value).__name__}"
+        )
+    if not value:
         raise ValueError(
             f"model must be the model name the server knows (a non-empty str, such as "
             f"'gpt-4o-mini'), got {value!r:.60}"

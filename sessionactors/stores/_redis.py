@@ -1102,8 +1102,9 @@ class RedisStore:
                 async with _pipeline(client, raise_on_error=False) as pipe:
                     replies = [pipe.get(self._keys(n)[1]) for n in names if n is not None]
                 infos: list[bytes | None] = []
+                answers = iter(replies)
                 for name in names:
-                    infos.append(None if name is None else await _info_reply(replies.pop(0)))
+                    infos.append(None if name is None else await _info_reply(next(answers)))
                 gone = [m for m, i in zip(members, infos, strict=True) if i is None]
                 if gone:  # deleted by a process that died before unlisting them (or stray)
                     await client.zrem(key, gone)

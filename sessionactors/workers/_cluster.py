@@ -330,8 +330,10 @@ class Cluster:
         self._closing = True
         try:
             # The requests this worker's callers sent elsewhere run on there: their
-            # answers get the shutdown grace, as this worker's own turns do.
-            with trio.move_on_after(self.host.config.shutdown_grace):
+            # answers get what is left of the shutdown grace, as this worker's own
+            # turns do (one window for both, from the registry's shutdown)
+            grace = self.host.config.shutdown_grace
+            with trio.move_on_at(min(self.host.grace_ends, trio.current_time() + grace)):
                 while self._forwarding:
                     self._drained = trio.Event()
                     await self._drained.wait()

@@ -12,7 +12,7 @@ from typing import Any, Final, Protocol, cast
 
 import trio
 
-from .._codec import dump_event, load_event, load_events, load_journal_entry
+from .._codec import dump_event, load_event, load_journal_entry
 from .._errors import (
     LeaseHeldError,
     SessionActorsError,
@@ -578,7 +578,7 @@ class Streams:
             return trimmed <= position and not any(
                 position < event.seq < first
                 for entry in entries
-                for event in load_events(entry.data, session_id=name)
+                for event in load_journal_entry(entry.data, name)
             )
         except SessionActorsError as exc:  # unreadable: count it as a gap
             fatal(exc)
