@@ -551,12 +551,13 @@ async def test_sessions_hopping_between_workers_under_mixed_traffic(
     names = [f"s{i}" for i in range(8)]
     acked: list[tuple[str, str, bool]] = []
     problems: list[str] = []
+    fenced: list[str] = []
     agents = {"echo": sa.Agent(model=EchoModel(delay=0.005))}
 
     def worker(worker_id: str) -> Any:
         store = RedisStore(redis_url, prefix=prefix, balance=balance)
         return sa.open_registry(
-            store=store, agents=agents, worker_id=worker_id, lease_ttl=TTL, idle_timeout=0.05
+            store=store, agents=agents, worker_id=worker_id, lease_ttl=3, idle_timeout=0.05
         )
 
     async def traffic(registry: sa.Registry, tag: str, stop: trio.Event, seed: int) -> None:
@@ -585,6 +586,11 @@ async def test_sessions_hopping_between_workers_under_mixed_traffic(
                         await registry.ref(name).history()
                     else:
                         await registry.ref(name).hibernate()
+                except sa.FencedOutError:
+                    # documented (send again): the loop, shared by three workers, Redis
+                    # and the rest of the machine, stalled past a lease; nothing was
+                    # acknowledged, which the checks below hold it to
+                    fenced.append(text)
                 except sa.SessionActorsError as exc:
                     problems.append(f"{text!r}: {exc!r}")
 
@@ -605,7 +611,7 @@ async def test_sessions_hopping_between_workers_under_mixed_traffic(
                     m.content for m in history if m.role is sa.Role.USER
                 )
     assert problems == []
-    assert acked
+    assert len(acked) > 10 * len(fenced)
     assert [t for n, t, _ in acked if not stored[n][t]] == []  # acknowledged, not stored
     assert [t for n, t, keyed in acked if keyed and stored[n][t] > 1] == []
 
