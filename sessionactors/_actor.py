@@ -667,7 +667,7 @@ class Actor:
             open_turn = self.session.open_turn
             if open_turn is not None and not self.session.reviews:
                 # (never from a clean hibernation: a hibernated open turn waits on a review)
-                journal.settled = len(journal.unsaved)
+                journal.settle(self.session)  # what was loaded is answered
                 mail = RESUME
                 key = open_turn.idempotency_key
                 if key is not None:  # a retry with its key joins it: its id, its events
