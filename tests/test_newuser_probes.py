@@ -1,0 +1,120 @@
+"""What a newcomer meets first: get_or_spawn with an agent, and the command line's JSON
+for data an earlier version stored. Each test pins one promise through the public API."""
+
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import dump_info
+from sessionactors.testing import EchoModel
+
+
+def two_agents() -> dict[str, sa.Agent]:
+    return {"support": sa.Agent(model=EchoModel()), "sales": sa.Agent(model=EchoModel())}
+
+
+@pytest.mark.parametrize("where", ["live", "stored"])
+async def test_get_or_spawn_refuses_an_existing_session_of_another_agent(where: str) -> None:
+    """get_or_spawn(name, agent=b) of a session that runs agent a raises SessionExistsError
+    naming the session, both agents and what to do, and changes nothing; with its own agent
+    or none it returns the session."""
+    async with sa.open_registry(agents=two_agents()) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("chat-1", agent="support")
+            await ref.send("hi")
+            if where == "stored":
+                await ref.hibernate()
+            with pytest.raises(sa.SessionExistsError) as info:
+                await registry.get_or_spawn("chat-1", agent="sales")
+            assert await registry.get_or_spawn("chat-1", agent="support") == ref
+            assert await registry.get_or_spawn("chat-1") == ref
+            state = await ref.state()
+    message = str(info.value)
+    assert info.value.session_id == "chat-1"
+    assert "'chat-1'" in message
+    assert "'support'" in message
+    assert "'sales'" in message
+    assert "registry.ref('chat-1')" in message
+    assert state.agent == "support"
+    assert [m.content for m in state.messages] == ["hi", "hi"]
+
+
+def sessions_cli(*args: str) -> str:
+    """The standard output of ``python -m sessionactors sessions ARGS`` (which must succeed)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", "sessions", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def strict_json(text: str) -> Any:
+    """JSON as a strict reader (a browser's JSON.parse, jq) reads it: no NaN, no Infinity."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def test_the_command_line_writes_valid_json_for_stored_non_finite_floats(
+    tmp_path: Path,
+) -> None:
+    """Metadata stored with NaN or an infinity (before such values were refused) is written
+    as null by list --json, show --json, show --events --json, tail and export, as the
+    gateway does; the export still imports, restoring the stored values."""
+    path = tmp_path / "old.db"
+    now = datetime.datetime.now(datetime.UTC)
+    metadata = {"score": math.nan, "range": [1.5, -math.inf], "tier": "gold"}
+    state = sa.SessionState(session_id="old", agent="echo", created_at=now, updated_at=now)
+    state = attrs.evolve(state, metadata=metadata)
+    info = sa.SessionInfo(
+        session_id="old",
+        agent="echo",
+        status=sa.Status.HIBERNATED,
+        message_count=0,
+        updated_at=now,
+        metadata=metadata,
+    )
+    store = sa.SQLiteStore(str(path))
+    await store.create("old", sa.dump_snapshot(state), dump_info(info))
+    await store.aclose()
+    url = f"sqlite:///{path}"
+
+    expected = {"score": None, "range": [1.5, None], "tier": "gold"}
+    [listed] = strict_json(sessions_cli("list", "--store", url, "--json"))
+    assert listed["metadata"] == expected
+    assert strict_json(sessions_cli("show", "old", "--store", url, "--json"))["metadata"] == (
+        expected
+    )
+    shown = strict_json(sessions_cli("show", "old", "--events", "--store", url, "--json"))
+    assert shown["metadata"] == expected
+    for line in sessions_cli("tail", "old", "--no-follow", "--store", url).splitlines():
+        strict_json(line)
+    export = sessions_cli("export", "old", "--store", url)
+    assert strict_json(export)["session"]["metadata"] == expected
+    assert "NaN" not in sessions_cli("show", "old", "--store", url)
+
+    exported = tmp_path / "old.json"
+    exported.write_text(export, encoding="utf-8")
+    sessions_cli("import", str(exported), "--as", "copy", "--store", url)
+    reader = sa.SQLiteStore(str(path), readonly=True)
+    try:
+        copy = await sa.read_session(reader, "copy")
+    finally:
+        await reader.aclose()
+    assert math.isnan(copy.metadata["score"])
+    assert copy.metadata["range"] == [1.5, -math.inf]
