@@ -1,6 +1,7 @@
 """What a newcomer meets first: get_or_spawn with an agent, and the command line's JSON
 for data an earlier version stored. Each test pins one promise through the public API."""
 
+import ast
 import datetime
 import json
 import math
@@ -118,3 +119,33 @@ async def test_the_command_line_writes_valid_json_for_stored_non_finite_floats(
         await reader.aclose()
     assert math.isnan(copy.metadata["score"])
     assert copy.metadata["range"] == [1.5, -math.inf]
+
+
+def private_reads(package: Path) -> list[str]:
+    """Where the modules under ``package`` read a private attribute (``x._name``) of an
+    object other than their own ``self`` or ``cls``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_gateway_reads_no_private_attribute_of_another_object() -> None:
+    """The HTTP gateway reaches the asyncio registry, refs and turns through their
+    module's functions, never through their private fields (a renamed field must not
+    break it); the check catches a deliberate breach."""
+    http = Path(sa.__file__).parent / "http"
+    assert private_reads(http) == []
+
+
+def test_the_private_read_check_catches_a_breach(tmp_path: Path) -> None:
+    """Negative control: the check finds a read of another object's private field."""
+    (tmp_path / "breach.py").write_text("def f(turn):\n    return turn._turn\n")
+    assert private_reads(tmp_path) == ["breach.py:2: ._turn"]
