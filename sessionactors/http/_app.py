@@ -184,6 +184,7 @@ class SessionsApp:
         self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
+        self._lifespan_began = False  # (an app that opens its registry itself)
         self._streams: set[anyio.CancelScope] = set()
         self._checked_loop = False
         self._portal: Callable[[Callable[[], None]], object] | None = None
@@ -262,6 +263,7 @@ class SessionsApp:
 
     @asynccontextmanager
     async def _lifespan(self, _app: object) -> AsyncIterator[None]:
+        self._lifespan_began = True
         library = sniffio.current_async_library()
         opened: AbstractAsyncContextManager[AnyRegistry]
         if library == "trio":
@@ -317,6 +319,19 @@ class SessionsApp:
 
     def _registry_now(self) -> AnyRegistry:
         registry = self._registry
+        if registry is None and not self._lifespan_began and not self._draining:
+            raise _RequestError(
+                500,
+                "NoRegistry",
+                "the app has no registry: create_app(store=..., agents=...) opens one in "
+                "its ASGI lifespan, which never ran (a mounted app gets no lifespan "
+                "events); open the registry in your own app's lifespan and serve "
+                "create_app(registry), or serve this app itself",
+            )
+        if registry is None and not self._draining:
+            raise _RequestError(
+                503, "Starting", "the server is opening its registry; retry in a moment"
+            )
         if registry is None or self._draining:
             raise _RequestError(
                 503, "ShuttingDown", "the server is shutting down; retry in a moment"
