@@ -329,11 +329,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         session_id=name,
                     ) from None
                 if last is not None and trimmed < last[0]:  # is it still there?
-                    again = (
-                        (events[0].seq, json_text(event_to_json(events[0])))
-                        if events
-                        else None
-                    )
+                    again = (events[0].seq, json_text(event_to_json(events[0]))) if events else None
                     if again != last:
                         raise SessionNotFoundError(
                             f"session {name!r} was deleted and a new session was stored under "

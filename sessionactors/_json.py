@@ -102,9 +102,7 @@ def json_text(
             data, ensure_ascii=False, indent=indent, separators=separators, allow_nan=False
         )
     except ValueError:
-        return json.dumps(
-            finite(data), ensure_ascii=False, indent=indent, separators=separators
-        )
+        return json.dumps(finite(data), ensure_ascii=False, indent=indent, separators=separators)
 
 
 def finite(data: Any) -> Any:
