@@ -263,7 +263,12 @@ class SessionsApp:
 
     @asynccontextmanager
     async def _lifespan(self, _app: object) -> AsyncIterator[None]:
+        # (a lifespan after an earlier one, as a test suite's: afresh, on its own loop)
         self._lifespan_began = True
+        self._registry = None
+        self._draining = False
+        self._checked_loop = False
+        self._portal = None
         library = sniffio.current_async_library()
         opened: AbstractAsyncContextManager[AnyRegistry]
         if library == "trio":
