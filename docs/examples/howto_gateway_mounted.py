@@ -12,7 +12,8 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.types import Receive, Scope, Send
 
 import sessionactors as sa
 import sessionactors.aio
@@ -30,14 +31,18 @@ class EchoModel:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    # A mounted app gets no lifespan events of its own: open the registry here, in
-    # your app's lifespan, and mount the gateway over it.
     agents = {"echo": sa.Agent(model=EchoModel())}
     store = sa.SQLiteStore("sessions.db")
     async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
         app.state.registry = registry
-        app.mount("/api", create_app(registry, chat_page=False))
+        app.state.gateway = create_app(registry, chat_page=False)
         yield  # serving; on shutdown every live session is hibernated to the store
+
+
+async def gateway(scope: Scope, receive: Receive, send: Send) -> None:
+    """The gateway over the registry that this lifespan opened (a mounted app gets no
+    lifespan events of its own, so the app's lifespan opens the registry)."""
+    await scope["app"].state.gateway(scope, receive, send)
 
 
 async def ask(request: Request) -> StreamingResponse:
@@ -54,7 +59,10 @@ async def ask(request: Request) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-app = Starlette(routes=[Route("/ask/{name}", ask, methods=["POST"])], lifespan=lifespan)
+app = Starlette(
+    routes=[Route("/ask/{name}", ask, methods=["POST"]), Mount("/api", app=gateway)],
+    lifespan=lifespan,
+)
 
 
 async def read_sse(response: httpx.Response) -> list[dict]:
