@@ -359,7 +359,8 @@ class Registry(metaclass=NoPublicConstructor):
         if not isinstance(agent, str) or agent not in agents:
             raise ValueError(
                 f"session {name!r} asks for agent {agent!r}, but the registry's agents are "
-                f"{sorted(agents)}"
+                f"{sorted(agents)}; name one of them (agent={min(agents)!r}), or add "
+                f"{agent!r} to open_registry(agents=...)"
             )
         return agent
 

@@ -149,3 +149,18 @@ def test_the_private_read_check_catches_a_breach(tmp_path: Path) -> None:
     """Negative control: the check finds a read of another object's private field."""
     (tmp_path / "breach.py").write_text("def f(turn):\n    return turn._turn\n")
     assert private_reads(tmp_path) == ["breach.py:2: ._turn"]
+
+
+async def test_an_unknown_agent_is_refused_with_what_to_name() -> None:
+    """spawn and get_or_spawn with an agent the registry does not have raise ValueError
+    naming the session, the agents there are and how to name one; nothing is stored."""
+    async with sa.open_registry(agents=two_agents()) as registry:
+        with trio.fail_after(10):
+            for call in (registry.spawn, registry.get_or_spawn):
+                with pytest.raises(ValueError) as info:
+                    await call("chat-9", agent="suport")
+                message = str(info.value)
+                assert "'chat-9'" in message
+                assert "['sales', 'support']" in message
+                assert "agent='sales'" in message
+            assert await registry.sessions() == []
