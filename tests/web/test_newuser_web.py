@@ -61,3 +61,28 @@ async def test_an_app_serves_a_second_lifespan(kind: str, caplog: pytest.LogCapt
     state = await sa.read_session(store, "ada")
     assert [m.content.strip() for m in state.messages] == ["run 0", "run 0", "run 1", "run 1"]
     assert state.status is sa.Status.HIBERNATED
+
+
+@pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
+async def test_a_message_naming_another_agent_for_an_existing_session_is_409(kind: str) -> None:
+    """POST /sessions/{name}/messages with an "agent" other than the existing session's
+    answers 409 SessionExistsError naming both agents, and runs no turn."""
+    trio_side = kind == "hypercorn-trio"
+    [agent] = (trio_agents(0.0) if trio_side else asyncio_agents(0.0)).values()
+    app = create_app(agents={"support": agent, "sales": agent})
+    serve = serve_trio if trio_side else serve_asyncio
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(20):
+            body = {"text": "hi", "agent": "support"}
+            r = await client.post("/sessions/ada/messages", json=body)
+            assert r.status_code == 200, r.text
+            body = {"text": "again", "agent": "sales"}
+            for headers in ({}, {"accept": "text/event-stream"}):
+                r = await client.post("/sessions/ada/messages", json=body, headers=headers)
+                assert r.status_code == 409, r.text
+                assert r.json()["error"] == "SessionExistsError"
+                assert "'support'" in r.json()["message"]
+                assert "'sales'" in r.json()["message"]
+            state = (await client.get("/sessions/ada")).json()
+    assert state["agent"] == "support"
+    assert len(state["messages"]) == 2
