@@ -35,7 +35,7 @@ from ._errors import (
     StoreError,
 )
 from ._export import dump_export, load_export
-from ._json import event_to_json, metadata_json, state_to_json, to_json
+from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
 from ._names import validate_name
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
@@ -237,10 +237,10 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         after=args.after,
     )
     if args.json:
-        _out(json.dumps([_info_json(i) for i in infos], ensure_ascii=False))
+        _out(json_text([_info_json(i) for i in infos]))
         return 0
     for info in infos:
-        meta = json.dumps(metadata_json(info.metadata), ensure_ascii=False)
+        meta = json_text(metadata_json(info.metadata))
         _out(
             f"{info.session_id}\t{info.status.value}\t{info.message_count} messages\t"
             f"{info.updated_at.isoformat(timespec='seconds')}\t{meta}"
@@ -260,13 +260,13 @@ async def _show(store: Store, args: argparse.Namespace) -> int:
         body["turn_count"] = state.turn_count
         if events is not None:
             body["events"] = [event_to_json(e) for e in events]
-        _out(json.dumps(body, ensure_ascii=False))
+        _out(json_text(body))
         return 0
     _print_state(state, sys.stdout)
     if events is not None:
         _out("events (journaled):")
         for event in events:
-            _out(f"  {json.dumps(event_to_json(event), ensure_ascii=False)}")
+            _out(f"  {json_text(event_to_json(event))}")
     return 0
 
 
@@ -277,7 +277,7 @@ def _print_state(state: SessionState, out: TextIO) -> None:
     line(f"session {state.session_id}")
     line(f"  status: {state.status.value}   agent: {state.agent}   seq: {state.event_seq}")
     line(f"  created: {state.created_at.isoformat()}   updated: {state.updated_at.isoformat()}")
-    line(f"  metadata: {json.dumps(metadata_json(state.metadata), ensure_ascii=False)}")
+    line(f"  metadata: {json_text(metadata_json(state.metadata))}")
     if state.system_prompt is not None:
         line(f"  system prompt: {state.system_prompt}")
     line(f"  summary: {state.summary if state.summary else '(none)'}")
@@ -297,7 +297,7 @@ def _print_state(state: SessionState, out: TextIO) -> None:
 
 async def _export(store: Store, args: argparse.Namespace) -> int:
     state = await read_session(store, args.name)
-    _out(json.dumps(dump_export(state, exported_at=utcnow()), ensure_ascii=False, indent=2))
+    _out(json_text(dump_export(state, exported_at=utcnow()), indent=2))
     return 0
 
 
@@ -329,11 +329,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         session_id=name,
                     ) from None
                 if last is not None and trimmed < last[0]:  # is it still there?
-                    again = (
-                        (events[0].seq, json.dumps(event_to_json(events[0]), ensure_ascii=False))
-                        if events
-                        else None
-                    )
+                    again = (events[0].seq, json_text(event_to_json(events[0]))) if events else None
                     if again != last:
                         raise SessionNotFoundError(
                             f"session {name!r} was deleted and a new session was stored under "
@@ -350,7 +346,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                     )
                     warned = True
                 for event in events:
-                    text = json.dumps(event_to_json(event), ensure_ascii=False)
+                    text = json_text(event_to_json(event))
                     _out(text)
                     after = max(after, event.seq)
                     last = (event.seq, text)

@@ -33,7 +33,7 @@ import attrs
 from ._codec import dump_snapshot, load_snapshot
 from ._errors import InvalidHistoryError, SnapshotCorruptError, SnapshotVersionError
 from ._history import broken_rule
-from ._json import to_json
+from ._json import finite, to_json
 from ._records import SessionState, Status
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "dump_export", "load_export"]
@@ -125,4 +125,6 @@ def _readable(state: SessionState) -> Any:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    # (by the rule export writes with: a float that is not finite, which metadata stored
+    # before they were refused may hold, is null on both sides)
+    return json.dumps(finite(value), sort_keys=True, ensure_ascii=False)

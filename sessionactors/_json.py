@@ -17,7 +17,15 @@ import cattrs
 from ._events import Event, ToolResult, TurnStarted
 from ._records import SessionState
 
-__all__ = ["dumps", "event_to_json", "metadata_json", "state_to_json", "to_json"]
+__all__ = [
+    "dumps",
+    "event_to_json",
+    "finite",
+    "json_text",
+    "metadata_json",
+    "state_to_json",
+    "to_json",
+]
 
 
 def _converter() -> cattrs.Converter:
@@ -81,21 +89,30 @@ def dumps(data: Any) -> bytes:
     values were refused) is written as ``null``, not as ``NaN``, which no JSON
     reader takes.
     """
+    return json_text(data, separators=(",", ":")).encode()
+
+
+def json_text(
+    data: Any, *, indent: int | None = None, separators: tuple[str, str] | None = None
+) -> str:
+    """JSON text of ``data`` (non-ASCII kept), by the rule of :func:`dumps`: a float that
+    is not finite is written as ``null``. The command line prints with it."""
     try:
-        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return json.dumps(
+            data, ensure_ascii=False, indent=indent, separators=separators, allow_nan=False
+        )
     except ValueError:
-        text = json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"))
-    return text.encode()
+        return json.dumps(finite(data), ensure_ascii=False, indent=indent, separators=separators)
 
 
-def _finite(data: Any) -> Any:
+def finite(data: Any) -> Any:
     """``data`` with every float that is not finite replaced by None."""
     if isinstance(data, float):
         return data if math.isfinite(data) else None
     if isinstance(data, dict):
-        return {key: _finite(value) for key, value in data.items()}
+        return {key: finite(value) for key, value in data.items()}
     if isinstance(data, list | tuple):
-        return [_finite(value) for value in data]
+        return [finite(value) for value in data]
     return data
 
 

@@ -195,19 +195,40 @@ class Registry(metaclass=NoPublicConstructor):
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> SessionRef:
-        """The session ``name``, spawned with these options if it does not exist."""
+        """The session ``name``, spawned with these options if it does not exist.
+
+        An existing session is returned as it is (its system prompt and metadata
+        unchanged), but one that runs another agent than ``agent`` (when given)
+        raises SessionExistsError: a session keeps the agent it was spawned with.
+        """
         validate_name(name)
+        wanted = None if agent is None else self._agent_key(agent, name)
         actor = self._sessions.live.get(name)
         # (an actor still loading may be a read of a name that is not stored: spawn
         # waits for it to find nothing)
         if (actor is not None and actor.is_ready) or await self.store.exists(name):
-            return self._ref(name)
+            return await self._existing(name, wanted)
         try:
             return await self.spawn(
                 name, agent=agent, system_prompt=system_prompt, metadata=metadata
             )
         except SessionExistsError:
-            return self._ref(name)
+            return await self._existing(name, wanted)
+
+    async def _existing(self, name: str, agent: str | None) -> SessionRef:
+        """get_or_spawn's ref to the existing session ``name``, which must run ``agent``
+        (any, if None)."""
+        if agent is not None:
+            have = (await self._dispatcher.read(name)).agent
+            if have != agent:
+                raise SessionExistsError(
+                    f"session {name!r} already exists and runs agent {have!r}, not "
+                    f"{agent!r}; a session keeps its agent: talk to it with "
+                    f"registry.ref({name!r}) (or get_or_spawn without agent=), or choose "
+                    f"another name for a session of agent {agent!r}",
+                    session_id=name,
+                )
+        return self._ref(name)
 
     async def delete(self, name: str) -> None:
         """Remove the conversation everywhere: actor, subscribers, store.
@@ -338,7 +359,8 @@ class Registry(metaclass=NoPublicConstructor):
         if not isinstance(agent, str) or agent not in agents:
             raise ValueError(
                 f"session {name!r} asks for agent {agent!r}, but the registry's agents are "
-                f"{sorted(agents)}"
+                f"{sorted(agents)}; name one of them (agent={min(agents)!r}), or add "
+                f"{agent!r} to open_registry(agents=...)"
             )
         return agent
 

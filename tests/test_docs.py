@@ -217,6 +217,11 @@ EXPECTED = {
         "sessions: ['grace']",
         "bad input: 422 session 'grace': 'text' must be a string, got int",
     ],
+    "howto_gateway_mounted.py": [
+        "own route: ['TurnStarted', 'Delta', 'Delta', 'Delta', 'TurnFinished']",
+        "gateway: ['TurnStarted', 'Delta', 'Delta', 'TurnFinished']",
+        "messages: 4 | metadata: {'tenant': 'acme'}",
+    ],
     "explanation_supervision.py": [
         "crashed: OSError - simulated disk fault",
         "history: ['first', 'first']",

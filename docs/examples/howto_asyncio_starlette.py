@@ -2,6 +2,8 @@
 
 import asyncio
 import contextlib
+import os
+import tempfile
 from collections.abc import AsyncIterator
 
 import httpx
@@ -67,6 +69,12 @@ app = Starlette(
 
 
 async def main() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        os.chdir(directory)  # a fresh directory: this run's sessions.db starts empty
+        await serve_and_call()
+
+
+async def serve_and_call() -> None:
     # What `uvicorn app:app` does, on a free port, so that this file can call itself.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())

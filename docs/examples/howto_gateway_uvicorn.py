@@ -1,6 +1,8 @@
 """How-to: serve the HTTP gateway under uvicorn; the app opens the registry in its lifespan."""
 
 import asyncio
+import os
+import tempfile
 from collections.abc import AsyncIterator
 
 import httpx
@@ -29,6 +31,12 @@ app = create_app(
 
 
 async def main() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        os.chdir(directory)  # a fresh directory: this run's sessions.db starts empty
+        await serve_and_call()
+
+
+async def serve_and_call() -> None:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     while not server.started:

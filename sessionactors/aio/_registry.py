@@ -12,9 +12,9 @@ import asyncio
 import functools
 import inspect
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import attrs
 import trio
@@ -45,6 +45,21 @@ def _forward(host: Host, target: object, name: str) -> Any:
         return await host.call(functools.partial(method, *args, **kwargs))
 
     return call
+
+
+T = TypeVar("T")
+
+
+def trio_turn(turn: Turn) -> sa.Turn:
+    """The trio ``Turn`` behind an asyncio one (for the HTTP gateway, which asks
+    ``sessionactors._ref.joined`` about it)."""
+    return turn._turn
+
+
+async def on_trio(registry: Registry, fn: Callable[[sa.Registry], Awaitable[T]]) -> T:
+    """``await fn(trio_registry)`` in the trio run behind ``registry``, answered in
+    asyncio (for the HTTP gateway, which reads the store of either kind of registry)."""
+    return await registry._host.call(fn, registry._registry)
 
 
 #: Events a subscription passes to asyncio ahead of its reader.

@@ -35,6 +35,7 @@ import sessionactors as sa
 
 from .. import aio
 from .._ref import check_message, joined, taken_back
+from ..aio._registry import on_trio, trio_turn
 from ._json import (
     dumps,
     error_json,
@@ -46,7 +47,7 @@ from ._json import (
     state_to_json,
     to_json,
 )
-from ._sse import EventStreamResponse, FrameCache, Select, Stream, frame
+from ._sse import EventStreamResponse, FrameCache, Select, Stream, StreamHooks, frame
 
 __all__ = ["Action", "Authorize", "SessionsApp", "create_app"]
 
@@ -180,14 +181,20 @@ class SessionsApp:
         self._token = token.encode() if token is not None else None
         self._authorize = authorize
         self._create_sessions = create_sessions
-        self._heartbeat = heartbeat
         self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
+        self._lifespan_began = False  # (an app that opens its registry itself)
         self._streams: set[anyio.CancelScope] = set()
         self._checked_loop = False
         self._portal: Callable[[Callable[[], None]], object] | None = None
         self._loop_thread = 0
+        self._hooks = StreamHooks(
+            error_response=self._error_response,
+            track=self._track,
+            untrack=self._untrack,
+            heartbeat=heartbeat,
+        )
         routes: list[Route | WebSocketRoute] = []
         if chat_page:
             page, client = _static("index.html"), _static("sessionactors.js")
@@ -256,6 +263,12 @@ class SessionsApp:
 
     @asynccontextmanager
     async def _lifespan(self, _app: object) -> AsyncIterator[None]:
+        # (a lifespan after an earlier one, as a test suite's: afresh, on its own loop)
+        self._lifespan_began = True
+        self._registry = None
+        self._draining = False
+        self._checked_loop = False
+        self._portal = None
         library = sniffio.current_async_library()
         opened: AbstractAsyncContextManager[AnyRegistry]
         if library == "trio":
@@ -311,6 +324,19 @@ class SessionsApp:
 
     def _registry_now(self) -> AnyRegistry:
         registry = self._registry
+        if registry is None and not self._lifespan_began and not self._draining:
+            raise _RequestError(
+                500,
+                "NoRegistry",
+                "the app has no registry: create_app(store=..., agents=...) opens one in "
+                "its ASGI lifespan, which never ran (a mounted app gets no lifespan "
+                "events); open the registry in your own app's lifespan and serve "
+                "create_app(registry), or serve this app itself",
+            )
+        if registry is None and not self._draining:
+            raise _RequestError(
+                503, "Starting", "the server is opening its registry; retry in a moment"
+            )
         if registry is None or self._draining:
             raise _RequestError(
                 503, "ShuttingDown", "the server is shutting down; retry in a moment"
@@ -361,9 +387,7 @@ class SessionsApp:
             return True
         if isinstance(registry, sa.Registry):
             return await registry.store.exists(name)
-        trio_registry: sa.Registry = registry._registry
-        exists: bool = await registry._host.call(trio_registry.store.exists, name)
-        return exists
+        return await on_trio(registry, lambda trio_registry: trio_registry.store.exists(name))
 
     async def _check_after(self, registry: AnyRegistry, ref: AnyRef, after: int | None) -> None:
         """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the
@@ -383,8 +407,8 @@ class SessionsApp:
         elif isinstance(registry, sa.Registry):
             last = (await sa.read_session(registry.store, name)).event_seq
         else:
-            stored = registry._registry.store
-            last = (await registry._host.call(sa.read_session, stored, name)).event_seq
+            state = await on_trio(registry, lambda reg: sa.read_session(reg.store, name))
+            last = state.event_seq
         if after > last and not live:
             last = (await ref.state()).event_seq
         if after > last:
@@ -512,7 +536,7 @@ class SessionsApp:
                 return cast(
                     Response,
                     EventStreamResponse(
-                        self, functools.partial(self._turn_stream, registry, ref, text, key)
+                        self._hooks, functools.partial(self._turn_stream, registry, ref, text, key)
                     ),
                 )
             turn = await self._submit(registry, ref, text, key)
@@ -531,7 +555,7 @@ class SessionsApp:
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
                 return
-            since, joined_at = joined(turn._turn if isinstance(turn, aio.Turn) else turn)
+            since, joined_at = joined(trio_turn(turn) if isinstance(turn, aio.Turn) else turn)
             if since is not None:
                 # it joined its key's turn under way, which published events before
                 # this subscription began (a review it waits on): from its start; the
@@ -569,7 +593,7 @@ class SessionsApp:
             return cast(
                 Response,
                 EventStreamResponse(
-                    self,
+                    self._hooks,
                     functools.partial(self._review_stream, ref, review, approve, note),
                 ),
             )
@@ -593,7 +617,8 @@ class SessionsApp:
             ref = await self._existing_ref(registry, name)
             await self._check_after(registry, ref, after)
             return cast(
-                Response, EventStreamResponse(self, functools.partial(self._all_events, ref, after))
+                Response,
+                EventStreamResponse(self._hooks, functools.partial(self._all_events, ref, after)),
             )
 
         return await self._handle(request, "events", handler)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import anyio
 import attrs
@@ -31,17 +31,18 @@ import sessionactors as sa
 from ._json import dumps, error_json, event_to_json
 
 
-class _App(Protocol):
-    """What a streaming response needs of its app: error answers and drain tracking."""
+@attrs.frozen(kw_only=True)
+class StreamHooks:
+    """What a streaming response needs of its app: its answer to an error raised before
+    the first byte, drain tracking of the stream's scope, and the heartbeat interval."""
 
-    def _error_response(self, error: BaseException, session: str | None = None) -> Any: ...
-    def _track(self, scope: anyio.CancelScope) -> None: ...
-    def _untrack(self, scope: anyio.CancelScope) -> None: ...
-    @property
-    def _heartbeat(self) -> float: ...
+    error_response: Callable[[BaseException], Any]
+    track: Callable[[anyio.CancelScope], None]
+    untrack: Callable[[anyio.CancelScope], None]
+    heartbeat: float
 
 
-__all__ = ["EventStreamResponse", "FrameCache", "Stream", "error_frame", "frame"]
+__all__ = ["EventStreamResponse", "FrameCache", "Stream", "StreamHooks", "error_frame", "frame"]
 
 log = logging.getLogger("sessionactors.http")
 
@@ -151,9 +152,9 @@ class EventStreamResponse:
     first byte and as error frames after it."""
 
     def __init__(
-        self, app: _App, open_stream: Callable[[], AbstractAsyncContextManager[Stream]]
+        self, hooks: StreamHooks, open_stream: Callable[[], AbstractAsyncContextManager[Stream]]
     ) -> None:
-        self._app = app
+        self._hooks = hooks
         self._open = open_stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -167,14 +168,14 @@ class EventStreamResponse:
             if started:  # the stream already ended with what it could say
                 log.warning("an event stream ended with %r", exc)
                 return
-            response = self._app._error_response(exc)
+            response = self._hooks.error_response(exc)
             await response(scope, receive, send)
 
     async def _run(self, stream: Stream, receive: Any, send: Any) -> None:
         outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
         gone = False
         async with anyio.create_task_group() as group:
-            self._app._track(group.cancel_scope)
+            self._hooks.track(group.cancel_scope)
             try:
 
                 async def watch() -> None:
@@ -205,12 +206,12 @@ class EventStreamResponse:
                 await self._write(outbox, send)
                 group.cancel_scope.cancel()
             finally:
-                self._app._untrack(group.cancel_scope)
+                self._hooks.untrack(group.cancel_scope)
         if not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _write(self, outbox: _Outbox, send: Any) -> None:
-        heartbeat = self._app._heartbeat
+        heartbeat = self._hooks.heartbeat
         while True:
             if outbox.frames:
                 data = outbox.take()

@@ -1,0 +1,166 @@
+"""What a newcomer meets first: get_or_spawn with an agent, and the command line's JSON
+for data an earlier version stored. Each test pins one promise through the public API."""
+
+import ast
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import dump_info
+from sessionactors.testing import EchoModel
+
+
+def two_agents() -> dict[str, sa.Agent]:
+    return {"support": sa.Agent(model=EchoModel()), "sales": sa.Agent(model=EchoModel())}
+
+
+@pytest.mark.parametrize("where", ["live", "stored"])
+async def test_get_or_spawn_refuses_an_existing_session_of_another_agent(where: str) -> None:
+    """get_or_spawn(name, agent=b) of a session that runs agent a raises SessionExistsError
+    naming the session, both agents and what to do, and changes nothing; with its own agent
+    or none it returns the session."""
+    async with sa.open_registry(agents=two_agents()) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("chat-1", agent="support")
+            await ref.send("hi")
+            if where == "stored":
+                await ref.hibernate()
+            with pytest.raises(sa.SessionExistsError) as info:
+                await registry.get_or_spawn("chat-1", agent="sales")
+            assert await registry.get_or_spawn("chat-1", agent="support") == ref
+            assert await registry.get_or_spawn("chat-1") == ref
+            state = await ref.state()
+    message = str(info.value)
+    assert info.value.session_id == "chat-1"
+    assert "'chat-1'" in message
+    assert "'support'" in message
+    assert "'sales'" in message
+    assert "registry.ref('chat-1')" in message
+    assert state.agent == "support"
+    assert [m.content for m in state.messages] == ["hi", "hi"]
+
+
+def sessions_cli(*args: str) -> str:
+    """The standard output of ``python -m sessionactors sessions ARGS`` (which must succeed)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", "sessions", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def strict_json(text: str) -> Any:
+    """JSON as a strict reader (a browser's JSON.parse, jq) reads it: no NaN, no Infinity."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def test_the_command_line_writes_valid_json_for_stored_non_finite_floats(
+    tmp_path: Path,
+) -> None:
+    """Metadata stored with NaN or an infinity (before such values were refused) is written
+    as null by list --json, show --json, show --events --json, tail and export, as the
+    gateway does; the export still imports, restoring the stored values."""
+    path = tmp_path / "old.db"
+    now = datetime.datetime.now(datetime.UTC)
+    metadata = {"score": math.nan, "range": [1.5, -math.inf], "tier": "gold"}
+    state = sa.SessionState(session_id="old", agent="echo", created_at=now, updated_at=now)
+    state = attrs.evolve(state, metadata=metadata)
+    info = sa.SessionInfo(
+        session_id="old",
+        agent="echo",
+        status=sa.Status.HIBERNATED,
+        message_count=0,
+        updated_at=now,
+        metadata=metadata,
+    )
+    store = sa.SQLiteStore(str(path))
+    await store.create("old", sa.dump_snapshot(state), dump_info(info))
+    await store.aclose()
+    url = f"sqlite:///{path}"
+
+    expected = {"score": None, "range": [1.5, None], "tier": "gold"}
+    [listed] = strict_json(sessions_cli("list", "--store", url, "--json"))
+    assert listed["metadata"] == expected
+    assert strict_json(sessions_cli("show", "old", "--store", url, "--json"))["metadata"] == (
+        expected
+    )
+    shown = strict_json(sessions_cli("show", "old", "--events", "--store", url, "--json"))
+    assert shown["metadata"] == expected
+    for line in sessions_cli("tail", "old", "--no-follow", "--store", url).splitlines():
+        strict_json(line)
+    export = sessions_cli("export", "old", "--store", url)
+    assert strict_json(export)["session"]["metadata"] == expected
+    assert "NaN" not in sessions_cli("show", "old", "--store", url)
+
+    exported = tmp_path / "old.json"
+    exported.write_text(export, encoding="utf-8")
+    sessions_cli("import", str(exported), "--as", "copy", "--store", url)
+    reader = sa.SQLiteStore(str(path), readonly=True)
+    try:
+        copy = await sa.read_session(reader, "copy")
+    finally:
+        await reader.aclose()
+    assert math.isnan(copy.metadata["score"])
+    assert copy.metadata["range"] == [1.5, -math.inf]
+
+
+def private_reads(package: Path) -> list[str]:
+    """Where the modules under ``package`` read a private attribute (``x._name``) of an
+    object other than their own ``self`` or ``cls``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_gateway_reads_no_private_attribute_of_another_object() -> None:
+    """The HTTP gateway reaches the asyncio registry, refs and turns through their
+    module's functions, never through their private fields (a renamed field must not
+    break it); the check catches a deliberate breach."""
+    http = Path(sa.__file__).parent / "http"
+    assert private_reads(http) == []
+
+
+def test_the_private_read_check_catches_a_breach(tmp_path: Path) -> None:
+    """Negative control: the check finds a read of another object's private field."""
+    (tmp_path / "breach.py").write_text("def f(turn):\n    return turn._turn\n")
+    assert private_reads(tmp_path) == ["breach.py:2: ._turn"]
+
+
+async def test_an_unknown_agent_is_refused_with_what_to_name() -> None:
+    """spawn and get_or_spawn with an agent the registry does not have raise ValueError
+    naming the session, the agents there are and how to name one; nothing is stored."""
+    async with sa.open_registry(agents=two_agents()) as registry:
+        with trio.fail_after(10):
+            for call in (registry.spawn, registry.get_or_spawn):
+                with pytest.raises(ValueError) as info:
+                    await call("chat-9", agent="suport")
+                message = str(info.value)
+                assert "'chat-9'" in message
+                assert "['sales', 'support']" in message
+                assert "agent='sales'" in message
+            assert await registry.sessions() == []
