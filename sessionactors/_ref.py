@@ -8,8 +8,8 @@ its arguments first: nothing the store would refuse reaches a session.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Protocol
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import trio
@@ -441,10 +441,9 @@ class SessionRef(metaclass=NoPublicConstructor):
                 )
         return _Subscription(self._dispatcher, self.session_id, after)
 
-    @asynccontextmanager
-    async def stream(
+    def stream(
         self, text: str, *, idempotency_key: str | None = None
-    ) -> AsyncIterator[AsyncIterator[Event]]:
+    ) -> _InBlock:
         """Submit a turn and iterate over that turn's events only, ending with its outcome.
 
         The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session
@@ -457,6 +456,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         that turn's events published so far that are still available (see
         ``subscribe``), from its ``TurnStarted``.
         """
+        return _InBlock(self._stream(text, idempotency_key), "ref.stream(text)")
+
+    @asynccontextmanager
+    async def _stream(
+        self, text: str, idempotency_key: str | None
+    ) -> AsyncIterator[AsyncIterator[Event]]:
         async with self.subscribe() as live:
             turn = await self.submit(text, idempotency_key=idempotency_key)
             events, before = live, 0
@@ -615,6 +620,36 @@ class _Subscription:
     async def __aexit__(self, *exc: object) -> None:
         if self._iterator is not None:
             self._iterator.close()
+
+    def __aiter__(self) -> NoReturn:
+        raise not_in_block("ref.subscribe()")
+
+
+def not_in_block(form: str) -> TypeError:
+    """The error for ``async for event in {form}``: the ``async with`` was forgotten."""
+    return TypeError(
+        f"{form} is an async context manager, not an iterator of events: write "
+        f"`async with {form} as events:` and then `async for event in events:`"
+    )
+
+
+class _InBlock:
+    """A context manager of events that says how to use it when iterated directly."""
+
+    __slots__ = ("_form", "_manager")
+
+    def __init__(self, manager: AbstractAsyncContextManager[AsyncIterator[Event]], form: str):
+        self._manager = manager
+        self._form = form
+
+    async def __aenter__(self) -> AsyncIterator[Event]:
+        return await self._manager.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._manager.__aexit__(*exc)
+
+    def __aiter__(self) -> NoReturn:
+        raise not_in_block(self._form)
 
 
 def _check_type(session_id: str, what: str, value: object, kind: type) -> None:

@@ -164,3 +164,37 @@ async def test_an_unknown_agent_is_refused_with_what_to_name() -> None:
                 assert "['sales', 'support']" in message
                 assert "agent='sales'" in message
             assert await registry.sessions() == []
+
+
+async def test_iterating_a_stream_or_subscription_without_async_with_says_how() -> None:
+    """``async for event in ref.stream(text)`` (the ``async with`` forgotten) raises a
+    TypeError that shows the right form, and sends nothing; the same for subscribe."""
+    async with sa.open_registry(agents=two_agents()) as registry:
+        ref = await registry.spawn("chat-1", agent="support")
+        with trio.fail_after(10):
+            for events, form in [
+                (ref.stream("hi"), "async with ref.stream(text) as events"),
+                (ref.subscribe(), "async with ref.subscribe() as events"),
+            ]:
+                with pytest.raises(TypeError) as info:
+                    async for _ in events:  # type: ignore[attr-defined]
+                        pass
+                assert form in str(info.value)
+            assert await ref.history() == []
+
+
+def test_the_asyncio_stream_without_async_with_says_how_too() -> None:
+    import asyncio
+
+    import sessionactors.aio as aio
+
+    async def main() -> None:
+        async with aio.open_registry(agents=two_agents()) as registry:
+            ref = await registry.spawn("chat-1", agent="support")
+            for events in (ref.stream("hi"), ref.subscribe()):
+                with pytest.raises(TypeError, match="async with ref"):
+                    async for _ in events:  # type: ignore[attr-defined]
+                        pass
+            assert await ref.history() == []
+
+    asyncio.run(main())

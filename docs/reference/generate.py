@@ -133,7 +133,10 @@ HIDDEN_MEMBERS = {"Registry": {"agent_for", "hub_for", "detach", "replace", "mar
 PROTOCOLS = [sa.Model, Store]
 
 # Private classes that public methods return, described by what they are.
-PRIVATE_TYPES = {"_Subscription": "AsyncContextManager[AsyncIterator[Event]]"}
+PRIVATE_TYPES = {
+    "_Subscription": "AsyncContextManager[AsyncIterator[Event]]",
+    "_InBlock": "AsyncContextManager[AsyncIterator[Event]]",
+}
 
 # Values that are neither classes nor functions, so they carry no docstring of their own.
 VALUE_DOCS = {

@@ -14,14 +14,14 @@ import inspect
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 import attrs
 import trio
 
 import sessionactors as sa
 
-from .._ref import known_reply
+from .._ref import known_reply, not_in_block
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, release_host
 
@@ -161,14 +161,16 @@ class SessionRef:
         """Events of this session, live from now on or replayed from ``after``
         (see :meth:`sessionactors.SessionRef.subscribe`): ``async with
         ref.subscribe() as events: async for event in events: ...``."""
-        return _Subscription(self._host, lambda: self._ref.subscribe(after))
+        return _Subscription(self._host, lambda: self._ref.subscribe(after), "ref.subscribe()")
 
     def stream(
         self, text: str, *, idempotency_key: str | None = None
     ) -> AbstractAsyncContextManager[EventStream]:
         """Submit a turn and iterate over that turn's events only, ending with its outcome."""
         return _Subscription(
-            self._host, lambda: self._ref.stream(text, idempotency_key=idempotency_key)
+            self._host,
+            lambda: self._ref.stream(text, idempotency_key=idempotency_key),
+            "ref.stream(text)",
         )
 
     async def history(self) -> list[sa.Message]:
@@ -402,9 +404,11 @@ class _Subscription:
         self,
         host: Host,
         open_events: Callable[[], AbstractAsyncContextManager[AsyncIterator[sa.Event]]],
+        form: str,
     ) -> None:
         self._host = host
         self._open_events = open_events
+        self._form = form
         self._stream = EventStream(host)
         self._entered: asyncio.Future[None] = host.loop.create_future()
         self._task: Task | None = None
@@ -421,6 +425,9 @@ class _Subscription:
     async def __aexit__(self, *exc_info: object) -> None:
         assert self._task is not None
         await self._task.aclose()
+
+    def __aiter__(self) -> NoReturn:
+        raise not_in_block(self._form)
 
     async def _pump(self, scope: trio.CancelScope) -> None:
         stream, entered = self._stream, self._entered
