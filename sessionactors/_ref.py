@@ -441,9 +441,7 @@ class SessionRef(metaclass=NoPublicConstructor):
                 )
         return _Subscription(self._dispatcher, self.session_id, after)
 
-    def stream(
-        self, text: str, *, idempotency_key: str | None = None
-    ) -> _InBlock:
+    def stream(self, text: str, *, idempotency_key: str | None = None) -> _InBlock:
         """Submit a turn and iterate over that turn's events only, ending with its outcome.
 
         The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session

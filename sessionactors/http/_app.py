@@ -279,6 +279,9 @@ class SessionsApp:
             raise RuntimeError(f"sessionactors.http runs on trio or asyncio, not {library}")
         self._remember_loop()
         async with opened as registry:
+            # a store this process cannot use (a SQLite file another server writes, a
+            # Redis out of reach) fails the startup, not every request after it
+            await registry.sessions(limit=1)
             self._registry = registry
             try:
                 yield

@@ -13,6 +13,7 @@ from typing import Final
 
 import hypercorn.config
 import hypercorn.trio
+import hypercorn.utils
 import trio
 
 import sessionactors as sa
@@ -113,5 +114,28 @@ def main(args: argparse.Namespace) -> int:
             url = await nursery.start(functools.partial(serve, app, host=args.host, port=args.port))
             print(f"sessionactors: serving {sorted(agents)} at {url}/", flush=True)
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    except BaseException as exc:
+        refused = _startup_refusal(exc)
+        if refused is None:
+            raise
+        print(f"sessionactors serve: cannot start: {refused}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _startup_refusal(error: BaseException) -> sa.SessionActorsError | None:
+    """The library's error that failed the app's startup (its store refused it, say),
+    found in what hypercorn raised, or None."""
+    leaves = [error]
+    while leaves:
+        leaf = leaves.pop()
+        if isinstance(leaf, BaseExceptionGroup):
+            leaves.extend(leaf.exceptions)
+        elif isinstance(leaf, hypercorn.utils.LifespanFailureError):
+            cause = leaf.__context__
+            while cause is not None and not isinstance(cause, sa.SessionActorsError):
+                cause = cause.__context__
+            return cause
+    return None

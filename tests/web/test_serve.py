@@ -75,3 +75,34 @@ def test_serve_refuses_bad_arguments_with_a_message() -> None:
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == 2, stderr
         assert said in stderr
+
+
+def test_a_second_server_on_a_sqlite_file_in_use_fails_its_startup(tmp_path: Path) -> None:
+    """A second server (a second uvicorn worker, say) on the SQLite file a running server
+    uses exits at startup, saying the file is in use and naming it, instead of starting and
+    then answering every request 503 "retry"; the first server serves on."""
+    path = tmp_path / "served.db"
+    with (
+        serve_command(f"sqlite:///{path}") as server,
+        httpx.Client(base_url=server.url, timeout=10) as client,
+    ):
+        command = ["serve", "--store", f"sqlite:///{path}", "--agent", "chat_agents:agents"]
+        second = subprocess.Popen(
+            [sys.executable, "-m", "sessionactors", *command, "--port", "0"],
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            stdout, stderr = second.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            stdout, stderr = second.communicate()
+            pytest.fail(f"the second server started on a file in use: {stdout}{stderr}")
+        assert second.returncode == 1
+        for said in ("cannot start", str(path), "in use"):
+            assert said in stderr, stderr
+        assert "Traceback" not in stderr, stderr
+        reply = client.post("/sessions/kept/messages", json={"text": "still here"})
+        assert reply.json()["text"] == "still here"
