@@ -292,8 +292,10 @@ class MemoryStore:
             for e in entries
         ]
         session.last_seq = _check_entries(session_id, copies, session.last_seq)
-        session.seqs.extend([e.seq for e in copies])
-        session.datas.extend([e.data for e in copies])
+        seqs, datas = session.seqs, session.datas
+        for e in copies:
+            seqs.append(e.seq)
+            datas.append(e.data)
         self._set_info(session_id, session, info)
 
     async def write_snapshot(
