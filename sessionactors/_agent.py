@@ -206,11 +206,15 @@ class TurnContext(Protocol):
         ...
 
 
-@attrs.define
 class _CallParts:
-    id: str | None = None
-    name: str | None = None
-    arguments: list[str] = attrs.Factory(list)
+    """One tool call as it streams in (a plain slotted class: one is made per call)."""
+
+    __slots__ = ("arguments", "id", "name")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.name: str | None = None
+        self.arguments: list[str] = []
 
     def whole(self) -> bool:
         """Whether the call is complete: named, its arguments none or whole JSON."""
@@ -226,7 +230,6 @@ class _CallParts:
         return True
 
 
-@attrs.define
 class _Step:
     """What one model call has streamed besides text: tool-call fragments, usage.
 
@@ -234,9 +237,16 @@ class _Step:
     index, in the order they began (an index can have several: see ``_take_chunk``).
     """
 
-    parts: dict[int, _CallParts] = attrs.Factory(dict)
-    calls: list[tuple[int, _CallParts]] = attrs.Factory(list)
-    usage: Usage | None = None
+    __slots__ = ("calls", "parts", "usage")
+
+    def __init__(self) -> None:
+        self.parts: dict[int, _CallParts] = {}
+        self.calls: list[tuple[int, _CallParts]] = []
+        self.usage: Usage | None = None
+
+
+def _index(item: tuple[int, _CallParts]) -> int:
+    return item[0]
 
 
 def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
@@ -246,7 +256,7 @@ def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
         return ()
     made = []
     seen: set[str] = set()
-    for index, p in sorted(calls, key=lambda item: item[0]):
+    for index, p in calls if len(calls) == 1 else sorted(calls, key=_index):
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         call_id = storable(p.id) if p.id else ""
@@ -283,15 +293,7 @@ def answer_too_long(session_id: str) -> ModelError:
 
 def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
     """Take one chunk into the step; how many characters it added to the answer."""
-    if isinstance(chunk, TextChunk):
-        text = chunk.text
-        if text.__class__ is not str:
-            raise TypeError(f"the model streamed a TextChunk whose text is {text!r}, not a str")
-        if text:
-            ctx.partial.append(text)
-            ctx.delta(storable(text))
-        return len(text)
-    if isinstance(chunk, ToolCallChunk):
+    if chunk.__class__ is ToolCallChunk or isinstance(chunk, ToolCallChunk):
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
@@ -308,6 +310,14 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
         if chunk.arguments:
             p.arguments.append(chunk.arguments)
         return len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
+    if isinstance(chunk, TextChunk):
+        text = chunk.text
+        if text.__class__ is not str:
+            raise TypeError(f"the model streamed a TextChunk whose text is {text!r}, not a str")
+        if text:
+            ctx.partial.append(text)
+            ctx.delta(storable(text))
+        return len(text)
     if isinstance(chunk, UsageChunk):
         usage = usage_of(chunk)
         step.usage = usage if step.usage is None else step.usage + usage

@@ -139,15 +139,19 @@ class Hub:
         ring = self._ring
         if ring is None:
             ring = self._ring = deque()
-        kept: Event | _Kept = event
         if event.__class__ is Delta:
-            kept = (event.seq, event.turn_id, event.text)
-        ring.append(kept)
-        ring_bytes = self._ring_bytes + _size(kept)
+            text = event.text
+            ring.append((event.seq, event.turn_id, text))
+            ring_bytes = self._ring_bytes + 96 + len(text)  # (as _size counts it)
+        else:
+            ring.append(event)
+            ring_bytes = self._ring_bytes + _size(event)
         config = self._config
-        most, most_bytes = config.replay_events, config.replay_bytes
-        if len(ring) > most or ring_bytes > most_bytes:
-            while ring and (len(ring) > most or ring_bytes > most_bytes):
+        if len(ring) > config.replay_events:  # (one over: it held at most that many)
+            ring_bytes -= _size(ring.popleft())
+        if ring_bytes > config.replay_bytes:
+            most_bytes = config.replay_bytes
+            while ring and ring_bytes > most_bytes:
                 ring_bytes -= _size(ring.popleft())
         self._ring_bytes = ring_bytes
         if self._subs:
