@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import Final
 
 import trio
 
@@ -37,11 +38,14 @@ log = logging.getLogger("sessionactors")
 #: full collection.
 _Kept = tuple[int, str, str]
 
+#: What a kept ``Delta`` holds beside its text, as the ring's byte bound counts it.
+_KEPT_BYTES: Final = 96
+
 
 def _size(event: Event | _Kept) -> int:
     """A cheap estimate of the memory an event holds, for the ring's byte bound."""
     if isinstance(event, tuple):
-        return 96 + len(event[2])
+        return _KEPT_BYTES + len(event[2])
     cls = event.__class__
     if cls is MessageAdded or cls is TurnFinished:
         return 160 + len(event.message.content)  # type: ignore[attr-defined]
@@ -142,7 +146,7 @@ class Hub:
         if event.__class__ is Delta:
             text = event.text
             ring.append((event.seq, event.turn_id, text))
-            ring_bytes = self._ring_bytes + 96 + len(text)  # (as _size counts it)
+            ring_bytes = self._ring_bytes + _KEPT_BYTES + len(text)
         else:
             ring.append(event)
             ring_bytes = self._ring_bytes + _size(event)
