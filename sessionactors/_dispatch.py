@@ -35,6 +35,7 @@ from ._router import NOT_ROUTED, Router
 from ._session import LiveSession
 from ._sessions import Sessions
 from ._subscription import EventIterator
+from ._turns import session_tag, turn_id_time
 from .stores._base import Store
 
 __all__ = ["Dispatcher"]
@@ -356,6 +357,14 @@ class Dispatcher:
 
     async def outcome(self, name: str, turn_id: str) -> TurnOutcome:
         """What became of turn ``turn_id`` of the session (here, or from its owner's state)."""
+        refused = self.sessions.refused.get(turn_id)
+        if refused is not None and turn_id_time(turn_id, session_tag(name)) is not None:
+            # failed here before it reached the session (a wake that found it live on
+            # another worker, say): no state records it, and its owner never heard of it
+            await trio.lowlevel.checkpoint()
+            return TurnOutcome(
+                session_id=name, turn_id=turn_id, status=TurnStatus.FAILED, error=refused
+            )
         outcome: TurnOutcome = await self._route(
             name,
             lambda: self._outcome_here(name, turn_id),
