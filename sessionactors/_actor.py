@@ -1400,12 +1400,19 @@ class Actor:
             return
         self.after_crash = None
         due, lost = after
-        kept = None
-        if loaded and due is not None and due.turn_id in self.session.turns:  # its record
-            kept = due.turn_id
-            self.emit(due)
+        kept: set[str] = set()
+        if loaded:
+            session = self.session
+            if due is not None and due.turn_id in session.turns:  # its record
+                kept.add(due.turn_id)
+                self.emit(due)
+            open_turn = session.open_turn
+            if open_turn is not None:
+                # durable after all (its start was journaled): it resumes, or waits on
+                # its review, and its own outcome follows; a turn has one outcome
+                kept.add(open_turn.turn_id)
         for event in lost:
-            if event.turn_id != kept:
+            if event.turn_id not in kept:
                 self.emit(event)
 
     def leave_table(self) -> None:
