@@ -4,7 +4,13 @@ acknowledged is lost."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import subprocess
+import sys
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +23,7 @@ from sessionactors.testing import EchoModel
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
+WORKER = Path(__file__).with_name("cluster_worker.py")
 
 
 def open_worker(url: str, prefix: str, worker_id: str, model: Any = None, **options: Any) -> Any:
@@ -33,7 +40,10 @@ async def test_a_turn_submitted_nowait_to_a_session_live_elsewhere_reads_failed(
     """A submit_nowait turn refused because its session is live on another worker reads failed (with why) from turn_outcome on the worker that refused it, not queued forever."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     with trio.fail_after(30):
-        async with open_worker(redis_url, prefix, "a") as a, open_worker(redis_url, prefix, "b") as b:
+        async with (
+            open_worker(redis_url, prefix, "a") as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
             await a.spawn("s")
             await a.ref("s").history()  # live on a
             turn = b.ref("s").submit_nowait("hello")
@@ -44,3 +54,85 @@ async def test_a_turn_submitted_nowait_to_a_session_live_elsewhere_reads_failed(
             assert outcome.error is not None
             assert "another worker" in outcome.error
             assert await a.ref("s").history() == []  # it never ran
+
+
+@contextlib.asynccontextmanager
+async def worker_process(
+    url: str, prefix: str, worker_id: str, names: list[str], word_delay: float
+) -> AsyncIterator[trio.Process]:
+    """A tests/cluster_worker.py process whose echo model waits ``word_delay`` seconds
+    per word, that has woken ``names`` (sessions stay where they woke); killed at the end."""
+    command = [sys.executable, str(WORKER), url, prefix, worker_id, str(TTL), "normal"]
+    process = await trio.lowlevel.open_process(
+        [*command, str(word_delay), "fixed"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        buffer = b""
+        while buffer.count(b"\n") < 1:
+            data = await process.stdout.receive_some(65536)
+            assert data, "the worker process ended"
+            buffer += data
+        assert "ready" in json.loads(buffer.split(b"\n")[0])
+        request = {"id": 1, "op": "spawn", "names": names}
+        await process.stdin.send_all(json.dumps(request).encode() + b"\n")
+        while buffer.count(b"\n") < 2:
+            data = await process.stdout.receive_some(65536)
+            assert data, "the worker process ended"
+            buffer += data
+        assert json.loads(buffer.split(b"\n")[1]).get("ok") is True
+        yield process
+    finally:
+        process.kill()
+        with trio.move_on_after(10):
+            await process.wait()
+
+
+async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url: str) -> None:
+    """When the worker running a turn is killed (SIGKILL), a subscription to the session on another worker ends with SubscriberLaggedError at its last event within a few lease lifetimes (the turn's outcome will never come from there), ref.stream of the turn raises the SessionCrashedError its send would, and a subscription made again with after= works and replays what the store kept."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: dict[str, BaseException] = {}
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for _event in events:
+                            pass
+                except sa.SessionActorsError as exc:
+                    ended["subscribe"] = exc
+
+            async def stream() -> None:
+                try:
+                    async with ref.stream(text) as events:
+                        async for event in events:
+                            if isinstance(event, sa.Delta):
+                                first_delta.set()
+                except sa.SessionActorsError as exc:
+                    ended["stream"] = exc
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                nursery.start_soon(stream)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn
+                with trio.fail_after(6 * TTL):
+                    while len(ended) < 2:
+                        await trio.sleep(0.05)
+            lagged = ended["subscribe"]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert isinstance(ended["stream"], sa.SessionCrashedError), repr(ended["stream"])
+            async with ref.subscribe(after=lagged.last_seq):
+                assert b.live() == ["s"]  # woken here: its shard's lease lapsed
+            assert [m.content for m in await ref.history()] == []  # the turn was not durable
+            assert (await ref.send("again")).text == "again"
+

@@ -20,8 +20,17 @@ from .._errors import (
     SessionStoppedError,
     SnapshotError,
     StoreError,
+    SubscriberLaggedError,
 )
-from .._events import Event, StatusChanged
+from .._events import (
+    Event,
+    ReviewRequested,
+    StatusChanged,
+    TurnCancelled,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+)
 from .._hub import Hub
 from .._records import Status
 from .._router import RouterHost
@@ -71,6 +80,10 @@ class _Lost:
 
 
 _Item = Event | _CatchUp | _Lost
+
+#: Events after which a mirrored session has no turn under way (one waiting on a
+#: review is at rest: it may move between workers without an outcome).
+_AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
 
 
 class _Replay:
@@ -136,6 +149,11 @@ class Streams:
         #: not read yet: seqs missing before its first event are judged by the journal
         #: (a wake after an unclean stop jumps over seqs that were never durable).
         self._unread: set[str] = set()
+        #: Mirrored sessions with a turn under way (its TurnStarted read, no outcome
+        #: yet): the turn's id, and the worker seen holding the session's lease since
+        #: (None: not looked yet). A turn's outcome comes from the worker that runs it;
+        #: if that worker loses the session first (it died), none ever comes.
+        self._open_turns: dict[str, list[str | None]] = {}
         # (session, the stamp of its payloads, what to publish)
         self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
         # Lag markers still to write: for events the tap dropped (the queue was full;
@@ -172,6 +190,32 @@ class Streams:
         """Renew the watch of every mirrored session; stop publishing the sessions that
         nobody elsewhere subscribes to any more."""
         await self.transport.watch(list(self._mirrors), self.ttl)
+        for name, seen in list(self._open_turns.items()):
+            owner = await self.transport.lease_owner(name)
+            if self._open_turns.get(name) is not seen:
+                continue  # its outcome came meanwhile
+            if owner is not None and seen[1] in (None, owner):
+                seen[1] = owner
+                continue
+            # The worker that ran the turn let the session go before its outcome (it
+            # died, or lost its lease): no outcome will come from there. Its
+            # subscribers lag at the last event they have, and subscribe again with
+            # after=: the journal says what the turn left (the session wakes again).
+            del self._open_turns[name]
+            hub = self._mirrors.get(name)
+            if hub is not None:
+                last = self._positions.get(name, 0)
+                hub.close(
+                    SubscriberLaggedError(
+                        f"the worker that ran session {name!r} let it go during turn "
+                        f"{seen[0]} (it died or lost its lease), so the turn's outcome will "
+                        f"not come from there; subscribe again with after={last}: the "
+                        "replay shows what the turn left",
+                        session_id=name,
+                        last_seq=last,
+                    )
+                )
+                self._end_mirror(name, hub)
         if self._watched:
             names = list(self._watched)
             still = await self.transport.watched(names)
@@ -540,6 +584,7 @@ class Streams:
         self._positions.pop(name, None)
         self._births.pop(name, None)
         self._unread.discard(name)
+        self._open_turns.pop(name, None)
 
     def _poke(self) -> None:
         """Have the reader start over, now reading a new mirror's stream too."""
@@ -603,6 +648,11 @@ class Streams:
                 hub.lose()
                 continue
             hub.publish(event)
+            kind_ = event.__class__
+            if kind_ is TurnStarted:
+                self._open_turns[name] = [event.turn_id, None]  # type: ignore[attr-defined]
+            elif kind_ in _AT_REST:
+                self._open_turns.pop(name, None)
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
                 self._end_mirror(name, hub)
                 return
