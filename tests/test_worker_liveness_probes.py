@@ -136,3 +136,23 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url:
             assert [m.content for m in await ref.history()] == []  # the turn was not durable
             assert (await ref.send("again")).text == "again"
 
+
+async def test_a_second_live_worker_with_the_same_worker_id_is_refused(redis_url: str) -> None:
+    """A registry opened with the worker_id of another live worker on the same store fails with StoreConfigurationError (both would take its leases and run the same sessions), while the first one keeps serving; once the first closed, the id can be used again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "w") as first:
+            await first.spawn("s")
+            assert (await first.ref("s").send("one")).text == "one"
+
+            async def second_worker() -> None:
+                async with open_worker(redis_url, prefix, "w") as second:
+                    await second.ref("s").send("two")
+
+            with pytest.raises(sa.StoreConfigurationError, match="worker_id 'w'"):
+                await second_worker()
+            assert (await first.ref("s").send("three")).text == "three"
+            assert first.live() == ["s"]
+        async with open_worker(redis_url, prefix, "w") as again:
+            history = await again.ref("s").history()
+    assert [m.content for m in history] == ["one", "one", "three", "three"]

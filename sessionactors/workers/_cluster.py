@@ -111,6 +111,7 @@ from .._errors import (
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
+    StoreConfigurationError,
     StoreError,
     WorkerUnreachableError,
 )
@@ -296,11 +297,17 @@ class Cluster:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Announce this worker, then serve its inbox and publish its events until cancelled."""
+        # One look before it starts (opening a registry stays cheap otherwise): is this
+        # worker id free? (a store that fails to answer now only skips the look)
+        try:
+            await self._check_unique()
+        except StoreError as exc:
+            fatal(exc)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self.streams.publish_loop, name="cluster events")
-                task_status.started()  # no I/O before this: opening a registry stays cheap
+                task_status.started()
                 await nursery.start(self._listen_loop, name="cluster requests")
                 while True:
                     try:
@@ -322,6 +329,21 @@ class Cluster:
             for send in list(self._waiters.values()):
                 send.close()
             self.streams.close()
+
+    async def _check_unique(self) -> None:
+        """Raise StoreConfigurationError if another live worker runs under this worker
+        id: two would both take its leases (each session live in both, their writes
+        fenced out in turn) and their requests would reach either. An earlier
+        incarnation that died listens no more: its id is free (a restart)."""
+        other = await self.transport.incarnation(self.worker)
+        if other is None or other == self.incarnation:
+            return
+        if await self.transport.send(self.worker, other, pack({"op": "wake"})):
+            raise StoreConfigurationError(
+                f"another live worker on this store runs as worker_id {self.worker!r}: "
+                "give each worker process its own worker_id (reuse one only to restart "
+                "the worker that had it, once that one stopped)"
+            )
 
     async def aclose(self) -> None:
         """Wait (within the shutdown grace) for the answers to the requests this worker
