@@ -21,7 +21,6 @@ from ._errors import (
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
-    SubscriberLaggedError,
     WorkerUnreachableError,
 )
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished, TurnStarted
@@ -482,7 +481,6 @@ class SessionRef(metaclass=NoPublicConstructor):
                 starts: dict[str, int] = {}
                 runs_here, name = self._dispatcher.runs_here, self.session_id
                 alone = self._dispatcher.router is None  # (no other worker)
-                lagged: SubscriberLaggedError | None = None
                 async with AsyncExitStack() as stack:
                     while True:
                         event: Event | None = None
@@ -498,24 +496,6 @@ class SessionRef(metaclass=NoPublicConstructor):
                                     event = await source.__anext__()
                                 except StopAsyncIteration:
                                     break
-                                except SubscriberLaggedError as exc:
-                                    lagged = exc
-                            if lagged is not None:
-                                # the worker that ran it let the session go mid-turn (or
-                                # this reader fell behind): the turn's end says which
-                                ran = await _ran_as_soon(turn, runs_here(name))
-                                if ran is None:
-                                    break  # its caller's error ends the stream
-                                if ran in ("", following):
-                                    raise lagged
-                                # sent on under a new id: its events from its start, or
-                                # from the last one read if it has not started since
-                                after = starts.get(ran, lagged.last_seq + 1) - 1
-                                following, lagged = ran, None
-                                source = await stack.enter_async_context(
-                                    self.subscribe(after=after)
-                                )
-                                continue
                         if event is None:  # a quiet while: is the turn over elsewhere?
                             if turn.done:
                                 ran_as = await _ran_as(turn, runs_here(name))
@@ -589,14 +569,6 @@ class SessionRef(metaclass=NoPublicConstructor):
 _OUTCOME_CHECK = 1.0
 #: How many other turns' starts a stream remembers while it waits for its own turn.
 _STARTS_KEPT = 4096
-
-
-async def _ran_as_soon(turn: Turn, here: bool) -> str | None:
-    """``_ran_as`` for a stream whose subscription lagged: "" if the turn is not over
-    within a few quiet whiles (the reader fell behind a turn that runs on)."""
-    with trio.move_on_after(_OUTCOME_CHECK * 5):
-        return await _ran_as(turn, here)
-    return ""
 
 
 async def _ran_as(turn: Turn, here: bool) -> str | None:

@@ -90,7 +90,7 @@ async def worker_process(
 
 
 async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url: str) -> None:
-    """When the worker running a turn is killed (SIGKILL), a subscription to the session on another worker ends with SubscriberLaggedError at its last event within a few lease lifetimes (the turn's outcome will never come from there), ref.stream of the turn raises the SessionCrashedError its send would, and a subscription made again with after= works and replays what the store kept."""
+    """When the worker running a turn is killed (SIGKILL) and no worker takes the session over, a subscription to it on another worker ends with SubscriberLaggedError at its last event within a few lease lifetimes (nothing will publish the turn's outcome), ref.stream of the turn raises the SessionCrashedError its send would, and a subscription made again with after= wakes the session and replays what the store kept."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     text = " ".join(f"w{i}" for i in range(50))
     ended: dict[str, BaseException] = {}
@@ -125,7 +125,7 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url:
                 nursery.start_soon(stream)
                 await first_delta.wait()
                 a.kill()  # SIGKILL, mid-turn
-                with trio.fail_after(6 * TTL):
+                with trio.fail_after(8 * TTL):
                     while len(ended) < 2:
                         await trio.sleep(0.05)
             lagged = ended["subscribe"]
@@ -156,3 +156,30 @@ async def test_a_second_live_worker_with_the_same_worker_id_is_refused(redis_url
         async with open_worker(redis_url, prefix, "w") as again:
             history = await again.ref("s").history()
     assert [m.content for m in history] == ["one", "one", "three", "three"]
+
+
+async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_killed(
+    redis_url: str,
+) -> None:
+    """ref.stream with idempotency_key through another worker, whose worker is killed (SIGKILL) mid-turn, follows the turn sent again to the session's next worker to its TurnFinished, however long that turn runs: the end of the dead worker's events does not end the stream."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(30))
+    seen: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b", EchoModel(delay=0.2)) as b,
+        ):
+            async with b.ref("s").stream(text, idempotency_key="k1") as events:
+                async for event in events:
+                    seen.append(event)
+                    if isinstance(event, sa.Delta) and len(seen) == 3:
+                        a.kill()  # SIGKILL, mid-turn
+            history = await b.ref("s").history()
+    starts = [e for e in seen if isinstance(e, sa.TurnStarted)]
+    assert len(starts) == 2, seen  # the turn, then the turn sent again on b
+    last = seen[-1]
+    assert isinstance(last, sa.TurnFinished), seen
+    assert last.turn_id == starts[-1].turn_id
+    assert [m.content for m in history] == [text, text]
+

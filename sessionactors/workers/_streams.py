@@ -81,6 +81,24 @@ class _Lost:
 
 _Item = Event | _CatchUp | _Lost
 
+#: Lease lifetimes a session with a turn under way may stay free (its worker died,
+#: and no other took it) before its remote subscribers are told that no outcome will
+#: come: a retry of the turn under its key, or a request, takes it over before that.
+_ORPHANED_AFTER: Final = 2
+
+
+class _OpenTurn:
+    """A mirrored session's turn under way: its id, the worker seen holding the
+    session's lease (None: not seen yet), and since when it is free (None: held)."""
+
+    __slots__ = ("free_since", "owner", "turn_id")
+
+    def __init__(self, turn_id: str) -> None:
+        self.turn_id = turn_id
+        self.owner: str | None = None
+        self.free_since: float | None = None
+
+
 #: Events after which a mirrored session has no turn under way (one waiting on a
 #: review is at rest: it may move between workers without an outcome).
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
@@ -150,10 +168,9 @@ class Streams:
         #: (a wake after an unclean stop jumps over seqs that were never durable).
         self._unread: set[str] = set()
         #: Mirrored sessions with a turn under way (its TurnStarted read, no outcome
-        #: yet): the turn's id, and the worker seen holding the session's lease since
-        #: (None: not looked yet). A turn's outcome comes from the worker that runs it;
-        #: if that worker loses the session first (it died), none ever comes.
-        self._open_turns: dict[str, list[str | None]] = {}
+        #: yet). A turn's outcome comes from the worker that runs it; if that worker
+        #: dies first and no other takes the session, none ever comes.
+        self._open_turns: dict[str, _OpenTurn] = {}
         # (session, the stamp of its payloads, what to publish)
         self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
         # Lag markers still to write: for events the tap dropped (the queue was full;
@@ -190,17 +207,27 @@ class Streams:
         """Renew the watch of every mirrored session; stop publishing the sessions that
         nobody elsewhere subscribes to any more."""
         await self.transport.watch(list(self._mirrors), self.ttl)
+        now = trio.current_time()
         for name, seen in list(self._open_turns.items()):
             owner = await self.transport.lease_owner(name)
             if self._open_turns.get(name) is not seen:
                 continue  # its outcome came meanwhile
-            if owner is not None and seen[1] in (None, owner):
-                seen[1] = owner
+            if owner is not None:
+                if seen.owner not in (None, owner):
+                    # another worker took the session over (a request, or a retry of
+                    # the turn under its key): the subscription follows it there
+                    del self._open_turns[name]
+                else:
+                    seen.owner, seen.free_since = owner, None
+                continue
+            if seen.free_since is None:
+                seen.free_since = now
+            if now - seen.free_since < _ORPHANED_AFTER * self.ttl:
                 continue
             # The worker that ran the turn let the session go before its outcome (it
-            # died, or lost its lease): no outcome will come from there. Its
-            # subscribers lag at the last event they have, and subscribe again with
-            # after=: the journal says what the turn left (the session wakes again).
+            # died) and nobody took it since: nothing will publish the turn's outcome.
+            # Its subscribers lag at the last event they have, and subscribe again
+            # with after=, which wakes the session: the replay shows what it kept.
             del self._open_turns[name]
             hub = self._mirrors.get(name)
             if hub is not None:
@@ -208,9 +235,10 @@ class Streams:
                 hub.close(
                     SubscriberLaggedError(
                         f"the worker that ran session {name!r} let it go during turn "
-                        f"{seen[0]} (it died or lost its lease), so the turn's outcome will "
-                        f"not come from there; subscribe again with after={last}: the "
-                        "replay shows what the turn left",
+                        f"{seen.turn_id} (it died) and no worker took the session since, "
+                        f"so nothing will publish the turn's outcome; subscribe again "
+                        f"with after={last}: that wakes the session, and the replay shows "
+                        "what it kept of the turn",
                         session_id=name,
                         last_seq=last,
                     )
@@ -650,7 +678,7 @@ class Streams:
             hub.publish(event)
             kind_ = event.__class__
             if kind_ is TurnStarted:
-                self._open_turns[name] = [event.turn_id, None]  # type: ignore[attr-defined]
+                self._open_turns[name] = _OpenTurn(event.turn_id)  # type: ignore[attr-defined]
             elif kind_ in _AT_REST:
                 self._open_turns.pop(name, None)
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
