@@ -183,3 +183,33 @@ async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_kill
     assert last.turn_id == starts[-1].turn_id
     assert [m.content for m in history] == [text, text]
 
+
+async def test_turn_outcomes_asked_through_another_worker_come_from_the_owner(
+    redis_url: str,
+) -> None:
+    """turn_outcome asked through a worker that does not run the session answers as the owner would: a finished turn with its reply, and, once the worker that had a turn in its mailbox was killed and the session woke on a third worker, lost (not queued forever)."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            done = await b.ref("s").send("quick")
+            finished = await b.ref("s").turn_outcome(done.turn_id)
+            assert finished.status is sa.TurnStatus.FINISHED
+            assert finished.message is not None
+            assert finished.message.content == "quick"
+            running = await b.ref("s").submit(" ".join(["word"] * 30))
+            queued = await b.ref("s").submit("queued behind it")
+            status = (await b.ref("s").turn_outcome(queued.id)).status
+            assert status is sa.TurnStatus.QUEUED
+            a.kill()  # SIGKILL, with one turn running and one queued
+            for turn in (running, queued):
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+            await c.ref("s").history()  # it wakes on c
+            assert c.live() == ["s"]
+            for turn in (running, queued):
+                outcome = await b.ref("s").turn_outcome(turn.id)
+                assert outcome.status is sa.TurnStatus.LOST, (turn, outcome)
