@@ -220,6 +220,9 @@ class Host(Protocol):
     stats: Counters
     worker_id: str
     telemetry: Telemetry | None
+    #: Turns failed here by a wake that could not load their session (its lease held
+    #: elsewhere, say), with why: their outcome, which no store records.
+    refused: dict[str, str]
 
     @property
     def closing(self) -> bool: ...
@@ -656,7 +659,7 @@ class Actor:
                 # free (a caller may spawn the name elsewhere at once)
                 await self._release_lease()
                 ready.set()
-                self._fail_queued(exc)
+                self._fail_queued(exc, refused=self.host.refused)
                 self.leave_table()
                 return
             self._ready = None
@@ -1341,6 +1344,7 @@ class Actor:
         *,
         crash: BaseException | None = None,
         lost: list[TurnFailed] | None = None,
+        refused: dict[str, str] | None = None,
     ) -> None:
         while True:
             try:
@@ -1350,6 +1354,8 @@ class Actor:
             mail.pending.set_error(error)
             if isinstance(mail, TurnMail):
                 self.note_queued(mail.turn_id, False)
+                if refused is not None:  # (in place: the host's own table)
+                    _remember(refused, mail.turn_id, str(error))
                 if crash is not None and lost is not None:
                     event = self.lost_event(mail.turn_id, crash)
                     if event is not None:
@@ -1394,12 +1400,19 @@ class Actor:
             return
         self.after_crash = None
         due, lost = after
-        kept = None
-        if loaded and due is not None and due.turn_id in self.session.turns:  # its record
-            kept = due.turn_id
-            self.emit(due)
+        kept: set[str] = set()
+        if loaded:
+            session = self.session
+            if due is not None and due.turn_id in session.turns:  # its record
+                kept.add(due.turn_id)
+                self.emit(due)
+            open_turn = session.open_turn
+            if open_turn is not None:
+                # durable after all (its start was journaled): it resumes, or waits on
+                # its review, and its own outcome follows; a turn has one outcome
+                kept.add(open_turn.turn_id)
         for event in lost:
-            if event.turn_id != kept:
+            if event.turn_id not in kept:
                 self.emit(event)
 
     def leave_table(self) -> None:

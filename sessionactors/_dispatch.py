@@ -32,9 +32,9 @@ from ._records import SessionState, Status, TurnOutcome, TurnStatus
 from ._ref import Turn, new_turn
 from ._requests import Call, Cancel, Delete, Hibernate, Reply, Stop
 from ._router import NOT_ROUTED, Router
-from ._session import LiveSession
 from ._sessions import Sessions
 from ._subscription import EventIterator
+from ._turns import session_tag, turn_id_time
 from .stores._base import Store
 
 __all__ = ["Dispatcher"]
@@ -356,13 +356,27 @@ class Dispatcher:
 
     async def outcome(self, name: str, turn_id: str) -> TurnOutcome:
         """What became of turn ``turn_id`` of the session (here, or from its owner's state)."""
+        refused = self.sessions.refused.get(turn_id)
+        if refused is not None and turn_id_time(turn_id, session_tag(name)) is not None:
+            # failed here before it reached the session (a wake that found it live on
+            # another worker, say): no state records it, and its owner never heard of it
+            await trio.lowlevel.checkpoint()
+            return TurnOutcome(
+                session_id=name, turn_id=turn_id, status=TurnStatus.FAILED, error=refused
+            )
         outcome: TurnOutcome = await self._route(
             name,
             lambda: self._outcome_here(name, turn_id),
             None
             if self.router is None
-            else (lambda router: _outcome_in(router.read(name), turn_id)),
+            else (lambda router: _or_not_routed(router.outcome(name, turn_id))),
         )
+        return outcome
+
+    async def outcome_here(self, name: str, turn_id: str) -> TurnOutcome:
+        """What became of turn ``turn_id``, asked here, never routed (another worker
+        asks the session's owner, which knows its mailbox)."""
+        outcome: TurnOutcome = await self._route(name, lambda: self._outcome_here(name, turn_id))
         return outcome
 
     async def _outcome_here(self, name: str, turn_id: str) -> TurnOutcome:
@@ -495,16 +509,6 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
 def _published(actor: Actor) -> int:
     """The seq of the last event ``actor``'s session published (0: none, or no hub)."""
     return actor.hub.published if actor.hub is not None else 0
-
-
-async def _outcome_in(read: Awaitable[SessionState | None], turn_id: str) -> Any:
-    """The outcome from the state of a session live on another worker (NOT_ROUTED if
-    it is live nowhere else). Its mailbox is not in the state: a turn it has not
-    recorded reads as queued (never lost: that worker may still run it)."""
-    state = await read
-    if state is None:
-        return NOT_ROUTED
-    return LiveSession(state).outcome(turn_id, unrecorded=TurnStatus.QUEUED)
 
 
 async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:

@@ -472,7 +472,9 @@ async def open_registry(
       ``subscribe()`` receives the session's events wherever it runs.
     - ``worker_id``: this worker's identity in leases (default: a fresh one). A
       worker restarted with the same id takes its sessions back at once instead
-      of waiting for its old leases to expire.
+      of waiting for its old leases to expire. On a store that connects workers
+      (``RedisStore``), opening a registry under the id of another worker that is
+      still live there raises ``StoreConfigurationError``.
     - ``telemetry``: what the registry reports its turns, model and tool calls,
       store writes and cut-off subscribers to (``sessionactors.otel.OpenTelemetry()``
       for OpenTelemetry traces and metrics); default ``None``: nothing is reported.

@@ -17,7 +17,7 @@ import trio
 
 from ._config import RegistryConfig
 from ._events import Event
-from ._records import SessionState, Status
+from ._records import SessionState, Status, TurnOutcome
 from ._requests import Call, Cancel, Delete, Stop
 from ._subscription import EventIterator
 from .stores._base import Store
@@ -81,6 +81,10 @@ class RouterHost(Protocol):
         """The session's state here, never routing the read."""
         ...
 
+    async def outcome_here(self, name: str, turn_id: str) -> TurnOutcome:
+        """What became of the session's turn ``turn_id``, asked here, never routed."""
+        ...
+
     async def stored_status(self, name: str) -> Status:
         """The session's status as the store has it."""
         ...
@@ -130,6 +134,11 @@ class Router(Protocol):
 
     async def read(self, name: str) -> SessionState | None:
         """The session's state from its owner; None if it is live nowhere else."""
+        ...
+
+    async def outcome(self, name: str, turn_id: str) -> TurnOutcome | None:
+        """What became of turn ``turn_id``, from the session's owner (which knows its
+        mailbox); None if it is live nowhere else."""
         ...
 
     def tap_for(self, name: str) -> Callable[[Event], None] | None:

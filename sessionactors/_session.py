@@ -383,15 +383,13 @@ class LiveSession:
         *,
         queued: Collection[str] | None = None,
         refused: Mapping[str, str] | None = None,
-        unrecorded: TurnStatus = TurnStatus.LOST,
     ) -> TurnOutcome:
         """What became of ``turn_id`` (the rules are in ``_turns``).
 
         ``queued``: the ids of the turns in the live actor's mailbox (None when the
         session is not live here); ``refused``: the turns it refused before they
-        started, with the error; ``unrecorded``: the status of an id of this
-        session that is none of these nor recorded (read from another worker,
-        which cannot see the owner's mailbox: queued).
+        started, with the error. (Another worker asks the session's owner, which
+        knows its mailbox.)
         """
         sid = self.session_id
         record = self.turns.get(turn_id)
@@ -419,7 +417,7 @@ class LiveSession:
                 "reply.turn_id or turn.id of this session",
                 session_id=sid,
             )
-        status = unrecorded
+        status = TurnStatus.LOST
         error = None
         if refused is not None and turn_id in refused:
             status, error = TurnStatus.FAILED, refused[turn_id]

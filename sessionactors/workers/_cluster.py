@@ -111,12 +111,13 @@ from .._errors import (
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
+    StoreConfigurationError,
     StoreError,
     WorkerUnreachableError,
 )
 from .._events import Event
 from .._pending import Append, Pending
-from .._records import SessionState, id_issuer, new_id
+from .._records import SessionState, TurnOutcome, id_issuer, new_id
 from .._ref import Turn, new_turn
 from .._requests import (
     Call,
@@ -139,9 +140,11 @@ from ._wire import (
     creation_stamp,
     dump_call,
     dump_error,
+    dump_outcome,
     dump_reply,
     load_call,
     load_error,
+    load_outcome,
     load_reply,
     pack,
     unpack,
@@ -153,7 +156,8 @@ _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 #: Requesting processes for which a worker remembers the last answer it dropped.
 _ISSUERS_KEPT: Final = 10_000
-_NOT_KEPT: Final = ("read", "watch")  # requests safe to serve again: their answers are not
+#: Requests safe to serve again: their answers are not kept.
+_NOT_KEPT: Final = ("read", "watch", "outcome")
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate, Stop)
@@ -296,11 +300,17 @@ class Cluster:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Announce this worker, then serve its inbox and publish its events until cancelled."""
+        # One look before it starts (opening a registry stays cheap otherwise): is this
+        # worker id free? (a store that fails to answer now only skips the look)
+        try:
+            await self._check_unique()
+        except StoreError as exc:
+            fatal(exc)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self.streams.publish_loop, name="cluster events")
-                task_status.started()  # no I/O before this: opening a registry stays cheap
+                task_status.started()
                 await nursery.start(self._listen_loop, name="cluster requests")
                 while True:
                     try:
@@ -322,6 +332,21 @@ class Cluster:
             for send in list(self._waiters.values()):
                 send.close()
             self.streams.close()
+
+    async def _check_unique(self) -> None:
+        """Raise StoreConfigurationError if another live worker runs under this worker
+        id: two would both take its leases (each session live in both, their writes
+        fenced out in turn) and their requests would reach either. An earlier
+        incarnation that died listens no more: its id is free (a restart)."""
+        other = await self.transport.incarnation(self.worker)
+        if other is None or other == self.incarnation:
+            return
+        if await self.transport.send(self.worker, other, pack({"op": "wake"})):
+            raise StoreConfigurationError(
+                f"another live worker on this store runs as worker_id {self.worker!r}: "
+                "give each worker process its own worker_id (reuse one only to restart "
+                "the worker that had it, once that one stopped)"
+            )
 
     async def aclose(self) -> None:
         """Wait (within the shutdown grace) for the answers to the requests this worker
@@ -553,6 +578,9 @@ class Cluster:
             elif op == "read":
                 state = await host.read_here(name)
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
+            elif op == "outcome":
+                outcome = await host.outcome_here(name, str(body["t"]))
+                await self._answer(body, {"ok": "value", "value": dump_outcome(outcome)})
             elif op == "watch":  # another worker subscribes: publish from now on
                 state = await host.read_here(name)  # wakes it here (or says it moved)
                 await self.transport.watch([name], self.ttl)  # for its next owners too
@@ -746,6 +774,15 @@ class Cluster:
             return None
         state = load_snapshot(bytes(self._check(answer, name)["state"]), session_id=name)
         return state
+
+    async def outcome(self, name: str, turn_id: str) -> TurnOutcome | None:
+        """What became of turn ``turn_id``, from the session's owner; None if the
+        session is free."""
+        request = {"op": "outcome", "s": name, "t": turn_id}
+        answer = await self._forward(name, request, retry_safe=True)
+        if answer is None:
+            return None
+        return load_outcome(name, turn_id, self._check(answer, name)["value"])
 
     async def call(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:
         """Run a request other than a turn at the session's owner; NOT_ROUTED when no

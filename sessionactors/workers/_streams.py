@@ -20,8 +20,17 @@ from .._errors import (
     SessionStoppedError,
     SnapshotError,
     StoreError,
+    SubscriberLaggedError,
 )
-from .._events import Event, StatusChanged
+from .._events import (
+    Event,
+    ReviewRequested,
+    StatusChanged,
+    TurnCancelled,
+    TurnFailed,
+    TurnFinished,
+    TurnStarted,
+)
 from .._hub import Hub
 from .._records import Status
 from .._router import RouterHost
@@ -71,6 +80,28 @@ class _Lost:
 
 
 _Item = Event | _CatchUp | _Lost
+
+#: Lease lifetimes a session with a turn under way may stay free (its worker died,
+#: and no other took it) before its remote subscribers are told that no outcome will
+#: come: a retry of the turn under its key, or a request, takes it over before that.
+_ORPHANED_AFTER: Final = 2
+
+
+class _OpenTurn:
+    """A mirrored session's turn under way: its id, the worker seen holding the
+    session's lease (None: not seen yet), and since when it is free (None: held)."""
+
+    __slots__ = ("free_since", "owner", "turn_id")
+
+    def __init__(self, turn_id: str) -> None:
+        self.turn_id = turn_id
+        self.owner: str | None = None
+        self.free_since: float | None = None
+
+
+#: Events after which a mirrored session has no turn under way (one waiting on a
+#: review is at rest: it may move between workers without an outcome).
+_AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
 
 
 class _Replay:
@@ -136,6 +167,10 @@ class Streams:
         #: not read yet: seqs missing before its first event are judged by the journal
         #: (a wake after an unclean stop jumps over seqs that were never durable).
         self._unread: set[str] = set()
+        #: Mirrored sessions with a turn under way (its TurnStarted read, no outcome
+        #: yet). A turn's outcome comes from the worker that runs it; if that worker
+        #: dies first and no other takes the session, none ever comes.
+        self._open_turns: dict[str, _OpenTurn] = {}
         # (session, the stamp of its payloads, what to publish)
         self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
         # Lag markers still to write: for events the tap dropped (the queue was full;
@@ -172,6 +207,43 @@ class Streams:
         """Renew the watch of every mirrored session; stop publishing the sessions that
         nobody elsewhere subscribes to any more."""
         await self.transport.watch(list(self._mirrors), self.ttl)
+        now = trio.current_time()
+        for name, seen in list(self._open_turns.items()):
+            owner = await self.transport.lease_owner(name)
+            if self._open_turns.get(name) is not seen:
+                continue  # its outcome came meanwhile
+            if owner is not None:
+                if seen.owner not in (None, owner):
+                    # another worker took the session over (a request, or a retry of
+                    # the turn under its key): the subscription follows it there
+                    del self._open_turns[name]
+                else:
+                    seen.owner, seen.free_since = owner, None
+                continue
+            if seen.free_since is None:
+                seen.free_since = now
+            if now - seen.free_since < _ORPHANED_AFTER * self.ttl:
+                continue
+            # The worker that ran the turn let the session go before its outcome (it
+            # died) and nobody took it since: nothing will publish the turn's outcome.
+            # Its subscribers lag at the last event they have, and subscribe again
+            # with after=, which wakes the session: the replay shows what it kept.
+            del self._open_turns[name]
+            hub = self._mirrors.get(name)
+            if hub is not None:
+                last = self._positions.get(name, 0)
+                hub.close(
+                    SubscriberLaggedError(
+                        f"the worker that ran session {name!r} let it go during turn "
+                        f"{seen.turn_id} (it died) and no worker took the session since, "
+                        f"so nothing will publish the turn's outcome; subscribe again "
+                        f"with after={last}: that wakes the session, and the replay shows "
+                        "what it kept of the turn",
+                        session_id=name,
+                        last_seq=last,
+                    )
+                )
+                self._end_mirror(name, hub)
         if self._watched:
             names = list(self._watched)
             still = await self.transport.watched(names)
@@ -540,6 +612,7 @@ class Streams:
         self._positions.pop(name, None)
         self._births.pop(name, None)
         self._unread.discard(name)
+        self._open_turns.pop(name, None)
 
     def _poke(self) -> None:
         """Have the reader start over, now reading a new mirror's stream too."""
@@ -603,6 +676,11 @@ class Streams:
                 hub.lose()
                 continue
             hub.publish(event)
+            kind_ = event.__class__
+            if kind_ is TurnStarted:
+                self._open_turns[name] = _OpenTurn(event.turn_id)  # type: ignore[attr-defined]
+            elif kind_ in _AT_REST:
+                self._open_turns.pop(name, None)
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
                 self._end_mirror(name, hub)
                 return

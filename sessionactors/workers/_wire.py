@@ -18,7 +18,7 @@ import msgpack
 from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
 from .._errors import SessionActorsError, SessionCrashedError
 from .._events import MessageAdded, ReviewRequested
-from .._records import Message, ReviewRequest, storable
+from .._records import Message, ReviewRequest, TurnOutcome, TurnStatus, storable
 from .._requests import (
     AddMessages,
     Call,
@@ -167,6 +167,29 @@ def load_reply(name: str, body: Any) -> Reply:
         assert isinstance(event, ReviewRequested)
         reviews.append(event.review)
     return Reply(turn_id=turn_id, message=message, reviews=tuple(reviews))
+
+
+def dump_outcome(outcome: TurnOutcome) -> dict[str, Any]:
+    message = outcome.message
+    return {
+        "status": outcome.status.value,
+        "error": outcome.error,
+        "reply": None
+        if message is None
+        else dump_reply(outcome.session_id, Reply(turn_id=outcome.turn_id, message=message)),
+    }
+
+
+def load_outcome(name: str, turn_id: str, body: Any) -> TurnOutcome:
+    reply = body["reply"]
+    error = body["error"]
+    return TurnOutcome(
+        session_id=name,
+        turn_id=turn_id,
+        status=TurnStatus(str(body["status"])),
+        message=None if reply is None else load_reply(name, reply).message,
+        error=None if error is None else str(error),
+    )
 
 
 def dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, Any]:

@@ -1,0 +1,215 @@
+"""Liveness probes of the multi-worker layer: every caller and stream of a session on
+another worker gets an outcome or a typed error in bounded time, and nothing
+acknowledged is lost."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel
+
+pytestmark = pytest.mark.redis
+
+TTL = 1.0
+WORKER = Path(__file__).with_name("cluster_worker.py")
+
+
+def open_worker(url: str, prefix: str, worker_id: str, model: Any = None, **options: Any) -> Any:
+    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
+    store = RedisStore(url, prefix=prefix, balance=False)
+    options.setdefault("lease_ttl", TTL)
+    agents = {"echo": sa.Agent(model=model or EchoModel())}
+    return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
+
+
+async def test_a_turn_submitted_nowait_to_a_session_live_elsewhere_reads_failed(
+    redis_url: str,
+) -> None:
+    """A submit_nowait turn refused because its session is live on another worker reads failed (with why) from turn_outcome on the worker that refused it, not queued forever."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a") as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            turn = b.ref("s").submit_nowait("hello")
+            with pytest.raises(sa.SessionBusyError):
+                await turn.reply()
+            outcome = await b.ref("s").turn_outcome(turn.id)
+            assert outcome.status is sa.TurnStatus.FAILED, outcome
+            assert outcome.error is not None
+            assert "another worker" in outcome.error
+            assert await a.ref("s").history() == []  # it never ran
+
+
+@contextlib.asynccontextmanager
+async def worker_process(
+    url: str, prefix: str, worker_id: str, names: list[str], word_delay: float
+) -> AsyncIterator[trio.Process]:
+    """A tests/cluster_worker.py process whose echo model waits ``word_delay`` seconds
+    per word, that has woken ``names`` (sessions stay where they woke); killed at the end."""
+    command = [sys.executable, str(WORKER), url, prefix, worker_id, str(TTL), "normal"]
+    process = await trio.lowlevel.open_process(
+        [*command, str(word_delay), "fixed"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        buffer = b""
+        while buffer.count(b"\n") < 1:
+            data = await process.stdout.receive_some(65536)
+            assert data, "the worker process ended"
+            buffer += data
+        assert "ready" in json.loads(buffer.split(b"\n")[0])
+        request = {"id": 1, "op": "spawn", "names": names}
+        await process.stdin.send_all(json.dumps(request).encode() + b"\n")
+        while buffer.count(b"\n") < 2:
+            data = await process.stdout.receive_some(65536)
+            assert data, "the worker process ended"
+            buffer += data
+        assert json.loads(buffer.split(b"\n")[1]).get("ok") is True
+        yield process
+    finally:
+        process.kill()
+        with trio.move_on_after(10):
+            await process.wait()
+
+
+async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url: str) -> None:
+    """When the worker running a turn is killed (SIGKILL) and no worker takes the session over, a subscription to it on another worker ends with SubscriberLaggedError at its last event within a few lease lifetimes (nothing will publish the turn's outcome), ref.stream of the turn raises the SessionCrashedError its send would, and a subscription made again with after= wakes the session and replays what the store kept."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: dict[str, BaseException] = {}
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for _event in events:
+                            pass
+                except sa.SessionActorsError as exc:
+                    ended["subscribe"] = exc
+
+            async def stream() -> None:
+                try:
+                    async with ref.stream(text) as events:
+                        async for event in events:
+                            if isinstance(event, sa.Delta):
+                                first_delta.set()
+                except sa.SessionActorsError as exc:
+                    ended["stream"] = exc
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                nursery.start_soon(stream)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn
+                with trio.fail_after(8 * TTL):
+                    while len(ended) < 2:
+                        await trio.sleep(0.05)
+            lagged = ended["subscribe"]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert isinstance(ended["stream"], sa.SessionCrashedError), repr(ended["stream"])
+            async with ref.subscribe(after=lagged.last_seq):
+                assert b.live() == ["s"]  # woken here: its shard's lease lapsed
+            assert [m.content for m in await ref.history()] == []  # the turn was not durable
+            assert (await ref.send("again")).text == "again"
+
+
+async def test_a_second_live_worker_with_the_same_worker_id_is_refused(redis_url: str) -> None:
+    """A registry opened with the worker_id of another live worker on the same store fails with StoreConfigurationError (both would take its leases and run the same sessions), while the first one keeps serving; once the first closed, the id can be used again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "w") as first:
+            await first.spawn("s")
+            assert (await first.ref("s").send("one")).text == "one"
+
+            async def second_worker() -> None:
+                async with open_worker(redis_url, prefix, "w") as second:
+                    await second.ref("s").send("two")
+
+            with pytest.raises(sa.StoreConfigurationError, match="worker_id 'w'"):
+                await second_worker()
+            assert (await first.ref("s").send("three")).text == "three"
+            assert first.live() == ["s"]
+        async with open_worker(redis_url, prefix, "w") as again:
+            history = await again.ref("s").history()
+    assert [m.content for m in history] == ["one", "one", "three", "three"]
+
+
+async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_killed(
+    redis_url: str,
+) -> None:
+    """ref.stream with idempotency_key through another worker, whose worker is killed (SIGKILL) mid-turn, follows the turn sent again to the session's next worker to its TurnFinished, however long that turn runs: the end of the dead worker's events does not end the stream."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(30))
+    seen: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b", EchoModel(delay=0.2)) as b,
+        ):
+            async with b.ref("s").stream(text, idempotency_key="k1") as events:
+                async for event in events:
+                    seen.append(event)
+                    if isinstance(event, sa.Delta) and len(seen) == 3:
+                        a.kill()  # SIGKILL, mid-turn
+            history = await b.ref("s").history()
+    starts = [e for e in seen if isinstance(e, sa.TurnStarted)]
+    assert len(starts) == 2, seen  # the turn, then the turn sent again on b
+    last = seen[-1]
+    assert isinstance(last, sa.TurnFinished), seen
+    assert last.turn_id == starts[-1].turn_id
+    assert [m.content for m in history] == [text, text]
+
+
+async def test_turn_outcomes_asked_through_another_worker_come_from_the_owner(
+    redis_url: str,
+) -> None:
+    """turn_outcome asked through a worker that does not run the session answers as the owner would: a finished turn with its reply, and, once the worker that had a turn in its mailbox was killed and the session woke on a third worker, lost (not queued forever)."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            done = await b.ref("s").send("quick")
+            finished = await b.ref("s").turn_outcome(done.turn_id)
+            assert finished.status is sa.TurnStatus.FINISHED
+            assert finished.message is not None
+            assert finished.message.content == "quick"
+            running = await b.ref("s").submit(" ".join(["word"] * 30))
+            queued = await b.ref("s").submit("queued behind it")
+            status = (await b.ref("s").turn_outcome(queued.id)).status
+            assert status is sa.TurnStatus.QUEUED
+            a.kill()  # SIGKILL, with one turn running and one queued
+            for turn in (running, queued):
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+            await c.ref("s").history()  # it wakes on c
+            assert c.live() == ["s"]
+            for turn in (running, queued):
+                outcome = await b.ref("s").turn_outcome(turn.id)
+                assert outcome.status is sa.TurnStatus.LOST, (turn, outcome)
