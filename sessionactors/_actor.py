@@ -617,7 +617,7 @@ class Actor:
                 session_id=sid,
             )
         journal = self.journal
-        journal.loaded(stored, durable_seq)
+        journal.loaded(stored, durable_seq, session)
         if journal.base is not None:  # (durability="hibernate") answered, not written
             session = LiveSession(journal.base)
         self.session = session

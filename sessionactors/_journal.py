@@ -96,17 +96,30 @@ class Journal:
         self._snapshot_size = 0  # bytes of the latest snapshot
         self._too_large = False  # the last snapshot tried was over the size limit
         self._writer: SnapshotWriter | None = None  # made for a long history
-        #: Events journaled by this incarnation, and (seq, that count) at each snapshot:
-        #: replay keeps journal_keep_events events, counted, not measured in seq.
+        #: Events journaled (counted on from the loaded snapshot's mark, see ``loaded``),
+        #: and (seq, that count) at each snapshot still counted: replay keeps
+        #: journal_keep_events events, counted, not measured in seq.
         self._journaled = 0
         self._marks: deque[tuple[int, int]] | None = None
 
-    def loaded(self, stored: StoredSession, durable_seq: int) -> None:
-        """Take the bookkeeping of what a wake read from the store."""
+    def loaded(self, stored: StoredSession, durable_seq: int, session: LiveSession) -> None:
+        """Take the bookkeeping of what a wake read from the store.
+
+        The retention count goes on from the snapshot's (``session.journal_mark_*``): a
+        session that hibernates after every turn journals few events in each incarnation,
+        and would never trim its journal if each one counted from nothing. (The entries
+        after the snapshot are not counted: that only trims later, never too much.)
+        """
         self._since_snapshot = len(stored.entries)
         self._size = sum(len(e.data) for e in stored.entries)
         self._snapshot_size = len(stored.snapshot)
         self.at = durable_seq + SEQ_GAP // 2
+        events = session.journal_mark_events
+        marks = self._marks = deque()
+        if session.journal_mark_seq < stored.snapshot_seq:
+            marks.append((session.journal_mark_seq, 0))
+        marks.append((stored.snapshot_seq, events))
+        self._journaled = events
 
     def settle(self, session: LiveSession) -> None:
         """Every request so far is answered: a restart keeps what they changed.
@@ -191,6 +204,15 @@ class Journal:
     ) -> None:
         """Replace the stored snapshot with the state as of ``seq`` (>= session.event_seq)."""
         session.event_seq = seq
+        marks = self._marks
+        if marks is None:
+            marks = self._marks = deque()
+        trim_upto, passed = (seq, len(marks)) if not self.per_turn else self._trim_point()
+        # the oldest snapshot still counted for retention after this one, kept in the
+        # snapshot so that the next incarnation counts on from it (see ``loaded``)
+        mark_seq, mark_count = marks[passed] if passed < len(marks) else (seq, self._journaled)
+        session.journal_mark_seq = mark_seq
+        session.journal_mark_events = self._journaled - mark_count
         state = attrs.evolve(session.to_state(), status=status)
         writer = self._writer
         if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
@@ -216,14 +238,13 @@ class Journal:
                 dump_info(session.info(status)),
                 # without a journal ("hibernate"), replay reaches no further back than this
                 # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-                trim_upto=seq if not self.per_turn else self._trim_point(),
+                trim_upto=trim_upto,
                 fence=fence,
             ),
         )
+        for _ in range(passed):
+            marks.popleft()
         if self.per_turn:
-            marks = self._marks
-            if marks is None:
-                marks = self._marks = deque()
             marks.append((seq, self._journaled))
         self.unsaved.clear()
         self.settled = 0
@@ -234,15 +255,17 @@ class Journal:
         self._snapshot_size = len(snapshot)
         self._too_large = False
 
-    def _trim_point(self) -> int:
-        """The highest seq the journal may drop: at least journal_keep_events events
-        journaled after it (0: drop nothing; after a restart, until it has counted)."""
-        marks = self._marks
+    def _trim_point(self) -> tuple[int, int]:
+        """The highest seq the journal may drop, with at least journal_keep_events events
+        journaled after it (0: drop nothing), and how many marks lie at or below it."""
         keep = self.config.journal_keep_events
-        point = 0
-        while marks and self._journaled - marks[0][1] >= keep:
-            point = marks.popleft()[0]
-        return point
+        point = passed = 0
+        for seq, count in self._marks or ():
+            if self._journaled - count < keep:
+                break
+            point = seq
+            passed += 1
+        return point, passed
 
     async def append_now(self, session: LiveSession, event: Event, fence: int | None) -> None:
         """Journal one event at once, whatever the durability policy (a status that
