@@ -20,7 +20,7 @@ import attrs
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import SnapshotError, StoreError
-from ._events import Event, HistoryEdited
+from ._events import Event, HistoryEdited, MetadataChanged
 from ._pending import Append
 from ._records import SessionState, Status, maker
 from ._session import LiveSession
@@ -33,6 +33,8 @@ __all__ = ["SEQ_GAP", "Journal"]
 #: cleanly (the process died): above any seq the lost incarnation can have used.
 SEQ_GAP = 1 << 20
 _make_entry: Final = maker(JournalEntry)
+#: The events that can make a state smaller (a turn only adds to it).
+_SHRINKING: Final = frozenset({HistoryEdited, MetadataChanged})
 
 
 class Journal:
@@ -44,7 +46,6 @@ class Journal:
         "_since_snapshot",
         "_size",
         "_snapshot_size",
-        "_too_large",
         "_writer",
         "at",
         "base",
@@ -58,6 +59,7 @@ class Journal:
         "store",
         "telemetry",
         "unsaved",
+        "unwritable",
     )
 
     def __init__(
@@ -94,13 +96,22 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
-        self._too_large = False  # the last snapshot tried was over the size limit
         self._writer: SnapshotWriter | None = None  # made for a long history
         #: Events journaled (counted on from the loaded snapshot's mark, see ``loaded``),
         #: and (seq, that count) at each snapshot still counted: replay keeps
         #: journal_keep_events events, counted, not measured in seq.
         self._journaled = 0
         self._marks: deque[tuple[int, int]] | None = None
+        #: The state was too large for a snapshot when last tried, and nothing that can
+        #: make it smaller (an edit of the history or of the metadata) came since: a
+        #: snapshot is not tried again (to compact, or at the idle timeout) until then.
+        self.unwritable = False
+
+    def add(self, event: Event) -> None:
+        """A durable event, folded into the state already: to be stored."""
+        self.unsaved.append(event)
+        if self.unwritable and event.__class__ in _SHRINKING:
+            self.unwritable = False
 
     def loaded(self, stored: StoredSession, durable_seq: int, session: LiveSession) -> None:
         """Take the bookkeeping of what a wake read from the store.
@@ -182,9 +193,6 @@ class Journal:
             self.fault = exc
             raise
         self.at = entries[-1].seq + SEQ_GAP // 2
-        if self._too_large and any(isinstance(e, HistoryEdited) for e in events):
-            self._too_large = False  # the edit may have made the state small enough
-            self._snapshot_size = 0
         del events[:count]
         self._journaled += count
         self._since_snapshot += count
@@ -192,6 +200,7 @@ class Journal:
             self._size += len(entry.data)
         if (
             compact
+            and not self.unwritable
             and self._since_snapshot >= self.config.snapshot_every
             and self._size >= self._snapshot_size
         ):
@@ -220,10 +229,8 @@ class Journal:
         try:
             snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
         except (ValueError, TypeError) as exc:
-            # nothing is written, and retrying cannot help until the state shrinks: a
-            # compaction waits for the journal to double before it encodes it again
-            self._snapshot_size = max(self._snapshot_size, 2 * self._size)
-            self._too_large = True
+            # nothing is written, and retrying cannot help until the state shrinks
+            self.unwritable = True
             raise SnapshotError(
                 f"the state of session {self.session_id!r} cannot be written as a snapshot "
                 f"(to hibernate or stop): {exc}",
@@ -253,7 +260,7 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0
         self._snapshot_size = len(snapshot)
-        self._too_large = False
+        self.unwritable = False
 
     def _trim_point(self) -> tuple[int, int]:
         """The highest seq the journal may drop, with at least journal_keep_events events

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from sessionactors.stores import MAX_SNAPSHOT_BYTES, RedisStore
 from sessionactors.testing import EchoModel, journal_events
 
 _KEEP = 6
@@ -79,3 +80,46 @@ async def test_a_session_that_hibernates_after_every_turn_keeps_a_bounded_journa
             async with ref.subscribe(after=kept[-_KEEP].seq - 1) as events:
                 first = await events.__anext__()
         assert first.seq == kept[-_KEEP].seq
+
+
+# One turn of EchoModel adds its input twice (the user's message and the echo).
+_BIG_TEXT = "x" * (1024 * 1024 - 64)
+_TURNS_OVER_LIMIT = MAX_SNAPSHOT_BYTES // (2 * len(_BIG_TEXT)) + 1
+
+
+async def _grow_past_the_snapshot_limit(ref: sa.SessionRef) -> None:
+    for _ in range(_TURNS_OVER_LIMIT):
+        await ref.send(_BIG_TEXT)
+
+
+async def test_a_session_too_large_to_snapshot_is_not_encoded_again_until_it_may_have_shrunk(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once its state was too large for a snapshot, turns that only add to it do not
+    make the idle timeout encode (and log) it again; an edit of its history or of its
+    metadata does, and then it hibernates."""
+    agent = sa.Agent(model=EchoModel())
+    for edit in ("truncate", "metadata"):
+        caplog.clear()
+        async with sa.open_registry(agents={"echo": agent}, idle_timeout=5) as registry:
+            ref = await registry.spawn("big")
+            if edit == "truncate":
+                await _grow_past_the_snapshot_limit(ref)
+            else:  # (metadata alone is less than 16 MiB: most of it is history)
+                for _ in range(_TURNS_OVER_LIMIT - 5):
+                    await ref.send(_BIG_TEXT)
+                await ref.set_metadata({"blob": "y" * 14_000_000})
+            await trio.sleep(60)
+            assert caplog.text.count("'big' stays live") == 1
+            for _ in range(3):
+                with trio.fail_after(5):
+                    assert (await ref.send("small")).text == "small"
+                await trio.sleep(60)
+            assert caplog.text.count("'big' stays live") == 1
+            assert registry.live() == ["big"]
+            if edit == "truncate":
+                await ref.truncate(2)
+            else:
+                await ref.set_metadata({"blob": None})
+            await trio.sleep(60)
+            assert registry.live() == []
