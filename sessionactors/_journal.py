@@ -220,9 +220,13 @@ class Journal:
         # the oldest snapshot still counted for retention after this one, kept in the
         # snapshot so that the next incarnation counts on from it (see ``loaded``)
         mark_seq, mark_count = marks[passed] if passed < len(marks) else (seq, self._journaled)
-        session.journal_mark_seq = mark_seq
-        session.journal_mark_events = self._journaled - mark_count
-        state = attrs.evolve(session.to_state(), status=status)
+        mark_events = self._journaled - mark_count
+        state = attrs.evolve(
+            session.to_state(),
+            status=status,
+            journal_mark_seq=mark_seq,
+            journal_mark_events=mark_events,
+        )
         writer = self._writer
         if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
             writer = self._writer = SnapshotWriter()
@@ -249,6 +253,8 @@ class Journal:
                 fence=fence,
             ),
         )
+        session.journal_mark_seq = mark_seq
+        session.journal_mark_events = mark_events
         for _ in range(passed):
             marks.popleft()
         if self.per_turn:
