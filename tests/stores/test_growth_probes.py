@@ -201,3 +201,25 @@ async def test_an_export_carries_no_journal_bookkeeping_and_older_exports_still_
     assert done.returncode == 0, done.stderr
     imported = await sa.read_session(sa.SQLiteStore(tmp_path / "target.db", readonly=True), "often")
     assert imported.messages == state.messages
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="design decision: a completed idempotency key keeps its whole reply (its "
+    "1000 most recent keys, whatever their size), written a second time in every snapshot "
+    "and kept after an edit removed the reply from the history, so truncate cannot make "
+    "such a session small enough to snapshot",
+)
+async def test_truncating_a_session_of_keyed_turns_makes_its_snapshot_small() -> None:
+    """After truncate(0), the snapshot of a session whose turns had idempotency keys no
+    longer holds their replies."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents={"echo": sa.Agent(model=EchoModel())}) as reg:
+        ref = await reg.spawn("keyed")
+        for i in range(10):
+            await ref.send("x" * 100_000, idempotency_key=f"key-{i}")
+        await ref.truncate(0)
+        await ref.hibernate()
+        stored = await store.load("keyed")
+        assert stored is not None
+        assert len(stored.snapshot) < 100_000
