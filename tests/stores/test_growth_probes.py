@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import coredis
 import pytest
 import trio
 import trio.testing
@@ -250,3 +252,34 @@ async def test_add_messages_that_would_pass_the_snapshot_limit_is_refused() -> N
         assert refused is not None
         assert "'imports'" in str(refused)
         await ref.hibernate()
+
+
+async def test_a_deleted_session_leaves_no_rows_or_keys_behind(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """After registry.delete, neither SQLite (rows of every table) nor Redis (keys under
+    the prefix, but the fencing counter and the expiring end of its event stream) holds
+    anything of a session that took turns, hibernated, woke and had a subscriber."""
+    prefix = f"gone-{uuid.uuid4().hex}"
+    path = tmp_path / "sessions.db"
+    for store in (sa.SQLiteStore(path), RedisStore(redis_url, prefix=prefix)):
+        async with sa.open_registry(
+            store=store, agents={"echo": sa.Agent(model=EchoModel())}, snapshot_every=1
+        ) as registry:
+            ref = await registry.spawn("gone", metadata={"tenant": "acme"})
+            for i in range(3):
+                await ref.send(f"turn {i}")
+                await ref.hibernate()
+            await ref.send("awake")
+            async with ref.subscribe():
+                await registry.delete("gone")
+            assert await registry.sessions() == []
+        await store.aclose()
+    with sqlite3.connect(path) as conn:
+        for table in ("sessions", "snapshots", "journal"):
+            assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+    async with coredis.Redis.from_url(redis_url) as client:
+        left = {key async for key in client.scan_iter(match=f"{prefix}:*")}
+        for key in left:
+            assert key.endswith((b":fence", b":ev")), key
+            assert key.endswith(b":fence") or await client.pttl(key) > 0, key
