@@ -248,7 +248,6 @@ class Actor:
         "_rescope",
         "_scope_cancelled",
         "_system_cache",
-        "_unwritable_at",
         "after_crash",
         "done",
         "due",
@@ -316,9 +315,6 @@ class Actor:
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
         self.known_ids: KnownIds | None = None  # made by the first add_messages
-        #: The hub's seq when the state was found too large to snapshot: the idle
-        #: timeout tries again only once something happened since.
-        self._unwritable_at: int | None = None
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         self.refused: dict[str, str] | None = None  # turns refused before they began
@@ -493,7 +489,7 @@ class Actor:
 
     def durable(self, event: Event, *, publish: bool = True) -> Event:
         self.session.apply(event)
-        self.journal.unsaved.append(event)
+        self.journal.add(event)
         if publish:
             (self.hub or self._hub()).publish(event)
         return event
@@ -620,7 +616,7 @@ class Actor:
                 session_id=sid,
             )
         journal = self.journal
-        journal.loaded(stored, durable_seq)
+        journal.loaded(stored, durable_seq, session)
         if journal.base is not None:  # (durability="hibernate") answered, not written
             session = LiveSession(journal.base)
         self.session = session
@@ -1425,13 +1421,12 @@ class Actor:
         a store that refuses the snapshot fails no request: the session stays live (what
         it holds is journaled, or kept for the next snapshot) and tries again when idle
         next, instead of crashing with the requests that came meanwhile."""
-        if self._unwritable_at is not None and self._unwritable_at == self._hub().seq:
-            return False  # too large to snapshot, and unchanged since
+        if self.journal.unwritable:
+            return False  # too large to snapshot, and nothing has made it smaller since
         try:
             return await self._hibernate_if_idle()
         except SnapshotError as exc:  # nothing written: it stays live, as it was
             log.warning("session %r stays live: %s", self.session_id, exc)
-            self._unwritable_at = self._hub().seq
             return False
         except StoreError as exc:
             if isinstance(exc, FencedOutError):

@@ -44,8 +44,17 @@ EXPORT_FORMAT: Final = "sessionactors.session"
 EXPORT_VERSION: Final = 1
 
 
+#: Fields of the state that are the source store's bookkeeping (of its journal), not
+#: the conversation: an export leaves them out, and an import starts them afresh.
+_STORE_FIELDS: Final = ("journal_mark_seq", "journal_mark_events")
+_FRESH: Final[dict[str, Any]] = {
+    field.name: field.default for field in attrs.fields(SessionState) if field.name in _STORE_FIELDS
+}
+
+
 def dump_export(state: SessionState, *, exported_at: datetime.datetime) -> dict[str, Any]:
     """The export document of ``state`` (JSON-ready)."""
+    state = attrs.evolve(state, **_FRESH)
     return {
         "format": EXPORT_FORMAT,
         "version": EXPORT_VERSION,
@@ -114,6 +123,7 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
             session_id=name,
             reviews=tuple(attrs.evolve(r, session_id=name) for r in state.reviews),
         )
+    state = attrs.evolve(state, **_FRESH)
     unused = state.status is Status.NEW and not state.messages and not state.event_seq
     if state.status is not Status.STOPPED and not unused:  # stored: no process runs it
         state = attrs.evolve(state, status=Status.HIBERNATED)
@@ -121,7 +131,10 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
 
 
 def _readable(state: SessionState) -> Any:
-    return to_json(state)
+    readable = to_json(state)
+    for name in _STORE_FIELDS:
+        del readable[name]
+    return readable
 
 
 def _canonical(value: Any) -> str:

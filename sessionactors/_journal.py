@@ -20,7 +20,7 @@ import attrs
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import SnapshotError, StoreError
-from ._events import Event, HistoryEdited
+from ._events import Event, HistoryEdited, MetadataChanged
 from ._pending import Append
 from ._records import SessionState, Status, maker
 from ._session import LiveSession
@@ -33,6 +33,8 @@ __all__ = ["SEQ_GAP", "Journal"]
 #: cleanly (the process died): above any seq the lost incarnation can have used.
 SEQ_GAP = 1 << 20
 _make_entry: Final = maker(JournalEntry)
+#: The events that can make a state smaller (a turn only adds to it).
+_SHRINKING: Final = frozenset({HistoryEdited, MetadataChanged})
 
 
 class Journal:
@@ -44,7 +46,6 @@ class Journal:
         "_since_snapshot",
         "_size",
         "_snapshot_size",
-        "_too_large",
         "_writer",
         "at",
         "base",
@@ -58,6 +59,7 @@ class Journal:
         "store",
         "telemetry",
         "unsaved",
+        "unwritable",
     )
 
     def __init__(
@@ -94,19 +96,41 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0  # bytes journaled since the snapshot
         self._snapshot_size = 0  # bytes of the latest snapshot
-        self._too_large = False  # the last snapshot tried was over the size limit
         self._writer: SnapshotWriter | None = None  # made for a long history
-        #: Events journaled by this incarnation, and (seq, that count) at each snapshot:
-        #: replay keeps journal_keep_events events, counted, not measured in seq.
+        #: Events journaled (counted on from the loaded snapshot's mark, see ``loaded``),
+        #: and (seq, that count) at each snapshot still counted: replay keeps
+        #: journal_keep_events events, counted, not measured in seq.
         self._journaled = 0
         self._marks: deque[tuple[int, int]] | None = None
+        #: The state was too large for a snapshot when last tried, and nothing that can
+        #: make it smaller (an edit of the history or of the metadata) came since: a
+        #: snapshot is not tried again (to compact, or at the idle timeout) until then.
+        self.unwritable = False
 
-    def loaded(self, stored: StoredSession, durable_seq: int) -> None:
-        """Take the bookkeeping of what a wake read from the store."""
+    def add(self, event: Event) -> None:
+        """A durable event, folded into the state already: to be stored."""
+        self.unsaved.append(event)
+        if self.unwritable and event.__class__ in _SHRINKING:
+            self.unwritable = False
+
+    def loaded(self, stored: StoredSession, durable_seq: int, session: LiveSession) -> None:
+        """Take the bookkeeping of what a wake read from the store.
+
+        The retention count goes on from the snapshot's (``session.journal_mark_*``): a
+        session that hibernates after every turn journals few events in each incarnation,
+        and would never trim its journal if each one counted from nothing. (The entries
+        after the snapshot are not counted: that only trims later, never too much.)
+        """
         self._since_snapshot = len(stored.entries)
         self._size = sum(len(e.data) for e in stored.entries)
         self._snapshot_size = len(stored.snapshot)
         self.at = durable_seq + SEQ_GAP // 2
+        events = session.journal_mark_events
+        marks = self._marks = deque()
+        if session.journal_mark_seq < stored.snapshot_seq:
+            marks.append((session.journal_mark_seq, 0))
+        marks.append((stored.snapshot_seq, events))
+        self._journaled = events
 
     def settle(self, session: LiveSession) -> None:
         """Every request so far is answered: a restart keeps what they changed.
@@ -169,9 +193,6 @@ class Journal:
             self.fault = exc
             raise
         self.at = entries[-1].seq + SEQ_GAP // 2
-        if self._too_large and any(isinstance(e, HistoryEdited) for e in events):
-            self._too_large = False  # the edit may have made the state small enough
-            self._snapshot_size = 0
         del events[:count]
         self._journaled += count
         self._since_snapshot += count
@@ -179,6 +200,7 @@ class Journal:
             self._size += len(entry.data)
         if (
             compact
+            and not self.unwritable
             and self._since_snapshot >= self.config.snapshot_every
             and self._size >= self._snapshot_size
         ):
@@ -191,17 +213,28 @@ class Journal:
     ) -> None:
         """Replace the stored snapshot with the state as of ``seq`` (>= session.event_seq)."""
         session.event_seq = seq
-        state = attrs.evolve(session.to_state(), status=status)
+        marks = self._marks
+        if marks is None:
+            marks = self._marks = deque()
+        trim_upto, passed = (seq, len(marks)) if not self.per_turn else self._trim_point()
+        # the oldest snapshot still counted for retention after this one, kept in the
+        # snapshot so that the next incarnation counts on from it (see ``loaded``)
+        mark_seq, mark_count = marks[passed] if passed < len(marks) else (seq, self._journaled)
+        mark_events = self._journaled - mark_count
+        state = attrs.evolve(
+            session.to_state(),
+            status=status,
+            journal_mark_seq=mark_seq,
+            journal_mark_events=mark_events,
+        )
         writer = self._writer
         if writer is None and len(state.messages) >= SnapshotWriter.MIN_MESSAGES:
             writer = self._writer = SnapshotWriter()
         try:
             snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
         except (ValueError, TypeError) as exc:
-            # nothing is written, and retrying cannot help until the state shrinks: a
-            # compaction waits for the journal to double before it encodes it again
-            self._snapshot_size = max(self._snapshot_size, 2 * self._size)
-            self._too_large = True
+            # nothing is written, and retrying cannot help until the state shrinks
+            self.unwritable = True
             raise SnapshotError(
                 f"the state of session {self.session_id!r} cannot be written as a snapshot "
                 f"(to hibernate or stop): {exc}",
@@ -216,14 +249,15 @@ class Journal:
                 dump_info(session.info(status)),
                 # without a journal ("hibernate"), replay reaches no further back than this
                 # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-                trim_upto=seq if not self.per_turn else self._trim_point(),
+                trim_upto=trim_upto,
                 fence=fence,
             ),
         )
+        session.journal_mark_seq = mark_seq
+        session.journal_mark_events = mark_events
+        for _ in range(passed):
+            marks.popleft()
         if self.per_turn:
-            marks = self._marks
-            if marks is None:
-                marks = self._marks = deque()
             marks.append((seq, self._journaled))
         self.unsaved.clear()
         self.settled = 0
@@ -232,17 +266,19 @@ class Journal:
         self._since_snapshot = 0
         self._size = 0
         self._snapshot_size = len(snapshot)
-        self._too_large = False
+        self.unwritable = False
 
-    def _trim_point(self) -> int:
-        """The highest seq the journal may drop: at least journal_keep_events events
-        journaled after it (0: drop nothing; after a restart, until it has counted)."""
-        marks = self._marks
+    def _trim_point(self) -> tuple[int, int]:
+        """The highest seq the journal may drop, with at least journal_keep_events events
+        journaled after it (0: drop nothing), and how many marks lie at or below it."""
         keep = self.config.journal_keep_events
-        point = 0
-        while marks and self._journaled - marks[0][1] >= keep:
-            point = marks.popleft()[0]
-        return point
+        point = passed = 0
+        for seq, count in self._marks or ():
+            if self._journaled - count < keep:
+                break
+            point = seq
+            passed += 1
+        return point, passed
 
     async def append_now(self, session: LiveSession, event: Event, fence: int | None) -> None:
         """Journal one event at once, whatever the durability policy (a status that

@@ -381,6 +381,11 @@ class SessionState:
 
     ``usage`` sums the tokens that the models reported for the session's
     assistant messages and compactions, over its whole life.
+
+    ``journal_mark_seq`` and ``journal_mark_events`` are the journal's retention
+    bookkeeping (see ``journal_keep_events``), carried from one wake to the next:
+    the seq of the oldest snapshot still counted, and how many events were journaled
+    after it up to this state.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -404,6 +409,8 @@ class SessionState:
     #: and not in ``turns`` are forgotten: their records were dropped.
     turns_forgotten: int = 0
     usage: Usage = NO_USAGE
+    journal_mark_seq: int = 0
+    journal_mark_events: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -108,6 +108,8 @@ class LiveSession:
         "completed",
         "created_at",
         "event_seq",
+        "journal_mark_events",
+        "journal_mark_seq",
         "messages",
         "metadata",
         "open_seq",
@@ -146,6 +148,8 @@ class LiveSession:
         self.turns: dict[str, TurnRecord] = {t.turn_id: t for t in state.turns}
         self.turns_forgotten = state.turns_forgotten
         self.usage: Usage = state.usage
+        self.journal_mark_seq = state.journal_mark_seq
+        self.journal_mark_events = state.journal_mark_events
 
     @classmethod
     def new(
@@ -190,6 +194,8 @@ class LiveSession:
             turns=tuple(self.turns.values()),
             turns_forgotten=self.turns_forgotten,
             usage=self.usage,
+            journal_mark_seq=self.journal_mark_seq,
+            journal_mark_events=self.journal_mark_events,
         )
 
     def copy_out(self) -> SessionState:
