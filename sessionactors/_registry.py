@@ -219,7 +219,11 @@ class Registry(metaclass=NoPublicConstructor):
         """get_or_spawn's ref to the existing session ``name``, which must run ``agent``
         (any, if None)."""
         if agent is not None:
-            have = (await self._dispatcher.read(name)).agent
+            actor = self._sessions.live.get(name)
+            if actor is not None and actor.is_ready:  # (a session's agent never changes)
+                have = actor.session.agent
+            else:
+                have = (await self._dispatcher.read(name)).agent
             if have != agent:
                 raise SessionExistsError(
                     f"session {name!r} already exists and runs agent {have!r}, not "
