@@ -62,6 +62,30 @@ Authorize = Callable[[HTTPConnection, str | None, Action], bool | Awaitable[bool
 AnyRegistry = sa.Registry | aio.Registry
 AnyRef = sa.SessionRef | aio.SessionRef
 
+#: How long a server's startup waits for its store to answer (see ``_first_read``).
+STARTUP_STORE_WAIT: Final = 5.0
+
+
+async def _first_read(registry: AnyRegistry) -> None:
+    """Read the store once: a store this process cannot use (a SQLite file another
+    server writes, a Redis that does not answer) fails the startup, not every request
+    after it. A store error a retry may fix is tried again for ``STARTUP_STORE_WAIT``
+    seconds (a store restarting as the server starts); one that no retry fixes
+    (``StoreConfigurationError``) fails at once."""
+    deadline = anyio.current_time() + STARTUP_STORE_WAIT
+    while True:
+        try:
+            await registry.sessions(limit=1)
+            return
+        except sa.StoreConfigurationError:
+            raise
+        except sa.StoreError as exc:
+            if anyio.current_time() >= deadline:
+                raise
+            log.warning("the store did not answer at startup; trying again: %s", exc)
+            await anyio.sleep(0.5)
+
+
 _OUTCOMES: Final = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled, sa.ReviewRequested)
 
 
@@ -279,9 +303,7 @@ class SessionsApp:
             raise RuntimeError(f"sessionactors.http runs on trio or asyncio, not {library}")
         self._remember_loop()
         async with opened as registry:
-            # a store this process cannot use (a SQLite file another server writes, a
-            # Redis out of reach) fails the startup, not every request after it
-            await registry.sessions(limit=1)
+            await _first_read(registry)
             self._registry = registry
             try:
                 yield

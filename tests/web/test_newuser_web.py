@@ -10,6 +10,7 @@ from starlette.routing import Mount
 
 import sessionactors as sa
 from sessionactors.http import create_app
+from sessionactors.testing import FaultyStore
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import serve_asyncio, serve_trio
@@ -86,3 +87,16 @@ async def test_a_message_naming_another_agent_for_an_existing_session_is_409(kin
             state = (await client.get("/sessions/ada")).json()
     assert state["agent"] == "support"
     assert len(state["messages"]) == 2
+
+
+async def test_a_store_that_fails_for_a_moment_at_startup_does_not_stop_the_server() -> None:
+    """The gateway's startup reads its store once; a store error a retry may fix (a store
+    restarting as the server starts) is tried again, and the server then serves."""
+    store = FaultyStore()
+    store.fail("list_sessions", times=2, error=sa.StoreError("the store is restarting"))
+    app = create_app(store=store, agents=trio_agents(0.0))
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(20):
+            r = await client.post("/sessions/ada/messages", json={"text": "hi"})
+    assert r.status_code == 200, r.text
+    assert store.failures_left("list_sessions") == 0
