@@ -566,12 +566,12 @@ class _Connection:
             self.opening.cancel()
 
 
-async def _own_client(conn: _Connection, target: Target) -> None:
+async def _own_client(conn: _Connection, target: Target, patience: float) -> None:
     # The client's connection pool runs a task group that must be entered and
     # exited by one task: this one, which lives until aclose() or the end of the run.
     try:
         with conn.opening:
-            async with open_client(target) as client:
+            async with open_client(target, patience) as client:
                 try:
                     await check_deployment(client, target, redact(target.url))
                     await check_persistence(client, target, redact(target.url))
@@ -761,7 +761,9 @@ class RedisStore:
         conn = self._conn
         if conn is None or conn.token is not token or conn.done.is_set():
             conn = self._conn = _Connection(token)
-            trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
+            trio.lowlevel.spawn_system_task(
+                _own_client, conn, self._target, self.timeout, name=repr(self)
+            )
         return conn
 
     async def _connected(self, conn: _Connection | None) -> Client:
@@ -835,6 +837,15 @@ class RedisStore:
                     raise StoreConfigurationError(
                         f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
                         f"a retry cannot fix this: {fix}",
+                        session_id=session_id,
+                    ) from exc
+                if isinstance(exc, coredis.exceptions.ClusterError):
+                    # (coredis raises it only once the servers kept redirecting the call)
+                    raise StoreError(
+                        f"could not {doing} {where} in redis at {redact(self.url)}: the "
+                        "cluster kept redirecting the call (its hash slot is being migrated "
+                        "to another master, or the cluster's layout is changing), so it did "
+                        "not run; retry once the resharding or failover is over",
                         session_id=session_id,
                     ) from exc
                 raise StoreError(

@@ -28,7 +28,7 @@ import attrs
 import coredis
 import coredis.exceptions
 from coredis.connection import TCPLocation
-from coredis.retry import ConstantRetryPolicy, NoRetryPolicy
+from coredis.retry import CompositeRetryPolicy, ConstantRetryPolicy, NoRetryPolicy, RetryPolicy
 
 from .._errors import StoreConfigurationError, StoreNotDurableError
 
@@ -97,11 +97,25 @@ _CLUSTER: Final = ("redis+cluster", "rediss+cluster")
 _SENTINEL: Final = ("redis+sentinel",)
 SCHEMES: Final = (*_STANDALONE, *_CLUSTER, *_SENTINEL)
 
+
 # A cluster client retries only what the server refused before running it (a slot
 # moving, the cluster not ready yet); a lost connection is the caller's to judge.
-_CLUSTER_RETRY: Final = ConstantRetryPolicy(
-    (coredis.exceptions.ClusterDownError,), retries=2, delay=0.1
-)
+def _cluster_retry(patience: float) -> RetryPolicy:
+    """The retries of a cluster client whose calls may take ``patience`` seconds: the
+    cluster not ready (a few times), and for up to half of them a slot being migrated
+    to another master (resharding). While it migrates, Redis refuses a script whose
+    keys are not all on one side (TRYAGAIN, ASK), and a session's scripts name keys
+    that need not exist (its lease, its shard's): coredis follows the redirections a
+    few times (about half a second), then raises ``ClusterError`` (only then), the
+    command not run. A call that still meets it raises it well before ``patience``."""
+    down = ConstantRetryPolicy((coredis.exceptions.ClusterDownError,), retries=2, delay=0.1)
+    moving = patience / 2 - 0.5
+    if moving <= 0:
+        return down
+    redirected = (coredis.exceptions.ClusterError,)
+    return CompositeRetryPolicy(
+        down, ConstantRetryPolicy(redirected, retries=None, deadline=moving, delay=0.05)
+    )
 
 
 def redact(url: str) -> str:
@@ -368,8 +382,9 @@ class Target:
 
 
 @contextlib.asynccontextmanager
-async def open_client(target: Target) -> AsyncIterator[Client]:
-    """The opened client for ``target``, closed on exit."""
+async def open_client(target: Target, patience: float) -> AsyncIterator[Client]:
+    """The opened client for ``target``, closed on exit; its calls may take ``patience``
+    seconds (the store's timeout)."""
     if target.scheme in _STANDALONE:
         parts = urlsplit(target.url)
         url = urlunsplit(parts._replace(query=urlencode(dict(target.query))))
@@ -386,7 +401,7 @@ async def open_client(target: Target) -> AsyncIterator[Client]:
             password=unquote(password) if colon else None,
             ssl=target.scheme.startswith("rediss"),
             **target.tls,
-            retry_policy=_CLUSTER_RETRY,
+            retry_policy=_cluster_retry(patience),
             decode_responses=False,
         )
         async with cluster:

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
 import uuid
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from urllib.parse import urlsplit
 
+import coredis
 import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from sessionactors.stores import JournalEntry, RedisStore
+from test_cluster_faults import AOF_ALWAYS, TIMEOUT, lost_or_repeated, pid_of, run_through, untyped
 
 pytestmark = pytest.mark.redis
+
+PrivateServer = Callable[..., AbstractContextManager[str]]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _new_prefix() -> str:
@@ -77,3 +98,151 @@ async def test_an_odd_option_does_not_fail_every_call(redis_url: str) -> None:
         await store.delete("s")
         await store.aclose()
     assert issubclass(sa.StoreError, sa.SessionActorsError)
+
+
+# -- faults under two live workers ------------------------------------------------------
+
+
+async def test_redis_killed_and_restarted_keeps_every_acknowledged_turn(
+    private_redis_server: PrivateServer, tmp_path: Path
+) -> None:
+    """redis-server killed by SIGKILL under traffic from two workers and started again on
+    its files (appendonly yes, appendfsync always, as the Redis how-to asks): every send
+    ends with a reply or a typed error, the workers go on once it is back, and nothing
+    acknowledged is lost nor any keyed turn run twice."""
+    port = _free_port()
+    with contextlib.ExitStack() as servers:
+        url = servers.enter_context(
+            private_redis_server(port, config=AOF_ALWAYS, directory=str(tmp_path))
+        )
+        pid = await pid_of(url)
+
+        async def kill_and_restart() -> None:
+            os.kill(pid, signal.SIGKILL)
+            await trio.sleep(1.5 * TIMEOUT)
+            await trio.to_thread.run_sync(
+                servers.enter_context,
+                private_redis_server(port, config=AOF_ALWAYS, directory=str(tmp_path)),
+            )
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            traffic, texts = await run_through(url, kill_and_restart)
+    assert untyped(traffic.outcomes) == []
+    assert lost_or_repeated(traffic, texts) == []
+
+
+async def test_every_client_connection_killed_under_traffic(
+    private_redis_server: PrivateServer,
+) -> None:
+    """``CLIENT KILL`` of every connection but the killer's (the store's clients, the
+    worker channels' subscriptions), twice, under traffic from two workers: every send
+    ends with a reply or a typed error, replies come again, nothing acknowledged is lost."""
+    with private_redis_server(config=AOF_ALWAYS) as url:
+
+        async def kill_clients() -> None:
+            async with coredis.Redis.from_url(url) as client:
+                for _ in range(2):
+                    for kind in (coredis.PureToken.NORMAL, coredis.PureToken.PUBSUB):
+                        await client.client_kill(type_=kind, skipme=True)
+                    await trio.sleep(0.2)
+
+        traffic, texts = await run_through(url, kill_clients)
+    assert untyped(traffic.outcomes) == []
+    assert lost_or_repeated(traffic, texts) == []
+
+
+# -- a cluster slot migrating ---------------------------------------------------------
+
+
+def _cli(port: int, *args: str) -> str:
+    done = subprocess.run(
+        ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=10
+    )
+    return done.stdout.strip()
+
+
+class _Migration:
+    """The slot of a store's keys (all in one slot: one session) moved from its master to
+    another, as ``redis-cli --cluster reshard`` does: in steps."""
+
+    def __init__(self, url: str) -> None:
+        self.first = urlsplit(url).port or 0
+        # id, port of every master, and the slots it serves
+        self.masters: dict[str, tuple[int, list[str]]] = {}
+        for line in _cli(self.first, "CLUSTER", "NODES").splitlines():
+            (
+                node_id,
+                address,
+                flags,
+                *_,
+            ) = line.split()[:4]
+            if "master" in flags:
+                port = int(address.split("@")[0].rpartition(":")[2])
+                self.masters[node_id] = (port, line.split()[8:])
+
+    def start(self, prefix: str) -> None:
+        keys: list[str] = []
+        for node_id, (port, _) in self.masters.items():
+            found = _cli(port, "--scan", "--pattern", f"{prefix}:{{*").split()  # (one group)
+            if found:
+                keys, self.source = found, node_id
+        self.keys = keys
+        self.slot = _cli(self.first, "CLUSTER", "KEYSLOT", keys[0])
+        self.target = next(n for n in self.masters if n != self.source)
+        src, dst = self.masters[self.source][0], self.masters[self.target][0]
+        assert _cli(dst, "CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.source) == "OK"
+        assert _cli(src, "CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.target) == "OK"
+
+    def move_keys(self, keys: list[str]) -> None:
+        src, dst = self.masters[self.source][0], self.masters[self.target][0]
+        assert _cli(src, "MIGRATE", "127.0.0.1", str(dst), "", "0", "5000", "KEYS", *keys) == "OK"
+
+    def finish(self) -> None:
+        for port, _ in self.masters.values():
+            _cli(port, "CLUSTER", "SETSLOT", self.slot, "NODE", self.target)
+
+
+async def test_writes_wait_through_a_slot_migration(private_redis_cluster: PrivateServer) -> None:
+    """A session's slot moves to another master (resharding: the slot migrating, its keys
+    moved, then the slot handed over) while the store appends to it: Redis refuses a
+    script whose keys are not all on one side meanwhile (TRYAGAIN, ASK), and the
+    store's keys include some that need not exist (the lease, the shard), so every
+    write to the slot's sessions was refused for the whole migration, and the caller
+    got a StoreError ("Maximum retries exhausted", "check that redis-server is
+    reachable"). A migration shorter than the store's timeout is now waited through;
+    one longer ends with a StoreError that says the slot is being migrated."""
+    with private_redis_cluster() as url, trio.fail_after(60):
+        prefix = _new_prefix()
+        store = RedisStore(url, prefix=prefix, timeout=5)
+        await store.create("s", b"snap", b"i")
+        await store.append("s", [JournalEntry(1, b"one")], b"i")
+        migration = _Migration(url)
+        await trio.to_thread.run_sync(migration.start, prefix)
+        log = next(k for k in migration.keys if k.endswith(":log"))
+        await trio.to_thread.run_sync(migration.move_keys, [log])  # the keys split
+
+        async def finish_later() -> None:
+            await trio.sleep(0.5)
+            rest = [k for k in migration.keys if k != log]
+            await trio.to_thread.run_sync(migration.move_keys, rest)
+            await trio.sleep(0.3)
+            await trio.to_thread.run_sync(migration.finish)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(finish_later)
+            await store.append("s", [JournalEntry(2, b"two")], b"i")
+        loaded = await store.load("s")
+        assert loaded is not None
+        assert [e.data for e in loaded.entries] == [b"one", b"two"]
+
+        # a migration that outlasts the timeout: a StoreError that says so, in time
+        short = RedisStore(url, prefix=prefix, timeout=1)  # (no time to wait: at once)
+        await trio.to_thread.run_sync(migration.__init__, url)
+        await trio.to_thread.run_sync(migration.start, prefix)
+        await trio.to_thread.run_sync(migration.move_keys, [log])
+        with pytest.raises(sa.StoreError, match="migrat") as caught:
+            await short.append("s", [JournalEntry(3, b"three")], b"i")
+        assert caught.value.session_id == "s"
+        await store.aclose()
+        await short.aclose()
