@@ -839,6 +839,13 @@ class RedisStore:
                         f"a retry cannot fix this: {fix}",
                         session_id=session_id,
                     ) from exc
+                if str(exc).startswith("OOM "):
+                    raise StoreError(
+                        f"could not {doing} {where}: redis at {redact(self.url)} is out of "
+                        f"memory and refused the call ({exc}); free memory in redis or raise "
+                        "its maxmemory, then retry",
+                        session_id=session_id,
+                    ) from exc
                 if isinstance(exc, coredis.exceptions.ClusterError):
                     # (coredis raises it only once the servers kept redirecting the call)
                     raise StoreError(

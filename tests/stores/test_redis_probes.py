@@ -246,3 +246,33 @@ async def test_writes_wait_through_a_slot_migration(private_redis_cluster: Priva
         assert caught.value.session_id == "s"
         await store.aclose()
         await short.aclose()
+
+
+# -- redis out of memory ------------------------------------------------------------
+
+
+async def test_a_full_redis_says_so_and_the_store_recovers(
+    private_redis_server: PrivateServer,
+) -> None:
+    """``maxmemory`` reached with ``noeviction`` (what the how-to recommends): a write
+    raises a StoreError that names the session and says redis is out of memory and what
+    to do (before: "check that redis-server is reachable", which it is); once memory is
+    freed the same store writes again and nothing stored was lost."""
+    with private_redis_server() as url, trio.fail_after(30):
+        store = RedisStore(url, prefix=_new_prefix())
+        await store.create("s", b"snap", b"i")
+        await store.append("s", [JournalEntry(1, b"one")], b"i")
+        async with coredis.Redis.from_url(url) as client:
+            used = int((await client.info("memory"))["used_memory"])
+            await client.config_set({"maxmemory": str(used // 2)})
+            with pytest.raises(sa.StoreError, match="out of memory") as caught:
+                await store.append("s", [JournalEntry(2, b"two")], b"i")
+            assert caught.value.session_id == "s"
+            assert "maxmemory" in str(caught.value)
+            assert "reachable" not in str(caught.value)
+            await client.config_set({"maxmemory": "0"})
+        await store.append("s", [JournalEntry(2, b"two")], b"i")
+        loaded = await store.load("s")
+        assert loaded is not None
+        assert [e.data for e in loaded.entries] == [b"one", b"two"]
+        await store.aclose()
