@@ -401,6 +401,15 @@ def _encode_name(session_id: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
+def _utf8(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _group(name: str) -> int:
     """The key group of a session (or worker) name: its keys' hash tag."""
     return zlib.crc32(name.encode("utf-8", "surrogatepass")) % _GROUPS
@@ -679,6 +688,11 @@ class RedisStore:
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
+            )
+        if not isinstance(self.prefix, str) or not _utf8(self.prefix):
+            raise ValueError(
+                f"redis key prefix {self.prefix!r} is not text that UTF-8 can encode, which "
+                "every redis key must start with; pass a prefix such as 'sessionactors'"
             )
         if not self.prefix:
             raise ValueError("redis key prefix is empty; pass a prefix such as 'sessionactors'")

@@ -276,3 +276,33 @@ async def test_a_full_redis_says_so_and_the_store_recovers(
         assert loaded is not None
         assert [e.data for e in loaded.entries] == [b"one", b"two"]
         await store.aclose()
+
+
+# -- hostile prefixes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", [b"app", 5, "app\udc80", None])
+def test_a_prefix_no_key_can_start_with_is_refused_at_construction(prefix: object) -> None:
+    """A prefix that is not text, or text with a lone surrogate (no UTF-8, so no redis
+    key), is refused when the store is built with a ValueError naming it; before, bytes
+    and numbers met a bare TypeError from a brace check, and a lone surrogate passed and
+    then failed every call with a UnicodeEncodeError, an error of no sessionactors type."""
+    with pytest.raises(ValueError, match="prefix"):
+        RedisStore("redis://127.0.0.1:6379/0", prefix=prefix)  # type: ignore[arg-type]
+
+
+async def test_glob_and_non_ascii_prefixes_keep_their_sessions_apart(redis_url: str) -> None:
+    """Prefixes with glob characters, non-ASCII text, or one that starts another, keep
+    their sessions apart (no key pattern is ever built from a prefix)."""
+    base = _new_prefix()
+    prefixes = [f"{base}*", f"{base}?[a]", f"{base}é", base, f"{base}:activity", f"{base}:w"]
+    stores = [RedisStore(redis_url, prefix=p) for p in prefixes]
+    with trio.fail_after(20):
+        for i, store in enumerate(stores):
+            await store.create(f"only-{i}", b"snap", b"info")
+        for i, store in enumerate(stores):
+            assert [n for n, _ in await store.list_sessions()] == [f"only-{i}"]
+            assert [n for n, _ in await store.list_page(after=None, limit=10)] == [f"only-{i}"]
+        for i, store in enumerate(stores):
+            assert await store.delete(f"only-{i}")
+            await store.aclose()
