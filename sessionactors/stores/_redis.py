@@ -680,7 +680,7 @@ class RedisStore:
     _listing_mended: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
-        url = "redis://" if self._client is not None else self.url
+        url = "redis://localhost" if self._client is not None else self.url
         self._target = Target.parse(url, self.persistence, self.replicas, self.replica_timeout)
         self.persistence = self._target.persistence
         self.replicas = self._target.replicas

@@ -310,6 +310,15 @@ class Target:
                     f"redis url {redact(url)!r}: {db!r} is not a database number; write "
                     "redis://host:port/N with N a number (0 if not given)"
                 )
+            if parts.scheme == "unix" and not parts.path:
+                raise ValueError(
+                    f"redis url {redact(url)!r} names no socket; write unix:///path/to/redis.sock"
+                )
+            if parts.scheme != "unix" and not parts.hostname:
+                raise ValueError(
+                    f"redis url {redact(url)!r} names no host; write "
+                    f"{parts.scheme}://host:port/N, as in 'redis://127.0.0.1:6379/0'"
+                )
             try:
                 parts.port  # noqa: B018 (it checks the port)
             except ValueError:

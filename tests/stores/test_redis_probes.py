@@ -59,6 +59,11 @@ def _new_prefix() -> str:
         ("redis://127.0.0.1:6379/0?db=abc", "database"),
         ("redis://127.0.0.1:6379/1?db=2", "database"),
         ("redis+cluster://127.0.0.1:99999", "port"),
+        # no server named: every call failed with "check that redis-server is reachable"
+        ("redis://", "host"),
+        ("redis:///0", "host"),
+        ("rediss://:secret@/0", "host"),
+        ("unix://", "socket"),
         # a cluster has one database: a path would be dropped without a word
         ("redis+cluster://127.0.0.1:7000/3", "database"),
     ],
