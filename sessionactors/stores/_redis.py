@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -440,6 +441,17 @@ async def _info_reply(reply: Awaitable[Any]) -> bytes | None:
     except coredis.exceptions.WrongTypeError:
         return b""
     return info
+
+
+_CLIENT_FILES: Final = os.path.dirname(coredis.__file__) + os.sep
+
+
+def _raised_by_client(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside coredis (not by the store's own code)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_CLIENT_FILES)
 
 
 def _pipeline(client: Client, *, raise_on_error: bool = True) -> Any:
@@ -872,6 +884,20 @@ class RedisStore:
                 raise StoreError(
                     f"could not {doing} {where} in redis at {redact(self.url)}: {exc}; "
                     "check that redis-server is reachable, then retry",
+                    session_id=session_id,
+                ) from exc
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+                # coredis failing inside itself: a cluster client merges the answers of
+                # every master to a command sent to all of them (the SCRIPT EXISTS before
+                # a pipeline of scripts), and one master's lost connection makes the merge
+                # fail with a TypeError
+                if not _raised_by_client(exc):
+                    raise
+                raise StoreError(
+                    f"could not {doing} {where} in redis at {redact(self.url)}: the redis "
+                    f"client failed ({type(exc).__name__}: {exc}), as it does when a node "
+                    "of a Redis Cluster is down; check that every master is up (or has "
+                    "been replaced by its replica), then retry",
                     session_id=session_id,
                 ) from exc
             except RuntimeError as exc:

@@ -311,3 +311,50 @@ async def test_glob_and_non_ascii_prefixes_keep_their_sessions_apart(redis_url: 
         for i, store in enumerate(stores):
             assert await store.delete(f"only-{i}")
             await store.aclose()
+
+
+# -- a cluster master lost --------------------------------------------------------------
+
+
+async def _kill_a_master_without(url: str, prefix: str) -> None:
+    """SIGKILL a master of the cluster at ``url`` that holds no key under ``prefix``."""
+    migration = await trio.to_thread.run_sync(_Migration, url)
+    holding = set()
+    for node_id, (port, _) in migration.masters.items():
+        if await trio.to_thread.run_sync(
+            lambda p=port: _cli(p, "--scan", "--pattern", f"{prefix}:*")
+        ):
+            holding.add(node_id)
+    port = next(p for n, (p, _) in migration.masters.items() if n not in holding)
+    info = await trio.to_thread.run_sync(_cli, port, "INFO", "server")
+    pid = int(next(line for line in info.splitlines() if line.startswith("process_id:"))[11:])
+    os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_cluster_master_killed_fails_calls_with_store_errors_only(
+    private_redis_cluster: PrivateServer,
+) -> None:
+    """A master of a Redis Cluster killed (SIGKILL; no replica to take over): renewing
+    leases goes through a pipeline of scripts, for which the cluster client asks every
+    master whether it has them; the dead master's answer, an exception, made the client
+    fail inside its merge with a TypeError, which reached the registry as no error of
+    sessionactors' and ended it. Now the calls that need the dead master raise
+    StoreError, and a session whose keys live on a master still up keeps working."""
+    with private_redis_cluster() as url, trio.fail_after(60):
+        prefix = _new_prefix()
+        store = RedisStore(url, prefix=prefix, timeout=2)
+        await store.create("s", b"snap", b"i")
+        lease = await store.claim("s", "me", 30)
+        assert lease is not None
+        assert await store.renew_many({"s": lease}, 30) == set()
+        await _kill_a_master_without(url, prefix)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            for _ in range(3):
+                with contextlib.suppress(sa.StoreError):  # (typed: what the registry handles)
+                    assert await store.renew_many({"s": lease}, 30) in (set(), {"s"})
+            await store.append("s", [JournalEntry(1, b"one")], b"i", fence=lease.fence)
+            loaded = await store.load("s")
+            assert loaded is not None
+            assert [e.data for e in loaded.entries] == [b"one"]
+            await store.aclose()
