@@ -1167,6 +1167,7 @@ class RedisStore:
                 if gone:  # deleted by a process that died before unlisting them (or stray)
                     await client.zrem(key, gone)
                     start -= len(gone)
+                    await self._relist(client, gone)
                 page += [
                     (n, i)
                     for n, i in zip(names, infos, strict=True)
@@ -1175,6 +1176,21 @@ class RedisStore:
             return page
 
         return await self._run("list", after, run)
+
+    async def _relist(self, client: Client, members: list[bytes]) -> None:
+        """Put back in the listing order those of ``members``, just dropped as naming no
+        session, whose session exists now: created again meanwhile by another process,
+        whose own listing of it the drop may have undone."""
+        names = [(m, n) for m in members if (n := _member_name(m)) is not None]
+        async with _pipeline(client, raise_on_error=False) as pipe:
+            replies = [pipe.get(self._keys(n)[1]) for _, n in names]
+        back: dict[str | bytes, int | float] = {}
+        for (member, _), reply in zip(names, replies, strict=True):
+            info = await _info_reply(reply)
+            if info is not None:
+                back[member] = info_activity(info)
+        if back:
+            await client.zadd(self._activity_key, back, condition=coredis.PureToken.NX)
 
     async def _add_unlisted(self, client: Client) -> None:
         """List the sessions stored without a place in the listing order (by an older

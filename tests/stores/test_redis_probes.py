@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import coredis
@@ -358,3 +359,72 @@ async def test_a_cluster_master_killed_fails_calls_with_store_errors_only(
             assert loaded is not None
             assert [e.data for e in loaded.entries] == [b"one"]
             await store.aclose()
+
+
+# -- listing while sessions come and go -------------------------------------------------
+
+
+class _Interleaved(coredis.Redis):  # type: ignore[type-arg]
+    """A client that runs a step of another process's right after a listing reads a
+    page of the listing order (``after_page``), and right before it drops members whose
+    session it found gone (``before_drop``): the interleavings a busy app meets."""
+
+    after_page: Callable[[], Any] | None = None
+    before_drop: Callable[[], Any] | None = None
+
+    def zrange(self, *args: Any, **kwargs: Any) -> Any:
+        step, self.after_page = self.after_page, None
+        reply = super().zrange(*args, **kwargs)
+        if step is None:
+            return reply
+
+        async def run() -> Any:
+            members = await reply
+            await step()
+            return members
+
+        return run()
+
+    def zrem(self, *args: Any, **kwargs: Any) -> Any:
+        step, self.before_drop = self.before_drop, None
+        if step is None:
+            return super().zrem(*args, **kwargs)
+
+        async def run() -> Any:
+            await step()
+            return await super(_Interleaved, self).zrem(*args, **kwargs)
+
+        return run()
+
+
+async def test_a_session_deleted_and_created_again_during_a_listing_stays_listed(
+    redis_url: str,
+) -> None:
+    """A listing reads a page naming session "x"; another process deletes "x" (the
+    listing finds no info for it: gone) and creates it again before the listing drops
+    the member it found gone. The listing dropped the new session's member too, so "x",
+    stored, was missing from every later listing of that store object (until its next
+    write). Now a member dropped is checked again and put back if its session exists."""
+    prefix = _new_prefix()
+    other = RedisStore(redis_url, prefix=prefix)
+    async with _Interleaved.from_url(redis_url, decode_responses=False) as client:
+        store = RedisStore(client=client, prefix=prefix, persistence="volatile")
+        with trio.fail_after(20):
+            await other.create("x", b"snap", b"i")
+            await other.create("y", b"snap", b"i")
+            assert sorted(n for n, _ in await store.list_page(after=None, limit=10)) == ["x", "y"]
+
+            async def delete() -> None:
+                await other.delete("x")
+
+            async def create() -> None:
+                await other.create("x", b"snap", b"again")
+
+            client.after_page, client.before_drop = delete, create
+            await store.list_page(after=None, limit=10)
+            assert await store.exists("x")
+            listed = [n for n, _ in await store.list_page(after=None, limit=10)]
+            assert sorted(listed) == ["x", "y"]
+            for name in ("x", "y"):
+                await other.delete(name)
+            await other.aclose()
