@@ -50,6 +50,7 @@ connects.
 from __future__ import annotations
 
 import base64
+import logging
 import math
 import os
 import zlib
@@ -97,6 +98,8 @@ from ._redis_connect import (
 __all__ = ["RedisStore"]
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("sessionactors")
 
 # Seqs and fences travel through Lua, whose numbers are doubles: keep them exact
 # (the codec's bound on every seq is the same).
@@ -1119,7 +1122,8 @@ class RedisStore:
         script did (see ``_listing_key``).
 
         A command of its own after the write, not a step of it: a process that dies
-        in between leaves the order a step behind, which ``list_page`` mends (a
+        in between, or a failure of that command (which does not fail the write),
+        leaves the order a step behind, which ``list_page`` mends (a
         member without info is skipped and removed, a session without a member is
         added), and the session's next write puts right.
         """
@@ -1128,11 +1132,20 @@ class RedisStore:
             return
         member, score = _listing(session_id, info)
         key = self._activity_key
-        if info is None:
-            await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
-        else:
-            scores: dict[str | bytes, int | float] = {member: int(score)}
-            await self._run("list", session_id, lambda c: c.zadd(key, scores))
+        try:
+            if info is None:
+                await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
+            else:
+                scores: dict[str | bytes, int | float] = {member: int(score)}
+                await self._run("list", session_id, lambda c: c.zadd(key, scores))
+        except (StoreConfigurationError, StoreNotDurableError):
+            raise
+        except StoreError as exc:
+            # The write stands (the order's master may be down while the session's is
+            # up): the order is a step behind, as after a process died here, and this
+            # store's next listing looks for the sessions it lacks again.
+            self._listing_mended = False
+            log.warning("the listing order of %r is a step behind: %s", session_id, exc)
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         key = self._activity_key
