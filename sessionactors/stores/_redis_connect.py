@@ -170,9 +170,9 @@ def _replica_timeout(given: object, url: str) -> float:
 
 def _tls_options(query: dict[str, str], scheme: str, url: str) -> dict[str, Any]:
     """The TLS options of a cluster URL (taken out of ``query``), checked, as
-    ``coredis.RedisCluster`` takes them."""
+    ``coredis.RedisCluster`` takes them (those of a ``rediss://`` URL are checked alike)."""
     found: dict[str, str] = {name: query.pop(name) for name in _TLS_OPTIONS if name in query}
-    if found and scheme != "rediss+cluster":
+    if found and scheme not in ("rediss+cluster", "rediss"):
         raise ValueError(
             f"redis url {redact(url)!r}: {', '.join(found)} configure TLS, which "
             f"{scheme}:// does not use; write rediss+cluster://"
@@ -327,6 +327,8 @@ class Target:
                     "write redis://host:port/N, as in 'redis://127.0.0.1:6379/0'"
                 ) from None
             _client_options(query, parts.scheme, db, url)
+            if parts.scheme == "rediss":  # (coredis reads them from the query itself)
+                _tls_options(dict(query), parts.scheme, url)
             return cls(
                 url=url,
                 scheme=parts.scheme,

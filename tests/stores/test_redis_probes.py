@@ -55,6 +55,11 @@ def _new_prefix() -> str:
         ("redis://127.0.0.1:6379/0?persistance=volatile", "persistance"),
         # a TLS option on a URL without TLS
         ("redis://127.0.0.1:6379/0?ssl_ca_certs=/etc/ca.pem", "rediss://"),
+        # TLS options that no TLS connection can take (as a cluster URL's are checked)
+        ("rediss://127.0.0.1:6380/0?ssl_cert_reqs=bogus", "none, optional, required"),
+        ("rediss://127.0.0.1:6380/0?ssl_check_hostname=maybe", "not true or false"),
+        ("rediss://h:1/0?ssl_cert_reqs=none&ssl_check_hostname=yes", "checks no certificate"),
+        ("rediss://h:1/0?ssl_certfile=client.pem", "both ssl_certfile and ssl_keyfile"),
         # a port or a database that no server can have
         ("redis://127.0.0.1:notaport/0", "port"),
         ("redis://127.0.0.1:99999/0", "port"),
