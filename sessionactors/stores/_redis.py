@@ -50,7 +50,9 @@ connects.
 from __future__ import annotations
 
 import base64
+import logging
 import math
+import os
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -96,6 +98,8 @@ from ._redis_connect import (
 __all__ = ["RedisStore"]
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("sessionactors")
 
 # Seqs and fences travel through Lua, whose numbers are doubles: keep them exact
 # (the codec's bound on every seq is the same).
@@ -401,6 +405,15 @@ def _encode_name(session_id: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
+def _utf8(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _group(name: str) -> int:
     """The key group of a session (or worker) name: its keys' hash tag."""
     return zlib.crc32(name.encode("utf-8", "surrogatepass")) % _GROUPS
@@ -431,6 +444,17 @@ async def _info_reply(reply: Awaitable[Any]) -> bytes | None:
     except coredis.exceptions.WrongTypeError:
         return b""
     return info
+
+
+_CLIENT_FILES: Final = os.path.dirname(coredis.__file__) + os.sep
+
+
+def _raised_by_client(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside coredis (not by the store's own code)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_CLIENT_FILES)
 
 
 def _pipeline(client: Client, *, raise_on_error: bool = True) -> Any:
@@ -566,12 +590,12 @@ class _Connection:
             self.opening.cancel()
 
 
-async def _own_client(conn: _Connection, target: Target) -> None:
+async def _own_client(conn: _Connection, target: Target, patience: float) -> None:
     # The client's connection pool runs a task group that must be entered and
     # exited by one task: this one, which lives until aclose() or the end of the run.
     try:
         with conn.opening:
-            async with open_client(target) as client:
+            async with open_client(target, patience) as client:
                 try:
                     await check_deployment(client, target, redact(target.url))
                     await check_persistence(client, target, redact(target.url))
@@ -671,7 +695,7 @@ class RedisStore:
     _listing_mended: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
-        url = "redis://" if self._client is not None else self.url
+        url = "redis://localhost" if self._client is not None else self.url
         self._target = Target.parse(url, self.persistence, self.replicas, self.replica_timeout)
         self.persistence = self._target.persistence
         self.replicas = self._target.replicas
@@ -679,6 +703,11 @@ class RedisStore:
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
+            )
+        if not isinstance(self.prefix, str) or not _utf8(self.prefix):
+            raise ValueError(
+                f"redis key prefix {self.prefix!r} is not text that UTF-8 can encode, which "
+                "every redis key must start with; pass a prefix such as 'sessionactors'"
             )
         if not self.prefix:
             raise ValueError("redis key prefix is empty; pass a prefix such as 'sessionactors'")
@@ -761,7 +790,9 @@ class RedisStore:
         conn = self._conn
         if conn is None or conn.token is not token or conn.done.is_set():
             conn = self._conn = _Connection(token)
-            trio.lowlevel.spawn_system_task(_own_client, conn, self._target, name=repr(self))
+            trio.lowlevel.spawn_system_task(
+                _own_client, conn, self._target, self.timeout, name=repr(self)
+            )
         return conn
 
     async def _connected(self, conn: _Connection | None) -> Client:
@@ -837,9 +868,39 @@ class RedisStore:
                         f"a retry cannot fix this: {fix}",
                         session_id=session_id,
                     ) from exc
+                if str(exc).startswith("OOM "):
+                    raise StoreError(
+                        f"could not {doing} {where}: redis at {redact(self.url)} is out of "
+                        f"memory and refused the call ({exc}); free memory in redis or raise "
+                        "its maxmemory, then retry",
+                        session_id=session_id,
+                    ) from exc
+                if isinstance(exc, coredis.exceptions.ClusterError):
+                    # (coredis raises it only once the servers kept redirecting the call)
+                    raise StoreError(
+                        f"could not {doing} {where} in redis at {redact(self.url)}: the "
+                        "cluster kept redirecting the call (its hash slot is being migrated "
+                        "to another master, or the cluster's layout is changing), so it did "
+                        "not run; retry once the resharding or failover is over",
+                        session_id=session_id,
+                    ) from exc
                 raise StoreError(
                     f"could not {doing} {where} in redis at {redact(self.url)}: {exc}; "
                     "check that redis-server is reachable, then retry",
+                    session_id=session_id,
+                ) from exc
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+                # coredis failing inside itself: a cluster client merges the answers of
+                # every master to a command sent to all of them (the SCRIPT EXISTS before
+                # a pipeline of scripts), and one master's lost connection makes the merge
+                # fail with a TypeError
+                if not _raised_by_client(exc):
+                    raise
+                raise StoreError(
+                    f"could not {doing} {where} in redis at {redact(self.url)}: the redis "
+                    f"client failed ({type(exc).__name__}: {exc}), as it does when a node "
+                    "of a Redis Cluster is down; check that every master is up (or has "
+                    "been replaced by its replica), then retry",
                     session_id=session_id,
                 ) from exc
             except RuntimeError as exc:
@@ -1061,7 +1122,8 @@ class RedisStore:
         script did (see ``_listing_key``).
 
         A command of its own after the write, not a step of it: a process that dies
-        in between leaves the order a step behind, which ``list_page`` mends (a
+        in between, or a failure of that command (which does not fail the write),
+        leaves the order a step behind, which ``list_page`` mends (a
         member without info is skipped and removed, a session without a member is
         added), and the session's next write puts right.
         """
@@ -1070,11 +1132,20 @@ class RedisStore:
             return
         member, score = _listing(session_id, info)
         key = self._activity_key
-        if info is None:
-            await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
-        else:
-            scores: dict[str | bytes, int | float] = {member: int(score)}
-            await self._run("list", session_id, lambda c: c.zadd(key, scores))
+        try:
+            if info is None:
+                await self._run("unlist", session_id, lambda c: c.zrem(key, [member]))
+            else:
+                scores: dict[str | bytes, int | float] = {member: int(score)}
+                await self._run("list", session_id, lambda c: c.zadd(key, scores))
+        except (StoreConfigurationError, StoreNotDurableError):
+            raise
+        except StoreError as exc:
+            # The write stands (the order's master may be down while the session's is
+            # up): the order is a step behind, as after a process died here, and this
+            # store's next listing looks for the sessions it lacks again.
+            self._listing_mended = False
+            log.warning("the listing order of %r is a step behind: %s", session_id, exc)
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         key = self._activity_key
@@ -1109,6 +1180,7 @@ class RedisStore:
                 if gone:  # deleted by a process that died before unlisting them (or stray)
                     await client.zrem(key, gone)
                     start -= len(gone)
+                    await self._relist(client, gone)
                 page += [
                     (n, i)
                     for n, i in zip(names, infos, strict=True)
@@ -1117,6 +1189,21 @@ class RedisStore:
             return page
 
         return await self._run("list", after, run)
+
+    async def _relist(self, client: Client, members: list[bytes]) -> None:
+        """Put back in the listing order those of ``members``, just dropped as naming no
+        session, whose session exists now: created again meanwhile by another process,
+        whose own listing of it the drop may have undone."""
+        names = [(m, n) for m in members if (n := _member_name(m)) is not None]
+        async with _pipeline(client, raise_on_error=False) as pipe:
+            replies = [pipe.get(self._keys(n)[1]) for _, n in names]
+        back: dict[str | bytes, int | float] = {}
+        for (member, _), reply in zip(names, replies, strict=True):
+            info = await _info_reply(reply)
+            if info is not None:
+                back[member] = info_activity(info)
+        if back:
+            await client.zadd(self._activity_key, back, condition=coredis.PureToken.NX)
 
     async def _add_unlisted(self, client: Client) -> None:
         """List the sessions stored without a place in the listing order (by an older

@@ -12,7 +12,8 @@ URLs::
 
 Every URL takes ``?persistence=always|everysec|volatile`` (see :data:`PERSISTENCE`),
 ``?replicas=N`` and ``?replica_timeout=seconds`` (see ``RedisStore``); a ``redis://``
-URL also takes coredis' own query options.
+URL also takes those of coredis' own query options that leave its replies as the store
+reads them (see ``_CLIENT_OPTIONS``), and is refused with any other.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import attrs
 import coredis
 import coredis.exceptions
 from coredis.connection import TCPLocation
-from coredis.retry import ConstantRetryPolicy, NoRetryPolicy
+from coredis.retry import CompositeRetryPolicy, ConstantRetryPolicy, NoRetryPolicy, RetryPolicy
 
 from .._errors import StoreConfigurationError, StoreNotDurableError
 
@@ -56,7 +57,7 @@ PERSISTENCE: Final[tuple[Persistence, ...]] = get_args(Persistence)
 
 #: Seconds a write waits for its replicas (RedisStore's replica_timeout).
 DEFAULT_REPLICA_TIMEOUT: Final = 1.0
-#: The query options every store URL takes (the others go to coredis).
+#: The query options every store URL takes (a redis:// URL's others go to coredis).
 _OPTIONS: Final = ("persistence", "replicas", "replica_timeout")
 
 #: The TLS options a ``rediss+cluster://`` URL takes (those of ``rediss://``, which
@@ -69,6 +70,22 @@ _TLS_OPTIONS: Final = (
     "ssl_check_hostname",
 )
 _CERT_REQS: Final = ("none", "optional", "required")
+#: The client's own query options a ``redis://`` URL may take, and what each must be
+#: (the others coredis ignores, or, like ``decode_responses`` or ``noreply``, would
+#: break the store).
+_CLIENT_OPTIONS: Final[Mapping[str, type[int] | type[float] | type[str]]] = {
+    "db": int,
+    "client_name": str,
+    "max_connections": int,
+    "timeout": int,
+    "connect_timeout": float,
+    "stream_timeout": float,
+    "max_idle_time": int,
+    "noevict": str,
+    "notouch": str,
+    "username": str,
+    "password": str,
+}
 #: The spellings of ``ssl_check_hostname`` (those coredis takes in a ``rediss://`` URL).
 _BOOLEANS: Final = {
     **dict.fromkeys(("1", "t", "true", "y", "yes"), True),
@@ -80,11 +97,25 @@ _CLUSTER: Final = ("redis+cluster", "rediss+cluster")
 _SENTINEL: Final = ("redis+sentinel",)
 SCHEMES: Final = (*_STANDALONE, *_CLUSTER, *_SENTINEL)
 
+
 # A cluster client retries only what the server refused before running it (a slot
 # moving, the cluster not ready yet); a lost connection is the caller's to judge.
-_CLUSTER_RETRY: Final = ConstantRetryPolicy(
-    (coredis.exceptions.ClusterDownError,), retries=2, delay=0.1
-)
+def _cluster_retry(patience: float) -> RetryPolicy:
+    """The retries of a cluster client whose calls may take ``patience`` seconds: the
+    cluster not ready (a few times), and for up to half of them a slot being migrated
+    to another master (resharding). While it migrates, Redis refuses a script whose
+    keys are not all on one side (TRYAGAIN, ASK), and a session's scripts name keys
+    that need not exist (its lease, its shard's): coredis follows the redirections a
+    few times (about half a second), then raises ``ClusterError`` (only then), the
+    command not run. A call that still meets it raises it well before ``patience``."""
+    down = ConstantRetryPolicy((coredis.exceptions.ClusterDownError,), retries=2, delay=0.1)
+    moving = patience / 2 - 0.5
+    if moving <= 0:
+        return down
+    redirected = (coredis.exceptions.ClusterError,)
+    return CompositeRetryPolicy(
+        down, ConstantRetryPolicy(redirected, retries=None, deadline=moving, delay=0.05)
+    )
 
 
 def redact(url: str) -> str:
@@ -139,9 +170,9 @@ def _replica_timeout(given: object, url: str) -> float:
 
 def _tls_options(query: dict[str, str], scheme: str, url: str) -> dict[str, Any]:
     """The TLS options of a cluster URL (taken out of ``query``), checked, as
-    ``coredis.RedisCluster`` takes them."""
+    ``coredis.RedisCluster`` takes them (those of a ``rediss://`` URL are checked alike)."""
     found: dict[str, str] = {name: query.pop(name) for name in _TLS_OPTIONS if name in query}
-    if found and scheme != "rediss+cluster":
+    if found and scheme not in ("rediss+cluster", "rediss"):
         raise ValueError(
             f"redis url {redact(url)!r}: {', '.join(found)} configure TLS, which "
             f"{scheme}:// does not use; write rediss+cluster://"
@@ -174,11 +205,38 @@ def _tls_options(query: dict[str, str], scheme: str, url: str) -> dict[str, Any]
     return options
 
 
+def _client_options(query: Mapping[str, str], scheme: str, path_db: str, url: str) -> None:
+    """Refuse the query options of a one-server ``url`` that the store cannot use as
+    written: unknown (a misspelling nothing would read), breaking the store, TLS options
+    without TLS, values the client could not read, a database given twice."""
+    tls = _TLS_OPTIONS if scheme == "rediss" else ()
+    for name, value in query.items():
+        if name in _TLS_OPTIONS and not tls:
+            raise ValueError(
+                f"redis url {redact(url)!r}: {name} configures TLS, which {scheme}:// does "
+                "not use; write rediss://"
+            )
+        kind = _CLIENT_OPTIONS.get(name)
+        if kind is None and name not in tls:
+            raise ValueError(
+                f"redis url {redact(url)!r}: the store does not take the option {name!r}; "
+                f"drop it, or use one of {', '.join((*_OPTIONS, *_CLIENT_OPTIONS, *tls))}"
+            )
+        if (kind is int or kind is float) and not isinstance(_from_query(value, kind), kind):
+            what = "database number" if name == "db" else f"{kind.__name__} for {name}"
+            raise ValueError(f"redis url {redact(url)!r}: {value!r} is not a {what}")
+    if path_db and "db" in query and int(query["db"]) != int(path_db):
+        raise ValueError(
+            f"redis url {redact(url)!r} names two databases, {path_db} in its path and "
+            f"{query['db']} in db=; name one"
+        )
+
+
 def _locations(netloc: str, url: str) -> list[TCPLocation]:
     locations = []
     for item in netloc.rpartition("@")[2].split(","):
         host, colon, port = item.rpartition(":")
-        if not colon or not host or not port.isdigit():
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(
                 f"redis url {redact(url)!r}: {item!r} is not host:port; write every node or "
                 "sentinel as host:port, separated by commas"
@@ -252,6 +310,25 @@ class Target:
                     f"redis url {redact(url)!r}: {db!r} is not a database number; write "
                     "redis://host:port/N with N a number (0 if not given)"
                 )
+            if parts.scheme == "unix" and not parts.path:
+                raise ValueError(
+                    f"redis url {redact(url)!r} names no socket; write unix:///path/to/redis.sock"
+                )
+            if parts.scheme != "unix" and not parts.hostname:
+                raise ValueError(
+                    f"redis url {redact(url)!r} names no host; write "
+                    f"{parts.scheme}://host:port/N, as in 'redis://127.0.0.1:6379/0'"
+                )
+            try:
+                parts.port  # noqa: B018 (it checks the port)
+            except ValueError:
+                raise ValueError(
+                    f"redis url {redact(url)!r}: its port is not a number from 1 to 65535; "
+                    "write redis://host:port/N, as in 'redis://127.0.0.1:6379/0'"
+                ) from None
+            _client_options(query, parts.scheme, db, url)
+            if parts.scheme == "rediss":  # (coredis reads them from the query itself)
+                _tls_options(dict(query), parts.scheme, url)
             return cls(
                 url=url,
                 scheme=parts.scheme,
@@ -269,6 +346,12 @@ class Target:
             )
         locations = tuple(_locations(parts.netloc, url))
         if parts.scheme in _CLUSTER:
+            if parts.path.strip("/") not in ("", "0"):
+                raise ValueError(
+                    f"redis url {redact(url)!r}: a Redis Cluster has one database, 0, so "
+                    f"it takes no database {parts.path.strip('/')!r}; drop the path (or "
+                    "use another prefix= to keep applications apart)"
+                )
             return cls(
                 url=url,
                 scheme=parts.scheme,
@@ -310,8 +393,9 @@ class Target:
 
 
 @contextlib.asynccontextmanager
-async def open_client(target: Target) -> AsyncIterator[Client]:
-    """The opened client for ``target``, closed on exit."""
+async def open_client(target: Target, patience: float) -> AsyncIterator[Client]:
+    """The opened client for ``target``, closed on exit; its calls may take ``patience``
+    seconds (the store's timeout)."""
     if target.scheme in _STANDALONE:
         parts = urlsplit(target.url)
         url = urlunsplit(parts._replace(query=urlencode(dict(target.query))))
@@ -328,7 +412,7 @@ async def open_client(target: Target) -> AsyncIterator[Client]:
             password=unquote(password) if colon else None,
             ssl=target.scheme.startswith("rediss"),
             **target.tls,
-            retry_policy=_CLUSTER_RETRY,
+            retry_policy=_cluster_retry(patience),
             decode_responses=False,
         )
         async with cluster:
