@@ -206,15 +206,11 @@ class TurnContext(Protocol):
         ...
 
 
+@attrs.define
 class _CallParts:
-    """One tool call as it streams in (a plain slotted class: one is made per call)."""
-
-    __slots__ = ("arguments", "id", "name")
-
-    def __init__(self) -> None:
-        self.id: str | None = None
-        self.name: str | None = None
-        self.arguments: list[str] = []
+    id: str | None = None
+    name: str | None = None
+    arguments: list[str] = attrs.Factory(list)
 
     def whole(self) -> bool:
         """Whether the call is complete: named, its arguments none or whole JSON."""
@@ -230,6 +226,7 @@ class _CallParts:
         return True
 
 
+@attrs.define
 class _Step:
     """What one model call has streamed besides text: tool-call fragments, usage.
 
@@ -237,16 +234,9 @@ class _Step:
     index, in the order they began (an index can have several: see ``_take_chunk``).
     """
 
-    __slots__ = ("calls", "parts", "usage")
-
-    def __init__(self) -> None:
-        self.parts: dict[int, _CallParts] = {}
-        self.calls: list[tuple[int, _CallParts]] = []
-        self.usage: Usage | None = None
-
-
-def _index(item: tuple[int, _CallParts]) -> int:
-    return item[0]
+    parts: dict[int, _CallParts] = attrs.Factory(dict)
+    calls: list[tuple[int, _CallParts]] = attrs.Factory(list)
+    usage: Usage | None = None
 
 
 def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
@@ -256,7 +246,7 @@ def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
         return ()
     made = []
     seen: set[str] = set()
-    for index, p in calls if len(calls) == 1 else sorted(calls, key=_index):
+    for index, p in sorted(calls, key=lambda item: item[0]):
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         call_id = storable(p.id) if p.id else ""
@@ -293,7 +283,15 @@ def answer_too_long(session_id: str) -> ModelError:
 
 def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
     """Take one chunk into the step; how many characters it added to the answer."""
-    if chunk.__class__ is ToolCallChunk or isinstance(chunk, ToolCallChunk):
+    if isinstance(chunk, TextChunk):
+        text = chunk.text
+        if text.__class__ is not str:
+            raise TypeError(f"the model streamed a TextChunk whose text is {text!r}, not a str")
+        if text:
+            ctx.partial.append(text)
+            ctx.delta(storable(text))
+        return len(text)
+    if isinstance(chunk, ToolCallChunk):
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
@@ -310,14 +308,6 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
         if chunk.arguments:
             p.arguments.append(chunk.arguments)
         return len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
-    if isinstance(chunk, TextChunk):
-        text = chunk.text
-        if text.__class__ is not str:
-            raise TypeError(f"the model streamed a TextChunk whose text is {text!r}, not a str")
-        if text:
-            ctx.partial.append(text)
-            ctx.delta(storable(text))
-        return len(text)
     if isinstance(chunk, UsageChunk):
         usage = usage_of(chunk)
         step.usage = usage if step.usage is None else step.usage + usage
