@@ -180,9 +180,11 @@ RESUME: Final = _Signal()
 #: so that the next user message never follows a user message.
 NO_REPLY_FAILED: Final = "(no reply: this turn failed)"
 NO_REPLY_CANCELLED: Final = "(no reply: this turn was cancelled)"
-#: How many refused turns (refused before they started) an actor remembers, and
-#: how many turns answered by a completed key's stored reply.
+#: How many turns answered by a completed key's stored reply an actor remembers.
 _MAX_REMEMBERED: Final = 100
+#: How many turns refused before they started (while a review waited, or by a wake
+#: that could not load their session) a host remembers, for every session.
+_REFUSED_KEPT: Final = 10_000
 _make_reply: Final = maker(Reply)
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
@@ -220,8 +222,9 @@ class Host(Protocol):
     stats: Counters
     worker_id: str
     telemetry: Telemetry | None
-    #: Turns failed here by a wake that could not load their session (its lease held
-    #: elsewhere, say), with why: their outcome, which no store records.
+    #: Turns refused here before they started (while a review waited, or by a wake
+    #: that could not load their session: its lease held elsewhere, say), with why:
+    #: their outcome, which no store records.
     refused: dict[str, str]
 
     @property
@@ -265,7 +268,6 @@ class Actor:
         "phase",
         "queued",
         "receive",
-        "refused",
         "replays",
         "room_waits",
         "run_scope",
@@ -317,7 +319,6 @@ class Actor:
         self.known_ids: KnownIds | None = None  # made by the first add_messages
         self.tag = session_tag(session_id)  # what its turn ids carry
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
-        self.refused: dict[str, str] | None = None  # turns refused before they began
         #: A turn's outcome event while its commit runs: published once it is stored.
         self.due: Outcome | None = None
         #: Set by the supervisor on an incarnation that follows a crash: the outcome the
@@ -392,7 +393,7 @@ class Actor:
         replays = self.replays
         if replays:
             turn_id = replays.get(turn_id, turn_id)
-        return self.session.outcome(turn_id, queued=self.queued, refused=self.refused)
+        return self.session.outcome(turn_id, queued=self.queued, refused=self.host.refused)
 
     def _refuse(self, mail: TurnMail, error: SessionActorsError) -> None:
         """Answer a turn that cannot start with ``error``; remember it (in memory).
@@ -410,7 +411,7 @@ class Actor:
                 error=describe(error),
             )
         )
-        self.refused = _remember(self.refused, mail.turn_id, str(error))
+        _remember(self.host.refused, mail.turn_id, str(error), _REFUSED_KEPT)
         if mail.key is not None:  # a retry with this key runs again once it can
             self.inflight_keys.pop(mail.key, None)
 
@@ -655,7 +656,7 @@ class Actor:
                 # free (a caller may spawn the name elsewhere at once)
                 await self._release_lease()
                 ready.set()
-                self._fail_queued(exc, refused=self.host.refused)
+                self._fail_queued(exc, refused=True)
                 self.leave_table()
                 return
             self._ready = None
@@ -1340,7 +1341,7 @@ class Actor:
         *,
         crash: BaseException | None = None,
         lost: list[TurnFailed] | None = None,
-        refused: dict[str, str] | None = None,
+        refused: bool = False,
     ) -> None:
         while True:
             try:
@@ -1350,8 +1351,8 @@ class Actor:
             mail.pending.set_error(error)
             if isinstance(mail, TurnMail):
                 self.note_queued(mail.turn_id, False)
-                if refused is not None:  # (in place: the host's own table)
-                    _remember(refused, mail.turn_id, str(error))
+                if refused:
+                    _remember(self.host.refused, mail.turn_id, str(error), _REFUSED_KEPT)
                 if crash is not None and lost is not None:
                     event = self.lost_event(mail.turn_id, crash)
                     if event is not None:
@@ -1670,13 +1671,15 @@ def failed_error(sid: str, reason: str, retry_after: float | None) -> SessionCra
     )
 
 
-def _remember(table: dict[str, str] | None, key: str, value: str) -> dict[str, str]:
-    """``table`` (made if None) with ``key``: ``value``, holding the latest
-    ``_MAX_REMEMBERED`` entries."""
+def _remember(
+    table: dict[str, str] | None, key: str, value: str, most: int = _MAX_REMEMBERED
+) -> dict[str, str]:
+    """``table`` (made if None) with ``key``: ``value``, holding the latest ``most``
+    entries."""
     if table is None:
         table = {}
     table[key] = value
-    if len(table) > _MAX_REMEMBERED:
+    if len(table) > most:
         del table[next(iter(table))]
     return table
 

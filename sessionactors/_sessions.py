@@ -71,7 +71,7 @@ class Sessions:
         self.live: dict[str, Actor] = {}
         self.hubs: dict[str, Hub] = {}
         self.failed: dict[str, str] = {}  # session -> why it is marked failed
-        #: Turns a failed wake here refused, with why (see ``Host.refused``).
+        #: Turns refused here before they started, with why (see ``Host.refused``).
         self.refused: dict[str, str] = {}
         #: Sessions failed by their store (it may come back): when they may start again.
         self.retry_at: dict[str, float] = {}
