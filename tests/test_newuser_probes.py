@@ -184,6 +184,7 @@ async def test_iterating_a_stream_or_subscription_without_async_with_says_how() 
 
 
 def test_the_asyncio_stream_without_async_with_says_how_too() -> None:
+    """The same from asyncio: sessionactors.aio's stream and subscribe say how."""
     import asyncio
 
     import sessionactors.aio as aio
