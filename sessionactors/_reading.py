@@ -145,9 +145,15 @@ async def _listed(
             yield item
         return
     page = await store.list_page(after=after, limit=batch)
+    # A session that became active while this reads moves to the front: the next
+    # page, after a name that moved, starts at the front again. What was listed is
+    # not listed twice.
+    seen: set[str] = set()
     while True:
         for item in page:
-            yield item
+            if item[0] not in seen:
+                seen.add(item[0])
+                yield item
         if len(page) < batch:
             return
         batch = min(batch * 2, LISTING_BATCH)

@@ -266,7 +266,8 @@ class Registry(metaclass=NoPublicConstructor):
         ``after=name`` continues after that session (pass the last name of the
         previous page), and raises ``SessionNotFoundError`` if it is not stored.
         A session that becomes active while pages are read moves to the front:
-        list again from the start to see it.
+        list again from the start to see it. One call lists a session once, even
+        if it moved while the call read the store.
 
         Stores that list a page at a time (``PagedStore``: memory, SQLite, Redis)
         are read in pages, so a page costs the same however many sessions are

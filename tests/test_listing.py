@@ -408,3 +408,40 @@ async def test_set_metadata_keeps_what_a_restart_reads(echo_agents: dict[str, sa
             assert info.metadata == expected
             await ref.hibernate()
             assert (await ref.state()).metadata == expected
+
+
+class TouchingStore:
+    """A store whose first listing page makes ``touch()`` run before it returns (another
+    request making a session active while a listing reads the store)."""
+
+    def __init__(self, store: sa.MemoryStore) -> None:
+        self._store = store
+        self.touch: Callable[[], object] | None = None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        page = await self._store.list_page(after=after, limit=limit)
+        touch, self.touch = self.touch, None
+        if touch is not None:
+            await touch()  # type: ignore[misc]
+        return page
+
+
+async def test_one_listing_never_repeats_a_session_that_became_active_as_it_read(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """A session that becomes active between two of the store's pages of one listing
+    call moves to the front; the call goes on after it and lists no session twice."""
+    store = TouchingStore(sa.MemoryStore())
+    async with sa.open_registry(store=store, agents=echo_agents) as registry:  # type: ignore[arg-type]
+        refs = {}
+        for i in range(10):  # s9 is the newest; s8..s4 are not "gold"
+            gold = i == 9 or i < 4
+            refs[i] = await registry.spawn(f"s{i}", metadata={"gold": gold})
+            await refs[i].send("hi")
+        store.touch = lambda: refs[4].send("again")  # the last of the first page
+        listed = [i.session_id for i in await registry.sessions(metadata={"gold": True}, limit=3)]
+    assert len(listed) == len(set(listed)), listed
+    assert listed == ["s9", "s3", "s2"]
