@@ -389,3 +389,24 @@ def test_reference_lists_every_public_name() -> None:
     assert not missing, (
         f"the reference lacks {missing}; run .venv/bin/python docs/reference/generate.py"
     )
+
+
+def test_the_readme_example_runs_and_prints_its_replies(tmp_path: Path) -> None:
+    """The README's short example, the first code a newcomer runs, runs as written (in a
+    fresh directory, where it makes its sessions.db) and prints both replies."""
+    readme = (DOCS.parent / "README.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    script = tmp_path / "readme_example.py"
+    script.write_text(code)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"the README's example failed:\n{done.stdout}\n{done.stderr}"
+    assert "Say hi to Ada." in done.stdout
+    assert "And what is its status?" in done.stdout
+    assert (tmp_path / "sessions.db").is_file()
