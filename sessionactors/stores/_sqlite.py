@@ -205,6 +205,10 @@ class _Request:
         return trio.lowlevel.Abort.FAILED
 
 
+#: The size, in bytes, that the write-ahead log is truncated to after a checkpoint.
+_WAL_SIZE_LIMIT: Final = 4 * 1024 * 1024
+
+
 def _deliver(answers: list[tuple[_Request, outcome.Outcome[Any]]]) -> None:
     # Runs on the callers' trio thread, so it never races the abort function.
     for request, result in answers:
@@ -507,6 +511,9 @@ class _Worker:
             if str(mode).lower() != "wal":
                 raise sqlite3.OperationalError(f"cannot use WAL mode (journal mode is {mode!r})")
             conn.execute(self._synchronous)
+            # the -wal file shrinks back after a burst of large writes once checkpointed
+            # (SQLite otherwise keeps it at its largest size while the store is open)
+            conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
         except BaseException:
             conn.close()
             raise
@@ -895,7 +902,9 @@ class SQLiteStore:
     runs. ``synchronous`` is SQLite's setting (``"FULL"``: every commit is
     fsync'd; ``"NORMAL"`` trades the durability of the last commits on power
     loss for speed). ``busy_timeout`` is how long, in seconds, to wait for
-    another process's write lock before failing with ``StoreError``.
+    another process's write lock before failing with ``StoreError``. The
+    ``-wal`` file beside it shrinks back to at most 4 MiB after a burst of large
+    writes, once they are checkpointed into the file.
 
     One process writes the file by default: the store locks it (an advisory
     lock on ``<path>.lock``, held until :meth:`aclose`), and a store in a

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import trio
 
+import sessionactors as sa
 from sessionactors import SessionNotFoundError, SnapshotCorruptError, StoreError
 from sessionactors.stores import MAX_SEQ, JournalEntry, SQLiteStore, StoredSession
 from sessionactors.testing import check_store
@@ -1102,3 +1103,21 @@ async def test_a_read_only_store_of_a_closed_file_sees_a_writer_that_came_and_we
             assert await reader.load("a") is None
     finally:
         await reader.aclose()
+
+
+async def test_the_write_ahead_log_shrinks_back_after_a_burst(tmp_path: Path) -> None:
+    """A burst of large writes (an import, a pasted document) grows the -wal file; once
+    checkpointed, the next write truncates it back to at most 4 MiB (SQLite keeps a
+    write-ahead log at its largest size unless told to shrink it)."""
+    path = tmp_path / "sessions.db"
+    big = "x" * 1_000_000
+    async with sa.open_registry(store=SQLiteStore(path)) as registry:
+        ref = await registry.spawn("s", agent="support")
+        for _ in range(3):  # each a commit of about 8 MB
+            await ref.add_messages([sa.Message.create(sa.Role.USER, big) for _ in range(8)])
+        wal = Path(f"{path}-wal")
+        assert wal.stat().st_size > 8_000_000
+        await ref.truncate(0)
+        for i in range(5):
+            await ref.set_metadata({"n": i})
+        assert wal.stat().st_size <= 4 * 1024 * 1024, wal.stat().st_size
