@@ -213,3 +213,39 @@ async def test_turn_outcomes_asked_through_another_worker_come_from_the_owner(
             for turn in (running, queued):
                 outcome = await b.ref("s").turn_outcome(turn.id)
                 assert outcome.status is sa.TurnStatus.LOST, (turn, outcome)
+
+
+async def test_a_subscription_opened_mid_turn_hears_of_a_worker_killed_then(
+    redis_url: str,
+) -> None:
+    """A subscription opened on another worker while a turn is already under way (a browser's GET /events mid-reply), whose worker is then killed (SIGKILL) before the subscription read any event of the turn, ends with SubscriberLaggedError within a few lease lifetimes: its mirror knows of the turn from the owner's answer, not only from a TurnStarted it read."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.5) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for _event in events:
+                            pass
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            turn = await ref.submit(text)
+            await trio.sleep(1.0)  # under way on a
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                a.kill()  # SIGKILL, mid-turn
+                with pytest.raises(sa.SessionActorsError):
+                    await turn.reply()
+                with trio.fail_after(8 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])

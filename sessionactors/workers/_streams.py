@@ -29,7 +29,6 @@ from .._events import (
     TurnCancelled,
     TurnFailed,
     TurnFinished,
-    TurnStarted,
 )
 from .._hub import Hub
 from .._records import Status
@@ -102,6 +101,12 @@ class _OpenTurn:
 #: Events after which a mirrored session has no turn under way (one waiting on a
 #: review is at rest: it may move between workers without an outcome).
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
+
+
+def _running_turn(answer: Mapping[str, Any]) -> str | None:
+    """The turn under way that an owner's answer to "watch" names, if any."""
+    turn = answer.get("turn")
+    return turn if isinstance(turn, str) else None
 
 
 class _Replay:
@@ -490,6 +495,7 @@ class Streams:
         found = self._mirrors.get(name)
         top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
         born: int | None = None  # when the session it runs was created
+        running: str | None = None  # the turn it runs (its id), if one is under way
         for _ in range(MAX_ATTEMPTS):
             if found is not None or host.is_live(name):
                 break
@@ -497,6 +503,7 @@ class Streams:
             if answer is not None:  # its owner publishes its events from ``top`` on
                 top = int(self._check(answer, name)["value"])
                 born = stamp_of(answer)
+                running = _running_turn(answer)
                 if top >= 0:
                     break
                 continue  # it left that worker before it could publish: look again
@@ -511,7 +518,7 @@ class Streams:
                 # it wakes here next; follow it from where it was, wherever it wakes.
                 return await self._follow(name, state.event_seq if after is None else after, None)
             found = self._mirrors.get(name)
-        return await self._subscribe(name, after, top, born)
+        return await self._subscribe(name, after, top, born, running=running)
 
     async def _follow(self, name: str, after: int, mine: int | None) -> EventIterator:
         """Go on with a subscription whose session left this worker, from ``after`` (the
@@ -522,6 +529,7 @@ class Streams:
         top = -1
         born = mine
         replaced = False
+        running: str | None = None
         for _ in range(MAX_ATTEMPTS):
             if self.host.is_live(name):
                 created = self.host.created_here(name)
@@ -548,19 +556,28 @@ class Streams:
                 now = stamp_of(answer)
                 replaced = mine is not None and now is not None and now != mine
                 born = now if mine is None else mine
+                running = _running_turn(answer)
                 break
-        iterator = await self._subscribe(name, after, top, born, followed=True)
+        iterator = await self._subscribe(name, after, top, born, followed=True, running=running)
         if replaced:  # the session it followed was deleted: it ends
             iterator.close()
         return iterator
 
     async def _subscribe(
-        self, name: str, after: int | None, top: int, born: int | None, *, followed: bool = False
+        self,
+        name: str,
+        after: int | None,
+        top: int,
+        born: int | None,
+        *,
+        followed: bool = False,
+        running: str | None = None,
     ) -> EventIterator:
         """A subscription from the session's hub here (``top`` < 0) or from its event
         stream, read from ``top`` on (a mirror made now starts there; ``born``: when
         the session it follows was created, if known; ``followed``: for a subscription
-        that follows its session from ``top``)."""
+        that follows its session from ``top``; ``running``: the id of the turn its
+        owner said was under way at ``top``, if any)."""
         host = self.host
         found = self._mirrors.get(name)
         if found is None and top < 0:
@@ -574,6 +591,8 @@ class Streams:
             found.advance(top)
             self._positions[name] = top
             self._births[name] = _Followed(born)
+            if running is not None:  # its TurnStarted went by before ``top``
+                self._open_turns[name] = _OpenTurn(running)
             if followed:
                 self._unread.add(name)
             self._poke()
@@ -676,11 +695,16 @@ class Streams:
                 hub.lose()
                 continue
             hub.publish(event)
-            kind_ = event.__class__
-            if kind_ is TurnStarted:
-                self._open_turns[name] = _OpenTurn(event.turn_id)  # type: ignore[attr-defined]
-            elif kind_ in _AT_REST:
+            if event.__class__ in _AT_REST:
                 self._open_turns.pop(name, None)
+            else:
+                # Any event of a turn says it is under way (a TurnStarted the mirror read,
+                # or one before it began, and the rest of a turn after its review).
+                turn_id = getattr(event, "turn_id", None)
+                if turn_id is not None:
+                    seen = self._open_turns.get(name)
+                    if seen is None or seen.turn_id != turn_id:
+                        self._open_turns[name] = _OpenTurn(turn_id)
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
                 self._end_mirror(name, hub)
                 return
