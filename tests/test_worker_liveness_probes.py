@@ -249,3 +249,53 @@ async def test_a_subscription_opened_mid_turn_hears_of_a_worker_killed_then(
                     while not ended:
                         await trio.sleep(0.05)
             assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
+
+
+async def test_a_subscription_elsewhere_hears_that_a_turn_was_lost_when_a_worker_took_over(
+    redis_url: str,
+) -> None:
+    """When the worker running a turn is killed (SIGKILL) before the turn was durable and a third worker takes the session over with an ordinary request, a subscription on another worker does not wait forever for the turn's outcome (its new owner never heard of the turn, and turn_outcome reads lost): it ends with SubscriberLaggedError naming the lost turn, and a subscription made again with after= goes on."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            if isinstance(event, sa.Delta):
+                                first_delta.set()
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                turn = await ref.submit(text)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                await c.ref("s").history()  # c takes the session over
+                assert c.live() == ["s"]
+                with trio.fail_after(6 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert turn.id in str(lagged), str(lagged)
+            assert "lost" in str(lagged), str(lagged)
+            assert (await ref.turn_outcome(turn.id)).status is sa.TurnStatus.LOST
+            async with ref.subscribe(after=lagged.last_seq) as events:
+                await c.ref("s").send("again")
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished):
+                        break

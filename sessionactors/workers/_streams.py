@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, Final, Protocol, cast
 
 import trio
@@ -31,12 +32,12 @@ from .._events import (
     TurnFinished,
 )
 from .._hub import Hub
-from .._records import Status
+from .._records import Status, TurnStatus
 from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
 from ..stores._base import JournalEntry, Store
 from ._transport import StreamItem, Transport, fatal
-from ._wire import birth, creation_stamp, pack, stamp_of, unstamp
+from ._wire import birth, creation_stamp, load_outcome, pack, stamp_of, unstamp
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
 
@@ -90,12 +91,13 @@ class _OpenTurn:
     """A mirrored session's turn under way: its id, the worker seen holding the
     session's lease (None: not seen yet), and since when it is free (None: held)."""
 
-    __slots__ = ("free_since", "owner", "turn_id")
+    __slots__ = ("asking", "free_since", "owner", "turn_id")
 
     def __init__(self, turn_id: str) -> None:
         self.turn_id = turn_id
         self.owner: str | None = None
         self.free_since: float | None = None
+        self.asking = False  # its new owner is asked what became of it
 
 
 #: Events after which a mirrored session has no turn under way (one waiting on a
@@ -172,9 +174,10 @@ class Streams:
         #: not read yet: seqs missing before its first event are judged by the journal
         #: (a wake after an unclean stop jumps over seqs that were never durable).
         self._unread: set[str] = set()
-        #: Mirrored sessions with a turn under way (its TurnStarted read, no outcome
-        #: yet). A turn's outcome comes from the worker that runs it; if that worker
-        #: dies first and no other takes the session, none ever comes.
+        #: Mirrored sessions with a turn under way (an event of it read, or named by
+        #: the owner's answer; no outcome yet). A turn's outcome comes from the worker
+        #: that runs it; if that worker dies first, none ever comes (no other worker
+        #: heard of a turn that was not durable yet).
         self._open_turns: dict[str, _OpenTurn] = {}
         # (session, the stamp of its payloads, what to publish)
         self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
@@ -212,18 +215,37 @@ class Streams:
         """Renew the watch of every mirrored session; stop publishing the sessions that
         nobody elsewhere subscribes to any more."""
         await self.transport.watch(list(self._mirrors), self.ttl)
+        if self._open_turns:
+            await self._check_open_turns()
+        if self._watched:
+            names = list(self._watched)
+            still = await self.transport.watched(names)
+            for name in names:
+                if name not in still:
+                    self._watched.pop(name, None)
+
+    async def _check_open_turns(self) -> None:
+        """Look at the lease of every mirrored session with a turn under way, in one
+        round trip (a failed read is looked at again at the next renewal)."""
+        turns = [(name, seen) for name, seen in self._open_turns.items() if not seen.asking]
+        try:
+            owners = await self.transport.lease_owners([name for name, _ in turns])
+        except StoreError as exc:
+            fatal(exc)
+            return
         now = trio.current_time()
-        for name, seen in list(self._open_turns.items()):
-            owner = await self.transport.lease_owner(name)
+        for (name, seen), owner in zip(turns, owners, strict=True):
             if self._open_turns.get(name) is not seen:
                 continue  # its outcome came meanwhile
             if owner is not None:
-                if seen.owner not in (None, owner):
-                    # another worker took the session over (a request, or a retry of
-                    # the turn under its key): the subscription follows it there
-                    del self._open_turns[name]
+                seen.free_since = None
+                if seen.owner in (None, owner):
+                    seen.owner = owner
                 else:
-                    seen.owner, seen.free_since = owner, None
+                    # Another worker took the session over (a request, or a retry of
+                    # the turn under its key): ask it what became of the turn.
+                    seen.asking = True
+                    self._spawn(partial(self._ask_outcome, name, seen, owner), "turn outcome")
                 continue
             if seen.free_since is None:
                 seen.free_since = now
@@ -233,28 +255,61 @@ class Streams:
             # died) and nobody took it since: nothing will publish the turn's outcome.
             # Its subscribers lag at the last event they have, and subscribe again
             # with after=, which wakes the session: the replay shows what it kept.
-            del self._open_turns[name]
-            hub = self._mirrors.get(name)
-            if hub is not None:
-                last = self._positions.get(name, 0)
-                hub.close(
-                    SubscriberLaggedError(
-                        f"the worker that ran session {name!r} let it go during turn "
-                        f"{seen.turn_id} (it died) and no worker took the session since, "
-                        f"so nothing will publish the turn's outcome; subscribe again "
-                        f"with after={last}: that wakes the session, and the replay shows "
-                        "what it kept of the turn",
-                        session_id=name,
-                        last_seq=last,
-                    )
-                )
-                self._end_mirror(name, hub)
-        if self._watched:
-            names = list(self._watched)
-            still = await self.transport.watched(names)
-            for name in names:
-                if name not in still:
-                    self._watched.pop(name, None)
+            self._turn_ended(
+                name,
+                f"the worker that ran session {name!r} let it go during turn "
+                f"{seen.turn_id} (it died) and no worker took the session since, "
+                "so nothing will publish the turn's outcome",
+                ": that wakes the session, and the replay shows what it kept of the turn",
+            )
+
+    async def _ask_outcome(self, name: str, seen: _OpenTurn, owner: str) -> None:
+        """The session a mirror follows moved to ``owner`` during turn ``seen``: one that
+        runs there is watched there; one that ended there has its outcome; one it never
+        heard of was lost (its worker died before it was durable), and will never have
+        an outcome: the mirror's subscribers lag, as a lost turn's events no longer hold."""
+        status: TurnStatus | None = None
+        try:
+            request = {"op": "outcome", "s": name, "t": seen.turn_id}
+            answer = await self._forward(name, request, retry_safe=True)
+            if answer is not None:  # (None: free again, or here: looked at again)
+                value = self._check(answer, name)["value"]
+                status = load_outcome(name, seen.turn_id, value).status
+        except Exception as exc:
+            fatal(exc)
+            if self._open_turns.get(name) is seen:  # unknown: it follows the session
+                del self._open_turns[name]
+            return
+        if self._open_turns.get(name) is not seen:
+            return  # its outcome, or another turn, came meanwhile
+        seen.asking = False
+        if status is TurnStatus.LOST:
+            self._turn_ended(
+                name,
+                f"turn {seen.turn_id} of session {name!r} was lost: the worker that ran "
+                f"it died before the turn was durable, and worker {owner!r}, which took "
+                "the session over, never heard of it (ref.turn_outcome reads lost: send "
+                "it again), so nothing will publish its outcome",
+                " to go on",
+            )
+        elif status in (TurnStatus.QUEUED, TurnStatus.RUNNING):
+            seen.owner = owner  # it runs there: watched there
+        elif status is not None:
+            del self._open_turns[name]  # it ended there (or waits on a review)
+
+    def _turn_ended(self, name: str, why: str, then: str) -> None:
+        """End the subscriptions of the mirror of ``name`` with SubscriberLaggedError
+        (saying ``why``, and ``then`` what subscribing again does): the outcome of the
+        turn it watched will never come."""
+        self._open_turns.pop(name, None)
+        hub = self._mirrors.get(name)
+        if hub is not None:
+            last = self._positions.get(name, 0)
+            error = SubscriberLaggedError(
+                f"{why}; subscribe again with after={last}{then}", session_id=name, last_seq=last
+            )
+            hub.close(error)
+            self._end_mirror(name, hub)
 
     def publish_from(self, name: str, since: int | None) -> int:
         """Another worker subscribes to the session, live here: publish its events from
