@@ -299,3 +299,47 @@ async def test_a_subscription_elsewhere_hears_that_a_turn_was_lost_when_a_worker
                 async for event in events:
                     if isinstance(event, sa.TurnFinished):
                         break
+
+
+async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
+    redis_url: str,
+) -> None:
+    """A turn that paused on a review and goes on once approved (the tool runs, the model answers), whose worker is killed (SIGKILL) mid-answer: a subscription to the session on another worker, opened before the turn, ends with SubscriberLaggedError within a few lease lifetimes instead of waiting forever (its mirror watches the rest of the turn from the ReviewResolved on)."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = "review " + " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            answering = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                resolved = False
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            resolved = resolved or isinstance(event, sa.ReviewResolved)
+                            if resolved and isinstance(event, sa.Delta):
+                                answering.set()
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            async def approve(review_id: str) -> None:
+                with contextlib.suppress(sa.SessionActorsError):
+                    await ref.review(review_id, True)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                paused = await ref.send(text)
+                assert len(paused.reviews) == 1, paused
+                nursery.start_soon(approve, paused.reviews[0].id)
+                await answering.wait()
+                a.kill()  # SIGKILL, mid-answer after the review
+                with trio.fail_after(8 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
