@@ -343,3 +343,46 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
                     while not ended:
                         await trio.sleep(0.05)
             assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
+
+
+async def test_a_subscription_hears_that_a_turn_was_lost_when_its_own_worker_took_over(
+    redis_url: str,
+) -> None:
+    """As above, but the worker of the subscription itself takes the session over (its subscription goes on from the session's hub there): it ends with SubscriberLaggedError naming the lost turn instead of waiting forever for the turn's outcome."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            if isinstance(event, sa.Delta):
+                                first_delta.set()
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                turn = await ref.submit(text)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                await ref.history()  # b takes the session over
+                assert b.live() == ["s"]
+                with trio.fail_after(6 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert turn.id in str(lagged), str(lagged)
+            assert "lost" in str(lagged), str(lagged)

@@ -597,6 +597,7 @@ class Cluster:
                     # a turn under way: the subscriber's mirror watches it from the start
                     # (every event after this state reaches it: it reads from ``top`` on)
                     answer["turn"] = running.turn_id
+                    answer["key"] = running.idempotency_key
                 await self._answer(body, answer)
             elif op == "call":
                 value = await host.call_here(name, load_call(name, body["req"]))

@@ -91,13 +91,17 @@ class _OpenTurn:
     """A mirrored session's turn under way: its id, the worker seen holding the
     session's lease (None: not seen yet), and since when it is free (None: held)."""
 
-    __slots__ = ("asking", "free_since", "owner", "turn_id")
+    __slots__ = ("asking", "free_since", "key", "lost", "owner", "turn_id")
 
-    def __init__(self, turn_id: str) -> None:
+    def __init__(self, turn_id: str, key: str | None = None) -> None:
         self.turn_id = turn_id
+        self.key = key  # its idempotency key, if known
         self.owner: str | None = None
         self.free_since: float | None = None
         self.asking = False  # its new owner is asked what became of it
+        #: Its new owner said it was lost, and a retry under its key may run it again
+        #: (since ``free_since``)
+        self.lost = False
 
 
 #: Events after which a mirrored session has no turn under way (one waiting on a
@@ -105,10 +109,13 @@ class _OpenTurn:
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
 
 
-def _running_turn(answer: Mapping[str, Any]) -> str | None:
-    """The turn under way that an owner's answer to "watch" names, if any."""
-    turn = answer.get("turn")
-    return turn if isinstance(turn, str) else None
+def _running_turn(answer: Mapping[str, Any]) -> tuple[str, str | None] | None:
+    """The turn under way that an owner's answer to "watch" names, if any, and its
+    idempotency key."""
+    turn, key = answer.get("turn"), answer.get("key")
+    if not isinstance(turn, str):
+        return None
+    return turn, key if isinstance(key, str) else None
 
 
 class _Replay:
@@ -237,6 +244,10 @@ class Streams:
         for (name, seen), owner in zip(turns, owners, strict=True):
             if self._open_turns.get(name) is not seen:
                 continue  # its outcome came meanwhile
+            if seen.lost:  # no retry under its key came in time
+                if now - (seen.free_since or now) >= _ORPHANED_AFTER * self.ttl:
+                    self._turn_lost(name, seen)
+                continue
             if owner is not None:
                 seen.free_since = None
                 if seen.owner in (None, owner):
@@ -270,32 +281,48 @@ class Streams:
         an outcome: the mirror's subscribers lag, as a lost turn's events no longer hold."""
         status: TurnStatus | None = None
         try:
-            request = {"op": "outcome", "s": name, "t": seen.turn_id}
-            answer = await self._forward(name, request, retry_safe=True)
-            if answer is not None:  # (None: free again, or here: looked at again)
-                value = self._check(answer, name)["value"]
-                status = load_outcome(name, seen.turn_id, value).status
+            if owner == self.worker:  # it woke here
+                status = (await self.host.outcome_here(name, seen.turn_id)).status
+            else:
+                request = {"op": "outcome", "s": name, "t": seen.turn_id}
+                answer = await self._forward(name, request, retry_safe=True)
+                if answer is not None:
+                    value = self._check(answer, name)["value"]
+                    status = load_outcome(name, seen.turn_id, value).status
         except Exception as exc:
             fatal(exc)
             if self._open_turns.get(name) is seen:  # unknown: it follows the session
                 del self._open_turns[name]
+                self._rejoin(name)
             return
         if self._open_turns.get(name) is not seen:
+            self._rejoin(name)
             return  # its outcome, or another turn, came meanwhile
         seen.asking = False
         if status is TurnStatus.LOST:
-            self._turn_ended(
-                name,
-                f"turn {seen.turn_id} of session {name!r} was lost: the worker that ran "
-                f"it died before the turn was durable, and worker {owner!r}, which took "
-                "the session over, never heard of it (ref.turn_outcome reads lost: send "
-                "it again), so nothing will publish its outcome",
-                " to go on",
-            )
-        elif status in (TurnStatus.QUEUED, TurnStatus.RUNNING):
+            seen.owner = owner
+            if seen.key is None:
+                self._turn_lost(name, seen)
+            else:  # the worker that sent it may send it again under its key: wait a while
+                seen.lost, seen.free_since = True, trio.current_time()
+        elif status in (TurnStatus.QUEUED, TurnStatus.RUNNING) and owner != self.worker:
             seen.owner = owner  # it runs there: watched there
-        elif status is not None:
-            del self._open_turns[name]  # it ended there (or waits on a review)
+        else:
+            if status is not None:
+                # it ended there (or waits on a review), or it runs here: the hub here
+                # publishes its outcome
+                del self._open_turns[name]
+            self._rejoin(name)  # (None: free again, or here: asked here)
+
+    def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
+        self._turn_ended(
+            name,
+            f"turn {seen.turn_id} of session {name!r} was lost: the worker that ran "
+            f"it died before the turn was durable, and worker {seen.owner!r}, which took "
+            "the session over, never heard of it (ref.turn_outcome reads lost: send "
+            "it again), so nothing will publish its outcome",
+            " to go on",
+        )
 
     def _turn_ended(self, name: str, why: str, then: str) -> None:
         """End the subscriptions of the mirror of ``name`` with SubscriberLaggedError
@@ -550,7 +577,9 @@ class Streams:
         found = self._mirrors.get(name)
         top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
         born: int | None = None  # when the session it runs was created
-        running: str | None = None  # the turn it runs (its id), if one is under way
+        running: tuple[str, str | None] | None = (
+            None  # the turn it runs (its id), if one is under way
+        )
         for _ in range(MAX_ATTEMPTS):
             if found is not None or host.is_live(name):
                 break
@@ -584,7 +613,7 @@ class Streams:
         top = -1
         born = mine
         replaced = False
-        running: str | None = None
+        running: tuple[str, str | None] | None = None
         for _ in range(MAX_ATTEMPTS):
             if self.host.is_live(name):
                 created = self.host.created_here(name)
@@ -626,12 +655,12 @@ class Streams:
         born: int | None,
         *,
         followed: bool = False,
-        running: str | None = None,
+        running: tuple[str, str | None] | None = None,
     ) -> EventIterator:
         """A subscription from the session's hub here (``top`` < 0) or from its event
         stream, read from ``top`` on (a mirror made now starts there; ``born``: when
         the session it follows was created, if known; ``followed``: for a subscription
-        that follows its session from ``top``; ``running``: the id of the turn its
+        that follows its session from ``top``; ``running``: the turn (id, key) its
         owner said was under way at ``top``, if any)."""
         host = self.host
         found = self._mirrors.get(name)
@@ -647,7 +676,7 @@ class Streams:
             self._positions[name] = top
             self._births[name] = _Followed(born)
             if running is not None:  # its TurnStarted went by before ``top``
-                self._open_turns[name] = _OpenTurn(running)
+                self._open_turns[name] = _OpenTurn(*running)
             if followed:
                 self._unread.add(name)
             self._poke()
@@ -758,8 +787,11 @@ class Streams:
                 turn_id = getattr(event, "turn_id", None)
                 if turn_id is not None:
                     seen = self._open_turns.get(name)
-                    if seen is None or seen.turn_id != turn_id:
-                        self._open_turns[name] = _OpenTurn(turn_id)
+                    key = getattr(event, "idempotency_key", None)
+                    if (seen is None or seen.turn_id != turn_id) and (
+                        seen is None or not seen.lost or (key is not None and key == seen.key)
+                    ):  # (a turn lost waits for a retry under its key)
+                        self._open_turns[name] = _OpenTurn(turn_id, key)
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
                 self._end_mirror(name, hub)
                 return
@@ -770,6 +802,12 @@ class Streams:
         hub = self._mirrors.get(name)
         position = self._positions.get(name)
         if hub is None or position is None or self.host.events_here(name, position) is None:
+            return
+        seen = self._open_turns.get(name)
+        if seen is not None:  # first, what became of the turn it watched (lost?)
+            if not seen.asking and not seen.lost:
+                seen.asking = True
+                self._spawn(partial(self._ask_outcome, name, seen, self.worker), "turn outcome")
             return
         self._drop_mirror(name)
         hub.leave()
