@@ -577,9 +577,7 @@ class Streams:
         found = self._mirrors.get(name)
         top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
         born: int | None = None  # when the session it runs was created
-        running: tuple[str, str | None] | None = (
-            None  # the turn it runs (its id), if one is under way
-        )
+        running: tuple[str, str | None] | None = None  # its turn under way (id, key)
         for _ in range(MAX_ATTEMPTS):
             if found is not None or host.is_live(name):
                 break
