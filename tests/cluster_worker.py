@@ -168,15 +168,26 @@ class LoggingStore(RedisStore):
 
 
 class EchoOrFail(EchoModel):
-    """Echoes the user's words; raises ValueError when they start with "fail"."""
+    """Echoes the user's words; raises ValueError when they start with "fail"; when
+    they start with "review", first calls the tool "guarded" (which needs a review)."""
 
     async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
         last = next(m for m in reversed(request.messages) if m.role is sa.Role.USER)
         if last.content.startswith("fail"):
             await trio.lowlevel.checkpoint()
             raise ValueError(f"asked to fail: {last.content!r}")
+        if last.content.startswith("review") and request.messages[-1] is last:
+            await trio.lowlevel.checkpoint()
+            yield sa.ToolCallChunk(0, id="call_guarded", name="guarded", arguments="{}")
+            return
         async for chunk in super().stream(request):
             yield chunk
+
+
+async def _guarded() -> str:
+    """The tool of a "review" turn."""
+    await trio.lowlevel.checkpoint()
+    return "done"
 
 
 def emit(line: dict[str, Any]) -> None:
@@ -307,7 +318,8 @@ async def main(
     store = LoggingStore(url, prefix=prefix, balance=balance)
     store.mode = mode
     store.writes = []
-    agents = {"echo": sa.Agent(model=EchoOrFail(delay=delay))}
+    guarded = sa.Tool(name="guarded", fn=_guarded, requires_review=True)
+    agents = {"echo": sa.Agent(model=EchoOrFail(delay=delay), tools=[guarded])}
     durability = "hibernate" if mode == "ack-early" else "turn"
     async with sa.open_registry(
         store=store,

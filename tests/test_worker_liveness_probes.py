@@ -213,3 +213,176 @@ async def test_turn_outcomes_asked_through_another_worker_come_from_the_owner(
             for turn in (running, queued):
                 outcome = await b.ref("s").turn_outcome(turn.id)
                 assert outcome.status is sa.TurnStatus.LOST, (turn, outcome)
+
+
+async def test_a_subscription_opened_mid_turn_hears_of_a_worker_killed_then(
+    redis_url: str,
+) -> None:
+    """A subscription opened on another worker while a turn is already under way (a browser's GET /events mid-reply), whose worker is then killed (SIGKILL) before the subscription read any event of the turn, ends with SubscriberLaggedError within a few lease lifetimes: its mirror knows of the turn from the owner's answer, not only from a TurnStarted it read."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.5) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for _event in events:
+                            pass
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            turn = await ref.submit(text)
+            await trio.sleep(1.0)  # under way on a
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                a.kill()  # SIGKILL, mid-turn
+                with pytest.raises(sa.SessionActorsError):
+                    await turn.reply()
+                with trio.fail_after(8 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
+
+
+async def test_a_subscription_elsewhere_hears_that_a_turn_was_lost_when_a_worker_took_over(
+    redis_url: str,
+) -> None:
+    """When the worker running a turn is killed (SIGKILL) before the turn was durable and a third worker takes the session over with an ordinary request, a subscription on another worker does not wait forever for the turn's outcome (its new owner never heard of the turn, and turn_outcome reads lost): it ends with SubscriberLaggedError naming the lost turn, and a subscription made again with after= goes on."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            if isinstance(event, sa.Delta):
+                                first_delta.set()
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                turn = await ref.submit(text)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                await c.ref("s").history()  # c takes the session over
+                assert c.live() == ["s"]
+                with trio.fail_after(6 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert turn.id in str(lagged), str(lagged)
+            assert "lost" in str(lagged), str(lagged)
+            assert (await ref.turn_outcome(turn.id)).status is sa.TurnStatus.LOST
+            async with ref.subscribe(after=lagged.last_seq) as events:
+                await c.ref("s").send("again")
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished):
+                        break
+
+
+async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
+    redis_url: str,
+) -> None:
+    """A turn that paused on a review and goes on once approved (the tool runs, the model answers), whose worker is killed (SIGKILL) mid-answer: a subscription to the session on another worker, opened before the turn, ends with SubscriberLaggedError within a few lease lifetimes instead of waiting forever (its mirror watches the rest of the turn from the ReviewResolved on)."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = "review " + " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            answering = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                resolved = False
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            resolved = resolved or isinstance(event, sa.ReviewResolved)
+                            if resolved and isinstance(event, sa.Delta):
+                                answering.set()
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            async def approve(review_id: str) -> None:
+                with contextlib.suppress(sa.SessionActorsError):
+                    await ref.review(review_id, True)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                paused = await ref.send(text)
+                assert len(paused.reviews) == 1, paused
+                nursery.start_soon(approve, paused.reviews[0].id)
+                await answering.wait()
+                a.kill()  # SIGKILL, mid-answer after the review
+                with trio.fail_after(8 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
+
+
+async def test_a_subscription_hears_that_a_turn_was_lost_when_its_own_worker_took_over(
+    redis_url: str,
+) -> None:
+    """As above, but the worker of the subscription itself takes the session over (its subscription goes on from the session's hub there): it ends with SubscriberLaggedError naming the lost turn instead of waiting forever for the turn's outcome."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with ref.subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            if isinstance(event, sa.Delta):
+                                first_delta.set()
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe)
+                turn = await ref.submit(text)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                await ref.history()  # b takes the session over
+                assert b.live() == ["s"]
+                with trio.fail_after(6 * TTL):
+                    while not ended:
+                        await trio.sleep(0.05)
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert turn.id in str(lagged), str(lagged)
+            assert "lost" in str(lagged), str(lagged)

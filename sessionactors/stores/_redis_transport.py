@@ -475,6 +475,19 @@ class RedisTransport:
         )
         return None if value is None else bytes(value).decode()
 
+    async def lease_owners(self, session_ids: Sequence[str]) -> list[str | None]:
+        shards = [self._store._keys(name)[4] for name in session_ids]
+
+        async def run(client: Client) -> list[Any]:
+            async with cast(Any, client).pipeline(transaction=False) as pipe:
+                replies = [pipe.hget(shard, "owner") for shard in shards]
+            return [await reply for reply in replies]
+
+        if not shards:
+            return []
+        found = await self._store._run("look up the owners of", None, run)
+        return [None if value is None else bytes(value).decode() for value in found]
+
     async def post(self, worker: str, message: bytes, ttl: float) -> str | None:
         keys = list(self._worker(worker))
         args: list[str | bytes] = [message, _ms(3 * ttl)]

@@ -588,9 +588,17 @@ class Cluster:
                 # since then that the hub still holds go first, deltas too)
                 since = body.get("after")
                 top = self.streams.publish_from(name, None if since is None else int(since))
-                await self._answer(
-                    body, {"ok": "value", "value": top, "born": creation_stamp(state.created_at)}
-                )
+                answer = {"ok": "value", "value": top, "born": creation_stamp(state.created_at)}
+                if top > state.event_seq:  # events went by meanwhile: the state after them
+                    with contextlib.suppress(SessionActorsError):
+                        state = await host.read_here(name)
+                running = state.open_turn
+                if running is not None and not state.reviews and top <= state.event_seq:
+                    # a turn under way: the subscriber's mirror watches it from the start
+                    # (every event after this state reaches it: it reads from ``top`` on)
+                    answer["turn"] = running.turn_id
+                    answer["key"] = running.idempotency_key
+                await self._answer(body, answer)
             elif op == "call":
                 value = await host.call_here(name, load_call(name, body["req"]))
                 if isinstance(value, Reply):

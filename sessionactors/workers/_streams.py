@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, Final, Protocol, cast
 
 import trio
@@ -29,15 +30,14 @@ from .._events import (
     TurnCancelled,
     TurnFailed,
     TurnFinished,
-    TurnStarted,
 )
 from .._hub import Hub
-from .._records import Status
+from .._records import Status, TurnStatus
 from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
 from ..stores._base import JournalEntry, Store
 from ._transport import StreamItem, Transport, fatal
-from ._wire import birth, creation_stamp, pack, stamp_of, unstamp
+from ._wire import birth, creation_stamp, load_outcome, pack, stamp_of, unstamp
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
 
@@ -91,17 +91,31 @@ class _OpenTurn:
     """A mirrored session's turn under way: its id, the worker seen holding the
     session's lease (None: not seen yet), and since when it is free (None: held)."""
 
-    __slots__ = ("free_since", "owner", "turn_id")
+    __slots__ = ("asking", "free_since", "key", "lost", "owner", "turn_id")
 
-    def __init__(self, turn_id: str) -> None:
+    def __init__(self, turn_id: str, key: str | None = None) -> None:
         self.turn_id = turn_id
+        self.key = key  # its idempotency key, if known
         self.owner: str | None = None
         self.free_since: float | None = None
+        self.asking = False  # its new owner is asked what became of it
+        #: Its new owner said it was lost, and a retry under its key may run it again
+        #: (since ``free_since``)
+        self.lost = False
 
 
 #: Events after which a mirrored session has no turn under way (one waiting on a
 #: review is at rest: it may move between workers without an outcome).
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
+
+
+def _running_turn(answer: Mapping[str, Any]) -> tuple[str, str | None] | None:
+    """The turn under way that an owner's answer to "watch" names, if any, and its
+    idempotency key."""
+    turn, key = answer.get("turn"), answer.get("key")
+    if not isinstance(turn, str):
+        return None
+    return turn, key if isinstance(key, str) else None
 
 
 class _Replay:
@@ -167,9 +181,10 @@ class Streams:
         #: not read yet: seqs missing before its first event are judged by the journal
         #: (a wake after an unclean stop jumps over seqs that were never durable).
         self._unread: set[str] = set()
-        #: Mirrored sessions with a turn under way (its TurnStarted read, no outcome
-        #: yet). A turn's outcome comes from the worker that runs it; if that worker
-        #: dies first and no other takes the session, none ever comes.
+        #: Mirrored sessions with a turn under way (an event of it read, or named by
+        #: the owner's answer; no outcome yet). A turn's outcome comes from the worker
+        #: that runs it; if that worker dies first, none ever comes (no other worker
+        #: heard of a turn that was not durable yet).
         self._open_turns: dict[str, _OpenTurn] = {}
         # (session, the stamp of its payloads, what to publish)
         self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
@@ -207,18 +222,41 @@ class Streams:
         """Renew the watch of every mirrored session; stop publishing the sessions that
         nobody elsewhere subscribes to any more."""
         await self.transport.watch(list(self._mirrors), self.ttl)
+        if self._open_turns:
+            await self._check_open_turns()
+        if self._watched:
+            names = list(self._watched)
+            still = await self.transport.watched(names)
+            for name in names:
+                if name not in still:
+                    self._watched.pop(name, None)
+
+    async def _check_open_turns(self) -> None:
+        """Look at the lease of every mirrored session with a turn under way, in one
+        round trip (a failed read is looked at again at the next renewal)."""
+        turns = [(name, seen) for name, seen in self._open_turns.items() if not seen.asking]
+        try:
+            owners = await self.transport.lease_owners([name for name, _ in turns])
+        except StoreError as exc:
+            fatal(exc)
+            return
         now = trio.current_time()
-        for name, seen in list(self._open_turns.items()):
-            owner = await self.transport.lease_owner(name)
+        for (name, seen), owner in zip(turns, owners, strict=True):
             if self._open_turns.get(name) is not seen:
                 continue  # its outcome came meanwhile
+            if seen.lost:  # no retry under its key came in time
+                if now - (seen.free_since or now) >= _ORPHANED_AFTER * self.ttl:
+                    self._turn_lost(name, seen)
+                continue
             if owner is not None:
-                if seen.owner not in (None, owner):
-                    # another worker took the session over (a request, or a retry of
-                    # the turn under its key): the subscription follows it there
-                    del self._open_turns[name]
+                seen.free_since = None
+                if seen.owner in (None, owner):
+                    seen.owner = owner
                 else:
-                    seen.owner, seen.free_since = owner, None
+                    # Another worker took the session over (a request, or a retry of
+                    # the turn under its key): ask it what became of the turn.
+                    seen.asking = True
+                    self._spawn(partial(self._ask_outcome, name, seen, owner), "turn outcome")
                 continue
             if seen.free_since is None:
                 seen.free_since = now
@@ -228,28 +266,77 @@ class Streams:
             # died) and nobody took it since: nothing will publish the turn's outcome.
             # Its subscribers lag at the last event they have, and subscribe again
             # with after=, which wakes the session: the replay shows what it kept.
-            del self._open_turns[name]
-            hub = self._mirrors.get(name)
-            if hub is not None:
-                last = self._positions.get(name, 0)
-                hub.close(
-                    SubscriberLaggedError(
-                        f"the worker that ran session {name!r} let it go during turn "
-                        f"{seen.turn_id} (it died) and no worker took the session since, "
-                        f"so nothing will publish the turn's outcome; subscribe again "
-                        f"with after={last}: that wakes the session, and the replay shows "
-                        "what it kept of the turn",
-                        session_id=name,
-                        last_seq=last,
-                    )
-                )
-                self._end_mirror(name, hub)
-        if self._watched:
-            names = list(self._watched)
-            still = await self.transport.watched(names)
-            for name in names:
-                if name not in still:
-                    self._watched.pop(name, None)
+            self._turn_ended(
+                name,
+                f"the worker that ran session {name!r} let it go during turn "
+                f"{seen.turn_id} (it died) and no worker took the session since, "
+                "so nothing will publish the turn's outcome",
+                ": that wakes the session, and the replay shows what it kept of the turn",
+            )
+
+    async def _ask_outcome(self, name: str, seen: _OpenTurn, owner: str) -> None:
+        """The session a mirror follows moved to ``owner`` during turn ``seen``: one that
+        runs there is watched there; one that ended there has its outcome; one it never
+        heard of was lost (its worker died before it was durable), and will never have
+        an outcome: the mirror's subscribers lag, as a lost turn's events no longer hold."""
+        status: TurnStatus | None = None
+        try:
+            if owner == self.worker:  # it woke here
+                status = (await self.host.outcome_here(name, seen.turn_id)).status
+            else:
+                request = {"op": "outcome", "s": name, "t": seen.turn_id}
+                answer = await self._forward(name, request, retry_safe=True)
+                if answer is not None:
+                    value = self._check(answer, name)["value"]
+                    status = load_outcome(name, seen.turn_id, value).status
+        except Exception as exc:
+            fatal(exc)
+            if self._open_turns.get(name) is seen:  # unknown: it follows the session
+                del self._open_turns[name]
+                self._rejoin(name)
+            return
+        if self._open_turns.get(name) is not seen:
+            self._rejoin(name)
+            return  # its outcome, or another turn, came meanwhile
+        seen.asking = False
+        if status is TurnStatus.LOST:
+            seen.owner = owner
+            if seen.key is None:
+                self._turn_lost(name, seen)
+            else:  # the worker that sent it may send it again under its key: wait a while
+                seen.lost, seen.free_since = True, trio.current_time()
+        elif status in (TurnStatus.QUEUED, TurnStatus.RUNNING) and owner != self.worker:
+            seen.owner = owner  # it runs there: watched there
+        else:
+            if status is not None:
+                # it ended there (or waits on a review), or it runs here: the hub here
+                # publishes its outcome
+                del self._open_turns[name]
+            self._rejoin(name)  # (None: free again, or here: asked here)
+
+    def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
+        self._turn_ended(
+            name,
+            f"turn {seen.turn_id} of session {name!r} was lost: the worker that ran "
+            f"it died before the turn was durable, and worker {seen.owner!r}, which took "
+            "the session over, never heard of it (ref.turn_outcome reads lost: send "
+            "it again), so nothing will publish its outcome",
+            " to go on",
+        )
+
+    def _turn_ended(self, name: str, why: str, then: str) -> None:
+        """End the subscriptions of the mirror of ``name`` with SubscriberLaggedError
+        (saying ``why``, and ``then`` what subscribing again does): the outcome of the
+        turn it watched will never come."""
+        self._open_turns.pop(name, None)
+        hub = self._mirrors.get(name)
+        if hub is not None:
+            last = self._positions.get(name, 0)
+            error = SubscriberLaggedError(
+                f"{why}; subscribe again with after={last}{then}", session_id=name, last_seq=last
+            )
+            hub.close(error)
+            self._end_mirror(name, hub)
 
     def publish_from(self, name: str, since: int | None) -> int:
         """Another worker subscribes to the session, live here: publish its events from
@@ -490,6 +577,7 @@ class Streams:
         found = self._mirrors.get(name)
         top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
         born: int | None = None  # when the session it runs was created
+        running: tuple[str, str | None] | None = None  # its turn under way (id, key)
         for _ in range(MAX_ATTEMPTS):
             if found is not None or host.is_live(name):
                 break
@@ -497,6 +585,7 @@ class Streams:
             if answer is not None:  # its owner publishes its events from ``top`` on
                 top = int(self._check(answer, name)["value"])
                 born = stamp_of(answer)
+                running = _running_turn(answer)
                 if top >= 0:
                     break
                 continue  # it left that worker before it could publish: look again
@@ -511,7 +600,7 @@ class Streams:
                 # it wakes here next; follow it from where it was, wherever it wakes.
                 return await self._follow(name, state.event_seq if after is None else after, None)
             found = self._mirrors.get(name)
-        return await self._subscribe(name, after, top, born)
+        return await self._subscribe(name, after, top, born, running=running)
 
     async def _follow(self, name: str, after: int, mine: int | None) -> EventIterator:
         """Go on with a subscription whose session left this worker, from ``after`` (the
@@ -522,6 +611,7 @@ class Streams:
         top = -1
         born = mine
         replaced = False
+        running: tuple[str, str | None] | None = None
         for _ in range(MAX_ATTEMPTS):
             if self.host.is_live(name):
                 created = self.host.created_here(name)
@@ -548,19 +638,28 @@ class Streams:
                 now = stamp_of(answer)
                 replaced = mine is not None and now is not None and now != mine
                 born = now if mine is None else mine
+                running = _running_turn(answer)
                 break
-        iterator = await self._subscribe(name, after, top, born, followed=True)
+        iterator = await self._subscribe(name, after, top, born, followed=True, running=running)
         if replaced:  # the session it followed was deleted: it ends
             iterator.close()
         return iterator
 
     async def _subscribe(
-        self, name: str, after: int | None, top: int, born: int | None, *, followed: bool = False
+        self,
+        name: str,
+        after: int | None,
+        top: int,
+        born: int | None,
+        *,
+        followed: bool = False,
+        running: tuple[str, str | None] | None = None,
     ) -> EventIterator:
         """A subscription from the session's hub here (``top`` < 0) or from its event
         stream, read from ``top`` on (a mirror made now starts there; ``born``: when
         the session it follows was created, if known; ``followed``: for a subscription
-        that follows its session from ``top``)."""
+        that follows its session from ``top``; ``running``: the turn (id, key) its
+        owner said was under way at ``top``, if any)."""
         host = self.host
         found = self._mirrors.get(name)
         if found is None and top < 0:
@@ -574,6 +673,8 @@ class Streams:
             found.advance(top)
             self._positions[name] = top
             self._births[name] = _Followed(born)
+            if running is not None:  # its TurnStarted went by before ``top``
+                self._open_turns[name] = _OpenTurn(*running)
             if followed:
                 self._unread.add(name)
             self._poke()
@@ -676,11 +777,19 @@ class Streams:
                 hub.lose()
                 continue
             hub.publish(event)
-            kind_ = event.__class__
-            if kind_ is TurnStarted:
-                self._open_turns[name] = _OpenTurn(event.turn_id)  # type: ignore[attr-defined]
-            elif kind_ in _AT_REST:
+            if event.__class__ in _AT_REST:
                 self._open_turns.pop(name, None)
+            else:
+                # Any event of a turn says it is under way (a TurnStarted the mirror read,
+                # or one before it began, and the rest of a turn after its review).
+                turn_id = getattr(event, "turn_id", None)
+                if turn_id is not None:
+                    seen = self._open_turns.get(name)
+                    key = getattr(event, "idempotency_key", None)
+                    if (seen is None or seen.turn_id != turn_id) and (
+                        seen is None or not seen.lost or (key is not None and key == seen.key)
+                    ):  # (a turn lost waits for a retry under its key)
+                        self._open_turns[name] = _OpenTurn(turn_id, key)
             if isinstance(event, StatusChanged) and event.status is Status.STOPPED:
                 self._end_mirror(name, hub)
                 return
@@ -691,6 +800,12 @@ class Streams:
         hub = self._mirrors.get(name)
         position = self._positions.get(name)
         if hub is None or position is None or self.host.events_here(name, position) is None:
+            return
+        seen = self._open_turns.get(name)
+        if seen is not None:  # first, what became of the turn it watched (lost?)
+            if not seen.asking and not seen.lost:
+                seen.asking = True
+                self._spawn(partial(self._ask_outcome, name, seen, self.worker), "turn outcome")
             return
         self._drop_mirror(name)
         hub.leave()

@@ -47,6 +47,10 @@ class Transport(Protocol):
         """The worker holding the session's lease, or None."""
         ...
 
+    async def lease_owners(self, session_ids: Sequence[str]) -> list[str | None]:
+        """The worker holding each session's lease (None: nobody), in one round trip."""
+        ...
+
     async def members(self, worker: str, ttl: float | None) -> list[str]:
         """Count ``worker`` among the live workers for ``ttl`` seconds (None: no longer);
         the live workers."""
