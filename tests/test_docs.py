@@ -270,17 +270,22 @@ def test_there_are_examples_and_pages() -> None:
         assert (DOCS / part / "index.md").is_file(), part
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs_and_prints_what_the_docs_say(example: Path, tmp_path: Path) -> None:
-    """Each example exits with status 0 within 60 s and prints its expected lines."""
-    done = subprocess.run(
-        [sys.executable, str(example)],
-        cwd=tmp_path,
+def run_python(script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with this Python in ``cwd`` (60 s at most), its output captured."""
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs_and_prints_what_the_docs_say(example: Path, tmp_path: Path) -> None:
+    """Each example exits with status 0 within 60 s and prints its expected lines."""
+    done = run_python(example, tmp_path)
     assert done.returncode == 0, f"{example.name} failed:\n{done.stdout}\n{done.stderr}"
     assert example.name in EXPECTED, f"add the expected output of {example.name} to EXPECTED"
     for line in EXPECTED[example.name]:
@@ -398,14 +403,7 @@ def test_the_readme_example_runs_and_prints_its_replies(tmp_path: Path) -> None:
     [code] = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
     script = tmp_path / "readme_example.py"
     script.write_text(code)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_python(script, tmp_path)
     assert done.returncode == 0, f"the README's example failed:\n{done.stdout}\n{done.stderr}"
     assert "Say hi to Ada." in done.stdout
     assert "And what is its status?" in done.stdout

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,31 @@ async def worker_process(
         process.kill()
         with trio.move_on_after(10):
             await process.wait()
+
+
+async def subscribe_until_error(
+    ref: sa.SessionRef,
+    ended: list[BaseException],
+    seen: Callable[[sa.Event], None] = lambda event: None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Subscribe to ``ref`` (started once subscribed) and call ``seen`` with each event
+    until the subscription raises; its error goes to ``ended``."""
+    try:
+        async with ref.subscribe() as events:
+            task_status.started()
+            async for event in events:
+                seen(event)
+    except sa.SessionActorsError as exc:
+        ended.append(exc)
+
+
+async def wait_for_an_end(ended: list[BaseException], within: float) -> None:
+    """Until a subscription put its error in ``ended``; TooSlowError after ``within`` s."""
+    with trio.fail_after(within):
+        while not ended:
+            await trio.sleep(0.05)
 
 
 async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url: str) -> None:
@@ -228,33 +253,22 @@ async def test_a_subscription_opened_mid_turn_hears_of_a_worker_killed_then(
             open_worker(redis_url, prefix, "b") as b,
         ):
             ref = b.ref("s")
-
-            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
-                try:
-                    async with ref.subscribe() as events:
-                        task_status.started()
-                        async for _event in events:
-                            pass
-                except sa.SessionActorsError as exc:
-                    ended.append(exc)
-
             turn = await ref.submit(text)
             await trio.sleep(1.0)  # under way on a
             async with trio.open_nursery() as nursery:
-                await nursery.start(subscribe)
+                await nursery.start(subscribe_until_error, ref, ended)
                 a.kill()  # SIGKILL, mid-turn
                 with pytest.raises(sa.SessionActorsError):
                     await turn.reply()
-                with trio.fail_after(8 * TTL):
-                    while not ended:
-                        await trio.sleep(0.05)
+                await wait_for_an_end(ended, 8 * TTL)
             assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
 
 
-async def test_a_subscription_elsewhere_hears_that_a_turn_was_lost_when_a_worker_took_over(
-    redis_url: str,
+@pytest.mark.parametrize("taker", ["a third worker", "its own worker"])
+async def test_a_subscription_hears_that_a_turn_was_lost_when_a_worker_took_over(
+    redis_url: str, taker: str
 ) -> None:
-    """When the worker running a turn is killed (SIGKILL) before the turn was durable and a third worker takes the session over with an ordinary request, a subscription on another worker does not wait forever for the turn's outcome (its new owner never heard of the turn, and turn_outcome reads lost): it ends with SubscriberLaggedError naming the lost turn, and a subscription made again with after= goes on."""
+    """When the worker running a turn is killed (SIGKILL) before the turn was durable and another worker takes the session over with an ordinary request (a third one, or the subscription's own, whose subscription then goes on from the session's hub there), a subscription on another worker does not wait forever for the turn's outcome (its new owner never heard of the turn, and turn_outcome reads lost): it ends with SubscriberLaggedError naming the lost turn, and a subscription made again with after= goes on."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     text = " ".join(f"w{i}" for i in range(50))
     ended: list[BaseException] = []
@@ -265,37 +279,30 @@ async def test_a_subscription_elsewhere_hears_that_a_turn_was_lost_when_a_worker
             open_worker(redis_url, prefix, "c") as c,
         ):
             ref = b.ref("s")
+            new_owner = c if taker == "a third worker" else b
             first_delta = trio.Event()
 
-            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
-                try:
-                    async with ref.subscribe() as events:
-                        task_status.started()
-                        async for event in events:
-                            if isinstance(event, sa.Delta):
-                                first_delta.set()
-                except sa.SessionActorsError as exc:
-                    ended.append(exc)
+            def seen(event: sa.Event) -> None:
+                if isinstance(event, sa.Delta):
+                    first_delta.set()
 
             async with trio.open_nursery() as nursery:
-                await nursery.start(subscribe)
+                await nursery.start(subscribe_until_error, ref, ended, seen)
                 turn = await ref.submit(text)
                 await first_delta.wait()
                 a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
                 with pytest.raises(sa.SessionCrashedError):
                     await turn.reply()
-                await c.ref("s").history()  # c takes the session over
-                assert c.live() == ["s"]
-                with trio.fail_after(6 * TTL):
-                    while not ended:
-                        await trio.sleep(0.05)
+                await new_owner.ref("s").history()  # it takes the session over
+                assert new_owner.live() == ["s"]
+                await wait_for_an_end(ended, 6 * TTL)
             lagged = ended[0]
             assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
             assert turn.id in str(lagged), str(lagged)
             assert "lost" in str(lagged), str(lagged)
             assert (await ref.turn_outcome(turn.id)).status is sa.TurnStatus.LOST
             async with ref.subscribe(after=lagged.last_seq) as events:
-                await c.ref("s").send("again")
+                await new_owner.ref("s").send("again")
                 async for event in events:
                     if isinstance(event, sa.TurnFinished):
                         break
@@ -315,74 +322,24 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
         ):
             ref = b.ref("s")
             answering = trio.Event()
+            resolved: list[sa.Event] = []
 
-            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
-                resolved = False
-                try:
-                    async with ref.subscribe() as events:
-                        task_status.started()
-                        async for event in events:
-                            resolved = resolved or isinstance(event, sa.ReviewResolved)
-                            if resolved and isinstance(event, sa.Delta):
-                                answering.set()
-                except sa.SessionActorsError as exc:
-                    ended.append(exc)
+            def seen(event: sa.Event) -> None:
+                if isinstance(event, sa.ReviewResolved):
+                    resolved.append(event)
+                elif resolved and isinstance(event, sa.Delta):
+                    answering.set()
 
             async def approve(review_id: str) -> None:
                 with contextlib.suppress(sa.SessionActorsError):
                     await ref.review(review_id, True)
 
             async with trio.open_nursery() as nursery:
-                await nursery.start(subscribe)
+                await nursery.start(subscribe_until_error, ref, ended, seen)
                 paused = await ref.send(text)
                 assert len(paused.reviews) == 1, paused
                 nursery.start_soon(approve, paused.reviews[0].id)
                 await answering.wait()
                 a.kill()  # SIGKILL, mid-answer after the review
-                with trio.fail_after(8 * TTL):
-                    while not ended:
-                        await trio.sleep(0.05)
+                await wait_for_an_end(ended, 8 * TTL)
             assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
-
-
-async def test_a_subscription_hears_that_a_turn_was_lost_when_its_own_worker_took_over(
-    redis_url: str,
-) -> None:
-    """As above, but the worker of the subscription itself takes the session over (its subscription goes on from the session's hub there): it ends with SubscriberLaggedError naming the lost turn instead of waiting forever for the turn's outcome."""
-    prefix = f"sa-test:{uuid.uuid4().hex}"
-    text = " ".join(f"w{i}" for i in range(50))
-    ended: list[BaseException] = []
-    with trio.fail_after(60):
-        async with (
-            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
-            open_worker(redis_url, prefix, "b") as b,
-        ):
-            ref = b.ref("s")
-            first_delta = trio.Event()
-
-            async def subscribe(task_status: trio.TaskStatus[None]) -> None:
-                try:
-                    async with ref.subscribe() as events:
-                        task_status.started()
-                        async for event in events:
-                            if isinstance(event, sa.Delta):
-                                first_delta.set()
-                except sa.SessionActorsError as exc:
-                    ended.append(exc)
-
-            async with trio.open_nursery() as nursery:
-                await nursery.start(subscribe)
-                turn = await ref.submit(text)
-                await first_delta.wait()
-                a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
-                with pytest.raises(sa.SessionCrashedError):
-                    await turn.reply()
-                await ref.history()  # b takes the session over
-                assert b.live() == ["s"]
-                with trio.fail_after(6 * TTL):
-                    while not ended:
-                        await trio.sleep(0.05)
-            lagged = ended[0]
-            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
-            assert turn.id in str(lagged), str(lagged)
-            assert "lost" in str(lagged), str(lagged)
