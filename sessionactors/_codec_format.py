@@ -59,7 +59,11 @@ MAX_EXT_LEN: Final = 12
 
 #: Migrations of the raw snapshot map: ``MIGRATIONS[n]`` turns a version ``n``
 #: map into a version ``n + 1`` map. :func:`load_snapshot` applies them in turn.
-MIGRATIONS: Final[dict[int, Callable[[dict[str, Any]], dict[str, Any]]]] = {}
+MIGRATIONS: Final[dict[int, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    # 2 adds SessionState.journal_mark_seq and journal_mark_events: their defaults
+    # fill them in
+    1: dict,
+}
 
 #: The tag of every event class in the journal. A tag, once used, is never
 #: given to another class, even after its class is gone (see RETIRED_EVENT_TAGS).

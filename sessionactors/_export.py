@@ -18,7 +18,8 @@ people and tools to read. ``snapshot`` is ``sessionactors.dump_snapshot`` of
 the same state: what import restores, exactly (bytes in metadata, datetimes to
 the microsecond), checked by the snapshot codec (which also migrates older
 snapshot versions). Import refuses a document whose ``session`` differs from
-its snapshot, so a hand edit is never silently ignored. A later version adds
+its snapshot (but for the snapshot's schema version, which the load migrates),
+so a hand edit is never silently ignored. A later version adds
 fields; import refuses a version newer than it knows.
 """
 
@@ -93,7 +94,9 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
     if data is None:
         raise SnapshotCorruptError('the export\'s "snapshot" is not base64 text')
     state = load_snapshot(data)
-    if _canonical(_readable(state)) != _canonical(document.get("session")):
+    if _canonical(_versionless(_readable(state))) != _canonical(
+        _versionless(document.get("session"))
+    ):
         raise SnapshotCorruptError(
             f'the export of session {state.session_id!r} has a "session" that differs from '
             'its "snapshot" (edited by hand?); import restores the snapshot, so export the '
@@ -135,6 +138,14 @@ def _readable(state: SessionState) -> Any:
     for name in _STORE_FIELDS:
         del readable[name]
     return readable
+
+
+def _versionless(session: Any) -> Any:
+    """A readable session without its snapshot's schema version, which the load migrated
+    from the version the export was written at to this one's."""
+    if isinstance(session, dict):
+        return {key: value for key, value in session.items() if key != "schema_version"}
+    return session
 
 
 def _canonical(value: Any) -> str:

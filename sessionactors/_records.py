@@ -89,7 +89,7 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
 
 
 #: The snapshot format version this code writes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 _now = datetime.datetime.now

@@ -3,6 +3,7 @@ files, and what is left behind."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import subprocess
@@ -242,3 +243,21 @@ def test_import_takes_a_turn_cut_between_its_tool_call_and_its_result(tmp_path: 
     store = f"sqlite:///{tmp_path / 's.db'}"
     done = sessions("import", "-", "--store", store, stdin=_messages_export(*history))
     assert done.returncode == 0, done.stderr
+
+
+def test_an_export_written_at_the_previous_snapshot_version_still_imports(
+    tmp_path: Path,
+) -> None:
+    """An export whose snapshot is of schema version 1 (written before the journal's
+    retention marks joined the state) imports: its snapshot is migrated, and its readable
+    session, which says version 1, still matches it."""
+    golden = (Path(__file__).parent / "golden" / "snapshot_v1_full.msgpack").read_bytes()
+    now = datetime.datetime.now(datetime.UTC)
+    document = export_document(sa.load_snapshot(golden), exported_at=now)
+    document["snapshot"] = base64.b64encode(golden).decode("ascii")
+    document["session"]["schema_version"] = 1
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    done = sessions("import", "-", "--store", store, stdin=json.dumps(document))
+    assert done.returncode == 0, done.stderr
+    shown = sessions("show", "golden-full", "--json", "--store", store)
+    assert shown.returncode == 0, shown.stderr
