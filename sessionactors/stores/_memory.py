@@ -167,17 +167,7 @@ class _Session:
     activity: int
     last_seq: int = 0
     trimmed_upto: int = 0
-    # the journal's entries, as two lists (a seq and its bytes at each index) rather
-    # than the entries themselves: no object per entry for the garbage collector
-    seqs: list[int] = attrs.Factory(list)
-    datas: list[bytes] = attrs.Factory(list)
-
-    def entries_after(self, after: int) -> list[JournalEntry]:
-        """The entries with a seq above ``after``, in order."""
-        seqs = self.seqs
-        start = bisect.bisect_right(seqs, after)
-        pairs = zip(seqs[start:], self.datas[start:], strict=True)
-        return [JournalEntry(seq, data) for seq, data in pairs]
+    journal: list[JournalEntry] = attrs.Factory(list)
 
 
 @attrs.define(eq=False)
@@ -270,7 +260,7 @@ class MemoryStore:
         return StoredSession(
             snapshot=session.snapshot,
             snapshot_seq=session.snapshot_seq,
-            entries=tuple(session.entries_after(session.snapshot_seq)),
+            entries=tuple(e for e in session.journal if e.seq > session.snapshot_seq),
         )
 
     async def append(
@@ -292,10 +282,7 @@ class MemoryStore:
             for e in entries
         ]
         session.last_seq = _check_entries(session_id, copies, session.last_seq)
-        seqs, datas = session.seqs, session.datas
-        for e in copies:
-            seqs.append(e.seq)
-            datas.append(e.data)
+        session.journal.extend(copies)
         self._set_info(session_id, session, info)
 
     async def write_snapshot(
@@ -318,14 +305,12 @@ class MemoryStore:
         self._set_info(session_id, session, info)
         if trim_upto > session.trimmed_upto:
             session.trimmed_upto = trim_upto
-            cut = bisect.bisect_right(session.seqs, trim_upto)
-            del session.seqs[:cut]
-            del session.datas[:cut]
+            session.journal = [e for e in session.journal if e.seq > trim_upto]
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
         await trio.lowlevel.checkpoint()
         session = self._get(session_id)
-        return session.trimmed_upto, session.entries_after(after)
+        return session.trimmed_upto, [e for e in session.journal if e.seq > after]
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         await trio.lowlevel.checkpoint()
