@@ -744,15 +744,20 @@ class Actor:
                 try:
                     await self._journal_status()
                 except BaseException as exc:
-                    # the actor crashes over it (and restarts): its caller hears so
+                    # the actor crashes over it (and restarts): its caller hears so, and
+                    # the subscribers that the turn is void. Fenced out, it stops here
+                    # without restarting: its caller gets the FencedOutError (send again),
+                    # and the subscribers heard nothing of the turn (its TurnStarted comes
+                    # after this write), as for a turn whose own write is fenced out
                     error: SessionActorsError
-                    if isinstance(exc, Exception) and not isinstance(exc, FencedOutError):
+                    crash = isinstance(exc, Exception) and not isinstance(exc, FencedOutError)
+                    if crash:
                         error = crashed_error(self.session_id, exc)
                         error.__cause__ = exc
                     else:
                         error = self.cut_short(exc)
                     mail.pending.set_error(error)
-                    if isinstance(mail, TurnMail) and isinstance(exc, Exception):
+                    if crash and isinstance(mail, TurnMail):
                         lost = self.lost_event(mail.turn_id, exc)
                         if lost is not None:
                             self.emit(lost)

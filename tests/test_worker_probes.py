@@ -657,3 +657,29 @@ async def test_a_stream_on_the_owner_ends_when_its_worker_loses_the_session_mid_
                             assert b.live() == ["s"]
                             store.stalled = False  # a notices at its next renewal
     assert [type(e) for e in seen] == [sa.TurnStarted]
+
+
+@pytest.mark.parametrize("how", ["send", "stream"])
+async def test_a_turn_fenced_out_before_it_starts_raises_fenced_out_error_for_send_and_stream(
+    redis_url: str, how: str
+) -> None:
+    """A turn whose worker lost the session's lease before the turn started (its first write, the status a fresh wake owes, is refused) raises FencedOutError for ref.send() and for ref.stream() alike: the stream yields no TurnFailed(lost=True), which would say that the session crashed and restarted without the turn."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = StallingRenewals(redis_url, prefix=prefix, balance=False)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    seen: list[sa.Event] = []
+    with trio.fail_after(30):
+        async with sa.open_registry(store=store, agents=agents, worker_id="a", lease_ttl=TTL) as a:
+            await a.spawn("s")
+            await a.ref("s").history()  # woken on a, nothing written yet
+            store.stalled = True
+            await trio.sleep(2 * TTL)  # a's lease expires; a has not noticed
+            with pytest.raises(sa.FencedOutError):  # noqa: PT012
+                if how == "send":
+                    await a.ref("s").send("hello")
+                else:
+                    async with a.ref("s").stream("hello") as events:
+                        async for event in events:
+                            seen.append(event)
+            store.stalled = False
+    assert seen == []
