@@ -447,7 +447,8 @@ class SessionRef(metaclass=NoPublicConstructor):
         The outcome is ``TurnFinished``, ``TurnFailed`` (``lost=True`` if the session
         crashed and the turn is void) or ``TurnCancelled``; if the session's events
         end first (it was deleted or stopped, its wake failed, or the registry
-        closed), or the worker that ran it died, iterating raises the turn's error
+        closed), or the worker that ran it died or lost the session's lease
+        (``FencedOutError``, as ``send`` raises), iterating raises the turn's error
         instead. With ``idempotency_key``, a turn sent again after its worker died is
         followed under its new turn id (a second ``TurnStarted``); a stream whose key
         joins a turn already under way (running, or waiting on a review) first yields
