@@ -556,8 +556,11 @@ async def test_sessions_hopping_between_workers_under_mixed_traffic(
 
     def worker(worker_id: str) -> Any:
         store = RedisStore(redis_url, prefix=prefix, balance=balance)
+        # sessions move between workers by hibernating when idle, not by leases lapsing:
+        # a lease of 10 s outlasts a stall of the loop on a loaded machine (a stall past
+        # 3 s fenced every session out in one run of the whole soak suite)
         return sa.open_registry(
-            store=store, agents=agents, worker_id=worker_id, lease_ttl=3, idle_timeout=0.05
+            store=store, agents=agents, worker_id=worker_id, lease_ttl=10, idle_timeout=0.05
         )
 
     async def traffic(registry: sa.Registry, tag: str, stop: trio.Event, seed: int) -> None:
