@@ -511,6 +511,7 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
         try:
             registry = await ready
         except BaseException:
+            closed.cancel()  # nobody will wait for the close: it has no error to report
             await task.aclose()
             raise
         try:

@@ -1,0 +1,84 @@
+"""sessionactors.aio under asyncio cancellation: a caller cancelled (or timed out) at any
+await point, the registry closed with calls and readers still in flight, an opener that
+gives up; the trio side is left clean and asyncio hears only what it should."""
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import sessionactors as sa
+import sessionactors.aio as aio
+from sessionactors.testing import EchoModel
+
+#: Event-loop iterations after which a probe cancels its caller: 0 .. ITERATIONS - 1.
+ITERATIONS = 24
+
+
+def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``main()`` under asyncio.run in debug mode, bounded in time, and fail if asyncio
+    reported anything to its exception handler ("Task exception was never retrieved",
+    "Future exception was never retrieved", an exception in a callback)."""
+    reported: list[dict[str, Any]] = []
+
+    async def bounded() -> Any:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _, context: reported.append(context)
+        )
+        async with asyncio.timeout(30):
+            result = await main()
+        gc.collect()  # a future dropped with its exception unread reports it now
+        return result
+
+    result = asyncio.run(bounded(), debug=True)
+    gc.collect()
+    assert [(c.get("message"), c.get("exception")) for c in reported] == []
+    return result
+
+
+class AsyncioShop:
+    """An asyncio model: three chunks, or a call of the ``refund`` tool for "refund"."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        last = request.messages[-1]
+        if last.role is sa.Role.USER and last.content == "refund":
+            yield sa.ToolCallChunk(0, id="c1", name="refund", arguments="{}")
+            return
+        for word in ("one", " two", " three"):
+            await asyncio.sleep(0)
+            yield sa.TextChunk(word)
+
+
+async def refund() -> str:
+    """Refund the order."""
+    await asyncio.sleep(0)
+    return "refunded"
+
+
+def shop() -> dict[str, sa.Agent]:
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
+    return {"shop": sa.Agent(model=AsyncioShop(), tools=[tool])}
+
+
+def test_an_opener_that_gives_up_at_any_point_leaves_nothing_behind() -> None:
+    """Cancelling the task that opens aio.open_registry, at any await point, raises
+    CancelledError in it and leaves no unread error and no trio run behind."""
+
+    async def main() -> None:
+        for n in range(ITERATIONS):
+
+            async def opener() -> None:
+                async with aio.open_registry(agents={"e": sa.Agent(model=EchoModel())}):
+                    await asyncio.sleep(3600)
+
+            task = asyncio.ensure_future(opener())
+            for _ in range(n):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.wait([task])
+            assert task.cancelled(), (n, task)
+            gc.collect()
+        async with aio.open_registry(agents={"e": sa.Agent(model=EchoModel())}) as registry:
+            assert (await (await registry.spawn("after")).send("still works")).text == "still works"
+
+    run(main)
