@@ -21,6 +21,7 @@ import trio
 
 import sessionactors as sa
 
+from .._hub import lagged_error
 from .._ref import known_reply, not_in_block
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, release_host
@@ -348,6 +349,7 @@ class EventStream:
         # the asyncio readers wait (one each: several tasks may read one subscription)
         self._readers: list[asyncio.Future[None]] = []
         self._room: trio.Event | None = None  # the trio pump waits
+        self._cut: sa.SubscriberLaggedError | None = None  # ended with its reader behind
 
     def __aiter__(self) -> EventStream:
         return self
@@ -381,11 +383,20 @@ class EventStream:
         self._wake_reader()
         while len(self._events) >= _EVENTS_AHEAD:
             self._room = room = trio.Event()
-            await room.wait()
+            try:
+                await room.wait()
+            except trio.Cancelled:
+                # Cut off while its reader is behind (the block left, or the registry's
+                # trio run ending): the events it had not taken yet are lost, so a reader
+                # that goes on hears that it fell behind, after the events held here; and
+                # it must not wake this pump in a trio run that may have ended.
+                self._room = None
+                self._cut = lagged_error(event.session_id, event.seq)
+                raise
 
     def _end(self, error: BaseException | None) -> None:
         self._ended = True
-        self._error = error
+        self._error = error if error is not None else self._cut
         self._wake_reader()
 
     def _wake_reader(self) -> None:

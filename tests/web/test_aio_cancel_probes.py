@@ -7,6 +7,8 @@ import gc
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import pytest
+
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.testing import EchoModel
@@ -80,5 +82,48 @@ def test_an_opener_that_gives_up_at_any_point_leaves_nothing_behind() -> None:
             gc.collect()
         async with aio.open_registry(agents={"e": sa.Agent(model=EchoModel())}) as registry:
             assert (await (await registry.spawn("after")).send("still works")).text == "still works"
+
+    run(main)
+
+
+def test_a_reader_behind_when_the_registry_closes_hears_that_it_lost_events() -> None:
+    """A subscription whose reader fell behind when the registry closed gives the events it
+    holds, then SubscriberLaggedError with the last seq given (not a trio error), and
+    after=last_seq on the store resumes from there."""
+    store = sa.MemoryStore()
+    agents = {"e": sa.Agent(model=EchoModel())}
+    words = " ".join(f"w{i}" for i in range(400))
+
+    async def main() -> None:
+        read = asyncio.Event()
+        opened = asyncio.get_running_loop().create_future()
+        got: list[sa.Event] = []
+
+        async def reader(ref: aio.SessionRef) -> None:
+            async with ref.subscribe() as events:
+                opened.set_result(None)
+                await read.wait()
+                async for event in events:
+                    got.append(event)
+
+        async with aio.open_registry(store=store, agents=agents) as registry:
+            ref = await registry.spawn("behind")
+            task = asyncio.create_task(reader(ref))
+            await opened
+            await ref.send(words)
+        read.set()
+        with pytest.raises(sa.SubscriberLaggedError) as lagged:
+            await task
+        assert got, "the events it held are given first"
+        assert lagged.value.last_seq == got[-1].seq
+        assert "'behind'" in str(lagged.value)
+        async with aio.open_registry(store=store, agents=agents) as registry:
+            ref = registry.ref("behind")
+            async with ref.subscribe(after=lagged.value.last_seq) as events:
+                async for event in events:
+                    assert event.seq > lagged.value.last_seq
+                    if isinstance(event, sa.TurnFinished):
+                        assert event.message.content == words
+                        break
 
     run(main)
