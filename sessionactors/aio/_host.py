@@ -106,7 +106,7 @@ class Host:
         if call.future.done():  # abandoned before it began
             return
         if self.nursery is None or self.state == "stopping":
-            _fail(call.future, RuntimeError("the trio run of sessionactors.aio has ended"))
+            _fail(call.future, _ended_error())
             return
         self.nursery.start_soon(call.run, fn, args)
 
@@ -167,7 +167,7 @@ class _Call(Generic[T]):
                 result = await fn(*args)
             except trio.Cancelled:
                 if not self.future.done():  # the host's run is ending under it
-                    _fail(self.future, RuntimeError("the trio run of sessionactors.aio ended"))
+                    _fail(self.future, _ended_error())
                 raise
             except BaseException as exc:  # handed to the asyncio caller, as itself
                 _fail(self.future, exc)
@@ -307,6 +307,16 @@ def task_result(task: asyncio.Future[T]) -> T:
             "by someone else (is the asyncio loop shutting down?)"
         )
     return task.result()
+
+
+def _ended_error() -> SessionStoppedError:
+    """What a call gets that was under way when its registry closed (the last registry
+    of the loop, whose trio run ends with it), as the trio registry's refs raise."""
+    return SessionStoppedError(
+        "the registry closed while this call was under way, and the trio run of "
+        "sessionactors.aio ended under it; make the call again inside an open "
+        "`async with sessionactors.aio.open_registry(...)` block"
+    )
 
 
 def _resolve(future: asyncio.Future[T], value: T) -> None:

@@ -4,14 +4,14 @@ gives up; the trio side is left clean and asyncio hears only what it should."""
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
 
 import sessionactors as sa
 import sessionactors.aio as aio
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, FaultyStore
 
 #: Event-loop iterations after which a probe cancels its caller: 0 .. ITERATIONS - 1.
 ITERATIONS = 24
@@ -125,5 +125,31 @@ def test_a_reader_behind_when_the_registry_closes_hears_that_it_lost_events() ->
                     if isinstance(event, sa.TurnFinished):
                         assert event.message.content == words
                         break
+
+    run(main)
+
+
+@pytest.mark.parametrize("operation", ["sessions", "spawn", "delete", "fork"])
+def test_a_call_under_way_when_the_registry_closes_gets_session_stopped(operation: str) -> None:
+    """A call still waiting on the store when the registry's block ends (from another task)
+    ends with SessionStoppedError, a library error, not a RuntimeError, and no hang."""
+    held = {"sessions": "list_sessions", "spawn": "create", "delete": "delete", "fork": "create"}
+
+    async def main() -> None:
+        store = FaultyStore()
+        async with aio.open_registry(store=store, agents=shop(), shutdown_grace=0.01) as registry:
+            await registry.spawn("there")
+            gate = store.hold(held[operation])
+            calls: dict[str, Callable[[], Awaitable[object]]] = {
+                "sessions": registry.sessions,
+                "spawn": lambda: registry.spawn("new"),
+                "delete": lambda: registry.delete("there"),
+                "fork": lambda: registry.fork("there", "forked"),
+            }
+            task = asyncio.ensure_future(calls[operation]())
+            while not gate.waiting:
+                await asyncio.sleep(0)
+        with pytest.raises(sa.SessionStoppedError, match="closed"):
+            await task
 
     run(main)
