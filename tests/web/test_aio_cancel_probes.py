@@ -153,3 +153,183 @@ def test_a_call_under_way_when_the_registry_closes_gets_session_stopped(operatio
             await task
 
     run(main)
+
+
+class Probe:
+    """One call of the aio API on session ``name``, cancelled at some await point: ``prepare``
+    sets the session up, ``call`` is the call, ``check`` what must hold afterwards."""
+
+    def __init__(self, registry: aio.Registry, model: "HangingShop", name: str) -> None:
+        self.registry, self.model, self.name = registry, model, name
+        self.ref = registry.ref(name)
+        self.review_id = ""
+
+    async def prepare(self, operation: str) -> None:
+        await self.registry.spawn(self.name)
+        await self.ref.send("first")
+        if operation == "retry":  # a last turn that was cancelled
+            self.model.hang_next = True
+            turn = await self.ref.submit("hang")
+            while not await self.ref.cancel():
+                await asyncio.sleep(0)
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+        elif operation == "review":
+            [review] = (await self.ref.send("refund")).reviews
+            self.review_id = review.id
+
+    async def call(self, operation: str) -> object:
+        ref, registry = self.ref, self.registry
+        if operation == "send":
+            return await ref.send("hello")
+        if operation == "submit":
+            return await (await ref.submit("hello")).reply()
+        if operation == "stream":
+            async with ref.stream("hello") as events:
+                return [event async for event in events]
+        if operation == "subscribe":
+            async with ref.subscribe(after=0) as events:
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished):
+                        return event
+        if operation == "history":
+            return await ref.history()
+        if operation == "cancel":
+            return await ref.cancel()
+        if operation == "hibernate":
+            return await ref.hibernate()
+        if operation == "spawn":
+            return await registry.spawn(self.name + "-new")
+        if operation == "get_or_spawn":
+            return await registry.get_or_spawn(self.name + "-new")
+        if operation == "delete":
+            return await registry.delete(self.name)
+        if operation == "retry":
+            return await ref.retry()
+        assert operation == "review"
+        return await ref.review(self.review_id, approve=True)
+
+    async def check(self, operation: str) -> None:
+        """Nothing is left waiting in trio, and the sessions go on, whole."""
+        registry = self.registry
+        for _ in range(1000):  # a subscription's trio side ends within a few iterations
+            if not registry.statistics().subscribers:
+                break
+            await asyncio.sleep(0)
+        assert registry.statistics().subscribers == 0
+        names = {info.session_id for info in await registry.sessions()}
+        if operation == "delete" and self.name not in names:
+            with pytest.raises(sa.SessionNotFoundError):
+                await self.ref.history()
+            return
+        if operation in ("spawn", "get_or_spawn"):
+            new = registry.ref(self.name + "-new")
+            if self.name + "-new" in names:
+                assert await new.history() == []
+            else:
+                with pytest.raises(sa.SessionNotFoundError):
+                    await new.history()
+        if operation == "review" and await self.ref.pending_reviews():  # not delivered
+            await self.ref.review(self.review_id, approve=True)
+        assert (await self.ref.send("later")).text == "one two three"
+        history = await self.ref.history()
+        turns = [m.content for m in history if m.role is sa.Role.USER]
+        answers = [m for m in history if m.role is sa.Role.ASSISTANT and not m.tool_calls]
+        assert len(answers) == len(turns), [(m.role.value, m.content) for m in history]
+        assert turns.count("hello") <= 1  # a turn runs once, or not at all
+        assert history[-1].content == "one two three"
+
+
+class HangingShop(AsyncioShop):
+    """AsyncioShop whose next turn, once ``hang_next`` is set, streams a word and hangs."""
+
+    hang_next = False
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        if self.hang_next:
+            self.hang_next = False
+            yield sa.TextChunk("partial")
+            await asyncio.Event().wait()
+        async for chunk in super().stream(request):
+            yield chunk
+
+
+#: What each operation returns when it completes.
+RESULTS: dict[str, type | tuple[type, ...]] = {
+    "send": sa.Reply,
+    "submit": sa.Reply,
+    "stream": list,
+    "subscribe": sa.TurnFinished,
+    "history": list,
+    "cancel": bool,
+    "hibernate": type(None),
+    "spawn": aio.SessionRef,
+    "get_or_spawn": aio.SessionRef,
+    "delete": type(None),
+    "retry": sa.Reply,
+    "review": sa.Reply,
+}
+OPERATIONS = list(RESULTS)
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_a_call_cancelled_at_any_await_point_leaves_trio_clean(operation: str, how: str) -> None:
+    """A call cancelled after any number of loop iterations (task.cancel, or asyncio.timeout
+    expiring) raises CancelledError (TimeoutError from asyncio.timeout) or completes; no
+    subscription is left behind, the session works on with no turn lost or doubled, and the
+    state after closing and reopening is the state before."""
+
+    async def attempt(probe: Probe, n: int) -> tuple[object, BaseException | None]:
+        loop = asyncio.get_running_loop()
+        timeouts: list[asyncio.Timeout] = []
+
+        async def caller() -> object:
+            if how == "cancel":
+                return await probe.call(operation)
+            async with asyncio.timeout(None) as timeout:
+                timeouts.append(timeout)
+                return await probe.call(operation)
+
+        task = asyncio.ensure_future(caller())
+        for _ in range(n):
+            await asyncio.sleep(0)
+        if how == "cancel":
+            task.cancel()
+        elif timeouts and not task.done():
+            timeouts[0].reschedule(loop.time())  # expires at the next iteration
+        await asyncio.wait([task])
+        if task.cancelled():
+            assert how == "cancel", "asyncio.timeout let its CancelledError out"
+            return None, asyncio.CancelledError()
+        error = task.exception()
+        return (None if error else task.result()), error
+
+    async def main() -> None:
+        store = sa.MemoryStore()
+        model = HangingShop()
+        tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
+        agents = {"shop": sa.Agent(model=model, tools=[tool])}
+        async with aio.open_registry(store=store, agents=agents) as registry:
+            for n in range(ITERATIONS):
+                probe = Probe(registry, model, f"s{n}")
+                await probe.prepare(operation)
+                result, error = await attempt(probe, n)
+                expected = asyncio.CancelledError if how == "cancel" else TimeoutError
+                if error is not None:
+                    assert isinstance(error, expected), (n, error)
+                else:
+                    assert isinstance(result, RESULTS[operation]), (n, result)
+                await probe.check(operation)
+            before = {
+                info.session_id: (await registry.ref(info.session_id).state()).messages
+                for info in await registry.sessions()
+            }
+        async with aio.open_registry(store=store, agents=agents) as registry:
+            after = {
+                info.session_id: (await registry.ref(info.session_id).state()).messages
+                for info in await registry.sessions()
+            }
+        assert after == before
+
+    run(main)
