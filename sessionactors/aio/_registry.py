@@ -22,7 +22,7 @@ import trio
 import sessionactors as sa
 
 from .._hub import lagged_error
-from .._ref import known_reply, not_in_block
+from .._ref import entered_twice, known_reply, not_in_block
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, release_host
 
@@ -162,7 +162,9 @@ class SessionRef:
         """Events of this session, live from now on or replayed from ``after``
         (see :meth:`sessionactors.SessionRef.subscribe`): ``async with
         ref.subscribe() as events: async for event in events: ...``."""
-        return _Subscription(self._host, lambda: self._ref.subscribe(after), "ref.subscribe()")
+        return _Subscription(
+            self._host, self.session_id, lambda: self._ref.subscribe(after), "ref.subscribe()"
+        )
 
     def stream(
         self, text: str, *, idempotency_key: str | None = None
@@ -170,6 +172,7 @@ class SessionRef:
         """Submit a turn and iterate over that turn's events only, ending with its outcome."""
         return _Subscription(
             self._host,
+            self.session_id,
             lambda: self._ref.stream(text, idempotency_key=idempotency_key),
             "ref.stream(text)",
         )
@@ -414,10 +417,12 @@ class _Subscription:
     def __init__(
         self,
         host: Host,
+        session_id: str,
         open_events: Callable[[], AbstractAsyncContextManager[AsyncIterator[sa.Event]]],
         form: str,
     ) -> None:
         self._host = host
+        self._session_id = session_id
         self._open_events = open_events
         self._form = form
         self._stream = EventStream(host)
@@ -425,6 +430,8 @@ class _Subscription:
         self._task: Task | None = None
 
     async def __aenter__(self) -> EventStream:
+        if self._task is not None:
+            raise entered_twice(self._session_id, self._form)
         self._task = self._host.start(self._pump)
         try:
             await self._entered

@@ -333,3 +333,38 @@ def test_a_call_cancelled_at_any_await_point_leaves_trio_clean(operation: str, h
         assert after == before
 
     run(main)
+
+
+def test_an_asyncio_subscription_or_stream_entered_twice_is_refused() -> None:
+    """Entering one ``ref.subscribe()`` or ``ref.stream(text)`` a second time raises
+    SessionStoppedError naming the session, as in trio, and submits no second turn."""
+
+    async def main() -> None:
+        async with aio.open_registry(agents={"e": sa.Agent(model=EchoModel())}) as registry:
+            ref = await registry.spawn("twice")
+            for manager, form in ((ref.subscribe(), "subscribe"), (ref.stream("hi"), "stream")):
+                async with manager as events:
+                    if form == "stream":
+                        assert [type(e) async for e in events][-1] is sa.TurnFinished
+                with pytest.raises(sa.SessionStoppedError, match=rf"'twice'.*ref\.{form}"):
+                    async with manager:
+                        pass
+            await ref.send("after")
+            assert [m.content for m in await ref.history()] == ["hi", "hi", "after", "after"]
+            assert registry.statistics().subscribers == 0
+
+    run(main)
+
+
+async def test_a_trio_stream_entered_twice_is_refused() -> None:
+    """Entering one trio ``ref.stream(text)`` a second time raises SessionStoppedError
+    naming the session, as a subscription entered twice does (not an AttributeError)."""
+    async with sa.open_registry(agents={"e": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("twice")
+        stream = ref.stream("hi")
+        async with stream as events:
+            assert [type(e) async for e in events][-1] is sa.TurnFinished
+        with pytest.raises(sa.SessionStoppedError, match=r"'twice'.*ref\.stream"):
+            async with stream:
+                pass
+        assert len(await ref.history()) == 2
