@@ -78,6 +78,11 @@ class Host:
             nursery.cancel_scope.cancel()
 
     def _done(self, result: outcome.Outcome[None]) -> None:
+        # The run has ended: the loop's next registry starts a new one. (Left in place
+        # until the task that ended it resumed, it made acquire_host wait on a future
+        # already done, which does not yield: the loop spun there forever.)
+        if _HOSTS.get(self.loop) is self:
+            del _HOSTS[self.loop]
         if isinstance(result, outcome.Error):
             _fail(self.started, result.error)
             _fail(self.finished, result.error)
@@ -257,11 +262,7 @@ async def release_host(host: Host) -> None:
     host.state = "stopping"
     if host.token is not None:
         host.run_sync_soon(host._stop.set)
-    try:
-        await wait_future_uncancelled(host.finished)
-    finally:
-        if _HOSTS.get(host.loop) is host:
-            del _HOSTS[host.loop]
+    await wait_future_uncancelled(host.finished)  # (its end took it out of _HOSTS)
 
 
 async def wait_future_uncancelled(future: asyncio.Future[T]) -> T:

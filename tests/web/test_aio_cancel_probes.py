@@ -4,6 +4,8 @@ gives up; the trio side is left clean and asyncio hears only what it should."""
 
 import asyncio
 import gc
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -368,3 +370,62 @@ async def test_a_trio_stream_entered_twice_is_refused() -> None:
             async with stream:
                 pass
         assert len(await ref.history()) == 2
+
+
+#: A registry opened on the loop while the loop's last registry closes, n iterations after
+#: that one began to close, for n in 0..ITERATIONS - 1; then one that gives up doing so.
+REOPEN_SCRIPT = """
+import asyncio, sys
+import sessionactors as sa, sessionactors.aio as aio
+from sessionactors.testing import EchoModel
+
+AGENTS = {"e": sa.Agent(model=EchoModel())}
+
+async def attempt(n, give_up):
+    closing = asyncio.Event()
+
+    async def first():
+        async with aio.open_registry(agents=AGENTS) as registry:
+            await (await registry.spawn("a")).send("x")
+            closing.set()
+
+    async def second():
+        await closing.wait()
+        for _ in range(n):
+            await asyncio.sleep(0)
+        async with aio.open_registry(agents=AGENTS) as registry:
+            if give_up:
+                await asyncio.sleep(3600)
+            return (await (await registry.spawn("b")).send("y")).text
+
+    one, two = asyncio.ensure_future(first()), asyncio.ensure_future(second())
+    if give_up:
+        await closing.wait()
+        for _ in range(n):
+            await asyncio.sleep(0)
+        two.cancel()
+    await asyncio.wait([one, two])
+    assert one.result() is None
+    assert two.cancelled() if give_up else two.result() == "y"
+
+async def main():
+    for give_up in (False, True):
+        for n in range(int(sys.argv[1])):
+            await attempt(n, give_up)
+    print("ok")
+
+asyncio.run(main())
+"""
+
+
+def test_a_registry_opened_while_the_last_one_closes_waits_for_it() -> None:
+    """A registry opened on the loop just as the loop's last registry finishes closing
+    waits for that trio run to end and starts its own; the loop never spins in place."""
+    done = subprocess.run(
+        [sys.executable, "-c", REOPEN_SCRIPT, str(ITERATIONS * 2)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
