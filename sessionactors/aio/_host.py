@@ -28,7 +28,14 @@ import trio
 
 from .._errors import SessionStoppedError
 
-__all__ = ["Host", "acquire_host", "release_host", "wait_asyncio", "wait_future_uncancelled"]
+__all__ = [
+    "Host",
+    "acquire_host",
+    "ended_error",
+    "release_host",
+    "wait_asyncio",
+    "wait_future_uncancelled",
+]
 
 T = TypeVar("T")
 
@@ -111,7 +118,7 @@ class Host:
         if call.future.done():  # abandoned before it began
             return
         if self.nursery is None or self.state == "stopping":
-            _fail(call.future, _ended_error())
+            _fail(call.future, ended_error())
             return
         self.nursery.start_soon(call.run, fn, args)
 
@@ -172,7 +179,7 @@ class _Call(Generic[T]):
                 result = await fn(*args)
             except trio.Cancelled:
                 if not self.future.done():  # the host's run is ending under it
-                    _fail(self.future, _ended_error())
+                    _fail(self.future, ended_error())
                 raise
             except BaseException as exc:  # handed to the asyncio caller, as itself
                 _fail(self.future, exc)
@@ -310,7 +317,7 @@ def task_result(task: asyncio.Future[T]) -> T:
     return task.result()
 
 
-def _ended_error() -> SessionStoppedError:
+def ended_error() -> SessionStoppedError:
     """What a call gets that was under way when its registry closed (the last registry
     of the loop, whose trio run ends with it), as the trio registry's refs raise."""
     return SessionStoppedError(

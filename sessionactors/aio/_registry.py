@@ -24,7 +24,7 @@ import sessionactors as sa
 from .._hub import lagged_error
 from .._ref import entered_twice, known_reply, not_in_block
 from ._adapters import adapt_agent
-from ._host import Host, Task, acquire_host, release_host
+from ._host import Host, Task, acquire_host, ended_error, release_host
 
 __all__ = ["Registry", "SessionRef", "Turn", "open_registry"]
 
@@ -461,10 +461,8 @@ class _Subscription:
         except BaseException as exc:  # to the asyncio reader, as itself
             error = exc
         finally:
-            if not entered.done():
-                entered.set_exception(
-                    error or RuntimeError("the subscription ended before it began")
-                )
+            if not entered.done():  # (cancelled before it began: the trio run is ending)
+                entered.set_exception(error or ended_error())
             else:
                 stream._end(error)
 

@@ -429,3 +429,29 @@ def test_a_registry_opened_while_the_last_one_closes_waits_for_it() -> None:
         check=False,
     )
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
+
+
+@pytest.mark.parametrize("form", ["subscribe", "stream"])
+def test_a_subscription_opening_when_the_registry_closes_gets_session_stopped(form: str) -> None:
+    """A subscription or stream still opening (its session waking from a store that holds
+    the load) when the registry's block ends raises SessionStoppedError, not RuntimeError."""
+
+    async def main() -> None:
+        store = FaultyStore()
+        async with aio.open_registry(store=store, agents=shop(), shutdown_grace=0.01) as registry:
+            await (await registry.spawn("waking")).hibernate()
+            gate = store.hold("load")
+            ref = registry.ref("waking")
+
+            async def read() -> list[sa.Event]:
+                manager = ref.subscribe() if form == "subscribe" else ref.stream("hi")
+                async with manager as events:
+                    return [event async for event in events]
+
+            task = asyncio.ensure_future(read())
+            while not gate.waiting:
+                await asyncio.sleep(0)
+        with pytest.raises(sa.SessionStoppedError, match="closed"):
+            await task
+
+    run(main)
