@@ -455,3 +455,35 @@ def test_a_subscription_opening_when_the_registry_closes_gets_session_stopped(fo
             await task
 
     run(main)
+
+
+def test_a_delete_after_the_block_is_refused_and_deletes_nothing() -> None:
+    """registry.delete after the registry's block (from a task that kept the registry)
+    raises SessionStoppedError, like every other request, and the session stays stored."""
+    store = sa.MemoryStore()
+    agents = {"e": sa.Agent(model=EchoModel())}
+
+    async def main() -> None:
+        async with aio.open_registry(agents=agents) as keeping:  # the loop's trio run goes on
+            async with aio.open_registry(store=store, agents=agents) as registry:
+                await (await registry.spawn("kept")).send("hello")
+            with pytest.raises(sa.SessionStoppedError, match="'kept'"):
+                await registry.delete("kept")
+            assert keeping.live() == []  # (the other registry is untouched)
+        async with aio.open_registry(store=store, agents=agents) as registry:
+            assert [m.content for m in await registry.ref("kept").history()] == ["hello"] * 2
+
+    run(main)
+
+
+async def test_a_trio_delete_after_the_block_is_refused_and_deletes_nothing() -> None:
+    """The trio registry's delete after its block raises SessionStoppedError and leaves the
+    session in the store."""
+    store = sa.MemoryStore()
+    agents = {"e": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        await (await registry.spawn("kept")).send("hello")
+    with pytest.raises(sa.SessionStoppedError, match="'kept'"):
+        await registry.delete("kept")
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        assert len(await registry.ref("kept").history()) == 2
