@@ -292,6 +292,10 @@ async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
     """From trio: run ``awaitable`` as an asyncio task and wait for its result.
 
     Cancelling the trio caller cancels the asyncio task and waits for it to end.
+    A task that ends otherwise than cancelled (it raised, or finished its work after
+    all) ends this call so, as a trio function that does so under a cancellation
+    does: its outcome is recorded, and trio's cancellation comes at the next
+    checkpoint.
     """
     task = asyncio.ensure_future(awaitable, loop=host.loop)
     done = trio.Event()
@@ -302,7 +306,8 @@ async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
         task.cancel()
         with trio.CancelScope(shield=True):
             await done.wait()
-        raise
+        if task.cancelled():
+            raise
     return task_result(task)
 
 

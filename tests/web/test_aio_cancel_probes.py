@@ -487,3 +487,83 @@ async def test_a_trio_delete_after_the_block_is_refused_and_deletes_nothing() ->
         await registry.delete("kept")
     async with sa.open_registry(store=store, agents=agents) as registry:
         assert len(await registry.ref("kept").history()) == 2
+
+
+class CallsTool:
+    """An asyncio model that calls tool ``name`` first, then answers "ok"."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        if request.messages[-1].role is sa.Role.USER:
+            yield sa.ToolCallChunk(0, id="c1", name=self.name, arguments="{}")
+        else:
+            yield sa.TextChunk("ok")
+
+
+@pytest.mark.parametrize("kind", ["model", "tool", "tool-finishes"])
+def test_an_asyncio_model_or_tool_ending_its_own_way_when_cancelled_is_heard(kind: str) -> None:
+    """When ``ref.cancel()`` cancels an asyncio model or tool that then raises, or that
+    finishes after all, the turn records what it did as under trio (the model's error
+    fails the turn; the tool's error or result is its call's result), and asyncio reports
+    no exception left unread."""
+
+    async def main() -> None:
+        started = asyncio.Event()
+
+        class CleanupFails:
+            """An asyncio model whose stream, when cancelled, fails while closing."""
+
+            async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+                yield sa.TextChunk("partial")
+                started.set()
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    raise ConnectionError("closing the HTTP stream failed")
+
+        async def cleanup_fails() -> str:
+            """A tool whose cleanup fails when it is cancelled."""
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                raise ConnectionError("tool cleanup failed")
+
+        async def finishes_anyway() -> str:
+            """A tool that, once cancelled, still finishes its write and says so."""
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await asyncio.sleep(0)  # the write it had begun
+                return "refunded anyway"
+            return "unreachable"
+
+        agents = {
+            "model": sa.Agent(model=CleanupFails()),
+            "tool": sa.Agent(model=CallsTool("cleanup_fails"), tools=[sa.tool(cleanup_fails)]),
+            "tool-finishes": sa.Agent(
+                model=CallsTool("finishes_anyway"), tools=[sa.tool(finishes_anyway)]
+            ),
+        }
+        async with aio.open_registry(agents=agents) as registry:
+            ref = await registry.spawn("c", agent=kind)
+            turn = await ref.submit("go")
+            await started.wait()
+            assert await ref.cancel()
+            if kind == "model":
+                with pytest.raises(sa.TurnFailedError) as failed:
+                    await turn.reply()
+                assert isinstance(failed.value.__cause__, ConnectionError)
+            else:
+                with pytest.raises(sa.TurnCancelledError):
+                    await turn.reply()
+                history = await ref.history()
+                [result] = [m.content for m in history if m.role is sa.Role.TOOL]
+                expected = "ConnectionError: tool cleanup failed"
+                assert result == (expected if kind == "tool" else "refunded anyway")
+            gc.collect()
+
+    run(main)
