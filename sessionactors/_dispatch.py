@@ -402,6 +402,7 @@ class Dispatcher:
         """Remove the session everywhere: actor, subscribers, store."""
         validate_name(name)
         sessions = self.sessions
+        sessions.check_open(name)  # a closing registry deletes nothing, as it spawns nothing
         sessions.deleting[name] = sessions.deleting.get(name, 0) + 1
         try:
             router = self.router

@@ -455,7 +455,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         that turn's events published so far that are still available (see
         ``subscribe``), from its ``TurnStarted``.
         """
-        return _InBlock(self._stream(text, idempotency_key), "ref.stream(text)")
+        return _InBlock(self._stream(text, idempotency_key), "ref.stream(text)", self.session_id)
 
     @asynccontextmanager
     async def _stream(
@@ -608,11 +608,7 @@ class _Subscription:
 
     async def __aenter__(self) -> EventIterator:
         if self._iterator is not None:
-            raise SessionStoppedError(
-                f"a subscription to session {self._session_id!r} is entered once; "
-                "call ref.subscribe() again for another",
-                session_id=self._session_id,
-            )
+            raise entered_twice(self._session_id, "ref.subscribe()")
         self._iterator = await self._dispatcher.open_subscription(self._session_id, self._after)
         return self._iterator
 
@@ -622,6 +618,15 @@ class _Subscription:
 
     def __aiter__(self) -> NoReturn:
         raise not_in_block("ref.subscribe()")
+
+
+def entered_twice(session_id: str, form: str) -> SessionStoppedError:
+    """The error for entering one ``{form}`` (a subscription or a stream) again."""
+    what = "a subscription to" if form == "ref.subscribe()" else "a stream of"
+    return SessionStoppedError(
+        f"{what} session {session_id!r} is entered once; call {form} again for another",
+        session_id=session_id,
+    )
 
 
 def not_in_block(form: str) -> TypeError:
@@ -635,13 +640,23 @@ def not_in_block(form: str) -> TypeError:
 class _InBlock:
     """A context manager of events that says how to use it when iterated directly."""
 
-    __slots__ = ("_form", "_manager")
+    __slots__ = ("_entered", "_form", "_manager", "_session_id")
 
-    def __init__(self, manager: AbstractAsyncContextManager[AsyncIterator[Event]], form: str):
+    def __init__(
+        self,
+        manager: AbstractAsyncContextManager[AsyncIterator[Event]],
+        form: str,
+        session_id: str,
+    ):
         self._manager = manager
         self._form = form
+        self._session_id = session_id
+        self._entered = False
 
     async def __aenter__(self) -> AsyncIterator[Event]:
+        if self._entered:
+            raise entered_twice(self._session_id, self._form)
+        self._entered = True
         return await self._manager.__aenter__()
 
     async def __aexit__(self, *exc: Any) -> bool | None:

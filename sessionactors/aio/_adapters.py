@@ -177,10 +177,20 @@ class _ChunkStream:
             reader.set()
 
     async def aclose(self) -> None:
-        """Stop the asyncio producer (cancelling it) and wait until it has ended."""
+        """Stop the asyncio producer (cancelling it) and wait until it has ended.
+
+        A model whose stream raised as it closed raises that here, as a trio model's
+        stream would from ``aclose``.
+        """
         task = self._task
         if task is None or self._gone.is_set():
+            if task is not None and not task.cancelled():
+                task.exception()  # read: the reader stopped early, for its own reason
             await trio.lowlevel.checkpoint()
             return
-        task.cancel()
+        cancelling = task.cancel()  # (False: it had just ended by itself)
         await self._gone.wait()
+        if not task.cancelled():
+            error = task.exception()  # (read, whatever comes of it)
+            if cancelling and error is not None:
+                raise error

@@ -28,7 +28,14 @@ import trio
 
 from .._errors import SessionStoppedError
 
-__all__ = ["Host", "acquire_host", "release_host", "wait_asyncio", "wait_future_uncancelled"]
+__all__ = [
+    "Host",
+    "acquire_host",
+    "ended_error",
+    "release_host",
+    "wait_asyncio",
+    "wait_future_uncancelled",
+]
 
 T = TypeVar("T")
 
@@ -78,6 +85,11 @@ class Host:
             nursery.cancel_scope.cancel()
 
     def _done(self, result: outcome.Outcome[None]) -> None:
+        # The run has ended: the loop's next registry starts a new one. (Left in place
+        # until the task that ended it resumed, it made acquire_host wait on a future
+        # already done, which does not yield: the loop spun there forever.)
+        if _HOSTS.get(self.loop) is self:
+            del _HOSTS[self.loop]
         if isinstance(result, outcome.Error):
             _fail(self.started, result.error)
             _fail(self.finished, result.error)
@@ -106,7 +118,7 @@ class Host:
         if call.future.done():  # abandoned before it began
             return
         if self.nursery is None or self.state == "stopping":
-            _fail(call.future, RuntimeError("the trio run of sessionactors.aio has ended"))
+            _fail(call.future, ended_error())
             return
         self.nursery.start_soon(call.run, fn, args)
 
@@ -167,7 +179,7 @@ class _Call(Generic[T]):
                 result = await fn(*args)
             except trio.Cancelled:
                 if not self.future.done():  # the host's run is ending under it
-                    _fail(self.future, RuntimeError("the trio run of sessionactors.aio ended"))
+                    _fail(self.future, ended_error())
                 raise
             except BaseException as exc:  # handed to the asyncio caller, as itself
                 _fail(self.future, exc)
@@ -257,11 +269,7 @@ async def release_host(host: Host) -> None:
     host.state = "stopping"
     if host.token is not None:
         host.run_sync_soon(host._stop.set)
-    try:
-        await wait_future_uncancelled(host.finished)
-    finally:
-        if _HOSTS.get(host.loop) is host:
-            del _HOSTS[host.loop]
+    await wait_future_uncancelled(host.finished)  # (its end took it out of _HOSTS)
 
 
 async def wait_future_uncancelled(future: asyncio.Future[T]) -> T:
@@ -284,6 +292,10 @@ async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
     """From trio: run ``awaitable`` as an asyncio task and wait for its result.
 
     Cancelling the trio caller cancels the asyncio task and waits for it to end.
+    A task that ends otherwise than cancelled (it raised, or finished its work after
+    all) ends this call so, as a trio function that does so under a cancellation
+    does: its outcome is recorded, and trio's cancellation comes at the next
+    checkpoint.
     """
     task = asyncio.ensure_future(awaitable, loop=host.loop)
     done = trio.Event()
@@ -294,7 +306,8 @@ async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
         task.cancel()
         with trio.CancelScope(shield=True):
             await done.wait()
-        raise
+        if task.cancelled():
+            raise
     return task_result(task)
 
 
@@ -307,6 +320,16 @@ def task_result(task: asyncio.Future[T]) -> T:
             "by someone else (is the asyncio loop shutting down?)"
         )
     return task.result()
+
+
+def ended_error() -> SessionStoppedError:
+    """What a call gets that was under way when its registry closed (the last registry
+    of the loop, whose trio run ends with it), as the trio registry's refs raise."""
+    return SessionStoppedError(
+        "the registry closed while this call was under way, and the trio run of "
+        "sessionactors.aio ended under it; make the call again inside an open "
+        "`async with sessionactors.aio.open_registry(...)` block"
+    )
 
 
 def _resolve(future: asyncio.Future[T], value: T) -> None:

@@ -21,9 +21,10 @@ import trio
 
 import sessionactors as sa
 
-from .._ref import known_reply, not_in_block
+from .._hub import lagged_error
+from .._ref import entered_twice, known_reply, not_in_block
 from ._adapters import adapt_agent
-from ._host import Host, Task, acquire_host, release_host
+from ._host import Host, Task, acquire_host, ended_error, release_host
 
 __all__ = ["Registry", "SessionRef", "Turn", "open_registry"]
 
@@ -161,7 +162,9 @@ class SessionRef:
         """Events of this session, live from now on or replayed from ``after``
         (see :meth:`sessionactors.SessionRef.subscribe`): ``async with
         ref.subscribe() as events: async for event in events: ...``."""
-        return _Subscription(self._host, lambda: self._ref.subscribe(after), "ref.subscribe()")
+        return _Subscription(
+            self._host, self.session_id, lambda: self._ref.subscribe(after), "ref.subscribe()"
+        )
 
     def stream(
         self, text: str, *, idempotency_key: str | None = None
@@ -169,6 +172,7 @@ class SessionRef:
         """Submit a turn and iterate over that turn's events only, ending with its outcome."""
         return _Subscription(
             self._host,
+            self.session_id,
             lambda: self._ref.stream(text, idempotency_key=idempotency_key),
             "ref.stream(text)",
         )
@@ -348,6 +352,7 @@ class EventStream:
         # the asyncio readers wait (one each: several tasks may read one subscription)
         self._readers: list[asyncio.Future[None]] = []
         self._room: trio.Event | None = None  # the trio pump waits
+        self._cut: sa.SubscriberLaggedError | None = None  # ended with its reader behind
 
     def __aiter__(self) -> EventStream:
         return self
@@ -381,11 +386,20 @@ class EventStream:
         self._wake_reader()
         while len(self._events) >= _EVENTS_AHEAD:
             self._room = room = trio.Event()
-            await room.wait()
+            try:
+                await room.wait()
+            except trio.Cancelled:
+                # Cut off while its reader is behind (the block left, or the registry's
+                # trio run ending): the events it had not taken yet are lost, so a reader
+                # that goes on hears that it fell behind, after the events held here; and
+                # it must not wake this pump in a trio run that may have ended.
+                self._room = None
+                self._cut = lagged_error(event.session_id, event.seq)
+                raise
 
     def _end(self, error: BaseException | None) -> None:
         self._ended = True
-        self._error = error
+        self._error = error if error is not None else self._cut
         self._wake_reader()
 
     def _wake_reader(self) -> None:
@@ -403,10 +417,12 @@ class _Subscription:
     def __init__(
         self,
         host: Host,
+        session_id: str,
         open_events: Callable[[], AbstractAsyncContextManager[AsyncIterator[sa.Event]]],
         form: str,
     ) -> None:
         self._host = host
+        self._session_id = session_id
         self._open_events = open_events
         self._form = form
         self._stream = EventStream(host)
@@ -414,6 +430,8 @@ class _Subscription:
         self._task: Task | None = None
 
     async def __aenter__(self) -> EventStream:
+        if self._task is not None:
+            raise entered_twice(self._session_id, self._form)
         self._task = self._host.start(self._pump)
         try:
             await self._entered
@@ -443,10 +461,8 @@ class _Subscription:
         except BaseException as exc:  # to the asyncio reader, as itself
             error = exc
         finally:
-            if not entered.done():
-                entered.set_exception(
-                    error or RuntimeError("the subscription ended before it began")
-                )
+            if not entered.done():  # (cancelled before it began: the trio run is ending)
+                entered.set_exception(error or ended_error())
             else:
                 stream._end(error)
 
@@ -511,6 +527,7 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
         try:
             registry = await ready
         except BaseException:
+            closed.cancel()  # nobody will wait for the close: it has no error to report
             await task.aclose()
             raise
         try:
