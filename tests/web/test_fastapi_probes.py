@@ -1,0 +1,106 @@
+"""The gateway as a FastAPI team adopts it: mounted in an app of their own, whose lifespan
+is the gateway's, with routes of their own on its registry, under uvicorn and hypercorn.
+
+FastAPI is not among the test dependencies; Starlette stands in for it: FastAPI's
+``lifespan=`` and ``app.mount`` are Starlette's."""
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Mount, Route
+
+import sessionactors as sa
+from sessionactors.http import SessionsApp, create_app
+
+from .chat_agents import asyncio_agents, trio_agents
+from .servers import serve_asyncio, serve_trio
+
+KINDS = ["hypercorn-trio", "uvicorn-asyncio"]
+
+
+def own_route(gateway: SessionsApp) -> Route:
+    """A route of the user's own that sends through ``gateway.registry``."""
+
+    async def ask(request: Request) -> JSONResponse:
+        registry: Any = gateway.registry
+        ref = await registry.get_or_spawn(request.path_params["name"])
+        reply = await ref.send((await request.json())["text"])
+        return JSONResponse({"text": reply.text.strip(), "live": registry.live()})
+
+    return Route("/ask/{name}", ask, methods=["POST"])
+
+
+@pytest.mark.parametrize("form", ["lifespan=", "inside"])
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_mounted_gateway_runs_with_its_lifespan_given_to_the_outer_app(
+    kind: str, form: str
+) -> None:
+    """create_app(store=..., agents=...) mounted in an app whose lifespan is
+    gateway.lifespan (or enters it) serves its routes under the mount, the app's own
+    routes reach the same registry as gateway.registry, and a second run of the app
+    (a test client per test) opens a new registry over the same store."""
+    trio_side = kind == "hypercorn-trio"
+    store = sa.MemoryStore()
+    gateway = create_app(store=store, agents=trio_agents(0.0) if trio_side else asyncio_agents(0.0))
+    if form == "lifespan=":
+        lifespan: Any = gateway.lifespan
+    else:
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with gateway.lifespan(app):
+                yield
+
+    app = Starlette(routes=[own_route(gateway), Mount("/api", gateway)], lifespan=lifespan)
+    serve = serve_trio if trio_side else serve_asyncio
+    for run in range(2):
+        async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+            with trio.fail_after(20):
+                r = await client.post("/ask/ada", json={"text": f"own {run}"})
+                assert r.status_code == 200, r.text
+                assert r.json() == {"text": f"own {run}", "live": ["ada"]}
+                r = await client.post("/api/sessions/ada/messages", json={"text": f"api {run}"})
+                assert r.status_code == 200, r.text
+                r = await client.get("/api/sessions/ada")
+                assert r.status_code == 200, r.text
+                assert len(r.json()["messages"]) == 4 * (run + 1)
+    state = await sa.read_session(store, "ada")
+    assert state.status is sa.Status.HIBERNATED
+    assert [m.content.strip() for m in state.messages][::2] == ["own 0", "api 0", "own 1", "api 1"]
+
+
+async def test_the_gateway_lifespan_entered_twice_at_once_is_refused() -> None:
+    """Entering a gateway's lifespan while it is open raises RuntimeError and leaves the
+    open one serving; an app made with create_app(registry) has no lifespan (TypeError),
+    and the mounted gateway's NoRegistry answer names gateway.lifespan."""
+    gateway = create_app(agents=trio_agents(0.0))
+    with trio.fail_after(10):
+        async with gateway.lifespan(None):
+            registry = gateway.registry
+            assert isinstance(registry, sa.Registry)
+            with pytest.raises(RuntimeError, match="already open"):
+                async with gateway.lifespan(None):
+                    pass  # pragma: no cover
+            assert gateway.registry is registry
+            ref = await registry.get_or_spawn("x")
+            assert (await ref.send("still here")).text.strip() == "still here"
+        async with gateway.lifespan(None):  # afterwards, again
+            assert gateway.registry is not registry
+    async with sa.open_registry(agents=trio_agents(0.0)) as registry:
+        with pytest.raises(TypeError, match=r"make the app with create_app\(store="):
+            create_app(registry).lifespan(None)
+
+    outer = Starlette(routes=[Mount("/api", create_app(agents=trio_agents(0.0)))])
+    async with serve_trio(outer) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(20):
+            r = await client.get("/api/sessions")
+    assert r.status_code == 500, r.text
+    assert r.json()["error"] == "NoRegistry"
+    assert "lifespan=gateway.lifespan" in r.json()["message"]
