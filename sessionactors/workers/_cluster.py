@@ -300,38 +300,81 @@ class Cluster:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Announce this worker, then serve its inbox and publish its events until cancelled."""
-        # One look before it starts (opening a registry stays cheap otherwise): is this
-        # worker id free? (a store that fails to answer now only skips the look)
+        # One look before it starts: is this worker id free? (a store that fails to
+        # answer now only skips the look, and the registry opens without waiting for
+        # the announcement below)
+        answered = True
+        refused: StoreConfigurationError | None = None
         try:
             await self._check_unique()
         except StoreError as exc:
             fatal(exc)
+            answered = False
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self.streams.publish_loop, name="cluster events")
-                task_status.started()
-                await nursery.start(self._listen_loop, name="cluster requests")
-                while True:
-                    try:
-                        # Start after what an earlier incarnation with this worker id left
-                        # (its requesters see the new incarnation and send again).
-                        await self._skip_stale_inbox()
-                        await self.transport.heartbeat(
-                            self.worker, self.incarnation, self.ttl, None
-                        )
-                        break
-                    except StoreError as exc:
-                        fatal(exc)
-                        await trio.sleep(min(1.0, self.ttl / 3))
-                nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
-                nursery.start_soon(self._read_loop, name="cluster inbox")
-                nursery.start_soon(self._balance_loop, name="cluster balance")
+                announced = False
+                if answered:
+                    # Announced before the registry opens (a store that answered just now
+                    # answers this too; within a bound): the announcement's own check of
+                    # the worker id then fails the opening, not the registry once open.
+                    with trio.move_on_after(self.ttl):
+                        try:
+                            await nursery.start(self._announce, name="cluster announce")
+                        except StoreConfigurationError as exc:
+                            refused = exc  # (raised as itself, not in the nursery's group)
+                            nursery.cancel_scope.cancel()
+                        else:
+                            announced = True
+                if refused is None:
+                    task_status.started()
+                    if not announced:
+                        nursery.start_soon(self._announce, name="cluster announce")
+            if refused is not None:
+                raise refused
         finally:
             self._nursery = None
             for send in list(self._waiters.values()):
                 send.close()
             self.streams.close()
+
+    async def _announce(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on this incarnation's channel, announce it, then run the worker's loops."""
+        nursery = self._nursery
+        assert nursery is not None
+        if not self._subscriptions:  # (not yet listening: an earlier try ran out of time)
+            await nursery.start(self._listen_loop, name="cluster requests")
+        while True:
+            try:
+                # Start after what an earlier incarnation with this worker id left
+                # (its requesters see the new incarnation and send again).
+                await self._skip_stale_inbox()
+                replaced = await self.transport.heartbeat(
+                    self.worker, self.incarnation, self.ttl, None
+                )
+                await self._check_replaced(replaced)
+                break
+            except StoreError as exc:
+                fatal(exc)
+                await trio.sleep(min(1.0, self.ttl / 3))
+        nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
+        nursery.start_soon(self._read_loop, name="cluster inbox")
+        nursery.start_soon(self._balance_loop, name="cluster balance")
+        task_status.started()
+
+    async def _check_replaced(self, replaced: str | None) -> None:
+        """Raise StoreConfigurationError if this worker's first announcement replaced that
+        of another live incarnation under its worker id: one that started at the same
+        moment, after ``_check_unique`` looked (it listened before it announced itself,
+        so it answers now). Its announcement is put back."""
+        if replaced is None or replaced == self.incarnation:
+            return
+        if await self.transport.send(self.worker, replaced, pack({"op": "wake"})):
+            await self.transport.heartbeat(self.worker, replaced, self.ttl, None)
+            raise StoreConfigurationError(_worker_id_taken(self.worker))
 
     async def _check_unique(self) -> None:
         """Raise StoreConfigurationError if another live worker runs under this worker
@@ -342,11 +385,7 @@ class Cluster:
         if other is None or other == self.incarnation:
             return
         if await self.transport.send(self.worker, other, pack({"op": "wake"})):
-            raise StoreConfigurationError(
-                f"another live worker on this store runs as worker_id {self.worker!r}: "
-                "give each worker process its own worker_id (reuse one only to restart "
-                "the worker that had it, once that one stopped)"
-            )
+            raise StoreConfigurationError(_worker_id_taken(self.worker))
 
     async def aclose(self) -> None:
         """Wait (within the shutdown grace) for the answers to the requests this worker
@@ -1183,6 +1222,14 @@ class Cluster:
         """Run ``fn`` in the background while the worker runs (not at all otherwise)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, name=name)
+
+
+def _worker_id_taken(worker: str) -> str:
+    return (
+        f"another live worker on this store runs as worker_id {worker!r}: give each "
+        "worker process its own worker_id (reuse one only to restart the worker that "
+        "had it, once that one stopped)"
+    )
 
 
 def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError:

@@ -5,6 +5,7 @@ FastAPI is not among the test dependencies; Starlette stands in for it: FastAPI'
 ``lifespan=`` and ``app.mount`` are Starlette's."""
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from starlette.routing import Mount, Route
 
 import sessionactors as sa
 from sessionactors.http import SessionsApp, create_app
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import serve_asyncio, serve_trio
@@ -104,3 +107,39 @@ async def test_the_gateway_lifespan_entered_twice_at_once_is_refused() -> None:
     assert r.status_code == 500, r.text
     assert r.json()["error"] == "NoRegistry"
     assert "lifespan=gateway.lifespan" in r.json()["message"]
+
+
+@pytest.mark.redis
+async def test_two_workers_started_at_once_under_one_worker_id_do_not_both_run(
+    redis_url: str,
+) -> None:
+    """Two registries opened at the same moment on one Redis under the same worker_id
+    (``worker_id=socket.gethostname()`` under ``uvicorn --workers 2``) do not both run:
+    one fails to open with StoreConfigurationError, and the other serves on."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    outcomes: list[str] = []
+    tried = trio.Event()
+
+    async def worker() -> None:
+        store = RedisStore(redis_url, prefix=prefix)
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        try:
+            async with sa.open_registry(
+                store=store, agents=agents, worker_id="web", lease_ttl=1.0
+            ) as registry:
+                outcomes.append("open")
+                if len(outcomes) == 2:
+                    tried.set()
+                await tried.wait()
+                ref = await registry.get_or_spawn("s")
+                assert (await ref.send("still serving")).text == "still serving"
+        except sa.StoreConfigurationError as exc:
+            outcomes.append("refused" if "worker_id 'web'" in str(exc) else repr(exc))
+            if len(outcomes) == 2:
+                tried.set()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker)
+            nursery.start_soon(worker)
+    assert sorted(outcomes) == ["open", "refused"]
