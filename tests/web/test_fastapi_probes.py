@@ -5,8 +5,13 @@ FastAPI is not among the test dependencies; Starlette stands in for it: FastAPI'
 ``lifespan=`` and ``app.mount`` are Starlette's."""
 
 import contextlib
+import os
+import signal
+import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -143,3 +148,114 @@ async def test_two_workers_started_at_once_under_one_worker_id_do_not_both_run(
             nursery.start_soon(worker)
             nursery.start_soon(worker)
     assert sorted(outcomes) == ["open", "refused"]
+
+
+#: An app as a FastAPI team writes it, for ``uvicorn app_module:app --workers 2``: the
+#: gateway mounted under /api and run by the app's lifespan, a route of its own on the
+#: gateway's registry, on the RedisStore of $REDIS_URL; worker_id left at its default.
+APP_MODULE = """
+import asyncio, os
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Mount, Route
+import sessionactors as sa
+from sessionactors.http import create_app
+from sessionactors.stores import RedisStore
+
+
+class Echo:
+    async def stream(self, request):
+        await asyncio.sleep(0.01)
+        yield sa.TextChunk(request.messages[-1].content)
+
+
+gateway = create_app(
+    store=RedisStore(os.environ["REDIS_URL"], prefix=os.environ["PREFIX"]),
+    agents={"echo": sa.Agent(model=Echo())},
+    lease_ttl=3.0,
+)
+
+
+async def ask(request: Request) -> JSONResponse:
+    registry = gateway.registry
+    name = request.path_params["name"]
+    ref = await registry.get_or_spawn(name)
+    reply = await ref.send(request.query_params["text"])
+    return JSONResponse({"pid": os.getpid(), "text": reply.text, "here": name in registry.live()})
+
+
+app = Starlette(
+    routes=[Route("/ask/{name}", ask, methods=["POST"]), Mount("/api", gateway)],
+    lifespan=gateway.lifespan,
+)
+"""
+
+
+@pytest.mark.redis
+async def test_uvicorn_workers_processes_each_run_as_a_worker_and_reach_each_others_sessions(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Under ``uvicorn app:app --workers 2`` (real processes) with the gateway's lifespan on
+    a RedisStore and default worker ids, both processes start, a request to either one
+    reaches a session live in the other, and SIGTERM hibernates every session."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    (tmp_path / "app_module.py").write_text(APP_MODULE)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "REDIS_URL": redis_url, "PREFIX": prefix}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(tmp_path)])
+    command = [sys.executable, "-m", "uvicorn", "app_module:app", "--workers", "2"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command += ["--timeout-graceful-shutdown", "5"]
+    log = (tmp_path / "uvicorn.log").open("wb")
+    process = await trio.lowlevel.open_process(
+        command, cwd=tmp_path, env=env, stdout=log, stderr=log
+    )
+    sent: dict[str, int] = {}
+    try:
+        served: dict[str, set[tuple[int, bool]]] = {}
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", headers={"connection": "close"}
+        ) as client:
+            with trio.fail_after(60):
+                while True:  # until both processes answer
+                    try:
+                        r = await client.get("/api/sessions")
+                    except httpx.TransportError:
+                        assert process.poll() is None, (tmp_path / "uvicorn.log").read_text()
+                        await trio.sleep(0.1)
+                        continue
+                    assert r.status_code == 200, r.text
+                    break
+                for attempt in range(300):
+                    name = f"s{attempt % 6}"
+                    text = f"{name} {attempt}"
+                    r = await client.post(f"/ask/{name}", params={"text": text})
+                    assert r.status_code == 200, r.text
+                    assert r.json()["text"] == text
+                    sent[name] = sent.get(name, 0) + 1
+                    served.setdefault(name, set()).add((r.json()["pid"], r.json()["here"]))
+                    pids = {pid for ways in served.values() for pid, _ in ways}
+                    elsewhere = {
+                        name for name, ways in served.items() if (False in {h for _, h in ways})
+                    }
+                    if len(pids) == 2 and elsewhere and attempt >= 12:
+                        break
+                assert len(pids) == 2, served  # both processes served
+                assert elsewhere, served  # a request reached a session live in the other
+                r = await client.get(f"/api/sessions/{next(iter(elsewhere))}")
+                assert r.status_code == 200, r.text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            code = await process.wait()
+        log.close()
+    assert code == 0, (tmp_path / "uvicorn.log").read_text()
+    store = RedisStore(redis_url, prefix=prefix)
+    for name, count in sent.items():
+        state = await sa.read_session(store, name)
+        assert state.status is sa.Status.HIBERNATED, (name, state.status)
+        assert len(state.messages) == 2 * count
