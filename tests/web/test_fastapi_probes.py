@@ -5,6 +5,7 @@ FastAPI is not among the test dependencies; Starlette stands in for it: FastAPI'
 ``lifespan=`` and ``app.mount`` are Starlette's."""
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -19,11 +20,11 @@ import pytest
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
 
 import sessionactors as sa
-from sessionactors.http import SessionsApp, create_app
+from sessionactors.http import SessionsApp, create_app, event_to_json
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -82,6 +83,50 @@ async def test_a_mounted_gateway_runs_with_its_lifespan_given_to_the_outer_app(
     state = await sa.read_session(store, "ada")
     assert state.status is sa.Status.HIBERNATED
     assert [m.content.strip() for m in state.messages][::2] == ["own 0", "api 0", "own 1", "api 1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_browser_leaving_an_own_sse_route_mid_turn_leaves_the_turn_stored(
+    kind: str,
+) -> None:
+    """A route of the app's own that streams ``ref.stream(text)`` as SSE, whose client goes
+    away after the first delta (the server cancels the handler), abandons only its wait:
+    the turn runs to its end and is stored, and no subscription is left behind."""
+    trio_side = kind == "hypercorn-trio"
+    gateway = create_app(agents=trio_agents(0.02) if trio_side else asyncio_agents(0.02))
+
+    async def ask(request: Request) -> StreamingResponse:
+        registry: Any = gateway.registry
+        ref = await registry.get_or_spawn(request.path_params["name"])
+        text = request.query_params["text"]
+
+        async def events() -> AsyncIterator[str]:
+            async with ref.stream(text) as stream:
+                async for event in stream:
+                    yield f"id: {event.seq}\ndata: {json.dumps(event_to_json(event))}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(
+        routes=[Route("/ask/{name}", ask, methods=["POST"]), Mount("/api", gateway)],
+        lifespan=gateway.lifespan,
+    )
+    text = " ".join(f"word{i}" for i in range(20))
+    serve = serve_trio if trio_side else serve_asyncio
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(20):
+            async with client.stream("POST", "/ask/ada", params={"text": text}) as r:
+                async for line in r.aiter_lines():
+                    if '"Delta"' in line:
+                        break
+            registry: Any = gateway.registry
+            while registry.statistics().subscribers:
+                await trio.sleep(0.01)
+            while (await client.get("/api/sessions/ada")).json()["status"] != "idle":
+                await trio.sleep(0.05)
+            state = (await client.get("/api/sessions/ada")).json()
+    assert [m["content"] for m in state["messages"]] == [text, text]
+    assert [m["interrupted"] for m in state["messages"]] == [False, False]
 
 
 async def test_the_gateway_lifespan_entered_twice_at_once_is_refused() -> None:
@@ -157,7 +202,7 @@ APP_MODULE = """
 import asyncio, os
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
 import sessionactors as sa
 from sessionactors.http import create_app
