@@ -404,6 +404,15 @@ class SessionsApp:
                 "or open the registry in your own app's lifespan and serve "
                 "create_app(registry), or serve this app itself",
             )
+        if self._lifespan_began and not self._in_lifespan:
+            raise _RequestError(
+                500,
+                "NoRegistry",
+                "the app has no registry: its lifespan, which opens and closes it, has "
+                "ended and is not running again; send requests while it runs (in tests: "
+                "inside `with TestClient(app) as client:`; a bare TestClient(app) runs "
+                "no lifespan)",
+            )
         if registry is None and not self._draining:
             raise _RequestError(
                 503, "Starting", "the server is opening its registry; retry in a moment"

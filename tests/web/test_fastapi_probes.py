@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
+from starlette.testclient import TestClient
 
 import sessionactors as sa
 from sessionactors.http import SessionsApp, create_app, event_to_json
@@ -204,6 +205,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
+from starlette.testclient import TestClient
 import sessionactors as sa
 from sessionactors.http import create_app
 from sessionactors.stores import RedisStore
@@ -304,3 +306,22 @@ async def test_uvicorn_workers_processes_each_run_as_a_worker_and_reach_each_oth
         state = await sa.read_session(store, name)
         assert state.status is sa.Status.HIBERNATED, (name, state.status)
         assert len(state.messages) == 2 * count
+
+
+def test_a_request_after_the_lifespan_ended_says_so_rather_than_retry() -> None:
+    """A mounted gateway whose lifespan ran and ended (a test suite's ``with
+    TestClient(app)`` in one test, a bare ``TestClient(app)`` in the next, which runs no
+    lifespan) answers 500 NoRegistry saying its lifespan is not running, not 503
+    "shutting down; retry", which a client retries for ever."""
+    gateway = create_app(store=sa.MemoryStore(), agents=asyncio_agents(0.0))
+    app = Starlette(routes=[Mount("/api", gateway)], lifespan=gateway.lifespan)
+    with TestClient(app) as client:
+        r = client.post("/api/sessions/ada/messages", json={"text": "hi"})
+        assert r.status_code == 200, r.text
+    r = TestClient(app).get("/api/sessions")
+    assert r.status_code == 500, r.text
+    assert r.json()["error"] == "NoRegistry"
+    assert "lifespan" in r.json()["message"]
+    assert "with TestClient(app)" in r.json()["message"]
+    with TestClient(app) as client:  # and a lifespan again serves again
+        assert client.get("/api/sessions/ada").status_code == 200
