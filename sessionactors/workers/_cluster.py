@@ -118,7 +118,7 @@ from .._errors import (
 from .._events import Event
 from .._pending import Append, Pending
 from .._records import SessionState, TurnOutcome, id_issuer, new_id
-from .._ref import Turn, new_turn
+from .._ref import Turn, joined, new_turn
 from .._requests import (
     Call,
     Cancel,
@@ -157,7 +157,7 @@ _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 #: Requesting processes for which a worker remembers the last answer it dropped.
 _ISSUERS_KEPT: Final = 10_000
 #: Requests safe to serve again: their answers are not kept.
-_NOT_KEPT: Final = ("read", "watch", "outcome")
+_NOT_KEPT: Final = ("read", "watch", "outcome", "held")
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate, Stop)
@@ -190,11 +190,13 @@ class _Forwarded:
     __slots__ = (
         "accepted",
         "early_error",
+        "joined_at",
         "local",
         "owner",
         "pending",
         "replayed",
         "settled",
+        "since",
         "turn_id",
     )
 
@@ -207,6 +209,10 @@ class _Forwarded:
         self.turn_id = ""
         self.owner = ""  # the worker that accepted it
         self.replayed = False
+        #: It joined its key's turn under way at the owner: that turn's events follow
+        #: seq ``since``; the owner had published up to ``joined_at`` (see ``Turn``).
+        self.since: int | None = None
+        self.joined_at = 0
 
 
 class _Handover:
@@ -609,9 +615,11 @@ class Cluster:
                 key = body.get("key")
                 turn = await host.submit_here(name, str(body["text"]), key)
                 if body.get("ack"):
-                    await self._answer(
-                        body, {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
-                    )
+                    since, joined_at = joined(turn)  # (a turn under way that its key joined)
+                    ack = {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
+                    if since is not None:
+                        ack.update(since=since, joined_at=joined_at)
+                    await self._answer(body, ack)
                 reply = await turn.reply()
                 await self._answer(body, {"ok": "reply", "reply": dump_reply(name, reply)})
             elif op == "read":
@@ -638,6 +646,8 @@ class Cluster:
                     answer["turn"] = running.turn_id
                     answer["key"] = running.idempotency_key
                 await self._answer(body, answer)
+            elif op == "held":  # another worker's replay, before its stream begins
+                await self._answer(body, self.streams.held_here(name, int(body["after"])))
             elif op == "call":
                 value = await host.call_here(name, load_call(name, body["req"]))
                 if isinstance(value, Reply):
@@ -772,7 +782,13 @@ class Cluster:
         if forwarded.early_error is not None:
             raise forwarded.early_error
         return new_turn(
-            forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed, known=True
+            forwarded.turn_id,
+            name,
+            forwarded.pending,
+            replayed=forwarded.replayed,
+            known=True,
+            since=forwarded.since,
+            joined_at=forwarded.joined_at,
         )
 
     async def _carry_turn(
@@ -782,6 +798,10 @@ class Cluster:
             forwarded.turn_id = str(body["turn_id"])
             forwarded.owner = str(body.get("_owner", "?"))
             forwarded.replayed = bool(body.get("replayed"))
+            since = body.get("since")
+            if isinstance(since, int):
+                forwarded.since = since
+                forwarded.joined_at = int(body.get("joined_at") or 0)
             forwarded.accepted = True
             forwarded.settled.set()
 

@@ -325,3 +325,83 @@ def test_a_request_after_the_lifespan_ended_says_so_rather_than_retry() -> None:
     assert "with TestClient(app)" in r.json()["message"]
     with TestClient(app) as client:  # and a lifespan again serves again
         assert client.get("/api/sessions/ada").status_code == 200
+
+
+@pytest.mark.redis
+async def test_a_keyed_stream_through_another_worker_joins_its_turn_from_its_start(
+    redis_url: str,
+) -> None:
+    """ref.stream(text, idempotency_key=k) made on a worker that does not run the session,
+    while the turn of key k runs on the worker that does (a browser's retry reaching the
+    other uvicorn process), follows that turn from its TurnStarted, every delta included,
+    as it does on the session's own worker; no second turn runs."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    words = [f"w{i}" for i in range(40)]
+    text = " ".join(words)
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        agents = {"echo": sa.Agent(model=EchoModel(delay=0.02))}
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=2.0)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            await a.spawn("s")
+            async with a.ref("s").subscribe() as seen:
+                await a.ref("s").submit(text, idempotency_key="k")
+                deltas = 0
+                async for event in seen:
+                    deltas += isinstance(event, sa.Delta)
+                    if deltas == 3:
+                        break
+            assert a.live() == ["s"]
+            assert b.live() == []
+            got: list[sa.Event] = []
+            async with b.ref("s").stream(text, idempotency_key="k") as events:
+                async for event in events:
+                    got.append(event)
+            history = await b.ref("s").history()
+    assert isinstance(got[0], sa.TurnStarted), [(type(e).__name__, e.seq) for e in got[:6]]
+    assert "".join(e.text for e in got if isinstance(e, sa.Delta)).split() == words
+    assert isinstance(got[-1], sa.TurnFinished)
+    assert [m.content for m in history] == [text, text]
+
+
+@pytest.mark.redis
+async def test_a_resume_through_another_worker_replays_the_deltas_its_owner_holds(
+    redis_url: str,
+) -> None:
+    """subscribe(after=seq) on a worker that does not run the session (a browser's
+    Last-Event-ID reaching the other uvicorn process) replays every event after seq that
+    the owner still holds, deltas included, without a gap, as on the owner itself."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(40))
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        agents = {"echo": sa.Agent(model=EchoModel(delay=0.02))}
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=2.0)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            await a.spawn("s")
+            async with a.ref("s").subscribe() as seen:
+                await a.ref("s").submit(text)
+                last = 0
+                async for event in seen:
+                    last = event.seq
+                    if isinstance(event, sa.Delta):
+                        break
+                deltas = 0
+                async for event in seen:  # the owner goes on, past what b's stream holds
+                    deltas += isinstance(event, sa.Delta)
+                    if deltas == 5:
+                        break
+            seqs: list[int] = []
+            async with b.ref("s").subscribe(after=last) as events:
+                async for event in events:
+                    seqs.append(event.seq)
+                    if isinstance(event, sa.TurnFinished):
+                        break
+            assert b.live() == []
+    assert seqs == list(range(last + 1, seqs[-1] + 1))
