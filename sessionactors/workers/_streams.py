@@ -375,12 +375,16 @@ class Streams:
 
     async def held(self, name: str, after: int) -> dict[int, bytes] | None:
         """The events after ``after`` that the session's owner elsewhere still holds, by
-        seq, if it holds them all (deltas included); None otherwise."""
+        seq, if it holds them all (deltas included); None otherwise, or if the owner
+        does not answer soon (a hand-over holds its requests: meanwhile the
+        subscription that waits on this replay buffers the session's events)."""
         request = {"op": "held", "s": name, "after": after}
-        try:
-            answer = await self._forward(name, request, retry_safe=True)
-        except SessionActorsError:  # (an owner of an earlier version knows no "held")
-            return None
+        answer = None
+        with trio.move_on_after(self.ttl / 3):
+            try:
+                answer = await self._forward(name, request, retry_safe=True)
+            except SessionActorsError:  # (an owner of an earlier version knows no "held")
+                return None
         if answer is None or "err" in answer or not isinstance(answer.get("value"), list):
             return None
         followed = self._births.get(name)
