@@ -1,7 +1,6 @@
 """How-to: the gateway inside your own Starlette (or FastAPI) app, beside routes of your own."""
 
 import asyncio
-import contextlib
 import json
 import os
 import tempfile
@@ -13,7 +12,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Mount, Route
-from starlette.types import Receive, Scope, Send
 
 import sessionactors as sa
 import sessionactors.aio
@@ -29,25 +27,20 @@ class EchoModel:
             yield sa.TextChunk(word + " ")
 
 
-@contextlib.asynccontextmanager
-async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    agents = {"echo": sa.Agent(model=EchoModel())}
-    store = sa.SQLiteStore("sessions.db")
-    async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
-        app.state.registry = registry
-        app.state.gateway = create_app(registry, chat_page=False)
-        yield  # serving; on shutdown every live session is hibernated to the store
-
-
-async def gateway(scope: Scope, receive: Receive, send: Send) -> None:
-    """The gateway over the registry that this lifespan opened (a mounted app gets no
-    lifespan events of its own, so the app's lifespan opens the registry)."""
-    await scope["app"].state.gateway(scope, receive, send)
+# The gateway opens its registry (on the loop that serves the app) in its lifespan. A
+# mounted app gets no lifespan events, so the outer app runs it: lifespan=gateway.lifespan
+# (in FastAPI: app = FastAPI(lifespan=gateway.lifespan); app.mount("/api", gateway)).
+gateway = create_app(
+    store=sa.SQLiteStore("sessions.db"),
+    agents={"echo": sa.Agent(model=EchoModel())},
+    chat_page=False,
+)
 
 
 async def ask(request: Request) -> StreamingResponse:
     """A route of your own: one turn's events as server-sent events, in the gateway's form."""
-    registry: sessionactors.aio.Registry = request.app.state.registry
+    registry = gateway.registry  # the registry that the lifespan opened
+    assert isinstance(registry, sessionactors.aio.Registry)  # (served by asyncio: uvicorn)
     ref = await registry.get_or_spawn(request.path_params["name"], metadata={"tenant": "acme"})
     text = (await request.json())["text"]
 
@@ -61,7 +54,7 @@ async def ask(request: Request) -> StreamingResponse:
 
 app = Starlette(
     routes=[Route("/ask/{name}", ask, methods=["POST"]), Mount("/api", app=gateway)],
-    lifespan=lifespan,
+    lifespan=gateway.lifespan,  # or, in a lifespan of yours: async with gateway.lifespan(app)
 )
 
 

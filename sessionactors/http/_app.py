@@ -183,6 +183,8 @@ class SessionsApp:
     """The ASGI application that :func:`create_app` makes.
 
     ``registry`` is the registry it serves (None until the lifespan opened it).
+    ``lifespan`` opens and closes that registry, for an app that mounts this
+    one (``FastAPI(lifespan=gateway.lifespan)``).
     ``drain()`` ends every open event stream and WebSocket and answers later
     requests with 503: call it when shutting down, before the server waits
     for open connections (``python -m sessionactors serve`` does).
@@ -209,6 +211,7 @@ class SessionsApp:
         self._max_body = max_body
         self._draining = False
         self._lifespan_began = False  # (an app that opens its registry itself)
+        self._in_lifespan = False  # (its lifespan is open now)
         self._streams: set[anyio.CancelScope] = set()
         self._checked_loop = False
         self._portal: Callable[[Callable[[], None]], object] | None = None
@@ -238,7 +241,7 @@ class SessionsApp:
             Route("/sessions/{name}/reviews/{review_id}", self._review, methods=["POST"]),
             WebSocketRoute("/sessions/{name}/ws", self._websocket),
         ]
-        lifespan = self._lifespan if registry is None else None
+        lifespan = self.lifespan if registry is None else None
         self._app = Starlette(
             routes=routes,
             lifespan=lifespan,
@@ -285,8 +288,48 @@ class SessionsApp:
 
     # ---- plumbing ------------------------------------------------------------------
 
+    def lifespan(self, app: object = None) -> AbstractAsyncContextManager[None]:
+        """The app's lifespan: opens its registry, on the loop that runs it, and closes it.
+
+        For an app made by ``create_app(store=..., agents=...)`` mounted inside
+        an app of your own (Starlette and FastAPI send no lifespan events to a
+        mounted app): give it as that app's lifespan,
+        ``FastAPI(lifespan=gateway.lifespan)``, or enter it in yours,
+        ``async with gateway.lifespan(app): yield``; your own routes then use
+        ``gateway.registry``. ``app`` is ignored (the lifespan protocol passes
+        it). On exit it drains the gateway (see ``drain()``) and closes the
+        registry (grace, then hibernation). Entered again later (a test
+        client per test), it opens a new registry. It raises ``RuntimeError``
+        if it is entered again while already open, and ``TypeError`` for an
+        app made by ``create_app(registry)``, which serves the registry it
+        was given.
+        """
+        if not self._options:
+            raise TypeError(
+                "this app serves the registry given to create_app(registry) and has no "
+                "lifespan: open and close that registry in your own app's lifespan, or "
+                "make the app with create_app(store=..., agents=...) to use its lifespan"
+            )
+        return self._lifespan()
+
     @asynccontextmanager
-    async def _lifespan(self, _app: object) -> AsyncIterator[None]:
+    async def _lifespan(self) -> AsyncIterator[None]:
+        if self._in_lifespan:
+            raise RuntimeError(
+                "this app's lifespan is already open: it opens one registry at a time. "
+                "Run it once, either as your app's lifespan (lifespan=gateway.lifespan) "
+                "or inside it (async with gateway.lifespan(app)), and serve the gateway "
+                "mounted in that app; for a second app, make a second create_app(...)"
+            )
+        self._in_lifespan = True
+        try:
+            async with self._open_registry():
+                yield
+        finally:
+            self._in_lifespan = False
+
+    @asynccontextmanager
+    async def _open_registry(self) -> AsyncIterator[None]:
         # (a lifespan after an earlier one, as a test suite's: afresh, on its own loop)
         self._lifespan_began = True
         self._registry = None
@@ -355,8 +398,20 @@ class SessionsApp:
                 "NoRegistry",
                 "the app has no registry: create_app(store=..., agents=...) opens one in "
                 "its ASGI lifespan, which never ran (a mounted app gets no lifespan "
-                "events); open the registry in your own app's lifespan and serve "
+                "events); give it to the app it is mounted in, "
+                "FastAPI(lifespan=gateway.lifespan) or Starlette(lifespan=gateway.lifespan) "
+                "(or enter it in yours: async with gateway.lifespan(app): yield), "
+                "or open the registry in your own app's lifespan and serve "
                 "create_app(registry), or serve this app itself",
+            )
+        if self._lifespan_began and not self._in_lifespan:
+            raise _RequestError(
+                500,
+                "NoRegistry",
+                "the app has no registry: its lifespan, which opens and closes it, has "
+                "ended and is not running again; send requests while it runs (in tests: "
+                "inside `with TestClient(app) as client:`; a bare TestClient(app) runs "
+                "no lifespan)",
             )
         if registry is None and not self._draining:
             raise _RequestError(

@@ -125,10 +125,11 @@ if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) 
 return who
 """
 _HEARTBEAT: Final = """
+local replaced = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[2], 'MINID', ARGV[4]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return 1
+return replaced
 """
 # The live workers: a sorted set scored by when each one's announcement expires
 # (the server's clock, in ms). ARGV: worker, its ttl in ms ('' withdraws it), the
@@ -411,12 +412,13 @@ class RedisTransport:
 
     async def heartbeat(
         self, worker: str, incarnation: str, ttl: float, keep_from: str | None
-    ) -> None:
+    ) -> str | None:
         keys = list(self._worker(worker))
         args = [incarnation, _ms(ttl), _ms(3 * ttl), keep_from or ""]
-        await self._store._run(
+        replaced: Any = await self._store._run(
             "announce worker", None, lambda c: self._heartbeat(keys, args, client=c)
         )
+        return None if replaced is None else bytes(replaced).decode()
 
     async def leave(self, worker: str, incarnation: str) -> None:
         keys = list(self._worker(worker))

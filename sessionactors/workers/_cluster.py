@@ -118,7 +118,7 @@ from .._errors import (
 from .._events import Event
 from .._pending import Append, Pending
 from .._records import SessionState, TurnOutcome, id_issuer, new_id
-from .._ref import Turn, new_turn
+from .._ref import Turn, joined, new_turn
 from .._requests import (
     Call,
     Cancel,
@@ -157,7 +157,7 @@ _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 #: Requesting processes for which a worker remembers the last answer it dropped.
 _ISSUERS_KEPT: Final = 10_000
 #: Requests safe to serve again: their answers are not kept.
-_NOT_KEPT: Final = ("read", "watch", "outcome")
+_NOT_KEPT: Final = ("read", "watch", "outcome", "held")
 _MAX_HINTS: Final = 100_000
 #: Requests that may run twice without harm: sent again to the next owner if one dies.
 _SAFE_CALLS: Final = (SetSummary, SetMetadata, ReplaceHistory, Cancel, Hibernate, Stop)
@@ -190,11 +190,13 @@ class _Forwarded:
     __slots__ = (
         "accepted",
         "early_error",
+        "joined_at",
         "local",
         "owner",
         "pending",
         "replayed",
         "settled",
+        "since",
         "turn_id",
     )
 
@@ -207,6 +209,10 @@ class _Forwarded:
         self.turn_id = ""
         self.owner = ""  # the worker that accepted it
         self.replayed = False
+        #: It joined its key's turn under way at the owner: that turn's events follow
+        #: seq ``since``; the owner had published up to ``joined_at`` (see ``Turn``).
+        self.since: int | None = None
+        self.joined_at = 0
 
 
 class _Handover:
@@ -300,38 +306,81 @@ class Cluster:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Announce this worker, then serve its inbox and publish its events until cancelled."""
-        # One look before it starts (opening a registry stays cheap otherwise): is this
-        # worker id free? (a store that fails to answer now only skips the look)
+        # One look before it starts: is this worker id free? (a store that fails to
+        # answer now only skips the look, and the registry opens without waiting for
+        # the announcement below)
+        answered = True
+        refused: StoreConfigurationError | None = None
         try:
             await self._check_unique()
         except StoreError as exc:
             fatal(exc)
+            answered = False
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self.streams.publish_loop, name="cluster events")
-                task_status.started()
-                await nursery.start(self._listen_loop, name="cluster requests")
-                while True:
-                    try:
-                        # Start after what an earlier incarnation with this worker id left
-                        # (its requesters see the new incarnation and send again).
-                        await self._skip_stale_inbox()
-                        await self.transport.heartbeat(
-                            self.worker, self.incarnation, self.ttl, None
-                        )
-                        break
-                    except StoreError as exc:
-                        fatal(exc)
-                        await trio.sleep(min(1.0, self.ttl / 3))
-                nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
-                nursery.start_soon(self._read_loop, name="cluster inbox")
-                nursery.start_soon(self._balance_loop, name="cluster balance")
+                announced = False
+                if answered:
+                    # Announced before the registry opens (a store that answered just now
+                    # answers this too; within a bound): the announcement's own check of
+                    # the worker id then fails the opening, not the registry once open.
+                    with trio.move_on_after(self.ttl):
+                        try:
+                            await nursery.start(self._announce, name="cluster announce")
+                        except StoreConfigurationError as exc:
+                            refused = exc  # (raised as itself, not in the nursery's group)
+                            nursery.cancel_scope.cancel()
+                        else:
+                            announced = True
+                if refused is None:
+                    task_status.started()
+                    if not announced:
+                        nursery.start_soon(self._announce, name="cluster announce")
+            if refused is not None:
+                raise refused
         finally:
             self._nursery = None
             for send in list(self._waiters.values()):
                 send.close()
             self.streams.close()
+
+    async def _announce(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on this incarnation's channel, announce it, then run the worker's loops."""
+        nursery = self._nursery
+        assert nursery is not None
+        if not self._subscriptions:  # (not yet listening: an earlier try ran out of time)
+            await nursery.start(self._listen_loop, name="cluster requests")
+        while True:
+            try:
+                # Start after what an earlier incarnation with this worker id left
+                # (its requesters see the new incarnation and send again).
+                await self._skip_stale_inbox()
+                replaced = await self.transport.heartbeat(
+                    self.worker, self.incarnation, self.ttl, None
+                )
+                await self._check_replaced(replaced)
+                break
+            except StoreError as exc:
+                fatal(exc)
+                await trio.sleep(min(1.0, self.ttl / 3))
+        nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
+        nursery.start_soon(self._read_loop, name="cluster inbox")
+        nursery.start_soon(self._balance_loop, name="cluster balance")
+        task_status.started()
+
+    async def _check_replaced(self, replaced: str | None) -> None:
+        """Raise StoreConfigurationError if this worker's first announcement replaced that
+        of another live incarnation under its worker id: one that started at the same
+        moment, after ``_check_unique`` looked (it listened before it announced itself,
+        so it answers now). Its announcement is put back."""
+        if replaced is None or replaced == self.incarnation:
+            return
+        if await self.transport.send(self.worker, replaced, pack({"op": "wake"})):
+            await self.transport.heartbeat(self.worker, replaced, self.ttl, None)
+            raise StoreConfigurationError(_worker_id_taken(self.worker))
 
     async def _check_unique(self) -> None:
         """Raise StoreConfigurationError if another live worker runs under this worker
@@ -342,11 +391,7 @@ class Cluster:
         if other is None or other == self.incarnation:
             return
         if await self.transport.send(self.worker, other, pack({"op": "wake"})):
-            raise StoreConfigurationError(
-                f"another live worker on this store runs as worker_id {self.worker!r}: "
-                "give each worker process its own worker_id (reuse one only to restart "
-                "the worker that had it, once that one stopped)"
-            )
+            raise StoreConfigurationError(_worker_id_taken(self.worker))
 
     async def aclose(self) -> None:
         """Wait (within the shutdown grace) for the answers to the requests this worker
@@ -570,9 +615,11 @@ class Cluster:
                 key = body.get("key")
                 turn = await host.submit_here(name, str(body["text"]), key)
                 if body.get("ack"):
-                    await self._answer(
-                        body, {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
-                    )
+                    since, joined_at = joined(turn)  # (a turn under way that its key joined)
+                    ack = {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
+                    if since is not None:
+                        ack.update(since=since, joined_at=joined_at)
+                    await self._answer(body, ack)
                 reply = await turn.reply()
                 await self._answer(body, {"ok": "reply", "reply": dump_reply(name, reply)})
             elif op == "read":
@@ -599,6 +646,8 @@ class Cluster:
                     answer["turn"] = running.turn_id
                     answer["key"] = running.idempotency_key
                 await self._answer(body, answer)
+            elif op == "held":  # another worker's replay, before its stream begins
+                await self._answer(body, self.streams.held_here(name, int(body["after"])))
             elif op == "call":
                 value = await host.call_here(name, load_call(name, body["req"]))
                 if isinstance(value, Reply):
@@ -733,7 +782,13 @@ class Cluster:
         if forwarded.early_error is not None:
             raise forwarded.early_error
         return new_turn(
-            forwarded.turn_id, name, forwarded.pending, replayed=forwarded.replayed, known=True
+            forwarded.turn_id,
+            name,
+            forwarded.pending,
+            replayed=forwarded.replayed,
+            known=True,
+            since=forwarded.since,
+            joined_at=forwarded.joined_at,
         )
 
     async def _carry_turn(
@@ -743,6 +798,10 @@ class Cluster:
             forwarded.turn_id = str(body["turn_id"])
             forwarded.owner = str(body.get("_owner", "?"))
             forwarded.replayed = bool(body.get("replayed"))
+            since = body.get("since")
+            if isinstance(since, int):
+                forwarded.since = since
+                forwarded.joined_at = int(body.get("joined_at") or 0)
             forwarded.accepted = True
             forwarded.settled.set()
 
@@ -1183,6 +1242,14 @@ class Cluster:
         """Run ``fn`` in the background while the worker runs (not at all otherwise)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, name=name)
+
+
+def _worker_id_taken(worker: str) -> str:
+    return (
+        f"another live worker on this store runs as worker_id {worker!r}: give each "
+        "worker process its own worker_id (reuse one only to restart the worker that "
+        "had it, once that one stopped)"
+    )
 
 
 def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError:

@@ -133,6 +133,13 @@ class _Replay:
         if replaced or (oldest is not None and oldest <= after + 1 and not lost):
             # (replaced: the session was deleted, and its mirror ends once it reads on)
             return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+        if not lost:
+            # The owner's own buffer may still hold them all, deltas and events not yet
+            # durable included (a turn under way that a keyed stream joined)
+            held = await streams.held(session_id, after)
+            if held is not None:
+                held.update(found)
+                return after, [JournalEntry(seq, held[seq]) for seq in sorted(held)]
         # The stream does not reach back to ``after``: the journal has the durable events
         # (an entry holds a commit's events; the subscription merges them by seq).
         trimmed, entries = await streams.host.store.read_journal(session_id, after)
@@ -354,6 +361,40 @@ class Streams:
             for event in held or ():
                 self._enqueue(name, stamp, event)
         return -1 if seq is None else seq
+
+    def held_here(self, name: str, after: int) -> dict[str, Any]:
+        """The answer to another worker's ``held`` request: the events after ``after``
+        that the session's hub here still holds, all of them, or None."""
+        host = self.host
+        events = host.events_here(name, after)
+        created = host.created_here(name)
+        if events is None or created is None:
+            return {"ok": "value", "value": None}
+        value = [[event.seq, dump_event(event)] for event in events]
+        return {"ok": "value", "value": value, "born": creation_stamp(created)}
+
+    async def held(self, name: str, after: int) -> dict[int, bytes] | None:
+        """The events after ``after`` that the session's owner elsewhere still holds, by
+        seq, if it holds them all (deltas included); None otherwise, or if the owner
+        does not answer soon (a hand-over holds its requests: meanwhile the
+        subscription that waits on this replay buffers the session's events)."""
+        request = {"op": "held", "s": name, "after": after}
+        answer = None
+        with trio.move_on_after(self.ttl / 3):
+            try:
+                answer = await self._forward(name, request, retry_safe=True)
+            except SessionActorsError:  # (an owner of an earlier version knows no "held")
+                return None
+        if answer is None or "err" in answer or not isinstance(answer.get("value"), list):
+            return None
+        followed = self._births.get(name)
+        born = stamp_of(answer)
+        if born is None or (followed is not None and followed.born not in (None, born)):
+            return None  # another session of that name than the one followed
+        held: dict[int, bytes] = {}
+        for seq, data in answer["value"]:
+            held[int(seq)] = bytes(data)
+        return held
 
     async def take(self, events: Mapping[str, list[StreamItem]]) -> None:
         """Feed what the reader read of the mirrored streams to their mirrors."""

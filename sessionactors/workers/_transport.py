@@ -34,9 +34,12 @@ class Transport(Protocol):
 
     async def heartbeat(
         self, worker: str, incarnation: str, ttl: float, keep_from: str | None
-    ) -> None:
+    ) -> str | None:
         """Say ``worker`` (this ``incarnation``) is alive for ``ttl`` seconds; drop
-        inbox entries before id ``keep_from``."""
+        inbox entries before id ``keep_from``. Returns the incarnation it replaced, read
+        and replaced at once (None: none, or the transport cannot tell): a worker's
+        first announcement that replaced another live incarnation refuses to run
+        under the same worker id."""
         ...
 
     async def leave(self, worker: str, incarnation: str) -> None:
