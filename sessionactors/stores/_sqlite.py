@@ -32,6 +32,7 @@ as an empty store.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import secrets
@@ -49,7 +50,7 @@ import outcome
 import trio
 
 from .._codec import MAX_SEQ
-from .._errors import StoreError
+from .._errors import StoreConfigurationError, StoreError
 from .._listing import after_not_found, info_activity, page_of
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -234,10 +235,15 @@ class _OpenError(Exception):
     """The file cannot be opened as this store; the message says why and what to do."""
 
 
+class _PermissionError(_OpenError):
+    """This process may not write the file: no retry helps until its permissions change."""
+
+
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
     about = f"session {request.session_id!r}: " if request.session_id is not None else ""
     if isinstance(exc, _OpenError):
-        error = StoreError(f"{about}{exc}", session_id=request.session_id)
+        kind = StoreConfigurationError if isinstance(exc, _PermissionError) else StoreError
+        error = kind(f"{about}{exc}", session_id=request.session_id)
         error.__cause__ = exc.__cause__
         return error
     error = StoreError(
@@ -396,6 +402,7 @@ class _Worker:
         self._locked = False  # this worker holds (its share of) the process's lock
         self._immutable = False  # a read-only connection that ignores any WAL (see below)
         self._stamp: tuple[int, ...] | None = None  # the file as that connection opened it
+        self._file_id: tuple[int, int] | None = None  # the file a writable connection opened
         self._lock_key: str | None = None
         self._counters = store._counters
         self._lock = threading.Lock()
@@ -471,15 +478,61 @@ class _Worker:
                 if stop:
                     # Nothing can be queued after a stop request.
                     if conn is not None:
-                        conn.close()
+                        self._close(conn)
                         conn = None
                     self._unlock()
                     _answer([(stop[0], outcome.Value(None))])
                     return
         finally:
             if conn is not None:
-                conn.close()
+                self._close(conn)
             self._unlock()
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        """Close the connection. If the file it opened is no longer at the path (deleted
+        or replaced), its writes are checkpointed into that file first: the ``-wal`` left
+        at the path then holds nothing of it, for SQLite to read into the file that is
+        made or put there (where it would bring deleted sessions back, or corrupt it)."""
+        if self._file_id is not None and self._moved():
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+
+    def _moved(self) -> bool:
+        """Whether the file this writable connection opened is no longer at the path."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._file_id
+
+    def _check_files(self, conn: sqlite3.Connection) -> sqlite3.Connection | None:
+        """Before a transaction on an open writable connection: refuse to go on with a
+        file that is no longer at the path; reopen if its ``-wal`` or ``-shm`` was
+        deleted (the connection would write to a deleted ``-wal`` that a crash loses,
+        and beside a ``-shm`` that another connection does not share), once what it
+        holds is checkpointed into the file. The connection to use, or None: reopen."""
+        path = self._path
+        if self._moved():
+            raise _OpenError(
+                f"the sqlite store's file {path!r} was deleted or replaced while the store"
+                " had it open, so the store writes nothing more to it (nothing was written"
+                " now): put the file back at that path, or close the store (restart the"
+                " process) to open the file that is there now; what the store wrote before"
+                " is in the file it had open"
+            )
+        if os.path.exists(f"{path}-wal") and os.path.exists(f"{path}-shm"):
+            return conn
+        (busy, _, _) = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise sqlite3.OperationalError(
+                "its -wal or -shm file was deleted while it was open, and what the deleted"
+                " -wal holds could not be written back into the file yet (a reader was busy)"
+            )
+        conn.close()
+        return None
 
     def _unlock(self) -> None:
         if self._locked:
@@ -498,13 +551,17 @@ class _Worker:
             self._lock_key = _acquire_lock(path, shared=self._shared)
             self._locked = True
         if not os.path.exists(path):
+            _check_no_orphan_wal(path)
             _create(path)
         elif os.path.getsize(path) == 0:
             raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
+        _check_writable(path)
         conn = sqlite3.connect(
             path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=True
         )
         try:
+            st = os.stat(path)
+            self._file_id = (st.st_dev, st.st_ino)
             if _check_schema(conn, path) < _SCHEMA_VERSION:
                 _migrate(conn)
             (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
@@ -570,6 +627,8 @@ class _Worker:
                 # came and went since: an immutable connection would not see its writes.
                 conn.close()
                 conn = None
+            if conn is not None and not self._readonly:
+                conn = self._check_files(conn)
             if conn is None:
                 conn = self._open()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
@@ -577,11 +636,15 @@ class _Worker:
             conn.execute("COMMIT")
         except Exception as exc:
             # The whole transaction is lost (or the file could not be opened): fail
-            # every request, and start afresh with a new connection next time.
+            # every request, and start afresh with a new connection next time (but
+            # with the same one while the file is not at its path: it may come back).
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
+                if self._file_id is not None and self._moved():
+                    _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
+                    return conn
                 conn.close()
             _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
             return None
@@ -645,6 +708,50 @@ class _Worker:
 
 
 _TABLES: Final = ("journal", "leases", "sessions", "snapshots")
+
+
+def _check_no_orphan_wal(path: str) -> None:
+    """Refuse to make a store at ``path`` beside a ``-wal`` that holds writes: it was left
+    by a file deleted or moved away, and SQLite would read it into the new file."""
+    wal = f"{path}-wal"
+    try:
+        size = os.path.getsize(wal)
+    except OSError:
+        return
+    if size > 0:
+        raise _OpenError(
+            f"the sqlite store at {path!r} does not exist, but {wal!r} ({size} bytes) does:"
+            " the write-ahead log of a store file that was deleted or moved away, which"
+            " SQLite would read into a new file. Put that file back at the path (the -wal"
+            f" holds its last writes), or delete {wal!r} and {path + '-shm'!r} to start a"
+            " new store there"
+        )
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a file (or its ``-wal`` or ``-shm``, or the directory that they are made
+    in) that this process may not write: SQLite would open it read-only, fail every
+    write, and leave a read-only ``-wal`` and ``-shm`` behind."""
+    missing = False
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        try:
+            os.close(os.open(name, os.O_RDWR))
+        except FileNotFoundError:
+            missing = True
+        except OSError as exc:
+            raise _PermissionError(_read_only(path, name, exc)) from exc
+    directory = os.path.dirname(os.path.abspath(path))
+    if missing and not os.access(directory, os.W_OK | os.X_OK):
+        error = OSError(f"[Errno {errno.EACCES}] cannot create files in {directory!r}")
+        raise _PermissionError(_read_only(path, directory, error))
+
+
+def _read_only(path: str, name: str, exc: OSError) -> str:
+    return (
+        f"the sqlite store at {path!r} is read-only for this process: {name!r} cannot be"
+        f" written ({exc}). Make it writable for this process's user, or open the store"
+        " with readonly=True to read it (nothing was written)"
+    )
 
 
 def _not_ours(path: str, problem: str) -> str:
@@ -920,7 +1027,18 @@ class SQLiteStore:
 
     A file that exists but is not a sessionactors store (truncated to 0
     bytes, or another program's database) fails the first call with
-    ``StoreError``; it is never read as an empty store.
+    ``StoreError``; it is never read as an empty store. A file (or its
+    ``-wal`` or ``-shm``) that this process may not write fails it with
+    ``StoreConfigurationError``, unless the store is ``readonly=True``. A
+    ``-wal`` with writes in it beside a path where no file is (its file was
+    deleted or moved away) is refused, not read into a new file.
+
+    A file deleted or replaced while the store has it open is not written to:
+    every call fails with ``StoreError`` until the file is back at its path or
+    the store is closed (it then opens what is at the path). A ``-wal`` or
+    ``-shm`` deleted while it is open is noticed before the next transaction:
+    what the deleted ``-wal`` held is written into the file, and the files are
+    opened again.
 
     A call cancelled while queued is withdrawn and never runs. A call already
     being written waits for its transaction to finish (milliseconds; at most
