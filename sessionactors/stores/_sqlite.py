@@ -264,6 +264,7 @@ class _Held:
     count: int
     path: str  # the lock file's
     shared: bool
+    ident: tuple[int, int]  # the lock file's device and inode
 
 
 # This process's locks, by the lock file's path: the stores of one process share
@@ -322,12 +323,52 @@ def _acquire_lock(path: str, *, shared: bool) -> str | None:
                 continue
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {'shared' if shared else 'exclusive'}\n".encode(), 0)
-            _HELD[lock_path] = _Held(fd=fd, count=1, path=lock_path, shared=shared)
+            ident = (mine.st_dev, mine.st_ino)
+            _HELD[lock_path] = _Held(fd=fd, count=1, path=lock_path, shared=shared, ident=ident)
             return lock_path
     raise _OpenError(  # pragma: no cover - another process removing it 100 times in a row
         f"the sqlite store at {path!r} cannot take its lock {lock_path!r}: it keeps being"
         " removed; retry"
     )
+
+
+def _check_lock(path: str, key: str | None) -> None:
+    """Take the lock ``key`` again if its file was deleted or replaced while this process
+    held it (a clean-up of stale lock files, say): a process that opens the store then
+    is refused as it would have been. Raise ``_OpenError`` if another process took the
+    new file's lock first: it uses the store now, and this one must not write."""
+    if key is None or fcntl is None:
+        return
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        try:
+            st = os.stat(key)
+        except FileNotFoundError:
+            pass
+        else:
+            if (st.st_dev, st.st_ino) == held.ident:
+                return
+        fd = _open_lock_file(path, key)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if held.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            message = _in_use_message(path, key, fd, shared=held.shared)
+            os.close(fd)
+            raise _OpenError(
+                f"{message}. This process held the lock until its file was deleted, and"
+                " that process took the new one: this process writes nothing more to the"
+                " file (nothing was written now); stop one of them"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        mine = os.fstat(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {'shared' if held.shared else 'exclusive'}\n".encode(), 0)
+        os.close(held.fd)
+        held.fd, held.ident = fd, (mine.st_dev, mine.st_ino)
 
 
 def _open_lock_file(path: str, lock_path: str) -> int:
@@ -386,7 +427,9 @@ def _release_lock(key: str | None) -> None:
             del _HELD[key]
             if not held.shared:
                 with contextlib.suppress(OSError):
-                    os.unlink(held.path)
+                    st = os.stat(held.path)
+                    if (st.st_dev, st.st_ino) == held.ident:  # (not another process's)
+                        os.unlink(held.path)
             os.close(held.fd)  # releases the flock
 
 
@@ -515,6 +558,8 @@ class _Worker:
         and beside a ``-shm`` that another connection does not share), once what it
         holds is checkpointed into the file. The connection to use, or None: reopen."""
         path = self._path
+        if self._locked:
+            _check_lock(path, self._lock_key)
         if self._moved():
             raise _OpenError(
                 f"the sqlite store's file {path!r} was deleted or replaced while the store"
@@ -1015,7 +1060,9 @@ class SQLiteStore:
 
     One process writes the file by default: the store locks it (an advisory
     lock on ``<path>.lock``, held until :meth:`aclose`), and a store in a
-    second process fails its first call with ``StoreError`` saying so. Stores
+    second process fails its first call with ``StoreError`` saying so (a lock
+    file deleted meanwhile is taken again before the next transaction; if
+    another process took it first, this store writes nothing more). Stores
     of one process share the lock. With ``shared=True`` in every process,
     several processes may write the file: ``shared_by_workers`` is then true,
     so the registry turns leases on, and leases and fencing keep a session

@@ -204,3 +204,62 @@ async def test_a_writable_store_on_a_read_only_file_is_refused_and_leaves_nothin
     path.chmod(0o644)
     done = run_unprivileged("-c", _OPEN_WRITABLE, str(path))
     assert done.stdout.strip() == "['a']", done.stdout + done.stderr
+
+
+_SEND_FROM_ANOTHER_PROCESS = """
+import sys, trio
+import sessionactors as sa
+from sessionactors.testing import EchoModel
+
+async def main():
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    try:
+        async with sa.open_registry(store=sa.SQLiteStore(sys.argv[1]), agents=agents) as reg:
+            await reg.ref("a").send("from another process")
+            print("sent", flush=True)
+            await trio.to_thread.run_sync(sys.stdin.read)  # holds the store until told
+    except sa.SessionActorsError as exc:
+        print(f"{type(exc).__name__}: {exc}")
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("first", ["this process", "the other process"])
+async def test_a_deleted_lock_file_does_not_let_a_second_process_write_beside_the_first(
+    tmp_path: Path, first: str
+) -> None:
+    """The lock file of a store in use, deleted (by a clean-up of stale locks, say), is
+    taken again by the store before its next transaction, so a second process that then
+    opens the file is refused as it is while the lock is in place; a second process
+    that came first holds the file, and this process's store then refuses to write."""
+    path = tmp_path / "s.db"
+    command = [sys.executable, "-c", _SEND_FROM_ANOTHER_PROCESS, str(path)]
+    with trio.fail_after(60):
+        async with sa.open_registry(store=sa.SQLiteStore(path), agents=ECHO) as registry:
+            ref = await registry.spawn("a")
+            await ref.send("one")
+            Path(f"{path}.lock").unlink()
+            if first == "this process":
+                await ref.send("two")
+            other = await trio.lowlevel.open_process(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            assert other.stdin is not None
+            assert other.stdout is not None
+            said = b""
+            while not said.endswith(b"\n"):
+                said += await other.stdout.receive_some()
+            if first == "this process":
+                assert said.startswith(b"StoreError: "), said
+                assert b"in use by process" in said
+                await ref.send("three")
+                texts = ["one", "one", "two", "two", "three", "three"]
+                assert [m.content for m in await ref.history()] == texts
+            else:
+                assert said == b"sent\n"
+                with pytest.raises(sa.SessionCrashedError) as crashed:
+                    await ref.send("two")
+                assert "in use by process" in str(crashed.value.__cause__)
+            await other.stdin.aclose()
+            assert await other.wait() == 0
