@@ -321,8 +321,7 @@ def _acquire_lock(path: str, *, shared: bool) -> str | None:
             if current is None or (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
                 os.close(fd)  # removed by its last holder meanwhile: lock the new one
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {'shared' if shared else 'exclusive'}\n".encode(), 0)
+            _note_holder(fd, shared=shared)
             ident = (mine.st_dev, mine.st_ino)
             _HELD[lock_path] = _Held(fd=fd, count=1, path=lock_path, shared=shared, ident=ident)
             return lock_path
@@ -365,10 +364,18 @@ def _check_lock(path: str, key: str | None) -> None:
             os.close(fd)
             raise
         mine = os.fstat(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {'shared' if held.shared else 'exclusive'}\n".encode(), 0)
+        _note_holder(fd, shared=held.shared)
         os.close(held.fd)
         held.fd, held.ident = fd, (mine.st_dev, mine.st_ino)
+
+
+def _note_holder(fd: int, *, shared: bool) -> None:
+    """Write this process's id into the lock file it locked, for the message that a
+    second process gets. Only a note: on a full disk the lock holds without it (and a
+    failure here must not leave the lock held by nobody's record of it)."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {'shared' if shared else 'exclusive'}\n".encode(), 0)
 
 
 def _open_lock_file(path: str, lock_path: str) -> int:

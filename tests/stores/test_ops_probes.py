@@ -263,3 +263,44 @@ async def test_a_deleted_lock_file_does_not_let_a_second_process_write_beside_th
                 assert "in use by process" in str(crashed.value.__cause__)
             await other.stdin.aclose()
             assert await other.wait() == 0
+
+
+_FULL_AT_FIRST_OPEN = """
+import os, resource, signal, sys, trio
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+import sessionactors as sa
+
+async def main():
+    path = sys.argv[1]
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    said = []
+    store = sa.SQLiteStore(path)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # the disk is full
+    try:
+        await store.exists("x")
+    except sa.StoreError as exc:
+        said.append(f"full: {type(exc).__name__}")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space is back
+    try:
+        said.append(f"then: {await store.exists('x')}")
+    except sa.StoreError as exc:
+        said.append(f"then: {exc}")
+    await store.aclose()
+    said.append(f"left: {sorted(os.listdir(os.path.dirname(path)))}")
+    print("\\n".join(said))
+
+trio.run(main)
+"""
+
+
+def test_a_store_first_opened_on_a_full_disk_works_once_space_is_back(tmp_path: Path) -> None:
+    """A SQLite store whose first call meets a full disk (stood in for by a process whose
+    files may not grow) fails that call with StoreError, and works once space is back,
+    instead of taking its own lock, left held by the failed call, for another process's
+    and refusing every call after; on close it leaves only the file."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_AT_FIRST_OPEN, str(tmp_path / "s.db")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["full: StoreError", "then: False", "left: ['s.db']"]
