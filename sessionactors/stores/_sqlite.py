@@ -50,7 +50,7 @@ import outcome
 import trio
 
 from .._codec import MAX_SEQ
-from .._errors import StoreConfigurationError, StoreError
+from .._errors import StoreError
 from .._listing import after_not_found, info_activity, page_of
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -235,15 +235,10 @@ class _OpenError(Exception):
     """The file cannot be opened as this store; the message says why and what to do."""
 
 
-class _PermissionError(_OpenError):
-    """This process may not write the file: no retry helps until its permissions change."""
-
-
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
     about = f"session {request.session_id!r}: " if request.session_id is not None else ""
     if isinstance(exc, _OpenError):
-        kind = StoreConfigurationError if isinstance(exc, _PermissionError) else StoreError
-        error = kind(f"{about}{exc}", session_id=request.session_id)
+        error = StoreError(f"{about}{exc}", session_id=request.session_id)
         error.__cause__ = exc.__cause__
         return error
     error = StoreError(
@@ -791,11 +786,11 @@ def _check_writable(path: str) -> None:
         except FileNotFoundError:
             missing = True
         except OSError as exc:
-            raise _PermissionError(_read_only(path, name, exc)) from exc
+            raise _OpenError(_read_only(path, name, exc)) from exc
     directory = os.path.dirname(os.path.abspath(path))
     if missing and not os.access(directory, os.W_OK | os.X_OK):
         error = OSError(f"[Errno {errno.EACCES}] cannot create files in {directory!r}")
-        raise _PermissionError(_read_only(path, directory, error))
+        raise _OpenError(_read_only(path, directory, error))
 
 
 def _read_only(path: str, name: str, exc: OSError) -> str:
@@ -1083,7 +1078,7 @@ class SQLiteStore:
     bytes, or another program's database) fails the first call with
     ``StoreError``; it is never read as an empty store. A file (or its
     ``-wal`` or ``-shm``) that this process may not write fails it with
-    ``StoreConfigurationError``, unless the store is ``readonly=True``. A
+    ``StoreError`` saying so, unless the store is ``readonly=True``. A
     ``-wal`` with writes in it beside a path where no file is (its file was
     deleted or moved away) is refused, not read into a new file.
 

@@ -188,7 +188,7 @@ async def test_a_writable_store_on_a_read_only_file_is_refused_and_leaves_nothin
     tmp_path: Path,
 ) -> None:
     """A SQLite file this process may not write, opened by a writable store, is refused
-    at once with a StoreConfigurationError that says so and what to do, and leaves no
+    at once with a StoreError that says so and what to do, and leaves no
     -wal or -shm behind (files that, made read-only too, would still refuse the store
     once the file itself is made writable again)."""
     path = tmp_path / "s.db"
@@ -197,7 +197,7 @@ async def test_a_writable_store_on_a_read_only_file_is_refused_and_leaves_nothin
     path.chmod(0o444)
     done = run_unprivileged("-c", _OPEN_WRITABLE, str(path))
     line = done.stdout.strip()
-    assert line.startswith("StoreConfigurationError: "), (line, done.stderr)
+    assert line.startswith("StoreError: "), (line, done.stderr)
     assert "read-only" in line
     assert "readonly=True" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]
