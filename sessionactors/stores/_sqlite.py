@@ -538,12 +538,21 @@ class _Worker:
         or replaced), its writes are checkpointed into that file first: the ``-wal`` left
         at the path then holds nothing of it, for SQLite to read into the file that is
         made or put there (where it would bring deleted sessions back, or corrupt it)."""
-        if self._file_id is not None and self._moved():
+        if self._holds_unwritten():
             with contextlib.suppress(sqlite3.Error):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         conn.close()
+
+    def _holds_unwritten(self) -> bool:
+        """Whether this writable connection is the only way to writes that belong in a
+        file: its file is no longer at the path, or its ``-wal`` was deleted (a deleted
+        ``-wal`` lives on only in the connection, and a checkpoint cut short, by a full
+        disk, say, leaves the file half written until it is finished from there)."""
+        if self._file_id is None:
+            return False
+        return self._moved() or not os.path.exists(f"{self._path}-wal")
 
     def _moved(self) -> bool:
         """Whether the file this writable connection opened is no longer at the path."""
@@ -684,12 +693,13 @@ class _Worker:
         except Exception as exc:
             # The whole transaction is lost (or the file could not be opened): fail
             # every request, and start afresh with a new connection next time (but
-            # with the same one while the file is not at its path: it may come back).
+            # with the same one while it holds writes that are not in the file at the
+            # path: its file may come back, its deleted -wal's checkpoint may finish).
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
-                if self._file_id is not None and self._moved():
+                if self._holds_unwritten():
                     _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
                     return conn
                 conn.close()

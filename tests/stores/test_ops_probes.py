@@ -304,3 +304,55 @@ def test_a_store_first_opened_on_a_full_disk_works_once_space_is_back(tmp_path: 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["full: StoreError", "then: False", "left: ['s.db']"]
+
+
+_WAL_DELETED_ON_A_FULL_DISK = """
+import os, resource, signal, sys, trio
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+from sessionactors import StoreError
+from sessionactors.stores import JournalEntry, SQLiteStore
+
+async def main():
+    path = sys.argv[1]
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    store = SQLiteStore(path)
+    await store.create("a", b"snapshot", b"info")
+    await store.append("a", [JournalEntry(1, b"one" * 2000)], b"info")
+    os.unlink(path + "-wal")
+    os.unlink(path + "-shm")
+    # the disk is full: what the deleted -wal holds cannot be written into the file yet
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), hard))
+    said = []
+    try:
+        await store.append("a", [JournalEntry(2, b"two")], b"info")
+    except StoreError:
+        said.append("refused")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space is back
+    await store.append("a", [JournalEntry(3, b"three")], b"info")
+    print(*said, "three", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+trio.run(main)
+"""
+
+
+async def test_a_deleted_wal_is_written_back_once_a_full_disk_has_room(tmp_path: Path) -> None:
+    """What a deleted -wal holds is written into the file before the store goes on, and
+    a full disk only puts that off: the connection, the only way to the deleted -wal's
+    writes, is kept until they are in the file, so a kill afterwards loses nothing."""
+    path = tmp_path / "s.db"
+    done = await trio.run_process(
+        [sys.executable, "-c", _WAL_DELETED_ON_A_FULL_DISK, str(path)],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    assert done.stdout.decode().split() == ["refused", "three"]
+    reader = sa.SQLiteStore(path, readonly=True)
+    try:
+        stored = await reader.load("a")
+    finally:
+        await reader.aclose()
+    assert stored is not None
+    assert [entry.seq for entry in stored.entries] == [1, 3]
