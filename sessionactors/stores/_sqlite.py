@@ -206,6 +206,10 @@ class _Request:
         return trio.lowlevel.Abort.FAILED
 
 
+#: How long ago (in ns) a directory's entries must have last changed for its stamp to
+#: stand for them (see ``_Worker._check_files``).
+_QUIET_NS: Final = 2_000_000_000
+
 #: The size, in bytes, that the write-ahead log is truncated to after a checkpoint.
 _WAL_SIZE_LIMIT: Final = 4 * 1024 * 1024
 
@@ -448,6 +452,9 @@ class _Worker:
         self._immutable = False  # a read-only connection that ignores any WAL (see below)
         self._stamp: tuple[int, ...] | None = None  # the file as that connection opened it
         self._file_id: tuple[int, int] | None = None  # the file a writable connection opened
+        self._directory = os.path.dirname(os.path.abspath(self._path))
+        # the directory's stamp when a check last found every file in place (see _check_files)
+        self._quiet_directory: tuple[int, ...] | None = None
         self._lock_key: str | None = None
         self._counters = store._counters
         self._lock = threading.Lock()
@@ -567,8 +574,22 @@ class _Worker:
         file that is no longer at the path; reopen if its ``-wal`` or ``-shm`` was
         deleted (the connection would write to a deleted ``-wal`` that a crash loses,
         and beside a ``-shm`` that another connection does not share), once what it
-        holds is checkpointed into the file. The connection to use, or None: reopen."""
+        holds is checkpointed into the file. The connection to use, or None: reopen.
+
+        These files' names are entries of one directory: while no entry of it was
+        added, removed or renamed since the last check (its time stamps say so), one
+        stat of the directory stands for the four stats of the check.
+        """
         path = self._path
+        try:
+            st = os.stat(self._directory)
+        except OSError:
+            stamp = None
+        else:
+            stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            if stamp == self._quiet_directory:
+                return conn
+        self._quiet_directory = None
         if self._locked:
             _check_lock(path, self._lock_key)
         if self._moved():
@@ -580,6 +601,10 @@ class _Worker:
                 " is in the file it had open"
             )
         if os.path.exists(f"{path}-wal") and os.path.exists(f"{path}-shm"):
+            if stamp is not None and time.time_ns() - stamp[3] > _QUIET_NS:
+                # a change after this check gets a later stamp, however coarse the file
+                # system's clock; a directory changed more recently is checked again
+                self._quiet_directory = stamp
             return conn
         (busy, _, _) = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         if busy:
@@ -618,6 +643,7 @@ class _Worker:
         try:
             st = os.stat(path)
             self._file_id = (st.st_dev, st.st_ino)
+            self._quiet_directory = None
             if _check_schema(conn, path) < _SCHEMA_VERSION:
                 _migrate(conn)
             (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
