@@ -1,6 +1,7 @@
 """Probes of a deployment whose disk misbehaves under a SQLite store: its file deleted
-or replaced while a server uses it, its ``-wal`` and ``-shm`` deleted, a ``-wal`` left
-behind by a deleted file, a file that this process may not write."""
+or replaced while a server uses it, its ``-wal``, ``-shm`` or lock file deleted, a
+``-wal`` left behind by a deleted file, a file that this process may not write, a disk
+that is full (stood in for by RLIMIT_FSIZE in a child process)."""
 
 from __future__ import annotations
 
