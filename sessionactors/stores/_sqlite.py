@@ -32,7 +32,6 @@ as an empty store.
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 import secrets
@@ -814,26 +813,29 @@ def _check_no_orphan_wal(path: str) -> None:
 def _check_writable(path: str) -> None:
     """Refuse a file (or its ``-wal`` or ``-shm``, or the directory that they are made
     in) that this process may not write: SQLite would open it read-only, fail every
-    write, and leave a read-only ``-wal`` and ``-shm`` behind."""
+    write, and leave a read-only ``-wal`` and ``-shm`` behind.
+
+    Asked with ``access``, never by opening the files: closing a descriptor of a file
+    drops every POSIX lock this process holds on it, those of SQLite's connections of
+    other stores of this process included.
+    """
     missing = False
     for name in (path, f"{path}-wal", f"{path}-shm"):
-        try:
-            os.close(os.open(name, os.O_RDWR))
-        except FileNotFoundError:
+        if not os.path.exists(name):
             missing = True
-        except OSError as exc:
-            raise _OpenError(_read_only(path, name, exc)) from exc
+        elif not os.access(name, os.R_OK | os.W_OK):
+            raise _OpenError(_read_only(path, name))
     directory = os.path.dirname(os.path.abspath(path))
     if missing and not os.access(directory, os.W_OK | os.X_OK):
-        error = OSError(f"[Errno {errno.EACCES}] cannot create files in {directory!r}")
-        raise _OpenError(_read_only(path, directory, error))
+        raise _OpenError(_read_only(path, directory))
 
 
-def _read_only(path: str, name: str, exc: OSError) -> str:
+def _read_only(path: str, name: str) -> str:
     return (
         f"the sqlite store at {path!r} is read-only for this process: {name!r} cannot be"
-        f" written ({exc}). Make it writable for this process's user, or open the store"
-        " with readonly=True to read it (nothing was written)"
+        " written (its permissions, or a read-only file system). Make it writable for"
+        " this process's user, or open the store with readonly=True to read it (nothing"
+        " was written)"
     )
 
 
