@@ -205,6 +205,10 @@ class _Request:
         return trio.lowlevel.Abort.FAILED
 
 
+#: How long ago (in ns) a directory's entries must have last changed for its stamp to
+#: stand for them (see ``_Worker._check_files``).
+_QUIET_NS: Final = 2_000_000_000
+
 #: The size, in bytes, that the write-ahead log is truncated to after a checkpoint.
 _WAL_SIZE_LIMIT: Final = 4 * 1024 * 1024
 
@@ -258,6 +262,7 @@ class _Held:
     count: int
     path: str  # the lock file's
     shared: bool
+    ident: tuple[int, int]  # the lock file's device and inode
 
 
 # This process's locks, by the lock file's path: the stores of one process share
@@ -314,14 +319,61 @@ def _acquire_lock(path: str, *, shared: bool) -> str | None:
             if current is None or (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
                 os.close(fd)  # removed by its last holder meanwhile: lock the new one
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {'shared' if shared else 'exclusive'}\n".encode(), 0)
-            _HELD[lock_path] = _Held(fd=fd, count=1, path=lock_path, shared=shared)
+            _note_holder(fd, shared=shared)
+            ident = (mine.st_dev, mine.st_ino)
+            _HELD[lock_path] = _Held(fd=fd, count=1, path=lock_path, shared=shared, ident=ident)
             return lock_path
     raise _OpenError(  # pragma: no cover - another process removing it 100 times in a row
         f"the sqlite store at {path!r} cannot take its lock {lock_path!r}: it keeps being"
         " removed; retry"
     )
+
+
+def _check_lock(path: str, key: str | None) -> None:
+    """Take the lock ``key`` again if its file was deleted or replaced while this process
+    held it (a clean-up of stale lock files, say): a process that opens the store then
+    is refused as it would have been. Raise ``_OpenError`` if another process took the
+    new file's lock first: it uses the store now, and this one must not write."""
+    if key is None or fcntl is None:
+        return
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        try:
+            st = os.stat(key)
+        except FileNotFoundError:
+            pass
+        else:
+            if (st.st_dev, st.st_ino) == held.ident:
+                return
+        fd = _open_lock_file(path, key)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if held.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            message = _in_use_message(path, key, fd, shared=held.shared)
+            os.close(fd)
+            raise _OpenError(
+                f"{message}. This process held the lock until its file was deleted, and"
+                " that process took the new one: this process writes nothing more to the"
+                " file (nothing was written now); stop one of them"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        mine = os.fstat(fd)
+        _note_holder(fd, shared=held.shared)
+        os.close(held.fd)
+        held.fd, held.ident = fd, (mine.st_dev, mine.st_ino)
+
+
+def _note_holder(fd: int, *, shared: bool) -> None:
+    """Write this process's id into the lock file it locked, for the message that a
+    second process gets. Only a note: on a full disk the lock holds without it (and a
+    failure here must not leave the lock held by nobody's record of it)."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {'shared' if shared else 'exclusive'}\n".encode(), 0)
 
 
 def _open_lock_file(path: str, lock_path: str) -> int:
@@ -380,7 +432,9 @@ def _release_lock(key: str | None) -> None:
             del _HELD[key]
             if not held.shared:
                 with contextlib.suppress(OSError):
-                    os.unlink(held.path)
+                    st = os.stat(held.path)
+                    if (st.st_dev, st.st_ino) == held.ident:  # (not another process's)
+                        os.unlink(held.path)
             os.close(held.fd)  # releases the flock
 
 
@@ -396,6 +450,10 @@ class _Worker:
         self._locked = False  # this worker holds (its share of) the process's lock
         self._immutable = False  # a read-only connection that ignores any WAL (see below)
         self._stamp: tuple[int, ...] | None = None  # the file as that connection opened it
+        self._file_id: tuple[int, int] | None = None  # the file a writable connection opened
+        self._directory = os.path.dirname(os.path.abspath(self._path))
+        # the directory's stamp when a check last found every file in place (see _check_files)
+        self._quiet_directory: tuple[int, ...] | None = None
         self._lock_key: str | None = None
         self._counters = store._counters
         self._lock = threading.Lock()
@@ -471,15 +529,90 @@ class _Worker:
                 if stop:
                     # Nothing can be queued after a stop request.
                     if conn is not None:
-                        conn.close()
+                        self._close(conn)
                         conn = None
                     self._unlock()
                     _answer([(stop[0], outcome.Value(None))])
                     return
         finally:
             if conn is not None:
-                conn.close()
+                self._close(conn)
             self._unlock()
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        """Close the connection. If the file it opened is no longer at the path (deleted
+        or replaced), its writes are checkpointed into that file first: the ``-wal`` left
+        at the path then holds nothing of it, for SQLite to read into the file that is
+        made or put there (where it would bring deleted sessions back, or corrupt it)."""
+        if self._holds_unwritten():
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+
+    def _holds_unwritten(self) -> bool:
+        """Whether this writable connection is the only way to writes that belong in a
+        file: its file is no longer at the path, or its ``-wal`` was deleted (a deleted
+        ``-wal`` lives on only in the connection, and a checkpoint cut short, by a full
+        disk, say, leaves the file half written until it is finished from there)."""
+        if self._file_id is None:
+            return False
+        return self._moved() or not os.path.exists(f"{self._path}-wal")
+
+    def _moved(self) -> bool:
+        """Whether the file this writable connection opened is no longer at the path."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._file_id
+
+    def _check_files(self, conn: sqlite3.Connection) -> sqlite3.Connection | None:
+        """Before a transaction on an open writable connection: refuse to go on with a
+        file that is no longer at the path; reopen if its ``-wal`` or ``-shm`` was
+        deleted (the connection would write to a deleted ``-wal`` that a crash loses,
+        and beside a ``-shm`` that another connection does not share), once what it
+        holds is checkpointed into the file. The connection to use, or None: reopen.
+
+        These files' names are entries of one directory: while no entry of it was
+        added, removed or renamed since the last check (its time stamps say so), one
+        stat of the directory stands for the four stats of the check.
+        """
+        path = self._path
+        try:
+            st = os.stat(self._directory)
+        except OSError:
+            stamp = None
+        else:
+            stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            if stamp == self._quiet_directory:
+                return conn
+        self._quiet_directory = None
+        if self._locked:
+            _check_lock(path, self._lock_key)
+        if self._moved():
+            raise _OpenError(
+                f"the sqlite store's file {path!r} was deleted or replaced while the store"
+                " had it open, so the store writes nothing more to it (nothing was written"
+                " now): put the file back at that path, or close the store (restart the"
+                " process) to open the file that is there now; what the store wrote before"
+                " is in the file it had open"
+            )
+        if os.path.exists(f"{path}-wal") and os.path.exists(f"{path}-shm"):
+            if stamp is not None and time.time_ns() - stamp[3] > _QUIET_NS:
+                # a change after this check gets a later stamp, however coarse the file
+                # system's clock; a directory changed more recently is checked again
+                self._quiet_directory = stamp
+            return conn
+        (busy, _, _) = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise sqlite3.OperationalError(
+                "its -wal or -shm file was deleted while it was open, and what the deleted"
+                " -wal holds could not be written back into the file yet (a reader was busy)"
+            )
+        conn.close()
+        return None
 
     def _unlock(self) -> None:
         if self._locked:
@@ -498,13 +631,18 @@ class _Worker:
             self._lock_key = _acquire_lock(path, shared=self._shared)
             self._locked = True
         if not os.path.exists(path):
+            _check_no_orphan_wal(path)
             _create(path)
         elif os.path.getsize(path) == 0:
             raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
+        _check_writable(path)
         conn = sqlite3.connect(
             path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=True
         )
         try:
+            st = os.stat(path)
+            self._file_id = (st.st_dev, st.st_ino)
+            self._quiet_directory = None
             if _check_schema(conn, path) < _SCHEMA_VERSION:
                 _migrate(conn)
             (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
@@ -570,6 +708,8 @@ class _Worker:
                 # came and went since: an immutable connection would not see its writes.
                 conn.close()
                 conn = None
+            if conn is not None and not self._readonly:
+                conn = self._check_files(conn)
             if conn is None:
                 conn = self._open()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
@@ -577,11 +717,16 @@ class _Worker:
             conn.execute("COMMIT")
         except Exception as exc:
             # The whole transaction is lost (or the file could not be opened): fail
-            # every request, and start afresh with a new connection next time.
+            # every request, and start afresh with a new connection next time (but
+            # with the same one while it holds writes that are not in the file at the
+            # path: its file may come back, its deleted -wal's checkpoint may finish).
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
+                if self._holds_unwritten():
+                    _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
+                    return conn
                 conn.close()
             _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
             return None
@@ -645,6 +790,53 @@ class _Worker:
 
 
 _TABLES: Final = ("journal", "leases", "sessions", "snapshots")
+
+
+def _check_no_orphan_wal(path: str) -> None:
+    """Refuse to make a store at ``path`` beside a ``-wal`` that holds writes: it was left
+    by a file deleted or moved away, and SQLite would read it into the new file."""
+    wal = f"{path}-wal"
+    try:
+        size = os.path.getsize(wal)
+    except OSError:
+        return
+    if size > 0:
+        raise _OpenError(
+            f"the sqlite store at {path!r} does not exist, but {wal!r} ({size} bytes) does:"
+            " the write-ahead log of a store file that was deleted or moved away, which"
+            " SQLite would read into a new file. Put that file back at the path (the -wal"
+            f" holds its last writes), or delete {wal!r} and {path + '-shm'!r} to start a"
+            " new store there"
+        )
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a file (or its ``-wal`` or ``-shm``, or the directory that they are made
+    in) that this process may not write: SQLite would open it read-only, fail every
+    write, and leave a read-only ``-wal`` and ``-shm`` behind.
+
+    Asked with ``access``, never by opening the files: closing a descriptor of a file
+    drops every POSIX lock this process holds on it, those of SQLite's connections of
+    other stores of this process included.
+    """
+    missing = False
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        if not os.path.exists(name):
+            missing = True
+        elif not os.access(name, os.R_OK | os.W_OK):
+            raise _OpenError(_read_only(path, name))
+    directory = os.path.dirname(os.path.abspath(path))
+    if missing and not os.access(directory, os.W_OK | os.X_OK):
+        raise _OpenError(_read_only(path, directory))
+
+
+def _read_only(path: str, name: str) -> str:
+    return (
+        f"the sqlite store at {path!r} is read-only for this process: {name!r} cannot be"
+        " written (its permissions, or a read-only file system). Make it writable for"
+        " this process's user, or open the store with readonly=True to read it (nothing"
+        " was written)"
+    )
 
 
 def _not_ours(path: str, problem: str) -> str:
@@ -908,7 +1100,9 @@ class SQLiteStore:
 
     One process writes the file by default: the store locks it (an advisory
     lock on ``<path>.lock``, held until :meth:`aclose`), and a store in a
-    second process fails its first call with ``StoreError`` saying so. Stores
+    second process fails its first call with ``StoreError`` saying so (a lock
+    file deleted meanwhile is taken again before the next transaction; if
+    another process took it first, this store writes nothing more). Stores
     of one process share the lock. With ``shared=True`` in every process,
     several processes may write the file: ``shared_by_workers`` is then true,
     so the registry turns leases on, and leases and fencing keep a session
@@ -920,7 +1114,18 @@ class SQLiteStore:
 
     A file that exists but is not a sessionactors store (truncated to 0
     bytes, or another program's database) fails the first call with
-    ``StoreError``; it is never read as an empty store.
+    ``StoreError``; it is never read as an empty store. A file (or its
+    ``-wal`` or ``-shm``) that this process may not write fails it with
+    ``StoreError`` saying so, unless the store is ``readonly=True``. A
+    ``-wal`` with writes in it beside a path where no file is (its file was
+    deleted or moved away) is refused, not read into a new file.
+
+    A file deleted or replaced while the store has it open is not written to:
+    every call fails with ``StoreError`` until the file is back at its path or
+    the store is closed (it then opens what is at the path). A ``-wal`` or
+    ``-shm`` deleted while it is open is noticed before the next transaction:
+    what the deleted ``-wal`` held is written into the file, and the files are
+    opened again.
 
     A call cancelled while queued is withdrawn and never runs. A call already
     being written waits for its transaction to finish (milliseconds; at most
