@@ -68,6 +68,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
 #: kit, the asyncio host, the HTTP gateway and the command line.
 PLUGINS: tuple[str, ...] = (
     "stores._sqlite",
+    "stores._sqlite_files",
     "stores._redis",
     "stores._redis_connect",
     "stores._redis_transport",
