@@ -598,17 +598,19 @@ async def _ran_as(turn: Turn, here: bool) -> str | None:
 class _Subscription:
     """``async with ref.subscribe(after) as events: async for event in events``."""
 
-    __slots__ = ("_after", "_dispatcher", "_iterator", "_session_id")
+    __slots__ = ("_after", "_dispatcher", "_entered", "_iterator", "_session_id")
 
     def __init__(self, dispatcher: Dispatcher, session_id: str, after: int | None) -> None:
         self._dispatcher = dispatcher
         self._session_id = session_id
         self._after = after
+        self._entered = False  # (at once: an entry still opening counts)
         self._iterator: EventIterator | None = None
 
     async def __aenter__(self) -> EventIterator:
-        if self._iterator is not None:
+        if self._entered:
             raise entered_twice(self._session_id, "ref.subscribe()")
+        self._entered = True
         self._iterator = await self._dispatcher.open_subscription(self._session_id, self._after)
         return self._iterator
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
+import trio
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -370,6 +371,32 @@ async def test_a_trio_stream_entered_twice_is_refused() -> None:
             async with stream:
                 pass
         assert len(await ref.history()) == 2
+
+
+async def test_a_trio_subscription_entered_by_two_tasks_at_once_opens_one() -> None:
+    """One trio ``ref.subscribe(after=...)`` entered by two tasks at the same moment opens
+    one subscription: the second entry raises SessionStoppedError, and no subscription
+    is left open once the first leaves."""
+    async with sa.open_registry(agents={"e": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("twice")
+        await ref.send("hi")
+        await ref.hibernate()  # (its replay reads the store: the first entry waits there)
+        manager = registry.ref("twice").subscribe(after=0)
+        outcomes: list[str] = []
+
+        async def enter() -> None:
+            try:
+                async with manager:
+                    outcomes.append("entered")
+            except sa.SessionStoppedError as exc:
+                outcomes.append("refused" if "'twice'" in str(exc) else repr(exc))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(enter)
+                nursery.start_soon(enter)
+        assert sorted(outcomes) == ["entered", "refused"]
+        assert registry.statistics().subscribers == 0
 
 
 #: A registry opened on the loop while the loop's last registry closes, n iterations after

@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 import sessionactors as sa
 from sessionactors.http import SessionsApp, create_app, event_to_json
 from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import serve_asyncio, serve_trio
@@ -337,18 +337,22 @@ async def test_a_keyed_stream_through_another_worker_joins_its_turn_from_its_sta
     as it does on the session's own worker; no second turn runs."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     words = [f"w{i}" for i in range(40)]
-    text = " ".join(words)
+    gate = trio.Event()  # the turn on a waits here after 3 deltas, until b's stream joined
+    scripts = {
+        "a": ScriptedModel([Scripted(text=" ".join(words), wait=gate, wait_after=3)]),
+        "b": ScriptedModel([]),  # (the turn never runs on b)
+    }
 
     def worker(worker_id: str) -> Any:
         store = RedisStore(redis_url, prefix=prefix, balance=False)
-        agents = {"echo": sa.Agent(model=EchoModel(delay=0.02))}
+        agents = {"echo": sa.Agent(model=scripts[worker_id])}
         return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=2.0)
 
     with trio.fail_after(30):
         async with worker("a") as a, worker("b") as b:
             await a.spawn("s")
             async with a.ref("s").subscribe() as seen:
-                await a.ref("s").submit(text, idempotency_key="k")
+                await a.ref("s").submit("go", idempotency_key="k")
                 deltas = 0
                 async for event in seen:
                     deltas += isinstance(event, sa.Delta)
@@ -357,14 +361,15 @@ async def test_a_keyed_stream_through_another_worker_joins_its_turn_from_its_sta
             assert a.live() == ["s"]
             assert b.live() == []
             got: list[sa.Event] = []
-            async with b.ref("s").stream(text, idempotency_key="k") as events:
+            async with b.ref("s").stream("go", idempotency_key="k") as events:
+                gate.set()  # joined: the turn goes on
                 async for event in events:
                     got.append(event)
             history = await b.ref("s").history()
     assert isinstance(got[0], sa.TurnStarted), [(type(e).__name__, e.seq) for e in got[:6]]
     assert "".join(e.text for e in got if isinstance(e, sa.Delta)).split() == words
     assert isinstance(got[-1], sa.TurnFinished)
-    assert [m.content for m in history] == [text, text]
+    assert [m.content.strip() for m in history] == ["go", " ".join(words)]
 
 
 @pytest.mark.redis
