@@ -23,6 +23,7 @@ import datetime
 import email.utils
 import json
 import random
+import re
 import ssl
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any, NoReturn, cast
@@ -73,6 +74,44 @@ def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) 
             f"base_url must start with http:// or https://, got {value!r}; "
             "for example 'http://127.0.0.1:8000/v1'"
         )
+    try:
+        url = httpx.URL(value)
+        port = url.port
+    except httpx.InvalidURL as exc:
+        raise ValueError(
+            f"base_url {value!r:.100} is not a URL httpx can send to ({exc}); "
+            "check it for spaces, newlines or a stray character"
+        ) from None
+    if not url.host:
+        raise ValueError(
+            f"base_url {value!r:.100} names no host; for example 'http://127.0.0.1:8000/v1'"
+        )
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"base_url {value!r:.100} has port {port}, outside 1..65535")
+
+
+#: What an ``api_key`` may hold: visible ASCII, as a Bearer token (RFC 6750) does.
+_API_KEY = re.compile(r"[\x21-\x7e]+")
+#: An HTTP header name (RFC 9110 token) and what its value may hold (visible ASCII,
+#: with spaces and tabs inside), as httpx can send them.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"([\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?)?")
+
+
+def _check_api_key(
+    instance: object, attribute: "attrs.Attribute[str | None]", value: object
+) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"api_key must be a str or None, got {type(value).__name__}")
+    if not value:
+        raise ValueError("api_key is empty, which no request can carry; give None to send no key")
+    if not _API_KEY.fullmatch(value):
+        raise ValueError(
+            "api_key holds a space, a newline or a character that is not ASCII, which no "
+            "request can carry; check where it was read from (a trailing newline?)"
+        )
 
 
 def _check_finite(instance: object, attribute: "attrs.Attribute[float]", value: float) -> None:
@@ -122,6 +161,12 @@ def _check_headers(
             "headers must be a mapping of header names to str values, such as "
             f"{{'X-Team': 'support'}}, got {value!r:.60}"
         )
+    for name, text in value.items():
+        if not _HEADER_NAME.fullmatch(name) or not _HEADER_VALUE.fullmatch(text):
+            raise ValueError(
+                f"headers cannot send {name!r:.60}: {text!r:.60}: a header name is letters, "
+                "digits and -, a value is ASCII with no newline and no space at either end"
+            )
 
 
 def _json_default(value: object) -> object:
@@ -164,9 +209,7 @@ class OpenAIChatModel:
 
     base_url: str = attrs.field(validator=_check_url)
     model: str = attrs.field(validator=_check_model_name)
-    api_key: str | None = attrs.field(
-        default=None, repr=False, validator=_check_optional(str, "a str")
-    )
+    api_key: str | None = attrs.field(default=None, repr=False, validator=_check_api_key)
     max_retries: int = attrs.field(default=3, kw_only=True, validator=_check_retries)
     backoff: float = attrs.field(default=0.5, kw_only=True, validator=_check_finite)
     max_backoff: float = attrs.field(default=8.0, kw_only=True, validator=_check_finite)
@@ -191,8 +234,10 @@ class OpenAIChatModel:
 
     @property
     def url(self) -> str:
-        """The endpoint the model posts to."""
-        return self.base_url.rstrip("/") + "/chat/completions"
+        """The endpoint the model posts to: ``base_url``'s path and ``/chat/completions``
+        (a query in ``base_url``, such as Azure's ``?api-version=...``, is kept)."""
+        base = httpx.URL(self.base_url)
+        return str(base.copy_with(path=base.path.rstrip("/") + "/chat/completions"))
 
     async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelChunk, None]:
         """Stream the answer to ``request``: text and tool-call fragments as they arrive.
@@ -205,6 +250,7 @@ class OpenAIChatModel:
         response.
         """
         session_id = request.session_id
+        url = self.url
         payload = self._encode(request)
         headers = self._request_headers()
         yielded = False
@@ -221,16 +267,17 @@ class OpenAIChatModel:
                 delay: float
                 try:
                     async with client.stream(
-                        "POST", self.url, content=payload, headers=headers
+                        "POST", url, content=payload, headers=headers
                     ) as response:
                         status = response.status_code
                         if not 200 <= status < 300:
                             detail = await self._error_detail(response)
                             if status not in _RETRYABLE_STATUS or attempt >= self.max_retries:
-                                self._raise_status(session_id, status, detail, attempt)
+                                location = response.headers.get("location")
+                                self._raise_status(session_id, status, detail, attempt, location)
                             delay = self._delay(attempt, response.headers)
                         else:
-                            self._check_content_type(session_id, response)
+                            await self._check_content_type(session_id, response)
                             parser = _StreamParser(self, session_id)
                             events = EventSource(response).aiter_sse()
                             async with contextlib.aclosing(events):
@@ -301,13 +348,15 @@ class OpenAIChatModel:
 
     # -- the response --------------------------------------------------------
 
-    def _check_content_type(self, session_id: str, response: httpx.Response) -> None:
+    async def _check_content_type(self, session_id: str, response: httpx.Response) -> None:
         content_type = response.headers.get("content-type", "")
         if "text/event-stream" not in content_type.partition(";")[0]:
+            # (a proxy may answer 200 with its error as JSON: quote what it said)
+            detail = await self._error_detail(response)
             raise ModelError(
                 f"session {session_id!r}: {self.url} answered with content-type "
-                f"{content_type!r} instead of an event stream; check that base_url points "
-                "to an OpenAI-compatible API (it usually ends in /v1)",
+                f"{content_type!r} instead of an event stream: {detail}; check that base_url "
+                "points to an OpenAI-compatible API (it usually ends in /v1)",
                 session_id=session_id,
             )
 
@@ -328,8 +377,14 @@ class OpenAIChatModel:
                 return _quote(message)
         return _quote(text) if text.strip() else (response.reason_phrase or "no details")
 
-    def _raise_status(self, session_id: str, status: int, detail: str, attempt: int) -> NoReturn:
-        if status in (401, 403):
+    def _raise_status(
+        self, session_id: str, status: int, detail: str, attempt: int, location: str | None
+    ) -> NoReturn:
+        if 300 <= status < 400:
+            # not followed: a redirect could take the api_key to another host
+            where = f"to {_quote(location)}" if location else "elsewhere"
+            advice = f"it redirects {where}: set base_url to the API root there"
+        elif status in (401, 403):
             advice = "check the api_key"
         elif status == 404:
             advice = "check base_url (it usually ends in /v1) and the model name"
