@@ -40,8 +40,10 @@ def trio_native(obj: T) -> T:
 
     Under :func:`sessionactors.aio.open_registry`, models and tool functions are
     taken to be asyncio code and run in asyncio tasks, except the library's own
-    (``sessionactors.testing``, ``sessionactors.models``) and those marked here,
-    which run in the trio run as they would under ``sessionactors.open_registry``.
+    test models (``sessionactors.testing``) and those marked here, which run in
+    the trio run as they would under ``sessionactors.open_registry``. The models
+    of ``sessionactors.models`` run on asyncio too (they are anyio code), so that
+    an ``httpx.AsyncClient`` the app shares with them stays on one loop.
     """
     try:
         _TRIO_NATIVE.add(obj)
@@ -64,6 +66,9 @@ def _is_trio_native(obj: Any) -> bool:
         module = getattr(target, "__module__", None) or ""
     else:
         module = type(target).__module__
+    if module == "sessionactors.models" or module.startswith("sessionactors.models."):
+        # anyio code: on asyncio, with the app's clients, whose pools belong to its loop
+        return False
     return module == "sessionactors" or module.startswith("sessionactors.")
 
 

@@ -15,7 +15,12 @@ exponential backoff, but only until the first chunk has been yielded: after
 that a failure is raised, since the consumer has already seen part of the
 answer. Everything else becomes a :class:`~sessionactors.ModelError`.
 
-This module needs the ``openai`` extra (httpx and httpx-sse).
+The adapter is written for anyio, so it runs under trio and under asyncio:
+under :func:`sessionactors.aio.open_registry` it runs on the host's asyncio
+loop, as the app's own models do, and a ``client`` the asyncio app uses too
+can be shared with it.
+
+This module needs the ``openai`` extra (httpx, httpx-sse and anyio).
 """
 
 import contextlib
@@ -28,9 +33,9 @@ import ssl
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any, NoReturn, cast
 
+import anyio
 import attrs
 import httpx
-import trio
 from httpx_sse import EventSource
 
 from .._errors import ModelError
@@ -258,7 +263,7 @@ class OpenAIChatModel:
             client = self.client
             if client is None:
                 if self._ssl_context is None:
-                    self._ssl_context = await trio.to_thread.run_sync(httpx.create_ssl_context)
+                    self._ssl_context = await anyio.to_thread.run_sync(httpx.create_ssl_context)
                 client = await stack.enter_async_context(
                     httpx.AsyncClient(timeout=_TIMEOUT, verify=self._ssl_context)
                 )
@@ -316,7 +321,7 @@ class OpenAIChatModel:
                         session_id=session_id,
                     ) from exc
                 attempt += 1
-                await trio.sleep(delay)
+                await anyio.sleep(delay)
 
     # -- the request ---------------------------------------------------------
 

@@ -1,13 +1,18 @@
 """OpenAIChatModel probed as providers and proxies behave, against real servers on loopback."""
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import attrs
+import httpx
 import pytest
 import trio
 
 import sessionactors as sa
+import sessionactors.aio as aio
 from sessionactors.models import OpenAIChatModel
 
 from .fake_openai_server import FakeOpenAI, Reply, open_fake_openai, text_reply
@@ -104,3 +109,138 @@ async def test_a_redirect_names_where_it_points(fake: FakeOpenAI) -> None:
     assert target in str(error)
     assert "base_url" in str(error)
     assert len(fake.requests) == 1
+
+
+# -- asyncio ---------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class AsyncioServer:
+    """A minimal chat completions server on asyncio: answers "hi", or (``stall``) sends
+    "part" and waits for the client to hang up. Counts the connections open."""
+
+    base_url: str = ""
+    stall: bool = False
+    open_connections: int = 0
+    hung_up: asyncio.Event = attrs.Factory(asyncio.Event)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open_connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                if self.stall:
+                    part = b"data: " + json.dumps(chunk({"content": "part"})).encode() + b"\n\n"
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(part), part)
+                    )
+                    await writer.drain()
+                    while await reader.read(65536):
+                        pass
+                    self.hung_up.set()
+                    return
+                events = [chunk({"content": "hi"}), chunk({}, "stop")]
+                body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                body += b"data: [DONE]\n\n"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"content-length: %d\r\n\r\n" % len(body) + body
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.open_connections -= 1
+            writer.close()
+
+
+def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+@contextlib.asynccontextmanager
+async def serve_asyncio_openai() -> AsyncIterator[AsyncioServer]:
+    """Serve a fresh :class:`AsyncioServer` on loopback (asyncio)."""
+    app = AsyncioServer()
+    handlers: set[asyncio.Task[None]] = set()
+
+    def start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.add(asyncio.ensure_future(app.handle(reader, writer)))
+
+    server = await asyncio.start_server(start, "127.0.0.1", 0)
+    app.base_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        yield app
+    finally:
+        server.close()
+        await server.wait_closed()
+        if handlers:  # each ends when its client hangs up
+            await asyncio.wait(handlers, timeout=WAIT)
+
+
+def run_asyncio(main: Coroutine[Any, Any, None]) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(WAIT * 2):
+            await main
+
+    asyncio.run(bounded())
+
+
+def test_under_aio_a_client_shared_with_asyncio_code_works_on_both_sides() -> None:
+    """Under sessionactors.aio, an httpx.AsyncClient that the asyncio app uses too (one
+    client for the whole app) carries the model's turns, and the app's own requests
+    still work after them."""
+
+    async def main() -> None:
+        async with (
+            serve_asyncio_openai() as server,
+            httpx.AsyncClient(timeout=httpx.Timeout(WAIT, read=None)) as client,
+        ):
+            base_url = server.base_url
+            url = base_url + "/chat/completions"
+            assert (await client.post(url, json={})).status_code == 200  # the app's own use
+            model = OpenAIChatModel(base_url, "m", max_retries=0, client=client)
+            async with aio.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+                ref = await registry.spawn("aio-1")
+                assert (await ref.send("one")).text == "hi"
+                assert (await client.post(url, json={})).status_code == 200
+                assert (await ref.send("two")).text == "hi"
+
+    run_asyncio(main())
+
+
+def test_under_aio_cancel_closes_the_connection_and_many_turns_leak_none() -> None:
+    """Under sessionactors.aio, many turns leave no connection open at the server, and
+    ref.cancel() of a turn whose stream stalls makes the server see the hang-up at once;
+    what was streamed is kept, marked interrupted."""
+
+    async def main() -> None:
+        async with serve_asyncio_openai() as server:
+            model = OpenAIChatModel(server.base_url, "m", max_retries=0)
+            async with aio.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+                ref = await registry.spawn("aio-2")
+                for _ in range(20):
+                    assert (await ref.send("again")).text == "hi"
+                async with asyncio.timeout(2):  # each turn's connection closes with it
+                    while server.open_connections:
+                        await asyncio.sleep(0.01)
+                server.stall = True
+                async with ref.stream("stall") as events:
+                    async for event in events:
+                        if isinstance(event, sa.Delta):  # "part" arrived: the stream stalls
+                            assert await ref.cancel()
+                        elif isinstance(event, sa.TurnCancelled):
+                            break
+                async with asyncio.timeout(2):
+                    await server.hung_up.wait()
+                last = (await ref.history())[-1]
+                assert (last.content, last.interrupted) == ("part", True)
+
+    run_asyncio(main())
