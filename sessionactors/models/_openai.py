@@ -30,7 +30,7 @@ import json
 import random
 import re
 import ssl
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, NoReturn, cast
 
 import anyio
@@ -57,6 +57,11 @@ _TIMEOUT = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=60.0)
 
 #: How much of an error response is read to find the server's message.
 _MAX_ERROR_BODY = 64 * 1024
+
+#: The most characters one event of a stream may take, up to the blank line that
+#: ends it: room for a whole answer (MAX_ANSWER_CHARS), JSON-escaped, and to spare. A
+#: server sending more without ending the event is broken: fail rather than buffer it.
+_MAX_EVENT_CHARS = 16 * 1024 * 1024
 
 #: How much of a server's text is quoted in an error message.
 _MAX_QUOTE = 300
@@ -284,9 +289,11 @@ class OpenAIChatModel:
                         else:
                             await self._check_content_type(session_id, response)
                             parser = _StreamParser(self, session_id)
-                            events = EventSource(response).aiter_sse()
+                            text = _BoundedText(response, self, session_id)
+                            events = EventSource(cast(httpx.Response, text)).aiter_sse()
                             async with contextlib.aclosing(events):
                                 async for event in events:
+                                    text.pending = 0
                                     chunks = parser.feed(event.event, event.data)
                                     for chunk in chunks:
                                         yielded = True
@@ -416,6 +423,49 @@ class OpenAIChatModel:
                 return min(retry_after, self.max_backoff)
         delay = self.backoff * 2.0**attempt
         return min(delay * (1.0 + 0.25 * random.random()), self.max_backoff)
+
+
+@attrs.define(eq=False)
+class _BoundedText:
+    """A response as httpx-sse reads it (its headers and text), which fails with a
+    ModelError once the event being read is over :data:`_MAX_EVENT_CHARS`.
+
+    ``pending`` counts the characters read since the last event came out (its
+    reader sets it back to 0), give or take one read of the network.
+    """
+
+    response: httpx.Response
+    model: OpenAIChatModel
+    session_id: str
+    pending: int = 0
+    _texts: AsyncIterator[str] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._texts = self.response.aiter_text()
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self.response.headers
+
+    def aiter_text(self) -> AsyncIterator[str]:
+        # (an iterator, not an async generator: httpx-sse does not close what it reads)
+        return self
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self
+
+    async def __anext__(self) -> str:
+        text = await self._texts.__anext__()
+        self.pending += len(text)
+        if self.pending > _MAX_EVENT_CHARS:
+            raise ModelError(
+                f"session {self.session_id!r}: {self.model.url} sent more than "
+                f"{_MAX_EVENT_CHARS:,} characters without ending an event (no line "
+                "end), more than any answer needs, so it was stopped; check that "
+                "base_url points to an OpenAI-compatible API (and any proxy between)",
+                session_id=self.session_id,
+            )
+        return text
 
 
 @attrs.define(eq=False)

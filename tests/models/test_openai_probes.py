@@ -244,3 +244,20 @@ def test_under_aio_cancel_closes_the_connection_and_many_turns_leak_none() -> No
                 assert (last.content, last.interrupted) == ("part", True)
 
     run_asyncio(main())
+
+
+# -- the stream ------------------------------------------------------------------
+
+
+async def test_an_endless_line_fails_the_turn_instead_of_filling_memory(
+    fake: FakeOpenAI,
+) -> None:
+    """A stream that sends megabytes with no line end (a broken proxy) fails the turn
+    with a ModelError once one event is over 16 MiB characters, instead of buffering
+    it all while the server keeps sending; the connection is closed."""
+    line = b"data: " + b"a" * (17 * 1024 * 1024)
+    fake.push(Reply(pieces=(line,), stall=True))
+    error = await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
+    assert "line end" in str(error)
+    with trio.fail_after(WAIT):
+        await fake.disconnected.wait()
