@@ -309,14 +309,23 @@ class OpenAIChatModel:
                     if yielded:
                         raise ModelError(
                             f"session {session_id!r}: the stream from {self.url} broke after "
-                            f"part of the answer had arrived ({type(exc).__name__}: {exc}); "
+                            f"part of the answer had arrived ({_describe(exc)}); "
                             "the partial answer cannot be resumed, run the turn again",
+                            session_id=session_id,
+                        ) from exc
+                    tls = _tls_error(exc)
+                    if tls is not None and (_lasting(tls) or attempt >= self.max_retries):
+                        raise ModelError(
+                            f"session {session_id!r}: TLS with {self.url} failed ({tls}); "
+                            "check base_url's scheme (https:// only for a server that speaks "
+                            "TLS) and that the server's certificate is trusted (for a private "
+                            "CA, give client=httpx.AsyncClient(verify=...))",
                             session_id=session_id,
                         ) from exc
                     if attempt >= self.max_retries:
                         raise ModelError(
                             f"session {session_id!r}: could not get an answer from {self.url} "
-                            f"after {attempt + 1} attempt(s) ({type(exc).__name__}: {exc}); "
+                            f"after {attempt + 1} attempt(s) ({_describe(exc)}); "
                             "check that the server is running and that base_url is right",
                             session_id=session_id,
                         ) from exc
@@ -324,7 +333,7 @@ class OpenAIChatModel:
                 except httpx.HTTPError as exc:
                     raise ModelError(
                         f"session {session_id!r}: the request to {self.url} failed "
-                        f"({type(exc).__name__}: {exc}); check base_url and the client's settings",
+                        f"({_describe(exc)}); check base_url and the client's settings",
                         session_id=session_id,
                     ) from exc
                 attempt += 1
@@ -631,6 +640,43 @@ def _error_message(payload: object) -> str | None:
             if isinstance(value, str):
                 return value
     return None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from, nearest first (a few at most)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 8 and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _describe(exc: BaseException) -> str:
+    """The error's type and its first words along its causes: under trio, httpx raises
+    ``ConnectError('')`` from the error that says what happened."""
+    for cause in _causes(exc):
+        if str(cause):
+            return f"{type(exc).__name__}: {cause}"
+    return type(exc).__name__
+
+
+def _tls_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a transport error, if there is one."""
+    for cause in _causes(exc):
+        if isinstance(cause, ssl.SSLError):
+            return cause
+    return None
+
+
+def _lasting(error: ssl.SSLError) -> bool:
+    """Whether a TLS error will be there on the next attempt too: an untrusted
+    certificate, or a server that does not speak TLS."""
+    return isinstance(error, ssl.SSLCertVerificationError) or error.reason in (
+        "WRONG_VERSION_NUMBER",
+        "HTTP_REQUEST",
+        "RECORD_LAYER_FAILURE",
+    )
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:

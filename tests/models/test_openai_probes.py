@@ -3,7 +3,9 @@
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -261,3 +263,46 @@ async def test_an_endless_line_fails_the_turn_instead_of_filling_memory(
     assert "line end" in str(error)
     with trio.fail_after(WAIT):
         await fake.disconnected.wait()
+
+
+# -- TLS -------------------------------------------------------------------------
+
+
+async def test_an_untrusted_certificate_is_named_and_not_retried(
+    tls_certificate: tuple[Path, Path],
+) -> None:
+    """A server whose certificate is not trusted (self-signed) fails the turn at the
+    first attempt with a ModelError that says TLS failed and why (under trio httpx's
+    own message is empty), and says how to trust it."""
+    cert, key = tls_certificate
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    handshakes = 0
+
+    async def serve(stream: trio.SocketStream) -> None:
+        nonlocal handshakes
+        handshakes += 1
+        with contextlib.suppress(trio.BrokenResourceError):
+            await trio.SSLStream(stream, context, server_side=True).do_handshake()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, serve, listeners)
+        model = OpenAIChatModel(f"https://127.0.0.1:{port}/v1", "m", backoff=0.001)
+        error = await failed_turn(model)
+        nursery.cancel_scope.cancel()
+    assert "TLS" in str(error)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(error)
+    assert "verify=" in str(error)
+    assert handshakes == 1
+
+
+async def test_https_to_a_plain_http_server_says_tls_failed(fake: FakeOpenAI) -> None:
+    """base_url with https:// for a server that speaks plain HTTP fails the turn with a
+    ModelError that names TLS and the scheme to check, not an empty ConnectError."""
+    model = OpenAIChatModel(fake.base_url.replace("http://", "https://"), "m", max_retries=0)
+    error = await failed_turn(model)
+    assert "TLS" in str(error)
+    assert "https://" in str(error)
+    assert fake.requests == []
