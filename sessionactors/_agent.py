@@ -212,6 +212,22 @@ class _CallParts:
     name: str | None = None
     arguments: list[str] = attrs.Factory(list)
 
+    def starts_another(self, chunk: ToolCallChunk) -> bool:
+        """Whether a named fragment at this call's index begins another call.
+
+        It does once this call is whole (merged, the arguments would be two JSON
+        objects run together), when it has another id (some servers stream every
+        call at index 0, one id each; others change the id within one call, before
+        it is whole), or, with no ids to tell, when both carry arguments (servers
+        that stream one whole call a chunk, with no index and no id; a server that
+        repeats the name in every fragment of one call sends none once it is whole).
+        """
+        if not self.whole():
+            return False
+        if chunk.id and self.id:
+            return chunk.id != self.id
+        return bool(chunk.arguments.strip() and "".join(self.arguments).strip())
+
     def whole(self) -> bool:
         """Whether the call is complete: named, its arguments none or whole JSON."""
         if not self.name:
@@ -295,10 +311,7 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
         _check_call_chunk(chunk)
         parts = step.parts
         p = parts.get(chunk.index)
-        if p is None or (chunk.id and chunk.name and p.id and chunk.id != p.id and p.whole()):
-            # another named call at an index whose call is whole is a new call: some
-            # servers stream every call at index 0, one id each (merged, the arguments
-            # would be two JSON objects); others change the id within one call
+        if p is None or (chunk.name and p.starts_another(chunk)):
             p = parts[chunk.index] = _CallParts()
             step.calls.append((chunk.index, p))
         if chunk.id:

@@ -306,3 +306,67 @@ async def test_https_to_a_plain_http_server_says_tls_failed(fake: FakeOpenAI) ->
     assert "TLS" in str(error)
     assert "https://" in str(error)
     assert fake.requests == []
+
+
+# -- tool calls ------------------------------------------------------------------
+
+
+def call_chunk(function: dict[str, str], **fields: Any) -> dict[str, Any]:
+    """A chunk whose first choice carries one tool call fragment (no index unless given)."""
+    fragment = {"type": "function", "function": function, **fields}
+    return {"choices": [{"index": 0, "delta": {"tool_calls": [fragment]}, "finish_reason": None}]}
+
+
+def sse_reply(*payloads: dict[str, Any]) -> Reply:
+    finished = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    events = [*payloads, finished]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    return Reply(pieces=(body + b"data: [DONE]\n\n",))
+
+
+async def run_tool_turn(fake: FakeOpenAI, *calls: dict[str, Any]) -> list[str]:
+    """One turn whose first answer streams ``calls``; the order ids the tool was called
+    with (each call's arguments must be whole JSON, or the tool is not called)."""
+    looked_up: list[str] = []
+
+    @sa.tool
+    async def lookup(order_id: str) -> str:
+        """Look an order up."""
+        looked_up.append(order_id)
+        return f"paid {order_id}"
+
+    fake.push(sse_reply(*calls), text_reply("done"))
+    model = OpenAIChatModel(fake.base_url, "m", max_retries=0)
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[lookup])}) as reg:
+            ref = await reg.spawn("tools-1")
+            assert (await ref.send("check")).text == "done"
+    return looked_up
+
+
+async def test_whole_calls_streamed_without_index_or_id_are_separate_calls(
+    fake: FakeOpenAI,
+) -> None:
+    """A server that streams parallel calls one whole call a chunk with no index and no
+    id (Gemini's OpenAI endpoint, some proxies) gets one call each, not one call whose
+    arguments are two JSON objects run together."""
+    looked_up = await run_tool_turn(
+        fake,
+        call_chunk({"name": "lookup", "arguments": '{"order_id": "A1"}'}),
+        call_chunk({"name": "lookup", "arguments": '{"order_id": "A2"}'}),
+    )
+    assert sorted(looked_up) == ["A1", "A2"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [['{"order_id": ', '"A1"}'], ["", '{"order_id": "A1"}'], ['{"order_id": "A1"}', " "]],
+    ids=["split", "empty first", "trailing space"],
+)
+async def test_a_name_repeated_in_every_fragment_is_still_one_call(
+    fake: FakeOpenAI, arguments: list[str]
+) -> None:
+    """A server that repeats the name in every fragment of one call (no id) still gets
+    one call, run once with the joined arguments."""
+    chunks = [call_chunk({"name": "lookup", "arguments": a}, index=0) for a in arguments]
+    assert await run_tool_turn(fake, *chunks) == ["A1"]
