@@ -370,3 +370,31 @@ async def test_a_name_repeated_in_every_fragment_is_still_one_call(
     one call, run once with the joined arguments."""
     chunks = [call_chunk({"name": "lookup", "arguments": a}, index=0) for a in arguments]
     assert await run_tool_turn(fake, *chunks) == ["A1"]
+
+
+# -- cancel ----------------------------------------------------------------------
+
+
+async def test_ref_cancel_of_a_stalled_stream_closes_the_connection(fake: FakeOpenAI) -> None:
+    """ref.cancel() of a turn whose stream stalled (the server sends nothing more, and
+    there is no read timeout) ends the turn at once: the server sees the client hang
+    up, and what was streamed is kept, marked interrupted."""
+    fake.push(
+        Reply(
+            pieces=(b'data: {"choices": [{"index": 0, "delta": {"content": "so far"}}]}\n\n',),
+            stall=True,
+        )
+    )
+    model = OpenAIChatModel(fake.base_url, "m", max_retries=0)
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+            ref = await registry.spawn("cancel-1")
+            async with ref.stream("hello") as events:
+                async for event in events:
+                    if isinstance(event, sa.Delta):
+                        assert await ref.cancel()
+                    elif isinstance(event, sa.TurnCancelled):
+                        break
+            await fake.disconnected.wait()
+            last = (await ref.history())[-1]
+    assert (last.content, last.interrupted) == ("so far", True)
