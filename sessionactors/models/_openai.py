@@ -499,16 +499,15 @@ class _StreamParser:
         try:
             payload = json.loads(data)
         except ValueError:
+            if event == "error":  # the server's error, in plain words
+                self._reported(data)
             self._malformed(f"an event's data is not JSON: {_quote(data)}")
         if not isinstance(payload, dict):
+            if event == "error":
+                self._reported(data)
             self._malformed(f"an event's data is not a JSON object: {_quote(data)}")
         if payload.get("error") is not None or event == "error":
-            message = _error_message(payload) or data
-            raise ModelError(
-                f"session {self.session_id!r}: {self.model.url} reported an error in the "
-                f"stream: {_quote(message)}; check the request, or run the turn again",
-                session_id=self.session_id,
-            )
+            self._reported(_error_message(payload) or data)
         choices = payload.get("choices")
         if not isinstance(choices, list):
             self._malformed(f"a chunk has no 'choices' list: {_quote(data)}")
@@ -583,6 +582,13 @@ class _StreamParser:
             if count.__class__ is not int or count < 0:
                 self._malformed(f"'usage' holds a count that is not an integer: {_quote(data)}")
         return UsageChunk(*counts)
+
+    def _reported(self, message: str) -> NoReturn:
+        raise ModelError(
+            f"session {self.session_id!r}: {self.model.url} reported an error in the "
+            f"stream: {_quote(message)}; check the request, or run the turn again",
+            session_id=self.session_id,
+        )
 
     def _malformed(self, what: str) -> NoReturn:
         raise ModelError(

@@ -398,3 +398,17 @@ async def test_ref_cancel_of_a_stalled_stream_closes_the_connection(fake: FakeOp
             await fake.disconnected.wait()
             last = (await ref.history())[-1]
     assert (last.content, last.interrupted) == ("so far", True)
+
+
+async def test_an_error_event_with_plain_text_data_quotes_it_as_the_servers_error(
+    fake: FakeOpenAI,
+) -> None:
+    """An ``event: error`` whose data is plain text (not JSON) fails the turn with a
+    ModelError that reports the server's error in its words, not a malformed stream."""
+    fake.push(
+        Reply(pieces=(b'data: {"choices": []}\n\n', b"event: error\ndata: upstream timed out\n\n"))
+    )
+    error = await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
+    assert "reported an error" in str(error)
+    assert "upstream timed out" in str(error)
+    assert "malformed" not in str(error)
