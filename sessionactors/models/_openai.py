@@ -26,6 +26,7 @@ This module needs the ``openai`` extra (httpx, httpx-sse and anyio).
 import contextlib
 import datetime
 import email.utils
+import html
 import json
 import random
 import re
@@ -62,6 +63,9 @@ _MAX_ERROR_BODY = 64 * 1024
 #: ends it: room for a whole answer (MAX_ANSWER_CHARS), JSON-escaped, and to spare. A
 #: server sending more without ending the event is broken: fail rather than buffer it.
 _MAX_EVENT_CHARS = 16 * 1024 * 1024
+
+#: The title of an HTML error page (a proxy's, a CDN's), where it says what happened.
+_HTML_TITLE = re.compile(r"<title[^>]*>([^<]{1,300})</title>", re.IGNORECASE)
 
 #: How much of a server's text is quoted in an error message.
 _MAX_QUOTE = 300
@@ -396,6 +400,9 @@ class OpenAIChatModel:
             message = _error_message(json.loads(text))
             if message:
                 return _quote(message)
+        title = _HTML_TITLE.search(text)
+        if title is not None and " ".join(title[1].split()):  # a proxy's error page
+            return _quote(f"{html.unescape(' '.join(title[1].split()))} (an HTML page)")
         return _quote(text) if text.strip() else (response.reason_phrase or "no details")
 
     def _raise_status(

@@ -412,3 +412,18 @@ async def test_an_error_event_with_plain_text_data_quotes_it_as_the_servers_erro
     assert "reported an error" in str(error)
     assert "upstream timed out" in str(error)
     assert "malformed" not in str(error)
+
+
+async def test_an_html_error_page_is_quoted_by_its_title(fake: FakeOpenAI) -> None:
+    """A proxy's HTML error page (a CDN's, whose title comes after a long head) is quoted
+    by its title, so the ModelError says what the proxy said."""
+    page = (
+        "<!DOCTYPE html>\n"
+        + '<!--[if lt IE 7]> <html class="no-js ie6 oldie" lang="en-US"> <![endif]-->\n' * 6
+        + "<head>\n<title>api.example.com | 524: A timeout occurred</title>\n"
+        + '<meta charset="UTF-8" />\n</head><body>...</body></html>'
+    )
+    fake.push(Reply(status=524, headers=(("content-type", "text/html"),), pieces=(page.encode(),)))
+    error = await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
+    assert error.status_code == 524
+    assert "524: A timeout occurred" in str(error)
