@@ -327,10 +327,17 @@ class OpenAIChatModel:
                             session_id=session_id,
                         ) from exc
                     if attempt >= self.max_retries:
+                        if isinstance(exc, httpx.PoolTimeout):  # the client's, not the server's
+                            advice = (
+                                "every connection of the client's pool stayed busy: give it "
+                                "more (httpx.Limits(max_connections=...)) or a longer pool "
+                                "timeout"
+                            )
+                        else:
+                            advice = "check that the server is running and that base_url is right"
                         raise ModelError(
                             f"session {session_id!r}: could not get an answer from {self.url} "
-                            f"after {attempt + 1} attempt(s) ({_describe(exc)}); "
-                            "check that the server is running and that base_url is right",
+                            f"after {attempt + 1} attempt(s) ({_describe(exc)}); {advice}",
                             session_id=session_id,
                         ) from exc
                     delay = self._delay(attempt, None)

@@ -427,3 +427,24 @@ async def test_an_html_error_page_is_quoted_by_its_title(fake: FakeOpenAI) -> No
     error = await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
     assert error.status_code == 524
     assert "524: A timeout occurred" in str(error)
+
+
+async def test_a_full_connection_pool_is_named(fake: FakeOpenAI) -> None:
+    """When a shared client's connection pool stays full (more sessions streaming at once
+    than its max_connections), the turn that waited fails with a ModelError that names
+    the pool and its limit, not one that says to check that the server is running."""
+    fake.push(Reply(pieces=(b'data: {"choices": []}\n\n',), stall=True))
+    limits = httpx.Limits(max_connections=1)
+    timeout = httpx.Timeout(WAIT, read=None, pool=0.05)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = OpenAIChatModel(fake.base_url, "m", max_retries=1, backoff=0.001, client=client)
+        with trio.fail_after(WAIT):
+            async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+                busy = await registry.spawn("busy")
+                await busy.submit("hold the only connection")
+                await fake.stalled.wait()
+                with pytest.raises(sa.TurnFailedError) as info:
+                    await (await registry.spawn("waiting")).send("hello")
+                await busy.cancel()
+    assert isinstance(info.value.__cause__, sa.ModelError)
+    assert "max_connections" in str(info.value.__cause__)
