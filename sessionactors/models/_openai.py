@@ -83,6 +83,11 @@ def _check_url(instance: object, attribute: "attrs.Attribute[str]", value: str) 
         raise TypeError(
             f"base_url must be a str such as 'http://127.0.0.1:8000/v1', not {type(value).__name__}"
         )
+    if value != value.strip():
+        raise ValueError(
+            f"base_url {value!r:.100} has a space or a newline at its start or end; "
+            "remove it (was it read from a file or an environment variable?)"
+        )
     if not value.startswith(("http://", "https://")):
         raise ValueError(
             f"base_url must start with http:// or https://, got {value!r}; "
@@ -253,6 +258,14 @@ class OpenAIChatModel:
         base = httpx.URL(self.base_url)
         return str(base.copy_with(path=base.path.rstrip("/") + "/chat/completions"))
 
+    @property
+    def _where(self) -> str:
+        """:attr:`url` as messages show it: a password in it is hidden (they are stored)."""
+        url = httpx.URL(self.url)
+        if url.password:
+            url = url.copy_with(username=url.username, password="***")
+        return str(url)
+
     async def stream(self, request: ModelRequest) -> AsyncGenerator[ModelChunk, None]:
         """Stream the answer to ``request``: text and tool-call fragments as they arrive.
 
@@ -312,7 +325,7 @@ class OpenAIChatModel:
                 except _RETRYABLE_ERRORS as exc:
                     if yielded:
                         raise ModelError(
-                            f"session {session_id!r}: the stream from {self.url} broke after "
+                            f"session {session_id!r}: the stream from {self._where} broke after "
                             f"part of the answer had arrived ({_describe(exc)}); "
                             "the partial answer cannot be resumed, run the turn again",
                             session_id=session_id,
@@ -320,7 +333,7 @@ class OpenAIChatModel:
                     tls = _tls_error(exc)
                     if tls is not None and (_lasting(tls) or attempt >= self.max_retries):
                         raise ModelError(
-                            f"session {session_id!r}: TLS with {self.url} failed ({tls}); "
+                            f"session {session_id!r}: TLS with {self._where} failed ({tls}); "
                             "check base_url's scheme (https:// only for a server that speaks "
                             "TLS) and that the server's certificate is trusted (for a private "
                             "CA, give client=httpx.AsyncClient(verify=...))",
@@ -336,14 +349,14 @@ class OpenAIChatModel:
                         else:
                             advice = "check that the server is running and that base_url is right"
                         raise ModelError(
-                            f"session {session_id!r}: could not get an answer from {self.url} "
+                            f"session {session_id!r}: could not get an answer from {self._where} "
                             f"after {attempt + 1} attempt(s) ({_describe(exc)}); {advice}",
                             session_id=session_id,
                         ) from exc
                     delay = self._delay(attempt, None)
                 except httpx.HTTPError as exc:
                     raise ModelError(
-                        f"session {session_id!r}: the request to {self.url} failed "
+                        f"session {session_id!r}: the request to {self._where} failed "
                         f"({_describe(exc)}); check base_url and the client's settings",
                         session_id=session_id,
                     ) from exc
@@ -386,7 +399,7 @@ class OpenAIChatModel:
             # (a proxy may answer 200 with its error as JSON: quote what it said)
             detail = await self._error_detail(response)
             raise ModelError(
-                f"session {session_id!r}: {self.url} answered with content-type "
+                f"session {session_id!r}: {self._where} answered with content-type "
                 f"{content_type!r} instead of an event stream: {detail}; check that base_url "
                 "points to an OpenAI-compatible API (it usually ends in /v1)",
                 session_id=session_id,
@@ -433,7 +446,7 @@ class OpenAIChatModel:
         else:
             advice = "check base_url"
         raise ModelError(
-            f"session {session_id!r}: {self.url} answered HTTP {status}: {detail}; {advice}",
+            f"session {session_id!r}: {self._where} answered HTTP {status}: {detail}; {advice}",
             session_id=session_id,
             status_code=status,
         )
@@ -482,7 +495,7 @@ class _BoundedText:
         self.pending += len(text)
         if self.pending > _MAX_EVENT_CHARS:
             raise ModelError(
-                f"session {self.session_id!r}: {self.model.url} sent more than "
+                f"session {self.session_id!r}: {self.model._where} sent more than "
                 f"{_MAX_EVENT_CHARS:,} characters without ending an event (no line "
                 "end), more than any answer needs, so it was stopped; check that "
                 "base_url points to an OpenAI-compatible API (and any proxy between)",
@@ -560,7 +573,7 @@ class _StreamParser:
         """Check, once the stream has ended, that it ended properly."""
         if not (self.done or self.finished):
             raise ModelError(
-                f"session {self.session_id!r}: the stream from {self.model.url} ended before "
+                f"session {self.session_id!r}: the stream from {self.model._where} ended before "
                 "'data: [DONE]' and without a finish_reason, so the answer may be cut short; "
                 "run the turn again",
                 session_id=self.session_id,
@@ -599,14 +612,14 @@ class _StreamParser:
 
     def _reported(self, message: str) -> NoReturn:
         raise ModelError(
-            f"session {self.session_id!r}: {self.model.url} reported an error in the "
+            f"session {self.session_id!r}: {self.model._where} reported an error in the "
             f"stream: {_quote(message)}; check the request, or run the turn again",
             session_id=self.session_id,
         )
 
     def _malformed(self, what: str) -> NoReturn:
         raise ModelError(
-            f"session {self.session_id!r}: {self.model.url} sent a malformed stream: {what}; "
+            f"session {self.session_id!r}: {self.model._where} sent a malformed stream: {what}; "
             "check that base_url points to an OpenAI-compatible API",
             session_id=self.session_id,
         )

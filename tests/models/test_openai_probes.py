@@ -17,7 +17,7 @@ import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.models import OpenAIChatModel
 
-from .fake_openai_server import FakeOpenAI, Reply, open_fake_openai, text_reply
+from .fake_openai_server import FakeOpenAI, Reply, error_reply, open_fake_openai, text_reply
 
 # Real sockets: never the autojump clock here; every wait is bounded by real time.
 WAIT = 10
@@ -448,3 +448,29 @@ async def test_a_full_connection_pool_is_named(fake: FakeOpenAI) -> None:
                 await busy.cancel()
     assert isinstance(info.value.__cause__, sa.ModelError)
     assert "max_connections" in str(info.value.__cause__)
+
+
+async def test_a_password_in_base_url_stays_out_of_errors(fake: FakeOpenAI) -> None:
+    """A base_url with credentials (http://user:password@host/v1, which some proxies use)
+    sends them, but no error message (nor the TurnFailed event that is stored) shows the
+    password."""
+    fake.push(error_reply(400, "bad request"))
+    base_url = fake.base_url.replace("http://", "http://ada:s3cret-pw@")
+    model = OpenAIChatModel(base_url + "?api-version=1", "m", max_retries=0)
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+            ref = await registry.spawn("creds-1")
+            async with ref.stream("hello") as events:
+                outcome = [e async for e in events][-1]
+    assert isinstance(outcome, sa.TurnFailed)
+    assert "bad request" in outcome.error
+    assert "s3cret-pw" not in outcome.error
+    assert "authorization" in fake.requests[0].headers
+
+
+@pytest.mark.parametrize("base_url", [" http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1 "])
+def test_a_base_url_with_a_space_at_either_end_is_refused(base_url: str) -> None:
+    """A base_url read with a space at its start or end is refused when the model is made
+    (at its end it was sent as /v1%20/chat/completions)."""
+    with pytest.raises(ValueError, match="base_url"):
+        OpenAIChatModel(base_url, "m")
