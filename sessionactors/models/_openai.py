@@ -416,7 +416,7 @@ class OpenAIChatModel:
                 if len(body) >= _MAX_ERROR_BODY:
                     break
         text = bytes(body[:_MAX_ERROR_BODY]).decode("utf-8", errors="replace")
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             message = _error_message(json.loads(text))
             if message:
                 return _quote(message)
@@ -525,7 +525,7 @@ class _StreamParser:
             return []
         try:
             payload = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deep for the parser)
             if event == "error":  # the server's error, in plain words
                 self._reported(data)
             self._malformed(f"an event's data is not JSON: {_quote(data)}")

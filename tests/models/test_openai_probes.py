@@ -474,3 +474,21 @@ def test_a_base_url_with_a_space_at_either_end_is_refused(base_url: str) -> None
     (at its end it was sent as /v1%20/chat/completions)."""
     with pytest.raises(ValueError, match="base_url"):
         OpenAIChatModel(base_url, "m")
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply(pieces=(b"data: " + DEEP + b"\n\n",)),
+        Reply(status=400, headers=(("content-type", "application/json"),), pieces=(DEEP,)),
+    ],
+    ids=["in the stream", "in an error body"],
+)
+async def test_json_nested_too_deep_is_a_model_error(fake: FakeOpenAI, reply: Reply) -> None:
+    """JSON nested too deep for Python's parser (a RecursionError), in a chunk or an error
+    body, fails the turn with a ModelError like any malformed answer."""
+    fake.push(reply)
+    await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
