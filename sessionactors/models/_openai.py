@@ -64,6 +64,10 @@ _MAX_ERROR_BODY = 64 * 1024
 #: server sending more without ending the event is broken: fail rather than buffer it.
 _MAX_EVENT_CHARS = 16 * 1024 * 1024
 
+#: How long a stream is read on after ``data: [DONE]`` for the end of its body (see
+#: ``_drain``).
+_DRAIN_SECONDS = 1.0
+
 #: The title of an HTML error page (a proxy's, a CDN's), where it says what happened.
 _HTML_TITLE = re.compile(r"<title[^>]*>([^<]{1,300})</title>", re.IGNORECASE)
 
@@ -316,6 +320,7 @@ class OpenAIChatModel:
                                         yielded = True
                                         yield chunk
                                     if parser.done:
+                                        await _drain(events)
                                         break
                             parser.finish()
                             if parser.usage is not None:  # the answer's last totals, once
@@ -673,6 +678,19 @@ def _error_message(payload: object) -> str | None:
             if isinstance(value, str):
                 return value
     return None
+
+
+async def _drain(events: AsyncGenerator[Any, None]) -> None:
+    """Read a stream on after its ``data: [DONE]`` to the end of its body, for a while.
+
+    A response closed before its end takes its connection with it; read to its end
+    (which a server sends with ``[DONE]``), it gives the connection back to the
+    client's pool for the next call. A server that keeps the response open is left
+    after :data:`_DRAIN_SECONDS`; what comes after ``[DONE]`` is not the answer.
+    """
+    with anyio.move_on_after(_DRAIN_SECONDS), contextlib.suppress(httpx.HTTPError, ModelError):
+        async for _ in events:
+            pass
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

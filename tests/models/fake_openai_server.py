@@ -104,6 +104,8 @@ class FakeOpenAI:
     base_url: str = ""
     script: deque[Reply] = attrs.field(factory=deque)
     requests: list[RecordedRequest] = attrs.field(factory=list)
+    #: the client address of each request: one per connection used
+    clients: list[tuple[str, int]] = attrs.field(factory=list)
     disconnects: int = 0
     disconnected: trio.Event = attrs.field(factory=trio.Event)
     stalled: trio.Event = attrs.field(factory=trio.Event)
@@ -132,6 +134,7 @@ class FakeOpenAI:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
+        self.clients.append(tuple(scope["client"]))
         self.requests.append(
             RecordedRequest(
                 method=scope["method"],

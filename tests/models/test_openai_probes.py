@@ -492,3 +492,20 @@ async def test_json_nested_too_deep_is_a_model_error(fake: FakeOpenAI, reply: Re
     body, fails the turn with a ModelError like any malformed answer."""
     fake.push(reply)
     await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
+
+
+async def test_a_shared_client_reuses_its_connection_across_turns(fake: FakeOpenAI) -> None:
+    """With a shared client, turns whose streams end with [DONE] and the end of the body
+    reuse one pooled connection, instead of closing it at [DONE] and opening (and, over
+    https, handshaking) a new one for every model call."""
+    for _ in range(5):
+        fake.push(text_reply("hi"))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(WAIT, read=None)) as client:
+        model = OpenAIChatModel(fake.base_url, "m", max_retries=0, client=client)
+        with trio.fail_after(WAIT):
+            async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+                ref = await registry.spawn("pool-1")
+                for _ in range(5):
+                    assert (await ref.send("hello")).text == "hi"
+    assert len(fake.clients) == 5
+    assert len(set(fake.clients)) == 1
