@@ -320,7 +320,8 @@ class OpenAIChatModel:
                                         yielded = True
                                         yield chunk
                                     if parser.done:
-                                        await _drain(events)
+                                        if self.client is not None:  # (a pool to go back to)
+                                            await _drain(events)
                                         break
                             parser.finish()
                             if parser.usage is not None:  # the answer's last totals, once
