@@ -509,3 +509,16 @@ async def test_a_shared_client_reuses_its_connection_across_turns(fake: FakeOpen
                     assert (await ref.send("hello")).text == "hi"
     assert len(fake.clients) == 5
     assert len(set(fake.clients)) == 1
+
+
+async def test_a_shared_client_still_leaves_a_response_kept_open_after_done(
+    fake: FakeOpenAI,
+) -> None:
+    """With a shared client, a server that keeps the response open after [DONE] does not
+    hold the turn: it ends with its answer, and the connection is closed."""
+    fake.push(Reply(pieces=text_reply("hi").pieces, stall=True))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(WAIT, read=None)) as client:
+        model = OpenAIChatModel(fake.base_url, "m", max_retries=0, client=client)
+        assert (await send_one(model)).text == "hi"
+        with trio.fail_after(WAIT):
+            await fake.disconnected.wait()
