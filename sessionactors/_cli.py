@@ -15,7 +15,8 @@ from ._agent import Agent
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
-from ._events import Delta
+from ._events import Delta, TurnFailed
+from ._model import Model
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
 
@@ -26,10 +27,7 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-async def _chat(args: argparse.Namespace) -> None:
-    from .models._openai import OpenAIChatModel
-
-    model = OpenAIChatModel(base_url=args.base_url, model=args.model, api_key=args.api_key)
+async def _chat(args: argparse.Namespace, model: Model) -> None:
     agent = Agent(model=model, system_prompt=args.system_prompt)
     store = SQLiteStore(args.db, shared=args.shared)
     async with open_registry(store=store, agents={"chat": agent}) as registry:
@@ -44,6 +42,9 @@ async def _chat(args: argparse.Namespace) -> None:
                 async for event in events:
                     if isinstance(event, Delta):
                         print(event.text, end="", flush=True)
+                    elif isinstance(event, TurnFailed):  # say why, in one line
+                        error = " ".join(event.error.split())
+                        print(f"sessionactors chat: the turn failed: {error}", file=sys.stderr)
             _say()
 
 
@@ -90,8 +91,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(serve_main(args))
     if args.command == "chat":
+        from .models._openai import OpenAIChatModel
+
+        try:  # (an OPENAI_API_KEY set but empty is no key, as for a local server)
+            model = OpenAIChatModel(args.base_url, args.model, api_key=args.api_key or None)
+        except (TypeError, ValueError) as exc:
+            chat.error(str(exc))
         try:
-            trio.run(_chat, args)
+            trio.run(_chat, args, model)
         except SessionActorsError as exc:  # one line, no traceback
             text = " ".join(str(exc).split())
             if "in use by process" in text and not args.shared:

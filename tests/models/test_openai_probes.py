@@ -3,7 +3,10 @@
 import asyncio
 import contextlib
 import json
+import os
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
@@ -522,3 +525,59 @@ async def test_a_shared_client_still_leaves_a_response_kept_open_after_done(
         assert (await send_one(model)).text == "hi"
         with trio.fail_after(WAIT):
             await fake.disconnected.wait()
+
+
+# -- the chat command ------------------------------------------------------------
+
+
+async def run_chat(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    with trio.fail_after(60):
+        return await trio.run_process(
+            [sys.executable, "-m", "sessionactors", "chat", "--model", "m",
+             "--db", str(tmp_path / "chat.db"), *args],
+            stdin=b"hi\n\n", capture_stdout=True, capture_stderr=True, check=False,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+
+async def test_chat_prints_why_a_turn_failed(fake: FakeOpenAI, tmp_path: Path) -> None:
+    """When a turn fails (the server refuses the key), chat prints the error in one line
+    on stderr, instead of an empty reply, and carries on."""
+    fake.push(error_reply(401, "Incorrect API key provided"))
+    result = await run_chat(tmp_path, "--base-url", fake.base_url)
+    error = result.stderr.decode()
+    assert result.returncode == 0
+    assert "Incorrect API key provided" in error
+    assert "Traceback" not in error
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        (["--base-url", "localhost:8000/v1"], {}, "http://"),
+        (["--base-url", "http://127.0.0.1:8000/v1", "--api-key", "sk-a\u00e9"], {}, "api_key"),
+    ],
+    ids=["no scheme", "non-ASCII key"],
+)
+async def test_chat_refuses_bad_settings_in_one_line(
+    tmp_path: Path, args: list[str], env: dict[str, str], words: str
+) -> None:
+    """A --base-url or --api-key the model refuses ends chat with one line on stderr
+    (exit status 2), not a traceback."""
+    result = await run_chat(tmp_path, *args, env=env)
+    error = result.stderr.decode().strip()
+    assert result.returncode == 2
+    assert words in error
+    assert "Traceback" not in error, error
+    assert len(error.splitlines()) == 1, error
+
+
+async def test_chat_takes_an_empty_openai_api_key_as_none(fake: FakeOpenAI, tmp_path: Path) -> None:
+    """OPENAI_API_KEY set but empty (a local server needs none) sends no key."""
+    fake.push(text_reply("Hello"))
+    result = await run_chat(tmp_path, "--base-url", fake.base_url, env={"OPENAI_API_KEY": ""})
+    assert result.returncode == 0, result.stderr.decode()
+    assert "Hello" in result.stdout.decode()
+    assert "authorization" not in fake.requests[0].headers
