@@ -218,7 +218,8 @@ class OpenAIChatModel:
     ``messages``, ``tools``, ``stream``) win. The adapter asks for token counts
     with ``stream_options: {"include_usage": true}`` unless ``extra_body`` has
     ``stream_options`` of its own (give ``{"include_usage": False}`` to a server
-    that refuses it). ``headers`` adds HTTP headers.
+    that refuses to count, ``None`` to leave the field out for a server that does
+    not know it). ``headers`` adds HTTP headers.
 
     ``client`` is an ``httpx.AsyncClient`` to share (its connection pool and
     timeouts are used, and it is never closed here); give it a read timeout of
@@ -381,6 +382,8 @@ class OpenAIChatModel:
             body.pop("tools", None)
         body["stream"] = True
         body.setdefault("stream_options", {"include_usage": True})
+        if body["stream_options"] is None:  # for a server that does not know the field
+            del body["stream_options"]
         try:
             return json.dumps(body, ensure_ascii=False, default=_json_default).encode()
         except (TypeError, ValueError) as exc:
@@ -449,6 +452,12 @@ class OpenAIChatModel:
             )
         elif 400 <= status < 500:
             advice = "check the messages, the tools' schemas and extra_body"
+            if "stream_options" in detail:
+                advice = (
+                    "a server that does not know stream_options (the adapter asks for token "
+                    "counts with it) takes extra_body={'stream_options': None}, which leaves "
+                    "it out"
+                )
         else:
             advice = "check base_url"
         raise ModelError(

@@ -581,3 +581,18 @@ async def test_chat_takes_an_empty_openai_api_key_as_none(fake: FakeOpenAI, tmp_
     assert result.returncode == 0, result.stderr.decode()
     assert "Hello" in result.stdout.decode()
     assert "authorization" not in fake.requests[0].headers
+
+
+async def test_a_server_that_does_not_know_stream_options_is_told_how_to_leave_it_out(
+    fake: FakeOpenAI,
+) -> None:
+    """A server that refuses the stream_options field (older Azure API versions) fails the
+    turn with advice to pass extra_body={'stream_options': None}, which leaves the field
+    out of the request."""
+    message = "Unrecognized request argument supplied: stream_options"
+    fake.push(error_reply(400, message), text_reply("ok"))
+    error = await failed_turn(OpenAIChatModel(fake.base_url, "m", max_retries=0))
+    assert "{'stream_options': None}" in str(error)
+    model = OpenAIChatModel(fake.base_url, "m", extra_body={"stream_options": None})
+    assert (await send_one(model)).text == "ok"
+    assert "stream_options" not in fake.requests[-1].body
