@@ -419,7 +419,7 @@ class Sessions:
         calls included, are cancelled at once."""
         log.warning("session %r lost its lease to another worker; stopped here", actor.session_id)
         self.stats.leases_lost += 1
-        actor.lease = None
+        actor.lease = None  # renewed and released no more; its fence stays on its writes
         actor.kill(
             FencedOutError(
                 f"session {actor.session_id!r} lost its lease (another worker "

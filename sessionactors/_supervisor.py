@@ -50,7 +50,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                 "session %r was fenced out (another worker owns it now): %s", actor.session_id, exc
             )
             host.stats.leases_lost += 1
-            actor.lease = None
+            actor.lease = None  # (its fence stays: see Actor.fence)
             _end(actor, exc)
             return
         except Exception as exc:
@@ -114,7 +114,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                 fresh.journal.unsaved = journal.unsaved[: journal.settled]
                 fresh.journal.base = journal.base
                 fresh.journal.floor = journal.floor
-            fresh.lease = actor.lease
+            fresh.lease, fresh.fence = actor.lease, actor.fence
             if host.closing:  # it takes nothing new: it only hibernates what it has
                 fresh.close()
                 if actor.phase is Phase.ABORTING:

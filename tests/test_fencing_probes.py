@@ -1,0 +1,188 @@
+"""Probes of fencing after a lease is lost: a worker that learns that another worker
+took a session over writes nothing more that the store would accept over the new
+owner's writes (two registries share one SQLite file, as two processes would)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import sessionactors as sa
+from sessionactors.stores import JournalEntry, Lease
+from sessionactors.testing import EchoModel, FaultyStore
+
+AGENTS = {"echo": sa.Agent(model=EchoModel())}
+TTL = 0.3  # worker A's leases: they lapse quickly while its renewals are stalled
+
+
+class StallingWorker(sa.SQLiteStore):
+    """Worker A's store: with ``stalled``, its renewals never reach the file but report
+    the lease held (a worker frozen past its leases); it records the fence of every
+    write it makes once ``recording``."""
+
+    stalled = False
+    recording = False
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fences: list[tuple[str, int | None]] = []
+
+    async def renew(self, session_id: str, lease: Lease, ttl: float) -> bool:
+        if self.stalled:
+            await trio.lowlevel.checkpoint()
+            return True
+        return await super().renew(session_id, lease, ttl)
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        if self.recording:
+            self.fences.append(("append", fence))
+        await super().append(session_id, entries, info, fence=fence)
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        if self.recording:
+            self.fences.append(("write_snapshot", fence))
+        await super().write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+
+
+@contextlib.asynccontextmanager
+async def worker(store: Any, worker_id: str, **options: Any) -> AsyncIterator[sa.Registry]:
+    async with sa.open_registry(
+        store=store, agents=AGENTS, leases=True, worker_id=worker_id, **options
+    ) as registry:
+        yield registry
+
+
+async def wait_until_lost(a: sa.Registry, store: StallingWorker) -> None:
+    """Let A's renewals through again: its next one finds the lease gone."""
+    store.stalled = False
+    while a.statistics().leases_lost == 0:
+        await trio.sleep(0.01)
+
+
+async def take_over_afresh(b: sa.Registry) -> None:
+    """Worker B deletes the session A ran (its lease lapsed), spawns the name afresh,
+    has one turn acknowledged, and hibernates it."""
+    await b.delete("s")
+    ref = await b.spawn("s")
+    assert (await ref.send("fresh from b")).text == "fresh from b"
+    await ref.hibernate()
+
+
+async def test_an_idle_session_whose_lease_is_lost_writes_nothing_over_its_new_owner(
+    tmp_path: Path,
+) -> None:
+    """A worker that finds the lease of its idle session lost stops the session without a write the store accepts: the session that the new owner deleted, spawned afresh and answered a turn in keeps that turn, and the old conversation does not come back."""
+    path = tmp_path / "shared.db"
+    store_a = StallingWorker(path)
+    with trio.fail_after(30):
+        async with worker(store_a, "a", lease_ttl=TTL) as a:
+            ref = await a.spawn("s")
+            await ref.send("one from a")
+            await ref.send("two from a")  # (its seq goes past what B's session reaches)
+            store_a.stalled = True
+            await trio.sleep(2 * TTL)  # A's lease lapses; A has not noticed
+            async with worker(sa.SQLiteStore(path), "b") as b:
+                await take_over_afresh(b)
+                store_a.recording = True
+                await wait_until_lost(a, store_a)
+                while a.live():
+                    await trio.sleep(0.01)
+                history = [m.content for m in await b.ref("s").history()]
+    assert history == ["fresh from b", "fresh from b"]
+    assert [fence for _, fence in store_a.fences if fence is None] == []
+
+
+async def test_a_stop_whose_lease_is_lost_while_it_writes_snapshots_nothing_over_the_new_owner(
+    tmp_path: Path,
+) -> None:
+    """A stop whose journal write is answered only after its worker learnt that the lease was lost writes no compaction snapshot the store accepts: the new owner's session, deleted, spawned afresh and answered meanwhile, keeps its turn."""
+    path = tmp_path / "shared.db"
+    store_a = StallingWorker(path)
+    faulty = FaultyStore(store_a)
+    errors: list[BaseException] = []
+
+    async def stop(ref: sa.SessionRef) -> None:
+        try:
+            await ref.stop()
+        except sa.SessionActorsError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(30):
+        async with worker(faulty, "a", lease_ttl=TTL) as a:
+            ref = await a.spawn("s")
+            await ref.send("one from a")
+            await ref.send("two from a")
+            gate = faulty.hold("append", session_id="s", after=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stop, ref)
+                while not gate.waiting:  # the stop is stored; its answer is late
+                    await trio.sleep(0.01)
+                store_a.stalled = True
+                await trio.sleep(2 * TTL)
+                async with worker(sa.SQLiteStore(path), "b") as b:
+                    await take_over_afresh(b)
+                    store_a.recording = True
+                    await wait_until_lost(a, store_a)
+                    gate.open()
+                    while a.live():
+                        await trio.sleep(0.01)
+                    history = [m.content for m in await b.ref("s").history()]
+                    status = (await b.ref("s").state()).status
+    assert history == ["fresh from b", "fresh from b"]
+    assert status is not sa.Status.STOPPED
+    assert [fence for _, fence in store_a.fences if fence is None] == []
+    assert [type(e) for e in errors] == [sa.FencedOutError]
+
+
+async def test_a_closing_snapshot_retried_after_the_lease_is_lost_is_fenced(
+    tmp_path: Path,
+) -> None:
+    """A registry (durability="hibernate") that closes while the store refuses its hibernation snapshot, and that learns while it retries that the session's lease was lost, makes no write without the lease's fence: the new owner's session, deleted, spawned afresh and answered meanwhile, keeps its turn."""
+    path = tmp_path / "shared.db"
+    store_a = StallingWorker(path)
+    faulty = FaultyStore(store_a)
+    closing = trio.Event()
+
+    async def lose_then_heal(a: sa.Registry) -> None:
+        await closing.wait()
+        await wait_until_lost(a, store_a)  # while A retries its closing snapshot
+        faulty.fail("write_snapshot", session_id="s", times=0)
+
+    with trio.fail_after(30):
+        async with worker(sa.SQLiteStore(path), "b") as b, trio.open_nursery() as nursery:
+            async with worker(faulty, "a", lease_ttl=TTL, durability="hibernate") as a:
+                nursery.start_soon(lose_then_heal, a)
+                ref = await a.spawn("s")
+                await ref.send("one from a")
+                await ref.send("two from a")
+                faulty.fail("write_snapshot", session_id="s", times=None)
+                store_a.stalled = True
+                await trio.sleep(2 * TTL)
+                await take_over_afresh(b)
+                store_a.recording = True
+                closing.set()  # leaving the block: the closing snapshot is refused
+            history = [m.content for m in await b.ref("s").history()]
+    assert history == ["fresh from b", "fresh from b"]
+    assert [fence for _, fence in store_a.fences if fence is None] == []
