@@ -364,9 +364,11 @@ class Actor:
         if self.phase is not Phase.LEFT:
             self.phase = Phase.KILLED
             self.kill_error = error
-        self.send.close()
+        # cancelled first: an actor waiting for mail gets Cancelled, not the EndOfChannel
+        # of a closed mailbox, which it would take for a closing registry and hibernate
         if self.run_scope is not None:
             self.run_scope.cancel()
+        self.send.close()
 
     def note_inflight(self, key: str, mail: TurnMail) -> None:
         """A turn with an idempotency key is in the mailbox: callers with its key join it."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import JournalEntry, Lease
@@ -186,3 +187,42 @@ async def test_a_closing_snapshot_retried_after_the_lease_is_lost_is_fenced(
             history = [m.content for m in await b.ref("s").history()]
     assert history == ["fresh from b", "fresh from b"]
     assert [fence for _, fence in store_a.fences if fence is None] == []
+
+
+async def test_an_idle_session_whose_lease_is_lost_stops_without_a_write(tmp_path: Path) -> None:
+    """An idle session whose worker learns that its lease was lost stops there without trying a write (no hibernation snapshot for the store to refuse), and counts as one lease lost, not as a hibernation."""
+    path = tmp_path / "shared.db"
+    store_a = StallingWorker(path)
+    with trio.fail_after(30):
+        async with worker(store_a, "a", lease_ttl=TTL) as a:
+            await (await a.spawn("s")).send("one from a")
+            store_a.stalled = True
+            await trio.sleep(2 * TTL)
+            async with worker(sa.SQLiteStore(path), "b") as b:
+                assert (await b.ref("s").send("two from b")).text == "two from b"
+                hibernated = a.statistics().hibernated
+                store_a.recording = True
+                await wait_until_lost(a, store_a)
+                while a.live():
+                    await trio.sleep(0.01)
+                assert store_a.fences == []
+                assert a.statistics().leases_lost == 1
+                assert a.statistics().hibernated == hibernated
+                history = [m.content for m in await b.ref("s").history()]
+    assert history[::2] == ["one from a", "two from b"]
+
+
+async def test_deleting_an_idle_live_session_writes_no_snapshot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """registry.delete() of a live, idle session stops its actor without a hibernation snapshot: with a store whose snapshots hang, the delete still ends at once, and nothing counts it as hibernated."""
+    store = FaultyStore()
+    with trio.fail_after(5):
+        async with sa.open_registry(store=store, agents=AGENTS) as registry:
+            await (await registry.spawn("s")).send("hello")
+            gate = store.hold("write_snapshot", session_id="s")
+            await registry.delete("s")
+            assert gate.held == 0
+            assert registry.statistics().hibernated == 0
+            assert await registry.sessions() == []
+            gate.open()
