@@ -45,11 +45,15 @@ async def session_task(host: Host, actor: Actor) -> None:
                 _end(actor, actor.kill_error or deleted_error(actor.session_id))
             return
         except FencedOutError as exc:
-            # another worker owns the session now: stop here, no restart
-            log.warning(
-                "session %r was fenced out (another worker owns it now): %s", actor.session_id, exc
-            )
-            host.stats.leases_lost += 1
+            # another worker owns the session now: stop here, no restart (a write refused
+            # after the renewals found the lease lost, and counted it, is no second loss)
+            if not isinstance(actor.kill_error, FencedOutError):
+                log.warning(
+                    "session %r was fenced out (another worker owns it now): %s",
+                    actor.session_id,
+                    exc,
+                )
+                host.stats.leases_lost += 1
             actor.lease = None  # (its fence stays: see Actor.fence)
             _end(actor, exc)
             return

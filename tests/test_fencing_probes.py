@@ -160,7 +160,7 @@ async def test_a_stop_whose_lease_is_lost_while_it_writes_snapshots_nothing_over
 async def test_a_closing_snapshot_retried_after_the_lease_is_lost_is_fenced(
     tmp_path: Path,
 ) -> None:
-    """A registry (durability="hibernate") that closes while the store refuses its hibernation snapshot, and that learns while it retries that the session's lease was lost, makes no write without the lease's fence: the new owner's session, deleted, spawned afresh and answered meanwhile, keeps its turn."""
+    """A registry (durability="hibernate") that closes while the store refuses its hibernation snapshot, and that learns while it retries that the session's lease was lost, makes no write without the lease's fence: the new owner's session, deleted, spawned afresh and answered meanwhile, keeps its turn, and the loss counts once."""
     path = tmp_path / "shared.db"
     store_a = StallingWorker(path)
     faulty = FaultyStore(store_a)
@@ -187,6 +187,7 @@ async def test_a_closing_snapshot_retried_after_the_lease_is_lost_is_fenced(
             history = [m.content for m in await b.ref("s").history()]
     assert history == ["fresh from b", "fresh from b"]
     assert [fence for _, fence in store_a.fences if fence is None] == []
+    assert a.statistics().leases_lost == 1  # the refused retry is not a second loss
 
 
 async def test_an_idle_session_whose_lease_is_lost_stops_without_a_write(tmp_path: Path) -> None:
