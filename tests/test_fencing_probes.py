@@ -5,15 +5,17 @@ owner's writes (two registries share one SQLite file, as two processes would).""
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import JournalEntry, Lease
+from sessionactors.stores import JournalEntry, Lease, RedisStore
 from sessionactors.testing import EchoModel, FaultyStore
 
 AGENTS = {"echo": sa.Agent(model=EchoModel())}
@@ -227,3 +229,63 @@ async def test_deleting_an_idle_live_session_writes_no_snapshot(
             assert registry.statistics().hibernated == 0
             assert await registry.sessions() == []
             gate.open()
+
+
+class StallingRedis(RedisStore):
+    """Worker A's RedisStore: with ``stalled``, it renews no lease but reports every one
+    held; it records the fence of every snapshot it writes."""
+
+    stalled = False
+
+    def __init__(self, url: str, prefix: str) -> None:
+        super().__init__(url, prefix=prefix, balance=False)
+        self.fences: list[int | None] = []
+
+    async def renew_many(self, leases: Any, ttl: float) -> set[str]:
+        if self.stalled:
+            await trio.lowlevel.checkpoint()
+            return set()
+        lost: set[str] = await super().renew_many(leases, ttl)
+        return lost
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        self.fences.append(fence)
+        await super().write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+
+
+@pytest.mark.redis
+async def test_on_redis_an_idle_session_whose_lease_is_lost_writes_nothing_over_its_new_owner(
+    redis_url: str,
+) -> None:
+    """On RedisStore as on SQLite, a worker that finds the lease of its idle session lost writes nothing over the new owner, which deleted the session, spawned it afresh and had a turn answered."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store_a = StallingRedis(redis_url, prefix)
+    ttl = 1.0
+    with trio.fail_after(30):
+        async with worker(store_a, "a", lease_ttl=ttl) as a:
+            ref = await a.spawn("s")
+            await ref.send("one from a")
+            await ref.send("two from a")
+            store_a.stalled = True
+            await trio.sleep(2 * ttl)  # A's lease lapses; A has not noticed
+            store_b = RedisStore(redis_url, prefix=prefix, balance=False)
+            async with worker(store_b, "b", lease_ttl=ttl) as b:
+                await take_over_afresh(b)
+                store_a.fences.clear()
+                store_a.stalled = False
+                while a.statistics().leases_lost == 0 or a.live():
+                    await trio.sleep(0.01)
+                history = [m.content for m in await b.ref("s").history()]
+    assert history == ["fresh from b", "fresh from b"]
+    assert None not in store_a.fences
