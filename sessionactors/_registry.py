@@ -240,7 +240,10 @@ class Registry(metaclass=NoPublicConstructor):
         Pending requests fail with SessionNotFoundError, and so do requests
         and subscriptions that come while the deletion runs; subscriptions
         end. The name can be spawned afresh afterwards. Raises
-        SessionNotFoundError if there was nothing to delete.
+        SessionNotFoundError if there was nothing to delete, and LeaseHeldError
+        (changing nothing) for a session live in another process that this
+        registry does not route to (a SQLite file shared with leases): delete it
+        through that process, or once it hibernates the session.
         """
         await self._dispatcher.delete(name)
 

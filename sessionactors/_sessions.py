@@ -20,6 +20,7 @@ from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import (
     FencedOutError,
+    LeaseHeldError,
     SessionActorsError,
     SessionBusyError,
     SessionCrashedError,
@@ -315,17 +316,43 @@ class Sessions:
         return actor.session.status is Status.STOPPED
 
     async def delete_here(self, name: str, kill_error: SessionNotFoundError) -> bool:
-        """Remove the session here and from the store; whether there was anything."""
+        """Remove the session here and from the store; whether there was anything.
+
+        With leases and no router, a session that is not live here may be live in
+        another process, which this one cannot stop: the delete takes its lease first
+        (``LeaseHeldError`` while another process holds it), as the CLI's does.
+        """
         actor = self.live.get(name)
+        lease = None
         if actor is not None:
             actor.kill(kill_error)
             await self.wait_gone(actor)
+        elif self.config.leases and self.router is None:
+            lease = await self.store.claim(name, self.worker_id, self.config.lease_ttl)
+            if lease is None:
+                raise LeaseHeldError(
+                    f"session {name!r} is live on another worker (another process holds "
+                    "the session's lease), so it cannot be deleted from here; delete it "
+                    "through that worker, or retry once it hibernates the session or its "
+                    "lease expires",
+                    session_id=name,
+                )
         hub = self.hubs.pop(name, None)
         if hub is not None:
             hub.close()
         was_failed = self.failed.pop(name, None) is not None
         self.retry_at.pop(name, None)
-        existed = await self.store.delete(name)
+        try:
+            existed = await self.store.delete(name)  # (the lease goes with it)
+        except BaseException:
+            if lease is not None:  # not deleted: give the lease back
+                with (
+                    trio.CancelScope(shield=True),
+                    trio.move_on_after(self.config.write_bound),
+                    contextlib.suppress(Exception),
+                ):
+                    await self.store.release(name, lease)
+            raise
         return existed or actor is not None or was_failed
 
     # ---- subscriptions ----------------------------------------------------------------

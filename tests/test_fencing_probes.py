@@ -289,3 +289,26 @@ async def test_on_redis_an_idle_session_whose_lease_is_lost_writes_nothing_over_
                 history = [m.content for m in await b.ref("s").history()]
     assert history == ["fresh from b", "fresh from b"]
     assert None not in store_a.fences
+
+
+async def test_a_delete_from_another_process_refuses_a_session_live_there(tmp_path: Path) -> None:
+    """registry.delete() of a session that another process runs (it holds the session's lease on the shared SQLite file) raises LeaseHeldError naming the session, as the CLI's delete does, and changes nothing: the owner's next turn is answered; once the owner hibernates it, the delete goes through (and one of a name never stored leaves no lease behind)."""
+    path = tmp_path / "shared.db"
+    with trio.fail_after(30):
+        async with (
+            worker(sa.SQLiteStore(path, shared=True), "a") as a,
+            worker(sa.SQLiteStore(path, shared=True), "b") as b,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("one")
+            with pytest.raises(sa.LeaseHeldError, match="'s'"):
+                await b.delete("s")
+            assert (await ref.send("two")).text == "two"
+            await ref.hibernate()
+            await b.delete("s")
+            assert await a.sessions() == []
+            with pytest.raises(sa.SessionNotFoundError):
+                await ref.send("three")
+            with pytest.raises(sa.SessionNotFoundError):  # (its lease goes too)
+                await b.delete("never")
+            assert (await (await a.spawn("never")).send("here")).text == "here"
