@@ -55,6 +55,8 @@ async def session_task(host: Host, actor: Actor) -> None:
                 )
                 host.stats.leases_lost += 1
             actor.lease = None  # (its fence stays: see Actor.fence)
+            if actor.kill_error is None:  # (the table ends its subscriptions with it)
+                actor.kill_error = exc
             _end(actor, exc)
             return
         except Exception as exc:

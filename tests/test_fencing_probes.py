@@ -312,3 +312,35 @@ async def test_a_delete_from_another_process_refuses_a_session_live_there(tmp_pa
             with pytest.raises(sa.SessionNotFoundError):  # (its lease goes too)
                 await b.delete("never")
             assert (await (await a.spawn("never")).send("here")).text == "here"
+
+
+@pytest.mark.parametrize("noticed_by", ["renewal", "write"])
+async def test_a_subscription_on_the_worker_that_lost_the_lease_ends_with_fenced_out_error(
+    tmp_path: Path, noticed_by: str
+) -> None:
+    """Without a router (a shared SQLite file), a subscription on the worker that finds its session's lease lost, by a renewal or by a refused write, ends with FencedOutError instead of waiting forever for events that the new owner publishes elsewhere (a turn the refused write was for ends with no outcome)."""
+    path = tmp_path / "shared.db"
+    store_a = StallingWorker(path)
+    seen: list[type[sa.Event]] = []
+    with trio.fail_after(30):
+        async with worker(store_a, "a", lease_ttl=TTL) as a:
+            ref = await a.spawn("s")
+            await ref.send("one from a")
+            async with ref.subscribe() as events:
+                store_a.stalled = True
+                await trio.sleep(2 * TTL)
+                async with worker(sa.SQLiteStore(path), "b") as b:
+                    await b.ref("s").send("two from b")
+                    if noticed_by == "renewal":
+                        await wait_until_lost(a, store_a)
+                    else:
+                        with pytest.raises(sa.FencedOutError):
+                            await ref.send("three from a")
+                        store_a.stalled = False
+                    with pytest.raises(sa.FencedOutError):  # noqa: PT012
+                        async for event in events:
+                            seen.append(type(event))
+    # (the refused turn streamed before its write; it has no outcome)
+    assert sa.TurnFinished not in seen
+    if noticed_by == "renewal":
+        assert seen == []
