@@ -156,7 +156,7 @@ class Sessions:
                 # hears nothing: its subscriptions end, and the router's follow them
                 # (see ``EventIterator.follow``).
                 hub.leave()
-            elif isinstance(actor.kill_error, FencedOutError):
+            elif self.router is None and isinstance(actor.kill_error, FencedOutError):
                 # Its lease was lost: another worker runs the session now, and without
                 # a router nothing of it reaches this hub. Its subscriptions end, saying
                 # so, instead of waiting for events published elsewhere.
