@@ -269,6 +269,7 @@ class Actor:
         "phase",
         "queued",
         "receive",
+        "renewed",
         "replays",
         "room_waits",
         "run_scope",
@@ -321,6 +322,10 @@ class Actor:
         #: shielded one that a kill does not stop) is refused by the store, never sent
         #: without a token (which the store would not check).
         self.fence: int | None = None
+        #: When (trio time) the last claim or renewal of the lease that the store
+        #: confirmed was sent: the store holds the lease until lease_ttl after it, at
+        #: least, and perhaps no longer (see ``Sessions.renew_leases``).
+        self.renewed = 0.0
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
@@ -572,6 +577,7 @@ class Actor:
         host = self.host
         if not host.config.leases:
             return
+        sent = trio.current_time()
         lease = await host.store.claim(self.session_id, host.worker_id, host.config.lease_ttl)
         if lease is None:
             raise LeaseHeldError(
@@ -582,6 +588,7 @@ class Actor:
             )
         self.lease = lease
         self.fence = lease.fence
+        self.renewed = sent
 
     async def _release_lease(self) -> None:
         """Give the lease back, if held (shielded and bounded; a failure only lets it expire).

@@ -422,44 +422,66 @@ class Sessions:
 
         A store that renews in batches (``LeaseBatchStore``: one round trip for all,
         whatever their number) gets one call per round; any other store one per session.
+        A lease whose renewals fail (the store does not answer) is kept until lease_ttl
+        has passed since the last renewal the store confirmed: then it has lapsed in the
+        store, and another worker may run the session, so it is lost here too.
         """
         ttl = self.config.lease_ttl
         while True:
             await trio.sleep(ttl / 3)
+            sent = trio.current_time()
             held = {a.session_id: a.lease for a in self.live.values() if a.lease is not None}
+            lost: set[str] = set()
+            unanswered: set[str] = set()
             if isinstance(self.store, LeaseBatchStore):
                 try:
                     lost = await self.store.renew_many(held, ttl)
                 except StoreError as exc:
                     log.warning("could not renew the leases of %d sessions: %s", len(held), exc)
-                    continue  # try again next round; the store decides at expiry
+                    unanswered = set(held)  # try again next round, until they lapse
             else:
-                lost = set()
                 for name, lease in held.items():
                     try:
                         if not await self.store.renew(name, lease, ttl):
                             lost.add(name)
                     except StoreError as exc:
                         log.warning("could not renew the lease of session %r: %s", name, exc)
-            for name in lost:
+                        unanswered.add(name)
+            now = trio.current_time()
+            for name, lease in held.items():
                 actor = self.live.get(name)
-                if actor is not None and actor.lease is held[name]:
+                if actor is None or actor.lease is not lease:
+                    continue  # gone, or woken again with a lease of its own
+                if name in lost:
                     self._lease_lost(actor)
+                elif name not in unanswered:
+                    actor.renewed = sent
+                elif now - actor.renewed > ttl:
+                    self._lease_lost(actor, lapsed=True)
 
-    def _lease_lost(self, actor: Actor) -> None:
-        """Stop a session whose lease another worker took: its turn, model and tool
-        calls included, are cancelled at once."""
-        log.warning("session %r lost its lease to another worker; stopped here", actor.session_id)
+    def _lease_lost(self, actor: Actor, *, lapsed: bool = False) -> None:
+        """Stop a session whose lease another worker took (or, ``lapsed``, may have
+        taken: the store did not answer its renewals): its turn, model and tool calls
+        included, are cancelled at once."""
+        sid = actor.session_id
+        if lapsed:
+            log.warning("session %r: its lease lapsed unrenewed; stopped here", sid)
+            why = (
+                f"session {sid!r} lost its lease: the store did not answer its renewals "
+                f"for lease_ttl ({self.config.lease_ttl:g} s), so another worker may run "
+                "it now; this worker stopped it, so send the request again once the "
+                "store answers"
+            )
+        else:
+            log.warning("session %r lost its lease to another worker; stopped here", sid)
+            why = (
+                f"session {sid!r} lost its lease (another worker took it over); this "
+                "worker stopped it, so send the request again: it goes to the "
+                "session's new owner"
+            )
         self.stats.leases_lost += 1
         actor.lease = None  # renewed and released no more; its fence stays on its writes
-        actor.kill(
-            FencedOutError(
-                f"session {actor.session_id!r} lost its lease (another worker "
-                "took it over); this worker stopped it, so send the request "
-                "again: it goes to the session's new owner",
-                session_id=actor.session_id,
-            )
-        )
+        actor.kill(FencedOutError(why, session_id=sid))
 
     # ---- generations: the nurseries that session tasks run in -------------------------
 

@@ -120,7 +120,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                 fresh.journal.unsaved = journal.unsaved[: journal.settled]
                 fresh.journal.base = journal.base
                 fresh.journal.floor = journal.floor
-            fresh.lease, fresh.fence = actor.lease, actor.fence
+            fresh.lease, fresh.fence, fresh.renewed = actor.lease, actor.fence, actor.renewed
             if host.closing:  # it takes nothing new: it only hibernates what it has
                 fresh.close()
                 if actor.phase is Phase.ABORTING:

@@ -344,3 +344,25 @@ async def test_a_subscription_on_the_worker_that_lost_the_lease_ends_with_fenced
     assert sa.TurnFinished not in seen
     if noticed_by == "renewal":
         assert seen == []
+
+
+async def test_a_session_whose_lease_lapsed_unrenewed_is_live_in_one_process_only(
+    tmp_path: Path,
+) -> None:
+    """A worker whose renewals fail (its store does not answer it) for longer than the lease's ttl stops the session, whose lease has lapsed in the store: once another worker has taken it over, the session is live there only, and the first worker does not answer reads from its stale copy."""
+    path = tmp_path / "shared.db"
+    faulty = FaultyStore(sa.SQLiteStore(path))
+    with trio.fail_after(30):
+        async with worker(faulty, "a", lease_ttl=TTL) as a:
+            ref = await a.spawn("s")
+            await ref.send("one from a")
+            faulty.fail("renew", times=None)  # A cannot reach the store to renew
+            await trio.sleep(2 * TTL)
+            async with worker(sa.SQLiteStore(path), "b") as b:
+                assert (await b.ref("s").send("two from b")).text == "two from b"
+                assert b.live() == ["s"]
+                assert a.live() == []
+                with pytest.raises(sa.SessionBusyError):  # live in b, not here
+                    await ref.history()
+            faulty.fail("renew", times=0)
+    assert faulty.injected > 0
