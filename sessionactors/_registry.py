@@ -474,8 +474,9 @@ async def open_registry(
       ``leases=True`` when several processes share one SQLite file).
       ``lease_ttl``: seconds a lease lasts unless renewed (renewed every third of
       it); a worker that dies loses its leases after ``lease_ttl``, and one whose
-      renewals the store does not answer for ``lease_ttl`` stops those sessions
-      (their leases lapsed there: its requests in flight raise ``FencedOutError``).
+      renewals the store does not answer for longer than ``lease_ttl`` stops those
+      sessions (their leases may have lapsed there: its requests in flight raise
+      ``FencedOutError``).
       With a store that connects workers (``RedisStore``), a request for a session
       live on another worker goes to that worker and its answer comes back (a turn
       with an ``idempotency_key`` is sent again to the next owner if that worker

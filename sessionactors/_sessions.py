@@ -422,9 +422,11 @@ class Sessions:
 
         A store that renews in batches (``LeaseBatchStore``: one round trip for all,
         whatever their number) gets one call per round; any other store one per session.
-        A lease whose renewals fail (the store does not answer) is kept until lease_ttl
-        has passed since the last renewal the store confirmed: then it has lapsed in the
-        store, and another worker may run the session, so it is lost here too.
+        A lease whose renewals fail (the store does not answer) is kept until a renewal
+        sent more than lease_ttl after the last one the store confirmed fails too: the
+        lease may have lapsed in the store by then, and another worker may run the
+        session, so it is lost here too. (A renewal sent earlier that failed, by a
+        timeout say, may still have reached the store in time.)
         """
         ttl = self.config.lease_ttl
         while True:
@@ -447,7 +449,6 @@ class Sessions:
                     except StoreError as exc:
                         log.warning("could not renew the lease of session %r: %s", name, exc)
                         unanswered.add(name)
-            now = trio.current_time()
             for name, lease in held.items():
                 actor = self.live.get(name)
                 if actor is None or actor.lease is not lease:
@@ -456,7 +457,7 @@ class Sessions:
                     self._lease_lost(actor)
                 elif name not in unanswered:
                     actor.renewed = sent
-                elif now - actor.renewed > ttl:
+                elif sent - actor.renewed > ttl:
                     self._lease_lost(actor, lapsed=True)
 
     def _lease_lost(self, actor: Actor, *, lapsed: bool = False) -> None:

@@ -1,6 +1,8 @@
 """Probes of fencing after a lease is lost: a worker that learns that another worker
-took a session over writes nothing more that the store would accept over the new
-owner's writes (two registries share one SQLite file, as two processes would)."""
+took a session over (or that its lease lapsed) writes nothing more that the store
+would accept over the new owner's writes, deletes nothing under a live owner, and
+leaves no subscription waiting (two registries share one SQLite file, as two
+processes would; one test runs on Redis)."""
 
 from __future__ import annotations
 
@@ -357,7 +359,7 @@ async def test_a_session_whose_lease_lapsed_unrenewed_is_live_in_one_process_onl
             ref = await a.spawn("s")
             await ref.send("one from a")
             faulty.fail("renew", times=None)  # A cannot reach the store to renew
-            await trio.sleep(2 * TTL)
+            await trio.sleep(3 * TTL)
             async with worker(sa.SQLiteStore(path), "b") as b:
                 assert (await b.ref("s").send("two from b")).text == "two from b"
                 assert b.live() == ["s"]
