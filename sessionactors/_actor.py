@@ -254,6 +254,7 @@ class Actor:
         "after_crash",
         "done",
         "due",
+        "fence",
         "held",
         "host",
         "hub",
@@ -268,6 +269,7 @@ class Actor:
         "phase",
         "queued",
         "receive",
+        "renewed",
         "replays",
         "room_waits",
         "run_scope",
@@ -312,7 +314,18 @@ class Actor:
         self.load_error: SessionActorsError | None = None
         self.run_scope: trio.CancelScope | None = None  # set by the supervisor
         self.done: trio.Event | None = None  # made when someone waits for it to leave
+        #: The lease this incarnation holds: renewed, and released as it leaves. None once
+        #: released, or lost (another worker took the session over), or never claimed.
         self.lease: Lease | None = None
+        #: The fencing token of the lease it claimed, put on every write it makes; kept
+        #: when the lease is released or lost, so that a write made after that (a
+        #: shielded one that a kill does not stop) is refused by the store, never sent
+        #: without a token (which the store would not check).
+        self.fence: int | None = None
+        #: When (trio time) the last claim or renewal of the lease that the store
+        #: confirmed was sent: the store holds the lease until lease_ttl after it, at
+        #: least, and perhaps no longer (see ``Sessions.renew_leases``).
+        self.renewed = 0.0
         self._system_cache: (
             tuple[tuple[str | None, str | None, str], tuple[Message, ...]] | None
         ) = None
@@ -356,9 +369,11 @@ class Actor:
         if self.phase is not Phase.LEFT:
             self.phase = Phase.KILLED
             self.kill_error = error
-        self.send.close()
+        # cancelled first: an actor waiting for mail gets Cancelled, not the EndOfChannel
+        # of a closed mailbox, which it would take for a closing registry and hibernate
         if self.run_scope is not None:
             self.run_scope.cancel()
+        self.send.close()
 
     def note_inflight(self, key: str, mail: TurnMail) -> None:
         """A turn with an idempotency key is in the mailbox: callers with its key join it."""
@@ -505,19 +520,14 @@ class Actor:
         if status is not Status.RUNNING and status is not Status.IDLE:
             self.emit(StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status))
 
-    @property
-    def _fence(self) -> int | None:
-        return self.lease.fence if self.lease is not None else None
-
     def commit(self, *, compact: bool = True, append: Append | None = None) -> Awaitable[None]:
         """Make the unsaved journal events durable (per the durability policy), with
         ``append`` if given (see ``Pending.write_outcome``): the journal's write, to
         await (no coroutine of our own around it)."""
         hub = self.hub
-        lease = self.lease
         return self.journal.commit(
             self.session,
-            lease.fence if lease is not None else None,
+            self.fence,
             hub.seq if hub is not None else 0,
             compact=compact,
             append=append,
@@ -525,7 +535,7 @@ class Actor:
 
     async def _write_snapshot(self, status: Status) -> None:
         await self.journal.write_snapshot(
-            self.session, self._fence, max(self._hub().seq, self.session.event_seq), status
+            self.session, self.fence, max(self._hub().seq, self.session.event_seq), status
         )
 
     @contextlib.contextmanager
@@ -556,7 +566,7 @@ class Actor:
             await self.commit()
         else:  # the journal holds only these, and the next snapshot drops them
             session.apply(event)
-            await self.journal.append_now(session, event, self._fence)
+            await self.journal.append_now(session, event, self.fence)
         self.journal.status_due = False
         self.emit(event)
 
@@ -567,6 +577,7 @@ class Actor:
         host = self.host
         if not host.config.leases:
             return
+        sent = trio.current_time()
         lease = await host.store.claim(self.session_id, host.worker_id, host.config.lease_ttl)
         if lease is None:
             raise LeaseHeldError(
@@ -576,9 +587,13 @@ class Actor:
                 session_id=self.session_id,
             )
         self.lease = lease
+        self.fence = lease.fence
+        self.renewed = sent
 
     async def _release_lease(self) -> None:
-        """Give the lease back, if held (shielded and bounded; a failure only lets it expire)."""
+        """Give the lease back, if held (shielded and bounded; a failure only lets it expire).
+
+        Its fence stays: nothing this incarnation writes afterwards is accepted."""
         lease, self.lease = self.lease, None
         if lease is None:
             return

@@ -240,7 +240,10 @@ class Registry(metaclass=NoPublicConstructor):
         Pending requests fail with SessionNotFoundError, and so do requests
         and subscriptions that come while the deletion runs; subscriptions
         end. The name can be spawned afresh afterwards. Raises
-        SessionNotFoundError if there was nothing to delete.
+        SessionNotFoundError if there was nothing to delete, and LeaseHeldError
+        (changing nothing) for a session live in another process that this
+        registry does not route to (a SQLite file shared with leases): delete it
+        through that process, or once it hibernates the session.
         """
         await self._dispatcher.delete(name)
 
@@ -470,11 +473,14 @@ async def open_registry(
       (``RedisStore``), no for ``MemoryStore`` and ``SQLiteStore`` (pass
       ``leases=True`` when several processes share one SQLite file).
       ``lease_ttl``: seconds a lease lasts unless renewed (renewed every third of
-      it); a worker that dies loses its leases after ``lease_ttl``. With a store that
-      connects workers (``RedisStore``), a request for a session live on another
-      worker goes to that worker and its answer comes back (a turn with an
-      ``idempotency_key`` is sent again to the next owner if that worker dies), and
-      ``subscribe()`` receives the session's events wherever it runs.
+      it); a worker that dies loses its leases after ``lease_ttl``, and one whose
+      renewals the store does not answer for longer than ``lease_ttl`` stops those
+      sessions (their leases may have lapsed there: its requests in flight raise
+      ``FencedOutError``).
+      With a store that connects workers (``RedisStore``), a request for a session
+      live on another worker goes to that worker and its answer comes back (a turn
+      with an ``idempotency_key`` is sent again to the next owner if that worker
+      dies), and ``subscribe()`` receives the session's events wherever it runs.
     - ``worker_id``: this worker's identity in leases (default: a fresh one). A
       worker restarted with the same id takes its sessions back at once instead
       of waiting for its old leases to expire. On a store that connects workers

@@ -20,6 +20,7 @@ from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import (
     FencedOutError,
+    LeaseHeldError,
     SessionActorsError,
     SessionBusyError,
     SessionCrashedError,
@@ -155,6 +156,11 @@ class Sessions:
                 # hears nothing: its subscriptions end, and the router's follow them
                 # (see ``EventIterator.follow``).
                 hub.leave()
+            elif self.router is None and isinstance(actor.kill_error, FencedOutError):
+                # Its lease was lost: another worker runs the session now, and without
+                # a router nothing of it reaches this hub. Its subscriptions end, saying
+                # so, instead of waiting for events published elsewhere.
+                hub.close(actor.kill_error)
         self.release_hub(name)
         _gone_event(actor).set()
 
@@ -315,17 +321,43 @@ class Sessions:
         return actor.session.status is Status.STOPPED
 
     async def delete_here(self, name: str, kill_error: SessionNotFoundError) -> bool:
-        """Remove the session here and from the store; whether there was anything."""
+        """Remove the session here and from the store; whether there was anything.
+
+        With leases and no router, a session that is not live here may be live in
+        another process, which this one cannot stop: the delete takes its lease first
+        (``LeaseHeldError`` while another process holds it), as the CLI's does.
+        """
         actor = self.live.get(name)
+        lease = None
         if actor is not None:
             actor.kill(kill_error)
             await self.wait_gone(actor)
+        elif self.config.leases and self.router is None:
+            lease = await self.store.claim(name, self.worker_id, self.config.lease_ttl)
+            if lease is None:
+                raise LeaseHeldError(
+                    f"session {name!r} is live on another worker (another process holds "
+                    "the session's lease), so it cannot be deleted from here; delete it "
+                    "through that worker, or retry once it hibernates the session or its "
+                    "lease expires",
+                    session_id=name,
+                )
         hub = self.hubs.pop(name, None)
         if hub is not None:
             hub.close()
         was_failed = self.failed.pop(name, None) is not None
         self.retry_at.pop(name, None)
-        existed = await self.store.delete(name)
+        try:
+            existed = await self.store.delete(name)  # (the lease goes with it)
+        except BaseException:
+            if lease is not None:  # not deleted: give the lease back
+                with (
+                    trio.CancelScope(shield=True),
+                    trio.move_on_after(self.config.write_bound),
+                    contextlib.suppress(Exception),
+                ):
+                    await self.store.release(name, lease)
+            raise
         return existed or actor is not None or was_failed
 
     # ---- subscriptions ----------------------------------------------------------------
@@ -390,44 +422,67 @@ class Sessions:
 
         A store that renews in batches (``LeaseBatchStore``: one round trip for all,
         whatever their number) gets one call per round; any other store one per session.
+        A lease whose renewals fail (the store does not answer) is kept until a renewal
+        sent more than lease_ttl after the last one the store confirmed fails too: the
+        lease may have lapsed in the store by then, and another worker may run the
+        session, so it is lost here too. (A renewal sent earlier that failed, by a
+        timeout say, may still have reached the store in time.)
         """
         ttl = self.config.lease_ttl
         while True:
             await trio.sleep(ttl / 3)
+            sent = trio.current_time()
             held = {a.session_id: a.lease for a in self.live.values() if a.lease is not None}
+            lost: set[str] = set()
+            unanswered: set[str] = set()
             if isinstance(self.store, LeaseBatchStore):
                 try:
                     lost = await self.store.renew_many(held, ttl)
                 except StoreError as exc:
                     log.warning("could not renew the leases of %d sessions: %s", len(held), exc)
-                    continue  # try again next round; the store decides at expiry
+                    unanswered = set(held)  # try again next round, until they lapse
             else:
-                lost = set()
                 for name, lease in held.items():
                     try:
                         if not await self.store.renew(name, lease, ttl):
                             lost.add(name)
                     except StoreError as exc:
                         log.warning("could not renew the lease of session %r: %s", name, exc)
-            for name in lost:
+                        unanswered.add(name)
+            for name, lease in held.items():
                 actor = self.live.get(name)
-                if actor is not None and actor.lease is held[name]:
+                if actor is None or actor.lease is not lease:
+                    continue  # gone, or woken again with a lease of its own
+                if name in lost:
                     self._lease_lost(actor)
+                elif name not in unanswered:
+                    actor.renewed = sent
+                elif sent - actor.renewed > ttl:
+                    self._lease_lost(actor, lapsed=True)
 
-    def _lease_lost(self, actor: Actor) -> None:
-        """Stop a session whose lease another worker took: its turn, model and tool
-        calls included, are cancelled at once."""
-        log.warning("session %r lost its lease to another worker; stopped here", actor.session_id)
-        self.stats.leases_lost += 1
-        actor.lease = None
-        actor.kill(
-            FencedOutError(
-                f"session {actor.session_id!r} lost its lease (another worker "
-                "took it over); this worker stopped it, so send the request "
-                "again: it goes to the session's new owner",
-                session_id=actor.session_id,
+    def _lease_lost(self, actor: Actor, *, lapsed: bool = False) -> None:
+        """Stop a session whose lease another worker took (or, ``lapsed``, may have
+        taken: the store did not answer its renewals): its turn, model and tool calls
+        included, are cancelled at once."""
+        sid = actor.session_id
+        if lapsed:
+            log.warning("session %r: its lease lapsed unrenewed; stopped here", sid)
+            why = (
+                f"session {sid!r} lost its lease: the store did not answer its renewals "
+                f"for lease_ttl ({self.config.lease_ttl:g} s), so another worker may run "
+                "it now; this worker stopped it, so send the request again once the "
+                "store answers"
             )
-        )
+        else:
+            log.warning("session %r lost its lease to another worker; stopped here", sid)
+            why = (
+                f"session {sid!r} lost its lease (another worker took it over); this "
+                "worker stopped it, so send the request again: it goes to the "
+                "session's new owner"
+            )
+        self.stats.leases_lost += 1
+        actor.lease = None  # renewed and released no more; its fence stays on its writes
+        actor.kill(FencedOutError(why, session_id=sid))
 
     # ---- generations: the nurseries that session tasks run in -------------------------
 

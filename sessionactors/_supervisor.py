@@ -45,12 +45,18 @@ async def session_task(host: Host, actor: Actor) -> None:
                 _end(actor, actor.kill_error or deleted_error(actor.session_id))
             return
         except FencedOutError as exc:
-            # another worker owns the session now: stop here, no restart
-            log.warning(
-                "session %r was fenced out (another worker owns it now): %s", actor.session_id, exc
-            )
-            host.stats.leases_lost += 1
-            actor.lease = None
+            # another worker owns the session now: stop here, no restart (a write refused
+            # after the renewals found the lease lost, and counted it, is no second loss)
+            if not isinstance(actor.kill_error, FencedOutError):
+                log.warning(
+                    "session %r was fenced out (another worker owns it now): %s",
+                    actor.session_id,
+                    exc,
+                )
+                host.stats.leases_lost += 1
+            actor.lease = None  # (its fence stays: see Actor.fence)
+            if actor.kill_error is None:  # (the table ends its subscriptions with it)
+                actor.kill_error = exc
             _end(actor, exc)
             return
         except Exception as exc:
@@ -114,7 +120,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                 fresh.journal.unsaved = journal.unsaved[: journal.settled]
                 fresh.journal.base = journal.base
                 fresh.journal.floor = journal.floor
-            fresh.lease = actor.lease
+            fresh.lease, fresh.fence, fresh.renewed = actor.lease, actor.fence, actor.renewed
             if host.closing:  # it takes nothing new: it only hibernates what it has
                 fresh.close()
                 if actor.phase is Phase.ABORTING:
