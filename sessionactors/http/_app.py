@@ -20,6 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, cast
+from urllib.parse import urlsplit
 
 import anyio
 import sniffio
@@ -449,6 +450,8 @@ class SessionsApp:
                     "this server needs a token: send 'Authorization: Bearer <token>' "
                     "(or ?access_token=<token> from a browser's WebSocket or EventSource)",
                 )
+        else:
+            _refuse_forgeable(request)
         await self._authorized(request, name, action)
 
     async def _authorized(self, request: HTTPConnection, name: str | None, action: Action) -> None:
@@ -898,6 +901,41 @@ def _bearer(request: HTTPConnection) -> str | None:
         scheme, _, value = header.partition(" ")
         return value.strip() if scheme.lower() == "bearer" else None
     return request.query_params.get("access_token")
+
+
+#: Content types a browser sends across origins without asking first (no preflight).
+_SIMPLE_TYPES: Final = frozenset(
+    {"", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"}
+)
+
+
+def _refuse_forgeable(request: HTTPConnection) -> None:
+    """Refuse (raise _RequestError) what a page of another site could make a browser
+    send without the server's token (cross-site request forgery): a WebSocket (browsers
+    apply no CORS to them), or a POST a browser sends with no preflight (no
+    Authorization header, a form or text/plain body). A JSON request from another origin
+    is preflighted: CORS (none unless the app adds it) decides. Non-browser clients send
+    no Origin."""
+    origin = request.headers.get("origin")
+    if origin is None or urlsplit(origin).netloc.lower() == request.headers.get("host", "").lower():
+        return
+    if request.scope["type"] == "websocket":
+        what = "a WebSocket opened by a page of another site"
+    else:
+        if request.scope["method"] in ("GET", "HEAD") or "authorization" in request.headers:
+            return
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type not in _SIMPLE_TYPES:
+            return
+        what = "a form or text/plain request from a page of another site"
+    raise _RequestError(
+        403,
+        "CrossOrigin",
+        f"{what} (Origin: {origin[:100]}) is refused: any site could send it with the "
+        "user's browser. Serve the page from this server; or give the server a token "
+        "(create_app(token=...)) that the page sends, and send JSON "
+        "(Content-Type: application/json)",
+    )
 
 
 def _auth_header(status: int) -> dict[str, str] | None:

@@ -60,15 +60,22 @@ class WebSocket:
 
 
 @asynccontextmanager
-async def open_websocket(url: str) -> AsyncIterator[WebSocket]:
-    """Connect to ``ws://host:port/path?query``; closes the connection on exit."""
+async def open_websocket(
+    url: str, headers: list[tuple[str, str]] | None = None
+) -> AsyncIterator[WebSocket]:
+    """Connect to ``ws://host:port/path?query`` (with extra ``headers``, such as the
+    ``Origin`` a browser sends); closes the connection on exit."""
     parts = urlsplit(url)
     stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1", parts.port or 80)
     async with stream:
         connection = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         socket = WebSocket(stream, connection)
-        await socket._flush(wsproto.events.Request(host=parts.netloc, target=target))
+        await socket._flush(
+            wsproto.events.Request(
+                host=parts.netloc, target=target, extra_headers=list(headers or [])
+            )
+        )
         event = await socket._next_event()
         if not isinstance(event, wsproto.events.AcceptConnection):
             raise ConnectionError(f"the WebSocket handshake failed: {event!r}")

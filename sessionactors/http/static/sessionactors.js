@@ -97,10 +97,10 @@ export class SessionsClient {
   /** One JSON request; resolves to the answer, or throws an HttpError. */
   async request(method, path, body = undefined) {
     const init = { method, headers: this.headers({ Accept: "application/json" }) };
-    if (body !== undefined) {
-      init.body = JSON.stringify(body);
-      init.headers["Content-Type"] = "application/json";
-    }
+    if (body !== undefined) init.body = JSON.stringify(body);
+    // (a POST says JSON even without a body: the gateway refuses a form-like POST from
+    // another origin, and a proxy that rewrites Host makes this page look like one)
+    if (method !== "GET") init.headers["Content-Type"] = "application/json";
     const response = await fetch(this.url(path), init);
     const data = await response.json().catch(() => null);
     if (!response.ok) throw new HttpError(response.status, data);
