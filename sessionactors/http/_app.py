@@ -20,7 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import anyio
 import sniffio
@@ -254,7 +254,7 @@ class SessionsApp:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI 3 entry point."""
-        await self._app(scope, receive, send)
+        await self._app(_slashes_in_segments(scope), receive, send)
 
     @property
     def registry(self) -> sa.Registry | aio.Registry | None:
@@ -557,7 +557,7 @@ class SessionsApp:
         action: Action,
         handler: Callable[[AnyRegistry, str], Awaitable[Response]],
     ) -> Response:
-        name: str = request.path_params.get("name", "")
+        name = _param(request, "name")
         try:
             await self._admit(request, name or None, action)
             return await handler(self._registry_now(), name)
@@ -653,7 +653,7 @@ class SessionsApp:
 
     async def _review(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
-            review_id: str = request.path_params["review_id"]
+            review_id = _param(request, "review_id")
             data = await self._body(request)
             approve = data.get("approve")
             if not isinstance(approve, bool):
@@ -707,7 +707,7 @@ class SessionsApp:
         return await self._handle(request, "events", handler)
 
     async def _websocket(self, websocket: WebSocket) -> None:
-        name: str = websocket.path_params["name"]
+        name = _param(websocket, "name")
         await websocket.accept()
         try:
             await self._admit(websocket, name, "websocket")
@@ -883,10 +883,42 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
     assert isinstance(exc, HTTPException)
     name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
-    message = f"{request.method} {request.url.path}: {exc.detail.lower()}"
+    path = request.url.path.replace(_SLASH, "%2F")
+    message = f"{request.method} {path}: {exc.detail.lower()}"
     if exc.status_code == 404:
         message += "; the routes are under /sessions (see the HTTP gateway how-to)"
     return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
+
+
+#: Stands for a '/' inside one segment of a path (``%2F``): no session name holds it.
+_SLASH: Final = "\x00"
+_SLASHED: Final = "sessionactors.slashes"
+
+
+def _slashes_in_segments(scope: Any) -> Any:
+    """``scope`` with ``%2F`` kept apart from the path's '/'s, for the routes: servers
+    decode the path, and a session name with '/' (which the naming rules allow) would
+    become more segments and no route. ``_param`` reads it back."""
+    raw = scope.get("raw_path") if scope["type"] in ("http", "websocket") else None
+    if not raw or b"%2f" not in raw.lower():
+        return scope
+    try:
+        segments = [unquote(s, errors="strict") for s in raw.split(b"?")[0].decode().split("/")]
+    except UnicodeDecodeError:
+        return scope
+    if any(_SLASH in segment for segment in segments):
+        return scope  # (a name with a NUL: refused as it is)
+    path = "/".join(segment.replace("/", _SLASH) for segment in segments)
+    served: str = scope["path"]  # (under a mount, perhaps the part below it)
+    if not path.replace(_SLASH, "/").endswith(served):
+        return scope
+    return {**scope, "path": path[len(path) - len(served) :], _SLASHED: True}
+
+
+def _param(connection: HTTPConnection, key: str, default: str = "") -> str:
+    """A path parameter (a session name, a review id), '/'s in it included."""
+    value: str = connection.path_params.get(key, default)
+    return value.replace(_SLASH, "/") if connection.scope.get(_SLASHED) else value
 
 
 def _info_json(info: sa.SessionInfo) -> dict[str, Any]:

@@ -2,12 +2,19 @@
 attacker: another site's page must not act on a user's sessions, markup in any text
 never runs, and the page's routing and token handling hold at the edges."""
 
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
 import trio
 
+from .served import serve_command
 from .servers import Serve
 from .wsclient import Closed, open_websocket
 
@@ -105,3 +112,129 @@ async def _until_closed(ws: Any) -> list[dict[str, Any]]:
             frames.append(await ws.receive())
         except Closed:
             return frames
+
+
+# ---- in the browser -----------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+needs_chromium = pytest.mark.skipif(
+    not shutil.which(CHROMIUM) and not os.environ.get("SESSIONACTORS_REQUIRE_CHROMIUM"),
+    reason=f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)",
+)
+#: What the payloads below set if any of them ever runs as script.
+PAYLOAD = '<img src=x onerror="window.pwned=1"></script><script>window.pwned=2</script>'
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@needs_chromium
+def test_a_session_name_with_slashes_and_url_characters_works_in_the_page(
+    browser: Any, tmp_path: Path
+) -> None:
+    """A session name may hold '/', '?', '#', '%', '+', spaces and any unicode (the
+    naming rules allow them). The page opens such a session, sends to it, sees the reply
+    stream, and a reload reopens it from the address with its history."""
+    from playwright.sync_api import expect
+
+    name = "team/alpha ?x=1#frag 50% a+b ünï/../z"
+    with serve_command(f"sqlite:///{tmp_path / 'names.db'}") as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"{server.url}/")
+        page.fill("#new-session", name)
+        page.press("#new-session", "Enter")
+        expect(page.locator("#title")).to_have_text(name)
+        page.fill("#text", "hello slashes")
+        page.press("#text", "Enter")
+        expect(page.locator(".message.assistant")).to_have_text(["hello slashes"], timeout=10_000)
+        expect(page.locator("#session-list button")).to_have_text([name], timeout=10_000)
+        expect(page.locator(".message.error")).to_have_count(0)
+        page.reload()
+        expect(page.locator("#title")).to_have_text(name)
+        expect(page.locator(".message")).to_have_text(["hello slashes"] * 2, timeout=10_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        page.close()
+        assert not errors
+        r = httpx.get(f"{server.url}/sessions/{quote(name, safe='')}", timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["session_id"] == name
+
+
+@needs_chromium
+def test_markup_in_texts_and_names_never_runs_in_the_page(browser: Any, tmp_path: Path) -> None:
+    """Message texts, tool arguments and results, review boxes and session names that hold
+    HTML and script are shown as text: nothing runs, no element is injected."""
+    from playwright.sync_api import expect
+
+    with serve_command(f"sqlite:///{tmp_path / 'xss.db'}") as server:
+        for text in [PAYLOAD, f"refund {PAYLOAD}"]:
+            r = httpx.post(
+                f"{server.url}/sessions/{quote(PAYLOAD, safe='')}/messages",
+                json={"text": text},
+                timeout=10,
+            )
+            assert r.status_code == 200, r.text
+        page = browser.new_page()
+        page.goto(f"{server.url}/#session={quote(PAYLOAD, safe='')}")
+        expect(page.locator(".review")).to_contain_text(PAYLOAD[:20], timeout=10_000)
+        page.locator(".review button.approve").click()
+        expect(page.locator(".message.tool")).to_have_count(1, timeout=10_000)
+        expect(page.locator("#session-list button")).to_have_text([PAYLOAD])
+        assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
+        assert page.evaluate("window.pwned") is None
+        page.close()
+
+
+async def test_every_route_serves_a_session_whose_name_has_slashes(serve: Serve) -> None:
+    """The naming rules allow '/' in a session name; sent as %2F, it is one name to every
+    route (servers decode the path before routing, which made it more segments: 404)."""
+    name = "org/team/a b%"
+    path = f"/sessions/{quote(name, safe='')}"
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            r = await client.post(f"{path}/messages", json={"text": "refund D4"})
+            assert r.status_code == 200, r.text
+            state = (await client.get(path)).json()
+            assert state["session_id"] == name
+            [pending] = state["pending_reviews"]
+            r = await client.post(f"{path}/reviews/{pending['id']}", json={"approve": True})
+            assert r.json()["text"] == "Refunded: order D4 refunded", r.text
+            assert (await client.post(f"{path}/cancel")).json() == {"cancelled": False}
+            ws_url = served.url.replace("http://", "ws://") + f"{path}/ws?after=0"
+            async with open_websocket(ws_url) as ws:
+                frame = await ws.receive()
+                assert (frame["session_id"], frame["seq"]) == (name, 1), frame
+            headers = {"last-event-id": str(state["event_seq"] - 1)}
+            async with client.stream("GET", f"{path}/events", headers=headers) as events:
+                assert events.status_code == 200
+                async for line in events.aiter_lines():
+                    if line.startswith("data:"):
+                        assert json.loads(line[5:])["session_id"] == name
+                        break
+            listed = (await client.get("/sessions")).json()["sessions"]
+            assert [info["session_id"] for info in listed] == [name]
+            r = await client.get(f"{path}/nowhere")
+            assert r.status_code == 404
+            assert "%2F" in r.json()["message"]
+            assert (await client.delete(path)).json() == {"deleted": name}
+            assert (await client.get(path)).status_code == 404
