@@ -238,3 +238,35 @@ async def test_every_route_serves_a_session_whose_name_has_slashes(serve: Serve)
             assert "%2F" in r.json()["message"]
             assert (await client.delete(path)).json() == {"deleted": name}
             assert (await client.get(path)).status_code == 404
+
+
+@needs_chromium
+def test_the_token_leaves_the_address_as_soon_as_the_page_has_read_it(
+    browser: Any, tmp_path: Path
+) -> None:
+    """The page is opened as /#token=SECRET: it keeps the token for the tab and takes it
+    out of the address at once (the address bar, a copied link, a bookmark, a shared
+    screen), whether or not a session is opened; the page still works with it."""
+    from playwright.sync_api import expect
+
+    with serve_command(f"sqlite:///{tmp_path / 'token.db'}", "--token", "s3cret-tok") as server:
+        r = httpx.post(
+            f"{server.url}/sessions/kept/messages",
+            json={"text": "hi"},
+            headers={"authorization": "Bearer s3cret-tok"},
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text
+        page = browser.new_page()
+        page.goto(f"{server.url}/#token=s3cret-tok")
+        expect(page.locator("#session-list button")).to_have_text(["kept"], timeout=10_000)
+        assert "s3cret" not in page.url
+        page.close()
+        page = browser.new_page()
+        page.goto(f"{server.url}/#token=s3cret-tok&session=kept")
+        expect(page.locator(".message")).to_have_text(["hi", "hi"], timeout=10_000)
+        assert page.url.endswith("/#session=kept"), page.url
+        page.reload()  # the tab keeps the token
+        expect(page.locator(".message")).to_have_text(["hi", "hi"], timeout=10_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        page.close()
