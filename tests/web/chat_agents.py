@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 import sessionactors as sa
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 #: Seconds between two streamed words.
 DELAY = 0.05
@@ -89,3 +89,6 @@ def asyncio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:
 
 #: What ``serve --agent chat_agents:agents`` serves.
 agents = trio_agents()
+
+#: An agent that echoes at once, a word per chunk (``serve --agent chat_agents:echo``).
+echo = {"echo": sa.Agent(model=EchoModel())}

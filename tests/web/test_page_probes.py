@@ -5,6 +5,7 @@ never runs, and the page's routing and token handling hold at the edges."""
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import httpx
 import pytest
 import trio
 
+from .proxy import open_proxy
 from .served import serve_command
 from .servers import Serve
 from .wsclient import Closed, open_websocket
@@ -269,4 +271,117 @@ def test_the_token_leaves_the_address_as_soon_as_the_page_has_read_it(
         page.reload()  # the tab keeps the token
         expect(page.locator(".message")).to_have_text(["hi", "hi"], timeout=10_000)
         expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        page.close()
+
+
+@needs_chromium
+def test_two_tabs_see_one_turn_and_one_review_and_survive_a_server_restart(
+    browser: Any, tmp_path: Path
+) -> None:
+    """Two tabs on one session: a message sent in one streams in both; a review approved
+    in one leaves the other; the server restarts while both are open, and each resumes
+    and shows what happened meanwhile once, with nothing doubled or missing."""
+    from playwright.sync_api import expect
+
+    store = f"sqlite:///{tmp_path / 'tabs.db'}"
+    with open_proxy(0) as proxy, serve_command(store) as server:
+        proxy.target_port = server.port
+        base = f"http://127.0.0.1:{proxy.port}"
+        r = httpx.post(f"{server.url}/sessions/shared/messages", json={"text": "one"}, timeout=10)
+        assert r.status_code == 200, r.text
+        tabs = [browser.new_page(), browser.new_page()]
+        for tab in tabs:
+            tab.goto(f"{base}/#session=shared")
+            expect(tab.locator("#status")).to_have_text("connected", timeout=10_000)
+        a, b = tabs
+        a.fill("#text", "two words")
+        a.press("#text", "Enter")
+        for tab in tabs:
+            expect(tab.locator(".message")).to_have_text(["one", "one", "two words", "two words"])
+        a.fill("#text", "refund E5")
+        a.press("#text", "Enter")
+        for tab in tabs:
+            expect(tab.locator(".review")).to_have_count(1, timeout=10_000)
+        b.locator(".review button.approve").click()
+        for tab in tabs:
+            expect(tab.locator(".review")).to_have_count(0, timeout=10_000)
+            expect(tab.locator(".message.assistant").last).to_have_text(
+                "Refunded: order E5 refunded", timeout=10_000
+            )
+        expected = [
+            "one",
+            "one",
+            "two words",
+            "two words",
+            "refund E5",
+            'refund({"order_id": "E5"})',
+        ]
+        expected += ["order E5 refunded", "Refunded: order E5 refunded", "after", "after"]
+        server.process.terminate()  # (serve_command checks it stopped cleanly)
+        server.process.wait(timeout=30)
+        for tab in tabs:
+            expect(tab.locator("#status")).to_have_text("reconnecting", timeout=10_000)
+        with serve_command(store) as again:
+            proxy.target_port = again.port
+            r = httpx.post(f"{again.url}/sessions/shared/messages", json={"text": "after"})
+            assert r.status_code == 200, r.text
+            for tab in tabs:
+                expect(tab.locator(".message")).to_have_text(expected, timeout=15_000)
+                expect(tab.locator("#status")).to_have_text("connected", timeout=10_000)
+            for tab in tabs:
+                tab.close()
+
+
+#: Records the longest wait between two animation frames (the page frozen meanwhile).
+WATCH_FRAMES = """() => {
+  window.maxGap = 0;
+  let last = performance.now();
+  const tick = () => {
+    const now = performance.now();
+    window.maxGap = Math.max(window.maxGap, now - last);
+    last = now;
+    requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+}"""
+
+
+@needs_chromium
+def test_a_long_reply_and_a_long_history_render_without_freezing_the_page(
+    browser: Any, tmp_path: Path
+) -> None:
+    """A reply of 100,000 characters streamed as 10,000 words, and a history of 1,000
+    messages, render in full; the page keeps drawing frames meanwhile. (Each word used to
+    rebuild the whole draft and lay the page out again: a minute frozen. The frame gap is
+    a freeze guard with a wide margin, not a speed target; the measures are printed.)"""
+    from playwright.sync_api import expect
+
+    big = " ".join(f"w{i:08d}" for i in range(10_000))
+    with serve_command(f"sqlite:///{tmp_path / 'big.db'}", "--agent", "chat_agents:echo") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for i in range(500):
+                r = client.post("/sessions/long/messages", json={"text": f"message {i}"})
+                assert r.status_code == 200, r.text
+            r = client.post("/sessions/big/messages", json={"text": "first"})
+            assert r.status_code == 200, r.text
+        page = browser.new_page()
+        page.goto(f"{server.url}/#session=long")
+        expect(page.locator(".message")).to_have_count(1000, timeout=30_000)
+        expect(page.locator(".message").last).to_have_text("message 499")
+        page.close()
+
+        page = browser.new_page()
+        page.goto(f"{server.url}/#session=new-big")  # a new session: the turn's own stream
+        expect(page.locator("#status")).to_have_text("new", timeout=10_000)
+        page.evaluate(WATCH_FRAMES)
+        page.fill("#text", big)
+        started = time.monotonic()
+        page.press("#text", "Enter")
+        reply = page.locator(".message.assistant")
+        expect(reply).to_have_text(big, timeout=300_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        gap = page.evaluate("window.maxGap")
+        print(f"100k reply: {time.monotonic() - started:.1f} s, longest frame gap {gap:.0f} ms")
+        assert gap < 15_000, f"the page froze for {gap / 1000:.0f} s"
+        expect(page.locator(".message.streaming")).to_have_count(0)
         page.close()
