@@ -385,3 +385,31 @@ def test_a_long_reply_and_a_long_history_render_without_freezing_the_page(
         assert gap < 15_000, f"the page froze for {gap / 1000:.0f} s"
         expect(page.locator(".message.streaming")).to_have_count(0)
         page.close()
+
+
+@needs_chromium
+def test_a_tab_open_on_a_new_session_sees_it_begin_in_another_tab(
+    browser: Any, tmp_path: Path
+) -> None:
+    """Two tabs open the same new name (nothing stored yet: "new"); the first message,
+    sent in one, shows in the other too, as it does for a session that exists."""
+    from playwright.sync_api import expect
+
+    with serve_command(f"sqlite:///{tmp_path / 'new.db'}") as server:
+        a, b = browser.new_page(), browser.new_page()
+        for tab in (a, b):
+            tab.goto(f"{server.url}/#session=fresh")
+            expect(tab.locator("#status")).to_have_text("new", timeout=10_000)
+        a.fill("#text", "hello both")
+        a.press("#text", "Enter")
+        for tab in (a, b):
+            expect(tab.locator(".message")).to_have_text(["hello both"] * 2, timeout=15_000)
+            expect(tab.locator("#status")).to_have_text("connected", timeout=10_000)
+        a.fill("#text", "and again")
+        a.press("#text", "Enter")
+        for tab in (a, b):
+            expect(tab.locator(".message")).to_have_text(
+                ["hello both"] * 2 + ["and again"] * 2, timeout=15_000
+            )
+        a.close()
+        b.close()
