@@ -99,6 +99,16 @@ class _RequestError(Exception):
         self.body = plain_error(name, message, status)
 
 
+#: The chat page may not be framed by another site (clickjacking its buttons) and
+#: sends no Referer.
+_PAGE_HEADERS: Final = {
+    "Content-Security-Policy": "frame-ancestors 'self'",
+    "X-Frame-Options": "SAMEORIGIN",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 def _static(name: str) -> bytes:
     return importlib.resources.files("sessionactors.http").joinpath("static", name).read_bytes()
 
@@ -227,7 +237,7 @@ class SessionsApp:
         if chat_page:
             page, client = _static("index.html"), _static("sessionactors.js")
             routes += [
-                Route("/", lambda _: Response(page, media_type="text/html")),
+                Route("/", lambda _: Response(page, headers=_PAGE_HEADERS, media_type="text/html")),
                 Route(
                     "/sessionactors.js", lambda _: Response(client, media_type="text/javascript")
                 ),

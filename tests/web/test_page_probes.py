@@ -2,9 +2,11 @@
 attacker: another site's page must not act on a user's sessions, markup in any text
 never runs, and the page's routing and token handling hold at the edges."""
 
+import http.server
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -413,3 +415,36 @@ def test_a_tab_open_on_a_new_session_sees_it_begin_in_another_tab(
             )
         a.close()
         b.close()
+
+
+@needs_chromium
+def test_another_site_cannot_frame_the_chat_page(browser: Any, tmp_path: Path) -> None:
+    """A page of another site that frames the chat page could lay its own content over
+    it and have the user click Approve or Send unawares (clickjacking). The page refuses
+    to be framed by another site."""
+    with serve_command(f"sqlite:///{tmp_path / 'frame.db'}") as server:
+        r = httpx.get(f"{server.url}/", timeout=10)
+        assert "frame-ancestors 'self'" in r.headers.get("content-security-policy", "")
+        framing = f'<iframe src="{server.url}/#session=shop" width="800" height="600"></iframe>'
+
+        class Framer(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/html")
+                self.end_headers()
+                self.wfile.write(framing.encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Framer) as other:
+            threading.Thread(target=other.serve_forever, daemon=True).start()
+            try:
+                page = browser.new_page()
+                page.goto(f"http://localhost:{other.server_address[1]}/")  # another origin
+                page.wait_for_load_state("load")
+                [framed] = [frame for frame in page.frames if frame is not page.main_frame]
+                assert framed.locator("#composer").count() == 0, framed.url
+                page.close()
+            finally:
+                other.shutdown()
