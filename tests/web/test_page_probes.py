@@ -448,3 +448,32 @@ def test_another_site_cannot_frame_the_chat_page(browser: Any, tmp_path: Path) -
                 page.close()
             finally:
                 other.shutdown()
+
+
+@needs_chromium
+def test_a_session_deleted_elsewhere_starts_afresh_in_the_page(
+    browser: Any, tmp_path: Path
+) -> None:
+    """The open session is deleted (by another tab, an operator): the page shows it gone,
+    and a message sent then (which makes a new session of that name, its events numbered
+    from 1 again) shows, rather than being taken for events already drawn."""
+    from playwright.sync_api import expect
+
+    with serve_command(f"sqlite:///{tmp_path / 'deleted.db'}") as server:
+        for text in ["one", "two"]:
+            r = httpx.post(f"{server.url}/sessions/gone/messages", json={"text": text})
+            assert r.status_code == 200, r.text
+        page = browser.new_page()
+        page.goto(f"{server.url}/#session=gone")
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        expect(page.locator(".message")).to_have_count(4)
+        assert httpx.delete(f"{server.url}/sessions/gone").status_code == 200
+        expect(page.locator(".message")).to_have_count(0, timeout=15_000)
+        page.fill("#text", "three")
+        page.press("#text", "Enter")
+        expect(page.locator(".message")).to_have_text(["three", "three"], timeout=15_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+        r = httpx.post(f"{server.url}/sessions/gone/messages", json={"text": "four"})
+        expected = ["three", "three", "four", "four"]
+        expect(page.locator(".message")).to_have_text(expected, timeout=15_000)
+        page.close()
