@@ -477,3 +477,33 @@ def test_a_session_deleted_elsewhere_starts_afresh_in_the_page(
         expected = ["three", "three", "four", "four"]
         expect(page.locator(".message")).to_have_text(expected, timeout=15_000)
         page.close()
+
+
+@pytest.mark.soak
+@needs_chromium
+def test_a_first_turn_of_more_events_than_a_call_takes_arguments_leaves_the_page_live(
+    browser: Any, tmp_path: Path
+) -> None:
+    """A new session's first turn that streams 140,000 deltas (more numbers than a call
+    takes as arguments in Chromium), then a second message: the page subscribes after the
+    turn as after any other and shows both. (It spread every seen seq into Math.max, which
+    threw RangeError there, and the tab stayed without its subscription.)"""
+    from playwright.sync_api import expect
+
+    words = 140_000
+    with serve_command(
+        f"sqlite:///{tmp_path / 'many.db'}", "--agent", "chat_agents:echo"
+    ) as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"{server.url}/#session=many-events")
+        expect(page.locator("#status")).to_have_text("new", timeout=10_000)
+        page.fill("#text", " ".join("w" for _ in range(words)))
+        page.press("#text", "Enter")
+        expect(page.locator("#status")).to_have_text("connected", timeout=300_000)
+        page.fill("#text", "and then")
+        page.press("#text", "Enter")
+        expect(page.locator(".message").last).to_have_text("and then", timeout=60_000)
+        assert errors == []
+        page.close()
