@@ -109,6 +109,10 @@ class _OpenTurn:
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
 
 
+#: What a turn's new owner may say of it once its outcome is durable.
+_ENDED: Final = (TurnStatus.WAITING, TurnStatus.FINISHED, TurnStatus.FAILED, TurnStatus.CANCELLED)
+
+
 def _running_turn(answer: Mapping[str, Any]) -> tuple[str, str | None] | None:
     """The turn under way that an owner's answer to "watch" names, if any, and its
     idempotency key."""
@@ -319,7 +323,39 @@ class Streams:
                 # it ended there (or waits on a review), or it runs here: the hub here
                 # publishes its outcome
                 del self._open_turns[name]
+            if status in _ENDED:
+                # Its outcome is durable, but the worker that wrote it may have died
+                # before publishing it, and the new owner publishes only its own next
+                # events: the journal has what the mirror lacks.
+                await self._fill_from_journal(name)
             self._rejoin(name)  # (None: free again, or here: asked here)
+
+    async def _fill_from_journal(self, name: str) -> None:
+        """Feed the mirror of ``name`` the durable events after its position that the
+        stream lacks (if the journal no longer holds them all, its subscribers lag)."""
+        hub = self._mirrors.get(name)
+        position = self._positions.get(name, 0)
+        if hub is None or not position:
+            return
+        try:
+            trimmed, entries = await self.host.store.read_journal(name, position)
+        except SessionActorsError as exc:
+            fatal(exc)
+            return
+        if self._mirrors.get(name) is not hub or self._positions.get(name, 0) != position:
+            return  # (fed meanwhile: the stream goes on)
+        if trimmed > position:
+            hub.lose()  # they subscribe again with after=, which reads what is kept
+            return
+        self._feed(
+            name,
+            [
+                (event.seq, "event", dump_event(event))
+                for entry in entries
+                for event in load_journal_entry(entry.data, name)
+                if event.seq > position
+            ],
+        )
 
     def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
         self._turn_ended(
