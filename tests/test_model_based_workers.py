@@ -613,3 +613,64 @@ async def test_a_subscription_elsewhere_gets_the_outcome_its_killed_owner_wrote_
     assert isinstance(seen[0], sa.TurnStarted)
     assert isinstance(seen[-1], sa.TurnFinished)
     assert seen[-1].turn_id == seen[0].turn_id
+
+
+class CorruptReadsStore(TrippingStore):
+    """With ``corrupt``, every journal entry it reads back with ``read_journal`` is
+    garbage (a corrupt journal, as a damaged server or a foreign writer leaves it)."""
+
+    corrupt = False
+
+    async def read_journal(self, session_id: str, after: int = 0) -> Any:
+        trimmed, entries = await super().read_journal(session_id, after)
+        if self.corrupt:
+            entries = [JournalEntry(e.seq, b"\xc1 not msgpack") for e in entries]
+        return trimmed, entries
+
+
+async def test_a_corrupt_journal_behind_a_killed_owner_ends_the_subscription_not_the_worker(
+    redis_url: str,
+) -> None:
+    """As above, but the journal that the subscriber's worker reads the unpublished
+    outcome from is corrupt: the subscription ends (SubscriberLaggedError: subscribe
+    again, and hear what is wrong) instead of waiting for events, and that worker goes on
+    serving its other sessions."""
+    ended: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(redis_url, f"sa-test:{uuid.uuid4().hex}", nursery, CorruptReadsStore)
+        owner, subscriber = await cluster.start(), await cluster.start()
+        with trio.fail_after(BOUND):
+            await owner.do(lambda registry: registry.spawn("s"))
+            await owner.do(lambda registry: registry.ref("s").send("alpha"))  # live there
+            started = trio.Event()
+
+            async def subscribe(registry: sa.Registry) -> None:
+                try:
+                    async with registry.ref("s").subscribe() as events:
+                        started.set()
+                        async for _ in events:
+                            pass
+                except sa.SessionActorsError as exc:
+                    ended.append(exc)
+                    raise
+
+            nursery.start_soon(subscriber.do, subscribe)
+            await started.wait()
+            owner.kill_at_write("after", 0)  # the write of the turn's outcome
+            assert await owner.do(lambda registry: registry.ref("s").send("beta")) == (
+                "died",
+                None,
+            )
+            await owner.kill()
+            assert isinstance(subscriber.store, CorruptReadsStore)
+            subscriber.store.corrupt = True
+            await subscriber.do(lambda registry: registry.ref("s").history())
+            while not ended:
+                await trio.sleep(0.05)
+            subscriber.store.corrupt = False
+            await subscriber.do(lambda registry: registry.spawn("other"))
+            status, reply = await subscriber.do(lambda registry: registry.ref("other").send("hi"))
+        nursery.cancel_scope.cancel()
+    assert isinstance(ended[0], sa.SubscriberLaggedError)
+    assert status == "ok", reply
+    assert reply.text.strip() == "hi"

@@ -19,6 +19,7 @@ from .._errors import (
     SessionActorsError,
     SessionNotFoundError,
     SessionStoppedError,
+    SnapshotCorruptError,
     SnapshotError,
     StoreError,
     SubscriberLaggedError,
@@ -347,14 +348,14 @@ class Streams:
         if trimmed > position:
             hub.lose()  # they subscribe again with after=, which reads what is kept
             return
+        try:
+            events = [e for entry in entries for e in load_journal_entry(entry.data, name)]
+        except SnapshotCorruptError:
+            hub.lose()  # the session's own trouble: its subscribers hear it when they resume
+            return
         self._feed(
             name,
-            [
-                (event.seq, "event", dump_event(event))
-                for entry in entries
-                for event in load_journal_entry(entry.data, name)
-                if event.seq > position
-            ],
+            [(event.seq, "event", dump_event(event)) for event in events if event.seq > position],
         )
 
     def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
