@@ -376,9 +376,7 @@ class Cluster:
         of another live incarnation under its worker id: one that started at the same
         moment, after ``_check_unique`` looked (it listened before it announced itself,
         so it answers now). Its announcement is put back."""
-        if replaced is None or replaced == self.incarnation:
-            return
-        if await self.transport.send(self.worker, replaced, pack({"op": "wake"})):
+        if replaced is not None and await self._is_live(replaced):
             await self.transport.heartbeat(self.worker, replaced, self.ttl, None)
             raise StoreConfigurationError(_worker_id_taken(self.worker))
 
@@ -387,11 +385,15 @@ class Cluster:
         id: two would both take its leases (each session live in both, their writes
         fenced out in turn) and their requests would reach either. An earlier
         incarnation that died listens no more: its id is free (a restart)."""
-        other = await self.transport.incarnation(self.worker)
-        if other is None or other == self.incarnation:
-            return
-        if await self.transport.send(self.worker, other, pack({"op": "wake"})):
+        if await self._is_live(await self.transport.incarnation(self.worker)):
             raise StoreConfigurationError(_worker_id_taken(self.worker))
+
+    async def _is_live(self, other: str | None) -> bool:
+        """Whether ``other``, another incarnation under this worker id, is live: it
+        listens on its channel (one that died does not)."""
+        if other is None or other == self.incarnation:
+            return False
+        return await self.transport.send(self.worker, other, pack({"op": "wake"}))
 
     async def aclose(self) -> None:
         """Wait (within the shutdown grace) for the answers to the requests this worker
