@@ -247,6 +247,7 @@ class Actor:
 
     __slots__ = (
         "_cut",
+        "_load_scope",
         "_ready",
         "_rescope",
         "_scope_cancelled",
@@ -290,6 +291,7 @@ class Actor:
         self.session: LiveSession = session  # type: ignore[assignment]  # set by load
         self.phase = Phase.LOADING if session is None else Phase.SERVING
         self._ready: trio.Event | None = None if session is not None else trio.Event()
+        self._load_scope: trio.CancelScope | None = None  # the wake's read, while it lasts
         self.send, self.receive = trio.open_memory_channel[Mail](host.config.mailbox_size)
         self.journal = Journal(host.store, host.config, session_id, host.telemetry)
         self.hub: Hub | None = None
@@ -362,6 +364,8 @@ class Actor:
         """The shutdown grace ran out: cut the turn in flight and hibernate at once."""
         if self.phase in (Phase.LOADING, Phase.SERVING, Phase.CLOSING):
             self.phase = Phase.ABORTING
+        if self._load_scope is not None:  # still waking: give the store's read up
+            self._load_scope.cancel()
         self.cancel_turn()
 
     def kill(self, error: SessionActorsError) -> None:
@@ -662,8 +666,12 @@ class Actor:
         mail: Mail | _Signal | None = None
         if self._ready is not None:
             ready = self._ready
+            loading = self._load_scope = trio.CancelScope()
             try:
-                await self.load()
+                with loading:
+                    await self.load()
+                if loading.cancelled_caught:  # (see abort) it read nothing: nothing to write
+                    raise stopped_error(self.session_id, "closing")
             except SessionActorsError as exc:
                 self.load_error = exc
                 self.publish_after_crash(loaded=False)
@@ -674,7 +682,7 @@ class Actor:
                 self._fail_queued(exc, refused=True)
                 self.leave_table()
                 return
-            self._ready = None
+            self._ready = self._load_scope = None
             if self.phase is Phase.LOADING:
                 self.phase = Phase.SERVING
             self.publish_after_crash(loaded=True)

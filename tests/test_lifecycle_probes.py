@@ -289,3 +289,40 @@ async def test_a_registry_closing_on_a_stalled_hibernation_reports_what_it_lost(
     assert "['s']" in str(error)
     async with sa.open_registry(store=store.store, agents=ECHO) as reg:
         assert await reg.ref("s").history() == []  # lost, as the error said
+
+
+async def test_closing_the_registry_while_a_wake_reads_a_stalled_store_keeps_to_the_grace(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Leaving the registry's block while a session wakes and the store's load does
+    not answer: once the shutdown grace runs out the wake is given up (it has read
+    nothing, so there is nothing to write), the caller waiting on it hears that the
+    registry closed, naming the session, and the block ends, instead of waiting the
+    whole write bound for a read."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("one")
+        await ref.hibernate()
+    store.hold("load")  # never opened
+    outcome: list[object] = []
+
+    async def read(ref: sa.SessionRef) -> None:
+        try:
+            await ref.history()
+        except sa.SessionActorsError as exc:
+            outcome.append(exc)
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        async with sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg:
+            nursery.start_soon(read, reg.ref("s"))
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(0.5)  # the read waits for the wake; the block is left
+            assert outcome == []
+        closed = trio.current_time() - start
+    assert closed < 5  # the grace, not the 30 s write bound
+    assert len(outcome) == 1
+    error = outcome[0]
+    assert isinstance(error, sa.SessionStoppedError)
+    assert error.session_id == "s"
