@@ -480,7 +480,7 @@ class SessionsApp:
             return True
         if isinstance(registry, sa.Registry):
             return await registry.store.exists(name)
-        return await on_trio(registry, lambda trio_registry: trio_registry.store.exists(name))
+        return await on_trio(registry, lambda trio_registry: trio_registry.store.exists(name), name)
 
     async def _check_after(self, registry: AnyRegistry, ref: AnyRef, after: int | None) -> None:
         """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the
@@ -500,7 +500,7 @@ class SessionsApp:
         elif isinstance(registry, sa.Registry):
             last = (await sa.read_session(registry.store, name)).event_seq
         else:
-            state = await on_trio(registry, lambda reg: sa.read_session(reg.store, name))
+            state = await on_trio(registry, lambda reg: sa.read_session(reg.store, name), name)
             last = state.event_seq
         if after > last and not live:
             last = (await ref.state()).event_seq
