@@ -193,7 +193,7 @@ def create_app(
 class SessionsApp:
     """The ASGI application that :func:`create_app` makes.
 
-    ``registry`` is the registry it serves (None until the lifespan opened it).
+    ``registry`` is the registry it serves (None while no lifespan has it open).
     ``lifespan`` opens and closes that registry, for an app that mounts this
     one (``FastAPI(lifespan=gateway.lifespan)``).
     ``drain()`` ends every open event stream and WebSocket and answers later
@@ -268,7 +268,8 @@ class SessionsApp:
 
     @property
     def registry(self) -> sa.Registry | aio.Registry | None:
-        """The registry served (None while the lifespan has not opened it)."""
+        """The registry served: for an app that opens its own, None until its lifespan
+        opened it and again once the lifespan closed it."""
         return self._registry
 
     def drain(self) -> None:
@@ -356,13 +357,16 @@ class SessionsApp:
         else:  # pragma: no cover - no other ASGI servers' loops
             raise RuntimeError(f"sessionactors.http runs on trio or asyncio, not {library}")
         self._remember_loop()
-        async with opened as registry:
-            await _first_read(registry)
-            self._registry = registry
-            try:
-                yield
-            finally:
-                self.drain()
+        try:
+            async with opened as registry:
+                await _first_read(registry)
+                self._registry = registry
+                try:
+                    yield
+                finally:
+                    self.drain()
+        finally:
+            self._registry = None  # (closed: not handed out by ``registry`` any more)
 
     def _track(self, scope: anyio.CancelScope) -> None:
         """Remember an open stream's scope, so that ``drain()`` can end it."""
