@@ -17,6 +17,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from net_proxy import proxy_to
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -181,6 +182,73 @@ async def test_a_second_live_worker_with_the_same_worker_id_is_refused(redis_url
         async with open_worker(redis_url, prefix, "w") as again:
             history = await again.ref("s").history()
     assert [m.content for m in history] == ["one", "one", "three", "three"]
+
+
+class CheckFaults:
+    """What a link to redis does to a worker that starts under a live worker's id: its
+    first look finds no one there (as when the two start at the same moment), and then
+    the link fails in its announcement's check of the id, as it sends the wake to the
+    live one ("wake": on both connections it tries) or puts back the live one's
+    announcement ("put back")."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.own: bytes | None = None  # its own incarnation, from its SUBSCRIBE
+        self.looked = False
+        self.cuts = 0
+
+    def __call__(self, words: list[bytes]) -> list[bytes] | None:
+        command = words[0].upper()
+        if command == b"SUBSCRIBE":
+            self.own = words[1].rsplit(b":in:", 1)[1]
+        if command == b"GET" and words[1].endswith(b":alive") and not self.looked:
+            self.looked = True
+            return [b"GET", words[1] + b":nobody"]
+        if self.own is None:
+            return words
+        put_back = (  # an announcement of another incarnation than its own
+            command == b"EVALSHA"
+            and any(w.endswith(b":alive") for w in words)
+            and self.own not in words
+        )
+        wake = command == b"PUBLISH" and not words[1].endswith(b":in:" + self.own)
+        if (self.where == "put back" and put_back and self.cuts < 1) or (
+            self.where == "wake" and wake and self.cuts < 2
+        ):
+            self.cuts += 1
+            return None
+        return words
+
+
+@pytest.mark.parametrize("where", ["wake", "put back"])
+async def test_a_store_fault_in_the_worker_id_check_lets_no_second_worker_through(
+    redis_url: str, where: str
+) -> None:
+    """A worker started under the id of a live worker whose check of the id meets a store
+    fault midway (the wake sent to the live one, or the put-back of its announcement) is
+    still refused with StoreConfigurationError, and the live one keeps serving."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    faults = CheckFaults(where)
+    ttl = 30.0  # (the live one announces itself again only after the check's retry)
+    with trio.fail_after(30):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "w", lease_ttl=ttl) as a,
+        ):
+            await a.spawn("s")
+            assert (await a.ref("s").send("one")).text == "one"
+            proxy.edit = faults
+            store = RedisStore(proxied, prefix=prefix, balance=False)
+            agents = {"echo": sa.Agent(model=EchoModel())}
+            with pytest.raises(sa.StoreConfigurationError, match="worker_id 'w'"):
+                async with sa.open_registry(
+                    store=store, agents=agents, worker_id="w", lease_ttl=ttl
+                ):
+                    pass  # (a second worker under the id runs: the failure)
+            assert faults.looked, proxy.commands
+            assert faults.cuts == (2 if where == "wake" else 1), proxy.commands
+            assert (await a.ref("s").send("three")).text == "three"
+            assert a.live() == ["s"]
 
 
 async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_killed(

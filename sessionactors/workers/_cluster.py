@@ -353,6 +353,11 @@ class Cluster:
         assert nursery is not None
         if not self._subscriptions:  # (not yet listening: an earlier try ran out of time)
             await nursery.start(self._listen_loop, name="cluster requests")
+        # The other incarnation the first announcement replaced is kept across tries: a
+        # try cut short by a store error (in the wake, or in the put-back) announced this
+        # one already, so the next announcement replaces only this one, and the check
+        # must still ask about that other one.
+        other: str | None = None
         while True:
             try:
                 # Start after what an earlier incarnation with this worker id left
@@ -361,7 +366,9 @@ class Cluster:
                 replaced = await self.transport.heartbeat(
                     self.worker, self.incarnation, self.ttl, None
                 )
-                await self._check_replaced(replaced)
+                if replaced is not None and replaced != self.incarnation:
+                    other = replaced
+                await self._check_replaced(other)
                 break
             except StoreError as exc:
                 fatal(exc)
