@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 
@@ -24,6 +25,7 @@ from sessionactors.testing import EchoModel
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
+WAKE = msgpack.packb({"op": "wake"})
 WORKER = Path(__file__).with_name("cluster_worker.py")
 
 
@@ -249,6 +251,54 @@ async def test_a_store_fault_in_the_worker_id_check_lets_no_second_worker_throug
             assert faults.cuts == (2 if where == "wake" else 1), proxy.commands
             assert (await a.ref("s").send("three")).text == "three"
             assert a.live() == ["s"]
+
+
+def held_requests_lost(words: list[bytes]) -> list[bytes]:
+    """Every "held" request a worker sends (for the events of a turn that a session's
+    owner holds) reaches its owner as a wake, which asks for nothing: the owner never
+    answers it (and says, when pinged, that it never got it)."""
+    if words[0].upper() == b"PUBLISH" and b"\xa2op\xa4held" in words[2]:
+        return [words[0], words[1], msgpack.packb({"op": "wake"})]
+    return words
+
+
+async def test_a_replay_whose_held_request_the_owner_never_answers_goes_on_within_its_bound(
+    redis_url: str,
+) -> None:
+    """A subscription opened with after= on a worker whose session runs on another, which
+    asks the owner for the events it holds and never hears back, replays the durable
+    events from the journal after a third of lease_ttl, not after the request's own
+    deadline (two lease lifetimes)."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    ttl = 3.0  # the bound: 1 s; the request's own deadline: 6 s
+    with trio.fail_after(30):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "a", lease_ttl=ttl) as a,
+        ):
+            await a.spawn("s")
+            first = await a.ref("s").send("one")
+            await a.ref("s").send("two")
+            proxy.edit = held_requests_lost
+            store = RedisStore(proxied, prefix=prefix, balance=False)
+            agents = {"echo": sa.Agent(model=EchoModel())}
+            async with sa.open_registry(
+                store=store, agents=agents, worker_id="b", lease_ttl=ttl
+            ) as b:
+                replayed: list[sa.Event] = []
+                with trio.fail_after(ttl):  # (the bound and the journal's read)
+                    async with b.ref("s").subscribe(after=0) as events:
+                        async for event in events:
+                            replayed.append(event)
+                            if isinstance(event, sa.TurnFinished):
+                                break
+                assert b.live() == []  # (it ran on a all along)
+            asked = [c for c in proxy.commands if c[0] == b"PUBLISH" and c[2] == WAKE]
+            assert asked, "the held request was sent (and lost on the way)"
+    finished = replayed[-1]
+    assert isinstance(finished, sa.TurnFinished)
+    assert finished.turn_id == first.turn_id
+    assert [e.seq for e in replayed] == sorted(e.seq for e in replayed)
 
 
 async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_killed(
