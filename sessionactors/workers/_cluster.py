@@ -339,6 +339,17 @@ class Cluster:
                         nursery.start_soon(self._announce, name="cluster announce")
             if refused is not None:
                 raise refused
+        except BaseExceptionGroup as group:
+            # A refusal from one of the worker's tasks (its announcement's check of the
+            # worker id, made after the registry opened without it) comes out typed, as
+            # itself, not in the nursery's group.
+            error = group.exceptions[0]
+            if len(group.exceptions) != 1 or not isinstance(error, StoreConfigurationError):
+                raise
+            try:
+                raise error from error.__cause__
+            finally:
+                del error, group
         finally:
             self._nursery = None
             for send in list(self._waiters.values()):
