@@ -13,16 +13,19 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 
 import sessionactors as sa
+from net_proxy import proxy_to
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
+WAKE = msgpack.packb({"op": "wake"})
 WORKER = Path(__file__).with_name("cluster_worker.py")
 
 
@@ -181,6 +184,124 @@ async def test_a_second_live_worker_with_the_same_worker_id_is_refused(redis_url
         async with open_worker(redis_url, prefix, "w") as again:
             history = await again.ref("s").history()
     assert [m.content for m in history] == ["one", "one", "three", "three"]
+
+
+class CheckFaults:
+    """What a link to redis does to a worker that starts under a live worker's id: its
+    first look fails ("look": the registry opens without it, and its announcement checks
+    the id), or finds no one there (as when the two start at the same moment) and then
+    the link fails in its announcement's check of the id, as it sends the wake to the
+    live one ("wake": on both connections it tries) or puts back the live one's
+    announcement ("put back")."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.own: bytes | None = None  # its own incarnation, from its SUBSCRIBE
+        self.looked = False
+        self.cuts = 0
+
+    def __call__(self, words: list[bytes]) -> list[bytes] | None:
+        command = words[0].upper()
+        if command == b"SUBSCRIBE":
+            self.own = words[1].rsplit(b":in:", 1)[1]
+        if command == b"GET" and words[1].endswith(b":alive") and not self.looked:
+            self.looked = True
+            return None if self.where == "look" else [b"GET", words[1] + b":nobody"]
+        if self.own is None:
+            return words
+        put_back = (  # an announcement of another incarnation than its own
+            command == b"EVALSHA"
+            and any(w.endswith(b":alive") for w in words)
+            and self.own not in words
+        )
+        wake = command == b"PUBLISH" and not words[1].endswith(b":in:" + self.own)
+        if (self.where == "put back" and put_back and self.cuts < 1) or (
+            self.where == "wake" and wake and self.cuts < 2
+        ):
+            self.cuts += 1
+            return None
+        return words
+
+
+@pytest.mark.parametrize("where", ["look", "wake", "put back"])
+async def test_a_store_fault_in_the_worker_id_check_lets_no_second_worker_through(
+    redis_url: str, where: str
+) -> None:
+    """A worker started under the id of a live worker whose check of the id meets a store
+    fault (its first look, the wake sent to the live one, or the put-back of its
+    announcement) is still refused with StoreConfigurationError (after its first look
+    failed: its registry, opened without waiting, ends with it), and the live one keeps
+    serving."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    faults = CheckFaults(where)
+    ttl = 30.0  # (the live one announces itself again only after the check's retry)
+    with trio.fail_after(30):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "w", lease_ttl=ttl) as a,
+        ):
+            await a.spawn("s")
+            assert (await a.ref("s").send("one")).text == "one"
+            proxy.edit = faults
+            store = RedisStore(proxied, prefix=prefix, balance=False)
+            agents = {"echo": sa.Agent(model=EchoModel())}
+            with pytest.raises(sa.StoreConfigurationError, match="worker_id 'w'"):
+                async with sa.open_registry(
+                    store=store, agents=agents, worker_id="w", lease_ttl=ttl
+                ):
+                    await trio.sleep(5)  # (the refusal ends it; else: the failure)
+            assert faults.looked, proxy.commands
+            assert faults.cuts == {"look": 0, "wake": 2, "put back": 1}[where], proxy.commands
+            assert (await a.ref("s").send("three")).text == "three"
+            assert a.live() == ["s"]
+
+
+def held_requests_lost(words: list[bytes]) -> list[bytes]:
+    """Every "held" request a worker sends (for the events of a turn that a session's
+    owner holds) reaches its owner as a wake, which asks for nothing: the owner never
+    answers it (and says, when pinged, that it never got it)."""
+    if words[0].upper() == b"PUBLISH" and b"\xa2op\xa4held" in words[2]:
+        return [words[0], words[1], msgpack.packb({"op": "wake"})]
+    return words
+
+
+async def test_a_replay_whose_held_request_the_owner_never_answers_goes_on_within_its_bound(
+    redis_url: str,
+) -> None:
+    """A subscription opened with after= on a worker whose session runs on another, which
+    asks the owner for the events it holds and never hears back, replays the durable
+    events from the journal after a third of lease_ttl, not after the request's own
+    deadline (two lease lifetimes)."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    ttl = 3.0  # the bound: 1 s; the request's own deadline: 6 s
+    with trio.fail_after(30):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "a", lease_ttl=ttl) as a,
+        ):
+            await a.spawn("s")
+            first = await a.ref("s").send("one")
+            await a.ref("s").send("two")
+            proxy.edit = held_requests_lost
+            store = RedisStore(proxied, prefix=prefix, balance=False)
+            agents = {"echo": sa.Agent(model=EchoModel())}
+            async with sa.open_registry(
+                store=store, agents=agents, worker_id="b", lease_ttl=ttl
+            ) as b:
+                replayed: list[sa.Event] = []
+                with trio.fail_after(ttl):  # (the bound and the journal's read)
+                    async with b.ref("s").subscribe(after=0) as events:
+                        async for event in events:
+                            replayed.append(event)
+                            if isinstance(event, sa.TurnFinished):
+                                break
+                assert b.live() == []  # (it ran on a all along)
+            asked = [c for c in proxy.commands if c[0] == b"PUBLISH" and c[2] == WAKE]
+            assert asked, "the held request was sent (and lost on the way)"
+    finished = replayed[-1]
+    assert isinstance(finished, sa.TurnFinished)
+    assert finished.turn_id == first.turn_id
+    assert [e.seq for e in replayed] == sorted(e.seq for e in replayed)
 
 
 async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_killed(

@@ -97,14 +97,18 @@ class Host:
             _resolve(self.started, None)
             _resolve(self.finished, None)
 
-    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    async def call(
+        self, fn: Callable[..., Awaitable[T]], *args: Any, session_id: str | None = None
+    ) -> T:
         """Run ``await fn(*args)`` in the trio run and return its result to asyncio.
 
         Its exception is raised as itself. Cancelling the asyncio caller cancels
         the trio call (which, for a library call, abandons only the wait).
+        ``session_id`` names the session the call is about (for the error of a call
+        that the end of the trio run cuts off), None for a call about no one session.
         """
         self._check_running()
-        call: _Call[T] = _Call(self.loop.create_future())
+        call: _Call[T] = _Call(self.loop.create_future(), session_id)
         self.run_sync_soon(lambda: self._spawn(call, fn, args))
         try:
             return await call.future
@@ -118,7 +122,7 @@ class Host:
         if call.future.done():  # abandoned before it began
             return
         if self.nursery is None or self.state == "stopping":
-            _fail(call.future, ended_error())
+            _fail(call.future, ended_error(call.session_id))
             return
         self.nursery.start_soon(call.run, fn, args)
 
@@ -166,9 +170,11 @@ class Host:
 
 @attrs.define(eq=False)
 class _Call(Generic[T]):
-    """One asyncio-to-trio call: its future, and its trio cancel scope once it runs."""
+    """One asyncio-to-trio call: its future, the session it is about (None: no one
+    session), and its trio cancel scope once it runs."""
 
     future: asyncio.Future[T]
+    session_id: str | None
     scope: trio.CancelScope | None = None
 
     async def run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:
@@ -179,7 +185,7 @@ class _Call(Generic[T]):
                 result = await fn(*args)
             except trio.Cancelled:
                 if not self.future.done():  # the host's run is ending under it
-                    _fail(self.future, ended_error())
+                    _fail(self.future, ended_error(self.session_id))
                 raise
             except BaseException as exc:  # handed to the asyncio caller, as itself
                 _fail(self.future, exc)
@@ -322,13 +328,17 @@ def task_result(task: asyncio.Future[T]) -> T:
     return task.result()
 
 
-def ended_error() -> SessionStoppedError:
+def ended_error(session_id: str | None) -> SessionStoppedError:
     """What a call gets that was under way when its registry closed (the last registry
-    of the loop, whose trio run ends with it), as the trio registry's refs raise."""
+    of the loop, whose trio run ends with it), as the trio registry's refs raise:
+    it names the session the call was about (``session_id``; None: no one session)."""
+    what = f"a call on session {session_id!r}" if session_id is not None else "a call"
     return SessionStoppedError(
-        "the registry closed while this call was under way, and the trio run of "
-        "sessionactors.aio ended under it; make the call again inside an open "
-        "`async with sessionactors.aio.open_registry(...)` block"
+        f"the registry closed while {what} was under way, and the trio run of "
+        "sessionactors.aio ended under it (the call may or may not have taken effect); "
+        "make the call again inside an open "
+        "`async with sessionactors.aio.open_registry(...)` block",
+        session_id=session_id,
     )
 
 

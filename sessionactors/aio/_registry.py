@@ -29,9 +29,10 @@ from ._host import Host, Task, acquire_host, ended_error, release_host
 __all__ = ["Registry", "SessionRef", "Turn", "open_registry"]
 
 
-def _forward(host: Host, target: object, name: str) -> Any:
+def _forward(host: Host, target: object, name: str, session_id: str | None) -> Any:
     """An async method of the trio object that this class does not spell out yet (one
-    the core added since), called through the host like the others."""
+    the core added since), called through the host like the others (about session
+    ``session_id``, None for the registry's)."""
     if name.startswith("_"):
         raise AttributeError(name)
     method = getattr(target, name)  # AttributeError as the trio object gives it
@@ -43,7 +44,7 @@ def _forward(host: Host, target: object, name: str) -> Any:
 
     @functools.wraps(method)
     async def call(*args: Any, **kwargs: Any) -> Any:
-        return await host.call(functools.partial(method, *args, **kwargs))
+        return await host.call(functools.partial(method, *args, **kwargs), session_id=session_id)
 
     return call
 
@@ -57,10 +58,13 @@ def trio_turn(turn: Turn) -> sa.Turn:
     return turn._turn
 
 
-async def on_trio(registry: Registry, fn: Callable[[sa.Registry], Awaitable[T]]) -> T:
-    """``await fn(trio_registry)`` in the trio run behind ``registry``, answered in
-    asyncio (for the HTTP gateway, which reads the store of either kind of registry)."""
-    return await registry._host.call(fn, registry._registry)
+async def on_trio(
+    registry: Registry, fn: Callable[[sa.Registry], Awaitable[T]], session_id: str | None
+) -> T:
+    """``await fn(trio_registry)`` in the trio run behind ``registry``, about session
+    ``session_id``, answered in asyncio (for the HTTP gateway, which reads the store
+    of either kind of registry)."""
+    return await registry._host.call(fn, registry._registry, session_id=session_id)
 
 
 #: Events a subscription passes to asyncio ahead of its reader.
@@ -104,7 +108,7 @@ class Turn:
         """
         if self._turn.done:
             return known_reply(self._turn)
-        return await self._host.call(self._turn.reply)
+        return await self._host.call(self._turn.reply, session_id=self._turn.session_id)
 
 
 @attrs.define(eq=False, repr=False)
@@ -127,7 +131,7 @@ class SessionRef:
         return self._ref == other._ref
 
     def __getattr__(self, name: str) -> Any:
-        return _forward(self._host, self._ref, name)
+        return _forward(self._host, self._ref, name, self._ref.session_id)
 
     def __hash__(self) -> int:
         return hash(self._ref)
@@ -137,15 +141,18 @@ class SessionRef:
         """The session's name."""
         return self._ref.session_id
 
+    async def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return await self._host.call(fn, *args, session_id=self._ref.session_id)
+
     async def send(self, text: str, *, idempotency_key: str | None = None) -> sa.Reply:
         """Run one turn and wait for its reply (after it is durable)."""
-        return await self._host.call(
+        return await self._call(
             functools.partial(self._ref.send, text, idempotency_key=idempotency_key)
         )
 
     async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
         """Put a turn in the mailbox, waiting for room; don't wait for the reply."""
-        turn = await self._host.call(
+        turn = await self._call(
             functools.partial(self._ref.submit, text, idempotency_key=idempotency_key)
         )
         return Turn(self._host, turn)
@@ -179,66 +186,66 @@ class SessionRef:
 
     async def history(self) -> list[sa.Message]:
         """The messages so far, without waiting behind queued turns."""
-        return await self._host.call(self._ref.history)
+        return await self._call(self._ref.history)
 
     async def state(self) -> sa.SessionState:
         """The session's whole state, without waiting behind queued turns."""
-        return await self._host.call(self._ref.state)
+        return await self._call(self._ref.state)
 
     async def cancel(self) -> bool:
         """Cancel the turn in flight, out of band; whether there was one."""
-        return await self._host.call(self._ref.cancel)
+        return await self._call(self._ref.cancel)
 
     async def hibernate(self) -> None:
         """Snapshot the session to the store and end its task, after the queued requests."""
-        await self._host.call(self._ref.hibernate)
+        await self._call(self._ref.hibernate)
 
     async def stop(self) -> None:
         """Finish the session; later requests raise SessionStoppedError."""
-        await self._host.call(self._ref.stop)
+        await self._call(self._ref.stop)
 
     async def review(self, review_id: str, approve: bool, note: str | None = None) -> sa.Reply:
         """Approve or deny a pending review; the turn goes on, and this returns its reply."""
-        return await self._host.call(functools.partial(self._ref.review, review_id, approve, note))
+        return await self._call(functools.partial(self._ref.review, review_id, approve, note))
 
     async def pending_reviews(self) -> list[sa.ReviewRequest]:
         """The reviews this session waits on."""
-        return await self._host.call(self._ref.pending_reviews)
+        return await self._call(self._ref.pending_reviews)
 
     async def truncate(self, keep_last: int) -> int:
         """Drop all but the last ``keep_last`` messages; returns how many were removed."""
-        return await self._host.call(self._ref.truncate, keep_last)
+        return await self._call(self._ref.truncate, keep_last)
 
     async def rewind(self, message_id: str) -> int:
         """Drop every message after ``message_id``; returns how many were removed."""
-        return await self._host.call(self._ref.rewind, message_id)
+        return await self._call(self._ref.rewind, message_id)
 
     async def set_summary(self, text: str) -> None:
         """Set the summary the model sees after the system prompt ("" clears it)."""
-        await self._host.call(self._ref.set_summary, text)
+        await self._call(self._ref.set_summary, text)
 
     async def turn_outcome(self, turn_id: str) -> sa.TurnOutcome:
         """What became of turn ``turn_id`` (see :meth:`sessionactors.SessionRef.turn_outcome`)."""
-        return await self._host.call(self._ref.turn_outcome, turn_id)
+        return await self._call(self._ref.turn_outcome, turn_id)
 
     async def retry(self) -> sa.Reply:
         """Run the last turn again if it failed or was cancelled; its reply."""
-        return await self._host.call(self._ref.retry)
+        return await self._call(self._ref.retry)
 
     async def set_metadata(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Merge ``changes`` into the metadata (``None`` removes a key); returns it now."""
-        metadata: dict[str, Any] = await self._host.call(self._ref.set_metadata, changes)
+        metadata: dict[str, Any] = await self._call(self._ref.set_metadata, changes)
         return metadata
 
     async def add_messages(self, messages: Iterable[sa.Message]) -> None:
         """Append messages to the history without calling the model (see
         :meth:`sessionactors.SessionRef.add_messages`)."""
-        await self._host.call(self._ref.add_messages, messages)
+        await self._call(self._ref.add_messages, messages)
 
     async def replace_history(self, messages: Iterable[sa.Message]) -> None:
         """Replace the whole history with ``messages`` (see
         :meth:`sessionactors.SessionRef.replace_history`)."""
-        await self._host.call(self._ref.replace_history, messages)
+        await self._call(self._ref.replace_history, messages)
 
 
 @attrs.define(eq=False, repr=False)
@@ -256,10 +263,13 @@ class Registry:
         return f"<aio Registry live={len(self._registry.live())}>"
 
     def __getattr__(self, name: str) -> Any:
-        return _forward(self._host, self._registry, name)
+        return _forward(self._host, self._registry, name, None)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await self._host.call(functools.partial(fn, *args, **kwargs))
+    async def _call(
+        self, session_id: str | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """``await fn(*args, **kwargs)`` in the trio run, about session ``session_id``."""
+        return await self._host.call(functools.partial(fn, *args, **kwargs), session_id=session_id)
 
     def _wrap(self, ref: sa.SessionRef) -> SessionRef:
         return SessionRef(self._host, ref)
@@ -274,6 +284,7 @@ class Registry:
     ) -> SessionRef:
         """Create a new session and start its actor (SessionExistsError if it exists)."""
         ref = await self._call(
+            name,
             self._registry.spawn,
             name,
             agent=agent,
@@ -292,6 +303,7 @@ class Registry:
     ) -> SessionRef:
         """The session ``name``, spawned with these options if it does not exist."""
         ref = await self._call(
+            name,
             self._registry.get_or_spawn,
             name,
             agent=agent,
@@ -306,11 +318,11 @@ class Registry:
 
     async def fork(self, name: str, new_name: str, *, at: str | None = None) -> SessionRef:
         """A new session ``new_name`` with ``name``'s history up to message ``at``."""
-        return self._wrap(await self._call(self._registry.fork, name, new_name, at=at))
+        return self._wrap(await self._call(new_name, self._registry.fork, name, new_name, at=at))
 
     async def delete(self, name: str) -> None:
         """Remove the conversation everywhere: actor, subscribers, store."""
-        await self._call(self._registry.delete, name)
+        await self._call(name, self._registry.delete, name)
 
     def live(self) -> list[str]:
         """The names of the sessions whose actors are running now."""
@@ -327,13 +339,18 @@ class Registry:
         """SessionInfos of the stored sessions, newest activity first, filtered and
         paged as ``sessionactors.Registry.sessions`` does."""
         infos: list[sa.SessionInfo] = await self._call(
-            self._registry.sessions, status=status, metadata=metadata, limit=limit, after=after
+            None,
+            self._registry.sessions,
+            status=status,
+            metadata=metadata,
+            limit=limit,
+            after=after,
         )
         return infos
 
     async def pending_reviews(self) -> list[sa.ReviewRequest]:
         """Every pending review of every session, live or stored, oldest first."""
-        reviews: list[sa.ReviewRequest] = await self._call(self._registry.pending_reviews)
+        reviews: list[sa.ReviewRequest] = await self._call(None, self._registry.pending_reviews)
         return reviews
 
     def statistics(self) -> sa.RegistryStatistics:
@@ -462,7 +479,7 @@ class _Subscription:
             error = exc
         finally:
             if not entered.done():  # (cancelled before it began: the trio run is ending)
-                entered.set_exception(error or ended_error())
+                entered.set_exception(error or ended_error(self._session_id))
             else:
                 stream._end(error)
 

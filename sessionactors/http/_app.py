@@ -193,7 +193,7 @@ def create_app(
 class SessionsApp:
     """The ASGI application that :func:`create_app` makes.
 
-    ``registry`` is the registry it serves (None until the lifespan opened it).
+    ``registry`` is the registry it serves (None while no lifespan has it open).
     ``lifespan`` opens and closes that registry, for an app that mounts this
     one (``FastAPI(lifespan=gateway.lifespan)``).
     ``drain()`` ends every open event stream and WebSocket and answers later
@@ -268,7 +268,8 @@ class SessionsApp:
 
     @property
     def registry(self) -> sa.Registry | aio.Registry | None:
-        """The registry served (None while the lifespan has not opened it)."""
+        """The registry served: for an app that opens its own, None until its lifespan
+        opened it and again once the lifespan closed it."""
         return self._registry
 
     def drain(self) -> None:
@@ -356,13 +357,16 @@ class SessionsApp:
         else:  # pragma: no cover - no other ASGI servers' loops
             raise RuntimeError(f"sessionactors.http runs on trio or asyncio, not {library}")
         self._remember_loop()
-        async with opened as registry:
-            await _first_read(registry)
-            self._registry = registry
-            try:
-                yield
-            finally:
-                self.drain()
+        try:
+            async with opened as registry:
+                await _first_read(registry)
+                self._registry = registry
+                try:
+                    yield
+                finally:
+                    self.drain()
+        finally:
+            self._registry = None  # (closed: not handed out by ``registry`` any more)
 
     def _track(self, scope: anyio.CancelScope) -> None:
         """Remember an open stream's scope, so that ``drain()`` can end it."""
@@ -480,7 +484,7 @@ class SessionsApp:
             return True
         if isinstance(registry, sa.Registry):
             return await registry.store.exists(name)
-        return await on_trio(registry, lambda trio_registry: trio_registry.store.exists(name))
+        return await on_trio(registry, lambda trio_registry: trio_registry.store.exists(name), name)
 
     async def _check_after(self, registry: AnyRegistry, ref: AnyRef, after: int | None) -> None:
         """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the
@@ -500,7 +504,7 @@ class SessionsApp:
         elif isinstance(registry, sa.Registry):
             last = (await sa.read_session(registry.store, name)).event_seq
         else:
-            state = await on_trio(registry, lambda reg: sa.read_session(reg.store, name))
+            state = await on_trio(registry, lambda reg: sa.read_session(reg.store, name), name)
             last = state.event_seq
         if after > last and not live:
             last = (await ref.state()).event_seq

@@ -64,15 +64,20 @@ async def serve(
     """Serve ``app`` with hypercorn's trio worker until SIGINT or SIGTERM.
 
     ``task_status.started(url)`` gives the address it listens on (``port=0``
-    picks a free one). On the first signal it drains the app (event streams
-    and WebSockets end; new requests get 503), waits up to
-    10 seconds for the requests in flight, and closes the registry
+    picks a free one), once it listens and the app's registry is open (its store
+    answered the startup check); a startup that fails raises instead. On the
+    first signal it drains the app (event streams and WebSockets end; new
+    requests get 503), waits up to 10 seconds for the requests in flight, and
+    closes the registry
     (``shutdown_grace``, then hibernation). A second signal stops at once.
     Call it from the main thread (signals are delivered there).
     """
     config = hypercorn.config.Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
+    # (hypercorn logs "Running on URL" even when the app's startup failed: the URL is
+    # given, through task_status, only once the registry is open)
+    config.loglevel = "WARNING"
     config.graceful_timeout = GRACEFUL_SECONDS
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -96,6 +101,12 @@ async def serve(
 
             nursery.start_soon(on_signals)
             binds: list[str] = await nursery.start(run_server)
+            if app.registry is None:
+                # The app's startup failed (its store did not pass the check): hypercorn
+                # listens all the same while its lifespan's error is on its way to this
+                # nursery, which it cancels (within a bound, in case it does not come).
+                await trio.sleep(GRACEFUL_SECONDS)
+                raise RuntimeError("the app's startup failed, and the server did not stop")
             task_status.started(binds[0])
 
 

@@ -221,9 +221,10 @@ _WAL_SIZE_LIMIT: Final = 4 * 1024 * 1024
 def _deliver(answers: list[tuple[_Request, outcome.Outcome[Any]]]) -> None:
     # Runs on the callers' trio thread, so it never races the abort function.
     for request, result in answers:
+        if request.task is None:  # a close that stopped waiting (see SQLiteStore.aclose)
+            continue
         if request.raise_cancel is not None:
             result = outcome.capture(request.raise_cancel)
-        assert request.task is not None
         trio.lowlevel.reschedule(request.task, result)
 
 
@@ -989,7 +990,11 @@ class SQLiteStore:
     async def aclose(self) -> None:
         """Finish every queued request, close the connection and stop its thread.
 
-        Idempotent. The store opens again if it is used afterwards.
+        Idempotent. The store opens again if it is used afterwards. Cancelled
+        while the thread is still at work (a bound on the close, over a stalled
+        disk), it raises ``Cancelled`` at once: the thread still finishes the
+        queued requests (their callers are answered after their commit, as
+        always), closes the file and releases its lock on its own.
         """
         with self._lock:
             worker, self._worker = self._worker, None
@@ -1005,9 +1010,10 @@ class SQLiteStore:
             return
 
         def abort(raise_cancel: Any) -> trio.lowlevel.Abort:
-            # The thread stops whatever happens; wait for it, then raise Cancelled.
-            stop.raise_cancel = raise_cancel
-            return trio.lowlevel.Abort.FAILED
+            # The thread stops whatever happens, without this task: its answer to the
+            # stop request is dropped (_deliver runs on this thread, as this does).
+            stop.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
         worker.join()  # it has answered: only its return is left

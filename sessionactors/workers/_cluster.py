@@ -339,6 +339,17 @@ class Cluster:
                         nursery.start_soon(self._announce, name="cluster announce")
             if refused is not None:
                 raise refused
+        except BaseExceptionGroup as group:
+            # A refusal from one of the worker's tasks (its announcement's check of the
+            # worker id, made after the registry opened without it) comes out typed, as
+            # itself, not in the nursery's group.
+            error = group.exceptions[0]
+            if len(group.exceptions) != 1 or not isinstance(error, StoreConfigurationError):
+                raise
+            try:
+                raise error from error.__cause__
+            finally:
+                del error, group
         finally:
             self._nursery = None
             for send in list(self._waiters.values()):
@@ -353,6 +364,11 @@ class Cluster:
         assert nursery is not None
         if not self._subscriptions:  # (not yet listening: an earlier try ran out of time)
             await nursery.start(self._listen_loop, name="cluster requests")
+        # The other incarnation the first announcement replaced is kept across tries: a
+        # try cut short by a store error (in the wake, or in the put-back) announced this
+        # one already, so the next announcement replaces only this one, and the check
+        # must still ask about that other one.
+        other: str | None = None
         while True:
             try:
                 # Start after what an earlier incarnation with this worker id left
@@ -361,7 +377,9 @@ class Cluster:
                 replaced = await self.transport.heartbeat(
                     self.worker, self.incarnation, self.ttl, None
                 )
-                await self._check_replaced(replaced)
+                if replaced is not None and replaced != self.incarnation:
+                    other = replaced
+                await self._check_replaced(other)
                 break
             except StoreError as exc:
                 fatal(exc)

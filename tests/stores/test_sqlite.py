@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
 from sessionactors import SessionNotFoundError, SnapshotCorruptError, StoreError
@@ -1121,3 +1122,40 @@ async def test_the_write_ahead_log_shrinks_back_after_a_burst(tmp_path: Path) ->
         for i in range(5):
             await ref.set_metadata({"n": i})
         assert wal.stat().st_size <= 4 * 1024 * 1024, wal.stat().st_size
+
+
+async def test_a_close_cut_short_while_the_file_stalls_loses_nothing(tmp_path: Path) -> None:
+    """aclose ends with the caller's bound while the store's thread is stalled on the file
+    (its write waits for another connection's write lock, as on a stalled disk); the write
+    lands once the file answers, its caller gets its answer, and the thread then stops."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path, busy_timeout=3.0)
+    answered: list[str] = []
+
+    async def append() -> None:
+        await store.append("s", _entries(1), b"info")
+        answered.append("appended")
+
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"info")
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")  # the store's next write waits
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append)
+                await trio.testing.wait_all_tasks_blocked()  # (its request is queued)
+                await _wait_until(lambda: store.statistics().requests_queued == 0)
+                began = trio.current_time()
+                with trio.move_on_after(0.2):
+                    await store.aclose()
+                assert trio.current_time() - began < 1.0, "the close waited for the stall"
+                blocker.execute("ROLLBACK")  # the file answers again
+        finally:
+            blocker.close()
+        assert answered == ["appended"]
+        await _wait_until(lambda: not _worker_threads())
+        other = SQLiteStore(path)
+        assert (await other.load("s")) == StoredSession(
+            snapshot=b"snap", snapshot_seq=0, entries=tuple(_entries(1))
+        )
+        await other.aclose()

@@ -594,3 +594,51 @@ def test_an_asyncio_model_or_tool_ending_its_own_way_when_cancelled_is_heard(kin
             gc.collect()
 
     run(main)
+
+
+@pytest.mark.parametrize("operation", ["spawn", "delete", "fork", "subscribe"])
+def test_a_call_cut_off_when_the_trio_run_ends_names_its_session(operation: str) -> None:
+    """A call on one session that the end of the loop's trio run cuts off raises
+    SessionStoppedError naming that session (message and ``session_id``) and saying
+    what to do."""
+    held = {
+        "spawn": "create",
+        "delete": "delete",
+        "fork": "create",
+        "subscribe": "load",
+    }
+    named = {
+        "spawn": "new",
+        "delete": "there",
+        "fork": "forked",
+        "subscribe": "asleep",
+    }
+
+    async def main() -> None:
+        store = FaultyStore()
+        async with aio.open_registry(store=store, agents=shop(), shutdown_grace=0.01) as registry:
+            await registry.spawn("there")
+            await (await registry.spawn("asleep")).hibernate()
+            gate = store.hold(held[operation])
+
+            async def subscribe() -> object:
+                async with registry.ref("asleep").subscribe() as events:
+                    return [event async for event in events]
+
+            calls: dict[str, Callable[[], Awaitable[object]]] = {
+                "spawn": lambda: registry.spawn("new"),
+                "delete": lambda: registry.delete("there"),
+                "fork": lambda: registry.fork("there", "forked"),
+                "subscribe": subscribe,
+            }
+            task = asyncio.ensure_future(calls[operation]())
+            while not gate.waiting:
+                await asyncio.sleep(0)
+        with pytest.raises(sa.SessionStoppedError) as stopped:
+            await task
+        name = named[operation]
+        assert stopped.value.session_id == name
+        assert f"session {name!r}" in str(stopped.value)
+        assert "open_registry" in str(stopped.value)
+
+    run(main)

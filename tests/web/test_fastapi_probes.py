@@ -410,3 +410,22 @@ async def test_a_resume_through_another_worker_replays_the_deltas_its_owner_hold
                         break
             assert b.live() == []
     assert seqs == list(range(last + 1, seqs[-1] + 1))
+
+
+async def test_the_gateway_hands_out_no_registry_once_its_lifespan_ended() -> None:
+    """After the gateway's lifespan ended, gateway.registry is None (no registry, as before
+    the lifespan), not the registry it closed; a new lifespan gives a new one."""
+    gateway = create_app(agents=trio_agents(0.0))
+    assert gateway.registry is None
+    with trio.fail_after(10):
+        async with gateway.lifespan(None):
+            registry = gateway.registry
+            assert isinstance(registry, sa.Registry)
+            await (await registry.get_or_spawn("x")).send("hello")
+        assert gateway.registry is None
+        with pytest.raises(sa.SessionStoppedError, match="'x'"):
+            await registry.ref("x").send("the closed registry refuses")
+        async with gateway.lifespan(None):
+            assert isinstance(gateway.registry, sa.Registry)
+            assert gateway.registry is not registry
+        assert gateway.registry is None

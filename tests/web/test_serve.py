@@ -106,3 +106,21 @@ def test_a_second_server_on_a_sqlite_file_in_use_fails_its_startup(tmp_path: Pat
         assert "Traceback" not in stderr, stderr
         reply = client.post("/sessions/kept/messages", json={"text": "still here"})
         assert reply.json()["text"] == "still here"
+
+
+def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None:
+    """A server whose store fails the startup check (a SQLite file in a directory that does
+    not exist) exits with status 1 saying why, and never prints a URL to connect to."""
+    store = f"sqlite:///{tmp_path / 'missing' / 'served.db'}"
+    command = ["serve", "--store", store, "--agent", "chat_agents:agents", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", *command],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "cannot start" in done.stderr
+    assert "http://" not in done.stdout + done.stderr, (done.stdout, done.stderr)
