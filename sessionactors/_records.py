@@ -63,18 +63,20 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
     if hasattr(cls, "__attrs_post_init__") or hasattr(cls, "__attrs_pre_init__"):
         raise TypeError(f"{cls.__name__} has an init hook; build it with its constructor")
     # (both: ``__setattr__`` and ``__delattr__`` share the one type slot that decides
-    # whether an attribute store is the plain one)
+    # whether an attribute store is the plain one; and an ``__init__`` that takes
+    # nothing, so that calling the class makes an empty instance)
     building = type(
         f"{cls.__name__}Building",
         (cls,),
         {
             "__slots__": (),
+            "__init__": object.__init__,
             "__setattr__": object.__setattr__,
             "__delattr__": object.__delattr__,
             "__module__": cls.__module__,
         },
     )
-    setters: dict[str, Any] = {"_new_": object.__new__, "_cls_": cls, "_building_": building}
+    setters: dict[str, Any] = {"_cls_": cls, "_building_": building}
     params: list[str] = []
     body: list[str] = []
     for i, field in enumerate(fields):
@@ -97,7 +99,7 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
             params.append(f"{name}=_d{i}_")
         body.append(f"    self_.{field.name} = {name}")
     source = (
-        f"def make(*, {', '.join(params)}):\n    self_ = _new_(_building_)\n"
+        f"def make(*, {', '.join(params)}):\n    self_ = _building_()\n"
         + "\n".join(body)
         + "\n    self_.__class__ = _cls_\n    return self_\n"
     )
