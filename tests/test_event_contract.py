@@ -121,8 +121,8 @@ async def test_a_journal_written_by_0_1_folds_to_the_state_of_today() -> None:
 
 async def test_the_records_a_turn_makes_are_whole_frozen_values() -> None:
     """Every event a turn with a tool call publishes, the messages it adds and the model
-    request it makes are frozen values with every field set, equal to themselves rebuilt
-    through their class."""
+    request it makes are frozen values of the public class itself (not a subclass),
+    with every field set, equal to themselves rebuilt through their class."""
 
     @sa.tool
     async def lookup(order: str) -> str:
@@ -148,6 +148,7 @@ async def test_the_records_a_turn_makes_are_whole_frozen_values() -> None:
     kinds = {type(e) for e in published}
     assert {sa.TurnStarted, sa.Delta, sa.MessageAdded, sa.ToolCallStarted, sa.ToolResult} <= kinds
     for value in values:
+        assert getattr(sa, type(value).__name__) is type(value), value
         fields = attrs.fields(type(value))
         assert all(hasattr(value, f.name) for f in fields), value
         assert attrs.evolve(value) == value  # type: ignore[misc]
