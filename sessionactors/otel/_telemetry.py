@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
@@ -18,7 +19,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from .._model import Model, ModelRequest
-from .._records import ToolCall, Usage
+from .._records import ToolCall, Usage, storable
 from .._telemetry import ModelCallTrace, Telemetry, ToolCallTrace, TurnTrace
 
 __all__ = ["METRICS", "OpenTelemetry"]
@@ -93,6 +94,11 @@ _SECONDS_WIDE: Final = (*_SECONDS, 40.96, 81.92, 163.84, 327.68)
 _STORE_SECONDS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 _TOKENS: Final = tuple(4.0**i for i in range(14))  # 1, 4, 16, ... 67108864
 _DEPTHS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+
+
+#: The longest exception message, and stack trace, a span carries (characters).
+_MAX_MESSAGE: Final = 1024
+_MAX_STACKTRACE: Final = 8192
 
 
 def _error_type(error: BaseException | None) -> str:
@@ -245,19 +251,29 @@ class _Turn(TurnTrace):
                 "gen_ai.tool.type": "function",
             },
         )
-        with trace.use_span(span, end_on_exit=True):  # an exception (a cancel) is recorded
-            yield _ToolCall(span)
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                yield _ToolCall(span)
+        except Exception as exc:  # (a tool's own errors come through ``failed``)
+            _fail(span, exc)
+            raise
+        finally:
+            span.end()
 
     def end(self, outcome: str, error: BaseException | None) -> None:
         span = self._span
         attributes: dict[str, Any] = {"sessionactors.turn.outcome": outcome}
         if self._agent is not None:
             attributes["gen_ai.agent.name"] = self._agent
-        span.set_attribute("sessionactors.turn.outcome", outcome)
-        if error is not None and outcome in ("failed", "crashed"):
-            attributes["error.type"] = _error_type(error)
-            _fail(span, error)
-        span.end()
+        try:
+            span.set_attribute("sessionactors.turn.outcome", outcome)
+            if error is not None and outcome in ("failed", "crashed"):
+                attributes["error.type"] = _error_type(error)
+                _fail(span, error)
+        finally:
+            span.end()
         self._otel.turns.add(1, attributes)
         self._otel.turn_duration.record(time.perf_counter() - self._start, attributes)
 
@@ -283,16 +299,19 @@ class _ModelCall(ModelCallTrace):
             "gen_ai.operation.name": "chat",
             "gen_ai.request.model": self._name,
         }
+        try:
+            if usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+            if isinstance(error, Exception | SystemExit):  # (a cancellation is no failure)
+                attributes["error.type"] = _error_type(error)
+                _fail(span, error)
+        finally:
+            span.end()
         if usage is not None:
-            span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
-            span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
             tokens = self._otel.tokens
             tokens.record(usage.input_tokens, {**attributes, "gen_ai.token.type": "input"})
             tokens.record(usage.output_tokens, {**attributes, "gen_ai.token.type": "output"})
-        if error is not None:
-            attributes["error.type"] = _error_type(error)
-            _fail(span, error)
-        span.end()
         self._otel.call_duration.record(time.perf_counter() - self._start, attributes)
 
 
@@ -308,10 +327,44 @@ class _ToolCall(ToolCallTrace):
             _fail(span, error)
         else:
             span.set_attribute("error.type", "_OTHER")
-            span.set_status(Status(StatusCode.ERROR, message[:200]))
+            span.set_status(Status(StatusCode.ERROR, storable(message[:200])))
+
+
+def _bounded(text: str, limit: int) -> str:
+    """``text`` as a span can carry it: valid Unicode, at most about ``limit`` characters."""
+    if len(text) > limit:
+        text = f"{text[: limit // 2]}\n[... {len(text) - limit:,} characters ...]\n{text[-limit // 2 :]}"
+    return storable(text)
 
 
 def _fail(span: Span, error: BaseException) -> None:
+    """Mark ``span`` failed by ``error``: its type, status and an ``exception`` event.
+
+    The event is what ``Span.record_exception`` records, made here so that what an
+    exception says (a model's megabyte response body, a tool's argument with a lone
+    surrogate, a ``__str__`` that raises) reaches the exporter bounded and valid UTF-8.
+    A model call cut by a cancellation (``trio.Cancelled``) is not failed: like the
+    turn it cuts (outcome ``cancelled``), it is not an error.
+    """
+    try:
+        message = str(error)
+    except Exception:  # its own str() failed
+        message = "(its message could not be read)"
+    message = _bounded(message, _MAX_MESSAGE)
+    kind = type(error)
+    module = kind.__module__
     span.set_attribute("error.type", _error_type(error))
-    span.record_exception(error)
-    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:200]))
+    span.add_event(
+        "exception",
+        {
+            "exception.type": kind.__qualname__
+            if module in (None, "builtins")
+            else f"{module}.{kind.__qualname__}",
+            "exception.message": message,
+            "exception.stacktrace": _bounded(
+                "".join(traceback.format_exception(error)), _MAX_STACKTRACE
+            ),
+            "exception.escaped": "False",
+        },
+    )
+    span.set_status(Status(StatusCode.ERROR, f"{kind.__name__}: {message}"[:200]))

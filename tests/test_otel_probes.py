@@ -1,0 +1,239 @@
+"""Probes of the OpenTelemetry plug-in at its edges: every span ends whatever the turn
+meets, what spans carry stays bounded and valid, and the metrics agree with what
+happened and with ``registry.statistics()``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, Span, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+import sessionactors as sa
+from sessionactors.otel import OpenTelemetry
+from sessionactors.testing import Scripted, ScriptedModel
+
+
+class _Tracking(SimpleSpanProcessor):
+    """Exports ended spans and keeps the ones started and not ended yet."""
+
+    def __init__(self, exporter: InMemorySpanExporter) -> None:
+        super().__init__(exporter)
+        self.open: dict[int, Span] = {}
+
+    def on_start(self, span: Span, parent_context: Any = None) -> None:
+        self.open[span.context.span_id] = span
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.open.pop(span.context.span_id, None)
+        super().on_end(span)
+
+
+class Otel:
+    """An SDK set up for one test: spans (ended and still open) and metrics in memory."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.processor = _Tracking(self.exporter)
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(self.processor)
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        self.telemetry = OpenTelemetry(
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
+        )
+
+    def spans(self) -> list[ReadableSpan]:
+        return list(self.exporter.get_finished_spans())
+
+    def named(self, prefix: str) -> list[ReadableSpan]:
+        return [s for s in self.spans() if s.name.startswith(prefix)]
+
+    def still_open(self) -> list[str]:
+        return sorted(s.name for s in self.processor.open.values())
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        out = []
+        for resource in data.resource_metrics if data is not None else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == name:
+                        out.extend(metric.data.data_points)
+        return out
+
+    def value(self, name: str) -> Any:
+        [point] = self.points(name)
+        return point.value
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    setup = Otel()
+    yield setup
+    setup.tracer_provider.shutdown()
+    setup.meter_provider.shutdown()
+
+
+def call(name: str, id: str, **arguments: Any) -> sa.ToolCall:
+    return sa.ToolCall(id=id, name=name, arguments=json.dumps(arguments))
+
+
+def texts(span: ReadableSpan) -> list[tuple[str, str]]:
+    """Every string the span carries (attributes, status, events), by where it is."""
+    out = [(k, v) for k, v in span.attributes.items() if isinstance(v, str)]
+    out.append(("status", span.status.description or ""))
+    for event in span.events:
+        out += [(f"{event.name}.{k}", v) for k, v in event.attributes.items() if isinstance(v, str)]
+    return out
+
+
+class _ConnectFails:
+    """A model whose ``stream`` raises at once (it connects before returning a stream)."""
+
+    def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        raise ConnectionError("the model's server refused the connection")
+
+
+async def test_a_model_whose_stream_raises_at_once_ends_its_chat_span(otel: Otel) -> None:
+    """``Model.stream`` need not be an async generator: one that raises when called (before
+    any chunk) fails the turn, and its chat span ends with the error like any other."""
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=_ConnectFails())}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10), pytest.raises(sa.TurnFailedError):
+            await ref.send("hi")
+    assert otel.still_open() == []
+    [chat] = otel.named("chat ")
+    assert chat.status.status_code is StatusCode.ERROR
+    assert chat.attributes["error.type"] == "ConnectionError"
+    [point] = otel.points("gen_ai.client.operation.duration")
+    assert point.count == 1
+    assert point.attributes["error.type"] == "ConnectionError"
+
+
+class _Unprintable(Exception):
+    """An exception whose ``str()`` raises (a buggy client library's)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+async def test_an_exception_whose_str_raises_ends_every_span_and_counts_the_turn(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """A tool and a model that raise an exception whose ``str()`` raises: the turn fails as
+    usual, every span still ends marked ERROR with the exception's type, and the turn is
+    counted."""
+
+    @sa.tool
+    async def broken() -> str:
+        """Fails oddly."""
+        raise _Unprintable()
+
+    model = ScriptedModel([Scripted(tool_calls=[call("broken", "c1")]), _Unprintable()])
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=[broken])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10), pytest.raises(sa.TurnFailedError):
+            await ref.send("hi")
+        assert registry.statistics().turns_failed == 1
+    assert otel.still_open() == []
+    [turn] = otel.named("invoke_agent")
+    [tool] = otel.named("execute_tool")
+    failed_chat = otel.named("chat ")[-1]
+    for span in (turn, tool, failed_chat):
+        assert span.status.status_code is StatusCode.ERROR, span.name
+        assert span.attributes["error.type"] == "_Unprintable", span.name
+        [event] = span.events
+        assert event.name == "exception"
+        assert event.attributes["exception.type"].endswith("_Unprintable")
+    [point] = otel.points("sessionactors.turns")
+    assert (point.value, point.attributes["sessionactors.turn.outcome"]) == (1, "failed")
+
+
+async def test_error_text_in_spans_is_bounded_and_valid_unicode(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """A tool that raises with the model's argument in its message (a megabyte, with a lone
+    surrogate, as ``json.loads`` makes of ``"\\ud800"``) and a model whose error carries a huge response body: no string on a span is
+    whole (each stays within a few kilobytes) and every one is valid UTF-8, which an OTLP
+    exporter needs to send the batch at all."""
+    huge = "\\ud800" + "x" * 1_000_000
+
+    @sa.tool
+    async def raising(text: str) -> str:
+        """Raises with its argument."""
+        raise ValueError(f"cannot parse {text}")
+
+    arguments = '{"text": "' + huge + '"}'
+    model = ScriptedModel(
+        [
+            Scripted(
+                tool_calls=[
+                    sa.ToolCall(id="c1", name="raising", arguments=arguments),
+                ]
+            ),
+            RuntimeError("HTTP 400: " + "y" * 1_000_000 + "\udc80"),
+        ]
+    )
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=[raising])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(30), pytest.raises(sa.TurnFailedError):
+            await ref.send("hi")
+    assert otel.still_open() == []
+    spans = otel.spans()
+    assert {s.name for s in spans} == {
+        "invoke_agent a",
+        "chat ScriptedModel",
+        "execute_tool raising",
+    }
+    for span in spans:
+        for where, text in texts(span):
+            assert len(text) <= 20_000, (span.name, where, len(text))
+            text.encode("utf-8")  # no lone surrogate
+    assert "cannot parse" in otel.named("execute_tool raising")[0].status.description
+
+
+async def test_a_cancelled_model_call_is_no_error(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """``ref.cancel()`` during a model call: the turn's span says ``cancelled`` without an
+    error, and so does its chat span (no ERROR status, no ``error.type`` on the span or on
+    the call's duration), as for the tool calls a cancel cuts: a dashboard of model errors
+    does not count the users' cancels."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="one two three", wait=gate, wait_after=1)])
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model)}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            turn = await ref.submit("hi")
+            await trio.testing.wait_all_tasks_blocked()
+            assert await ref.cancel()
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+        assert registry.statistics().turns_cancelled == 1
+    assert otel.still_open() == []
+    [turn_span] = otel.named("invoke_agent")
+    [chat] = otel.named("chat ")
+    assert turn_span.attributes["sessionactors.turn.outcome"] == "cancelled"
+    for span in (turn_span, chat):
+        assert span.status.status_code is StatusCode.UNSET, span.name
+        assert "error.type" not in span.attributes, span.name
+    [point] = otel.points("gen_ai.client.operation.duration")
+    assert "error.type" not in point.attributes
