@@ -325,13 +325,24 @@ class Registry(metaclass=NoPublicConstructor):
         return sorted(out, key=lambda r: r.created_at)
 
     def statistics(self) -> RegistryStatistics:
-        """A frozen snapshot of the registry's counters."""
+        """A frozen snapshot of the registry's counters.
+
+        It may be called from another thread (a metrics exporter's, such as
+        OpenTelemetry's periodic reader or a Prometheus collector): there
+        ``failed_sessions`` also counts the sessions whose failure mark has lapsed
+        (their ``retry_after`` passed) while no request has come for them yet.
+        """
         sessions = self._sessions
         s = sessions.stats
         router = self._dispatcher.router
+        marked = list(sessions.failed)  # (one step: the registry's thread may change it)
+        try:
+            failed_sessions = sum(1 for name in marked if sessions.is_failed(name))
+        except RuntimeError:  # not in the registry's trio thread: no clock to lapse marks by
+            failed_sessions = len(marked)
         return RegistryStatistics(
             live=len(sessions.live),
-            failed_sessions=sum(1 for name in list(sessions.failed) if sessions.is_failed(name)),
+            failed_sessions=failed_sessions,
             subscribers=sessions.subscriber_count
             + (router.subscriber_count if router is not None else 0),
             spawned=s.spawned,

@@ -394,7 +394,7 @@ class Sessions:
 
     @property
     def subscriber_count(self) -> int:
-        return sum(h.subscriber_count for h in self.hubs.values())
+        return sum(h.subscriber_count for h in list(self.hubs.values()))  # (any thread)
 
     # ---- shutdown and leases -----------------------------------------------------------
 

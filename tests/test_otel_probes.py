@@ -20,7 +20,7 @@ from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
 from sessionactors.otel import OpenTelemetry
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 
 class _Tracking(SimpleSpanProcessor):
@@ -237,3 +237,71 @@ async def test_a_cancelled_model_call_is_no_error(
         assert "error.type" not in span.attributes, span.name
     [point] = otel.points("gen_ai.client.operation.duration")
     assert "error.type" not in point.attributes
+
+
+async def test_session_counters_never_fall_back_when_a_registry_closes(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """One OpenTelemetry serves two registries: when one closes, the hibernations and wakes
+    it counted (its closing hibernations included) stay in the counters (a counter that
+    fell would read as a reset, and a backend would count the other registry's total
+    again), while the live sessions gauge drops to what still runs."""
+    agents = {"a": sa.Agent(model=ScriptedModel(["one", "two", "three"]))}
+    with trio.fail_after(10):
+        async with sa.open_registry(agents=agents, telemetry=otel.telemetry) as staying:
+            async with sa.open_registry(agents=agents, telemetry=otel.telemetry) as closing:
+                for registry, name in ((closing, "c1"), (closing, "c2"), (staying, "s1")):
+                    await (await registry.spawn(name)).send("hi")
+                await closing.ref("c1").hibernate()
+                await closing.ref("c1").state()  # woken again
+                assert otel.value("sessionactors.sessions.live") == 3
+                assert otel.value("sessionactors.sessions.hibernations") == 1
+                assert otel.value("sessionactors.sessions.wakes") == 4
+            closed = closing.statistics()
+            assert closed.hibernated == 3  # c1 twice, c2 once (at the close)
+            assert otel.value("sessionactors.sessions.live") == 1
+            assert otel.value("sessionactors.sessions.hibernations") == closed.hibernated
+            assert otel.value("sessionactors.sessions.wakes") == closed.woken + 1  # s1's
+            await staying.ref("s1").hibernate()
+            assert otel.value("sessionactors.sessions.hibernations") == closed.hibernated + 1
+        assert otel.value("sessionactors.sessions.live") == 0
+        assert otel.value("sessionactors.sessions.hibernations") == closed.hibernated + 1
+        assert otel.value("sessionactors.sessions.wakes") == closed.woken + 1
+
+
+async def test_statistics_and_session_metrics_read_from_another_thread(otel: Otel) -> None:
+    """A metric reader collects in its own thread (OpenTelemetry's periodic reader; a
+    Prometheus collector too): with a session marked failed after a store fault, the
+    session metrics are still observed there and ``registry.statistics()`` answers there
+    as in the registry's thread (it raised "must be called from async context")."""
+    store = FaultyStore()
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=ScriptedModel(["x"]))},
+        store=store,
+        telemetry=otel.telemetry,
+        max_restarts=0,
+    ) as registry:
+        ref = await registry.spawn("s")
+        await (await registry.spawn("t")).send("hi")
+        store.fail("append", session_id="s", times=None)
+        with trio.fail_after(10), pytest.raises(sa.SessionCrashedError):
+            await ref.send("hi")
+        here = registry.statistics()
+        assert here.failed_sessions == 1
+        with trio.fail_after(10):
+            there = await trio.to_thread.run_sync(registry.statistics)
+            data = await trio.to_thread.run_sync(otel.reader.get_metrics_data)
+        assert there == here
+        assert data is not None
+        observed = {
+            metric.name: metric.data.data_points[0].value
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name.startswith("sessionactors.sessions.")
+        }
+        assert observed == {
+            "sessionactors.sessions.live": here.live,
+            "sessionactors.sessions.hibernations": here.hibernated,
+            "sessionactors.sessions.wakes": here.woken,
+        }

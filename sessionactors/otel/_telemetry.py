@@ -8,6 +8,7 @@ its exporters. Nothing in the core imports it.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -131,6 +132,8 @@ class OpenTelemetry(Telemetry):
         self._tracer = trace.get_tracer(_SCOPE, tracer_provider=tracer_provider)
         meter = metrics.get_meter(_SCOPE, meter_provider=meter_provider)
         self._registries: list[Any] = []
+        self._closed: dict[str, int] = {}  # what closed registries counted, by field
+        self._lock = threading.Lock()  # (the registries' list and _closed change together)
 
         def histogram(name: str, bounds: Iterable[float]) -> metrics.Histogram:
             _, unit, description = METRICS[name]
@@ -167,20 +170,30 @@ class OpenTelemetry(Telemetry):
         return f"<OpenTelemetry registries={len(self._registries)}>"
 
     def _observer(self, field: str) -> Any:
+        # (called in the metric reader's thread, a periodic reader's own one included)
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            stats = [registry.statistics() for registry in self._registries]
-            return [Observation(sum(getattr(s, field) for s in stats))]
+            with self._lock:
+                stats = [registry.statistics() for registry in self._registries]
+                total = self._closed.get(field, 0) + sum(getattr(s, field) for s in stats)
+            return [Observation(total)]
 
         return observe
 
     # ---- the seam ------------------------------------------------------------------
 
     def registry_opened(self, registry: Any) -> None:
-        self._registries.append(registry)
+        with self._lock:
+            self._registries.append(registry)
 
     def registry_closed(self, registry: Any) -> None:
-        with contextlib.suppress(ValueError):
+        # The counters go on from what the closed registry counted (its closing
+        # hibernations included): a counter that fell back when a registry closed
+        # would read as a reset, and a backend would count the others' totals again.
+        stats = registry.statistics()
+        with self._lock, contextlib.suppress(ValueError):
             self._registries.remove(registry)
+            for field in ("hibernated", "woken"):
+                self._closed[field] = self._closed.get(field, 0) + getattr(stats, field)
 
     def turn(
         self, *, session_id: str, turn_id: str, agent: str | None, queued: int
