@@ -1604,6 +1604,13 @@ class Actor:
             TurnCancelled(session_id=self.session_id, seq=self.next_seq(), turn_id=self.turn_id)
         )
         self.host.stats.turns_cancelled += 1
+        telemetry = self.host.telemetry
+        if telemetry is not None:  # (its span ended "waiting"): traced as a continuation
+            trace = telemetry.turn(
+                session_id=self.session_id, turn_id=self.turn_id, agent=session.agent, queued=0
+            )
+            if trace is not None:
+                trace.end("cancelled", None)
         if open_turn.idempotency_key is not None:
             self.inflight_keys.pop(open_turn.idempotency_key, None)
 

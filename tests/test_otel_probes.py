@@ -305,3 +305,38 @@ async def test_statistics_and_session_metrics_read_from_another_thread(otel: Ote
             "sessionactors.sessions.hibernations": here.hibernated,
             "sessionactors.sessions.wakes": here.woken,
         }
+
+
+async def test_a_stop_that_ends_a_turn_waiting_on_a_review_is_counted_as_cancelled(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """``ref.stop()`` ends the turn that waits on a review as cancelled (its
+    ``TurnCancelled``, ``statistics().turns_cancelled``): the telemetry hears that end
+    too, as the review's continuation would be, an ``invoke_agent`` span of the same turn
+    with outcome ``cancelled``, so the turns metric agrees with the statistics."""
+
+    @sa.tool(requires_review=True)
+    async def pay() -> str:
+        """Pays."""
+        return "paid"
+
+    model = ScriptedModel([Scripted(tool_calls=[call("pay", "c1")])])
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=[pay])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            waiting = await ref.send("pay")
+            assert waiting.reviews
+            await ref.stop()
+        assert registry.statistics().turns_cancelled == 1
+    assert otel.still_open() == []
+    turns = otel.named("invoke_agent")
+    assert [t.attributes["sessionactors.turn.outcome"] for t in turns] == ["waiting", "cancelled"]
+    assert {t.attributes["sessionactors.turn.id"] for t in turns} == {waiting.turn_id}
+    assert turns[1].status.status_code is StatusCode.UNSET
+    counted = {
+        p.attributes["sessionactors.turn.outcome"]: p.value
+        for p in otel.points("sessionactors.turns")
+    }
+    assert counted == {"waiting": 1, "cancelled": 1}
