@@ -567,6 +567,7 @@ async def open_registry(
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
     if not config.leases:
         _claim_store(the_store)
+    opened: Registry | None = None  # (told to the telemetry, which must hear it closed)
     try:
         async with _unwrapped(), trio.open_nursery() as nursery:
             sessions = Sessions(
@@ -577,6 +578,7 @@ async def open_registry(
             registry = Registry._create(sessions, dispatcher)
             if telemetry is not None:
                 telemetry.registry_opened(registry)
+                opened = registry
             await nursery.start(sessions.run_generation, name="sessions generation")
             if config.leases:
                 nursery.start_soon(sessions.renew_leases, name="lease renewal")
@@ -589,10 +591,12 @@ async def open_registry(
                 await sessions.shutdown()
                 if dispatcher.router is not None:
                     await dispatcher.router.aclose()
-                if telemetry is not None:
-                    telemetry.registry_closed(registry)
                 nursery.cancel_scope.cancel()
     finally:
+        # (here, once every session's task has ended: also when the close was cut
+        # short by a cancellation or an error, the telemetry hears it)
+        if opened is not None and telemetry is not None:
+            telemetry.registry_closed(opened)
         if not config.leases:
             _STORES_IN_USE.discard(id(the_store))
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):

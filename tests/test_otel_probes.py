@@ -340,3 +340,33 @@ async def test_a_stop_that_ends_a_turn_waiting_on_a_review_is_counted_as_cancell
         for p in otel.points("sessionactors.turns")
     }
     assert counted == {"waiting": 1, "cancelled": 1}
+
+
+async def test_a_registry_cancelled_from_outside_is_closed_for_the_telemetry(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """The application cancels the scope around ``open_registry`` (its own shutdown) while
+    a turn runs: the telemetry still hears ``registry_closed`` (the OpenTelemetry plug-in
+    held on to the dead registry, and observed it, for ever), and every span ends."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="one two three", wait=gate, wait_after=1)])
+    closed: list[sa.Registry] = []
+
+    class Hears(OpenTelemetry):
+        def registry_closed(self, registry: Any) -> None:
+            closed.append(registry)
+            super().registry_closed(registry)
+
+    telemetry = Hears(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    with trio.move_on_after(5) as cut:
+        async with sa.open_registry(
+            agents={"a": sa.Agent(model=model)}, telemetry=telemetry
+        ) as registry:
+            ref = await registry.spawn("s")
+            await (await registry.spawn("t")).state()  # live, idle
+            await ref.submit("hi")
+            await trio.sleep(100)
+    assert cut.cancelled_caught
+    assert closed == [registry]
+    assert repr(telemetry) == "<OpenTelemetry registries=0>"
+    assert otel.still_open() == []
