@@ -122,6 +122,25 @@ async def test_a_model_whose_stream_raises_at_once_ends_its_chat_span(otel: Otel
     assert point.attributes["error.type"] == "ConnectionError"
 
 
+async def test_a_summarizer_whose_stream_raises_at_once_ends_its_chat_span(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """The same for compaction's summarizer: the turn fails, its chat span ends."""
+    agent = sa.Agent(
+        model=ScriptedModel(["first answer, long enough to compact", "never"]),
+        compaction=sa.Compaction(max_tokens=5, keep_last=1, summarizer=_ConnectFails()),
+    )
+    async with sa.open_registry(agents={"a": agent}, telemetry=otel.telemetry) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send("hello there, a first message")
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("a second message that needs compaction first")
+    assert otel.still_open() == []
+    failed = [s for s in otel.named("chat ") if s.status.status_code is StatusCode.ERROR]
+    assert [s.name for s in failed] == ["chat _ConnectFails"]
+
+
 class _Unprintable(Exception):
     """An exception whose ``str()`` raises (a buggy client library's)."""
 
