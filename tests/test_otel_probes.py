@@ -4,6 +4,7 @@ happened and with ``registry.statistics()``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
+import sessionactors.aio as aio
 from sessionactors.otel import OpenTelemetry
 from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
@@ -389,3 +391,32 @@ async def test_a_registry_cancelled_from_outside_is_closed_for_the_telemetry(
     assert closed == [registry]
     assert repr(telemetry) == "<OpenTelemetry registries=0>"
     assert otel.still_open() == []
+
+
+class _AsyncioModel:
+    """An asyncio model with a name of its own (as an asyncio client's wrapper has)."""
+
+    model = "gpt-test"
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        await asyncio.sleep(0)
+        yield sa.TextChunk("hello")
+
+
+def test_an_asyncio_model_under_the_asyncio_host_is_named_after_itself(otel: Otel) -> None:
+    """``sessionactors.aio`` runs an asyncio model through a wrapper: its chat spans and
+    call metrics are named after the model (its ``model``), not after the wrapper."""
+
+    async def main() -> None:
+        async with aio.open_registry(
+            agents={"a": sa.Agent(model=_AsyncioModel())}, telemetry=otel.telemetry
+        ) as registry:
+            ref = await registry.spawn("s")
+            assert (await asyncio.wait_for(ref.send("hi"), 10)).text == "hello"
+
+    asyncio.run(main())
+    [chat] = otel.named("chat ")
+    assert chat.name == "chat gpt-test"
+    assert chat.attributes["gen_ai.request.model"] == "gpt-test"
+    [point] = otel.points("gen_ai.client.operation.duration")
+    assert point.attributes["gen_ai.request.model"] == "gpt-test"

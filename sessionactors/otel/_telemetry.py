@@ -107,9 +107,18 @@ def _error_type(error: BaseException | None) -> str:
 
 
 def _model_name(model: Model) -> str:
-    """The model's own name if it has one (``OpenAIChatModel.model``), else its class."""
-    name = getattr(model, "model", None)
-    return name if isinstance(name, str) and name else type(model).__name__
+    """The model's own name if it has one (``OpenAIChatModel.model``), else its class.
+
+    A wrapper whose ``model`` is a model itself (the asyncio host wraps an asyncio
+    model so) is named after the model it wraps."""
+    for _ in range(4):
+        name = getattr(model, "model", None)
+        if isinstance(name, str) and name:
+            return name
+        if not callable(getattr(name, "stream", None)):
+            break
+        model = name
+    return type(model).__name__
 
 
 class OpenTelemetry(Telemetry):
