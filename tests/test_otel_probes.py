@@ -420,3 +420,29 @@ def test_an_asyncio_model_under_the_asyncio_host_is_named_after_itself(otel: Ote
     assert chat.attributes["gen_ai.request.model"] == "gpt-test"
     [point] = otel.points("gen_ai.client.operation.duration")
     assert point.attributes["gen_ai.request.model"] == "gpt-test"
+
+
+async def test_a_models_huge_tool_call_id_is_not_whole_on_the_span(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """The model chooses its tool call ids: one that streams a 500,000-character id (it
+    is kept whole in the history, within the answer's bound) gets a bounded
+    ``gen_ai.tool.call.id`` on its execute_tool span."""
+
+    @sa.tool
+    async def ping() -> str:
+        """Pings."""
+        return "pong"
+
+    huge_id = "call_" + "x" * 500_000
+    model = ScriptedModel([Scripted(tool_calls=[call("ping", huge_id)]), "done"])
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=[ping])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            assert (await ref.send("hi")).text == "done"
+    [tool] = otel.named("execute_tool")
+    call_id = tool.attributes["gen_ai.tool.call.id"]
+    assert len(call_id) <= 400
+    assert call_id.startswith("call_xxx")

@@ -100,6 +100,8 @@ _DEPTHS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 #: The longest exception message, and stack trace, a span carries (characters).
 _MAX_MESSAGE: Final = 1024
 _MAX_STACKTRACE: Final = 8192
+#: The longest tool call id a span carries (a model's ids are short; a buggy one's not).
+_MAX_ID: Final = 256
 
 
 def _error_type(error: BaseException | None) -> str:
@@ -269,7 +271,7 @@ class _Turn(TurnTrace):
             attributes={
                 "gen_ai.operation.name": "execute_tool",
                 "gen_ai.tool.name": call.name,
-                "gen_ai.tool.call.id": call.id,
+                "gen_ai.tool.call.id": _bounded(call.id, _MAX_ID),  # (the model's)
                 "gen_ai.tool.type": "function",
             },
         )
