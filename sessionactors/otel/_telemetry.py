@@ -113,14 +113,15 @@ def _model_name(model: Model) -> str:
 
     A wrapper whose ``model`` is a model itself (the asyncio host wraps an asyncio
     model so) is named after the model it wraps."""
+    named: object = model
     for _ in range(4):
-        name = getattr(model, "model", None)
+        name = getattr(named, "model", None)
         if isinstance(name, str) and name:
             return name
         if not callable(getattr(name, "stream", None)):
             break
-        model = name
-    return type(model).__name__
+        named = name
+    return type(named).__name__
 
 
 class OpenTelemetry(Telemetry):
@@ -357,7 +358,9 @@ class _ToolCall(ToolCallTrace):
 def _bounded(text: str, limit: int) -> str:
     """``text`` as a span can carry it: valid Unicode, at most about ``limit`` characters."""
     if len(text) > limit:
-        text = f"{text[: limit // 2]}\n[... {len(text) - limit:,} characters ...]\n{text[-limit // 2 :]}"
+        half = limit // 2
+        cut = len(text) - 2 * half
+        text = f"{text[:half]}\n[... {cut:,} characters ...]\n{text[-half:]}"
     return storable(text)
 
 
