@@ -211,7 +211,7 @@ class Streams:
 
     @property
     def subscriber_count(self) -> int:
-        return sum(hub.subscriber_count for hub in self._mirrors.values())
+        return sum(hub.subscriber_count for hub in list(self._mirrors.values()))  # (any thread)
 
     def positions(self) -> dict[str, int]:
         """The seq each mirror's stream is read after."""
