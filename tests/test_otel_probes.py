@@ -446,3 +446,36 @@ async def test_a_models_huge_tool_call_id_is_not_whole_on_the_span(
     call_id = tool.attributes["gen_ai.tool.call.id"]
     assert len(call_id) <= 400
     assert call_id.startswith("call_xxx")
+
+
+async def test_a_turn_whose_outcome_write_fails_is_not_counted_completed(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """The store refuses the write of a turn's outcome: the session crashes and restarts,
+    the caller hears so, and the turn is counted crashed by the telemetry. The
+    statistics counted it completed as well (before the write), and again when the
+    caller retried it with its key: two completed turns for one reply."""
+    store = FaultyStore()
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="lost", wait=gate), "kept"])
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model)}, store=store, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            turn = await ref.submit("hi", idempotency_key="k")
+            await trio.testing.wait_all_tasks_blocked()
+            store.fail("append", session_id="s")
+            gate.set()
+            with pytest.raises(sa.SessionCrashedError):
+                await turn.reply()
+            assert store.injected == 1
+            assert registry.statistics().turns_completed == 0
+            assert (await ref.send("hi", idempotency_key="k")).text == "kept"
+        stats = registry.statistics()
+        assert (stats.crashes, stats.turns_completed) == (1, 1)
+    counted = {
+        p.attributes["sessionactors.turn.outcome"]: p.value
+        for p in otel.points("sessionactors.turns")
+    }
+    assert counted == {"crashed": 1, "finished": 1}
