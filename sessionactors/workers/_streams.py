@@ -748,6 +748,7 @@ class Streams:
             return iterator
         if found is None:
             found = self._mirrors[name] = Hub(name, host.config.hub)
+            found.on_lag = host.subscriber_lagged  # (counted as the owner's hubs are)
             found.advance(top)
             self._positions[name] = top
             self._births[name] = _Followed(born)
