@@ -513,3 +513,61 @@ async def test_a_subscriber_on_another_worker_that_lags_is_counted(
                     async for _ in stream:
                         pass
     assert otel.value("sessionactors.subscribers.lagged") == 1
+
+
+async def test_spans_the_models_own_code_makes_nest_under_its_chat_span(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """A model's own spans (an instrumented HTTP client's request, say) nest under the chat
+    span of the call that made them, as a tool's nest under its execute_tool span; the
+    spans after the call (the tools') are the turn's children again."""
+    app_tracer = otel.tracer_provider.get_tracer("http-client")
+
+    class Traced:
+        model = "gpt-test"
+
+        def __init__(self) -> None:
+            self.answers = iter([Scripted(tool_calls=[call("ping", "c1")]), Scripted(text="done")])
+
+        async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+            answer = next(self.answers)
+            with app_tracer.start_as_current_span("POST /chat/completions"):
+                await trio.sleep(1)
+            if answer.tool_calls:
+                [tool_call] = answer.tool_calls
+                yield sa.ToolCallChunk(
+                    index=0, id=tool_call.id, name=tool_call.name, arguments=tool_call.arguments
+                )
+            else:
+                yield sa.TextChunk(answer.text)
+
+    @sa.tool
+    async def ping() -> str:
+        """Pings."""
+        with app_tracer.start_as_current_span("ping"):
+            return "pong"
+
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=Traced(), tools=[ping])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            assert (await ref.send("hi")).text == "done"
+    assert otel.still_open() == []
+    by_id = {s.context.span_id: s for s in otel.spans()}
+
+    def parent(span: ReadableSpan) -> str | None:
+        return by_id[span.parent.span_id].name if span.parent is not None else None
+
+    [turn] = otel.named("invoke_agent")
+    chats = otel.named("chat ")
+    requests = otel.named("POST ")
+    assert len(chats) == len(requests) == 2
+    for request in requests:
+        assert parent(request) == "chat gpt-test"
+    assert {r.parent.span_id for r in requests if r.parent} == {c.context.span_id for c in chats}
+    assert [parent(s) for s in chats] == ["invoke_agent a", "invoke_agent a"]
+    [tool] = otel.named("execute_tool")
+    assert parent(tool) == "invoke_agent a"
+    assert parent(otel.named("ping")[0]) == "execute_tool ping"
+    assert turn.parent is None

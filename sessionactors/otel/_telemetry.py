@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator
+from contextvars import Token
 from typing import Any, Final
 
 from opentelemetry import context as otel_context
@@ -261,7 +262,10 @@ class _Turn(TurnTrace):
             kind=SpanKind.CLIENT,
             attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": name},
         )
-        return _ModelCall(self._otel, span, name)
+        # current until the call ends (in this task): the spans the model's own code
+        # makes (an instrumented HTTP client's) nest under it
+        token = otel_context.attach(trace.set_span_in_context(span))
+        return _ModelCall(self._otel, span, name, token)
 
     @contextlib.contextmanager
     def tool_call(self, call: ToolCall) -> Iterator[ToolCallTrace]:
@@ -304,12 +308,15 @@ class _Turn(TurnTrace):
 
 
 class _ModelCall(ModelCallTrace):
-    __slots__ = ("_name", "_otel", "_span", "_start")
+    __slots__ = ("_name", "_otel", "_span", "_start", "_token")
 
-    def __init__(self, otel: OpenTelemetry, span: Span, name: str) -> None:
+    def __init__(
+        self, otel: OpenTelemetry, span: Span, name: str, token: Token[otel_context.Context]
+    ) -> None:
         self._otel = otel
         self._span = span
         self._name = name
+        self._token = token
         self._start = time.perf_counter()
 
     def first_chunk(self) -> None:
@@ -333,6 +340,7 @@ class _ModelCall(ModelCallTrace):
                 _fail(span, error)
         finally:
             span.end()
+            otel_context.detach(self._token)
         if usage is not None:
             tokens = self._otel.tokens
             tokens.record(usage.input_tokens, {**attributes, "gen_ai.token.type": "input"})
