@@ -931,7 +931,6 @@ class Actor:
                     session_id=sid,
                     turn_id=turn_id,
                 )
-            stats.turns_cancelled += 1
         elif failure is not None:
             self.add_message(Message.create(Role.ASSISTANT, NO_REPLY_FAILED, interrupted=True))
             outcome = TurnFailed(
@@ -944,7 +943,6 @@ class Actor:
                 turn_id=turn_id,
             )
             error.__cause__ = failure
-            stats.turns_failed += 1
         elif final is None:
             # paused for a review: the outcome comes when the review is resolved
             self._set_status(Status.WAITING)
@@ -963,7 +961,6 @@ class Actor:
                 message=final,
                 idempotency_key=key,
             )
-            stats.turns_completed += 1
         self.durable(outcome, publish=False)
         # the info written with the outcome says the status the session rests in (a
         # listing elsewhere reads it); idle is what the outcome says, any other is told
@@ -990,6 +987,13 @@ class Actor:
         if reply is None:
             reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         self.due = None
+        # counted once written (a write that fails crashes the session: not completed)
+        if cancelled:
+            stats.turns_cancelled += 1
+        elif failure is not None:
+            stats.turns_failed += 1
+        else:
+            stats.turns_completed += 1
         self.emit(outcome)
         if key is not None:
             self.inflight_keys.pop(key, None)
@@ -1604,6 +1608,13 @@ class Actor:
             TurnCancelled(session_id=self.session_id, seq=self.next_seq(), turn_id=self.turn_id)
         )
         self.host.stats.turns_cancelled += 1
+        telemetry = self.host.telemetry
+        if telemetry is not None:  # (its span ended "waiting"): traced as a continuation
+            trace = telemetry.turn(
+                session_id=self.session_id, turn_id=self.turn_id, agent=session.agent, queued=0
+            )
+            if trace is not None:
+                trace.end("cancelled", None)
         if open_turn.idempotency_key is not None:
             self.inflight_keys.pop(open_turn.idempotency_key, None)
 

@@ -387,7 +387,12 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         partial = ctx.partial
         partial.clear()
         call = first = trace.model_call(model, request) if trace is not None else None
-        stream = model.stream(request)
+        try:
+            stream = model.stream(request)
+        except BaseException as exc:  # (a model may connect before it returns its stream)
+            if call is not None:
+                call.end(None, exc)
+            raise
         try:
             async for chunk in stream:
                 if first is not None:

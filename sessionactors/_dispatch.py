@@ -454,6 +454,9 @@ class Dispatcher:
     def live_names(self) -> list[str]:
         return list(self.sessions.live)
 
+    def subscriber_lagged(self, name: str) -> None:
+        self.sessions.lagged(name)
+
     async def stored_status(self, name: str) -> Status:
         return (await self.sessions.stored_session(name)).status
 

@@ -325,13 +325,24 @@ class Registry(metaclass=NoPublicConstructor):
         return sorted(out, key=lambda r: r.created_at)
 
     def statistics(self) -> RegistryStatistics:
-        """A frozen snapshot of the registry's counters."""
+        """A frozen snapshot of the registry's counters.
+
+        It may be called from another thread (a metrics exporter's, such as
+        OpenTelemetry's periodic reader or a Prometheus collector): there
+        ``failed_sessions`` also counts the sessions whose failure mark has lapsed
+        (their ``retry_after`` passed) while no request has come for them yet.
+        """
         sessions = self._sessions
         s = sessions.stats
         router = self._dispatcher.router
+        marked = list(sessions.failed)  # (one step: the registry's thread may change it)
+        try:
+            failed_sessions = sum(1 for name in marked if sessions.is_failed(name))
+        except RuntimeError:  # not in the registry's trio thread: no clock to lapse marks by
+            failed_sessions = len(marked)
         return RegistryStatistics(
             live=len(sessions.live),
-            failed_sessions=sum(1 for name in list(sessions.failed) if sessions.is_failed(name)),
+            failed_sessions=failed_sessions,
             subscribers=sessions.subscriber_count
             + (router.subscriber_count if router is not None else 0),
             spawned=s.spawned,
@@ -556,6 +567,7 @@ async def open_registry(
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
     if not config.leases:
         _claim_store(the_store)
+    opened: Registry | None = None  # (told to the telemetry, which must hear it closed)
     try:
         async with _unwrapped(), trio.open_nursery() as nursery:
             sessions = Sessions(
@@ -566,6 +578,7 @@ async def open_registry(
             registry = Registry._create(sessions, dispatcher)
             if telemetry is not None:
                 telemetry.registry_opened(registry)
+                opened = registry
             await nursery.start(sessions.run_generation, name="sessions generation")
             if config.leases:
                 nursery.start_soon(sessions.renew_leases, name="lease renewal")
@@ -578,10 +591,12 @@ async def open_registry(
                 await sessions.shutdown()
                 if dispatcher.router is not None:
                     await dispatcher.router.aclose()
-                if telemetry is not None:
-                    telemetry.registry_closed(registry)
                 nursery.cancel_scope.cancel()
     finally:
+        # (here, once every session's task has ended: also when the close was cut
+        # short by a cancellation or an error, the telemetry hears it)
+        if opened is not None and telemetry is not None:
+            telemetry.registry_closed(opened)
         if not config.leases:
             _STORES_IN_USE.discard(id(the_store))
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):

@@ -59,6 +59,10 @@ class RouterHost(Protocol):
         """The names of the sessions live here."""
         ...
 
+    def subscriber_lagged(self, name: str) -> None:
+        """A subscriber here of ``name`` (live elsewhere) fell behind and was cut off."""
+        ...
+
     async def submit(self, name: str, text: str, key: str | None, *, ack: bool) -> Turn:
         """Put a turn in the session's mailbox wherever it runs (routed as a ref's)."""
         ...

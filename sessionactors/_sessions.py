@@ -125,10 +125,11 @@ class Sessions:
             if self.router is not None:
                 hub.tap = self.router.tap_for(session_id)
             if self.telemetry is not None:
-                hub.on_lag = self._lagged
+                hub.on_lag = self.lagged
         return hub
 
-    def _lagged(self, session_id: str) -> None:
+    def lagged(self, session_id: str) -> None:
+        """A subscriber of the session fell behind and was cut off: tell the telemetry."""
         if self.telemetry is not None:
             self.telemetry.subscriber_lagged(session_id=session_id)
 
@@ -394,7 +395,7 @@ class Sessions:
 
     @property
     def subscriber_count(self) -> int:
-        return sum(h.subscriber_count for h in self.hubs.values())
+        return sum(h.subscriber_count for h in list(self.hubs.values()))  # (any thread)
 
     # ---- shutdown and leases -----------------------------------------------------------
 

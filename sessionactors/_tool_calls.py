@@ -408,7 +408,12 @@ async def _summarize(
     usage: Usage | None = None
     trace = actor.trace
     call = trace.model_call(summarizer, request) if trace is not None else None
-    stream = summarizer.stream(request)
+    try:
+        stream = summarizer.stream(request)
+    except BaseException as exc:  # (a model may connect before it returns its stream)
+        if call is not None:
+            call.end(None, exc)
+        raise
     try:
         async for chunk in stream:
             if isinstance(chunk, TextChunk):

@@ -8,8 +8,11 @@ its exporters. Nothing in the core imports it.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+import traceback
 from collections.abc import Iterable, Iterator
+from contextvars import Token
 from typing import Any, Final
 
 from opentelemetry import context as otel_context
@@ -18,7 +21,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from .._model import Model, ModelRequest
-from .._records import ToolCall, Usage
+from .._records import ToolCall, Usage, storable
 from .._telemetry import ModelCallTrace, Telemetry, ToolCallTrace, TurnTrace
 
 __all__ = ["METRICS", "OpenTelemetry"]
@@ -95,14 +98,31 @@ _TOKENS: Final = tuple(4.0**i for i in range(14))  # 1, 4, 16, ... 67108864
 _DEPTHS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 
 
+#: The longest exception message, and stack trace, a span carries (characters).
+_MAX_MESSAGE: Final = 1024
+_MAX_STACKTRACE: Final = 8192
+#: The longest tool call id a span carries (a model's ids are short; a buggy one's not).
+_MAX_ID: Final = 256
+
+
 def _error_type(error: BaseException | None) -> str:
     return "_OTHER" if error is None else type(error).__qualname__
 
 
 def _model_name(model: Model) -> str:
-    """The model's own name if it has one (``OpenAIChatModel.model``), else its class."""
-    name = getattr(model, "model", None)
-    return name if isinstance(name, str) and name else type(model).__name__
+    """The model's own name if it has one (``OpenAIChatModel.model``), else its class.
+
+    A wrapper whose ``model`` is a model itself (the asyncio host wraps an asyncio
+    model so) is named after the model it wraps."""
+    named: object = model
+    for _ in range(4):
+        name = getattr(named, "model", None)
+        if isinstance(name, str) and name:
+            return name
+        if not callable(getattr(name, "stream", None)):
+            break
+        named = name
+    return type(named).__name__
 
 
 class OpenTelemetry(Telemetry):
@@ -125,6 +145,8 @@ class OpenTelemetry(Telemetry):
         self._tracer = trace.get_tracer(_SCOPE, tracer_provider=tracer_provider)
         meter = metrics.get_meter(_SCOPE, meter_provider=meter_provider)
         self._registries: list[Any] = []
+        self._closed: dict[str, int] = {}  # what closed registries counted, by field
+        self._lock = threading.Lock()  # (the registries' list and _closed change together)
 
         def histogram(name: str, bounds: Iterable[float]) -> metrics.Histogram:
             _, unit, description = METRICS[name]
@@ -161,20 +183,30 @@ class OpenTelemetry(Telemetry):
         return f"<OpenTelemetry registries={len(self._registries)}>"
 
     def _observer(self, field: str) -> Any:
+        # (called in the metric reader's thread, a periodic reader's own one included)
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            stats = [registry.statistics() for registry in self._registries]
-            return [Observation(sum(getattr(s, field) for s in stats))]
+            with self._lock:
+                stats = [registry.statistics() for registry in self._registries]
+                total = self._closed.get(field, 0) + sum(getattr(s, field) for s in stats)
+            return [Observation(total)]
 
         return observe
 
     # ---- the seam ------------------------------------------------------------------
 
     def registry_opened(self, registry: Any) -> None:
-        self._registries.append(registry)
+        with self._lock:
+            self._registries.append(registry)
 
     def registry_closed(self, registry: Any) -> None:
-        with contextlib.suppress(ValueError):
+        # The counters go on from what the closed registry counted (its closing
+        # hibernations included): a counter that fell back when a registry closed
+        # would read as a reset, and a backend would count the others' totals again.
+        stats = registry.statistics()
+        with self._lock, contextlib.suppress(ValueError):
             self._registries.remove(registry)
+            for field in ("hibernated", "woken"):
+                self._closed[field] = self._closed.get(field, 0) + getattr(stats, field)
 
     def turn(
         self, *, session_id: str, turn_id: str, agent: str | None, queued: int
@@ -230,7 +262,10 @@ class _Turn(TurnTrace):
             kind=SpanKind.CLIENT,
             attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": name},
         )
-        return _ModelCall(self._otel, span, name)
+        # current until the call ends (in this task): the spans the model's own code
+        # makes (an instrumented HTTP client's) nest under it
+        token = otel_context.attach(trace.set_span_in_context(span))
+        return _ModelCall(self._otel, span, name, token)
 
     @contextlib.contextmanager
     def tool_call(self, call: ToolCall) -> Iterator[ToolCallTrace]:
@@ -241,34 +276,47 @@ class _Turn(TurnTrace):
             attributes={
                 "gen_ai.operation.name": "execute_tool",
                 "gen_ai.tool.name": call.name,
-                "gen_ai.tool.call.id": call.id,
+                "gen_ai.tool.call.id": _bounded(call.id, _MAX_ID),  # (the model's)
                 "gen_ai.tool.type": "function",
             },
         )
-        with trace.use_span(span, end_on_exit=True):  # an exception (a cancel) is recorded
-            yield _ToolCall(span)
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                yield _ToolCall(span)
+        except Exception as exc:  # (a tool's own errors come through ``failed``)
+            _fail(span, exc)
+            raise
+        finally:
+            span.end()
 
     def end(self, outcome: str, error: BaseException | None) -> None:
         span = self._span
         attributes: dict[str, Any] = {"sessionactors.turn.outcome": outcome}
         if self._agent is not None:
             attributes["gen_ai.agent.name"] = self._agent
-        span.set_attribute("sessionactors.turn.outcome", outcome)
-        if error is not None and outcome in ("failed", "crashed"):
-            attributes["error.type"] = _error_type(error)
-            _fail(span, error)
-        span.end()
+        try:
+            span.set_attribute("sessionactors.turn.outcome", outcome)
+            if error is not None and outcome in ("failed", "crashed"):
+                attributes["error.type"] = _error_type(error)
+                _fail(span, error)
+        finally:
+            span.end()
         self._otel.turns.add(1, attributes)
         self._otel.turn_duration.record(time.perf_counter() - self._start, attributes)
 
 
 class _ModelCall(ModelCallTrace):
-    __slots__ = ("_name", "_otel", "_span", "_start")
+    __slots__ = ("_name", "_otel", "_span", "_start", "_token")
 
-    def __init__(self, otel: OpenTelemetry, span: Span, name: str) -> None:
+    def __init__(
+        self, otel: OpenTelemetry, span: Span, name: str, token: Token[otel_context.Context]
+    ) -> None:
         self._otel = otel
         self._span = span
         self._name = name
+        self._token = token
         self._start = time.perf_counter()
 
     def first_chunk(self) -> None:
@@ -283,16 +331,20 @@ class _ModelCall(ModelCallTrace):
             "gen_ai.operation.name": "chat",
             "gen_ai.request.model": self._name,
         }
+        try:
+            if usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+            if isinstance(error, Exception | SystemExit):  # (a cancellation is no failure)
+                attributes["error.type"] = _error_type(error)
+                _fail(span, error)
+        finally:
+            span.end()
+            otel_context.detach(self._token)
         if usage is not None:
-            span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
-            span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
             tokens = self._otel.tokens
             tokens.record(usage.input_tokens, {**attributes, "gen_ai.token.type": "input"})
             tokens.record(usage.output_tokens, {**attributes, "gen_ai.token.type": "output"})
-        if error is not None:
-            attributes["error.type"] = _error_type(error)
-            _fail(span, error)
-        span.end()
         self._otel.call_duration.record(time.perf_counter() - self._start, attributes)
 
 
@@ -308,10 +360,46 @@ class _ToolCall(ToolCallTrace):
             _fail(span, error)
         else:
             span.set_attribute("error.type", "_OTHER")
-            span.set_status(Status(StatusCode.ERROR, message[:200]))
+            span.set_status(Status(StatusCode.ERROR, storable(message[:200])))
+
+
+def _bounded(text: str, limit: int) -> str:
+    """``text`` as a span can carry it: valid Unicode, at most about ``limit`` characters."""
+    if len(text) > limit:
+        half = limit // 2
+        cut = len(text) - 2 * half
+        text = f"{text[:half]}\n[... {cut:,} characters ...]\n{text[-half:]}"
+    return storable(text)
 
 
 def _fail(span: Span, error: BaseException) -> None:
+    """Mark ``span`` failed by ``error``: its type, status and an ``exception`` event.
+
+    The event is what ``Span.record_exception`` records, made here so that what an
+    exception says (a model's megabyte response body, a tool's argument with a lone
+    surrogate, a ``__str__`` that raises) reaches the exporter bounded and valid UTF-8.
+    A model call cut by a cancellation (``trio.Cancelled``) is not failed: like the
+    turn it cuts (outcome ``cancelled``), it is not an error.
+    """
+    try:
+        message = str(error)
+    except Exception:  # its own str() failed
+        message = "(its message could not be read)"
+    message = _bounded(message, _MAX_MESSAGE)
+    kind = type(error)
+    module = kind.__module__
     span.set_attribute("error.type", _error_type(error))
-    span.record_exception(error)
-    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:200]))
+    span.add_event(
+        "exception",
+        {
+            "exception.type": kind.__qualname__
+            if module in (None, "builtins")
+            else f"{module}.{kind.__qualname__}",
+            "exception.message": message,
+            "exception.stacktrace": _bounded(
+                "".join(traceback.format_exception(error)), _MAX_STACKTRACE
+            ),
+            "exception.escaped": "False",
+        },
+    )
+    span.set_status(Status(StatusCode.ERROR, f"{kind.__name__}: {message}"[:200]))

@@ -211,7 +211,7 @@ class Streams:
 
     @property
     def subscriber_count(self) -> int:
-        return sum(hub.subscriber_count for hub in self._mirrors.values())
+        return sum(hub.subscriber_count for hub in list(self._mirrors.values()))  # (any thread)
 
     def positions(self) -> dict[str, int]:
         """The seq each mirror's stream is read after."""
@@ -748,6 +748,7 @@ class Streams:
             return iterator
         if found is None:
             found = self._mirrors[name] = Hub(name, host.config.hub)
+            found.on_lag = host.subscriber_lagged  # (counted as the owner's hubs are)
             found.advance(top)
             self._positions[name] = top
             self._births[name] = _Followed(born)
