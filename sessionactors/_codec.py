@@ -14,9 +14,13 @@ Formats (version 1):
   them ``schema_version``, the version of the format. Older versions are
   carried forward by :data:`MIGRATIONS`; newer ones raise
   :class:`SnapshotVersionError`.
-* A journal entry is one event, or the events of one commit: a msgpack map
-  of the event's fields plus its tag from :data:`EVENT_TAGS` under
-  ``"type"``, or an array of such maps.
+* A journal entry holds the events of one commit, in the compact form
+  (``_codec_compact``): the array ``[1, session_id, event, ...]``, each event
+  the array of its tag from :data:`EVENT_TAGS` and its fields in their
+  declared order (but ``session_id``), nested records as arrays of their
+  fields. Entries written before it (and entries of events of more than one
+  session) hold the map form: a msgpack map of an event's fields plus its tag
+  under ``"type"``, or an array of such maps. Both load.
 * A session info is a msgpack map of the fields of :class:`SessionInfo`.
 * Datetimes are msgpack Timestamps (UTC, microseconds kept), enums their
   string values, tuples arrays. Every integer field of a record is a seq or
@@ -36,7 +40,8 @@ not know for damage (:class:`SnapshotCorruptError`), since one flipped bit in
 a field's name looks just like them. Journal entries and infos carry no
 version: a new event field comes with a new event tag, and an unknown tag is
 :class:`SnapshotCorruptError` whose message says to upgrade if a newer
-sessionactors wrote it.
+sessionactors wrote it. In the compact form a record's fields keep their
+order and a new one goes last (see ``_codec_compact``).
 
 Loading never trusts its input: the size is capped, msgpack runs with tight
 limits and knows no extension but Timestamp, the number of maps and arrays
@@ -77,6 +82,7 @@ import msgpack
 from cattrs.v import format_exception as _cattrs_format_exception
 
 from ._codec_checks import CHECKS, FieldError, check_info, check_message, check_state
+from ._codec_compact import CompactError, from_compact, to_compact
 from ._codec_convert import (
     EVENT_HOOKS,
     Extension,
@@ -90,8 +96,9 @@ from ._codec_convert import (
     unstructure_message,
     unstructure_state,
 )
-from ._codec_fast import FAST_EVENTS, Slow, fast_info, fast_live_info, fast_message
+from ._codec_fast import COMPACT_EVENTS, Slow, fast_info, fast_live_info, fast_message
 from ._codec_format import (
+    COMPACT_ENTRY,
     CONTAINER_BYTES,
     DEFAULT_MAX_EVENT_BYTES,
     DEFAULT_MAX_SNAPSHOT_BYTES,
@@ -381,10 +388,14 @@ def _encode(
     session_id: object,
     max_size: int,
     containers: int,
+    form: Callable[[Any], Any] | None = None,
 ) -> bytes:
-    """Pack a checked record (``containers``: the maps and arrays it makes)."""
+    """Pack a checked record (``containers``: the maps and arrays it makes), in the
+    ``form`` made of its unstructured data if given (errors name the unstructured data's
+    places)."""
     try:
-        data: bytes = _packer().pack(unstructure(record))
+        raw = unstructure(record)
+        data: bytes = _packer().pack(raw if form is None else form(raw))
     except (ValueError, TypeError, AttributeError, OverflowError) as exc:
         # Only the unstructured data can say where the problem is.
         try:
@@ -657,7 +668,9 @@ def load_event(
 
 
 def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BYTES) -> bytes:
-    """Encode the events of one commit as one journal entry (an array of tagged maps).
+    """Encode the events of one commit as one journal entry, in the compact form
+    (``[1, session_id, [tag, seq, field, ...], ...]``; events of more than one session
+    as an array of tagged maps).
 
     Raises ``TypeError`` for an event class without a journal tag, and refuses
     whatever :func:`load_events` would refuse, as :func:`dump_snapshot` does,
@@ -667,20 +680,22 @@ def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BY
         raise ValueError("a journal entry holds at least one event")
     session_id = events[0].session_id
     try:
-        containers = 1
-        maps = []
+        if session_id.__class__ is not str:
+            raise Slow
+        arrays: list[Any] = [COMPACT_ENTRY, session_id]
         for event in events:
-            fast = FAST_EVENTS.get(event.__class__)
-            if fast is None:
+            fast = COMPACT_EVENTS.get(event.__class__)
+            if fast is None or event.session_id != session_id:
                 raise Slow
-            raw, count = fast(event)
-            containers += count
-            maps.append(raw)
-        data: bytes = _exact_packer().pack(maps)
+            arrays.append(fast(event))
+        data: bytes = _exact_packer().pack(arrays)
     except (Slow, ValueError, TypeError, AttributeError, OverflowError):
         pass  # the general path says what is wrong, if anything is
     else:
-        if len(data) > max_size or containers > FREE_CONTAINERS:  # (else within the limits)
+        # (at most one map or array a byte: data this small holds no more than loading
+        # takes whatever their count; only larger data has them counted)
+        if len(data) > FREE_CONTAINERS or len(data) > max_size:
+            containers = 1 + sum(CHECKS[event.__class__](event) for event in events)
             _check_size(data, containers, "journal entry", session_id, max_size)
         return data
     containers = 1
@@ -693,13 +708,22 @@ def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BY
         except FieldError as exc:
             exc.path.append(f"[{index}]")
             _check(_raise, exc, "journal entry", session_id)
-    return _encode(_unstructure_events, events, "journal entry", session_id, max_size, containers)
+    form = _compact_form if all(e.session_id == session_id for e in events) else None
+    return _encode(
+        _unstructure_events, events, "journal entry", session_id, max_size, containers, form
+    )
+
+
+def _compact_form(maps: list[dict[str, Any]]) -> list[Any]:
+    """The compact entry of one session's events, from their tagged maps."""
+    return to_compact(maps[0]["session_id"], maps)
 
 
 def load_events(
     data: bytes, *, session_id: str | None = None, max_size: int = DEFAULT_MAX_EVENT_BYTES
 ) -> list[Event]:
-    """Decode a journal entry: one event (a map) or a commit's events (an array of maps).
+    """Decode a journal entry: one event (a map), a commit's events (an array of maps),
+    or a commit's events in the compact form.
 
     Raises :class:`SnapshotCorruptError` if it is not valid.
     """
@@ -712,6 +736,14 @@ def load_events(
             session_id,
             f"expected a map or a non-empty array, got {type_name(raw)}",
         )
+    if raw[0].__class__ is int:
+        try:
+            name, maps = from_compact(raw)
+        except CompactError as exc:
+            found = raw[1][:256] if len(raw) > 1 and raw[1].__class__ is str else None
+            raise _corrupt("journal entry", session_id or found, str(exc)) from exc
+        session_id = session_id or name[:256]
+        return [_structure_event_map(item, session_id) for item in maps]
     events = []
     for item in raw:
         if item.__class__ is not dict:

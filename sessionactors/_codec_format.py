@@ -86,6 +86,9 @@ EVENT_TAGS: Final[Mapping[str, type[Event]]] = {
 RETIRED_EVENT_TAGS: Final[frozenset[str]] = frozenset()
 
 TAG_KEY: Final = "type"
+#: The first item of a journal entry in the compact form (see ``_codec_compact``): the
+#: version of its layout. An entry in the map form starts with a map, or is one.
+COMPACT_ENTRY: Final = 1
 VERSION_KEY: Final = "schema_version"
 TAG_OF: Final[dict[type[Event], str]] = {cls: tag for tag, cls in EVENT_TAGS.items()}
 EVENT_UNION: Any = Union[tuple(EVENT_TAGS.values())]  # noqa: UP007 (built at runtime)

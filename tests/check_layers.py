@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "_codec_convert",
                 "_codec_checks",
                 "_codec_fast",
+                "_codec_compact",
                 "_codec",
                 "_session",
                 "_config",

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sessionactors as sa
+from entry_forms import map_form, pack_maps
 from sessionactors import dump_snapshot, load_snapshot
 from sessionactors.stores import (
     MAX_JOURNAL_ENTRY_BYTES,
@@ -51,7 +52,7 @@ MAX_METADATA_DEPTH = 32
 
 
 def dump_event(event: sa.Event, *, max_size: int = MAX_JOURNAL_ENTRY_BYTES) -> bytes:
-    """One event as a journal entry of its own (an array of one tagged map)."""
+    """One event as a journal entry of its own (in the compact form)."""
     return dump_events([event], max_size=max_size)
 
 
@@ -63,8 +64,7 @@ def load_event(data: bytes, *, max_size: int = MAX_JOURNAL_ENTRY_BYTES) -> sa.Ev
 
 def event_tag(event: sa.Event) -> str:
     """The journal tag the codec writes for ``event``."""
-    (raw,) = msgpack.unpackb(dump_event(event))
-    tag: str = raw["type"]
+    tag: str = msgpack.unpackb(dump_event(event))[2][0]
     return tag
 
 
@@ -166,6 +166,7 @@ GOLDEN_SNAPSHOTS: dict[str, sa.SessionState] = {
 }
 
 _SID = "golden-events"
+#: Written by earlier versions in the map form, one event a file.
 GOLDEN_EVENTS: dict[str, sa.Event] = {
     "turn_started": sa.TurnStarted(
         session_id=_SID, seq=1, turn_id="turn_1", text="hi", idempotency_key="idem-7"
@@ -196,6 +197,71 @@ GOLDEN_EVENTS: dict[str, sa.Event] = {
     "metadata_changed": sa.MetadataChanged(
         session_id=_SID, seq=13, metadata={"tenant": "acme", "tags": ["a"]}
     ),
+}
+
+#: The event class of each tag.
+TAG_CLASSES: dict[str, type[sa.Event]] = {tag: type(e) for tag, e in GOLDEN_EVENTS.items()}
+
+_USAGE = sa.Usage(input_tokens=11, output_tokens=22)
+_FULL_MESSAGE = sa.Message(
+    id="msg_9",
+    role=sa.Role.ASSISTANT,
+    content="Calling.",
+    created_at=T_BEFORE_1970,
+    tool_calls=(_CALL, _REFUND),
+    tool_call_id="call_0",
+    interrupted=True,
+    is_error=True,
+    metadata={"k": [1, "v"]},
+    usage=_USAGE,
+)
+#: One compact entry of every event class, every field set apart from its default and
+#: from the others, so that fields that changed places do not load back equal.
+GOLDEN_COMPACT: dict[str, list[sa.Event]] = {
+    "entry_compact_v1": [
+        sa.TurnStarted(
+            session_id=_SID,
+            seq=21,
+            turn_id="turn_a",
+            text="text_a",
+            idempotency_key="key_a",
+            message_id="msg_a",
+            created_at=T_MICROS,
+            retry_of="turn_0",
+        ),
+        sa.Delta(session_id=_SID, seq=22, turn_id="turn_b", text="text_b"),
+        sa.MessageAdded(session_id=_SID, seq=23, turn_id="turn_c", message=_FULL_MESSAGE),
+        sa.TurnFinished(
+            session_id=_SID, seq=24, turn_id="turn_d", message=_REPLY, idempotency_key="key_d"
+        ),
+        sa.TurnFailed(session_id=_SID, seq=25, turn_id="turn_e", error="error_e", lost=True),
+        sa.TurnCancelled(session_id=_SID, seq=26, turn_id="turn_f"),
+        sa.StatusChanged(session_id=_SID, seq=27, status=sa.Status.WAITING),
+        sa.ToolCallStarted(session_id=_SID, seq=28, turn_id="turn_g", tool_call=_REFUND),
+        sa.ToolResult(
+            session_id=_SID,
+            seq=29,
+            turn_id="turn_h",
+            tool_call_id="call_h",
+            content="content_h",
+            is_error=True,
+            message_id="msg_h",
+            created_at=T_FAR,
+        ),
+        sa.ReviewRequested(session_id=_SID, seq=30, turn_id="turn_i", review=_REVIEW),
+        sa.ReviewResolved(
+            session_id=_SID, seq=31, turn_id="turn_j", review_id="rev_j", approved=True, note="j"
+        ),
+        sa.HistoryEdited(
+            session_id=_SID,
+            seq=32,
+            reason="compaction",
+            removed=("msg_k",),
+            summary="summary_k",
+            usage=_USAGE,
+        ),
+        sa.MetadataChanged(session_id=_SID, seq=33, metadata={"tenant": "l"}),
+    ],
 }
 
 GOLDEN_INFOS: dict[str, sa.SessionInfo] = {
@@ -296,10 +362,14 @@ class _Text(str):
 @given(st.lists(events(), min_size=1, max_size=4))
 def test_every_way_of_encoding_an_entry_writes_the_same_bytes(batch: list[sa.Event]) -> None:
     """An entry of ordinary events and the same entry with a str subclass in it (which
-    the codec encodes the general way, naming any field it refuses) are the same bytes."""
-    odd = [attrs.evolve(batch[0], session_id=_Text(batch[0].session_id)), *batch[1:]]
-    assert dump_events(odd) == dump_events(batch)
-    assert load_events(dump_events(batch)) == batch
+    the codec encodes the general way, naming any field it refuses) are the same bytes,
+    in the compact form (one session's events) and in the map form (several sessions')."""
+    one_session = [attrs.evolve(e, session_id=batch[0].session_id) for e in batch]
+    for entry in (batch, one_session):
+        odd = [attrs.evolve(entry[0], session_id=_Text(entry[0].session_id)), *entry[1:]]
+        assert dump_events(odd) == dump_events(entry)
+        assert load_events(dump_events(entry)) == entry
+    assert msgpack.unpackb(dump_events(one_session))[0] == 1
 
 
 @ROUND_TRIP
@@ -471,9 +541,10 @@ def test_current_format_keeps_every_golden_snapshot_field(stem: str) -> None:
 
 @pytest.mark.parametrize("tag", sorted(GOLDEN_EVENTS))
 def test_current_format_keeps_every_golden_event_field(tag: str) -> None:
-    """Re-dumping a golden journal entry keeps its tag and every field's encoding."""
+    """Re-dumping a golden journal entry keeps its tag and every field's encoding (read
+    back in the map form it was written in)."""
     data = golden_bytes(event_stem(tag))
-    (again,) = msgpack.unpackb(dump_event(load_event(data)))
+    (again,) = map_form(dump_event(load_event(data)), TAG_CLASSES)
     assert_keeps(msgpack.unpackb(data), again)
 
 
@@ -520,16 +591,154 @@ def test_every_event_class_has_its_own_tag() -> None:
     assert len(tags) == len(event_classes())
 
 
-def test_event_tag_is_stored_under_type() -> None:
-    """A journal entry holds its tag under "type" beside the event's fields."""
-    (raw,) = msgpack.unpackb(dump_event(GOLDEN_EVENTS["delta"]))
-    assert raw == {
+def test_an_entry_is_written_in_the_compact_form() -> None:
+    """A journal entry is written as [1, session, [tag, seq, field, ...], ...]; the map
+    form written before it holds the tag under "type" beside the event's fields."""
+    delta = GOLDEN_EVENTS["delta"]
+    finished = GOLDEN_EVENTS["turn_finished"]
+    reply = [
+        "msg_5",
+        "assistant",
+        "Order A1001 shipped on Monday.",
+        msgpack.Timestamp.from_datetime(T_MICROS),
+        [],
+        None,
+        False,
+        False,
+        {},
+        None,
+    ]
+    assert msgpack.unpackb(dump_events([delta, finished])) == [
+        1,
+        _SID,
+        ["delta", 2, "turn_1", "Hel"],
+        ["turn_finished", 4, "turn_1", reply, "idem-7"],
+    ]
+    assert raw_of(golden_bytes("event_delta")) == {
         "session_id": _SID,
         "seq": 2,
         "turn_id": "turn_1",
         "text": "Hel",
         "type": "delta",
     }
+
+
+@pytest.mark.parametrize("stem", sorted(GOLDEN_COMPACT))
+def test_golden_compact_entry_loads(stem: str) -> None:
+    """A committed compact entry loads to its events, every field in its place."""
+    assert load_events(golden_bytes(stem)) == GOLDEN_COMPACT[stem]
+
+
+@pytest.mark.parametrize("stem", sorted(GOLDEN_COMPACT))
+def test_current_format_keeps_every_golden_compact_field(stem: str) -> None:
+    """Re-dumping a golden compact entry keeps every field in its place; a newer format
+    only adds fields after the last."""
+    data = golden_bytes(stem)
+    assert_extends(msgpack.unpackb(data), msgpack.unpackb(dump_events(load_events(data))))
+
+
+def assert_extends(old: Any, new: Any, path: str = "$") -> None:
+    """``new`` holds every value of ``old`` in its place; its arrays may be longer."""
+    if isinstance(old, list):
+        assert isinstance(new, list), path
+        assert len(new) >= len(old), path
+        for index, item in enumerate(old):
+            assert_extends(item, new[index], f"{path}[{index}]")
+    elif isinstance(old, dict):
+        assert isinstance(new, dict), path
+        assert new == old, path
+    else:
+        assert type(new) is type(old), f"{path} changed type"
+        assert new == old, f"{path} changed encoding"
+
+
+def test_extends_check_catches_a_moved_field() -> None:
+    """Negative control: assert_extends fails when a field moves or is dropped."""
+    old = [1, "s", ["delta", 2, "a", "b"]]
+    assert_extends(old, [1, "s", ["delta", 2, "a", "b", None]])
+    for changed in ([1, "s", ["delta", 2, "b", "a"]], [1, "s", ["delta", 2, "a"]]):
+        with pytest.raises(AssertionError):
+            assert_extends(old, changed)
+
+
+def test_golden_compact_entry_covers_every_tag_and_field() -> None:
+    """The golden compact entry has every event class, and every field of each set to
+    something other than its default."""
+    (events,) = GOLDEN_COMPACT.values()
+    assert sorted(type(e).__name__ for e in events) == sorted(c.__name__ for c in event_classes())
+    for event in events:
+        for field in attrs.fields(type(event)):
+            assert getattr(event, field.name) != field.default, (event, field.name)
+
+
+@ROUND_TRIP
+@given(st.lists(events(), min_size=1, max_size=4))
+def test_an_entry_in_the_map_form_loads_to_the_same_events(batch: list[sa.Event]) -> None:
+    """The map form that earlier versions wrote (an array of tagged maps, or one map) loads
+    to the same events as the compact form of the same commit."""
+    batch = [attrs.evolve(e, session_id=batch[0].session_id) for e in batch]
+    maps = map_form(dump_events(batch), TAG_CLASSES)
+    assert load_events(pack_maps(maps)) == batch == load_events(dump_events(batch))
+    assert load_events(pack_maps(maps[0])) == batch[:1]  # type: ignore[arg-type]
+
+
+def test_events_of_more_than_one_session_are_written_in_the_map_form() -> None:
+    """An entry of events of two sessions is an array of tagged maps, and loads back."""
+    batch = [GOLDEN_EVENTS["delta"], attrs.evolve(GOLDEN_EVENTS["delta"], session_id="other")]
+    data = dump_events(batch)
+    assert [item["session_id"] for item in raw_of(data)] == [_SID, "other"]  # type: ignore[index]
+    assert load_events(data) == batch
+
+
+def _compact_raw() -> list[Any]:
+    raw: list[Any] = msgpack.unpackb(
+        dump_events([GOLDEN_EVENTS["delta"], GOLDEN_EVENTS["turn_finished"]]), timestamp=3
+    )
+    return raw
+
+
+def _compact(change: Callable[[list[Any]], None]) -> bytes:
+    raw = _compact_raw()
+    change(raw)
+    return pack(raw)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (_compact(lambda r: r.__setitem__(0, 2)), r"layout is version 2, newer.*upgrade"),
+        (_compact(lambda r: r.__setitem__(0, 0)), "no compact layout 0"),
+        (_compact(lambda r: r.__setitem__(1, 5)), "session name is not a string"),
+        (_compact(lambda r: r.__delitem__(slice(2, None))), "at least one event"),
+        (_compact(lambda r: r.__setitem__(2, {"a": 1})), "arrays of a tag and fields"),
+        (_compact(lambda r: r.__setitem__(2, ["delta"])), "arrays of a tag and fields"),
+        (_compact(lambda r: r[2].append("x")), r"delta has 4 fields, more than.*upgrade"),
+        (_compact(lambda r: r[3][3].append(1)), r"turn_finished.message has 11 fields"),
+        (_compact(lambda r: r[3].__setitem__(3, {"id": "m"})), "message is not an array"),
+        (_compact(lambda r: r[2].__setitem__(0, "delta_x")), "unknown event type 'delta_x'"),
+        (_compact(lambda r: r[2].__setitem__(0, 7)), "event type is missing"),
+        (_compact(lambda r: r[2].pop()), "required field missing"),
+        (_compact(lambda r: r[2].__setitem__(1, "2")), r"expected an integer, got str @ \$\.seq"),
+        (_compact(lambda r: r[3][3].__setitem__(1, "robot")), "not a Role value"),
+    ],
+)
+def test_a_wrong_compact_entry_is_corrupt(data: bytes, match: str) -> None:
+    """A compact entry of a newer layout, with more fields than this version knows, an
+    array out of place, an unknown tag or a wrong field is corrupt, naming the session."""
+    with pytest.raises(sa.SnapshotCorruptError, match=match) as info:
+        load_events(data)
+    assert info.value.session_id == (_SID if match != "session name is not a string" else None)
+
+
+def test_a_compact_record_without_its_last_fields_takes_their_defaults() -> None:
+    """A record's array without its last fields (written before they existed) loads with
+    their defaults."""
+    raw = _compact_raw()
+    del raw[3][3][4:]  # the reply without tool_calls ... usage
+    del raw[3][4:]  # the outcome without idempotency_key
+    (delta, finished) = load_events(pack(raw))
+    assert delta == GOLDEN_EVENTS["delta"]
+    assert finished == attrs.evolve(GOLDEN_EVENTS["turn_finished"], idempotency_key=None)
 
 
 def test_dump_event_refuses_untagged_class() -> None:
@@ -636,11 +845,11 @@ def test_every_truncated_snapshot_is_corrupt(stem: str) -> None:
 
 @pytest.mark.parametrize("tag", sorted(GOLDEN_EVENTS))
 def test_every_truncated_event_is_corrupt(tag: str) -> None:
-    """Every proper prefix of a journal entry raises SnapshotCorruptError."""
-    data = golden_bytes(event_stem(tag))
-    for end in range(len(data)):
-        with pytest.raises(sa.SnapshotCorruptError):
-            load_event(data[:end])
+    """Every proper prefix of a journal entry, in either form, raises SnapshotCorruptError."""
+    for data in (golden_bytes(event_stem(tag)), dump_event(GOLDEN_EVENTS[tag])):
+        for end in range(len(data)):
+            with pytest.raises(sa.SnapshotCorruptError):
+                load_event(data[:end])
 
 
 @pytest.mark.parametrize("garbage", [b"\x00", b"\xc0", b"\x81\xa1a\x01", b"\xff" * 10])
@@ -985,7 +1194,11 @@ _LOADERS: dict[str, Callable[[bytes], Any]] = {
     "event": load_events,
     "info": load_info,
 }
-_GOLDEN_STEMS = sorted(GOLDEN_SNAPSHOTS) + [event_stem(tag) for tag in sorted(GOLDEN_EVENTS)]
+_GOLDEN_STEMS = (
+    sorted(GOLDEN_SNAPSHOTS)
+    + [event_stem(tag) for tag in sorted(GOLDEN_EVENTS)]
+    + sorted(GOLDEN_COMPACT)
+)
 
 
 def _loader_for(stem: str) -> Callable[[bytes], Any]:
@@ -1098,6 +1311,8 @@ def test_replaced_values_load_or_refuse(data: st.DataObject) -> None:
     else:
         load = load_events
         raw = raw_of(dump_event(data.draw(EVENTS)))
+        if data.draw(st.booleans()):  # the map form that earlier versions wrote
+            raw = map_form(pack(raw), TAG_CLASSES)  # type: ignore[assignment]
     container, key = data.draw(st.sampled_from(_slots(raw, [])))
     container[key] = data.draw(_ANY_MSGPACK)
     _check_reloads(load_or_refuse(load, pack(raw)))
@@ -1428,6 +1643,17 @@ def test_loading_costs_a_bounded_multiple_of_the_size(shape: str) -> None:
     data = _SHAPES[shape](_MB)
     assert _MB * 0.9 < len(data) < _MB * 1.1
     assert peak_memory(load_snapshot, data) < MAX_MEMORY_MULTIPLE * len(data)
+
+
+def test_loading_a_dense_compact_entry_costs_a_bounded_multiple_of_the_size() -> None:
+    """A compact entry of the densest records (a tool call an array of 16 bytes, one
+    map or array per 16 bytes), at 1 MiB, peaks below MAX_MEMORY_MULTIPLE times its size."""
+    calls = tuple(sa.ToolCall(id="", name="", arguments=f"{i:012d}") for i in range(_MB // 16))
+    message = sa.Message(id="m", role=sa.Role.ASSISTANT, content="", created_at=T_SECONDS)
+    event = sa.MessageAdded(session_id="s", seq=1, message=attrs.evolve(message, tool_calls=calls))
+    data = dump_event(event)
+    assert _MB * 0.9 < len(data) < _MB * 1.1
+    assert peak_memory(load_events, data) < MAX_MEMORY_MULTIPLE * len(data)
 
 
 def test_the_memory_check_catches_a_decoder_without_a_budget() -> None:

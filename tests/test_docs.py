@@ -71,7 +71,7 @@ EXPECTED = {
         "['StatusChanged', 'TurnStarted', 'TurnFinished']",
         "durability='hibernate': journaled at reply time: ['StatusChanged']",
         "2 messages after a clean restart",
-        "journal tail 11 entries",
+        "journal tail 17 entries",
         "replay from 0 expired; oldest available seq:",
     ],
     "howto_resume_stream.py": [

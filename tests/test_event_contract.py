@@ -6,11 +6,11 @@ from __future__ import annotations
 import datetime
 
 import attrs
-import msgpack
 import pytest
 import trio
 
 import sessionactors as sa
+from entry_forms import map_form, pack_maps
 from sessionactors.stores import JournalEntry, MemoryStore, dump_events
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, journal_events
 
@@ -55,12 +55,14 @@ async def test_a_turn_publishes_its_start_deltas_and_outcome_and_journals_two_ev
 
 
 def _v01(entry: bytes) -> bytes:
-    """The entry as 0.1 wrote it: without the fields 0.2 added to its events."""
-    events = msgpack.unpackb(entry, timestamp=3)
-    for event in events if isinstance(events, list) else [events]:
+    """The entry as 0.1 wrote it: in the map form, without the fields 0.2 added."""
+    classes = {"turn_started": sa.TurnStarted, "message_added": sa.MessageAdded}
+    classes |= {"turn_finished": sa.TurnFinished}
+    events = map_form(entry, classes)
+    for event in events:
         for added in ("message_id", "created_at", "lost"):
             event.pop(added, None)
-    return bytes(msgpack.packb(events, datetime=True))
+    return pack_maps(events)
 
 
 async def test_a_journal_written_by_0_1_folds_to_the_state_of_today() -> None:

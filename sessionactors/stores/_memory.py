@@ -271,19 +271,29 @@ class MemoryStore:
         *,
         fence: int | None = None,
     ) -> None:
+        # every durable turn comes here: the checks of _get, _check_entries and
+        # _set_info in one frame (those name what is wrong)
         await trio.lowlevel.checkpoint()
-        session = self._get(session_id)
-        self._check_fence(session_id, fence)
-        # kept as they are when nothing can change them (a frozen entry of bytes)
-        copies = [
-            e
-            if e.__class__ is JournalEntry and e.data.__class__ is bytes
-            else JournalEntry(e.seq, bytes(e.data))
-            for e in entries
-        ]
-        session.last_seq = _check_entries(session_id, copies, session.last_seq)
-        session.journal.extend(copies)
-        self._set_info(session_id, session, info)
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise _not_found_error(session_id)
+        if fence is not None:
+            self._check_fence(session_id, fence)
+        last = session.last_seq
+        copies = []
+        for entry in entries:
+            # kept as it is when nothing can change it (a frozen entry of bytes)
+            if entry.__class__ is not JournalEntry or entry.data.__class__ is not bytes:
+                entry = JournalEntry(entry.seq, bytes(entry.data))
+            seq = entry.seq
+            if seq.__class__ is not int or not last < seq <= MAX_SEQ:
+                _check_entries(session_id, [entry], last)  # raises, saying what is wrong
+            last = seq
+            copies.append(entry)
+        session.last_seq = last
+        session.journal += copies
+        session.info = info if info.__class__ is bytes else bytes(info)
+        self._moved.add(session_id)
 
     async def write_snapshot(
         self,
