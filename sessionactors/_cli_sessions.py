@@ -23,7 +23,7 @@ import signal
 import sys
 import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Final, TextIO
+from typing import Any, BinaryIO, Final, TextIO
 
 import trio
 
@@ -56,6 +56,9 @@ __all__ = ["add_parser", "run"]
 
 #: Seconds between two reads of the journal while ``tail`` follows a session.
 TAIL_INTERVAL: Final = 0.5
+#: The largest export ``import`` reads, in bytes: the largest snapshot (64 MiB) written
+#: as JSON, where a control character takes six bytes, and again as base64, fits well.
+MAX_IMPORT_BYTES: Final = 1024 * 1024 * 1024
 #: How long ``tail`` retries a store that does not answer before it gives up, in seconds.
 TAIL_OUTAGE: Final = 60.0
 #: The store errors that retrying does not mend (a configuration to change).
@@ -485,15 +488,38 @@ async def _leased(store: Store, name: str, doing: str) -> AsyncIterator[None]:
 
 def _read_document(path: str) -> Any:
     where = "standard input" if path == "-" else repr(path)
+    if path == "-":
+        if sys.stdin is None:  # (started with it closed, as by `<&-`)
+            raise OSError("standard input is closed; pass the export as FILE, or pipe it in")
+        data = _read_bounded(sys.stdin.buffer, where)
+    else:
+        with open(path, "rb") as file:
+            data = _read_bounded(file, where)
     try:
-        if path == "-":
-            text = sys.stdin.buffer.read().decode("utf-8")
-        else:
-            with open(path, encoding="utf-8") as file:
-                text = file.read()
-        return json.loads(text)
+        return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
         raise ValueError(f"{where} is not JSON ({exc}); pass a file written by export") from None
+
+
+def _read_bounded(file: BinaryIO, where: str) -> bytes:
+    """What ``file`` holds, refused (before it is all read) when it is larger than any
+    export: a device that never ends (/dev/zero) or a huge file is no export."""
+    size = 0  # (unknown for a pipe or a device)
+    with contextlib.suppress(OSError, ValueError):
+        size = os.fstat(file.fileno()).st_size
+    if size > MAX_IMPORT_BYTES:
+        raise ValueError(_too_large(where, size))
+    data = file.read(MAX_IMPORT_BYTES + 1)
+    if len(data) > MAX_IMPORT_BYTES:
+        raise ValueError(_too_large(where, len(data)))
+    return data
+
+
+def _too_large(where: str, size: int) -> str:
+    return (
+        f"{where} holds over {MAX_IMPORT_BYTES:,} bytes ({size:,}), more than an export of "
+        "the largest session; pass a file written by export"
+    )
 
 
 async def _import(store: Store, args: argparse.Namespace) -> int:

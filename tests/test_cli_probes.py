@@ -260,3 +260,27 @@ async def test_tail_rides_out_a_store_that_is_away_for_a_moment(redis_url: str) 
     assert finished == ["before", "meanwhile", "after"]
     assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
     assert b"Traceback" not in err
+
+
+def test_import_refuses_what_no_export_is_before_reading_it(tmp_path: Path) -> None:
+    """import refuses a file larger than any export (a 2 GiB file of nothing, as
+    /dev/zero would be) before reading it all, and an import from a standard input that
+    is closed, each in one line and with nothing written."""
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as file:  # (sparse: no disk used)
+        file.truncate(2 * 1024**3)
+    target = tmp_path / "target.db"
+    store = f"sqlite:///{target}"
+    line = one_line(command("sessions", "import", str(huge), "--store", store), 1)
+    assert "huge.json" in line
+    assert "more than an export" in line
+    args = ["sessions", "import", "-", "--store", store]
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&-', "sh", *PYTHON_M, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "standard input is closed" in one_line(done, 1)
+    assert not target.exists()
