@@ -71,6 +71,12 @@ def _port(text: str) -> int:
     return value
 
 
+def _secret(text: str) -> str:
+    if not text.strip():  # (an unset variable, as in --token "$TOKEN", lets anyone in)
+        raise argparse.ArgumentTypeError("the token is empty; give a secret")
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors in arguments are one line on stderr (and exit status 2)."""
 
@@ -106,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve.add_argument("--agent", required=True, help="MODULE:ATTRIBUTE: an Agent or a mapping")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free one")
-    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    serve.add_argument(
+        "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"
+    )
     add_sessions_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "sessions":

@@ -20,6 +20,7 @@ import trio
 import sessionactors as sa
 from models.fake_openai_server import open_fake_openai, text_reply
 from net_proxy import proxy_to
+from sessionactors.http import create_app
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -113,6 +114,8 @@ def test_a_closed_standard_output_is_one_line_and_nothing_done(tmp_path: Path) -
         (["serve", "--store", "memory://", "--agent", "raising:a"], 2, "boom at import"),
         (["serve", "--store", "memory://", "--agent", "nosuchmodule:a"], 2, "--agent"),
         (["serve", "--store", "memory://", "--agent", "agents:a", "--port", "{busy}"], 1, "{busy}"),
+        # (as --token "$TOKEN" with TOKEN unset: an empty bearer token would match it)
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--token", ""], 2, "--token"),
     ],
 )
 def test_bad_arguments_are_one_line_without_a_traceback(
@@ -229,8 +232,10 @@ async def test_tail_rides_out_a_store_that_is_away_for_a_moment(redis_url: str) 
         assert process.stderr is not None
         out, err = b"", b""
 
-        async def until(stream: trio.abc.ReceiveStream, text: bytes, seen: bytes) -> bytes:
-            while text not in seen:
+        async def until(
+            stream: trio.abc.ReceiveStream, text: bytes, seen: bytes, times: int = 1
+        ) -> bytes:
+            while seen.count(text) < times:
                 chunk = await stream.receive_some()
                 assert chunk, seen
                 seen += chunk
@@ -238,14 +243,14 @@ async def test_tail_rides_out_a_store_that_is_away_for_a_moment(redis_url: str) 
 
         try:
             with trio.fail_after(60):
-                out = await until(process.stdout, b'"content": "before"', out)
+                out = await until(process.stdout, b'"TurnFinished"', out)
                 proxy.edit = lambda words: None  # away: every command's connection dropped
                 err = await until(process.stderr, b"retrying", err)
                 await ref.send("meanwhile")
                 proxy.edit = None
                 err = await until(process.stderr, b"answers again", err)
                 await ref.send("after")
-                out = await until(process.stdout, b'"content": "after"', out)
+                out = await until(process.stdout, b'"TurnFinished"', out, times=3)
                 process.send_signal(signal.SIGTERM)
                 assert await process.wait() == 0
         finally:
@@ -284,3 +289,12 @@ def test_import_refuses_what_no_export_is_before_reading_it(tmp_path: Path) -> N
     )
     assert "standard input is closed" in one_line(done, 1)
     assert not target.exists()
+
+
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_rather_than_matched_by_an_empty_bearer(token: str) -> None:
+    """create_app(token="") refused nothing: a request with ``?access_token=`` (or
+    ``Authorization: Bearer ``) got in. An empty token is now a ValueError that says so."""
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    with pytest.raises(ValueError, match="empty"):
+        create_app(store=sa.MemoryStore(), agents=agents, token=token)
