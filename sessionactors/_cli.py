@@ -71,6 +71,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _host(text: str) -> str:
+    if not text.strip():  # (an unset variable, as in --host "$HOST", would bind them all)
+        raise argparse.ArgumentTypeError(
+            "the host is empty, which would listen on every interface; give an address "
+            "(0.0.0.0 to listen on every interface)"
+        )
+    return text
+
+
 def _secret(text: str) -> str:
     if not text.strip():  # (an unset variable, as in --token "$TOKEN", lets anyone in)
         raise argparse.ArgumentTypeError("the token is empty; give a secret")
@@ -110,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="serve sessions over HTTP, with a chat page (extra http)")
     serve.add_argument("--store", required=True, help="sqlite:///path.db, memory:// or redis://...")
     serve.add_argument("--agent", required=True, help="MODULE:ATTRIBUTE: an Agent or a mapping")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", type=_host, default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free one")
     serve.add_argument(
         "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"

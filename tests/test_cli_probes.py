@@ -116,6 +116,8 @@ def test_a_closed_standard_output_is_one_line_and_nothing_done(tmp_path: Path) -
         (["serve", "--store", "memory://", "--agent", "agents:a", "--port", "{busy}"], 1, "{busy}"),
         # (as --token "$TOKEN" with TOKEN unset: an empty bearer token would match it)
         (["serve", "--store", "memory://", "--agent", "agents:a", "--token", ""], 2, "--token"),
+        # (as --host "$HOST" with HOST unset: it listened on every interface)
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--host", ""], 2, "--host"),
     ],
 )
 def test_bad_arguments_are_one_line_without_a_traceback(
