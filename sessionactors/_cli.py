@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import trio
 
 from ._agent import Agent
+from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout, _terminal_safe
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
@@ -35,17 +36,54 @@ async def _chat(args: argparse.Namespace, model: Model) -> None:
         history = await ref.history()
         _say(f"session {args.session!r} ({len(history)} messages so far); an empty line quits")
         while True:
-            line = await trio.to_thread.run_sync(sys.stdin.readline)
+            # (abandoned on Ctrl-C: the wait for a line ends at once, not at the next line)
+            line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
             if not line.strip():
                 return
             async with ref.stream(line.strip()) as events:
                 async for event in events:
                     if isinstance(event, Delta):
-                        print(event.text, end="", flush=True)
+                        # (the model's text: an escape in it never reaches the terminal raw)
+                        print(_terminal_safe(event.text), end="", flush=True)
                     elif isinstance(event, TurnFailed):  # say why, in one line
-                        error = " ".join(event.error.split())
+                        error = _terminal_safe(" ".join(event.error.split()))
                         print(f"sessionactors chat: the turn failed: {error}", file=sys.stderr)
             _say()
+
+
+def _at_least(lowest: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"{text!r} is less than {lowest}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return value
+
+
+def _host(text: str) -> str:
+    if not text.strip():  # (an unset variable, as in --host "$HOST", would bind them all)
+        raise argparse.ArgumentTypeError(
+            "the host is empty, which would listen on every interface; give an address "
+            "(0.0.0.0 to listen on every interface)"
+        )
+    return text
+
+
+def _secret(text: str) -> str:
+    if not text.strip():  # (an unset variable, as in --token "$TOKEN", lets anyone in)
+        raise argparse.ArgumentTypeError("the token is empty; give a secret")
+    return text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,9 +97,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _Parser(prog="sessionactors")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job on the embedded SQLite store")
-    demo.add_argument("--sessions", type=int, default=1000)
-    demo.add_argument("--turns", type=int, default=3)
-    demo.add_argument("--path", default=None, help="SQLite file (default: a temporary one)")
+    demo.add_argument("--sessions", type=_at_least(4), default=1000, metavar="N")
+    demo.add_argument("--turns", type=_at_least(1), default=3, metavar="N")
+    demo.add_argument(
+        "--path", default=None, help="a new SQLite file to create (default: a temporary one)"
+    )
     sub.add_parser("demo-cluster", help="three workers on one local redis-server; one is killed")
     chat = sub.add_parser("chat", help="chat with an OpenAI-compatible server")
     chat.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
@@ -79,9 +119,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="serve sessions over HTTP, with a chat page (extra http)")
     serve.add_argument("--store", required=True, help="sqlite:///path.db, memory:// or redis://...")
     serve.add_argument("--agent", required=True, help="MODULE:ATTRIBUTE: an Agent or a mapping")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    serve.add_argument("--host", type=_host, default="127.0.0.1")
+    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free one")
+    serve.add_argument(
+        "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"
+    )
     add_sessions_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "sessions":
@@ -99,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             chat.error(str(exc))
         try:
             trio.run(_chat, args, model)
+        except KeyboardInterrupt:  # Ctrl-C: the conversation is stored; no traceback
+            raise SystemExit(130) from None
+        except BrokenPipeError:
+            _quiet_stdout()
+            raise SystemExit(EXIT_PIPE_CLOSED) from None
         except SessionActorsError as exc:  # one line, no traceback
             text = " ".join(str(exc).split())
             if "in use by process" in text and not args.shared:
@@ -113,6 +160,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "demo":
         from ._demo import run_demo
 
-        run_demo(args.path, args.sessions, args.turns)
+        if args.path is not None and os.path.lexists(args.path):  # never into a real store
+            demo.error(f"--path {args.path!r} exists; the demo creates a new file: name one")
+        try:
+            run_demo(args.path, args.sessions, args.turns)
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+        except Exception as raised:  # (a group: its first error)
+            error: BaseException = raised
+            while isinstance(error, BaseExceptionGroup) and error.exceptions:
+                error = error.exceptions[0]
+            if isinstance(error, BrokenPipeError):  # the reader stopped (`... | head`)
+                _quiet_stdout()
+                raise SystemExit(EXIT_PIPE_CLOSED) from None
+            if not isinstance(error, SessionActorsError | OSError):
+                raise
+            print(f"sessionactors demo: {' '.join(str(error).split())}", file=sys.stderr)
+            raise SystemExit(1) from None
     else:  # pragma: no cover
         parser.print_help(sys.stderr)

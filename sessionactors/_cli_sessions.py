@@ -18,21 +18,26 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
+import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Final, TextIO
+from typing import Any, BinaryIO, Final, TextIO
 
 import trio
 
 from ._codec import dump_info, dump_snapshot
 from ._errors import (
+    FencedOutError,
     InvalidSessionNameError,
     LeaseHeldError,
     SessionActorsError,
     SessionExistsError,
     SessionNotFoundError,
+    StoreConfigurationError,
     StoreError,
+    StoreNotDurableError,
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
@@ -43,6 +48,7 @@ from ._registry import Registry, create_session, open_registry
 from ._router import RoutingStore
 from ._session import LiveSession
 from .stores._base import Store
+from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
 from .stores._url import open_store
 
@@ -50,6 +56,13 @@ __all__ = ["add_parser", "run"]
 
 #: Seconds between two reads of the journal while ``tail`` follows a session.
 TAIL_INTERVAL: Final = 0.5
+#: The largest export ``import`` reads, in bytes: the largest snapshot (64 MiB) written
+#: as JSON, where a control character takes six bytes, and again as base64, fits well.
+MAX_IMPORT_BYTES: Final = 1024 * 1024 * 1024
+#: How long ``tail`` retries a store that does not answer before it gives up, in seconds.
+TAIL_OUTAGE: Final = 60.0
+#: The store errors that retrying does not mend (a configuration to change).
+_LASTING: Final = (StoreConfigurationError, StoreNotDurableError, FencedOutError)
 #: The exit status when the reader of standard output closed it (as a shell reports a
 #: process that SIGPIPE ended: 128 + 13).
 EXIT_PIPE_CLOSED: Final = 141
@@ -140,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
                 f"this deletes session {args.name!r} and all its history; "
                 "run it again with --yes to do it"
             )
+        if sys.stdout is None:  # (started with it closed, as by `>&-`)
+            raise OSError(
+                "standard output is closed, so nothing was done; run it with "
+                "standard output open (to /dev/null to discard it)"
+            )
         store = _open(args.store, write=name not in _READS)
         if name == "delete" and isinstance(store, SQLiteStore) and not os.path.exists(store.path):
             validate_name(args.name)
@@ -161,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         text = " ".join(str(exc).split()) or type(exc).__name__
         if not isinstance(exc, SessionActorsError | ValueError | OSError):
             text = f"{type(exc).__name__}: {text}"
-        print(f"sessionactors sessions {name}: {text}", file=sys.stderr)
+        print(f"sessionactors sessions {name}: {_terminal_safe(text)}", file=sys.stderr)
         return 1
 
 
@@ -178,6 +196,13 @@ def _open(url: str, *, write: bool) -> Store:
     """The store of ``url``: read-only for reads; for writes, a SQLite file that a
     process has opened shared (its lock file is there) is opened shared too."""
     store: Store = open_store(url, readonly=not write)
+    if isinstance(store, MemoryStore):  # (an import there would be lost at exit)
+        raise ValueError(
+            f"--store {url!r} is a store inside one process: this command's own, empty, "
+            "gone when it ends; give the store of your server (sqlite:///... or redis://...)"
+        )
+    if isinstance(store, SQLiteStore) and os.path.isdir(store.path):
+        raise ValueError(f"--store {url!r}: {store.path!r} is a directory, not a SQLite file")
     if write and isinstance(store, SQLiteStore) and not store.shared:
         path = store.path
         if os.path.exists(f"{path}.lock"):
@@ -196,7 +221,36 @@ async def _with_store(
 
 
 def _out(text: str = "") -> None:
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(_terminal_safe(text) + "\n")
+
+
+def _terminal_safe(text: str) -> str:
+    """``text`` with every control or format character but newline and tab (an ANSI
+    escape, a carriage return, a bidirectional override) written as ``\\uXXXX``, so
+    that what a session holds never reaches a terminal raw. JSON text stays the same
+    JSON: such characters are only in its strings, where the escape means the same."""
+    return _SUSPECT.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    if unicodedata.category(ch) not in _CONTROLS or ch == "\u200d":
+        return ch
+    code = ord(ch)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # (as JSON writes it: a UTF-16 surrogate pair)
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+#: The characters ``_terminal_safe`` looks at: all but newline, tab, printable ASCII and
+#: the blocks of letters that hold no control or format character (Latin to Hebrew,
+#: Devanagari to Khmer, CJK, Hangul), so that text in those scripts goes fast.
+_SUSPECT: Final = re.compile(
+    "[^\t\n\x20-\x7e\xa0-\xac\xae-\u05ff\u0900-\u17ff\u3000-\u9fff\uac00-\ud7ff]"
+)
+#: The Unicode categories it escapes (as session names refuse them).
+_CONTROLS: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 # ---- list -----------------------------------------------------------------------
@@ -271,8 +325,8 @@ async def _show(store: Store, args: argparse.Namespace) -> int:
 
 
 def _print_state(state: SessionState, out: TextIO) -> None:
-    def line(text: str = "") -> None:
-        out.write(text + "\n")
+    def line(text: str = "") -> None:  # a text's own lines indented below its first
+        out.write(_terminal_safe(text).replace("\n", "\n        ") + "\n")
 
     line(f"session {state.session_id}")
     line(f"  status: {state.status.value}   agent: {state.agent}   seq: {state.event_seq}")
@@ -318,11 +372,31 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
             nursery.start_soon(stop_on_signal)
             warned = False
             last: tuple[int, str] | None = None  # the seq and JSON of the last event printed
+            failing_since: float | None = None  # while the store does not answer
             while True:
                 try:  # from the last event printed on: to check it is still there
                     trimmed, events = await read_events(
                         store, name, after if last is None else last[0] - 1
                     )
+                except StoreError as exc:  # unavailable for a moment: say so, and retry
+                    now = trio.current_time()
+                    if (
+                        args.no_follow
+                        or isinstance(exc, _LASTING)
+                        or (failing_since is not None and now - failing_since > TAIL_OUTAGE)
+                    ):
+                        raise
+                    if failing_since is None:
+                        failing_since = now
+                        text = _terminal_safe(" ".join(str(exc).split()))
+                        print(
+                            f"sessionactors sessions tail: {text}; retrying for up to "
+                            f"{TAIL_OUTAGE:.0f} s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    await trio.sleep(TAIL_INTERVAL)
+                    continue
                 except SessionNotFoundError:
                     raise SessionNotFoundError(
                         f"session {name!r} is not stored (deleted?); nothing more to follow",
@@ -337,6 +411,13 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                             "nothing more to follow: run tail again to follow the new one",
                             session_id=name,
                         )
+                if failing_since is not None:
+                    failing_since = None
+                    print(
+                        "sessionactors sessions tail: the store answers again; following on",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 events = [event for event in events if event.seq > after]
                 if trimmed > after and not warned:
                     print(
@@ -411,15 +492,38 @@ async def _leased(store: Store, name: str, doing: str) -> AsyncIterator[None]:
 
 def _read_document(path: str) -> Any:
     where = "standard input" if path == "-" else repr(path)
+    if path == "-":
+        if sys.stdin is None:  # (started with it closed, as by `<&-`)
+            raise OSError("standard input is closed; pass the export as FILE, or pipe it in")
+        data = _read_bounded(sys.stdin.buffer, where)
+    else:
+        with open(path, "rb") as file:
+            data = _read_bounded(file, where)
     try:
-        if path == "-":
-            text = sys.stdin.buffer.read().decode("utf-8")
-        else:
-            with open(path, encoding="utf-8") as file:
-                text = file.read()
-        return json.loads(text)
+        return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
         raise ValueError(f"{where} is not JSON ({exc}); pass a file written by export") from None
+
+
+def _read_bounded(file: BinaryIO, where: str) -> bytes:
+    """What ``file`` holds, refused (before it is all read) when it is larger than any
+    export: a device that never ends (/dev/zero) or a huge file is no export."""
+    size = 0  # (unknown for a pipe or a device)
+    with contextlib.suppress(OSError, ValueError):
+        size = os.fstat(file.fileno()).st_size
+    if size > MAX_IMPORT_BYTES:
+        raise ValueError(_too_large(where, size))
+    data = file.read(MAX_IMPORT_BYTES + 1)
+    if len(data) > MAX_IMPORT_BYTES:
+        raise ValueError(_too_large(where, len(data)))
+    return data
+
+
+def _too_large(where: str, size: int) -> str:
+    return (
+        f"{where} holds over {MAX_IMPORT_BYTES:,} bytes ({size:,}), more than an export of "
+        "the largest session; pass a file written by export"
+    )
 
 
 async def _import(store: Store, args: argparse.Namespace) -> int:

@@ -145,7 +145,8 @@ def create_app(
 
     - ``token``: every request to ``/sessions...`` needs
       ``Authorization: Bearer TOKEN`` (or ``?access_token=TOKEN``, for
-      browsers' WebSocket and EventSource); otherwise 401.
+      browsers' WebSocket and EventSource); otherwise 401. An empty token is
+      refused (``ValueError``): an empty bearer token would match it.
     - ``authorize(request, session_name, action)``: called for every request
       to ``/sessions...`` (``session_name`` is None for the listing); a false
       result answers 403. It may be async. ``action`` is one of ``"list"``,
@@ -178,6 +179,11 @@ def create_app(
         )
     if heartbeat <= 0:
         raise ValueError(f"heartbeat must be a positive number of seconds, not {heartbeat}")
+    if token is not None and not token.strip():  # ("Bearer " or ?access_token= matched it)
+        raise ValueError(
+            f"token {token!r} is empty: anyone would get in with an empty bearer token; "
+            "give a secret (e.g. secrets.token_urlsafe()), or token=None for no token"
+        )
     return SessionsApp(
         registry,
         registry_options,

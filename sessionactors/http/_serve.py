@@ -8,6 +8,7 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Mapping
 from typing import Final
 
@@ -35,7 +36,15 @@ def load_agents(spec: str) -> dict[str, sa.Agent]:
         raise ValueError(f"--agent {spec!r}: write MODULE:ATTRIBUTE, e.g. myagents:support")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"--agent {spec!r}: {exc}") from None
+    except Exception as exc:  # its code raised (a SyntaxError, say): one line, no traceback
+        text = " ".join(str(exc).split())
+        raise ImportError(
+            f"--agent {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {text}"
+        ) from None
     try:
         value = getattr(module, attribute)
     except AttributeError:
@@ -127,11 +136,16 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         trio.run(run)
+    except KeyboardInterrupt:  # (a signal before the server took them over)
+        return 130
     except BaseException as exc:
-        refused = _startup_refusal(exc)
+        refused: BaseException | None = _startup_refusal(exc)
+        text = " ".join(str(refused).split())
+        if refused is None and (refused := _bind_refusal(exc)) is not None:
+            text = f"cannot listen on --host {args.host!r} --port {args.port}: {refused}"
         if refused is None:
             raise
-        print(f"sessionactors serve: cannot start: {refused}", file=sys.stderr)
+        print(f"sessionactors serve: cannot start: {text}", file=sys.stderr)
         return 1
     return 0
 
@@ -149,4 +163,20 @@ def _startup_refusal(error: BaseException) -> sa.SessionActorsError | None:
             while cause is not None and not isinstance(cause, sa.SessionActorsError):
                 cause = cause.__context__
             return cause
+    return None
+
+
+def _bind_refusal(error: BaseException) -> OSError | None:
+    """The error of the server's bind (an address in use, a host that does not resolve),
+    found in what hypercorn raised, or None."""
+    leaves = [error]
+    while leaves:
+        leaf = leaves.pop()
+        if isinstance(leaf, BaseExceptionGroup):
+            leaves.extend(leaf.exceptions)
+        elif isinstance(leaf, OSError) and any(
+            frame.f_code.co_name == "bind" or "hypercorn" in frame.f_code.co_filename
+            for frame, _ in traceback.walk_tb(leaf.__traceback__)
+        ):
+            return leaf
     return None

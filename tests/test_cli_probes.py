@@ -1,0 +1,302 @@
+"""Probes of ``python -m sessionactors`` at its edges, as an operator or an attacker runs
+it: hostile text in what it prints, a closed standard output, a reader that stops, a
+store that goes away for a moment, Ctrl-C at a prompt and arguments that make no sense."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import sessionactors as sa
+from models.fake_openai_server import open_fake_openai, text_reply
+from net_proxy import proxy_to
+from sessionactors.http import create_app
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel
+
+#: What a session's text may hold to take over a terminal: an ANSI escape (clear the
+#: screen), a carriage return, a C1 CSI (which JSON leaves raw), a bidirectional override
+#: and an OSC that sets the window's title.
+HOSTILE = "x\x1b[2J\ry\x9b31m\u202eevil\x1b]0;owned\x07\nnext line"
+PYTHON_M = (sys.executable, "-m", "sessionactors")
+RAW = ("\x1b", "\r", "\x9b", "\u202e", "\x07")
+
+
+def command(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m sessionactors ARGS``."""
+    return subprocess.run(
+        [sys.executable, "-m", "sessionactors", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        **kwargs,
+    )
+
+
+def one_line(done: subprocess.CompletedProcess[str], status: int) -> str:
+    """The one line on stderr of a command that failed with ``status``, no traceback."""
+    assert done.returncode == status, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    return done.stderr
+
+
+async def _hostile_session(path: Path) -> None:
+    agent = sa.Agent(model=EchoModel(), system_prompt=f"prompt {HOSTILE}")
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents={"echo": agent}) as registry:
+        ref = await registry.spawn("h", metadata={"note": HOSTILE})
+        await ref.send(HOSTILE)
+
+
+def test_what_a_session_holds_never_reaches_the_terminal_raw(tmp_path: Path) -> None:
+    """show, tail and export print no control character that a session's messages,
+    metadata or system prompt hold (an ANSI escape, a C1 CSI, a bidi override): show
+    writes them escaped (a message's own lines indented under it), and the JSON of tail
+    and export escapes them, as JSON that still reads back to the exact text."""
+    path = tmp_path / "s.db"
+    trio.run(_hostile_session, path)
+    store = f"sqlite:///{path}"
+    shown = command("sessions", "show", "h", "--store", store)
+    tailed = command("sessions", "tail", "h", "--no-follow", "--store", store)
+    exported = command("sessions", "export", "h", "--store", store)
+    for done in (shown, tailed, exported):
+        assert done.returncode == 0, done.stderr
+        assert not [ch for ch in RAW if ch in done.stdout], done.stdout
+    assert "\\u001b[2J" in shown.stdout
+    assert "        next line" in shown.stdout  # (not a line of its own, as a message is)
+    events = [json.loads(line) for line in tailed.stdout.splitlines()]
+    assert [e["text"] for e in events if e["type"] == "TurnStarted"] == [HOSTILE]
+    session = json.loads(exported.stdout)["session"]
+    assert [m["content"] for m in session["messages"]] == [HOSTILE, HOSTILE]
+    assert session["metadata"] == {"note": HOSTILE}
+
+
+def test_a_closed_standard_output_is_one_line_and_nothing_done(tmp_path: Path) -> None:
+    """A sessions command started with standard output closed (``>&-``) says so in one
+    line, rather than an AttributeError, and writes nothing: an import creates no store."""
+    target = tmp_path / "target.db"
+    document = tmp_path / "missing-is-fine.json"
+    args = ["sessions", "import", str(document), "--store", f"sqlite:///{target}"]
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", *PYTHON_M, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "standard output is closed" in one_line(done, 1)
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "expected"),
+    [
+        # (an import into a store of the command's own process would be lost at its end)
+        (["sessions", "import", "-", "--store", "memory://"], 1, "store inside one process"),
+        (["sessions", "list", "--store", "sqlite:///{tmp}"], 1, "is a directory"),
+        (["demo", "--sessions", "0"], 2, "--sessions"),
+        (["demo", "--turns", "-1"], 2, "--turns"),
+        (["demo", "--path", "{tmp}/s.db"], 2, "exists"),  # never into a real store
+        (["demo", "--sessions", "4", "--path", "{tmp}/no/such/dir.db"], 1, "no/such"),
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--port", "70000"], 2, "port"),
+        (["serve", "--store", "memory://", "--agent", "broken:a"], 2, "SyntaxError"),
+        (["serve", "--store", "memory://", "--agent", "raising:a"], 2, "boom at import"),
+        (["serve", "--store", "memory://", "--agent", "nosuchmodule:a"], 2, "--agent"),
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--port", "{busy}"], 1, "{busy}"),
+        # (as --token "$TOKEN" with TOKEN unset: an empty bearer token would match it)
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--token", ""], 2, "--token"),
+        # (as --host "$HOST" with HOST unset: it listened on every interface)
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--host", ""], 2, "--host"),
+    ],
+)
+def test_bad_arguments_are_one_line_without_a_traceback(
+    tmp_path: Path, args: list[str], status: int, expected: str
+) -> None:
+    """A store URL that cannot work, a demo count that is too small or a demo file that
+    exists, a port out of range or in use, an agent module that does not import: one line
+    naming what is wrong, exit status 2 for an argument and 1 otherwise."""
+    (tmp_path / "s.db").write_bytes(b"")
+    (tmp_path / "agents.py").write_text(
+        "import sessionactors as sa\nfrom sessionactors.testing import EchoModel\n"
+        "a = sa.Agent(model=EchoModel())\n"
+    )
+    (tmp_path / "broken.py").write_text("a = (\n")
+    (tmp_path / "raising.py").write_text("raise RuntimeError('boom at import')\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = [a.replace("{tmp}", str(tmp_path)).replace("{busy}", port) for a in args]
+        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    line = one_line(done, status)
+    assert expected.replace("{busy}", port) in line, line
+    assert "serving" not in done.stdout
+
+
+def test_the_demo_ends_quietly_when_its_reader_stops(tmp_path: Path) -> None:
+    """``demo | head -1``: the demo ends with the status of a closed pipe (141), no
+    traceback."""
+    script = f'"{sys.executable}" -m sessionactors demo --sessions 4 --turns 1 | head -1'
+    script += '; exit "${PIPESTATUS[0]}"'
+    done = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout.startswith("== sessionactors demo: 4 sessions")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 141, done.stderr
+
+
+async def test_chat_stops_at_once_on_ctrl_c_and_escapes_the_model_text(tmp_path: Path) -> None:
+    """chat prints the model's text with its control characters escaped (a reply must
+    not drive the terminal), and Ctrl-C at the prompt ends it at once with status 130 and
+    no traceback, rather than at the next line typed."""
+    async with open_fake_openai() as server:
+        server.push(text_reply("Hi", " \x1b[2Jthere\x9b"))
+        args = [
+            "chat",
+            "--base-url",
+            server.base_url,
+            "--model",
+            "m",
+            "--db",
+            str(tmp_path / "c.db"),
+        ]
+        process = await trio.lowlevel.open_process(
+            [*PYTHON_M, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert process.stdin is not None
+        assert process.stdout is not None
+        assert process.stderr is not None
+        try:
+            with trio.fail_after(60):
+                out = b""
+                await process.stdin.send_all(b"hello\n")
+                while b"there" not in out:
+                    chunk = await process.stdout.receive_some()
+                    assert chunk, out
+                    out += chunk
+                await trio.sleep(0.3)  # (back at the prompt, waiting for a line)
+                process.send_signal(signal.SIGINT)
+                assert await process.wait() == 130
+            rest = b""
+            while chunk := await process.stdout.receive_some():
+                rest += chunk
+            errors = await process.stderr.receive_some()
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            await process.stdin.aclose()
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+    text = (out + rest).decode()
+    assert "Hi \\u001b[2Jthere\\u009b" in text
+    assert "\x1b" not in text
+    assert b"Traceback" not in errors, errors
+
+
+@pytest.mark.redis
+async def test_tail_rides_out_a_store_that_is_away_for_a_moment(redis_url: str) -> None:
+    """tail follows a session on Redis through a moment when the store does not answer
+    (every command's connection dropped): it says so on stderr, retries, says when the
+    store answers again, prints the events stored meanwhile and after, and ends cleanly
+    on SIGTERM, rather than ending at the first failed read."""
+    db = redis_url.rsplit("/", 1)[1] if redis_url.count("/") > 2 else "0"
+    name = f"tail-{uuid.uuid4().hex[:8]}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with (
+        proxy_to(redis_url) as (proxy, through),
+        sa.open_registry(store=RedisStore(redis_url), agents=agents) as registry,
+    ):
+        ref = await registry.spawn(name)
+        await ref.send("before")
+        process = await trio.lowlevel.open_process(
+            [*PYTHON_M, "sessions", "tail", name, "--after", "0", "--store", f"{through}/{db}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        out, err = b"", b""
+
+        async def until(
+            stream: trio.abc.ReceiveStream, text: bytes, seen: bytes, times: int = 1
+        ) -> bytes:
+            while seen.count(text) < times:
+                chunk = await stream.receive_some()
+                assert chunk, seen
+                seen += chunk
+            return seen
+
+        try:
+            with trio.fail_after(60):
+                out = await until(process.stdout, b'"TurnFinished"', out)
+                proxy.edit = lambda words: None  # away: every command's connection dropped
+                err = await until(process.stderr, b"retrying", err)
+                await ref.send("meanwhile")
+                proxy.edit = None
+                err = await until(process.stderr, b"answers again", err)
+                await ref.send("after")
+                out = await until(process.stdout, b'"TurnFinished"', out, times=3)
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+        await registry.delete(name)
+    events = [json.loads(line) for line in out.decode().splitlines()]
+    finished = [e["message"]["content"] for e in events if e["type"] == "TurnFinished"]
+    assert finished == ["before", "meanwhile", "after"]
+    assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
+    assert b"Traceback" not in err
+
+
+def test_import_refuses_what_no_export_is_before_reading_it(tmp_path: Path) -> None:
+    """import refuses a file larger than any export (a 2 GiB file of nothing, as
+    /dev/zero would be) before reading it all, and an import from a standard input that
+    is closed, each in one line and with nothing written."""
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as file:  # (sparse: no disk used)
+        file.truncate(2 * 1024**3)
+    target = tmp_path / "target.db"
+    store = f"sqlite:///{target}"
+    line = one_line(command("sessions", "import", str(huge), "--store", store), 1)
+    assert "huge.json" in line
+    assert "more than an export" in line
+    args = ["sessions", "import", "-", "--store", store]
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&-', "sh", *PYTHON_M, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "standard input is closed" in one_line(done, 1)
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_rather_than_matched_by_an_empty_bearer(token: str) -> None:
+    """create_app(token="") refused nothing: a request with ``?access_token=`` (or
+    ``Authorization: Bearer ``) got in. An empty token is now a ValueError that says so."""
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    with pytest.raises(ValueError, match="empty"):
+        create_app(store=sa.MemoryStore(), agents=agents, token=token)
