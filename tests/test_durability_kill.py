@@ -19,6 +19,7 @@ from sessionactors.testing import EchoModel
 
 CHILD = Path(__file__).with_name("durability_child.py")
 SESSIONS = 4
+AHEAD = 2  # children started ahead of their round
 
 
 def start_child(path: Path, mode: str) -> subprocess.Popen[str]:
@@ -82,20 +83,22 @@ def kill_rounds(tmp_path: Path, mode: str, rounds: int, seed: int) -> list[str]:
     path = tmp_path / "kill.db"
     acked: dict[str, int] = {}
     problems: list[str] = []
-    # the next round's child starts (its interpreter and imports) while this round runs;
-    # it opens the store only once this round's child is dead and the store checked
-    spare = start_child(path, mode)
+    # the next rounds' children start (their interpreters and imports) while this round
+    # runs; each opens the store only once the round before is over and the store checked
+    started = [start_child(path, mode) for _ in range(min(AHEAD, rounds))]
     try:
         for round_ in range(rounds):
-            child, spare = spare, (start_child(path, mode) if round_ + 1 < rounds else None)
+            child = started.pop(0)
+            if round_ + len(started) + 1 < rounds:
+                started.append(start_child(path, mode))
             for name, ks in run_round(child, rng).items():
                 acked[name] = max(acked.get(name, -1), *ks)
             problems += check_store(path, acked)
             if problems:
                 break
     finally:
-        if spare is not None:  # (unused: its end of input ends it)
-            spare.communicate(timeout=30)
+        for unused in started:  # (the end of its input ends it)
+            unused.communicate(timeout=30)
     return problems
 
 
