@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import json
@@ -10,8 +9,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -33,10 +30,10 @@ import sessionactors as sa
 from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import EchoModel, journal_events
 from stream_checks import check_stream, stream_problems
+from worker_spares import open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
 
-WORKER = Path(__file__).with_name("cluster_worker.py")
 TTL = 1.0  # lease time-to-live of every worker here: failovers take about a second
 AGENTS = {"echo": sa.Agent(model=EchoModel())}
 #: How far past the highest stored seq a wake after a death numbers its events (see
@@ -113,67 +110,6 @@ class Worker:
         os.kill(self.process.pid, signum)
 
 
-class _SpareProcess:
-    """A started ``cluster_worker.py --spare`` with the part of trio.Process's interface
-    the tests use: ``pid``, ``returncode``, ``stdin``, ``stdout``, ``wait()``."""
-
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        assert popen.stdin is not None
-        assert popen.stdout is not None
-        self._popen = popen
-        self.pid = popen.pid
-        self.stdin = trio.lowlevel.FdStream(os.dup(popen.stdin.fileno()))
-        self.stdout = trio.lowlevel.FdStream(os.dup(popen.stdout.fileno()))
-        popen.stdin.close()
-        popen.stdout.close()
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.poll()
-
-    async def wait(self) -> int:
-        while (code := self._popen.poll()) is None:
-            await trio.sleep(0.01)
-        return code
-
-
-#: Worker processes started ahead (interpreter started, modules imported), waiting for
-#: their arguments: a test's workers start without waiting for their imports. Each test
-#: that started workers starts as many again as it took (up to ``_SPARE_COUNT``) for the
-#: next when it ends, not while it runs (they would take the CPU from its workers).
-_SPARES: list[subprocess.Popen[bytes]] = []
-_SPARE_COUNT = 4
-
-
-def _spare() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), "--spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-
-
-def _start_spares() -> None:
-    while len(_SPARES) < _SPARE_COUNT:
-        _SPARES.append(_spare())
-
-
-@atexit.register
-def _end_spares() -> None:
-    for popen in _SPARES:  # (the end of its input ends a spare)
-        assert popen.stdin is not None
-        assert popen.stdout is not None
-        popen.stdin.close()
-        popen.wait(10)
-        popen.stdout.close()
-    _SPARES.clear()
-
-
-async def _open_worker_process(args: list[str]) -> _SpareProcess:
-    """A worker process running with ``args`` (cluster_worker.py's command line)."""
-    process = _SpareProcess(_SPARES.pop(0) if _SPARES else _spare())
-    await process.stdin.send_all(json.dumps(args).encode() + b"\n")
-    return process
-
-
 class Cluster:
     """Starts workers on one redis prefix and makes sure none outlives the test."""
 
@@ -189,7 +125,7 @@ class Cluster:
         """A worker process; with ``balance=False`` its sessions stay where they woke."""
         args = [self.url, self.prefix, name, str(TTL), mode]
         args += [str(delay), "balance" if balance else "fixed"]
-        process = await _open_worker_process(args)
+        process = await open_worker_process(args)
         worker = Worker(process, name)
         self.workers.append(worker)
         await self.nursery.start(worker.read_lines)
@@ -233,7 +169,7 @@ async def workers_at(url: str, prefix: str | None = None) -> AsyncIterator[Clust
                     await worker.process.wait()
             nursery.cancel_scope.cancel()
             if the_cluster.workers:
-                _start_spares()
+                start_spares()
 
 
 async def _workers_on(url: str) -> AsyncIterator[Cluster]:
