@@ -1,6 +1,8 @@
 """A worker process for the cluster tests: one registry on a RedisStore, driven by JSON lines.
 
 Usage: cluster_worker.py URL PREFIX WORKER_ID LEASE_TTL MODE WORD_DELAY [BALANCE]
+or ``cluster_worker.py --spare``: import everything, then read those arguments as a JSON
+list from the first stdin line (and exit at the end of input): a worker started ahead.
 
 MODE is "normal"; "stale-write" (renewals report success without reaching the
 store, as if they were stuck, so that only a fenced write can notice a lost
@@ -335,7 +337,19 @@ async def main(
             nursery.cancel_scope.cancel()
 
 
+def first_line() -> bytes:
+    """The first stdin line, read byte by byte (what follows stays for ``lines()``)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            sys.exit(0)  # not needed after all
+        line += byte
+    return line
+
+
 if __name__ == "__main__":
-    url, prefix, worker, ttl, mode, delay = sys.argv[1:7]
-    balance = (sys.argv[7] if len(sys.argv) > 7 else "balance") == "balance"
+    args = json.loads(first_line()) if sys.argv[1:] == ["--spare"] else sys.argv[1:]
+    url, prefix, worker, ttl, mode, delay = args[:6]
+    balance = (args[6] if len(args) > 6 else "balance") == "balance"
     trio.run(main, url, prefix, worker, float(ttl), mode, float(delay), balance)

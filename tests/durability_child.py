@@ -1,6 +1,8 @@
 """A worker for the kill -9 tests: sends turns and prints an ACK after each reply.
 
 Usage: durability_child.py PATH MODE SESSIONS
+It imports what it needs, then waits for a line on stdin before it opens the store
+(the harness starts the next round's child while this round's runs).
 MODE is "durable" (the real SQLiteStore), "ack-before-commit" (the store wrapped in
 the test kit's FlawedStore("ack_appends_early"), which answers appends before
 writing them: the negative control) or
@@ -42,4 +44,5 @@ async def main(path: str, mode: str, sessions: int) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if sys.stdin.readline():  # (end of input: the harness did not need this child)
+        trio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -51,6 +51,10 @@ SENTINEL_URL_ENV = "SESSIONACTORS_REDIS_SENTINEL_URL"
 REQUIRE_ENV = "SESSIONACTORS_REQUIRE_REDIS"
 #: What makes a server keep every acknowledged write (RedisStore's default demand).
 DURABLE = ("--appendonly", "yes", "--appendfsync", "always", "--save", "")
+#: A master serves a replica that joins it at once, not after the default 5 s wait for
+#: more replicas to share one transfer (the helpers below that start replicas use it on
+#: every server: after a failover a replica is the master).
+SYNC_AT_ONCE = ("--repl-diskless-sync-delay", "0")
 
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
@@ -96,13 +100,16 @@ def _free_port(highest: int = 65535) -> int:
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
+    # A server that is writing its first append-only file (a replica just in sync) refuses
+    # a SIGTERM ("Writing initial AOF, can't exit") and goes on: ask again until it stops.
+    deadline = time.monotonic() + _STOP_TIMEOUT
+    while process.poll() is None and time.monotonic() < deadline:
+        process.terminate()  # (a second SIGTERM, unlike a second SIGINT, is no hard exit)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(0.1)
     if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(_STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        process.kill()
+        process.wait()
 
 
 def _binary(name: str = "redis-server") -> str:
@@ -189,7 +196,8 @@ def private_redis_cluster(
         ports = [_free_port(_MAX_CLUSTER_PORT) for _ in range(masters * (1 + replicas))]
         tls_ports = [_free_port(_MAX_CLUSTER_PORT) for _ in ports] if tls else []
         for i, port in enumerate(ports):
-            args = [*DURABLE, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args = [*DURABLE, *SYNC_AT_ONCE, "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf"]  # fmt: skip
             if tls:  # (a node tells each client the port of the client's own kind)
                 cert, key = tls
                 args += ["--tls-port", str(tls_ports[i]), "--tls-cluster", "yes",
@@ -248,12 +256,13 @@ def private_redis_replicated(replicas: int = 1) -> Iterator[Replicated]:
         contextlib.ExitStack() as stack,
     ):
         primary = _free_port()
-        stack.enter_context(_server(stack, Path(tmp), primary, DURABLE, "the primary"))
+        args = [*DURABLE, *SYNC_AT_ONCE]
+        stack.enter_context(_server(stack, Path(tmp), primary, args, "the primary"))
         ports: list[int] = []
         pids: list[int] = []
         for _ in range(replicas):
             port = _free_port()
-            args = [*DURABLE, "--replicaof", "127.0.0.1", str(primary)]
+            args = [*DURABLE, *SYNC_AT_ONCE, "--replicaof", "127.0.0.1", str(primary)]
             pids.append(stack.enter_context(_server(stack, Path(tmp), port, args, "a replica")).pid)
             ports.append(port)
         deadline = time.monotonic() + _START_TIMEOUT
@@ -280,11 +289,11 @@ def private_redis_sentinel(service: str = "sa-test", *, replicas: int = 0) -> It
         contextlib.ExitStack() as stack,
     ):
         master, sentinel = _free_port(), _free_port()
-        args = [*DURABLE, "--repl-diskless-sync-delay", "0"]  # (replicas in sync at once)
+        args = [*DURABLE, *SYNC_AT_ONCE]
         stack.enter_context(_server(stack, Path(tmp), master, args, "redis-server"))
         ports = [_free_port() for _ in range(replicas)]
         for port in ports:
-            args = [*DURABLE, "--replicaof", "127.0.0.1", str(master)]
+            args = [*DURABLE, *SYNC_AT_ONCE, "--replicaof", "127.0.0.1", str(master)]
             stack.enter_context(_server(stack, Path(tmp), port, args, "a replica"))
         deadline = time.monotonic() + _START_TIMEOUT
         while not all(

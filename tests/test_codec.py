@@ -1764,11 +1764,16 @@ def plain(value: Any, in_metadata: bool = False) -> Any:
     return value
 
 
-_WRONG = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+#: 100 records a run (about 2.5 s each, most of it drawing them); make soak draws 2,000.
+_WRONG = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_WRONG_SOAK = settings(_WRONG, max_examples=2000)
+_WRONG_STATES = with_a_wrong_value(session_states())
+_WRONG_ENTRIES = st.lists(with_a_wrong_value(events()), min_size=1, max_size=3)
+_WRONG_INFOS = with_a_wrong_value(session_infos())
 
 
 @_WRONG
-@given(with_a_wrong_value(session_states()))
+@given(_WRONG_STATES)
 def test_what_dump_snapshot_accepts_loads_back(state: sa.SessionState) -> None:
     """A session state with any value anywhere is refused by dump_snapshot with
     TypeError or ValueError, or loads back equal."""
@@ -1776,17 +1781,30 @@ def test_what_dump_snapshot_accepts_loads_back(state: sa.SessionState) -> None:
 
 
 @_WRONG
-@given(st.lists(with_a_wrong_value(events()), min_size=1, max_size=3))
+@given(_WRONG_ENTRIES)
 def test_what_dump_events_accepts_loads_back(entry: list[sa.Event]) -> None:
     """Events with any value anywhere are refused by dump_events, or load back equal."""
     accepted_reloads(dump_events, load_events, entry)
 
 
 @_WRONG
-@given(with_a_wrong_value(session_infos()))
+@given(_WRONG_INFOS)
 def test_what_dump_info_accepts_loads_back(info: sa.SessionInfo) -> None:
     """A session info with any value anywhere is refused by dump_info, or loads back equal."""
     accepted_reloads(dump_info, load_info, info)
+
+
+@pytest.mark.soak
+@_WRONG_SOAK
+@given(st.one_of(_WRONG_STATES, _WRONG_ENTRIES, _WRONG_INFOS))
+def test_soak_what_dump_accepts_loads_back(record: Any) -> None:
+    """The three checks above, 2,000 records of all three kinds."""
+    if isinstance(record, sa.SessionState):
+        accepted_reloads(dump_snapshot, load_snapshot, record)
+    elif isinstance(record, sa.SessionInfo):
+        accepted_reloads(dump_info, load_info, record)
+    else:
+        accepted_reloads(dump_events, load_events, record)
 
 
 def test_the_reload_check_catches_an_encoder_that_writes_anything() -> None:

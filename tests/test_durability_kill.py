@@ -19,17 +19,27 @@ from sessionactors.testing import EchoModel
 
 CHILD = Path(__file__).with_name("durability_child.py")
 SESSIONS = 4
+AHEAD = 2  # children started ahead of their round
 
 
-def run_round(path: Path, mode: str, rng: random.Random) -> dict[str, list[int]]:
-    """Start a child, kill -9 it at a random moment, return the ACKs it printed."""
-    proc = subprocess.Popen(
+def start_child(path: Path, mode: str) -> subprocess.Popen[str]:
+    """A child that has imported what it needs and waits for a line before it starts."""
+    return subprocess.Popen(
         [sys.executable, str(CHILD), str(path), mode, str(SESSIONS)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def run_round(proc: subprocess.Popen[str], rng: random.Random) -> dict[str, list[int]]:
+    """Let a started child go, kill -9 it at a random moment once it is ready, return the
+    ACKs it printed."""
+    assert proc.stdin is not None
     assert proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
     ready = proc.stdout.readline()
     assert ready.strip() == "READY", ready + (proc.stderr.read() if proc.stderr else "")
     time.sleep(rng.uniform(0.02, 0.4))
@@ -73,12 +83,22 @@ def kill_rounds(tmp_path: Path, mode: str, rounds: int, seed: int) -> list[str]:
     path = tmp_path / "kill.db"
     acked: dict[str, int] = {}
     problems: list[str] = []
-    for _ in range(rounds):
-        for name, ks in run_round(path, mode, rng).items():
-            acked[name] = max(acked.get(name, -1), *ks)
-        problems += check_store(path, acked)
-        if problems:
-            break
+    # the next rounds' children start (their interpreters and imports) while this round
+    # runs; each opens the store only once the round before is over and the store checked
+    started = [start_child(path, mode) for _ in range(min(AHEAD, rounds))]
+    try:
+        for round_ in range(rounds):
+            child = started.pop(0)
+            if round_ + len(started) + 1 < rounds:
+                started.append(start_child(path, mode))
+            for name, ks in run_round(child, rng).items():
+                acked[name] = max(acked.get(name, -1), *ks)
+            problems += check_store(path, acked)
+            if problems:
+                break
+    finally:
+        for unused in started:  # (the end of its input ends it)
+            unused.communicate(timeout=30)
     return problems
 
 

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -21,12 +18,12 @@ import sessionactors as sa
 from net_proxy import proxy_to
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
+from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
 WAKE = msgpack.packb({"op": "wake"})
-WORKER = Path(__file__).with_name("cluster_worker.py")
 
 
 def open_worker(url: str, prefix: str, worker_id: str, model: Any = None, **options: Any) -> Any:
@@ -62,13 +59,11 @@ async def test_a_turn_submitted_nowait_to_a_session_live_elsewhere_reads_failed(
 @contextlib.asynccontextmanager
 async def worker_process(
     url: str, prefix: str, worker_id: str, names: list[str], word_delay: float
-) -> AsyncIterator[trio.Process]:
+) -> AsyncIterator[SpareProcess]:
     """A tests/cluster_worker.py process whose echo model waits ``word_delay`` seconds
     per word, that has woken ``names`` (sessions stay where they woke); killed at the end."""
-    command = [sys.executable, str(WORKER), url, prefix, worker_id, str(TTL), "normal"]
-    process = await trio.lowlevel.open_process(
-        [*command, str(word_delay), "fixed"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    args = [url, prefix, worker_id, str(TTL), "normal", str(word_delay), "fixed"]
+    process = await open_worker_process(args)
     try:
         assert process.stdin is not None
         assert process.stdout is not None
@@ -90,6 +85,7 @@ async def worker_process(
         process.kill()
         with trio.move_on_after(10):
             await process.wait()
+        start_spares()
 
 
 async def subscribe_until_error(

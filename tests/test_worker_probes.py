@@ -10,11 +10,8 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,11 +21,11 @@ import trio.testing
 import sessionactors as sa
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
+from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
-WORKER = Path(__file__).with_name("cluster_worker.py")
 
 
 def open_worker(url: str, prefix: str, worker_id: str, model: Any, **options: Any) -> Any:
@@ -137,13 +134,10 @@ async def test_a_turn_failed_through_another_worker_keeps_its_cause(redis_url: s
 
 
 @contextlib.asynccontextmanager
-async def worker_process(url: str, prefix: str, worker_id: str) -> AsyncIterator[trio.Process]:
+async def worker_process(url: str, prefix: str, worker_id: str) -> AsyncIterator[SpareProcess]:
     """A tests/cluster_worker.py process (sessions stay where they woke) that has woken
     sessions s0..s9; killed at the end."""
-    command = [sys.executable, str(WORKER), url, prefix, worker_id, str(TTL), "normal", "0"]
-    process = await trio.lowlevel.open_process(
-        [*command, "fixed"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    process = await open_worker_process([url, prefix, worker_id, str(TTL), "normal", "0", "fixed"])
     try:
         assert process.stdin is not None
         assert process.stdout is not None
@@ -172,6 +166,7 @@ async def worker_process(url: str, prefix: str, worker_id: str) -> AsyncIterator
         process.kill()
         with trio.move_on_after(10):
             await process.wait()
+        start_spares()
 
 
 async def test_requests_to_a_frozen_worker_go_to_the_next_owner_once_its_lease_lapsed(

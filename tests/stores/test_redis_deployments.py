@@ -367,11 +367,16 @@ async def test_a_given_client_is_checked_too(private_redis_server: PrivateServer
 # -- a Sentinel failover ------------------------------------------------------------------
 
 #: Turns go through the new master within this of a failover, by replicas waited for.
-#: The old master takes writes until the Sentinel converts it, about 10 s after the
-#: failover; a server that joins a master as its replica syncs after
-#: ``repl-diskless-sync-delay`` (5 s by default); a session failed by its store rests
+#: The old master takes writes until the Sentinel converts it, 4 ``PUBLISH-PERIOD``s
+#: after the failover (8 s by default), at its next INFO (``INFO-PERIOD``); a server
+#: that joins a master as its replica syncs after ``repl-diskless-sync-delay`` (0 in the
+#: test servers, 5 s by default); a session failed by its store rests
 #: ``restart_window`` (5 s). Waiting for every replica waits for the old master too.
 FAILOVER_WITHIN = {2: 40.0, 1: 20.0}
+#: The test's Sentinel's timers (``SENTINEL DEBUG``, in ms; 2000 and 10000 by default):
+#: it converts the old master about 1 s after the failover instead of about 9 s. The
+#: failover goes through the same steps.
+SENTINEL_TIMERS = ("PUBLISH-PERIOD", "250", "INFO-PERIOD", "1000")
 
 
 async def ask_sentinel(url: str, *args: str) -> bytes:
@@ -396,6 +401,8 @@ async def test_turns_go_on_through_a_sentinel_failover(
     agents = {"echo": sa.Agent(model=EchoModel())}
     with private_redis_sentinel(replicas=2) as url, trio.fail_after(120):
         service = urlsplit(url).path.strip("/")
+        reply = await ask_sentinel(url, "SENTINEL", "DEBUG", *SENTINEL_TIMERS)
+        assert reply.startswith(b"+OK"), reply
         acked: list[str] = []
         refused = 0
         store = RedisStore(url, replicas=waited, timeout=1.0)
