@@ -364,7 +364,10 @@ class Actor:
         """The shutdown grace ran out: cut the turn in flight and hibernate at once."""
         if self.phase in (Phase.LOADING, Phase.SERVING, Phase.CLOSING):
             self.phase = Phase.ABORTING
-        if self._load_scope is not None:  # still waking: give the store's read up
+        if self._load_scope is not None and not self.acknowledged_unsaved():
+            # still waking, and holding nothing answered (a restart after a crash may
+            # hold answered turns only a snapshot after this read can keep): give the
+            # store's read up
             self._load_scope.cancel()
         self.cancel_turn()
 
@@ -667,6 +670,8 @@ class Actor:
         if self._ready is not None:
             ready = self._ready
             loading = self._load_scope = trio.CancelScope()
+            if self.phase is Phase.ABORTING:  # (restarted after the grace ran out)
+                self.abort()
             try:
                 with loading:
                     await self.load()
@@ -674,6 +679,8 @@ class Actor:
                     raise stopped_error(self.session_id, "closing")
             except SessionActorsError as exc:
                 self.load_error = exc
+                if self.acknowledged_unsaved():  # (restarted) answered turns it cannot keep
+                    self.host.unwritten(self.session_id, exc)
                 self.publish_after_crash(loaded=False)
                 # not found or stopped: hold nothing, and say so only once the lease is
                 # free (a caller may spawn the name elsewhere at once)
@@ -987,7 +994,8 @@ class Actor:
         if reply is None:
             reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         self.due = None
-        # counted once written (a write that fails crashes the session: not completed)
+        # counted once its commit returned (a commit that fails crashes the session: not
+        # counted; closing, a commit cut short leaves the turn to the closing snapshot)
         if cancelled:
             stats.turns_cancelled += 1
         elif failure is not None:

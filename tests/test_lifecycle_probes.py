@@ -326,3 +326,30 @@ async def test_closing_the_registry_while_a_wake_reads_a_stalled_store_keeps_to_
     error = outcome[0]
     assert isinstance(error, sa.SessionStoppedError)
     assert error.session_id == "s"
+
+
+async def test_a_stalled_wake_holding_answered_turns_is_not_given_up_silently(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """durability="hibernate": an incarnation restarted after a crash carries the
+    answered turns that no write holds yet, and must read the store before it can
+    write them. If that read stalls while the registry closes, giving it up at the
+    grace's end would drop those turns without a word: the registry's exit reports
+    them as not written instead, naming the session."""
+    store = FaultyStore()
+
+    async def crash_while_waking() -> None:
+        async with sa.open_registry(
+            store=store, agents=ECHO, durability="hibernate", shutdown_grace=1
+        ) as reg:
+            ref = await reg.spawn("s")
+            await ref.send("one")  # answered; only a snapshot would hold it
+            store.hold("load")  # the restarted incarnation's read: never answered
+            store.fail("write_snapshot")
+            with pytest.raises(sa.StoreError):
+                await ref.hibernate()  # the actor crashes and restarts
+            await trio.testing.wait_all_tasks_blocked()
+
+    with pytest.raises(sa.StoreError, match="'s'") as caught:
+        await crash_while_waking()
+    assert "lost" in str(caught.value)
