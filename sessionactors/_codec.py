@@ -739,11 +739,12 @@ def load_events(
     if raw[0].__class__ is int:
         try:
             name, maps = from_compact(raw)
+            named = session_id or name[:256]
+            # each event is built before the next map is drawn (see from_compact)
+            return [_structure_event_map(item, named) for item in maps]
         except CompactError as exc:
             found = raw[1][:256] if len(raw) > 1 and raw[1].__class__ is str else None
             raise _corrupt("journal entry", session_id or found, str(exc)) from exc
-        session_id = session_id or name[:256]
-        return [_structure_event_map(item, session_id) for item in maps]
     events = []
     for item in raw:
         if item.__class__ is not dict:

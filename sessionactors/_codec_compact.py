@@ -12,14 +12,17 @@ repeated session name: about half the bytes, and packed from arrays that are
 cheaper to build than maps.
 
 Rules: a record's fields keep their order, and a new field is added last, with a
-default. An array shorter than its record's fields leaves the rest to their
-defaults (records written before the field existed); one longer than them is
-corrupt (written by a newer sessionactors). Reading turns each array back into
+default. The order is attrs' (a base class's fields first), so a class other
+records derive from (``Event``) never gains a field: it would shift theirs. An
+array shorter than its record's fields leaves the rest to their defaults
+(records written before the field existed); one longer than them is corrupt
+(written by a newer sessionactors). Reading turns each array back into
 the map of the map form, so that the same structuring checks every value.
 
 Pure (no trio); see :mod:`._codec` for the rest of the codec.
 """
 
+from collections.abc import Iterator
 from typing import Any, Final, get_args
 
 import attrs
@@ -106,11 +109,12 @@ def _array(raw: dict[str, Any], fields: tuple[_Field, ...]) -> list[Any]:
 # -- reading ---------------------------------------------------------------------------
 
 
-def from_compact(raw: list[Any]) -> tuple[str, list[dict[str, Any]]]:
+def from_compact(raw: list[Any]) -> tuple[str, Iterator[dict[str, Any]]]:
     """The session name and the events' maps (of the map form, tagged) of a compact
-    entry, as msgpack decoded it (``raw[0]`` is an integer); raises CompactError. The
-    arrays are replaced by maps as it goes (the entry's arrays and maps never all
-    live at once)."""
+    entry, as msgpack decoded it (``raw[0]`` is an integer); raises CompactError, the
+    header's at once, an event's as the maps are drawn. Each event's array is
+    dropped as its map is drawn: with the caller building each event before it draws
+    the next map, no two forms of the entry's events live at once."""
     version = raw[0]
     if version != COMPACT_ENTRY:
         if version.__class__ is int and version > COMPACT_ENTRY:
@@ -124,7 +128,10 @@ def from_compact(raw: list[Any]) -> tuple[str, list[dict[str, Any]]]:
     session_id = raw[1]
     if session_id.__class__ is not str:
         raise CompactError("the session name is not a string")
-    maps = []
+    return session_id, _event_maps(raw, session_id)
+
+
+def _event_maps(raw: list[Any], session_id: str) -> Iterator[dict[str, Any]]:
     for index in range(2, len(raw)):
         item = raw[index]
         raw[index] = None
@@ -134,13 +141,13 @@ def from_compact(raw: list[Any]) -> tuple[str, list[dict[str, Any]]]:
         fields = EVENT_FIELDS.get(tag) if tag.__class__ is str else None
         if fields is None:
             # unknown tags are named as the map form names them (see _codec)
-            maps.append({"session_id": session_id, TAG_KEY: tag})
+            yield {"session_id": session_id, TAG_KEY: tag}
             continue
         event = _map(item, 1, fields, tag)
+        del item
         event["session_id"] = session_id
         event[TAG_KEY] = tag
-        maps.append(event)
-    return session_id, maps
+        yield event
 
 
 def _map(values: list[Any], start: int, fields: tuple[_Field, ...], what: str) -> dict[str, Any]:

@@ -1656,6 +1656,17 @@ def test_loading_a_dense_compact_entry_costs_a_bounded_multiple_of_the_size() ->
     assert peak_memory(load_events, data) < MAX_MEMORY_MULTIPLE * len(data)
 
 
+@pytest.mark.parametrize("tag", ["delta", "turn_cancelled", "status_changed"])
+def test_loading_a_compact_entry_of_many_tiny_events_costs_a_bounded_multiple(tag: str) -> None:
+    """A compact entry of the smallest events (a delta with empty texts is 12 bytes),
+    at about 768 KiB, peaks below MAX_MEMORY_MULTIPLE times its size: the events are
+    built one by one, not after every event's map."""
+    fields = {"delta": ["", ""], "turn_cancelled": [""], "status_changed": ["idle"]}[tag]
+    events = [[tag, i + 1, *fields] for i in range(65_000)]
+    data = msgpack.packb([1, "s", *events])
+    assert peak_memory(load_events, data) < MAX_MEMORY_MULTIPLE * len(data)
+
+
 def test_the_memory_check_catches_a_decoder_without_a_budget() -> None:
     """Negative control: msgpack without the budget on maps and arrays goes far past
     the multiple on the same bytes."""
