@@ -994,7 +994,9 @@ class SQLiteStore:
         while the thread is still at work (a bound on the close, over a stalled
         disk), it raises ``Cancelled`` at once: the thread still finishes the
         queued requests (their callers are answered after their commit, as
-        always), closes the file and releases its lock on its own.
+        always), closes the file and releases its lock on its own; until it has,
+        the file is still this store's, and opening it again may be refused as a
+        file in use.
         """
         with self._lock:
             worker, self._worker = self._worker, None
