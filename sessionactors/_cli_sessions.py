@@ -225,8 +225,9 @@ def _out(text: str = "") -> None:
 
 
 def _terminal_safe(text: str) -> str:
-    """``text`` with every control or format character but newline and tab (an ANSI
-    escape, a carriage return, a bidirectional override) written as ``\\uXXXX``, so
+    """``text`` with every control or format character but newline, tab and the
+    zero-width joiner of emoji (an ANSI escape, a carriage return, a bidirectional
+    override) written as ``\\uXXXX``, so
     that what a session holds never reaches a terminal raw. JSON text stays the same
     JSON: such characters are only in its strings, where the escape means the same."""
     return _SUSPECT.sub(_escape, text)
