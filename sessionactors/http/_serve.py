@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Final
 
 import hypercorn.config
@@ -153,12 +153,8 @@ def main(args: argparse.Namespace) -> int:
 def _startup_refusal(error: BaseException) -> sa.SessionActorsError | None:
     """The library's error that failed the app's startup (its store refused it, say),
     found in what hypercorn raised, or None."""
-    leaves = [error]
-    while leaves:
-        leaf = leaves.pop()
-        if isinstance(leaf, BaseExceptionGroup):
-            leaves.extend(leaf.exceptions)
-        elif isinstance(leaf, hypercorn.utils.LifespanFailureError):
+    for leaf in _leaves(error):
+        if isinstance(leaf, hypercorn.utils.LifespanFailureError):
             cause = leaf.__context__
             while cause is not None and not isinstance(cause, sa.SessionActorsError):
                 cause = cause.__context__
@@ -169,14 +165,19 @@ def _startup_refusal(error: BaseException) -> sa.SessionActorsError | None:
 def _bind_refusal(error: BaseException) -> OSError | None:
     """The error of the server's bind (an address in use, a host that does not resolve),
     found in what hypercorn raised, or None."""
-    leaves = [error]
-    while leaves:
-        leaf = leaves.pop()
-        if isinstance(leaf, BaseExceptionGroup):
-            leaves.extend(leaf.exceptions)
-        elif isinstance(leaf, OSError) and any(
+    for leaf in _leaves(error):
+        if isinstance(leaf, OSError) and any(
             frame.f_code.co_name == "bind" or "hypercorn" in frame.f_code.co_filename
             for frame, _ in traceback.walk_tb(leaf.__traceback__)
         ):
             return leaf
     return None
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    """The exceptions in ``error`` that are not groups (``error`` itself if it is none)."""
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
