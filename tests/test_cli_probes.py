@@ -29,6 +29,15 @@ from sessionactors.testing import EchoModel
 #: and an OSC that sets the window's title.
 HOSTILE = "x\x1b[2J\ry\x9b31m\u202eevil\x1b]0;owned\x07\nnext line"
 PYTHON_M = (sys.executable, "-m", "sessionactors")
+#: The same, with Ctrl-C's default handler whatever the test run's disposition of
+#: SIGINT: a run started in the background of a shell without job control ignores
+#: SIGINT, and its children inherit that (Python then installs no handler).
+PYTHON_M_CTRL_C = (
+    sys.executable,
+    "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('sessionactors', run_name='__main__', alter_sys=True)",
+)
 RAW = ("\x1b", "\r", "\x9b", "\u202e", "\x07")
 
 
@@ -173,7 +182,7 @@ async def test_chat_stops_at_once_on_ctrl_c_and_escapes_the_model_text(tmp_path:
             str(tmp_path / "c.db"),
         ]
         process = await trio.lowlevel.open_process(
-            [*PYTHON_M, *args],
+            [*PYTHON_M_CTRL_C, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
