@@ -177,7 +177,13 @@ def run(args: argparse.Namespace) -> int:
             _quiet_stdout()
             return EXIT_PIPE_CLOSED
         text = " ".join(str(exc).split()) or type(exc).__name__
-        if not isinstance(exc, SessionActorsError | ValueError | OSError):
+        if isinstance(exc, SessionNotFoundError) and "registry.spawn(" in text:
+            # (the library's advice is for code; at the command line, the listing helps)
+            text = (
+                f"session {exc.session_id!r} is not in this store; "
+                "`sessionactors sessions list --store ...` lists the stored sessions"
+            )
+        elif not isinstance(exc, SessionActorsError | ValueError | OSError):
             text = f"{type(exc).__name__}: {text}"
         print(f"sessionactors sessions {name}: {_terminal_safe(text)}", file=sys.stderr)
         return 1

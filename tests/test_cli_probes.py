@@ -309,3 +309,17 @@ def test_an_empty_token_is_refused_rather_than_matched_by_an_empty_bearer(token:
     agents = {"echo": sa.Agent(model=EchoModel())}
     with pytest.raises(ValueError, match="empty"):
         create_app(store=sa.MemoryStore(), agents=agents, token=token)
+
+
+def test_a_session_not_in_the_store_is_named_with_advice_for_the_command_line(
+    tmp_path: Path,
+) -> None:
+    """show (and every sessions command) of a name the store does not hold says so in
+    one line and points at `sessions list`, not at the library's registry.spawn()."""
+    path = tmp_path / "s.db"
+    trio.run(_hostile_session, path)
+    done = command("sessions", "show", "nosuch", "--store", f"sqlite:///{path}")
+    line = one_line(done, 1)
+    assert "'nosuch'" in line
+    assert "registry.spawn" not in line
+    assert "sessions list" in line
