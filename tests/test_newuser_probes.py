@@ -199,3 +199,17 @@ def test_the_asyncio_stream_without_async_with_says_how_too() -> None:
             assert await ref.history() == []
 
     asyncio.run(main())
+
+
+def test_a_sqlite_url_given_as_a_path_is_refused_with_the_path_to_give(tmp_path: Path) -> None:
+    """SQLiteStore('sqlite:///sessions.db'), the command line's URL where a path belongs,
+    raises ValueError when made, saying which path to pass, instead of failing its first
+    call over a lock file in a directory named 'sqlite:'."""
+    for url, path in [
+        ("sqlite:///sessions.db", "sessions.db"),
+        ("sqlite:////var/lib/app/sessions.db", "/var/lib/app/sessions.db"),
+    ]:
+        with pytest.raises(ValueError, match="takes a file path") as info:
+            sa.SQLiteStore(url)
+        assert f"SQLiteStore({path!r})" in str(info.value)
+    assert sa.SQLiteStore(tmp_path / "sqlite:x.db").path.endswith("sqlite:x.db")
