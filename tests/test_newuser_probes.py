@@ -256,3 +256,30 @@ def test_a_sqlite_url_given_as_a_path_is_refused_with_the_path_to_give(tmp_path:
             sa.SQLiteStore(url)
         assert f"SQLiteStore({path!r})" in str(info.value)
     assert sa.SQLiteStore(tmp_path / "sqlite:x.db").path.endswith("sqlite:x.db")
+
+
+def test_an_asyncio_registry_kept_past_its_loop_says_it_is_closed() -> None:
+    """A sessionactors.aio registry or ref kept after its block and its loop ended (an
+    app's state after its lifespan, as a test's second TestClient meets it) raises
+    SessionStoppedError saying the registry is closed, not that another loop called it."""
+    import asyncio
+
+    import sessionactors.aio as aio
+
+    kept: dict[str, Any] = {}
+
+    async def first() -> None:
+        async with aio.open_registry(agents=two_agents()) as registry:
+            kept["registry"] = registry
+            kept["ref"] = await registry.spawn("chat-1", agent="support")
+
+    async def second() -> None:
+        registry, ref = kept["registry"], kept["ref"]
+        for call in (registry.sessions, lambda: registry.get_or_spawn("chat-2"), ref.history):
+            with pytest.raises(sa.SessionStoppedError, match="closed"):
+                await call()
+        with pytest.raises(sa.SessionStoppedError, match="closed"):
+            ref.submit_nowait("hi")
+
+    asyncio.run(first())
+    asyncio.run(second())
