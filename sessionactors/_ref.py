@@ -51,6 +51,7 @@ __all__ = [
     "Dispatcher",
     "SessionRef",
     "Turn",
+    "check_after",
     "check_message",
 ]
 
@@ -433,12 +434,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         name not stored, the store or the snapshot failing): subscribe again,
         with ``after=`` the last seq read, once the cause is fixed.
         """
-        if after is not None:
-            _check_type(self.session_id, "after", after, int)
-            if after < 0:
-                raise ValueError(
-                    f"after for session {self.session_id!r} must be a seq (>= 0), not {after}"
-                )
+        check_after(self.session_id, after)
         return _Subscription(self._dispatcher, self.session_id, after)
 
     def stream(self, text: str, *, idempotency_key: str | None = None) -> _InBlock:
@@ -454,7 +450,11 @@ class SessionRef(metaclass=NoPublicConstructor):
         joins a turn already under way (running, or waiting on a review) first yields
         that turn's events published so far that are still available (see
         ``subscribe``), from its ``TurnStarted``.
+
+        A text or key that ``send`` refuses raises its error here, when called, before
+        anything is sent (a web handler can answer it before it starts a response).
         """
+        check_message(self.session_id, text, idempotency_key)
         return _InBlock(self._stream(text, idempotency_key), "ref.stream(text)", self.session_id)
 
     @asynccontextmanager
@@ -681,6 +681,15 @@ def check_message(session_id: str, text: object, idempotency_key: object = None)
     front ends that must refuse a request before they create its session)."""
     _check_text(session_id, text)
     _check_key(session_id, idempotency_key)
+
+
+def check_after(session_id: str, after: object) -> None:
+    """TypeError or ValueError if ``subscribe`` would refuse this ``after``."""
+    if after is not None:
+        _check_type(session_id, "after", after, int)
+        assert isinstance(after, int)
+        if after < 0:
+            raise ValueError(f"after for session {session_id!r} must be a seq (>= 0), not {after}")
 
 
 def _check_text(session_id: str, text: object, what: str = "a message") -> None:

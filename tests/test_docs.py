@@ -203,7 +203,9 @@ EXPECTED = {
     "howto_asyncio_starlette.py": [
         "reply: hello over HTTP",
         "streamed: streamed word by word",
+        "bad input: 422 a message to session 'bob' must be str, not int",
         "after a restart: 4 messages",
+        "sessions: ['ada']",
     ],
     "howto_gateway_trio.py": [
         "reply: hello over HTTP",

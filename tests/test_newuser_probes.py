@@ -199,3 +199,87 @@ def test_the_asyncio_stream_without_async_with_says_how_too() -> None:
             assert await ref.history() == []
 
     asyncio.run(main())
+
+
+BAD_MESSAGES: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
+    (5, {}, TypeError, "must be str"),
+    ("x" * 2_000_000, {}, ValueError, "over the limit"),
+    ("hi", {"idempotency_key": ""}, ValueError, "idempotency_key"),
+]
+
+
+async def test_stream_refuses_a_bad_message_when_called() -> None:
+    """ref.stream(text) raises the error send would, naming the session, when it is called,
+    not when its block is entered: a web handler learns of bad input before it starts a
+    streaming response; nothing is sent."""
+    async with sa.open_registry(agents=two_agents()) as registry:
+        ref = await registry.spawn("chat-1", agent="support")
+        with trio.fail_after(10):
+            for text, kwargs, error, words in BAD_MESSAGES:
+                with pytest.raises(error, match=words) as info:
+                    ref.stream(text, **kwargs)
+                assert "'chat-1'" in str(info.value)
+            assert await ref.history() == []
+
+
+def test_the_asyncio_stream_and_subscribe_refuse_bad_input_when_called() -> None:
+    """sessionactors.aio's ref.stream(text) and ref.subscribe(after=) raise their errors
+    when called, as trio's ref.subscribe does, before a web handler starts its response."""
+    import asyncio
+
+    import sessionactors.aio as aio
+
+    async def main() -> None:
+        async with aio.open_registry(agents=two_agents()) as registry:
+            ref = await registry.spawn("chat-1", agent="support")
+            for text, kwargs, error, words in BAD_MESSAGES:
+                with pytest.raises(error, match=words):
+                    ref.stream(text, **kwargs)
+            with pytest.raises(TypeError, match="'chat-1'"):
+                ref.subscribe(after="5")  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="'chat-1'"):
+                ref.subscribe(after=-1)
+            assert await ref.history() == []
+
+    asyncio.run(main())
+
+
+def test_a_sqlite_url_given_as_a_path_is_refused_with_the_path_to_give(tmp_path: Path) -> None:
+    """SQLiteStore('sqlite:///sessions.db'), the command line's URL where a path belongs,
+    raises ValueError when made, saying which path to pass, instead of failing its first
+    call over a lock file in a directory named 'sqlite:'."""
+    for url, path in [
+        ("sqlite:///sessions.db", "sessions.db"),
+        ("sqlite:////var/lib/app/sessions.db", "/var/lib/app/sessions.db"),
+    ]:
+        with pytest.raises(ValueError, match="takes a file path") as info:
+            sa.SQLiteStore(url)
+        assert f"SQLiteStore({path!r})" in str(info.value)
+    assert sa.SQLiteStore(tmp_path / "sqlite:x.db").path.endswith("sqlite:x.db")
+
+
+def test_an_asyncio_registry_kept_past_its_loop_says_it_is_closed() -> None:
+    """A sessionactors.aio registry or ref kept after its block and its loop ended (an
+    app's state after its lifespan, as a test's second TestClient meets it) raises
+    SessionStoppedError saying the registry is closed, not that another loop called it."""
+    import asyncio
+
+    import sessionactors.aio as aio
+
+    kept: dict[str, Any] = {}
+
+    async def first() -> None:
+        async with aio.open_registry(agents=two_agents()) as registry:
+            kept["registry"] = registry
+            kept["ref"] = await registry.spawn("chat-1", agent="support")
+
+    async def second() -> None:
+        registry, ref = kept["registry"], kept["ref"]
+        for call in (registry.sessions, lambda: registry.get_or_spawn("chat-2"), ref.history):
+            with pytest.raises(sa.SessionStoppedError, match="closed"):
+                await call()
+        with pytest.raises(sa.SessionStoppedError, match="closed"):
+            ref.submit_nowait("hi")
+
+    asyncio.run(first())
+    asyncio.run(second())

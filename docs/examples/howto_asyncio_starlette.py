@@ -31,6 +31,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     agents = {"echo": sa.Agent(model=EchoModel())}
     store = sa.SQLiteStore("sessions.db")
     async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
+        await registry.sessions(limit=1)  # a store this process cannot use fails the startup
         app.state.registry = registry
         yield  # serving; on shutdown every live session is hibernated to the store
 
@@ -45,13 +46,19 @@ async def send_message(request: Request) -> JSONResponse:
     return JSONResponse({"text": reply.text.strip()})
 
 
-async def stream_message(request: Request) -> StreamingResponse:
+async def stream_message(request: Request) -> StreamingResponse | JSONResponse:
     registry: sessionactors.aio.Registry = request.app.state.registry
-    ref = await registry.get_or_spawn(request.path_params["name"])
-    text = (await request.json())["text"]
+    name, text = request.path_params["name"], (await request.json()).get("text")
+    try:
+        # ref.stream checks the text when called: bad input is answered here, before
+        # the response starts and before get_or_spawn stores a session for it
+        stream = registry.ref(name).stream(text)
+    except (TypeError, ValueError) as exc:  # (a bad name too: sa.InvalidSessionNameError)
+        return JSONResponse({"error": str(exc)}, status_code=422)
+    await registry.get_or_spawn(name)
 
     async def words() -> AsyncIterator[str]:
-        async with ref.stream(text) as events:
+        async with stream as events:
             async for event in events:
                 if isinstance(event, sa.Delta):
                     yield event.text
@@ -88,6 +95,8 @@ async def serve_and_call() -> None:
         async with client.stream("POST", "/chat/ada/stream", json=body) as r:
             chunks = [chunk async for chunk in r.aiter_text()]
         print("streamed:", "".join(chunks).strip())
+        r = await client.post("/chat/bob/stream", json={"text": 42})
+        print("bad input:", r.status_code, r.json()["error"])
     server.should_exit = True
     await serving
 
@@ -97,6 +106,7 @@ async def serve_and_call() -> None:
     async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
         history = await registry.ref("ada").history()
         print("after a restart:", len(history), "messages")
+        print("sessions:", [info.session_id for info in await registry.sessions()])
 
 
 if __name__ == "__main__":

@@ -139,7 +139,14 @@ class Host:
     def check_loop(self) -> None:
         """Refuse (RuntimeError) a call made outside the loop that hosts this trio run:
         from another thread, or another loop, it would run trio code off its thread or
-        await a future of another loop, after the request was already handed over."""
+        await a future of another loop, after the request was already handed over.
+        A host whose run has ended refuses every call as closed, from whichever loop."""
+        if self.state == "stopping":
+            raise SessionStoppedError(  # as the trio registry's objects raise
+                "the registry this object belongs to is closed (its trio run has ended); "
+                "use it inside the `async with sessionactors.aio.open_registry(...)` block "
+                "(in an app: while the lifespan that opened it runs)"
+            )
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -155,10 +162,10 @@ class Host:
 
     def _check_running(self) -> None:
         self.check_loop()
-        if self.state != "running":
-            raise SessionStoppedError(  # as the trio registry's objects raise
-                "the registry this object belongs to is closed (its trio run has ended); "
-                "use it inside the `async with sessionactors.aio.open_registry(...)` block"
+        if self.state != "running":  # ("starting": no registry has opened on it yet)
+            raise SessionStoppedError(
+                "the registry this object belongs to is not open; use it inside the "
+                "`async with sessionactors.aio.open_registry(...)` block"
             )
 
     def _start(self, task: Task, fn: Callable[[trio.CancelScope], Awaitable[None]]) -> None:

@@ -22,7 +22,7 @@ import trio
 import sessionactors as sa
 
 from .._hub import lagged_error
-from .._ref import entered_twice, known_reply, not_in_block
+from .._ref import check_after, check_message, entered_twice, known_reply, not_in_block
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, ended_error, release_host
 
@@ -169,6 +169,7 @@ class SessionRef:
         """Events of this session, live from now on or replayed from ``after``
         (see :meth:`sessionactors.SessionRef.subscribe`): ``async with
         ref.subscribe() as events: async for event in events: ...``."""
+        check_after(self.session_id, after)
         return _Subscription(
             self._host, self.session_id, lambda: self._ref.subscribe(after), "ref.subscribe()"
         )
@@ -176,7 +177,11 @@ class SessionRef:
     def stream(
         self, text: str, *, idempotency_key: str | None = None
     ) -> AbstractAsyncContextManager[EventStream]:
-        """Submit a turn and iterate over that turn's events only, ending with its outcome."""
+        """Submit a turn and iterate over that turn's events only, ending with its outcome.
+
+        A text or key that ``send`` refuses raises its error here, when called.
+        """
+        check_message(self.session_id, text, idempotency_key)
         return _Subscription(
             self._host,
             self.session_id,

@@ -67,6 +67,16 @@ AnyRef = sa.SessionRef | aio.SessionRef
 STARTUP_STORE_WAIT: Final = 5.0
 
 
+async def _agents(registry: AnyRegistry) -> list[str]:
+    if isinstance(registry, sa.Registry):
+        return list(registry.agents)
+
+    async def names(trio_registry: sa.Registry) -> list[str]:
+        return list(trio_registry.agents)
+
+    return await on_trio(registry, names, None)
+
+
 async def _first_read(registry: AnyRegistry) -> None:
     """Read the store once: a store this process cannot use (a SQLite file another
     server writes, a Redis that does not answer) fails the startup, not every request
@@ -538,7 +548,25 @@ class SessionsApp:
             return registry.ref(name)
         # (not "live, so it exists": a read of a name not stored has a live actor while
         # it loads; get_or_spawn waits for that)
-        return await registry.get_or_spawn(name, agent=agent)
+        try:
+            return await registry.get_or_spawn(name, agent=agent)
+        except ValueError as exc:  # no agent named, or one the registry lacks
+            if isinstance(exc, sa.SessionActorsError):
+                raise
+            agents = sorted(await _agents(registry))
+            if not agents:
+                raise
+            if agent is not None:
+                what = f"the message names the agent {agent!r}, which this server lacks"
+            else:
+                what = "it is new, and its first message names no agent"
+            raise _RequestError(
+                422,
+                "InvalidRequest",
+                f"session {name!r}: {what}; this server's agents are {agents}: send "
+                '"agent" as one of them (in the message\'s JSON, or ?agent= on the '
+                "WebSocket)",
+            ) from None
 
     async def _submit(
         self, registry: AnyRegistry, ref: AnyRef, text: str, key: str | None

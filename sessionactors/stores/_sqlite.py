@@ -721,7 +721,16 @@ def _append_conflict(conn: sqlite3.Connection, args: _AppendArgs) -> StoreError:
 
 
 def _fspath(path: str | os.PathLike[str]) -> str:
-    return os.fspath(path)
+    path = os.fspath(path)
+    if isinstance(path, str) and path[:9].lower() == "sqlite://":
+        # the command line's --store URL where a path belongs: it would be read as a
+        # file in a directory named 'sqlite:', and fail first over that lock file
+        hint = f"SQLiteStore({path[10:]!r})" if path[9:10] == "/" else "SQLiteStore('sessions.db')"
+        raise ValueError(
+            f"SQLiteStore takes a file path, not a URL like {path!r}: pass {hint} "
+            "(sqlite:/// URLs are for the command line's --store)"
+        )
+    return path
 
 
 def _upper(value: str) -> str:
@@ -861,9 +870,11 @@ class SQLiteStore:
     ``SQLiteStore("sessions.db")`` does no I/O: the file is opened (and created,
     with its tables) on first use, and opened again on use after :meth:`aclose`,
     so one store object can be made before ``trio.run`` and serve successive
-    runs. ``synchronous`` is SQLite's setting (``"FULL"``: every commit is
-    fsync'd; ``"NORMAL"`` trades the durability of the last commits on power
-    loss for speed). ``busy_timeout`` is how long, in seconds, to wait for
+    runs. ``path`` is a file's path: a ``sqlite:///`` URL, the command line's
+    ``--store`` form, raises ``ValueError`` saying which path to pass.
+    ``synchronous`` is SQLite's setting (``"FULL"``: every commit is fsync'd;
+    ``"NORMAL"`` trades the durability of the last commits on power loss for
+    speed). ``busy_timeout`` is how long, in seconds, to wait for
     another process's write lock before failing with ``StoreError``. The
     ``-wal`` file beside it shrinks back to at most 4 MiB after a burst of large
     writes, once they are checkpointed into the file.

@@ -89,6 +89,31 @@ async def test_a_message_naming_another_agent_for_an_existing_session_is_409(kin
     assert len(state["messages"]) == 2
 
 
+@pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
+async def test_a_first_message_without_a_known_agent_says_what_to_send(kind: str) -> None:
+    """A first message that names no agent (the server has several) or one the server does
+    not have answers 422 naming the session and the agents, and saying to send "agent"
+    (not Python advice such as spawn(...) or open_registry(agents=...)); nothing is stored."""
+    trio_side = kind == "hypercorn-trio"
+    [agent] = (trio_agents(0.0) if trio_side else asyncio_agents(0.0)).values()
+    app = create_app(agents={"support": agent, "sales": agent})
+    serve = serve_trio if trio_side else serve_asyncio
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(20):
+            for body in ({"text": "hi"}, {"text": "hi", "agent": "suport"}):
+                for headers in ({}, {"accept": "text/event-stream"}):
+                    r = await client.post("/sessions/ada/messages", json=body, headers=headers)
+                    assert r.status_code == 422, r.text
+                    answer = r.json()
+                    assert answer["session_id"] == "ada"
+                    assert "['sales', 'support']" in answer["message"]
+                    assert '"agent"' in answer["message"]
+                    assert "spawn(" not in answer["message"]
+                    assert "open_registry" not in answer["message"]
+            listed = (await client.get("/sessions")).json()
+    assert listed["sessions"] == []
+
+
 async def test_a_store_that_fails_for_a_moment_at_startup_does_not_stop_the_server() -> None:
     """The gateway's startup reads its store once; a store error a retry may fix (a store
     restarting as the server starts) is tried again, and the server then serves."""
