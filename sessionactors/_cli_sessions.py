@@ -22,7 +22,7 @@ import re
 import signal
 import sys
 import unicodedata
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, BinaryIO, Final, TextIO
 
 import trio
@@ -433,17 +433,44 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                     warned = True
-                for event in events:
-                    text = json_text(event_to_json(event))
-                    _out(text)
-                    after = max(after, event.seq)
-                    last = (event.seq, text)
-                sys.stdout.flush()
+                try:
+                    with _signals_raise():  # (a write to a reader that stopped blocks)
+                        for event in events:
+                            text = json_text(event_to_json(event))
+                            _out(text)
+                            after = max(after, event.seq)
+                            last = (event.seq, text)
+                        sys.stdout.flush()
+                except _Signalled:  # stopped as when it waits: what is unwritten is dropped
+                    _quiet_stdout()
+                    nursery.cancel_scope.cancel()
+                    return 0
                 if args.no_follow:
                     nursery.cancel_scope.cancel()
                     return 0
                 await trio.sleep(TAIL_INTERVAL)
     return 0
+
+
+class _Signalled(Exception):
+    """SIGINT or SIGTERM, come while ``tail`` was writing."""
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While ``tail`` writes, SIGINT and SIGTERM raise ``_Signalled`` at once. trio's
+    handlers only note a signal for its loop, and a write blocked on a full pipe (a
+    reader that stopped reading) would then go on waiting: the signal would be lost."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Signalled(signal.Signals(signum).name)
+
+    previous = [(s, signal.signal(s, handler)) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        yield
+    finally:
+        for signum, old in previous:
+            signal.signal(signum, old)
 
 
 # ---- import, delete ----------------------------------------------------------------

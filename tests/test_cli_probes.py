@@ -323,3 +323,43 @@ def test_a_session_not_in_the_store_is_named_with_advice_for_the_command_line(
     assert "'nosuch'" in line
     assert "registry.spawn" not in line
     assert "sessions list" in line
+
+
+async def _wait_blocked_writing(pid: int) -> None:
+    """Until the process's main thread sleeps in a write to a full pipe (Linux)."""
+    wchan = Path(f"/proc/{pid}/wchan")
+    while not wchan.read_text().endswith("pipe_write"):  # (pipe_write, anon_pipe_write)
+        await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_tail_stops_on_a_signal_while_its_reader_has_stopped_reading(
+    tmp_path: Path, signum: int
+) -> None:
+    """tail blocked writing to a pipe that nobody reads any more (a full pipe) stops at
+    once on Ctrl-C or SIGTERM, as it does while it waits for events (status 0, no
+    traceback), rather than ignoring the signal until the reader reads again."""
+    path = tmp_path / "s.db"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        ref = await registry.spawn("big")
+        await ref.send("word " * 40_000)  # (its events are more than a pipe holds)
+    args = ["sessions", "tail", "big", "--after", "0", "--store", f"sqlite:///{path}"]
+    process = await trio.lowlevel.open_process(
+        [*PYTHON_M_CTRL_C, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(30):
+            await _wait_blocked_writing(process.pid)
+            process.send_signal(signum)
+            assert await process.wait() == 0
+            errors = await process.stderr.receive_some()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await process.stdout.aclose()
+        await process.stderr.aclose()
+    assert b"Traceback" not in errors, errors
