@@ -124,6 +124,12 @@ def add_parser(commands: Any) -> None:
         "with --no-follow, every stored event)",
     )
     tail.add_argument("--no-follow", action="store_true", help="print the stored events and stop")
+    tail.add_argument(
+        "--wait",
+        action="store_true",
+        help="if the session is not stored yet, wait for it (saying so on stderr) and "
+        "print its events from its first one, rather than fail",
+    )
 
 
 def _positive(text: str) -> int:
@@ -366,8 +372,17 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     name = args.name
     validate_name(name)
     after = args.after
-    if after is None:  # follow from now on; with --no-follow, print what is stored
-        after = 0 if args.no_follow else (await read_session(store, name)).event_seq
+    stored = False  # (the session was read: a later "not stored" means it was deleted)
+    if after is None and not args.no_follow:  # follow from now on
+        try:
+            after = (await read_session(store, name)).event_seq
+            stored = True
+        except SessionNotFoundError:
+            if not args.wait:
+                raise _not_stored_yet(name) from None
+            after = 0  # (stored later: followed from its first event)
+    if after is None:  # with --no-follow, print what is stored
+        after = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -378,6 +393,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
 
             nursery.start_soon(stop_on_signal)
             warned = False
+            waiting = False  # (said so on stderr)
             last: tuple[int, str] | None = None  # the seq and JSON of the last event printed
             failing_since: float | None = None  # while the store does not answer
             while True:
@@ -405,10 +421,24 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                     await trio.sleep(TAIL_INTERVAL)
                     continue
                 except SessionNotFoundError:
-                    raise SessionNotFoundError(
-                        f"session {name!r} is not stored (deleted?); nothing more to follow",
-                        session_id=name,
-                    ) from None
+                    if stored:
+                        raise SessionNotFoundError(
+                            f"session {name!r} is not stored (deleted?); nothing more to follow",
+                            session_id=name,
+                        ) from None
+                    if not args.wait:
+                        raise _not_stored_yet(name) from None
+                    if not waiting:  # wait until it is stored
+                        waiting = True
+                        print(
+                            f"sessionactors sessions tail: session {name!r} is not stored "
+                            "yet; waiting for it (Ctrl-C to stop)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    await trio.sleep(TAIL_INTERVAL)
+                    continue
+                stored = True
                 if last is not None and trimmed < last[0]:  # is it still there?
                     again = (events[0].seq, json_text(event_to_json(events[0]))) if events else None
                     if again != last:
@@ -450,6 +480,15 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                     return 0
                 await trio.sleep(TAIL_INTERVAL)
     return 0
+
+
+def _not_stored_yet(name: str) -> SessionNotFoundError:
+    return SessionNotFoundError(
+        f"session {name!r} is not in this store; `sessionactors sessions list --store ...` "
+        "lists the stored sessions; to wait for a session that is about to be stored, "
+        "pass --wait",
+        session_id=name,
+    )
 
 
 class _Signalled(Exception):
