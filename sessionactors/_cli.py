@@ -162,6 +162,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if args.path is not None and os.path.lexists(args.path):  # never into a real store
             demo.error(f"--path {args.path!r} exists; the demo creates a new file: name one")
+        if args.path is not None:  # can it be made? (said before the demo prints anything)
+            try:
+                os.close(os.open(args.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                os.remove(args.path)
+            except OSError as exc:
+                print(
+                    f"sessionactors demo: cannot create --path {args.path!r} "
+                    f"({exc.strerror}); name a new file in a directory that exists and "
+                    "can be written",
+                    file=sys.stderr,
+                )
+                raise SystemExit(1) from None
         try:
             run_demo(args.path, args.sessions, args.turns)
         except KeyboardInterrupt:

@@ -363,3 +363,18 @@ async def test_tail_stops_on_a_signal_while_its_reader_has_stopped_reading(
         await process.stdout.aclose()
         await process.stderr.aclose()
     assert b"Traceback" not in errors, errors
+
+
+@pytest.mark.parametrize("where", ["no/such/dir/d.db", "a-file/d.db"])
+def test_the_demo_refuses_a_path_it_cannot_create_before_printing_anything(
+    tmp_path: Path, where: str
+) -> None:
+    """demo --path in a directory that does not exist (or under a file) prints nothing
+    on standard output and one line naming the path on stderr, with status 1, rather
+    than its header first."""
+    (tmp_path / "a-file").write_text("")
+    done = command("demo", "--sessions", "4", "--turns", "1", "--path", str(tmp_path / where))
+    line = one_line(done, 1)
+    assert where in line, line
+    assert done.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
