@@ -94,11 +94,29 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _Parser(prog="sessionactors")
+    parser = _Parser(
+        prog="sessionactors",
+        description="Run LLM conversations as actors: a demo, a chat, an HTTP server, and "
+        "the sessions of a store (list, show, export, import, delete, tail).",
+        epilog="Each command has its own --help. Operating a store: the project's "
+        "docs/howto/operations.md",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job on the embedded SQLite store")
-    demo.add_argument("--sessions", type=_at_least(4), default=1000, metavar="N")
-    demo.add_argument("--turns", type=_at_least(1), default=3, metavar="N")
+    demo.add_argument(
+        "--sessions",
+        type=_at_least(4),
+        default=1000,
+        metavar="N",
+        help="how many sessions to spawn (at least 4; default 1000)",
+    )
+    demo.add_argument(
+        "--turns",
+        type=_at_least(1),
+        default=3,
+        metavar="N",
+        help="how many turns each session takes (default 3)",
+    )
     demo.add_argument(
         "--path", default=None, help="a new SQLite file to create (default: a temporary one)"
     )

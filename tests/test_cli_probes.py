@@ -378,3 +378,16 @@ def test_the_demo_refuses_a_path_it_cannot_create_before_printing_anything(
     assert where in line, line
     assert done.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_help_says_what_the_command_and_each_demo_option_is_for() -> None:
+    """`sessionactors --help` says what the command is for and where its operator's
+    guide is, and `demo --help` explains --sessions and --turns, not just their names."""
+    top = command("--help")
+    assert top.returncode == 0, top.stderr
+    assert "conversations" in top.stdout
+    assert "docs/howto/operations.md" in top.stdout
+    demo = command("demo", "--help")
+    assert demo.returncode == 0, demo.stderr
+    assert "how many sessions" in demo.stdout
+    assert "turns each session takes" in demo.stdout
