@@ -35,7 +35,9 @@ async def _chat(args: argparse.Namespace, model: Model) -> None:
         ref = await registry.get_or_spawn(args.session)
         history = await ref.history()
         _say(f"session {args.session!r} ({len(history)} messages so far); an empty line quits")
+        prompt = "> " if sys.stdin.isatty() else ""  # (at a terminal; none for a script)
         while True:
+            print(prompt, end="", flush=True)
             # (abandoned on Ctrl-C: the wait for a line ends at once, not at the next line)
             line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
             if not line.strip():

@@ -391,3 +391,50 @@ def test_help_says_what_the_command_and_each_demo_option_is_for() -> None:
     assert demo.returncode == 0, demo.stderr
     assert "how many sessions" in demo.stdout
     assert "turns each session takes" in demo.stdout
+
+
+async def test_chat_at_a_terminal_shows_a_prompt_and_piped_input_gets_none(
+    tmp_path: Path,
+) -> None:
+    """chat whose input is a terminal prints a prompt before each line it waits for; with
+    piped input (a script) it prints none, so its output is only the replies."""
+    async with open_fake_openai() as server:
+        server.push(text_reply("Hi", " there"))
+        server.push(text_reply("Piped", " reply"))
+        args = [*PYTHON_M, "chat", "--base-url", server.base_url, "--model", "m"]
+        args += ["--db", str(tmp_path / "c.db")]
+        controller, terminal = os.openpty()
+        try:
+            process = await trio.lowlevel.open_process(
+                args, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        finally:
+            os.close(terminal)
+        assert process.stdout is not None
+        assert process.stderr is not None
+        try:
+            with trio.fail_after(20):
+                out = b""
+                while not out.endswith(b"> "):
+                    chunk = await process.stdout.receive_some()
+                    assert chunk, out
+                    out += chunk
+                os.write(controller, b"hello\n")
+                while not out.endswith(b"there\n> "):
+                    chunk = await process.stdout.receive_some()
+                    assert chunk, out
+                    out += chunk
+                os.write(controller, b"\n")
+                assert await process.wait() == 0
+        finally:
+            os.close(controller)
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+        piped = await trio.run_process(
+            args, stdin=b"again\n\n", capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.decode().splitlines()[1:] == ["Piped reply"]
