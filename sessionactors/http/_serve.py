@@ -161,13 +161,14 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # (a signal before the server took them over)
         return 130
     except BaseException as exc:
-        refused: BaseException | None = None if started else _startup_refusal(exc)
+        refused: BaseException | None = _startup_refusal(exc)
         text = " ".join(str(refused).split())
         if refused is None and (refused := _bind_refusal(exc)) is not None:
             text = f"cannot listen on --host {args.host!r} --port {args.port}: {refused}"
         if refused is None:
             raise
-        print(f"sessionactors serve: cannot start: {text}", file=sys.stderr)
+        doing = "failed while serving" if started else "cannot start"  # (closing, say)
+        print(f"sessionactors serve: {doing}: {text}", file=sys.stderr)
         return 1
     return 0
 
