@@ -165,13 +165,14 @@ def run(args: argparse.Namespace) -> int:
                 "standard output open (to /dev/null to discard it)"
             )
         store = _open(args.store, write=name not in _READS)
-        if name == "delete" and isinstance(store, SQLiteStore) and not os.path.exists(store.path):
-            validate_name(args.name)
-            raise SessionNotFoundError(  # a mistyped path: create no store there
-                f"session {args.name!r} is not stored: the sqlite store at {store.path!r} "
-                "does not exist; check the --store path",
-                session_id=args.name,
-            )
+        if name != "import" and isinstance(store, SQLiteStore) and not os.path.exists(store.path):
+            missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
+            if name == "delete":  # (a mistyped path: create no store there)
+                validate_name(args.name)
+                raise SessionNotFoundError(
+                    f"session {args.name!r} is not stored: {missing}", session_id=args.name
+                )
+            raise StoreError(missing)
         return trio.run(_with_store, store, command, args)
     except KeyboardInterrupt:
         return 130

@@ -438,3 +438,16 @@ async def test_chat_at_a_terminal_shows_a_prompt_and_piped_input_gets_none(
         )
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout.decode().splitlines()[1:] == ["Piped reply"]
+
+
+@pytest.mark.parametrize("args", [["list"], ["show", "a"], ["export", "a"], ["tail", "a"]])
+def test_a_read_command_on_a_sqlite_file_that_does_not_exist_says_to_check_the_path(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """A read command whose --store names a SQLite file that does not exist (a mistyped
+    path) says so in one line and to check --store, and creates no file."""
+    store = f"sqlite:///{tmp_path / 'nope.db'}"
+    line = one_line(command("sessions", *args, "--store", store), 1)
+    assert "nope.db' does not exist" in line, line
+    assert "check the --store path" in line, line
+    assert list(tmp_path.iterdir()) == []
