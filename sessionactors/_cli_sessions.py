@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 "standard output open (to /dev/null to discard it)"
             )
         store = _open(args.store, write=name not in _READS)
-        if name != "import" and isinstance(store, SQLiteStore) and not os.path.exists(store.path):
+        if _unmade(store) and name != "import" and not (name == "tail" and args.wait):
             missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
             if name == "delete":  # (a mistyped path: create no store there)
                 validate_name(args.name)
@@ -194,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
             text = f"{type(exc).__name__}: {text}"
         print(f"sessionactors sessions {name}: {_terminal_safe(text)}", file=sys.stderr)
         return 1
+
+
+def _unmade(store: Store) -> bool:
+    """Whether ``store`` is a SQLite file that does not exist (yet)."""
+    return isinstance(store, SQLiteStore) and not os.path.exists(store.path)
 
 
 def _quiet_stdout() -> None:
@@ -376,6 +381,8 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     stored = False  # (the session was read: a later "not stored" means it was deleted)
     if after is None and not args.no_follow:  # follow from now on
         try:
+            if _unmade(store):  # (with --wait: a store file not made yet holds nothing)
+                raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
             after = (await read_session(store, name)).event_seq
             stored = True
         except SessionNotFoundError:
@@ -399,6 +406,10 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
             failing_since: float | None = None  # while the store does not answer
             while True:
                 try:  # from the last event printed on: to check it is still there
+                    if not stored and _unmade(store):  # (--wait: the file is not made yet)
+                        raise SessionNotFoundError(
+                            f"session {name!r} is not stored", session_id=name
+                        )
                     trimmed, events = await read_events(
                         store, name, after if last is None else last[0] - 1
                     )

@@ -436,20 +436,23 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
         await process.stderr.aclose()
 
 
+@pytest.mark.parametrize("made", [True, False], ids=["store-made", "store-not-made-yet"])
 async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_wait(
-    tmp_path: Path,
+    tmp_path: Path, made: bool
 ) -> None:
     """tail of a session the store does not hold fails in one line that says to pass
     --wait (not that it was deleted); with --wait it says on stderr that it waits, then
-    prints the session's events from its first one once a process stores it."""
+    prints the session's events from its first one once a process stores it, in a
+    SQLite file that exists or in one that the process makes (a server starting)."""
     path = tmp_path / "s.db"
     store = f"sqlite:///{path}"
-    await _store_with_one_session(path)
-    for after in ([], ["--after", "0"]):
-        line = refused("tail", "later", "--store", store, *after)
-        assert "'later' is not in this store" in line, line
-        assert "--wait" in line
-        assert "deleted" not in line
+    if made:
+        await _store_with_one_session(path)
+        for after in ([], ["--after", "0"]):
+            line = refused("tail", "later", "--store", store, *after)
+            assert "'later' is not in this store" in line, line
+            assert "--wait" in line
+            assert "deleted" not in line
     command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "later", "--wait"]
     process = await trio.lowlevel.open_process(
         [*command, "--store", store], stdout=subprocess.PIPE, stderr=subprocess.PIPE
