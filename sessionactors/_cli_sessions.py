@@ -23,7 +23,7 @@ import signal
 import sys
 import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any, BinaryIO, Final, TextIO
+from typing import Any, BinaryIO, Final, TextIO, TypeGuard
 
 import trio
 
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _unmade(store: Store) -> bool:
+def _unmade(store: Store) -> TypeGuard[SQLiteStore]:
     """Whether ``store`` is a SQLite file that does not exist (yet)."""
     return isinstance(store, SQLiteStore) and not os.path.exists(store.path)
 
