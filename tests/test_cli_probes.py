@@ -365,7 +365,7 @@ async def test_tail_stops_on_a_signal_while_its_reader_has_stopped_reading(
     assert b"Traceback" not in errors, errors
 
 
-@pytest.mark.parametrize("where", ["no/such/dir/d.db", "a-file/d.db"])
+@pytest.mark.parametrize("where", ["a-file/d.db"])  # (no/such/...: bad-arguments test)
 def test_the_demo_refuses_a_path_it_cannot_create_before_printing_anything(
     tmp_path: Path, where: str
 ) -> None:
@@ -440,7 +440,7 @@ async def test_chat_at_a_terminal_shows_a_prompt_and_piped_input_gets_none(
     assert piped.stdout.decode().splitlines()[1:] == ["Piped reply"]
 
 
-@pytest.mark.parametrize("args", [["list"], ["show", "a"], ["export", "a"], ["tail", "a"]])
+@pytest.mark.parametrize("args", [["list"], ["tail", "a"]])  # (one check for all)
 def test_a_read_command_on_a_sqlite_file_that_does_not_exist_says_to_check_the_path(
     tmp_path: Path, args: list[str]
 ) -> None:
