@@ -35,7 +35,9 @@ async def _chat(args: argparse.Namespace, model: Model) -> None:
         ref = await registry.get_or_spawn(args.session)
         history = await ref.history()
         _say(f"session {args.session!r} ({len(history)} messages so far); an empty line quits")
+        prompt = "> " if sys.stdin.isatty() else ""  # (at a terminal; none for a script)
         while True:
+            print(prompt, end="", flush=True)
             # (abandoned on Ctrl-C: the wait for a line ends at once, not at the next line)
             line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
             if not line.strip():
@@ -94,11 +96,29 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _Parser(prog="sessionactors")
+    parser = _Parser(
+        prog="sessionactors",
+        description="Run LLM conversations as actors: a demo, a chat, an HTTP server, and "
+        "the sessions of a store (list, show, export, import, delete, tail).",
+        epilog="Each command has its own --help. Operating a store: the project's "
+        "docs/howto/operations.md",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job on the embedded SQLite store")
-    demo.add_argument("--sessions", type=_at_least(4), default=1000, metavar="N")
-    demo.add_argument("--turns", type=_at_least(1), default=3, metavar="N")
+    demo.add_argument(
+        "--sessions",
+        type=_at_least(4),
+        default=1000,
+        metavar="N",
+        help="how many sessions to spawn (at least 4; default 1000)",
+    )
+    demo.add_argument(
+        "--turns",
+        type=_at_least(1),
+        default=3,
+        metavar="N",
+        help="how many turns each session takes (default 3)",
+    )
     demo.add_argument(
         "--path", default=None, help="a new SQLite file to create (default: a temporary one)"
     )
@@ -162,6 +182,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if args.path is not None and os.path.lexists(args.path):  # never into a real store
             demo.error(f"--path {args.path!r} exists; the demo creates a new file: name one")
+        if args.path is not None:  # can it be made? (said before the demo prints anything)
+            try:
+                os.close(os.open(args.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                os.remove(args.path)
+            except OSError as exc:
+                print(
+                    f"sessionactors demo: cannot create --path {args.path!r} "
+                    f"({exc.strerror}); name a new file in a directory that exists and "
+                    "can be written",
+                    file=sys.stderr,
+                )
+                raise SystemExit(1) from None
         try:
             run_demo(args.path, args.sessions, args.turns)
         except KeyboardInterrupt:

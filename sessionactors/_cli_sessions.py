@@ -22,8 +22,8 @@ import re
 import signal
 import sys
 import unicodedata
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, BinaryIO, Final, TextIO
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Final, TextIO, TypeGuard
 
 import trio
 
@@ -124,6 +124,12 @@ def add_parser(commands: Any) -> None:
         "with --no-follow, every stored event)",
     )
     tail.add_argument("--no-follow", action="store_true", help="print the stored events and stop")
+    tail.add_argument(
+        "--wait",
+        action="store_true",
+        help="if the session is not stored yet, wait for it (saying so on stderr) and "
+        "print its events from its first one, rather than fail",
+    )
 
 
 def _positive(text: str) -> int:
@@ -159,13 +165,14 @@ def run(args: argparse.Namespace) -> int:
                 "standard output open (to /dev/null to discard it)"
             )
         store = _open(args.store, write=name not in _READS)
-        if name == "delete" and isinstance(store, SQLiteStore) and not os.path.exists(store.path):
-            validate_name(args.name)
-            raise SessionNotFoundError(  # a mistyped path: create no store there
-                f"session {args.name!r} is not stored: the sqlite store at {store.path!r} "
-                "does not exist; check the --store path",
-                session_id=args.name,
-            )
+        if _unmade(store) and name != "import" and not (name == "tail" and args.wait):
+            missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
+            if name == "delete":  # (a mistyped path: create no store there)
+                validate_name(args.name)
+                raise SessionNotFoundError(
+                    f"session {args.name!r} is not stored: {missing}", session_id=args.name
+                )
+            raise StoreError(missing)
         return trio.run(_with_store, store, command, args)
     except KeyboardInterrupt:
         return 130
@@ -187,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
             text = f"{type(exc).__name__}: {text}"
         print(f"sessionactors sessions {name}: {_terminal_safe(text)}", file=sys.stderr)
         return 1
+
+
+def _unmade(store: Store) -> TypeGuard[SQLiteStore]:
+    """Whether ``store`` is a SQLite file that does not exist (yet)."""
+    return isinstance(store, SQLiteStore) and not os.path.exists(store.path)
 
 
 def _quiet_stdout() -> None:
@@ -366,8 +378,19 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     name = args.name
     validate_name(name)
     after = args.after
-    if after is None:  # follow from now on; with --no-follow, print what is stored
-        after = 0 if args.no_follow else (await read_session(store, name)).event_seq
+    stored = False  # (the session was read: a later "not stored" means it was deleted)
+    if after is None and not args.no_follow:  # follow from now on
+        try:
+            if _unmade(store):  # (with --wait: a store file not made yet holds nothing)
+                raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
+            after = (await read_session(store, name)).event_seq
+            stored = True
+        except SessionNotFoundError:
+            if not args.wait:
+                raise _not_stored_yet(name) from None
+            after = 0  # (stored later: followed from its first event)
+    if after is None:  # with --no-follow, print what is stored
+        after = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -378,10 +401,15 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
 
             nursery.start_soon(stop_on_signal)
             warned = False
+            waiting = False  # (said so on stderr)
             last: tuple[int, str] | None = None  # the seq and JSON of the last event printed
             failing_since: float | None = None  # while the store does not answer
             while True:
                 try:  # from the last event printed on: to check it is still there
+                    if not stored and _unmade(store):  # (--wait: the file is not made yet)
+                        raise SessionNotFoundError(
+                            f"session {name!r} is not stored", session_id=name
+                        )
                     trimmed, events = await read_events(
                         store, name, after if last is None else last[0] - 1
                     )
@@ -405,10 +433,24 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                     await trio.sleep(TAIL_INTERVAL)
                     continue
                 except SessionNotFoundError:
-                    raise SessionNotFoundError(
-                        f"session {name!r} is not stored (deleted?); nothing more to follow",
-                        session_id=name,
-                    ) from None
+                    if stored:
+                        raise SessionNotFoundError(
+                            f"session {name!r} is not stored (deleted?); nothing more to follow",
+                            session_id=name,
+                        ) from None
+                    if not args.wait:
+                        raise _not_stored_yet(name) from None
+                    if not waiting:  # wait until it is stored
+                        waiting = True
+                        print(
+                            f"sessionactors sessions tail: session {name!r} is not stored "
+                            "yet; waiting for it (Ctrl-C to stop)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    await trio.sleep(TAIL_INTERVAL)
+                    continue
+                stored = True
                 if last is not None and trimmed < last[0]:  # is it still there?
                     again = (events[0].seq, json_text(event_to_json(events[0]))) if events else None
                     if again != last:
@@ -433,17 +475,53 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                     warned = True
-                for event in events:
-                    text = json_text(event_to_json(event))
-                    _out(text)
-                    after = max(after, event.seq)
-                    last = (event.seq, text)
-                sys.stdout.flush()
+                try:
+                    with _signals_raise():  # (a write to a reader that stopped blocks)
+                        for event in events:
+                            text = json_text(event_to_json(event))
+                            _out(text)
+                            after = max(after, event.seq)
+                            last = (event.seq, text)
+                        sys.stdout.flush()
+                except _Signalled:  # stopped as when it waits: what is unwritten is dropped
+                    _quiet_stdout()
+                    nursery.cancel_scope.cancel()
+                    return 0
                 if args.no_follow:
                     nursery.cancel_scope.cancel()
                     return 0
                 await trio.sleep(TAIL_INTERVAL)
     return 0
+
+
+def _not_stored_yet(name: str) -> SessionNotFoundError:
+    return SessionNotFoundError(
+        f"session {name!r} is not in this store; `sessionactors sessions list --store ...` "
+        "lists the stored sessions; to wait for a session that is about to be stored, "
+        "pass --wait",
+        session_id=name,
+    )
+
+
+class _Signalled(Exception):
+    """SIGINT or SIGTERM, come while ``tail`` was writing."""
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While ``tail`` writes, SIGINT and SIGTERM raise ``_Signalled`` at once. trio's
+    handlers only note a signal for its loop, and a write blocked on a full pipe (a
+    reader that stopped reading) would then go on waiting: the signal would be lost."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Signalled(signal.Signals(signum).name)
+
+    previous = [(s, signal.signal(s, handler)) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        yield
+    finally:
+        for signum, old in previous:
+            signal.signal(signum, old)
 
 
 # ---- import, delete ----------------------------------------------------------------

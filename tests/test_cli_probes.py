@@ -323,3 +323,131 @@ def test_a_session_not_in_the_store_is_named_with_advice_for_the_command_line(
     assert "'nosuch'" in line
     assert "registry.spawn" not in line
     assert "sessions list" in line
+
+
+async def _wait_blocked_writing(pid: int) -> None:
+    """Until the process's main thread sleeps in a write to a full pipe (Linux)."""
+    wchan = Path(f"/proc/{pid}/wchan")
+    while not wchan.read_text().endswith("pipe_write"):  # (pipe_write, anon_pipe_write)
+        await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_tail_stops_on_a_signal_while_its_reader_has_stopped_reading(
+    tmp_path: Path, signum: int
+) -> None:
+    """tail blocked writing to a pipe that nobody reads any more (a full pipe) stops at
+    once on Ctrl-C or SIGTERM, as it does while it waits for events (status 0, no
+    traceback), rather than ignoring the signal until the reader reads again."""
+    path = tmp_path / "s.db"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        ref = await registry.spawn("big")
+        await ref.send("word " * 40_000)  # (its events are more than a pipe holds)
+    args = ["sessions", "tail", "big", "--after", "0", "--store", f"sqlite:///{path}"]
+    process = await trio.lowlevel.open_process(
+        [*PYTHON_M_CTRL_C, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(30):
+            await _wait_blocked_writing(process.pid)
+            process.send_signal(signum)
+            assert await process.wait() == 0
+            errors = await process.stderr.receive_some()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await process.stdout.aclose()
+        await process.stderr.aclose()
+    assert b"Traceback" not in errors, errors
+
+
+@pytest.mark.parametrize("where", ["a-file/d.db"])  # (no/such/...: bad-arguments test)
+def test_the_demo_refuses_a_path_it_cannot_create_before_printing_anything(
+    tmp_path: Path, where: str
+) -> None:
+    """demo --path in a directory that does not exist (or under a file) prints nothing
+    on standard output and one line naming the path on stderr, with status 1, rather
+    than its header first."""
+    (tmp_path / "a-file").write_text("")
+    done = command("demo", "--sessions", "4", "--turns", "1", "--path", str(tmp_path / where))
+    line = one_line(done, 1)
+    assert where in line, line
+    assert done.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_help_says_what_the_command_and_each_demo_option_is_for() -> None:
+    """`sessionactors --help` says what the command is for and where its operator's
+    guide is, and `demo --help` explains --sessions and --turns, not just their names."""
+    top = command("--help")
+    assert top.returncode == 0, top.stderr
+    assert "conversations" in top.stdout
+    assert "docs/howto/operations.md" in top.stdout
+    demo = command("demo", "--help")
+    assert demo.returncode == 0, demo.stderr
+    assert "how many sessions" in demo.stdout
+    assert "turns each session takes" in demo.stdout
+
+
+async def test_chat_at_a_terminal_shows_a_prompt_and_piped_input_gets_none(
+    tmp_path: Path,
+) -> None:
+    """chat whose input is a terminal prints a prompt before each line it waits for; with
+    piped input (a script) it prints none, so its output is only the replies."""
+    async with open_fake_openai() as server:
+        server.push(text_reply("Hi", " there"))
+        server.push(text_reply("Piped", " reply"))
+        args = [*PYTHON_M, "chat", "--base-url", server.base_url, "--model", "m"]
+        args += ["--db", str(tmp_path / "c.db")]
+        controller, terminal = os.openpty()
+        try:
+            process = await trio.lowlevel.open_process(
+                args, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        finally:
+            os.close(terminal)
+        assert process.stdout is not None
+        assert process.stderr is not None
+        try:
+            with trio.fail_after(20):
+                out = b""
+                while not out.endswith(b"> "):
+                    chunk = await process.stdout.receive_some()
+                    assert chunk, out
+                    out += chunk
+                os.write(controller, b"hello\n")
+                while not out.endswith(b"there\n> "):
+                    chunk = await process.stdout.receive_some()
+                    assert chunk, out
+                    out += chunk
+                os.write(controller, b"\n")
+                assert await process.wait() == 0
+        finally:
+            os.close(controller)
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+        piped = await trio.run_process(
+            args, stdin=b"again\n\n", capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.decode().splitlines()[1:] == ["Piped reply"]
+
+
+@pytest.mark.parametrize("args", [["list"], ["tail", "a"]])  # (one check for all)
+def test_a_read_command_on_a_sqlite_file_that_does_not_exist_says_to_check_the_path(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """A read command whose --store names a SQLite file that does not exist (a mistyped
+    path) says so in one line and to check --store, and creates no file."""
+    store = f"sqlite:///{tmp_path / 'nope.db'}"
+    line = one_line(command("sessions", *args, "--store", store), 1)
+    assert "nope.db' does not exist" in line, line
+    assert "check the --store path" in line, line
+    assert list(tmp_path.iterdir()) == []

@@ -436,6 +436,54 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
         await process.stderr.aclose()
 
 
+@pytest.mark.parametrize("made", [True, False], ids=["store-made", "store-not-made-yet"])
+async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_wait(
+    tmp_path: Path, made: bool
+) -> None:
+    """tail of a session the store does not hold fails in one line that says to pass
+    --wait (not that it was deleted); with --wait it says on stderr that it waits, then
+    prints the session's events from its first one once a process stores it, in a
+    SQLite file that exists or in one that the process makes (a server starting)."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    if made:
+        await _store_with_one_session(path)
+        for after in ([], ["--after", "0"]):
+            line = refused("tail", "later", "--store", store, *after)
+            assert "'later' is not in this store" in line, line
+            assert "--wait" in line
+            assert "deleted" not in line
+    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "later", "--wait"]
+    process = await trio.lowlevel.open_process(
+        [*command, "--store", store], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(60):
+            note = await _Lines(process.stderr).next()
+            assert "'later' is not stored yet; waiting for it" in note, note
+            agent = sa.Agent(model=EchoModel())
+            async with sa.open_registry(
+                store=sa.SQLiteStore(path), agents={"echo": agent}
+            ) as registry:
+                await (await registry.spawn("later")).send("first words")
+            lines = _Lines(process.stdout)
+            seen = [json.loads(await lines.next())]
+            while seen[-1]["type"] != "TurnFinished":
+                seen.append(json.loads(await lines.next()))
+            assert seen[0]["seq"] == 1
+            assert seen[-1]["message"]["content"] == "first words"
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await process.stdout.aclose()
+        await process.stderr.aclose()
+
+
 async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path) -> None:
     """tail prints one JSON line per event that a server in another process stores, from
     the events after --after on, and ends cleanly (status 0, nothing on stderr) on SIGINT."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import os
@@ -10,11 +11,10 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator, Mapping
-from typing import Final
+from typing import Any, Final
 
 import hypercorn.config
 import hypercorn.trio
-import hypercorn.utils
 import trio
 
 import sessionactors as sa
@@ -74,7 +74,8 @@ async def serve(
 
     ``task_status.started(url)`` gives the address it listens on (``port=0``
     picks a free one), once it listens and the app's registry is open (its store
-    answered the startup check); a startup that fails raises instead. On the
+    answered the startup check). The registry is opened first: a startup that
+    fails raises, and the address is never bound. On the
     first signal it drains the app (event streams and WebSockets end; new
     requests get 503), waits up to 10 seconds for the requests in flight, and
     closes the registry
@@ -88,9 +89,14 @@ async def serve(
     # given, through task_status, only once the registry is open)
     config.loglevel = "WARNING"
     config.graceful_timeout = GRACEFUL_SECONDS
-    stop = trio.Event()
+    stop, served = trio.Event(), trio.Event()
+    try:
+        lifespan = app.lifespan()  # (opened here, so that hypercorn binds only once it is)
+        asgi: Any = functools.partial(_opened_lifespan, app)
+    except TypeError:  # an app that serves a registry it was given: nothing to open
+        lifespan, asgi = contextlib.nullcontext(), app
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:  # (cancelled by a second signal)
 
             async def on_signals() -> None:
                 async for signum in signals:
@@ -104,19 +110,31 @@ async def serve(
 
             async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
                 await hypercorn.trio.serve(
-                    app, config, shutdown_trigger=stop.wait, task_status=task_status
+                    asgi, config, shutdown_trigger=stop.wait, task_status=task_status
                 )
-                nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
+                served.set()
 
             nursery.start_soon(on_signals)
-            binds: list[str] = await nursery.start(run_server)
-            if app.registry is None:
-                # The app's startup failed (its store did not pass the check): hypercorn
-                # listens all the same while its lifespan's error is on its way to this
-                # nursery, which it cancels (within a bound, in case it does not come).
-                await trio.sleep(GRACEFUL_SECONDS)
-                raise RuntimeError("the app's startup failed, and the server did not stop")
-            task_status.started(binds[0])
+            async with lifespan:  # the registry: open (its store checked) before the bind
+                binds: list[str] = await nursery.start(run_server)
+                task_status.started(binds[0])
+                await served.wait()
+            nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
+
+
+async def _opened_lifespan(app: SessionsApp, scope: Any, receive: Any, send: Any) -> None:
+    """``app`` for a server, whose lifespan events ``serve`` answers itself: it opened
+    the app's lifespan before the server started, and closes it after the server ends."""
+    if scope["type"] != "lifespan":
+        await app(scope, receive, send)
+        return
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 def main(args: argparse.Namespace) -> int:
@@ -129,9 +147,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     app = create_app(store=store, agents=agents, token=args.token)
 
+    started = False
+
     async def run() -> None:
+        nonlocal started
         async with trio.open_nursery() as nursery:
             url = await nursery.start(functools.partial(serve, app, host=args.host, port=args.port))
+            started = True
             print(f"sessionactors: serving {sorted(agents)} at {url}/", flush=True)
 
     try:
@@ -145,20 +167,18 @@ def main(args: argparse.Namespace) -> int:
             text = f"cannot listen on --host {args.host!r} --port {args.port}: {refused}"
         if refused is None:
             raise
-        print(f"sessionactors serve: cannot start: {text}", file=sys.stderr)
+        doing = "failed while serving" if started else "cannot start"  # (closing, say)
+        print(f"sessionactors serve: {doing}: {text}", file=sys.stderr)
         return 1
     return 0
 
 
 def _startup_refusal(error: BaseException) -> sa.SessionActorsError | None:
     """The library's error that failed the app's startup (its store refused it, say),
-    found in what hypercorn raised, or None."""
+    found in what ``serve`` raised, or None."""
     for leaf in _leaves(error):
-        if isinstance(leaf, hypercorn.utils.LifespanFailureError):
-            cause = leaf.__context__
-            while cause is not None and not isinstance(cause, sa.SessionActorsError):
-                cause = cause.__context__
-            return cause
+        if isinstance(leaf, sa.SessionActorsError):
+            return leaf
     return None
 
 

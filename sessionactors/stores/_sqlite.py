@@ -124,6 +124,12 @@ _SYNCHRONOUS: Final = {
 }
 _MAX_BATCH: Final = 1024
 
+# The workers of this process that were told to stop and still run (they finish what
+# was queued before the stop), by the file's absolute path: a worker started on the
+# same file waits for them before it serves anything (see ``_Worker._run``).
+_STOPPING: Final[dict[str, set[_Worker]]] = {}
+_STOPPING_LOCK: Final = threading.Lock()
+
 _CLAIM: Final = """
     INSERT INTO leases (session_id, owner, fence, lease_until)
     VALUES (:session_id, :owner, 1, :until)
@@ -279,6 +285,9 @@ class _Worker:
         self.queued = 0
         self._stopping = False
         self._waiting = False  # the thread waits for requests (under _lock)
+        self._key = os.path.abspath(self._path)
+        with _STOPPING_LOCK:  # (to wait for before serving: the writes made before ours)
+            self._after = tuple(_STOPPING.get(self._key, ()))
         self._thread = threading.Thread(
             target=self._run, name=f"sessionactors-sqlite {self._path}", daemon=True
         )
@@ -293,6 +302,8 @@ class _Worker:
                 return False
             if request.op is None:
                 self._stopping = True
+                with _STOPPING_LOCK:
+                    _STOPPING.setdefault(self._key, set()).add(self)
             self._queue.append(request)
             self.queued += 1
             if self._waiting:  # a busy thread takes the queue when it is done
@@ -334,6 +345,14 @@ class _Worker:
 
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
+        # A worker of this process on the same file that is still finishing the writes
+        # queued before its store was closed (an aclose cancelled, a store dropped)
+        # writes first: a store opened again at once then writes in the order the
+        # writes were made. Bounded, as a lock held by another connection would be.
+        deadline = time.monotonic() + self._busy_timeout
+        for earlier in self._after:
+            earlier._thread.join(max(0.0, deadline - time.monotonic()))
+        self._after = ()
         try:
             while True:
                 batch = self._take_batch()
@@ -355,6 +374,12 @@ class _Worker:
             if conn is not None:
                 self._close(conn)
             self._unlock()
+            with _STOPPING_LOCK:
+                stopping = _STOPPING.get(self._key)
+                if stopping is not None:
+                    stopping.discard(self)
+                    if not stopping:
+                        del _STOPPING[self._key]
 
     def _close(self, conn: sqlite3.Connection) -> None:
         """Close the connection. If the file it opened is no longer at the path (deleted
@@ -1005,9 +1030,11 @@ class SQLiteStore:
         while the thread is still at work (a bound on the close, over a stalled
         disk), it raises ``Cancelled`` at once: the thread still finishes the
         queued requests (their callers are answered after their commit, as
-        always), closes the file and releases its lock on its own; until it has,
-        the file is still this store's, and opening it again may be refused as a
-        file in use.
+        always), closes the file and releases its lock on its own. Until it has,
+        another process is refused the file as in use; a store of this process
+        that opens it meanwhile (this one used again, or a new one) is not, and
+        waits for that thread before it reads or writes, up to ``busy_timeout``
+        seconds, so that writes land in the order they were made.
         """
         with self._lock:
             worker, self._worker = self._worker, None

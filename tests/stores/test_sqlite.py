@@ -84,6 +84,38 @@ async def test_store_reopens_after_aclose(tmp_path: Path) -> None:
         await other.aclose()
 
 
+async def test_a_store_opened_after_a_cancelled_aclose_writes_after_its_thread(
+    tmp_path: Path,
+) -> None:
+    """After an aclose cancelled while its thread still has a write to do (another
+    connection holds the write lock), the same store used again, or a new store of this
+    process, is not refused as in use and writes after that thread's write, in the
+    order the writes were made, rather than racing it (which refused the older one)."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path)
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"info")
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            for old, seq in ((1, 2), (3, 4)):
+                blocker.execute("BEGIN IMMEDIATE")  # (the store's next write waits for it)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(store.append, "s", _entries(old), b"info")
+                    await trio.testing.wait_all_tasks_blocked()
+                    with trio.CancelScope() as scope:
+                        scope.cancel()  # (the close is queued behind the append, abandoned)
+                        await store.aclose()
+                    after = store if old == 1 else SQLiteStore(path)  # (again; a new one)
+                    nursery.start_soon(after.append, "s", _entries(seq), b"info")
+                    await trio.testing.wait_all_tasks_blocked()
+                    blocker.execute("ROLLBACK")
+        finally:
+            blocker.close()
+        assert (await after.load("s")).entries == tuple(_entries(1, 2, 3, 4))
+        await store.aclose()
+        await after.aclose()
+
+
 def test_store_serves_successive_trio_runs(tmp_path: Path) -> None:
     """One store object, made outside any run, serves one trio.run after another."""
     store = SQLiteStore(tmp_path / "s.db")

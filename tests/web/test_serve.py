@@ -1,6 +1,7 @@
 """``python -m sessionactors serve``: it serves, and shuts down gracefully on a signal."""
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -11,6 +12,8 @@ import pytest
 import trio
 
 import sessionactors as sa
+from sessionactors.http import create_app, serve
+from sessionactors.testing import FaultyStore
 
 from .chat_agents import trio_agents
 from .served import HERE, serve_command
@@ -124,3 +127,37 @@ def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None
     assert done.returncode == 1, done.stderr
     assert "cannot start" in done.stderr
     assert "http://" not in done.stdout + done.stderr, (done.stdout, done.stderr)
+
+
+async def test_serve_whose_startup_fails_never_binds_its_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """serve() of an app whose store fails the startup check raises the store's error
+    without ever binding its address, rather than listening for a moment first."""
+    bound: list[object] = []
+    real_bind = socket.socket.bind
+
+    def bind(self: socket.socket, address: object) -> None:
+        bound.append(address)
+        real_bind(self, address)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    store = FaultyStore()
+    refusal = sa.StoreConfigurationError("the store refuses this process (a test's refusal)")
+    store.fail("list_sessions", times=None, error=refusal)  # (the startup check's read)
+    app = create_app(store=store, agents=trio_agents())
+    with trio.fail_after(30), pytest.raises(BaseException) as raised:
+        await serve(app, port=0)
+    assert bound == []
+    assert refusal in leaves(raised.value), raised.value
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions in ``error`` that are not groups, and the errors they came from."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return chain
