@@ -386,10 +386,13 @@ class Actor:
         """A turn with an idempotency key is in the mailbox: callers with its key join it."""
         self.inflight_keys.setdefault(key, mail)
 
-    def cancel_turn(self) -> bool:
-        """Cancel the turn in flight, out of band; whether there was one."""
+    def cancel_turn(self, turn_id: str | None = None) -> bool:
+        """Cancel the turn in flight, out of band (only if it is ``turn_id``, when given);
+        whether it was cancelled."""
         if not self.in_turn or self.turn_scope is None:
             return False
+        if turn_id is not None and turn_id != self.turn_id:
+            return False  # (its turn ended: another one runs now)
         self.turn_scope.cancel()
         self._scope_cancelled = True
         return True

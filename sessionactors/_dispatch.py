@@ -243,7 +243,7 @@ class Dispatcher:
 
     async def call(self, name: str, request: Call | Cancel | Stop) -> Any:
         if isinstance(request, Cancel):
-            return await self._cancel(name)
+            return await self._cancel(name, request)
         if isinstance(request, Hibernate):
             return await self._hibernate(name)
         return await self._route(
@@ -259,7 +259,7 @@ class Dispatcher:
         if isinstance(request, Cancel):
             await trio.lowlevel.checkpoint()
             actor = self.sessions.live.get(name)
-            return actor is not None and actor.cancel_turn()
+            return actor is not None and actor.cancel_turn(request.turn_id)
         if isinstance(request, Hibernate):
             actor = self.sessions.live.get(name)
             if actor is not None:
@@ -296,17 +296,17 @@ class Dispatcher:
             return None
         return await pending.wait()
 
-    async def _cancel(self, name: str) -> bool:
+    async def _cancel(self, name: str, request: Cancel) -> bool:
         await trio.lowlevel.checkpoint()
         actor = self.sessions.live.get(name)
         if (actor is None or not actor.is_ready) and self.router is not None:
             # maybe live on another worker (a session waking here has no turn yet, and
             # its wake may find it there)
-            result = await self.router.call(name, Cancel())
+            result = await self.router.call(name, request)
             if result is not NOT_ROUTED:
                 return bool(result)
             actor = self.sessions.live.get(name)  # (live nowhere else: here, if woken since)
-        return actor is not None and actor.cancel_turn()
+        return actor is not None and actor.cancel_turn(request.turn_id)
 
     async def _hibernate(self, name: str) -> None:
         actor = self.sessions.live.get(name)

@@ -298,9 +298,26 @@ class SessionRef(metaclass=NoPublicConstructor):
         """
         return await self._dispatcher.read(self.session_id)
 
-    async def cancel(self) -> bool:
-        """Cancel the turn in flight, out of band; whether there was one."""
-        cancelled: bool = await self._dispatcher.call(self.session_id, Cancel())
+    async def cancel(self, turn_id: str | None = None) -> bool:
+        """Cancel the turn in flight (with ``turn_id``, only if it is that turn), out of
+        band; whether it was cancelled.
+
+        Its waiter gets TurnCancelledError; what it streamed is kept, marked
+        interrupted. Without ``turn_id`` it cancels whichever turn is in flight.
+        With ``turn_id`` (``turn.id``, ``reply.turn_id``, or a ``TurnStarted``
+        event's) it cancels only that turn, and answers False if another turn (or
+        none) is in flight: a stop pressed as its turn ends does not cancel the
+        turn queued behind it, which may be another caller's. A turn still queued
+        is not cancelled either (False): ask again once it started. A ``turn_id``
+        that names no turn of this session is just not in flight (False); one that
+        is not a str raises TypeError.
+        """
+        if turn_id is not None:
+            _check_type(self.session_id, "turn_id", turn_id, str)
+            if len(turn_id) > _MAX_TURN_ID_CHARS or not turn_id.isascii():
+                await trio.lowlevel.checkpoint()
+                return False  # (no turn id looks like this)
+        cancelled: bool = await self._dispatcher.call(self.session_id, Cancel(turn_id=turn_id))
         return cancelled
 
     async def hibernate(self) -> None:
@@ -666,6 +683,10 @@ class _InBlock:
 
     def __aiter__(self) -> NoReturn:
         raise not_in_block(self._form)
+
+
+#: Longer than any turn id (``turn_<tag>_<time>_<process>``, ASCII): not one.
+_MAX_TURN_ID_CHARS = 200
 
 
 def _check_type(session_id: str, what: str, value: object, kind: type) -> None:

@@ -142,7 +142,10 @@ class ReadState:
 
 @attrs.frozen(kw_only=True)
 class Cancel:
-    """Cancel the turn in flight; answered with whether there was one."""
+    """Cancel the turn in flight (only if it is turn ``turn_id``, when given); answered
+    with whether it was cancelled."""
+
+    turn_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)

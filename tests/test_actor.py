@@ -121,6 +121,51 @@ async def test_cancel_keeps_the_streamed_part_and_runs_the_next_turn() -> None:
     assert [e.turn_id for e in cancelled] == [first.id]
 
 
+async def test_a_stop_for_a_turn_that_just_ended_leaves_the_next_turn_running() -> None:
+    """cancel(turn_id=...) that arrives after its turn ended, while the next queued turn (another
+    caller's) runs, answers False and leaves that turn alone; with the running turn's id it
+    cancels it."""
+    gates = [trio.Event(), trio.Event()]
+    model = ScriptedModel([held("tab a answer", gates[0]), held("tab b answer", gates[1])])
+    async with sa.open_registry(agents=agents_of(model)) as registry:
+        ref = await registry.spawn("tabs")
+        with trio.fail_after(10):
+            tab_a = await ref.submit("from tab a")
+            tab_b = await ref.submit("from tab b")
+            await trio.testing.wait_all_tasks_blocked()
+            # queued, not in flight: not cancelled (it is not the turn being shown)
+            assert await ref.cancel(turn_id=tab_b.id) is False
+            gates[0].set()  # tab a's turn ends just as its user presses stop
+            assert (await tab_a.reply()).text == "tab a answer"
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await ref.turn_outcome(tab_b.id)).status is sa.TurnStatus.RUNNING
+            assert await ref.cancel(turn_id=tab_a.id) is False  # (its stop came too late)
+            assert await ref.cancel(turn_id="not a turn id") is False
+            assert await ref.cancel(turn_id="\udc80" + "x" * 1000) is False
+            assert (await ref.turn_outcome(tab_b.id)).status is sa.TurnStatus.RUNNING
+            assert await ref.cancel(turn_id=tab_b.id) is True
+            with pytest.raises(sa.TurnCancelledError):
+                await tab_b.reply()
+            assert await ref.cancel(turn_id=tab_b.id) is False
+            assert (await ref.turn_outcome(tab_b.id)).status is sa.TurnStatus.CANCELLED
+
+
+async def test_cancel_refuses_a_turn_id_that_is_not_a_str() -> None:
+    """cancel(turn_id=...) with a turn id that is not a str raises TypeError naming the
+    session, and cancels nothing."""
+    gate = trio.Event()
+    model = ScriptedModel([held("one two", gate)])
+    async with sa.open_registry(agents=agents_of(model)) as registry:
+        ref = await registry.spawn("typed")
+        with trio.fail_after(10):
+            turn = await ref.submit("hello")
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(TypeError, match="'typed'"):
+                await ref.cancel(turn_id=42)  # type: ignore[arg-type]
+            gate.set()
+            assert (await turn.reply()).text == "one two"
+
+
 # ---- stop -----------------------------------------------------------------------
 
 

@@ -451,6 +451,29 @@ async def test_cancelling_a_turn_running_elsewhere_while_a_request_wakes_the_ses
     assert cancelled is True
 
 
+async def test_a_cancel_forwarded_to_the_owner_cancels_only_the_turn_it_names(
+    redis_url: str,
+) -> None:
+    """ref.cancel(turn_id=...) on a worker that does not run the session reaches its owner
+    with the turn id: another id answers False and the turn runs on; its own id cancels it."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    model = HoldLong()
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", model) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+        ):
+            await a.spawn("s")
+            turn = await a.ref("s").submit("long")
+            await model.started.wait()  # it runs on a
+            assert await b.ref("s").cancel(turn_id=turn.id + "0") is False
+            assert (await b.ref("s").turn_outcome(turn.id)).status is sa.TurnStatus.RUNNING
+            assert await b.ref("s").cancel(turn_id=turn.id) is True
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+            assert b.live() == []
+
+
 class Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("no words")

@@ -32,7 +32,8 @@ async def main() -> None:
             async for event in events:
                 if isinstance(event, sa.Delta):
                     break  # the turn is under way
-        print("cancelled one:", await ref.cancel())
+        # (naming the turn: if it ended meanwhile, the next one is left alone)
+        print("cancelled one:", await ref.cancel(turn_id=turn.id))
         try:
             await turn.reply()
         except sa.TurnCancelledError:

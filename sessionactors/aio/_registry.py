@@ -197,9 +197,10 @@ class SessionRef:
         """The session's whole state, without waiting behind queued turns."""
         return await self._call(self._ref.state)
 
-    async def cancel(self) -> bool:
-        """Cancel the turn in flight, out of band; whether there was one."""
-        return await self._call(self._ref.cancel)
+    async def cancel(self, turn_id: str | None = None) -> bool:
+        """Cancel the turn in flight, out of band (only if it is turn ``turn_id``, when
+        given); whether it was cancelled (see :meth:`sessionactors.SessionRef.cancel`)."""
+        return await self._call(self._ref.cancel, turn_id)
 
     async def hibernate(self) -> None:
         """Snapshot the session to the store and end its task, after the queued requests."""

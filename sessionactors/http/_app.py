@@ -647,8 +647,9 @@ class SessionsApp:
 
     async def _cancel(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
+            turn_id = _optional_string(await self._body(request), "turn_id")
             ref = await self._existing_ref(registry, name)
-            return _json({"cancelled": await ref.cancel()})
+            return _json({"cancelled": await ref.cancel(turn_id)})
 
         return await self._handle(request, "cancel", handler)
 
@@ -829,7 +830,9 @@ class SessionsApp:
                                 group.start_soon(wait_turn, turn)
                         elif kind == "cancel":
                             await self._authorized(websocket, ref.session_id, "cancel")
-                            await say({"type": "cancelled", "cancelled": await ref.cancel()})
+                            turn_id = _optional_string(data, "turn_id")
+                            cancelled = await ref.cancel(turn_id)
+                            await say({"type": "cancelled", "cancelled": cancelled})
                         elif kind == "review":
                             await self._authorized(websocket, ref.session_id, "review")
                             review_id = _string(data, "review_id")

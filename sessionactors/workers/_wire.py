@@ -198,7 +198,12 @@ def dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, An
         return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
     if isinstance(request, Truncate):  # (past 64 bits: all the same, every message kept)
         request = Truncate(keep_last=min(request.keep_last, _MAX_WIRE_INT))
-    return {"t": _TAG_OF[type(request)], "f": attrs.asdict(request)}
+    fields = attrs.asdict(request)
+    if isinstance(request, Cancel) and request.turn_id is None:
+        # (a cancel of whatever turn is in flight, in the form a worker without turn ids
+        # reads; one with a turn id is refused there, never taken for any turn)
+        del fields["turn_id"]
+    return {"t": _TAG_OF[type(request)], "f": fields}
 
 
 def load_call(name: str, body: Any) -> Call | Cancel | Stop | Delete:

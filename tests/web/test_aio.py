@@ -208,6 +208,29 @@ def test_cancelling_an_asyncio_caller_abandons_only_its_wait() -> None:
     run(main)
 
 
+def test_an_asyncio_ref_cancels_only_the_turn_it_names() -> None:
+    """``await ref.cancel(turn_id=...)`` from asyncio cancels the turn in flight only if it is
+    that turn, and answers False for another id; a turn id that is not a str is a TypeError."""
+
+    async def main() -> None:
+        model = GatedModel()
+        async with aio.open_registry(agents={"g": sa.Agent(model=model)}) as reg:
+            ref = await reg.spawn("named")
+            turn = await ref.submit("hello")
+            while (await ref.turn_outcome(turn.id)).status is not sa.TurnStatus.RUNNING:
+                await asyncio.sleep(0.01)
+            assert await ref.cancel(turn_id=turn.id + "0") is False
+            with pytest.raises(TypeError, match="'named'"):
+                await ref.cancel(turn_id=b"bytes")  # type: ignore[arg-type]
+            assert model.cancelled == 0
+            assert await ref.cancel(turn_id=turn.id) is True
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+            assert model.cancelled == 1
+
+    run(main)
+
+
 def test_leaving_the_block_shuts_down_like_the_trio_registry(tmp_path: Path) -> None:
     """Leaving the block lets an accepted turn finish within shutdown_grace and hibernates
     every session: a new registry on the same store finds the whole conversation."""

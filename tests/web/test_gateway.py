@@ -104,6 +104,36 @@ async def test_messages_and_session_routes_answer_json(serve: Serve) -> None:
             assert (await client.get("/sessions/chat-1")).status_code == 404
 
 
+async def test_the_cancel_route_and_frame_cancel_only_the_turn_they_name(serve: Serve) -> None:
+    """POST /sessions/{name}/cancel with {"turn_id": ...} (and a WebSocket cancel frame with
+    one) cancels the turn in flight only if it is that turn: another id answers false and
+    the turn runs on; a turn id that is not a string is a 422."""
+    async with serve(delay=0.5) as served, httpx.AsyncClient(base_url=served.url) as client:
+        ws_url = served.url.replace("http://", "ws://") + "/sessions/x/ws"
+        with trio.fail_after(10):
+            body = {"text": "one two three four five six"}
+            async with client.stream("POST", "/sessions/x/messages", json=body, headers=SSE) as r:
+                events = SSEReader(r)
+                _, started = await events.next()
+                assert started["type"] == "TurnStarted"
+                turn_id = started["turn_id"]
+                other = {"turn_id": turn_id + "0"}
+                r2 = await client.post("/sessions/x/cancel", json=other)
+                assert r2.json() == {"cancelled": False}
+                r2 = await client.post("/sessions/x/cancel", json={"turn_id": 7})
+                assert r2.status_code == 422, r2.text
+                async with open_websocket(ws_url) as ws:
+                    await ws.send({"type": "cancel", "turn_id": turn_id + "0"})
+                    while (frame := await ws.receive())["type"] != "cancelled":
+                        pass
+                    assert frame == {"type": "cancelled", "cancelled": False}
+                r2 = await client.post("/sessions/x/cancel", json={"turn_id": turn_id})
+                assert r2.json() == {"cancelled": True}
+                rest = await events.until(finished)
+            assert rest[-1][1]["type"] == "TurnCancelled"
+            assert rest[-1][1]["turn_id"] == turn_id
+
+
 async def test_a_streamed_message_sends_its_turn_events_with_seq_ids(serve: Serve) -> None:
     """With Accept: text/event-stream a message answers its turn's events, each with its
     seq as the SSE id, in the one JSON form, ending with the turn's outcome."""

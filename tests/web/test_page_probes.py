@@ -335,6 +335,49 @@ def test_two_tabs_see_one_turn_and_one_review_and_survive_a_server_restart(
                 tab.close()
 
 
+@needs_chromium
+def test_stop_pressed_as_its_turn_ends_leaves_another_tabs_next_turn_running(
+    browser: Any, tmp_path: Path
+) -> None:
+    """The page's Stop cancels the turn it shows running, by its id: a stop that reaches the
+    server only after that turn ended leaves the next turn, another tab's, running."""
+    from playwright.sync_api import expect
+
+    with serve_command(f"sqlite:///{tmp_path / 'stop.db'}") as server:
+        r = httpx.post(f"{server.url}/sessions/race/messages", json={"text": "hi"}, timeout=10)
+        assert r.status_code == 200, r.text
+        a, b = browser.new_page(), browser.new_page()
+        held: list[Any] = []  # tab a's stop, held back until its turn has ended
+        a.route("**/race/cancel", lambda route: held.append(route))
+        for tab in (a, b):
+            tab.goto(f"{server.url}/#session=race")
+            expect(tab.locator("#status")).to_have_text("connected", timeout=10_000)
+        text_a, text_b = " ".join(["a"] * 20), " ".join(["b"] * 40)
+        a.fill("#text", text_a)
+        a.press("#text", "Enter")
+        expect(a.locator("#cancel")).to_be_enabled(timeout=10_000)
+        b.fill("#text", text_b)
+        b.press("#text", "Enter")  # queued behind tab a's turn
+        with a.expect_request("**/race/cancel"):
+            a.click("#cancel")
+        expect(a.locator(".message.assistant").nth(1)).to_have_text(text_a, timeout=10_000)
+        expect(a.locator(".message.user").last).to_have_text(text_b, timeout=10_000)
+        (stop,) = held
+        stop.continue_()  # tab b's turn runs now
+        for tab in (a, b):
+            expect(tab.locator(".message.assistant").last).to_have_text(text_b, timeout=10_000)
+        state = httpx.get(f"{server.url}/sessions/race", timeout=10).json()
+        assert [(m["content"], m["interrupted"]) for m in state["messages"][2:]] == [
+            (text_a, False),
+            (text_a, False),
+            (text_b, False),
+            (text_b, False),
+        ]
+        assert json.loads(stop.request.post_data)["turn_id"].startswith("turn_")
+        a.close()
+        b.close()
+
+
 #: Records the longest wait between two animation frames (the page frozen meanwhile).
 WATCH_FRAMES = """() => {
   window.maxGap = 0;

@@ -194,9 +194,13 @@ export class SessionsClient {
     return subscription;
   }
 
-  /** Cancel the turn in flight: {cancelled: bool}. */
-  cancel(name) {
-    return this.request("POST", this.sessionPath(name, "/cancel"));
+  /**
+   * Cancel the turn in flight: {cancelled: bool}. With `turnId`, only if that turn is
+   * the one in flight (a stop pressed as its turn ends leaves the next turn alone).
+   */
+  cancel(name, { turnId = null } = {}) {
+    const body = turnId === null ? undefined : { turn_id: turnId };
+    return this.request("POST", this.sessionPath(name, "/cancel"), body);
   }
 
   /** Approve or deny a pending review; resolves to the turn's reply. */
