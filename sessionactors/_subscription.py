@@ -113,7 +113,7 @@ async def open_event_iterator(
     ``unsaved`` gives the session's durable events that are not in the store yet, and
     the seq after which they begin (the events before it are in no replay any more).
     """
-    sub = hub.subscribe()
+    sub = hub.subscribe(after)
     try:
         if after is None:
             # from the last event published: one given its seq already but withheld until
@@ -121,6 +121,8 @@ async def open_event_iterator(
             return EventIterator(session_id, hub, sub, [], hub.published, on_close)
         if after < 0:
             raise ValueError(f"after must be a seq (>= 0), not {after}")
+        if hub.lost(after):  # (a wake that comes later ends it: see Hub.jump)
+            raise hub.lost_error(after)
         # A hub still at seq 0 was made for a subscriber of a session that is not live
         # (hibernated, stopped): it knows nothing of the session's past, so ask the store.
         if hub.seq and hub.ring_covers(after):

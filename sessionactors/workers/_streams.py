@@ -15,6 +15,7 @@ import trio
 
 from .._codec import dump_event, load_event, load_journal_entry
 from .._errors import (
+    EventsExpiredError,
     LeaseHeldError,
     SessionActorsError,
     SessionNotFoundError,
@@ -38,7 +39,7 @@ from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
 from ..stores._base import JournalEntry, Store
 from ._transport import StreamItem, Transport, fatal
-from ._wire import birth, creation_stamp, load_outcome, pack, stamp_of, unstamp
+from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
 
@@ -403,6 +404,9 @@ class Streams:
         """The answer to another worker's ``held`` request: the events after ``after``
         that the session's hub here still holds, all of them, or None."""
         host = self.host
+        lost = host.lost_here(name, after)
+        if lost is not None:  # (the subscription there raises it)
+            return dump_error(lost)
         events = host.events_here(name, after)
         created = host.created_here(name)
         if events is None or created is None:
@@ -422,6 +426,8 @@ class Streams:
                 answer = await self._forward(name, request, retry_safe=True)
             except SessionActorsError:  # (an owner of an earlier version knows no "held")
                 return None
+        if answer is not None and answer.get("err") == EventsExpiredError.__name__:
+            self._check(answer, name)  # raises it: the events after ``after`` are lost
         if answer is None or "err" in answer or not isinstance(answer.get("value"), list):
             return None
         followed = self._births.get(name)
