@@ -114,7 +114,7 @@ async def wait_for_an_end(ended: list[BaseException], within: float) -> None:
 
 
 async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url: str) -> None:
-    """When the worker running a turn is killed (SIGKILL) and no worker takes the session over, a subscription to it on another worker ends with SubscriberLaggedError at its last event within a few lease lifetimes (nothing will publish the turn's outcome), ref.stream of the turn raises the SessionCrashedError its send would, and a subscription made again with after= wakes the session and replays what the store kept."""
+    """When the worker running a turn is killed (SIGKILL) and no worker takes the session over, a subscription to it on another worker ends with SubscriberLaggedError at its last event within a few lease lifetimes (nothing will publish the turn's outcome), ref.stream of the turn raises the SessionCrashedError its send would, and a subscription made again with after= wakes the session and raises EventsExpiredError (the store kept nothing of the turn)."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     text = " ".join(f"w{i}" for i in range(50))
     ended: dict[str, BaseException] = {}
@@ -155,8 +155,11 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_mid_turn(redis_url:
             lagged = ended["subscribe"]
             assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
             assert isinstance(ended["stream"], sa.SessionCrashedError), repr(ended["stream"])
-            async with ref.subscribe(after=lagged.last_seq):
-                assert b.live() == ["s"]  # woken here: its shard's lease lapsed
+            with pytest.raises(sa.EventsExpiredError) as expired:
+                async with ref.subscribe(after=lagged.last_seq):
+                    pass
+            assert expired.value.oldest_seq > lagged.last_seq
+            assert b.live() == ["s"]  # woken here: its shard's lease lapsed
             assert [m.content for m in await ref.history()] == []  # the turn was not durable
             assert (await ref.send("again")).text == "again"
 

@@ -278,13 +278,15 @@ class Streams:
             # The worker that ran the turn let the session go before its outcome (it
             # died) and nobody took it since: nothing will publish the turn's outcome.
             # Its subscribers lag at the last event they have, and subscribe again
-            # with after=, which wakes the session: the replay shows what it kept.
+            # with after=, which wakes the session: the replay shows what it kept (if
+            # nothing, the turn was lost: EventsExpiredError).
             self._turn_ended(
                 name,
                 f"the worker that ran session {name!r} let it go during turn "
                 f"{seen.turn_id} (it died) and no worker took the session since, "
                 "so nothing will publish the turn's outcome",
-                ": that wakes the session, and the replay shows what it kept of the turn",
+                ": that wakes the session, and the replay shows what it kept of the turn "
+                "(EventsExpiredError if the turn was lost: then reload with ref.state())",
             )
 
     async def _ask_outcome(self, name: str, seen: _OpenTurn, owner: str) -> None:
