@@ -26,7 +26,15 @@ from ._events import (
     make_delta,
 )
 
-__all__ = ["Hub", "Subscriber", "expired_error", "lagged_error"]
+__all__ = ["SEQ_GAP", "Hub", "Subscriber", "expired_error", "lagged_error"]
+
+#: How far seq jumps when a session wakes from a state that was not hibernated
+#: cleanly (the process died): above any seq the lost incarnation can have used.
+#: Stored events are no more than about half of it apart otherwise (see
+#: ``Journal.at``; with durability="hibernate" the events between two stored
+#: statuses that far apart were lost with their process), so a larger gap in a
+#: replay is a wake's jump.
+SEQ_GAP: Final = 1 << 20
 
 log = logging.getLogger("sessionactors")
 

@@ -10,7 +10,7 @@ import trio
 from ._codec import load_journal_entry
 from ._errors import EventsExpiredError
 from ._events import Event
-from ._hub import Hub, Subscriber, lagged_error
+from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
 from .stores._base import Store
 
 __all__ = ["EventIterator", "open_event_iterator"]
@@ -156,9 +156,28 @@ async def open_event_iterator(
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
             found[event.seq] = event
-        replay = [found[seq] for seq in sorted(found) if seq > after]
+        replay = _past_jumps(
+            session_id, after, [found[seq] for seq in sorted(found) if seq > after]
+        )
         return EventIterator(session_id, hub, sub, replay, after, on_close)
     except BaseException:
         hub.unsubscribe(sub)
         on_close()
         raise
+
+
+def _past_jumps(session_id: str, after: int, replay: list[Event]) -> list[Event]:
+    """``replay`` checked for a wake's seq jump that this hub did not make or no longer
+    remembers (a gap of more than SEQ_GAP / 2; the first event after it, journaled at
+    the jump + 1, tells the durable seq it jumped from): EventsExpiredError if ``after``
+    is above that seq (a lost incarnation published it), else the replay without the
+    lost incarnation's events (an event stream of another worker may hold them)."""
+    prev = after
+    for event in replay:
+        if event.seq - prev > SEQ_GAP // 2:
+            durable = event.seq - SEQ_GAP - 1
+            if after > durable:
+                raise expired_error(session_id, after, event.seq)
+            return [e for e in replay if not durable < e.seq < event.seq]
+        prev = event.seq
+    return replay

@@ -71,6 +71,37 @@ async def test_a_resume_inside_a_lost_turn_before_the_wake_raises_expired() -> N
         assert_gone(caught.value, death, await ref.state())
 
 
+async def test_a_resume_inside_a_lost_turn_after_later_stops_raises_expired() -> None:
+    """The store tells the lost turn's seqs too: once the woken session hibernated, and
+    in a later process, before and after a wake, a resume inside the lost turn gets
+    EventsExpiredError, and a resume at the last stored event before it does not."""
+    store = MemoryStore()
+    death = await die_mid_turn(store)
+
+    async def check(ref: sa.SessionRef) -> None:
+        with trio.fail_after(5), pytest.raises(sa.EventsExpiredError) as caught:
+            async with ref.subscribe(after=death.last):
+                pass
+        assert_gone(caught.value, death, await ref.state())
+        async with ref.subscribe(after=death.durable) as events:
+            with trio.fail_after(5):
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished):
+                        assert event.message.content == "three"
+                        break
+
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = registry.ref("s")
+        await ref.send("three")  # wakes it, past a seq jump
+        await ref.hibernate()
+        await check(ref)  # hibernated (then woken cleanly by check's ref.state())
+        await check(ref)  # live
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = registry.ref("s")
+        await check(ref)
+        await check(ref)
+
+
 @pytest.mark.parametrize("woken_first", [False, True], ids=["before-wake", "after-wake"])
 async def test_a_resume_at_the_last_stored_event_replays_without_error(
     woken_first: bool,
