@@ -156,9 +156,8 @@ async def open_event_iterator(
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
             found[event.seq] = event
-        replay = _past_jumps(
-            session_id, after, [found[seq] for seq in sorted(found) if seq > after]
-        )
+        replay = [found[seq] for seq in sorted(found) if seq > after]
+        _check_jumps(session_id, after, replay)
         return EventIterator(session_id, hub, sub, replay, after, on_close)
     except BaseException:
         hub.unsubscribe(sub)
@@ -166,18 +165,15 @@ async def open_event_iterator(
         raise
 
 
-def _past_jumps(session_id: str, after: int, replay: list[Event]) -> list[Event]:
-    """``replay`` checked for a wake's seq jump that this hub did not make or no longer
-    remembers (a gap of more than SEQ_GAP / 2; the first event after it, journaled at
-    the jump + 1, tells the durable seq it jumped from): EventsExpiredError if ``after``
-    is above that seq (a lost incarnation published it), else the replay without the
-    lost incarnation's events (an event stream of another worker may hold them)."""
+def _check_jumps(session_id: str, after: int, replay: list[Event]) -> None:
+    """EventsExpiredError if ``replay`` crosses a wake's seq jump that this hub did not
+    make or no longer remembers (a gap of more than SEQ_GAP / 2; the first event after
+    it, journaled at the jump + 1, tells the durable seq it jumped from) and ``after``
+    lies above that durable seq: a lost incarnation published it."""
     prev = after
     for event in replay:
         if event.seq - prev > SEQ_GAP // 2:
-            durable = event.seq - SEQ_GAP - 1
-            if after > durable:
+            if after > event.seq - SEQ_GAP - 1:
                 raise expired_error(session_id, after, event.seq)
-            return [e for e in replay if not durable < e.seq < event.seq]
+            return
         prev = event.seq
-    return replay
