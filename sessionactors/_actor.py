@@ -57,8 +57,8 @@ from ._events import (
 )
 from ._history import rewind_end, split_for_keep_last
 from ._history_input import KnownIds, check_entry, check_new_ids
-from ._hub import Hub
-from ._journal import SEQ_GAP, Journal
+from ._hub import SEQ_GAP, Hub
+from ._journal import Journal
 from ._metadata import check_info_room, check_metadata, merge_metadata
 from ._pending import Append, Pending
 from ._reading import read_stored

@@ -19,6 +19,7 @@ import trio
 from ._actor import Actor, CallMail, TurnMail, deleted_error, waiting_reply
 from ._config import RegistryConfig
 from ._errors import (
+    EventsExpiredError,
     LeaseHeldError,
     MailboxFullError,
     SessionCrashedError,
@@ -474,6 +475,12 @@ class Dispatcher:
         if hub is None or name not in self.sessions.live or not hub.ring_covers(after):
             return None
         return hub.ring_after(after)
+
+    def lost_here(self, name: str, after: int) -> EventsExpiredError | None:
+        hub = self.sessions.hubs.get(name)
+        if hub is None or name not in self.sessions.live or not hub.lost(after):
+            return None
+        return hub.lost_error(after)
 
     async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:
         return await self.sessions.open_subscription(name, after)

@@ -15,7 +15,7 @@ from typing import Final
 import trio
 
 from ._config import HubConfig
-from ._errors import SessionActorsError, SubscriberLaggedError
+from ._errors import EventsExpiredError, SessionActorsError, SubscriberLaggedError
 from ._events import (
     Delta,
     Event,
@@ -26,7 +26,15 @@ from ._events import (
     make_delta,
 )
 
-__all__ = ["Hub", "Subscriber", "lagged_error"]
+__all__ = ["SEQ_GAP", "Hub", "Subscriber", "expired_error", "lagged_error"]
+
+#: How far seq jumps when a session wakes from a state that was not hibernated
+#: cleanly (the process died): above any seq the lost incarnation can have used.
+#: Stored events are no more than about half of it apart otherwise (see
+#: ``Journal.at``; with durability="hibernate" the events between two stored
+#: statuses that far apart were lost with their process), so a larger gap in a
+#: replay is a wake's jump.
+SEQ_GAP: Final = 1 << 20
 
 log = logging.getLogger("sessionactors")
 
@@ -59,10 +67,12 @@ def _size(event: Event | _Kept) -> int:
 class Subscriber:
     """One subscription's buffer: the hub writes with send_nowait, the reader reads."""
 
-    __slots__ = ("error", "lagged", "left", "receive", "send")
+    __slots__ = ("after", "error", "lagged", "left", "receive", "send")
 
-    def __init__(self, buffer: int) -> None:
+    def __init__(self, buffer: int, after: int | None = None) -> None:
         self.send, self.receive = trio.open_memory_channel[Event](buffer)
+        #: The seq the subscription resumes after (None: live from now), for ``jump``.
+        self.after = after
         #: Ended because it fell behind: events were lost.
         self.lagged = False
         #: Ended because the session left this process (see ``Hub.leave``): nothing lost.
@@ -128,12 +138,30 @@ class Hub:
     def jump(self, seq: int) -> None:
         """Advance to ``seq`` after an unclean stop: the seqs skipped were never used by
         this session's durable events (a previous owner may have published ephemeral
-        ones, which are lost), so the ring replays the same after any of them."""
+        ones, which are lost). A subscription waiting to resume after one of them (it
+        came before the wake) is ended with EventsExpiredError (see ``lost``)."""
         if seq > self.seq:
             self._skipped = (self.seq, seq)
             self.seq = seq
+            for sub in tuple(self._subs):
+                if sub.after is not None and self.lost(sub.after):
+                    sub.error = expired_error(self.session_id, sub.after, seq + 1)
+                    sub.send.close()
+                    self._subs.discard(sub)
         if seq > self.published:
             self.published = seq
+
+    def lost(self, after: int) -> bool:
+        """Whether ``after`` is a seq that a wake jumped over, above the last durable one:
+        the events after it that a lost incarnation published (its turn in flight) are
+        gone, and the turn's outcome will never come."""
+        skipped = self._skipped
+        return skipped is not None and skipped[0] < after < skipped[1]
+
+    def lost_error(self, after: int) -> EventsExpiredError:
+        """The error for a subscription after ``after``, a seq ``lost`` says is gone."""
+        assert self._skipped is not None
+        return expired_error(self.session_id, after, self._skipped[1] + 1)
 
     def publish(self, event: Event) -> None:
         """Keep the event for replay and hand it to every subscriber, never blocking."""
@@ -218,8 +246,8 @@ class Hub:
     def oldest_seq(self) -> int | None:
         return _seq(self._ring[0]) if self._ring else None
 
-    def subscribe(self) -> Subscriber:
-        sub = Subscriber(self._config.subscriber_buffer)
+    def subscribe(self, after: int | None = None) -> Subscriber:
+        sub = Subscriber(self._config.subscriber_buffer, after)
         self._subs.add(sub)
         return sub
 
@@ -239,6 +267,20 @@ class Hub:
 
 def _seq(kept: Event | _Kept) -> int:
     return kept[0] if isinstance(kept, tuple) else kept.seq
+
+
+def expired_error(session_id: str, after: int, oldest_seq: int) -> EventsExpiredError:
+    """The events after ``after`` were published by an incarnation of the session that
+    stopped before it stored them (its process died mid-turn); ``oldest_seq``: the first
+    seq after the wake's jump."""
+    return EventsExpiredError(
+        f"events of session {session_id!r} after seq {after} are lost: the process that "
+        "published them stopped before it stored them (the turn they belong to is lost: "
+        f"ref.turn_outcome says so); the oldest available is seq {oldest_seq}: reload the "
+        "state with ref.state() and subscribe with after=state.event_seq",
+        session_id=session_id,
+        oldest_seq=oldest_seq,
+    )
 
 
 def lagged_error(session_id: str, last_seq: int) -> SubscriberLaggedError:

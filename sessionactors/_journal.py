@@ -21,17 +21,15 @@ from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump
 from ._config import RegistryConfig
 from ._errors import SnapshotError, StoreError
 from ._events import Event, HistoryEdited, MetadataChanged
+from ._hub import SEQ_GAP
 from ._pending import Append
 from ._records import SessionState, Status, maker
 from ._session import LiveSession
 from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
 
-__all__ = ["SEQ_GAP", "Journal"]
+__all__ = ["Journal"]
 
-#: How far seq jumps when a session wakes from a state that was not hibernated
-#: cleanly (the process died): above any seq the lost incarnation can have used.
-SEQ_GAP = 1 << 20
 _make_entry: Final = maker(JournalEntry)
 #: The events that can make a state smaller (a turn only adds to it).
 _SHRINKING: Final = frozenset({HistoryEdited, MetadataChanged})

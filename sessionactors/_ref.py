@@ -449,7 +449,10 @@ class SessionRef(metaclass=NoPublicConstructor):
         Iterating raises ``SubscriberLaggedError`` if the reader fell behind, and
         the wake's error if a wake of the session fails while it is open (the
         name not stored, the store or the snapshot failing): subscribe again,
-        with ``after=`` the last seq read, once the cause is fixed.
+        with ``after=`` the last seq read, once the cause is fixed. ``after``
+        inside a turn that died with its process (never stored) raises
+        EventsExpiredError, on entering if the session woke since, else once it
+        wakes: reload the state with ``ref.state()``.
         """
         check_after(self.session_id, after)
         return _Subscription(self._dispatcher, self.session_id, after)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 import trio
 
 from ._config import RegistryConfig
+from ._errors import EventsExpiredError
 from ._events import Event
 from ._records import SessionState, Status, TurnOutcome
 from ._requests import Call, Cancel, Delete, Stop
@@ -105,6 +106,12 @@ class RouterHost(Protocol):
     def events_here(self, name: str, after: int) -> list[Event] | None:
         """The events after ``after`` that the session published here, in order, if its
         hub here still holds them all; None otherwise (or if it is not live here)."""
+        ...
+
+    def lost_here(self, name: str, after: int) -> EventsExpiredError | None:
+        """The error for a subscription resuming after ``after``, if the session, live
+        here, woke past that seq (a lost incarnation published it, never stored); None
+        otherwise."""
         ...
 
     async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:

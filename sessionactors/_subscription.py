@@ -10,7 +10,7 @@ import trio
 from ._codec import load_journal_entry
 from ._errors import EventsExpiredError
 from ._events import Event
-from ._hub import Hub, Subscriber, lagged_error
+from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
 from .stores._base import Store
 
 __all__ = ["EventIterator", "open_event_iterator"]
@@ -113,7 +113,7 @@ async def open_event_iterator(
     ``unsaved`` gives the session's durable events that are not in the store yet, and
     the seq after which they begin (the events before it are in no replay any more).
     """
-    sub = hub.subscribe()
+    sub = hub.subscribe(after)
     try:
         if after is None:
             # from the last event published: one given its seq already but withheld until
@@ -121,6 +121,8 @@ async def open_event_iterator(
             return EventIterator(session_id, hub, sub, [], hub.published, on_close)
         if after < 0:
             raise ValueError(f"after must be a seq (>= 0), not {after}")
+        if hub.lost(after):  # (a wake that comes later ends it: see Hub.jump)
+            raise hub.lost_error(after)
         # A hub still at seq 0 was made for a subscriber of a session that is not live
         # (hibernated, stopped): it knows nothing of the session's past, so ask the store.
         if hub.seq and hub.ring_covers(after):
@@ -155,8 +157,23 @@ async def open_event_iterator(
                 break
             found[event.seq] = event
         replay = [found[seq] for seq in sorted(found) if seq > after]
+        _check_jumps(session_id, after, replay)
         return EventIterator(session_id, hub, sub, replay, after, on_close)
     except BaseException:
         hub.unsubscribe(sub)
         on_close()
         raise
+
+
+def _check_jumps(session_id: str, after: int, replay: list[Event]) -> None:
+    """EventsExpiredError if ``replay`` crosses a wake's seq jump that this hub did not
+    make or no longer remembers (a gap of more than SEQ_GAP / 2; the first event after
+    it, journaled at the jump + 1, tells the durable seq it jumped from) and ``after``
+    lies above that durable seq: a lost incarnation published it."""
+    prev = after
+    for event in replay:
+        if event.seq - prev > SEQ_GAP // 2:
+            if after > event.seq - SEQ_GAP - 1:
+                raise expired_error(session_id, after, event.seq)
+            return
+        prev = event.seq

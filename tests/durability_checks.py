@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 import trio.testing
 
@@ -115,18 +116,69 @@ async def crash_in_a_held_turn(store: Store, seen: list[sa.Event], **options: ob
 
 
 async def next_turn_after(store: Store, last: int, **options: object) -> list[sa.Event]:
-    """In a new "process": resume a subscription after ``last``, run one turn."""
+    """In a new "process" run one turn: the events a live subscription gets. A
+    subscription resuming after ``last`` (published by the process that died, never
+    stored) must hear that the events after it are gone."""
     got: list[sa.Event] = []
+    expired: list[sa.EventsExpiredError] = []
+
+    async def resume() -> None:
+        try:
+            await watch(reg.ref("s"), [], last)
+        except sa.EventsExpiredError as exc:
+            expired.append(exc)
+
     async with (
         sa.open_registry(store=store, agents=ECHO, **options) as reg,
         trio.open_nursery() as nursery,
     ):
-        nursery.start_soon(watch, reg.ref("s"), got, last)
+        nursery.start_soon(watch, reg.ref("s"), got)
+        nursery.start_soon(resume)
         await trio.testing.wait_all_tasks_blocked()
         await reg.ref("s").send("three")
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
+    assert expired, f"a subscription resumed after seq {last}, which no store holds, was not told"
+    assert expired[0].oldest_seq > last, expired[0]
     return got
+
+
+@attrs.frozen
+class Death:
+    """What a subscriber saw of a process that died mid-turn."""
+
+    turn_id: str  # the turn it died in
+    durable: int  # the seq of the last event the store holds (the turn before it ended)
+    last: int  # the last seq the subscriber saw (a Delta of the lost turn)
+
+
+async def die_mid_turn(store: Store, **options: object) -> Death:
+    """A "process" answers one turn, streams part of a second one, and dies."""
+    held = ScriptedModel(["one", Scripted(text="two two two", wait=trio.Event(), wait_after=2)])
+    seen: list[sa.Event] = []
+    with trio.CancelScope() as process:
+        async with (
+            sa.open_registry(
+                store=store, agents={"a": sa.Agent(model=held)}, **options
+            ) as registry,
+            trio.open_nursery() as nursery,
+        ):
+            ref = await registry.spawn("s")
+            durable = (await ref.send("one")).turn_id
+
+            async def watch() -> None:
+                async with ref.subscribe(after=0) as events:
+                    async for event in events:
+                        seen.append(event)
+
+            nursery.start_soon(watch)
+            turn = await ref.submit("two")
+            while sum(isinstance(e, sa.Delta) for e in seen) < 2:  # streaming, not stored
+                await trio.sleep(0.01)
+            process.cancel()
+    finished = [e for e in seen if isinstance(e, sa.TurnFinished) and e.turn_id == durable]
+    assert isinstance(seen[-1], sa.Delta), seen
+    return Death(turn_id=turn.id, durable=finished[0].seq, last=seen[-1].seq)
 
 
 def assert_a_whole_new_turn(events: list[sa.Event], last: int) -> None:

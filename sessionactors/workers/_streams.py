@@ -15,6 +15,7 @@ import trio
 
 from .._codec import dump_event, load_event, load_journal_entry
 from .._errors import (
+    EventsExpiredError,
     LeaseHeldError,
     SessionActorsError,
     SessionNotFoundError,
@@ -38,7 +39,7 @@ from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
 from ..stores._base import JournalEntry, Store
 from ._transport import StreamItem, Transport, fatal
-from ._wire import birth, creation_stamp, load_outcome, pack, stamp_of, unstamp
+from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
 
@@ -277,13 +278,15 @@ class Streams:
             # The worker that ran the turn let the session go before its outcome (it
             # died) and nobody took it since: nothing will publish the turn's outcome.
             # Its subscribers lag at the last event they have, and subscribe again
-            # with after=, which wakes the session: the replay shows what it kept.
+            # with after=, which wakes the session: the replay shows what it kept (if
+            # nothing, the turn was lost: EventsExpiredError).
             self._turn_ended(
                 name,
                 f"the worker that ran session {name!r} let it go during turn "
                 f"{seen.turn_id} (it died) and no worker took the session since, "
                 "so nothing will publish the turn's outcome",
-                ": that wakes the session, and the replay shows what it kept of the turn",
+                ": that wakes the session, and the replay shows what it kept of the turn "
+                "(EventsExpiredError if the turn was lost: then reload with ref.state())",
             )
 
     async def _ask_outcome(self, name: str, seen: _OpenTurn, owner: str) -> None:
@@ -403,6 +406,9 @@ class Streams:
         """The answer to another worker's ``held`` request: the events after ``after``
         that the session's hub here still holds, all of them, or None."""
         host = self.host
+        lost = host.lost_here(name, after)
+        if lost is not None:  # (the subscription there raises it)
+            return dump_error(lost)
         events = host.events_here(name, after)
         created = host.created_here(name)
         if events is None or created is None:
@@ -422,6 +428,8 @@ class Streams:
                 answer = await self._forward(name, request, retry_safe=True)
             except SessionActorsError:  # (an owner of an earlier version knows no "held")
                 return None
+        if answer is not None and answer.get("err") == EventsExpiredError.__name__:
+            self._check(answer, name)  # raises it: the events after ``after`` are lost
         if answer is None or "err" in answer or not isinstance(answer.get("value"), list):
             return None
         followed = self._births.get(name)

@@ -17,6 +17,8 @@ import trio
 
 import sessionactors as sa
 import sessionactors.aio as aio
+import sessionactors.testing
+from durability_checks import die_mid_turn
 from sessionactors.http import create_app
 from sessionactors.stores import dump_info
 
@@ -349,3 +351,20 @@ async def test_a_stored_non_finite_float_is_answered_as_valid_json(serve: Serve)
     expected = {"score": None, "range": [1.5, None], "tier": "gold"}
     assert listed["metadata"] == expected
     assert shown["metadata"] == expected
+
+
+async def test_a_last_event_id_inside_a_turn_that_died_with_its_process_is_410() -> None:
+    """A browser resuming with the Last-Event-ID of a Delta of a turn whose process died
+    (never stored) gets 410 with oldest_seq, whether the session woke already or not,
+    instead of a stream that never ends that turn."""
+    store = sa.MemoryStore()
+    death = await die_mid_turn(store)
+    app = create_app(store=store, agents={"a": sa.Agent(model=sa.testing.EchoModel())})
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            for _ in range(2):  # the first request wakes the session
+                headers = {"last-event-id": str(death.last)}
+                r = await client.get("/sessions/s/events", headers=headers)
+                assert r.status_code == 410, r.text
+                assert r.json()["session_id"] == "s"
+                assert r.json()["oldest_seq"] > death.last
