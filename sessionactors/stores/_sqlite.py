@@ -171,12 +171,17 @@ _WITHDRAWN: Final = 2
 
 
 class _Request:
-    """One call waiting for the connection's thread; ``op is None`` means: stop."""
+    """One call waiting for the connection's thread; ``op is None`` means: stop.
+
+    The thread sets ``result`` before answering: the call's outcome, or ``None`` for
+    a call that returned ``None`` (no object made for it: a thousand appends answered
+    at once would otherwise make a thousand)."""
 
     __slots__ = (
         "args",
         "op",
         "raise_cancel",
+        "result",
         "session_id",
         "state",
         "task",
@@ -201,14 +206,17 @@ class _Request:
         self.writes = writes
         self.state = _QUEUED
         self.raise_cancel: Any = None
+        self.result: outcome.Outcome[Any] | None = None
         if waiter:
             self.token: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
             self.task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
         else:
             self.token = self.task = None
 
-    def abort(self, raise_cancel: Any) -> trio.lowlevel.Abort:
-        """The abort function of the waiting caller (runs on its trio thread)."""
+    def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
+        """The abort function of the waiting caller (runs on its trio thread). The
+        request itself is passed as that function: a bound method would be one more
+        object for each waiting call."""
         assert self.worker is not None
         if self.worker.withdraw(self):
             return trio.lowlevel.Abort.SUCCEEDED
@@ -224,26 +232,42 @@ _QUIET_NS: Final = 2_000_000_000
 _WAL_SIZE_LIMIT: Final = 4 * 1024 * 1024
 
 
-def _deliver(answers: list[tuple[_Request, outcome.Outcome[Any]]]) -> None:
+def _deliver(answered: list[_Request]) -> None:
     # Runs on the callers' trio thread, so it never races the abort function.
-    for request, result in answers:
-        if request.task is None:  # a close that stopped waiting (see SQLiteStore.aclose)
+    reschedule = trio.lowlevel.reschedule
+    for request in answered:
+        task = request.task
+        if task is None:  # a close that stopped waiting (see SQLiteStore.aclose)
             continue
         if request.raise_cancel is not None:
-            result = outcome.capture(request.raise_cancel)
-        trio.lowlevel.reschedule(request.task, result)
+            reschedule(task, outcome.capture(request.raise_cancel))
+        elif request.result is None:
+            reschedule(task)  # (trio's Value(None), made as the task runs)
+        else:
+            reschedule(task, request.result)
 
 
-def _answer(answers: Sequence[tuple[_Request, outcome.Outcome[Any]]]) -> None:
-    """Wake every caller: one hop per trio run, not one per request."""
-    by_token: dict[trio.lowlevel.TrioToken, list[tuple[_Request, outcome.Outcome[Any]]]] = {}
-    for request, result in answers:
-        if request.token is not None:
-            by_token.setdefault(request.token, []).append((request, result))
+def _answer(answered: Sequence[_Request]) -> None:
+    """Wake every caller with its ``result``: one hop per trio run, not one per request."""
+    by_token: dict[trio.lowlevel.TrioToken, list[_Request]] = {}
+    for request in answered:
+        token = request.token
+        if token is not None:
+            group = by_token.get(token)
+            if group is None:
+                group = by_token[token] = []
+            group.append(request)
     for token, group in by_token.items():
         # The caller's run is over (it was interrupted): nobody is left to answer.
         with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(_deliver, group)
+
+
+def _fail(path: str, batch: list[_Request], exc: BaseException) -> None:
+    """Answer every request of a transaction that failed as a whole."""
+    for request in batch:
+        request.result = outcome.Error(_store_error(path, request, exc))
+    _answer(batch)
 
 
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
@@ -368,7 +392,7 @@ class _Worker:
                         self._close(conn)
                         conn = None
                     self._unlock()
-                    _answer([(stop[0], outcome.Value(None))])
+                    _answer(stop[:1])
                     return
         finally:
             if conn is not None:
@@ -542,7 +566,6 @@ class _Worker:
         self, conn: sqlite3.Connection | None, batch: list[_Request]
     ) -> sqlite3.Connection | None:
         """Run ``batch`` in one transaction and answer every request; return the connection."""
-        results: list[outcome.Outcome[Any]] = []
         writes = any(r.writes for r in batch)
         try:
             if conn is not None and self._immutable and self._file_changed():
@@ -555,7 +578,7 @@ class _Worker:
             if conn is None:
                 conn = self._open()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
-            results = self._run_all(conn, batch)
+            appended = self._run_all(conn, batch)
             conn.execute("COMMIT")
         except Exception as exc:
             # The whole transaction is lost (or the file could not be opened): fail
@@ -567,51 +590,52 @@ class _Worker:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                 if self._holds_unwritten():
-                    _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
+                    _fail(self._path, batch, exc)
                     return conn
                 conn.close()
-            _answer([(r, outcome.Error(_store_error(self._path, r, exc))) for r in batch])
+            _fail(self._path, batch, exc)
             return None
         with self._counters.lock:
             if writes:
                 self._counters.commits += 1
-            self._counters.appends += sum(
-                1
-                for request, result in zip(batch, results, strict=True)
-                if request.op is _append and isinstance(result, outcome.Value)
-            )
+            self._counters.appends += appended
             self._counters.largest_batch = max(self._counters.largest_batch, len(batch))
-        _answer(list(zip(batch, results, strict=True)))
+        _answer(batch)
         return conn
 
-    def _run_all(
-        self, conn: sqlite3.Connection, batch: list[_Request]
-    ) -> list[outcome.Outcome[Any]]:
-        """Every request's outcome, run in order; consecutive plain appends run in bulk."""
-        results: list[outcome.Outcome[Any]] = []
+    def _run_all(self, conn: sqlite3.Connection, batch: list[_Request]) -> int:
+        """Run every request in order and set its ``result``; consecutive plain appends
+        run in bulk. How many appends succeeded."""
+        appended = 0
         run: list[_Request] = []
         for request in batch:
             if _bulk_append(request):
                 run.append(request)
                 continue
             if run:
-                results += self._run_appends(conn, run)
+                appended += self._run_appends(conn, run)
                 run = []
-            results.append(self._run_one(conn, request))
+            request.result = result = self._run_one(conn, request)
+            appended += request.op is _append and result.__class__ is not outcome.Error
         if run:
-            results += self._run_appends(conn, run)
-        return results
+            appended += self._run_appends(conn, run)
+        return appended
 
-    def _run_appends(
-        self, conn: sqlite3.Connection, run: list[_Request]
-    ) -> list[outcome.Outcome[Any]]:
+    def _run_appends(self, conn: sqlite3.Connection, run: list[_Request]) -> int:
         if len(run) > 1 and _append_all(conn, [cast(_AppendArgs, r.args) for r in run]):
-            return [outcome.Value(None) for _ in run]
-        return [self._run_one(conn, r) for r in run]
+            for request in run:
+                request.result = None
+            return len(run)
+        appended = 0
+        for request in run:
+            request.result = result = self._run_one(conn, request)
+            appended += result.__class__ is not outcome.Error
+        return appended
 
-    def _run_one(self, conn: sqlite3.Connection, request: _Request) -> outcome.Outcome[Any]:
+    def _run_one(self, conn: sqlite3.Connection, request: _Request) -> outcome.Outcome[Any] | None:
         """Run one request in a savepoint of its own: its failure undoes it alone, and
-        fails its caller alone, under its own session's name."""
+        fails its caller alone, under its own session's name. Its outcome (``None``
+        for the value ``None``)."""
         assert request.op is not None
         conn.execute("SAVEPOINT request")
         try:
@@ -628,7 +652,7 @@ class _Worker:
             conn.execute("RELEASE request")
             return outcome.Error(exc)
         conn.execute("RELEASE request")
-        return outcome.Value(value)
+        return None if value is None else outcome.Value(value)
 
 
 _TABLES: Final = ("journal", "leases", "sessions", "snapshots")
@@ -825,13 +849,13 @@ def _append(
     if last_seq is None:
         updated = conn.execute(
             "UPDATE sessions SET info = ?, activity = ? WHERE session_id = ? RETURNING 1",
-            (info, activity, session_id),
+            (_blob(info), activity, session_id),
         ).fetchone()
     else:
         updated = conn.execute(
             "UPDATE sessions SET last_seq = ?, info = ?, activity = ? "
             "WHERE session_id = ? AND last_seq < ? RETURNING 1",
-            (last_seq, info, activity, session_id, entries[0].seq),
+            (last_seq, _blob(info), activity, session_id, entries[0].seq),
         ).fetchone()
     if updated is None:  # nothing was written: say why
         row = conn.execute(
@@ -846,12 +870,26 @@ def _append(
     )
 
 
-def _rows(session_id: str, entries: Sequence[JournalEntry]) -> Iterator[tuple[str, int, bytes]]:
+#: Blobs up to this size are bound as a copy (see ``_blob``).
+_COPY_BLOB: Final = 4096
+
+
+def _blob(data: bytes) -> bytes | bytearray:
+    """``data`` as Python's ``sqlite3`` binds it fastest: the same BLOB either way, but
+    a ``bytes`` parameter is first offered to the adapter registry, which costs about
+    as much as copying 4 KB (Python 3.11: two failed attribute lookups, one of which
+    formats an error message), and a ``bytearray`` is bound as it is."""
+    return bytearray(data) if len(data) <= _COPY_BLOB else data
+
+
+def _rows(
+    session_id: str, entries: Sequence[JournalEntry]
+) -> Iterator[tuple[str, int, bytes | bytearray]]:
     """The journal rows of an append's entries (of bytes: see ``append``), made as SQLite
     takes them (a turn waiting for its commit holds its entries, not rows made of them
     too)."""
     for entry in entries:
-        yield session_id, entry.seq, entry.data
+        yield session_id, entry.seq, _blob(entry.data)
 
 
 def _bulk_append(request: _Request) -> bool:
@@ -870,7 +908,8 @@ def _append_all(conn: sqlite3.Connection, appends: list[_AppendArgs]) -> bool:
     updated = conn.executemany(
         "UPDATE sessions SET last_seq = ?, info = ?, activity = ? "
         "WHERE session_id = ? AND last_seq < ?",
-        [(a.last_seq, a.info, a.activity, a.session_id, a.entries[0].seq) for a in appends],
+        # (rows made as SQLite takes them: each is gone before the next is made)
+        ((a.last_seq, _blob(a.info), a.activity, a.session_id, a.entries[0].seq) for a in appends),
     ).rowcount
     if updated == len(appends):
         try:
@@ -983,6 +1022,9 @@ class SQLiteStore:
     # Plumbing -------------------------------------------------------------------
 
     def _submit(self, request: _Request) -> _Worker:
+        worker = self._worker
+        if worker is not None and worker.submit(request):
+            return worker
         while True:
             with self._lock:
                 if self._worker is None:
@@ -1006,7 +1048,7 @@ class SQLiteStore:
     ) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
         request = self._request(session_id, op, writes=writes, args=args)
-        return await trio.lowlevel.wait_task_rescheduled(request.abort)
+        return await trio.lowlevel.wait_task_rescheduled(request)
 
     def _request(
         self, session_id: str | None, op: _Op, *, writes: bool, args: tuple[Any, ...]
@@ -1118,16 +1160,18 @@ class SQLiteStore:
         # frame between, and a thousand turns waiting at once keep that many frames
         # more for the garbage collector to visit (benchmark 6)
         await trio.lowlevel.checkpoint_if_cancelled()
-        if any(e.data.__class__ is not bytes for e in entries):
-            # bytes of its own (TypeError if it is not bytes-like): nothing the caller
-            # changes later, nothing a shared transaction could fail on
-            entries = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
+        for entry in entries:
+            if entry.data.__class__ is not bytes:
+                # bytes of its own (TypeError if it is not bytes-like): nothing the caller
+                # changes later, nothing a shared transaction could fail on
+                entries = [JournalEntry(e.seq, bytes(e.data)) for e in entries]
+                break
         info = bytes(info)
         # Checked before the transaction: the seqs strictly increase among themselves.
         last_seq = _check_entries(session_id, entries, entries[0].seq - 1) if entries else None
         args = _AppendArgs(session_id, entries, info, fence, last_seq, info_activity(info))
         request = self._request(session_id, _append, writes=True, args=args)
-        await trio.lowlevel.wait_task_rescheduled(request.abort)
+        await trio.lowlevel.wait_task_rescheduled(request)
 
     async def write_snapshot(
         self,
