@@ -135,6 +135,30 @@ class Hub:
         if seq > self.published:
             self.published = seq
 
+    def delta(self, turn_id: str, text: str) -> None:
+        """Publish a ``Delta`` of the session's next seq: ``publish`` of it, where the
+        event is made only if someone hears it (the ring keeps a delta as a tuple)."""
+        seq = self.seq = self.seq + 1
+        if self.tap is not None or self._subs:
+            self.publish(
+                make_delta(session_id=self.session_id, seq=seq, turn_id=turn_id, text=text)
+            )
+            return
+        self.published = seq
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = deque()
+        ring.append((seq, turn_id, text))
+        ring_bytes = self._ring_bytes + _KEPT_BYTES + len(text)
+        config = self._config
+        if len(ring) > config.replay_events:  # (as publish keeps its bounds)
+            ring_bytes -= _size(ring.popleft())
+        if ring_bytes > config.replay_bytes:
+            most_bytes = config.replay_bytes
+            while ring and ring_bytes > most_bytes:
+                ring_bytes -= _size(ring.popleft())
+        self._ring_bytes = ring_bytes
+
     def publish(self, event: Event) -> None:
         """Keep the event for replay and hand it to every subscriber, never blocking."""
         if self.tap is not None:
