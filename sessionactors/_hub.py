@@ -1,7 +1,7 @@
 """Per-session event fan-out: seq numbering, a bounded replay ring, bounded subscribers.
 
-The actor only ever calls ``publish``, which never blocks: a subscriber whose
-buffer is full is ended (it will raise SubscriberLaggedError after reading
+The actor only ever calls ``publish`` (``delta`` for a Delta), which never blocks: a
+subscriber whose buffer is full is ended (it will raise SubscriberLaggedError after reading
 what it already has) and the others are not slowed.
 """
 
