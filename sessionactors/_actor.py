@@ -50,7 +50,6 @@ from ._events import (
     TurnFailed,
     TurnFinished,
     TurnStarted,
-    make_delta,
     make_message_added,
     make_turn_finished,
     make_turn_started,
@@ -477,12 +476,7 @@ class Actor:
         return session.view(cache[1])
 
     def delta(self, text: str) -> None:
-        hub = self.hub or self._hub()
-        hub.publish(
-            make_delta(
-                session_id=self.session_id, seq=hub.next_seq(), turn_id=self.turn_id, text=text
-            )
-        )
+        (self.hub or self._hub()).delta(self.turn_id, text)
 
     def add_message(self, message: Message) -> None:
         self.durable(

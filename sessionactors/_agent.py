@@ -435,6 +435,9 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 usage=usage,
             )
         calls = assemble_calls(step.calls)
+        # what the step streamed is not kept alive while its tools run (nor the model's
+        # stream): fewer objects for the collector to visit meanwhile
+        del request, stream, chunk, step
         ctx.add_message(
             make_message(
                 id=new_id("msg"),

@@ -1,7 +1,7 @@
 """Per-session event fan-out: seq numbering, a bounded replay ring, bounded subscribers.
 
-The actor only ever calls ``publish``, which never blocks: a subscriber whose
-buffer is full is ended (it will raise SubscriberLaggedError after reading
+The actor only ever calls ``publish`` (``delta`` for a Delta), which never blocks: a
+subscriber whose buffer is full is ended (it will raise SubscriberLaggedError after reading
 what it already has) and the others are not slowed.
 """
 
@@ -163,29 +163,28 @@ class Hub:
         assert self._skipped is not None
         return expired_error(self.session_id, after, self._skipped[1] + 1)
 
+    def delta(self, turn_id: str, text: str) -> None:
+        """Publish a ``Delta`` of the session's next seq: ``publish`` of it, where the
+        event is made only if someone hears it (the ring keeps a delta as a tuple)."""
+        seq = self.seq = self.seq + 1
+        if self.tap is not None or self._subs:
+            self.publish(
+                make_delta(session_id=self.session_id, seq=seq, turn_id=turn_id, text=text)
+            )
+            return
+        self.published = seq
+        self._keep((seq, turn_id, text), _KEPT_BYTES + len(text))
+
     def publish(self, event: Event) -> None:
         """Keep the event for replay and hand it to every subscriber, never blocking."""
         if self.tap is not None:
             self.tap(event)
         self.published = event.seq
-        ring = self._ring
-        if ring is None:
-            ring = self._ring = deque()
         if event.__class__ is Delta:
             text = event.text
-            ring.append((event.seq, event.turn_id, text))
-            ring_bytes = self._ring_bytes + _KEPT_BYTES + len(text)
+            self._keep((event.seq, event.turn_id, text), _KEPT_BYTES + len(text))
         else:
-            ring.append(event)
-            ring_bytes = self._ring_bytes + _size(event)
-        config = self._config
-        if len(ring) > config.replay_events:  # (one over: it held at most that many)
-            ring_bytes -= _size(ring.popleft())
-        if ring_bytes > config.replay_bytes:
-            most_bytes = config.replay_bytes
-            while ring and ring_bytes > most_bytes:
-                ring_bytes -= _size(ring.popleft())
-        self._ring_bytes = ring_bytes
+            self._keep(event, _size(event))
         if self._subs:
             for sub in tuple(self._subs):
                 try:
@@ -194,6 +193,22 @@ class Hub:
                     self._evict(sub)
                 except trio.BrokenResourceError:
                     self._subs.discard(sub)
+
+    def _keep(self, kept: Event | _Kept, size: int) -> None:
+        """Keep ``kept`` (``size`` bytes) in the replay ring, within its bounds."""
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = deque()
+        ring.append(kept)
+        ring_bytes = self._ring_bytes + size
+        config = self._config
+        if len(ring) > config.replay_events:  # (one over: it held at most that many)
+            ring_bytes -= _size(ring.popleft())
+        if ring_bytes > config.replay_bytes:
+            most_bytes = config.replay_bytes
+            while ring and ring_bytes > most_bytes:
+                ring_bytes -= _size(ring.popleft())
+        self._ring_bytes = ring_bytes
 
     def lose(self) -> None:
         """Events were lost upstream: end every subscription as lagged, forget the ring."""

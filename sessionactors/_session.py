@@ -79,6 +79,9 @@ class HistoryView(Sequence[Message]):
     @overload
     def __getitem__(self, index: slice) -> Sequence[Message]: ...
     def __getitem__(self, index: int | slice) -> Message | Sequence[Message]:
+        length = self._length
+        if index.__class__ is int and -length <= index < 0:  # (int: a bool is not)
+            return self._items[length + index]  # the common read: the latest messages
         if isinstance(index, slice):
             return list(self)[index]
         p = len(self._prefix)

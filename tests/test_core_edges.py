@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import trio
@@ -280,3 +281,33 @@ async def test_a_keyed_retry_of_an_open_turn_without_its_agent_is_told_so(
                 await turn.reply()
             state = await registry.ref("s").state()
             assert state.status is not sa.Status.FAILED
+
+
+async def test_a_request_s_messages_index_as_the_list_of_them() -> None:
+    """Every index of ``request.messages`` (negative ones, the system prompt's, past either
+    end, slices) reads what the same index of ``list(request.messages)`` read when the
+    model was asked, also once the history has grown past the request."""
+    asked: list[tuple[Sequence[sa.Message], list[sa.Message]]] = []
+
+    class Keeping:
+        async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+            asked.append((request.messages, list(request.messages)))
+            yield sa.TextChunk("ok")
+
+    agents = {"a": sa.Agent(model=Keeping(), system_prompt="be brief")}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("s")
+        for text in ("one", "two", "three"):
+            await ref.send(text)
+    assert [len(whole) for _, whole in asked] == [2, 4, 6]
+    for view, whole in asked:
+        n = len(whole)
+        assert len(view) == n
+        for i in range(-n - 2, n + 2):
+            if -n <= i < n:
+                assert view[i] is whole[i], i
+            else:
+                with pytest.raises(IndexError):
+                    view[i]
+        for part in (slice(None), slice(-2, None), slice(1, -1, 2), slice(5, 1)):
+            assert list(view[part]) == whole[part]

@@ -91,6 +91,33 @@ async def test_the_deltas_in_the_ring_are_nothing_for_the_collector_to_visit(
     assert replayed == published
 
 
+async def test_deltas_nobody_heard_replay_as_those_a_subscriber_read(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A turn streamed while no one listens (its deltas kept for replay without being
+    made into events) replays the events, seqs and texts that a subscriber reads live of
+    the same turn on a twin session."""
+    chunks = [f"{i} " for i in range(30)]
+    async with registry(Scripted(chunks=chunks), Scripted(chunks=chunks)) as reg:
+        heard, unheard = await reg.spawn("heard"), await reg.spawn("unheard")
+        async with heard.subscribe() as live:
+            with trio.fail_after(60):
+                await heard.send("go")
+            read_live = await read(live, 33)
+        with trio.fail_after(60):
+            await unheard.send("go")
+        replayed = await replay(unheard, 0)
+
+    def shape(events: Sequence[sa.Event]) -> list[tuple[str, int, str]]:
+        return [(type(e).__name__, e.seq, getattr(e, "text", "")) for e in events]
+
+    assert shape(replayed) == shape(read_live)
+    assert deltas(replayed) == chunks
+    assert {e.session_id for e in replayed} == {"unheard"}
+    turn = next(e.turn_id for e in replayed if isinstance(e, sa.TurnStarted))
+    assert all(e.turn_id == turn for e in replayed if isinstance(e, sa.Delta))
+
+
 async def test_the_ring_keeps_at_most_replay_bytes(autojump_clock: trio.abc.Clock) -> None:
     """The ring keeps no more of the newest events than their text fits in replay_bytes."""
     chunks = [f"{i:03} " + "x" * 96 for i in range(200)]  # 100 characters each
