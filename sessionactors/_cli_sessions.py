@@ -442,9 +442,15 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         raise _not_stored_yet(name) from None
                     if not waiting:  # wait until it is stored
                         waiting = True
+                        where = (
+                            f"; the SQLite file {str(store.path)!r} does not exist yet "
+                            "(check --store if no server is about to make it)"
+                            if _unmade(store)
+                            else ""
+                        )
                         print(
                             f"sessionactors sessions tail: session {name!r} is not stored "
-                            "yet; waiting for it (Ctrl-C to stop)",
+                            f"yet{_terminal_safe(where)}; waiting for it (Ctrl-C to stop)",
                             file=sys.stderr,
                             flush=True,
                         )

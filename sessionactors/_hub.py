@@ -290,9 +290,10 @@ def expired_error(session_id: str, after: int, oldest_seq: int) -> EventsExpired
     seq after the wake's jump."""
     return EventsExpiredError(
         f"events of session {session_id!r} after seq {after} are lost: the process that "
-        "published them stopped before it stored them (the turn they belong to is lost: "
-        f"ref.turn_outcome says so); the oldest available is seq {oldest_seq}: reload the "
-        "state with ref.state() and subscribe with after=state.event_seq",
+        "published them stopped before it stored them, and the turns they belong to were "
+        "lost with it (ref.turn_outcome(turn_id) says so of each); the oldest available "
+        f"is seq {oldest_seq}: reload the state with ref.state() and subscribe with "
+        "after=state.event_seq",
         session_id=session_id,
         oldest_seq=oldest_seq,
     )

@@ -462,7 +462,9 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
     try:
         with trio.fail_after(60):
             note = await _Lines(process.stderr).next()
-            assert "'later' is not stored yet; waiting for it" in note, note
+            assert "'later' is not stored yet" in note, note
+            assert "waiting for it" in note, note
+            assert ("does not exist yet" in note) is not made, note  # (a mistyped --store)
             agent = sa.Agent(model=EchoModel())
             async with sa.open_registry(
                 store=sa.SQLiteStore(path), agents={"echo": agent}

@@ -127,8 +127,10 @@ _MAX_BATCH: Final = 1024
 # The workers of this process that were told to stop and still run (they finish what
 # was queued before the stop), by the file's absolute path: a worker started on the
 # same file waits for them before it serves anything (see ``_Worker._run``).
+# Reentrant: the finalizer of a dropped store (``stop_nowait``) takes it too, and a
+# collection started by an allocation under it can run that finalizer on this thread.
 _STOPPING: Final[dict[str, set[_Worker]]] = {}
-_STOPPING_LOCK: Final = threading.Lock()
+_STOPPING_LOCK: Final = threading.RLock()
 
 _CLAIM: Final = """
     INSERT INTO leases (session_id, owner, fence, lease_until)
@@ -326,8 +328,11 @@ class _Worker:
                 return False
             if request.op is None:
                 self._stopping = True
+                first = {self}  # (made before the lock: see _STOPPING_LOCK)
                 with _STOPPING_LOCK:
-                    _STOPPING.setdefault(self._key, set()).add(self)
+                    stopping = _STOPPING.setdefault(self._key, first)
+                    if stopping is not first:
+                        stopping.add(self)
             self._queue.append(request)
             self.queued += 1
             if self._waiting:  # a busy thread takes the queue when it is done
@@ -1076,7 +1081,8 @@ class SQLiteStore:
         another process is refused the file as in use; a store of this process
         that opens it meanwhile (this one used again, or a new one) is not, and
         waits for that thread before it reads or writes, up to ``busy_timeout``
-        seconds, so that writes land in the order they were made.
+        seconds, so that writes land in the order they were made (and then, if the
+        file is still locked, up to ``busy_timeout`` again, as for any lock held).
         """
         with self._lock:
             worker, self._worker = self._worker, None
