@@ -75,7 +75,8 @@ async def serve(
     ``task_status.started(url)`` gives the address it listens on (``port=0``
     picks a free one), once it listens and the app's registry is open (its store
     answered the startup check). The registry is opened first: a startup that
-    fails raises, and the address is never bound. On the
+    fails raises, and the address is never bound; a signal that comes before it
+    listens stops it there (it raises ``KeyboardInterrupt``, binding nothing). On the
     first signal it drains the app (event streams and WebSockets end; new
     requests get 503), waits up to 10 seconds for the requests in flight, and
     closes the registry
@@ -90,6 +91,7 @@ async def serve(
     config.loglevel = "WARNING"
     config.graceful_timeout = GRACEFUL_SECONDS
     stop, served = trio.Event(), trio.Event()
+    began = False
     try:
         lifespan = app.lifespan()  # (opened here, so that hypercorn binds only once it is)
         asgi: Any = functools.partial(_opened_lifespan, app)
@@ -116,10 +118,14 @@ async def serve(
 
             nursery.start_soon(on_signals)
             async with lifespan:  # the registry: open (its store checked) before the bind
-                binds: list[str] = await nursery.start(run_server)
-                task_status.started(binds[0])
-                await served.wait()
+                if not stop.is_set():  # (a signal while it opened: serve nothing)
+                    binds: list[str] = await nursery.start(run_server)
+                    task_status.started(binds[0])
+                    began = True
+                    await served.wait()
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
+        if not began:  # a signal came before it served (a second one cut the opening)
+            raise KeyboardInterrupt("stopped by a signal before it served")
 
 
 async def _opened_lifespan(app: SessionsApp, scope: Any, receive: Any, send: Any) -> None:
@@ -161,6 +167,8 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # (a signal before the server took them over)
         return 130
     except BaseException as exc:
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(exc)):
+            return 130  # (a signal while the registry opened: nothing served)
         refused: BaseException | None = _startup_refusal(exc)
         text = " ".join(str(refused).split())
         if refused is None and (refused := _bind_refusal(exc)) is not None:

@@ -1,5 +1,6 @@
 """``python -m sessionactors serve``: it serves, and shuts down gracefully on a signal."""
 
+import os
 import signal
 import socket
 import subprocess
@@ -161,3 +162,42 @@ def leaves(error: BaseException) -> list[BaseException]:
         chain.append(error)
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
     return chain
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "two-signals"])
+async def test_serve_stopped_by_a_signal_while_its_registry_opens_binds_nothing(
+    monkeypatch: pytest.MonkeyPatch, signals: int
+) -> None:
+    """A signal that comes while the startup check waits on a slow store stops serve()
+    before it binds: with one signal once the registry opened (it served nothing, so it
+    does not listen), with a second at once; either way it raises KeyboardInterrupt
+    (the command line's status 130), never a traceback of its own."""
+    bound: list[object] = []
+    real_bind = socket.socket.bind
+
+    def bind(self: socket.socket, address: object) -> None:
+        bound.append(address)
+        real_bind(self, address)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    store = FaultyStore()
+    gate = store.hold("list_sessions")  # (the startup check's read)
+    app = create_app(store=store, agents=trio_agents())
+
+    async def signal_while_it_opens() -> None:
+        while not gate.waiting:
+            await trio.sleep(0.01)
+        for _ in range(signals):
+            os.kill(os.getpid(), signal.SIGINT)
+            await trio.sleep(0.1)
+        gate.open()
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(signal_while_it_opens)
+            await serve(app, port=0)
+
+    with trio.fail_after(30), pytest.raises(BaseException) as raised:
+        await run()
+    assert bound == []
+    assert any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(raised.value)), raised.value
