@@ -20,6 +20,7 @@ import trio
 import sessionactors as sa
 from models.fake_openai_server import open_fake_openai, text_reply
 from net_proxy import proxy_to
+from processes import reap
 from sessionactors.http import create_app
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
@@ -206,12 +207,7 @@ async def test_chat_stops_at_once_on_ctrl_c_and_escapes_the_model_text(tmp_path:
                 rest += chunk
             errors = await process.stderr.receive_some()
         finally:
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-            await process.stdin.aclose()
-            await process.stdout.aclose()
-            await process.stderr.aclose()
+            await reap(process)
     text = (out + rest).decode()
     assert "Hi \\u001b[2Jthere\\u009b" in text
     assert "\x1b" not in text
@@ -265,11 +261,7 @@ async def test_tail_rides_out_a_store_that_is_away_for_a_moment(redis_url: str) 
                 process.send_signal(signal.SIGTERM)
                 assert await process.wait() == 0
         finally:
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-            await process.stdout.aclose()
-            await process.stderr.aclose()
+            await reap(process)
         await registry.delete(name)
     events = [json.loads(line) for line in out.decode().splitlines()]
     finished = [e["message"]["content"] for e in events if e["type"] == "TurnFinished"]
@@ -357,11 +349,7 @@ async def test_tail_stops_on_a_signal_while_its_reader_has_stopped_reading(
             assert await process.wait() == 0
             errors = await process.stderr.receive_some()
     finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        await process.stdout.aclose()
-        await process.stderr.aclose()
+        await reap(process)
     assert b"Traceback" not in errors, errors
 
 
@@ -428,11 +416,7 @@ async def test_chat_at_a_terminal_shows_a_prompt_and_piped_input_gets_none(
                 assert await process.wait() == 0
         finally:
             os.close(controller)
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-            await process.stdout.aclose()
-            await process.stderr.aclose()
+            await reap(process)
         piped = await trio.run_process(
             args, stdin=b"again\n\n", capture_stdout=True, capture_stderr=True, check=False
         )

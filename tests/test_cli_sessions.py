@@ -24,6 +24,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from processes import reap
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -429,11 +430,7 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
             assert error.count(b"\n") == 1, error
             assert b"'a' is not stored" in error
     finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        await process.stdout.aclose()
-        await process.stderr.aclose()
+        await reap(process)
 
 
 @pytest.mark.parametrize("made", [True, False], ids=["store-made", "store-not-made-yet"])
@@ -479,11 +476,7 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
             process.send_signal(signal.SIGINT)
             assert await process.wait() == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        await process.stdout.aclose()
-        await process.stderr.aclose()
+        await reap(process)
 
 
 async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path) -> None:
@@ -517,11 +510,7 @@ async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path)
                 assert await process.wait() == 0
                 assert await process.stderr.receive_some() == b""
         finally:
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-            await process.stdout.aclose()
-            await process.stderr.aclose()
+            await reap(process)
 
 
 @attrs.define
