@@ -225,6 +225,8 @@ class Host(Protocol):
     #: that could not load their session: its lease held elsewhere, say), with why:
     #: their outcome, which no store records.
     refused: dict[str, str]
+    #: The closing registry stopped waiting for its sessions: they end at once.
+    given_up: bool
 
     @property
     def closing(self) -> bool: ...

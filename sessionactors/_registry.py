@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -454,6 +455,11 @@ async def open_registry(
 ) -> AsyncIterator[Registry]:
     """Open a registry of session actors; leaving the block shuts it down.
 
+    The shutdown takes no new requests, gives accepted turns ``shutdown_grace``,
+    then hibernates every live session. A cancellation from outside the block
+    shuts it down at once (no grace: the turn in flight is cut), still writing
+    what was answered before the cancellation goes on.
+
     - ``store``: where sessions are kept (default: a new ``MemoryStore``).
       The registry closes it on exit; stores reopen on next use. One open
       registry writes a store object at a time, unless each has ``leases=True``
@@ -588,7 +594,11 @@ async def open_registry(
             try:
                 yield registry
             finally:
-                await sessions.shutdown()
+                # Cancelled from outside (a deadline around the block): shut down at
+                # once, as if the grace were 0, but write what was answered first.
+                hurry = trio.current_effective_deadline() == -math.inf
+                with trio.CancelScope(shield=hurry):
+                    await sessions.shutdown(hurry=hurry)
                 if dispatcher.router is not None:
                     await dispatcher.router.aclose()
                 nursery.cancel_scope.cancel()

@@ -82,6 +82,8 @@ class Sessions:
         self.deleting: dict[str, int] = {}
         self._closing = False
         self._grace_ends = math.inf
+        self.given_up = False
+        self._dead = False  # (the test kit's crash: the process is gone)
         self._nursery = nursery
         #: Where session tasks start: the current generation's nursery, or the
         #: registry's own while there is none (see ``_run_generation``).
@@ -171,6 +173,8 @@ class Sessions:
         _gone_event(old).set()  # a waiter may come later (ref.stop after ready())
 
     def unwritten(self, session_id: str, error: Exception) -> None:
+        if self._dead:
+            return  # nobody is left to tell
         log.error(
             "session %r left without writing its state (turns acknowledged since its "
             "last snapshot are lost): %s",
@@ -399,10 +403,14 @@ class Sessions:
 
     # ---- shutdown and leases -----------------------------------------------------------
 
-    async def shutdown(self) -> None:
-        """No new requests; accepted turns get ``shutdown_grace``; then hibernate all."""
+    async def shutdown(self, *, hurry: bool = False) -> None:
+        """No new requests; accepted turns get ``shutdown_grace`` (none if ``hurry``);
+        then hibernate all, waiting for the store at most ``write_bound``; then give
+        up on the sessions still there."""
+        if self._dead:
+            return
         self._closing = True
-        self._grace_ends = trio.current_time() + self.config.shutdown_grace
+        self._grace_ends = trio.current_time() + (0 if hurry else self.config.shutdown_grace)
         for actor in list(self.live.values()):
             actor.close()
         with trio.move_on_at(self._grace_ends):
@@ -411,8 +419,23 @@ class Sessions:
             actor.abort()
         with trio.move_on_after(self.config.write_bound):
             await self._wait_all_gone()
+        self._give_up()
         for hub in self.hubs.values():  # no subscription waits on a closed registry
             hub.close()
+
+    def _give_up(self) -> None:
+        """End every session where it is: write nothing more, answer every waiter."""
+        self.given_up = True
+        for actor in list(self.live.values()):
+            if actor.run_scope is not None:  # (one not started yet ends as it starts)
+                actor.run_scope.cancel()
+
+    def die(self) -> None:
+        """Stand for the death of this process (the test kit's ``crash``): every session
+        stops where it is, nothing more is written, and the registry's exit writes
+        nothing either."""
+        self._closing = self._dead = True
+        self._give_up()
 
     async def _wait_all_gone(self) -> None:
         while self.live:

@@ -33,16 +33,22 @@ async def session_task(host: Host, actor: Actor) -> None:
     config = host.config
     crashes: deque[float] | None = None  # made on the first crash
     while True:
-        scope = actor.run_scope = trio.CancelScope()
-        if actor.phase is Phase.KILLED:  # deleted before this task began
+        # Shielded: a cancellation from outside the registry (a deadline around its
+        # block) does not cut a session short. The registry's shutdown hurries it
+        # instead (as at the end of the grace), and cancels it here if it gives up.
+        scope = actor.run_scope = trio.CancelScope(shield=True)
+        if actor.phase is Phase.KILLED or host.given_up:  # before this task began
             scope.cancel()
         try:
             with scope:
                 if crashes is not None:  # a restart lets the others run first
                     await trio.lowlevel.checkpoint()
                 await actor.run()
-            if scope.cancelled_caught:  # deleted, or its lease was lost
-                _end(actor, actor.kill_error or deleted_error(actor.session_id))
+            if scope.cancelled_caught:
+                if actor.phase is Phase.KILLED:  # deleted, or its lease was lost
+                    _end(actor, actor.kill_error or deleted_error(actor.session_id))
+                else:  # the closing registry gave up waiting for it
+                    _given_up(host, actor)
             return
         except FencedOutError as exc:
             # another worker owns the session now: stop here, no restart (a write refused
@@ -128,27 +134,31 @@ async def session_task(host: Host, actor: Actor) -> None:
             actor.phase = Phase.LEFT
             host.replace(actor, fresh)
             actor = fresh
-        except BaseException as exc:
-            if _cancelled(exc):
-                # Cancelled from outside: the registry gave up waiting (a stalled store),
-                # or something escaped it. Nobody is left to answer, so answer them now.
-                cut = actor.cut_short(exc)  # killed, deleted, or closing
-                if actor.turn_mail is not None and actor.kill_error is None:
-                    # closing, not killed or deleted: its write may not have landed
-                    mail = actor.turn_mail
-                    mail.pending.set_error(stopped_error(actor.session_id, "unsaved", mail.turn_id))
-                if actor.kill_error is None and actor.acknowledged_unsaved():
-                    # (without a journal) answered turns that no write holds: the registry
-                    # reports them on exit, as it does when its closing snapshot fails
-                    host.unwritten(
-                        actor.session_id,
-                        StoreError(
-                            f"the store did not answer within {config.write_bound:g} s",
-                            session_id=actor.session_id,
-                        ),
-                    )
-                _end(actor, cut)
+        except BaseException:
+            # Not an Exception (KeyboardInterrupt, say): it ends the registry, whose
+            # shutdown must not wait for this session
+            actor.leave_table()
             raise
+
+
+def _given_up(host: Host, actor: Actor) -> None:
+    """The closing registry stopped waiting for the session (its store did not answer
+    within the write bound): nobody is left to answer its waiters, so answer them now."""
+    sid = actor.session_id
+    if actor.turn_mail is not None:  # its write may not have landed
+        mail = actor.turn_mail
+        mail.pending.set_error(stopped_error(sid, "unsaved", mail.turn_id))
+    if actor.acknowledged_unsaved():
+        # (without a journal) answered turns that no write holds: the registry reports
+        # them on exit, as it does when its closing snapshot fails
+        host.unwritten(
+            sid,
+            StoreError(
+                f"the store did not answer within {host.config.write_bound:g} s",
+                session_id=sid,
+            ),
+        )
+    _end(actor, stopped_error(sid, "closing"))
 
 
 def _end(actor: Actor, error: SessionActorsError) -> None:
@@ -166,10 +176,3 @@ def _store_fault(exc: BaseException) -> bool:
     return isinstance(exc, StoreError) and not isinstance(
         exc, StoreConfigurationError | StoreNotDurableError
     )
-
-
-def _cancelled(exc: BaseException) -> bool:
-    """Whether ``exc`` is a cancellation (or a group of nothing else, from a nursery)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)[1] is None
-    return isinstance(exc, trio.Cancelled)

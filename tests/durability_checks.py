@@ -20,7 +20,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MemoryStore, Store
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, crash
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
 
@@ -63,6 +63,7 @@ async def acknowledged_turns_survive_a_death(wrap: Wrap) -> None:
             ref = await registry.spawn("s")
             for text in ("one", "two", "three"):
                 acknowledged.append((await ref.send(text)).text)
+            crash(registry)
             process.cancel()
     found = await stored_user_texts(wrap(disk), "s")
     assert found == acknowledged, f"acknowledged {acknowledged}, the next process found {found}"
@@ -111,6 +112,7 @@ async def crash_in_a_held_turn(store: Store, seen: list[sa.Event], **options: ob
             await trio.testing.wait_all_tasks_blocked()
             await reg.ref("s").submit("two")
             await trio.testing.wait_all_tasks_blocked()  # streaming, not committed
+            crash(reg)
             process.cancel()
     assert any(isinstance(e, sa.Delta) for e in seen), "the held turn streamed nothing"
 
@@ -175,6 +177,7 @@ async def die_mid_turn(store: Store, **options: object) -> Death:
             turn = await ref.submit("two")
             while sum(isinstance(e, sa.Delta) for e in seen) < 2:  # streaming, not stored
                 await trio.sleep(0.01)
+            crash(registry)
             process.cancel()
     finished = [e for e in seen if isinstance(e, sa.TurnFinished) and e.turn_id == durable]
     assert isinstance(seen[-1], sa.Delta), seen

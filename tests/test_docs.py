@@ -157,6 +157,10 @@ EXPECTED = {
         "passed: test_a_model_failure_fails_the_turn_not_the_session",
         "passed: test_a_turn_held_open_can_be_cancelled",
     ],
+    "howto_testing_crash.py": [
+        "cancelled: the next process finds ['hello', 'hello']",
+        "crashed: the next process finds []",
+    ],
     "howto_testing_stores.py": [
         "passed: test_a_store_fault_crashes_the_session_and_it_restarts",
         "passed: test_a_stalled_store_holds_the_reply_until_the_write_lands",

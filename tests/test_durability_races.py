@@ -26,7 +26,7 @@ from durability_checks import (
     watch,
 )
 from sessionactors.stores import MemoryStore
-from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel, crash
 
 
 async def settle(
@@ -107,6 +107,7 @@ async def test_a_death_after_a_hibernation_that_stayed_live_reuses_no_seq() -> N
             await ref.submit("two")  # keeps the session live
             gate.open()
             await trio.testing.wait_all_tasks_blocked()  # turn two streams, not committed
+            crash(reg)
             process.cancel()
     assert any(isinstance(e, sa.Delta) for e in seen)
     last = seen[-1].seq
@@ -383,6 +384,7 @@ async def test_nothing_is_published_before_the_write_that_covers_it(
             request = {"send": partial(ref.send, "two"), "hibernate": ref.hibernate}
             nursery.start_soon(request.get(action, ref.stop))
             await trio.testing.wait_all_tasks_blocked()  # in the write
+            crash(reg)
             process.cancel()
     assert seen == []
 
@@ -595,6 +597,7 @@ async def test_without_a_journal_a_long_live_session_keeps_the_jump_ahead(
             for _ in range(4):
                 await ref.send("go")
             last = (await ref.state()).event_seq
+            crash(reg)
             process.cancel()
     assert last > SEQ_JUMP
     assert_a_whole_new_turn(await next_turn_after(store, last, durability="hibernate"), last)

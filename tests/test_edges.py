@@ -16,7 +16,7 @@ import trio
 
 import sessionactors as sa
 from sessionactors.stores import MAX_SEQ, JournalEntry, MemoryStore
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, crash
 
 ECHO = {"echo": sa.Agent(model=EchoModel())}
 
@@ -474,6 +474,7 @@ async def test_a_client_connected_before_an_unclean_stop_resumes() -> None:
                     seen.append(event)
                     if isinstance(event, sa.TurnFinished) and event.message.content == "three":
                         break
+            crash(registry)
             process.cancel()
     last = seen[-1].seq
     async with sa.open_registry(store=store, agents=ECHO, snapshot_every=1) as registry:

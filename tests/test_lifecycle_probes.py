@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel, FaultyStore
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
 
@@ -353,3 +353,66 @@ async def test_a_stalled_wake_holding_answered_turns_is_not_given_up_silently(
     with pytest.raises(sa.StoreError, match="'s'") as caught:
         await crash_while_waking()
     assert "lost" in str(caught.value)
+
+
+@pytest.mark.parametrize("durability", ["hibernate", "turn"])
+@pytest.mark.parametrize("moment", ["idle", "mid-turn"])
+async def test_a_registry_block_cancelled_from_outside_keeps_what_it_answered(
+    autojump_clock: trio.abc.Clock, durability: sa.Durability, moment: str
+) -> None:
+    """A cancel scope around the registry's block is cancelled (a deadline, a parent
+    shutting its children down): leaving the block shuts the registry down at once, as
+    if the shutdown grace were 0, and still writes what it answered. With
+    durability="hibernate" the closing snapshot is the only write of an answered turn:
+    the cancellation must not cut it. A turn in flight is cut as at the end of the
+    grace (its caller hears so; what it streamed is kept, marked interrupted)."""
+    store = sa.MemoryStore()
+    never = trio.Event()
+    agents = {
+        "a": sa.Agent(
+            model=ScriptedModel(
+                [
+                    Scripted(text="first answer"),
+                    Scripted(text="cut off here", wait=never, wait_after=1),
+                ]
+            )
+        )
+    }
+    outcome: list[object] = []
+    start = trio.current_time()
+    with trio.CancelScope() as outside:
+        async with sa.open_registry(
+            store=store, agents=agents, durability=durability, shutdown_grace=100
+        ) as reg:
+            ref = await reg.spawn("s")
+            assert (await ref.send("one")).text == "first answer"
+            if moment == "mid-turn":
+                turn = await ref.submit("two")
+
+                async def wait_reply() -> None:
+                    with trio.CancelScope(shield=True):
+                        try:
+                            await turn.reply()
+                        except sa.SessionActorsError as exc:
+                            outcome.append(exc)
+
+                trio.lowlevel.spawn_system_task(wait_reply)
+                await trio.testing.wait_all_tasks_blocked()
+            outside.cancel()
+            await trio.sleep(1)
+    assert outside.cancelled_caught
+    assert trio.current_time() - start < 50  # the grace (100 s) was not waited for
+    async with sa.open_registry(store=store, agents=agents) as reg:
+        history = await reg.ref("s").history()
+    assert [m.content for m in history[:2]] == ["one", "first answer"]
+    if moment == "mid-turn":
+        await trio.testing.wait_all_tasks_blocked()
+        [error] = outcome
+        assert isinstance(error, sa.SessionStoppedError)
+        assert error.session_id == "s"
+        assert [(m.content, m.interrupted) for m in history[2:]] == [
+            ("two", False),
+            ("cut", True),
+        ]
+    else:
+        assert len(history) == 2

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import sessionactors as sa
 from sessionactors.stores import MemoryStore, Store
-from sessionactors.testing import EchoModel, FlawedStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FlawedStore, Scripted, ScriptedModel, crash
 
 WORDS = st.sampled_from(["alpha", "beta", "gamma", "delta", "omega"])
 OPERATION = st.one_of(
@@ -146,6 +146,23 @@ AGENTS = {"echo": sa.Agent(model=EchoModel(delay=0.5))}
 Plan = list[tuple[tuple[Any, ...], float | None]]
 
 
+def die_after(
+    seconds: float, registry: sa.Registry, process: trio.CancelScope, nursery: trio.Nursery
+) -> trio.CancelScope:
+    """The process dies ``seconds`` from now (its registry crashes and its scope is
+    cancelled), unless the scope returned is cancelled first."""
+    timer = trio.CancelScope()
+
+    async def die() -> None:
+        with timer:
+            await trio.sleep(seconds)
+            crash(registry)
+            process.cancel()
+
+    nursery.start_soon(die)
+    return timer
+
+
 async def run_plan(
     plan: Plan, wrap: Callable[[Store], Store] = lambda disk: disk, **options: Any
 ) -> None:
@@ -161,24 +178,27 @@ async def run_plan(
     while steps:
         died: list[Model] | None = None
         with trio.CancelScope() as process:
-            async with sa.open_registry(
-                store=SlowStore(wrap(disk)), agents=AGENTS, **options
-            ) as registry:
+            async with (
+                sa.open_registry(store=SlowStore(wrap(disk)), agents=AGENTS, **options) as registry,
+                trio.open_nursery() as nursery,
+            ):
                 ref = registry.ref("s")
                 assert seen(await ref.state()) == model, "the state a process starts from"
                 while steps:
                     operation, death = steps.pop(0)
                     if death is not None:
-                        process.deadline = trio.current_time() + death
+                        timer = die_after(death, registry, process, nursery)
                         died = [*kept, after(model, operation)]
                     await perform(ref, operation)
+                    if process.cancel_called:
+                        break  # it died as the operation ended: as if during it
                     model = after(model, operation)
                     hibernated = operation[0] == "hibernate"
                     fallback = options.get("durability") == "hibernate" and not hibernated
                     kept = [*kept, model] if fallback else [model]
                     died = None
                     if death is not None:
-                        process.deadline = float("inf")
+                        timer.cancel()
                         break
         async with sa.open_registry(
             store=SlowStore(wrap(disk)), agents=AGENTS, **options
@@ -370,14 +390,21 @@ async def run_actions(
     redo = False
     while done < len(plan):
         with trio.CancelScope() as process:
-            async with sa.open_registry(store=SlowStore(wrap(disk)), **options) as registry:
+            async with (
+                sa.open_registry(store=SlowStore(wrap(disk)), **options) as registry,
+                trio.open_nursery() as nursery,
+            ):
                 ref = registry.ref("s")
                 while done < len(plan):
                     action, death = plan[done]
                     dies = deaths and death is not None and not redo
                     if dies:
-                        process.deadline = trio.current_time() + death
-                    answers.append(await act(ref, action))
+                        assert death is not None
+                        timer = die_after(death, registry, process, nursery)
+                    answer = await act(ref, action)
+                    if process.cancel_called:
+                        break  # it died as the action ended: as if during it
+                    answers.append(answer)
                     states.append(projection(await ref.state()))
                     done, redo = done + 1, False
                     if reference:
@@ -388,9 +415,9 @@ async def run_actions(
                             f"action {done - 1} {action} of {plan} went otherwise than without deaths"
                         )
                     if dies:
-                        process.deadline = float("inf")
+                        timer.cancel()
                         break
-        if process.cancelled_caught:
+        if process.cancel_called:
             assert reference
             async with sa.open_registry(store=SlowStore(wrap(disk)), **options) as registry:
                 await registry.ref("s").state()  # wakes it: an open turn resumes

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import sessionactors as sa
 from sessionactors.stores import JournalEntry, RedisStore
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, crash
 
 pytestmark = pytest.mark.redis
 
@@ -232,6 +232,8 @@ class Worker:
         """kill -9: its connections close, its tasks end, and it writes nothing more."""
         self.dead = True
         self.wire.cut_nowait()
+        if self.registry is not None:
+            crash(self.registry)
         self.scope.cancel()
 
     async def kill(self) -> None:

@@ -10,7 +10,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MemoryStore, Store
-from sessionactors.testing import EchoModel, FaultyStore, FlawedStore, journal_events
+from sessionactors.testing import EchoModel, FaultyStore, FlawedStore, crash, journal_events
 
 AGENTS = {"echo": sa.Agent(model=EchoModel())}
 
@@ -65,12 +65,14 @@ async def test_a_stalled_store_holds_the_reply_until_the_write_lands() -> None:
 async def orders_survive_a_crash(store: Store) -> bool:
     """A durability check: is every order acknowledged before a process dies still there?
 
-    A process death is a cancel scope around the registry: nothing after it runs.
+    A process death is crash(registry) and a cancel scope around the registry: nothing
+    more is written, and nothing after it runs.
     """
     with trio.CancelScope() as process:
         async with sa.open_registry(store=store, agents=AGENTS) as registry:
             for order in ("A1", "A2"):
                 await save_order(registry, order)
+            crash(registry)
             process.cancel()
     async with sa.open_registry(store=store, agents=AGENTS) as registry:
         history = await registry.ref("customer-1").history()

@@ -4,6 +4,7 @@ A plug-in: it imports the core, and nothing in the core imports it.
 """
 
 from ._check_store import check_store as check_store
+from ._crash import crash as crash
 from ._exports import export_document as export_document
 from ._journal import journal_events as journal_events
 from ._models import EchoModel as EchoModel
@@ -23,6 +24,7 @@ __all__ = [
     "Scripted",
     "ScriptedModel",
     "check_store",
+    "crash",
     "export_document",
     "journal_events",
 ]

@@ -18,7 +18,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MAX_JOURNAL_ENTRY_BYTES, MAX_SEQ, MAX_SNAPSHOT_BYTES, RedisStore
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel, crash
 
 # One turn of EchoModel adds its input twice (the user's message and the echo).
 _BIG_TEXT = "x" * (1024 * 1024 - 64)
@@ -343,6 +343,7 @@ async def test_a_journal_entry_of_another_session_is_refused_not_folded(tmp_path
         async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
             for name in ("victim", "other"):
                 await (await registry.spawn(name)).send(f"{name}'s words")
+            crash(registry)
             process.cancel()
     with sqlite3.connect(path) as db:
         db.execute(
@@ -493,6 +494,7 @@ async def test_reading_a_session_that_was_not_hibernated_says_idle_not_new(tmp_p
         async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
             await (await registry.spawn("used")).send("hello")
             await registry.spawn("unused")
+            crash(registry)
             process.cancel()
     reader = sa.SQLiteStore(path, readonly=True)
     try:
