@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import math
 import os
 import signal
 import sys
@@ -24,8 +25,14 @@ from ._app import SessionsApp, create_app
 
 __all__ = ["main", "open_store", "serve"]
 
-#: Seconds the server waits for requests in flight (a turn being answered) after a signal.
+#: Seconds the server waits after a signal for the requests in flight, for an app that
+#: serves a registry it was given (whose turns run on until its owner closes it).
 GRACEFUL_SECONDS: Final = 10.0
+
+#: Seconds the server waits, once the app's own registry closed (its turns in flight had
+#: their ``shutdown_grace`` and their callers their answers), for the responses still
+#: being written.
+CLOSED_SECONDS: Final = 5.0
 
 
 def load_agents(spec: str) -> dict[str, sa.Agent]:
@@ -77,10 +84,14 @@ async def serve(
     answered the startup check). The registry is opened first: a startup that
     fails raises, and the address is never bound; a signal that comes before it
     listens stops it there (it raises ``KeyboardInterrupt``, binding nothing). On the
-    first signal it drains the app (event streams and WebSockets end; new
-    requests get 503), waits up to 10 seconds for the requests in flight, and
-    closes the registry
-    (``shutdown_grace``, then hibernation). A second signal stops at once.
+    first signal it stops listening, drains the app (event streams and WebSockets
+    end at once, idle connections close, new requests get 503) and closes the app's
+    registry while the requests in flight wait: turns running get the registry's
+    ``shutdown_grace``, then their callers are answered (a reply, or 503 for a turn
+    cut off) and every session is hibernated; then it waits up to 5 seconds for the
+    answers still being written, and returns. For an app that serves a registry it was
+    given, it waits up to 10 seconds for the requests in flight instead (close the
+    registry once it returns). A second signal stops at once.
     Call it from the main thread (signals are delivered there).
     """
     config = hypercorn.config.Config()
@@ -89,14 +100,18 @@ async def serve(
     # (hypercorn logs "Running on URL" even when the app's startup failed: the URL is
     # given, through task_status, only once the registry is open)
     config.loglevel = "WARNING"
-    config.graceful_timeout = GRACEFUL_SECONDS
+    # (not hypercorn's deadline, which would cut a request waiting for its turn's answer
+    # while the registry still gives that turn its grace: serve bounds the wait below)
+    config.graceful_timeout = math.inf
     stop, served = trio.Event(), trio.Event()
     began = False
     try:
         lifespan = app.lifespan()  # (opened here, so that hypercorn binds only once it is)
         asgi: Any = functools.partial(_opened_lifespan, app)
+        bound = CLOSED_SECONDS
     except TypeError:  # an app that serves a registry it was given: nothing to open
         lifespan, asgi = contextlib.nullcontext(), app
+        bound = GRACEFUL_SECONDS
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:  # (cancelled by a second signal)
 
@@ -115,6 +130,7 @@ async def serve(
                     asgi, config, shutdown_trigger=stop.wait, task_status=task_status
                 )
                 served.set()
+                stop.set()  # (were it to end on its own, close the registry too)
 
             nursery.start_soon(on_signals)
             async with lifespan:  # the registry: open (its store checked) before the bind
@@ -122,6 +138,12 @@ async def serve(
                     binds: list[str] = await nursery.start(run_server)
                     task_status.started(binds[0])
                     began = True
+                    await stop.wait()
+                # the signal: the server stops listening and waits for the requests in
+                # flight, while the registry closes here (its turns' grace, hibernation),
+                # which answers those that wait on a turn
+            if began:
+                with trio.move_on_after(bound):
                     await served.wait()
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
         if not began:  # a signal came before it served (a second one cut the opening)

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -55,6 +56,71 @@ def test_serve_shuts_down_gracefully_on_a_signal(tmp_path: Path, stop: int) -> N
             return [m.content for m in await reg.ref("kept").history()]
 
     assert trio.run(reopen) == ["keep me", "keep me"]
+
+
+def test_serve_answers_the_turn_in_flight_and_exits_within_its_grace_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """On SIGTERM with an event stream open and a turn in flight that outlasts the
+    registry's shutdown grace (10 s), the stream ends at once, the turn's caller is answered
+    503 (the turn was cut off, its words so far kept) instead of losing its connection, and
+    the server exits soon after the grace, well inside a platform's 30 s before SIGKILL."""
+    path = tmp_path / "served.db"
+    long_text = " ".join(f"w{i}" for i in range(1000))  # 50 s of words: outlasts the grace
+    connected, started, ended = threading.Event(), threading.Event(), threading.Event()
+    answer: list[httpx.Response | Exception] = []
+    with (
+        serve_command(f"sqlite:///{path}") as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        reply = client.post("/sessions/kept/messages", json={"text": "keep me"})
+        assert reply.json()["text"] == "keep me"
+
+        def listen() -> None:
+            with (
+                httpx.Client(base_url=server.url, timeout=60) as listener,
+                listener.stream("GET", "/sessions/kept/events") as response,
+            ):
+                for line in response.iter_lines():
+                    connected.set()
+                    if "TurnStarted" in line:
+                        started.set()  # and read on, until the server ends the stream
+            ended.set()
+
+        def send() -> None:
+            try:
+                answer.append(client.post("/sessions/kept/messages", json={"text": long_text}))
+            except httpx.HTTPError as exc:
+                answer.append(exc)
+
+        threads = [threading.Thread(target=listen), threading.Thread(target=send)]
+        threads[0].start()
+        assert connected.wait(timeout=30)
+        threads[1].start()
+        assert started.wait(timeout=30)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=60)
+        took = time.monotonic() - signalled
+        for thread in threads:
+            thread.join(timeout=30)
+    assert ended.is_set()
+    assert took < 15, f"serve took {took:.1f} s to exit after SIGTERM"
+    [response] = answer
+    assert isinstance(response, httpx.Response), response
+    assert response.status_code == 503, response.text
+    assert response.json()["error"] == "SessionStoppedError", response.text
+
+    async def reopen() -> list[sa.Message]:
+        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
+            [info] = await reg.sessions()
+            assert info.status is sa.Status.HIBERNATED
+            return await reg.ref("kept").history()
+
+    history = trio.run(reopen)
+    assert [m.content for m in history[:3]] == ["keep me", "keep me", long_text]
+    assert history[3].interrupted
+    assert long_text.startswith(history[3].content)
 
 
 def test_serve_refuses_bad_arguments_with_a_message() -> None:
