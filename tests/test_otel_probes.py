@@ -423,6 +423,63 @@ def test_an_asyncio_model_under_the_asyncio_host_is_named_after_itself(otel: Ote
     assert point.attributes["gen_ai.request.model"] == "gpt-test"
 
 
+def test_under_the_asyncio_host_a_turn_is_its_own_trace_and_asyncio_spans_nest_in_it(
+    otel: Otel,
+) -> None:
+    """Under ``sessionactors.aio`` as under trio, a turn sent from inside an asyncio
+    handler's span is the root of its own trace (not the handler's child), and the spans
+    an asyncio model and an asyncio tool make, in their asyncio tasks, nest under the
+    call's chat span and the tool's execute_tool span."""
+    app_tracer = otel.tracer_provider.get_tracer("app")
+
+    class Traced:
+        model = "gpt-test"
+
+        async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+            with app_tracer.start_as_current_span("POST /chat/completions"):
+                await asyncio.sleep(0)
+            if request.messages[-1].role is sa.Role.USER:
+                yield sa.ToolCallChunk(index=0, id="c1", name="lookup", arguments="{}")
+            else:
+                yield sa.TextChunk("done")
+
+    @sa.tool
+    async def lookup() -> str:
+        """Looks up."""
+        with app_tracer.start_as_current_span("SELECT orders"):
+            await asyncio.sleep(0)
+        return "shipped"
+
+    async def main() -> None:
+        async with aio.open_registry(
+            agents={"a": sa.Agent(model=Traced(), tools=[lookup])}, telemetry=otel.telemetry
+        ) as registry:
+            ref = await registry.spawn("s")
+            with app_tracer.start_as_current_span("GET /chat"):
+                assert (await asyncio.wait_for(ref.send("hi"), 10)).text == "done"
+
+    asyncio.run(main())
+    assert otel.still_open() == []
+    by_id = {s.context.span_id: s for s in otel.spans()}
+
+    def parent(span: ReadableSpan) -> str | None:
+        return by_id[span.parent.span_id].name if span.parent is not None else None
+
+    [turn] = otel.named("invoke_agent")
+    [handler] = otel.named("GET /chat")
+    assert turn.parent is None
+    assert turn.context.trace_id != handler.context.trace_id
+    chats = otel.named("chat ")
+    requests = otel.named("POST ")
+    assert len(chats) == len(requests) == 2
+    assert {r.parent.span_id for r in requests if r.parent} == {c.context.span_id for c in chats}
+    assert [parent(s) for s in chats] == ["invoke_agent a", "invoke_agent a"]
+    [tool] = otel.named("execute_tool")
+    assert parent(tool) == "invoke_agent a"
+    assert parent(otel.named("SELECT ")[0]) == "execute_tool lookup"
+    assert {s.context.trace_id for s in otel.spans() if s is not handler} == {turn.context.trace_id}
+
+
 async def test_a_models_huge_tool_call_id_is_not_whole_on_the_span(
     otel: Otel, autojump_clock: trio.abc.Clock
 ) -> None:
