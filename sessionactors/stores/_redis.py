@@ -382,6 +382,18 @@ DEFAULT_TIMEOUT: Final = 5.0
 
 def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
     """What to do about ``exc`` if no retry can fix it (None: a retry may)."""
+    if isinstance(exc, _Unavailable) and exc.__cause__ is not None:
+        exc = exc.__cause__  # the client could not be opened: why
+    message = str(exc).lower()
+    if isinstance(exc, coredis.exceptions.AuthenticationError) or any(
+        code in message for code in ("noauth", "wrongpass", "invalid username-password")
+    ):
+        return "check the user name and password in the store's URL"
+    if "db index is out of range" in message:
+        return (
+            "the server has no database of the number in the store's URL (its "
+            "'databases' setting says how many it has): check the database number"
+        )
     if isinstance(exc, coredis.exceptions.AskError) and not isinstance(
         client, coredis.RedisCluster
     ):
@@ -670,7 +682,8 @@ class RedisStore:
     writes that wait for replicas ``replica_timeout`` on top.
     Errors a retry cannot fix (a permission the user lacks, scripting or blocking
     commands disabled for it or on the server, ``CROSSSLOT``, a ``redis://`` URL
-    that reaches a node of a Redis Cluster) raise
+    that reaches a node of a Redis Cluster, a user name or password the server
+    refuses, a database number it does not have) raise
     :class:`~sessionactors.StoreConfigurationError`, which says what to change; a
     multi-worker registry that meets one fails with it rather than retry.
 
