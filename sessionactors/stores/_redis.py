@@ -376,6 +376,8 @@ _CONFIGURATION_CODES: Final = (
     "unknown command",
 )
 
+#: The key prefix of a RedisStore given none (in prefix= or the URL's ?prefix=).
+_DEFAULT_PREFIX: Final = "sessionactors"
 #: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
 DEFAULT_TIMEOUT: Final = 5.0
 
@@ -638,9 +640,10 @@ class RedisStore:
     Sentinel knows as ``service`` (``redis+sentinel://host:port/service[/db]``). A TLS
     URL takes the certificate options in its query (``ssl_ca_certs``, ``ssl_cert_reqs``,
     ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``). Every
-    key starts with ``prefix``, so several applications can share one database.
-    Nothing is opened here: the first call connects inside the running trio run, and
-    a call after :meth:`aclose` connects again.
+    key starts with ``prefix`` (or ``?prefix=`` in the URL, as the command line's
+    ``--store`` takes it; default ``"sessionactors"``), so several applications can
+    share one database. Nothing is opened here: the first call connects inside the
+    running trio run, and a call after :meth:`aclose` connects again.
 
     ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
     the server when it connects, before its first read or write; a server that
@@ -694,7 +697,7 @@ class RedisStore:
     shared_by_workers = True
 
     url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = attrs.field(default="sessionactors", kw_only=True)
+    prefix: str = attrs.field(default=_DEFAULT_PREFIX, kw_only=True)
     persistence: str | None = attrs.field(default=None, kw_only=True)
     _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
@@ -713,6 +716,13 @@ class RedisStore:
         self.persistence = self._target.persistence
         self.replicas = self._target.replicas
         self.replica_timeout = self._target.replica_timeout
+        if self._target.prefix is not None:
+            if self.prefix not in (_DEFAULT_PREFIX, self._target.prefix):
+                raise ValueError(
+                    f"redis url {redact(self.url)!r} names the key prefix "
+                    f"{self._target.prefix!r} and prefix= names {self.prefix!r}; name one"
+                )
+            self.prefix = self._target.prefix
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
