@@ -83,13 +83,14 @@ async def _first_read(registry: AnyRegistry) -> None:
     server writes, a Redis that does not answer) fails the startup, not every request
     after it. A store error a retry may fix is tried again for ``STARTUP_STORE_WAIT``
     seconds (a store restarting as the server starts); one that no retry fixes
-    (``StoreConfigurationError``) fails at once."""
+    (``StoreConfigurationError``, or ``StoreNotDurableError``: the server's
+    persistence) fails at once."""
     deadline = anyio.current_time() + STARTUP_STORE_WAIT
     while True:
         try:
             await registry.sessions(limit=1)
             return
-        except sa.StoreConfigurationError:
+        except (sa.StoreConfigurationError, sa.StoreNotDurableError):
             raise
         except sa.StoreError as exc:
             if anyio.current_time() >= deadline:

@@ -153,6 +153,21 @@ async def test_serve_whose_startup_fails_never_binds_its_port(
     assert refusal in leaves(raised.value), raised.value
 
 
+async def test_serve_whose_store_is_not_durable_fails_at_once() -> None:
+    """A store that refuses its server as not durable (StoreNotDurableError: a retry cannot
+    fix a server's persistence) fails the startup at its first read, as a
+    StoreConfigurationError does, instead of being read again for STARTUP_STORE_WAIT
+    seconds as if the store were restarting."""
+    store = FaultyStore()
+    refusal = sa.StoreNotDurableError("the server can lose acknowledged writes (a test's)")
+    store.fail("list_sessions", times=None, error=refusal)  # (the startup check's read)
+    app = create_app(store=store, agents=trio_agents())
+    with trio.fail_after(30), pytest.raises(BaseException) as raised:
+        await serve(app, port=0)
+    assert refusal in leaves(raised.value), raised.value
+    assert store.calls["list_sessions"] == 1
+
+
 def leaves(error: BaseException) -> list[BaseException]:
     """The exceptions in ``error`` that are not groups, and the errors they came from."""
     if isinstance(error, BaseExceptionGroup):
