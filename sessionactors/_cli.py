@@ -145,7 +145,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"
     )
     add_sessions_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named with the command that refuses them, whose --help lists its own
+        prog = " ".join(
+            ["sessionactors", args.command, getattr(args, "sessions_command", None) or ""]
+        ).strip()
+        parser.exit(2, f"{prog}: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n")
     if args.command == "sessions":
         raise SystemExit(run_sessions(args))
     if args.command == "serve":

@@ -187,7 +187,8 @@ class FencedOutError(StoreError):
 class StoreConfigurationError(StoreError):
     """The store refused an operation that a retry cannot fix: a permission the store's
     user lacks, a command the server disabled or renamed, keys spread over the slots
-    of a cluster. Fix the server's configuration (its message says what to allow)."""
+    of a cluster, a password or database number in the store's URL that the server
+    refuses. Fix the server's configuration or the URL (its message says what)."""
 
 
 class WorkerUnreachableError(SessionActorsError, TimeoutError):

@@ -154,6 +154,31 @@ def test_bad_arguments_are_one_line_without_a_traceback(
     assert "serving" not in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "prog"),
+    [
+        (
+            ["sessions", "export", "a", "--json", "--store", "memory://"],
+            "sessionactors sessions export",
+        ),
+        (
+            ["serve", "--store", "memory://", "--agent", "agents:a", "--workers", "3"],
+            "sessionactors serve",
+        ),
+    ],
+)
+def test_an_option_a_command_does_not_take_is_named_with_that_command(
+    tmp_path: Path, args: list[str], prog: str
+) -> None:
+    """An option a command does not take (``export --json``, ``serve --workers``) is
+    refused in one line that names that command and its --help, which lists the options
+    it does take, rather than the top command, whose --help lists none of them."""
+    done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    line = one_line(done, 2)
+    assert line.startswith(f"{prog}: unrecognized arguments: "), line
+    assert line.rstrip().endswith(f"(see {prog} --help)"), line
+
+
 def test_the_demo_ends_quietly_when_its_reader_stops(tmp_path: Path) -> None:
     """``demo | head -1``: the demo ends with the status of a closed pipe (141), no
     traceback."""

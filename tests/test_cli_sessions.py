@@ -641,3 +641,33 @@ async def _write_beside(server: Server, url: str) -> None:
     line = refused("import", "-", "--as", taken, "--store", url, stdin=exported)
     assert "already exists" in line
     assert "'nobody'" in refused("delete", "nobody", "--yes", "--store", url)
+
+
+@pytest.mark.redis
+async def test_commands_reach_a_redis_store_under_its_own_prefix(redis_url: str) -> None:
+    """A store opened with prefix= (applications sharing one database) is reached from
+    the command line with ?prefix= in its URL: list, show, export, tail and delete see
+    its sessions, and a URL without it (the default prefix) does not."""
+    prefix = f"sa-test-cli-{uuid.uuid4().hex[:12]}"
+    name = f"chat-{uuid.uuid4().hex[:8]}"
+    url = f"{redis_url}?prefix={prefix}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=RedisStore(redis_url, prefix=prefix), agents=agents) as reg:
+        ref = await reg.spawn(name, metadata={"tenant": "acme"})
+        await ref.send("hello there")
+
+    def run(*args: str) -> str:
+        return ok(*args, "--store", url)
+
+    rows = json.loads(await trio.to_thread.run_sync(run, "list", "--json"))
+    assert [r["name"] for r in rows] == [name]
+    body = json.loads(await trio.to_thread.run_sync(run, "show", name, "--json"))
+    assert [m["content"] for m in body["messages"]] == ["hello there", "hello there"]
+    events = await trio.to_thread.run_sync(run, "tail", name, "--no-follow")
+    assert "TurnFinished" in events
+    default = json.loads(ok("list", "--json", "--store", redis_url, "--meta", "tenant=acme"))
+    assert name not in [r["name"] for r in default]
+    assert f"deleted session {name!r}" in await trio.to_thread.run_sync(
+        run, "delete", name, "--yes"
+    )
+    assert json.loads(await trio.to_thread.run_sync(run, "list", "--json")) == []

@@ -10,20 +10,24 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import msgpack
 import pytest
 import trio
 
 import sessionactors as sa
 from net_proxy import proxy_to
+from sessionactors.http import create_app
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
+from web.servers import serve_trio
 from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
 
 TTL = 1.0
 WAKE = msgpack.packb({"op": "wake"})
+SSE = {"accept": "text/event-stream"}
 
 
 def open_worker(url: str, prefix: str, worker_id: str, model: Any = None, **options: Any) -> Any:
@@ -326,6 +330,41 @@ async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_kill
     last = seen[-1]
     assert isinstance(last, sa.TurnFinished), seen
     assert last.turn_id == starts[-1].turn_id
+    assert [m.content for m in history] == [text, text]
+
+
+async def test_a_keyed_message_streamed_over_http_follows_its_turn_sent_on_after_its_worker_was_killed(
+    redis_url: str,
+) -> None:
+    """A message with an idempotency key POSTed as an event stream to the gateway of a
+    worker that does not run the session, whose worker is killed (SIGKILL) mid-turn, ends
+    with the outcome of the turn the key runs again on the session's next worker (a
+    second TurnStarted, its deltas, its TurnFinished), as ref.stream does: the stream
+    does not wait past the turn, with heartbeats, for an outcome under the first id."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(30))
+    seen: list[dict[str, Any]] = []
+    body = {"text": text, "idempotency_key": "k1"}
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b", EchoModel(delay=0.2)) as b,
+            serve_trio(create_app(b)) as url,
+            httpx.AsyncClient(base_url=url, timeout=None) as client,
+            client.stream("POST", "/sessions/s/messages", json=body, headers=SSE) as response,
+        ):
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    seen.append(json.loads(line.removeprefix("data:")))
+                    if seen[-1]["type"] == "Delta" and len(seen) == 3:
+                        a.kill()  # SIGKILL, mid-turn
+            history = await b.ref("s").history()
+    starts = [e for e in seen if e["type"] == "TurnStarted"]
+    assert len(starts) == 2, seen  # the turn, then the turn sent again on b
+    last = seen[-1]
+    assert last["type"] == "TurnFinished", seen
+    assert last["turn_id"] == starts[-1]["turn_id"] != starts[0]["turn_id"]
     assert [m.content for m in history] == [text, text]
 
 

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal, cast
 from urllib.parse import unquote, urlsplit
 
 import anyio
+import attrs
 import sniffio
 import trio
 from starlette.applications import Starlette
@@ -82,13 +83,14 @@ async def _first_read(registry: AnyRegistry) -> None:
     server writes, a Redis that does not answer) fails the startup, not every request
     after it. A store error a retry may fix is tried again for ``STARTUP_STORE_WAIT``
     seconds (a store restarting as the server starts); one that no retry fixes
-    (``StoreConfigurationError``) fails at once."""
+    (``StoreConfigurationError``, or ``StoreNotDurableError``: the server's
+    persistence) fails at once."""
     deadline = anyio.current_time() + STARTUP_STORE_WAIT
     while True:
         try:
             await registry.sessions(limit=1)
             return
-        except sa.StoreConfigurationError:
+        except (sa.StoreConfigurationError, sa.StoreNotDurableError):
             raise
         except sa.StoreError as exc:
             if anyio.current_time() >= deadline:
@@ -694,10 +696,11 @@ class SessionsApp:
                 # live one, unread, would fill up and be cut off as lagged
                 events = await _subscribe_from(stack, ref, since)
                 await live.aclose()
+            followed = _Followed(turn.id, key)
             yield Stream(
                 events,
-                select=self._turn_events(turn.id, joined_at),
-                side=functools.partial(_sse_outcome, turn),
+                select=self._turn_events(turn.id, joined_at, followed),
+                side=functools.partial(_sse_outcome, turn, followed),
             )
 
     async def _review(self, request: Request) -> Response:
@@ -874,13 +877,27 @@ class SessionsApp:
         async with ref.subscribe(after) as events:
             yield Stream(events, select=select)
 
-    def _turn_events(self, turn_id: str | None, joined_at: int = 0) -> Select:
+    def _turn_events(
+        self, turn_id: str | None, joined_at: int = 0, followed: _Followed | None = None
+    ) -> Select:
         """One turn's events, up to its outcome or the review it then waits on
-        (``joined_at``: see ``sessionactors._ref.joined``)."""
+        (``joined_at``: see ``sessionactors._ref.joined``); with ``followed``, the turn
+        its idempotency key runs again under a new id (its worker died mid-turn), as
+        ``ref.stream`` follows it."""
         frames = self._frames
+        if followed is None:
+            followed = _Followed(turn_id)
 
         def select(event: sa.Event) -> tuple[bytes | None, bool]:
-            if turn_id is not None and getattr(event, "turn_id", None) != turn_id:
+            event_turn = getattr(event, "turn_id", None)
+            if (
+                followed.key is not None
+                and isinstance(event, sa.TurnStarted)
+                and event.idempotency_key == followed.key
+                and event_turn != followed.turn_id
+            ):
+                followed.turn_id = event_turn  # the key ran it again: a second TurnStarted
+            if followed.turn_id is not None and event_turn != followed.turn_id:
                 return None, False
             if taken_back(event, joined_at):  # (the turn resumed after a crash)
                 return None, False
@@ -915,10 +932,29 @@ async def _replayed_late(turn: sa.Turn | aio.Turn) -> dict[str, Any] | None:
     return None
 
 
-async def _sse_outcome(turn: sa.Turn | aio.Turn) -> bytes | None:
-    """``_replayed_late`` for an event stream: the frame that ends it, if any."""
-    data = await _replayed_late(turn)
-    return None if data is None else frame(data)
+@attrs.define
+class _Followed:
+    """The turn an event stream of one turn follows: the one submitted, then the one its
+    idempotency key ran again after its worker died (see ``_turn_events``)."""
+
+    turn_id: str | None
+    key: str | None = None
+
+
+async def _sse_outcome(turn: sa.Turn | aio.Turn, followed: _Followed) -> bytes | None:
+    """The frame that ends a turn's event stream when its events will not: the reply of
+    a turn whose key had already completed (no events come for it), or of a turn that
+    ran under another id than the one the stream follows (sent on to the session's next
+    worker); the error of such a turn that failed. None: its events end the stream."""
+    try:
+        reply = await turn.reply()
+    except (sa.TurnFailedError, sa.TurnCancelledError):
+        if turn.id != followed.turn_id:
+            raise  # (ends the stream with its error frame)
+        return None
+    if turn.replayed or turn.id != followed.turn_id:
+        return frame({"type": "reply", **reply_to_json(reply)})
+    return None
 
 
 async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: int) -> None:

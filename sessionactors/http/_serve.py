@@ -182,7 +182,12 @@ def main(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(functools.partial(serve, app, host=args.host, port=args.port))
             started = True
-            print(f"sessionactors: serving {sorted(agents)} at {url}/", flush=True)
+            registry = app.registry
+            worker = ""
+            if isinstance(registry, sa.Registry) and getattr(store, "shared_by_workers", False):
+                # the id that the workers' leases and errors name: which process this is
+                worker = f" as worker {registry.worker_id}"
+            print(f"sessionactors: serving {sorted(agents)} at {url}/{worker}", flush=True)
 
     try:
         trio.run(run)

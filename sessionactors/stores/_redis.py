@@ -376,12 +376,26 @@ _CONFIGURATION_CODES: Final = (
     "unknown command",
 )
 
+#: The key prefix of a RedisStore given none (in prefix= or the URL's ?prefix=).
+_DEFAULT_PREFIX: Final = "sessionactors"
 #: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
 DEFAULT_TIMEOUT: Final = 5.0
 
 
 def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
     """What to do about ``exc`` if no retry can fix it (None: a retry may)."""
+    if isinstance(exc, _Unavailable) and exc.__cause__ is not None:
+        exc = exc.__cause__  # the client could not be opened: why
+    message = str(exc).lower()
+    if isinstance(exc, coredis.exceptions.AuthenticationError) or any(
+        code in message for code in ("noauth", "wrongpass", "invalid username-password")
+    ):
+        return "check the user name and password in the store's URL"
+    if "db index is out of range" in message:
+        return (
+            "the server has no database of the number in the store's URL (its "
+            "'databases' setting says how many it has): check the database number"
+        )
     if isinstance(exc, coredis.exceptions.AskError) and not isinstance(
         client, coredis.RedisCluster
     ):
@@ -626,9 +640,10 @@ class RedisStore:
     Sentinel knows as ``service`` (``redis+sentinel://host:port/service[/db]``). A TLS
     URL takes the certificate options in its query (``ssl_ca_certs``, ``ssl_cert_reqs``,
     ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``). Every
-    key starts with ``prefix``, so several applications can share one database.
-    Nothing is opened here: the first call connects inside the running trio run, and
-    a call after :meth:`aclose` connects again.
+    key starts with ``prefix`` (or ``?prefix=`` in the URL, as the command line's
+    ``--store`` takes it; default ``"sessionactors"``), so several applications can
+    share one database. Nothing is opened here: the first call connects inside the
+    running trio run, and a call after :meth:`aclose` connects again.
 
     ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
     the server when it connects, before its first read or write; a server that
@@ -670,7 +685,8 @@ class RedisStore:
     writes that wait for replicas ``replica_timeout`` on top.
     Errors a retry cannot fix (a permission the user lacks, scripting or blocking
     commands disabled for it or on the server, ``CROSSSLOT``, a ``redis://`` URL
-    that reaches a node of a Redis Cluster) raise
+    that reaches a node of a Redis Cluster, a user name or password the server
+    refuses, a database number it does not have) raise
     :class:`~sessionactors.StoreConfigurationError`, which says what to change; a
     multi-worker registry that meets one fails with it rather than retry.
 
@@ -681,7 +697,7 @@ class RedisStore:
     shared_by_workers = True
 
     url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = attrs.field(default="sessionactors", kw_only=True)
+    prefix: str = attrs.field(default=_DEFAULT_PREFIX, kw_only=True)
     persistence: str | None = attrs.field(default=None, kw_only=True)
     _client: Client | None = attrs.field(default=None, kw_only=True, alias="client")
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT, kw_only=True)
@@ -700,6 +716,13 @@ class RedisStore:
         self.persistence = self._target.persistence
         self.replicas = self._target.replicas
         self.replica_timeout = self._target.replica_timeout
+        if self._target.prefix is not None:
+            if self.prefix not in (_DEFAULT_PREFIX, self._target.prefix):
+                raise ValueError(
+                    f"redis url {redact(self.url)!r} names the key prefix "
+                    f"{self._target.prefix!r} and prefix= names {self.prefix!r}; name one"
+                )
+            self.prefix = self._target.prefix
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"

@@ -11,7 +11,7 @@ URLs::
                                                      Sentinel names ``service``
 
 Every URL takes ``?persistence=always|everysec|volatile`` (see :data:`PERSISTENCE`),
-``?replicas=N`` and ``?replica_timeout=seconds`` (see ``RedisStore``); a ``redis://``
+``?replicas=N``, ``?replica_timeout=seconds`` and ``?prefix=`` (see ``RedisStore``); a ``redis://``
 URL also takes those of coredis' own query options that leave its replies as the store
 reads them (see ``_CLIENT_OPTIONS``), and is refused with any other.
 """
@@ -58,7 +58,7 @@ PERSISTENCE: Final[tuple[Persistence, ...]] = get_args(Persistence)
 #: Seconds a write waits for its replicas (RedisStore's replica_timeout).
 DEFAULT_REPLICA_TIMEOUT: Final = 1.0
 #: The query options every store URL takes (a redis:// URL's others go to coredis).
-_OPTIONS: Final = ("persistence", "replicas", "replica_timeout")
+_OPTIONS: Final = ("persistence", "replicas", "replica_timeout", "prefix")
 
 #: The TLS options a ``rediss+cluster://`` URL takes (those of ``rediss://``, which
 #: coredis reads itself): the CA to check the nodes against, a client certificate.
@@ -259,6 +259,7 @@ class Target:
     locations: tuple[TCPLocation, ...] = ()
     service: str = ""
     db: int = 0
+    prefix: str | None = None  # the URL's ?prefix= (None: not given)
 
     @classmethod
     def parse(
@@ -336,6 +337,7 @@ class Target:
                 query=query,
                 replicas=count,
                 replica_timeout=patience,
+                prefix=options.get("prefix"),
             )
         tls = _tls_options(query, parts.scheme, url) if parts.scheme in _CLUSTER else {}
         if query:
@@ -360,6 +362,7 @@ class Target:
                 replicas=count,
                 replica_timeout=patience,
                 tls=tls,
+                prefix=options.get("prefix"),
             )
         service, _, db = parts.path.strip("/").partition("/")
         if not service or not (db or "0").isdigit():
@@ -381,6 +384,7 @@ class Target:
             db=int(db or "0"),
             replicas=count,
             replica_timeout=patience,
+            prefix=options.get("prefix"),
         )
 
     @property

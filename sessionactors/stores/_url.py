@@ -13,8 +13,8 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
     (``?shared=true``: several processes write the file, with leases),
     ``memory://``, or a ``RedisStore`` URL (extra ``redis``): ``redis://host:port/db``,
     ``rediss://``, ``unix://``, ``redis+cluster://host:port`` or
-    ``redis+sentinel://host:port/service``, with ``?persistence=``, ``?replicas=`` and
-    ``?replica_timeout=`` if needed.
+    ``redis+sentinel://host:port/service``, with ``?persistence=``, ``?replicas=``,
+    ``?replica_timeout=`` and ``?prefix=`` (the key prefix) if needed.
 
     ``readonly`` opens a SQLite file with ``readonly=True`` (no lock, no byte
     changed); it changes nothing for the other stores, which read without writing.

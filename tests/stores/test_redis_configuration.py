@@ -214,3 +214,32 @@ async def test_a_server_without_scripts_gets_a_fatal_error(
             with raises_fatal("unknown command"):
                 await store.load("chat")
             await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("login", "database", "needles"),
+    [
+        ("wrong-user:wrong-password@", None, ("check the user name and password",)),
+        ("", "99999", ("/99999", "check the database number")),
+    ],
+    ids=["wrong-password", "missing-database"],
+)
+async def test_a_url_the_server_refuses_at_connect_gets_a_fatal_error(
+    redis_url: str, login: str, database: str | None, needles: tuple[str, ...]
+) -> None:
+    """A password the server refuses, or a database number it does not have, is refused
+    as the store connects: StoreConfigurationError saying what to check in the URL, never
+    a StoreError that says to retry (nothing changes on a retry), and the same on the
+    next call. A registry (as `serve` opens one) fails with it at once."""
+    parts = urlsplit(redis_url)
+    netloc = f"{login}{parts.hostname}:{parts.port}"
+    path = f"/{database}" if database is not None else parts.path
+    url = urlunsplit(parts._replace(netloc=netloc, path=path))
+    store = RedisStore(url, prefix=_prefix())
+    with trio.fail_after(10):
+        for _ in range(2):
+            with raises_fatal(*needles) as found:
+                await store.load("chat")
+            assert "then retry" not in str(found[0])
+            assert "wrong-password" not in str(found[0])
+        await store.aclose()

@@ -112,6 +112,26 @@ async def test_an_odd_option_does_not_fail_every_call(redis_url: str) -> None:
     assert issubclass(sa.StoreError, sa.SessionActorsError)
 
 
+def test_a_prefix_in_the_url_is_the_stores_prefix() -> None:
+    """``?prefix=`` in any kind of URL sets the key prefix (the command line's --store
+    has no other way to name it); one that contradicts ``prefix=``, or holds a brace, is
+    refused with a ValueError."""
+    for url in [
+        "redis://127.0.0.1:6379/0?prefix=chat",
+        "redis+cluster://127.0.0.1:7000?prefix=chat",
+        "redis+sentinel://127.0.0.1:26379/sessions?prefix=chat&persistence=everysec",
+    ]:
+        assert RedisStore(url).prefix == "chat"
+        assert RedisStore(url, prefix="chat").prefix == "chat"
+    assert RedisStore("redis://127.0.0.1:6379/0").prefix == "sessionactors"
+    with pytest.raises(ValueError, match="name one"):
+        RedisStore("redis://127.0.0.1:6379/0?prefix=chat", prefix="other")
+    with pytest.raises(ValueError, match="brace"):
+        RedisStore("redis://127.0.0.1:6379/0?prefix=a{b}")
+    with pytest.raises(ValueError, match="empty"):
+        RedisStore("redis://127.0.0.1:6379/0?prefix=")
+
+
 # -- faults under two live workers ------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 class Server:
     url: str
     process: subprocess.Popen[str]
+    line: str = ""  # what it printed as it began to serve
 
     @property
     def port(self) -> int:
@@ -41,7 +42,7 @@ def serve_command(store: str, *extra: str, stop: int = signal.SIGTERM) -> Iterat
         line = _readline(process.stdout, deadline=time.monotonic() + 30)
         match = re.search(r"http://127\.0\.0\.1:\d+", line)
         assert match, f"serve printed {line!r}"
-        yield Server(match.group(0), process)
+        yield Server(match.group(0), process, line)
         process.send_signal(stop)
         _, stderr = process.communicate(timeout=30)
         assert process.returncode == 0, stderr

@@ -1,14 +1,17 @@
 """``python -m sessionactors serve``: it serves, and shuts down gracefully on a signal."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
+import coredis
 import httpx
 import pytest
 import trio
@@ -217,6 +220,39 @@ async def test_serve_whose_startup_fails_never_binds_its_port(
         await serve(app, port=0)
     assert bound == []
     assert refusal in leaves(raised.value), raised.value
+
+
+async def test_serve_whose_store_is_not_durable_fails_at_once() -> None:
+    """A store that refuses its server as not durable (StoreNotDurableError: a retry cannot
+    fix a server's persistence) fails the startup at its first read, as a
+    StoreConfigurationError does, instead of being read again for STARTUP_STORE_WAIT
+    seconds as if the store were restarting."""
+    store = FaultyStore()
+    refusal = sa.StoreNotDurableError("the server can lose acknowledged writes (a test's)")
+    store.fail("list_sessions", times=None, error=refusal)  # (the startup check's read)
+    app = create_app(store=store, agents=trio_agents())
+    with trio.fail_after(30), pytest.raises(BaseException) as raised:
+        await serve(app, port=0)
+    assert refusal in leaves(raised.value), raised.value
+    assert store.calls["list_sessions"] == 1
+
+
+@pytest.mark.redis
+async def test_serve_on_a_store_shared_by_workers_names_its_worker(redis_url: str) -> None:
+    """A server on Redis prints its worker id beside its URL: the id that the workers'
+    leases and errors name ("worker '...', which ran it, died"), so that an operator
+    running several can tell which process that is. It is the id the server announces to
+    the other workers."""
+    prefix = f"sa-test-serve-{uuid.uuid4().hex[:12]}"
+    with serve_command(f"{redis_url}?prefix={prefix}") as server:
+        found = re.search(r" as worker (\S+)$", server.line.strip())
+        assert found, server.line
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            reply = await client.post("/sessions/s/messages", json={"text": "hi"})
+            assert reply.status_code == 200, reply.text
+        async with coredis.Redis.from_url(redis_url) as admin:
+            workers = await admin.zrange(f"{prefix}:workers", 0, -1)
+        assert found.group(1).encode() in workers, (found.group(1), workers)
 
 
 def leaves(error: BaseException) -> list[BaseException]:
