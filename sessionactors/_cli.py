@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -61,6 +62,20 @@ def _at_least(lowest: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < lowest:
             raise argparse.ArgumentTypeError(f"{text!r} is less than {lowest}")
+        return value
+
+    return parse
+
+
+def _seconds(*, zero: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            least = "0 or more" if zero else "more than 0"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, {least}")
         return value
 
     return parse
@@ -143,6 +158,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free one")
     serve.add_argument(
         "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=_seconds(zero=True),
+        default=10.0,
+        metavar="SECONDS",
+        help="how long turns in flight may run on after SIGTERM (default 10)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=_seconds(zero=False),
+        default=None,
+        metavar="SECONDS",
+        help="hibernate a session idle this long (default: never)",
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        type=_seconds(zero=False),
+        default=30.0,
+        metavar="SECONDS",
+        help="on a store shared by workers: how soon a dead worker's sessions move (default 30)",
     )
     add_sessions_parser(sub)
     args, unknown = parser.parse_known_args(argv)

@@ -173,7 +173,14 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:
         print(f"sessionactors serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(store=store, agents=agents, token=args.token)
+    app = create_app(
+        store=store,
+        agents=agents,
+        token=args.token,
+        shutdown_grace=args.shutdown_grace,
+        idle_timeout=args.idle_timeout,
+        lease_ttl=args.lease_ttl,
+    )
 
     started = False
 

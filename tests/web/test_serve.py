@@ -65,15 +65,16 @@ def test_serve_answers_the_turn_in_flight_and_exits_within_its_grace_on_sigterm(
     tmp_path: Path,
 ) -> None:
     """On SIGTERM with an event stream open and a turn in flight that outlasts the
-    registry's shutdown grace (10 s), the stream ends at once, the turn's caller is answered
-    503 (the turn was cut off, its words so far kept) instead of losing its connection, and
-    the server exits soon after the grace, well inside a platform's 30 s before SIGKILL."""
+    registry's shutdown grace (--shutdown-grace 2, where the default is 10 s), the stream
+    ends at once, the turn's caller is answered 503 (the turn was cut off, its words so far
+    kept) instead of losing its connection, and the server exits soon after the grace, well
+    inside a platform's 30 s before SIGKILL."""
     path = tmp_path / "served.db"
     long_text = " ".join(f"w{i}" for i in range(1000))  # 50 s of words: outlasts the grace
     connected, started, ended = threading.Event(), threading.Event(), threading.Event()
     answer: list[httpx.Response | Exception] = []
     with (
-        serve_command(f"sqlite:///{path}") as server,
+        serve_command(f"sqlite:///{path}", "--shutdown-grace", "2") as server,
         httpx.Client(base_url=server.url, timeout=60) as client,
     ):
         reply = client.post("/sessions/kept/messages", json={"text": "keep me"})
@@ -108,7 +109,7 @@ def test_serve_answers_the_turn_in_flight_and_exits_within_its_grace_on_sigterm(
         for thread in threads:
             thread.join(timeout=30)
     assert ended.is_set()
-    assert took < 15, f"serve took {took:.1f} s to exit after SIGTERM"
+    assert took < 9, f"serve took {took:.1f} s to exit after SIGTERM (its grace is 2 s)"
     [response] = answer
     assert isinstance(response, httpx.Response), response
     assert response.status_code == 503, response.text
@@ -133,6 +134,18 @@ def test_serve_refuses_bad_arguments_with_a_message() -> None:
         (["--store", "memory://", "--agent", "chat_agents:nothing"], "has no 'nothing'"),
         (["--store", "memory://", "--agent", "chat_agents:DELAY"], "not a sessionactors.Agent"),
         (["--store", "memory://", "--agent", "chat_agents"], "MODULE:ATTRIBUTE"),
+        (
+            ["--store", "memory://", "--agent", "chat_agents:agents", "--shutdown-grace", "-1"],
+            "'-1' is not a number of seconds, 0 or more",
+        ),
+        (
+            ["--store", "memory://", "--agent", "chat_agents:agents", "--lease-ttl", "0"],
+            "'0' is not a number of seconds, more than 0",
+        ),
+        (
+            ["--store", "memory://", "--agent", "chat_agents:agents", "--idle-timeout", "soon"],
+            "'soon' is not a number of seconds",
+        ),
     ]
     processes = [  # at once: each takes a moment to start
         subprocess.Popen(
@@ -303,3 +316,20 @@ async def test_serve_stopped_by_a_signal_while_its_registry_opens_binds_nothing(
         await run()
     assert bound == []
     assert any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(raised.value)), raised.value
+
+
+def test_serve_hibernates_a_session_idle_for_its_idle_timeout(tmp_path: Path) -> None:
+    """--idle-timeout reaches the registry: a session left without requests hibernates
+    (the listing says so), where by default it stays live."""
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", "--idle-timeout", "0.2") as server,
+        httpx.Client(base_url=server.url, timeout=10) as client,
+    ):
+        assert client.post("/sessions/s/messages", json={"text": "hi"}).status_code == 200
+        deadline = time.monotonic() + 30
+        while True:
+            [info] = client.get("/sessions").json()["sessions"]
+            if info["status"] == "hibernated" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert info["status"] == "hibernated", info
