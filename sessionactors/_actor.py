@@ -242,6 +242,10 @@ class Host(Protocol):
         """The session's acknowledged state could not be written as it left."""
         ...
 
+    def interrupted(self) -> None:
+        """Something not an Exception escaped a session: end the registry at once."""
+        ...
+
 
 class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
@@ -902,7 +906,7 @@ class Actor:
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
-            with trio.CancelScope(shield=True):
+            with self._bounded_write():
                 await self._settle(pending, key, failure=failure, final=final, cancelled=False)
             return
         await self._settle(pending, key, failure=failure, final=final, cancelled=False)

@@ -597,8 +597,14 @@ async def open_registry(
                 # Cancelled from outside (a deadline around the block): shut down at
                 # once, as if the grace were 0, but write what was answered first.
                 hurry = trio.current_effective_deadline() == -math.inf
-                with trio.CancelScope(shield=hurry):
-                    await sessions.shutdown(hurry=hurry)
+                try:
+                    with trio.CancelScope(shield=hurry):
+                        await sessions.shutdown(hurry=hurry)
+                except BaseException:
+                    # cut while it waited (a cancellation, a second Ctrl-C): at once now
+                    with trio.CancelScope(shield=True):
+                        await sessions.shutdown(hurry=True)
+                    raise
                 if dispatcher.router is not None:
                     await dispatcher.router.aclose()
                 nursery.cancel_scope.cancel()

@@ -408,6 +408,8 @@ class Sessions:
         then hibernate all, waiting for the store at most ``write_bound``; then give
         up on the sessions still there."""
         if self._dead:
+            for hub in self.hubs.values():
+                hub.close()
             return
         self._closing = True
         self._grace_ends = trio.current_time() + (0 if hurry else self.config.shutdown_grace)
@@ -429,6 +431,11 @@ class Sessions:
         for actor in list(self.live.values()):
             if actor.run_scope is not None:  # (one not started yet ends as it starts)
                 actor.run_scope.cancel()
+
+    def interrupted(self) -> None:
+        """Something not an Exception escaped a session (KeyboardInterrupt, say): leave
+        the registry's block at once, which shuts the other sessions down in a hurry."""
+        self._nursery.cancel_scope.cancel()
 
     def die(self) -> None:
         """Stand for the death of this process (the test kit's ``crash``): every session
@@ -561,8 +568,11 @@ class Sessions:
                         self._generation_retired = None
                         self._sessions = self._nursery
         except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
+            # (the registry's nursery is being cancelled for it: the generation's own
+            # Cancelled beside it goes, so that the one exception comes out as itself)
+            _, rest = group.split(trio.Cancelled)
+            if rest is not None and len(rest.exceptions) == 1:
+                raise rest.exceptions[0] from None
             raise
 
 

@@ -135,9 +135,11 @@ async def session_task(host: Host, actor: Actor) -> None:
             host.replace(actor, fresh)
             actor = fresh
         except BaseException:
-            # Not an Exception (KeyboardInterrupt, say): it ends the registry, whose
-            # shutdown must not wait for this session
-            actor.leave_table()
+            # Not an Exception (KeyboardInterrupt, say): it ends the registry at once (the
+            # other sessions are shielded from the nursery's cancellation: the registry's
+            # hurried shutdown ends them), and this session's waiters hear so
+            host.interrupted()
+            _end(actor, stopped_error(actor.session_id, "closing"))
             raise
 
 

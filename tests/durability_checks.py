@@ -3,8 +3,8 @@
 Each check runs one or more "processes" over one shared store, the disk: a
 process is a registry over ``wrap(disk)``, the view of the disk one process has
 (``wrap`` is a store wrapper from the test kit, or ``as_is``). A process death is
-a cancel scope around its registry: nothing after it runs, and the disk keeps
-what it had. A check raises AssertionError naming what broke.
+the test kit's ``crash(registry)`` and a cancel scope around its registry: nothing
+after it runs, and the disk keeps what it had. A check raises AssertionError naming what broke.
 
 The race tests run them over sound stores; test_durability_controls.py runs them
 over the test kit's FlawedStore as well, where they must fail: the negative control.

@@ -416,3 +416,44 @@ async def test_a_registry_block_cancelled_from_outside_keeps_what_it_answered(
         ]
     else:
         assert len(history) == 2
+
+
+async def test_a_cancellation_during_the_shutdown_grace_cuts_it_short_and_still_hibernates(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The block is left normally with a turn in flight (the grace begins), then a deadline
+    around it expires during the grace: the shutdown goes on at once, as if the grace had
+    ended (the turn is cut, kept interrupted), writes the hibernation, and the block ends at
+    the deadline, not when the turn would end (never)."""
+    store = sa.MemoryStore()
+    never = trio.Event()
+    agents = {
+        "a": sa.Agent(
+            model=ScriptedModel(
+                [
+                    Scripted(text="first answer"),
+                    Scripted(text="cut off here", wait=never, wait_after=1),
+                ]
+            )
+        )
+    }
+    start = trio.current_time()
+    with trio.fail_after(3600), trio.move_on_after(5) as deadline:
+        async with sa.open_registry(
+            store=store, agents=agents, durability="hibernate", shutdown_grace=100
+        ) as reg:
+            ref = await reg.spawn("s")
+            await ref.send("one")
+            await ref.submit("two")
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(1)  # the block is left at 1 s; the deadline comes at 5 s
+    assert deadline.cancelled_caught
+    assert trio.current_time() - start < 50
+    async with sa.open_registry(store=store, agents=agents) as reg:
+        history = await reg.ref("s").history()
+    assert [(m.content, m.interrupted) for m in history] == [
+        ("one", False),
+        ("first answer", False),
+        ("two", False),
+        ("cut", True),
+    ]

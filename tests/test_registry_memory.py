@@ -142,6 +142,31 @@ async def test_an_exception_escaping_a_session_ends_the_registry_as_itself() -> 
         await run()
 
 
+async def test_a_base_exception_in_one_session_ends_the_registry_while_others_are_live(
+    echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
+) -> None:
+    """A BaseException (a Ctrl-C landing in a model) escaping one session ends the registry
+    at once, as itself, even while other sessions are live (they are shut down in a hurry
+    and hibernated: their answered turns are kept)."""
+    store = MemoryStore()
+    agents = {**echo_agents, "stop": sa.Agent(model=StopModel())}
+
+    async def run() -> None:
+        async with sa.open_registry(agents=agents, store=store) as registry:
+            other = await registry.spawn("other", agent=next(iter(echo_agents)))
+            await other.send("still here")
+            await (await registry.spawn("s", agent="stop")).submit("stop")
+            await trio.sleep(5000)  # the application goes on: it must not
+
+    start = trio.current_time()
+    with trio.fail_after(60), pytest.raises(Stop):
+        await run()
+    assert trio.current_time() - start < 100
+    async with sa.open_registry(agents=echo_agents, store=store) as registry:
+        history = await registry.ref("other").history()
+    assert [m.content for m in history] == ["still here"] * 2
+
+
 async def test_a_wave_gives_back_the_memory_it_took(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:

@@ -10,8 +10,8 @@ __all__ = ["crash"]
 def crash(registry: Registry) -> None:
     """Stop ``registry`` as the death of its process (``kill -9``) would: every session
     stops where it is, a turn in flight included, and nothing more is written to the
-    store, not even at the registry's exit. What the store holds is what a new process
-    finds.
+    store, not even at the registry's exit (a write already under way may still land,
+    as it may when a process dies). What the store holds is what a new process finds.
 
     A process's death ends everything in it, so cancel the scope that stands for the
     process right after (leaving the block without that is only an exit that writes
@@ -29,5 +29,8 @@ def crash(registry: Registry) -> None:
     down at once but still writes what it answered.
     """
     if not isinstance(registry, Registry):
-        raise TypeError(f"crash() takes a Registry, not {type(registry).__name__}")
+        raise TypeError(
+            "crash() takes the sessionactors.Registry of sessionactors.open_registry, not "
+            f"{type(registry).__module__}.{type(registry).__qualname__}"
+        )
     registry._sessions.die()

@@ -642,3 +642,37 @@ def test_a_call_cut_off_when_the_trio_run_ends_names_its_session(operation: str)
         assert "open_registry" in str(stopped.value)
 
     run(main)
+
+
+class HungModel:
+    """An asyncio model that streams a word, then never answers."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        yield sa.TextChunk("thinking")
+        await asyncio.Event().wait()
+
+
+def test_a_registry_cancelled_in_its_shutdown_grace_ends_at_once_and_keeps_the_turn() -> None:
+    """The task holding the block is cancelled while the block closes, in the grace of a
+    turn that never ends: the closing goes on at once (the turn is cut, kept interrupted,
+    the session hibernated), instead of waiting out the grace or hanging."""
+    store = sa.MemoryStore()
+    agents = {"a": sa.Agent(model=HungModel())}
+
+    async def main() -> list[tuple[str, bool]]:
+        async def body() -> None:
+            async with aio.open_registry(store=store, agents=agents, shutdown_grace=600) as reg:
+                await (await reg.spawn("s")).submit("hi")
+                await asyncio.sleep(0.5)  # streaming "thinking"; then the block closes
+
+        task = asyncio.create_task(body())
+        await asyncio.sleep(1.5)  # closing, in its grace
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=20)
+        assert done, "the registry was still closing 20 s after its task was cancelled"
+        with pytest.raises(asyncio.CancelledError):
+            task.result()
+        async with aio.open_registry(store=store, agents=agents) as reg:
+            return [(m.content, m.interrupted) for m in await reg.ref("s").history()]
+
+    assert run(main) == [("hi", False), ("thinking", True)]

@@ -1,5 +1,6 @@
 """``python -m sessionactors serve``: it serves, and shuts down gracefully on a signal."""
 
+import contextlib
 import os
 import re
 import signal
@@ -333,3 +334,44 @@ def test_serve_hibernates_a_session_idle_for_its_idle_timeout(tmp_path: Path) ->
                 break
             time.sleep(0.1)
         assert info["status"] == "hibernated", info
+
+
+def test_a_second_sigterm_cuts_the_grace_short_and_still_hibernates(tmp_path: Path) -> None:
+    """SIGTERM with a turn in flight and a long grace (--shutdown-grace 100), then a second
+    SIGTERM: it stops at once (the turn is cut, kept interrupted, the session hibernated)
+    instead of waiting out the grace."""
+    path = tmp_path / "served.db"
+    long_text = " ".join(f"w{i}" for i in range(1000))  # 50 s of words
+    with (
+        serve_command(f"sqlite:///{path}", "--shutdown-grace", "100") as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        assert client.post("/sessions/s/messages", json={"text": "keep me"}).status_code == 200
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # (cut by the second signal)
+                client.post("/sessions/s/messages", json={"text": long_text})
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        deadline = time.monotonic() + 30
+        while client.get("/sessions/s").json()["status"] != "running":
+            assert time.monotonic() < deadline, "the turn did not start"
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.stderr is not None
+        assert "shutting down" in server.process.stderr.readline()
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=60)
+        took = time.monotonic() - signalled
+        sending.join(timeout=30)
+    assert took < 30, f"serve took {took:.1f} s to exit after the second SIGTERM"
+
+    async def reopen() -> list[sa.Message]:
+        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
+            return await reg.ref("s").history()
+
+    history = trio.run(reopen)
+    assert [m.content for m in history[:3]] == ["keep me", "keep me", long_text]
+    assert history[3].interrupted
