@@ -906,7 +906,7 @@ class Actor:
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
-            with self._bounded_write():
+            with trio.CancelScope(shield=True):
                 await self._settle(pending, key, failure=failure, final=final, cancelled=False)
             return
         await self._settle(pending, key, failure=failure, final=final, cancelled=False)

@@ -602,11 +602,14 @@ async def open_registry(
                         await sessions.shutdown(hurry=hurry)
                 except BaseException:
                     # cut while it waited (a cancellation, a second Ctrl-C): at once now
-                    with trio.CancelScope(shield=True):
-                        await sessions.shutdown(hurry=True)
+                    try:
+                        with trio.CancelScope(shield=True):
+                            await sessions.shutdown(hurry=True)
+                    finally:  # (cut again, by a third Ctrl-C: give up at once)
+                        sessions.give_up()
                     raise
-                if dispatcher.router is not None:
-                    await dispatcher.router.aclose()
+                if dispatcher.router is not None and not sessions.dead:
+                    await dispatcher.router.aclose()  # (a crashed worker does not leave)
                 nursery.cancel_scope.cancel()
     finally:
         # (here, once every session's task has ended: also when the close was cut

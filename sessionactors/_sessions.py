@@ -407,30 +407,33 @@ class Sessions:
         """No new requests; accepted turns get ``shutdown_grace`` (none if ``hurry``);
         then hibernate all, waiting for the store at most ``write_bound``; then give
         up on the sessions still there."""
-        if self._dead:
-            for hub in self.hubs.values():
-                hub.close()
-            return
-        self._closing = True
-        self._grace_ends = trio.current_time() + (0 if hurry else self.config.shutdown_grace)
-        for actor in list(self.live.values()):
-            actor.close()
-        with trio.move_on_at(self._grace_ends):
-            await self._wait_all_gone()
-        for actor in list(self.live.values()):
-            actor.abort()
-        with trio.move_on_after(self.config.write_bound):
-            await self._wait_all_gone()
-        self._give_up()
-        for hub in self.hubs.values():  # no subscription waits on a closed registry
-            hub.close()
+        if not self._dead:
+            self._closing = True
+            self._grace_ends = trio.current_time() + (0 if hurry else self.config.shutdown_grace)
+            for actor in list(self.live.values()):
+                actor.close()
+            with trio.move_on_at(self._grace_ends):
+                await self._wait_all_gone()
+            for actor in list(self.live.values()):
+                actor.abort()
+            with trio.move_on_after(self.config.write_bound):
+                await self._wait_all_gone()
+        self.give_up()
 
-    def _give_up(self) -> None:
-        """End every session where it is: write nothing more, answer every waiter."""
+    def give_up(self) -> None:
+        """End every session where it is (write nothing more, answer every waiter) and
+        every subscription: no subscription waits on a closed registry."""
         self.given_up = True
         for actor in list(self.live.values()):
             if actor.run_scope is not None:  # (one not started yet ends as it starts)
                 actor.run_scope.cancel()
+        for hub in self.hubs.values():
+            hub.close()
+
+    @property
+    def dead(self) -> bool:
+        """Whether the test kit's ``crash`` stands for this process's death."""
+        return self._dead
 
     def interrupted(self) -> None:
         """Something not an Exception escaped a session (KeyboardInterrupt, say): leave
@@ -442,7 +445,7 @@ class Sessions:
         stops where it is, nothing more is written, and the registry's exit writes
         nothing either."""
         self._closing = self._dead = True
-        self._give_up()
+        self.give_up()
 
     async def _wait_all_gone(self) -> None:
         while self.live:

@@ -9,6 +9,9 @@ typed error naming the session, and nothing acknowledged is lost.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -457,3 +460,75 @@ async def test_a_cancellation_during_the_shutdown_grace_cuts_it_short_and_still_
         ("two", False),
         ("cut", True),
     ]
+
+
+class ShieldedModel:
+    """A model that cannot be cancelled while it thinks (as an asyncio model under
+    sessionactors.aio finishes its step before it hears of a cancel)."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1)
+        yield sa.TextChunk("done")
+
+
+async def test_a_cancel_as_its_turn_ends_waits_for_a_slow_store_and_answers(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """ref.cancel() lands as the turn ends: the turn settles as it ended, and the store
+    takes longer than the write bound (30 s) to take its outcome; the caller still gets
+    its reply once the write lands, not a wait forever."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=ShieldedModel())}) as reg:
+        ref = await reg.spawn("s")
+        turn = await ref.submit("hi")
+        await trio.sleep(0.5)  # the model thinks, shielded
+        gate = store.hold("append")
+        assert await ref.cancel()
+
+        async def open_late() -> None:
+            await trio.sleep(40)
+            gate.open()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_late)
+            with trio.fail_after(3600):
+                assert (await turn.reply()).text == "done"
+
+
+#: A trio program whose session's hibernation never returns, told to stop three times.
+THREE_CTRL_C = """
+import signal, trio, trio.testing
+import sessionactors as sa
+from sessionactors.testing import EchoModel, FaultyStore
+
+async def ctrl_c():
+    for t in (2, 3, 4, 5, 6):
+        await trio.sleep_until(t)
+        signal.raise_signal(signal.SIGINT)
+
+async def main():
+    trio.lowlevel.spawn_system_task(ctrl_c)
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents={"e": sa.Agent(model=EchoModel())}) as reg:
+        ref = await reg.spawn("s")
+        await ref.send("hi")
+        store.hold("write_snapshot")  # never opened: a store that hangs
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ref.hibernate)
+            await trio.sleep_forever()
+
+try:
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+except KeyboardInterrupt:
+    print("stopped by Ctrl-C")
+"""
+
+
+def test_ctrl_c_pressed_again_while_the_shutdown_waits_for_a_stalled_store_stops() -> None:
+    """Ctrl-C in a trio program whose store hangs, pressed again while the shutdown waits
+    for it, and again: the program ends with KeyboardInterrupt, never hangs."""
+    done = subprocess.run(
+        [sys.executable, "-c", THREE_CTRL_C], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "stopped by Ctrl-C", done.stderr
