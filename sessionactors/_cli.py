@@ -183,9 +183,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_sessions_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named with the command that refuses them, whose --help lists its own
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = words[: words.index(args.command)] if args.command in words else words
         prog = " ".join(
             ["sessionactors", args.command, getattr(args, "sessions_command", None) or ""]
         ).strip()
+        if any(token in before for token in unknown):  # given to the top command
+            prog = "sessionactors"
         parser.exit(2, f"{prog}: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n")
     if args.command == "sessions":
         raise SystemExit(run_sessions(args))

@@ -165,6 +165,7 @@ def test_bad_arguments_are_one_line_without_a_traceback(
             ["serve", "--store", "memory://", "--agent", "agents:a", "--workers", "3"],
             "sessionactors serve",
         ),
+        (["--bogus", "sessions", "list", "--store", "memory://"], "sessionactors"),
     ],
 )
 def test_an_option_a_command_does_not_take_is_named_with_that_command(
