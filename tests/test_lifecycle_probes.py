@@ -358,6 +358,13 @@ async def test_a_stalled_wake_holding_answered_turns_is_not_given_up_silently(
     assert "lost" in str(caught.value)
 
 
+def answer_then_hold() -> dict[str, sa.Agent]:
+    """An agent that answers its first turn, then streams one word of the second and
+    holds it open for good."""
+    held = Scripted(text="cut off here", wait=trio.Event(), wait_after=1)
+    return {"a": sa.Agent(model=ScriptedModel([Scripted(text="first answer"), held]))}
+
+
 @pytest.mark.parametrize("durability", ["hibernate", "turn"])
 @pytest.mark.parametrize("moment", ["idle", "mid-turn"])
 async def test_a_registry_block_cancelled_from_outside_keeps_what_it_answered(
@@ -370,17 +377,7 @@ async def test_a_registry_block_cancelled_from_outside_keeps_what_it_answered(
     the cancellation must not cut it. A turn in flight is cut as at the end of the
     grace (its caller hears so; what it streamed is kept, marked interrupted)."""
     store = sa.MemoryStore()
-    never = trio.Event()
-    agents = {
-        "a": sa.Agent(
-            model=ScriptedModel(
-                [
-                    Scripted(text="first answer"),
-                    Scripted(text="cut off here", wait=never, wait_after=1),
-                ]
-            )
-        )
-    }
+    agents = answer_then_hold()
     outcome: list[object] = []
     start = trio.current_time()
     with trio.CancelScope() as outside:
@@ -429,17 +426,7 @@ async def test_a_cancellation_during_the_shutdown_grace_cuts_it_short_and_still_
     ended (the turn is cut, kept interrupted), writes the hibernation, and the block ends at
     the deadline, not when the turn would end (never)."""
     store = sa.MemoryStore()
-    never = trio.Event()
-    agents = {
-        "a": sa.Agent(
-            model=ScriptedModel(
-                [
-                    Scripted(text="first answer"),
-                    Scripted(text="cut off here", wait=never, wait_after=1),
-                ]
-            )
-        )
-    }
+    agents = answer_then_hold()
     start = trio.current_time()
     with trio.fail_after(3600), trio.move_on_after(5) as deadline:
         async with sa.open_registry(
