@@ -25,6 +25,17 @@ from .chat_agents import trio_agents
 from .served import HERE, serve_command
 
 
+def stored(path: Path, name: str) -> tuple[list[sa.Status], list[sa.Message]]:
+    """What a new process finds in the SQLite file ``path``: the status of every session
+    stored, and the history of session ``name``."""
+
+    async def read() -> tuple[list[sa.Status], list[sa.Message]]:
+        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
+            return [info.status for info in await reg.sessions()], await reg.ref(name).history()
+
+    return trio.run(read)
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_shuts_down_gracefully_on_a_signal(tmp_path: Path, stop: int) -> None:
     """On SIGINT or SIGTERM the server ends its open event streams, finishes, hibernates
@@ -53,13 +64,9 @@ def test_serve_shuts_down_gracefully_on_a_signal(tmp_path: Path, stop: int) -> N
     thread.join(timeout=30)
     assert ended.is_set()
 
-    async def reopen() -> list[str]:
-        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
-            [info] = await reg.sessions()
-            assert info.status is sa.Status.HIBERNATED
-            return [m.content for m in await reg.ref("kept").history()]
-
-    assert trio.run(reopen) == ["keep me", "keep me"]
+    statuses, history = stored(path, "kept")
+    assert statuses == [sa.Status.HIBERNATED]
+    assert [m.content for m in history] == ["keep me", "keep me"]
 
 
 def test_serve_answers_the_turn_in_flight_and_exits_within_its_grace_on_sigterm(
@@ -116,13 +123,8 @@ def test_serve_answers_the_turn_in_flight_and_exits_within_its_grace_on_sigterm(
     assert response.status_code == 503, response.text
     assert response.json()["error"] == "SessionStoppedError", response.text
 
-    async def reopen() -> list[sa.Message]:
-        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
-            [info] = await reg.sessions()
-            assert info.status is sa.Status.HIBERNATED
-            return await reg.ref("kept").history()
-
-    history = trio.run(reopen)
+    statuses, history = stored(path, "kept")
+    assert statuses == [sa.Status.HIBERNATED]
     assert [m.content for m in history[:3]] == ["keep me", "keep me", long_text]
     assert history[3].interrupted
     assert long_text.startswith(history[3].content)
@@ -368,10 +370,6 @@ def test_a_second_sigterm_cuts_the_grace_short_and_still_hibernates(tmp_path: Pa
         sending.join(timeout=30)
     assert took < 30, f"serve took {took:.1f} s to exit after the second SIGTERM"
 
-    async def reopen() -> list[sa.Message]:
-        async with sa.open_registry(store=sa.SQLiteStore(str(path)), agents=trio_agents()) as reg:
-            return await reg.ref("s").history()
-
-    history = trio.run(reopen)
+    _, history = stored(path, "s")
     assert [m.content for m in history[:3]] == ["keep me", "keep me", long_text]
     assert history[3].interrupted
