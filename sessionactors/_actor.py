@@ -38,6 +38,7 @@ from ._errors import (
     StoreError,
     TurnCancelledError,
     TurnFailedError,
+    shown,
 )
 from ._events import (
     Event,
@@ -1111,7 +1112,7 @@ class Actor:
         if review is None:
             known = ", ".join(session.reviews) or "none"
             raise ReviewNotFoundError(
-                f"session {sid!r} has no pending review {request.review_id!r} (pending: "
+                f"session {sid!r} has no pending review {shown(request.review_id)} (pending: "
                 f"{known}); list them with ref.pending_reviews()",
                 session_id=sid,
             )

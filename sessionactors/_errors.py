@@ -251,6 +251,19 @@ class NothingToRetryError(SessionActorsError, LookupError):
     """``ref.retry()`` found no failed or cancelled last turn to run again."""
 
 
+#: How many characters of a caller's value an error message repeats (see ``shown``).
+SHOWN_CHARS = 64
+
+
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error message repeats it: its repr, or for a value longer than
+    ``limit`` characters (a name, key or id a client sent, of any length) the repr of
+    its first ``limit`` characters, an ellipsis and its length."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
 # Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).
 for _name in __all__:
     globals()[_name].__module__ = "sessionactors"

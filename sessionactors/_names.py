@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import unicodedata
 
-from ._errors import InvalidSessionNameError
+from ._errors import InvalidSessionNameError, shown
 
-__all__ = ["MAX_NAME_BYTES", "validate_name"]
+__all__ = ["MAX_NAME_BYTES", "as_session_id", "validate_name"]
 
 MAX_NAME_BYTES = 256
+
+
+def as_session_id(name: str) -> str | None:
+    """``name`` as the ``session_id`` of an error about it: None if it is longer than
+    any session name (a client may send a name, a cursor, of any length), so that an
+    error never repeats it whole."""
+    return name if len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES else None
 
 
 def validate_name(name: object) -> str:
@@ -26,14 +33,14 @@ def validate_name(name: object) -> str:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidSessionNameError(
-            f"session name {name[:40]!r} is not valid unicode (lone surrogate); use printable text",
+            f"session name {shown(name)} is not valid unicode (lone surrogate); use printable text",
             session_id=None,
         ) from None
     if size > MAX_NAME_BYTES:
-        raise InvalidSessionNameError(
-            f"session name {name[:40]!r}... is {size} UTF-8 bytes, over the limit of "
+        raise InvalidSessionNameError(  # (no session_id: it names no session, at any length)
+            f"session name {shown(name)} is {size} UTF-8 bytes, over the limit of "
             f"{MAX_NAME_BYTES}; use a shorter name (a hash of a long key works)",
-            session_id=name,
+            session_id=None,
         )
     for ch in name:
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") and ch != "\u200d":

@@ -29,6 +29,7 @@ from ._errors import (
     SessionNotFoundError,
     SnapshotError,
     StoreError,
+    shown,
 )
 from ._final import NoPublicConstructor
 from ._history import rewind_end, tool_pairs_intact
@@ -226,11 +227,12 @@ class Registry(metaclass=NoPublicConstructor):
             else:
                 have = (await self._dispatcher.read(name)).agent
             if have != agent:
+                asked = shown(agent)
                 raise SessionExistsError(
                     f"session {name!r} already exists and runs agent {have!r}, not "
-                    f"{agent!r}; a session keeps its agent: talk to it with "
+                    f"{asked}; a session keeps its agent: talk to it with "
                     f"registry.ref({name!r}) (or get_or_spawn without agent=), or choose "
-                    f"another name for a session of agent {agent!r}",
+                    f"another name for a session of agent {asked}",
                     session_id=name,
                 )
         return self._ref(name)
@@ -377,10 +379,11 @@ class Registry(metaclass=NoPublicConstructor):
                 f"one session {name!r} runs with spawn({name!r}, agent=...)"
             )
         if not isinstance(agent, str) or agent not in agents:
+            asked = shown(agent) if isinstance(agent, str) else f"{agent!r:.60}"
             raise ValueError(
-                f"session {name!r} asks for agent {agent!r}, but the registry's agents are "
+                f"session {name!r} asks for agent {asked}, but the registry's agents are "
                 f"{sorted(agents)}; name one of them (agent={min(agents)!r}), or add "
-                f"{agent!r} to open_registry(agents=...)"
+                f"{asked} to open_registry(agents=...)"
             )
         return agent
 

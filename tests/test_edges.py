@@ -603,3 +603,37 @@ async def test_a_store_serves_one_registry_at_a_time_without_leases(tmp_path: Pa
         await (await one.spawn("y")).send("a")
         with pytest.raises(sa.LeaseHeldError):  # live in the other: it runs it alone
             await two.ref("y").send("b")
+
+
+async def test_errors_repeat_only_the_start_of_a_long_value_from_the_caller(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """An error about a long value a caller gave (a session name of 5,000 bytes, an
+    agent, a review id, a listing cursor) repeats its first characters and its length,
+    never all of it, in its message or its session_id: a web front end passes both on."""
+    long = "n" * 5000
+
+    def short(error: BaseException) -> None:
+        assert getattr(error, "session_id", None) in (None, "s"), str(error)[:300]
+        assert "n" * 65 not in str(error), str(error)[:300]
+        assert "5,000 characters" in str(error), str(error)[:300]
+
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=echo_agents) as registry:
+        with pytest.raises(sa.InvalidSessionNameError) as name_error:
+            registry.ref(long)
+        short(name_error.value)
+        with pytest.raises(ValueError, match="asks for agent") as agent_error:
+            await registry.get_or_spawn("s", agent=long)
+        short(agent_error.value)
+        ref = await registry.spawn("s")
+        with pytest.raises(sa.ReviewNotFoundError) as review_error:
+            await ref.review(long, approve=True)
+        short(review_error.value)
+        with pytest.raises(sa.InvalidSessionNameError) as after_error:
+            await registry.sessions(after=long)
+        short(after_error.value)
+    async with sa.open_registry(store=store) as managing:  # (no agents: any agent name)
+        with pytest.raises(sa.SessionExistsError) as exists_error:
+            await managing.get_or_spawn("s", agent=long)
+        short(exists_error.value)
