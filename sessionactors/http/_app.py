@@ -36,6 +36,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
+from .._errors import shown
+from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
 from ._json import (
@@ -404,9 +406,11 @@ class SessionsApp:
         if isinstance(error, _RequestError):
             body = dict(error.body)
             if session:  # say which session the refused request was for
-                if f"session {session!r}" not in body["message"]:
-                    body["message"] = f"session {session!r}: {body['message']}"
-                body["session_id"] = session
+                named = f"session {_name_shown(session)}"
+                if named not in body["message"]:
+                    body["message"] = f"{named}: {body['message']}"
+                if as_session_id(session) is not None:
+                    body["session_id"] = session
             return error.status, body
         if isinstance(error, json.JSONDecodeError):
             refused = _RequestError(422, "InvalidJSON", f"the frame is not valid JSON ({error})")
@@ -494,7 +498,7 @@ class SessionsApp:
             if inspect.isawaitable(allowed):
                 allowed = await allowed
             if not allowed:
-                what = f"session {name!r}" if name is not None else "the sessions"
+                what = f"session {_name_shown(name)}" if name is not None else "the sessions"
                 raise _RequestError(403, "Forbidden", f"this request may not {action} {what}")
 
     async def _exists(self, registry: AnyRegistry, name: str) -> bool:
@@ -559,7 +563,7 @@ class SessionsApp:
             if not agents:
                 raise
             if agent is not None:
-                what = f"the message names the agent {agent!r}, which this server lacks"
+                what = f"the message names the agent {shown(agent)}, which this server lacks"
             else:
                 what = "it is new, and its first message names no agent"
             raise _RequestError(
@@ -580,7 +584,9 @@ class SessionsApp:
             return ref.submit_nowait(text, idempotency_key=key)
         return await ref.submit(text, idempotency_key=key)
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request, fields: tuple[str, ...]) -> dict[str, Any]:
+        """The request's JSON object, which may hold only ``fields`` (a misspelled
+        field, ignored, would silently lose what it asks for: refused)."""
         size = int(request.headers.get("content-length") or 0)
         if size > self._max_body:
             raise _too_large(self._max_body)
@@ -599,6 +605,7 @@ class SessionsApp:
             ) from None
         if not isinstance(data, dict):
             raise _RequestError(422, "InvalidRequest", "the request body must be a JSON object")
+        _only(data, fields, "the request body")
         return data
 
     async def _handle(
@@ -610,6 +617,8 @@ class SessionsApp:
         name = _param(request, "name")
         try:
             await self._admit(request, name or None, action)
+            if name:  # (before a check of the body repeats it)
+                validate_name(name)
             return await handler(self._registry_now(), name)
         except Exception as exc:
             return self._error_response(exc, name or None)
@@ -649,7 +658,7 @@ class SessionsApp:
 
     async def _cancel(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
-            turn_id = _optional_string(await self._body(request), "turn_id")
+            turn_id = _optional_string(await self._body(request, _CANCEL_FIELDS), "turn_id")
             ref = await self._existing_ref(registry, name)
             return _json({"cancelled": await ref.cancel(turn_id)})
 
@@ -657,7 +666,7 @@ class SessionsApp:
 
     async def _message(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
-            data = await self._body(request)
+            data = await self._body(request, _MESSAGE_FIELDS)
             text = _string(data, "text")
             key = _optional_string(data, "idempotency_key")
             agent = _optional_string(data, "agent")
@@ -706,7 +715,7 @@ class SessionsApp:
     async def _review(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             review_id = _param(request, "review_id")
-            data = await self._body(request)
+            data = await self._body(request, _REVIEW_FIELDS)
             approve = data.get("approve")
             if not isinstance(approve, bool):
                 raise _RequestError(
@@ -721,7 +730,7 @@ class SessionsApp:
             review = pending.get(review_id)
             if review is None:
                 raise sa.ReviewNotFoundError(
-                    f"session {name!r} has no pending review {review_id!r}; "
+                    f"session {name!r} has no pending review {shown(review_id)}; "
                     f"GET /sessions/{name} lists its pending reviews",
                     session_id=name,
                 )
@@ -822,8 +831,19 @@ class SessionsApp:
                         if not isinstance(data, dict):
                             raise _RequestError(422, "InvalidRequest", "send a JSON object")
                         kind = data.get("type")
+                        frame = _FRAMES.get(kind) if isinstance(kind, str) else None
+                        if frame is None:
+                            what = shown(kind) if isinstance(kind, str) else "none"
+                            raise _RequestError(
+                                422,
+                                "InvalidRequest",
+                                f"unknown message type {what}; send 'message', 'cancel' or "
+                                "'review'",
+                            )
+                        action, fields = frame
+                        await self._authorized(websocket, ref.session_id, action)
+                        _only(data, fields, f"a {kind!r} message")
                         if kind == "message":
-                            await self._authorized(websocket, ref.session_id, "send")
                             text = _string(data, "text")
                             key = _optional_string(data, "idempotency_key")
                             turn = await self._submit(registry, ref, text, key)
@@ -832,12 +852,10 @@ class SessionsApp:
                             if not again:
                                 group.start_soon(wait_turn, turn)
                         elif kind == "cancel":
-                            await self._authorized(websocket, ref.session_id, "cancel")
                             turn_id = _optional_string(data, "turn_id")
                             cancelled = await ref.cancel(turn_id)
                             await say({"type": "cancelled", "cancelled": cancelled})
-                        elif kind == "review":
-                            await self._authorized(websocket, ref.session_id, "review")
+                        else:
                             review_id = _string(data, "review_id")
                             approve = data.get("approve")
                             if not isinstance(approve, bool):
@@ -847,13 +865,6 @@ class SessionsApp:
                             note = _optional_string(data, "note")
                             group.start_soon(
                                 wait_reply, functools.partial(ref.review, review_id, approve, note)
-                            )
-                        else:
-                            raise _RequestError(
-                                422,
-                                "InvalidRequest",
-                                f"unknown message type {kind!r}; send 'message', 'cancel' or "
-                                "'review'",
                             )
                     except WebSocketDisconnect:
                         group.cancel_scope.cancel()
@@ -971,7 +982,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
     path = request.url.path.replace(_SLASH, "%2F")
-    message = f"{request.method} {path}: {exc.detail.lower()}"
+    message = f"{request.method} {shown(path)}: {exc.detail.lower()}"
     if exc.status_code == 404:
         message += "; the routes are under /sessions (see the HTTP gateway how-to)"
     return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
@@ -1050,7 +1061,7 @@ def _refuse_forgeable(request: HTTPConnection) -> None:
     raise _RequestError(
         403,
         "CrossOrigin",
-        f"{what} (Origin: {origin[:100]}) is refused: any site could send it with the "
+        f"{what} (Origin: {shown(origin)}) is refused: any site could send it with the "
         "user's browser. Serve the page from this server; or give the server a token "
         "(create_app(token=...)) that the page sends, and send JSON "
         "(Content-Type: application/json)",
@@ -1067,6 +1078,45 @@ def _too_large(limit: int) -> _RequestError:
 
 def _wants_events(request: Request) -> bool:
     return "text/event-stream" in request.headers.get("accept", "")
+
+
+#: The fields of each JSON body the gateway reads, and of each WebSocket frame.
+_MESSAGE_FIELDS: Final = ("text", "idempotency_key", "agent")
+_CANCEL_FIELDS: Final = ("turn_id",)
+_REVIEW_FIELDS: Final = ("approve", "note")
+_FRAMES: Final[dict[str, tuple[Action, tuple[str, ...]]]] = {  # (action, fields)
+    "message": ("send", ("type", "text", "idempotency_key")),
+    "cancel": ("cancel", ("type", "turn_id")),
+    "review": ("review", ("type", "review_id", "approve", "note")),
+}
+
+#: How many unknown fields a refusal names.
+_UNKNOWN_SHOWN: Final = 5
+
+
+def _only(data: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
+    """Refuse ``data`` (raise _RequestError) if it has a field not in ``fields``: a
+    misspelled ``idempotency_key``, ignored, would run a retried turn twice."""
+    unknown = [key for key in data if key not in fields]
+    if not unknown:
+        return
+    named = ", ".join(shown(key) for key in unknown[:_UNKNOWN_SHOWN])
+    if len(unknown) > _UNKNOWN_SHOWN:
+        named += f" and {len(unknown) - _UNKNOWN_SHOWN:,} more"
+    plural = "s" if len(unknown) > 1 else ""
+    accepted = ", ".join(repr(field) for field in fields)
+    raise _RequestError(
+        422,
+        "InvalidRequest",
+        f"{what} has the unknown field{plural} {named}; it takes only {accepted} "
+        "(check the spelling: an unknown field is refused, not ignored)",
+    )
+
+
+def _name_shown(name: str) -> str:
+    """A session name as a gateway error repeats it: whole if a name could be that
+    long, else its start and its length (a client may send a path of any length)."""
+    return repr(name) if as_session_id(name) is not None else shown(name)
 
 
 def _string(data: dict[str, Any], key: str) -> str:
@@ -1096,7 +1146,9 @@ def _int_param(request: Request, key: str, default: int, *, low: int, high: int)
         value = low - 1
     if not low <= value <= high:
         raise _RequestError(
-            422, "InvalidRequest", f"?{key}= must be an integer from {low} to {high}, not {raw!r}"
+            422,
+            "InvalidRequest",
+            f"?{key}= must be an integer from {low} to {high}, not {shown(raw)}",
         )
     return value
 
@@ -1116,6 +1168,8 @@ def _after(request: HTTPConnection) -> int | None:
         value = -1
     if value < 0:
         raise _RequestError(
-            422, "InvalidRequest", f"{source} must be an event seq (an integer >= 0), not {raw!r}"
+            422,
+            "InvalidRequest",
+            f"{source} must be an event seq (an integer >= 0), not {shown(raw)}",
         )
     return value

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import math
+import re
 import threading
 from typing import Any
 
@@ -368,3 +369,132 @@ async def test_a_last_event_id_inside_a_turn_that_died_with_its_process_is_410()
                 assert r.status_code == 410, r.text
                 assert r.json()["session_id"] == "s"
                 assert r.json()["oldest_seq"] > death.last
+
+
+async def test_an_unknown_body_field_is_refused_before_anything_runs(serve: Serve) -> None:
+    """A body or WebSocket frame with a field the gateway does not know (a misspelled
+    ``idempotencyKey``, whose retry would otherwise run the turn twice) is refused with
+    422 (an error frame on the WebSocket) naming the field and the accepted ones, before
+    anything is written: no session is created, no turn runs, no review is answered."""
+
+    def refused(body: dict[str, Any], unknown: str, accepted: str) -> None:
+        assert (body["status"], body["error"]) == (422, "InvalidRequest"), body
+        assert repr(unknown) in body["message"], body
+        assert repr(accepted) in body["message"], body
+
+    misspelled = {"text": "only once", "idempotencyKey": "k1"}
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            for accept in ({}, SSE):  # a first message: nothing is created
+                r = await client.post("/sessions/u/messages", json=misspelled, headers=accept)
+                assert r.status_code == 422, r.text
+                refused(r.json(), "idempotencyKey", "idempotency_key")
+                assert r.json()["session_id"] == "u"
+                assert (await client.get("/sessions/u")).status_code == 404
+            reply = (await client.post("/sessions/u/messages", json={"text": "refund A1"})).json()
+            [review] = reply["reviews"]
+            for accept in ({}, SSE):  # to an existing session: no turn runs
+                r = await client.post("/sessions/u/messages", json=misspelled, headers=accept)
+                assert r.status_code == 422, r.text
+            r = await client.post("/sessions/u/cancel", json={"turnId": "t"})
+            assert r.status_code == 422, r.text
+            refused(r.json(), "turnId", "turn_id")
+            for accept in ({}, SSE):
+                r = await client.post(
+                    f"/sessions/u/reviews/{review['id']}",
+                    json={"approve": True, "notes": "ok"},
+                    headers=accept,
+                )
+                assert r.status_code == 422, r.text
+                refused(r.json(), "notes", "note")
+
+            ws_url = served.url.replace("http://", "ws://") + "/sessions/u/ws"
+            async with open_websocket(ws_url) as ws:
+                for frame, unknown, accepted in [
+                    ({"type": "message", **misspelled}, "idempotencyKey", "idempotency_key"),
+                    ({"type": "cancel", "turnId": "t"}, "turnId", "turn_id"),
+                    (
+                        {"type": "review", "review_id": review["id"], "approve": True, "x": 1},
+                        "x",
+                        "note",
+                    ),
+                ]:
+                    await ws.send(frame)
+                    error = await ws.receive()
+                    assert error["type"] == "error", error
+                    refused(error, unknown, accepted)
+                    assert error["session_id"] == "u"
+            state = (await client.get("/sessions/u")).json()
+            assert [m["content"] for m in state["messages"]][:1] == ["refund A1"]
+            assert "only once" not in [m["content"] for m in state["messages"]]
+            assert [r["id"] for r in state["pending_reviews"]] == [review["id"]]
+
+
+async def test_errors_repeat_only_the_start_of_a_long_client_value(serve: Serve) -> None:
+    """An error answering a request with a long value from the client (a session name of
+    5,000 bytes, an agent or review id or query value as long, many unknown fields)
+    repeats at most its first characters and its length, in the message and the body's
+    other fields, on every route and on the WebSocket."""
+    long = "n" * 5000
+
+    def short(r: httpx.Response | dict[str, Any], status: int) -> None:
+        text = r.text if isinstance(r, httpx.Response) else json.dumps(r)
+        body = r.json() if isinstance(r, httpx.Response) else r
+        assert body["status"] == status, text
+        assert "n" * 65 not in text, text[:300]
+        assert re.search(r"\(5,0\d\d characters\)", body["message"]), body["message"][:300]
+
+    async def deny(request: Any, name: str | None, action: str) -> bool:
+        return action != "delete"
+
+    async with (
+        serve(authorize=deny) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(30):
+            for method, path, kwargs, status in [
+                ("POST", f"/sessions/{long}/messages", {"json": {"text": "hi"}}, 422),
+                ("POST", f"/sessions/{long}/messages", {"json": {"text": 42}}, 422),
+                ("POST", f"/sessions/{long}/messages", {"json": {"text": "hi", "x": 1}}, 422),
+                ("POST", f"/sessions/{long}/messages", {"content": b'{"text": "\\ud800"}'}, 422),
+                ("GET", f"/sessions/{long}", {}, 422),
+                ("GET", f"/sessions/{long}/events", {}, 422),
+                ("POST", f"/sessions/{long}/cancel", {}, 422),
+                ("DELETE", f"/sessions/{long}", {}, 403),
+                ("POST", "/sessions/s/messages", {"json": {"text": "hi", "agent": long}}, 422),
+                ("POST", "/sessions/s/messages", {"json": {"text": "hi", long: 1}}, 422),
+                ("GET", "/sessions", {"params": {"limit": long}}, 422),
+                ("GET", "/sessions", {"params": {"after": long}}, 422),
+                ("GET", "/sessions/s/events", {"headers": {"last-event-id": long}}, 422),
+                ("GET", f"/no/{long}", {}, 404),
+            ]:
+                r = await client.request(method, path, **kwargs)
+                assert r.status_code == status, (method, path[:80], r.text[:300])
+                short(r, status)
+            many = {"text": "hi", **{f"field-{i}": i for i in range(5000)}}
+            r = await client.post("/sessions/s/messages", json=many)
+            assert r.status_code == 422, r.text[:300]
+            assert len(r.content) < 2000, r.text[:300]
+            assert "field-4999" not in r.text
+
+            assert (await client.get("/sessions")).json()["sessions"] == []
+            await client.post("/sessions/s/messages", json={"text": "hi"})
+            for accept in ({}, SSE):
+                r = await client.post(
+                    f"/sessions/s/reviews/{long}", json={"approve": True}, headers=accept
+                )
+                short(r, 404)
+
+            base = served.url.replace("http://", "ws://")
+            async with open_websocket(base + "/sessions/s/ws") as ws:
+                await ws.send({"type": long})
+                short(await ws.receive(), 422)
+                await ws.send({"type": "review", "review_id": long, "approve": True})
+                frame = await ws.receive()
+                while "seq" in frame:
+                    frame = await ws.receive()
+                short(frame, 404)
+            async with open_websocket(base + f"/sessions/{long}/ws") as ws:
+                short(await ws.receive(), 422)
+            async with open_websocket(base + f"/sessions/t/ws?agent={long}") as ws:
+                short(await ws.receive(), 422)
