@@ -376,6 +376,32 @@ def test_errors_are_one_line_without_a_traceback(
     assert expected in line, line
 
 
+def test_import_of_a_path_that_is_no_readable_file_names_it_and_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    """import of a directory, a missing file or a path through a file says in one line
+    (status 1, no OS error number) which path it could not read, why, and to pass an
+    export file or - for standard input; it creates no store."""
+    (tmp_path / "file").write_text("{}")
+    target = tmp_path / "target.db"
+    cases = {
+        tmp_path: "is a directory",
+        tmp_path / "missing.json": "does not exist",
+        tmp_path / "file" / "x.json": "not a directory",
+    }
+    for path, why in cases.items():
+        done = sessions("import", str(path), "--store", f"sqlite:///{target}")
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        line = done.stderr
+        assert f"cannot read {str(path)!r}" in line, line
+        assert why in line, line
+        assert "written by export" in line, line
+        assert "- for standard input" in line, line
+        assert "Errno" not in line, line
+    assert not target.exists()
+
+
 async def _store_with_one_session(path: Path) -> None:
     agent = sa.Agent(model=EchoModel())
     async with sa.open_registry(store=sa.SQLiteStore(path), agents={"echo": agent}) as registry:
