@@ -851,10 +851,15 @@ class RedisStore:
         call: Callable[[Client], Awaitable[_T]],
         *,
         block: float = 0.0,
+        about: str | None = None,
     ) -> _T:
         """One call, bounded by ``timeout`` (plus ``block``, a blocking read's own wait),
-        its errors translated to ``StoreError``."""
-        where = f"session {session_id!r}" if session_id is not None else "sessions"
+        its errors translated to ``StoreError``, which say what it was ``doing`` to what
+        (``about``; by default the session, or "sessions")."""
+        if about is not None:
+            where = about
+        else:
+            where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
         client: Client | None = None
         with trio.move_on_after(self.timeout + block):
@@ -885,6 +890,13 @@ class RedisStore:
                     # finish as a ConnectionError): the cancellation, not an error
                     await trio.lowlevel.checkpoint()
                 fix = _configuration_problem(exc, client)
+                if fix is not None and isinstance(exc, _Unavailable):
+                    # (refused as the client connected: the call itself never ran)
+                    raise StoreConfigurationError(
+                        f"redis at {redact(self.url)} refused the store's connection: "
+                        f"{exc}; a retry cannot fix this: {fix}",
+                        session_id=session_id,
+                    ) from exc
                 if fix is not None:
                     raise StoreConfigurationError(
                         f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
