@@ -2,7 +2,8 @@
 the sessions of a store.
 
 Read commands (``list``, ``show``, ``export``, ``tail``) open the store for
-reading only (a SQLite file with ``readonly=True``) and read sessions with
+reading only (a SQLite file with ``readonly=True``; a Redis store demanding no
+persistence of its server, since a reader loses nothing) and read sessions with
 ``read_session``: they wake, write, lease and lock nothing and need no agent, so
 they run beside a server using the same store and leave its files unchanged.
 Write commands (``import``, ``delete``) on a store that connects workers (Redis)

@@ -697,3 +697,44 @@ async def test_commands_reach_a_redis_store_under_its_own_prefix(redis_url: str)
         run, "delete", name, "--yes"
     )
     assert json.loads(await trio.to_thread.run_sync(run, "list", "--json")) == []
+
+
+@pytest.mark.redis
+async def test_read_commands_work_on_a_redis_without_persistence_and_writes_do_not(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """list, show, export and tail read a Redis that runs without an append-only file
+    (reading loses nothing), with no ?persistence=volatile; import and delete, which
+    write, are still refused there with the reason (appendonly is off)."""
+    with contextlib.ExitStack() as stack:
+        url = await trio.to_thread.run_sync(
+            stack.enter_context, private_redis_server(config=("--appendonly", "no"))
+        )
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        store = RedisStore(f"{url}?persistence=volatile")
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            await (await registry.spawn("v")).send("kept in memory")
+
+        def run(*args: str) -> str:
+            return ok(*args, "--store", url)
+
+        rows = json.loads(await trio.to_thread.run_sync(run, "list", "--json"))
+        assert [r["name"] for r in rows] == ["v"]
+        body = json.loads(await trio.to_thread.run_sync(run, "show", "v", "--json"))
+        assert [m["content"] for m in body["messages"]] == ["kept in memory"] * 2
+        exported = await trio.to_thread.run_sync(run, "export", "v")
+        assert json.loads(exported)["session"]["session_id"] == "v"
+        events = await trio.to_thread.run_sync(run, "tail", "v", "--no-follow")
+        assert "TurnFinished" in events
+
+        def refused_here(*args: str, stdin: str | None = None) -> str:
+            return refused(*args, "--store", url, stdin=stdin)
+
+        line = await trio.to_thread.run_sync(refused_here, "delete", "v", "--yes")
+        assert "appendonly is off" in line, line
+        line = await trio.to_thread.run_sync(
+            functools.partial(refused_here, "import", "-", "--as", "w", stdin=exported)
+        )
+        assert "appendonly is off" in line, line
+        rows = json.loads(await trio.to_thread.run_sync(run, "list", "--json"))
+        assert [r["name"] for r in rows] == ["v"]
