@@ -260,15 +260,19 @@ async def test_serve_on_a_store_shared_by_workers_names_its_worker(redis_url: st
     """A server on Redis prints its worker id beside its URL: the id that the workers'
     leases and errors name ("worker '...', which ran it, died"), so that an operator
     running several can tell which process that is. It is the id the server announces to
-    the other workers."""
+    the other workers. The store follows it, with its database (in its URL) and its
+    key prefix: a worker started on another database or prefix than its peers (a
+    separate set of workers) shows it there."""
     prefix = f"sa-test-serve-{uuid.uuid4().hex[:12]}"
-    with serve_command(f"{redis_url}?prefix={prefix}") as server:
-        found = re.search(r" as worker (\S+)$", server.line.strip())
+    database = redis_url.rsplit("/", 1)[0] + "/5"
+    with serve_command(f"{database}?prefix={prefix}") as server:
+        found = re.search(r" as worker (\S+) on RedisStore\((.*)\)$", server.line.strip())
         assert found, server.line
+        assert found.group(2) == f"'{database}?prefix={prefix}', prefix='{prefix}'", server.line
         async with httpx.AsyncClient(base_url=server.url) as client:
             reply = await client.post("/sessions/s/messages", json={"text": "hi"})
             assert reply.status_code == 200, reply.text
-        async with coredis.Redis.from_url(redis_url) as admin:
+        async with coredis.Redis.from_url(database) as admin:
             workers = await admin.zrange(f"{prefix}:workers", 0, -1)
         assert found.group(1).encode() in workers, (found.group(1), workers)
 
