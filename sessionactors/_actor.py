@@ -1679,7 +1679,9 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
             f"session {sid!r} did not run this request: the registry was closing; "
             "send it again once a registry is open"
         )
-    return SessionStoppedError(text, session_id=sid, turn_id=turn_id)
+    error = SessionStoppedError(text, session_id=sid, turn_id=turn_id)
+    error._reason = reason
+    return error
 
 
 def crashed_error(

@@ -2,7 +2,8 @@
 the sessions of a store.
 
 Read commands (``list``, ``show``, ``export``, ``tail``) open the store for
-reading only (a SQLite file with ``readonly=True``) and read sessions with
+reading only (a SQLite file with ``readonly=True``; a Redis store demanding no
+persistence of its server, since a reader loses nothing) and read sessions with
 ``read_session``: they wake, write, lease and lock nothing and need no agent, so
 they run beside a server using the same store and leave its files unchanged.
 Write commands (``import``, ``delete``) on a store that connects workers (Redis)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import re
@@ -588,12 +590,29 @@ def _read_document(path: str) -> Any:
             raise OSError("standard input is closed; pass the export as FILE, or pipe it in")
         data = _read_bounded(sys.stdin.buffer, where)
     else:
-        with open(path, "rb") as file:
+        try:
+            file = open(path, "rb")  # noqa: SIM115 (closed below)
+        except OSError as exc:  # (a directory, a missing file, no permission)
+            why = _UNREADABLE.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
+            raise OSError(
+                f"cannot read {where}: {why}; pass a file written by export "
+                "(or - for standard input)"
+            ) from None
+        with file:
             data = _read_bounded(file, where)
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
         raise ValueError(f"{where} is not JSON ({exc}); pass a file written by export") from None
+
+
+#: What an import FILE that cannot be opened is, by the error's number.
+_UNREADABLE: Final = {
+    errno.EISDIR: "it is a directory",
+    errno.ENOENT: "it does not exist",
+    errno.ENOTDIR: "a part of the path is not a directory",
+    errno.EACCES: "permission denied",
+}
 
 
 def _read_bounded(file: BinaryIO, where: str) -> bytes:

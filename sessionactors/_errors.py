@@ -104,6 +104,11 @@ class SessionStoppedError(SessionActorsError):
     when the request never ran.
     """
 
+    #: (Internal) why the session's registry stopped the request: "cut" (its shutdown
+    #: grace ran out), "unsaved" (it closed before the store confirmed the turn), ...;
+    #: empty if not said. A worker that ran the request for another says it its way.
+    _reason: str = ""
+
     def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
         super().__init__(message, session_id=session_id)
         self.turn_id = turn_id

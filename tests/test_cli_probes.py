@@ -115,6 +115,8 @@ def test_a_closed_standard_output_is_one_line_and_nothing_done(tmp_path: Path) -
         # (an import into a store of the command's own process would be lost at its end)
         (["sessions", "import", "-", "--store", "memory://"], 1, "store inside one process"),
         (["sessions", "list", "--store", "sqlite:///{tmp}"], 1, "is a directory"),
+        (["serve", "--store", "sqlite:///{tmp}", "--agent", "agents:a"], 1, "is a directory"),
+        (["chat", "--base-url", "http://x/v1", "--model", "m", "--db", "{tmp}"], 1, "directory"),
         (["demo", "--sessions", "0"], 2, "--sessions"),
         (["demo", "--turns", "-1"], 2, "--turns"),
         (["demo", "--path", "{tmp}/s.db"], 2, "exists"),  # never into a real store

@@ -376,6 +376,32 @@ def test_errors_are_one_line_without_a_traceback(
     assert expected in line, line
 
 
+def test_import_of_a_path_that_is_no_readable_file_names_it_and_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    """import of a directory, a missing file or a path through a file says in one line
+    (status 1, no OS error number) which path it could not read, why, and to pass an
+    export file or - for standard input; it creates no store."""
+    (tmp_path / "file").write_text("{}")
+    target = tmp_path / "target.db"
+    cases = {
+        tmp_path: "is a directory",
+        tmp_path / "missing.json": "does not exist",
+        tmp_path / "file" / "x.json": "not a directory",
+    }
+    for path, why in cases.items():
+        done = sessions("import", str(path), "--store", f"sqlite:///{target}")
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        line = done.stderr
+        assert f"cannot read {str(path)!r}" in line, line
+        assert why in line, line
+        assert "written by export" in line, line
+        assert "- for standard input" in line, line
+        assert "Errno" not in line, line
+    assert not target.exists()
+
+
 async def _store_with_one_session(path: Path) -> None:
     agent = sa.Agent(model=EchoModel())
     async with sa.open_registry(store=sa.SQLiteStore(path), agents={"echo": agent}) as registry:
@@ -671,3 +697,44 @@ async def test_commands_reach_a_redis_store_under_its_own_prefix(redis_url: str)
         run, "delete", name, "--yes"
     )
     assert json.loads(await trio.to_thread.run_sync(run, "list", "--json")) == []
+
+
+@pytest.mark.redis
+async def test_read_commands_work_on_a_redis_without_persistence_and_writes_do_not(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """list, show, export and tail read a Redis that runs without an append-only file
+    (reading loses nothing), with no ?persistence=volatile; import and delete, which
+    write, are still refused there with the reason (appendonly is off)."""
+    with contextlib.ExitStack() as stack:
+        url = await trio.to_thread.run_sync(
+            stack.enter_context, private_redis_server(config=("--appendonly", "no"))
+        )
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        store = RedisStore(f"{url}?persistence=volatile")
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            await (await registry.spawn("v")).send("kept in memory")
+
+        def run(*args: str) -> str:
+            return ok(*args, "--store", url)
+
+        rows = json.loads(await trio.to_thread.run_sync(run, "list", "--json"))
+        assert [r["name"] for r in rows] == ["v"]
+        body = json.loads(await trio.to_thread.run_sync(run, "show", "v", "--json"))
+        assert [m["content"] for m in body["messages"]] == ["kept in memory"] * 2
+        exported = await trio.to_thread.run_sync(run, "export", "v")
+        assert json.loads(exported)["session"]["session_id"] == "v"
+        events = await trio.to_thread.run_sync(run, "tail", "v", "--no-follow")
+        assert "TurnFinished" in events
+
+        def refused_here(*args: str, stdin: str | None = None) -> str:
+            return refused(*args, "--store", url, stdin=stdin)
+
+        line = await trio.to_thread.run_sync(refused_here, "delete", "v", "--yes")
+        assert "appendonly is off" in line, line
+        line = await trio.to_thread.run_sync(
+            functools.partial(refused_here, "import", "-", "--as", "w", stdin=exported)
+        )
+        assert "appendonly is off" in line, line
+        rows = json.loads(await trio.to_thread.run_sync(run, "list", "--json"))
+        assert [r["name"] for r in rows] == ["v"]

@@ -52,7 +52,7 @@ def user_texts(messages: list[sa.Message]) -> list[str]:
 async def test_a_forwarded_turn_cut_by_its_owners_shutdown_is_not_run_again(
     redis_url: str,
 ) -> None:
-    """A turn forwarded to a worker whose registry closes and cuts it after its shutdown grace fails with SessionStoppedError for its caller: it is not sent on to the session's next owner to run a second time."""
+    """A turn forwarded to a worker whose registry closes and cuts it after its shutdown grace fails with SessionStoppedError for its caller, saying that worker stopped and that a turn sent again goes to the session's next owner (not to wait for a registry to open: the caller's is): it is not sent on by itself to run a second time, and sent again it runs there."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     started = trio.Event()
     outcome: list[sa.Reply | sa.SessionActorsError] = []
@@ -75,11 +75,17 @@ async def test_a_forwarded_turn_cut_by_its_owners_shutdown_is_not_run_again(
                 await started.wait()  # the forwarded turn runs on a
             # a closed, and cut the turn off after its grace
             texts = user_texts(await b.ref("s").history())
+            assert len(outcome) == 1
+            error = outcome[0]
+            assert isinstance(error, sa.SessionStoppedError), repr(error)
+            assert "worker 'a', which ran it, stopped" in str(error), error
+            assert "the worker that runs the session next" in str(error), error
+            assert "once a registry is open" not in str(error), error
+            assert (await b.ref("s").send("sent again")).text == "sent again"
+            assert b.live() == ["s"]  # the next owner: b, a having left
     assert texts == ["only once"]
-    assert len(outcome) == 1
-    assert isinstance(outcome[0], sa.SessionStoppedError), repr(outcome[0])
-    assert outcome[0].session_id == "s"
-    assert outcome[0].turn_id.startswith("turn_")  # it had started: it may be in the history
+    assert error.session_id == "s"
+    assert error.turn_id.startswith("turn_")  # it had started: it may be in the history
 
 
 async def test_metadata_of_any_storable_size_is_set_through_another_worker(

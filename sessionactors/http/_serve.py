@@ -192,8 +192,9 @@ def main(args: argparse.Namespace) -> int:
             registry = app.registry
             worker = ""
             if isinstance(registry, sa.Registry) and getattr(store, "shared_by_workers", False):
-                # the id that the workers' leases and errors name: which process this is
-                worker = f" as worker {registry.worker_id}"
+                # the id that the workers' leases and errors name: which process this is,
+                # and its store (the database, the prefix): which workers it joins
+                worker = f" as worker {registry.worker_id} on {store!r}"
             print(f"sessionactors: serving {sorted(agents)} at {url}/{worker}", flush=True)
 
     try:

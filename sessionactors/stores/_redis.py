@@ -376,8 +376,16 @@ _CONFIGURATION_CODES: Final = (
     "unknown command",
 )
 
-#: The key prefix of a RedisStore given none (in prefix= or the URL's ?prefix=).
-_DEFAULT_PREFIX: Final = "sessionactors"
+
+class _Default(str):
+    """The default of an argument, told apart (by identity) from the same text given."""
+
+    __slots__ = ()
+
+
+#: The key prefix of a RedisStore given none (in prefix= or the URL's ?prefix=): a
+#: prefix= left out, unlike prefix="sessionactors", defers to the URL's.
+_DEFAULT_PREFIX: Final = _Default("sessionactors")
 #: Seconds a call to redis may take before it fails with StoreError (RedisStore's timeout).
 DEFAULT_TIMEOUT: Final = 5.0
 
@@ -642,7 +650,8 @@ class RedisStore:
     ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``). Every
     key starts with ``prefix`` (or ``?prefix=`` in the URL, as the command line's
     ``--store`` takes it; default ``"sessionactors"``), so several applications can
-    share one database. Nothing is opened here: the first call connects inside the
+    share one database; a ``prefix=`` and a ``?prefix=`` that differ (whichever
+    they name) raise ``ValueError``. Nothing is opened here: the first call connects inside the
     running trio run, and a call after :meth:`aclose` connects again.
 
     ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
@@ -716,13 +725,14 @@ class RedisStore:
         self.persistence = self._target.persistence
         self.replicas = self._target.replicas
         self.replica_timeout = self._target.replica_timeout
-        if self._target.prefix is not None:
-            if self.prefix not in (_DEFAULT_PREFIX, self._target.prefix):
-                raise ValueError(
-                    f"redis url {redact(self.url)!r} names the key prefix "
-                    f"{self._target.prefix!r} and prefix= names {self.prefix!r}; name one"
-                )
-            self.prefix = self._target.prefix
+        in_url = self._target.prefix
+        if self.prefix is _DEFAULT_PREFIX:  # (only a prefix= left out defers to the URL)
+            self.prefix = str(_DEFAULT_PREFIX if in_url is None else in_url)
+        elif in_url is not None and self.prefix != in_url:
+            raise ValueError(
+                f"redis url {redact(self.url)!r} names the key prefix {in_url!r} and "
+                f"prefix= names {self.prefix!r}; name one"
+            )
         if self._client is not None and self._client.decode_responses:
             raise ValueError(
                 "the coredis client decodes responses; open it with decode_responses=False"
@@ -851,10 +861,15 @@ class RedisStore:
         call: Callable[[Client], Awaitable[_T]],
         *,
         block: float = 0.0,
+        about: str | None = None,
     ) -> _T:
         """One call, bounded by ``timeout`` (plus ``block``, a blocking read's own wait),
-        its errors translated to ``StoreError``."""
-        where = f"session {session_id!r}" if session_id is not None else "sessions"
+        its errors translated to ``StoreError``, which say what it was ``doing`` to what
+        (``about``; by default the session, or "sessions")."""
+        if about is not None:
+            where = about
+        else:
+            where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
         client: Client | None = None
         with trio.move_on_after(self.timeout + block):
@@ -885,6 +900,13 @@ class RedisStore:
                     # finish as a ConnectionError): the cancellation, not an error
                     await trio.lowlevel.checkpoint()
                 fix = _configuration_problem(exc, client)
+                if fix is not None and isinstance(exc, _Unavailable):
+                    # (refused as the client connected: the call itself never ran)
+                    raise StoreConfigurationError(
+                        f"redis at {redact(self.url)} refused the store's connection: "
+                        f"{exc}; a retry cannot fix this: {fix}",
+                        session_id=session_id,
+                    ) from exc
                 if fix is not None:
                     raise StoreConfigurationError(
                         f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "

@@ -93,6 +93,7 @@ class _Redis(Protocol):
         call: Callable[[Client], Awaitable[_T]],
         *,
         block: float = 0.0,
+        about: str | None = None,
     ) -> _T: ...
 
 
@@ -416,21 +417,27 @@ class RedisTransport:
         keys = list(self._worker(worker))
         args = [incarnation, _ms(ttl), _ms(3 * ttl), keep_from or ""]
         replaced: Any = await self._store._run(
-            "announce worker", None, lambda c: self._heartbeat(keys, args, client=c)
+            "announce",
+            None,
+            lambda c: self._heartbeat(keys, args, client=c),
+            about=f"worker {worker!r}",
         )
         return None if replaced is None else bytes(replaced).decode()
 
     async def leave(self, worker: str, incarnation: str) -> None:
         keys = list(self._worker(worker))
         await self._store._run(
-            "retire worker", None, lambda c: self._leave(keys, [incarnation], client=c)
+            "retire",
+            None,
+            lambda c: self._leave(keys, [incarnation], client=c),
+            about=f"worker {worker!r}",
         )
 
     async def members(self, worker: str, ttl: float | None) -> list[str]:
         key = f"{self._store.prefix}:workers"  # one key: single-key commands only
         args = [worker, "" if ttl is None else _ms(ttl), _ms(3 * (ttl or 1.0))]
         reply: Any = await self._store._run(
-            "list the workers of", None, lambda c: self._members([key], args, client=c)
+            "list", None, lambda c: self._members([key], args, client=c), about="the workers"
         )
         return [bytes(member).decode("utf-8", "surrogatepass") for member in reply]
 
@@ -494,13 +501,18 @@ class RedisTransport:
         keys = list(self._worker(worker))
         args: list[str | bytes] = [message, _ms(3 * ttl)]
         value: Any = await self._store._run(
-            "send a request to", None, lambda c: self._post(keys, args, client=c)
+            "send a request to",
+            None,
+            lambda c: self._post(keys, args, client=c),
+            about=f"worker {worker!r}",
         )
         return None if value is None else bytes(value).decode()
 
     async def incarnation(self, worker: str) -> str | None:
         alive = self._worker(worker)[0]
-        value: Any = await self._store._run("look up worker", None, lambda c: c.get(alive))
+        value: Any = await self._store._run(
+            "look up", None, lambda c: c.get(alive), about=f"worker {worker!r}"
+        )
         return None if value is None else bytes(value).decode()
 
     async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
@@ -538,7 +550,9 @@ class RedisTransport:
                 return int(await client.spublish(channel, message))
             return int(await client.publish(channel, message))
 
-        return bool(await self._store._run("send a message to", None, run))
+        return bool(
+            await self._store._run("send a message to", None, run, about=f"worker {worker!r}")
+        )
 
     async def append_and_send(
         self,
@@ -637,14 +651,16 @@ class RedisTransport:
                 if connection is not None:
                     await connection.aclose()
 
-        await self._store._run("subscribe to the requests for", None, run, block=math.inf)
+        await self._store._run(
+            "subscribe to the requests for", None, run, block=math.inf, about=f"worker {worker!r}"
+        )
 
     async def _take(self, key: str) -> bytes | None:
         """The body of a large message sent to this worker (None if it is lost: as a
         message on the channel may be, and the multi-worker layer asks again)."""
         try:
             value: Any = await self._store._run(
-                "read a message sent to", None, lambda c: c.getdel(key)
+                "read", None, lambda c: c.getdel(key), about="a large message sent to this worker"
             )
         except StoreConfigurationError:
             raise  # (no retry fixes it: the subscription fails, saying what to allow)
@@ -692,7 +708,7 @@ class RedisTransport:
             return found
 
         reply: dict[Any, Any] = await self._store._run(
-            "read the inbox of", None, run, block=block or 0.0
+            "read the inbox of", None, run, block=block or 0.0, about=f"worker {worker!r}"
         )
         messages: list[tuple[str, bytes]] = []
         events: dict[str, list[StreamItem]] = {}

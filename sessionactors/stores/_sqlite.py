@@ -494,6 +494,11 @@ class _Worker:
         """Open the file: lock it for this process, create it if it does not exist, and
         check that it is a sessionactors store this version reads."""
         path = self._path
+        if os.path.isdir(path):
+            raise _OpenError(
+                f"the sqlite store at {path!r} is a directory, not a SQLite file; pass the "
+                "path of a store file (or of a file that does not exist yet: it is created)"
+            )
         if self._readonly:
             return self._open_readonly()
         if not self._locked:

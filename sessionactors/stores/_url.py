@@ -16,8 +16,10 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
     ``redis+sentinel://host:port/service``, with ``?persistence=``, ``?replicas=``,
     ``?replica_timeout=`` and ``?prefix=`` (the key prefix) if needed.
 
-    ``readonly`` opens a SQLite file with ``readonly=True`` (no lock, no byte
-    changed); it changes nothing for the other stores, which read without writing.
+    ``readonly`` is for a caller that only reads: it opens a SQLite file with
+    ``readonly=True`` (no lock, no byte changed), and a Redis store with
+    ``persistence="volatile"``, since reading loses nothing on a server that can lose
+    writes (one without an append-only file): never write through it.
     Raises ``ValueError`` for a URL that names no store.
     """
     if url.startswith("sqlite://"):
@@ -44,6 +46,8 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
     if url.startswith(tuple(f"{scheme}://" for scheme in schemes)):
         from ._redis import RedisStore
 
+        if readonly:  # (the server's persistence guards writes; a reader makes none)
+            return RedisStore(url, persistence="volatile")
         return RedisStore(url)
     raise ValueError(
         f"--store {url!r} is not a store URL; use sqlite:///path.db, memory:// or redis://..."

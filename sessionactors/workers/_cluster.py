@@ -684,7 +684,7 @@ class Cluster:
             if host.closing and not exc.turn_id:
                 await self._answer(body, {"moved": True})
             else:
-                await self._answer(body, dump_error(exc))
+                await self._answer(body, dump_error(_stopped_here_error(name, self.worker, exc)))
         except Exception as exc:
             await self._answer(body, dump_error(exc))
 
@@ -1283,6 +1283,28 @@ def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError
         session_id=name,
         turn_id=turn_id,
     )
+
+
+def _stopped_here_error(name: str, worker: str, exc: SessionStoppedError) -> SessionStoppedError:
+    """``exc``, a turn of ``name`` that this worker's closing registry cut off or could
+    not store, as its caller on another worker is told of it: that caller's registry is
+    open, and a turn it sends again goes to the session's next owner."""
+    if exc._reason == "cut":
+        text = (
+            f"the turn of session {name!r} was cut off when worker {worker!r}, which ran it, "
+            "stopped (its shutdown grace ran out); what it streamed is kept, marked "
+            "interrupted: send it again, and it goes to the worker that runs the session next"
+        )
+    elif exc._reason == "unsaved":
+        text = (
+            f"worker {worker!r}, which ran session {name!r}, stopped before its store "
+            "confirmed the turn (it did not answer in time), so the turn may be lost: send "
+            "it again, and it goes to the worker that runs the session next (with an "
+            "idempotency key, a retry cannot run it twice)"
+        )
+    else:
+        return exc
+    return SessionStoppedError(text, session_id=name, turn_id=exc.turn_id)
 
 
 def _closing_error(name: str) -> SessionStoppedError:

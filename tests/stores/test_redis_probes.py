@@ -114,8 +114,9 @@ async def test_an_odd_option_does_not_fail_every_call(redis_url: str) -> None:
 
 def test_a_prefix_in_the_url_is_the_stores_prefix() -> None:
     """``?prefix=`` in any kind of URL sets the key prefix (the command line's --store
-    has no other way to name it); one that contradicts ``prefix=``, or holds a brace, is
-    refused with a ValueError."""
+    has no other way to name it); one that contradicts ``prefix=`` (whatever it names,
+    the default prefix too: only a prefix= left out defers to the URL), or holds a
+    brace, is refused with a ValueError."""
     for url in [
         "redis://127.0.0.1:6379/0?prefix=chat",
         "redis+cluster://127.0.0.1:7000?prefix=chat",
@@ -124,8 +125,11 @@ def test_a_prefix_in_the_url_is_the_stores_prefix() -> None:
         assert RedisStore(url).prefix == "chat"
         assert RedisStore(url, prefix="chat").prefix == "chat"
     assert RedisStore("redis://127.0.0.1:6379/0").prefix == "sessionactors"
-    with pytest.raises(ValueError, match="name one"):
-        RedisStore("redis://127.0.0.1:6379/0?prefix=chat", prefix="other")
+    assert RedisStore("redis://127.0.0.1:6379/0", prefix="chat").prefix == "chat"
+    assert RedisStore("redis://127.0.0.1:6379/0?prefix=sessionactors").prefix == "sessionactors"
+    for explicit in ("other", "sessionactors"):
+        with pytest.raises(ValueError, match=f"'chat' and prefix= names '{explicit}'; name one"):
+            RedisStore("redis://127.0.0.1:6379/0?prefix=chat", prefix=explicit)
     with pytest.raises(ValueError, match="brace"):
         RedisStore("redis://127.0.0.1:6379/0?prefix=a{b}")
     with pytest.raises(ValueError, match="empty"):

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import coredis
@@ -258,17 +260,58 @@ async def test_serve_on_a_store_shared_by_workers_names_its_worker(redis_url: st
     """A server on Redis prints its worker id beside its URL: the id that the workers'
     leases and errors name ("worker '...', which ran it, died"), so that an operator
     running several can tell which process that is. It is the id the server announces to
-    the other workers."""
+    the other workers. The store follows it, with its database (in its URL) and its
+    key prefix: a worker started on another database or prefix than its peers (a
+    separate set of workers) shows it there."""
     prefix = f"sa-test-serve-{uuid.uuid4().hex[:12]}"
-    with serve_command(f"{redis_url}?prefix={prefix}") as server:
-        found = re.search(r" as worker (\S+)$", server.line.strip())
+    database = redis_url.rsplit("/", 1)[0] + "/5"
+    with serve_command(f"{database}?prefix={prefix}") as server:
+        found = re.search(r" as worker (\S+) on RedisStore\((.*)\)$", server.line.strip())
         assert found, server.line
+        assert found.group(2) == f"'{database}?prefix={prefix}', prefix='{prefix}'", server.line
         async with httpx.AsyncClient(base_url=server.url) as client:
             reply = await client.post("/sessions/s/messages", json={"text": "hi"})
             assert reply.status_code == 200, reply.text
-        async with coredis.Redis.from_url(redis_url) as admin:
+        async with coredis.Redis.from_url(database) as admin:
             workers = await admin.zrange(f"{prefix}:workers", 0, -1)
         assert found.group(1).encode() in workers, (found.group(1), workers)
+
+
+def startup_refusal(store: str) -> str:
+    """The one line on stderr of ``serve --store STORE`` that cannot start (status 1)."""
+    command = ["serve", "--store", store, "--agent", "chat_agents:agents", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", *command],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("sessionactors serve: cannot start: "), done.stderr
+    return done.stderr
+
+
+@pytest.mark.redis
+def test_serve_whose_redis_refuses_it_says_what_was_refused_and_what_to_change(
+    redis_url: str, private_redis_server: Callable[..., AbstractContextManager[str]]
+) -> None:
+    """A server whose Redis refuses its connection (a database number the server lacks)
+    says that the connection was refused and to check the number, not that a lookup of
+    "worker sessions" was; one whose user is not granted a command of the startup (GET)
+    names the worker it looked up (its own id) and says what to grant."""
+    line = startup_refusal(redis_url.rsplit("/", 1)[0] + "/99999")
+    assert "refused the store's connection: DB index is out of range" in line, line
+    assert "check the database number" in line, line
+    assert "look up" not in line, line
+    no_get = ("--user", "default", "on", "nopass", "~*", "&*", "+@all", "-get")
+    with private_redis_server(config=no_get) as url:
+        line = startup_refusal(url)
+    assert re.search(r"refused to look up worker '[^']+': .*'get'", line), line
+    assert "worker sessions" not in line, line
+    assert "grant the store's redis user the commands" in line, line
 
 
 def leaves(error: BaseException) -> list[BaseException]:
