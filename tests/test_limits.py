@@ -26,8 +26,9 @@ async def test_an_oversized_message_is_refused_with_a_clear_error() -> None:
         assert registry.statistics().crashes == 0
 
 
-async def test_an_oversized_tool_result_is_cut_with_a_note() -> None:
-    """A tool result over the limit reaches the model cut, with a note saying so."""
+async def test_an_oversized_tool_result_is_cut_with_a_note_within_the_limit() -> None:
+    """A tool result over the limit reaches the model cut, with a note saying so, and the
+    result with its note is no longer than the limit."""
     size = MAX_TOOL_RESULT_CHARS + 500
 
     @sa.tool
@@ -45,8 +46,33 @@ async def test_an_oversized_tool_result_is_cut_with_a_note() -> None:
             assert (await ref.send("go")).text == "done"
         result = next(m for m in await ref.history() if m.role is sa.Role.TOOL)
     kept, _, note = result.content.partition("\n")
-    assert kept == "y" * MAX_TOOL_RESULT_CHARS
     assert note == (
         f"[result cut: it was {size:,} characters, over the limit of {MAX_TOOL_RESULT_CHARS:,}]"
     )
+    assert kept == "y" * (MAX_TOOL_RESULT_CHARS - len(note) - 1)
+    assert len(result.content) == MAX_TOOL_RESULT_CHARS
     assert model.requests[-1].messages[-1].content == result.content
+
+
+async def test_a_denial_with_the_longest_note_tells_the_model_within_the_limit() -> None:
+    """A review denied with a note as long as a message may be answers the call with a
+    tool message no longer than the limit, cut with a note saying so."""
+
+    async def refund() -> str:
+        await trio.lowlevel.checkpoint()
+        return "refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True)
+    call = sa.ToolCall(id="c1", name="refund", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), "not refunded"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(30):
+            waiting = await ref.send("refund it")
+            note = "n" * MAX_TEXT_CHARS
+            reply = await ref.review(waiting.reviews[0].id, approve=False, note=note)
+            assert reply.text == "not refunded"
+        result = next(m for m in await ref.history() if m.role is sa.Role.TOOL)
+    assert result.content.startswith("a reviewer denied this call; it did not run: nnn")
+    assert result.content.endswith("over the limit of 1,048,576]")
+    assert len(result.content) == MAX_TOOL_RESULT_CHARS
