@@ -412,7 +412,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         restarts), published as one ``MessageAdded`` event each (with no
         ``turn_id``), and served in mailbox order, after the turns queued before.
         Refused before anything is written: anything but ``sa.Message`` records,
-        or a field of the wrong type (``TypeError``), what cannot be stored
+        or a field of the wrong type (``TypeError``), a message longer than a turn's
+        may be (its content, with an assistant message's tool call arguments, over
+        1,048,576 characters, as ``send`` refuses) and what cannot be stored
         (``ValueError``), and an id that is empty, given twice or already in the
         history, or a tool call separated from its results
         (:class:`InvalidHistoryError`); ``SessionBusyError`` while a review is pending.
