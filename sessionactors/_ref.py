@@ -392,6 +392,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         and served in mailbox order, after the turns queued before it. Metadata is
         plain data, as for ``spawn(metadata=...)`` (floats finite): anything else raises
         ``TypeError`` or ``ValueError`` naming the session, before anything is written.
+
+        Keep it small (a few KiB: labels, ids, flags): every listing entry
+        (``registry.sessions()``, the gateway's ``GET /sessions``) carries the whole
+        metadata, and every turn writes it again. The limit is what the session's
+        info can hold (16 MiB encoded, its other fields included); store a reference
+        to a large value instead of the value.
         """
         sid = self.session_id
         request = SetMetadata(changes=check_metadata(sid, changes))

@@ -290,6 +290,10 @@ class Registry(metaclass=NoPublicConstructor):
         described as they are now (a running one as ``running``). A session whose
         stored description cannot be read is listed with status ``FAILED`` and
         logged, so one bad record never fails the listing.
+
+        Each SessionInfo carries the session's whole metadata, so a page costs
+        what its sessions' metadata weighs: keep metadata small (see
+        ``SessionRef.set_metadata``).
         """
         return await list_stored(
             self.store,
