@@ -9,11 +9,11 @@ as a history: unique ids, every tool call followed by its results.
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ._codec import dump_event, dump_events, load_events
+from ._codec import MAX_TEXT_CHARS, dump_event, dump_events, load_events
 from ._errors import InvalidHistoryError
 from ._events import Event, MessageAdded
 from ._history import broken_rule
-from ._records import Message
+from ._records import Message, ToolCall
 
 __all__ = ["KnownIds", "check_entry", "check_messages", "check_new_ids"]
 
@@ -22,10 +22,12 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
     """``messages`` as a tuple, if they can join a history as one block.
 
     ``TypeError`` for anything but an iterable of :class:`Message` records or a
-    field of the wrong type, ``ValueError`` for what the codec refuses (too
-    long, a naive datetime), :class:`InvalidHistoryError` for an empty or
-    repeated id and a tool call separated from its results. Every message names
-    the session and ``what`` was called.
+    field of the wrong type, ``ValueError`` for a message longer than a turn's may
+    be (its content and tool call arguments over MAX_TEXT_CHARS) and what the codec
+    refuses (a batch too long for one journal entry, a naive datetime),
+    :class:`InvalidHistoryError` for an empty or repeated id and a tool call
+    separated from its results. Every message names the session and ``what`` was
+    called.
     """
     if isinstance(messages, str | bytes | Mapping | Message) or not isinstance(messages, Iterable):
         raise TypeError(
@@ -40,6 +42,8 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
                 f"{type(message).__name__}, not an sa.Message; make one with "
                 "sa.Message.create(role, content)"
             )
+    for index, message in enumerate(given):
+        _check_size(session_id, what, index, message)
     if given:
         # the session's own copies, as a restart will read them: nothing the caller
         # still holds (a metadata dict, a list in it) is shared with the history
@@ -105,6 +109,24 @@ def check_entry(session_id: str, events: Sequence[Event], what: str) -> bytes:
             f"{what} for session {session_id!r}: the messages cannot be stored together "
             f"({exc}); give them in smaller batches"
         ) from None
+
+
+def _check_size(session_id: str, what: str, index: int, message: Message) -> None:
+    """``ValueError`` if ``message`` holds more text than a turn's message may: its
+    content, with an assistant message's tool call arguments, over MAX_TEXT_CHARS (a
+    user's message, a model's answer and a tool result are bounded so)."""
+    size = len(message.content) if isinstance(message.content, str) else 0
+    calls = message.tool_calls if isinstance(message.tool_calls, tuple | list) else ()
+    for call in calls:
+        if isinstance(call, ToolCall) and isinstance(call.arguments, str):
+            size += len(call.arguments)
+    if size > MAX_TEXT_CHARS:
+        held = "its content and tool call arguments hold" if calls else "its content holds"
+        raise ValueError(
+            f"{what} for session {session_id!r}: messages[{index}] is too long: {held} "
+            f"{size:,} characters, over the limit of {MAX_TEXT_CHARS:,} that every message "
+            "has; add large documents in parts or by reference"
+        )
 
 
 def _added(session_id: str, message: Message) -> MessageAdded:

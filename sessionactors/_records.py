@@ -439,7 +439,8 @@ class SessionState:
 @attrs.frozen(kw_only=True)
 class SessionInfo:
     """A short description of one session, live or stored (``usage``: the tokens
-    its models reported, summed, as in its state)."""
+    its models reported, summed, as in its state; ``metadata``: the session's
+    whole metadata, which is why metadata should be small)."""
 
     session_id: str
     agent: str | None

@@ -392,6 +392,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         and served in mailbox order, after the turns queued before it. Metadata is
         plain data, as for ``spawn(metadata=...)`` (floats finite): anything else raises
         ``TypeError`` or ``ValueError`` naming the session, before anything is written.
+
+        Keep it small (a few KiB: labels, ids, flags): every listing entry
+        (``registry.sessions()``, the gateway's ``GET /sessions``) carries the whole
+        metadata, and every turn writes it again. The limit is what the session's
+        info can hold (16 MiB encoded, its other fields included); store a reference
+        to a large value instead of the value.
         """
         sid = self.session_id
         request = SetMetadata(changes=check_metadata(sid, changes))
@@ -412,7 +418,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         restarts), published as one ``MessageAdded`` event each (with no
         ``turn_id``), and served in mailbox order, after the turns queued before.
         Refused before anything is written: anything but ``sa.Message`` records,
-        or a field of the wrong type (``TypeError``), what cannot be stored
+        or a field of the wrong type (``TypeError``), a message longer than a turn's
+        may be (its content, with an assistant message's tool call arguments, over
+        1,048,576 characters, as ``send`` refuses) and what cannot be stored
         (``ValueError``), and an id that is empty, given twice or already in the
         history, or a tool call separated from its results
         (:class:`InvalidHistoryError`); ``SessionBusyError`` while a review is pending.

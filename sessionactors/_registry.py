@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from ._agent import Agent
+from ._codec import MAX_TEXT_CHARS
 from ._config import Durability, RegistryConfig, make_config
 from ._dispatch import Dispatcher
 from ._errors import (
@@ -125,8 +126,9 @@ class Registry(metaclass=NoPublicConstructor):
         a registry with that agent to run); ``system_prompt`` overrides the
         agent's for this session.
         Raises SessionExistsError if the name is live or stored, and TypeError or
-        ValueError naming the session and what is wrong (a ``system_prompt`` or
-        metadata the store cannot hold), before anything is stored.
+        ValueError naming the session and what is wrong (a ``system_prompt`` longer
+        than a message may be, 1,048,576 characters, or metadata the store cannot
+        hold), before anything is stored.
         """
         validate_name(name)
         self._sessions.check_open(name)
@@ -137,6 +139,12 @@ class Registry(metaclass=NoPublicConstructor):
                 f"not {type(system_prompt).__name__}"
             )
         if system_prompt is not None:
+            if len(system_prompt) > MAX_TEXT_CHARS:
+                raise ValueError(
+                    f"the system_prompt of {len(system_prompt):,} characters for session "
+                    f"{name!r} is over the limit of {MAX_TEXT_CHARS:,}, as a message is; keep "
+                    "large documents out of it: give them in parts or by reference"
+                )
             check_unicode(system_prompt, f"the system_prompt of session {name!r}")
         if metadata is not None:
             metadata = check_metadata(name, metadata)
@@ -282,6 +290,10 @@ class Registry(metaclass=NoPublicConstructor):
         described as they are now (a running one as ``running``). A session whose
         stored description cannot be read is listed with status ``FAILED`` and
         logged, so one bad record never fails the listing.
+
+        Each SessionInfo carries the session's whole metadata, so a page costs
+        what its sessions' metadata weighs: keep metadata small (see
+        ``SessionRef.set_metadata``).
         """
         return await list_stored(
             self.store,

@@ -12,6 +12,7 @@ from typing import Protocol
 import trio
 
 from ._agent import MAX_ANSWER_CHARS, Agent, answer_too_long, close_stream, usage_of
+from ._codec import MAX_TEXT_CHARS
 from ._errors import ModelError
 from ._events import (
     Event,
@@ -66,8 +67,11 @@ def _idempotent(agent: Agent, call: ToolCall) -> bool:
     return tool is None or bool(tool.idempotent)
 
 
-#: Tool results longer than this many characters are cut (with a note for the model).
-MAX_TOOL_RESULT_CHARS = 1024 * 1024
+#: The longest tool message a turn records, in characters: a longer result (or a
+#: reviewer's denial with its note) is cut, with a note for the model within the
+#: bound. As long as a message may be (``MAX_TEXT_CHARS``), so that a history read
+#: back can be written again (``ref.replace_history``).
+MAX_TOOL_RESULT_CHARS = MAX_TEXT_CHARS
 
 
 async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tuple[str, bool]:
@@ -87,26 +91,32 @@ async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tupl
 
 
 def _result(outcome: ToolOutcome) -> tuple[str, bool]:
-    """What of a tool's outcome joins the history: its text, storable and within bounds."""
-    content = storable(outcome.content)
-    if len(content) > MAX_TOOL_RESULT_CHARS:
-        content = (
-            content[:MAX_TOOL_RESULT_CHARS]
-            + f"\n[result cut: it was {len(outcome.content):,} characters, over the limit of "
-            f"{MAX_TOOL_RESULT_CHARS:,}]"
-        )
-    return content, outcome.is_error
+    """What of a tool's outcome joins the history: its text, storable (record_result
+    cuts it to its bound)."""
+    return storable(outcome.content), outcome.is_error
+
+
+def _bounded(content: str) -> str:
+    """``content`` cut, with a note saying so, to at most MAX_TOOL_RESULT_CHARS."""
+    if len(content) <= MAX_TOOL_RESULT_CHARS:
+        return content
+    note = (
+        f"\n[result cut: it was {len(content):,} characters, over the limit of "
+        f"{MAX_TOOL_RESULT_CHARS:,}]"
+    )
+    return content[: MAX_TOOL_RESULT_CHARS - len(note)] + note
 
 
 def record_result(actor: TurnHost, call: ToolCall, content: str, is_error: bool) -> None:
-    """The call's result joins the history (as a tool message) with its ToolResult."""
+    """The call's result joins the history (as a tool message, cut to its bound) with
+    its ToolResult."""
     actor.durable(
         make_tool_result(
             session_id=actor.session_id,
             seq=actor.next_seq(),
             turn_id=actor.turn_id,
             tool_call_id=call.id,
-            content=content,
+            content=_bounded(content),
             is_error=is_error,
             message_id=new_id("msg"),
             created_at=utcnow(),

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import pytest
 import trio
 
 import sessionactors as sa
+import sessionactors.aio as aio
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 #: The longest message a turn accepts, and the longest tool result kept whole, in characters
@@ -26,8 +30,9 @@ async def test_an_oversized_message_is_refused_with_a_clear_error() -> None:
         assert registry.statistics().crashes == 0
 
 
-async def test_an_oversized_tool_result_is_cut_with_a_note() -> None:
-    """A tool result over the limit reaches the model cut, with a note saying so."""
+async def test_an_oversized_tool_result_is_cut_with_a_note_within_the_limit() -> None:
+    """A tool result over the limit reaches the model cut, with a note saying so, and the
+    result with its note is no longer than the limit."""
     size = MAX_TOOL_RESULT_CHARS + 500
 
     @sa.tool
@@ -45,8 +50,150 @@ async def test_an_oversized_tool_result_is_cut_with_a_note() -> None:
             assert (await ref.send("go")).text == "done"
         result = next(m for m in await ref.history() if m.role is sa.Role.TOOL)
     kept, _, note = result.content.partition("\n")
-    assert kept == "y" * MAX_TOOL_RESULT_CHARS
     assert note == (
         f"[result cut: it was {size:,} characters, over the limit of {MAX_TOOL_RESULT_CHARS:,}]"
     )
+    assert kept == "y" * (MAX_TOOL_RESULT_CHARS - len(note) - 1)
+    assert len(result.content) == MAX_TOOL_RESULT_CHARS
     assert model.requests[-1].messages[-1].content == result.content
+
+
+async def test_a_denial_with_the_longest_note_tells_the_model_within_the_limit() -> None:
+    """A review denied with a note as long as a message may be answers the call with a
+    tool message no longer than the limit, cut with a note saying so."""
+
+    async def refund() -> str:
+        await trio.lowlevel.checkpoint()
+        return "refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True)
+    call = sa.ToolCall(id="c1", name="refund", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), "not refunded"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(30):
+            waiting = await ref.send("refund it")
+            note = "n" * MAX_TEXT_CHARS
+            reply = await ref.review(waiting.reviews[0].id, approve=False, note=note)
+            assert reply.text == "not refunded"
+        result = next(m for m in await ref.history() if m.role is sa.Role.TOOL)
+    assert result.content.startswith("a reviewer denied this call; it did not run: nnn")
+    assert result.content.endswith("over the limit of 1,048,576]")
+    assert len(result.content) == MAX_TOOL_RESULT_CHARS
+
+
+def _over(content: str) -> list[sa.Message]:
+    return [sa.Message.create(sa.Role.USER, content)]
+
+
+def _answered(content: str, arguments: str) -> list[sa.Message]:
+    """An assistant message calling one tool with ``arguments``, and the tool's result."""
+    call = sa.ToolCall(id="c1", name="lookup", arguments=arguments)
+    return [
+        sa.Message.create(sa.Role.ASSISTANT, content, tool_calls=(call,)),
+        sa.Message.create(sa.Role.TOOL, "found", tool_call_id="c1"),
+    ]
+
+
+LONG = "x" * (MAX_TEXT_CHARS + 1)
+#: Messages over the limit, by how: ``add_messages`` and ``replace_history`` refuse each.
+OVERSIZED: dict[str, Callable[[], list[sa.Message]]] = {
+    "user": lambda: _over(LONG),
+    "assistant": lambda: [sa.Message.create(sa.Role.ASSISTANT, LONG)],
+    "system": lambda: [sa.Message.create(sa.Role.SYSTEM, LONG)],
+    "tool result": lambda: [
+        _answered("", "{}")[0],
+        sa.Message.create(sa.Role.TOOL, LONG, tool_call_id="c1"),
+    ],
+    "tool call arguments": lambda: _answered("", LONG),
+    "text and arguments together": lambda: _answered(
+        "x" * (MAX_TEXT_CHARS // 2), "y" * (MAX_TEXT_CHARS // 2 + 1)
+    ),
+    "the second of two": lambda: _over("fine") + _over(LONG),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERSIZED))
+async def test_an_added_message_over_the_limit_is_refused_before_anything_is_written(
+    case: str,
+) -> None:
+    """add_messages and replace_history refuse a message whose text (its content, and an
+    assistant message's tool call arguments with it) is longer than a turn's message may
+    be, with a ValueError naming the session, the message and what to do; nothing is
+    written, and a message at the limit is accepted."""
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("big")
+        with trio.fail_after(30):
+            await ref.send("hello")
+            before = await ref.state()
+            for method in (ref.add_messages, ref.replace_history):
+                with pytest.raises(ValueError, match=r"'big'.*over the limit of 1,048,576") as info:
+                    await method(OVERSIZED[case]())
+                message = str(info.value)
+                assert "messages[" in message
+                assert "in parts or by reference" in message
+            assert await ref.state() == before
+            # the control: at the limit, each way, it is accepted
+            at_limit = "x" * MAX_TEXT_CHARS
+            await ref.add_messages(_over(at_limit))
+            await ref.add_messages(_answered("x" * 100, "y" * (MAX_TEXT_CHARS - 100)))
+            assert len(await ref.history()) == len(before.messages) + 3
+        assert registry.statistics().crashes == 0
+
+
+async def test_every_message_a_turn_leaves_can_be_written_back() -> None:
+    """A history of messages at their largest (a message and an answer at the limit, a tool
+    result cut to it) is accepted whole by replace_history."""
+    size = MAX_TOOL_RESULT_CHARS + 500
+
+    @sa.tool
+    async def dump() -> str:
+        """Return a lot of text."""
+        await trio.lowlevel.checkpoint()
+        return "y" * size
+
+    longest = "z" * MAX_TEXT_CHARS
+    call = sa.ToolCall(id="c1", name="dump", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), longest])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[dump])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(30):
+            await ref.send("q" * MAX_TEXT_CHARS)
+            history = await ref.history()
+            assert [len(m.content) for m in history] == [MAX_TEXT_CHARS, 0] + [MAX_TEXT_CHARS] * 2
+            await ref.replace_history(history)
+            assert await ref.history() == history
+
+
+async def test_a_system_prompt_over_the_limit_is_refused_before_the_session_is_stored() -> None:
+    """spawn and get_or_spawn refuse a system_prompt longer than a message may be, with a
+    ValueError naming the session and what to do; nothing is stored, and a prompt at the
+    limit is accepted."""
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        with trio.fail_after(30):
+            for spawn in (registry.spawn, registry.get_or_spawn):
+                with pytest.raises(ValueError, match=r"'big'.*over the limit of 1,048,576") as info:
+                    await spawn("big", system_prompt=LONG)
+                assert "system_prompt" in str(info.value)
+                assert "by reference" in str(info.value)
+            assert await registry.sessions() == []
+            ref = await registry.spawn("big", system_prompt="p" * MAX_TEXT_CHARS)
+            assert (await ref.send("hi")).text == "hi"
+
+
+def test_asyncio_code_meets_the_same_limits() -> None:
+    """Through sessionactors.aio, an added message and a system prompt over the limit are
+    refused as through the trio API, and nothing is stored."""
+
+    async def main() -> None:
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        async with asyncio.timeout(30), aio.open_registry(agents=agents) as registry:
+            with pytest.raises(ValueError, match=r"'big'.*over the limit of 1,048,576"):
+                await registry.spawn("big", system_prompt="p" * 5_000_000)
+            assert await registry.sessions() == []
+            ref = await registry.spawn("big")
+            with pytest.raises(ValueError, match=r"'big'.*over the limit of 1,048,576"):
+                await ref.add_messages(_over("x" * 5_000_000))
+            assert await ref.history() == []
+
+    asyncio.run(main())
