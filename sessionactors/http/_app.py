@@ -8,6 +8,7 @@ everything else here goes through anyio, which runs on either loop.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import functools
@@ -16,11 +17,12 @@ import importlib.resources
 import inspect
 import json
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import anyio
 import attrs
@@ -111,6 +113,90 @@ class _RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.body = plain_error(name, message, status)
+
+
+#: A str as the library's messages quote it (its repr).
+_REPR: Final = r"""(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+
+#: Advice in the library's error messages that only a Python caller can follow, and what
+#: an HTTP client does instead: (pattern, advice). In the advice, ``{session}`` is the
+#: path of the session's routes as the client reaches them (under the app's mount),
+#: ``{create}`` how a message creates it, and other fields the pattern's named groups.
+_HTTP_ADVICE: Final = tuple(
+    (re.compile(pattern.replace("REPR", _REPR)), advice)
+    for pattern, advice in [
+        # SessionNotFoundError of a session neither live nor stored, of a listing's page
+        (r"create it with registry\.spawn\(REPR\)", "{create}"),
+        (r"given as after=", "given as ?after="),
+        # MailboxFullError; SessionStoppedError of a session changing hands
+        (r"use await ref\.submit\(\.\.\.\) to wait for room, or retry later", "retry in a moment"),
+        (r"use await ref\.submit\(\.\.\.\), which waits for it", "send it again in a moment"),
+        # SessionStoppedError of a stopped or deleted session; a corrupt session's errors
+        (r"spawn a new session", "send to a session of another name"),
+        (r"spawn it afresh", "send to it again"),
+        (r"with registry\.delete\((?:REPR|name)\)", "with DELETE {session}"),
+        # SessionBusyError of a pending review; ReviewNotFoundError
+        (
+            r"resolve it with ref\.review\((?P<review>REPR), approve=\.\.\.\)",
+            'resolve it (POST {session}/reviews/{review} with {{"approve": true or false}})',
+        ),
+        (r"list them with ref\.pending_reviews\(\)", "GET {session} lists them"),
+        # EventsExpiredError; SubscriberLaggedError
+        (
+            r"reload the state with ref\.state\(\) and subscribe with after=state\.event_seq",
+            "reload the state (GET {session}) and resume after its event_seq "
+            "(Last-Event-ID, or ?after=)",
+        ),
+        (r" \(ref\.turn_outcome\(turn_id\) says so of each\)", ""),
+        (
+            r"subscribe again with after=(?P<seq>\d+)",
+            "reconnect with Last-Event-ID: {seq} (or ?after={seq})",
+        ),
+        (r"reload with ref\.state\(\)", "reload the state (GET {session})"),
+        (r"ref\.turn_outcome reads lost: ", ""),
+        (
+            r"follow it with ref\.subscribe\(\) and ref\.turn_outcome\(\)",
+            "follow it with GET {session}/events",
+        ),
+        # SessionCrashedError, SessionStoppedError of a request that may have run
+        (r"ask ref\.turn_outcome\(REPR\)", "look at the history (GET {session})"),
+        (r"\(or ref\.turn_outcome\)", "(GET {session})"),
+        (r"idempotency_key=\.\.\.", '"idempotency_key"'),
+        # SessionExistsError of a message naming another agent
+        (
+            r"talk to it with registry\.ref\(REPR\) \(or get_or_spawn without agent=\)",
+            'send its messages without "agent"',
+        ),
+        # SessionStoppedError of a closed or closing registry
+        (
+            r"open a registry to continue|send it again once a registry is open|"
+            r"make the call again inside an open `async with sessionactors\.aio\."
+            r"open_registry\(\.\.\.\)` block",
+            "send it again in a moment",
+        ),
+    ]
+)
+
+
+def _routes(scope: Mapping[str, Any]) -> str:
+    """The path of the sessions' routes as a client reaches them: under the app's mount
+    (the ASGI ``root_path``: a ``Mount("/api", ...)``, a proxy's prefix)."""
+    return f"{scope.get('root_path', '')}/sessions"
+
+
+def _session_route(scope: Mapping[str, Any], name: str) -> str:
+    """The path of session ``name``'s routes as a client reaches them."""
+    return f"{_routes(scope)}/{quote(name, safe='')}"
+
+
+def _unrepr(text: str | None) -> str:
+    """A pattern's group: a quoted id as it goes in a path, else as it is."""
+    if text is None or text[:1] not in ("'", '"'):
+        return text or ""
+    try:
+        return quote(ast.literal_eval(text), safe="")
+    except (ValueError, SyntaxError, TypeError):
+        return text
 
 
 #: The chat page may not be framed by another site (clickjacking its buttons) and
@@ -249,6 +335,7 @@ class SessionsApp:
         self._loop_thread = 0
         self._hooks = StreamHooks(
             error_response=self._error_response,
+            error_json=self._error_json,
             track=self._track,
             untrack=self._untrack,
             heartbeat=heartbeat,
@@ -400,9 +487,10 @@ class SessionsApp:
         self._streams.discard(scope)
 
     def _error_body(
-        self, error: BaseException, session: str | None = None
+        self, error: BaseException, scope: Mapping[str, Any], session: str | None = None
     ) -> tuple[int, dict[str, Any]]:
-        """The status and JSON body that tell a client about ``error``."""
+        """The status and JSON body that tell a client about ``error`` (a request's,
+        whose ASGI ``scope`` places the routes that its advice names)."""
         if isinstance(error, _RequestError):
             body = dict(error.body)
             if session:  # say which session the refused request was for
@@ -414,17 +502,48 @@ class SessionsApp:
             return error.status, body
         if isinstance(error, json.JSONDecodeError):
             refused = _RequestError(422, "InvalidJSON", f"the frame is not valid JSON ({error})")
-            return self._error_body(refused, session)
+            return self._error_body(refused, scope, session)
         status = error_status(error)
         if isinstance(error, sa.SessionStoppedError) and self._draining:
             status = 503
         if status == 500:
             log.error("request failed", exc_info=error)
-        return status, error_json(error, status=status)
+        return status, self._error_json(error, scope, status)
 
-    def _error_response(self, error: BaseException, session: str | None = None) -> Response:
+    def _error_json(
+        self, error: BaseException, scope: Mapping[str, Any], status: int | None = None
+    ) -> dict[str, Any]:
+        """``error`` as JSON, its advice for Python callers told as an HTTP client
+        follows it (see ``_HTTP_ADVICE``), with this app's routes under ``scope``."""
+        body = error_json(error, status=status)
+        if isinstance(error, sa.SessionActorsError):
+            body["message"] = self._http_advice(body["message"], scope, error.session_id)
+        return body
+
+    def _http_advice(self, message: str, scope: Mapping[str, Any], session: str | None) -> str:
+        """``message`` with each advice of ``_HTTP_ADVICE`` told for an HTTP client."""
+        route = _routes(scope) + "/{name}" if session is None else _session_route(scope, session)
+        fields = {"session": route, "create": self._create_advice(route)}
+
+        def advice(match: re.Match[str], template: str) -> str:
+            found = {key: _unrepr(value) for key, value in match.groupdict().items()}
+            return template.format(**fields, **found)
+
+        for pattern, template in _HTTP_ADVICE:
+            message = pattern.sub(functools.partial(advice, template=template), message)
+        return message
+
+    def _create_advice(self, route: str) -> str:
+        """How an HTTP client makes a session that does not exist (at ``route``)."""
+        if self._create_sessions:
+            return f"send it a message to create it (POST {route}/messages)"
+        return "check its name (this server creates no session on a first message)"
+
+    def _error_response(
+        self, error: BaseException, scope: Mapping[str, Any], session: str | None = None
+    ) -> Response:
         """The JSON response for an error raised while serving a request."""
-        status, body = self._error_body(error, session)
+        status, body = self._error_body(error, scope, session)
         return _json(body, status, _auth_header(status))
 
     def _registry_now(self) -> AnyRegistry:
@@ -508,7 +627,9 @@ class SessionsApp:
             return await registry.store.exists(name)
         return await on_trio(registry, lambda trio_registry: trio_registry.store.exists(name), name)
 
-    async def _check_after(self, registry: AnyRegistry, ref: AnyRef, after: int | None) -> None:
+    async def _check_after(
+        self, registry: AnyRegistry, ref: AnyRef, after: int | None, scope: Mapping[str, Any]
+    ) -> None:
         """EventsExpiredError if ``after`` (a client's Last-Event-ID) is beyond the
         session's last event: the id is of a deleted session of the same name (or of
         another store), and a subscription after it would silently skip this session's
@@ -534,18 +655,20 @@ class SessionsApp:
             raise sa.EventsExpiredError(
                 f"session {name!r} has no event after seq {after}: its last event is seq "
                 f"{last} (the id is of an earlier session of that name, since deleted); "
-                f"reload the state (GET /sessions/{name}) and resume after its event_seq",
+                f"reload the state (GET {_session_route(scope, name)}) and resume after its "
+                "event_seq",
                 session_id=name,
                 oldest_seq=last + 1,
             )
 
-    async def _existing_ref(self, registry: AnyRegistry, name: str) -> AnyRef:
+    async def _existing_ref(
+        self, registry: AnyRegistry, name: str, scope: Mapping[str, Any]
+    ) -> AnyRef:
         ref = registry.ref(name)  # validates the name
         if not await self._exists(registry, name):
+            advice = self._create_advice(_session_route(scope, name))
             raise sa.SessionNotFoundError(
-                f"session {name!r} does not exist; send it a message first "
-                f"(POST /sessions/{name}/messages) to create it",
-                session_id=name,
+                f"session {name!r} does not exist; {advice}", session_id=name
             )
         return ref
 
@@ -621,7 +744,7 @@ class SessionsApp:
                 validate_name(name)
             return await handler(self._registry_now(), name)
         except Exception as exc:
-            return self._error_response(exc, name or None)
+            return self._error_response(exc, request.scope, name or None)
 
     # ---- routes --------------------------------------------------------------------
 
@@ -659,7 +782,7 @@ class SessionsApp:
     async def _cancel(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             turn_id = _optional_string(await self._body(request, _CANCEL_FIELDS), "turn_id")
-            ref = await self._existing_ref(registry, name)
+            ref = await self._existing_ref(registry, name, request.scope)
             return _json({"cancelled": await ref.cancel(turn_id)})
 
         return await self._handle(request, "cancel", handler)
@@ -722,7 +845,7 @@ class SessionsApp:
                     422, "InvalidRequest", "'approve' must be true or false (a JSON boolean)"
                 )
             note = _optional_string(data, "note")
-            ref = await self._existing_ref(registry, name)
+            ref = await self._existing_ref(registry, name, request.scope)
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
                 return _json(reply_to_json(reply))
@@ -731,7 +854,7 @@ class SessionsApp:
             if review is None:
                 raise sa.ReviewNotFoundError(
                     f"session {name!r} has no pending review {shown(review_id)}; "
-                    f"GET /sessions/{name} lists its pending reviews",
+                    f"GET {_session_route(request.scope, name)} lists its pending reviews",
                     session_id=name,
                 )
             return cast(
@@ -758,8 +881,8 @@ class SessionsApp:
     async def _events(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             after = _after(request)
-            ref = await self._existing_ref(registry, name)
-            await self._check_after(registry, ref, after)
+            ref = await self._existing_ref(registry, name, request.scope)
+            await self._check_after(registry, ref, after, request.scope)
             return cast(
                 Response,
                 EventStreamResponse(self._hooks, functools.partial(self._all_events, ref, after)),
@@ -777,14 +900,14 @@ class SessionsApp:
             if self._create_sessions and not after:  # (a seq to resume after: not new)
                 ref = await self._ref_to_write(registry, name, websocket.query_params.get("agent"))
             else:
-                ref = await self._existing_ref(registry, name)
-            await self._check_after(registry, ref, after)
+                ref = await self._existing_ref(registry, name, websocket.scope)
+            await self._check_after(registry, ref, after, websocket.scope)
             async with ref.subscribe(after) as events:
                 await self._converse(registry, ref, websocket, events)
         except WebSocketDisconnect:
             return
         except Exception as exc:
-            status, body = self._error_body(exc, name)
+            status, body = self._error_body(exc, websocket.scope, name)
             await _ws_close(websocket, {"type": "error", **body}, 4000 + status)
 
     async def _converse(
@@ -794,7 +917,7 @@ class SessionsApp:
             await websocket.send_text(dumps(data).decode())
 
         async def failed(exc: Exception) -> None:
-            _, body = self._error_body(exc, ref.session_id)
+            _, body = self._error_body(exc, websocket.scope, ref.session_id)
             await say({"type": "error", **body})
 
         async def forward() -> None:
@@ -984,7 +1107,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     path = request.url.path.replace(_SLASH, "%2F")
     message = f"{request.method} {shown(path)}: {exc.detail.lower()}"
     if exc.status_code == 404:
-        message += "; the routes are under /sessions (see the HTTP gateway how-to)"
+        message += f"; the routes are under {_routes(request.scope)} (see the HTTP gateway how-to)"
     return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
 
 

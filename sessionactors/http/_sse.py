@@ -28,21 +28,24 @@ import attrs
 
 import sessionactors as sa
 
-from ._json import dumps, error_json, event_to_json
+from ._json import dumps, event_to_json
 
 
 @attrs.frozen(kw_only=True)
 class StreamHooks:
     """What a streaming response needs of its app: its answer to an error raised before
-    the first byte, drain tracking of the stream's scope, and the heartbeat interval."""
+    the first byte (``error_response(error, scope)``, an ASGI response) and the JSON of
+    one after it (``error_json(error, scope)``), drain tracking of the stream's scope,
+    and the heartbeat interval."""
 
-    error_response: Callable[[BaseException], Any]
+    error_response: Callable[[BaseException, Any], Any]
+    error_json: Callable[[BaseException, Any], dict[str, Any]]
     track: Callable[[anyio.CancelScope], None]
     untrack: Callable[[anyio.CancelScope], None]
     heartbeat: float
 
 
-__all__ = ["EventStreamResponse", "FrameCache", "Stream", "StreamHooks", "error_frame", "frame"]
+__all__ = ["EventStreamResponse", "FrameCache", "Stream", "StreamHooks", "frame"]
 
 log = logging.getLogger("sessionactors.http")
 
@@ -66,11 +69,6 @@ def frame(data: dict[str, Any], event_id: int | None = None) -> bytes:
     """One SSE message: ``id:`` (when given) and one ``data:`` line of JSON."""
     head = f"id: {event_id}\n".encode() if event_id is not None else b""
     return head + b"data: " + dumps(data) + b"\n\n"
-
-
-def error_frame(error: BaseException, status: int | None = None) -> bytes:
-    """An error as SSE (no ``id:``): ``{"type": "error", ...}``."""
-    return frame({"type": "error", **error_json(error, status=status)})
 
 
 class FrameCache:
@@ -163,15 +161,19 @@ class EventStreamResponse:
             async with self._open() as stream:
                 await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
                 started = True
-                await self._run(stream, receive, send)
+                await self._run(stream, scope, receive, send)
         except Exception as exc:
             if started:  # the stream already ended with what it could say
                 log.warning("an event stream ended with %r", exc)
                 return
-            response = self._hooks.error_response(exc)
+            response = self._hooks.error_response(exc, scope)
             await response(scope, receive, send)
 
-    async def _run(self, stream: Stream, receive: Any, send: Any) -> None:
+    async def _run(self, stream: Stream, scope: Any, receive: Any, send: Any) -> None:
+        def error_frame(error: BaseException) -> bytes:
+            """An error as SSE (no ``id:``): ``{"type": "error", ...}``."""
+            return frame({"type": "error", **self._hooks.error_json(error, scope)})
+
         outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
         gone = False
         async with anyio.create_task_group() as group:
@@ -200,7 +202,7 @@ class EventStreamResponse:
                 if stream.side is not None:
                     group.start_soon(side, stream.side)
                 if stream.events is not None and stream.select is not None:
-                    group.start_soon(_read, stream.events, stream.select, outbox)
+                    group.start_soon(_read, stream.events, stream.select, outbox, error_frame)
                 else:
                     outbox.close()
                 await self._write(outbox, send)
@@ -226,7 +228,12 @@ class EventStreamResponse:
                 await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
-async def _read(events: AsyncIterator[sa.Event], select: Select, outbox: _Outbox) -> None:
+async def _read(
+    events: AsyncIterator[sa.Event],
+    select: Select,
+    outbox: _Outbox,
+    error_frame: Callable[[BaseException], bytes],
+) -> None:
     try:
         async for event in events:
             data, last = select(event)

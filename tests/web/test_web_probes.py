@@ -9,12 +9,16 @@ import json
 import math
 import re
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
 import httpx
 import pytest
 import trio
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -24,7 +28,7 @@ from sessionactors.http import create_app
 from sessionactors.stores import dump_info
 
 from .chat_agents import asyncio_agents, trio_agents
-from .servers import Serve, serve_trio
+from .servers import Serve, serve_asyncio, serve_trio
 from .test_gateway import SSE, SSEReader, finished
 from .wsclient import open_websocket
 
@@ -357,18 +361,21 @@ async def test_a_stored_non_finite_float_is_answered_as_valid_json(serve: Serve)
 async def test_a_last_event_id_inside_a_turn_that_died_with_its_process_is_410() -> None:
     """A browser resuming with the Last-Event-ID of a Delta of a turn whose process died
     (never stored) gets 410 with oldest_seq, whether the session woke already or not,
-    instead of a stream that never ends that turn."""
+    instead of a stream that never ends that turn; its message says to reload the state
+    with the route of a gateway mounted at /api (not ref.turn_outcome(...))."""
     store = sa.MemoryStore()
     death = await die_mid_turn(store)
-    app = create_app(store=store, agents={"a": sa.Agent(model=sa.testing.EchoModel())})
+    gateway = create_app(store=store, agents={"a": sa.Agent(model=sa.testing.EchoModel())})
+    app = Starlette(routes=[Mount("/api", app=gateway)], lifespan=gateway.lifespan)
     async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
         with trio.fail_after(10):
             for _ in range(2):  # the first request wakes the session
                 headers = {"last-event-id": str(death.last)}
-                r = await client.get("/sessions/s/events", headers=headers)
+                r = await client.get("/api/sessions/s/events", headers=headers)
                 assert r.status_code == 410, r.text
                 assert r.json()["session_id"] == "s"
                 assert r.json()["oldest_seq"] > death.last
+                assert "GET /api/sessions/s" in http_advice(r.json())
 
 
 async def test_an_unknown_body_field_is_refused_before_anything_runs(serve: Serve) -> None:
@@ -498,3 +505,127 @@ async def test_errors_repeat_only_the_start_of_a_long_client_value(serve: Serve)
                 short(await ws.receive(), 422)
             async with open_websocket(base + f"/sessions/t/ws?agent={long}") as ws:
                 short(await ws.receive(), 422)
+
+
+#: Advice in an error message that only a Python caller can follow.
+PYTHON_ADVICE = re.compile(
+    r"\b(?:ref|registry|sa|turn|reply|state)\.\w|\bawait |async with|open_registry|"
+    r"get_or_spawn|spawn\(|submit\(|(?<!\?)after=|idempotency_key="
+)
+
+
+def http_advice(body: dict[str, Any]) -> str:
+    """``body``'s message, checked to hold no advice that only Python can follow."""
+    message: str = body["message"]
+    assert not PYTHON_ADVICE.search(message), message
+    return message
+
+
+@asynccontextmanager
+async def mounted(kind: str, **options: Any) -> AsyncIterator[str]:
+    """The gateway mounted at /api in a Starlette app (as the how-to's example does), on
+    a real server; the server's base URL."""
+    trio_side = kind == "hypercorn-trio"
+    [agent] = (trio_agents(0.05) if trio_side else asyncio_agents(0.05)).values()
+    gateway = create_app(agents={"shop": agent, "other": agent}, **options)
+    app = Starlette(routes=[Mount("/api", app=gateway)], lifespan=gateway.lifespan)
+    async with (serve_trio if trio_side else serve_asyncio)(app) as url:
+        yield url
+
+
+@pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
+async def test_errors_of_a_mounted_gateway_give_advice_an_http_client_can_follow(
+    kind: str,
+) -> None:
+    """The errors of a gateway mounted at /api tell an HTTP client what to do with routes
+    under /api (which it can follow), never with Python calls (registry.spawn(...),
+    ref.review(...), await ref.submit(...)) or paths without the mount."""
+    async with (
+        mounted(kind, mailbox_size=1) as url,
+        httpx.AsyncClient(base_url=url + "/api") as client,
+    ):
+        with trio.fail_after(30):
+            for method, path, kwargs in [
+                ("GET", "/sessions/ghost", {}),
+                ("GET", "/sessions/ghost/events", {}),
+                ("POST", "/sessions/ghost/cancel", {}),
+                ("POST", "/sessions/ghost/reviews/r1", {"json": {"approve": True}}),
+            ]:
+                r = await client.request(method, path, **kwargs)
+                assert (r.status_code, r.json()["error"]) == (404, "SessionNotFoundError")
+                assert "POST /api/sessions/ghost/messages" in http_advice(r.json()), path
+            base = url.replace("http://", "ws://")
+            async with open_websocket(base + "/api/sessions/ghost/ws?after=3") as ws:
+                error = await ws.receive()
+                assert "POST /api/sessions/ghost/messages" in http_advice(error)
+            r = await client.get("/nowhere")
+            assert "/api/sessions" in http_advice(r.json())
+            r = await client.get("/sessions", params={"after": "ghost"})
+            assert (r.status_code, r.json()["error"]) == (404, "SessionNotFoundError")
+            assert "?after=" in http_advice(r.json())
+
+            r = await client.post(
+                "/sessions/ghost/messages", json={"text": "refund A7", "agent": "shop"}
+            )
+            assert r.status_code == 200, r.text  # (followed: the route exists)
+            [review] = r.json()["reviews"]
+            r = await client.post("/sessions/ghost/messages", json={"text": "hi", "agent": "other"})
+            assert (r.status_code, r.json()["error"]) == (409, "SessionExistsError")
+            assert '"agent"' in http_advice(r.json())
+            r = await client.post("/sessions/ghost/messages", json={"text": "hello?"})
+            assert (r.status_code, r.json()["error"]) == (409, "SessionBusyError")
+            route = f"POST /api/sessions/ghost/reviews/{review['id']}"
+            assert route in http_advice(r.json())
+            for accept in ({}, SSE):
+                r = await client.post(
+                    "/sessions/ghost/reviews/nope", json={"approve": True}, headers=accept
+                )
+                assert (r.status_code, r.json()["error"]) == (404, "ReviewNotFoundError")
+                assert "GET /api/sessions/ghost" in http_advice(r.json())
+            r = await client.post(route.split(" /api")[1], json={"approve": True})
+            assert r.json()["text"] == "Refunded: order A7 refunded"  # (followed)
+
+            r = await client.get("/sessions/ghost/events", headers={"last-event-id": "999"})
+            assert (r.status_code, r.json()["error"]) == (410, "EventsExpiredError")
+            assert "GET /api/sessions/ghost" in http_advice(r.json())
+
+            # a turn runs, one waits in the mailbox (of 1): the next is refused with 429
+            async with trio.open_nursery() as nursery:
+
+                async def stream(text: str, started: trio.Event, wait_for: str) -> None:
+                    async with client.stream(
+                        "POST", "/sessions/ghost/messages", json={"text": text}, headers=SSE
+                    ) as r:
+                        reader = SSEReader(r)
+                        if wait_for != "headers":
+                            await reader.until(lambda d: d["type"] == wait_for)
+                        started.set()
+                        await reader.until(finished)
+
+                running, queued = trio.Event(), trio.Event()
+                nursery.start_soon(stream, "one two three four five six seven", running, "Delta")
+                await running.wait()
+                nursery.start_soon(stream, "queued", queued, "headers")
+                await queued.wait()
+                r = await client.post("/sessions/ghost/messages", json={"text": "one too many"})
+                assert (r.status_code, r.json()["error"]) == (429, "MailboxFullError")
+                http_advice(r.json())
+
+
+@pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
+async def test_a_gateway_that_creates_no_sessions_does_not_advise_creating_one(kind: str) -> None:
+    """With create_sessions=False, a request to an unknown session answers 404 without
+    advice to create it by a message (which would answer 404 again) or in Python."""
+    async with (
+        mounted(kind, create_sessions=False) as url,
+        httpx.AsyncClient(base_url=url + "/api") as client,
+    ):
+        with trio.fail_after(20):
+            for method, path, kwargs in [
+                ("GET", "/sessions/ghost", {}),
+                ("GET", "/sessions/ghost/events", {}),
+                ("POST", "/sessions/ghost/messages", {"json": {"text": "hi", "agent": "shop"}}),
+            ]:
+                r = await client.request(method, path, **kwargs)
+                assert (r.status_code, r.json()["error"]) == (404, "SessionNotFoundError")
+                assert "POST" not in http_advice(r.json()), path
