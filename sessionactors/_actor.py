@@ -128,6 +128,7 @@ class Phase(enum.Enum):
     SERVING -> STOPPING (``request_stop``) | CLOSING (``close``) | ABORTING | LEFT (hibernated)
     CLOSING -> STOPPING | ABORTING (``abort``: the grace ran out) | LEFT
     STOPPING -> LEFT (the stop is durable, or failed: ``stop_error``)
+               | ABORTING (interrupted: see ``hibernate_interrupted``)
     ABORTING -> LEFT (hibernated at once)
     any but LEFT -> KILLED (``kill``: deleted, or its lease lost; ``kill_error``)
     KILLED -> LEFT
@@ -920,8 +921,10 @@ class Actor:
         failure: BaseException | None,
         final: Message | None,
         cancelled: bool,
+        cut: str = "cut",
     ) -> None:
-        """Record the turn's outcome durably, publish it, and answer its caller."""
+        """Record the turn's outcome durably, publish it, and answer its caller; ``cut``:
+        why a turn cancelled while the registry closes was cut (see ``stopped_error``)."""
         sid = self.session_id
         turn_id = self.turn_id
         stats = self.host.stats
@@ -932,7 +935,7 @@ class Actor:
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
             if self.phase is Phase.ABORTING:
-                error = stopped_error(sid, "cut", turn_id)
+                error = stopped_error(sid, cut, turn_id)
             elif self.phase is Phase.STOPPING:
                 error = stopped_error(sid, "stop", turn_id)
             else:
@@ -1545,6 +1548,50 @@ class Actor:
         if not writing.cancelled_caught:  # else the store is stuck: the lease expires
             await self._release_lease()
 
+    async def hibernate_interrupted(self) -> None:
+        """Something not an Exception (KeyboardInterrupt, say) escaped this incarnation and
+        ends the registry: hibernate at once, as the registry's hurried shutdown does the
+        other sessions, so that nothing it answered is lost (with ``durability="hibernate"``
+        this snapshot is the only write of its answered turns). The turn it cut short is
+        settled as a turn cut when the shutdown grace ends is: kept, marked interrupted,
+        its caller told. Its state is whole: events are folded as they happen, and a turn
+        loop that an exception leaves answers its tool calls first, as a cancelled one.
+
+        Nothing is written by an incarnation that was killed (deleted, or its lease lost),
+        that left already, or that never loaded (a restart that held answered turns
+        reports them unwritten).
+        """
+        sid = self.session_id
+        if self.phase is Phase.KILLED or self.phase is Phase.LEFT:
+            return
+        if self._ready is not None:
+            if self.acknowledged_unsaved():
+                self.host.unwritten(
+                    sid,
+                    SessionStoppedError(
+                        f"session {sid!r} was interrupted while it woke after a crash",
+                        session_id=sid,
+                    ),
+                )
+            return
+        if self.phase is Phase.STOPPING:  # the stop did not happen: it hibernates instead
+            self.stop_error = stopped_error(sid, "closing")
+            self.phase = Phase.ABORTING
+        self.close()  # take nothing new
+        self.abort()
+        cut, self._cut = self._cut, None
+        if cut is not None:  # the turn in flight, as the interruption left it
+            await self._settle(*cut, failure=None, final=None, cancelled=True, cut="interrupted")
+        if self.host.given_up:  # meanwhile (a crash writes nothing more)
+            return
+        await self._hibernate_now()
+        mail = self.turn_mail
+        if mail is not None:  # interrupted as it settled: its outcome may not be stored
+            self.turn_mail = self.held = None
+            error = stopped_error(sid, "unsaved", mail.turn_id)
+            mail.pending.set_error(error)
+            self.end_trace("crashed", error)
+
     def acknowledged_unsaved(self) -> bool:
         """Whether acknowledged state is in no write yet (only without a journal)."""
         return self.journal.holds_unwritten()
@@ -1667,6 +1714,12 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
             f"the registry closed before the store confirmed the turn of session {sid!r} "
             "(it did not answer in time), so the turn may be lost: send it again once a "
             "registry is open (with an idempotency key, a retry cannot run it twice)"
+        )
+    elif reason == "interrupted":
+        text = (
+            f"the turn of session {sid!r} was cut off when something not an Exception "
+            "(a KeyboardInterrupt, say) escaped it and closed the registry; what it "
+            "streamed is kept, marked interrupted: send it again once a registry is open"
         )
     elif reason == "cut":
         text = (

@@ -137,10 +137,36 @@ async def session_task(host: Host, actor: Actor) -> None:
         except BaseException:
             # Not an Exception (KeyboardInterrupt, say): it ends the registry at once (the
             # other sessions are shielded from the nursery's cancellation: the registry's
-            # hurried shutdown ends them), and this session's waiters hear so
+            # hurried shutdown ends them). This session is hibernated on its way out as
+            # they are, within the same bounds, and its waiters hear so
             host.interrupted()
-            _end(actor, stopped_error(actor.session_id, "closing"))
+            try:
+                await _hibernate_interrupted(host, actor)
+            finally:  # (interrupted again: it ends where it is)
+                if actor.phase is not Phase.LEFT:
+                    _end(actor, stopped_error(actor.session_id, "closing"))
             raise
+
+
+async def _hibernate_interrupted(host: Host, actor: Actor) -> None:
+    """Hibernate a session that something not an Exception escaped (see
+    ``Actor.hibernate_interrupted``), shielded like its run, which the registry's giving
+    up cancels; nothing is written once the registry gave up (or crashed: the test kit's
+    ``crash`` stands for a process's death, which writes nothing)."""
+    if not host.given_up:
+        scope = actor.run_scope = trio.CancelScope(shield=True)  # (cancelled on giving up)
+        with scope:
+            try:
+                await actor.hibernate_interrupted()
+            except Exception as exc:  # (fenced out, say) what ends the registry is the other
+                log.warning(
+                    "session %r was interrupted and could not hibernate: %s",
+                    actor.session_id,
+                    exc,
+                    exc_info=exc,
+                )
+    if host.given_up and actor.phase is not Phase.LEFT:  # before it hibernated, or while
+        _given_up(host, actor)
 
 
 def _given_up(host: Host, actor: Actor) -> None:

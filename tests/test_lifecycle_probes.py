@@ -12,13 +12,14 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel, crash
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
 
@@ -519,3 +520,121 @@ def test_ctrl_c_pressed_again_while_the_shutdown_waits_for_a_stalled_store_stops
         [sys.executable, "-c", THREE_CTRL_C], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.strip() == "stopped by Ctrl-C", done.stderr
+
+
+def cut_by_ctrl_c() -> dict[str, sa.Agent]:
+    """An agent that answers two turns, then streams two words of the third and raises
+    KeyboardInterrupt (a Ctrl-C landing while the model streams)."""
+    cut = Scripted(text="cut off", error=KeyboardInterrupt())
+    return {"a": sa.Agent(model=ScriptedModel(["first answer", "second answer", cut]))}
+
+
+async def answer_twice_then_ctrl_c(
+    store: sa.Store, durability: sa.Durability, turns: list[sa.Turn], *, hang: bool = False
+) -> None:
+    """Session "A" answers two turns, then its model raises KeyboardInterrupt in the
+    third (``turns``: it), while the application goes on; ``hang``: the store never
+    takes a snapshot from then on."""
+    async with sa.open_registry(store=store, agents=cut_by_ctrl_c(), durability=durability) as reg:
+        ref = await reg.spawn("A")
+        assert (await ref.send("one")).text == "first answer"
+        assert (await ref.send("two")).text == "second answer"
+        if hang:
+            assert isinstance(store, FaultyStore)
+            store.hold("write_snapshot")  # never opened
+        turns.append(await ref.submit("three"))
+        await trio.sleep_forever()  # the application goes on: the Ctrl-C ends it
+
+
+@pytest.mark.parametrize("durability", ["hibernate", "turn"])
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_ctrl_c_in_a_session_keeps_what_that_session_answered(
+    tmp_path: Path, kind: str, durability: sa.Durability
+) -> None:
+    """A KeyboardInterrupt escaping one session's model ends the registry as itself, and
+    that session is hibernated on the way out as the others are: with
+    durability="hibernate" the turns it answered are kept (the closing snapshot is their
+    only write), and the turn it cut is kept, marked interrupted (its caller hears so)."""
+    memory = sa.MemoryStore()
+
+    def store() -> sa.Store:
+        return memory if kind == "memory" else sa.SQLiteStore(str(tmp_path / "s.db"))
+
+    turns: list[sa.Turn] = []
+    with trio.fail_after(30), pytest.raises(KeyboardInterrupt):
+        await answer_twice_then_ctrl_c(store(), durability, turns)
+    async with sa.open_registry(store=store(), agents=ECHO) as reg:
+        history = await reg.ref("A").history()
+    assert [(m.content, m.interrupted) for m in history] == [
+        ("one", False),
+        ("first answer", False),
+        ("two", False),
+        ("second answer", False),
+        ("three", False),
+        ("cut off", True),
+    ]
+    [turn] = turns
+    with trio.fail_after(30), pytest.raises(sa.SessionStoppedError) as stopped:
+        await turn.reply()
+    assert stopped.value.session_id == "A"
+    assert stopped.value.turn_id == turn.id
+
+
+async def test_a_ctrl_c_in_a_session_whose_store_hangs_ends_within_the_write_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A KeyboardInterrupt escaping a session whose store never takes its snapshot: the
+    session's hibernation waits for the store at most the write bound (30 s), then the
+    registry ends, as the KeyboardInterrupt, and the cut turn's caller has its answer."""
+    turns: list[sa.Turn] = []
+    start = trio.current_time()
+    with trio.fail_after(3600), pytest.raises(KeyboardInterrupt):
+        await answer_twice_then_ctrl_c(FaultyStore(), "hibernate", turns, hang=True)
+    assert trio.current_time() - start < 100
+    with trio.fail_after(1), pytest.raises(sa.SessionStoppedError):
+        await turns[0].reply()
+
+
+class AnswerThenCtrlCWhenCancelled:
+    """A model that answers its first turn; in the next it streams a word and waits, and
+    cancelled, it raises KeyboardInterrupt (a Ctrl-C landing in its cleanup)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        self.turns += 1
+        await trio.lowlevel.checkpoint()
+        if self.turns == 1:
+            yield sa.TextChunk("answer")
+            return
+        yield sa.TextChunk("partial")
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            raise KeyboardInterrupt from None
+
+
+async def test_a_ctrl_c_escaping_a_session_of_a_crashed_registry_writes_nothing() -> None:
+    """After crash(registry), a KeyboardInterrupt escaping a session as it is stopped
+    writes nothing (a process's death does not hibernate): the store holds what it held,
+    which with durability="hibernate" is the session as spawned."""
+    store = sa.MemoryStore()
+    agents = {"a": sa.Agent(model=AnswerThenCtrlCWhenCancelled())}
+
+    async def process() -> None:
+        with trio.CancelScope() as death:
+            async with sa.open_registry(store=store, agents=agents, durability="hibernate") as reg:
+                ref = await reg.spawn("A")
+                assert (await ref.send("one")).text == "answer"
+                await ref.submit("two")
+                await trio.testing.wait_all_tasks_blocked()
+                crash(reg)
+                death.cancel()
+                await trio.sleep_forever()
+
+    # (grouped with the block's own cancellation, which the process's scope then takes)
+    with trio.fail_after(30), pytest.RaisesGroup(KeyboardInterrupt, allow_unwrapped=True):
+        await process()
+    async with sa.open_registry(store=store, agents=ECHO) as reg:
+        assert await reg.ref("A").history() == []
