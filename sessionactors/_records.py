@@ -440,7 +440,7 @@ class SessionState:
 class SessionInfo:
     """A short description of one session, live or stored (``usage``: the tokens
     its models reported, summed, as in its state; ``metadata``: the session's
-    whole metadata, which is why metadata should be small)."""
+    whole metadata, which is why metadata is small: at most ``MAX_METADATA_BYTES``)."""
 
     session_id: str
     agent: str | None
