@@ -293,7 +293,8 @@ class Message:
     ``metadata`` is read-only, like the message: messages made without any
     share one empty mapping (a ``dict`` that refuses changes), so a long
     history holds no empty dict per message. Give a message metadata with
-    ``attrs.evolve(message, metadata={...})``.
+    ``attrs.evolve(message, metadata={...})``: plain data, as a session's
+    metadata is (floats finite).
     """
 
     id: str
