@@ -198,9 +198,12 @@ class Registry(metaclass=NoPublicConstructor):
         An existing session is returned as it is (its system prompt and metadata
         unchanged), but one that runs another agent than ``agent`` (when given)
         raises SessionExistsError: a session keeps the agent it was spawned with.
+        ``system_prompt`` and ``metadata`` are checked as ``spawn`` checks them
+        whether or not the session exists: what spawn would refuse is refused.
         """
         validate_name(name)
         wanted = None if agent is None else self._agent_key(agent, name)
+        _checked_options(name, system_prompt, metadata)  # (refused whichever way it goes)
         actor = self._sessions.live.get(name)
         # (an actor still loading may be a read of a name that is not stored: spawn
         # waits for it to find nothing)
