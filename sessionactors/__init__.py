@@ -4,6 +4,7 @@ import logging as _logging
 
 from ._agent import Agent as Agent
 from ._agent import Compaction as Compaction
+from ._codec import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from ._codec import dump_snapshot as dump_snapshot
 from ._codec import load_snapshot as load_snapshot
 from ._errors import AgentNotFoundError as AgentNotFoundError
@@ -90,7 +91,7 @@ from .stores._sqlite import SQLiteStore as SQLiteStore
 # The library logs under "sessionactors"; the application decides where it goes.
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "Agent",
     "AgentNotFoundError",
     "Compaction",
@@ -103,6 +104,7 @@ __all__ = [
     "InvalidHistoryError",
     "InvalidSessionNameError",
     "LeaseHeldError",
+    "MAX_METADATA_BYTES",
     "MailboxFullError",
     "MaxStepsError",
     "MemoryStore",

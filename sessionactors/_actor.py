@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from ._agent import Agent, run_turn
-from ._codec import MAX_SEQ
+from ._codec import MAX_SEQ, metadata_size
 from ._config import RegistryConfig
 from ._errors import (
     AgentNotFoundError,
@@ -1270,15 +1270,20 @@ class Actor:
         """The metadata with the changes merged in, checked whole (the merge may outgrow
         a limit that each change keeps): ``TypeError`` / ``ValueError`` if refused."""
         sid = self.session_id
+        current = self.session.metadata
         try:
-            merged = check_metadata(sid, merge_metadata(self.session.metadata, request.changes))
+            merged = check_metadata(
+                sid,
+                merge_metadata(current, request.changes),
+                stored=metadata_size(current),  # (metadata stored before the limit may shrink)
+            )
             check_info_room(attrs.evolve(self.session.info(), metadata=merged))
         except (TypeError, ValueError) as exc:
             detail = str(exc).removeprefix(f"metadata for session {sid!r} cannot be stored: ")
             raise type(exc)(
                 f"metadata for session {sid!r} cannot take these changes: merged with the "
-                f"metadata it has, it cannot be stored ({detail}); remove keys (set them to "
-                "None), or keep large values elsewhere"
+                f"metadata it has, it cannot be stored ({detail}); make room by removing keys "
+                "(set them to None)"
             ) from exc
         return merged
 

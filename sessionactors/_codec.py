@@ -73,7 +73,7 @@ back equal (metadata as plain data: tuples come back as lists).
 import datetime
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -94,6 +94,7 @@ from ._codec_convert import (
     unstructure_event,
     unstructure_info,
     unstructure_message,
+    unstructure_metadata,
     unstructure_state,
 )
 from ._codec_fast import COMPACT_EVENTS, Slow, fast_info, fast_live_info, fast_message
@@ -110,6 +111,7 @@ from ._codec_format import (
     MAX_INFO_BYTES,
     MAX_JOURNAL_ENTRY_BYTES,
     MAX_MAP_LEN,
+    MAX_METADATA_BYTES,
     MAX_METADATA_DEPTH,
     MAX_SEQ,
     MAX_SNAPSHOT_BYTES,
@@ -134,6 +136,7 @@ __all__ = [
     "MAX_INFO_BYTES",
     "MAX_JOURNAL_ENTRY_BYTES",
     "MAX_MAP_LEN",
+    "MAX_METADATA_BYTES",
     "MAX_METADATA_DEPTH",
     "MAX_SEQ",
     "MAX_SNAPSHOT_BYTES",
@@ -151,6 +154,7 @@ __all__ = [
     "load_info",
     "load_journal_entry",
     "load_snapshot",
+    "metadata_size",
 ]
 
 
@@ -418,7 +422,7 @@ def _check_size(data: bytes, containers: int, what: str, session_id: object, max
     if size > max_size:
         raise ValueError(
             f"the {what} of session {session_id!r} would be {size} bytes, over the limit"
-            f" of {max_size} bytes; make it smaller (truncate or compact the history)"
+            f" of {max_size} bytes; {_SMALLER.get(what, _SMALLER_HISTORY)}"
         )
     if containers > _container_limit(size):
         raise ValueError(
@@ -427,6 +431,15 @@ def _check_size(data: bytes, containers: int, what: str, session_id: object, max
             f" {CONTAINER_BYTES} bytes beyond {FREE_CONTAINERS}); metadata holds too many"
             " small maps or lists: flatten it"
         )
+
+
+_SMALLER_HISTORY: Final = "make it smaller (truncate or compact the history)"
+#: What to do about a record too large, by what it is (the history, by default).
+_SMALLER: Final = {
+    # (an info holds no history: only its metadata can be large)
+    "info": "keep large values out of the session's metadata: store them elsewhere, and "
+    "ids or references to them in the metadata",
+}
 
 
 _PACKABLE: Final = (
@@ -813,6 +826,16 @@ def dump_info(info: SessionInfo) -> bytes:
         raise TypeError(f"expected a SessionInfo, got {type_name(info)}")
     containers = _check(check_info, info, "info", info.session_id)
     return _encode(unstructure_info, info, "info", info.session_id, MAX_INFO_BYTES, containers)
+
+
+def metadata_size(metadata: Mapping[str, Any]) -> int:
+    """The bytes ``metadata`` takes encoded, as the codec writes it in a session's info
+    (and in the ``MetadataChanged`` event that journals it), whatever its size;
+    ``TypeError`` or ``ValueError`` naming the key for what is not plain data."""
+    try:
+        return len(_packer().pack(unstructure_metadata(metadata)))
+    except OverflowError as exc:  # (an integer beyond 64 bits)
+        raise ValueError(f"metadata holds an integer out of the 64-bit range: {exc}") from None
 
 
 def dump_live_info(session: Any) -> bytes:

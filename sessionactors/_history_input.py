@@ -13,6 +13,7 @@ from ._codec import MAX_TEXT_CHARS, dump_event, dump_events, load_events
 from ._errors import InvalidHistoryError
 from ._events import Event, MessageAdded
 from ._history import broken_rule
+from ._metadata import non_finite
 from ._records import Message, ToolCall
 
 __all__ = ["KnownIds", "check_entry", "check_messages", "check_new_ids"]
@@ -23,8 +24,9 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
 
     ``TypeError`` for anything but an iterable of :class:`Message` records or a
     field of the wrong type, ``ValueError`` for a message longer than a turn's may
-    be (its content and tool call arguments over MAX_TEXT_CHARS) and what the codec
-    refuses (a batch too long for one journal entry, a naive datetime),
+    be (its content and tool call arguments over MAX_TEXT_CHARS), what the codec
+    refuses (a batch too long for one journal entry, a naive datetime) and metadata
+    holding a float that is not finite, as a session's metadata may not,
     :class:`InvalidHistoryError` for an empty or repeated id and a tool call
     separated from its results. Every message names the session and ``what`` was
     called.
@@ -49,6 +51,13 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
         # still holds (a metadata dict, a list in it) is shared with the history
         entry = check_entry(session_id, [_added(session_id, m) for m in given], what)
         given = tuple(e.message for e in load_events(entry) if isinstance(e, MessageAdded))
+        for index, message in enumerate(given):
+            problem = non_finite(message.metadata)  # (refused as a session's metadata is)
+            if problem is not None:
+                raise ValueError(
+                    f"{what} for session {session_id!r}: messages[{index}] cannot be stored "
+                    f"({problem})"
+                )
     problem = broken_rule(given)
     if problem is not None:
         raise _invalid(session_id, what, problem)

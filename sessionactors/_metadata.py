@@ -1,8 +1,9 @@
 """A session's metadata: the checks and the merge behind ``ref.set_metadata``.
 
-Pure (no trio). Metadata is plain data, as the codec stores it; a change is
-checked by encoding it as the event that will journal it, so that what is
-refused here is exactly what the store would refuse, before anything is written.
+Pure (no trio). Metadata is plain data, as the codec stores it, of at most
+MAX_METADATA_BYTES encoded; a change is checked by encoding it as the event that
+will journal it, so that what is refused here is exactly what the store would
+refuse, before anything is written.
 """
 
 import math
@@ -11,11 +12,25 @@ from typing import Any
 
 import attrs
 
-from ._codec import MAX_INFO_BYTES, MAX_SEQ, dump_event, dump_info, load_event
+from ._codec import (
+    MAX_INFO_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_SEQ,
+    dump_event,
+    dump_info,
+    load_event,
+    metadata_size,
+)
 from ._events import MetadataChanged
 from ._records import SessionInfo, Status, Usage
 
-__all__ = ["check_info_room", "check_metadata", "merge_metadata"]
+__all__ = [
+    "check_info_room",
+    "check_metadata",
+    "check_metadata_size",
+    "merge_metadata",
+    "non_finite",
+]
 
 
 def check_info_room(info: SessionInfo) -> None:
@@ -41,14 +56,25 @@ def check_info_room(info: SessionInfo) -> None:
         ) from exc
 
 
-def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
+def check_metadata(session_id: str, metadata: object, *, stored: int = 0) -> dict[str, Any]:
     """``metadata`` as a dict, in the form the codec reads it back, if the codec can
-    store it; else ``TypeError`` / ``ValueError`` naming the session and the
-    offending key."""
+    store it and it is at most MAX_METADATA_BYTES encoded; else ``TypeError`` /
+    ``ValueError`` naming the session and the offending key (or the size).
+
+    ``stored``: the encoded size of the metadata this replaces. Metadata stored before
+    the limit may be larger; a change that leaves it no larger is taken, so that it
+    can shrink.
+    """
     if not isinstance(metadata, Mapping):
         raise TypeError(
             f"metadata for session {session_id!r} must be a mapping, not {type(metadata).__name__}"
         )
+    try:
+        size = metadata_size(metadata)
+    except (TypeError, ValueError):
+        size = -1  # not plain data: the codec's checks below say what is wrong, where
+    else:
+        check_metadata_size(session_id, size, stored=stored)
     try:
         data = dump_event(MetadataChanged(session_id=session_id, seq=0, metadata=dict(metadata)))
     except (TypeError, ValueError) as exc:  # the codec's message says what is wrong, where
@@ -56,18 +82,43 @@ def check_metadata(session_id: str, metadata: object) -> dict[str, Any]:
     # as the store gives it back (a tuple reads as a list): the same before and after a restart
     loaded = load_event(data, session_id=session_id)
     assert isinstance(loaded, MetadataChanged)
-    where = _non_finite(loaded.metadata)
-    if where is not None:
-        raise ValueError(
-            f"metadata for session {session_id!r} cannot be stored: {where} is a float that "
-            "is not finite (NaN or an infinity), which has no JSON form; store None or a "
-            "string instead"
-        )
+    problem = non_finite(loaded.metadata)
+    if problem is not None:
+        raise ValueError(f"metadata for session {session_id!r} cannot be stored: {problem}")
+    if size < 0:  # (the codec took what could not be measured as given)
+        check_metadata_size(session_id, metadata_size(loaded.metadata), stored=stored)
     return dict(loaded.metadata)
 
 
-def _non_finite(value: Any, at: str = "$") -> str | None:
-    """Where in ``value`` a float that is not finite sits (``$['key'][0]``), or None."""
+def check_metadata_size(session_id: str, size: int, *, stored: int = 0) -> None:
+    """``ValueError`` naming the session, its size and the limit if metadata of ``size``
+    bytes encoded is over MAX_METADATA_BYTES (and larger than the ``stored`` metadata it
+    replaces), saying what to do."""
+    if size > MAX_METADATA_BYTES and size > stored:
+        raise ValueError(
+            f"the metadata of session {session_id!r} is {size:,} bytes encoded, over the "
+            f"limit of {MAX_METADATA_BYTES:,} (MAX_METADATA_BYTES): every listing entry "
+            "carries it, and every turn writes it again; keep ids and small values in "
+            "metadata (labels, flags, a URL or a key) and large data elsewhere"
+        )
+
+
+def non_finite(metadata: Mapping[str, Any]) -> str | None:
+    """What is wrong if ``metadata`` (a session's or a message's) holds a float that is
+    not finite, or None: the problem says where it sits (``metadata['key'][0]``) and
+    what to do."""
+    where = _non_finite(metadata, "metadata")
+    if where is None:
+        return None
+    return (
+        f"{where} is a float that is not finite (NaN or an infinity), which has no JSON "
+        "form; store None or a string instead"
+    )
+
+
+def _non_finite(value: Any, at: str) -> str | None:
+    """Where in ``value`` (at ``at``) a float that is not finite sits (``at['key'][0]``),
+    or None."""
     if isinstance(value, float):
         return None if math.isfinite(value) else at
     if isinstance(value, Mapping):

@@ -293,7 +293,8 @@ class Message:
     ``metadata`` is read-only, like the message: messages made without any
     share one empty mapping (a ``dict`` that refuses changes), so a long
     history holds no empty dict per message. Give a message metadata with
-    ``attrs.evolve(message, metadata={...})``.
+    ``attrs.evolve(message, metadata={...})``: plain data, as a session's
+    metadata is (floats finite).
     """
 
     id: str
@@ -440,7 +441,7 @@ class SessionState:
 class SessionInfo:
     """A short description of one session, live or stored (``usage``: the tokens
     its models reported, summed, as in its state; ``metadata``: the session's
-    whole metadata, which is why metadata should be small)."""
+    whole metadata, which is why metadata is small: at most ``MAX_METADATA_BYTES``)."""
 
     session_id: str
     agent: str | None

@@ -393,11 +393,13 @@ class SessionRef(metaclass=NoPublicConstructor):
         plain data, as for ``spawn(metadata=...)`` (floats finite): anything else raises
         ``TypeError`` or ``ValueError`` naming the session, before anything is written.
 
-        Keep it small (a few KiB: labels, ids, flags): every listing entry
+        The metadata, as it is after the merge, is at most ``MAX_METADATA_BYTES``
+        (64 KiB) encoded: labels, ids, flags. Every listing entry
         (``registry.sessions()``, the gateway's ``GET /sessions``) carries the whole
-        metadata, and every turn writes it again. The limit is what the session's
-        info can hold (16 MiB encoded, its other fields included); store a reference
-        to a large value instead of the value.
+        metadata, and every turn writes it again; more raises ``ValueError`` naming
+        the session, the size and the limit. Store a reference to a large value
+        instead of the value. Metadata stored before the limit may be larger: a change
+        that leaves it no larger is taken, so that it can shrink.
         """
         sid = self.session_id
         request = SetMetadata(changes=check_metadata(sid, changes))

@@ -125,29 +125,17 @@ class Registry(metaclass=NoPublicConstructor):
         one; any name in a registry without agents, which stores the session for
         a registry with that agent to run); ``system_prompt`` overrides the
         agent's for this session.
+        ``metadata`` is plain data (as for ``SessionRef.set_metadata``) of at most
+        ``MAX_METADATA_BYTES`` (64 KiB) encoded: ids, labels and flags, not documents.
         Raises SessionExistsError if the name is live or stored, and TypeError or
         ValueError naming the session and what is wrong (a ``system_prompt`` longer
-        than a message may be, 1,048,576 characters, or metadata the store cannot
-        hold), before anything is stored.
+        than a message may be, 1,048,576 characters, metadata over its limit, or
+        metadata the store cannot hold), before anything is stored.
         """
         validate_name(name)
         self._sessions.check_open(name)
         key = self._agent_key(agent, name)
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise TypeError(
-                f"system_prompt for session {name!r} must be str or None, "
-                f"not {type(system_prompt).__name__}"
-            )
-        if system_prompt is not None:
-            if len(system_prompt) > MAX_TEXT_CHARS:
-                raise ValueError(
-                    f"the system_prompt of {len(system_prompt):,} characters for session "
-                    f"{name!r} is over the limit of {MAX_TEXT_CHARS:,}, as a message is; keep "
-                    "large documents out of it: give them in parts or by reference"
-                )
-            check_unicode(system_prompt, f"the system_prompt of session {name!r}")
-        if metadata is not None:
-            metadata = check_metadata(name, metadata)
+        metadata = _checked_options(name, system_prompt, metadata)
         session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
         return await self._start_session(session)
 
@@ -210,9 +198,12 @@ class Registry(metaclass=NoPublicConstructor):
         An existing session is returned as it is (its system prompt and metadata
         unchanged), but one that runs another agent than ``agent`` (when given)
         raises SessionExistsError: a session keeps the agent it was spawned with.
+        ``system_prompt`` and ``metadata`` are checked as ``spawn`` checks them
+        whether or not the session exists: what spawn would refuse is refused.
         """
         validate_name(name)
         wanted = None if agent is None else self._agent_key(agent, name)
+        _checked_options(name, system_prompt, metadata)  # (refused whichever way it goes)
         actor = self._sessions.live.get(name)
         # (an actor still loading may be a read of a name that is not stored: spawn
         # waits for it to find nothing)
@@ -292,7 +283,7 @@ class Registry(metaclass=NoPublicConstructor):
         logged, so one bad record never fails the listing.
 
         Each SessionInfo carries the session's whole metadata, so a page costs
-        what its sessions' metadata weighs: keep metadata small (see
+        what its sessions' metadata weighs: at most ``MAX_METADATA_BYTES`` each (see
         ``SessionRef.set_metadata``).
         """
         return await list_stored(
@@ -398,6 +389,26 @@ class Registry(metaclass=NoPublicConstructor):
                 f"{asked} to open_registry(agents=...)"
             )
         return agent
+
+
+def _checked_options(name: str, system_prompt: object, metadata: object) -> dict[str, Any] | None:
+    """The metadata of a new session ``name``, checked (``check_metadata``), if its
+    ``system_prompt`` and ``metadata`` can be stored; else TypeError or ValueError
+    naming the session and what is wrong."""
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise TypeError(
+            f"system_prompt for session {name!r} must be str or None, "
+            f"not {type(system_prompt).__name__}"
+        )
+    if system_prompt is not None:
+        if len(system_prompt) > MAX_TEXT_CHARS:
+            raise ValueError(
+                f"the system_prompt of {len(system_prompt):,} characters for session "
+                f"{name!r} is over the limit of {MAX_TEXT_CHARS:,}, as a message is; keep "
+                "large documents out of it: give them in parts or by reference"
+            )
+        check_unicode(system_prompt, f"the system_prompt of session {name!r}")
+    return None if metadata is None else check_metadata(name, metadata)
 
 
 async def create_session(registry: Registry, state: SessionState) -> SessionRef:

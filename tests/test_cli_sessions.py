@@ -4,6 +4,7 @@ a server process that uses the same store."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import hashlib
 import itertools
@@ -20,13 +21,14 @@ from typing import Any
 
 import attrs
 import coredis
+import msgpack
 import pytest
 import trio
 
 import sessionactors as sa
 from processes import reap
 from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, export_document
 
 HERE = Path(__file__).resolve().parent
 SERVER = HERE / "sessions_server.py"
@@ -286,6 +288,32 @@ def test_import_refuses_what_is_not_a_faithful_export(tmp_path: Path) -> None:
     for text, expected in cases.items():
         assert expected in refused("import", "-", "--store", target, stdin=text)
     assert not (tmp_path / "target.db").exists() or ok("list", "--store", target) == ""
+
+
+def test_import_refuses_metadata_over_the_limit_before_writing(tmp_path: Path) -> None:
+    """import refuses, in one line and before writing anything, an export whose session
+    metadata is over MAX_METADATA_BYTES encoded (as spawn and set_metadata do), naming
+    the session, the size and the limit and saying what to do; at the limit it imports."""
+    now = datetime.datetime.now(datetime.UTC)
+    target = f"sqlite:///{tmp_path / 'target.db'}"
+    for size in (64 * 1024 + 1, 64 * 1024):
+        metadata = {"blob": ""}
+        metadata["blob"] = "x" * (size - len(msgpack.packb(metadata)) - 2)
+        assert len(msgpack.packb(metadata)) == size
+        state = sa.SessionState(
+            session_id="big", agent="echo", created_at=now, updated_at=now, metadata=metadata
+        )
+        document = json.dumps(export_document(state))
+        if size > 64 * 1024:
+            line = refused("import", "-", "--store", target, stdin=document)
+            assert "'big'" in line, line
+            assert f"{size:,} bytes" in line, line
+            assert "over the limit of 65,536" in line, line
+            assert "elsewhere" in line, line
+            assert not (tmp_path / "target.db").exists() or ok("list", "--store", target) == ""
+        else:
+            assert "imported session 'big'" in ok("import", "-", "--store", target, stdin=document)
+            assert "big" in ok("list", "--store", target)
 
 
 # ---- writing beside a server ------------------------------------------------------

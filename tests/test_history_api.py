@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -238,6 +239,12 @@ def refusals(
         ("role str", [attrs.evolve(m, role="user")], TypeError, "role"),
         ("naive time", [attrs.evolve(m, created_at=naive)], ValueError, "naive"),
         ("bad metadata", [attrs.evolve(m, metadata={"x": object()})], TypeError, "metadata"),
+        (
+            "not finite metadata",
+            [attrs.evolve(m, metadata={"score": [math.nan]})],
+            ValueError,
+            r"messages\[0\].*'score'.*not finite",
+        ),
         ("twice", [m, m], sa.InvalidHistoryError, "appears twice"),
         ("empty id", [attrs.evolve(m, id="")], sa.InvalidHistoryError, "empty id"),
         ("call alone", [asking], sa.InvalidHistoryError, "has no result"),

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import datetime
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 import trio
 
 import sessionactors as sa
 import sessionactors.aio as aio
+from sessionactors.stores import MAX_JOURNAL_ENTRY_BYTES, JournalEntry, dump_events, dump_info
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 #: The longest message a turn accepts, and the longest tool result kept whole, in characters
@@ -197,3 +202,203 @@ def test_asyncio_code_meets_the_same_limits() -> None:
             assert await ref.history() == []
 
     asyncio.run(main())
+
+
+# ---- session metadata ---------------------------------------------------------------
+
+#: The largest session metadata, encoded (msgpack, as the store writes it), in bytes.
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def _metadata_of(size: int) -> dict[str, Any]:
+    """Metadata of two keys whose encoded form is ``size`` bytes."""
+    metadata = {"a": "", "b": ""}
+    text = size - len(msgpack.packb(metadata)) - 2 * 2  # (each str grows a 2-byte length)
+    metadata = {"a": "x" * (text // 2), "b": "y" * (text - text // 2)}
+    assert len(msgpack.packb(metadata)) == size
+    return metadata
+
+
+async def _spawn(registry: sa.Registry, metadata: dict[str, Any]) -> object:
+    return await registry.spawn("s", metadata=metadata)
+
+
+async def _get_or_spawn(registry: sa.Registry, metadata: dict[str, Any]) -> object:
+    return await registry.get_or_spawn("s", metadata=metadata)
+
+
+async def _set(registry: sa.Registry, metadata: dict[str, Any]) -> object:
+    return await registry.ref("s").set_metadata(metadata)
+
+
+async def _merge(registry: sa.Registry, metadata: dict[str, Any]) -> object:
+    """set_metadata in two changes, each within the limit, that merge into ``metadata``."""
+    ref = registry.ref("s")
+    await ref.set_metadata({"a": metadata["a"]})
+    return await ref.set_metadata({"b": metadata["b"]})
+
+
+#: Ways to set a session's metadata: (the session exists first, the way).
+METADATA_WAYS: dict[
+    str, tuple[bool, Callable[[sa.Registry, dict[str, Any]], Awaitable[object]]]
+] = {
+    "spawn": (False, _spawn),
+    "get_or_spawn": (False, _get_or_spawn),
+    "get_or_spawn of an existing session": (True, _get_or_spawn),
+    "set_metadata": (True, _set),
+    "set_metadata, merged": (True, _merge),
+}
+
+
+@pytest.mark.parametrize("way", sorted(METADATA_WAYS))
+async def test_session_metadata_over_the_limit_is_refused_before_anything_is_written(
+    way: str,
+) -> None:
+    """Metadata over MAX_METADATA_BYTES encoded (64 KiB), given whole or merged, is
+    refused with a ValueError naming the session, its size and the limit, and saying to
+    keep large data elsewhere; nothing is written, and metadata at the limit is kept
+    whole across hibernation."""
+    assert sa.MAX_METADATA_BYTES == MAX_METADATA_BYTES
+    exists, set_it = METADATA_WAYS[way]
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        with trio.fail_after(30):
+            if exists:
+                await (await registry.spawn("s")).send("hi")
+            before = await registry.sessions()
+            with pytest.raises(ValueError, match=r"'s'") as info:
+                await set_it(registry, _metadata_of(MAX_METADATA_BYTES + 1))
+            message = str(info.value)
+            assert f"{MAX_METADATA_BYTES + 1:,} bytes" in message, message
+            assert "over the limit of 65,536" in message, message
+            assert "MAX_METADATA_BYTES" in message, message
+            assert "elsewhere" in message, message
+            assert "history" not in message, message
+            if way == "set_metadata, merged":  # (its first change was within the limit)
+                [listed] = await registry.sessions()
+                assert sorted(listed.metadata) == ["a"]
+                await registry.ref("s").set_metadata({"a": None})
+            else:
+                assert await registry.sessions() == before
+            # the control: at the limit, it is accepted
+            at_limit = _metadata_of(MAX_METADATA_BYTES)
+            await set_it(registry, at_limit)
+            ref = registry.ref("s")
+            assert (await ref.send("still here")).text == "still here"
+            await ref.hibernate()
+            kept = (await ref.state()).metadata
+            assert kept == ({} if way == "get_or_spawn of an existing session" else at_limit)
+        assert registry.statistics().crashes == 0
+
+
+@pytest.mark.parametrize("way", ["spawn", "set_metadata", "dump_info"])
+async def test_metadata_too_large_for_any_record_is_refused_with_advice_about_metadata(
+    way: str,
+) -> None:
+    """Metadata larger than a journal entry or a session's info may be is refused with
+    a ValueError that names the session and says to keep large data out of metadata,
+    not to truncate or compact the history (which is not what is too large)."""
+    huge = {"blob": "x" * (MAX_JOURNAL_ENTRY_BYTES + 1)}
+
+    async def refuse(registry: sa.Registry) -> None:
+        if way == "spawn":
+            await registry.spawn("s", metadata=huge)
+        elif way == "set_metadata":
+            await registry.ref("s").set_metadata(huge)
+        else:
+            now = datetime.datetime.now(datetime.UTC)
+            info = sa.SessionInfo(
+                session_id="s",
+                agent="echo",
+                status=sa.Status.IDLE,
+                message_count=0,
+                updated_at=now,
+                metadata=huge,
+            )
+            dump_info(info)
+
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        if way == "set_metadata":
+            await registry.spawn("s")
+        with pytest.raises(ValueError, match=r"'s'") as refused:
+            await refuse(registry)
+    message = str(refused.value)
+    assert "history" not in message, message
+    assert "metadata" in message, message
+    assert "elsewhere" in message, message
+
+
+def test_asyncio_code_meets_the_metadata_limit() -> None:
+    """Through sessionactors.aio, spawn, get_or_spawn and set_metadata refuse metadata
+    over the limit as the trio API does, and nothing is stored."""
+
+    async def main() -> None:
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        over = _metadata_of(MAX_METADATA_BYTES + 1)
+        async with asyncio.timeout(30), aio.open_registry(agents=agents) as registry:
+            for spawn in (registry.spawn, registry.get_or_spawn):
+                with pytest.raises(ValueError, match=r"'big'.*over the limit of 65,536"):
+                    await spawn("big", metadata=over)
+            assert await registry.sessions() == []
+            ref = await registry.spawn("big")
+            with pytest.raises(ValueError, match=r"'big'.*over the limit of 65,536"):
+                await ref.set_metadata(over)
+            assert (await ref.state()).metadata == {}
+
+    asyncio.run(main())
+
+
+async def test_a_session_stored_with_larger_metadata_before_the_limit_loads_and_runs(
+    tmp_path: Path,
+) -> None:
+    """A session stored before the limit, whose snapshot and journal hold metadata of
+    megabytes (as its info may, up to 16 MiB), is listed, wakes, runs turns, hibernates
+    and is forked with it; a change that leaves it no larger is accepted, one that
+    makes it larger is refused, and once small it stays within the limit."""
+    path = tmp_path / "sessions.db"
+    now = datetime.datetime.now(datetime.UTC)
+    first = {"blob": "o" * 3_000_000}
+    then = {"a": "a" * 2_000_000, "b": "b" * 2_000_000, "tier": "gold"}
+    state = sa.SessionState(
+        session_id="old", agent="echo", created_at=now, updated_at=now, metadata=first
+    )
+    info = sa.SessionInfo(
+        session_id="old",
+        agent="echo",
+        status=state.status,
+        message_count=0,
+        updated_at=now,
+        metadata=then,
+    )
+    store = sa.SQLiteStore(path)
+    try:
+        await store.create("old", sa.dump_snapshot(state), dump_info(info))
+        changed = sa.MetadataChanged(session_id="old", seq=1, metadata=then)
+        await store.append(
+            "old", [JournalEntry(seq=1, data=dump_events([changed]))], dump_info(info)
+        )
+    finally:
+        await store.aclose()
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        with trio.fail_after(60):
+            [listed] = await registry.sessions()
+            assert listed.metadata == then
+            ref = registry.ref("old")
+            assert (await ref.send("hi")).text == "hi"
+            assert (await ref.state()).metadata == then
+            await ref.hibernate()
+            assert (await ref.send("again")).text == "again"
+            copy = await registry.fork("old", "copy")
+            assert (await copy.state()).metadata == then
+            with pytest.raises(ValueError, match=r"'old'.*over the limit of 65,536"):
+                await ref.set_metadata({"more": 1})
+            smaller = {"b": "b" * 2_000_000, "tier": "gold"}
+            assert await ref.set_metadata({"a": None}) == smaller
+            assert await ref.set_metadata({"b": "small"}) == {"b": "small", "tier": "gold"}
+            with pytest.raises(ValueError, match=r"'old'.*over the limit of 65,536"):
+                await ref.set_metadata({"a": "x" * 40_000, "b": "y" * 40_000})
+        assert registry.statistics().crashes == 0
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        state = await registry.ref("old").state()
+        assert state.metadata == {"b": "small", "tier": "gold"}
+        assert [m.content for m in state.messages] == ["hi", "hi", "again", "again"]

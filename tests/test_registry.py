@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -269,6 +271,40 @@ async def test_get_or_spawn_spawns_once_and_then_finds(echo_agents: dict[str, sa
     assert state.metadata == {"tenant": "acme"}
     assert pairs(state.messages) == [("hi", "hi")]
     assert registry.statistics().spawned == 1
+
+
+async def test_get_or_spawn_refuses_bad_options_whether_or_not_the_session_exists(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """get_or_spawn checks system_prompt and metadata as spawn does, also for a session
+    that exists, live or stored, whose own stay unchanged: bad input is refused with a
+    TypeError or ValueError naming the session, whichever way the call would go."""
+    bad: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"system_prompt": 5}, TypeError, "system_prompt"),
+        ({"system_prompt": "p" * (1024 * 1024 + 1)}, ValueError, "system_prompt"),
+        ({"system_prompt": "lone \ud800"}, ValueError, "system_prompt"),
+        ({"metadata": ["tenant"]}, TypeError, "mapping"),
+        ({"metadata": {"when": object()}}, TypeError, "when"),
+        ({"metadata": {"score": math.nan}}, ValueError, "finite"),
+        ({"metadata": {"blob": "x" * 70_000}}, ValueError, "over the limit"),
+    ]
+    async with sa.open_registry(agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("g", metadata={"tenant": "acme"})
+            await ref.send("hi")
+            for stored in (False, True):
+                if stored:
+                    await ref.hibernate()
+                for options, error, pattern in bad:
+                    for name in ("g", "new"):
+                        with pytest.raises(error, match=pattern) as info:
+                            await registry.get_or_spawn(name, **options)
+                        assert repr(name) in str(info.value), str(info.value)
+                assert registry.live() == ([] if stored else ["g"])
+            assert [info.session_id for info in await registry.sessions()] == ["g"]
+            state = await ref.state()
+            assert (state.metadata, state.system_prompt) == ({"tenant": "acme"}, None)
+            assert pairs(state.messages) == [("hi", "hi")]
 
 
 async def test_live_sessions_and_statistics_describe_the_registry(

@@ -140,6 +140,12 @@ PRIVATE_TYPES = {
 
 # Values that are neither classes nor functions, so they carry no docstring of their own.
 VALUE_DOCS = {
+    "MAX_METADATA_BYTES": (
+        "The largest session metadata, in bytes, encoded as the store writes it (64 KiB):"
+        " `spawn`, `get_or_spawn`, `set_metadata` and `sessions import` refuse more with"
+        " `ValueError`. See [Limits on what goes in]"
+        "(../explanation/index.md#limits-on-what-goes-in)."
+    ),
     "METRICS": (
         "Every metric `OpenTelemetry` records: name -> (instrument, unit, what it measures);"
         " the [observability how-to](../howto/observability.md) lists them."

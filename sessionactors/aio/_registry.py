@@ -239,7 +239,8 @@ class SessionRef:
         return await self._call(self._ref.retry)
 
     async def set_metadata(self, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Merge ``changes`` into the metadata (``None`` removes a key); returns it now."""
+        """Merge ``changes`` into the metadata (``None`` removes a key; the result at most
+        ``MAX_METADATA_BYTES`` encoded); returns it now."""
         metadata: dict[str, Any] = await self._call(self._ref.set_metadata, changes)
         return metadata
 

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import coredis
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -97,6 +98,21 @@ async def _grow_past_the_snapshot_limit(ref: sa.SessionRef) -> None:
         await ref.send(_BIG_TEXT)
 
 
+async def _snapshot_size(ref: sa.SessionRef) -> int:
+    return len(sa.dump_snapshot(await ref.state()))
+
+
+async def _grow_to_under_the_snapshot_limit(ref: sa.SessionRef, room: int) -> None:
+    """Turns that leave the session's snapshot less than ``room`` bytes, and more than
+    half of it, under the limit."""
+    for _ in range(_TURNS_OVER_LIMIT - 2):
+        await ref.send(_BIG_TEXT)
+    left = MAX_SNAPSHOT_BYTES - await _snapshot_size(ref)
+    await ref.send("z" * ((left - room * 3 // 4) // 2))  # (echoed: twice)
+    left = MAX_SNAPSHOT_BYTES - await _snapshot_size(ref)
+    assert room // 2 < left < room
+
+
 async def test_a_session_too_large_to_snapshot_is_not_encoded_again_until_it_may_have_shrunk(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -110,10 +126,10 @@ async def test_a_session_too_large_to_snapshot_is_not_encoded_again_until_it_may
             ref = await registry.spawn("big")
             if edit == "truncate":
                 await _grow_past_the_snapshot_limit(ref)
-            else:  # (metadata alone is less than 16 MiB: most of it is history)
-                for _ in range(_TURNS_OVER_LIMIT - 5):
-                    await ref.send(_BIG_TEXT)
-                await ref.set_metadata({"blob": "y" * 14_000_000})
+            else:  # (metadata is at most MAX_METADATA_BYTES: the history is most of it)
+                blob = "y" * (sa.MAX_METADATA_BYTES - 16)
+                await _grow_to_under_the_snapshot_limit(ref, room=len(blob))
+                await ref.set_metadata({"blob": blob})
             await trio.sleep(60)
             assert caplog.text.count("'big' stays live") == 1
             for _ in range(3):
@@ -131,8 +147,9 @@ async def test_a_session_too_large_to_snapshot_is_not_encoded_again_until_it_may
 
 
 class _CountingStore(sa.MemoryStore):
-    """A MemoryStore that counts the bytes of info its appends are given."""
+    """A MemoryStore that counts its appends, and the bytes of info they are given."""
 
+    appends = 0
     info_bytes = 0
 
     async def append(
@@ -143,26 +160,28 @@ class _CountingStore(sa.MemoryStore):
         *,
         fence: int | None = None,
     ) -> None:
+        self.appends += 1
         self.info_bytes += len(info)
         await super().append(session_id, entries, info, fence=fence)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="design decision: the store protocol's append takes the whole info, which "
-    "holds the metadata (up to MAX_INFO_BYTES), with every turn; writing it only when it "
-    "changes needs the info split in the protocol, or a smaller metadata limit",
-)
-async def test_a_turn_of_a_session_with_large_metadata_does_not_write_the_metadata_again() -> None:
-    """The info a turn's append writes does not carry unchanged metadata again."""
+async def test_a_turn_of_a_session_with_the_largest_metadata_writes_a_bounded_info() -> None:
+    """The info a turn's append writes carries the session's whole metadata again (the
+    store protocol's append takes the whole info), so metadata is bounded: with the
+    largest metadata spawn takes, each append writes at most MAX_METADATA_BYTES and
+    the info's own fields (under 1 KiB), however many turns there are."""
     store = _CountingStore()
+    metadata = {"blob": "y" * (sa.MAX_METADATA_BYTES - 9)}
+    assert len(msgpack.packb(metadata)) == sa.MAX_METADATA_BYTES
     async with sa.open_registry(store=store, agents={"echo": sa.Agent(model=EchoModel())}) as reg:
-        ref = await reg.spawn("meta", metadata={"blob": "y" * 4_000_000})
+        ref = await reg.spawn("meta", metadata=metadata)
         await ref.send("warm up")
-        before = store.info_bytes
+        before = (store.appends, store.info_bytes)
         for i in range(5):
             await ref.send(f"turn {i}")
-        assert (store.info_bytes - before) / 5 < 64 * 1024
+        appends, info_bytes = store.appends - before[0], store.info_bytes - before[1]
+        assert appends >= 5
+        assert info_bytes / appends <= sa.MAX_METADATA_BYTES + 1024
 
 
 def _sessions_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import coredis
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -371,7 +372,7 @@ async def test_metadata_changes_whose_merge_passes_the_limit_are_refused_without
     agents = {"echo": sa.Agent(model=EchoModel())}
     async with sa.open_registry(agents=agents) as registry:
         ref = await registry.spawn("meta")
-        big = "x" * (7 * 1024 * 1024)
+        big = "x" * (sa.MAX_METADATA_BYTES * 2 // 5)
         await ref.set_metadata({"a": big})
         await ref.set_metadata({"b": big})
         for _ in range(5):  # more than the restart intensity allows
@@ -401,34 +402,35 @@ _HUGE_STEPS: dict[str, list[str | Scripted]] = {
 }
 
 
-async def test_metadata_at_the_edge_of_the_size_limits_is_stored_or_refused_never_a_crash() -> None:
-    """Metadata just under a journal entry's size (which the session's info, holding it
-    too, may pass now or once its counts grow) is stored, or refused with ValueError
-    before anything is written, by spawn() and set_metadata(): the session never
-    crashes, its turns run, and what is stored reloads."""
+async def test_metadata_at_the_edge_of_its_size_limit_is_stored_or_refused_never_a_crash() -> None:
+    """Metadata of about MAX_METADATA_BYTES encoded is stored by spawn() and
+    set_metadata() when within the limit, and refused with ValueError before anything
+    is written when over it, to the byte: the session never crashes, its turns run, and
+    what is stored reloads."""
     async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
         ref = await registry.spawn("edge")
-        stored = spawned = 0
-        for margin in range(16, 400, 24):
-            metadata = {"a": "x" * (MAX_JOURNAL_ENTRY_BYTES - margin)}
+        for size in range(sa.MAX_METADATA_BYTES - 8, sa.MAX_METADATA_BYTES + 8):
+            text = size - len(msgpack.packb({"a": "", "b": ""})) - 2 * 2  # (2-byte lengths)
+            metadata = {"a": "x" * (text // 2), "b": "y" * (text - text // 2)}
+            assert len(msgpack.packb(metadata)) == size
+            fits = size <= sa.MAX_METADATA_BYTES
             try:
                 await ref.set_metadata(metadata)
             except ValueError:
-                pass
+                assert not fits
             else:
-                stored += 1
-                await ref.set_metadata({"a": None})
+                assert fits
+                await ref.set_metadata({"a": None, "b": None})
             try:
                 other = await registry.spawn("spawned", metadata=metadata)
             except ValueError:
+                assert not fits
                 continue
-            spawned += 1
+            assert fits
             assert (await other.send("hi")).text == "hi"
             await other.hibernate()
             assert (await other.state()).metadata == metadata
             await registry.delete("spawned")
-        assert stored
-        assert spawned
         assert registry.statistics().crashes == 0
         await ref.hibernate()
         assert (await ref.state()).metadata == {}
