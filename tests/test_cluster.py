@@ -488,12 +488,14 @@ async def test_the_worker_channel_runs_over_tls(
 
 
 async def test_the_worker_channel_runs_over_a_unix_socket(
-    private_redis_server: Callable[..., AbstractContextManager[str]], tmp_path: Path
+    private_redis_server: Callable[..., AbstractContextManager[str]],
 ) -> None:
     """With a unix:// url, the worker channel's own connections come in over that socket and carry a forwarded send."""
-    path = tmp_path / "redis.sock"
-    with private_redis_server(config=("--unixsocket", str(path))) as plain:
-        channels = await forwarded_over(f"unix://{path}", plain)
+    # a short path: a socket's path is cut at 107 bytes, and a test's tmp_path can be longer
+    with tempfile.TemporaryDirectory(prefix="sa-", dir="/tmp") as folder:
+        path = Path(folder) / "redis.sock"
+        with private_redis_server(config=("--unixsocket", str(path))) as plain:
+            channels = await forwarded_over(f"unix://{path}", plain)
     assert len(channels) >= 2
     assert all(str(path) in c["laddr"] for c in channels), channels
 
@@ -505,12 +507,14 @@ async def channel_ids(url: str) -> set[int]:
 
 
 async def test_callers_that_give_up_mid_send_leave_the_channel_connection_alone(
-    cluster: Cluster,
+    private_redis_server: Callable[..., AbstractContextManager[str]],
 ) -> None:
     """Forwarded sends whose callers give up at random moments, while the request is being written included, do not cost the worker its channel connection (a half-written command would): it keeps the same connection, and the next send is answered."""
     chance = random.Random(7)
-    with trio.fail_after(60):
+    # a server of its own: the channel connections it lists are this test's alone
+    with private_redis_server() as url, trio.fail_after(60):
         async with (
+            workers_at(url) as cluster,
             cluster.registry(balance=False, worker_id="a") as a,
             cluster.registry(balance=False, worker_id="b") as b,
         ):
