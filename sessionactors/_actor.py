@@ -22,6 +22,8 @@ from ._agent import Agent, run_turn
 from ._codec import MAX_SEQ, metadata_size
 from ._config import RegistryConfig
 from ._errors import (
+    Advice,
+    AdviceKind,
     AgentNotFoundError,
     FencedOutError,
     LeaseHeldError,
@@ -38,6 +40,7 @@ from ._errors import (
     StoreError,
     TurnCancelledError,
     TurnFailedError,
+    advised,
     shown,
 )
 from ._events import (
@@ -638,9 +641,12 @@ class Actor:
                 session_id=sid,
             )
         if session.status is Status.STOPPED:
-            raise SessionStoppedError(
-                f"session {sid!r} is stopped and takes no more requests; "
-                f"spawn a new session or delete this one with registry.delete({sid!r})",
+            raise advised(
+                SessionStoppedError,
+                f"session {sid!r} is stopped and takes no more requests; ",
+                Advice(kind=AdviceKind.NEW_SESSION),
+                " or delete this one with ",
+                Advice(kind=AdviceKind.DELETE),
                 session_id=sid,
             )
         journal = self.journal
@@ -1114,9 +1120,11 @@ class Actor:
         review = session.reviews.get(request.review_id)
         if review is None:
             known = ", ".join(session.reviews) or "none"
-            raise ReviewNotFoundError(
+            raise advised(
+                ReviewNotFoundError,
                 f"session {sid!r} has no pending review {shown(request.review_id)} (pending: "
-                f"{known}); list them with ref.pending_reviews()",
+                f"{known}); ",
+                Advice(kind=AdviceKind.LIST_REVIEWS),
                 session_id=sid,
             )
         try:
@@ -1226,9 +1234,12 @@ class Actor:
     def _refuse_while_reviewing(self, what: str) -> None:
         if self.session.reviews:
             review = next(iter(self.session.reviews.values()))
-            raise SessionBusyError(
+            raise advised(
+                SessionBusyError,
                 f"session {self.session_id!r} cannot {what} while review {review.id!r} is "
-                f"pending; resolve it with ref.review({review.id!r}, approve=...) first",
+                "pending; ",
+                Advice(kind=AdviceKind.RESOLVE_REVIEW, review_id=review.id),
+                " first",
                 session_id=self.session_id,
             )
 
@@ -1701,10 +1712,11 @@ def waiting_reply(session: LiveSession, key: str) -> Reply | None:
 
 
 def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
-    return SessionBusyError(
-        f"session {sid!r} is waiting on review {review.id!r} of tool "
-        f"{review.tool_call.name!r}; resolve it with ref.review({review.id!r}, approve=...) "
-        "before sending a new message",
+    return advised(
+        SessionBusyError,
+        f"session {sid!r} is waiting on review {review.id!r} of tool {review.tool_call.name!r}; ",
+        Advice(kind=AdviceKind.RESOLVE_REVIEW, review_id=review.id),
+        " before sending a new message",
         session_id=sid,
     )
 
@@ -1712,32 +1724,40 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
 def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedError:
     """The error of a request the session did not finish; ``turn_id``: the turn that
     had started (it may be in the history)."""
+    reopen = Advice(kind=AdviceKind.REOPEN)
+    told: tuple[str | Advice, ...]
     if reason == "stop":
-        text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
+        told = (
+            f"session {sid!r} was stopped; ",
+            Advice(kind=AdviceKind.NEW_SESSION),
+            " to continue the conversation",
+        )
     elif reason == "unsaved":
-        text = (
+        told = (
             f"the registry closed before the store confirmed the turn of session {sid!r} "
-            "(it did not answer in time), so the turn may be lost: send it again once a "
-            "registry is open (with an idempotency key, a retry cannot run it twice)"
+            "(it did not answer in time), so the turn may be lost: ",
+            reopen,
+            " (with an idempotency key, a retry cannot run it twice)",
         )
     elif reason == "interrupted":
-        text = (
+        told = (
             f"the turn of session {sid!r} was cut off when something not an Exception "
             "(a KeyboardInterrupt, say) escaped it and closed the registry; what it "
-            "streamed is kept, marked interrupted: send it again once a registry is open"
+            "streamed is kept, marked interrupted: ",
+            reopen,
         )
     elif reason == "cut":
-        text = (
+        told = (
             f"the turn of session {sid!r} was cut off when the registry closed after its "
-            "shutdown grace; what it streamed is kept, marked interrupted: send it again "
-            "once a registry is open"
+            "shutdown grace; what it streamed is kept, marked interrupted: ",
+            reopen,
         )
     else:
-        text = (
-            f"session {sid!r} did not run this request: the registry was closing; "
-            "send it again once a registry is open"
+        told = (
+            f"session {sid!r} did not run this request: the registry was closing; ",
+            reopen,
         )
-    error = SessionStoppedError(text, session_id=sid, turn_id=turn_id)
+    error = advised(SessionStoppedError, *told, session_id=sid, turn_id=turn_id)
     error._reason = reason
     return error
 
@@ -1753,11 +1773,13 @@ def crashed_error(
     """``storing``: the turn whose outcome the store was writing (it may have kept it);
     ``retry_after``: with ``failed``, the seconds until the session may start again."""
     if storing:
-        return SessionCrashedError(
+        return advised(
+            SessionCrashedError,
             f"session {sid!r} crashed while the store wrote the outcome of turn {storing} "
             f"({describe(exc)}); it was restarted from its last durable state, which may "
-            f"hold that outcome: ask ref.turn_outcome({storing!r}) before sending it again "
-            "(with an idempotency key, a retry cannot run it twice)",
+            "hold that outcome: ",
+            Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=storing),
+            " before sending it again (with an idempotency key, a retry cannot run it twice)",
             session_id=sid,
         )
     if failed:

@@ -122,7 +122,14 @@ from ._codec_format import (
     TAG_OF,
     VERSION_KEY,
 )
-from ._errors import SnapshotCorruptError, SnapshotError, SnapshotVersionError
+from ._errors import (
+    Advice,
+    AdviceKind,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotVersionError,
+    advised,
+)
 from ._events import Event
 from ._records import SCHEMA_VERSION, Message, SessionInfo, SessionState
 
@@ -228,13 +235,17 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
 
 def _corrupt(what: str, session_id: str | None, detail: str) -> SnapshotCorruptError:
     if session_id is None:
-        return SnapshotCorruptError(
+        return advised(
+            SnapshotCorruptError,
             f"the {what} of an unknown session is corrupt: {detail}; restore the session"
-            " from a backup or delete it with registry.delete(name)"
+            " from a backup or delete it with ",
+            Advice(kind=AdviceKind.DELETE),
         )
-    return SnapshotCorruptError(
+    return advised(
+        SnapshotCorruptError,
         f"the {what} of session {session_id!r} is corrupt: {detail}; restore the session"
-        f" from a backup or delete it with registry.delete({session_id!r})",
+        " from a backup or delete it with ",
+        Advice(kind=AdviceKind.DELETE),
         session_id=session_id,
     )
 
@@ -773,11 +784,12 @@ def load_journal_entry(data: bytes, session_id: str) -> list[Event]:
     events = load_events(data, session_id=session_id)
     for event in events:
         if event.session_id != session_id:
-            raise SnapshotCorruptError(
+            raise advised(
+                SnapshotCorruptError,
                 f"the journal of session {session_id!r} holds an event of session "
                 f"{event.session_id[:256]!r} (seq {event.seq}); the store is inconsistent: "
-                f"restore it from a backup or delete the session with "
-                f"registry.delete({session_id!r})",
+                "restore it from a backup or delete the session with ",
+                Advice(kind=AdviceKind.DELETE),
                 session_id=session_id,
             )
     return events

@@ -19,12 +19,15 @@ import trio
 from ._actor import Actor, CallMail, TurnMail, deleted_error, waiting_reply
 from ._config import RegistryConfig
 from ._errors import (
+    Advice,
+    AdviceKind,
     EventsExpiredError,
     LeaseHeldError,
     MailboxFullError,
     SessionCrashedError,
     SessionNotFoundError,
     SessionStoppedError,
+    advised,
 )
 from ._events import Event
 from ._names import validate_name
@@ -217,17 +220,19 @@ class Dispatcher:
             actor.send.send_nowait(mail)
             actor.note_queued(turn_id)
         except trio.WouldBlock:
-            raise MailboxFullError(
+            raise advised(
+                MailboxFullError,
                 f"the mailbox of session {name!r} is full "
-                f"({sessions.config.mailbox_size} requests waiting); "
-                "use await ref.submit(...) to wait for room, or retry later",
+                f"({sessions.config.mailbox_size} requests waiting); ",
+                Advice(kind=AdviceKind.WAIT_FOR_ROOM),
                 session_id=name,
             ) from None
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             error = sessions.closed_error(actor)
-            raise error or SessionStoppedError(
-                f"session {name!r} is changing hands (hibernating or restarting); "
-                "use await ref.submit(...), which waits for it",
+            raise error or advised(
+                SessionStoppedError,
+                f"session {name!r} is changing hands (hibernating or restarting); ",
+                Advice(kind=AdviceKind.WAIT_FOR_HANDOVER),
                 session_id=name,
             ) from None
         if key is not None:

@@ -6,7 +6,15 @@ message names the session, says what happened and what to do about it.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
+from typing import TypeVar
+
+import attrs
+
 __all__ = [
+    "Advice",
+    "AdviceKind",
     "AgentNotFoundError",
     "EventsExpiredError",
     "FencedOutError",
@@ -40,16 +48,147 @@ __all__ = [
 ]
 
 
+class AdviceKind(enum.Enum):
+    """What an error's message advises doing, of a closed set (see :class:`Advice`)."""
+
+    CREATE = "create"  #: create the session (``registry.spawn(name)``)
+    AFTER_PARAM = "after_param"  #: the listing's ``after=`` parameter (a name, not advice)
+    WAIT_FOR_ROOM = "wait_for_room"  #: wait for room in the mailbox, or retry later
+    WAIT_FOR_HANDOVER = "wait_for_handover"  #: send again once the session changed hands
+    NEW_SESSION = "new_session"  #: go on in a session of another name
+    SPAWN_AFRESH = "spawn_afresh"  #: create the session again
+    DELETE = "delete"  #: delete the session (``registry.delete(name)``)
+    LIST_REVIEWS = "list_reviews"  #: list the session's pending reviews
+    RESOLVE_REVIEW = "resolve_review"  #: approve or deny review ``review_id``
+    RELOAD_STATE = "reload_state"  #: reload the state, resume after its ``event_seq``
+    RELOAD = "reload"  #: reload the state
+    RESUME_AFTER = "resume_after"  #: subscribe again after event ``seq``
+    LOST_TURNS = "lost_turns"  #: what became of each lost turn (its outcome says)
+    LOST_OUTCOME = "lost_outcome"  #: the lost turn's outcome says so
+    TURN_OUTCOME = "turn_outcome"  #: look up what became of turn ``turn_id``
+    OR_TURN_OUTCOME = "or_turn_outcome"  #: or look up the turn's outcome
+    FOLLOW_TURN = "follow_turn"  #: follow the turn by the session's events
+    IDEMPOTENCY_KEY = "idempotency_key"  #: the idempotency key a turn is sent with
+    TALK_TO_IT = "talk_to_it"  #: talk to the existing session, naming no agent
+    REOPEN = "reopen"  #: send it again once a registry is open
+    OPEN_REGISTRY = "open_registry"  #: open a registry to continue
+    AIO_BLOCK = "aio_block"  #: use the object inside its asyncio registry's block
+    AIO_AGAIN = "aio_again"  #: make the call again inside an open asyncio registry
+    AIO_LIFESPAN = "aio_lifespan"  #: (in an app: while the lifespan that opened it runs)
+
+
+@attrs.frozen(kw_only=True)
+class Advice:
+    """What an error's message advises doing, as a record, so that a frontend tells it
+    its own way: ``str(error)`` tells a Python caller (``create it with
+    registry.spawn('s')``), the HTTP gateway tells a client the route to use (``POST
+    /sessions/s/messages``). ``kind`` says what it is; ``review_id``, ``turn_id`` and
+    ``seq`` are the values it names, where it names one. The session is the error's
+    ``session_id``. An error's ``advice`` holds its records, in the message's order.
+    """
+
+    kind: AdviceKind
+    review_id: str = ""
+    turn_id: str = ""
+    seq: int = 0
+
+
+_AIO_BLOCK = "sessionactors.aio.open_registry(...)` block"
+
+#: Each advice as ``str(error)`` tells it to a Python caller: fields ``{name}`` (the
+#: repr of the error's session, or ``name``), ``{review}``, ``{turn}`` (reprs), ``{seq}``.
+_PYTHON_ADVICE: dict[AdviceKind, str] = {
+    AdviceKind.CREATE: "create it with registry.spawn({name})",
+    AdviceKind.AFTER_PARAM: "after=",
+    AdviceKind.WAIT_FOR_ROOM: "use await ref.submit(...) to wait for room, or retry later",
+    AdviceKind.WAIT_FOR_HANDOVER: "use await ref.submit(...), which waits for it",
+    AdviceKind.NEW_SESSION: "spawn a new session",
+    AdviceKind.SPAWN_AFRESH: "spawn it afresh",
+    AdviceKind.DELETE: "registry.delete({name})",
+    AdviceKind.LIST_REVIEWS: "list them with ref.pending_reviews()",
+    AdviceKind.RESOLVE_REVIEW: "resolve it with ref.review({review}, approve=...)",
+    AdviceKind.RELOAD_STATE: (
+        "reload the state with ref.state() and subscribe with after=state.event_seq"
+    ),
+    AdviceKind.RELOAD: "reload with ref.state()",
+    AdviceKind.RESUME_AFTER: "subscribe again with after={seq}",
+    AdviceKind.LOST_TURNS: " (ref.turn_outcome(turn_id) says so of each)",
+    AdviceKind.LOST_OUTCOME: "ref.turn_outcome reads lost: ",
+    AdviceKind.TURN_OUTCOME: "ask ref.turn_outcome({turn})",
+    AdviceKind.OR_TURN_OUTCOME: "(or ref.turn_outcome)",
+    AdviceKind.FOLLOW_TURN: "follow it with ref.subscribe() and ref.turn_outcome()",
+    AdviceKind.IDEMPOTENCY_KEY: "idempotency_key=...",
+    AdviceKind.TALK_TO_IT: "talk to it with registry.ref({name}) (or get_or_spawn without agent=)",
+    AdviceKind.REOPEN: "send it again once a registry is open",
+    AdviceKind.OPEN_REGISTRY: "open a registry to continue",
+    AdviceKind.AIO_BLOCK: "use it inside the `async with " + _AIO_BLOCK,
+    AdviceKind.AIO_AGAIN: "make the call again inside an open `async with " + _AIO_BLOCK,
+    AdviceKind.AIO_LIFESPAN: " (in an app: while the lifespan that opened it runs)",
+}
+
+
+def python_advice(advice: Advice, session_id: str | None) -> str:
+    """``advice`` as ``str(error)`` tells it, for an error about ``session_id``."""
+    return _PYTHON_ADVICE[advice.kind].format(
+        name="name" if session_id is None else repr(session_id),
+        review=repr(advice.review_id),
+        turn=repr(advice.turn_id),
+        seq=advice.seq,
+    )
+
+
 class SessionActorsError(Exception):
     """Base class of every error raised by sessionactors.
 
     ``session_id`` names the session the error is about (``None`` when it is
-    about no single session).
+    about no single session). ``advice`` holds what the message advises doing, as
+    :class:`Advice` records (empty when it advises nothing a frontend would tell its
+    own way): the HTTP gateway tells it with its routes. An error made with
+    ``advice=`` says its message, then (after ``; ``) that advice.
     """
 
-    def __init__(self, message: str, *, session_id: str | None = None) -> None:
+    #: The message, its advice as records: ``str(self)`` joins them (see ``told``).
+    _told: tuple[str | Advice, ...] = ()
+
+    def __init__(
+        self, message: str, *, session_id: str | None = None, advice: Advice | None = None
+    ) -> None:
+        if advice is not None:  # ("message; advice")
+            self._told = (f"{message}; ", advice)
+            message = f"{message}; {python_advice(advice, session_id)}"
         super().__init__(message)
         self.session_id = session_id
+
+    @property
+    def advice(self) -> tuple[Advice, ...]:
+        """What the message advises doing, as records, in its order."""
+        return tuple(part for part in self._told if isinstance(part, Advice))
+
+
+_E = TypeVar("_E", bound=SessionActorsError)
+
+
+def advised(
+    cls: type[_E], *told: str | Advice, session_id: str | None = None, **fields: object
+) -> _E:
+    """An error of ``cls`` whose message is ``told``: text, and advice records that
+    ``str()`` tells as a Python caller follows them (``python_advice``)."""
+    message = "".join(
+        part if isinstance(part, str) else python_advice(part, session_id) for part in told
+    )
+    error = cls(message, session_id=session_id, **fields)  # type: ignore[arg-type]
+    error._told = told
+    return error
+
+
+def told(error: BaseException, say: Callable[[Advice, str | None], str]) -> str:
+    """``error``'s message with its advice told by ``say(advice, session_id)`` (a
+    frontend's wording); its ``str()`` if it has no advice records."""
+    parts = error._told if isinstance(error, SessionActorsError) else ()
+    if not parts:
+        return str(error)
+    session_id = error.session_id if isinstance(error, SessionActorsError) else None
+    return "".join(part if isinstance(part, str) else say(part, session_id) for part in parts)
 
 
 class SessionNotFoundError(SessionActorsError, LookupError):
@@ -73,8 +212,15 @@ class InvalidHistoryError(SessionActorsError, ValueError):
 class TurnFailedError(SessionActorsError):
     """The agent or its model raised during the turn; ``__cause__`` is the original."""
 
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        advice: Advice | None = None,
+    ) -> None:
+        super().__init__(message, session_id=session_id, advice=advice)
         self.turn_id = turn_id
 
 
@@ -87,8 +233,15 @@ class AgentNotFoundError(TurnFailedError, LookupError):
 class TurnCancelledError(SessionActorsError):
     """The turn was cancelled with ``ref.cancel()`` (or by the session stopping)."""
 
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        advice: Advice | None = None,
+    ) -> None:
+        super().__init__(message, session_id=session_id, advice=advice)
         self.turn_id = turn_id
 
 
@@ -109,8 +262,15 @@ class SessionStoppedError(SessionActorsError):
     #: empty if not said. A worker that ran the request for another says it its way.
     _reason: str = ""
 
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        advice: Advice | None = None,
+    ) -> None:
+        super().__init__(message, session_id=session_id, advice=advice)
         self.turn_id = turn_id
 
 
@@ -125,8 +285,15 @@ class SubscriberLaggedError(SessionActorsError):
     ``after=last_seq`` to resume without a gap.
     """
 
-    def __init__(self, message: str, *, session_id: str | None = None, last_seq: int) -> None:
-        super().__init__(message, session_id=session_id)
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        last_seq: int,
+        advice: Advice | None = None,
+    ) -> None:
+        super().__init__(message, session_id=session_id, advice=advice)
         self.last_seq = last_seq
 
 
@@ -138,8 +305,15 @@ class EventsExpiredError(SessionActorsError, LookupError):
     ``after=state.event_seq``.
     """
 
-    def __init__(self, message: str, *, session_id: str | None = None, oldest_seq: int) -> None:
-        super().__init__(message, session_id=session_id)
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        oldest_seq: int,
+        advice: Advice | None = None,
+    ) -> None:
+        super().__init__(message, session_id=session_id, advice=advice)
         self.oldest_seq = oldest_seq
 
 
@@ -234,9 +408,14 @@ class ModelError(SessionActorsError, RuntimeError):
     """
 
     def __init__(
-        self, message: str, *, session_id: str | None = None, status_code: int | None = None
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        status_code: int | None = None,
+        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id)
+        super().__init__(message, session_id=session_id, advice=advice)
         self.status_code = status_code
 
 

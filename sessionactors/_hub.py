@@ -15,7 +15,14 @@ from typing import Final
 import trio
 
 from ._config import HubConfig
-from ._errors import EventsExpiredError, SessionActorsError, SubscriberLaggedError
+from ._errors import (
+    Advice,
+    AdviceKind,
+    EventsExpiredError,
+    SessionActorsError,
+    SubscriberLaggedError,
+    advised,
+)
 from ._events import (
     Delta,
     Event,
@@ -288,21 +295,25 @@ def expired_error(session_id: str, after: int, oldest_seq: int) -> EventsExpired
     """The events after ``after`` were published by an incarnation of the session that
     stopped before it stored them (its process died mid-turn); ``oldest_seq``: the first
     seq after the wake's jump."""
-    return EventsExpiredError(
+    return advised(
+        EventsExpiredError,
         f"events of session {session_id!r} after seq {after} are lost: the process that "
         "published them stopped before it stored them, and the turns they belong to were "
-        "lost with it (ref.turn_outcome(turn_id) says so of each); the oldest available "
-        f"is seq {oldest_seq}: reload the state with ref.state() and subscribe with "
-        "after=state.event_seq",
+        "lost with it",
+        Advice(kind=AdviceKind.LOST_TURNS),
+        f"; the oldest available is seq {oldest_seq}: ",
+        Advice(kind=AdviceKind.RELOAD_STATE),
         session_id=session_id,
         oldest_seq=oldest_seq,
     )
 
 
 def lagged_error(session_id: str, last_seq: int) -> SubscriberLaggedError:
-    return SubscriberLaggedError(
-        f"subscriber of session {session_id!r} fell behind and was ended after seq "
-        f"{last_seq}; subscribe again with after={last_seq} to resume",
+    return advised(
+        SubscriberLaggedError,
+        f"subscriber of session {session_id!r} fell behind and was ended after seq {last_seq}; ",
+        Advice(kind=AdviceKind.RESUME_AFTER, seq=last_seq),
+        " to resume",
         session_id=session_id,
         last_seq=last_seq,
     )

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import msgpack
 
-from ._errors import SessionNotFoundError
+from ._errors import Advice, AdviceKind, SessionNotFoundError, advised
 from ._records import SessionInfo, Status
 
 __all__ = [
@@ -76,9 +76,11 @@ def page_of(
 
 
 def after_not_found(after: str) -> SessionNotFoundError:
-    return SessionNotFoundError(
-        f"session {after!r}, given as after=, is not stored (it was deleted since it was "
-        "listed?); list again from the start",
+    return advised(
+        SessionNotFoundError,
+        f"session {after!r}, given as ",
+        Advice(kind=AdviceKind.AFTER_PARAM),
+        ", is not stored (it was deleted since it was listed?); list again from the start",
         session_id=after,
     )
 

@@ -15,7 +15,14 @@ from contextlib import aclosing
 from typing import Any
 
 from ._codec import load_info, load_journal_entry, load_snapshot
-from ._errors import SessionNotFoundError, SnapshotCorruptError, SnapshotError
+from ._errors import (
+    Advice,
+    AdviceKind,
+    SessionNotFoundError,
+    SnapshotCorruptError,
+    SnapshotError,
+    advised,
+)
 from ._events import NO_TIME, Event
 from ._listing import LISTING_BATCH, check_listing, matches, page_of
 from ._names import validate_name
@@ -55,8 +62,10 @@ async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, Store
     """The session as the store has it (snapshot + journal tail), without waking it."""
     stored = await store.load(session_id)
     if stored is None:
-        raise SessionNotFoundError(
-            f"session {session_id!r} does not exist; create it with registry.spawn({session_id!r})",
+        raise advised(
+            SessionNotFoundError,
+            f"session {session_id!r} does not exist; ",
+            Advice(kind=AdviceKind.CREATE),
             session_id=session_id,
         )
     state = load_snapshot(stored.snapshot, session_id=session_id)

@@ -16,12 +16,15 @@ import trio
 
 from ._codec import MAX_TEXT_CHARS
 from ._errors import (
+    Advice,
+    AdviceKind,
     EventsExpiredError,
     FencedOutError,
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
     WorkerUnreachableError,
+    advised,
 )
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished, TurnStarted
 from ._final import NoPublicConstructor
@@ -582,10 +585,11 @@ class SessionRef(metaclass=NoPublicConstructor):
         """The events of a stream ended while its turn ``turn_id`` waited on a review:
         raise why (the session was deleted, the registry closed)."""
         outcome = await self.turn_outcome(turn_id)
-        raise SessionStoppedError(
+        raise advised(
+            SessionStoppedError,
             f"the events of session {self.session_id!r} ended while turn {turn_id!r} "
-            f"waited on a review (it reads {outcome.status.value} now); follow it with "
-            "ref.subscribe() and ref.turn_outcome()",
+            f"waited on a review (it reads {outcome.status.value} now); ",
+            Advice(kind=AdviceKind.FOLLOW_TURN),
             session_id=self.session_id,
         )
 

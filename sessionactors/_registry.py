@@ -23,6 +23,8 @@ from ._codec import MAX_TEXT_CHARS
 from ._config import Durability, RegistryConfig, make_config
 from ._dispatch import Dispatcher
 from ._errors import (
+    Advice,
+    AdviceKind,
     MessageNotFoundError,
     SessionBusyError,
     SessionCrashedError,
@@ -30,6 +32,7 @@ from ._errors import (
     SessionNotFoundError,
     SnapshotError,
     StoreError,
+    advised,
     shown,
 )
 from ._final import NoPublicConstructor
@@ -227,11 +230,12 @@ class Registry(metaclass=NoPublicConstructor):
                 have = (await self._dispatcher.read(name)).agent
             if have != agent:
                 asked = shown(agent)
-                raise SessionExistsError(
+                raise advised(
+                    SessionExistsError,
                     f"session {name!r} already exists and runs agent {have!r}, not "
-                    f"{asked}; a session keeps its agent: talk to it with "
-                    f"registry.ref({name!r}) (or get_or_spawn without agent=), or choose "
-                    f"another name for a session of agent {asked}",
+                    f"{asked}; a session keeps its agent: ",
+                    Advice(kind=AdviceKind.TALK_TO_IT),
+                    f", or choose another name for a session of agent {asked}",
                     session_id=name,
                 )
         return self._ref(name)

@@ -19,6 +19,8 @@ from ._agent import Agent
 from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import (
+    Advice,
+    AdviceKind,
     FencedOutError,
     LeaseHeldError,
     SessionActorsError,
@@ -28,6 +30,7 @@ from ._errors import (
     SessionNotFoundError,
     SessionStoppedError,
     StoreError,
+    advised,
 )
 from ._hub import Hub
 from ._metadata import check_info_room
@@ -210,9 +213,10 @@ class Sessions:
 
     def check_open(self, name: str) -> None:
         if self._closing:
-            raise SessionStoppedError(
-                f"the registry is closed, so session {name!r} takes no requests; "
-                "open a registry to continue",
+            raise advised(
+                SessionStoppedError,
+                f"the registry is closed, so session {name!r} takes no requests; ",
+                Advice(kind=AdviceKind.OPEN_REGISTRY),
                 session_id=name,
             )
 
@@ -290,14 +294,18 @@ class Sessions:
         if actor.deleted:
             return SessionNotFoundError(f"session {name!r} was deleted", session_id=name)
         if self._closing:
-            return SessionStoppedError(
-                f"the registry is closing, so session {name!r} takes no requests; "
-                "send it again once a registry is open",
+            return advised(
+                SessionStoppedError,
+                f"the registry is closing, so session {name!r} takes no requests; ",
+                Advice(kind=AdviceKind.REOPEN),
                 session_id=name,
             )
         if actor.stopping:
-            return SessionStoppedError(
-                f"session {name!r} was stopped; spawn a new session to continue",
+            return advised(
+                SessionStoppedError,
+                f"session {name!r} was stopped; ",
+                Advice(kind=AdviceKind.NEW_SESSION),
+                " to continue",
                 session_id=name,
             )
         if self.is_failed(name):
@@ -580,9 +588,11 @@ class Sessions:
 
 
 def _deleting_error(name: str) -> SessionNotFoundError:
-    return SessionNotFoundError(
-        f"session {name!r} is being deleted, so it takes no requests; spawn it "
-        "afresh once the deletion is done",
+    return advised(
+        SessionNotFoundError,
+        f"session {name!r} is being deleted, so it takes no requests; ",
+        Advice(kind=AdviceKind.SPAWN_AFRESH),
+        " once the deletion is done",
         session_id=name,
     )
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from ._codec import load_journal_entry
-from ._errors import EventsExpiredError
+from ._errors import Advice, AdviceKind, EventsExpiredError, advised
 from ._events import Event
 from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
 from .stores._base import Store
@@ -137,10 +137,11 @@ async def open_event_iterator(
         trimmed, entries = await store.read_journal(session_id, after)
         trimmed = max(trimmed, floor)
         if trimmed > after:
-            raise EventsExpiredError(
+            raise advised(
+                EventsExpiredError,
                 f"events of session {session_id!r} after seq {after} are no longer "
-                f"available; the oldest available is seq {trimmed + 1}: reload the state "
-                "with ref.state() and subscribe with after=state.event_seq",
+                f"available; the oldest available is seq {trimmed + 1}: ",
+                Advice(kind=AdviceKind.RELOAD_STATE),
                 session_id=session_id,
                 oldest_seq=trimmed + 1,
             )

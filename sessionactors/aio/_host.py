@@ -26,7 +26,7 @@ import attrs
 import outcome
 import trio
 
-from .._errors import SessionStoppedError
+from .._errors import Advice, AdviceKind, SessionStoppedError, advised
 
 __all__ = [
     "Host",
@@ -142,10 +142,11 @@ class Host:
         await a future of another loop, after the request was already handed over.
         A host whose run has ended refuses every call as closed, from whichever loop."""
         if self.state == "stopping":
-            raise SessionStoppedError(  # as the trio registry's objects raise
-                "the registry this object belongs to is closed (its trio run has ended); "
-                "use it inside the `async with sessionactors.aio.open_registry(...)` block "
-                "(in an app: while the lifespan that opened it runs)"
+            raise advised(  # as the trio registry's objects raise
+                SessionStoppedError,
+                "the registry this object belongs to is closed (its trio run has ended); ",
+                Advice(kind=AdviceKind.AIO_BLOCK),
+                Advice(kind=AdviceKind.AIO_LIFESPAN),
             )
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -163,9 +164,10 @@ class Host:
     def _check_running(self) -> None:
         self.check_loop()
         if self.state != "running":  # ("starting": no registry has opened on it yet)
-            raise SessionStoppedError(
-                "the registry this object belongs to is not open; use it inside the "
-                "`async with sessionactors.aio.open_registry(...)` block"
+            raise advised(
+                SessionStoppedError,
+                "the registry this object belongs to is not open; ",
+                Advice(kind=AdviceKind.AIO_BLOCK),
             )
 
     def _start(self, task: Task, fn: Callable[[trio.CancelScope], Awaitable[None]]) -> None:
@@ -340,11 +342,11 @@ def ended_error(session_id: str | None) -> SessionStoppedError:
     of the loop, whose trio run ends with it), as the trio registry's refs raise:
     it names the session the call was about (``session_id``; None: no one session)."""
     what = f"a call on session {session_id!r}" if session_id is not None else "a call"
-    return SessionStoppedError(
+    return advised(
+        SessionStoppedError,
         f"the registry closed while {what} was under way, and the trio run of "
-        "sessionactors.aio ended under it (the call may or may not have taken effect); "
-        "make the call again inside an open "
-        "`async with sessionactors.aio.open_registry(...)` block",
+        "sessionactors.aio ended under it (the call may or may not have taken effect); ",
+        Advice(kind=AdviceKind.AIO_AGAIN),
         session_id=session_id,
     )
 

@@ -8,7 +8,6 @@ everything else here goes through anyio, which runs on either loop.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import contextlib
 import functools
@@ -17,11 +16,10 @@ import importlib.resources
 import inspect
 import json
 import logging
-import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, assert_never, cast
 from urllib.parse import quote, unquote, urlsplit
 
 import anyio
@@ -38,7 +36,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
-from .._errors import shown
+from .._errors import shown, told
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
@@ -115,69 +113,6 @@ class _RequestError(Exception):
         self.body = plain_error(name, message, status)
 
 
-#: A str as the library's messages quote it (its repr).
-_REPR: Final = r"""(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
-
-#: Advice in the library's error messages that only a Python caller can follow, and what
-#: an HTTP client does instead: (pattern, advice). In the advice, ``{session}`` is the
-#: path of the session's routes as the client reaches them (under the app's mount),
-#: ``{create}`` how a message creates it, and other fields the pattern's named groups.
-_HTTP_ADVICE: Final = tuple(
-    (re.compile(pattern.replace("REPR", _REPR)), advice)
-    for pattern, advice in [
-        # SessionNotFoundError of a session neither live nor stored, of a listing's page
-        (r"create it with registry\.spawn\(REPR\)", "{create}"),
-        (r"given as after=", "given as ?after="),
-        # MailboxFullError; SessionStoppedError of a session changing hands
-        (r"use await ref\.submit\(\.\.\.\) to wait for room, or retry later", "retry in a moment"),
-        (r"use await ref\.submit\(\.\.\.\), which waits for it", "send it again in a moment"),
-        # SessionStoppedError of a stopped or deleted session; a corrupt session's errors
-        (r"spawn a new session", "send to a session of another name"),
-        (r"spawn it afresh", "send to it again"),
-        (r"with registry\.delete\((?:REPR|name)\)", "with DELETE {session}"),
-        # SessionBusyError of a pending review; ReviewNotFoundError
-        (
-            r"resolve it with ref\.review\((?P<review>REPR), approve=\.\.\.\)",
-            'resolve it (POST {session}/reviews/{review} with {{"approve": true or false}})',
-        ),
-        (r"list them with ref\.pending_reviews\(\)", "GET {session} lists them"),
-        # EventsExpiredError; SubscriberLaggedError
-        (
-            r"reload the state with ref\.state\(\) and subscribe with after=state\.event_seq",
-            "reload the state (GET {session}) and resume after its event_seq "
-            "(Last-Event-ID, or ?after=)",
-        ),
-        (r" \(ref\.turn_outcome\(turn_id\) says so of each\)", ""),
-        (
-            r"subscribe again with after=(?P<seq>\d+)",
-            "reconnect with Last-Event-ID: {seq} (or ?after={seq})",
-        ),
-        (r"reload with ref\.state\(\)", "reload the state (GET {session})"),
-        (r"ref\.turn_outcome reads lost: ", ""),
-        (
-            r"follow it with ref\.subscribe\(\) and ref\.turn_outcome\(\)",
-            "follow it with GET {session}/events",
-        ),
-        # SessionCrashedError, SessionStoppedError of a request that may have run
-        (r"ask ref\.turn_outcome\(REPR\)", "look at the history (GET {session})"),
-        (r"\(or ref\.turn_outcome\)", "(GET {session})"),
-        (r"idempotency_key=\.\.\.", '"idempotency_key"'),
-        # SessionExistsError of a message naming another agent
-        (
-            r"talk to it with registry\.ref\(REPR\) \(or get_or_spawn without agent=\)",
-            'send its messages without "agent"',
-        ),
-        # SessionStoppedError of a closed or closing registry
-        (
-            r"open a registry to continue|send it again once a registry is open|"
-            r"make the call again inside an open `async with sessionactors\.aio\."
-            r"open_registry\(\.\.\.\)` block",
-            "send it again in a moment",
-        ),
-    ]
-)
-
-
 def _routes(scope: Mapping[str, Any]) -> str:
     """The path of the sessions' routes as a client reaches them: under the app's mount
     (the ASGI ``root_path``: a ``Mount("/api", ...)``, a proxy's prefix)."""
@@ -187,16 +122,6 @@ def _routes(scope: Mapping[str, Any]) -> str:
 def _session_route(scope: Mapping[str, Any], name: str) -> str:
     """The path of session ``name``'s routes as a client reaches them."""
     return f"{_routes(scope)}/{quote(name, safe='')}"
-
-
-def _unrepr(text: str | None) -> str:
-    """A pattern's group: a quoted id as it goes in a path, else as it is."""
-    if text is None or text[:1] not in ("'", '"'):
-        return text or ""
-    try:
-        return quote(ast.literal_eval(text), safe="")
-    except (ValueError, SyntaxError, TypeError):
-        return text
 
 
 #: The chat page may not be framed by another site (clickjacking its buttons) and
@@ -513,25 +438,72 @@ class SessionsApp:
     def _error_json(
         self, error: BaseException, scope: Mapping[str, Any], status: int | None = None
     ) -> dict[str, Any]:
-        """``error`` as JSON, its advice for Python callers told as an HTTP client
-        follows it (see ``_HTTP_ADVICE``), with this app's routes under ``scope``."""
+        """``error`` as JSON, its advice told as an HTTP client follows it (see
+        ``_http_advice``), with this app's routes under ``scope``."""
         body = error_json(error, status=status)
-        if isinstance(error, sa.SessionActorsError):
-            body["message"] = self._http_advice(body["message"], scope, error.session_id)
+        body["message"] = told(error, functools.partial(self._http_advice, scope))
         return body
 
-    def _http_advice(self, message: str, scope: Mapping[str, Any], session: str | None) -> str:
-        """``message`` with each advice of ``_HTTP_ADVICE`` told for an HTTP client."""
+    def _http_advice(self, scope: Mapping[str, Any], advice: sa.Advice, session: str | None) -> str:
+        """``advice`` of an error about ``session`` as an HTTP client follows it: with
+        the routes under the app's mount, and resuming as the client's route can (a
+        WebSocket reads ``?after=``; a turn's stream, POST .../messages, reads no seq:
+        the session's events, GET .../events, do)."""
         route = _routes(scope) + "/{name}" if session is None else _session_route(scope, session)
-        fields = {"session": route, "create": self._create_advice(route)}
-
-        def advice(match: re.Match[str], template: str) -> str:
-            found = {key: _unrepr(value) for key, value in match.groupdict().items()}
-            return template.format(**fields, **found)
-
-        for pattern, template in _HTTP_ADVICE:
-            message = pattern.sub(functools.partial(advice, template=template), message)
-        return message
+        if scope.get("type") == "websocket":
+            resume, after = "reconnect with ?after=", "?after="
+        elif scope.get("method") == "GET":
+            resume, after = "reconnect with Last-Event-ID: ", "Last-Event-ID, or ?after="
+        else:
+            resume = f"follow GET {route}/events with Last-Event-ID: "
+            after = f"GET {route}/events with Last-Event-ID, or ?after="
+        kind = advice.kind
+        Kind = sa.AdviceKind
+        match kind:
+            case Kind.CREATE:
+                return self._create_advice(route)
+            case Kind.AFTER_PARAM:
+                return "?after="
+            case Kind.WAIT_FOR_ROOM:
+                return "retry in a moment"
+            case Kind.WAIT_FOR_HANDOVER | Kind.REOPEN | Kind.OPEN_REGISTRY | Kind.AIO_AGAIN:
+                return "send it again in a moment"
+            case Kind.AIO_BLOCK:
+                return "send it again once the server serves again"
+            case Kind.NEW_SESSION:
+                return "send to a session of another name"
+            case Kind.SPAWN_AFRESH:
+                return "send to it again"
+            case Kind.DELETE:
+                return f"DELETE {route}"
+            case Kind.LIST_REVIEWS:
+                return f"GET {route} lists them"
+            case Kind.RESOLVE_REVIEW:
+                review = quote(advice.review_id, safe="")
+                return (
+                    f'resolve it (POST {route}/reviews/{review} with {{"approve": true or false}})'
+                )
+            case Kind.RELOAD_STATE:
+                return f"reload the state (GET {route}) and resume after its event_seq ({after})"
+            case Kind.RELOAD:
+                return f"reload the state (GET {route})"
+            case Kind.RESUME_AFTER:
+                seq = advice.seq
+                return f"{resume}{seq}" + ("" if after == "?after=" else f" (or ?after={seq})")
+            case Kind.LOST_TURNS | Kind.LOST_OUTCOME | Kind.AIO_LIFESPAN:
+                return ""
+            case Kind.TURN_OUTCOME:
+                return f"look at the history (GET {route})"
+            case Kind.OR_TURN_OUTCOME:
+                return f"(GET {route})"
+            case Kind.FOLLOW_TURN:
+                return f"follow it with GET {route}/events"
+            case Kind.IDEMPOTENCY_KEY:
+                return '"idempotency_key"'
+            case Kind.TALK_TO_IT:
+                return 'send its messages without "agent"'
+            case _:
+                assert_never(kind)
 
     def _create_advice(self, route: str) -> str:
         """How an HTTP client makes a session that does not exist (at ``route``)."""
@@ -683,8 +655,15 @@ class SessionsApp:
             if isinstance(exc, sa.SessionActorsError):
                 raise
             agents = sorted(await _agents(registry))
-            if not agents:
-                raise
+            if not agents:  # (a registry that manages sessions: any agent, run elsewhere)
+                raise _RequestError(
+                    422,
+                    "ValueError",
+                    f"session {name!r} is new, and its first message names no agent; this "
+                    "server has no agents of its own (servers with the agent run its turns): "
+                    'send "agent" naming the one it runs with (in the message\'s JSON, or '
+                    "?agent= on the WebSocket)",
+                ) from None
             if agent is not None:
                 what = f"the message names the agent {shown(agent)}, which this server lacks"
             else:
@@ -956,7 +935,7 @@ class SessionsApp:
                         kind = data.get("type")
                         frame = _FRAMES.get(kind) if isinstance(kind, str) else None
                         if frame is None:
-                            what = shown(kind) if isinstance(kind, str) else "none"
+                            what = shown(kind) if isinstance(kind, str) else f"{kind!r:.60}"
                             raise _RequestError(
                                 422,
                                 "InvalidRequest",

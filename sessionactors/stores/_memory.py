@@ -17,11 +17,14 @@ import trio
 
 from .._codec import MAX_SEQ
 from .._errors import (
+    Advice,
+    AdviceKind,
     FencedOutError,
     SessionExistsError,
     SessionNotFoundError,
     SnapshotCorruptError,
     StoreError,
+    advised,
 )
 from .._listing import after_not_found, info_activity
 from ._base import JournalEntry, Lease, StoredSession
@@ -121,10 +124,11 @@ def _check_snapshot_seqs(session_id: str, seq: int, trim_upto: int, snapshot_seq
 
 
 def _stored_corrupt(session_id: str, problem: str) -> SnapshotCorruptError:
-    return SnapshotCorruptError(
+    return advised(
+        SnapshotCorruptError,
         f"the store's record of session {session_id!r} is corrupt: {problem}; it was changed"
-        " behind sessionactors' back: restore the session from a backup or delete it with"
-        f" registry.delete({session_id!r})",
+        " behind sessionactors' back: restore the session from a backup or delete it with ",
+        Advice(kind=AdviceKind.DELETE),
         session_id=session_id,
     )
 

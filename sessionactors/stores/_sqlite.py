@@ -50,7 +50,7 @@ import outcome
 import trio
 
 from .._codec import MAX_SEQ
-from .._errors import StoreError
+from .._errors import Advice, AdviceKind, StoreError, advised
 from .._listing import after_not_found, info_activity, page_of
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -770,11 +770,13 @@ def _append_conflict(conn: sqlite3.Connection, args: _AppendArgs) -> StoreError:
     (highest,) = conn.execute(
         "SELECT max(seq) FROM journal WHERE session_id = ?", (session_id,)
     ).fetchone()
-    return StoreError(
+    return advised(
+        StoreError,
         f"session {session_id!r}: the journal already holds an entry at seq"
         f" {args.entries[0].seq} or above (up to {highest}), above the session's last seq:"
         " rows were written behind the store's back; nothing was written. Restore the"
-        f" file from a backup, or delete the session with registry.delete({session_id!r})",
+        " file from a backup, or delete the session with ",
+        Advice(kind=AdviceKind.DELETE),
         session_id=session_id,
     )
 

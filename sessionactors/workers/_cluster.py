@@ -107,6 +107,8 @@ from .._codec import (
     load_snapshot,
 )
 from .._errors import (
+    Advice,
+    AdviceKind,
     LeaseHeldError,
     SessionActorsError,
     SessionCrashedError,
@@ -114,6 +116,7 @@ from .._errors import (
     StoreConfigurationError,
     StoreError,
     WorkerUnreachableError,
+    advised,
 )
 from .._events import Event
 from .._pending import Append, Pending
@@ -1011,12 +1014,15 @@ class Cluster:
             unheard_since, unheard_copies = None, 0
             if answer.get("ok") == "forgotten":  # it may have run: its answer is gone
                 if not retry_safe:
-                    raise SessionCrashedError(
+                    raise advised(
+                        SessionCrashedError,
                         f"session {name!r}: worker {owner!r}, which runs it, may have run "
                         "this request, but its answer was lost on the way and is no longer "
-                        "kept there; look at the history (or ref.turn_outcome) before sending "
-                        "it again (a turn sent with idempotency_key=... runs once however "
-                        "often it is sent)",
+                        "kept there; look at the history ",
+                        Advice(kind=AdviceKind.OR_TURN_OUTCOME),
+                        " before sending it again (a turn sent with ",
+                        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+                        " runs once however often it is sent)",
                         session_id=name,
                     )
                 continue
@@ -1024,10 +1030,13 @@ class Cluster:
                 self._forget_owner(name, owner, incarnation)
                 self.stats.owner_deaths += 1
                 if not retry_safe:
-                    raise SessionCrashedError(
+                    raise advised(
+                        SessionCrashedError,
                         f"session {name!r}: worker {owner!r}, which ran it, died before "
                         "answering, so this request may or may not have run; retry it (send "
-                        "it with idempotency_key=... to make retries safe)",
+                        "it with ",
+                        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+                        " to make retries safe)",
                         session_id=name,
                     )
                 continue
@@ -1108,12 +1117,15 @@ class Cluster:
                 failure = exc
             silence = trio.current_time() - heard
             if silence > 2 * self.ttl:
-                raise WorkerUnreachableError(
+                raise advised(
+                    WorkerUnreachableError,
                     f"session {name!r}: no word from worker {owner!r}, which runs it, for "
                     f"{silence:.1f} s ("
                     + ("the store did not answer" if failure else "it did not answer")
                     + "); the request may or may not have run there: send it again (a turn "
-                    "sent with idempotency_key=... runs once however often it is sent)",
+                    "sent with ",
+                    Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+                    " runs once however often it is sent)",
                     session_id=name,
                 ) from failure
 
@@ -1275,11 +1287,15 @@ def _worker_id_taken(worker: str) -> str:
 def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError:
     """For a request sent to ``owner`` whose answer this closing worker no longer waits
     for (``turn_id``: the turn the owner accepted, if it said so)."""
-    return SessionStoppedError(
+    return advised(
+        SessionStoppedError,
         f"the registry closed before worker {owner!r}, which runs session {name!r}, "
         "answered this request (its shutdown grace ran out): it may have run there, or "
-        "may still; look at the history (or ref.turn_outcome) before sending it again (a "
-        "turn sent with idempotency_key=... runs once however often it is sent)",
+        "may still; look at the history ",
+        Advice(kind=AdviceKind.OR_TURN_OUTCOME),
+        " before sending it again (a turn sent with ",
+        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+        " runs once however often it is sent)",
         session_id=name,
         turn_id=turn_id,
     )
@@ -1308,9 +1324,10 @@ def _stopped_here_error(name: str, worker: str, exc: SessionStoppedError) -> Ses
 
 
 def _closing_error(name: str) -> SessionStoppedError:
-    return SessionStoppedError(
-        f"the registry is closing, so the request to session {name!r} was not answered; "
-        "send it again once a registry is open",
+    return advised(
+        SessionStoppedError,
+        f"the registry is closing, so the request to session {name!r} was not answered; ",
+        Advice(kind=AdviceKind.REOPEN),
         session_id=name,
     )
 

@@ -15,6 +15,8 @@ import trio
 
 from .._codec import dump_event, load_event, load_journal_entry
 from .._errors import (
+    Advice,
+    AdviceKind,
     EventsExpiredError,
     LeaseHeldError,
     SessionActorsError,
@@ -24,6 +26,7 @@ from .._errors import (
     SnapshotError,
     StoreError,
     SubscriberLaggedError,
+    advised,
 )
 from .._events import (
     Event,
@@ -286,7 +289,9 @@ class Streams:
                 f"{seen.turn_id} (it died) and no worker took the session since, "
                 "so nothing will publish the turn's outcome",
                 ": that wakes the session, and the replay shows what it kept of the turn "
-                "(EventsExpiredError if the turn was lost: then reload with ref.state())",
+                "(EventsExpiredError if the turn was lost: then ",
+                Advice(kind=AdviceKind.RELOAD),
+                ")",
             )
 
     async def _ask_outcome(self, name: str, seen: _OpenTurn, owner: str) -> None:
@@ -364,14 +369,19 @@ class Streams:
     def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
         self._turn_ended(
             name,
-            f"turn {seen.turn_id} of session {name!r} was lost: the worker that ran "
-            f"it died before the turn was durable, and worker {seen.owner!r}, which took "
-            "the session over, never heard of it (ref.turn_outcome reads lost: send "
-            "it again), so nothing will publish its outcome",
+            (
+                f"turn {seen.turn_id} of session {name!r} was lost: the worker that ran "
+                f"it died before the turn was durable, and worker {seen.owner!r}, which "
+                "took the session over, never heard of it (",
+                Advice(kind=AdviceKind.LOST_OUTCOME),
+                "send it again), so nothing will publish its outcome",
+            ),
             " to go on",
         )
 
-    def _turn_ended(self, name: str, why: str, then: str) -> None:
+    def _turn_ended(
+        self, name: str, why: str | tuple[str | Advice, ...], *then: str | Advice
+    ) -> None:
         """End the subscriptions of the mirror of ``name`` with SubscriberLaggedError
         (saying ``why``, and ``then`` what subscribing again does): the outcome of the
         turn it watched will never come."""
@@ -379,8 +389,14 @@ class Streams:
         hub = self._mirrors.get(name)
         if hub is not None:
             last = self._positions.get(name, 0)
-            error = SubscriberLaggedError(
-                f"{why}; subscribe again with after={last}{then}", session_id=name, last_seq=last
+            error = advised(
+                SubscriberLaggedError,
+                *((why,) if isinstance(why, str) else why),
+                "; ",
+                Advice(kind=AdviceKind.RESUME_AFTER, seq=last),
+                *then,
+                session_id=name,
+                last_seq=last,
             )
             hub.close(error)
             self._end_mirror(name, hub)

@@ -16,7 +16,7 @@ import attrs
 import msgpack
 
 from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
-from .._errors import SessionActorsError, SessionCrashedError
+from .._errors import Advice, AdviceKind, SessionActorsError, SessionCrashedError
 from .._events import MessageAdded, ReviewRequested
 from .._records import Message, ReviewRequest, TurnOutcome, TurnStatus, storable
 from .._requests import (
@@ -253,7 +253,41 @@ def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
     session_id = getattr(exc, "session_id", None)
     if isinstance(session_id, str):
         body["sid"] = session_id
+    if isinstance(exc, SessionActorsError) and exc.advice and limit is None:
+        body["told"] = [_dump_told(part) for part in exc._told]
     return body
+
+
+def _dump_told(part: str | Advice) -> Any:
+    """A part of an error's message: its text, or an advice record (a frontend words
+    it its own way: the gateway of the worker that answers the client)."""
+    if isinstance(part, str):
+        return storable(part)
+    return {"k": part.kind.value, "r": part.review_id, "t": part.turn_id, "s": part.seq}
+
+
+def _load_told(body: Mapping[str, Any]) -> tuple[str | Advice, ...]:
+    """The parts of a message ``_dump_told`` wrote; none if one is of a kind unknown
+    here (a newer worker's): the message is then told as it reads."""
+    told: list[str | Advice] = []
+    for part in body.get("told") or ():
+        if isinstance(part, str):
+            told.append(part)
+            continue
+        try:
+            kind = AdviceKind(part["k"])
+        except (ValueError, KeyError, TypeError):
+            return ()
+        seq = part.get("s", 0)
+        told.append(
+            Advice(
+                kind=kind,
+                review_id=str(part.get("r", "")),
+                turn_id=str(part.get("t", "")),
+                seq=seq if isinstance(seq, int) else 0,
+            )
+        )
+    return tuple(told)
 
 
 def load_error(body: Mapping[str, Any], name: str, owner: str) -> Exception:
@@ -290,6 +324,7 @@ def _rebuilt(body: Mapping[str, Any], name: str | None) -> Exception | None:
     rebuilt = cls.__new__(cls)  # its own __init__ may want more than a message
     Exception.__init__(rebuilt, message)
     rebuilt.session_id = name
+    rebuilt._told = _load_told(body)
     for attr, value in dict(body.get("attrs") or {}).items():
         if attr in _ERROR_ATTRS:
             setattr(rebuilt, attr, value)

@@ -9,9 +9,11 @@ import json
 import math
 import re
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import httpx
@@ -25,7 +27,7 @@ import sessionactors.aio as aio
 import sessionactors.testing
 from durability_checks import die_mid_turn
 from sessionactors.http import create_app
-from sessionactors.stores import dump_info
+from sessionactors.stores import RedisStore, dump_info
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import Serve, serve_asyncio, serve_trio
@@ -629,3 +631,159 @@ async def test_a_gateway_that_creates_no_sessions_does_not_advise_creating_one(k
                 r = await client.request(method, path, **kwargs)
                 assert (r.status_code, r.json()["error"]) == (404, "SessionNotFoundError")
                 assert "POST" not in http_advice(r.json()), path
+
+
+async def test_advice_for_an_http_client_leaves_the_clients_own_values_as_sent() -> None:
+    """A session whose name reads like advice (``spawn it afresh``, ``given as after=``)
+    is named in the 404 as the client sent it; only the advice is told for HTTP."""
+    app = create_app(agents=trio_agents())
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            for name in ["spawn it afresh", "given as after=", "x create it with registry.ref"]:
+                r = await client.get("/sessions/" + quote(name, safe=""))
+                assert r.json()["session_id"] == name
+                assert r.json()["message"].startswith(f"session {name!r} does not exist; send")
+
+
+async def test_a_gateway_over_a_registry_without_agents_gives_http_advice() -> None:
+    """A first message naming no agent, to a gateway whose registry has no agents, is
+    refused (422 ValueError) with advice an HTTP client can follow (send "agent")."""
+    async with (
+        sa.open_registry(store=sa.MemoryStore()) as registry,
+        serve_trio(create_app(registry)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with trio.fail_after(10):
+            r = await client.post("/sessions/new/messages", json={"text": "hi"})
+            assert (r.status_code, r.json()["error"]) == (422, "ValueError"), r.text
+            assert '"agent"' in http_advice(r.json())
+
+
+def test_a_gateway_over_a_closed_aio_registry_gives_http_advice() -> None:
+    """A request to a gateway mounted at /api whose asyncio registry has closed answers
+    409 SessionStoppedError, with no advice about Python's ``async with`` block."""
+
+    async def main() -> None:
+        agents = asyncio_agents(delay=0.001)
+        async with aio.open_registry(agents=agents) as registry:
+            app = Starlette(routes=[Mount("/api", app=create_app(registry))])
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            for method, path, kwargs in [
+                ("GET", "/api/sessions/s", {}),
+                ("POST", "/api/sessions/s/messages", {"json": {"text": "hi"}}),
+            ]:
+                r = await client.request(method, path, **kwargs)
+                assert (r.status_code, r.json()["error"]) == (409, "SessionStoppedError")
+                http_advice(r.json())
+
+    async def bounded() -> None:
+        async with asyncio.timeout(15):
+            await main()
+
+    asyncio.run(bounded())
+
+
+async def test_an_unknown_websocket_message_type_is_named_as_sent(serve: Serve) -> None:
+    """A WebSocket frame whose "type" is not a string is refused naming the type sent."""
+    async with serve(delay=0.01) as served:
+        base = served.url.replace("http://", "ws://")
+        with trio.fail_after(10):
+            async with open_websocket(base + "/sessions/w/ws?agent=shop") as ws:
+                await ws.send({"type": 5})
+                error = await ws.receive()
+                while error["type"] != "error":
+                    error = await ws.receive()
+                assert "unknown message type 5;" in error["message"]
+
+
+async def test_lag_advice_names_the_route_that_resumes_after_a_seq() -> None:
+    """A subscriber that falls behind is told to resume after its last seq as its route
+    can: a turn's stream (POST .../messages, which reads no Last-Event-ID) with GET
+    .../events under the mount, the WebSocket with ?after= (it reads no Last-Event-ID)."""
+    gateway = create_app(agents={"a": sa.Agent(model=sa.testing.EchoModel())}, subscriber_buffer=1)
+    app = Starlette(routes=[Mount("/api", app=gateway)], lifespan=gateway.lifespan)
+    text = " ".join(["w"] * 300)
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url + "/api") as client:
+        with trio.fail_after(30):
+            error = None
+            while error is None:  # (until a stream lags)
+                r = await client.post("/sessions/s/messages", json={"text": text}, headers=SSE)
+                for line in r.text.splitlines():
+                    if line.startswith("data: ") and '"type":"error"' in line:
+                        error = json.loads(line[6:])
+            assert error["error"] == "SubscriberLaggedError"
+            seq = error["last_seq"]
+            assert f"GET /api/sessions/s/events with Last-Event-ID: {seq}" in http_advice(error)
+
+            base = url.replace("http://", "ws://")
+            error = None
+            while error is None:
+                async with open_websocket(base + "/api/sessions/w/ws?agent=a") as ws:
+                    await ws.send({"type": "message", "text": text})
+                    while True:
+                        data = await ws.receive()
+                        if data["type"] == "error" or data["type"] == "TurnFinished":
+                            break
+                    if data["type"] == "error":
+                        error = data
+            assert error["error"] == "SubscriberLaggedError"
+            message = http_advice(error)
+            assert f"?after={error['last_seq']}" in message
+            assert "Last-Event-ID" not in message
+
+
+@pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
+async def test_every_kind_of_advice_is_told_to_an_http_client_its_way(kind: str) -> None:
+    """Each kind of advice an error can carry is told by the gateway as an HTTP client
+    follows it, on a plain request, a turn's stream and a WebSocket: a kind added
+    without an HTTP wording cannot reach a client as Python."""
+    raised: list[sa.SessionActorsError] = []
+
+    def authorize(_request: Any, _name: str | None, _action: str) -> bool:
+        if raised:
+            raise raised.pop()
+        return True
+
+    async with (
+        mounted(kind, authorize=authorize) as url,
+        httpx.AsyncClient(base_url=url + "/api") as client,
+    ):
+        with trio.fail_after(30):
+            for advice_kind in sa.AdviceKind:
+                advice = sa.Advice(kind=advice_kind, review_id="r 1", turn_id="t1", seq=3)
+                error = sa.SessionActorsError("it failed", session_id="s", advice=advice)
+                for method, path in [("GET", "/sessions/s"), ("POST", "/sessions/s/messages")]:
+                    raised.append(error)
+                    r = await client.request(method, path, json={"text": "hi"})
+                    assert r.json()["error"] == "SessionActorsError"
+                    message = http_advice(r.json())
+                    assert message.startswith("it failed; "), message
+                    assert message != str(error)
+                raised.append(error)
+                base = url.replace("http://", "ws://")
+                async with open_websocket(base + "/api/sessions/s/ws?agent=shop") as ws:
+                    assert http_advice(await ws.receive()).startswith("it failed; ")
+
+
+@pytest.mark.redis
+async def test_an_error_raised_by_the_worker_that_runs_the_session_is_told_for_http(
+    redis_url: str,
+) -> None:
+    """An error the session's owner raised (a pending review refusing a message) reaches a
+    client of a gateway on another worker with the advice told for HTTP, its route and
+    review id included, as an error raised where the gateway runs is."""
+    store_options = {"prefix": f"sa-test:{uuid.uuid4().hex}", "balance": False}
+    agents = trio_agents(0.01)
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=RedisStore(redis_url, **store_options), agents=agents) as a,
+            sa.open_registry(store=RedisStore(redis_url, **store_options), agents=agents) as b,
+        ):
+            reply = await (await a.spawn("s")).send("refund A7")  # live on a, waiting
+            [review] = reply.reviews
+            async with serve_trio(create_app(b)) as url, httpx.AsyncClient(base_url=url) as c:
+                r = await c.post("/sessions/s/messages", json={"text": "hi"})
+                assert (r.status_code, r.json()["error"]) == (409, "SessionBusyError")
+                assert f"POST /sessions/s/reviews/{review.id}" in http_advice(r.json())
+            assert b.live() == []  # (it ran on a)
