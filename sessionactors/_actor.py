@@ -1248,7 +1248,7 @@ class Actor:
             index = session.find(request.message_id)
             if index < 0:
                 raise MessageNotFoundError(
-                    f"session {sid!r} has no message {request.message_id!r}; take ids from "
+                    f"session {sid!r} has no message {shown(request.message_id)}; take ids from "
                     "ref.history()",
                     session_id=sid,
                 )

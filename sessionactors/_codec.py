@@ -122,7 +122,7 @@ from ._codec_format import (
     TAG_OF,
     VERSION_KEY,
 )
-from ._errors import SnapshotCorruptError, SnapshotError, SnapshotVersionError
+from ._errors import SnapshotCorruptError, SnapshotError, SnapshotVersionError, shown
 from ._events import Event
 from ._records import SCHEMA_VERSION, Message, SessionInfo, SessionState
 
@@ -464,9 +464,10 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
     if isinstance(value, dict):
         for key, item in value.items():
             # a key is quoted with repr: a lone surrogate in it is escaped, not printed
-            found = _find_unencodable(key, f"{path} key {key!r}", depth + 1)
+            shown_key = shown(key) if isinstance(key, str) else f"{key!r:.60}"
+            found = _find_unencodable(key, f"{path} key {shown_key}", depth + 1)
             if not found:
-                name = key if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+                name = key if isinstance(key, str) and key.isidentifier() else f"[{shown_key}]"
                 found = _find_unencodable(item, f"{path}.{name}", depth + 1)
             if found:
                 return found

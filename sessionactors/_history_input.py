@@ -10,7 +10,7 @@ as a history: unique ids, every tool call followed by its results.
 from collections.abc import Iterable, Mapping, Sequence
 
 from ._codec import MAX_TEXT_CHARS, dump_event, dump_events, load_events
-from ._errors import InvalidHistoryError
+from ._errors import InvalidHistoryError, shown
 from ._events import Event, MessageAdded
 from ._history import broken_rule
 from ._metadata import non_finite
@@ -95,7 +95,7 @@ def check_new_ids(session_id: str, known: set[str], messages: Sequence[Message],
             raise _invalid(
                 session_id,
                 what,
-                f"the session already has a message with id {message.id!r}",
+                f"the session already has a message with id {shown(message.id)}",
             )
 
 

@@ -21,6 +21,7 @@ from ._codec import (
     load_event,
     metadata_size,
 )
+from ._errors import shown
 from ._events import MetadataChanged
 from ._records import SessionInfo, Status, Usage
 
@@ -123,7 +124,7 @@ def _non_finite(value: Any, at: str) -> str | None:
         return None if math.isfinite(value) else at
     if isinstance(value, Mapping):
         for key, item in value.items():
-            found = _non_finite(item, f"{at}[{key!r}]")
+            found = _non_finite(item, f"{at}[{shown(key) if isinstance(key, str) else repr(key)}]")
             if found is not None:
                 return found
     elif isinstance(value, list | tuple):

@@ -155,7 +155,7 @@ class Registry(metaclass=NoPublicConstructor):
             index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].id == at), -1)
             if index < 0:
                 raise MessageNotFoundError(
-                    f"session {name!r} has no message {at!r}; take ids from ref.history()",
+                    f"session {name!r} has no message {shown(at)}; take ids from ref.history()",
                     session_id=name,
                 )
             messages = messages[: rewind_end(messages, index)]
