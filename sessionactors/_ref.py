@@ -26,7 +26,7 @@ from ._errors import (
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished, TurnStarted
 from ._final import NoPublicConstructor
 from ._history_input import check_messages
-from ._metadata import check_metadata
+from ._metadata import plain_metadata
 from ._pending import Pending
 from ._records import Message, ReviewRequest, SessionState, TurnOutcome, check_unicode
 from ._requests import (
@@ -402,7 +402,8 @@ class SessionRef(metaclass=NoPublicConstructor):
         that leaves it no larger is taken, so that it can shrink.
         """
         sid = self.session_id
-        request = SetMetadata(changes=check_metadata(sid, changes))
+        # (the size is checked on the merge: a change may shrink larger metadata stored before)
+        request = SetMetadata(changes=plain_metadata(sid, changes))
         metadata: dict[str, Any] = await self._dispatcher.call(sid, request)
         return metadata
 

@@ -352,8 +352,9 @@ async def test_a_session_stored_with_larger_metadata_before_the_limit_loads_and_
 ) -> None:
     """A session stored before the limit, whose snapshot and journal hold metadata of
     megabytes (as its info may, up to 16 MiB), is listed, wakes, runs turns, hibernates
-    and is forked with it; a change that leaves it no larger is accepted, one that
-    makes it larger is refused, and once small it stays within the limit."""
+    and is forked with it; a change that leaves it no larger is accepted (even a change
+    over the limit by itself), one that makes it larger is refused with the size it
+    would have, and once small it stays within the limit."""
     path = tmp_path / "sessions.db"
     now = datetime.datetime.now(datetime.UTC)
     first = {"blob": "o" * 3_000_000}
@@ -394,6 +395,12 @@ async def test_a_session_stored_with_larger_metadata_before_the_limit_loads_and_
                 await ref.set_metadata({"more": 1})
             smaller = {"b": "b" * 2_000_000, "tier": "gold"}
             assert await ref.set_metadata({"a": None}) == smaller
+            # a change over the limit by itself is taken when the metadata shrinks with it
+            smaller = {"b": "c" * 1_000_000, "tier": "gold"}
+            assert await ref.set_metadata({"b": "c" * 1_000_000}) == smaller
+            # refused, the error gives the size the metadata would have, not the change's
+            with pytest.raises(ValueError, match=r"'old' is 1,100,\d{3} bytes encoded"):
+                await ref.set_metadata({"x": "x" * 100_000})
             assert await ref.set_metadata({"b": "small"}) == {"b": "small", "tier": "gold"}
             with pytest.raises(ValueError, match=r"'old'.*over the limit of 65,536"):
                 await ref.set_metadata({"a": "x" * 40_000, "b": "y" * 40_000})
