@@ -56,7 +56,7 @@ from ._events import (
     make_turn_started,
 )
 from ._history import rewind_end, split_for_keep_last
-from ._history_input import KnownIds, check_entry, check_new_ids
+from ._history_input import KnownIds, check_content, check_entry, check_new_ids
 from ._hub import SEQ_GAP, Hub
 from ._journal import Journal
 from ._metadata import check_info_room, check_metadata, merge_metadata
@@ -1072,6 +1072,17 @@ class Actor:
                     return False
                 result = await self._set_metadata(merged)
             elif isinstance(request, AddMessages | ReplaceHistory):
+                replace = isinstance(request, ReplaceHistory)
+                try:  # here, where the history is: a message it holds is written back as it is
+                    check_content(
+                        self.session_id,
+                        request.messages,
+                        "replace_history" if replace else "add_messages",
+                        self.session.messages if replace else (),
+                    )
+                except ValueError as exc:  # refused before any change
+                    pending.set_error(exc)
+                    return False
                 await self._put_messages(request)
                 result = None
             else:
@@ -1296,7 +1307,8 @@ class Actor:
 
     async def _put_messages(self, request: AddMessages | ReplaceHistory) -> None:
         """Append messages to the history, or replace it whole, without a turn (in
-        mailbox order); the messages were checked as a block by the caller's ref."""
+        mailbox order); the messages were checked as a block by the caller's ref, and
+        their content against the history (``check_content``)."""
         session = self.session
         sid = self.session_id
         replace = isinstance(request, ReplaceHistory)

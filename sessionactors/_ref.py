@@ -440,7 +440,10 @@ class SessionRef(metaclass=NoPublicConstructor):
         ``HistoryEdited`` event (``reason="replace_history"``) that removes every
         message, then one ``MessageAdded`` per new message, all journaled together;
         served in mailbox order. The messages are checked as for
-        :meth:`add_messages` (ids need only be unique among themselves).
+        :meth:`add_messages` (ids need only be unique among themselves), but a message
+        the history holds, given back unchanged (same id and fields), is not checked
+        again: ``ref.replace_history(await ref.history())`` always succeeds, for a
+        session stored before a limit too (a longer tool result, metadata with a NaN).
         """
         sid = self.session_id
         request = ReplaceHistory(messages=check_messages(sid, messages, "replace_history"))
