@@ -221,8 +221,6 @@ def _open(url: str, *, write: bool) -> Store:
             f"--store {url!r} is a store inside one process: this command's own, empty, "
             "gone when it ends; give the store of your server (sqlite:///... or redis://...)"
         )
-    if isinstance(store, SQLiteStore) and os.path.isdir(store.path):
-        raise ValueError(f"--store {url!r}: {store.path!r} is a directory, not a SQLite file")
     if write and isinstance(store, SQLiteStore) and not store.shared:
         path = store.path
         if os.path.exists(f"{path}.lock"):
