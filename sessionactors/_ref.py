@@ -53,6 +53,7 @@ __all__ = [
     "Turn",
     "check_after",
     "check_message",
+    "check_text",
 ]
 
 
@@ -227,7 +228,7 @@ class SessionRef(metaclass=NoPublicConstructor):
     async def send(self, text: str, *, idempotency_key: str | None = None) -> Reply:
         """Run one turn and wait for its reply (after it is durable)."""
         sid = self.session_id
-        _check_text(sid, text)
+        check_text(sid, text)
         pending = None
         if idempotency_key is None:  # the common case: queued at once, no Turn made
             pending = self._dispatcher.enqueue(sid, text)
@@ -240,7 +241,7 @@ class SessionRef(metaclass=NoPublicConstructor):
 
     async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
         """Put a turn in the mailbox, waiting for room; don't wait for the reply."""
-        _check_text(self.session_id, text)
+        check_text(self.session_id, text)
         _check_key(self.session_id, idempotency_key)
         return await self._dispatcher.submit(self.session_id, text, idempotency_key, ack=True)
 
@@ -251,7 +252,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         or can be woken here: a session live on another worker fails the turn with
         SessionBusyError (``submit`` forwards it).
         """
-        _check_text(self.session_id, text)
+        check_text(self.session_id, text)
         _check_key(self.session_id, idempotency_key)
         return self._dispatcher.submit_nowait(self.session_id, text, idempotency_key)
 
@@ -350,7 +351,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         _check_type(sid, "review_id", review_id, str)
         _check_type(sid, "approve", approve, bool)
         if note is not None:
-            _check_text(sid, note, "note")
+            check_text(sid, note, "note")
         request = ResolveReview(review_id=review_id, approve=approve, note=note)
         reply: Reply = await self._dispatcher.call(sid, request)
         return reply
@@ -379,7 +380,7 @@ class SessionRef(metaclass=NoPublicConstructor):
 
     async def set_summary(self, text: str) -> None:
         """Set the summary the model sees after the system prompt ("" clears it)."""
-        _check_text(self.session_id, text, "summary")
+        check_text(self.session_id, text, "summary")
         await self._dispatcher.call(self.session_id, SetSummary(text=text))
 
     async def set_metadata(self, changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -717,7 +718,7 @@ def _check_type(session_id: str, what: str, value: object, kind: type) -> None:
 def check_message(session_id: str, text: object, idempotency_key: object = None) -> None:
     """TypeError or ValueError if ``send``/``submit`` would refuse this text or key (for
     front ends that must refuse a request before they create its session)."""
-    _check_text(session_id, text)
+    check_text(session_id, text)
     _check_key(session_id, idempotency_key)
 
 
@@ -730,7 +731,10 @@ def check_after(session_id: str, after: object) -> None:
             raise ValueError(f"after for session {session_id!r} must be a seq (>= 0), not {after}")
 
 
-def _check_text(session_id: str, text: object, what: str = "a message") -> None:
+def check_text(session_id: str, text: object, what: str = "a message") -> None:
+    """TypeError or ValueError if ``text`` (``what`` for the session: a message, a
+    summary, a note, a system prompt) is no str, is longer than a message may be or
+    holds what cannot be stored."""
     if not isinstance(text, str):
         raise TypeError(f"{what} to session {session_id!r} must be str, not {type(text).__name__}")
     if len(text) > MAX_TEXT_CHARS:
@@ -754,4 +758,4 @@ def _check_key(session_id: str, key: object) -> None:
             f"idempotency_key for session {session_id!r} must be 1 to 1024 characters, "
             f"not {len(key)}"
         )
-    _check_text(session_id, key, "idempotency_key")
+    check_text(session_id, key, "idempotency_key")
