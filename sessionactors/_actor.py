@@ -39,6 +39,7 @@ from ._errors import (
     TurnCancelledError,
     TurnFailedError,
     shown,
+    stopped_error,
 )
 from ._events import (
     Event,
@@ -113,7 +114,6 @@ __all__ = [
     "crashed_error",
     "deleted_error",
     "describe",
-    "stopped_error",
     "waiting_reply",
 ]
 
@@ -1719,39 +1719,6 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
         "before sending a new message",
         session_id=sid,
     )
-
-
-def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedError:
-    """The error of a request the session did not finish; ``turn_id``: the turn that
-    had started (it may be in the history)."""
-    if reason == "stop":
-        text = f"session {sid!r} was stopped; spawn a new session to continue the conversation"
-    elif reason == "unsaved":
-        text = (
-            f"the registry closed before the store confirmed the turn of session {sid!r} "
-            "(it did not answer in time), so the turn may be lost: send it again once a "
-            "registry is open (with an idempotency key, a retry cannot run it twice)"
-        )
-    elif reason == "interrupted":
-        text = (
-            f"the turn of session {sid!r} was cut off when something not an Exception "
-            "(a KeyboardInterrupt, say) escaped it and closed the registry; what it "
-            "streamed is kept, marked interrupted: send it again once a registry is open"
-        )
-    elif reason == "cut":
-        text = (
-            f"the turn of session {sid!r} was cut off when the registry closed after its "
-            "shutdown grace; what it streamed is kept, marked interrupted: send it again "
-            "once a registry is open"
-        )
-    else:
-        text = (
-            f"session {sid!r} did not run this request: the registry was closing; "
-            "send it again once a registry is open"
-        )
-    error = SessionStoppedError(text, session_id=sid, turn_id=turn_id)
-    error._reason = reason
-    return error
 
 
 def crashed_error(
