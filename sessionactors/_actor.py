@@ -42,6 +42,7 @@ from ._errors import (
     TurnFailedError,
     advised,
     shown,
+    stopped_error,
 )
 from ._events import (
     Event,
@@ -59,7 +60,7 @@ from ._events import (
     make_turn_started,
 )
 from ._history import rewind_end, split_for_keep_last
-from ._history_input import KnownIds, check_entry, check_new_ids
+from ._history_input import KnownIds, check_content, check_entry, check_new_ids
 from ._hub import SEQ_GAP, Hub
 from ._journal import Journal
 from ._metadata import check_info_room, check_metadata, merge_metadata
@@ -116,7 +117,6 @@ __all__ = [
     "crashed_error",
     "deleted_error",
     "describe",
-    "stopped_error",
     "waiting_reply",
 ]
 
@@ -1078,6 +1078,17 @@ class Actor:
                     return False
                 result = await self._set_metadata(merged)
             elif isinstance(request, AddMessages | ReplaceHistory):
+                replace = isinstance(request, ReplaceHistory)
+                try:  # here, where the history is: a message it holds is written back as it is
+                    check_content(
+                        self.session_id,
+                        request.messages,
+                        "replace_history" if replace else "add_messages",
+                        self.session.messages if replace else (),
+                    )
+                except ValueError as exc:  # refused before any change
+                    pending.set_error(exc)
+                    return False
                 await self._put_messages(request)
                 result = None
             else:
@@ -1259,7 +1270,7 @@ class Actor:
             index = session.find(request.message_id)
             if index < 0:
                 raise MessageNotFoundError(
-                    f"session {sid!r} has no message {request.message_id!r}; take ids from "
+                    f"session {sid!r} has no message {shown(request.message_id)}; take ids from "
                     "ref.history()",
                     session_id=sid,
                 )
@@ -1307,7 +1318,8 @@ class Actor:
 
     async def _put_messages(self, request: AddMessages | ReplaceHistory) -> None:
         """Append messages to the history, or replace it whole, without a turn (in
-        mailbox order); the messages were checked as a block by the caller's ref."""
+        mailbox order); the messages were checked as a block by the caller's ref, and
+        their content against the history (``check_content``)."""
         session = self.session
         sid = self.session_id
         replace = isinstance(request, ReplaceHistory)
@@ -1719,47 +1731,6 @@ def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
         " before sending a new message",
         session_id=sid,
     )
-
-
-def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedError:
-    """The error of a request the session did not finish; ``turn_id``: the turn that
-    had started (it may be in the history)."""
-    reopen = Advice(kind=AdviceKind.REOPEN)
-    told: tuple[str | Advice, ...]
-    if reason == "stop":
-        told = (
-            f"session {sid!r} was stopped; ",
-            Advice(kind=AdviceKind.NEW_SESSION),
-            " to continue the conversation",
-        )
-    elif reason == "unsaved":
-        told = (
-            f"the registry closed before the store confirmed the turn of session {sid!r} "
-            "(it did not answer in time), so the turn may be lost: ",
-            reopen,
-            " (with an idempotency key, a retry cannot run it twice)",
-        )
-    elif reason == "interrupted":
-        told = (
-            f"the turn of session {sid!r} was cut off when something not an Exception "
-            "(a KeyboardInterrupt, say) escaped it and closed the registry; what it "
-            "streamed is kept, marked interrupted: ",
-            reopen,
-        )
-    elif reason == "cut":
-        told = (
-            f"the turn of session {sid!r} was cut off when the registry closed after its "
-            "shutdown grace; what it streamed is kept, marked interrupted: ",
-            reopen,
-        )
-    else:
-        told = (
-            f"session {sid!r} did not run this request: the registry was closing; ",
-            reopen,
-        )
-    error = advised(SessionStoppedError, *told, session_id=sid, turn_id=turn_id)
-    error._reason = reason
-    return error
 
 
 def crashed_error(

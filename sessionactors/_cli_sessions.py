@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Final, TextIO, TypeGuard
 
 import trio
 
-from ._codec import dump_info, dump_snapshot, metadata_size
+from ._codec import dump_info, dump_snapshot
 from ._errors import (
     FencedOutError,
     InvalidSessionNameError,
@@ -43,7 +43,6 @@ from ._errors import (
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
-from ._metadata import check_metadata_size
 from ._names import validate_name
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
@@ -222,8 +221,6 @@ def _open(url: str, *, write: bool) -> Store:
             f"--store {url!r} is a store inside one process: this command's own, empty, "
             "gone when it ends; give the store of your server (sqlite:///... or redis://...)"
         )
-    if isinstance(store, SQLiteStore) and os.path.isdir(store.path):
-        raise ValueError(f"--store {url!r}: {store.path!r} is a directory, not a SQLite file")
     if write and isinstance(store, SQLiteStore) and not store.shared:
         path = store.path
         if os.path.exists(f"{path}.lock"):
@@ -652,13 +649,6 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
                 "import it under a valid name with --as NAME",
                 session_id=None,
             ) from None
-    try:  # refused as spawn refuses it: metadata stored before its limit was set
-        check_metadata_size(name, metadata_size(state.metadata))
-    except ValueError as exc:
-        raise ValueError(
-            f"{exc}; it cannot be imported: make its metadata smaller where it is stored "
-            "(ref.set_metadata, a key set to None is removed) and export it again"
-        ) from None
     try:
         if isinstance(store, RoutingStore):  # stored as a spawn is: it wakes where it is used
             async with _joined(store) as registry:

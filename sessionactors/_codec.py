@@ -129,6 +129,7 @@ from ._errors import (
     SnapshotError,
     SnapshotVersionError,
     advised,
+    shown,
 )
 from ._events import Event
 from ._records import SCHEMA_VERSION, Message, SessionInfo, SessionState
@@ -475,9 +476,10 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
     if isinstance(value, dict):
         for key, item in value.items():
             # a key is quoted with repr: a lone surrogate in it is escaped, not printed
-            found = _find_unencodable(key, f"{path} key {key!r}", depth + 1)
+            shown_key = shown(key) if isinstance(key, str) else f"{key!r:.60}"
+            found = _find_unencodable(key, f"{path} key {shown_key}", depth + 1)
             if not found:
-                name = key if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+                name = key if isinstance(key, str) and key.isidentifier() else f"[{shown_key}]"
                 found = _find_unencodable(item, f"{path}.{name}", depth + 1)
             if found:
                 return found

@@ -21,6 +21,7 @@ from ._codec_convert import (
     with_article,
 )
 from ._codec_format import MAX_ARRAY_LEN, MAX_MAP_LEN, MAX_METADATA_DEPTH, MAX_SEQ
+from ._errors import shown
 from ._records import NO_METADATA, Message, SessionInfo, SessionState
 
 # -- checking what is dumped ---------------------------------------------------------
@@ -142,7 +143,7 @@ def _plain_count(value: Any, depth: int) -> int:
             try:
                 count += _plain_count(item, depth + 1)
             except PlainError as exc:
-                exc.path.append(f"[{key!r}]")
+                exc.path.append(f"[{shown(key)}]")
                 raise
         return count
     if cls is list or cls is tuple:

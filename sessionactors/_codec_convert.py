@@ -26,6 +26,7 @@ from ._codec_format import (
     TAG_KEY,
     TAG_OF,
 )
+from ._errors import shown
 from ._events import (
     Event,
     HistoryEdited,
@@ -292,7 +293,7 @@ def as_plain(value: Any, depth: int) -> Any:
             try:
                 out[key] = as_plain(item, depth + 1)
             except PlainError as exc:
-                exc.path.append(f"[{key!r}]")
+                exc.path.append(f"[{shown(key)}]")
                 raise
         return out
     if cls is list or cls is tuple:

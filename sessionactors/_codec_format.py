@@ -34,8 +34,8 @@ DEFAULT_MAX_EVENT_BYTES: Final = MAX_JOURNAL_ENTRY_BYTES
 MAX_INFO_BYTES: Final = MAX_JOURNAL_ENTRY_BYTES
 #: The largest session metadata (64 KiB), encoded as the store writes it: every
 #: listing entry carries it, and every turn writes it again with the session's info.
-#: Checked where metadata goes in (spawn, get_or_spawn, set_metadata, an import);
-#: metadata stored before the limit is read and kept, within MAX_INFO_BYTES.
+#: Checked where a caller gives metadata (spawn, get_or_spawn, set_metadata); metadata
+#: stored before the limit is read, kept and imported, within MAX_INFO_BYTES.
 MAX_METADATA_BYTES: Final = 64 * 1024
 #: The longest text (in characters) that one turn can carry and still be journaled:
 #: UTF-8 takes at most 4 bytes a character, a turn's entry may hold its input twice

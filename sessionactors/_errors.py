@@ -257,9 +257,11 @@ class SessionStoppedError(SessionActorsError):
     when the request never ran.
     """
 
-    #: (Internal) why the session's registry stopped the request: "cut" (its shutdown
-    #: grace ran out), "unsaved" (it closed before the store confirmed the turn), ...;
-    #: empty if not said. A worker that ran the request for another says it its way.
+    #: (Internal, set by ``stopped_error``) why the session's registry stopped the
+    #: request: "cut" (its shutdown grace ran out), "unsaved" (it closed before the store
+    #: confirmed the turn), "interrupted" (a BaseException closed it), "stop",
+    #: "closing"; empty if not said. A worker that ran the request for another says it
+    #: its way.
     _reason: str = ""
 
     def __init__(
@@ -446,6 +448,48 @@ def shown(value: str, limit: int = SHOWN_CHARS) -> str:
     if len(value) <= limit:
         return repr(value)
     return f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
+def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedError:
+    """The error of a request the session did not finish, for ``reason`` (see
+    ``SessionStoppedError._reason``); ``turn_id``: the turn that had started (it may be
+    in the history)."""
+    reopen = Advice(kind=AdviceKind.REOPEN)
+    told: tuple[str | Advice, ...]
+    if reason == "stop":
+        told = (
+            f"session {sid!r} was stopped; ",
+            Advice(kind=AdviceKind.NEW_SESSION),
+            " to continue the conversation",
+        )
+    elif reason == "unsaved":
+        told = (
+            f"the registry closed before the store confirmed the turn of session {sid!r} "
+            "(it did not answer in time), so the turn may be lost: ",
+            reopen,
+            " (with an idempotency key, a retry cannot run it twice)",
+        )
+    elif reason == "interrupted":
+        told = (
+            f"the turn of session {sid!r} was cut off when something not an Exception "
+            "(a KeyboardInterrupt, say) escaped it and closed the registry; what it "
+            "streamed is kept, marked interrupted: ",
+            reopen,
+        )
+    elif reason == "cut":
+        told = (
+            f"the turn of session {sid!r} was cut off when the registry closed after its "
+            "shutdown grace; what it streamed is kept, marked interrupted: ",
+            reopen,
+        )
+    else:
+        told = (
+            f"session {sid!r} did not run this request: the registry was closing; ",
+            reopen,
+        )
+    error = advised(SessionStoppedError, *told, session_id=sid, turn_id=turn_id)
+    error._reason = reason
+    return error
 
 
 # Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ._errors import shown
 from ._records import Message, Role
 
 __all__ = [
@@ -74,8 +75,9 @@ def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False)
     for index, m in enumerate(messages):
         if m.role is Role.TOOL:
             if m.tool_call_id is None or m.tool_call_id not in open_calls:
+                call = None if m.tool_call_id is None else shown(m.tool_call_id)
                 return (
-                    f"messages[{index}] is a tool result for call {m.tool_call_id!r}, which "
+                    f"messages[{index}] is a tool result for call {call}, which "
                     "the assistant message just before it did not make (or was answered already)"
                 )
             del open_calls[m.tool_call_id]
@@ -83,7 +85,7 @@ def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False)
         if open_calls and not calls_may_wait:
             call_id, by = next(iter(open_calls.items()))
             return (
-                f"tool call {call_id!r} of message {by!r} has no result before "
+                f"tool call {shown(call_id)} of message {shown(by)} has no result before "
                 f"messages[{index}]; give each call's tool message right after it"
             )
         open_calls = {c.id: m.id for c in m.tool_calls} if m.role is Role.ASSISTANT else {}
@@ -96,7 +98,7 @@ def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False)
     if open_calls and not calls_may_wait:
         call_id, by = next(iter(open_calls.items()))
         return (
-            f"tool call {call_id!r} of message {by!r} has no result; give each call's "
+            f"tool call {shown(call_id)} of message {shown(by)} has no result; give each call's "
             "tool message right after it"
         )
     return None
@@ -112,7 +114,7 @@ def broken_rule(messages: Sequence[Message], *, calls_may_wait: bool = False) ->
         if not message.id:
             return f"messages[{index}] has an empty id"
         if message.id in seen:
-            return f"message id {message.id!r} appears twice"
+            return f"message id {shown(message.id)} appears twice"
         seen.add(message.id)
         if message.tool_calls and message.role is not Role.ASSISTANT:
             return (

@@ -10,26 +10,24 @@ as a history: unique ids, every tool call followed by its results.
 from collections.abc import Iterable, Mapping, Sequence
 
 from ._codec import MAX_TEXT_CHARS, dump_event, dump_events, load_events
-from ._errors import InvalidHistoryError
+from ._errors import InvalidHistoryError, shown
 from ._events import Event, MessageAdded
 from ._history import broken_rule
 from ._metadata import non_finite
 from ._records import Message, ToolCall
 
-__all__ = ["KnownIds", "check_entry", "check_messages", "check_new_ids"]
+__all__ = ["KnownIds", "check_content", "check_entry", "check_messages", "check_new_ids"]
 
 
 def check_messages(session_id: str, messages: object, what: str) -> tuple[Message, ...]:
-    """``messages`` as a tuple, if they can join a history as one block.
+    """``messages`` as a tuple of the session's own copies, if they can join a history as
+    one block (their content is checked by :func:`check_content`, where the history is).
 
     ``TypeError`` for anything but an iterable of :class:`Message` records or a
-    field of the wrong type, ``ValueError`` for a message longer than a turn's may
-    be (its content and tool call arguments over MAX_TEXT_CHARS), what the codec
-    refuses (a batch too long for one journal entry, a naive datetime) and metadata
-    holding a float that is not finite, as a session's metadata may not,
-    :class:`InvalidHistoryError` for an empty or repeated id and a tool call
-    separated from its results. Every message names the session and ``what`` was
-    called.
+    field of the wrong type, ``ValueError`` for what the codec refuses (a batch too
+    long for one journal entry, a naive datetime), :class:`InvalidHistoryError` for
+    an empty or repeated id and a tool call separated from its results. Every
+    message names the session and ``what`` was called.
     """
     if isinstance(messages, str | bytes | Mapping | Message) or not isinstance(messages, Iterable):
         raise TypeError(
@@ -44,24 +42,35 @@ def check_messages(session_id: str, messages: object, what: str) -> tuple[Messag
                 f"{type(message).__name__}, not an sa.Message; make one with "
                 "sa.Message.create(role, content)"
             )
-    for index, message in enumerate(given):
-        _check_size(session_id, what, index, message)
     if given:
         # the session's own copies, as a restart will read them: nothing the caller
         # still holds (a metadata dict, a list in it) is shared with the history
         entry = check_entry(session_id, [_added(session_id, m) for m in given], what)
         given = tuple(e.message for e in load_events(entry) if isinstance(e, MessageAdded))
-        for index, message in enumerate(given):
-            problem = non_finite(message.metadata)  # (refused as a session's metadata is)
-            if problem is not None:
-                raise ValueError(
-                    f"{what} for session {session_id!r}: messages[{index}] cannot be stored "
-                    f"({problem})"
-                )
     problem = broken_rule(given)
     if problem is not None:
         raise _invalid(session_id, what, problem)
     return given
+
+
+def check_content(
+    session_id: str, messages: Sequence[Message], what: str, held: Sequence[Message]
+) -> None:
+    """``ValueError`` for a message of ``messages`` longer than a turn's may be (its
+    content, with an assistant message's tool call arguments, over MAX_TEXT_CHARS) or
+    whose metadata holds a float that is not finite, as a session's metadata may not,
+    unless ``held`` (the history) holds it unchanged: what a session holds, stored
+    before these limits, can always be written back."""
+    by_id: dict[str, Message] | None = None
+    for index, message in enumerate(messages):
+        refusal = _refusal(session_id, what, index, message)
+        if refusal is None:
+            continue
+        if by_id is None:
+            by_id = {m.id: m for m in held}
+        kept = by_id.get(message.id)
+        if kept is None or _encoded(session_id, kept) != _encoded(session_id, message):
+            raise ValueError(refusal)
 
 
 class KnownIds:
@@ -95,7 +104,7 @@ def check_new_ids(session_id: str, known: set[str], messages: Sequence[Message],
             raise _invalid(
                 session_id,
                 what,
-                f"the session already has a message with id {message.id!r}",
+                f"the session already has a message with id {shown(message.id)}",
             )
 
 
@@ -110,8 +119,11 @@ def check_entry(session_id: str, events: Sequence[Event], what: str) -> bytes:
                 try:
                     dump_event(event)
                 except (TypeError, ValueError) as one:
+                    # a message too long for an entry is told the limit a message has
+                    refusal = _too_long(session_id, what, index, event.message)
                     raise type(one)(
-                        f"{what} for session {session_id!r}: messages[{index}] cannot be "
+                        refusal
+                        or f"{what} for session {session_id!r}: messages[{index}] cannot be "
                         f"stored ({one})"
                     ) from None
         raise type(exc)(
@@ -120,22 +132,40 @@ def check_entry(session_id: str, events: Sequence[Event], what: str) -> bytes:
         ) from None
 
 
-def _check_size(session_id: str, what: str, index: int, message: Message) -> None:
-    """``ValueError`` if ``message`` holds more text than a turn's message may: its
-    content, with an assistant message's tool call arguments, over MAX_TEXT_CHARS (a
-    user's message, a model's answer and a tool result are bounded so)."""
+def _refusal(session_id: str, what: str, index: int, message: Message) -> str | None:
+    """Why ``message`` is refused as new content (see :func:`check_content`), or None."""
+    refusal = _too_long(session_id, what, index, message)
+    if refusal is None:
+        problem = non_finite(message.metadata)  # (refused as a session's metadata is)
+        if problem is not None:
+            refusal = (
+                f"{what} for session {session_id!r}: messages[{index}] cannot be stored ({problem})"
+            )
+    return refusal
+
+
+def _too_long(session_id: str, what: str, index: int, message: Message) -> str | None:
+    """Why ``message`` holds more text than a turn's message may, or None: its content,
+    with an assistant message's tool call arguments, over MAX_TEXT_CHARS (a user's
+    message, a model's answer and a tool result are bounded so)."""
     size = len(message.content) if isinstance(message.content, str) else 0
     calls = message.tool_calls if isinstance(message.tool_calls, tuple | list) else ()
     for call in calls:
         if isinstance(call, ToolCall) and isinstance(call.arguments, str):
             size += len(call.arguments)
-    if size > MAX_TEXT_CHARS:
-        held = "its content and tool call arguments hold" if calls else "its content holds"
-        raise ValueError(
-            f"{what} for session {session_id!r}: messages[{index}] is too long: {held} "
-            f"{size:,} characters, over the limit of {MAX_TEXT_CHARS:,} that every message "
-            "has; add large documents in parts or by reference"
-        )
+    if size <= MAX_TEXT_CHARS:
+        return None
+    held = "its content and tool call arguments hold" if calls else "its content holds"
+    return (
+        f"{what} for session {session_id!r}: messages[{index}] is too long: {held} "
+        f"{size:,} characters, over the limit of {MAX_TEXT_CHARS:,} that every message "
+        "has; add large documents in parts or by reference"
+    )
+
+
+def _encoded(session_id: str, message: Message) -> bytes:
+    """``message`` as its journal entry holds it (equal for equal messages, NaN included)."""
+    return dump_event(_added(session_id, message))
 
 
 def _added(session_id: str, message: Message) -> MessageAdded:

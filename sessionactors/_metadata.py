@@ -21,6 +21,7 @@ from ._codec import (
     load_event,
     metadata_size,
 )
+from ._errors import shown
 from ._events import MetadataChanged
 from ._records import SessionInfo, Status, Usage
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_metadata_size",
     "merge_metadata",
     "non_finite",
+    "plain_metadata",
 ]
 
 
@@ -57,27 +59,35 @@ def check_info_room(info: SessionInfo) -> None:
 
 
 def check_metadata(session_id: str, metadata: object, *, stored: int = 0) -> dict[str, Any]:
-    """``metadata`` as a dict, in the form the codec reads it back, if the codec can
-    store it and it is at most MAX_METADATA_BYTES encoded; else ``TypeError`` /
-    ``ValueError`` naming the session and the offending key (or the size).
+    """``metadata`` as :func:`plain_metadata` gives it, if it is also at most
+    MAX_METADATA_BYTES encoded; else ``TypeError`` / ``ValueError`` naming the session
+    and the offending key (or the size).
 
     ``stored``: the encoded size of the metadata this replaces. Metadata stored before
     the limit may be larger; a change that leaves it no larger is taken, so that it
     can shrink.
     """
+    plain = plain_metadata(session_id, metadata)
+    check_metadata_size(session_id, metadata_size(plain), stored=stored)
+    return plain
+
+
+def plain_metadata(session_id: str, metadata: object) -> dict[str, Any]:
+    """``metadata`` as a dict, in the form the codec reads it back, if the codec can
+    store it and its floats are finite; else ``TypeError`` / ``ValueError`` naming the
+    session and the offending key, or its size if it is too large for any record."""
     if not isinstance(metadata, Mapping):
         raise TypeError(
             f"metadata for session {session_id!r} must be a mapping, not {type(metadata).__name__}"
         )
     try:
-        size = metadata_size(metadata)
-    except (TypeError, ValueError):
-        size = -1  # not plain data: the codec's checks below say what is wrong, where
-    else:
-        check_metadata_size(session_id, size, stored=stored)
-    try:
         data = dump_event(MetadataChanged(session_id=session_id, seq=0, metadata=dict(metadata)))
     except (TypeError, ValueError) as exc:  # the codec's message says what is wrong, where
+        try:
+            size = metadata_size(metadata)
+        except (TypeError, ValueError):
+            size = 0
+        check_metadata_size(session_id, size)  # (too large: said as the limit says it)
         raise type(exc)(f"metadata for session {session_id!r} cannot be stored: {exc}") from None
     # as the store gives it back (a tuple reads as a list): the same before and after a restart
     loaded = load_event(data, session_id=session_id)
@@ -85,8 +95,6 @@ def check_metadata(session_id: str, metadata: object, *, stored: int = 0) -> dic
     problem = non_finite(loaded.metadata)
     if problem is not None:
         raise ValueError(f"metadata for session {session_id!r} cannot be stored: {problem}")
-    if size < 0:  # (the codec took what could not be measured as given)
-        check_metadata_size(session_id, metadata_size(loaded.metadata), stored=stored)
     return dict(loaded.metadata)
 
 
@@ -123,7 +131,7 @@ def _non_finite(value: Any, at: str) -> str | None:
         return None if math.isfinite(value) else at
     if isinstance(value, Mapping):
         for key, item in value.items():
-            found = _non_finite(item, f"{at}[{key!r}]")
+            found = _non_finite(item, f"{at}[{shown(key) if isinstance(key, str) else repr(key)}]")
             if found is not None:
                 return found
     elif isinstance(value, list | tuple):

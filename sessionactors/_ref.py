@@ -29,7 +29,7 @@ from ._errors import (
 from ._events import Event, TurnCancelled, TurnFailed, TurnFinished, TurnStarted
 from ._final import NoPublicConstructor
 from ._history_input import check_messages
-from ._metadata import check_metadata
+from ._metadata import plain_metadata
 from ._pending import Pending
 from ._records import Message, ReviewRequest, SessionState, TurnOutcome, check_unicode
 from ._requests import (
@@ -56,6 +56,7 @@ __all__ = [
     "Turn",
     "check_after",
     "check_message",
+    "check_text",
 ]
 
 
@@ -230,7 +231,7 @@ class SessionRef(metaclass=NoPublicConstructor):
     async def send(self, text: str, *, idempotency_key: str | None = None) -> Reply:
         """Run one turn and wait for its reply (after it is durable)."""
         sid = self.session_id
-        _check_text(sid, text)
+        check_text(sid, text)
         pending = None
         if idempotency_key is None:  # the common case: queued at once, no Turn made
             pending = self._dispatcher.enqueue(sid, text)
@@ -243,7 +244,7 @@ class SessionRef(metaclass=NoPublicConstructor):
 
     async def submit(self, text: str, *, idempotency_key: str | None = None) -> Turn:
         """Put a turn in the mailbox, waiting for room; don't wait for the reply."""
-        _check_text(self.session_id, text)
+        check_text(self.session_id, text)
         _check_key(self.session_id, idempotency_key)
         return await self._dispatcher.submit(self.session_id, text, idempotency_key, ack=True)
 
@@ -254,7 +255,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         or can be woken here: a session live on another worker fails the turn with
         SessionBusyError (``submit`` forwards it).
         """
-        _check_text(self.session_id, text)
+        check_text(self.session_id, text)
         _check_key(self.session_id, idempotency_key)
         return self._dispatcher.submit_nowait(self.session_id, text, idempotency_key)
 
@@ -353,7 +354,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         _check_type(sid, "review_id", review_id, str)
         _check_type(sid, "approve", approve, bool)
         if note is not None:
-            _check_text(sid, note, "note")
+            check_text(sid, note, "note")
         request = ResolveReview(review_id=review_id, approve=approve, note=note)
         reply: Reply = await self._dispatcher.call(sid, request)
         return reply
@@ -382,7 +383,7 @@ class SessionRef(metaclass=NoPublicConstructor):
 
     async def set_summary(self, text: str) -> None:
         """Set the summary the model sees after the system prompt ("" clears it)."""
-        _check_text(self.session_id, text, "summary")
+        check_text(self.session_id, text, "summary")
         await self._dispatcher.call(self.session_id, SetSummary(text=text))
 
     async def set_metadata(self, changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -405,7 +406,8 @@ class SessionRef(metaclass=NoPublicConstructor):
         that leaves it no larger is taken, so that it can shrink.
         """
         sid = self.session_id
-        request = SetMetadata(changes=check_metadata(sid, changes))
+        # (the size is checked on the merge: a change may shrink larger metadata stored before)
+        request = SetMetadata(changes=plain_metadata(sid, changes))
         metadata: dict[str, Any] = await self._dispatcher.call(sid, request)
         return metadata
 
@@ -442,7 +444,10 @@ class SessionRef(metaclass=NoPublicConstructor):
         ``HistoryEdited`` event (``reason="replace_history"``) that removes every
         message, then one ``MessageAdded`` per new message, all journaled together;
         served in mailbox order. The messages are checked as for
-        :meth:`add_messages` (ids need only be unique among themselves).
+        :meth:`add_messages` (ids need only be unique among themselves), but a message
+        the history holds, given back unchanged (same id and fields), is not checked
+        again: ``ref.replace_history(await ref.history())`` always succeeds, for a
+        session stored before a limit too (a longer tool result, metadata with a NaN).
         """
         sid = self.session_id
         request = ReplaceHistory(messages=check_messages(sid, messages, "replace_history"))
@@ -717,7 +722,7 @@ def _check_type(session_id: str, what: str, value: object, kind: type) -> None:
 def check_message(session_id: str, text: object, idempotency_key: object = None) -> None:
     """TypeError or ValueError if ``send``/``submit`` would refuse this text or key (for
     front ends that must refuse a request before they create its session)."""
-    _check_text(session_id, text)
+    check_text(session_id, text)
     _check_key(session_id, idempotency_key)
 
 
@@ -730,7 +735,10 @@ def check_after(session_id: str, after: object) -> None:
             raise ValueError(f"after for session {session_id!r} must be a seq (>= 0), not {after}")
 
 
-def _check_text(session_id: str, text: object, what: str = "a message") -> None:
+def check_text(session_id: str, text: object, what: str = "a message") -> None:
+    """TypeError or ValueError if ``text`` (``what`` for the session: a message, a
+    summary, a note, a system prompt) is no str, is longer than a message may be or
+    holds what cannot be stored."""
     if not isinstance(text, str):
         raise TypeError(f"{what} to session {session_id!r} must be str, not {type(text).__name__}")
     if len(text) > MAX_TEXT_CHARS:
@@ -754,4 +762,4 @@ def _check_key(session_id: str, key: object) -> None:
             f"idempotency_key for session {session_id!r} must be 1 to 1024 characters, "
             f"not {len(key)}"
         )
-    _check_text(session_id, key, "idempotency_key")
+    check_text(session_id, key, "idempotency_key")

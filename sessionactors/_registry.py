@@ -19,7 +19,6 @@ import attrs
 import trio
 
 from ._agent import Agent
-from ._codec import MAX_TEXT_CHARS
 from ._config import Durability, RegistryConfig, make_config
 from ._dispatch import Dispatcher
 from ._errors import (
@@ -41,7 +40,7 @@ from ._metadata import check_metadata
 from ._names import validate_name
 from ._reading import describe_stored, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
-from ._ref import SessionRef
+from ._ref import SessionRef, check_text
 from ._router import RoutingStore
 from ._session import LiveSession
 from ._sessions import Sessions
@@ -138,7 +137,13 @@ class Registry(metaclass=NoPublicConstructor):
         validate_name(name)
         self._sessions.check_open(name)
         key = self._agent_key(agent, name)
-        metadata = _checked_options(name, system_prompt, metadata)
+        checked = _checked_options(name, system_prompt, metadata)
+        return await self._spawn_checked(name, key, system_prompt, checked)
+
+    async def _spawn_checked(
+        self, name: str, key: str, system_prompt: str | None, metadata: dict[str, Any] | None
+    ) -> SessionRef:
+        """Store a new session of options checked already (``_checked_options``)."""
         session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
         return await self._start_session(session)
 
@@ -158,7 +163,7 @@ class Registry(metaclass=NoPublicConstructor):
             index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].id == at), -1)
             if index < 0:
                 raise MessageNotFoundError(
-                    f"session {name!r} has no message {at!r}; take ids from ref.history()",
+                    f"session {name!r} has no message {shown(at)}; take ids from ref.history()",
                     session_id=name,
                 )
             messages = messages[: rewind_end(messages, index)]
@@ -206,16 +211,16 @@ class Registry(metaclass=NoPublicConstructor):
         """
         validate_name(name)
         wanted = None if agent is None else self._agent_key(agent, name)
-        _checked_options(name, system_prompt, metadata)  # (refused whichever way it goes)
+        checked = _checked_options(name, system_prompt, metadata)  # (whichever way it goes)
         actor = self._sessions.live.get(name)
         # (an actor still loading may be a read of a name that is not stored: spawn
         # waits for it to find nothing)
         if (actor is not None and actor.is_ready) or await self.store.exists(name):
             return await self._existing(name, wanted)
         try:
-            return await self.spawn(
-                name, agent=agent, system_prompt=system_prompt, metadata=metadata
-            )
+            self._sessions.check_open(name)
+            key = self._agent_key(agent, name)
+            return await self._spawn_checked(name, key, system_prompt, checked)
         except SessionExistsError:
             return await self._existing(name, wanted)
 
@@ -399,19 +404,8 @@ def _checked_options(name: str, system_prompt: object, metadata: object) -> dict
     """The metadata of a new session ``name``, checked (``check_metadata``), if its
     ``system_prompt`` and ``metadata`` can be stored; else TypeError or ValueError
     naming the session and what is wrong."""
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise TypeError(
-            f"system_prompt for session {name!r} must be str or None, "
-            f"not {type(system_prompt).__name__}"
-        )
-    if system_prompt is not None:
-        if len(system_prompt) > MAX_TEXT_CHARS:
-            raise ValueError(
-                f"the system_prompt of {len(system_prompt):,} characters for session "
-                f"{name!r} is over the limit of {MAX_TEXT_CHARS:,}, as a message is; keep "
-                "large documents out of it: give them in parts or by reference"
-            )
-        check_unicode(system_prompt, f"the system_prompt of session {name!r}")
+    if system_prompt is not None:  # (as long as a message may be)
+        check_text(name, system_prompt, "system_prompt")
     return None if metadata is None else check_metadata(name, metadata)
 
 

@@ -14,7 +14,7 @@ from typing import Any, overload
 
 import attrs
 
-from ._errors import TurnNotFoundError
+from ._errors import TurnNotFoundError, shown
 from ._events import (
     Event,
     HistoryEdited,
@@ -422,7 +422,7 @@ class LiveSession:
         issued = turn_id_time(turn_id, session_tag(sid))
         if issued is None:
             raise TurnNotFoundError(
-                f"session {sid!r} never issued a turn id {turn_id!r:.80}; take turn ids from "
+                f"session {sid!r} never issued a turn id {shown(turn_id)}; take turn ids from "
                 "reply.turn_id or turn.id of this session",
                 session_id=sid,
             )

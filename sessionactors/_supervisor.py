@@ -14,13 +14,14 @@ from collections import deque
 
 import trio
 
-from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe, stopped_error
+from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe
 from ._errors import (
     FencedOutError,
     SessionActorsError,
     StoreConfigurationError,
     StoreError,
     StoreNotDurableError,
+    stopped_error,
 )
 
 __all__ = ["session_task"]

@@ -21,7 +21,6 @@ from typing import Any
 
 import attrs
 import coredis
-import msgpack
 import pytest
 import trio
 
@@ -290,30 +289,35 @@ def test_import_refuses_what_is_not_a_faithful_export(tmp_path: Path) -> None:
     assert not (tmp_path / "target.db").exists() or ok("list", "--store", target) == ""
 
 
-def test_import_refuses_metadata_over_the_limit_before_writing(tmp_path: Path) -> None:
-    """import refuses, in one line and before writing anything, an export whose session
-    metadata is over MAX_METADATA_BYTES encoded (as spawn and set_metadata do), naming
-    the session, the size and the limit and saying what to do; at the limit it imports."""
+def test_import_restores_a_session_stored_before_the_input_limits(tmp_path: Path) -> None:
+    """import restores what a store may hold, as loading it does: an export of a session
+    stored before the input limits, whose metadata is over MAX_METADATA_BYTES and whose
+    system prompt is over the text limit, imports whole, is listed and takes a turn."""
     now = datetime.datetime.now(datetime.UTC)
-    target = f"sqlite:///{tmp_path / 'target.db'}"
-    for size in (64 * 1024 + 1, 64 * 1024):
-        metadata = {"blob": ""}
-        metadata["blob"] = "x" * (size - len(msgpack.packb(metadata)) - 2)
-        assert len(msgpack.packb(metadata)) == size
-        state = sa.SessionState(
-            session_id="big", agent="echo", created_at=now, updated_at=now, metadata=metadata
-        )
-        document = json.dumps(export_document(state))
-        if size > 64 * 1024:
-            line = refused("import", "-", "--store", target, stdin=document)
-            assert "'big'" in line, line
-            assert f"{size:,} bytes" in line, line
-            assert "over the limit of 65,536" in line, line
-            assert "elsewhere" in line, line
-            assert not (tmp_path / "target.db").exists() or ok("list", "--store", target) == ""
-        else:
-            assert "imported session 'big'" in ok("import", "-", "--store", target, stdin=document)
-            assert "big" in ok("list", "--store", target)
+    target = tmp_path / "target.db"
+    metadata = {"blob": "x" * 100_000}
+    state = sa.SessionState(
+        session_id="big",
+        agent="echo",
+        created_at=now,
+        updated_at=now,
+        metadata=metadata,
+        system_prompt="p" * 1_500_000,
+    )
+    document = json.dumps(export_document(state))
+    store = f"sqlite:///{target}"
+    assert "imported session 'big'" in ok("import", "-", "--store", store, stdin=document)
+    assert "big" in ok("list", "--store", store)
+
+    async def turn() -> sa.SessionState:
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        async with sa.open_registry(store=sa.SQLiteStore(target), agents=agents) as registry:
+            assert (await registry.ref("big").send("hi")).text == "hi"
+            return await registry.ref("big").state()
+
+    imported = trio.run(turn)
+    assert imported.metadata == metadata
+    assert imported.system_prompt == state.system_prompt
 
 
 # ---- writing beside a server ------------------------------------------------------

@@ -609,8 +609,9 @@ async def test_errors_repeat_only_the_start_of_a_long_value_from_the_caller(
     echo_agents: dict[str, sa.Agent],
 ) -> None:
     """An error about a long value a caller gave (a session name of 5,000 bytes, an
-    agent, a review id, a listing cursor) repeats its first characters and its length,
-    never all of it, in its message or its session_id: a web front end passes both on."""
+    agent, a review id, a listing cursor, a message or turn id, a metadata key, the ids
+    of added messages) repeats its first characters and its length, never all of it, in
+    its message or its session_id: a web front end passes both on."""
     long = "n" * 5000
 
     def short(error: BaseException) -> None:
@@ -633,6 +634,34 @@ async def test_errors_repeat_only_the_start_of_a_long_value_from_the_caller(
         with pytest.raises(sa.InvalidSessionNameError) as after_error:
             await registry.sessions(after=long)
         short(after_error.value)
+        await ref.send("hi")
+        with pytest.raises(sa.MessageNotFoundError) as at_error:
+            await registry.fork("s", "t", at=long)
+        short(at_error.value)
+        with pytest.raises(sa.MessageNotFoundError) as rewind_error:
+            await ref.rewind(long)
+        short(rewind_error.value)
+        with pytest.raises(sa.TurnNotFoundError) as turn_error:
+            await ref.turn_outcome(long)
+        short(turn_error.value)
+        for metadata in ({long: float("nan")}, {"a": {long: object()}}):
+            with pytest.raises((TypeError, ValueError)) as key_error:
+                await ref.set_metadata(metadata)
+            short(key_error.value)
+        now = datetime.datetime.now(datetime.UTC)
+        call = sa.ToolCall(id=long, name="t", arguments="{}")
+        for messages in (
+            [sa.Message(id=long, role=sa.Role.USER, content="a", created_at=now)] * 2,
+            [
+                sa.Message(
+                    id="m", role=sa.Role.ASSISTANT, content="", created_at=now, tool_calls=(call,)
+                )
+            ],
+            [sa.Message(id="m", role=sa.Role.TOOL, content="r", created_at=now, tool_call_id=long)],
+        ):
+            with pytest.raises(sa.InvalidHistoryError) as history_error:
+                await ref.add_messages(messages)
+            short(history_error.value)
     async with sa.open_registry(store=store) as managing:  # (no agents: any agent name)
         with pytest.raises(sa.SessionExistsError) as exists_error:
             await managing.get_or_spawn("s", agent=long)

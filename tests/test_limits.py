@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import msgpack
 import pytest
 import trio
@@ -168,6 +170,70 @@ async def test_every_message_a_turn_leaves_can_be_written_back() -> None:
             assert [len(m.content) for m in history] == [MAX_TEXT_CHARS, 0] + [MAX_TEXT_CHARS] * 2
             await ref.replace_history(history)
             assert await ref.history() == history
+
+
+async def test_a_history_stored_before_the_limits_is_written_back_unchanged(
+    tmp_path: Path,
+) -> None:
+    """replace_history takes back the messages a session already holds, unchanged (same
+    id and fields), though a session stored before the limits holds some that are refused
+    as new ones (a tool result cut and then noted, a long review denial, metadata with a
+    NaN); the same messages changed, or under a new id, are still refused."""
+    path = tmp_path / "sessions.db"
+    now = datetime.datetime.now(datetime.UTC)
+    calls = (
+        sa.ToolCall(id="c1", name="big", arguments="{}"),
+        sa.ToolCall(id="c2", name="refund", arguments="{}"),
+    )
+    cut = "r" * MAX_TOOL_RESULT_CHARS + "\n[result cut: it was 2,000,000 characters]"
+    messages = (
+        sa.Message(id="m1", role=sa.Role.USER, content="go", created_at=now),
+        sa.Message(id="m2", role=sa.Role.ASSISTANT, content="", created_at=now, tool_calls=calls),
+        sa.Message(id="m3", role=sa.Role.TOOL, content=cut, created_at=now, tool_call_id="c1"),
+        sa.Message(
+            id="m4",
+            role=sa.Role.TOOL,
+            content="denied: " + "n" * MAX_TEXT_CHARS,
+            created_at=now,
+            tool_call_id="c2",
+        ),
+        sa.Message(
+            id="m5",
+            role=sa.Role.USER,
+            content="scored",
+            created_at=now,
+            metadata={"score": math.nan},
+        ),
+    )
+    state = sa.SessionState(
+        session_id="old", agent="echo", created_at=now, updated_at=now, messages=messages
+    )
+    info = sa.SessionInfo(
+        session_id="old", agent="echo", status=state.status, message_count=5, updated_at=now
+    )
+    store = sa.SQLiteStore(path)
+    try:
+        await store.create("old", sa.dump_snapshot(state), dump_info(info))
+    finally:
+        await store.aclose()
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        ref = registry.ref("old")
+        with trio.fail_after(60):
+            history = await ref.history()
+            await ref.replace_history(history)
+            await ref.replace_history([*history, sa.Message.create(sa.Role.USER, "new")])
+            assert len(await ref.history()) == 6
+            for index, pattern in ((2, "over the limit"), (3, "over the limit"), (4, "NaN")):
+                changed = attrs.evolve(history[index], content=history[index].content + "!")
+                for given in (changed, attrs.evolve(history[index], id="another")):
+                    block = [*history[:index], given, *history[index + 1 :]]
+                    with pytest.raises(ValueError, match=rf"'old'.*messages\[{index}\].*{pattern}"):
+                        await ref.replace_history(block)
+            assert len(await ref.history()) == 6
+        assert registry.statistics().crashes == 0
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        assert [m.id for m in await registry.ref("old").history()][:5] == [m.id for m in history]
 
 
 async def test_a_system_prompt_over_the_limit_is_refused_before_the_session_is_stored() -> None:
@@ -352,8 +418,9 @@ async def test_a_session_stored_with_larger_metadata_before_the_limit_loads_and_
 ) -> None:
     """A session stored before the limit, whose snapshot and journal hold metadata of
     megabytes (as its info may, up to 16 MiB), is listed, wakes, runs turns, hibernates
-    and is forked with it; a change that leaves it no larger is accepted, one that
-    makes it larger is refused, and once small it stays within the limit."""
+    and is forked with it; a change that leaves it no larger is accepted (even a change
+    over the limit by itself), one that makes it larger is refused with the size it
+    would have, and once small it stays within the limit."""
     path = tmp_path / "sessions.db"
     now = datetime.datetime.now(datetime.UTC)
     first = {"blob": "o" * 3_000_000}
@@ -394,6 +461,12 @@ async def test_a_session_stored_with_larger_metadata_before_the_limit_loads_and_
                 await ref.set_metadata({"more": 1})
             smaller = {"b": "b" * 2_000_000, "tier": "gold"}
             assert await ref.set_metadata({"a": None}) == smaller
+            # a change over the limit by itself is taken when the metadata shrinks with it
+            smaller = {"b": "c" * 1_000_000, "tier": "gold"}
+            assert await ref.set_metadata({"b": "c" * 1_000_000}) == smaller
+            # refused, the error gives the size the metadata would have, not the change's
+            with pytest.raises(ValueError, match=r"'old' is 1,100,\d{3} bytes encoded"):
+                await ref.set_metadata({"x": "x" * 100_000})
             assert await ref.set_metadata({"b": "small"}) == {"b": "small", "tier": "gold"}
             with pytest.raises(ValueError, match=r"'old'.*over the limit of 65,536"):
                 await ref.set_metadata({"a": "x" * 40_000, "b": "y" * 40_000})

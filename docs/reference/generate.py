@@ -142,8 +142,8 @@ PRIVATE_TYPES = {
 VALUE_DOCS = {
     "MAX_METADATA_BYTES": (
         "The largest session metadata, in bytes, encoded as the store writes it (64 KiB):"
-        " `spawn`, `get_or_spawn`, `set_metadata` and `sessions import` refuse more with"
-        " `ValueError`. See [Limits on what goes in]"
+        " `spawn`, `get_or_spawn` and `set_metadata` refuse more with `ValueError`."
+        " See [Limits on what goes in]"
         "(../explanation/index.md#limits-on-what-goes-in)."
     ),
     "METRICS": (

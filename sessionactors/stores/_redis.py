@@ -390,6 +390,14 @@ _DEFAULT_PREFIX: Final = _Default("sessionactors")
 DEFAULT_TIMEOUT: Final = 5.0
 
 
+#: What to do when the server refuses the store's login, or has no database of its number.
+_LOGIN_FIX: Final = "check the user name and password in the store's URL"
+_DATABASE_FIX: Final = (
+    "the server has no database of the number in the store's URL (its 'databases' "
+    "setting says how many it has): check the database number"
+)
+
+
 def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
     """What to do about ``exc`` if no retry can fix it (None: a retry may)."""
     if isinstance(exc, _Unavailable) and exc.__cause__ is not None:
@@ -398,12 +406,9 @@ def _configuration_problem(exc: BaseException, client: Client | None) -> str | N
     if isinstance(exc, coredis.exceptions.AuthenticationError) or any(
         code in message for code in ("noauth", "wrongpass", "invalid username-password")
     ):
-        return "check the user name and password in the store's URL"
+        return _LOGIN_FIX
     if "db index is out of range" in message:
-        return (
-            "the server has no database of the number in the store's URL (its "
-            "'databases' setting says how many it has): check the database number"
-        )
+        return _DATABASE_FIX
     if isinstance(exc, coredis.exceptions.AskError) and not isinstance(
         client, coredis.RedisCluster
     ):
@@ -900,8 +905,12 @@ class RedisStore:
                     # finish as a ConnectionError): the cancellation, not an error
                     await trio.lowlevel.checkpoint()
                 fix = _configuration_problem(exc, client)
-                if fix is not None and isinstance(exc, _Unavailable):
-                    # (refused as the client connected: the call itself never ran)
+                if fix is not None and (
+                    isinstance(exc, _Unavailable) or fix in (_LOGIN_FIX, _DATABASE_FIX)
+                ):
+                    # refused as the client connected, or (nothing was asked of the
+                    # server at connect, as without a persistence check) when the call
+                    # opened its connection: the call itself never ran
                     raise StoreConfigurationError(
                         f"redis at {redact(self.url)} refused the store's connection: "
                         f"{exc}; a retry cannot fix this: {fix}",

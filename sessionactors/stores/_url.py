@@ -19,7 +19,10 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
     ``readonly`` is for a caller that only reads: it opens a SQLite file with
     ``readonly=True`` (no lock, no byte changed), and a Redis store with
     ``persistence="volatile"``, since reading loses nothing on a server that can lose
-    writes (one without an append-only file): never write through it.
+    writes (one without an append-only file): never write through it. A Redis
+    store's listing still mends the store's index of sessions as it reads, as every
+    listing does (it adds a session stored without a place in it, drops a name whose
+    session is gone); no session's own keys are written.
     Raises ``ValueError`` for a URL that names no store.
     """
     if url.startswith("sqlite://"):
@@ -46,7 +49,7 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
     if url.startswith(tuple(f"{scheme}://" for scheme in schemes)):
         from ._redis import RedisStore
 
-        if readonly:  # (the server's persistence guards writes; a reader makes none)
+        if readonly:  # (the server's persistence guards writes; a reader makes none of its own)
             return RedisStore(url, persistence="volatile")
         return RedisStore(url)
     raise ValueError(

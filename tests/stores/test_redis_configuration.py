@@ -224,21 +224,23 @@ async def test_a_server_without_scripts_gets_a_fatal_error(
     ],
     ids=["wrong-password", "missing-database"],
 )
+@pytest.mark.parametrize("persistence", ["always", "volatile"])
 async def test_a_url_the_server_refuses_at_connect_gets_a_fatal_error(
-    redis_url: str, login: str, database: str | None, needles: tuple[str, ...]
+    redis_url: str, login: str, database: str | None, needles: tuple[str, ...], persistence: str
 ) -> None:
     """A password the server refuses, or a database number it does not have, is refused
-    as the store connects: StoreConfigurationError saying what to check in the URL, never
-    a StoreError that says to retry (nothing changes on a retry), and the same on the
-    next call. A registry (as `serve` opens one) fails with it at once."""
+    as the store connects, whatever persistence it demands: StoreConfigurationError
+    saying that the server refused the store's connection and what to check in the URL,
+    never a StoreError that says to retry (nothing changes on a retry), and the same on
+    the next call. A registry (as `serve` opens one) fails with it at once."""
     parts = urlsplit(redis_url)
     netloc = f"{login}{parts.hostname}:{parts.port}"
     path = f"/{database}" if database is not None else parts.path
     url = urlunsplit(parts._replace(netloc=netloc, path=path))
-    store = RedisStore(url, prefix=_prefix())
+    store = RedisStore(url, prefix=_prefix(), persistence=persistence)
     with trio.fail_after(10):
         for _ in range(2):
-            with raises_fatal(*needles) as found:
+            with raises_fatal("refused the store's connection", *needles) as found:
                 await store.load("chat")
             assert "then retry" not in str(found[0])
             assert "wrong-password" not in str(found[0])
