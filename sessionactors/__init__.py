@@ -7,8 +7,6 @@ from ._agent import Compaction as Compaction
 from ._codec import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from ._codec import dump_snapshot as dump_snapshot
 from ._codec import load_snapshot as load_snapshot
-from ._errors import Advice as Advice
-from ._errors import AdviceKind as AdviceKind
 from ._errors import AgentNotFoundError as AgentNotFoundError
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
@@ -94,8 +92,6 @@ from .stores._sqlite import SQLiteStore as SQLiteStore
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
-    "Advice",
-    "AdviceKind",
     "Agent",
     "AgentNotFoundError",
     "Compaction",

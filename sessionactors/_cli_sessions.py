@@ -31,6 +31,8 @@ import trio
 
 from ._codec import dump_info, dump_snapshot
 from ._errors import (
+    Advice,
+    AdviceKind,
     FencedOutError,
     InvalidSessionNameError,
     LeaseHeldError,
@@ -186,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             _quiet_stdout()
             return EXIT_PIPE_CLOSED
         text = " ".join(str(exc).split()) or type(exc).__name__
-        if isinstance(exc, SessionNotFoundError) and "registry.spawn(" in text:
+        if isinstance(exc, SessionNotFoundError) and Advice(kind=AdviceKind.CREATE) in exc._told:
             # (the library's advice is for code; at the command line, the listing helps)
             text = (
                 f"session {exc.session_id!r} is not in this store; "

@@ -13,8 +13,6 @@ from typing import TypeVar
 import attrs
 
 __all__ = [
-    "Advice",
-    "AdviceKind",
     "AgentNotFoundError",
     "EventsExpiredError",
     "FencedOutError",
@@ -84,7 +82,8 @@ class Advice:
     registry.spawn('s')``), the HTTP gateway tells a client the route to use (``POST
     /sessions/s/messages``). ``kind`` says what it is; ``review_id``, ``turn_id`` and
     ``seq`` are the values it names, where it names one. The session is the error's
-    ``session_id``. An error's ``advice`` holds its records, in the message's order.
+    ``session_id``. An error's ``_told`` holds its message as text and records, in
+    order (``advised`` makes such an error). Internal: the kinds follow the messages.
     """
 
     kind: AdviceKind
@@ -141,28 +140,16 @@ class SessionActorsError(Exception):
     """Base class of every error raised by sessionactors.
 
     ``session_id`` names the session the error is about (``None`` when it is
-    about no single session). ``advice`` holds what the message advises doing, as
-    :class:`Advice` records (empty when it advises nothing a frontend would tell its
-    own way): the HTTP gateway tells it with its routes. An error made with
-    ``advice=`` says its message, then (after ``; ``) that advice.
+    about no single session).
     """
 
-    #: The message, its advice as records: ``str(self)`` joins them (see ``told``).
+    #: (Internal) the message as text and advice records, for a frontend that tells
+    #: the advice its own way (the HTTP gateway: see ``told``); empty if it has none.
     _told: tuple[str | Advice, ...] = ()
 
-    def __init__(
-        self, message: str, *, session_id: str | None = None, advice: Advice | None = None
-    ) -> None:
-        if advice is not None:  # ("message; advice")
-            self._told = (f"{message}; ", advice)
-            message = f"{message}; {python_advice(advice, session_id)}"
+    def __init__(self, message: str, *, session_id: str | None = None) -> None:
         super().__init__(message)
         self.session_id = session_id
-
-    @property
-    def advice(self) -> tuple[Advice, ...]:
-        """What the message advises doing, as records, in its order."""
-        return tuple(part for part in self._told if isinstance(part, Advice))
 
 
 _E = TypeVar("_E", bound=SessionActorsError)
@@ -176,7 +163,7 @@ def advised(
     message = "".join(
         part if isinstance(part, str) else python_advice(part, session_id) for part in told
     )
-    error = cls(message, session_id=session_id, **fields)  # type: ignore[arg-type]
+    error = cls(message, session_id=session_id, **fields)
     error._told = told
     return error
 
@@ -218,9 +205,8 @@ class TurnFailedError(SessionActorsError):
         *,
         session_id: str | None = None,
         turn_id: str = "",
-        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id, advice=advice)
+        super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
 
 
@@ -239,9 +225,8 @@ class TurnCancelledError(SessionActorsError):
         *,
         session_id: str | None = None,
         turn_id: str = "",
-        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id, advice=advice)
+        super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
 
 
@@ -270,9 +255,8 @@ class SessionStoppedError(SessionActorsError):
         *,
         session_id: str | None = None,
         turn_id: str = "",
-        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id, advice=advice)
+        super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
 
 
@@ -293,9 +277,8 @@ class SubscriberLaggedError(SessionActorsError):
         *,
         session_id: str | None = None,
         last_seq: int,
-        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id, advice=advice)
+        super().__init__(message, session_id=session_id)
         self.last_seq = last_seq
 
 
@@ -313,9 +296,8 @@ class EventsExpiredError(SessionActorsError, LookupError):
         *,
         session_id: str | None = None,
         oldest_seq: int,
-        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id, advice=advice)
+        super().__init__(message, session_id=session_id)
         self.oldest_seq = oldest_seq
 
 
@@ -415,9 +397,8 @@ class ModelError(SessionActorsError, RuntimeError):
         *,
         session_id: str | None = None,
         status_code: int | None = None,
-        advice: Advice | None = None,
     ) -> None:
-        super().__init__(message, session_id=session_id, advice=advice)
+        super().__init__(message, session_id=session_id)
         self.status_code = status_code
 
 

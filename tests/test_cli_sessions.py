@@ -178,6 +178,8 @@ def test_list_orders_filters_and_pages(tmp_path: Path) -> None:
         text = ok("list", "--store", store).splitlines()
         assert [line.split("\t")[0] for line in text] == ["c", "b", "a"]
         assert "after" in refused("list", "--store", store, "--after", "nobody")
+        # (told by what the error advises, not by words of the message: a name may hold them)
+        assert "given as after=" in refused("list", "--store", store, "--after", "registry.spawn(")
 
 
 def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import types
 import pytest
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel
 
 NAMESPACES = [
     "sessionactors",
@@ -158,22 +157,3 @@ def test_errors_carry_the_session_and_their_extra_fields() -> None:
     assert sa.SessionExistsError("x", session_id="s").session_id == "s"
     assert sa.SubscriberLaggedError("x", session_id="s", last_seq=7).last_seq == 7
     assert sa.EventsExpiredError("x", session_id="s", oldest_seq=3).oldest_seq == 3
-
-
-async def test_errors_carry_their_advice_as_records() -> None:
-    """An error's message tells a Python caller what to do, and ``advice`` holds that
-    advice as records (for a frontend to tell its own way); ``advice=`` makes one."""
-    error = sa.SessionNotFoundError(
-        "session 's' does not exist", session_id="s", advice=sa.Advice(kind=sa.AdviceKind.CREATE)
-    )
-    assert str(error) == "session 's' does not exist; create it with registry.spawn('s')"
-    assert error.advice == (sa.Advice(kind=sa.AdviceKind.CREATE),)
-    assert sa.SessionExistsError("x", session_id="s").advice == ()
-    async with sa.open_registry(agents={"a": sa.Agent(model=EchoModel())}) as registry:
-        with pytest.raises(sa.SessionNotFoundError) as raised:
-            await registry.ref("ghost").state()
-    assert (
-        str(raised.value)
-        == "session 'ghost' does not exist; create it with registry.spawn('ghost')"
-    )
-    assert raised.value.advice == (sa.Advice(kind=sa.AdviceKind.CREATE),)

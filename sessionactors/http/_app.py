@@ -36,7 +36,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
-from .._errors import shown, told
+from .._errors import Advice, AdviceKind, shown, told
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
@@ -444,7 +444,7 @@ class SessionsApp:
         body["message"] = told(error, functools.partial(self._http_advice, scope))
         return body
 
-    def _http_advice(self, scope: Mapping[str, Any], advice: sa.Advice, session: str | None) -> str:
+    def _http_advice(self, scope: Mapping[str, Any], advice: Advice, session: str | None) -> str:
         """``advice`` of an error about ``session`` as an HTTP client follows it: with
         the routes under the app's mount, and resuming as the client's route can (a
         WebSocket reads ``?after=``; a turn's stream, POST .../messages, reads no seq:
@@ -458,7 +458,7 @@ class SessionsApp:
             resume = f"follow GET {route}/events with Last-Event-ID: "
             after = f"GET {route}/events with Last-Event-ID, or ?after="
         kind = advice.kind
-        Kind = sa.AdviceKind
+        Kind = AdviceKind
         match kind:
             case Kind.CREATE:
                 return self._create_advice(route)

@@ -16,7 +16,7 @@ import attrs
 import msgpack
 
 from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
-from .._errors import Advice, AdviceKind, SessionActorsError, SessionCrashedError
+from .._errors import Advice, AdviceKind, SessionActorsError, SessionCrashedError, python_advice
 from .._events import MessageAdded, ReviewRequested
 from .._records import Message, ReviewRequest, TurnOutcome, TurnStatus, storable
 from .._requests import (
@@ -253,7 +253,7 @@ def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
     session_id = getattr(exc, "session_id", None)
     if isinstance(session_id, str):
         body["sid"] = session_id
-    if isinstance(exc, SessionActorsError) and exc.advice and limit is None:
+    if isinstance(exc, SessionActorsError) and exc._told and limit is None:
         body["told"] = [_dump_told(part) for part in exc._told]
     return body
 
@@ -266,28 +266,37 @@ def _dump_told(part: str | Advice) -> Any:
     return {"k": part.kind.value, "r": part.review_id, "t": part.turn_id, "s": part.seq}
 
 
-def _load_told(body: Mapping[str, Any]) -> tuple[str | Advice, ...]:
-    """The parts of a message ``_dump_told`` wrote; none if one is of a kind unknown
-    here (a newer worker's): the message is then told as it reads."""
+def _load_told(body: Mapping[str, Any], session_id: str | None) -> tuple[str | Advice, ...]:
+    """The parts of a message ``_dump_told`` wrote; none unless they are well formed,
+    of kinds known here (not a newer worker's), and tell the message itself as it
+    reads (``msg``): else the message is told as it reads."""
+    parts = body.get("told")
+    if not isinstance(parts, list):
+        return ()
     told: list[str | Advice] = []
-    for part in body.get("told") or ():
+    for part in parts:
         if isinstance(part, str):
             told.append(part)
             continue
-        try:
-            kind = AdviceKind(part["k"])
-        except (ValueError, KeyError, TypeError):
+        if not isinstance(part, dict):
             return ()
-        seq = part.get("s", 0)
+        review_id, turn_id, seq = part.get("r", ""), part.get("t", ""), part.get("s", 0)
+        if not (
+            isinstance(review_id, str)
+            and isinstance(turn_id, str)
+            and type(seq) is int
+            and part.get("k") in _KINDS
+        ):
+            return ()
         told.append(
-            Advice(
-                kind=kind,
-                review_id=str(part.get("r", "")),
-                turn_id=str(part.get("t", "")),
-                seq=seq if isinstance(seq, int) else 0,
-            )
+            Advice(kind=AdviceKind(part["k"]), review_id=review_id, turn_id=turn_id, seq=seq)
         )
-    return tuple(told)
+    said = "".join(p if isinstance(p, str) else python_advice(p, session_id) for p in told)
+    return tuple(told) if said == body.get("msg") else ()
+
+
+#: The advice kinds' values, as ``_dump_told`` writes them.
+_KINDS: Final = frozenset(kind.value for kind in AdviceKind)
 
 
 def load_error(body: Mapping[str, Any], name: str, owner: str) -> Exception:
@@ -324,7 +333,8 @@ def _rebuilt(body: Mapping[str, Any], name: str | None) -> Exception | None:
     rebuilt = cls.__new__(cls)  # its own __init__ may want more than a message
     Exception.__init__(rebuilt, message)
     rebuilt.session_id = name
-    rebuilt._told = _load_told(body)
+    sid = body.get("sid")
+    rebuilt._told = _load_told(body, sid if isinstance(sid, str) else None)
     for attr, value in dict(body.get("attrs") or {}).items():
         if attr in _ERROR_ATTRS:
             setattr(rebuilt, attr, value)

@@ -733,39 +733,6 @@ async def test_lag_advice_names_the_route_that_resumes_after_a_seq() -> None:
             assert "Last-Event-ID" not in message
 
 
-@pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
-async def test_every_kind_of_advice_is_told_to_an_http_client_its_way(kind: str) -> None:
-    """Each kind of advice an error can carry is told by the gateway as an HTTP client
-    follows it, on a plain request, a turn's stream and a WebSocket: a kind added
-    without an HTTP wording cannot reach a client as Python."""
-    raised: list[sa.SessionActorsError] = []
-
-    def authorize(_request: Any, _name: str | None, _action: str) -> bool:
-        if raised:
-            raise raised.pop()
-        return True
-
-    async with (
-        mounted(kind, authorize=authorize) as url,
-        httpx.AsyncClient(base_url=url + "/api") as client,
-    ):
-        with trio.fail_after(30):
-            for advice_kind in sa.AdviceKind:
-                advice = sa.Advice(kind=advice_kind, review_id="r 1", turn_id="t1", seq=3)
-                error = sa.SessionActorsError("it failed", session_id="s", advice=advice)
-                for method, path in [("GET", "/sessions/s"), ("POST", "/sessions/s/messages")]:
-                    raised.append(error)
-                    r = await client.request(method, path, json={"text": "hi"})
-                    assert r.json()["error"] == "SessionActorsError"
-                    message = http_advice(r.json())
-                    assert message.startswith("it failed; "), message
-                    assert message != str(error)
-                raised.append(error)
-                base = url.replace("http://", "ws://")
-                async with open_websocket(base + "/api/sessions/s/ws?agent=shop") as ws:
-                    assert http_advice(await ws.receive()).startswith("it failed; ")
-
-
 @pytest.mark.redis
 async def test_an_error_raised_by_the_worker_that_runs_the_session_is_told_for_http(
     redis_url: str,
