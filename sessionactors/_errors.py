@@ -199,13 +199,7 @@ class InvalidHistoryError(SessionActorsError, ValueError):
 class TurnFailedError(SessionActorsError):
     """The agent or its model raised during the turn; ``__cause__`` is the original."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        turn_id: str = "",
-    ) -> None:
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
         super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
 
@@ -219,13 +213,7 @@ class AgentNotFoundError(TurnFailedError, LookupError):
 class TurnCancelledError(SessionActorsError):
     """The turn was cancelled with ``ref.cancel()`` (or by the session stopping)."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        turn_id: str = "",
-    ) -> None:
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
         super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
 
@@ -249,13 +237,7 @@ class SessionStoppedError(SessionActorsError):
     #: its way.
     _reason: str = ""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        turn_id: str = "",
-    ) -> None:
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
         super().__init__(message, session_id=session_id)
         self.turn_id = turn_id
 
@@ -271,13 +253,7 @@ class SubscriberLaggedError(SessionActorsError):
     ``after=last_seq`` to resume without a gap.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        last_seq: int,
-    ) -> None:
+    def __init__(self, message: str, *, session_id: str | None = None, last_seq: int) -> None:
         super().__init__(message, session_id=session_id)
         self.last_seq = last_seq
 
@@ -290,13 +266,7 @@ class EventsExpiredError(SessionActorsError, LookupError):
     ``after=state.event_seq``.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        oldest_seq: int,
-    ) -> None:
+    def __init__(self, message: str, *, session_id: str | None = None, oldest_seq: int) -> None:
         super().__init__(message, session_id=session_id)
         self.oldest_seq = oldest_seq
 
@@ -392,11 +362,7 @@ class ModelError(SessionActorsError, RuntimeError):
     """
 
     def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        status_code: int | None = None,
+        self, message: str, *, session_id: str | None = None, status_code: int | None = None
     ) -> None:
         super().__init__(message, session_id=session_id)
         self.status_code = status_code
