@@ -199,10 +199,8 @@ def test_a_second_server_on_a_sqlite_file_in_use_fails_its_startup(tmp_path: Pat
         assert reply.json()["text"] == "still here"
 
 
-def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None:
-    """A server whose store fails the startup check (a SQLite file in a directory that does
-    not exist) exits with status 1 saying why, and never prints a URL to connect to."""
-    store = f"sqlite:///{tmp_path / 'missing' / 'served.db'}"
+def startup_refusal(store: str) -> str:
+    """The one line on stderr of ``serve --store STORE`` that cannot start (status 1)."""
     command = ["serve", "--store", store, "--agent", "chat_agents:agents", "--port", "0"]
     done = subprocess.run(
         [sys.executable, "-m", "sessionactors", *command],
@@ -212,9 +210,17 @@ def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None
         timeout=60,
         check=False,
     )
-    assert done.returncode == 1, done.stderr
-    assert "cannot start" in done.stderr
-    assert "http://" not in done.stdout + done.stderr, (done.stdout, done.stderr)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("sessionactors serve: cannot start: "), done.stderr
+    assert "http://" not in done.stdout + done.stderr, (done.stdout, done.stderr)  # no URL
+    return done.stderr
+
+
+def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None:
+    """A server whose store fails the startup check (a SQLite file in a directory that does
+    not exist) exits with status 1 saying why, and never prints a URL to connect to."""
+    startup_refusal(f"sqlite:///{tmp_path / 'missing' / 'served.db'}")
 
 
 async def test_serve_whose_startup_fails_never_binds_its_port(
@@ -275,23 +281,6 @@ async def test_serve_on_a_store_shared_by_workers_names_its_worker(redis_url: st
         async with coredis.Redis.from_url(database) as admin:
             workers = await admin.zrange(f"{prefix}:workers", 0, -1)
         assert found.group(1).encode() in workers, (found.group(1), workers)
-
-
-def startup_refusal(store: str) -> str:
-    """The one line on stderr of ``serve --store STORE`` that cannot start (status 1)."""
-    command = ["serve", "--store", store, "--agent", "chat_agents:agents", "--port", "0"]
-    done = subprocess.run(
-        [sys.executable, "-m", "sessionactors", *command],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 1, (done.stdout, done.stderr)
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("sessionactors serve: cannot start: "), done.stderr
-    return done.stderr
 
 
 @pytest.mark.redis
