@@ -738,8 +738,9 @@ async def test_read_commands_work_on_a_redis_without_persistence_and_writes_do_n
     private_redis_server: Callable[..., AbstractContextManager[str]],
 ) -> None:
     """list, show, export and tail read a Redis that runs without an append-only file
-    (reading loses nothing), with no ?persistence=volatile; import and delete, which
-    write, are still refused there with the reason (appendonly is off)."""
+    (reading loses nothing), with no ?persistence=volatile, and also given the URL with
+    ?persistence=always that the app's writers use; import and delete, which write, are
+    still refused there with the reason (appendonly is off)."""
     with contextlib.ExitStack() as stack:
         url = await trio.to_thread.run_sync(
             stack.enter_context, private_redis_server(config=("--appendonly", "no"))
@@ -760,6 +761,9 @@ async def test_read_commands_work_on_a_redis_without_persistence_and_writes_do_n
         assert json.loads(exported)["session"]["session_id"] == "v"
         events = await trio.to_thread.run_sync(run, "tail", "v", "--no-follow")
         assert "TurnFinished" in events
+        demanding = f"{url}?persistence=always"  # (what the app's writers are given)
+        rows = json.loads(await trio.to_thread.run_sync(ok, "list", "--json", "--store", demanding))
+        assert [r["name"] for r in rows] == ["v"]
 
         def refused_here(*args: str, stdin: str | None = None) -> str:
             return refused(*args, "--store", url, stdin=stdin)

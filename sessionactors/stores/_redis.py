@@ -655,9 +655,12 @@ class RedisStore:
     ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``). Every
     key starts with ``prefix`` (or ``?prefix=`` in the URL, as the command line's
     ``--store`` takes it; default ``"sessionactors"``), so several applications can
-    share one database; a ``prefix=`` and a ``?prefix=`` that differ (whichever
-    they name) raise ``ValueError``. Nothing is opened here: the first call connects inside the
-    running trio run, and a call after :meth:`aclose` connects again.
+    share one database. An option named both in the URL and as an argument
+    (``prefix``, ``persistence``, ``replicas``, ``replica_timeout``) must name the
+    same value there: a ``prefix=`` and a ``?prefix=`` that differ raise
+    ``ValueError``, and so do the others, so that neither silently wins. Nothing
+    is opened here: the first call connects inside the running trio run, and a call
+    after :meth:`aclose` connects again.
 
     ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
     the server when it connects, before its first read or write; a server that

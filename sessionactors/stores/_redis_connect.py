@@ -270,7 +270,7 @@ class Target:
         replica_timeout: float | None = None,
     ) -> Target:
         """Check ``url`` (and ``persistence``, ``replicas`` and ``replica_timeout``,
-        which override the URL's options); no I/O."""
+        which the URL's options may name too, but not differently); no I/O."""
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES:
             raise ValueError(
@@ -287,6 +287,20 @@ class Target:
             )
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options = {name: query.pop(name) for name in _OPTIONS if name in query}
+        given = (
+            ("persistence", persistence, None),
+            ("replicas", replicas, int),
+            ("replica_timeout", replica_timeout, float),
+        )
+        for name, value, kind in given:
+            if value is None or name not in options:
+                continue
+            in_url = options[name] if kind is None else _from_query(options[name], kind)
+            if in_url != value:
+                raise ValueError(
+                    f"redis url {redact(url)!r} names {name} {options[name]!r} and "
+                    f"{name}= names {value!r}; name one"
+                )
         chosen = persistence or options.get("persistence") or "always"
         if chosen not in PERSISTENCE:
             raise ValueError(

@@ -18,8 +18,9 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
 
     ``readonly`` is for a caller that only reads: it opens a SQLite file with
     ``readonly=True`` (no lock, no byte changed), and a Redis store with
-    ``persistence="volatile"``, since reading loses nothing on a server that can lose
-    writes (one without an append-only file): never write through it. A Redis
+    ``persistence="volatile"`` (whatever ``?persistence=`` the URL names), since
+    reading loses nothing on a server that can lose writes (one without an
+    append-only file): never write through it. A Redis
     store's listing still mends the store's index of sessions as it reads, as every
     listing does (it adds a session stored without a place in it, drops a name whose
     session is gone); no session's own keys are written.
@@ -50,8 +51,15 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
         from ._redis import RedisStore
 
         if readonly:  # (the server's persistence guards writes; a reader makes none of its own)
-            return RedisStore(url, persistence="volatile")
+            return RedisStore(_without_persistence(url), persistence="volatile")
         return RedisStore(url)
     raise ValueError(
         f"--store {url!r} is not a store URL; use sqlite:///path.db, memory:// or redis://..."
     )
+
+
+def _without_persistence(url: str) -> str:
+    """``url`` without its ``?persistence=`` option (the other options as they were)."""
+    base, mark, query = url.partition("?")
+    kept = [part for part in query.split("&") if part.partition("=")[0] != "persistence"]
+    return f"{base}{mark}{'&'.join(kept)}" if any(kept) else base

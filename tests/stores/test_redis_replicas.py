@@ -69,11 +69,35 @@ def test_rejects_bad_replica_arguments() -> None:
     from_url = RedisStore(f"{url}?replicas=2&replica_timeout=0.25&persistence=everysec")
     assert (from_url.replicas, from_url.replica_timeout) == (2, 0.25)
     assert from_url.persistence == "everysec"
-    overridden = RedisStore(f"{url}?replicas=2", replicas=1, replica_timeout=3)
-    assert (overridden.replicas, overridden.replica_timeout) == (1, 3.0)
+    both = RedisStore(f"{url}?replicas=1", replicas=1, replica_timeout=3)
+    assert (both.replicas, both.replica_timeout) == (1, 3.0)
     assert RedisStore("redis+cluster://h1:1,h2:2?replicas=1").replicas == 1
     assert RedisStore("redis+sentinel://h:1/svc?replica_timeout=2").replica_timeout == 2.0
-    assert "replicas=1" in repr(overridden)
+    assert "replicas=1" in repr(both)
+
+
+@pytest.mark.parametrize(
+    ("query", "named", "other", "same"),
+    [
+        ("replicas=2", "replicas", 1, 2),
+        ("replica_timeout=0.25", "replica_timeout", 3, 0.25),
+        ("persistence=always", "persistence", "volatile", "always"),
+        ("persistence=everysec", "persistence", "always", "everysec"),
+    ],
+)
+def test_an_option_named_in_the_url_and_as_an_argument_differently_is_refused(
+    query: str, named: str, other: object, same: object
+) -> None:
+    """A URL's ``?persistence=`` (or replicas, replica_timeout) and the argument of the
+    same name that differ raise ValueError naming both, as a differing ``?prefix=``
+    does: neither silently wins (a URL demanding ``always`` is never weakened by an
+    argument elsewhere in the code). The same value named twice is accepted."""
+    url = f"redis://127.0.0.1:6379/0?{query}"
+    with pytest.raises(ValueError, match=f"{named}.*name one") as refused:
+        RedisStore(url, **{named: other})
+    assert query.partition("=")[2] in str(refused.value)
+    assert repr(other) in str(refused.value)
+    assert getattr(RedisStore(url, **{named: same}), named) == same
 
 
 async def test_passes_check_store_waiting_for_a_replica(redis_replicated: Any) -> None:
