@@ -160,6 +160,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"
     )
     serve.add_argument(
+        "--trusted-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin (https://app.example.com) whose pages may open WebSockets and "
+        "send forms, besides this server's own: the public one behind a proxy that "
+        "rewrites Host (repeat for more)",
+    )
+    serve.add_argument(
         "--shutdown-grace",
         type=_seconds(zero=True),
         default=10.0,

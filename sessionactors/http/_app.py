@@ -17,7 +17,7 @@ import inspect
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, assert_never, cast
 from urllib.parse import quote, unquote, urlsplit
@@ -151,6 +151,7 @@ def create_app(
     heartbeat: float = 15.0,
     chat_page: bool = True,
     max_body: int = 16 * 1024 * 1024,
+    trusted_origins: Iterable[str] = (),
     **registry_options: Any,
 ) -> SessionsApp:
     """An ASGI 3 application serving a registry's sessions over HTTP, SSE and WebSocket.
@@ -186,6 +187,13 @@ def create_app(
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
     - ``max_body``: the largest request body accepted, in bytes (413 above).
+    - ``trusted_origins``: origins (``"https://app.example.com"``, as browsers
+      send them in ``Origin``) whose pages may open WebSockets and send forms
+      without a token, besides this server's own: the public origin of a
+      gateway behind a reverse proxy that rewrites ``Host``, or an app of yours
+      served from another origin. Without a ``token``, the gateway refuses
+      such requests from any other origin (see "Authorization" in the HTTP
+      gateway how-to).
     """
     if registry is not None and registry_options:
         raise TypeError(
@@ -213,6 +221,7 @@ def create_app(
         registry,
         registry_options,
         token=token,
+        trusted_origins=_origins(trusted_origins),
         authorize=authorize,
         create_sessions=create_sessions,
         heartbeat=heartbeat,
@@ -238,6 +247,7 @@ class SessionsApp:
         registry_options: dict[str, Any],
         *,
         token: str | None,
+        trusted_origins: frozenset[str],
         authorize: Authorize | None,
         create_sessions: bool,
         heartbeat: float,
@@ -247,6 +257,7 @@ class SessionsApp:
         self._registry = registry
         self._options = registry_options
         self._token = token.encode() if token is not None else None
+        self._trusted = trusted_origins
         self._authorize = authorize
         self._create_sessions = create_sessions
         self._frames = FrameCache()
@@ -578,7 +589,7 @@ class SessionsApp:
                     "(or ?access_token=<token> from a browser's WebSocket or EventSource)",
                 )
         else:
-            _refuse_forgeable(request)
+            _refuse_forgeable(request, self._trusted)
         await self._authorized(request, name, action)
 
     async def _authorized(self, request: HTTPConnection, name: str | None, action: Action) -> None:
@@ -1141,15 +1152,57 @@ _SIMPLE_TYPES: Final = frozenset(
 )
 
 
-def _refuse_forgeable(request: HTTPConnection) -> None:
+def _origins(given: Iterable[str]) -> frozenset[str]:
+    """``trusted_origins``, checked, as browsers write them in ``Origin``."""
+    origins = set()
+    for origin in [given] if isinstance(given, str) else given:
+        written = _origin(origin)
+        if written is None:
+            raise ValueError(
+                f"trusted origin {origin!r} is not an origin: give its scheme, host and "
+                "port (if not the default) as browsers send them in Origin, such as "
+                "'https://app.example.com' or 'http://localhost:5173'"
+            )
+        origins.add(written)
+    return frozenset(origins)
+
+
+def _origin(origin: object) -> str | None:
+    """``origin`` as browsers write it in ``Origin`` (lower case, without the scheme's
+    default port), or None if it is not an http or https origin."""
+    if not isinstance(origin, str):
+        return None
+    parts = urlsplit(origin.strip().lower())
+    try:
+        port = parts.port
+    except ValueError:  # (not a number, or out of range)
+        return None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        return None
+    netloc = parts.netloc
+    if port == {"http": 80, "https": 443}[parts.scheme]:
+        netloc = netloc[: netloc.rfind(":")]
+    return f"{parts.scheme}://{netloc}"
+
+
+def _refuse_forgeable(request: HTTPConnection, trusted: frozenset[str]) -> None:
     """Refuse (raise _RequestError) what a page of another site could make a browser
     send without the server's token (cross-site request forgery): a WebSocket (browsers
     apply no CORS to them), or a POST a browser sends with no preflight (no
     Authorization header, a form or text/plain body). A JSON request from another origin
     is preflighted: CORS (none unless the app adds it) decides. Non-browser clients send
-    no Origin."""
+    no Origin; the pages of ``trusted`` origins are not another site."""
     origin = request.headers.get("origin")
     if origin is None or urlsplit(origin).netloc.lower() == request.headers.get("host", "").lower():
+        return
+    if origin.lower() in trusted:
         return
     if request.scope["type"] == "websocket":
         what = "a WebSocket opened by a page of another site"
@@ -1164,8 +1217,9 @@ def _refuse_forgeable(request: HTTPConnection) -> None:
         403,
         "CrossOrigin",
         f"{what} (Origin: {shown(origin)}) is refused: any site could send it with the "
-        "user's browser. Serve the page from this server; or give the server a token "
-        "(create_app(token=...)) that the page sends, and send JSON "
+        "user's browser. Serve the page from this server, or name its origin in "
+        "create_app(trusted_origins=[...]) (serve --trusted-origin); or give the server "
+        "a token (create_app(token=...)) that the page sends, and send JSON "
         "(Content-Type: application/json)",
     )
 

@@ -170,17 +170,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.store)
         agents = load_agents(args.agent)
+        app = create_app(
+            store=store,
+            agents=agents,
+            token=args.token,
+            trusted_origins=args.trusted_origin,
+            shutdown_grace=args.shutdown_grace,
+            idle_timeout=args.idle_timeout,
+            lease_ttl=args.lease_ttl,
+        )
     except (ValueError, ImportError) as exc:
         print(f"sessionactors serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(
-        store=store,
-        agents=agents,
-        token=args.token,
-        shutdown_grace=args.shutdown_grace,
-        idle_timeout=args.idle_timeout,
-        lease_ttl=args.lease_ttl,
-    )
 
     started = False
 

@@ -17,6 +17,10 @@ import httpx
 import pytest
 import trio
 
+import sessionactors as sa
+from sessionactors.http import create_app
+from sessionactors.testing import EchoModel
+
 from .proxy import open_proxy
 from .served import serve_command
 from .servers import Serve
@@ -106,6 +110,62 @@ async def test_another_sites_page_with_the_token_may_open_a_websocket(serve: Ser
             ) as ws:
                 await ws.send({"type": "message", "text": "hi"})
                 assert (await ws.receive())["type"] != "error"
+
+
+async def test_pages_of_the_origins_the_gateway_trusts_are_not_refused(serve: Serve) -> None:
+    """Behind a reverse proxy that rewrites Host (``proxy_pass http://backend:8000``),
+    the gateway's own page reaches it with an Origin that differs from the Host it
+    sees; so does the page of an app served from another origin of the same owner.
+    ``create_app(trusted_origins=[...])`` names them: their WebSockets and simple
+    POSTs are not refused, while another site's page still is (403, 4403)."""
+    page = "https://chat.example.com"
+    behind = {"host": "backend:8000"}
+    async with serve(trusted_origins=[page, "http://LOCALHOST:5173/"]) as served:
+        ws_url = served.url.replace("http://", "ws://")
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            with trio.fail_after(20):
+                for origin in (page, "http://localhost:5173"):
+                    headers = {**behind, "origin": origin, "content-type": "text/plain"}
+                    r = await client.post(
+                        "/sessions/mine/messages", content=b'{"text": "hi"}', headers=headers
+                    )
+                    assert r.status_code == 200, r.text
+                    async with open_websocket(
+                        f"{ws_url}/sessions/mine/ws?after=0",
+                        [("origin", origin)],
+                        host=behind["host"],
+                    ) as ws:
+                        assert (await ws.receive())["type"] == "StatusChanged"
+                evil = {**behind, "origin": EVIL, "content-type": "text/plain"}
+                r = await client.post("/sessions/mine/messages", content=b"{}", headers=evil)
+                assert (r.status_code, r.json()["error"]) == (403, "CrossOrigin"), r.text
+                # an origin that only looks like a trusted one is another site
+                for near in ("https://chat.example.com.evil.example", "http://chat.example.com"):
+                    async with open_websocket(
+                        f"{ws_url}/sessions/mine/ws", [("origin", near)], host=behind["host"]
+                    ) as ws:
+                        frames = await _until_closed(ws)
+                        assert [f["error"] for f in frames] == ["CrossOrigin"], frames
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "*",
+        "chat.example.com",
+        "https://chat.example.com/app",
+        "https://",
+        "ftp://x.example",
+        "https://chat.example.com?x=1",
+        "https://chat.example.com:port",
+    ],
+)
+def test_a_trusted_origin_that_is_not_one_is_refused(bad: str) -> None:
+    """``trusted_origins`` takes origins as browsers send them (scheme://host[:port]);
+    anything else (a wildcard, a bare host, a path) is a ValueError that shows one."""
+    with pytest.raises(ValueError, match=r"https://app\.example\.com") as refused:
+        create_app(agents={"echo": sa.Agent(model=EchoModel())}, trusted_origins=[bad])
+    assert repr(bad) in str(refused.value)
 
 
 async def _until_closed(ws: Any) -> list[dict[str, Any]]:

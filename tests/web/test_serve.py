@@ -151,6 +151,10 @@ def test_serve_refuses_bad_arguments_with_a_message() -> None:
             ["--store", "memory://", "--agent", "chat_agents:agents", "--idle-timeout", "soon"],
             "'soon' is not a number of seconds",
         ),
+        (
+            ["--store", "memory://", "--agent", "chat_agents:agents", "--trusted-origin", "*"],
+            "trusted origin '*' is not an origin",
+        ),
     ]
     processes = [  # at once: each takes a moment to start
         subprocess.Popen(

@@ -61,10 +61,11 @@ class WebSocket:
 
 @asynccontextmanager
 async def open_websocket(
-    url: str, headers: list[tuple[str, str]] | None = None
+    url: str, headers: list[tuple[str, str]] | None = None, *, host: str | None = None
 ) -> AsyncIterator[WebSocket]:
     """Connect to ``ws://host:port/path?query`` (with extra ``headers``, such as the
-    ``Origin`` a browser sends); closes the connection on exit."""
+    ``Origin`` a browser sends, and ``host`` as its Host header if given, as a proxy
+    that rewrites it sends); closes the connection on exit."""
     parts = urlsplit(url)
     stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1", parts.port or 80)
     async with stream:
@@ -73,7 +74,7 @@ async def open_websocket(
         socket = WebSocket(stream, connection)
         await socket._flush(
             wsproto.events.Request(
-                host=parts.netloc, target=target, extra_headers=list(headers or [])
+                host=host or parts.netloc, target=target, extra_headers=list(headers or [])
             )
         )
         event = await socket._next_event()
