@@ -291,7 +291,9 @@ class StoreError(SessionActorsError, OSError):
 class StoreNotDurableError(StoreError):
     """The store's server is configured so that it can lose writes it acknowledged.
 
-    Raised when a store connects, before anything is read or written. The
+    Raised when a store connects, and when it connects again (to a server
+    restarted, or to another master after a failover), before anything is read
+    or written there; until the server is fixed, every call raises it. The
     message says what the server runs with and how to fix it; a store for
     tests or caches can opt out explicitly (``RedisStore(url,
     persistence="volatile")``).

@@ -43,8 +43,8 @@ and no per-session key outlives a delete.
 
 The store speaks to Redis 6.2 or later (``XTRIM MINID`` and exclusive
 ``XRANGE`` ranges): one server, a Redis Cluster or a Sentinel's master (see
-``_redis_connect`` for the URLs); it checks the server's persistence when it
-connects.
+``_redis_connect`` for the URLs); it checks the server's persistence on every
+connection its client opens, before anything goes over it.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ from ._memory import (
 from ._redis_connect import (
     USE_CLUSTER_URL,
     Client,
+    ServerNotDurable,
     Target,
     check_deployment,
     check_persistence,
@@ -624,8 +625,13 @@ async def _own_client(conn: _Connection, target: Target, patience: float) -> Non
         with conn.opening:
             async with open_client(target, patience) as client:
                 try:
+                    # (its INFO opens the first connection, which checks persistence)
                     await check_deployment(client, target, redact(target.url))
-                    await check_persistence(client, target, redact(target.url))
+                    if target.cluster:  # every master now, not as the calls reach them
+                        await check_persistence(client, target, redact(target.url))
+                except ServerNotDurable as exc:
+                    conn.error = StoreNotDurableError(str(exc))
+                    return
                 except (StoreNotDurableError, StoreConfigurationError) as exc:
                     conn.error = exc  # raised as it is to every waiting call
                     return
@@ -663,17 +669,21 @@ class RedisStore:
     after :meth:`aclose` connects again.
 
     ``persistence`` (or ``?persistence=`` in the URL) is what the store demands of
-    the server when it connects, before its first read or write; a server that
-    falls short raises :class:`~sessionactors.StoreNotDurableError`, which says how
-    to fix it. ``"always"`` (the default) needs ``appendonly yes`` and ``appendfsync
+    the server, checked on every connection the store opens, before anything is
+    read or written over it: when it first connects, and again when its client
+    reconnects (to a server restarted on the same address, Sentinel's new master,
+    a cluster's promoted replica). A server that falls short raises
+    :class:`~sessionactors.StoreNotDurableError`, which says how to fix it, until
+    it is fixed. ``"always"`` (the default) needs ``appendonly yes`` and ``appendfsync
     always``: every acknowledged write is on disk. ``"everysec"`` also accepts
     ``appendfsync everysec``, which can lose up to about a second of acknowledged
     writes when the machine crashes. ``"volatile"`` checks nothing, for tests and
-    caches. On a cluster every master is checked.
+    caches. On a cluster every master is checked when the store connects.
 
     ``client`` is an already opened ``coredis.Redis`` or ``coredis.RedisCluster``
     (``decode_responses=False``) to use instead of ``url``, checked on the first
-    call: its owner keeps it open and closes it, not :meth:`aclose`.
+    call only (its connections are its owner's, as is checking them again):
+    its owner keeps it open and closes it, not :meth:`aclose`.
 
     ``replicas`` (or ``?replicas=`` in the URL; default 0: no wait) is the number of
     replicas every write this store acknowledges must reach: creates, journal
@@ -887,6 +897,10 @@ class RedisStore:
                 return await call(client)
             except (StoreNotDurableError, StoreConfigurationError):
                 raise
+            except ServerNotDurable as exc:
+                # A connection the client opened (to a server restarted, or to another
+                # master) failed its check: nothing went over it.
+                raise StoreNotDurableError(str(exc), session_id=session_id) from exc
             except coredis.exceptions.ReplicationError as exc:
                 if self._target.sentinel:
                     # A failover may have made another server the master and left this

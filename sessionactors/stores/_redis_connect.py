@@ -1,6 +1,12 @@
 """Where a ``RedisStore`` connects: its URL's deployment, the client for it, and the
 persistence check every new connection passes before it is used.
 
+A client the store opens checks each of its connections as it opens, after the
+handshake and before the connection is handed to any command (``check_connection``):
+a server restarted on the same address, a Sentinel's new master or a cluster's
+promoted replica is only ever reached over a new connection, so nothing the store
+sends reaches a server that has not passed the check.
+
 URLs::
 
     redis://[[user]:password@]host[:port][/db]      one server (rediss:// with TLS,
@@ -19,15 +25,17 @@ reads them (see ``_CLIENT_OPTIONS``), and is refused with any other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, Literal, TypeAlias, get_args
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import attrs
 import coredis
 import coredis.exceptions
-from coredis.connection import TCPLocation
+from coredis.connection import BaseConnection, TCPLocation
+from coredis.pool import BaseConnectionPool, SentinelConnectionPool
 from coredis.retry import CompositeRetryPolicy, ConstantRetryPolicy, NoRetryPolicy, RetryPolicy
 
 from .._errors import StoreConfigurationError, StoreNotDurableError
@@ -37,6 +45,7 @@ __all__ = [
     "PERSISTENCE",
     "Client",
     "Persistence",
+    "ServerNotDurable",
     "Target",
     "check_deployment",
     "check_persistence",
@@ -410,16 +419,60 @@ class Target:
         return self.scheme in _SENTINEL
 
 
+class ServerNotDurable(coredis.exceptions.RedisError):
+    """A connection being opened reached a server that can lose acknowledged writes:
+    the connection is dropped before any command goes over it. Its message is the
+    ``StoreNotDurableError``'s."""
+
+
+#: A check of a connection as it opens (see ``coredis``' connect callbacks).
+_Check: TypeAlias = Callable[[BaseConnection], Awaitable[None]]
+
+
+def _check_as_opened(pool: BaseConnectionPool[Any], check: _Check) -> None:
+    """Have the connections that ``pool`` opens pass ``check`` as they open: they are
+    made of a subclass of its connection class."""
+    base = pool.connection_class
+
+    def __init__(self: BaseConnection, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self.register_connect_callback(check)
+
+    pool.connection_class = type(f"Checked{base.__name__}", (base,), {"__init__": __init__})
+
+
+def _checking_sentinel_pool(check: _Check) -> type[SentinelConnectionPool]:
+    """A Sentinel's pool whose connections (to the current master) pass ``check`` as
+    they open (the pool makes its connections itself, whatever its connection class)."""
+
+    class CheckedSentinelPool(SentinelConnectionPool):
+        async def _construct_connection(self) -> Any:
+            connection = await super()._construct_connection()
+            connection.register_connect_callback(check)
+            return connection
+
+    return CheckedSentinelPool
+
+
 @contextlib.asynccontextmanager
 async def open_client(target: Target, patience: float) -> AsyncIterator[Client]:
     """The opened client for ``target``, closed on exit; its calls may take ``patience``
-    seconds (the store's timeout)."""
+    seconds (the store's timeout). Unless ``target.persistence`` is ``"volatile"``,
+    every connection it opens passes ``check_connection`` before its first command."""
+    check = (
+        None
+        if target.persistence == "volatile"
+        else functools.partial(check_connection, target=target, where=redact(target.url))
+    )
     if target.scheme in _STANDALONE:
         parts = urlsplit(target.url)
         url = urlunsplit(parts._replace(query=urlencode(dict(target.query))))
-        async with coredis.Redis.from_url(  # user info is percent-encoded (RFC 3986)
+        client = coredis.Redis.from_url(  # user info is percent-encoded (RFC 3986)
             url, retry_policy=NoRetryPolicy(), decode_components=True
-        ) as client:
+        )
+        if check is not None:
+            _check_as_opened(client.connection_pool, check)
+        async with client:
             yield client
     elif target.cluster:
         parts = urlsplit(target.url)
@@ -433,12 +486,17 @@ async def open_client(target: Target, patience: float) -> AsyncIterator[Client]:
             retry_policy=_cluster_retry(patience),
             decode_responses=False,
         )
+        if check is not None:  # (the connections to the masters that serve the slots)
+            _check_as_opened(cluster.connection_pool, check)
         async with cluster:
             yield cluster
     else:
+        pools = SentinelConnectionPool if check is None else _checking_sentinel_pool(check)
         async with (
             coredis.Sentinel(target.locations, retry_policy=NoRetryPolicy()) as sentinel,
-            sentinel.primary_for(target.service, db=target.db) as primary,
+            sentinel.primary_for(
+                target.service, db=target.db, connection_pool_class=pools
+            ) as primary,
         ):
             yield primary
 
@@ -504,22 +562,70 @@ def _problem(
     )
 
 
+def _evicts(memory: Mapping[Any, Any]) -> str | None:
+    """The eviction policy in ``INFO memory``'s fields if the server evicts (maxmemory
+    set, a policy other than noeviction)."""
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    return policy if int(memory.get("maxmemory", 0) or 0) and policy != "noeviction" else None
+
+
 async def _settings(client: Client) -> tuple[bytes | None, bytes | None, str | None]:
     """``appendonly`` and ``appendfsync`` of one server (``appendfsync`` is None when
-    only INFO can be read), and its eviction policy if it evicts (maxmemory set, a
-    policy other than noeviction)."""
+    only INFO can be read), and its eviction policy if it evicts."""
     memory: Any = await client.info("memory")
-    policy = str(memory.get("maxmemory_policy", "noeviction"))
-    evicts = policy if int(memory.get("maxmemory", 0) or 0) and policy != "noeviction" else None
     try:
         got: Any = await client.config_get(["appendonly", "appendfsync"])
-        return got.get(b"appendonly"), got.get(b"appendfsync"), evicts
+        return got.get(b"appendonly"), got.get(b"appendfsync"), _evicts(memory)
     except coredis.exceptions.ResponseError:
         # CONFIG is disabled or not allowed for this user: INFO still says whether
         # the append-only file is on, not how often it is synced.
         info: Any = await client.info("persistence")
         enabled = str(info.get("aof_enabled", "0")) == "1"
-        return (b"yes" if enabled else b"no"), None, evicts
+        return (b"yes" if enabled else b"no"), None, _evicts(memory)
+
+
+def _info_fields(reply: Any) -> dict[str, str]:
+    """The ``name:value`` fields of a raw ``INFO`` reply."""
+    text = bytes(reply).decode(errors="replace")
+    return dict(line.partition(":")[::2] for line in text.splitlines() if ":" in line)
+
+
+def _not_durable(where: str, problems: list[str]) -> str:
+    """The message of ``StoreNotDurableError`` for the server(s) at ``where``."""
+    return (
+        f"redis at {where} can lose acknowledged writes: {'; '.join(problems)}. "
+        "Run it with appendonly yes and appendfsync always, and without eviction "
+        "(maxmemory-policy noeviction, or no maxmemory) (in redis.conf, or CONFIG SET "
+        "appendonly yes, CONFIG SET appendfsync always, CONFIG SET maxmemory-policy "
+        "noeviction, CONFIG REWRITE). "
+        "To accept losing up to about a second of acknowledged writes on a machine crash "
+        "(appendfsync everysec), pass RedisStore(url, persistence='everysec'); for tests "
+        "and caches that may lose everything, persistence='volatile' "
+        "(or ?persistence=... in the url)"
+    )
+
+
+async def check_connection(connection: BaseConnection, target: Target, where: str) -> None:
+    """Raise ``ServerNotDurable`` if the server of ``connection``, which is opening (no
+    command has gone over it), can lose writes it acknowledged, as
+    ``target.persistence`` counts them: the same check as ``check_persistence``, in one
+    round trip (two where CONFIG is refused)."""
+    memory = connection.create_request(b"INFO", b"memory", decode=False)
+    config = connection.create_request(
+        b"CONFIG GET", b"appendonly", b"appendfsync", decode=False, raise_exceptions=False
+    )
+    evicts = _evicts(_info_fields(await memory))
+    got: Any = await config
+    if isinstance(got, coredis.exceptions.ResponseError):  # (see _settings)
+        info = _info_fields(await connection.create_request(b"INFO", b"persistence", decode=False))
+        settings = (b"yes" if info.get("aof_enabled") == "1" else b"no"), None
+    else:
+        settings = got.get(b"appendonly"), got.get(b"appendfsync")
+    problem = _problem(*settings, evicts, target.persistence)
+    if problem is not None:
+        if target.cluster or target.sentinel:  # (the server that serves, of several)
+            problem = f"master {connection.location}: {problem}"
+        raise ServerNotDurable(_not_durable(where, [problem]))
 
 
 async def check_persistence(client: Client, target: Target, where: str) -> None:
@@ -539,16 +645,5 @@ async def check_persistence(client: Client, target: Target, where: str) -> None:
         problem = _problem(*await _settings(client), target.persistence)
         if problem is not None:
             problems.append(problem)
-    if not problems:
-        return
-    raise StoreNotDurableError(
-        f"redis at {where} can lose acknowledged writes: {'; '.join(problems)}. "
-        "Run it with appendonly yes and appendfsync always, and without eviction "
-        "(maxmemory-policy noeviction, or no maxmemory) (in redis.conf, or CONFIG SET "
-        "appendonly yes, CONFIG SET appendfsync always, CONFIG SET maxmemory-policy "
-        "noeviction, CONFIG REWRITE). "
-        "To accept losing up to about a second of acknowledged writes on a machine crash "
-        "(appendfsync everysec), pass RedisStore(url, persistence='everysec'); for tests "
-        "and caches that may lose everything, persistence='volatile' "
-        "(or ?persistence=... in the url)"
-    )
+    if problems:
+        raise StoreNotDurableError(_not_durable(where, problems))

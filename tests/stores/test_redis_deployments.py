@@ -448,3 +448,109 @@ async def test_turns_go_on_through_a_sentinel_failover(
     if waited == 2:
         assert lost == []
     assert all(text.startswith("after") for text in lost)  # never what came before
+
+
+async def test_a_failover_to_a_replica_without_an_append_only_file_is_refused(
+    private_redis_sentinel: PrivateServer,
+) -> None:
+    """A Sentinel failover to a replica that runs without ``appendonly`` (an operator's
+    mistake): the store's calls through the new master raise StoreNotDurableError,
+    which names that master, and none of its refused writes lands there, until
+    ``appendonly`` is turned on; then writes go through it."""
+    with private_redis_sentinel(replicas=1) as url, trio.fail_after(60):
+        parts = urlsplit(url)
+        service = parts.path.strip("/")
+        reply = await ask_sentinel(url, "SENTINEL", "DEBUG", *SENTINEL_TIMERS)
+        assert reply.startswith(b"+OK"), reply
+        prefix = f"sa-test:{uuid.uuid4().hex}"
+        store = RedisStore(url, prefix=prefix, timeout=1.0)
+        await store.create("before", b"snap", b"i")
+        async with raw_clients(url) as (master,):
+            replica: Any = (await master.info("replication"))["slave0"]
+            host, port = str(replica["ip"]), int(replica["port"])
+        async with coredis.Redis(host, port) as to_be_master:
+            await to_be_master.config_set({"appendonly": "no"})
+        while b"NOGOODSLAVE" in (reply := await ask_sentinel(url, "SENTINEL", "FAILOVER", service)):
+            await trio.sleep(0.2)  # (until the Sentinel has looked at the replica)
+        assert reply.startswith(b"+OK"), reply
+        refused: dict[str, str] = {}
+        acked = 0
+        with trio.move_on_after(20):
+            for i in itertools.count():  # (errors of the switch meanwhile, as a failover has)
+                try:
+                    await store.create(f"t{i}", b"snap", b"i")
+                    acked += 1
+                except StoreNotDurableError as exc:
+                    refused[f"t{i}"] = str(exc)
+                    if len(refused) == 2:
+                        break
+                except StoreError:
+                    pass
+                await trio.sleep(0.1)
+        assert len(refused) == 2, f"{acked} writes acknowledged, none refused"
+        for message in refused.values():
+            assert f"master {host}:{port}: appendonly is off" in message
+        looking = RedisStore(url, prefix=prefix, persistence="volatile")
+        assert await looking.exists("before")  # (the new master)
+        for name in refused:
+            assert not await looking.exists(name)  # nothing written unchecked
+        async with coredis.Redis(host, port) as new_master:
+            await new_master.config_set({"appendonly": "yes"})
+        await store.create("after", b"snap", b"i")
+        assert await looking.exists("after")
+        await store.aclose()
+        await looking.aclose()
+
+
+async def test_a_cluster_failover_to_replicas_without_an_append_only_file_is_refused(
+    private_redis_cluster: PrivateServer,
+) -> None:
+    """Every master of a Redis Cluster replaced by its replica (``CLUSTER FAILOVER``),
+    which runs without ``appendonly``: the store's calls raise StoreNotDurableError,
+    which names the new master, and none of its refused writes lands, until
+    ``appendonly`` is turned on there; then writes go through."""
+    with private_redis_cluster(replicas=1) as url, trio.fail_after(90):
+        prefix = f"sa-test:{uuid.uuid4().hex}"
+        store = RedisStore(url, prefix=prefix, timeout=2.0)
+        await store.create("before", b"snap", b"i")
+        parts = urlsplit(url)
+        async with coredis.RedisCluster(parts.hostname, parts.port) as admin:
+            replicas = [
+                (str(node["host"]), int(node["port"]))
+                for node in await admin.cluster_nodes()
+                if "slave" in node["flags"]
+            ]
+        assert len(replicas) == 3
+        for host, port in replicas:
+            async with coredis.Redis(host, port) as replica:
+                await replica.config_set({"appendonly": "no"})
+                assert await replica.cluster_failover()
+        promoted = {f"master {host}:{port}: appendonly is off" for host, port in replicas}
+        refused: dict[str, str] = {}
+        acked = 0
+        with trio.move_on_after(30):
+            for i in itertools.count():  # (errors of the switch meanwhile, as a failover has)
+                try:
+                    await store.create(f"t{i}", b"snap", b"i")
+                    acked += 1
+                except StoreNotDurableError as exc:
+                    refused[f"t{i}"] = str(exc)
+                    if len(refused) == 3:
+                        break
+                except StoreError:
+                    pass
+                await trio.sleep(0.1)
+        assert len(refused) == 3, f"{acked} writes acknowledged, none refused"
+        for message in refused.values():
+            assert any(problem in message for problem in promoted), message
+        looking = RedisStore(url, prefix=prefix, persistence="volatile")
+        assert await looking.exists("before")  # (on the new masters)
+        for name in refused:
+            assert not await looking.exists(name)  # nothing written unchecked
+        for host, port in replicas:
+            async with coredis.Redis(host, port) as new_master:
+                await new_master.config_set({"appendonly": "yes"})
+        await store.create("after", b"snap", b"i")
+        assert await looking.exists("after")
+        await store.aclose()
+        await looking.aclose()

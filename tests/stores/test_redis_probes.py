@@ -503,19 +503,14 @@ async def test_a_write_stands_when_only_the_listing_orders_master_is_down(
 # -- a server restarted with weaker persistence -----------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: coredis reconnects a lost connection by itself, without a word to "
-    "the store, which checks persistence only when it opens its client",
-)
 async def test_a_server_restarted_without_its_append_only_file_is_refused(
     private_redis_server: PrivateServer, tmp_path: Path
 ) -> None:
-    """The store checks the server's persistence when it connects. redis-server killed
-    and started again on the same port without ``appendonly`` (an operator's mistake, a
-    config file lost): the store's client reconnected by itself, unchecked, and went on
-    acknowledging writes that the next restart loses. It should check again, and raise
-    StoreNotDurableError."""
+    """redis-server killed and started again on the same port without ``appendonly`` (an
+    operator's mistake, a config file lost): the store's client reconnects by itself,
+    and the new connection is checked before anything goes over it, so every call
+    raises StoreNotDurableError and nothing lands until the server is fixed (before, it
+    went on unchecked, acknowledging writes that the next restart loses)."""
     port = _free_port()
     with contextlib.ExitStack() as servers, trio.fail_after(30):
         url = servers.enter_context(private_redis_server(port, directory=str(tmp_path)))
