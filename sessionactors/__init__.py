@@ -18,6 +18,7 @@ from ._errors import MaxStepsError as MaxStepsError
 from ._errors import MessageNotFoundError as MessageNotFoundError
 from ._errors import ModelError as ModelError
 from ._errors import NothingToRetryError as NothingToRetryError
+from ._errors import ReplyRemovedError as ReplyRemovedError
 from ._errors import ReviewNotFoundError as ReviewNotFoundError
 from ._errors import SessionActorsError as SessionActorsError
 from ._errors import SessionBusyError as SessionBusyError
@@ -122,6 +123,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "Registry",
     "RegistryStatistics",
     "Reply",
+    "ReplyRemovedError",
     "ReviewNotFoundError",
     "ReviewRequest",
     "ReviewRequested",

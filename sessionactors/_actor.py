@@ -41,6 +41,7 @@ from ._errors import (
     TurnCancelledError,
     TurnFailedError,
     advised,
+    reply_removed_error,
     shown,
     stopped_error,
 )
@@ -824,6 +825,10 @@ class Actor:
         key = mail.key
         if key is not None:
             done = session.completed.get(key)
+            if done is not None and done.reply is None:  # an edit removed its reply
+                self.inflight_keys.pop(key, None)
+                self._refuse(mail, reply_removed_error(sid, key, done.turn_id))
+                return None
             if done is not None:
                 # (queued before its session could look the key up: submit_nowait to a
                 # session still waking) it is the completed turn: its id, reply, outcome

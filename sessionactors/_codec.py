@@ -13,7 +13,14 @@ Formats (version 1):
 * A snapshot is a msgpack map of the fields of :class:`SessionState`, among
   them ``schema_version``, the version of the format. Older versions are
   carried forward by :data:`MIGRATIONS`; newer ones raise
-  :class:`SnapshotVersionError`.
+  :class:`SnapshotVersionError`. A completed idempotency key whose reply the
+  history holds is written by the reply's id (``{"key", "turn_id",
+  "reply_id"}``, also the form of a key whose reply an edit removed), which
+  loading resolves to the history's message; other keys hold their reply
+  whole (``{"key", "turn_id", "reply"}``, the only form of version 2). A
+  snapshot is written at version 2 unless it holds a key by its reply's id
+  (:data:`SCHEMA_VERSION`): a session without keys writes the bytes it wrote
+  before version 3, which older sessionactors read.
 * A journal entry holds the events of one commit, in the compact form
   (``_codec_compact``): the array ``[1, session_id, event, ...]``, each event
   the array of its tag from :data:`EVENT_TAGS` and its fields in their
@@ -106,6 +113,7 @@ from ._codec_format import (
     EVENT_TAGS,
     EVENT_UNION,
     FREE_CONTAINERS,
+    KEYS_WHOLE_VERSION,
     MAX_ARRAY_LEN,
     MAX_EXT_LEN,
     MAX_INFO_BYTES,
@@ -132,7 +140,7 @@ from ._errors import (
     shown,
 )
 from ._events import Event
-from ._records import SCHEMA_VERSION, Message, SessionInfo, SessionState
+from ._records import SCHEMA_VERSION, CompletedTurn, Message, SessionInfo, SessionState
 
 __all__ = [
     "CONTAINER_BYTES",
@@ -527,7 +535,51 @@ def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_B
             f" snapshots are written at version {SCHEMA_VERSION}; leave the default"
         )
     containers = _check(check_state, state, "snapshot", state.session_id)
-    return _encode(unstructure_state, state, "snapshot", state.session_id, max_size, containers)
+    try:
+        stored, saved = _by_reference(state)
+    except FieldError as exc:
+        _check(_raise, exc, "snapshot", state.session_id)
+    return _encode(
+        unstructure_state, stored, "snapshot", state.session_id, max_size, containers - saved
+    )
+
+
+def _by_reference(state: SessionState) -> tuple[SessionState, int]:
+    """``state`` as its snapshot holds it, and the maps and arrays that saves: each
+    completed idempotency key whose reply the history holds (that message, or one equal
+    to it) by its reply's id, without the reply (loading resolves it), at the oldest
+    schema version that holds that (version 2 when no key is written so). Raises
+    FieldError for a key that would not load back as it is (a ``reply_id`` that is not
+    its reply's; no reply, but a ``reply_id`` the history holds)."""
+    completed = state.completed
+    if not completed:
+        return attrs.evolve(state, schema_version=KEYS_WHOLE_VERSION), 0
+    held = {m.id: m for m in state.messages}
+    stored: list[CompletedTurn] = []
+    saved = 0
+    for index, turn in enumerate(completed):
+        reply = turn.reply
+        problem = None
+        if reply is None:
+            if turn.reply_id in held:
+                problem = "is held by the history, but the key has no reply; give it that message"
+        elif turn.reply_id != reply.id:
+            problem = f"is not its reply's id ({shown(reply.id)}); leave it out"
+        if problem is not None:
+            error = FieldError(ValueError, f"{shown(turn.reply_id)} {problem}")
+            error.path += (".reply_id", f"[{index}]", ".completed")
+            raise error
+        if reply is not None:
+            found = held.get(reply.id)
+            if found is reply or (found is not None and found == reply):
+                saved += check_message(reply)
+                turn = CompletedTurn(
+                    key=turn.key, turn_id=turn.turn_id, reply=None, reply_id=reply.id
+                )
+        stored.append(turn)
+    written = any(turn.reply is None for turn in stored)
+    version = SCHEMA_VERSION if written else KEYS_WHOLE_VERSION
+    return attrs.evolve(state, completed=tuple(stored), schema_version=version), saved
 
 
 class SnapshotWriter:
@@ -607,7 +659,8 @@ class SnapshotWriter:
             containers += count
             body = b"".join(parts)
         # Every field but the messages, packed as the state's own map would be.
-        rest = attrs.evolve(state, messages=())
+        stored, _ = _by_reference(state)
+        rest = attrs.evolve(stored, messages=())
         total = check_state(rest) + containers  # the empty tuple counted the array
         raw = unstructure_state(rest)
         keys = list(raw)

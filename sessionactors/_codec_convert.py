@@ -11,7 +11,12 @@ from typing import Any, Final, Union, get_args, get_origin
 
 import attrs
 import cattrs
-from cattrs.errors import IterableValidationError, IterableValidationNote
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 from cattrs.fns import identity
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
@@ -31,7 +36,14 @@ from ._events import (
     Event,
     HistoryEdited,
 )
-from ._records import NO_METADATA, Message, SessionInfo, SessionState, ToolCall
+from ._records import (
+    NO_METADATA,
+    CompletedTurn,
+    Message,
+    SessionInfo,
+    SessionState,
+    ToolCall,
+)
 
 
 class InvalidValueError(ValueError):
@@ -382,6 +394,103 @@ def _optional_structure_factory(
     return structure_optional
 
 
+# -- completed idempotency keys: by their reply's id ------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class StoredCompletedTurn:
+    """A completed idempotency key as a snapshot holds it: with its reply whole (every
+    key of schema version 2 and before; since, a key whose reply the history does not
+    hold as it is), or with the id of its reply (``reply_id``), which the history
+    holds, or held until an edit removed it."""
+
+    key: str
+    turn_id: str
+    reply: Message | None = None
+    reply_id: str | None = None
+
+
+def _unstructure_completed_factory(conv: cattrs.Converter) -> Callable[[CompletedTurn], Any]:
+    unstructure_reply = conv.get_unstructure_hook(Message)
+
+    def unstructure_completed(turn: CompletedTurn) -> dict[str, Any]:
+        # (the snapshot's writer gives a key whose reply the history holds without
+        # its reply: see ``by_reference`` in _codec)
+        reply = turn.reply
+        if reply is None:
+            return {"key": turn.key, "turn_id": turn.turn_id, "reply_id": turn.reply_id}
+        return {"key": turn.key, "turn_id": turn.turn_id, "reply": unstructure_reply(reply)}
+
+    return unstructure_completed
+
+
+def _stored_completed_factory(conv: cattrs.Converter) -> Callable[[Any, object], Any]:
+    structure = _attrs_structure_factory(StoredCompletedTurn, conv)
+
+    def structure_stored_completed(value: Any, _: object) -> StoredCompletedTurn:
+        stored: StoredCompletedTurn = structure(value, StoredCompletedTurn)
+        if (stored.reply is None) == (stored.reply_id is None):
+            raise InvalidValueError(
+                "a completed idempotency key holds its reply or its reply's id, not "
+                + ("both" if stored.reply is not None else "neither")
+            )
+        return stored
+
+    return structure_stored_completed
+
+
+_STORED_COMPLETED: Final = tuple[StoredCompletedTurn, ...]
+_COMPLETED: Final = tuple[CompletedTurn, ...]
+
+
+def _state_structure_factory(conv: cattrs.Converter) -> Callable[[Any, object], SessionState]:
+    """A snapshot's state: its completed keys resolved against its history (a key
+    written by its reply's id gets the very message of the history, or None if the
+    history no longer holds it)."""
+    structure = _attrs_structure_factory(SessionState, conv)
+    structure_completed = conv.get_structure_hook(_STORED_COMPLETED)
+
+    def structure_state(value: Any, _: object) -> SessionState:
+        if value.__class__ is not dict or "completed" not in value:
+            state: SessionState = structure(value, SessionState)
+            return state
+        state = structure({k: v for k, v in value.items() if k != "completed"}, SessionState)
+        try:
+            stored = structure_completed(value["completed"], _STORED_COMPLETED)
+        except Exception as exc:
+            note = AttributeValidationNote(
+                "Structuring class SessionState @ attribute completed", "completed", _COMPLETED
+            )
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+            raise ClassValidationError(
+                "While structuring SessionState", [exc], SessionState
+            ) from None
+        if not stored:
+            return state
+        return attrs.evolve(state, completed=_resolved(stored, state.messages))
+
+    return structure_state
+
+
+def _resolved(
+    stored: tuple[StoredCompletedTurn, ...], messages: tuple[Message, ...]
+) -> tuple[CompletedTurn, ...]:
+    held: dict[str, Message] | None = None
+    out = []
+    for turn in stored:
+        reply_id = turn.reply_id
+        if reply_id is None:
+            out.append(CompletedTurn(key=turn.key, turn_id=turn.turn_id, reply=turn.reply))
+            continue
+        if held is None:
+            held = {m.id: m for m in messages}
+        reply = held.get(reply_id)
+        out.append(
+            CompletedTurn(key=turn.key, turn_id=turn.turn_id, reply=reply, reply_id=reply_id)
+        )
+    return tuple(out)
+
+
 def _make_converter() -> cattrs.Converter:
     """Build the codec's converter; every hook is registered before first use."""
     conv = cattrs.Converter(detailed_validation=True)
@@ -414,9 +523,16 @@ def _make_converter() -> cattrs.Converter:
     _register_tuple_unstructure(conv, ToolCall)
     _register_usage_omitted(conv, Message)
     _register_tuple_unstructure(conv, Message)
+    conv.register_unstructure_hook(CompletedTurn, _unstructure_completed_factory(conv))
     _register_usage_omitted(conv, SessionState)
     _register_usage_omitted(conv, SessionInfo)
     _register_usage_omitted(conv, HistoryEdited)
+
+    # (registered last: the hooks of one class win over the factories registered before)
+    conv.register_structure_hook_func(
+        lambda t: t is StoredCompletedTurn, _stored_completed_factory(conv)
+    )
+    conv.register_structure_hook_func(lambda t: t is SessionState, _state_structure_factory(conv))
 
     configure_tagged_union(EVENT_UNION, conv, tag_generator=TAG_OF.__getitem__, tag_name=TAG_KEY)
     _build_hooks(conv)

@@ -68,7 +68,15 @@ MIGRATIONS: Final[dict[int, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     # 2 adds SessionState.journal_mark_seq and journal_mark_events: their defaults
     # fill them in
     1: dict,
+    # 3 writes a completed idempotency key by its reply's id (``reply_id``, resolved
+    # against the history as the snapshot loads) rather than with its reply whole; a
+    # version 2 key holds its reply whole, as before
+    2: dict,
 }
+#: The version a snapshot is written at when none of its completed idempotency keys
+#: is written by its reply's id: the format of version 2, which sessionactors that
+#: read no further read too (so a session without keys writes the bytes it wrote then).
+KEYS_WHOLE_VERSION: Final = 2
 
 #: The tag of every event class in the journal. A tag, once used, is never
 #: given to another class, even after its class is gone (see RETIRED_EVENT_TAGS).

@@ -28,6 +28,7 @@ from ._errors import (
     SessionNotFoundError,
     SessionStoppedError,
     advised,
+    reply_removed_error,
 )
 from ._events import Event
 from ._names import validate_name
@@ -493,13 +494,16 @@ class Dispatcher:
 
 def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
     """The turn a request with idempotency key ``key`` joins: the one running or queued
-    with that key (same id, same outcome), or the completed one's stored reply."""
+    with that key (same id, same outcome), or the completed one's stored reply;
+    ReplyRemovedError if that turn's reply is no longer in the history."""
     if key is None:
         return None
     if actor.is_ready:  # first: a request queued with the key may not have been looked at
         session = actor.session
         done = session.completed.get(key)
         if done is not None:
+            if done.reply is None:  # an edit removed it: the turn never runs again
+                raise reply_removed_error(name, key, done.turn_id)
             reply = Reply(turn_id=done.turn_id, message=done.reply)
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
         waiting = waiting_reply(session, key)

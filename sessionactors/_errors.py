@@ -24,6 +24,7 @@ __all__ = [
     "MessageNotFoundError",
     "ModelError",
     "NothingToRetryError",
+    "ReplyRemovedError",
     "ReviewNotFoundError",
     "SessionActorsError",
     "SessionBusyError",
@@ -384,6 +385,46 @@ class TurnNotFoundError(SessionActorsError, LookupError):
 
 class NothingToRetryError(SessionActorsError, LookupError):
     """``ref.retry()`` found no failed or cancelled last turn to run again."""
+
+
+class ReplyRemovedError(SessionActorsError, LookupError):
+    """A request sent with an idempotency key whose turn already ran, but whose reply
+    an edit of the history has since removed (truncate, rewind, replace_history, a
+    compaction): the key still keeps the turn from running again, but no longer its
+    reply, so the request is refused. ``turn_id`` is the turn that ran with the key,
+    ``idempotency_key`` the key."""
+
+    turn_id: str = ""
+    idempotency_key: str = ""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        idempotency_key: str = "",
+    ) -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+        self.idempotency_key = idempotency_key
+
+
+def reply_removed_error(sid: str, key: str, turn_id: str) -> ReplyRemovedError:
+    """The error of a retry with ``key``, whose turn ``turn_id`` ran but whose reply an
+    edit of session ``sid``'s history removed."""
+    return advised(
+        ReplyRemovedError,
+        f"session {sid!r} already ran the turn of idempotency key {shown(key)} (turn "
+        f"{turn_id!r}), but an edit of its history (truncate, rewind, replace_history or a "
+        "compaction) has since removed that turn's reply, which the key no longer keeps; "
+        "the turn will not run again: to send these words as a new turn, send them with "
+        "another ",
+        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+        session_id=sid,
+        turn_id=turn_id,
+        idempotency_key=key,
+    )
 
 
 #: How many characters of a caller's value an error message repeats (see ``shown``).

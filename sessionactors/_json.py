@@ -15,7 +15,7 @@ from typing import Any, Final
 import cattrs
 
 from ._events import Event, ToolResult, TurnStarted
-from ._records import SessionState
+from ._records import CompletedTurn, SessionState
 
 __all__ = [
     "dumps",
@@ -33,7 +33,20 @@ def _converter() -> cattrs.Converter:
     converter.register_unstructure_hook(datetime.datetime, lambda d: d.isoformat())
     converter.register_unstructure_hook(bytes, lambda b: base64.b64encode(b).decode("ascii"))
     converter.register_unstructure_hook(enum.Enum, lambda e: e.value)
+    converter.register_unstructure_hook(CompletedTurn, _completed_json)
     return converter
+
+
+def _completed_json(turn: CompletedTurn) -> dict[str, Any]:
+    """A completed idempotency key: ``{"key", "turn_id", "reply"}``, and ``"reply_id"``
+    once an edit removed the reply (``"reply": null``)."""
+    reply = turn.reply
+    out = {"key": turn.key, "turn_id": turn.turn_id, "reply": None}
+    if reply is None:
+        out["reply_id"] = turn.reply_id
+    else:
+        out["reply"] = _CONVERTER.unstructure(reply, unstructure_as=type(reply))
+    return out
 
 
 _CONVERTER: Final = _converter()

@@ -111,8 +111,9 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
     return make
 
 
-#: The snapshot format version this code writes.
-SCHEMA_VERSION = 2
+#: The snapshot format version this code writes (a snapshot that needs nothing the
+#: version adds is written at the version before it: see ``_codec``).
+SCHEMA_VERSION = 3
 
 
 _now = datetime.datetime.now
@@ -345,13 +346,32 @@ class ReviewRequest:
     turn_id: str = ""
 
 
+def _reply_id(turn: "CompletedTurn") -> str:
+    return turn.reply.id if turn.reply is not None else ""
+
+
 @attrs.frozen(kw_only=True)
 class CompletedTurn:
-    """What an idempotency key already produced: the turn and its reply."""
+    """What an idempotency key already produced: the turn and its reply.
+
+    ``reply`` is the turn's final reply, the very message the history holds, and
+    ``reply_id`` its id (by default). Once an edit of the history removes that
+    message (truncate, rewind, replace_history, a compaction), ``reply`` is
+    ``None``: the key is kept, so that a retry with it never runs the turn again,
+    but its reply is not (the retry raises :class:`ReplyRemovedError`); a message of
+    that id that joins the history again (replace_history giving it back) is its
+    reply again. A snapshot writes the reply once, in the history, and the key by
+    ``reply_id``; it refuses a ``reply_id`` that is not the reply's, and a key
+    without reply whose ``reply_id`` the history holds. (``reply`` used to be never
+    ``None``: snapshots of schema version 2 and earlier hold each key's reply whole,
+    whatever became of the history, and load as they were written; a session woken
+    from one lets go of the replies its history no longer holds.)
+    """
 
     key: str
     turn_id: str
-    reply: Message
+    reply: Message | None
+    reply_id: str = attrs.field(default=attrs.Factory(_reply_id, takes_self=True))
 
 
 @attrs.frozen(kw_only=True)

@@ -110,6 +110,7 @@ class LiveSession:
         "agent",
         "completed",
         "created_at",
+        "detached",
         "event_seq",
         "journal_mark_events",
         "journal_mark_seq",
@@ -140,6 +141,11 @@ class LiveSession:
         self.system_prompt = state.system_prompt
         self.summary = state.summary
         self.completed: dict[str, CompletedTurn] = {c.key: c for c in state.completed}
+        #: The completed keys whose reply an edit removed, by their reply's id: a
+        #: message of that id that joins the history again is their reply again.
+        self.detached: dict[str, str] = {}
+        if self.completed:
+            self._attach_replies()
         self.reviews: dict[str, ReviewRequest] = {r.id: r for r in state.reviews}
         self.turn_count = state.turn_count
         # The open turn: as the TurnStarted that opened it until someone asks for an
@@ -299,19 +305,25 @@ class LiveSession:
             self.turn_count += 1
             messages = self.messages
             if not messages or messages[-1].id != reply.id:
-                messages.append(reply)  # (0.1: a MessageAdded brought it already)
+                messages.append(reply)
                 if reply.usage is not None:
                     self.usage += reply.usage
+            else:  # (0.1: a MessageAdded brought it already; the key keeps that one)
+                reply = messages[-1]
             self.updated_at = reply.created_at
             key = event.idempotency_key
-            if key is not None:
+            if key is not None:  # (the history's message itself: never a copy)
                 completed = self.completed
                 completed[key] = CompletedTurn(key=key, turn_id=event.turn_id, reply=reply)
                 if len(completed) > MAX_COMPLETED_KEYS:
-                    del completed[next(iter(completed))]
+                    dropped = completed.pop(next(iter(completed)))
+                    if dropped.reply is None:
+                        self.detached.pop(dropped.reply_id, None)
         elif isinstance(event, MessageAdded):
             added = event.message
             self.messages.append(added)
+            if self.detached and added.id in self.detached:
+                self._reattach(added)
             self.updated_at = added.created_at
             # a turn's own model call counts; a message put in without a turn
             # (add_messages, replace_history) was counted where it was made, if at all
@@ -348,6 +360,8 @@ class LiveSession:
             if event.removed:
                 gone = set(event.removed)
                 self.messages = [m for m in self.messages if m.id not in gone]
+                if self.completed:
+                    self._detach(gone)
             if event.summary is not None:
                 self.summary = event.summary or None
             if event.usage is not None:  # (a compaction's summarizer)
@@ -357,6 +371,41 @@ class LiveSession:
             # its own: the event is published
             self.metadata = copy.deepcopy(event.metadata)
             self.updated_at = now or utcnow()
+
+    def _attach_replies(self) -> None:
+        """Give each completed key the history's message of its reply's id (the very
+        object: a snapshot of schema version 2 holds a copy), or None if the history
+        no longer holds it (an edit removed it)."""
+        held = {m.id: m for m in self.messages}
+        completed = self.completed
+        for key, turn in completed.items():
+            reply_id = turn.reply_id
+            found = held.get(reply_id) if reply_id else None
+            if found is not turn.reply:
+                completed[key] = CompletedTurn(
+                    key=key, turn_id=turn.turn_id, reply=found, reply_id=reply_id
+                )
+            if found is None and reply_id:
+                self.detached[reply_id] = key
+
+    def _detach(self, gone: set[str]) -> None:
+        """Let go of the replies of completed keys that an edit removed (the keys stay)."""
+        completed = self.completed
+        for key, turn in completed.items():
+            reply = turn.reply
+            if reply is not None and reply.id in gone:
+                completed[key] = CompletedTurn(
+                    key=key, turn_id=turn.turn_id, reply=None, reply_id=reply.id
+                )
+                self.detached[reply.id] = key
+
+    def _reattach(self, message: Message) -> None:
+        """``message`` joined the history under the id of a removed reply (replace_history
+        gave it back): it is that key's reply again."""
+        key = self.detached.pop(message.id)
+        turn = self.completed.get(key)
+        if turn is not None and turn.reply is None and turn.reply_id == message.id:
+            self.completed[key] = CompletedTurn(key=key, turn_id=turn.turn_id, reply=message)
 
     def _record(
         self,

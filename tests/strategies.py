@@ -162,12 +162,43 @@ def messages() -> st.SearchStrategy[sa.Message]:
     return records(sa.Message, metadata=metadata(max_depth=3))
 
 
+@st.composite
+def _completed_turns(
+    draw: st.DrawFn, history: tuple[sa.Message, ...]
+) -> tuple[sa.CompletedTurn, ...]:
+    """Completed idempotency keys as a session holds them: each with a reply of the
+    history (the last message of its id), with a reply the history does not hold (as a
+    snapshot of schema version 2 may), or without its reply (an edit removed it)."""
+    held = {m.id: m for m in history}
+    out = []
+    for _ in range(draw(st.integers(0, 3))):
+        key, turn_id = draw(identifiers()), draw(identifiers())
+        kind = draw(st.sampled_from(["held", "whole", "removed"] if held else ["whole", "removed"]))
+        if kind == "held":
+            reply: sa.Message | None = held[draw(st.sampled_from(sorted(held)))]
+        elif kind == "whole":
+            reply = draw(messages().filter(lambda m: m.id not in held))
+        else:
+            gone = draw(identifiers().filter(lambda i: i not in held))
+            out.append(sa.CompletedTurn(key=key, turn_id=turn_id, reply=None, reply_id=gone))
+            continue
+        out.append(sa.CompletedTurn(key=key, turn_id=turn_id, reply=reply))
+    return tuple(out)
+
+
 def session_states() -> st.SearchStrategy[sa.SessionState]:
-    """A session state at the current schema version, with a few messages."""
-    return records(
-        sa.SessionState,
-        schema_version=st.just(_SCHEMA_VERSION),
-        messages=st.lists(messages(), max_size=4).map(tuple),
+    """A session state at the current schema version, with a few messages and keys."""
+    return (
+        st.lists(messages(), max_size=4)
+        .map(tuple)
+        .flatmap(
+            lambda history: records(
+                sa.SessionState,
+                schema_version=st.just(_SCHEMA_VERSION),
+                messages=st.just(history),
+                completed=_completed_turns(history),
+            )
+        )
     )
 
 

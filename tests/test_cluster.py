@@ -304,6 +304,32 @@ async def test_requests_through_another_worker_reach_the_owner(any_cluster: Clus
         assert (await a.call("live"))["live"] == []
 
 
+async def test_a_keyed_retry_through_another_worker_after_a_wake_and_an_edit(
+    cluster: Cluster,
+) -> None:
+    """A retry sent through another worker, after the owner hibernated and woke the
+    session, gets the key's reply from the history; once an edit removed that reply it
+    raises ReplyRemovedError with its turn and key, and runs nothing."""
+    with trio.fail_after(40):
+        a = await cluster.start("a", balance=False)
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        async with cluster.registry(balance=False) as b:
+            ref = b.ref("s")
+            first = await ref.send("pay once", idempotency_key="k-1")
+            await ref.send("then this")
+            assert (await a.call("hibernate", name="s"))["live"] == []
+            assert (await a.call("wake", name="s"))["live"]
+            again = await ref.send("pay once", idempotency_key="k-1")
+            assert (again.turn_id, again.message) == (first.turn_id, first.message)
+            assert b.live() == []  # it ran on a
+            await ref.truncate(2)
+            with pytest.raises(sa.ReplyRemovedError) as refused:
+                await ref.send("pay once", idempotency_key="k-1")
+            assert (refused.value.turn_id, refused.value.idempotency_key) == (first.turn_id, "k-1")
+            assert refused.value.session_id == "s"
+            assert user_texts(await ref.history()) == ["then this"]
+
+
 async def test_forwarded_turns_to_a_full_mailbox_wait_for_room_and_run_once(
     cluster: Cluster,
 ) -> None:

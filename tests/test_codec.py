@@ -163,6 +163,32 @@ GOLDEN_SNAPSHOTS: dict[str, sa.SessionState] = {
         turn_count=3,
         open_turn=OpenTurn(turn_id="turn_2", idempotency_key="idem-8", started_calls=("call_2",)),
     ),
+    # version 3: completed keys by their reply's id (held, and removed by an edit) beside
+    # one that keeps its reply whole (loaded from version 2 after its reply was cut)
+    "snapshot_v3_keys": sa.SessionState(
+        session_id="golden-keys",
+        agent="support",
+        status=sa.Status.IDLE,
+        messages=(
+            sa.Message(id="msg_4", role=sa.Role.USER, content="Ship it?", created_at=T_SECONDS),
+            _REPLY,
+        ),
+        event_seq=20,
+        created_at=T_SECONDS,
+        updated_at=T_MICROS,
+        completed=(
+            CompletedTurn(
+                key="idem-1",
+                turn_id="turn_1",
+                reply=sa.Message(
+                    id="msg_2", role=sa.Role.ASSISTANT, content="Hello.", created_at=T_SECONDS
+                ),
+            ),
+            CompletedTurn(key="idem-2", turn_id="turn_2", reply=None, reply_id="msg_3"),
+            CompletedTurn(key="idem-3", turn_id="turn_3", reply=_REPLY),
+        ),
+        turn_count=3,
+    ),
 }
 
 _SID = "golden-events"
@@ -523,10 +549,25 @@ def assert_keeps(old: Any, new: Any, path: str = "$") -> None:
         assert new == old, f"{path} changed encoding"
 
 
+def by_reference(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot's raw map with each completed key whose reply its history holds
+    written by the reply's id, as version 3 writes it."""
+    held = {m["id"]: m for m in snapshot["messages"]}
+    completed = []
+    for turn in snapshot["completed"]:
+        reply = turn.get("reply")
+        if reply is not None and held.get(reply["id"]) == reply:
+            turn = {"key": turn["key"], "turn_id": turn["turn_id"], "reply_id": reply["id"]}
+        completed.append(turn)
+    return {**snapshot, "completed": completed}
+
+
 @pytest.mark.parametrize("stem", sorted(GOLDEN_SNAPSHOTS) + sorted(GOLDEN_INFOS))
 def test_current_format_keeps_every_golden_snapshot_field(stem: str) -> None:
     """Re-dumping a golden record keeps every field's encoding; a newer format only adds
-    fields (and a snapshot's schema_version rises with them)."""
+    fields (and a snapshot's schema_version rises with them, written at the oldest that
+    holds it), and since version 3 writes a completed key whose reply the history holds
+    by the reply's id."""
     data = golden_bytes(stem)
     if stem in GOLDEN_INFOS:
         again = dump_info(load_info(data))
@@ -535,7 +576,8 @@ def test_current_format_keeps_every_golden_snapshot_field(stem: str) -> None:
     old, new = msgpack.unpackb(data), msgpack.unpackb(again)
     if "schema_version" in old:
         current = attrs.fields(sa.SessionState).schema_version.default
-        assert new.pop("schema_version") == current >= old.pop("schema_version")
+        assert current >= new.pop("schema_version") >= old.pop("schema_version")
+        old = by_reference(old)
     assert_keeps(old, new)
 
 
@@ -564,6 +606,80 @@ def test_golden_events_cover_every_tag() -> None:
     )
     for tag, event in GOLDEN_EVENTS.items():
         assert event_tag(event) == tag
+
+
+def test_golden_keys_layout() -> None:
+    """A version 3 snapshot writes a completed key whose reply the history holds, or
+    held, by the reply's id, and any other with its reply whole; its reply loads as the
+    history's very message."""
+    data = golden_bytes("snapshot_v3_keys")
+    raw = msgpack.unpackb(data)
+    assert raw["schema_version"] == 3
+    assert [sorted(turn) for turn in raw["completed"]] == [
+        ["key", "reply", "turn_id"],
+        ["key", "reply_id", "turn_id"],
+        ["key", "reply_id", "turn_id"],
+    ]
+    state = load_snapshot(data)
+    assert state.completed[2].reply is state.messages[1]
+    assert dump_snapshot(state) == data
+
+
+def test_a_snapshot_is_written_at_the_oldest_version_that_holds_it() -> None:
+    """A snapshot without completed keys, or whose keys all hold their replies whole, is
+    written at version 2 (which older sessionactors read); one with a key by its reply's
+    id at version 3."""
+    for stem, version in [("snapshot_v1_minimal", 2), ("snapshot_v1_full", 3)]:
+        state = GOLDEN_SNAPSHOTS[stem]
+        assert msgpack.unpackb(dump_snapshot(state))["schema_version"] == version
+        unkeyed = attrs.evolve(state, completed=())
+        assert msgpack.unpackb(dump_snapshot(unkeyed))["schema_version"] == 2
+    whole = attrs.evolve(
+        GOLDEN_SNAPSHOTS["snapshot_v1_full"],
+        messages=GOLDEN_SNAPSHOTS["snapshot_v1_full"].messages[:4],
+    )
+    assert msgpack.unpackb(dump_snapshot(whole))["schema_version"] == 2
+
+
+@pytest.mark.parametrize(
+    ("turn", "problem"),
+    [
+        ({"key": "k", "turn_id": "t"}, "not neither"),
+        ({"key": "k", "turn_id": "t", "reply": None}, "not neither"),
+        ({"key": "k", "turn_id": "t", "reply_id": 5}, "expected a string"),
+    ],
+)
+def test_a_completed_key_without_its_reply_or_its_id_is_corrupt(
+    turn: dict[str, Any], problem: str
+) -> None:
+    """A completed key that holds neither its reply nor its reply's id (or a wrong id)
+    makes the snapshot corrupt, naming the place."""
+    raw = full_raw()
+    raw["completed"] = [turn]
+    with pytest.raises(sa.SnapshotCorruptError, match=problem) as info:
+        load_snapshot(pack(raw))
+    assert "completed" in str(info.value)
+
+
+def test_a_completed_key_with_its_reply_and_its_id_is_corrupt() -> None:
+    """A completed key that holds its reply and its reply's id makes the snapshot corrupt."""
+    raw = full_raw()
+    raw["completed"][0]["reply_id"] = "msg_5"
+    with pytest.raises(sa.SnapshotCorruptError, match="not both"):
+        load_snapshot(pack(raw))
+
+
+def test_dump_refuses_a_completed_key_that_would_not_load_back() -> None:
+    """dump_snapshot refuses a completed key whose reply_id is not its reply's, or that
+    has no reply while the history holds its reply_id, naming the field."""
+    state = GOLDEN_SNAPSHOTS["snapshot_v1_full"]
+    (turn,) = state.completed
+    for wrong in (
+        attrs.evolve(turn, reply_id="msg_1"),
+        attrs.evolve(turn, reply=None),
+    ):
+        with pytest.raises(ValueError, match=r"golden-full.*\$\.completed\[0\]\.reply_id"):
+            dump_snapshot(attrs.evolve(state, completed=(wrong,)))
 
 
 def test_golden_snapshot_layout() -> None:
@@ -884,7 +1000,7 @@ def full_raw() -> dict[str, Any]:
     return raw_of(golden_bytes("snapshot_v1_full"))
 
 
-@pytest.mark.parametrize("version", [3, 4, 2**40])
+@pytest.mark.parametrize("version", [4, 5, 2**40])
 def test_future_schema_version_asks_to_upgrade(version: int) -> None:
     """A snapshot from a newer sessionactors raises SnapshotVersionError saying to upgrade."""
     raw = full_raw()
@@ -1386,9 +1502,10 @@ def test_a_value_that_is_not_the_enum_is_refused() -> None:
 
 
 def test_dump_refuses_other_schema_versions() -> None:
-    """A state claiming another schema version is not written as version 1."""
-    with pytest.raises(ValueError, match="schema_version 3"):
-        dump_snapshot(attrs.evolve(_MINIMAL, schema_version=3))
+    """A state claiming another schema version is not written as the current one."""
+    for version in (2, 4):
+        with pytest.raises(ValueError, match=f"schema_version {version}"):
+            dump_snapshot(attrs.evolve(_MINIMAL, schema_version=version))
 
 
 def test_dump_refuses_output_over_the_limit() -> None:

@@ -38,6 +38,7 @@ _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.ReviewNotFoundError, 404),
     (sa.MessageNotFoundError, 404),
     (sa.EventsExpiredError, 410),
+    (sa.ReplyRemovedError, 410),
     (sa.SessionExistsError, 409),
     (sa.SessionBusyError, 409),
     (sa.TurnCancelledError, 409),
@@ -62,7 +63,8 @@ def error_status(error: BaseException) -> int:
 
 def error_json(error: BaseException, *, status: int | None = None) -> dict[str, Any]:
     """``{"error": class name, "message": ..., "status": ...}`` and the fields the
-    error carries (``session_id``, ``oldest_seq``, ``last_seq``)."""
+    error carries (``session_id``, ``oldest_seq``, ``last_seq``, ``turn_id``,
+    ``idempotency_key``)."""
     body: dict[str, Any] = {
         "error": type(error).__name__,
         "message": str(error),
@@ -70,7 +72,7 @@ def error_json(error: BaseException, *, status: int | None = None) -> dict[str, 
     }
     if isinstance(error, sa.SessionActorsError) and error.session_id is not None:
         body["session_id"] = error.session_id
-    for name in ("oldest_seq", "last_seq", "turn_id"):
+    for name in ("oldest_seq", "last_seq", "turn_id", "idempotency_key"):
         value = getattr(error, name, None)
         if value is not None and value != "":
             body[name] = value

@@ -77,7 +77,7 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "IndexError": IndexError,
     "AttributeError": AttributeError,
 }
-_ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code")
+_ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code", "idempotency_key")
 _MAX_WIRE_INT: Final = 2**63 - 1  # the largest integer msgpack carries either way
 
 

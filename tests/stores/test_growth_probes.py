@@ -224,13 +224,6 @@ async def test_an_export_carries_no_journal_bookkeeping_and_older_exports_still_
     assert imported.messages == state.messages
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="design decision: a completed idempotency key keeps its whole reply (its "
-    "1000 most recent keys, whatever their size), written a second time in every snapshot "
-    "and kept after an edit removed the reply from the history, so truncate cannot make "
-    "such a session small enough to snapshot",
-)
 async def test_truncating_a_session_of_keyed_turns_makes_its_snapshot_small() -> None:
     """After truncate(0), the snapshot of a session whose turns had idempotency keys no
     longer holds their replies."""

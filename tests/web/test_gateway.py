@@ -692,3 +692,32 @@ async def test_a_follower_of_a_session_whose_wake_fails_gets_an_error_frame() ->
             # the store is back: the session wakes and answers
             sent = await client.post("/sessions/f/messages", json={"text": "again"})
             assert sent.status_code == 200, sent.text
+
+
+async def test_a_message_whose_keyed_reply_an_edit_removed_answers_410() -> None:
+    """A message whose idempotency key's turn ran but whose reply an edit then removed
+    answers 410 ReplyRemovedError, as JSON and when streamed, naming the session, the key
+    and the turn, and runs nothing."""
+    store = sa.MemoryStore()
+    agents = trio_agents()
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("k")
+        first = await ref.send("only once", idempotency_key="k1")
+        await ref.send("then this")
+        await ref.truncate(2)
+    app = create_app(store=store, agents=agents)
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            body = {"text": "only once", "idempotency_key": "k1"}
+            plain = await client.post("/sessions/k/messages", json=body)
+            streamed = await client.post("/sessions/k/messages", json=body, headers=SSE)
+            state = (await client.get("/sessions/k")).json()
+    for answer in (plain, streamed):
+        assert answer.status_code == 410, answer.text
+        error = answer.json()
+        assert error["error"] == "ReplyRemovedError"
+        assert (error["session_id"], error["turn_id"]) == ("k", first.turn_id)
+        assert error["idempotency_key"] == "k1"
+        assert "'k1'" in error["message"]
+        assert '"idempotency_key"' in error["message"]
+    assert [m["content"] for m in state["messages"]] == ["then this", "then this"]
