@@ -20,6 +20,7 @@ from ._errors import ModelError as ModelError
 from ._errors import NothingToRetryError as NothingToRetryError
 from ._errors import ReplyRemovedError as ReplyRemovedError
 from ._errors import ReviewNotFoundError as ReviewNotFoundError
+from ._errors import ReviewResolvedError as ReviewResolvedError
 from ._errors import SessionActorsError as SessionActorsError
 from ._errors import SessionBusyError as SessionBusyError
 from ._errors import SessionCrashedError as SessionCrashedError
@@ -128,6 +129,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "ReviewRequest",
     "ReviewRequested",
     "ReviewResolved",
+    "ReviewResolvedError",
     "Role",
     "SQLiteStore",
     "SessionActorsError",

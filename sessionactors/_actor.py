@@ -13,7 +13,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 import trio
@@ -30,6 +30,7 @@ from ._errors import (
     MessageNotFoundError,
     NothingToRetryError,
     ReviewNotFoundError,
+    ReviewResolvedError,
     SessionActorsError,
     SessionBusyError,
     SessionCrashedError,
@@ -40,6 +41,7 @@ from ._errors import (
     StoreError,
     TurnCancelledError,
     TurnFailedError,
+    TurnNotFoundError,
     advised,
     reply_removed_error,
     shown,
@@ -190,10 +192,22 @@ _MAX_REMEMBERED: Final = 100
 #: How many turns refused before they started (while a review waited, or by a wake
 #: that could not load their session) a host remembers, for every session.
 _REFUSED_KEPT: Final = 10_000
+#: How many resolved reviews a host remembers, for every session (see ``Host.reviewed``).
+_REVIEWED_KEPT: Final = 10_000
 _make_reply: Final = maker(Reply)
+_V = TypeVar("_V")
 #: What the serving loop returns to leave a turn scope that was cancelled as a turn
 #: ended (the turn was settled as it ended): the next turn gets a fresh scope.
 RESCOPE: Final = _Signal()
+
+
+@attrs.frozen
+class Resolved:
+    """How a review was resolved: in which session, resuming which turn, which way."""
+
+    session_id: str
+    turn_id: str
+    approved: bool
 
 
 class Counters:
@@ -231,6 +245,9 @@ class Host(Protocol):
     #: that could not load their session: its lease held elsewhere, say), with why:
     #: their outcome, which no store records.
     refused: dict[str, str]
+    #: Reviews resolved here, by id (the latest ``_REVIEWED_KEPT``): a retry of the same
+    #: decision is answered as it was, the other decision refused saying what was decided.
+    reviewed: dict[str, Resolved]
     #: The closing registry stopped waiting for its sessions: they end at once.
     given_up: bool
 
@@ -1135,6 +1152,10 @@ class Actor:
         sid = self.session_id
         review = session.reviews.get(request.review_id)
         if review is None:
+            resolved = self.host.reviewed.get(request.review_id)
+            if resolved is not None and resolved.session_id == sid:
+                pending.set_result(self._resolved_again(request, resolved))
+                return
             known = ", ".join(session.reviews) or "none"
             raise advised(
                 ReviewNotFoundError,
@@ -1163,6 +1184,12 @@ class Actor:
                 note=note,
             )
         )
+        _remember(
+            self.host.reviewed,
+            request.review_id,
+            Resolved(sid, review.turn_id, approve),
+            _REVIEWED_KEPT,
+        )
         self._set_status(Status.RUNNING)
         call = review.tool_call
 
@@ -1181,6 +1208,44 @@ class Actor:
         if key is not None:  # a retry with its key joins the turn as it goes on
             self.inflight_keys[key] = self.turn_mail
         await self._drive(agent, pending, key, before=before)
+
+    def _resolved_again(self, request: ResolveReview, resolved: Resolved) -> Reply:
+        """The answer to a review resolved already (``resolved``): the same decision gets
+        its turn's reply (what the first resolution answered, if the turn finished or
+        waits on a further review); the other one, or a turn that did not finish, raises
+        ReviewResolvedError saying what was decided."""
+        session = self.session
+        sid = self.session_id
+        turn_id = resolved.turn_id
+        decided = "approved" if resolved.approved else "denied"
+        review_id = request.review_id
+        said = f"session {sid!r} review {review_id!r} was already {decided} (turn {turn_id})"
+        if request.approve != resolved.approved:
+            raise advised(
+                ReviewResolvedError,
+                f"{said}, so it cannot be {'approved' if request.approve else 'denied'} now; ",
+                Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=turn_id),
+                session_id=sid,
+                turn_id=turn_id,
+            )
+        try:
+            outcome = session.outcome(turn_id)
+        except TurnNotFoundError:
+            outcome = None
+        if outcome is not None and outcome.status is TurnStatus.FINISHED:
+            return Reply(turn_id=turn_id, message=outcome.message)
+        if outcome is not None and outcome.status is TurnStatus.WAITING:
+            return Reply(turn_id=turn_id, message=None, reviews=tuple(session.reviews.values()))
+        became = "is no longer known" if outcome is None else f"is {outcome.status.value}"
+        if outcome is not None and outcome.error:
+            became += f" ({outcome.error})"
+        raise advised(
+            ReviewResolvedError,
+            f"{said}, and that turn {became}; ",
+            Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=turn_id),
+            session_id=sid,
+            turn_id=turn_id,
+        )
 
     async def _retry(self, pending: Pending) -> None:
         """Run the last turn again if it failed or was cancelled: what it left after its
@@ -1781,8 +1846,8 @@ def failed_error(sid: str, reason: str, retry_after: float | None) -> SessionCra
 
 
 def _remember(
-    table: dict[str, str] | None, key: str, value: str, most: int = _MAX_REMEMBERED
-) -> dict[str, str]:
+    table: dict[str, _V] | None, key: str, value: _V, most: int = _MAX_REMEMBERED
+) -> dict[str, _V]:
     """``table`` (made if None) with ``key``: ``value``, holding the latest ``most``
     entries."""
     if table is None:

@@ -375,6 +375,20 @@ class ReviewNotFoundError(SessionActorsError, LookupError):
     """No pending review of the session has that id."""
 
 
+class ReviewResolvedError(ReviewNotFoundError):
+    """The review was resolved already, the other way (approved, and now denied, or the
+    reverse), or its turn did not finish; ``turn_id`` names the turn that it resumed.
+
+    The same decision again (a retry) is answered with the turn's reply instead, as
+    long as the process that ran the session remembers the review (its last 10,000
+    resolved reviews, across hibernation, not across a restart).
+    """
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+
+
 class MessageNotFoundError(SessionActorsError, LookupError):
     """No message of the session has that id."""
 

@@ -33,7 +33,7 @@ import attrs
 
 from ._codec import dump_snapshot, load_snapshot
 from ._errors import InvalidHistoryError, SnapshotCorruptError, SnapshotVersionError
-from ._history import broken_rule
+from ._history import broken_rule, check_copyable
 from ._json import finite, to_json
 from ._records import SessionState, Status
 
@@ -70,8 +70,10 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
 
     ``name`` renames it. Its status becomes ``hibernated`` (it is stored, not
     live), unless it is stopped or was never used. Raises
-    ``SnapshotCorruptError`` for a document that is not a valid export and
-    ``SnapshotVersionError`` for a newer version.
+    ``SnapshotCorruptError`` for a document that is not a valid export,
+    ``SnapshotVersionError`` for a newer version, and ``SessionBusyError`` for a
+    rename of a session with a tool call still unanswered (its pending review
+    would be in two sessions, as ``Registry.fork`` refuses too).
     """
     if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
         raise SnapshotCorruptError(
@@ -121,6 +123,15 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
                 session_id=state.session_id,
             )
     if name is not None and name != state.session_id:
+        # a copy: the original keeps its pending review (or its running call) as well
+        check_copyable(
+            state.session_id,
+            state.messages,
+            f"it cannot be imported under another name ({name!r}): both sessions would run "
+            "the call",
+            "approve or deny its review (or let its tool finish) and export it again, or "
+            "import it under its own name to move it",
+        )
         state = attrs.evolve(
             state,
             session_id=name,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._errors import shown
+from ._errors import SessionBusyError, shown
 from ._records import Message, Role
 
 __all__ = [
+    "check_copyable",
     "default_estimate",
     "rewind_end",
     "separated_pair",
@@ -60,6 +61,21 @@ def rewind_end(messages: Sequence[Message], index: int) -> int:
 def tool_pairs_intact(messages: Sequence[Message]) -> bool:
     """Whether every tool result follows its call and every call has its result."""
     return separated_pair(messages) is None
+
+
+def check_copyable(name: str, messages: Sequence[Message], refused: str, instead: str) -> None:
+    """Refuse to copy session ``name``'s ``messages`` (a fork, an import under another
+    name) while a tool call in them has no result yet: a review waits on it, or its tool
+    runs. The copy would hold the call too, and run it a second time.
+
+    Raises SessionBusyError saying that ``refused`` and what to do ``instead``.
+    """
+    if not tool_pairs_intact(messages):
+        raise SessionBusyError(
+            f"session {name!r} has a tool call without its result yet (a pending review "
+            f"or a running tool), so {refused}; {instead}",
+            session_id=name,
+        )
 
 
 def separated_pair(messages: Sequence[Message], *, calls_may_wait: bool = False) -> str | None:

@@ -25,7 +25,6 @@ from ._errors import (
     Advice,
     AdviceKind,
     MessageNotFoundError,
-    SessionBusyError,
     SessionCrashedError,
     SessionExistsError,
     SessionNotFoundError,
@@ -35,7 +34,7 @@ from ._errors import (
     shown,
 )
 from ._final import NoPublicConstructor
-from ._history import rewind_end, tool_pairs_intact
+from ._history import check_copyable, rewind_end
 from ._metadata import check_metadata
 from ._names import validate_name
 from ._reading import describe_stored, list_stored
@@ -167,14 +166,12 @@ class Registry(metaclass=NoPublicConstructor):
                     session_id=name,
                 )
             messages = messages[: rewind_end(messages, index)]
-        if not tool_pairs_intact(messages):
-            # a call still waits for its result (a review, or a tool running now)
-            raise SessionBusyError(
-                f"session {name!r} has a tool call without its result yet (a pending review "
-                "or a running tool), so its history cannot be forked as it is; fork at an "
-                "earlier message, or after the call is answered",
-                session_id=name,
-            )
+        check_copyable(
+            name,
+            messages,
+            "its history cannot be forked as it is",
+            "fork at an earlier message, or after the call is answered",
+        )
         session = LiveSession.new(
             new_name,
             agent=source.agent,

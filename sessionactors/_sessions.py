@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ._actor import Actor, Counters, failed_error
+from ._actor import Actor, Counters, Resolved, failed_error
 from ._agent import Agent
 from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
@@ -77,6 +77,8 @@ class Sessions:
         self.failed: dict[str, str] = {}  # session -> why it is marked failed
         #: Turns refused here before they started, with why (see ``Host.refused``).
         self.refused: dict[str, str] = {}
+        #: Reviews resolved here, by id (see ``Host.reviewed``).
+        self.reviewed: dict[str, Resolved] = {}
         #: Sessions failed by their store (it may come back): when they may start again.
         self.retry_at: dict[str, float] = {}
         #: Sessions whose acknowledged state could not be written as they left.

@@ -27,7 +27,7 @@ import trio
 import sessionactors as sa
 from processes import reap
 from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel, export_document
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
 
 HERE = Path(__file__).resolve().parent
 SERVER = HERE / "sessions_server.py"
@@ -267,6 +267,56 @@ def test_an_exported_session_imports_and_takes_turns_with_its_whole_history(
         ("user", "third time"),
     ]
     assert history[-1] == "third time"
+
+
+def test_import_under_another_name_refuses_a_session_waiting_on_a_review(
+    tmp_path: Path,
+) -> None:
+    """import --as of a session whose turn waits on a review is refused, naming the session
+    and what to do (a copy would run the call a second time), and writes nothing; import
+    under its own name moves it: its review is pending there and its call runs once."""
+    source = tmp_path / "source.db"
+    target = tmp_path / "target.db"
+    refunded: list[str] = []
+
+    async def refund(order_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        refunded.append(order_id)
+        return "refunded"
+
+    tool = sa.Tool(
+        name="refund", fn=refund, description="Refund.", requires_review=True, idempotent=False
+    )
+    call = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
+
+    def agents() -> dict[str, sa.Agent]:
+        model = ScriptedModel([Scripted(tool_calls=[call]), "done"])
+        return {"a": sa.Agent(model=model, tools=[tool])}
+
+    async def waiting() -> None:
+        async with sa.open_registry(store=sa.SQLiteStore(source), agents=agents()) as registry:
+            reply = await (await registry.spawn("cust")).send("refund A1")
+            assert reply.reviews
+
+    trio.run(waiting)
+    exported = ok("export", "cust", "--store", f"sqlite:///{source}")
+    store = f"sqlite:///{target}"
+    line = refused("import", "-", "--as", "cust-copy", "--store", store, stdin=exported)
+    assert "session 'cust'" in line
+    assert "review" in line
+    assert "under its own name" in line
+    assert not target.exists() or ok("list", "--store", store) == ""
+    assert "imported session 'cust'" in ok("import", "-", "--store", store, stdin=exported)
+
+    async def approve() -> list[tuple[str, str]]:
+        async with sa.open_registry(store=sa.SQLiteStore(target), agents=agents()) as registry:
+            pending = await registry.pending_reviews()
+            for review in pending:
+                await registry.ref(review.session_id).review(review.id, approve=True)
+            return [(review.session_id, review.tool_call.id) for review in pending]
+
+    assert trio.run(approve) == [("cust", "c1")]
+    assert refunded == ["A1"]
 
 
 def test_import_refuses_what_is_not_a_faithful_export(tmp_path: Path) -> None:

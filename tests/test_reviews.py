@@ -223,10 +223,75 @@ async def test_unknown_review_id_is_a_clear_lookup_error(autojump_clock: trio.ab
                 await ref.review("review_nope", approve=True)
             assert isinstance(info.value, LookupError)
             reply = await ref.review(review_id, approve=True)
-            with pytest.raises(LookupError, match=review_id):
-                await ref.review(review_id, approve=True)  # already resolved
 
     assert reply.text == "A1 is refunded."
+    assert tools.refunded == ["A1"]
+
+
+async def test_a_resolved_review_answers_its_decision_again_and_refuses_the_other(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Resolving a review again with the same decision (a retry) answers the turn's reply
+    again without running anything, also after hibernation; the other decision is refused
+    with ReviewResolvedError (a ReviewNotFoundError) saying what was decided, by which turn."""
+    tools = Refunds()
+    model = ScriptedModel(
+        [
+            Scripted(tool_calls=[call("refund", {"order_id": "A1"})]),
+            "A1 is refunded.",
+            Scripted(tool_calls=[call("refund", {"order_id": "B2"})]),
+            "B2 stays as it is.",
+        ]
+    )
+    async with sa.open_registry(agents={"a": tools.agent(model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            approved = (await ref.send("Refund A1")).reviews[0].id
+            reply = await ref.review(approved, approve=True)
+            assert await ref.review(approved, approve=True) == reply
+            with pytest.raises(sa.ReviewResolvedError) as info:
+                await ref.review(approved, approve=False, note="no")
+            denied = (await ref.send("Refund B2")).reviews[0].id
+            no = await ref.review(denied, approve=False)
+            await ref.hibernate()
+            again = registry.ref("s")
+            assert await again.review(approved, approve=True) == reply
+            assert await again.review(denied, approve=False) == no
+            with pytest.raises(sa.ReviewNotFoundError, match="already denied") as other:
+                await again.review(denied, approve=True)
+
+    assert reply.text == "A1 is refunded."
+    assert no.text == "B2 stays as it is."
+    error = info.value
+    assert str(error).startswith(f"session 's' review {approved!r} was already approved")
+    assert reply.turn_id in str(error)
+    assert error.turn_id == reply.turn_id
+    assert other.value.turn_id == no.turn_id
+    assert tools.refunded == ["A1"]
+
+
+async def test_two_approvals_of_one_review_at_once_run_its_call_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Two callers approving the same review at once both get the turn's reply; the call runs once."""
+    tools = Refunds()
+    _, model = refund_script()
+    replies: list[sa.Reply] = []
+    async with sa.open_registry(agents={"a": tools.agent(model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            review_id = (await ref.send("Refund A1")).reviews[0].id
+
+            async def approve() -> None:
+                replies.append(await ref.review(review_id, approve=True))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(approve)
+                nursery.start_soon(approve)
+
+    assert len(replies) == 2
+    assert replies[0] == replies[1]
+    assert replies[0].text == "A1 is refunded."
     assert tools.refunded == ["A1"]
 
 

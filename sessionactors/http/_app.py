@@ -839,19 +839,23 @@ class SessionsApp:
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
                 return _json(reply_to_json(reply))
-            pending = {r.id: r for r in await ref.pending_reviews()}
-            review = pending.get(review_id)
+            state = await ref.state()
+            review = next((r for r in state.reviews if r.id == review_id), None)
             if review is None:
-                raise sa.ReviewNotFoundError(
-                    f"session {name!r} has no pending review {shown(review_id)}; "
-                    f"GET {_session_route(request.scope, name)} lists its pending reviews",
-                    session_id=name,
+                # resolved already, the same way (a retry): the turn's reply, as a retried
+                # message's; no events come for it. Else its error (409, or 404)
+                reply = await ref.review(review_id, approve, note)
+                prelude = [frame({"type": "reply", **reply_to_json(reply)})]
+                return cast(
+                    Response, EventStreamResponse(self._hooks, functools.partial(_told, prelude))
                 )
             return cast(
                 Response,
                 EventStreamResponse(
                     self._hooks,
-                    functools.partial(self._review_stream, ref, review, approve, note),
+                    functools.partial(
+                        self._review_stream, ref, review, approve, note, state.event_seq
+                    ),
                 ),
             )
 
@@ -859,9 +863,12 @@ class SessionsApp:
 
     @asynccontextmanager
     async def _review_stream(
-        self, ref: AnyRef, review: sa.ReviewRequest, approve: bool, note: str | None
+        self, ref: AnyRef, review: sa.ReviewRequest, approve: bool, note: str | None, after: int
     ) -> AsyncIterator[Stream]:
-        async with ref.subscribe() as events:
+        # (from the seq at which the review was pending: a retry racing the first
+        # resolution still gets the turn's events, which may have passed by now)
+        async with contextlib.AsyncExitStack() as stack:
+            events = await _subscribe_from(stack, ref, after)
             yield Stream(
                 events,
                 select=self._turn_events(review.turn_id or None),
@@ -925,6 +932,14 @@ class SessionsApp:
             except Exception as exc:
                 await failed(exc)
 
+        async def wait_resolved(resolve: Callable[[], Awaitable[sa.Reply]]) -> None:
+            try:
+                reply = await resolve()
+            except Exception as exc:
+                await failed(exc)
+            else:
+                await say({"type": "reply", **reply_to_json(reply)})
+
         async def wait_turn(turn: sa.Turn | aio.Turn) -> None:
             try:
                 data = await _replayed_late(turn)
@@ -976,9 +991,13 @@ class SessionsApp:
                                     422, "InvalidRequest", "'approve' must be true or false"
                                 )
                             note = _optional_string(data, "note")
-                            group.start_soon(
-                                wait_reply, functools.partial(ref.review, review_id, approve, note)
-                            )
+                            resolve = functools.partial(ref.review, review_id, approve, note)
+                            pending = await ref.pending_reviews()
+                            if any(r.id == review_id for r in pending):
+                                group.start_soon(wait_reply, resolve)
+                            else:  # resolved already: a retry gets its turn's reply (no
+                                # events come for it), another decision its error
+                                group.start_soon(wait_resolved, resolve)
                     except WebSocketDisconnect:
                         group.cancel_scope.cancel()
                         return
@@ -1037,6 +1056,12 @@ async def _subscribe_from(stack: contextlib.AsyncExitStack, ref: AnyRef, after: 
             return await stack.enter_async_context(ref.subscribe(after))
         except sa.EventsExpiredError as exc:
             after = exc.oldest_seq - 1
+
+
+@asynccontextmanager
+async def _told(prelude: list[bytes]) -> AsyncIterator[Stream]:
+    """A stream of ``prelude`` alone."""
+    yield Stream(None, prelude=prelude)
 
 
 async def _outcome(wait: Callable[..., Awaitable[Any]], *args: Any) -> None:

@@ -35,6 +35,7 @@ def reply_to_json(reply: sa.Reply) -> dict[str, Any]:
 # The status of each library error; the first class that matches wins.
 _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.SessionNotFoundError, 404),
+    (sa.ReviewResolvedError, 409),
     (sa.ReviewNotFoundError, 404),
     (sa.MessageNotFoundError, 404),
     (sa.EventsExpiredError, 410),

@@ -504,6 +504,47 @@ async def test_a_streamed_review_answer_sends_the_rest_of_the_turn(serve: Serve)
             assert got[-1][1]["message"]["content"] == "Refunded: order B2 refunded"
 
 
+async def test_a_retried_review_answers_its_decision_again_and_refuses_the_other(
+    serve: Serve,
+) -> None:
+    """A review resolved again with the same decision (a retry after a lost answer) is
+    answered 200 with the turn's reply, as JSON, as an event stream's "reply" and on the
+    WebSocket, and the tool ran once; the other decision is refused with 409
+    ReviewResolvedError saying it was already approved, by which turn."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            reply = (await client.post("/sessions/rr/messages", json={"text": "refund D4"})).json()
+            route = f"/sessions/rr/reviews/{reply['reviews'][0]['id']}"
+            first = await client.post(route, json={"approve": True})
+            again = await client.post(route, json={"approve": True})
+            assert (first.status_code, again.status_code) == (200, 200)
+            assert again.json() == first.json()
+            assert first.json()["text"] == "Refunded: order D4 refunded"
+            async with client.stream("POST", route, json={"approve": True}, headers=SSE) as r:
+                assert r.status_code == 200
+                [(_, streamed)] = await read_until(r, lambda d: d["type"] == "reply")
+            assert streamed == {"type": "reply", **first.json()}
+            denied = await client.post(route, json={"approve": False})
+            assert denied.status_code == 409
+            assert denied.json()["error"] == "ReviewResolvedError"
+            assert "was already approved" in denied.json()["message"]
+            assert first.json()["turn_id"] in denied.json()["message"]
+            ws_url = served.url.replace("http://", "ws://") + "/sessions/rr/ws"
+            review_id = reply["reviews"][0]["id"]
+            async with open_websocket(ws_url) as ws:
+                await ws.send({"type": "review", "review_id": review_id, "approve": True})
+                while (frame := await ws.receive())["type"] != "reply":
+                    pass
+                assert {k: v for k, v in frame.items() if k != "type"} == first.json()
+                await ws.send({"type": "review", "review_id": review_id, "approve": False})
+                while (frame := await ws.receive())["type"] != "error":
+                    pass
+                assert (frame["status"], frame["error"]) == (409, "ReviewResolvedError")
+            history = (await client.get("/sessions/rr")).json()["messages"]
+            assert [m["role"] for m in history].count("tool") == 1
+        await wait_no_subscribers(served)
+
+
 async def test_a_streamed_retry_of_a_turn_waiting_on_a_review_sends_its_review(
     serve: Serve,
 ) -> None:
