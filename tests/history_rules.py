@@ -63,3 +63,16 @@ def kept_by_rewind(messages: Sequence[sa.Message], index: int) -> list[sa.Messag
         if index in part:
             return list(messages[: part.stop])
     raise IndexError(index)
+
+
+def kept_by_compaction(messages: Sequence[sa.Message], keep_last: int) -> list[sa.Message]:
+    """What a compaction keeps of ``messages`` (the turn's new user message last): the
+    longest tail of at most ``keep_last`` messages that begins with a user message; when
+    the last ``keep_last`` hold none, the tail from the last user message. The rest (all
+    of it, if nothing is cut) is summarized."""
+    users = [i for i, m in enumerate(messages) if m.role is sa.Role.USER]
+    if not users:
+        return list(messages)  # (a turn always has its user message)
+    cut = max(0, len(messages) - keep_last)
+    start = next((i for i in users if i >= cut), users[-1])
+    return list(messages[start:])

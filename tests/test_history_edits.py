@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sessionactors as sa
-from history_rules import kept_by_rewind, kept_by_truncate, tool_pairs_intact
+from history_rules import kept_by_compaction, kept_by_rewind, kept_by_truncate, tool_pairs_intact
 from sessionactors.stores import MemoryStore
 from sessionactors.testing import Scripted, ScriptedModel
 
@@ -427,13 +427,18 @@ def test_the_reference_cuts_never_split_a_tool_group(data: st.DataObject) -> Non
     for _ in range(data.draw(st.integers(0, 8), label="operations")):
         op = data.draw(st.sampled_from(["truncate", "rewind", "compact", "fork", "grow"]))
         before = messages
-        if op in ("truncate", "compact"):
+        if op == "truncate":
             keep = data.draw(st.integers(0, len(messages) + 2), label="keep_last")
-            kept = kept_by_truncate(messages, keep)
-            if op == "compact" and len(kept) == len(messages):
+            messages = kept_by_truncate(messages, keep)
+            assert len(messages) >= min(keep, len(before))  # at least keep_last are kept
+            assert messages == before[len(before) - len(messages) :]  # a suffix
+        elif op == "compact":
+            keep = data.draw(st.integers(1, len(messages) + 2), label="keep_last")
+            kept = kept_by_compaction(messages, keep)
+            if len(kept) == len(messages):
                 continue  # compaction summarizes only when something is cut
             messages = kept
-            assert len(messages) >= min(keep, len(before))  # at least keep_last are kept
+            assert messages[0].role is sa.Role.USER  # what the model reads first
             assert messages == before[len(before) - len(messages) :]  # a suffix
         elif op in ("rewind", "fork"):
             if not messages:
@@ -541,6 +546,7 @@ def test_live_edits_never_split_a_tool_group(data: st.DataObject) -> None:
                         if len(summarizer.requests) > summaries:
                             event("compacted")
                             assert (await ref.state()).summary == "summary"
+                            assert (await ref.history())[0].role is sa.Role.USER
                     else:
                         await ref.send(turn_text())
                     assert tool_pairs_intact(await ref.history()), op
