@@ -34,13 +34,21 @@ def _group_start(messages: Sequence[Message], index: int) -> int:
 def split_for_keep_last(messages: Sequence[Message], keep_last: int) -> int:
     """The index of the first message kept when keeping (at least) the last ``keep_last``.
 
-    The cut moves earlier when it would fall inside a tool group.
+    The cut moves back to the user message that began the turn it falls in, so
+    that what is kept (and the next model request, after the system prompt and
+    summary) begins with a user message, as every chat API wants; a user message
+    never sits inside a tool group. When no user message comes at or before the
+    cut (a history written to begin otherwise), it moves back only as far as the
+    start of the tool group it would split.
     """
     if keep_last <= 0:
         return len(messages)
     cut = max(0, len(messages) - keep_last)
     if cut >= len(messages):
         return len(messages)
+    for i in range(cut, -1, -1):
+        if messages[i].role is Role.USER:
+            return i
     return _group_start(messages, cut)
 
 

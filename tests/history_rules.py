@@ -45,10 +45,15 @@ def groups(messages: Sequence[sa.Message]) -> list[range]:
 
 
 def kept_by_truncate(messages: Sequence[sa.Message], keep_last: int) -> list[sa.Message]:
-    """``truncate(keep_last)``: at least the last ``keep_last`` messages, whole groups only."""
+    """``truncate(keep_last)``: at least the last ``keep_last`` messages, from the user
+    message that began the turn the cut falls in; with no user message at or before the
+    cut, from the start of its tool group."""
     if keep_last <= 0:
         return []
     cut = max(0, len(messages) - keep_last)
+    users = [i for i, m in enumerate(messages) if m.role is sa.Role.USER and i <= cut]
+    if users:
+        return list(messages[users[-1] :])
     for part in groups(messages):
         if cut in part:
             cut = part.start
