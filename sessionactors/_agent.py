@@ -69,10 +69,16 @@ class Compaction:
     """Keep long conversations inside the model's context.
 
     Before a turn whose request is estimated above ``max_tokens``, the history
-    except the last ``keep_last`` messages (never splitting a tool call from
-    its results) is summarized by ``summarizer`` (default: the agent's model)
-    and replaced by the summary, which the model then sees after the system
-    prompt. ``estimate`` counts tokens (default: about four characters a token).
+    except its last ``keep_last`` messages (the turn's new user message
+    counts) is summarized by ``summarizer`` (default: the agent's model) and
+    replaced by the summary, which the model then sees after the system
+    prompt. What is kept begins with a user message, as every chat API wants
+    the first message after the system prompt and summary to be: the kept
+    messages start at the first user message among the last ``keep_last``
+    (so at most ``keep_last`` are kept, and a tool call is summarized or kept
+    with its results), or, if they hold none, at the last user message
+    before them. ``estimate`` counts tokens (default: about four characters a
+    token).
     """
 
     max_tokens: int = attrs.field()

@@ -16,6 +16,7 @@ __all__ = [
     "default_estimate",
     "rewind_end",
     "separated_pair",
+    "split_for_compaction",
     "split_for_keep_last",
     "tool_pairs_intact",
 ]
@@ -34,14 +35,45 @@ def _group_start(messages: Sequence[Message], index: int) -> int:
 def split_for_keep_last(messages: Sequence[Message], keep_last: int) -> int:
     """The index of the first message kept when keeping (at least) the last ``keep_last``.
 
-    The cut moves earlier when it would fall inside a tool group.
+    The cut moves back to the user message that began the turn it falls in, so
+    that what is kept (and the next model request, after the system prompt and
+    summary) begins with a user message, as every chat API wants; a user message
+    never sits inside a tool group. When no user message comes at or before the
+    cut (a history written to begin otherwise), it moves back only as far as the
+    start of the tool group it would split.
     """
     if keep_last <= 0:
         return len(messages)
     cut = max(0, len(messages) - keep_last)
     if cut >= len(messages):
         return len(messages)
+    for i in range(cut, -1, -1):
+        if messages[i].role is Role.USER:
+            return i
     return _group_start(messages, cut)
+
+
+def split_for_compaction(messages: Sequence[Message], keep_last: int) -> int:
+    """The index of the first message a compaction keeps (``len(messages)`` if none; 0
+    if it summarizes nothing): the first user message among the last ``keep_last``, or,
+    when they hold none, the last user message before them.
+
+    Every chat API wants the first message after the system prompt and summary to be
+    the user's (Anthropic's Messages API requires it; Gemini wants a function call to
+    follow a user turn), so the kept messages begin with one. Keeping at most
+    ``keep_last`` summarizes at least as much as asked: a long turn of tool calls
+    before the cut is summarized whole, not kept whole. A user message never sits
+    inside a tool group, so no call is parted from its results. A history without a
+    user message (never at a turn's start, which has the turn's) is not cut.
+    """
+    cut = max(0, len(messages) - keep_last)
+    last_user = -1
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role is Role.USER:
+            if i < cut:
+                return i if last_user < 0 else last_user
+            last_user = i
+    return max(last_user, 0)
 
 
 def rewind_end(messages: Sequence[Message], index: int) -> int:

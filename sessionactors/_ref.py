@@ -364,8 +364,14 @@ class SessionRef(metaclass=NoPublicConstructor):
         return list((await self._dispatcher.read(self.session_id)).reviews)
 
     async def truncate(self, keep_last: int) -> int:
-        """Drop all but the last ``keep_last`` messages (more if a tool call and its
-        results would be split); returns how many were removed."""
+        """Drop all but the last ``keep_last`` messages; returns how many were removed.
+
+        More are kept when the cut falls inside a turn: it moves back to the user
+        message that began it, so the history (and the next model request, after
+        the system prompt and summary) begins with a user message, as every chat
+        API wants, and no tool call is parted from its results. In a history with
+        no user message before the cut, it moves back only to keep a tool call
+        with its results. ``keep_last=0`` drops everything."""
         _check_type(self.session_id, "keep_last", keep_last, int)
         if keep_last < 0:
             raise ValueError(

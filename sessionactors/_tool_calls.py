@@ -22,7 +22,7 @@ from ._events import (
     make_tool_call_started,
     make_tool_result,
 )
-from ._history import split_for_keep_last
+from ._history import split_for_compaction
 from ._model import Model, ModelRequest, TextChunk, UsageChunk
 from ._records import Message, ReviewRequest, Role, ToolCall, Usage, new_id, storable, utcnow
 from ._session import LiveSession
@@ -360,7 +360,7 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
     if compaction.estimate(actor.request_messages(agent)) <= compaction.max_tokens:
         return
     history = actor.session.messages
-    cut = split_for_keep_last(history, compaction.keep_last)
+    cut = split_for_compaction(history, compaction.keep_last)
     if cut <= 0:
         return
     older = history[:cut]

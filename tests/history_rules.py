@@ -45,10 +45,15 @@ def groups(messages: Sequence[sa.Message]) -> list[range]:
 
 
 def kept_by_truncate(messages: Sequence[sa.Message], keep_last: int) -> list[sa.Message]:
-    """``truncate(keep_last)``: at least the last ``keep_last`` messages, whole groups only."""
+    """``truncate(keep_last)``: at least the last ``keep_last`` messages, from the user
+    message that began the turn the cut falls in; with no user message at or before the
+    cut, from the start of its tool group."""
     if keep_last <= 0:
         return []
     cut = max(0, len(messages) - keep_last)
+    users = [i for i, m in enumerate(messages) if m.role is sa.Role.USER and i <= cut]
+    if users:
+        return list(messages[users[-1] :])
     for part in groups(messages):
         if cut in part:
             cut = part.start
@@ -63,3 +68,16 @@ def kept_by_rewind(messages: Sequence[sa.Message], index: int) -> list[sa.Messag
         if index in part:
             return list(messages[: part.stop])
     raise IndexError(index)
+
+
+def kept_by_compaction(messages: Sequence[sa.Message], keep_last: int) -> list[sa.Message]:
+    """What a compaction keeps of ``messages`` (the turn's new user message last): the
+    longest tail of at most ``keep_last`` messages that begins with a user message; when
+    the last ``keep_last`` hold none, the tail from the last user message. The rest (all
+    of it, if nothing is cut) is summarized."""
+    users = [i for i, m in enumerate(messages) if m.role is sa.Role.USER]
+    if not users:
+        return list(messages)  # (a turn always has its user message)
+    cut = max(0, len(messages) - keep_last)
+    start = next((i for i in users if i >= cut), users[-1])
+    return list(messages[start:])

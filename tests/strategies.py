@@ -31,6 +31,7 @@ __all__ = [
     "MSGPACK_INT_MAX",
     "MSGPACK_INT_MIN",
     "aware_datetimes",
+    "chat_histories",
     "event_classes",
     "events",
     "identifiers",
@@ -314,3 +315,45 @@ def with_a_wrong_value(draw: st.DrawFn, base: st.SearchStrategy[_T]) -> _T:
         return record
     path = draw(st.sampled_from(places))
     return cast(_T, _replace(record, path, draw(wrong_values())))
+
+
+_T0 = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
+
+
+@st.composite
+def chat_histories(draw: st.DrawFn, max_blocks: int = 12) -> list[sa.Message]:
+    """A history that ``ref.replace_history`` accepts, of any shape a conversation can take:
+    user messages, assistant replies (some interrupted), system notes and tool groups (an
+    assistant message with 1 to 3 calls, answered in any order), in any order, so that it
+    may begin with any of them or hold no user message at all."""
+    out: list[sa.Message] = []
+
+    def add(role: sa.Role, **fields: Any) -> sa.Message:
+        message = sa.Message(
+            id=f"h{len(out)}",
+            role=role,
+            content=f"{role.value} {len(out)}",
+            created_at=_T0,
+            **fields,
+        )
+        out.append(message)
+        return message
+
+    kinds = st.sampled_from(["user", "assistant", "interrupted", "system", "tools"])
+    for kind in draw(st.lists(kinds, max_size=max_blocks), label="blocks"):
+        if kind == "user":
+            add(sa.Role.USER)
+        elif kind in ("assistant", "interrupted"):
+            add(sa.Role.ASSISTANT, interrupted=kind == "interrupted")
+        elif kind == "system":
+            add(sa.Role.SYSTEM)
+        else:
+            n = len(out)
+            calls = tuple(
+                sa.ToolCall(id=f"call{n}_{i}", name="echo", arguments="{}")
+                for i in range(draw(st.integers(1, 3)))
+            )
+            add(sa.Role.ASSISTANT, tool_calls=calls)
+            for i in draw(st.permutations(range(len(calls)))):
+                add(sa.Role.TOOL, tool_call_id=calls[i].id)
+    return out

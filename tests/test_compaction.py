@@ -8,11 +8,15 @@ from collections.abc import Sequence
 
 import pytest
 import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import sessionactors as sa
-from history_rules import tool_pairs_intact
+from history_rules import kept_by_compaction, tool_pairs_intact
 from sessionactors.stores import MemoryStore
 from sessionactors.testing import Scripted, ScriptedModel
+from strategies import chat_histories
 
 
 @sa.tool
@@ -109,36 +113,123 @@ async def test_a_long_history_is_summarized_before_the_turn(
     assert contents(after_two.messages) == ["three", "answer to three", "four", "answer to four"]
 
 
-@pytest.mark.parametrize(("keep_last", "summarized"), [(2, 5), (3, 1), (4, 1), (5, 1), (6, 1)])
+@pytest.mark.parametrize(
+    ("keep_last", "summarized"), [(1, 8), (2, 8), (4, 8), (6, 8), (7, 2), (8, 2), (9, 0)]
+)
 async def test_compaction_never_splits_a_tool_group(
     keep_last: int, summarized: int, autojump_clock: trio.abc.Clock
 ) -> None:
-    """A group is summarized whole or kept whole: a cut inside it moves before its call."""
+    """A group is summarized whole or kept whole: a cut inside it (or on its call) moves on to
+    the next user message, so the group goes into the summary with its results."""
+    summarizer = ScriptedModel(["summary"], repeat=True)
+    over = False
+    the_agent, model = agent(
+        sa.Compaction(
+            max_tokens=1,
+            keep_last=keep_last,
+            summarizer=summarizer,
+            estimate=lambda _: 10**9 if over else 0,
+        )
+    )
+    async with sa.open_registry(agents={"a": the_agent}) as registry:
+        ref = await registry.spawn("s")
+        await converse(ref, "hello", "tools 3")
+        full = await ref.history()  # user, answer, user, call, 3 results, answer
+        over = True
+        await converse(ref, "next")  # compacts the 9 messages (with "next") before asking
+        history = await ref.history()
+
+    if not summarized:
+        assert summarizer.requests == []
+        assert history[:-2] == full
+        return
+    assert len(summarizer.requests) == 1
+    transcript = summarizer.requests[0].messages[-1].content.splitlines()
+    assert len(transcript) == summarized
+    assert transcript[0] == "user: hello"
+    if summarized > 2:
+        assert "[called: echo" in transcript[3]
+        for call in full[3].tool_calls:
+            assert any(line.startswith(f"tool result ({call.id})") for line in transcript)
+    assert history[: 8 - summarized] == full[summarized:]
+    assert contents(history[-2:]) == ["next", "answer to next"]
+    assert tool_pairs_intact(history)
+    request = model.requests[-1].messages
+    assert "summary" in request[1].content
+    assert request[2].role is sa.Role.USER
+    assert tool_pairs_intact(request[2:])
+
+
+def after_the_system_messages(request: sa.ModelRequest) -> list[sa.Message]:
+    """The request's messages after its system prompt and summary."""
+    messages = list(request.messages)
+    while messages and messages[0].role is sa.Role.SYSTEM:
+        del messages[0]
+    return messages
+
+
+@pytest.mark.parametrize("keep_last", range(1, 11))
+async def test_every_request_after_a_compaction_begins_with_a_user_message(
+    keep_last: int, autojump_clock: trio.abc.Clock
+) -> None:
+    """Wherever keep_last falls (on an assistant reply, a tool call, a tool result), the
+    messages a compaction keeps begin with a user message, and so does every later model
+    request after the system prompt and summary."""
     summarizer = ScriptedModel(["summary"], repeat=True)
     the_agent, model = agent(
         sa.Compaction(max_tokens=1, keep_last=keep_last, summarizer=summarizer)
     )
     async with sa.open_registry(agents={"a": the_agent}) as registry:
         ref = await registry.spawn("s")
-        await converse(ref, "tools 3")
-        full = await ref.history()  # user, call, 3 results, answer
-        await converse(ref, "next")  # compacts the 7 messages (with "next") before asking
+        await converse(ref, "hello", "tools 2", "thanks", "tools 1", "more", "bye")
         history = await ref.history()
 
-    assert len(summarizer.requests) == 1
-    transcript = summarizer.requests[0].messages[-1].content.splitlines()
-    assert len(transcript) == summarized
-    assert transcript[0] == "user: tools 3"
-    if summarized > 1:
-        assert "[called: echo" in transcript[1]
-        for call in full[1].tool_calls:
-            assert any(line.startswith(f"tool result ({call.id})") for line in transcript)
-    assert history[: 6 - summarized] == full[summarized:]
-    assert contents(history[-2:]) == ["next", "answer to next"]
-    assert tool_pairs_intact(history)
-    request = model.requests[-1].messages
-    assert "summary" in request[1].content
-    assert tool_pairs_intact(request[2:])
+    assert summarizer.requests  # (compacted at least once)
+    assert history[0].role is sa.Role.USER
+    for request in model.requests:
+        kept = after_the_system_messages(request)
+        assert kept[0].role is sa.Role.USER, [m.content for m in request.messages]
+        assert tool_pairs_intact(kept)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(history=chat_histories(), keep_last=st.integers(1, 16))
+def test_a_compaction_of_any_history_keeps_a_tail_that_begins_with_a_user_message(
+    history: list[sa.Message], keep_last: int
+) -> None:
+    """On any history (replies, interrupted replies, system notes, tool groups, in any order),
+    a compaction keeps the longest tail of at most keep_last messages that begins with a user
+    message (the turn's new one at least), so the model's request after the system prompt and
+    summary begins with a user message and holds every tool call with its results."""
+
+    async def main() -> None:
+        summarizer = ScriptedModel(["summary"], repeat=True)
+        the_agent, model = agent(
+            sa.Compaction(max_tokens=1, keep_last=keep_last, summarizer=summarizer)
+        )
+        async with sa.open_registry(agents={"a": the_agent}) as registry:
+            ref = await registry.spawn("s")
+            with trio.fail_after(10):
+                await ref.replace_history(history)
+                await ref.send("next")
+                after = await ref.history()
+        (request,) = model.requests
+        new = after[-2]  # the turn's user message, before the answer
+        assert new.content == "next"
+        kept = kept_by_compaction([*history, new], keep_last)
+        if len(kept) == len(history) + 1:  # nothing to summarize
+            assert summarizer.requests == []
+            assert request.messages[1:] == [*history, new]
+            return
+        assert len(summarizer.requests) == 1
+        assert [m.role for m in request.messages[:2]] == [sa.Role.SYSTEM, sa.Role.SYSTEM]
+        assert request.messages[2].role is sa.Role.USER
+        assert request.messages[2:] == kept
+        assert len(kept) <= keep_last
+        assert tool_pairs_intact(kept)
+        assert after[:-1] == kept
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 async def test_a_custom_estimate_decides(autojump_clock: trio.abc.Clock) -> None:
@@ -181,7 +272,9 @@ async def test_the_default_estimate_counts_characters(autojump_clock: trio.abc.C
 
     assert len(summarizer.requests) == 1
     assert state.summary == "summary"
-    assert len(state.messages) == 3  # the long message, its answer, and the one before
+    # the long message and its answer: the one before is an answer, which cannot begin
+    # what is kept (the user message that began its turn would make three)
+    assert contents(state.messages) == ["x" * 1000, "answer to " + "x" * 1000]
 
 
 async def test_the_agents_model_summarizes_by_default(autojump_clock: trio.abc.Clock) -> None:

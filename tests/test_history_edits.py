@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sessionactors as sa
-from history_rules import kept_by_rewind, kept_by_truncate, tool_pairs_intact
+from history_rules import kept_by_compaction, kept_by_rewind, kept_by_truncate, tool_pairs_intact
 from sessionactors.stores import MemoryStore
 from sessionactors.testing import Scripted, ScriptedModel
 
@@ -98,24 +98,57 @@ async def test_truncate_keeps_the_last_messages(autojump_clock: trio.abc.Clock) 
 async def test_truncate_keeps_more_rather_than_split_a_tool_group(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """A cut that would fall inside a tool group moves before the group's call."""
+    """A cut that would fall inside a tool group moves before the group's call: back to the
+    user message that began its turn, or to the call itself in a history written without one."""
     the_agent, _ = agent()
     async with sa.open_registry(agents={"a": the_agent}) as registry:
         ref = await registry.spawn("s")
         await converse(ref, "hello", "tools 3")
-        assert roles(await ref.history()) == "uaucttta"
+        full = await ref.history()
+        assert roles(full) == "uaucttta"
         with trio.fail_after(5):
             removed = await ref.truncate(3)  # would keep "t t a": two results without the call
             history = await ref.history()
+            await ref.replace_history(full[3:])  # no user message before the call
+            removed_without_user = await ref.truncate(3)
+            history_without_user = await ref.history()
             assert await ref.truncate(10) == 0
-            assert await ref.truncate(0) == len(history)
+            assert await ref.truncate(0) == len(history_without_user)
             assert await ref.history() == []
             with pytest.raises(ValueError, match="keep_last must be >= 0"):
                 await ref.truncate(-1)
 
-    assert removed == 3
-    assert roles(history) == "cttta"
+    assert removed == 2
+    assert roles(history) == "ucttta"
     assert tool_pairs_intact(history)
+    assert removed_without_user == 0
+    assert history_without_user == full[3:]
+
+
+@pytest.mark.parametrize("keep_last", range(1, 10))
+async def test_truncate_keeps_whole_turns_so_the_next_request_begins_with_a_user_message(
+    keep_last: int, autojump_clock: trio.abc.Clock
+) -> None:
+    """A cut that falls on an answer, a tool call or a result moves back to the user message
+    that began its turn: at least keep_last are kept, and the next model request begins with a
+    user message after the system prompt."""
+    the_agent, model = agent()
+    async with sa.open_registry(agents={"a": the_agent}) as registry:
+        ref = await registry.spawn("s")
+        await converse(ref, "hello", "tools 2", "thanks")
+        before = await ref.history()
+        assert roles(before) == "uaucttaua"
+        with trio.fail_after(5):
+            removed = await ref.truncate(keep_last)
+            after = await ref.history()
+            await ref.send("next")
+
+    request = model.requests[-1].messages
+    assert request[0].role is sa.Role.SYSTEM
+    assert request[1].role is sa.Role.USER, roles(request[1:])
+    start = max(i for i, m in enumerate(before) if m.role is sa.Role.USER and i <= 9 - keep_last)
+    assert after == before[start:]
+    assert removed == start
 
 
 # ---- rewind -----------------------------------------------------------------------------------
@@ -162,19 +195,19 @@ async def test_rewind_to_an_unknown_message_is_a_lookup_error(
     the_agent, _ = agent()
     async with sa.open_registry(agents={"a": the_agent}) as registry:
         ref = await registry.spawn("s")
-        await converse(ref, "one")
+        await converse(ref, "one", "two")
         before = await ref.history()
         with trio.fail_after(5):
             with pytest.raises(LookupError, match="'msg_nope'") as info:
                 await ref.rewind("msg_nope")
-            assert await ref.truncate(1) == 1
+            assert await ref.truncate(2) == 2
             with pytest.raises(sa.MessageNotFoundError, match=r"ref\.history"):
                 await ref.rewind(before[0].id)  # removed by the truncate
             after = await ref.history()
 
     assert isinstance(info.value, sa.SessionActorsError)
     assert info.value.session_id == "s"
-    assert after == before[1:]
+    assert after == before[2:]
 
 
 # ---- summary ------------------------------------------------------------------------------------
@@ -276,7 +309,7 @@ async def test_a_fork_and_its_source_are_independent(autojump_clock: trio.abc.Cl
                 "fork only",
             ]
             await ref.send("source only")
-            await fork.truncate(1)
+            await fork.truncate(1)  # keeps the turn: its user message and answer
             await ref.set_summary("source summary")
             source_after = await ref.history()
             fork_after = await fork.history()
@@ -286,7 +319,7 @@ async def test_a_fork_and_its_source_are_independent(autojump_clock: trio.abc.Cl
         "source only",
         "answer to source only",
     ]
-    assert [m.content for m in fork_after] == ["answer to fork only"]
+    assert [m.content for m in fork_after] == ["fork only", "answer to fork only"]
     assert fork_state.summary is None
 
 
@@ -427,13 +460,18 @@ def test_the_reference_cuts_never_split_a_tool_group(data: st.DataObject) -> Non
     for _ in range(data.draw(st.integers(0, 8), label="operations")):
         op = data.draw(st.sampled_from(["truncate", "rewind", "compact", "fork", "grow"]))
         before = messages
-        if op in ("truncate", "compact"):
+        if op == "truncate":
             keep = data.draw(st.integers(0, len(messages) + 2), label="keep_last")
-            kept = kept_by_truncate(messages, keep)
-            if op == "compact" and len(kept) == len(messages):
+            messages = kept_by_truncate(messages, keep)
+            assert len(messages) >= min(keep, len(before))  # at least keep_last are kept
+            assert messages == before[len(before) - len(messages) :]  # a suffix
+        elif op == "compact":
+            keep = data.draw(st.integers(1, len(messages) + 2), label="keep_last")
+            kept = kept_by_compaction(messages, keep)
+            if len(kept) == len(messages):
                 continue  # compaction summarizes only when something is cut
             messages = kept
-            assert len(messages) >= min(keep, len(before))  # at least keep_last are kept
+            assert messages[0].role is sa.Role.USER  # what the model reads first
             assert messages == before[len(before) - len(messages) :]  # a suffix
         elif op in ("rewind", "fork"):
             if not messages:
@@ -468,10 +506,13 @@ def test_tool_pairs_intact_catches_broken_histories() -> None:
     assert not tool_pairs_intact([*text, group[0], later[0], *group[1:]])  # results too late
     assert not tool_pairs_intact([*text, group[1], group[0], group[2]])  # result before call
     assert not tool_pairs_intact([*whole, group[1]])  # a duplicated result
-    # the naive cut (len - keep_last) would split the group; the rule moves the cut earlier
+    # the naive cut (len - keep_last) would split the group; the rule moves the cut earlier,
+    # to the user message that began the turn, or to the call when no user message came before
     naive = whole[len(whole) - 4 :]
     assert not tool_pairs_intact(naive)
-    assert kept_by_truncate(whole, 4) == whole[2:]
+    assert kept_by_truncate(whole, 4) == whole
+    assert kept_by_truncate(whole[2:], 4) == whole[2:]
+    assert kept_by_truncate(whole[2:], 2) == later
 
 
 # ---- properties: through a live registry --------------------------------------------------------
@@ -541,6 +582,7 @@ def test_live_edits_never_split_a_tool_group(data: st.DataObject) -> None:
                         if len(summarizer.requests) > summaries:
                             event("compacted")
                             assert (await ref.state()).summary == "summary"
+                            assert (await ref.history())[0].role is sa.Role.USER
                     else:
                         await ref.send(turn_text())
                     assert tool_pairs_intact(await ref.history()), op

@@ -326,8 +326,10 @@ def after(model: Model, operation: tuple[Any, ...]) -> Model:
         messages += [("user", args[0]), ("assistant", args[0])]
     elif kind == "add":
         messages.append(("assistant", args[0]))
-    elif kind == "truncate":
-        messages = messages[-args[0] :] if args[0] else []
+    elif kind == "truncate":  # at least the last n, from the user message that began a turn
+        cut = max(0, len(messages) - args[0]) if args[0] else len(messages)
+        users = [i for i, (role, _) in enumerate(messages) if role == "user" and i <= cut]
+        messages = messages[users[-1] if users and cut < len(messages) else cut :]
     elif kind == "metadata":
         metadata = dict(model.metadata)
         if args[1] is None:

@@ -62,7 +62,7 @@ async def test_each_answer_keeps_its_usage_and_the_session_sums_them(tmp_path: P
     assistant = [m.usage for m in history if m.role is sa.Role.ASSISTANT]
     assert assistant == [usage(100, 10), usage(130, 5), None]
     assert all(m.usage is None for m in history if m.role is not sa.Role.ASSISTANT)
-    assert len(state.messages) == 1
+    assert len(state.messages) == 2  # the last turn: "Thanks" and its answer
     assert state.usage == info.usage == usage(230, 15)
     assert state.usage.total_tokens == 245
 

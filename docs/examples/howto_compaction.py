@@ -13,7 +13,7 @@ async def main() -> None:
         model=EchoModel(),
         compaction=sa.Compaction(
             max_tokens=80,  # when a request is estimated above this many tokens...
-            keep_last=4,  # ...summarize all but the last 4 messages
+            keep_last=4,  # ...summarize all but the last 4, from a user message on
             summarizer=summarizer,  # default: the agent's own model
         ),
     )

@@ -219,7 +219,9 @@ class SessionRef:
         return await self._call(self._ref.pending_reviews)
 
     async def truncate(self, keep_last: int) -> int:
-        """Drop all but the last ``keep_last`` messages; returns how many were removed."""
+        """Drop all but the last ``keep_last`` messages, from the user message that began
+        the turn the cut falls in (as ``SessionRef.truncate``); returns how many were
+        removed."""
         return await self._call(self._ref.truncate, keep_last)
 
     async def rewind(self, message_id: str) -> int:
