@@ -217,6 +217,14 @@ async def test_a_failed_turn_keeps_the_text_its_model_streamed(
         store = sa.SQLiteStore(path)
         async with sa.open_registry(store=store, agents=agents, durability=durability) as again:
             woken = await again.ref("f").history()
+            if durability == "turn":  # (with "hibernate" only the snapshot is written)
+                replayed: list[sa.Event] = []
+                async with again.ref("f").subscribe(after=seen[0].seq) as stored:
+                    async for event in stored:  # (the deltas were never stored)
+                        replayed.append(event)
+                        if isinstance(event, sa.TurnFailed):
+                            break
+                assert replayed == seen[-2:]
             if durability == "turn":
                 journal = await journal_events(store, "f")
                 journaled = [e.message for e in journal if isinstance(e, sa.MessageAdded)]
