@@ -183,8 +183,9 @@ class _Signal:
 #: The request a wake makes for itself: finish the turn its process left open.
 RESUME: Final = _Signal()
 #: What a turn that failed or was cancelled leaves in the history after its user
-#: message when it streamed no reply to keep: a marked assistant message (``interrupted``),
-#: so that the next user message never follows a user message.
+#: message when its last model step streamed no text to keep (that text, when there is
+#: some, is kept instead): a marked assistant message (``interrupted``), so that the
+#: next user message never follows a user message.
 NO_REPLY_FAILED: Final = "(no reply: this turn failed)"
 NO_REPLY_CANCELLED: Final = "(no reply: this turn was cancelled)"
 #: How many turns answered by a completed key's stored reply an actor remembers.
@@ -974,12 +975,17 @@ class Actor:
                     turn_id=turn_id,
                 )
         elif failure is not None:
-            self.add_message(Message.create(Role.ASSISTANT, NO_REPLY_FAILED, interrupted=True))
+            # as a cancel does: what the failing model step streamed stays (its
+            # subscribers drew it), its tool calls do not (a half call cannot run)
+            streamed = storable("".join(self.partial))
+            text = streamed or NO_REPLY_FAILED
+            self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnFailed(
                 session_id=sid, seq=self.next_seq(), turn_id=turn_id, error=describe(failure)
             )
+            kept = "what it streamed is kept, marked interrupted; " if streamed else ""
             error = TurnFailedError(
-                f"turn {turn_id} of session {sid!r} failed: {describe(failure)}; "
+                f"turn {turn_id} of session {sid!r} failed: {describe(failure)}; {kept}"
                 "the session is fine, send the next message when the cause is fixed",
                 session_id=sid,
                 turn_id=turn_id,

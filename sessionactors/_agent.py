@@ -303,16 +303,21 @@ def answer_too_long(session_id: str) -> ModelError:
     )
 
 
-def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
-    """Take one chunk into the step; how many characters it added to the answer."""
+def _take_chunk(chunk: object, ctx: TurnContext, step: _Step, size: int) -> int:
+    """Take one chunk into the step; the answer's size (``size`` before it) with it,
+    or ModelError if that goes over :data:`MAX_ANSWER_CHARS` (its text is not taken:
+    what a failed turn keeps stays within the bound)."""
     if isinstance(chunk, TextChunk):
         text = chunk.text
         if text.__class__ is not str:
             raise TypeError(f"the model streamed a TextChunk whose text is {text!r}, not a str")
         if text:
+            size += len(text)
+            if size > MAX_ANSWER_CHARS:
+                raise answer_too_long(ctx.session_id)
             ctx.partial.append(text)
             ctx.delta(storable(text))
-        return len(text)
+        return size
     if isinstance(chunk, ToolCallChunk):
         _check_call_chunk(chunk)
         parts = step.parts
@@ -326,11 +331,14 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step) -> int:
             p.name = chunk.name
         if chunk.arguments:
             p.arguments.append(chunk.arguments)
-        return len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
+        size += len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
+        if size > MAX_ANSWER_CHARS:
+            raise answer_too_long(ctx.session_id)
+        return size
     if isinstance(chunk, UsageChunk):
         usage = usage_of(chunk)
         step.usage = usage if step.usage is None else step.usage + usage
-        return 0
+        return size
     raise TypeError(f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk")
 
 
@@ -419,9 +427,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 else:
                     if step is None:
                         step = _Step()
-                    size += _take_chunk(chunk, ctx, step)
-                    if size > MAX_ANSWER_CHARS:
-                        raise answer_too_long(ctx.session_id)
+                    size = _take_chunk(chunk, ctx, step, size)
         except BaseException as exc:
             if call is not None:
                 call.end(step.usage if step is not None else None, exc)

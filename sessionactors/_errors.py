@@ -198,7 +198,13 @@ class InvalidHistoryError(SessionActorsError, ValueError):
 
 
 class TurnFailedError(SessionActorsError):
-    """The agent or its model raised during the turn; ``__cause__`` is the original."""
+    """The agent or its model raised during the turn; ``__cause__`` is the original.
+
+    What the failing model step streamed is kept in the history, marked
+    ``interrupted`` (the message says so), or, if it streamed no text, the message
+    "(no reply: this turn failed)": see ``TurnFailed``. ``ref.retry()`` runs the
+    turn again in its place.
+    """
 
     def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
         super().__init__(message, session_id=session_id)

@@ -121,6 +121,14 @@ class TurnFinished(Event):
 class TurnFailed(Event):
     """The agent or its model raised; ``error`` describes it.
 
+    The text that the failing model step streamed (its ``Delta`` events) is kept in the
+    history, as a cancelled turn's is: an assistant message marked ``interrupted``,
+    published as a ``MessageAdded`` just before this event (without the tool calls
+    that step began: a half call cannot run). A step that streamed no text leaves
+    the message "(no reply: this turn failed)" instead, so that the next user
+    message never follows a user message. Steps that ended before it (a message
+    that called tools, their results) stay as they were.
+
     A turn the session refused before it began (a review pending, its agent
     missing) ends with one too, published and never journaled: it left nothing
     in the history, and its caller got the same error.

@@ -284,9 +284,11 @@ class Message:
 
     A ``Role.TOOL`` message answers the call whose id is ``tool_call_id``;
     ``is_error`` marks a tool result that reports a failure. ``interrupted``
-    marks an assistant message whose turn was cancelled part-way, or the
-    "(no reply: ...)" message that a failed or cancelled turn leaves after its
-    user message (so that roles keep alternating).
+    marks an assistant message whose turn was cancelled or failed part-way (what
+    its last model step streamed), or the "(no reply: ...)" message that such a
+    turn leaves after its user message when that step streamed no text (so that
+    roles keep alternating). The turn's outcome tells which ended it
+    (``SessionState.turns``, ``ref.turn_outcome``).
 
     ``usage`` is what the model reported for an assistant message (None when it
     reported nothing, and on other messages).

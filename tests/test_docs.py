@@ -111,7 +111,7 @@ EXPECTED = {
     ],
     "howto_turn_outcomes.py": [
         "status: failed | RuntimeError: provider unavailable",
-        "  assistant: (no reply: this turn failed) (interrupted=True)",
+        "  assistant: Your order (interrupted=True)",
         "retried: It ships tomorrow.",
         "history: ['When does my order ship?', 'It ships tomorrow.']",
         "now: finished",

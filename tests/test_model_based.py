@@ -284,8 +284,8 @@ def answer(request: sa.ModelRequest) -> str | Scripted | BaseException:
     if last.role is sa.Role.TOOL:
         return Scripted(text=f"done {last.content}", delay=0.3)
     word = last.content.split()[-1]
-    if last.content == "boom":
-        return RuntimeError("the model failed")
+    if last.content == "boom":  # it streams part of an answer, then fails
+        return Scripted(text="half an answer", delay=0.3, error=RuntimeError("the model failed"))
     if last.content.split()[0] in ("look", "pay"):
         name = last.content.split()[0]
         call = sa.ToolCall(

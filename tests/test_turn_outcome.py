@@ -4,15 +4,23 @@ after hibernation and restarts; the history a failed or cancelled turn leaves; r
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import (
+    EchoModel,
+    FaultyStore,
+    Scripted,
+    ScriptedModel,
+    crash,
+    journal_events,
+)
 
 NO_REPLY_FAILED = "(no reply: this turn failed)"
 NO_REPLY_CANCELLED = "(no reply: this turn was cancelled)"
@@ -156,6 +164,224 @@ async def test_failed_and_cancelled_turns_leave_a_history_that_alternates(tmp_pa
         with trio.fail_after(10):
             await registry.ref("alt").send("four?")
     assert alternates(after.requests[0].messages)
+
+
+def history_of(messages: Sequence[sa.Message]) -> list[tuple[str, str, bool]]:
+    return [(m.role.value, m.content, m.interrupted) for m in messages]
+
+
+@pytest.mark.parametrize("durability", ["turn", "hibernate"])
+async def test_a_failed_turn_keeps_the_text_its_model_streamed(
+    tmp_path: Path, durability: sa.Durability
+) -> None:
+    """A turn whose model fails after streaming text keeps that text, marked interrupted,
+    as a cancelled turn does: subscribers see the deltas, that message, then TurnFailed;
+    the journal holds it, and a wake (from the journal after a crash, from the closing
+    snapshot) folds to the same history."""
+    path = tmp_path / "failed.db"
+    broken = Scripted(chunks=["Half ", "an ", "answer"], error=ConnectionError("reset by peer"))
+    agents = agents_of(ScriptedModel([broken]))
+    kept = [
+        ("user", "tell me", False),
+        ("assistant", "Half an answer", True),
+    ]
+    with trio.fail_after(10):
+        with trio.CancelScope() as process:
+            async with sa.open_registry(
+                store=sa.SQLiteStore(path), agents=agents, durability=durability
+            ) as registry:
+                ref = await registry.spawn("f")
+                async with ref.stream("tell me") as events:
+                    seen = [event async for event in events]
+                history = await ref.history()
+                outcome = await ref.turn_outcome(seen[0].turn_id or "")
+                if durability == "turn":  # the journal alone holds it: a crash keeps it
+                    crash(registry)
+                    process.cancel()
+        assert [type(e).__name__ for e in seen] == [
+            "TurnStarted",
+            "Delta",
+            "Delta",
+            "Delta",
+            "MessageAdded",
+            "TurnFailed",
+        ]
+        added = seen[4]
+        assert isinstance(added, sa.MessageAdded)
+        assert "".join(e.text for e in seen if isinstance(e, sa.Delta)) == added.message.content
+        assert history_of(history) == kept
+        assert added.message == history[-1]
+        assert outcome.status is sa.TurnStatus.FAILED
+        assert outcome.error == "ConnectionError: reset by peer"
+        assert outcome.message is None
+        store = sa.SQLiteStore(path)
+        async with sa.open_registry(store=store, agents=agents, durability=durability) as again:
+            woken = await again.ref("f").history()
+            if durability == "turn":  # (with "hibernate" only the snapshot is written)
+                replayed: list[sa.Event] = []
+                async with again.ref("f").subscribe(after=seen[0].seq) as stored:
+                    async for event in stored:  # (the deltas were never stored)
+                        replayed.append(event)
+                        if isinstance(event, sa.TurnFailed):
+                            break
+                assert replayed == seen[-2:]
+            if durability == "turn":
+                journal = await journal_events(store, "f")
+                journaled = [e.message for e in journal if isinstance(e, sa.MessageAdded)]
+                assert history_of(journaled) == kept[1:]  # (the user's: in TurnStarted)
+                # the outcome follows the message under the same turn: it tells a
+                # reader of the history (or a resumed stream) that the turn failed
+                assert [(type(e).__name__, e.turn_id) for e in journal[-2:]] == [
+                    ("MessageAdded", added.turn_id),
+                    ("TurnFailed", added.turn_id),
+                ]
+    assert woken == history
+
+
+async def test_a_failed_step_after_a_tool_step_keeps_only_its_own_text() -> None:
+    """In a turn whose tool step succeeded and whose next model step streams text and
+    fails, the tool step's messages stay as they were and the failing step's text
+    follows them, marked interrupted; the calls that step streamed before it failed
+    are not kept and never run."""
+    ran: list[str] = []
+
+    async def lookup(order_id: str) -> str:
+        """Look up an order."""
+        ran.append(order_id)
+        return f"order {order_id}: shipped"
+
+    def call(call_id: str, order_id: str) -> sa.ToolCall:
+        return sa.ToolCall(id=call_id, name="lookup", arguments=f'{{"order_id": "{order_id}"}}')
+
+    model = ScriptedModel(
+        [
+            Scripted(text="Let me check.", tool_calls=[call("c1", "A1")]),
+            Scripted(
+                text="A1 shipped; checking A2",
+                tool_calls=[call("c2", "A2")],
+                error=sa.ModelError("the server closed the stream", session_id="t"),
+            ),
+        ]
+    )
+    agent = sa.Agent(model=model, tools=[sa.tool(lookup)])
+    async with sa.open_registry(agents={"a": agent}) as registry:
+        ref = await registry.spawn("t")
+        with trio.fail_after(10):
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("Where are A1 and A2?")
+            history = await ref.history()
+    assert ran == ["A1"]
+    assert [(m.role.value, m.content, m.interrupted, m.tool_calls) for m in history] == [
+        ("user", "Where are A1 and A2?", False, ()),
+        ("assistant", "Let me check.", False, (call("c1", "A1"),)),
+        ("tool", "order A1: shipped", False, ()),
+        ("assistant", "A1 shipped; checking A2", True, ()),
+    ]
+
+
+async def test_a_failed_step_that_streamed_only_a_call_leaves_the_no_reply_message() -> None:
+    """A failing step that streamed no text, only part of a tool call, leaves the
+    "no reply" message: the half call is not kept."""
+    half = Scripted(
+        tool_calls=[sa.ToolCall(id="c1", name="lookup", arguments='{"order_id": "A1"}')],
+        error=ConnectionError("reset"),
+    )
+    async with sa.open_registry(agents=agents_of(ScriptedModel([half]))) as registry:
+        ref = await registry.spawn("h")
+        with trio.fail_after(10):
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await ref.send("go")
+            history = await ref.history()
+    assert "kept" not in str(failed.value)
+    assert [(m.content, m.interrupted, m.tool_calls) for m in history[1:]] == [
+        (NO_REPLY_FAILED, True, ())
+    ]
+
+
+async def test_a_turn_past_max_steps_leaves_its_steps_and_the_no_reply_message() -> None:
+    """A turn that fails at max_steps (its last step's tools ran; no step was streaming)
+    keeps that step's messages and leaves the "no reply" message after them."""
+
+    async def lookup() -> str:
+        """Look something up."""
+        return "found"
+
+    again = Scripted(text="Looking.", tool_calls=[sa.ToolCall(id="c1", name="lookup")])
+    agent = sa.Agent(model=ScriptedModel([again]), tools=[sa.tool(lookup)], max_steps=1)
+    async with sa.open_registry(agents={"a": agent}) as registry:
+        ref = await registry.spawn("m")
+        with trio.fail_after(10):
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await ref.send("go")
+            history = await ref.history()
+    assert isinstance(failed.value.__cause__, sa.MaxStepsError)
+    assert history_of(history) == [
+        ("user", "go", False),
+        ("assistant", "Looking.", False),
+        ("tool", "found", False),
+        ("assistant", NO_REPLY_FAILED, True),
+    ]
+
+
+async def test_retry_of_a_failed_turn_drops_the_text_it_kept() -> None:
+    """retry() removes the text a failed turn kept, as it removes the "no reply"
+    message, and the failed turn still reads failed."""
+    broken = Scripted(chunks=["par", "tial"], error=RuntimeError("provider unavailable"))
+    model = ScriptedModel([broken, "whole"])
+    async with sa.open_registry(agents=agents_of(model)) as registry:
+        ref = await registry.spawn("r")
+        with trio.fail_after(10):
+            turn = await ref.submit("go")
+            with pytest.raises(sa.TurnFailedError, match="what it streamed is kept, marked"):
+                await turn.reply()
+            assert history_of(await ref.history()) == [
+                ("user", "go", False),
+                ("assistant", "partial", True),
+            ]
+            reply = await ref.retry()
+            history = history_of(await ref.history())
+            outcome = await ref.turn_outcome(turn.id)
+    assert reply.text == "whole"
+    assert history == [("user", "go", False), ("assistant", "whole", False)]
+    assert [m.role for m in model.requests[1].messages] == [sa.Role.SYSTEM, sa.Role.USER]
+    assert outcome.status is sa.TurnStatus.FAILED
+
+
+class OwnChunk(sa.TextChunk):
+    """A model's own kind of text chunk."""
+
+
+@attrs.define
+class OverLong:
+    """Streams a whole answer's worth of text but a character, then two more."""
+
+    chunk: type[sa.TextChunk]
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        await trio.lowlevel.checkpoint()
+        yield self.chunk("x" * (1024 * 1024 - 1))
+        yield self.chunk("yz")
+
+
+@pytest.mark.parametrize("chunk", [sa.TextChunk, OwnChunk])
+async def test_an_answer_stopped_at_the_limit_keeps_text_within_it(
+    tmp_path: Path, chunk: type[sa.TextChunk]
+) -> None:
+    """A model answer stopped for going over the limit fails its turn and keeps what it
+    streamed up to the limit, no more, which reloads from the store."""
+    path = tmp_path / "long.db"
+    agents = agents_of(OverLong(chunk))
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        ref = await registry.spawn("long")
+        with trio.fail_after(30):
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await ref.send("go on")
+            history = await ref.history()
+    assert isinstance(failed.value.__cause__, sa.ModelError)
+    assert history[-1].interrupted
+    assert history[-1].content == "x" * (1024 * 1024 - 1)
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        assert await registry.ref("long").history() == history
 
 
 def test_the_alternation_check_catches_two_user_messages_in_a_row() -> None:

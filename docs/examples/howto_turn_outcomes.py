@@ -5,12 +5,14 @@ import contextlib
 import trio
 
 import sessionactors as sa
-from sessionactors.testing import ScriptedModel
+from sessionactors.testing import Scripted, ScriptedModel
 
 
 async def main() -> None:
-    # The model fails once (a provider outage, say), then answers.
-    model = ScriptedModel([RuntimeError("provider unavailable"), "It ships tomorrow."])
+    # The model fails once, part-way through its answer (a provider outage, say),
+    # then answers.
+    outage = Scripted(text="Your order", error=RuntimeError("provider unavailable"))
+    model = ScriptedModel([outage, "It ships tomorrow."])
     async with sa.open_registry(agents={"shop": sa.Agent(model=model)}) as registry:
         ref = await registry.spawn("customer-9")
 
@@ -23,7 +25,8 @@ async def main() -> None:
         outcome = await ref.turn_outcome(turn.id)
         print("status:", outcome.status.value, "|", outcome.error)
 
-        # The failed turn left a marked "no reply" message after the user's message.
+        # The failed turn kept what its model streamed, marked interrupted (a turn
+        # that streamed nothing leaves a marked "(no reply: this turn failed)").
         for m in await ref.history():
             print(f"  {m.role.value}: {m.content} (interrupted={m.interrupted})")
 

@@ -2,7 +2,9 @@
 
 The model echoes the user's words one at a time (``DELAY`` seconds apart), except
 "refund ORDER", which calls the ``refund`` tool; that tool needs a person's
-review, and after it ran the model answers "Refunded: <the tool's result>".
+review, and after it ran the model answers "Refunded: <the tool's result>"; and
+"fail WORDS", whose WORDS it streams before it fails (:data:`DROPPED`, a
+connection dropped mid-answer).
 ``python -m sessionactors serve --agent chat_agents:agents`` serves the trio version.
 """
 
@@ -20,15 +22,21 @@ DELAY = 0.05
 
 _WORD = re.compile(r"\s*\S+")
 
+#: What the model of "fail WORDS" raises after it streamed WORDS.
+DROPPED = "the model's connection dropped"
+
 
 def _decide(messages: Sequence[sa.Message]) -> tuple[str, str]:
-    """("text", reply) or ("call", order id) for the conversation so far."""
+    """("text", reply), ("call", order id) or ("fail", what is streamed first) for the
+    conversation so far."""
     last = messages[-1]
     if last.role is sa.Role.TOOL:
         return "text", f"Refunded: {last.content}"
     text = last.content
     if text.startswith("refund "):
         return "call", text.removeprefix("refund ").strip()
+    if text.startswith("fail "):
+        return "fail", text.removeprefix("fail ")
     return "text", text
 
 
@@ -45,7 +53,8 @@ def trio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:
         kind, value = _decide(request.messages)
         if kind == "call":
             return Scripted(tool_calls=[_call(value)])
-        return Scripted(text=value, delay=delay)
+        error = ConnectionError(DROPPED) if kind == "fail" else None
+        return Scripted(text=value, delay=delay, error=error)
 
     async def refund(order_id: str) -> str:
         await trio.sleep(0)
@@ -73,6 +82,8 @@ class AsyncioModel:
         for word in _WORD.findall(value):
             await asyncio.sleep(self.delay)
             yield sa.TextChunk(word)
+        if kind == "fail":
+            raise ConnectionError(DROPPED)
 
 
 def asyncio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:

@@ -115,3 +115,34 @@ def test_the_chat_page_streams_resumes_reloads_and_reviews(browser: object, tmp_
         expect(page.locator(".message.tool")).to_have_text(["order A1 refunded"])
         page.close()
         assert not errors
+
+
+def test_the_chat_page_keeps_what_a_failed_turn_streamed(browser: object, tmp_path: Path) -> None:
+    """On the chat page a reply whose model fails part-way stays as streamed, marked
+    interrupted, with the error below it; after a reload the page shows that text again,
+    marked interrupted."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'failed.db'}"
+    with serve_command(store) as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"{server.url}/#session=web-f")
+        expect(page.locator("#title")).to_have_text("web-f")
+        page.fill("#text", "fail half an answer")
+        page.press("#text", "Enter")
+        error = page.locator(".message.error")
+        expect(error).to_have_text(
+            "ConnectionError: the model's connection dropped", timeout=10_000
+        )
+        kept = page.locator(".message.assistant.interrupted")
+        expect(kept).to_have_text("half an answer")
+        expect(page.locator(".message.streaming")).to_have_count(0)
+
+        page.reload()
+        expect(page.locator(".message")).to_have_text(["fail half an answer", "half an answer"])
+        expect(kept).to_have_text("half an answer")
+        page.close()
+        assert not errors

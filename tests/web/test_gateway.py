@@ -18,7 +18,7 @@ import sessionactors.aio as aio
 from sessionactors.http import create_app, event_to_json
 from sessionactors.testing import FaultyStore
 
-from .chat_agents import asyncio_agents, trio_agents
+from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
 from .wsclient import Closed, open_websocket
 
@@ -152,6 +152,40 @@ async def test_a_streamed_message_sends_its_turn_events_with_seq_ids(serve: Serv
             assert "".join(d["text"] for _, d in got if d["type"] == "Delta") == "one two three"
             turn = got[0][1]["turn_id"]
             assert all(d["turn_id"] == turn and d["session_id"] == "s" for _, d in got)
+
+
+async def test_a_turn_that_fails_mid_reply_keeps_what_it_streamed(serve: Serve) -> None:
+    """A turn whose model fails after streaming words streams them, then the message
+    that keeps them (marked interrupted) and TurnFailed; the session's state holds that
+    message, and its events replayed after the turn end with the same two events; a
+    turn that fails before streaming leaves the "no reply" message."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            body = {"text": "fail half an answer"}
+            async with client.stream("POST", "/sessions/f/messages", json=body, headers=SSE) as r:
+                assert r.status_code == 200
+                got = [data for _, data in await read_until(r, finished)]
+            types = [data["type"] for data in got]
+            assert types == ["TurnStarted", "Delta", "Delta", "Delta", "MessageAdded", "TurnFailed"]
+            kept = got[4]["message"]
+            assert (kept["role"], kept["content"], kept["interrupted"]) == (
+                "assistant",
+                "half an answer",
+                True,
+            )
+            assert "".join(d["text"] for d in got if d["type"] == "Delta") == kept["content"]
+            assert got[5]["error"] == f"ConnectionError: {DROPPED}"
+
+            state = (await client.get("/sessions/f")).json()
+            assert state["messages"][-1] == kept
+            params = {"after": got[0]["seq"]}
+            async with client.stream("GET", "/sessions/f/events", params=params) as r:
+                replayed = [data for _, data in await read_until(r, finished)]
+            assert replayed[-2:] == got[-2:]
+            r = await client.post("/sessions/f/messages", json={"text": "fail "})
+            assert r.status_code == 500, r.text
+            last = (await client.get("/sessions/f")).json()["messages"][-1]
+            assert (last["content"], last["interrupted"]) == ("(no reply: this turn failed)", True)
 
 
 async def test_sse_resumes_from_the_middle_of_a_reply_with_every_event_once(
