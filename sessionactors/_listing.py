@@ -28,6 +28,7 @@ __all__ = [
     "listing_key",
     "matches",
     "page_of",
+    "told_status",
 ]
 
 #: How many sessions the registry asks a store for at a time.
@@ -54,6 +55,26 @@ def info_activity(info: bytes) -> int:
         return 0
     micros: int = stamp.seconds * 1_000_000 + stamp.nanoseconds // 1000
     return max(0, micros)
+
+
+def told_status(status: Status, *, pending_reviews: int, open_turn: bool = False) -> Status:
+    """The status a session that is not live here is told with, from what the store
+    holds (its info, in a listing; its state, read without waking it).
+
+    Hibernation stores ``hibernated``, and a process that died stores what it last
+    wrote; a reader asks what the session waits for: a session with a pending review
+    waits for a person (``waiting``), and one with a turn open and no review has a turn
+    under way, or left open by a process that died mid-turn, which the next request or
+    subscription resumes (``running``). A stored info says ``running`` for such a turn
+    already (each write of a turn stores it); a stored state says it with its open turn.
+    """
+    if status is Status.STOPPED or status is Status.FAILED:
+        return status
+    if pending_reviews:
+        return Status.WAITING
+    if open_turn:
+        return Status.RUNNING
+    return status
 
 
 def listing_key(session_id: str, info: bytes) -> tuple[int, str]:

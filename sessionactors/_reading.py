@@ -14,6 +14,8 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
+import attrs
+
 from ._codec import load_info, load_journal_entry, load_snapshot
 from ._errors import (
     Advice,
@@ -24,7 +26,7 @@ from ._errors import (
     advised,
 )
 from ._events import NO_TIME, Event
-from ._listing import LISTING_BATCH, check_listing, matches, page_of
+from ._listing import LISTING_BATCH, check_listing, matches, page_of, told_status
 from ._names import validate_name
 from ._records import SessionInfo, SessionState, Status
 from ._session import LiveSession
@@ -42,10 +44,13 @@ async def read_session(store: Store, name: str) -> SessionState:
     (the same fold a wake runs). It claims no lease, starts no task and writes
     nothing, and needs no registry or agent, so it works on a store that a
     server in another process is using (open a SQLite file with
-    ``SQLiteStore(path, readonly=True)`` there). ``status`` is the one last
-    stored (idle, or waiting on a review, for a session that ran turns since it
-    was woken): a session live elsewhere may be further along in memory than its
-    last durable write.
+    ``SQLiteStore(path, readonly=True)`` there). ``status`` says what the
+    session waits for, as the registry's listing does: ``waiting`` while a review
+    is pending (hibernated or not), ``running`` while a turn is open without one
+    (under way elsewhere, or left open by a process that died mid-turn, which the
+    session's next request or subscription resumes), else the one last stored
+    (``idle``, ``hibernated``, ``stopped``). A session live elsewhere may be further
+    along in memory than its last durable write.
 
     Raises ``SessionNotFoundError`` if the session is not stored,
     ``InvalidSessionNameError`` for a name no session can have,
@@ -55,6 +60,11 @@ async def read_session(store: Store, name: str) -> SessionState:
     session, _ = await read_stored(store, name)
     if session.status is Status.NEW:  # a wake's status, perhaps followed by turns
         session.status = session.resting_status()
+    session.status = told_status(
+        session.status,
+        pending_reviews=len(session.reviews),
+        open_turn=session.open_turn is not None,
+    )
     return session.to_state()
 
 
@@ -105,12 +115,14 @@ def describe_stored(name: str, blob: bytes) -> SessionInfo:
                 f"the info of session {name!r} is stored as a {type(blob).__name__}, not bytes",
                 session_id=name,
             )
-        return load_info(blob, session_id=name)
+        info = load_info(blob, session_id=name)
     except SnapshotError as exc:
         log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)
         return SessionInfo(
             session_id=name, agent=None, status=Status.FAILED, message_count=0, updated_at=NO_TIME
         )
+    told = told_status(info.status, pending_reviews=info.pending_reviews)
+    return info if told is info.status else attrs.evolve(info, status=told)
 
 
 async def list_stored(

@@ -201,13 +201,22 @@ class Role(enum.Enum):
 
 
 class Status(enum.Enum):
-    """Where a session is in its life."""
+    """Where a session is in its life.
+
+    A session that is not live is listed (and read) by what it waits for:
+    ``waiting`` while a review is pending, ``running`` while a turn that its process
+    left open (it died mid-turn) waits to be resumed, otherwise the status it was
+    stored with (``hibernated``, ``stopped``; ``idle`` if its process died between
+    turns).
+    """
 
     NEW = "new"  #: spawned, no turn yet
     IDLE = "idle"  #: live, waiting for a request
-    RUNNING = "running"  #: a turn is in flight
-    WAITING = "waiting"  #: a turn waits on a human review
-    HIBERNATED = "hibernated"  #: not live; its state is in the store
+    #: a turn is in flight, or was left open by a process that died mid-turn (the
+    #: session's next request or subscription wakes it, and the turn resumes)
+    RUNNING = "running"
+    WAITING = "waiting"  #: a turn waits on a human review, live or hibernated
+    HIBERNATED = "hibernated"  #: not live, waiting for nothing; its state is in the store
     STOPPED = "stopped"  #: finished; takes no more requests
     FAILED = "failed"  #: crashed past its restart intensity
 

@@ -284,7 +284,12 @@ class Registry(metaclass=NoPublicConstructor):
         are read in pages, so a page costs the same however many sessions are
         stored; a filter reads pages until it has ``limit`` matches. A store with
         only ``list_sessions`` is read whole on every call. Live sessions are
-        described as they are now (a running one as ``running``). A session whose
+        described as they are now (a running one as ``running``); the others as
+        stored, by what they wait for: ``waiting`` while a review is pending (after
+        a hibernation or a restart too: ``status="waiting"`` finds every session
+        that waits for a person), ``running`` for a turn that a process left open
+        when it died (the next request or subscription resumes it), else
+        ``hibernated`` (see ``Status``). A session whose
         stored description cannot be read is listed with status ``FAILED`` and
         logged, so one bad record never fails the listing.
 

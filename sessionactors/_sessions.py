@@ -392,12 +392,18 @@ class Sessions:
         )
         if name not in self.live:
             try:
-                stopped = (await self.stored_session(name)).status is Status.STOPPED
+                stored = await self.stored_session(name)
             except BaseException:
                 iterator.close()
                 raise
-            if stopped:
+            if stored.status is Status.STOPPED:
                 iterator.close()
+            elif _left_mid_turn(stored) and self.router is None and name not in self.live:
+                # Its process died mid-turn: nothing else would wake it, and the turn
+                # (resumed by the wake) ends only then. The subscription came first, so
+                # it sees all of it. (With other workers, the router wakes it.)
+                with contextlib.suppress(SessionActorsError):  # (deleted, closing, failed)
+                    self.activate(name)
         return iterator
 
     def release_hub(self, name: str) -> None:
@@ -597,6 +603,13 @@ def _deleting_error(name: str) -> SessionNotFoundError:
         " once the deletion is done",
         session_id=name,
     )
+
+
+def _left_mid_turn(session: LiveSession) -> bool:
+    """Whether the stored ``session`` has a turn that began and has no outcome, with
+    nothing left to wait for: its process died in the middle of it (a turn paused on a
+    review waits for a person, and is stored open on purpose)."""
+    return session.open_turn is not None and not session.reviews
 
 
 def _gone_event(actor: Actor) -> trio.Event:

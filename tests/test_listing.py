@@ -14,7 +14,7 @@ import trio
 
 import sessionactors as sa
 from sessionactors.stores import RedisStore
-from sessionactors.testing import FaultyStore
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 StoreFactory = Callable[[], sa.MemoryStore | sa.SQLiteStore | RedisStore]
 
@@ -154,6 +154,45 @@ async def test_sessions_filter_by_status_and_metadata(
             assert await registry.sessions(status="idle", metadata={"tier": "free"}, limit=1)
             assert await registry.sessions(metadata={"tier": "gold", "missing": 1}) == []
             assert await registry.sessions(metadata={}) == await registry.sessions()
+
+
+async def test_a_stored_session_waiting_on_a_review_is_listed_as_waiting(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    """A session whose turn waits on a review is listed as waiting, and read as waiting
+    without waking it, before and after it hibernates and its process restarts; an idle
+    one that hibernated is listed as hibernated."""
+
+    @sa.tool(requires_review=True)
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        return f"refunded {order_id}"  # pragma: no cover
+
+    call = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
+    agents = {
+        "review": sa.Agent(model=ScriptedModel([Scripted(tool_calls=[call])]), tools=[refund]),
+        "echo": sa.Agent(model=EchoModel()),
+    }
+
+    async def check(registry: sa.Registry, *, live: bool) -> None:
+        assert [i.session_id for i in await registry.sessions(status="waiting")] == ["cust"]
+        infos = {i.session_id: i for i in await registry.sessions()}
+        assert (infos["cust"].status, infos["cust"].pending_reviews) == (sa.Status.WAITING, 1)
+        quiet = sa.Status.IDLE if live else sa.Status.HIBERNATED
+        assert (infos["quiet"].status, infos["quiet"].pending_reviews) == (quiet, 0)
+        assert (await sa.read_session(registry.store, "cust")).status is sa.Status.WAITING
+        assert sorted(registry.live()) == (["cust", "quiet"] if live else [])
+
+    with trio.fail_after(20):
+        async with sa.open_registry(store=make_store(), agents=agents) as registry:
+            await (await registry.spawn("quiet", agent="echo")).send("hi")
+            assert (await (await registry.spawn("cust", agent="review")).send("refund")).reviews
+            await check(registry, live=True)
+            await registry.ref("cust").hibernate()
+            await registry.ref("quiet").hibernate()
+            await check(registry, live=False)
+        async with sa.open_registry(store=make_store(), agents=agents) as registry:
+            await check(registry, live=False)
 
 
 async def test_sessions_refuses_bad_arguments(echo_agents: dict[str, sa.Agent]) -> None:
