@@ -21,14 +21,20 @@ checks makes them itself and raises: the message reaches the model.
 """
 
 import collections.abc
+import dataclasses
+import datetime
+import decimal
 import enum
 import functools
 import inspect
+import ipaddress
 import json
 import math
+import pathlib
 import re
 import types
 import typing
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, overload
 
@@ -100,8 +106,14 @@ class Tool:
     trio run waits while it runs; do blocking work in an async tool with
     ``trio.to_thread.run_sync``. ``fn`` is called with the model's arguments
     as keyword arguments; a sync ``fn`` that returns an awaitable has it
-    awaited. A ``str`` result goes to the model as is, anything else as
-    ``json.dumps(result, default=str)`` (an :class:`enum.Enum` as its value).
+    awaited. A ``str`` result goes to the model as is, anything else as JSON:
+    a dataclass, an attrs instance or a pydantic model (``model_dump(mode="json")``)
+    as an object of its fields, an :class:`enum.Enum` as its value, a datetime,
+    date or time as its ISO string, a set (sorted) or tuple as an array, a
+    :class:`~decimal.Decimal`, UUID, path or IP address as its string. A result
+    holding anything else (bytes, an object of no such kind) is an error result
+    naming the tool and the type, as an exception raised by ``fn`` is: the
+    model sees it, and the turn goes on.
 
     ``parameters`` is the JSON schema (``"type": "object"``) of the
     arguments; when ``None`` it is derived from ``fn``'s signature and
@@ -309,16 +321,71 @@ def describe_exception(exc: BaseException) -> str:
     return f"{kind}: {message}" if message else kind
 
 
-def _json_fallback(value: object) -> object:
-    return value.value if isinstance(value, enum.Enum) else str(value)
+#: Values whose JSON form is their ``str()`` (exact: a Decimal keeps its digits).
+_AS_STRING: Final = (
+    decimal.Decimal,
+    uuid.UUID,
+    pathlib.PurePath,
+    ipaddress.IPv4Address,
+    ipaddress.IPv6Address,
+    ipaddress.IPv4Network,
+    ipaddress.IPv6Network,
+    ipaddress.IPv4Interface,
+    ipaddress.IPv6Interface,
+)
+
+
+class _NotJSONError(TypeError):
+    """A value in a tool's result that has no JSON form."""
+
+
+def _json_form(value: object) -> object:
+    """What ``value``, which ``json`` does not know, stands for in JSON (``json.dumps``
+    encodes what this returns in turn); ``_NotJSONError`` if nothing."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime.date | datetime.time):  # (a datetime is a date)
+        return value.isoformat()
+    if isinstance(value, set | frozenset):
+        try:
+            return sorted(value)  # (the same set, the same text)
+        except TypeError:
+            return list(value)
+    if isinstance(value, collections.abc.Mapping):
+        return dict(value)
+    if isinstance(value, collections.abc.Sequence | collections.abc.Set) and not isinstance(
+        value, bytes | bytearray
+    ):
+        return list(value)
+    cls = type(value)
+    if callable(getattr(cls, "model_dump", None)):  # a pydantic model, duck-typed
+        return value.model_dump(mode="json")  # type: ignore[attr-defined]
+    if dataclasses.is_dataclass(cls):
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(cls)}
+    if attrs.has(cls):
+        return {field.name: getattr(value, field.name) for field in attrs.fields(cls)}
+    if isinstance(value, _AS_STRING):
+        return str(value)
+    module = cls.__module__
+    named = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+    raise _NotJSONError(
+        f"it holds a {cls.__name__} ({named}), which has no JSON form; return a str, or "
+        "JSON values (dict, list, str, int, float, bool, None) with dataclasses, attrs or "
+        "pydantic instances, enums, datetimes, sets, tuples, Decimals, UUIDs or paths in them"
+    )
 
 
 def _encode_result(name: str, result: object) -> ToolOutcome:
     if isinstance(result, str):
         return ToolOutcome(content=result)
     try:
-        return ToolOutcome(content=json.dumps(result, default=_json_fallback, ensure_ascii=False))
-    except Exception as exc:  # (too deep: RecursionError; a str() of it that raises: any)
+        return ToolOutcome(content=json.dumps(result, default=_json_form, ensure_ascii=False))
+    except _NotJSONError as exc:
+        return ToolOutcome(
+            content=f"tool {name!r} returned a result that cannot be encoded as JSON: {exc}",
+            is_error=True,
+        )
+    except Exception as exc:  # (a cycle, too deep, a key of another type, a model_dump failing)
         return ToolOutcome(
             content=f"tool {name!r} returned a result that cannot be encoded as JSON "
             f"({describe_exception(exc)})",
