@@ -21,14 +21,20 @@ checks makes them itself and raises: the message reaches the model.
 """
 
 import collections.abc
+import dataclasses
+import datetime
+import decimal
 import enum
 import functools
 import inspect
+import ipaddress
 import json
 import math
+import pathlib
 import re
 import types
 import typing
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, overload
 
@@ -38,7 +44,14 @@ import trio
 from ._model import ToolSpec
 from ._records import maker
 
-__all__ = ["Tool", "ToolOutcome", "describe_exception", "tool"]
+__all__ = [
+    "Tool",
+    "ToolOutcome",
+    "describe_exception",
+    "is_async_callable",
+    "run_in_thread",
+    "tool",
+]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -95,13 +108,27 @@ def _check_fn(_instance: object, _attribute: object, fn: Any) -> None:
 class Tool:
     """A function the model may call.
 
-    ``fn`` is an async function, or a plain function that is called directly
-    in the session's task: a sync tool must be quick, as every session in the
-    trio run waits while it runs; do blocking work in an async tool with
-    ``trio.to_thread.run_sync``. ``fn`` is called with the model's arguments
-    as keyword arguments; a sync ``fn`` that returns an awaitable has it
-    awaited. A ``str`` result goes to the model as is, anything else as
-    ``json.dumps(result, default=str)`` (an :class:`enum.Enum` as its value).
+    ``fn`` is an async function, which runs in the session's task, or a plain
+    function, which runs in a worker thread (``trio.to_thread.run_sync``, as a
+    web framework runs a ``def`` route), so that a blocking call in it (a sync
+    HTTP client, a database driver) holds up no other session. A sync tool
+    therefore runs alongside other sessions' sync tools and must be
+    thread-safe; it cannot call trio functions but through
+    ``trio.from_thread``; to run a quick function in the session's task,
+    declare it ``async def``. A turn cancelled (``ref.cancel()``, the
+    registry's close) while a sync tool runs ends at once, leaving its thread
+    to finish on its own (the call is answered as cut short: it may or may not
+    take effect). ``fn`` is called with the model's arguments as keyword
+    arguments; a sync ``fn`` that returns an awaitable has it awaited.
+
+    A ``str`` result goes to the model as is, anything else as JSON:
+    a dataclass, an attrs instance or a pydantic model (``model_dump(mode="json")``)
+    as an object of its fields, an :class:`enum.Enum` as its value, a datetime,
+    date or time as its ISO string, a set (sorted) or tuple as an array, a
+    :class:`~decimal.Decimal`, UUID, path or IP address as its string. A result
+    holding anything else (bytes, an object of no such kind) is an error result
+    naming the tool and the type, as an exception raised by ``fn`` is: the
+    model sees it, and the turn goes on.
 
     ``parameters`` is the JSON schema (``"type": "object"``) of the
     arguments; when ``None`` it is derived from ``fn``'s signature and
@@ -121,8 +148,10 @@ class Tool:
     idempotent: bool = attrs.field(default=True, validator=_check_flag)
     _spec: ToolSpec = attrs.field(init=False, repr=False, eq=False, hash=False)
     _converters: Mapping[str, _Convert] = attrs.field(init=False, repr=False, eq=False, hash=False)
+    _in_thread: bool = attrs.field(init=False, repr=False, eq=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_in_thread", not is_async_callable(self.fn))
         doc = _docstring(self.fn)
         description = self.description or _first_paragraph(doc)
         converters: dict[str, _Convert] = {}
@@ -183,11 +212,13 @@ class Tool:
         try:
             if parsed:
                 converters = self._converters
-                result = self.fn(
-                    **{key: converters.get(key, _identity)(v) for key, v in parsed.items()}
-                )
+                kwargs = {key: converters.get(key, _identity)(v) for key, v in parsed.items()}
             else:
-                result = self.fn()
+                kwargs = {}
+            if self._in_thread:
+                result = await run_in_thread(self.fn, kwargs)
+            else:
+                result = self.fn(**kwargs)
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
         except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only
@@ -263,6 +294,38 @@ def tool(
 # -- running a call -----------------------------------------------------------
 
 
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` starts a coroutine (an ``async def`` function, a partial or
+    a bound method of one, an object whose ``__call__`` is one) rather than running it."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
+
+
+#: Sync tools running at once in one trio run, at most (as many as trio's default
+#: threads, in a limit of their own: hung tools never take the threads the rest of
+#: the app uses, a web framework's or a model client's).
+TOOL_THREADS: Final = 40
+
+_tool_threads: Final[trio.lowlevel.RunVar[trio.CapacityLimiter]] = trio.lowlevel.RunVar(
+    "sessionactors.tool_threads"
+)
+
+
+async def run_in_thread(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
+    """``fn(**kwargs)`` in a worker thread; cancelled, it returns at once and leaves the
+    thread to finish (a blocking call cannot be interrupted; until it ends, its thread
+    counts against ``TOOL_THREADS``)."""
+    try:
+        limiter = _tool_threads.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(TOOL_THREADS)
+        _tool_threads.set(limiter)
+    return await trio.to_thread.run_sync(
+        functools.partial(fn, **kwargs), abandon_on_cancel=True, limiter=limiter
+    )
+
+
 def _reject_constant(constant: str) -> Any:
     raise ValueError(f"{constant} is not allowed in JSON")
 
@@ -309,16 +372,71 @@ def describe_exception(exc: BaseException) -> str:
     return f"{kind}: {message}" if message else kind
 
 
-def _json_fallback(value: object) -> object:
-    return value.value if isinstance(value, enum.Enum) else str(value)
+#: Values whose JSON form is their ``str()`` (exact: a Decimal keeps its digits).
+_AS_STRING: Final = (
+    decimal.Decimal,
+    uuid.UUID,
+    pathlib.PurePath,
+    ipaddress.IPv4Address,
+    ipaddress.IPv6Address,
+    ipaddress.IPv4Network,
+    ipaddress.IPv6Network,
+    ipaddress.IPv4Interface,
+    ipaddress.IPv6Interface,
+)
+
+
+class _NotJSONError(TypeError):
+    """A value in a tool's result that has no JSON form."""
+
+
+def _json_form(value: object) -> object:
+    """What ``value``, which ``json`` does not know, stands for in JSON (``json.dumps``
+    encodes what this returns in turn); ``_NotJSONError`` if nothing."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime.date | datetime.time):  # (a datetime is a date)
+        return value.isoformat()
+    if isinstance(value, set | frozenset):
+        try:
+            return sorted(value)  # (the same set, the same text)
+        except TypeError:
+            return list(value)
+    if isinstance(value, collections.abc.Mapping):
+        return dict(value)
+    if isinstance(value, collections.abc.Sequence | collections.abc.Set) and not isinstance(
+        value, bytes | bytearray
+    ):
+        return list(value)
+    cls = type(value)
+    if callable(getattr(cls, "model_dump", None)):  # a pydantic model, duck-typed
+        return value.model_dump(mode="json")  # type: ignore[attr-defined]
+    if dataclasses.is_dataclass(cls):
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(cls)}
+    if attrs.has(cls):
+        return {field.name: getattr(value, field.name) for field in attrs.fields(cls)}
+    if isinstance(value, _AS_STRING):
+        return str(value)
+    module = cls.__module__
+    named = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+    raise _NotJSONError(
+        f"it holds a {cls.__name__} ({named}), which has no JSON form; return a str, or "
+        "JSON values (dict, list, str, int, float, bool, None) with dataclasses, attrs or "
+        "pydantic instances, enums, datetimes, sets, tuples, Decimals, UUIDs or paths in them"
+    )
 
 
 def _encode_result(name: str, result: object) -> ToolOutcome:
     if isinstance(result, str):
         return ToolOutcome(content=result)
     try:
-        return ToolOutcome(content=json.dumps(result, default=_json_fallback, ensure_ascii=False))
-    except Exception as exc:  # (too deep: RecursionError; a str() of it that raises: any)
+        return ToolOutcome(content=json.dumps(result, default=_json_form, ensure_ascii=False))
+    except _NotJSONError as exc:
+        return ToolOutcome(
+            content=f"tool {name!r} returned a result that cannot be encoded as JSON: {exc}",
+            is_error=True,
+        )
+    except Exception as exc:  # (a cycle, too deep, a key of another type, a model_dump failing)
         return ToolOutcome(
             content=f"tool {name!r} returned a result that cannot be encoded as JSON "
             f"({describe_exception(exc)})",

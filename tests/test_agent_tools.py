@@ -4,6 +4,7 @@ and resumption after a crash in the middle of a tool."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -14,7 +15,7 @@ import trio.testing
 import sessionactors as sa
 from history_rules import tool_pairs_intact
 from sessionactors.stores import MemoryStore, load_events
-from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 
 def call(name: str, arguments: object = None, *, id: str | None = None) -> sa.ToolCall:
@@ -587,3 +588,70 @@ async def test_cancelling_a_turn_while_tools_run_answers_every_call(
     assert reply.text == "next answer"
     assert tool_pairs_intact(model.requests[-1].messages)
     assert state.reviews == ()
+
+
+# ---- sync tools ---------------------------------------------------------------------------
+
+
+class BlockingTool:
+    """A sync tool that blocks its thread (as a sync HTTP client or database driver does)
+    until ``release`` is set, or for at most ``bound`` seconds; it answers whether it was
+    released, and ``started`` says that it runs."""
+
+    def __init__(self, bound: float = 5.0) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.bound = bound
+        self.threads: list[int] = []
+
+    def __call__(self, order_id: str) -> str:
+        self.threads.append(threading.get_ident())
+        self.started.set()
+        return "released" if self.release.wait(self.bound) else "not released"
+
+
+async def test_a_sync_tool_runs_in_a_worker_thread_and_blocks_no_other_session() -> None:
+    """A plain ``def`` tool that blocks runs in a worker thread, as a web framework runs a
+    ``def`` route: while it blocks, the trio run (another session's turn) goes on, and
+    the threads the rest of the app uses (trio's default limit) stay free."""
+    trio.to_thread.current_default_thread_limiter().total_tokens = 1
+    blocking = BlockingTool()
+    tool = sa.Tool(name="lookup", fn=blocking)
+    model = ScriptedModel([Scripted(tool_calls=[call("lookup", {"order_id": "A1"})]), "done"])
+    agents = {"tools": sa.Agent(model=model, tools=[tool]), "echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("s", agent="tools")
+        other = await registry.spawn("other", agent="echo")
+        with trio.fail_after(10):
+            turn = await ref.submit("where is A1?")
+            await trio.to_thread.run_sync(blocking.started.wait, abandon_on_cancel=True)
+            assert (await other.send("still here")).text == "still here"
+            blocking.release.set()
+            reply = await turn.reply()
+        history = await ref.history()
+    assert reply.text == "done"
+    assert [m.content for m in tool_messages(history)] == ["released"]
+    assert blocking.threads != [threading.get_ident()]
+
+
+async def test_cancelling_a_turn_in_a_blocked_sync_tool_ends_it_at_once() -> None:
+    """``ref.cancel()`` ends a turn whose sync tool blocks without waiting for the tool
+    (its thread is left to finish; its result is answered as cut short)."""
+    blocking = BlockingTool()
+    tool = sa.Tool(name="lookup", fn=blocking)
+    model = ScriptedModel([Scripted(tool_calls=[call("lookup", {"order_id": "A1"})]), "done"])
+    try:
+        async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+            ref = await registry.spawn("s")
+            with trio.fail_after(10):
+                turn = await ref.submit("where is A1?")
+                await trio.to_thread.run_sync(blocking.started.wait, abandon_on_cancel=True)
+                assert await ref.cancel()
+                with pytest.raises(sa.TurnCancelledError):
+                    await turn.reply()
+                assert not blocking.release.is_set()
+            [result] = tool_messages(await ref.history())
+    finally:
+        blocking.release.set()
+    assert result.is_error
+    assert "may or may not have taken effect" in result.content

@@ -1,14 +1,21 @@
 """Tools: schema derivation, docstrings, the decorator and invoking with JSON arguments."""
 
+import collections
 import collections.abc
+import dataclasses
 import datetime
+import decimal
 import enum
 import functools
 import inspect
 import json
+import pathlib
+import types
 import typing
+import uuid
 from typing import Any, Literal, Optional
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import trio
@@ -469,7 +476,7 @@ async def test_empty_arguments_mean_no_arguments() -> None:
     ],
 )
 async def test_results_that_are_not_str_are_json_encoded(result: object, content: str) -> None:
-    """A str result is passed as is and anything else is JSON (``default=str``, enums by value)."""
+    """A str result is passed as is and anything else is JSON (enums by value)."""
     t = Tool(name="t", fn=lambda: result)
     assert await t.invoke("{}") == ToolOutcome(content=content)
 
@@ -481,6 +488,107 @@ async def test_unencodable_result_is_an_error() -> None:
     outcome = await Tool(name="t", fn=lambda: cycle).invoke("{}")
     assert outcome.is_error
     assert "cannot be encoded as JSON" in outcome.content
+
+
+@attrs.frozen
+class _Refund:
+    order_id: str
+    amount: decimal.Decimal
+
+
+@dataclasses.dataclass
+class _Order:
+    id: str
+    placed: datetime.datetime
+    tags: frozenset[str]
+    refunds: list[_Refund]
+
+
+class _Model:
+    """Quacks as a pydantic model: ``model_dump(mode="json")`` gives its JSON form."""
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]:
+        assert mode == "json"
+        return {"id": "A1", "total": 42.0}
+
+
+class _Widget:
+    def __str__(self) -> str:
+        return "a widget"
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        (
+            _Order(
+                "A1",
+                datetime.datetime(2025, 1, 1, 9, 30, tzinfo=datetime.UTC),
+                frozenset({"gift", "big"}),
+                [_Refund("A1", decimal.Decimal("42.10"))],
+            ),
+            {
+                "id": "A1",
+                "placed": "2025-01-01T09:30:00+00:00",
+                "tags": ["big", "gift"],
+                "refunds": [{"order_id": "A1", "amount": "42.10"}],
+            },
+        ),
+        (_Model(), {"id": "A1", "total": 42.0}),
+        ({2, 1}, [1, 2]),
+        ((1, "two"), [1, "two"]),
+        (collections.deque([1, 2]), [1, 2]),
+        (types.MappingProxyType({"a": 1}), {"a": 1}),
+        ({"at": datetime.time(9, 30)}, {"at": "09:30:00"}),
+        ({"on": datetime.date(2025, 1, 2), "why": Colour.RED}, {"on": "2025-01-02", "why": "red"}),
+        (uuid.UUID(int=1), "00000000-0000-0000-0000-000000000001"),
+        (pathlib.PurePosixPath("/srv/a.txt"), "/srv/a.txt"),
+    ],
+)
+async def test_results_become_json_as_their_fields_and_iso_strings(
+    result: object, expected: object
+) -> None:
+    """Dataclasses, attrs instances and pydantic models reach the model as their fields,
+    datetimes as ISO strings, sets (sorted) and tuples as lists, decimals, UUIDs and paths
+    as strings: as JSON, never as a Python repr."""
+    outcome = await Tool(name="t", fn=lambda: result).invoke("{}")
+    assert not outcome.is_error, outcome.content
+    assert json.loads(outcome.content) == expected
+
+
+async def test_a_pydantic_result_is_its_json_form() -> None:
+    """A pydantic model (``model_dump(mode="json")``) reaches the model as its fields."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class OrderOut(pydantic.BaseModel):  # type: ignore[name-defined,misc]
+        id: str
+        placed: datetime.datetime
+
+    order = OrderOut(id="A1", placed=datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC))
+    outcome = await Tool(name="t", fn=lambda: {"order": order}).invoke("{}")
+    assert json.loads(outcome.content) == {"order": {"id": "A1", "placed": "2025-01-01T00:00:00Z"}}
+
+
+@pytest.mark.parametrize(
+    ("result", "named"),
+    [
+        ({"widget": _Widget()}, "test_tools._Widget"),
+        (b"raw", "bytes"),
+        ({(1, 2): "a pair as a key"}, "tuple"),
+        (object(), "object"),
+    ],
+)
+async def test_a_result_that_is_not_json_is_an_error_naming_the_tool_and_type(
+    result: object, named: str
+) -> None:
+    """A result holding a value with no JSON form (an object of its own, bytes, a key
+    that is not a string) is an error result naming the tool and the value's type, as a
+    raising tool's is, never the value's str() or repr."""
+    outcome = await Tool(name="lookup", fn=lambda: result).invoke("{}")
+    assert outcome.is_error
+    assert "tool 'lookup'" in outcome.content, outcome.content
+    assert named in outcome.content, outcome.content
+    assert "a widget" not in outcome.content
 
 
 async def test_arguments_are_converted_to_annotated_types() -> None:

@@ -4,7 +4,9 @@ A model's ``stream(request)`` runs, from its first chunk to its last, in one
 asyncio task (so that ``asyncio.timeout``, anyio cancel scopes and an
 ``AsyncOpenAI`` client's streaming response behave as they do in any asyncio
 program); its chunks cross to the session's trio task through a small
-bounded buffer. A tool's coroutine runs in an asyncio task of its own.
+bounded buffer. A tool's coroutine runs in an asyncio task of its own; a plain
+function runs in a worker thread, as under trio (an awaitable it returns, in an
+asyncio task).
 Cancelling the turn in trio cancels the asyncio task and waits for it to end.
 """
 
@@ -23,6 +25,7 @@ import trio
 
 import sessionactors as sa
 
+from .._tools import is_async_callable, run_in_thread
 from ._host import Host, task_result, wait_asyncio
 
 __all__ = ["adapt_agent", "trio_native"]
@@ -88,10 +91,11 @@ def _adapt_tool(host: Host, tool: Any) -> Any:
     if not isinstance(tool, sa.Tool) or _is_trio_native(tool.fn):
         return tool
     fn = tool.fn
+    in_thread = not is_async_callable(fn)  # (a plain function: in a worker thread, as in trio)
 
     @functools.wraps(fn)
     async def on_asyncio(**kwargs: Any) -> Any:
-        result = fn(**kwargs)
+        result = await run_in_thread(fn, kwargs) if in_thread else fn(**kwargs)
         if inspect.isawaitable(result):
             return await wait_asyncio(host, result)
         await trio.lowlevel.checkpoint()

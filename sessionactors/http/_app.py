@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import http
 import importlib.resources
 import inspect
 import json
@@ -105,12 +106,29 @@ _OUTCOMES: Final = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled, sa.ReviewR
 
 
 class _RequestError(Exception):
-    """A request the gateway refuses before it reaches the registry."""
+    """A request the gateway refuses before it reaches the registry (with ``headers``
+    for its answer, besides the gateway's own)."""
 
-    def __init__(self, status: int, name: str, message: str) -> None:
+    def __init__(
+        self, status: int, name: str, message: str, headers: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body = plain_error(name, message, status)
+        self.headers = headers
+
+
+def _refused_by_app(exc: HTTPException) -> _RequestError:
+    """An ``HTTPException`` that the app's ``authorize`` raised, as the gateway's refusal:
+    its status, its detail as the message and its headers."""
+    status = exc.status_code
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    name = "".join(word.capitalize() for word in phrase.replace("-", " ").split()) or "HTTPError"
+    detail = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail).decode()
+    return _RequestError(status, name, detail, exc.headers)
 
 
 def _routes(scope: Mapping[str, Any]) -> str:
@@ -175,7 +193,9 @@ def create_app(
       refused (``ValueError``): an empty bearer token would match it.
     - ``authorize(request, session_name, action)``: called for every request
       to ``/sessions...`` (``session_name`` is None for the listing); a false
-      result answers 403. It may be async. ``action`` is one of ``"list"``,
+      result answers 403. It may be async. It may raise Starlette's (or
+      FastAPI's) ``HTTPException``: the answer has its status, detail and
+      headers (a WebSocket is closed with 4000 + status). ``action`` is one of ``"list"``,
       ``"read"``, ``"send"``, ``"events"``, ``"cancel"``, ``"review"``,
       ``"delete"``, ``"websocket"`` (when a WebSocket connects; then each of
       its frames is authorized as the action it does: ``"send"``,
@@ -527,7 +547,12 @@ class SessionsApp:
     ) -> Response:
         """The JSON response for an error raised while serving a request."""
         status, body = self._error_body(error, scope, session)
-        return _json(body, status, _auth_header(status))
+        headers = _auth_header(status)
+        if isinstance(error, _RequestError) and error.headers:  # the app's own win
+            given = {key.lower() for key in error.headers}
+            ours = {key: val for key, val in (headers or {}).items() if key.lower() not in given}
+            headers = {**ours, **error.headers}
+        return _json(body, status, headers)
 
     def _registry_now(self) -> AnyRegistry:
         registry = self._registry
@@ -596,9 +621,12 @@ class SessionsApp:
         """Refuse (raise _RequestError) what ``authorize`` does not allow: a request,
         or one frame of a WebSocket (as the action it does)."""
         if self._authorize is not None:
-            allowed = self._authorize(request, name, action)
-            if inspect.isawaitable(allowed):
-                allowed = await allowed
+            try:
+                allowed = self._authorize(request, name, action)
+                if inspect.isawaitable(allowed):
+                    allowed = await allowed
+            except HTTPException as exc:  # (FastAPI's is one too) refused as it says
+                raise _refused_by_app(exc) from exc
             if not allowed:
                 what = f"session {_name_shown(name)}" if name is not None else "the sessions"
                 raise _RequestError(403, "Forbidden", f"this request may not {action} {what}")

@@ -4,6 +4,7 @@ model and a tool that await asyncio."""
 import asyncio
 import contextlib
 import inspect
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from starlette.routing import Route
 
 import sessionactors as sa
 import sessionactors.aio as aio
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 from .chat_agents import AsyncioModel, asyncio_agents
 from .servers import serve_asyncio
@@ -391,3 +392,46 @@ def test_the_asyncio_classes_spell_out_every_method_of_the_trio_ones(
         ours = vars(aio_class).get(name)
         assert ours is not None, f"sessionactors.aio.{aio_class.__name__} lacks {name}()"
         assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(member), name
+
+
+def test_a_sync_tool_runs_in_a_worker_thread_and_leaves_the_loop_free() -> None:
+    """Under asyncio, a plain ``def`` tool that blocks runs in a worker thread, as FastAPI
+    runs a ``def`` route: the loop goes on serving (another session's turn) meanwhile, and
+    the tool may reach the loop with ``asyncio.run_coroutine_threadsafe``."""
+    started, release = threading.Event(), threading.Event()
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def on_the_loop(order_id: str) -> str:
+        return f"order {order_id}"
+
+    @sa.tool
+    def lookup(order_id: str) -> str:
+        """Look up an order with a blocking client."""
+        assert loop is not None
+        started.set()
+        if not release.wait(5):
+            return "not released"
+        return asyncio.run_coroutine_threadsafe(on_the_loop(order_id), loop).result(5)
+
+    call = sa.ToolCall(id="c1", name="lookup", arguments='{"order_id": "A1"}')
+    model = ScriptedModel([Scripted(tool_calls=[call]), "done"])
+    agents = {"tools": sa.Agent(model=model, tools=[lookup]), "echo": sa.Agent(model=EchoModel())}
+
+    async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        async with aio.open_registry(agents=agents) as registry:
+            ref = await registry.spawn("s", agent="tools")
+            other = await registry.spawn("other", agent="echo")
+            turn = await ref.submit("where is A1?")
+            await asyncio.to_thread(started.wait)
+            assert (await other.send("still here")).text == "still here"
+            release.set()
+            assert (await turn.reply()).text == "done"
+            [result] = [m for m in await ref.history() if m.role is sa.Role.TOOL]
+            assert result.content == "order A1"
+
+    try:
+        run(main)
+    finally:
+        release.set()

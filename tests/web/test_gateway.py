@@ -12,6 +12,7 @@ import httpx
 import pytest
 import trio
 import uvicorn
+from starlette.exceptions import HTTPException
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -412,6 +413,62 @@ async def test_the_authorize_hook_decides_per_session_and_action(serve: Serve) -
     assert ("a", "send") in seen
     assert ("other-1", "send") in seen
     assert (None, "list") in seen
+
+
+async def test_an_http_exception_raised_by_authorize_answers_its_status(serve: Serve) -> None:
+    """An ``authorize`` that refuses FastAPI-style, raising Starlette's ``HTTPException``,
+    is answered with that exception's status, detail and headers: on a JSON route, an
+    event stream, a WebSocket's connection (error frame, close code 4000 + status) and a
+    WebSocket's frame (error frame; the socket lives on)."""
+
+    def authorize(request: Any, name: str | None, action: str) -> bool:
+        if request.headers.get("x-user") != "ada":
+            raise HTTPException(401, "who are you?", headers={"WWW-Authenticate": "Basic"})
+        if action == "cancel":
+            raise HTTPException(403, "ada may not cancel")
+        return True
+
+    async with (
+        serve(authorize=authorize) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(10):
+            for method, path, headers in [
+                ("POST", "/sessions/h/messages", {}),
+                ("POST", "/sessions/h/messages", SSE),
+                ("GET", "/sessions/h/events", SSE),
+                ("GET", "/sessions", {}),
+            ]:
+                r = await client.request(method, path, headers=headers, json={"text": "hi"})
+                assert r.status_code == 401, (method, path, r.text)
+                assert r.headers["www-authenticate"] == "Basic"
+                body = r.json()
+                assert (body["error"], body["status"]) == ("Unauthorized", 401), body
+                assert "who are you?" in body["message"], body
+            r = await client.post("/sessions/h/cancel", headers={"x-user": "ada"}, json={})
+            assert (r.status_code, r.json()["error"]) == (403, "Forbidden"), r.text
+            assert "ada may not cancel" in r.json()["message"]
+
+            base = served.url.replace("http://", "ws://")
+            async with open_websocket(base + "/sessions/h/ws") as ws:
+                error = await ws.receive()
+                assert (error["type"], error["status"]) == ("error", 401), error
+                assert "who are you?" in error["message"]
+                with pytest.raises(Closed) as closed:
+                    await ws.receive()
+                assert closed.value.code == 4401
+            async with open_websocket(base + "/sessions/h/ws", headers=[("x-user", "ada")]) as ws:
+                await ws.send({"type": "cancel"})
+                frame = await ws.receive()
+                while "seq" in frame:
+                    frame = await ws.receive()
+                assert (frame["type"], frame["status"]) == ("error", 403), frame
+                assert "ada may not cancel" in frame["message"]
+                await ws.send({"type": "nonsense"})  # the socket lives on
+                frame = await ws.receive()
+                while "seq" in frame:
+                    frame = await ws.receive()
+                assert frame["status"] == 422
 
 
 async def test_a_replayed_idempotent_message_streams_its_stored_reply(serve: Serve) -> None:
