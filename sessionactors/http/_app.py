@@ -15,6 +15,7 @@ import hmac
 import http
 import importlib.resources
 import inspect
+import ipaddress
 import json
 import logging
 import threading
@@ -614,6 +615,8 @@ class SessionsApp:
                     "(or ?access_token=<token> from a browser's WebSocket or EventSource)",
                 )
         else:
+            if self._authorize is None:
+                _refuse_rebindable(request, self._trusted)
             _refuse_forgeable(request, self._trusted)
         await self._authorized(request, name, action)
 
@@ -1243,6 +1246,40 @@ def _origin(origin: object) -> str | None:
     if port == {"http": 80, "https": 443}[parts.scheme]:
         netloc = netloc[: netloc.rfind(":")]
     return f"{parts.scheme}://{netloc}"
+
+
+def _refuse_rebindable(request: HTTPConnection, trusted: frozenset[str]) -> None:
+    """Refuse (raise _RequestError) a request to a gateway with neither token nor
+    ``authorize`` whose ``Host`` is a name that DNS rebinding could point here: a page of
+    that name is, to the browser, of the same origin as this server, so the Origin check
+    lets it through. IP addresses, names of one label (``localhost``, ``testserver``,
+    a container's name: no public DNS serves them), subdomains of ``localhost`` and the
+    hosts of ``trusted`` origins cannot be rebound."""
+    host = request.headers.get("host")
+    if host is None:  # (no browser sends a request without one)
+        return
+    name = urlsplit(f"//{host}").hostname or ""
+    if "." not in name or name.endswith(".localhost") or _is_address(name):
+        return
+    if any(urlsplit(origin).hostname == name for origin in trusted):
+        return
+    raise _RequestError(
+        403,
+        "UnknownHost",
+        f"this server has no token and no authorize, so it answers only its addresses, "
+        f"localhost and its trusted origins, not the name {shown(host)}: a page of any "
+        "site could reach it under such a name (DNS rebinding) and act on its sessions. "
+        "Name its origin in create_app(trusted_origins=[...]) (serve --trusted-origin), "
+        "or give the server a token (create_app(token=...)) or an authorize",
+    )
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _refuse_forgeable(request: HTTPConnection, trusted: frozenset[str]) -> None:

@@ -148,6 +148,60 @@ async def test_pages_of_the_origins_the_gateway_trusts_are_not_refused(serve: Se
                         assert [f["error"] for f in frames] == ["CrossOrigin"], frames
 
 
+async def test_a_page_that_reaches_the_gateway_by_dns_rebinding_is_refused(serve: Serve) -> None:
+    """DNS rebinding: a page of evil.example whose name is then made to resolve to the
+    gateway's address is, to the browser, of the same origin as the gateway (``Host`` and
+    ``Origin`` both name evil.example), so the Origin check lets it read, send and delete.
+    A gateway with neither token nor ``authorize`` answers only the names that cannot be
+    rebound: IP addresses, ``localhost``, and the hosts of its ``trusted_origins``; any
+    other ``Host`` gets 403 ``UnknownHost`` (4403 for a WebSocket) before anything is read
+    or written (names of one label, such as ``testserver`` or a container's, are not
+    served by public DNS). With ``authorize`` (the app checks who asks), the name is the
+    app's to judge."""
+    async with serve(trusted_origins=["https://chat.example.com"]) as served:
+        port = served.url.rsplit(":", 1)[1]
+        ws_url = served.url.replace("http://", "ws://")
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            with trio.fail_after(20):
+                r = await client.post("/sessions/victim/messages", json={"text": "my secret"})
+                assert r.status_code == 200, r.text
+                evil = {"host": f"evil.example:{port}", "origin": f"http://evil.example:{port}"}
+                forged = {**evil, "content-type": "text/plain"}
+                for method, path, headers in [
+                    ("GET", "/sessions", evil),
+                    ("GET", "/sessions/victim", evil),
+                    ("POST", "/sessions/victim/messages", forged),
+                    ("DELETE", "/sessions/victim", evil),
+                ]:
+                    body = b'{"text": "forged"}' if method == "POST" else None
+                    r = await client.request(method, path, headers=headers, content=body)
+                    assert (r.status_code, r.json()["error"]) == (403, "UnknownHost"), r.text
+                    assert "evil.example" in r.json()["message"]
+                    assert "my secret" not in r.text
+                async with open_websocket(
+                    f"{ws_url}/sessions/victim/ws?after=0",
+                    [("origin", evil["origin"])],
+                    host=evil["host"],
+                ) as ws:
+                    frames = await _until_closed(ws)
+                    assert [f["error"] for f in frames] == ["UnknownHost"], frames
+                history = (await client.get("/sessions/victim")).json()["messages"]
+                assert [m["content"] for m in history][:1] == ["my secret"]
+                hosts = (f"localhost:{port}", f"app.localhost:{port}", "testserver", "[::1]")
+                for host in (*hosts, "chat.example.com", f"127.0.0.1:{port}"):
+                    r = await client.get("/sessions/victim", headers={"host": host})
+                    assert r.status_code == 200, (host, r.text)
+    allowed: list[str] = []
+
+    def authorize(request: Any, name: str | None, action: str) -> bool:
+        allowed.append(request.headers["host"])
+        return True
+
+    async with serve(authorize=authorize) as served, httpx.AsyncClient(base_url=served.url) as c:
+        r = await c.get("/sessions", headers={"host": "app.example.com"})
+        assert (r.status_code, allowed) == (200, ["app.example.com"]), r.text
+
+
 @pytest.mark.parametrize(
     "bad",
     [
