@@ -213,8 +213,11 @@ def create_app(
       without a token, besides this server's own: the public origin of a
       gateway behind a reverse proxy that rewrites ``Host``, or an app of yours
       served from another origin. Without a ``token``, the gateway refuses
-      such requests from any other origin (see "Authorization" in the HTTP
-      gateway how-to).
+      such requests from any other origin; without a ``token`` or an
+      ``authorize``, it also answers only ``Host`` names that DNS rebinding
+      cannot point at it (IP addresses, names of one label, subdomains of
+      ``localhost``) and those of these origins (see "Authorization" in the
+      HTTP gateway how-to).
     """
     if registry is not None and registry_options:
         raise TypeError(
