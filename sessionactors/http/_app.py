@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, assert_never, cast
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, unquote_to_bytes, urlsplit
 
 import anyio
 import attrs
@@ -607,6 +607,7 @@ class SessionsApp:
 
     async def _admit(self, request: HTTPConnection, name: str | None, action: Action) -> None:
         """Refuse (raise _RequestError) a request that is not allowed."""
+        _refuse_bent_path(request)
         self._registry_now()
         if self._token is not None:
             given = _bearer(request)
@@ -989,7 +990,7 @@ class SessionsApp:
                 group.start_soon(forward)
                 while True:
                     try:
-                        data = json.loads(await websocket.receive_text())
+                        data = json.loads(await _text_frame(websocket))
                         if not isinstance(data, dict):
                             raise _RequestError(422, "InvalidRequest", "send a JSON object")
                         kind = data.get("type")
@@ -1183,6 +1184,22 @@ def _slashes_in_segments(scope: Any) -> Any:
     if not path.replace(_SLASH, "/").endswith(served):
         return scope
     return {**scope, "path": path[len(path) - len(served) :], _SLASHED: True}
+
+
+def _refuse_bent_path(connection: HTTPConnection) -> None:
+    """Refuse (raise _RequestError) a path whose %-escapes are not UTF-8: servers decode
+    them leniently (``a%FF`` would be ``a\ufffd``, the name of another session)."""
+    raw = connection.scope.get("raw_path")
+    if raw:
+        try:
+            unquote_to_bytes(raw.split(b"?")[0]).decode()
+        except UnicodeDecodeError:
+            raise _RequestError(
+                422,
+                "InvalidRequest",
+                f"the path {shown(raw.decode('latin-1'))} is not UTF-8 once its %-escapes "
+                "are decoded; percent-encode the UTF-8 bytes of the name",
+            ) from None
 
 
 def _param(connection: HTTPConnection, key: str, default: str = "") -> str:
@@ -1389,10 +1406,7 @@ def _int_param(request: Request, key: str, default: int, *, low: int, high: int)
     raw = request.query_params.get(key)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
+    value = _digits(raw, low - 1)
     if not low <= value <= high:
         raise _RequestError(
             422,
@@ -1400,6 +1414,25 @@ def _int_param(request: Request, key: str, default: int, *, low: int, high: int)
             f"?{key}= must be an integer from {low} to {high}, not {shown(raw)}",
         )
     return value
+
+
+async def _text_frame(websocket: WebSocket) -> str:
+    """The next frame of ``websocket``, which must be text (422 for a binary one)."""
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+    text = message.get("text")
+    if text is None:
+        raise _RequestError(
+            422, "InvalidRequest", "a binary frame: send each message as a text frame of JSON"
+        )
+    return str(text)
+
+
+def _digits(raw: str, otherwise: int) -> int:
+    """``raw`` read as a number written in ASCII digits only (``int`` would also take
+    ``1_0``, `` 5 ``, ``+1`` and other scripts' digits), else ``otherwise``."""
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else otherwise
 
 
 def _after(request: HTTPConnection) -> int | None:
@@ -1411,10 +1444,7 @@ def _after(request: HTTPConnection) -> int | None:
         source = "?after="
     if raw is None or raw == "":
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
+    value = _digits(raw, -1)
     if value < 0:
         raise _RequestError(
             422,

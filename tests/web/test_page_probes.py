@@ -202,6 +202,43 @@ async def test_a_page_that_reaches_the_gateway_by_dns_rebinding_is_refused(serve
         assert (r.status_code, allowed) == (200, ["app.example.com"]), r.text
 
 
+async def test_input_an_attacker_bends_is_refused_not_read_leniently(serve: Serve) -> None:
+    """A session name whose %-escapes are not UTF-8 (``a%FF``, which a server decodes to
+    ``a\ufffd``, the same session as ``a%EF%BF%BD``), and a seq or limit written other than
+    in ASCII digits (``1_0``, `` 5 ``, an Arabic-Indic digit, all of which ``int`` reads),
+    are refused with 422 before anything is read or written. A binary WebSocket frame
+    gets an error frame, as any bad frame does, and the socket stays open."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        ws_url = served.url.replace("http://", "ws://")
+        with trio.fail_after(20):
+            r = await client.post("/sessions/ok/messages", json={"text": "hi"})
+            assert r.status_code == 200, r.text
+            for path in ("/sessions/a%FF", "/sessions/a%ED%A0%80", "/sessions/ok%FF/events"):
+                r = await client.get(path)
+                assert (r.status_code, r.json()["error"]) == (422, "InvalidRequest"), path
+                assert "UTF-8" in r.json()["message"]
+            r = await client.post("/sessions/a%FF/messages", json={"text": "hi"})
+            assert r.status_code == 422, r.text
+            names = [s["session_id"] for s in (await client.get("/sessions")).json()["sessions"]]
+            assert names == ["ok"]
+            for bent in ("1_0", " 5 ", "\u0663", "+1", "0x1"):
+                r = await client.get("/sessions/ok/events", params={"after": bent})
+                assert (r.status_code, r.json()["error"]) == (422, "InvalidRequest"), bent
+                r = await client.get("/sessions", params={"limit": bent})
+                assert (r.status_code, r.json()["error"]) == (422, "InvalidRequest"), bent
+            async with open_websocket(f"{ws_url}/sessions/ok/ws") as ws:
+                await ws.send_bytes(b'{"type": "message", "text": "binary"}')
+                frame = await ws.receive()
+                while frame["type"] != "error":
+                    frame = await ws.receive()
+                assert (frame["error"], frame["status"]) == ("InvalidRequest", 422), frame
+                assert "text" in frame["message"]
+                await ws.send({"type": "message", "text": "as text"})
+                frame = await ws.receive()
+                while frame["type"] != "submitted":
+                    frame = await ws.receive()
+
+
 @pytest.mark.parametrize(
     "bad",
     [

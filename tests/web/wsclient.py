@@ -42,6 +42,10 @@ class WebSocket:
         text = data if isinstance(data, str) else json.dumps(data)
         await self._flush(wsproto.events.TextMessage(data=text))
 
+    async def send_bytes(self, data: bytes) -> None:
+        """Send a binary frame."""
+        await self._flush(wsproto.events.BytesMessage(data=data))
+
     async def receive(self) -> dict[str, Any]:
         """The next text frame, parsed as JSON; raises Closed when the server closes."""
         while True:
