@@ -294,3 +294,36 @@ async def test_a_key_waiting_on_a_review_sent_with_other_words_is_refused(
                 assert (again.turn_id, again.reviews) == (waiting.turn_id, waiting.reviews)
                 await ref.hibernate()
             assert [r.id for r in await ref.pending_reviews()] == [waiting.reviews[0].id]
+
+
+async def test_a_key_whose_turn_runs_on_after_its_review_is_checked_against_its_words(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """While the turn of a key runs on after its review was approved, a request with the
+    key and other words raises IdempotencyKeyReusedError, and one with the same words
+    joins the turn."""
+    gate = trio.Event()
+
+    async def refund() -> str:
+        await gate.wait()
+        return "done"
+
+    refund_call = sa.ToolCall(id="call_1", name="refund", arguments="{}")
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
+    model = ScriptedModel([Scripted(text="Refunding.", tool_calls=[refund_call]), "Refunded."])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            waiting = await ref.send("refund A1", idempotency_key="k1")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ref.review, waiting.reviews[0].id, True)
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                    await ref.submit("refund B2", idempotency_key="k1")
+                _assert_reused(refused.value, "s", "k1", waiting.turn_id)
+                joined = await ref.submit("refund A1", idempotency_key="k1")
+                assert joined.id == waiting.turn_id
+                gate.set()
+                assert (await joined.reply()).text == "Refunded."
+        users = [m.content for m in await ref.history() if m.role is sa.Role.USER]
+        assert users == ["refund A1"]
