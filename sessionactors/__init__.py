@@ -10,6 +10,7 @@ from ._codec import load_snapshot as load_snapshot
 from ._errors import AgentNotFoundError as AgentNotFoundError
 from ._errors import EventsExpiredError as EventsExpiredError
 from ._errors import FencedOutError as FencedOutError
+from ._errors import IdempotencyKeyReusedError as IdempotencyKeyReusedError
 from ._errors import InvalidHistoryError as InvalidHistoryError
 from ._errors import InvalidSessionNameError as InvalidSessionNameError
 from ._errors import LeaseHeldError as LeaseHeldError
@@ -103,6 +104,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "EventsExpiredError",
     "FencedOutError",
     "HistoryEdited",
+    "IdempotencyKeyReusedError",
     "InvalidHistoryError",
     "InvalidSessionNameError",
     "LeaseHeldError",

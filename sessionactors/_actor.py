@@ -26,6 +26,7 @@ from ._errors import (
     AdviceKind,
     AgentNotFoundError,
     FencedOutError,
+    IdempotencyKeyReusedError,
     LeaseHeldError,
     MessageNotFoundError,
     NothingToRetryError,
@@ -43,6 +44,7 @@ from ._errors import (
     TurnFailedError,
     TurnNotFoundError,
     advised,
+    key_reused_error,
     reply_removed_error,
     shown,
     stopped_error,
@@ -842,19 +844,24 @@ class Actor:
         sid = self.session_id
         key = mail.key
         if key is not None:
+            # (queued before its session could look the key up: submit_nowait to a
+            # session still waking) a completed key, or one whose turn waits on a review
             done = session.completed.get(key)
+            waiting = waiting_reply(session, key) if done is None else None
+            of_key = done.turn_id if done is not None else waiting.turn_id if waiting else None
+            reused = None if of_key is None else other_words(session, sid, key, of_key, mail.text)
+            if reused is not None:  # the key was taken for other words
+                self._refuse(mail, reused)
+                return None
             if done is not None and done.reply is None:  # an edit removed its reply
                 self.inflight_keys.pop(key, None)
                 self._refuse(mail, reply_removed_error(sid, key, done.turn_id))
                 return None
-            if done is not None:
-                # (queued before its session could look the key up: submit_nowait to a
-                # session still waking) it is the completed turn: its id, reply, outcome
+            if done is not None:  # it is the completed turn: its id, reply, outcome
                 self.inflight_keys.pop(key, None)
                 self.replays = _remember(self.replays, mail.turn_id, done.turn_id)
                 mail.pending.set_result(Reply(turn_id=done.turn_id, message=done.reply))
                 return None
-            waiting = waiting_reply(session, key)
             if waiting is not None:  # its turn waits on a review: as the turn answered
                 if self.inflight_keys.get(key) is mail:
                     del self.inflight_keys[key]
@@ -1788,6 +1795,20 @@ def describe(exc: BaseException) -> str:
     that raises) fails its turn, never the session that journals it."""
     text = storable(describe_exception(exc))
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+
+
+def other_words(
+    session: LiveSession, sid: str, key: str, turn_id: str, text: str, words: str = ""
+) -> IdempotencyKeyReusedError | None:
+    """The error of a request with ``key`` and ``text`` if turn ``turn_id`` of that key
+    began with other words (``words``, or else as the session's history holds them),
+    else None; None too where the session no longer knows them (its record dropped,
+    or an edit removed its message): such a key is checked on the key alone."""
+    if not words:
+        words = session.turn_text(turn_id) or ""
+    if not words or words == text:
+        return None
+    return key_reused_error(sid, key, turn_id)
 
 
 def waiting_reply(session: LiveSession, key: str) -> Reply | None:

@@ -16,7 +16,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from ._actor import Actor, CallMail, TurnMail, deleted_error, waiting_reply
+from ._actor import Actor, CallMail, TurnMail, deleted_error, other_words, waiting_reply
 from ._config import RegistryConfig
 from ._errors import (
     Advice,
@@ -154,7 +154,7 @@ class Dispatcher:
             # session at once, in the order of the calls (a failed wake fails it)
             await actor.ready()
         while key is not None:
-            turn = _joined(actor, name, key)
+            turn = _joined(actor, name, key, text)
             if turn is not None:
                 await trio.lowlevel.checkpoint()
                 return turn
@@ -211,7 +211,7 @@ class Dispatcher:
     def submit_nowait(self, name: str, text: str, key: str | None) -> Turn:
         sessions = self.sessions
         actor = sessions.activate(name)
-        turn = _joined(actor, name, key)
+        turn = _joined(actor, name, key, text)
         if turn is not None:
             return turn
         pending = Pending()
@@ -492,22 +492,29 @@ class Dispatcher:
         return await self.sessions.open_subscription(name, after)
 
 
-def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
-    """The turn a request with idempotency key ``key`` joins: the one running or queued
-    with that key (same id, same outcome), or the completed one's stored reply;
-    ReplyRemovedError if that turn's reply is no longer in the history."""
+def _joined(actor: Actor, name: str, key: str | None, text: str) -> Turn | None:
+    """The turn a request with idempotency key ``key`` and ``text`` joins: the one
+    running or queued with that key (same id, same outcome), or the completed one's
+    stored reply; IdempotencyKeyReusedError if that turn began with other words,
+    ReplyRemovedError if its reply is no longer in the history."""
     if key is None:
         return None
     if actor.is_ready:  # first: a request queued with the key may not have been looked at
         session = actor.session
         done = session.completed.get(key)
         if done is not None:
+            reused = other_words(session, name, key, done.turn_id, text)
+            if reused is not None:
+                raise reused
             if done.reply is None:  # an edit removed it: the turn never runs again
                 raise reply_removed_error(name, key, done.turn_id)
             reply = Reply(turn_id=done.turn_id, message=done.reply)
             return new_turn(done.turn_id, name, Pending.resolved(reply), replayed=True)
         waiting = waiting_reply(session, key)
         if waiting is not None:  # (known after a wake too, unlike the mail it came by)
+            reused = other_words(session, name, key, waiting.turn_id, text)
+            if reused is not None:
+                raise reused
             done_since = session.open_since(waiting.turn_id)
             return new_turn(
                 waiting.turn_id,
@@ -519,6 +526,12 @@ def _joined(actor: Actor, name: str, key: str | None) -> Turn | None:
     inflight = actor.inflight_keys.get(key)
     if inflight is not None:
         turn_id = inflight.turn_id
+        # (a turn resumed after a crash, or after a review, came by a mail without
+        # words: the session's history holds them)
+        if inflight.text or actor.is_ready:
+            reused = other_words(actor.session, name, key, turn_id, text, inflight.text)
+            if reused is not None:
+                raise reused
         since: int | None = None  # queued: its events are all to come
         if not actor.queued or turn_id not in actor.queued:
             since = actor.session.open_since(turn_id) if actor.is_ready else 0

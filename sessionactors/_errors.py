@@ -16,6 +16,7 @@ __all__ = [
     "AgentNotFoundError",
     "EventsExpiredError",
     "FencedOutError",
+    "IdempotencyKeyReusedError",
     "InvalidHistoryError",
     "InvalidSessionNameError",
     "LeaseHeldError",
@@ -430,6 +431,29 @@ class ReplyRemovedError(SessionActorsError, LookupError):
         self.idempotency_key = idempotency_key
 
 
+class IdempotencyKeyReusedError(SessionActorsError, ValueError):
+    """A request sent with an idempotency key that the session already took for
+    another message: the key's turn (queued, running, waiting on a review, or
+    completed) began with other words. The request is refused and runs nothing;
+    a new message needs a new key. ``turn_id`` is the turn of the key,
+    ``idempotency_key`` the key."""
+
+    turn_id: str = ""
+    idempotency_key: str = ""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        idempotency_key: str = "",
+    ) -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+        self.idempotency_key = idempotency_key
+
+
 def reply_removed_error(sid: str, key: str, turn_id: str) -> ReplyRemovedError:
     """The error of a retry with ``key``, whose turn ``turn_id`` ran but whose reply an
     edit of session ``sid``'s history removed."""
@@ -440,6 +464,21 @@ def reply_removed_error(sid: str, key: str, turn_id: str) -> ReplyRemovedError:
         "compaction) has since removed that turn's reply, which the key no longer keeps; "
         "the turn will not run again: to send these words as a new turn, send them with "
         "another ",
+        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+        session_id=sid,
+        turn_id=turn_id,
+        idempotency_key=key,
+    )
+
+
+def key_reused_error(sid: str, key: str, turn_id: str) -> IdempotencyKeyReusedError:
+    """The error of a request with ``key``, which session ``sid`` took for another
+    message, that of turn ``turn_id``."""
+    return advised(
+        IdempotencyKeyReusedError,
+        f"session {sid!r} already took idempotency key {shown(key)} for another message "
+        f"(turn {turn_id!r}); a key names one request, and only its retries may carry it: "
+        "this request ran nothing. Send a new message with a new ",
         Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
         session_id=sid,
         turn_id=turn_id,

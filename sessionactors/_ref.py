@@ -229,7 +229,12 @@ class SessionRef(metaclass=NoPublicConstructor):
     # ---- turns -------------------------------------------------------------------
 
     async def send(self, text: str, *, idempotency_key: str | None = None) -> Reply:
-        """Run one turn and wait for its reply (after it is durable)."""
+        """Run one turn and wait for its reply (after it is durable).
+
+        With ``idempotency_key``, a retry joins or replays the key's turn instead of
+        running another; the key sent with other words raises
+        IdempotencyKeyReusedError (see the idempotency how-to).
+        """
         sid = self.session_id
         check_text(sid, text)
         pending = None

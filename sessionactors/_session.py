@@ -262,6 +262,21 @@ class LiveSession:
                 return i
         return -1
 
+    def turn_text(self, turn_id: str) -> str | None:
+        """The words of the user's message that turn ``turn_id`` (open, or among the
+        recorded turns) answers, or None if the session no longer knows them: the
+        turn's record was dropped, or an edit removed its message."""
+        open_ = self._open
+        if open_ is not None and open_.turn_id == turn_id:
+            message_id = open_.message_id
+        else:
+            record = self.turns.get(turn_id)
+            message_id = record.message_id if record is not None else ""
+        if not message_id:
+            return None
+        index = self.find(message_id)
+        return self.messages[index].content if index >= 0 else None
+
     @property
     def open_turn(self) -> OpenTurn | None:
         """The turn that began durably and has no outcome yet, or None."""

@@ -330,6 +330,36 @@ async def test_a_keyed_retry_through_another_worker_after_a_wake_and_an_edit(
             assert user_texts(await ref.history()) == ["then this"]
 
 
+async def test_a_key_sent_through_another_worker_with_other_words_is_refused(
+    cluster: Cluster,
+) -> None:
+    """A request sent through another worker whose key the owner's session took for other
+    words (a completed turn, a turn waiting on a review) raises IdempotencyKeyReusedError
+    with the session, the key and the turn, and runs nothing."""
+    with trio.fail_after(40):
+        a = await cluster.start("a", balance=False)
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        async with cluster.registry(balance=False) as b:
+            ref = b.ref("s")
+            first = await ref.send("pay alice", idempotency_key="k-1")
+            waiting = await ref.send("review the refund", idempotency_key="k-2")
+            assert waiting.reviews
+            for key, turn_id in (("k-1", first.turn_id), ("k-2", waiting.turn_id)):
+                with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                    await ref.send("pay carol", idempotency_key=key)
+                error = refused.value
+                assert (error.session_id, error.idempotency_key, error.turn_id) == (
+                    "s",
+                    key,
+                    turn_id,
+                )
+                assert repr(key) in str(error)
+                with pytest.raises(sa.IdempotencyKeyReusedError):
+                    await ref.submit("pay carol", idempotency_key=key)
+            assert b.live() == []  # it ran on a
+            assert user_texts(await ref.history()) == ["pay alice", "review the refund"]
+
+
 async def test_forwarded_turns_to_a_full_mailbox_wait_for_room_and_run_once(
     cluster: Cluster,
 ) -> None:

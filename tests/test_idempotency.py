@@ -1,5 +1,5 @@
 """Idempotency keys: a key's turn runs once, its reply is kept once (the history's), and
-a retry whose reply an edit removed is refused."""
+a retry whose reply an edit removed, or that brings other words, is refused."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel, export_document
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
 
 GOLDEN = Path(__file__).parent / "golden"
 _REPLY_TEXT = "x" * 2048  # (EchoModel: the reply is the user's text)
@@ -186,3 +187,143 @@ async def test_an_export_of_keyed_turns_imports_both_ways(tmp_path: Path) -> Non
         assert exported["session"]["completed"][0]["reply"] is None
     assert (replies[0].turn_id, replies[0].message) == (kept.turn_id, kept.message)
     assert gone.turn_id != kept.turn_id
+
+
+def _assert_reused(error: BaseException, name: str, key: str, turn_id: str) -> None:
+    assert isinstance(error, sa.IdempotencyKeyReusedError), repr(error)
+    assert isinstance(error, ValueError)
+    assert (error.session_id, error.idempotency_key, error.turn_id) == (name, key, turn_id)
+    for part in (repr(name), repr(key), "another message", "new idempotency_key"):
+        assert part in str(error), str(error)
+
+
+async def test_a_completed_key_sent_with_other_words_is_refused_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    """A request whose key completed with other words raises IdempotencyKeyReusedError
+    naming the session, the key and its turn (send, submit, submit_nowait, stream; live,
+    after a hibernation and after a restart) and runs nothing; the same words still get
+    the stored reply."""
+    path = tmp_path / "sessions.db"
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=_agents()) as registry:
+        ref = await registry.spawn("s")
+        first = await ref.send("pay alice", idempotency_key="k1")
+        before = await ref.history()
+        with trio.fail_after(10):
+            with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                await ref.send("pay carol", idempotency_key="k1")
+            _assert_reused(refused.value, "s", "k1", first.turn_id)
+            with pytest.raises(sa.IdempotencyKeyReusedError):
+                await ref.submit("pay carol", idempotency_key="k1")
+            with pytest.raises(sa.IdempotencyKeyReusedError):
+                ref.submit_nowait("pay carol", idempotency_key="k1")
+            with pytest.raises(sa.IdempotencyKeyReusedError):
+                async with ref.stream("pay carol", idempotency_key="k1"):
+                    pass
+            assert await ref.history() == before
+            # submit_nowait to a session still waking learns of the key once it is loaded
+            await ref.hibernate()
+            turn = registry.ref("s").submit_nowait("pay carol", idempotency_key="k1")
+            with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                await turn.reply()
+            _assert_reused(refused.value, "s", "k1", first.turn_id)
+            again = await ref.send("pay alice", idempotency_key="k1")
+            assert (again.turn_id, again.message) == (first.turn_id, first.message)
+            assert await ref.history() == before
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=_agents()) as registry:
+        ref = registry.ref("s")
+        with trio.fail_after(10):
+            with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                await ref.send("pay carol", idempotency_key="k1")
+            _assert_reused(refused.value, "s", "k1", first.turn_id)
+            assert await ref.history() == before
+
+
+async def test_a_key_under_way_sent_with_other_words_is_refused_and_the_turn_runs_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request whose key's turn is running or queued, sent with other words, raises
+    IdempotencyKeyReusedError at once; the turn runs once with its own words, and a
+    request with the same words joins it."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="paid alice", wait=gate), "paid dave"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            running = await ref.submit("pay alice", idempotency_key="k1")
+            queued = await ref.submit("pay dave", idempotency_key="k2")
+            await trio.testing.wait_all_tasks_blocked()
+            for key, turn in (("k1", running), ("k2", queued)):
+                with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                    await ref.submit("pay carol", idempotency_key=key)
+                _assert_reused(refused.value, "s", key, turn.id)
+                with pytest.raises(sa.IdempotencyKeyReusedError):
+                    ref.submit_nowait("pay carol", idempotency_key=key)
+                with pytest.raises(sa.IdempotencyKeyReusedError):
+                    async with ref.stream("pay carol", idempotency_key=key):
+                        pass
+            joined = await ref.submit("pay alice", idempotency_key="k1")
+            assert joined.id == running.id
+            gate.set()
+            assert (await running.reply()).text == "paid alice"
+            assert (await queued.reply()).text == "paid dave"
+        users = [m.content for m in await ref.history() if m.role is sa.Role.USER]
+        assert users == ["pay alice", "pay dave"]
+        assert len(model.requests) == 2
+
+
+async def test_a_key_waiting_on_a_review_sent_with_other_words_is_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request whose key's turn waits on a review, sent with other words, raises
+    IdempotencyKeyReusedError (also after a hibernation); the same words get the
+    waiting reply, and the review stays pending."""
+    refund_call = sa.ToolCall(id="call_1", name="refund", arguments="{}")
+    tool = sa.Tool(name="refund", fn=lambda: "done", requires_review=True, idempotent=False)
+    model = ScriptedModel([Scripted(text="Refunding.", tool_calls=[refund_call])])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            waiting = await ref.send("refund A1", idempotency_key="k1")
+            assert waiting.reviews
+            for _ in range(2):
+                with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                    await ref.send("refund B2", idempotency_key="k1")
+                _assert_reused(refused.value, "s", "k1", waiting.turn_id)
+                again = await ref.send("refund A1", idempotency_key="k1")
+                assert (again.turn_id, again.reviews) == (waiting.turn_id, waiting.reviews)
+                await ref.hibernate()
+            assert [r.id for r in await ref.pending_reviews()] == [waiting.reviews[0].id]
+
+
+async def test_a_key_whose_turn_runs_on_after_its_review_is_checked_against_its_words(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """While the turn of a key runs on after its review was approved, a request with the
+    key and other words raises IdempotencyKeyReusedError, and one with the same words
+    joins the turn."""
+    gate = trio.Event()
+
+    async def refund() -> str:
+        await gate.wait()
+        return "done"
+
+    refund_call = sa.ToolCall(id="call_1", name="refund", arguments="{}")
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
+    model = ScriptedModel([Scripted(text="Refunding.", tool_calls=[refund_call]), "Refunded."])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[tool])}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            waiting = await ref.send("refund A1", idempotency_key="k1")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ref.review, waiting.reviews[0].id, True)
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(sa.IdempotencyKeyReusedError) as refused:
+                    await ref.submit("refund B2", idempotency_key="k1")
+                _assert_reused(refused.value, "s", "k1", waiting.turn_id)
+                joined = await ref.submit("refund A1", idempotency_key="k1")
+                assert joined.id == waiting.turn_id
+                gate.set()
+                assert (await joined.reply()).text == "Refunded."
+        users = [m.content for m in await ref.history() if m.role is sa.Role.USER]
+        assert users == ["refund A1"]

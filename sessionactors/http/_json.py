@@ -45,6 +45,7 @@ _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.TurnCancelledError, 409),
     (sa.SessionStoppedError, 409),
     (sa.InvalidSessionNameError, 422),
+    (sa.IdempotencyKeyReusedError, 422),
     (sa.MailboxFullError, 429),
     (sa.FencedOutError, 503),
     (sa.StoreError, 503),

@@ -853,3 +853,40 @@ async def test_a_message_whose_keyed_reply_an_edit_removed_answers_410() -> None
         assert "'k1'" in error["message"]
         assert '"idempotency_key"' in error["message"]
     assert [m["content"] for m in state["messages"]] == ["then this", "then this"]
+
+
+async def test_a_key_sent_again_with_other_words_answers_422() -> None:
+    """A message whose idempotency key the session took for other words answers 422
+    IdempotencyKeyReusedError (as JSON, when streamed, and as a WebSocket error frame)
+    naming the session, the key and its turn, and runs nothing; the same words get the
+    stored reply."""
+    agents = trio_agents()
+    app = create_app(store=sa.MemoryStore(), agents=agents)
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            first = await client.post(
+                "/sessions/p/messages", json={"text": "pay alice", "idempotency_key": "k1"}
+            )
+            assert first.status_code == 200, first.text
+            body = {"text": "pay carol", "idempotency_key": "k1"}
+            plain = await client.post("/sessions/p/messages", json=body)
+            streamed = await client.post("/sessions/p/messages", json=body, headers=SSE)
+            async with open_websocket(url.replace("http://", "ws://") + "/sessions/p/ws") as ws:
+                await ws.send({"type": "message", **body})
+                while (frame := await ws.receive())["type"] != "error":
+                    pass
+            again = await client.post(
+                "/sessions/p/messages", json={"text": "pay alice", "idempotency_key": "k1"}
+            )
+            state = (await client.get("/sessions/p")).json()
+    turn_id = first.json()["turn_id"]
+    for error in (plain.json(), streamed.json(), frame):
+        assert error["status"] == 422, error
+        assert error["error"] == "IdempotencyKeyReusedError"
+        assert (error["session_id"], error["turn_id"]) == ("p", turn_id)
+        assert error["idempotency_key"] == "k1"
+        assert "'k1'" in error["message"]
+        assert '"idempotency_key"' in error["message"]
+    assert (plain.status_code, streamed.status_code) == (422, 422)
+    assert again.json()["turn_id"] == turn_id
+    assert [m["content"] for m in state["messages"] if m["role"] == "user"] == ["pay alice"]
