@@ -21,7 +21,11 @@ OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
 def review_agent() -> sa.Agent:
     """An agent whose first turn calls a tool that needs review, then answers."""
     refund_call = sa.ToolCall(id="call_1", name="refund", arguments="{}")
-    tool = sa.Tool(name="refund", fn=lambda: "refunded", requires_review=True, idempotent=False)
+
+    async def refund() -> str:  # (async: a sync tool's thread would let the clock jump)
+        return "refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
     model = ScriptedModel([Scripted(text="Refunding.", tool_calls=[refund_call]), "Done."])
     return sa.Agent(model=model, tools=[tool])
 

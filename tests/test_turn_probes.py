@@ -269,7 +269,7 @@ def nested(depth: int) -> list[object]:
     ("result", "expected"),
     [
         (lambda: nested(100_000), "cannot be encoded as JSON (RecursionError"),
-        (lambda: {"order": Unprintable()}, "cannot be encoded as JSON (RuntimeError: no text)"),
+        (lambda: {"order": Unprintable()}, "cannot be encoded as JSON: it holds a Unprintable"),
         (lambda: (_ for _ in ()).throw(UnprintableError()), "UnprintableError"),
     ],
     ids=["too-deep", "str-raises", "error-str-raises"],
