@@ -990,14 +990,17 @@ class Actor:
             outcome = TurnFailed(
                 session_id=sid, seq=self.next_seq(), turn_id=turn_id, error=describe(failure)
             )
-            kept = "what it streamed is kept, marked interrupted; " if streamed else ""
+            kept = FAILED_KEPT if streamed else ""
             error = TurnFailedError(
-                f"turn {turn_id} of session {sid!r} failed: {describe(failure)}; {kept}"
-                "the session is fine, send the next message when the cause is fixed",
+                f"turn {turn_id} of session {sid!r} failed: {describe(failure)}{kept}{FAILED_TAIL}",
                 session_id=sid,
                 turn_id=turn_id,
             )
             error.__cause__ = failure
+            if isinstance(failure, SessionActorsError):  # (the library's own words)
+                log.warning("turn %s of session %r failed: %s", turn_id, sid, describe(failure))
+            else:  # once, here: front ends tell clients its kind only
+                log.error("turn %s of session %r failed", turn_id, sid, exc_info=failure)
         elif final is None:
             # paused for a review: the outcome comes when the review is resolved
             self._set_status(Status.WAITING)
@@ -1489,7 +1492,7 @@ class Actor:
             session_id=self.session_id,
             seq=self.next_seq(),
             turn_id=turn_id,
-            error=f"the session crashed and restarted without this turn ({describe(cause)})",
+            error=f"{LOST_PREFIX}{describe(cause)})",
             lost=True,
         )
 
@@ -1787,6 +1790,15 @@ class Actor:
                 trace.end("cancelled", None)
         if open_turn.idempotency_key is not None:
             self.inflight_keys.pop(open_turn.idempotency_key, None)
+
+
+#: How a failed turn's ``TurnFailedError`` message ends, after its reason (``describe``
+#: of the exception): the first part only when the turn streamed text.
+FAILED_KEPT: Final = "; what it streamed is kept, marked interrupted"
+FAILED_TAIL: Final = "; the session is fine, send the next message when the cause is fixed"
+
+#: How the reason of a ``TurnFailed`` of a turn lost to a crash begins (``lost_event``).
+LOST_PREFIX: Final = "the session crashed and restarted without this turn ("
 
 
 def describe(exc: BaseException) -> str:

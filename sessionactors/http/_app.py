@@ -18,6 +18,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -43,6 +44,7 @@ from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
 from ._json import (
+    LOGGED,
     dumps,
     error_json,
     error_status,
@@ -52,6 +54,7 @@ from ._json import (
     reply_to_json,
     state_to_json,
     to_json,
+    turn_failure_told,
 )
 from ._sse import EventStreamResponse, FrameCache, Select, Stream, StreamHooks, frame
 
@@ -196,7 +199,8 @@ def create_app(
       to ``/sessions...`` (``session_name`` is None for the listing); a false
       result answers 403. It may be async. It may raise Starlette's (or
       FastAPI's) ``HTTPException``: the answer has its status, detail and
-      headers (a WebSocket is closed with 4000 + status). ``action`` is one of ``"list"``,
+      headers (a WebSocket is closed with 4000 + status); any other exception
+      answers 500 naming its kind, and goes to the log. ``action`` is one of ``"list"``,
       ``"read"``, ``"send"``, ``"events"``, ``"cancel"``, ``"review"``,
       ``"delete"``, ``"websocket"`` (when a WebSocket connects; then each of
       its frames is authorized as the action it does: ``"send"``,
@@ -466,17 +470,35 @@ class SessionsApp:
         status = error_status(error)
         if isinstance(error, sa.SessionStoppedError) and self._draining:
             status = 503
-        if status == 500:
-            log.error("request failed", exc_info=error)
         return status, self._error_json(error, scope, status)
 
     def _error_json(
         self, error: BaseException, scope: Mapping[str, Any], status: int | None = None
     ) -> dict[str, Any]:
         """``error`` as JSON, its advice told as an HTTP client follows it (see
-        ``_http_advice``), with this app's routes under ``scope``."""
+        ``_http_advice``), with this app's routes under ``scope``.
+
+        What the server's own parts say of themselves is for its log, not for clients:
+        an exception that is not the library's is told by its kind (and logged here);
+        a failed turn's, by its kind (logged when the turn failed); a store's failure,
+        as such (its message names files and hosts: logged here)."""
         body = error_json(error, status=status)
-        body["message"] = told(error, functools.partial(self._http_advice, scope))
+        message = told(error, functools.partial(self._http_advice, scope))
+        if isinstance(error, sa.TurnFailedError):
+            message = turn_failure_told(error, message)
+        elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
+            log.warning("a request failed in the store: %s", message)
+            session = error.session_id
+            about = f"session {session!r}: " if session is not None else ""
+            message = (
+                f"{about}the server's store failed ({type(error).__name__}); retry in a "
+                f"moment ({LOGGED})"
+            )
+        elif body["status"] >= 500:
+            log.error("request failed", exc_info=error)
+            if not isinstance(error, sa.SessionActorsError):
+                message = f"the server failed with {type(error).__name__}; {LOGGED}"
+        body["message"] = message
         return body
 
     def _http_advice(self, scope: Mapping[str, Any], advice: Advice, session: str | None) -> str:
@@ -634,6 +656,11 @@ class SessionsApp:
                     allowed = await allowed
             except HTTPException as exc:  # (FastAPI's is one too) refused as it says
                 raise _refused_by_app(exc) from exc
+            except Exception as exc:  # the app's fault: its kind to the client, all to the log
+                log.error("authorize(%r, %r) raised", name, action, exc_info=exc)
+                raise _RequestError(
+                    500, type(exc).__name__, f"authorize failed with {type(exc).__name__}; {LOGGED}"
+                ) from exc
             if not allowed:
                 what = f"session {_name_shown(name)}" if name is not None else "the sessions"
                 raise _RequestError(403, "Forbidden", f"this request may not {action} {what}")
@@ -746,7 +773,7 @@ class SessionsApp:
         if not chunks:
             return {}
         try:
-            data = json.loads(chunks)
+            data = _loads(chunks, "the request body")
         except (ValueError, RecursionError) as exc:  # (nested too deep to decode)
             raise _RequestError(
                 422, "InvalidJSON", f"the request body is not valid JSON ({exc}); send an object"
@@ -754,6 +781,7 @@ class SessionsApp:
         if not isinstance(data, dict):
             raise _RequestError(422, "InvalidRequest", "the request body must be a JSON object")
         _only(data, fields, "the request body")
+        _check_strings(data, "the request body")
         return data
 
     async def _handle(
@@ -990,7 +1018,7 @@ class SessionsApp:
                 group.start_soon(forward)
                 while True:
                     try:
-                        data = json.loads(await _text_frame(websocket))
+                        data = _loads(await _text_frame(websocket), "the frame")
                         if not isinstance(data, dict):
                             raise _RequestError(422, "InvalidRequest", "send a JSON object")
                         kind = data.get("type")
@@ -1006,6 +1034,7 @@ class SessionsApp:
                         action, fields = frame
                         await self._authorized(websocket, ref.session_id, action)
                         _only(data, fields, f"a {kind!r} message")
+                        _check_strings(data, f"the {kind!r} message")
                         if kind == "message":
                             text = _string(data, "text")
                             key = _optional_string(data, "idempotency_key")
@@ -1377,6 +1406,44 @@ def _only(data: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
         f"{what} has the unknown field{plural} {named}; it takes only {accepted} "
         "(check the spelling: an unknown field is refused, not ignored)",
     )
+
+
+def _loads(text: str | bytes | bytearray, what: str) -> Any:
+    """JSON ``text`` (``what``: the request body, a frame), refused (_RequestError) if it
+    holds a number too long to read."""
+
+    def number(digits: str) -> int:
+        try:
+            return int(digits)
+        except ValueError:  # over sys.get_int_max_str_digits()
+            raise _RequestError(
+                422,
+                "InvalidJSON",
+                f"{what} holds a number of {len(digits.lstrip('-')):,} digits, over the "
+                f"{sys.get_int_max_str_digits():,} this server reads; send a shorter one, "
+                "or send it as a string",
+            ) from None
+
+    return json.loads(text, parse_int=number)
+
+
+def _check_strings(data: dict[str, Any], what: str) -> None:
+    """Refuse (raise _RequestError) a string of ``data`` with a lone surrogate (a
+    ``\\ud800`` escape without its pair, which JSON decoders let through): no store
+    can hold it."""
+    for key, value in data.items():
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError as exc:
+                escape = f"\\u{ord(value[exc.start]):04x}"
+                raise _RequestError(
+                    422,
+                    "InvalidRequest",
+                    f"{key!r} in {what} holds a lone surrogate {escape} (at index "
+                    f"{exc.start}), which is not text; escape a character beyond U+FFFF as "
+                    "its pair of surrogates, or send it as UTF-8",
+                ) from None
 
 
 def _name_shown(name: str) -> str:

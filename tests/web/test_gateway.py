@@ -175,7 +175,8 @@ async def test_a_turn_that_fails_mid_reply_keeps_what_it_streamed(serve: Serve) 
                 True,
             )
             assert "".join(d["text"] for d in got if d["type"] == "Delta") == kept["content"]
-            assert got[5]["error"] == f"ConnectionError: {DROPPED}"
+            assert got[5]["error"].startswith("the turn failed with ConnectionError; ")
+            assert DROPPED not in got[5]["error"]
 
             state = (await client.get("/sessions/f")).json()
             assert state["messages"][-1] == kept
