@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from typing import Any
 
-__all__ = ["abort_connections"]
+import anyio
+
+__all__ = ["WriteGuard", "abort_connections"]
 
 
 def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = None) -> int:
@@ -52,3 +55,42 @@ def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = N
         finally:
             sock.detach()  # (the descriptor stays the server's: it closes it)
     return aborted
+
+
+class WriteGuard:
+    """Ends a response whose client takes nothing of it for ``bound`` seconds.
+
+    ``send`` wraps the ASGI send; ``guard`` (a task in the response's task group) waits
+    for a write that has not completed within ``bound`` seconds, then cancels
+    ``cancel_scope`` (enough under asyncio servers) and resets the connection (needed
+    under hypercorn's trio worker, which shields a socket write from cancellation);
+    ``stalled`` says that it did, and that nothing more is to be sent.
+    """
+
+    def __init__(self, scope: Any, send: Any, bound: float) -> None:
+        self._scope = scope
+        self._send = send
+        self.bound = bound
+        self._since: float | None = None
+        self.stalled = False
+
+    async def send(self, message: Any) -> None:
+        self._since = anyio.current_time()
+        try:
+            await self._send(message)
+        finally:
+            self._since = None
+
+    async def guard(self, cancel_scope: anyio.CancelScope) -> None:
+        while True:
+            since = self._since
+            left = self.bound if since is None else since + self.bound - anyio.current_time()
+            if left > 0:
+                await anyio.sleep(left)
+                continue
+            self.stalled = True
+            cancel_scope.cancel()
+            server, client = self._scope.get("server"), self._scope.get("client")
+            if server and client:
+                abort_connections((server[0], server[1]), (client[0], client[1]))
+            return
