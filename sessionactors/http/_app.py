@@ -208,7 +208,10 @@ def create_app(
     - ``create_sessions``: whether a message (or a WebSocket) to an unknown
       session creates it (default) or answers 404.
     - ``heartbeat``: seconds of silence after which an event stream sends a
-      comment line, so that proxies and browsers keep it open.
+      comment line, so that proxies and browsers keep it open. An event
+      stream whose client takes nothing of a write for twice this long is
+      ended and its connection reset (the client resumes with
+      ``Last-Event-ID``).
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
     - ``max_body``: the largest request body accepted, in bytes (413 above).

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import traceback
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -22,6 +23,7 @@ import sessionactors as sa
 
 from ..stores._url import open_store
 from ._app import SessionsApp, create_app
+from ._sockets import abort_connections
 
 __all__ = ["main", "open_store", "serve"]
 
@@ -89,9 +91,11 @@ async def serve(
     registry while the requests in flight wait: turns running get the registry's
     ``shutdown_grace``, then their callers are answered (a reply, or 503 for a turn
     cut off) and every session is hibernated; then it waits up to 5 seconds for the
-    answers still being written, and returns. For an app that serves a registry it was
-    given, it waits up to 10 seconds for the requests in flight instead (close the
-    registry once it returns). A second signal stops at once.
+    answers still being written, resets the connections still open (a client that
+    reads nothing holds its connection in a socket write), and returns. For an app
+    that serves a registry it was given, it waits up to 10 seconds for the requests in
+    flight instead (close the registry once it returns). A second signal resets every
+    connection and stops at once.
     Call it from the main thread (signals are delivered there).
     """
     config = hypercorn.config.Config()
@@ -105,6 +109,7 @@ async def serve(
     config.graceful_timeout = math.inf
     stop, served = trio.Event(), trio.Event()
     began = False
+    bound_to: tuple[str, int] | None = None
     try:
         lifespan = app.lifespan()  # (opened here, so that hypercorn binds only once it is)
         asgi: Any = functools.partial(_opened_lifespan, app)
@@ -118,6 +123,8 @@ async def serve(
             async def on_signals() -> None:
                 async for signum in signals:
                     if stop.is_set():  # the second one: stop now
+                        if bound_to is not None:
+                            abort_connections(bound_to)
                         nursery.cancel_scope.cancel()
                         return
                     name = signal.Signals(signum).name
@@ -136,6 +143,7 @@ async def serve(
             async with lifespan:  # the registry: open (its store checked) before the bind
                 if not stop.is_set():  # (a signal while it opened: serve nothing)
                     binds: list[str] = await nursery.start(run_server)
+                    bound_to = _address(binds[0])
                     task_status.started(binds[0])
                     began = True
                     await stop.wait()
@@ -145,9 +153,23 @@ async def serve(
             if began:
                 with trio.move_on_after(bound):
                     await served.wait()
+                if not served.is_set() and bound_to is not None:
+                    # a client that reads nothing holds its connection in a socket write
+                    # that hypercorn shields from cancellation: cut those connections
+                    abort_connections(bound_to)
+                    with trio.move_on_after(bound):
+                        await served.wait()
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
         if not began:  # a signal came before it served (a second one cut the opening)
             raise KeyboardInterrupt("stopped by a signal before it served")
+
+
+def _address(url: str) -> tuple[str, int] | None:
+    """The host and port of a URL that hypercorn says it listens on."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        return None
+    return parts.hostname, parts.port
 
 
 async def _opened_lifespan(app: SessionsApp, scope: Any, receive: Any, send: Any) -> None:

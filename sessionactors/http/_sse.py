@@ -13,7 +13,9 @@ client that reads too slowly fills the outbox, then its subscription's
 buffer, and is ended like any lagging subscriber (it resumes with
 Last-Event-ID). The writer sends a heartbeat comment when it has had nothing
 to send for ``heartbeat`` seconds. The response also watches for the client
-going away and ends when the app drains.
+going away and ends when the app drains. A write that the client takes
+nothing of for two heartbeat intervals ends the stream and resets its
+connection: the client stopped reading, or its network is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import attrs
 import sessionactors as sa
 
 from ._json import dumps, event_to_json
+from ._sockets import WriteGuard
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +60,11 @@ RETRY_MS: Final = 1000
 
 #: Frames an event stream holds for a client that reads slowly.
 OUTBOX_FRAMES: Final = 256
+
+#: Heartbeat intervals a write may wait on a client that takes nothing before the
+#: stream ends and its connection is reset (a lagging client, as one whose
+#: subscription fell behind: it resumes with Last-Event-ID).
+STALL_HEARTBEATS: Final = 2
 
 HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -176,9 +184,11 @@ class EventStreamResponse:
 
         outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
         gone = False
+        writes = WriteGuard(scope, send, STALL_HEARTBEATS * self._hooks.heartbeat)
         async with anyio.create_task_group() as group:
             self._hooks.track(group.cancel_scope)
             try:
+                group.start_soon(writes.guard, group.cancel_scope)
 
                 async def watch() -> None:
                     nonlocal gone
@@ -205,11 +215,13 @@ class EventStreamResponse:
                     group.start_soon(_read, stream.events, stream.select, outbox, error_frame)
                 else:
                     outbox.close()
-                await self._write(outbox, send)
+                await self._write(outbox, writes.send)
                 group.cancel_scope.cancel()
             finally:
                 self._hooks.untrack(group.cancel_scope)
-        if not gone:
+        if writes.stalled:  # a client that takes nothing: its connection is reset
+            log.warning("an event stream's client took nothing for %s s; ended it", writes.bound)
+        elif not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _write(self, outbox: _Outbox, send: Any) -> None:

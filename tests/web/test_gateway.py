@@ -283,6 +283,33 @@ async def test_event_streams_send_heartbeats_while_quiet(serve: Serve) -> None:
             assert lines[0] == "retry: 1000"
 
 
+async def test_an_event_stream_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
+    """A client that replays a session of large messages and reads nothing (the server's
+    write to it never done) does not hold its connection: after two heartbeat intervals
+    without a write taken, the stream ends and the connection is reset."""
+    async with (
+        serve(heartbeat=0.2) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=60) as client,
+    ):
+        big = "x" * 1_000_000
+        for _ in range(5):  # 10 MB of events to replay: more than the sockets hold
+            assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
+        port = int(served.url.rsplit(":", 1)[1])
+        with trio.socket.socket() as reader:
+            reader.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+            await reader.connect(("127.0.0.1", port))
+            head = f"GET /sessions/fat/events?after=0 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"
+            await reader.send(head.encode())
+            await trio.sleep(3)  # (not an assertion: it reads nothing for 15 heartbeats)
+            with trio.fail_after(30):  # then what is left ends, not a live stream
+                while True:
+                    try:
+                        if not await reader.recv(1 << 20):
+                            break
+                    except ConnectionResetError:
+                        break
+
+
 async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
     """Unknown sessions and reviews answer 404, a pending review 409, bad input 422, a full
     mailbox 429; each body names the error and says what to do."""

@@ -24,7 +24,7 @@ from sessionactors.http import create_app, serve
 from sessionactors.testing import FaultyStore
 
 from .chat_agents import trio_agents
-from .served import HERE, serve_command
+from .served import HERE, Server, serve_command
 
 
 def stored(path: Path, name: str) -> tuple[list[sa.Status], list[sa.Message]]:
@@ -409,3 +409,54 @@ def test_a_second_sigterm_cuts_the_grace_short_and_still_hibernates(tmp_path: Pa
     _, history = stored(path, "s")
     assert [m.content for m in history[:3]] == ["keep me", "keep me", long_text]
     assert history[3].interrupted
+
+
+def silent_reader(server: Server, path: str) -> socket.socket:
+    """A client that asks for ``path`` (an event stream or a WebSocket) and reads nothing
+    of the answer, with a small receive buffer: what the server writes fills the socket's
+    buffers and its next write waits on the client for ever."""
+    reader = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect(("127.0.0.1", server.port))
+    head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+    if "/ws" in path:
+        head += "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+        head += "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+    reader.sendall(f"{head}\r\n".encode())
+    return reader
+
+
+@pytest.mark.parametrize(
+    "path", ["/sessions/fat/events?after=0", "/sessions/fat/ws?after=0"], ids=["sse", "ws"]
+)
+def test_serve_exits_on_sigterm_while_a_client_reads_nothing_of_its_stream(
+    tmp_path: Path, path: str
+) -> None:
+    """A client that replays a session of large messages and never reads its stream (its
+    socket buffers full, the server's write to it never done) does not hold the server:
+    on SIGTERM it closes that connection, hibernates every session to the store and
+    exits with status 0 well inside a platform's 30 s before SIGKILL."""
+    db = tmp_path / "served.db"
+    with (
+        serve_command(f"sqlite:///{db}") as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        big = "x" * 1_000_000
+        for _ in range(5):  # 10 MB of events to replay: more than the sockets hold
+            assert client.post("/sessions/fat/messages", json={"text": big}).status_code == 200
+        with contextlib.closing(silent_reader(server, path)):
+            time.sleep(2)  # (not an assertion: time for the server to fill the buffers)
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                server.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(
+                    "serve still ran 30 s after SIGTERM, held by a client that reads nothing"
+                )
+            took = time.monotonic() - signalled
+    assert server.process.returncode == 0
+    assert took < 15, f"serve took {took:.1f} s to exit after SIGTERM"
+    statuses, history = stored(db, "fat")
+    assert statuses == [sa.Status.HIBERNATED]
+    assert len(history) == 10
