@@ -1,9 +1,15 @@
-"""Opening a subscription: replay from the hub's ring or the store's journal, then live."""
+"""Opening a subscription: replay from the hub's ring or the store's journal, then live.
+
+A replay from a store that reads its journal in pages (``JournalPageStore``) is read a
+page at a time, when the reader has taken the page before: a subscription holds a page
+of the journal, not the whole journal after its ``after``.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Final
 
 import trio
 
@@ -11,9 +17,91 @@ from ._codec import load_journal_entry
 from ._errors import Advice, AdviceKind, EventsExpiredError, advised
 from ._events import Event
 from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
-from .stores._base import Store
+from .stores._base import JournalEntry, JournalPageStore, Store
 
 __all__ = ["EventIterator", "open_event_iterator"]
+
+#: A page of a replay from the store: at most this many journal entries, and no entry
+#: after the one that brings their data to REPLAY_PAGE_BYTES.
+REPLAY_PAGE_ENTRIES: Final = 256
+REPLAY_PAGE_BYTES: Final = 1 << 19
+
+
+async def _read_page(
+    store: Store, session_id: str, after: int
+) -> tuple[int, list[JournalEntry], bool]:
+    """``(trimmed_upto, entries, more)``: the next journal entries after ``after`` (a
+    page, if the store reads pages), and whether more may follow them."""
+    if isinstance(store, JournalPageStore):
+        trimmed, entries = await store.read_journal_page(
+            session_id, after, limit=REPLAY_PAGE_ENTRIES, max_bytes=REPLAY_PAGE_BYTES
+        )
+        size = sum(len(entry.data) for entry in entries)
+        return trimmed, entries, len(entries) >= REPLAY_PAGE_ENTRIES or size >= REPLAY_PAGE_BYTES
+    trimmed, entries = await store.read_journal(session_id, after)
+    return trimmed, entries, False
+
+
+class _Pages:
+    """The rest of a replay from the store, merged with the events memory held when the
+    subscription opened (the ring, durable events not stored yet) and those published
+    since (taken from the subscriber's buffer as each page is read, or a replayed event
+    with a larger seq would make the iterator skip them)."""
+
+    def __init__(
+        self, session_id: str, store: Store, sub: Subscriber, after: int, held: dict[int, Event]
+    ) -> None:
+        self._session_id = session_id
+        self._store = store
+        self._sub = sub
+        self._after = after
+        #: The last journal seq read.
+        self._position = after
+        self._held = held
+        #: Events held beyond which the reader has fallen behind the live session.
+        self._most = len(held) + sub.send.statistics().max_buffer_size
+        #: The last seq of the replay so far, while it may still cross a wake's jump.
+        self._prev: int | None = after
+        self.done = False
+
+    async def next(self, cursor: int) -> list[Event]:
+        """The next events of the replay, in seq order (the last ones once ``done``)."""
+        session_id = self._session_id
+        trimmed, entries, more = await _read_page(self._store, session_id, self._position)
+        if trimmed > self._position:  # (trimmed after the first page: see open_event_iterator)
+            raise expired_error_at(session_id, cursor, trimmed)
+        return self.take(entries, more, cursor)
+
+    def take(self, entries: list[JournalEntry], more: bool, cursor: int) -> list[Event]:
+        held = self._held
+        after = self._after
+        top = self._position
+        for entry in entries:  # an entry holds one commit's events
+            for event in load_journal_entry(entry.data, self._session_id):
+                top = max(top, event.seq)
+                if event.seq > after:
+                    held.setdefault(event.seq, event)
+        if entries:
+            self._position = entries[-1].seq
+        while True:
+            try:
+                event = self._sub.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            held[event.seq] = event
+        more = more and bool(entries)
+        if more:  # what memory holds above this page waits for the pages before it
+            seqs = sorted(seq for seq in held if seq <= top)
+        else:
+            seqs = sorted(held)
+            self.done = True
+        batch = [held.pop(seq) for seq in seqs]
+        batch = [event for event in batch if event.seq > after]
+        if self._prev is not None:
+            self._prev = _check_jumps(self._session_id, after, self._prev, batch)
+        if more and len(held) > self._most:
+            raise lagged_error(self._session_id, cursor)
+        return batch
 
 
 class EventIterator:
@@ -27,8 +115,10 @@ class EventIterator:
         replay: list[Event],
         cursor: int,
         on_close: Callable[[], None],
+        pages: _Pages | None = None,
     ) -> None:
         self._session_id = session_id
+        self._pages = pages
         self._hub = hub
         self._sub = sub
         self._replay = deque(replay)
@@ -51,6 +141,12 @@ class EventIterator:
     async def __anext__(self) -> Event:
         while True:
             replay = self._replay
+            pages = self._pages
+            if not replay and pages is not None:
+                replay.extend(await pages.next(self._cursor))
+                if pages.done:
+                    self._pages = None
+                continue
             if replay:
                 # checkpoint before taking an event: a cancelled read must lose nothing
                 await trio.lowlevel.checkpoint()
@@ -88,6 +184,7 @@ class EventIterator:
         hub, sub, on_close = self._hub, self._sub, self._on_close
         self._hub, self._sub, self._on_close = nxt._hub, nxt._sub, nxt._on_close
         self._replay.extend(nxt._replay)
+        self._pages = nxt._pages
         self.follow = nxt.follow
         nxt._closed = True  # what it held is this iterator's now
         hub.unsubscribe(sub)
@@ -134,47 +231,42 @@ async def open_event_iterator(
         floor, pending = unsaved()
         found: dict[int, Event] = {e.seq: e for e in pending if after < e.seq <= published}
         found.update((e.seq, e) for e in hub.ring_after(after))
-        trimmed, entries = await store.read_journal(session_id, after)
+        trimmed, entries, more = await _read_page(store, session_id, after)
         trimmed = max(trimmed, floor)
         if trimmed > after:
-            raise advised(
-                EventsExpiredError,
-                f"events of session {session_id!r} after seq {after} are no longer "
-                f"available; the oldest available is seq {trimmed + 1}: ",
-                Advice(kind=AdviceKind.RELOAD_STATE),
-                session_id=session_id,
-                oldest_seq=trimmed + 1,
-            )
-        for entry in entries:  # an entry holds one commit's events
-            for event in load_journal_entry(entry.data, session_id):
-                if event.seq > after:
-                    found.setdefault(event.seq, event)
-        # Events published during the read wait in the buffer: they join the replay, or a
-        # replayed event with a larger seq would make the iterator skip them.
-        while True:
-            try:
-                event = sub.receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            found[event.seq] = event
-        replay = [found[seq] for seq in sorted(found) if seq > after]
-        _check_jumps(session_id, after, replay)
-        return EventIterator(session_id, hub, sub, replay, after, on_close)
+            raise expired_error_at(session_id, after, trimmed)
+        pages = _Pages(session_id, store, sub, after, found)
+        replay = pages.take(entries, more, after)
+        return EventIterator(
+            session_id, hub, sub, replay, after, on_close, None if pages.done else pages
+        )
     except BaseException:
         hub.unsubscribe(sub)
         on_close()
         raise
 
 
-def _check_jumps(session_id: str, after: int, replay: list[Event]) -> None:
-    """EventsExpiredError if ``replay`` crosses a wake's seq jump that this hub did not
-    make or no longer remembers (a gap of more than SEQ_GAP / 2; the first event after
-    it, journaled at the jump + 1, tells the durable seq it jumped from) and ``after``
-    lies above that durable seq: a lost incarnation published it."""
-    prev = after
+def expired_error_at(session_id: str, after: int, trimmed: int) -> EventsExpiredError:
+    return advised(
+        EventsExpiredError,
+        f"events of session {session_id!r} after seq {after} are no longer "
+        f"available; the oldest available is seq {trimmed + 1}: ",
+        Advice(kind=AdviceKind.RELOAD_STATE),
+        session_id=session_id,
+        oldest_seq=trimmed + 1,
+    )
+
+
+def _check_jumps(session_id: str, after: int, prev: int, replay: list[Event]) -> int | None:
+    """EventsExpiredError if ``replay`` (the replay's events after seq ``prev``) crosses a
+    wake's seq jump that this hub did not make or no longer remembers (a gap of more than
+    SEQ_GAP / 2; the first event after it, journaled at the jump + 1, tells the durable seq
+    it jumped from) and ``after`` lies above that durable seq: a lost incarnation published
+    it. The last seq checked, or None once a jump has been checked (none later is)."""
     for event in replay:
         if event.seq - prev > SEQ_GAP // 2:
             if after > event.seq - SEQ_GAP - 1:
                 raise expired_error(session_id, after, event.seq)
-            return
+            return None
         prev = event.seq
+    return prev

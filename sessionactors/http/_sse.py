@@ -7,10 +7,13 @@ ends the stream with an error frame, and which may end it with a last frame
 of its own.
 
 Two tasks serve it: a reader takes events from the subscription into a
-bounded outbox, and a writer sends what the outbox holds in one body
-message, so that events that arrive together leave in one socket write. A
-client that reads too slowly fills the outbox, then its subscription's
-buffer, and is ended like any lagging subscriber (it resumes with
+outbox bounded in frames and in bytes, and a writer sends what the outbox
+holds in one body message (up to the byte bound), so that events that arrive
+together leave in one socket write. A client that reads too slowly fills the
+outbox, and the reader waits for room: a replay (read from the store a page
+at a time) waits with it, holding no more than the outbox and a page; live
+events fill the subscription's buffer meanwhile, and a client that falls
+that far behind is ended like any lagging subscriber (it resumes with
 Last-Event-ID). The writer sends a heartbeat comment when it has had nothing
 to send for ``heartbeat`` seconds. The response also watches for the client
 going away and ends when the app drains. A write that the client takes
@@ -58,8 +61,10 @@ Select = Callable[[sa.Event], tuple[bytes | None, bool]]
 #: How long (milliseconds) a browser's EventSource waits before it reconnects.
 RETRY_MS: Final = 1000
 
-#: Frames an event stream holds for a client that reads slowly.
+#: Frames an event stream holds for a client that reads slowly, and their bytes (one
+#: frame may pass the byte bound: the reader waits for room before the next).
 OUTBOX_FRAMES: Final = 256
+OUTBOX_BYTES: Final = 1 << 20
 
 #: Heartbeat intervals a write may wait on a client that takes nothing before the
 #: stream ends and its connection is reset (a lagging client, as one whose
@@ -118,6 +123,7 @@ class _Outbox:
 
     def __init__(self, first: bytes) -> None:
         self.frames: list[bytes] = [first]
+        self.size = len(first)
         self.closed = False
         self._filled = anyio.Event()
         self._emptied: anyio.Event | None = None
@@ -125,6 +131,7 @@ class _Outbox:
     def put(self, data: bytes) -> None:
         if not self.closed:
             self.frames.append(data)
+            self.size += len(data)
             self._filled.set()
 
     def close(self, last: bytes | None = None) -> None:
@@ -132,23 +139,39 @@ class _Outbox:
             return
         if last is not None:
             self.frames.append(last)
+            self.size += len(last)
         self.closed = True
         self._filled.set()
 
     async def wait_filled(self) -> None:
         await self._filled.wait()
 
+    @property
+    def full(self) -> bool:
+        return len(self.frames) >= OUTBOX_FRAMES or self.size >= OUTBOX_BYTES
+
     def take(self) -> bytes:
-        data = b"".join(self.frames)
-        self.frames.clear()
-        self._filled = anyio.Event()
+        """The frames waiting, up to OUTBOX_BYTES (at least one), as one body."""
+        frames = self.frames
+        count = 0
+        size = 0
+        for piece in frames:
+            if count and size + len(piece) > OUTBOX_BYTES:
+                break
+            count += 1
+            size += len(piece)
+        data = frames[0] if count == 1 else b"".join(frames[:count])
+        del frames[:count]
+        self.size -= size
+        if not frames:
+            self._filled = anyio.Event()
         if self._emptied is not None:
             self._emptied.set()
             self._emptied = None
         return data
 
     async def wait_room(self) -> None:
-        while len(self.frames) >= OUTBOX_FRAMES:
+        while self.full:
             self._emptied = emptied = anyio.Event()
             await emptied.wait()
 
@@ -253,7 +276,7 @@ async def _read(
                 outbox.put(data)
             if last:
                 break
-            if len(outbox.frames) >= OUTBOX_FRAMES:
+            if outbox.full:
                 await outbox.wait_room()
     except sa.SessionActorsError as exc:
         # fell behind (SubscriberLaggedError), or the session's events ended with an

@@ -25,6 +25,7 @@ from .._codec import load_events as load_events
 from .._codec import load_info as load_info
 from .._listing import info_activity as info_activity
 from ._base import JournalEntry as JournalEntry
+from ._base import JournalPageStore as JournalPageStore
 from ._base import Lease as Lease
 from ._base import LeaseBatchStore as LeaseBatchStore
 from ._base import PagedStore as PagedStore
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "JournalEntry",
+    "JournalPageStore",
     "Lease",
     "LeaseBatchStore",
     "MAX_JOURNAL_ENTRY_BYTES",

@@ -13,7 +13,9 @@ Each session has
   with every successful claim.
 
 A store may also list its sessions a page at a time (:class:`PagedStore`); one
-that does not is listed through ``list_sessions``, all at once.
+that does not is listed through ``list_sessions``, all at once. Likewise a store
+may read its journal a page at a time (:class:`JournalPageStore`); one that does
+not is replayed to a subscriber through ``read_journal``, all at once.
 
 Writes may carry ``fence``: when it is not ``None`` the store checks, in the
 same atomic step as the write, that it equals the session's current fencing
@@ -28,7 +30,15 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ["JournalEntry", "Lease", "LeaseBatchStore", "PagedStore", "Store", "StoredSession"]
+__all__ = [
+    "JournalEntry",
+    "JournalPageStore",
+    "Lease",
+    "LeaseBatchStore",
+    "PagedStore",
+    "Store",
+    "StoredSession",
+]
 
 
 @attrs.frozen
@@ -182,4 +192,26 @@ class LeaseBatchStore(Store, Protocol):
     async def renew_many(self, leases: Mapping[str, Lease], ttl: float) -> set[str]:
         """Extend every lease (session name -> lease) for ``ttl`` seconds; the names
         whose leases are no longer held."""
+        ...
+
+
+@runtime_checkable
+class JournalPageStore(Store, Protocol):
+    """A :class:`Store` that reads a session's journal a page at a time.
+
+    A subscription replaying events from the store (``ref.subscribe(after=...)``,
+    an event stream with Last-Event-ID) reads the next page only when its reader
+    has taken the last one, so it holds a page of the journal at a time, however
+    long the journal is; through ``read_journal`` alone it holds the whole journal
+    after the seq it resumes from.
+    """
+
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        """``(trimmed_upto, entries)`` as ``read_journal`` answers, but only the first
+        entries with seq > ``after``: at most ``limit`` (>= 1) of them, and none after
+        the one that brings their data to ``max_bytes`` or more (so at least one, if any
+        is kept). Raises ``SessionNotFoundError`` if not stored.
+        """
         ...

@@ -160,6 +160,18 @@ def _check_stored_entries(
     return entries
 
 
+def _page(entries: Sequence[JournalEntry], max_bytes: int) -> list[JournalEntry]:
+    """The first ``entries`` up to the one that brings their data to ``max_bytes``."""
+    page = []
+    total = 0
+    for entry in entries:
+        page.append(entry)
+        total += len(entry.data)
+        if total >= max_bytes:
+            break
+    return page
+
+
 # The store -------------------------------------------------------------------
 
 
@@ -325,6 +337,15 @@ class MemoryStore:
         await trio.lowlevel.checkpoint()
         session = self._get(session_id)
         return session.trimmed_upto, [e for e in session.journal if e.seq > after]
+
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        await trio.lowlevel.checkpoint()
+        session = self._get(session_id)
+        journal = session.journal
+        start = bisect.bisect_right(journal, after, key=lambda e: e.seq)
+        return session.trimmed_upto, _page(journal[start : start + max(limit, 1)], max_bytes)
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         await trio.lowlevel.checkpoint()

@@ -1245,6 +1245,36 @@ class SQLiteStore:
         result: tuple[int, list[JournalEntry]] = await self._call(session_id, op, writes=False)
         return result
 
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        since = min(max(after, 0), MAX_SEQ)
+
+        def op(conn: sqlite3.Connection, now: float) -> tuple[int, list[JournalEntry]]:
+            row = conn.execute(
+                "SELECT trimmed_upto FROM sessions WHERE session_id = ?", (session_id,)
+            ).fetchone()
+            if row is None:
+                raise _not_found_error(session_id)
+            trimmed = _check_stored_seq(session_id, row[0], "the journal's trimmed seq")
+            cursor = conn.execute(
+                "SELECT seq, data FROM journal WHERE session_id = ? AND seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (session_id, since, max(limit, 1)),
+            )
+            rows = []
+            total = 0
+            for seq, data in cursor:  # rows are fetched one at a time: stop at the bound
+                rows.append((seq, data))
+                total += len(data) if isinstance(data, bytes) else 0
+                if total >= max_bytes:
+                    break
+            cursor.close()
+            return trimmed, _check_stored_entries(session_id, rows, since)
+
+        result: tuple[int, list[JournalEntry]] = await self._call(session_id, op, writes=False)
+        return result
+
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         def op(conn: sqlite3.Connection, now: float) -> list[tuple[str, bytes]]:
             rows = conn.execute("SELECT session_id, info FROM sessions ORDER BY session_id")

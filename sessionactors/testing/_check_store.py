@@ -18,7 +18,7 @@ from .._errors import (
     StoreError,
 )
 from .._records import SessionInfo, Status
-from ..stores._base import JournalEntry, Lease, PagedStore, Store, StoredSession
+from ..stores._base import JournalEntry, JournalPageStore, Lease, PagedStore, Store, StoredSession
 
 __all__ = ["check_store"]
 
@@ -119,6 +119,17 @@ async def _expect_journal(
         f"read_journal({session_id!r}, {after}) returned {got!r}, "
         f"expected {(trimmed, list(expected))!r}",
     )
+    if isinstance(store, JournalPageStore):  # its pages: the same entries, bounded
+        for limit, max_bytes, count in ((1000, 1 << 30, 1000), (2, 1 << 30, 2), (1000, 1, 1)):
+            page = await store.read_journal_page(
+                session_id, after, limit=limit, max_bytes=max_bytes
+            )
+            want = (trimmed, list(expected)[:count])
+            _expect(
+                page == want,
+                f"read_journal_page({session_id!r}, {after}, limit={limit}, "
+                f"max_bytes={max_bytes}) returned {page!r}, expected {want!r}",
+            )
 
 
 async def _expect_load(

@@ -1,0 +1,64 @@
+"""A replay from the store is read in pages as the reader takes it: what a subscription
+holds is bounded in bytes, however long the session's journal is."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from sessionactors.stores import load_events
+from sessionactors.testing import ScriptedModel
+
+TURNS = 40
+#: Each turn's user message; the journal holds TURNS of them (10 MB).
+TEXT = "x" * 250_000
+#: What a subscription that has delivered one event may hold: a few pages of the journal.
+BOUND = 4_000_000
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("hibernate", [True, False], ids=["hibernated", "live"])
+async def test_a_replay_from_the_store_holds_a_bounded_number_of_bytes(
+    tmp_path: Path, kind: str, hibernate: bool
+) -> None:
+    """A subscription replaying a 10 MB journal with after=0 holds no more than a few
+    pages of it at a time, and still delivers every journaled event in seq order."""
+    store: sa.Store = sa.MemoryStore() if kind == "memory" else sa.SQLiteStore(tmp_path / "s.db")
+    agents = {"a": sa.Agent(model=ScriptedModel(["ok"] * TURNS))}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("long")
+        with trio.fail_after(120):
+            for _ in range(TURNS):
+                await ref.send(TEXT)
+            if hibernate:
+                await ref.hibernate()
+        _, entries = await store.read_journal("long", 0)
+        journaled = [e.seq for entry in entries for e in load_events(entry.data)]
+        del entries
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            with trio.fail_after(120):
+                async with ref.subscribe(after=0) as events:
+                    first = await anext(events)
+                    held = tracemalloc.get_traced_memory()[0] - base
+                    got = [first.seq]
+                    async for event in events:
+                        if event.seq > journaled[-1]:
+                            break  # pragma: no cover (a live session publishes nothing more)
+                        got.append(event.seq)
+                        if event.seq == journaled[-1]:
+                            break
+        finally:
+            tracemalloc.stop()
+    assert held < BOUND, f"a subscription held {held} bytes after its first event"
+    assert set(journaled) <= set(got)
+    assert got == sorted(got)
