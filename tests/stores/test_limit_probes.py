@@ -310,9 +310,10 @@ async def _refund(order_id: str) -> str:
     return f"refunded {order_id}"
 
 
-async def test_a_session_imported_under_another_name_knows_its_open_turn(tmp_path: Path) -> None:
-    """A session waiting on a review, exported and imported with --as NAME, reports its
-    open turn as waiting (the turn id it was issued under its first name), then finished."""
+async def test_a_session_moved_to_another_store_knows_its_open_turn(tmp_path: Path) -> None:
+    """A session waiting on a review, exported and imported into another store under its
+    own name (a move: a copy under another name is refused while the review waits),
+    reports its open turn as waiting, then finished."""
     refund = sa.Tool(name="refund", fn=_refund, requires_review=True, idempotent=False)
     call = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
     agent = sa.Agent(model=ScriptedModel([Scripted(tool_calls=[call]), "done"]), tools=[refund])
@@ -321,13 +322,11 @@ async def test_a_session_imported_under_another_name_knows_its_open_turn(tmp_pat
         reply = await (await registry.spawn("first")).send("refund A1")
         assert reply.reviews
     exported = await _sessions_command("export", "first", "--store", f"sqlite:///{source}")
-    await _sessions_command(
-        "import", "-", "--as", "second", "--store", f"sqlite:///{target}", stdin=exported
-    )
+    await _sessions_command("import", "-", "--store", f"sqlite:///{target}", stdin=exported)
     async with sa.open_registry(store=sa.SQLiteStore(target), agents={"a": agent}) as registry:
-        ref = registry.ref("second")
+        ref = registry.ref("first")
         outcome = await ref.turn_outcome(reply.turn_id)
-        assert (outcome.session_id, outcome.status) == ("second", sa.TurnStatus.WAITING)
+        assert (outcome.session_id, outcome.status) == ("first", sa.TurnStatus.WAITING)
         (review,) = await ref.pending_reviews()
         final = await ref.review(review.id, approve=True)
         assert (final.turn_id, final.text) == (reply.turn_id, "done")
