@@ -763,6 +763,16 @@ def _create(path: str) -> None:
                 os.unlink(leftover)
 
 
+def _trimmed_upto(conn: sqlite3.Connection, session_id: str) -> int:
+    """The seq up to which the stored session's journal was trimmed."""
+    row = conn.execute(
+        "SELECT trimmed_upto FROM sessions WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    if row is None:
+        raise _not_found_error(session_id)
+    return _check_stored_seq(session_id, row[0], "the journal's trimmed seq")
+
+
 def _append_conflict(conn: sqlite3.Connection, args: _AppendArgs) -> StoreError:
     """The error for an append whose rows collide with journal rows already stored,
     though above the session's last seq: rows written behind the store's back."""
@@ -1230,12 +1240,7 @@ class SQLiteStore:
         since = min(max(after, 0), MAX_SEQ)  # every stored seq is in this range
 
         def op(conn: sqlite3.Connection, now: float) -> tuple[int, list[JournalEntry]]:
-            row = conn.execute(
-                "SELECT trimmed_upto FROM sessions WHERE session_id = ?", (session_id,)
-            ).fetchone()
-            if row is None:
-                raise _not_found_error(session_id)
-            trimmed = _check_stored_seq(session_id, row[0], "the journal's trimmed seq")
+            trimmed = _trimmed_upto(conn, session_id)
             rows = conn.execute(
                 "SELECT seq, data FROM journal WHERE session_id = ? AND seq > ? ORDER BY seq",
                 (session_id, since),
@@ -1251,12 +1256,7 @@ class SQLiteStore:
         since = min(max(after, 0), MAX_SEQ)
 
         def op(conn: sqlite3.Connection, now: float) -> tuple[int, list[JournalEntry]]:
-            row = conn.execute(
-                "SELECT trimmed_upto FROM sessions WHERE session_id = ?", (session_id,)
-            ).fetchone()
-            if row is None:
-                raise _not_found_error(session_id)
-            trimmed = _check_stored_seq(session_id, row[0], "the journal's trimmed seq")
+            trimmed = _trimmed_upto(conn, session_id)
             cursor = conn.execute(
                 "SELECT seq, data FROM journal WHERE session_id = ? AND seq > ? "
                 "ORDER BY seq LIMIT ?",
