@@ -325,7 +325,11 @@ async def test_a_fork_and_its_source_are_independent(autojump_clock: trio.abc.Cl
 
 async def test_fork_refusals(autojump_clock: trio.abc.Clock) -> None:
     """Fork refuses an unknown message, an existing name, and a call still waiting for review."""
-    refund = sa.Tool(name="refund", fn=lambda: "refunded", requires_review=True)
+
+    async def refunded() -> str:  # (async: a sync tool's thread would let the clock jump)
+        return "refunded"
+
+    refund = sa.Tool(name="refund", fn=refunded, requires_review=True)
     call = sa.ToolCall(id="call_r", name="refund")
     model = ScriptedModel(["hi", Scripted(tool_calls=[call]), "done"])
     async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[refund])}) as registry:
