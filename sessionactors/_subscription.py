@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Final
+from typing import Final, Protocol, runtime_checkable
 
 import trio
 
@@ -17,7 +17,7 @@ from ._codec import load_journal_entry
 from ._errors import Advice, AdviceKind, EventsExpiredError, advised
 from ._events import Event
 from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
-from .stores._base import JournalEntry, JournalPageStore, Store
+from .stores._base import JournalEntry, Store
 
 __all__ = ["EventIterator", "open_event_iterator"]
 
@@ -27,12 +27,20 @@ REPLAY_PAGE_ENTRIES: Final = 256
 REPLAY_PAGE_BYTES: Final = 1 << 19
 
 
+@runtime_checkable
+class _PageReader(Protocol):
+    """What reads a journal in pages: a ``JournalPageStore``, or the multi-worker layer's
+    replay of a session that runs elsewhere (its event stream, then the store's pages)."""
+
+    read_journal_page: Callable[..., Awaitable[tuple[int, list[JournalEntry]]]]
+
+
 async def _read_page(
     store: Store, session_id: str, after: int
 ) -> tuple[int, list[JournalEntry], bool]:
     """``(trimmed_upto, entries, more)``: the next journal entries after ``after`` (a
     page, if the store reads pages), and whether more may follow them."""
-    if isinstance(store, JournalPageStore):
+    if isinstance(store, _PageReader):
         trimmed, entries = await store.read_journal_page(
             session_id, after, limit=REPLAY_PAGE_ENTRIES, max_bytes=REPLAY_PAGE_BYTES
         )

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import coredis
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import load_events
+from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import ScriptedModel
 
 TURNS = 40
@@ -22,22 +26,77 @@ TEXT = "x" * 250_000
 BOUND = 4_000_000
 
 
-@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@asynccontextmanager
+async def open_registries(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[sa.Store, sa.Registry, sa.Registry]]:
+    """The store, the registry the session runs on and the one a subscriber reads it
+    through (another worker's, for "workers")."""
+    agents = {"a": sa.Agent(model=ScriptedModel(["ok"] * TURNS))}
+    if kind in ("memory", "sqlite"):
+        store: sa.Store = (
+            sa.MemoryStore() if kind == "memory" else sa.SQLiteStore(tmp_path / "s.db")
+        )
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            yield store, registry, registry
+        return
+    url: str = request.getfixturevalue("redis_url")
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    try:
+        async with AsyncExitStack() as stack:
+            store = RedisStore(url, prefix=prefix)
+            stack.push_async_callback(store.aclose)
+            if kind == "redis":
+                registry = await stack.enter_async_context(
+                    sa.open_registry(store=store, agents=agents)
+                )
+                yield store, registry, registry
+                return
+            owner, reader = [
+                await stack.enter_async_context(
+                    sa.open_registry(
+                        store=RedisStore(url, prefix=prefix), agents=agents, worker_id=worker
+                    )
+                )
+                for worker in ("a", "b")
+            ]
+            yield store, owner, reader
+    finally:
+        with trio.fail_after(30):
+            async with coredis.Redis.from_url(url) as client:
+                keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+                if keys:
+                    await client.unlink(keys)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "memory",
+        "sqlite",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("workers", marks=pytest.mark.redis),
+    ],
+)
 @pytest.mark.parametrize("hibernate", [True, False], ids=["hibernated", "live"])
 async def test_a_replay_from_the_store_holds_a_bounded_number_of_bytes(
-    tmp_path: Path, kind: str, hibernate: bool
+    tmp_path: Path, request: pytest.FixtureRequest, kind: str, hibernate: bool
 ) -> None:
     """A subscription replaying a 10 MB journal with after=0 holds no more than a few
-    pages of it at a time, and still delivers every journaled event in seq order."""
-    store: sa.Store = sa.MemoryStore() if kind == "memory" else sa.SQLiteStore(tmp_path / "s.db")
-    agents = {"a": sa.Agent(model=ScriptedModel(["ok"] * TURNS))}
-    async with sa.open_registry(store=store, agents=agents) as registry:
-        ref = await registry.spawn("long")
+    pages of it at a time, and still delivers every journaled event in seq order (from
+    each store, and through another worker than the session's)."""
+    async with open_registries(kind, tmp_path, request) as (store, owner, reader):
+        ref = await owner.spawn("long")
         with trio.fail_after(120):
             for _ in range(TURNS):
                 await ref.send(TEXT)
             if hibernate:
                 await ref.hibernate()
+                if kind in ("redis", "workers"):
+                    # a subscription there wakes a session that runs nowhere (to learn
+                    # where its events stand): woken first, it holds its state before
+                    # the measure, and its new hub none of the events journaled
+                    await ref.state()
         _, entries = await store.read_journal("long", 0)
         journaled = [e.seq for entry in entries for e in load_events(entry.data)]
         del entries
@@ -47,7 +106,7 @@ async def test_a_replay_from_the_store_holds_a_bounded_number_of_bytes(
         try:
             base = tracemalloc.get_traced_memory()[0]
             with trio.fail_after(120):
-                async with ref.subscribe(after=0) as events:
+                async with reader.ref("long").subscribe(after=0) as events:
                     first = await anext(events)
                     held = tracemalloc.get_traced_memory()[0] - base
                     got = [first.seq]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.stores import JournalEntry, MemoryStore, Store, dump_events
+from sessionactors.stores import JournalEntry, JournalPageStore, MemoryStore, Store, dump_events
 from sessionactors.testing import (
     EchoModel,
     FaultyStore,
@@ -128,6 +131,68 @@ async def test_a_held_call_waits_for_its_gate() -> None:
     assert (gate.waiting, gate.is_open) == (0, True)
     await store.append("s", [entry(2)], b"")  # an open gate holds nothing more
     assert [e.seq for e in (await store.read_journal("s", 0))[1]] == [1, 2]
+
+
+async def test_a_page_of_the_journal_is_a_read_of_it() -> None:
+    """read_journal_page meets the failures and gates of read_journal and counts as one."""
+    store = FaultyStore()
+    await store.create("s", SNAPSHOT, b"")
+    await store.append("s", [entry(1), entry(2)], b"")
+    store.fail("read_journal", session_id="s")
+    with pytest.raises(sa.StoreError, match="injected read_journal fault for session 's'"):
+        await store.read_journal_page("s", 0, limit=1, max_bytes=10)
+    gate = store.hold("read_journal", after=True)
+    got: list[tuple[int, list[JournalEntry]]] = []
+
+    async def read() -> None:
+        got.append(await store.read_journal_page("s", 0, limit=1, max_bytes=10))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (gate.waiting, got) == (1, [])
+        gate.open()
+    assert got == [(0, [entry(1)])]
+    assert (store.calls["read_journal"], store.injected) == (2, 1)
+
+
+class WholeJournalStore:
+    """A store that reads its journal whole only (it has no read_journal_page)."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "read_journal_page":
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+
+@pytest.mark.parametrize("wrap", [FaultyStore, lambda store: FlawedStore("lose_appends", store)])
+async def test_the_wrappers_read_pages_of_a_store_that_reads_its_journal_whole(
+    wrap: Callable[[Store], Store],
+) -> None:
+    """FaultyStore and FlawedStore read pages of a store without read_journal_page, cut
+    from its read_journal."""
+    store = wrap(WholeJournalStore())  # type: ignore[arg-type]
+    assert isinstance(store, JournalPageStore)
+    inner = store.store  # type: ignore[attr-defined]
+    await store.create("s", SNAPSHOT, b"")
+    await inner.append("s", [JournalEntry(seq, b"ab") for seq in (1, 2, 3)], b"")
+    assert await store.read_journal_page("s", 0, limit=2, max_bytes=10) == (
+        0,
+        [JournalEntry(1, b"ab"), JournalEntry(2, b"ab")],
+    )
+    assert await store.read_journal_page("s", 1, limit=5, max_bytes=3) == (
+        0,
+        [JournalEntry(2, b"ab"), JournalEntry(3, b"ab")],
+    )
+
+
+async def test_a_faulty_store_over_a_store_without_pages_keeps_the_store_contract() -> None:
+    """FaultyStore over a store that reads its journal whole passes check_store."""
+    with trio.fail_after(60):
+        await check_store(lambda: FaultyStore(WholeJournalStore()))  # type: ignore[arg-type]
 
 
 async def test_a_gate_after_the_call_holds_its_acknowledgement() -> None:

@@ -203,7 +203,8 @@ class JournalPageStore(Store, Protocol):
     an event stream with Last-Event-ID) reads the next page only when its reader
     has taken the last one, so it holds a page of the journal at a time, however
     long the journal is; through ``read_journal`` alone it holds the whole journal
-    after the seq it resumes from.
+    after the seq it resumes from. ``MemoryStore``, ``SQLiteStore`` and ``RedisStore``
+    read pages, and so do the test kit's ``FaultyStore`` and ``FlawedStore``.
     """
 
     async def read_journal_page(

@@ -258,6 +258,33 @@ return {t, redis.call('XRANGE', KEYS[2], ARGV[1], '+')}
 """
 )
 
+# KEYS: meta, log.  ARGV: first id ('(<after>-0' or '-'), most entries, most bytes.
+# Returns false, or {trimmed, entries}: the first entries of the journal from the first
+# id on, at most the most entries, and none after the one whose data brings theirs to
+# the most bytes. They are read a few at a time, so the script holds no more than that
+# either, however large the entries past the bound are.
+_READ_JOURNAL_PAGE: Final = Script[bytes](
+    script="""
+local t = redis.call('HGET', KEYS[1], 'trimmed')
+if not t then return false end
+local most, bytes = tonumber(ARGV[2]), tonumber(ARGV[3])
+local page, size, first = {}, 0, ARGV[1]
+while #page < most do
+  local want = math.min(most - #page, 16)
+  local batch = redis.call('XRANGE', KEYS[2], first, '+', 'COUNT', want)
+  for _, entry in ipairs(batch) do
+    page[#page + 1] = entry
+    local data = entry[2][2]
+    if type(data) == 'string' then size = size + #data end
+    if size >= bytes then return {t, page} end
+  end
+  if #batch < want then break end
+  first = '(' .. batch[#batch][1]
+end
+return {t, page}
+"""
+)
+
 # KEYS: meta, info, log, lease, shard, index[, activity].  ARGV: encoded name, listing
 # member.
 _DELETE: Final = Script[bytes](
@@ -1136,6 +1163,25 @@ class RedisStore:
             session_id,
             lambda c: _READ_JOURNAL([meta, log], [start], client=c),
         )
+        return self._journal_reply(session_id, after, reply)
+
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        meta, _info, log, _lease, _shard = self._keys(session_id)
+        start = "-" if after < 0 else f"({min(after, _MAX_SEQ)}-0"
+        args = [start, str(min(max(limit, 1), _MAX_SEQ)), str(min(max(max_bytes, 0), _MAX_SEQ))]
+        reply: Any = await self._run(
+            "read the journal of",
+            session_id,
+            lambda c: _READ_JOURNAL_PAGE([meta, log], args, client=c),
+        )
+        return self._journal_reply(session_id, after, reply)
+
+    def _journal_reply(
+        self, session_id: str, after: int, reply: Any
+    ) -> tuple[int, list[JournalEntry]]:
+        """``(trimmed_upto, entries)`` of a journal script's reply (None: not stored)."""
         if reply is None:
             raise _not_found_error(session_id)
         trimmed, entries = reply

@@ -4,7 +4,9 @@
 has (a write that hangs, a write that fails), when and where a test asks.
 ``FlawedStore`` breaks the contract (it loses or reorders what it was given):
 it is the negative control of a durability test, which must fail with it.
-Both wrap any :class:`~sessionactors.stores.Store` and forward every call to it.
+Both wrap any :class:`~sessionactors.stores.Store` and forward every call to it;
+both read its journal in pages (each is a ``JournalPageStore``), with its own
+``read_journal_page``, or cut from ``read_journal`` if it has none.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import attrs
 import trio
 
 from .._errors import StoreError
-from ..stores._base import JournalEntry, Lease, Store, StoredSession
-from ..stores._memory import MemoryStore
+from ..stores._base import JournalEntry, JournalPageStore, Lease, Store, StoredSession
+from ..stores._memory import MemoryStore, _page
 
 __all__ = ["FaultyStore", "FlawedStore", "Gate"]
 
@@ -41,6 +43,17 @@ _OPERATIONS: Final = (
 
 def _store_or_memory(store: Store | None) -> Store:
     return MemoryStore() if store is None else store
+
+
+async def _read_page(
+    store: Store, session_id: str, after: int, limit: int, max_bytes: int
+) -> tuple[int, list[JournalEntry]]:
+    """A page of the journal of ``store``: its own, or cut from ``read_journal`` if it
+    reads no pages."""
+    if isinstance(store, JournalPageStore):
+        return await store.read_journal_page(session_id, after, limit=limit, max_bytes=max_bytes)
+    trimmed, entries = await store.read_journal(session_id, after)
+    return trimmed, _page(entries[: max(limit, 1)], max_bytes)
 
 
 def _check_operation(operation: str) -> None:
@@ -134,7 +147,10 @@ class FaultyStore:
     The operations (``OPERATIONS``) are the methods of the Store protocol:
     ``create``, ``load``, ``append``, ``write_snapshot``, ``read_journal``,
     ``list_sessions``, ``exists``, ``delete``, ``claim``, ``renew``, ``release``
-    and ``aclose``. ``store`` defaults to a new ``MemoryStore``.
+    and ``aclose``. A read of the journal a page at a time (``read_journal_page``,
+    as a subscription's replay reads it) is a ``read_journal`` here: it meets that
+    operation's gates and failures and counts as one. ``store`` defaults to a new
+    ``MemoryStore``.
     """
 
     OPERATIONS: ClassVar[tuple[str, ...]] = _OPERATIONS
@@ -276,6 +292,15 @@ class FaultyStore:
         await self._leave("read_journal", session_id)
         return result
 
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        # a read of the journal: its gates, failures and count are read_journal's
+        await self._enter("read_journal", session_id)
+        result = await _read_page(self.store, session_id, after, limit, max_bytes)
+        await self._leave("read_journal", session_id)
+        return result
+
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         await self._enter("list_sessions", None)
         result = await self.store.list_sessions()
@@ -353,8 +378,8 @@ class FlawedStore:
     - ``"lose_snapshots"``: ``write_snapshot`` trims the journal as asked but
       keeps the old snapshot (as a store that is not atomic does when it dies
       between the two): what the new snapshot held and the trimmed entries are lost.
-    - ``"reorder_journal"``: ``load`` and ``read_journal`` return the journal
-      entries newest first.
+    - ``"reorder_journal"``: ``load``, ``read_journal`` and ``read_journal_page``
+      return the journal entries newest first.
     - ``"ignore_fences"``: writes drop their fencing token, so a stale owner's
       writes land.
     - ``"ignore_leases"``: ``claim`` hands out a lease even when another owner
@@ -437,6 +462,13 @@ class FlawedStore:
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
         await self._catch_up()
         trimmed, entries = await self.store.read_journal(session_id, after)
+        return trimmed, self._reordered(entries)
+
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        await self._catch_up()
+        trimmed, entries = await _read_page(self.store, session_id, after, limit, max_bytes)
         return trimmed, self._reordered(entries)
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:

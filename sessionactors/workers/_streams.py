@@ -40,7 +40,7 @@ from .._hub import Hub
 from .._records import Status, TurnStatus
 from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
-from ..stores._base import JournalEntry, Store
+from ..stores._base import JournalEntry, JournalPageStore, Store
 from ._transport import StreamItem, Transport, fatal
 from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
 
@@ -128,12 +128,26 @@ def _running_turn(answer: Mapping[str, Any]) -> tuple[str, str | None] | None:
 
 
 class _Replay:
-    """The ``read_journal`` a subscription replays from: the event stream, then the journal."""
+    """The journal a subscription replays from: the event stream, then the store's
+    journal, read a page at a time if the store reads pages (a ``JournalPageStore``)."""
 
     def __init__(self, streams: Streams) -> None:
         self._streams = streams
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:
+        return await self._read(session_id, after, None)
+
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[JournalEntry]]:
+        return await self._read(session_id, after, (limit, max_bytes))
+
+    async def _read(
+        self, session_id: str, after: int, page: tuple[int, int] | None
+    ) -> tuple[int, list[JournalEntry]]:
+        """What the stream holds after ``after`` if it reaches back there, or else the
+        journal after it (its first page, with ``page``: its bounds) and what the stream
+        holds up to where that ends (all it holds, if that is the journal's end)."""
         streams = self._streams
         oldest, items = await streams.transport.events_after(session_id, after)
         items, replaced = streams.own_items(session_id, items)
@@ -151,8 +165,19 @@ class _Replay:
                 return after, [JournalEntry(seq, held[seq]) for seq in sorted(held)]
         # The stream does not reach back to ``after``: the journal has the durable events
         # (an entry holds a commit's events; the subscription merges them by seq).
-        trimmed, entries = await streams.host.store.read_journal(session_id, after)
-        return trimmed, entries + [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+        store = streams.host.store
+        if page is None or not isinstance(store, JournalPageStore):
+            trimmed, entries = await store.read_journal(session_id, after)
+            return trimmed, entries + [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+        limit, max_bytes = page
+        trimmed, entries = await store.read_journal_page(
+            session_id, after, limit=limit, max_bytes=max_bytes
+        )
+        if entries and (len(entries) >= limit or sum(len(e.data) for e in entries) >= max_bytes):
+            top = entries[-1].seq  # more may follow: the next page takes the stream on
+            found = {seq: data for seq, data in found.items() if seq <= top}
+        streamed = [JournalEntry(seq, found[seq]) for seq in sorted(found)]
+        return trimmed, sorted(entries + streamed, key=lambda entry: entry.seq)
 
 
 class _Followed:

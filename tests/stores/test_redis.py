@@ -126,6 +126,33 @@ async def test_append_load_and_read_journal(make_store: MakeStore) -> None:
         assert await store.list_sessions() == [("s", b"i3")]
 
 
+async def test_journal_pages_are_the_journal_cut_at_their_bounds(make_store: MakeStore) -> None:
+    """read_journal_page answers the trimmed seq and first entries read_journal does, at
+    most ``limit`` of them and none past the one that brings their data to ``max_bytes``,
+    however many reads of the stream that takes."""
+    store = make_store()
+    with trio.fail_after(30):
+        await store.create("s", b"snap", b"i")
+        await store.append("s", [E(seq, b"d" * seq) for seq in range(1, 61)], b"i")
+        await store.write_snapshot("s", b"snap", 3, b"i", trim_upto=3)
+        for after in (0, 2, 3, 20, 59, 60):
+            trimmed, journal = await store.read_journal("s", after)
+            assert trimmed == 3
+            for limit in (1, 2, 15, 16, 17, 33, 100):
+                for max_bytes in (0, 1, 50, 400, 1 << 40):
+                    want = []
+                    for entry in journal[:limit]:
+                        want.append(entry)
+                        if sum(len(e.data) for e in want) >= max_bytes:
+                            break
+                    page = await store.read_journal_page(
+                        "s", after, limit=limit, max_bytes=max_bytes
+                    )
+                    assert page == (3, want), (after, limit, max_bytes)
+        with pytest.raises(SessionNotFoundError):
+            await store.read_journal_page("missing", 0, limit=10, max_bytes=100)
+
+
 async def test_append_rejects_seqs_not_above_stored_ones(make_store: MakeStore) -> None:
     """An append whose seqs are not strictly above every stored one fails and writes nothing."""
     store = make_store()
