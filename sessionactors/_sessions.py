@@ -398,10 +398,17 @@ class Sessions:
                 raise
             if stored.status is Status.STOPPED:
                 iterator.close()
-            elif _left_mid_turn(stored) and self.router is None and name not in self.live:
+            elif (
+                _left_mid_turn(stored)
+                and stored.agent in self.agents
+                and self.router is None
+                and name not in self.live
+            ):
                 # Its process died mid-turn: nothing else would wake it, and the turn
                 # (resumed by the wake) ends only then. The subscription came first, so
-                # it sees all of it. (With other workers, the router wakes it.)
+                # it sees all of it. (With other workers, the router wakes it. A registry
+                # without its agent, an observer, could not resume the turn: it leaves
+                # the session to one that can.)
                 with contextlib.suppress(SessionActorsError):  # (deleted, closing, failed)
                     self.activate(name)
         return iterator

@@ -161,3 +161,33 @@ async def test_a_subscription_does_not_wake_an_idle_or_waiting_session(
                     await trio.testing.wait_all_tasks_blocked()
                 assert registry.live() == []
     assert runs == []
+
+
+async def test_a_subscription_from_a_registry_without_its_agent_does_not_wake_it(
+    make_store: StoreFactory,
+) -> None:
+    """An observer (a dashboard, another app on the same store) opened without the
+    session's agent cannot resume its turn: its subscription must not wake the session
+    and hold it there, where the turn never ends and the server that has the agent
+    finds the session taken. The server's own subscription then wakes and finishes it."""
+    runs: list[str] = []
+    last = await die_in_refund(make_store, runs)
+    with trio.fail_after(10):
+        async with (
+            sa.open_registry(store=make_store(), agents={}) as observer,
+            observer.ref("s").subscribe(after=last),
+        ):
+            await trio.testing.wait_all_tasks_blocked()
+            assert observer.live() == []
+        state = await sa.read_session(make_store(), "s")
+        assert state.open_turn is not None
+        agents = {"a": refund_agent(runs, trio.Event(), review=False, resumed=True)}
+        async with (
+            sa.open_registry(store=make_store(), agents=agents) as registry,
+            registry.ref("s").subscribe(after=last) as events,
+        ):
+            async for event in events:
+                if isinstance(event, OUTCOMES):
+                    break
+    assert isinstance(event, sa.TurnFinished)
+    assert runs == ["A1"]
