@@ -1852,23 +1852,27 @@ def crashed_error(
 ) -> SessionCrashedError:
     """``storing``: the turn whose outcome the store was writing (it may have kept it);
     ``retry_after``: with ``failed``, the seconds until the session may start again."""
+    cause = describe(exc)
     if storing:
-        return advised(
+        error = advised(
             SessionCrashedError,
             f"session {sid!r} crashed while the store wrote the outcome of turn {storing} "
-            f"({describe(exc)}); it was restarted from its last durable state, which may "
+            f"({cause}); it was restarted from its last durable state, which may "
             "hold that outcome: ",
             Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=storing),
             " before sending it again (with an idempotency key, a retry cannot run it twice)",
             session_id=sid,
         )
-    if failed:
-        return failed_error(sid, describe(exc), retry_after)
-    return SessionCrashedError(
-        f"session {sid!r} crashed while handling this request ({describe(exc)}); it was "
-        "restarted from its last durable state, so retry the request",
-        session_id=sid,
-    )
+    elif failed:
+        return failed_error(sid, cause, retry_after)
+    else:
+        error = SessionCrashedError(
+            f"session {sid!r} crashed while handling this request ({cause}); it was "
+            "restarted from its last durable state, so retry the request",
+            session_id=sid,
+        )
+    error._cause_told = cause
+    return error
 
 
 def failed_error(sid: str, reason: str, retry_after: float | None) -> SessionCrashedError:
@@ -1878,10 +1882,12 @@ def failed_error(sid: str, reason: str, retry_after: float | None) -> SessionCra
         then = "fix the cause, then restart the process or delete the session"
     else:
         then = f"its store failed, so it is tried again on a request in {retry_after:.1f} s"
-    return SessionCrashedError(
+    error = SessionCrashedError(
         f"session {sid!r} crashed too often and is marked failed ({reason}); {then}",
         session_id=sid,
     )
+    error._cause_told = reason
+    return error
 
 
 def _remember(

@@ -229,6 +229,11 @@ class TurnCancelledError(SessionActorsError):
 class SessionCrashedError(SessionActorsError):
     """The session's actor crashed while the request was pending, or keeps crashing."""
 
+    #: (Internal, set where it is made) the crash's cause as the message repeats it:
+    #: the server's own account (a store's file path, an app's exception text), which
+    #: a frontend may tell by its kind instead.
+    _cause_told: str = ""
+
 
 class SessionStoppedError(SessionActorsError):
     """The session (or the registry) is stopped and takes no more requests.

@@ -49,6 +49,7 @@ from ._json import (
     error_json,
     error_status,
     event_to_json,
+    foreign_kind,
     metadata_json,
     plain_error,
     reply_to_json,
@@ -489,6 +490,12 @@ class SessionsApp:
         message = told(error, functools.partial(self._http_advice, scope))
         if isinstance(error, sa.TurnFailedError):
             message = turn_failure_told(error, message)
+        elif isinstance(error, sa.SessionCrashedError) and error._cause_told:
+            cause = error._cause_told
+            kind = foreign_kind(cause)
+            if kind is not None:  # (its message repeats the server's own account)
+                log.warning("a request met a crashed session: %s", message)
+                message = message.replace(f"({cause})", f"({kind}; {LOGGED})")
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
             log.warning("a request failed in the store: %s", message)
             session = error.session_id

@@ -18,6 +18,7 @@ __all__ = [
     "error_status",
     "event_to_json",
     "failure_told",
+    "foreign_kind",
     "metadata_json",
     "reply_to_json",
     "state_to_json",
@@ -60,9 +61,9 @@ def failure_told(reason: str) -> str:
     ``ModelError`` ...), else its kind only (see ``event_to_json``)."""
     if reason.startswith(LOST_PREFIX) and reason.endswith(")"):
         cause = reason[len(LOST_PREFIX) : -1]
-        kind = _foreign_kind(cause)
+        kind = foreign_kind(cause)
         return reason if kind is None else f"{LOST_PREFIX}{kind}; {LOGGED})"
-    kind = _foreign_kind(reason)
+    kind = foreign_kind(reason)
     return reason if kind is None else f"the turn failed with {kind}; {LOGGED}"
 
 
@@ -78,7 +79,7 @@ def turn_failure_told(error: sa.TurnFailedError, message: str) -> str:
     return f"{head}{failure_told(reason)}{kept}{FAILED_TAIL}"
 
 
-def _foreign_kind(reason: str) -> str | None:
+def foreign_kind(reason: str) -> str | None:
     """The kind of the exception ``reason`` describes (``"Kind: message"``, or
     ``"Kind"``), or None if it is the library's own: an error of sessionactors other
     than a store's (which names the server's files and hosts) or a crash's (which

@@ -151,6 +151,36 @@ async def test_a_store_failure_answers_503_without_the_store_internals(
     assert len(logged(caplog, "secret-dir")) == 1
 
 
+async def test_a_store_failure_that_crashes_a_session_is_told_without_the_store_internals(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that fails as a turn's outcome is written crashes the session (it restarts
+    from its last durable state): the caller's SessionCrashedError is told with the
+    cause's kind and the advice it carries, not the cause's message (the server's file
+    path), which the server's log has."""
+    path = str(tmp_path / "secret-dir" / "sessions.db")
+    (tmp_path / "secret-dir").mkdir()
+    store = FaultyStore(sa.SQLiteStore(path))
+    app = create_app(store=store, agents=trio_agents())
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            r = await client.post("/sessions/s/messages", json={"text": "hi"})
+            assert r.status_code == 200, r.text
+            failure = sa.StoreError(
+                f"session 's': the sqlite store at {path!r} failed (disk I/O error); "
+                "check the file, its directory and the disk, then retry",
+                session_id="s",
+            )
+            store.fail("append", session_id="s", error=failure)
+            r = await client.post("/sessions/s/messages", json={"text": "again"})
+            body = r.json()
+            assert body["error"] == "SessionCrashedError", body
+            assert "secret-dir" not in r.text
+            assert "StoreError; the server's log has the details" in body["message"], body
+            assert "(GET /sessions/s)" in body["message"], body  # (its advice, for HTTP)
+    assert logged(caplog, "secret-dir")
+
+
 @pytest.mark.parametrize(
     ("body", "told", "python"),
     [
