@@ -472,7 +472,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         An async context manager yielding an async iterator. ``after=seq``
         first replays every still-available event with a larger seq
         (EventsExpiredError if some are gone), then continues live with no
-        gap and no duplicate. Subscribing does not wake the session.
+        gap and no duplicate. The replay reads the store a page at a time, as the
+        reader takes it: a reader that a snapshot's trim of the journal overtakes
+        gets EventsExpiredError there (reload the state with ``ref.state()``).
+        Subscribing does not wake an idle session; one whose process died in the
+        middle of a turn (a turn open, no review pending) is woken by a registry that
+        has its agent, so that the turn ends and the subscriber sees its outcome.
 
         It ends when the session is stopped or deleted, or the registry closes.
         Iterating raises ``SubscriberLaggedError`` if the reader fell behind, and
