@@ -33,7 +33,7 @@ from ._events import (
     make_delta,
 )
 
-__all__ = ["SEQ_GAP", "Hub", "Subscriber", "expired_error", "lagged_error"]
+__all__ = ["SEQ_GAP", "Hub", "Subscriber", "event_size", "expired_error", "lagged_error"]
 
 #: How far seq jumps when a session wakes from a state that was not hibernated
 #: cleanly (the process died): above any seq the lost incarnation can have used.
@@ -61,7 +61,15 @@ def _size(event: Event | _Kept) -> int:
     """A cheap estimate of the memory an event holds, for the ring's byte bound."""
     if isinstance(event, tuple):
         return _KEPT_BYTES + len(event[2])
+    return event_size(event)
+
+
+def event_size(event: Event) -> int:
+    """A cheap estimate of the memory an event holds (its texts, and a little more), for
+    the byte bounds of what is held for a reader."""
     cls = event.__class__
+    if cls is Delta:
+        return 128 + len(event.text)  # type: ignore[attr-defined]
     if cls is MessageAdded or cls is TurnFinished:
         return 160 + len(event.message.content)  # type: ignore[attr-defined]
     if cls is TurnStarted:

@@ -3,7 +3,7 @@
 Each asynchronous method hands the trio method of the same name to the host's
 trio run and waits, in asyncio, for its answer. Subscriptions run as a trio
 task that reads the trio subscription and passes its events to asyncio
-through a bounded buffer.
+through a buffer bounded in events and in bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import trio
 
 import sessionactors as sa
 
-from .._hub import lagged_error
+from .._hub import event_size, lagged_error
 from .._ref import check_after, check_message, entered_twice, known_reply, not_in_block
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, ended_error, release_host
@@ -67,8 +67,10 @@ async def on_trio(
     return await registry._host.call(fn, registry._registry, session_id=session_id)
 
 
-#: Events a subscription passes to asyncio ahead of its reader.
+#: Events a subscription passes to asyncio ahead of its reader, and their bytes (as
+#: ``event_size`` estimates them; one event may pass the byte bound).
 _EVENTS_AHEAD: Final = 256
+_BYTES_AHEAD: Final = 1 << 20
 
 
 @attrs.define(eq=False, repr=False)
@@ -373,6 +375,7 @@ class EventStream:
     def __init__(self, host: Host) -> None:
         self._host = host
         self._events: deque[sa.Event] = deque()
+        self._bytes = 0  # the events' estimated size
         self._ended = False
         self._error: BaseException | None = None
         # the asyncio readers wait (one each: several tasks may read one subscription)
@@ -399,8 +402,13 @@ class EventStream:
                 if reader in self._readers:  # (cancelled before an event came)
                     self._readers.remove(reader)
         event = events.popleft()
+        self._bytes = bytes_ahead = self._bytes - event_size(event) if events else 0
         room = self._room
-        if room is not None and len(events) <= _EVENTS_AHEAD // 2:
+        if (
+            room is not None
+            and len(events) <= _EVENTS_AHEAD // 2
+            and bytes_ahead <= _BYTES_AHEAD // 2
+        ):
             self._room = None
             self._host.run_sync_soon(room.set)
         return event
@@ -409,8 +417,9 @@ class EventStream:
 
     async def _put(self, event: sa.Event) -> None:
         self._events.append(event)
+        self._bytes += event_size(event)
         self._wake_reader()
-        while len(self._events) >= _EVENTS_AHEAD:
+        while len(self._events) >= _EVENTS_AHEAD or self._bytes >= _BYTES_AHEAD:
             self._room = room = trio.Event()
             try:
                 await room.wait()

@@ -57,7 +57,16 @@ from ._json import (
     to_json,
     turn_failure_told,
 )
-from ._sse import EventStreamResponse, FrameCache, Select, Stream, StreamHooks, frame
+from ._sockets import WriteGuard
+from ._sse import (
+    STALL_HEARTBEATS,
+    EventStreamResponse,
+    FrameCache,
+    Select,
+    Stream,
+    StreamHooks,
+    frame,
+)
 
 __all__ = ["Action", "Authorize", "SessionsApp", "create_app"]
 
@@ -210,9 +219,9 @@ def create_app(
       session creates it (default) or answers 404.
     - ``heartbeat``: seconds of silence after which an event stream sends a
       comment line, so that proxies and browsers keep it open. An event
-      stream whose client takes nothing of a write for twice this long is
-      ended and its connection reset (the client resumes with
-      ``Last-Event-ID``).
+      stream or WebSocket whose client takes nothing of a write for twice
+      this long is ended and its connection reset (the client resumes with
+      ``Last-Event-ID``, or ``?after=`` on a WebSocket).
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
     - ``max_body``: the largest request body accepted, in bytes (413 above).
@@ -983,8 +992,14 @@ class SessionsApp:
     async def _converse(
         self, registry: AnyRegistry, ref: AnyRef, websocket: WebSocket, events: Any
     ) -> None:
+        # a send the client takes nothing of for two heartbeat intervals ends the socket
+        # and resets its connection (the client resumes with ?after=)
+        writes = WriteGuard(
+            websocket.scope, websocket.send, STALL_HEARTBEATS * self._hooks.heartbeat
+        )
+
         async def say(data: dict[str, Any]) -> None:
-            await websocket.send_text(dumps(data).decode())
+            await writes.send({"type": "websocket.send", "text": dumps(data).decode()})
 
         async def failed(exc: Exception) -> None:
             _, body = self._error_body(exc, websocket.scope, ref.session_id)
@@ -996,7 +1011,7 @@ class SessionsApp:
                     await say(event_to_json(event))
             except sa.SubscriberLaggedError as exc:
                 await failed(exc)  # reconnect with ?after=last_seq
-            await websocket.close(1000)
+            await writes.send({"type": "websocket.close", "code": 1000, "reason": ""})
             group.cancel_scope.cancel()
 
         async def wait_reply(wait: Callable[[], Awaitable[Any]]) -> None:
@@ -1025,6 +1040,7 @@ class SessionsApp:
         async with anyio.create_task_group() as group:
             self._track(group.cancel_scope)
             try:
+                group.start_soon(writes.guard, group.cancel_scope)
                 group.start_soon(forward)
                 while True:
                     try:
@@ -1081,7 +1097,9 @@ class SessionsApp:
                         await failed(exc)
             finally:
                 self._untrack(group.cancel_scope)
-        if self._draining:
+        if writes.stalled:  # (its connection is reset: no closing frame)
+            log.warning("a WebSocket's client took nothing for %s s; ended it", writes.bound)
+        elif self._draining:
             await _ws_close(websocket, None, 1001)
 
     @asynccontextmanager

@@ -33,6 +33,7 @@ import attrs
 
 import sessionactors as sa
 
+from .._hub import event_size
 from ._json import dumps, event_to_json
 from ._sockets import WriteGuard
 
@@ -88,24 +89,39 @@ class FrameCache:
     """The SSE frame of each recent event, made once for all the clients that send it.
 
     Keyed by (session, seq) and checked by identity: a deleted session's namesake,
-    whose seqs start again, never gets another event's frame.
+    whose seqs start again, never gets another event's frame. Bounded in frames and in
+    bytes (the frames' and their events' texts): the oldest go first.
     """
 
-    def __init__(self, size: int = 4096) -> None:
+    def __init__(self, size: int = 4096, max_bytes: int = 4 << 20) -> None:
         self._size = size
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._frames: dict[tuple[str, int], tuple[sa.Event, bytes]] = {}
 
     def __call__(self, event: sa.Event) -> bytes:
         key = (event.session_id, event.seq)
-        cached = self._frames.get(key)
+        frames = self._frames
+        cached = frames.get(key)
         if cached is not None and cached[0] is event:
             return cached[1]
         data = frame(event_to_json(event), event.seq)
-        frames = self._frames
-        if len(frames) >= self._size:
-            del frames[next(iter(frames))]  # the oldest
+        if cached is not None:
+            self._forget(key)
         frames[key] = (event, data)
+        self._bytes += _cost(event, data)
+        while len(frames) > self._size or (self._bytes > self._max_bytes and len(frames) > 1):
+            self._forget(next(iter(frames)))  # the oldest
         return data
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        event, data = self._frames.pop(key)
+        self._bytes -= _cost(event, data)
+
+
+def _cost(event: sa.Event, data: bytes) -> int:
+    """What a cached frame holds: its bytes and its event's."""
+    return len(data) + event_size(event)
 
 
 @attrs.define(eq=False)

@@ -310,6 +310,37 @@ async def test_an_event_stream_whose_client_takes_nothing_is_ended(serve: Serve)
                         break
 
 
+async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
+    """A WebSocket client that replays a session of large messages and reads nothing (the
+    server's send to it never done) does not hold its connection: after two heartbeat
+    intervals without a send taken, the socket ends (the client resumes with ?after=)."""
+    async with (
+        serve(heartbeat=0.2) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=60) as client,
+    ):
+        big = "x" * 1_000_000
+        for _ in range(5):  # 10 MB of events to replay: more than the sockets hold
+            assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
+        port = int(served.url.rsplit(":", 1)[1])
+        with trio.socket.socket() as reader:
+            reader.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+            await reader.connect(("127.0.0.1", port))
+            head = (
+                f"GET /sessions/fat/ws?after=0 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
+            await reader.send(head.encode())
+            await trio.sleep(3)  # (not an assertion: it reads nothing for 15 heartbeats)
+            with trio.fail_after(30):  # then what is left ends, not a live socket
+                while True:
+                    try:
+                        if not await reader.recv(1 << 20):
+                            break
+                    except ConnectionResetError:
+                        break
+
+
 async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
     """Unknown sessions and reviews answer 404, a pending review 409, bad input 422, a full
     mailbox 429; each body names the error and says what to do."""
