@@ -235,6 +235,13 @@ class SessionCrashedError(SessionActorsError):
     _cause_told: str = ""
 
 
+def crash_cause(error: SessionCrashedError) -> str:
+    """The cause that ``error``'s message repeats (the server's own account: a store's
+    file path, an app's exception text), for a frontend to tell by its kind; "" if none
+    was recorded (an error from another worker)."""
+    return error._cause_told
+
+
 class SessionStoppedError(SessionActorsError):
     """The session (or the registry) is stopped and takes no more requests.
 

@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
-from .._errors import Advice, AdviceKind, shown, told
+from .._errors import Advice, AdviceKind, crash_cause, shown, told
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
@@ -499,8 +499,8 @@ class SessionsApp:
         message = told(error, functools.partial(self._http_advice, scope))
         if isinstance(error, sa.TurnFailedError):
             message = turn_failure_told(error, message)
-        elif isinstance(error, sa.SessionCrashedError) and error._cause_told:
-            cause = error._cause_told
+        elif isinstance(error, sa.SessionCrashedError) and crash_cause(error):
+            cause = crash_cause(error)
             kind = foreign_kind(cause)
             if kind is not None:  # (its message repeats the server's own account)
                 log.warning("a request met a crashed session: %s", message)
