@@ -691,6 +691,7 @@ class GatedEcho:
         yield sa.TextChunk(request.messages[-1].content)
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_a_shard_in_a_long_turn_stays_until_the_turn_ends(cluster: Cluster) -> None:
     """With balancing, sessions in a turn longer than lease_ttl stay on their worker while it runs (requests for them get answered there after a bounded wait) and spread once their turns ended."""
     model = GatedEcho()
@@ -1433,7 +1434,9 @@ async def _race_rounds(
             await workers[i].call("hibernate", name=name)
 
 
-@pytest.mark.parametrize(("processes", "rounds"), [(2, 200), (8, 200)])
+@pytest.mark.parametrize(
+    ("processes", "rounds"), [(2, 200), pytest.param(8, 200, marks=pytest.mark.soak)]
+)
 async def test_workers_racing_to_wake_a_session_have_one_owner(
     cluster: Cluster, processes: int, rounds: int
 ) -> None:

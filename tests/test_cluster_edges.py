@@ -124,6 +124,7 @@ async def held_after(reads: int, read: Callable[[], Awaitable[list[sa.Message]]]
         tracemalloc.stop()
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_reads_through_another_worker_hold_no_memory_per_read(redis_url: str) -> None:
     """Reading a 200 KB history through another worker many times leaves nothing behind: the owner keeps no copy of each answer, and nothing else the two workers hold grows with the number of reads."""
     prefix = f"sa-test:{uuid.uuid4().hex}"

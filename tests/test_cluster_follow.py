@@ -153,6 +153,7 @@ async def check_followers(followers: dict[str, Follower], acked: dict[str, dict[
     assert problems == []
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_a_subscription_follows_a_hibernated_session_to_where_it_wakes(
     redis_url: str,
 ) -> None:

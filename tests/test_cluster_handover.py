@@ -88,6 +88,7 @@ async def test_sessions_waiting_on_a_review_move_with_it_to_a_worker_that_joins(
                     ]
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_a_worker_hands_over_its_share_of_many_shards_without_waiting_for_rounds(
     redis_url: str,
 ) -> None:

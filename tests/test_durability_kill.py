@@ -113,6 +113,7 @@ def test_harness_catches_a_store_that_acknowledges_before_committing(tmp_path: P
     assert problems, "the harness did not notice acknowledged messages going missing"
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 def test_kill_during_hibernation_leaves_a_loadable_snapshot(tmp_path: Path) -> None:
     """Killing a process that hibernates and wakes sessions in a loop leaves old or new state, never a broken one."""
     assert kill_rounds(tmp_path, "hibernate-loop", rounds=8, seed=3) == []

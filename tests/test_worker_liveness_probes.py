@@ -307,6 +307,7 @@ async def test_a_replay_whose_held_request_the_owner_never_answers_goes_on_withi
     assert [e.seq for e in replayed] == sorted(e.seq for e in replayed)
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_a_keyed_stream_follows_its_turn_sent_on_after_its_worker_was_killed(
     redis_url: str,
 ) -> None:

@@ -474,7 +474,9 @@ async def _race(
     return overlaps, log
 
 
-@pytest.mark.parametrize(("processes", "rounds"), [(2, 600), (8, 400)])
+@pytest.mark.parametrize(
+    ("processes", "rounds"), [(2, 600), pytest.param(8, 400, marks=pytest.mark.soak)]
+)
 async def test_processes_racing_for_a_lease_have_one_owner_per_round(
     make_store: MakeStore, redis_url: str, processes: int, rounds: int
 ) -> None:

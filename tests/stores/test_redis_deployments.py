@@ -502,6 +502,7 @@ async def test_a_failover_to_a_replica_without_an_append_only_file_is_refused(
         await looking.aclose()
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_a_cluster_failover_to_replicas_without_an_append_only_file_is_refused(
     private_redis_cluster: PrivateServer,
 ) -> None:

@@ -198,6 +198,7 @@ async def test_a_frozen_replica_fails_acknowledged_writes_in_time(
             await control.aclose()
 
 
+@pytest.mark.soak  # (slow: run by make soak)
 async def test_a_cluster_with_replicas_waits_for_them(
     private_redis_cluster: Callable[..., AbstractContextManager[str]],
 ) -> None:

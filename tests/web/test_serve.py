@@ -427,7 +427,11 @@ def silent_reader(server: Server, path: str) -> socket.socket:
 
 
 @pytest.mark.parametrize(
-    "path", ["/sessions/fat/events?after=0", "/sessions/fat/ws?after=0"], ids=["sse", "ws"]
+    "path",
+    [
+        pytest.param("/sessions/fat/events?after=0", id="sse"),
+        pytest.param("/sessions/fat/ws?after=0", id="ws", marks=pytest.mark.soak),  # (slow)
+    ],
 )
 def test_serve_exits_on_sigterm_while_a_client_reads_nothing_of_its_stream(
     tmp_path: Path, path: str
