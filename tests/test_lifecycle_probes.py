@@ -490,6 +490,9 @@ import signal, trio, trio.testing
 import sessionactors as sa
 from sessionactors.testing import EchoModel, FaultyStore
 
+# (as in a terminal: a test run started in the background inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 async def ctrl_c():
     for t in (2, 3, 4, 5, 6):
         await trio.sleep_until(t)
