@@ -57,26 +57,24 @@ _Kept = tuple[int, str, str]
 _KEPT_BYTES: Final = 96
 
 
-def _size(event: Event | _Kept) -> int:
-    """A cheap estimate of the memory an event holds, for the ring's byte bound."""
+def event_size(event: Event | _Kept) -> int:
+    """A cheap estimate of the memory an event (or a delta as the ring keeps it) holds:
+    its texts, and a little more; for the byte bounds of what is held for a reader."""
     if isinstance(event, tuple):
         return _KEPT_BYTES + len(event[2])
-    return event_size(event)
-
-
-def event_size(event: Event) -> int:
-    """A cheap estimate of the memory an event holds (its texts, and a little more), for
-    the byte bounds of what is held for a reader."""
     cls = event.__class__
-    if cls is Delta:
-        return 128 + len(event.text)  # type: ignore[attr-defined]
     if cls is MessageAdded or cls is TurnFinished:
         return 160 + len(event.message.content)  # type: ignore[attr-defined]
     if cls is TurnStarted:
         return 160 + len(event.text)  # type: ignore[attr-defined]
     if cls is ToolResult:
         return 160 + len(event.content)  # type: ignore[attr-defined]
+    if cls is Delta:
+        return 128 + len(event.text)  # type: ignore[attr-defined]
     return 128
+
+
+_size: Final = event_size
 
 
 class Subscriber:
