@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import trio
+
+
+def sessions(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m sessionactors sessions ARGS`` (``stdin`` its input), to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "sessionactors", "sessions", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 async def reap(process: trio.Process) -> None:

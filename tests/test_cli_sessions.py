@@ -25,24 +25,12 @@ import pytest
 import trio
 
 import sessionactors as sa
-from processes import reap
+from processes import reap, sessions
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
 
 HERE = Path(__file__).resolve().parent
 SERVER = HERE / "sessions_server.py"
-
-
-def sessions(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m sessionactors sessions ARGS``."""
-    return subprocess.run(
-        [sys.executable, "-m", "sessionactors", "sessions", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def ok(*args: str, stdin: str | None = None) -> str:

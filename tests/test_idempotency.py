@@ -4,8 +4,6 @@ a retry whose reply an edit removed, or that brings other words, is refused."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from processes import sessions
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -21,17 +20,6 @@ _REPLY_TEXT = "x" * 2048  # (EchoModel: the reply is the user's text)
 
 def _agents() -> dict[str, sa.Agent]:
     return {"echo": sa.Agent(model=EchoModel())}
-
-
-def _sessions_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sessionactors", "sessions", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 async def test_a_snapshot_writes_each_keyed_reply_once() -> None:
@@ -167,7 +155,7 @@ async def test_an_export_of_keyed_turns_imports_both_ways(tmp_path: Path) -> Non
         name = doc["session"]["session_id"]
         target = tmp_path / f"{name}.db"
         done = await trio.to_thread.run_sync(
-            lambda doc=doc, target=target: _sessions_cli(
+            lambda doc=doc, target=target: sessions(
                 "import", "-", "--store", f"sqlite:///{target}", stdin=json.dumps(doc)
             )
         )
