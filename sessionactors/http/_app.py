@@ -219,9 +219,12 @@ def create_app(
       session creates it (default) or answers 404.
     - ``heartbeat``: seconds of silence after which an event stream sends a
       comment line, so that proxies and browsers keep it open. An event
-      stream or WebSocket whose client takes nothing of a write for twice
-      this long is ended and its connection reset (the client resumes with
-      ``Last-Event-ID``, or ``?after=`` on a WebSocket).
+      stream is written in pieces of 64 KB; one whose client takes nothing
+      of a piece for twice this long (a WebSocket message, which cannot be
+      split, has twice this long for each 64 KB it carries) is ended and its
+      connection reset (the client resumes with ``Last-Event-ID``, or
+      ``?after=`` on a WebSocket). A client that reads slowly but takes
+      64 KB in that time (about 2 KB/s at the default) gets its whole stream.
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
     - ``max_body``: the largest request body accepted, in bytes (413 above).
@@ -992,8 +995,10 @@ class SessionsApp:
     async def _converse(
         self, registry: AnyRegistry, ref: AnyRef, websocket: WebSocket, events: Any
     ) -> None:
-        # a send the client takes nothing of for two heartbeat intervals ends the socket
-        # and resets its connection (the client resumes with ?after=)
+        # a send the client takes nothing of for two heartbeat intervals (a message larger
+        # than WRITE_BYTES, which cannot be split, has that for each WRITE_BYTES it
+        # carries) ends the socket and resets its connection (the client resumes with
+        # ?after=); a client that reads slowly but steadily gets its messages
         writes = WriteGuard(
             websocket.scope, websocket.send, STALL_HEARTBEATS * self._hooks.heartbeat
         )
@@ -1098,7 +1103,10 @@ class SessionsApp:
             finally:
                 self._untrack(group.cancel_scope)
         if writes.stalled:  # (its connection is reset: no closing frame)
-            log.warning("a WebSocket's client took nothing for %s s; ended it", writes.bound)
+            log.warning(
+                "a WebSocket's client took less than 64 KB of a message in %s s; ended it",
+                writes.bound,
+            )
         elif self._draining:
             await _ws_close(websocket, None, 1001)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
-__all__ = ["WriteGuard", "abort_connections"]
+__all__ = ["WRITE_BYTES", "WriteGuard", "abort_connections"]
 
 
 def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = None) -> int:
@@ -57,34 +57,53 @@ def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = N
     return aborted
 
 
-class WriteGuard:
-    """Ends a response whose client takes nothing of it for ``bound`` seconds.
+#: The bytes a write to a client may carry for each bound of waiting: an event stream's
+#: body is written in pieces of at most this size, and a larger write (a WebSocket
+#: message, which cannot be split) may wait one bound for each of its pieces.
+WRITE_BYTES: Final = 1 << 16
 
-    ``send`` wraps the ASGI send; ``guard`` (a task in the response's task group) waits
-    for a write that has not completed within ``bound`` seconds, then cancels
+
+class WriteGuard:
+    """Ends a response whose client takes less than 64 KB of it in ``bound`` seconds.
+
+    ``send`` wraps the ASGI send. A write may wait ``bound`` seconds for each
+    :data:`WRITE_BYTES` it carries (at least one); writes that overlap (a WebSocket's
+    tasks send at once, and the server writes them in turn) share one deadline, to
+    which each adds its own allowance. ``guard`` (a task in the response's task group)
+    waits for that deadline to pass with a write not done, then cancels
     ``cancel_scope`` (enough under asyncio servers) and resets the connection (needed
     under hypercorn's trio worker, which shields a socket write from cancellation);
     ``stalled`` says that it did, and that nothing more is to be sent.
+
+    So a client that keeps taking bytes, however slowly, is never cut as long as it
+    takes :data:`WRITE_BYTES` in each ``bound`` (about 2 KB/s at the gateway's
+    default of 30 s), and one that takes nothing is cut once the writes it holds up
+    have had their time.
     """
 
     def __init__(self, scope: Any, send: Any, bound: float) -> None:
         self._scope = scope
         self._send = send
         self.bound = bound
-        self._since: float | None = None
+        self._writing = 0  # (writes begun and not done)
+        self._deadline = 0.0  # (meaningful while _writing)
         self.stalled = False
 
     async def send(self, message: Any) -> None:
-        self._since = anyio.current_time()
+        allowance = max(1, -(-_size(message) // WRITE_BYTES)) * self.bound
+        if self._writing:
+            self._deadline += allowance
+        else:
+            self._deadline = anyio.current_time() + allowance
+        self._writing += 1
         try:
             await self._send(message)
         finally:
-            self._since = None
+            self._writing -= 1
 
     async def guard(self, cancel_scope: anyio.CancelScope) -> None:
         while True:
-            since = self._since
-            left = self.bound if since is None else since + self.bound - anyio.current_time()
+            left = self._deadline - anyio.current_time() if self._writing else self.bound
             if left > 0:
                 await anyio.sleep(left)
                 continue
@@ -94,3 +113,11 @@ class WriteGuard:
             if server and client:
                 abort_connections((server[0], server[1]), (client[0], client[1]))
             return
+
+
+def _size(message: Any) -> int:
+    """The bytes an ASGI message sends to the client (a body, or a WebSocket message)."""
+    data = message.get("body") or message.get("bytes") or message.get("text") or b""
+    if isinstance(data, str):  # (isascii is O(1): no copy for JSON of ASCII text)
+        return len(data) if data.isascii() else len(data.encode())
+    return len(data)

@@ -6,19 +6,22 @@ one, and optionally a ``side`` coroutine (the turn's reply) whose failure
 ends the stream with an error frame, and which may end it with a last frame
 of its own.
 
-Two tasks serve it: a reader takes events from the subscription into a
-outbox bounded in frames and in bytes, and a writer sends what the outbox
-holds in one body message (up to the byte bound), so that events that arrive
-together leave in one socket write. A client that reads too slowly fills the
-outbox, and the reader waits for room: a replay (read from the store a page
-at a time) waits with it, holding no more than the outbox and a page; live
-events fill the subscription's buffer meanwhile, and a client that falls
-that far behind is ended like any lagging subscriber (it resumes with
-Last-Event-ID). The writer sends a heartbeat comment when it has had nothing
-to send for ``heartbeat`` seconds. The response also watches for the client
-going away and ends when the app drains. A write that the client takes
+Two tasks serve it: a reader takes events from the subscription into a outbox
+bounded in frames and in bytes, and a writer sends what the outbox holds in
+body messages of up to 64 KB (``WRITE_BYTES``; a larger frame in pieces of
+that size), so that events that arrive together leave in one socket write, and
+a slow client's progress is seen piece by piece. A client that reads too
+slowly fills the outbox, and the reader waits for room: a replay (read from
+the store a page at a time) waits with it, holding no more than the outbox and
+a page; live events fill the subscription's buffer meanwhile, and a client
+that falls that far behind is ended like any lagging subscriber (it resumes
+with Last-Event-ID). The writer sends a heartbeat comment when it has had
+nothing to send for ``heartbeat`` seconds. The response also watches for the
+client going away and ends when the app drains. A piece that the client takes
 nothing of for two heartbeat intervals ends the stream and resets its
-connection: the client stopped reading, or its network is gone.
+connection: the client stopped reading, or its network is gone. A client that
+reads slowly but takes each piece within that time gets its stream, however
+large its events.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import sessionactors as sa
 
 from .._hub import event_size
 from ._json import dumps, event_to_json
-from ._sockets import WriteGuard
+from ._sockets import WRITE_BYTES, WriteGuard
 
 
 @attrs.frozen(kw_only=True)
@@ -67,9 +70,10 @@ RETRY_MS: Final = 1000
 OUTBOX_FRAMES: Final = 256
 OUTBOX_BYTES: Final = 1 << 20
 
-#: Heartbeat intervals a write may wait on a client that takes nothing before the
-#: stream ends and its connection is reset (a lagging client, as one whose
-#: subscription fell behind: it resumes with Last-Event-ID).
+#: Heartbeat intervals a write (of up to WRITE_BYTES; a larger one, this for each
+#: WRITE_BYTES it carries) may wait on a client that takes nothing before the stream
+#: ends and its connection is reset (a lagging client, as one whose subscription fell
+#: behind: it resumes with Last-Event-ID).
 STALL_HEARTBEATS: Final = 2
 
 HEADERS: Final = [
@@ -167,12 +171,12 @@ class _Outbox:
         return len(self.frames) >= OUTBOX_FRAMES or self.size >= OUTBOX_BYTES
 
     def take(self) -> bytes:
-        """The frames waiting, up to OUTBOX_BYTES (at least one), as one body."""
+        """The frames waiting, up to WRITE_BYTES (at least one), as one body."""
         frames = self.frames
         count = 0
         size = 0
         for piece in frames:
-            if count and size + len(piece) > OUTBOX_BYTES:
+            if count and size + len(piece) > WRITE_BYTES:
                 break
             count += 1
             size += len(piece)
@@ -259,7 +263,9 @@ class EventStreamResponse:
             finally:
                 self._hooks.untrack(group.cancel_scope)
         if writes.stalled:  # a client that takes nothing: its connection is reset
-            log.warning("an event stream's client took nothing for %s s; ended it", writes.bound)
+            log.warning(
+                "an event stream's client took nothing of a write for %s s; ended it", writes.bound
+            )
         elif not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -268,7 +274,9 @@ class EventStreamResponse:
         while True:
             if outbox.frames:
                 data = outbox.take()
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                for start in range(0, len(data), WRITE_BYTES):  # (a large frame in pieces)
+                    piece = data[start : start + WRITE_BYTES]  # (the whole: data itself)
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
                 continue
             if outbox.closed:
                 return

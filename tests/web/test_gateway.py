@@ -21,6 +21,7 @@ from sessionactors.testing import FaultyStore
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
+from .slow_reader import read_slowly
 from .wsclient import Closed, open_websocket
 
 SSE = {"accept": "text/event-stream"}
@@ -285,21 +286,25 @@ async def test_event_streams_send_heartbeats_while_quiet(serve: Serve) -> None:
 
 async def _silent_reader_is_ended(serve: Serve, request: str) -> None:
     """A raw client that sends ``request`` (a GET of ``/sessions/fat/...?after=0``) to a
-    session of large messages and reads nothing for 15 heartbeats: then what is left
-    must end (the stream ended, the connection reset), within 30 s."""
+    session of large messages and reads nothing for 60 heartbeats (a WebSocket message of
+    its events, up to 500 KB, may wait 16: two for each 64 KB): then what is left must end
+    (the stream ended, the connection reset), within 30 s."""
     async with (
-        serve(heartbeat=0.2) as served,
+        serve(heartbeat=0.05) as served,
         httpx.AsyncClient(base_url=served.url, timeout=60) as client,
     ):
-        big = "x" * 1_000_000
-        for _ in range(5):  # 10 MB of events to replay: more than the sockets hold
+        big = "x" * 250_000
+        for _ in range(5):  # 5 MB of events to replay: more than the sockets hold
             assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
         port = int(served.url.rsplit(":", 1)[1])
         with trio.socket.socket() as reader:
             reader.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+            # (an Ethernet's segments, not loopback's 64 KB, with which the server's
+            # kernel would hold megabytes of the stream)
+            reader.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, 1400)
             await reader.connect(("127.0.0.1", port))
             await reader.send(request.format(host=f"127.0.0.1:{port}").encode())
-            await trio.sleep(3)  # (not an assertion: it reads nothing for 15 heartbeats)
+            await trio.sleep(3)  # (not an assertion: it reads nothing for 60 heartbeats)
             with trio.fail_after(30):  # then what is left ends, not a live stream
                 while True:
                     try:
@@ -327,6 +332,31 @@ async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> 
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
     await _silent_reader_is_ended(serve, request)
+
+
+@pytest.mark.parametrize(
+    "target", ["/sessions/big/events?after=0", "/sessions/big/ws?after=0"], ids=["sse", "ws"]
+)
+async def test_a_client_that_reads_slowly_but_steadily_gets_its_stream(
+    serve: Serve, target: str
+) -> None:
+    """A client that reads a session of large messages slowly but steadily (about 400 KB/s:
+    an event of 1 MB takes it longer than two heartbeat intervals) gets every event."""
+    async with (
+        serve(heartbeat=0.5) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=60) as client,
+    ):
+        big = "x" * 500_000  # (its TurnStarted, with the text twice, is 1 MB)
+        assert (await client.post("/sessions/big/messages", json={"text": big})).is_success
+        async with client.stream("GET", "/sessions/big/events?after=0") as r:
+            expected = [data for _, data in await read_until(r, finished)]
+        port = int(served.url.rsplit(":", 1)[1])
+        with trio.fail_after(120):
+            events = await read_slowly(port, target, turns=1)
+    assert [event["seq"] for event in events] == [event["seq"] for event in expected]
+    assert events == expected
+    assert events[-1]["type"] == "TurnFinished"
+    assert events[-1]["message"]["content"] == big
 
 
 async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
