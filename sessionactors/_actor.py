@@ -583,6 +583,23 @@ class Actor:
         ):
             yield bound
 
+    async def bounded(self, write: Awaitable[_V]) -> _V:
+        """Await ``write``, store writes that a cancel must not cut half-way (the outcome
+        of a turn cancelled as it ended, a call's start before the call runs), shielded
+        and bounded by write_bound. If the store does not answer by then, the write is
+        not acknowledged: it fails as a refused write does, with a StoreError naming the
+        session (the journal's fault), so the session crashes and restarts from its
+        durable state, and its callers hear so."""
+        with self._bounded_write():
+            return await write
+        sid = self.session_id
+        error = self.journal.fault = StoreError(
+            f"session {sid!r}: the store did not answer a write within "
+            f"{self.host.config.write_bound:g} s, so it is taken as not written",
+            session_id=sid,
+        )
+        raise error
+
     def _status_due(self) -> bool:
         """Whether a status must be journaled before this request publishes anything."""
         return self.journal.must_journal_status(self.hub.seq if self.hub is not None else 0)
@@ -944,8 +961,9 @@ class Actor:
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
-            with trio.CancelScope(shield=True):
-                await self._settle(pending, key, failure=failure, final=final, cancelled=False)
+            await self.bounded(
+                self._settle(pending, key, failure=failure, final=final, cancelled=False)
+            )
             return
         await self._settle(pending, key, failure=failure, final=final, cancelled=False)
 

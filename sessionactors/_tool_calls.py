@@ -7,7 +7,7 @@ these functions reach the actor only through :class:`TurnHost`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import trio
 
@@ -40,6 +40,8 @@ __all__ = [
     "run_tool_calls",
 ]
 
+_T = TypeVar("_T")
+
 
 class TurnHost(Protocol):
     """What the tool-call steps of a turn may do to their session (the actor)."""
@@ -55,6 +57,7 @@ class TurnHost(Protocol):
     def add_message(self, message: Message) -> None: ...
     def request_messages(self, agent: Agent | None = None) -> Sequence[Message]: ...
     def commit(self, *, compact: bool = True) -> Awaitable[None]: ...
+    def bounded(self, write: Awaitable[_T]) -> Awaitable[_T]: ...
 
 
 def _needs_review(agent: Agent, call: ToolCall) -> bool:
@@ -187,8 +190,7 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
         actor.emit(event)
     else:
         actor.durable(event)
-        with trio.CancelScope(shield=True):  # before it runs, its start is durable
-            await actor.commit()
+        await actor.bounded(actor.commit())  # before it runs, its start is durable
     if tool is not None and actor.trace is None:  # _invoke's common case, inline
         await trio.lowlevel.checkpoint_if_cancelled()
         content, is_error = _result(await tool._run(call.arguments))
@@ -200,8 +202,7 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
 async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
     if _start_calls(actor, agent, calls):
         # before a non-idempotent call runs, its start is durable
-        with trio.CancelScope(shield=True):
-            await actor.commit()
+        await actor.bounded(actor.commit())
     results: list[tuple[str, bool] | None] = [None] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:

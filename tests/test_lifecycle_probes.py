@@ -19,7 +19,14 @@ import trio
 import trio.testing
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel, crash
+from sessionactors.testing import (
+    EchoModel,
+    FaultyStore,
+    Gate,
+    Scripted,
+    ScriptedModel,
+    crash,
+)
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
 
@@ -460,28 +467,109 @@ class ShieldedModel:
         yield sa.TextChunk("done")
 
 
-async def test_a_cancel_as_its_turn_ends_waits_for_a_slow_store_and_answers(
-    autojump_clock: trio.abc.Clock,
+async def open_late(gate: Gate) -> None:
+    """Open ``gate`` 1000 s from now: a store that comes back long after every bound
+    (so that a test of a bound ends, failing, where the bound is missing)."""
+    await trio.sleep(1000)
+    gate.open()
+
+
+def paying(paid: list[int]) -> sa.Agent:
+    """An agent whose second turn calls ``pay``, a tool that is not idempotent (its
+    start is journaled before it runs), which records what it paid in ``paid``."""
+
+    async def pay(amount: int) -> str:
+        paid.append(amount)
+        return f"paid {amount}"
+
+    call = sa.ToolCall(id="c1", name="pay", arguments='{"amount": 1}')
+    model = ScriptedModel(["ok", Scripted(tool_calls=[call]), "done"])
+    return sa.Agent(model=model, tools=[sa.Tool(name="pay", fn=pay, idempotent=False)])
+
+
+async def cancel_as_it_ends(ref: sa.SessionRef, store: FaultyStore) -> tuple[sa.Turn, Gate]:
+    """Submit a turn to a session of ShieldedModel and cancel it as it ends, with the
+    store holding every append from then on: its outcome's write hangs."""
+    turn = await ref.submit("hi")
+    await trio.sleep(0.5)  # the model thinks, shielded
+    gate = store.hold("append")
+    assert await ref.cancel()
+    await trio.sleep(1)  # the model is done: the outcome is written
+    assert gate.waiting == 1
+    return turn, gate
+
+
+async def pay_unrecorded(ref: sa.SessionRef, store: FaultyStore) -> tuple[sa.Turn, Gate]:
+    """Submit the paying turn of a session of ``paying`` with the store holding every
+    append: the write of the call's start, which must be durable before it runs, hangs
+    (and a cancel does not cut it)."""
+    await ref.send("warm up")
+    gate = store.hold("append")
+    turn = await ref.submit("pay please")
+    await trio.testing.wait_all_tasks_blocked()
+    assert gate.waiting == 1
+    assert await ref.cancel()
+    return turn, gate
+
+
+HANGS = {"outcome of a turn cancelled as it ended": "slow", "start of a payment": "pay"}
+
+
+@pytest.mark.parametrize("where", HANGS)
+async def test_a_shielded_write_that_the_store_never_takes_fails_its_caller_in_bounded_time(
+    autojump_clock: trio.abc.Clock, where: str
 ) -> None:
-    """ref.cancel() lands as the turn ends: the turn settles as it ended, and the store
-    takes longer than the write bound (30 s) to take its outcome; the caller still gets
-    its reply once the write lands, not a wait forever."""
+    """A write that a cancel must not cut (the outcome of a turn cancelled as it ended,
+    the start of a call that is not idempotent) and that the store never takes: within
+    the write bound (30 s) the caller gets SessionCrashedError naming the session (the
+    write is not acknowledged; a payment whose start is not durable never runs), and the
+    session, restarted from its durable state, answers again once the store is back."""
     store = FaultyStore()
-    async with sa.open_registry(store=store, agents={"a": sa.Agent(model=ShieldedModel())}) as reg:
-        ref = await reg.spawn("s")
-        turn = await ref.submit("hi")
-        await trio.sleep(0.5)  # the model thinks, shielded
-        gate = store.hold("append")
-        assert await ref.cancel()
+    paid: list[int] = []
+    agents = {"slow": sa.Agent(model=ShieldedModel()), "pay": paying(paid)}
+    async with trio.open_nursery() as nursery, sa.open_registry(store=store, agents=agents) as reg:
+        ref = await reg.spawn("s", agent=HANGS[where])
+        turn, gate = await (cancel_as_it_ends if where.startswith("outcome") else pay_unrecorded)(
+            ref, store
+        )
+        nursery.start_soon(open_late, gate)
+        with trio.fail_after(60), pytest.raises(sa.SessionCrashedError) as crashed:
+            await turn.reply()
+        assert crashed.value.session_id == "s"
+        assert paid == []
+        gate.open()
+        with trio.fail_after(60):
+            assert (await ref.send("again")).text == "done"
 
-        async def open_late() -> None:
-            await trio.sleep(40)
-            gate.open()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(open_late)
-            with trio.fail_after(3600):
-                assert (await turn.reply()).text == "done"
+@pytest.mark.parametrize("cut", [False, True], ids=["closed", "cancelled"])
+@pytest.mark.parametrize("where", HANGS)
+async def test_a_registry_closes_in_bounded_time_while_a_shielded_write_hangs(
+    autojump_clock: trio.abc.Clock, where: str, cut: bool
+) -> None:
+    """The registry's block is left (or cancelled from outside, as by a Ctrl-C) while a
+    session waits on a write that a cancel must not cut and the store never takes: the
+    close ends within its grace and write bound, not when the store comes back, and the
+    turn's caller has a typed error naming the session."""
+    store = FaultyStore()
+    agents = {"slow": sa.Agent(model=ShieldedModel()), "pay": paying([])}
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as outside:
+            async with sa.open_registry(store=store, agents=agents) as reg:
+                ref = await reg.spawn("s", agent=HANGS[where])
+                turn, gate = await (
+                    cancel_as_it_ends if where.startswith("outcome") else pay_unrecorded
+                )(ref, store)
+                nursery.start_soon(open_late, gate)
+                left = trio.current_time()
+                if cut:
+                    outside.cancel()
+                    await trio.sleep_forever()
+        assert trio.current_time() - left < 100  # (grace 10 s, write bound 30 s)
+        with trio.fail_after(1), pytest.raises(sa.SessionActorsError) as error:
+            await turn.reply()
+        assert error.value.session_id == "s"
+        nursery.cancel_scope.cancel()
 
 
 #: A trio program whose session's hibernation never returns, told to stop three times.
