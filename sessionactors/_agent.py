@@ -268,7 +268,8 @@ def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
         return ()
     made = []
     seen: set[str] = set()
-    for index, p in sorted(calls, key=lambda item: item[0]):
+    ordered = calls if len(calls) == 1 else sorted(calls, key=lambda item: item[0])
+    for index, p in ordered:
         if not p.name:
             raise ValueError(f"the model streamed a tool call (index {index}) without a name")
         call_id = storable(p.id) if p.id else ""
@@ -319,19 +320,20 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step, size: int) -> int:
             ctx.delta(storable(text))
         return size
     if isinstance(chunk, ToolCallChunk):
-        _check_call_chunk(chunk)
+        index, call_id, name, arguments = chunk.index, chunk.id, chunk.name, chunk.arguments
+        _check_call_chunk(index, call_id, name, arguments)
         parts = step.parts
-        p = parts.get(chunk.index)
-        if p is None or (chunk.name and p.starts_another(chunk)):
-            p = parts[chunk.index] = _CallParts()
-            step.calls.append((chunk.index, p))
-        if chunk.id:
-            p.id = chunk.id
-        if chunk.name:
-            p.name = chunk.name
-        if chunk.arguments:
-            p.arguments.append(chunk.arguments)
-        size += len(chunk.arguments) + len(chunk.id or "") + len(chunk.name or "")
+        p = parts.get(index)
+        if p is None or (name and p.starts_another(chunk)):
+            p = parts[index] = _CallParts()
+            step.calls.append((index, p))
+        if call_id:
+            p.id = call_id
+        if name:
+            p.name = name
+        if arguments:
+            p.arguments.append(arguments)
+        size += len(arguments) + len(call_id or "") + len(name or "")
         if size > MAX_ANSWER_CHARS:
             raise answer_too_long(ctx.session_id)
         return size
@@ -368,19 +370,17 @@ async def close_stream(stream: object) -> None:
             await aclose()
 
 
-def _check_call_chunk(chunk: ToolCallChunk) -> None:
-    """A fragment of a tool call holds what a stored call can hold, or fails the turn."""
-    index, id_, name = chunk.index, chunk.id, chunk.name
+def _check_call_chunk(index: object, id_: object, name: object, arguments: object) -> None:
+    """A fragment of a tool call (its fields) holds what a stored call can hold, or
+    fails the turn."""
     if index.__class__ is not int and (isinstance(index, bool) or not isinstance(index, int)):
         raise TypeError(f"the model streamed a ToolCallChunk whose index is {index!r}")
     if id_ is not None and not isinstance(id_, str):
         raise TypeError(f"the model streamed a ToolCallChunk whose id is {id_!r}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"the model streamed a ToolCallChunk whose name is {name!r}")
-    if not isinstance(chunk.arguments, str):
-        raise TypeError(
-            f"the model streamed a ToolCallChunk whose arguments are {chunk.arguments!r}"
-        )
+    if not isinstance(arguments, str):
+        raise TypeError(f"the model streamed a ToolCallChunk whose arguments are {arguments!r}")
 
 
 async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:

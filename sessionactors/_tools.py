@@ -149,6 +149,9 @@ class Tool:
     _spec: ToolSpec = attrs.field(init=False, repr=False, eq=False, hash=False)
     _converters: Mapping[str, _Convert] = attrs.field(init=False, repr=False, eq=False, hash=False)
     _in_thread: bool = attrs.field(init=False, repr=False, eq=False, hash=False)
+    #: Whether a call without arguments is checked against the schema: no arguments
+    #: always fit a schema derived from a signature that requires none.
+    _check_empty: bool = attrs.field(init=False, repr=False, eq=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_in_thread", not is_async_callable(self.fn))
@@ -173,6 +176,8 @@ class Tool:
         spec = ToolSpec(name=self.name, description=description, parameters=schema)
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_converters", converters)
+        check_empty = self.parameters is not None or bool(schema.get("required"))
+        object.__setattr__(self, "_check_empty", check_empty)
 
     @property
     def spec(self) -> ToolSpec:
@@ -199,11 +204,9 @@ class Tool:
         parsed = _parse_arguments(self.name, arguments)
         if isinstance(parsed, ToolOutcome):  # not valid JSON
             return parsed
-        schema = self._spec.parameters
-        # No arguments always fit a schema derived from a signature that requires none.
-        if parsed or self.parameters is not None or schema.get("required"):
+        if parsed or self._check_empty:
             errors: list[str] = []
-            _check(schema, parsed, (), errors)
+            _check(self._spec.parameters, parsed, (), errors)
             if errors:
                 return _outcome(
                     content=f"arguments for tool {self.name!r} are invalid: " + "; ".join(errors),
@@ -213,12 +216,14 @@ class Tool:
             if parsed:
                 converters = self._converters
                 kwargs = {key: converters.get(key, _identity)(v) for key, v in parsed.items()}
+                if self._in_thread:
+                    result = await run_in_thread(self.fn, kwargs)
+                else:
+                    result = self.fn(**kwargs)
+            elif self._in_thread:
+                result = await run_in_thread(self.fn, {})
             else:
-                kwargs = {}
-            if self._in_thread:
-                result = await run_in_thread(self.fn, kwargs)
-            else:
-                result = self.fn(**kwargs)
+                result = self.fn()
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
         except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only

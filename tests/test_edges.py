@@ -518,6 +518,32 @@ async def test_a_model_streaming_wrong_types_fails_its_turn_and_stores_nothing_b
     assert history[-1].interrupted
 
 
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"index": "0", "name": "lookup"}, "whose index is '0'"),
+        ({"index": True, "name": "lookup"}, "whose index is True"),
+        ({"index": 0, "id": 5, "name": "lookup"}, "whose id is 5"),
+        ({"index": 0, "name": "lookup", "arguments": None}, "whose arguments are None"),
+    ],
+)
+async def test_a_tool_call_fragment_of_a_wrong_type_fails_its_turn_naming_the_field(
+    fields: dict[str, object], said: str
+) -> None:
+    """Each field of a streamed tool-call fragment is checked (a bool is no index);
+    the turn fails saying which field holds what, and the session reloads."""
+    store = MemoryStore()
+    model = ChunkModel(sa.ToolCallChunk(**fields))  # type: ignore[arg-type]
+    async with sa.open_registry(store=store, agents={"m": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("typed")
+        with pytest.raises(sa.TurnFailedError, match=said):
+            await ref.send("hi")
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        history = await registry.ref("typed").history()
+    assert [m.role for m in history] == [sa.Role.USER, sa.Role.ASSISTANT]
+    assert history[-1].interrupted
+
+
 async def test_text_that_is_not_valid_unicode_is_stored_repaired() -> None:
     """Lone surrogates from a model or a tool become U+FFFD, a pair split across two
     chunks is joined, and the session reloads after a restart, identical."""
