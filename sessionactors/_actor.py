@@ -30,6 +30,8 @@ from ._errors import (
     LeaseHeldError,
     MessageNotFoundError,
     NothingToRetryError,
+    Part,
+    Private,
     ReviewNotFoundError,
     ReviewResolvedError,
     SessionActorsError,
@@ -44,6 +46,7 @@ from ._errors import (
     TurnFailedError,
     TurnNotFoundError,
     advised,
+    is_public,
     key_reused_error,
     reply_removed_error,
     shown,
@@ -260,7 +263,9 @@ class Host(Protocol):
     def hub_for(self, session_id: str) -> Hub: ...
     def detach(self, actor: Actor) -> None: ...
     def replace(self, old: Actor, new: Actor) -> None: ...
-    def mark_failed(self, actor: Actor, reason: str, retry_after: float | None = None) -> None:
+    def mark_failed(
+        self, actor: Actor, reason: str | Private, retry_after: float | None = None
+    ) -> None:
         """Refuse the session's requests: for ``retry_after`` seconds, or for good."""
         ...
 
@@ -465,6 +470,8 @@ class Actor:
                 seq=self.next_seq(),
                 turn_id=mail.turn_id,
                 error=describe(error),
+                error_kind=type(error).__name__,
+                error_public=is_public(error),
             )
         )
         _remember(self.host.refused, mail.turn_id, str(error), _REFUSED_KEPT)
@@ -1005,19 +1012,29 @@ class Actor:
             streamed = storable("".join(self.partial))
             text = streamed or NO_REPLY_FAILED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
+            reason = cause_part(failure)
             outcome = TurnFailed(
-                session_id=sid, seq=self.next_seq(), turn_id=turn_id, error=describe(failure)
+                session_id=sid,
+                seq=self.next_seq(),
+                turn_id=turn_id,
+                error=describe(failure),
+                error_kind=type(failure).__name__,
+                error_public=isinstance(reason, str),
             )
             kept = FAILED_KEPT if streamed else ""
-            error = TurnFailedError(
-                f"turn {turn_id} of session {sid!r} failed: {describe(failure)}{kept}{FAILED_TAIL}",
+            error = advised(
+                TurnFailedError,
+                f"turn {turn_id} of session {sid!r} failed: ",
+                reason,
+                f"{kept}{FAILED_TAIL}",
                 session_id=sid,
                 turn_id=turn_id,
             )
             error.__cause__ = failure
-            if isinstance(failure, SessionActorsError):  # (the library's own words)
+            # once, here: front ends tell their clients the kind of what is not public
+            if isinstance(failure, SessionActorsError):  # (its message says it all)
                 log.warning("turn %s of session %r failed: %s", turn_id, sid, describe(failure))
-            else:  # once, here: front ends tell clients its kind only
+            else:
                 log.error("turn %s of session %r failed", turn_id, sid, exc_info=failure)
         elif final is None:
             # paused for a review: the outcome comes when the review is resolved
@@ -1512,6 +1529,8 @@ class Actor:
             turn_id=turn_id,
             error=f"{LOST_PREFIX}{describe(cause)})",
             lost=True,
+            error_kind=type(cause).__name__,
+            error_public=is_public(cause),
         )
 
     def _fail_queued(
@@ -1827,6 +1846,14 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
+def cause_part(exc: BaseException) -> str | Private:
+    """``exc`` in words (``describe``) as a part of an error's message that repeats
+    it: the text if the library may tell it (``is_public``), else a ``Private`` part,
+    which a frontend that serves others tells by its kind."""
+    text = describe(exc)
+    return text if is_public(exc) else Private(kind=type(exc).__name__, text=text)
+
+
 def other_words(
     session: LiveSession, sid: str, key: str, turn_id: str, text: str, words: str = ""
 ) -> IdempotencyKeyReusedError | None:
@@ -1870,42 +1897,42 @@ def crashed_error(
 ) -> SessionCrashedError:
     """``storing``: the turn whose outcome the store was writing (it may have kept it);
     ``retry_after``: with ``failed``, the seconds until the session may start again."""
-    cause = describe(exc)
+    cause = cause_part(exc)
+    if failed:
+        return failed_error(sid, cause, retry_after)
+    told: tuple[Part, ...]
     if storing:
-        error = advised(
-            SessionCrashedError,
-            f"session {sid!r} crashed while the store wrote the outcome of turn {storing} "
-            f"({cause}); it was restarted from its last durable state, which may "
-            "hold that outcome: ",
+        told = (
+            f"session {sid!r} crashed while the store wrote the outcome of turn {storing} (",
+            cause,
+            "); it was restarted from its last durable state, which may hold that outcome: ",
             Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=storing),
             " before sending it again (with an idempotency key, a retry cannot run it twice)",
-            session_id=sid,
         )
-    elif failed:
-        return failed_error(sid, cause, retry_after)
     else:
-        error = SessionCrashedError(
-            f"session {sid!r} crashed while handling this request ({cause}); it was "
-            "restarted from its last durable state, so retry the request",
-            session_id=sid,
+        told = (
+            f"session {sid!r} crashed while handling this request (",
+            cause,
+            "); it was restarted from its last durable state, so retry the request",
         )
-    error._cause_told = cause
-    return error
+    return advised(SessionCrashedError, *told, session_id=sid)
 
 
-def failed_error(sid: str, reason: str, retry_after: float | None) -> SessionCrashedError:
-    """The error of a request to a session marked failed (by ``reason``); ``retry_after``:
-    the seconds until it may start again (None: not before the process restarts)."""
+def failed_error(sid: str, reason: str | Private, retry_after: float | None) -> SessionCrashedError:
+    """The error of a request to a session marked failed (by ``reason``: its cause, as
+    ``cause_part`` puts it); ``retry_after``: the seconds until it may start again
+    (None: not before the process restarts)."""
     if retry_after is None:
         then = "fix the cause, then restart the process or delete the session"
     else:
         then = f"its store failed, so it is tried again on a request in {retry_after:.1f} s"
-    error = SessionCrashedError(
-        f"session {sid!r} crashed too often and is marked failed ({reason}); {then}",
+    return advised(
+        SessionCrashedError,
+        f"session {sid!r} crashed too often and is marked failed (",
+        reason,
+        f"); {then}",
         session_id=sid,
     )
-    error._cause_told = reason
-    return error
 
 
 def _remember(

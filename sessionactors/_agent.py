@@ -301,6 +301,7 @@ def answer_too_long(session_id: str) -> ModelError:
         "characters (its text and tool calls), more than a turn can store, so it was "
         "stopped; ask for a shorter answer (or check that the model is not repeating itself)",
         session_id=session_id,
+        public=True,  # (the library's own words: no address, no provider's answer)
     )
 
 

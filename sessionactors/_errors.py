@@ -94,6 +94,23 @@ class Advice:
     seq: int = 0
 
 
+@attrs.frozen(kw_only=True)
+class Private:
+    """A part of an error's message that is the server's own account of a failure: an
+    exception's words (``text``, "Kind: message", as ``describe`` puts them) that may
+    name files, hosts, keys or what a model's provider answered. ``str(error)`` repeats
+    it whole, for the Python caller and the server's log; a frontend that serves others
+    (the HTTP gateway) tells its ``kind`` instead. ``cause_part`` (in ``_actor``) makes
+    one of an exception that is not the library's to tell (see ``is_public``). Internal."""
+
+    kind: str
+    text: str
+
+
+#: A part of an error's message (see ``SessionActorsError._told``).
+Part = str | Advice | Private
+
+
 _AIO_BLOCK = "sessionactors.aio.open_registry(...)` block"
 
 #: Each advice as ``str(error)`` tells it to a Python caller: fields ``{name}`` (the
@@ -145,9 +162,10 @@ class SessionActorsError(Exception):
     about no single session).
     """
 
-    #: (Internal) the message as text and advice records, for a frontend that tells
-    #: the advice its own way (the HTTP gateway: see ``told``); empty if it has none.
-    _told: tuple[str | Advice, ...] = ()
+    #: (Internal) the message as text, advice records and the server's own accounts
+    #: (``Private``), for a frontend that tells them its own way (the HTTP gateway: see
+    #: ``told``); empty if it has none.
+    _told: tuple[Part, ...] = ()
 
     def __init__(self, message: str, *, session_id: str | None = None) -> None:
         super().__init__(message)
@@ -157,27 +175,72 @@ class SessionActorsError(Exception):
 _E = TypeVar("_E", bound=SessionActorsError)
 
 
-def advised(
-    cls: type[_E], *told: str | Advice, session_id: str | None = None, **fields: object
-) -> _E:
-    """An error of ``cls`` whose message is ``told``: text, and advice records that
-    ``str()`` tells as a Python caller follows them (``python_advice``)."""
-    message = "".join(
-        part if isinstance(part, str) else python_advice(part, session_id) for part in told
-    )
-    error = cls(message, session_id=session_id, **fields)
+def advised(cls: type[_E], *told: Part, session_id: str | None = None, **fields: object) -> _E:
+    """An error of ``cls`` whose message is ``told``: text, advice records that ``str()``
+    tells as a Python caller follows them (``python_advice``), and the server's own
+    accounts (``Private``), which ``str()`` repeats whole."""
+    error = cls(python_told(told, session_id), session_id=session_id, **fields)
     error._told = told
     return error
 
 
-def told(error: BaseException, say: Callable[[Advice, str | None], str]) -> str:
+def python_told(parts: tuple[Part, ...], session_id: str | None) -> str:
+    """The message of ``parts`` as ``str(error)`` tells it (see ``advised``)."""
+    return "".join(
+        part
+        if isinstance(part, str)
+        else part.text
+        if isinstance(part, Private)
+        else python_advice(part, session_id)
+        for part in parts
+    )
+
+
+def told(
+    error: BaseException,
+    say: Callable[[Advice, str | None], str],
+    private: Callable[[Private], str] | None = None,
+) -> str:
     """``error``'s message with its advice told by ``say(advice, session_id)`` (a
-    frontend's wording); its ``str()`` if it has no advice records."""
+    frontend's wording) and the server's own accounts in it by ``private(part)`` (whole
+    if None); its ``str()`` if it has no records."""
     parts = error._told if isinstance(error, SessionActorsError) else ()
     if not parts:
         return str(error)
     session_id = error.session_id if isinstance(error, SessionActorsError) else None
-    return "".join(part if isinstance(part, str) else say(part, session_id) for part in parts)
+    return "".join(
+        part
+        if isinstance(part, str)
+        else (part.text if private is None else private(part))
+        if isinstance(part, Private)
+        else say(part, session_id)
+        for part in parts
+    )
+
+
+def has_private(error: BaseException) -> bool:
+    """Whether ``error``'s message repeats the server's own account of a failure."""
+    parts = error._told if isinstance(error, SessionActorsError) else ()
+    return any(isinstance(part, Private) for part in parts)
+
+
+def is_public(exc: BaseException) -> bool:
+    """Whether ``exc``'s message is the library's own words, which a frontend may tell
+    the people it serves: an error of a class the library defines (by the class, never
+    by its name: an app's own ``StoreError`` is the app's), other than a store's (its
+    message names the server's files and hosts) and a crash's (it repeats its cause),
+    whose message repeats no ``Private`` account; and a ``ModelError`` raised with
+    ``public=True``, by whichever adapter raised it (a model's provider answers with its
+    address, keys and words: hidden unless the adapter says so)."""
+    if isinstance(exc, ModelError):
+        return exc.public
+    cls = type(exc)
+    return (
+        issubclass(cls, SessionActorsError)
+        and cls.__module__.partition(".")[0] == "sessionactors"
+        and not issubclass(cls, StoreError | SessionCrashedError)
+        and not has_private(exc)
+    )
 
 
 class SessionNotFoundError(SessionActorsError, LookupError):
@@ -228,18 +291,6 @@ class TurnCancelledError(SessionActorsError):
 
 class SessionCrashedError(SessionActorsError):
     """The session's actor crashed while the request was pending, or keeps crashing."""
-
-    #: (Internal, set where it is made) the crash's cause as the message repeats it:
-    #: the server's own account (a store's file path, an app's exception text), which
-    #: a frontend may tell by its kind instead.
-    _cause_told: str = ""
-
-
-def crash_cause(error: SessionCrashedError) -> str:
-    """The cause that ``error``'s message repeats (the server's own account: a store's
-    file path, an app's exception text), for a frontend to tell by its kind; "" if none
-    was recorded (an error from another worker)."""
-    return error._cause_told
 
 
 class SessionStoppedError(SessionActorsError):
@@ -381,13 +432,27 @@ class ModelError(SessionActorsError, RuntimeError):
 
     It becomes the ``__cause__`` of the turn's :class:`TurnFailedError`.
     ``status_code`` is the HTTP status when there was one.
+
+    ``public``: the message may be shown to the people a frontend serves (it names no
+    address, key or provider's answer). By default it is not: the turn's ``TurnFailed``
+    has ``error_public=False`` and the HTTP gateway tells its clients that the turn
+    failed with a ``ModelError`` (the message goes to the server's log), while Python
+    callers and subscribers read it whole either way.
     """
 
+    public: bool = False
+
     def __init__(
-        self, message: str, *, session_id: str | None = None, status_code: int | None = None
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        status_code: int | None = None,
+        public: bool = False,
     ) -> None:
         super().__init__(message, session_id=session_id)
         self.status_code = status_code
+        self.public = public
 
 
 class ReviewNotFoundError(SessionActorsError, LookupError):
@@ -516,7 +581,7 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     ``SessionStoppedError._reason``); ``turn_id``: the turn that had started (it may be
     in the history)."""
     reopen = Advice(kind=AdviceKind.REOPEN)
-    told: tuple[str | Advice, ...]
+    told: tuple[Part, ...]
     if reason == "stop":
         told = (
             f"session {sid!r} was stopped; ",

@@ -137,11 +137,24 @@ class TurnFailed(Event):
     durable state, which holds nothing of this turn: every event the turn
     published (its user message included) no longer holds. Such an outcome is
     published, never journaled.
+
+    ``error_kind`` is the class name of the exception that failed the turn
+    (``"ConnectionError"``, ``"ModelError"``; of a lost turn, the crash's cause).
+    ``error_public`` says whether ``error`` is the library's own words, which a
+    frontend may show the people it serves: an error of sessionactors (a
+    ``MaxStepsError``, a refused turn's), decided by the exception's class, never by
+    its name; or a ``ModelError`` its adapter raised with ``public=True``. It is False
+    for any other exception (the app's, its model provider's, its store's), whose
+    words may name files, hosts, keys or what the provider answered: they are for the
+    server's log, and the HTTP gateway tells its clients ``error_kind`` instead.
+    Journals written before these fields load with ``""`` and False.
     """
 
     turn_id: str
     error: str
     lost: bool = False
+    error_kind: str = ""
+    error_public: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -23,6 +23,7 @@ from ._errors import (
     AdviceKind,
     FencedOutError,
     LeaseHeldError,
+    Private,
     SessionActorsError,
     SessionBusyError,
     SessionCrashedError,
@@ -74,7 +75,7 @@ class Sessions:
         self.router: Router | None = None
         self.live: dict[str, Actor] = {}
         self.hubs: dict[str, Hub] = {}
-        self.failed: dict[str, str] = {}  # session -> why it is marked failed
+        self.failed: dict[str, str | Private] = {}  # session -> why it is marked failed
         #: Turns refused here before they started, with why (see ``Host.refused``).
         self.refused: dict[str, str] = {}
         #: Reviews resolved here, by id (see ``Host.reviewed``).
@@ -188,7 +189,9 @@ class Sessions:
         )
         self.unwritten_state[session_id] = error
 
-    def mark_failed(self, actor: Actor, reason: str, retry_after: float | None = None) -> None:
+    def mark_failed(
+        self, actor: Actor, reason: str | Private, retry_after: float | None = None
+    ) -> None:
         self.failed[actor.session_id] = reason
         if retry_after is not None:
             self.retry_at[actor.session_id] = trio.current_time() + retry_after

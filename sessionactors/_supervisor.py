@@ -14,7 +14,7 @@ from collections import deque
 
 import trio
 
-from ._actor import Actor, Host, Phase, crashed_error, deleted_error, describe
+from ._actor import Actor, Host, Phase, cause_part, crashed_error, deleted_error
 from ._errors import (
     FencedOutError,
     SessionActorsError,
@@ -110,7 +110,7 @@ async def session_task(host: Host, actor: Actor) -> None:
                     exc_info=exc,
                 )
                 actor.phase = Phase.LEFT
-                host.mark_failed(actor, describe(exc), retry_after)
+                host.mark_failed(actor, cause_part(exc), retry_after)
                 return
             log.warning(
                 "session %r crashed and restarts from its durable state",

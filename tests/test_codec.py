@@ -242,7 +242,8 @@ _FULL_MESSAGE = sa.Message(
     usage=_USAGE,
 )
 #: One compact entry of every event class, every field set apart from its default and
-#: from the others, so that fields that changed places do not load back equal.
+#: from the others, so that fields that changed places do not load back equal; then an
+#: entry for each set of fields added since, with those fields set.
 GOLDEN_COMPACT: dict[str, list[sa.Event]] = {
     "entry_compact_v1": [
         sa.TurnStarted(
@@ -287,6 +288,18 @@ GOLDEN_COMPACT: dict[str, list[sa.Event]] = {
             usage=_USAGE,
         ),
         sa.MetadataChanged(session_id=_SID, seq=33, metadata={"tenant": "l"}),
+    ],
+    # TurnFailed with the fields added since: the kind of the error, whether it is public
+    "entry_compact_v1_error_kind": [
+        sa.TurnFailed(
+            session_id=_SID,
+            seq=34,
+            turn_id="turn_m",
+            error="error_m",
+            lost=True,
+            error_kind="kind_m",
+            error_public=True,
+        ),
     ],
 }
 
@@ -778,13 +791,17 @@ def test_extends_check_catches_a_moved_field() -> None:
 
 
 def test_golden_compact_entry_covers_every_tag_and_field() -> None:
-    """The golden compact entry has every event class, and every field of each set to
-    something other than its default."""
-    (events,) = GOLDEN_COMPACT.values()
-    assert sorted(type(e).__name__ for e in events) == sorted(c.__name__ for c in event_classes())
-    for event in events:
-        for field in attrs.fields(type(event)):
-            assert getattr(event, field.name) != field.default, (event, field.name)
+    """The first golden compact entry has every event class, and between them the
+    entries set every field of every class to something other than its default."""
+    first, *_ = GOLDEN_COMPACT.values()
+    assert sorted(type(e).__name__ for e in first) == sorted(c.__name__ for c in event_classes())
+    events = [event for entry in GOLDEN_COMPACT.values() for event in entry]
+    for cls in event_classes():
+        for field in attrs.fields(cls):
+            set_apart = [
+                e for e in events if type(e) is cls and getattr(e, field.name) != field.default
+            ]
+            assert set_apart, (cls.__name__, field.name)
 
 
 @ROUND_TRIP

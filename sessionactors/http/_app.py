@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
-from .._errors import Advice, AdviceKind, crash_cause, shown, told
+from .._errors import Advice, AdviceKind, has_private, shown, told
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
@@ -49,13 +49,12 @@ from ._json import (
     error_json,
     error_status,
     event_to_json,
-    foreign_kind,
     metadata_json,
     plain_error,
+    private_told,
     reply_to_json,
     state_to_json,
     to_json,
-    turn_failure_told,
 )
 from ._sockets import WriteGuard
 from ._sse import (
@@ -496,18 +495,15 @@ class SessionsApp:
 
         What the server's own parts say of themselves is for its log, not for clients:
         an exception that is not the library's is told by its kind (and logged here);
-        a failed turn's, by its kind (logged when the turn failed); a store's failure,
-        as such (its message names files and hosts: logged here)."""
+        a failed turn's or a crash's cause that is not public, by its kind (a failed
+        turn's was logged when the turn failed, a crash's is logged here); a store's
+        failure, as such (its message names files and hosts: logged here)."""
         body = error_json(error, status=status)
-        message = told(error, functools.partial(self._http_advice, scope))
+        message = told(error, functools.partial(self._http_advice, scope), private_told)
         if isinstance(error, sa.TurnFailedError):
-            message = turn_failure_told(error, message)
-        elif isinstance(error, sa.SessionCrashedError) and crash_cause(error):
-            cause = crash_cause(error)
-            kind = foreign_kind(cause)
-            if kind is not None:  # (its message repeats the server's own account)
-                log.warning("a request met a crashed session: %s", message)
-                message = message.replace(f"({cause})", f"({kind}; {LOGGED})")
+            pass  # (logged whole when the turn failed)
+        elif isinstance(error, sa.SessionCrashedError) and has_private(error):
+            log.warning("a request met a crashed session: %s", error)
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
             log.warning("a request failed in the store: %s", message)
             session = error.session_id

@@ -4,8 +4,8 @@ from typing import Any, Final
 
 import sessionactors as sa
 
-from .._actor import FAILED_KEPT, FAILED_TAIL, LOST_PREFIX
-from .._errors import SessionActorsError
+from .._actor import LOST_PREFIX
+from .._errors import Private
 from .._json import dumps as dumps
 from .._json import event_to_json as _event_json
 from .._json import metadata_json as metadata_json
@@ -18,8 +18,8 @@ __all__ = [
     "error_status",
     "event_to_json",
     "failure_told",
-    "foreign_kind",
     "metadata_json",
+    "private_told",
     "reply_to_json",
     "state_to_json",
     "to_json",
@@ -43,63 +43,33 @@ def event_to_json(event: sa.Event) -> dict[str, Any]:
     history with them. The SSE ``id:`` of an event
     is its ``seq``; the HTTP routes and the WebSocket send exactly this form.
 
-    A ``TurnFailed`` whose turn raised an exception that is not the library's own
-    tells its kind, not its message, in ``"error"`` (``"the turn failed with
-    RuntimeError; the server's log has the details"``): what an app's or a model's
-    exception says (file paths, keys, database URLs) is for the server's log, where
-    the ``sessionactors`` logger writes it once, when the turn fails.
+    A ``TurnFailed`` whose ``error`` is not public (``error_public`` is false: the
+    turn raised an exception that is not the library's own, or a ``ModelError`` its
+    adapter did not mark public) tells its kind, not its message, in ``"error"``
+    (``"the turn failed with RuntimeError; the server's log has the details"``): what
+    an app's or a model's exception says (file paths, keys, database URLs, a model
+    provider's address and answer) is for the server's log, where the
+    ``sessionactors`` logger writes it once, when the turn fails.
     ``TurnFailed.error`` keeps the whole text for Python subscribers."""
     data = _event_json(event)
-    if isinstance(event, sa.TurnFailed):
-        data["error"] = failure_told(event.error)
+    if isinstance(event, sa.TurnFailed) and not event.error_public:
+        data["error"] = failure_told(event)
     return data
 
 
-def failure_told(reason: str) -> str:
-    """A failed turn's reason (``TurnFailed.error``, ``"Kind: message"``) as HTTP
-    clients are told it: whole if the library raised it (``MaxStepsError``,
-    ``ModelError`` ...), else its kind only (see ``event_to_json``)."""
-    if reason.startswith(LOST_PREFIX) and reason.endswith(")"):
-        cause = reason[len(LOST_PREFIX) : -1]
-        kind = foreign_kind(cause)
-        return reason if kind is None else f"{LOST_PREFIX}{kind}; {LOGGED})"
-    kind = foreign_kind(reason)
-    return reason if kind is None else f"the turn failed with {kind}; {LOGGED}"
+def failure_told(event: sa.TurnFailed) -> str:
+    """The ``error`` of a ``TurnFailed`` that is not public, as HTTP clients are told
+    it: by its kind (see ``event_to_json``)."""
+    kind = event.error_kind or "an exception"  # (a journal written before the kind)
+    if event.lost:
+        return f"{LOST_PREFIX}{kind}; {LOGGED})"
+    return f"the turn failed with {kind}; {LOGGED}"
 
 
-def turn_failure_told(error: sa.TurnFailedError, message: str) -> str:
-    """The message of a ``TurnFailedError`` (``message``: as told so far) with its
-    reason told as ``failure_told`` tells it."""
-    head = f"turn {error.turn_id} of session {error.session_id!r} failed: "
-    if not (message.startswith(head) and message.endswith(FAILED_TAIL)):
-        return message  # (not a raising turn's: the library's own words)
-    reason = message[len(head) : -len(FAILED_TAIL)]
-    kept = FAILED_KEPT if reason.endswith(FAILED_KEPT) else ""
-    reason = reason.removesuffix(FAILED_KEPT)
-    return f"{head}{failure_told(reason)}{kept}{FAILED_TAIL}"
-
-
-def foreign_kind(reason: str) -> str | None:
-    """The kind of the exception ``reason`` describes (``"Kind: message"``, or
-    ``"Kind"``), or None if it is the library's own: an error of sessionactors other
-    than a store's (which names the server's files and hosts) or a crash's (which
-    repeats its cause)."""
-    kind = reason.partition(": ")[0]
-    if not kind.isidentifier():
-        return "an exception"
-    return None if kind in _library_kinds() else kind
-
-
-def _library_kinds() -> frozenset[str]:
-    kinds: set[str] = set()
-    todo: list[type[BaseException]] = [SessionActorsError]
-    while todo:
-        cls = todo.pop()
-        if issubclass(cls, sa.StoreError | sa.SessionCrashedError):
-            continue
-        kinds.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return frozenset(kinds)
+def private_told(part: Private) -> str:
+    """The server's own account of a failure in an error's message (an exception's
+    words), as HTTP clients are told it: by its kind."""
+    return f"{part.kind}; {LOGGED}"
 
 
 def reply_to_json(reply: sa.Reply) -> dict[str, Any]:

@@ -16,7 +16,16 @@ import attrs
 import msgpack
 
 from .._codec import MAX_ARRAY_LEN, MAX_MAP_LEN, dump_event, dump_events, load_event, load_events
-from .._errors import Advice, AdviceKind, SessionActorsError, SessionCrashedError, python_advice
+from .._errors import (
+    Advice,
+    AdviceKind,
+    Part,
+    Private,
+    SessionActorsError,
+    SessionCrashedError,
+    advised,
+    python_told,
+)
 from .._events import MessageAdded, ReviewRequested
 from .._records import Message, ReviewRequest, TurnOutcome, TurnStatus, storable
 from .._requests import (
@@ -258,28 +267,38 @@ def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
     return body
 
 
-def _dump_told(part: str | Advice) -> Any:
-    """A part of an error's message: its text, or an advice record (a frontend words
-    it its own way: the gateway of the worker that answers the client)."""
+def _dump_told(part: Part) -> Any:
+    """A part of an error's message: its text, an advice record, or the server's own
+    account of a failure (a frontend words them its own way: the gateway of the worker
+    that answers the client)."""
     if isinstance(part, str):
         return storable(part)
+    if isinstance(part, Private):
+        return {"p": storable(part.kind), "x": storable(part.text)}
     return {"k": part.kind.value, "r": part.review_id, "t": part.turn_id, "s": part.seq}
 
 
-def _load_told(body: Mapping[str, Any], session_id: str | None) -> tuple[str | Advice, ...]:
+def _load_told(body: Mapping[str, Any], session_id: str | None) -> tuple[Part, ...]:
     """The parts of a message ``_dump_told`` wrote; none unless they are well formed,
     of kinds known here (not a newer worker's), and tell the message itself as it
-    reads (``msg``): else the message is told as it reads."""
+    reads (``msg``): else the message is told as it reads (a worker without accounts,
+    ``Private``, sent its whole text as text)."""
     parts = body.get("told")
     if not isinstance(parts, list):
         return ()
-    told: list[str | Advice] = []
+    told: list[Part] = []
     for part in parts:
         if isinstance(part, str):
             told.append(part)
             continue
         if not isinstance(part, dict):
             return ()
+        if "p" in part:
+            kind, text = part["p"], part.get("x")
+            if not (isinstance(kind, str) and isinstance(text, str)):
+                return ()
+            told.append(Private(kind=kind, text=text))
+            continue
         review_id, turn_id, seq = part.get("r", ""), part.get("t", ""), part.get("s", 0)
         if not (
             isinstance(review_id, str)
@@ -291,8 +310,7 @@ def _load_told(body: Mapping[str, Any], session_id: str | None) -> tuple[str | A
         told.append(
             Advice(kind=AdviceKind(part["k"]), review_id=review_id, turn_id=turn_id, seq=seq)
         )
-    said = "".join(p if isinstance(p, str) else python_advice(p, session_id) for p in told)
-    return tuple(told) if said == body.get("msg") else ()
+    return tuple(told) if python_told(tuple(told), session_id) == body.get("msg") else ()
 
 
 #: The advice kinds' values, as ``_dump_told`` writes them.
@@ -303,9 +321,11 @@ def load_error(body: Mapping[str, Any], name: str, owner: str) -> Exception:
     kind = str(body["err"])
     message = str(body.get("msg", ""))
     error = _rebuilt(body, name)
-    if error is None:
-        error = SessionCrashedError(
-            f"session {name!r}: its owner, worker {owner!r}, failed with {kind}: {message}",
+    if error is None:  # (the owner's own account: told by its kind)
+        error = advised(
+            SessionCrashedError,
+            f"session {name!r}: its owner, worker {owner!r}, failed with ",
+            Private(kind=kind, text=f"{kind}: {message}"),
             session_id=name,
         )
     cause = body.get("cause")

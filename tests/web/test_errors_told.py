@@ -3,6 +3,7 @@ exception that is not the library's own, never its message (the server's log has
 and request errors in HTTP's terms, not Python's."""
 
 import logging
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ import trio
 
 import sessionactors as sa
 from sessionactors.http import create_app
-from sessionactors.testing import FaultyStore
+from sessionactors.models import OpenAIChatModel
+from sessionactors.stores import RedisStore
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 from .chat_agents import DROPPED, trio_agents
 from .servers import Serve, serve_trio
@@ -212,3 +215,157 @@ async def test_request_errors_speak_of_json_not_python(
             assert error["status"] == 422, error
             assert told in error["message"], error
             assert python not in str(error)
+
+
+class StoreError(Exception):
+    """An exception of the app's own that bears the name of one of the library's."""
+
+
+class SessionNotFoundError(LookupError):
+    """Another: the app's own, about the sessions of its users' logins."""
+
+
+async def failed_turn_told(app: Any, name: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The JSON error of a turn of session ``name`` that fails, the TurnFailed of a
+    second one as its stream tells it, and the session's events replayed, as text."""
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            r = await client.post(f"/sessions/{name}/messages", json={"text": "hi"})
+            assert r.status_code == 500, r.text
+            async with client.stream(
+                "POST", f"/sessions/{name}/messages", json={"text": "again"}, headers=SSE
+            ) as streamed:
+                failed = (await read_until(streamed, finished))[-1][1]
+            async with client.stream(
+                "GET", f"/sessions/{name}/events", params={"after": 0}
+            ) as replay:
+                reader = SSEReader(replay)
+                replayed = [await reader.until(finished) for _ in range(2)]
+    assert [data["type"] for _, data in replayed[1]][-1] == "TurnFailed"
+    return r.json(), failed, str(replayed)
+
+
+@pytest.mark.parametrize("cls", [StoreError, SessionNotFoundError])
+async def test_an_app_exception_named_as_a_library_error_is_told_by_its_kind(
+    cls: type[Exception], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An app's exception whose class bears a library error's name (StoreError,
+    SessionNotFoundError) is the app's all the same: HTTP clients are told its kind,
+    never its message, which the server's log has."""
+    failure = cls(f"the orders database at {SECRET} is down")
+    agents = {"app": sa.Agent(model=ScriptedModel([Scripted(error=failure)], repeat=True))}
+    body, failed, replayed = await failed_turn_told(create_app(agents=agents), "n")
+    assert body["error"] == "TurnFailedError", body
+    assert SECRET not in str(body), body
+    assert f"failed: {cls.__name__}; the server's log has the details" in body["message"]
+    assert failed["error"] == (
+        f"the turn failed with {cls.__name__}; the server's log has the details"
+    )
+    assert SECRET not in replayed
+    assert len(logged(caplog, SECRET)) == 2
+
+
+#: Where the model's provider is, and what its error response says: for the server's log.
+PROVIDER = "http://llm.internal.example:8000/v1"
+PROVIDER_SAID = "Incorrect API key provided: sk-live-51Hx"
+
+
+def failing_provider() -> OpenAIChatModel:
+    """An OpenAI model whose server refuses every request (401), quoting the key."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": PROVIDER_SAID}})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return OpenAIChatModel(base_url=PROVIDER, model="m", client=client, max_retries=0)
+
+
+async def test_a_model_error_is_told_to_http_clients_by_its_kind_and_whole_to_python(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ModelError that quotes the provider's address and its error response (the OpenAI
+    adapter's, for a 401) is told to HTTP clients as the turn failing with a ModelError,
+    without either; a Python caller, a Python subscriber and the server's log read it
+    whole."""
+    app = create_app(agents={"app": sa.Agent(model=failing_provider())})
+    body, failed, replayed = await failed_turn_told(app, "m")
+    for told in (str(body), str(failed), replayed):
+        assert "llm.internal.example" not in told
+        assert PROVIDER_SAID not in told
+    assert "failed: ModelError; the server's log has the details" in body["message"], body
+    assert failed["error"] == "the turn failed with ModelError; the server's log has the details"
+    assert logged(caplog, PROVIDER_SAID)
+
+    async with sa.open_registry(agents={"app": sa.Agent(model=failing_provider())}) as registry:
+        ref = await registry.spawn("m")
+        async with ref.subscribe() as events:
+            with pytest.raises(sa.TurnFailedError) as raised:
+                await ref.send("hi")
+            with trio.fail_after(10):
+                async for outcome in events:
+                    if isinstance(outcome, sa.TurnFailed):
+                        break
+    assert isinstance(outcome, sa.TurnFailed)
+    assert (outcome.error_kind, outcome.error_public) == ("ModelError", False)
+    assert isinstance(raised.value.__cause__, sa.ModelError)
+    assert raised.value.__cause__.status_code == 401
+    for told in (str(raised.value), outcome.error):
+        assert "llm.internal.example" in told
+        assert PROVIDER_SAID in told
+
+
+async def test_the_library_s_own_failures_and_a_model_error_marked_public_are_told_whole() -> None:
+    """A ModelError its adapter raised with ``public=True`` is told to HTTP clients
+    whole, as the library's own failures are (a MaxStepsError: the model kept calling
+    tools); TurnFailed says which kind failed the turn and that it is public."""
+    said = "the model is overloaded; try again in a minute"
+    overloaded = sa.ModelError(said, session_id="p", status_code=529, public=True)
+    body, failed, _ = await failed_turn_told(
+        create_app(agents={"app": sa.Agent(model=ScriptedModel([overloaded], repeat=True))}),
+        "p",
+    )
+    assert f"failed: ModelError: {said}; the session is fine" in body["message"], body
+    assert (failed["error"], failed["error_kind"]) == (f"ModelError: {said}", "ModelError")
+    assert failed["error_public"] is True
+
+    @sa.tool
+    async def again() -> str:
+        """Ask again."""
+        return "ask again"
+
+    call = sa.ToolCall(id="c", name="again", arguments="{}")
+    looping = ScriptedModel([Scripted(tool_calls=[call])], repeat=True)
+    agents = {"app": sa.Agent(model=looping, tools=[again], max_steps=2)}
+    body, failed, _ = await failed_turn_told(create_app(agents=agents), "q")
+    steps = "MaxStepsError: the model was still calling tools after max_steps=2 steps"
+    assert f"failed: {steps}" in body["message"], body
+    assert failed["error"].startswith(steps), failed
+    assert (failed["error_kind"], failed["error_public"]) == ("MaxStepsError", True)
+
+
+@pytest.mark.redis
+async def test_a_turn_failed_on_another_worker_is_told_by_its_kind(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A turn that fails on the worker that runs its session, asked for through another
+    worker's gateway, is told there by its exception's kind as well: which part of the
+    error is the server's own account crosses between the workers with it."""
+    failure = SessionNotFoundError(f"the orders database at {SECRET} is down")
+    agents = {"app": sa.Agent(model=ScriptedModel([Scripted(error=failure)], repeat=True))}
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            await a.spawn("w")
+            await a.ref("w").history()  # live on a
+            async with serve_trio(create_app(b)) as url, httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/sessions/w/messages", json={"text": "hi"})
+            assert (a.live(), b.live()) == (["w"], [])  # (it ran on a)
+    assert r.status_code == 500, r.text
+    assert SECRET not in r.text
+    assert "failed: SessionNotFoundError; the server's log has the details" in r.json()["message"]
+    assert logged(caplog, SECRET)
