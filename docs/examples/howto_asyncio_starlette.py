@@ -58,10 +58,16 @@ async def stream_message(request: Request) -> StreamingResponse | JSONResponse:
     await registry.get_or_spawn(name)
 
     async def words() -> AsyncIterator[str]:
-        async with stream as events:
-            async for event in events:
-                if isinstance(event, sa.Delta):
-                    yield event.text
+        try:
+            async with stream as events:
+                async for event in events:
+                    if isinstance(event, sa.Delta):
+                        yield event.text
+        except sa.SessionActorsError as exc:
+            # the status line has gone out: say it in the body, or the client sees only
+            # a body cut short (the turn failed, its worker died, the server stopped);
+            # the kind only: the text of a model's error is for the server's log
+            yield f"\n[the turn did not finish: {type(exc).__name__}]\n"
 
     return StreamingResponse(words(), media_type="text/plain")
 

@@ -45,9 +45,13 @@ async def ask(request: Request) -> StreamingResponse:
     text = (await request.json())["text"]
 
     async def events() -> AsyncIterator[str]:
-        async with ref.stream(text) as stream:
-            async for event in stream:
-                yield f"id: {event.seq}\ndata: {json.dumps(event_to_json(event))}\n\n"
+        try:
+            async with ref.stream(text) as stream:
+                async for event in stream:
+                    yield f"id: {event.seq}\ndata: {json.dumps(event_to_json(event))}\n\n"
+        except sa.SessionActorsError as exc:  # the response has begun: end it with a frame
+            error = {"type": "error", "error": type(exc).__name__}  # (its text is the log's)
+            yield f"data: {json.dumps(error)}\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
