@@ -56,7 +56,7 @@ from ._json import (
     state_to_json,
     to_json,
 )
-from ._sockets import WriteGuard
+from ._sockets import WRITE_BYTES, WriteGuard
 from ._sse import (
     STALL_HEARTBEATS,
     EventStreamResponse,
@@ -169,8 +169,42 @@ def _static(name: str) -> bytes:
     return importlib.resources.files("sessionactors.http").joinpath("static", name).read_bytes()
 
 
-def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(dumps(data), status, headers, media_type="application/json")
+class _Answer(Response):
+    """A whole answer (JSON, the chat page) whose client must keep taking it: it is
+    written in pieces of :data:`WRITE_BYTES`, and one that its client takes nothing of
+    for ``bound`` seconds ends the answer and resets its connection (a client that reads
+    nothing would otherwise hold the answer's bytes and its connection until the server
+    shuts down: hypercorn's trio worker waits on the socket write, uvicorn keeps what it
+    was given)."""
+
+    def __init__(
+        self,
+        content: bytes,
+        *,
+        bound: float,
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str,
+    ) -> None:
+        super().__init__(content, status, headers, media_type)
+        self.bound = bound
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        writes = WriteGuard(scope, send, self.bound)
+        body = self.body
+        async with anyio.create_task_group() as group:
+            group.start_soon(writes.guard, group.cancel_scope)
+            start = {"type": "http.response.start", "status": self.status_code}
+            await writes.send({**start, "headers": self.raw_headers})
+            for at in range(0, max(len(body), 1), WRITE_BYTES):  # (a large body in pieces)
+                piece = body if len(body) <= WRITE_BYTES else body[at : at + WRITE_BYTES]
+                more = at + WRITE_BYTES < len(body)
+                await writes.send({"type": "http.response.body", "body": piece, "more_body": more})
+            group.cancel_scope.cancel()
+        if writes.stalled:
+            log.warning(
+                "an answer's client took nothing of a 64 KB piece in %s s; ended it", writes.bound
+            )
 
 
 def create_app(
@@ -218,12 +252,14 @@ def create_app(
       session creates it (default) or answers 404.
     - ``heartbeat``: seconds of silence after which an event stream sends a
       comment line, so that proxies and browsers keep it open. An event
-      stream is written in pieces of 64 KB; one whose client takes nothing
+      stream, and any other answer (a session's JSON, however long its
+      history), is written in pieces of 64 KB; one whose client takes nothing
       of a piece for twice this long (a WebSocket message, which cannot be
       split, has twice this long for each 64 KB it carries) is ended and its
       connection reset (the client resumes with ``Last-Event-ID``, or
-      ``?after=`` on a WebSocket). A client that reads slowly but takes
-      64 KB in that time (about 2 KB/s at the default) gets its whole stream.
+      ``?after=`` on a WebSocket, or asks again). A client that reads slowly
+      but takes 64 KB in that time (about 2 KB/s at the default) gets its
+      whole stream or answer.
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
     - ``max_body``: the largest request body accepted, in bytes (413 above).
@@ -319,14 +355,13 @@ class SessionsApp:
             untrack=self._untrack,
             heartbeat=heartbeat,
         )
+        self._write_bound = STALL_HEARTBEATS * heartbeat
         routes: list[Route | WebSocketRoute] = []
         if chat_page:
             page, client = _static("index.html"), _static("sessionactors.js")
             routes += [
-                Route("/", lambda _: Response(page, headers=_PAGE_HEADERS, media_type="text/html")),
-                Route(
-                    "/sessionactors.js", lambda _: Response(client, media_type="text/javascript")
-                ),
+                Route("/", lambda _: self._answer(page, "text/html", headers=_PAGE_HEADERS)),
+                Route("/sessionactors.js", lambda _: self._answer(client, "text/javascript")),
             ]
         routes += [
             Route("/sessions", self._list, methods=["GET"]),
@@ -342,7 +377,7 @@ class SessionsApp:
         self._app = Starlette(
             routes=routes,
             lifespan=lifespan,
-            exception_handlers={HTTPException: _http_exception},
+            exception_handlers={HTTPException: self._http_exception},
         )
 
     def __repr__(self) -> str:
@@ -453,6 +488,35 @@ class SessionsApp:
                     self.drain()
         finally:
             self._registry = None  # (closed: not handed out by ``registry`` any more)
+
+    def _answer(
+        self,
+        content: bytes,
+        media_type: str,
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """A whole answer, written to its client under the write bound (see ``_Answer``)."""
+        return _Answer(
+            content, bound=self._write_bound, status=status, headers=headers, media_type=media_type
+        )
+
+    def _json(
+        self, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        return self._answer(dumps(data), "application/json", status, headers)
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
+        assert isinstance(exc, HTTPException)
+        name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
+        path = request.url.path.replace(_SLASH, "%2F")
+        message = f"{request.method} {shown(path)}: {exc.detail.lower()}"
+        if exc.status_code == 404:
+            message += (
+                f"; the routes are under {_routes(request.scope)} (see the HTTP gateway how-to)"
+            )
+        return self._json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
 
     def _track(self, scope: anyio.CancelScope) -> None:
         """Remember an open stream's scope, so that ``drain()`` can end it."""
@@ -596,7 +660,7 @@ class SessionsApp:
             given = {key.lower() for key in error.headers}
             ours = {key: val for key, val in (headers or {}).items() if key.lower() not in given}
             headers = {**ours, **error.headers}
-        return _json(body, status, headers)
+        return self._json(body, status, headers)
 
     def _registry_now(self) -> AnyRegistry:
         registry = self._registry
@@ -827,7 +891,7 @@ class SessionsApp:
             infos = await registry.sessions(limit=limit + 1, after=after)
             page = infos[:limit]
             more = len(infos) > limit
-            return _json(
+            return self._json(
                 {
                     "sessions": [_info_json(info) for info in page],
                     "next": page[-1].session_id if more and page else None,
@@ -839,14 +903,14 @@ class SessionsApp:
     async def _read(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             state = await registry.ref(name).state()
-            return _json(state_to_json(state))
+            return self._json(state_to_json(state))
 
         return await self._handle(request, "read", handler)
 
     async def _delete(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             await registry.delete(name)
-            return _json({"deleted": name})
+            return self._json({"deleted": name})
 
         return await self._handle(request, "delete", handler)
 
@@ -854,7 +918,7 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             turn_id = _optional_string(await self._body(request, _CANCEL_FIELDS), "turn_id")
             ref = await self._existing_ref(registry, name, request.scope)
-            return _json({"cancelled": await ref.cancel(turn_id)})
+            return self._json({"cancelled": await ref.cancel(turn_id)})
 
         return await self._handle(request, "cancel", handler)
 
@@ -877,7 +941,7 @@ class SessionsApp:
                     ),
                 )
             turn = await self._submit(registry, ref, text, key)
-            return _json(reply_to_json(await turn.reply()))
+            return self._json(reply_to_json(await turn.reply()))
 
         return await self._handle(request, "send", handler)
 
@@ -919,7 +983,7 @@ class SessionsApp:
             ref = await self._existing_ref(registry, name, request.scope)
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
-                return _json(reply_to_json(reply))
+                return self._json(reply_to_json(reply))
             state = await ref.state()
             review = next((r for r in state.reviews if r.id == review_id), None)
             if review is None:
@@ -1209,17 +1273,6 @@ async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: in
         await websocket.close(code)
     except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
         pass
-
-
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
-    assert isinstance(exc, HTTPException)
-    name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
-    path = request.url.path.replace(_SLASH, "%2F")
-    message = f"{request.method} {shown(path)}: {exc.detail.lower()}"
-    if exc.status_code == 404:
-        message += f"; the routes are under {_routes(request.scope)} (see the HTTP gateway how-to)"
-    return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
 
 
 #: Stands for a '/' inside one segment of a path (``%2F``): no session name holds it.
