@@ -30,7 +30,7 @@ import attrs
 import sniffio
 import trio
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
+from starlette.exceptions import HTTPException, WebSocketException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
@@ -74,7 +74,8 @@ log = logging.getLogger("sessionactors.http")
 #: What a request does, as the ``action`` argument of ``authorize``.
 Action = Literal["list", "read", "send", "events", "cancel", "review", "delete", "websocket"]
 
-#: ``authorize(request, session_name, action)``: True lets the request through.
+#: ``authorize(request, session_name, action)``: True lets the request through (see
+#: :func:`create_app` for what it may raise).
 Authorize = Callable[[HTTPConnection, str | None, Action], bool | Awaitable[bool]]
 
 AnyRegistry = sa.Registry | aio.Registry
@@ -242,8 +243,12 @@ def create_app(
       to ``/sessions...`` (``session_name`` is None for the listing); a false
       result answers 403. It may be async. It may raise Starlette's (or
       FastAPI's) ``HTTPException``: the answer has its status, detail and
-      headers (a WebSocket is closed with 4000 + status); any other exception
-      answers 500 naming its kind, and goes to the log. ``action`` is one of ``"list"``,
+      headers (a WebSocket gets that error and is closed with 4000 + status).
+      It may raise Starlette's ``WebSocketException``, as a WebSocket endpoint
+      refuses: a WebSocket is closed with its code and reason (cut to the 123
+      bytes a close frame carries), and an HTTP request answers 403 with its
+      reason as the message. Any other exception answers 500 naming its kind,
+      and goes to the log. ``action`` is one of ``"list"``,
       ``"read"``, ``"send"``, ``"events"``, ``"cancel"``, ``"review"``,
       ``"delete"``, ``"websocket"`` (when a WebSocket connects; then each of
       its frames is authorized as the action it does: ``"send"``,
@@ -730,7 +735,9 @@ class SessionsApp:
 
     async def _authorized(self, request: HTTPConnection, name: str | None, action: Action) -> None:
         """Refuse (raise _RequestError) what ``authorize`` does not allow: a request,
-        or one frame of a WebSocket (as the action it does)."""
+        or one frame of a WebSocket (as the action it does). A ``WebSocketException``
+        it raises is raised on for a WebSocket (which closes with its code and
+        reason), and refuses a request with 403."""
         if self._authorize is not None:
             try:
                 allowed = self._authorize(request, name, action)
@@ -738,6 +745,12 @@ class SessionsApp:
                     allowed = await allowed
             except HTTPException as exc:  # (FastAPI's is one too) refused as it says
                 raise _refused_by_app(exc) from exc
+            except WebSocketException as exc:  # (FastAPI's is Starlette's)
+                if request.scope["type"] == "websocket":
+                    raise  # closes the socket with its code and reason
+                what = f"session {_name_shown(name)}" if name is not None else "the sessions"
+                message = exc.reason or f"this request may not {action} {what}"
+                raise _RequestError(403, "Forbidden", message) from exc
             except Exception as exc:  # the app's fault: its kind to the client, all to the log
                 log.error("authorize(%r, %r) raised", name, action, exc_info=exc)
                 raise _RequestError(
@@ -1048,6 +1061,8 @@ class SessionsApp:
                 await self._converse(registry, ref, websocket, events)
         except WebSocketDisconnect:
             return
+        except WebSocketException as exc:  # authorize refused it so: as it says
+            await _ws_close(websocket, None, exc.code, exc.reason)
         except Exception as exc:
             status, body = self._error_body(exc, websocket.scope, name)
             await _ws_close(websocket, {"type": "error", **body}, 4000 + status)
@@ -1154,6 +1169,11 @@ class SessionsApp:
                                 # events come for it), another decision its error
                                 group.start_soon(wait_resolved, resolve)
                     except WebSocketDisconnect:
+                        group.cancel_scope.cancel()
+                        return
+                    except WebSocketException as exc:  # authorize closes the socket so
+                        close = {"code": exc.code, "reason": _close_reason(exc.reason)}
+                        await writes.send({"type": "websocket.close", **close})
                         group.cancel_scope.cancel()
                         return
                     except RecursionError as exc:  # a frame nested too deep to decode
@@ -1266,13 +1286,25 @@ async def _sse_outcome(turn: sa.Turn | aio.Turn, followed: _Followed) -> bytes |
     return None
 
 
-async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: int) -> None:
+async def _ws_close(
+    websocket: WebSocket, frame: dict[str, Any] | None, code: int, reason: str = ""
+) -> None:
     try:
         if frame is not None:
             await websocket.send_text(dumps(frame).decode())
-        await websocket.close(code)
+        await websocket.close(code, _close_reason(reason))
     except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
         pass
+
+
+#: The longest reason a WebSocket's close frame carries, in UTF-8 bytes (RFC 6455, 5.5).
+_CLOSE_REASON_BYTES: Final = 123
+
+
+def _close_reason(reason: str | None) -> str:
+    """``reason`` cut to what a close frame carries (a longer one the servers refuse)."""
+    data = (reason or "").encode(errors="replace")
+    return data[:_CLOSE_REASON_BYTES].decode(errors="ignore")
 
 
 #: Stands for a '/' inside one segment of a path (``%2F``): no session name holds it.

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 import uvicorn
-from starlette.exceptions import HTTPException
+from starlette.exceptions import HTTPException, WebSocketException
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -591,6 +591,59 @@ async def test_an_http_exception_raised_by_authorize_answers_its_status(serve: S
                 while "seq" in frame:
                     frame = await ws.receive()
                 assert frame["status"] == 422
+
+
+async def _closed(ws: Any) -> Closed:
+    """How the server closes ``ws``, after the frames it sends first."""
+    while True:
+        try:
+            await ws.receive()
+        except Closed as closed:
+            return closed
+
+
+async def test_a_websocket_exception_raised_by_authorize_closes_with_its_code(
+    serve: Serve,
+) -> None:
+    """An ``authorize`` that refuses as a Starlette WebSocket endpoint does, raising
+    ``WebSocketException``, closes a WebSocket with that exception's code and reason, when
+    it connects and at a frame it refuses; an HTTP request it refuses answers 403 with the
+    reason as its message."""
+
+    def authorize(request: Any, name: str | None, action: str) -> bool:
+        if request.headers.get("x-user") != "ada":
+            raise WebSocketException(1008, "who are you?")
+        if action == "cancel":  # (a close frame carries 123 bytes of it)
+            raise WebSocketException(4001, "ada may not cancel" + "." * 200)
+        return True
+
+    async with (
+        serve(authorize=authorize) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(10):
+            for method, path, headers in [
+                ("POST", "/sessions/h/messages", {}),
+                ("GET", "/sessions/h/events", SSE),
+                ("GET", "/sessions", {}),
+            ]:
+                r = await client.request(method, path, headers=headers, json={"text": "hi"})
+                assert r.status_code == 403, (method, path, r.text)
+                body = r.json()
+                assert (body["error"], body["status"]) == ("Forbidden", 403), body
+                assert "who are you?" in body["message"], body
+
+            base = served.url.replace("http://", "ws://")
+            async with open_websocket(base + "/sessions/h/ws") as ws:
+                with pytest.raises(Closed) as closed:
+                    await ws.receive()
+                assert (closed.value.code, closed.value.reason) == (1008, "who are you?")
+            async with open_websocket(base + "/sessions/h/ws", headers=[("x-user", "ada")]) as ws:
+                await ws.send({"type": "cancel"})
+                ended = await _closed(ws)  # (after any events of the session)
+                reason = "ada may not cancel" + "." * 105
+                assert (ended.code, ended.reason) == (4001, reason)
+            await wait_no_subscribers(served)
 
 
 async def test_a_replayed_idempotent_message_streams_its_stored_reply(serve: Serve) -> None:
