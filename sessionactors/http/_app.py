@@ -30,7 +30,7 @@ import attrs
 import sniffio
 import trio
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
+from starlette.exceptions import HTTPException, WebSocketException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
@@ -56,7 +56,7 @@ from ._json import (
     state_to_json,
     to_json,
 )
-from ._sockets import WriteGuard
+from ._sockets import WRITE_BYTES, WriteGuard
 from ._sse import (
     STALL_HEARTBEATS,
     EventStreamResponse,
@@ -74,7 +74,8 @@ log = logging.getLogger("sessionactors.http")
 #: What a request does, as the ``action`` argument of ``authorize``.
 Action = Literal["list", "read", "send", "events", "cancel", "review", "delete", "websocket"]
 
-#: ``authorize(request, session_name, action)``: True lets the request through.
+#: ``authorize(request, session_name, action)``: True lets the request through (see
+#: :func:`create_app` for what it may raise).
 Authorize = Callable[[HTTPConnection, str | None, Action], bool | Awaitable[bool]]
 
 AnyRegistry = sa.Registry | aio.Registry
@@ -169,8 +170,42 @@ def _static(name: str) -> bytes:
     return importlib.resources.files("sessionactors.http").joinpath("static", name).read_bytes()
 
 
-def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(dumps(data), status, headers, media_type="application/json")
+class _Answer(Response):
+    """A whole answer (JSON, the chat page) whose client must keep taking it: it is
+    written in pieces of :data:`WRITE_BYTES`, and one that its client takes nothing of
+    for ``bound`` seconds ends the answer and resets its connection (a client that reads
+    nothing would otherwise hold the answer's bytes and its connection until the server
+    shuts down: hypercorn's trio worker waits on the socket write, uvicorn keeps what it
+    was given)."""
+
+    def __init__(
+        self,
+        content: bytes,
+        *,
+        bound: float,
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str,
+    ) -> None:
+        super().__init__(content, status, headers, media_type)
+        self.bound = bound
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        writes = WriteGuard(scope, send, self.bound)
+        body = self.body
+        async with anyio.create_task_group() as group:
+            group.start_soon(writes.guard, group.cancel_scope)
+            start = {"type": "http.response.start", "status": self.status_code}
+            await writes.send({**start, "headers": self.raw_headers})
+            for at in range(0, max(len(body), 1), WRITE_BYTES):  # (a large body in pieces)
+                piece = body if len(body) <= WRITE_BYTES else body[at : at + WRITE_BYTES]
+                more = at + WRITE_BYTES < len(body)
+                await writes.send({"type": "http.response.body", "body": piece, "more_body": more})
+            group.cancel_scope.cancel()
+        if writes.stalled:
+            log.warning(
+                "an answer's client took nothing of a 64 KB piece in %s s; ended it", writes.bound
+            )
 
 
 def create_app(
@@ -208,8 +243,12 @@ def create_app(
       to ``/sessions...`` (``session_name`` is None for the listing); a false
       result answers 403. It may be async. It may raise Starlette's (or
       FastAPI's) ``HTTPException``: the answer has its status, detail and
-      headers (a WebSocket is closed with 4000 + status); any other exception
-      answers 500 naming its kind, and goes to the log. ``action`` is one of ``"list"``,
+      headers (a WebSocket gets that error and is closed with 4000 + status).
+      It may raise Starlette's ``WebSocketException``, as a WebSocket endpoint
+      refuses: a WebSocket is closed with its code and reason (cut to the 123
+      bytes a close frame carries), and an HTTP request answers 403 with its
+      reason as the message. Any other exception answers 500 naming its kind,
+      and goes to the log. ``action`` is one of ``"list"``,
       ``"read"``, ``"send"``, ``"events"``, ``"cancel"``, ``"review"``,
       ``"delete"``, ``"websocket"`` (when a WebSocket connects; then each of
       its frames is authorized as the action it does: ``"send"``,
@@ -218,12 +257,14 @@ def create_app(
       session creates it (default) or answers 404.
     - ``heartbeat``: seconds of silence after which an event stream sends a
       comment line, so that proxies and browsers keep it open. An event
-      stream is written in pieces of 64 KB; one whose client takes nothing
+      stream, and any other answer (a session's JSON, however long its
+      history), is written in pieces of 64 KB; one whose client takes nothing
       of a piece for twice this long (a WebSocket message, which cannot be
       split, has twice this long for each 64 KB it carries) is ended and its
       connection reset (the client resumes with ``Last-Event-ID``, or
-      ``?after=`` on a WebSocket). A client that reads slowly but takes
-      64 KB in that time (about 2 KB/s at the default) gets its whole stream.
+      ``?after=`` on a WebSocket, or asks again). A client that reads slowly
+      but takes 64 KB in that time (about 2 KB/s at the default) gets its
+      whole stream or answer.
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
     - ``max_body``: the largest request body accepted, in bytes (413 above).
@@ -319,14 +360,13 @@ class SessionsApp:
             untrack=self._untrack,
             heartbeat=heartbeat,
         )
+        self._write_bound = STALL_HEARTBEATS * heartbeat
         routes: list[Route | WebSocketRoute] = []
         if chat_page:
             page, client = _static("index.html"), _static("sessionactors.js")
             routes += [
-                Route("/", lambda _: Response(page, headers=_PAGE_HEADERS, media_type="text/html")),
-                Route(
-                    "/sessionactors.js", lambda _: Response(client, media_type="text/javascript")
-                ),
+                Route("/", lambda _: self._answer(page, "text/html", headers=_PAGE_HEADERS)),
+                Route("/sessionactors.js", lambda _: self._answer(client, "text/javascript")),
             ]
         routes += [
             Route("/sessions", self._list, methods=["GET"]),
@@ -342,7 +382,7 @@ class SessionsApp:
         self._app = Starlette(
             routes=routes,
             lifespan=lifespan,
-            exception_handlers={HTTPException: _http_exception},
+            exception_handlers={HTTPException: self._http_exception},
         )
 
     def __repr__(self) -> str:
@@ -453,6 +493,35 @@ class SessionsApp:
                     self.drain()
         finally:
             self._registry = None  # (closed: not handed out by ``registry`` any more)
+
+    def _answer(
+        self,
+        content: bytes,
+        media_type: str,
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """A whole answer, written to its client under the write bound (see ``_Answer``)."""
+        return _Answer(
+            content, bound=self._write_bound, status=status, headers=headers, media_type=media_type
+        )
+
+    def _json(
+        self, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        return self._answer(dumps(data), "application/json", status, headers)
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
+        assert isinstance(exc, HTTPException)
+        name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
+        path = request.url.path.replace(_SLASH, "%2F")
+        message = f"{request.method} {shown(path)}: {exc.detail.lower()}"
+        if exc.status_code == 404:
+            message += (
+                f"; the routes are under {_routes(request.scope)} (see the HTTP gateway how-to)"
+            )
+        return self._json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
 
     def _track(self, scope: anyio.CancelScope) -> None:
         """Remember an open stream's scope, so that ``drain()`` can end it."""
@@ -596,7 +665,7 @@ class SessionsApp:
             given = {key.lower() for key in error.headers}
             ours = {key: val for key, val in (headers or {}).items() if key.lower() not in given}
             headers = {**ours, **error.headers}
-        return _json(body, status, headers)
+        return self._json(body, status, headers)
 
     def _registry_now(self) -> AnyRegistry:
         registry = self._registry
@@ -666,7 +735,9 @@ class SessionsApp:
 
     async def _authorized(self, request: HTTPConnection, name: str | None, action: Action) -> None:
         """Refuse (raise _RequestError) what ``authorize`` does not allow: a request,
-        or one frame of a WebSocket (as the action it does)."""
+        or one frame of a WebSocket (as the action it does). A ``WebSocketException``
+        it raises is raised on for a WebSocket (which closes with its code and
+        reason), and refuses a request with 403."""
         if self._authorize is not None:
             try:
                 allowed = self._authorize(request, name, action)
@@ -674,6 +745,12 @@ class SessionsApp:
                     allowed = await allowed
             except HTTPException as exc:  # (FastAPI's is one too) refused as it says
                 raise _refused_by_app(exc) from exc
+            except WebSocketException as exc:  # (FastAPI's is Starlette's)
+                if request.scope["type"] == "websocket":
+                    raise  # closes the socket with its code and reason
+                what = f"session {_name_shown(name)}" if name is not None else "the sessions"
+                message = exc.reason or f"this request may not {action} {what}"
+                raise _RequestError(403, "Forbidden", message) from exc
             except Exception as exc:  # the app's fault: its kind to the client, all to the log
                 log.error("authorize(%r, %r) raised", name, action, exc_info=exc)
                 raise _RequestError(
@@ -827,7 +904,7 @@ class SessionsApp:
             infos = await registry.sessions(limit=limit + 1, after=after)
             page = infos[:limit]
             more = len(infos) > limit
-            return _json(
+            return self._json(
                 {
                     "sessions": [_info_json(info) for info in page],
                     "next": page[-1].session_id if more and page else None,
@@ -839,14 +916,14 @@ class SessionsApp:
     async def _read(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             state = await registry.ref(name).state()
-            return _json(state_to_json(state))
+            return self._json(state_to_json(state))
 
         return await self._handle(request, "read", handler)
 
     async def _delete(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             await registry.delete(name)
-            return _json({"deleted": name})
+            return self._json({"deleted": name})
 
         return await self._handle(request, "delete", handler)
 
@@ -854,7 +931,7 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             turn_id = _optional_string(await self._body(request, _CANCEL_FIELDS), "turn_id")
             ref = await self._existing_ref(registry, name, request.scope)
-            return _json({"cancelled": await ref.cancel(turn_id)})
+            return self._json({"cancelled": await ref.cancel(turn_id)})
 
         return await self._handle(request, "cancel", handler)
 
@@ -877,7 +954,7 @@ class SessionsApp:
                     ),
                 )
             turn = await self._submit(registry, ref, text, key)
-            return _json(reply_to_json(await turn.reply()))
+            return self._json(reply_to_json(await turn.reply()))
 
         return await self._handle(request, "send", handler)
 
@@ -919,7 +996,7 @@ class SessionsApp:
             ref = await self._existing_ref(registry, name, request.scope)
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
-                return _json(reply_to_json(reply))
+                return self._json(reply_to_json(reply))
             state = await ref.state()
             review = next((r for r in state.reviews if r.id == review_id), None)
             if review is None:
@@ -984,6 +1061,8 @@ class SessionsApp:
                 await self._converse(registry, ref, websocket, events)
         except WebSocketDisconnect:
             return
+        except WebSocketException as exc:  # authorize refused it so: as it says
+            await _ws_close(websocket, None, exc.code, exc.reason)
         except Exception as exc:
             status, body = self._error_body(exc, websocket.scope, name)
             await _ws_close(websocket, {"type": "error", **body}, 4000 + status)
@@ -1090,6 +1169,11 @@ class SessionsApp:
                                 # events come for it), another decision its error
                                 group.start_soon(wait_resolved, resolve)
                     except WebSocketDisconnect:
+                        group.cancel_scope.cancel()
+                        return
+                    except WebSocketException as exc:  # authorize closes the socket so
+                        close = {"code": exc.code, "reason": _close_reason(exc.reason)}
+                        await writes.send({"type": "websocket.close", **close})
                         group.cancel_scope.cancel()
                         return
                     except RecursionError as exc:  # a frame nested too deep to decode
@@ -1202,24 +1286,25 @@ async def _sse_outcome(turn: sa.Turn | aio.Turn, followed: _Followed) -> bytes |
     return None
 
 
-async def _ws_close(websocket: WebSocket, frame: dict[str, Any] | None, code: int) -> None:
+async def _ws_close(
+    websocket: WebSocket, frame: dict[str, Any] | None, code: int, reason: str = ""
+) -> None:
     try:
         if frame is not None:
             await websocket.send_text(dumps(frame).decode())
-        await websocket.close(code)
+        await websocket.close(code, _close_reason(reason))
     except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
         pass
 
 
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
-    assert isinstance(exc, HTTPException)
-    name = "".join(word.capitalize() for word in exc.detail.split()) or "HTTPError"
-    path = request.url.path.replace(_SLASH, "%2F")
-    message = f"{request.method} {shown(path)}: {exc.detail.lower()}"
-    if exc.status_code == 404:
-        message += f"; the routes are under {_routes(request.scope)} (see the HTTP gateway how-to)"
-    return _json(plain_error(name, message, exc.status_code), exc.status_code, exc.headers)
+#: The longest reason a WebSocket's close frame carries, in UTF-8 bytes (RFC 6455, 5.5).
+_CLOSE_REASON_BYTES: Final = 123
+
+
+def _close_reason(reason: str | None) -> str:
+    """``reason`` cut to what a close frame carries (a longer one the servers refuse)."""
+    data = (reason or "").encode(errors="replace")
+    return data[:_CLOSE_REASON_BYTES].decode(errors="ignore")
 
 
 #: Stands for a '/' inside one segment of a path (``%2F``): no session name holds it.

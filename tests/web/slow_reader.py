@@ -1,6 +1,6 @@
-"""A client that reads an event stream or a WebSocket slowly but steadily, as a phone on a
-poor network does: a raw socket with a small receive buffer, read a few KB at a time with
-a pause between reads (h11 and wsproto parse what it reads)."""
+"""A client that reads an event stream, a WebSocket or a JSON answer slowly but steadily, as
+a phone on a poor network does: a raw socket with a small receive buffer, read a few KB at
+a time with a pause between reads (h11 and wsproto parse what it reads)."""
 
 import json
 from typing import Any
@@ -58,6 +58,36 @@ async def read_slowly(port: int, target: str, turns: int) -> list[dict[str, Any]
                 finished += event["type"] == "TurnFinished"
             await trio.sleep(PAUSE)
     return events
+
+
+async def get_slowly(port: int, target: str) -> bytes:
+    """The body of the answer that a slow client of ``GET target`` on 127.0.0.1:``port``
+    gets (status 200); raises ConnectionError if the server ends it first."""
+    http = h11.Connection(h11.CLIENT)
+    request = h11.Request(method="GET", target=target, headers=[("host", f"127.0.0.1:{port}")])
+    body = bytearray()
+    with trio.socket.socket() as sock:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, READ_BYTES)
+        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, SEGMENT_BYTES)
+        await sock.connect(("127.0.0.1", port))
+        await sock.send(http.send(request) + http.send(h11.EndOfMessage()))
+        while True:
+            event = http.next_event()
+            if isinstance(event, h11.EndOfMessage):
+                return bytes(body)
+            if isinstance(event, h11.Response):
+                assert event.status_code == 200, event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif event is h11.NEED_DATA:
+                try:
+                    data = await sock.recv(READ_BYTES)
+                except ConnectionResetError:
+                    raise ConnectionError(f"reset after {len(body)} bytes of the body") from None
+                if not data:
+                    raise ConnectionError(f"closed after {len(body)} bytes of the body")
+                http.receive_data(data)
+                await trio.sleep(PAUSE)
 
 
 class _EventStreamParser:

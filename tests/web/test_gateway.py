@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import httpx
 import pytest
 import trio
 import uvicorn
-from starlette.exceptions import HTTPException
+from starlette.exceptions import HTTPException, WebSocketException
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -21,7 +22,7 @@ from sessionactors.testing import FaultyStore
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
-from .slow_reader import read_slowly
+from .slow_reader import get_slowly, read_slowly
 from .wsclient import Closed, open_websocket
 
 SSE = {"accept": "text/event-stream"}
@@ -284,11 +285,12 @@ async def test_event_streams_send_heartbeats_while_quiet(serve: Serve) -> None:
             assert lines[0] == "retry: 1000"
 
 
-async def _silent_reader_is_ended(serve: Serve, request: str) -> None:
-    """A raw client that sends ``request`` (a GET of ``/sessions/fat/...?after=0``) to a
-    session of large messages and reads nothing for 60 heartbeats (a WebSocket message of
-    its events, up to 500 KB, may wait 16: two for each 64 KB): then what is left must end
-    (the stream ended, the connection reset), within 30 s."""
+async def _silent_reader_is_ended(serve: Serve, request: str) -> bytes:
+    """A raw client that sends ``request`` (a GET of ``/sessions/fat...``) about a session
+    of large messages (2.5 MB of history, 5 MB of events) and reads nothing for 60
+    heartbeats (a WebSocket message of its events, up to 500 KB, may wait 16: two for each
+    64 KB): then what is left must end (the answer ended, the connection reset or
+    closed), within 30 s; what the client got."""
     async with (
         serve(heartbeat=0.05) as served,
         httpx.AsyncClient(base_url=served.url, timeout=60) as client,
@@ -297,6 +299,7 @@ async def _silent_reader_is_ended(serve: Serve, request: str) -> None:
         for _ in range(5):  # 5 MB of events to replay: more than the sockets hold
             assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
         port = int(served.url.rsplit(":", 1)[1])
+        got = bytearray()
         with trio.socket.socket() as reader:
             reader.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
             # (an Ethernet's segments, not loopback's 64 KB, with which the server's
@@ -308,10 +311,13 @@ async def _silent_reader_is_ended(serve: Serve, request: str) -> None:
             with trio.fail_after(30):  # then what is left ends, not a live stream
                 while True:
                     try:
-                        if not await reader.recv(1 << 20):
-                            break
+                        data = await reader.recv(1 << 20)
                     except ConnectionResetError:
                         break
+                    if not data:
+                        break
+                    got += data
+    return bytes(got)
 
 
 async def test_an_event_stream_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
@@ -332,6 +338,45 @@ async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> 
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
     await _silent_reader_is_ended(serve, request)
+
+
+async def test_a_json_answer_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
+    """A client that asks for a session of a long history (2.5 MB of JSON) and reads
+    nothing (the server's write to it never done) holds neither the answer nor its
+    connection: after two heartbeat intervals without 64 KB of it taken, the answer ends
+    and the connection is reset, before the client has it whole."""
+    request = "GET /sessions/fat HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    got = await _silent_reader_is_ended(serve, request)
+    answer = h11.Connection(h11.CLIENT)
+    answer.send(h11.Request(method="GET", target="/sessions/fat", headers=[("host", "x")]))
+    answer.receive_data(got)
+    body = 0
+    while (event := answer.next_event()) is not h11.NEED_DATA:
+        assert not isinstance(event, h11.EndOfMessage), f"the whole answer came: {body} bytes"
+        if isinstance(event, h11.Response):
+            assert event.status_code == 200, event
+        elif isinstance(event, h11.Data):
+            body += len(event.data)
+
+
+async def test_a_client_that_reads_a_json_answer_slowly_but_steadily_gets_it(
+    serve: Serve,
+) -> None:
+    """A client that reads a session of a long history slowly but steadily (about 400 KB/s:
+    its 2 MB of JSON takes it longer than two heartbeat intervals) gets the whole answer."""
+    async with (
+        serve(heartbeat=0.5) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=60) as client,
+    ):
+        big = "x" * 500_000
+        for _ in range(2):
+            assert (await client.post("/sessions/big/messages", json={"text": big})).is_success
+        expected = (await client.get("/sessions/big")).content
+        port = int(served.url.rsplit(":", 1)[1])
+        with trio.fail_after(120):
+            body = await get_slowly(port, "/sessions/big")
+    assert len(expected) > 2_000_000
+    assert body == expected
 
 
 @pytest.mark.parametrize(
@@ -546,6 +591,59 @@ async def test_an_http_exception_raised_by_authorize_answers_its_status(serve: S
                 while "seq" in frame:
                     frame = await ws.receive()
                 assert frame["status"] == 422
+
+
+async def _closed(ws: Any) -> Closed:
+    """How the server closes ``ws``, after the frames it sends first."""
+    while True:
+        try:
+            await ws.receive()
+        except Closed as closed:
+            return closed
+
+
+async def test_a_websocket_exception_raised_by_authorize_closes_with_its_code(
+    serve: Serve,
+) -> None:
+    """An ``authorize`` that refuses as a Starlette WebSocket endpoint does, raising
+    ``WebSocketException``, closes a WebSocket with that exception's code and reason, when
+    it connects and at a frame it refuses; an HTTP request it refuses answers 403 with the
+    reason as its message."""
+
+    def authorize(request: Any, name: str | None, action: str) -> bool:
+        if request.headers.get("x-user") != "ada":
+            raise WebSocketException(1008, "who are you?")
+        if action == "cancel":  # (a close frame carries 123 bytes of it)
+            raise WebSocketException(4001, "ada may not cancel" + "." * 200)
+        return True
+
+    async with (
+        serve(authorize=authorize) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(10):
+            for method, path, headers in [
+                ("POST", "/sessions/h/messages", {}),
+                ("GET", "/sessions/h/events", SSE),
+                ("GET", "/sessions", {}),
+            ]:
+                r = await client.request(method, path, headers=headers, json={"text": "hi"})
+                assert r.status_code == 403, (method, path, r.text)
+                body = r.json()
+                assert (body["error"], body["status"]) == ("Forbidden", 403), body
+                assert "who are you?" in body["message"], body
+
+            base = served.url.replace("http://", "ws://")
+            async with open_websocket(base + "/sessions/h/ws") as ws:
+                with pytest.raises(Closed) as closed:
+                    await ws.receive()
+                assert (closed.value.code, closed.value.reason) == (1008, "who are you?")
+            async with open_websocket(base + "/sessions/h/ws", headers=[("x-user", "ada")]) as ws:
+                await ws.send({"type": "cancel"})
+                ended = await _closed(ws)  # (after any events of the session)
+                reason = "ada may not cancel" + "." * 105
+                assert (ended.code, ended.reason) == (4001, reason)
+            await wait_no_subscribers(served)
 
 
 async def test_a_replayed_idempotent_message_streams_its_stored_reply(serve: Serve) -> None:

@@ -13,11 +13,13 @@ import wsproto.events
 
 
 class Closed(Exception):
-    """The server closed the WebSocket; ``code`` is its close code."""
+    """The server closed the WebSocket; ``code`` and ``reason`` are its close code and
+    reason."""
 
-    def __init__(self, code: int) -> None:
-        super().__init__(f"closed with code {code}")
+    def __init__(self, code: int, reason: str = "") -> None:
+        super().__init__(f"closed with code {code}" + (f" ({reason})" if reason else ""))
         self.code = code
+        self.reason = reason
 
 
 class WebSocket:
@@ -58,7 +60,7 @@ class WebSocket:
             elif isinstance(event, wsproto.events.CloseConnection):
                 if self._ws.state is wsproto.connection.ConnectionState.REMOTE_CLOSING:
                     await self._flush(event.response())
-                raise Closed(event.code)
+                raise Closed(event.code, event.reason or "")
             elif isinstance(event, wsproto.events.Ping):
                 await self._flush(event.response())
 
