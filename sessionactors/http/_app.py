@@ -176,7 +176,8 @@ class _Answer(Response):
     for ``bound`` seconds ends the answer and resets its connection (a client that reads
     nothing would otherwise hold the answer's bytes and its connection until the server
     shuts down: hypercorn's trio worker waits on the socket write, uvicorn keeps what it
-    was given)."""
+    was given). An answer of one piece is written as any other (the socket's buffer
+    takes it whole, and ``serve`` resets connections still open at its shutdown)."""
 
     def __init__(
         self,
@@ -191,14 +192,17 @@ class _Answer(Response):
         self.bound = bound
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        writes = WriteGuard(scope, send, self.bound)
         body = self.body
+        if len(body) <= WRITE_BYTES:  # one piece, which the socket's buffer takes whole:
+            await super().__call__(scope, receive, send)  # no guard task for most answers
+            return
+        writes = WriteGuard(scope, send, self.bound)
         async with anyio.create_task_group() as group:
             group.start_soon(writes.guard, group.cancel_scope)
             start = {"type": "http.response.start", "status": self.status_code}
             await writes.send({**start, "headers": self.raw_headers})
-            for at in range(0, max(len(body), 1), WRITE_BYTES):  # (a large body in pieces)
-                piece = body if len(body) <= WRITE_BYTES else body[at : at + WRITE_BYTES]
+            for at in range(0, len(body), WRITE_BYTES):
+                piece = body[at : at + WRITE_BYTES]
                 more = at + WRITE_BYTES < len(body)
                 await writes.send({"type": "http.response.body", "body": piece, "more_body": more})
             group.cancel_scope.cancel()
