@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -478,6 +479,39 @@ async def _store_with_one_session(path: Path) -> None:
     agent = sa.Agent(model=EchoModel())
     async with sa.open_registry(store=sa.SQLiteStore(path), agents={"echo": agent}) as registry:
         await (await registry.spawn("a")).send("hello from a")
+
+
+def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_shown(
+    tmp_path: Path,
+) -> None:
+    """A stored session whose name is not valid UTF-8 (damage in the file) fails neither
+    list nor the others: list names it on stderr, shell-quoted, with the delete command
+    that removes it, and delete takes it as shown (the shell passes its bytes)."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # bit rot in one name
+        for table in ("sessions", "snapshots", "journal", "leases"):
+            conn.execute(
+                f"UPDATE {table} SET session_id = CAST(? AS TEXT) WHERE session_id = 'b'",
+                (b"\xff19",),
+            )
+        conn.commit()
+    done = sessions("list", "--json", "--store", store)
+    assert done.returncode == 0, done.stderr
+    assert [r["name"] for r in json.loads(done.stdout)] == ["c", "a"]
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "$'\\xff19'" in done.stderr, done.stderr
+    assert f"sessions delete --store {store} --yes $'\\xff19'" in done.stderr, done.stderr
+    # the shell's $'\xff19' is the argument's bytes, which Python reads as this str
+    assert ok("delete", "--yes", "--store", store, "\udcff19") == "deleted session $'\\xff19'\n"
+    assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == ["c", "a"]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for table in ("sessions", "snapshots", "journal"):
+            left = conn.execute(f"SELECT count(*) FROM {table} WHERE session_id > 'c'").fetchone()
+            assert left == (0,), table
+    assert "not in this store" in refused("delete", "--yes", "--store", store, "\udcff19")
 
 
 # ---- tail ---------------------------------------------------------------------------
