@@ -53,7 +53,7 @@ from ._records import SessionInfo, SessionState, Status, new_id, utcnow
 from ._registry import Registry, create_session, open_registry
 from ._router import RoutingStore
 from ._session import LiveSession
-from .stores._base import Store
+from .stores._base import PagedStore, Store
 from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
 from .stores._url import open_store
@@ -314,6 +314,8 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         after=args.after,
         damaged=functools.partial(_say_damaged, args.store),
     )
+    if not infos:
+        await _say_if_empty(store, args.store)
     if args.json:
         _out(json_text([_info_json(i) for i in infos]))
         return 0
@@ -324,6 +326,35 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
             f"{info.updated_at.isoformat(timespec='seconds')}\t{meta}"
         )
     return 0
+
+
+async def _say_if_empty(store: Store, url: str) -> None:
+    """Say on stderr when the store holds no session at all: an empty listing of it
+    means a wrong --store (a mistyped ?prefix=, another database number) more often
+    than a store emptied, and [] alone would pass a check that nothing is left."""
+    if isinstance(store, PagedStore):
+        some = await store.list_page(after=None, limit=1)
+    else:
+        some = await store.list_sessions()
+    if some:
+        return
+    prefix = getattr(store, "prefix", None)
+    if isinstance(store, SQLiteStore):
+        text = (
+            f"the sqlite store at {str(store.path)!r} holds no sessions: check that --store "
+            "names the file that your server uses"
+        )
+    elif isinstance(prefix, str):
+        from .stores._redis_connect import redact  # (a Redis store: coredis is there)
+
+        text = (
+            f"the store at {redact(url)} holds no sessions under prefix {prefix!r}: check "
+            "--store (its database number, and ?prefix= if your server opens "
+            "RedisStore(..., prefix=...))"
+        )
+    else:
+        text = "the store holds no sessions: check --store"
+    print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
 
 def _say_damaged(url: str, raw: bytes) -> None:
