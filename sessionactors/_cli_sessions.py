@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import unicodedata
@@ -45,13 +47,13 @@ from ._errors import (
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
-from ._names import validate_name
+from ._names import damaged_name, shell_quoted, validate_name
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
 from ._registry import Registry, create_session, open_registry
 from ._router import RoutingStore
 from ._session import LiveSession
-from .stores._base import Store
+from .stores._base import PagedStore, Store
 from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
 from .stores._url import open_store
@@ -310,7 +312,10 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         metadata=_parse_meta(args.meta),
         limit=args.limit,
         after=args.after,
+        damaged=functools.partial(_say_damaged, args.store),
     )
+    if not infos:
+        await _say_if_empty(store, args.store)
     if args.json:
         _out(json_text([_info_json(i) for i in infos]))
         return 0
@@ -321,6 +326,46 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
             f"{info.updated_at.isoformat(timespec='seconds')}\t{meta}"
         )
     return 0
+
+
+async def _say_if_empty(store: Store, url: str) -> None:
+    """Say on stderr when the store holds no session at all: an empty listing of it
+    means a wrong --store (a mistyped ?prefix=, another database number) more often
+    than a store emptied, and [] alone would pass a check that nothing is left."""
+    if isinstance(store, PagedStore):
+        some = await store.list_page(after=None, limit=1)
+    else:
+        some = await store.list_sessions()
+    if some:
+        return
+    prefix = getattr(store, "prefix", None)
+    if isinstance(store, SQLiteStore):
+        text = (
+            f"the sqlite store at {str(store.path)!r} holds no sessions: check that --store "
+            "names the file that your server uses"
+        )
+    elif isinstance(prefix, str):
+        from .stores._redis_connect import redact  # (a Redis store: coredis is there)
+
+        text = (
+            f"the store at {redact(url)} holds no sessions under prefix {prefix!r}: check "
+            "--store (its database number, and ?prefix= if your server opens "
+            "RedisStore(..., prefix=...))"
+        )
+    else:
+        text = "the store holds no sessions: check --store"
+    print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
+
+
+def _say_damaged(url: str, raw: bytes) -> None:
+    """Say on stderr that a stored name, ``raw``, is not UTF-8, and how to remove it."""
+    shown = shell_quoted(raw)
+    text = (
+        f"a stored session's name is not UTF-8 (damaged data): {shown}; it is left out "
+        "of the listing and no request can reach it; remove it with `python -m "
+        f"sessionactors sessions delete --store {shlex.quote(url)} --yes {shown}`"
+    )
+    print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
 
 # ---- show, export, tail ------------------------------------------------------------
@@ -672,6 +717,15 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
 
 async def _delete(store: Store, args: argparse.Namespace) -> int:
     name = args.name
+    raw = damaged_name(name)
+    if raw is not None and isinstance(store, SQLiteStore):
+        # a name that damage left not UTF-8, given as `list` shows it ($'\xff19'): its
+        # rows, by their bytes (no process holds its lease: no request reaches it)
+        shown = shell_quoted(raw)
+        if not await store.delete(name):
+            raise SessionNotFoundError(f"session {shown} is not in this store", session_id=None)
+        _out(f"deleted session {shown}")
+        return 0
     validate_name(name)
     if isinstance(store, RoutingStore):  # by the worker that runs it or holds its shard
         async with _joined(store) as registry:

@@ -6,7 +6,7 @@ import unicodedata
 
 from ._errors import InvalidSessionNameError, shown
 
-__all__ = ["MAX_NAME_BYTES", "as_session_id", "validate_name"]
+__all__ = ["MAX_NAME_BYTES", "as_session_id", "damaged_name", "shell_quoted", "validate_name"]
 
 MAX_NAME_BYTES = 256
 
@@ -50,3 +50,32 @@ def validate_name(name: object) -> str:
                 session_id=name,
             )
     return name
+
+
+def damaged_name(name: str) -> bytes | None:
+    """The stored bytes of a name that is not UTF-8, or None for a name that is text.
+
+    A store that reads a name from bytes that damage left undecodable (bit rot in a
+    SQLite file) gives it as those bytes decoded with ``surrogateescape``, as Python
+    decodes a command line's arguments: ``$'\\xff19'`` in a shell is the same str.
+    No session can have such a name (``validate_name`` refuses it): listings leave it
+    out, and the command line's ``sessions delete`` takes it to remove the row.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            return name.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return None
+    return None
+
+
+def shell_quoted(raw: bytes) -> str:
+    """``raw`` as a shell's ``$'...'`` word that passes those bytes (bash, zsh, ksh):
+    printable ASCII as is, every other byte as ``\\xHH``."""
+    return (
+        "$'"
+        + "".join(chr(b) if 0x20 <= b < 0x7F and b not in b"'\\" else f"\\x{b:02x}" for b in raw)
+        + "'"
+    )

@@ -27,12 +27,19 @@ from ._errors import (
 )
 from ._events import NO_TIME, Event
 from ._listing import LISTING_BATCH, check_listing, matches, page_of, told_status
-from ._names import validate_name
+from ._names import damaged_name, shell_quoted, validate_name
 from ._records import SessionInfo, SessionState, Status
 from ._session import LiveSession
 from .stores._base import PagedStore, Store, StoredSession
 
-__all__ = ["describe_stored", "list_stored", "read_events", "read_session", "read_stored"]
+__all__ = [
+    "damaged_listed",
+    "describe_stored",
+    "list_stored",
+    "read_events",
+    "read_session",
+    "read_stored",
+]
 
 log = logging.getLogger("sessionactors")
 
@@ -133,9 +140,13 @@ async def list_stored(
     limit: int | None = None,
     after: str | None = None,
     describe: Callable[[str, bytes], SessionInfo] = describe_stored,
+    damaged: Callable[[bytes], None] | None = None,
 ) -> list[SessionInfo]:
     """A listing of ``store`` as ``Registry.sessions`` documents it, read without waking
-    any session; ``describe`` turns a stored ``(name, info)`` into the listed info."""
+    any session; ``describe`` turns a stored ``(name, info)`` into the listed info.
+
+    A stored name that is not UTF-8 (see ``damaged_name``) is left out, and its bytes
+    given to ``damaged`` (by default: logged as a WARNING, see ``damaged_listed``)."""
     wanted, pairs = check_listing(status, metadata, limit, after)
     if after is not None:
         validate_name(after)
@@ -149,12 +160,29 @@ async def list_stored(
     out: list[SessionInfo] = []
     async with aclosing(_listed(store, after, batch)) as listed:
         async for name, blob in listed:
+            raw = damaged_name(name)
+            if raw is not None:
+                (damaged or damaged_listed)(raw)
+                continue
             info = describe(name, blob)
             if matches(info, wanted, pairs):
                 out.append(info)
                 if limit is not None and len(out) >= limit:
                     break
     return out
+
+
+def damaged_listed(raw: bytes) -> None:
+    """Log a stored session whose name, ``raw``, is not UTF-8 (damage in the store),
+    left out of a listing: what it is and how to remove it."""
+    shown = shell_quoted(raw)
+    log.warning(
+        "a stored session's name is not UTF-8 (damaged data): %s; it is left out of "
+        "listings and no request can reach it; remove it with `python -m sessionactors "
+        "sessions delete --store URL --yes %s`",
+        shown,
+        shown,
+    )
 
 
 async def _listed(

@@ -36,8 +36,8 @@ from ._errors import (
 from ._final import NoPublicConstructor
 from ._history import check_copyable, rewind_end
 from ._metadata import check_metadata
-from ._names import validate_name
-from ._reading import describe_stored, list_stored
+from ._names import damaged_name, validate_name
+from ._reading import damaged_listed, describe_stored, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
 from ._ref import SessionRef, check_text
 from ._router import RoutingStore
@@ -291,7 +291,9 @@ class Registry(metaclass=NoPublicConstructor):
         when it died (the next request or subscription resumes it), else
         ``hibernated`` (see ``Status``). A session whose
         stored description cannot be read is listed with status ``FAILED`` and
-        logged, so one bad record never fails the listing.
+        logged, so one bad record never fails the listing; one whose stored name
+        is not UTF-8 (damage in the store's file) names no session a request can
+        reach: it is left out, with a WARNING that says how to remove it.
 
         Each SessionInfo carries the session's whole metadata, so a page costs
         what its sessions' metadata weighs: at most ``MAX_METADATA_BYTES`` each (see
@@ -329,6 +331,10 @@ class Registry(metaclass=NoPublicConstructor):
         out: list[ReviewRequest] = []
         # every session in the store's own order: no sorting, no paging
         for name, blob in await self.store.list_sessions():
+            raw = damaged_name(name)
+            if raw is not None:  # (no session can be reached under it)
+                damaged_listed(raw)
+                continue
             info = self._describe(name, blob)
             if info.pending_reviews:
                 try:

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -26,7 +27,7 @@ import trio
 
 import sessionactors as sa
 from processes import reap, sessions
-from sessionactors.stores import RedisStore
+from sessionactors.stores import RedisStore, SQLiteStore
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
 
 HERE = Path(__file__).resolve().parent
@@ -480,6 +481,39 @@ async def _store_with_one_session(path: Path) -> None:
         await (await registry.spawn("a")).send("hello from a")
 
 
+def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_shown(
+    tmp_path: Path,
+) -> None:
+    """A stored session whose name is not valid UTF-8 (damage in the file) fails neither
+    list nor the others: list names it on stderr, shell-quoted, with the delete command
+    that removes it, and delete takes it as shown (the shell passes its bytes)."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # bit rot in one name
+        for table in ("sessions", "snapshots", "journal", "leases"):
+            conn.execute(
+                f"UPDATE {table} SET session_id = CAST(? AS TEXT) WHERE session_id = 'b'",
+                (b"\xff19",),
+            )
+        conn.commit()
+    done = sessions("list", "--json", "--store", store)
+    assert done.returncode == 0, done.stderr
+    assert [r["name"] for r in json.loads(done.stdout)] == ["c", "a"]
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "$'\\xff19'" in done.stderr, done.stderr
+    assert f"sessions delete --store {store} --yes $'\\xff19'" in done.stderr, done.stderr
+    # the shell's $'\xff19' is the argument's bytes, which Python reads as this str
+    assert ok("delete", "--yes", "--store", store, "\udcff19") == "deleted session $'\\xff19'\n"
+    assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == ["c", "a"]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for table in ("sessions", "snapshots", "journal"):
+            left = conn.execute(f"SELECT count(*) FROM {table} WHERE session_id > 'c'").fetchone()
+            assert left == (0,), table
+    assert "not in this store" in refused("delete", "--yes", "--store", store, "\udcff19")
+
+
 # ---- tail ---------------------------------------------------------------------------
 
 
@@ -763,12 +797,49 @@ async def test_commands_reach_a_redis_store_under_its_own_prefix(redis_url: str)
     assert [m["content"] for m in body["messages"]] == ["hello there", "hello there"]
     events = await trio.to_thread.run_sync(run, "tail", name, "--no-follow")
     assert "TurnFinished" in events
-    default = json.loads(ok("list", "--json", "--store", redis_url, "--meta", "tenant=acme"))
-    assert name not in [r["name"] for r in default]
+    default = sessions("list", "--json", "--store", redis_url, "--meta", "tenant=acme")
+    assert name not in [r["name"] for r in json.loads(default.stdout)]
     assert f"deleted session {name!r}" in await trio.to_thread.run_sync(
         run, "delete", name, "--yes"
     )
-    assert json.loads(await trio.to_thread.run_sync(run, "list", "--json")) == []
+    emptied = await trio.to_thread.run_sync(lambda: sessions("list", "--json", "--store", url))
+    assert json.loads(emptied.stdout) == []
+    assert "holds no sessions" in emptied.stderr
+
+
+@pytest.mark.redis
+async def test_list_of_a_store_that_holds_no_session_says_so_on_stderr(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """list of a store that holds no session at all (a mistyped ?prefix=, another
+    database number, an empty file) prints [] as ever and says on stderr that the store
+    is empty and to check the URL; a filter that matches none in a store that holds
+    sessions says nothing."""
+    prefix = f"sa-test-cli-{uuid.uuid4().hex[:12]}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=RedisStore(redis_url, prefix=prefix), agents=agents) as reg:
+        await (await reg.spawn("held", metadata={"tenant": "acme"})).send("hello")
+    other_db = redis_url.rsplit("/", 1)[0] + "/15"
+    empty_file = tmp_path / "empty.db"
+    empty = SQLiteStore(empty_file)  # (made by its first use)
+    assert await empty.list_sessions() == []
+    await empty.aclose()
+    for url, where in [
+        (f"{redis_url}?prefix={prefix}-typo", f"under prefix '{prefix}-typo'"),
+        (f"{other_db}?prefix={prefix}", f"under prefix '{prefix}'"),
+        (f"sqlite:///{empty_file}", str(empty_file)),
+    ]:
+        for args in (["--json"], ["--json", "--meta", "tenant=acme"], []):
+            run = functools.partial(sessions, "list", *args, "--store", url)
+            done = await trio.to_thread.run_sync(run)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout == ("[]\n" if args else "")
+            assert done.stderr.count("\n") == 1, done.stderr
+            assert "holds no sessions" in done.stderr, done.stderr
+            assert where in done.stderr, done.stderr
+            assert "check" in done.stderr, done.stderr
+    held = f"{redis_url}?prefix={prefix}"
+    assert ok("list", "--json", "--meta", "tenant=globex", "--store", held) == "[]\n"
 
 
 @pytest.mark.redis

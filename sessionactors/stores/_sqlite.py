@@ -123,6 +123,11 @@ _SYNCHRONOUS: Final = {
     "EXTRA": "PRAGMA synchronous = EXTRA",
 }
 _MAX_BATCH: Final = 1024
+# A session's name as listings read it: as bytes, decoded in Python (see _named), so
+# that a name that damage left not UTF-8 fails no listing. _BOUND matches a name
+# bound as its bytes (see _key), which a damaged name's str cannot be bound as text.
+_NAME: Final = "CAST(session_id AS BLOB)"
+_BOUND: Final = "CAST(? AS TEXT)"
 
 # The workers of this process that were told to stop and still run (they finish what
 # was queued before the stop), by the file's absolute path: a worker started on the
@@ -711,10 +716,10 @@ def _migrate(conn: sqlite3.Connection) -> None:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
         if version == 1:
             conn.execute("ALTER TABLE sessions ADD COLUMN activity INTEGER NOT NULL DEFAULT 0")
-            rows = conn.execute("SELECT session_id, info FROM sessions").fetchall()
-            conn.executemany(
-                "UPDATE sessions SET activity = ? WHERE session_id = ?",
-                [(info_activity(info), name) for name, info in rows if isinstance(info, bytes)],
+            rows = conn.execute("SELECT rowid, info FROM sessions").fetchall()
+            conn.executemany(  # (by rowid: a name that is not UTF-8 does not fail it)
+                "UPDATE sessions SET activity = ? WHERE rowid = ?",
+                [(info_activity(info), rowid) for rowid, info in rows if isinstance(info, bytes)],
             )
             conn.execute(_ACTIVITY_INDEX)
             conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
@@ -723,6 +728,17 @@ def _migrate(conn: sqlite3.Connection) -> None:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+def _named(rows: Iterator[tuple[bytes, bytes]]) -> list[tuple[str, bytes]]:
+    """``(name, info)`` of rows read with ``_NAME``: a name that is not UTF-8 (damage)
+    decoded with ``surrogateescape``, which listings leave out (see ``damaged_name``)."""
+    return [(bytes(raw).decode("utf-8", "surrogateescape"), info) for raw, info in rows]
+
+
+def _key(session_id: str) -> bytes:
+    """``session_id``'s bytes, to bind with ``_BOUND``; a damaged name's own bytes."""
+    return session_id.encode("utf-8", "surrogateescape")
 
 
 def _create(path: str) -> None:
@@ -1277,8 +1293,8 @@ class SQLiteStore:
 
     async def list_sessions(self) -> list[tuple[str, bytes]]:
         def op(conn: sqlite3.Connection, now: float) -> list[tuple[str, bytes]]:
-            rows = conn.execute("SELECT session_id, info FROM sessions ORDER BY session_id")
-            return [(session_id, info) for session_id, info in rows]
+            rows = conn.execute(f"SELECT {_NAME}, info FROM sessions ORDER BY session_id")
+            return _named(rows)
 
         result: list[tuple[str, bytes]] = await self._call(None, op, writes=False)
         return result
@@ -1287,26 +1303,28 @@ class SQLiteStore:
         def op(conn: sqlite3.Connection, now: float) -> list[tuple[str, bytes]]:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
             if version < 2:  # an unmigrated file opened read-only: no index to page on
-                rows = conn.execute("SELECT session_id, info FROM sessions")
-                return page_of(rows, after=after, limit=limit)
+                rows = conn.execute(f"SELECT {_NAME}, info FROM sessions")
+                return page_of(_named(rows), after=after, limit=limit)
             if after is None:
                 rows = conn.execute(
-                    "SELECT session_id, info FROM sessions "
+                    f"SELECT {_NAME}, info FROM sessions "
                     "ORDER BY activity DESC, session_id DESC LIMIT ?",
                     (limit,),
                 )
             else:
+                key = _key(after)  # (the last of a page may be a damaged name)
                 row = conn.execute(
-                    "SELECT activity FROM sessions WHERE session_id = ?", (after,)
+                    f"SELECT activity FROM sessions WHERE session_id = {_BOUND}", (key,)
                 ).fetchone()
                 if row is None:
                     raise after_not_found(after)
                 rows = conn.execute(
-                    "SELECT session_id, info FROM sessions WHERE (activity, session_id) < (?, ?) "
+                    f"SELECT {_NAME}, info FROM sessions "
+                    f"WHERE (activity, session_id) < (?, {_BOUND}) "
                     "ORDER BY activity DESC, session_id DESC LIMIT ?",
-                    (row[0], after, limit),
+                    (row[0], key, limit),
                 )
-            return [(session_id, info) for session_id, info in rows]
+            return _named(rows)
 
         result: list[tuple[str, bytes]] = await self._call(after, op, writes=False)
         return result
@@ -1323,16 +1341,15 @@ class SQLiteStore:
 
     async def delete(self, session_id: str) -> bool:
         def op(conn: sqlite3.Connection, now: float) -> bool:
-            conn.execute("DELETE FROM journal WHERE session_id = ?", (session_id,))
-            conn.execute("DELETE FROM snapshots WHERE session_id = ?", (session_id,))
+            key = (_key(session_id),)  # (a damaged name is deleted by its bytes)
+            conn.execute(f"DELETE FROM journal WHERE session_id = {_BOUND}", key)
+            conn.execute(f"DELETE FROM snapshots WHERE session_id = {_BOUND}", key)
             conn.execute(
-                "UPDATE leases SET owner = NULL, lease_until = 0 WHERE session_id = ?",
-                (session_id,),
+                f"UPDATE leases SET owner = NULL, lease_until = 0 WHERE session_id = {_BOUND}",
+                key,
             )
-            deleted = conn.execute(
-                "DELETE FROM sessions WHERE session_id = ?", (session_id,)
-            ).rowcount
-            return bool(deleted == 1)
+            deleted = conn.execute(f"DELETE FROM sessions WHERE session_id = {_BOUND}", key)
+            return bool(deleted.rowcount == 1)
 
         result: bool = await self._call(session_id, op, writes=True)
         return result

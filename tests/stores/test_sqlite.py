@@ -1191,3 +1191,40 @@ async def test_a_close_cut_short_while_the_file_stalls_loses_nothing(tmp_path: P
             snapshot=b"snap", snapshot_seq=0, entries=tuple(_entries(1))
         )
         await other.aclose()
+
+
+def _rot_name(path: Path, name: str, raw: bytes) -> None:
+    """Rename session ``name`` to the bytes ``raw`` (not UTF-8) in every table, as bit
+    rot in the file would, behind the store's back; the file stays well-formed."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for table in ("sessions", "snapshots", "journal", "leases"):
+            conn.execute(
+                f"UPDATE {table} SET session_id = CAST(? AS TEXT) WHERE session_id = ?",
+                (raw, name),
+            )
+        conn.commit()
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+
+async def test_a_session_name_that_is_not_utf8_is_left_out_of_listings_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stored session whose name is not valid UTF-8 (damage in the file) is left out of
+    the registry's listings with a WARNING that names its bytes and how to delete it;
+    the other sessions list and wake as before."""
+    path = tmp_path / "rot.db"
+    agent = sa.Agent(model=sa.testing.EchoModel())
+    async with sa.open_registry(store=SQLiteStore(path), agents={"echo": agent}) as registry:
+        for name in ("alpha", "beta", "x19"):  # x19 last: the newest, listed first
+            await (await registry.spawn(name)).send("hello")
+    _rot_name(path, "x19", b"\xff19")
+    caplog.set_level("WARNING", logger="sessionactors")
+    async with sa.open_registry(store=SQLiteStore(path), agents={"echo": agent}) as registry:
+        with trio.fail_after(30):
+            assert [i.session_id for i in await registry.sessions()] == ["beta", "alpha"]
+            assert [i.session_id for i in await registry.sessions(limit=1)] == ["beta"]
+            assert await registry.pending_reviews() == []
+            assert (await registry.ref("alpha").send("again")).text == "again"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned
+    assert all("$'\\xff19'" in text and "sessions delete" in text for text in warned), warned
