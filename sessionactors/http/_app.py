@@ -102,6 +102,7 @@ async def _first_read(registry: AnyRegistry) -> None:
     (``StoreConfigurationError``, or ``StoreNotDurableError``: the server's
     persistence) fails at once."""
     deadline = anyio.current_time() + STARTUP_STORE_WAIT
+    tried = False
     while True:
         try:
             await registry.sessions(limit=1)
@@ -111,7 +112,13 @@ async def _first_read(registry: AnyRegistry) -> None:
         except sa.StoreError as exc:
             if anyio.current_time() >= deadline:
                 raise
-            log.warning("the store did not answer at startup; trying again: %s", exc)
+            if not tried:  # (once: the last error is the startup's failure, if it fails)
+                log.warning(
+                    "the store did not answer at startup; trying again for up to %g s: %s",
+                    STARTUP_STORE_WAIT,
+                    exc,
+                )
+                tried = True
             await anyio.sleep(0.5)
 
 
