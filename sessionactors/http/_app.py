@@ -83,6 +83,9 @@ AnyRef = sa.SessionRef | aio.SessionRef
 #: How long a server's startup waits for its store to answer (see ``_first_read``).
 STARTUP_STORE_WAIT: Final = 5.0
 
+#: How long ``GET /healthz`` waits for the store to answer before it answers 503.
+HEALTH_STORE_WAIT: Final = 2.0
+
 
 async def _agents(registry: AnyRegistry) -> list[str]:
     if isinstance(registry, sa.Registry):
@@ -313,6 +316,7 @@ class SessionsApp:
         self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
+        self._healthy = True  # (what the last health check found, to log its changes)
         self._lifespan_began = False  # (an app that opens its registry itself)
         self._in_lifespan = False  # (its lifespan is open now)
         self._streams: set[anyio.CancelScope] = set()
@@ -336,6 +340,7 @@ class SessionsApp:
                 ),
             ]
         routes += [
+            Route("/healthz", self._health, methods=["GET"]),
             Route("/sessions", self._list, methods=["GET"]),
             Route("/sessions/{name}", self._read, methods=["GET"]),
             Route("/sessions/{name}", self._delete, methods=["DELETE"]),
@@ -825,6 +830,31 @@ class SessionsApp:
             return self._error_response(exc, request.scope, name or None)
 
     # ---- routes --------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> Response:
+        """``GET /healthz``: 200 while the registry is open and its store answers a
+        listing of one session within ``HEALTH_STORE_WAIT`` seconds, 503 otherwise
+        (also while the app drains). It needs no token: it tells nothing but whether
+        the server is ok; why not goes to the log, once each time it changes."""
+        registry, problem = self._registry, ""
+        if registry is None or self._draining:
+            problem = "the registry is not open (the server is starting or shutting down)"
+        else:
+            try:
+                with anyio.fail_after(HEALTH_STORE_WAIT):
+                    await registry.sessions(limit=1)
+            except TimeoutError:
+                problem = f"the store did not answer within {HEALTH_STORE_WAIT:g} s"
+            except Exception as exc:  # (any failure is "not ok"; the log says which)
+                problem = f"the store failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        if problem and self._healthy:
+            log.warning("health check: not ok: %s", problem)
+        elif not problem and not self._healthy:
+            log.info("health check: ok again")
+        self._healthy = not problem
+        if problem:
+            return _json({"status": "unavailable"}, 503, headers={"cache-control": "no-store"})
+        return _json({"status": "ok"}, headers={"cache-control": "no-store"})
 
     async def _list(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, _name: str) -> Response:

@@ -1,5 +1,5 @@
 """``python -m sessionactors serve`` as an operator runs it: its log on stderr, its
-signals and exit statuses, and its token kept off the command line."""
+signals and exit statuses, its token kept off the command line, and its health route."""
 
 import contextlib
 import os
@@ -15,8 +15,10 @@ import pytest
 import trio
 
 import sessionactors as sa
+from sessionactors.testing import FaultyStore
 
 from .served import HERE, serve_command
+from .servers import Serve
 
 
 def test_serve_logs_a_store_failure_naming_the_session(tmp_path: Path) -> None:
@@ -193,3 +195,55 @@ def test_serve_refuses_a_token_file_it_cannot_use(
     )
     assert done.returncode == 2, done.stderr
     assert said in done.stderr, done.stderr
+
+
+async def test_healthz_answers_200_while_the_store_answers_and_503_when_it_fails(
+    serve: Serve,
+) -> None:
+    """GET /healthz answers 200 with no token needed while the registry is open and its
+    store answers, 503 once the store fails, telling nothing but whether it is ok."""
+    store = FaultyStore()
+    async with (
+        serve(store=store, token="s3cret") as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(30):
+            ok = await client.get("/healthz")
+            assert ok.status_code == 200, ok.text
+            assert ok.json() == {"status": "ok"}
+            assert (await client.get("/sessions")).status_code == 401
+            store.fail("list_sessions", times=None, error=sa.StoreError("down (a test's)"))
+            down = await client.get("/healthz")
+            assert down.status_code == 503, down.text
+            assert down.json() == {"status": "unavailable"}
+            store.fail("list_sessions", times=0)
+            assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_healthz_answers_503_when_the_store_does_not_answer(serve: Serve) -> None:
+    """GET /healthz answers 503 when the store does not answer within its bound, instead
+    of holding the load balancer's probe."""
+    store = FaultyStore()
+    async with (
+        serve(store=store) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=30) as client,
+    ):
+        gate = store.hold("list_sessions")
+        try:
+            with trio.fail_after(30):
+                assert (await client.get("/healthz")).status_code == 503
+        finally:
+            gate.open()
+
+
+async def test_healthz_answers_503_while_draining(serve: Serve) -> None:
+    """GET /healthz answers 503 once the app drains (a shutdown began), so that a load
+    balancer sends no more requests there."""
+    async with (
+        serve() as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(30):
+            assert (await client.get("/healthz")).status_code == 200
+            served.app.drain()
+            assert (await client.get("/healthz")).status_code == 503
