@@ -236,6 +236,12 @@ def create_app(
       64 KB in that time (about 2 KB/s at the default) gets its whole stream.
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
+
+    ``GET /healthz`` is for load balancers: 200 ``{"status": "ok"}`` while the
+    registry is open and its store answers a listing of one session within 2
+    seconds, 503 ``{"status": "unavailable"}`` otherwise (also while the app
+    drains). It needs no token and passes no ``authorize``: it tells nothing but
+    whether the server is ok (the log says why not).
     - ``max_body``: the largest request body accepted, in bytes (413 above).
     - ``trusted_origins``: origins (``"https://app.example.com"``, as browsers
       send them in ``Origin``) whose pages may open WebSockets and send forms
