@@ -157,7 +157,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve.add_argument("--host", type=_host, default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free one")
     serve.add_argument(
-        "--token", type=_secret, default=None, help="require 'Authorization: Bearer TOKEN'"
+        "--token",
+        type=_secret,
+        default=None,
+        help="require 'Authorization: Bearer TOKEN' (a token on the command line shows in "
+        "the process list: prefer --token-file or SESSIONACTORS_TOKEN)",
+    )
+    serve.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="read the token from this file (a trailing newline is dropped); without --token or "
+        "--token-file, the token is SESSIONACTORS_TOKEN if it is set",
     )
     serve.add_argument(
         "--trusted-origin",
@@ -188,6 +199,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=30.0,
         metavar="SECONDS",
         help="on a store shared by workers: how soon a dead worker's sessions move (default 30)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="what goes to standard error (default info)",
+    )
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log a line per request (address, method, path without its query, status)",
     )
     add_sessions_parser(sub)
     args, unknown = parser.parse_known_args(argv)

@@ -26,6 +26,7 @@ import shlex
 import signal
 import sys
 import unicodedata
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, BinaryIO, Final, TextIO, TypeGuard
 
@@ -44,6 +45,8 @@ from ._errors import (
     StoreConfigurationError,
     StoreError,
     StoreNotDurableError,
+    python_advice,
+    told,
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
@@ -179,7 +182,16 @@ def run(args: argparse.Namespace) -> int:
                     f"session {args.name!r} is not stored: {missing}", session_id=args.name
                 )
             raise StoreError(missing)
-        return trio.run(_with_store, store, command, args)
+        # (import makes the file: said, for a mistyped path)
+        created = store.path if _unmade(store) else None
+        status = trio.run(_with_store, store, command, args)
+        if created is not None and os.path.exists(created):
+            print(
+                f"sessionactors sessions {name}: created a new store at {created!r} "
+                "(no file was there); if you meant a store of yours, check the --store path",
+                file=sys.stderr,
+            )
+        return status
     except KeyboardInterrupt:
         return 130
     except Exception as raised:  # one line, never a traceback (a group: its first error)
@@ -189,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, BrokenPipeError):  # the reader stopped (`... | head`): no error
             _quiet_stdout()
             return EXIT_PIPE_CLOSED
-        text = " ".join(str(exc).split()) or type(exc).__name__
+        text = " ".join(told(exc, _cli_advice).split()) or type(exc).__name__
         if isinstance(exc, SessionNotFoundError) and Advice(kind=AdviceKind.CREATE) in exc._told:
             # (the library's advice is for code; at the command line, the listing helps)
             text = (
@@ -200,6 +212,15 @@ def run(args: argparse.Namespace) -> int:
             text = f"{type(exc).__name__}: {text}"
         print(f"sessionactors sessions {name}: {_terminal_safe(text)}", file=sys.stderr)
         return 1
+
+
+def _cli_advice(advice: Advice, session_id: str | None) -> str:
+    """``advice`` as the command line tells it: its own command where it has one (the
+    library's message names the Python call, ``registry.delete('c3')``)."""
+    if advice.kind is AdviceKind.DELETE:
+        name = "NAME" if session_id is None else shlex.quote(session_id)
+        return f"`sessionactors sessions delete {name} --yes --store ...`"
+    return python_advice(advice, session_id)
 
 
 def _unmade(store: Store) -> TypeGuard[SQLiteStore]:
@@ -601,10 +622,12 @@ async def _leased(store: Store, name: str, doing: str) -> AsyncIterator[None]:
         owner = f"sessionactors-cli-{os.getpid()}"
         lease = await store.claim(name, owner, LEASE_TTL)
         if lease is None:
+            route = f"/sessions/{urllib.parse.quote(name, safe='')}"
+            how = f" (a server run with `sessionactors serve`: DELETE {route})"
             raise LeaseHeldError(
                 f"session {name!r} is live in another process (it holds the session's lease), "
-                f"so it cannot be {doing} from here; do it through that process (e.g. "
-                f"registry.delete({name!r})), or retry once the session hibernates",
+                f"so it cannot be {doing} from here; do it through that process"
+                f"{how if doing == 'deleted' else ''}, or retry once the session hibernates",
                 session_id=name,
             )
         try:

@@ -24,6 +24,7 @@ from processes import reap
 from sessionactors.http import create_app
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
+from web.served import LOG_LINE
 
 #: What a session's text may hold to take over a terminal: an ANSI escape (clear the
 #: screen), a carriage return, a C1 CSI (which JSON leaves raw), a bidirectional override
@@ -55,11 +56,13 @@ def command(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
 
 
 def one_line(done: subprocess.CompletedProcess[str], status: int) -> str:
-    """The one line on stderr of a command that failed with ``status``, no traceback."""
+    """The one line on stderr of a command that failed with ``status``, no traceback
+    (besides the lines of serve's log, each with its time and level)."""
     assert done.returncode == status, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
-    return done.stderr
+    said = "".join(line for line in done.stderr.splitlines(True) if not LOG_LINE.match(line))
+    assert said.count("\n") == 1, done.stderr
+    return said
 
 
 async def _hostile_session(path: Path) -> None:

@@ -37,7 +37,8 @@ SERVER = HERE / "sessions_server.py"
 def ok(*args: str, stdin: str | None = None) -> str:
     done = sessions(*args, stdin=stdin)
     assert done.returncode == 0, done.stderr
-    assert done.stderr == ""
+    # (nothing on stderr but, for an import into a file that was not there, a note of it)
+    assert all("created a new store at" in line for line in done.stderr.splitlines())
     return done.stdout
 
 
@@ -229,7 +230,10 @@ def test_an_exported_session_imports_and_takes_turns_with_its_whole_history(
     file = tmp_path / "a.json"
     file.write_text(exported)
     store = f"sqlite:///{target}"
-    assert "imported session 'a'" in ok("import", str(file), "--store", store)
+    done = sessions("import", str(file), "--store", store)  # into a new file: said
+    assert done.returncode == 0, done.stderr
+    assert "imported session 'a'" in done.stdout
+    assert f"created a new store at {str(target)!r}" in done.stderr, done.stderr
     assert "'b2'" in ok("import", "-", "--as", "b2", "--store", store, stdin=exported)
     line = refused("import", str(file), "--store", store)
     assert "already exists" in line
@@ -361,6 +365,26 @@ def test_import_restores_a_session_stored_before_the_input_limits(tmp_path: Path
     assert imported.system_prompt == state.system_prompt
 
 
+def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) -> None:
+    """`sessions show` of a session whose stored snapshot is corrupt advises the command
+    line's own `sessions delete NAME --yes`, not the Python registry.delete(...)."""
+    path = tmp_path / "store.db"
+
+    async def make() -> None:
+        async with sa.open_registry(
+            store=sa.SQLiteStore(str(path)), agents={"a": sa.Agent(model=EchoModel())}
+        ) as registry:
+            await (await registry.spawn("c3")).send("hi")
+
+    trio.run(make)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE snapshots SET data = ? WHERE session_id = 'c3'", (b"\xc1junk",))
+    line = refused("show", "c3", "--store", f"sqlite:///{path}")
+    assert "corrupt" in line, line
+    assert "registry.delete" not in line, line
+    assert "`sessionactors sessions delete c3 --yes --store ...`" in line, line
+
+
 # ---- writing beside a server ------------------------------------------------------
 
 
@@ -374,6 +398,8 @@ def test_write_commands_honour_the_lease_of_a_server_sharing_the_file(tmp_path: 
         populate(server)
         line = refused("delete", "a", "--yes", "--store", store)
         assert "'a' is live in another process" in line
+        assert "DELETE /sessions/a" in line, line  # (what an operator can do, not Python)
+        assert "registry.delete" not in line, line
         assert server.ask("hibernate a") == "ok"
         assert "deleted session 'a'" in ok("delete", "a", "--yes", "--store", store)
         assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == [

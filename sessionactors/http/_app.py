@@ -84,6 +84,9 @@ AnyRef = sa.SessionRef | aio.SessionRef
 #: How long a server's startup waits for its store to answer (see ``_first_read``).
 STARTUP_STORE_WAIT: Final = 5.0
 
+#: How long ``GET /healthz`` waits for the store to answer before it answers 503.
+HEALTH_STORE_WAIT: Final = 2.0
+
 
 async def _agents(registry: AnyRegistry) -> list[str]:
     if isinstance(registry, sa.Registry):
@@ -103,6 +106,7 @@ async def _first_read(registry: AnyRegistry) -> None:
     (``StoreConfigurationError``, or ``StoreNotDurableError``: the server's
     persistence) fails at once."""
     deadline = anyio.current_time() + STARTUP_STORE_WAIT
+    tried = False
     while True:
         try:
             await registry.sessions(limit=1)
@@ -112,7 +116,13 @@ async def _first_read(registry: AnyRegistry) -> None:
         except sa.StoreError as exc:
             if anyio.current_time() >= deadline:
                 raise
-            log.warning("the store did not answer at startup; trying again: %s", exc)
+            if not tried:  # (once: the last error is the startup's failure, if it fails)
+                log.warning(
+                    "the store did not answer at startup; trying again for up to %g s: %s",
+                    STARTUP_STORE_WAIT,
+                    exc,
+                )
+                tried = True
             await anyio.sleep(0.5)
 
 
@@ -271,6 +281,12 @@ def create_app(
       whole stream or answer.
     - ``chat_page``: serve the chat page at ``/`` and its client at
       ``/sessionactors.js``.
+
+    ``GET /healthz`` is for load balancers: 200 ``{"status": "ok"}`` while the
+    registry is open and its store answers a listing of one session within 2
+    seconds, 503 ``{"status": "unavailable"}`` otherwise (also while the app
+    drains). It needs no token and passes no ``authorize``: it tells nothing but
+    whether the server is ok (the log says why not).
     - ``max_body``: the largest request body accepted, in bytes (413 above).
     - ``trusted_origins``: origins (``"https://app.example.com"``, as browsers
       send them in ``Origin``) whose pages may open WebSockets and send forms
@@ -351,6 +367,7 @@ class SessionsApp:
         self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
+        self._healthy = True  # (what the last health check found, to log its changes)
         self._lifespan_began = False  # (an app that opens its registry itself)
         self._in_lifespan = False  # (its lifespan is open now)
         self._streams: set[anyio.CancelScope] = set()
@@ -373,6 +390,7 @@ class SessionsApp:
                 Route("/sessionactors.js", lambda _: self._answer(client, "text/javascript")),
             ]
         routes += [
+            Route("/healthz", self._health, methods=["GET"]),
             Route("/sessions", self._list, methods=["GET"]),
             Route("/sessions/{name}", self._read, methods=["GET"]),
             Route("/sessions/{name}", self._delete, methods=["DELETE"]),
@@ -899,6 +917,31 @@ class SessionsApp:
             return self._error_response(exc, request.scope, name or None)
 
     # ---- routes --------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> Response:
+        """``GET /healthz``: 200 while the registry is open and its store answers a
+        listing of one session within ``HEALTH_STORE_WAIT`` seconds, 503 otherwise
+        (also while the app drains). It needs no token: it tells nothing but whether
+        the server is ok; why not goes to the log, once each time it changes."""
+        registry, problem = self._registry, ""
+        if registry is None or self._draining:
+            problem = "the registry is not open (the server is starting or shutting down)"
+        else:
+            try:
+                with anyio.fail_after(HEALTH_STORE_WAIT):
+                    await registry.sessions(limit=1)
+            except TimeoutError:
+                problem = f"the store did not answer within {HEALTH_STORE_WAIT:g} s"
+            except Exception as exc:  # (any failure is "not ok"; the log says which)
+                problem = f"the store failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        if problem and self._healthy:
+            log.warning("health check: not ok: %s", problem)
+        elif not problem and not self._healthy:
+            log.info("health check: ok again")
+        self._healthy = not problem
+        if problem:
+            return _json({"status": "unavailable"}, 503, headers={"cache-control": "no-store"})
+        return _json({"status": "ok"}, headers={"cache-control": "no-store"})
 
     async def _list(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, _name: str) -> Response:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import logging
 import math
 import os
 import signal
@@ -26,6 +27,34 @@ from ._app import SessionsApp, create_app
 from ._sockets import abort_connections
 
 __all__ = ["main", "open_store", "serve"]
+
+log = logging.getLogger("sessionactors.http")
+
+#: The environment variable that holds the token when neither ``--token`` nor
+#: ``--token-file`` gives one.
+TOKEN_VARIABLE: Final = "SESSIONACTORS_TOKEN"
+
+#: The levels of ``--log-level``.
+LOG_LEVELS: Final = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+#: The form of ``serve``'s log lines on standard error.
+LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+#: The form of an access log line: the client's address, the request line (its path
+#: without the query, where a browser's ``?access_token=`` is), status, bytes, seconds.
+ACCESS_LOG_FORMAT: Final = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
+
+#: The signals that shut the server down: SIGINT (Ctrl-C), SIGTERM (what platforms send
+#: before they kill a process) and SIGHUP (its terminal closed, a supervisor's reload).
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: The exit status of a server stopped at once by a second signal (a clean stop's is 0).
+EXIT_FORCED: Final = 1
 
 #: Seconds the server waits after a signal for the requests in flight, for an app that
 #: serves a registry it was given (whose turns run on until its owner closes it).
@@ -77,9 +106,10 @@ async def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    access_log: bool = False,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with hypercorn's trio worker until SIGINT or SIGTERM.
+    """Serve ``app`` with hypercorn's trio worker until SIGINT, SIGTERM or SIGHUP.
 
     ``task_status.started(url)`` gives the address it listens on (``port=0``
     picks a free one), once it listens and the app's registry is open (its store
@@ -95,20 +125,30 @@ async def serve(
     reads nothing holds its connection in a socket write), and returns. For an app
     that serves a registry it was given, it waits up to 10 seconds for the requests in
     flight instead (close the registry once it returns). A second signal resets every
-    connection and stops at once.
+    connection and stops at once: the turns in flight are cut (what they streamed is
+    kept, marked interrupted), every session is still hibernated, and it raises
+    ``KeyboardInterrupt`` (the command line's exit status 1) so that a forced stop is
+    told from a clean one.
     Call it from the main thread (signals are delivered there).
+
+    It configures no logging: it writes through the ``logging`` module, its own lines
+    (the signal that stops it, a forced stop) to the ``sessionactors.http`` logger,
+    hypercorn's errors to ``hypercorn.error`` and, with ``access_log=True``, a line per
+    request to ``hypercorn.access`` (the address, the method and path without the query,
+    where a browser's ``?access_token=`` is, the status, the bytes and the seconds it
+    took). ``python -m sessionactors serve`` sends them all to standard error.
     """
     config = hypercorn.config.Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    # (hypercorn logs "Running on URL" even when the app's startup failed: the URL is
-    # given, through task_status, only once the registry is open)
-    config.loglevel = "WARNING"
+    # (loggers, not hypercorn's own handlers: the application's logging places them)
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
+    config.access_log_format = ACCESS_LOG_FORMAT
     # (not hypercorn's deadline, which would cut a request waiting for its turn's answer
     # while the registry still gives that turn its grace: serve bounds the wait below)
     config.graceful_timeout = math.inf
     stop, served = trio.Event(), trio.Event()
-    began = False
+    began = forced = False
     bound_to: tuple[str, int] | None = None
     try:
         lifespan = app.lifespan()  # (opened here, so that hypercorn binds only once it is)
@@ -117,18 +157,25 @@ async def serve(
     except TypeError:  # an app that serves a registry it was given: nothing to open
         lifespan, asgi = contextlib.nullcontext(), app
         bound = GRACEFUL_SECONDS
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:  # (cancelled by a second signal)
 
             async def on_signals() -> None:
+                nonlocal forced
                 async for signum in signals:
+                    name = signal.Signals(signum).name
                     if stop.is_set():  # the second one: stop now
+                        log.warning(
+                            "%s again: stopped at once (a forced stop): the turns in flight "
+                            "are cut, kept as far as they went, and their connections reset",
+                            name,
+                        )
+                        forced = True
                         if bound_to is not None:
                             abort_connections(bound_to)
                         nursery.cancel_scope.cancel()
                         return
-                    name = signal.Signals(signum).name
-                    print(f"{name}: shutting down (again to stop at once)", file=sys.stderr)
+                    log.info("%s: shutting down (again to stop at once)", name)
                     app.drain()
                     stop.set()
 
@@ -162,6 +209,8 @@ async def serve(
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
         if not began:  # a signal came before it served (a second one cut the opening)
             raise KeyboardInterrupt("stopped by a signal before it served")
+        if forced:
+            raise KeyboardInterrupt("stopped at once by a second signal")
 
 
 def _address(url: str) -> tuple[str, int] | None:
@@ -187,15 +236,61 @@ async def _opened_lifespan(app: SessionsApp, scope: Any, receive: Any, send: Any
             return
 
 
+def configure_logging(level: str, *, access_log: bool = False) -> None:
+    """Send log records to standard error, a line each with its time and level: the
+    ``sessionactors`` loggers' from ``level`` (``"debug"``, ``"info"``, ...) up, other
+    libraries' from warnings up (everything at ``"debug"``), and the access log's lines
+    with ``access_log``. For the command line, which is the application: the library
+    itself configures no logging."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    chosen = LOG_LEVELS[level]
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(chosen if chosen == logging.DEBUG else max(chosen, logging.WARNING))
+    logging.getLogger("sessionactors").setLevel(chosen)
+    if access_log:  # (asked for: whatever the level)
+        logging.getLogger("hypercorn.access").setLevel(logging.INFO)
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The token that ``--token``, ``--token-file`` or the environment gives, or None.
+    Raises ``ValueError`` for a token file that cannot be read or is empty."""
+    if args.token is not None and args.token_file is not None:
+        raise ValueError("give --token or --token-file, not both")
+    if args.token is not None:
+        return str(args.token)
+    if args.token_file is not None:
+        try:
+            with open(args.token_file, encoding="utf-8") as file:
+                token = file.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+            raise ValueError(
+                f"--token-file {args.token_file!r}: cannot read it ({reason})"
+            ) from None
+        if not token:
+            raise ValueError(f"--token-file {args.token_file!r} is empty; put the secret in it")
+        return token
+    variable = os.environ.get(TOKEN_VARIABLE)
+    if variable is not None and not variable.strip():
+        raise ValueError(f"{TOKEN_VARIABLE} is set but empty; give it a secret, or unset it")
+    return variable
+
+
 def main(args: argparse.Namespace) -> int:
     """Serve the command line's store and agents; the exit status."""
+    configure_logging(args.log_level, access_log=args.access_log)
     try:
         store = open_store(args.store)
         agents = load_agents(args.agent)
+        # (a mistyped path, or a file deleted while the server was stopped, makes a new
+        # one: said once the store has opened)
+        new_file = isinstance(store, sa.SQLiteStore) and not os.path.lexists(store.path)
         app = create_app(
             store=store,
             agents=agents,
-            token=args.token,
+            token=read_token(args),
             trusted_origins=args.trusted_origin,
             shutdown_grace=args.shutdown_grace,
             idle_timeout=args.idle_timeout,
@@ -210,8 +305,18 @@ def main(args: argparse.Namespace) -> int:
     async def run() -> None:
         nonlocal started
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(functools.partial(serve, app, host=args.host, port=args.port))
+            url = await nursery.start(
+                functools.partial(
+                    serve, app, host=args.host, port=args.port, access_log=args.access_log
+                )
+            )
             started = True
+            if new_file:
+                log.warning(
+                    "created a new, empty store at %r (no file was there); if you meant a "
+                    "store of yours, stop the server and check the --store path",
+                    store.path,
+                )
             registry = app.registry
             worker = ""
             if isinstance(registry, sa.Registry) and getattr(store, "shared_by_workers", False):
@@ -223,10 +328,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         trio.run(run)
     except KeyboardInterrupt:  # (a signal before the server took them over)
-        return 130
+        return EXIT_FORCED if started else 130
     except BaseException as exc:
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(exc)):
-            return 130  # (a signal while the registry opened: nothing served)
+            # a second signal while it served (a forced stop, logged), or a signal while
+            # the registry opened (nothing served)
+            return EXIT_FORCED if started else 130
         refused: BaseException | None = _startup_refusal(exc)
         text = " ".join(str(refused).split())
         if refused is None and (refused := _bind_refusal(exc)) is not None:

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,12 +15,23 @@ import attrs
 
 HERE = Path(__file__).resolve().parent
 
+#: A line of serve's log on stderr: its time, its level, its logger.
+LOG_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+: "
+)
+
 
 @attrs.frozen
 class Server:
     url: str
     process: subprocess.Popen[str]
     line: str = ""  # what it printed as it began to serve
+    #: what it wrote on stderr, once it has exited (filled in by ``serve_command``)
+    said: list[str] = attrs.field(factory=list)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.said)
 
     @property
     def port(self) -> int:
@@ -28,12 +39,20 @@ class Server:
 
 
 @contextmanager
-def serve_command(store: str, *extra: str, stop: int = signal.SIGTERM) -> Iterator[Server]:
+def serve_command(
+    store: str,
+    *extra: str,
+    stop: int = signal.SIGTERM,
+    status: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Server]:
     """Run ``serve --store STORE --agent chat_agents:agents --port 0 EXTRA...`` from this
-    directory; on exit send ``stop`` and check that it shut down cleanly (status 0)."""
+    directory (with ``env`` added to the environment); on exit send ``stop`` and check
+    that it exited with ``status`` (0: it shut down cleanly). What it wrote on stderr
+    is then in ``server.stderr``."""
     command = [sys.executable, "-m", "sessionactors", "serve", "--store", store]
     command += ["--agent", "chat_agents:agents", "--port", "0", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
         command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -42,10 +61,12 @@ def serve_command(store: str, *extra: str, stop: int = signal.SIGTERM) -> Iterat
         line = _readline(process.stdout, deadline=time.monotonic() + 30)
         match = re.search(r"http://127\.0\.0\.1:\d+", line)
         assert match, f"serve printed {line!r}"
-        yield Server(match.group(0), process, line)
+        server = Server(match.group(0), process, line)
+        yield server
         process.send_signal(stop)
         _, stderr = process.communicate(timeout=30)
-        assert process.returncode == 0, stderr
+        server.said.append(stderr)
+        assert process.returncode == status, stderr
     finally:
         if process.poll() is None:
             process.kill()

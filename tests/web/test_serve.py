@@ -24,7 +24,7 @@ from sessionactors.http import create_app, serve
 from sessionactors.testing import FaultyStore
 
 from .chat_agents import trio_agents
-from .served import HERE, Server, serve_command
+from .served import HERE, LOG_LINE, Server, serve_command
 
 
 def stored(path: Path, name: str) -> tuple[list[sa.Status], list[sa.Message]]:
@@ -215,10 +215,12 @@ def startup_refusal(store: str) -> str:
         check=False,
     )
     assert done.returncode == 1, (done.stdout, done.stderr)
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("sessionactors serve: cannot start: "), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    said = "".join(line for line in done.stderr.splitlines(True) if not LOG_LINE.match(line))
+    assert said.count("\n") == 1, done.stderr
+    assert said.startswith("sessionactors serve: cannot start: "), done.stderr
     assert "http://" not in done.stdout + done.stderr, (done.stdout, done.stderr)  # no URL
-    return done.stderr
+    return said
 
 
 def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None:
@@ -377,11 +379,11 @@ def test_serve_hibernates_a_session_idle_for_its_idle_timeout(tmp_path: Path) ->
 def test_a_second_sigterm_cuts_the_grace_short_and_still_hibernates(tmp_path: Path) -> None:
     """SIGTERM with a turn in flight and a long grace (--shutdown-grace 100), then a second
     SIGTERM: it stops at once (the turn is cut, kept interrupted, the session hibernated)
-    instead of waiting out the grace."""
+    instead of waiting out the grace, and exits with status 1 (a forced stop)."""
     path = tmp_path / "served.db"
     long_text = " ".join(f"w{i}" for i in range(1000))  # 50 s of words
     with (
-        serve_command(f"sqlite:///{path}", "--shutdown-grace", "100") as server,
+        serve_command(f"sqlite:///{path}", "--shutdown-grace", "100", status=1) as server,
         httpx.Client(base_url=server.url, timeout=60) as client,
     ):
         assert client.post("/sessions/s/messages", json={"text": "keep me"}).status_code == 200
@@ -398,7 +400,8 @@ def test_a_second_sigterm_cuts_the_grace_short_and_still_hibernates(tmp_path: Pa
             time.sleep(0.05)
         server.process.send_signal(signal.SIGTERM)
         assert server.process.stderr is not None
-        assert "shutting down" in server.process.stderr.readline()
+        while "shutting down" not in (line := server.process.stderr.readline()):
+            assert line, "serve said nothing of its shutdown"
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=60)

@@ -1,0 +1,249 @@
+"""``python -m sessionactors serve`` as an operator runs it: its log on stderr, its
+signals and exit statuses, its token kept off the command line, and its health route."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import sessionactors as sa
+from sessionactors.testing import FaultyStore
+
+from .served import HERE, serve_command
+from .servers import Serve
+
+
+def test_serve_logs_a_store_failure_naming_the_session(tmp_path: Path) -> None:
+    """A store that fails while serving (its SQLite file deleted under it) is written to
+    stderr, with a time, a level and the session's name, where a client is told only that
+    "the server's log has the details"."""
+    path = tmp_path / "served.db"
+    with (
+        serve_command(f"sqlite:///{path}") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.post("/sessions/c3/messages", json={"text": "hi"}).status_code == 200
+        os.remove(path)
+        answer = client.post("/sessions/c3/messages", json={"text": "again"})
+        assert answer.status_code >= 500, answer.text
+        assert "the server's log has the details" in answer.json()["message"], answer.text
+    logged = [line for line in server.stderr.splitlines() if "'c3'" in line]
+    assert logged, server.stderr
+    assert any(" WARNING " in line or " ERROR " in line for line in logged), server.stderr
+    assert any("deleted or replaced" in line for line in server.stderr.splitlines())
+
+
+def test_serve_says_when_it_creates_a_new_empty_store(tmp_path: Path) -> None:
+    """A SQLite path where no file was (a mistyped path, a file deleted while it was
+    stopped) is logged as a new, empty store, naming the path; a file that exists is not;
+    --log-level error leaves the warning out."""
+    path = tmp_path / "served.db"
+    with serve_command(f"sqlite:///{path}") as server:
+        pass
+    assert f"created a new, empty store at '{path}'" in server.stderr, server.stderr
+    assert " WARNING " in server.stderr, server.stderr
+    with serve_command(f"sqlite:///{path}") as again:
+        pass
+    assert "created a new" not in again.stderr, again.stderr
+    with serve_command(f"sqlite:///{tmp_path / 'other.db'}", "--log-level", "error") as quiet:
+        pass
+    assert "created a new" not in quiet.stderr, quiet.stderr
+
+
+def test_serve_refuses_an_unknown_log_level() -> None:
+    """--log-level takes debug, info, warning or error; anything else exits with status 2."""
+    command = ["serve", "--store", "memory://", "--agent", "chat_agents:agents"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", *command, "--log-level", "loud"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--log-level" in done.stderr, done.stderr
+
+
+def test_serve_access_log_names_requests_without_their_query(tmp_path: Path) -> None:
+    """--access-log writes a line per request (method, path, status) to stderr, without
+    the query string, where a browser's ?access_token= would be; without it, none."""
+    store = f"sqlite:///{tmp_path / 'served.db'}"
+    with (
+        serve_command(store, "--access-log", "--token", "s3cret-tok") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.get("/sessions?access_token=s3cret-tok").status_code == 200
+    assert '"GET /sessions 1.1" 200' in server.stderr, server.stderr
+    assert "s3cret-tok" not in server.stderr, server.stderr
+    with (
+        serve_command(store) as plain,
+        httpx.Client(base_url=plain.url, timeout=30) as client,
+    ):
+        assert client.get("/sessions").status_code == 200
+    assert "GET /sessions" not in plain.stderr, plain.stderr
+
+
+def test_serve_shuts_down_gracefully_on_sighup(tmp_path: Path) -> None:
+    """SIGHUP (the terminal closed, a supervisor's reload) shuts down as SIGTERM does: the
+    session is hibernated to the store and the exit status is 0."""
+    path = tmp_path / "served.db"
+    with (
+        serve_command(f"sqlite:///{path}", stop=signal.SIGHUP) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.post("/sessions/kept/messages", json={"text": "keep"}).status_code == 200
+    assert "SIGHUP: shutting down" in server.stderr, server.stderr
+
+    async def read() -> list[sa.SessionInfo]:
+        async with sa.open_registry(store=sa.SQLiteStore(str(path))) as registry:
+            return await registry.sessions()
+
+    [info] = trio.run(read)
+    assert info.status == sa.Status.HIBERNATED
+
+
+def test_a_forced_stop_is_logged_and_exits_with_status_1(tmp_path: Path) -> None:
+    """A second SIGTERM while a turn runs stops at once, says on stderr that the stop was
+    forced, and exits with status 1, so that a supervisor tells it from a clean stop."""
+    long_text = " ".join(f"w{i}" for i in range(1000))  # 50 s of words
+    with (
+        serve_command(
+            f"sqlite:///{tmp_path / 'served.db'}", "--shutdown-grace", "100", status=1
+        ) as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # (cut by the second signal)
+                client.post("/sessions/s/messages", json={"text": long_text})
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        deadline = time.monotonic() + 30
+        while client.get("/sessions/s").json().get("status") != "running":
+            assert time.monotonic() < deadline, "the turn did not start"
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.stderr is not None
+        while "shutting down" not in (line := server.process.stderr.readline()):
+            assert line, "serve said nothing of its shutdown"
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=60)
+        sending.join(timeout=30)
+    assert server.process.returncode == 1
+    assert "stopped at once" in server.stderr, server.stderr
+
+
+@pytest.mark.parametrize("how", ["env", "file"])
+def test_serve_reads_its_token_from_the_environment_or_a_file(tmp_path: Path, how: str) -> None:
+    """The token can come from SESSIONACTORS_TOKEN or --token-file (its trailing newline
+    dropped), so that it never shows in the process list: requests without it get 401."""
+    token = "env-s3cret"
+    extra: list[str] = []
+    env = {"SESSIONACTORS_TOKEN": token}
+    if how == "file":
+        (tmp_path / "token").write_text(f"{token}\n")
+        extra, env = ["--token-file", str(tmp_path / "token")], {}
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", *extra, env=env) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.get("/sessions").status_code == 401
+        headers = {"authorization": f"Bearer {token}"}
+        assert client.get("/sessions", headers=headers).status_code == 200
+        with open(f"/proc/{server.process.pid}/cmdline", "rb") as cmdline:
+            assert token.encode() not in cmdline.read()
+
+
+@pytest.mark.parametrize(
+    ("args", "content", "said"),
+    [
+        (["--token-file", "{dir}/missing"], None, "--token-file"),
+        (["--token-file", "{dir}/token"], "\n", "empty"),
+        (["--token-file", "{dir}/token", "--token", "x"], "x", "not both"),
+        ([], None, "SESSIONACTORS_TOKEN is set but empty"),
+    ],
+    ids=["missing", "empty", "both", "empty-variable"],
+)
+def test_serve_refuses_a_token_file_it_cannot_use(
+    tmp_path: Path, args: list[str], content: str | None, said: str
+) -> None:
+    """A token file that is missing or empty, or given with --token, or a
+    SESSIONACTORS_TOKEN set but empty (an empty bearer token would match it), exits with
+    status 2 and says why."""
+    if content is not None:
+        (tmp_path / "token").write_text(content)
+    command = ["serve", "--store", "memory://", "--agent", "chat_agents:agents", "--port", "0"]
+    command += [arg.format(dir=tmp_path) for arg in args]
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", *command],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "SESSIONACTORS_TOKEN": ""} if not args else None,
+    )
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr, done.stderr
+
+
+async def test_healthz_answers_200_while_the_store_answers_and_503_when_it_fails(
+    serve: Serve,
+) -> None:
+    """GET /healthz answers 200 with no token needed while the registry is open and its
+    store answers, 503 once the store fails, telling nothing but whether it is ok."""
+    store = FaultyStore()
+    async with (
+        serve(store=store, token="s3cret") as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(30):
+            ok = await client.get("/healthz")
+            assert ok.status_code == 200, ok.text
+            assert ok.json() == {"status": "ok"}
+            assert (await client.get("/sessions")).status_code == 401
+            store.fail("list_sessions", times=None, error=sa.StoreError("down (a test's)"))
+            down = await client.get("/healthz")
+            assert down.status_code == 503, down.text
+            assert down.json() == {"status": "unavailable"}
+            store.fail("list_sessions", times=0)
+            assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_healthz_answers_503_when_the_store_does_not_answer(serve: Serve) -> None:
+    """GET /healthz answers 503 when the store does not answer within its bound, instead
+    of holding the load balancer's probe."""
+    store = FaultyStore()
+    async with (
+        serve(store=store) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=30) as client,
+    ):
+        gate = store.hold("list_sessions")
+        try:
+            with trio.fail_after(30):
+                assert (await client.get("/healthz")).status_code == 503
+        finally:
+            gate.open()
+
+
+async def test_healthz_answers_503_while_draining(serve: Serve) -> None:
+    """GET /healthz answers 503 once the app drains (a shutdown began), so that a load
+    balancer sends no more requests there."""
+    async with (
+        serve() as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(30):
+            assert (await client.get("/healthz")).status_code == 200
+            served.app.drain()
+            assert (await client.get("/healthz")).status_code == 503
