@@ -386,8 +386,30 @@ class StoreNotReplicatedError(StoreError, TimeoutError):
     """
 
 
+#: What a store that lost or rolled back data looks like, as the messages that may be
+#: explained by it say.
+LOST_DATA = (
+    "the store lost or rolled back data (a server restarted without its append-only "
+    "file, a restore from an older copy)"
+)
+
+
 class FencedOutError(StoreError):
-    """A write carried a stale fencing token: another worker now owns the session."""
+    """A write carried a fencing token that the store no longer shows for the session:
+    another worker took the session over, or the store lost or rolled back data (a
+    server restarted without its append-only file, a restore from an older copy).
+
+    ``lost_data`` is true when the store could tell that it lost or rolled back data
+    (it holds no lease of the session at all, or an older one), rather than another
+    claim taking the session over. The session stops on this worker; a request sent
+    again wakes it from what the store holds.
+    """
+
+    def __init__(
+        self, message: str, *, session_id: str | None = None, lost_data: bool = False
+    ) -> None:
+        super().__init__(message, session_id=session_id)
+        self.lost_data = lost_data
 
 
 class StoreConfigurationError(StoreError):

@@ -19,6 +19,7 @@ from ._agent import Agent
 from ._codec import dump_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import (
+    LOST_DATA,
     Advice,
     AdviceKind,
     FencedOutError,
@@ -534,11 +535,16 @@ class Sessions:
                 "store answers"
             )
         else:
-            log.warning("session %r lost its lease to another worker; stopped here", sid)
+            log.warning(
+                "session %r stopped here: the store no longer shows this worker's lease of "
+                "it (another worker took it over, or the store lost or rolled back data)",
+                sid,
+            )
             why = (
-                f"session {sid!r} lost its lease (another worker took it over); this "
-                "worker stopped it, so send the request again: it goes to the "
-                "session's new owner"
+                f"session {sid!r} lost its lease: the store no longer shows this worker's "
+                f"lease of it: another worker took it over, or {LOST_DATA}; this worker "
+                "stopped it, so send the request again: it wakes the session from what "
+                "the store holds (here, or on the worker that owns it now)"
             )
         self.stats.leases_lost += 1
         actor.lease = None  # renewed and released no more; its fence stays on its writes

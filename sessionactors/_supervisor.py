@@ -52,14 +52,25 @@ async def session_task(host: Host, actor: Actor) -> None:
                     _given_up(host, actor)
             return
         except FencedOutError as exc:
-            # another worker owns the session now: stop here, no restart (a write refused
-            # after the renewals found the lease lost, and counted it, is no second loss)
+            # the store no longer shows this worker's lease: stop here, no restart (a
+            # write refused after the renewals found the lease lost, and counted it, is
+            # no second loss)
             if not isinstance(actor.kill_error, FencedOutError):
-                log.warning(
-                    "session %r was fenced out (another worker owns it now): %s",
-                    actor.session_id,
-                    exc,
-                )
+                if exc.lost_data:
+                    log.error(
+                        "session %r stopped here: its store lost or rolled back data "
+                        "(what it acknowledged since may be gone): %s",
+                        actor.session_id,
+                        exc,
+                    )
+                else:
+                    log.warning(
+                        "session %r stopped here: the store no longer shows this worker's "
+                        "lease of it (another worker took it over, or the store lost or "
+                        "rolled back data): %s",
+                        actor.session_id,
+                        exc,
+                    )
                 host.stats.leases_lost += 1
             actor.lease = None  # (its fence stays: see Actor.fence)
             if actor.kill_error is None:  # (the table ends its subscriptions with it)

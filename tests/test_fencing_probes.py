@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import coredis
 import pytest
 import trio
 import trio.testing
@@ -368,3 +369,34 @@ async def test_a_session_whose_lease_lapsed_unrenewed_is_live_in_one_process_onl
                     await ref.history()
             faulty.fail("renew", times=0)
     assert faulty.injected > 0
+
+
+@pytest.mark.redis
+async def test_a_session_whose_lease_redis_lost_says_so_and_logs_an_error(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session whose lease key redis lost (a server restarted without its append-only
+    file) fails its next turn with a FencedOutError that says the store lost or rolled
+    back data and to send the request again, not that another worker owns it; the
+    registry logs that at ERROR."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = RedisStore(redis_url, prefix=prefix, balance=False)
+    with trio.fail_after(30):
+        async with worker(store, "a", lease_ttl=30) as a:
+            ref = await a.spawn("s")
+            await ref.send("one")
+            async with coredis.Redis.from_url(redis_url, decode_responses=True) as client:
+                [key] = [k async for k in client.scan_iter(match=f"{prefix}:*:lease")]
+                await client.delete([key])
+            with pytest.raises(sa.FencedOutError) as caught:
+                await ref.send("two")
+        async with coredis.Redis.from_url(redis_url) as client:
+            keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+            if keys:
+                await client.delete(keys)
+    said = str(caught.value)
+    assert "lost or rolled back data" in said
+    assert "send the request again" in said
+    assert "another worker may own" not in said
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
+    assert any("lost or rolled back data" in r.getMessage() for r in errors), caplog.text

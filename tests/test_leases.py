@@ -88,12 +88,20 @@ async def stale_owner_writes(path: Path, store_a: Store) -> tuple[BaseException 
     return error, texts
 
 
-async def test_a_stale_worker_is_fenced_out(tmp_path: Path) -> None:
-    """When another worker takes an expired lease over, the old owner's write is refused and not stored."""
+async def test_a_stale_worker_is_fenced_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When another worker takes an expired lease over, the old owner's write is refused and not stored; the error and the log say that a later claim holds the lease (not that the store lost data), and the error says to send the request again."""
     path = tmp_path / "shared.db"
     with trio.fail_after(30):
         error, texts = await stale_owner_writes(path, PausedRenewals(path))
     assert isinstance(error, sa.FencedOutError)
+    assert not error.lost_data
+    assert "another worker took the session over" in str(error)
+    assert "send the request again" in str(error)
+    [logged] = [r for r in caplog.records if "no longer shows" in r.getMessage()]
+    assert logged.levelname == "WARNING"
+    assert "another worker took it over, or the store lost or rolled back" in logged.getMessage()
     assert "stale write from A" not in texts
     assert texts[::2] == ["one", "two"]
 

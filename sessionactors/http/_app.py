@@ -50,6 +50,7 @@ from ._json import (
     error_status,
     event_to_json,
     metadata_json,
+    outcome_to_json,
     plain_error,
     private_told,
     reply_to_json,
@@ -397,6 +398,7 @@ class SessionsApp:
             Route("/sessions/{name}/messages", self._message, methods=["POST"]),
             Route("/sessions/{name}/events", self._events, methods=["GET"]),
             Route("/sessions/{name}/cancel", self._cancel, methods=["POST"]),
+            Route("/sessions/{name}/turns/{turn_id}", self._turn, methods=["GET"]),
             Route("/sessions/{name}/reviews/{review_id}", self._review, methods=["POST"]),
             WebSocketRoute("/sessions/{name}/ws", self._websocket),
         ]
@@ -659,7 +661,7 @@ class SessionsApp:
             case Kind.LOST_TURNS | Kind.LOST_OUTCOME | Kind.AIO_LIFESPAN:
                 return ""
             case Kind.TURN_OUTCOME:
-                return f"look at the history (GET {route})"
+                return f"ask GET {route}/turns/{quote(advice.turn_id, safe='')}"
             case Kind.OR_TURN_OUTCOME:
                 return f"(GET {route})"
             case Kind.FOLLOW_TURN:
@@ -964,6 +966,14 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             state = await registry.ref(name).state()
             return self._json(state_to_json(state))
+
+        return await self._handle(request, "read", handler)
+
+    async def _turn(self, request: Request) -> Response:
+        async def handler(registry: AnyRegistry, name: str) -> Response:
+            ref = await self._existing_ref(registry, name, request.scope)
+            outcome = await ref.turn_outcome(_param(request, "turn_id"))
+            return self._json(outcome_to_json(outcome))
 
         return await self._handle(request, "read", handler)
 

@@ -1,5 +1,6 @@
 """The JSON forms of events, records and errors, and the status code of each error."""
 
+import re
 from typing import Any, Final
 
 import sessionactors as sa
@@ -19,6 +20,7 @@ __all__ = [
     "event_to_json",
     "failure_told",
     "metadata_json",
+    "outcome_to_json",
     "private_told",
     "reply_to_json",
     "state_to_json",
@@ -82,12 +84,40 @@ def reply_to_json(reply: sa.Reply) -> dict[str, Any]:
     }
 
 
+#: The kind at the start of a failed turn's error, as ``describe`` writes it ("Kind: ...").
+_KIND: Final = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*): ")
+
+
+def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:
+    """What became of a turn (``GET /sessions/{name}/turns/{turn_id}``): its session, turn
+    id, ``"status"`` (a ``TurnStatus`` value), ``"message"`` (the reply of a finished turn,
+    or null) and ``"error"`` (why a failed turn failed, or null).
+
+    A failed turn's error is told by its kind (``"the turn failed with RuntimeError;
+    the server's log has the details"``), whatever it was: an outcome does not keep
+    whether its error's words are public, and an app's or a model's exception may name
+    files, keys or a provider's answer. Its ``TurnFailed`` event, which the events
+    routes replay, tells a public error whole."""
+    error = outcome.error
+    if error is not None:
+        kind = _KIND.match(error)
+        error = f"the turn failed with {kind[1] if kind else 'an error'}; {LOGGED}"
+    return {
+        "session_id": outcome.session_id,
+        "turn_id": outcome.turn_id,
+        "status": outcome.status.value,
+        "message": to_json(outcome.message) if outcome.message is not None else None,
+        "error": error,
+    }
+
+
 # The status of each library error; the first class that matches wins.
 _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.SessionNotFoundError, 404),
     (sa.ReviewResolvedError, 409),
     (sa.ReviewNotFoundError, 404),
     (sa.MessageNotFoundError, 404),
+    (sa.TurnNotFoundError, 404),
     (sa.EventsExpiredError, 410),
     (sa.ReplyRemovedError, 410),
     (sa.SessionExistsError, 409),

@@ -17,6 +17,7 @@ import trio
 
 from .._codec import MAX_SEQ
 from .._errors import (
+    LOST_DATA,
     Advice,
     AdviceKind,
     FencedOutError,
@@ -64,21 +65,55 @@ def _fence_problem(
 ) -> str | None:
     """Why a write carrying ``fence`` must be refused, or ``None`` if it may go ahead."""
     if current is None:
-        return "no lease was ever claimed"
+        return "no_lease"
+    if fence > current:
+        return f"older:{current}"
     if fence != current:
-        return f"the current fencing token is {current}"
+        return f"claimed:{current}"
     if owner is None:
         return "the lease was released"
     if lease_until < now:
-        return "the lease has expired"
+        return "the lease has expired (its renewals did not reach the store in time)"
     return None
 
 
 def _fenced_out_error(session_id: str, fence: int, problem: str) -> FencedOutError:
+    """The refusal of a write with ``fence``, saying what the store shows (``problem``:
+    ``"no_lease"`` for no lease of the session at all, ``"older:N"`` for a lease with
+    an older token than the write's, ``"journal:N:M"`` for a journal that ends at seq
+    N before the seq M its writer wrote, all signs of lost data; ``"claimed:N"`` for a
+    later claim's token, a takeover; otherwise why the lease no longer counts, which
+    a takeover and lost data may both explain)."""
+    lost = problem == "no_lease" or problem.startswith(("older:", "journal:"))
+    if problem.startswith("journal:"):
+        _, last, wrote = problem.split(":")
+        seen = (
+            f"the store's journal of session {session_id!r} ends at seq {last}, before "
+            f"seq {wrote} that this worker wrote: {LOST_DATA}"
+        )
+    elif problem == "no_lease":
+        seen = f"the store holds no lease of session {session_id!r} at all: {LOST_DATA}"
+    elif lost:
+        seen = (
+            f"the store's lease of session {session_id!r} has an older fencing token "
+            f"({problem.removeprefix('older:')}): {LOST_DATA}"
+        )
+    elif problem.startswith("claimed:"):
+        seen = (
+            f"a later claim holds the lease of session {session_id!r} (fencing token "
+            f"{problem.removeprefix('claimed:')}): another worker took the session over"
+        )
+    else:
+        seen = (
+            f"the store no longer shows this worker's lease of session {session_id!r} "
+            f"({problem}): another worker took the session over, or {LOST_DATA}"
+        )
     return FencedOutError(
-        f"session {session_id!r}: write with fencing token {fence} refused ({problem}); "
-        "another worker may own the session now: stop writing and claim it again",
+        f"session {session_id!r}: a write with fencing token {fence} was refused: {seen}; "
+        "the session stops here: send the request again, which wakes the session from "
+        "what the store holds (here, or on the worker that owns it now)",
         session_id=session_id,
+        lost_data=lost,
     )
 
 

@@ -124,7 +124,8 @@ def _check_fence(owner: int) -> str:
     and still the one the session's lease was taken under (the same owner and epoch);
     and when given, the journal's
     last seq is one of the writer's (ARGV[owner + 1], or ARGV[owner + 2]: the last
-    append whose outcome it did not hear). Replies {2, current fence or nil}, or
+    append whose outcome it did not hear). Replies {2, current fence or nil (no lease
+    at all)}, {2, fence, 'shard'} (the shard's lease ended or changed hands), or
     {5, last seq}: another owner wrote since (the store may have lost data and
     issued a fence again), so the writer's view is stale."""
     return f"""
@@ -133,7 +134,7 @@ if ARGV[1] ~= '' then
   if lease[1] ~= ARGV[1] then return {{2, lease[1]}} end
   if ARGV[{owner}] ~= '' and lease[2] ~= ARGV[{owner}] then return {{2, lease[1]}} end
   local shard = redis.call('HMGET', KEYS[5], 'owner', 'epoch')
-  if shard[1] ~= lease[2] or shard[2] ~= lease[3] then return {{2}} end
+  if shard[1] ~= lease[2] or shard[2] ~= lease[3] then return {{2, lease[1], 'shard'}} end
   if ARGV[{owner + 1}] ~= '' then
     local last = redis.call('HGET', KEYS[1], 'last')
     if last ~= ARGV[{owner + 1}] and last ~= ARGV[{owner + 2}] then return {{5, last}} end
@@ -564,28 +565,35 @@ class _Held:
     watched: bool = False  # another worker subscribed when it was claimed (not yet taken)
 
 
-def _check_status(reply: Any, session_id: str, fence: int | None) -> None:
-    """Raise the error a write script's status reply stands for."""
+def _check_status(
+    reply: Any, session_id: str, fence: int | None, held: _Held | None = None
+) -> None:
+    """Raise the error a write script's status reply stands for (``held``: the lease
+    the write was made under, as this store knew it)."""
     status = int(reply[0])
     if status == _OK:
         return
     if status == _NOT_FOUND:
         raise _not_found_error(session_id)
     if status == _MOVED_ON and fence is not None:
-        last = reply[1] if len(reply) > 1 else None
+        last = _stored_int(reply[1] if len(reply) > 1 else None)
+        if held is not None and isinstance(last, int) and last < int(held.last or 0):
+            raise _fenced_out_error(session_id, fence, f"journal:{last}:{held.last}")
         raise _fenced_out_error(
             session_id,
             fence,
-            f"the journal's last seq is {_stored_int(last)!r}, not the one this owner wrote "
-            "last: another owner wrote since",
+            f"the journal's last seq is {last!r}, not the one this owner wrote last",
         )
     if status == _FENCED and fence is not None:
         current = reply[1] if len(reply) > 1 else None
-        problem = (
-            "the lease is not held: released, expired or never claimed"
-            if current is None
-            else f"the current fencing token is {int(current)}"
-        )
+        if len(reply) > 2:
+            problem = "the lease of its shard lapsed unrenewed or changed hands"
+        elif current is None:
+            problem = "no_lease"
+        elif fence > int(current):
+            problem = f"older:{int(current)}"
+        else:
+            problem = f"claimed:{int(current)}"
         raise _fenced_out_error(session_id, fence, problem)
     raise StoreError(
         f"session {session_id!r}: unexpected reply {reply!r} from redis; "
@@ -1119,7 +1127,7 @@ class RedisStore:
             self._held.pop(session_id, None)
         if int(reply[0]) == _SEQ_CONFLICT:
             _check_entries(session_id, entries, int(reply[1]))  # raises, worded as everywhere
-        _check_status(reply, session_id, fence)
+        _check_status(reply, session_id, fence, held)
         await self._index_activity(session_id, info)
         return int(reply[1]) if message is not None and len(reply) > 1 else 0
 
@@ -1136,6 +1144,7 @@ class RedisStore:
         _check_snapshot_seqs(session_id, seq, trim_upto, 0)
         _check_max_seq(session_id, seq)
         trim_upto = max(trim_upto, 0)
+        held = self._holder(session_id, fence)
         args: list[str | bytes] = [
             _fence_arg(fence),
             info,
@@ -1143,7 +1152,7 @@ class RedisStore:
             str(seq),
             str(trim_upto),
             f"{trim_upto + 1}-0",
-            *_position_args(self._holder(session_id, fence)),
+            *_position_args(held),
             *_listing(session_id, info),
         ]
         keys = [*self._keys(session_id), *self._listing_key()]
@@ -1152,7 +1161,7 @@ class RedisStore:
         )
         if int(reply[0]) == _OLDER_SNAPSHOT:
             _check_snapshot_seqs(session_id, seq, trim_upto, int(reply[1]))  # raises
-        _check_status(reply, session_id, fence)
+        _check_status(reply, session_id, fence, held)
         await self._index_activity(session_id, info)
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:

@@ -794,3 +794,38 @@ async def test_a_database_the_server_lacks_is_named_in_the_error(redis_url: str)
             await store.load("s")
     finally:
         await store.aclose()
+
+
+async def test_a_write_whose_lease_the_server_lost_says_the_store_lost_data(
+    make_store: MakeStore, redis_url: str
+) -> None:
+    """A fenced write finding the session's lease key gone (as after a server restarted
+    without its append-only file) is refused with a FencedOutError that says the store
+    lost data (``lost_data``) and to send the request again; one whose lease another
+    owner claimed since says another worker took it over, and claims no lost data."""
+    store = make_store()
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"i0")
+        lease = await store.claim("s", "w1", 30)
+        assert lease is not None
+        async with coredis.Redis.from_url(redis_url, decode_responses=True) as client:
+            [key] = [k async for k in client.scan_iter(match=f"{store.prefix}:*:lease")]
+            await client.delete([key])
+        with pytest.raises(FencedOutError) as lost:
+            await store.append("s", [E(1, b"one")], b"i1", fence=lease.fence)
+        other = make_store()
+        await other.create("s", b"snap", b"i0")
+        first = await other.claim("s", "w1", 30)
+        assert first is not None
+        await other.release("s", first)
+        assert await other.claim("s", "w2", 30) is not None
+        with pytest.raises(FencedOutError) as taken:
+            await other.append("s", [E(1, b"one")], b"i1", fence=first.fence)
+    assert lost.value.lost_data
+    assert "holds no lease of session 's' at all" in str(lost.value)
+    assert "lost or rolled back data" in str(lost.value)
+    assert "append-only file" in str(lost.value)
+    assert "send the request again" in str(lost.value)
+    assert not taken.value.lost_data
+    assert "another worker took the session over" in str(taken.value)
+    assert "lost or rolled back data" not in str(taken.value)

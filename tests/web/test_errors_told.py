@@ -3,6 +3,7 @@ exception that is not the library's own, never its message (the server's log has
 and request errors in HTTP's terms, not Python's."""
 
 import logging
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -159,8 +160,8 @@ async def test_a_store_failure_that_crashes_a_session_is_told_without_the_store_
 ) -> None:
     """A store that fails as a turn's outcome is written crashes the session (it restarts
     from its last durable state): the caller's SessionCrashedError is told with the
-    cause's kind and the advice it carries, not the cause's message (the server's file
-    path), which the server's log has."""
+    cause's kind and the advice it carries (the route that tells what became of the
+    turn), not the cause's message (the server's file path), which the server's log has."""
     path = str(tmp_path / "secret-dir" / "sessions.db")
     (tmp_path / "secret-dir").mkdir()
     store = FaultyStore(sa.SQLiteStore(path))
@@ -180,7 +181,12 @@ async def test_a_store_failure_that_crashes_a_session_is_told_without_the_store_
             assert body["error"] == "SessionCrashedError", body
             assert "secret-dir" not in r.text
             assert "StoreError; the server's log has the details" in body["message"], body
-            assert "(GET /sessions/s)" in body["message"], body  # (its advice, for HTTP)
+            # its advice, for HTTP: the route that tells what became of the turn
+            asked = re.search(r"ask GET (/sessions/s/turns/\S+) ", body["message"])
+            assert asked is not None, body
+            r = await client.get(asked[1])
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] in ("finished", "lost"), r.text
     assert logged(caplog, "secret-dir")
 
 

@@ -137,6 +137,83 @@ async def test_the_cancel_route_and_frame_cancel_only_the_turn_they_name(serve: 
             assert rest[-1][1]["turn_id"] == turn_id
 
 
+async def test_the_turns_route_tells_what_became_of_each_turn(serve: Serve) -> None:
+    """GET /sessions/{name}/turns/{turn_id} answers a turn's outcome as JSON: finished with
+    its reply, failed with its error told by its kind, running, waiting on a review,
+    cancelled, and lost for an id of the session's form that never ran."""
+    async with serve(delay=0.2) as served, httpx.AsyncClient(base_url=served.url) as client:
+
+        async def outcome(turn_id: str) -> dict[str, Any]:
+            r = await client.get(f"/sessions/t/turns/{turn_id}")
+            assert r.status_code == 200, r.text
+            body: dict[str, Any] = r.json()
+            assert (body["session_id"], body["turn_id"]) == ("t", turn_id)
+            return body
+
+        with trio.fail_after(20):
+            reply = (await client.post("/sessions/t/messages", json={"text": "hi there"})).json()
+            done = await outcome(reply["turn_id"])
+            assert (done["status"], done["error"]) == ("finished", None)
+            assert done["message"] == reply["message"]
+
+            r = await client.post("/sessions/t/messages", json={"text": "fail half an answer"})
+            assert r.status_code == 500, r.text
+            failed = await outcome(r.json()["turn_id"])
+            assert (failed["status"], failed["message"]) == ("failed", None)
+            assert failed["error"].startswith("the turn failed with ConnectionError; ")
+            assert DROPPED not in failed["error"]
+
+            body = {"text": " ".join(["word"] * 30)}
+            async with client.stream("POST", "/sessions/t/messages", json=body, headers=SSE) as r:
+                events = SSEReader(r)
+                _, started = await events.next()
+                running = started["turn_id"]
+                assert (await outcome(running))["status"] == "running"
+                r2 = await client.post("/sessions/t/cancel", json={"turn_id": running})
+                assert r2.json() == {"cancelled": True}
+                await events.until(finished)
+            assert (await outcome(running))["status"] == "cancelled"
+
+            reply = (await client.post("/sessions/t/messages", json={"text": "refund A7"})).json()
+            assert (await outcome(reply["turn_id"]))["status"] == "waiting"
+            review = reply["reviews"][0]["id"]
+            await client.post(f"/sessions/t/reviews/{review}", json={"approve": True})
+            assert (await outcome(reply["turn_id"]))["status"] == "finished"
+
+            turn_id = done["turn_id"]
+            forged = turn_id[:-1] + ("y" if turn_id.endswith("z") else "z")
+            assert (await outcome(forged))["status"] == "lost"
+
+
+async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve: Serve) -> None:
+    """A turn id the session never issued answers 404 TurnNotFoundError naming the session;
+    an unknown session 404 SessionNotFoundError; the route is authorized as "read"."""
+    seen: list[tuple[str | None, str]] = []
+
+    def authorize(request: Any, name: str | None, action: str) -> bool:
+        seen.append((name, action))
+        return True
+
+    async with (
+        serve(authorize=authorize) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(10):
+            reply = (await client.post("/sessions/u/messages", json={"text": "hi"})).json()
+            for other in ("nonsense", reply["turn_id"]):
+                r = await client.get(f"/sessions/v/turns/{other}")
+                assert r.status_code == 404, r.text
+                assert r.json()["error"] == "SessionNotFoundError"
+            await client.post("/sessions/v/messages", json={"text": "hi"})
+            for other in ("nonsense", reply["turn_id"]):
+                r = await client.get(f"/sessions/v/turns/{other}")
+                assert r.status_code == 404, r.text
+                body = r.json()
+                assert (body["error"], body["session_id"]) == ("TurnNotFoundError", "v")
+                assert body["message"].startswith("session 'v' never issued a turn id")
+    assert ("v", "read") in seen
+
+
 async def test_a_streamed_message_sends_its_turn_events_with_seq_ids(serve: Serve) -> None:
     """With Accept: text/event-stream a message answers its turn's events, each with its
     seq as the SSE id, in the one JSON form, ending with the turn's outcome."""
@@ -776,7 +853,8 @@ async def test_a_retried_review_answers_its_decision_again_and_refuses_the_other
     """A review resolved again with the same decision (a retry after a lost answer) is
     answered 200 with the turn's reply, as JSON, as an event stream's "reply" and on the
     WebSocket, and the tool ran once; the other decision is refused with 409
-    ReviewResolvedError saying it was already approved, by which turn."""
+    ReviewResolvedError saying it was already approved, by which turn, and where to ask
+    what became of that turn."""
     async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
         with trio.fail_after(10):
             reply = (await client.post("/sessions/rr/messages", json={"text": "refund D4"})).json()
@@ -795,6 +873,8 @@ async def test_a_retried_review_answers_its_decision_again_and_refuses_the_other
             assert denied.json()["error"] == "ReviewResolvedError"
             assert "was already approved" in denied.json()["message"]
             assert first.json()["turn_id"] in denied.json()["message"]
+            asked = f"ask GET /sessions/rr/turns/{first.json()['turn_id']}"
+            assert asked in denied.json()["message"]  # (what became of that turn)
             ws_url = served.url.replace("http://", "ws://") + "/sessions/rr/ws"
             review_id = reply["reviews"][0]["id"]
             async with open_websocket(ws_url) as ws:
