@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -131,6 +132,31 @@ async def test_a_held_call_waits_for_its_gate() -> None:
     assert (gate.waiting, gate.is_open) == (0, True)
     await store.append("s", [entry(2)], b"")  # an open gate holds nothing more
     assert [e.seq for e in (await store.read_journal("s", 0))[1]] == [1, 2]
+
+
+async def test_a_gate_opens_from_another_trio_run() -> None:
+    """gate.open() from another thread's trio run lets the held call go on (an asyncio
+    test of a registry that sessionactors.aio runs in a trio thread of its own)."""
+    store = FaultyStore()
+    gate = store.hold("exists")
+    answered = threading.Event()
+
+    def other_run() -> None:
+        async def main() -> None:
+            await store.exists("s")
+            answered.set()
+
+        trio.run(main)
+
+    thread = threading.Thread(target=other_run, daemon=True)  # (left if it hangs)
+    thread.start()
+    with trio.fail_after(10):
+        while gate.waiting == 0:
+            await trio.sleep(0.01)
+        gate.open()
+        while thread.is_alive():
+            await trio.sleep(0.01)
+    assert answered.is_set()
 
 
 async def test_a_page_of_the_journal_is_a_read_of_it() -> None:

@@ -80,6 +80,7 @@ class Gate:
     waiting: int = attrs.field(default=0, init=False)
     held: int = attrs.field(default=0, init=False)
     _opened: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _token: trio.lowlevel.TrioToken | None = attrs.field(default=None, init=False)
 
     def __repr__(self) -> str:
         state = "open" if self.is_open else f"holding {self.waiting}"
@@ -91,8 +92,22 @@ class Gate:
         return self._opened.is_set()
 
     def open(self) -> None:
-        """Let the held calls go on, and hold no more. Opening twice does nothing."""
-        self._opened.set()
+        """Let the held calls go on, and hold no more. Opening twice does nothing.
+
+        It may be called from any thread or trio run: an asyncio test, say, of a
+        registry that ``sessionactors.aio`` runs in a trio thread of its own."""
+        token = self._token
+        try:
+            here = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # (not in a trio run)
+            here = None
+        if token is None or token is here:
+            self._opened.set()
+            return
+        try:
+            token.run_sync_soon(self._opened.set)
+        except trio.RunFinishedError:  # (nobody waits there any more)
+            self._opened.set()
 
     def _matches(self, operation: str, session_id: str | None, after: bool) -> bool:
         return (
@@ -102,6 +117,7 @@ class Gate:
         )
 
     async def _pass(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()  # (where open() must set it)
         self.waiting += 1
         self.held += 1
         try:
