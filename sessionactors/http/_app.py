@@ -942,8 +942,8 @@ class SessionsApp:
             log.info("health check: ok again")
         self._healthy = not problem
         if problem:
-            return _json({"status": "unavailable"}, 503, headers={"cache-control": "no-store"})
-        return _json({"status": "ok"}, headers={"cache-control": "no-store"})
+            return self._json({"status": "unavailable"}, 503, headers={"cache-control": "no-store"})
+        return self._json({"status": "ok"}, headers={"cache-control": "no-store"})
 
     async def _list(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, _name: str) -> Response:
