@@ -290,7 +290,19 @@ class TurnCancelledError(SessionActorsError):
 
 
 class SessionCrashedError(SessionActorsError):
-    """The session's actor crashed while the request was pending, or keeps crashing."""
+    """The session's actor crashed while the request was pending, or keeps crashing.
+
+    ``turn_id`` names the turn whose write the store was doing when the session
+    crashed and that it may have kept (the store failed or did not answer in time):
+    ask ``ref.turn_outcome(turn_id)`` before sending it again, since the session
+    resumes or answers that turn if the write landed. It is empty otherwise.
+    """
+
+    turn_id: str = ""
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
 
 
 class SessionStoppedError(SessionActorsError):
