@@ -910,7 +910,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            error = AgentNotFoundError(str(exc), session_id=sid, turn_id=mail.turn_id)
+            error = advised(AgentNotFoundError, str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
             self._refuse(mail, error)
             return None
@@ -1028,12 +1028,13 @@ class Actor:
             streamed = storable("".join(self.partial))
             text = streamed or NO_REPLY_FAILED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
-            reason = cause_part(failure)
+            said = describe(failure)
+            reason = cause_part(failure, said)
             outcome = TurnFailed(
                 session_id=sid,
                 seq=self.next_seq(),
                 turn_id=turn_id,
-                error=describe(failure),
+                error=said,
                 error_kind=type(failure).__name__,
                 error_public=isinstance(reason, str),
             )
@@ -1049,7 +1050,7 @@ class Actor:
             error.__cause__ = failure
             # once, here: front ends tell their clients the kind of what is not public
             if isinstance(failure, SessionActorsError):  # (its message says it all)
-                log.warning("turn %s of session %r failed: %s", turn_id, sid, describe(failure))
+                log.warning("turn %s of session %r failed: %s", turn_id, sid, said)
             else:
                 log.error("turn %s of session %r failed", turn_id, sid, exc_info=failure)
         elif final is None:
@@ -1234,7 +1235,8 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            raise AgentNotFoundError(
+            raise advised(
+                AgentNotFoundError,
                 f"{exc}; the review stays pending until the agent is back",
                 session_id=sid,
                 turn_id=review.turn_id,
@@ -1344,8 +1346,11 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            raise TurnFailedError(
-                f"{exc}; retry once the agent is back", session_id=sid, turn_id=last.turn_id
+            raise advised(
+                TurnFailedError,
+                f"{exc}; retry once the agent is back",
+                session_id=sid,
+                turn_id=last.turn_id,
             ) from exc
         user = session.messages[index]
         # what the turn left: up to its outcome's interrupted reply (a message added
@@ -1512,7 +1517,8 @@ class Actor:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
             log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
-            error = AgentNotFoundError(
+            error = advised(
+                AgentNotFoundError,
                 f"{exc}; the turn stays open until a registry with its agent wakes the session",
                 session_id=self.session_id,
                 turn_id=open_turn.turn_id,
@@ -1862,11 +1868,12 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
-def cause_part(exc: BaseException) -> str | Private:
-    """``exc`` in words (``describe``) as a part of an error's message that repeats
-    it: the text if the library may tell it (``is_public``), else a ``Private`` part,
-    which a frontend that serves others tells by its kind."""
-    text = describe(exc)
+def cause_part(exc: BaseException, text: str | None = None) -> str | Private:
+    """``exc`` in words (``text``, else ``describe(exc)``) as a part of an error's
+    message that repeats it: the text if the library may tell it (``is_public``), else
+    a ``Private`` part, which a frontend that serves others tells by its kind."""
+    if text is None:
+        text = describe(exc)
     return text if is_public(exc) else Private(kind=type(exc).__name__, text=text)
 
 
