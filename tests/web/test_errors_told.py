@@ -431,3 +431,31 @@ async def test_a_turn_failed_by_an_unmarked_failure_is_told_by_its_kind() -> Non
     assert "failed: TurnFailedError; the server's log has the details" in body["message"]
     assert (failed["error_kind"], failed["error_public"]) == ("TurnFailedError", False)
 
+
+@pytest.mark.redis
+async def test_a_model_error_marked_public_stays_public_on_another_worker(redis_url: str) -> None:
+    """A ModelError its adapter raised with ``public=True``, which failed a turn on the
+    worker that runs its session, is public still as a caller on another worker reads
+    it (the ``__cause__`` of its TurnFailedError), and told there whole."""
+    said = "the model is overloaded; try again in a minute"
+    overloaded = sa.ModelError(said, session_id="w", status_code=529, public=True)
+    agents = {"app": sa.Agent(model=ScriptedModel([overloaded], repeat=True))}
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            await a.spawn("w")
+            await a.ref("w").history()  # live on a
+            with pytest.raises(sa.TurnFailedError) as raised:
+                await b.ref("w").send("hi")
+            async with serve_trio(create_app(b)) as url, httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/sessions/w/messages", json={"text": "again"})
+            assert (a.live(), b.live()) == (["w"], [])  # (it ran on a)
+    cause = raised.value.__cause__
+    assert isinstance(cause, sa.ModelError), repr(cause)
+    assert (cause.public, cause.status_code) == (True, 529)
+    assert f"failed: ModelError: {said}" in r.json()["message"], r.text
