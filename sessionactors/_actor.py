@@ -319,6 +319,7 @@ class Actor:
         "turn_id",
         "turn_mail",
         "turn_scope",
+        "unanswered",
     )
 
     def __init__(self, host: Host, session_id: str, session: LiveSession | None) -> None:
@@ -372,6 +373,8 @@ class Actor:
         self.queued: set[str] | None = None  # ids of the turns in its mailbox
         #: A turn's outcome event while its commit runs: published once it is stored.
         self.due: Outcome | None = None
+        #: The turn a write of which the store did not answer in time (see ``bounded``).
+        self.unanswered = ""
         #: Set by the supervisor on an incarnation that follows a crash: the outcome the
         #: crashed one could not publish (its commit raised), and the events that say its
         #: turns are void; published once this one has read what the store kept.
@@ -576,6 +579,12 @@ class Actor:
             append=append,
         )
 
+    def compact(self) -> Awaitable[None]:
+        """The snapshot that compacts the journal, if it is due (``commit`` takes it after
+        its append unless told not to): best effort, a failure only defers it."""
+        hub = self.hub
+        return self.journal.compact(self.session, self.fence, hub.seq if hub is not None else 0)
+
     async def _write_snapshot(self, status: Status) -> None:
         await self.journal.write_snapshot(
             self.session, self.fence, max(self._hub().seq, self.session.event_seq), status
@@ -594,15 +603,18 @@ class Actor:
         """Await ``write``, store writes that a cancel must not cut half-way (the outcome
         of a turn cancelled as it ended, a call's start before the call runs), shielded
         and bounded by write_bound. If the store does not answer by then, the write is
-        not acknowledged: it fails as a refused write does, with a StoreError naming the
-        session (the journal's fault), so the session crashes and restarts from its
-        durable state, and its callers hear so."""
+        not acknowledged, and it may or may not have landed: it fails with a StoreError
+        naming the session (the journal's fault), so the session crashes and restarts
+        from its durable state, and the turn's caller hears that the store may hold what
+        the write held (``unanswered``: see ``crashed_error``'s ``storing``)."""
         with self._bounded_write():
             return await write
         sid = self.session_id
+        mail = self.turn_mail
+        self.unanswered = "" if mail is None else mail.turn_id
         error = self.journal.fault = StoreError(
-            f"session {sid!r}: the store did not answer a write within "
-            f"{self.host.config.write_bound:g} s, so it is taken as not written",
+            f"session {sid!r}: the store did not answer a write in time (within "
+            f"{self.host.config.write_bound:g} s): the write may or may not have landed",
             session_id=sid,
         )
         raise error
@@ -898,7 +910,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            error = AgentNotFoundError(str(exc), session_id=sid, turn_id=mail.turn_id)
+            error = advised(AgentNotFoundError, str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
             self._refuse(mail, error)
             return None
@@ -968,8 +980,10 @@ class Actor:
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
-            await self.bounded(
-                self._settle(pending, key, failure=failure, final=final, cancelled=False)
+            await self.bounded(  # (its writes only: the next commit compacts, if due)
+                self._settle(
+                    pending, key, failure=failure, final=final, cancelled=False, compact=False
+                )
             )
             return
         await self._settle(pending, key, failure=failure, final=final, cancelled=False)
@@ -983,9 +997,11 @@ class Actor:
         final: Message | None,
         cancelled: bool,
         cut: str = "cut",
+        compact: bool = True,
     ) -> None:
         """Record the turn's outcome durably, publish it, and answer its caller; ``cut``:
-        why a turn cancelled while the registry closes was cut (see ``stopped_error``)."""
+        why a turn cancelled while the registry closes was cut (see ``stopped_error``);
+        ``compact``: whether its commit may take the compaction snapshot after it."""
         sid = self.session_id
         turn_id = self.turn_id
         stats = self.host.stats
@@ -1012,12 +1028,13 @@ class Actor:
             streamed = storable("".join(self.partial))
             text = streamed or NO_REPLY_FAILED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
-            reason = cause_part(failure)
+            said = describe(failure)
+            reason = cause_part(failure, said)
             outcome = TurnFailed(
                 session_id=sid,
                 seq=self.next_seq(),
                 turn_id=turn_id,
-                error=describe(failure),
+                error=said,
                 error_kind=type(failure).__name__,
                 error_public=isinstance(reason, str),
             )
@@ -1033,13 +1050,13 @@ class Actor:
             error.__cause__ = failure
             # once, here: front ends tell their clients the kind of what is not public
             if isinstance(failure, SessionActorsError):  # (its message says it all)
-                log.warning("turn %s of session %r failed: %s", turn_id, sid, describe(failure))
+                log.warning("turn %s of session %r failed: %s", turn_id, sid, said)
             else:
                 log.error("turn %s of session %r failed", turn_id, sid, exc_info=failure)
         elif final is None:
             # paused for a review: the outcome comes when the review is resolved
             self._set_status(Status.WAITING)
-            await self.commit()
+            await self.commit(compact=compact)
             pending.set_result(
                 Reply(turn_id=turn_id, message=None, reviews=tuple(self.session.reviews.values()))
             )
@@ -1074,9 +1091,9 @@ class Actor:
             write = pending.write_outcome
             if write is not None and error is None:
                 reply = _make_reply(turn_id=turn_id, message=final, reviews=())
-                await self.commit(append=write(reply))
+                await self.commit(compact=compact, append=write(reply))
             else:
-                await self.commit()
+                await self.commit(compact=compact)
         if reply is None:
             reply = _make_reply(turn_id=turn_id, message=final, reviews=())
         self.due = None
@@ -1218,7 +1235,8 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            raise AgentNotFoundError(
+            raise advised(
+                AgentNotFoundError,
                 f"{exc}; the review stays pending until the agent is back",
                 session_id=sid,
                 turn_id=review.turn_id,
@@ -1328,8 +1346,11 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
-            raise TurnFailedError(
-                f"{exc}; retry once the agent is back", session_id=sid, turn_id=last.turn_id
+            raise advised(
+                TurnFailedError,
+                f"{exc}; retry once the agent is back",
+                session_id=sid,
+                turn_id=last.turn_id,
             ) from exc
         user = session.messages[index]
         # what the turn left: up to its outcome's interrupted reply (a message added
@@ -1496,7 +1517,8 @@ class Actor:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
             log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
-            error = AgentNotFoundError(
+            error = advised(
+                AgentNotFoundError,
                 f"{exc}; the turn stays open until a registry with its agent wakes the session",
                 session_id=self.session_id,
                 turn_id=open_turn.turn_id,
@@ -1846,11 +1868,12 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
-def cause_part(exc: BaseException) -> str | Private:
-    """``exc`` in words (``describe``) as a part of an error's message that repeats
-    it: the text if the library may tell it (``is_public``), else a ``Private`` part,
-    which a frontend that serves others tells by its kind."""
-    text = describe(exc)
+def cause_part(exc: BaseException, text: str | None = None) -> str | Private:
+    """``exc`` in words (``text``, else ``describe(exc)``) as a part of an error's
+    message that repeats it: the text if the library may tell it (``is_public``), else
+    a ``Private`` part, which a frontend that serves others tells by its kind."""
+    if text is None:
+        text = describe(exc)
     return text if is_public(exc) else Private(kind=type(exc).__name__, text=text)
 
 
@@ -1894,18 +1917,22 @@ def crashed_error(
     failed: bool = False,
     retry_after: float | None = None,
     storing: str = "",
+    step: bool = False,
 ) -> SessionCrashedError:
-    """``storing``: the turn whose outcome the store was writing (it may have kept it);
+    """``storing``: the turn whose outcome (with ``step``: a step before its outcome, a
+    call's start or a review request) the store was writing, and may have kept;
     ``retry_after``: with ``failed``, the seconds until the session may start again."""
     cause = cause_part(exc)
     if failed:
         return failed_error(sid, cause, retry_after)
     told: tuple[Part, ...]
     if storing:
+        what = "a step" if step else "the outcome"
+        held = "that step (and then resumes the turn)" if step else "that outcome"
         told = (
-            f"session {sid!r} crashed while the store wrote the outcome of turn {storing} (",
+            f"session {sid!r} crashed while the store wrote {what} of turn {storing} (",
             cause,
-            "); it was restarted from its last durable state, which may hold that outcome: ",
+            f"); it was restarted from its last durable state, which may hold {held}: ",
             Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=storing),
             " before sending it again (with an idempotency key, a retry cannot run it twice)",
         )
@@ -1915,7 +1942,7 @@ def crashed_error(
             cause,
             "); it was restarted from its last durable state, so retry the request",
         )
-    return advised(SessionCrashedError, *told, session_id=sid)
+    return advised(SessionCrashedError, *told, session_id=sid, turn_id=storing)
 
 
 def failed_error(sid: str, reason: str | Private, retry_after: float | None) -> SessionCrashedError:

@@ -95,7 +95,8 @@ class Dispatcher:
             if result is not _AGAIN:
                 return result
             await trio.lowlevel.checkpoint()
-        raise SessionCrashedError(
+        raise advised(
+            SessionCrashedError,
             f"session {name!r} kept moving between workers or closing its mailbox while "
             "this request looked for it; send the request again",
             session_id=name,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 import attrs
 
@@ -186,14 +186,7 @@ def advised(cls: type[_E], *told: Part, session_id: str | None = None, **fields:
 
 def python_told(parts: tuple[Part, ...], session_id: str | None) -> str:
     """The message of ``parts`` as ``str(error)`` tells it (see ``advised``)."""
-    return "".join(
-        part
-        if isinstance(part, str)
-        else part.text
-        if isinstance(part, Private)
-        else python_advice(part, session_id)
-        for part in parts
-    )
+    return told_parts(parts, session_id, python_advice)
 
 
 def told(
@@ -203,11 +196,22 @@ def told(
 ) -> str:
     """``error``'s message with its advice told by ``say(advice, session_id)`` (a
     frontend's wording) and the server's own accounts in it by ``private(part)`` (whole
-    if None); its ``str()`` if it has no records."""
+    if None); its ``str()`` if it has no records (see ``unmarked``)."""
     parts = error._told if isinstance(error, SessionActorsError) else ()
     if not parts:
         return str(error)
     session_id = error.session_id if isinstance(error, SessionActorsError) else None
+    return told_parts(parts, session_id, say, private)
+
+
+def told_parts(
+    parts: tuple[Part, ...],
+    session_id: str | None,
+    say: Callable[[Advice, str | None], str],
+    private: Callable[[Private], str] | None = None,
+) -> str:
+    """The message of ``parts`` with its advice told by ``say`` and its accounts by
+    ``private`` (whole if None): see ``told``."""
     return "".join(
         part
         if isinstance(part, str)
@@ -216,6 +220,16 @@ def told(
         else say(part, session_id)
         for part in parts
     )
+
+
+def unmarked(error: BaseException) -> TypeGuard[TurnFailedError | SessionCrashedError]:
+    """Whether ``error`` reports a failure (a ``TurnFailedError`` or a
+    ``SessionCrashedError``, whose messages quote their cause) without the parts that
+    mark the server's own account in it: one from a worker of an older version, which
+    sends none, or whose parts did not tell its message. The library makes every such
+    error with parts (``advised``), so a frontend that serves others tells one without
+    them by its kind only, never by its text."""
+    return isinstance(error, TurnFailedError | SessionCrashedError) and not error._told
 
 
 def has_private(error: BaseException) -> bool:
@@ -229,9 +243,10 @@ def is_public(exc: BaseException) -> bool:
     the people it serves: an error of a class the library defines (by the class, never
     by its name: an app's own ``StoreError`` is the app's), other than a store's (its
     message names the server's files and hosts) and a crash's (it repeats its cause),
-    whose message repeats no ``Private`` account; and a ``ModelError`` raised with
-    ``public=True``, by whichever adapter raised it (a model's provider answers with its
-    address, keys and words: hidden unless the adapter says so)."""
+    whose message repeats no ``Private`` account and is not ``unmarked``; and a
+    ``ModelError`` raised with ``public=True``, by whichever adapter raised it (a model's
+    provider answers with its address, keys and words: hidden unless the adapter says
+    so)."""
     if isinstance(exc, ModelError):
         return exc.public
     cls = type(exc)
@@ -240,6 +255,7 @@ def is_public(exc: BaseException) -> bool:
         and cls.__module__.partition(".")[0] == "sessionactors"
         and not issubclass(cls, StoreError | SessionCrashedError)
         and not has_private(exc)
+        and not unmarked(exc)
     )
 
 
@@ -290,7 +306,19 @@ class TurnCancelledError(SessionActorsError):
 
 
 class SessionCrashedError(SessionActorsError):
-    """The session's actor crashed while the request was pending, or keeps crashing."""
+    """The session's actor crashed while the request was pending, or keeps crashing.
+
+    ``turn_id`` names the turn whose write the store was doing when the session
+    crashed and that it may have kept (the store failed or did not answer in time):
+    ask ``ref.turn_outcome(turn_id)`` before sending it again, since the session
+    resumes or answers that turn if the write landed. It is empty otherwise.
+    """
+
+    turn_id: str = ""
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
 
 
 class SessionStoppedError(SessionActorsError):

@@ -196,8 +196,14 @@ class Journal:
         self._since_snapshot += count
         for entry in entries:
             self._size += len(entry.data)
+        if compact:
+            await self.compact(session, fence, hub_seq)
+
+    async def compact(self, session: LiveSession, fence: int | None, hub_seq: int) -> None:
+        """Snapshot once the journal outweighs the snapshot (see ``commit``); a failure
+        only leaves the journal to the next try (what it holds is journaled already)."""
         if (
-            compact
+            self.per_turn
             and not self.unwritable
             and self._since_snapshot >= self.config.snapshot_every
             and self._size >= self._snapshot_size

@@ -101,11 +101,17 @@ async def session_task(host: Host, actor: Actor) -> None:
             # by the next incarnation once it has read what the store kept.
             prior = actor.after_crash  # (it crashed before it had read the store)
             due, mail = actor.due, actor.turn_mail
-            if not failed and due is not None and mail is not None and mail.turn_id == due.turn_id:
-                # the write of its outcome raised: the store may have kept it
-                unsure = crashed_error(actor.session_id, exc, storing=due.turn_id)
-                unsure.__cause__ = exc
-                mail.pending.set_error(unsure)
+            if not failed and mail is not None:
+                unsure = None
+                if due is not None and mail.turn_id == due.turn_id:
+                    # the write of its outcome raised: the store may have kept it
+                    unsure = crashed_error(actor.session_id, exc, storing=due.turn_id)
+                elif actor.unanswered == mail.turn_id:
+                    # a write of its steps was not answered in time: it may have landed
+                    unsure = crashed_error(actor.session_id, exc, storing=mail.turn_id, step=True)
+                if unsure is not None:
+                    unsure.__cause__ = exc
+                    mail.pending.set_error(unsure)
             lost = actor.fail_waiters(error, crash=exc)
             if prior is not None:
                 due = due or prior[0]

@@ -58,6 +58,7 @@ class TurnHost(Protocol):
     def request_messages(self, agent: Agent | None = None) -> Sequence[Message]: ...
     def commit(self, *, compact: bool = True) -> Awaitable[None]: ...
     def bounded(self, write: Awaitable[_T]) -> Awaitable[_T]: ...
+    def compact(self) -> Awaitable[None]: ...
 
 
 def _needs_review(agent: Agent, call: ToolCall) -> bool:
@@ -190,7 +191,10 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
         actor.emit(event)
     else:
         actor.durable(event)
-        await actor.bounded(actor.commit())  # before it runs, its start is durable
+        # before it runs, its start is durable (and only that write is bounded: the
+        # snapshot that may follow it is optional)
+        await actor.bounded(actor.commit(compact=False))
+        await actor.compact()
     if tool is not None and actor.trace is None:  # _invoke's common case, inline
         await trio.lowlevel.checkpoint_if_cancelled()
         content, is_error = _result(await tool._run(call.arguments))
@@ -201,8 +205,9 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
 
 async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) -> None:
     if _start_calls(actor, agent, calls):
-        # before a non-idempotent call runs, its start is durable
-        await actor.bounded(actor.commit())
+        # before a non-idempotent call runs, its start is durable (see _run_one)
+        await actor.bounded(actor.commit(compact=False))
+        await actor.compact()
     results: list[tuple[str, bool] | None] = [None] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:

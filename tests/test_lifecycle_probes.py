@@ -572,6 +572,120 @@ async def test_a_registry_closes_in_bounded_time_while_a_shielded_write_hangs(
         nursery.cancel_scope.cancel()
 
 
+class ShieldedReviewModel:
+    """A model that cannot be cancelled while it thinks, and then asks for a call that
+    needs a person's review (the turn pauses for it); after the review it says "done"."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        if request.messages[-1].role is sa.Role.TOOL:
+            yield sa.TextChunk("done")
+            return
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1)
+        yield sa.ToolCallChunk(index=0, id="r1", name="refund", arguments="{}")
+
+
+def refunding() -> sa.Agent:
+    """An agent of ShieldedReviewModel whose ``refund`` tool needs a review."""
+
+    async def refund() -> str:
+        return "refunded"
+
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True)
+    return sa.Agent(model=ShieldedReviewModel(), tools=[tool])
+
+
+async def pay_answered_late(ref: sa.SessionRef, store: FaultyStore) -> tuple[sa.Turn, Gate]:
+    """Submit the paying turn of a session of ``paying`` with the store answering every
+    append late: the start of the call reaches the store, its answer does not come."""
+    await ref.send("warm up")
+    gate = store.hold("append", after=True)
+    turn = await ref.submit("pay please")
+    await trio.testing.wait_all_tasks_blocked()
+    assert gate.waiting == 1
+    return turn, gate
+
+
+async def pause_answered_late(ref: sa.SessionRef, store: FaultyStore) -> tuple[sa.Turn, Gate]:
+    """Submit a turn of a session of ``refunding`` and cancel it as it pauses for its
+    review, with the store answering every append late: the review request reaches the
+    store, its answer does not come."""
+    turn = await ref.submit("refund please")
+    await trio.sleep(0.5)  # the model thinks, shielded
+    gate = store.hold("append", after=True)
+    assert await ref.cancel()
+    await trio.sleep(1)  # the model is done: the turn pauses, its review is written
+    assert gate.waiting == 1
+    return turn, gate
+
+
+LATE = {"start of a payment": "pay", "review a cancelled turn paused for": "refund"}
+
+
+@pytest.mark.parametrize("where", LATE)
+async def test_a_shielded_write_the_store_took_but_answered_late_is_told_as_unknown(
+    autojump_clock: trio.abc.Clock, where: str
+) -> None:
+    """A write that a cancel must not cut reaches the store, whose answer comes after the
+    write bound: the write may have landed, so the caller's SessionCrashedError names the
+    turn and asks for its outcome (ref.turn_outcome) before a retry, rather than telling
+    it to retry (a second turn, a second payment); the store did keep the turn, and a call
+    whose start was written never runs."""
+    store = FaultyStore()
+    paid: list[int] = []
+    agents = {"pay": paying(paid), "refund": refunding()}
+    async with trio.open_nursery() as nursery, sa.open_registry(store=store, agents=agents) as reg:
+        ref = await reg.spawn("s", agent=LATE[where])
+        turn, gate = await (
+            pay_answered_late if where.startswith("start") else pause_answered_late
+        )(ref, store)
+        nursery.start_soon(open_late, gate)
+        with trio.fail_after(60), pytest.raises(sa.SessionCrashedError) as crashed:
+            await turn.reply()
+        error = crashed.value
+        assert (error.session_id, error.turn_id) == ("s", turn.id), str(error)
+        assert f"ask ref.turn_outcome({turn.id!r})" in str(error), str(error)
+        assert "may or may not have landed" in str(error), str(error)
+        assert "retry the request" not in str(error), str(error)
+        gate.open()
+        with trio.fail_after(60):
+            history = await ref.history()
+        assert [m.content for m in history if m.role is sa.Role.USER][-1].endswith("please")
+        assert paid == []
+
+
+@pytest.mark.parametrize("where", HANGS)
+async def test_a_slow_compaction_after_a_shielded_write_does_not_fail_its_turn(
+    autojump_clock: trio.abc.Clock, where: str
+) -> None:
+    """The compaction snapshot that follows a write a cancel must not cut (the start of a
+    call that is not idempotent, the outcome of a turn cancelled as it ended) is optional:
+    a store slow to take it (past the write bound) does not fail the turn, whose write
+    landed; the call runs once and the caller gets its reply (once the store is back, if
+    the turn itself waits on that snapshot)."""
+    store = FaultyStore()
+    paid: list[int] = []
+    agents = {"slow": sa.Agent(model=ShieldedModel()), "pay": paying(paid)}
+    async with (
+        trio.open_nursery() as nursery,
+        sa.open_registry(store=store, agents=agents, snapshot_every=1) as reg,
+    ):
+        ref = await reg.spawn("s", agent=HANGS[where])
+        await ref.send("warm up")  # (the journal now outweighs the snapshot)
+        if where.startswith("outcome"):
+            turn = await ref.submit("hi")
+            await trio.sleep(0.5)  # the model thinks, shielded
+            gate = store.hold("write_snapshot")
+            assert await ref.cancel()
+        else:
+            gate = store.hold("write_snapshot")
+            turn = await ref.submit("pay please")
+        nursery.start_soon(open_late, gate)
+        with trio.fail_after(3600):
+            assert (await turn.reply()).text == "done"
+        assert paid == ([] if where.startswith("outcome") else [1])
+
+
 #: A trio program whose session's hibernation never returns, told to stop three times.
 THREE_CTRL_C = """
 import signal, trio, trio.testing

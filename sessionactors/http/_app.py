@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import sessionactors as sa
 
 from .. import aio
-from .._errors import Advice, AdviceKind, has_private, shown, told
+from .._errors import Advice, AdviceKind, has_private, shown, told, unmarked
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
@@ -56,6 +56,7 @@ from ._json import (
     reply_to_json,
     state_to_json,
     to_json,
+    unmarked_told,
 )
 from ._sockets import WRITE_BYTES, WriteGuard
 from ._sse import (
@@ -589,12 +590,15 @@ class SessionsApp:
         What the server's own parts say of themselves is for its log, not for clients:
         an exception that is not the library's is told by its kind (and logged here);
         a failed turn's or a crash's cause that is not public, by its kind (a failed
-        turn's was logged when the turn failed, a crash's is logged here); a store's
-        failure, as such (its message names files and hosts: logged here)."""
+        turn's was logged when the turn failed, a crash's is logged here), and such an
+        error that does not mark its cause (``unmarked``: from a worker of an older
+        version) by its kind only (logged here); a store's failure, as such (its message
+        names files and hosts: logged here)."""
         body = error_json(error, status=status)
         message = told(error, functools.partial(self._http_advice, scope), private_told)
-        if isinstance(error, sa.TurnFailedError):
-            pass  # (logged whole when the turn failed)
+        if unmarked(error):
+            log.warning("a request failed, told to its client by its kind: %s", error)
+            message = unmarked_told(error)
         elif isinstance(error, sa.SessionCrashedError) and has_private(error):
             log.warning("a request met a crashed session: %s", error)
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
@@ -605,7 +609,8 @@ class SessionsApp:
                 f"{about}the server's store failed ({type(error).__name__}); retry in a "
                 f"moment ({LOGGED})"
             )
-        elif body["status"] >= 500:
+        elif body["status"] >= 500 and not isinstance(error, sa.TurnFailedError):
+            # (a failed turn was logged whole when it failed)
             log.error("request failed", exc_info=error)
             if not isinstance(error, sa.SessionActorsError):
                 message = f"the server failed with {type(error).__name__}; {LOGGED}"

@@ -25,6 +25,7 @@ __all__ = [
     "reply_to_json",
     "state_to_json",
     "to_json",
+    "unmarked_told",
 ]
 
 
@@ -72,6 +73,16 @@ def private_told(part: Private) -> str:
     """The server's own account of a failure in an error's message (an exception's
     words), as HTTP clients are told it: by its kind."""
     return f"{part.kind}; {LOGGED}"
+
+
+def unmarked_told(error: sa.TurnFailedError | sa.SessionCrashedError) -> str:
+    """A failure that does not mark the server's own account in its message (see
+    ``unmarked``), as HTTP clients are told it: by its kind, its session and its turn,
+    never its text (which may quote its cause whole)."""
+    turn = error.turn_id
+    about = f"session {error.session_id!r}"
+    about = f"turn {turn} of {about}" if turn else about
+    return f"{about} failed with {type(error).__name__}; {LOGGED}"
 
 
 def reply_to_json(reply: sa.Reply) -> dict[str, Any]:

@@ -935,7 +935,8 @@ class Cluster:
         while True:
             attempt += 1
             if attempt - moves >= MAX_ATTEMPTS:
-                raise SessionCrashedError(
+                raise advised(
+                    SessionCrashedError,
                     f"session {name!r}: could not reach the worker that runs it after "
                     f"{MAX_ATTEMPTS} attempts (its worker kept dying or refusing messages); "
                     "retry later",

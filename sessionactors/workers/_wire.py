@@ -87,6 +87,8 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "AttributeError": AttributeError,
 }
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code", "idempotency_key")
+#: The attributes of an error that hold a bool (``ModelError.public``), carried too.
+_ERROR_FLAGS: Final = ("public",)
 _MAX_WIRE_INT: Final = 2**63 - 1  # the largest integer msgpack carries either way
 
 
@@ -252,6 +254,10 @@ def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
         value = getattr(exc, name, None)
         if isinstance(value, str | int) and not isinstance(value, bool):
             extra[name] = storable(value) if isinstance(value, str) else value
+    for name in _ERROR_FLAGS:
+        value = getattr(exc, name, None)
+        if isinstance(value, bool):
+            extra[name] = value
     try:  # (an agent's exception may say anything: a str() that raises, lone surrogates)
         message = storable(str(exc))
     except Exception:
@@ -356,6 +362,8 @@ def _rebuilt(body: Mapping[str, Any], name: str | None) -> Exception | None:
     sid = body.get("sid")
     rebuilt._told = _load_told(body, sid if isinstance(sid, str) else None)
     for attr, value in dict(body.get("attrs") or {}).items():
-        if attr in _ERROR_ATTRS:
+        if attr in _ERROR_ATTRS or (
+            attr in _ERROR_FLAGS and isinstance(value, bool) and hasattr(rebuilt, attr)
+        ):
             setattr(rebuilt, attr, value)
     return rebuilt

@@ -375,3 +375,93 @@ async def test_a_turn_failed_on_another_worker_is_told_by_its_kind(
     assert SECRET not in r.text
     assert "failed: SessionNotFoundError; the server's log has the details" in r.json()["message"]
     assert logged(caplog, SECRET)
+
+
+#: What a worker of an older version says of a failed turn and of a crash: the whole
+#: text, quoting its cause, with nothing to mark which part is the server's own account.
+UNMARKED = {
+    sa.TurnFailedError: (
+        f"turn t1 of session 'o' failed: RuntimeError: the orders database at {SECRET} is "
+        "down; the session is fine, send the next message when the cause is fixed"
+    ),
+    sa.SessionCrashedError: (
+        f"session 'o' crashed while handling this request (RuntimeError: the orders "
+        f"database at {SECRET} is down); it was restarted from its last durable state, so "
+        "retry the request"
+    ),
+}
+
+
+def unmarked(cls: type[sa.SessionActorsError]) -> sa.SessionActorsError:
+    """An error of ``cls`` about session 'o' (turn 't1') as it arrives from a worker of
+    an older version: its message only."""
+    if cls is sa.TurnFailedError:
+        return sa.TurnFailedError(UNMARKED[cls], session_id="o", turn_id="t1")
+    return cls(UNMARKED[cls], session_id="o")
+
+
+@pytest.mark.parametrize("cls", list(UNMARKED))
+async def test_a_failure_that_does_not_mark_its_cause_is_told_by_its_kind_only(
+    cls: type[sa.SessionActorsError], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TurnFailedError or SessionCrashedError that comes without the parts of its
+    message that mark the server's own account (as one from a worker of an older version
+    arrives, its cause quoted whole) is told to HTTP clients by its kind, its session and
+    its turn only, never by its text, which the server's log has."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=trio_agents()) as registry:
+        await (await registry.spawn("o")).hibernate()
+        store.fail("load", error=unmarked(cls))  # (what waking it answers)
+        async with serve_trio(create_app(registry)) as url, httpx.AsyncClient(base_url=url) as c:
+            with trio.fail_after(10):
+                r = await c.post("/sessions/o/messages", json={"text": "hi"})
+    assert store.injected == 1
+    assert SECRET not in r.text, r.text
+    body = r.json()
+    assert (body["error"], body["session_id"]) == (cls.__name__, "o"), body
+    assert f"failed with {cls.__name__}; the server's log has the details" in body["message"]
+    if cls is sa.TurnFailedError:
+        assert (body["turn_id"], "turn t1 of session 'o'" in body["message"]) == ("t1", True)
+    assert logged(caplog, SECRET)
+
+
+async def test_a_turn_failed_by_an_unmarked_failure_is_told_by_its_kind() -> None:
+    """A turn that fails with a TurnFailedError that does not mark its cause (a tool or a
+    model that asked a session on a worker of an older version) is told to HTTP clients
+    by that kind, never by its text."""
+    failure = unmarked(sa.TurnFailedError)
+    agents = {"app": sa.Agent(model=ScriptedModel([Scripted(error=failure)], repeat=True))}
+    body, failed, replayed = await failed_turn_told(create_app(agents=agents), "u")
+    for told in (str(body), str(failed), replayed):
+        assert SECRET not in told
+    assert "failed: TurnFailedError; the server's log has the details" in body["message"]
+    assert (failed["error_kind"], failed["error_public"]) == ("TurnFailedError", False)
+
+
+@pytest.mark.redis
+async def test_a_model_error_marked_public_stays_public_on_another_worker(redis_url: str) -> None:
+    """A ModelError its adapter raised with ``public=True``, which failed a turn on the
+    worker that runs its session, is public still as a caller on another worker reads
+    it (the ``__cause__`` of its TurnFailedError), and told there whole."""
+    said = "the model is overloaded; try again in a minute"
+    overloaded = sa.ModelError(said, session_id="w", status_code=529, public=True)
+    agents = {"app": sa.Agent(model=ScriptedModel([overloaded], repeat=True))}
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            await a.spawn("w")
+            await a.ref("w").history()  # live on a
+            with pytest.raises(sa.TurnFailedError) as raised:
+                await b.ref("w").send("hi")
+            async with serve_trio(create_app(b)) as url, httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/sessions/w/messages", json={"text": "again"})
+            assert (a.live(), b.live()) == (["w"], [])  # (it ran on a)
+    cause = raised.value.__cause__
+    assert isinstance(cause, sa.ModelError), repr(cause)
+    assert (cause.public, cause.status_code) == (True, 529)
+    assert f"failed: ModelError: {said}" in r.json()["message"], r.text
