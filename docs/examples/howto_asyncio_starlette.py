@@ -58,15 +58,18 @@ async def stream_message(request: Request) -> StreamingResponse | JSONResponse:
     await registry.get_or_spawn(name)
 
     async def words() -> AsyncIterator[str]:
+        # the status line goes out with the first words: what ends the turn otherwise is
+        # said in the body, or a client takes a reply cut short for a whole one
         try:
             async with stream as events:
                 async for event in events:
                     if isinstance(event, sa.Delta):
                         yield event.text
-        except sa.SessionActorsError as exc:
-            # the status line has gone out: say it in the body, or the client sees only
-            # a body cut short (the turn failed, its worker died, the server stopped);
-            # the kind only: the text of a model's error is for the server's log
+                    elif isinstance(event, sa.TurnFailed):  # (the model failed: its kind
+                        yield f"\n[the turn failed: {event.error_kind}]\n"  # only; the
+                    elif isinstance(event, sa.TurnCancelled):  # text is for the log)
+                        yield "\n[the turn was cancelled]\n"
+        except sa.SessionActorsError as exc:  # its session stopped, its worker died, ...
             yield f"\n[the turn did not finish: {type(exc).__name__}]\n"
 
     return StreamingResponse(words(), media_type="text/plain")
