@@ -161,7 +161,11 @@ class _Replay:
         items, replaced = streams.own_items(session_id, items)
         found = {seq: data for seq, kind, data in items if kind == "event"}
         lost = any(kind == "lost" for _, kind, _ in items)
-        if replaced or (oldest is not None and oldest <= after + 1 and not lost):
+        # (short: it ends below where the mirror's reading starts, which its owner gave:
+        # that owner published none of its events yet, and may have jumped over
+        # ``after`` as it woke, its worker having died: it knows, and says so)
+        short = max((seq for seq, _, _ in items), default=after) < streams.start(session_id)
+        if replaced or (oldest is not None and oldest <= after + 1 and not lost and not short):
             # (replaced: the session was deleted, and its mirror ends once it reads on)
             return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
         if not lost:
@@ -253,6 +257,10 @@ class Streams:
     @property
     def subscriber_count(self) -> int:
         return sum(hub.subscriber_count for hub in list(self._mirrors.values()))  # (any thread)
+
+    def start(self, name: str) -> int:
+        """The seq the mirror of ``name`` reads its stream after (0: none)."""
+        return self._positions.get(name, 0)
 
     def positions(self) -> dict[str, int]:
         """The seq each mirror's stream is read after (a held one's is not read)."""
