@@ -171,7 +171,9 @@ class LoggingStore(RedisStore):
 
 class EchoOrFail(EchoModel):
     """Echoes the user's words; raises ValueError when they start with "fail"; when
-    they start with "review", first calls the tool "guarded" (which needs a review)."""
+    they start with "review", first calls the tool "guarded" (which needs a review);
+    when they start with "slow", first calls the tool "slow" (not idempotent: its
+    start is journaled before it runs, for a hundred word delays)."""
 
     async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
         last = next(m for m in reversed(request.messages) if m.role is sa.Role.USER)
@@ -181,6 +183,10 @@ class EchoOrFail(EchoModel):
         if last.content.startswith("review") and request.messages[-1] is last:
             await trio.lowlevel.checkpoint()
             yield sa.ToolCallChunk(0, id="call_guarded", name="guarded", arguments="{}")
+            return
+        if last.content.startswith("slow") and request.messages[-1] is last:
+            await trio.lowlevel.checkpoint()
+            yield sa.ToolCallChunk(0, id="call_slow", name="slow", arguments="{}")
             return
         async for chunk in super().stream(request):
             yield chunk
@@ -321,7 +327,13 @@ async def main(
     store.mode = mode
     store.writes = []
     guarded = sa.Tool(name="guarded", fn=_guarded, requires_review=True)
-    agents = {"echo": sa.Agent(model=EchoOrFail(delay=delay), tools=[guarded])}
+
+    async def slow() -> str:
+        await trio.sleep(100 * delay)
+        return "done"
+
+    tools = [guarded, sa.Tool(name="slow", fn=slow, idempotent=False)]
+    agents = {"echo": sa.Agent(model=EchoOrFail(delay=delay), tools=tools)}
     durability = "hibernate" if mode == "ack-early" else "turn"
     async with sa.open_registry(
         store=store,

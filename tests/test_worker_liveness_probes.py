@@ -428,7 +428,7 @@ async def test_a_subscription_opened_mid_turn_hears_of_a_worker_killed_then(
 async def test_a_subscription_hears_that_a_turn_was_lost_when_a_worker_took_over(
     redis_url: str, taker: str
 ) -> None:
-    """When the worker running a turn is killed (SIGKILL) before the turn was durable and another worker takes the session over with an ordinary request (a third one, or the subscription's own, whose subscription then goes on from the session's hub there), a subscription on another worker does not wait forever for the turn's outcome (its new owner never heard of the turn, and turn_outcome reads lost): it ends with SubscriberLaggedError naming the lost turn; a subscription made again with after= its last seq on the new owner raises EventsExpiredError (the events after it are lost), and one after the reloaded state goes on."""
+    """When the worker running a turn is killed (SIGKILL) before the turn was durable and another worker takes the session over with an ordinary request (a third one, or the subscription's own, whose subscription then goes on from the session's hub there), a subscription on another worker does not wait forever for the turn's outcome (its new owner never heard of the turn, and turn_outcome reads lost): it ends with SubscriberLaggedError naming the lost turn; a subscription made again with after= its last seq, on the new owner or elsewhere, raises EventsExpiredError (the events after it are lost), and one after the reloaded state goes on."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     text = " ".join(f"w{i}" for i in range(50))
     ended: list[BaseException] = []
@@ -461,11 +461,10 @@ async def test_a_subscription_hears_that_a_turn_was_lost_when_a_worker_took_over
             assert turn.id in str(lagged), str(lagged)
             assert "lost" in str(lagged), str(lagged)
             assert (await ref.turn_outcome(turn.id)).status is sa.TurnStatus.LOST
-            if new_owner is b:  # (elsewhere, the dead worker's events in its event
-                # stream still replay, and then the new owner's: not told yet)
-                with pytest.raises(sa.EventsExpiredError):
-                    async with ref.subscribe(after=lagged.last_seq):
-                        pass
+            with pytest.raises(sa.EventsExpiredError):  # (elsewhere too: the new owner
+                # published nothing yet, and its hub knows it jumped over that seq)
+                async with ref.subscribe(after=lagged.last_seq):
+                    pass
             async with ref.subscribe(after=(await ref.state()).event_seq) as events:
                 await new_owner.ref("s").send("again")
                 async for event in events:
@@ -508,3 +507,173 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
                 a.kill()  # SIGKILL, mid-answer after the review
                 await wait_for_an_end(ended, 8 * TTL)
             assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
+
+
+def _jumped(events: list[sa.Event], last: int) -> list[sa.Event]:
+    """The events of ``events`` a wake's seq jump past seq ``last`` numbered."""
+    return [e for e in events if e.seq > last + (1 << 19)]
+
+
+@pytest.mark.parametrize("taker", ["a third worker", "its own worker"])
+async def test_a_subscription_hears_that_a_turn_was_lost_before_the_next_owners_events(
+    redis_url: str, taker: str
+) -> None:
+    """When the worker running a turn is killed (SIGKILL) before the turn was durable and another worker takes the session over with the next message (a third one, or the subscription's own), a subscription on another worker, which reads the new owner's events after the wake's seq jump, ends with SubscriberLaggedError at the last event of the lost turn naming it, before any of those events: it never passes from the lost turn's deltas to the next turn in silence."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    events: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            ref = b.ref("s")
+            new_owner = c if taker == "a third worker" else b
+            first_delta = trio.Event()
+
+            def seen(event: sa.Event) -> None:
+                events.append(event)
+                if isinstance(event, sa.Delta):
+                    first_delta.set()
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe_until_error, ref, ended, seen)
+                turn = await ref.submit(text)
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn: nothing of the turn is durable
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                reply = await new_owner.ref("s").send("next")  # it takes the session over
+                assert new_owner.live() == ["s"]
+                with trio.move_on_after(6 * TTL):
+                    await wait_for_an_end(ended, 6 * TTL)
+                nursery.cancel_scope.cancel()
+            last = max(e.seq for e in events if getattr(e, "turn_id", None) == turn.id)
+            assert ended, f"no error; after the lost turn came {_jumped(events, last)}"
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert lagged.last_seq == last == events[-1].seq, (lagged, events[-3:])
+            assert turn.id in str(lagged), str(lagged)
+            assert "lost" in str(lagged), str(lagged)
+            # subscribing again after it: refused as expired, and the reloaded state goes on
+            with pytest.raises(sa.EventsExpiredError):
+                async with ref.subscribe(after=lagged.last_seq):
+                    pass
+            state = await ref.state()
+            assert state.messages[-1].id == reply.message.id
+
+
+async def collect_until(
+    ref: sa.SessionRef,
+    events: list[sa.Event],
+    done: Callable[[sa.Event], bool],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Subscribe to ``ref`` (started once subscribed) and collect its events into
+    ``events`` until ``done`` says so of one; an error ends it as it is."""
+    async with ref.subscribe() as subscription:
+        task_status.started()
+        async for event in subscription:
+            events.append(event)
+            if done(event):
+                return
+
+
+async def test_a_subscription_goes_on_to_the_next_owners_events_when_no_turn_was_under_way(
+    redis_url: str,
+) -> None:
+    """When the worker running an idle session is killed (SIGKILL) and another worker takes the session over with the next message, a subscription on a third worker goes on from the last event it saw to the new owner's events after the wake's seq jump, without an error: nothing was lost."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    events: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.0) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            ref = b.ref("s")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    collect_until,
+                    ref,
+                    events,
+                    lambda e: isinstance(e, sa.TurnFinished) and e.message.content == "next",
+                )
+                first = await ref.send("first")  # ran on a
+                a.kill()  # SIGKILL, at rest
+                await c.ref("s").send("next", idempotency_key="next")  # it takes it over
+    finished = [e for e in events if isinstance(e, sa.TurnFinished)]
+    assert finished[0].turn_id == first.turn_id
+    assert [e.message.content for e in finished] == ["first", "next"]
+    assert _jumped(events, finished[0].seq), events  # (it did wake with a jump)
+
+
+async def test_a_subscription_follows_a_turn_sent_again_under_its_key_after_the_jump(
+    redis_url: str,
+) -> None:
+    """When the worker running a turn sent with an idempotency key through another worker is killed (SIGKILL) mid-turn, that worker sends it again under its key to the session's next owner: a subscription on that worker follows the turn sent again after the wake's seq jump to its TurnFinished, without an error."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = " ".join(f"w{i}" for i in range(30))
+    events: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            ref = b.ref("s")
+            first_delta = trio.Event()
+
+            def done(event: sa.Event) -> bool:
+                if isinstance(event, sa.Delta):
+                    first_delta.set()
+                return isinstance(event, sa.TurnFinished)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(collect_until, ref, events, done)
+                turn = await ref.submit(text, idempotency_key="k1")
+                await first_delta.wait()
+                a.kill()  # SIGKILL, mid-turn: the turn is sent again under its key
+                reply = await turn.reply()
+    starts = [e for e in events if isinstance(e, sa.TurnStarted)]
+    assert [e.idempotency_key for e in starts] == ["k1", "k1"], events
+    assert _jumped(events, starts[0].seq)[0].seq < starts[1].seq
+    last = events[-1]
+    assert isinstance(last, sa.TurnFinished), events
+    assert last.turn_id == starts[1].turn_id == reply.turn_id
+    assert last.message.content == text
+
+
+async def test_a_subscription_follows_a_turn_its_next_owner_resumed_after_the_jump(
+    redis_url: str,
+) -> None:
+    """A turn whose worker is killed (SIGKILL) while it runs a tool that is not idempotent (the turn's start is durable): when another worker takes the session over with the next message, it resumes the turn, and a subscription on a third worker follows it after the wake's seq jump to its TurnFinished and then the next turn, without an error."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    events: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            ref = b.ref("s")
+            calling = trio.Event()
+
+            def done(event: sa.Event) -> bool:
+                if isinstance(event, sa.ToolCallStarted):
+                    calling.set()
+                return isinstance(event, sa.TurnFinished) and event.message.content == "next"
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(collect_until, ref, events, done)
+                turn = await ref.submit("slow tool")
+                await calling.wait()
+                a.kill()  # SIGKILL, mid-tool
+                with pytest.raises(sa.SessionCrashedError):
+                    await turn.reply()
+                await c.ref("s").send("next", idempotency_key="next")  # it takes it over
+    finished = [e for e in events if isinstance(e, sa.TurnFinished)]
+    assert [e.turn_id for e in finished] == [turn.id, finished[-1].turn_id], events
+    assert finished[0].seq in [e.seq for e in _jumped(events, 0)]

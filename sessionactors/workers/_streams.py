@@ -35,8 +35,9 @@ from .._events import (
     TurnCancelled,
     TurnFailed,
     TurnFinished,
+    TurnStarted,
 )
-from .._hub import Hub
+from .._hub import SEQ_GAP, Hub
 from .._records import Status, TurnStatus
 from .._router import RouterHost
 from .._subscription import EventIterator, open_event_iterator
@@ -91,12 +92,16 @@ _Item = Event | _CatchUp | _Lost
 #: come: a retry of the turn under its key, or a request, takes it over before that.
 _ORPHANED_AFTER: Final = 2
 
+#: A gap wider than this between two events of a session's stream is a wake's seq
+#: jump: the worker that ran the session died, and another woke it (see ``Hub.jump``).
+_JUMP: Final = SEQ_GAP // 2
+
 
 class _OpenTurn:
     """A mirrored session's turn under way: its id, the worker seen holding the
     session's lease (None: not seen yet), and since when it is free (None: held)."""
 
-    __slots__ = ("asking", "free_since", "key", "lost", "owner", "turn_id")
+    __slots__ = ("asking", "free_since", "key", "lost", "owner", "passed", "turn_id")
 
     def __init__(self, turn_id: str, key: str | None = None) -> None:
         self.turn_id = turn_id
@@ -107,6 +112,9 @@ class _OpenTurn:
         #: Its new owner said it was lost, and a retry under its key may run it again
         #: (since ``free_since``)
         self.lost = False
+        #: The seq of the first event after a wake's seq jump that its new owner
+        #: was found to run it past (0: none): the mirror goes on from there.
+        self.passed = 0
 
 
 #: Events after which a mirrored session has no turn under way (one waiting on a
@@ -153,7 +161,11 @@ class _Replay:
         items, replaced = streams.own_items(session_id, items)
         found = {seq: data for seq, kind, data in items if kind == "event"}
         lost = any(kind == "lost" for _, kind, _ in items)
-        if replaced or (oldest is not None and oldest <= after + 1 and not lost):
+        # (short: it ends below where the mirror's reading starts, which its owner gave:
+        # that owner published none of its events yet, and may have jumped over
+        # ``after`` as it woke, its worker having died: it knows, and says so)
+        short = max((seq for seq, _, _ in items), default=after) < streams.start(session_id)
+        if replaced or (oldest is not None and oldest <= after + 1 and not lost and not short):
             # (replaced: the session was deleted, and its mirror ends once it reads on)
             return after, [JournalEntry(seq, found[seq]) for seq in sorted(found)]
         if not lost:
@@ -227,6 +239,10 @@ class Streams:
         #: that runs it; if that worker dies first, none ever comes (no other worker
         #: heard of a turn that was not durable yet).
         self._open_turns: dict[str, _OpenTurn] = {}
+        #: Mirrors whose stream is not read on while what became of their turn under
+        #: way is asked: the stream's next event is a wake's seq jump (their session's
+        #: worker died, and another woke it), by seq.
+        self._held: dict[str, int] = {}
         # (session, the stamp of its payloads, what to publish)
         self._send, self._receive = trio.open_memory_channel[tuple[str, bytes, _Item]](_QUEUE_SIZE)
         # Lag markers still to write: for events the tap dropped (the queue was full;
@@ -242,9 +258,14 @@ class Streams:
     def subscriber_count(self) -> int:
         return sum(hub.subscriber_count for hub in list(self._mirrors.values()))  # (any thread)
 
+    def start(self, name: str) -> int:
+        """The seq the mirror of ``name`` reads its stream after (0: none)."""
+        return self._positions.get(name, 0)
+
     def positions(self) -> dict[str, int]:
-        """The seq each mirror's stream is read after."""
-        return dict(self._positions)
+        """The seq each mirror's stream is read after (a held one's is not read)."""
+        held = self._held
+        return {name: seq for name, seq in self._positions.items() if name not in held}
 
     async def flush(self, patience: float) -> None:
         """Wait up to ``patience`` seconds for the queued events to reach their streams."""
@@ -288,14 +309,17 @@ class Streams:
             if seen.lost:  # no retry under its key came in time
                 if now - (seen.free_since or now) >= _ORPHANED_AFTER * self.ttl:
                     self._turn_lost(name, seen)
+                elif name in self._held:
+                    await self._find_retry(name, seen)  # it may have started since
                 continue
             if owner is not None:
                 seen.free_since = None
-                if seen.owner in (None, owner):
+                if seen.owner in (None, owner) and name not in self._held:
                     seen.owner = owner
                 else:
                     # Another worker took the session over (a request, or a retry of
-                    # the turn under its key): ask it what became of the turn.
+                    # the turn under its key; held: it woke the session, and published
+                    # since): ask it what became of the turn.
                     seen.asking = True
                     self._spawn(partial(self._ask_outcome, name, seen, owner), "turn outcome")
                 continue
@@ -315,7 +339,7 @@ class Streams:
                 "so nothing will publish the turn's outcome",
                 ": that wakes the session, and the replay shows what it kept of the turn "
                 "(EventsExpiredError if the turn was lost: then ",
-                Advice(kind=AdviceKind.RELOAD),
+                Advice(kind=AdviceKind.RELOAD_STATE),
                 ")",
             )
 
@@ -323,7 +347,10 @@ class Streams:
         """The session a mirror follows moved to ``owner`` during turn ``seen``: one that
         runs there is watched there; one that ended there has its outcome; one it never
         heard of was lost (its worker died before it was durable), and will never have
-        an outcome: the mirror's subscribers lag, as a lost turn's events no longer hold."""
+        an outcome: the mirror's subscribers lag, as a lost turn's events no longer hold.
+        A mirror held at a wake's seq jump reads on once the turn was found to run on
+        or to have ended, and lags at its last event before the jump if it was lost
+        (unless a retry under its key started after the jump: see ``_find_retry``)."""
         status: TurnStatus | None = None
         try:
             if owner == self.worker:  # it woke here
@@ -338,9 +365,11 @@ class Streams:
             fatal(exc)
             if self._open_turns.get(name) is seen:  # unknown: it follows the session
                 del self._open_turns[name]
+                self._read_on(name)
                 self._rejoin(name)
             return
         if self._open_turns.get(name) is not seen:
+            self._read_on(name)
             self._rejoin(name)
             return  # its outcome, or another turn, came meanwhile
         seen.asking = False
@@ -350,8 +379,11 @@ class Streams:
                 self._turn_lost(name, seen)
             else:  # the worker that sent it may send it again under its key: wait a while
                 seen.lost, seen.free_since = True, trio.current_time()
+                if name in self._held:
+                    await self._find_retry(name, seen)
         elif status in (TurnStatus.QUEUED, TurnStatus.RUNNING) and owner != self.worker:
             seen.owner = owner  # it runs there: watched there
+            self._read_on(name, seen)
         else:
             if status is not None:
                 # it ended there (or waits on a review), or it runs here: the hub here
@@ -360,13 +392,83 @@ class Streams:
             if status in _ENDED:
                 # Its outcome is durable, but the worker that wrote it may have died
                 # before publishing it, and the new owner publishes only its own next
-                # events: the journal has what the mirror lacks.
-                await self._fill_from_journal(name)
+                # events: the journal has what the mirror lacks (before the jump, if
+                # held at one: the stream has the new owner's).
+                await self._fill_from_journal(name, self._held.get(name))
+            if status is not None:
+                self._read_on(name)
             self._rejoin(name)  # (None: free again, or here: asked here)
 
-    async def _fill_from_journal(self, name: str) -> None:
-        """Feed the mirror of ``name`` the durable events after its position that the
-        stream lacks (if the journal no longer holds them all, its subscribers lag)."""
+    def _hold(self, name: str, seen: _OpenTurn, jump: int) -> None:
+        """The next event of the stream of ``name``, ``jump``, is a wake's seq jump while
+        turn ``seen`` was under way: its worker died, and another woke the session.
+        The mirror reads on only once it knows what became of the turn (the new owner
+        is asked): a turn lost with its worker is told to its subscribers as lost,
+        never passed over in silence for the new owner's events."""
+        self._held[name] = jump
+        if seen.asking:
+            return  # (asked already: the answer reads on)
+        seen.asking = True
+        self._spawn(partial(self._settle_held, name, seen), "turn outcome")
+
+    async def _settle_held(self, name: str, seen: _OpenTurn) -> None:
+        if seen.lost:  # its new owner said it was lost: has a retry under its key started?
+            seen.asking = False
+            await self._find_retry(name, seen)
+            return
+        try:
+            owner = await self.transport.lease_owner(name)
+        except StoreError as exc:
+            fatal(exc)
+            owner = None
+        if owner is None:  # (free again: the renewals ask once a worker holds it)
+            seen.asking = False
+            return
+        await self._ask_outcome(name, seen, owner)
+
+    async def _find_retry(self, name: str, seen: _OpenTurn) -> None:
+        """A mirror held at a wake's seq jump whose turn ``seen`` (with an idempotency
+        key) the new owner never heard of reads on once a retry of the turn under its
+        key has started after the jump (the worker that sent it sends it again there):
+        its subscribers follow the retry. Until then (renewals look again) the mirror
+        stays held; if no retry starts within two lease lifetimes, the turn is lost."""
+        jump = self._held.get(name)
+        position = self._positions.get(name, 0)
+        if jump is None:
+            return
+        try:
+            _, found = await self.transport.events_after(name, position)
+        except StoreError as exc:
+            fatal(exc)
+            return
+        if self._open_turns.get(name) is not seen or self._held.get(name) != jump:
+            return  # (settled meanwhile)
+        items, _ = self.own_items(name, found)
+        for _, kind, payload in items:
+            if kind != "event":
+                continue
+            try:
+                event = load_event(payload, session_id=name)
+            except SnapshotError:
+                continue
+            if isinstance(event, TurnStarted) and event.idempotency_key == seen.key:
+                del self._open_turns[name]  # the retry is a turn of its own: it is followed
+                self._read_on(name)
+                return
+
+    def _read_on(self, name: str, seen: _OpenTurn | None = None) -> None:
+        """Read the stream of a held mirror on (past its jump, for ``seen``)."""
+        jump = self._held.pop(name, None)
+        if jump is None:
+            return
+        if seen is not None:
+            seen.passed = jump
+        self._poke()
+
+    async def _fill_from_journal(self, name: str, below: int | None = None) -> None:
+        """Feed the mirror of ``name`` the durable events after its position (and below
+        seq ``below``, if given) that the stream lacks (if the journal no longer holds
+        them all, its subscribers lag)."""
         hub = self._mirrors.get(name)
         position = self._positions.get(name, 0)
         if hub is None or not position:
@@ -388,7 +490,11 @@ class Streams:
             return
         self._feed(
             name,
-            [(event.seq, "event", dump_event(event)) for event in events if event.seq > position],
+            [
+                (event.seq, "event", dump_event(event))
+                for event in events
+                if event.seq > position and (below is None or event.seq < below)
+            ],
         )
 
     def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
@@ -401,7 +507,10 @@ class Streams:
                 Advice(kind=AdviceKind.LOST_OUTCOME),
                 "send it again), so nothing will publish its outcome",
             ),
-            " to go on",
+            " to go on (if that is refused as expired, EventsExpiredError, the events "
+            "after it were lost with the turn: then ",
+            Advice(kind=AdviceKind.RELOAD_STATE),
+            ")",
         )
 
     def _turn_ended(
@@ -485,6 +594,8 @@ class Streams:
     async def take(self, events: Mapping[str, list[StreamItem]]) -> None:
         """Feed what the reader read of the mirrored streams to their mirrors."""
         for name, found in events.items():
+            if name in self._held:
+                continue  # (read again once it reads on)
             items, replaced = self.own_items(name, found)
             first = items[0] if items else None
             if (
@@ -842,6 +953,7 @@ class Streams:
         self._births.pop(name, None)
         self._unread.discard(name)
         self._open_turns.pop(name, None)
+        self._held.pop(name, None)
 
     def _poke(self) -> None:
         """Have the reader start over, now reading a new mirror's stream too."""
@@ -891,6 +1003,15 @@ class Streams:
         for seq, kind, payload in items:
             if hub is None or seq <= self._positions.get(name, 0):
                 continue
+            seen = self._open_turns.get(name)
+            if (
+                kind == "event"
+                and seen is not None
+                and seq > seen.passed
+                and seq - self._positions.get(name, seq) > _JUMP
+            ):
+                self._hold(name, seen, seq)  # what became of the turn first
+                return
             self._positions[name] = seq
             if kind == "gone":
                 self._end_mirror(name, hub)
