@@ -444,7 +444,9 @@ class StoreConfigurationError(StoreError):
     """The store refused an operation that a retry cannot fix: a permission the store's
     user lacks, a command the server disabled or renamed, keys spread over the slots
     of a cluster, a password or database number in the store's URL that the server
-    refuses. Fix the server's configuration or the URL (its message says what)."""
+    refuses, a store on an asyncio client (``sessionactors.aio.asyncio_store``) used
+    outside ``sessionactors.aio``. Fix the server's configuration, the URL or the
+    registry (its message says what)."""
 
 
 class WorkerUnreachableError(SessionActorsError, TimeoutError):

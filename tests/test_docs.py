@@ -174,6 +174,12 @@ EXPECTED = {
         "reply: stored in dicts",
         "stored sessions: ['chat']",
     ],
+    "howto_custom_store_asyncio.py": [
+        "check_store: passed",
+        "reply: stored through asyncio",
+        "woken with: 2 messages",
+        "stored sessions: ['chat']",
+    ],
     "howto_observability.py": [
         "reply: It shipped.",
         "this answer: Usage(input_tokens=160, output_tokens=4)",

@@ -53,7 +53,8 @@ INTRO = {
     "sessionactors.aio": (
         "The library from asyncio: a registry opened inside a running asyncio loop (trio's "
         "guest mode on that loop), with the methods, records, events and errors of the trio "
-        "API; asyncio models and tools run as asyncio tasks."
+        "API; asyncio models and tools run as asyncio tasks, and so do the calls of a store "
+        "wrapped by `asyncio_store`."
     ),
     "sessionactors.http": (
         "An ASGI gateway (JSON, server-sent events, WebSocket) and the chat page, for "

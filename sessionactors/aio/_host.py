@@ -31,6 +31,7 @@ from .._errors import Advice, AdviceKind, SessionStoppedError, advised
 __all__ = [
     "Host",
     "acquire_host",
+    "current_host",
     "ended_error",
     "release_host",
     "wait_asyncio",
@@ -276,6 +277,18 @@ async def acquire_host() -> Host:
     return host
 
 
+def current_host() -> Host | None:
+    """The host whose trio run the calling trio code runs in; None outside any (in a
+    plain ``trio.run``, or in asyncio code)."""
+    try:
+        loop = asyncio.get_running_loop()
+        token = trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return None
+    host = _HOSTS.get(loop)
+    return host if host is not None and host.token is token else None
+
+
 async def release_host(host: Host) -> None:
     """One user less; the last one ends the trio run and waits for it to end."""
     host.users -= 1
@@ -331,7 +344,7 @@ def task_result(task: asyncio.Future[T]) -> T:
     a RuntimeError, so that it is not mistaken for trio's own cancellation."""
     if task.cancelled():
         raise RuntimeError(
-            "an asyncio task that sessionactors.aio ran for a model or tool was cancelled "
+            "an asyncio task that sessionactors.aio ran for a model, tool or store was cancelled "
             "by someone else (is the asyncio loop shutting down?)"
         )
     return task.result()

@@ -511,8 +511,10 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
     mode on that loop (started by the first registry of the loop, ended by its
     last). The agents' models, summarizers and tool functions are asyncio code
     and run in asyncio tasks of the loop, except the library's own and those
-    marked with :func:`trio_native`. Leaving the block shuts the registry down as
-    ``sessionactors.open_registry`` does: the accepted turns get
+    marked with :func:`trio_native`. The store is trio code, as under
+    ``sessionactors.open_registry``, unless wrapped by :func:`asyncio_store`: then
+    its calls run in asyncio tasks of the loop too. Leaving the block shuts the
+    registry down as ``sessionactors.open_registry`` does: the accepted turns get
     ``shutdown_grace`` seconds, then every live session is hibernated. A
     cancellation while it shuts down cuts the grace short, as in trio.
     """

@@ -49,6 +49,9 @@ async def check_store(make_store: Callable[[], Store | Awaitable[Store]]) -> Non
     sleeps about half a second): do not run it under a mock or autojump clock.
     It takes about a second, plus the store's own latency. It sets no
     timeouts: wrap it in ``trio.fail_after`` to bound a store that hangs.
+
+    A store written on an asyncio client is checked from an asyncio test with
+    ``sessionactors.aio.check_store``, wrapped by ``sessionactors.aio.asyncio_store``.
     """
     for name, check in _CHECKS:
         made = make_store()
