@@ -331,9 +331,9 @@ class SessionStoppedError(SessionActorsError):
 
     #: (Internal, set by ``stopped_error``) why the session's registry stopped the
     #: request: "cut" (its shutdown grace ran out), "unsaved" (it closed before the store
-    #: confirmed the turn), "interrupted" (a BaseException closed it), "stop",
-    #: "closing"; empty if not said. A worker that ran the request for another says it
-    #: its way.
+    #: confirmed the turn), "interrupted" (a BaseException closed it), "crashed" (the test
+    #: kit's ``crash``), "stop", "closing"; empty if not said. A worker that ran the
+    #: request for another says it its way.
     _reason: str = ""
 
     def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
@@ -646,6 +646,21 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
             "(it did not answer in time), so the turn may be lost: ",
             reopen,
             " (with an idempotency key, a retry cannot run it twice)",
+        )
+    elif reason == "crashed" and turn_id:
+        told = (
+            f"the registry that ran session {sid!r} crashed under the turn (the test kit's "
+            "sessionactors.testing.crash, which stands for the death of its process): the "
+            "store holds what was written before, and the turn may or may not be in it; ",
+            Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=turn_id),
+            " once a registry is open",
+        )
+    elif reason == "crashed":
+        told = (
+            f"the registry that ran session {sid!r} crashed before it ran this request (the "
+            "test kit's sessionactors.testing.crash, which stands for the death of its "
+            "process): ",
+            reopen,
         )
     elif reason == "interrupted":
         told = (

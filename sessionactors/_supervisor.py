@@ -189,8 +189,15 @@ async def _hibernate_interrupted(host: Host, actor: Actor) -> None:
 
 def _given_up(host: Host, actor: Actor) -> None:
     """The closing registry stopped waiting for the session (its store did not answer
-    within the write bound): nobody is left to answer its waiters, so answer them now."""
+    within the write bound, or the test kit's ``crash`` stood for the process's death):
+    nobody is left to answer its waiters, so answer them now."""
     sid = actor.session_id
+    if host.dead:  # (the test kit's crash: the store was not waited for, it may be fine)
+        if actor.turn_mail is not None:
+            mail = actor.turn_mail
+            mail.pending.set_error(stopped_error(sid, "crashed", mail.turn_id))
+        _end(actor, stopped_error(sid, "crashed"))
+        return
     if actor.turn_mail is not None:  # its write may not have landed
         mail = actor.turn_mail
         mail.pending.set_error(stopped_error(sid, "unsaved", mail.turn_id))

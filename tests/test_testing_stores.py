@@ -16,7 +16,11 @@ from sessionactors.testing import (
     EchoModel,
     FaultyStore,
     FlawedStore,
+    Gate,
+    Scripted,
+    ScriptedModel,
     check_store,
+    crash,
     journal_events,
 )
 
@@ -157,6 +161,63 @@ async def test_a_gate_opens_from_another_trio_run() -> None:
         while thread.is_alive():
             await trio.sleep(0.01)
     assert answered.is_set()
+
+
+async def test_a_gate_made_alone_holds_a_scripted_answer_until_opened() -> None:
+    """Gate() holds a ScriptedModel answer at Scripted(wait=gate) until gate.open()."""
+    gate = Gate()
+    model = ScriptedModel([Scripted(text="a b c", wait=gate, wait_after=1)])
+    async with sa.open_registry(agents={"m": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            turn = await ref.submit("hi")
+            await trio.testing.wait_all_tasks_blocked()
+            assert (gate.waiting, gate.held, turn.done) == (1, 1, False)
+            gate.open()
+            assert (await turn.reply()).text == "a b c"
+    assert (gate.waiting, gate.is_open) == (0, True)
+    assert repr(gate) == "<Gate open>"
+
+
+async def test_a_gate_opened_before_anyone_waits_holds_nobody() -> None:
+    """An open gate lets a waiter through at once, and counts it as held by none."""
+    gate = Gate()
+    gate.open()
+    with trio.fail_after(10):
+        await gate.wait()
+    assert (gate.waiting, gate.held) == (0, 0)
+
+
+async def test_a_waiter_of_a_crashed_registry_hears_of_the_crash() -> None:
+    """A caller waiting on a turn when crash(registry) stops it is told the registry was
+    crashed, not that the store did not answer."""
+    gate = Gate()
+    model = ScriptedModel([Scripted(text="partial reply", wait=gate, wait_after=1)])
+    with trio.fail_after(10):
+        with trio.CancelScope() as process:
+            async with sa.open_registry(agents={"m": sa.Agent(model=model)}) as registry:
+                ref = await registry.spawn("s")
+                turn = await ref.submit("hi")
+                await trio.testing.wait_all_tasks_blocked()
+                crash(registry)
+                process.cancel()
+        with pytest.raises(sa.SessionStoppedError) as stopped:
+            await turn.reply()
+    message = str(stopped.value)
+    assert "crashed" in message, message
+    assert "sessionactors.testing.crash" in message, message
+    assert "did not answer" not in message, message
+    assert stopped.value.turn_id == turn.id
+
+
+def test_crash_names_the_registries_it_takes() -> None:
+    """crash() of something else names both public registry classes, no private module."""
+    with pytest.raises(TypeError) as refused:
+        crash(object())  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert "sessionactors.Registry" in message
+    assert "sessionactors.aio.Registry" in message
+    assert "._" not in message, message
 
 
 async def test_a_page_of_the_journal_is_a_read_of_it() -> None:

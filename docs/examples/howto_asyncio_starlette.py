@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
 import uvicorn
@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 import sessionactors as sa
 import sessionactors.aio
+from sessionactors.stores import Store
 
 
 class EchoModel:
@@ -24,16 +25,6 @@ class EchoModel:
         for word in request.messages[-1].content.split(" "):
             await asyncio.sleep(0.01)
             yield sa.TextChunk(word + " ")
-
-
-@contextlib.asynccontextmanager
-async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    agents = {"echo": sa.Agent(model=EchoModel())}
-    store = sa.SQLiteStore("sessions.db")
-    async with sessionactors.aio.open_registry(store=store, agents=agents) as registry:
-        await registry.sessions(limit=1)  # a store this process cannot use fails the startup
-        app.state.registry = registry
-        yield  # serving; on shutdown every live session is hibernated to the store
 
 
 async def send_message(request: Request) -> JSONResponse:
@@ -75,13 +66,29 @@ async def stream_message(request: Request) -> StreamingResponse | JSONResponse:
     return StreamingResponse(words(), media_type="text/plain")
 
 
-app = Starlette(
-    routes=[
+def create_app(
+    *, store: Store | None = None, agents: Mapping[str, sa.Agent] | None = None
+) -> Starlette:
+    """The app; a test passes its own store and agents (a fake model, a FaultyStore)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with sessionactors.aio.open_registry(
+            store=sa.SQLiteStore("sessions.db") if store is None else store,
+            agents={"echo": sa.Agent(model=EchoModel())} if agents is None else agents,
+        ) as registry:
+            await registry.sessions(limit=1)  # a store this process cannot use fails the startup
+            app.state.registry = registry
+            yield  # serving; on shutdown every live session is hibernated to the store
+
+    routes = [
         Route("/chat/{name}/messages", send_message, methods=["POST"]),
         Route("/chat/{name}/stream", stream_message, methods=["POST"]),
-    ],
-    lifespan=lifespan,
-)
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+app = create_app()  # what `uvicorn yourmodule:app` serves
 
 
 async def main() -> None:

@@ -58,6 +58,14 @@ def trio_turn(turn: Turn) -> sa.Turn:
     return turn._turn
 
 
+def trio_registry(registry: Registry) -> sa.Registry:
+    """The trio registry behind ``registry``, for a synchronous call on it (the test
+    kit's ``crash``): only on the loop's thread, where its trio run lives (``RuntimeError``
+    from elsewhere, ``SessionStoppedError`` once the loop's trio run has ended)."""
+    registry._host.check_loop()
+    return registry._registry
+
+
 async def on_trio(
     registry: Registry, fn: Callable[[sa.Registry], Awaitable[T]], session_id: str | None
 ) -> T:

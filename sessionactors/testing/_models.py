@@ -12,6 +12,7 @@ import trio
 from .._errors import SessionActorsError
 from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, UsageChunk
 from .._records import Role, ToolCall, Usage
+from ._stores import Gate
 
 __all__ = ["EchoModel", "ScriptExhaustedError", "Scripted", "ScriptedModel"]
 
@@ -53,8 +54,11 @@ class Scripted:
     - ``tool_calls``: calls to make (each streamed as fragments: id and name,
       then the arguments in two halves).
     - ``delay``: seconds to sleep before each chunk.
-    - ``wait``: a ``trio.Event`` to wait on before streaming (to hold a turn open);
-      ``wait_after`` chunks are streamed first.
+    - ``wait``: a :class:`Gate` (or a ``trio.Event``) to wait on before streaming, to
+      hold a turn open until ``gate.open()``; ``wait_after`` chunks are streamed
+      first. A ``Gate`` opens from any thread or loop (an asyncio test, or a sync
+      test of an app that runs in the ``TestClient``'s thread); a ``trio.Event``
+      is set only from trio code of the registry's run.
     - ``usage``: tokens to report, as a ``UsageChunk`` after the other chunks.
     - ``error``: raised after the chunks (a model failure).
     """
@@ -63,7 +67,7 @@ class Scripted:
     chunks: Sequence[str] | None = None
     tool_calls: Sequence[ToolCall] = ()
     delay: float = 0.0
-    wait: trio.Event | None = None
+    wait: Gate | trio.Event | None = None
     wait_after: int = 0
     error: BaseException | None = None
     usage: Usage | None = None

@@ -12,6 +12,8 @@ both read its journal in pages (each is a ``JournalPageStore``), with its own
 from __future__ import annotations
 
 import collections
+import contextlib
+import threading
 from collections.abc import Sequence
 from typing import ClassVar, Final
 
@@ -68,46 +70,74 @@ def _check_operation(operation: str) -> None:
 
 @attrs.define(eq=False, repr=False)
 class Gate:
-    """Holds calls of one store operation until it is opened. Made by ``FaultyStore.hold``.
+    """Holds whoever waits at it until it is opened, from any thread or loop.
 
-    ``waiting`` is the number of calls held at the gate now; ``held`` the number
-    held so far, in all.
+    ``FaultyStore.hold`` makes one that holds the calls of a store operation. Make
+    one yourself (``Gate()``) to hold a fake model's answer: a
+    ``Scripted(wait=gate)`` waits at it. Either way ``gate.open()`` lets them go on,
+    and may be called from anywhere: from trio code, from asyncio code, or from a
+    sync test whose app runs in another thread (Starlette's ``TestClient`` runs the
+    app's loop, and the trio run of ``sessionactors.aio`` on it, in a thread of its own).
+
+    ``waiting`` is the number held at the gate now; ``held`` the number held so
+    far, in all (one that came after it opened was not held).
     """
 
-    operation: str
+    operation: str | None = None
     session_id: str | None = attrs.field(default=None, kw_only=True)
     after: bool = attrs.field(default=False, kw_only=True)
     waiting: int = attrs.field(default=0, init=False)
     held: int = attrs.field(default=0, init=False)
-    _opened: trio.Event = attrs.field(factory=trio.Event, init=False)
-    _token: trio.lowlevel.TrioToken | None = attrs.field(default=None, init=False)
+    _open: bool = attrs.field(default=False, init=False)
+    # The waiters' trio runs, each with the event its waiters wait on; a lock, since
+    # open() may come from another thread while a waiter arrives.
+    _events: dict[trio.lowlevel.TrioToken, trio.Event] = attrs.field(factory=dict, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def __repr__(self) -> str:
         state = "open" if self.is_open else f"holding {self.waiting}"
+        if self.operation is None:
+            return f"<Gate {state}>"
         return f"<Gate {self.operation} session_id={self.session_id!r} {state}>"
 
     @property
     def is_open(self) -> bool:
         """Whether ``open()`` was called."""
-        return self._opened.is_set()
+        return self._open
 
     def open(self) -> None:
-        """Let the held calls go on, and hold no more. Opening twice does nothing.
+        """Let the held go on, and hold no more. Opening twice does nothing.
 
-        It may be called from any thread or trio run: an asyncio test, say, of a
-        registry that ``sessionactors.aio`` runs in a trio thread of its own."""
-        token = self._token
+        It may be called from any thread, trio run or asyncio loop."""
+        with self._lock:
+            self._open = True
+            events, self._events = self._events, {}
         try:
-            here = trio.lowlevel.current_trio_token()
-        except RuntimeError:  # (not in a trio run)
+            trio.lowlevel.current_task()
+            here: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # (not in a trio task: another thread, asyncio code)
             here = None
-        if token is None or token is here:
-            self._opened.set()
+        for token, event in events.items():
+            if token is here:
+                event.set()
+                continue
+            with contextlib.suppress(trio.RunFinishedError):  # (nobody waits there any more)
+                token.run_sync_soon(event.set)
+
+    async def wait(self) -> None:
+        """Wait (in trio code) until the gate is open; at once if it is."""
+        token = trio.lowlevel.current_trio_token()
+        with self._lock:
+            event = None if self._open else self._events.setdefault(token, trio.Event())
+        if event is None:
+            await trio.lowlevel.checkpoint()
             return
+        self.waiting += 1
+        self.held += 1
         try:
-            token.run_sync_soon(self._opened.set)
-        except trio.RunFinishedError:  # (nobody waits there any more)
-            self._opened.set()
+            await event.wait()
+        finally:
+            self.waiting -= 1
 
     def _matches(self, operation: str, session_id: str | None, after: bool) -> bool:
         return (
@@ -115,15 +145,6 @@ class Gate:
             and self.after == after
             and (self.session_id is None or self.session_id == session_id)
         )
-
-    async def _pass(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()  # (where open() must set it)
-        self.waiting += 1
-        self.held += 1
-        try:
-            await self._opened.wait()
-        finally:
-            self.waiting -= 1
 
 
 @attrs.frozen
@@ -259,7 +280,7 @@ class FaultyStore:
         held = False
         for gate in list(self._gates):
             if not gate.is_open and gate._matches(operation, session_id, after):
-                await gate._pass()
+                await gate.wait()
                 held = True
         return held
 
