@@ -50,7 +50,7 @@ import outcome
 import trio
 
 from .._codec import MAX_SEQ
-from .._errors import Advice, AdviceKind, StoreError, advised
+from .._errors import Advice, AdviceKind, StoreConfigurationError, StoreError, advised
 from .._listing import after_not_found, info_activity, page_of
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -69,9 +69,11 @@ from ._sqlite_files import (
     _acquire_lock,
     _check_lock,
     _check_no_orphan_wal,
+    _check_path,
     _check_writable,
     _file_stamp,
     _OpenError,
+    _PathError,
     _release_lock,
 )
 
@@ -280,7 +282,8 @@ def _fail(path: str, batch: list[_Request], exc: BaseException) -> None:
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
     about = f"session {request.session_id!r}: " if request.session_id is not None else ""
     if isinstance(exc, _OpenError):
-        error = StoreError(f"{about}{exc}", session_id=request.session_id)
+        kind = StoreConfigurationError if isinstance(exc, _PathError) else StoreError
+        error = kind(f"{about}{exc}", session_id=request.session_id)
         error.__cause__ = exc.__cause__
         return error
     error = StoreError(
@@ -499,11 +502,7 @@ class _Worker:
         """Open the file: lock it for this process, create it if it does not exist, and
         check that it is a sessionactors store this version reads."""
         path = self._path
-        if os.path.isdir(path):
-            raise _OpenError(
-                f"the sqlite store at {path!r} is a directory, not a SQLite file; pass the "
-                "path of a store file (or of a file that does not exist yet: it is created)"
-            )
+        _check_path(path)
         if self._readonly:
             return self._open_readonly()
         if not self._locked:
@@ -995,6 +994,9 @@ class SQLiteStore:
     ``-wal`` and ``-shm`` files (and creates neither), and refuses every write
     with ``StoreError``: for operators' tools.
 
+    A path that no retry can open, a directory or a file in a directory that
+    does not exist (it is not made), fails every call with
+    ``StoreConfigurationError`` naming the directory.
     A file that exists but is not a sessionactors store (truncated to 0
     bytes, or another program's database) fails the first call with
     ``StoreError``; it is never read as an empty store. A file (or its

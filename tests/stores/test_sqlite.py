@@ -507,10 +507,42 @@ def test_dropped_store_stops_its_thread(tmp_path: Path) -> None:
     assert not _worker_threads()
 
 
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "readonly"])
+@pytest.mark.parametrize("where", ["missing directory", "file as directory", "directory"])
+async def test_a_path_no_retry_can_open_raises_store_configuration_error(
+    tmp_path: Path, where: str, readonly: bool
+) -> None:
+    """A path in a directory that does not exist (or under a file), or a path that is a
+    directory, fails the call with StoreConfigurationError (no retry can open it) that
+    names the session and the directory and says what to do, and creates nothing."""
+    (tmp_path / "a-file").write_bytes(b"")
+    (tmp_path / "a-directory").mkdir()
+    path, named, said = {
+        "missing directory": (tmp_path / "no-such-dir" / "s.db", tmp_path / "no-such-dir",
+                              "does not exist: create it, or correct the store's path"),
+        "file as directory": (tmp_path / "a-file" / "s.db", tmp_path / "a-file",
+                              "is not a directory: correct the store's path"),
+        "directory": (tmp_path / "a-directory", tmp_path / "a-directory",
+                      "is a directory, not a SQLite file"),
+    }[where]  # fmt: skip
+    store = SQLiteStore(path, readonly=readonly)
+    with trio.fail_after(10), pytest.raises(sa.StoreConfigurationError) as info:
+        await store.load("s")
+    assert info.value.session_id == "s"
+    assert str(info.value).startswith("session 's': "), info.value
+    assert repr(str(named)) in str(info.value), info.value
+    assert said in str(info.value), info.value
+    await store.aclose()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory", "a-file"]
+    assert list((tmp_path / "a-directory").iterdir()) == []
+
+
 async def test_unopenable_file_raises_store_error(tmp_path: Path) -> None:
     """A file that cannot be opened fails the call with StoreError naming the path."""
-    store = SQLiteStore(tmp_path / "no-such-dir" / "s.db")
-    with trio.fail_after(10), pytest.raises(StoreError, match="no-such-dir") as info:
+    path = tmp_path / "s.db"
+    path.write_bytes(b"x" * 4096)  # not an SQLite database
+    store = SQLiteStore(path)
+    with trio.fail_after(10), pytest.raises(StoreError, match=r"s\.db") as info:
         await store.create("s", b"snap", b"info")
     assert info.value.session_id == "s"
     assert isinstance(info.value.__cause__, OSError | sqlite3.Error)
