@@ -52,6 +52,7 @@ import trio
 from .._codec import MAX_SEQ
 from .._errors import Advice, AdviceKind, StoreConfigurationError, StoreError, advised
 from .._listing import after_not_found, info_activity, page_of
+from .._names import name_bytes, stored_name
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
     _check_entries,
@@ -732,12 +733,12 @@ def _migrate(conn: sqlite3.Connection) -> None:
 def _named(rows: Iterator[tuple[bytes, bytes]]) -> list[tuple[str, bytes]]:
     """``(name, info)`` of rows read with ``_NAME``: a name that is not UTF-8 (damage)
     decoded with ``surrogateescape``, which listings leave out (see ``damaged_name``)."""
-    return [(bytes(raw).decode("utf-8", "surrogateescape"), info) for raw, info in rows]
+    return [(stored_name(raw), info) for raw, info in rows]
 
 
 def _key(session_id: str) -> bytes:
     """``session_id``'s bytes, to bind with ``_BOUND``; a damaged name's own bytes."""
-    return session_id.encode("utf-8", "surrogateescape")
+    return name_bytes(session_id)
 
 
 def _create(path: str) -> None:

@@ -22,7 +22,9 @@ import coredis
 import pytest
 import trio
 
+import sessionactors as sa
 from net_proxy import proxy_to
+from redis_keys import keys_of, rot_name
 from sessionactors import (
     FencedOutError,
     SessionExistsError,
@@ -31,7 +33,7 @@ from sessionactors import (
     StoreError,
 )
 from sessionactors.stores import MAX_SEQ, JournalEntry, Lease, RedisStore, StoredSession
-from sessionactors.testing import check_store
+from sessionactors.testing import EchoModel, check_store
 
 pytestmark = pytest.mark.redis
 
@@ -829,3 +831,39 @@ async def test_a_write_whose_lease_the_server_lost_says_the_store_lost_data(
     assert not taken.value.lost_data
     assert "another worker took the session over" in str(taken.value)
     assert "lost or rolled back data" not in str(taken.value)
+
+
+async def test_a_session_name_that_is_not_utf8_is_left_out_of_listings_and_logged(
+    make_store: MakeStore, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stored session whose name is not valid UTF-8 (damage to its keys) is left out of
+    the registry's listings with a WARNING that names its bytes and how to delete it (as
+    on SQLite), its keys are kept until deleted, and the other sessions list and wake as
+    before; store.delete of the name as listings give it removes every key of it."""
+    store = make_store()
+    agent = sa.Agent(model=EchoModel())
+    async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+        for name in ("alpha", "beta", "x19"):  # x19 last: the newest, listed first
+            await (await registry.spawn(name)).send("hello")
+    with trio.fail_after(10):
+        moved = await rot_name(redis_url, store.prefix, "x19", b"\xff19")
+    assert len(moved) == 3  # meta, info, log (no lease: it hibernated)
+    caplog.set_level("WARNING", logger="sessionactors")
+    store = make_store(store.prefix)
+    async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+        with trio.fail_after(30):
+            assert [i.session_id for i in await registry.sessions()] == ["beta", "alpha"]
+            assert [i.session_id for i in await registry.sessions(limit=1)] == ["beta"]
+            assert await registry.pending_reviews() == []
+            assert (await registry.ref("alpha").send("again")).text == "again"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned
+    assert all("$'\\xff19'" in text and "sessions delete" in text for text in warned), warned
+    with trio.fail_after(10):  # still there, listed every time
+        assert len(await keys_of(redis_url, store.prefix, b"\xff19")) == 5
+        listed = [name for name, _ in await store.list_sessions()]
+        assert listed == ["alpha", "beta", "\udcff19"]
+        assert await store.delete("\udcff19")
+        assert await keys_of(redis_url, store.prefix, b"\xff19") == []
+        assert not await store.delete("\udcff19")
+        assert [name for name, _ in await store.list_sessions()] == ["alpha", "beta"]
