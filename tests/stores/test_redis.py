@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 import coredis
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
 from net_proxy import proxy_to
@@ -867,3 +869,60 @@ async def test_a_session_name_that_is_not_utf8_is_left_out_of_listings_and_logge
         assert await keys_of(redis_url, store.prefix, b"\xff19") == []
         assert not await store.delete("\udcff19")
         assert [name for name, _ in await store.list_sessions()] == ["alpha", "beta"]
+
+
+def _port_below(highest: int) -> int:
+    """A free port of 127.0.0.1 at most ``highest``."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port <= highest:
+            return port
+
+
+async def test_a_live_session_that_redis_lost_says_its_data_may_be_lost(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A live session whose keys are gone from redis when it writes (FLUSHALL, or a server
+    restarted empty) fails its turn with a SessionNotFoundError that says the store no
+    longer holds a session this process had loaded and that its data may have been
+    lost, not that it was never created; the registry logs that at ERROR."""
+    agent = sa.Agent(model=EchoModel())
+    with contextlib.ExitStack() as server:
+        url = await trio.to_thread.run_sync(
+            server.enter_context, private_redis_server(_port_below(55535))
+        )
+        store = RedisStore(url, prefix="lost")
+        async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+            with trio.fail_after(30):
+                ref = await registry.spawn("s")
+                assert (await ref.send("one")).text == "one"
+                ended: list[BaseException] = []
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_read_until_it_ends, ref, ended)
+                    await trio.testing.wait_all_tasks_blocked()
+                    async with coredis.Redis.from_url(url) as client:
+                        await client.flushall()
+                    with pytest.raises(sa.SessionNotFoundError) as caught:
+                        await ref.send("two")
+    said = str(caught.value)
+    assert [str(e) for e in ended] == [said]  # a subscriber is told, not left waiting
+    assert "no longer holds session 's', which this process had loaded" in said, said
+    assert "FLUSHALL" in said, said
+    assert "append-only file" in said, said
+    assert "create it first" not in said, said
+    assert caught.value.session_id == "s"
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
+    assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
+
+
+async def _read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
+    """Read ``ref``'s events until the subscription ends; the error that ended it."""
+    try:
+        async with ref.subscribe() as events:
+            async for _ in events:
+                pass
+    except sa.SessionActorsError as exc:
+        ended.append(exc)

@@ -1260,3 +1260,44 @@ async def test_a_session_name_that_is_not_utf8_is_left_out_of_listings_and_logge
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned
     assert all("$'\\xff19'" in text and "sessions delete" in text for text in warned), warned
+
+
+async def test_a_live_session_whose_rows_are_gone_says_its_data_may_be_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A live session whose rows are gone from the file when it writes (deleted behind the
+    store's back, a restore from an older copy) fails its turn with a
+    SessionNotFoundError that says the store no longer holds a session this process had
+    loaded, not that it was never created; the registry logs that at ERROR."""
+    path = tmp_path / "lost.db"
+    agent = sa.Agent(model=sa.testing.EchoModel())
+    async with sa.open_registry(store=SQLiteStore(path), agents={"echo": agent}) as registry:
+        with trio.fail_after(30):
+            ref = await registry.spawn("s")
+            assert (await ref.send("one")).text == "one"
+            ended: list[BaseException] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_until_it_ends, ref, ended)
+                await trio.testing.wait_all_tasks_blocked()
+                with contextlib.closing(sqlite3.connect(path)) as conn:
+                    for table in ("journal", "snapshots", "leases", "sessions"):
+                        conn.execute(f"DELETE FROM {table}")
+                    conn.commit()
+                with pytest.raises(SessionNotFoundError) as caught:
+                    await ref.send("two")
+    said = str(caught.value)
+    assert [str(e) for e in ended] == [said]  # a subscriber is told, not left waiting
+    assert "no longer holds session 's', which this process had loaded" in said, said
+    assert "create it first" not in said, said
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
+    assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
+
+
+async def _read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
+    """Read ``ref``'s events until the subscription ends; the error that ended it."""
+    try:
+        async with ref.subscribe() as events:
+            async for _ in events:
+                pass
+    except sa.SessionActorsError as exc:
+        ended.append(exc)
