@@ -741,9 +741,9 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
 async def _delete(store: Store, args: argparse.Namespace) -> int:
     name = args.name
     raw = damaged_name(name)
-    if raw is not None and isinstance(store, SQLiteStore):
+    if raw is not None:
         # a name that damage left not UTF-8, given as `list` shows it ($'\xff19'): its
-        # rows, by their bytes (no process holds its lease: no request reaches it)
+        # rows or keys, by their bytes (no process holds it: no request reaches it)
         shown = shell_quoted(raw)
         if not await store.delete(name):
             raise SessionNotFoundError(f"session {shown} is not in this store", session_id=None)

@@ -416,10 +416,10 @@ class StoreNotReplicatedError(StoreError, TimeoutError):
 
 #: What a store that lost or rolled back data looks like, as the messages that may be
 #: explained by it say.
-LOST_DATA = (
-    "the store lost or rolled back data (a server restarted without its append-only "
-    "file, a restore from an older copy)"
+LOST_DATA_CAUSES = (
+    "a server restarted without its append-only file, a FLUSHALL, a restore from an older copy"
 )
+LOST_DATA = f"the store lost or rolled back data ({LOST_DATA_CAUSES})"
 
 
 class FencedOutError(StoreError):

@@ -19,7 +19,7 @@ import attrs
 
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
-from ._errors import SnapshotError, StoreError
+from ._errors import LOST_DATA_CAUSES, SessionNotFoundError, SnapshotError, StoreError
 from ._events import Event, HistoryEdited, MetadataChanged
 from ._hub import SEQ_GAP
 from ._pending import Append
@@ -50,6 +50,7 @@ class Journal:
         "config",
         "fault",
         "floor",
+        "lost",
         "per_turn",
         "session_id",
         "settled",
@@ -88,6 +89,9 @@ class Journal:
         self.status_due = False
         #: The last write of ours that failed (a turn that sees it restarts the actor).
         self.fault: StoreError | None = None
+        #: A write found the session gone from the store, which held it when this
+        #: incarnation began (see ``_lost``): the session ends here, with this error.
+        self.lost: SessionNotFoundError | None = None
         #: A status is journaled (whatever the durability) before seq reaches this: a
         #: wake jumps SEQ_GAP past the highest stored seq, so that stays ahead.
         self.at = SEQ_GAP // 2
@@ -190,6 +194,8 @@ class Journal:
         except StoreError as exc:
             self.fault = exc
             raise
+        except SessionNotFoundError as exc:
+            raise self._lost(exc) from exc
         self.at = entries[-1].seq + SEQ_GAP // 2
         del events[:count]
         self._journaled += count
@@ -244,19 +250,22 @@ class Journal:
                 f"(to hibernate or stop): {exc}",
                 session_id=self.session_id,
             ) from exc
-        await self._timed(
-            "snapshot",
-            self.store.write_snapshot(
-                self.session_id,
-                snapshot,
-                seq,
-                dump_info(session.info(status)),
-                # without a journal ("hibernate"), replay reaches no further back than this
-                # snapshot: say so (EventsExpiredError) rather than replay a silent gap
-                trim_upto=trim_upto,
-                fence=fence,
-            ),
-        )
+        try:
+            await self._timed(
+                "snapshot",
+                self.store.write_snapshot(
+                    self.session_id,
+                    snapshot,
+                    seq,
+                    dump_info(session.info(status)),
+                    # without a journal ("hibernate"), replay reaches no further back than
+                    # this snapshot: say so (EventsExpiredError) rather than a silent gap
+                    trim_upto=trim_upto,
+                    fence=fence,
+                ),
+            )
+        except SessionNotFoundError as exc:
+            raise self._lost(exc) from exc
         session.journal_mark_seq = mark_seq
         session.journal_mark_events = mark_events
         for _ in range(passed):
@@ -287,16 +296,32 @@ class Journal:
     async def append_now(self, session: LiveSession, event: Event, fence: int | None) -> None:
         """Journal one event at once, whatever the durability policy (a status that
         records a seq jump; without a journal, the next snapshot drops it)."""
-        await self._timed(
-            "append",
-            self.store.append(
-                self.session_id,
-                [JournalEntry(event.seq, dump_events([event]))],
-                dump_live_info(session),
-                fence=fence,
-            ),
-        )
+        try:
+            await self._timed(
+                "append",
+                self.store.append(
+                    self.session_id,
+                    [JournalEntry(event.seq, dump_events([event]))],
+                    dump_live_info(session),
+                    fence=fence,
+                ),
+            )
+        except SessionNotFoundError as exc:
+            raise self._lost(exc) from exc
         self.at = event.seq + SEQ_GAP // 2
+
+    def _lost(self, exc: SessionNotFoundError) -> SessionNotFoundError:
+        """The error of a write that found the session gone from the store (``exc``, the
+        store's): a live session was created or loaded there, so the store lost it."""
+        sid = self.session_id
+        error = self.lost = SessionNotFoundError(
+            f"the store no longer holds session {sid!r}, which this process had loaded: "
+            f"its data may have been lost ({LOST_DATA_CAUSES}), or it was deleted behind "
+            "the store's back. Nothing was written, and the session stops here; what it "
+            "held is gone unless the store is restored from a backup",
+            session_id=sid,
+        )
+        return error
 
     def _timed(self, operation: str, write: Awaitable[None]) -> Awaitable[None]:
         """``write``, timed for the telemetry if there is one (else ``write`` itself)."""

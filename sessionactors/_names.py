@@ -6,7 +6,15 @@ import unicodedata
 
 from ._errors import InvalidSessionNameError, shown
 
-__all__ = ["MAX_NAME_BYTES", "as_session_id", "damaged_name", "shell_quoted", "validate_name"]
+__all__ = [
+    "MAX_NAME_BYTES",
+    "as_session_id",
+    "damaged_name",
+    "name_bytes",
+    "shell_quoted",
+    "stored_name",
+    "validate_name",
+]
 
 MAX_NAME_BYTES = 256
 
@@ -59,7 +67,8 @@ def damaged_name(name: str) -> bytes | None:
     SQLite file) gives it as those bytes decoded with ``surrogateescape``, as Python
     decodes a command line's arguments: ``$'\\xff19'`` in a shell is the same str.
     No session can have such a name (``validate_name`` refuses it): listings leave it
-    out, and the command line's ``sessions delete`` takes it to remove the row.
+    out, and the command line's ``sessions delete`` takes it to remove what the store
+    holds of it (a SQLite file's rows, a Redis store's keys: see ``name_bytes``).
     """
     try:
         name.encode("utf-8")
@@ -69,6 +78,21 @@ def damaged_name(name: str) -> bytes | None:
         except UnicodeEncodeError:
             return None
     return None
+
+
+def stored_name(raw: bytes) -> str:
+    """The name a store read as the bytes ``raw``: their UTF-8 text, or for bytes that
+    are not UTF-8 (damage) the str that ``damaged_name`` takes back to them."""
+    return bytes(raw).decode("utf-8", "surrogateescape")
+
+
+def name_bytes(name: str) -> bytes:
+    """The bytes a store keeps for ``name`` (the inverse of ``stored_name``): its UTF-8,
+    or a damaged name's own bytes."""
+    try:
+        return name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # (a lone surrogate that stands for no byte: never valid)
+        return name.encode("utf-8", "surrogatepass")
 
 
 def shell_quoted(raw: bytes) -> str:

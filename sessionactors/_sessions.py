@@ -161,6 +161,10 @@ class Sessions:
                 # error), and ``ref.stream`` then raises its turn's error: nothing will
                 # publish to this hub until a wake succeeds.
                 hub.close(None if isinstance(error, SessionStoppedError) else error)
+            elif actor.kill_error is not None and actor.kill_error is actor.journal.lost:
+                # The store lost the session: nothing will publish to this hub again
+                # (a wake would find no such session). Its subscriptions end, saying so.
+                hub.close(actor.kill_error)
             elif self.router and not self._closing:
                 # With other workers the session may wake elsewhere, where this hub
                 # hears nothing: its subscriptions end, and the router's follow them

@@ -78,6 +78,15 @@ async def session_task(host: Host, actor: Actor) -> None:
             _end(actor, exc)
             return
         except Exception as exc:
+            if exc is actor.journal.lost:
+                # a write found the session gone from the store, which held it: nothing
+                # to restart from (no crash: the store lost it)
+                log.error("%s", exc)  # (it names the session and says it stops)
+                actor.lease = None  # (the store holds none of it either)
+                if actor.kill_error is None:  # (the table ends its subscriptions with it)
+                    actor.kill_error = exc
+                _end(actor, exc)
+                return
             host.stats.crashes += 1
             if actor.deleted:  # crashed while being deleted: nothing to restart
                 _end(actor, deleted_error(actor.session_id))

@@ -27,6 +27,7 @@ import trio
 
 import sessionactors as sa
 from processes import reap, sessions
+from redis_keys import drop_prefix, keys_of, rot_name
 from sessionactors.stores import RedisStore, SQLiteStore
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
 
@@ -538,6 +539,44 @@ def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_show
             left = conn.execute(f"SELECT count(*) FROM {table} WHERE session_id > 'c'").fetchone()
             assert left == (0,), table
     assert "not in this store" in refused("delete", "--yes", "--store", store, "\udcff19")
+
+
+@pytest.mark.redis
+async def test_a_redis_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_shown(
+    redis_url: str,
+) -> None:
+    """On Redis as on SQLite, a stored session whose name is not valid UTF-8 (damage to
+    its keys) fails neither list nor the others: list names it on stderr, shell-quoted,
+    with the delete command that removes it, and delete takes it as shown and removes
+    every key of it."""
+    prefix = f"sa-test-cli-{uuid.uuid4().hex[:12]}"
+    store = f"{redis_url}?prefix={prefix}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    try:
+        async with sa.open_registry(
+            store=RedisStore(redis_url, prefix=prefix), agents=agents
+        ) as registry:
+            for name in ("a", "b", "c"):
+                await (await registry.spawn(name)).send(f"hello from {name}")
+        await rot_name(redis_url, prefix, "b", b"\xff19")
+        done = await trio.to_thread.run_sync(sessions, "list", "--json", "--store", store)
+        assert done.returncode == 0, done.stderr
+        assert [r["name"] for r in json.loads(done.stdout)] == ["c", "a"]
+        assert done.stderr.count("\n") == 1, done.stderr
+        command = f"sessions delete --store '{store}' --yes $'\\xff19'"
+        assert command in done.stderr, done.stderr
+        # the shell's $'\xff19' is the argument's bytes, which Python reads as this str
+        deleted = await trio.to_thread.run_sync(ok, "delete", "--yes", "--store", store, "\udcff19")
+        assert deleted == "deleted session $'\\xff19'\n"
+        assert await keys_of(redis_url, prefix, b"\xff19") == []
+        listed = await trio.to_thread.run_sync(ok, "list", "--json", "--store", store)
+        assert [r["name"] for r in json.loads(listed)] == ["c", "a"]
+        again = await trio.to_thread.run_sync(
+            refused, "delete", "--yes", "--store", store, "\udcff19"
+        )
+        assert "not in this store" in again, again
+    finally:
+        await drop_prefix(redis_url, prefix)
 
 
 # ---- tail ---------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from .._errors import (
     StoreNotReplicatedError,
 )
 from .._listing import after_not_found, info_activity
+from .._names import name_bytes, stored_name
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -457,7 +458,7 @@ def _configuration_problem(exc: BaseException, client: Client | None) -> str | N
 
 
 def _encode_name(session_id: str) -> str:
-    raw = session_id.encode("utf-8", "surrogatepass")
+    raw = name_bytes(session_id)  # (a damaged name's own bytes: see _decode_name)
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
@@ -472,22 +473,27 @@ def _utf8(text: str) -> bool:
 
 def _group(name: str) -> int:
     """The key group of a session (or worker) name: its keys' hash tag."""
-    return zlib.crc32(name.encode("utf-8", "surrogatepass")) % _GROUPS
+    return zlib.crc32(name_bytes(name)) % _GROUPS
 
 
 def _decode_name(encoded: bytes) -> str | None:
+    """The session named by a member of a group's index; None for one that is not
+    base64 (the store never writes one). Bytes that are not UTF-8 (damage, or a writer
+    of another version) give a name that listings leave out, with a warning, and that
+    ``delete`` takes back to those bytes (see ``damaged_name``)."""
     try:
         raw = base64.urlsafe_b64decode(encoded + b"=" * (-len(encoded) % 4))
-        return raw.decode("utf-8", "surrogatepass")
     except ValueError:
         return None
+    return stored_name(raw)
 
 
 def _member_name(member: bytes) -> str | None:
     """The session named by a member of the listing order (see ``_listing``); None for a
-    member that names none (the store never writes one: damage)."""
+    member that is not hex (the store never writes one: damage). Bytes that are not
+    UTF-8 give a damaged name, as in ``_decode_name``."""
     try:
-        return bytes.fromhex(bytes(member).decode("ascii")).decode()
+        return stored_name(bytes.fromhex(bytes(member).decode("ascii")))
     except ValueError:
         return None
 
@@ -529,7 +535,7 @@ def _ttl_ms(ttl: float) -> str:
 def _listing(session_id: str, info: bytes | None) -> list[str]:
     """The session's member in the listing order (the UTF-8 bytes of its name in hex,
     which sort as the names do) and its score, the activity time of ``info``."""
-    return [session_id.encode().hex(), "" if info is None else str(info_activity(info))]
+    return [name_bytes(session_id).hex(), "" if info is None else str(info_activity(info))]
 
 
 def _fence_arg(fence: int | None) -> str:
@@ -1282,7 +1288,7 @@ class RedisStore:
                 self._listing_mended = True
             start = 0
             if after is not None:
-                rank = await client.zrevrank(key, after.encode().hex())
+                rank = await client.zrevrank(key, name_bytes(after).hex())
                 if rank is None:
                     raise after_not_found(after)
                 start = int(rank) + 1  # type: ignore[arg-type]
@@ -1339,7 +1345,7 @@ class RedisStore:
         stored = await self.list_sessions()
         for start in range(0, len(stored), _MGET_CHUNK):
             chunk = [
-                (name.encode().hex(), info) for name, info in stored[start : start + _MGET_CHUNK]
+                (name_bytes(name).hex(), info) for name, info in stored[start : start + _MGET_CHUNK]
             ]
             scores = await client.zmscore(self._activity_key, [m for m, _ in chunk])
             missing: dict[str | bytes, int | float] = {

@@ -50,8 +50,9 @@ import outcome
 import trio
 
 from .._codec import MAX_SEQ
-from .._errors import Advice, AdviceKind, StoreError, advised
+from .._errors import Advice, AdviceKind, StoreConfigurationError, StoreError, advised
 from .._listing import after_not_found, info_activity, page_of
+from .._names import name_bytes, stored_name
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
     _check_entries,
@@ -69,9 +70,11 @@ from ._sqlite_files import (
     _acquire_lock,
     _check_lock,
     _check_no_orphan_wal,
+    _check_path,
     _check_writable,
     _file_stamp,
     _OpenError,
+    _PathError,
     _release_lock,
 )
 
@@ -280,7 +283,8 @@ def _fail(path: str, batch: list[_Request], exc: BaseException) -> None:
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
     about = f"session {request.session_id!r}: " if request.session_id is not None else ""
     if isinstance(exc, _OpenError):
-        error = StoreError(f"{about}{exc}", session_id=request.session_id)
+        kind = StoreConfigurationError if isinstance(exc, _PathError) else StoreError
+        error = kind(f"{about}{exc}", session_id=request.session_id)
         error.__cause__ = exc.__cause__
         return error
     error = StoreError(
@@ -499,11 +503,7 @@ class _Worker:
         """Open the file: lock it for this process, create it if it does not exist, and
         check that it is a sessionactors store this version reads."""
         path = self._path
-        if os.path.isdir(path):
-            raise _OpenError(
-                f"the sqlite store at {path!r} is a directory, not a SQLite file; pass the "
-                "path of a store file (or of a file that does not exist yet: it is created)"
-            )
+        _check_path(path)
         if self._readonly:
             return self._open_readonly()
         if not self._locked:
@@ -733,12 +733,12 @@ def _migrate(conn: sqlite3.Connection) -> None:
 def _named(rows: Iterator[tuple[bytes, bytes]]) -> list[tuple[str, bytes]]:
     """``(name, info)`` of rows read with ``_NAME``: a name that is not UTF-8 (damage)
     decoded with ``surrogateescape``, which listings leave out (see ``damaged_name``)."""
-    return [(bytes(raw).decode("utf-8", "surrogateescape"), info) for raw, info in rows]
+    return [(stored_name(raw), info) for raw, info in rows]
 
 
 def _key(session_id: str) -> bytes:
     """``session_id``'s bytes, to bind with ``_BOUND``; a damaged name's own bytes."""
-    return session_id.encode("utf-8", "surrogateescape")
+    return name_bytes(session_id)
 
 
 def _create(path: str) -> None:
@@ -995,6 +995,9 @@ class SQLiteStore:
     ``-wal`` and ``-shm`` files (and creates neither), and refuses every write
     with ``StoreError``: for operators' tools.
 
+    A path that no retry can open, a directory or a file in a directory that
+    does not exist (it is not made), fails every call with
+    ``StoreConfigurationError`` naming the directory.
     A file that exists but is not a sessionactors store (truncated to 0
     bytes, or another program's database) fails the first call with
     ``StoreError``; it is never read as an empty store. A file (or its

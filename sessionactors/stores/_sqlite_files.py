@@ -23,6 +23,43 @@ class _OpenError(Exception):
     """The file cannot be opened as this store; the message says why and what to do."""
 
 
+class _PathError(_OpenError):
+    """The path cannot be a store file whatever happens to the store: it is a directory,
+    or its directory is not there (the store's ``StoreConfigurationError``)."""
+
+
+def _check_path(path: str) -> None:
+    """Refuse a path that no retry opens: a directory, or one whose directory does not
+    exist (or is a file): a mistyped path, which is not made for the store."""
+    if os.path.isdir(path):
+        raise _PathError(
+            f"the sqlite store at {path!r} is a directory, not a SQLite file; pass the "
+            "path of a store file (or of a file that does not exist yet: it is created)"
+        )
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(directory):
+        return
+    if os.path.lexists(directory) or _under_a_file(directory):
+        problem = "is not a directory: correct the store's path"
+    else:
+        problem = (
+            "does not exist: create it, or correct the store's path (the command line's --store)"
+        )
+    raise _PathError(
+        f"the sqlite store at {path!r} cannot be opened: the directory {directory!r} {problem}"
+    )
+
+
+def _under_a_file(directory: str) -> bool:
+    """Whether a parent of ``directory`` (which is not there) is a file."""
+    parent = os.path.dirname(directory)
+    while parent != directory:
+        if os.path.lexists(parent):
+            return not os.path.isdir(parent)
+        directory, parent = parent, os.path.dirname(parent)
+    return False
+
+
 # The lock between processes ----------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -21,8 +22,11 @@ from urllib.parse import urlsplit
 import coredis
 import pytest
 import trio
+import trio.testing
 
+import sessionactors as sa
 from net_proxy import proxy_to
+from redis_keys import keys_of, rot_name
 from sessionactors import (
     FencedOutError,
     SessionExistsError,
@@ -31,7 +35,7 @@ from sessionactors import (
     StoreError,
 )
 from sessionactors.stores import MAX_SEQ, JournalEntry, Lease, RedisStore, StoredSession
-from sessionactors.testing import check_store
+from sessionactors.testing import EchoModel, check_store
 
 pytestmark = pytest.mark.redis
 
@@ -829,3 +833,96 @@ async def test_a_write_whose_lease_the_server_lost_says_the_store_lost_data(
     assert not taken.value.lost_data
     assert "another worker took the session over" in str(taken.value)
     assert "lost or rolled back data" not in str(taken.value)
+
+
+async def test_a_session_name_that_is_not_utf8_is_left_out_of_listings_and_logged(
+    make_store: MakeStore, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stored session whose name is not valid UTF-8 (damage to its keys) is left out of
+    the registry's listings with a WARNING that names its bytes and how to delete it (as
+    on SQLite), its keys are kept until deleted, and the other sessions list and wake as
+    before; store.delete of the name as listings give it removes every key of it."""
+    store = make_store()
+    agent = sa.Agent(model=EchoModel())
+    async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+        for name in ("alpha", "beta", "x19"):  # x19 last: the newest, listed first
+            await (await registry.spawn(name)).send("hello")
+    with trio.fail_after(10):
+        moved = await rot_name(redis_url, store.prefix, "x19", b"\xff19")
+    assert len(moved) == 3  # meta, info, log (no lease: it hibernated)
+    caplog.set_level("WARNING", logger="sessionactors")
+    store = make_store(store.prefix)
+    async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+        with trio.fail_after(30):
+            assert [i.session_id for i in await registry.sessions()] == ["beta", "alpha"]
+            assert [i.session_id for i in await registry.sessions(limit=1)] == ["beta"]
+            assert await registry.pending_reviews() == []
+            assert (await registry.ref("alpha").send("again")).text == "again"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned
+    assert all("$'\\xff19'" in text and "sessions delete" in text for text in warned), warned
+    with trio.fail_after(10):  # still there, listed every time
+        assert len(await keys_of(redis_url, store.prefix, b"\xff19")) == 5
+        listed = [name for name, _ in await store.list_sessions()]
+        assert listed == ["alpha", "beta", "\udcff19"]
+        assert await store.delete("\udcff19")
+        assert await keys_of(redis_url, store.prefix, b"\xff19") == []
+        assert not await store.delete("\udcff19")
+        assert [name for name, _ in await store.list_sessions()] == ["alpha", "beta"]
+
+
+def _port_below(highest: int) -> int:
+    """A free port of 127.0.0.1 at most ``highest``."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port <= highest:
+            return port
+
+
+async def test_a_live_session_that_redis_lost_says_its_data_may_be_lost(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A live session whose keys are gone from redis when it writes (FLUSHALL, or a server
+    restarted empty) fails its turn with a SessionNotFoundError that says the store no
+    longer holds a session this process had loaded and that its data may have been
+    lost, not that it was never created; the registry logs that at ERROR."""
+    agent = sa.Agent(model=EchoModel())
+    with contextlib.ExitStack() as server:
+        url = await trio.to_thread.run_sync(
+            server.enter_context, private_redis_server(_port_below(55535))
+        )
+        store = RedisStore(url, prefix="lost")
+        async with sa.open_registry(store=store, agents={"echo": agent}) as registry:
+            with trio.fail_after(30):
+                ref = await registry.spawn("s")
+                assert (await ref.send("one")).text == "one"
+                ended: list[BaseException] = []
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_read_until_it_ends, ref, ended)
+                    await trio.testing.wait_all_tasks_blocked()
+                    async with coredis.Redis.from_url(url) as client:
+                        await client.flushall()
+                    with pytest.raises(sa.SessionNotFoundError) as caught:
+                        await ref.send("two")
+    said = str(caught.value)
+    assert [str(e) for e in ended] == [said]  # a subscriber is told, not left waiting
+    assert "no longer holds session 's', which this process had loaded" in said, said
+    assert "FLUSHALL" in said, said
+    assert "append-only file" in said, said
+    assert "create it first" not in said, said
+    assert caught.value.session_id == "s"
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
+    assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
+
+
+async def _read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
+    """Read ``ref``'s events until the subscription ends; the error that ended it."""
+    try:
+        async with ref.subscribe() as events:
+            async for _ in events:
+                pass
+    except sa.SessionActorsError as exc:
+        ended.append(exc)

@@ -507,10 +507,42 @@ def test_dropped_store_stops_its_thread(tmp_path: Path) -> None:
     assert not _worker_threads()
 
 
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "readonly"])
+@pytest.mark.parametrize("where", ["missing directory", "file as directory", "directory"])
+async def test_a_path_no_retry_can_open_raises_store_configuration_error(
+    tmp_path: Path, where: str, readonly: bool
+) -> None:
+    """A path in a directory that does not exist (or under a file), or a path that is a
+    directory, fails the call with StoreConfigurationError (no retry can open it) that
+    names the session and the directory and says what to do, and creates nothing."""
+    (tmp_path / "a-file").write_bytes(b"")
+    (tmp_path / "a-directory").mkdir()
+    path, named, said = {
+        "missing directory": (tmp_path / "no-such-dir" / "s.db", tmp_path / "no-such-dir",
+                              "does not exist: create it, or correct the store's path"),
+        "file as directory": (tmp_path / "a-file" / "s.db", tmp_path / "a-file",
+                              "is not a directory: correct the store's path"),
+        "directory": (tmp_path / "a-directory", tmp_path / "a-directory",
+                      "is a directory, not a SQLite file"),
+    }[where]  # fmt: skip
+    store = SQLiteStore(path, readonly=readonly)
+    with trio.fail_after(10), pytest.raises(sa.StoreConfigurationError) as info:
+        await store.load("s")
+    assert info.value.session_id == "s"
+    assert str(info.value).startswith("session 's': "), info.value
+    assert repr(str(named)) in str(info.value), info.value
+    assert said in str(info.value), info.value
+    await store.aclose()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory", "a-file"]
+    assert list((tmp_path / "a-directory").iterdir()) == []
+
+
 async def test_unopenable_file_raises_store_error(tmp_path: Path) -> None:
     """A file that cannot be opened fails the call with StoreError naming the path."""
-    store = SQLiteStore(tmp_path / "no-such-dir" / "s.db")
-    with trio.fail_after(10), pytest.raises(StoreError, match="no-such-dir") as info:
+    path = tmp_path / "s.db"
+    path.write_bytes(b"x" * 4096)  # not an SQLite database
+    store = SQLiteStore(path)
+    with trio.fail_after(10), pytest.raises(StoreError, match=r"s\.db") as info:
         await store.create("s", b"snap", b"info")
     assert info.value.session_id == "s"
     assert isinstance(info.value.__cause__, OSError | sqlite3.Error)
@@ -1228,3 +1260,44 @@ async def test_a_session_name_that_is_not_utf8_is_left_out_of_listings_and_logge
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned
     assert all("$'\\xff19'" in text and "sessions delete" in text for text in warned), warned
+
+
+async def test_a_live_session_whose_rows_are_gone_says_its_data_may_be_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A live session whose rows are gone from the file when it writes (deleted behind the
+    store's back, a restore from an older copy) fails its turn with a
+    SessionNotFoundError that says the store no longer holds a session this process had
+    loaded, not that it was never created; the registry logs that at ERROR."""
+    path = tmp_path / "lost.db"
+    agent = sa.Agent(model=sa.testing.EchoModel())
+    async with sa.open_registry(store=SQLiteStore(path), agents={"echo": agent}) as registry:
+        with trio.fail_after(30):
+            ref = await registry.spawn("s")
+            assert (await ref.send("one")).text == "one"
+            ended: list[BaseException] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_until_it_ends, ref, ended)
+                await trio.testing.wait_all_tasks_blocked()
+                with contextlib.closing(sqlite3.connect(path)) as conn:
+                    for table in ("journal", "snapshots", "leases", "sessions"):
+                        conn.execute(f"DELETE FROM {table}")
+                    conn.commit()
+                with pytest.raises(SessionNotFoundError) as caught:
+                    await ref.send("two")
+    said = str(caught.value)
+    assert [str(e) for e in ended] == [said]  # a subscriber is told, not left waiting
+    assert "no longer holds session 's', which this process had loaded" in said, said
+    assert "create it first" not in said, said
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
+    assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
+
+
+async def _read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
+    """Read ``ref``'s events until the subscription ends; the error that ended it."""
+    try:
+        async with ref.subscribe() as events:
+            async for _ in events:
+                pass
+    except sa.SessionActorsError as exc:
+        ended.append(exc)

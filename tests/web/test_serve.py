@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Literal, overload
 
 import coredis
 import httpx
@@ -203,8 +204,13 @@ def test_a_second_server_on_a_sqlite_file_in_use_fails_its_startup(tmp_path: Pat
         assert reply.json()["text"] == "still here"
 
 
-def startup_refusal(store: str) -> str:
-    """The one line on stderr of ``serve --store STORE`` that cannot start (status 1)."""
+@overload
+def startup_refusal(store: str) -> str: ...
+@overload
+def startup_refusal(store: str, *, log: Literal[True]) -> tuple[str, str]: ...
+def startup_refusal(store: str, *, log: bool = False) -> str | tuple[str, str]:
+    """The one line on stderr of ``serve --store STORE`` that cannot start (status 1)
+    (and, with ``log``, all it wrote on stderr)."""
     command = ["serve", "--store", store, "--agent", "chat_agents:agents", "--port", "0"]
     done = subprocess.run(
         [sys.executable, "-m", "sessionactors", *command],
@@ -220,13 +226,32 @@ def startup_refusal(store: str) -> str:
     assert said.count("\n") == 1, done.stderr
     assert said.startswith("sessionactors serve: cannot start: "), done.stderr
     assert "http://" not in done.stdout + done.stderr, (done.stdout, done.stderr)  # no URL
-    return said
+    return (said, done.stderr) if log else said
 
 
 def test_serve_whose_store_fails_its_check_prints_no_url(tmp_path: Path) -> None:
     """A server whose store fails the startup check (a SQLite file in a directory that does
     not exist) exits with status 1 saying why, and never prints a URL to connect to."""
     startup_refusal(f"sqlite:///{tmp_path / 'missing' / 'served.db'}")
+
+
+@pytest.mark.parametrize("where", ["missing directory", "directory"])
+def test_serve_on_a_sqlite_path_no_retry_can_open_exits_at_once(tmp_path: Path, where: str) -> None:
+    """serve --store on a SQLite path in a directory that does not exist, or on a directory,
+    exits with status 1 and one line saying what to fix, at its first try: it does not try
+    the store again for STARTUP_STORE_WAIT seconds as if it were restarting."""
+    (tmp_path / "a-directory").mkdir()
+    path, said = {
+        "missing directory": (
+            tmp_path / "missing" / "served.db",
+            f"the directory {str(tmp_path / 'missing')!r} does not exist: create it,",
+        ),
+        "directory": (tmp_path / "a-directory", "is a directory, not a SQLite file"),
+    }[where]
+    line, stderr = startup_refusal(f"sqlite:///{path}", log=True)
+    assert said in line, line
+    assert "trying again" not in stderr, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory"]
 
 
 async def test_serve_whose_startup_fails_never_binds_its_port(
