@@ -21,11 +21,9 @@ import errno
 import functools
 import json
 import os
-import re
 import shlex
 import signal
 import sys
-import unicodedata
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, BinaryIO, Final, TextIO, TypeGuard
@@ -51,6 +49,7 @@ from ._errors import (
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
 from ._names import damaged_name, shell_quoted, validate_name
+from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
 from ._registry import Registry, create_session, open_registry
@@ -265,36 +264,6 @@ async def _with_store(
 
 def _out(text: str = "") -> None:
     sys.stdout.write(_terminal_safe(text) + "\n")
-
-
-def _terminal_safe(text: str) -> str:
-    """``text`` with every control or format character but newline, tab and the
-    zero-width joiner of emoji (an ANSI escape, a carriage return, a bidirectional
-    override) written as ``\\uXXXX``, so
-    that what a session holds never reaches a terminal raw. JSON text stays the same
-    JSON: such characters are only in its strings, where the escape means the same."""
-    return _SUSPECT.sub(_escape, text)
-
-
-def _escape(match: re.Match[str]) -> str:
-    ch = match.group()
-    if unicodedata.category(ch) not in _CONTROLS or ch == "\u200d":
-        return ch
-    code = ord(ch)
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    code -= 0x10000  # (as JSON writes it: a UTF-16 surrogate pair)
-    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
-
-
-#: The characters ``_terminal_safe`` looks at: all but newline, tab, printable ASCII and
-#: the blocks of letters that hold no control or format character (Latin to Hebrew,
-#: Devanagari to Khmer, CJK, Hangul), so that text in those scripts goes fast.
-_SUSPECT: Final = re.compile(
-    "[^\t\n\x20-\x7e\xa0-\xac\xae-\u05ff\u0900-\u17ff\u3000-\u9fff\uac00-\ud7ff]"
-)
-#: The Unicode categories it escapes (as session names refuse them).
-_CONTROLS: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 # ---- list -----------------------------------------------------------------------
