@@ -427,11 +427,16 @@ class FencedOutError(StoreError):
     another worker took the session over, or the store lost or rolled back data (a
     server restarted without its append-only file, a restore from an older copy).
 
-    ``lost_data`` is true when the store could tell that it lost or rolled back data
-    (it holds no lease of the session at all, or an older one), rather than another
-    claim taking the session over. The session stops on this worker; a request sent
-    again wakes it from what the store holds.
+    ``lost_data`` is true when the store could prove that it lost or rolled back data
+    (its lease of the session holds an older fencing token than the write's, or its
+    journal ends before what the writer wrote); false for another claim taking the
+    session over, and for what the store cannot tell apart (a lease that is gone: it was
+    released, expired, taken over and released, or lost). The session stops on this
+    worker; a request sent again wakes it from what the store holds.
     """
+
+    #: (a class default too: an error rebuilt from another worker's account has it)
+    lost_data: bool = False
 
     def __init__(
         self, message: str, *, session_id: str | None = None, lost_data: bool = False
