@@ -26,7 +26,7 @@ import signal
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any, BinaryIO, Final, TextIO, TypeGuard
+from typing import Any, BinaryIO, Final, TextIO
 
 import trio
 
@@ -58,7 +58,7 @@ from ._session import LiveSession
 from .stores._base import PagedStore, Store
 from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
-from .stores._url import open_store
+from .stores._url import is_new_file, open_store
 
 __all__ = ["add_parser", "run"]
 
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 "standard output open (to /dev/null to discard it)"
             )
         store = _open(args.store, write=name not in _READS)
-        if _unmade(store) and name != "import" and not (name == "tail" and args.wait):
+        if is_new_file(store) and name != "import" and not (name == "tail" and args.wait):
             missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
             if name == "delete":  # (a mistyped path: create no store there)
                 validate_name(args.name)
@@ -181,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
                     f"session {args.name!r} is not stored: {missing}", session_id=args.name
                 )
             raise StoreError(missing)
-        # (import makes the file: said, for a mistyped path)
-        created = store.path if _unmade(store) else None
+        # (import makes the file: said, for a mistyped path; a tail --wait that waits
+        # for a server to make it makes none)
+        created = store.path if name == "import" and is_new_file(store) else None
         status = trio.run(_with_store, store, command, args)
         if created is not None and os.path.exists(created):
             print(
@@ -220,11 +221,6 @@ def _cli_advice(advice: Advice, session_id: str | None) -> str:
         name = "NAME" if session_id is None else shlex.quote(session_id)
         return f"`sessionactors sessions delete {name} --yes --store ...`"
     return python_advice(advice, session_id)
-
-
-def _unmade(store: Store) -> TypeGuard[SQLiteStore]:
-    """Whether ``store`` is a SQLite file that does not exist (yet)."""
-    return isinstance(store, SQLiteStore) and not os.path.exists(store.path)
 
 
 def _quiet_stdout() -> None:
@@ -418,7 +414,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     stored = False  # (the session was read: a later "not stored" means it was deleted)
     if after is None and not args.no_follow:  # follow from now on
         try:
-            if _unmade(store):  # (with --wait: a store file not made yet holds nothing)
+            if is_new_file(store):  # (with --wait: a store file not made yet holds nothing)
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
             after = (await read_session(store, name)).event_seq
             stored = True
@@ -443,7 +439,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
             failing_since: float | None = None  # while the store does not answer
             while True:
                 try:  # from the last event printed on: to check it is still there
-                    if not stored and _unmade(store):  # (--wait: the file is not made yet)
+                    if not stored and is_new_file(store):  # (--wait: the file is not made yet)
                         raise SessionNotFoundError(
                             f"session {name!r} is not stored", session_id=name
                         )
@@ -482,7 +478,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         where = (
                             f"; the SQLite file {str(store.path)!r} does not exist yet "
                             "(check --store if no server is about to make it)"
-                            if _unmade(store)
+                            if is_new_file(store)
                             else ""
                         )
                         print(

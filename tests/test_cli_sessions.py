@@ -598,7 +598,8 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
     """tail of a session the store does not hold fails in one line that says to pass
     --wait (not that it was deleted); with --wait it says on stderr that it waits, then
     prints the session's events from its first one once a process stores it, in a
-    SQLite file that exists or in one that the process makes (a server starting)."""
+    SQLite file that exists or in one that the process makes (a server starting), and
+    does not say at exit that it made that file."""
     path = tmp_path / "s.db"
     store = f"sqlite:///{path}"
     if made:
@@ -633,6 +634,10 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
             assert seen[-1]["message"]["content"] == "first words"
             process.send_signal(signal.SIGINT)
             assert await process.wait() == 0
+            said = b""
+            while chunk := await process.stderr.receive_some():
+                said += chunk
+            assert b"created a new store" not in said, said  # (the server made it)
     finally:
         await reap(process)
 

@@ -24,7 +24,7 @@ import trio
 import sessionactors as sa
 
 from .._names import terminal_safe
-from ..stores._url import open_store
+from ..stores._url import is_new_file, open_store
 from ._app import SessionsApp, create_app
 from ._sockets import abort_connections
 
@@ -320,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
         agents = load_agents(args.agent)
         # (a mistyped path, or a file deleted while the server was stopped, makes a new
         # one: said once the store has opened)
-        new_file = isinstance(store, sa.SQLiteStore) and not os.path.lexists(store.path)
+        new_file = is_new_file(store)
         app = create_app(
             store=store,
             agents=agents,
