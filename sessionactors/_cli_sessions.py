@@ -48,7 +48,7 @@ from ._errors import (
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
-from ._names import damaged_name, shell_quoted, validate_name
+from ._names import damaged_name, delete_command, shell_quoted, validate_name
 from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
@@ -219,7 +219,7 @@ def _cli_advice(advice: Advice, session_id: str | None) -> str:
     library's message names the Python call, ``registry.delete('c3')``)."""
     if advice.kind is AdviceKind.DELETE:
         name = "NAME" if session_id is None else shlex.quote(session_id)
-        return f"`sessionactors sessions delete {name} --yes --store ...`"
+        return f"`{delete_command(name)}`"
     return python_advice(advice, session_id)
 
 
@@ -348,8 +348,8 @@ def _say_damaged(url: str, raw: bytes) -> None:
     shown = shell_quoted(raw)
     text = (
         f"a stored session's name is not UTF-8 (damaged data): {shown}; it is left out "
-        "of the listing and no request can reach it; remove it with `python -m "
-        f"sessionactors sessions delete --store {shlex.quote(url)} --yes {shown}`"
+        f"of the listing and no request can reach it; remove it with "
+        f"`{delete_command(shown, shlex.quote(url))}`"
     )
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 

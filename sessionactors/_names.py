@@ -12,6 +12,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "as_session_id",
     "damaged_name",
+    "delete_command",
     "shell_quoted",
     "terminal_safe",
     "validate_name",
@@ -88,6 +89,14 @@ def shell_quoted(raw: bytes) -> str:
         + "".join(chr(b) if 0x20 <= b < 0x7F and b not in b"'\\" else f"\\x{b:02x}" for b in raw)
         + "'"
     )
+
+
+def delete_command(word: str, store: str = "URL") -> str:
+    """The command line that deletes a session from a store, as every hint of it is
+    spelled: ``word`` is the session's name as a shell word (quoted, or a damaged
+    name's ``$'...'``), ``store`` the ``--store`` argument (a placeholder by default)."""
+    after = "-- " if word.startswith("-") else ""  # (else read as an option)
+    return f"python -m sessionactors sessions delete --store {store} --yes {after}{word}"
 
 
 def terminal_safe(text: str, *, one_line: bool = False) -> str:

@@ -367,7 +367,8 @@ def test_import_restores_a_session_stored_before_the_input_limits(tmp_path: Path
 
 def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) -> None:
     """`sessions show` of a session whose stored snapshot is corrupt advises the command
-    line's own `sessions delete NAME --yes`, not the Python registry.delete(...)."""
+    line's own `sessions delete --store URL --yes NAME`, not the Python
+    registry.delete(...)."""
     path = tmp_path / "store.db"
 
     async def make() -> None:
@@ -382,7 +383,7 @@ def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) ->
     line = refused("show", "c3", "--store", f"sqlite:///{path}")
     assert "corrupt" in line, line
     assert "registry.delete" not in line, line
-    assert "`sessionactors sessions delete c3 --yes --store ...`" in line, line
+    assert "`python -m sessionactors sessions delete --store URL --yes c3`" in line, line
 
 
 # ---- writing beside a server ------------------------------------------------------
