@@ -13,12 +13,13 @@ from typing import NoReturn
 import trio
 
 from ._agent import Agent
-from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout, _terminal_safe
+from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
 from ._events import Delta, TurnFailed
 from ._model import Model
+from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
 

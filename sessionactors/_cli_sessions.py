@@ -21,14 +21,12 @@ import errno
 import functools
 import json
 import os
-import re
 import shlex
 import signal
 import sys
-import unicodedata
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any, BinaryIO, Final, TextIO, TypeGuard
+from typing import Any, BinaryIO, Final, TextIO
 
 import trio
 
@@ -50,7 +48,8 @@ from ._errors import (
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
-from ._names import damaged_name, shell_quoted, validate_name
+from ._names import damaged_name, delete_command, shell_quoted, validate_name
+from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
 from ._registry import Registry, create_session, open_registry
@@ -59,7 +58,7 @@ from ._session import LiveSession
 from .stores._base import PagedStore, Store
 from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
-from .stores._url import open_store
+from .stores._url import is_new_file, open_store
 
 __all__ = ["add_parser", "run"]
 
@@ -174,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 "standard output open (to /dev/null to discard it)"
             )
         store = _open(args.store, write=name not in _READS)
-        if _unmade(store) and name != "import" and not (name == "tail" and args.wait):
+        if is_new_file(store) and name != "import" and not (name == "tail" and args.wait):
             missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
             if name == "delete":  # (a mistyped path: create no store there)
                 validate_name(args.name)
@@ -182,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
                     f"session {args.name!r} is not stored: {missing}", session_id=args.name
                 )
             raise StoreError(missing)
-        # (import makes the file: said, for a mistyped path)
-        created = store.path if _unmade(store) else None
+        # (import makes the file: said, for a mistyped path; a tail --wait that waits
+        # for a server to make it makes none)
+        created = store.path if name == "import" and is_new_file(store) else None
         status = trio.run(_with_store, store, command, args)
         if created is not None and os.path.exists(created):
             print(
@@ -219,13 +219,8 @@ def _cli_advice(advice: Advice, session_id: str | None) -> str:
     library's message names the Python call, ``registry.delete('c3')``)."""
     if advice.kind is AdviceKind.DELETE:
         name = "NAME" if session_id is None else shlex.quote(session_id)
-        return f"`sessionactors sessions delete {name} --yes --store ...`"
+        return f"`{delete_command(name)}`"
     return python_advice(advice, session_id)
-
-
-def _unmade(store: Store) -> TypeGuard[SQLiteStore]:
-    """Whether ``store`` is a SQLite file that does not exist (yet)."""
-    return isinstance(store, SQLiteStore) and not os.path.exists(store.path)
 
 
 def _quiet_stdout() -> None:
@@ -265,36 +260,6 @@ async def _with_store(
 
 def _out(text: str = "") -> None:
     sys.stdout.write(_terminal_safe(text) + "\n")
-
-
-def _terminal_safe(text: str) -> str:
-    """``text`` with every control or format character but newline, tab and the
-    zero-width joiner of emoji (an ANSI escape, a carriage return, a bidirectional
-    override) written as ``\\uXXXX``, so
-    that what a session holds never reaches a terminal raw. JSON text stays the same
-    JSON: such characters are only in its strings, where the escape means the same."""
-    return _SUSPECT.sub(_escape, text)
-
-
-def _escape(match: re.Match[str]) -> str:
-    ch = match.group()
-    if unicodedata.category(ch) not in _CONTROLS or ch == "\u200d":
-        return ch
-    code = ord(ch)
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    code -= 0x10000  # (as JSON writes it: a UTF-16 surrogate pair)
-    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
-
-
-#: The characters ``_terminal_safe`` looks at: all but newline, tab, printable ASCII and
-#: the blocks of letters that hold no control or format character (Latin to Hebrew,
-#: Devanagari to Khmer, CJK, Hangul), so that text in those scripts goes fast.
-_SUSPECT: Final = re.compile(
-    "[^\t\n\x20-\x7e\xa0-\xac\xae-\u05ff\u0900-\u17ff\u3000-\u9fff\uac00-\ud7ff]"
-)
-#: The Unicode categories it escapes (as session names refuse them).
-_CONTROLS: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 # ---- list -----------------------------------------------------------------------
@@ -383,8 +348,8 @@ def _say_damaged(url: str, raw: bytes) -> None:
     shown = shell_quoted(raw)
     text = (
         f"a stored session's name is not UTF-8 (damaged data): {shown}; it is left out "
-        "of the listing and no request can reach it; remove it with `python -m "
-        f"sessionactors sessions delete --store {shlex.quote(url)} --yes {shown}`"
+        f"of the listing and no request can reach it; remove it with "
+        f"`{delete_command(shown, shlex.quote(url))}`"
     )
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
@@ -449,7 +414,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     stored = False  # (the session was read: a later "not stored" means it was deleted)
     if after is None and not args.no_follow:  # follow from now on
         try:
-            if _unmade(store):  # (with --wait: a store file not made yet holds nothing)
+            if is_new_file(store):  # (with --wait: a store file not made yet holds nothing)
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
             after = (await read_session(store, name)).event_seq
             stored = True
@@ -474,7 +439,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
             failing_since: float | None = None  # while the store does not answer
             while True:
                 try:  # from the last event printed on: to check it is still there
-                    if not stored and _unmade(store):  # (--wait: the file is not made yet)
+                    if not stored and is_new_file(store):  # (--wait: the file is not made yet)
                         raise SessionNotFoundError(
                             f"session {name!r} is not stored", session_id=name
                         )
@@ -513,7 +478,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                         where = (
                             f"; the SQLite file {str(store.path)!r} does not exist yet "
                             "(check --store if no server is about to make it)"
-                            if _unmade(store)
+                            if is_new_file(store)
                             else ""
                         )
                         print(

@@ -66,7 +66,7 @@ class AdviceKind(enum.Enum):
     LOST_TURNS = "lost_turns"  #: what became of each lost turn (its outcome says)
     LOST_OUTCOME = "lost_outcome"  #: the lost turn's outcome says so
     TURN_OUTCOME = "turn_outcome"  #: look up what became of turn ``turn_id``
-    OR_TURN_OUTCOME = "or_turn_outcome"  #: or look up the turn's outcome
+    OR_TURN_OUTCOME = "or_turn_outcome"  #: or look up the turn's outcome (``turn_id``'s)
     FOLLOW_TURN = "follow_turn"  #: follow the turn by the session's events
     IDEMPOTENCY_KEY = "idempotency_key"  #: the idempotency key a turn is sent with
     TALK_TO_IT = "talk_to_it"  #: talk to the existing session, naming no agent
@@ -147,6 +147,8 @@ _PYTHON_ADVICE: dict[AdviceKind, str] = {
 
 def python_advice(advice: Advice, session_id: str | None) -> str:
     """``advice`` as ``str(error)`` tells it, for an error about ``session_id``."""
+    if advice.kind is AdviceKind.OR_TURN_OUTCOME and advice.turn_id:
+        return f"(or ref.turn_outcome({advice.turn_id!r}))"
     return _PYTHON_ADVICE[advice.kind].format(
         name="name" if session_id is None else repr(session_id),
         review=repr(advice.review_id),
@@ -427,11 +429,16 @@ class FencedOutError(StoreError):
     another worker took the session over, or the store lost or rolled back data (a
     server restarted without its append-only file, a restore from an older copy).
 
-    ``lost_data`` is true when the store could tell that it lost or rolled back data
-    (it holds no lease of the session at all, or an older one), rather than another
-    claim taking the session over. The session stops on this worker; a request sent
-    again wakes it from what the store holds.
+    ``lost_data`` is true when the store could prove that it lost or rolled back data
+    (its lease of the session holds an older fencing token than the write's, or its
+    journal ends before what the writer wrote); false for another claim taking the
+    session over, and for what the store cannot tell apart (a lease that is gone: it was
+    released, expired, taken over and released, or lost). The session stops on this
+    worker; a request sent again wakes it from what the store holds.
     """
+
+    #: (a class default too: an error rebuilt from another worker's account has it)
+    lost_data: bool = False
 
     def __init__(
         self, message: str, *, session_id: str | None = None, lost_data: bool = False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
+from typing import Final
 
 from ._errors import InvalidSessionNameError, shown
 
@@ -10,9 +12,11 @@ __all__ = [
     "MAX_NAME_BYTES",
     "as_session_id",
     "damaged_name",
+    "delete_command",
     "name_bytes",
     "shell_quoted",
     "stored_name",
+    "terminal_safe",
     "validate_name",
 ]
 
@@ -103,3 +107,46 @@ def shell_quoted(raw: bytes) -> str:
         + "".join(chr(b) if 0x20 <= b < 0x7F and b not in b"'\\" else f"\\x{b:02x}" for b in raw)
         + "'"
     )
+
+
+def delete_command(word: str, store: str = "URL") -> str:
+    """The command line that deletes a session from a store, as every hint of it is
+    spelled: ``word`` is the session's name as a shell word (quoted, or a damaged
+    name's ``$'...'``), ``store`` the ``--store`` argument (a placeholder by default)."""
+    after = "-- " if word.startswith("-") else ""  # (else read as an option)
+    return f"python -m sessionactors sessions delete --store {store} --yes {after}{word}"
+
+
+def terminal_safe(text: str, *, one_line: bool = False) -> str:
+    """``text`` with every control or format character but newline, tab and the
+    zero-width joiner of emoji (an ANSI escape, a carriage return, a bidirectional
+    override) written as ``\\uXXXX``, so that what a session or a client sent never
+    reaches a terminal or a log raw; with ``one_line``, newlines and tabs too (a line
+    of a log, which a newline would split into a forged second line). JSON text stays
+    the same JSON: such characters are only in its strings, where the escape means the
+    same."""
+    safe = _SUSPECT.sub(_escape, text)
+    if one_line:
+        safe = safe.replace("\n", "\\u000a").replace("\t", "\\u0009")
+    return safe
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    if unicodedata.category(ch) not in _CONTROLS or ch == "\u200d":
+        return ch
+    code = ord(ch)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # (as JSON writes it: a UTF-16 surrogate pair)
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+#: The characters ``terminal_safe`` looks at: all but newline, tab, printable ASCII and
+#: the blocks of letters that hold no control or format character (Latin to Hebrew,
+#: Devanagari to Khmer, CJK, Hangul), so that text in those scripts goes fast.
+_SUSPECT: Final = re.compile(
+    "[^\t\n\x20-\x7e\xa0-\xac\xae-\u05ff\u0900-\u17ff\u3000-\u9fff\uac00-\ud7ff]"
+)
+#: The Unicode categories it escapes (as session names refuse them).
+_CONTROLS: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})

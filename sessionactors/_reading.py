@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._events import NO_TIME, Event
 from ._listing import LISTING_BATCH, check_listing, matches, page_of, told_status
-from ._names import damaged_name, shell_quoted, validate_name
+from ._names import damaged_name, delete_command, shell_quoted, validate_name
 from ._records import SessionInfo, SessionState, Status
 from ._session import LiveSession
 from .stores._base import PagedStore, Store, StoredSession
@@ -35,6 +35,7 @@ from .stores._base import PagedStore, Store, StoredSession
 __all__ = [
     "damaged_listed",
     "describe_stored",
+    "is_damaged",
     "list_stored",
     "read_events",
     "read_session",
@@ -160,9 +161,7 @@ async def list_stored(
     out: list[SessionInfo] = []
     async with aclosing(_listed(store, after, batch)) as listed:
         async for name, blob in listed:
-            raw = damaged_name(name)
-            if raw is not None:
-                (damaged or damaged_listed)(raw)
+            if is_damaged(name, damaged):
                 continue
             info = describe(name, blob)
             if matches(info, wanted, pairs):
@@ -178,11 +177,21 @@ def damaged_listed(raw: bytes) -> None:
     shown = shell_quoted(raw)
     log.warning(
         "a stored session's name is not UTF-8 (damaged data): %s; it is left out of "
-        "listings and no request can reach it; remove it with `python -m sessionactors "
-        "sessions delete --store URL --yes %s`",
+        "listings and no request can reach it; remove it with `%s`",
         shown,
-        shown,
+        delete_command(shown),
     )
+
+
+def is_damaged(name: str, damaged: Callable[[bytes], None] | None = None) -> bool:
+    """Whether the stored name ``name`` is not UTF-8 (see ``damaged_name``): then its
+    bytes are given to ``damaged`` (by default: logged, see ``damaged_listed``), and the
+    caller leaves it out, since no request can reach a session under it."""
+    raw = damaged_name(name)
+    if raw is None:
+        return False
+    (damaged or damaged_listed)(raw)
+    return True
 
 
 async def _listed(

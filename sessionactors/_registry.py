@@ -36,8 +36,8 @@ from ._errors import (
 from ._final import NoPublicConstructor
 from ._history import check_copyable, rewind_end
 from ._metadata import check_metadata
-from ._names import damaged_name, validate_name
-from ._reading import damaged_listed, describe_stored, list_stored
+from ._names import validate_name
+from ._reading import describe_stored, is_damaged, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
 from ._ref import SessionRef, check_text
 from ._router import RoutingStore
@@ -331,9 +331,7 @@ class Registry(metaclass=NoPublicConstructor):
         out: list[ReviewRequest] = []
         # every session in the store's own order: no sorting, no paging
         for name, blob in await self.store.list_sessions():
-            raw = damaged_name(name)
-            if raw is not None:  # (no session can be reached under it)
-                damaged_listed(raw)
+            if is_damaged(name):  # (no session can be reached under it)
                 continue
             info = self._describe(name, blob)
             if info.pending_reviews:

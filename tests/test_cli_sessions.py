@@ -368,7 +368,8 @@ def test_import_restores_a_session_stored_before_the_input_limits(tmp_path: Path
 
 def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) -> None:
     """`sessions show` of a session whose stored snapshot is corrupt advises the command
-    line's own `sessions delete NAME --yes`, not the Python registry.delete(...)."""
+    line's own `sessions delete --store URL --yes NAME`, not the Python
+    registry.delete(...)."""
     path = tmp_path / "store.db"
 
     async def make() -> None:
@@ -383,7 +384,7 @@ def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) ->
     line = refused("show", "c3", "--store", f"sqlite:///{path}")
     assert "corrupt" in line, line
     assert "registry.delete" not in line, line
-    assert "`sessionactors sessions delete c3 --yes --store ...`" in line, line
+    assert "`python -m sessionactors sessions delete --store URL --yes c3`" in line, line
 
 
 # ---- writing beside a server ------------------------------------------------------
@@ -637,7 +638,8 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
     """tail of a session the store does not hold fails in one line that says to pass
     --wait (not that it was deleted); with --wait it says on stderr that it waits, then
     prints the session's events from its first one once a process stores it, in a
-    SQLite file that exists or in one that the process makes (a server starting)."""
+    SQLite file that exists or in one that the process makes (a server starting), and
+    does not say at exit that it made that file."""
     path = tmp_path / "s.db"
     store = f"sqlite:///{path}"
     if made:
@@ -672,6 +674,10 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
             assert seen[-1]["message"]["content"] == "first words"
             process.send_signal(signal.SIGINT)
             assert await process.wait() == 0
+            said = b""
+            while chunk := await process.stderr.receive_some():
+                said += chunk
+            assert b"created a new store" not in said, said  # (the server made it)
     finally:
         await reap(process)
 

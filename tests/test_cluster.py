@@ -1316,6 +1316,26 @@ async def test_a_lease_lost_while_hibernating_ends_the_call(cluster: Cluster) ->
             assert a.live() == []
 
 
+async def test_a_write_fenced_out_on_its_owner_is_told_to_a_caller_on_another_worker(
+    cluster: Cluster,
+) -> None:
+    """A turn sent through another worker, whose write the session's owner finds fenced
+    out (a newer claim of its lease), fails for its caller with a FencedOutError that
+    has ``lost_data`` (false: a takeover, not lost data) as the owner's has."""
+    with trio.fail_after(20):
+        async with cluster.registry(worker_id="a") as a, cluster.registry(worker_id="b") as b:
+            await a.spawn("s")
+            await a.ref("s").send("one")  # live on a
+            store = RedisStore(cluster.url, prefix=cluster.prefix)
+            assert await store.claim("s", "a", 30) is not None  # a newer token: a's is stale
+            await store.aclose()
+            with pytest.raises(sa.FencedOutError) as caught:
+                await b.ref("s").send("two")
+    assert caught.value.session_id == "s"
+    assert caught.value.lost_data is False
+    assert "another worker took the session over" in str(caught.value)
+
+
 async def run_paused_owner(cluster: Cluster, mode: str) -> list[str]:
     """The owner is SIGSTOPped past its lease, another worker takes the lease, the owner
     resumes mid-turn. Problems found: a write after resuming that was not fenced out, or

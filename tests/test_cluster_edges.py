@@ -88,6 +88,43 @@ async def test_a_forwarded_turn_cut_by_its_owners_shutdown_is_not_run_again(
     assert error.turn_id.startswith("turn_")  # it had started: it may be in the history
 
 
+async def test_a_turn_whose_owner_had_not_answered_when_its_callers_registry_closed_names_it(
+    redis_url: str,
+) -> None:
+    """A turn submitted to another worker, which accepted it, and still unanswered when the
+    caller's registry closes (its shutdown grace ran out) fails with SessionStoppedError
+    naming the turn and asking for that turn's outcome by its id before it is sent
+    again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    started = trio.Event()
+    outcome: list[sa.Reply | sa.SessionActorsError] = []
+    with trio.fail_after(30):
+        async with open_worker(
+            redis_url, prefix, "a", HangingModel(started), shutdown_grace=0.2
+        ) as a:
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            async with (
+                trio.open_nursery() as nursery,
+                open_worker(redis_url, prefix, "b", EchoModel(), shutdown_grace=0.2) as b,
+            ):
+
+                async def send() -> None:
+                    try:
+                        turn = await b.ref("s").submit("still running")
+                        outcome.append(await turn.reply())
+                    except sa.SessionActorsError as exc:
+                        outcome.append(exc)
+
+                nursery.start_soon(send)
+                await started.wait()  # the forwarded turn runs on a
+    [error] = outcome
+    assert isinstance(error, sa.SessionStoppedError), repr(error)
+    assert "the registry closed before worker 'a'" in str(error), error
+    assert error.turn_id.startswith("turn_"), repr(error)
+    assert f"ref.turn_outcome({error.turn_id!r})" in str(error), error
+
+
 async def test_metadata_of_any_storable_size_is_set_through_another_worker(
     redis_url: str,
 ) -> None:

@@ -667,6 +667,8 @@ class SessionsApp:
                 return ""
             case Kind.TURN_OUTCOME:
                 return f"ask GET {route}/turns/{quote(advice.turn_id, safe='')}"
+            case Kind.OR_TURN_OUTCOME if advice.turn_id:
+                return f"(or GET {route}/turns/{quote(advice.turn_id, safe='')})"
             case Kind.OR_TURN_OUTCOME:
                 return f"(GET {route})"
             case Kind.FOLLOW_TURN:

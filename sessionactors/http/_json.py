@@ -95,8 +95,10 @@ def reply_to_json(reply: sa.Reply) -> dict[str, Any]:
     }
 
 
-#: The kind at the start of a failed turn's error, as ``describe`` writes it ("Kind: ...").
-_KIND: Final = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*): ")
+#: The kind at the start of a failed turn's error, as ``describe`` writes it ("Kind: ...",
+#: or the kind alone for an exception with no message). (An outcome keeps no kind of its
+#: own: its error is the text its turn record stores.)
+_KIND: Final = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*)(?:: |$)")
 
 
 def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:

@@ -17,12 +17,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import hypercorn.config
+import hypercorn.logging
 import hypercorn.trio
 import trio
 
 import sessionactors as sa
 
-from ..stores._url import open_store
+from .._names import terminal_safe
+from ..stores._url import is_new_file, open_store
 from ._app import SessionsApp, create_app
 from ._sockets import abort_connections
 
@@ -50,7 +52,8 @@ LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ACCESS_LOG_FORMAT: Final = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
 
 #: The signals that shut the server down: SIGINT (Ctrl-C), SIGTERM (what platforms send
-#: before they kill a process) and SIGHUP (its terminal closed, a supervisor's reload).
+#: before they kill a process) and SIGHUP (its terminal closed, a supervisor's reload),
+#: unless the process started with SIGHUP ignored (see ``_stop_signals``).
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 #: The exit status of a server stopped at once by a second signal (a clean stop's is 0).
@@ -109,7 +112,8 @@ async def serve(
     access_log: bool = False,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with hypercorn's trio worker until SIGINT, SIGTERM or SIGHUP.
+    """Serve ``app`` with hypercorn's trio worker until SIGINT, SIGTERM or SIGHUP (not
+    SIGHUP if the process started with it ignored, as under ``nohup``: it stays ignored).
 
     ``task_status.started(url)`` gives the address it listens on (``port=0``
     picks a free one), once it listens and the app's registry is open (its store
@@ -136,7 +140,9 @@ async def serve(
     hypercorn's errors to ``hypercorn.error`` and, with ``access_log=True``, a line per
     request to ``hypercorn.access`` (the address, the method and path without the query,
     where a browser's ``?access_token=`` is, the status, the bytes and the seconds it
-    took). ``python -m sessionactors serve`` sends them all to standard error.
+    took; the path's control characters, a newline say, escaped as ``\\u000a``, so that
+    a client cannot forge a line of the log). ``python -m sessionactors serve`` sends
+    them all to standard error.
     """
     config = hypercorn.config.Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -144,6 +150,7 @@ async def serve(
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
     config.access_log_format = ACCESS_LOG_FORMAT
+    config.logger_class = _AccessLogger
     # (not hypercorn's deadline, which would cut a request waiting for its turn's answer
     # while the registry still gives that turn its grace: serve bounds the wait below)
     config.graceful_timeout = math.inf
@@ -157,7 +164,7 @@ async def serve(
     except TypeError:  # an app that serves a registry it was given: nothing to open
         lifespan, asgi = contextlib.nullcontext(), app
         bound = GRACEFUL_SECONDS
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*_stop_signals()) as signals:
         async with trio.open_nursery() as nursery:  # (cancelled by a second signal)
 
             async def on_signals() -> None:
@@ -213,6 +220,28 @@ async def serve(
             raise KeyboardInterrupt("stopped at once by a second signal")
 
 
+class _AccessLogger(hypercorn.logging.Logger):
+    """hypercorn's logger, whose access log lines have their control characters escaped:
+    a request's path is percent-decoded, so a client could put a newline in it (and a
+    forged line of the log after it) or a terminal's escape sequence."""
+
+    def atoms(self, request: Any, response: Any, request_time: float) -> Mapping[str, str]:
+        atoms: Any = super().atoms(request, response, request_time)
+        for key, value in atoms.items():
+            if isinstance(value, str):
+                atoms[key] = terminal_safe(value, one_line=True)
+        return atoms  # type: ignore[no-any-return]
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """``STOP_SIGNALS`` but SIGHUP where the process inherited it ignored (started under
+    ``nohup``, or by a supervisor that sends it for a reload the server does not do):
+    listening for it would replace that choice, and a SIGHUP would stop the server."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP)
+    return STOP_SIGNALS
+
+
 def _address(url: str) -> tuple[str, int] | None:
     """The host and port of a URL that hypercorn says it listens on."""
     parts = urllib.parse.urlsplit(url)
@@ -254,8 +283,9 @@ def configure_logging(level: str, *, access_log: bool = False) -> None:
 
 
 def read_token(args: argparse.Namespace) -> str | None:
-    """The token that ``--token``, ``--token-file`` or the environment gives, or None.
-    Raises ``ValueError`` for a token file that cannot be read or is empty."""
+    """The token that ``--token``, ``--token-file`` or the environment gives, or None
+    (a file's or the variable's surrounding whitespace dropped alike). Raises
+    ``ValueError`` for a token file that cannot be read or is empty."""
     if args.token is not None and args.token_file is not None:
         raise ValueError("give --token or --token-file, not both")
     if args.token is not None:
@@ -273,9 +303,13 @@ def read_token(args: argparse.Namespace) -> str | None:
             raise ValueError(f"--token-file {args.token_file!r} is empty; put the secret in it")
         return token
     variable = os.environ.get(TOKEN_VARIABLE)
-    if variable is not None and not variable.strip():
+    if variable is None:
+        return None
+    # (its surrounding whitespace dropped, as a token file's is: `export X="$(cat f)"`)
+    token = variable.strip()
+    if not token:
         raise ValueError(f"{TOKEN_VARIABLE} is set but empty; give it a secret, or unset it")
-    return variable
+    return token
 
 
 def main(args: argparse.Namespace) -> int:
@@ -286,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
         agents = load_agents(args.agent)
         # (a mistyped path, or a file deleted while the server was stopped, makes a new
         # one: said once the store has opened)
-        new_file = isinstance(store, sa.SQLiteStore) and not os.path.lexists(store.path)
+        new_file = is_new_file(store)
         app = create_app(
             store=store,
             agents=agents,

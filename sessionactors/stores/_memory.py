@@ -79,12 +79,14 @@ def _fence_problem(
 
 def _fenced_out_error(session_id: str, fence: int, problem: str) -> FencedOutError:
     """The refusal of a write with ``fence``, saying what the store shows (``problem``:
-    ``"no_lease"`` for no lease of the session at all, ``"older:N"`` for a lease with
-    an older token than the write's, ``"journal:N:M"`` for a journal that ends at seq
-    N before the seq M its writer wrote, all signs of lost data; ``"claimed:N"`` for a
-    later claim's token, a takeover; otherwise why the lease no longer counts, which
-    a takeover and lost data may both explain)."""
-    lost = problem == "no_lease" or problem.startswith(("older:", "journal:"))
+    ``"older:N"`` for a lease with an older token than the write's (tokens only grow),
+    ``"journal:N:M"`` for a journal that ends at seq N before the seq M its writer
+    wrote, both proof of lost data; ``"claimed:N"`` for a later claim's token, a
+    takeover; ``"no_lease"`` for no lease of the session at all, which a store that
+    removes a lease on release (Redis) shows alike for a lease released, expired and
+    then taken over and released, or lost with the store's data; otherwise why the
+    lease no longer counts, which a takeover and lost data may both explain)."""
+    lost = problem.startswith(("older:", "journal:"))
     if problem.startswith("journal:"):
         _, last, wrote = problem.split(":")
         seen = (
@@ -92,7 +94,11 @@ def _fenced_out_error(session_id: str, fence: int, problem: str) -> FencedOutErr
             f"seq {wrote} that this worker wrote: {LOST_DATA}"
         )
     elif problem == "no_lease":
-        seen = f"the store holds no lease of session {session_id!r} at all: {LOST_DATA}"
+        seen = (
+            f"the store holds no lease of session {session_id!r}: this worker's lease was "
+            "released, expired, taken over and released (another worker ran the session "
+            f"and hibernated or deleted it), or {LOST_DATA}"
+        )
     elif lost:
         seen = (
             f"the store's lease of session {session_id!r} has an older fencing token "

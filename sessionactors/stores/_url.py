@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-__all__ = ["open_store"]
+if TYPE_CHECKING:
+    from ._sqlite import SQLiteStore
+
+__all__ = ["is_new_file", "open_store"]
 
 
 def open_store(url: str, *, readonly: bool = False) -> Any:
@@ -63,3 +67,12 @@ def _without_persistence(url: str) -> str:
     base, mark, query = url.partition("?")
     kept = [part for part in query.split("&") if part.partition("=")[0] != "persistence"]
     return f"{base}{mark}{'&'.join(kept)}" if any(kept) else base
+
+
+def is_new_file(store: object) -> TypeGuard[SQLiteStore]:
+    """Whether ``store`` is a SQLite store whose file is not there (yet): opening it for
+    writing makes a new, empty one (a mistyped ``--store`` path, a file deleted while
+    the server was stopped). A link to no file counts as none: SQLite makes its target."""
+    from ._sqlite import SQLiteStore
+
+    return isinstance(store, SQLiteStore) and not os.path.exists(store.path)

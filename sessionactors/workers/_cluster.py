@@ -1293,7 +1293,7 @@ def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError
         f"the registry closed before worker {owner!r}, which runs session {name!r}, "
         "answered this request (its shutdown grace ran out): it may have run there, or "
         "may still; look at the history ",
-        Advice(kind=AdviceKind.OR_TURN_OUTCOME),
+        Advice(kind=AdviceKind.OR_TURN_OUTCOME, turn_id=turn_id),
         " before sending it again (a turn sent with ",
         Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
         " runs once however often it is sent)",

@@ -87,8 +87,9 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "AttributeError": AttributeError,
 }
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code", "idempotency_key")
-#: The attributes of an error that hold a bool (``ModelError.public``), carried too.
-_ERROR_FLAGS: Final = ("public",)
+#: The attributes of an error that hold a bool (``ModelError.public``,
+#: ``FencedOutError.lost_data``), carried too.
+_ERROR_FLAGS: Final = ("public", "lost_data")
 _MAX_WIRE_INT: Final = 2**63 - 1  # the largest integer msgpack carries either way
 
 

@@ -800,23 +800,34 @@ async def test_a_database_the_server_lacks_is_named_in_the_error(redis_url: str)
         await store.aclose()
 
 
-async def test_a_write_whose_lease_the_server_lost_says_the_store_lost_data(
+async def test_a_write_whose_lease_is_gone_is_refused_without_claiming_lost_data(
     make_store: MakeStore, redis_url: str
 ) -> None:
-    """A fenced write finding the session's lease key gone (as after a server restarted
-    without its append-only file) is refused with a FencedOutError that says the store
-    lost data (``lost_data``) and to send the request again; one whose lease another
-    owner claimed since says another worker took it over, and claims no lost data."""
-    store = make_store()
+    """A fenced write that finds no lease of its session is refused with a FencedOutError
+    that names every cause the store cannot tell apart (the lease released, expired, taken
+    over and released, or lost with the server's data) and claims no lost data: a worker
+    whose lease lapsed while another claimed the session and hibernated it (released its
+    lease) meets the same, and so does one whose lease key the server lost; a lease that
+    another owner claimed since says another worker took it over."""
+    a = make_store()
+    b = make_store(a.prefix)
     with trio.fail_after(10):
-        await store.create("s", b"snap", b"i0")
-        lease = await store.claim("s", "w1", 30)
+        await a.create("s", b"snap", b"i0")
+        stale = await a.claim("s", "A", 0.2)
+        assert stale is not None
+        await a.append("s", [E(1, b"one")], b"i1", fence=stale.fence)
+        while (taken_over := await b.claim("s", "B", 30)) is None:  # A's lease lapses
+            await trio.sleep(0.05)
+        await b.release("s", taken_over)  # B hibernates the session
+        with pytest.raises(FencedOutError) as released:
+            await a.append("s", [E(2, b"two")], b"i2", fence=stale.fence)
+        lease = await a.claim("s", "A", 30)
         assert lease is not None
         async with coredis.Redis.from_url(redis_url, decode_responses=True) as client:
-            [key] = [k async for k in client.scan_iter(match=f"{store.prefix}:*:lease")]
+            [key] = [k async for k in client.scan_iter(match=f"{a.prefix}:*:lease")]
             await client.delete([key])
         with pytest.raises(FencedOutError) as lost:
-            await store.append("s", [E(1, b"one")], b"i1", fence=lease.fence)
+            await a.append("s", [E(2, b"two")], b"i2", fence=lease.fence)
         other = make_store()
         await other.create("s", b"snap", b"i0")
         first = await other.claim("s", "w1", 30)
@@ -825,11 +836,12 @@ async def test_a_write_whose_lease_the_server_lost_says_the_store_lost_data(
         assert await other.claim("s", "w2", 30) is not None
         with pytest.raises(FencedOutError) as taken:
             await other.append("s", [E(1, b"one")], b"i1", fence=first.fence)
-    assert lost.value.lost_data
-    assert "holds no lease of session 's' at all" in str(lost.value)
-    assert "lost or rolled back data" in str(lost.value)
-    assert "append-only file" in str(lost.value)
-    assert "send the request again" in str(lost.value)
+    for error in (released.value, lost.value):
+        assert not error.lost_data, error
+        assert "holds no lease of session 's'" in str(error)
+        assert "released, expired, taken over and released" in str(error)
+        assert "or the store lost or rolled back data" in str(error)
+        assert "send the request again" in str(error)
     assert not taken.value.lost_data
     assert "another worker took the session over" in str(taken.value)
     assert "lost or rolled back data" not in str(taken.value)

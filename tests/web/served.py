@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,12 +45,14 @@ def serve_command(
     stop: int = signal.SIGTERM,
     status: int = 0,
     env: Mapping[str, str] | None = None,
+    launcher: Sequence[str] = (),
 ) -> Iterator[Server]:
     """Run ``serve --store STORE --agent chat_agents:agents --port 0 EXTRA...`` from this
-    directory (with ``env`` added to the environment); on exit send ``stop`` and check
-    that it exited with ``status`` (0: it shut down cleanly). What it wrote on stderr
-    is then in ``server.stderr``."""
-    command = [sys.executable, "-m", "sessionactors", "serve", "--store", store]
+    directory (with ``env`` added to the environment, and under ``launcher``, a command
+    such as ``nohup``, if given); on exit send ``stop`` and check that it exited with
+    ``status`` (0: it shut down cleanly). What it wrote on stderr is then in
+    ``server.stderr``."""
+    command = [*launcher, sys.executable, "-m", "sessionactors", "serve", "--store", store]
     command += ["--agent", "chat_agents:agents", "--port", "0", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(

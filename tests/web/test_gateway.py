@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException, WebSocketException
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.http import create_app, event_to_json
-from sessionactors.testing import FaultyStore
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
@@ -183,6 +183,24 @@ async def test_the_turns_route_tells_what_became_of_each_turn(serve: Serve) -> N
             turn_id = done["turn_id"]
             forged = turn_id[:-1] + ("y" if turn_id.endswith("z") else "z")
             assert (await outcome(forged))["status"] == "lost"
+
+
+async def test_the_turns_route_tells_the_kind_of_an_error_with_no_message() -> None:
+    """A turn that failed with an exception whose message is empty (``RuntimeError()``)
+    is told by the turns route by that kind, as one with a message is."""
+    agents = {"app": sa.Agent(model=ScriptedModel([Scripted(error=RuntimeError())]))}
+    async with (
+        sa.open_registry(agents=agents) as registry,
+        serve_trio(create_app(registry)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with trio.fail_after(10):
+            r = await client.post("/sessions/e/messages", json={"text": "hi", "agent": "app"})
+            assert r.status_code == 500, r.text
+            r = await client.get(f"/sessions/e/turns/{r.json()['turn_id']}")
+    body = r.json()
+    assert body["status"] == "failed", body
+    assert body["error"].startswith("the turn failed with RuntimeError; "), body
 
 
 async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve: Serve) -> None:

@@ -92,6 +92,44 @@ def test_serve_access_log_names_requests_without_their_query(tmp_path: Path) -> 
     assert "GET /sessions" not in plain.stderr, plain.stderr
 
 
+def test_serve_access_log_escapes_control_characters_of_the_request(tmp_path: Path) -> None:
+    """A request whose path holds percent-encoded control characters (a newline and a
+    forged log line, an ANSI escape) is written to the access log on one line, those
+    characters escaped: a client cannot forge a line of the server's log, nor reach the
+    terminal that reads it."""
+    forged = "2026-01-01 00:00:00,000 ERROR sessionactors: forged"
+    path = "/sessions/x%0A" + forged.replace(" ", "%20") + "%0D%1B[31mred%C2%9B"
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", "--access-log") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.get(path).status_code >= 400
+    lines = server.stderr.splitlines()
+    assert not any(line.startswith("2026-01-01") for line in lines), server.stderr
+    assert not any(ch in server.stderr for ch in "\r\x1b\x9b"), repr(server.stderr)
+    logged = [line for line in lines if "forged" in line]  # (hypercorn may write two)
+    assert logged, server.stderr
+    for line in logged:
+        assert line.startswith(tuple("0123456789")), line  # (its own time)
+        assert "hypercorn.access" in line, line
+        assert "\\u000a2026-01-01" in line, line
+
+
+def test_serve_that_inherits_sighup_ignored_keeps_serving_through_it(tmp_path: Path) -> None:
+    """Started with SIGHUP ignored (under nohup, or by a supervisor that reloads with
+    kill -HUP), serve leaves it ignored: a SIGHUP neither stops it nor counts as a first
+    signal, so that the SIGTERM after it shuts down gracefully (status 0)."""
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", launcher=["nohup"]) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        server.process.send_signal(signal.SIGHUP)
+        assert client.post("/sessions/s/messages", json={"text": "hi"}).status_code == 200
+        assert client.get("/healthz").status_code == 200
+    assert "SIGHUP" not in server.stderr, server.stderr
+    assert "SIGTERM: shutting down" in server.stderr, server.stderr
+
+
 def test_serve_shuts_down_gracefully_on_sighup(tmp_path: Path) -> None:
     """SIGHUP (the terminal closed, a supervisor's reload) shuts down as SIGTERM does: the
     session is hibernated to the store and the exit status is 0."""
@@ -143,13 +181,14 @@ def test_a_forced_stop_is_logged_and_exits_with_status_1(tmp_path: Path) -> None
     assert "stopped at once" in server.stderr, server.stderr
 
 
-@pytest.mark.parametrize("how", ["env", "file"])
+@pytest.mark.parametrize("how", ["env", "env-spaced", "file"])
 def test_serve_reads_its_token_from_the_environment_or_a_file(tmp_path: Path, how: str) -> None:
-    """The token can come from SESSIONACTORS_TOKEN or --token-file (its trailing newline
-    dropped), so that it never shows in the process list: requests without it get 401."""
+    """The token can come from SESSIONACTORS_TOKEN or --token-file (either one's
+    surrounding whitespace, a trailing newline, dropped alike), so that it never shows
+    in the process list: requests without it get 401."""
     token = "env-s3cret"
     extra: list[str] = []
-    env = {"SESSIONACTORS_TOKEN": token}
+    env = {"SESSIONACTORS_TOKEN": f" {token}\n" if how == "env-spaced" else token}
     if how == "file":
         (tmp_path / "token").write_text(f"{token}\n")
         extra, env = ["--token-file", str(tmp_path / "token")], {}
