@@ -22,7 +22,7 @@ from sessionactors.testing import FaultyStore
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
-from .slow_reader import get_slowly, read_slowly
+from .slow_reader import SilentWebSocket, get_slowly, read_slowly
 from .wsclient import Closed, open_websocket
 
 SSE = {"accept": "text/event-stream"}
@@ -415,6 +415,64 @@ async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> 
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
     await _silent_reader_is_ended(serve, request)
+
+
+async def _fat_session(served: Served) -> int:
+    """Session "fat" of 5 large messages (5 MB of events to replay: more than the sockets
+    hold); the server's port."""
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+        big = "x" * 250_000
+        for _ in range(5):
+            assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
+    return int(served.url.rsplit(":", 1)[1])
+
+
+#: A frame that the gateway answers (an error frame: no such review), by a task of its own.
+UNKNOWN_REVIEW: dict[str, Any] = {"type": "review", "review_id": "rev_none", "approve": True}
+
+
+async def test_a_websocket_client_that_reads_nothing_is_ended_however_many_frames_it_sends(
+    serve: Serve,
+) -> None:
+    """A WebSocket client that replays a session of large messages and reads nothing, but
+    sends a frame that is answered four times in each heartbeat interval, does not hold its
+    connection: the answers wait behind the write that is not taken, which still has only
+    its own allowance (two heartbeats for each 64 KB), and then the socket ends."""
+    async with serve(heartbeat=0.05) as served:
+        ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
+        try:
+            with trio.move_on_after(30) as attack:  # (not an assertion: 600 heartbeats)
+                while True:
+                    try:
+                        await ws.send(UNKNOWN_REVIEW)
+                    except ConnectionError:
+                        break
+                    await trio.sleep(0.0125)
+        finally:
+            ws.close()
+    assert not attack.cancelled_caught, "the client held its connection for 600 heartbeats"
+
+
+async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
+    serve: Serve,
+) -> None:
+    """A WebSocket client that reads nothing but sends frames that are answered, each 8 KB,
+    is read no further once a few answers wait: its frames stay in the network's buffers
+    (its sends stop), rather than piling up answers in the server's memory."""
+    frame = {**UNKNOWN_REVIEW, "note": "n" * 8192}
+    sent = 0
+    async with serve(heartbeat=30) as served:  # (the writes' allowance: a minute each)
+        ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
+        try:
+            while sent < 4096:  # (32 MB)
+                with trio.move_on_after(5) as blocked:  # (not an assertion: a send that waits)
+                    await ws.send(frame)
+                if blocked.cancelled_caught:
+                    break
+                sent += 1
+        finally:
+            ws.close()
+    assert sent < 2048, f"the server took {sent} frames of 8 KB whose answers wait"
 
 
 async def test_a_json_answer_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
