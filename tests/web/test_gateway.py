@@ -186,8 +186,11 @@ async def test_the_turns_route_tells_what_became_of_each_turn(serve: Serve) -> N
 
 
 async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve: Serve) -> None:
-    """A turn id the session never issued answers 404 TurnNotFoundError naming the session;
-    an unknown session 404 SessionNotFoundError; the route is authorized as "read"."""
+    """A turn id the session never issued (another session's, or one of its form that it
+    could not have issued: stamped before it was created or days from now, or longer than
+    any turn id) answers 404 TurnNotFoundError naming the session, the id cut to 64
+    characters; an unknown session 404 SessionNotFoundError; the route is authorized as
+    "read"."""
     seen: list[tuple[str | None, str]] = []
 
     def authorize(request: Any, name: str | None, action: str) -> bool:
@@ -204,13 +207,22 @@ async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve:
                 r = await client.get(f"/sessions/v/turns/{other}")
                 assert r.status_code == 404, r.text
                 assert r.json()["error"] == "SessionNotFoundError"
-            await client.post("/sessions/v/messages", json={"text": "hi"})
-            for other in ("nonsense", reply["turn_id"]):
+            mine = (await client.post("/sessions/v/messages", json={"text": "hi"})).json()
+            _, tag, stamp, process = mine["turn_id"].split("_")  # turn_<tag>_<time>_<process>
+            days_later = f"{int(stamp, 16) + 3 * 86_400 * 10**6:x}"
+            forged = [
+                f"turn_{tag}_0_{process}",
+                f"turn_{tag}_{days_later}_{process}",
+                f"turn_{tag}_{'f' * 3000}_{process}",
+                f"turn_{tag}_{stamp}_{'Z' * 8000}",
+            ]
+            for other in ("nonsense", reply["turn_id"], *forged):
                 r = await client.get(f"/sessions/v/turns/{other}")
-                assert r.status_code == 404, r.text
+                assert r.status_code == 404, r.text[:300]
                 body = r.json()
                 assert (body["error"], body["session_id"]) == ("TurnNotFoundError", "v")
                 assert body["message"].startswith("session 'v' never issued a turn id")
+                assert len(r.text) < 500, r.text[:300]
     assert ("v", "read") in seen
 
 
