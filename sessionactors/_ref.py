@@ -48,6 +48,7 @@ from ._requests import (
     Truncate,
 )
 from ._subscription import EventIterator
+from ._turns import MAX_TURN_ID_CHARS
 
 __all__ = [
     "MAX_TEXT_CHARS",
@@ -290,8 +291,10 @@ class SessionRef(metaclass=NoPublicConstructor):
         and restarts too, for the session's last 256 turns. Lost means that the
         turn was accepted but will never run and left nothing in the history (the
         session crashed, stopped or closed before the turn was durable): send it
-        again. Raises TurnNotFoundError if the session never issued ``turn_id``,
-        or no longer keeps its outcome.
+        again. Raises TurnNotFoundError if the session never issued ``turn_id``
+        (another session's id, or one of its form that it could not have issued:
+        stamped more than 10 minutes before it was created or after now, or of
+        over 200 characters), or no longer keeps its outcome.
         """
         _check_type(self.session_id, "turn_id", turn_id, str)
         return await self._dispatcher.outcome(self.session_id, turn_id)
@@ -323,7 +326,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         """
         if turn_id is not None:
             _check_type(self.session_id, "turn_id", turn_id, str)
-            if len(turn_id) > _MAX_TURN_ID_CHARS or not turn_id.isascii():
+            if len(turn_id) > MAX_TURN_ID_CHARS or not turn_id.isascii():
                 await trio.lowlevel.checkpoint()
                 return False  # (no turn id looks like this)
         cancelled: bool = await self._dispatcher.call(self.session_id, Cancel(turn_id=turn_id))
@@ -721,10 +724,6 @@ class _InBlock:
 
     def __aiter__(self) -> NoReturn:
         raise not_in_block(self._form)
-
-
-#: Longer than any turn id (``turn_<tag>_<time>_<process>``, ASCII): not one.
-_MAX_TURN_ID_CHARS = 200
 
 
 def _check_type(session_id: str, what: str, value: object, kind: type) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -46,7 +47,13 @@ from ._records import (
     make_turn_record,
     utcnow,
 )
-from ._turns import MAX_TURN_RECORDS, session_tag, turn_id_time
+from ._turns import (
+    CLOCK_SKEW_US,
+    MAX_TURN_ID_CHARS,
+    MAX_TURN_RECORDS,
+    session_tag,
+    turn_id_time,
+)
 
 __all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
 
@@ -54,6 +61,9 @@ __all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
 MAX_COMPLETED_KEYS = 1000
 #: A turn's recorded error is cut to this many characters.
 MAX_ERROR_CHARS = 2000
+
+#: When microseconds are counted from (turn ids are stamped so).
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 class HistoryView(Sequence[Message]):
@@ -484,7 +494,12 @@ class LiveSession:
             status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
             return TurnOutcome(session_id=sid, turn_id=turn_id, status=status)
         issued = turn_id_time(turn_id, session_tag(sid))
-        if issued is None:
+        created = (self.created_at - _EPOCH) // datetime.timedelta(microseconds=1)
+        if (
+            issued is None
+            or len(turn_id) > MAX_TURN_ID_CHARS
+            or not created - CLOCK_SKEW_US <= issued <= time.time_ns() // 1000 + CLOCK_SKEW_US
+        ):
             raise TurnNotFoundError(
                 f"session {sid!r} never issued a turn id {shown(turn_id)}; take turn ids from "
                 "reply.turn_id or turn.id of this session",
@@ -496,8 +511,9 @@ class LiveSession:
             status, error = TurnStatus.FAILED, refused[turn_id]
         elif issued <= self.turns_forgotten:
             raise TurnNotFoundError(
-                f"session {sid!r} no longer knows what became of turn {turn_id!r}: it keeps "
-                f"the outcomes of its last {MAX_TURN_RECORDS} turns, and this one is older",
+                f"session {sid!r} no longer knows what became of turn {shown(turn_id)}: it "
+                f"keeps the outcomes of its last {MAX_TURN_RECORDS} turns, and that id is "
+                "older than theirs",
                 session_id=sid,
             )
         elif queued and turn_id in queued:

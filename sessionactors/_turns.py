@@ -9,6 +9,9 @@ durably (the last :data:`MAX_TURN_RECORDS`), that decides every id:
 - recorded: finished, failed or cancelled, as recorded;
 - the session's open turn: running, or waiting on a review;
 - refused before it started (while this incarnation lives): failed;
+- stamped more than :data:`CLOCK_SKEW_US` before the session was created or after
+  now, or longer than :data:`MAX_TURN_ID_CHARS`: never issued for it
+  (TurnNotFoundError);
 - issued no later than the newest record forgotten: its record is gone
   (TurnNotFoundError);
 - in the live actor's mailbox: queued;
@@ -21,15 +24,34 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import time
 
-__all__ = ["MAX_TURN_RECORDS", "new_turn_id", "now_us", "session_tag", "turn_id_time"]
+__all__ = [
+    "CLOCK_SKEW_US",
+    "MAX_TURN_ID_CHARS",
+    "MAX_TURN_RECORDS",
+    "new_turn_id",
+    "now_us",
+    "session_tag",
+    "turn_id_time",
+]
 
 #: How many turn outcomes a session keeps (the most recent ones).
 MAX_TURN_RECORDS = 256
 
+#: Longer than any turn id (``turn_<tag>_<time>_<process>``, ASCII, about 40
+#: characters): not one.
+MAX_TURN_ID_CHARS = 200
+
+#: How far apart the clocks of the processes that stamp a session's turn ids (its
+#: workers, one after another) may be, in microseconds: an id stamped this much before
+#: the session was created, or after now, was never issued for it.
+CLOCK_SKEW_US = 10 * 60 * 1_000_000
+
 _last_us = 0
+_HEX = re.compile("[0-9a-f]+")
 _PROCESS = secrets.token_hex(4)  # ids of two processes differ even at the same microsecond
 
 
@@ -68,7 +90,6 @@ def turn_id_time(turn_id: str, tag: str | None = None) -> int | None:
     parts = turn_id.split("_")
     if len(parts) != 4 or parts[0] != "turn" or (tag is not None and parts[1] != tag):
         return None
-    try:
-        return int(parts[2], 16)
-    except ValueError:
+    if _HEX.fullmatch(parts[2]) is None:  # (int() would also take ' ff', '١٢', ...)
         return None
+    return int(parts[2], 16)

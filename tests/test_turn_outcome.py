@@ -451,6 +451,29 @@ async def test_an_id_never_issued_for_the_session_is_a_typed_error() -> None:
                 await a.turn_outcome(5)  # type: ignore[arg-type]
 
 
+async def test_an_id_of_the_sessions_form_it_could_not_have_issued_is_a_typed_error() -> None:
+    """An id of the session's form that it could not have issued (stamped before it was
+    created or days from now, or longer than any turn id) raises TurnNotFoundError saying
+    that it never issued it, the id cut to 64 characters, rather than reading lost."""
+    async with sa.open_registry(agents=agents_of(EchoModel())) as registry:
+        ref = await registry.spawn("f")
+        with trio.fail_after(10):
+            reply = await ref.send("hi")
+            _, tag, stamp, process = reply.turn_id.split("_")  # turn_<tag>_<time>_<process>
+            days_later = f"{int(stamp, 16) + 3 * 86_400 * 10**6:x}"
+            for forged in (
+                f"turn_{tag}_0_{process}",
+                f"turn_{tag}_{days_later}_{process}",
+                f"turn_{tag}_{'f' * 3000}_{process}",
+                f"turn_{tag}_{stamp}_{'Z' * 8000}",
+            ):
+                with pytest.raises(sa.TurnNotFoundError, match="session 'f' never issued") as e:
+                    await ref.turn_outcome(forged)
+                assert len(str(e.value)) < 300, str(e.value)
+            kept = await ref.turn_outcome(reply.turn_id)
+    assert kept.status is sa.TurnStatus.FINISHED
+
+
 async def test_outcomes_are_kept_for_the_last_256_turns() -> None:
     """Retention is bounded: the oldest outcome is forgotten with a clear error."""
     async with sa.open_registry(agents=agents_of(EchoModel())) as registry:

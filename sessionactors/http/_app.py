@@ -1136,8 +1136,9 @@ class SessionsApp:
     ) -> None:
         # a send the client takes nothing of for two heartbeat intervals (a message larger
         # than WRITE_BYTES, which cannot be split, has that for each WRITE_BYTES it
-        # carries) ends the socket and resets its connection (the client resumes with
-        # ?after=); a client that reads slowly but steadily gets its messages
+        # carries, counted once the sends before it are done; a send begun later gives
+        # it no more time) ends the socket and resets its connection (the client resumes
+        # with ?after=); a client that reads slowly but steadily gets its messages
         writes = WriteGuard(
             websocket.scope, websocket.send, STALL_HEARTBEATS * self._hooks.heartbeat
         )
@@ -1187,6 +1188,9 @@ class SessionsApp:
                 group.start_soon(writes.guard, group.cancel_scope)
                 group.start_soon(forward)
                 while True:
+                    # a client whose answers wait is read no further until it takes
+                    # some: its frames stay in the network's buffers, not in tasks here
+                    await writes.wait_room(WS_WRITES_PENDING)
                     try:
                         data = _loads(await _text_frame(websocket), "the frame")
                         if not isinstance(data, dict):
@@ -1359,6 +1363,11 @@ async def _ws_close(
         await websocket.close(code, _close_reason(reason))
     except (RuntimeError, WebSocketDisconnect, OSError):  # already closed by the client
         pass
+
+
+#: How many of a WebSocket's writes (events and answers) may wait for its client before
+#: its next frame is read.
+WS_WRITES_PENDING: Final = 16
 
 
 #: The longest reason a WebSocket's close frame carries, in UTF-8 bytes (RFC 6455, 5.5).

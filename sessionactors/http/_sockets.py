@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 
 __all__ = ["WRITE_BYTES", "WriteGuard", "abort_connections"]
 
@@ -67,45 +69,72 @@ class WriteGuard:
     """Ends a response whose client takes less than 64 KB of it in ``bound`` seconds.
 
     ``send`` wraps the ASGI send. A write may wait ``bound`` seconds for each
-    :data:`WRITE_BYTES` it carries (at least one); writes that overlap (a WebSocket's
-    tasks send at once, and the server writes them in turn) share one deadline, to
-    which each adds its own allowance. ``guard`` (a task in the response's task group)
-    waits for that deadline to pass with a write not done, then cancels
-    ``cancel_scope`` (enough under asyncio servers) and resets the connection (needed
-    under hypercorn's trio worker, which shields a socket write from cancellation);
-    ``stalled`` says that it did, and that nothing more is to be sent.
+    :data:`WRITE_BYTES` it carries (at least one): its allowance, counted from when it
+    is the oldest write not done (writes that overlap, as a WebSocket's tasks send at
+    once, go out in turn: one waits behind the writes before it, which have their own
+    allowances). ``guard`` (a task in the response's task group) waits for the oldest
+    write to pass its allowance, then cancels ``cancel_scope`` (enough under asyncio
+    servers) and resets the connection (needed under hypercorn's trio worker, which
+    shields a socket write from cancellation); ``stalled`` says that it did, and that
+    nothing more is to be sent. A write begun later never gives the oldest more time,
+    so a client that takes nothing is cut within the oldest write's allowance however
+    many writes it causes meanwhile; ``wait_room`` lets a reader of the client's
+    requests stop taking them while their answers wait.
 
     So a client that keeps taking bytes, however slowly, is never cut as long as it
     takes :data:`WRITE_BYTES` in each ``bound`` (about 2 KB/s at the gateway's
-    default of 30 s), and one that takes nothing is cut once the writes it holds up
-    have had their time.
+    default of 30 s), and one that takes nothing is cut once the oldest write it holds
+    up has had its time.
     """
 
     def __init__(self, scope: Any, send: Any, bound: float) -> None:
         self._scope = scope
         self._send = send
         self.bound = bound
-        self._writing = 0  # (writes begun and not done)
-        self._deadline = 0.0  # (meaningful while _writing)
+        self._pending: dict[int, float] = {}  # (writes begun and not done: their
+        # allowances, oldest first)
+        self._begun = 0  # (writes begun: the next one's key)
+        self._oldest_since = 0.0  # (when the oldest pending write became the oldest)
+        self._changed = anyio.Event()  # (set, and replaced, as a write begins or ends)
         self.stalled = False
 
+    @property
+    def pending(self) -> int:
+        """How many writes are begun and not done."""
+        return len(self._pending)
+
     async def send(self, message: Any) -> None:
-        allowance = max(1, -(-_size(message) // WRITE_BYTES)) * self.bound
-        if self._writing:
-            self._deadline += allowance
-        else:
-            self._deadline = anyio.current_time() + allowance
-        self._writing += 1
+        key = self._begun
+        self._begun += 1
+        if not self._pending:
+            self._oldest_since = anyio.current_time()
+        self._pending[key] = max(1, -(-_size(message) // WRITE_BYTES)) * self.bound
+        self._tell()
         try:
             await self._send(message)
         finally:
-            self._writing -= 1
+            if next(iter(self._pending)) == key:  # the next one is the oldest from now
+                self._oldest_since = anyio.current_time()
+            del self._pending[key]
+            self._tell()
+
+    async def wait_room(self, writes: int) -> None:
+        """Wait until fewer than ``writes`` writes are pending."""
+        await anyio.lowlevel.checkpoint()
+        while len(self._pending) >= writes:
+            await self._changed.wait()
 
     async def guard(self, cancel_scope: anyio.CancelScope) -> None:
         while True:
-            left = self._deadline - anyio.current_time() if self._writing else self.bound
+            changed = self._changed
+            if self._pending:
+                allowance = next(iter(self._pending.values()))
+                left = self._oldest_since + allowance - anyio.current_time()
+            else:
+                left = math.inf
             if left > 0:
-                await anyio.sleep(left)
+                with anyio.move_on_after(left):
+                    await changed.wait()
                 continue
             self.stalled = True
             cancel_scope.cancel()
@@ -113,6 +142,11 @@ class WriteGuard:
             if server and client:
                 abort_connections((server[0], server[1]), (client[0], client[1]))
             return
+
+    def _tell(self) -> None:
+        """Wake those who wait on a change of the pending writes."""
+        self._changed.set()
+        self._changed = anyio.Event()
 
 
 def _size(message: Any) -> int:

@@ -138,3 +138,45 @@ class _WebSocketParser:
             elif isinstance(event, wsproto.events.RejectConnection):
                 raise AssertionError(f"the WebSocket was refused: {event!r}")
         return out
+
+
+class SilentWebSocket:
+    """A WebSocket client that reads nothing after its handshake (a receive buffer of 4 KB,
+    an Ethernet's segments) and sends JSON frames; ``send`` raises ConnectionError once
+    the server has reset or closed the connection."""
+
+    def __init__(self, sock: trio.socket.SocketType, ws: wsproto.WSConnection) -> None:
+        self._sock = sock
+        self._ws = ws
+
+    @classmethod
+    async def connect(cls, port: int, target: str) -> "SilentWebSocket":
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, READ_BYTES)
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, READ_BYTES)
+        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, SEGMENT_BYTES)
+        await sock.connect(("127.0.0.1", port))
+        ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+        await sock.send(ws.send(wsproto.events.Request(host=f"127.0.0.1:{port}", target=target)))
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):  # (the handshake's answer, not a byte more)
+            byte = await sock.recv(1)
+            if not byte:
+                raise ConnectionError("closed during the handshake")
+            head += byte
+        ws.receive_data(head)
+        [accepted] = ws.events()
+        assert isinstance(accepted, wsproto.events.AcceptConnection), accepted
+        return cls(sock, ws)
+
+    async def send(self, data: dict[str, Any]) -> None:
+        out = memoryview(self._ws.send(wsproto.events.TextMessage(data=json.dumps(data))))
+        while out:
+            try:
+                sent = await self._sock.send(out)
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                raise ConnectionError(f"the server ended the connection: {exc!r}") from None
+            out = out[sent:]
+
+    def close(self) -> None:
+        self._sock.close()

@@ -22,7 +22,7 @@ from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
-from .slow_reader import get_slowly, read_slowly
+from .slow_reader import SilentWebSocket, get_slowly, read_slowly
 from .wsclient import Closed, open_websocket
 
 SSE = {"accept": "text/event-stream"}
@@ -204,8 +204,11 @@ async def test_the_turns_route_tells_the_kind_of_an_error_with_no_message() -> N
 
 
 async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve: Serve) -> None:
-    """A turn id the session never issued answers 404 TurnNotFoundError naming the session;
-    an unknown session 404 SessionNotFoundError; the route is authorized as "read"."""
+    """A turn id the session never issued (another session's, or one of its form that it
+    could not have issued: stamped before it was created or days from now, or longer than
+    any turn id) answers 404 TurnNotFoundError naming the session, the id cut to 64
+    characters; an unknown session 404 SessionNotFoundError; the route is authorized as
+    "read"."""
     seen: list[tuple[str | None, str]] = []
 
     def authorize(request: Any, name: str | None, action: str) -> bool:
@@ -222,13 +225,22 @@ async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve:
                 r = await client.get(f"/sessions/v/turns/{other}")
                 assert r.status_code == 404, r.text
                 assert r.json()["error"] == "SessionNotFoundError"
-            await client.post("/sessions/v/messages", json={"text": "hi"})
-            for other in ("nonsense", reply["turn_id"]):
+            mine = (await client.post("/sessions/v/messages", json={"text": "hi"})).json()
+            _, tag, stamp, process = mine["turn_id"].split("_")  # turn_<tag>_<time>_<process>
+            days_later = f"{int(stamp, 16) + 3 * 86_400 * 10**6:x}"
+            forged = [
+                f"turn_{tag}_0_{process}",
+                f"turn_{tag}_{days_later}_{process}",
+                f"turn_{tag}_{'f' * 3000}_{process}",
+                f"turn_{tag}_{stamp}_{'Z' * 8000}",
+            ]
+            for other in ("nonsense", reply["turn_id"], *forged):
                 r = await client.get(f"/sessions/v/turns/{other}")
-                assert r.status_code == 404, r.text
+                assert r.status_code == 404, r.text[:300]
                 body = r.json()
                 assert (body["error"], body["session_id"]) == ("TurnNotFoundError", "v")
                 assert body["message"].startswith("session 'v' never issued a turn id")
+                assert len(r.text) < 500, r.text[:300]
     assert ("v", "read") in seen
 
 
@@ -433,6 +445,64 @@ async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> 
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
     await _silent_reader_is_ended(serve, request)
+
+
+async def _fat_session(served: Served) -> int:
+    """Session "fat" of 5 large messages (5 MB of events to replay: more than the sockets
+    hold); the server's port."""
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+        big = "x" * 250_000
+        for _ in range(5):
+            assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
+    return int(served.url.rsplit(":", 1)[1])
+
+
+#: A frame that the gateway answers (an error frame: no such review), by a task of its own.
+UNKNOWN_REVIEW: dict[str, Any] = {"type": "review", "review_id": "rev_none", "approve": True}
+
+
+async def test_a_websocket_client_that_reads_nothing_is_ended_however_many_frames_it_sends(
+    serve: Serve,
+) -> None:
+    """A WebSocket client that replays a session of large messages and reads nothing, but
+    sends a frame that is answered four times in each heartbeat interval, does not hold its
+    connection: the answers wait behind the write that is not taken, which still has only
+    its own allowance (two heartbeats for each 64 KB), and then the socket ends."""
+    async with serve(heartbeat=0.05) as served:
+        ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
+        try:
+            with trio.move_on_after(30) as attack:  # (not an assertion: 600 heartbeats)
+                while True:
+                    try:
+                        await ws.send(UNKNOWN_REVIEW)
+                    except ConnectionError:
+                        break
+                    await trio.sleep(0.0125)
+        finally:
+            ws.close()
+    assert not attack.cancelled_caught, "the client held its connection for 600 heartbeats"
+
+
+async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
+    serve: Serve,
+) -> None:
+    """A WebSocket client that reads nothing but sends frames that are answered, each 8 KB,
+    is read no further once a few answers wait: its frames stay in the network's buffers
+    (its sends stop), rather than piling up answers in the server's memory."""
+    frame = {**UNKNOWN_REVIEW, "note": "n" * 8192}
+    sent = 0
+    async with serve(heartbeat=30) as served:  # (the writes' allowance: a minute each)
+        ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
+        try:
+            while sent < 4096:  # (32 MB)
+                with trio.move_on_after(5) as blocked:  # (not an assertion: a send that waits)
+                    await ws.send(frame)
+                if blocked.cancelled_caught:
+                    break
+                sent += 1
+        finally:
+            ws.close()
+    assert sent < 2048, f"the server took {sent} frames of 8 KB whose answers wait"
 
 
 async def test_a_json_answer_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
