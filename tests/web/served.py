@@ -38,6 +38,14 @@ class Server:
         return int(self.url.rsplit(":", 1)[1])
 
 
+def _default_signals() -> None:
+    """In the child, before it runs serve: the stop signals as a shell in a terminal
+    leaves them, whatever this test run inherited (a background job, nohup or CI may
+    have them ignored, which the child would inherit and serve would then leave so)."""
+    for number in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+
+
 @contextmanager
 def serve_command(
     store: str,
@@ -56,7 +64,13 @@ def serve_command(
     command += ["--agent", "chat_agents:agents", "--port", "0", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
-        command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        command,
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=_default_signals,
     )
     try:
         assert process.stdout is not None
