@@ -372,6 +372,7 @@ async def test_a_session_whose_lease_lapsed_unrenewed_is_live_in_one_process_onl
 
 
 @pytest.mark.redis
+@pytest.mark.soak  # (slow; the store's own test checks the words: make soak runs this)
 async def test_a_session_whose_lease_redis_lost_says_what_may_explain_it_at_warning(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -12,6 +12,19 @@ from .chat_agents import asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A slow test marked ``one_server`` runs on hypercorn's trio worker in ``make test``
+    and on the other servers too in ``make soak``."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (
+            item.get_closest_marker("one_server") is not None
+            and callspec is not None
+            and callspec.params.get("serve", "hypercorn-trio") != "hypercorn-trio"
+        ):
+            item.add_marker(pytest.mark.soak)
+
+
 @pytest.fixture(params=["hypercorn-trio", "uvicorn-asyncio"])
 def serve(request: pytest.FixtureRequest) -> Serve:
     """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server."""

@@ -483,6 +483,7 @@ async def test_a_websocket_client_that_reads_nothing_is_ended_however_many_frame
     assert not attack.cancelled_caught, "the client held its connection for 600 heartbeats"
 
 
+@pytest.mark.one_server  # (slow)
 async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
     serve: Serve,
 ) -> None:
@@ -524,6 +525,7 @@ async def test_a_json_answer_whose_client_takes_nothing_is_ended(serve: Serve) -
             body += len(event.data)
 
 
+@pytest.mark.one_server  # (slow)
 async def test_a_client_that_reads_a_json_answer_slowly_but_steadily_gets_it(
     serve: Serve,
 ) -> None:
@@ -544,6 +546,7 @@ async def test_a_client_that_reads_a_json_answer_slowly_but_steadily_gets_it(
     assert body == expected
 
 
+@pytest.mark.one_server  # (slow)
 @pytest.mark.parametrize(
     "target", ["/sessions/big/events?after=0", "/sessions/big/ws?after=0"], ids=["sse", "ws"]
 )
