@@ -220,8 +220,10 @@ async def send_while_frozen(url: str, timeout: float) -> list[sa.Reply | BaseExc
 
 @pytest.mark.parametrize(
     ("timeout", "bounded"),
-    [(TIMEOUT, True), (10.0**6, False)],
-    ids=["store-timeout", "control-without-a-usable-timeout"],
+    [
+        pytest.param(TIMEOUT, True, id="store-timeout"),
+        pytest.param(10.0**6, False, id="control-without-a-usable-timeout", marks=pytest.mark.soak),
+    ],
 )
 async def test_a_forwarded_send_with_redis_frozen_ends_within_its_deadline(
     private_redis_server: Callable[..., AbstractContextManager[str]],

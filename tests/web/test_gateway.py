@@ -427,6 +427,7 @@ async def _silent_reader_is_ended(serve: Serve, request: str) -> bytes:
     return bytes(got)
 
 
+@pytest.mark.one_server  # (slow)
 async def test_an_event_stream_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
     """A client that replays a session of large messages and reads nothing (the server's
     write to it never done) does not hold its connection: after two heartbeat intervals
@@ -435,6 +436,7 @@ async def test_an_event_stream_whose_client_takes_nothing_is_ended(serve: Serve)
     await _silent_reader_is_ended(serve, request)
 
 
+@pytest.mark.one_server  # (slow)
 async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
     """A WebSocket client that replays a session of large messages and reads nothing (the
     server's send to it never done) does not hold its connection: after two heartbeat
@@ -461,6 +463,7 @@ async def _fat_session(served: Served) -> int:
 UNKNOWN_REVIEW: dict[str, Any] = {"type": "review", "review_id": "rev_none", "approve": True}
 
 
+@pytest.mark.one_server  # (slow)
 async def test_a_websocket_client_that_reads_nothing_is_ended_however_many_frames_it_sends(
     serve: Serve,
 ) -> None:
@@ -506,6 +509,7 @@ async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
     assert sent < 2048, f"the server took {sent} frames of 8 KB whose answers wait"
 
 
+@pytest.mark.one_server  # (slow)
 async def test_a_json_answer_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
     """A client that asks for a session of a long history (2.5 MB of JSON) and reads
     nothing (the server's write to it never done) holds neither the answer nor its

@@ -259,6 +259,7 @@ async def test_healthz_answers_200_while_the_store_answers_and_503_when_it_fails
             assert (await client.get("/healthz")).status_code == 200
 
 
+@pytest.mark.one_server  # (slow)
 async def test_healthz_answers_503_when_the_store_does_not_answer(serve: Serve) -> None:
     """GET /healthz answers 503 when the store does not answer within its bound, instead
     of holding the load balancer's probe."""
