@@ -1221,6 +1221,7 @@ async def turn_problems(cluster: Cluster, names: list[str], acked: list[str]) ->
     return problems
 
 
+@pytest.mark.soak  # (a fault run: make soak; the early-ack kill test stays in make test)
 async def test_killing_a_worker_during_traffic_loses_and_repeats_nothing(
     cluster: Cluster,
 ) -> None:

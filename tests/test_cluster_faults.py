@@ -140,6 +140,7 @@ def lost_or_repeated(traffic: Traffic, texts: Counter[str]) -> list[str]:
     return problems
 
 
+@pytest.mark.soak  # (a fault run: make soak)
 async def test_redis_frozen_past_the_timeout(
     private_redis_server: Callable[..., AbstractContextManager[str]],
 ) -> None:

@@ -486,7 +486,9 @@ def real_run(url: str, plan: Plan, **options: Any) -> None:
     trio.run(lambda: run_plan(url, plan, **options))
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["fixed", "balanced"])
+@pytest.mark.parametrize(
+    "balance", [False, pytest.param(True, marks=pytest.mark.soak)], ids=["fixed", "balanced"]
+)
 # a few plans in `make test` (each takes real seconds); the search is the soak test below
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=PLAN)

@@ -239,6 +239,7 @@ class _Migration:
             _cli(port, "CLUSTER", "SETSLOT", self.slot, "NODE", self.target)
 
 
+@pytest.mark.soak  # (a fault run: make soak)
 async def test_writes_wait_through_a_slot_migration(private_redis_cluster: PrivateServer) -> None:
     """A session's slot moves to another master (resharding: the slot migrating, its keys
     moved, then the slot handed over) while the store appends to it: Redis refuses a

@@ -499,7 +499,7 @@ async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
         ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
         try:
             while sent < 4096:  # (32 MB)
-                with trio.move_on_after(5) as blocked:  # (not an assertion: a send that waits)
+                with trio.move_on_after(2) as blocked:  # (not an assertion: a send that waits)
                     await ws.send(frame)
                 if blocked.cancelled_caught:
                     break
