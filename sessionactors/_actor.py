@@ -584,11 +584,12 @@ class Actor:
             append=append,
         )
 
-    def compact(self) -> Awaitable[None]:
+    async def compact(self) -> None:
         """The snapshot that compacts the journal, if it is due (``commit`` takes it after
         its append unless told not to): best effort, a failure only defers it."""
-        hub = self.hub
-        return self.journal.compact(self.session, self.fence, hub.seq if hub is not None else 0)
+        if self.journal.compaction_due():
+            hub = self.hub
+            await self.journal.compact(self.session, self.fence, hub.seq if hub is not None else 0)
 
     async def _write_snapshot(self, status: Status) -> None:
         await self.journal.write_snapshot(

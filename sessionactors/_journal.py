@@ -202,21 +202,24 @@ class Journal:
         self._since_snapshot += count
         for entry in entries:
             self._size += len(entry.data)
-        if compact:
+        if compact and self.compaction_due():
             await self.compact(session, fence, hub_seq)
 
-    async def compact(self, session: LiveSession, fence: int | None, hub_seq: int) -> None:
-        """Snapshot once the journal outweighs the snapshot (see ``commit``); a failure
-        only leaves the journal to the next try (what it holds is journaled already)."""
-        if (
+    def compaction_due(self) -> bool:
+        """Whether the journal outweighs the snapshot (see ``commit``)."""
+        return (
             self.per_turn
             and not self.unwritable
             and self._since_snapshot >= self.config.snapshot_every
             and self._size >= self._snapshot_size
-        ):
-            with contextlib.suppress(Exception):  # the entries are stored: only compaction
-                seq = max(hub_seq, session.event_seq)
-                await self.write_snapshot(session, fence, seq, session.status)
+        )
+
+    async def compact(self, session: LiveSession, fence: int | None, hub_seq: int) -> None:
+        """The snapshot that compacts the journal (when ``compaction_due``); a failure
+        only leaves the journal to the next try (what it holds is journaled already)."""
+        with contextlib.suppress(Exception):  # the entries are stored: only compaction
+            seq = max(hub_seq, session.event_seq)
+            await self.write_snapshot(session, fence, seq, session.status)
 
     async def write_snapshot(
         self, session: LiveSession, fence: int | None, seq: int, status: Status
