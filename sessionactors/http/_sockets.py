@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import struct
@@ -95,7 +94,8 @@ class WriteGuard:
         # allowances, oldest first)
         self._begun = 0  # (writes begun: the next one's key)
         self._oldest_since = 0.0  # (when the oldest pending write became the oldest)
-        self._changed = anyio.Event()  # (set, and replaced, as a write begins or ends)
+        self._room: anyio.Event | None = None  # (set as a write ends, if wait_room waits)
+        self._wake: anyio.Event | None = None  # (set when the guard must look again)
         self.stalled = False
 
     @property
@@ -109,32 +109,39 @@ class WriteGuard:
         if not self._pending:
             self._oldest_since = anyio.current_time()
         self._pending[key] = max(1, -(-_size(message) // WRITE_BYTES)) * self.bound
-        self._tell()
         try:
             await self._send(message)
         finally:
-            if next(iter(self._pending)) == key:  # the next one is the oldest from now
+            oldest = next(iter(self._pending)) == key
+            if oldest:  # the next one is the oldest from now
                 self._oldest_since = anyio.current_time()
             del self._pending[key]
-            self._tell()
+            if oldest and self._pending and self._wake is not None:
+                self._wake.set()  # (the next one's allowance may end before this one's)
+            if self._room is not None:
+                self._room.set()
 
     async def wait_room(self, writes: int) -> None:
         """Wait until fewer than ``writes`` writes are pending."""
         await anyio.lowlevel.checkpoint()
         while len(self._pending) >= writes:
-            await self._changed.wait()
+            room = self._room = anyio.Event()
+            await room.wait()
+        self._room = None
 
     async def guard(self, cancel_scope: anyio.CancelScope) -> None:
+        # (a write begun while it sleeps, a bound at most, ends its allowance after it
+        # wakes; only the oldest write ending with others pending wakes it sooner)
         while True:
-            changed = self._changed
             if self._pending:
                 allowance = next(iter(self._pending.values()))
                 left = self._oldest_since + allowance - anyio.current_time()
             else:
-                left = math.inf
+                left = self.bound
             if left > 0:
+                wake = self._wake = anyio.Event()
                 with anyio.move_on_after(left):
-                    await changed.wait()
+                    await wake.wait()
                 continue
             self.stalled = True
             cancel_scope.cancel()
@@ -142,11 +149,6 @@ class WriteGuard:
             if server and client:
                 abort_connections((server[0], server[1]), (client[0], client[1]))
             return
-
-    def _tell(self) -> None:
-        """Wake those who wait on a change of the pending writes."""
-        self._changed.set()
-        self._changed = anyio.Event()
 
 
 def _size(message: Any) -> int:
