@@ -17,8 +17,12 @@ demo: $(VENV)
 demo-cluster: .venv/.extra-redis-$(HASH)
 	$(PY) -m sessionactors demo-cluster
 
+# The tests run in two processes (pytest-xdist): most of their time is spent waiting on
+# servers, subprocesses and timeouts. TEST_PROCESSES=0 runs them in this one.
+TEST_PROCESSES ?= 2
+
 test: .venv/.extra-test-$(HASH)
-	$(PY) -m pytest -q -m "not soak"
+	$(PY) -m pytest -q -m "not soak" -n $(TEST_PROCESSES)
 
 soak: .venv/.extra-test-$(HASH)
 	$(PY) -m pytest -q -m soak

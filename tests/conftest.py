@@ -18,6 +18,19 @@ import sessionactors as sa
 from sessionactors.testing import EchoModel
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Captured output and logs with lone surrogates (tests feed the library such text on
+    purpose) are kept with the surrogates escaped: a test's report must be UTF-8 to
+    travel from a ``-n`` worker process (pytest-xdist) to the main one."""
+    report = yield
+    report.sections = [
+        (title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for title, text in report.sections
+    ]
+    return report
+
+
 @pytest.fixture
 def echo_agents() -> dict[str, sa.Agent]:
     """One agent, "echo", whose model streams the user's words back."""
