@@ -451,9 +451,13 @@ class StoreConfigurationError(StoreError):
     """The store refused an operation that a retry cannot fix: a permission the store's
     user lacks, a command the server disabled or renamed, keys spread over the slots
     of a cluster, a password or database number in the store's URL that the server
-    refuses, a store on an asyncio client (``sessionactors.aio.asyncio_store``) used
-    outside ``sessionactors.aio``. Fix the server's configuration, the URL or the
-    registry (its message says what)."""
+    refuses, keys under a Redis store's prefix of another type than the store keeps
+    there, a SQLite file that is not a store (or is in a directory that does not
+    exist), that a newer version wrote, or that this process may not write, a store on
+    an asyncio client (``sessionactors.aio.asyncio_store``) used outside
+    ``sessionactors.aio``. Fix the server's configuration, the URL, the file or the
+    registry (its message says what). The registry, ``serve`` and the command line do
+    not retry it."""
 
 
 class WorkerUnreachableError(SessionActorsError, TimeoutError):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
+import pytest
 import trio
 
 
@@ -28,3 +31,16 @@ async def reap(process: trio.Process) -> None:
     for pipe in (process.stdin, process.stdout, process.stderr):
         if pipe is not None:
             await pipe.aclose()
+
+
+def unprivileged() -> list[str]:
+    """The command prefix that runs a process as one that file permissions apply to:
+    none for a user other than root; for root, ``setpriv`` without the capabilities that
+    override them (skips the test if there is no ``setpriv``)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: file permissions do not apply")
+    caps = "-dac_override,-dac_read_search"
+    return [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]

@@ -26,7 +26,8 @@ import pytest
 import trio
 
 import sessionactors as sa
-from processes import reap, sessions
+import unusable_stores
+from processes import reap, sessions, unprivileged
 from redis_keys import drop_prefix, keys_of, rot_name
 from sessionactors.stores import RedisStore, SQLiteStore
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
@@ -911,6 +912,38 @@ async def test_list_of_a_store_that_holds_no_session_says_so_on_stderr(
             assert "check" in done.stderr, done.stderr
     held = f"{redis_url}?prefix={prefix}"
     assert ok("list", "--json", "--meta", "tenant=globex", "--store", held) == "[]\n"
+
+
+@pytest.mark.parametrize("case", unusable_stores.CASES[:-1])
+async def test_list_of_a_sqlite_file_that_is_no_store_says_what_to_do(
+    tmp_path: Path, case: str
+) -> None:
+    """list --store on a SQLite file that is not a store (text, empty, another program's
+    database) or of a newer schema version exits with status 1 and one line naming the
+    file and saying what to do; one that this process may not write (the file, its
+    directory) it lists, as it only reads. It writes nothing."""
+    unusable = await unusable_stores.make(tmp_path, case)
+    before = unusable_stores.contents(tmp_path)
+    command = [*unprivileged(), sys.executable, "-m", "sessionactors", "sessions", "list"]
+    try:
+        done = await trio.run_process(
+            [*command, "--store", f"sqlite:///{unusable.path}"], capture_stdout=True,
+            capture_stderr=True, check=False,
+        )  # fmt: skip
+    finally:
+        unusable_stores.writable(tmp_path)
+    stdout, stderr = done.stdout.decode(), done.stderr.decode()
+    if unusable.permissions:
+        assert done.returncode == 0, stderr
+        assert stdout.split("\t")[0] == "old", stdout
+    else:
+        assert done.returncode == 1, stdout + stderr
+        assert stderr.startswith("sessionactors sessions list: "), stderr
+        assert stderr.count("\n") == 1, stderr
+        assert repr(str(unusable.path)) in stderr, stderr
+        for said in unusable.said:
+            assert said in stderr, stderr
+    assert unusable_stores.contents(tmp_path) == before
 
 
 @pytest.mark.redis

@@ -426,6 +426,12 @@ _DATABASE_FIX: Final = (
     "the server has no database of the number in the store's URL (its 'databases' "
     "setting says how many it has): check the database number"
 )
+_WRONG_TYPE_FIX: Final = (
+    "a key under the store's prefix holds another type of value than the store keeps "
+    "there (another application's keys under the same prefix, or keys changed behind the "
+    "store's back): give the store a prefix of its own (RedisStore(url, prefix=...), or "
+    "?prefix= in the command line's URL), or remove those keys"
+)
 
 
 def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
@@ -439,6 +445,8 @@ def _configuration_problem(exc: BaseException, client: Client | None) -> str | N
         return _LOGIN_FIX
     if "db index is out of range" in message:
         return _DATABASE_FIX
+    if "wrongtype" in message or "wrong kind of value" in message:
+        return _WRONG_TYPE_FIX
     if isinstance(exc, coredis.exceptions.AskError) and not isinstance(
         client, coredis.RedisCluster
     ):
@@ -754,7 +762,8 @@ class RedisStore:
     Errors a retry cannot fix (a permission the user lacks, scripting or blocking
     commands disabled for it or on the server, ``CROSSSLOT``, a ``redis://`` URL
     that reaches a node of a Redis Cluster, a user name or password the server
-    refuses, a database number it does not have) raise
+    refuses, a database number it does not have, keys under the prefix of another
+    type than the store keeps there) raise
     :class:`~sessionactors.StoreConfigurationError`, which says what to change; a
     multi-worker registry that meets one fails with it rather than retry.
 

@@ -74,7 +74,7 @@ from ._sqlite_files import (
     _check_writable,
     _file_stamp,
     _OpenError,
-    _PathError,
+    _RefusedError,
     _release_lock,
 )
 
@@ -283,7 +283,7 @@ def _fail(path: str, batch: list[_Request], exc: BaseException) -> None:
 def _store_error(path: str, request: _Request, exc: BaseException) -> StoreError:
     about = f"session {request.session_id!r}: " if request.session_id is not None else ""
     if isinstance(exc, _OpenError):
-        kind = StoreConfigurationError if isinstance(exc, _PathError) else StoreError
+        kind = StoreConfigurationError if isinstance(exc, _RefusedError) else StoreError
         error = kind(f"{about}{exc}", session_id=request.session_id)
         error.__cause__ = exc.__cause__
         return error
@@ -515,7 +515,7 @@ class _Worker:
             _check_no_orphan_wal(path)
             _create(path)
         elif os.path.getsize(path) == 0:
-            raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
+            raise _RefusedError(_not_ours(path, _EMPTY))
         _check_writable(path)
         conn = sqlite3.connect(
             path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=True
@@ -546,7 +546,7 @@ class _Worker:
                 " an existing file"
             )
         if os.path.getsize(path) == 0:
-            raise _OpenError(_not_ours(path, "the file is empty (0 bytes): was it truncated?"))
+            raise _RefusedError(_not_ours(path, _EMPTY))
         # Nothing of the file may change, -wal and -shm included. While a process has
         # the file open (its -shm exists), readonly_shm=1 maps that -shm read-only:
         # plain mode=ro would record its read position there. With no -shm, no process
@@ -671,13 +671,22 @@ class _Worker:
 
 
 _TABLES: Final = ("journal", "leases", "sessions", "snapshots")
+_EMPTY: Final = (
+    "the file is empty (0 bytes): a store truncated, or a file made empty for it (a store"
+    " file is never empty: it is created with its tables); if it was made empty, delete it"
+    " and the store creates it"
+)
+# SQLite's primary result codes (an error's sqlite_errorcode, extended codes included,
+# masked with 0xFF) that say that a file is not a database, whatever a retry does.
+_SQLITE_CORRUPT: Final = 11
+_SQLITE_NOTADB: Final = 26
 
 
 def _not_ours(path: str, problem: str) -> str:
     return (
-        f"the sqlite store at {path!r} is not a sessionactors store: {problem}; restore the"
-        " file from a backup, or pass the path of a store (or of a file that does not exist"
-        " yet: it is created)"
+        f"the sqlite store at {path!r} is not a sessionactors store: {problem}; nothing was"
+        " written to it. Restore the file from a backup, or pass the path of a store (or of"
+        " a file that does not exist yet: it is created)"
     )
 
 
@@ -694,16 +703,18 @@ def _check_schema(conn: sqlite3.Connection, path: str) -> int:
             )
         )
     except sqlite3.DatabaseError as exc:
-        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-            raise  # busy, not foreign
-        raise _OpenError(_not_ours(path, f"it is not an SQLite database ({exc})")) from exc
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (_SQLITE_NOTADB, _SQLITE_CORRUPT):
+            raise  # busy, or the disk failed: not foreign, and perhaps not for long
+        raise _RefusedError(_not_ours(path, f"it is not an SQLite database ({exc})")) from exc
     if version > _SCHEMA_VERSION:
-        raise _OpenError(
-            f"the sqlite store at {path!r} has schema version {version}, newer than this"
-            f" version of sessionactors reads ({_SCHEMA_VERSION}); upgrade sessionactors"
+        raise _RefusedError(
+            f"the sqlite store at {path!r} has schema version {version}: a newer version of"
+            f" sessionactors wrote it, and this one reads versions up to {_SCHEMA_VERSION};"
+            " nothing was written to it. Upgrade sessionactors (to the version that wrote"
+            " the file, or a later one), or pass the path of another store"
         )
     if version not in (1, _SCHEMA_VERSION) or tuple(tables) != _TABLES:
-        raise _OpenError(_not_ours(path, "it does not hold the tables of one"))
+        raise _RefusedError(_not_ours(path, "it does not hold the tables of one"))
     return int(version)
 
 
@@ -995,16 +1006,16 @@ class SQLiteStore:
     ``-wal`` and ``-shm`` files (and creates neither), and refuses every write
     with ``StoreError``: for operators' tools.
 
-    A path that no retry can open, a directory or a file in a directory that
-    does not exist (it is not made), fails every call with
-    ``StoreConfigurationError`` naming the directory.
-    A file that exists but is not a sessionactors store (truncated to 0
-    bytes, or another program's database) fails the first call with
-    ``StoreError``; it is never read as an empty store. A file (or its
-    ``-wal`` or ``-shm``) that this process may not write fails it with
-    ``StoreError`` saying so, unless the store is ``readonly=True``. A
-    ``-wal`` with writes in it beside a path where no file is (its file was
-    deleted or moved away) is refused, not read into a new file.
+    A path that no retry can open fails every call with
+    ``StoreConfigurationError``, which names the file and says what to do,
+    before anything is written: a directory or a file in a directory that does
+    not exist (it is not made); a file that exists but is not a sessionactors
+    store (text, truncated to 0 bytes, or another program's database: it is
+    never read as an empty store); a store of a newer schema version than this
+    version reads; unless the store is ``readonly=True``, a file (or its
+    ``-wal`` or ``-shm``, or its directory) that this process may not write;
+    a ``-wal`` with writes in it beside a path where no file is (its file was
+    deleted or moved away), which is not read into a new file.
 
     A file deleted or replaced while the store has it open is not written to:
     every call fails with ``StoreError`` until the file is back at its path or

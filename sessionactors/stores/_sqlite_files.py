@@ -7,6 +7,7 @@ store opens them (a file this process may not write, a ``-wal`` left without its
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from typing import Final
@@ -23,16 +24,18 @@ class _OpenError(Exception):
     """The file cannot be opened as this store; the message says why and what to do."""
 
 
-class _PathError(_OpenError):
-    """The path cannot be a store file whatever happens to the store: it is a directory,
-    or its directory is not there (the store's ``StoreConfigurationError``)."""
+class _RefusedError(_OpenError):
+    """No retry opens the file until someone changes it, its permissions or the store's
+    path: the path is a directory or in one that is not there, the file is not a store
+    or is of a newer schema version, this process may not write it, a ``-wal`` is left
+    without its file (the store's ``StoreConfigurationError``)."""
 
 
 def _check_path(path: str) -> None:
     """Refuse a path that no retry opens: a directory, or one whose directory does not
     exist (or is a file): a mistyped path, which is not made for the store."""
     if os.path.isdir(path):
-        raise _PathError(
+        raise _RefusedError(
             f"the sqlite store at {path!r} is a directory, not a SQLite file; pass the "
             "path of a store file (or of a file that does not exist yet: it is created)"
         )
@@ -45,7 +48,7 @@ def _check_path(path: str) -> None:
         problem = (
             "does not exist: create it, or correct the store's path (the command line's --store)"
         )
-    raise _PathError(
+    raise _RefusedError(
         f"the sqlite store at {path!r} cannot be opened: the directory {directory!r} {problem}"
     )
 
@@ -187,6 +190,9 @@ def _open_lock_file(path: str, lock_path: str) -> int:
     try:
         return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            name = lock_path if os.path.exists(lock_path) else os.path.dirname(lock_path)
+            raise _RefusedError(_read_only(path, name)) from exc
         raise _OpenError(
             f"the sqlite store at {path!r} cannot open its lock file {lock_path!r} ({exc});"
             " check that its directory exists and can be written"
@@ -254,7 +260,7 @@ def _check_no_orphan_wal(path: str) -> None:
     except OSError:
         return
     if size > 0:
-        raise _OpenError(
+        raise _RefusedError(
             f"the sqlite store at {path!r} does not exist, but {wal!r} ({size} bytes) does:"
             " the write-ahead log of a store file that was deleted or moved away, which"
             " SQLite would read into a new file. Put that file back at the path (the -wal"
@@ -277,16 +283,19 @@ def _check_writable(path: str) -> None:
         if not os.path.exists(name):
             missing = True
         elif not os.access(name, os.R_OK | os.W_OK):
-            raise _OpenError(_read_only(path, name))
+            raise _RefusedError(_read_only(path, name))
     directory = os.path.dirname(os.path.abspath(path))
     if missing and not os.access(directory, os.W_OK | os.X_OK):
-        raise _OpenError(_read_only(path, directory))
+        raise _RefusedError(_read_only(path, directory))
 
 
 def _read_only(path: str, name: str) -> str:
+    if os.path.exists(path):
+        instead = "or open the store with readonly=True to read it"
+    else:
+        instead = "or pass a path in a directory that it may write"
     return (
         f"the sqlite store at {path!r} is read-only for this process: {name!r} cannot be"
-        " written (its permissions, or a read-only file system). Make it writable for"
-        " this process's user, or open the store with readonly=True to read it (nothing"
-        " was written)"
+        " written (its permissions, or a read-only file system); nothing was written."
+        f" Make it writable for this process's user, {instead}"
     )

@@ -5,7 +5,6 @@ that is full (stood in for by RLIMIT_FSIZE in a child process)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import sqlite3
@@ -17,6 +16,8 @@ import pytest
 import trio
 
 import sessionactors as sa
+import unusable_stores
+from processes import unprivileged
 from sessionactors.testing import EchoModel
 
 ECHO = {"echo": sa.Agent(model=EchoModel())}
@@ -135,9 +136,9 @@ async def test_turns_acknowledged_after_the_wal_was_deleted_survive_a_kill(
 
 async def test_a_new_store_refuses_a_wal_left_behind_by_a_deleted_file(tmp_path: Path) -> None:
     """A -wal with writes in it at the path of a store file that does not exist (its
-    file deleted, the -wal left) is refused with a StoreError that names it and says
-    what to do, instead of being read into the new file (where it brings back what was
-    deleted, or corrupts the file)."""
+    file deleted, the -wal left) is refused with a StoreConfigurationError (no retry
+    mends it) that names it and says what to do, instead of being read into the new
+    file (where it brings back what was deleted, or corrupts the file)."""
     with trio.fail_after(30):
         async with sa.open_registry(store=sa.SQLiteStore(tmp_path / "s.db"), agents=ECHO) as reg:
             await (await reg.spawn("deleted-one")).send("hello")
@@ -146,7 +147,7 @@ async def test_a_new_store_refuses_a_wal_left_behind_by_a_deleted_file(tmp_path:
         path = tmp_path / "new.db"
         store = sa.SQLiteStore(path)
         try:
-            with pytest.raises(sa.StoreError) as refused:
+            with pytest.raises(sa.StoreConfigurationError) as refused:
                 await store.list_sessions()
         finally:
             await store.aclose()
@@ -181,13 +182,7 @@ trio.run(main)
 def run_unprivileged(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` as a process that file permissions apply to (root without
     the capability to override them)."""
-    command = [sys.executable, *args]
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("running as root without setpriv: file permissions do not apply")
-        caps = "-dac_override,-dac_read_search"
-        command = [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}", "--", *command]
+    command = [*unprivileged(), sys.executable, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -195,7 +190,7 @@ async def test_a_writable_store_on_a_read_only_file_is_refused_and_leaves_nothin
     tmp_path: Path,
 ) -> None:
     """A SQLite file this process may not write, opened by a writable store, is refused
-    at once with a StoreError that says so and what to do, and leaves no
+    at once with a StoreConfigurationError that says so and what to do, and leaves no
     -wal or -shm behind (files that, made read-only too, would still refuse the store
     once the file itself is made writable again)."""
     path = tmp_path / "s.db"
@@ -204,13 +199,72 @@ async def test_a_writable_store_on_a_read_only_file_is_refused_and_leaves_nothin
     path.chmod(0o444)
     done = run_unprivileged("-c", _OPEN_WRITABLE, str(path))
     line = done.stdout.strip()
-    assert line.startswith("StoreError: "), (line, done.stderr)
+    assert line.startswith("StoreConfigurationError: "), (line, done.stderr)
     assert "read-only" in line
     assert "readonly=True" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]
     path.chmod(0o644)
     done = run_unprivileged("-c", _OPEN_WRITABLE, str(path))
     assert done.stdout.strip() == "['a']", done.stdout + done.stderr
+
+
+_THREE_CALLS = """
+import sys, trio
+import sessionactors as sa
+from sessionactors.testing import EchoModel
+
+async def main():
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(sys.argv[1]), agents=agents) as registry:
+        calls = {
+            "spawn": lambda: registry.spawn("new"),
+            "send": lambda: registry.ref("old").send("hello"),
+            "sessions": registry.sessions,
+        }
+        for call, run in calls.items():
+            try:
+                await run()
+                print(call, "answered", sep="\t")
+            except sa.SessionActorsError as exc:
+                print(call, type(exc).__name__, exc.session_id, exc, sep="\t")
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("case", unusable_stores.CASES)
+async def test_a_store_file_this_process_cannot_use_is_refused_at_once_and_untouched(
+    tmp_path: Path, case: str
+) -> None:
+    """A registry on a SQLite file that is not a store (text, empty, another program's
+    database), of a newer schema version, or that this process may not write (the file,
+    its directory) answers spawn, a send to a stored session and a listing each with
+    StoreConfigurationError (no retry fixes it), which names the session and the file
+    and says what to do, and writes nothing."""
+    unusable = await unusable_stores.make(tmp_path, case)
+    before = unusable_stores.contents(tmp_path)
+    launcher = unprivileged() if unusable.permissions else []
+    try:
+        done = subprocess.run(
+            [*launcher, sys.executable, "-c", _THREE_CALLS, str(unusable.path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        unusable_stores.writable(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    answers = [line.split("\t") for line in done.stdout.splitlines()]
+    assert [answer[0] for answer in answers] == ["spawn", "send", "sessions"], done.stdout
+    for (call, kind, *told), session in zip(answers, ["new", "old", "None"], strict=True):
+        assert kind == "StoreConfigurationError", (call, kind, told)
+        assert told[0] == session, (call, told)
+        message = told[1]
+        assert repr(str(unusable.path)) in message, (call, message)
+        for said in unusable.said:
+            assert said in message, (call, said, message)
+    assert unusable_stores.contents(tmp_path) == before
 
 
 _SEND_FROM_ANOTHER_PROCESS = """

@@ -245,3 +245,44 @@ async def test_a_url_the_server_refuses_at_connect_gets_a_fatal_error(
             assert "then retry" not in str(found[0])
             assert "wrong-password" not in str(found[0])
         await store.aclose()
+
+
+async def another_applications_keys(url: str, prefix: str) -> dict[str, str]:
+    """Store session 'old' under ``prefix``, then give its keys and the listing's to
+    another application, which keeps strings there; every key under the prefix and its
+    type."""
+    async with sa.open_registry(store=RedisStore(url, prefix=prefix), agents=AGENTS) as registry:
+        await (await registry.spawn("old")).send("hello")
+    async with coredis.Redis.from_url(url, decode_responses=True) as client:
+        for key in await client.keys(f"{prefix}:*"):
+            if key.endswith((":activity", ":meta")):
+                await client.delete([key])
+                await client.set(key, "another application's")
+        return {key: await client.type(key) for key in await client.keys(f"{prefix}:*")}
+
+
+async def test_keys_of_another_type_under_the_prefix_get_a_fatal_error(redis_url: str) -> None:
+    """Keys under the store's prefix that hold another type than the store keeps there
+    (another application's, under the same prefix) fail a registry's spawn, a send to a
+    stored session and a listing with StoreConfigurationError, which says to give the
+    store a prefix of its own, never a StoreError that says to retry; the other
+    application's keys are left as they were."""
+    prefix = _prefix()
+    before = await another_applications_keys(redis_url, prefix)
+    with trio.fail_after(20):
+        store = RedisStore(redis_url, prefix=prefix)
+        async with sa.open_registry(store=store, agents=AGENTS) as registry:
+            calls = {
+                "new": lambda: registry.spawn("new"),
+                "old": lambda: registry.ref("old").send("hello"),
+                None: registry.sessions,
+            }
+            for session, call in calls.items():
+                with raises_fatal("wrong kind of value", "a prefix of its own") as found:
+                    await call()
+                assert found[0].session_id == session
+                assert "then retry" not in str(found[0])
+    async with coredis.Redis.from_url(redis_url, decode_responses=True) as client:
+        after = {key: await client.type(key) for key in await client.keys(f"{prefix}:*")}
+        await client.delete(list(after))
+    assert {key: after.get(key) for key in before} == before

@@ -550,7 +550,8 @@ async def test_unopenable_file_raises_store_error(tmp_path: Path) -> None:
 
 
 async def test_newer_schema_is_refused(tmp_path: Path) -> None:
-    """A file written by a newer schema version is refused with StoreError."""
+    """A file written by a newer schema version is refused, read-only or not, with
+    StoreConfigurationError (no retry reads it) that says to upgrade, and left as it was."""
     path = tmp_path / "s.db"
     store = SQLiteStore(path)
     with trio.fail_after(10):
@@ -559,9 +560,13 @@ async def test_newer_schema_is_refused(tmp_path: Path) -> None:
         conn = sqlite3.connect(path)
         conn.execute("PRAGMA user_version = 99")
         conn.close()
-        with pytest.raises(StoreError, match="schema version 99"):
-            await store.load("s")
-        await store.aclose()
+        digest = _digest(path)
+        for store in (SQLiteStore(path), SQLiteStore(path, readonly=True)):
+            with pytest.raises(sa.StoreConfigurationError, match="schema version 99") as info:
+                await store.load("s")
+            assert "Upgrade sessionactors" in str(info.value)
+            await store.aclose()
+    assert _digest(path) == digest
 
 
 class _Worker:
@@ -822,8 +827,9 @@ async def test_a_file_that_is_not_a_store_is_refused_untouched(
     tmp_path: Path, make: str, match: str
 ) -> None:
     """A file that exists but is not a sessionactors store (truncated to 0 bytes, text,
-    another program's SQLite database) fails the first call with StoreError, read-only
-    or not, and is left as it was: it never reads as an empty store."""
+    another program's SQLite database) fails the first call with StoreConfigurationError
+    (no retry reads it), read-only or not, and is left as it was: it never reads as an
+    empty store."""
     path = tmp_path / "s.db"
     if make == "truncated":
         await _truncated_store(path)
@@ -834,7 +840,10 @@ async def test_a_file_that_is_not_a_store_is_refused_untouched(
     digest = _digest(path)
     for store in (SQLiteStore(path), SQLiteStore(path, readonly=True)):
         try:
-            with trio.fail_after(10), pytest.raises(StoreError, match=match) as info:
+            with (
+                trio.fail_after(10),
+                pytest.raises(sa.StoreConfigurationError, match=match) as info,
+            ):
                 await store.list_sessions()
             assert "not a sessionactors store" in str(info.value)
         finally:

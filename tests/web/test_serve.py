@@ -1,6 +1,7 @@
 """``python -m sessionactors serve``: it serves, and shuts down gracefully on a signal."""
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -10,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal, overload
@@ -21,6 +22,8 @@ import pytest
 import trio
 
 import sessionactors as sa
+import unusable_stores
+from processes import unprivileged
 from sessionactors.http import create_app, serve
 from sessionactors.testing import FaultyStore
 
@@ -205,15 +208,19 @@ def test_a_second_server_on_a_sqlite_file_in_use_fails_its_startup(tmp_path: Pat
 
 
 @overload
-def startup_refusal(store: str) -> str: ...
+def startup_refusal(store: str, *, launcher: Sequence[str] = ()) -> str: ...
 @overload
-def startup_refusal(store: str, *, log: Literal[True]) -> tuple[str, str]: ...
-def startup_refusal(store: str, *, log: bool = False) -> str | tuple[str, str]:
+def startup_refusal(
+    store: str, *, log: Literal[True], launcher: Sequence[str] = ()
+) -> tuple[str, str]: ...
+def startup_refusal(
+    store: str, *, log: bool = False, launcher: Sequence[str] = ()
+) -> str | tuple[str, str]:
     """The one line on stderr of ``serve --store STORE`` that cannot start (status 1)
-    (and, with ``log``, all it wrote on stderr)."""
+    (and, with ``log``, all it wrote on stderr); run under ``launcher`` if given."""
     command = ["serve", "--store", store, "--agent", "chat_agents:agents", "--port", "0"]
     done = subprocess.run(
-        [sys.executable, "-m", "sessionactors", *command],
+        [*launcher, sys.executable, "-m", "sessionactors", *command],
         cwd=HERE,
         capture_output=True,
         text=True,
@@ -252,6 +259,49 @@ def test_serve_on_a_sqlite_path_no_retry_can_open_exits_at_once(tmp_path: Path, 
     assert said in line, line
     assert "trying again" not in stderr, stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory"]
+
+
+@pytest.mark.parametrize("case", unusable_stores.CASES)
+def test_serve_on_a_sqlite_file_it_cannot_use_exits_at_once(tmp_path: Path, case: str) -> None:
+    """serve --store on a SQLite file that is not a store (text, empty, another program's
+    database), of a newer schema version, or that it may not write (the file, its
+    directory) exits with status 1 and one line naming the file and saying what to do,
+    at its first try (it does not try the store again for STARTUP_STORE_WAIT seconds),
+    and writes nothing."""
+    unusable = trio.run(unusable_stores.make, tmp_path, case)
+    before = unusable_stores.contents(tmp_path)
+    try:
+        line, stderr = startup_refusal(
+            f"sqlite:///{unusable.path}",
+            log=True,
+            launcher=unprivileged() if unusable.permissions else (),
+        )
+    finally:
+        unusable_stores.writable(tmp_path)
+    assert repr(str(unusable.path)) in line, line
+    for said in unusable.said:
+        assert said in line, line
+    assert "trying again" not in stderr, stderr
+    assert unusable_stores.contents(tmp_path) == before
+
+
+@pytest.mark.redis
+async def test_serve_on_a_redis_prefix_that_holds_another_applications_keys_exits_at_once(
+    redis_url: str,
+) -> None:
+    """serve --store on a Redis prefix where another application keeps a key of another
+    type than the store's (its listing order) exits with status 1 and one line saying to
+    give the store a prefix of its own, at its first try."""
+    prefix = f"sa-test-serve-{uuid.uuid4().hex[:12]}"
+    async with coredis.Redis.from_url(redis_url) as client:
+        await client.set(f"{prefix}:activity", "another application's")
+        try:
+            refusal = functools.partial(startup_refusal, f"{redis_url}?prefix={prefix}", log=True)
+            line, stderr = await trio.to_thread.run_sync(refusal)
+        finally:
+            await client.delete([f"{prefix}:activity"])
+    assert "a prefix of its own" in line, line
+    assert "trying again" not in stderr, stderr
 
 
 async def test_serve_whose_startup_fails_never_binds_its_port(
