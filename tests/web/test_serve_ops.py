@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,40 @@ def test_serve_says_when_it_creates_a_new_empty_store(tmp_path: Path) -> None:
     with serve_command(f"sqlite:///{tmp_path / 'other.db'}", "--log-level", "error") as quiet:
         pass
     assert "created a new" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.redis
+def test_serve_never_prints_the_password_of_its_store_url(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """serve's startup line names its Redis store's URL with *** in place of the
+    password, and neither its log (at debug, with the access log) nor its refusal of a
+    password the server does not take prints the password."""
+    secret = "hunter2-Zq9"
+    with private_redis_server(config=("--requirepass", secret)) as plain:
+        host = plain.removeprefix("redis://")
+        url = f"redis://:{secret}@{host}"
+        with (
+            serve_command(url, "--access-log", "--log-level", "debug") as server,
+            httpx.Client(base_url=server.url, timeout=30) as client,
+        ):
+            assert client.post("/sessions/c1/messages", json={"text": "hi"}).status_code == 200
+            assert client.get("/healthz").status_code == 200
+        assert secret not in server.line + server.stderr, server.line + server.stderr
+        assert f"'redis://:***@{host}'" in server.line, server.line
+        assert '"GET /healthz 1.1" 200' in server.stderr, server.stderr
+        refused = subprocess.run(
+            [sys.executable, "-m", "sessionactors", "serve", "--store",
+             f"redis://:wrong-{secret}@{host}", "--agent", "chat_agents:agents", "--port", "0"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
+    assert secret not in refused.stderr + refused.stdout, refused.stderr
+    assert f"redis://:***@{host}" in refused.stderr, refused.stderr
 
 
 def test_serve_refuses_an_unknown_log_level() -> None:
