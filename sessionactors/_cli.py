@@ -19,6 +19,7 @@ from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
 from ._events import Delta, TurnFailed
 from ._model import Model
+from ._names import redact
 from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
@@ -102,6 +103,15 @@ def _secret(text: str) -> str:
     if not text.strip():  # (an unset variable, as in --token "$TOKEN", lets anyone in)
         raise argparse.ArgumentTypeError("the token is empty; give a secret")
     return text
+
+
+def _argument_shown(token: str) -> str:
+    """An argument as an error repeats it: a URL in it (a store's given to a misspelt
+    option, ``--stroe=redis://:secret@host``) with ``***`` in place of its password."""
+    option, equals, value = token.partition("=")
+    if token.startswith("-") and equals:
+        return f"{option}={redact(value)}"
+    return redact(token)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -222,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ).strip()
         if any(token in before for token in unknown):  # given to the top command
             prog = "sessionactors"
-        parser.exit(2, f"{prog}: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n")
+        shown = " ".join(_argument_shown(token) for token in unknown)
+        parser.exit(2, f"{prog}: unrecognized arguments: {shown} (see {prog} --help)\n")
     if args.command == "sessions":
         raise SystemExit(run_sessions(args))
     if args.command == "serve":

@@ -48,7 +48,7 @@ from ._errors import (
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
-from ._names import damaged_name, delete_command, shell_quoted, validate_name
+from ._names import damaged_name, delete_command, redact, shell_quoted, validate_name
 from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
@@ -331,8 +331,6 @@ async def _say_if_empty(store: Store, url: str) -> None:
             "names the file that your server uses"
         )
     elif isinstance(prefix, str):
-        from .stores._redis_connect import redact  # (a Redis store: coredis is there)
-
         text = (
             f"the store at {redact(url)} holds no sessions under prefix {prefix!r}: check "
             "--store (its database number, and ?prefix= if your server opens "
@@ -344,12 +342,15 @@ async def _say_if_empty(store: Store, url: str) -> None:
 
 
 def _say_damaged(url: str, raw: bytes) -> None:
-    """Say on stderr that a stored name, ``raw``, is not UTF-8, and how to remove it."""
-    shown = shell_quoted(raw)
+    """Say on stderr that a stored name, ``raw``, is not UTF-8, and how to remove it:
+    with the command that does, whose ``--store`` is the URL given with ``***`` in
+    place of its password (never printed), to put back."""
+    shown, store = shell_quoted(raw), redact(url)
+    again = " (put the password back in place of ***)" if store != url else ""
     text = (
         f"a stored session's name is not UTF-8 (damaged data): {shown}; it is left out "
         f"of the listing and no request can reach it; remove it with "
-        f"`{delete_command(shown, shlex.quote(url))}`"
+        f"`{delete_command(shown, shlex.quote(store))}`{again}"
     )
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 

@@ -14,6 +14,7 @@ __all__ = [
     "damaged_name",
     "delete_command",
     "name_bytes",
+    "redact",
     "shell_quoted",
     "stored_name",
     "terminal_safe",
@@ -115,6 +116,34 @@ def delete_command(word: str, store: str = "URL") -> str:
     name's ``$'...'``), ``store`` the ``--store`` argument (a placeholder by default)."""
     after = "-- " if word.startswith("-") else ""  # (else read as an option)
     return f"python -m sessionactors sessions delete --store {store} --yes {after}{word}"
+
+
+def redact(url: str) -> str:
+    """``url`` (a store's, or any text given as one) with ``***`` in place of its
+    password, as every message and log line shows it: the password of its user info
+    (up to the last ``@``, even where a reserved character the password did not encode
+    ends the URL's host part early, or where a slash is missing after the scheme) and
+    the value of a query option whose name holds ``password``. A user name is kept
+    (``redis://ops:***@host/0``); so is a URL with no password."""
+    scheme = _SCHEME.match(url)
+    head = scheme.group() if scheme is not None and scheme.group().endswith("/") else ""
+    rest = url[len(head) :]
+    userinfo, at, hosts = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
+    path, mark, query = rest.partition("?")
+    if mark:
+        query = "&".join(
+            f"{key}=***" if "password" in key.lower() else item
+            for item in query.split("&")
+            for key in (item.partition("=")[0],)
+        )
+        rest = f"{path}?{query}"
+    return f"{head}{rest}"
+
+
+#: A URL's scheme with the slashes after it (``redis://``; ``redis:/``, a slash short).
+_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:/*")
 
 
 def terminal_safe(text: str, *, one_line: bool = False) -> str:

@@ -36,7 +36,7 @@ from ._errors import (
 from ._final import NoPublicConstructor
 from ._history import check_copyable, rewind_end
 from ._metadata import check_metadata
-from ._names import validate_name
+from ._names import redact, validate_name
 from ._reading import describe_stored, is_damaged, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
 from ._ref import SessionRef, check_text
@@ -584,8 +584,9 @@ async def open_registry(
         )
     if store is not None and not isinstance(store, Store):
         if isinstance(store, str | bytes | os.PathLike):
+            given = repr(redact(store) if isinstance(store, str) else store)
             hint = (
-                f"{store!r} is a URL or a path; build the store yourself, "
+                f"{given} is a URL or a path; build the store yourself, "
                 "e.g. sa.SQLiteStore('sessions.db') or RedisStore('redis://host:6379/0')"
             )
         else:

@@ -185,6 +185,49 @@ def test_an_option_a_command_does_not_take_is_named_with_that_command(
     assert line.rstrip().endswith(f"(see {prog} --help)"), line
 
 
+#: A store URL's password that the command line must never print.
+SECRET = "hunter2-Zq9"
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        f"redis:/:{SECRET}@127.0.0.1:1/0",  # (a slash short: no store URL)
+        f"postgres://ops:{SECRET}@db.example/sessions",  # (a store it has not)
+        f"sqlite://ops:{SECRET}@sessions.db",  # (a sqlite URL that names no path)
+        f"sqlite:///sessions.db?password={SECRET}",  # (an option sqlite does not take)
+        f"redis://default:{SECRET}@127.0.0.1:1/0?nosuchoption=1",
+    ],
+)
+def test_a_store_url_that_is_refused_is_named_without_its_password(
+    tmp_path: Path, store: str
+) -> None:
+    """A --store that sessions or serve cannot use is refused in one line that names it
+    with *** in place of its password, however the URL holds one."""
+    for args in (
+        ["sessions", "list", "--store", store],
+        ["serve", "--store", store, "--agent", "agents:a"],
+    ):
+        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        line = one_line(done, 2 if args[0] == "serve" else 1)
+        assert SECRET not in done.stderr + done.stdout, done.stderr
+        assert "***" in line, line
+
+
+def test_arguments_a_command_does_not_take_are_named_without_a_password(tmp_path: Path) -> None:
+    """Arguments a command does not take are named in its refusal with *** in place of
+    the password of any URL among them (a store URL given to a misspelt option)."""
+    url = f"redis://:{SECRET}@127.0.0.1:6379/0"
+    for args, shown in [
+        (["sessions", "list", "--store", "memory://", "--stroe-url", url], "--stroe-url "),
+        (["serve", "--store", "memory://", "--agent", "agents:a", f"--redis={url}"], "--redis="),
+    ]:
+        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        line = one_line(done, 2)
+        assert SECRET not in done.stderr, done.stderr
+        assert f"unrecognized arguments: {shown}redis://:***@127.0.0.1:6379/0" in line, line
+
+
 def test_the_demo_ends_quietly_when_its_reader_stops(tmp_path: Path) -> None:
     """``demo | head -1``: the demo ends with the status of a closed pipe (141), no
     traceback."""

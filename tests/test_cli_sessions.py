@@ -581,6 +581,47 @@ async def test_a_redis_session_name_that_is_not_utf8_is_listed_on_stderr_and_del
         await drop_prefix(redis_url, prefix)
 
 
+@pytest.mark.redis
+async def test_the_commands_list_prints_never_hold_the_password_of_the_store_url(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """list's hints name the store's URL with *** in place of its password, wherever
+    the URL holds one: the delete command it prints for a damaged name says to put the
+    password back in place of ***, and that command with the password removes the
+    session; the note on a store that holds no sessions names the URL so too."""
+    secret = "hunter2-Zq9"
+    with private_redis_server(config=("--requirepass", secret)) as plain:
+        host = plain.removeprefix("redis://").removesuffix("/0")
+        prefix = f"sa-test-cli-{uuid.uuid4().hex[:12]}"
+        for url, shown in [
+            (f"redis://:{secret}@{host}/0", f"redis://:***@{host}/0"),
+            (f"redis://default:{secret}@{host}/0", f"redis://default:***@{host}/0"),
+            (f"redis://{host}/0?password={secret}", f"redis://{host}/0?password=***"),
+        ]:
+            agents = {"echo": sa.Agent(model=EchoModel())}
+            store = RedisStore(url, prefix=prefix)
+            async with sa.open_registry(store=store, agents=agents) as registry:
+                await (await registry.spawn("b")).send("hello")
+            await rot_name(f"redis://:{secret}@{host}/0", prefix, "b", b"\xff19")
+            given = f"{url}{'&' if '?' in url else '?'}prefix={prefix}"
+            done = await trio.to_thread.run_sync(sessions, "list", "--store", given)
+            assert done.returncode == 0, done.stderr
+            assert secret not in done.stderr, done.stderr
+            hint = f"sessions delete --store '{shown}{'&' if '?' in shown else '?'}prefix={prefix}'"
+            assert hint in done.stderr, done.stderr
+            assert "put the password back in place of ***" in done.stderr, done.stderr
+            deleted = await trio.to_thread.run_sync(
+                ok, "delete", "--yes", "--store", given, "\udcff19"
+            )
+            assert deleted == "deleted session $'\\xff19'\n"
+            other = f"{url}{'&' if '?' in url else '?'}prefix={prefix}-typo"
+            empty = await trio.to_thread.run_sync(sessions, "list", "--store", other)
+            assert empty.returncode == 0, empty.stderr
+            assert "holds no sessions" in empty.stderr, empty.stderr
+            assert secret not in empty.stderr, empty.stderr
+            assert shown in empty.stderr, empty.stderr
+
+
 # ---- tail ---------------------------------------------------------------------------
 
 

@@ -512,13 +512,19 @@ async def test_open_registry_checks_its_options(echo_agents: dict[str, sa.Agent]
 
 async def test_open_registry_refuses_a_url_or_path_as_store(tmp_path: Path) -> None:
     """A store URL or a file path in store= is refused at once with a TypeError that names
-    the store to build, and no file is made."""
+    the store to build (and the URL, with *** in place of its password), and no file is
+    made."""
     path = tmp_path / "sessions.db"
     for store in (f"sqlite:///{path}", path, str(path)):
         with pytest.raises(TypeError, match=r"store must be a store such as sa.SQLiteStore"):
             async with sa.open_registry(store=store):  # type: ignore[arg-type]
                 pass
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError) as raised:
+        async with sa.open_registry(store="redis://ops:hunter2@127.0.0.1:6379/0"):  # type: ignore[arg-type]
+            pass
+    assert "hunter2" not in str(raised.value)
+    assert "'redis://ops:***@127.0.0.1:6379/0' is a URL or a path" in str(raised.value)
 
     class HalfAStore:
         async def load(self, session_id: str) -> None:

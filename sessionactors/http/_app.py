@@ -90,6 +90,16 @@ STARTUP_STORE_WAIT: Final = 5.0
 HEALTH_STORE_WAIT: Final = 2.0
 
 
+@attrs.define(eq=False)
+class _StoreCheck:
+    """A read of the store that ``GET /healthz`` probes share while it runs."""
+
+    #: Set when the read ended, with an answer or (its probe gone) without one.
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    #: What it found wrong: "" for nothing, None while it runs or if it ended unanswered.
+    problem: str | None = None
+
+
 async def _agents(registry: AnyRegistry) -> list[str]:
     if isinstance(registry, sa.Registry):
         return list(registry.agents)
@@ -288,7 +298,9 @@ def create_app(
     registry is open and its store answers a listing of one session within 2
     seconds, 503 ``{"status": "unavailable"}`` otherwise (also while the app
     drains). It needs no token and passes no ``authorize``: it tells nothing but
-    whether the server is ok (the log says why not).
+    whether the server is ok (the log says why not). Probes that come while a read
+    of the store runs wait for its answer rather than reading the store too; an
+    answer is not kept once its read ended (the next probe reads again).
     - ``max_body``: the largest request body accepted, in bytes (413 above).
     - ``trusted_origins``: origins (``"https://app.example.com"``, as browsers
       send them in ``Origin``) whose pages may open WebSockets and send forms
@@ -370,6 +382,7 @@ class SessionsApp:
         self._max_body = max_body
         self._draining = False
         self._healthy = True  # (what the last health check found, to log its changes)
+        self._store_check: _StoreCheck | None = None  # (the health probes' read under way)
         self._lifespan_began = False  # (an app that opens its registry itself)
         self._in_lifespan = False  # (its lifespan is open now)
         self._streams: set[anyio.CancelScope] = set()
@@ -499,6 +512,7 @@ class SessionsApp:
         self._draining = False
         self._checked_loop = False
         self._portal = None
+        self._store_check = None
         library = sniffio.current_async_library()
         opened: AbstractAsyncContextManager[AnyRegistry]
         if library == "trio":
@@ -931,18 +945,14 @@ class SessionsApp:
         """``GET /healthz``: 200 while the registry is open and its store answers a
         listing of one session within ``HEALTH_STORE_WAIT`` seconds, 503 otherwise
         (also while the app drains). It needs no token: it tells nothing but whether
-        the server is ok; why not goes to the log, once each time it changes."""
-        registry, problem = self._registry, ""
-        if registry is None or self._draining:
-            problem = "the registry is not open (the server is starting or shutting down)"
-        else:
-            try:
-                with anyio.fail_after(HEALTH_STORE_WAIT):
-                    await registry.sessions(limit=1)
-            except TimeoutError:
-                problem = f"the store did not answer within {HEALTH_STORE_WAIT:g} s"
-            except Exception as exc:  # (any failure is "not ok"; the log says which)
-                problem = f"the store failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        the server is ok; why not goes to the log, once each time it changes.
+
+        Probes share the store's reads (see ``_store_problem``); whether the app is
+        open is looked at by each probe, before and again after the store answered."""
+        registry = self._registry
+        problem = self._closed_problem()
+        if not problem and registry is not None:
+            problem = await self._store_problem(registry) or self._closed_problem()
         if problem and self._healthy:
             log.warning("health check: not ok: %s", problem)
         elif not problem and not self._healthy:
@@ -951,6 +961,54 @@ class SessionsApp:
         if problem:
             return self._json({"status": "unavailable"}, 503, headers={"cache-control": "no-store"})
         return self._json({"status": "ok"}, headers={"cache-control": "no-store"})
+
+    def _closed_problem(self) -> str:
+        """Why the app cannot serve now ("" if it can): its registry not open, or draining."""
+        if self._registry is None or self._draining:
+            return "the registry is not open (the server is starting or shutting down)"
+        return ""
+
+    async def _store_problem(self, registry: AnyRegistry) -> str:
+        """What a read of the store finds wrong ("" for nothing), for ``GET /healthz``.
+
+        One read at a time: a probe that comes while a read runs waits for that
+        read's answer (for ``HEALTH_STORE_WAIT`` seconds at most, as long as the
+        read itself may take) instead of reading the store too, so a burst of
+        probes costs one read. An answer is never kept once its read ended: the
+        first probe after it reads the store again. So a probe is told what a read
+        found that ended after the probe came; never what one found that had ended
+        before (a failure since then is seen by the next read). A read whose probe
+        went away before the store answered gives the probes that waited on it no
+        answer: they read again."""
+        while True:
+            check = self._store_check
+            if check is None:
+                return await self._check_store(registry)
+            with anyio.move_on_after(HEALTH_STORE_WAIT):
+                await check.done.wait()
+            if not check.done.is_set():  # (the read is bounded so: no more than a safety net)
+                return f"the store did not answer within {HEALTH_STORE_WAIT:g} s"
+            if check.problem is not None:
+                return check.problem
+
+    async def _check_store(self, registry: AnyRegistry) -> str:
+        """Read the store once for the health probes (see ``_store_problem``)."""
+        check = self._store_check = _StoreCheck()
+        try:
+            try:
+                with anyio.fail_after(HEALTH_STORE_WAIT):
+                    await registry.sessions(limit=1)
+                problem = ""
+            except TimeoutError:
+                problem = f"the store did not answer within {HEALTH_STORE_WAIT:g} s"
+            except Exception as exc:  # (any failure is "not ok"; the log says which)
+                problem = f"the store failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            check.problem = problem
+            return problem
+        finally:  # (answered or not: the next probe reads again)
+            if self._store_check is check:
+                self._store_check = None
+            check.done.set()
 
     async def _list(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, _name: str) -> Response:

@@ -72,7 +72,7 @@ from .._errors import (
     StoreNotReplicatedError,
 )
 from .._listing import after_not_found, info_activity
-from .._names import name_bytes, stored_name
+from .._names import name_bytes, redact, stored_name
 from .._router import Router, RouterHost
 from ._base import JournalEntry, Lease, StoredSession
 from ._memory import (
@@ -94,7 +94,6 @@ from ._redis_connect import (
     check_deployment,
     check_persistence,
     open_client,
-    redact,
 )
 
 __all__ = ["RedisStore"]

@@ -39,6 +39,7 @@ from coredis.pool import BaseConnectionPool, SentinelConnectionPool
 from coredis.retry import CompositeRetryPolicy, ConstantRetryPolicy, NoRetryPolicy, RetryPolicy
 
 from .._errors import StoreConfigurationError, StoreNotDurableError
+from .._names import redact
 
 __all__ = [
     "DEFAULT_REPLICA_TIMEOUT",
@@ -125,27 +126,6 @@ def _cluster_retry(patience: float) -> RetryPolicy:
     return CompositeRetryPolicy(
         down, ConstantRetryPolicy(redirected, retries=None, deadline=moving, delay=0.05)
     )
-
-
-def redact(url: str) -> str:
-    """``url`` without its password: the one in its user info (up to the last ``@``,
-    even where a reserved character the password did not encode ends the URL's host
-    part early) and a ``password=`` query option."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    userinfo, at, hosts = rest.rpartition("@")
-    if at and ":" in userinfo:
-        rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    head, mark, query = rest.partition("?")
-    if mark:
-        query = "&".join(
-            f"{key}=***" if key.lower() == "password" else item
-            for item in query.split("&")
-            for key in (item.partition("=")[0],)
-        )
-        rest = f"{head}?{query}"
-    return f"{scheme}://{rest}"
 
 
 def _from_query(raw: str, kind: type[int] | type[float]) -> object:

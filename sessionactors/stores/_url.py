@@ -6,6 +6,8 @@ import os
 import urllib.parse
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from .._names import redact
+
 if TYPE_CHECKING:
     from ._sqlite import SQLiteStore
 
@@ -28,17 +30,20 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
     store's listing still mends the store's index of sessions as it reads, as every
     listing does (it adds a session stored without a place in it, drops a name whose
     session is gone); no session's own keys are written.
-    Raises ``ValueError`` for a URL that names no store.
+    Raises ``ValueError`` for a URL that names no store (its message shows the URL
+    with ``***`` in place of a password).
     """
     if url.startswith("sqlite://"):
         path, _, query = url.removeprefix("sqlite://").partition("?")
         if not path.startswith("/") or path == "/":
-            raise ValueError(f"--store {url!r}: write sqlite:///relative.db or sqlite:////abs.db")
+            raise ValueError(
+                f"--store {redact(url)!r}: write sqlite:///relative.db or sqlite:////abs.db"
+            )
         options = urllib.parse.parse_qs(query, keep_blank_values=True)
         shared = options.pop("shared", ["false"])[-1].lower()
         if options or shared not in ("true", "false", "1", "0"):
             raise ValueError(
-                f"--store {url!r}: the only option of a sqlite URL is ?shared=true "
+                f"--store {redact(url)!r}: the only option of a sqlite URL is ?shared=true "
                 "(several processes write the file, with leases)"
             )
         from ._sqlite import SQLiteStore
@@ -58,7 +63,8 @@ def open_store(url: str, *, readonly: bool = False) -> Any:
             return RedisStore(_without_persistence(url), persistence="volatile")
         return RedisStore(url)
     raise ValueError(
-        f"--store {url!r} is not a store URL; use sqlite:///path.db, memory:// or redis://..."
+        f"--store {redact(url)!r} is not a store URL; use sqlite:///path.db, memory:// or "
+        "redis://..."
     )
 
 

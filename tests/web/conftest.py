@@ -1,6 +1,6 @@
 """The gateway tests' ``serve`` fixture: the app on each real server in turn."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,15 +27,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(params=["hypercorn-trio", "uvicorn-asyncio"])
 def serve(request: pytest.FixtureRequest) -> Serve:
-    """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server."""
+    """``serve(**create_app_options)``: the app, opened in its lifespan, on a real server
+    (``wrap=``: an ASGI app around it, which the server runs instead)."""
     kind: str = request.param
 
     @asynccontextmanager
-    async def start(*, delay: float = 0.02, **options: Any) -> AsyncIterator[Served]:
+    async def start(
+        *, delay: float = 0.02, wrap: Callable[[Any], Any] | None = None, **options: Any
+    ) -> AsyncIterator[Served]:
         trio_side = kind == "hypercorn-trio"
         agents = trio_agents(delay) if trio_side else asyncio_agents(delay)
         app = create_app(agents=agents, **options)
-        async with (serve_trio if trio_side else serve_asyncio)(app) as url:
+        served = app if wrap is None else wrap(app)
+        async with (serve_trio if trio_side else serve_asyncio)(served) as url:
             yield Served(url, app, kind)
 
     return start

@@ -1,6 +1,7 @@
 """``python -m sessionactors serve`` as an operator runs it: its log on stderr, its
 signals and exit statuses, its token kept off the command line, and its health route."""
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -8,11 +9,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import sniffio
 import trio
+import trio.testing
 
 import sessionactors as sa
 from sessionactors.testing import FaultyStore
@@ -56,6 +62,40 @@ def test_serve_says_when_it_creates_a_new_empty_store(tmp_path: Path) -> None:
     with serve_command(f"sqlite:///{tmp_path / 'other.db'}", "--log-level", "error") as quiet:
         pass
     assert "created a new" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.redis
+def test_serve_never_prints_the_password_of_its_store_url(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """serve's startup line names its Redis store's URL with *** in place of the
+    password, and neither its log (at debug, with the access log) nor its refusal of a
+    password the server does not take prints the password."""
+    secret = "hunter2-Zq9"
+    with private_redis_server(config=("--requirepass", secret)) as plain:
+        host = plain.removeprefix("redis://")
+        url = f"redis://:{secret}@{host}"
+        with (
+            serve_command(url, "--access-log", "--log-level", "debug") as server,
+            httpx.Client(base_url=server.url, timeout=30) as client,
+        ):
+            assert client.post("/sessions/c1/messages", json={"text": "hi"}).status_code == 200
+            assert client.get("/healthz").status_code == 200
+        assert secret not in server.line + server.stderr, server.line + server.stderr
+        assert f"'redis://:***@{host}'" in server.line, server.line
+        assert '"GET /healthz 1.1" 200' in server.stderr, server.stderr
+        refused = subprocess.run(
+            [sys.executable, "-m", "sessionactors", "serve", "--store",
+             f"redis://:wrong-{secret}@{host}", "--agent", "chat_agents:agents", "--port", "0"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
+    assert secret not in refused.stderr + refused.stdout, refused.stderr
+    assert f"redis://:***@{host}" in refused.stderr, refused.stderr
 
 
 def test_serve_refuses_an_unknown_log_level() -> None:
@@ -259,19 +299,130 @@ async def test_healthz_answers_200_while_the_store_answers_and_503_when_it_fails
             assert (await client.get("/healthz")).status_code == 200
 
 
+class _Probes:
+    """An ASGI app around the gateway that counts the ``GET /healthz`` requests that
+    reached it, and notes the asyncio loop that runs it (None under trio)."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+        self.entered = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def around(self, app: Any) -> "_Probes":
+        self.app = app
+        return self
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/healthz":
+            self.entered += 1
+            if sniffio.current_async_library() == "asyncio":
+                self.loop = asyncio.get_running_loop()
+        await self.app(scope, receive, send)
+
+    async def settled(self) -> None:
+        """Return once the requests that reached the app ran as far as they go without
+        waiting on another task: under trio (this test's run), once every task waits;
+        under asyncio, after a few turns of its loop, which the requests need to reach
+        the health route's wait from here (no I/O in between)."""
+        loop = self.loop
+        if loop is None:
+            await trio.testing.wait_all_tasks_blocked()
+            return
+
+        async def turns() -> None:
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        await trio.to_thread.run_sync(
+            lambda: asyncio.run_coroutine_threadsafe(turns(), loop).result(10)
+        )
+
+
+async def test_concurrent_healthz_probes_share_one_read_of_the_store(serve: Serve) -> None:
+    """GET /healthz probes that come while a check of the store runs wait for that
+    check's answer instead of reading the store each: a burst of probes is one read.
+    An answer is not kept once its check ended: the first probe after the store failed
+    is told 503, and the first after it recovered 200."""
+    store, probes, burst = FaultyStore(), _Probes(), 8
+    async with (
+        serve(store=store, wrap=probes.around) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=30) as client,
+    ):
+        with trio.fail_after(30):
+            assert (await client.get("/healthz")).status_code == 200
+            reads = store.calls["list_sessions"]
+            gate = store.hold("list_sessions")
+            answers: list[int] = []
+
+            async def probe() -> None:
+                answers.append((await client.get("/healthz")).status_code)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(burst):
+                    nursery.start_soon(probe)
+                while probes.entered < 1 + burst or not gate.waiting:
+                    await trio.sleep(0.01)
+                await probes.settled()
+                held = gate.waiting
+                gate.open()
+            assert answers == [200] * burst
+            assert (held, store.calls["list_sessions"] - reads) == (1, 1)
+            store.fail("list_sessions", times=None, error=sa.StoreError("down (a test's)"))
+            assert (await client.get("/healthz")).status_code == 503
+            store.fail("list_sessions", times=0)
+            assert (await client.get("/healthz")).status_code == 200
+            assert store.calls["list_sessions"] - reads == 3
+
+
+async def test_healthz_probes_waiting_on_a_check_are_told_503_once_the_server_drains(
+    serve: Serve,
+) -> None:
+    """A GET /healthz probe is never told 200 once the server began to drain, not even
+    by a check of the store that began before and answered after."""
+    store, probes = FaultyStore(), _Probes()
+    async with (
+        serve(store=store, wrap=probes.around) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=30) as client,
+    ):
+        with trio.fail_after(30):
+            gate = store.hold("list_sessions")
+            answers: list[int] = []
+
+            async def probe() -> None:
+                answers.append((await client.get("/healthz")).status_code)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(probe)
+                while probes.entered < 2 or not gate.waiting:
+                    await trio.sleep(0.01)
+                await probes.settled()
+                served.app.drain()
+                gate.open()
+            assert answers == [503, 503]
+
+
 @pytest.mark.one_server  # (slow)
 async def test_healthz_answers_503_when_the_store_does_not_answer(serve: Serve) -> None:
     """GET /healthz answers 503 when the store does not answer within its bound, instead
-    of holding the load balancer's probe."""
+    of holding the load balancer's probe: so do the probes that wait on that read."""
     store = FaultyStore()
     async with (
         serve(store=store) as served,
         httpx.AsyncClient(base_url=served.url, timeout=30) as client,
     ):
         gate = store.hold("list_sessions")
+        answers: list[int] = []
+
+        async def probe() -> None:
+            answers.append((await client.get("/healthz")).status_code)
+
         try:
             with trio.fail_after(30):
-                assert (await client.get("/healthz")).status_code == 503
+                async with trio.open_nursery() as nursery:
+                    for _ in range(3):
+                        nursery.start_soon(probe)
+                assert answers == [503] * 3
         finally:
             gate.open()
 
