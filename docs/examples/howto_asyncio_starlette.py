@@ -39,31 +39,48 @@ async def send_message(request: Request) -> JSONResponse:
 
 async def stream_message(request: Request) -> StreamingResponse | JSONResponse:
     registry: sessionactors.aio.Registry = request.app.state.registry
-    name, text = request.path_params["name"], (await request.json()).get("text")
+    body = await request.json()
+    name, text, key = request.path_params["name"], body.get("text"), body.get("idempotency_key")
     try:
-        # ref.stream checks the text when called: bad input is answered here, before
-        # the response starts and before get_or_spawn stores a session for it
-        stream = registry.ref(name).stream(text)
+        # ref.stream checks the text and key when called: bad input is answered here,
+        # before the response starts and before get_or_spawn stores a session for it
+        stream = registry.ref(name).stream(text, idempotency_key=key)
     except (TypeError, ValueError) as exc:  # (a bad name too: sa.InvalidSessionNameError)
         return JSONResponse({"error": str(exc)}, status_code=422)
-    await registry.get_or_spawn(name)
+    ref = await registry.get_or_spawn(name)
 
     async def words() -> AsyncIterator[str]:
-        # the status line goes out with the first words: what ends the turn otherwise is
-        # said in the body, or a client takes a reply cut short for a whole one
-        try:
-            async with stream as events:
+        async with stream as events:
+            yield ""  # entered: the turn is accepted (see below)
+            # once the status line is out, what ends the turn otherwise is said in the
+            # body, or a client takes a reply cut short for a whole one
+            try:
+                heard = False
                 async for event in events:
+                    heard = True
                     if isinstance(event, sa.Delta):
                         yield event.text
                     elif isinstance(event, sa.TurnFailed):  # (the model failed: its kind
                         yield f"\n[the turn failed: {event.error_kind}]\n"  # only; the
                     elif isinstance(event, sa.TurnCancelled):  # text is for the log)
                         yield "\n[the turn was cancelled]\n"
-        except sa.SessionActorsError as exc:  # its session stopped, its worker died, ...
-            yield f"\n[the turn did not finish: {type(exc).__name__}]\n"
+                if not heard:  # a retry of a key that completed runs nothing: its reply
+                    yield (await ref.send(text, idempotency_key=key)).text
+            except sa.SessionActorsError as exc:  # its session stopped, its worker died, ...
+                yield f"\n[the turn did not finish: {type(exc).__name__}]\n"
 
-    return StreamingResponse(words(), media_type="text/plain")
+    answer = words()
+    try:
+        # Enter the stream here, up to that first yield: a turn it refuses is answered
+        # with its status. (In the body, its error would come after 200 went out.)
+        await anext(answer)
+    except sa.IdempotencyKeyReusedError as exc:  # the key came with another message
+        return JSONResponse({"error": str(exc)}, status_code=422)
+    except sa.SessionNotFoundError as exc:  # deleted since get_or_spawn
+        return JSONResponse({"error": str(exc)}, status_code=404)
+    except sa.SessionBusyError as exc:  # run by another process for now
+        return JSONResponse({"error": str(exc)}, status_code=409)
+    return StreamingResponse(answer, media_type="text/plain")
 
 
 def create_app(
@@ -113,6 +130,12 @@ async def serve_and_call() -> None:
         print("streamed:", "".join(chunks).strip())
         r = await client.post("/chat/bob/stream", json={"text": 42})
         print("bad input:", r.status_code, r.json()["error"])
+        body = {"text": "a keyed message", "idempotency_key": "k-1"}
+        r = await client.post("/chat/ada/stream", json=body)
+        r = await client.post("/chat/ada/stream", json=body)  # a retry: the same reply
+        print("retried:", r.status_code, r.text.strip())
+        r = await client.post("/chat/ada/stream", json={**body, "text": "another message"})
+        print("key reused:", r.status_code, r.json()["error"].split(" (turn")[0])
     server.should_exit = True
     await serving
 

@@ -10,7 +10,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
 
 import sessionactors as sa
@@ -37,7 +37,7 @@ gateway = create_app(
 )
 
 
-async def ask(request: Request) -> StreamingResponse:
+async def ask(request: Request) -> StreamingResponse | JSONResponse:
     """A route of your own: one turn's events as server-sent events, in the gateway's form."""
     registry = gateway.registry  # the registry that the lifespan opened
     assert isinstance(registry, sessionactors.aio.Registry)  # (served by asyncio: uvicorn)
@@ -45,15 +45,23 @@ async def ask(request: Request) -> StreamingResponse:
     text = (await request.json())["text"]
 
     async def events() -> AsyncIterator[str]:
-        try:
-            async with ref.stream(text) as stream:
+        async with ref.stream(text) as stream:
+            yield ""  # entered: the turn is accepted
+            try:
                 async for event in stream:
                     yield f"id: {event.seq}\ndata: {json.dumps(event_to_json(event))}\n\n"
-        except sa.SessionActorsError as exc:  # the response has begun: end it with a frame
-            error = {"type": "error", "error": type(exc).__name__}  # (its text is the log's)
-            yield f"data: {json.dumps(error)}\n\n"
+            except sa.SessionActorsError as exc:  # the response has begun: end it with a frame
+                error = {"type": "error", "error": type(exc).__name__}  # (its text is the log's)
+                yield f"data: {json.dumps(error)}\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    answer = events()
+    try:
+        await anext(answer)  # enter the stream here: what refuses the turn gets its status
+    except (TypeError, ValueError) as exc:  # a text that is not a string, or is too long
+        return JSONResponse({"error": str(exc)}, status_code=422)
+    except sa.SessionNotFoundError as exc:  # deleted since get_or_spawn
+        return JSONResponse({"error": str(exc)}, status_code=404)
+    return StreamingResponse(answer, media_type="text/event-stream")
 
 
 app = Starlette(

@@ -26,7 +26,11 @@ async def post_message(registry: sa.Registry, session_id: str, text: str, write:
             elif isinstance(event, sa.TurnFinished):
                 await write(sse(event, "done", {"text": event.message.content}))
             elif isinstance(event, sa.TurnFailed):
-                await write(sse(event, "error", {"error": event.error}))
+                # event.error is for the server's log (it may quote a database URL, a
+                # provider's answer): the browser gets its kind, and its words only when
+                # they are the library's own or marked public by the model's adapter
+                told = event.error if event.error_public else "the turn failed"
+                await write(sse(event, "error", {"kind": event.error_kind, "error": told}))
             elif isinstance(event, sa.TurnCancelled):
                 await write(sse(event, "cancelled", {}))
     # The stream ends after the turn's outcome: the response is complete.

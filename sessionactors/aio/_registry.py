@@ -14,6 +14,7 @@ import inspect
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import MappingProxyType
 from typing import Any, Final, NoReturn, TypeVar
 
 import attrs
@@ -21,8 +22,10 @@ import trio
 
 import sessionactors as sa
 
+from .._config import RegistryConfig
 from .._hub import event_size, lagged_error
 from .._ref import check_after, check_message, entered_twice, known_reply, not_in_block
+from ..stores import Store
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, ended_error, release_host
 
@@ -272,17 +275,46 @@ class Registry:
     """A registry for asyncio code, made by :func:`open_registry`.
 
     It offers the methods of :class:`sessionactors.Registry`, with the same
-    arguments, results and errors; its refs are :class:`SessionRef`.
+    arguments, results and errors; its refs are :class:`SessionRef`. Its
+    properties, ``worker_id``, ``config``, ``store`` and ``agents``, are values
+    fixed when it opened: they are read without a call into the trio run, from
+    any thread, also after the block.
     """
 
     _host: Host = attrs.field(alias="host")
     _registry: sa.Registry = attrs.field(alias="registry")
+    _agents: Mapping[str, sa.Agent] = attrs.field(alias="agents")
 
     def __repr__(self) -> str:
         return f"<aio Registry live={len(self._registry.live())}>"
 
     def __getattr__(self, name: str) -> Any:
         return _forward(self._host, self._registry, name, None)
+
+    @property
+    def worker_id(self) -> str:
+        """This registry's identity in leases (``open_registry(worker_id=...)``, or a
+        fresh one)."""
+        return self._registry.worker_id
+
+    @property
+    def config(self) -> RegistryConfig:
+        """The registry's options, as validated by ``open_registry``."""
+        return self._registry.config
+
+    @property
+    def store(self) -> Store:
+        """Where this registry keeps its sessions: the store given to ``open_registry``
+        (or the ``MemoryStore`` made for it). Its methods are trio code, run by the
+        registry in its trio run; from asyncio, reach the sessions through the
+        registry's methods."""
+        return self._registry.store
+
+    @property
+    def agents(self) -> Mapping[str, sa.Agent]:
+        """The agents sessions run with, by name, as given to ``open_registry`` (their
+        models and tools as written, not as run on the loop); read-only."""
+        return self._agents
 
     async def _call(
         self, session_id: str | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
@@ -537,6 +569,9 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
     host = await acquire_host()
     try:
         agents = options.get("agents")
+        given: Mapping[str, sa.Agent] = MappingProxyType(
+            dict(agents) if isinstance(agents, Mapping) else {}
+        )
         if isinstance(agents, Mapping):
             options["agents"] = {
                 key: adapt_agent(host, agent) if isinstance(agent, sa.Agent) else agent
@@ -576,7 +611,7 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
             await task.aclose()
             raise
         try:
-            yield Registry(host, registry)
+            yield Registry(host, registry, given)
         finally:
             host.run_sync_soon(close.set)
             try:

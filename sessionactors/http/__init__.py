@@ -2,7 +2,9 @@
 
 ``create_app(...)`` makes an ASGI 3 application that runs under hypercorn's
 trio worker and under uvicorn; ``python -m sessionactors serve`` serves it.
-Needs the ``http`` extra (Starlette, anyio, hypercorn).
+Needs the ``http`` extra: Starlette and anyio, which importing this package
+needs, and hypercorn, which only ``serve`` (and ``python -m sessionactors serve``)
+imports, so that an app served by uvicorn needs no hypercorn.
 """
 
 from ._app import SessionsApp as SessionsApp

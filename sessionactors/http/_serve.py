@@ -14,11 +14,9 @@ import sys
 import traceback
 import urllib.parse
 from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import Any, Final
 
-import hypercorn.config
-import hypercorn.logging
-import hypercorn.trio
 import trio
 
 import sessionactors as sa
@@ -144,13 +142,14 @@ async def serve(
     a client cannot forge a line of the log). ``python -m sessionactors serve`` sends
     them all to standard error.
     """
+    hypercorn = _hypercorn()
     config = hypercorn.config.Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     # (loggers, not hypercorn's own handlers: the application's logging places them)
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
     config.access_log_format = ACCESS_LOG_FORMAT
-    config.logger_class = _AccessLogger
+    config.logger_class = _access_logger(hypercorn)
     # (not hypercorn's deadline, which would cut a request waiting for its turn's answer
     # while the registry still gives that turn its grace: serve bounds the wait below)
     config.graceful_timeout = math.inf
@@ -220,17 +219,38 @@ async def serve(
             raise KeyboardInterrupt("stopped at once by a second signal")
 
 
-class _AccessLogger(hypercorn.logging.Logger):
-    """hypercorn's logger, whose access log lines have their control characters escaped:
-    a request's path is percent-decoded, so a client could put a newline in it (and a
-    forged line of the log after it) or a terminal's escape sequence."""
+def _hypercorn() -> ModuleType:
+    """hypercorn, imported when a server starts: only ``serve`` needs it, so that an app
+    served otherwise (uvicorn) imports this package without it. ``ImportError`` saying
+    which extra installs it, where it is not installed."""
+    try:
+        import hypercorn.config
+        import hypercorn.logging
+        import hypercorn.trio
+    except ImportError as exc:
+        raise ImportError(
+            "sessionactors.http.serve (and `python -m sessionactors serve`) runs hypercorn's "
+            "trio worker, which is not installed: pip install 'sessionactors[http]' "
+            f"(or hypercorn) ({exc})"
+        ) from exc
+    return hypercorn
 
-    def atoms(self, request: Any, response: Any, request_time: float) -> Mapping[str, str]:
-        atoms: Any = super().atoms(request, response, request_time)
-        for key, value in atoms.items():
-            if isinstance(value, str):
-                atoms[key] = terminal_safe(value, one_line=True)
-        return atoms  # type: ignore[no-any-return]
+
+@functools.cache
+def _access_logger(hypercorn: ModuleType) -> type:
+    """hypercorn's logger class, whose access log lines have their control characters
+    escaped: a request's path is percent-decoded, so a client could put a newline in it
+    (and a forged line of the log after it) or a terminal's escape sequence."""
+
+    class AccessLogger(hypercorn.logging.Logger):  # type: ignore[name-defined,misc]
+        def atoms(self, request: Any, response: Any, request_time: float) -> Mapping[str, str]:
+            atoms: Any = super().atoms(request, response, request_time)
+            for key, value in atoms.items():
+                if isinstance(value, str):
+                    atoms[key] = terminal_safe(value, one_line=True)
+            return atoms  # type: ignore[no-any-return]
+
+    return AccessLogger
 
 
 def _stop_signals() -> tuple[signal.Signals, ...]:
@@ -316,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
     """Serve the command line's store and agents; the exit status."""
     configure_logging(args.log_level, access_log=args.access_log)
     try:
+        _hypercorn()
         store = open_store(args.store)
         agents = load_agents(args.agent)
         # (a mistyped path, or a file deleted while the server was stopped, makes a new

@@ -394,6 +394,54 @@ def test_the_asyncio_classes_spell_out_every_method_of_the_trio_ones(
         assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(member), name
 
 
+@pytest.mark.parametrize(
+    ("trio_class", "aio_class"),
+    [(sa.Registry, aio.Registry), (sa.SessionRef, aio.SessionRef), (sa.Turn, aio.Turn)],
+    ids=["Registry", "SessionRef", "Turn"],
+)
+def test_the_asyncio_classes_offer_every_property_of_the_trio_ones(
+    trio_class: type, aio_class: type
+) -> None:
+    """Every public attribute of the trio class that is not a method (a property, a slot)
+    is one of the asyncio class too, read without a call into the trio run."""
+    for name, member in vars(trio_class).items():
+        if name.startswith("_") or callable(member):
+            continue
+        ours = vars(aio_class).get(name)
+        assert ours is not None, f"sessionactors.aio.{aio_class.__name__} lacks .{name}"
+        assert not callable(ours), name
+
+
+def test_the_registrys_properties_read_as_given_from_any_thread() -> None:
+    """An asyncio registry's worker_id, config, store and agents say what it was opened
+    with (the agents as given, their asyncio models unwrapped), from a handler, from a
+    worker thread, and after its block."""
+    model = AsyncioModel(0.0)
+
+    async def main() -> None:
+        store = sa.MemoryStore()
+        agents = {"echo": sa.Agent(model=model)}
+        async with aio.open_registry(
+            store=store, agents=agents, worker_id="web-1", shutdown_grace=3
+        ) as registry:
+            assert registry.worker_id == "web-1"
+            assert registry.config.shutdown_grace == 3
+            assert registry.store is store
+            assert dict(registry.agents) == agents
+            assert registry.agents["echo"].model is model
+            read = await asyncio.to_thread(
+                lambda: (registry.worker_id, registry.config, registry.store, registry.agents)
+            )
+            assert read == (registry.worker_id, registry.config, store, registry.agents)
+        assert registry.worker_id == "web-1"
+        async with aio.open_registry() as registry:
+            assert isinstance(registry.store, sa.MemoryStore)
+            assert dict(registry.agents) == {}
+            assert registry.worker_id
+
+    run(main)
+
+
 def test_a_sync_tool_runs_in_a_worker_thread_and_leaves_the_loop_free() -> None:
     """Under asyncio, a plain ``def`` tool that blocks runs in a worker thread, as FastAPI
     runs a ``def`` route: the loop goes on serving (another session's turn) meanwhile, and

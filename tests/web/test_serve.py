@@ -42,6 +42,49 @@ def stored(path: Path, name: str) -> tuple[list[sa.Status], list[sa.Message]]:
     return trio.run(read)
 
 
+#: Python run with hypercorn kept from being imported, as where it is not installed.
+WITHOUT_HYPERCORN = "import sys; sys.modules['hypercorn'] = None\n"
+
+
+def test_the_gateway_imports_and_encodes_events_without_hypercorn() -> None:
+    """An app served by uvicorn needs no hypercorn: sessionactors.http imports, encodes
+    events and makes its app without it; only serve needs it, and says which extra has
+    it (the command line too, with exit status 2)."""
+    code = WITHOUT_HYPERCORN + (
+        "import trio\n"
+        "import sessionactors as sa\n"
+        "import sessionactors.http as http\n"
+        "event = sa.Delta(session_id='s', seq=1, turn_id='t', text='hi')\n"
+        "print('event:', http.event_to_json(event))\n"
+        "from sessionactors.testing import EchoModel\n"
+        "app = http.create_app(agents={'echo': sa.Agent(model=EchoModel())})\n"
+        "try:\n"
+        "    trio.run(http.serve, app)\n"
+        "except ImportError as exc:\n"
+        "    print('serve:', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "event: {'type': 'Delta', 'session_id': 's', 'seq': 1" in done.stdout
+    assert "serve: " in done.stdout
+    assert "hypercorn" in done.stdout
+    assert "sessionactors[http]" in done.stdout
+    cli = WITHOUT_HYPERCORN + (
+        "import runpy\n"
+        "sys.argv = ['sessionactors', 'serve', '--store', 'memory://', '--agent', 'a:b']\n"
+        "runpy.run_module('sessionactors', run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", cli], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "hypercorn" in done.stderr
+    assert "sessionactors[http]" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_shuts_down_gracefully_on_a_signal(tmp_path: Path, stop: int) -> None:
     """On SIGINT or SIGTERM the server ends its open event streams, finishes, hibernates
