@@ -13,7 +13,7 @@ from typing import NoReturn
 import trio
 
 from ._agent import Agent
-from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout
+from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout, add_store_arguments
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
@@ -23,6 +23,7 @@ from ._names import redact
 from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
+from .stores._url import STORE_VARIABLE, read_store
 
 __all__ = ["main"]
 
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     chat.add_argument("--system-prompt", default="You are a helpful assistant.")
     serve = sub.add_parser("serve", help="serve sessions over HTTP, with a chat page (extra http)")
-    serve.add_argument("--store", required=True, help="sqlite:///path.db, memory:// or redis://...")
+    add_store_arguments(serve, "sqlite:///path.db, memory:// or redis://...")
     serve.add_argument("--agent", required=True, help="MODULE:ATTRIBUTE: an Agent or a mapping")
     serve.add_argument("--host", type=_host, default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free one")
@@ -224,16 +225,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     add_sessions_parser(sub)
     args, unknown = parser.parse_known_args(argv)
+    # (the command's name, as its errors begin)
+    prog = " ".join(
+        ["sessionactors", args.command, getattr(args, "sessions_command", None) or ""]
+    ).strip()
     if unknown:  # named with the command that refuses them, whose --help lists its own
         words = list(sys.argv[1:] if argv is None else argv)
         before = words[: words.index(args.command)] if args.command in words else words
-        prog = " ".join(
-            ["sessionactors", args.command, getattr(args, "sessions_command", None) or ""]
-        ).strip()
         if any(token in before for token in unknown):  # given to the top command
             prog = "sessionactors"
         shown = " ".join(_argument_shown(token) for token in unknown)
         parser.exit(2, f"{prog}: unrecognized arguments: {shown} (see {prog} --help)\n")
+    if args.command in ("serve", "sessions"):  # its store: --store, --store-file or variable
+        try:
+            args.given_store = read_store(args.store, args.store_file)
+        except ValueError as exc:
+            parser.exit(2, f"{prog}: {exc}\n")
+        if args.given_store is None:
+            parser.exit(
+                2,
+                f"{prog}: no store given: pass --store URL or --store-file PATH, or set "
+                f"{STORE_VARIABLE} (see {prog} --help)\n",
+            )
     if args.command == "sessions":
         raise SystemExit(run_sessions(args))
     if args.command == "serve":

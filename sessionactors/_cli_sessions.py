@@ -58,9 +58,9 @@ from ._session import LiveSession
 from .stores._base import PagedStore, Store
 from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
-from .stores._url import is_new_file, open_store
+from .stores._url import STORE_VARIABLE, GivenStore, is_new_file, open_store
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "add_store_arguments", "run"]
 
 #: Seconds between two reads of the journal while ``tail`` follows a session.
 TAIL_INTERVAL: Final = 0.5
@@ -89,10 +89,8 @@ def add_parser(commands: Any) -> None:
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
-        parser.add_argument(
-            "--store",
-            required=True,
-            help="sqlite:///path.db (sqlite:////absolute.db) or redis://host:port/db",
+        add_store_arguments(
+            parser, "sqlite:///path.db (sqlite:////absolute.db) or redis://host:port/db"
         )
         return parser
 
@@ -140,6 +138,25 @@ def add_parser(commands: Any) -> None:
     )
 
 
+def add_store_arguments(parser: argparse.ArgumentParser, urls: str) -> None:
+    """Add ``--store URL`` (``urls`` says which) and ``--store-file PATH`` to a command's
+    parser; ``read_store`` reads them, or ``SESSIONACTORS_STORE`` without them."""
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help=f"{urls} (a password in it shows in the process list: prefer --store-file "
+        f"or {STORE_VARIABLE})",
+    )
+    parser.add_argument(
+        "--store-file",
+        default=None,
+        metavar="PATH",
+        help="read the store's URL from this file (a trailing newline is dropped); without "
+        f"--store or --store-file, the store is {STORE_VARIABLE}",
+    )
+
+
 def _positive(text: str) -> int:
     value = _seq(text)
     if value < 1:
@@ -172,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                 "standard output is closed, so nothing was done; run it with "
                 "standard output open (to /dev/null to discard it)"
             )
-        store = _open(args.store, write=name not in _READS)
+        store = _open(args.given_store, write=name not in _READS)
         if is_new_file(store) and name != "import" and not (name == "tail" and args.wait):
             missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
             if name == "delete":  # (a mistyped path: create no store there)
@@ -232,13 +249,13 @@ def _quiet_stdout() -> None:
         os.close(null)
 
 
-def _open(url: str, *, write: bool) -> Store:
-    """The store of ``url``: read-only for reads; for writes, a SQLite file that a
+def _open(given: GivenStore, *, write: bool) -> Store:
+    """The store ``given``: read-only for reads; for writes, a SQLite file that a
     process has opened shared (its lock file is there) is opened shared too."""
-    store: Store = open_store(url, readonly=not write)
+    store: Store = open_store(given.url, readonly=not write, given=given)
     if isinstance(store, MemoryStore):  # (an import there would be lost at exit)
         raise ValueError(
-            f"--store {url!r} is a store inside one process: this command's own, empty, "
+            f"{given.shown()}: a store inside one process, this command's own, empty, "
             "gone when it ends; give the store of your server (sqlite:///... or redis://...)"
         )
     if write and isinstance(store, SQLiteStore) and not store.shared:
@@ -298,10 +315,10 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         metadata=_parse_meta(args.meta),
         limit=args.limit,
         after=args.after,
-        damaged=functools.partial(_say_damaged, args.store),
+        damaged=functools.partial(_say_damaged, args.given_store),
     )
     if not infos:
-        await _say_if_empty(store, args.store)
+        await _say_if_empty(store, args.given_store.url)
     if args.json:
         _out(json_text([_info_json(i) for i in infos]))
         return 0
@@ -341,16 +358,18 @@ async def _say_if_empty(store: Store, url: str) -> None:
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
 
-def _say_damaged(url: str, raw: bytes) -> None:
+def _say_damaged(given: GivenStore, raw: bytes) -> None:
     """Say on stderr that a stored name, ``raw``, is not UTF-8, and how to remove it:
-    with the command that does, whose ``--store`` is the URL given with ``***`` in
-    place of its password (never printed), to put back."""
-    shown, store = shell_quoted(raw), redact(url)
-    again = " (put the password back in place of ***)" if store != url else ""
+    with the command that does, which names the store as it was given (the same
+    ``--store-file``; for ``SESSIONACTORS_STORE``, nothing), a ``--store`` URL with
+    ``***`` in place of its password (never printed), to put back."""
+    shown = shell_quoted(raw)
+    option, redacted = given.option()
+    again = " (put the password back in place of ***)" if redacted else ""
     text = (
         f"a stored session's name is not UTF-8 (damaged data): {shown}; it is left out "
         f"of the listing and no request can reach it; remove it with "
-        f"`{delete_command(shown, shlex.quote(store))}`{again}"
+        f"`{delete_command(shown, option)}`{again}"
     )
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 

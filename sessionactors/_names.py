@@ -110,12 +110,14 @@ def shell_quoted(raw: bytes) -> str:
     )
 
 
-def delete_command(word: str, store: str = "URL") -> str:
+def delete_command(word: str, store: str = "--store URL") -> str:
     """The command line that deletes a session from a store, as every hint of it is
     spelled: ``word`` is the session's name as a shell word (quoted, or a damaged
-    name's ``$'...'``), ``store`` the ``--store`` argument (a placeholder by default)."""
+    name's ``$'...'``), ``store`` the option that names the store, as shell words (a
+    placeholder by default; none, for a store that the environment names)."""
     after = "-- " if word.startswith("-") else ""  # (else read as an option)
-    return f"python -m sessionactors sessions delete --store {store} --yes {after}{word}"
+    store = f"{store} " if store else ""
+    return f"python -m sessionactors sessions delete {store}--yes {after}{word}"
 
 
 def redact(url: str) -> str:

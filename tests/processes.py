@@ -6,13 +6,19 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import pytest
 import trio
 
 
-def sessions(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m sessionactors sessions ARGS`` (``stdin`` its input), to its end."""
+def sessions(
+    *args: str, stdin: str | None = None, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m sessionactors sessions ARGS`` (``stdin`` its input), to its end,
+    with ``env`` added to the environment (whose SESSIONACTORS_STORE, if the tests were
+    given one, is left out: the tests name their stores)."""
+    inherited = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
     return subprocess.run(
         [sys.executable, "-m", "sessionactors", "sessions", *args],
         input=stdin,
@@ -20,6 +26,7 @@ def sessions(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
         text=True,
         timeout=120,
         check=False,
+        env={**inherited, **(env or {})},
     )
 
 

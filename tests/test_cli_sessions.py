@@ -9,6 +9,7 @@ import functools
 import hashlib
 import itertools
 import json
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -36,17 +37,17 @@ HERE = Path(__file__).resolve().parent
 SERVER = HERE / "sessions_server.py"
 
 
-def ok(*args: str, stdin: str | None = None) -> str:
-    done = sessions(*args, stdin=stdin)
+def ok(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> str:
+    done = sessions(*args, stdin=stdin, env=env)
     assert done.returncode == 0, done.stderr
     # (nothing on stderr but, for an import into a file that was not there, a note of it)
     assert all("created a new store at" in line for line in done.stderr.splitlines())
     return done.stdout
 
 
-def refused(*args: str, stdin: str | None = None) -> str:
+def refused(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> str:
     """The one line on stderr of a command that fails (and prints no traceback)."""
-    done = sessions(*args, stdin=stdin)
+    done = sessions(*args, stdin=stdin, env=env)
     assert done.returncode != 0
     assert done.stdout == ""
     assert done.stderr.endswith("\n")
@@ -620,6 +621,145 @@ async def test_the_commands_list_prints_never_hold_the_password_of_the_store_url
             assert "holds no sessions" in empty.stderr, empty.stderr
             assert secret not in empty.stderr, empty.stderr
             assert shown in empty.stderr, empty.stderr
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("how", ["env", "file"])
+async def test_the_commands_read_the_store_url_from_the_environment_or_a_file(
+    private_redis_server: Callable[..., AbstractContextManager[str]], tmp_path: Path, how: str
+) -> None:
+    """The commands take the store's URL from SESSIONACTORS_STORE or --store-file as from
+    --store, so that a Redis password stays off the command line: they reach a
+    redis-server that requires it, never print the password, and the delete command that
+    list prints for a damaged name gives the store as it was given (no --store, or the
+    same --store-file) and works as printed."""
+    secret = "hunter2-Zq9"
+    with private_redis_server(config=("--requirepass", secret)) as plain:
+        host = plain.removeprefix("redis://").removesuffix("/0")
+        prefix = f"sa-test-cli-{uuid.uuid4().hex[:12]}"
+        url = f"redis://:{secret}@{host}/0"
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        store = RedisStore(url, prefix=prefix)
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            for name in ("a", "b"):
+                await (await registry.spawn(name)).send(f"hello from {name}")
+        await rot_name(url, prefix, "b", b"\xff19")
+        given: list[str] = []
+        env = {"SESSIONACTORS_STORE": f"{url}?prefix={prefix}"}
+        if how == "file":
+            (tmp_path / "store").write_text(f"{url}?prefix={prefix}\n")
+            given, env = ["--store-file", str(tmp_path / "store")], {}
+        listed = functools.partial(sessions, "list", "--json", *given, env=env)
+        done = await trio.to_thread.run_sync(listed)
+        assert done.returncode == 0, done.stderr
+        assert [r["name"] for r in json.loads(done.stdout)] == ["a"]
+        assert secret not in done.stderr, done.stderr
+        printed = " ".join(["sessions delete", *map(shlex.quote, given), "--yes $'\\xff19'`"])
+        assert printed in done.stderr, done.stderr
+        assert "***" not in done.stderr, done.stderr
+        shown = await trio.to_thread.run_sync(functools.partial(ok, "show", "a", *given, env=env))
+        assert "hello from a" in shown, shown
+        delete = functools.partial(ok, "delete", "--yes", *given, "\udcff19", env=env)
+        assert await trio.to_thread.run_sync(delete) == "deleted session $'\\xff19'\n"
+        assert await keys_of(url, prefix, b"\xff19") == []
+
+
+async def test_every_command_takes_store_file_and_an_explicit_store_wins_over_the_environment(
+    tmp_path: Path,
+) -> None:
+    """Every command takes --store-file PATH (the URL in the file, its surrounding
+    whitespace dropped) where it takes --store URL; without either, SESSIONACTORS_STORE;
+    with either, that variable is not used."""
+    path = tmp_path / "s.db"
+    await _store_with_one_session(path)
+    good = f"sqlite:///{path}"
+    (tmp_path / "store").write_text(f"  {good}\n\n")
+    from_file = ["--store-file", str(tmp_path / "store")]
+    other = {"SESSIONACTORS_STORE": f"sqlite:///{tmp_path / 'other.db'}"}
+
+    async def sync(check: Callable[..., str], *args: str, env: dict[str, str] = other) -> str:
+        return await trio.to_thread.run_sync(functools.partial(check, *args, env=env))
+
+    assert (await sync(ok, "list", *from_file)).startswith("a\t")
+    assert (await sync(ok, "list", "--store", good)).startswith("a\t")
+    assert (await sync(ok, "list", env={"SESSIONACTORS_STORE": good})).startswith("a\t")
+    assert "other.db' does not exist" in await sync(refused, "list")
+    assert "hello from a" in await sync(ok, "show", "a", *from_file)
+    exported = await sync(ok, "export", "a", *from_file)
+    (tmp_path / "a.json").write_text(exported)
+    imported = await sync(ok, "import", str(tmp_path / "a.json"), "--as", "b", *from_file)
+    assert imported == "imported session 'b' (2 messages)\n"
+    tailed = await sync(ok, "tail", "a", "--no-follow", *from_file)
+    assert tailed
+    assert {json.loads(line)["session_id"] for line in tailed.splitlines()} == {"a"}
+    assert await sync(ok, "delete", "b", "--yes", *from_file) == "deleted session 'b'\n"
+    listed = await sync(ok, "list", *from_file)
+    assert [line.split("\t")[0] for line in listed.splitlines()] == ["a"]
+
+
+#: A password that a refused store URL or store file holds, which no refusal may print.
+STORE_SECRET = "hunter2-Zq9"
+
+
+@pytest.mark.parametrize(
+    ("args", "content", "variable", "said", "status"),
+    [
+        (["--store-file", "{dir}/missing"], None, None, "--store-file '{dir}/missing'", 2),
+        (["--store-file", "{dir}"], None, None, "--store-file '{dir}'", 2),
+        (["--store-file", "{dir}/store"], "\n \n", None, "--store-file '{dir}/store' is empty", 2),
+        (
+            ["--store-file", "{dir}/store"],
+            f"redis://:{STORE_SECRET}@h:6379/0\nredis://:{STORE_SECRET}@h:6379/1\n",
+            None,
+            "--store-file '{dir}/store' holds more than one line",
+            2,
+        ),
+        (
+            ["--store-file", "{dir}/store"],
+            f"redis//:{STORE_SECRET}@h:6379/0\n",
+            None,
+            "--store-file '{dir}/store' holds 'redis//:***@h:6379/0'",
+            1,
+        ),
+        (["--store", "sqlite:///x.db", "--store-file", "{dir}/store"], "x", None, "not both", 2),
+        ([], None, "", "SESSIONACTORS_STORE is set but empty", 2),
+        ([], None, f"redis//:{STORE_SECRET}@h:6379/0", "SESSIONACTORS_STORE 'redis//:***@h", 1),
+        ([], None, None, "--store", 2),
+    ],
+    ids=[
+        "missing",
+        "directory",
+        "empty",
+        "two-lines",
+        "not-a-url",
+        "both",
+        "empty-variable",
+        "bad-variable",
+        "none",
+    ],
+)
+def test_the_commands_refuse_a_store_file_or_variable_they_cannot_use(
+    tmp_path: Path,
+    args: list[str],
+    content: str | None,
+    variable: str | None,
+    said: str,
+    status: int,
+) -> None:
+    """A store file that is missing, no file, empty or of more than one line, one given
+    with --store, a SESSIONACTORS_STORE set but empty, or no store given at all, is
+    refused with status 2 (a URL in either that names no store, as a --store that names
+    none, with status 1) in one line that names the file or the variable and never
+    prints a password."""
+    if content is not None:
+        (tmp_path / "store").write_text(content)
+    env = None if variable is None else {"SESSIONACTORS_STORE": variable}
+    done = sessions("list", *[arg.format(dir=tmp_path) for arg in args], env=env)
+    assert done.returncode == status, done.stderr
+    assert done.stderr.startswith("sessionactors sessions list: "), done.stderr
+    assert said.format(dir=tmp_path) in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert STORE_SECRET not in done.stderr + done.stdout, done.stderr
 
 
 # ---- tail ---------------------------------------------------------------------------

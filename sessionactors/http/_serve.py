@@ -337,7 +337,7 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, access_log=args.access_log)
     try:
         _hypercorn()
-        store = open_store(args.store)
+        store = open_store(args.given_store.url, given=args.given_store)
         agents = load_agents(args.agent)
         # (a mistyped path, or a file deleted while the server was stopped, makes a new
         # one: said once the store has opened)

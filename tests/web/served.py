@@ -48,7 +48,7 @@ def _default_signals() -> None:
 
 @contextmanager
 def serve_command(
-    store: str,
+    store: str | None,
     *extra: str,
     stop: int = signal.SIGTERM,
     status: int = 0,
@@ -56,11 +56,12 @@ def serve_command(
     launcher: Sequence[str] = (),
 ) -> Iterator[Server]:
     """Run ``serve --store STORE --agent chat_agents:agents --port 0 EXTRA...`` from this
-    directory (with ``env`` added to the environment, and under ``launcher``, a command
-    such as ``nohup``, if given); on exit send ``stop`` and check that it exited with
-    ``status`` (0: it shut down cleanly). What it wrote on stderr is then in
-    ``server.stderr``."""
-    command = [*launcher, sys.executable, "-m", "sessionactors", "serve", "--store", store]
+    directory (without ``--store`` if ``store`` is None; with ``env`` added to the
+    environment, and under ``launcher``, a command such as ``nohup``, if given); on exit
+    send ``stop`` and check that it exited with ``status`` (0: it shut down cleanly). What
+    it wrote on stderr is then in ``server.stderr``."""
+    command = [*launcher, sys.executable, "-m", "sessionactors", "serve"]
+    command += [] if store is None else ["--store", store]
     command += ["--agent", "chat_agents:agents", "--port", "0", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(

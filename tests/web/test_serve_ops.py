@@ -276,6 +276,133 @@ def test_serve_refuses_a_token_file_it_cannot_use(
     assert said in done.stderr, done.stderr
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("how", ["env", "file", "argument"])
+def test_serve_reads_its_store_url_from_the_environment_or_a_file(
+    private_redis_server: Callable[..., AbstractContextManager[str]], tmp_path: Path, how: str
+) -> None:
+    """The store's URL can come from SESSIONACTORS_STORE or --store-file (its surrounding
+    whitespace dropped), so that the password of a redis-server that requires one never
+    shows in the process list, where --store URL shows it (the control), nor in serve's
+    output."""
+    secret = "hunter2-Zq9"
+    with private_redis_server(config=("--requirepass", secret)) as plain:
+        host = plain.removeprefix("redis://")
+        url = f"redis://:{secret}@{host}"
+        store: str | None = None
+        extra: list[str] = []
+        env = {"SESSIONACTORS_STORE": f" {url}\n"}
+        if how == "file":
+            (tmp_path / "store").write_text(f"{url}\n")
+            extra, env = ["--store-file", str(tmp_path / "store")], {}
+        elif how == "argument":
+            store, env = url, {}
+        with (
+            serve_command(store, *extra, env=env) as server,
+            httpx.Client(base_url=server.url, timeout=30) as client,
+        ):
+            answer = client.post("/sessions/c1/messages", json={"text": "hi"})
+            assert answer.status_code == 200, answer.text
+            with open(f"/proc/{server.process.pid}/cmdline", "rb") as cmdline:
+                shown = secret.encode() in cmdline.read()
+        assert shown == (how == "argument")
+        assert secret not in server.line + server.stderr, server.line + server.stderr
+        assert f"'redis://:***@{host}'" in server.line, server.line
+
+
+@pytest.mark.parametrize(
+    ("args", "content", "variable"),
+    [
+        (["--store", "memory://"], None, "nonsense://"),
+        (["--store-file", "{dir}/store"], "memory://", "nonsense://"),
+    ],
+    ids=["store", "store-file"],
+)
+def test_serve_takes_an_explicit_store_over_the_environment(
+    tmp_path: Path, args: list[str], content: str | None, variable: str
+) -> None:
+    """--store and --store-file win over SESSIONACTORS_STORE (here a URL that names no
+    store): the server starts on the store they name."""
+    if content is not None:
+        (tmp_path / "store").write_text(content)
+    extra = [arg.format(dir=tmp_path) for arg in args]
+    env = {"SESSIONACTORS_STORE": variable}
+    with (
+        serve_command(None, *extra, env=env) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.post("/sessions/c1/messages", json={"text": "hi"}).status_code == 200
+
+
+#: A password that a refused store URL or store file holds, which no refusal may print.
+STORE_SECRET = "hunter2-Zq9"
+
+
+@pytest.mark.parametrize(
+    ("args", "content", "variable", "said"),
+    [
+        (["--store-file", "{dir}/missing"], None, None, "--store-file '{dir}/missing'"),
+        (["--store-file", "{dir}"], None, None, "--store-file '{dir}'"),
+        (["--store-file", "{dir}/store"], " \n\n", None, "--store-file '{dir}/store' is empty"),
+        (
+            ["--store-file", "{dir}/store"],
+            f"redis://:{STORE_SECRET}@h:6379/0\nredis://:{STORE_SECRET}@h:6379/1\n",
+            None,
+            "--store-file '{dir}/store' holds more than one line",
+        ),
+        (
+            ["--store-file", "{dir}/store"],
+            f"redis//:{STORE_SECRET}@h:6379/0\n",
+            None,
+            "--store-file '{dir}/store' holds 'redis//:***@h:6379/0'",
+        ),
+        (["--store", "memory://", "--store-file", "{dir}/store"], "memory://", None, "not both"),
+        ([], None, "", "SESSIONACTORS_STORE is set but empty"),
+        ([], None, f"redis//:{STORE_SECRET}@h:6379/0", "SESSIONACTORS_STORE 'redis//:***@h"),
+        ([], None, None, "--store"),
+    ],
+    ids=[
+        "missing",
+        "directory",
+        "empty",
+        "two-lines",
+        "not-a-url",
+        "both",
+        "empty-variable",
+        "bad-variable",
+        "none",
+    ],
+)
+def test_serve_refuses_a_store_file_or_variable_it_cannot_use(
+    tmp_path: Path, args: list[str], content: str | None, variable: str | None, said: str
+) -> None:
+    """A store file that is missing, no file, empty or of more than one line, one given
+    with --store, a SESSIONACTORS_STORE set but empty, a URL in either that names no
+    store, or no store given at all, exits with status 2 and says why, naming the file or
+    the variable and never printing a password."""
+    if content is not None:
+        (tmp_path / "store").write_text(content)
+    command = ["serve", "--agent", "chat_agents:agents", "--port", "0"]
+    command += [arg.format(dir=tmp_path) for arg in args]
+    env = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
+    if variable is not None:
+        env["SESSIONACTORS_STORE"] = variable
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionactors", *command],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert said.format(dir=tmp_path) in done.stderr, done.stderr
+    assert STORE_SECRET not in done.stderr + done.stdout, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 async def test_healthz_answers_200_while_the_store_answers_and_503_when_it_fails(
     serve: Serve,
 ) -> None:
