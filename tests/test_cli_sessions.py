@@ -783,7 +783,15 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
     path = tmp_path / "s.db"
     store = f"sqlite:///{path}"
     await _store_with_one_session(path)
-    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a", "--store", store]
+    # (from the stored seq on, not "from now on": tail may read the session after the
+    # later process stored its turn)
+    stored = sa.SQLiteStore(path)
+    try:
+        after = (await sa.read_session(stored, "a")).event_seq
+    finally:
+        await stored.aclose()
+    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a", "--store", store,
+               "--after", str(after)]  # fmt: skip
     process = await trio.lowlevel.open_process(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -791,7 +799,6 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
     assert process.stderr is not None
     try:
         with trio.fail_after(60):
-            await trio.sleep(1)  # tail has read the session (no event yet)
             agent = sa.Agent(model=EchoModel())
             async with sa.open_registry(
                 store=sa.SQLiteStore(path), agents={"echo": agent}
