@@ -46,6 +46,7 @@ from ._errors import (
     TurnFailedError,
     TurnNotFoundError,
     advised,
+    cut_off_error,
     is_public,
     key_reused_error,
     reply_removed_error,
@@ -1007,19 +1008,37 @@ class Actor:
     ) -> None:
         """Record the turn's outcome durably, publish it, and answer its caller; ``cut``:
         why a turn cancelled while the registry closes was cut (see ``stopped_error``);
-        ``compact``: whether its commit may take the compaction snapshot after it."""
+        ``compact``: whether its commit may take the compaction snapshot after it.
+
+        A turn that the registry's close cut off (the grace ran out: ``Phase.ABORTING``)
+        did not end by anyone's cancel: it fails, with a ``SessionStoppedError`` that
+        tells every client to send the message again (``cut_off_error``), and its caller
+        gets the ``SessionStoppedError`` of ``stopped_error``. A cancel is the user's.
+        """
         sid = self.session_id
         turn_id = self.turn_id
         stats = self.host.stats
         outcome: Outcome
         error: BaseException | None = None
-        if cancelled:
+        if cancelled and self.phase is Phase.ABORTING:
+            cancelled = False
+            failure = cut_off_error(sid, cut)
+            text = storable("".join(self.partial)) or NO_REPLY_FAILED
+            self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
+            outcome = TurnFailed(
+                session_id=sid,
+                seq=self.next_seq(),
+                turn_id=turn_id,
+                error=describe(failure),
+                error_kind=type(failure).__name__,
+                error_public=True,
+            )
+            error = stopped_error(sid, cut, turn_id)
+        elif cancelled:
             text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
-            if self.phase is Phase.ABORTING:
-                error = stopped_error(sid, cut, turn_id)
-            elif self.phase is Phase.STOPPING:
+            if self.phase is Phase.STOPPING:
                 error = stopped_error(sid, "stop", turn_id)
             else:
                 error = TurnCancelledError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TypeGuard, TypeVar
+from typing import Final, TypeGuard, TypeVar
 
 import attrs
 
@@ -328,7 +328,9 @@ class SessionStoppedError(SessionActorsError):
 
     ``turn_id`` names the turn that had started when the session stopped under it
     (cut off, or not confirmed by the store): it may be in the history. It is empty
-    when the request never ran.
+    when the request never ran. A turn cut off while it ran ends, for its subscribers
+    and in ``ref.turn_outcome``, as failed with this error's kind (a ``TurnFailed``
+    whose ``error_kind`` is ``"SessionStoppedError"``), never as cancelled.
     """
 
     #: (Internal, set by ``stopped_error``) why the session's registry stopped the
@@ -694,6 +696,37 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     error = advised(SessionStoppedError, *told, session_id=sid, turn_id=turn_id)
     error._reason = reason
     return error
+
+
+#: Why a registry's close cut a turn off (see ``cut_off_error``): its shutdown grace ran
+#: out, or something not an Exception escaped a session and ended it.
+CUT_OFF_REASONS: Final = ("cut", "interrupted")
+
+
+def cut_off_error(sid: str, reason: str) -> SessionStoppedError:
+    """The failure a turn's ``TurnFailed`` carries when its registry's close cut it off
+    while it ran (``reason``, one of ``CUT_OFF_REASONS``), in words that every client
+    follows, a browser that only reads the session's events included: the worker that
+    ran it stopped, send the message again. (Its caller's ``stopped_error`` advises as
+    the caller's frontend does.)"""
+    if reason == "interrupted":
+        why = "something not an Exception (a KeyboardInterrupt, say) stopped the worker running it"
+    else:
+        why = "the worker running it stopped (its registry closed, its shutdown grace over)"
+    return SessionStoppedError(
+        f"the turn of session {sid!r} was cut off when {why}; what it streamed is kept, "
+        "marked interrupted: send the message again",
+        session_id=sid,
+    )
+
+
+def cut_off_told(sid: str, error: str) -> bool:
+    """Whether ``error``, a failed turn's error as its record keeps it ("Kind: message"),
+    is the library's own account of a turn of session ``sid`` that a registry's close
+    cut off (``cut_off_error``), word for word: a frontend may tell it whole, as it
+    tells the turn's ``TurnFailed``, though the record keeps no ``error_public``."""
+    kind = SessionStoppedError.__name__
+    return any(error == f"{kind}: {cut_off_error(sid, r)}" for r in CUT_OFF_REASONS)
 
 
 # Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).

@@ -133,6 +133,13 @@ class TurnFailed(Event):
     missing) ends with one too, published and never journaled: it left nothing
     in the history, and its caller got the same error.
 
+    A turn that its registry's close cut off while it ran (the ``shutdown_grace`` ran
+    out, the registry was cancelled or interrupted: its worker stopped) ends with one
+    too, not with a ``TurnCancelled``, which only a cancel (``ref.cancel()``) publishes:
+    ``error_kind`` is ``"SessionStoppedError"``, ``error`` (public) says that the worker
+    running it stopped and to send the message again, and the turn is kept as any failed
+    turn is. Its caller gets ``SessionStoppedError`` with its ``turn_id``.
+
     ``lost``: the session itself crashed during the turn and restarted from its
     durable state, which holds nothing of this turn: every event the turn
     published (its user message included) no longer holds. Such an outcome is
@@ -159,7 +166,12 @@ class TurnFailed(Event):
 
 @attrs.frozen(kw_only=True)
 class TurnCancelled(Event):
-    """The turn was cancelled; what it streamed was kept as an interrupted message."""
+    """The turn was cancelled (``ref.cancel()``, or the stop of a session whose turn
+    waited on a review); what it streamed was kept as an interrupted message.
+
+    A turn that its registry's close cut off (the shutdown grace ran out) was not
+    cancelled by anyone: it ends with a ``TurnFailed`` of kind ``SessionStoppedError``.
+    """
 
     turn_id: str
 

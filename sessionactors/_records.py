@@ -408,8 +408,10 @@ class TurnStatus(enum.Enum):
     RUNNING = "running"  #: in flight
     WAITING = "waiting"  #: paused on a human review (``ref.review``)
     FINISHED = "finished"  #: ended with a reply
-    FAILED = "failed"  #: the agent, its model or a tool raised; or it was refused
-    CANCELLED = "cancelled"  #: ``ref.cancel()`` (or the shutdown grace) cut it
+    #: the agent, its model or a tool raised; or it was refused; or its registry's close
+    #: cut it off while it ran (a ``SessionStoppedError``: send the message again)
+    FAILED = "failed"
+    CANCELLED = "cancelled"  #: ``ref.cancel()`` cut it
     #: accepted, but it did not run and never will: the session crashed, stopped
     #: or closed before the turn was durable; the history holds nothing of it
     LOST = "lost"

@@ -291,9 +291,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         and restarts too, for the session's last 256 turns. Lost means that the
         turn was accepted but will never run and left nothing in the history (the
         session crashed, stopped or closed before the turn was durable): send it
-        again. Raises TurnNotFoundError if the session never issued ``turn_id``
-        (another session's id, or one of its form that it could not have issued:
-        stamped more than 10 minutes before it was created or after now, or of
+        again. A turn that its registry's close cut off while it ran (its worker
+        stopped) reads failed, its error beginning "SessionStoppedError: ": what it
+        streamed is kept, marked interrupted; send the message again. Cancelled is
+        ``cancel()``'s only. Raises TurnNotFoundError if the session never issued
+        ``turn_id`` (another session's id, or one of its form that it could not have
+        issued: stamped more than 10 minutes before it was created or after now, or of
         over 200 characters), or no longer keeps its outcome.
         """
         _check_type(self.session_id, "turn_id", turn_id, str)

@@ -88,6 +88,51 @@ async def test_a_forwarded_turn_cut_by_its_owners_shutdown_is_not_run_again(
     assert error.turn_id.startswith("turn_")  # it had started: it may be in the history
 
 
+async def test_a_turn_cut_by_its_owners_shutdown_ends_failed_for_a_watcher_elsewhere(
+    redis_url: str,
+) -> None:
+    """A subscriber on another worker that follows a session whose owner closes and cuts its
+    turn off after the shutdown grace sees that turn end with a TurnFailed of kind
+    SessionStoppedError telling to send the message again (not a TurnCancelled, which a
+    user's cancel publishes), and turn_outcome on that worker reads it failed."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    started = trio.Event()
+    seen: list[sa.Event] = []
+    outcomes = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
+
+    async def watch(ref: sa.SessionRef, *, task_status: trio.TaskStatus[None]) -> None:
+        async with ref.subscribe() as events:
+            task_status.started()
+            async for event in events:
+                seen.append(event)
+                if isinstance(event, outcomes):
+                    return
+
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "b", EchoModel()) as b:
+            async with (
+                trio.open_nursery() as watching,
+                open_worker(redis_url, prefix, "a", HangingModel(started), shutdown_grace=0.2) as a,
+            ):
+                await a.spawn("s")
+                await a.ref("s").history()  # live on a
+                await watching.start(watch, b.ref("s"))
+                turn = await a.ref("s").submit("cut short")
+                await started.wait()
+            # a closed, and cut the turn off after its grace (the watcher read its end)
+            with pytest.raises(sa.SessionStoppedError):
+                await turn.reply()
+            told = await b.ref("s").turn_outcome(turn.id)
+    outcome = seen[-1]
+    assert isinstance(outcome, sa.TurnFailed), seen
+    assert (outcome.turn_id, outcome.error_kind) == (turn.id, "SessionStoppedError")
+    assert outcome.error_public
+    assert not outcome.lost
+    assert "send the message again" in outcome.error, outcome.error
+    assert told.status is sa.TurnStatus.FAILED, told
+    assert told.error == outcome.error
+
+
 async def test_a_turn_whose_owner_had_not_answered_when_its_callers_registry_closed_names_it(
     redis_url: str,
 ) -> None:

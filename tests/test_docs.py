@@ -93,6 +93,7 @@ EXPECTED = {
         "slow: SessionStoppedError:",
         "queued: SessionStoppedError:",
         "interrupted=True",
+        "outcome: failed | SessionStoppedError: ",
     ],
     "howto_timeouts.py": [
         "gave up waiting after 0.25 s",

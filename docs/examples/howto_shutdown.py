@@ -33,10 +33,15 @@ async def main() -> None:
         except sa.SessionStoppedError as exc:
             print(f"{name}: SessionStoppedError: {exc}")
 
-    # What the slow turn streamed is kept, marked interrupted.
+    # What the slow turn streamed is kept, marked interrupted. The turn did not end by
+    # a cancel: it failed, and its TurnFailed (what its subscribers saw) and its outcome
+    # say that its worker stopped, so that a client knows to send the message again.
     async with sa.open_registry(store=store, agents=agents) as registry:
-        last = (await registry.ref("slow-1").history())[-1]
+        slow = registry.ref("slow-1")
+        last = (await slow.history())[-1]
         print(f"kept: {last.content!r} interrupted={last.interrupted}")
+        outcome = await slow.turn_outcome(slow_turn.id)
+        print("outcome:", outcome.status.value, "|", outcome.error)
 
 
 if __name__ == "__main__":

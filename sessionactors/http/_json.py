@@ -6,7 +6,7 @@ from typing import Any, Final
 import sessionactors as sa
 
 from .._actor import LOST_PREFIX
-from .._errors import Private
+from .._errors import Private, cut_off_told
 from .._json import dumps as dumps
 from .._json import event_to_json as _event_json
 from .._json import metadata_json as metadata_json
@@ -110,9 +110,12 @@ def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:
     the server's log has the details"``), whatever it was: an outcome does not keep
     whether its error's words are public, and an app's or a model's exception may name
     files, keys or a provider's answer. Its ``TurnFailed`` event, which the events
-    routes replay, tells a public error whole."""
+    routes replay, tells a public error whole. One error is told whole here too, as
+    the library's own words: a turn cut off by its registry's close (its worker
+    stopped while the turn ran), whose ``SessionStoppedError`` says to send the message
+    again."""
     error = outcome.error
-    if error is not None:
+    if error is not None and not cut_off_told(outcome.session_id, error):
         kind = _KIND.match(error)
         error = f"the turn failed with {kind[1] if kind else 'an error'}; {LOGGED}"
     return {

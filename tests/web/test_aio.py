@@ -259,6 +259,53 @@ def test_leaving_the_block_shuts_down_like_the_trio_registry(tmp_path: Path) -> 
     run(main)
 
 
+def test_a_turn_cut_by_the_blocks_end_fails_with_session_stopped(tmp_path: Path) -> None:
+    """A turn still running when the block's shutdown grace runs out ends, for its asyncio
+    subscriber, with a TurnFailed of kind SessionStoppedError (not a TurnCancelled, which
+    is a user's cancel); its caller gets SessionStoppedError, and a new registry reads the
+    turn failed."""
+    path = str(tmp_path / "sessions.db")
+
+    async def main() -> None:
+        agents = {"g": sa.Agent(model=GatedModel())}
+        seen: list[sa.Event] = []
+        async with aio.open_registry(
+            store=sa.SQLiteStore(path), agents=agents, shutdown_grace=0.05
+        ) as registry:
+            ref = await registry.spawn("cut")
+            subscribed = asyncio.Event()
+
+            async def read() -> None:  # (on past the block's end, as a page's stream is)
+                async with ref.subscribe() as events:
+                    subscribed.set()
+                    async for event in events:
+                        seen.append(event)
+                        if isinstance(event, sa.TurnFinished | sa.TurnFailed | sa.TurnCancelled):
+                            return
+
+            reader = asyncio.ensure_future(read())
+            await subscribed.wait()
+            turn = await ref.submit("hello")
+            while (await ref.turn_outcome(turn.id)).status is not sa.TurnStatus.RUNNING:
+                await asyncio.sleep(0.01)
+        await reader
+        with pytest.raises(sa.SessionStoppedError) as stopped:
+            await turn.reply()
+        assert stopped.value.turn_id == turn.id
+        outcome = seen[-1]
+        assert isinstance(outcome, sa.TurnFailed), seen
+        assert (outcome.turn_id, outcome.error_kind) == (turn.id, "SessionStoppedError")
+        assert outcome.error_public
+        assert "send the message again" in outcome.error
+        async with aio.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+            told = await registry.ref("cut").turn_outcome(turn.id)
+            last = (await registry.ref("cut").history())[-1]
+        assert told.status is sa.TurnStatus.FAILED
+        assert (last.content, last.interrupted) == ("partial", True)
+
+    run(main)
+
+
 def test_registries_on_one_loop_share_its_trio_run_and_end_it() -> None:
     """Two registries open at once on one loop work side by side; after both closed, a
     later asyncio.run (or trio.run) in the same thread starts afresh."""

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException, WebSocketException
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.http import create_app, event_to_json
-from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import FaultyStore, Gate, Scripted, ScriptedModel
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
@@ -201,6 +201,68 @@ async def test_the_turns_route_tells_the_kind_of_an_error_with_no_message() -> N
     body = r.json()
     assert body["status"] == "failed", body
     assert body["error"].startswith("the turn failed with RuntimeError; "), body
+
+
+async def test_a_turn_cut_by_the_registrys_close_is_told_failed_not_cancelled() -> None:
+    """A turn still running when the gateway's registry closes past its shutdown grace is
+    told to a client that follows the session's events (GET .../events) as a TurnFailed
+    of kind SessionStoppedError whose error says to send the message again (a
+    TurnCancelled would read as the user's stop); the turn's own stream ends with that
+    event or with the SessionStoppedError, never a TurnCancelled; and GET
+    /sessions/{name}/turns/{turn_id} then answers it failed, saying the same."""
+    store = sa.MemoryStore()
+    script = Scripted(text="half a reply and no more", wait=Gate(), wait_after=2)
+    agents = {"held": sa.Agent(model=ScriptedModel([script]))}
+    close = trio.Event()
+
+    async def run_registry(*, task_status: trio.TaskStatus[sa.Registry]) -> None:
+        async with sa.open_registry(store=store, agents=agents, shutdown_grace=0.2) as registry:
+            task_status.started(registry)
+            await close.wait()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            registry = await nursery.start(run_registry)
+            await registry.spawn("g")
+            async with (
+                serve_trio(create_app(registry)) as url,
+                httpx.AsyncClient(base_url=url) as client,
+                client.stream("GET", "/sessions/g/events") as listening,
+            ):
+                followed = SSEReader(listening)
+                body = {"text": "hello"}
+                async with client.stream(
+                    "POST", "/sessions/g/messages", json=body, headers=SSE
+                ) as r:
+                    own = SSEReader(r)
+                    _, started = await own.next()
+                    assert started["type"] == "TurnStarted", started
+                    await own.until(lambda data: data["type"] == "Delta")
+                    close.set()  # the registry closes, and cuts the turn off after its grace
+                    told = await own.until(lambda data: finished(data) or data["type"] == "error")
+                    _, ended = told[-1]
+                seen = await followed.until(finished)
+        async with (
+            sa.open_registry(store=store, agents=agents) as registry,
+            serve_trio(create_app(registry)) as url,
+            httpx.AsyncClient(base_url=url) as client,
+        ):
+            r = await client.get(f"/sessions/g/turns/{started['turn_id']}")
+    _, outcome = seen[-1]
+    assert outcome["type"] == "TurnFailed", outcome
+    assert (outcome["turn_id"], outcome["error_kind"]) == (
+        started["turn_id"],
+        "SessionStoppedError",
+    )
+    assert "send the message again" in outcome["error"], outcome
+    if ended["type"] == "error":  # (the caller's error may end the turn's stream first)
+        assert ended["error"] == "SessionStoppedError", ended
+    else:
+        assert ended == outcome
+    answer = r.json()
+    assert r.status_code == 200, answer
+    assert answer["status"] == "failed", answer
+    assert answer["error"] == outcome["error"], answer
 
 
 async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve: Serve) -> None:
