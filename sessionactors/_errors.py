@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Final, TypeGuard, TypeVar
+from typing import TypeGuard, TypeVar
 
 import attrs
 
@@ -698,14 +698,10 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     return error
 
 
-#: Why a registry's close cut a turn off (see ``cut_off_error``): its shutdown grace ran
-#: out, or something not an Exception escaped a session and ended it.
-CUT_OFF_REASONS: Final = ("cut", "interrupted")
-
-
 def cut_off_error(sid: str, reason: str) -> SessionStoppedError:
     """The failure a turn's ``TurnFailed`` carries when its registry's close cut it off
-    while it ran (``reason``, one of ``CUT_OFF_REASONS``), in words that every client
+    while it ran (``reason``: "cut", its shutdown grace ran out; "interrupted", something
+    not an Exception escaped a session and ended it), in words that every client
     follows, a browser that only reads the session's events included: the worker that
     ran it stopped, send the message again. (Its caller's ``stopped_error`` advises as
     the caller's frontend does.)"""
@@ -718,15 +714,6 @@ def cut_off_error(sid: str, reason: str) -> SessionStoppedError:
         "marked interrupted: send the message again",
         session_id=sid,
     )
-
-
-def cut_off_told(sid: str, error: str) -> bool:
-    """Whether ``error``, a failed turn's error as its record keeps it ("Kind: message"),
-    is the library's own account of a turn of session ``sid`` that a registry's close
-    cut off (``cut_off_error``), word for word: a frontend may tell it whole, as it
-    tells the turn's ``TurnFailed``, though the record keeps no ``error_public``."""
-    kind = SessionStoppedError.__name__
-    return any(error == f"{kind}: {cut_off_error(sid, r)}" for r in CUT_OFF_REASONS)
 
 
 # Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).

@@ -6,7 +6,7 @@ from typing import Any, Final
 import sessionactors as sa
 
 from .._actor import LOST_PREFIX
-from .._errors import Private, cut_off_told
+from .._errors import Private
 from .._json import dumps as dumps
 from .._json import event_to_json as _event_json
 from .._json import metadata_json as metadata_json
@@ -100,6 +100,10 @@ def reply_to_json(reply: sa.Reply) -> dict[str, Any]:
 #: own: its error is the text its turn record stores.)
 _KIND: Final = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*)(?:: |$)")
 
+#: What a failed turn's kind says to HTTP clients, where the kind has advice of its own: a
+#: turn fails with SessionStoppedError when its registry's close cut it off.
+_ADVICE: Final = {"SessionStoppedError": "the worker running it stopped; send the message again"}
+
 
 def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:
     """What became of a turn (``GET /sessions/{name}/turns/{turn_id}``): its session, turn
@@ -110,14 +114,20 @@ def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:
     the server's log has the details"``), whatever it was: an outcome does not keep
     whether its error's words are public, and an app's or a model's exception may name
     files, keys or a provider's answer. Its ``TurnFailed`` event, which the events
-    routes replay, tells a public error whole. One error is told whole here too, as
-    the library's own words: a turn cut off by its registry's close (its worker
-    stopped while the turn ran), whose ``SessionStoppedError`` says to send the message
-    again."""
+    routes replay, tells a public error whole. A turn that its registry's close cut off
+    (its worker stopped while the turn ran) is told by its kind's own advice: ``"the
+    turn failed with SessionStoppedError: the worker running it stopped; send the
+    message again"``, whatever words the worker that cut it stored."""
     error = outcome.error
-    if error is not None and not cut_off_told(outcome.session_id, error):
-        kind = _KIND.match(error)
-        error = f"the turn failed with {kind[1] if kind else 'an error'}; {LOGGED}"
+    if error is not None:
+        match = _KIND.match(error)
+        kind = match[1] if match else "an error"
+        advice = _ADVICE.get(kind)
+        error = (
+            f"the turn failed with {kind}: {advice}"
+            if advice is not None
+            else f"the turn failed with {kind}; {LOGGED}"
+        )
     return {
         "session_id": outcome.session_id,
         "turn_id": outcome.turn_id,

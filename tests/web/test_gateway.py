@@ -6,8 +6,10 @@ import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import attrs
 import h11
 import httpx
 import pytest
@@ -17,8 +19,16 @@ from starlette.exceptions import HTTPException, WebSocketException
 
 import sessionactors as sa
 import sessionactors.aio as aio
+from processes import sessions
 from sessionactors.http import create_app, event_to_json
-from sessionactors.testing import FaultyStore, Gate, Scripted, ScriptedModel
+from sessionactors.testing import (
+    EchoModel,
+    FaultyStore,
+    Gate,
+    Scripted,
+    ScriptedModel,
+    export_document,
+)
 
 from .chat_agents import DROPPED, asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
@@ -209,7 +219,8 @@ async def test_a_turn_cut_by_the_registrys_close_is_told_failed_not_cancelled() 
     of kind SessionStoppedError whose error says to send the message again (a
     TurnCancelled would read as the user's stop); the turn's own stream ends with that
     event or with the SessionStoppedError, never a TurnCancelled; and GET
-    /sessions/{name}/turns/{turn_id} then answers it failed, saying the same."""
+    /sessions/{name}/turns/{turn_id} then answers it failed, with its kind's advice:
+    send the message again."""
     store = sa.MemoryStore()
     script = Scripted(text="half a reply and no more", wait=Gate(), wait_after=2)
     agents = {"held": sa.Agent(model=ScriptedModel([script]))}
@@ -262,7 +273,52 @@ async def test_a_turn_cut_by_the_registrys_close_is_told_failed_not_cancelled() 
     answer = r.json()
     assert r.status_code == 200, answer
     assert answer["status"] == "failed", answer
-    assert answer["error"] == outcome["error"], answer
+    assert answer["error"] == (
+        "the turn failed with SessionStoppedError: the worker running it stopped; "
+        "send the message again"
+    ), answer
+
+
+async def test_the_turns_route_tells_a_cut_turn_by_its_kind_in_any_words(tmp_path: Path) -> None:
+    """A failed turn of kind SessionStoppedError whose stored error is not in this
+    version's words (a worker of another version cut it off, or the words changed) is
+    told by GET /sessions/{name}/turns/{turn_id} with that kind's own advice: its worker
+    stopped, send the message again; not sent to a server log that may hold nothing of
+    it."""
+    other_words = (
+        "SessionStoppedError: the turn of session 'old' was cut off when its worker "
+        "went away; send it again"
+    )
+    async with sa.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("old")
+        reply = await ref.send("hello")
+        state = await ref.state()
+    [record] = state.turns
+    cut = attrs.evolve(record, status=sa.TurnStatus.FAILED, reply_id=None, error=other_words)
+    document = export_document(attrs.evolve(state, turns=(cut,)))
+    target = tmp_path / "old.db"
+    done = await trio.to_thread.run_sync(
+        lambda: sessions(
+            "import", "-", "--store", f"sqlite:///{target}", stdin=json.dumps(document)
+        )
+    )
+    assert done.returncode == 0, done.stderr
+    async with (
+        sa.open_registry(
+            store=sa.SQLiteStore(target), agents={"echo": sa.Agent(model=EchoModel())}
+        ) as registry,
+        serve_trio(create_app(registry)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with trio.fail_after(10):
+            r = await client.get(f"/sessions/old/turns/{reply.turn_id}")
+    answer = r.json()
+    assert r.status_code == 200, answer
+    assert answer["status"] == "failed", answer
+    assert answer["error"].startswith("the turn failed with SessionStoppedError"), answer
+    assert "the worker running it stopped" in answer["error"], answer
+    assert "send the message again" in answer["error"], answer
+    assert "log" not in answer["error"], answer
 
 
 async def test_the_turns_route_answers_404_for_unknown_sessions_and_turns(serve: Serve) -> None:
