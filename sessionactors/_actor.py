@@ -131,6 +131,10 @@ __all__ = [
 
 log = logging.getLogger("sessionactors")
 
+#: What cancelled a turn (see ``Actor._cancelled_by``) when ``ref.cancel()`` did: the
+#: only cancel that ends a turn cancelled.
+CANCEL: Final = "cancel"
+
 
 class Phase(enum.Enum):
     """Where an actor incarnation is in its life. Transitions (and only these):
@@ -288,11 +292,11 @@ class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
 
     __slots__ = (
+        "_cancelled_by",
         "_cut",
         "_load_scope",
         "_ready",
         "_rescope",
-        "_scope_cancelled",
         "_system_cache",
         "after_crash",
         "done",
@@ -343,7 +347,11 @@ class Actor:
         self.in_turn = False  # a turn is running in turn_scope: cancel() may cut it
         self._cut: tuple[Pending, str | None] | None = None  # the turn a cut would settle
         self._rescope = False  # leave turn_scope at the next request (see _drive)
-        self._scope_cancelled = False  # cancel_turn() cancelled turn_scope
+        #: What cancelled turn_scope (``cancel_turn``), set once, when it is cancelled:
+        #: CANCEL (``ref.cancel()``), or why the registry's close cut the turn off ("cut":
+        #: see ``abort``). The first wins: a turn that one cancel cut ends as that one says,
+        #: whatever comes while it lets go, and whatever the session is doing by then.
+        self._cancelled_by: str | None = None
         self.turn_id = ""
         self.partial: list[str] = []
         self.trace: TurnTrace | None = None  # the turn in flight's, with telemetry
@@ -414,7 +422,7 @@ class Actor:
             # hold answered turns only a snapshot after this read can keep): give the
             # store's read up
             self._load_scope.cancel()
-        self.cancel_turn()
+        self.cancel_turn(by="cut")  # (a stopping session's turn too: it stops after it)
 
     def kill(self, error: SessionActorsError) -> None:
         """Stop at once, writing nothing (deleted, or its lease lost): waiters get ``error``."""
@@ -431,15 +439,16 @@ class Actor:
         """A turn with an idempotency key is in the mailbox: callers with its key join it."""
         self.inflight_keys.setdefault(key, mail)
 
-    def cancel_turn(self, turn_id: str | None = None) -> bool:
+    def cancel_turn(self, turn_id: str | None = None, *, by: str = CANCEL) -> bool:
         """Cancel the turn in flight, out of band (only if it is ``turn_id``, when given);
-        whether it was cancelled."""
+        whether it was cancelled. ``by``: who cancels it (see ``_cancelled_by``)."""
         if not self.in_turn or self.turn_scope is None:
             return False
         if turn_id is not None and turn_id != self.turn_id:
             return False  # (its turn ended: another one runs now)
         self.turn_scope.cancel()
-        self._scope_cancelled = True
+        if self._cancelled_by is None:
+            self._cancelled_by = by
         return True
 
     def new_turn_id(self) -> str:
@@ -783,7 +792,7 @@ class Actor:
                 if mail is None:
                     return  # left
             scope = self.turn_scope = trio.CancelScope()
-            self._scope_cancelled = False
+            self._cancelled_by = None
             with scope:
                 if await self._serve(mail, outside=False) is None:
                     return  # left
@@ -791,7 +800,8 @@ class Actor:
             self.turn_scope = None
             cut, self._cut = self._cut, None
             if cut is not None:  # the turn in flight was cancelled: settle it here
-                await self._settle(*cut, failure=None, final=None, cancelled=True)
+                by = self._cancelled_by or CANCEL
+                await self._settle(*cut, failure=None, final=None, cancelled=by)
 
     async def _serve(self, mail: Mail | _Signal | None, *, outside: bool) -> Mail | _Signal | None:
         """Serve requests, ``mail`` first, until the actor leaves (None); outside the turn
@@ -983,17 +993,15 @@ class Actor:
         finally:
             self.in_turn = False
         self._cut = None
-        if self._scope_cancelled:  # (turn_scope.cancel_called, without asking the clock)
+        if self._cancelled_by is not None:  # (turn_scope.cancel_called, without the clock)
             # cancelled as the turn ended: settle it as it ended, and have the loop
             # leave the cancelled scope before anything else
             self._rescope = True
             await self.bounded(  # (its writes only: the next commit compacts, if due)
-                self._settle(
-                    pending, key, failure=failure, final=final, cancelled=False, compact=False
-                )
+                self._settle(pending, key, failure=failure, final=final, compact=False)
             )
             return
-        await self._settle(pending, key, failure=failure, final=final, cancelled=False)
+        await self._settle(pending, key, failure=failure, final=final)
 
     async def _settle(
         self,
@@ -1002,39 +1010,31 @@ class Actor:
         *,
         failure: BaseException | None,
         final: Message | None,
-        cancelled: bool,
-        cut: str = "cut",
+        cancelled: str | None = None,
         compact: bool = True,
     ) -> None:
-        """Record the turn's outcome durably, publish it, and answer its caller; ``cut``:
-        why a turn cancelled while the registry closes was cut (see ``stopped_error``);
-        ``compact``: whether its commit may take the compaction snapshot after it.
+        """Record the turn's outcome durably, publish it, and answer its caller;
+        ``cancelled``: what cancelled the turn, if something did (see ``_cancelled_by``;
+        "interrupted": something not an Exception escaped it); ``compact``: whether its
+        commit may take the compaction snapshot after it.
 
-        A turn that the registry's close cut off (the grace ran out: ``Phase.ABORTING``)
-        did not end by anyone's cancel: it fails, with a ``SessionStoppedError`` that
-        tells every client to send the message again (``cut_off_error``), and its caller
-        gets the ``SessionStoppedError`` of ``stopped_error``. A cancel is the user's.
+        Only ``ref.cancel()`` (CANCEL) ends a turn cancelled here (a stop ends a turn
+        waiting on a review so too: ``_end_waiting_turn``). A turn that the registry's
+        close cut off did not end by anyone's cancel: it fails, with a
+        ``SessionStoppedError`` that tells every client to send the message again
+        (``cut_off_error``), and its caller gets the ``SessionStoppedError`` of
+        ``stopped_error``.
         """
         sid = self.session_id
         turn_id = self.turn_id
         stats = self.host.stats
         outcome: Outcome
         error: BaseException | None = None
-        if cancelled and self.phase is Phase.ABORTING:
-            cancelled = False
+        cut = None  # why the registry's close cut it off, if it did
+        if cancelled is not None and cancelled != CANCEL:
+            cut, cancelled = cancelled, None
             failure = cut_off_error(sid, cut)
-            text = storable("".join(self.partial)) or NO_REPLY_FAILED
-            self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
-            outcome = TurnFailed(
-                session_id=sid,
-                seq=self.next_seq(),
-                turn_id=turn_id,
-                error=describe(failure),
-                error_kind=type(failure).__name__,
-                error_public=True,
-            )
-            error = stopped_error(sid, cut, turn_id)
-        elif cancelled:
+        if cancelled:
             text = storable("".join(self.partial)) or NO_REPLY_CANCELLED
             self.add_message(Message.create(Role.ASSISTANT, text, interrupted=True))
             outcome = TurnCancelled(session_id=sid, seq=self.next_seq(), turn_id=turn_id)
@@ -1063,17 +1063,21 @@ class Actor:
                 error_kind=type(failure).__name__,
                 error_public=isinstance(reason, str),
             )
-            kept = FAILED_KEPT if streamed else ""
-            error = advised(
-                TurnFailedError,
-                f"turn {turn_id} of session {sid!r} failed: ",
-                reason,
-                f"{kept}{FAILED_TAIL}",
-                session_id=sid,
-                turn_id=turn_id,
-            )
-            error.__cause__ = failure
-            # once, here: front ends tell their clients the kind of what is not public
+            if cut is not None:  # (a stopping session stops after it: its caller hears so)
+                error = stopped_error(sid, "stop" if self.stopping else cut, turn_id)
+            else:
+                kept = FAILED_KEPT if streamed else ""
+                error = advised(
+                    TurnFailedError,
+                    f"turn {turn_id} of session {sid!r} failed: ",
+                    reason,
+                    f"{kept}{FAILED_TAIL}",
+                    session_id=sid,
+                    turn_id=turn_id,
+                )
+                error.__cause__ = failure
+            # once, here (a cut too): front ends tell their clients the kind of what is
+            # not public, and send them here for the rest
             if isinstance(failure, SessionActorsError):  # (its message says it all)
                 log.warning("turn %s of session %r failed: %s", turn_id, sid, said)
             else:
@@ -1779,7 +1783,7 @@ class Actor:
         self.abort()
         cut, self._cut = self._cut, None
         if cut is not None:  # the turn in flight, as the interruption left it
-            await self._settle(*cut, failure=None, final=None, cancelled=True, cut="interrupted")
+            await self._settle(*cut, failure=None, final=None, cancelled="interrupted")
         if self.host.given_up:  # meanwhile (a crash writes nothing more)
             return
         await self._hibernate_now()

@@ -134,8 +134,9 @@ class TurnFailed(Event):
     in the history, and its caller got the same error.
 
     A turn that its registry's close cut off while it ran (the ``shutdown_grace`` ran
-    out, the registry was cancelled or interrupted: its worker stopped) ends with one
-    too, not with a ``TurnCancelled``, which only a cancel (``ref.cancel()``) publishes:
+    out, the registry was cancelled or interrupted: its worker stopped; a turn that a
+    ``ref.stop()`` waited for too) ends with one too, not with a ``TurnCancelled``
+    (which says that someone cancelled it: see there):
     ``error_kind`` is ``"SessionStoppedError"``, ``error`` (public) says that the worker
     running it stopped and to send the message again, and the turn is kept as any failed
     turn is. Its caller gets ``SessionStoppedError`` with its ``turn_id``.
@@ -166,11 +167,15 @@ class TurnFailed(Event):
 
 @attrs.frozen(kw_only=True)
 class TurnCancelled(Event):
-    """The turn was cancelled (``ref.cancel()``, or the stop of a session whose turn
-    waited on a review); what it streamed was kept as an interrupted message.
+    """The turn was cancelled: by ``ref.cancel()``, or, as it waited on a review, by
+    the stop of its session (``ref.stop()``: a stopped session takes no review); what
+    it streamed was kept as an interrupted message.
 
-    A turn that its registry's close cut off (the shutdown grace ran out) was not
-    cancelled by anyone: it ends with a ``TurnFailed`` of kind ``SessionStoppedError``.
+    A turn that its registry's close cut off (the shutdown grace ran out, a
+    ``ref.stop()`` waiting for it or not) was not cancelled by anyone: it ends with a
+    ``TurnFailed`` of kind ``SessionStoppedError``. What reached the turn first
+    decides: a turn that ``ref.cancel()`` reached is cancelled even if the grace runs
+    out while it lets go, and one that the grace cut stays failed.
     """
 
     turn_id: str

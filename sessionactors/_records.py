@@ -411,7 +411,9 @@ class TurnStatus(enum.Enum):
     #: the agent, its model or a tool raised; or it was refused; or its registry's close
     #: cut it off while it ran (a ``SessionStoppedError``: send the message again)
     FAILED = "failed"
-    CANCELLED = "cancelled"  #: ``ref.cancel()`` cut it
+    #: ``ref.cancel()`` cut it; or, waiting on a review, its session was stopped
+    #: (``ref.stop()``: a stopped session takes no review)
+    CANCELLED = "cancelled"
     #: accepted, but it did not run and never will: the session crashed, stopped
     #: or closed before the turn was durable; the history holds nothing of it
     LOST = "lost"

@@ -293,8 +293,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         session crashed, stopped or closed before the turn was durable): send it
         again. A turn that its registry's close cut off while it ran (its worker
         stopped) reads failed, its error beginning "SessionStoppedError: ": what it
-        streamed is kept, marked interrupted; send the message again. Cancelled is
-        ``cancel()``'s only. Raises TurnNotFoundError if the session never issued
+        streamed is kept, marked interrupted; send the message again. Cancelled means
+        that ``cancel()`` cut it, or that ``stop()`` ended it while it waited on a
+        review. Raises TurnNotFoundError if the session never issued
         ``turn_id`` (another session's id, or one of its form that it could not have
         issued: stamped more than 10 minutes before it was created or after now, or of
         over 200 characters), or no longer keeps its outcome.
@@ -345,7 +346,10 @@ class SessionRef(metaclass=NoPublicConstructor):
 
     async def stop(self) -> None:
         """Finish the session: the turn in flight completes, queued requests fail
-        with SessionStoppedError, and later requests raise SessionStoppedError.
+        with SessionStoppedError, and later requests raise SessionStoppedError. A
+        turn that waits on a review ends cancelled (a stopped session takes no
+        review); one that the registry's close cuts off while the stop waits for it
+        ends failed, as any turn the close cuts off does.
 
         Stopping a stopped session does nothing. If the store refuses the stop,
         this raises (a ``StoreError``, say) and the session is not stopped: it

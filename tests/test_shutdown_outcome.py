@@ -4,6 +4,9 @@ store say that the server stopped mid-reply, where a user's cancel says it was c
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+
 import pytest
 import trio
 import trio.testing
@@ -165,3 +168,121 @@ async def test_a_users_cancel_during_the_shutdown_grace_is_still_a_cancel(
     assert isinstance(seen[-1], sa.TurnCancelled), seen
     assert seen[-1].turn_id == turn.id
     assert told.status is sa.TurnStatus.CANCELLED
+
+
+async def test_a_turn_cut_while_its_session_stops_ends_failed_with_session_stopped(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A turn that ref.stop() waits behind when the registry's shutdown grace runs out is
+    cut off by the close, not cancelled by anyone: it ends with a TurnFailed of kind
+    SessionStoppedError (counted failed), its caller gets SessionStoppedError with its
+    turn_id, and the stop still happens."""
+    store = MemoryStore()
+    agents = held_agents(Gate())
+    seen: list[object] = []
+    stopped = trio.Event()
+    with trio.fail_after(120):
+        async with (
+            trio.open_nursery() as nursery,
+            sa.open_registry(store=store, agents=agents, shutdown_grace=1) as registry,
+        ):
+            ref = await registry.spawn("s")
+            await nursery.start(follow, ref, seen)
+            turn = await ref.submit("hello")
+            await trio.testing.wait_all_tasks_blocked()
+
+            async def stop() -> None:
+                await ref.stop()
+                stopped.set()
+
+            nursery.start_soon(stop)
+            await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(sa.SessionStoppedError) as caught:
+            await turn.reply()
+        assert caught.value.turn_id == turn.id
+        counted = registry.statistics()
+        assert (counted.turns_failed, counted.turns_cancelled) == (1, 0)
+    assert stopped.is_set()
+    assert_cut_event(seen[-1], turn.id)
+
+
+class SlowToLetGo:
+    """A model that streams "half a", then waits; cancelled, it takes ``unwind``
+    seconds (shielded) to let go, as a model closing its connection may."""
+
+    def __init__(self, unwind: float) -> None:
+        self.unwind = unwind
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        yield sa.TextChunk(text="half a")
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(self.unwind)
+
+
+@pytest.mark.parametrize("first", ["cancel", "grace"])
+async def test_what_cut_a_turn_first_decides_its_outcome(
+    autojump_clock: trio.abc.Clock, first: str
+) -> None:
+    """A turn that ref.cancel() cut ends cancelled (TurnCancelled, TurnCancelledError)
+    even when the registry's shutdown grace runs out while it lets go; one that the end
+    of the grace cut ends failed with SessionStoppedError even when ref.cancel() comes
+    while it lets go: what cut it first decides, not what the session is doing when it
+    ends."""
+    store = MemoryStore()
+    agents = {"slow": sa.Agent(model=SlowToLetGo(unwind=10))}
+    seen: list[object] = []
+    # the grace ends at 5 (virtual) seconds; the cancel comes at 3 or at 7
+    cancel_at = 3 if first == "cancel" else 7
+    with trio.fail_after(120):
+        async with (
+            trio.open_nursery() as nursery,
+            sa.open_registry(store=store, agents=agents, shutdown_grace=5) as registry,
+        ):
+            ref = await registry.spawn("s")
+            await nursery.start(follow, ref, seen)
+            turn = await ref.submit("hello")
+            await trio.testing.wait_all_tasks_blocked()
+
+            async def cancel_later() -> None:
+                await trio.sleep(cancel_at)
+                assert await ref.cancel(turn_id=turn.id)
+
+            nursery.start_soon(cancel_later)
+        counted = registry.statistics()
+        if first == "cancel":
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+            assert isinstance(seen[-1], sa.TurnCancelled), seen
+            assert (counted.turns_failed, counted.turns_cancelled) == (0, 1)
+        else:
+            with pytest.raises(sa.SessionStoppedError):
+                await turn.reply()
+            assert_cut_event(seen[-1], turn.id)
+            assert (counted.turns_failed, counted.turns_cancelled) == (1, 0)
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            told = await registry.ref("s").turn_outcome(turn.id)
+    expected = sa.TurnStatus.CANCELLED if first == "cancel" else sa.TurnStatus.FAILED
+    assert told.status is expected, told
+
+
+async def test_a_cut_turn_is_logged_once(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A turn that its registry's close cut off is logged once, at WARNING, with its
+    session and turn: where a client told that it failed may be sent to look."""
+    agents = held_agents(Gate())
+    with caplog.at_level(logging.INFO, logger="sessionactors"), trio.fail_after(120):
+        async with sa.open_registry(agents=agents, shutdown_grace=1) as registry:
+            ref = await registry.spawn("s")
+            turn = await ref.submit("hello")
+            await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(sa.SessionStoppedError):
+            await turn.reply()
+    told = [r for r in caplog.records if turn.id in r.getMessage()]
+    assert len(told) == 1, [r.getMessage() for r in caplog.records]
+    assert told[0].levelno == logging.WARNING
+    assert "'s'" in told[0].getMessage()
+    assert "cut off" in told[0].getMessage()
