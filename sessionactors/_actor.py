@@ -74,7 +74,7 @@ from ._hub import SEQ_GAP, Hub
 from ._journal import Journal
 from ._metadata import check_info_room, check_metadata, merge_metadata
 from ._pending import Append, Pending
-from ._reading import read_stored
+from ._reading import read_stored, stored_cleanly, stored_seq
 from ._records import (
     Message,
     ReviewRequest,
@@ -696,16 +696,8 @@ class Actor:
         sid = self.session_id
         await self.claim()
         session, stored = await read_stored(host.store, sid)
-        # clean: no incarnation can have published anything the store does not show
-        # (hibernated, or never woken since spawn); a status is journaled before the
-        # first publish, so that the next wake knows whether to jump
-        clean = not stored.entries and (
-            session.status is Status.HIBERNATED
-            or (session.status is Status.NEW and session.event_seq == 0)
-        )
-        durable_seq = max(
-            session.event_seq, stored.snapshot_seq, *(entry.seq for entry in stored.entries)
-        )
+        clean = stored_cleanly(session, stored)
+        durable_seq = stored_seq(session, stored)
         if durable_seq + SEQ_GAP > MAX_SEQ:  # a wake's jump must stay a storable seq
             raise SnapshotCorruptError(
                 f"session {sid!r} is stored with seq {durable_seq}, too close to the "

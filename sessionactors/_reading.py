@@ -40,6 +40,8 @@ __all__ = [
     "read_events",
     "read_session",
     "read_stored",
+    "stored_cleanly",
+    "stored_seq",
 ]
 
 log = logging.getLogger("sessionactors")
@@ -99,6 +101,23 @@ async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, Store
             if event.seq > stored.snapshot_seq:
                 session.apply(event)
     return session, stored
+
+
+def stored_seq(session: LiveSession, stored: StoredSession) -> int:
+    """The highest seq the store holds of the session (``read_stored``'s pair): the
+    last seq its last incarnation used, if it was stored cleanly (``stored_cleanly``)."""
+    return max(session.event_seq, stored.snapshot_seq, *(entry.seq for entry in stored.entries))
+
+
+def stored_cleanly(session: LiveSession, stored: StoredSession) -> bool:
+    """Whether no incarnation of the session can have published anything the store
+    does not show (``read_stored``'s pair): hibernated, or never woken since spawn. A
+    wake journals a status before it publishes anything, so that the next wake knows
+    whether to jump its seq (see ``Hub.jump``)."""
+    return not stored.entries and (
+        session.status is Status.HIBERNATED
+        or (session.status is Status.NEW and session.event_seq == 0)
+    )
 
 
 async def read_events(store: Store, session_id: str, after: int) -> tuple[int, list[Event]]:

@@ -493,10 +493,18 @@ class SessionRef(metaclass=NoPublicConstructor):
         Iterating raises ``SubscriberLaggedError`` if the reader fell behind, and
         the wake's error if a wake of the session fails while it is open (the
         name not stored, the store or the snapshot failing): subscribe again,
-        with ``after=`` the last seq read, once the cause is fixed. ``after``
-        inside a turn that died with its process (never stored) raises
-        EventsExpiredError, on entering if the session woke since, else once it
-        wakes: reload the state with ``ref.state()``.
+        with ``after=`` the last seq read, once the cause is fixed.
+
+        ``after`` beyond the session's last event (a seq it never reached: a
+        client's stale or forged Last-Event-ID, one of a deleted session of the
+        same name, one from before its store was restored from a backup) raises
+        EventsExpiredError on entering, whose ``oldest_seq`` is the seq after the
+        session's last, rather than a subscription that says nothing until the
+        session's seq passes ``after``; so does ``after`` inside a turn that died
+        with its process (never stored). Reload the state with ``ref.state()``
+        and subscribe with ``after=state.event_seq``. A session that is not live
+        is read from the store for this, without waking it; one live on another
+        worker is asked (it may be ahead of the store: deltas are not stored).
         """
         check_after(self.session_id, after)
         return _Subscription(self._dispatcher, self.session_id, after)

@@ -34,14 +34,14 @@ from ._errors import (
     StoreError,
     advised,
 )
-from ._hub import Hub
+from ._hub import SEQ_GAP, Hub, expired_error
 from ._metadata import check_info_room
 from ._names import validate_name
-from ._reading import read_stored
+from ._reading import read_stored, stored_cleanly, stored_seq
 from ._records import Status
 from ._router import Router
 from ._session import LiveSession
-from ._subscription import EventIterator, open_event_iterator
+from ._subscription import EventIterator, beyond_error, open_event_iterator
 from ._supervisor import session_task
 from ._telemetry import Telemetry
 from .stores._base import LeaseBatchStore, Store
@@ -398,28 +398,84 @@ class Sessions:
             lambda: self.release_hub(name),
             lambda: self.live[name].journal.replayable() if name in self.live else (0, ()),
         )
-        if name not in self.live:
-            try:
-                stored = await self.stored_session(name)
-            except BaseException:
-                iterator.close()
-                raise
-            if stored.status is Status.STOPPED:
-                iterator.close()
-            elif (
-                _left_mid_turn(stored)
-                and stored.agent in self.agents
-                and self.router is None
-                and name not in self.live
-            ):
-                # Its process died mid-turn: nothing else would wake it, and the turn
-                # (resumed by the wake) ends only then. The subscription came first, so
-                # it sees all of it. (With other workers, the router wakes it. A registry
-                # without its agent, an observer, could not resume the turn: it leaves
-                # the session to one that can.)
-                with contextlib.suppress(SessionActorsError):  # (deleted, closing, failed)
-                    self.activate(name)
+        try:
+            stored = None if after is None else await self._check_after(name, after, hub)
+            if name not in self.live:
+                if stored is None:
+                    stored = await self.stored_session(name)
+                if stored.status is Status.STOPPED:
+                    iterator.close()
+                elif (
+                    _left_mid_turn(stored)
+                    and stored.agent in self.agents
+                    and self.router is None
+                    and name not in self.live
+                ):
+                    # Its process died mid-turn: nothing else would wake it, and the
+                    # turn (resumed by the wake) ends only then. The subscription came
+                    # first, so it sees all of it. (With other workers, the router wakes
+                    # it. A registry without its agent, an observer, could not resume the
+                    # turn: it leaves the session to one that can.)
+                    with contextlib.suppress(SessionActorsError):  # (deleted, closing, failed)
+                        self.activate(name)
+        except BaseException:
+            iterator.close()
+            raise
         return iterator
+
+    async def _check_after(self, name: str, after: int, hub: Hub) -> LiveSession | None:
+        """EventsExpiredError if ``after`` lies beyond the session's last event (a
+        client's stale or forged seq: of a deleted session of that name, or from before
+        its store was restored from a backup), to which a subscription would wait in
+        silence until the session's seq passed it. A session live here knows its last
+        seq; one that is not is read from the store, without waking it (the stored
+        session is returned). With other workers, a session that is not live here and
+        not stopped may be further along elsewhere (deltas are not stored): the router
+        asks its owner."""
+        if after <= hub.seq:  # (a seq the hub gave, or jumped over: see Hub.lost)
+            return None
+        last = await self._last_seq_here(name)
+        if last is not None:
+            if after > last:
+                raise beyond_error(name, after, last)
+            return None
+        session, stored = await read_stored(self.store, name)
+        durable = stored_seq(session, stored)
+        if after <= max(durable, hub.seq):
+            return session
+        last = await self._last_seq_here(name)  # (woken meanwhile)
+        if last is not None:
+            if after > last:
+                raise beyond_error(name, after, last)
+            return session
+        stopped = session.status is Status.STOPPED
+        if self.router is not None and not stopped:
+            return session
+        if (
+            not stopped
+            and not stored_cleanly(session, stored)
+            and hub.seq <= durable
+            and after < durable + SEQ_GAP
+        ):
+            # Its last incarnation stopped uncleanly, and may have published seqs above
+            # the store's (a turn's deltas): the next wake jumps over them (Hub.jump)
+            raise expired_error(name, after, durable + SEQ_GAP + 1)
+        raise beyond_error(name, after, max(durable, hub.seq))
+
+    async def _last_seq_here(self, name: str) -> int | None:
+        """The seq of the session's last event if it is live here (once loaded, if it
+        is loading), else None."""
+        actor = self.live.get(name)
+        if actor is None:
+            return None
+        if not actor.is_ready:
+            with contextlib.suppress(SessionActorsError):  # (its wake failed: not live)
+                await actor.ready()
+            actor = self.live.get(name)
+            if actor is None or not actor.is_ready:
+                return None
+        hub = self.hubs.get(name)
+        return max(actor.session.event_seq, 0 if hub is None else hub.seq)
 
     def release_hub(self, name: str) -> None:
         hub = self.hubs.get(name)

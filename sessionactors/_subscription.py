@@ -19,7 +19,7 @@ from ._events import Event
 from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
 from .stores._base import JournalEntry, Store
 
-__all__ = ["EventIterator", "open_event_iterator"]
+__all__ = ["EventIterator", "beyond_error", "open_event_iterator"]
 
 #: A page of a replay from the store: at most this many journal entries, and no entry
 #: after the one that brings their data to REPLAY_PAGE_BYTES.
@@ -262,6 +262,20 @@ def expired_error_at(session_id: str, after: int, trimmed: int) -> EventsExpired
         Advice(kind=AdviceKind.RELOAD_STATE),
         session_id=session_id,
         oldest_seq=trimmed + 1,
+    )
+
+
+def beyond_error(session_id: str, after: int, last: int) -> EventsExpiredError:
+    """The error for a subscription after ``after``, beyond ``last``, the seq of the
+    session's last event: the seq was never the session's."""
+    return advised(
+        EventsExpiredError,
+        f"session {session_id!r} has no event after seq {after}: its last event is seq "
+        f"{last} (a seq of another session of that name, since deleted, or from before "
+        "its store was restored from a backup); ",
+        Advice(kind=AdviceKind.RELOAD_STATE),
+        session_id=session_id,
+        oldest_seq=last + 1,
     )
 
 

@@ -264,24 +264,6 @@ async def test_after_the_latest_seq_replays_nothing(
     assert consecutive(seqs(got))
 
 
-async def test_after_a_future_seq_waits_for_it(
-    autojump_clock: trio.testing.MockClock, echo_agents: dict[str, sa.Agent]
-) -> None:
-    """subscribe(after=a seq not reached yet) skips the events up to it and delivers the rest."""
-    async with sa.open_registry(agents=echo_agents) as registry:
-        ref = await registry.spawn("future")
-        with trio.fail_after(10):
-            await ref.send("one")
-        latest = await latest_seq(ref)
-        async with ref.subscribe(after=latest + 3) as events:
-            await assert_quiet(events)
-            with trio.fail_after(10):
-                await ref.send("two three four")
-            got = await read_until(events, is_outcome)
-    assert got[0].seq == latest + 4
-    assert consecutive(seqs(got))
-
-
 async def test_negative_after_is_rejected(
     autojump_clock: trio.testing.MockClock, echo_agents: dict[str, sa.Agent]
 ) -> None:

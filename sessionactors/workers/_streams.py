@@ -40,7 +40,7 @@ from .._events import (
 from .._hub import SEQ_GAP, Hub
 from .._records import Status, TurnStatus
 from .._router import RouterHost
-from .._subscription import EventIterator, open_event_iterator
+from .._subscription import EventIterator, beyond_error, open_event_iterator
 from ..stores._base import JournalEntry, JournalPageStore, Store
 from ._transport import StreamItem, Transport, fatal
 from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
@@ -817,7 +817,10 @@ class Streams:
         born: int | None = None  # when the session it runs was created
         running: tuple[str, str | None] | None = None  # its turn under way (id, key)
         for _ in range(MAX_ATTEMPTS):
-            if found is not None or host.is_live(name):
+            if host.is_live(name) or (
+                # (a mirror may be behind its owner: a seq beyond it is asked of the owner)
+                found is not None and (after is None or after <= found.published)
+            ):
                 break
             answer = await self._forward(name, {"op": "watch", "s": name}, retry_safe=True)
             if answer is not None:  # its owner publishes its events from ``top`` on
@@ -836,8 +839,20 @@ class Streams:
             if not host.is_live(name):
                 # It left again at once (hibernated): its hub here hears of it only if
                 # it wakes here next; follow it from where it was, wherever it wakes.
+                if after is not None and after > state.event_seq:
+                    raise beyond_error(name, after, state.event_seq)
                 return await self._follow(name, state.event_seq if after is None else after, None)
             found = self._mirrors.get(name)
+        if after is not None:
+            # Beyond the session's last event (a stale or forged seq), a subscription
+            # would wait in silence until the session's seq passed it. Its owner
+            # elsewhere said where it is (its deltas are not stored: it may be ahead of
+            # the store); a subscription here without a mirror checks it itself.
+            last: int | None = top
+            if top < 0:  # live here (by a mirror) or nowhere: its hub here says, if any
+                last = host.event_seq_here(name) if name in self._mirrors else None
+            if last is not None and 0 <= last < after:
+                raise beyond_error(name, after, last)
         return await self._subscribe(name, after, top, born, running=running)
 
     async def _follow(self, name: str, after: int, mine: int | None) -> EventIterator:

@@ -153,6 +153,34 @@ def test_library_errors_reach_asyncio_code_as_themselves() -> None:
     run(main)
 
 
+def test_a_subscription_after_a_seq_beyond_the_session_raises_at_once() -> None:
+    """An asyncio subscription after a seq the session never reached (a stale
+    Last-Event-ID) raises EventsExpiredError as it is entered, live and hibernated."""
+
+    async def main() -> None:
+        async with aio.open_registry(agents={"echo": sa.Agent(model=EchoModel())}) as registry:
+            ref = await registry.spawn("ahead")
+            await ref.send("one two")
+            last = (await ref.state()).event_seq
+            for hibernated in (False, True):
+                if hibernated:
+                    await ref.hibernate()
+                entered: list[bool] = []
+
+                async def subscribe(entered: list[bool] = entered) -> None:
+                    async with asyncio.timeout(5), ref.subscribe(after=last + 1000) as events:
+                        entered.append(True)
+                        await anext(events)
+
+                with pytest.raises(sa.EventsExpiredError, match="'ahead'") as caught:
+                    await subscribe()
+                assert not entered
+                assert last < caught.value.oldest_seq <= last + 2
+                assert registry.live() == ([] if hibernated else ["ahead"])
+
+    run(main)
+
+
 def test_the_trio_registry_under_asyncio_says_to_use_the_aio_one() -> None:
     """sessionactors.open_registry under asyncio (a FastAPI lifespan, say) fails at once
     with a RuntimeError that names sessionactors.aio.open_registry."""

@@ -1,0 +1,229 @@
+"""subscribe(after=N) with N beyond the session's last event (a stale or forged
+Last-Event-ID, the id of a deleted session of that name, a store restored from an older
+backup) raises EventsExpiredError as it is entered, instead of a subscription that says
+nothing until the session's seq passes N."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+from durability_checks import die_mid_turn
+from sessionactors.stores import RedisStore
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+
+ECHO = {"a": sa.Agent(model=EchoModel())}
+
+
+async def refused(ref: sa.SessionRef, after: int) -> sa.EventsExpiredError:
+    """The EventsExpiredError that ``ref.subscribe(after=after)`` raises as it is entered
+    (a subscription that opens and then waits fails the test: TooSlowError)."""
+    entered: list[bool] = []
+
+    async def subscribe() -> None:
+        async with ref.subscribe(after=after) as events:
+            entered.append(True)
+            await anext(events)
+
+    with trio.fail_after(5), pytest.raises(sa.EventsExpiredError) as caught:
+        await subscribe()
+    assert not entered, "the subscription opened, and raised only when read"
+    return caught.value
+
+
+def assert_told(error: sa.EventsExpiredError, name: str, after: int, last: int) -> None:
+    """The error names the session, the seq asked for and its last one, and says what to do."""
+    assert error.session_id == name
+    assert error.oldest_seq == last + 1
+    message = str(error)
+    assert repr(name) in message, message
+    assert f"after seq {after}" in message, message
+    assert f"seq {last}" in message, message
+    assert "ref.state()" in message, message
+    assert "after=state.event_seq" in message, message
+
+
+async def follow_on(ref: sa.SessionRef, after: int) -> None:
+    """A subscription after ``after`` gets the next turn's events."""
+    async with ref.subscribe(after=after) as events:
+        turn = await ref.submit("and on")
+        with trio.fail_after(5):
+            async for event in events:
+                assert event.seq > after
+                if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                    return
+
+
+async def test_after_a_seq_a_live_session_never_reached_raises_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A live session refuses a subscription after a seq it has not reached, saying its
+    last seq, leaves no subscriber behind, and serves one after its last seq."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("live")
+        await ref.send("one two")
+        last = (await ref.state()).event_seq
+        for after in (last + 1, last + 3, 10**30):
+            assert_told(await refused(ref, after), "live", after, last)
+        assert registry.live() == ["live"]
+        assert registry.statistics().subscribers == 0
+        await follow_on(ref, last)
+
+
+async def test_after_a_seq_beyond_a_hibernated_session_raises_without_waking_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hibernated session (here, and in a new registry over its store) is read as
+    stored: a subscription after a seq beyond its last is refused, and it stays asleep."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("asleep")
+        await ref.send("one two")
+        await ref.hibernate()
+        last = (await sa.read_session(store, "asleep")).event_seq
+        assert_told(await refused(ref, last + 1), "asleep", last + 1, last)
+        assert registry.live() == []
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = registry.ref("asleep")
+        assert_told(await refused(ref, last + 5), "asleep", last + 5, last)
+        assert registry.live() == []
+        assert registry.statistics().subscribers == 0
+        await follow_on(ref, last)
+
+
+async def test_after_a_seq_beyond_a_stopped_session_raises(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A stopped session refuses a subscription after a seq beyond its last too, rather
+    than one that ends with nothing said."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("done")
+        await ref.send("bye")
+        await ref.stop()
+        last = (await ref.state()).event_seq
+        assert_told(await refused(ref, last + 1), "done", last + 1, last)
+        async with ref.subscribe(after=last) as events:
+            assert [event async for event in events] == []
+
+
+async def test_the_last_event_id_of_a_deleted_namesake_raises(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After a session is deleted and one of the same name is created, a subscription
+    after a seq that only the deleted one reached is refused, live and hibernated."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("n")
+        for text in ("one two three", "four five six"):
+            await ref.send(text)
+        old = (await ref.state()).event_seq
+        await registry.delete("n")
+        ref = await registry.spawn("n")
+        await ref.send("a new conversation")
+        last = (await ref.state()).event_seq
+        assert last < old
+        assert_told(await refused(ref, old), "n", old, last)
+        await ref.hibernate()
+        last = (await sa.read_session(registry.store, "n")).event_seq
+        assert_told(await refused(ref, old), "n", old, last)
+        assert registry.live() == []
+        await follow_on(ref, last)
+
+
+async def test_the_last_event_id_before_a_store_was_restored_from_a_backup_raises(
+    tmp_path: Path,
+) -> None:
+    """A SQLite file restored from a copy taken before the client's last event: the
+    subscription after that event is refused, and one after the restored state goes on."""
+    path, backup = tmp_path / "sessions.db", tmp_path / "backup.db"
+    with trio.fail_after(30):
+        async with sa.open_registry(store=sa.SQLiteStore(path), agents=ECHO) as registry:
+            ref = await registry.spawn("b")
+            await ref.send("before the backup")
+        shutil.copyfile(path, backup)
+        async with sa.open_registry(store=sa.SQLiteStore(path), agents=ECHO) as registry:
+            await registry.ref("b").send("after the backup")
+            seen = (await registry.ref("b").state()).event_seq
+        shutil.copyfile(backup, path)
+        async with sa.open_registry(store=sa.SQLiteStore(path), agents=ECHO) as registry:
+            ref = registry.ref("b")
+            last = (await sa.read_session(registry.store, "b")).event_seq
+            assert last < seen
+            assert_told(await refused(ref, seen), "b", seen, last)
+            await follow_on(ref, last)
+
+
+async def test_after_a_seq_beyond_where_a_dead_process_could_reach_raises(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After a process died mid-turn, a subscription after a seq inside the lost turn is
+    told the events are lost, and one after a seq no incarnation can have reached is
+    told it is beyond the session, both at once, before the session wakes."""
+    store = sa.MemoryStore()
+    death = await die_mid_turn(store)
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = registry.ref("s")
+        lost = await refused(ref, death.last)
+        assert lost.oldest_seq > death.last
+        assert "lost" in str(lost)
+        assert registry.live() == []
+        error = await refused(ref, 10**30)
+        assert error.session_id == "s"
+        assert "no event after seq" in str(error)
+        assert registry.live() == []
+        state = await ref.state()  # wakes it: past the jump
+        assert death.last < lost.oldest_seq <= state.event_seq + 1
+        error = await refused(ref, 10**30)
+        assert_told(error, "s", 10**30, (await ref.state()).event_seq)
+
+
+@pytest.mark.redis
+async def test_a_worker_that_does_not_run_the_session_asks_its_owner(redis_url: str) -> None:
+    """On a worker that does not run the session, a subscription after a seq its owner
+    published but did not store (a turn's deltas) follows on, and one after a seq beyond
+    the owner's last is refused at once: first asked, with a mirror open there already,
+    and once the session hibernated."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    release = trio.Event()
+    model = ScriptedModel(["one", Scripted(text="two two two", wait=release, wait_after=2)])
+    agents = {"a": sa.Agent(model=model)}
+
+    def worker(name: str) -> RedisStore:
+        return RedisStore(redis_url, prefix=prefix, balance=False)
+
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=worker("a"), agents=agents, worker_id="a", lease_ttl=1) as a,
+            sa.open_registry(store=worker("b"), agents=agents, worker_id="b", lease_ttl=1) as b,
+        ):
+            owner = await a.spawn("s")
+            await owner.send("one")
+            async with owner.subscribe() as live:
+                turn = await owner.submit("two")
+                deltas = 0
+                async for event in live:
+                    deltas += isinstance(event, sa.Delta)
+                    if deltas == 2:
+                        seen = event.seq
+                        break
+            assert (a.live(), b.live()) == (["s"], [])
+            assert (await sa.read_session(b.store, "s")).event_seq < seen  # not stored
+            ref = b.ref("s")
+            assert_told(await refused(ref, seen + 1000), "s", seen + 1000, seen)
+            async with ref.subscribe(after=seen) as events:  # the owner is ahead
+                assert_told(await refused(ref, seen + 1000), "s", seen + 1000, seen)
+                release.set()
+                async for event in events:
+                    assert event.seq > seen
+                    if isinstance(event, sa.TurnFinished):
+                        assert event.turn_id == turn.id
+                        break
+            await owner.hibernate()
+            after = (await sa.read_session(b.store, "s")).event_seq + 1000
+            error = await refused(ref, after)
+            assert_told(error, "s", after, (await ref.state()).event_seq)
