@@ -15,6 +15,7 @@ __all__ = [
     "delete_command",
     "name_bytes",
     "redact",
+    "redact_urls",
     "shell_quoted",
     "stored_name",
     "terminal_safe",
@@ -144,8 +145,29 @@ def redact(url: str) -> str:
     return f"{head}{rest}"
 
 
+def redact_urls(text: str) -> str:
+    """``text`` (a message) with every URL in it redacted as ``redact`` does: a URL runs
+    from its scheme to the quote that closes it, where a quote opens it (as ``repr``
+    quotes a value: a space in the URL is then in it), else to the next whitespace."""
+    return _URL_IN_TEXT.sub(_redact_match, text)
+
+
+def _redact_match(match: re.Match[str]) -> str:
+    for quote, group in (("'", "single"), ('"', "double")):
+        if (url := match.group(group)) is not None:
+            return f"{quote}{redact(url)}{quote}"
+    return redact(match.group())
+
+
 #: A URL's scheme with the slashes after it (``redis://``; ``redis:/``, a slash short).
 _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:/*")
+#: A URL in a message: quoted (to the quote that closes it), or to the next whitespace;
+#: a scheme begins a word (not a path's part: ``/srv/a:b`` is none).
+_URL_IN_TEXT: Final = re.compile(
+    r"'(?P<single>[A-Za-z][A-Za-z0-9+.\-]*:[^']*)'"
+    r"|\"(?P<double>[A-Za-z][A-Za-z0-9+.\-]*:[^\"]*)\""
+    r"|(?<![A-Za-z0-9+.\-/])[A-Za-z][A-Za-z0-9+.\-]*:\S*"
+)
 
 
 def terminal_safe(text: str, *, one_line: bool = False) -> str:
