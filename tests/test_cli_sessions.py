@@ -511,13 +511,15 @@ async def _store_with_one_session(path: Path) -> None:
         await (await registry.spawn("a")).send("hello from a")
 
 
+@pytest.mark.parametrize("file", ["s.db", "u:x@y.db"])  # (no password in a sqlite path)
 def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_shown(
-    tmp_path: Path,
+    tmp_path: Path, file: str
 ) -> None:
     """A stored session whose name is not valid UTF-8 (damage in the file) fails neither
     list nor the others: list names it on stderr, shell-quoted, with the delete command
-    that removes it, and delete takes it as shown (the shell passes its bytes)."""
-    path = tmp_path / "s.db"
+    that removes it (the store's path as given, whatever it holds), and delete takes it
+    as shown (the shell passes its bytes)."""
+    path = tmp_path / file
     store = f"sqlite:///{path}"
     with serving(f"sqlite:{path}") as server:
         populate(server)
@@ -533,7 +535,7 @@ def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_show
     assert [r["name"] for r in json.loads(done.stdout)] == ["c", "a"]
     assert done.stderr.count("\n") == 1, done.stderr
     assert "$'\\xff19'" in done.stderr, done.stderr
-    assert f"sessions delete --store {store} --yes $'\\xff19'" in done.stderr, done.stderr
+    assert f"sessions delete --store {store} --yes $'\\xff19'`\n" in done.stderr, done.stderr
     # the shell's $'\xff19' is the argument's bytes, which Python reads as this str
     assert ok("delete", "--yes", "--store", store, "\udcff19") == "deleted session $'\\xff19'\n"
     assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == ["c", "a"]
