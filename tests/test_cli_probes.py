@@ -572,9 +572,9 @@ def test_a_read_command_on_a_sqlite_file_that_does_not_exist_says_to_check_the_p
     tmp_path: Path, args: list[str]
 ) -> None:
     """A read command whose --store names a SQLite file that does not exist (a mistyped
-    path) says so in one line and to check --store, and creates no file."""
+    path) says so in one line and to check the path in --store, and creates no file."""
     store = f"sqlite:///{tmp_path / 'nope.db'}"
     line = one_line(command("sessions", *args, "--store", store), 1)
     assert "nope.db' does not exist" in line, line
-    assert "check the --store path" in line, line
+    assert "does not exist; check the path in --store" in line, line
     assert list(tmp_path.iterdir()) == []
