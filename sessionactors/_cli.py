@@ -8,7 +8,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import trio
 
@@ -19,7 +19,7 @@ from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
 from ._events import Delta, TurnFailed
 from ._model import Model
-from ._names import redact
+from ._names import redact, redact_urls
 from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
@@ -116,10 +116,19 @@ def _argument_shown(token: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Errors in arguments are one line on stderr (and exit status 2)."""
+    """Errors in arguments are one line on stderr (and exit status 2), where a URL's
+    password shows as ``***``. An option is never taken by an abbreviation of its name:
+    a misspelt option is refused, rather than taken for another (``--store`` and
+    ``--store-file`` begin alike). The parsers of subcommands are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        # (argparse repeats what it refuses: a store URL given to --stor=, a value that
+        # is not one of the choices, a command it has not)
+        self.exit(2, f"{self.prog}: {redact_urls(message)} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -189,9 +189,13 @@ def run(args: argparse.Namespace) -> int:
                 "standard output is closed, so nothing was done; run it with "
                 "standard output open (to /dev/null to discard it)"
             )
-        store = _open(args.given_store, write=name not in _READS)
+        given: GivenStore = args.given_store
+        store = _open(given, write=name not in _READS)
         if is_new_file(store) and name != "import" and not (name == "tail" and args.wait):
-            missing = f"the sqlite store at {store.path!r} does not exist; check the --store path"
+            missing = (
+                f"the sqlite store at {store.path!r} does not exist; check the path in "
+                f"{given.where()}"
+            )
             if name == "delete":  # (a mistyped path: create no store there)
                 validate_name(args.name)
                 raise SessionNotFoundError(
@@ -205,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         if created is not None and os.path.exists(created):
             print(
                 f"sessionactors sessions {name}: created a new store at {created!r} "
-                "(no file was there); if you meant a store of yours, check the --store path",
+                "(no file was there); if you meant a store of yours, check the path in "
+                f"{given.where()}",
                 file=sys.stderr,
             )
         return status
@@ -218,12 +223,13 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, BrokenPipeError):  # the reader stopped (`... | head`): no error
             _quiet_stdout()
             return EXIT_PIPE_CLOSED
-        text = " ".join(told(exc, _cli_advice).split()) or type(exc).__name__
+        advise = functools.partial(_cli_advice, args.given_store)
+        text = " ".join(told(exc, advise).split()) or type(exc).__name__
         if isinstance(exc, SessionNotFoundError) and Advice(kind=AdviceKind.CREATE) in exc._told:
             # (the library's advice is for code; at the command line, the listing helps)
             text = (
                 f"session {exc.session_id!r} is not in this store; "
-                "`sessionactors sessions list --store ...` lists the stored sessions"
+                f"{_listing(args.given_store)} lists the stored sessions"
             )
         elif not isinstance(exc, SessionActorsError | ValueError | OSError):
             text = f"{type(exc).__name__}: {text}"
@@ -231,13 +237,28 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _cli_advice(advice: Advice, session_id: str | None) -> str:
-    """``advice`` as the command line tells it: its own command where it has one (the
-    library's message names the Python call, ``registry.delete('c3')``)."""
+def _cli_advice(given: GivenStore, advice: Advice, session_id: str | None) -> str:
+    """``advice`` as the command line tells it: its own command on the store ``given``
+    where it has one (the library's message names the Python call,
+    ``registry.delete('c3')``)."""
     if advice.kind is AdviceKind.DELETE:
         name = "NAME" if session_id is None else shlex.quote(session_id)
-        return f"`{delete_command(name)}`"
+        return _to_run(given, functools.partial(delete_command, name))
     return python_advice(advice, session_id)
+
+
+def _to_run(given: GivenStore, command: Callable[[str], str]) -> str:
+    """A command printed for the user to run on the store ``given``, in backquotes:
+    ``command`` of the store's option as it was given (see ``GivenStore.option``), and
+    for a --store URL whose password shows as ``***``, the advice to put it back."""
+    option, redacted = given.option()
+    again = " (put the password back in place of ***)" if redacted else ""
+    return f"`{command(option)}`{again}"
+
+
+def _listing(given: GivenStore) -> str:
+    """The ``sessions list`` command of the store ``given``, as a hint prints it."""
+    return _to_run(given, lambda option: f"python -m sessionactors sessions list {option}".strip())
 
 
 def _quiet_stdout() -> None:
@@ -318,7 +339,7 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         damaged=functools.partial(_say_damaged, args.given_store),
     )
     if not infos:
-        await _say_if_empty(store, args.given_store.url)
+        await _say_if_empty(store, args.given_store)
     if args.json:
         _out(json_text([_info_json(i) for i in infos]))
         return 0
@@ -331,9 +352,9 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _say_if_empty(store: Store, url: str) -> None:
+async def _say_if_empty(store: Store, given: GivenStore) -> None:
     """Say on stderr when the store holds no session at all: an empty listing of it
-    means a wrong --store (a mistyped ?prefix=, another database number) more often
+    means a wrong store URL (a mistyped ?prefix=, another database number) more often
     than a store emptied, and [] alone would pass a check that nothing is left."""
     if isinstance(store, PagedStore):
         some = await store.list_page(after=None, limit=1)
@@ -342,19 +363,20 @@ async def _say_if_empty(store: Store, url: str) -> None:
     if some:
         return
     prefix = getattr(store, "prefix", None)
+    where = given.where()
     if isinstance(store, SQLiteStore):
         text = (
-            f"the sqlite store at {str(store.path)!r} holds no sessions: check that --store "
+            f"the sqlite store at {str(store.path)!r} holds no sessions: check that {where} "
             "names the file that your server uses"
         )
     elif isinstance(prefix, str):
         text = (
-            f"the store at {redact(url)} holds no sessions under prefix {prefix!r}: check "
-            "--store (its database number, and ?prefix= if your server opens "
+            f"the store at {redact(given.url)} holds no sessions under prefix {prefix!r}: "
+            f"check {where} (its database number, and ?prefix= if your server opens "
             "RedisStore(..., prefix=...))"
         )
     else:
-        text = "the store holds no sessions: check --store"
+        text = f"the store at {redact(given.url)} holds no sessions: check {where}"
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
 
@@ -364,12 +386,10 @@ def _say_damaged(given: GivenStore, raw: bytes) -> None:
     ``--store-file``; for ``SESSIONACTORS_STORE``, nothing), a ``--store`` URL with
     ``***`` in place of its password (never printed), to put back."""
     shown = shell_quoted(raw)
-    option, redacted = given.option()
-    again = " (put the password back in place of ***)" if redacted else ""
     text = (
         f"a stored session's name is not UTF-8 (damaged data): {shown}; it is left out "
         f"of the listing and no request can reach it; remove it with "
-        f"`{delete_command(shown, option)}`{again}"
+        f"{_to_run(given, functools.partial(delete_command, shown))}"
     )
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
@@ -440,7 +460,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
             stored = True
         except SessionNotFoundError:
             if not args.wait:
-                raise _not_stored_yet(name) from None
+                raise _not_stored_yet(name, args.given_store) from None
             after = 0  # (stored later: followed from its first event)
     if after is None:  # with --no-follow, print what is stored
         after = 0
@@ -492,12 +512,13 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                             session_id=name,
                         ) from None
                     if not args.wait:
-                        raise _not_stored_yet(name) from None
+                        raise _not_stored_yet(name, args.given_store) from None
                     if not waiting:  # wait until it is stored
                         waiting = True
                         where = (
                             f"; the SQLite file {str(store.path)!r} does not exist yet "
-                            "(check --store if no server is about to make it)"
+                            f"(check the path in {args.given_store.where()} if no server "
+                            "is about to make it)"
                             if is_new_file(store)
                             else ""
                         )
@@ -553,11 +574,10 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_stored_yet(name: str) -> SessionNotFoundError:
+def _not_stored_yet(name: str, given: GivenStore) -> SessionNotFoundError:
     return SessionNotFoundError(
-        f"session {name!r} is not in this store; `sessionactors sessions list --store ...` "
-        "lists the stored sessions; to wait for a session that is about to be stored, "
-        "pass --wait",
+        f"session {name!r} is not in this store; {_listing(given)} lists the stored "
+        "sessions; to wait for a session that is about to be stored, pass --wait",
         session_id=name,
     )
 

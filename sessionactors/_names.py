@@ -15,6 +15,7 @@ __all__ = [
     "delete_command",
     "name_bytes",
     "redact",
+    "redact_urls",
     "shell_quoted",
     "stored_name",
     "terminal_safe",
@@ -126,12 +127,14 @@ def redact(url: str) -> str:
     (up to the last ``@``, even where a reserved character the password did not encode
     ends the URL's host part early, or where a slash is missing after the scheme) and
     the value of a query option whose name holds ``password``. A user name is kept
-    (``redis://ops:***@host/0``); so is a URL with no password."""
+    (``redis://ops:***@host/0``); so is a URL with no password, and the path of a URL
+    that names a file and no host (``sqlite:///d/u:x@y.db``, ``unix:///run/r.sock``),
+    which holds no user info."""
     scheme = _SCHEME.match(url)
     head = scheme.group() if scheme is not None and scheme.group().endswith("/") else ""
     rest = url[len(head) :]
     userinfo, at, hosts = rest.rpartition("@")
-    if at and ":" in userinfo:
+    if at and ":" in userinfo and not _names_a_file(head):
         rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
     path, mark, query = rest.partition("?")
     if mark:
@@ -144,8 +147,40 @@ def redact(url: str) -> str:
     return f"{head}{rest}"
 
 
+def redact_urls(text: str) -> str:
+    """``text`` (a message) with every URL in it redacted as ``redact`` does: a URL runs
+    from its scheme to the quote that closes it, where a quote opens it (as ``repr``
+    quotes a value: a space in the URL is then in it), else to the next whitespace."""
+    return _URL_IN_TEXT.sub(_redact_match, text)
+
+
+def _redact_match(match: re.Match[str]) -> str:
+    for quote, group in (("'", "single"), ('"', "double")):
+        if (url := match.group(group)) is not None:
+            return f"{quote}{redact(url)}{quote}"
+    return redact(match.group())
+
+
+def _names_a_file(head: str) -> bool:
+    """Whether a URL that begins with ``head`` (its scheme and the slashes after it)
+    names a file and no host: ``sqlite:///`` or ``unix:///``, whose user info would have
+    to come before the third slash. Any other scheme (a Redis one, one unknown) is
+    taken to have a host, so that its user info is redacted however it is written."""
+    scheme, _, slashes = head.partition(":")
+    return scheme.lower() in _FILE_SCHEMES and len(slashes) >= 3
+
+
 #: A URL's scheme with the slashes after it (``redis://``; ``redis:/``, a slash short).
 _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:/*")
+#: The schemes of URLs that name a file (``sqlite:///path``, ``unix:///path``).
+_FILE_SCHEMES: Final = frozenset({"sqlite", "unix"})
+#: A URL in a message: quoted (to the quote that closes it), or to the next whitespace;
+#: a scheme begins a word (not a path's part: ``/srv/a:b`` is none).
+_URL_IN_TEXT: Final = re.compile(
+    r"'(?P<single>[A-Za-z][A-Za-z0-9+.\-]*:[^']*)'"
+    r"|\"(?P<double>[A-Za-z][A-Za-z0-9+.\-]*:[^\"]*)\""
+    r"|(?<![A-Za-z0-9+.\-/])[A-Za-z][A-Za-z0-9+.\-]*:\S*"
+)
 
 
 def terminal_safe(text: str, *, one_line: bool = False) -> str:

@@ -228,6 +228,75 @@ def test_arguments_a_command_does_not_take_are_named_without_a_password(tmp_path
         assert f"unrecognized arguments: {shown}redis://:***@127.0.0.1:6379/0" in line, line
 
 
+#: A store URL holding the password, and one whose password holds a space and a quote
+#: (which a message that quotes it as Python does must not cut short).
+URLS = (f"redis://:{SECRET}@127.0.0.1:6379/0", f"redis://:{SECRET} it's@127.0.0.1:6379/0")
+
+
+def refusals_with_a_password(url: str) -> list[list[str]]:
+    """Arguments that each parser of the command line refuses, each holding ``url``: a
+    command it does not have (an invalid choice), an abbreviation of the two options
+    --store and --store-file, a value an option does not take (a choice, a number, a
+    value given to a flag) and an argument it does not take."""
+    serve = ["serve", "--agent", "agents:a"]
+    return [
+        [url],
+        ["sessions", url, "list"],
+        ["sessions", "list", f"--stor={url}"],
+        ["sessions", "list", "--stor", url],
+        ["sessions", "list", f"--status={url}"],
+        ["sessions", "list", "--limit", url],
+        ["sessions", "list", "--store", "memory://", url],
+        ["sessions", "show", "a", f"--stor={url}"],
+        ["sessions", "show", "a", f"--json={url}"],
+        ["sessions", "show", "a", url],
+        ["sessions", "export", "a", f"--stor={url}"],
+        ["sessions", "export", "a", url],
+        ["sessions", "import", "-", f"--stor={url}"],
+        ["sessions", "import", "-", url],
+        ["sessions", "delete", "a", f"--stor={url}"],
+        ["sessions", "delete", "a", f"--yes={url}"],
+        ["sessions", "delete", "a", url],
+        ["sessions", "tail", "a", f"--stor={url}"],
+        ["sessions", "tail", "a", "--after", url],
+        ["sessions", "tail", "a", f"--no-follow={url}"],
+        ["sessions", "tail", "a", url],
+        [*serve, f"--stor={url}"],
+        [*serve, "--log-level", url],
+        [*serve, "--port", url],
+        [*serve, url],
+    ]
+
+
+def test_every_parser_refuses_arguments_without_the_password_of_a_url_among_them(
+    tmp_path: Path,
+) -> None:
+    """Whatever each command's parser refuses (a command it has not, an abbreviation that
+    --store and --store-file share, a value an option does not take, an argument it does
+    not take), its one line names what was wrong with *** in place of the password of a
+    store URL in it, never the password."""
+    env = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
+    cases = [args for url in URLS for args in refusals_with_a_password(url)]
+    processes = [  # at once: each takes a moment to start
+        subprocess.Popen(
+            [*PYTHON_M, *args],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in cases
+    ]
+    for process, args in zip(processes, cases, strict=True):
+        stdout, stderr = process.communicate(timeout=120)
+        done = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+        line = one_line(done, 2)
+        assert SECRET not in stdout + stderr, (args, stderr)
+        assert "redis://:***@127.0.0.1:6379/0" in line, (args, line)
+
+
 def test_the_demo_ends_quietly_when_its_reader_stops(tmp_path: Path) -> None:
     """``demo | head -1``: the demo ends with the status of a closed pipe (141), no
     traceback."""
@@ -503,9 +572,9 @@ def test_a_read_command_on_a_sqlite_file_that_does_not_exist_says_to_check_the_p
     tmp_path: Path, args: list[str]
 ) -> None:
     """A read command whose --store names a SQLite file that does not exist (a mistyped
-    path) says so in one line and to check --store, and creates no file."""
+    path) says so in one line and to check the path in --store, and creates no file."""
     store = f"sqlite:///{tmp_path / 'nope.db'}"
     line = one_line(command("sessions", *args, "--store", store), 1)
     assert "nope.db' does not exist" in line, line
-    assert "check the --store path" in line, line
+    assert "does not exist; check the path in --store" in line, line
     assert list(tmp_path.iterdir()) == []

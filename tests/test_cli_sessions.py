@@ -9,6 +9,7 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 import shlex
 import signal
 import sqlite3
@@ -370,8 +371,8 @@ def test_import_restores_a_session_stored_before_the_input_limits(tmp_path: Path
 
 def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) -> None:
     """`sessions show` of a session whose stored snapshot is corrupt advises the command
-    line's own `sessions delete --store URL --yes NAME`, not the Python
-    registry.delete(...)."""
+    line's own `sessions delete --store URL --yes NAME` on the same store, not the
+    Python registry.delete(...)."""
     path = tmp_path / "store.db"
 
     async def make() -> None:
@@ -386,7 +387,8 @@ def test_the_cli_advises_its_own_delete_for_a_corrupt_session(tmp_path: Path) ->
     line = refused("show", "c3", "--store", f"sqlite:///{path}")
     assert "corrupt" in line, line
     assert "registry.delete" not in line, line
-    assert "`python -m sessionactors sessions delete --store URL --yes c3`" in line, line
+    advice = f"`python -m sessionactors sessions delete --store sqlite:///{path} --yes c3`"
+    assert advice in line, line
 
 
 # ---- writing beside a server ------------------------------------------------------
@@ -511,13 +513,15 @@ async def _store_with_one_session(path: Path) -> None:
         await (await registry.spawn("a")).send("hello from a")
 
 
+@pytest.mark.parametrize("file", ["s.db", "u:x@y.db"])  # (no password in a sqlite path)
 def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_shown(
-    tmp_path: Path,
+    tmp_path: Path, file: str
 ) -> None:
     """A stored session whose name is not valid UTF-8 (damage in the file) fails neither
     list nor the others: list names it on stderr, shell-quoted, with the delete command
-    that removes it, and delete takes it as shown (the shell passes its bytes)."""
-    path = tmp_path / "s.db"
+    that removes it (the store's path as given, whatever it holds), and delete takes it
+    as shown (the shell passes its bytes)."""
+    path = tmp_path / file
     store = f"sqlite:///{path}"
     with serving(f"sqlite:{path}") as server:
         populate(server)
@@ -533,7 +537,7 @@ def test_a_session_name_that_is_not_utf8_is_listed_on_stderr_and_deleted_as_show
     assert [r["name"] for r in json.loads(done.stdout)] == ["c", "a"]
     assert done.stderr.count("\n") == 1, done.stderr
     assert "$'\\xff19'" in done.stderr, done.stderr
-    assert f"sessions delete --store {store} --yes $'\\xff19'" in done.stderr, done.stderr
+    assert f"sessions delete --store {store} --yes $'\\xff19'`\n" in done.stderr, done.stderr
     # the shell's $'\xff19' is the argument's bytes, which Python reads as this str
     assert ok("delete", "--yes", "--store", store, "\udcff19") == "deleted session $'\\xff19'\n"
     assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == ["c", "a"]
@@ -695,6 +699,71 @@ async def test_every_command_takes_store_file_and_an_explicit_store_wins_over_th
     assert await sync(ok, "delete", "b", "--yes", *from_file) == "deleted session 'b'\n"
     listed = await sync(ok, "list", *from_file)
     assert [line.split("\t")[0] for line in listed.splitlines()] == ["a"]
+
+
+@pytest.mark.parametrize("how", ["--store", "--store-file", "SESSIONACTORS_STORE"])
+async def test_the_hints_about_the_store_name_it_as_it_was_given(tmp_path: Path, how: str) -> None:
+    """Every hint that says to check the store, or prints a command to run on it, names
+    the store as it was given: --store, the same --store-file, or SESSIONACTORS_STORE
+    (whose commands printed name no store: they run in the same environment), never
+    --store for a store given otherwise."""
+    files = itertools.count()
+
+    def given(path: Path) -> tuple[list[str], dict[str, str], str, str]:
+        """The arguments and environment that give the SQLite store at ``path``, where a
+        hint says it came from, and the store's words in a command printed to run."""
+        url = f"sqlite:///{path}"
+        if how == "--store":
+            return ["--store", url], {}, "--store", f" --store {shlex.quote(url)}"
+        if how == "--store-file":
+            file = tmp_path / f"store-{next(files)}"
+            file.write_text(f"{url}\n")
+            words = f" --store-file {shlex.quote(str(file))}"
+            return ["--store-file", str(file)], {}, f"--store-file {str(file)!r}", words
+        return [], {"SESSIONACTORS_STORE": url}, "SESSIONACTORS_STORE", ""
+
+    async def sync(check: Callable[..., Any], *args: str, env: dict[str, str]) -> Any:
+        return await trio.to_thread.run_sync(functools.partial(check, *args, env=env))
+
+    args, env, where, _ = given(tmp_path / "nope.db")  # a mistyped path
+    line = await sync(refused, "list", *args, env=env)
+    assert f"nope.db' does not exist; check the path in {where}" in line, line
+    path = tmp_path / "s.db"
+    await _store_with_one_session(path)
+    args, env, where, words = given(path)
+    for command in (["show", "nobody"], ["tail", "nobody"]):
+        line = await sync(refused, *command, *args, env=env)
+        listing = f"`python -m sessionactors sessions list{words}` lists the stored sessions"
+        assert listing in line, line
+    (tmp_path / "a.json").write_text(await sync(ok, "export", "a", *args, env=env))
+    new_args, new_env, new_where, _ = given(tmp_path / "new.db")
+    imported = await sync(sessions, "import", str(tmp_path / "a.json"), *new_args, env=new_env)
+    assert imported.returncode == 0, imported.stderr
+    assert f"check the path in {new_where}" in imported.stderr, imported.stderr
+    await sync(ok, "delete", "--yes", "a", *new_args, env=new_env)
+    empty_args, empty_env, empty_where, _ = given(tmp_path / "new.db")  # (now empty)
+    listed = await sync(sessions, "list", *empty_args, env=empty_env)
+    assert listed.returncode == 0, listed.stderr
+    assert f"check that {empty_where} names the file" in listed.stderr, listed.stderr
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("UPDATE snapshots SET data = ? WHERE session_id = 'a'", (b"\xc1junk",))
+        conn.commit()
+    line = await sync(refused, "show", "a", *args, env=env)
+    assert f"`python -m sessionactors sessions delete{words} --yes a`" in line, line
+    later_args, later_env, later_where, _ = given(tmp_path / "later.db")  # not made yet
+    inherited = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "sessionactors", "sessions", "tail", "x", "--wait", *later_args],
+        stderr=subprocess.PIPE,
+        env={**inherited, **later_env},
+    )
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(60):
+            note = await _Lines(process.stderr).next()
+        assert f"(check the path in {later_where} if no server" in note, note
+    finally:
+        await reap(process)
 
 
 #: A password that a refused store URL or store file holds, which no refusal may print.

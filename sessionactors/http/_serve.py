@@ -369,8 +369,9 @@ def main(args: argparse.Namespace) -> int:
             if new_file:
                 log.warning(
                     "created a new, empty store at %r (no file was there); if you meant a "
-                    "store of yours, stop the server and check the --store path",
+                    "store of yours, stop the server and check the path in %s",
                     store.path,
+                    args.given_store.where(),
                 )
             registry = app.registry
             worker = ""

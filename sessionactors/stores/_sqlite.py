@@ -821,12 +821,13 @@ def _append_conflict(conn: sqlite3.Connection, args: _AppendArgs) -> StoreError:
 def _fspath(path: str | os.PathLike[str]) -> str:
     path = os.fspath(path)
     if isinstance(path, str) and path[:9].lower() == "sqlite://":
-        # the command line's --store URL where a path belongs: it would be read as a
+        # the command line's store URL where a path belongs: it would be read as a
         # file in a directory named 'sqlite:', and fail first over that lock file
         hint = f"SQLiteStore({path[10:]!r})" if path[9:10] == "/" else "SQLiteStore('sessions.db')"
         raise ValueError(
             f"SQLiteStore takes a file path, not a URL like {path!r}: pass {hint} "
-            "(sqlite:/// URLs are for the command line's --store)"
+            "(sqlite:/// URLs are for the command line's store: --store, --store-file or "
+            "SESSIONACTORS_STORE)"
         )
     return path
 

@@ -46,7 +46,8 @@ def _check_path(path: str) -> None:
         problem = "is not a directory: correct the store's path"
     else:
         problem = (
-            "does not exist: create it, or correct the store's path (the command line's --store)"
+            "does not exist: create it, or correct the store's path (on the command line: in "
+            "the store's URL)"
         )
     raise _RefusedError(
         f"the sqlite store at {path!r} cannot be opened: the directory {directory!r} {problem}"

@@ -43,8 +43,14 @@ class GivenStore:
         """The URL as a message names it: where it came from, and the URL with ``***`` in
         place of its password (``--store-file '/etc/sa/store' holds 'redis://:***@h/0'``)."""
         if self.path is not None:
-            return f"--store-file {self.path!r} holds {redact(self.url)!r}"
-        return f"{self.source} {redact(self.url)!r}"
+            return f"{self.where()} holds {redact(self.url)!r}"
+        return f"{self.where()} {redact(self.url)!r}"
+
+    def where(self) -> str:
+        """Where the URL came from, as a message that shows the store otherwise names it
+        (``check the path in --store-file '/etc/sa/store'``): ``--store``, ``--store-file``
+        with the file's path, or ``SESSIONACTORS_STORE``."""
+        return self.source if self.path is None else f"--store-file {self.path!r}"
 
     def option(self) -> tuple[str, bool]:
         """The option (shell words) that gives this store to a command printed for the

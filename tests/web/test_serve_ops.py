@@ -49,7 +49,8 @@ def test_serve_logs_a_store_failure_naming_the_session(tmp_path: Path) -> None:
 
 def test_serve_says_when_it_creates_a_new_empty_store(tmp_path: Path) -> None:
     """A SQLite path where no file was (a mistyped path, a file deleted while it was
-    stopped) is logged as a new, empty store, naming the path; a file that exists is not;
+    stopped) is logged as a new, empty store, naming the path and where the store was
+    given (--store, --store-file or SESSIONACTORS_STORE); a file that exists is not;
     --log-level error leaves the warning out."""
     path = tmp_path / "served.db"
     with serve_command(f"sqlite:///{path}") as server:
@@ -62,6 +63,16 @@ def test_serve_says_when_it_creates_a_new_empty_store(tmp_path: Path) -> None:
     with serve_command(f"sqlite:///{tmp_path / 'other.db'}", "--log-level", "error") as quiet:
         pass
     assert "created a new" not in quiet.stderr, quiet.stderr
+    check = "stop the server and check the path in"
+    assert f"{check} --store\n" in server.stderr, server.stderr
+    (tmp_path / "store").write_text(f"sqlite:///{tmp_path / 'filed.db'}\n")
+    with serve_command(None, "--store-file", str(tmp_path / "store")) as filed:
+        pass
+    assert f"{check} --store-file {str(tmp_path / 'store')!r}" in filed.stderr, filed.stderr
+    variable = {"SESSIONACTORS_STORE": f"sqlite:///{tmp_path / 'variable.db'}"}
+    with serve_command(None, env=variable) as from_variable:
+        pass
+    assert f"{check} SESSIONACTORS_STORE" in from_variable.stderr, from_variable.stderr
 
 
 @pytest.mark.redis
