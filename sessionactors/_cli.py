@@ -208,6 +208,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="how long turns in flight may run on after SIGTERM (default 10)",
     )
     serve.add_argument(
+        "--drain-delay",
+        type=_seconds(zero=True),
+        default=0.0,
+        metavar="SECONDS",
+        help="after SIGTERM, go on listening this long, answering 503 (/healthz too), before "
+        "it stops listening: your load balancer's health check interval times its "
+        "unhealthy threshold (default 0)",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=_seconds(zero=False),
         default=None,

@@ -428,7 +428,18 @@ class SessionsApp:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI 3 entry point."""
+        if scope["type"] == "http":
+            send = functools.partial(self._send_http, send)
         await self._app(_slashes_in_segments(scope), receive, send)
+
+    async def _send_http(self, send: Any, message: Any) -> None:
+        """``send`` of an HTTP response, which says ``Connection: close`` once the app
+        drains: its client then sends its next request on a new connection (to another
+        server, through a load balancer), never on this one as the server closes it."""
+        if message["type"] == "http.response.start" and self._draining:
+            headers = [*message.get("headers", ()), (b"connection", b"close")]
+            message = {**message, "headers": headers}
+        await send(message)
 
     @property
     def registry(self) -> sa.Registry | aio.Registry | None:
@@ -439,7 +450,10 @@ class SessionsApp:
     def drain(self) -> None:
         """End every open event stream and WebSocket; answer later requests with 503.
 
-        It may be called from any thread (a signal handler's, a test's).
+        Every answer from then on, those to the requests in flight too, says
+        ``Connection: close``, so that its client sends its next request on a new
+        connection rather than on this one as the server closes it. It may be called
+        from any thread (a signal handler's, a test's).
         """
         self._draining = True
         portal = self._portal

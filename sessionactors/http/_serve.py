@@ -24,7 +24,7 @@ import sessionactors as sa
 from .._names import terminal_safe
 from ..stores._url import is_new_file, open_store
 from ._app import SessionsApp, create_app
-from ._sockets import abort_connections
+from ._sockets import abort_connections, count_connections
 
 __all__ = ["main", "open_store", "serve"]
 
@@ -65,6 +65,10 @@ GRACEFUL_SECONDS: Final = 10.0
 #: their ``shutdown_grace`` and their callers their answers), for the responses still
 #: being written.
 CLOSED_SECONDS: Final = 5.0
+
+#: Seconds between two looks, while the server waits for its connections to end, at
+#: whether any is still open (a connection's task may outlive its connection).
+LOOK_SECONDS: Final = 0.05
 
 
 def load_agents(spec: str) -> dict[str, sa.Agent]:
@@ -108,6 +112,7 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     access_log: bool = False,
+    drain_delay: float = 0.0,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` with hypercorn's trio worker until SIGINT, SIGTERM or SIGHUP (not
@@ -118,13 +123,17 @@ async def serve(
     answered the startup check). The registry is opened first: a startup that
     fails raises, and the address is never bound; a signal that comes before it
     listens stops it there (it raises ``KeyboardInterrupt``, binding nothing). On the
-    first signal it stops listening, drains the app (event streams and WebSockets
-    end at once, idle connections close, new requests get 503) and closes the app's
-    registry while the requests in flight wait: turns running get the registry's
-    ``shutdown_grace``, then their callers are answered (a reply, or 503 for a turn
-    cut off) and every session is hibernated; then it waits up to 5 seconds for the
-    answers still being written, resets the connections still open (a client that
-    reads nothing holds its connection in a socket write), and returns. For an app
+    first signal it drains the app (``/healthz`` and every new request are answered
+    503, every answer says ``Connection: close``, event streams and WebSockets end at
+    once); after ``drain_delay`` seconds (0 by default: set it to the time your load
+    balancer takes to see the 503 of ``/healthz``) it stops listening, closes the idle
+    connections and closes the app's registry while the requests in flight wait: turns
+    running get the registry's ``shutdown_grace``, then their callers are answered (a
+    reply, or 503 for a turn cut off) and every session is hibernated; then it waits
+    up to 5 seconds for the answers still being written, resets the connections still
+    open (a client that reads nothing holds its connection in a socket write), and
+    returns once no connection is left. ``ValueError`` for a ``drain_delay`` that is
+    not a number of seconds, 0 or more. For an app
     that serves a registry it was given, it waits up to 10 seconds for the requests in
     flight instead (close the registry once it returns). A second signal resets every
     connection and stops at once: the turns in flight are cut (what they streamed is
@@ -153,7 +162,9 @@ async def serve(
     # (not hypercorn's deadline, which would cut a request waiting for its turn's answer
     # while the registry still gives that turn its grace: serve bounds the wait below)
     config.graceful_timeout = math.inf
-    stop, served = trio.Event(), trio.Event()
+    if not 0 <= drain_delay < math.inf:
+        raise ValueError(f"drain_delay={drain_delay!r}: give a number of seconds, 0 or more")
+    draining, stop, served = trio.Event(), trio.Event(), trio.Event()
     began = forced = False
     bound_to: tuple[str, int] | None = None
     try:
@@ -170,7 +181,7 @@ async def serve(
                 nonlocal forced
                 async for signum in signals:
                     name = signal.Signals(signum).name
-                    if stop.is_set():  # the second one: stop now
+                    if draining.is_set():  # the second one: stop now
                         log.warning(
                             "%s again: stopped at once (a forced stop): the turns in flight "
                             "are cut, kept as far as they went, and their connections reset",
@@ -181,9 +192,23 @@ async def serve(
                             abort_connections(bound_to)
                         nursery.cancel_scope.cancel()
                         return
-                    log.info("%s: shutting down (again to stop at once)", name)
                     app.drain()
-                    stop.set()
+                    draining.set()
+                    if bound_to is None or drain_delay == 0:
+                        log.info("%s: shutting down (again to stop at once)", name)
+                        stop.set()
+                    else:
+                        log.info(
+                            "%s: shutting down: answering 503 for %s s (--drain-delay) before "
+                            "it stops listening (again to stop at once)",
+                            name,
+                            drain_delay,
+                        )
+                        nursery.start_soon(stop_after_delay)
+
+            async def stop_after_delay() -> None:
+                await trio.sleep(drain_delay)
+                stop.set()
 
             async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
                 await hypercorn.trio.serve(
@@ -205,18 +230,36 @@ async def serve(
                 # which answers those that wait on a turn
             if began:
                 with trio.move_on_after(bound):
-                    await served.wait()
+                    await _wait_served(served, bound_to)
                 if not served.is_set() and bound_to is not None:
                     # a client that reads nothing holds its connection in a socket write
                     # that hypercorn shields from cancellation: cut those connections
-                    abort_connections(bound_to)
+                    if reset := abort_connections(bound_to):
+                        log.warning(
+                            "reset %d connection(s) whose answers were still being written "
+                            "%s s after the registry closed (their clients read nothing)",
+                            reset,
+                            bound,
+                        )
                     with trio.move_on_after(bound):
-                        await served.wait()
+                        await _wait_served(served, bound_to)
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
         if not began:  # a signal came before it served (a second one cut the opening)
             raise KeyboardInterrupt("stopped by a signal before it served")
         if forced:
             raise KeyboardInterrupt("stopped at once by a second signal")
+
+
+async def _wait_served(served: trio.Event, address: tuple[str, int] | None) -> None:
+    """Wait until the server has ended, or no connection it accepted on ``address`` is
+    open any more: a connection's task may wait on after its connection closed (under
+    hypercorn, one whose client sent its next request before the answer it waited for
+    said that the connection closes), with nothing left to write to anyone."""
+    while not served.is_set():
+        if address is not None and count_connections(address) == 0:
+            return
+        with trio.move_on_after(LOOK_SECONDS):
+            await served.wait()
 
 
 def _hypercorn() -> ModuleType:
@@ -362,7 +405,12 @@ def main(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(
                 functools.partial(
-                    serve, app, host=args.host, port=args.port, access_log=args.access_log
+                    serve,
+                    app,
+                    host=args.host,
+                    port=args.port,
+                    access_log=args.access_log,
+                    drain_delay=args.drain_delay,
                 )
             )
             started = True

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Iterator
 from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["WRITE_BYTES", "WriteGuard", "abort_connections"]
+__all__ = ["WRITE_BYTES", "WriteGuard", "abort_connections", "count_connections"]
 
 
 def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = None) -> int:
@@ -24,13 +25,43 @@ def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = N
     on one fails at once, and set to reset on close rather than keep their unsent bytes.
     A wildcard host (``0.0.0.0``, ``::``) matches any local address on that port.
     """
-    host, port = address
-    wildcard = host in ("0.0.0.0", "::", "")
+    aborted = 0
+    for sock in _connections(address, peer) or ():
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.shutdown(socket.SHUT_RDWR)
+            aborted += 1
+        except OSError:
+            continue
+    return aborted
+
+
+def count_connections(address: tuple[str, int]) -> int | None:
+    """How many TCP connections accepted on ``address`` this process holds open, or None
+    where its file descriptors cannot be listed (no ``/dev/fd``, as on Windows)."""
+    connections = _connections(address)
+    return None if connections is None else sum(1 for _ in connections)
+
+
+def _connections(
+    address: tuple[str, int], peer: tuple[str, int] | None = None
+) -> Iterator[socket.socket] | None:
+    """The process's TCP connections accepted on ``address`` (from ``peer`` only, if
+    given), each a socket object over the server's descriptor while it is looked at
+    (detached after: the descriptor stays the server's, which closes it); None where the
+    descriptors cannot be listed."""
     try:
         fds = [int(name) for name in os.listdir("/dev/fd")]
-    except OSError:  # (no /dev/fd, as on Windows: nothing to do)
-        return 0
-    aborted = 0
+    except OSError:  # (no /dev/fd, as on Windows)
+        return None
+    return _accepted(fds, address, peer)
+
+
+def _accepted(
+    fds: list[int], address: tuple[str, int], peer: tuple[str, int] | None
+) -> Iterator[socket.socket]:
+    host, port = address
+    wildcard = host in ("0.0.0.0", "::", "")
     for fd in fds:
         try:
             sock = socket.socket(fileno=fd)
@@ -48,14 +79,11 @@ def abort_connections(address: tuple[str, int], peer: tuple[str, int] | None = N
             remote = sock.getpeername()  # (a listening socket has none: OSError)
             if peer is not None and tuple(remote[:2]) != tuple(peer):
                 continue
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            sock.shutdown(socket.SHUT_RDWR)
-            aborted += 1
+            yield sock
         except OSError:
             continue
         finally:
-            sock.detach()  # (the descriptor stays the server's: it closes it)
-    return aborted
+            sock.detach()
 
 
 #: The bytes a write to a client may carry for each bound of waiting: an event stream's

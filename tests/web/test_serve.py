@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import json
 import os
 import re
 import signal
@@ -585,3 +586,100 @@ def test_serve_exits_on_sigterm_while_a_client_reads_nothing_of_its_stream(
     statuses, history = stored(db, "fat")
     assert statuses == [sa.Status.HIBERNATED]
     assert len(history) == 10
+
+
+def _raw_post(path: str, text: str) -> bytes:
+    """An HTTP/1.1 POST of a message, as bytes to write on a socket."""
+    body = json.dumps({"text": text}).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """What the server sends on ``sock`` until it closes the connection."""
+    sock.settimeout(30)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_serve_exits_at_once_after_a_request_with_another_sent_behind_it_on_sigterm(
+    tmp_path: Path, attempt: int
+) -> None:
+    """A client that sends its next request on a kept-alive connection before the answer
+    to the one in flight has come (as a client does that reads an answer and at once
+    sends again, as the server ends it) does not hold the server: on SIGTERM the request
+    in flight is answered, saying that the connection closes, the connection is closed,
+    and the server exits at once, not after its 5 s and 5 s more of waiting for a
+    connection that no longer exists."""
+    db = tmp_path / "served.db"
+    with (
+        serve_command(f"sqlite:///{db}") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.post("/sessions/piped/messages", json={"text": "hi"}).status_code == 200
+        slow = " ".join(["w"] * 10)  # half a second of words
+        with (
+            client.stream("GET", "/sessions/piped/events") as events,
+            socket.create_connection(("127.0.0.1", server.port)) as sock,
+        ):
+            lines = events.iter_lines()
+            sock.sendall(_raw_post("/sessions/piped/messages", slow))
+            sock.sendall(_raw_post("/sessions/piped/messages", "next"))
+            assert any("TurnStarted" in line for line in lines)
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            answered = _read_all(sock)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("serve still ran 30 s after SIGTERM")
+        took = time.monotonic() - signalled
+    assert server.process.returncode == 0
+    # (generous: the bug held it 10 s, waiting for a connection that no longer exists)
+    assert took < 5, f"serve took {took:.1f} s to exit after SIGTERM with no turn left"
+    head, _, body = answered.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), answered
+    assert b"connection: close" in head.lower(), head
+    assert json.loads(body)["text"] == slow, body
+
+
+def test_serve_with_a_drain_delay_answers_503_after_sigterm_before_it_stops_listening(
+    tmp_path: Path,
+) -> None:
+    """With --drain-delay, after SIGTERM the server goes on listening for that long: a
+    request sent right after the signal on a connection kept alive from before gets its
+    reply or 503 ShuttingDown, saying that the connection closes, never a connection closed
+    with no answer; a health check on a new connection is told 503, not refused; then the
+    server stops listening and exits with status 0."""
+    db = tmp_path / "served.db"
+    with (
+        serve_command(f"sqlite:///{db}", "--drain-delay", "6") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+        httpx.Client(base_url=server.url, timeout=30) as probe,
+    ):
+        assert client.post("/sessions/kept/messages", json={"text": "hi"}).status_code == 200
+        assert probe.get("/healthz").status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        answers: list[httpx.Response] = []
+        deadline = time.monotonic() + 30
+        while not answers or answers[-1].status_code == 200:
+            assert time.monotonic() < deadline, "no 503 within 30 s of SIGTERM"
+            # (on the connection kept alive; a disconnect would raise here)
+            answers.append(client.post("/sessions/kept/messages", json={"text": "again"}))
+        assert {answer.status_code for answer in answers[:-1]} <= {200}
+        refused = answers[-1]
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"] == "ShuttingDown", refused.text
+        assert refused.headers["connection"] == "close"
+        health = probe.get("/healthz")
+        assert health.status_code == 503, health.text
+        assert health.headers["connection"] == "close"
+        server.process.wait(timeout=60)
+    assert server.process.returncode == 0, server.stderr
+    assert "--drain-delay" in server.stderr
