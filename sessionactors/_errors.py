@@ -460,8 +460,8 @@ class StoreConfigurationError(StoreError):
     group's index, fencing counter or shard lease) holding another type of value than
     the store keeps there (one of a session's own fails that session alone, with
     ``SnapshotCorruptError``), a SQLite file that is not a store (or is in a directory
-    that does not exist), that a newer version wrote, or that this process may not
-    write, a store on an asyncio client
+    that does not exist), that a newer version wrote, that SQLite reads as damaged, or
+    that this process may not write, a store on an asyncio client
     (``sessionactors.aio.asyncio_store``) used outside ``sessionactors.aio``. Fix the
     server's configuration, the URL, the file or the registry (its message says what).
     The registry, ``serve`` and the command line do not retry it."""
