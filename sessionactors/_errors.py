@@ -384,7 +384,10 @@ class SnapshotVersionError(SnapshotError):
 
 
 class SnapshotCorruptError(SnapshotError):
-    """The bytes are not a valid snapshot (truncated, garbled, wrong types, too large)."""
+    """The bytes are not a valid snapshot (truncated, garbled, wrong types, too large),
+    or the store's record of the session was changed behind its back (a seq out of
+    range, a Redis key of the session's that holds another type of value). The
+    session's own error: other sessions go on."""
 
 
 class StoreError(SessionActorsError, OSError):
@@ -453,13 +456,15 @@ class StoreConfigurationError(StoreError):
     """The store refused an operation that a retry cannot fix: a permission the store's
     user lacks, a command the server disabled or renamed, keys spread over the slots
     of a cluster, a password or database number in the store's URL that the server
-    refuses, keys under a Redis store's prefix of another type than the store keeps
-    there, a SQLite file that is not a store (or is in a directory that does not
-    exist), that a newer version wrote, or that this process may not write, a store on
-    an asyncio client (``sessionactors.aio.asyncio_store``) used outside
-    ``sessionactors.aio``. Fix the server's configuration, the URL, the file or the
-    registry (its message says what). The registry, ``serve`` and the command line do
-    not retry it."""
+    refuses, a key that a Redis store's sessions share (its listing order, a key
+    group's index, fencing counter or shard lease) holding another type of value than
+    the store keeps there (one of a session's own fails that session alone, with
+    ``SnapshotCorruptError``), a SQLite file that is not a store (or is in a directory
+    that does not exist), that a newer version wrote, that SQLite reads as damaged, or
+    that this process may not write, a store on an asyncio client
+    (``sessionactors.aio.asyncio_store``) used outside ``sessionactors.aio``. Fix the
+    server's configuration, the URL, the file or the registry (its message says what).
+    The registry, ``serve`` and the command line do not retry it."""
 
 
 class WorkerUnreachableError(SessionActorsError, TimeoutError):

@@ -584,7 +584,13 @@ async def open_registry(
         )
     if store is not None and not isinstance(store, Store):
         if isinstance(store, str | bytes | os.PathLike):
-            given = repr(redact(store) if isinstance(store, str) else store)
+            # (every form of a URL shown with *** for its password, bytes too)
+            text = os.fspath(store)
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            given = repr(redact(text))
+            if not isinstance(store, str):
+                given = f"{type(store).__name__} {given}"
             hint = (
                 f"{given} is a URL or a path; build the store yourself, "
                 "e.g. sa.SQLiteStore('sessions.db') or RedisStore('redis://host:6379/0')"

@@ -2,9 +2,13 @@
 (see sessionactors/stores/_redis.py): damage that the store must survive."""
 
 import base64
+import contextlib
 import zlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import coredis
+from coredis.connection import TCPLocation
 
 
 def _session_key(prefix: str, raw: bytes, part: str) -> str:
@@ -58,3 +62,42 @@ async def drop_prefix(url: str, prefix: str) -> None:
         keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
         if keys:
             await client.unlink(keys)
+
+
+def session_key(prefix: str, name: str, part: str) -> str:
+    """The key of session ``name`` that holds ``part`` ("meta", "log", "ev", ...)."""
+    return _session_key(prefix, name.encode(), part)
+
+
+def group_key(prefix: str, name: str, part: str) -> str:
+    """The key of ``name``'s key group that holds ``part`` ("shard", "fence", "sessions")."""
+    return f"{prefix}:{{g{zlib.crc32(name.encode()) % 1024}}}:{part}"
+
+
+@contextlib.asynccontextmanager
+async def admin_client(url: str) -> AsyncIterator[Any]:
+    """A client of the server a store's URL names: one server, a Redis Cluster, or the
+    master that a Sentinel knows."""
+    if url.startswith("redis+cluster://"):
+        node = url.removeprefix("redis+cluster://").split(",")[0]
+        host, _, port = node.rpartition(":")
+        async with coredis.RedisCluster(host, int(port)) as cluster:
+            yield cluster
+    elif url.startswith("redis+sentinel://"):
+        where, _, service = url.removeprefix("redis+sentinel://").partition("/")
+        host, _, port = where.rpartition(":")
+        async with coredis.Sentinel([TCPLocation(host, int(port))]) as sentinel:
+            address = await sentinel.discover_primary(service.split("/")[0])
+        async with coredis.Redis(*address) as client:
+            yield client
+    else:
+        async with coredis.Redis.from_url(url) as client:
+            yield client
+
+
+async def replace_with_list(url: str, key: str) -> None:
+    """Put a list at ``key`` in place of what the store keeps there, as another
+    application writing under the store's prefix would."""
+    async with admin_client(url) as client:
+        await client.delete([key])
+        await client.rpush(key, ["another application's"])

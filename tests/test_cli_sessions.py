@@ -974,6 +974,44 @@ async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path)
             await reap(process)
 
 
+async def test_tail_rides_out_a_store_file_that_reads_as_damaged_for_a_moment(
+    tmp_path: Path,
+) -> None:
+    """tail, which reads a SQLite file read-only beside the process that writes it,
+    meets the file reading as damaged (SQLITE_CORRUPT, as a reader may while a writer
+    checkpoints) by saying so on stderr, with what to do if it lasts, and retrying:
+    once the file reads whole again it prints the session's events."""
+    path = tmp_path / "s.db"
+    agents = unusable_stores.AGENTS
+    async with sa.open_registry(store=SQLiteStore(path), agents=agents) as registry:
+        await (await registry.spawn("a")).send("hello")
+    whole = path.read_bytes()
+    unusable_stores.damage_schema(path)
+    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a"]
+    command += ["--store", f"sqlite:///{path}", "--after", "0"]
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(60):
+            told = await _Lines(process.stderr).next()
+            assert "is damaged" in told, told
+            assert "PRAGMA integrity_check" in told, told
+            assert "retrying" in told, told
+            path.write_bytes(whole)
+            lines = _Lines(process.stdout)
+            seen: list[dict[str, Any]] = []
+            while not any(e["type"] == "TurnFinished" for e in seen):
+                seen.append(json.loads(await lines.next()))
+            assert seen[-1]["message"]["content"] == "hello"
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    finally:
+        await reap(process)
+
+
 @attrs.define
 class _Lines:
     """The lines of a process's output, one at a time."""

@@ -525,6 +525,17 @@ async def test_open_registry_refuses_a_url_or_path_as_store(tmp_path: Path) -> N
             pass
     assert "hunter2" not in str(raised.value)
     assert "'redis://ops:***@127.0.0.1:6379/0' is a URL or a path" in str(raised.value)
+    url = "redis://ops:hunter2@127.0.0.1:6379/0"
+    for given, shown in [
+        (url.encode(), "bytes 'redis://ops:***@127.0.0.1:6379/0'"),
+        (b"redis://:hunter2\xff@h/0", "bytes 'redis://:***@h/0'"),
+        (Path(url), f"{type(Path(url)).__name__} 'redis:/ops:***@127.0.0.1:6379/0'"),
+    ]:
+        with pytest.raises(TypeError) as raised:
+            async with sa.open_registry(store=given):  # type: ignore[arg-type]
+                pass
+        assert "hunter2" not in str(raised.value)
+        assert f"{shown} is a URL or a path" in str(raised.value)
 
     class HalfAStore:
         async def load(self, session_id: str) -> None:

@@ -74,6 +74,15 @@ async def make(tmp_path: Path, case: str) -> Unusable:
     return Unusable(path, ("read-only for this process", "readonly=True"), True)
 
 
+def damage_schema(path: Path) -> None:
+    """Overwrite the first page of the SQLite file at ``path`` after its header (where
+    the file's schema begins): SQLite then reads the file as damaged (SQLITE_CORRUPT)."""
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[16:18], "big")
+    data[100:size] = b"\xff" * (size - 100)
+    path.write_bytes(bytes(data))
+
+
 def writable(tmp_path: Path) -> None:
     """Give the files of a case made under ``tmp_path`` their permissions back."""
     for directory, _, files in os.walk(tmp_path):

@@ -54,7 +54,7 @@ import logging
 import math
 import os
 import zlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import anyio
@@ -66,10 +66,14 @@ from coredis.commands import Script
 
 from .._codec import MAX_SEQ
 from .._errors import (
+    Advice,
+    AdviceKind,
+    SnapshotCorruptError,
     StoreConfigurationError,
     StoreError,
     StoreNotDurableError,
     StoreNotReplicatedError,
+    advised,
 )
 from .._listing import after_not_found, info_activity
 from .._names import name_bytes, redact, stored_name
@@ -431,6 +435,71 @@ _WRONG_TYPE_FIX: Final = (
     "store's back): give the store a prefix of its own (RedisStore(url, prefix=...), or "
     "?prefix= in the command line's URL), or remove those keys"
 )
+#: A session's keys (by their last part): the type of value the store keeps there, what
+#: it holds, and whether it holds part of the conversation (the snapshot and journal;
+#: the store writes the others again).
+_SESSION_KEYS: Final = {
+    "meta": ("hash", "its snapshot", True),
+    "log": ("stream", "its journal", True),
+    "info": ("string", "its summary for listings", False),
+    "lease": ("hash", "its lease", False),
+    "watch": ("string", "whether other workers subscribe to it", False),
+    "ev": ("stream", "its events for subscribers on other workers", False),
+}
+#: A key group's keys, which its sessions share: the type kept there, what it holds.
+_GROUP_KEYS: Final = {
+    "shard": ("hash", "the lease of a key group's sessions"),
+    "fence": ("string", "the fencing counter of a key group"),
+    "sessions": ("set", "the index of a key group's sessions"),
+}
+
+
+@attrs.frozen
+class _WrongType:
+    """A key that holds another type of value (``found``) than the store keeps there
+    (``kept``, ``what`` it holds); ``session``: the session whose own key it is (None:
+    sessions share it), and whether it holds part of its conversation."""
+
+    key: str
+    session: str | None
+    found: str
+    kept: str
+    what: str
+    conversation: bool = False
+
+    def told(self) -> str:
+        return (
+            f"{self.key!r} holds a {self.found}, not the {self.kept} the store keeps there"
+            f" ({self.what})"
+        )
+
+
+def _damaged_session(damage: Sequence[_WrongType]) -> SnapshotCorruptError:
+    """The error of a session some of whose own keys (``damage``) hold another type of
+    value: the session's, not the store's (every other session goes on)."""
+    session_id = damage[0].session
+    assert session_id is not None
+    told = (
+        f"the store's record of session {session_id!r} is corrupt: "
+        + "; ".join(f"its key {wrong.told()}" for wrong in damage)
+        + ". It was changed behind sessionactors' back (another application's keys under"
+        " the store's prefix?): "
+    )
+    if any(wrong.conversation for wrong in damage):
+        return advised(
+            SnapshotCorruptError,
+            told + "restore the session from a backup, or delete it with ",
+            Advice(kind=AdviceKind.DELETE),
+            session_id=session_id,
+        )
+    keys = " ".join(repr(wrong.key) for wrong in damage)
+    that = "that key" if len(damage) == 1 else "those keys"
+    return advised(
+        SnapshotCorruptError,
+        f"{told}remove {that} (redis-cli DEL {keys}): no part of the conversation is"
+        " there, and the store writes it again",
+        session_id=session_id,
+    )
 
 
 def _configuration_problem(exc: BaseException, client: Client | None) -> str | None:
@@ -761,10 +830,16 @@ class RedisStore:
     Errors a retry cannot fix (a permission the user lacks, scripting or blocking
     commands disabled for it or on the server, ``CROSSSLOT``, a ``redis://`` URL
     that reaches a node of a Redis Cluster, a user name or password the server
-    refuses, a database number it does not have, keys under the prefix of another
-    type than the store keeps there) raise
+    refuses, a database number it does not have, a key that sessions share holding
+    another type of value than the store keeps there: the listing order, or a key
+    group's index, fencing counter or shard lease) raise
     :class:`~sessionactors.StoreConfigurationError`, which says what to change; a
-    multi-worker registry that meets one fails with it rather than retry.
+    multi-worker registry that meets one fails with it rather than retry. A key of
+    one session's own that holds another type of value (its snapshot, journal,
+    lease or event stream: another application's keys under the same prefix)
+    fails only what touches that session, with
+    :class:`~sessionactors.SnapshotCorruptError` naming the session and the key
+    and saying what to do; every other session goes on, on every worker.
 
     Needs the ``redis`` extra (coredis).
     """
@@ -929,10 +1004,20 @@ class RedisStore:
         *,
         block: float = 0.0,
         about: str | None = None,
+        streams: Sequence[str] = (),
     ) -> _T:
         """One call, bounded by ``timeout`` (plus ``block``, a blocking read's own wait),
         its errors translated to ``StoreError``, which say what it was ``doing`` to what
-        (``about``; by default the session, or "sessions")."""
+        (``about``; by default the session, or "sessions").
+
+        A key that holds another type of value than the store keeps there
+        (``WRONGTYPE``) is looked for among the keys of the call's session (for a
+        call about the event streams of several sessions, ``streams``, among their
+        streams' keys) and the keys they share with other sessions: one of a
+        session's own fails the call with that session's ``SnapshotCorruptError``,
+        whose ``session_id`` names it (the caller of a call about several goes on
+        without it); one that sessions share, or none found, with
+        ``StoreConfigurationError``."""
         if about is not None:
             where = about
         else:
@@ -971,6 +1056,8 @@ class RedisStore:
                     # finish as a ConnectionError): the cancellation, not an error
                     await trio.lowlevel.checkpoint()
                 fix = _configuration_problem(exc, client)
+                if fix is _WRONG_TYPE_FIX and client is not None:
+                    fix = await self._wrong_type_fix(client, session_id, streams, exc)
                 if fix is not None and (
                     isinstance(exc, _Unavailable) or fix in (_LOGIN_FIX, _DATABASE_FIX)
                 ):
@@ -1041,6 +1128,68 @@ class RedisStore:
             "and not overloaded, then retry",
             session_id=session_id,
         )
+
+    async def _wrong_type_fix(
+        self,
+        client: Client,
+        session_id: str | None,
+        streams: Sequence[str],
+        exc: BaseException,
+    ) -> str:
+        """What to do about a call that met a key of another type than the store keeps
+        there (``exc``), if that key is one that sessions share (or is not found: the
+        store's configuration); raise the session's ``SnapshotCorruptError`` if it is
+        one of the session's own (of the call's session, or of the ``streams``)."""
+        if session_id is not None:
+            damage = await self._wrong_types(client, [session_id], _SESSION_KEYS)
+        else:
+            damage = await self._wrong_types(client, streams, ("ev",))
+        shared = [wrong for wrong in damage if wrong.session is None]
+        if shared:
+            return (
+                f"the key {shared[0].told()} (another application's keys under the same"
+                " prefix, or keys changed behind the store's back): give the store a"
+                " prefix of its own (RedisStore(url, prefix=...), or ?prefix= in the"
+                " command line's URL), or remove that key"
+            )
+        if damage:
+            first = damage[0].session
+            raise _damaged_session([wrong for wrong in damage if wrong.session == first]) from exc
+        return _WRONG_TYPE_FIX
+
+    async def _wrong_types(
+        self, client: Client, names: Sequence[str], parts: Iterable[str]
+    ) -> list[_WrongType]:
+        """The keys of the sessions ``names`` (their ``parts``: see ``_SESSION_KEYS``),
+        and those they share with other sessions (their key groups', the listing order;
+        with no names, every group's index), that hold another type of value than the
+        store keeps there; none if it cannot tell (the server did not answer)."""
+        kept: dict[str, tuple[str | None, str, str, bool]] = {}
+        for name in names:
+            for part in parts:
+                kind, what, conversation = _SESSION_KEYS[part]
+                kept[self._key("s", name, part)] = (name, kind, what, conversation)
+            for part, (kind, what) in _GROUP_KEYS.items():
+                kept[self._group_key(_group(name), part)] = (None, kind, what, False)
+        if not names:
+            kind, what = _GROUP_KEYS["sessions"]
+            for group in range(_GROUPS):
+                kept[self._group_key(group, "sessions")] = (None, kind, what, False)
+        kept[self._activity_key] = (None, "zset", "the listing order of the sessions", False)
+        try:
+            async with _pipeline(client) as pipe:
+                replies = [pipe.type(key) for key in kept]
+            types = [await reply for reply in replies]
+        except _TRANSPORT_ERRORS:
+            return []
+        damage = []
+        for (key, (session, kind, what, conversation)), found in zip(
+            kept.items(), types, strict=True
+        ):
+            found = found.decode() if isinstance(found, bytes) else str(found)
+            if found not in (kind, "none"):
+                damage.append(_WrongType(key, session, found, kind, what, conversation))
+        return damage
 
     async def _write(
         self,

@@ -94,6 +94,7 @@ class _Redis(Protocol):
         *,
         block: float = 0.0,
         about: str | None = None,
+        streams: Sequence[str] = (),
     ) -> _T: ...
 
 
@@ -461,7 +462,7 @@ class RedisTransport:
                 await reply
 
         if names:
-            await self._store._run("watch the events of", None, run)
+            await self._store._run("watch the events of", None, run, streams=names)
 
     async def watched(self, names: Sequence[str]) -> set[str]:
         async def run(client: Client) -> list[Any]:
@@ -708,7 +709,12 @@ class RedisTransport:
             return found
 
         reply: dict[Any, Any] = await self._store._run(
-            "read the inbox of", None, run, block=block or 0.0, about=f"worker {worker!r}"
+            "read the inbox of",
+            None,
+            run,
+            block=block or 0.0,
+            about=f"worker {worker!r}",
+            streams=list(streams),
         )
         messages: list[tuple[str, bytes]] = []
         events: dict[str, list[StreamItem]] = {}
@@ -750,7 +756,7 @@ class RedisTransport:
                 await self._publish(keys, args, client=client)
 
         if calls:
-            await self._store._run("publish events of", None, run)
+            await self._store._run("publish events of", None, run, streams=list(batches))
 
     async def last_event_seq(self, session_id: str) -> int:
         key = self._events(session_id)

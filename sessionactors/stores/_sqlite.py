@@ -565,7 +565,7 @@ class _Worker:
             check_same_thread=True,
         )
         try:
-            _check_schema(conn, path)
+            _check_schema(conn, path, readonly=True)
         except BaseException:
             conn.close()
             raise
@@ -677,7 +677,9 @@ _EMPTY: Final = (
     " and the store creates it"
 )
 # SQLite's primary result codes (an error's sqlite_errorcode, extended codes included,
-# masked with 0xFF) that say that a file is not a database, whatever a retry does.
+# masked with 0xFF): the file is not a database (whatever a retry does); the file reads
+# as damaged (a reader that takes no lock, as a read-only store may, can also meet a
+# file that another process writes so for a moment).
 _SQLITE_CORRUPT: Final = 11
 _SQLITE_NOTADB: Final = 26
 
@@ -690,9 +692,26 @@ def _not_ours(path: str, problem: str) -> str:
     )
 
 
-def _check_schema(conn: sqlite3.Connection, path: str) -> int:
+def _damaged(path: str, exc: sqlite3.Error, *, readonly: bool) -> str:
+    lasting = (
+        "; a read-only reader may meet a file that another process is writing so for a"
+        " moment: if a retry meets it too, the file is damaged."
+        if readonly
+        else ": the file is damaged."
+    )
+    return (
+        f"the sqlite store at {path!r} is damaged: SQLite reads it as corrupt ({exc})"
+        f"{lasting} Check it with sqlite3 {path!r} 'PRAGMA integrity_check', and restore"
+        " it from a backup; nothing was written to it"
+    )
+
+
+def _check_schema(conn: sqlite3.Connection, path: str, *, readonly: bool = False) -> int:
     """Refuse a file that is not a sessionactors store this version reads; its version
-    (older ones are migrated when opened for writing, and read as they are)."""
+    (older ones are migrated when opened for writing, and read as they are). A file
+    that reads as damaged is refused for good by a store that writes it (which reads
+    it under SQLite's locks), and with a ``StoreError`` to retry by a ``readonly`` one
+    (which may meet a file that another process writes so for a moment)."""
     try:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
         tables = sorted(
@@ -703,7 +722,11 @@ def _check_schema(conn: sqlite3.Connection, path: str) -> int:
             )
         )
     except sqlite3.DatabaseError as exc:
-        if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (_SQLITE_NOTADB, _SQLITE_CORRUPT):
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+        if code == _SQLITE_CORRUPT:
+            kind = _OpenError if readonly else _RefusedError
+            raise kind(_damaged(path, exc, readonly=readonly)) from exc
+        if code != _SQLITE_NOTADB:
             raise  # busy, or the disk failed: not foreign, and perhaps not for long
         raise _RefusedError(_not_ours(path, f"it is not an SQLite database ({exc})")) from exc
     if version > _SCHEMA_VERSION:
@@ -1016,7 +1039,14 @@ class SQLiteStore:
     version reads; unless the store is ``readonly=True``, a file (or its
     ``-wal`` or ``-shm``, or its directory) that this process may not write;
     a ``-wal`` with writes in it beside a path where no file is (its file was
-    deleted or moved away), which is not read into a new file.
+    deleted or moved away), which is not read into a new file; a store file that
+    SQLite reads as damaged (``SQLITE_CORRUPT``: the message says to check it
+    with ``PRAGMA integrity_check`` and to restore it from a backup). A
+    ``readonly=True`` store raises ``StoreError`` for a damaged file instead, to
+    be retried: it reads without SQLite's locks while no other process has the
+    file open, and so may meet a file that a process that opens it meanwhile
+    writes as damaged for a moment (``sessions tail`` tries again for up to 60
+    seconds, as it does a store that does not answer).
 
     A file deleted or replaced while the store has it open is not written to:
     every call fails with ``StoreError`` until the file is back at its path or

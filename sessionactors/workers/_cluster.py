@@ -113,6 +113,7 @@ from .._errors import (
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
+    SnapshotError,
     StoreConfigurationError,
     StoreError,
     WorkerUnreachableError,
@@ -511,6 +512,11 @@ class Cluster:
             except StoreError as exc:
                 fatal(exc)  # e.g. a user without blocking reads: never retried in silence
                 await trio.sleep(min(1.0, block))
+                continue
+            except SnapshotError as exc:
+                # one session's stream is damaged: its mirror ends, the others are read
+                if not self.streams.damaged(exc):
+                    raise
                 continue
             for message_id, data in messages:
                 self._inbox_last = message_id

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final, Protocol, cast
@@ -46,6 +47,8 @@ from ._transport import StreamItem, Transport, fatal
 from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
+
+log = logging.getLogger("sessionactors")
 
 _QUEUE_SIZE: Final = 10_000  # events waiting for the publisher, all sessions together
 _BATCH: Final = 1000  # events per publishing round trip
@@ -253,6 +256,9 @@ class Streams:
         self._failed: dict[str, tuple[int, int]] = {}
         self._publishing = False
         self._flushed: trio.Event | None = None  # set once the queue is empty (closing)
+        #: Sessions whose stream the store found damaged (a key of another type): the
+        #: events queued for it are dropped, unless it is watched again since.
+        self._damaged: set[str] = set()
 
     @property
     def subscriber_count(self) -> int:
@@ -280,10 +286,39 @@ class Streams:
             hub.close()
         self._mirrors.clear()
 
+    def damaged(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the error of one session's own stored data (its event
+        stream's key holds another type of value: ``SnapshotError`` naming it), not of
+        the store: then that session's mirror ends with it (its subscribers here raise
+        it) and its events are published no more (until another worker subscribes
+        again); every other session goes on."""
+        if not isinstance(exc, SnapshotError) or exc.session_id is None:
+            return False
+        name = exc.session_id
+        hub = self._mirrors.get(name)
+        if hub is not None:
+            hub.close(exc)
+            self._end_mirror(name, hub)
+        if name not in self._damaged and name in self._watched:
+            log.warning("the events of session %r are not sent to other workers: %s", name, exc)
+        self._damaged.add(name)
+        self._watched.pop(name, None)
+        self._lost.pop(name, None)
+        self._failed.pop(name, None)
+        return True
+
     async def renew(self) -> None:
         """Renew the watch of every mirrored session; stop publishing the sessions that
         nobody elsewhere subscribes to any more."""
-        await self.transport.watch(list(self._mirrors), self.ttl)
+        names = list(self._mirrors)
+        while True:
+            try:
+                await self.transport.watch(names, self.ttl)
+                break
+            except SnapshotError as exc:
+                if exc.session_id not in names or not self.damaged(exc):
+                    raise
+                names.remove(exc.session_id)
         if self._open_turns:
             await self._check_open_turns()
         if self._watched:
@@ -438,8 +473,9 @@ class Streams:
             return
         try:
             _, found = await self.transport.events_after(name, position)
-        except StoreError as exc:
+        except (StoreError, SnapshotError) as exc:
             fatal(exc)
+            self.damaged(exc)
             return
         if self._open_turns.get(name) is not seen or self._held.get(name) != jump:
             return  # (settled meanwhile)
@@ -733,15 +769,26 @@ class Streams:
         groups: dict[str, list[StreamItem]] = {}
 
         async def flush() -> None:
-            if groups:
+            while groups:
                 try:
                     await self.transport.publish(groups, keep)
+                except SnapshotError as exc:
+                    # one session's stream is damaged: the others' are published
+                    if exc.session_id not in groups or not self.damaged(exc):
+                        raise
+                    del groups[exc.session_id]
+                    continue
                 except StoreError as exc:
                     fatal(exc)
                     await self._mark_failed(groups)
-                groups.clear()
+                break
+            groups.clear()
 
         for name, born, item in batch:
+            if name in self._damaged:
+                if name not in self._watched:
+                    continue  # queued before its stream was found damaged
+                self._damaged.discard(name)  # watched again since: tried again
             if isinstance(item, _CatchUp):
                 await flush()
                 await self._catch_up(name, born, item.upto, keep)
@@ -989,8 +1036,10 @@ class Streams:
             return  # a new mirror: its subscribers' replay came from the journal
         try:
             oldest = await self.transport.first_event_seq(name)
-        except StoreError as exc:
+        except (StoreError, SnapshotError) as exc:
             fatal(exc)
+            if self.damaged(exc):
+                return
             oldest = 0
         if 0 < oldest <= position + 1:
             return
@@ -1088,5 +1137,5 @@ class Streams:
     async def deleted(self, name: str) -> None:
         # (if this fails, the workers that subscribe end the stream: their next watch
         # finds the session gone)
-        with contextlib.suppress(StoreError):
+        with contextlib.suppress(StoreError, SnapshotError):  # (damaged: read by nobody)
             await self.transport.end_events(name)

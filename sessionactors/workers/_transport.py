@@ -25,6 +25,14 @@ StreamItem = tuple[int, str, bytes]
 class Transport(Protocol):
     """What a store offers for talking between workers (see the module docstring).
 
+    Its calls raise ``StoreError``, and ``StoreConfigurationError`` for what no retry
+    fixes, which ends the worker (see :func:`fatal`). A session's own stored data that
+    is damaged (its event stream's key holds another type of value) is that session's
+    error, never the store's: ``SnapshotError`` whose ``session_id`` names it. A call
+    about several sessions' streams (``read``, ``publish``, ``watch``) that fails so
+    raises it for one of them, and the layer ends that session's mirror with it, stops
+    publishing its events and calls again without it.
+
     A transport may also offer ``append_and_send(session_id, entries, info, fence,
     worker, incarnation, message) -> bool``: the store's journal append that, once
     written, also sends ``message`` as :meth:`send` does, in the same round trip
@@ -142,6 +150,8 @@ class Transport(Protocol):
 
 
 def fatal(exc: BaseException) -> None:
-    """Raise ``exc`` again if no retry can fix it (the store's configuration)."""
+    """Raise ``exc`` again if no retry can fix it (the store's configuration): it ends
+    the worker. One session's damaged data is not the store's configuration: the store
+    raises that session's ``SnapshotError`` for it, which this leaves to the caller."""
     if isinstance(exc, StoreConfigurationError):
         raise exc

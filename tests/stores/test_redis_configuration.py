@@ -15,6 +15,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from redis_keys import drop_prefix, group_key, replace_with_list, session_key
 from sessionactors import StoreConfigurationError, StoreError
 from sessionactors.stores import JournalEntry, RedisStore
 from sessionactors.testing import EchoModel
@@ -247,42 +248,88 @@ async def test_a_url_the_server_refuses_at_connect_gets_a_fatal_error(
         await store.aclose()
 
 
-async def another_applications_keys(url: str, prefix: str) -> dict[str, str]:
-    """Store session 'old' under ``prefix``, then give its keys and the listing's to
-    another application, which keeps strings there; every key under the prefix and its
-    type."""
+async def stored_sessions(url: str, prefix: str) -> None:
+    """Store sessions "old" and "other" under ``prefix``, each with a turn."""
     async with sa.open_registry(store=RedisStore(url, prefix=prefix), agents=AGENTS) as registry:
-        await (await registry.spawn("old")).send("hello")
+        for name in ("old", "other"):
+            await (await registry.spawn(name)).send("hello")
+
+
+async def types_under(url: str, prefix: str) -> dict[str, str]:
     async with coredis.Redis.from_url(url, decode_responses=True) as client:
-        for key in await client.keys(f"{prefix}:*"):
-            if key.endswith((":activity", ":meta")):
-                await client.delete([key])
-                await client.set(key, "another application's")
         return {key: await client.type(key) for key in await client.keys(f"{prefix}:*")}
 
 
-async def test_keys_of_another_type_under_the_prefix_get_a_fatal_error(redis_url: str) -> None:
-    """Keys under the store's prefix that hold another type than the store keeps there
-    (another application's, under the same prefix) fail a registry's spawn, a send to a
-    stored session and a listing with StoreConfigurationError, which says to give the
-    store a prefix of its own, never a StoreError that says to retry; the other
-    application's keys are left as they were."""
+@pytest.mark.parametrize(
+    ("part", "call"),
+    [
+        ("activity", "list"),  # the listing order
+        ("sessions", "list"),  # the index of a key group's sessions
+        ("fence", "send"),  # a key group's fencing counter
+        ("shard", "send"),  # the lease of a key group's sessions
+    ],
+)
+async def test_a_key_the_sessions_share_of_another_type_gets_a_fatal_error(
+    redis_url: str, part: str, call: str
+) -> None:
+    """A key under the store's prefix that the store keeps for many sessions (the
+    listing order, a key group's index, fencing counter or shard lease) holding another
+    type of value (another application's, under the same prefix) fails a listing or a
+    request to a session of that group with StoreConfigurationError, which names the key
+    and says to give the store a prefix of its own, never a StoreError that says to
+    retry; the other application's key is left as it was."""
     prefix = _prefix()
-    before = await another_applications_keys(redis_url, prefix)
+    await stored_sessions(redis_url, prefix)
+    key = f"{prefix}:activity" if part == "activity" else group_key(prefix, "old", part)
+    await replace_with_list(redis_url, key)
+    before = await types_under(redis_url, prefix)
     with trio.fail_after(20):
         store = RedisStore(redis_url, prefix=prefix)
         async with sa.open_registry(store=store, agents=AGENTS) as registry:
-            calls = {
-                "new": lambda: registry.spawn("new"),
-                "old": lambda: registry.ref("old").send("hello"),
-                None: registry.sessions,
-            }
-            for session, call in calls.items():
-                with raises_fatal("wrong kind of value", "a prefix of its own") as found:
-                    await call()
-                assert found[0].session_id == session
-                assert "then retry" not in str(found[0])
-    async with coredis.Redis.from_url(redis_url, decode_responses=True) as client:
-        after = {key: await client.type(key) for key in await client.keys(f"{prefix}:*")}
-        await client.delete(list(after))
+            with raises_fatal(f"{key!r} holds a list", "a prefix of its own") as found:
+                if call == "list":
+                    await registry.sessions()
+                else:
+                    await registry.ref("old").send("hello")
+            assert found[0].session_id == (None if call == "list" else "old")
+            assert "then retry" not in str(found[0])
+    after = await types_under(redis_url, prefix)
+    await drop_prefix(redis_url, prefix)
     assert {key: after.get(key) for key in before} == before
+
+
+@pytest.mark.parametrize("part", ["meta", "log", "lease"])
+async def test_a_key_of_one_session_of_another_type_fails_that_session_only(
+    redis_url: str, part: str
+) -> None:
+    """A key of one stored session (its snapshot, journal or lease) holding another
+    type of value fails a request to that session with SnapshotCorruptError, which names
+    the session and the key, not with StoreConfigurationError; the other session
+    answers, and the listing lists it. What the error says to do works: remove a lease
+    (no part of the conversation), delete a session whose snapshot or journal is
+    damaged."""
+    prefix = _prefix()
+    await stored_sessions(redis_url, prefix)
+    key = session_key(prefix, "old", part)
+    await replace_with_list(redis_url, key)
+    with trio.fail_after(20):
+        store = RedisStore(redis_url, prefix=prefix)
+        async with sa.open_registry(store=store, agents=AGENTS) as registry:
+            with pytest.raises(sa.SnapshotCorruptError) as found:
+                await registry.ref("old").send("hello")
+            error = found.value
+            assert error.session_id == "old"
+            assert "session 'old'" in str(error)
+            assert f"{key!r} holds a list" in str(error)
+            assert (await registry.ref("other").send("hi")).text == "hi"
+            assert "other" in [info.session_id for info in await registry.sessions()]
+            if part == "lease":
+                assert f"remove that key (redis-cli DEL {key!r})" in str(error)
+                async with coredis.Redis.from_url(redis_url) as client:
+                    await client.delete([key])
+                assert (await registry.ref("old").send("again")).text == "again"
+            else:
+                assert "delete it with registry.delete('old')" in str(error)
+                await registry.delete("old")
+                assert [info.session_id for info in await registry.sessions()] == ["other"]
+    await drop_prefix(redis_url, prefix)

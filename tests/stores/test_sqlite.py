@@ -21,6 +21,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+import unusable_stores
 from sessionactors import SessionNotFoundError, SnapshotCorruptError, StoreError
 from sessionactors.stores import MAX_SEQ, JournalEntry, SQLiteStore, StoredSession
 from sessionactors.testing import check_store
@@ -846,6 +847,38 @@ async def test_a_file_that_is_not_a_store_is_refused_untouched(
             ):
                 await store.list_sessions()
             assert "not a sessionactors store" in str(info.value)
+        finally:
+            await store.aclose()
+    assert _digest(path) == digest
+
+
+async def test_a_damaged_store_file_is_not_called_a_file_that_is_no_store(
+    tmp_path: Path,
+) -> None:
+    """A store file that SQLite reads as damaged (SQLITE_CORRUPT) fails the first call
+    with a message that says the file is damaged, to check it with PRAGMA
+    integrity_check and to restore it from a backup, never that it is not a store, and
+    is left as it was: a store that writes it raises StoreConfigurationError; a
+    read-only store, whose reader may meet a file that another process writes so for a
+    moment, a StoreError (a retry reads the file again)."""
+    path = tmp_path / "s.db"
+    store = SQLiteStore(path)
+    await store.create("s", b"snap", b"info")
+    await store.aclose()
+    unusable_stores.damage_schema(path)
+    digest = _digest(path)
+    kinds = {False: sa.StoreConfigurationError, True: sa.StoreError}
+    for readonly, kind in kinds.items():
+        store = SQLiteStore(path, readonly=readonly)
+        try:
+            with trio.fail_after(10), pytest.raises(sa.StoreError) as info:
+                await store.list_sessions()
+            assert type(info.value) is kind, repr(info.value)
+            message = str(info.value)
+            assert "not a sessionactors store" not in message
+            assert f"the sqlite store at {str(path)!r} is damaged" in message
+            assert "PRAGMA integrity_check" in message
+            assert "restore it from a backup" in message
         finally:
             await store.aclose()
     assert _digest(path) == digest
