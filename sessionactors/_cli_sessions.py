@@ -24,8 +24,10 @@ import os
 import shlex
 import signal
 import sys
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any, BinaryIO, Final, TextIO
 
 import trio
@@ -134,7 +136,8 @@ def add_parser(commands: Any) -> None:
         "--wait",
         action="store_true",
         help="if the session is not stored yet, wait for it (saying so on stderr) and "
-        "print its events from its first one, rather than fail",
+        "print its events from its first one, rather than fail; a session stored after "
+        "tail started is printed from its first event too",
     )
 
 
@@ -456,8 +459,13 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
         try:
             if is_new_file(store):  # (with --wait: a store file not made yet holds nothing)
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
-            after = (await read_session(store, name)).event_seq
+            state = await read_session(store, name)
             stored = True
+            after = state.event_seq
+            if args.wait and state.created_at >= _process_started():
+                # stored after tail started (and before its first read, a process's
+                # start-up taking a moment): followed from its first event, as when waited for
+                after = 0
         except SessionNotFoundError:
             if not args.wait:
                 raise _not_stored_yet(name, args.given_store) from None
@@ -572,6 +580,23 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                     return 0
                 await trio.sleep(TAIL_INTERVAL)
     return 0
+
+
+#: When this module was imported: ``_process_started`` where the system does not say.
+_IMPORTED: Final = time.time()
+
+
+def _process_started() -> datetime:
+    """When this process started, by the wall clock: as Linux's /proc tells it (the
+    command run, before the interpreter's start-up), elsewhere when this module was
+    imported."""
+    started = _IMPORTED
+    with contextlib.suppress(OSError, ValueError, IndexError, AttributeError):
+        with open("/proc/self/stat", "rb") as stat:  # (its fields after the ")" of its name)
+            ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])  # starttime, field 22
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        started = min(started, time.time() - age)
+    return datetime.fromtimestamp(started, UTC)
 
 
 def _not_stored_yet(name: str, given: GivenStore) -> SessionNotFoundError:

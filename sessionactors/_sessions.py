@@ -264,6 +264,7 @@ class Sessions:
         """
         name = session.session_id
         await self.loaded(name)
+        self.check_open(name)  # (a close begun meanwhile: nothing is stored)
         if name in self.live:
             raise exists_error(name)
         try:

@@ -940,6 +940,54 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
         await reap(process)
 
 
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+async def test_tail_wait_prints_a_session_stored_after_it_started_from_its_first_event(
+    tmp_path: Path, kind: str, request: pytest.FixtureRequest
+) -> None:
+    """tail --wait prints a session that a process stored after tail started from its
+    first event, also when tail first reads the store after that process stored it and
+    ran a turn (rather than follow it from now on, as a session stored before)."""
+    name = f"fresh-{uuid.uuid4().hex[:8]}"
+    if kind == "sqlite":
+        path = tmp_path / "s.db"
+        await _store_with_one_session(path)
+        url = f"sqlite:///{path}"
+
+        def open_store() -> sa.Store:
+            return sa.SQLiteStore(path)
+
+    else:
+        url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + "/7"
+
+        def open_store() -> sa.Store:
+            return RedisStore(url)
+
+    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", name, "--wait"]
+    process = await trio.lowlevel.open_process(
+        [*command, "--store", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        # tail has started; it reads the store only once the session and a turn are stored
+        process.send_signal(signal.SIGSTOP)
+        with trio.fail_after(60):
+            agent = sa.Agent(model=EchoModel())
+            async with sa.open_registry(store=open_store(), agents={"echo": agent}) as registry:
+                await (await registry.spawn(name)).send("first words")
+            process.send_signal(signal.SIGCONT)
+            lines = _Lines(process.stdout)
+            seen = [json.loads(await lines.next())]
+            while seen[-1]["type"] != "TurnFinished":
+                seen.append(json.loads(await lines.next()))
+            assert seen[0]["seq"] == 1, seen
+            assert seen[-1]["message"]["content"] == "first words"
+    finally:
+        process.send_signal(signal.SIGCONT)
+        await reap(process)
+        if kind == "redis":
+            await trio.to_thread.run_sync(ok, "delete", name, "--yes", "--store", url)
+
+
 async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path) -> None:
     """tail prints one JSON line per event that a server in another process stores, from
     the events after --after on, and ends cleanly (status 0, nothing on stderr) on SIGINT."""

@@ -161,6 +161,48 @@ async def test_shutdown_lets_accepted_turns_finish_within_the_grace(
     assert pairs(history) == [(text, text) for text in texts]
 
 
+@pytest.mark.parametrize("how", ["spawn", "get_or_spawn"])
+async def test_a_spawn_that_the_close_overtakes_stores_nothing(tmp_path: Path, how: str) -> None:
+    """A spawn (or get_or_spawn) whose close began while it waited for a read of the
+    name to finish loading is refused with SessionStoppedError and stores nothing, as
+    one begun after the close is."""
+    stored = sa.SQLiteStore(tmp_path / "s.db")
+    store = FaultyStore(stored)
+    loading = store.hold("load", session_id="late")
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    refused: list[BaseException] = []
+    with trio.fail_after(30):
+        async with (
+            trio.open_nursery() as nursery,
+            sa.open_registry(agents=agents, store=store) as registry,
+        ):
+
+            async def read() -> None:
+                with pytest.raises(sa.SessionNotFoundError):
+                    await registry.ref("late").history()
+
+            async def spawn() -> None:
+                try:
+                    await getattr(registry, how)("late")
+                except sa.SessionStoppedError as exc:
+                    refused.append(exc)
+
+            async def open_once_closing() -> None:
+                await trio.testing.wait_all_tasks_blocked()  # the close waits on the read
+                loading.open()
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert loading.waiting == 1
+            nursery.start_soon(spawn)  # waits for the read's load
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(open_once_closing)
+        assert len(refused) == 1, refused
+        assert "closing" in str(refused[0]) or "closed" in str(refused[0])
+        assert not await stored.exists("late")
+        await stored.aclose()
+
+
 async def test_shutdown_past_the_grace_fails_the_rest_and_stops_cleanly(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -89,6 +89,28 @@ STARTUP_STORE_WAIT: Final = 5.0
 #: How long ``GET /healthz`` waits for the store to answer before it answers 503.
 HEALTH_STORE_WAIT: Final = 2.0
 
+#: How long the lifespan's close waits for the first messages that are storing their
+#: sessions to reach the sessions' mailboxes before it closes the registry, in seconds.
+FIRST_MESSAGES_WAIT: Final = 10.0
+
+
+@attrs.define(eq=False)
+class _FirstMessage:
+    """A message that may create its session, from before the drain until it is in the
+    session's mailbox (or failed): the lifespan closes the registry once none is left,
+    so that no session is stored for a message the closing registry then refuses."""
+
+    app: SessionsApp
+    ended: bool = False
+
+    def end(self) -> None:
+        """It is in the mailbox, or failed (idempotent)."""
+        if not self.ended:
+            self.ended = True
+            self.app._first_messages -= 1
+            if not self.app._first_messages and self.app._first_messages_done is not None:
+                self.app._first_messages_done.set()
+
 
 @attrs.define(eq=False)
 class _StoreCheck:
@@ -381,6 +403,8 @@ class SessionsApp:
         self._frames = FrameCache()
         self._max_body = max_body
         self._draining = False
+        self._first_messages = 0  # (see ``_FirstMessage``)
+        self._first_messages_done: anyio.Event | None = None
         self._healthy = True  # (what the last health check found, to log its changes)
         self._store_check: _StoreCheck | None = None  # (the health probes' read under way)
         self._lifespan_began = False  # (an app that opens its registry itself)
@@ -462,6 +486,28 @@ class SessionsApp:
         else:
             self._end_streams()
 
+    async def _first_messages_stored(self) -> None:
+        """Wait (at most ``FIRST_MESSAGES_WAIT``) until the first messages begun before
+        the drain are in their sessions' mailboxes, whose turns the registry's close
+        then gives their grace."""
+        if self._first_messages:
+            self._first_messages_done = anyio.Event()
+            try:
+                with anyio.move_on_after(FIRST_MESSAGES_WAIT):
+                    await self._first_messages_done.wait()
+            finally:
+                self._first_messages_done = None
+
+    def _first_message(self) -> _FirstMessage:
+        """Note a message that may create its session (see ``_FirstMessage``); once
+        the drain began, refused with 503 before anything is stored."""
+        if self._draining:
+            raise _RequestError(
+                503, "ShuttingDown", "the server is shutting down; retry in a moment"
+            )
+        self._first_messages += 1
+        return _FirstMessage(self)
+
     def _end_streams(self) -> None:
         for scope in list(self._streams):
             scope.cancel()
@@ -487,8 +533,11 @@ class SessionsApp:
         ``FastAPI(lifespan=gateway.lifespan)``, or enter it in yours,
         ``async with gateway.lifespan(app): yield``; your own routes then use
         ``gateway.registry``. ``app`` is ignored (the lifespan protocol passes
-        it). On exit it drains the gateway (see ``drain()``) and closes the
-        registry (grace, then hibernation). Entered again later (a test
+        it). On exit it drains the gateway (see ``drain()``), waits (up to 10
+        seconds) until the first messages that were storing their new sessions
+        have their turns in the sessions' mailboxes, so that no session is
+        stored for a message then refused, and closes the registry (grace, then
+        hibernation). Entered again later (a test
         client per test), it opens a new registry. It raises ``RuntimeError``
         if it is entered again while already open, and ``TypeError`` for an
         app made by ``create_app(registry)``, which serves the registry it
@@ -544,6 +593,7 @@ class SessionsApp:
                     yield
                 finally:
                     self.drain()
+                    await self._first_messages_stored()
         finally:
             self._registry = None  # (closed: not handed out by ``registry`` any more)
 
@@ -1047,26 +1097,38 @@ class SessionsApp:
                 check_message(name, text, key)
             except (TypeError, ValueError) as exc:
                 raise _RequestError(422, "InvalidRequest", str(exc)) from None
-            ref = await self._ref_to_write(registry, name, agent)
-            if _wants_events(request):
-                return cast(
-                    Response,
-                    EventStreamResponse(
-                        self._hooks, functools.partial(self._turn_stream, registry, ref, text, key)
-                    ),
-                )
-            turn = await self._submit(registry, ref, text, key)
+            # (the body read: a drain begun meanwhile refuses it, before it stores anything)
+            first = self._first_message() if self._create_sessions else None
+            try:
+                ref = await self._ref_to_write(registry, name, agent)
+                if _wants_events(request):
+                    stream = functools.partial(self._turn_stream, registry, ref, text, key, first)
+                    first = None  # (the stream ends it once its turn is submitted)
+                    return cast(Response, EventStreamResponse(self._hooks, stream))
+                turn = await self._submit(registry, ref, text, key)
+            finally:
+                if first is not None:
+                    first.end()
             return self._json(reply_to_json(await turn.reply()))
 
         return await self._handle(request, "send", handler)
 
     @asynccontextmanager
     async def _turn_stream(
-        self, registry: AnyRegistry, ref: AnyRef, text: str, key: str | None
+        self,
+        registry: AnyRegistry,
+        ref: AnyRef,
+        text: str,
+        key: str | None,
+        first: _FirstMessage | None = None,
     ) -> AsyncIterator[Stream]:
         async with contextlib.AsyncExitStack() as stack, contextlib.AsyncExitStack() as live:
-            events: Any = await live.enter_async_context(ref.subscribe())
-            turn = await self._submit(registry, ref, text, key)
+            try:
+                events: Any = await live.enter_async_context(ref.subscribe())
+                turn = await self._submit(registry, ref, text, key)
+            finally:
+                if first is not None:
+                    first.end()
             if turn.replayed:  # an idempotency key that already completed: no new events
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])

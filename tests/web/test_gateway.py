@@ -1358,3 +1358,87 @@ async def test_a_key_sent_again_with_other_words_answers_422() -> None:
     assert (plain.status_code, streamed.status_code) == (422, 422)
     assert again.json()["turn_id"] == turn_id
     assert [m["content"] for m in state["messages"] if m["role"] == "user"] == ["pay alice"]
+
+
+def _lifespan_apart(app: Any) -> Any:
+    """``app`` with the server's lifespan events answered here: the test opens and
+    closes the app's lifespan itself (as ``serve`` does, closing the registry while
+    the requests in flight wait)."""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    return asgi
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "events"])
+async def test_a_first_message_in_flight_at_shutdown_is_answered_or_stores_nothing(
+    tmp_path: Path, stream: bool
+) -> None:
+    """A first message whose session is being stored when the server shuts down (the
+    drain and the registry's close begun, as serve begins them on a signal) has its
+    turn accepted and answered; a first message that comes, or finishes its body,
+    after the drain began is refused with 503 and stores nothing: no refused request
+    leaves an empty session."""
+    path = tmp_path / "s.db"
+    store = FaultyStore(sa.SQLiteStore(path))
+    created = store.hold("create", session_id="fresh", after=True)  # stored, told late
+    app = create_app(store=store, agents=trio_agents(delay=0))
+    leave = trio.Event()
+    answers: dict[str, httpx.Response] = {}
+    headers = {"accept": "text/event-stream"} if stream else {}
+    body_gate = trio.Event()
+
+    async def late_body() -> AsyncIterator[bytes]:
+        yield b'{"text": '
+        await body_gate.wait()
+        yield b'"hello"}'
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+
+            async def lifespan(task_status: trio.TaskStatus[None]) -> None:
+                async with app.lifespan():
+                    task_status.started()
+                    await leave.wait()
+
+            await nursery.start(lifespan)
+            async with (
+                serve_trio(_lifespan_apart(app)) as url,
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+                trio.open_nursery() as requests,
+            ):
+
+                async def post(name: str, content: Any = None) -> None:
+                    route = f"/sessions/{name}/messages"
+                    if content is None:
+                        sent = client.post(route, json={"text": "hello"}, headers=headers)
+                    else:
+                        sent = client.post(route, content=content, headers=headers)
+                    answers[name] = await sent
+                    await answers[name].aread()
+
+                requests.start_soon(post, "fresh")
+                requests.start_soon(post, "slow-body", late_body())
+                while not created.waiting:
+                    await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()  # (the slow body is being read)
+                app.drain()  # a signal: serve drains the app and closes its registry
+                leave.set()
+                await trio.testing.wait_all_tasks_blocked()
+                created.open()
+                body_gate.set()
+    after = sa.SQLiteStore(path)
+    try:
+        assert answers["slow-body"].status_code == 503, answers["slow-body"].text
+        assert not await after.exists("slow-body")
+        assert answers["fresh"].status_code == 200, answers["fresh"].text
+        state = await sa.read_session(after, "fresh")
+        assert [m.content for m in state.messages] == ["hello", "hello"]
+    finally:
+        await after.aclose()
