@@ -5,8 +5,10 @@ nothing until the session's seq passes N."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -287,6 +289,46 @@ async def test_a_subscription_after_a_stored_seq_does_not_wait_for_a_wake(
             gate.open()
         assert_told(await refused(ref, last + 100), "w", last + 100, (await ref.state()).event_seq)
         await follow_on(ref, last)
+
+
+@pytest.mark.redis
+async def test_a_refusal_on_a_worker_wakes_no_session(redis_url: str) -> None:
+    """On workers, a subscription after a seq beyond a hibernated session's last is
+    refused without waking it, on a worker that follows the session already (its
+    mirror is behind the seq) and on one that does not."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+
+    def worker(name: str) -> RedisStore:
+        return RedisStore(redis_url, prefix=prefix, balance=False)
+
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=worker("a"), agents=ECHO, worker_id="a", lease_ttl=1) as a,
+            sa.open_registry(store=worker("b"), agents=ECHO, worker_id="b", lease_ttl=1) as b,
+        ):
+            owner = await a.spawn("s")
+            await owner.send("one two")
+            assert (a.live(), b.live()) == (["s"], [])
+            ref = b.ref("s")
+            async with ref.subscribe():  # b follows it (a mirror of a's events)
+                await owner.hibernate()
+                last = (await sa.read_session(b.store, "s")).event_seq
+                assert_told(await refused(ref, 10**9), "s", 10**9, last)
+                assert (a.live(), b.live()) == ([], [])
+            assert_told(await refused(ref, 10**9), "s", 10**9, last)
+            assert (a.live(), b.live()) == ([], [])
+            # a keeps the session's shard (a shard mate is live there): asked there
+            mate = next(n for n in (f"m{k}" for k in itertools.count()) if same_shard(n, "s"))
+            await (await a.spawn(mate)).send("hello")
+            assert (a.live(), b.live()) == ([mate], [])
+            assert_told(await refused(ref, 10**9), "s", 10**9, last)
+            assert (a.live(), b.live()) == ([mate], [])
+            await follow_on(ref, last)
+
+
+def same_shard(name: str, other: str) -> bool:
+    """Whether two session names share a shard of a RedisStore (``crc32(name) % 1024``)."""
+    return zlib.crc32(name.encode()) % 1024 == zlib.crc32(other.encode()) % 1024
 
 
 async def test_with_leases_a_seq_never_stored_is_lost_only_when_nobody_holds_the_lease(
