@@ -501,10 +501,13 @@ class SessionRef(metaclass=NoPublicConstructor):
         EventsExpiredError on entering, whose ``oldest_seq`` is the seq after the
         session's last, rather than a subscription that says nothing until the
         session's seq passes ``after``; so does ``after`` inside a turn that died
-        with its process (never stored). Reload the state with ``ref.state()``
+        with its process (never stored; with ``leases=True``, unless another
+        process holds the session's lease: it is live there). Reload the state
+        with ``ref.state()``, which wakes the session (resuming a turn that died),
         and subscribe with ``after=state.event_seq``. A session that is not live
-        is read from the store for this, without waking it; one live on another
-        worker is asked (it may be ahead of the store: deltas are not stored).
+        is read from the store for this, without waking it (nor waiting for a
+        wake under way, for a seq the store holds); one live on another worker is
+        asked (it may be ahead of the store: deltas are not stored).
         """
         check_after(self.session_id, after)
         return _Subscription(self._dispatcher, self.session_id, after)

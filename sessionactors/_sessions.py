@@ -37,11 +37,11 @@ from ._errors import (
 from ._hub import SEQ_GAP, Hub, expired_error
 from ._metadata import check_info_room
 from ._names import validate_name
-from ._reading import read_stored, stored_cleanly, stored_seq
+from ._reading import read_stored, stored_seq
 from ._records import Status
 from ._router import Router
 from ._session import LiveSession
-from ._subscription import EventIterator, beyond_error, open_event_iterator
+from ._subscription import EventIterator, beyond_stored, open_event_iterator, refuse_beyond
 from ._supervisor import session_task
 from ._telemetry import Telemetry
 from .stores._base import LeaseBatchStore, Store
@@ -53,6 +53,10 @@ log = logging.getLogger("sessionactors")
 #: A table whose live count has fallen to an eighth of a peak at least this
 #: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
 GENERATION_PEAK = 1024
+
+#: Seconds a claim made only to learn whether another process holds a session's lease
+#: keeps it, should giving it back fail.
+_PROBE_TTL = 1.0
 
 
 class Sessions:
@@ -401,17 +405,14 @@ class Sessions:
         )
         try:
             stored = None if after is None else await self._check_after(name, after, hub)
-            if name not in self.live:
-                if stored is None:
-                    stored = await self.stored_session(name)
+            if stored is None and name not in self.live:
+                stored = await self.stored_session(name)
+            # (looked at after the store reads: a session woken meanwhile is followed
+            # through its hub here, and its wake resumes a turn it left)
+            if stored is not None and name not in self.live:
                 if stored.status is Status.STOPPED:
                     iterator.close()
-                elif (
-                    _left_mid_turn(stored)
-                    and stored.agent in self.agents
-                    and self.router is None
-                    and name not in self.live
-                ):
+                elif _left_mid_turn(stored) and stored.agent in self.agents and self.router is None:
                     # Its process died mid-turn: nothing else would wake it, and the
                     # turn (resumed by the wake) ends only then. The subscription came
                     # first, so it sees all of it. (With other workers, the router wakes
@@ -425,47 +426,48 @@ class Sessions:
         return iterator
 
     async def _check_after(self, name: str, after: int, hub: Hub) -> LiveSession | None:
-        """EventsExpiredError if ``after`` lies beyond the session's last event (a
+        """Raise EventsExpiredError if ``after`` lies beyond the session's last event (a
         client's stale or forged seq: of a deleted session of that name, or from before
         its store was restored from a backup), to which a subscription would wait in
-        silence until the session's seq passed it. A session live here knows its last
-        seq; one that is not is read from the store, without waking it (the stored
-        session is returned). With other workers, a session that is not live here and
-        not stopped may be further along elsewhere (deltas are not stored): the router
-        asks its owner."""
+        silence until the session's seq passed it; return the stored session if it was
+        read for this (for the caller to reuse), else None.
+
+        A session live here knows its last seq; one that is not (or is still waking)
+        is read from the store, without waking it or waiting for its wake: only a seq
+        beyond the store's waits for a wake under way. With other workers, a session
+        that is not live here may be further along elsewhere (deltas are not stored):
+        the router asked its owner."""
         if after <= hub.seq:  # (a seq the hub gave, or jumped over: see Hub.lost)
             return None
-        last = await self._last_seq_here(name)
-        if last is not None:
-            if after > last:
-                raise beyond_error(name, after, last)
+        actor = self.live.get(name)
+        if actor is not None and actor.is_ready:
+            refuse_beyond(name, after, max(actor.session.event_seq, hub.seq))
             return None
         session, stored = await read_stored(self.store, name)
         durable = stored_seq(session, stored)
         if after <= max(durable, hub.seq):
             return session
-        last = await self._last_seq_here(name)  # (woken meanwhile)
+        last = await self._last_seq_here(name, hub)  # (waking, or woken meanwhile)
         if last is not None:
-            if after > last:
-                raise beyond_error(name, after, last)
+            refuse_beyond(name, after, last)
             return session
-        stopped = session.status is Status.STOPPED
-        if self.router is not None and not stopped:
+        if self.router is not None and session.status is not Status.STOPPED:
             return session
-        if (
-            not stopped
-            and not stored_cleanly(session, stored)
-            and hub.seq <= durable
-            and after < durable + SEQ_GAP
-        ):
-            # Its last incarnation stopped uncleanly, and may have published seqs above
-            # the store's (a turn's deltas): the next wake jumps over them (Hub.jump)
-            raise expired_error(name, after, durable + SEQ_GAP + 1)
-        raise beyond_error(name, after, max(durable, hub.seq))
+        error = beyond_stored(name, after, session, stored)
+        if error is None:
+            # Its last incarnation stopped uncleanly and may have published seqs above
+            # the store's (a turn's deltas), which the next wake jumps over (Hub.jump):
+            # lost, unless that incarnation is live in another process (it holds the
+            # lease), which this one cannot ask: the subscription waits, as any here
+            # does for a session live elsewhere.
+            if await self._leased_elsewhere(name):
+                return session
+            error = expired_error(name, after, durable + SEQ_GAP + 1)
+        raise error
 
-    async def _last_seq_here(self, name: str) -> int | None:
-        """The seq of the session's last event if it is live here (once loaded, if it
-        is loading), else None."""
+    async def _last_seq_here(self, name: str, hub: Hub) -> int | None:
+        """The seq of the last event of the session (whose hub is ``hub``) if it is
+        live here (once loaded, if it is loading), else None."""
         actor = self.live.get(name)
         if actor is None:
             return None
@@ -475,8 +477,24 @@ class Sessions:
             actor = self.live.get(name)
             if actor is None or not actor.is_ready:
                 return None
-        hub = self.hubs.get(name)
-        return max(actor.session.event_seq, 0 if hub is None else hub.seq)
+        return max(actor.session.event_seq, hub.seq)
+
+    async def _leased_elsewhere(self, name: str) -> bool:
+        """Whether another process holds the session's lease (with leases): it is live
+        there. The store has no read of a lease, so this claims it (under an owner of
+        its own, which no actor here uses) and gives it back at once."""
+        if not self.config.leases:
+            return False
+        lease = await self.store.claim(name, f"{self.worker_id}/probe", _PROBE_TTL)
+        if lease is None:
+            return True
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(self.config.write_bound),
+            contextlib.suppress(Exception),  # (not given back: it lapses within _PROBE_TTL)
+        ):
+            await self.store.release(name, lease)
+        return False
 
     def release_hub(self, name: str) -> None:
         hub = self.hubs.get(name)

@@ -17,9 +17,18 @@ from ._codec import load_journal_entry
 from ._errors import Advice, AdviceKind, EventsExpiredError, advised
 from ._events import Event
 from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
-from .stores._base import JournalEntry, Store
+from ._reading import stored_cleanly, stored_seq
+from ._records import Status
+from ._session import LiveSession
+from .stores._base import JournalEntry, Store, StoredSession
 
-__all__ = ["EventIterator", "beyond_error", "open_event_iterator"]
+__all__ = [
+    "EventIterator",
+    "beyond_error",
+    "beyond_stored",
+    "open_event_iterator",
+    "refuse_beyond",
+]
 
 #: A page of a replay from the store: at most this many journal entries, and no entry
 #: after the one that brings their data to REPLAY_PAGE_BYTES.
@@ -277,6 +286,31 @@ def beyond_error(session_id: str, after: int, last: int) -> EventsExpiredError:
         session_id=session_id,
         oldest_seq=last + 1,
     )
+
+
+def refuse_beyond(session_id: str, after: int, last: int) -> None:
+    """Raise ``beyond_error`` if ``after`` lies beyond ``last``, the seq of the
+    session's last event."""
+    if after > last:
+        raise beyond_error(session_id, after, last)
+
+
+def beyond_stored(
+    session_id: str, after: int, session: LiveSession, stored: StoredSession
+) -> EventsExpiredError | None:
+    """The error for a subscription after ``after`` to a session that runs nowhere
+    (``read_stored``'s pair) if no incarnation of it can have reached that seq: one
+    beyond the store's seq when the session was stored cleanly or is stopped, or
+    beyond the jump its next wake makes. None if one may have: a seq the store holds,
+    or one above it that a last incarnation, stopped uncleanly, may have published and
+    not stored (a turn's deltas; lost if that incarnation is gone, see ``Hub.jump``)."""
+    durable = stored_seq(session, stored)
+    if after <= durable:
+        return None
+    unclean = session.status is not Status.STOPPED and not stored_cleanly(session, stored)
+    if unclean and after < durable + SEQ_GAP:
+        return None
+    return beyond_error(session_id, after, durable)
 
 
 def _check_jumps(session_id: str, after: int, prev: int, replay: list[Event]) -> int | None:

@@ -5,8 +5,10 @@ nothing until the session's seq passes N."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import trio.testing
 import sessionactors as sa
 from durability_checks import die_mid_turn
 from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
 
@@ -227,3 +229,128 @@ async def test_a_worker_that_does_not_run_the_session_asks_its_owner(redis_url: 
             after = (await sa.read_session(b.store, "s")).event_seq + 1000
             error = await refused(ref, after)
             assert_told(error, "s", after, (await ref.state()).event_seq)
+
+
+async def test_a_session_live_in_another_process_is_not_taken_for_a_dead_one(
+    tmp_path: Path,
+) -> None:
+    """Two processes on one SQLite file with leases: while one streams a turn, a
+    subscription in the other after a delta it published (above the store's seq) opens,
+    rather than being told the turn was lost with a process that stopped."""
+    path = tmp_path / "shared.db"
+    release = trio.Event()
+    model = ScriptedModel(["one", Scripted(text="two two two", wait=release, wait_after=2)])
+    agents = {"a": sa.Agent(model=model)}
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=sa.SQLiteStore(path), agents=agents, leases=True) as here,
+            sa.open_registry(store=sa.SQLiteStore(path), agents=agents, leases=True) as there,
+        ):
+            owner = await there.spawn("s")
+            await owner.send("one")
+            async with owner.subscribe() as live:
+                turn = await owner.submit("two")
+                deltas = 0
+                async for event in live:
+                    deltas += isinstance(event, sa.Delta)
+                    if deltas == 2:
+                        seen = event.seq
+                        break
+            assert (await sa.read_session(here.store, "s")).event_seq < seen  # not stored
+            async with here.ref("s").subscribe(after=seen):
+                pass
+            assert here.live() == []
+            release.set()
+            await turn.reply()
+
+
+async def test_a_subscription_after_a_stored_seq_does_not_wait_for_a_wake(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While the session wakes (its wake held), a subscription after a seq the store
+    holds opens at once and follows on; one after a seq beyond it waits for the wake
+    and is refused."""
+    store = FaultyStore(sa.MemoryStore())
+    async with sa.open_registry(store=store, agents=ECHO, leases=True) as registry:
+        ref = await registry.spawn("w")
+        await ref.send("one two")
+        await ref.hibernate()
+        last = (await sa.read_session(store, "w")).event_seq
+        gate = store.hold("claim", session_id="w")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ref.state)
+            await trio.testing.wait_all_tasks_blocked()
+            assert registry.live() == ["w"]
+            with trio.fail_after(5):
+                async with ref.subscribe(after=last):
+                    assert not gate.is_open
+            nursery.start_soon(lambda: refused(ref, last + 100))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.open()
+        assert_told(await refused(ref, last + 100), "w", last + 100, (await ref.state()).event_seq)
+        await follow_on(ref, last)
+
+
+@pytest.mark.redis
+async def test_a_refusal_on_a_worker_wakes_no_session(redis_url: str) -> None:
+    """On workers, a subscription after a seq beyond a hibernated session's last is
+    refused without waking it, on a worker that follows the session already (its
+    mirror is behind the seq) and on one that does not."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+
+    def worker(name: str) -> RedisStore:
+        return RedisStore(redis_url, prefix=prefix, balance=False)
+
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=worker("a"), agents=ECHO, worker_id="a", lease_ttl=1) as a,
+            sa.open_registry(store=worker("b"), agents=ECHO, worker_id="b", lease_ttl=1) as b,
+        ):
+            owner = await a.spawn("s")
+            await owner.send("one two")
+            assert (a.live(), b.live()) == (["s"], [])
+            ref = b.ref("s")
+            async with ref.subscribe():  # b follows it (a mirror of a's events)
+                await owner.hibernate()
+                last = (await sa.read_session(b.store, "s")).event_seq
+                assert_told(await refused(ref, 10**9), "s", 10**9, last)
+                assert (a.live(), b.live()) == ([], [])
+            assert_told(await refused(ref, 10**9), "s", 10**9, last)
+            assert (a.live(), b.live()) == ([], [])
+            # a keeps the session's shard (a shard mate is live there): asked there
+            mate = next(n for n in (f"m{k}" for k in itertools.count()) if same_shard(n, "s"))
+            await (await a.spawn(mate)).send("hello")
+            assert (a.live(), b.live()) == ([mate], [])
+            assert_told(await refused(ref, 10**9), "s", 10**9, last)
+            assert (a.live(), b.live()) == ([mate], [])
+            await follow_on(ref, last)
+
+
+def same_shard(name: str, other: str) -> bool:
+    """Whether two session names share a shard of a RedisStore (``crc32(name) % 1024``)."""
+    return zlib.crc32(name.encode()) % 1024 == zlib.crc32(other.encode()) % 1024
+
+
+async def test_with_leases_a_seq_never_stored_is_lost_only_when_nobody_holds_the_lease(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With leases, a seq a dead process published and never stored is refused as lost
+    when nobody holds the session's lease (the check gives the lease back: the session
+    wakes after it); while that process's lease runs (it may be alive), the
+    subscription opens; either way it wakes nothing."""
+    store = sa.MemoryStore()
+    death = await die_mid_turn(store)  # (without leases: it holds none)
+    async with sa.open_registry(store=store, agents=ECHO, leases=True) as registry:
+        ref = registry.ref("s")
+        lost = await refused(ref, death.last)
+        assert "lost" in str(lost)
+        assert registry.live() == []
+        state = await ref.state()
+        assert death.last < lost.oldest_seq <= state.event_seq + 1
+    store = sa.MemoryStore()
+    death = await die_mid_turn(store, leases=True, lease_ttl=3600)
+    async with sa.open_registry(store=store, agents=ECHO, leases=True) as registry:
+        async with registry.ref("s").subscribe(after=death.last):
+            assert registry.live() == []
+        with pytest.raises(sa.LeaseHeldError):
+            await registry.ref("s").state()

@@ -658,6 +658,9 @@ class Cluster:
                 outcome = await host.outcome_here(name, str(body["t"]))
                 await self._answer(body, {"ok": "value", "value": dump_outcome(outcome)})
             elif op == "watch":  # another worker subscribes: publish from now on
+                beyond = body.get("beyond")  # (its subscription's ``after``, if any)
+                if beyond is not None:  # refused before a wake, if the store says so
+                    await self.streams.may_run_ahead(name, int(beyond))
                 state = await host.read_here(name)  # wakes it here (or says it moved)
                 await self.transport.watch([name], self.ttl)  # for its next owners too
                 # (a subscription that follows the session from ``after`` on: the events

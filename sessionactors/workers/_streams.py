@@ -39,9 +39,10 @@ from .._events import (
     TurnStarted,
 )
 from .._hub import SEQ_GAP, Hub
+from .._reading import read_stored, stored_cleanly
 from .._records import Status, TurnStatus
 from .._router import RouterHost
-from .._subscription import EventIterator, beyond_error, open_event_iterator
+from .._subscription import EventIterator, beyond_stored, open_event_iterator, refuse_beyond
 from ..stores._base import JournalEntry, JournalPageStore, Store
 from ._transport import StreamItem, Transport, fatal
 from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
@@ -863,13 +864,18 @@ class Streams:
         top = -1  # where the owner elsewhere starts publishing (-1: it runs here)
         born: int | None = None  # when the session it runs was created
         running: tuple[str, str | None] | None = None  # its turn under way (id, key)
+        watch: dict[str, Any] = {"op": "watch", "s": name}
+        if after is not None:  # (its owner checks it with the store before a wake)
+            watch["beyond"] = after
         for _ in range(MAX_ATTEMPTS):
             if host.is_live(name) or (
                 # (a mirror may be behind its owner: a seq beyond it is asked of the owner)
                 found is not None and (after is None or after <= found.published)
             ):
                 break
-            answer = await self._forward(name, {"op": "watch", "s": name}, retry_safe=True)
+            if found is not None and not await self.may_run_ahead(name, cast(int, after)):
+                break  # stored cleanly, and reached ``after``: the mirror follows it
+            answer = await self._forward(name, watch, retry_safe=True)
             if answer is not None:  # its owner publishes its events from ``top`` on
                 top = int(self._check(answer, name)["value"])
                 born = stamp_of(answer)
@@ -878,6 +884,8 @@ class Streams:
                     break
                 continue  # it left that worker before it could publish: look again
             try:  # live nowhere, or its shard is this worker's: it wakes here
+                if after is not None:  # (refused without waking it)
+                    await self.may_run_ahead(name, after)
                 state = await host.read_here(name)
             except SessionStoppedError:
                 break  # stopped: the local subscription replays and ends
@@ -886,21 +894,36 @@ class Streams:
             if not host.is_live(name):
                 # It left again at once (hibernated): its hub here hears of it only if
                 # it wakes here next; follow it from where it was, wherever it wakes.
-                if after is not None and after > state.event_seq:
-                    raise beyond_error(name, after, state.event_seq)
+                if after is not None:
+                    refuse_beyond(name, after, state.event_seq)
                 return await self._follow(name, state.event_seq if after is None else after, None)
             found = self._mirrors.get(name)
         if after is not None:
             # Beyond the session's last event (a stale or forged seq), a subscription
-            # would wait in silence until the session's seq passed it. Its owner
-            # elsewhere said where it is (its deltas are not stored: it may be ahead of
-            # the store); a subscription here without a mirror checks it itself.
-            last: int | None = top
-            if top < 0:  # live here (by a mirror) or nowhere: its hub here says, if any
-                last = host.event_seq_here(name) if name in self._mirrors else None
-            if last is not None and 0 <= last < after:
-                raise beyond_error(name, after, last)
+            # would wait in silence until the session's seq passed it.
+            if top >= 0:  # its owner elsewhere said where it is (ahead of the store)
+                refuse_beyond(name, after, top)
+            elif name in self._mirrors:  # followed by a mirror here, checked by no hub
+                last = host.event_seq_here(name)  # (None: it runs nowhere; the mirror
+                if last is not None:  # covers ``after``, or the store refused it)
+                    refuse_beyond(name, after, last)
+            # (a subscription to its hub here, without a mirror, is checked by it)
         return await self._subscribe(name, after, top, born, running=running)
+
+    async def may_run_ahead(self, name: str, after: int) -> bool:
+        """Raise EventsExpiredError if the store shows that the session (not live here)
+        never reached ``after`` (see ``beyond_stored``): a check made with the store,
+        before anything wakes it for a subscription, so that a stale or forged seq
+        wakes nothing. Otherwise whether it may be live somewhere, ahead of the store
+        (its last write was not a clean hibernation or a stop)."""
+        if self.host.is_live(name):
+            await trio.lowlevel.checkpoint()
+            return True
+        session, stored = await read_stored(self.host.store, name)
+        error = beyond_stored(name, after, session, stored)
+        if error is not None:
+            raise error
+        return session.status is not Status.STOPPED and not stored_cleanly(session, stored)
 
     async def _follow(self, name: str, after: int, mine: int | None) -> EventIterator:
         """Go on with a subscription whose session left this worker, from ``after`` (the
