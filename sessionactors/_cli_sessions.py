@@ -193,7 +193,13 @@ def run(args: argparse.Namespace) -> int:
                 "standard output open (to /dev/null to discard it)"
             )
         given: GivenStore = args.given_store
-        store = _open(given, write=name not in _READS)
+        try:
+            opened = open_store(given.url, readonly=name in _READS, given=given)
+        except ValueError as refused:  # not a store's URL: an argument, as for serve (2)
+            text = _terminal_safe(" ".join(str(refused).split()))
+            print(f"sessionactors sessions {name}: {text}", file=sys.stderr)
+            return 2
+        store = _open(opened, given, write=name not in _READS)
         if is_new_file(store) and name != "import" and not (name == "tail" and args.wait):
             missing = (
                 f"the sqlite store at {store.path!r} does not exist; check the path in "
@@ -273,10 +279,9 @@ def _quiet_stdout() -> None:
         os.close(null)
 
 
-def _open(given: GivenStore, *, write: bool) -> Store:
-    """The store ``given``: read-only for reads; for writes, a SQLite file that a
+def _open(store: Store, given: GivenStore, *, write: bool) -> Store:
+    """The store ``given``, opened read-only for reads: for writes, a SQLite file that a
     process has opened shared (its lock file is there) is opened shared too."""
-    store: Store = open_store(given.url, readonly=not write, given=given)
     if isinstance(store, MemoryStore):  # (an import there would be lost at exit)
         raise ValueError(
             f"{given.shown()}: a store inside one process, this command's own, empty, "

@@ -579,7 +579,8 @@ class Sessions:
                 try:
                     lost = await self.store.renew_many(held, ttl)
                 except StoreError as exc:
-                    log.warning("could not renew the leases of %d sessions: %s", len(held), exc)
+                    # (the store's error says what it could not renew)
+                    log.warning("%s; tried again each round until the leases lapse", exc)
                     unanswered = set(held)  # try again next round, until they lapse
             else:
                 for name, lease in held.items():

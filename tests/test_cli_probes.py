@@ -209,7 +209,7 @@ def test_a_store_url_that_is_refused_is_named_without_its_password(
         ["serve", "--store", store, "--agent", "agents:a"],
     ):
         done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
-        line = one_line(done, 2 if args[0] == "serve" else 1)
+        line = one_line(done, 2)  # (an argument it cannot use, for every command)
         assert SECRET not in done.stderr + done.stdout, done.stderr
         assert "***" in line, line
 
@@ -578,3 +578,21 @@ def test_a_read_command_on_a_sqlite_file_that_does_not_exist_says_to_check_the_p
     assert "nope.db' does not exist" in line, line
     assert "does not exist; check the path in --store" in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command_args", [["serve", "--agent", "agents:a"], ["sessions", "list"]])
+@pytest.mark.parametrize("how", ["--store", "SESSIONACTORS_STORE"])
+def test_a_bad_store_url_is_a_usage_error_for_every_command(
+    tmp_path: Path, command_args: list[str], how: str
+) -> None:
+    """A store URL that is not one (a scheme no store has) exits with status 2, a usage
+    error, from serve and from the sessions commands alike, given with --store or in
+    SESSIONACTORS_STORE."""
+    env = {k: v for k, v in os.environ.items() if k != "SESSIONACTORS_STORE"}
+    args = [*command_args]
+    if how == "--store":
+        args += ["--store", "ftp://x"]
+    else:
+        env["SESSIONACTORS_STORE"] = "ftp://x"
+    done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL, env=env)
+    assert "not a store URL" in one_line(done, 2)

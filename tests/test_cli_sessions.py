@@ -788,11 +788,11 @@ STORE_SECRET = "hunter2-Zq9"
             f"redis//:{STORE_SECRET}@h:6379/0\n",
             None,
             "--store-file '{dir}/store' holds 'redis//:***@h:6379/0'",
-            1,
+            2,
         ),
         (["--store", "sqlite:///x.db", "--store-file", "{dir}/store"], "x", None, "not both", 2),
         ([], None, "", "SESSIONACTORS_STORE is set but empty", 2),
-        ([], None, f"redis//:{STORE_SECRET}@h:6379/0", "SESSIONACTORS_STORE 'redis//:***@h", 1),
+        ([], None, f"redis//:{STORE_SECRET}@h:6379/0", "SESSIONACTORS_STORE 'redis//:***@h", 2),
         ([], None, None, "--store", 2),
     ],
     ids=[
@@ -816,10 +816,9 @@ def test_the_commands_refuse_a_store_file_or_variable_they_cannot_use(
     status: int,
 ) -> None:
     """A store file that is missing, no file, empty or of more than one line, one given
-    with --store, a SESSIONACTORS_STORE set but empty, or no store given at all, is
-    refused with status 2 (a URL in either that names no store, as a --store that names
-    none, with status 1) in one line that names the file or the variable and never
-    prints a password."""
+    with --store, a SESSIONACTORS_STORE set but empty, no store given at all, or a URL in
+    either that names no store (as a --store that names none), is refused with status 2
+    in one line that names the file or the variable and never prints a password."""
     if content is not None:
         (tmp_path / "store").write_text(content)
     env = None if variable is None else {"SESSIONACTORS_STORE": variable}

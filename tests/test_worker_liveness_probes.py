@@ -677,3 +677,38 @@ async def test_a_subscription_follows_a_turn_its_next_owner_resumed_after_the_ju
     finished = [e for e in events if isinstance(e, sa.TurnFinished)]
     assert [e.turn_id for e in finished] == [turn.id, finished[-1].turn_id], events
     assert finished[0].seq in [e.seq for e in _jumped(events, 0)]
+
+
+async def test_a_failed_renewal_of_the_leases_is_logged_once_in_plain_words(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A round of lease renewals that the store refuses is logged at WARNING in one
+    sentence that says once what failed, with the number of sessions in agreement
+    ("1 session", never "1 sessions")."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    ttl = 3.0  # (a renewal each second)
+
+    def refuse_renewals(words: list[bytes]) -> list[bytes]:
+        if words[0].upper() in (b"EVALSHA", b"EVAL") and any(b":shard" in w for w in words):
+            return [b"NOSUCHCOMMAND"]  # (the store is told an error for it)
+        return words
+
+    with trio.fail_after(30):
+        async with proxy_to(redis_url) as (proxy, proxied):
+            store = RedisStore(proxied, prefix=prefix, balance=False)
+            agents = {"echo": sa.Agent(model=EchoModel())}
+            async with sa.open_registry(
+                store=store, agents=agents, worker_id="w", lease_ttl=ttl
+            ) as registry:
+                await registry.spawn("s")
+                assert (await registry.ref("s").send("one")).text == "one"  # (live here)
+                proxy.edit = refuse_renewals
+                while not any("renew" in r.getMessage() for r in caplog.records):
+                    await trio.sleep(0.1)
+                proxy.edit = None
+    [record] = [r for r in caplog.records if "renew" in r.getMessage()][:1]
+    message = record.getMessage()
+    assert record.levelname == "WARNING", message
+    assert message.count("renew the lease") == 1, message
+    assert "1 session" in message, message
+    assert "1 sessions" not in message, message

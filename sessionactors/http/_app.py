@@ -687,6 +687,16 @@ class SessionsApp:
                 f"{about}the server's store failed ({type(error).__name__}); retry in a "
                 f"moment ({LOGGED})"
             )
+        elif body["status"] > 500 and isinstance(error, sa.SessionActorsError):
+            # the shutdown's or a handover's (a turn cut off as the server stops, a session
+            # taken over by another worker): the client is told to send it again, and the
+            # operator has nothing to act on, so one line (see ``error_status``)
+            log.info(
+                "a request was answered %d (%s): %s",
+                body["status"],
+                type(error).__name__,
+                " ".join(message.split()),
+            )
         elif body["status"] >= 500 and not isinstance(error, sa.TurnFailedError):
             # (a failed turn was logged whole when it failed)
             log.error("request failed", exc_info=error)

@@ -174,6 +174,7 @@ async def serve(
     except TypeError:  # an app that serves a registry it was given: nothing to open
         lifespan, asgi = contextlib.nullcontext(), app
         bound = GRACEFUL_SECONDS
+    asgi = functools.partial(_noting_status, asgi)
     with trio.open_signal_receiver(*_stop_signals()) as signals:
         async with trio.open_nursery() as nursery:  # (cancelled by a second signal)
 
@@ -287,6 +288,10 @@ def _access_logger(hypercorn: ModuleType) -> type:
 
     class AccessLogger(hypercorn.logging.Logger):  # type: ignore[name-defined,misc]
         def atoms(self, request: Any, response: Any, request_time: float) -> Mapping[str, str]:
+            if response is None and _BEGAN in request:
+                # a response cut before its end (an event stream its client left, or that
+                # the stop ended): the status it began with, as the client got it
+                response = {"status": request[_BEGAN], "headers": []}
             atoms: Any = super().atoms(request, response, request_time)
             for key, value in atoms.items():
                 if isinstance(value, str):
@@ -311,6 +316,32 @@ def _address(url: str) -> tuple[str, int] | None:
     if parts.hostname is None or parts.port is None:
         return None
     return parts.hostname, parts.port
+
+
+#: The key of a request's ASGI scope under which ``_noting_status`` keeps the status its
+#: response began with.
+_BEGAN: Final = "sessionactors.status"
+
+
+async def _noting_status(app: Any, scope: Any, receive: Any, send: Any) -> None:
+    """``app``, noting in an HTTP request's scope the status its response began with,
+    until it ends: hypercorn writes a response cut before its end (an event stream its
+    client left, or that the stop ended) to the access log without one, and
+    ``AccessLogger`` writes this one instead."""
+    if scope["type"] != "http":
+        await app(scope, receive, send)
+        return
+
+    async def noting(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            scope[_BEGAN] = message["status"]
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            # ended: hypercorn writes its line with its status (after a line without one
+            # if the connection closed as it ended, which stays so: one status a request)
+            scope.pop(_BEGAN, None)
+        await send(message)
+
+    await app(scope, receive, noting)
 
 
 async def _opened_lifespan(app: SessionsApp, scope: Any, receive: Any, send: Any) -> None:
@@ -428,6 +459,7 @@ def main(args: argparse.Namespace) -> int:
                 # and its store (the database, the prefix): which workers it joins
                 worker = f" as worker {registry.worker_id} on {store!r}"
             print(f"sessionactors: serving {sorted(agents)} at {url}/{worker}", flush=True)
+            log.info("serving %s at %s/%s", sorted(agents), url, worker)
 
     try:
         trio.run(run)

@@ -1590,7 +1590,10 @@ class RedisStore:
             return [await reply for reply in replies]
 
         if shards:
-            held_still = await self._run("renew the leases of", None, run)
+            count = sum(len(names) for names in shards.values())
+            about = "1 session" if count == 1 else f"{count} sessions"
+            doing = "renew the lease of" if count == 1 else "renew the leases of"
+            held_still = await self._run(doing, None, run, about=about)
             for names, ok in zip(shards.values(), held_still, strict=True):
                 if not ok:
                     lost.update(names)

@@ -576,3 +576,100 @@ async def test_healthz_answers_503_while_draining(serve: Serve) -> None:
             assert (await client.get("/healthz")).status_code == 200
             served.app.drain()
             assert (await client.get("/healthz")).status_code == 503
+
+
+def test_a_request_refused_as_the_server_stops_is_logged_in_one_line_not_as_an_error(
+    tmp_path: Path,
+) -> None:
+    """A request whose turn the shutdown cut off is answered 503 (SessionStoppedError) and
+    logged in one line below ERROR, without a traceback: a deploy trips no alert on
+    ERROR (the cut turn itself is logged at WARNING)."""
+    long_text = " ".join(f"w{i}" for i in range(1000))  # 50 s of words: outlasts the grace
+    started = threading.Event()
+    answer: list[httpx.Response | Exception] = []
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", "--shutdown-grace", "0") as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        assert client.post("/sessions/cut/messages", json={"text": "hi"}).status_code == 200
+
+        def listen() -> None:
+            with (
+                httpx.Client(base_url=server.url, timeout=60) as listener,
+                listener.stream("GET", "/sessions/cut/events?after=0") as response,
+            ):
+                for line in response.iter_lines():
+                    if "TurnStarted" in line and "w999" in line:
+                        started.set()  # and read on, until the server ends the stream
+
+        def send() -> None:
+            try:
+                answer.append(client.post("/sessions/cut/messages", json={"text": long_text}))
+            except httpx.HTTPError as exc:
+                answer.append(exc)
+
+        threads = [threading.Thread(target=listen), threading.Thread(target=send)]
+        for thread in threads:
+            thread.start()
+        assert started.wait(timeout=30)
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=60)
+        for thread in threads:
+            thread.join(timeout=30)
+    [response] = answer
+    assert isinstance(response, httpx.Response), response
+    assert (response.status_code, response.json()["error"]) == (503, "SessionStoppedError")
+    assert " ERROR " not in server.stderr, server.stderr
+    assert "Traceback" not in server.stderr, server.stderr
+    told = [line for line in server.stderr.splitlines() if "503" in line]
+    assert len(told) == 1, server.stderr
+    assert " INFO sessionactors.http: " in told[0], told[0]
+    assert "SessionStoppedError" in told[0], told[0]
+    assert "'cut'" in told[0], told[0]
+
+
+def test_serve_logs_its_worker_id_as_it_starts(tmp_path: Path) -> None:
+    """A server whose store other workers share logs the worker id that its leases and
+    other workers' errors name in its startup line on stderr, as on stdout."""
+    store = f"sqlite:///{tmp_path / 'served.db'}?shared=true"
+    with serve_command(store) as server:
+        pass
+    worker = server.line.split(" as worker ", 1)[1].split()[0]
+    logged = [line for line in server.stderr.splitlines() if f"worker {worker}" in line]
+    assert len(logged) == 1, server.stderr
+    assert " INFO sessionactors.http: serving " in logged[0], logged[0]
+    assert server.url in logged[0], logged[0]
+
+
+def test_serve_access_log_gives_event_streams_the_status_they_began_with(tmp_path: Path) -> None:
+    """An event stream (GET .../events, a turn streamed to Accept: text/event-stream) is
+    written to the access log with the status it began with, also when its client left
+    first or the server's stop ended it."""
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", "--access-log") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.post("/sessions/s1/messages", json={"text": "hi"}).status_code == 200
+        with client.stream("GET", "/sessions/s1/events?after=0") as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # and leave
+        sse = {"accept": "text/event-stream"}
+        with client.stream("POST", "/sessions/s1/messages", json={"text": "a b"}, headers=sse) as r:
+            assert r.status_code == 200
+            assert "TurnFinished" in r.read().decode()
+        with client.stream("GET", "/sessions/s1/events?after=0") as response:
+            read = response.iter_lines()
+            next(read)
+            server.process.send_signal(signal.SIGTERM)  # (the stop ends the stream)
+            for _ in read:
+                pass
+        server.process.wait(timeout=60)
+    lines = [line for line in server.stderr.splitlines() if "hypercorn.access" in line]
+    events = [line for line in lines if '"GET /sessions/s1/events 1.1"' in line]
+    assert len(events) == 2, server.stderr
+    for line in events:
+        assert '"GET /sessions/s1/events 1.1" 200 ' in line, line
+    streamed = [line for line in lines if '"POST /sessions/s1/messages 1.1"' in line]
+    assert len(streamed) == 2, server.stderr
+    for line in streamed:
+        assert '"POST /sessions/s1/messages 1.1" 200 ' in line, line
