@@ -79,6 +79,7 @@ back equal (metadata as plain data: tuples come back as lists).
 
 import datetime
 import itertools
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -634,7 +635,11 @@ class SnapshotWriter:
         """The snapshot's bytes and the maps and arrays in it; checks what it packs."""
         packer = _packer()
         previous = self._messages
-        if previous and len(previous) <= len(messages) and all(map(_is, previous, messages)):
+        if (
+            previous
+            and len(previous) <= len(messages)
+            and all(map(operator.is_, previous, messages))  # (in C: no call a message)
+        ):
             new = messages[len(previous) :]
             body = self._body
             containers = self._containers
@@ -685,10 +690,6 @@ class SnapshotWriter:
 def _map_header(count: int) -> bytes:
     """The msgpack header of a map of ``count`` entries (as msgpack packs it)."""
     return bytes((0x80 | count,)) if count <= 15 else b"\xde" + count.to_bytes(2, "big")
-
-
-def _is(a: object, b: object) -> bool:
-    return a is b
 
 
 def _array_header(count: int) -> bytes:
