@@ -100,16 +100,14 @@ class _FirstMessage:
     session's mailbox (or failed): the lifespan closes the registry once none is left,
     so that no session is stored for a message the closing registry then refuses."""
 
-    app: SessionsApp
+    on_end: Callable[[], None]
     ended: bool = False
 
     def end(self) -> None:
         """It is in the mailbox, or failed (idempotent)."""
         if not self.ended:
             self.ended = True
-            self.app._first_messages -= 1
-            if not self.app._first_messages and self.app._first_messages_done is not None:
-                self.app._first_messages_done.set()
+            self.on_end()
 
 
 @attrs.define(eq=False)
@@ -506,7 +504,12 @@ class SessionsApp:
                 503, "ShuttingDown", "the server is shutting down; retry in a moment"
             )
         self._first_messages += 1
-        return _FirstMessage(self)
+        return _FirstMessage(self._first_message_ended)
+
+    def _first_message_ended(self) -> None:
+        self._first_messages -= 1
+        if not self._first_messages and self._first_messages_done is not None:
+            self._first_messages_done.set()
 
     def _end_streams(self) -> None:
         for scope in list(self._streams):
