@@ -54,10 +54,6 @@ log = logging.getLogger("sessionactors")
 #: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
 GENERATION_PEAK = 1024
 
-#: Seconds a claim made only to learn whether another process holds a session's lease
-#: keeps it, should giving it back fail.
-_PROBE_TTL = 1.0
-
 
 class Sessions:
     """Live actors by name, their hubs, and the nurseries their tasks run in."""
@@ -457,10 +453,11 @@ class Sessions:
         if error is None:
             # Its last incarnation stopped uncleanly and may have published seqs above
             # the store's (a turn's deltas), which the next wake jumps over (Hub.jump):
-            # lost, unless that incarnation is live in another process (it holds the
-            # lease), which this one cannot ask: the subscription waits, as any here
-            # does for a session live elsewhere.
-            if await self._leased_elsewhere(name):
+            # lost. With leases that incarnation may be live in another process, which
+            # this one cannot ask (claiming the lease to learn it could fence a live
+            # owner out): the subscription waits, as any here does for a session live
+            # elsewhere, and a wake here tells the loss (the jump).
+            if self.config.leases:
                 return session
             error = expired_error(name, after, durable + SEQ_GAP + 1)
         raise error
@@ -478,23 +475,6 @@ class Sessions:
             if actor is None or not actor.is_ready:
                 return None
         return max(actor.session.event_seq, hub.seq)
-
-    async def _leased_elsewhere(self, name: str) -> bool:
-        """Whether another process holds the session's lease (with leases): it is live
-        there. The store has no read of a lease, so this claims it (under an owner of
-        its own, which no actor here uses) and gives it back at once."""
-        if not self.config.leases:
-            return False
-        lease = await self.store.claim(name, f"{self.worker_id}/probe", _PROBE_TTL)
-        if lease is None:
-            return True
-        with (
-            trio.CancelScope(shield=True),
-            trio.move_on_after(self.config.write_bound),
-            contextlib.suppress(Exception),  # (not given back: it lapses within _PROBE_TTL)
-        ):
-            await self.store.release(name, lease)
-        return False
 
     def release_hub(self, name: str) -> None:
         hub = self.hubs.get(name)

@@ -537,9 +537,10 @@ class SessionsApp:
         ``async with gateway.lifespan(app): yield``; your own routes then use
         ``gateway.registry``. ``app`` is ignored (the lifespan protocol passes
         it). On exit it drains the gateway (see ``drain()``), waits (up to 10
-        seconds) until the first messages that were storing their new sessions
+        seconds) until the messages over HTTP that were storing their new sessions
         have their turns in the sessions' mailboxes, so that no session is
-        stored for a message then refused, and closes the registry (grace, then
+        stored for a message then refused (a WebSocket opened on a new name just
+        before the drain may still leave one), and closes the registry (grace, then
         hibernation). Entered again later (a test
         client per test), it opens a new registry. It raises ``RuntimeError``
         if it is entered again while already open, and ``TypeError`` for an
@@ -579,6 +580,7 @@ class SessionsApp:
         self._checked_loop = False
         self._portal = None
         self._store_check = None
+        self._first_messages = 0  # (one an earlier lifespan never saw end: not waited on)
         library = sniffio.current_async_library()
         opened: AbstractAsyncContextManager[AnyRegistry]
         if library == "trio":

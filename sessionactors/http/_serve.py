@@ -127,7 +127,10 @@ async def serve(
     503, every answer says ``Connection: close``, event streams and WebSockets end at
     once); after ``drain_delay`` seconds (0 by default: set it to the time your load
     balancer takes to see the 503 of ``/healthz``) it stops listening, closes the idle
-    connections and closes the app's registry while the requests in flight wait: turns
+    connections and closes the app's registry while the requests in flight wait (once
+    the messages storing new sessions have their turns accepted, 10 seconds at most:
+    so a stop takes at most ``drain_delay`` + 10 + ``shutdown_grace`` + 5 + 5 seconds,
+    the last two only for clients that read nothing): turns
     running get the registry's ``shutdown_grace``, then their callers are answered (a
     reply, or 503 for a turn cut off) and every session is hibernated; then it waits
     up to 5 seconds for the answers still being written, resets the connections still

@@ -1135,15 +1135,19 @@ class RedisStore:
         session_id: str | None,
         streams: Sequence[str],
         exc: BaseException,
-    ) -> str:
+    ) -> str | None:
         """What to do about a call that met a key of another type than the store keeps
         there (``exc``), if that key is one that sessions share (or is not found: the
         store's configuration); raise the session's ``SnapshotCorruptError`` if it is
-        one of the session's own (of the call's session, or of the ``streams``)."""
+        one of the session's own (of the call's session, or of the ``streams``); None if
+        the server did not answer the look (a plain error, to retry: it may be one
+        session's key, which must not end the worker)."""
         if session_id is not None:
             damage = await self._wrong_types(client, [session_id], _SESSION_KEYS)
         else:
             damage = await self._wrong_types(client, streams, ("ev",))
+        if damage is None:
+            return None
         shared = [wrong for wrong in damage if wrong.session is None]
         if shared:
             return (
@@ -1159,11 +1163,11 @@ class RedisStore:
 
     async def _wrong_types(
         self, client: Client, names: Sequence[str], parts: Iterable[str]
-    ) -> list[_WrongType]:
+    ) -> list[_WrongType] | None:
         """The keys of the sessions ``names`` (their ``parts``: see ``_SESSION_KEYS``),
         and those they share with other sessions (their key groups', the listing order;
         with no names, every group's index), that hold another type of value than the
-        store keeps there; none if it cannot tell (the server did not answer)."""
+        store keeps there; None if it cannot tell (the server did not answer)."""
         kept: dict[str, tuple[str | None, str, str, bool]] = {}
         for name in names:
             for part in parts:
@@ -1181,7 +1185,7 @@ class RedisStore:
                 replies = [pipe.type(key) for key in kept]
             types = [await reply for reply in replies]
         except _TRANSPORT_ERRORS:
-            return []
+            return None
         damage = []
         for (key, (session, kind, what, conversation)), found in zip(
             kept.items(), types, strict=True
