@@ -641,9 +641,12 @@ class Streams:
                 and first[0] > self._positions.get(name, 0) + 1
             ):
                 await self._check_gap(name, first[0])
-            if items:
-                self._unread.discard(name)
             self._feed(name, items)
+            if items and name not in self._held:
+                # (read: a gap now is one in the stream; held at a jump while a turn was
+                # under way, it read nothing yet, and its first read again is checked
+                # against the journal as this one was)
+                self._unread.discard(name)
             if replaced:
                 hub = self._mirrors.get(name)
                 if hub is not None:
