@@ -466,6 +466,11 @@ async def test_a_failover_to_a_replica_without_an_append_only_file_is_refused(
         store = RedisStore(url, prefix=prefix, timeout=1.0)
         await store.create("before", b"snap", b"i")
         async with raw_clients(url) as (master,):
+            # (the replica has "before" when it becomes the master: replication is
+            # asynchronous, and a loaded machine delays it)
+            target = int((await master.info("replication"))["master_repl_offset"])
+            while int((await master.info("replication"))["slave0"]["offset"]) < target:
+                await trio.sleep(0.05)
             replica: Any = (await master.info("replication"))["slave0"]
             host, port = str(replica["ip"]), int(replica["port"])
         async with coredis.Redis(host, port) as to_be_master:
