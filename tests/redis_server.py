@@ -3,7 +3,10 @@
 ``SESSIONACTORS_REDIS_URL`` names a running server (CI starts one and sets it),
 ``SESSIONACTORS_REDIS_CLUSTER_URL`` a three-master Redis Cluster
 (``redis+cluster://``) and ``SESSIONACTORS_REDIS_SENTINEL_URL`` a master behind a
-Sentinel (``redis+sentinel://``). Otherwise private ones are started on free
+Sentinel (``redis+sentinel://``). Each may hold several URLs separated by spaces, one
+for each test process (pytest-xdist's ``gw0``, ``gw1``, ...): a process takes the one
+at its number (modulo their count), so that the processes do not wait on one
+another's writes to one server. Otherwise private ones are started on free
 loopback ports, for as long as the context manager is open. Every server they
 start is durable (``appendonly yes``, ``appendfsync always``, in a temporary
 directory), as ``RedisStore`` requires by default. Without a ``redis-server``
@@ -319,9 +322,19 @@ def private_redis_sentinel(service: str = "sa-test", *, replicas: int = 0) -> It
         yield f"redis+sentinel://127.0.0.1:{sentinel}/{service}"
 
 
+def _url_from_env(env: str) -> str | None:
+    """This test process's URL in ``env`` (which may hold one for each), or None."""
+    urls = os.environ.get(env, "").split()
+    if not urls:
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # unset without pytest-xdist
+    number = int(worker[2:]) if worker[:2] == "gw" and worker[2:].isdigit() else 0
+    return urls[number % len(urls)]
+
+
 @contextlib.contextmanager
 def _from_env(env: str, start: contextlib.AbstractContextManager[str]) -> Iterator[str]:
-    url = os.environ.get(env)
+    url = _url_from_env(env)
     if url:
         yield url
         return
@@ -332,7 +345,7 @@ def _from_env(env: str, start: contextlib.AbstractContextManager[str]) -> Iterat
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """Yield the URL of a usable redis server; skip (or fail) if there is none."""
-    url = os.environ.get(URL_ENV)
+    url = _url_from_env(URL_ENV)
     if url:
         parts = urlsplit(url)
         if parts.scheme == "redis" and not ping(parts.hostname or "127.0.0.1", parts.port or 6379):

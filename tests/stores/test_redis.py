@@ -17,6 +17,7 @@ import warnings
 import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
+from typing import Any
 from urllib.parse import urlsplit
 
 import coredis
@@ -57,16 +58,17 @@ async def _drop_prefixes(url: str, prefixes: list[str]) -> None:
 
 @pytest.fixture
 async def make_store(redis_url: str) -> AsyncIterator[MakeStore]:
-    """``make_store(prefix=None)``: a RedisStore on a fresh prefix (or on ``prefix``)."""
+    """``make_store(prefix=None, **options)``: a RedisStore on a fresh prefix (or on
+    ``prefix``), with RedisStore's ``options``."""
     stores: list[RedisStore] = []
     prefixes: list[str] = []
 
-    def make(prefix: str | None = None) -> RedisStore:
+    def make(prefix: str | None = None, **options: Any) -> RedisStore:
         if prefix is None:
             prefix = _new_prefix()
         if prefix not in prefixes:
             prefixes.append(prefix)
-        store = RedisStore(redis_url, prefix=prefix)
+        store = RedisStore(redis_url, prefix=prefix, **options)
         stores.append(store)
         return store
 
@@ -371,7 +373,9 @@ async def test_stale_token_is_rejected_and_nothing_written(make_store: MakeStore
 async def test_fifty_concurrent_claims_have_one_winner(make_store: MakeStore) -> None:
     """Fifty tasks claiming one session through separate connections yield exactly one lease."""
     prefix = _new_prefix()
-    stores = [make_store(prefix) for _ in range(50)]
+    # Fifty connections opened at once, each with its handshake and checks: on a busy
+    # machine they can take longer than the default 5 s, which is not what is tested.
+    stores = [make_store(prefix, timeout=15.0) for _ in range(50)]
     results: list[Lease | None] = [None] * 50
 
     async def claim(index: int) -> None:
