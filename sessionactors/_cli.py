@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -106,13 +107,31 @@ def _secret(text: str) -> str:
     return text
 
 
-def _argument_shown(token: str) -> str:
-    """An argument as an error repeats it: a URL in it (a store's given to a misspelt
-    option, ``--stroe=redis://:secret@host``) with ``***`` in place of its password."""
-    option, equals, value = token.partition("=")
-    if token.startswith("-") and equals:
-        return f"{option}={redact(value)}"
-    return redact(token)
+def _arguments_shown(unknown: Sequence[str]) -> str:
+    """Arguments a command does not take, as its error repeats them. The value of an
+    option it does not take (``--tok=VALUE``, or the argument after ``--tokn``) may be a
+    secret given to a misspelt option: it shows as ``***``, or, a URL (a store's given to
+    ``--stroe``), with ``***`` in place of its password. Other arguments are shown, with
+    the password of a URL among them so hidden."""
+    shown: list[str] = []
+    after_option = False
+    for token in unknown:
+        option, equals, value = token.partition("=")
+        if token.startswith("-"):
+            shown.append(f"{option}={_value_shown(value)}" if equals else token)
+            after_option = not equals
+        else:
+            shown.append(_value_shown(token) if after_option else redact(token))
+            after_option = False
+    return " ".join(shown)
+
+
+def _value_shown(value: str) -> str:
+    return redact(value) if _URL_START.match(value) else "***"
+
+
+#: How a URL begins: its scheme and a slash (``redis://``, ``sqlite:///``, ``redis:/``).
+_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:/")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -252,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         before = words[: words.index(args.command)] if args.command in words else words
         if any(token in before for token in unknown):  # given to the top command
             prog = "sessionactors"
-        shown = " ".join(_argument_shown(token) for token in unknown)
+        shown = _arguments_shown(unknown)
         parser.exit(2, f"{prog}: unrecognized arguments: {shown} (see {prog} --help)\n")
     if args.command in ("serve", "sessions"):  # its store: --store, --store-file or variable
         try:

@@ -228,6 +228,21 @@ def test_arguments_a_command_does_not_take_are_named_without_a_password(tmp_path
         assert f"unrecognized arguments: {shown}redis://:***@127.0.0.1:6379/0" in line, line
 
 
+def test_the_value_of_an_option_a_command_does_not_take_is_not_shown(tmp_path: Path) -> None:
+    """A secret given to a misspelt option (``--tok=SECRET``, ``--tokn SECRET``) is not
+    repeated in the refusal, which names the option and shows *** for its value; an
+    argument that follows no option is still shown, to say what was not taken."""
+    for args, shown in [
+        (["serve", "--store", "memory://", "--agent", "agents:a", f"--tok={SECRET}"], "--tok=***"),
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--tokn", SECRET], "--tokn ***"),
+        (["sessions", "list", "--store", "memory://", "--pasword", SECRET, "extra"], "--pasword *** extra"),
+    ]:  # fmt: skip
+        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        line = one_line(done, 2)
+        assert SECRET not in done.stderr + done.stdout, done.stderr
+        assert f"unrecognized arguments: {shown}" in line, line
+
+
 #: A store URL holding the password, and one whose password holds a space and a quote
 #: (which a message that quotes it as Python does must not cut short).
 URLS = (f"redis://:{SECRET}@127.0.0.1:6379/0", f"redis://:{SECRET} it's@127.0.0.1:6379/0")
