@@ -82,6 +82,7 @@ PLUGINS: tuple[str, ...] = (
     "http",
     "otel",
     "_cli",
+    "_cli_given",
     "_cli_sessions",
     "_demo",
     "_demo_cluster",

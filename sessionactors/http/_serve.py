@@ -21,6 +21,7 @@ import trio
 
 import sessionactors as sa
 
+from .._cli_given import read_given
 from .._names import terminal_safe
 from ..stores._url import is_new_file, open_store
 from ._app import SessionsApp, create_app
@@ -382,31 +383,17 @@ def configure_logging(level: str, *, access_log: bool = False) -> None:
 def read_token(args: argparse.Namespace) -> str | None:
     """The token that ``--token``, ``--token-file`` or the environment gives, or None
     (a file's or the variable's surrounding whitespace dropped alike). Raises
-    ``ValueError`` for a token file that cannot be read or is empty."""
-    if args.token is not None and args.token_file is not None:
-        raise ValueError("give --token or --token-file, not both")
-    if args.token is not None:
-        return str(args.token)
-    if args.token_file is not None:
-        try:
-            with open(args.token_file, encoding="utf-8") as file:
-                token = file.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
-            raise ValueError(
-                f"--token-file {args.token_file!r}: cannot read it ({reason})"
-            ) from None
-        if not token:
-            raise ValueError(f"--token-file {args.token_file!r} is empty; put the secret in it")
-        return token
-    variable = os.environ.get(TOKEN_VARIABLE)
-    if variable is None:
-        return None
-    # (its surrounding whitespace dropped, as a token file's is: `export X="$(cat f)"`)
-    token = variable.strip()
-    if not token:
-        raise ValueError(f"{TOKEN_VARIABLE} is set but empty; give it a secret, or unset it")
-    return token
+    ``ValueError`` for a token file that cannot be read, is empty, holds more than one
+    line or is far larger than a token, and for both options given."""
+    given = read_given(
+        args.token,
+        args.token_file,
+        option="--token",
+        file_option="--token-file",
+        variable=TOKEN_VARIABLE,
+        what=("the secret", "a secret"),
+    )
+    return None if given is None else given[0]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
 import attrs
 
+from .._cli_given import read_given
 from .._names import redact
 
 if TYPE_CHECKING:
@@ -20,10 +21,6 @@ __all__ = ["STORE_VARIABLE", "GivenStore", "is_new_file", "open_store", "read_st
 #: The environment variable that holds the store's URL when neither ``--store`` nor
 #: ``--store-file`` gives one.
 STORE_VARIABLE: Final = "SESSIONACTORS_STORE"
-
-#: The most characters a ``--store-file`` is read for: far more than any store's URL
-#: (a device that never ends, /dev/zero, or a large file given by mistake is refused).
-MAX_STORE_FILE: Final = 64 * 1024
 
 
 @attrs.frozen(kw_only=True)
@@ -69,53 +66,21 @@ def read_store(store: str | None, store_file: str | None) -> GivenStore | None:
     """The store's URL that ``--store``, ``--store-file`` or the environment gives (in that
     order: an option given wins over ``SESSIONACTORS_STORE``), or None for none of them;
     a file's or the variable's surrounding whitespace is dropped. Raises ``ValueError``
-    for both options given, and for a file that cannot be read, is empty or holds more
-    than one line (and the variable so): its message names the file or the variable,
-    never what it holds."""
-    if store is not None and store_file is not None:
-        raise ValueError("give --store or --store-file, not both")
-    if store is not None:
-        return GivenStore(url=store, source="--store")
-    if store_file is not None:
-        try:
-            with open(store_file, encoding="utf-8") as file:
-                text = file.read(MAX_STORE_FILE + 1)
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = (
-                exc.strerror or type(exc).__name__
-                if isinstance(exc, OSError)
-                else "it is not UTF-8 text"
-            )
-            raise ValueError(f"--store-file {store_file!r}: cannot read it ({reason})") from None
-        where = f"--store-file {store_file!r}"
-        url = _one_line(text, where, f"{where} is empty; put the store's URL in it")
-        if len(text) > MAX_STORE_FILE:
-            raise ValueError(
-                f"--store-file {store_file!r} holds over {MAX_STORE_FILE:,} characters, more "
-                "than a store's URL; put the store's URL alone in it"
-            )
-        return GivenStore(url=url, source="--store-file", path=store_file)
-    variable = os.environ.get(STORE_VARIABLE)
-    if variable is None:
+    for both options given, and for a file that cannot be read, is empty, holds more
+    than one line or is far larger than a URL (and the variable so): its message names
+    the file or the variable, never what it holds."""
+    given = read_given(
+        store,
+        store_file,
+        option="--store",
+        file_option="--store-file",
+        variable=STORE_VARIABLE,
+        what=("the store's URL", "a store's URL"),
+    )
+    if given is None:
         return None
-    # (its surrounding whitespace dropped, as a store file's is: `export X="$(cat f)"`)
-    empty = f"{STORE_VARIABLE} is set but empty; give it a store's URL, or unset it"
-    url = _one_line(variable, STORE_VARIABLE, empty)
-    return GivenStore(url=url, source=STORE_VARIABLE)
-
-
-def _one_line(text: str, where: str, empty: str) -> str:
-    """``text`` without its surrounding whitespace, refused with ``empty`` if that leaves
-    nothing, and if it holds more than one line (``where`` names it; what it holds is
-    never shown: a password)."""
-    url = text.strip()
-    if not url:
-        raise ValueError(empty)
-    if len(url.splitlines()) > 1:
-        raise ValueError(
-            f"{where} holds more than one line; give the store's URL alone, on one line"
-        )
-    return url
+    url, source = given
+    return GivenStore(url=url, source=source, path=store_file if source == "--store-file" else None)
 
 
 def open_store(url: str, *, readonly: bool = False, given: GivenStore | None = None) -> Any:

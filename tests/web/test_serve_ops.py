@@ -261,15 +261,19 @@ def test_serve_reads_its_token_from_the_environment_or_a_file(tmp_path: Path, ho
         (["--token-file", "{dir}/token"], "\n", "empty"),
         (["--token-file", "{dir}/token", "--token", "x"], "x", "not both"),
         ([], None, "SESSIONACTORS_TOKEN is set but empty"),
+        (["--token-file", "/dev/zero"], None, "holds over 65,536 characters"),
+        (["--token-file", "{dir}/token"], "s3cret\nmore\n", "more than one line"),
     ],
-    ids=["missing", "empty", "both", "empty-variable"],
+    ids=["missing", "empty", "both", "empty-variable", "endless", "two-lines"],
 )
 def test_serve_refuses_a_token_file_it_cannot_use(
     tmp_path: Path, args: list[str], content: str | None, said: str
 ) -> None:
-    """A token file that is missing or empty, or given with --token, or a
-    SESSIONACTORS_TOKEN set but empty (an empty bearer token would match it), exits with
-    status 2 and says why."""
+    """A token file that is missing, empty, endless (a device, or a large file given by
+    mistake: it was read to its end, without bound), of more than one line (no header
+    carries such a token), or given with --token, or a SESSIONACTORS_TOKEN set but empty
+    (an empty bearer token would match it), exits with status 2 and says why, never
+    what the file holds."""
     if content is not None:
         (tmp_path / "token").write_text(content)
     command = ["serve", "--store", "memory://", "--agent", "chat_agents:agents", "--port", "0"]
@@ -285,6 +289,7 @@ def test_serve_refuses_a_token_file_it_cannot_use(
     )
     assert done.returncode == 2, done.stderr
     assert said in done.stderr, done.stderr
+    assert "s3cret" not in done.stderr, done.stderr
 
 
 @pytest.mark.redis
