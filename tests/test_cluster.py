@@ -21,15 +21,18 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import coredis
+import httpx
 import pytest
 import trio
 from coredis.connection import TCPLocation
 from coredis.tokens import PureToken
 
 import sessionactors as sa
+from sessionactors.http import create_app
 from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import EchoModel, journal_events
 from stream_checks import check_stream, stream_problems
+from web.servers import serve_trio
 from worker_spares import open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
@@ -415,6 +418,32 @@ async def test_answers_that_never_arrive_end_in_a_typed_error_not_a_second_run(
         reply, texts = await answer_lost_in_transit(cluster, "lose-answers")
     assert reply is None
     assert texts == ["one"]
+
+
+async def test_the_gateway_answers_a_request_whose_answer_never_came_503(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the HTTP gateway, a message whose answer never came back from the worker
+    that runs its session (WorkerUnreachableError: it may have run there) is answered 503
+    with the error's kind and advice, for a client to send it again with its key, and
+    logged at WARNING in one line: not 500 "the server failed" with a traceback at ERROR."""
+    with trio.fail_after(60):
+        a = await cluster.start("a", mode="lose-answers")
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        async with (
+            cluster.registry() as b,
+            serve_trio(create_app(b)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            answer = await client.post("/sessions/s/messages", json={"text": "one"})
+    assert answer.status_code == 503, answer.text
+    body = answer.json()
+    assert body["error"] == "WorkerUnreachableError", body
+    assert body["session_id"] == "s"
+    assert "send it again" in body["message"], body
+    told = [r for r in caplog.records if r.name.startswith("sessionactors.http")]
+    assert [r.levelname for r in told] == ["WARNING"], [r.getMessage() for r in told]
+    assert told[0].exc_info is None
 
 
 async def test_a_request_that_never_reaches_its_owner_ends_within_the_deadline(

@@ -695,8 +695,11 @@ class SessionsApp:
         elif body["status"] > 500 and isinstance(error, sa.SessionActorsError):
             # the shutdown's or a handover's (a turn cut off as the server stops, a session
             # taken over by another worker): the client is told to send it again, and the
-            # operator has nothing to act on, so one line (see ``error_status``)
-            log.info(
+            # operator has nothing to act on, so one line (see ``error_status``); a worker
+            # that gave no word may be one to look at: a WARNING line
+            unreachable = isinstance(error, sa.WorkerUnreachableError)
+            log.log(
+                logging.WARNING if unreachable else logging.INFO,
                 "a request was answered %d (%s): %s",
                 body["status"],
                 type(error).__name__,

@@ -139,9 +139,9 @@ def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:
 
 # The status of each library error; the first class that matches wins. The status also
 # sets how the gateway logs a request's error (``SessionsApp._error_json``): a 4xx is the
-# client's, told to it and not logged; a library error answered 503 (a store's failure at
-# WARNING, a turn cut off by the shutdown or a session fenced out at INFO) in one line;
-# a 500 at ERROR with its traceback.
+# client's, told to it and not logged; a library error answered 503 (a store's failure or
+# a worker that gave no word at WARNING, a turn cut off by the shutdown or a session
+# fenced out at INFO) in one line; a 500 at ERROR with its traceback.
 _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.SessionNotFoundError, 404),
     (sa.ReviewResolvedError, 409),
@@ -159,6 +159,7 @@ _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.MailboxFullError, 429),
     (sa.FencedOutError, 503),
     (sa.StoreError, 503),
+    (sa.WorkerUnreachableError, 503),
     (sa.SessionActorsError, 500),
     (ValueError, 422),
     (TypeError, 422),
