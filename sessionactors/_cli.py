@@ -20,7 +20,7 @@ from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
 from ._events import Delta, TurnFailed
 from ._model import Model
-from ._names import redact, redact_urls
+from ._names import is_url, redact, redact_urls
 from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
@@ -109,35 +109,68 @@ def _secret(text: str) -> str:
 
 def _arguments_shown(unknown: Sequence[str]) -> str:
     """Arguments a command does not take, as its error repeats them. The value of an
-    option it does not take (``--tok=VALUE``, or the argument after ``--tokn``) may be a
-    secret given to a misspelt option: it shows as ``***``, or, a URL (a store's given to
-    ``--stroe``), with ``***`` in place of its password. Other arguments are shown, with
-    the password of a URL among them so hidden."""
+    option it does not take (``--tok=VALUE``, the argument after ``--tokn``, ``-tVALUE``)
+    may be a secret given to a misspelt option: it shows as ``***``, or, a URL (a
+    store's given to ``--stroe``), with ``***`` in place of its password. Other
+    arguments are shown as :func:`_value_shown` shows them."""
     shown: list[str] = []
     after_option = False
     for token in unknown:
-        option, equals, value = token.partition("=")
-        if token.startswith("-"):
-            shown.append(f"{option}={_value_shown(value)}" if equals else token)
-            after_option = not equals
+        name, equals, value = token.partition("=")
+        if _OPTION.fullmatch(token):
+            shown.append(token)
+            after_option = True
+            continue
+        if _OPTION.fullmatch(name) and equals:
+            shown.append(f"{name}={_value_shown(value, secret=True)}")
+        elif token.startswith("-") and not after_option:  # (-tVALUE: a short option's)
+            shown.append(f"{token[:2]}***")
         else:
-            shown.append(_value_shown(token) if after_option else redact(token))
-            after_option = False
+            shown.append(_value_shown(token, secret=after_option))
+        after_option = False
     return " ".join(shown)
 
 
-def _value_shown(value: str) -> str:
-    return redact(value) if _URL_START.match(value) else "***"
+def _value_shown(value: str, *, secret: bool = False) -> str:
+    """A value as a refusal repeats it: a URL with ``***`` in place of its password, a
+    plain word (a misspelt command or choice) as it is unless it is the value of an
+    option the command does not take (``secret``), anything else as ``***`` (it may be
+    a secret given where the command did not expect it)."""
+    if is_url(value):
+        return redact(value)
+    return value if _WORD.fullmatch(value) and not secret else "***"
 
 
-#: How a URL begins: its scheme and a slash (``redis://``, ``sqlite:///``, ``redis:/``).
-_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:/")
+#: An option's name (``--store-file``, ``-h``), which a refusal shows as it is.
+_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9_-]*|-[A-Za-z]")
+#: A plain word (``serv``, ``runing``, ``store-file``) or a short number (``-1``,
+#: ``0.5``), which a refusal shows as it is.
+_WORD = re.compile(r"[a-z]{1,32}(?:[-_][a-z]{1,32}){0,3}|[-+]?[0-9.]{1,12}")
+#: The values argparse's refusals repeat, quoted as ``repr`` quotes them: its own, and
+#: those of the options' types (``argument --port: '80a' is not a port``).
+_REFUSED_VALUE = re.compile(
+    r"(invalid choice: |ignored explicit argument |invalid [\w ]+ value: |argument [^:']*: )"
+    r"(?:'(?P<single>[^']*)'|\"(?P<double>[^\"]*)\")"
+)
+
+
+def _refusal_shown(message: str) -> str:
+    """argparse's refusal ``message`` with each value it repeats shown as
+    :func:`_value_shown` shows it, and the password of any URL in it as ``***``."""
+
+    def shown(match: re.Match[str]) -> str:
+        quote = "'" if match.group("single") is not None else '"'
+        value = match.group("single") if quote == "'" else match.group("double")
+        return f"{match.group(1)}{quote}{_value_shown(value)}{quote}"
+
+    return redact_urls(_REFUSED_VALUE.sub(shown, message))
 
 
 class _Parser(argparse.ArgumentParser):
     """Errors in arguments are one line on stderr (and exit status 2), where a URL's
-    password shows as ``***``. An option is never taken by an abbreviation of its name:
-    a misspelt option is refused, rather than taken for another (``--store`` and
+    password shows as ``***``, and so does a value refused that may be a secret (see
+    ``_value_shown``). An option is never taken by an abbreviation of its name: a
+    misspelt option is refused, rather than taken for another (``--store`` and
     ``--store-file`` begin alike). The parsers of subcommands are of this class too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -146,8 +179,9 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # (argparse repeats what it refuses: a store URL given to --stor=, a value that
-        # is not one of the choices, a command it has not)
-        self.exit(2, f"{self.prog}: {redact_urls(message)} (see {self.prog} --help)\n")
+        # is not one of the choices, a command it has not; a secret given to an option
+        # before the command is taken for the command)
+        self.exit(2, f"{self.prog}: {_refusal_shown(message)} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -207,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--token-file",
         default=None,
         metavar="PATH",
-        help="read the token from this file (a trailing newline is dropped); without --token or "
-        "--token-file, the token is SESSIONACTORS_TOKEN if it is set",
+        help="read the token from this file (one line; a trailing newline is dropped); "
+        "without --token or --token-file, the token is SESSIONACTORS_TOKEN if it is set",
     )
     serve.add_argument(
         "--trusted-origin",

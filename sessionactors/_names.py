@@ -13,6 +13,7 @@ __all__ = [
     "as_session_id",
     "damaged_name",
     "delete_command",
+    "is_url",
     "name_bytes",
     "redact",
     "redact_urls",
@@ -145,6 +146,13 @@ def redact(url: str) -> str:
         )
         rest = f"{path}?{query}"
     return f"{head}{rest}"
+
+
+def is_url(text: str) -> bool:
+    """Whether ``text`` begins as a URL: a scheme and a slash (``redis://``,
+    ``sqlite:///``, ``redis:/`` a slash short), as :func:`redact` reads one."""
+    scheme = _SCHEME.match(text)
+    return scheme is not None and scheme.group().endswith("/")
 
 
 def redact_urls(text: str) -> str:

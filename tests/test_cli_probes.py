@@ -228,19 +228,50 @@ def test_arguments_a_command_does_not_take_are_named_without_a_password(tmp_path
         assert f"unrecognized arguments: {shown}redis://:***@127.0.0.1:6379/0" in line, line
 
 
-def test_the_value_of_an_option_a_command_does_not_take_is_not_shown(tmp_path: Path) -> None:
-    """A secret given to a misspelt option (``--tok=SECRET``, ``--tokn SECRET``) is not
-    repeated in the refusal, which names the option and shows *** for its value; an
-    argument that follows no option is still shown, to say what was not taken."""
+#: Arguments that put a secret where a command refuses it (a misspelt option's value, a
+#: value given to a flag, an option before the command, a short option with its value
+#: attached, a secret that begins with "-"), each with what its refusal shows instead.
+SECRET_REFUSALS: list[tuple[list[str], str]] = [
+    (["serve", "--store", "memory://", "--agent", "agents:a", f"--tok={SECRET}"], "unrecognized arguments: --tok=***"),
+    (["serve", "--store", "memory://", "--agent", "agents:a", "--tokn", SECRET], "unrecognized arguments: --tokn ***"),
+    (["serve", "--store", "memory://", "--agent", "agents:a", "--tokn", f"-{SECRET}"], "ignored explicit argument '***'"),
+    (["serve", "--store", "memory://", "--agent", "agents:a", f"-t{SECRET}"], "unrecognized arguments: -t***"),
+    (["sessions", "list", "--store", "memory://", "--pasword", SECRET, "extra"], "unrecognized arguments: --pasword *** extra"),
+    (["sessions", "list", "--store", "memory://", "--json", SECRET], "unrecognized arguments: ***"),
+    (["sessions", "list", "--store", "memory://", f"--json={SECRET}"], "ignored explicit argument '***'"),
+    (["--token", SECRET, "serve", "--store", "memory://", "--agent", "agents:a"], "invalid choice: '***'"),
+    (["sessions", "--tokn", SECRET, "list"], "invalid choice: '***'"),
+    (["serve", "--store", "memory://", "--agent", "agents:a", "--port", SECRET], "'***' is not a whole number"),
+    (["sessions", "list", "--store", "memory://", "--limit", SECRET], "'***' is not a whole number"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "shown"), SECRET_REFUSALS)
+def test_a_secret_given_where_a_command_refuses_it_is_not_shown(
+    tmp_path: Path, args: list[str], shown: str
+) -> None:
+    """A secret given where the command line refuses it (to a misspelt option, to a
+    flag, before the command) is not repeated in the refusal, which shows *** in its
+    place and still names the option."""
+    done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    line = one_line(done, 2)
+    assert SECRET not in done.stderr + done.stdout, done.stderr
+    assert SECRET[2:-2] not in done.stderr, done.stderr
+    assert shown in line, line
+
+
+def test_a_misspelt_command_or_choice_is_still_named() -> None:
+    """A plain word that is not a command, a choice or an argument is named in the
+    refusal (it is no secret: the user needs to see what was not taken)."""
     for args, shown in [
-        (["serve", "--store", "memory://", "--agent", "agents:a", f"--tok={SECRET}"], "--tok=***"),
-        (["serve", "--store", "memory://", "--agent", "agents:a", "--tokn", SECRET], "--tokn ***"),
-        (["sessions", "list", "--store", "memory://", "--pasword", SECRET, "extra"], "--pasword *** extra"),
+        (["serv"], "invalid choice: 'serv'"),
+        (["sessions", "lists"], "invalid choice: 'lists'"),
+        (["sessions", "list", "--store", "memory://", "--status", "runing"], "invalid choice: 'runing'"),
+        (["sessions", "list", "--store", "memory://", "extra"], "unrecognized arguments: extra"),
+        (["serve", "--store", "memory://", "--agent", "agents:a", "--port", "70000"], "'70000' is not a port"),
     ]:  # fmt: skip
-        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
-        line = one_line(done, 2)
-        assert SECRET not in done.stderr + done.stdout, done.stderr
-        assert f"unrecognized arguments: {shown}" in line, line
+        line = one_line(command(*args, stdin=subprocess.DEVNULL), 2)
+        assert shown in line, line
 
 
 #: A store URL holding the password, and one whose password holds a space and a quote
