@@ -30,9 +30,11 @@ def read_given(
     whitespace is dropped (``export X="$(cat f)"`` is the same). ``what`` names the
     value in messages, as ``("the store's URL", "a store's URL")``.
 
-    Raises ``ValueError`` for both options given, and for a file that cannot be read,
-    is empty, holds more than one line or more than ``MAX_GIVEN_FILE`` characters (and
-    the variable so): its message names the file or the variable, never what it holds."""
+    Raises ``ValueError`` for both options given, for a file that cannot be read, is
+    empty, holds more than one line or more than ``MAX_GIVEN_FILE`` characters, and for
+    a variable that is empty or of more than one line: its message names the file or
+    the variable, never what it holds. A file's byte order mark (as some editors write
+    one) is not part of its value."""
     the, a = what
     if value is not None and path is not None:
         raise ValueError(f"give {option} or {file_option}, not both")
@@ -41,7 +43,7 @@ def read_given(
     if path is not None:
         where = f"{file_option} {path!r}"
         try:
-            with open(path, encoding="utf-8") as file:
+            with open(path, encoding="utf-8-sig") as file:
                 text = file.read(MAX_GIVEN_FILE + 1)
         except (OSError, UnicodeDecodeError) as exc:
             reason = (

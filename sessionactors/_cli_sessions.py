@@ -155,8 +155,8 @@ def add_store_arguments(parser: argparse.ArgumentParser, urls: str) -> None:
         "--store-file",
         default=None,
         metavar="PATH",
-        help="read the store's URL from this file (a trailing newline is dropped); without "
-        f"--store or --store-file, the store is {STORE_VARIABLE}",
+        help="read the store's URL from this file (one line; a trailing newline is "
+        f"dropped); without --store or --store-file, the store is {STORE_VARIABLE}",
     )
 
 

@@ -232,16 +232,18 @@ def test_a_forced_stop_is_logged_and_exits_with_status_1(tmp_path: Path) -> None
     assert "stopped at once" in server.stderr, server.stderr
 
 
-@pytest.mark.parametrize("how", ["env", "env-spaced", "file"])
+@pytest.mark.parametrize("how", ["env", "env-spaced", "file", "file-bom-crlf"])
 def test_serve_reads_its_token_from_the_environment_or_a_file(tmp_path: Path, how: str) -> None:
     """The token can come from SESSIONACTORS_TOKEN or --token-file (either one's
-    surrounding whitespace, a trailing newline, dropped alike), so that it never shows
-    in the process list: requests without it get 401."""
+    surrounding whitespace, a trailing newline, dropped alike; a file's byte order mark
+    too, as Windows editors write one), so that it never shows in the process list:
+    requests without it get 401."""
     token = "env-s3cret"
     extra: list[str] = []
     env = {"SESSIONACTORS_TOKEN": f" {token}\n" if how == "env-spaced" else token}
-    if how == "file":
-        (tmp_path / "token").write_text(f"{token}\n")
+    if how.startswith("file"):
+        text = f"{token}\n" if how == "file" else f"\ufeff{token}\r\n"
+        (tmp_path / "token").write_text(text, encoding="utf-8", newline="")
         extra, env = ["--token-file", str(tmp_path / "token")], {}
     with (
         serve_command(f"sqlite:///{tmp_path / 'served.db'}", *extra, env=env) as server,
