@@ -258,9 +258,9 @@ def _ping(port: int) -> bool:
 
 @contextlib.contextmanager
 def redis_url() -> Iterator[str | None]:
-    """``SESSIONACTORS_REDIS_URL``, else a private durable redis-server on 127.0.0.1, else
-    None."""
-    url = os.environ.get("SESSIONACTORS_REDIS_URL")
+    """``SESSIONACTORS_REDIS_URL`` (the first, where it holds several separated by spaces,
+    as CI sets it), else a private durable redis-server on 127.0.0.1, else None."""
+    url = next(iter(os.environ.get("SESSIONACTORS_REDIS_URL", "").split()), None)
     if url:
         yield url
         return
