@@ -540,8 +540,9 @@ def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_B
         stored, saved = _by_reference(state)
     except FieldError as exc:
         _check(_raise, exc, "snapshot", state.session_id)
+    form = _keys_whole if stored is state else None
     return _encode(
-        unstructure_state, stored, "snapshot", state.session_id, max_size, containers - saved
+        unstructure_state, stored, "snapshot", state.session_id, max_size, containers - saved, form
     )
 
 
@@ -551,10 +552,13 @@ def _by_reference(state: SessionState) -> tuple[SessionState, int]:
     to it) by its reply's id, without the reply (loading resolves it), at the oldest
     schema version that holds that (version 2 when no key is written so). Raises
     FieldError for a key that would not load back as it is (a ``reply_id`` that is not
-    its reply's; no reply, but a ``reply_id`` the history holds)."""
+    its reply's; no reply, but a ``reply_id`` the history holds).
+
+    A state without completed keys is given back as it is (no copy: this runs for
+    every snapshot), to be written at version 2 by :func:`_keys_whole`."""
     completed = state.completed
     if not completed:
-        return attrs.evolve(state, schema_version=KEYS_WHOLE_VERSION), 0
+        return state, 0
     held = {m.id: m for m in state.messages}
     stored: list[CompletedTurn] = []
     saved = 0
@@ -581,6 +585,13 @@ def _by_reference(state: SessionState) -> tuple[SessionState, int]:
     written = any(turn.reply is None for turn in stored)
     version = SCHEMA_VERSION if written else KEYS_WHOLE_VERSION
     return attrs.evolve(state, completed=tuple(stored), schema_version=version), saved
+
+
+def _keys_whole(raw: dict[str, Any]) -> dict[str, Any]:
+    """The unstructured ``raw`` of a state without completed keys, at the version that
+    holds them whole (version 2: what ``_by_reference`` writes for such a state)."""
+    raw["schema_version"] = KEYS_WHOLE_VERSION
+    return raw
 
 
 class SnapshotWriter:
@@ -668,6 +679,8 @@ class SnapshotWriter:
         rest = attrs.evolve(stored, messages=())
         total = check_state(rest) + containers  # the empty tuple counted the array
         raw = unstructure_state(rest)
+        if stored is state:
+            _keys_whole(raw)
         keys = list(raw)
         at = keys.index("messages")
         # (both parts have fewer than 16 fields: each packs with a one-byte header)
