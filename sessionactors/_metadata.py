@@ -6,9 +6,10 @@ will journal it, so that what is refused here is exactly what the store would
 refuse, before anything is written.
 """
 
+import datetime
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -35,12 +36,27 @@ __all__ = [
 ]
 
 
-def check_info_room(info: SessionInfo) -> None:
+def check_info_room(info: SessionInfo, size: int | None = None) -> None:
     """``ValueError`` naming the session if its info, which holds its metadata, could
     pass the size limit as the session lives on: checked with the fields that change
     (status, counts, usage, time) at their largest, so that no later write finds it
-    too large."""
-    largest = attrs.evolve(
+    too large. ``size``: the info's encoded size, if known: an info with room for the
+    most those fields can grow is not encoded again."""
+    if size is not None and size + _MOST_GROWTH <= MAX_INFO_BYTES:
+        return
+    try:
+        dump_info(_largest(info))
+    except ValueError as exc:
+        raise ValueError(
+            f"the metadata of session {info.session_id!r} leaves no room in its info, which "
+            f"holds it with fields that grow as the session lives ({MAX_INFO_BYTES:,} bytes "
+            "at most); keep large values out of metadata (store a reference to them)"
+        ) from exc
+
+
+def _largest(info: SessionInfo) -> SessionInfo:
+    """``info`` with the fields that change as the session lives at their largest."""
+    return attrs.evolve(
         info,
         status=Status.HIBERNATED,  # the longest status
         message_count=MAX_SEQ,
@@ -48,14 +64,24 @@ def check_info_room(info: SessionInfo) -> None:
         usage=Usage(input_tokens=MAX_SEQ, output_tokens=MAX_SEQ),
         updated_at=info.updated_at.replace(microsecond=1),  # (a whole second packs shorter)
     )
-    try:
-        dump_info(largest)
-    except ValueError as exc:
-        raise ValueError(
-            f"the metadata of session {info.session_id!r} leaves no room in its info, which "
-            f"holds it with fields that grow as the session lives ({MAX_INFO_BYTES:,} bytes "
-            "at most); keep large values out of metadata (store a reference to them)"
-        ) from exc
+
+
+def _most_growth() -> int:
+    """The most bytes an info's encoding grows by as its changing fields reach their
+    largest: from each at its smallest (the shortest status, zero counts, no usage, a
+    whole second). Each field packs apart from the others, so no info grows more."""
+    smallest = SessionInfo(
+        session_id="s",
+        agent=None,
+        status=min(Status, key=lambda status: len(status.value)),
+        message_count=0,
+        updated_at=datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC),
+    )
+    return len(dump_info(_largest(smallest))) - len(dump_info(smallest))
+
+
+#: See ``_most_growth``.
+_MOST_GROWTH: Final = _most_growth()
 
 
 def check_metadata(session_id: str, metadata: object, *, stored: int = 0) -> dict[str, Any]:

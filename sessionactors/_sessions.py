@@ -269,8 +269,9 @@ class Sessions:
             raise exists_error(name)
         try:
             snapshot = dump_snapshot(session.to_state())
-            info = dump_info(session.info())
-            check_info_room(session.info())  # (room for what its later writes hold)
+            described = session.info()
+            info = dump_info(described)
+            check_info_room(described, len(info))  # (room for what its later writes hold)
         except (TypeError, ValueError) as exc:  # the codec's message says what, where
             raise type(exc)(f"session {name!r} cannot be stored: {exc}") from exc
         try:
