@@ -294,6 +294,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="log a line per request (address, method, path without its query, status)",
     )
+    serve.add_argument(
+        "--otel",
+        action="store_true",
+        help="report traces and metrics through OpenTelemetry's global providers, which the "
+        "--agent module sets up (or opentelemetry-instrument); needs sessionactors[otel]",
+    )
     add_sessions_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     # (the command's name, as its errors begin)

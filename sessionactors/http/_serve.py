@@ -380,6 +380,18 @@ def configure_logging(level: str, *, access_log: bool = False) -> None:
         logging.getLogger("hypercorn.access").setLevel(logging.INFO)
 
 
+def _telemetry() -> sa.Telemetry:
+    """``--otel``: OpenTelemetry with the global providers (made after the agents'
+    module was imported, which may set them up; a provider set later is used too)."""
+    try:
+        from ..otel import OpenTelemetry
+    except ImportError as exc:
+        raise ImportError(
+            f"--otel needs the OpenTelemetry API: pip install 'sessionactors[otel]' ({exc})"
+        ) from None
+    return OpenTelemetry()
+
+
 def read_token(args: argparse.Namespace) -> str | None:
     """The token that ``--token``, ``--token-file`` or the environment gives, or None
     (a file's or the variable's surrounding whitespace dropped alike). Raises
@@ -414,6 +426,7 @@ def main(args: argparse.Namespace) -> int:
             shutdown_grace=args.shutdown_grace,
             idle_timeout=args.idle_timeout,
             lease_ttl=args.lease_ttl,
+            telemetry=_telemetry() if args.otel else None,
         )
     except (ValueError, ImportError) as exc:
         print(f"sessionactors serve: {exc}", file=sys.stderr)

@@ -232,6 +232,28 @@ def test_a_forced_stop_is_logged_and_exits_with_status_1(tmp_path: Path) -> None
     assert "stopped at once" in server.stderr, server.stderr
 
 
+@pytest.mark.parametrize("otel", [True, False], ids=["otel", "control-without"])
+def test_serve_reports_through_opentelemetry_with_otel(tmp_path: Path, otel: bool) -> None:
+    """serve --otel reports each turn's spans through OpenTelemetry's global providers,
+    which the --agent module set up (as an app does, or opentelemetry-instrument);
+    without --otel nothing is reported (the control)."""
+    spans = tmp_path / "spans"
+    spans.touch()
+    extra = ["--agent", "otel_agents:agents", *(["--otel"] if otel else [])]
+    with (
+        serve_command(f"sqlite:///{tmp_path / 'served.db'}", *extra, env={"SPANS_FILE": str(spans)}) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):  # fmt: skip
+        answer = client.post("/sessions/traced/messages", json={"text": "hello there"})
+        assert answer.status_code == 200, answer.text
+    names = spans.read_text().splitlines()
+    if otel:
+        assert any(name.startswith("invoke_agent ") for name in names), names
+        assert any(name.startswith("chat ") for name in names), names
+    else:
+        assert names == []
+
+
 @pytest.mark.parametrize("how", ["env", "env-spaced", "file", "file-bom-crlf"])
 def test_serve_reads_its_token_from_the_environment_or_a_file(tmp_path: Path, how: str) -> None:
     """The token can come from SESSIONACTORS_TOKEN or --token-file (either one's
