@@ -446,6 +446,42 @@ async def test_the_gateway_answers_a_request_whose_answer_never_came_503(
     assert told[0].exc_info is None
 
 
+async def test_the_gateway_logs_a_session_crashed_by_its_worker_s_death_in_one_warning(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the HTTP gateway, a message whose session's worker dies mid-turn gets 500
+    SessionCrashedError (the turn may have run in part), and the server logs it at
+    WARNING in one line naming the session, as the docs say: not "request failed" at
+    ERROR with a traceback, which pages someone for a worker's death that the log of
+    its lease's loss already told."""
+    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
+    with trio.fail_after(60):
+        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+        await a.call("spawn", names=["s"])
+        async with (
+            cluster.registry(balance=False) as t,
+            serve_trio(create_app(t)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+
+            async def kill_once_it_streams() -> None:
+                async with t.ref("s").subscribe() as events:
+                    async for event in events:
+                        if isinstance(event, sa.Delta):
+                            a.signal(signal.SIGKILL)
+                            return
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_once_it_streams)
+                answer = await client.post("/sessions/s/messages", json={"text": text})
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["error"] == "SessionCrashedError", answer.text
+    told = [r for r in caplog.records if r.name.startswith("sessionactors.http")]
+    assert [r.levelname for r in told] == ["WARNING"], [r.getMessage() for r in told]
+    assert told[0].exc_info is None
+    assert "'s'" in told[0].getMessage()
+
+
 async def test_a_request_that_never_reaches_its_owner_ends_within_the_deadline(
     cluster: Cluster,
 ) -> None:

@@ -682,8 +682,12 @@ class SessionsApp:
         if unmarked(error):
             log.warning("a request failed, told to its client by its kind: %s", error)
             message = unmarked_told(error)
-        elif isinstance(error, sa.SessionCrashedError) and has_private(error):
-            log.warning("a request met a crashed session: %s", error)
+        elif isinstance(error, sa.SessionCrashedError):
+            # (its cause was logged where it crashed, or is the death of its worker,
+            # which that worker's lease told: one line; a cause that is private is told
+            # the client by its kind, and here in full)
+            shown = error if has_private(error) else " ".join(message.split())
+            log.warning("a request met a crashed session: %s", shown)
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
             log.warning("a request failed in the store: %s", message)
             session = error.session_id
