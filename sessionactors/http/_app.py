@@ -60,6 +60,7 @@ from ._json import (
 )
 from ._sockets import WRITE_BYTES, WriteGuard
 from ._sse import (
+    RETRY_MS,
     STALL_HEARTBEATS,
     EventStreamResponse,
     FrameCache,
@@ -1230,7 +1231,22 @@ class SessionsApp:
                 EventStreamResponse(self._hooks, functools.partial(self._all_events, ref, after)),
             )
 
-        return await self._handle(request, "events", handler)
+        answer = await self._handle(request, "events", handler)
+        if (
+            not isinstance(answer, EventStreamResponse)
+            and answer.status_code == 503
+            and self._closed_problem()
+            and _wants_events(request)
+        ):
+            # a browser's EventSource gives up for good on any answer but 200 (as one
+            # reconnecting while the server drains gets): an empty stream that says when
+            # to come back has it reconnect, with its Last-Event-ID, to the next server
+            return Response(
+                f"retry: {RETRY_MS}\n\n",
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        return answer
 
     async def _websocket(self, websocket: WebSocket) -> None:
         name = _param(websocket, "name")

@@ -649,6 +649,36 @@ def test_serve_exits_at_once_after_a_request_with_another_sent_behind_it_on_sigt
     assert json.loads(body)["text"] == slow, body
 
 
+def test_a_browser_event_stream_that_reconnects_during_the_drain_is_told_to_come_back(
+    tmp_path: Path,
+) -> None:
+    """An event stream that reconnects while the server drains (as a browser's
+    EventSource does a second after its stream ended at SIGTERM) is answered with an
+    empty stream that says when to come back (``retry:``), not 503: an EventSource gives
+    up for good on any answer but 200, and would never reach the next server. A request
+    that does not ask for an event stream is still answered 503."""
+    db = tmp_path / "served.db"
+    events = {"accept": "text/event-stream", "last-event-id": "4"}
+    with (
+        serve_command(f"sqlite:///{db}", "--drain-delay", "6") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        assert client.post("/sessions/s/messages", json={"text": "hi"}).status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while client.get("/healthz").status_code == 200:
+            assert time.monotonic() < deadline, "no 503 within 30 s of SIGTERM"
+            time.sleep(0.05)
+        stream = client.get("/sessions/s/events", headers=events)
+        plain = client.get("/sessions/s/events")
+        server.process.wait(timeout=60)
+    assert stream.status_code == 200, stream.text
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert stream.text.startswith("retry: "), stream.text
+    assert "data:" not in stream.text
+    assert plain.status_code == 503, plain.text
+
+
 def test_serve_with_a_drain_delay_answers_503_after_sigterm_before_it_stops_listening(
     tmp_path: Path,
 ) -> None:
