@@ -618,6 +618,9 @@ class SessionsApp:
     def _json(
         self, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
     ) -> Response:
+        """A JSON answer, which no cache may store (it holds a conversation, or tells
+        what is true now)."""
+        headers = {"cache-control": "no-store", **(headers or {})}
         return self._answer(dumps(data), "application/json", status, headers)
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:

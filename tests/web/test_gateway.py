@@ -117,6 +117,27 @@ async def test_messages_and_session_routes_answer_json(serve: Serve) -> None:
             assert (await client.get("/sessions/chat-1")).status_code == 404
 
 
+async def test_json_answers_are_never_stored_by_a_cache(serve: Serve) -> None:
+    """Every JSON answer (a reply, a session's history, the listing, a turn's outcome, an
+    error) says ``Cache-Control: no-store``: it holds a conversation, which no browser or
+    proxy cache may keep (with ``?access_token=`` in the URL nothing else marks it
+    private)."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            reply = await client.post("/sessions/c/messages", json={"text": "private words"})
+            turn = reply.json()["turn_id"]
+            answers = [
+                reply,
+                await client.get("/sessions/c"),
+                await client.get("/sessions"),
+                await client.get(f"/sessions/c/turns/{turn}"),
+                await client.get("/sessions/missing"),
+            ]
+    for answer in answers:
+        assert answer.headers["content-type"] == "application/json", answer.request.url
+        assert answer.headers.get("cache-control") == "no-store", answer.request.url
+
+
 async def test_the_cancel_route_and_frame_cancel_only_the_turn_they_name(serve: Serve) -> None:
     """POST /sessions/{name}/cancel with {"turn_id": ...} (and a WebSocket cancel frame with
     one) cancels the turn in flight only if it is that turn: another id answers false and
