@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, Literal, TypeAlias, get_args
@@ -34,6 +35,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import attrs
 import coredis
 import coredis.exceptions
+import trio
 from coredis.connection import BaseConnection, TCPLocation
 from coredis.pool import BaseConnectionPool, SentinelConnectionPool
 from coredis.retry import CompositeRetryPolicy, ConstantRetryPolicy, NoRetryPolicy, RetryPolicy
@@ -52,6 +54,28 @@ __all__ = [
     "check_persistence",
     "open_client",
 ]
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is a cancellation, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(inner) for inner in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+class _CancelledIsNoFailure(logging.Filter):
+    """Drops what the Redis client logs of a connection that a cancellation cut short
+    as it opened (a store call given up by its caller or its deadline, a store or a
+    registry closing): "Connection attempt failed unexpectedly!" at ERROR, with a
+    traceback of cancellations, is no failure, and would page an operator for none.
+    A connection that failed otherwise is still logged (and its store call fails)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failure = record.exc_info[1] if record.exc_info else None
+        return failure is None or not _only_cancelled(failure)
+
+
+logging.getLogger("coredis").addFilter(_CancelledIsNoFailure())
 
 #: Any coredis client: one server, a cluster, or a Sentinel's master.
 Client: TypeAlias = coredis.client.Client[bytes]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -534,3 +535,32 @@ async def test_a_server_restarted_without_its_append_only_file_is_refused(
                 await client.config_set({"appendonly": "yes"})
             await store.create("t", b"snap", b"i")  # fixed: accepted
         await store.aclose()
+
+
+async def test_a_connection_cancelled_as_it_opens_logs_no_error(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store call cancelled while its connection's handshake waits on a stalled
+    redis-server (SIGSTOP: a move_on_after, a registry closing, a task the app
+    cancelled), and the store closed while it still waits, log nothing at ERROR: the
+    Redis client said "Connection attempt failed unexpectedly!" with a hundred lines of
+    cancellations, which pages an operator for what is no failure. A store works once
+    the server answers again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with private_redis_server() as url, trio.fail_after(30):
+        store = RedisStore(url, prefix=prefix, timeout=5.0)
+        pid = await pid_of(url)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with trio.move_on_after(0.5) as cancelled:
+                await store.load("s")
+            assert cancelled.cancelled_caught
+            await store.aclose()  # (its connection still opening)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        again = RedisStore(url, prefix=prefix, timeout=5.0)
+        assert await again.load("s") is None
+        await again.aclose()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [f"{r.name}: {r.getMessage()}" for r in errors]
