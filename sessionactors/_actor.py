@@ -230,6 +230,7 @@ class Counters:
         "hibernated",
         "idle_hibernations",
         "leases_lost",
+        "requests_refused",
         "restarts",
         "spawned",
         "turns_cancelled",
@@ -242,6 +243,7 @@ class Counters:
         self.spawned = self.woken = self.hibernated = self.idle_hibernations = 0
         self.crashes = self.restarts = self.failed = self.leases_lost = 0
         self.turns_completed = self.turns_failed = self.turns_cancelled = 0
+        self.requests_refused = 0
 
 
 class Host(Protocol):

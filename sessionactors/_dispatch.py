@@ -222,6 +222,7 @@ class Dispatcher:
             actor.send.send_nowait(mail)
             actor.note_queued(turn_id)
         except trio.WouldBlock:
+            sessions.stats.requests_refused += 1
             raise advised(
                 MailboxFullError,
                 f"the mailbox of session {name!r} is full "

@@ -70,6 +70,8 @@ class RegistryStatistics:
     turns_failed: int
     turns_cancelled: int
     leases_lost: int
+    #: requests refused because their session's mailbox was full (``MailboxFullError``)
+    requests_refused: int
 
 
 class Registry(metaclass=NoPublicConstructor):
@@ -377,6 +379,7 @@ class Registry(metaclass=NoPublicConstructor):
             turns_failed=s.turns_failed,
             turns_cancelled=s.turns_cancelled,
             leases_lost=s.leases_lost,
+            requests_refused=s.requests_refused,
         )
 
     def _agent_key(self, agent: str | None, name: str) -> str:

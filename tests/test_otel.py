@@ -446,3 +446,31 @@ async def test_a_telemetry_hook_that_raises_is_logged_and_fails_nothing(
     assert len(reports) == 1, "a failing hook is logged once (not at every turn)"
     assert reports[0].levelname == "WARNING"
     assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+
+
+async def test_requests_refused_by_a_full_mailbox_are_counted(otel: Otel) -> None:
+    """A request refused because its session's mailbox is full (MailboxFullError, the
+    gateway's 429) is counted: ``statistics().requests_refused`` and the
+    ``sessionactors.mailbox.refused`` counter, the back-pressure an operator alerts on
+    (the mailbox depth, taken as each turn starts, cannot show a mailbox that is full)."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(text="one", wait=gate), Scripted(text="two")])
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model)}, telemetry=otel.telemetry, mailbox_size=1
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            first = await ref.submit("hello")
+            await trio.testing.wait_all_tasks_blocked()  # its turn runs: the mailbox is empty
+            second = ref.submit_nowait("again")  # waits in the mailbox, which is full
+            refused = 0
+            for _ in range(3):
+                with pytest.raises(sa.MailboxFullError):
+                    ref.submit_nowait("refused")
+                refused += 1
+            assert registry.statistics().requests_refused == refused
+            assert otel.points("sessionactors.mailbox.refused")[0].value == refused
+            gate.set()
+            await first.reply()
+            await second.reply()
+        assert registry.statistics().requests_refused == refused

@@ -70,7 +70,14 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
     "sessionactors.sessions.wakes": (
         "observable counter",
         "{session}",
-        "hibernated sessions woken from the store since the registries opened",
+        "sessions whose actor started from the store since the registries opened (a "
+        "hibernated one woken, a spawned one at its first request)",
+    ),
+    "sessionactors.mailbox.refused": (
+        "observable counter",
+        "{request}",
+        "requests refused because their session's mailbox was full (MailboxFullError) "
+        "since the registries opened",
     ),
     "sessionactors.mailbox.depth": (
         "histogram",
@@ -170,6 +177,7 @@ class OpenTelemetry(Telemetry):
             ("sessionactors.sessions.live", "live"),
             ("sessionactors.sessions.hibernations", "hibernated"),
             ("sessionactors.sessions.wakes", "woken"),
+            ("sessionactors.mailbox.refused", "requests_refused"),
         ):
             kind, unit, description = METRICS[name]
             make = (
