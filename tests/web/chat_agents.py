@@ -103,3 +103,7 @@ agents = trio_agents()
 
 #: An agent that echoes at once, a word per chunk (``serve --agent chat_agents:echo``).
 echo = {"echo": sa.Agent(model=EchoModel())}
+
+#: Two agents, so that a new session's first message must name one
+#: (``serve --agent chat_agents:two``).
+two = {**agents, **echo}

@@ -147,3 +147,40 @@ def test_the_chat_page_keeps_what_a_failed_turn_streamed(browser: object, tmp_pa
         expect(kept).to_have_text("half an answer")
         page.close()
         assert not errors
+
+
+def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
+    browser: object, tmp_path: Path
+) -> None:
+    """On a server of several agents, a new session's first message must name one: the
+    page takes the agent with the session's name and sends it with the first message.
+    Without one the server's refusal (422, it names the agents) stays shown: it was
+    erased at once, with the message, as the page looked for the session anew."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'agents.db'}"
+    with serve_command(store, "--agent", "chat_agents:two") as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"{server.url}/#session=web-none")
+        expect(page.locator("#title")).to_have_text("web-none")
+        page.fill("#text", "who answers")
+        page.press("#text", "Enter")
+        refused = page.locator(".message.error")
+        expect(refused).to_contain_text("names no agent", timeout=10_000)
+        page.wait_for_timeout(1_000)  # (the page looked for the session again within this)
+        expect(refused).to_contain_text("names no agent")
+
+        page.fill("#new-session", "web-echo")
+        page.fill("#new-agent", "echo")
+        page.press("#new-session", "Enter")
+        expect(page.locator("#title")).to_have_text("web-echo")
+        page.fill("#text", "hello from the echo")
+        page.press("#text", "Enter")
+        expect(page.locator(".message.assistant")).to_have_text(["hello from the echo"], timeout=10_000)
+        state = httpx.get(f"{server.url}/sessions/web-echo", timeout=10).json()
+        assert state["agent"] == "echo", state
+        page.close()
+        assert not errors
