@@ -474,3 +474,34 @@ async def test_requests_refused_by_a_full_mailbox_are_counted(otel: Otel) -> Non
             await first.reply()
             await second.reply()
         assert registry.statistics().requests_refused == refused
+
+
+async def test_tool_calls_are_counted_by_tool_and_failure(otel: Otel) -> None:
+    """Each tool call is counted in ``sessionactors.tool.calls`` by its tool's name, with
+    ``error.type`` when it failed: a tool that fails on every call (its database down)
+    leaves its turns finished (the model is told the error), and showed only on spans,
+    with no signal to alert on."""
+
+    @sa.tool
+    async def lookup(order_id: str) -> str:
+        """Look up an order."""
+        if order_id == "down":
+            raise ConnectionError("the orders database is down")
+        return "shipped"
+
+    model = ScriptedModel(
+        [
+            Scripted(tool_calls=[call("lookup", "c1", order_id="A1"), call("lookup", "c2", order_id="down")]),
+            "One of them failed.",
+        ]
+    )  # fmt: skip
+    agent = sa.Agent(model=model, tools=[lookup])
+    async with sa.open_registry(agents={"support": agent}, telemetry=otel.telemetry) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            assert (await ref.send("Where are they?")).text == "One of them failed."
+    calls = otel.points("sessionactors.tool.calls")
+    counted = {
+        (p.attributes["gen_ai.tool.name"], p.attributes.get("error.type")): p.value for p in calls
+    }
+    assert counted == {("lookup", None): 1, ("lookup", "ConnectionError"): 1}, counted

@@ -47,6 +47,12 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
         "how long one model call took (gen_ai.operation.name=chat, gen_ai.request.model,"
         " error.type when it failed)",
     ),
+    "sessionactors.tool.calls": (
+        "counter",
+        "{call}",
+        "tool calls, by gen_ai.tool.name, with error.type when the tool failed (the model "
+        "is told the error and the turn goes on)",
+    ),
     "gen_ai.client.operation.time_to_first_chunk": (
         "histogram",
         "s",
@@ -172,6 +178,7 @@ class OpenTelemetry(Telemetry):
         self.tokens = histogram("gen_ai.client.token.usage", _TOKENS)
         self.mailbox_depth = histogram("sessionactors.mailbox.depth", _DEPTHS)
         self.lagged = counter("sessionactors.subscribers.lagged")
+        self.tool_calls = counter("sessionactors.tool.calls")
         self.store_writes = histogram("sessionactors.store.write.duration", _STORE_SECONDS)
         for name, field in (
             ("sessionactors.sessions.live", "live"),
@@ -288,16 +295,22 @@ class _Turn(TurnTrace):
                 "gen_ai.tool.type": "function",
             },
         )
+        traced = _ToolCall(span)
         try:
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
-                yield _ToolCall(span)
+                yield traced
         except Exception as exc:  # (a tool's own errors come through ``failed``)
             _fail(span, exc)
+            traced.error_type = _error_type(exc)
             raise
         finally:
             span.end()
+            attributes = {"gen_ai.tool.name": call.name}
+            if traced.error_type is not None:
+                attributes["error.type"] = traced.error_type
+            self._otel.tool_calls.add(1, attributes)
 
     def end(self, outcome: str, error: BaseException | None) -> None:
         span = self._span
@@ -357,16 +370,19 @@ class _ModelCall(ModelCallTrace):
 
 
 class _ToolCall(ToolCallTrace):
-    __slots__ = ("_span",)
+    __slots__ = ("_span", "error_type")
 
     def __init__(self, span: Span) -> None:
         self._span = span
+        self.error_type: str | None = None  # (the call's failure, for its count)
 
     def failed(self, error: BaseException | None, message: str) -> None:
         span = self._span
         if error is not None:
             _fail(span, error)
+            self.error_type = _error_type(error)
         else:
+            self.error_type = "_OTHER"
             span.set_attribute("error.type", "_OTHER")
             span.set_status(Status(StatusCode.ERROR, storable(message[:200])))
 

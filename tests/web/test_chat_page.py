@@ -179,7 +179,9 @@ def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
         expect(page.locator("#title")).to_have_text("web-echo")
         page.fill("#text", "hello from the echo")
         page.press("#text", "Enter")
-        expect(page.locator(".message.assistant")).to_have_text(["hello from the echo"], timeout=10_000)
+        expect(page.locator(".message.assistant")).to_have_text(
+            ["hello from the echo"], timeout=10_000
+        )
         state = httpx.get(f"{server.url}/sessions/web-echo", timeout=10).json()
         assert state["agent"] == "echo", state
         page.close()
