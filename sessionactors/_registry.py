@@ -71,7 +71,7 @@ class RegistryStatistics:
     turns_cancelled: int
     leases_lost: int
     #: requests refused because their session's mailbox was full (``MailboxFullError``)
-    requests_refused: int
+    requests_refused: int = 0
 
 
 class Registry(metaclass=NoPublicConstructor):

@@ -474,6 +474,8 @@ async def test_requests_refused_by_a_full_mailbox_are_counted(otel: Otel) -> Non
             await first.reply()
             await second.reply()
         assert registry.statistics().requests_refused == refused
+    # the counter goes on from what a closed registry counted (never a reset)
+    assert otel.points("sessionactors.mailbox.refused")[0].value == refused
 
 
 async def test_tool_calls_are_counted_by_tool_and_failure(otel: Otel) -> None:

@@ -471,7 +471,9 @@ class SessionsApp:
         return self._registry
 
     def drain(self) -> None:
-        """End every open event stream and WebSocket; answer later requests with 503.
+        """End every open event stream and WebSocket; answer later requests with 503
+        (an event stream's with an empty stream saying ``retry:``, which a browser's
+        EventSource follows where a 503 would end it).
 
         Every answer from then on, those to the requests in flight too, says
         ``Connection: close``, so that its client sends its next request on a new
@@ -619,9 +621,11 @@ class SessionsApp:
         self, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
     ) -> Response:
         """A JSON answer, which no cache may store (it holds a conversation, or tells
-        what is true now)."""
-        headers = {"cache-control": "no-store", **(headers or {})}
-        return self._answer(dumps(data), "application/json", status, headers)
+        what is true now), unless ``headers`` say otherwise (in whatever case)."""
+        given = headers or {}
+        if not any(key.lower() == "cache-control" for key in given):
+            given = {"cache-control": "no-store", **given}
+        return self._answer(dumps(data), "application/json", status, given)
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
         """Starlette's own refusals (no such route, wrong method) as JSON errors too."""
@@ -1015,8 +1019,8 @@ class SessionsApp:
             log.info("health check: ok again")
         self._healthy = not problem
         if problem:
-            return self._json({"status": "unavailable"}, 503, headers={"cache-control": "no-store"})
-        return self._json({"status": "ok"}, headers={"cache-control": "no-store"})
+            return self._json({"status": "unavailable"}, 503)
+        return self._json({"status": "ok"})
 
     def _closed_problem(self) -> str:
         """Why the app cannot serve now ("" if it can): its registry not open, or draining."""

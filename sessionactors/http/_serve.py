@@ -125,7 +125,8 @@ async def serve(
     fails raises, and the address is never bound; a signal that comes before it
     listens stops it there (it raises ``KeyboardInterrupt``, binding nothing). On the
     first signal it drains the app (``/healthz`` and every new request are answered
-    503, every answer says ``Connection: close``, event streams and WebSockets end at
+    503, but an event stream's with an empty stream that says when to come back,
+    every answer says ``Connection: close``, event streams and WebSockets end at
     once); after ``drain_delay`` seconds (0 by default: set it to the time your load
     balancer takes to see the 503 of ``/healthz``) it stops listening, closes the idle
     connections and closes the app's registry while the requests in flight wait (once

@@ -220,7 +220,7 @@ class OpenTelemetry(Telemetry):
         stats = registry.statistics()
         with self._lock, contextlib.suppress(ValueError):
             self._registries.remove(registry)
-            for field in ("hibernated", "woken"):
+            for field in ("hibernated", "woken", "requests_refused"):
                 self._closed[field] = self._closed.get(field, 0) + getattr(stats, field)
 
     def turn(
@@ -296,6 +296,7 @@ class _Turn(TurnTrace):
             },
         )
         traced = _ToolCall(span)
+        counted = True
         try:
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
@@ -305,12 +306,16 @@ class _Turn(TurnTrace):
             _fail(span, exc)
             traced.error_type = _error_type(exc)
             raise
+        except BaseException:  # cancelled (its turn cut off): no call that ran or failed
+            counted = False
+            raise
         finally:
             span.end()
-            attributes = {"gen_ai.tool.name": call.name}
-            if traced.error_type is not None:
-                attributes["error.type"] = traced.error_type
-            self._otel.tool_calls.add(1, attributes)
+            if counted:
+                attributes = {"gen_ai.tool.name": call.name}
+                if traced.error_type is not None:
+                    attributes["error.type"] = traced.error_type
+                self._otel.tool_calls.add(1, attributes)
 
     def end(self, outcome: str, error: BaseException | None) -> None:
         span = self._span

@@ -564,3 +564,7 @@ async def test_a_connection_cancelled_as_it_opens_logs_no_error(
         await again.aclose()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [f"{r.name}: {r.getMessage()}" for r in errors]
+    # Control: what the client logs of a failure that is no cancellation still shows.
+    failure = ConnectionResetError("reset by peer")
+    logging.getLogger("coredis").error("Connection attempt failed unexpectedly!", exc_info=failure)
+    assert [r.exc_info and r.exc_info[1] for r in caplog.records] == [failure]

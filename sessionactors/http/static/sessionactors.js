@@ -167,8 +167,8 @@ export class SessionsClient {
           });
           if (!response.ok) throw new HttpError(response.status, await response.json().catch(() => null));
           onStatus("open");
-          delay = retryMs;
           for await (const { id, data } of readEvents(response, controller.signal)) {
+            delay = retryMs;  // (not before: a draining server answers an empty stream)
             if (id !== null) subscription.lastSeq = Number(id);
             onEvent(data);
           }
