@@ -5,6 +5,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +39,16 @@ WATCH_STREAMING = """() => {
 }"""
 
 
+def open_page(browser: Any, url: str) -> tuple[Any, list[str]]:
+    """A new page of ``browser`` at ``url``, and the list of the errors its scripts
+    raise from then on."""
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(url)
+    return page, errors
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     """One headless Chromium for the module."""
@@ -64,10 +75,7 @@ def test_the_chat_page_streams_resumes_reloads_and_reviews(browser: object, tmp_
         serve_command(store, "--token", "page-token") as server,
         open_proxy(server.port) as proxy,
     ):
-        page = browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.goto(f"http://127.0.0.1:{proxy.port}/#token=page-token")
+        page, errors = open_page(browser, f"http://127.0.0.1:{proxy.port}/#token=page-token")
         page.evaluate(WATCH_STREAMING)
 
         # open a session, type, Enter: the reply streams in word by word
@@ -126,10 +134,7 @@ def test_the_chat_page_keeps_what_a_failed_turn_streamed(browser: object, tmp_pa
     assert isinstance(browser, Browser)
     store = f"sqlite:///{tmp_path / 'failed.db'}"
     with serve_command(store) as server:
-        page = browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.goto(f"{server.url}/#session=web-f")
+        page, errors = open_page(browser, f"{server.url}/#session=web-f")
         expect(page.locator("#title")).to_have_text("web-f")
         page.fill("#text", "fail half an answer")
         page.press("#text", "Enter")
@@ -161,10 +166,7 @@ def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
     assert isinstance(browser, Browser)
     store = f"sqlite:///{tmp_path / 'agents.db'}"
     with serve_command(store, "--agent", "chat_agents:two") as server:
-        page = browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.goto(f"{server.url}/#session=web-none")
+        page, errors = open_page(browser, f"{server.url}/#session=web-none")
         expect(page.locator("#title")).to_have_text("web-none")
         page.fill("#text", "who answers")
         page.press("#text", "Enter")
