@@ -179,7 +179,8 @@ async def serve(
     except TypeError:  # an app that serves a registry it was given: nothing to open
         lifespan, asgi = contextlib.nullcontext(), app
         bound = GRACEFUL_SECONDS
-    asgi = functools.partial(_noting_status, asgi)
+    if access_log:  # (only its lines read the status noted: no wrapper of every send else)
+        asgi = functools.partial(_noting_status, asgi)
     with trio.open_signal_receiver(*_stop_signals()) as signals:
         async with trio.open_nursery() as nursery:  # (cancelled by a second signal)
 
