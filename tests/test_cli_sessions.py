@@ -858,13 +858,7 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
         after = (await sa.read_session(stored, "a")).event_seq
     finally:
         await stored.aclose()
-    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a", "--store", store,
-               "--after", str(after)]  # fmt: skip
-    process = await trio.lowlevel.open_process(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    assert process.stdout is not None
-    assert process.stderr is not None
+    process = await _open_tail("a", "--store", store, "--after", str(after))
     try:
         with trio.fail_after(60):
             agent = sa.Agent(model=EchoModel())
@@ -872,10 +866,7 @@ async def test_tail_ends_with_one_line_when_the_session_is_deleted(tmp_path: Pat
                 store=sa.SQLiteStore(path), agents={"echo": agent}
             ) as registry:
                 await registry.ref("a").send("later words")
-            lines = _Lines(process.stdout)
-            seen: list[dict[str, Any]] = []
-            while not any(e["type"] == "TurnFinished" for e in seen):
-                seen.append(json.loads(await lines.next()))
+            seen = await _a_turn(_Lines(process.stdout))
             assert seen[-1]["message"]["content"] == "later words"
             await trio.to_thread.run_sync(ok, "delete", "a", "--yes", "--store", store)
             assert await process.wait() == 1
@@ -906,12 +897,7 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
             assert "'later' is not in this store" in line, line
             assert "--wait" in line
             assert "deleted" not in line
-    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "later", "--wait"]
-    process = await trio.lowlevel.open_process(
-        [*command, "--store", store], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    assert process.stdout is not None
-    assert process.stderr is not None
+    process = await _open_tail("later", "--wait", "--store", store)
     try:
         with trio.fail_after(60):
             note = await _Lines(process.stderr).next()
@@ -923,10 +909,7 @@ async def test_tail_of_a_session_not_stored_yet_says_how_to_wait_and_waits_with_
                 store=sa.SQLiteStore(path), agents={"echo": agent}
             ) as registry:
                 await (await registry.spawn("later")).send("first words")
-            lines = _Lines(process.stdout)
-            seen = [json.loads(await lines.next())]
-            while seen[-1]["type"] != "TurnFinished":
-                seen.append(json.loads(await lines.next()))
+            seen = await _a_turn(_Lines(process.stdout))
             assert seen[0]["seq"] == 1
             assert seen[-1]["message"]["content"] == "first words"
             process.send_signal(signal.SIGINT)
@@ -961,11 +944,7 @@ async def test_tail_wait_prints_a_session_stored_after_it_started_from_its_first
         def open_store() -> sa.Store:
             return RedisStore(url)
 
-    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", name, "--wait"]
-    process = await trio.lowlevel.open_process(
-        [*command, "--store", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    assert process.stdout is not None
+    process = await _open_tail(name, "--wait", "--store", url)
     try:
         # tail has started; it reads the store only once the session and a turn are stored
         process.send_signal(signal.SIGSTOP)
@@ -974,10 +953,7 @@ async def test_tail_wait_prints_a_session_stored_after_it_started_from_its_first
             async with sa.open_registry(store=open_store(), agents={"echo": agent}) as registry:
                 await (await registry.spawn(name)).send("first words")
             process.send_signal(signal.SIGCONT)
-            lines = _Lines(process.stdout)
-            seen = [json.loads(await lines.next())]
-            while seen[-1]["type"] != "TurnFinished":
-                seen.append(json.loads(await lines.next()))
+            seen = await _a_turn(_Lines(process.stdout))
             assert seen[0]["seq"] == 1, seen
             assert seen[-1]["message"]["content"] == "first words"
     finally:
@@ -993,25 +969,15 @@ async def test_tail_follows_a_served_session_and_stops_on_sigint(tmp_path: Path)
     path = tmp_path / "s.db"
     with serving(f"sqlite:{path}") as server:
         populate(server)
-        command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a"]
-        command += ["--store", f"sqlite:///{path}", "--after", "0"]
-        process = await trio.lowlevel.open_process(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        assert process.stdout is not None
-        assert process.stderr is not None
+        process = await _open_tail("a", "--store", f"sqlite:///{path}", "--after", "0")
         lines = _Lines(process.stdout)
         try:
             with trio.fail_after(60):
-                seen: list[dict[str, Any]] = []
-                while not any(e["type"] == "TurnFinished" for e in seen):
-                    seen.append(json.loads(await lines.next()))
+                seen = await _a_turn(lines)
                 assert seen[-1]["message"]["content"] == "hello from a"
                 reply = await trio.to_thread.run_sync(server.ask, "send a later words")
                 assert reply == "later words"
-                later: list[dict[str, Any]] = []
-                while not any(e["type"] == "TurnFinished" for e in later):
-                    later.append(json.loads(await lines.next()))
+                later = await _a_turn(lines)
                 assert later[0]["seq"] > seen[-1]["seq"]
                 assert later[-1]["message"]["content"] == "later words"
                 process.send_signal(signal.SIGINT)
@@ -1034,13 +1000,7 @@ async def test_tail_rides_out_a_store_file_that_reads_as_damaged_for_a_moment(
         await (await registry.spawn("a")).send("hello")
     whole = path.read_bytes()
     unusable_stores.damage_schema(path)
-    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", "a"]
-    command += ["--store", f"sqlite:///{path}", "--after", "0"]
-    process = await trio.lowlevel.open_process(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    assert process.stdout is not None
-    assert process.stderr is not None
+    process = await _open_tail("a", "--store", f"sqlite:///{path}", "--after", "0")
     try:
         with trio.fail_after(60):
             told = await _Lines(process.stderr).next()
@@ -1048,10 +1008,7 @@ async def test_tail_rides_out_a_store_file_that_reads_as_damaged_for_a_moment(
             assert "PRAGMA integrity_check" in told, told
             assert "retrying" in told, told
             path.write_bytes(whole)
-            lines = _Lines(process.stdout)
-            seen: list[dict[str, Any]] = []
-            while not any(e["type"] == "TurnFinished" for e in seen):
-                seen.append(json.loads(await lines.next()))
+            seen = await _a_turn(_Lines(process.stdout))
             assert seen[-1]["message"]["content"] == "hello"
             process.send_signal(signal.SIGINT)
             assert await process.wait() == 0
@@ -1073,6 +1030,25 @@ class _Lines:
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         return line.decode()
+
+
+async def _open_tail(*args: str) -> trio.Process:
+    """A ``sessions tail`` process with these arguments, its stdout and stderr piped."""
+    command = [sys.executable, "-m", "sessionactors", "sessions", "tail", *args]
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    return process
+
+
+async def _a_turn(lines: _Lines) -> list[dict[str, Any]]:
+    """The events tail prints next, up to the first TurnFinished."""
+    seen = [json.loads(await lines.next())]
+    while seen[-1]["type"] != "TurnFinished":
+        seen.append(json.loads(await lines.next()))
+    return seen
 
 
 # ---- redis --------------------------------------------------------------------------
