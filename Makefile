@@ -17,15 +17,15 @@ demo: $(VENV)
 demo-cluster: .venv/.extra-redis-$(HASH)
 	$(PY) -m sessionactors demo-cluster
 
-# The tests run in two processes (pytest-xdist): most of their time is spent waiting on
-# servers, subprocesses and timeouts. TEST_PROCESSES=0 runs them in this one.
+# The tests (and the soak runs) run in two processes (pytest-xdist): most of their time is
+# spent waiting on servers, subprocesses and timeouts. TEST_PROCESSES=0 runs them in this one.
 TEST_PROCESSES ?= 2
 
 test: .venv/.extra-test-$(HASH)
 	$(PY) -m pytest -q -m "not soak" -n $(TEST_PROCESSES)
 
 soak: .venv/.extra-test-$(HASH)
-	$(PY) -m pytest -q -m soak
+	$(PY) -m pytest -q -m soak -n $(TEST_PROCESSES)
 
 lint: .venv/.extra-lint-$(HASH)
 	$(PY) -m ruff check sessionactors tests benchmarks docs && $(PY) -m ruff format --check sessionactors tests benchmarks docs && $(PY) -m mypy && $(PY) tests/check_layers.py
