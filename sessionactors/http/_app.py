@@ -30,6 +30,7 @@ import attrs
 import sniffio
 import trio
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException, WebSocketException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
@@ -43,6 +44,7 @@ from .._errors import Advice, AdviceKind, has_private, shown, told, unmarked
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
+from . import _cors
 from ._json import (
     LOGGED,
     dumps,
@@ -265,6 +267,7 @@ def create_app(
     chat_page: bool = True,
     max_body: int = 16 * 1024 * 1024,
     trusted_origins: Iterable[str] = (),
+    cors_origins: Iterable[str] = (),
     **registry_options: Any,
 ) -> SessionsApp:
     """An ASGI 3 application serving a registry's sessions over HTTP, SSE and WebSocket.
@@ -333,6 +336,19 @@ def create_app(
       cannot point at it (IP addresses, names of one label, subdomains of
       ``localhost``) and those of these origins (see "Authorization" in the
       HTTP gateway how-to).
+    - ``cors_origins``: origins whose pages may call the gateway from the browser
+      (CORS): the front end of an app served from another origin, a development
+      server on another port. Their preflights are answered, allowing the
+      gateway's methods (GET, POST, DELETE) and the headers it reads
+      (``Authorization``, ``Content-Type``, ``Last-Event-ID``, and ``traceparent``
+      and ``tracestate``), and every answer to them names their origin, with
+      credentials (cookies, for an ``authorize`` that reads them), so that their
+      pages read it. They are trusted as ``trusted_origins`` are. Exact origins
+      only: ``"*"``, ``"null"`` or anything else that is not an origin raises
+      ``ValueError``. A page of any other origin is answered as without this
+      option: its preflight is refused (403 ``"CrossOrigin"``), and nothing it
+      is answered names its origin, so it reads nothing. With ``cors_origins``,
+      every answer says ``Vary: Origin``.
     """
     if registry is not None and registry_options:
         raise TypeError(
@@ -360,7 +376,8 @@ def create_app(
         registry,
         registry_options,
         token=token,
-        trusted_origins=_origins(trusted_origins),
+        trusted_origins=_origins(trusted_origins, "trusted"),
+        cors_origins=_origins(cors_origins, "CORS"),
         authorize=authorize,
         create_sessions=create_sessions,
         heartbeat=heartbeat,
@@ -387,6 +404,7 @@ class SessionsApp:
         *,
         token: str | None,
         trusted_origins: frozenset[str],
+        cors_origins: frozenset[str],
         authorize: Authorize | None,
         create_sessions: bool,
         heartbeat: float,
@@ -396,7 +414,8 @@ class SessionsApp:
         self._registry = registry
         self._options = registry_options
         self._token = token.encode() if token is not None else None
-        self._trusted = trusted_origins
+        self._cors = cors_origins
+        self._trusted = trusted_origins | cors_origins  # (a page that may read may act)
         self._authorize = authorize
         self._create_sessions = create_sessions
         self._frames = FrameCache()
@@ -453,7 +472,27 @@ class SessionsApp:
         """The ASGI 3 entry point."""
         if scope["type"] == "http":
             send = functools.partial(self._send_http, send)
+            if self._cors:  # (pages of these origins may read the answers: see _cors)
+                headers = Headers(scope=scope)
+                if _cors.is_preflight(scope["method"], headers):
+                    await self._preflight(headers, scope, receive, send)
+                    return
+                origin = headers.get("origin")
+                allowed = origin if origin in self._cors else None
+                send = functools.partial(_send_with_origin, send, allowed)
         await self._app(_slashes_in_segments(scope), receive, send)
+
+    async def _preflight(self, headers: Headers, scope: Any, receive: Any, send: Any) -> None:
+        """Answer a CORS preflight (of request ``headers``): 204 allowing it, or 403
+        saying why not."""
+        refused = _cors.refusal(headers, self._cors)
+        answer: Response
+        if refused is None:
+            answer = Response(status_code=204, headers=_cors.preflight(headers))
+        else:
+            body = plain_error("CrossOrigin", refused, 403)
+            answer = self._json(body, 403, _cors.preflight_vary())
+        await answer(scope, receive, send)
 
     async def _send_http(self, send: Any, message: Any) -> None:
         """``send`` of an HTTP response, which says ``Connection: close`` once the app
@@ -1592,14 +1631,24 @@ _SIMPLE_TYPES: Final = frozenset(
 )
 
 
-def _origins(given: Iterable[str]) -> frozenset[str]:
-    """``trusted_origins``, checked, as browsers write them in ``Origin``."""
+async def _send_with_origin(send: Any, origin: str | None, message: Any) -> None:
+    """``send`` of an HTTP response to a gateway with CORS origins: it varies on
+    ``Origin``, and names ``origin``, one of them, whose page may read it."""
+    if message["type"] == "http.response.start":
+        message = {**message, "headers": list(message.get("headers", ()))}
+        _cors.with_origin(message, origin)
+    await send(message)
+
+
+def _origins(given: Iterable[str], what: str) -> frozenset[str]:
+    """``trusted_origins`` or ``cors_origins`` (``what``), checked, as browsers write
+    them in ``Origin``."""
     origins = set()
     for origin in [given] if isinstance(given, str) else given:
         written = _origin(origin)
         if written is None:
             raise ValueError(
-                f"trusted origin {origin!r} is not an origin: give its scheme, host and "
+                f"{what} origin {origin!r} is not an origin: give its scheme, host and "
                 "port (if not the default) as browsers send them in Origin, such as "
                 "'https://app.example.com' or 'http://localhost:5173'"
             )
