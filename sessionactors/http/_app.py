@@ -725,16 +725,17 @@ class SessionsApp:
         version) by its kind only (logged here); a store's failure, as such (its message
         names files and hosts: logged here)."""
         body = error_json(error, status=status)
-        message = told(error, functools.partial(self._http_advice, scope), private_told)
+        advice = functools.partial(self._http_advice, scope)
+        message = told(error, advice, private_told)
         if unmarked(error):
             log.warning("a request failed, told to its client by its kind: %s", error)
             message = unmarked_told(error)
         elif isinstance(error, sa.SessionCrashedError):
             # (its cause was logged where it crashed, or is the death of its worker,
             # which that worker's lease told: one line; a cause that is private is told
-            # the client by its kind, and here in full)
-            shown = error if has_private(error) else " ".join(message.split())
-            log.warning("a request met a crashed session: %s", shown)
+            # the client by its kind, and here in full; its advice, as the client's)
+            whole = told(error, advice) if has_private(error) else message
+            log.warning("a request met a crashed session: %s", " ".join(whole.split()))
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
             log.warning("a request failed in the store: %s", message)
             session = error.session_id
