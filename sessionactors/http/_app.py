@@ -1179,6 +1179,7 @@ class SessionsApp:
             finally:
                 if first is not None:
                     first.end()
+            _name_turn(turn.id)
             return self._json(reply_to_json(await turn.reply()))
 
         return await self._handle(request, "send", handler)
@@ -1199,6 +1200,7 @@ class SessionsApp:
             finally:
                 if first is not None:
                     first.end()
+            _name_turn(turn.id)
             if turn.replayed:  # an idempotency key that already completed: no new events
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
@@ -1230,6 +1232,7 @@ class SessionsApp:
             ref = await self._existing_ref(registry, name, request.scope)
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
+                _name_turn(reply.turn_id)
                 return self._json(reply_to_json(reply))
             state = await ref.state()
             review = next((r for r in state.reviews if r.id == review_id), None)
@@ -1237,10 +1240,12 @@ class SessionsApp:
                 # resolved already, the same way (a retry): the turn's reply, as a retried
                 # message's; no events come for it. Else its error (409, or 404)
                 reply = await ref.review(review_id, approve, note)
+                _name_turn(reply.turn_id)
                 prelude = [frame({"type": "reply", **reply_to_json(reply)})]
                 return cast(
                     Response, EventStreamResponse(self._hooks, functools.partial(_told, prelude))
                 )
+            _name_turn(review.turn_id)
             return cast(
                 Response,
                 EventStreamResponse(
@@ -1480,6 +1485,23 @@ class SessionsApp:
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
+
+
+#: The attribute that names a turn on a span (as the turn's own span has it).
+_TURN_ID: Final = "sessionactors.turn.id"
+
+
+def _name_turn(turn_id: str) -> None:
+    """Put ``turn_id`` on the request's span, if OpenTelemetry is in use and that span
+    records: a turn is a trace of its own (it runs in its session's actor), and this
+    is what ties a request to it. Nothing is imported for it: if nothing imported
+    OpenTelemetry's API, no span can be current."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None or not turn_id:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute(_TURN_ID, turn_id)
 
 
 async def _subscribe_from(stack: contextlib.AsyncExitStack, ref: AnyRef, after: int) -> Any:
