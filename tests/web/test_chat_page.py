@@ -188,3 +188,40 @@ def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
         assert state["agent"] == "echo", state
         page.close()
         assert not errors
+
+
+def test_the_chat_page_reaches_every_session(browser: object, tmp_path: Path) -> None:
+    """The listing comes a page at a time: the page lists the first 100 sessions, newest
+    first, and a "More sessions" button that lists the next page, until every session is
+    listed (it listed the first 100 only); the list, refreshed as a turn ends, keeps
+    what was listed."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'many.db'}"
+    with serve_command(store, "--agent", "chat_agents:echo") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for i in range(105):
+                r = client.post(f"/sessions/s{i:03d}/messages", json={"text": "hi"})
+                assert r.status_code == 200, r.text
+        page, errors = open_page(browser, f"{server.url}/")
+        listed = page.locator("#session-list button")
+        more = page.locator("#more-sessions")
+        expect(listed).to_have_count(100, timeout=10_000)
+        expect(listed.first).to_have_text("s104")
+        more.click()
+        expect(listed).to_have_count(105, timeout=10_000)
+        expect(listed.last).to_have_text("s000")
+        expect(more).to_be_hidden()
+
+        # the oldest, opened and sent to, moves to the front; nothing listed is lost
+        listed.last.click()
+        expect(page.locator("#title")).to_have_text("s000")
+        page.fill("#text", "back again")
+        page.press("#text", "Enter")
+        expect(page.locator(".message").last).to_have_text("back again", timeout=10_000)
+        expect(listed.first).to_have_text("s000", timeout=10_000)
+        expect(listed).to_have_count(105)
+        expect(more).to_be_hidden()
+        page.close()
+        assert not errors
