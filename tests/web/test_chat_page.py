@@ -225,3 +225,72 @@ def test_the_chat_page_reaches_every_session(browser: object, tmp_path: Path) ->
         expect(more).to_be_hidden()
         page.close()
         assert not errors
+
+
+#: The JavaScript client asked to send a message again without an idempotency key.
+SEND_AGAIN_WITHOUT_A_KEY = """async () => {
+  const { SessionsClient } = await import("./sessionactors.js");
+  try {
+    await new SessionsClient().send("net", "no key", { retries: 1 });
+    return "sent";
+  } catch (error) {
+    return `${error.name}: ${error.message}`;
+  }
+}"""
+
+
+def test_the_chat_page_sends_each_message_once_whatever_the_network_does(
+    browser: object, tmp_path: Path
+) -> None:
+    """Each message typed is sent with an idempotency key of its own, which its retries
+    send again: a message whose request failed before any answer is sent again, and
+    runs once both when it never reached the server (it was lost) and when the server
+    ran it and only the answer was lost (a retry without the key would run it twice)."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'net.db'}"
+    with serve_command(store) as server:
+        page, errors = open_page(browser, f"{server.url}/#session=net")
+        expect(page.locator("#status")).to_have_text("new", timeout=10_000)
+        bodies: list[dict[str, Any]] = []
+        faults: list[str] = []
+
+        def network(route: Any) -> None:
+            bodies.append(route.request.post_data_json)
+            fault = faults.pop(0) if faults else None
+            if fault == "unsent":  # the connection fails before the server has it
+                route.abort("connectionreset")
+            elif fault == "unanswered":  # the server runs it; its answer is lost
+                route.fetch()
+                route.abort("connectionreset")
+            else:
+                route.continue_()
+
+        page.route("**/messages", network)
+        shown = page.locator(".message")
+        for fault, text in [("unsent", "first try"), ("unanswered", "second try")]:
+            faults.append(fault)
+            # (the first answer that comes is the retry's: the failed request got none)
+            with page.expect_response("**/messages", timeout=15_000) as answered:
+                page.fill("#text", text)
+                page.press("#text", "Enter")
+            assert answered.value.ok, answered.value.status
+            assert answered.value.finished() is None  # (its stream, to its end)
+        expect(shown).to_have_text(["first try"] * 2 + ["second try"] * 2, timeout=15_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+
+        state = httpx.get(f"{server.url}/sessions/net", timeout=10).json()
+        assert [m["content"] for m in state["messages"]] == ["first try"] * 2 + ["second try"] * 2
+        keys = [body["idempotency_key"] for body in bodies]
+        assert len(keys) == 4, bodies
+        assert keys[0] == keys[1], keys  # (a retry sends its message's key)
+        assert keys[2] == keys[3], keys
+        assert keys[0] != keys[2], keys  # (a message of its own: a key of its own)
+        assert all(isinstance(key, str) and key for key in keys), keys
+        # the client sends nothing again without a key (it might run twice)
+        refused = page.evaluate(SEND_AGAIN_WITHOUT_A_KEY)
+        assert refused.startswith("TypeError: retries need an idempotencyKey"), refused
+        assert len(bodies) == 4, bodies
+        page.close()
+        assert not errors
