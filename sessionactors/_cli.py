@@ -254,6 +254,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "rewrites Host (repeat for more)",
     )
     serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin (http://localhost:5173) whose pages may call the API from the "
+        "browser (CORS, with credentials; trusted as --trusted-origin is); exact origins "
+        "only, never '*' (repeat for more)",
+    )
+    serve.add_argument(
         "--shutdown-grace",
         type=_seconds(zero=True),
         default=10.0,

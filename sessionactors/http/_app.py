@@ -30,6 +30,7 @@ import attrs
 import sniffio
 import trio
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException, WebSocketException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
@@ -43,6 +44,7 @@ from .._errors import Advice, AdviceKind, has_private, shown, told, unmarked
 from .._names import as_session_id, validate_name
 from .._ref import check_message, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
+from . import _cors
 from ._json import (
     LOGGED,
     dumps,
@@ -265,6 +267,7 @@ def create_app(
     chat_page: bool = True,
     max_body: int = 16 * 1024 * 1024,
     trusted_origins: Iterable[str] = (),
+    cors_origins: Iterable[str] = (),
     **registry_options: Any,
 ) -> SessionsApp:
     """An ASGI 3 application serving a registry's sessions over HTTP, SSE and WebSocket.
@@ -333,6 +336,19 @@ def create_app(
       cannot point at it (IP addresses, names of one label, subdomains of
       ``localhost``) and those of these origins (see "Authorization" in the
       HTTP gateway how-to).
+    - ``cors_origins``: origins whose pages may call the gateway from the browser
+      (CORS): the front end of an app served from another origin, a development
+      server on another port. Their preflights are answered, allowing the
+      gateway's methods (GET, POST, DELETE) and the headers it reads
+      (``Authorization``, ``Content-Type``, ``Last-Event-ID``, and ``traceparent``
+      and ``tracestate``), and every answer to them names their origin, with
+      credentials (cookies, for an ``authorize`` that reads them), so that their
+      pages read it. They are trusted as ``trusted_origins`` are. Exact origins
+      only: ``"*"``, ``"null"`` or anything else that is not an origin raises
+      ``ValueError``. A page of any other origin is answered as without this
+      option: its preflight is refused (403 ``"CrossOrigin"``), and nothing it
+      is answered names its origin, so it reads nothing. With ``cors_origins``,
+      every answer says ``Vary: Origin``.
     """
     if registry is not None and registry_options:
         raise TypeError(
@@ -360,7 +376,8 @@ def create_app(
         registry,
         registry_options,
         token=token,
-        trusted_origins=_origins(trusted_origins),
+        trusted_origins=_origins(trusted_origins, "trusted"),
+        cors_origins=_origins(cors_origins, "CORS"),
         authorize=authorize,
         create_sessions=create_sessions,
         heartbeat=heartbeat,
@@ -387,6 +404,7 @@ class SessionsApp:
         *,
         token: str | None,
         trusted_origins: frozenset[str],
+        cors_origins: frozenset[str],
         authorize: Authorize | None,
         create_sessions: bool,
         heartbeat: float,
@@ -396,7 +414,8 @@ class SessionsApp:
         self._registry = registry
         self._options = registry_options
         self._token = token.encode() if token is not None else None
-        self._trusted = trusted_origins
+        self._cors = cors_origins
+        self._trusted = trusted_origins | cors_origins  # (a page that may read may act)
         self._authorize = authorize
         self._create_sessions = create_sessions
         self._frames = FrameCache()
@@ -453,7 +472,27 @@ class SessionsApp:
         """The ASGI 3 entry point."""
         if scope["type"] == "http":
             send = functools.partial(self._send_http, send)
+            if self._cors:  # (pages of these origins may read the answers: see _cors)
+                headers = Headers(scope=scope)
+                if _cors.is_preflight(scope["method"], headers):
+                    await self._preflight(headers, scope, receive, send)
+                    return
+                origin = headers.get("origin")
+                allowed = origin if origin in self._cors else None
+                send = functools.partial(_send_with_origin, send, allowed)
         await self._app(_slashes_in_segments(scope), receive, send)
+
+    async def _preflight(self, headers: Headers, scope: Any, receive: Any, send: Any) -> None:
+        """Answer a CORS preflight (of request ``headers``): 204 allowing it, or 403
+        saying why not."""
+        refused = _cors.refusal(headers, self._cors)
+        answer: Response
+        if refused is None:
+            answer = Response(status_code=204, headers=_cors.preflight(headers))
+        else:
+            body = plain_error("CrossOrigin", refused, 403)
+            answer = self._json(body, 403, _cors.preflight_vary())
+        await answer(scope, receive, send)
 
     async def _send_http(self, send: Any, message: Any) -> None:
         """``send`` of an HTTP response, which says ``Connection: close`` once the app
@@ -686,16 +725,17 @@ class SessionsApp:
         version) by its kind only (logged here); a store's failure, as such (its message
         names files and hosts: logged here)."""
         body = error_json(error, status=status)
-        message = told(error, functools.partial(self._http_advice, scope), private_told)
+        advice = functools.partial(self._http_advice, scope)
+        message = told(error, advice, private_told)
         if unmarked(error):
             log.warning("a request failed, told to its client by its kind: %s", error)
             message = unmarked_told(error)
         elif isinstance(error, sa.SessionCrashedError):
             # (its cause was logged where it crashed, or is the death of its worker,
             # which that worker's lease told: one line; a cause that is private is told
-            # the client by its kind, and here in full)
-            shown = error if has_private(error) else " ".join(message.split())
-            log.warning("a request met a crashed session: %s", shown)
+            # the client by its kind, and here in full; its advice, as the client's)
+            whole = told(error, advice) if has_private(error) else message
+            log.warning("a request met a crashed session: %s", " ".join(whole.split()))
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
             log.warning("a request failed in the store: %s", message)
             session = error.session_id
@@ -1139,6 +1179,7 @@ class SessionsApp:
             finally:
                 if first is not None:
                     first.end()
+            _name_turn(turn.id)
             return self._json(reply_to_json(await turn.reply()))
 
         return await self._handle(request, "send", handler)
@@ -1159,6 +1200,7 @@ class SessionsApp:
             finally:
                 if first is not None:
                     first.end()
+            _name_turn(turn.id)
             if turn.replayed:  # an idempotency key that already completed: no new events
                 reply = await turn.reply()
                 yield Stream(None, prelude=[frame({"type": "reply", **reply_to_json(reply)})])
@@ -1190,6 +1232,7 @@ class SessionsApp:
             ref = await self._existing_ref(registry, name, request.scope)
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
+                _name_turn(reply.turn_id)
                 return self._json(reply_to_json(reply))
             state = await ref.state()
             review = next((r for r in state.reviews if r.id == review_id), None)
@@ -1197,10 +1240,12 @@ class SessionsApp:
                 # resolved already, the same way (a retry): the turn's reply, as a retried
                 # message's; no events come for it. Else its error (409, or 404)
                 reply = await ref.review(review_id, approve, note)
+                _name_turn(reply.turn_id)
                 prelude = [frame({"type": "reply", **reply_to_json(reply)})]
                 return cast(
                     Response, EventStreamResponse(self._hooks, functools.partial(_told, prelude))
                 )
+            _name_turn(review.turn_id)
             return cast(
                 Response,
                 EventStreamResponse(
@@ -1442,6 +1487,23 @@ class SessionsApp:
         return select
 
 
+#: The attribute that names a turn on a span (as the turn's own span has it).
+_TURN_ID: Final = "sessionactors.turn.id"
+
+
+def _name_turn(turn_id: str) -> None:
+    """Put ``turn_id`` on the request's span, if OpenTelemetry is in use and that span
+    records: a turn is a trace of its own (it runs in its session's actor), and this
+    is what ties a request to it. Nothing is imported for it: if nothing imported
+    OpenTelemetry's API, no span can be current."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None or not turn_id:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute(_TURN_ID, turn_id)
+
+
 async def _subscribe_from(stack: contextlib.AsyncExitStack, ref: AnyRef, after: int) -> Any:
     """The session's events after ``after``, or from the oldest still available."""
     while True:
@@ -1592,14 +1654,24 @@ _SIMPLE_TYPES: Final = frozenset(
 )
 
 
-def _origins(given: Iterable[str]) -> frozenset[str]:
-    """``trusted_origins``, checked, as browsers write them in ``Origin``."""
+async def _send_with_origin(send: Any, origin: str | None, message: Any) -> None:
+    """``send`` of an HTTP response to a gateway with CORS origins: it varies on
+    ``Origin``, and names ``origin``, one of them, whose page may read it."""
+    if message["type"] == "http.response.start":
+        message = {**message, "headers": list(message.get("headers", ()))}
+        _cors.with_origin(message, origin)
+    await send(message)
+
+
+def _origins(given: Iterable[str], what: str) -> frozenset[str]:
+    """``trusted_origins`` or ``cors_origins`` (``what``), checked, as browsers write
+    them in ``Origin``."""
     origins = set()
     for origin in [given] if isinstance(given, str) else given:
         written = _origin(origin)
         if written is None:
             raise ValueError(
-                f"trusted origin {origin!r} is not an origin: give its scheme, host and "
+                f"{what} origin {origin!r} is not an origin: give its scheme, host and "
                 "port (if not the default) as browsers send them in Origin, such as "
                 "'https://app.example.com' or 'http://localhost:5173'"
             )

@@ -425,6 +425,7 @@ def main(args: argparse.Namespace) -> int:
             agents=agents,
             token=read_token(args),
             trusted_origins=args.trusted_origin,
+            cors_origins=args.cors_origin,
             shutdown_grace=args.shutdown_grace,
             idle_timeout=args.idle_timeout,
             lease_ttl=args.lease_ttl,

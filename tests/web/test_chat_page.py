@@ -188,3 +188,109 @@ def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
         assert state["agent"] == "echo", state
         page.close()
         assert not errors
+
+
+def test_the_chat_page_reaches_every_session(browser: object, tmp_path: Path) -> None:
+    """The listing comes a page at a time: the page lists the first 100 sessions, newest
+    first, and a "More sessions" button that lists the next page, until every session is
+    listed (it listed the first 100 only); the list, refreshed as a turn ends, keeps
+    what was listed."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'many.db'}"
+    with serve_command(store, "--agent", "chat_agents:echo") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for i in range(105):
+                r = client.post(f"/sessions/s{i:03d}/messages", json={"text": "hi"})
+                assert r.status_code == 200, r.text
+        page, errors = open_page(browser, f"{server.url}/")
+        listed = page.locator("#session-list button")
+        more = page.locator("#more-sessions")
+        expect(listed).to_have_count(100, timeout=10_000)
+        expect(listed.first).to_have_text("s104")
+        more.click()
+        expect(listed).to_have_count(105, timeout=10_000)
+        expect(listed.last).to_have_text("s000")
+        expect(more).to_be_hidden()
+
+        # the oldest, opened and sent to, moves to the front; nothing listed is lost
+        listed.last.click()
+        expect(page.locator("#title")).to_have_text("s000")
+        page.fill("#text", "back again")
+        page.press("#text", "Enter")
+        expect(page.locator(".message").last).to_have_text("back again", timeout=10_000)
+        expect(listed.first).to_have_text("s000", timeout=10_000)
+        expect(listed).to_have_count(105)
+        expect(more).to_be_hidden()
+        page.close()
+        assert not errors
+
+
+#: The JavaScript client asked to send a message again without an idempotency key.
+SEND_AGAIN_WITHOUT_A_KEY = """async () => {
+  const { SessionsClient } = await import("./sessionactors.js");
+  try {
+    await new SessionsClient().send("net", "no key", { retries: 1 });
+    return "sent";
+  } catch (error) {
+    return `${error.name}: ${error.message}`;
+  }
+}"""
+
+
+def test_the_chat_page_sends_each_message_once_whatever_the_network_does(
+    browser: object, tmp_path: Path
+) -> None:
+    """Each message typed is sent with an idempotency key of its own, which its retries
+    send again: a message whose request failed before any answer is sent again, and
+    runs once both when it never reached the server (it was lost) and when the server
+    ran it and only the answer was lost (a retry without the key would run it twice)."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'net.db'}"
+    with serve_command(store) as server:
+        page, errors = open_page(browser, f"{server.url}/#session=net")
+        expect(page.locator("#status")).to_have_text("new", timeout=10_000)
+        bodies: list[dict[str, Any]] = []
+        faults: list[str] = []
+
+        def network(route: Any) -> None:
+            bodies.append(route.request.post_data_json)
+            fault = faults.pop(0) if faults else None
+            if fault == "unsent":  # the connection fails before the server has it
+                route.abort("connectionreset")
+            elif fault == "unanswered":  # the server runs it; its answer is lost
+                route.fetch()
+                route.abort("connectionreset")
+            else:
+                route.continue_()
+
+        page.route("**/messages", network)
+        shown = page.locator(".message")
+        for fault, text in [("unsent", "first try"), ("unanswered", "second try")]:
+            faults.append(fault)
+            # (the first answer that comes is the retry's: the failed request got none)
+            with page.expect_response("**/messages", timeout=15_000) as answered:
+                page.fill("#text", text)
+                page.press("#text", "Enter")
+            assert answered.value.ok, answered.value.status
+            assert answered.value.finished() is None  # (its stream, to its end)
+        expect(shown).to_have_text(["first try"] * 2 + ["second try"] * 2, timeout=15_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+
+        state = httpx.get(f"{server.url}/sessions/net", timeout=10).json()
+        assert [m["content"] for m in state["messages"]] == ["first try"] * 2 + ["second try"] * 2
+        keys = [body["idempotency_key"] for body in bodies]
+        assert len(keys) == 4, bodies
+        assert keys[0] == keys[1], keys  # (a retry sends its message's key)
+        assert keys[2] == keys[3], keys
+        assert keys[0] != keys[2], keys  # (a message of its own: a key of its own)
+        assert all(isinstance(key, str) and key for key in keys), keys
+        # the client sends nothing again without a key (it might run twice)
+        refused = page.evaluate(SEND_AGAIN_WITHOUT_A_KEY)
+        assert refused.startswith("TypeError: retries need an idempotencyKey"), refused
+        assert len(bodies) == 4, bodies
+        page.close()
+        assert not errors

@@ -161,7 +161,8 @@ async def test_a_store_failure_that_crashes_a_session_is_told_without_the_store_
     """A store that fails as a turn's outcome is written crashes the session (it restarts
     from its last durable state): the caller's SessionCrashedError is told with the
     cause's kind and the advice it carries (the route that tells what became of the
-    turn), not the cause's message (the server's file path), which the server's log has."""
+    turn), not the cause's message (the server's file path), which the server's log has,
+    with the same advice."""
     path = str(tmp_path / "secret-dir" / "sessions.db")
     (tmp_path / "secret-dir").mkdir()
     store = FaultyStore(sa.SQLiteStore(path))
@@ -188,6 +189,10 @@ async def test_a_store_failure_that_crashes_a_session_is_told_without_the_store_
             assert r.status_code == 200, r.text
             assert r.json()["status"] in ("finished", "lost"), r.text
     assert logged(caplog, "secret-dir")
+    # the log's line advises the operator as the client was advised: the route, not Python
+    [line] = [r.getMessage() for r in logged(caplog, "a request met a crashed session")]
+    assert f"ask GET {asked[1]}" in line, line
+    assert "turn_outcome" not in line, line
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,11 @@
 //
 // No dependencies and no build step: copy this file next to your page and
 //
-//   import { SessionsClient } from "./sessionactors.js";
+//   import { SessionsClient, newIdempotencyKey } from "./sessionactors.js";
 //   const client = new SessionsClient({ token: "..." });          // token: optional
 //   const reply = await client.send("support-1", "Hello");         // the reply, once durable
+//   // sent again, with its key, if no answer came (a network error): its turn runs once
+//   await client.send("support-1", "Hi", { idempotencyKey: newIdempotencyKey(), retries: 3 });
 //   for await (const event of client.stream("support-1", "Hi")) {  // one turn's events
 //     if (event.type === "Delta") show(event.text);
 //   }
@@ -66,6 +68,20 @@ export async function* readEvents(response, signal) {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+/** The first wait before a request is sent again, and the longest, in milliseconds. */
+const RETRY_MS = 500;
+const MAX_RETRY_MS = 3000;
+
+/**
+ * A new idempotency key (128 random bits, as hex): make one for each message a person
+ * types, and send it with that message's every retry, so that the turn runs once
+ * however often the message is sent (see the gateway's idempotency how-to).
+ */
+export function newIdempotencyKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (byte) => byte.toString(16).padStart(2, "0")).join("");
+}
+
 /** A client of one gateway: JSON calls, one turn's stream, and resumable subscriptions. */
 export class SessionsClient {
   /**
@@ -94,14 +110,37 @@ export class SessionsClient {
     return `sessions/${encodeURIComponent(name)}${rest}`;
   }
 
+  /**
+   * `fetch(url, init)`, sent again after a failure that got no answer (a network error:
+   * the request may or may not have reached the server) up to `retries` times, waiting
+   * 0.5 s, then twice as long each time, up to 3 s. Only a request that carries an
+   * idempotency key may be sent again (a TypeError otherwise): its turn then runs once.
+   */
+  async fetchAnswered(url, init, { retries = 0, idempotencyKey = null, signal = undefined } = {}) {
+    if (retries > 0 && idempotencyKey === null) {
+      throw new TypeError("retries need an idempotencyKey: a message sent again without one may run twice");
+    }
+    let delay = RETRY_MS;
+    for (let attempt = 0; ; attempt += 1) {
+      try {
+        return await fetch(url, init);
+      } catch (error) {
+        if (!(error instanceof TypeError) || attempt >= retries || signal?.aborted) throw error;
+      }
+      await sleep(delay);
+      if (signal?.aborted) throw signal.reason;
+      delay = Math.min(delay * 2, MAX_RETRY_MS);
+    }
+  }
+
   /** One JSON request; resolves to the answer, or throws an HttpError. */
-  async request(method, path, body = undefined) {
+  async request(method, path, body = undefined, { retries = 0, idempotencyKey = null } = {}) {
     const init = { method, headers: this.headers({ Accept: "application/json" }) };
     if (body !== undefined) init.body = JSON.stringify(body);
     // (a POST says JSON even without a body: the gateway refuses a form-like POST from
     // another origin, and a proxy that rewrites Host makes this page look like one)
     if (method !== "GET") init.headers["Content-Type"] = "application/json";
-    const response = await fetch(this.url(path), init);
+    const response = await this.fetchAnswered(this.url(path), init, { retries, idempotencyKey });
     const data = await response.json().catch(() => null);
     if (!response.ok) throw new HttpError(response.status, data);
     return data;
@@ -119,23 +158,34 @@ export class SessionsClient {
     return this.request("GET", this.sessionPath(name));
   }
 
-  /** Send a message and wait for the reply ({turn_id, text, message, reviews}). */
-  send(name, text, { idempotencyKey = null, agent = null } = {}) {
-    return this.request("POST", this.sessionPath(name, "/messages"), {
-      text,
-      idempotency_key: idempotencyKey,
-      agent,
+  /**
+   * Send a message and wait for the reply ({turn_id, text, message, reviews}). With an
+   * `idempotencyKey`, `retries` says how often it is sent again when no answer came
+   * (see `fetchAnswered`).
+   */
+  send(name, text, { idempotencyKey = null, agent = null, retries = 0 } = {}) {
+    const body = { text, idempotency_key: idempotencyKey, agent };
+    return this.request("POST", this.sessionPath(name, "/messages"), body, {
+      retries,
+      idempotencyKey,
     });
   }
 
-  /** Send a message and iterate over that turn's events, ending with its outcome. */
-  async *stream(name, text, { idempotencyKey = null, agent = null, signal = undefined } = {}) {
-    const response = await fetch(this.url(this.sessionPath(name, "/messages")), {
+  /**
+   * Send a message and iterate over that turn's events, ending with its outcome. With
+   * an `idempotencyKey`, `retries` says how often it is sent again when no answer came
+   * (see `fetchAnswered`); once its answer has begun, the turn is the session's: a
+   * stream cut off then is not sent again (follow the session's events, `subscribe`).
+   */
+  async *stream(name, text, { idempotencyKey = null, agent = null, signal = undefined, retries = 0 } = {}) {
+    const init = {
       method: "POST",
       headers: this.headers({ Accept: "text/event-stream", "Content-Type": "application/json" }),
       body: JSON.stringify({ text, idempotency_key: idempotencyKey, agent }),
       signal,
-    });
+    };
+    const url = this.url(this.sessionPath(name, "/messages"));
+    const response = await this.fetchAnswered(url, init, { retries, idempotencyKey, signal });
     if (!response.ok) throw new HttpError(response.status, await response.json().catch(() => null));
     for await (const { data } of readEvents(response, signal)) yield data;
   }
