@@ -97,6 +97,7 @@ import collections
 import contextlib
 import hashlib
 import itertools
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
@@ -158,6 +159,8 @@ from ._wire import (
 )
 
 __all__ = ["Cluster", "ClusterStatistics", "open_cluster"]
+
+log = logging.getLogger("sessionactors")
 
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
@@ -535,6 +538,13 @@ class Cluster:
     def _dispatch(self, data: bytes) -> None:
         body = unpack(data)
         if body is None:
+            log.warning(
+                "worker %r: ignored a message of %d bytes in its inbox that is not one "
+                "the workers send (an entry written behind the store's back, or another "
+                "application's under the store's prefix)",
+                self.worker,
+                len(data),
+            )
             return
         if "re" in body:
             send = self._waiters.get(str(body["re"]))
