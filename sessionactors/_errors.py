@@ -313,7 +313,10 @@ class SessionCrashedError(SessionActorsError):
     ``turn_id`` names the turn whose write the store was doing when the session
     crashed and that it may have kept (the store failed or did not answer in time):
     ask ``ref.turn_outcome(turn_id)`` before sending it again, since the session
-    resumes or answers that turn if the write landed. It is empty otherwise.
+    resumes or answers that turn if the write landed. With many workers, it also
+    names a turn that the worker running the session had accepted (a turn from
+    ``ref.submit``) when that worker died before answering: ask the same. It is
+    empty otherwise.
     """
 
     turn_id: str = ""
@@ -473,8 +476,27 @@ class WorkerUnreachableError(SessionActorsError, TimeoutError):
     it in that time (that worker said so whenever it was asked).
 
     The request may or may not have run there: send it again (a turn sent with
-    ``idempotency_key=`` runs once however often it is sent).
+    ``idempotency_key=`` runs once however often it is sent). ``turn_id`` names the
+    turn when that worker had accepted it (ask ``ref.turn_outcome(turn_id)`` what
+    became of it), and ``idempotency_key`` is the key the turn was sent with; each
+    is empty otherwise.
     """
+
+    #: (class defaults too: an error rebuilt from another worker's account has them)
+    turn_id: str = ""
+    idempotency_key: str = ""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        idempotency_key: str = "",
+    ) -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+        self.idempotency_key = idempotency_key
 
 
 class SessionBusyError(SessionActorsError):

@@ -101,3 +101,10 @@ async def replace_with_list(url: str, key: str) -> None:
     async with admin_client(url) as client:
         await client.delete([key])
         await client.rpush(key, ["another application's"])
+
+
+def worker_key(prefix: str, worker: str, part: str) -> str:
+    """The key of worker ``worker`` that holds ``part`` ("inbox", "alive")."""
+    raw = worker.encode()
+    encoded = base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+    return f"{prefix}:{{g{zlib.crc32(raw) % 1024}}}:w:{encoded}:{part}"

@@ -482,6 +482,99 @@ async def test_the_gateway_logs_a_session_crashed_by_its_worker_s_death_in_one_w
     assert "'s'" in told[0].getMessage()
 
 
+async def kill_when_it_streams(registry: sa.Registry, worker: Worker) -> None:
+    """Kill ``worker`` (SIGKILL) once session "s" streams its first delta."""
+    async with registry.ref("s").subscribe() as events:
+        async for event in events:
+            if isinstance(event, sa.Delta):
+                worker.signal(signal.SIGKILL)
+                return
+
+
+async def _started(fn: Callable[[], Any], task_status: trio.TaskStatus[None]) -> None:
+    task_status.started()
+    await fn()
+
+
+async def test_a_submitted_turn_whose_worker_dies_mid_turn_names_its_id_in_the_error(
+    cluster: Cluster,
+) -> None:
+    """A turn submitted through another worker whose owner is killed mid-turn fails with
+    SessionCrashedError whose turn_id is the turn's, whose message says to ask its
+    outcome, and ref.turn_outcome of that id then says what became of it (it never
+    became durable: lost), on the caller's worker."""
+    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
+    with trio.fail_after(60):
+        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+        await a.call("spawn", names=["s"])
+        async with cluster.registry(balance=False) as t:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(_started, partial(kill_when_it_streams, t, a))
+                turn = await t.ref("s").submit(text)
+            with pytest.raises(sa.SessionCrashedError) as caught:
+                await turn.reply()
+            assert caught.value.turn_id == turn.id
+            assert f"ref.turn_outcome({turn.id!r})" in str(caught.value)
+            outcome = await t.ref("s").turn_outcome(turn.id)
+    assert outcome.status is sa.TurnStatus.LOST, outcome
+
+
+async def test_the_gateway_names_the_turn_whose_worker_died_mid_turn(cluster: Cluster) -> None:
+    """Through the HTTP gateway, a message whose session's worker dies mid-turn is answered
+    with a SessionCrashedError body that names the turn (turn_id) and the route that says
+    what became of it, and that route answers for it (lost: it never became durable)."""
+    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
+    with trio.fail_after(60):
+        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+        await a.call("spawn", names=["s"])
+        async with (
+            cluster.registry(balance=False) as t,
+            serve_trio(create_app(t)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_when_it_streams, t, a)
+                answer = await client.post("/sessions/s/messages", json={"text": text})
+            body = answer.json()
+            assert body["error"] == "SessionCrashedError", body
+            turn_id = body.get("turn_id")
+            assert turn_id, body
+            assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
+            outcome = await client.get(f"/sessions/s/turns/{turn_id}")
+    assert outcome.status_code == 200, outcome.text
+    assert outcome.json()["status"] == "lost", outcome.text
+
+
+async def test_the_gateway_names_the_turn_and_key_of_a_message_whose_answer_never_came(
+    cluster: Cluster,
+) -> None:
+    """Through the HTTP gateway, a message whose answer never came back from the worker
+    that runs its session (WorkerUnreachableError) is answered 503 with the turn's id and
+    the message's idempotency key in the body, and the turn's route says it finished."""
+    with trio.fail_after(60):
+        # (the session stays on a: moved to b, its key would find the turn's reply there)
+        a = await cluster.start("a", mode="lose-answers", balance=False)
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        async with (
+            cluster.registry(balance=False) as b,
+            serve_trio(create_app(b)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            answer = await client.post(
+                "/sessions/s/messages", json={"text": "one", "idempotency_key": "k1"}
+            )
+            body = answer.json()
+            assert answer.status_code == 503, body
+            assert body["error"] == "WorkerUnreachableError", body
+            assert body.get("idempotency_key") == "k1", body
+            turn_id = body.get("turn_id")
+            assert turn_id, body
+            assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
+            outcome = await client.get(f"/sessions/s/turns/{turn_id}")
+    assert outcome.status_code == 200, outcome.text
+    assert outcome.json()["status"] == "finished", outcome.text
+
+
 async def test_a_request_that_never_reaches_its_owner_ends_within_the_deadline(
     cluster: Cluster,
 ) -> None:

@@ -3,6 +3,7 @@ session's part in it, and every other session goes on, on every worker."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from redis_keys import admin_client, replace_with_list, session_key
+from redis_keys import admin_client, replace_with_list, session_key, worker_key
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -150,3 +151,121 @@ async def test_a_stream_damaged_while_read_elsewhere_ends_that_sessions_subscrip
                 await client.delete([key])
             for sender in (w1, w2):
                 await heard_elsewhere(w2, sender, "a")
+
+
+async def damage_key(url: str, key: str, damage: str) -> None:
+    """Put ``damage`` at a worker's ``key``: a list, or a string of garbage bytes."""
+    if damage == "list":
+        await replace_with_list(url, key)
+        return
+    async with admin_client(url) as client:
+        await client.delete([key])
+        await client.set(key, b"\xc1\xff garbage")
+
+
+async def wait_for_log(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
+    """The first record logged that says ``text`` (waiting for it)."""
+    while True:
+        for record in caplog.records:
+            if text in record.getMessage():
+                return record
+        await trio.sleep(0.05)
+
+
+async def check_serving(w1: sa.Registry, w2: sa.Registry) -> None:
+    """Sessions "a" (live on w1) and "b" (live on w2) answer both workers, and each
+    one's turns reach a subscription on the other worker."""
+    for registry in (w1, w2):
+        for name in ("a", "b"):
+            assert (await registry.ref(name).send(name)).text == name
+    await heard_elsewhere(w2, w1, "a")
+    await heard_elsewhere(w1, w2, "b")
+    assert (w1.live(), w2.live()) == (["a"], ["b"])
+
+
+@pytest.mark.parametrize(
+    ("part", "damage", "kept"),
+    [("inbox", "list", "stream"), ("inbox", "string", "stream"), ("alive", "list", "string")],
+)
+async def test_a_worker_whose_own_key_is_damaged_repairs_it_and_goes_on(
+    any_redis_url: str, part: str, damage: str, kept: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose own inbox or liveness key holds another type of value (a list, or
+    garbage bytes in a string where its inbox stream is) logs it at WARNING, naming the
+    worker and the key, removes it (the worker writes what it keeps there again) and
+    goes on serving: requests reach its sessions from another worker and its
+    subscriptions hear other workers' sessions."""
+    redis_url = any_redis_url
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    key = worker_key(prefix, "w2", part)
+    with trio.fail_after(60):
+        async with (
+            open_worker(redis_url, prefix, "w1") as w1,
+            open_worker(redis_url, prefix, "w2") as w2,
+        ):
+            await (await w1.spawn("a")).send("hello")
+            await (await w2.spawn("b")).send("hello")
+            async with w2.ref("a").subscribe() as events:  # w2 reads a's stream now
+                await damage_key(redis_url, key, damage)
+                turn = await w1.ref("a").submit("after")
+                await until_finished(events, turn.id)
+            record = await wait_for_log(caplog, repr(key))
+            assert record.levelname == "WARNING", record
+            assert "worker 'w2'" in record.getMessage()
+            async with admin_client(redis_url) as client:
+                found = await client.type(key)
+                assert (found.decode() if isinstance(found, bytes) else found) in (kept, "none")
+            await check_serving(w1, w2)
+
+
+async def test_entries_of_another_form_in_a_worker_s_inbox_are_logged_and_passed_over(
+    any_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entries in a worker's inbox stream that the workers never write (a field of
+    another name, or bytes that are no message) are logged at WARNING and passed over:
+    the worker's reader moves past them and goes on serving."""
+    redis_url = any_redis_url
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    key = worker_key(prefix, "w2", "inbox")
+    with trio.fail_after(60):
+        async with (
+            open_worker(redis_url, prefix, "w1") as w1,
+            open_worker(redis_url, prefix, "w2") as w2,
+        ):
+            await (await w1.spawn("a")).send("hello")
+            await (await w2.spawn("b")).send("hello")
+            async with admin_client(redis_url) as client:
+                await client.xadd(key, {"m": b"\xc1 not a message"})
+                await client.xadd(key, {"x": "another application's"})
+            record = await wait_for_log(caplog, "in its inbox")
+            assert record.levelname == "WARNING", record
+            assert "worker 'w2'" in record.getMessage()
+            await check_serving(w1, w2)
+            told = [r for r in caplog.records if "in its inbox" in r.getMessage()]
+            assert len(told) == 2, [r.getMessage() for r in told]
+
+
+async def xread_calls(client: Any) -> int:
+    """How many XREADs the server has run."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+async def test_an_entry_of_another_form_last_in_a_worker_s_inbox_is_read_once(
+    private_redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose inbox ends with an entry the workers never write moves past it and
+    waits for the next one: while idle it reads its inbox a few times a second, not
+    over and over (hundreds of reads a second when it did not)."""
+    prefix = "sa-test"
+    with private_redis_server() as redis_url, trio.fail_after(60):
+        async with open_worker(redis_url, prefix, "w") as worker:
+            await (await worker.spawn("s")).send("hello")  # (the worker is running)
+            async with admin_client(redis_url) as client:
+                await client.xadd(worker_key(prefix, "w", "inbox"), {"x": "another's"})
+                await wait_for_log(caplog, "in its inbox")
+                before = await xread_calls(client)
+                await trio.sleep(1.0)  # three of its reads' waits (lease_ttl / 3 each)
+                reads = await xread_calls(client) - before
+            assert reads < 50, reads
+            assert (await worker.ref("s").send("still")).text == "still"

@@ -154,6 +154,9 @@ _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.SessionBusyError, 409),
     (sa.TurnCancelledError, 409),
     (sa.SessionStoppedError, 409),
+    # (only ever in an event stream's or a WebSocket's error frame, the stream begun: the
+    # client resumes after its last seq; nothing failed on the server)
+    (sa.SubscriberLaggedError, 409),
     (sa.InvalidSessionNameError, 422),
     (sa.IdempotencyKeyReusedError, 422),
     (sa.MailboxFullError, 429),

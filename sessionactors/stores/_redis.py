@@ -122,6 +122,26 @@ _OLDER_SNAPSHOT: Final = 4
 _MOVED_ON: Final = 5
 
 
+def _check_types(*kept: tuple[int, str]) -> str:
+    """Lua that refuses the script before it writes anything if one of its keys
+    (``KEYS[i]``, for each ``(i, type)`` in ``kept``; one not given is skipped) holds
+    another type of value than the store keeps there: with the error redis gives a
+    command on such a key (WRONGTYPE), which ``RedisStore._run`` translates, naming the
+    session and the key. Without it a script that met such a key after its first write
+    would stop there, with that write made (scripts are not rolled back)."""
+    tests = " or ".join(f"wrong({i}, '{kind}')" for i, kind in kept)
+    return f"""
+local function wrong(i, kind)
+  if not KEYS[i] then return false end
+  local found = redis.call('TYPE', KEYS[i]).ok
+  return found ~= kind and found ~= 'none'
+end
+if {tests} then
+  return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
+end
+"""
+
+
 def _check_fence(owner: int) -> str:
     """A fenced write passes when the lease exists and holds ``fence`` (ARGV[1]) and,
     when given, the owner (ARGV[owner]); when its shard's lease (KEYS[5]) is unexpired
@@ -159,7 +179,8 @@ if KEYS[{key}] then redis.call('ZADD', KEYS[{key}], ARGV[{score}], ARGV[{member}
 # KEYS: meta, info, log, index[, activity].
 # ARGV: snapshot, info, encoded name, listing member, its score.
 _CREATE: Final = Script[bytes](
-    script="""
+    script=_check_types((4, "set"), (5, "zset"))
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[1], 'snap', ARGV[1], 'seq', '0', 'last', '0', 'trimmed', '0')
@@ -177,7 +198,8 @@ def _append_script(done: str = "return {0}", after: int = 0) -> str:
     """The append script; ``done`` ends it once it has written, with the ``after``
     arguments that follow the entries."""
     return (
-        """
+        _check_types((1, "hash"), (3, "stream"), (6, "zset"))
+        + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
         + _check_fence(3)
@@ -222,7 +244,8 @@ return {0, heard}""",
 # ARGV: fence or '', info, snapshot, seq, trim_upto, first id kept ('<trim_upto + 1>-0'),
 # owner or '', last seq expected or '' (twice), listing member, its score.
 _WRITE_SNAPSHOT: Final = Script[bytes](
-    script="""
+    script=_check_types((1, "hash"), (3, "stream"), (6, "zset"))
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
     + _check_fence(7)
@@ -292,8 +315,11 @@ return {t, page}
 
 # KEYS: meta, info, log, lease, shard, index[, activity].  ARGV: encoded name, listing
 # member.
+# (A session's own keys are deleted whatever they hold: deleting is the way out of one
+# that is damaged; its lease is read first.)
 _DELETE: Final = Script[bytes](
-    script="""
+    script=_check_types((4, "hash"), (5, "hash"), (6, "set"), (7, "zset"))
+    + """
 local existed = redis.call('EXISTS', KEYS[1])
 local lease = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
 local shard = redis.call('HMGET', KEYS[5], 'owner', 'epoch')
@@ -318,7 +344,8 @@ return existed
 # (a restore from an older backup, a lagging replica): it is at least the server's
 # clock in microseconds. A shard taken anew gets its first session's fence as its epoch.
 _CLAIM: Final = Script[bytes](
-    script="""
+    script=_check_types((1, "hash"), (2, "string"), (3, "hash"), (4, "hash"))
+    + """
 local shard = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
 if shard[1] and shard[1] ~= ARGV[1] then return false end
 local fence = redis.call('INCR', KEYS[2])
@@ -366,7 +393,8 @@ return 1
 
 # KEYS: lease, shard.  ARGV: owner, fence.  The shard goes with its last session.
 _RELEASE: Final = Script[bytes](
-    script="""
+    script=_check_types((1, "hash"), (2, "hash"))
+    + """
 local v = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'epoch')
 if v[1] ~= ARGV[1] or v[2] ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
@@ -531,6 +559,12 @@ def _configuration_problem(exc: BaseException, client: Client | None) -> str | N
             "keys in one slot"
         )
     return None
+
+
+def _wrong_type(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is redis refusing a key that holds another type of value."""
+    message = str(exc).lower()
+    return exc is not None and ("wrongtype" in message or "wrong kind of value" in message)
 
 
 def _encode_name(session_id: str) -> str:
@@ -1418,7 +1452,9 @@ class RedisStore:
         in between, or a failure of that command (which does not fail the write),
         leaves the order a step behind, which ``list_page`` mends (a
         member without info is skipped and removed, a session without a member is
-        added), and the session's next write puts right.
+        added), and the session's next write puts right. An order that holds another
+        type of value does not fail the write either (it landed): it is logged at
+        ERROR, and the listings fail with ``StoreConfigurationError`` until it is fixed.
         """
         if not self._on_cluster:
             await trio.lowlevel.checkpoint()
@@ -1431,7 +1467,13 @@ class RedisStore:
             else:
                 scores: dict[str | bytes, int | float] = {member: int(score)}
                 await self._run("list", session_id, lambda c: c.zadd(key, scores))
-        except (StoreConfigurationError, StoreNotDurableError):
+        except StoreConfigurationError as exc:
+            if not _wrong_type(exc.__cause__):
+                raise
+            # The write stands; only the order, a key the sessions share, is damaged
+            self._listing_mended = False
+            log.error("the listing order of %r could not be written: %s", session_id, exc)
+        except StoreNotDurableError:
             raise
         except StoreError as exc:
             # The write stands (the order's master may be down while the session's is

@@ -126,12 +126,40 @@ redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
 if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
 return who
 """
+# KEYS: the worker's liveness key and inbox. A key of the two that holds another type
+# of value than the store keeps there (a string, a stream) is removed first (the worker
+# writes the first again here, and the second holds only wake-ups of its own reader):
+# returns the incarnation replaced (false: none) and the type each one held ('' if
+# none was removed).
 _HEARTBEAT: Final = """
-local replaced = redis.call('GET', KEYS[1])
+local alive = redis.call('TYPE', KEYS[1]).ok
+local inbox = redis.call('TYPE', KEYS[2]).ok
+local replaced = false
+if alive == 'string' then
+  replaced = redis.call('GET', KEYS[1])
+elseif alive ~= 'none' then
+  redis.call('DEL', KEYS[1])
+else
+  alive = ''
+end
+if alive == 'string' then alive = '' end
+if inbox ~= 'stream' and inbox ~= 'none' then
+  redis.call('DEL', KEYS[2])
+else
+  inbox = ''
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[2], 'MINID', ARGV[4]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return replaced
+return {replaced, alive, inbox}
+"""
+# A worker's inbox key that holds another type of value than the stream the store
+# keeps there is removed; returns the type it held (false: it held a stream, or none).
+_REPAIR_INBOX: Final = """
+local found = redis.call('TYPE', KEYS[1]).ok
+if found == 'stream' or found == 'none' then return false end
+redis.call('DEL', KEYS[1])
+return found
 """
 # The live workers: a sorted set scored by when each one's announcement expires
 # (the server's clock, in ms). ARGV: worker, its ttl in ms ('' withdraws it), the
@@ -210,6 +238,29 @@ end
 """
     + _MARK_END
 )
+
+
+def _text(value: Any) -> str:
+    """A value the store read back as text (a damaged key's bytes need not be UTF-8)."""
+    return bytes(value).decode("utf-8", "replace")
+
+
+def _wrong_type(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis refusing a key that holds another type of value."""
+    message = str(exc).lower()
+    return "wrongtype" in message or "wrong kind of value" in message
+
+
+def _log_repaired(worker: str, key: str, found: str) -> None:
+    log.warning(
+        "worker %r: its key %r held a %s, not what the store keeps there (another "
+        "application's keys under the store's prefix, or a key changed behind its "
+        "back); removed it, and the worker goes on (it holds only what the worker "
+        "writes there again: its liveness, or wake-ups of its own reader)",
+        worker,
+        key,
+        found,
+    )
 
 
 def _tag(key: str) -> str:
@@ -391,6 +442,7 @@ class RedisTransport:
         self._store = store
         self._post = Script[bytes](script=_POST)
         self._heartbeat = Script[bytes](script=_HEARTBEAT)
+        self._repair_inbox = Script[bytes](script=_REPAIR_INBOX)
         self._leave = Script[bytes](script=_LEAVE)
         self._members = Script[bytes](script=_MEMBERS)
         self._publish = Script[bytes](script=_PUBLISH)
@@ -417,13 +469,17 @@ class RedisTransport:
     ) -> str | None:
         keys = list(self._worker(worker))
         args = [incarnation, _ms(ttl), _ms(3 * ttl), keep_from or ""]
-        replaced: Any = await self._store._run(
+        reply: Any = await self._store._run(
             "announce",
             None,
             lambda c: self._heartbeat(keys, args, client=c),
             about=f"worker {worker!r}",
         )
-        return None if replaced is None else bytes(replaced).decode()
+        replaced, alive, inbox = reply
+        for key, found in zip(keys, (alive, inbox), strict=True):
+            if found:
+                _log_repaired(worker, key, _text(found))
+        return None if replaced is None else _text(replaced)
 
     async def leave(self, worker: str, incarnation: str) -> None:
         keys = list(self._worker(worker))
@@ -514,7 +570,7 @@ class RedisTransport:
         value: Any = await self._store._run(
             "look up", None, lambda c: c.get(alive), about=f"worker {worker!r}"
         )
-        return None if value is None else bytes(value).decode()
+        return None if value is None else _text(value)
 
     async def send(self, worker: str, incarnation: str, message: bytes) -> bool:
         channel = self._channel(worker, incarnation).encode()
@@ -687,6 +743,20 @@ class RedisTransport:
         wait = None if block is None else max(1, int(block * 1000))
 
         async def run(client: Client) -> dict[Any, Any]:
+            try:
+                return await read(client, wait)
+            except coredis.exceptions.ResponseError as exc:
+                if not _wrong_type(exc):
+                    raise
+            # The inbox's key, or one of the streams' (that session's error: see
+            # ``_run``), holds another type of value: the inbox's is removed (here, or
+            # by the heartbeat meanwhile), and the read is made again, without waiting
+            held: Any = await self._repair_inbox([inbox], [], client=client)
+            if held:
+                _log_repaired(worker, inbox, _text(held))
+            return await read(client, None)
+
+        async def read(client: Client, wait: int | None) -> dict[Any, Any]:
             if not isinstance(client, coredis.RedisCluster):
                 return dict(await client.xread(ids, count=_READ_COUNT, block=wait) or {})
             # A cluster reads one slot per XREAD: the other slots' streams without
@@ -722,9 +792,10 @@ class RedisTransport:
             got = bytes(raw_key)
             if got == inbox.encode():
                 for entry in entries:
+                    # (an entry of another form is damage: handed on as b"", which is
+                    # no message, so that the reader moves past it)
                     data = entry.field_values.get(b"m")
-                    if data is not None:
-                        messages.append((bytes(entry.identifier).decode(), bytes(data)))
+                    messages.append((bytes(entry.identifier).decode(), bytes(data or b"")))
             elif got in names:
                 events[names[got]] = [_item(e.identifier, e.field_values) for e in entries]
         return messages, events

@@ -35,7 +35,9 @@ registry:
   twice; a copy of it that arrives now is ignored).
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
-  key fails with SessionCrashedError, since it may or may not have run. With no
+  key fails with SessionCrashedError, since it may or may not have run (naming
+  the turn in ``turn_id`` once the owner had accepted it: ``ref.turn_outcome``
+  says what became of it). With no
   word for two lease lifetimes (the store or the owner does not answer), or with
   every copy sent for that long answered "unknown", the caller gets
   WorkerUnreachableError: no caller waits forever;
@@ -95,6 +97,7 @@ import collections
 import contextlib
 import hashlib
 import itertools
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
@@ -110,6 +113,7 @@ from .._errors import (
     Advice,
     AdviceKind,
     LeaseHeldError,
+    Part,
     SessionActorsError,
     SessionCrashedError,
     SessionStoppedError,
@@ -155,6 +159,8 @@ from ._wire import (
 )
 
 __all__ = ["Cluster", "ClusterStatistics", "open_cluster"]
+
+log = logging.getLogger("sessionactors")
 
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
@@ -532,6 +538,13 @@ class Cluster:
     def _dispatch(self, data: bytes) -> None:
         body = unpack(data)
         if body is None:
+            log.warning(
+                "worker %r: ignored a message of %d bytes in its inbox that is not one "
+                "the workers send (an entry written behind the store's back, or another "
+                "application's under the store's prefix)",
+                self.worker,
+                len(data),
+            )
             return
         if "re" in body:
             send = self._waiters.get(str(body["re"]))
@@ -934,6 +947,18 @@ class Cluster:
         on_ack: Callable[[Mapping[str, Any]], None] | None,
     ) -> dict[str, Any] | None:
         shard = self.transport.shard(name)
+        # The turn an owner accepted (its ack's id; a turn sent again to the next owner
+        # takes the id that one gives it) and the turn's key: what the caller is told
+        # to ask by if the answer never comes
+        accepted = ""
+        key = str(request.get("key") or "") if request.get("op") == "turn" else ""
+
+        def acked(body: Mapping[str, Any]) -> None:
+            nonlocal accepted
+            accepted = str(body.get("turn_id") or "")
+            if on_ack is not None:
+                on_ack(body)
+
         unheard_since: float | None = None  # since when the owner says it never got it
         unheard_copies = 0
         # "Moved" answers are bounded by time, not counted: a worker that shuts down
@@ -950,6 +975,7 @@ class Cluster:
                     f"{MAX_ATTEMPTS} attempts (its worker kept dying or refusing messages); "
                     "retry later",
                     session_id=name,
+                    turn_id=accepted,
                 )
             handover = self._leaving.get(shard)
             if handover is not None:  # handing the shard over: wait for its next owner
@@ -995,7 +1021,9 @@ class Cluster:
                         self._incarnations[owner] = current
                     continue
                 self.stats.forwarded += 1
-                answer = await self._wait_answer(name, owner, incarnation, rid, receive, on_ack)
+                answer = await self._wait_answer(
+                    name, owner, incarnation, rid, receive, acked, accepted, key
+                )
             except WorkerUnreachableError:
                 self._forget_owner(name, owner, incarnation)  # the next request looks again
                 raise
@@ -1018,6 +1046,8 @@ class Cluster:
                         f"request in {unheard:.1f} s ({unheard_copies} copies lost), so it did "
                         "not run there; send it again",
                         session_id=name,
+                        turn_id=accepted,
+                        idempotency_key=key,
                     )
                 self.stats.moved += 1
                 continue
@@ -1029,26 +1059,19 @@ class Cluster:
                         f"session {name!r}: worker {owner!r}, which runs it, may have run "
                         "this request, but its answer was lost on the way and is no longer "
                         "kept there; look at the history ",
-                        Advice(kind=AdviceKind.OR_TURN_OUTCOME),
+                        Advice(kind=AdviceKind.OR_TURN_OUTCOME, turn_id=accepted),
                         " before sending it again (a turn sent with ",
                         Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
                         " runs once however often it is sent)",
                         session_id=name,
+                        turn_id=accepted,
                     )
                 continue
             if answer is _OWNER_DIED:
                 self._forget_owner(name, owner, incarnation)
                 self.stats.owner_deaths += 1
                 if not retry_safe:
-                    raise advised(
-                        SessionCrashedError,
-                        f"session {name!r}: worker {owner!r}, which ran it, died before "
-                        "answering, so this request may or may not have run; retry it (send "
-                        "it with ",
-                        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
-                        " to make retries safe)",
-                        session_id=name,
-                    )
+                    raise _owner_died_error(name, owner, accepted)
                 continue
             if moved:
                 self._owners.pop(name, None)
@@ -1083,13 +1106,16 @@ class Cluster:
         incarnation: str,
         rid: str,
         receive: trio.MemoryReceiveChannel[dict[str, Any]],
-        on_ack: Callable[[Mapping[str, Any]], None] | None,
+        on_ack: Callable[[Mapping[str, Any]], None],
+        accepted: str,
+        key: str,
     ) -> dict[str, Any]:
         """The owner's answer, _OWNER_DIED, or {"ok": "unknown"} (the owner never got
-        the request); WorkerUnreachableError after two lease lifetimes without word."""
+        the request); WorkerUnreachableError after two lease lifetimes without word,
+        naming the turn ``accepted`` (an earlier copy's, or this one's ack's) and its
+        ``key``."""
         heard = trio.current_time()
         acked = False
-        accepted = ""  # the id of the turn the owner accepted (an ack's)
         failure: StoreError | None = None
         ping = b""  # made when first needed: most answers come before
         while True:
@@ -1104,8 +1130,7 @@ class Cluster:
                         acked = True
                         accepted = str(answer.get("turn_id") or "")
                         answer["_owner"] = owner
-                        if on_ack is not None:
-                            on_ack(answer)
+                        on_ack(answer)
                     elif answer.get("ok") == "unknown" and acked:
                         return _OWNER_DIED  # it had the turn and forgot it: it restarted
                     elif answer.get("ok") != "working":
@@ -1127,17 +1152,8 @@ class Cluster:
                 failure = exc
             silence = trio.current_time() - heard
             if silence > 2 * self.ttl:
-                raise advised(
-                    WorkerUnreachableError,
-                    f"session {name!r}: no word from worker {owner!r}, which runs it, for "
-                    f"{silence:.1f} s ("
-                    + ("the store did not answer" if failure else "it did not answer")
-                    + "); the request may or may not have run there: send it again (a turn "
-                    "sent with ",
-                    Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
-                    " runs once however often it is sent)",
-                    session_id=name,
-                ) from failure
+                why = "the store did not answer" if failure else "it did not answer"
+                raise _unreachable_error(name, owner, silence, why, accepted, key) from failure
 
     # ---- balancing: shards go to their preferred workers ---------------------------------
 
@@ -1291,6 +1307,74 @@ def _worker_id_taken(worker: str) -> str:
         f"another live worker on this store runs as worker_id {worker!r}: give each "
         "worker process its own worker_id (reuse one only to restart the worker that "
         "had it, once that one stopped)"
+    )
+
+
+def _unreachable_error(
+    name: str, owner: str, silence: float, why: str, turn_id: str, key: str
+) -> WorkerUnreachableError:
+    """For a request to ``owner`` that got no word for ``silence`` seconds (``why``):
+    ``turn_id``, the turn it accepted (if it said so), and ``key``, the turn's
+    idempotency key, are what its caller asks by or sends again with."""
+    told: list[Part] = [
+        f"session {name!r}: no word from worker {owner!r}, which runs it, for {silence:.1f} s "
+        f"({why}); "
+    ]
+    if turn_id:
+        told += [
+            f"turn {turn_id!r} may or may not have run there: ",
+            Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=turn_id),
+        ]
+        told += (
+            [", or send it again with the same "]
+            if key
+            else [" and send it again if it did not run"]
+        )
+    else:
+        told += ["the request may or may not have run there: send it again"]
+        told += [" with the same "] if key else []
+    if key:
+        told += [
+            Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+            " (it runs once however often it is sent)",
+        ]
+    else:
+        told += [
+            " (a turn sent with ",
+            Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+            " runs once however often it is sent)",
+        ]
+    return advised(
+        WorkerUnreachableError,
+        *told,
+        session_id=name,
+        turn_id=turn_id,
+        idempotency_key=key,
+    )
+
+
+def _owner_died_error(name: str, owner: str, turn_id: str) -> SessionCrashedError:
+    """For a request, not safe to send again, whose ``owner`` died before answering
+    (``turn_id``: the turn it accepted, if it said so: what the caller asks about)."""
+    if not turn_id:
+        return advised(
+            SessionCrashedError,
+            f"session {name!r}: worker {owner!r}, which ran it, died before answering, so "
+            "this request may or may not have run; retry it (send it with ",
+            Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+            " to make retries safe)",
+            session_id=name,
+        )
+    return advised(
+        SessionCrashedError,
+        f"session {name!r}: worker {owner!r}, which ran it, died before answering, so turn "
+        f"{turn_id!r} may or may not have run; ",
+        Advice(kind=AdviceKind.TURN_OUTCOME, turn_id=turn_id),
+        " before sending it again (send it with ",
+        Advice(kind=AdviceKind.IDEMPOTENCY_KEY),
+        " to make retries safe)",
+        session_id=name,
+        turn_id=turn_id,
     )
 
 

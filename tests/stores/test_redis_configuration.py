@@ -15,9 +15,9 @@ import pytest
 import trio
 
 import sessionactors as sa
-from redis_keys import drop_prefix, group_key, replace_with_list, session_key
+from redis_keys import admin_client, drop_prefix, group_key, replace_with_list, session_key
 from sessionactors import StoreConfigurationError, StoreError
-from sessionactors.stores import JournalEntry, RedisStore
+from sessionactors.stores import JournalEntry, Lease, RedisStore
 from sessionactors.testing import EchoModel
 
 pytestmark = pytest.mark.redis
@@ -333,3 +333,126 @@ async def test_a_key_of_one_session_of_another_type_fails_that_session_only(
                 await registry.delete("old")
                 assert [info.session_id for info in await registry.sessions()] == ["other"]
     await drop_prefix(redis_url, prefix)
+
+
+async def everything_under(url: str, prefix: str) -> dict[bytes, tuple[bytes, bool]]:
+    """Every key under ``prefix``: its value (``DUMP``) and whether it expires."""
+    async with coredis.Redis.from_url(url) as client:
+        found = {}
+        for key in await client.keys(f"{prefix}:*"):
+            found[bytes(key)] = (bytes(await client.dump(key)), await client.pttl(key) >= 0)
+        return found
+
+
+#: (what is written, the key that holds another type of value, whether it is a key of
+#: the session's own): each key is one that the write's script meets after a first write.
+_REFUSED_WRITES = [
+    ("create", "sessions", False),
+    ("create", "activity", False),
+    ("append", "activity", False),
+    ("snapshot", "log", True),
+    ("snapshot", "activity", False),
+    ("delete", "sessions", False),
+    ("delete", "activity", False),
+    ("claim", "lease", True),
+    ("claim", "meta", True),
+    ("release", "shard", False),
+]
+
+
+async def make_write(store: RedisStore, write: str, name: str, lease: Lease | None) -> None:
+    """Make the ``write`` to session ``name`` (a store call of that name) under ``lease``."""
+    if write == "create":
+        await store.create(name, b"a snapshot", b"")
+    elif write == "claim":
+        await store.claim(name, "w1", 30.0)
+    elif write == "delete":
+        await store.delete(name)
+    else:
+        assert lease is not None
+        if write == "append":
+            await store.append(name, [JournalEntry(2, b"two")], b"", fence=lease.fence)
+        elif write == "snapshot":
+            await store.write_snapshot(name, b"a snapshot", 1, b"", trim_upto=1, fence=lease.fence)
+        else:
+            await store.release(name, lease)
+
+
+@pytest.mark.parametrize(("write", "part", "own"), _REFUSED_WRITES)
+async def test_a_write_refused_for_a_key_of_another_type_writes_nothing(
+    redis_url: str, write: str, part: str, own: bool
+) -> None:
+    """A write that meets a key of another type than the store keeps there (the
+    session's own: SnapshotCorruptError; one the sessions share: StoreConfigurationError;
+    each naming the session and the key) writes nothing: every key under the store's
+    prefix holds what it held before, with the same expiry (a claim took no fencing
+    token and left no shard lease without one; a snapshot, a create or a delete did not
+    land in part)."""
+    prefix = _prefix()
+    name = "new" if write == "create" else "s"
+    if part == "activity":
+        key = f"{prefix}:activity"
+    elif part in ("sessions", "shard", "fence"):
+        key = group_key(prefix, name, part)
+    else:
+        key = session_key(prefix, name, part)
+    store = RedisStore(redis_url, prefix=prefix)
+    snapshot = b"a snapshot"  # (the store keeps the bytes as they are)
+    try:
+        with trio.fail_after(20):
+            await store.create("other", snapshot, b"")  # (the listing order exists)
+            lease = None
+            if write != "create":
+                await store.create(name, snapshot, b"")
+                if write != "claim":
+                    lease = await store.claim(name, "w1", 30.0)
+                    assert lease is not None
+                    await store.append(name, [JournalEntry(1, b"one")], b"", fence=lease.fence)
+            await replace_with_list(redis_url, key)
+            before = await everything_under(redis_url, prefix)
+            expected = sa.SnapshotCorruptError if own else StoreConfigurationError
+            with pytest.raises(expected) as found:
+                await make_write(store, write, name, lease)
+            error = found.value
+            assert error.session_id == name, repr(error)
+            assert f"{key!r} holds a list" in str(error)
+            after = await everything_under(redis_url, prefix)
+    finally:
+        await store.aclose()
+        await drop_prefix(redis_url, prefix)
+    assert after == before
+
+
+async def test_on_a_cluster_a_listing_order_of_another_type_fails_no_write_that_landed(
+    redis_cluster_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a Redis Cluster, where a write puts its session in the listing order after the
+    write (the order sits in a slot of its own), an order that holds another type of
+    value does not fail the writes that landed (a create, an append: they are stored),
+    and each is logged at ERROR naming the key; a listing fails with
+    StoreConfigurationError naming it."""
+    prefix = _prefix()
+    key = f"{prefix}:activity"
+    store = RedisStore(redis_cluster_url, prefix=prefix)
+    try:
+        with trio.fail_after(20):
+            await store.create("other", b"a snapshot", b"")
+            await replace_with_list(redis_cluster_url, key)
+            await store.create("s", b"a snapshot", b"")
+            lease = await store.claim("s", "w1", 30.0)
+            assert lease is not None
+            await store.append("s", [JournalEntry(1, b"one")], b"", fence=lease.fence)
+            stored = await store.load("s")
+            assert stored is not None
+            assert [entry.data for entry in stored.entries] == [b"one"]
+            told = [r for r in caplog.records if repr(key) in r.getMessage()]
+            assert [r.levelname for r in told] == ["ERROR", "ERROR"], told
+            with raises_fatal(f"{key!r} holds a list"):
+                await store.list_page(after=None, limit=10)
+    finally:
+        await store.aclose()
+        async with admin_client(redis_cluster_url) as cluster:
+            for primary in list(cluster.primaries):
+                async with primary as client:
+                    async for found in client.scan_iter(match=f"{prefix}:*"):
+                        await client.delete([found])

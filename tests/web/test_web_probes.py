@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import logging
 import math
 import re
 import threading
@@ -731,6 +732,39 @@ async def test_lag_advice_names_the_route_that_resumes_after_a_seq() -> None:
             message = http_advice(error)
             assert f"?after={error['last_seq']}" in message
             assert "Last-Event-ID" not in message
+
+
+async def test_a_subscriber_that_lags_is_told_409_and_no_server_failure_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A subscriber that falls behind gets its SubscriberLaggedError frame with status
+    409, on a turn's event stream and on the WebSocket (it resumes after its last seq:
+    nothing failed on the server), and the server logs no error for it."""
+    gateway = create_app(agents={"a": sa.Agent(model=sa.testing.EchoModel())}, subscriber_buffer=1)
+    text = " ".join(["w"] * 300)
+    async with serve_trio(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(30):
+            errors = []
+            while not errors:  # (until a stream lags)
+                r = await client.post("/sessions/s/messages", json={"text": text}, headers=SSE)
+                errors = [
+                    json.loads(line[6:])
+                    for line in r.text.splitlines()
+                    if line.startswith("data: ") and '"type":"error"' in line
+                ]
+            base = url.replace("http://", "ws://")
+            while len(errors) < 2:
+                async with open_websocket(base + "/sessions/w/ws?agent=a") as ws:
+                    await ws.send({"type": "message", "text": text})
+                    while True:
+                        data = await ws.receive()
+                        if data["type"] in ("error", "TurnFinished"):
+                            break
+                    if data["type"] == "error":
+                        errors.append(data)
+    assert [(e["error"], e["status"]) for e in errors] == [("SubscriberLaggedError", 409)] * 2
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert logged == [], [r.getMessage() for r in logged]
 
 
 @pytest.mark.redis
