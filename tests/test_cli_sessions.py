@@ -1140,9 +1140,9 @@ async def _write_beside(server: Server, url: str) -> None:
         async with watcher.ref(live).subscribe() as events:
             assert f"deleted session {asleep!r}" in await run("delete", asleep, "--yes")
             assert f"deleted session {live!r}" in await run("delete", live, "--yes")
-            with trio.fail_after(60):
+            with trio.fail_after(60), pytest.raises(sa.SessionNotFoundError, match="deleted"):
                 async for _ in events:
-                    pass  # the deletion ends the stream
+                    pass  # the deletion ends the stream, saying so
         assert (await ask("live")).split() == sorted([anchor, taken])  # the server deleted it
         for name in (asleep, live):
             assert f"{name!r}" in refused("show", name, "--store", url)

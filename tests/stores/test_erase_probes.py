@@ -1,16 +1,19 @@
 """Probes of what a delete leaves of a session's text in the bytes a store keeps: the
-SQLite file, its ``-wal`` and free pages."""
+SQLite file, its ``-wal`` and free pages; every key of a Redis store's prefix."""
 
 from __future__ import annotations
 
 import sqlite3
+import uuid
 from pathlib import Path
 from typing import Any
 
+import coredis
 import pytest
 import trio
 
 import sessionactors as sa
+from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
 MARK = "ERASE-ME"
@@ -99,3 +102,73 @@ async def test_a_reader_of_an_older_snapshot_delays_the_erasure_of_the_wal_until
                 await trio.sleep(0.1)
             assert (await registry.ref("other").history())[-1].content == reply.text
 
+
+async def _values(client: Any, key: bytes) -> bytes:
+    """Everything a key holds, whatever its type, as one string of bytes."""
+    kind = await client.type(key)
+    if kind == b"stream":
+        entries = await client.xrange(key, "-", "+")
+        return b"|".join(
+            bytes(k) + b"=" + bytes(v) for e in entries for k, v in e.field_values.items()
+        )
+    if kind == b"string":
+        return bytes(await client.get(key) or b"")
+    if kind == b"hash":
+        return b"|".join(bytes(k) + b"=" + bytes(v) for k, v in (await client.hgetall(key)).items())
+    if kind == b"zset":
+        return b"|".join(bytes(m) for m in await client.zrange(key, 0, -1))
+    if kind == b"set":
+        return b"|".join(bytes(m) for m in await client.smembers(key))
+    if kind == b"list":
+        return b"|".join(bytes(m) for m in await client.lrange(key, 0, -1))
+    return b""
+
+
+@pytest.mark.redis
+async def test_no_redis_key_holds_a_deleted_sessions_text_not_even_its_event_stream(
+    redis_url: str,
+) -> None:
+    """A session that another worker subscribed to (so that its events went to its event
+    stream) leaves nothing of its text in any key of the prefix once it is deleted: the
+    stream, kept a while for the subscribers elsewhere to read its end, holds the end
+    alone; the subscriber elsewhere is told that the session was deleted."""
+    prefix = f"erase-{uuid.uuid4().hex}"
+    ended: list[BaseException] = []
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        agents = {"echo": sa.Agent(model=EchoModel())}
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=1.0)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            ref = await a.spawn("gone", metadata={"email": f"{MARK}@example.com"})
+            await ref.send(f"{MARK} first")  # live on a
+
+            async def follow(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with b.ref("gone").subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            if isinstance(event, sa.TurnFinished):
+                                seen.set()
+                except sa.SessionNotFoundError as exc:
+                    ended.append(exc)
+
+            seen = trio.Event()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(follow)
+                await ref.send(f"{MARK} second " + "words " * 50)
+                await seen.wait()  # (its events went through the stream)
+                await a.delete("gone")
+            async with coredis.Redis.from_url(redis_url, decode_responses=False) as client:
+                keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+                holding = [key for key in keys if MARK.encode() in await _values(client, key)]
+                events = [key for key in keys if key.endswith(b":ev")]
+                stream = [await client.xrange(key, "-", "+") for key in events]
+    assert holding == []
+    assert [[dict(entry.field_values) for entry in entries] for entries in stream] == [
+        [{b"gone": b"1"}]
+    ]
+    assert len(ended) == 1
+    assert ended[0].session_id == "gone"
