@@ -21,6 +21,7 @@ import errno
 import functools
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -50,7 +51,14 @@ from ._errors import (
 )
 from ._export import dump_export, load_export
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
-from ._names import damaged_name, delete_command, redact, shell_quoted, validate_name
+from ._names import (
+    damaged_name,
+    delete_command,
+    is_url,
+    redact,
+    shell_quoted,
+    validate_name,
+)
 from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_events, read_session
 from ._records import SessionInfo, SessionState, Status, new_id, utcnow
@@ -118,9 +126,9 @@ def add_parser(commands: Any) -> None:
     imported = command("import", "store a session from an export (FILE, or - for stdin)")
     imported.add_argument("file", metavar="FILE")
     imported.add_argument("--as", dest="rename", metavar="NAME", help="store it under NAME")
-    delete = command("delete", "delete a session from the store")
-    delete.add_argument("name", metavar="NAME")
-    delete.add_argument("--yes", action="store_true", help="yes, delete it")
+    delete = command("delete", "delete sessions from the store")
+    delete.add_argument("names", metavar="NAME", nargs="+", type=_not_a_url)
+    delete.add_argument("--yes", action="store_true", help="yes, delete them")
     tail = command("tail", "print a session's events as JSON lines as they are stored")
     tail.add_argument("name", metavar="NAME")
     tail.add_argument(
@@ -160,6 +168,31 @@ def add_store_arguments(parser: argparse.ArgumentParser, urls: str) -> None:
     )
 
 
+#: A store's URL (the schemes ``open_store`` takes), anywhere in a text.
+_STORE_URL: Final = re.compile(
+    r"(sqlite|memory|redis|rediss|unix|redis\+cluster|rediss\+cluster|redis\+sentinel):/",
+    re.IGNORECASE,
+)
+
+
+def _not_a_url(text: str) -> str:
+    """A session's name to delete; one that holds a store's URL is refused: a URL given
+    where a name goes (or an option with one that the parser took for a name: its value
+    holds a space), whose password would be printed as the name's."""
+    if _STORE_URL.search(text):
+        option, equals, value = text.partition("=")
+        if is_url(text):
+            shown = redact(text)
+        elif text.startswith("-") and equals and is_url(value):  # (an option's, as --stor=)
+            shown = f"{option}={redact(value)}"
+        else:
+            shown = "***"  # (anything else around it may be a secret too)
+        raise argparse.ArgumentTypeError(
+            f"a store's URL is no session's name ({shown}): give the store with --store URL"
+        )
+    return text
+
+
 def _positive(text: str) -> int:
     value = _seq(text)
     if value < 1:
@@ -182,11 +215,14 @@ def run(args: argparse.Namespace) -> int:
     name = args.sessions_command
     command = _COMMANDS[name]
     try:
-        if name == "delete" and not args.yes:
-            raise ValueError(
-                f"this deletes session {args.name!r} and all its history; "
-                "run it again with --yes to do it"
-            )
+        if name == "delete":
+            _check_names(args.names)
+            if not args.yes:
+                raise ValueError(
+                    f"this deletes {_sessions_named(args.names)} and all "
+                    f"{'its' if len(args.names) == 1 else 'their'} history; "
+                    "run it again with --yes to do it"
+                )
         if sys.stdout is None:  # (started with it closed, as by `>&-`)
             raise OSError(
                 "standard output is closed, so nothing was done; run it with "
@@ -206,9 +242,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{given.where()}"
             )
             if name == "delete":  # (a mistyped path: create no store there)
-                validate_name(args.name)
+                names = args.names
                 raise SessionNotFoundError(
-                    f"session {args.name!r} is not stored: {missing}", session_id=args.name
+                    f"{_sessions_named(names)} {'is' if len(names) == 1 else 'are'} not "
+                    f"stored: {missing}",
+                    session_id=names[0] if len(names) == 1 else None,
                 )
             raise StoreError(missing)
         # (import makes the file: said, for a mistyped path; a tail --wait that waits
@@ -232,18 +270,26 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, BrokenPipeError):  # the reader stopped (`... | head`): no error
             _quiet_stdout()
             return EXIT_PIPE_CLOSED
-        advise = functools.partial(_cli_advice, args.given_store)
-        text = " ".join(told(exc, advise).split()) or type(exc).__name__
-        if isinstance(exc, SessionNotFoundError) and Advice(kind=AdviceKind.CREATE) in exc._told:
-            # (the library's advice is for code; at the command line, the listing helps)
-            text = (
-                f"session {exc.session_id!r} is not in this store; "
-                f"{_listing(args.given_store)} lists the stored sessions"
-            )
-        elif not isinstance(exc, SessionActorsError | ValueError | OSError):
-            text = f"{type(exc).__name__}: {text}"
-        print(f"sessionactors sessions {name}: {_terminal_safe(text)}", file=sys.stderr)
+        _say_error(args, exc)
         return 1
+
+
+def _say_error(args: argparse.Namespace, exc: BaseException) -> None:
+    """Tell ``exc`` on stderr, in one line, as the command's error."""
+    advise = functools.partial(_cli_advice, args.given_store)
+    text = " ".join(told(exc, advise).split()) or type(exc).__name__
+    if isinstance(exc, SessionNotFoundError) and Advice(kind=AdviceKind.CREATE) in exc._told:
+        # (the library's advice is for code; at the command line, the listing helps)
+        text = (
+            f"session {exc.session_id!r} is not in this store; "
+            f"{_listing(args.given_store)} lists the stored sessions"
+        )
+    elif not isinstance(exc, SessionActorsError | ValueError | OSError):
+        text = f"{type(exc).__name__}: {text}"
+    print(
+        f"sessionactors sessions {args.sessions_command}: {_terminal_safe(text)}",
+        file=sys.stderr,
+    )
 
 
 def _cli_advice(given: GivenStore, advice: Advice, session_id: str | None) -> str:
@@ -773,27 +819,62 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_names(names: Sequence[str]) -> None:
+    """Refuse the command, before anything is deleted, if a name is not one a session
+    can have (a damaged name, given as `list` shows it, is one)."""
+    for name in names:
+        if damaged_name(name) is None:
+            validate_name(name)
+
+
+def _sessions_named(names: Sequence[str]) -> str:
+    """``session 'a'``, ``sessions 'a' and 'b'``, ``sessions 'a', 'b' and 'c'``."""
+    shown = [_shown(name) for name in names]
+    if len(shown) == 1:
+        return f"session {shown[0]}"
+    return f"sessions {', '.join(shown[:-1])} and {shown[-1]}"
+
+
+def _shown(name: str) -> str:
+    raw = damaged_name(name)
+    return repr(name) if raw is None else shell_quoted(raw)
+
+
 async def _delete(store: Store, args: argparse.Namespace) -> int:
-    name = args.name
+    """Delete each session named, in turn: a line on stdout for each deleted, a line on
+    stderr for each that is not stored or is live in another process (status 1 then);
+    any other error (the store's) ends the command, leaving the names after it."""
+    status = 0
+    async with contextlib.AsyncExitStack() as stack:
+        registry = None
+        if isinstance(store, RoutingStore):  # by the worker that runs it or holds its shard
+            registry = await stack.enter_async_context(_joined(store))
+        for name in args.names:
+            try:
+                await _delete_one(store, registry, name)
+            except (SessionNotFoundError, LeaseHeldError) as exc:
+                _say_error(args, exc)
+                status = 1
+            else:
+                _out(f"deleted session {_shown(name)}")
+    return status
+
+
+async def _delete_one(store: Store, registry: Registry | None, name: str) -> None:
     raw = damaged_name(name)
     if raw is not None:
         # a name that damage left not UTF-8, given as `list` shows it ($'\xff19'): its
         # rows or keys, by their bytes (no process holds it: no request reaches it)
-        shown = shell_quoted(raw)
         if not await store.delete(name):
-            raise SessionNotFoundError(f"session {shown} is not in this store", session_id=None)
-        _out(f"deleted session {shown}")
-        return 0
-    validate_name(name)
-    if isinstance(store, RoutingStore):  # by the worker that runs it or holds its shard
-        async with _joined(store) as registry:
-            await registry.delete(name)
+            raise SessionNotFoundError(
+                f"session {shell_quoted(raw)} is not in this store", session_id=None
+            )
+    elif registry is not None:
+        await registry.delete(name)
     else:
         async with _leased(store, name, "deleted"):
             if not await store.delete(name):
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
-    _out(f"deleted session {name!r}")
-    return 0
 
 
 _READS: Final = frozenset({"list", "show", "export", "tail"})

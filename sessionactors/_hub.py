@@ -20,6 +20,7 @@ from ._errors import (
     AdviceKind,
     EventsExpiredError,
     SessionActorsError,
+    SessionNotFoundError,
     SubscriberLaggedError,
     advised,
 )
@@ -33,7 +34,15 @@ from ._events import (
     make_delta,
 )
 
-__all__ = ["SEQ_GAP", "Hub", "Subscriber", "event_size", "expired_error", "lagged_error"]
+__all__ = [
+    "SEQ_GAP",
+    "Hub",
+    "Subscriber",
+    "deleted_error",
+    "event_size",
+    "expired_error",
+    "lagged_error",
+]
 
 #: How far seq jumps when a session wakes from a state that was not hibernated
 #: cleanly (the process died): above any seq the lost incarnation can have used.
@@ -285,8 +294,9 @@ class Hub:
         sub.receive.close()
 
     def close(self, error: SessionActorsError | None = None) -> None:
-        """End every subscription: cleanly (session stopped or deleted), or with
-        ``error``, which each reader then raises after the events it has."""
+        """End every subscription: cleanly (session stopped, registry closed), or with
+        ``error`` (session deleted: ``deleted_error``), which each reader then raises
+        after the events it has."""
         for sub in self._subs:
             sub.error = error
             sub.send.close()
@@ -311,6 +321,15 @@ def expired_error(session_id: str, after: int, oldest_seq: int) -> EventsExpired
         Advice(kind=AdviceKind.RELOAD_STATE),
         session_id=session_id,
         oldest_seq=oldest_seq,
+    )
+
+
+def deleted_error(session_id: str) -> SessionNotFoundError:
+    """What a subscription of a deleted session raises after its last event."""
+    return SessionNotFoundError(
+        f"session {session_id!r} was deleted: its events end here; a session spawned "
+        "again under its name is another session (subscribe to it anew)",
+        session_id=session_id,
     )
 
 

@@ -489,8 +489,11 @@ class SessionRef(metaclass=NoPublicConstructor):
         middle of a turn (a turn open, no review pending) is woken by a registry that
         has its agent, so that the turn ends and the subscriber sees its outcome.
 
-        It ends when the session is stopped or deleted, or the registry closes.
-        Iterating raises ``SubscriberLaggedError`` if the reader fell behind, and
+        It ends when the session is stopped or the registry closes. When the
+        session is deleted, iterating raises ``SessionNotFoundError`` after the last
+        event, saying that the session was deleted (a session spawned again under its
+        name is another one: subscribe to it anew). It raises
+        ``SubscriberLaggedError`` if the reader fell behind, and
         the wake's error if a wake of the session fails while it is open (the
         name not stored, the store or the snapshot failing): subscribe again,
         with ``after=`` the last seq read, once the cause is fixed.
@@ -520,8 +523,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         end first (it was deleted or stopped, its wake failed, or the registry
         closed), or the worker that ran it died or lost the session's lease
         (``FencedOutError``, as ``send`` raises), iterating raises the turn's error
-        instead. With ``idempotency_key``, a turn sent again after its worker died is
-        followed under its new turn id (a second ``TurnStarted``); a stream whose key
+        instead (for a deleted session, ``SessionNotFoundError`` saying so). With
+        ``idempotency_key``, a turn sent again after its worker died is followed
+        under its new turn id (a second ``TurnStarted``); a stream whose key
         joins a turn already under way (running, or waiting on a review) first yields
         that turn's events published so far that are still available (see
         ``subscribe``), from its ``TurnStarted``.

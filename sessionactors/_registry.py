@@ -248,8 +248,11 @@ class Registry(metaclass=NoPublicConstructor):
         """Remove the conversation everywhere: actor, subscribers, store.
 
         Pending requests fail with SessionNotFoundError, and so do requests
-        and subscriptions that come while the deletion runs; subscriptions
-        end. The name can be spawned afresh afterwards. Raises
+        and subscriptions that come while the deletion runs; open subscriptions,
+        on every worker, raise SessionNotFoundError after their last event, saying
+        that the session was deleted. The name can be spawned afresh afterwards.
+        On a SQLiteStore, what the session held is gone from the file and its
+        ``-wal`` when this returns (see the store). Raises
         SessionNotFoundError if there was nothing to delete, and LeaseHeldError
         (changing nothing) for a session live in another process that this
         registry does not route to (a SQLite file shared with leases): delete it

@@ -34,7 +34,7 @@ from ._errors import (
     StoreError,
     advised,
 )
-from ._hub import SEQ_GAP, Hub, expired_error
+from ._hub import SEQ_GAP, Hub, deleted_error, expired_error
 from ._metadata import check_info_room
 from ._names import validate_name
 from ._reading import read_stored, stored_seq
@@ -369,7 +369,7 @@ class Sessions:
                 )
         hub = self.hubs.pop(name, None)
         if hub is not None:
-            hub.close()
+            hub.close(deleted_error(name))
         was_failed = self.failed.pop(name, None) is not None
         self.retry_at.pop(name, None)
         try:

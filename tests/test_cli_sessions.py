@@ -434,6 +434,27 @@ def test_write_commands_beside_an_exclusive_server_say_to_share_the_file(
         assert digests(path) == before
 
 
+def test_delete_takes_several_names_and_says_which_it_did_not_find(tmp_path: Path) -> None:
+    """delete takes several names: it deletes each that is stored (a line each on
+    stdout), says of each that is not that it is not stored (a line each on stderr), and
+    exits with status 1 if any was not; without --yes it deletes none of them."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    with serving(f"sqlite:{path}") as server:
+        populate(server)
+    line = refused("delete", "a", "c", "--store", store)
+    assert "sessions 'a' and 'c'" in line
+    assert "--yes" in line
+    done = sessions("delete", "a", "nobody", "c", "ghost", "--yes", "--store", store)
+    assert (done.returncode, done.stdout) == (1, "deleted session 'a'\ndeleted session 'c'\n")
+    assert done.stderr.splitlines() == [
+        "sessionactors sessions delete: session 'nobody' is not stored",
+        "sessionactors sessions delete: session 'ghost' is not stored",
+    ]
+    assert [r["name"] for r in json.loads(ok("list", "--json", "--store", store))] == ["b"]
+    assert ok("delete", "b", "--yes", "--store", store) == "deleted session 'b'\n"
+
+
 def test_delete_needs_yes(tmp_path: Path) -> None:
     """delete without --yes deletes nothing and says how to confirm, in one line."""
     path = tmp_path / "s.db"
@@ -1138,11 +1159,11 @@ async def _write_beside(server: Server, url: str) -> None:
     assert (await ask("live")).split() == sorted([anchor, live, taken])
     async with sa.open_registry(store=RedisStore(url)) as watcher:
         async with watcher.ref(live).subscribe() as events:
-            assert f"deleted session {asleep!r}" in await run("delete", asleep, "--yes")
-            assert f"deleted session {live!r}" in await run("delete", live, "--yes")
-            with trio.fail_after(60):
+            deleted = await run("delete", asleep, live, "--yes")
+            assert deleted == f"deleted session {asleep!r}\ndeleted session {live!r}\n"
+            with trio.fail_after(60), pytest.raises(sa.SessionNotFoundError, match="deleted"):
                 async for _ in events:
-                    pass  # the deletion ends the stream
+                    pass  # the deletion ends the stream, saying so
         assert (await ask("live")).split() == sorted([anchor, taken])  # the server deleted it
         for name in (asleep, live):
             assert f"{name!r}" in refused("show", name, "--store", url)

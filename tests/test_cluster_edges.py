@@ -298,9 +298,10 @@ async def test_events_redis_refuses_for_lack_of_memory_show_as_lag_never_as_a_ga
 async def test_a_subscription_elsewhere_ends_when_its_deleted_sessions_end_was_refused(
     private_redis_server: Callable[..., AbstractContextManager[str]],
 ) -> None:
-    """A session deleted while redis refuses to mark the end of its events (out of memory) still ends a subscription to it on another worker, soon after redis has room again."""
+    """A session deleted while redis refuses to mark the end of its events (out of memory) still ends a subscription to it on another worker, saying that it was deleted, soon after redis has room again."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     ended = trio.Event()
+    errors: list[sa.SessionActorsError] = []
     with private_redis_server() as url, trio.fail_after(40):
         async with (
             open_worker(url, prefix, "a", EchoModel()) as a,
@@ -313,10 +314,13 @@ async def test_a_subscription_elsewhere_ends_when_its_deleted_sessions_end_was_r
             assert (a.live(), b.live()) == (["s"], [])
 
             async def subscribe(task_status: trio.TaskStatus[None]) -> None:
-                async with b.ref("s").subscribe() as stream:
-                    task_status.started()
-                    async for _ in stream:
-                        pass
+                try:
+                    async with b.ref("s").subscribe() as stream:
+                        task_status.started()
+                        async for _ in stream:
+                            pass
+                except sa.SessionActorsError as exc:
+                    errors.append(exc)
                 ended.set()
 
             await nursery.start(subscribe)
@@ -332,6 +336,8 @@ async def test_a_subscription_elsewhere_ends_when_its_deleted_sessions_end_was_r
             assert ended.is_set(), "the subscription on b never ended"
             with pytest.raises(sa.SessionNotFoundError):
                 await b.ref("s").history()
+    assert [type(e) for e in errors] == [sa.SessionNotFoundError], errors
+    assert "session 's' was deleted" in str(errors[0])
 
 
 #: The longest text a message may hold (sessionactors' limit): about 1 MB.
@@ -369,9 +375,10 @@ async def test_an_answer_larger_than_redis_pubsub_limit_reaches_another_worker(
 async def test_a_subscription_following_its_session_elsewhere_never_hears_one_made_again_under_its_name(
     redis_url: str,
 ) -> None:
-    """A subscription whose session left its worker (hibernated there) and was then deleted and made again under its name on another worker ends: it follows the session it subscribed to, not whichever one holds the name when it next reads."""
+    """A subscription whose session left its worker (hibernated there) and was then deleted and made again under its name on another worker ends, saying that its session was deleted: it follows the session it subscribed to, not whichever one holds the name when it next reads."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     texts: list[str] = []
+    ended: sa.SessionNotFoundError | None = None
     with trio.fail_after(30):
         async with (
             open_worker(redis_url, prefix, "a", EchoModel()) as a,
@@ -391,11 +398,15 @@ async def test_a_subscription_following_its_session_elsewhere_never_hears_one_ma
                 for i in range(6):  # (past the seqs the deleted session used)
                     await ref.send(f"new {i}")
                 with trio.move_on_after(4 * TTL) as waited:
-                    async for event in stream:
-                        if isinstance(event, sa.TurnStarted):
-                            texts.append(event.text)
+                    try:
+                        async for event in stream:
+                            if isinstance(event, sa.TurnStarted):
+                                texts.append(event.text)
+                    except sa.SessionNotFoundError as exc:
+                        ended = exc
     assert texts == ["old one"]
     assert not waited.cancelled_caught  # it ended
+    assert "session 's' was deleted" in str(ended)
 
 
 async def test_a_session_created_before_1970_is_followed_from_another_worker(
@@ -457,11 +468,12 @@ async def test_a_sessions_event_stream_keeps_the_entry_format_of_earlier_version
 async def test_a_subscription_elsewhere_to_a_deleted_session_never_hears_one_made_again_under_its_name(
     any_redis_url: str,
 ) -> None:
-    """A subscription on another worker to a session that is deleted and at once made again under the same name ends with the deleted one: it never delivers the new session's events as if they were the old one's (on a cluster the end marked at the delete is gone before the subscriber's worker looks: it reads each slot's streams in turn, and the new session's spawn resets the stream)."""
+    """A subscription on another worker to a session that is deleted and at once made again under the same name ends with the deleted one, saying it was deleted: it never delivers the new session's events as if they were the old one's (on a cluster the end marked at the delete is gone before the subscriber's worker looks: it reads each slot's streams in turn, and the new session's spawn resets the stream)."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     rounds = 5  # (a race: the end may still be there when the reader looks)
     heard: dict[str, list[str]] = {}
     ended: dict[str, bool] = {}
+    errors: dict[str, str] = {}
     with trio.fail_after(60):
         async with (
             open_worker(any_redis_url, prefix, "a", EchoModel()) as a,
@@ -481,10 +493,13 @@ async def test_a_subscription_elsewhere_to_a_deleted_session_never_hears_one_mad
                     done: trio.Event,
                     task_status: trio.TaskStatus[None],
                 ) -> None:
-                    async with b.ref(name).subscribe() as stream:
-                        task_status.started()
-                        async for event in stream:
-                            seen.append(event)
+                    try:
+                        async with b.ref(name).subscribe() as stream:
+                            task_status.started()
+                            async for event in stream:
+                                seen.append(event)
+                    except sa.SessionNotFoundError as exc:
+                        errors[name] = str(exc).split(":")[0]
                     done.set()
 
                 await nursery.start(subscribe, name, seen, done)
@@ -503,3 +518,4 @@ async def test_a_subscription_elsewhere_to_a_deleted_session_never_hears_one_mad
     names = [f"s{n}" for n in range(rounds)]
     assert heard == {name: ["old two"] for name in names}
     assert ended == {name: True for name in names}
+    assert errors == {name: f"session {name!r} was deleted" for name in names}

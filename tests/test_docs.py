@@ -1,7 +1,9 @@
 """The documentation's examples run, quote their files exactly, and use only the public API."""
 
 import ast
+import datetime
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -9,6 +11,9 @@ import types
 from pathlib import Path
 
 import pytest
+
+import sessionactors as sa
+from sessionactors.testing import export_document
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -423,3 +428,15 @@ def test_the_readme_example_runs_and_prints_its_replies(tmp_path: Path) -> None:
     assert "Say hi to Ada." in done.stdout
     assert "And what is its status?" in done.stdout
     assert (tmp_path / "sessions.db").is_file()
+
+
+def test_the_export_formats_sample_shows_every_field_an_export_holds() -> None:
+    """The export format's sample in operations.md shows every field of an export and
+    of its ``session``, as ``sessions export`` writes them."""
+    page = (DOCS / "howto" / "operations.md").read_text(encoding="utf-8")
+    section = page.split("## The export format", 1)[1]
+    sample = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    now = datetime.datetime.now(datetime.UTC)
+    written = export_document(sa.SessionState(session_id="chat-1", created_at=now, updated_at=now))
+    assert list(sample) == list(written)
+    assert list(sample["session"]) == list(written["session"])

@@ -458,6 +458,36 @@ async def test_delete_removes_a_hibernated_session(echo_agents: dict[str, sa.Age
     assert history == []
 
 
+@pytest.mark.parametrize("state", ["live", "hibernated"])
+async def test_delete_ends_each_subscription_saying_the_session_was_deleted(
+    echo_agents: dict[str, sa.Agent], state: str
+) -> None:
+    """delete() ends each subscription of the session (of a live one, and one replaying a
+    hibernated one's journal) after the events it had with SessionNotFoundError naming
+    the session and saying it was deleted, which a dropped connection never says."""
+    seen: list[str] = []
+    async with sa.open_registry(agents=echo_agents) as registry:
+
+        async def follow() -> None:
+            async with ref.subscribe(after=0) as events:
+                async for event in events:
+                    seen.append(type(event).__name__)
+                    if isinstance(event, sa.TurnFinished):
+                        await registry.delete("d")
+
+        with trio.fail_after(10):
+            ref = await registry.spawn("d")
+            await ref.send("hello")
+            if state == "hibernated":
+                await ref.hibernate()
+            with pytest.raises(sa.SessionNotFoundError) as ended:
+                await follow()
+
+    assert ended.value.session_id == "d"
+    assert "session 'd' was deleted" in str(ended.value)
+    assert "TurnFinished" in seen
+
+
 async def test_delete_before_a_wake_begins_fails_the_queued_request(
     echo_agents: dict[str, sa.Agent],
 ) -> None:

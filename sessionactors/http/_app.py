@@ -1341,12 +1341,19 @@ class SessionsApp:
             await say({"type": "error", **body})
 
         async def forward() -> None:
+            code = 1000
             try:
                 async for event in events:
                     await say(event_to_json(event))
             except sa.SubscriberLaggedError as exc:
                 await failed(exc)  # reconnect with ?after=last_seq
-            await writes.send({"type": "websocket.close", "code": 1000, "reason": ""})
+            except sa.SessionActorsError as exc:
+                # the session's events ended with an error (deleted: SessionNotFoundError):
+                # told as a refused connection is, with its status in the close code
+                status, body = self._error_body(exc, websocket.scope, ref.session_id)
+                await say({"type": "error", **body})
+                code = 4000 + status
+            await writes.send({"type": "websocket.close", "code": code, "reason": ""})
             group.cancel_scope.cancel()
 
         async def wait_reply(wait: Callable[[], Awaitable[Any]]) -> None:

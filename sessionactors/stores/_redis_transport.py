@@ -215,6 +215,8 @@ return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
 # The end marker's id is above every seq (ARGV[2], the largest), so that a reader
 # whose position is past what the stream holds (it never published, or was
 # trimmed) still reads it; nothing is published to a deleted session's stream.
+# The session's events go (its subscribers elsewhere end at the marker, saying the
+# session was deleted): the stream, kept a while for them, holds nothing of its text.
 # KEYS: the events, the session's meta key (a session of that name stored again:
 # no end); the marker is written once. Returns whether the stream is ended.
 _MARK_END: Final = """
@@ -223,6 +225,7 @@ local r = redis.pcall('XADD', KEYS[1], ARGV[2] .. '-0', 'gone', '1')
 if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
   return r
 end
+redis.call('XTRIM', KEYS[1], 'MINID', ARGV[2] .. '-0')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """

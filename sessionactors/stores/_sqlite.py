@@ -241,6 +241,13 @@ _QUIET_NS: Final = 2_000_000_000
 #: The size, in bytes, that the write-ahead log is truncated to after a checkpoint.
 _WAL_SIZE_LIMIT: Final = 4 * 1024 * 1024
 
+#: How long, in seconds, the checkpoint that follows a delete waits for a reader of an
+#: older snapshot (another process's) or another process's write to finish (at most
+#: ``busy_timeout``), and how long after a checkpoint that could not empty the ``-wal``
+#: it is tried again (see ``_Worker._erase``).
+_ERASE_PATIENCE: Final = 0.05
+_ERASE_RETRY: Final = 1.0
+
 
 def _deliver(answered: list[_Request]) -> None:
     # Runs on the callers' trio thread, so it never races the abort function.
@@ -318,6 +325,8 @@ class _Worker:
         self._wakeup = threading.Condition(self._lock)
         self._queue: deque[_Request] = deque()
         self.queued = 0
+        #: When to try again to empty the -wal of what a delete left in it (None: empty)
+        self._erase_at: float | None = None
         self._stopping = False
         self._waiting = False  # the thread waits for requests (under _lock)
         self._key = os.path.abspath(self._path)
@@ -366,10 +375,16 @@ class _Worker:
     # The thread ---------------------------------------------------------------
 
     def _take_batch(self) -> list[_Request]:
+        """The requests queued, waiting for one (an empty batch: a checkpoint that a
+        delete left to do is due, see ``_erase``)."""
         with self._lock:
             while not self._queue:
+                erase_at = self._erase_at
+                now = time.monotonic()
+                if erase_at is not None and erase_at <= now:
+                    return []
                 self._waiting = True
-                self._wakeup.wait()
+                self._wakeup.wait(None if erase_at is None else erase_at - now)
                 self._waiting = False
             batch: list[_Request] = []
             while self._queue and len(batch) < _MAX_BATCH:
@@ -400,6 +415,11 @@ class _Worker:
                     conn = self._serve(conn, work)
                     # (the requests hold their data: the next wait must not keep them)
                     del batch, work
+                elif not stop and self._erase_due():  # (tried again while idle)
+                    if conn is None:  # (closed: its close emptied the -wal it could)
+                        self._erase_at = None
+                    else:
+                        self._erase(conn)
                 if stop:
                     # Nothing can be queued after a stop request.
                     if conn is not None:
@@ -530,6 +550,9 @@ class _Worker:
             if str(mode).lower() != "wal":
                 raise sqlite3.OperationalError(f"cannot use WAL mode (journal mode is {mode!r})")
             conn.execute(self._synchronous)
+            # a delete overwrites what it deletes with zeros (on an SQLite built without
+            # SQLITE_SECURE_DELETE, the upstream default, it would stay in free pages)
+            conn.execute("PRAGMA secure_delete = ON")
             # the -wal file shrinks back after a burst of large writes once checkpointed
             # (SQLite otherwise keeps it at its largest size while the store is open)
             conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
@@ -615,8 +638,40 @@ class _Worker:
                 self._counters.commits += 1
             self._counters.appends += appended
             self._counters.largest_batch = max(self._counters.largest_batch, len(batch))
-        _answer(batch)
+        deletes = [r for r in batch if r.op is _delete]
+        if not deletes:
+            _answer(batch)
+            if self._erase_due():
+                self._erase(conn)
+            return conn
+        _answer([r for r in batch if r.op is not _delete])
+        self._erase(conn)  # before the deletes are answered: they are erased then
+        _answer(deletes)
         return conn
+
+    def _erase_due(self) -> bool:
+        """Whether a checkpoint that a delete left to do is to be tried again now."""
+        return self._erase_at is not None and self._erase_at <= time.monotonic()
+
+    def _erase(self, conn: sqlite3.Connection) -> None:
+        """Empty the ``-wal`` after a delete: a checkpoint writes the pages the delete
+        freed, overwritten with zeros (``secure_delete``), into the file, and truncates
+        the ``-wal``, whose older frames still hold what was deleted. Best effort: a
+        reader of an older snapshot (another process's, reading the file) keeps the
+        frames it may read, and another process's write holds the file; they are waited
+        for ``_ERASE_PATIENCE`` seconds, then the checkpoint is tried again every
+        ``_ERASE_RETRY`` seconds (after the next transaction, or when idle) until it
+        empties the ``-wal``. Closing the file's last connection empties it too."""
+        patience = int(min(self._busy_timeout, _ERASE_PATIENCE) * 1000)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {patience}")
+            try:
+                (busy, _, _) = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
+        except sqlite3.Error:
+            busy = 1  # (the next transaction meets the problem, and says so)
+        self._erase_at = time.monotonic() + _ERASE_RETRY if busy else None
 
     def _run_all(self, conn: sqlite3.Connection, batch: list[_Request]) -> int:
         """Run every request in order and set its ``result``; consecutive plain appends
@@ -811,6 +866,18 @@ def _create(path: str) -> None:
         for leftover in (temporary, f"{temporary}-wal", f"{temporary}-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(leftover)
+
+
+def _delete(conn: sqlite3.Connection, now: float, session_id: str) -> bool:
+    """``SQLiteStore.delete`` in the transaction (its worker then empties the ``-wal``)."""
+    key = (_key(session_id),)  # (a damaged name is deleted by its bytes)
+    conn.execute(f"DELETE FROM journal WHERE session_id = {_BOUND}", key)
+    conn.execute(f"DELETE FROM snapshots WHERE session_id = {_BOUND}", key)
+    conn.execute(
+        f"UPDATE leases SET owner = NULL, lease_until = 0 WHERE session_id = {_BOUND}", key
+    )
+    deleted = conn.execute(f"DELETE FROM sessions WHERE session_id = {_BOUND}", key)
+    return bool(deleted.rowcount == 1)
 
 
 def _trimmed_upto(conn: sqlite3.Connection, session_id: str) -> int:
@@ -1054,6 +1121,17 @@ class SQLiteStore:
     ``-shm`` deleted while it is open is noticed before the next transaction:
     what the deleted ``-wal`` held is written into the file, and the files are
     opened again.
+
+    :meth:`delete` leaves nothing of the session in the file or its ``-wal``:
+    SQLite overwrites the deleted rows with zeros (the store sets ``PRAGMA
+    secure_delete`` on its connection: an SQLite built without it, the upstream
+    default, would leave them in the file's free pages), and before it returns
+    the ``-wal``, whose older frames still hold them, is checkpointed into the
+    file and truncated. While another process reads the file on an older snapshot
+    (a backup under way, say), SQLite keeps the frames that reader may read: the
+    checkpoint waits 50 ms for it, then is tried again every second until the
+    ``-wal`` is empty (closing the store empties it too). The file does not
+    shrink: the zeroed pages are reused (``VACUUM`` gives them back).
 
     A call cancelled while queued is withdrawn and never runs. A call already
     being written waits for its transaction to finish (milliseconds; at most
@@ -1385,18 +1463,11 @@ class SQLiteStore:
         return result
 
     async def delete(self, session_id: str) -> bool:
-        def op(conn: sqlite3.Connection, now: float) -> bool:
-            key = (_key(session_id),)  # (a damaged name is deleted by its bytes)
-            conn.execute(f"DELETE FROM journal WHERE session_id = {_BOUND}", key)
-            conn.execute(f"DELETE FROM snapshots WHERE session_id = {_BOUND}", key)
-            conn.execute(
-                f"UPDATE leases SET owner = NULL, lease_until = 0 WHERE session_id = {_BOUND}",
-                key,
-            )
-            deleted = conn.execute(f"DELETE FROM sessions WHERE session_id = {_BOUND}", key)
-            return bool(deleted.rowcount == 1)
-
-        result: bool = await self._call(session_id, op, writes=True)
+        """Remove the session everywhere (snapshot, journal, lease); whether it existed.
+        Nothing of it is left in the file or its ``-wal`` when it returns (see the
+        class: while a reader in another process holds an older snapshot, the ``-wal``
+        is emptied once it is done)."""
+        result: bool = await self._call(session_id, _delete, writes=True, args=(session_id,))
         return result
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | None:

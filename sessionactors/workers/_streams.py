@@ -38,7 +38,7 @@ from .._events import (
     TurnFinished,
     TurnStarted,
 )
-from .._hub import SEQ_GAP, Hub
+from .._hub import SEQ_GAP, Hub, deleted_error
 from .._reading import read_stored, stored_cleanly
 from .._records import Status, TurnStatus
 from .._router import RouterHost
@@ -647,10 +647,10 @@ class Streams:
                 # under way, it read nothing yet, and its first read again is checked
                 # against the journal as this one was)
                 self._unread.discard(name)
-            if replaced:
+            if replaced:  # (its session was deleted, and one made again under its name)
                 hub = self._mirrors.get(name)
                 if hub is not None:
-                    self._end_mirror(name, hub)
+                    self._end_mirror(name, hub, deleted_error(name))
             elif items and self.host.is_live(name):
                 self._rejoin(name)
 
@@ -967,8 +967,9 @@ class Streams:
                 running = _running_turn(answer)
                 break
         iterator = await self._subscribe(name, after, top, born, followed=True, running=running)
-        if replaced:  # the session it followed was deleted: it ends
+        if replaced:  # the session it followed was deleted: it ends, saying so
             iterator.close()
+            raise deleted_error(name)
         return iterator
 
     async def _subscribe(
@@ -1020,10 +1021,10 @@ class Streams:
             try:
                 stopped = (await host.stored_status(name)) is Status.STOPPED
             except SessionNotFoundError:
+                iterator.close()
                 if not followed:
-                    iterator.close()
                     raise
-                stopped = True  # the session it followed was deleted: it ends, as here
+                raise deleted_error(name) from None  # the session it followed was deleted
             except BaseException:
                 iterator.close()
                 raise
@@ -1103,8 +1104,8 @@ class Streams:
                 self._hold(name, seen, seq)  # what became of the turn first
                 return
             self._positions[name] = seq
-            if kind == "gone":
-                self._end_mirror(name, hub)
+            if kind == "gone":  # (deleted)
+                self._end_mirror(name, hub, deleted_error(name))
                 return
             hub.advance(seq)
             if kind == "lost":
@@ -1149,8 +1150,10 @@ class Streams:
         self._drop_mirror(name)
         hub.leave()
 
-    def _end_mirror(self, name: str, hub: Hub) -> None:
-        hub.close()
+    def _end_mirror(self, name: str, hub: Hub, error: SessionActorsError | None = None) -> None:
+        """End the mirror's subscriptions: cleanly (its session stopped), or raising
+        ``error`` after their last event (deleted: ``deleted_error``)."""
+        hub.close(error)
         if self._mirrors.get(name) is hub:
             self._drop_mirror(name)
 

@@ -117,6 +117,37 @@ async def test_messages_and_session_routes_answer_json(serve: Serve) -> None:
             assert (await client.get("/sessions/chat-1")).status_code == 404
 
 
+async def test_a_deleted_sessions_streams_end_saying_it_was_deleted(serve: Serve) -> None:
+    """Deleting a session ends its event stream with an error frame, SessionNotFoundError
+    (404) naming the session and saying it was deleted, and its WebSocket with that error
+    frame and the close code 4404: a client can tell a delete from a dropped connection."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        ws_url = served.url.replace("http://", "ws://") + "/sessions/d/ws"
+        with trio.fail_after(10):
+            assert (await client.post("/sessions/d/messages", json={"text": "hi"})).is_success
+            async with (
+                client.stream("GET", "/sessions/d/events", headers=SSE) as r,
+                open_websocket(ws_url) as ws,
+            ):
+                await ws.send({"type": "message", "text": "one more"})
+                while (await ws.receive())["type"] != "TurnFinished":
+                    pass
+                events = SSEReader(r)
+                await events.until(finished)  # (both follow the session)
+                assert (await client.delete("/sessions/d")).json() == {"deleted": "d"}
+                _, sse_error = await events.next()
+                with pytest.raises(AssertionError, match="the stream ended"):
+                    await events.next()
+                ws_error = await ws.receive()
+                closed = await _closed(ws)
+    for error in (sse_error, ws_error):
+        assert error["type"] == "error"
+        assert (error["error"], error["status"]) == ("SessionNotFoundError", 404)
+        assert error["session_id"] == "d"
+        assert "session 'd' was deleted" in error["message"]
+    assert closed.code == 4404
+
+
 async def test_json_answers_are_never_stored_by_a_cache(serve: Serve) -> None:
     """Every JSON answer (a reply, a session's history, the listing, a turn's outcome, an
     error) says ``Cache-Control: no-store``: it holds a conversation, which no browser or
