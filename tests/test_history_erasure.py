@@ -5,10 +5,12 @@ journal read and no stored key hands the removed text out again."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import coredis
 import pytest
@@ -266,3 +268,71 @@ async def test_without_a_journal_the_edit_writes_the_snapshot_at_once(tmp_path: 
         with pytest.raises(sa.EventsExpiredError):
             await replayed(ref, 0, last)
         assert not [e for e in await replayed(ref, edited, last) if SECRET in repr(e)]
+
+
+# ---- two workers ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def two_workers(url: str, prefix: str) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
+    """Registries of two workers, "a" and "b", on one Redis under ``prefix``."""
+
+    def store() -> RedisStore:
+        return RedisStore(url, prefix=prefix, balance=False)
+
+    async with (
+        sa.open_registry(store=store(), agents=ECHO, worker_id="a", lease_ttl=1) as a,
+        sa.open_registry(store=store(), agents=ECHO, worker_id="b", lease_ttl=1) as b,
+    ):
+        yield a, b
+
+
+class Reader:
+    """Reads a live subscription into a list; ``wait_for`` an event that matches."""
+
+    def __init__(self) -> None:
+        self.events: list[sa.Event] = []
+        self._changed = trio.Event()
+
+    async def run(self, ref: sa.SessionRef, task_status: trio.TaskStatus[None]) -> None:
+        async with ref.subscribe(after=0) as events:
+            task_status.started()
+            async for event in events:
+                self.events.append(event)
+                self._changed.set()
+                self._changed = trio.Event()
+
+    async def wait_for(self, match: Callable[[sa.Event], Any]) -> None:
+        while not any(match(e) for e in self.events):
+            await self._changed.wait()
+
+
+@pytest.mark.redis
+async def test_an_edit_erases_what_another_worker_mirrors(redis_url: str) -> None:
+    """With a subscriber on another worker (the session's events go through its Redis
+    event stream to a mirror there), after the edit neither worker replays the removed
+    text (EventsExpiredError from after=0), and no key under the prefix holds it, the
+    event stream included."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with two_workers(redis_url, prefix) as (a, b), trio.open_nursery() as nursery:
+            owner = await a.spawn("s")
+            await owner.send("hello")
+            reader = Reader()
+            await nursery.start(reader.run, b.ref("s"))
+            secret = (await owner.send(f"my card is {SECRET}")).turn_id
+            await reader.wait_for(lambda e: isinstance(e, sa.TurnFinished) and e.turn_id == secret)
+            assert SECRET.encode() in await _redis_bytes(redis_url, prefix)  # the stream has it
+            assert await b.ref("s").rewind((await owner.history())[1].id) == 2
+            await reader.wait_for(lambda e: isinstance(e, sa.HistoryEdited))
+            edited = (await owner.state()).event_seq
+            last = (await b.ref("s").send("after the edit")).turn_id
+            await reader.wait_for(lambda e: isinstance(e, sa.TurnFinished) and e.turn_id == last)
+            assert (a.live(), b.live()) == (["s"], [])
+            for ref in (a.ref("s"), b.ref("s")):
+                with pytest.raises(sa.EventsExpiredError):
+                    await replayed(ref, 0, last)
+                after = await replayed(ref, edited, last)
+                assert not [e for e in after if SECRET in repr(e)]
+            assert SECRET.encode() not in await _redis_bytes(redis_url, prefix)
+            nursery.cancel_scope.cancel()
