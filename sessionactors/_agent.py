@@ -79,6 +79,11 @@ class Compaction:
     with its results), or, if they hold none, at the last user message
     before them. ``estimate`` counts tokens (default: about four characters a
     token).
+
+    A compaction is a checkpoint, as a history edit that removes messages is:
+    the turn's first write is the session's snapshot, and the events before the
+    compaction leave the store's journal and the replay buffers, so the
+    summarized messages are replayed by nothing.
     """
 
     max_tokens: int = attrs.field()

@@ -38,7 +38,7 @@ from ._ref import Turn, new_turn
 from ._requests import Call, Cancel, Delete, Hibernate, Reply, Stop
 from ._router import NOT_ROUTED, Router
 from ._sessions import Sessions
-from ._subscription import EventIterator
+from ._subscription import EventIterator, expired_error_at
 from ._turns import session_tag, turn_id_time
 from .stores._base import Store
 
@@ -486,9 +486,13 @@ class Dispatcher:
 
     def lost_here(self, name: str, after: int) -> EventsExpiredError | None:
         hub = self.sessions.hubs.get(name)
-        if hub is None or name not in self.sessions.live or not hub.lost(after):
+        actor = self.sessions.live.get(name)
+        if hub is None or actor is None:
             return None
-        return hub.lost_error(after)
+        if hub.lost(after):
+            return hub.lost_error(after)
+        erased = actor.journal.erased  # (an edit erased them; the store may not say so yet)
+        return expired_error_at(name, after, erased) if after < erased else None
 
     async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:
         return await self.sessions.open_subscription(name, after)

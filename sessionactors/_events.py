@@ -38,6 +38,7 @@ __all__ = [
     "TurnFailed",
     "TurnFinished",
     "TurnStarted",
+    "erases",
     "make_delta",
     "make_message_added",
     "make_tool_call_started",
@@ -264,6 +265,14 @@ class MetadataChanged(Event):
     """The session's metadata was replaced."""
 
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+def erases(event: Event) -> bool:
+    """Whether ``event`` takes text out of the history: a ``HistoryEdited`` that removes
+    messages or sets the summary (replacing the one before). Such an edit is a
+    checkpoint: the session's snapshot is written with it, and no event before it is
+    kept for replay any more (the journal, the hub's ring, other workers' copies)."""
+    return event.__class__ is HistoryEdited and (bool(event.removed) or event.summary is not None)
 
 
 #: Fast constructors of the events a turn makes (see ``_records.maker``).

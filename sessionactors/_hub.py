@@ -27,10 +27,12 @@ from ._errors import (
 from ._events import (
     Delta,
     Event,
+    HistoryEdited,
     MessageAdded,
     ToolResult,
     TurnFinished,
     TurnStarted,
+    erases,
     make_delta,
 )
 
@@ -206,6 +208,8 @@ class Hub:
             text = event.text
             self._keep((event.seq, event.turn_id, text), _KEPT_BYTES + len(text))
         else:
+            if event.__class__ is HistoryEdited and erases(event):
+                self._forget(event.seq)
             self._keep(event, _size(event))
         if self._subs:
             for sub in tuple(self._subs):
@@ -230,6 +234,19 @@ class Hub:
             most_bytes = config.replay_bytes
             while ring and ring_bytes > most_bytes:
                 ring_bytes -= _size(ring.popleft())
+        self._ring_bytes = ring_bytes
+
+    def _forget(self, seq: int) -> None:
+        """Drop the ring's events before ``seq``: an edit that takes text out of the
+        history (see ``erases``) leaves nothing before it to replay, so a subscription
+        after an earlier seq reads on from the store, which refuses it (EventsExpiredError)
+        once the edit's snapshot is written, as the journal's floor does until then."""
+        ring = self._ring
+        if not ring:
+            return
+        ring_bytes = self._ring_bytes
+        while ring and _seq(ring[0]) < seq:
+            ring_bytes -= _size(ring.popleft())
         self._ring_bytes = ring_bytes
 
     def lose(self) -> None:

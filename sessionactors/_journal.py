@@ -10,6 +10,7 @@ length. Waking is the latest snapshot plus the journal tail.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Sequence
@@ -20,7 +21,7 @@ import attrs
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
 from ._errors import LOST_DATA_CAUSES, SessionNotFoundError, SnapshotError, StoreError
-from ._events import Event, HistoryEdited, MetadataChanged
+from ._events import Event, HistoryEdited, MetadataChanged, erases
 from ._hub import SEQ_GAP
 from ._pending import Append
 from ._records import SessionState, Status, maker
@@ -29,6 +30,8 @@ from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
 
 __all__ = ["Journal"]
+
+log = logging.getLogger("sessionactors")
 
 _make_entry: Final = maker(JournalEntry)
 #: The events that can make a state smaller (a turn only adds to it).
@@ -48,6 +51,8 @@ class Journal:
         "at",
         "base",
         "config",
+        "erase_due",
+        "erased",
         "fault",
         "floor",
         "lost",
@@ -104,6 +109,13 @@ class Journal:
         #: journal_keep_events events, counted, not measured in seq.
         self._journaled = 0
         self._marks: deque[tuple[int, int]] | None = None
+        #: An edit that takes text out of the history (see ``erases``) came since the last
+        #: snapshot: the next commit writes the snapshot in place of the journal append
+        #: (a checkpoint), and that snapshot trims the whole journal.
+        self.erase_due = False
+        #: The seq before the last such edit: nothing up to it is replayed any more, from
+        #: memory or (once the checkpoint is written) from the store.
+        self.erased = 0
         #: The state was too large for a snapshot when last tried, and nothing that can
         #: make it smaller (an edit of the history or of the metadata) came since: a
         #: snapshot is not tried again (to compact, or at the idle timeout) until then.
@@ -112,8 +124,11 @@ class Journal:
     def add(self, event: Event) -> None:
         """A durable event, folded into the state already: to be stored."""
         self.unsaved.append(event)
-        if self.unwritable and event.__class__ in _SHRINKING:
+        if event.__class__ in _SHRINKING:
             self.unwritable = False
+            if erases(event):
+                self.erase_due = True
+                self.erased = event.seq - 1
 
     def loaded(self, stored: StoredSession, durable_seq: int, session: LiveSession) -> None:
         """Take the bookkeeping of what a wake read from the store.
@@ -151,8 +166,10 @@ class Journal:
             self.settled = 0
 
     def replayable(self) -> tuple[int, list[Event]]:
-        """The durable events not in the store yet, and the seq after which they begin."""
-        return self.floor, self.unsaved
+        """The durable events not in the store yet, and the seq after which replay begins
+        (the store may still hold events up to it, until the checkpoint of an edit that
+        erased them is written)."""
+        return max(self.floor, self.erased), self.unsaved
 
     def holds_unwritten(self) -> bool:
         """Whether answered state is in no write yet (only without a journal)."""
@@ -178,9 +195,35 @@ class Journal:
         snapshot only compacts (what it holds is journaled already): if the store
         refuses it, the journal waits for the next try. ``append`` stands in for the
         store's (see ``Pending.write_outcome``).
+
+        After an edit that takes text out of the history (``erase_due``), whatever the
+        durability, the snapshot is written in place of the append (a checkpoint): it
+        holds the unsaved events, and its write drops the whole journal before it, in
+        one atomic step of the store; it fails as an append does. Only a state too
+        large for a snapshot is journaled instead (the erasure then waits for the next
+        snapshot that can be written: ``write_snapshot`` trims the whole journal while
+        ``erase_due`` holds).
         """
         events = self.unsaved
-        if not self.per_turn or not events:
+        if not events:
+            return
+        if self.erase_due and not self.unwritable:
+            try:
+                await self.write_snapshot(
+                    session, fence, max(hub_seq, session.event_seq), session.status
+                )
+                return
+            except StoreError as exc:
+                self.fault = exc
+                raise
+            except SnapshotError as exc:  # (too large: ``unwritable`` until it shrinks)
+                log.warning(
+                    "session %r: the events before an edit of its history stay in the store "
+                    "until a snapshot of it can be written: %s",
+                    self.session_id,
+                    exc,
+                )
+        if not self.per_turn:
             return
         count = len(events)
         entries = _entries(events)
@@ -229,7 +272,9 @@ class Journal:
         marks = self._marks
         if marks is None:
             marks = self._marks = deque()
-        trim_upto, passed = (seq, len(marks)) if not self.per_turn else self._trim_point()
+        # (a checkpoint, or without a journal: nothing journaled before it is kept)
+        erase = self.erase_due or not self.per_turn
+        trim_upto, passed = (seq, len(marks)) if erase else self._trim_point()
         # the oldest snapshot still counted for retention after this one, kept in the
         # snapshot so that the next incarnation counts on from it (see ``loaded``)
         mark_seq, mark_count = marks[passed] if passed < len(marks) else (seq, self._journaled)
@@ -283,6 +328,7 @@ class Journal:
         self._size = 0
         self._snapshot_size = len(snapshot)
         self.unwritable = False
+        self.erase_due = False
 
     def _trim_point(self) -> tuple[int, int]:
         """The highest seq the journal may drop, with at least journal_keep_events events

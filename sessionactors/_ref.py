@@ -276,7 +276,10 @@ class SessionRef(metaclass=NoPublicConstructor):
         their results, so that the new turn's model sees that they ran.
         Queued behind the requests before it, like a turn. Raises
         NothingToRetryError if the last turn did not fail and was not cancelled,
-        or if a user message has joined the history after it.
+        or if a user message has joined the history after it. What it removes is
+        erased as a history edit's is: the new turn's first write is the session's
+        snapshot, and the events before the removal leave the journal and the replay
+        buffers.
         """
         reply: Reply = await self._dispatcher.call(self.session_id, Retry())
         return reply
@@ -386,7 +389,13 @@ class SessionRef(metaclass=NoPublicConstructor):
         the system prompt and summary) begins with a user message, as every chat
         API wants, and no tool call is parted from its results. In a history with
         no user message before the cut, it moves back only to keep a tool call
-        with its results. ``keep_last=0`` drops everything."""
+        with its results. ``keep_last=0`` drops everything.
+
+        A checkpoint (when it removes messages): the session's snapshot is written
+        with the edit, and the events before it leave the store's journal and the
+        replay buffers, so the removed text is replayed by nothing
+        (``subscribe(after=)`` a seq before it raises EventsExpiredError).
+        """
         _check_type(self.session_id, "keep_last", keep_last, int)
         if keep_last < 0:
             raise ValueError(
@@ -397,13 +406,24 @@ class SessionRef(metaclass=NoPublicConstructor):
 
     async def rewind(self, message_id: str) -> int:
         """Drop every message after ``message_id`` (keeping a tool call's results);
-        returns how many were removed."""
+        returns how many were removed.
+
+        A checkpoint (when it removes messages): the session's snapshot is written
+        with the edit, and the events before it leave the store's journal and the
+        replay buffers, so the removed text is replayed by nothing
+        (``subscribe(after=)`` a seq before it raises EventsExpiredError).
+        """
         _check_type(self.session_id, "message_id", message_id, str)
         removed: int = await self._dispatcher.call(self.session_id, Rewind(message_id=message_id))
         return removed
 
     async def set_summary(self, text: str) -> None:
-        """Set the summary the model sees after the system prompt ("" clears it)."""
+        """Set the summary the model sees after the system prompt ("" clears it).
+
+        A checkpoint: the session's snapshot is written with it, and the events
+        before it (an earlier summary among them) leave the store's journal and the
+        replay buffers (``subscribe(after=)`` a seq before it raises
+        EventsExpiredError)."""
         check_text(self.session_id, text, "summary")
         await self._dispatcher.call(self.session_id, SetSummary(text=text))
 
@@ -469,6 +489,12 @@ class SessionRef(metaclass=NoPublicConstructor):
         the history holds, given back unchanged (same id and fields), is not checked
         again: ``ref.replace_history(await ref.history())`` always succeeds, for a
         session stored before a limit too (a longer tool result, metadata with a NaN).
+
+        A checkpoint (when it removes messages), for a redacted copy: the session's
+        snapshot is written with the replacement in place of a journal append, and
+        the events before it leave the store's journal and the replay buffers, so
+        the removed text is replayed by nothing (``subscribe(after=)`` a seq before
+        it raises EventsExpiredError).
         """
         sid = self.session_id
         request = ReplaceHistory(messages=check_messages(sid, messages, "replace_history"))

@@ -110,8 +110,8 @@ class RouterHost(Protocol):
 
     def lost_here(self, name: str, after: int) -> EventsExpiredError | None:
         """The error for a subscription resuming after ``after``, if the session, live
-        here, woke past that seq (a lost incarnation published it, never stored); None
-        otherwise."""
+        here, woke past that seq (a lost incarnation published it, never stored) or an
+        edit erased the events after it (see ``erases``); None otherwise."""
         ...
 
     async def open_subscription_here(self, name: str, after: int | None) -> EventIterator:

@@ -85,9 +85,10 @@ async def test_a_streamed_turn_refused_while_a_review_is_pending_ends_with_its_e
 async def test_a_request_whose_journal_write_fails_leaves_nothing_behind(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """A metadata change, added messages or a history edit whose journal write fails
-    raises to its caller and leaves no trace: not in the state, not written later by
-    the next turn's commit, not after a wake."""
+    """A metadata change, added messages or a history edit whose write fails (a journal
+    append; for an edit that takes text out, its checkpoint's snapshot) raises to its
+    caller and leaves no trace: not in the state, not written later by the next turn's
+    commit, not after a wake."""
     store = FaultyStore()
     agents = {"a": sa.Agent(model=EchoModel())}
     async with sa.open_registry(store=store, agents=agents, max_restarts=10) as registry:
@@ -96,13 +97,13 @@ async def test_a_request_whose_journal_write_fails_leaves_nothing_behind(
             await ref.send("hello there")
             kept = await ref.history()
             added = sa.Message.create(sa.Role.ASSISTANT, "a person's note")
-            for request in (
-                lambda: ref.set_metadata({"tier": "gold"}),
-                lambda: ref.add_messages([added]),
-                lambda: ref.truncate(0),
-                lambda: ref.set_summary("a summary"),
+            for request, write in (
+                (lambda: ref.set_metadata({"tier": "gold"}), "append"),
+                (lambda: ref.add_messages([added]), "append"),
+                (lambda: ref.truncate(0), "write_snapshot"),
+                (lambda: ref.set_summary("a summary"), "write_snapshot"),
             ):
-                store.fail("append", session_id="s")
+                store.fail(write, session_id="s")
                 with pytest.raises(sa.StoreError):
                     await request()
                 assert store.injected

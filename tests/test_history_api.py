@@ -146,8 +146,9 @@ async def next_event(events: AsyncIterator[sa.Event]) -> sa.Event:
 
 
 async def test_subscribers_see_one_message_added_per_message_and_the_replacement() -> None:
-    """add_messages publishes a MessageAdded (no turn_id) per message; replace_history a
-    HistoryEdited removing every message, then a MessageAdded per new message."""
+    """add_messages publishes a MessageAdded (no turn_id) per message, replayed from the
+    store with their seqs; replace_history a HistoryEdited removing every message, then a
+    MessageAdded per new message, and nothing before it is replayed any more."""
     async with sa.open_registry(agents={"a": sa.Agent(model=ScriptedModel())}) as registry:
         with trio.fail_after(10):
             ref = await registry.spawn("s")
@@ -160,6 +161,10 @@ async def test_subscribers_see_one_message_added_per_message_and_the_replacement
                 assert {e.turn_id for e in seen if isinstance(e, sa.MessageAdded)} == {None}
                 seqs = [e.seq for e in seen]
                 assert seqs == list(range(seqs[0], seqs[0] + len(added)))
+                # replayed from the store with their seqs, like a turn's messages
+                await ref.hibernate()
+                async with registry.ref("s").subscribe(after=seqs[0] - 1) as replay:
+                    assert [(await next_event(replay)).seq for _ in added] == seqs
 
                 new = [sa.Message.create(User, "hi"), sa.Message.create(Assistant, "hello")]
                 await ref.replace_history(new)
@@ -173,11 +178,12 @@ async def test_subscribers_see_one_message_added_per_message_and_the_replacement
                 assert [e.seq for e in (edited, *replaced)] == list(
                     range(edited.seq, edited.seq + 3)
                 )
-            # replayed from the store with their seqs, like a turn's messages
+            # the replacement is a checkpoint: what it removed is replayed no more
             await ref.hibernate()
-            async with registry.ref("s").subscribe(after=seqs[0] - 1) as events:
-                replayed = [await next_event(events) for _ in range(len(added) + 3)]
-            assert [e.seq for e in replayed] == [*seqs, edited.seq, *(e.seq for e in replaced)]
+            with pytest.raises(sa.EventsExpiredError) as expired:
+                async with registry.ref("s").subscribe(after=seqs[0] - 1):
+                    pass
+            assert expired.value.oldest_seq == replaced[-1].seq + 1
 
 
 async def test_added_and_replaced_histories_survive_hibernation_and_a_sqlite_restart(

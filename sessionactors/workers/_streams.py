@@ -31,12 +31,14 @@ from .._errors import (
 )
 from .._events import (
     Event,
+    HistoryEdited,
     ReviewRequested,
     StatusChanged,
     TurnCancelled,
     TurnFailed,
     TurnFinished,
     TurnStarted,
+    erases,
 )
 from .._hub import SEQ_GAP, Hub, deleted_error
 from .._reading import read_stored, stored_cleanly
@@ -89,7 +91,18 @@ class _Lost:
         self.last = last
 
 
-_Item = Event | _CatchUp | _Lost
+class _Erase:
+    """An edit that takes text out of the history (see ``erases``), seq ``seq``: the
+    session's stream is removed before the edit is published to it (a stream left from
+    an earlier watch too), so that it holds nothing from before the edit."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+
+_Item = Event | _CatchUp | _Lost | _Erase
 
 #: Lease lifetimes a session with a turn under way may stay free (its worker died,
 #: and no other took it) before its remote subscribers are told that no outcome will
@@ -257,6 +270,10 @@ class Streams:
         self._failed: dict[str, tuple[int, int]] = {}
         self._publishing = False
         self._flushed: trio.Event | None = None  # set once the queue is empty (closing)
+        #: Sessions whose stream is still to be removed after an edit that erased the
+        #: events before it (see ``_Erase``): the queue was full, or the removal failed;
+        #: the publisher tries again, as it does with lag markers.
+        self._unerased: set[str] = set()
         #: Sessions whose stream the store found damaged (a key of another type): the
         #: events queued for it are dropped, unless it is watched again since.
         self._damaged: set[str] = set()
@@ -688,6 +705,10 @@ class Streams:
 
         def tap(event: Event) -> None:
             nonlocal created, born
+            if event.__class__ is HistoryEdited and erases(event):
+                # before the edit goes to the stream (watched or not: a stream may be
+                # left from an earlier watch), nothing before it may stay there
+                self._enqueue(name, born, _Erase(event.seq))
             catch_up = watched.get(name)
             if catch_up is None:
                 if not take_watched(name):
@@ -705,6 +726,12 @@ class Streams:
         return tap
 
     def _enqueue(self, name: str, born: bytes, item: _Item) -> None:
+        if isinstance(item, _Erase):
+            try:
+                self._send.send_nowait((name, born, item))
+            except trio.WouldBlock:
+                self._unerased.add(name)
+            return
         seq = item.seq if isinstance(item, Event) else cast(_CatchUp, item).upto
         lost = self._lost.get(name)
         stats = self._send.statistics()
@@ -740,7 +767,7 @@ class Streams:
         receive = self._receive
         while True:
             batch: list[tuple[str, bytes, _Item]] = []
-            if self._failed or self._lost:  # markers to write, with or without new events
+            if self._failed or self._lost or self._unerased:  # (with or without new events)
                 with trio.move_on_after(_MARKER_RETRY):
                     batch.append(await receive.receive())
             else:
@@ -754,6 +781,9 @@ class Streams:
                         break
                 if batch:
                     await self._publish_batch(batch, keep)
+                if self._unerased and not receive.statistics().current_buffer_used:
+                    for name in list(self._unerased):
+                        await self._erase(name)
                 if not receive.statistics().current_buffer_used and (self._failed or self._lost):
                     created_here = self.host.created_here
                     markers = [
@@ -797,6 +827,10 @@ class Streams:
                 await flush()
                 await self._catch_up(name, born, item.upto, keep)
                 continue
+            if isinstance(item, _Erase):
+                await flush()  # (what came before it goes first, and goes with the stream)
+                await self._erase(name)
+                continue
             seq = item.last if isinstance(item, _Lost) else item.seq
             failed = self._failed.get(name)
             if failed is not None and seq >= failed[0]:  # newer than the failed ones
@@ -816,6 +850,20 @@ class Streams:
                 continue
             groups.setdefault(name, []).append((item.seq, "event", data))
         await flush()
+
+    async def _erase(self, name: str) -> None:
+        """Remove the session's stream (its events before an edit that erased them); on
+        failure it is tried again once the queue is empty (see ``publish_loop``)."""
+        self._unerased.discard(name)
+        try:
+            await self.transport.reset_events(name)
+        except SnapshotError as exc:
+            if not self.damaged(exc):
+                raise
+        except StoreError as exc:
+            fatal(exc)
+            self._unerased.add(name)
+            await trio.sleep(0.05)
 
     async def _mark_failed(self, groups: Mapping[str, Sequence[StreamItem]]) -> None:
         """Note the items the stream may lack as lost (a marker's range stays whole; only
