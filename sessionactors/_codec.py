@@ -105,7 +105,14 @@ from ._codec_convert import (
     unstructure_metadata,
     unstructure_state,
 )
-from ._codec_fast import COMPACT_EVENTS, Slow, fast_info, fast_live_info, fast_message
+from ._codec_fast import (
+    COMPACT_EVENTS,
+    Slow,
+    fast_info,
+    fast_live_info,
+    fast_message,
+    fast_state,
+)
 from ._codec_format import (
     COMPACT_ENTRY,
     CONTAINER_BYTES,
@@ -535,6 +542,16 @@ def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_B
             f"session {state.session_id!r} has schema_version {state.schema_version!r}, but"
             f" snapshots are written at version {SCHEMA_VERSION}; leave the default"
         )
+    if not state.completed:  # (no key to write by reference: most states)
+        try:
+            raw, containers = fast_state(state)
+            data: bytes = _exact_packer().pack(_keys_whole(raw))
+        except (Slow, ValueError, TypeError, AttributeError, OverflowError):
+            pass  # the general path says what is wrong, if anything is
+        else:
+            if len(data) > max_size or containers > _container_limit(len(data)):
+                _check_size(data, containers, "snapshot", state.session_id, max_size)
+            return data
     containers = _check(check_state, state, "snapshot", state.session_id)
     try:
         stored, saved = _by_reference(state)

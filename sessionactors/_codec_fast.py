@@ -19,20 +19,21 @@ from ._codec_convert import (
     unstructure_metadata,
 )
 from ._codec_format import MAX_SEQ, TAG_OF
-from ._records import NO_METADATA, Message, SessionInfo
+from ._records import NO_METADATA, Message, SessionInfo, SessionState
 
 # -- the fast path: check and unstructure in one generated function --------------
 #
-# A journal entry and an info are written every turn. For SessionInfo (and a
-# snapshot's messages), a function made here from the record's fields (like the
-# checkers) checks every field and builds the record's map in one frame, with its
-# nested records inlined: the same maps, and so the same bytes, as the checker and
-# the cattrs hook make, and the same count of maps and arrays. For each event
-# class, one builds the event's array of the compact journal entry the same way
-# (the same bytes as the general path's maps laid out by _codec_compact), and
-# counts nothing. Each accepts only what the checker accepts, more strictly (exact
-# classes, plain metadata); anything else raises Slow, and the general path (which
-# names what is wrong) runs instead.
+# A journal entry and an info are written every turn, and a snapshot at every spawn
+# and hibernation. For SessionInfo, SessionState and a snapshot's messages, a
+# function made here from the record's fields (like the checkers) checks every field
+# and builds the record's map in one frame, with its nested records inlined: the same
+# maps, and so the same bytes, as the checker and the cattrs hook make, and the count
+# of the maps and arrays written (the checker counts a usage left out as the default
+# too: one more). For each event class, one builds the event's array of the compact
+# journal entry the same way (the same bytes as the general path's maps laid out by
+# _codec_compact), and counts nothing. Each accepts only what the checker accepts,
+# more strictly (exact classes, plain metadata); anything else raises Slow, and the
+# general path (which names what is wrong) runs instead.
 
 
 #: The empty map the fast paths pack in place of the shared empty metadata (never changed).
@@ -259,3 +260,4 @@ COMPACT_EVENTS: Final = {cls: _make_compact(cls, tag) for cls, tag in TAG_OF.ite
 fast_info: Final = _make_fast(SessionInfo)
 fast_message: Final = _make_fast(Message)  # (a snapshot's new messages)
 fast_live_info: Final = _make_fast(SessionInfo, exact=False)
+fast_state: Final = _make_fast(SessionState)  # (a snapshot written whole)

@@ -57,6 +57,8 @@ def validate_name(name: object) -> str:
             f"{MAX_NAME_BYTES}; use a shorter name (a hash of a long key works)",
             session_id=None,
         )
+    if name.isprintable():  # (then it holds none of the characters below: a C loop)
+        return name
     for ch in name:
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") and ch != "\u200d":
             raise InvalidSessionNameError(

@@ -57,8 +57,9 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
     returns is a ``cls``, exactly, and the subclass is never seen. (Calling each
     slot's setter instead saved only a fifth.) Its arguments are keywords, as for
     the records' own constructors. A turn makes about ten records, which was a
-    fifth of its cost. Only for classes whose ``__init__`` does nothing more: no
-    validators, converters, factories or init hooks.
+    fifth of its cost. A default made by a factory is made, as ``__init__`` makes
+    it, when its argument is left out. Only for classes whose ``__init__`` does
+    nothing more: no validators, converters, factories that take self or init hooks.
     """
     fields = attrs.fields(cls)  # type: ignore[arg-type]
     if hasattr(cls, "__attrs_post_init__") or hasattr(cls, "__attrs_pre_init__"):
@@ -77,14 +78,12 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
             "__module__": cls.__module__,
         },
     )
-    setters: dict[str, Any] = {"_cls_": cls, "_building_": building}
+    setters: dict[str, Any] = {"_cls_": cls, "_building_": building, "_NOTHING_": attrs.NOTHING}
     params: list[str] = []
     body: list[str] = []
     for i, field in enumerate(fields):
         if field.validator is not None or field.converter is not None or not field.init:
             raise TypeError(f"{cls.__name__}.{field.name} does more than store its argument")
-        if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
-            raise TypeError(f"{cls.__name__}.{field.name} has a factory default")
         name = field.alias or field.name  # the keyword of the class's own __init__
         if (
             not name.isidentifier()
@@ -95,6 +94,12 @@ def maker(cls: type[_T]) -> Callable[..., _T]:
             raise TypeError(f"{cls.__name__}.{field.name}: no maker for this field name")
         if field.default is attrs.NOTHING:
             params.append(name)
+        elif isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+            if field.default.takes_self:
+                raise TypeError(f"{cls.__name__}.{field.name}'s default takes self")
+            setters[f"_f{i}_"] = field.default.factory
+            params.append(f"{name}=_NOTHING_")
+            body.append(f"    if {name} is _NOTHING_: {name} = _f{i}_()")
         else:
             setters[f"_d{i}_"] = field.default
             params.append(f"{name}=_d{i}_")
@@ -503,7 +508,9 @@ class TurnOutcome:
     error: str | None = None
 
 
-#: Fast constructors of the records a turn makes (see :func:`maker`).
+#: Fast constructors of the records a turn makes, and a spawn (see :func:`maker`).
 make_message: Final = maker(Message)
 make_tool_call: Final = maker(ToolCall)
 make_turn_record: Final = maker(TurnRecord)
+make_state: Final = maker(SessionState)
+make_info: Final = maker(SessionInfo)

@@ -41,7 +41,7 @@ from ._reading import describe_stored, is_damaged, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
 from ._ref import SessionRef, check_text
 from ._router import RoutingStore
-from ._session import LiveSession
+from ._session import LiveSession, new_state
 from ._sessions import Sessions
 from ._telemetry import Telemetry, guarded
 from .stores._base import Store
@@ -145,12 +145,12 @@ class Registry(metaclass=NoPublicConstructor):
         self, name: str, key: str, system_prompt: str | None, metadata: dict[str, Any] | None
     ) -> SessionRef:
         """Store a new session of options checked already (``_checked_options``)."""
-        session = LiveSession.new(name, agent=key, metadata=metadata, system_prompt=system_prompt)
-        return await self._start_session(session)
+        state = new_state(name, agent=key, metadata=metadata, system_prompt=system_prompt)
+        return await self._start_session(state)
 
-    async def _start_session(self, session: LiveSession) -> SessionRef:
-        await self._sessions.create(session)
-        return self._ref(session.session_id)
+    async def _start_session(self, state: SessionState) -> SessionRef:
+        await self._sessions.create(state)
+        return self._ref(state.session_id)
 
     async def fork(self, name: str, new_name: str, *, at: str | None = None) -> SessionRef:
         """A new session ``new_name`` with ``name``'s history up to message ``at``
@@ -174,17 +174,19 @@ class Registry(metaclass=NoPublicConstructor):
             "its history cannot be forked as it is",
             "fork at an earlier message, or after the call is answered",
         )
-        session = LiveSession.new(
+        state = new_state(
             new_name,
             agent=source.agent,
             metadata=source.metadata,
             system_prompt=source.system_prompt,
         )
-        session.messages = messages
-        session.summary = source.summary
-        if messages:
-            session.status = Status.IDLE
-        return await self._start_session(session)
+        state = attrs.evolve(
+            state,
+            messages=tuple(messages),
+            summary=source.summary,
+            status=Status.IDLE if messages else Status.NEW,
+        )
+        return await self._start_session(state)
 
     def ref(self, name: str) -> SessionRef:
         """A handle to ``name``: no I/O. Its first request wakes the session, or
@@ -427,7 +429,7 @@ async def create_session(registry: Registry, state: SessionState) -> SessionRef:
     name = state.session_id
     validate_name(name)
     registry._sessions.check_open(name)
-    return await registry._start_session(LiveSession(state))
+    return await registry._start_session(LiveSession(state).to_state())
 
 
 @asynccontextmanager

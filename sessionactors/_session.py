@@ -44,6 +44,8 @@ from ._records import (
     TurnRecord,
     TurnStatus,
     Usage,
+    make_info,
+    make_state,
     make_turn_record,
     utcnow,
 )
@@ -55,7 +57,7 @@ from ._turns import (
     turn_id_time,
 )
 
-__all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession"]
+__all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession", "new_state", "state_info"]
 
 #: How many idempotency keys a session remembers (the most recent ones).
 MAX_COMPLETED_KEYS = 1000
@@ -110,6 +112,41 @@ class HistoryView(Sequence[Message]):
 
     def __repr__(self) -> str:
         return f"<HistoryView of {len(self)} messages>"
+
+
+def new_state(
+    session_id: str,
+    *,
+    agent: str | None,
+    metadata: Mapping[str, Any] | None = None,
+    system_prompt: str | None = None,
+) -> SessionState:
+    """The state of a session spawned now: no history yet."""
+    now = utcnow()
+    return make_state(
+        session_id=session_id,
+        agent=agent,
+        status=Status.NEW,
+        metadata=dict(metadata or {}),
+        created_at=now,
+        updated_at=now,
+        system_prompt=system_prompt,
+    )
+
+
+def state_info(state: SessionState) -> SessionInfo:
+    """The info of a session stored as ``state``: ``LiveSession(state).info()`` for a
+    state that ``LiveSession.to_state`` made (no two reviews of one id)."""
+    return make_info(
+        session_id=state.session_id,
+        agent=state.agent,
+        status=state.status,
+        message_count=len(state.messages),
+        updated_at=state.updated_at,
+        metadata=state.metadata,
+        pending_reviews=len(state.reviews),
+        usage=state.usage,
+    )
 
 
 class LiveSession:
@@ -169,28 +206,6 @@ class LiveSession:
         self.usage: Usage = state.usage
         self.journal_mark_seq = state.journal_mark_seq
         self.journal_mark_events = state.journal_mark_events
-
-    @classmethod
-    def new(
-        cls,
-        session_id: str,
-        *,
-        agent: str | None,
-        metadata: Mapping[str, Any] | None = None,
-        system_prompt: str | None = None,
-    ) -> LiveSession:
-        now = utcnow()
-        return cls(
-            SessionState(
-                session_id=session_id,
-                agent=agent,
-                status=Status.NEW,
-                metadata=dict(metadata or {}),
-                created_at=now,
-                updated_at=now,
-                system_prompt=system_prompt,
-            )
-        )
 
     def to_state(self) -> SessionState:
         """A frozen copy of the state, for snapshots (``ref.state()`` hands out

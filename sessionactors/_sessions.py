@@ -38,9 +38,9 @@ from ._hub import SEQ_GAP, Hub, deleted_error, expired_error
 from ._metadata import check_info_room
 from ._names import validate_name
 from ._reading import read_stored, stored_seq
-from ._records import Status
+from ._records import SessionState, Status
 from ._router import Router
-from ._session import LiveSession
+from ._session import LiveSession, state_info
 from ._subscription import EventIterator, beyond_stored, open_event_iterator, refuse_beyond
 from ._supervisor import session_task
 from ._telemetry import Telemetry
@@ -256,20 +256,22 @@ class Sessions:
             with contextlib.suppress(SessionActorsError):  # it left, or it is broken:
                 await actor.ready()  # the callers look again
 
-    async def create(self, session: LiveSession) -> None:
-        """Store a new session; SessionExistsError if it exists.
+    async def create(self, state: SessionState) -> None:
+        """Store a new session as ``state`` (as ``LiveSession.to_state`` makes one);
+        SessionExistsError if it exists.
 
         Its actor starts with its first request, as a hibernated session's does (a
-        virtual actor): a spawn does nothing the session needs only once it is used.
+        virtual actor): a spawn does nothing the session needs only once it is used,
+        and makes no live session, only the state it stores.
         """
-        name = session.session_id
+        name = state.session_id
         await self.loaded(name)
         self.check_open(name)  # (a close begun meanwhile: nothing is stored)
         if name in self.live:
             raise exists_error(name)
         try:
-            snapshot = dump_snapshot(session.to_state())
-            described = session.info()
+            snapshot = dump_snapshot(state)
+            described = state_info(state)
             info = dump_info(described)
             check_info_room(described, len(info))  # (room for what its later writes hold)
         except (TypeError, ValueError) as exc:  # the codec's message says what, where

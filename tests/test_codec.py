@@ -418,6 +418,17 @@ def test_every_way_of_encoding_an_info_writes_the_same_bytes(info: sa.SessionInf
     assert dump_info(attrs.evolve(info, session_id=_Text(info.session_id))) == dump_info(info)
 
 
+@ROUND_TRIP
+@given(session_states())
+def test_every_way_of_encoding_a_snapshot_writes_the_same_bytes(state: sa.SessionState) -> None:
+    """A state and the same state with a str subclass in it (which the codec encodes
+    the general way) are the same bytes, with completed keys and without."""
+    for whole in (state, attrs.evolve(state, completed=())):
+        odd = attrs.evolve(whole, session_id=_Text(whole.session_id))
+        assert dump_snapshot(odd) == dump_snapshot(whole)
+        assert load_snapshot(dump_snapshot(whole)) == whole
+
+
 _USAGES = st.builds(
     sa.Usage, input_tokens=st.integers(0, MAX_SEQ), output_tokens=st.integers(0, MAX_SEQ)
 )

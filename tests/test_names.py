@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import unicodedata
+
 import pytest
 import trio
 
@@ -50,6 +53,9 @@ VALID_NAMES = [
     pytest.param("../../etc/passwd", id="path-like"),
     pytest.param("👩\u200d💻", id="zero-width-joiner"),
     pytest.param("日本語のセッション", id="cjk"),
+    pytest.param("no\u00a0break", id="no-break-space"),
+    pytest.param("private\ue000use", id="private-use"),
+    pytest.param("unassigned\u0378", id="unassigned"),
 ]
 
 
@@ -91,6 +97,30 @@ async def test_valid_names_work_through_hibernation(
 
     assert info.session_id == name
     assert [m.content for m in history] == ["hello", "hello"]
+
+
+async def test_a_name_is_refused_for_exactly_the_control_characters(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """Of every character (lone surrogates aside), a name refuses exactly the control,
+    format and line or paragraph separator characters, the zero-width joiner aside."""
+    refused = []
+    async with sa.open_registry(agents=echo_agents) as registry:
+        for code in range(sys.maxunicode + 1):
+            if 0xD800 <= code <= 0xDFFF:
+                continue
+            try:
+                registry.ref(f"a{chr(code)}")
+            except sa.InvalidSessionNameError:
+                refused.append(code)
+    control = [
+        code
+        for code in range(sys.maxunicode + 1)
+        if not 0xD800 <= code <= 0xDFFF
+        and unicodedata.category(chr(code)) in ("Cc", "Cf", "Zl", "Zp")
+        and code != 0x200D
+    ]
+    assert refused == control
 
 
 async def test_name_error_messages_say_what_to_do(echo_agents: dict[str, sa.Agent]) -> None:
