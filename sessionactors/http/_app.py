@@ -1174,7 +1174,7 @@ class SessionsApp:
                 if _wants_events(request):
                     stream = functools.partial(self._turn_stream, registry, ref, text, key, first)
                     first = None  # (the stream ends it once its turn is submitted)
-                    return cast(Response, EventStreamResponse(self._hooks, stream))
+                    return cast(Response, EventStreamResponse(self._hooks, name, stream))
                 turn = await self._submit(registry, ref, text, key)
             finally:
                 if first is not None:
@@ -1243,13 +1243,15 @@ class SessionsApp:
                 _name_turn(reply.turn_id)
                 prelude = [frame({"type": "reply", **reply_to_json(reply)})]
                 return cast(
-                    Response, EventStreamResponse(self._hooks, functools.partial(_told, prelude))
+                    Response,
+                    EventStreamResponse(self._hooks, name, functools.partial(_told, prelude)),
                 )
             _name_turn(review.turn_id)
             return cast(
                 Response,
                 EventStreamResponse(
                     self._hooks,
+                    name,
                     functools.partial(
                         self._review_stream, ref, review, approve, note, state.event_seq
                     ),
@@ -1280,7 +1282,9 @@ class SessionsApp:
             # session's last event, or of events no longer available, is answered 410)
             return cast(
                 Response,
-                EventStreamResponse(self._hooks, functools.partial(self._all_events, ref, after)),
+                EventStreamResponse(
+                    self._hooks, name, functools.partial(self._all_events, ref, after)
+                ),
             )
 
         answer = await self._handle(request, "events", handler)
