@@ -340,8 +340,8 @@ def create_app(
       (CORS): the front end of an app served from another origin, a development
       server on another port. Their preflights are answered, allowing the
       gateway's methods (GET, POST, DELETE) and the headers it reads
-      (``Authorization``, ``Content-Type``, ``Last-Event-ID``, and ``traceparent``
-      and ``tracestate``), and every answer to them names their origin, with
+      (``Authorization``, ``Content-Type``, ``Idempotency-Key``, ``Last-Event-ID``,
+      and ``traceparent`` and ``tracestate``), and every answer to them names their origin, with
       credentials (cookies, for an ``authorize`` that reads them), so that their
       pages read it. They are trusted as ``trusted_origins`` are. Exact origins
       only: ``"*"``, ``"null"`` or anything else that is not an origin raises
@@ -1161,7 +1161,7 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, name: str) -> Response:
             data = await self._body(request, _MESSAGE_FIELDS)
             text = _string(data, "text")
-            key = _optional_string(data, "idempotency_key")
+            key = _message_key(request, _optional_string(data, "idempotency_key"))
             agent = _optional_string(data, "agent")
             try:  # refused before the first message creates its session
                 check_message(name, text, key)
@@ -1174,7 +1174,7 @@ class SessionsApp:
                 if _wants_events(request):
                     stream = functools.partial(self._turn_stream, registry, ref, text, key, first)
                     first = None  # (the stream ends it once its turn is submitted)
-                    return cast(Response, EventStreamResponse(self._hooks, stream))
+                    return cast(Response, EventStreamResponse(self._hooks, name, stream))
                 turn = await self._submit(registry, ref, text, key)
             finally:
                 if first is not None:
@@ -1243,13 +1243,15 @@ class SessionsApp:
                 _name_turn(reply.turn_id)
                 prelude = [frame({"type": "reply", **reply_to_json(reply)})]
                 return cast(
-                    Response, EventStreamResponse(self._hooks, functools.partial(_told, prelude))
+                    Response,
+                    EventStreamResponse(self._hooks, name, functools.partial(_told, prelude)),
                 )
             _name_turn(review.turn_id)
             return cast(
                 Response,
                 EventStreamResponse(
                     self._hooks,
+                    name,
                     functools.partial(
                         self._review_stream, ref, review, approve, note, state.event_seq
                     ),
@@ -1280,7 +1282,9 @@ class SessionsApp:
             # session's last event, or of events no longer available, is answered 410)
             return cast(
                 Response,
-                EventStreamResponse(self._hooks, functools.partial(self._all_events, ref, after)),
+                EventStreamResponse(
+                    self._hooks, name, functools.partial(self._all_events, ref, after)
+                ),
             )
 
         answer = await self._handle(request, "events", handler)
@@ -1798,6 +1802,76 @@ _FRAMES: Final[dict[str, tuple[Action, tuple[str, ...]]]] = {  # (action, fields
     "cancel": ("cancel", ("type", "turn_id")),
     "review": ("review", ("type", "review_id", "approve", "note")),
 }
+
+#: The header that may carry a message's idempotency key instead of its JSON's
+#: ``"idempotency_key"`` (the IETF draft "The Idempotency-Key HTTP Header Field").
+_KEY_HEADER: Final = "idempotency-key"
+
+
+def _message_key(request: Request, body_key: str | None) -> str | None:
+    """A message's idempotency key: its ``Idempotency-Key`` header's, its body's
+    ``"idempotency_key"``, or the one key both give. Refused (raise _RequestError, 400)
+    if they give different keys, or if the header gives none (see ``_header_key``):
+    the message is not sent with a key it was not meant to have."""
+    given = request.headers.getlist(_KEY_HEADER)
+    if not given:
+        return body_key
+    keys = {_header_key(value) for value in given}
+    if len(keys) > 1:
+        named = ", ".join(shown(key) for key in sorted(keys)[:_UNKNOWN_SHOWN])
+        raise _RequestError(
+            400,
+            "IdempotencyKeyConflict",
+            f"the request's Idempotency-Key headers give {len(keys)} keys ({named}); "
+            "send one key; nothing ran",
+        )
+    [key] = keys
+    if body_key is not None and body_key != key:
+        raise _RequestError(
+            400,
+            "IdempotencyKeyConflict",
+            f"the Idempotency-Key header gives the key {shown(key)} and the body's "
+            f'"idempotency_key" the key {shown(body_key)}; send the key in one of them, '
+            "or the same key in both; nothing ran",
+        )
+    return key
+
+
+def _header_key(value: str) -> str:
+    """The key that an ``Idempotency-Key`` header's ``value`` gives: a structured-field
+    string (RFC 8941) as the draft writes it, ``"8e03978e"``, with its
+    ``\\"`` and ``\\\\`` escapes (parameters after it are ignored); or, unquoted, the
+    value itself (``8e03978e``, as many clients send it). Refused (raise
+    _RequestError, 400): a quoted value that is not such a string."""
+    value = value.strip(" \t")
+    if not value.startswith('"'):
+        return value
+    chars: list[str] = []
+    at = 1
+    while at < len(value):
+        char = value[at]
+        if char == '"':
+            rest = value[at + 1 :]
+            if not rest or rest.startswith(";"):
+                return "".join(chars)
+            break
+        if char == "\\":
+            at += 1
+            if at == len(value) or value[at] not in '"\\':
+                break
+            char = value[at]
+        elif not " " <= char <= "~":
+            break
+        chars.append(char)
+        at += 1
+    raise _RequestError(
+        400,
+        "InvalidRequest",
+        f"the Idempotency-Key header {shown(value)} is not a key: send it as a string "
+        '("KEY": printable ASCII, with \\" and \\\\ for a quote and a backslash), or '
+        "unquoted, as it is",
+    )
+
 
 #: How many unknown fields a refusal names.
 _UNKNOWN_SHOWN: Final = 5

@@ -27,14 +27,16 @@ __all__ = [
 ]
 
 #: What a page may send besides the headers every page may (``Accept``,
-#: ``Content-Type`` and the other CORS-safelisted ones): the token, the seq an event
-#: stream resumes after, and the trace context of a page that OpenTelemetry instruments.
+#: ``Content-Type`` and the other CORS-safelisted ones): the token, a message's
+#: idempotency key, the seq an event stream resumes after, and the trace context of a
+#: page that OpenTelemetry instruments.
 ALLOWED_HEADERS: Final = (
     "accept",
     "accept-language",
     "authorization",
     "content-language",
     "content-type",
+    "idempotency-key",
     "last-event-id",
     "traceparent",
     "tracestate",

@@ -197,13 +197,17 @@ class _Outbox:
 
 
 class EventStreamResponse:
-    """An ASGI response: opens a :class:`Stream`, answers errors as JSON before the
-    first byte and as error frames after it."""
+    """An ASGI response: opens a :class:`Stream` of session ``session``'s events,
+    answers errors as JSON before the first byte and as error frames after it."""
 
     def __init__(
-        self, hooks: StreamHooks, open_stream: Callable[[], AbstractAsyncContextManager[Stream]]
+        self,
+        hooks: StreamHooks,
+        session: str,
+        open_stream: Callable[[], AbstractAsyncContextManager[Stream]],
     ) -> None:
         self._hooks = hooks
+        self._session = session
         self._open = open_stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -215,7 +219,7 @@ class EventStreamResponse:
                 await self._run(stream, scope, receive, send)
         except Exception as exc:
             if started:  # the stream already ended with what it could say
-                log.warning("an event stream ended with %r", exc)
+                _log_cut(self._session, exc)
                 return
             response = self._hooks.error_response(exc, scope)
             await response(scope, receive, send)
@@ -264,7 +268,9 @@ class EventStreamResponse:
                 self._hooks.untrack(group.cancel_scope)
         if writes.stalled:  # a client that takes nothing: its connection is reset
             log.warning(
-                "an event stream's client took nothing of a write for %s s; ended it", writes.bound
+                "session %r: an event stream's client took nothing of a write for %s s; ended it",
+                self._session,
+                writes.bound,
             )
         elif not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -285,6 +291,23 @@ class EventStreamResponse:
             if waiting.cancelled_caught:
                 body = b": heartbeat\n\n"
                 await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def _log_cut(session: str, error: BaseException) -> None:
+    """Log the failure that ended an event stream of ``session`` after its answer began
+    (it just ends: its client resumes with Last-Event-ID), by its kind and message: one
+    of the library's (a store's) in a line, any other (a bug) with its traceback, as
+    the gateway logs a failed request."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]  # (the failure of one of the response's tasks)
+    told = " ".join(str(error).split())
+    what = f"{type(error).__name__}: {told}" if told else type(error).__name__
+    if isinstance(error, sa.SessionActorsError):
+        log.warning("session %r: an event stream ended after it began: %s", session, what)
+    else:
+        log.error(
+            "session %r: an event stream failed after it began: %s", session, what, exc_info=error
+        )
 
 
 async def _read(

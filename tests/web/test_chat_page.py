@@ -2,6 +2,7 @@
 ``python -m sessionactors serve`` behind a proxy whose connections the test can drop."""
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,9 @@ import pytest
 
 from .proxy import open_proxy
 from .served import serve_command
+
+#: How often the page sends a message again that got no answer, before it shows it failed.
+SEND_RETRIES = 4
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -160,7 +164,8 @@ def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
     """On a server of several agents, a new session's first message must name one: the
     page takes the agent with the session's name and sends it with the first message.
     Without one the server's refusal (422, it names the agents) stays shown: it was
-    erased at once, with the message, as the page looked for the session anew."""
+    erased at once, with the message, as the page looked for the session anew; the
+    message stays too, as not sent, until it is discarded."""
     from playwright.sync_api import Browser, expect
 
     assert isinstance(browser, Browser)
@@ -174,6 +179,10 @@ def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
         expect(refused).to_contain_text("names no agent", timeout=10_000)
         page.wait_for_timeout(1_000)  # (the page looked for the session again within this)
         expect(refused).to_contain_text("names no agent")
+        unsent = page.locator("#outbox .outgoing.failed")
+        expect(unsent.locator(".state")).to_have_text("not sent: refused (422)")
+        unsent.locator("button.discard").click()
+        expect(page.locator("#outbox .outgoing")).to_have_count(0)
 
         page.fill("#new-session", "web-echo")
         page.fill("#new-agent", "echo")
@@ -293,4 +302,74 @@ def test_the_chat_page_sends_each_message_once_whatever_the_network_does(
         assert refused.startswith("TypeError: retries need an idempotencyKey"), refused
         assert len(bodies) == 4, bodies
         page.close()
+        assert not errors
+
+
+def test_a_message_the_server_never_answers_fails_after_a_few_tries_and_can_be_sent_again(
+    browser: object, tmp_path: Path
+) -> None:
+    """A message typed while the server is down shows as sending, is sent again a few
+    times with its key, waiting longer each time, and then shows as not sent (it was
+    sent again for ever); typed again while it is on its way, it is not sent a second
+    time. Once the server is back, "Send again" sends it with the same key, and its
+    turn runs once."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'down.db'}"
+    with open_proxy(0) as proxy, serve_command(store) as server:
+        proxy.target_port = server.port
+        page, errors = open_page(browser, f"http://127.0.0.1:{proxy.port}/#session=down")
+        keys: list[str] = []
+
+        def sent(request: Any) -> None:
+            if request.method == "POST" and request.url.endswith("/down/messages"):
+                keys.append(request.post_data_json["idempotency_key"])
+
+        page.on("request", sent)
+        page.fill("#text", "before")
+        page.press("#text", "Enter")
+        shown = page.locator(".message")
+        expect(shown).to_have_text(["before", "before"], timeout=10_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
+
+        server.process.terminate()  # (serve_command checks that it stopped cleanly)
+        server.process.wait(timeout=30)
+        expect(page.locator("#status")).to_have_text("reconnecting", timeout=10_000)
+        outgoing = page.locator("#outbox .outgoing")
+        page.fill("#text", "while down")
+        page.press("#text", "Enter")
+        expect(outgoing).to_have_count(1)
+        expect(outgoing).to_have_class(re.compile(r"\bsending\b"))
+        expect(outgoing.locator(".state")).to_have_text("sending…")
+        expect(outgoing.locator("button")).to_have_count(2)
+        expect(outgoing.locator("button.resend")).to_be_hidden()
+        page.fill("#text", "while down")  # typed again while it is on its way
+        page.press("#text", "Enter")
+        expect(outgoing).to_have_class(re.compile(r"\bfailed\b"), timeout=20_000)
+        expect(outgoing.locator(".state")).to_contain_text("not sent")
+        expect(outgoing.locator(".text")).to_have_text("while down")
+        expect(outgoing).to_have_count(1)
+        assert len(keys) == 1 + 1 + SEND_RETRIES, keys  # ("before", then its tries)
+        assert len(set(keys[1:])) == 1, keys  # (one message, one key)
+        assert keys[0] != keys[1], keys
+        expect(shown).to_have_text(["before", "before"])
+
+        with serve_command(store) as again:
+            proxy.target_port = again.port
+            outgoing.locator("button.resend").click()
+            expect(shown).to_have_text(
+                ["before", "before", "while down", "while down"], timeout=15_000
+            )
+            expect(outgoing).to_have_count(0)
+            assert len(keys) == 1 + 1 + SEND_RETRIES + 1, keys
+            assert keys[-1] == keys[1], keys  # (sent again with its key)
+            state = httpx.get(f"{again.url}/sessions/down", timeout=10).json()
+            assert [m["content"] for m in state["messages"]] == [
+                "before",
+                "before",
+                "while down",
+                "while down",
+            ]
+            page.close()
         assert not errors

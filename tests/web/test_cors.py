@@ -38,10 +38,10 @@ def _vary(response: httpx.Response) -> set[str]:
 async def test_a_cors_origin_is_answered_its_preflights_and_may_read_the_answers(
     serve: Serve,
 ) -> None:
-    """A page of a named origin sends JSON with the token in ``Authorization`` and
-    resumes event streams with ``Last-Event-ID``: its preflights (which carry no token)
-    are answered 204 allowing those headers and the gateway's methods, for that origin
-    exactly and with credentials, and every answer to it (a reply, an event stream, a
+    """A page of a named origin sends JSON with the token in ``Authorization`` and a
+    message's key in ``Idempotency-Key``, and resumes event streams with
+    ``Last-Event-ID``: its preflights (which carry no token) are answered 204 allowing
+    those headers and the gateway's methods, for that origin exactly and with credentials, and every answer to it (a reply, an event stream, a
     401, a 404) names the origin, so that the page can read it; every answer varies
     on ``Origin``. Another origin's preflight is refused (403, JSON) and its answers
     name no origin: its page reads nothing, as without CORS."""
@@ -53,14 +53,14 @@ async def test_a_cors_origin_is_answered_its_preflights_and_may_read_the_answers
             asking = {
                 "origin": APP,
                 "access-control-request-method": "POST",
-                "access-control-request-headers": "authorization,content-type",
+                "access-control-request-headers": "authorization,content-type,idempotency-key",
             }
             r = await client.options("/sessions/a/messages", headers=asking)
             assert r.status_code == 204, r.text
             assert r.headers["access-control-allow-origin"] == APP
             assert r.headers["access-control-allow-credentials"] == "true"
             allowed = r.headers["access-control-allow-headers"].lower()
-            for header in ("authorization", "content-type", "last-event-id"):
+            for header in ("authorization", "content-type", "idempotency-key", "last-event-id"):
                 assert header in allowed, allowed
             methods = r.headers["access-control-allow-methods"]
             assert {"GET", "POST", "DELETE"} <= {m.strip() for m in methods.split(",")}

@@ -2,6 +2,7 @@
 exception that is not the library's own, never its message (the server's log has it),
 and request errors in HTTP's terms, not Python's."""
 
+import contextlib
 import logging
 import re
 import uuid
@@ -153,6 +154,49 @@ async def test_a_store_failure_answers_503_without_the_store_internals(
             r = await client.post("/sessions/s/messages", json={"text": "hi"})
             assert r.status_code == 200, r.text
     assert len(logged(caplog, "secret-dir")) == 1
+
+
+async def test_an_event_stream_cut_after_it_began_is_logged_by_its_session_and_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An event stream whose replay fails after its answer began (the store raised, on
+    the replay's second page, an exception that is not the library's) ends, and the log
+    names the session and the exception's kind and message, with its traceback: not the
+    repr of the task group's exception group, which named neither."""
+    caplog.set_level(logging.INFO)
+    store = FaultyStore(sa.MemoryStore())
+    app = create_app(store=store, agents=trio_agents(delay=0))
+    big = "x" * 300_000  # (two entries of it fill a page of a replay)
+
+    async def follow(client: httpx.AsyncClient) -> None:
+        async with client.stream("GET", "/sessions/long/events", params={"after": 0}) as r:
+            assert r.status_code == 200, r.text  # (its answer began)
+            with contextlib.suppress(httpx.RemoteProtocolError):  # (cut off)
+                async for _ in r.aiter_lines():
+                    pass
+
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(20):
+            r = await client.post("/sessions/long/messages", json={"text": big})
+            assert r.status_code == 200, r.text
+            registry = app.registry
+            assert isinstance(registry, sa.Registry)
+            await registry.ref("long").hibernate()  # (a replay of it reads the store)
+            first_page = store.hold("read_journal", after=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, client)
+                while not first_page.waiting:
+                    await trio.sleep(0.01)
+                failure = RuntimeError(f"the journal at {SECRET} is gone")
+                store.fail("read_journal", error=failure)
+                first_page.open()
+    [record] = logged(caplog, SECRET)
+    told = record.getMessage()
+    assert "session 'long'" in told, told
+    assert f"RuntimeError: the journal at {SECRET} is gone" in told, told
+    assert "Group" not in told, told
+    assert record.exc_info is not None
+    assert record.levelno == logging.ERROR
 
 
 async def test_a_store_failure_that_crashes_a_session_is_told_without_the_store_internals(

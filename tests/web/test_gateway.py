@@ -1007,6 +1007,78 @@ async def test_a_replayed_idempotent_message_streams_its_stored_reply(serve: Ser
             assert len((await client.get("/sessions/i")).json()["messages"]) == 2
 
 
+async def test_the_idempotency_key_header_keys_a_message(serve: Serve) -> None:
+    """A message whose key comes in the ``Idempotency-Key`` header (a structured-field
+    string, as the IETF draft writes it, or a bare value) runs once however often it is
+    sent again, as JSON or streamed, and the same key in the header and the body is one
+    key."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            quoted, bare = {"idempotency-key": '"k-1"'}, {"idempotency-key": "k-1"}
+            first = await client.post("/sessions/h/messages", json={"text": "once"}, headers=bare)
+            assert first.status_code == 200, first.text
+            turn = first.json()["turn_id"]
+            for body, headers in [
+                ({"text": "once"}, bare),
+                ({"text": "once"}, quoted),
+                ({"text": "once", "idempotency_key": "k-1"}, quoted),
+            ]:
+                r = await client.post("/sessions/h/messages", json=body, headers=headers)
+                assert (r.status_code, r.json()["turn_id"]) == (200, turn), r.text
+            async with client.stream(
+                "POST", "/sessions/h/messages", json={"text": "once"}, headers={**SSE, **quoted}
+            ) as r:
+                [(_, data)] = await read_until(r, lambda d: d["type"] == "reply")
+            assert data["turn_id"] == turn
+            escaped = {"idempotency-key": r'"a\\\"b"'}  # (a string's escapes: the key a\"b)
+            for _ in range(2):
+                r = await client.post(
+                    "/sessions/h/messages", json={"text": "twice"}, headers=escaped
+                )
+                assert r.status_code == 200, r.text
+            r = await client.post(
+                "/sessions/h/messages", json={"text": "twice", "idempotency_key": 'a\\"b'}
+            )
+            assert r.status_code == 200, r.text
+            state = (await client.get("/sessions/h")).json()
+    assert [m["content"] for m in state["messages"]] == ["once", "once", "twice", "twice"]
+
+
+async def test_a_message_whose_header_and_body_keys_differ_is_refused(serve: Serve) -> None:
+    """A message whose ``Idempotency-Key`` header and ``"idempotency_key"`` differ, or
+    whose header is no key (an unclosed string, two keys), is refused with 400 before
+    anything runs: no session is created, no turn runs, as JSON and streamed."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            body = {"text": "pay", "idempotency_key": "k-body"}
+            differ = {"idempotency-key": '"k-header"'}
+            for headers in (differ, {**differ, **SSE}):
+                r = await client.post("/sessions/new/messages", json=body, headers=headers)
+                assert r.status_code == 400, r.text
+                error = r.json()
+                assert (error["error"], error["status"]) == ("IdempotencyKeyConflict", 400)
+                assert error["session_id"] == "new"
+                for told in ("session 'new'", "Idempotency-Key", "'k-header'", "'k-body'"):
+                    assert told in error["message"], error
+            assert (await client.get("/sessions/new")).status_code == 404
+
+            assert (await client.post("/sessions/old/messages", json=body)).status_code == 200
+            for headers in (
+                differ,
+                {**differ, **SSE},
+                {"idempotency-key": '"k-body'},
+                {"idempotency-key": '"k-body", "k-2"'},
+            ):
+                r = await client.post("/sessions/old/messages", json=body, headers=headers)
+                assert r.status_code == 400, (headers, r.text)
+                assert r.json()["message"].startswith("session 'old'"), r.json()
+            two = [("idempotency-key", "k-a"), ("idempotency-key", "k-b")]
+            r = await client.post("/sessions/old/messages", json={"text": "x"}, headers=two)
+            assert r.status_code == 400, r.text
+            state = (await client.get("/sessions/old")).json()
+    assert [m["content"] for m in state["messages"]] == ["pay", "pay"]
+
+
 @asynccontextmanager
 async def waking_session(
     name: str, key: str
