@@ -1,10 +1,13 @@
 """A client that resumes with a seq of a history its session no longer has (one lost when
-the store was restored from an older backup, one of a deleted session of the same name) gets EventsExpiredError, never the
+the store was restored from an older backup, one of a deleted session of the same name,
+one from before the session moved to another store) gets EventsExpiredError, never the
 events of the session's present history under seqs it cannot place, even once that
 history has gone past its seq."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,6 +18,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from processes import sessions
 from redis_keys import drop_prefix
 from sessionactors.stores import RedisStore, Store
 from sessionactors.testing import EchoModel
@@ -170,3 +174,33 @@ async def test_a_resume_from_a_deleted_namesake_is_refused_once_the_new_one_pass
             assert_not_told_a_death(await refused(registry.ref("n"), old), "n", old)
             last_turn = await pass_seq(registry.ref("n"), 0)
             assert set(await replayed(registry.ref("n"), 0, last_turn)) == {"a new turn"}
+
+
+async def test_a_resume_from_before_a_session_moved_to_another_store_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A session exported from one store and imported into another keeps its seq but
+    not its journal: a resume after a seq below it is refused (the events after it are
+    not there), and one after its seq follows on."""
+    source, target = tmp_path / "source.db", tmp_path / "target.db"
+    with trio.fail_after(60):
+        async with sa.open_registry(store=sa.SQLiteStore(source), agents=ECHO) as registry:
+            ref = await registry.spawn("m")
+            for text in ("one two", "three four"):
+                await ref.send(text)
+        exported = sessions("export", "m", "--store", f"sqlite:///{source}")
+        assert exported.returncode == 0, exported.stderr
+        assert json.loads(exported.stdout)["session"]["session_id"] == "m"
+        done = sessions("import", "-", "--store", f"sqlite:///{target}", stdin=exported.stdout)
+        assert done.returncode == 0, done.stderr
+        async with sa.open_registry(store=sa.SQLiteStore(target), agents=ECHO) as registry:
+            ref = registry.ref("m")
+            last = (await sa.read_session(registry.store, "m")).event_seq
+            for after in (0, last - 1):
+                error = await refused(ref, after)
+                assert error.session_id == "m"
+                assert error.oldest_seq == last + 1
+            assert registry.live() == []
+            turn = await ref.submit("five six")
+            assert await replayed(ref, last, turn.id) == ["five six"]
+    assert os.path.exists(target)
