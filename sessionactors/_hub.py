@@ -213,7 +213,7 @@ class Hub:
         the events after it are of no history this hub follows (a lost incarnation
         published it, with its turn in flight, whose outcome will never come; or a
         history the session no longer has)."""
-        return bool(self._skipped) and self._skip_of(after) is not None
+        return self._skip_of(after) is not None
 
     def lost_error(self, after: int) -> EventsExpiredError:
         """The error for a subscription after ``after``, a seq ``lost`` says is gone."""

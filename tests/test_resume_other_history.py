@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -204,3 +205,18 @@ async def test_a_resume_from_before_a_session_moved_to_another_store_is_refused(
             turn = await ref.submit("five six")
             assert await replayed(ref, last, turn.id) == ["five six"]
     assert os.path.exists(target)
+
+
+async def test_wakes_number_on_from_the_clock_and_stay_far_below_two_to_the_53() -> None:
+    """Wakes after clean hibernations number a session's events on from the clock's time
+    in microseconds, adding nothing per wake: after fifty, its seq is no further past the
+    clock than its events take, and far below 2**53 (what a JavaScript number holds)."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("w")
+        with trio.fail_after(60):
+            for _ in range(50):
+                await ref.send("one")
+                await ref.hibernate()
+        seq = (await ref.state()).event_seq
+        assert seq <= time.time_ns() // 1000 + 50 * 5  # (each wake publishes 5 events)
+        assert seq < 2**53 // 4
