@@ -6,6 +6,7 @@ history has gone past its seq."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import trio
 import sessionactors as sa
 from processes import sessions
 from redis_keys import drop_prefix
-from sessionactors.stores import RedisStore, Store
+from sessionactors.stores import JournalEntry, RedisStore, Store, dump_events, dump_info
 from sessionactors.testing import EchoModel
 from test_subscribe_beyond import refused
 
@@ -220,3 +221,30 @@ async def test_wakes_number_on_from_the_clock_and_stay_far_below_two_to_the_53()
         seq = (await ref.state()).event_seq
         assert seq <= time.time_ns() // 1000 + 50 * 5  # (each wake publishes 5 events)
         assert seq < 2**53 // 4
+
+
+async def test_a_jump_journaled_before_skipped_from_existed_is_still_told() -> None:
+    """A journal that records a wake's jump as an older sessionactors did (a status
+    2**20 + 1 above the last stored seq, without skipped_from): a resume after a seq in
+    the gap is refused, from the store; one at the last seq before it replays on."""
+    store = sa.MemoryStore()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        await (await registry.spawn("old")).send("before the jump")
+    durable = (await sa.read_session(store, "old")).event_seq
+    record = sa.StatusChanged(session_id="old", seq=durable + 2**20 + 1, status=sa.Status.IDLE)
+    info = sa.SessionInfo(
+        session_id="old",
+        agent="a",
+        status=sa.Status.IDLE,
+        message_count=2,
+        updated_at=datetime.datetime.now(datetime.UTC),
+    )
+    await store.append("old", [JournalEntry(record.seq, dump_events([record]))], dump_info(info))
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = registry.ref("old")
+        error = await refused(ref, durable + 5)
+        assert error.oldest_seq == record.seq
+        assert registry.live() == []
+        with trio.fail_after(10):
+            async with ref.subscribe(after=durable) as events:
+                assert await anext(events) == record
