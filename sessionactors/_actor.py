@@ -70,7 +70,7 @@ from ._events import (
 )
 from ._history import rewind_end, split_for_keep_last
 from ._history_input import KnownIds, check_content, check_entry, check_new_ids
-from ._hub import SEQ_GAP, Hub
+from ._hub import SEQ_GAP, Hub, wake_seq
 from ._journal import Journal
 from ._metadata import check_info_room, check_metadata, merge_metadata
 from ._pending import Append, Pending
@@ -296,6 +296,7 @@ class Actor:
     __slots__ = (
         "_cancelled_by",
         "_cut",
+        "_jump_due",
         "_load_scope",
         "_ready",
         "_rescope",
@@ -341,6 +342,9 @@ class Actor:
         self.phase = Phase.LOADING if session is None else Phase.SERVING
         self._ready: trio.Event | None = None if session is not None else trio.Event()
         self._load_scope: trio.CancelScope | None = None  # the wake's read, while it lasts
+        #: The wake (from a clean hibernation) jumps its seq with the first status it
+        #: journals (see ``load``).
+        self._jump_due = False
         self.send, self.receive = trio.open_memory_channel[Mail](host.config.mailbox_size)
         self.journal = Journal(host.store, host.config, session_id, host.telemetry)
         self.hub: Hub | None = None
@@ -647,10 +651,23 @@ class Actor:
         A wake jumps seq past a lost incarnation's events only if the store shows
         that the session was live (a journal after its snapshot). This write shows
         it after a clean wake, and it records a jump so that the next one starts above.
+        A wake's own jump (made here after a clean hibernation: see ``load``) is
+        recorded by it too: its ``skipped_from`` says which seqs no event of this
+        history has, for a replay from the store to tell.
         """
         session = self.session
+        hub = self._hub()
+        if self._jump_due:
+            self._jump_due = False
+            hub.jump(wake_seq(hub.seq, clean=True), clean=True)
+        skipped = hub.unrecorded
         status = session.status = session.resting_status()
-        event = StatusChanged(session_id=self.session_id, seq=self.next_seq(), status=status)
+        event = StatusChanged(
+            session_id=self.session_id,
+            seq=self.next_seq(),
+            status=status,
+            skipped_from=0 if skipped is None else skipped + 1,
+        )
         if self.journal.per_turn:
             self.durable(event, publish=False)
             await self.commit()
@@ -658,6 +675,8 @@ class Actor:
             session.apply(event)
             await self.journal.append_now(session, event, self.fence)
         self.journal.status_due = False
+        if hub.unrecorded == skipped:
+            hub.unrecorded = None
         self.emit(event)
 
     # ---- the lease ---------------------------------------------------------------
@@ -727,12 +746,22 @@ class Actor:
         known = hub.seq
         hub.advance(max(durable_seq, session.event_seq))
         session.status = session.resting_status()
-        journal.status_due = clean
-        if not clean and known <= durable_seq:
-            # The last incarnation may have published events past its last durable
-            # write; jump above them, and journal that before publishing anything.
-            hub.jump(durable_seq + SEQ_GAP)
-            journal.status_due = True
+        # (a jump this hub made that no write recorded yet: see _journal_status)
+        journal.status_due = clean or hub.unrecorded is not None
+        self._jump_due = False
+        if known <= durable_seq:
+            # Every wake from the store jumps its seq (see wake_seq), so that no two
+            # histories of the session share a seq: one lost with a restored store or a
+            # deleted namesake and this one, which the store goes on with. The last
+            # incarnation may also have published events past its last durable write
+            # (it stopped uncleanly): jump above them at once, and journal that before
+            # publishing anything. After a clean hibernation, the jump waits for the
+            # first status journaled (a wake that only reads publishes nothing).
+            if clean:
+                self._jump_due = True
+            else:
+                hub.jump(wake_seq(durable_seq, clean=False), clean=False)
+                journal.status_due = True
         host.stats.woken += 1
 
     async def run(self) -> None:
@@ -1793,7 +1822,14 @@ class Actor:
         return self.journal.holds_unwritten()
 
     async def _snapshot_for_hibernation(self) -> None:
-        """Write the hibernated state; its status event is published once it is stored."""
+        """Write the hibernated state; its status event is published once it is stored.
+
+        A wake's jump that no write recorded yet (an incarnation that only read since it
+        woke after an unclean stop) is journaled first: a snapshot keeps no event, and
+        the journal is where a replay learns which seqs the jump skipped."""
+        hub = self.hub
+        if hub is not None and hub.unrecorded is not None and self.journal.per_turn:
+            await self._journal_status()
         session = self.session
         event = None
         if session.status is not Status.HIBERNATED:
@@ -1824,6 +1860,8 @@ class Actor:
         name waits for it, so it cannot land on a session spawned afresh under the name.
         """
         sid = self.session_id
+        if self._hub().unrecorded is not None:  # (see _snapshot_for_hibernation)
+            await self._journal_status()
         self._end_waiting_turn()
         event = StatusChanged(session_id=sid, seq=self.next_seq(), status=Status.STOPPED)
         self.durable(event, publish=False)

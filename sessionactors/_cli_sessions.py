@@ -50,6 +50,7 @@ from ._errors import (
     told,
 )
 from ._export import dump_export, load_export
+from ._journal import store_new
 from ._json import event_to_json, json_text, metadata_json, state_to_json, to_json
 from ._names import (
     damaged_name,
@@ -808,7 +809,7 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
             snapshot = dump_snapshot(state)
             info = dump_info(LiveSession(state).info())
             async with _leased(store, name, "imported"):
-                await store.create(name, snapshot, info)
+                await store_new(store, name, snapshot, info, state.event_seq)
     except SessionExistsError:
         raise SessionExistsError(
             f"session {name!r} already exists in this store; import it under another "

@@ -12,8 +12,10 @@ repeated session name: about half the bytes, and packed from arrays that are
 cheaper to build than maps.
 
 Rules: a record's fields keep their order, and a new field is added last, with a
-default. The order is attrs' (a base class's fields first), so a class other
-records derive from (``Event``) never gains a field: it would shift theirs. An
+default (an event's array ends before it while it is its default, if it is one of
+``TRAILING_OMITTED``: an older sessionactors reads those). The order is attrs' (a
+base class's fields first), so a class other records derive from (``Event``)
+never gains a field: it would shift theirs. An
 array shorter than its record's fields leaves the rest to their defaults
 (records written before the field existed); one longer than them is corrupt
 (written by a newer sessionactors). Reading turns each array back into
@@ -27,7 +29,7 @@ from typing import Any, Final, get_args
 
 import attrs
 
-from ._codec_convert import CONVERTER, is_homogeneous_tuple, optional_record
+from ._codec_convert import CONVERTER, TRAILING_OMITTED, is_homogeneous_tuple, optional_record
 from ._codec_format import COMPACT_ENTRY, EVENT_TAGS, TAG_KEY
 
 __all__ = ["EVENT_FIELDS", "CompactError", "from_compact", "to_compact"]
@@ -72,6 +74,11 @@ def _fields(cls: type[Any], skip: str | None = None) -> tuple[_Field, ...]:
 
 #: The fields of each event's array after its tag (``seq`` first), by tag.
 EVENT_FIELDS: Final = {tag: _fields(cls, "session_id") for tag, cls in EVENT_TAGS.items()}
+#: The tags whose array ends before its last field while that is its default (see
+#: TRAILING_OMITTED), with that default.
+_TRAILING_DEFAULTS: Final = {
+    tag: EVENT_FIELDS[tag][-1][3] for tag, cls in EVENT_TAGS.items() if cls in TRAILING_OMITTED
+}
 
 
 class CompactError(ValueError):
@@ -87,7 +94,10 @@ def to_compact(session_id: str, maps: list[dict[str, Any]]) -> list[Any]:
     out: list[Any] = [COMPACT_ENTRY, session_id]
     for raw in maps:
         tag = raw[TAG_KEY]
-        out.append([tag, *_array(raw, EVENT_FIELDS[tag])])
+        array = [tag, *_array(raw, EVENT_FIELDS[tag])]
+        if tag in _TRAILING_DEFAULTS and array[-1] == _TRAILING_DEFAULTS[tag]:
+            array.pop()
+        out.append(array)
     return out
 
 

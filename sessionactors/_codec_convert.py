@@ -35,6 +35,7 @@ from ._errors import shown
 from ._events import (
     Event,
     HistoryEdited,
+    StatusChanged,
 )
 from ._records import (
     NO_METADATA,
@@ -369,6 +370,20 @@ def _register_usage_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:
     )
 
 
+#: The last field of a record that is written only when it differs from its default
+#: (in the map form left out, in the compact form the array ends before it): records
+#: without it keep the bytes they had before the field existed, which an older
+#: sessionactors reads.
+TRAILING_OMITTED: Final[dict[type[Any], str]] = {StatusChanged: "skipped_from"}
+
+
+def _register_trailing_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:
+    name = TRAILING_OMITTED[cls]
+    assert attrs.fields(cls)[-1].name == name  # (the compact form drops the array's last)
+    omitted: dict[str, Any] = {name: override(omit_if_default=True)}
+    conv.register_unstructure_hook(cls, make_dict_unstructure_fn(cls, conv, **omitted))
+
+
 def optional_record(type_: Any) -> Any:
     """The record class ``X`` of ``X | None``, or ``None`` for any other type."""
     if get_origin(type_) not in (Union, types.UnionType):
@@ -527,6 +542,8 @@ def _make_converter() -> cattrs.Converter:
     _register_usage_omitted(conv, SessionState)
     _register_usage_omitted(conv, SessionInfo)
     _register_usage_omitted(conv, HistoryEdited)
+    for cls in TRAILING_OMITTED:
+        _register_trailing_omitted(conv, cls)
 
     # (registered last: the hooks of one class win over the factories registered before)
     conv.register_structure_hook_func(

@@ -11,6 +11,7 @@ import attrs
 from ._codec_checks import FieldError, check_metadata, check_records, check_strings
 from ._codec_convert import (
     CONVERTER,
+    TRAILING_OMITTED,
     USAGE_OMITTED,
     is_enum,
     is_homogeneous_tuple,
@@ -251,6 +252,9 @@ def _make_compact(cls: type[Any], tag: str) -> Callable[[Any], list[Any]]:
     builder = _FastBuilder(dict(_NAMES), compact=True)
     builder.lines.append("def fast(o):")
     result = builder.record(cls, "o", "    ", False, skip="session_id", head=repr(tag))
+    if cls in TRAILING_OMITTED:  # its array ends before that field while it is the default
+        default = builder.name("default", attrs.fields(cls)[-1].default)
+        builder.lines.append(f"    if {result}[-1] == {default}: {result}.pop()")
     builder.lines.append(f"    return {result}")
     return _compiled(builder, f"compact {cls.__name__}")
 

@@ -184,9 +184,17 @@ class TurnCancelled(Event):
 
 @attrs.frozen(kw_only=True)
 class StatusChanged(Event):
-    """The session's status changed."""
+    """The session's status changed.
+
+    ``skipped_from``: on the status a session records as it wakes, when its seq jumped
+    (every wake from the store does, see "the seq jump" in the explanation), the first
+    seq it skipped: the seqs from there up to this event's are in no event of the
+    session's history (a lost turn's, another history's). 0 otherwise (and in
+    older journals).
+    """
 
     status: Status
+    skipped_from: int = 0
 
 
 @attrs.frozen(kw_only=True)

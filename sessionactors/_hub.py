@@ -8,6 +8,7 @@ what it already has) and the others are not slowed.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -44,15 +45,27 @@ __all__ = [
     "event_size",
     "expired_error",
     "lagged_error",
+    "skipped_error",
+    "wake_seq",
 ]
 
-#: How far seq jumps when a session wakes from a state that was not hibernated
-#: cleanly (the process died): above any seq the lost incarnation can have used.
-#: Stored events are no more than about half of it apart otherwise (see
-#: ``Journal.at``; with durability="hibernate" the events between two stored
-#: statuses that far apart were lost with their process), so a larger gap in a
-#: replay is a wake's jump.
+#: How far seq jumps at least when a session wakes from a state that was not
+#: hibernated cleanly (the process died): above any seq the lost incarnation can
+#: have used. Stored events of one incarnation are no more than about half of it
+#: apart (see ``Journal.at``; with durability="hibernate" the events between two
+#: stored statuses that far apart were lost with their process).
 SEQ_GAP: Final = 1 << 20
+
+
+def wake_seq(durable: int, *, clean: bool) -> int:
+    """The seq a wake of a session jumps to from ``durable``, the last seq the store
+    holds of it: no lower than the wall clock in microseconds since 1970, so that no
+    two wakes from one stored state (one before the store was restored from a backup
+    of it, one after; a deleted session's and a new one's of the same name) number
+    their events alike; and ``SEQ_GAP`` above ``durable`` if its last incarnation
+    stopped uncleanly (``clean`` False), above the seqs it may have published."""
+    return max(durable + (0 if clean else SEQ_GAP), time.time_ns() // 1000)
+
 
 log = logging.getLogger("sessionactors")
 
@@ -119,6 +132,7 @@ class Hub:
         "seq",
         "session_id",
         "tap",
+        "unrecorded",
     )
 
     def __init__(self, session_id: str, config: HubConfig, seq: int = 0) -> None:
@@ -133,8 +147,13 @@ class Hub:
         self._ring: deque[Event | _Kept] | None = None
         self._ring_bytes = 0
         self._subs: set[Subscriber] = set()
-        # The seqs a wake jumped over (see ``jump``), as (last before, last skipped).
-        self._skipped: tuple[int, int] | None = None
+        # The seqs wakes jumped over (see ``jump``), as (last before, last skipped,
+        # whether the last incarnation stopped cleanly), the latest last.
+        self._skipped: list[tuple[int, int, bool]] = []
+        #: The last seq before the latest jump while no stored event records the jump
+        #: (see ``StatusChanged.skipped_from``), else None: the actor records it with
+        #: the first status it journals.
+        self.unrecorded: int | None = None
         #: Called with every published event (a cluster's publisher), or None.
         self.tap: Callable[[Event], None] | None = None
         #: Called with the session's name when a subscriber is cut off, or None.
@@ -159,33 +178,50 @@ class Hub:
         if seq > self.published:
             self.published = seq
 
-    def jump(self, seq: int) -> None:
-        """Advance to ``seq`` after an unclean stop: the seqs skipped were never used by
-        this session's durable events (a previous owner may have published ephemeral
-        ones, which are lost). A subscription waiting to resume after one of them (it
+    def jump(self, seq: int, *, clean: bool) -> None:
+        """Advance to ``seq`` as the session wakes (see ``wake_seq``): the seqs skipped
+        are no events of this history (its last incarnation, stopped uncleanly
+        (``clean`` False), may have published ephemeral ones, which are lost; another
+        history of the session, lost with a restored store or deleted with a namesake,
+        may have used them). A subscription waiting to resume after one of them (it
         came before the wake) is ended with EventsExpiredError (see ``lost``)."""
         if seq > self.seq:
-            self._skipped = (self.seq, seq)
+            ring = self._ring
+            oldest = _seq(ring[0]) if ring else self.seq
+            # (a jump below the ring's oldest event is told by the store, see ``lost``)
+            skipped = [s for s in self._skipped if s[1] >= oldest]
+            skipped.append((self.seq, seq, clean))
+            self._skipped = skipped
+            self.unrecorded = self.seq
             self.seq = seq
             for sub in tuple(self._subs):
                 if sub.after is not None and self.lost(sub.after):
-                    sub.error = expired_error(self.session_id, sub.after, seq + 1)
+                    sub.error = self.lost_error(sub.after)
                     sub.send.close()
                     self._subs.discard(sub)
         if seq > self.published:
             self.published = seq
 
+    def _skip_of(self, after: int) -> tuple[int, int, bool] | None:
+        for skip in self._skipped:
+            if skip[0] < after < skip[1]:
+                return skip
+        return None
+
     def lost(self, after: int) -> bool:
         """Whether ``after`` is a seq that a wake jumped over, above the last durable one:
-        the events after it that a lost incarnation published (its turn in flight) are
-        gone, and the turn's outcome will never come."""
-        skipped = self._skipped
-        return skipped is not None and skipped[0] < after < skipped[1]
+        the events after it are of no history this hub follows (a lost incarnation
+        published it, with its turn in flight, whose outcome will never come; or a
+        history the session no longer has)."""
+        return self._skip_of(after) is not None
 
     def lost_error(self, after: int) -> EventsExpiredError:
         """The error for a subscription after ``after``, a seq ``lost`` says is gone."""
-        assert self._skipped is not None
-        return expired_error(self.session_id, after, self._skipped[1] + 1)
+        skip = self._skip_of(after)
+        assert skip is not None
+        if skip[2]:
+            return skipped_error(self.session_id, after, skip[0] + 1, skip[1] + 1, clean=True)
+        return expired_error(self.session_id, after, skip[1] + 1)
 
     def delta(self, turn_id: str, text: str) -> None:
         """Publish a ``Delta`` of the session's next seq: ``publish`` of it, where the
@@ -274,9 +310,9 @@ class Hub:
 
     def ring_covers(self, after: int) -> bool:
         """Whether every event with seq > ``after`` that this hub published is in the ring."""
-        skipped = self._skipped
-        if skipped is not None and skipped[0] <= after < skipped[1]:
-            after = skipped[1]  # (nothing durable in between: see ``jump``)
+        for skipped in self._skipped:
+            if skipped[0] <= after < skipped[1]:
+                after = skipped[1]  # (nothing durable in between: see ``jump``)
         if after >= self.seq:
             return True
         if not self._ring:
@@ -347,6 +383,30 @@ def deleted_error(session_id: str) -> SessionNotFoundError:
         f"session {session_id!r} was deleted: its events end here; a session spawned "
         "again under its name is another session (subscribe to it anew)",
         session_id=session_id,
+    )
+
+
+def skipped_error(
+    session_id: str, after: int, skipped_from: int, oldest_seq: int, *, clean: bool | None = None
+) -> EventsExpiredError:
+    """The error for a subscription after ``after``, one of the seqs from
+    ``skipped_from`` that a wake of the session skipped (see ``wake_seq``): no event of
+    its history has it; ``oldest_seq``, the seq after the jump. ``clean``: whether the
+    incarnation before the wake stopped cleanly (None: not known)."""
+    elsewhere = (
+        "another session of that name (since deleted), or a history the session no "
+        "longer has (its store was restored from an older backup)"
+    )
+    if not clean:
+        elsewhere = f"a turn lost with a process that died before storing it, {elsewhere}"
+    return advised(
+        EventsExpiredError,
+        f"session {session_id!r} has no event after seq {after} in its history: the "
+        f"seqs from {skipped_from} to {oldest_seq - 1} were skipped as it woke, so seq "
+        f"{after} is of {elsewhere}; the oldest available is seq {oldest_seq}: ",
+        Advice(kind=AdviceKind.RELOAD_STATE),
+        session_id=session_id,
+        oldest_seq=oldest_seq,
     )
 
 

@@ -29,13 +29,26 @@ from ._session import LiveSession
 from ._telemetry import Telemetry
 from .stores._base import JournalEntry, Store, StoredSession
 
-__all__ = ["Journal"]
+__all__ = ["Journal", "store_new"]
 
 log = logging.getLogger("sessionactors")
 
 _make_entry: Final = maker(JournalEntry)
 #: The events that can make a state smaller (a turn only adds to it).
 _SHRINKING: Final = frozenset({HistoryEdited, MetadataChanged})
+
+
+async def store_new(store: Store, session_id: str, snapshot: bytes, info: bytes, seq: int) -> None:
+    """Store a new session whose state is at ``seq`` (0 but for an imported one).
+
+    An imported session's events up to ``seq`` are in no journal of this store: the
+    store is told its journal is trimmed up to there, so that a replay from further
+    back raises EventsExpiredError, as one past the journal's trimming does, rather
+    than replaying nothing. Raises what ``Store.create`` raises.
+    """
+    await store.create(session_id, snapshot, info)
+    if seq:
+        await store.write_snapshot(session_id, snapshot, seq, info, trim_upto=seq)
 
 
 class Journal:

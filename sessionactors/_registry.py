@@ -521,7 +521,7 @@ async def open_registry(
       (a snapshot also waits until the journal outweighs the last one in bytes);
       ``journal_keep_events``: how many journaled events, at least, are kept for
       ``subscribe(after=...)`` replay when a snapshot compacts the journal (counted
-      in events, so a seq jump after an unclean stop trims nothing early);
+      in events, so a wake's seq jump trims nothing early);
       ``journal_keep_seqs`` is its older name.
     - ``leases``: whether a live session holds its lease in the store, so that at
       most one worker runs it. Default: yes for stores shared by several workers

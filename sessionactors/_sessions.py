@@ -35,6 +35,7 @@ from ._errors import (
     advised,
 )
 from ._hub import SEQ_GAP, Hub, deleted_error, expired_error
+from ._journal import store_new
 from ._metadata import check_info_room
 from ._names import validate_name
 from ._reading import read_stored, stored_seq
@@ -277,7 +278,7 @@ class Sessions:
         except (TypeError, ValueError) as exc:  # the codec's message says what, where
             raise type(exc)(f"session {name!r} cannot be stored: {exc}") from exc
         try:
-            await self.store.create(name, snapshot, info)
+            await store_new(self.store, name, snapshot, info, state.event_seq)
         except SessionExistsError:  # stored: say what to do in the registry's terms
             raise exists_error(name) from None
         if name in self.live:  # woken meanwhile by a request racing this spawn

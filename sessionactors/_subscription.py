@@ -15,8 +15,8 @@ import trio
 
 from ._codec import load_journal_entry
 from ._errors import Advice, AdviceKind, EventsExpiredError, advised
-from ._events import Event
-from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error
+from ._events import Event, StatusChanged
+from ._hub import SEQ_GAP, Hub, Subscriber, expired_error, lagged_error, skipped_error
 from ._reading import stored_cleanly, stored_seq
 from ._records import Status
 from ._session import LiveSession
@@ -315,11 +315,21 @@ def beyond_stored(
 
 def _check_jumps(session_id: str, after: int, prev: int, replay: list[Event]) -> int | None:
     """EventsExpiredError if ``replay`` (the replay's events after seq ``prev``) crosses a
-    wake's seq jump that this hub did not make or no longer remembers (a gap of more than
-    SEQ_GAP / 2; the first event after it, journaled at the jump + 1, tells the durable seq
-    it jumped from) and ``after`` lies above that durable seq: a lost incarnation published
-    it. The last seq checked, or None once a jump has been checked (none later is)."""
+    wake's seq jump that this hub did not make or no longer remembers, and ``after`` is
+    one of the seqs it skipped: no event of this history has it (a lost incarnation
+    published it, or another history: a deleted namesake's, one a restored store lost).
+    The first event after a jump records it: a status whose ``skipped_from`` says where
+    the skipped seqs begin (``after`` just below that event is no skipped seq of
+    consequence: nothing lies between). A jump recorded before that field existed
+    shows as a gap of more than SEQ_GAP / 2, the first event after it journaled at the
+    jump + 1, SEQ_GAP above the durable seq it jumped from. The last seq checked, or
+    None once a jump has been checked (none later is)."""
     for event in replay:
+        if event.__class__ is StatusChanged and event.skipped_from:
+            skipped_from: int = event.skipped_from
+            if skipped_from <= after < event.seq - 1:
+                raise skipped_error(session_id, after, skipped_from, event.seq)
+            return None
         if event.seq - prev > SEQ_GAP // 2:
             if after > event.seq - SEQ_GAP - 1:
                 raise expired_error(session_id, after, event.seq)

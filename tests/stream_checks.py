@@ -41,3 +41,17 @@ def stream_problems(seqs: list[int], error: BaseException | None, finished: bool
     elif not finished:
         problems.append(f"the subscriber stopped at {seqs[-1:]} and was not told")
     return problems
+
+
+def numbered_on(events: list[sa.Event], after: int) -> bool:
+    """Whether the seqs of ``events`` run on by one after ``after``, but at a wake's
+    status, which jumps from its ``skipped_from`` (every seq below it skipped)."""
+    prev = after
+    for event in events:
+        start = event.seq
+        if isinstance(event, sa.StatusChanged) and event.skipped_from:
+            start = event.skipped_from
+        if start != prev + 1:
+            return False
+        prev = event.seq
+    return True

@@ -301,6 +301,10 @@ GOLDEN_COMPACT: dict[str, list[sa.Event]] = {
             error_public=True,
         ),
     ],
+    # StatusChanged with the field added since: the first seq a wake skipped
+    "entry_compact_v1_skipped_from": [
+        sa.StatusChanged(session_id=_SID, seq=2**40 + 35, status=sa.Status.IDLE, skipped_from=35),
+    ],
 }
 
 GOLDEN_INFOS: dict[str, sa.SessionInfo] = {
@@ -761,6 +765,28 @@ def test_an_entry_is_written_in_the_compact_form() -> None:
         "text": "Hel",
         "type": "delta",
     }
+
+
+def test_a_status_that_skipped_no_seq_is_written_as_before_the_field() -> None:
+    """A StatusChanged whose skipped_from is 0 (its default) is written as it was before
+    the field existed, in the compact form and in the map form of events of several
+    sessions (an older sessionactors reads it); one with skipped seqs loads back whole."""
+    event = GOLDEN_EVENTS["status_changed"]
+    assert event.skipped_from == 0
+    assert msgpack.unpackb(dump_events([event])) == [
+        1,
+        _SID,
+        ["status_changed", event.seq, event.status.value],
+    ]
+    other = attrs.evolve(event, session_id="other")
+    assert ["skipped_from" in item for item in raw_of(dump_events([event, other]))] == [
+        False,
+        False,
+    ]
+    jumped = attrs.evolve(event, skipped_from=3)
+    assert msgpack.unpackb(dump_events([jumped]))[-1][-1] == 3
+    assert load_events(dump_events([jumped])) == [jumped]
+    assert load_events(dump_events([jumped, other])) == [jumped, other]
 
 
 @pytest.mark.parametrize("stem", sorted(GOLDEN_COMPACT))

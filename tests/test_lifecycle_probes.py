@@ -163,6 +163,7 @@ async def test_a_resumed_subscription_replays_no_outcome_before_it_is_stored(
     async with sa.open_registry(store=store, agents=ECHO, replay_events=2) as reg:
         ref = await reg.spawn("s")
         await ref.send("one two three")
+        first = (await ref.state()).event_seq  # the first turn's outcome
         gate = store.hold("append", session_id="s")
         store.fail("append", session_id="s")
         live: list[sa.Event] = []
@@ -171,7 +172,7 @@ async def test_a_resumed_subscription_replays_no_outcome_before_it_is_stored(
             turn = await ref.submit("four five six")
             await trio.testing.wait_all_tasks_blocked()
             assert gate.waiting == 1  # the turn's outcome is being written
-            async with ref.subscribe(after=1) as replayed:  # beyond the ring: the journal
+            async with ref.subscribe(after=first - 1) as replayed:  # beyond the ring
                 gate.open()
                 with pytest.raises(sa.SessionCrashedError):
                     await turn.reply()

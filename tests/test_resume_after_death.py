@@ -113,7 +113,7 @@ async def test_a_resume_at_the_last_stored_event_replays_without_error(
             await ref.state()
         async with (
             ref.subscribe(after=death.durable) as at_durable,
-            ref.subscribe(after=1) as before,
+            ref.subscribe(after=death.durable - 1) as before,
             ref.subscribe() as live,
         ):
             turn = await ref.submit("three")

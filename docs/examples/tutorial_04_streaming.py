@@ -12,13 +12,16 @@ async def main() -> None:
         ref = await registry.spawn("chat-1")
 
         # subscribe(): every event of the session from now on, for as long as you read.
+        seqs = []
         async with ref.subscribe() as events:
             turn = await ref.submit("one two three")
             async for event in events:
                 print(f"seq {event.seq}: {type(event).__name__}")
+                seqs.append(event.seq)
                 if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
                     break
         print("reply:", (await turn.reply()).text)
+        print("seqs one apart:", seqs == list(range(seqs[0], seqs[0] + len(seqs))))
 
         # stream(): submit a turn and read that turn's events only; it ends by itself.
         words = []

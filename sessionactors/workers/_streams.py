@@ -656,6 +656,7 @@ class Streams:
                 first is not None
                 and first[1] != "gone"  # (the end marker's seq is above every seq)
                 and first[0] > self._positions.get(name, 0) + 1
+                and not self._wakes_after(name, first)
             ):
                 await self._check_gap(name, first[0])
             self._feed(name, items)
@@ -1101,6 +1102,22 @@ class Streams:
                 await self.transport.post(self.worker, pack({"op": "wake"}), self.ttl)
 
         self._spawn(poke, "cluster poke")
+
+    def _wakes_after(self, name: str, item: StreamItem) -> bool:
+        """Whether ``item``, the next of the stream of ``name`` after a gap, is the status
+        of a wake that skipped the seqs of the gap, from the one after the mirror's
+        position on (see ``StatusChanged.skipped_from``): the mirror lacks nothing."""
+        _, kind, payload = item
+        if kind != "event":
+            return False
+        try:
+            event = load_event(payload, session_id=name)
+        except SnapshotError:
+            return False  # (told as the mirror reads it)
+        return (
+            isinstance(event, StatusChanged)
+            and event.skipped_from == self._positions.get(name, 0) + 1
+        )
 
     async def _check_gap(self, name: str, first: int) -> None:
         """The stream skips seqs after a mirror's position (its next event is ``first``):

@@ -1357,7 +1357,13 @@ def test_event_to_json_is_the_documented_form() -> None:
     assert data["message"]["created_at"] == message.created_at.isoformat()
     assert json.loads(json.dumps(data)) == data
     status = event_to_json(sa.StatusChanged(session_id="s", seq=8, status=sa.Status.IDLE))
-    assert status == {"type": "StatusChanged", "session_id": "s", "seq": 8, "status": "idle"}
+    assert status == {
+        "type": "StatusChanged",
+        "session_id": "s",
+        "seq": 8,
+        "status": "idle",
+        "skipped_from": 0,
+    }
 
 
 async def test_an_open_asyncio_registry_can_be_served_under_uvicorn() -> None:

@@ -78,7 +78,6 @@ async def test_a_last_event_id_beyond_the_session_is_not_a_silent_stream(serve: 
             old_seq = (await client.get("/sessions/n")).json()["event_seq"]
             assert (await client.delete("/sessions/n")).status_code == 200
             await client.post("/sessions/n/messages", json={"text": "a new conversation"})
-            assert (await client.get("/sessions/n")).json()["event_seq"] < old_seq
 
             for headers, params in [({"last-event-id": str(old_seq)}, {}), ({}, {"after": 10**30})]:
                 got: list[tuple[int | None, dict[str, Any]]] = []
@@ -112,6 +111,28 @@ async def test_a_last_event_id_beyond_the_session_is_not_a_silent_stream(serve: 
                 assert error["type"] == "error"
                 assert error["status"] in (404, 410), error
             assert (await client.get("/sessions/gone")).status_code == 404
+
+
+async def test_a_last_event_id_of_a_deleted_namesake_is_refused_once_passed(serve: Serve) -> None:
+    """A browser resuming with the Last-Event-ID of a deleted session, after a session
+    of the same name has gone past that seq, gets 410 (reload), not the new session's
+    events from the middle of one of its turns."""
+    async with serve(delay=0) as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(30):
+            for text in ("one two three", "four five six"):
+                await client.post("/sessions/n/messages", json={"text": text})
+            old_seq = (await client.get("/sessions/n")).json()["event_seq"]
+            assert (await client.delete("/sessions/n")).status_code == 200
+            while (await client.get("/sessions/n")).json().get("event_seq", 0) <= old_seq + 5:
+                r = await client.post("/sessions/n/messages", json={"text": "a new owner"})
+                assert r.status_code == 200, r.text
+            headers = {"last-event-id": str(old_seq)}
+            async with client.stream("GET", "/sessions/n/events", headers=headers) as r:
+                status = r.status_code
+                if status != 200:
+                    await r.aread()
+            assert status == 410, "the stream went on with the new session's events"
+            assert r.json()["session_id"] == "n"
 
 
 async def test_a_resume_of_a_hibernated_session_does_not_wake_it() -> None:
