@@ -328,6 +328,35 @@ async def test_a_refusal_on_a_worker_wakes_no_session(redis_url: str) -> None:
             await follow_on(ref, last)
 
 
+@pytest.mark.redis
+async def test_a_seq_beyond_64_bits_is_refused_on_a_worker_as_on_its_owner(redis_url: str) -> None:
+    """On a worker that does not run the session, a subscription after a seq wider than
+    the wire between workers carries (2**64 and up) is refused as on the session's owner,
+    naming the seq asked for: while it is live there, and once it hibernated (asked of
+    the worker that keeps its shard), waking nothing; a negative one is a ValueError."""
+    with trio.fail_after(30):
+        async with two_workers(redis_url, ECHO) as (a, b):
+            owner = await a.spawn("s")
+            await owner.send("one two")
+            last = (await owner.state()).event_seq
+            ref = b.ref("s")
+            for after in (2**64, 10**30):
+                assert_told(await refused(owner, after), "s", after, last)
+                assert_told(await refused(ref, after), "s", after, last)
+            for negative in (-(2**63) - 1, -(10**30)):
+                for either in (owner, ref):
+                    with pytest.raises(ValueError, match="after for session 's' must be a seq"):
+                        either.subscribe(after=negative)
+            mate = next(n for n in (f"m{k}" for k in itertools.count()) if same_shard(n, "s"))
+            await (await a.spawn(mate)).send("hello")  # a keeps the session's shard
+            await owner.hibernate()
+            last = (await sa.read_session(b.store, "s")).event_seq
+            for after in (2**64, 10**30):
+                assert_told(await refused(ref, after), "s", after, last)
+            assert (a.live(), b.live()) == ([mate], [])
+            await follow_on(ref, last)
+
+
 def same_shard(name: str, other: str) -> bool:
     """Whether two session names share a shard of a RedisStore (``crc32(name) % 1024``)."""
     return zlib.crc32(name.encode()) % 1024 == zlib.crc32(other.encode()) % 1024
