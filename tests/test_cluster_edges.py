@@ -592,3 +592,35 @@ async def test_events_published_after_their_session_was_deleted_leave_its_end_sh
                 assert 0 < await admin.pttl(key) <= ended
                 with pytest.raises(sa.SessionNotFoundError, match="'s' was deleted"):
                     await anext(events)  # (nothing of "late": it ends)
+
+
+async def test_a_deleted_sessions_end_is_not_kept_longer_by_a_delete_again(
+    redis_url: str,
+) -> None:
+    """The end of a deleted session's event stream, marked by its delete, keeps the
+    expiry that delete set when the name is deleted again (from either worker): a call
+    that finds the end marked writes nothing, and stretches nothing."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    key = session_key(prefix, "s", "ev")
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+            coredis.Redis.from_url(redis_url) as admin,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("hello")
+            async with b.ref("s").subscribe() as events:  # (a publishes to the stream)
+                turn = await ref.submit("one")
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                        break
+                await a.delete("s")
+                assert 0 < await admin.pttl(key) <= END_TTL_MS
+                await admin.pexpire(key, 5_000)  # (as if most of its minute went by)
+                for registry in (a, b):
+                    with pytest.raises(sa.SessionNotFoundError):
+                        await registry.delete("s")
+                    assert 0 < await admin.pttl(key) <= 5_000
+                with pytest.raises(sa.SessionNotFoundError, match="'s' was deleted"):
+                    await anext(events)

@@ -223,15 +223,19 @@ return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
 # The session's events go (its subscribers elsewhere end at the marker, saying the
 # session was deleted): the stream, kept a while for them, holds nothing of its text.
 # KEYS: the events, the session's meta key (a session of that name stored again:
-# no end); the marker is written once. Returns whether the stream is ended.
+# no end); the marker is written once, and the stream expires ARGV[1] ms after that
+# (a call that finds it marked already, a delete again or a subscriber's watch, keeps
+# it no longer). Returns whether the stream is ended.
 _MARK_END: Final = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local r = redis.pcall('XADD', KEYS[1], ARGV[2] .. '-0', 'gone', '1')
-if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
-  return r
+local marked = true
+if type(r) == 'table' and r.err then
+  if not string.find(r.err, 'equal or smaller', 1, true) then return r end
+  marked = false
 end
 redis.call('XTRIM', KEYS[1], 'MINID', ARGV[2] .. '-0')
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if marked or redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return 1
 """
 # A subscriber's worker renews the watch of a stored session and ends the stream of
