@@ -80,6 +80,27 @@ async def test_after_a_seq_a_live_session_never_reached_raises_at_once(
         await follow_on(ref, last)
 
 
+async def test_after_a_seq_too_long_to_print_is_told_by_its_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A seq of more digits than Python writes out (``sys.get_int_max_str_digits()``)
+    is refused as any other seq beyond the session's last, or below 0, naming the
+    session and the seq's size, live and hibernated."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("huge")
+        await ref.send("one two")
+        last = (await ref.state()).event_seq
+        for asleep in (False, True):
+            if asleep:
+                await ref.hibernate()
+                last = (await sa.read_session(registry.store, "huge")).event_seq
+            error = await refused(ref, 10**5000)
+            assert (error.session_id, error.oldest_seq) == ("huge", last + 1)
+            assert "session 'huge' has no event after seq (an integer of 16610 bits)" in str(error)
+            with pytest.raises(ValueError, match=r"after for session 'huge' must be a seq"):
+                ref.subscribe(after=-(10**5000))
+
+
 async def test_after_a_seq_beyond_a_hibernated_session_raises_without_waking_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
