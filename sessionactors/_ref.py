@@ -47,7 +47,7 @@ from ._requests import (
     Stop,
     Truncate,
 )
-from ._subscription import EventIterator
+from ._subscription import EventIterator, shown_seq
 from ._turns import MAX_TURN_ID_CHARS
 
 __all__ = [
@@ -795,7 +795,9 @@ def check_after(session_id: str, after: object) -> None:
         _check_type(session_id, "after", after, int)
         assert isinstance(after, int)
         if after < 0:
-            raise ValueError(f"after for session {session_id!r} must be a seq (>= 0), not {after}")
+            raise ValueError(
+                f"after for session {session_id!r} must be a seq (>= 0), not {shown_seq(after)}"
+            )
 
 
 def check_text(session_id: str, text: object, what: str = "a message") -> None:

@@ -274,12 +274,22 @@ def expired_error_at(session_id: str, after: int, trimmed: int) -> EventsExpired
     )
 
 
+def shown_seq(seq: int) -> str:
+    """A caller's seq as a message tells it: in digits, or by its size if it has more
+    than Python writes out (``sys.get_int_max_str_digits()``)."""
+    try:
+        return str(seq)
+    except ValueError:
+        return f"({'a negative' if seq < 0 else 'an'} integer of {seq.bit_length()} bits)"
+
+
 def beyond_error(session_id: str, after: int, last: int) -> EventsExpiredError:
     """The error for a subscription after ``after``, beyond ``last``, the seq of the
     session's last event: the seq was never the session's."""
     return advised(
         EventsExpiredError,
-        f"session {session_id!r} has no event after seq {after}: its last event is seq "
+        f"session {session_id!r} has no event after seq {shown_seq(after)}: its last "
+        "event is seq "
         f"{last} (a seq of another session of that name, since deleted, or from before "
         "its store was restored from a backup); ",
         Advice(kind=AdviceKind.RELOAD_STATE),

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from redis_keys import session_key
 from sessionactors.stores import RedisStore, dump_info, load_events
 from sessionactors.testing import EchoModel
 from stream_checks import stream_problems
@@ -519,3 +520,107 @@ async def test_a_subscription_elsewhere_to_a_deleted_session_never_hears_one_mad
     assert heard == {name: ["old two"] for name in names}
     assert ended == {name: True for name in names}
     assert errors == {name: f"session {name!r} was deleted" for name in names}
+
+
+#: How long a deleted session's event stream is kept for its subscribers (ms), at most.
+END_TTL_MS = 60_000
+
+
+class HeldPublishStore(RedisStore):
+    """A RedisStore whose worker holds a publish to the event stream of session "s"
+    while ``holding`` is set, until ``release`` is set: a batch of its events in flight
+    while the session is deleted. ``held`` is set as one waits, ``published`` once the
+    one held was published."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.holding = False
+        self.held, self.release, self.published = trio.Event(), trio.Event(), trio.Event()
+
+    async def open_router(self, host: Any, nursery: trio.Nursery) -> Any:
+        router = await super().open_router(host, nursery)
+        transport = router.transport
+        publish = transport.publish
+
+        async def held_publish(batches: Any, keep: int) -> None:
+            if not (self.holding and "s" in batches):
+                await publish(batches, keep)
+                return
+            self.held.set()
+            await self.release.wait()
+            try:
+                await publish(batches, keep)
+            finally:
+                self.published.set()
+
+        transport.publish = held_publish
+        return router
+
+
+async def test_events_published_after_their_session_was_deleted_leave_its_end_short_lived(
+    redis_url: str,
+) -> None:
+    """Events of a session that reach its event stream after the session was deleted
+    (published late: in flight as the delete ended the stream) are dropped there and
+    leave the stream's expiry as the delete set it (a minute for its subscribers), not
+    the day that a stream written to is kept."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = HeldPublishStore(redis_url, prefix=prefix, balance=False)
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    key = session_key(prefix, "s", "ev")
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=store, agents=agents, worker_id="a", lease_ttl=TTL) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+            coredis.Redis.from_url(redis_url) as admin,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("hello")
+            async with b.ref("s").subscribe() as events:  # (a publishes to the stream)
+                turn = await ref.submit("one")
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                        break
+                store.holding = True
+                await ref.send("late")
+                await store.held.wait()
+                await a.delete("s")
+                ended = await admin.pttl(key)
+                assert 0 < ended <= END_TTL_MS
+                store.release.set()
+                await store.published.wait()
+                assert 0 < await admin.pttl(key) <= ended
+                with pytest.raises(sa.SessionNotFoundError, match="'s' was deleted"):
+                    await anext(events)  # (nothing of "late": it ends)
+
+
+async def test_a_deleted_sessions_end_is_not_kept_longer_by_a_delete_again(
+    redis_url: str,
+) -> None:
+    """The end of a deleted session's event stream, marked by its delete, keeps the
+    expiry that delete set when the name is deleted again (from either worker): a call
+    that finds the end marked writes nothing, and stretches nothing."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    key = session_key(prefix, "s", "ev")
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", EchoModel()) as a,
+            open_worker(redis_url, prefix, "b", EchoModel()) as b,
+            coredis.Redis.from_url(redis_url) as admin,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("hello")
+            async with b.ref("s").subscribe() as events:  # (a publishes to the stream)
+                turn = await ref.submit("one")
+                async for event in events:
+                    if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                        break
+                await a.delete("s")
+                assert 0 < await admin.pttl(key) <= END_TTL_MS
+                await admin.pexpire(key, 5_000)  # (as if most of its minute went by)
+                for registry in (a, b):
+                    with pytest.raises(sa.SessionNotFoundError):
+                        await registry.delete("s")
+                    assert 0 < await admin.pttl(key) <= 5_000
+                with pytest.raises(sa.SessionNotFoundError, match="'s' was deleted"):
+                    await anext(events)

@@ -80,6 +80,27 @@ async def test_after_a_seq_a_live_session_never_reached_raises_at_once(
         await follow_on(ref, last)
 
 
+async def test_after_a_seq_too_long_to_print_is_told_by_its_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A seq of more digits than Python writes out (``sys.get_int_max_str_digits()``)
+    is refused as any other seq beyond the session's last, or below 0, naming the
+    session and the seq's size, live and hibernated."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("huge")
+        await ref.send("one two")
+        last = (await ref.state()).event_seq
+        for asleep in (False, True):
+            if asleep:
+                await ref.hibernate()
+                last = (await sa.read_session(registry.store, "huge")).event_seq
+            error = await refused(ref, 10**5000)
+            assert (error.session_id, error.oldest_seq) == ("huge", last + 1)
+            assert "session 'huge' has no event after seq (an integer of 16610 bits)" in str(error)
+            with pytest.raises(ValueError, match=r"after for session 'huge' must be a seq"):
+                ref.subscribe(after=-(10**5000))
+
+
 async def test_after_a_seq_beyond_a_hibernated_session_raises_without_waking_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -327,6 +348,35 @@ async def test_a_refusal_on_a_worker_wakes_no_session(redis_url: str) -> None:
             await (await a.spawn(mate)).send("hello")
             assert (a.live(), b.live()) == ([mate], [])
             assert_told(await refused(ref, 2**60), "s", 2**60, last)
+            assert (a.live(), b.live()) == ([mate], [])
+            await follow_on(ref, last)
+
+
+@pytest.mark.redis
+async def test_a_seq_beyond_64_bits_is_refused_on_a_worker_as_on_its_owner(redis_url: str) -> None:
+    """On a worker that does not run the session, a subscription after a seq wider than
+    the wire between workers carries (2**64 and up) is refused as on the session's owner,
+    naming the seq asked for: while it is live there, and once it hibernated (asked of
+    the worker that keeps its shard), waking nothing; a negative one is a ValueError."""
+    with trio.fail_after(30):
+        async with two_workers(redis_url, ECHO) as (a, b):
+            owner = await a.spawn("s")
+            await owner.send("one two")
+            last = (await owner.state()).event_seq
+            ref = b.ref("s")
+            for after in (2**64, 10**30):
+                assert_told(await refused(owner, after), "s", after, last)
+                assert_told(await refused(ref, after), "s", after, last)
+            for negative in (-(2**63) - 1, -(10**30)):
+                for either in (owner, ref):
+                    with pytest.raises(ValueError, match="after for session 's' must be a seq"):
+                        either.subscribe(after=negative)
+            mate = next(n for n in (f"m{k}" for k in itertools.count()) if same_shard(n, "s"))
+            await (await a.spawn(mate)).send("hello")  # a keeps the session's shard
+            await owner.hibernate()
+            last = (await sa.read_session(b.store, "s")).event_seq
+            for after in (2**64, 10**30):
+                assert_told(await refused(ref, after), "s", after, last)
             assert (a.live(), b.live()) == ([mate], [])
             await follow_on(ref, last)
 

@@ -184,11 +184,14 @@ return 1
 # the stream ended); any other refusal (out of memory, say) fails the call, which the
 # multi-worker layer then marks as lost: a reader never skips an event in silence.
 # ARGV per entry: its id, field and value, and the stamp ('' for none) that goes in a
-# field "b" of its own (workers of an earlier version read the value alone).
+# field "b" of its own (workers of an earlier version read the value alone). Only a
+# stream that took an entry is kept for the publish ttl from now: an ended stream (a
+# deleted session's) that a late publish reaches keeps the expiry its end set.
 _PUBLISH: Final = """
 local pos = 3
 for i = 1, #KEYS do
   local n = tonumber(ARGV[pos])
+  local added = false
   pos = pos + 1
   for j = 1, n do
     local r
@@ -199,12 +202,14 @@ for i = 1, #KEYS do
       r = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[pos],
         ARGV[pos + 1], ARGV[pos + 2], 'b', ARGV[pos + 3])
     end
-    if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
-      return r
+    if type(r) == 'table' and r.err then
+      if not string.find(r.err, 'equal or smaller', 1, true) then return r end
+    else
+      added = true
     end
     pos = pos + 4
   end
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  if added then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
 end
 return 0
 """
@@ -218,15 +223,19 @@ return {oldest, redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
 # The session's events go (its subscribers elsewhere end at the marker, saying the
 # session was deleted): the stream, kept a while for them, holds nothing of its text.
 # KEYS: the events, the session's meta key (a session of that name stored again:
-# no end); the marker is written once. Returns whether the stream is ended.
+# no end); the marker is written once, and the stream expires ARGV[1] ms after that
+# (a call that finds it marked already, a delete again or a subscriber's watch, keeps
+# it no longer). Returns whether the stream is ended.
 _MARK_END: Final = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local r = redis.pcall('XADD', KEYS[1], ARGV[2] .. '-0', 'gone', '1')
-if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller', 1, true) then
-  return r
+local marked = true
+if type(r) == 'table' and r.err then
+  if not string.find(r.err, 'equal or smaller', 1, true) then return r end
+  marked = false
 end
 redis.call('XTRIM', KEYS[1], 'MINID', ARGV[2] .. '-0')
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if marked or redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return 1
 """
 # A subscriber's worker renews the watch of a stored session and ends the stream of

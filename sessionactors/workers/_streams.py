@@ -44,10 +44,25 @@ from .._hub import SEQ_GAP, Hub, deleted_error
 from .._reading import read_stored, stored_cleanly
 from .._records import Status, TurnStatus
 from .._router import RouterHost
-from .._subscription import EventIterator, beyond_stored, open_event_iterator, refuse_beyond
+from .._subscription import (
+    EventIterator,
+    beyond_error,
+    beyond_stored,
+    open_event_iterator,
+    refuse_beyond,
+)
 from ..stores._base import JournalEntry, JournalPageStore, Store
 from ._transport import StreamItem, Transport, fatal
-from ._wire import birth, creation_stamp, dump_error, load_outcome, pack, stamp_of, unstamp
+from ._wire import (
+    MAX_WIRE_INT,
+    birth,
+    creation_stamp,
+    dump_error,
+    load_outcome,
+    pack,
+    stamp_of,
+    unstamp,
+)
 
 __all__ = ["MAX_ATTEMPTS", "Streams"]
 
@@ -917,8 +932,9 @@ class Streams:
         born: int | None = None  # when the session it runs was created
         running: tuple[str, str | None] | None = None  # its turn under way (id, key)
         watch: dict[str, Any] = {"op": "watch", "s": name}
-        if after is not None:  # (its owner checks it with the store before a wake)
-            watch["beyond"] = after
+        if after is not None:  # (its owner checks it with the store before a wake; a
+            # seq past what the wire carries is past every seq, as the largest it carries)
+            watch["beyond"] = min(after, MAX_WIRE_INT)
         for _ in range(MAX_ATTEMPTS):
             if host.is_live(name) or (
                 # (a mirror may be behind its owner: a seq beyond it is asked of the owner)
@@ -929,7 +945,7 @@ class Streams:
                 break  # stored cleanly, and reached ``after``: the mirror follows it
             answer = await self._forward(name, watch, retry_safe=True)
             if answer is not None:  # its owner publishes its events from ``top`` on
-                top = int(self._check(answer, name)["value"])
+                top = int(self._checked_watch(answer, name, after)["value"])
                 born = stamp_of(answer)
                 running = _running_turn(answer)
                 if top >= 0:
@@ -961,6 +977,17 @@ class Streams:
                     refuse_beyond(name, after, last)
             # (a subscription to its hub here, without a mirror, is checked by it)
         return await self._subscribe(name, after, top, born, running=running)
+
+    def _checked_watch(self, answer: dict[str, Any], name: str, after: int | None) -> Any:
+        """The owner's answer to a watch, or its error raised; its refusal of a seq past
+        what the wire carries (sent as ``MAX_WIRE_INT``) is told of ``after`` itself."""
+        try:
+            return self._check(answer, name)
+        except EventsExpiredError as exc:
+            oldest = getattr(exc, "oldest_seq", None)
+            if after is None or after <= MAX_WIRE_INT or not isinstance(oldest, int):
+                raise
+            raise beyond_error(name, after, oldest - 1) from None
 
     async def may_run_ahead(self, name: str, after: int) -> bool:
         """Raise EventsExpiredError if the store shows that the session (not live here)

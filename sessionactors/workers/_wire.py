@@ -90,7 +90,9 @@ _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code", "idem
 #: The attributes of an error that hold a bool (``ModelError.public``,
 #: ``FencedOutError.lost_data``), carried too.
 _ERROR_FLAGS: Final = ("public", "lost_data")
-_MAX_WIRE_INT: Final = 2**63 - 1  # the largest integer msgpack carries either way
+#: The largest integer msgpack carries either way: a caller's seq or count above it
+#: travels as this one (every seq and count a record holds is far below it).
+MAX_WIRE_INT: Final = 2**63 - 1
 
 
 def creation_stamp(created: datetime.datetime) -> int:
@@ -209,7 +211,7 @@ def dump_call(name: str, request: Call | Cancel | Stop | Delete) -> dict[str, An
         added = [MessageAdded(session_id=name, seq=0, message=m) for m in request.messages]
         return {"t": _TAG_OF[type(request)], "m": dump_events(added) if added else None}
     if isinstance(request, Truncate):  # (past 64 bits: all the same, every message kept)
-        request = Truncate(keep_last=min(request.keep_last, _MAX_WIRE_INT))
+        request = Truncate(keep_last=min(request.keep_last, MAX_WIRE_INT))
     fields = attrs.asdict(request)
     if isinstance(request, Cancel) and request.turn_id is None:
         # (a cancel of whatever turn is in flight, in the form a worker without turn ids

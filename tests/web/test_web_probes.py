@@ -809,3 +809,48 @@ async def test_an_error_raised_by_the_worker_that_runs_the_session_is_told_for_h
                 assert (r.status_code, r.json()["error"]) == (409, "SessionBusyError")
                 assert f"POST /sessions/s/reviews/{review.id}" in http_advice(r.json())
             assert b.live() == []  # (it ran on a)
+
+
+@pytest.mark.redis
+async def test_a_last_event_id_past_64_bits_is_told_alike_by_every_worker(redis_url: str) -> None:
+    """A Last-Event-ID or ``?after=`` of 20 digits, past what the wire between workers
+    carries, is answered 410 by a gateway on a worker that does not run the session, as
+    by one on the worker that does: the session's last seq, named, and the advice to
+    reload; a WebSocket is closed with that error."""
+    store_options = {"prefix": f"sa-test:{uuid.uuid4().hex}", "balance": False}
+    agents = trio_agents(0.01)
+    seq = "9" * 20  # (above 2**64)
+    with trio.fail_after(30):
+        async with (
+            sa.open_registry(store=RedisStore(redis_url, **store_options), agents=agents) as a,
+            sa.open_registry(store=RedisStore(redis_url, **store_options), agents=agents) as b,
+        ):
+            await (await a.spawn("s")).send("hello")
+            last = (await a.ref("s").state()).event_seq
+            told: list[dict[str, Any]] = []
+            for registry in (a, b):
+                async with (
+                    serve_trio(create_app(registry)) as url,
+                    httpx.AsyncClient(base_url=url) as client,
+                ):
+                    for options in (
+                        {"headers": {"last-event-id": seq}},
+                        {"params": {"after": seq}},
+                    ):
+                        r = await client.get("/sessions/s/events", **options)
+                        assert r.status_code == 410, r.text
+                        told.append(r.json())
+                    ws_url = url.replace("http://", "ws://") + f"/sessions/s/ws?after={seq}"
+                    async with open_websocket(ws_url) as ws:
+                        error = await ws.receive()
+                        told.append(error)
+                        assert error["status"] == 410, error
+            assert (a.live(), b.live()) == (["s"], [])
+    for body in told:
+        assert (body["error"], body["session_id"], body["oldest_seq"]) == (
+            "EventsExpiredError",
+            "s",
+            last + 1,
+        ), body
+        assert f"after seq {seq}" in body["message"], body
+    assert {body["message"] for body in told[3:]} == {body["message"] for body in told[:3]}
