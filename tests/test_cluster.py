@@ -519,6 +519,18 @@ async def test_a_submitted_turn_whose_worker_dies_mid_turn_names_its_id_in_the_e
     assert outcome.status is sa.TurnStatus.LOST, outcome
 
 
+async def outcome_of_named_turn(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    """The status that the gateway's turn route gives of the turn that the error ``body``
+    of session "s" names, in ``turn_id`` and in its message's advice."""
+    turn_id = body.get("turn_id")
+    assert turn_id, body
+    assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
+    outcome = await client.get(f"/sessions/s/turns/{turn_id}")
+    assert outcome.status_code == 200, outcome.text
+    status: str = outcome.json()["status"]
+    return status
+
+
 async def test_the_gateway_names_the_turn_whose_worker_died_mid_turn(cluster: Cluster) -> None:
     """Through the HTTP gateway, a message whose session's worker dies mid-turn is answered
     with a SessionCrashedError body that names the turn (turn_id) and the route that says
@@ -537,12 +549,7 @@ async def test_the_gateway_names_the_turn_whose_worker_died_mid_turn(cluster: Cl
                 answer = await client.post("/sessions/s/messages", json={"text": text})
             body = answer.json()
             assert body["error"] == "SessionCrashedError", body
-            turn_id = body.get("turn_id")
-            assert turn_id, body
-            assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
-            outcome = await client.get(f"/sessions/s/turns/{turn_id}")
-    assert outcome.status_code == 200, outcome.text
-    assert outcome.json()["status"] == "lost", outcome.text
+            assert await outcome_of_named_turn(client, body) == "lost"
 
 
 async def test_the_gateway_names_the_turn_and_key_of_a_message_whose_answer_never_came(
@@ -567,12 +574,7 @@ async def test_the_gateway_names_the_turn_and_key_of_a_message_whose_answer_neve
             assert answer.status_code == 503, body
             assert body["error"] == "WorkerUnreachableError", body
             assert body.get("idempotency_key") == "k1", body
-            turn_id = body.get("turn_id")
-            assert turn_id, body
-            assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
-            outcome = await client.get(f"/sessions/s/turns/{turn_id}")
-    assert outcome.status_code == 200, outcome.text
-    assert outcome.json()["status"] == "finished", outcome.text
+            assert await outcome_of_named_turn(client, body) == "finished"
 
 
 async def test_a_request_that_never_reaches_its_owner_ends_within_the_deadline(
