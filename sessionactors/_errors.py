@@ -279,7 +279,37 @@ class InvalidHistoryError(SessionActorsError, ValueError):
     that is empty or used twice. Nothing was written."""
 
 
-class TurnFailedError(SessionActorsError):
+class _TurnError(SessionActorsError):
+    """(Internal) the base of the errors about a turn, which ``turn_id`` names (empty
+    when there is none): it takes ``turn_id=``. The reference shows its subclasses
+    under their public bases."""
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
+
+
+class _KeyedTurnError(_TurnError):
+    """(Internal) the base of the errors about a turn sent with an idempotency key,
+    ``idempotency_key`` (empty when there is none): it takes ``idempotency_key=`` too."""
+
+    #: (class defaults too: an error rebuilt from another worker's account has them)
+    turn_id: str = ""
+    idempotency_key: str = ""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        turn_id: str = "",
+        idempotency_key: str = "",
+    ) -> None:
+        super().__init__(message, session_id=session_id, turn_id=turn_id)
+        self.idempotency_key = idempotency_key
+
+
+class TurnFailedError(_TurnError):
     """The agent or its model raised during the turn; ``__cause__`` is the original.
 
     What the failing model step streamed is kept in the history, marked
@@ -288,10 +318,6 @@ class TurnFailedError(SessionActorsError):
     turn again in its place.
     """
 
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
-
 
 class AgentNotFoundError(TurnFailedError, LookupError):
     """The registry has no agent by the name the session runs with, so it cannot run
@@ -299,15 +325,11 @@ class AgentNotFoundError(TurnFailedError, LookupError):
     with that agent in ``agents=``."""
 
 
-class TurnCancelledError(SessionActorsError):
+class TurnCancelledError(_TurnError):
     """The turn was cancelled with ``ref.cancel()`` (or by the session stopping)."""
 
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
 
-
-class SessionCrashedError(SessionActorsError):
+class SessionCrashedError(_TurnError):
     """The session's actor crashed while the request was pending, or keeps crashing.
 
     ``turn_id`` names the turn whose write the store was doing when the session
@@ -321,12 +343,8 @@ class SessionCrashedError(SessionActorsError):
 
     turn_id: str = ""
 
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
 
-
-class SessionStoppedError(SessionActorsError):
+class SessionStoppedError(_TurnError):
     """The session (or the registry) is stopped and takes no more requests.
 
     ``turn_id`` names the turn that had started when the session stopped under it
@@ -342,10 +360,6 @@ class SessionStoppedError(SessionActorsError):
     #: kit's ``crash``), "stop", "closing"; empty if not said. A worker that ran the
     #: request for another says it its way.
     _reason: str = ""
-
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
 
 
 class MailboxFullError(SessionActorsError):
@@ -470,7 +484,7 @@ class StoreConfigurationError(StoreError):
     The registry, ``serve`` and the command line do not retry it."""
 
 
-class WorkerUnreachableError(SessionActorsError, TimeoutError):
+class WorkerUnreachableError(_KeyedTurnError, TimeoutError):
     """A request sent to the worker that runs the session got no word from it within
     its deadline (the shared store or that worker did not answer), or never reached
     it in that time (that worker said so whenever it was asked).
@@ -481,22 +495,6 @@ class WorkerUnreachableError(SessionActorsError, TimeoutError):
     became of it), and ``idempotency_key`` is the key the turn was sent with; each
     is empty otherwise.
     """
-
-    #: (class defaults too: an error rebuilt from another worker's account has them)
-    turn_id: str = ""
-    idempotency_key: str = ""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        turn_id: str = "",
-        idempotency_key: str = "",
-    ) -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
-        self.idempotency_key = idempotency_key
 
 
 class SessionBusyError(SessionActorsError):
@@ -551,7 +549,7 @@ class ReviewNotFoundError(SessionActorsError, LookupError):
     """No pending review of the session has that id."""
 
 
-class ReviewResolvedError(ReviewNotFoundError):
+class ReviewResolvedError(_TurnError, ReviewNotFoundError):
     """The review was resolved already, the other way (approved, and now denied, or the
     reverse), or its turn did not finish; ``turn_id`` names the turn that it resumed.
 
@@ -559,10 +557,6 @@ class ReviewResolvedError(ReviewNotFoundError):
     long as the process that ran the session remembers the review (its last 10,000
     resolved reviews, across hibernation, not across a restart).
     """
-
-    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
 
 
 class MessageNotFoundError(SessionActorsError, LookupError):
@@ -577,50 +571,20 @@ class NothingToRetryError(SessionActorsError, LookupError):
     """``ref.retry()`` found no failed or cancelled last turn to run again."""
 
 
-class ReplyRemovedError(SessionActorsError, LookupError):
+class ReplyRemovedError(_KeyedTurnError, LookupError):
     """A request sent with an idempotency key whose turn already ran, but whose reply
     an edit of the history has since removed (truncate, rewind, replace_history, a
     compaction): the key still keeps the turn from running again, but no longer its
     reply, so the request is refused. ``turn_id`` is the turn that ran with the key,
     ``idempotency_key`` the key."""
 
-    turn_id: str = ""
-    idempotency_key: str = ""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        turn_id: str = "",
-        idempotency_key: str = "",
-    ) -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
-        self.idempotency_key = idempotency_key
-
-
-class IdempotencyKeyReusedError(SessionActorsError, ValueError):
+class IdempotencyKeyReusedError(_KeyedTurnError, ValueError):
     """A request sent with an idempotency key that the session already took for
     another message: the key's turn (queued, running, waiting on a review, or
     completed) began with other words. The request is refused and runs nothing;
     a new message needs a new key. ``turn_id`` is the turn of the key,
     ``idempotency_key`` the key."""
-
-    turn_id: str = ""
-    idempotency_key: str = ""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        session_id: str | None = None,
-        turn_id: str = "",
-        idempotency_key: str = "",
-    ) -> None:
-        super().__init__(message, session_id=session_id)
-        self.turn_id = turn_id
-        self.idempotency_key = idempotency_key
 
 
 def reply_removed_error(sid: str, key: str, turn_id: str) -> ReplyRemovedError:

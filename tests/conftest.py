@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 import sessionactors as sa
+from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
 
@@ -81,6 +84,32 @@ def any_redis_url(request: pytest.FixtureRequest) -> str:
     )
     url: str = request.getfixturevalue(fixture)
     return url
+
+
+@pytest.fixture
+def two_redis_workers(
+    redis_url: str,
+) -> Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]]:
+    """``two_redis_workers(agents, prefix=None)``: a context manager opening the registries
+    of two workers, "a" and "b", on the test session's Redis under ``prefix`` (a fresh
+    one if None), with sessions that stay where they woke and leases of one second."""
+
+    @contextlib.asynccontextmanager
+    async def start(
+        agents: dict[str, sa.Agent], prefix: str | None = None
+    ) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
+        under = prefix or f"sa-test:{uuid.uuid4().hex}"
+
+        def store() -> RedisStore:
+            return RedisStore(redis_url, prefix=under, balance=False)
+
+        async with (
+            sa.open_registry(store=store(), agents=agents, worker_id="a", lease_ttl=1) as a,
+            sa.open_registry(store=store(), agents=agents, worker_id="b", lease_ttl=1) as b,
+        ):
+            yield a, b
+
+    return start
 
 
 @pytest.fixture

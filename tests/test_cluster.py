@@ -446,6 +446,36 @@ async def test_the_gateway_answers_a_request_whose_answer_never_came_503(
     assert told[0].exc_info is None
 
 
+async def kill_when_it_streams(registry: sa.Registry, worker: Worker) -> None:
+    """Kill ``worker`` (SIGKILL) once session "s" streams its first delta."""
+    async with registry.ref("s").subscribe() as events:
+        async for event in events:
+            if isinstance(event, sa.Delta):
+                worker.signal(signal.SIGKILL)
+                return
+
+
+@contextlib.asynccontextmanager
+async def posted_as_its_worker_dies(
+    cluster: Cluster,
+) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.Response]]:
+    """A message posted through the HTTP gateway of this process to session "s", whose
+    worker, "a", is killed once the turn streams: the gateway's client (open until the
+    block ends) and its answer."""
+    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
+    (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+    await a.call("spawn", names=["s"])
+    async with (
+        cluster.registry(balance=False) as t,
+        serve_trio(create_app(t)) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kill_when_it_streams, t, a)
+            answer = await client.post("/sessions/s/messages", json={"text": text})
+        yield client, answer
+
+
 async def test_the_gateway_logs_a_session_crashed_by_its_worker_s_death_in_one_warning(
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -454,41 +484,15 @@ async def test_the_gateway_logs_a_session_crashed_by_its_worker_s_death_in_one_w
     WARNING in one line naming the session, as the docs say: not "request failed" at
     ERROR with a traceback, which pages someone for a worker's death that the log of
     its lease's loss already told."""
-    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
     with trio.fail_after(60):
-        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
-        await a.call("spawn", names=["s"])
-        async with (
-            cluster.registry(balance=False) as t,
-            serve_trio(create_app(t)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as client,
-        ):
-
-            async def kill_once_it_streams() -> None:
-                async with t.ref("s").subscribe() as events:
-                    async for event in events:
-                        if isinstance(event, sa.Delta):
-                            a.signal(signal.SIGKILL)
-                            return
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(kill_once_it_streams)
-                answer = await client.post("/sessions/s/messages", json={"text": text})
+        async with posted_as_its_worker_dies(cluster) as (_, answer):
+            pass
     assert answer.status_code == 500, answer.text
     assert answer.json()["error"] == "SessionCrashedError", answer.text
     told = [r for r in caplog.records if r.name.startswith("sessionactors.http")]
     assert [r.levelname for r in told] == ["WARNING"], [r.getMessage() for r in told]
     assert told[0].exc_info is None
     assert "'s'" in told[0].getMessage()
-
-
-async def kill_when_it_streams(registry: sa.Registry, worker: Worker) -> None:
-    """Kill ``worker`` (SIGKILL) once session "s" streams its first delta."""
-    async with registry.ref("s").subscribe() as events:
-        async for event in events:
-            if isinstance(event, sa.Delta):
-                worker.signal(signal.SIGKILL)
-                return
 
 
 async def _started(fn: Callable[[], Any], task_status: trio.TaskStatus[None]) -> None:
@@ -519,30 +523,27 @@ async def test_a_submitted_turn_whose_worker_dies_mid_turn_names_its_id_in_the_e
     assert outcome.status is sa.TurnStatus.LOST, outcome
 
 
+async def outcome_of_named_turn(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    """The status that the gateway's turn route gives of the turn that the error ``body``
+    of session "s" names, in ``turn_id`` and in its message's advice."""
+    turn_id = body.get("turn_id")
+    assert turn_id, body
+    assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
+    outcome = await client.get(f"/sessions/s/turns/{turn_id}")
+    assert outcome.status_code == 200, outcome.text
+    status: str = outcome.json()["status"]
+    return status
+
+
 async def test_the_gateway_names_the_turn_whose_worker_died_mid_turn(cluster: Cluster) -> None:
     """Through the HTTP gateway, a message whose session's worker dies mid-turn is answered
     with a SessionCrashedError body that names the turn (turn_id) and the route that says
     what became of it, and that route answers for it (lost: it never became durable)."""
-    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
     with trio.fail_after(60):
-        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
-        await a.call("spawn", names=["s"])
-        async with (
-            cluster.registry(balance=False) as t,
-            serve_trio(create_app(t)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as client,
-        ):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(kill_when_it_streams, t, a)
-                answer = await client.post("/sessions/s/messages", json={"text": text})
+        async with posted_as_its_worker_dies(cluster) as (client, answer):
             body = answer.json()
             assert body["error"] == "SessionCrashedError", body
-            turn_id = body.get("turn_id")
-            assert turn_id, body
-            assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
-            outcome = await client.get(f"/sessions/s/turns/{turn_id}")
-    assert outcome.status_code == 200, outcome.text
-    assert outcome.json()["status"] == "lost", outcome.text
+            assert await outcome_of_named_turn(client, body) == "lost"
 
 
 async def test_the_gateway_names_the_turn_and_key_of_a_message_whose_answer_never_came(
@@ -567,12 +568,7 @@ async def test_the_gateway_names_the_turn_and_key_of_a_message_whose_answer_neve
             assert answer.status_code == 503, body
             assert body["error"] == "WorkerUnreachableError", body
             assert body.get("idempotency_key") == "k1", body
-            turn_id = body.get("turn_id")
-            assert turn_id, body
-            assert f"GET /sessions/s/turns/{turn_id}" in body["message"], body
-            outcome = await client.get(f"/sessions/s/turns/{turn_id}")
-    assert outcome.status_code == 200, outcome.text
-    assert outcome.json()["status"] == "finished", outcome.text
+            assert await outcome_of_named_turn(client, body) == "finished"
 
 
 async def test_a_request_that_never_reaches_its_owner_ends_within_the_deadline(

@@ -3,8 +3,10 @@ session's part in it, and every other session goes on, on every worker."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,6 +26,18 @@ def open_worker(url: str, prefix: str, worker_id: str) -> Any:
     """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
     store = RedisStore(url, prefix=prefix, balance=False)
     return sa.open_registry(store=store, agents=AGENTS, worker_id=worker_id, lease_ttl=1.0)
+
+
+@contextlib.asynccontextmanager
+async def two_workers(
+    url: str, prefix: str, *, b_on: str
+) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
+    """Workers "w1" and "w2" (see ``open_worker``) with sessions "a", live on w1, and
+    "b", live on ``b_on``, each sent "hello"."""
+    async with open_worker(url, prefix, "w1") as w1, open_worker(url, prefix, "w2") as w2:
+        await (await w1.spawn("a")).send("hello")
+        await (await (w1 if b_on == "w1" else w2).spawn("b")).send("hello")
+        yield w1, w2
 
 
 def only_error(error: BaseException) -> BaseException:
@@ -96,12 +110,7 @@ async def test_a_damaged_event_stream_fails_the_sessions_subscriptions_elsewhere
     prefix = f"sa-test:{uuid.uuid4().hex}"
     key = session_key(prefix, "a", "ev")
     with trio.fail_after(60):
-        async with (
-            open_worker(redis_url, prefix, "w1") as w1,
-            open_worker(redis_url, prefix, "w2") as w2,
-        ):
-            for name in ("a", "b"):
-                await (await w1.spawn(name)).send("hello")
+        async with two_workers(redis_url, prefix, b_on="w1") as (w1, w2):
             assert sorted(w1.live()) == ["a", "b"]
             await replace_with_list(redis_url, key)
             try:
@@ -129,12 +138,7 @@ async def test_a_stream_damaged_while_read_elsewhere_ends_that_sessions_subscrip
     prefix = f"sa-test:{uuid.uuid4().hex}"
     key = session_key(prefix, "a", "ev")
     with trio.fail_after(60):
-        async with (
-            open_worker(redis_url, prefix, "w1") as w1,
-            open_worker(redis_url, prefix, "w2") as w2,
-        ):
-            for name in ("a", "b"):
-                await (await w1.spawn(name)).send("hello")
+        async with two_workers(redis_url, prefix, b_on="w1") as (w1, w2):
             async with w2.ref("a").subscribe() as a_events, w2.ref("b").subscribe() as b_events:
                 for name, events in (("a", a_events), ("b", b_events)):
                     turn = await w1.ref(name).submit("before")
@@ -199,12 +203,7 @@ async def test_a_worker_whose_own_key_is_damaged_repairs_it_and_goes_on(
     prefix = f"sa-test:{uuid.uuid4().hex}"
     key = worker_key(prefix, "w2", part)
     with trio.fail_after(60):
-        async with (
-            open_worker(redis_url, prefix, "w1") as w1,
-            open_worker(redis_url, prefix, "w2") as w2,
-        ):
-            await (await w1.spawn("a")).send("hello")
-            await (await w2.spawn("b")).send("hello")
+        async with two_workers(redis_url, prefix, b_on="w2") as (w1, w2):
             async with w2.ref("a").subscribe() as events:  # w2 reads a's stream now
                 await damage_key(redis_url, key, damage)
                 turn = await w1.ref("a").submit("after")
@@ -228,12 +227,7 @@ async def test_entries_of_another_form_in_a_worker_s_inbox_are_logged_and_passed
     prefix = f"sa-test:{uuid.uuid4().hex}"
     key = worker_key(prefix, "w2", "inbox")
     with trio.fail_after(60):
-        async with (
-            open_worker(redis_url, prefix, "w1") as w1,
-            open_worker(redis_url, prefix, "w2") as w2,
-        ):
-            await (await w1.spawn("a")).send("hello")
-            await (await w2.spawn("b")).send("hello")
+        async with two_workers(redis_url, prefix, b_on="w2") as (w1, w2):
             async with admin_client(redis_url) as client:
                 await client.xadd(key, {"m": b"\xc1 not a message"})
                 await client.xadd(key, {"x": "another application's"})

@@ -5,10 +5,10 @@ journal read and no stored key hands the removed text out again."""
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -273,20 +273,6 @@ async def test_without_a_journal_the_edit_writes_the_snapshot_at_once(tmp_path: 
 # ---- two workers ---------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def two_workers(url: str, prefix: str) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
-    """Registries of two workers, "a" and "b", on one Redis under ``prefix``."""
-
-    def store() -> RedisStore:
-        return RedisStore(url, prefix=prefix, balance=False)
-
-    async with (
-        sa.open_registry(store=store(), agents=ECHO, worker_id="a", lease_ttl=1) as a,
-        sa.open_registry(store=store(), agents=ECHO, worker_id="b", lease_ttl=1) as b,
-    ):
-        yield a, b
-
-
 class Reader:
     """Reads a live subscription into a list; ``wait_for`` an event that matches."""
 
@@ -308,14 +294,17 @@ class Reader:
 
 
 @pytest.mark.redis
-async def test_an_edit_erases_what_another_worker_mirrors(redis_url: str) -> None:
+async def test_an_edit_erases_what_another_worker_mirrors(
+    redis_url: str,
+    two_redis_workers: Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]],
+) -> None:
     """With a subscriber on another worker (the session's events go through its Redis
     event stream to a mirror there), after the edit neither worker replays the removed
     text (EventsExpiredError from after=0), and no key under the prefix holds it, the
     event stream included."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     with trio.fail_after(30):
-        async with two_workers(redis_url, prefix) as (a, b), trio.open_nursery() as nursery:
+        async with two_redis_workers(ECHO, prefix) as (a, b), trio.open_nursery() as nursery:
             owner = await a.spawn("s")
             await owner.send("hello")
             reader = Reader()

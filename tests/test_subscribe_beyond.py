@@ -5,12 +5,11 @@ nothing until the session's seq passes N."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import shutil
-import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ import trio.testing
 
 import sessionactors as sa
 from durability_checks import die_mid_turn
-from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 ECHO = {"a": sa.Agent(model=EchoModel())}
@@ -210,25 +208,10 @@ async def test_after_a_seq_beyond_where_a_dead_process_could_reach_raises(
         assert_told(error, "s", 10**30, (await ref.state()).event_seq)
 
 
-@contextlib.asynccontextmanager
-async def two_workers(
-    redis_url: str, agents: dict[str, sa.Agent]
-) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
-    """Registries of two workers, "a" and "b", on one Redis under a fresh prefix."""
-    prefix = f"sa-test:{uuid.uuid4().hex}"
-
-    def store() -> RedisStore:
-        return RedisStore(redis_url, prefix=prefix, balance=False)
-
-    async with (
-        sa.open_registry(store=store(), agents=agents, worker_id="a", lease_ttl=1) as a,
-        sa.open_registry(store=store(), agents=agents, worker_id="b", lease_ttl=1) as b,
-    ):
-        yield a, b
-
-
 @pytest.mark.redis
-async def test_a_worker_that_does_not_run_the_session_asks_its_owner(redis_url: str) -> None:
+async def test_a_worker_that_does_not_run_the_session_asks_its_owner(
+    two_redis_workers: Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]],
+) -> None:
     """On a worker that does not run the session, a subscription after a seq its owner
     published but did not store (a turn's deltas) follows on, and one after a seq beyond
     the owner's last is refused at once: first asked, with a mirror open there already,
@@ -236,7 +219,7 @@ async def test_a_worker_that_does_not_run_the_session_asks_its_owner(redis_url: 
     release = trio.Event()
     model = ScriptedModel(["one", Scripted(text="two two two", wait=release, wait_after=2)])
     with trio.fail_after(30):
-        async with two_workers(redis_url, {"a": sa.Agent(model=model)}) as (a, b):
+        async with two_redis_workers({"a": sa.Agent(model=model)}) as (a, b):
             owner = await a.spawn("s")
             await owner.send("one")
             async with owner.subscribe() as live:
@@ -326,12 +309,14 @@ async def test_a_subscription_after_a_stored_seq_does_not_wait_for_a_wake(
 
 
 @pytest.mark.redis
-async def test_a_refusal_on_a_worker_wakes_no_session(redis_url: str) -> None:
+async def test_a_refusal_on_a_worker_wakes_no_session(
+    two_redis_workers: Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]],
+) -> None:
     """On workers, a subscription after a seq beyond a hibernated session's last is
     refused without waking it, on a worker that follows the session already (its
     mirror is behind the seq) and on one that does not."""
     with trio.fail_after(30):
-        async with two_workers(redis_url, ECHO) as (a, b):
+        async with two_redis_workers(ECHO) as (a, b):
             owner = await a.spawn("s")
             await owner.send("one two")
             assert (a.live(), b.live()) == (["s"], [])

@@ -316,8 +316,20 @@ def _split_top(text: str) -> list[str]:
 # -- entries ----------------------------------------------------------------------------
 
 
+def public_bases(cls: type) -> list[type]:
+    """``cls``'s bases as the reference names them: a private base (a shared
+    constructor) stands for its own bases, and a base that another of them derives from
+    is left out (it shows in that one's entry)."""
+    found: list[type] = []
+    for base in cls.__bases__:
+        for public in public_bases(base) if base.__name__.startswith("_") else [base]:
+            if public not in found:
+                found.append(public)
+    return [b for b in found if not any(o is not b and issubclass(o, b) for o in found)]
+
+
 def bases(cls: type) -> str:
-    names = [b.__name__ for b in cls.__bases__ if b not in (object, enum.Enum)]
+    names = [b.__name__ for b in public_bases(cls) if b not in (object, enum.Enum)]
     if issubclass(cls, enum.Enum):
         names.insert(0, "Enum")
     names = [n for n in names if n not in ("Protocol", "Generic")]
@@ -427,13 +439,13 @@ def error_tree(errors: list[type]) -> list[str]:
     lines: list[str] = []
 
     def walk(cls: type, depth: int) -> None:
-        builtins = [b.__name__ for b in cls.__bases__ if b not in known and b is not Exception]
+        builtins = [b.__name__ for b in public_bases(cls) if b not in known and b is not Exception]
         extra = f" (also a `{'`, `'.join(builtins)}`)" if builtins else ""
         lines.append(f"{'  ' * depth}- [`{cls.__name__}`](#sessionactors.{cls.__name__}){extra}")
-        for sub in sorted((c for c in errors if cls in c.__bases__), key=lambda c: c.__name__):
+        for sub in sorted((c for c in errors if cls in public_bases(c)), key=lambda c: c.__name__):
             walk(sub, depth + 1)
 
-    roots = [c for c in errors if not any(b in known for b in c.__bases__)]
+    roots = [c for c in errors if not any(b in known for b in public_bases(c))]
     for root in roots:
         walk(root, 0)
     return lines

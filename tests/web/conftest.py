@@ -1,6 +1,7 @@
-"""The gateway tests' ``serve`` fixture: the app on each real server in turn."""
+"""The gateway tests' ``serve`` fixture: the app on each real server in turn; and the
+pages' ``browser``."""
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -8,6 +9,7 @@ import pytest
 
 from sessionactors.http import create_app
 
+from .browser import BROWSER_ARGS, CHROMIUM
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import Serve, Served, serve_asyncio, serve_trio
 
@@ -43,3 +45,16 @@ def serve(request: pytest.FixtureRequest) -> Serve:
             yield Served(url, app, kind)
 
     return start
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module (its tests are marked ``needs_chromium``)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()

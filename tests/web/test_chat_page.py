@@ -1,36 +1,20 @@
 """The chat page at / in headless Chromium (Debian's chromium driven by Playwright), against
 ``python -m sessionactors serve`` behind a proxy whose connections the test can drop."""
 
-import os
 import re
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
+from .browser import needs_chromium
 from .proxy import open_proxy
 from .served import serve_command
 
 #: How often the page sends a message again that got no answer, before it shows it failed.
 SEND_RETRIES = 4
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-
-pytestmark = pytest.mark.skipif(
-    not shutil.which(CHROMIUM) and not os.environ.get("SESSIONACTORS_REQUIRE_CHROMIUM"),
-    reason=f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)",
-)
+pytestmark = needs_chromium
 
 # Records the text of every streaming bubble as it changes, to see the reply grow.
 WATCH_STREAMING = """() => {
@@ -51,19 +35,6 @@ def open_page(browser: Any, url: str) -> tuple[Any, list[str]]:
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(url)
     return page, errors
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    """One headless Chromium for the module."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def test_the_chat_page_streams_resumes_reloads_and_reviews(browser: object, tmp_path: Path) -> None:

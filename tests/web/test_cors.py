@@ -4,8 +4,6 @@ uses the gateway from the browser: ``create_app(cors_origins=[...])`` (``serve
 origin not named is refused as before."""
 
 import http.server
-import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ import sessionactors as sa
 from sessionactors.http import create_app
 from sessionactors.testing import EchoModel
 
+from .browser import needs_chromium
 from .served import HERE, serve_command
 from .servers import Serve
 from .wsclient import Closed, open_websocket
@@ -152,33 +151,6 @@ def test_serve_refuses_a_cors_origin_that_is_not_one() -> None:
 
 
 # ---- in the browser -----------------------------------------------------------------
-
-CHROMIUM = "/usr/bin/chromium"
-BROWSER_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-needs_chromium = pytest.mark.skipif(
-    not shutil.which(CHROMIUM) and not os.environ.get("SESSIONACTORS_REQUIRE_CHROMIUM"),
-    reason=f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)",
-)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """One headless Chromium for the module."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @contextmanager

@@ -4,11 +4,8 @@ never runs, and the page's routing and token handling hold at the edges."""
 
 import http.server
 import json
-import os
-import shutil
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -21,6 +18,7 @@ import sessionactors as sa
 from sessionactors.http import create_app
 from sessionactors.testing import EchoModel
 
+from .browser import needs_chromium
 from .proxy import open_proxy
 from .served import serve_command
 from .servers import Serve
@@ -272,34 +270,8 @@ async def _until_closed(ws: Any) -> list[dict[str, Any]]:
 
 # ---- in the browser -----------------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-BROWSER_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-needs_chromium = pytest.mark.skipif(
-    not shutil.which(CHROMIUM) and not os.environ.get("SESSIONACTORS_REQUIRE_CHROMIUM"),
-    reason=f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)",
-)
 #: What the payloads below set if any of them ever runs as script.
 PAYLOAD = '<img src=x onerror="window.pwned=1"></script><script>window.pwned=2</script>'
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """One headless Chromium for the module."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @needs_chromium
