@@ -338,13 +338,15 @@ async def test_a_refusal_on_a_worker_wakes_no_session(
 
 
 @pytest.mark.redis
-async def test_a_seq_beyond_64_bits_is_refused_on_a_worker_as_on_its_owner(redis_url: str) -> None:
+async def test_a_seq_beyond_64_bits_is_refused_on_a_worker_as_on_its_owner(
+    two_redis_workers: Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]],
+) -> None:
     """On a worker that does not run the session, a subscription after a seq wider than
     the wire between workers carries (2**64 and up) is refused as on the session's owner,
     naming the seq asked for: while it is live there, and once it hibernated (asked of
     the worker that keeps its shard), waking nothing; a negative one is a ValueError."""
     with trio.fail_after(30):
-        async with two_workers(redis_url, ECHO) as (a, b):
+        async with two_redis_workers(ECHO) as (a, b):
             owner = await a.spawn("s")
             await owner.send("one two")
             last = (await owner.state()).event_seq
