@@ -27,6 +27,7 @@ __all__ = [
     "NothingToRetryError",
     "ReplyRemovedError",
     "ReviewNotFoundError",
+    "ReviewResolvedError",
     "SessionActorsError",
     "SessionBusyError",
     "SessionCrashedError",

@@ -157,3 +157,20 @@ def test_errors_carry_the_session_and_their_extra_fields() -> None:
     assert sa.SessionExistsError("x", session_id="s").session_id == "s"
     assert sa.SubscriberLaggedError("x", session_id="s", last_seq=7).last_seq == 7
     assert sa.EventsExpiredError("x", session_id="s", oldest_seq=3).oldest_seq == 3
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_every_public_error_is_named_where_users_import_it(namespace: str) -> None:
+    """A traceback names ``sessionactors.ReviewResolvedError``, not the private module the
+    error is written in: every public exception of the library says it lives in a public
+    namespace."""
+    module = importlib.import_module(namespace)
+    private = [
+        f"{name} ({value.__module__})"
+        for name in public_names(namespace)
+        if isinstance(value := getattr(module, name), type)
+        and issubclass(value, BaseException)
+        and value.__module__.startswith("sessionactors")
+        and any(part.startswith("_") for part in value.__module__.split("."))
+    ]
+    assert private == []

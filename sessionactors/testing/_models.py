@@ -81,6 +81,9 @@ class ScriptExhaustedError(SessionActorsError, RuntimeError):
     """The ScriptedModel was asked for more answers than it was given."""
 
 
+ScriptExhaustedError.__module__ = "sessionactors.testing"  # (as a traceback names it)
+
+
 Step = str | Scripted | BaseException | Callable[[ModelRequest], "str | Scripted"]
 
 

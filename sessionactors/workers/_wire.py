@@ -238,7 +238,8 @@ def _error_classes() -> dict[str, type[SessionActorsError]]:
     todo: list[type[SessionActorsError]] = [SessionActorsError]
     while todo:
         cls = todo.pop()
-        found.setdefault(cls.__name__, cls)
+        if not cls.__name__.startswith("_"):  # (a private base is no error told)
+            found.setdefault(cls.__name__, cls)
         todo.extend(cls.__subclasses__())
     return found
 
