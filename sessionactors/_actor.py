@@ -49,6 +49,7 @@ from ._errors import (
     cut_off_error,
     is_public,
     key_reused_error,
+    naming_turn,
     reply_removed_error,
     shown,
     stopped_error,
@@ -1634,7 +1635,7 @@ class Actor:
             self.load_error = error
             self._ready.set()
         if self.turn_mail is not None:
-            self.turn_mail.pending.set_error(error)
+            self.turn_mail.pending.set_error(naming_turn(error, self.turn_mail.turn_id))
             if crash is not None:
                 event = self.lost_event(self.turn_id, crash)
                 if event is not None:
