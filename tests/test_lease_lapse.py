@@ -6,6 +6,7 @@ processes would."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
@@ -36,6 +37,51 @@ def lease_lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
         and r.levelno == level
         and ("lease" in r.getMessage() or "renew" in r.getMessage())
     ]
+
+
+async def test_many_leases_that_lapse_together_are_one_warning_and_the_cut_turn_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Twelve live sessions whose renewals fail until their leases lapse are stopped in
+    one round, told in one WARNING with their count and the first ten names (each
+    session at DEBUG), the renewals that failed before in one WARNING a round; the
+    caller of the turn that the lapse cut gets FencedOutError naming that turn."""
+    caplog.set_level(logging.DEBUG, logger="sessionactors")
+    faulty = FaultyStore(sa.SQLiteStore(tmp_path / "shared.db"))
+    names = [f"s{i:02}" for i in range(12)]
+    async with sa.open_registry(
+        store=faulty, agents=agents(trio.Event()), leases=True, worker_id="a", lease_ttl=TTL
+    ) as a:
+        with trio.fail_after(30):
+            for name in names[1:]:
+                await (await a.spawn(name, agent="echo")).send("hello")
+            held = await a.spawn(names[0], agent="held")
+            async with held.subscribe() as events:
+                turn = await held.submit("wait for it")
+                async for event in events:
+                    if isinstance(event, sa.Delta):
+                        break
+            await trio.sleep(TTL)  # a round renews them all at once
+            caplog.clear()
+            faulty.fail("renew", times=None)
+            with pytest.raises(sa.FencedOutError) as caught:
+                await turn.reply()
+            while a.live():
+                await trio.sleep(TTL / 3)
+            faulty.fail("renew", times=0)
+    assert caught.value.turn_id == turn.id
+    assert caught.value.session_id == names[0]
+    [lapsed] = [line for line in lease_lines(caplog, logging.WARNING) if "lapsed" in line]
+    assert "12 sessions" in lapsed, lapsed
+    assert all(f"'{name}'" in lapsed for name in names[:10]), lapsed
+    assert all(f"'{name}'" not in lapsed for name in names[10:]), lapsed
+    assert "2 more" in lapsed, lapsed
+    unrenewed = [line for line in lease_lines(caplog, logging.WARNING) if "could not renew" in line]
+    assert unrenewed, caplog.text
+    assert all("12 sessions" in line for line in unrenewed), unrenewed
+    debug = [line for line in lease_lines(caplog, logging.DEBUG) if "lapsed" in line]
+    assert sorted(debug) == sorted(d for d in debug if any(f"'{n}'" in d for n in names))
+    assert len(debug) == 12, debug
 
 
 async def test_a_turn_cut_by_a_lease_another_worker_took_names_it(tmp_path: Path) -> None:
