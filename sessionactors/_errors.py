@@ -554,7 +554,10 @@ class ModelError(SessionActorsError, RuntimeError):
     address, key or provider's answer). By default it is not: the turn's ``TurnFailed``
     has ``error_public=False`` and the HTTP gateway tells its clients that the turn
     failed with a ``ModelError`` (the message goes to the server's log), while Python
-    callers and subscribers read it whole either way.
+    callers and subscribers read it whole either way. The message is stored too, with
+    the failed turn's outcome (its ``TurnFailed`` event in the journal, and
+    ``ref.turn_outcome``'s ``error``), as any exception that fails a turn is: an adapter
+    whose provider's errors may quote a key raises this with words of its own.
     """
 
     public: bool = False
