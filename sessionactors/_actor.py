@@ -49,6 +49,7 @@ from ._errors import (
     cut_off_error,
     is_public,
     key_reused_error,
+    naming_turn,
     reply_removed_error,
     shown,
     stopped_error,
@@ -236,6 +237,7 @@ class Counters:
         "turns_cancelled",
         "turns_completed",
         "turns_failed",
+        "unclean_wakes",
         "woken",
     )
 
@@ -243,7 +245,7 @@ class Counters:
         self.spawned = self.woken = self.hibernated = self.idle_hibernations = 0
         self.crashes = self.restarts = self.failed = self.leases_lost = 0
         self.turns_completed = self.turns_failed = self.turns_cancelled = 0
-        self.requests_refused = 0
+        self.requests_refused = self.unclean_wakes = 0
 
 
 class Host(Protocol):
@@ -321,6 +323,7 @@ class Actor:
         "receive",
         "renewed",
         "replays",
+        "restarted",
         "room_waits",
         "run_scope",
         "send",
@@ -401,9 +404,18 @@ class Actor:
         self.after_crash: tuple[Outcome | None, list[TurnFailed]] | None = None
         # turns answered by the stored reply of a completed key: id -> the completed turn's
         self.replays: dict[str, str] | None = None
+        #: Set by the supervisor on an incarnation that follows one that had loaded the
+        #: session in this process and crashed: what its wake finds left unstored is
+        #: that crash's (logged as the crash), not an unclean stop of another process.
+        self.restarted = False
 
     def __repr__(self) -> str:
         return f"<Actor {self.session_id!r} {self.phase.value}>"
+
+    @property
+    def loaded(self) -> bool:
+        """Whether this incarnation has its state (read from the store, or given)."""
+        return self._ready is None
 
     # ---- what others ask of it (each a documented transition) ----------------------
 
@@ -763,6 +775,9 @@ class Actor:
                 hub.jump(wake_seq(durable_seq, clean=False), clean=False)
                 journal.status_due = True
         host.stats.woken += 1
+        if not clean and not self.restarted:
+            host.stats.unclean_wakes += 1
+            _log_unclean_wake(session, durable_seq, host.config.durability)
 
     async def run(self) -> None:
         """Serve the mailbox until hibernated, stopped, or closed.
@@ -1649,7 +1664,7 @@ class Actor:
             self.load_error = error
             self._ready.set()
         if self.turn_mail is not None:
-            self.turn_mail.pending.set_error(error)
+            self.turn_mail.pending.set_error(naming_turn(error, self.turn_mail.turn_id))
             if crash is not None:
                 event = self.lost_event(self.turn_id, crash)
                 if event is not None:
@@ -1917,7 +1932,39 @@ class Actor:
 FAILED_KEPT: Final = "; what it streamed is kept, marked interrupted"
 FAILED_TAIL: Final = "; the session is fine, send the next message when the cause is fixed"
 
+
 #: How the reason of a ``TurnFailed`` of a turn lost to a crash begins (``lost_event``).
+def _log_unclean_wake(session: LiveSession, durable_seq: int, durability: str) -> None:
+    """Say that ``session`` woke after an unclean stop: the process that ran it last
+    stopped without storing it, and whatever it had not stored is gone. Which turns
+    those were, no store knows (nothing of a turn is stored before its outcome), so the
+    line names the session and what the store holds last, never a turn's words."""
+    last = session.last_turn()
+    stored = f"the last turn stored is {last.turn_id!r} ({last.status.value}), and " if last else ""
+    answered = (
+        " (with durability='hibernate', the turns it answered since its last snapshot too)"
+        if durability != "turn"
+        else ""
+    )
+    open_turn = session.open_turn
+    resumes = ""
+    if open_turn is not None:
+        then = "waits on its review" if session.reviews else "resumes"
+        resumes = f"; turn {open_turn.turn_id!r}, stored before its tool calls, {then}"
+    log.warning(
+        "session %r woke after an unclean stop (the process that ran it was killed or "
+        "crashed, or lost its lease, before storing it): the turns it had accepted there "
+        "that the store holds nothing of, if any (the one under way, those queued), are "
+        "lost%s: their callers got no reply, and ref.turn_outcome(turn_id) reads lost for "
+        "them (send them again); %sthe events after seq %d, the last stored, are gone%s",
+        session.session_id,
+        answered,
+        stored,
+        durable_seq,
+        resumes,
+    )
+
+
 LOST_PREFIX: Final = "the session crashed and restarted without this turn ("
 
 

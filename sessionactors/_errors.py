@@ -458,16 +458,41 @@ class FencedOutError(StoreError):
     session over, and for what the store cannot tell apart (a lease that is gone: it was
     released, expired, taken over and released, or lost). The session stops on this
     worker; a request sent again wakes it from what the store holds.
+
+    ``turn_id`` names the turn that the stop cut off, for its caller (the turn had
+    started, and its outcome was not stored: ask ``ref.turn_outcome(turn_id)`` what
+    became of it before sending it again); it is empty for other requests.
     """
 
-    #: (a class default too: an error rebuilt from another worker's account has it)
+    #: (class defaults too: an error rebuilt from another worker's account has them)
     lost_data: bool = False
+    turn_id: str = ""
 
     def __init__(
-        self, message: str, *, session_id: str | None = None, lost_data: bool = False
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        lost_data: bool = False,
+        turn_id: str = "",
     ) -> None:
         super().__init__(message, session_id=session_id)
         self.lost_data = lost_data
+        self.turn_id = turn_id
+
+
+def naming_turn(error: SessionActorsError, turn_id: str) -> SessionActorsError:
+    """``error`` as the caller of turn ``turn_id`` gets it: a ``FencedOutError`` that
+    names no turn is told again naming that one (the same message, advice and cause);
+    any other error as it is."""
+    if not isinstance(error, FencedOutError) or error.turn_id or not turn_id:
+        return error
+    named = FencedOutError(
+        str(error), session_id=error.session_id, lost_data=error.lost_data, turn_id=turn_id
+    )
+    named._told = error._told
+    named.__cause__ = error.__cause__
+    return named
 
 
 class StoreConfigurationError(StoreError):
@@ -528,7 +553,10 @@ class ModelError(SessionActorsError, RuntimeError):
     address, key or provider's answer). By default it is not: the turn's ``TurnFailed``
     has ``error_public=False`` and the HTTP gateway tells its clients that the turn
     failed with a ``ModelError`` (the message goes to the server's log), while Python
-    callers and subscribers read it whole either way.
+    callers and subscribers read it whole either way. The message is stored too, with
+    the failed turn's outcome (its ``TurnFailed`` event in the journal, and
+    ``ref.turn_outcome``'s ``error``), as any exception that fails a turn is: an adapter
+    whose provider's errors may quote a key raises this with words of its own.
     """
 
     public: bool = False

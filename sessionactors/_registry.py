@@ -72,6 +72,12 @@ class RegistryStatistics:
     leases_lost: int
     #: requests refused because their session's mailbox was full (``MailboxFullError``)
     requests_refused: int = 0
+    #: sessions woken after an unclean stop: the process that ran them last (another
+    #: process, or this one before a lease it lost) stopped without storing them
+    #: (``kill -9``, a crash, a lapsed lease), so the turns it had accepted and not
+    #: stored are lost; each is logged at WARNING as it wakes (a restart after a crash
+    #: in this process is counted in ``restarts`` instead)
+    unclean_wakes: int = 0
 
 
 class Registry(metaclass=NoPublicConstructor):
@@ -385,6 +391,7 @@ class Registry(metaclass=NoPublicConstructor):
             turns_cancelled=s.turns_cancelled,
             leases_lost=s.leases_lost,
             requests_refused=s.requests_refused,
+            unclean_wakes=s.unclean_wakes,
         )
 
     def _agent_key(self, agent: str | None, name: str) -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, Final
 
 import trio
 
@@ -50,6 +50,9 @@ from .stores._base import LeaseBatchStore, Store
 __all__ = ["GENERATION_PEAK", "Sessions", "exists_error"]
 
 log = logging.getLogger("sessionactors")
+
+#: How many sessions a line about many of them names (the others are counted).
+_NAMED: Final = 10
 
 #: A table whose live count has fallen to an eighth of a peak at least this
 #: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
@@ -567,31 +570,63 @@ class Sessions:
                     log.warning("%s; tried again each round until the leases lapse", exc)
                     unanswered = set(held)  # try again next round, until they lapse
             else:
+                failure: StoreError | None = None
                 for name, lease in held.items():
                     try:
                         if not await self.store.renew(name, lease, ttl):
                             lost.add(name)
                     except StoreError as exc:
-                        log.warning("could not renew the lease of session %r: %s", name, exc)
+                        log.debug("could not renew the lease of session %r: %s", name, exc)
                         unanswered.add(name)
+                        failure = failure or exc
+                if failure is not None:  # one line a round, however many failed
+                    log.warning(
+                        "could not renew the leases of %s (%s): %s; tried again each round "
+                        "until the leases lapse",
+                        _sessions(len(unanswered)),
+                        _first_names(unanswered),
+                        failure,
+                    )
+            taken: list[str] = []
+            lapsed: list[str] = []
             for name, lease in held.items():
                 actor = self.live.get(name)
                 if actor is None or actor.lease is not lease:
                     continue  # gone, or woken again with a lease of its own
                 if name in lost:
                     self._lease_lost(actor)
+                    taken.append(name)
                 elif name not in unanswered:
                     actor.renewed = sent
                 elif sent - actor.renewed > ttl:
                     self._lease_lost(actor, lapsed=True)
+                    lapsed.append(name)
+            # one line a round for each kind, however many sessions stopped
+            if taken:
+                log.warning(
+                    "leases lost for %s (%s): the store no longer shows this worker's "
+                    "leases of them (another worker took them over, or the store lost or "
+                    "rolled back data); stopped here",
+                    _sessions(len(taken)),
+                    _first_names(taken),
+                )
+            if lapsed:
+                log.warning(
+                    "leases lapsed unrenewed for %s (%s): the store did not answer for "
+                    "lease_ttl (%g s), so another worker may run them now; stopped here",
+                    _sessions(len(lapsed)),
+                    _first_names(lapsed),
+                    ttl,
+                )
 
     def _lease_lost(self, actor: Actor, *, lapsed: bool = False) -> None:
         """Stop a session whose lease another worker took (or, ``lapsed``, may have
         taken: the store did not answer its renewals): its turn, model and tool calls
-        included, are cancelled at once."""
+        included, are cancelled at once. (Logged here at DEBUG; the renewal round logs
+        the sessions it stopped in one line.)"""
         sid = actor.session_id
         if lapsed:
-            log.warning("session %r: its lease lapsed unrenewed; stopped here", sid)
+            log.debug("session %r: its lease lapsed unrenewed; stopped here", sid)
             why = (
                 f"session {sid!r} lost its lease: the store did not answer its renewals "
                 f"for lease_ttl ({self.config.lease_ttl:g} s), so another worker may run "
@@ -599,7 +634,7 @@ class Sessions:
                 "store answers"
             )
         else:
-            log.warning(
+            log.debug(
                 "session %r stopped here: the store no longer shows this worker's lease of "
                 "it (another worker took it over, or the store lost or rolled back data)",
                 sid,
@@ -722,3 +757,15 @@ def exists_error(name: str) -> SessionExistsError:
         f"session {name!r} already exists; use registry.ref({name!r}) to talk to it",
         session_id=name,
     )
+
+
+def _sessions(count: int) -> str:
+    return "1 session" if count == 1 else f"{count} sessions"
+
+
+def _first_names(names: Collection[str]) -> str:
+    """The first ``_NAMED`` of ``names`` in order, and how many more there are."""
+    ordered = sorted(names)
+    named = ", ".join(repr(name) for name in ordered[:_NAMED])
+    more = len(ordered) - _NAMED
+    return f"{named} and {more} more" if more > 0 else named

@@ -146,6 +146,8 @@ async def session_task(host: Host, actor: Actor) -> None:
             host.stats.restarts += 1
             fresh = Actor(host, actor.session_id, None)
             fresh.hub = actor.hub
+            # (one that crashed before it had read the store leaves the wake's news to it)
+            fresh.restarted = actor.restarted or actor.loaded
             if due is not None or lost:
                 fresh.after_crash = (due, lost)
             if config.durability != "turn":  # what was answered, not the request cut short

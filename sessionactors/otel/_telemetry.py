@@ -79,6 +79,13 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
         "sessions whose actor started from the store since the registries opened (a "
         "hibernated one woken, a spawned one at its first request)",
     ),
+    "sessionactors.sessions.unclean_wakes": (
+        "observable counter",
+        "{session}",
+        "sessions woken after an unclean stop (the process that ran them was killed or "
+        "crashed, or lost their lease, before storing them: the turns it had accepted and "
+        "not stored are lost) since the registries opened",
+    ),
     "sessionactors.mailbox.refused": (
         "observable counter",
         "{request}",
@@ -184,6 +191,7 @@ class OpenTelemetry(Telemetry):
             ("sessionactors.sessions.live", "live"),
             ("sessionactors.sessions.hibernations", "hibernated"),
             ("sessionactors.sessions.wakes", "woken"),
+            ("sessionactors.sessions.unclean_wakes", "unclean_wakes"),
             ("sessionactors.mailbox.refused", "requests_refused"),
         ):
             kind, unit, description = METRICS[name]
@@ -220,7 +228,7 @@ class OpenTelemetry(Telemetry):
         stats = registry.statistics()
         with self._lock, contextlib.suppress(ValueError):
             self._registries.remove(registry)
-            for field in ("hibernated", "woken", "requests_refused"):
+            for field in ("hibernated", "woken", "unclean_wakes", "requests_refused"):
                 self._closed[field] = self._closed.get(field, 0) + getattr(stats, field)
 
     def turn(
