@@ -326,6 +326,7 @@ async def test_statistics_and_session_metrics_read_from_another_thread(otel: Ote
             "sessionactors.sessions.live": here.live,
             "sessionactors.sessions.hibernations": here.hibernated,
             "sessionactors.sessions.wakes": here.woken,
+            "sessionactors.sessions.unclean_wakes": here.unclean_wakes,
         }
 
 
