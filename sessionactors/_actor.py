@@ -522,6 +522,12 @@ class Actor:
     def stopping(self) -> bool:
         return self.phase is Phase.STOPPING
 
+    @property
+    def running(self) -> bool:
+        """Whether a turn of the session is under way (not waiting on a review)."""
+        session = self.session if self._ready is None else None
+        return session is not None and session.status is Status.RUNNING
+
     # ---- out-of-band reads -------------------------------------------------
 
     async def ready(self) -> LiveSession:

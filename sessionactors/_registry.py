@@ -78,6 +78,9 @@ class RegistryStatistics:
     #: stored are lost; each is logged at WARNING as it wakes (a restart after a crash
     #: in this process is counted in ``restarts`` instead)
     unclean_wakes: int = 0
+    #: live sessions whose turn is under way now (a turn waiting on a review is not):
+    #: a count that stays up while ``turns_*`` do not move shows turns that hang
+    turns_running: int = 0
 
 
 class Registry(metaclass=NoPublicConstructor):
@@ -370,6 +373,7 @@ class Registry(metaclass=NoPublicConstructor):
         s = sessions.stats
         router = self._dispatcher.router
         marked = list(sessions.failed)  # (one step: the registry's thread may change it)
+        actors = list(sessions.live.values())  # (the same)
         try:
             failed_sessions = sum(1 for name in marked if sessions.is_failed(name))
         except RuntimeError:  # not in the registry's trio thread: no clock to lapse marks by
@@ -392,6 +396,7 @@ class Registry(metaclass=NoPublicConstructor):
             leases_lost=s.leases_lost,
             requests_refused=s.requests_refused,
             unclean_wakes=s.unclean_wakes,
+            turns_running=sum(1 for actor in actors if actor.running),
         )
 
     def _agent_key(self, agent: str | None, name: str) -> str:

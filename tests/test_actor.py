@@ -11,7 +11,7 @@ import trio.testing
 
 import sessionactors as sa
 from sessionactors.stores import MemoryStore
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Gate, Scripted, ScriptedModel
 
 
 def pairs(history: Sequence[sa.Message]) -> list[tuple[str, str]]:
@@ -661,3 +661,27 @@ async def test_sharing_an_abandoned_keyed_submit_does_not_wait_forever(
 
     assert reply.turn_id == retried.turn_id
     assert pairs(history) == [("held", "held"), ("filler", "filler"), ("pay", "pay")]
+
+
+async def test_statistics_count_the_turns_running_now() -> None:
+    """``turns_running`` counts the sessions whose turn is under way now, on this
+    registry: what an operator watches to find turns that hang (the ``turns`` counters
+    move only when turns end)."""
+    gate = Gate()
+    model = ScriptedModel(
+        [Scripted(text="slow", wait=gate), Scripted(text="slow", wait=gate), "quick"]
+    )
+    async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+        refs = [await registry.spawn(f"s{i}") for i in range(3)]
+        assert registry.statistics().turns_running == 0
+        held = [await refs[0].submit("one"), await refs[1].submit("two")]
+        while gate.waiting < 2:
+            await trio.sleep(0.01)
+        assert registry.statistics().turns_running == 2
+        await refs[2].send("three")  # (done: counted no longer)
+        assert registry.statistics().turns_running == 2
+        gate.open()
+        for turn in held:
+            await turn.reply()
+        stats = registry.statistics()
+        assert (stats.turns_running, stats.turns_completed) == (0, 3)

@@ -228,6 +228,7 @@ async def test_metrics_count_turns_tokens_sessions_store_writes_and_lagging_subs
                 first = await ref.submit("hello")
                 queued = [await ref.submit("again"), await ref.submit("fails")]
                 await trio.testing.wait_all_tasks_blocked()
+                assert otel.points("sessionactors.turns.running")[0].value == 1  # held
                 gate.set()
                 await first.reply()
                 await queued[0].reply()
@@ -238,6 +239,7 @@ async def test_metrics_count_turns_tokens_sessions_store_writes_and_lagging_subs
                         pass
             await other.state()  # live, no turn
             assert otel.points("sessionactors.sessions.live")[0].value == 2
+            assert otel.points("sessionactors.turns.running")[0].value == 0
             await ref.hibernate()
 
         turns = otel.by("sessionactors.turns", "sessionactors.turn.outcome")

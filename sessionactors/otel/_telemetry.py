@@ -68,6 +68,11 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
         "{session}",
         "sessions whose actors run now, over the instrumented registries",
     ),
+    "sessionactors.turns.running": (
+        "observable up-down counter",
+        "{turn}",
+        "turns under way now (not waiting on a review), over the instrumented registries",
+    ),
     "sessionactors.sessions.hibernations": (
         "observable counter",
         "{session}",
@@ -189,6 +194,7 @@ class OpenTelemetry(Telemetry):
         self.store_writes = histogram("sessionactors.store.write.duration", _STORE_SECONDS)
         for name, field in (
             ("sessionactors.sessions.live", "live"),
+            ("sessionactors.turns.running", "turns_running"),
             ("sessionactors.sessions.hibernations", "hibernated"),
             ("sessionactors.sessions.wakes", "woken"),
             ("sessionactors.sessions.unclean_wakes", "unclean_wakes"),
