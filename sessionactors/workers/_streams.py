@@ -128,6 +128,26 @@ _ORPHANED_AFTER: Final = 2
 #: jump: the worker that ran the session died, and another woke it (see ``Hub.jump``).
 _JUMP: Final = SEQ_GAP // 2
 
+# Why a mirror's subscribers were cut off, as their SubscriberLaggedError says it: the
+# session's events were interrupted on their way through the store, not read too slowly.
+#: The owner's lag marker: its events did not all reach the stream.
+_DROPPED: Final = (
+    "the worker that runs it could not pass them all on through the store (the store "
+    "failed or did not answer, or did not take them as fast as they came)"
+)
+#: The stream skips seqs after the mirror's position, and no longer holds them.
+_SKIPPED: Final = (
+    "the store's event stream of the session no longer holds the events after it (they "
+    "were trimmed before this worker read them, or the store lost them)"
+)
+#: The stream lacked events the journal no longer holds either.
+_NOT_KEPT: Final = (
+    "the store's event stream of the session lacked some of the events after it, and its "
+    "journal no longer holds them"
+)
+#: A stored event (in the stream or the journal) could not be read.
+_UNREADABLE: Final = "the store holds one of the events after it in a form that cannot be read"
+
 
 class _OpenTurn:
     """A mirrored session's turn under way: its id, the worker seen holding the
@@ -550,12 +570,12 @@ class Streams:
         if self._mirrors.get(name) is not hub or self._positions.get(name, 0) != position:
             return  # (fed meanwhile: the stream goes on)
         if trimmed > position:
-            hub.lose()  # they subscribe again with after=, which reads what is kept
+            hub.lose(_NOT_KEPT)  # they subscribe again with after=, which reads what is kept
             return
         try:
             events = [e for entry in entries for e in load_journal_entry(entry.data, name)]
         except SnapshotCorruptError:
-            hub.lose()  # the session's own trouble: its subscribers hear it when they resume
+            hub.lose(_UNREADABLE)  # the session's own: its subscribers hear it as they resume
             return
         self._feed(
             name,
@@ -1166,7 +1186,7 @@ class Streams:
             return  # the new owner jumped over them: a followed subscription missed nothing
         hub = self._mirrors.get(name)
         if hub is not None:
-            hub.lose()  # they subscribe again with after=, which reads the journal
+            hub.lose(_SKIPPED)  # they subscribe again with after=, which reads the journal
 
     async def _never_durable(self, name: str, position: int, first: int) -> bool:
         """Whether the journal holds no event with a seq between ``position`` and ``first``."""
@@ -1201,12 +1221,12 @@ class Streams:
                 return
             hub.advance(seq)
             if kind == "lost":
-                hub.lose()
+                hub.lose(_DROPPED)
                 continue
             try:
                 event = load_event(payload, session_id=name)
             except SnapshotError:
-                hub.lose()
+                hub.lose(_UNREADABLE)
                 continue
             hub.publish(event)
             if event.__class__ in _AT_REST:
