@@ -312,6 +312,9 @@ class Streams:
         #: Sessions whose stream the store found damaged (a key of another type): the
         #: events queued for it are dropped, unless it is watched again since.
         self._damaged: set[str] = set()
+        #: Mirrored sessions whose owner is to be asked again to publish their events
+        #: (see ``_watch_again``): asking failed.
+        self._rewatch: set[str] = set()
 
     @property
     def subscriber_count(self) -> int:
@@ -366,12 +369,15 @@ class Streams:
         names = list(self._mirrors)
         while True:
             try:
-                await self.transport.watch(names, self.ttl)
+                lapsed = await self.transport.watch(names, self.ttl)
                 break
             except SnapshotError as exc:
                 if exc.session_id not in names or not self.damaged(exc):
                     raise
                 names.remove(exc.session_id)
+        for name in lapsed | self._rewatch:
+            self._rewatch.discard(name)
+            self._spawn(partial(self._watch_again, name), "watch again")
         if self._open_turns:
             await self._check_open_turns()
         if self._watched:
@@ -380,6 +386,32 @@ class Streams:
             for name in names:
                 if name not in still:
                     self._watched.pop(name, None)
+
+    async def _watch_again(self, name: str) -> None:
+        """The watch of the session the mirror of ``name`` follows had lapsed (the store
+        did not answer for three lease lifetimes) and is set again: a worker that
+        claimed the session meanwhile found it unwatched, and publishes none of its
+        events, so the mirror would wait in silence. Its owner, if it runs somewhere, is
+        asked to publish them from the mirror's position on, as for a subscription that
+        follows its session (see ``_follow``): what its hub no longer holds shows as a
+        gap, and the mirror's subscribers are told that their events were interrupted.
+        On failure it is asked again at the next renewal."""
+        if name not in self._mirrors or self.host.is_live(name):
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            owner = await self.transport.lease_owner(name)
+            if owner is None or owner == self.worker:
+                return  # it runs nowhere: the claim that wakes it finds the watch
+            position = self._positions.get(name, 0)
+            request = {"op": "watch", "s": name, "after": position}
+            answer = await self._forward(name, request, retry_safe=True)
+            if answer is not None:
+                self._check(answer, name)
+        except Exception as exc:
+            fatal(exc)
+            if name in self._mirrors:
+                self._rewatch.add(name)
 
     async def _check_open_turns(self) -> None:
         """Look at the lease of every mirrored session with a turn under way, in one
