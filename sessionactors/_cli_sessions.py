@@ -62,7 +62,16 @@ from ._names import (
 )
 from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_events, read_session
-from ._records import SessionInfo, SessionState, Status, new_id, utcnow
+from ._records import (
+    Role,
+    SessionInfo,
+    SessionState,
+    Status,
+    TurnRecord,
+    TurnStatus,
+    new_id,
+    utcnow,
+)
 from ._registry import Registry, create_session, open_registry
 from ._router import RoutingStore
 from ._session import LiveSession
@@ -489,11 +498,28 @@ def _print_state(state: SessionState, out: TextIO) -> None:
         call = review.tool_call
         line(f"  {review.id}: {call.name}({call.arguments})  since {review.created_at.isoformat()}")
     line(f"messages: {len(state.messages)}")
+    ended = {turn.message_id: turn for turn in state.turns}  # (by its user message: the last)
+    asked = ""  # the id of the last user message so far
     for message in state.messages:
-        flags = " (interrupted)" if message.interrupted else ""
+        if message.role is Role.USER:
+            asked = message.id
+        flags = f" ({_interrupted(ended.get(asked))})" if message.interrupted else ""
         line(f"  [{message.role.value}] {message.content}{flags}")
         for call in message.tool_calls:
             line(f"      calls {call.name}({call.arguments}) as {call.id}")
+
+
+def _interrupted(turn: TurnRecord | None) -> str:
+    """How an interrupted reply is marked: with how its turn ended (``turn``, the record
+    of the turn that answered the user message before it, if kept) and, for a failure,
+    the kind of its error ("ModelError"), not the error's words: they may hold what the
+    model's provider answered, keys included (``show --events`` prints them whole)."""
+    if turn is None or turn.status not in (TurnStatus.FAILED, TurnStatus.CANCELLED):
+        return "interrupted"
+    if turn.status is TurnStatus.CANCELLED:
+        return f"interrupted: turn {turn.turn_id} was cancelled"
+    kind = (turn.error or "").partition(":")[0]  # (stored as "Kind: its message")
+    return f"interrupted: turn {turn.turn_id} failed" + (f": {kind}" if kind.isidentifier() else "")
 
 
 async def _export(store: Store, args: argparse.Namespace) -> int:

@@ -368,7 +368,10 @@ class MailboxFullError(SessionActorsError):
 
 
 class SubscriberLaggedError(SessionActorsError):
-    """A subscriber fell behind its bounded buffer and was ended.
+    """A subscriber fell behind its bounded buffer and was ended; or the events it
+    followed were interrupted before they reached it (a session that runs on another
+    worker, whose events the store's event stream did not carry whole), which its
+    message says.
 
     ``last_seq`` is the seq of the last event it received: subscribe again with
     ``after=last_seq`` to resume without a gap.

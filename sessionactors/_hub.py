@@ -104,14 +104,18 @@ _size: Final = event_size
 class Subscriber:
     """One subscription's buffer: the hub writes with send_nowait, the reader reads."""
 
-    __slots__ = ("after", "error", "lagged", "left", "receive", "send")
+    __slots__ = ("after", "error", "interrupted", "lagged", "left", "receive", "send")
 
     def __init__(self, buffer: int, after: int | None = None) -> None:
         self.send, self.receive = trio.open_memory_channel[Event](buffer)
         #: The seq the subscription resumes after (None: live from now), for ``jump``.
         self.after = after
-        #: Ended because it fell behind: events were lost.
+        #: Ended because events were lost: it fell behind, or (``interrupted``) they
+        #: were lost before they reached the hub.
         self.lagged = False
+        #: Why the events were lost before they reached the hub (``Hub.lose``), as its
+        #: error says it; None if it fell behind.
+        self.interrupted: str | None = None
         #: Ended because the session left this process (see ``Hub.leave``): nothing lost.
         self.left = False
         #: Ended with this error, raised to the reader (see ``Hub.close``).
@@ -285,10 +289,26 @@ class Hub:
             ring_bytes -= _size(ring.popleft())
         self._ring_bytes = ring_bytes
 
-    def lose(self) -> None:
-        """Events were lost upstream: end every subscription as lagged, forget the ring."""
-        for sub in tuple(self._subs):
-            self._evict(sub)
+    def lose(self, why: str) -> None:
+        """Events were lost upstream, before they reached the hub (``why`` says how, as
+        the subscribers' error tells it): end every subscription with
+        SubscriberLaggedError saying that its events were interrupted (it did not fall
+        behind, and is not counted as lagged), and forget the ring."""
+        subs = tuple(self._subs)
+        if subs:
+            log.warning(
+                "the events of session %r were interrupted: %s; %d subscriber%s here "
+                "cut off (each resumes after the last event it had)",
+                self.session_id,
+                why,
+                len(subs),
+                "" if len(subs) == 1 else "s",
+            )
+        for sub in subs:
+            sub.lagged = True
+            sub.interrupted = why
+            sub.send.close()
+            self._subs.discard(sub)
         self._ring = None
         self._ring_bytes = 0
 
@@ -410,7 +430,21 @@ def skipped_error(
     )
 
 
-def lagged_error(session_id: str, last_seq: int) -> SubscriberLaggedError:
+def lagged_error(
+    session_id: str, last_seq: int, interrupted: str | None = None
+) -> SubscriberLaggedError:
+    """The error of a subscription ended after ``last_seq``: it fell behind, or the events
+    were ``interrupted`` before they reached its hub (see ``Hub.lose``), saying how."""
+    if interrupted is not None:
+        return advised(
+            SubscriberLaggedError,
+            f"the events of session {session_id!r} were interrupted after seq {last_seq}: "
+            f"{interrupted}; this subscriber did not fall behind: ",
+            Advice(kind=AdviceKind.RESUME_AFTER, seq=last_seq),
+            " to resume",
+            session_id=session_id,
+            last_seq=last_seq,
+        )
     return advised(
         SubscriberLaggedError,
         f"subscriber of session {session_id!r} fell behind and was ended after seq {last_seq}; ",

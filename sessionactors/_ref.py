@@ -519,7 +519,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         session is deleted, iterating raises ``SessionNotFoundError`` after the last
         event, saying that the session was deleted (a session spawned again under its
         name is another one: subscribe to it anew). It raises
-        ``SubscriberLaggedError`` if the reader fell behind, and
+        ``SubscriberLaggedError`` if the reader fell behind (or, for a session that
+        runs on another worker, its events were interrupted on their way through the
+        store: its message says which), and
         the wake's error if a wake of the session fails while it is open (the
         name not stored, the store or the snapshot failing): subscribe again,
         with ``after=`` the last seq read, once the cause is fixed.

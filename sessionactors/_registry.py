@@ -299,13 +299,21 @@ class Registry(metaclass=NoPublicConstructor):
         Stores that list a page at a time (``PagedStore``: memory, SQLite, Redis)
         are read in pages, so a page costs the same however many sessions are
         stored; a filter reads pages until it has ``limit`` matches. A store with
-        only ``list_sessions`` is read whole on every call. Live sessions are
-        described as they are now (a running one as ``running``); the others as
+        only ``list_sessions`` is read whole on every call. Sessions live in this
+        registry are described as they are now (a running one as ``running``, one
+        that crashed past its restart intensity as ``failed``); the others as
         stored, by what they wait for: ``waiting`` while a review is pending (after
         a hibernation or a restart too: ``status="waiting"`` finds every session
         that waits for a person), ``running`` for a turn that a process left open
         when it died (the next request or subscription resumes it), else
-        ``hibernated`` (see ``Status``). A session whose
+        the status of their last durable write (``idle``, ``hibernated``: see
+        ``Status``). On a store that other processes run sessions of too (``leases``:
+        Redis, a SQLite file opened ``shared=True``) every session is described as
+        stored, those live here included, so that the listing reads the same on
+        every worker (behind a load balancer, whichever answers): a turn under way
+        shows once it ends (with ``durability="turn"``), as ``sessions list`` shows
+        it; ``ref.state()`` asks the worker that runs the session for its status
+        now. A session whose
         stored description cannot be read is listed with status ``FAILED`` and
         logged, so one bad record never fails the listing; one whose stored name
         is not UTF-8 (damage in the store's file) names no session a request can
@@ -321,7 +329,8 @@ class Registry(metaclass=NoPublicConstructor):
             metadata=metadata,
             limit=limit,
             after=after,
-            describe=self._describe,
+            # (where other workers run sessions too, as every one of them lists it)
+            describe=describe_stored if self.config.leases else self._describe,
         )
 
     def _describe(self, name: str, blob: bytes) -> SessionInfo:

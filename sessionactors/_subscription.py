@@ -181,7 +181,9 @@ class EventIterator:
                     if sub.error is not None:
                         raise sub.error from None
                     if sub.lagged or (sub.left and self.follow is None):
-                        raise lagged_error(self._session_id, self._cursor) from None
+                        raise lagged_error(
+                            self._session_id, self._cursor, sub.interrupted
+                        ) from None
                     if not sub.left or self._closed:
                         raise StopAsyncIteration from None
                     break

@@ -198,6 +198,51 @@ def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:
         assert "'nobody'" in refused("show", "nobody", "--store", store)
 
 
+async def test_show_says_how_the_turn_of_an_interrupted_reply_ended(tmp_path: Path) -> None:
+    """show marks a reply that its turn's failure or cancel cut off with the turn's id, its outcome and, for a failure, the error's kind (not its words, which may name secrets)."""
+    path = tmp_path / "s.db"
+    gate = trio.Event()
+    model = ScriptedModel(
+        [
+            Scripted(chunks=["half ", "a reply"], error=sa.ModelError("key sk-SECRET refused")),
+            Scripted(error=RuntimeError("boom")),
+            Scripted(chunks=["never", " finished"], wait=gate, wait_after=1),
+            "fine",
+        ]
+    )
+    async with sa.open_registry(
+        store=sa.SQLiteStore(path), agents={"scripted": sa.Agent(model=model)}
+    ) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("s")
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("first")
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("second")
+            async with ref.subscribe() as events:
+                turn = await ref.submit("third")
+                async for event in events:
+                    if isinstance(event, sa.Delta):
+                        break
+            await ref.cancel()
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+            assert (await ref.send("fourth")).text == "fine"
+            turns = (await ref.state()).turns
+    failed, failed_again, cancelled, _ = (t.turn_id for t in turns)
+    text = await trio.to_thread.run_sync(ok, "show", "s", "--store", f"sqlite:///{path}")
+    lines = [line.strip() for line in text.splitlines()]
+    assert f"[assistant] half a reply (interrupted: turn {failed} failed: ModelError)" in lines
+    assert (
+        f"[assistant] (no reply: this turn failed) (interrupted: turn {failed_again} failed: "
+        "RuntimeError)"
+    ) in lines
+    assert f"[assistant] never (interrupted: turn {cancelled} was cancelled)" in lines
+    assert "[assistant] fine" in lines
+    assert "SECRET" not in text
+    assert "boom" not in text
+
+
 # ---- export and import -------------------------------------------------------------
 
 

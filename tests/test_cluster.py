@@ -30,7 +30,7 @@ from coredis.tokens import PureToken
 import sessionactors as sa
 from sessionactors.http import create_app
 from sessionactors.stores import RedisStore, load_events
-from sessionactors.testing import EchoModel, journal_events
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, journal_events
 from stream_checks import check_stream, stream_problems
 from web.servers import serve_trio
 from worker_spares import open_worker_process, start_spares
@@ -797,6 +797,37 @@ async def test_a_joining_worker_takes_its_share_of_the_busy_shards(cluster: Clus
     """With balancing, a worker that joins gets about half of the shards of sessions that never idle, each session on one worker."""
     b_live = await rebalance_on_join(cluster, idle_timeout=None, balance=True)
     assert 4 <= len(b_live) <= 16  # 20 sessions: about 10 each
+
+
+async def test_every_worker_lists_a_session_alike_while_its_turn_runs(cluster: Cluster) -> None:
+    """The listing (registry.sessions, the gateway's GET /sessions) describes a session the same on every worker of one store, the one that runs it included, so that it reads the same whichever worker a load balancer asks: as stored, by its last durable write (a turn under way shows once it ends); ref.state() tells its live status on any worker."""
+    gate = trio.Event()
+    agents = {"scripted": sa.Agent(model=ScriptedModel(["one", Scripted(text="two", wait=gate)]))}
+
+    def worker(worker_id: str) -> Any:
+        store = RedisStore(cluster.url, prefix=cluster.prefix, balance=False)  # "s" stays on a
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=TTL)
+
+    with trio.fail_after(30):
+        async with worker("a") as a, worker("b") as b:
+            ref = await a.spawn("s", metadata={"tenant": "acme"})
+            assert (await ref.send("first")).text == "one"
+            async with ref.subscribe() as events:
+                turn = await ref.submit("second")
+                async for event in events:
+                    if isinstance(event, sa.TurnStarted):
+                        break
+            assert (a.live(), b.live()) == (["s"], [])
+            on_a, on_b = await a.sessions(), await b.sessions()
+            assert on_a == on_b
+            assert [(i.status, i.message_count) for i in on_a] == [(sa.Status.IDLE, 2)]
+            assert await a.sessions(status="running") == await b.sessions(status="running") == []
+            assert (await b.ref("s").state()).status is sa.Status.RUNNING
+            gate.set()
+            assert (await turn.reply()).text == "two"
+            on_a, on_b = await a.sessions(), await b.sessions()
+            assert on_a == on_b
+            assert [(i.status, i.message_count) for i in on_a] == [(sa.Status.IDLE, 4)]
 
 
 # -- shards shared fairly ------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -239,9 +240,12 @@ async def redis_full(admin: coredis.Redis[bytes], full: bool) -> None:
 
 @pytest.mark.parametrize("then", ["another turn", "nothing"])
 async def test_events_redis_refuses_for_lack_of_memory_show_as_lag_never_as_a_gap(
-    private_redis_server: Callable[..., AbstractContextManager[str]], then: str
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+    then: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Events that redis refuses to a session's stream for lack of memory (maxmemory, noeviction) end a subscriber on another worker with SubscriberLaggedError at the last event it saw once redis has room again, whether another turn follows or not: never a silent gap, never a wait without end."""
+    """Events that redis refuses to a session's stream for lack of memory (maxmemory, noeviction) end a subscriber on another worker with SubscriberLaggedError at the last event it saw once redis has room again, whether another turn follows or not: never a silent gap, never a wait without end. The error (and the log's line) says that the session's events were interrupted on their way through the store, not that the subscriber fell behind."""
+    caplog.set_level(logging.INFO, logger="sessionactors")
     prefix = f"sa-test:{uuid.uuid4().hex}"
     seqs: list[int] = []
     texts: list[str] = []
@@ -294,6 +298,11 @@ async def test_events_redis_refuses_for_lack_of_memory_show_as_lag_never_as_a_ga
             assert (a.live(), b.live()) == (["s"], [])
     assert stream_problems(seqs, error, "after" in texts) == []
     assert isinstance(error, sa.SubscriberLaggedError), (seqs, texts)
+    assert "events of session 's' were interrupted after seq" in str(error)
+    assert "fell behind" not in str(error)
+    said = [r.getMessage() for r in caplog.records if r.name == "sessionactors"]
+    assert [line for line in said if "events of session 's' were interrupted" in line]
+    assert not [line for line in said if "fell behind" in line]
 
 
 async def test_a_subscription_elsewhere_ends_when_its_deleted_sessions_end_was_refused(

@@ -242,6 +242,46 @@ async def test_a_forwarded_send_with_redis_frozen_ends_within_its_deadline(
     assert isinstance(got, sa.Reply | sa.StoreError | sa.WorkerUnreachableError), repr(got)
 
 
+async def test_a_subscriber_elsewhere_hears_a_session_woken_as_soon_as_redis_thaws(
+    private_redis_server: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """Redis frozen (SIGSTOP) past the lease while a subscriber on another worker follows the session, which a request wakes again on its worker as soon as redis answers, before the subscriber's worker renewed its watch (which lapsed with the freeze): the subscriber still gets the turns that follow (or SubscriberLaggedError), never a silence without end."""
+    options: dict[str, Any] = {"lease_ttl": TTL, "agents": AGENTS, "shutdown_grace": 1.0}
+    fixed: dict[str, Any] = {"timeout": TIMEOUT, "balance": False}  # "s" stays on a
+    with private_redis_server(config=AOF_ALWAYS) as url, trio.fail_after(NO_HANG):
+        pid = await pid_of(url)
+        async with (
+            sa.open_registry(store=RedisStore(url, **fixed), worker_id="a", **options) as a,
+            sa.open_registry(store=RedisStore(url, **fixed), worker_id="b", **options) as b,
+        ):
+            ref = await a.spawn("s")
+            await ref.send("hello")
+            async with b.ref("s").subscribe() as stream:
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await trio.sleep(3 * TTL)  # the lease lapses: the session stops on a
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                while True:  # a request wakes it again at once
+                    try:
+                        await ref.send("after")
+                        break
+                    except (sa.StoreError, sa.SessionCrashedError, sa.WorkerUnreachableError):
+                        await trio.sleep(0.05)
+                await ref.send("later")
+                heard: list[str] = []
+                with trio.move_on_after(10 * TTL):
+                    try:
+                        async for event in stream:
+                            if isinstance(event, sa.TurnFinished):
+                                heard.append(event.message.content)
+                                if heard[-1] == "later":
+                                    break
+                    except sa.SubscriberLaggedError:
+                        heard.append("lagged")
+    assert heard in (["after", "later"], ["lagged"]), heard
+
+
 #: After a worker's connections to redis go silent, its sends get replies again
 #: within this (a generous bound: the check is that it recovers at all).
 RECOVERED_WITHIN = 20 * TTL

@@ -241,10 +241,14 @@ return 1
 # A subscriber's worker renews the watch of a stored session and ends the stream of
 # one that is gone (deleted while its end could not be marked: its subscribers would
 # wait without end). KEYS: as _MARK_END, then the watch key; ARGV[3]: its ttl in ms.
+# Returns 0 (watched), 2 (watched, where the watch had lapsed or was not set: a claim
+# meanwhile found the session unwatched), or _MARK_END's 1 (gone).
 _WATCH: Final = (
     """
 if redis.call('EXISTS', KEYS[2]) == 1 then
+  local lapsed = redis.call('EXISTS', KEYS[3]) == 0
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+  if lapsed then return 2 end
   return 0
 end
 """
@@ -513,10 +517,10 @@ class RedisTransport:
     def shard(self, session_id: str) -> int:
         return self._store._shard(session_id)
 
-    async def watch(self, names: Sequence[str], ttl: float) -> None:
+    async def watch(self, names: Sequence[str], ttl: float) -> set[str]:
         args = [_ms(_END_TTL), str(MAX_SEQ), _ms(3 * ttl)]
 
-        async def run(client: Client) -> None:
+        async def run(client: Client) -> list[Any]:
             async with cast(Any, client).pipeline(transaction=False) as pipe:
                 replies: list[Any] = [
                     self._watch(
@@ -526,11 +530,12 @@ class RedisTransport:
                     )
                     for name in names
                 ]
-            for reply in replies:
-                await reply
+            return [await reply for reply in replies]
 
-        if names:
-            await self._store._run("watch the events of", None, run, streams=names)
+        if not names:
+            return set()
+        found = await self._store._run("watch the events of", None, run, streams=names)
+        return {name for name, reply in zip(names, found, strict=True) if reply == 2}
 
     async def watched(self, names: Sequence[str]) -> set[str]:
         async def run(client: Client) -> list[Any]:

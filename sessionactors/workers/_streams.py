@@ -128,6 +128,26 @@ _ORPHANED_AFTER: Final = 2
 #: jump: the worker that ran the session died, and another woke it (see ``Hub.jump``).
 _JUMP: Final = SEQ_GAP // 2
 
+# Why a mirror's subscribers were cut off, as their SubscriberLaggedError says it: the
+# session's events were interrupted on their way through the store, not read too slowly.
+#: The owner's lag marker: its events did not all reach the stream.
+_DROPPED: Final = (
+    "the worker that runs it could not pass them all on through the store (the store "
+    "failed or did not answer, or did not take them as fast as they came)"
+)
+#: The stream skips seqs after the mirror's position, and no longer holds them.
+_SKIPPED: Final = (
+    "the store's event stream of the session no longer holds the events after it (they "
+    "were trimmed before this worker read them, or the store lost them)"
+)
+#: The stream lacked events the journal no longer holds either.
+_NOT_KEPT: Final = (
+    "the store's event stream of the session lacked some of the events after it, and its "
+    "journal no longer holds them"
+)
+#: A stored event (in the stream or the journal) could not be read.
+_UNREADABLE: Final = "the store holds one of the events after it in a form that cannot be read"
+
 
 class _OpenTurn:
     """A mirrored session's turn under way: its id, the worker seen holding the
@@ -292,6 +312,9 @@ class Streams:
         #: Sessions whose stream the store found damaged (a key of another type): the
         #: events queued for it are dropped, unless it is watched again since.
         self._damaged: set[str] = set()
+        #: Mirrored sessions whose owner is to be asked again to publish their events
+        #: (see ``_watch_again``): asking failed.
+        self._rewatch: set[str] = set()
 
     @property
     def subscriber_count(self) -> int:
@@ -346,12 +369,15 @@ class Streams:
         names = list(self._mirrors)
         while True:
             try:
-                await self.transport.watch(names, self.ttl)
+                lapsed = await self.transport.watch(names, self.ttl)
                 break
             except SnapshotError as exc:
                 if exc.session_id not in names or not self.damaged(exc):
                     raise
                 names.remove(exc.session_id)
+        for name in lapsed | self._rewatch:
+            self._rewatch.discard(name)
+            self._spawn(partial(self._watch_again, name), "watch again")
         if self._open_turns:
             await self._check_open_turns()
         if self._watched:
@@ -360,6 +386,32 @@ class Streams:
             for name in names:
                 if name not in still:
                     self._watched.pop(name, None)
+
+    async def _watch_again(self, name: str) -> None:
+        """The watch of the session the mirror of ``name`` follows had lapsed (the store
+        did not answer for three lease lifetimes) and is set again: a worker that
+        claimed the session meanwhile found it unwatched, and publishes none of its
+        events, so the mirror would wait in silence. Its owner, if it runs somewhere, is
+        asked to publish them from the mirror's position on, as for a subscription that
+        follows its session (see ``_follow``): what its hub no longer holds shows as a
+        gap, and the mirror's subscribers are told that their events were interrupted.
+        On failure it is asked again at the next renewal."""
+        if name not in self._mirrors or self.host.is_live(name):
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            owner = await self.transport.lease_owner(name)
+            if owner is None or owner == self.worker:
+                return  # it runs nowhere: the claim that wakes it finds the watch
+            position = self._positions.get(name, 0)
+            request = {"op": "watch", "s": name, "after": position}
+            answer = await self._forward(name, request, retry_safe=True)
+            if answer is not None:
+                self._check(answer, name)
+        except Exception as exc:
+            fatal(exc)
+            if name in self._mirrors:
+                self._rewatch.add(name)
 
     async def _check_open_turns(self) -> None:
         """Look at the lease of every mirrored session with a turn under way, in one
@@ -550,12 +602,12 @@ class Streams:
         if self._mirrors.get(name) is not hub or self._positions.get(name, 0) != position:
             return  # (fed meanwhile: the stream goes on)
         if trimmed > position:
-            hub.lose()  # they subscribe again with after=, which reads what is kept
+            hub.lose(_NOT_KEPT)  # they subscribe again with after=, which reads what is kept
             return
         try:
             events = [e for entry in entries for e in load_journal_entry(entry.data, name)]
         except SnapshotCorruptError:
-            hub.lose()  # the session's own trouble: its subscribers hear it when they resume
+            hub.lose(_UNREADABLE)  # the session's own: its subscribers hear it as they resume
             return
         self._feed(
             name,
@@ -1166,7 +1218,7 @@ class Streams:
             return  # the new owner jumped over them: a followed subscription missed nothing
         hub = self._mirrors.get(name)
         if hub is not None:
-            hub.lose()  # they subscribe again with after=, which reads the journal
+            hub.lose(_SKIPPED)  # they subscribe again with after=, which reads the journal
 
     async def _never_durable(self, name: str, position: int, first: int) -> bool:
         """Whether the journal holds no event with a seq between ``position`` and ``first``."""
@@ -1201,12 +1253,12 @@ class Streams:
                 return
             hub.advance(seq)
             if kind == "lost":
-                hub.lose()
+                hub.lose(_DROPPED)
                 continue
             try:
                 event = load_event(payload, session_id=name)
             except SnapshotError:
-                hub.lose()
+                hub.lose(_UNREADABLE)
                 continue
             hub.publish(event)
             if event.__class__ in _AT_REST:

@@ -71,9 +71,12 @@ class Transport(Protocol):
         """The shard of a session: the sessions whose leases are held together."""
         ...
 
-    async def watch(self, names: Sequence[str], ttl: float) -> None:
+    async def watch(self, names: Sequence[str], ttl: float) -> set[str]:
         """Say a worker other than the owner subscribes to the sessions (for 3 * ttl);
-        end the event stream of any of them no longer stored (see ``end_events``)."""
+        end the event stream of any of them no longer stored (see ``end_events``).
+        Returns those of them that were not watched until now (a watch that lapsed, or
+        a new one): a claim of one of them meanwhile found it unwatched (see
+        ``take_watched``), so its owner publishes none of its events."""
         ...
 
     async def watched(self, names: Sequence[str]) -> set[str]:
