@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -566,6 +567,22 @@ class HeldPublishStore(RedisStore):
         return router
 
 
+@contextlib.asynccontextmanager
+async def followed_elsewhere(
+    ref: sa.SessionRef, other: sa.Registry
+) -> AsyncIterator[AsyncIterator[sa.Event]]:
+    """A subscription through ``other`` to the session of ``ref`` (live on its own
+    worker, which so publishes to the session's event stream), read up to the end of a
+    turn of it: the events after that turn come next."""
+    await ref.send("hello")
+    async with other.ref(ref.session_id).subscribe() as events:
+        turn = await ref.submit("one")
+        async for event in events:
+            if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
+                break
+        yield events
+
+
 async def test_events_published_after_their_session_was_deleted_leave_its_end_short_lived(
     redis_url: str,
 ) -> None:
@@ -584,12 +601,7 @@ async def test_events_published_after_their_session_was_deleted_leave_its_end_sh
             coredis.Redis.from_url(redis_url) as admin,
         ):
             ref = await a.spawn("s")
-            await ref.send("hello")
-            async with b.ref("s").subscribe() as events:  # (a publishes to the stream)
-                turn = await ref.submit("one")
-                async for event in events:
-                    if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
-                        break
+            async with followed_elsewhere(ref, b) as events:
                 store.holding = True
                 await ref.send("late")
                 await store.held.wait()
@@ -618,12 +630,7 @@ async def test_a_deleted_sessions_end_is_not_kept_longer_by_a_delete_again(
             coredis.Redis.from_url(redis_url) as admin,
         ):
             ref = await a.spawn("s")
-            await ref.send("hello")
-            async with b.ref("s").subscribe() as events:  # (a publishes to the stream)
-                turn = await ref.submit("one")
-                async for event in events:
-                    if isinstance(event, sa.TurnFinished) and event.turn_id == turn.id:
-                        break
+            async with followed_elsewhere(ref, b) as events:
                 await a.delete("s")
                 assert 0 < await admin.pttl(key) <= END_TTL_MS
                 await admin.pexpire(key, 5_000)  # (as if most of its minute went by)
