@@ -412,11 +412,6 @@ class Actor:
     def __repr__(self) -> str:
         return f"<Actor {self.session_id!r} {self.phase.value}>"
 
-    @property
-    def loaded(self) -> bool:
-        """Whether this incarnation has its state (read from the store, or given)."""
-        return self._ready is None
-
     # ---- what others ask of it (each a documented transition) ----------------------
 
     def request_stop(self) -> None:
@@ -525,8 +520,7 @@ class Actor:
     @property
     def running(self) -> bool:
         """Whether a turn of the session is under way (not waiting on a review)."""
-        session = self.session if self._ready is None else None
-        return session is not None and session.status is Status.RUNNING
+        return self.is_ready and self.session.status is Status.RUNNING
 
     # ---- out-of-band reads -------------------------------------------------
 
@@ -542,6 +536,7 @@ class Actor:
 
     @property
     def is_ready(self) -> bool:
+        """Whether this incarnation has its state (read from the store, or given)."""
         return self._ready is None
 
     # ---- TurnContext / TurnHost ----------------------------------------------------

@@ -147,7 +147,7 @@ async def session_task(host: Host, actor: Actor) -> None:
             fresh = Actor(host, actor.session_id, None)
             fresh.hub = actor.hub
             # (one that crashed before it had read the store leaves the wake's news to it)
-            fresh.restarted = actor.restarted or actor.loaded
+            fresh.restarted = actor.restarted or actor.is_ready
             if due is not None or lost:
                 fresh.after_crash = (due, lost)
             if config.durability != "turn":  # what was answered, not the request cut short
