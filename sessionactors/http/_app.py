@@ -51,6 +51,7 @@ from ._json import (
     error_json,
     error_status,
     event_to_json,
+    failed_told,
     metadata_json,
     outcome_to_json,
     plain_error,
@@ -761,7 +762,7 @@ class SessionsApp:
             # (a failed turn was logged whole when it failed)
             log.error("request failed", exc_info=error)
             if not isinstance(error, sa.SessionActorsError):
-                message = f"the server failed with {type(error).__name__}; {LOGGED}"
+                message = failed_told(error)
         body["message"] = message
         return body
 
