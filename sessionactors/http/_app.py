@@ -253,8 +253,12 @@ class _Answer(Response):
                 await writes.send({"type": "http.response.body", "body": piece, "more_body": more})
             group.cancel_scope.cancel()
         if writes.stalled:
+            name = scope.get("path_params", {}).get("name")  # (a session's route)
+            about = f"session {_name_shown(name)}: " if isinstance(name, str) else ""
             log.warning(
-                "an answer's client took nothing of a 64 KB piece in %s s; ended it", writes.bound
+                "%san answer's client took nothing of a 64 KB piece in %s s; ended it",
+                about,
+                writes.bound,
             )
 
 
@@ -1454,7 +1458,9 @@ class SessionsApp:
                 self._untrack(group.cancel_scope)
         if writes.stalled:  # (its connection is reset: no closing frame)
             log.warning(
-                "a WebSocket's client took less than 64 KB of a message in %s s; ended it",
+                "session %r: a WebSocket's client took less than 64 KB of a message in %s s; "
+                "ended it",
+                ref.session_id,
                 writes.bound,
             )
         elif self._draining:
