@@ -51,6 +51,7 @@ from ._json import (
     error_json,
     error_status,
     event_to_json,
+    failed_told,
     metadata_json,
     outcome_to_json,
     plain_error,
@@ -252,8 +253,12 @@ class _Answer(Response):
                 await writes.send({"type": "http.response.body", "body": piece, "more_body": more})
             group.cancel_scope.cancel()
         if writes.stalled:
+            name = scope.get("path_params", {}).get("name")  # (a session's route)
+            about = f"session {_name_shown(name)}: " if isinstance(name, str) else ""
             log.warning(
-                "an answer's client took nothing of a 64 KB piece in %s s; ended it", writes.bound
+                "%san answer's client took nothing of a 64 KB piece in %s s; ended it",
+                about,
+                writes.bound,
             )
 
 
@@ -761,7 +766,7 @@ class SessionsApp:
             # (a failed turn was logged whole when it failed)
             log.error("request failed", exc_info=error)
             if not isinstance(error, sa.SessionActorsError):
-                message = f"the server failed with {type(error).__name__}; {LOGGED}"
+                message = failed_told(error)
         body["message"] = message
         return body
 
@@ -1453,7 +1458,9 @@ class SessionsApp:
                 self._untrack(group.cancel_scope)
         if writes.stalled:  # (its connection is reset: no closing frame)
             log.warning(
-                "a WebSocket's client took less than 64 KB of a message in %s s; ended it",
+                "session %r: a WebSocket's client took less than 64 KB of a message in %s s; "
+                "ended it",
+                ref.session_id,
                 writes.bound,
             )
         elif self._draining:

@@ -169,6 +169,11 @@ _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
 )
 
 
+def failed_told(error: BaseException) -> str:
+    """What a client is told of a failure that is not the library's (a bug): its kind."""
+    return f"the server failed with {type(error).__name__}; {LOGGED}"
+
+
 def error_status(error: BaseException) -> int:
     """The HTTP status for ``error`` (500 for anything unexpected)."""
     for cls, status in _STATUSES:

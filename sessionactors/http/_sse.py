@@ -4,7 +4,8 @@ A stream is a subscription's events, a ``select`` function that turns an
 event into the frame to send (or nothing) and says whether it is the last
 one, and optionally a ``side`` coroutine (the turn's reply) whose failure
 ends the stream with an error frame, and which may end it with a last frame
-of its own.
+of its own. A failure of the events (a store's, or any other: a bug) ends the
+stream with an error frame too, and a clean end of its body.
 
 Two tasks serve it: a reader takes events from the subscription into a outbox
 bounded in frames and in bytes, and a writer sends what the outbox holds in
@@ -37,7 +38,7 @@ import attrs
 import sessionactors as sa
 
 from .._hub import event_size
-from ._json import dumps, event_to_json
+from ._json import dumps, event_to_json, failed_told
 from ._sockets import WRITE_BYTES, WriteGuard
 
 
@@ -226,8 +227,14 @@ class EventStreamResponse:
 
     async def _run(self, stream: Stream, scope: Any, receive: Any, send: Any) -> None:
         def error_frame(error: BaseException) -> bytes:
-            """An error as SSE (no ``id:``): ``{"type": "error", ...}``."""
-            return frame({"type": "error", **self._hooks.error_json(error, scope)})
+            """An error as SSE (no ``id:``): ``{"type": "error", ...}``; one that is not
+            the library's (a bug, a store that raised what is not the library's) by its
+            kind, logged whole."""
+            error = _unwrapped(error)
+            if isinstance(error, sa.SessionActorsError):
+                return frame({"type": "error", **self._hooks.error_json(error, scope)})
+            _log_cut(self._session, error)
+            return _failed_frame(self._session, error)
 
         outbox = _Outbox(f"retry: {RETRY_MS}\n\n".encode() + b"".join(stream.prelude))
         gone = False
@@ -295,11 +302,10 @@ class EventStreamResponse:
 
 def _log_cut(session: str, error: BaseException) -> None:
     """Log the failure that ended an event stream of ``session`` after its answer began
-    (it just ends: its client resumes with Last-Event-ID), by its kind and message: one
-    of the library's (a store's) in a line, any other (a bug) with its traceback, as
-    the gateway logs a failed request."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]  # (the failure of one of the response's tasks)
+    (with an error frame, if it could still send one: its client resumes with
+    Last-Event-ID), by its kind and message: one of the library's (a store's) in a line,
+    any other (a bug) with its traceback, as the gateway logs a failed request."""
+    error = _unwrapped(error)
     told = " ".join(str(error).split())
     what = f"{type(error).__name__}: {told}" if told else type(error).__name__
     if isinstance(error, sa.SessionActorsError):
@@ -308,6 +314,22 @@ def _log_cut(session: str, error: BaseException) -> None:
         log.error(
             "session %r: an event stream failed after it began: %s", session, what, exc_info=error
         )
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """``error``, out of the exception groups of one exception that hold it (the failure
+    of one of a response's tasks)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def _failed_frame(session: str, error: BaseException) -> bytes:
+    """The error frame of a failure that is not the library's: its kind, not its
+    message (the log has it), and 500, as the gateway answers such a request."""
+    kind = type(error).__name__
+    message = f"session {session!r}: {failed_told(error)}"
+    return frame({"type": "error", "error": kind, "message": message, "status": 500})
 
 
 async def _read(
@@ -325,10 +347,10 @@ async def _read(
                 break
             if outbox.full:
                 await outbox.wait_room()
-    except sa.SessionActorsError as exc:
+    except Exception as exc:
         # fell behind (SubscriberLaggedError), or the session's events ended with an
-        # error (its wake failed): the client resumes with Last-Event-ID, the last seq
-        # it received
+        # error (its wake failed, a store failed): the client resumes with Last-Event-ID,
+        # the last seq it received; any other failure (a bug) is told by its kind
         outbox.close(error_frame(exc))
     else:
         outbox.close()

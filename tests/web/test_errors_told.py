@@ -2,7 +2,7 @@
 exception that is not the library's own, never its message (the server's log has it),
 and request errors in HTTP's terms, not Python's."""
 
-import contextlib
+import json
 import logging
 import re
 import uuid
@@ -156,40 +156,52 @@ async def test_a_store_failure_answers_503_without_the_store_internals(
     assert len(logged(caplog, "secret-dir")) == 1
 
 
-async def test_an_event_stream_cut_after_it_began_is_logged_by_its_session_and_error(
-    caplog: pytest.LogCaptureFixture,
+class JournalLostStore(sa.MemoryStore):
+    """A MemoryStore whose replays fail, once ``pages_left`` pages were read, with an
+    exception that is not the library's (its message holds SECRET)."""
+
+    pages_left: int | None = None
+
+    async def read_journal_page(
+        self, session_id: str, after: int, *, limit: int, max_bytes: int
+    ) -> tuple[int, list[Any]]:
+        if self.pages_left is not None:
+            if self.pages_left == 0:
+                raise RuntimeError(f"the journal at {SECRET} is gone")
+            self.pages_left -= 1
+        return await super().read_journal_page(session_id, after, limit=limit, max_bytes=max_bytes)
+
+
+async def test_an_event_stream_failed_after_it_began_ends_with_an_error_frame(
+    serve: Serve, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An event stream whose replay fails after its answer began (the store raised, on
-    the replay's second page, an exception that is not the library's) ends, and the log
-    names the session and the exception's kind and message, with its traceback: not the
-    repr of the task group's exception group, which named neither."""
+    the replay's second page, an exception that is not the library's) ends with an
+    error frame that names the exception's kind, not its message, with status 500, and
+    a clean end of its body; the log names the session and the exception's kind and
+    message, with its traceback: not the repr of the task group's exception group."""
     caplog.set_level(logging.INFO)
-    store = FaultyStore(sa.MemoryStore())
-    app = create_app(store=store, agents=trio_agents(delay=0))
+    store = JournalLostStore()
     big = "x" * 300_000  # (two entries of it fill a page of a replay)
-
-    async def follow(client: httpx.AsyncClient) -> None:
-        async with client.stream("GET", "/sessions/long/events", params={"after": 0}) as r:
-            assert r.status_code == 200, r.text  # (its answer began)
-            with contextlib.suppress(httpx.RemoteProtocolError):  # (cut off)
-                async for _ in r.aiter_lines():
-                    pass
-
-    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+    async with sa.open_registry(store=store, agents=trio_agents(delay=0)) as registry:
+        ref = await registry.spawn("long")
         with trio.fail_after(20):
-            r = await client.post("/sessions/long/messages", json={"text": big})
-            assert r.status_code == 200, r.text
-            registry = app.registry
-            assert isinstance(registry, sa.Registry)
-            await registry.ref("long").hibernate()  # (a replay of it reads the store)
-            first_page = store.hold("read_journal", after=True)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(follow, client)
-                while not first_page.waiting:
-                    await trio.sleep(0.01)
-                failure = RuntimeError(f"the journal at {SECRET} is gone")
-                store.fail("read_journal", error=failure)
-                first_page.open()
+            await ref.send(big)  # (hibernated as the registry closes)
+    store.pages_left = 1  # (the subscription reads the first as it opens)
+    async with serve(store=store) as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            async with client.stream("GET", "/sessions/long/events", params={"after": 0}) as r:
+                assert r.status_code == 200, r.text  # (its answer began)
+                lines = [line async for line in r.aiter_lines()]  # (to its clean end)
+    frames = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert frames, lines
+    *events, last = frames
+    assert events, frames  # (the first page's)
+    assert all(data["type"] != "error" for data in events), frames
+    assert last["type"] == "error", last
+    assert (last["error"], last["status"]) == ("RuntimeError", 500), last
+    assert "session 'long'" in last["message"], last
+    assert SECRET not in "".join(lines)
     [record] = logged(caplog, SECRET)
     told = record.getMessage()
     assert "session 'long'" in told, told

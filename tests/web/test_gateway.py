@@ -562,12 +562,15 @@ async def test_event_streams_send_heartbeats_while_quiet(serve: Serve) -> None:
             assert lines[0] == "retry: 1000"
 
 
-async def _silent_reader_is_ended(serve: Serve, request: str) -> bytes:
+async def _silent_reader_is_ended(
+    serve: Serve, request: str, caplog: pytest.LogCaptureFixture
+) -> bytes:
     """A raw client that sends ``request`` (a GET of ``/sessions/fat...``) about a session
     of large messages (2.5 MB of history, 5 MB of events) and reads nothing for 60
     heartbeats (a WebSocket message of its events, up to 500 KB, may wait 16: two for each
     64 KB): then what is left must end (the answer ended, the connection reset or
-    closed), within 30 s; what the client got."""
+    closed), within 30 s, and the server's log say so, naming the session; what the
+    client got."""
     async with (
         serve(heartbeat=0.05) as served,
         httpx.AsyncClient(base_url=served.url, timeout=60) as client,
@@ -594,20 +597,26 @@ async def _silent_reader_is_ended(serve: Serve, request: str) -> bytes:
                     if not data:
                         break
                     got += data
+    told = [r.getMessage() for r in caplog.records if "client took" in r.getMessage()]
+    assert any("session 'fat'" in line for line in told), told
     return bytes(got)
 
 
 @pytest.mark.one_server  # (slow)
-async def test_an_event_stream_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
+async def test_an_event_stream_whose_client_takes_nothing_is_ended(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
     """A client that replays a session of large messages and reads nothing (the server's
     write to it never done) does not hold its connection: after two heartbeat intervals
     without a write taken, the stream ends and the connection is reset."""
     request = "GET /sessions/fat/events?after=0 HTTP/1.1\r\nHost: {host}\r\n\r\n"
-    await _silent_reader_is_ended(serve, request)
+    await _silent_reader_is_ended(serve, request, caplog)
 
 
 @pytest.mark.one_server  # (slow)
-async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
+async def test_a_websocket_whose_client_takes_nothing_is_ended(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
     """A WebSocket client that replays a session of large messages and reads nothing (the
     server's send to it never done) does not hold its connection: after two heartbeat
     intervals without a send taken, the socket ends (the client resumes with ?after=)."""
@@ -616,7 +625,7 @@ async def test_a_websocket_whose_client_takes_nothing_is_ended(serve: Serve) -> 
         "Upgrade: websocket\r\nConnection: Upgrade\r\n"
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
-    await _silent_reader_is_ended(serve, request)
+    await _silent_reader_is_ended(serve, request, caplog)
 
 
 async def _fat_session(served: Served) -> int:
@@ -680,13 +689,15 @@ async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
 
 
 @pytest.mark.one_server  # (slow)
-async def test_a_json_answer_whose_client_takes_nothing_is_ended(serve: Serve) -> None:
+async def test_a_json_answer_whose_client_takes_nothing_is_ended(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
     """A client that asks for a session of a long history (2.5 MB of JSON) and reads
     nothing (the server's write to it never done) holds neither the answer nor its
     connection: after two heartbeat intervals without 64 KB of it taken, the answer ends
     and the connection is reset, before the client has it whole."""
     request = "GET /sessions/fat HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    got = await _silent_reader_is_ended(serve, request)
+    got = await _silent_reader_is_ended(serve, request, caplog)
     answer = h11.Connection(h11.CLIENT)
     answer.send(h11.Request(method="GET", target="/sessions/fat", headers=[("host", "x")]))
     answer.receive_data(got)
