@@ -23,7 +23,7 @@ from opentelemetry.trace import StatusCode
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.otel import OpenTelemetry
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 
 class _Tracking(SimpleSpanProcessor):
@@ -547,21 +547,13 @@ async def test_a_subscriber_on_another_worker_that_lags_is_counted(
     """A subscriber on worker a of a session live on worker b reads a mirror of its events:
     when it falls behind and is cut off, worker a's ``sessionactors.subscribers.lagged``
     counts it, as it counts the subscribers of the sessions live on a."""
-    from sessionactors.stores import RedisStore
+    from redis_workers import open_worker
 
     prefix = f"sa-test:{uuid.uuid4().hex}"
-    agents = {"echo": sa.Agent(model=EchoModel())}
-
-    def worker(worker_id: str, **options: Any) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(
-            store=store, agents=agents, worker_id=worker_id, lease_ttl=1.0, **options
-        )
-
     with trio.fail_after(30):
         async with (
-            worker("a", subscriber_buffer=2, telemetry=otel.telemetry) as a,
-            worker("b") as b,
+            open_worker(redis_url, prefix, "a", subscriber_buffer=2, telemetry=otel.telemetry) as a,
+            open_worker(redis_url, prefix, "b") as b,
         ):
             await b.spawn("s")
             await b.ref("s").state()  # live on b

@@ -19,21 +19,12 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from redis_workers import TTL, open_worker
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
-
-TTL = 1.0
-
-
-def open_worker(url: str, prefix: str, worker_id: str, model: Any, **options: Any) -> Any:
-    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
-    store = RedisStore(url, prefix=prefix, balance=False)
-    options.setdefault("lease_ttl", TTL)
-    agents = {"echo": sa.Agent(model=model)}
-    return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
 
 
 def last_user_text(request: sa.ModelRequest) -> str:
@@ -577,12 +568,17 @@ async def test_sessions_hopping_between_workers_under_mixed_traffic(
     agents = {"echo": sa.Agent(model=EchoModel(delay=0.005))}
 
     def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=balance)
         # sessions move between workers by hibernating when idle, not by leases lapsing:
         # a lease of 10 s outlasts a stall of the loop on a loaded machine (a stall past
         # 3 s fenced every session out in one run of the whole soak suite)
-        return sa.open_registry(
-            store=store, agents=agents, worker_id=worker_id, lease_ttl=10, idle_timeout=0.05
+        return open_worker(
+            redis_url,
+            prefix,
+            worker_id,
+            agents=agents,
+            balance=balance,
+            lease_ttl=10,
+            idle_timeout=0.05,
         )
 
     async def traffic(registry: sa.Registry, tag: str, stop: trio.Event, seed: int) -> None:
