@@ -35,6 +35,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.fixture
+def otel() -> Iterator[Any]:
+    """An OpenTelemetry SDK of the test's own, in memory: ``otel_sdk.Otel``."""
+    from otel_sdk import Otel  # (the SDK is imported only by the tests that use it)
+
+    setup = Otel()
+    yield setup
+    setup.shutdown()
+
+
+@pytest.fixture
 def echo_agents() -> dict[str, sa.Agent]:
     """One agent, "echo", whose model streams the user's words back."""
     return {"echo": sa.Agent(model=EchoModel())}

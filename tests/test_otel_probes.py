@@ -7,84 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, Span, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
 import sessionactors.aio as aio
+from otel_sdk import Otel
 from sessionactors.otel import OpenTelemetry
 from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
-
-
-class _Tracking(SimpleSpanProcessor):
-    """Exports ended spans and keeps the ones started and not ended yet."""
-
-    def __init__(self, exporter: InMemorySpanExporter) -> None:
-        super().__init__(exporter)
-        self.open: dict[int, Span] = {}
-
-    def on_start(self, span: Span, parent_context: Any = None) -> None:
-        self.open[span.context.span_id] = span
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self.open.pop(span.context.span_id, None)
-        super().on_end(span)
-
-
-class Otel:
-    """An SDK set up for one test: spans (ended and still open) and metrics in memory."""
-
-    def __init__(self) -> None:
-        self.exporter = InMemorySpanExporter()
-        self.processor = _Tracking(self.exporter)
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(self.processor)
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader])
-        self.telemetry = OpenTelemetry(
-            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
-        )
-
-    def spans(self) -> list[ReadableSpan]:
-        return list(self.exporter.get_finished_spans())
-
-    def named(self, prefix: str) -> list[ReadableSpan]:
-        return [s for s in self.spans() if s.name.startswith(prefix)]
-
-    def still_open(self) -> list[str]:
-        return sorted(s.name for s in self.processor.open.values())
-
-    def points(self, name: str) -> list[Any]:
-        data = self.reader.get_metrics_data()
-        out = []
-        for resource in data.resource_metrics if data is not None else ():
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        out.extend(metric.data.data_points)
-        return out
-
-    def value(self, name: str) -> Any:
-        [point] = self.points(name)
-        return point.value
-
-
-@pytest.fixture
-def otel() -> Iterator[Otel]:
-    setup = Otel()
-    yield setup
-    setup.tracer_provider.shutdown()
-    setup.meter_provider.shutdown()
 
 
 def call(name: str, id: str, **arguments: Any) -> sa.ToolCall:
