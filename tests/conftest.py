@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from redis_workers import open_worker
 from sessionactors.testing import EchoModel
 
 
@@ -32,6 +32,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for title, text in report.sections
     ]
     return report
+
+
+@pytest.fixture
+def otel() -> Iterator[Any]:
+    """An OpenTelemetry SDK of the test's own, in memory: ``otel_sdk.Otel``."""
+    from otel_sdk import Otel  # (the SDK is imported only by the tests that use it)
+
+    setup = Otel()
+    yield setup
+    setup.shutdown()
 
 
 @pytest.fixture
@@ -92,20 +102,16 @@ def two_redis_workers(
 ) -> Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]]:
     """``two_redis_workers(agents, prefix=None)``: a context manager opening the registries
     of two workers, "a" and "b", on the test session's Redis under ``prefix`` (a fresh
-    one if None), with sessions that stay where they woke and leases of one second."""
+    one if None): ``redis_workers.open_worker``'s, with ``agents``."""
 
     @contextlib.asynccontextmanager
     async def start(
         agents: dict[str, sa.Agent], prefix: str | None = None
     ) -> AsyncIterator[tuple[sa.Registry, sa.Registry]]:
         under = prefix or f"sa-test:{uuid.uuid4().hex}"
-
-        def store() -> RedisStore:
-            return RedisStore(redis_url, prefix=under, balance=False)
-
         async with (
-            sa.open_registry(store=store(), agents=agents, worker_id="a", lease_ttl=1) as a,
-            sa.open_registry(store=store(), agents=agents, worker_id="b", lease_ttl=1) as b,
+            open_worker(redis_url, under, "a", agents=agents) as a,
+            open_worker(redis_url, under, "b", agents=agents) as b,
         ):
             yield a, b
 

@@ -1,4 +1,5 @@
-"""What a subscriber's stream must show: rising seqs, and each acknowledged turn once, whole."""
+"""What a subscriber's stream must show: rising seqs, and each acknowledged turn once, whole;
+and a subscriber that reads a stream to its end."""
 
 from __future__ import annotations
 
@@ -55,3 +56,13 @@ def numbered_on(events: list[sa.Event], after: int) -> bool:
             return False
         prev = event.seq
     return True
+
+
+async def read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
+    """Read ``ref``'s events until the subscription ends; the error that ended it."""
+    try:
+        async with ref.subscribe() as events:
+            async for _ in events:
+                pass
+    except sa.SessionActorsError as exc:
+        ended.append(exc)

@@ -28,6 +28,7 @@ from coredis.connection import TCPLocation
 from coredis.tokens import PureToken
 
 import sessionactors as sa
+from redis_workers import TTL, open_worker
 from sessionactors.http import create_app
 from sessionactors.stores import RedisStore, load_events
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel, journal_events
@@ -37,7 +38,6 @@ from worker_spares import open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
 
-TTL = 1.0  # lease time-to-live of every worker here: failovers take about a second
 AGENTS = {"echo": sa.Agent(model=EchoModel())}
 #: How far past the highest stored seq a wake after a death numbers its events (see
 #: docs/examples/explanation_unclean_stop.py).
@@ -145,11 +145,13 @@ class Cluster:
                 nursery.start_soon(one, name)
         return [workers[name] for name in names]
 
-    def registry(self, *, balance: bool = True, **options: Any) -> Any:
+    def registry(
+        self, *, worker_id: str | None = None, balance: bool = True, **options: Any
+    ) -> Any:
         """A registry in this process on the same prefix (a worker too)."""
-        store = RedisStore(self.url, prefix=self.prefix, balance=balance)
-        options.setdefault("lease_ttl", TTL)
-        return sa.open_registry(store=store, agents=AGENTS, **options)
+        return open_worker(
+            self.url, self.prefix, worker_id, agents=AGENTS, balance=balance, **options
+        )
 
     def kill_all(self) -> None:
         for worker in self.workers:
@@ -804,12 +806,11 @@ async def test_every_worker_lists_a_session_alike_while_its_turn_runs(cluster: C
     gate = trio.Event()
     agents = {"scripted": sa.Agent(model=ScriptedModel(["one", Scripted(text="two", wait=gate)]))}
 
-    def worker(worker_id: str) -> Any:
-        store = RedisStore(cluster.url, prefix=cluster.prefix, balance=False)  # "s" stays on a
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=TTL)
-
     with trio.fail_after(30):
-        async with worker("a") as a, worker("b") as b:
+        async with (
+            open_worker(cluster.url, cluster.prefix, "a", agents=agents) as a,  # "s" stays on a
+            open_worker(cluster.url, cluster.prefix, "b", agents=agents) as b,
+        ):
             ref = await a.spawn("s", metadata={"tenant": "acme"})
             assert (await ref.send("first")).text == "one"
             async with ref.subscribe() as events:
@@ -883,14 +884,12 @@ async def test_a_shard_in_a_long_turn_stays_until_the_turn_ends(cluster: Cluster
     names = [f"long-{i}" for i in range(8)]
     agents = {"echo": sa.Agent(model=model)}
 
-    def open_worker(worker_id: str) -> Any:
-        store = RedisStore(cluster.url, prefix=cluster.prefix)
-        return sa.open_registry(store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id)
-
     with trio.fail_after(60):
-        async with open_worker("a") as a:
+        async with open_worker(cluster.url, cluster.prefix, "a", agents=agents, balance=True) as a:
             turns = [await (await a.spawn(name)).submit("long turn") for name in names]
-            async with open_worker("b") as b:
+            async with open_worker(
+                cluster.url, cluster.prefix, "b", agents=agents, balance=True
+            ) as b:
                 await trio.sleep(TTL)  # each has listed the other: hand-overs begin
                 with trio.fail_after(4 * TTL):  # held at most lease_ttl, then served on a
                     for name in names:
@@ -923,12 +922,6 @@ async def shards_follow_the_workers(
     acked: list[str] = []
     errors: list[BaseException] = []
 
-    def open_worker(worker_id: str) -> Any:
-        store = RedisStore(cluster.url, prefix=cluster.prefix, balance=balance)
-        return sa.open_registry(
-            store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id, shutdown_grace=1.0
-        )
-
     async def converse(registry: sa.Registry, sender: str, name: str, stop: trio.Event) -> None:
         i = 0
         while not stop.is_set():
@@ -947,7 +940,14 @@ async def shards_follow_the_workers(
     async def run_worker(
         worker_id: str, leave: trio.Event, task_status: trio.TaskStatus[sa.Registry]
     ) -> None:
-        async with open_worker(worker_id) as registry:
+        async with open_worker(
+            cluster.url,
+            cluster.prefix,
+            worker_id,
+            agents=agents,
+            balance=balance,
+            shutdown_grace=1.0,
+        ) as registry:
             task_status.started(registry)
             await leave.wait()
 

@@ -14,18 +14,9 @@ import trio
 
 import sessionactors as sa
 from redis_keys import admin_client, replace_with_list, session_key, worker_key
-from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel
+from redis_workers import open_worker
 
 pytestmark = pytest.mark.redis
-
-AGENTS = {"echo": sa.Agent(model=EchoModel())}
-
-
-def open_worker(url: str, prefix: str, worker_id: str) -> Any:
-    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
-    store = RedisStore(url, prefix=prefix, balance=False)
-    return sa.open_registry(store=store, agents=AGENTS, worker_id=worker_id, lease_ttl=1.0)
 
 
 @contextlib.asynccontextmanager

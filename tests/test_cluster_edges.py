@@ -19,13 +19,12 @@ import trio
 
 import sessionactors as sa
 from redis_keys import session_key
+from redis_workers import TTL, open_worker
 from sessionactors.stores import RedisStore, dump_info, load_events
 from sessionactors.testing import EchoModel
 from stream_checks import stream_problems
 
 pytestmark = pytest.mark.redis
-
-TTL = 1.0
 
 
 @attrs.frozen
@@ -38,14 +37,6 @@ class HangingModel:
         self.started.set()
         await trio.sleep_forever()
         yield sa.TextChunk("never")  # pragma: no cover
-
-
-def open_worker(url: str, prefix: str, worker_id: str, model: Any, **options: Any) -> Any:
-    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
-    store = RedisStore(url, prefix=prefix, balance=False)
-    options.setdefault("lease_ttl", TTL)
-    agents = {"echo": sa.Agent(model=model)}
-    return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
 
 
 def user_texts(messages: list[sa.Message]) -> list[str]:

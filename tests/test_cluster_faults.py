@@ -18,6 +18,7 @@ import trio
 
 import sessionactors as sa
 from net_proxy import proxy_to
+from redis_workers import open_worker
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 
@@ -416,14 +417,12 @@ async def drain_and_send(
     (its grace is longer); half a second in, worker b (``requester_grace``) sends "s" a
     turn. What b's send got, the history, and how long b's send took."""
     model = GatedEcho(trio.Event(), trio.Event())
-    options: dict[str, Any] = {"agents": {"echo": sa.Agent(model=model)}, "lease_ttl": TTL}
     prefix = f"sa-test:{uuid.uuid4().hex}"
     outcome: list[sa.Reply | sa.SessionActorsError] = []
     took = 0.0
 
     def worker(worker_id: str, grace: float) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(store=store, worker_id=worker_id, shutdown_grace=grace, **options)
+        return open_worker(redis_url, prefix, worker_id, model, lease_ttl=TTL, shutdown_grace=grace)
 
     with trio.fail_after(2 * drain + 30):
         async with worker("b", requester_grace) as b, trio.open_nursery() as nursery:

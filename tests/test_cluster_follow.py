@@ -5,29 +5,20 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Mapping
-from typing import Any
 
 import coredis
 import pytest
 import trio
 
 import sessionactors as sa
+from redis_workers import TTL, open_worker
 from sessionactors.stores import Lease, RedisStore
 from sessionactors.testing import EchoModel
 from stream_checks import check_stream
 
 pytestmark = pytest.mark.redis
 
-TTL = 1.0  # lease time-to-live of every worker here
 AGENTS = {"echo": sa.Agent(model=EchoModel(delay=0.005))}  # turns in flight all along
-
-
-def open_worker(
-    url: str, prefix: str, worker_id: str, *, balance: bool = True, **options: Any
-) -> Any:
-    store = RedisStore(url, prefix=prefix, balance=balance)
-    options.setdefault("lease_ttl", TTL)
-    return sa.open_registry(store=store, agents=AGENTS, worker_id=worker_id, **options)
 
 
 class StallingStore(RedisStore):
@@ -97,7 +88,10 @@ async def test_subscriptions_follow_their_sessions_to_a_worker_that_joins(
     names = [f"follow-{i}" for i in range(8)]
     acked: dict[str, dict[str, str]] = {name: {} for name in names}
     with trio.fail_after(60):
-        async with open_worker(redis_url, prefix, "a") as a, trio.open_nursery() as readers:
+        async with (
+            open_worker(redis_url, prefix, "a", agents=AGENTS, balance=True) as a,
+            trio.open_nursery() as readers,
+        ):
             followers = {name: Follower() for name in names}
             for name in names:
                 await a.spawn(name)
@@ -126,7 +120,7 @@ async def test_subscriptions_follow_their_sessions_to_a_worker_that_joins(
                     senders.start_soon(converse, name)
                 while not each_acked(3):
                     await trio.sleep(0.01)
-                async with open_worker(redis_url, prefix, "b") as b:
+                async with open_worker(redis_url, prefix, "b", agents=AGENTS, balance=True) as b:
                     with trio.move_on_after(10 * TTL):  # b takes its share
                         while len(b.live()) < 2 or set(a.live()) & set(b.live()):
                             await trio.sleep(0.01)
@@ -162,8 +156,8 @@ async def test_a_subscription_follows_a_hibernated_session_to_where_it_wakes(
     acked: dict[str, str] = {}
     with trio.fail_after(30):
         async with (  # without balancing a session wakes on the worker asked
-            open_worker(redis_url, prefix, "a", balance=False) as a,
-            open_worker(redis_url, prefix, "b", balance=False) as b,
+            open_worker(redis_url, prefix, "a", agents=AGENTS) as a,
+            open_worker(redis_url, prefix, "b", agents=AGENTS) as b,
             coredis.Redis.from_url(redis_url) as admin,
             trio.open_nursery() as readers,
         ):
@@ -209,8 +203,8 @@ async def test_a_subscription_read_late_follows_its_session_with_every_delta(
     acked: dict[str, str] = {}
     with trio.fail_after(30):
         async with (
-            open_worker(redis_url, prefix, "a", balance=False) as a,
-            open_worker(redis_url, prefix, "b", balance=False) as b,
+            open_worker(redis_url, prefix, "a", agents=AGENTS) as a,
+            open_worker(redis_url, prefix, "b", agents=AGENTS) as b,
         ):
             await a.spawn("s")
             reply = await a.ref("s").send("one on a")
@@ -240,7 +234,7 @@ async def test_subscriptions_follow_their_sessions_when_their_worker_loses_the_s
     with trio.fail_after(30):
         async with (
             sa.open_registry(store=store, agents=AGENTS, lease_ttl=TTL, worker_id="a") as a,
-            open_worker(redis_url, prefix, "b", balance=False) as b,
+            open_worker(redis_url, prefix, "b", agents=AGENTS) as b,
             trio.open_nursery() as readers,
         ):
 
@@ -275,8 +269,8 @@ async def test_a_subscriber_that_fell_behind_lags_even_if_its_session_left(
     prefix = f"sa-test:{uuid.uuid4().hex}"
     with trio.fail_after(30):
         async with (
-            open_worker(redis_url, prefix, "a", balance=False, subscriber_buffer=4) as a,
-            open_worker(redis_url, prefix, "b", balance=False) as b,
+            open_worker(redis_url, prefix, "a", agents=AGENTS, subscriber_buffer=4) as a,
+            open_worker(redis_url, prefix, "b", agents=AGENTS) as b,
         ):
             await a.spawn("s")
             seen: list[sa.Event] = []

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
 
 import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from redis_workers import TTL, open_worker
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 pytestmark = pytest.mark.redis
-
-TTL = 1.0  # lease time-to-live of every worker here
 
 
 def refund_agent(refunds: list[str]) -> sa.Agent:
@@ -53,17 +50,13 @@ async def test_sessions_waiting_on_a_review_move_with_it_to_a_worker_that_joins(
     refunds: list[str] = []
     agents = {"refund": refund_agent(refunds)}
 
-    def open_worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix)
-        return sa.open_registry(store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id)
-
     with trio.fail_after(60):
-        async with open_worker("a") as a:
+        async with open_worker(redis_url, prefix, "a", agents=agents, balance=True) as a:
             reviews = {}
             for name in names:
                 reply = await (await a.spawn(name)).send(f"refund {name}")
                 (reviews[name],) = reply.reviews
-            async with open_worker("b") as b:
+            async with open_worker(redis_url, prefix, "b", agents=agents, balance=True) as b:
                 with trio.move_on_after(10 * TTL):  # a hands b's share over
                     while len(a.live()) > 6:
                         await trio.sleep(0.05)
@@ -96,12 +89,8 @@ async def test_a_worker_hands_over_its_share_of_many_shards_without_waiting_for_
     prefix = f"sa-test:{uuid.uuid4().hex}"
     agents = {"echo": sa.Agent(model=EchoModel())}
 
-    def open_worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix)
-        return sa.open_registry(store=store, agents=agents, lease_ttl=TTL, worker_id=worker_id)
-
     with trio.fail_after(60):
-        async with open_worker("a") as a:
+        async with open_worker(redis_url, prefix, "a", agents=agents, balance=True) as a:
             limit = trio.CapacityLimiter(16)
 
             async def wake(name: str) -> None:
@@ -111,7 +100,7 @@ async def test_a_worker_hands_over_its_share_of_many_shards_without_waiting_for_
             async with trio.open_nursery() as nursery:
                 for i in range(384):  # about 320 shards: half of them prefer b
                     nursery.start_soon(wake, f"many-{i}")
-            async with open_worker("b"):
+            async with open_worker(redis_url, prefix, "b", agents=agents, balance=True):
                 await trio.sleep(3 * TTL)  # 9 rounds: 72 shards at eight per round
                 handed_over = 384 - len(a.live())
                 await trio.sleep(3 * TTL)

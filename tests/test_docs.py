@@ -14,6 +14,7 @@ import pytest
 
 import sessionactors as sa
 from sessionactors.testing import export_document
+from test_public_api import NAMESPACES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -394,15 +395,7 @@ def test_reference_lists_every_public_name() -> None:
     """The reference page has an entry for every public name of the public namespaces."""
     text = (DOCS / "reference" / "index.md").read_text()
     missing = []
-    for namespace in (
-        "sessionactors",
-        "sessionactors.stores",
-        "sessionactors.models",
-        "sessionactors.testing",
-        "sessionactors.aio",
-        "sessionactors.http",
-        "sessionactors.otel",
-    ):
+    for namespace in NAMESPACES:
         module = importlib.import_module(namespace)
         names = getattr(module, "__all__", None) or [
             n

@@ -9,7 +9,6 @@ import json
 import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import attrs
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 import sessionactors as sa
 import sessionactors.aio as aio
 from history_rules import tool_pairs_intact
-from sessionactors.stores import RedisStore
+from redis_workers import open_worker
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 User, Assistant, System, Tool = sa.Role.USER, sa.Role.ASSISTANT, sa.Role.SYSTEM, sa.Role.TOOL
@@ -416,14 +415,14 @@ async def test_history_writes_through_another_worker_reach_the_owner(redis_url: 
     forwarded to its owner (records and refusals alike) and journaled there."""
     prefix = f"history-{uuid.uuid4().hex}"
 
-    def open_worker() -> AbstractAsyncContextManager[sa.Registry]:
-        # (balance=False: the session stays with the worker that spawned it, which a
-        # balancing worker would hand over to the other if its shard prefers that one)
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(store=store, agents={"a": sa.Agent(model=EchoModel())})
-
+    # (the session stays with the worker that spawned it, as open_worker's do, where a
+    # balancing worker would hand it over to the other if its shard prefers that one;
+    # leases of the registry's default length)
     with trio.fail_after(30):
-        async with open_worker() as owner, open_worker() as other:
+        async with (
+            open_worker(redis_url, prefix, None, lease_ttl=30.0) as owner,
+            open_worker(redis_url, prefix, None, lease_ttl=30.0) as other,
+        ):
             await owner.spawn("s")
             await owner.ref("s").send("hello")  # live on the owner
             ref = other.ref("s")
@@ -442,7 +441,7 @@ async def test_history_writes_through_another_worker_reach_the_owner(redis_url: 
             await ref.replace_history([])
             assert await ref.history() == []
             assert other.live() == []
-        async with open_worker() as again:
+        async with open_worker(redis_url, prefix, None, lease_ttl=30.0) as again:
             assert await again.ref("s").history() == []
 
 

@@ -13,60 +13,13 @@ from typing import Any
 
 import pytest
 import trio
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
-from sessionactors.otel import METRICS, OpenTelemetry
+from otel_sdk import Otel
+from sessionactors.otel import METRICS
 from sessionactors.testing import Scripted, ScriptedModel
-
-
-class Otel:
-    """An SDK set up for one test: spans and metrics kept in memory."""
-
-    def __init__(self) -> None:
-        self.exporter = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader])
-        self.telemetry = OpenTelemetry(
-            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
-        )
-
-    def spans(self) -> list[ReadableSpan]:
-        return list(self.exporter.get_finished_spans())
-
-    def span(self, name: str) -> ReadableSpan:
-        [found] = [s for s in self.spans() if s.name == name]
-        return found
-
-    def points(self, name: str) -> list[Any]:
-        """The data points of metric ``name`` (empty if it recorded nothing)."""
-        data = self.reader.get_metrics_data()
-        out = []
-        for resource in data.resource_metrics if data is not None else ():
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        out.extend(metric.data.data_points)
-        return out
-
-    def by(self, name: str, key: str) -> dict[Any, Any]:
-        """Metric ``name``'s points by the value of attribute ``key``."""
-        return {p.attributes.get(key): p for p in self.points(name)}
-
-
-@pytest.fixture
-def otel() -> Iterator[Otel]:
-    setup = Otel()
-    yield setup
-    setup.tracer_provider.shutdown()
-    setup.meter_provider.shutdown()
 
 
 def parent_of(span: ReadableSpan) -> int | None:

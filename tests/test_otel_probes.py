@@ -7,84 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, Span, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
 import sessionactors.aio as aio
+from otel_sdk import Otel
 from sessionactors.otel import OpenTelemetry
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
-
-
-class _Tracking(SimpleSpanProcessor):
-    """Exports ended spans and keeps the ones started and not ended yet."""
-
-    def __init__(self, exporter: InMemorySpanExporter) -> None:
-        super().__init__(exporter)
-        self.open: dict[int, Span] = {}
-
-    def on_start(self, span: Span, parent_context: Any = None) -> None:
-        self.open[span.context.span_id] = span
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self.open.pop(span.context.span_id, None)
-        super().on_end(span)
-
-
-class Otel:
-    """An SDK set up for one test: spans (ended and still open) and metrics in memory."""
-
-    def __init__(self) -> None:
-        self.exporter = InMemorySpanExporter()
-        self.processor = _Tracking(self.exporter)
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(self.processor)
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader])
-        self.telemetry = OpenTelemetry(
-            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
-        )
-
-    def spans(self) -> list[ReadableSpan]:
-        return list(self.exporter.get_finished_spans())
-
-    def named(self, prefix: str) -> list[ReadableSpan]:
-        return [s for s in self.spans() if s.name.startswith(prefix)]
-
-    def still_open(self) -> list[str]:
-        return sorted(s.name for s in self.processor.open.values())
-
-    def points(self, name: str) -> list[Any]:
-        data = self.reader.get_metrics_data()
-        out = []
-        for resource in data.resource_metrics if data is not None else ():
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        out.extend(metric.data.data_points)
-        return out
-
-    def value(self, name: str) -> Any:
-        [point] = self.points(name)
-        return point.value
-
-
-@pytest.fixture
-def otel() -> Iterator[Otel]:
-    setup = Otel()
-    yield setup
-    setup.tracer_provider.shutdown()
-    setup.meter_provider.shutdown()
+from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 
 def call(name: str, id: str, **arguments: Any) -> sa.ToolCall:
@@ -547,21 +483,13 @@ async def test_a_subscriber_on_another_worker_that_lags_is_counted(
     """A subscriber on worker a of a session live on worker b reads a mirror of its events:
     when it falls behind and is cut off, worker a's ``sessionactors.subscribers.lagged``
     counts it, as it counts the subscribers of the sessions live on a."""
-    from sessionactors.stores import RedisStore
+    from redis_workers import open_worker
 
     prefix = f"sa-test:{uuid.uuid4().hex}"
-    agents = {"echo": sa.Agent(model=EchoModel())}
-
-    def worker(worker_id: str, **options: Any) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(
-            store=store, agents=agents, worker_id=worker_id, lease_ttl=1.0, **options
-        )
-
     with trio.fail_after(30):
         async with (
-            worker("a", subscriber_buffer=2, telemetry=otel.telemetry) as a,
-            worker("b") as b,
+            open_worker(redis_url, prefix, "a", subscriber_buffer=2, telemetry=otel.telemetry) as a,
+            open_worker(redis_url, prefix, "b") as b,
         ):
             await b.spawn("s")
             await b.ref("s").state()  # live on b

@@ -18,18 +18,13 @@ import trio
 
 import sessionactors as sa
 from durability_checks import die_mid_turn
+from otel_sdk import Otel
 from processes import reap
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel, FaultyStore
-from test_otel import Otel
 
 CHILD = Path(__file__).with_name("unclean_child.py")
 ECHO = {"a": sa.Agent(model=EchoModel())}
-
-
-@pytest.fixture
-def otel() -> Otel:
-    return Otel()
 
 
 def unclean(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -96,8 +91,6 @@ async def test_a_wake_after_kill_9_mid_turn_warns_once_and_is_counted(
             assert (statistics.unclean_wakes, statistics.woken) == (1, 2)
             [point] = otel.points("sessionactors.sessions.unclean_wakes")
             assert point.value == 1
-    otel.tracer_provider.shutdown()
-    otel.meter_provider.shutdown()
 
 
 async def test_a_restart_after_a_crash_in_the_same_process_is_no_unclean_wake(

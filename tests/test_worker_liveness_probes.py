@@ -17,25 +17,16 @@ import trio
 
 import sessionactors as sa
 from net_proxy import proxy_to
+from redis_workers import TTL, open_worker
 from sessionactors.http import create_app
-from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 from web.servers import serve_trio
 from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
 
-TTL = 1.0
 WAKE = msgpack.packb({"op": "wake"})
 SSE = {"accept": "text/event-stream"}
-
-
-def open_worker(url: str, prefix: str, worker_id: str, model: Any = None, **options: Any) -> Any:
-    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
-    store = RedisStore(url, prefix=prefix, balance=False)
-    options.setdefault("lease_ttl", TTL)
-    agents = {"echo": sa.Agent(model=model or EchoModel())}
-    return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
 
 
 async def test_a_turn_submitted_nowait_to_a_session_live_elsewhere_reads_failed(
@@ -246,12 +237,8 @@ async def test_a_store_fault_in_the_worker_id_check_lets_no_second_worker_throug
             await a.spawn("s")
             assert (await a.ref("s").send("one")).text == "one"
             proxy.edit = faults
-            store = RedisStore(proxied, prefix=prefix, balance=False)
-            agents = {"echo": sa.Agent(model=EchoModel())}
             with pytest.raises(sa.StoreConfigurationError, match="worker_id 'w'"):
-                async with sa.open_registry(
-                    store=store, agents=agents, worker_id="w", lease_ttl=ttl
-                ):
+                async with open_worker(proxied, prefix, "w", lease_ttl=ttl):
                     await trio.sleep(5)  # (the refusal ends it; else: the failure)
             assert faults.looked, proxy.commands
             assert faults.cuts == {"look": 0, "wake": 2, "put back": 1}[where], proxy.commands
@@ -286,11 +273,7 @@ async def test_a_replay_whose_held_request_the_owner_never_answers_goes_on_withi
             first = await a.ref("s").send("one")
             await a.ref("s").send("two")
             proxy.edit = held_requests_lost
-            store = RedisStore(proxied, prefix=prefix, balance=False)
-            agents = {"echo": sa.Agent(model=EchoModel())}
-            async with sa.open_registry(
-                store=store, agents=agents, worker_id="b", lease_ttl=ttl
-            ) as b:
+            async with open_worker(proxied, prefix, "b", lease_ttl=ttl) as b:
                 replayed: list[sa.Event] = []
                 with trio.fail_after(ttl):  # (the bound and the journal's read)
                     async with b.ref("s").subscribe(after=0) as events:
@@ -694,18 +677,16 @@ async def test_a_failed_renewal_of_the_leases_is_logged_once_in_plain_words(
         return words
 
     with trio.fail_after(30):
-        async with proxy_to(redis_url) as (proxy, proxied):
-            store = RedisStore(proxied, prefix=prefix, balance=False)
-            agents = {"echo": sa.Agent(model=EchoModel())}
-            async with sa.open_registry(
-                store=store, agents=agents, worker_id="w", lease_ttl=ttl
-            ) as registry:
-                await registry.spawn("s")
-                assert (await registry.ref("s").send("one")).text == "one"  # (live here)
-                proxy.edit = refuse_renewals
-                while not any("renew" in r.getMessage() for r in caplog.records):
-                    await trio.sleep(0.1)
-                proxy.edit = None
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(proxied, prefix, "w", lease_ttl=ttl) as registry,
+        ):
+            await registry.spawn("s")
+            assert (await registry.ref("s").send("one")).text == "one"  # (live here)
+            proxy.edit = refuse_renewals
+            while not any("renew" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.1)
+            proxy.edit = None
     [record] = [r for r in caplog.records if "renew" in r.getMessage()][:1]
     message = record.getMessage()
     assert record.levelname == "WARNING", message

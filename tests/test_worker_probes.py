@@ -19,21 +19,12 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from redis_workers import TTL, open_worker
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
 from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
-
-TTL = 1.0
-
-
-def open_worker(url: str, prefix: str, worker_id: str, model: Any, **options: Any) -> Any:
-    """A registry on ``url`` under ``prefix`` whose sessions stay where they woke."""
-    store = RedisStore(url, prefix=prefix, balance=False)
-    options.setdefault("lease_ttl", TTL)
-    agents = {"echo": sa.Agent(model=model)}
-    return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
 
 
 def last_user_text(request: sa.ModelRequest) -> str:
@@ -56,6 +47,28 @@ class HoldLong:
             yield sa.TextChunk(word + " ")
 
 
+@contextlib.asynccontextmanager
+async def owner_closing_on_a_long_turn(url: str, prefix: str) -> AsyncIterator[trio.Nursery]:
+    """Worker "a", whose session "s" runs a turn that holds on (a ``HoldLong``'s "long"),
+    opened in the nursery it gives: leaving the block closes a, whose grace (0.3 s) cuts
+    that turn (its caller gets SessionStoppedError), then waits for the nursery's tasks."""
+    model = HoldLong()
+    async with (
+        trio.open_nursery() as nursery,
+        open_worker(url, prefix, "a", model, shutdown_grace=0.3) as a,
+    ):
+        await a.spawn("s")
+        await a.ref("s").history()  # live on a
+
+        async def long_turn() -> None:
+            with pytest.raises(sa.SessionStoppedError):  # cut off by a's close
+                await a.ref("s").send("long")
+
+        nursery.start_soon(long_turn)
+        await model.started.wait()
+        yield nursery
+
+
 class RateLimited:
     """Fails a turn whose text starts with "fail" as an HTTP 429 from a model would."""
 
@@ -72,24 +85,11 @@ async def test_a_stream_through_another_worker_follows_its_turn_sent_on_when_its
 ) -> None:
     """ref.stream() through another worker, whose turn waits in the owner's mailbox when the owner closes and is sent on to the session's next worker, yields that turn's events to its outcome: it never ends empty without one."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
-    model = HoldLong()
     seen: list[sa.Event] = []
     text = "queued behind the long turn"
     with trio.fail_after(30):
         async with open_worker(redis_url, prefix, "b", EchoModel()) as b:
-            async with (
-                trio.open_nursery() as nursery,
-                open_worker(redis_url, prefix, "a", model, shutdown_grace=0.3) as a,
-            ):
-                await a.spawn("s")
-                await a.ref("s").history()  # live on a
-
-                async def long_turn() -> None:
-                    with pytest.raises(sa.SessionStoppedError):  # cut off by a's close
-                        await a.ref("s").send("long")
-
-                nursery.start_soon(long_turn)
-                await model.started.wait()
+            async with owner_closing_on_a_long_turn(redis_url, prefix) as nursery:
 
                 async def stream(task_status: trio.TaskStatus[None]) -> None:
                     async with b.ref("s").stream(text) as events:
@@ -539,22 +539,9 @@ async def test_truncating_to_more_messages_than_a_wire_integer_through_another_w
 async def test_a_turn_sent_on_by_a_closing_worker_is_not_called_replayed(redis_url: str) -> None:
     """A turn submitted through another worker that closed before starting it, and run by the session's next worker under a new turn id, reads as that turn (turn.id is its reply's turn_id) and not as replayed: it ran, it was no stored reply."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
-    model = HoldLong()
     with trio.fail_after(30):
         async with open_worker(redis_url, prefix, "b", EchoModel()) as b:
-            async with (
-                trio.open_nursery() as nursery,
-                open_worker(redis_url, prefix, "a", model, shutdown_grace=0.3) as a,
-            ):
-                await a.spawn("s")
-                await a.ref("s").history()  # live on a
-
-                async def long_turn() -> None:
-                    with pytest.raises(sa.SessionStoppedError):  # cut off by a's close
-                        await a.ref("s").send("long")
-
-                nursery.start_soon(long_turn)
-                await model.started.wait()
+            async with owner_closing_on_a_long_turn(redis_url, prefix):
                 turn = await b.ref("s").submit("queued")  # in a's mailbox
                 assert not turn.replayed
             reply = await turn.reply()  # run by b, a's next worker
@@ -577,12 +564,17 @@ async def test_sessions_hopping_between_workers_under_mixed_traffic(
     agents = {"echo": sa.Agent(model=EchoModel(delay=0.005))}
 
     def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=balance)
         # sessions move between workers by hibernating when idle, not by leases lapsing:
         # a lease of 10 s outlasts a stall of the loop on a loaded machine (a stall past
         # 3 s fenced every session out in one run of the whole soak suite)
-        return sa.open_registry(
-            store=store, agents=agents, worker_id=worker_id, lease_ttl=10, idle_timeout=0.05
+        return open_worker(
+            redis_url,
+            prefix,
+            worker_id,
+            agents=agents,
+            balance=balance,
+            lease_ttl=10,
+            idle_timeout=0.05,
         )
 
     async def traffic(registry: sa.Registry, tag: str, stop: trio.Event, seed: int) -> None:

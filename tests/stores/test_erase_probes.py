@@ -13,7 +13,7 @@ import pytest
 import trio
 
 import sessionactors as sa
-from sessionactors.stores import RedisStore
+from redis_workers import open_worker
 from sessionactors.testing import EchoModel
 
 MARK = "ERASE-ME"
@@ -135,13 +135,11 @@ async def test_no_redis_key_holds_a_deleted_sessions_text_not_even_its_event_str
     prefix = f"erase-{uuid.uuid4().hex}"
     ended: list[BaseException] = []
 
-    def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        agents = {"echo": sa.Agent(model=EchoModel())}
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=1.0)
-
     with trio.fail_after(30):
-        async with worker("a") as a, worker("b") as b:
+        async with (
+            open_worker(redis_url, prefix, "a") as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
             ref = await a.spawn("gone", metadata={"email": f"{MARK}@example.com"})
             await ref.send(f"{MARK} first")  # live on a
 

@@ -37,6 +37,7 @@ from sessionactors import (
 )
 from sessionactors.stores import MAX_SEQ, JournalEntry, Lease, RedisStore, StoredSession
 from sessionactors.testing import EchoModel, check_store
+from stream_checks import read_until_it_ends
 
 pytestmark = pytest.mark.redis
 
@@ -917,7 +918,7 @@ async def test_a_live_session_that_redis_lost_says_its_data_may_be_lost(
                 assert (await ref.send("one")).text == "one"
                 ended: list[BaseException] = []
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_read_until_it_ends, ref, ended)
+                    nursery.start_soon(read_until_it_ends, ref, ended)
                     await trio.testing.wait_all_tasks_blocked()
                     async with coredis.Redis.from_url(url) as client:
                         await client.flushall()
@@ -932,13 +933,3 @@ async def test_a_live_session_that_redis_lost_says_its_data_may_be_lost(
     assert caught.value.session_id == "s"
     errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
     assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
-
-
-async def _read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
-    """Read ``ref``'s events until the subscription ends; the error that ended it."""
-    try:
-        async with ref.subscribe() as events:
-            async for _ in events:
-                pass
-    except sa.SessionActorsError as exc:
-        ended.append(exc)

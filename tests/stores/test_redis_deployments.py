@@ -18,6 +18,7 @@ import trio
 from coredis.connection import TCPLocation
 
 import sessionactors as sa
+from redis_workers import open_worker
 from sessionactors import StoreError, StoreNotDurableError
 from sessionactors.stores import JournalEntry, RedisStore, StoredSession
 from sessionactors.testing import EchoModel, check_store
@@ -112,12 +113,10 @@ async def test_a_cluster_over_tls_checks_the_nodes_against_the_urls_ca(
             for store in stores:
                 await store.aclose()
 
-            def worker(worker_id: str) -> Any:
-                store = RedisStore(url, prefix=prefix, balance=False)
-                agents = {"echo": sa.Agent(model=EchoModel())}
-                return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
-
-            async with worker("a") as a, worker("b") as b:
+            async with (
+                open_worker(url, prefix, "a", lease_ttl=30.0) as a,
+                open_worker(url, prefix, "b", lease_ttl=30.0) as b,
+            ):
                 await (await a.spawn("s")).send("woken on a")
                 assert (await b.ref("s").send("over tls")).text == "over tls"
                 assert (a.live(), b.live()) == (["s"], [])

@@ -25,6 +25,7 @@ import unusable_stores
 from sessionactors import SessionNotFoundError, SnapshotCorruptError, StoreError
 from sessionactors.stores import MAX_SEQ, JournalEntry, SQLiteStore, StoredSession
 from sessionactors.testing import check_store
+from stream_checks import read_until_it_ends
 
 WORKER = Path(__file__).with_name("sqlite_claim_worker.py")
 HOLDER = Path(__file__).with_name("sqlite_holder.py")
@@ -1319,7 +1320,7 @@ async def test_a_live_session_whose_rows_are_gone_says_its_data_may_be_lost(
             assert (await ref.send("one")).text == "one"
             ended: list[BaseException] = []
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_read_until_it_ends, ref, ended)
+                nursery.start_soon(read_until_it_ends, ref, ended)
                 await trio.testing.wait_all_tasks_blocked()
                 with contextlib.closing(sqlite3.connect(path)) as conn:
                     for table in ("journal", "snapshots", "leases", "sessions"):
@@ -1333,13 +1334,3 @@ async def test_a_live_session_whose_rows_are_gone_says_its_data_may_be_lost(
     assert "create it first" not in said, said
     errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
     assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
-
-
-async def _read_until_it_ends(ref: sa.SessionRef, ended: list[BaseException]) -> None:
-    """Read ``ref``'s events until the subscription ends; the error that ended it."""
-    try:
-        async with ref.subscribe() as events:
-            async for _ in events:
-                pass
-    except sa.SessionActorsError as exc:
-        ended.append(exc)

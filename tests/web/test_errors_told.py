@@ -14,9 +14,9 @@ import pytest
 import trio
 
 import sessionactors as sa
+from redis_workers import open_worker
 from sessionactors.http import create_app
 from sessionactors.models import OpenAIChatModel
-from sessionactors.stores import RedisStore
 from sessionactors.testing import FaultyStore, Scripted, ScriptedModel
 
 from .chat_agents import DROPPED, trio_agents
@@ -421,12 +421,11 @@ async def test_a_turn_failed_on_another_worker_is_told_by_its_kind(
     agents = {"app": sa.Agent(model=ScriptedModel([Scripted(error=failure)], repeat=True))}
     prefix = f"sa-test:{uuid.uuid4().hex}"
 
-    def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
-
     with trio.fail_after(30):
-        async with worker("a") as a, worker("b") as b:
+        async with (
+            open_worker(redis_url, prefix, "a", agents=agents, lease_ttl=30.0) as a,
+            open_worker(redis_url, prefix, "b", agents=agents, lease_ttl=30.0) as b,
+        ):
             await a.spawn("w")
             await a.ref("w").history()  # live on a
             async with serve_trio(create_app(b)) as url, httpx.AsyncClient(base_url=url) as client:
@@ -509,12 +508,11 @@ async def test_a_model_error_marked_public_stays_public_on_another_worker(redis_
     agents = {"app": sa.Agent(model=ScriptedModel([overloaded], repeat=True))}
     prefix = f"sa-test:{uuid.uuid4().hex}"
 
-    def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id)
-
     with trio.fail_after(30):
-        async with worker("a") as a, worker("b") as b:
+        async with (
+            open_worker(redis_url, prefix, "a", agents=agents, lease_ttl=30.0) as a,
+            open_worker(redis_url, prefix, "b", agents=agents, lease_ttl=30.0) as b,
+        ):
             await a.spawn("w")
             await a.ref("w").history()  # live on a
             with pytest.raises(sa.TurnFailedError) as raised:

@@ -25,6 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
 import sessionactors as sa
+from redis_workers import open_worker
 from sessionactors.http import SessionsApp, create_app, event_to_json
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
@@ -343,13 +344,11 @@ async def test_a_keyed_stream_through_another_worker_joins_its_turn_from_its_sta
         "b": ScriptedModel([]),  # (the turn never runs on b)
     }
 
-    def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        agents = {"echo": sa.Agent(model=scripts[worker_id])}
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=2.0)
-
     with trio.fail_after(30):
-        async with worker("a") as a, worker("b") as b:
+        async with (
+            open_worker(redis_url, prefix, "a", scripts["a"], lease_ttl=2.0) as a,
+            open_worker(redis_url, prefix, "b", scripts["b"], lease_ttl=2.0) as b,
+        ):
             await a.spawn("s")
             async with a.ref("s").subscribe() as seen:
                 await a.ref("s").submit("go", idempotency_key="k")
@@ -382,13 +381,12 @@ async def test_a_resume_through_another_worker_replays_the_deltas_its_owner_hold
     prefix = f"sa-test:{uuid.uuid4().hex}"
     text = " ".join(f"w{i}" for i in range(40))
 
-    def worker(worker_id: str) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        agents = {"echo": sa.Agent(model=EchoModel(delay=0.02))}
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, lease_ttl=2.0)
-
+    model = EchoModel(delay=0.02)
     with trio.fail_after(30):
-        async with worker("a") as a, worker("b") as b:
+        async with (
+            open_worker(redis_url, prefix, "a", model, lease_ttl=2.0) as a,
+            open_worker(redis_url, prefix, "b", model, lease_ttl=2.0) as b,
+        ):
             await a.spawn("s")
             async with a.ref("s").subscribe() as seen:
                 await a.ref("s").submit(text)
