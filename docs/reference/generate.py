@@ -32,6 +32,7 @@ NAMESPACES = [
     "sessionactors.aio",
     "sessionactors.http",
     "sessionactors.otel",
+    "sessionactors.workers",
 ]
 
 INTRO = {
@@ -64,6 +65,12 @@ INTRO = {
         "OpenTelemetry traces and metrics after the GenAI semantic conventions, through the "
         "core's `Telemetry` seam. Needs the `otel` extra (`opentelemetry-api`); the "
         "application brings the SDK and its exporters."
+    ),
+    "sessionactors.workers": (
+        "The multi-worker layer, a plug-in behind the core's router seam: `RedisStore` "
+        "opens it for each registry (`open_cluster` over a `Transport`). Listed for what "
+        "it reports (`ClusterStatistics`); the seam a store of your own would need to "
+        "connect workers (the router host `open_cluster` takes) is not public yet."
     ),
 }
 

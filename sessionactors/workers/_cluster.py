@@ -124,6 +124,7 @@ from .._errors import (
     advised,
 )
 from .._events import Event
+from .._final import NoPublicConstructor
 from .._pending import Append, Pending
 from .._records import SessionState, TurnOutcome, id_issuer, new_id
 from .._ref import Turn, joined, new_turn
@@ -246,8 +247,10 @@ def _weight(shard: int, worker: str) -> int:
 _OWNER_DIED: Final[dict[str, Any]] = {"died": True}
 
 
-class Cluster:
+class Cluster(metaclass=NoPublicConstructor):
     """One worker's side of the cluster: inbox, forwarding, event streams, mirrors."""
+
+    _made_by = "open_cluster(host, transport, nursery) makes it"
 
     def __init__(self, host: RouterHost, transport: Transport, *, balance: bool = True) -> None:
         self.host = host
@@ -1431,6 +1434,6 @@ async def open_cluster(
 ) -> Cluster:
     """Start a registry's multi-worker router over ``transport`` in ``nursery``; with
     ``balance``, the workers share the shards fairly (see the module docstring)."""
-    cluster = Cluster(host, transport, balance=balance)
+    cluster = Cluster._create(host, transport, balance=balance)
     await nursery.start(cluster.run)
     return cluster
