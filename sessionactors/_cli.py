@@ -14,6 +14,8 @@ from typing import Any, NoReturn
 import trio
 
 from ._agent import Agent
+from ._cli_copy import add_parser as add_copy_parser
+from ._cli_copy import read_target
 from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout, add_store_arguments
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
@@ -188,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _Parser(
         prog="sessionactors",
         description="Run LLM conversations as actors: a demo, a chat, an HTTP server, and "
-        "the sessions of a store (list, show, export, import, delete, tail).",
+        "the sessions of a store (list, show, export, import, delete, tail, copy).",
         epilog="Each command has its own --help. Operating a store: the project's "
         "docs/howto/operations.md",
     )
@@ -309,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="report traces and metrics through OpenTelemetry's global providers, which the "
         "--agent module sets up (or opentelemetry-instrument); needs sessionactors[otel]",
     )
-    add_sessions_parser(sub)
+    add_copy_parser(add_sessions_parser(sub))
     args, unknown = parser.parse_known_args(argv)
     # (the command's name, as its errors begin)
     prog = " ".join(
@@ -332,6 +334,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                 2,
                 f"{prog}: no store given: pass --store URL or --store-file PATH, or set "
                 f"{STORE_VARIABLE} (see {prog} --help)\n",
+            )
+    if getattr(args, "sessions_command", None) == "copy":  # and the store to copy to
+        try:
+            args.given_target = read_target(args)
+        except ValueError as exc:
+            parser.exit(2, f"{prog}: {exc}\n")
+        if args.given_target is None:
+            parser.exit(
+                2,
+                f"{prog}: no store to copy to given: pass --to URL or --to-file PATH "
+                f"(see {prog} --help)\n",
             )
     if args.command == "sessions":
         raise SystemExit(run_sessions(args))

@@ -21,12 +21,12 @@ def read_given(
     *,
     option: str,
     file_option: str,
-    variable: str,
+    variable: str | None,
     what: tuple[str, str],
 ) -> tuple[str, str] | None:
     """The value that ``option`` (``value``), ``file_option`` (the file at ``path``) or
-    the environment ``variable`` gives, in that order, with where it came from (one of
-    the three names); None for none of them. A file's or the variable's surrounding
+    the environment ``variable`` (None: none) gives, in that order, with where it came
+    from (one of the three names); None for none of them. A file's or the variable's surrounding
     whitespace is dropped (``export X="$(cat f)"`` is the same). ``what`` names the
     value in messages, as ``("the store's URL", "a store's URL")``.
 
@@ -58,8 +58,8 @@ def read_given(
                 f"put {the} alone in it"
             )
         return _one_line(text, where, f"{where} is empty; put {the} in it", the), file_option
-    given = os.environ.get(variable)
-    if given is None:
+    given = None if variable is None else os.environ.get(variable)
+    if variable is None or given is None:
         return None
     empty = f"{variable} is set but empty; give it {a}, or unset it"
     return _one_line(given, variable, empty, the), variable

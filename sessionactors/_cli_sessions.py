@@ -1,5 +1,5 @@
 """``python -m sessionactors sessions ...``: list, show, export, import, delete and tail
-the sessions of a store.
+the sessions of a store (``copy``, which copies them to another store, is in ``_cli_copy``).
 
 Read commands (``list``, ``show``, ``export``, ``tail``) open the store for
 reading only (a SQLite file with ``readonly=True``; a Redis store demanding no
@@ -100,19 +100,15 @@ EXIT_PIPE_CLOSED: Final = 141
 LEASE_TTL: Final = 30.0
 
 
-def add_parser(commands: Any) -> None:
-    """Add ``sessions`` and its subcommands to the command line's subparsers."""
+def add_parser(commands: Any) -> Any:
+    """Add ``sessions`` and its subcommands to the command line's subparsers; its own
+    subparsers, for ``add_command``."""
     sessions = commands.add_parser(
-        "sessions", help="list, show, export, import, delete and tail the sessions of a store"
+        "sessions",
+        help="list, show, export, import, delete, tail and copy the sessions of a store",
     )
     sub = sessions.add_subparsers(dest="sessions_command", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
-        add_store_arguments(
-            parser, "sqlite:///path.db (sqlite:////absolute.db) or redis://host:port/db"
-        )
-        return parser
+    command = functools.partial(add_command, sub)
 
     listing = command("list", "list sessions, newest activity first")
     listing.add_argument("--status", choices=[s.value for s in Status])
@@ -157,6 +153,25 @@ def add_parser(commands: Any) -> None:
         "print its events from its first one, rather than fail; a session stored after "
         "tail started is printed from its first event too",
     )
+    return sub
+
+
+def add_command(
+    sub: Any,
+    name: str,
+    help: str,
+    run: Callable[[Store, argparse.Namespace], Awaitable[int]] | None = None,
+) -> argparse.ArgumentParser:
+    """Add the ``sessions`` command ``name`` to ``sub`` (``add_parser``'s), with the store's
+    options; ``run`` runs it (for a command of another module; this one's are in
+    ``_COMMANDS``), given the store opened (read-only for a command in ``_READS``)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    add_store_arguments(
+        parser, "sqlite:///path.db (sqlite:////absolute.db) or redis://host:port/db"
+    )
+    if run is not None:
+        parser.set_defaults(sessions_run=run)
+    return parser
 
 
 def add_store_arguments(parser: argparse.ArgumentParser, urls: str) -> None:
@@ -185,10 +200,11 @@ _STORE_URL: Final = re.compile(
 )
 
 
-def _not_a_url(text: str) -> str:
-    """A session's name to delete; one that holds a store's URL is refused: a URL given
-    where a name goes (or an option with one that the parser took for a name: its value
-    holds a space), whose password would be printed as the name's."""
+def _not_a_url(text: str, store_option: str = "--store") -> str:
+    """A session's name to delete (or copy); one that holds a store's URL is refused: a
+    URL given where a name goes (or an option with one that the parser took for a name:
+    its value holds a space), whose password would be printed as the name's. The
+    refusal says to give the store with ``store_option``."""
     if _STORE_URL.search(text):
         option, equals, value = text.partition("=")
         if is_url(text):
@@ -198,7 +214,7 @@ def _not_a_url(text: str) -> str:
         else:
             shown = "***"  # (anything else around it may be a secret too)
         raise argparse.ArgumentTypeError(
-            f"a store's URL is no session's name ({shown}): give the store with --store URL"
+            f"a store's URL is no session's name ({shown}): give the store with {store_option} URL"
         )
     return text
 
@@ -223,7 +239,7 @@ def _seq(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run one ``sessions`` command; its exit status (errors: one line on stderr)."""
     name = args.sessions_command
-    command = _COMMANDS[name]
+    command = _COMMANDS.get(name) or args.sessions_run
     try:
         if name == "delete":
             _check_names(args.names)
@@ -286,6 +302,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _say_error(args: argparse.Namespace, exc: BaseException) -> None:
     """Tell ``exc`` on stderr, in one line, as the command's error."""
+    print(
+        f"sessionactors sessions {args.sessions_command}: {_told_line(args, exc)}",
+        file=sys.stderr,
+    )
+
+
+def _told_line(args: argparse.Namespace, exc: BaseException) -> str:
+    """``exc`` told in one line, as the command line tells it (its advice names the
+    command line's own commands on the store as it was given), safe for a terminal."""
     advise = functools.partial(_cli_advice, args.given_store)
     text = " ".join(told(exc, advise).split()) or type(exc).__name__
     if isinstance(exc, SessionNotFoundError) and Advice(kind=AdviceKind.CREATE) in exc._told:
@@ -296,10 +321,7 @@ def _say_error(args: argparse.Namespace, exc: BaseException) -> None:
         )
     elif not isinstance(exc, SessionActorsError | ValueError | OSError):
         text = f"{type(exc).__name__}: {text}"
-    print(
-        f"sessionactors sessions {args.sessions_command}: {_terminal_safe(text)}",
-        file=sys.stderr,
-    )
+    return _terminal_safe(text)
 
 
 def _cli_advice(given: GivenStore, advice: Advice, session_id: str | None) -> str:
@@ -416,7 +438,7 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _say_if_empty(store: Store, given: GivenStore) -> None:
+async def _say_if_empty(store: Store, given: GivenStore, command: str = "list") -> None:
     """Say on stderr when the store holds no session at all: an empty listing of it
     means a wrong store URL (a mistyped ?prefix=, another database number) more often
     than a store emptied, and [] alone would pass a check that nothing is left."""
@@ -441,7 +463,7 @@ async def _say_if_empty(store: Store, given: GivenStore) -> None:
         )
     else:
         text = f"the store at {redact(given.url)} holds no sessions: check {where}"
-    print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
+    print(f"sessionactors sessions {command}: {_terminal_safe(text)}", file=sys.stderr)
 
 
 def _say_damaged(given: GivenStore, raw: bytes) -> None:
@@ -904,7 +926,8 @@ async def _delete_one(store: Store, registry: Registry | None, name: str) -> Non
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
 
 
-_READS: Final = frozenset({"list", "show", "export", "tail"})
+#: The commands that only read their store (``copy`` writes another one: its target).
+_READS: Final = frozenset({"list", "show", "export", "tail", "copy"})
 _COMMANDS: Final[dict[str, Callable[[Store, argparse.Namespace], Awaitable[int]]]] = {
     "list": _list,
     "show": _show,

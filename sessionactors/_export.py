@@ -1,7 +1,8 @@
 """The export format: a whole session as one versioned JSON document.
 
 Pure (no trio, no I/O). ``python -m sessionactors sessions export`` writes it and
-``sessions import`` reads it; docs/howto/operations.md documents it. Version 1::
+``sessions import`` reads it (``sessions copy`` stores what it reads as import does:
+``as_imported``); docs/howto/operations.md documents it. Version 1::
 
     {
       "format": "sessionactors.session",
@@ -37,7 +38,7 @@ from ._history import broken_rule, check_copyable
 from ._json import finite, to_json
 from ._records import SessionState, Status
 
-__all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "dump_export", "load_export"]
+__all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "as_imported", "dump_export", "load_export"]
 
 #: The ``format`` field of every export.
 EXPORT_FORMAT: Final = "sessionactors.session"
@@ -137,6 +138,14 @@ def load_export(document: Any, *, name: str | None = None) -> SessionState:
             session_id=name,
             reviews=tuple(attrs.evolve(r, session_id=name) for r in state.reviews),
         )
+    return as_imported(state)
+
+
+def as_imported(state: SessionState) -> SessionState:
+    """``state`` (a stored session's, as ``read_session`` reads it, or an export's) as
+    import stores it: without the source store's bookkeeping of its journal, which the
+    new store starts afresh, and hibernated (it is stored, not live), unless it is
+    stopped or was never used. Its pending reviews and open turn stay with it."""
     state = attrs.evolve(state, **_FRESH)
     unused = state.status is Status.NEW and not state.messages and not state.event_seq
     if state.status is not Status.STOPPED and not unused:  # stored: no process runs it

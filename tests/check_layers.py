@@ -84,6 +84,7 @@ PLUGINS: tuple[str, ...] = (
     "_cli",
     "_cli_given",
     "_cli_sessions",
+    "_cli_copy",
     "_demo",
     "_demo_cluster",
     "__main__",

@@ -28,9 +28,10 @@ class GivenStore:
     """A store's URL as the command line was given it."""
 
     url: str
-    #: Where it came from: ``"--store"``, ``"--store-file"`` or ``STORE_VARIABLE``.
+    #: Where it came from: ``"--store"``, ``"--store-file"`` or ``STORE_VARIABLE`` (for
+    #: the store that ``sessions copy`` writes to, ``"--to"`` or ``"--to-file"``).
     source: str
-    #: The file's path, for ``--store-file``.
+    #: The file's path, for ``--store-file`` (``--to-file``).
     path: str | None = None
 
     def __repr__(self) -> str:  # (never the password, were it printed)
@@ -47,7 +48,7 @@ class GivenStore:
         """Where the URL came from, as a message that shows the store otherwise names it
         (``check the path in --store-file '/etc/sa/store'``): ``--store``, ``--store-file``
         with the file's path, or ``SESSIONACTORS_STORE``."""
-        return self.source if self.path is None else f"--store-file {self.path!r}"
+        return self.source if self.path is None else f"{self.source} {self.path!r}"
 
     def option(self) -> tuple[str, bool]:
         """The option (shell words) that gives this store to a command printed for the
@@ -62,25 +63,34 @@ class GivenStore:
         return f"--store {shlex.quote(shown)}", shown != self.url
 
 
-def read_store(store: str | None, store_file: str | None) -> GivenStore | None:
+def read_store(
+    store: str | None,
+    store_file: str | None,
+    *,
+    option: str = "--store",
+    file_option: str = "--store-file",
+    variable: str | None = STORE_VARIABLE,
+) -> GivenStore | None:
     """The store's URL that ``--store``, ``--store-file`` or the environment gives (in that
     order: an option given wins over ``SESSIONACTORS_STORE``), or None for none of them;
     a file's or the variable's surrounding whitespace is dropped. Raises ``ValueError``
     for both options given, and for a file that cannot be read, is empty, holds more
     than one line or is far larger than a URL (and the variable so): its message names
-    the file or the variable, never what it holds."""
+    the file or the variable, never what it holds. ``option``, ``file_option`` and
+    ``variable`` name another pair of options (``--to``, ``--to-file``) and variable
+    (None: none)."""
     given = read_given(
         store,
         store_file,
-        option="--store",
-        file_option="--store-file",
-        variable=STORE_VARIABLE,
+        option=option,
+        file_option=file_option,
+        variable=variable,
         what=("the store's URL", "a store's URL"),
     )
     if given is None:
         return None
     url, source = given
-    return GivenStore(url=url, source=source, path=store_file if source == "--store-file" else None)
+    return GivenStore(url=url, source=source, path=store_file if source == file_option else None)
 
 
 def open_store(url: str, *, readonly: bool = False, given: GivenStore | None = None) -> Any:
