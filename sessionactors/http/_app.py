@@ -714,8 +714,6 @@ class SessionsApp:
             refused = _RequestError(422, "InvalidJSON", f"the frame is not valid JSON ({error})")
             return self._error_body(refused, scope, session)
         status = error_status(error)
-        if isinstance(error, sa.SessionStoppedError) and self._draining:
-            status = 503
         return status, self._error_json(error, scope, status)
 
     def _error_json(
