@@ -241,6 +241,13 @@ def has_private(error: BaseException) -> bool:
     return any(isinstance(part, Private) for part in parts)
 
 
+def advises(error: BaseException, kind: AdviceKind) -> bool:
+    """Whether ``error``'s message gives advice of ``kind`` (which crosses between
+    workers with it)."""
+    parts = error._told if isinstance(error, SessionActorsError) else ()
+    return any(isinstance(part, Advice) and part.kind is kind for part in parts)
+
+
 def is_public(exc: BaseException) -> bool:
     """Whether ``exc``'s message is the library's own words, which a frontend may tell
     the people it serves: an error of a class the library defines (by the class, never

@@ -15,7 +15,8 @@ from typing import Any, Final
 import cattrs
 
 from ._events import Event, ToolResult, TurnStarted
-from ._records import CompletedTurn, SessionState
+from ._records import CompletedTurn, OpenTurn, SessionState, TurnStatus
+from ._turns import turn_id_time
 
 __all__ = [
     "dumps",
@@ -79,7 +80,8 @@ def to_json(record: Any) -> Any:
 
 
 def state_to_json(state: SessionState) -> dict[str, Any]:
-    """What ``GET /sessions/{name}`` answers: the state a client shows."""
+    """What ``GET /sessions/{name}`` answers: the state a client shows, and the turn
+    under way (see :func:`_open_turn_json`)."""
     return {
         "session_id": state.session_id,
         "agent": state.agent,
@@ -92,7 +94,44 @@ def state_to_json(state: SessionState) -> dict[str, Any]:
         "messages": [to_json(m) for m in state.messages],
         "pending_reviews": [to_json(r) for r in state.reviews],
         "usage": to_json(state.usage),
+        "open_turn": _open_turn_json(state),
     }
+
+
+def _open_turn_json(state: SessionState) -> dict[str, Any] | None:
+    """The turn under way in ``state`` (null when none): its ``turn_id``; its
+    ``status``, ``"waiting"`` while it waits on a review and ``"running"`` otherwise (as
+    ``ref.turn_outcome`` tells it); ``started_at``, when it began; and the fields of its
+    ``OpenTurn``: the user's ``message_id`` it answers, its ``idempotency_key`` and the
+    ``started_calls`` of tools that must not run twice.
+
+    A turn begins as its user message joins the history, stamped then. A turn of
+    ``ref.retry()`` answers the user message of the turn it runs again (whose outcome
+    names that message): it began when it was issued, as its id says. ``started_at`` is
+    null if the state does not tell (written before 0.3)."""
+    turn: OpenTurn | None = state.open_turn
+    if turn is None:
+        return None
+    started: datetime.datetime | None = None
+    asked = turn.message_id
+    if asked and any(record.message_id == asked for record in state.turns):
+        issued = turn_id_time(turn.turn_id)
+        if issued is not None:
+            started = _EPOCH + datetime.timedelta(microseconds=issued)
+    elif asked:
+        started = next((m.created_at for m in reversed(state.messages) if m.id == asked), None)
+    waiting = TurnStatus.WAITING if state.reviews else TurnStatus.RUNNING
+    return {
+        "turn_id": turn.turn_id,
+        "status": waiting.value,
+        "started_at": started.isoformat() if started is not None else None,
+        "message_id": asked,
+        "idempotency_key": turn.idempotency_key,
+        "started_calls": list(turn.started_calls),
+    }
+
+
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def dumps(data: Any) -> bytes:

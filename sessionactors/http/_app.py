@@ -321,7 +321,8 @@ def create_app(
       but takes 64 KB in that time (about 2 KB/s at the default) gets its
       whole stream or answer.
     - ``chat_page``: serve the chat page at ``/`` and its client at
-      ``/sessionactors.js``.
+      ``/sessionactors.js`` (without a ``token`` or an ``authorize``, under the
+      ``Host`` names that the routes answer: see ``trusted_origins``).
 
     ``GET /healthz`` is for load balancers: 200 ``{"status": "ok"}`` while the
     registry is open and its store answers a listing of one session within 2
@@ -447,9 +448,10 @@ class SessionsApp:
         routes: list[Route | WebSocketRoute] = []
         if chat_page:
             page, client = _static("index.html"), _static("sessionactors.js")
+            script = functools.partial(self._page, client, "text/javascript", None)
             routes += [
-                Route("/", lambda _: self._answer(page, "text/html", headers=_PAGE_HEADERS)),
-                Route("/sessionactors.js", lambda _: self._answer(client, "text/javascript")),
+                Route("/", functools.partial(self._page, page, "text/html", _PAGE_HEADERS)),
+                Route("/sessionactors.js", script),
             ]
         routes += [
             Route("/healthz", self._health, methods=["GET"]),
@@ -712,8 +714,6 @@ class SessionsApp:
             refused = _RequestError(422, "InvalidJSON", f"the frame is not valid JSON ({error})")
             return self._error_body(refused, scope, session)
         status = error_status(error)
-        if isinstance(error, sa.SessionStoppedError) and self._draining:
-            status = 503
         return status, self._error_json(error, scope, status)
 
     def _error_json(
@@ -1045,6 +1045,23 @@ class SessionsApp:
             return self._error_response(exc, request.scope, name or None)
 
     # ---- routes --------------------------------------------------------------------
+
+    async def _page(
+        self,
+        content: bytes,
+        media_type: str,
+        headers: Mapping[str, str] | None,
+        request: Request,
+    ) -> Response:
+        """The chat page, or its client, under the ``Host`` rule of the routes it calls
+        (see ``_refuse_rebindable``): under a name that they refuse, its every call would
+        be refused, so the page is refused too, with their error, which says what to do."""
+        if self._token is None and self._authorize is None:
+            try:
+                _refuse_rebindable(request, self._trusted)
+            except _RequestError as exc:
+                return self._error_response(exc, request.scope)
+        return self._answer(content, media_type, headers=headers)
 
     async def _health(self, request: Request) -> Response:
         """``GET /healthz``: 200 while the registry is open and its store answers a

@@ -6,7 +6,7 @@ from typing import Any, Final
 import sessionactors as sa
 
 from .._actor import LOST_PREFIX
-from .._errors import Private
+from .._errors import AdviceKind, Private, advises
 from .._json import dumps as dumps
 from .._json import event_to_json as _event_json
 from .._json import metadata_json as metadata_json
@@ -137,11 +137,13 @@ def outcome_to_json(outcome: sa.TurnOutcome) -> dict[str, Any]:
     }
 
 
-# The status of each library error; the first class that matches wins. The status also
-# sets how the gateway logs a request's error (``SessionsApp._error_json``): a 4xx is the
-# client's, told to it and not logged; a library error answered 503 (a store's failure or
-# a worker that gave no word at WARNING, a turn cut off by the shutdown or a session
-# fenced out at INFO) in one line; a 500 at ERROR with its traceback.
+# The status of each library error; the first class that matches wins (a
+# SessionStoppedError answers 503 but for a session that is stopped: see
+# ``error_status``). The status also sets how the gateway logs a request's error
+# (``SessionsApp._error_json``): a 4xx is the client's, told to it and not logged; a
+# library error answered 503 (a store's failure or a worker that gave no word at WARNING,
+# a turn cut off by the shutdown or a session fenced out at INFO) in one line; a 500 at
+# ERROR with its traceback.
 _STATUSES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (sa.SessionNotFoundError, 404),
     (sa.ReviewResolvedError, 409),
@@ -175,11 +177,26 @@ def failed_told(error: BaseException) -> str:
 
 
 def error_status(error: BaseException) -> int:
-    """The HTTP status for ``error`` (500 for anything unexpected)."""
+    """The HTTP status for ``error`` (500 for anything unexpected).
+
+    A ``SessionStoppedError`` tells of one of two things: a session that is stopped
+    (``ref.stop()``: it takes no more requests, ever; its advice is to go on in a session
+    of another name), 409; or a worker, or its registry, that stopped under the request
+    (a turn its shutdown cut off, a request it did not run, a session changing hands),
+    503, whichever worker's gateway answers: sent again, the request reaches the
+    session's next worker, and a client's or a proxy's retries on 503 apply to it."""
+    if isinstance(error, sa.SessionStoppedError) and not _stopped_for_good(error):
+        return 503
     for cls, status in _STATUSES:
         if isinstance(error, cls):
             return status
     return 500
+
+
+def _stopped_for_good(error: sa.SessionStoppedError) -> bool:
+    """Whether ``error`` says that its session is stopped (``ref.stop()``), rather than
+    a worker under it: its advice is to go on in a session of another name."""
+    return advises(error, AdviceKind.NEW_SESSION)
 
 
 def error_json(error: BaseException, *, status: int | None = None) -> dict[str, Any]:

@@ -524,3 +524,48 @@ async def test_a_model_error_marked_public_stays_public_on_another_worker(redis_
     assert isinstance(cause, sa.ModelError), repr(cause)
     assert (cause.public, cause.status_code) == (True, 529)
     assert f"failed: ModelError: {said}" in r.json()["message"], r.text
+
+
+@pytest.mark.redis
+async def test_a_turn_cut_by_its_workers_shutdown_answers_503_through_another_worker(
+    redis_url: str,
+) -> None:
+    """A message whose turn the shutdown of the worker running it cut off is answered 503
+    SessionStoppedError through another worker's gateway too, as through the stopping
+    worker's (send it again: it goes to the session's next worker); 409 stays for a
+    session that is stopped (ref.stop()), which takes no more messages."""
+    never = trio.Event()  # (the turn runs until the shutdown cuts it)
+    agents = {"app": sa.Agent(model=ScriptedModel([Scripted(text="late", wait=never)]))}
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+
+    def worker(worker_id: str, **options: Any) -> Any:
+        store = RedisStore(redis_url, prefix=prefix, balance=False)
+        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
+
+    answers: list[httpx.Response] = []
+    with trio.fail_after(30):
+        async with (
+            worker("b") as b,
+            serve_trio(create_app(b)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            async with trio.open_nursery() as nursery, worker("a", shutdown_grace=0.2) as a:
+                await a.spawn("s", agent="app")
+                await a.ref("s").history()  # live on a
+
+                async def post() -> None:
+                    r = await client.post("/sessions/s/messages", json={"text": "hi"})
+                    answers.append(r)
+
+                nursery.start_soon(post)
+                while not a.statistics().turns_running:
+                    await trio.sleep(0.01)
+            # a closed, and cut the turn off after its grace; the gateway answered
+            await (await b.spawn("t", agent="app")).stop()
+            stopped = await client.post("/sessions/t/messages", json={"text": "hi"})
+    [cut] = answers
+    assert (cut.status_code, cut.json()["error"]) == (503, "SessionStoppedError"), cut.text
+    assert "worker 'a', which ran it, stopped" in cut.json()["message"], cut.text
+    assert "send it again" in cut.json()["message"], cut.text
+    assert cut.json()["turn_id"].startswith("turn_"), cut.text
+    assert (stopped.status_code, stopped.json()["error"]) == (409, "SessionStoppedError")

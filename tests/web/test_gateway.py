@@ -247,6 +247,68 @@ async def test_the_turns_route_tells_what_became_of_each_turn(serve: Serve) -> N
             assert (await outcome(forged))["status"] == "lost"
 
 
+async def test_a_sessions_state_names_its_open_turn(serve: Serve) -> None:
+    """GET /sessions/{name} names the turn under way in "open_turn" (its id, running or
+    waiting on a review, when it began, its user message and idempotency key), and says
+    null once the turn ended."""
+    async with serve(delay=0.2) as served, httpx.AsyncClient(base_url=served.url) as client:
+
+        async def open_turn() -> Any:
+            r = await client.get("/sessions/o")
+            assert r.status_code == 200, r.text
+            return r.json()["open_turn"]
+
+        with trio.fail_after(20):
+            body = {"text": " ".join(["word"] * 30), "idempotency_key": "k-open"}
+            async with client.stream("POST", "/sessions/o/messages", json=body, headers=SSE) as r:
+                events = SSEReader(r)
+                _, started = await events.next()
+                assert started["type"] == "TurnStarted", started
+                assert await open_turn() == {
+                    "turn_id": started["turn_id"],
+                    "status": "running",
+                    "started_at": started["created_at"],
+                    "message_id": started["message_id"],
+                    "idempotency_key": "k-open",
+                    "started_calls": [],
+                }
+                await client.post("/sessions/o/cancel", json={"turn_id": started["turn_id"]})
+                await events.until(finished)
+            assert await open_turn() is None
+
+            reply = (await client.post("/sessions/o/messages", json={"text": "refund A7"})).json()
+            waiting = await open_turn()
+            assert (waiting["turn_id"], waiting["status"]) == (reply["turn_id"], "waiting")
+            review = reply["reviews"][0]["id"]
+            await client.post(f"/sessions/o/reviews/{review}", json={"approve": True})
+            assert await open_turn() is None
+
+
+async def test_the_open_turn_of_a_retry_began_when_the_retry_was_asked() -> None:
+    """The "started_at" of a turn that ref.retry() runs is when the retry was asked for,
+    not when the user message it answers again was written."""
+    gate = trio.Event()
+    model = ScriptedModel([Scripted(error=RuntimeError("down")), Scripted(text="ok", wait=gate)])
+    async with (
+        sa.open_registry(agents={"app": sa.Agent(model=model)}) as registry,
+        serve_trio(create_app(registry)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with trio.fail_after(10):
+            r = await client.post("/sessions/r/messages", json={"text": "hi", "agent": "app"})
+            assert r.status_code == 500, r.text
+            [asked, _] = (await client.get("/sessions/r")).json()["messages"]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(registry.ref("r").retry)
+                while (await registry.ref("r").state()).open_turn is None:
+                    await trio.sleep(0.01)
+                state = (await client.get("/sessions/r")).json()
+                gate.set()
+    turn = state["open_turn"]
+    assert turn["message_id"] == asked["id"]
+    assert turn["started_at"] > asked["created_at"], (turn, asked)
+
+
 async def test_the_turns_route_tells_the_kind_of_an_error_with_no_message() -> None:
     """A turn that failed with an exception whose message is empty (``RuntimeError()``)
     is told by the turns route by that kind, as one with a message is."""

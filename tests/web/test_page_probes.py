@@ -201,6 +201,31 @@ async def test_a_page_that_reaches_the_gateway_by_dns_rebinding_is_refused(serve
         assert (r.status_code, allowed) == (200, ["app.example.com"]), r.text
 
 
+async def test_the_chat_page_comes_only_under_a_host_its_calls_are_answered(serve: Serve) -> None:
+    """A gateway with neither token nor ``authorize`` serves the chat page and its client
+    under the names its routes answer (addresses, ``localhost``, its trusted origins'
+    hosts), and refuses them under any other ``Host`` with the routes' 403
+    ``UnknownHost``, which says what to do, rather than a page whose every call is
+    refused. With a token, the page comes under any name (it asks for the token)."""
+    async with serve(trusted_origins=["https://chat.example.com"]) as served:
+        port = served.url.rsplit(":", 1)[1]
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            with trio.fail_after(20):
+                for path in ("/", "/sessionactors.js"):
+                    r = await client.get(path, headers={"host": f"chat.internal:{port}"})
+                    assert r.status_code == 403, (path, r.status_code, r.text[:60])
+                    assert r.json()["error"] == "UnknownHost", r.text
+                    assert "trusted_origins" in r.json()["message"], r.text
+                    api = await client.get("/sessions", headers={"host": f"chat.internal:{port}"})
+                    assert r.json() == api.json()
+                    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "chat.example.com"):
+                        r = await client.get(path, headers={"host": host})
+                        assert r.status_code == 200, (host, r.text)
+    async with serve(token="s3cret") as served, httpx.AsyncClient(base_url=served.url) as client:
+        r = await client.get("/", headers={"host": "chat.example.com"})
+        assert r.status_code == 200, r.text
+
+
 async def test_input_an_attacker_bends_is_refused_not_read_leniently(serve: Serve) -> None:
     """A session name whose %-escapes are not UTF-8 (``a%FF``, which a server decodes to
     ``a\ufffd``, the same session as ``a%EF%BF%BD``), and a seq or limit written other than

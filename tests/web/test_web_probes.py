@@ -683,7 +683,8 @@ async def test_a_gateway_over_a_registry_without_agents_gives_http_advice() -> N
 
 def test_a_gateway_over_a_closed_aio_registry_gives_http_advice() -> None:
     """A request to a gateway mounted at /api whose asyncio registry has closed answers
-    409 SessionStoppedError, with no advice about Python's ``async with`` block."""
+    503 SessionStoppedError (the server does not serve: the session is not stopped), with
+    no advice about Python's ``async with`` block."""
 
     async def main() -> None:
         agents = asyncio_agents(delay=0.001)
@@ -696,7 +697,7 @@ def test_a_gateway_over_a_closed_aio_registry_gives_http_advice() -> None:
                 ("POST", "/api/sessions/s/messages", {"json": {"text": "hi"}}),
             ]:
                 r = await client.request(method, path, **kwargs)
-                assert (r.status_code, r.json()["error"]) == (409, "SessionStoppedError")
+                assert (r.status_code, r.json()["error"]) == (503, "SessionStoppedError")
                 http_advice(r.json())
 
     async def bounded() -> None:
