@@ -538,9 +538,8 @@ async def test_a_turn_cut_by_its_workers_shutdown_answers_503_through_another_wo
     agents = {"app": sa.Agent(model=ScriptedModel([Scripted(text="late", wait=never)]))}
     prefix = f"sa-test:{uuid.uuid4().hex}"
 
-    def worker(worker_id: str, **options: Any) -> Any:
-        store = RedisStore(redis_url, prefix=prefix, balance=False)
-        return sa.open_registry(store=store, agents=agents, worker_id=worker_id, **options)
+    def worker(worker_id: str, **options: Any) -> Any:  # (the registry's default leases)
+        return open_worker(redis_url, prefix, worker_id, agents=agents, lease_ttl=30.0, **options)
 
     answers: list[httpx.Response] = []
     with trio.fail_after(30):
