@@ -23,7 +23,7 @@ from net_proxy import proxy_to
 from redis_keys import session_key
 from redis_workers import TTL, open_worker
 from sessionactors.stores import RedisStore, dump_info, load_events
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 from stream_checks import stream_problems
 
 pytestmark = pytest.mark.redis
@@ -242,6 +242,60 @@ async def test_a_forwarded_turn_runs_under_the_id_sent_with_it_only_if_its_sessi
                 assert kept.message is not None
                 assert kept.message.content == "first"
                 assert b.live() == []  # (it ran on a all along)
+
+
+async def test_a_forwarded_turn_stamped_before_the_records_its_session_drops_reads_queued(
+    redis_url: str,
+) -> None:
+    """A turn sent through another worker whose clock is behind (its id is stamped
+    before every outcome the session keeps, but after those it forgot), queued behind
+    turns whose outcomes make the session forget records stamped after it, reads queued
+    while it waits (not forgotten), and finished once it ran."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    gates = {"hold 1": trio.Event(), "hold 2": trio.Event()}
+
+    def answer(request: sa.ModelRequest) -> Scripted:
+        words = request.messages[-1].content
+        return Scripted(text=words, wait=gates.get(words))
+
+    model = ScriptedModel([answer], repeat=True)
+    sent: list[str] = []
+    instead: list[str] = []
+    with trio.fail_after(60):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "a", model) as a,
+            open_worker(proxied, prefix, "b") as b,
+            trio.open_nursery() as nursery,
+        ):
+            ref = a.ref("s")
+            await a.spawn("s")
+            kept = [(await ref.send(f"{n}")).turn_id for n in range(256)]  # every record kept
+            _, tag, stamp, process = kept[0].split("_")  # turn_<tag>_<time>_<process>
+            behind = f"turn_{tag}_{int(stamp, 16) - 1:x}_{process}"
+            held = [await ref.submit("hold 1"), await ref.submit("hold 2")]
+            proxy.edit = forwarded_turn_ids(sent, instead)
+            instead.append(behind)
+            replies: list[sa.Reply] = []
+
+            async def send_behind() -> None:
+                replies.append(await b.ref("s").send("behind"))
+
+            nursery.start_soon(send_behind)
+            while (await ref.turn_outcome(behind)).status is not sa.TurnStatus.QUEUED:
+                await trio.sleep(0.01)  # (lost until it reaches a's mailbox)
+            gates["hold 1"].set()
+            await held[0].reply()  # its record is the 257th: the oldest one is dropped
+            assert (await ref.turn_outcome(behind)).status is sa.TurnStatus.QUEUED
+            assert (await b.ref("s").turn_outcome(behind)).status is sa.TurnStatus.QUEUED
+            gates["hold 2"].set()
+            await held[1].reply()
+            while not replies:
+                await trio.sleep(0.01)
+            assert replies[0].turn_id == behind
+            assert (await ref.turn_outcome(behind)).status is sa.TurnStatus.FINISHED
+            with pytest.raises(sa.TurnNotFoundError):  # (dropped: older than those kept)
+                await ref.turn_outcome(kept[0])
 
 
 async def test_metadata_of_any_storable_size_is_set_through_another_worker(
