@@ -464,8 +464,21 @@ class Actor:
             self._cancelled_by = by
         return True
 
-    def new_turn_id(self) -> str:
-        """A fresh id for a turn of this session (see ``_turns``)."""
+    def new_turn_id(self, given: str | None = None) -> str:
+        """A fresh id for a turn of this session (see ``_turns``).
+
+        ``given``: the id another process issued for the turn (the worker that forwarded
+        it here, so that its caller can name the turn if this one dies before answering),
+        taken if this loaded session reads it ``lost``: of its form, within the clocks'
+        leeway, newer than every record it forgot, and neither recorded, under way,
+        queued nor refused. The outcome rules then answer for it as for an id of its own.
+        """
+        if given is not None and self.is_ready:
+            try:
+                if self.outcome(given).status is TurnStatus.LOST:
+                    return given
+            except TurnNotFoundError:
+                pass
         return new_turn_id(self.tag)
 
     def note_queued(self, turn_id: str, queued: bool = True) -> None:

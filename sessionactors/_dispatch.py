@@ -133,21 +133,29 @@ class Dispatcher:
             return None
         return _enqueue(self.sessions.activate(name), text)  # the live one, or one waking
 
-    def enqueue_here(self, name: str, text: str) -> Pending | None:
+    def enqueue_here(self, name: str, text: str, turn_id: str | None = None) -> Pending | None:
         """A turn without idempotency key in the mailbox of a session live and loaded
-        here, at once, never routed (a request another worker forwarded): its result
-        slot; None if that takes a wait or a wake (``submit_here``)."""
+        here, at once, never routed (a request another worker forwarded, under the
+        ``turn_id`` it names if the session takes it: see ``Actor.new_turn_id``): its
+        result slot; None if that takes a wait or a wake (``submit_here``)."""
         actor = self.sessions.live.get(name)
         if actor is None or not actor.is_ready:
             return None
-        return _enqueue(actor, text)
+        return _enqueue(actor, text, turn_id)
 
-    async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
-        """A turn in the mailbox here, never routed (a request another worker forwarded)."""
-        turn: Turn = await self._route(name, lambda: self._submit_here(name, text, key, ack=True))
+    async def submit_here(
+        self, name: str, text: str, key: str | None, turn_id: str | None = None
+    ) -> Turn:
+        """A turn in the mailbox here, never routed (a request another worker forwarded,
+        under the ``turn_id`` it names if it is a new turn that the session takes)."""
+        turn: Turn = await self._route(
+            name, lambda: self._submit_here(name, text, key, ack=True, given=turn_id)
+        )
         return turn
 
-    async def _submit_here(self, name: str, text: str, key: str | None, *, ack: bool) -> Any:
+    async def _submit_here(
+        self, name: str, text: str, key: str | None, *, ack: bool, given: str | None = None
+    ) -> Any:
         actor = self.sessions.activate(name)  # the live one, or a new one that wakes
         if not actor.is_ready and (key is not None or self.router is not None):
             # a key is looked up in the loaded state, and a router must hear of a
@@ -167,7 +175,7 @@ class Dispatcher:
             await room.wait()
             ack = False  # it checkpointed
         pending = Pending()
-        turn_id = actor.new_turn_id()
+        turn_id = actor.new_turn_id(given)
         mail = TurnMail(turn_id, text, key, pending)
         send = actor.send
         actor.note_queued(turn_id)  # before: the actor may start it before send returns
@@ -555,11 +563,12 @@ async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:
     return NOT_ROUTED if result is None else result
 
 
-def _enqueue(actor: Actor, text: str) -> Pending | None:
-    """A turn without idempotency key in ``actor``'s mailbox at once: its result slot;
-    None if the mailbox is full (the caller waits for room) or closed (it looks again)."""
+def _enqueue(actor: Actor, text: str, given: str | None = None) -> Pending | None:
+    """A turn without idempotency key in ``actor``'s mailbox at once (under ``given`` if
+    the session takes it): its result slot; None if the mailbox is full (the caller
+    waits for room) or closed (it looks again)."""
     pending = Pending()
-    turn_id = actor.new_turn_id()
+    turn_id = actor.new_turn_id(given)
     try:
         actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
     except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):

@@ -344,9 +344,10 @@ class SessionCrashedError(_TurnError):
     crashed and that it may have kept (the store failed or did not answer in time):
     ask ``ref.turn_outcome(turn_id)`` before sending it again, since the session
     resumes or answers that turn if the write landed. With many workers, it also
-    names a turn that the worker running the session had accepted (a turn from
-    ``ref.submit``) when that worker died before answering: ask the same. It is
-    empty otherwise.
+    names a turn sent on to the worker running the session when that worker died
+    before answering (a turn without idempotency key, by the id the worker that sent
+    it on gave it, which the owner runs it under): ask the same. It is empty
+    otherwise.
     """
 
     turn_id: str = ""
@@ -356,7 +357,9 @@ class SessionStoppedError(_TurnError):
     """The session (or the registry) is stopped and takes no more requests.
 
     ``turn_id`` names the turn that had started when the session stopped under it
-    (cut off, or not confirmed by the store): it may be in the history. It is empty
+    (cut off, or not confirmed by the store): it may be in the history. With many
+    workers, it also names a turn sent on to another worker whose answer this closing
+    registry no longer waited for (it may have run there, or may still). It is empty
     when the request never ran. A turn cut off while it ran ends, for its subscribers
     and in ``ref.turn_outcome``, as failed with this error's kind (a ``TurnFailed``
     whose ``error_kind`` is ``"SessionStoppedError"``), never as cancelled.
@@ -527,9 +530,10 @@ class WorkerUnreachableError(_KeyedTurnError, TimeoutError):
 
     The request may or may not have run there: send it again (a turn sent with
     ``idempotency_key=`` runs once however often it is sent). ``turn_id`` names the
-    turn when that worker had accepted it (ask ``ref.turn_outcome(turn_id)`` what
-    became of it), and ``idempotency_key`` is the key the turn was sent with; each
-    is empty otherwise.
+    turn (ask ``ref.turn_outcome(turn_id)`` what became of it): a turn without a key
+    by the id this worker gave it as it sent it on, a keyed one once that worker had
+    accepted it (a key may join a turn under way, which has its own id); and
+    ``idempotency_key`` is the key the turn was sent with; each is empty otherwise.
     """
 
 

@@ -68,14 +68,19 @@ class RouterHost(Protocol):
         """Put a turn in the session's mailbox wherever it runs (routed as a ref's)."""
         ...
 
-    async def submit_here(self, name: str, text: str, key: str | None) -> Turn:
-        """Put a turn in the session's mailbox here (waking it), never routing it."""
+    async def submit_here(
+        self, name: str, text: str, key: str | None, turn_id: str | None = None
+    ) -> Turn:
+        """Put a turn in the session's mailbox here (waking it), never routing it; a
+        new turn runs under ``turn_id`` (issued by the worker that forwarded it) if the
+        session could have issued that id, under one of its own otherwise."""
         ...
 
-    def enqueue_here(self, name: str, text: str) -> Pending | None:
+    def enqueue_here(self, name: str, text: str, turn_id: str | None = None) -> Pending | None:
         """Put a turn without idempotency key in the mailbox of a session live and
-        loaded here, at once, never routing it: its result slot; None if that would
-        take a wait or a wake (then ``submit_here``)."""
+        loaded here, at once, never routing it (under ``turn_id`` as ``submit_here``
+        would): its result slot; None if that would take a wait or a wake (then
+        ``submit_here``)."""
         ...
 
     async def call_here(self, name: str, request: Call | Cancel | Stop | Delete) -> Any:

@@ -524,6 +524,10 @@ class LiveSession:
         error = None
         if refused is not None and turn_id in refused:
             status, error = TurnStatus.FAILED, refused[turn_id]
+        elif queued and turn_id in queued:
+            # (before the forgotten records: an id issued by a worker whose clock is
+            # behind may be stamped before records dropped while it waits)
+            status = TurnStatus.QUEUED
         elif issued <= self.turns_forgotten:
             raise TurnNotFoundError(
                 f"session {sid!r} no longer knows what became of turn {shown(turn_id)}: it "
@@ -531,8 +535,6 @@ class LiveSession:
                 "older than theirs",
                 session_id=sid,
             )
-        elif queued and turn_id in queued:
-            status = TurnStatus.QUEUED
         return TurnOutcome(session_id=sid, turn_id=turn_id, status=status, error=error)
 
     def system_messages(self, system_prompt: str) -> tuple[Message, ...]:

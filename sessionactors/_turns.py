@@ -12,12 +12,25 @@ durably (the last :data:`MAX_TURN_RECORDS`), that decides every id:
 - stamped more than :data:`CLOCK_SKEW_US` before the session was created or after
   now, or longer than :data:`MAX_TURN_ID_CHARS`: never issued for it
   (TurnNotFoundError);
+- in the live actor's mailbox: queued;
 - issued no later than the newest record forgotten: its record is gone
   (TurnNotFoundError);
-- in the live actor's mailbox: queued;
 - any other id of this session's form: lost (an incarnation that could have
   run it is gone and none recorded it, or it was never accepted);
 - not an id of this session's form: never issued for it (TurnNotFoundError).
+
+The process that issues an id is the session's worker, or, for a turn without
+idempotency key that another worker sends on to it, that worker, so that an error
+there can name the turn even if the session's worker dies before answering. The
+session takes such an id only if these rules read it lost as it arrives
+(``Actor.new_turn_id``; else it issues one of its own, which its answer names): so
+it is of the session's form, within the clocks' leeway, newer than the newest record
+forgotten, and names no other turn. The rules then hold for it as for the ids of the
+session's successive workers: its stamp is judged by the clock of whichever worker
+answers; and one stamped by a clock that is behind may be older than records the
+session drops while it waits (it reads queued: that is asked first) or once it was
+lost (it then reads forgotten, as an id of a session's worker whose clock was behind
+its predecessor's always could).
 """
 
 from __future__ import annotations

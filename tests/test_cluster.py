@@ -525,6 +525,66 @@ async def test_a_submitted_turn_whose_worker_dies_mid_turn_names_its_id_in_the_e
     assert outcome.status is sa.TurnStatus.LOST, outcome
 
 
+async def test_a_sent_turn_whose_worker_dies_mid_turn_names_its_id_in_the_error(
+    cluster: Cluster,
+) -> None:
+    """A turn sent (ref.send, without a key) through another worker whose owner is
+    killed mid-turn fails with SessionCrashedError whose turn_id is the id the turn ran
+    under (its TurnStarted's), whose message says to ask its outcome, and
+    ref.turn_outcome of that id says what became of it (lost: it never became durable)
+    on the caller's worker and on a third one."""
+    text = " ".join(f"w{i}" for i in range(60))  # 0.1 s a word: 6 s
+    started: list[str] = []
+
+    async def kill_at_its_first_delta(
+        registry: sa.Registry, worker: Worker, task_status: trio.TaskStatus[None]
+    ) -> None:
+        async with registry.ref("s").subscribe() as events:
+            task_status.started()
+            async for event in events:
+                if isinstance(event, sa.TurnStarted):
+                    started.append(event.turn_id)
+                elif isinstance(event, sa.Delta):
+                    worker.signal(signal.SIGKILL)
+                    return
+
+    with trio.fail_after(60):
+        (a,) = await cluster.start_many(["a"], delay=0.1, balance=False)
+        await a.call("spawn", names=["s"])
+        async with cluster.registry(balance=False) as t, cluster.registry(balance=False) as u:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(kill_at_its_first_delta, t, a)
+                with pytest.raises(sa.SessionCrashedError) as caught:
+                    await t.ref("s").send(text)
+            turn_id = caught.value.turn_id
+            assert turn_id, str(caught.value)
+            assert started == [turn_id]
+            assert f"ref.turn_outcome({turn_id!r})" in str(caught.value)
+            outcomes = [await w.ref("s").turn_outcome(turn_id) for w in (t, u)]
+    assert [o.status for o in outcomes] == [sa.TurnStatus.LOST] * 2, outcomes
+
+
+async def test_a_sent_turn_whose_answer_never_came_names_its_id_in_the_error(
+    cluster: Cluster,
+) -> None:
+    """A turn sent (ref.send, without a key) through another worker whose answers never
+    come back fails with WorkerUnreachableError whose turn_id names the turn, and
+    ref.turn_outcome of that id says that it finished there, with its reply."""
+    with trio.fail_after(60):
+        a = await cluster.start("a", mode="lose-answers", balance=False)
+        assert (await a.call("spawn", names=["s"]))["ok"]
+        async with cluster.registry(balance=False) as b:
+            with pytest.raises(sa.WorkerUnreachableError) as caught:
+                await b.ref("s").send("one")
+            turn_id = caught.value.turn_id
+            assert turn_id, str(caught.value)
+            assert f"ref.turn_outcome({turn_id!r})" in str(caught.value)
+            outcome = await b.ref("s").turn_outcome(turn_id)
+    assert outcome.status is sa.TurnStatus.FINISHED, outcome
+    assert outcome.message is not None
+    assert outcome.message.content == "one"
+
+
 async def outcome_of_named_turn(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
     """The status that the gateway's turn route gives of the turn that the error ``body``
     of session "s" names, in ``turn_id`` and in its message's advice."""

@@ -14,14 +14,16 @@ from typing import Any
 
 import attrs
 import coredis
+import msgpack
 import pytest
 import trio
 
 import sessionactors as sa
+from net_proxy import proxy_to
 from redis_keys import session_key
 from redis_workers import TTL, open_worker
 from sessionactors.stores import RedisStore, dump_info, load_events
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 from stream_checks import stream_problems
 
 pytestmark = pytest.mark.redis
@@ -127,13 +129,14 @@ async def test_a_turn_cut_by_its_owners_shutdown_ends_failed_for_a_watcher_elsew
     assert told.error == outcome.error
 
 
+@pytest.mark.parametrize("way", ["submit", "send"])
 async def test_a_turn_whose_owner_had_not_answered_when_its_callers_registry_closed_names_it(
-    redis_url: str,
+    redis_url: str, way: str
 ) -> None:
-    """A turn submitted to another worker, which accepted it, and still unanswered when the
-    caller's registry closes (its shutdown grace ran out) fails with SessionStoppedError
-    naming the turn and asking for that turn's outcome by its id before it is sent
-    again."""
+    """A turn submitted or sent to another worker, which runs it, and still unanswered
+    when the caller's registry closes (its shutdown grace ran out) fails with
+    SessionStoppedError naming the turn and asking for that turn's outcome by its id
+    before it is sent again."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     started = trio.Event()
     outcome: list[sa.Reply | sa.SessionActorsError] = []
@@ -150,8 +153,11 @@ async def test_a_turn_whose_owner_had_not_answered_when_its_callers_registry_clo
 
                 async def send() -> None:
                     try:
-                        turn = await b.ref("s").submit("still running")
-                        outcome.append(await turn.reply())
+                        if way == "submit":
+                            turn = await b.ref("s").submit("still running")
+                            outcome.append(await turn.reply())
+                        else:
+                            outcome.append(await b.ref("s").send("still running"))
                     except sa.SessionActorsError as exc:
                         outcome.append(exc)
 
@@ -162,6 +168,134 @@ async def test_a_turn_whose_owner_had_not_answered_when_its_callers_registry_clo
     assert "the registry closed before worker 'a'" in str(error), error
     assert error.turn_id.startswith("turn_"), repr(error)
     assert f"ref.turn_outcome({error.turn_id!r})" in str(error), error
+
+
+def forwarded_turn_ids(sent: list[str], instead: list[str]) -> Callable[[list[bytes]], list[bytes]]:
+    """An edit of the commands a worker sends (see net_proxy): the turn id that each turn
+    it forwards carries is noted in ``sent`` and replaced by the first of ``instead``,
+    taken from it (left as sent once ``instead`` is empty)."""
+
+    def edit(words: list[bytes]) -> list[bytes]:
+        if words[0].upper() != b"PUBLISH":
+            return words
+        body = msgpack.unpackb(words[2], raw=False)
+        if not isinstance(body, dict) or body.get("op") != "turn" or "t" not in body:
+            return words
+        sent.append(body["t"])
+        if instead:
+            body["t"] = instead.pop(0)
+        return [words[0], words[1], msgpack.packb(body, use_bin_type=True)]
+
+    return edit
+
+
+async def test_a_forwarded_turn_runs_under_the_id_sent_with_it_only_if_its_session_could_issue_it(
+    redis_url: str,
+) -> None:
+    """A turn sent or submitted through another worker runs under the turn id that worker
+    sent with it, and under an id of its owner's own when the one sent could not name a
+    new turn of the session (garbage, another session's, one the session already used,
+    one stamped days from now): its reply, its turn and its outcome name that one, and
+    the id already used still names its own turn."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    sent: list[str] = []
+    instead: list[str] = []
+    with trio.fail_after(30):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "a") as a,
+        ):
+            await a.spawn("s")
+            await a.spawn("other")
+            first = await a.ref("s").send("first")
+            other = await a.ref("other").send("elsewhere")
+            _, tag, stamp, process = first.turn_id.split("_")  # turn_<tag>_<time>_<process>
+            days_later = f"{int(stamp, 16) + 3 * 86_400 * 10**6:x}"
+            refused = [
+                "nonsense",
+                other.turn_id,
+                first.turn_id,
+                f"turn_{tag}_{days_later}_{process}",
+            ]
+            proxy.edit = forwarded_turn_ids(sent, instead)
+            async with open_worker(proxied, prefix, "b") as b:
+                ref = b.ref("s")
+                taken = [(await ref.send("as sent")).turn_id]
+                taken.append((await ref.submit("submitted as sent")).id)
+                assert taken == sent, (taken, sent)
+                assert sent[0] != sent[1]
+                for n, turn_id in enumerate(refused):
+                    instead.append(turn_id)
+                    if n % 2:
+                        turn = await ref.submit(f"submitted {n}")
+                        reply = await turn.reply()
+                        assert turn.id == reply.turn_id
+                    else:
+                        reply = await ref.send(f"sent {n}")
+                    assert reply.turn_id not in (turn_id, sent[-1]), (turn_id, reply.turn_id)
+                    outcome = await ref.turn_outcome(reply.turn_id)
+                    assert outcome.status is sa.TurnStatus.FINISHED, outcome
+                    assert outcome.message == reply.message
+                assert not instead
+                assert len(sent) == 2 + len(refused)
+                kept = await ref.turn_outcome(first.turn_id)
+                assert kept.message is not None
+                assert kept.message.content == "first"
+                assert b.live() == []  # (it ran on a all along)
+
+
+async def test_a_forwarded_turn_stamped_before_the_records_its_session_drops_reads_queued(
+    redis_url: str,
+) -> None:
+    """A turn sent through another worker whose clock is behind (its id is stamped
+    before every outcome the session keeps, but after those it forgot), queued behind
+    turns whose outcomes make the session forget records stamped after it, reads queued
+    while it waits (not forgotten), and finished once it ran."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    gates = {"hold 1": trio.Event(), "hold 2": trio.Event()}
+
+    def answer(request: sa.ModelRequest) -> Scripted:
+        words = request.messages[-1].content
+        return Scripted(text=words, wait=gates.get(words))
+
+    model = ScriptedModel([answer], repeat=True)
+    sent: list[str] = []
+    instead: list[str] = []
+    with trio.fail_after(60):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "a", model) as a,
+            open_worker(proxied, prefix, "b") as b,
+            trio.open_nursery() as nursery,
+        ):
+            ref = a.ref("s")
+            await a.spawn("s")
+            kept = [(await ref.send(f"{n}")).turn_id for n in range(256)]  # every record kept
+            _, tag, stamp, process = kept[0].split("_")  # turn_<tag>_<time>_<process>
+            behind = f"turn_{tag}_{int(stamp, 16) - 1:x}_{process}"
+            held = [await ref.submit("hold 1"), await ref.submit("hold 2")]
+            proxy.edit = forwarded_turn_ids(sent, instead)
+            instead.append(behind)
+            replies: list[sa.Reply] = []
+
+            async def send_behind() -> None:
+                replies.append(await b.ref("s").send("behind"))
+
+            nursery.start_soon(send_behind)
+            while (await ref.turn_outcome(behind)).status is not sa.TurnStatus.QUEUED:
+                await trio.sleep(0.01)  # (lost until it reaches a's mailbox)
+            gates["hold 1"].set()
+            await held[0].reply()  # its record is the 257th: the oldest one is dropped
+            assert (await ref.turn_outcome(behind)).status is sa.TurnStatus.QUEUED
+            assert (await b.ref("s").turn_outcome(behind)).status is sa.TurnStatus.QUEUED
+            gates["hold 2"].set()
+            await held[1].reply()
+            while not replies:
+                await trio.sleep(0.01)
+            assert replies[0].turn_id == behind
+            assert (await ref.turn_outcome(behind)).status is sa.TurnStatus.FINISHED
+            with pytest.raises(sa.TurnNotFoundError):  # (dropped: older than those kept)
+                await ref.turn_outcome(kept[0])
 
 
 async def test_metadata_of_any_storable_size_is_set_through_another_worker(

@@ -36,8 +36,10 @@ registry:
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run (naming
-  the turn in ``turn_id`` once the owner had accepted it: ``ref.turn_outcome``
-  says what became of it). With no
+  the turn in ``turn_id``: ``ref.turn_outcome`` says what became of it; a turn
+  without a key goes with an id issued here, which the owner runs it under if its
+  session could have issued it, so even one whose owner never said a word is
+  named). With no
   word for two lease lifetimes (the store or the owner does not answer), or with
   every copy sent for that long answered "unknown", the caller gets
   WorkerUnreachableError: no caller waits forever;
@@ -143,6 +145,7 @@ from .._requests import (
 )
 from .._router import NOT_ROUTED, RouterHost
 from .._subscription import EventIterator
+from .._turns import new_turn_id, session_tag
 from ._streams import MAX_ATTEMPTS, Streams
 from ._transport import Transport, fatal
 from ._wire import (
@@ -591,7 +594,7 @@ class Cluster(metaclass=NoPublicConstructor):
         ):
             return None
         try:
-            pending = self.host.enqueue_here(name, text)
+            pending = self.host.enqueue_here(name, text, _turn_id_sent(body))
         except Exception:  # (the serving task meets it again, and answers it)
             return None
         append_and_send = getattr(self.transport, "append_and_send", None)
@@ -658,7 +661,7 @@ class Cluster(metaclass=NoPublicConstructor):
             # it wakes here, as its shard's owner; a claim refused says "moved".
             if op == "turn":
                 key = body.get("key")
-                turn = await host.submit_here(name, str(body["text"]), key)
+                turn = await host.submit_here(name, str(body["text"]), key, _turn_id_sent(body))
                 if body.get("ack"):
                     since, joined_at = joined(turn)  # (a turn under way that its key joined)
                     ack = {"ok": "ack", "turn_id": turn.id, "replayed": turn.replayed}
@@ -807,9 +810,17 @@ class Cluster(metaclass=NoPublicConstructor):
 
         With ``ack``, return once the owner has accepted the turn (its mailbox had
         room); otherwise once its reply is known.
+
+        A turn without a key goes with a turn id issued here, which the owner runs it
+        under if its session could have issued it (an owner that takes another one, or
+        of a version that ignores it, answers with its own): an error of this side
+        names the turn by it, the answer's wins. A key may join a turn under way, which
+        has its own id: a keyed turn is named by what its owner answers, and its key.
         """
+        request = {"op": "turn", "s": name, "text": text, "key": key, "ack": ack}
+        if key is None:
+            request["t"] = new_turn_id(session_tag(name))
         if not ack:  # carried by the caller's task: a caller that gives up abandons it
-            request = {"op": "turn", "s": name, "text": text, "key": key, "ack": False}
             answer = await self._forward(name, request, retry_safe=key is not None)
             if answer is None:
                 return None
@@ -823,7 +834,7 @@ class Cluster(metaclass=NoPublicConstructor):
             return new_turn(reply.turn_id, name, pending)
         nursery = self._running(name)
         forwarded = _Forwarded()
-        nursery.start_soon(self._carry_turn, name, text, key, ack, forwarded)
+        nursery.start_soon(self._carry_turn, name, request, forwarded)
         await forwarded.settled.wait()
         if forwarded.local:
             return None
@@ -839,9 +850,10 @@ class Cluster(metaclass=NoPublicConstructor):
             joined_at=forwarded.joined_at,
         )
 
-    async def _carry_turn(
-        self, name: str, text: str, key: str | None, ack: bool, forwarded: _Forwarded
-    ) -> None:
+    async def _carry_turn(self, name: str, request: dict[str, Any], forwarded: _Forwarded) -> None:
+        text, ack = str(request["text"]), bool(request["ack"])
+        key: str | None = request["key"]
+
         def on_ack(body: Mapping[str, Any]) -> None:
             forwarded.turn_id = str(body["turn_id"])
             forwarded.owner = str(body.get("_owner", "?"))
@@ -853,7 +865,6 @@ class Cluster(metaclass=NoPublicConstructor):
             forwarded.accepted = True
             forwarded.settled.set()
 
-        request = {"op": "turn", "s": name, "text": text, "key": key, "ack": ack}
         try:
             answer = await self._forward(
                 name, request, retry_safe=key is not None, on_ack=on_ack if ack else None
@@ -950,15 +961,17 @@ class Cluster(metaclass=NoPublicConstructor):
         on_ack: Callable[[Mapping[str, Any]], None] | None,
     ) -> dict[str, Any] | None:
         shard = self.transport.shard(name)
-        # The turn an owner accepted (its ack's id; a turn sent again to the next owner
-        # takes the id that one gives it) and the turn's key: what the caller is told
-        # to ask by if the answer never comes
-        accepted = ""
-        key = str(request.get("key") or "") if request.get("op") == "turn" else ""
+        # The turn: the id issued here for it, or the one an owner accepted it under
+        # (its ack's; a keyed turn sent again to the next owner takes the id that one
+        # gives it), and the turn's key: what the caller is told to ask by if the
+        # answer never comes
+        is_turn = request.get("op") == "turn"
+        accepted = str(request.get("t") or "") if is_turn else ""
+        key = str(request.get("key") or "") if is_turn else ""
 
         def acked(body: Mapping[str, Any]) -> None:
             nonlocal accepted
-            accepted = str(body.get("turn_id") or "")
+            accepted = str(body.get("turn_id") or accepted)
             if on_ack is not None:
                 on_ack(body)
 
@@ -1303,6 +1316,13 @@ class Cluster(metaclass=NoPublicConstructor):
         """Run ``fn`` in the background while the worker runs (not at all otherwise)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, name=name)
+
+
+def _turn_id_sent(request: Mapping[str, Any]) -> str | None:
+    """The turn id the requester issued for a forwarded turn (None from one of a version
+    that sends none); the session takes it only if it could have issued it."""
+    turn_id = request.get("t")
+    return turn_id if isinstance(turn_id, str) else None
 
 
 def _worker_id_taken(worker: str) -> str:
