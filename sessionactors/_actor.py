@@ -448,6 +448,7 @@ class Actor:
         if self.phase is not Phase.LEFT:
             self.phase = Phase.KILLED
             self.kill_error = error
+            self.journal.killed = error  # (what a write it cuts is recorded as)
         # cancelled first: an actor waiting for mail gets Cancelled, not the EndOfChannel
         # of a closed mailbox, which it would take for a closing registry and hibernate
         if self.run_scope is not None:
