@@ -291,6 +291,12 @@ class Host(Protocol):
         """Something not an Exception escaped a session: end the registry at once."""
         ...
 
+    def unclean_woke(self, session_id: str) -> bool:
+        """The session woke after an unclean stop: whether to log that at WARNING (the
+        first few of many in a short time; the others are logged at DEBUG, and the host
+        tells how many they were, and which, in one WARNING)."""
+        ...
+
 
 class Actor:
     """One incarnation of a session's actor. Live things are compared by identity."""
@@ -442,6 +448,7 @@ class Actor:
         if self.phase is not Phase.LEFT:
             self.phase = Phase.KILLED
             self.kill_error = error
+            self.journal.killed = error  # (what a write it cuts is recorded as)
         # cancelled first: an actor waiting for mail gets Cancelled, not the EndOfChannel
         # of a closed mailbox, which it would take for a closing registry and hibernate
         if self.run_scope is not None:
@@ -791,7 +798,8 @@ class Actor:
         host.stats.woken += 1
         if not clean and not self.restarted:
             host.stats.unclean_wakes += 1
-            _log_unclean_wake(session, durable_seq, host.config.durability)
+            loud = host.unclean_woke(sid)
+            _log_unclean_wake(session, durable_seq, host.config.durability, loud=loud)
 
     async def run(self) -> None:
         """Serve the mailbox until hibernated, stopped, or closed.
@@ -1948,11 +1956,15 @@ FAILED_TAIL: Final = "; the session is fine, send the next message when the caus
 
 
 #: How the reason of a ``TurnFailed`` of a turn lost to a crash begins (``lost_event``).
-def _log_unclean_wake(session: LiveSession, durable_seq: int, durability: str) -> None:
+def _log_unclean_wake(
+    session: LiveSession, durable_seq: int, durability: str, *, loud: bool
+) -> None:
     """Say that ``session`` woke after an unclean stop: the process that ran it last
     stopped without storing it, and whatever it had not stored is gone. Which turns
     those were, no store knows (nothing of a turn is stored before its outcome), so the
-    line names the session and what the store holds last, never a turn's words."""
+    line names the session and what the store holds last, never a turn's words. At
+    WARNING if ``loud``, else at DEBUG (the host counts it in a line of its own: see
+    ``Host.unclean_woke``)."""
     last = session.last_turn()
     stored = f"the last turn stored is {last.turn_id!r} ({last.status.value}), and " if last else ""
     answered = (
@@ -1965,7 +1977,8 @@ def _log_unclean_wake(session: LiveSession, durable_seq: int, durability: str) -
     if open_turn is not None:
         then = "waits on its review" if session.reviews else "resumes"
         resumes = f"; turn {open_turn.turn_id!r}, stored before its tool calls, {then}"
-    log.warning(
+    log.log(
+        logging.WARNING if loud else logging.DEBUG,
         "session %r woke after an unclean stop (the process that ran it was killed or "
         "crashed, or lost its lease, before storing it): the turns it had accepted there "
         "that the store holds nothing of, if any (the one under way, those queued), are "

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Final
 
 import attrs
+import trio
 
 from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
 from ._config import RegistryConfig
@@ -68,6 +69,7 @@ class Journal:
         "erased",
         "fault",
         "floor",
+        "killed",
         "lost",
         "per_turn",
         "session_id",
@@ -107,6 +109,10 @@ class Journal:
         self.status_due = False
         #: The last write of ours that failed (a turn that sees it restarts the actor).
         self.fault: StoreError | None = None
+        #: Why the session was stopped at once (``Actor.kill``: its lease lost, which is
+        #: a ``FencedOutError``, or deleted): a write that its cancellation cut is
+        #: recorded as that in the telemetry (see ``_timed_write``).
+        self.killed: BaseException | None = None
         #: A write found the session gone from the store, which held it when this
         #: incarnation began (see ``_lost``): the session ends here, with this error.
         self.lost: SessionNotFoundError | None = None
@@ -388,7 +394,7 @@ class Journal:
     def _timed(self, operation: str, write: Awaitable[None]) -> Awaitable[None]:
         """``write``, timed for the telemetry if there is one (else ``write`` itself)."""
         telemetry = self.telemetry
-        return write if telemetry is None else _timed_write(telemetry, operation, write)
+        return write if telemetry is None else _timed_write(telemetry, operation, write, self)
 
 
 def _entries(events: Sequence[Event]) -> list[JournalEntry]:
@@ -418,11 +424,20 @@ def _entries(events: Sequence[Event]) -> list[JournalEntry]:
     return out
 
 
-async def _timed_write(telemetry: Telemetry, operation: str, write: Awaitable[None]) -> None:
+async def _timed_write(
+    telemetry: Telemetry, operation: str, write: Awaitable[None], journal: Journal
+) -> None:
+    """Await ``write`` and tell ``telemetry`` how long it took and how it ended: what
+    it raised; or, cut by a cancellation because its session was stopped at once (its
+    lease lost, deleted: ``journal.killed``), why the session was stopped, which is
+    what cut the write (a ``Cancelled`` says nothing of it)."""
     start = time.perf_counter()
     error: BaseException | None = None
     try:
         await write
+    except trio.Cancelled as exc:
+        error = exc if journal.killed is None else journal.killed
+        raise
     except BaseException as exc:
         error = exc
         raise

@@ -9,6 +9,7 @@ disturbed.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
@@ -26,7 +27,14 @@ from ._errors import (
     advised,
 )
 from ._events import NO_TIME, Event
-from ._listing import LISTING_BATCH, check_listing, matches, page_of, told_status
+from ._listing import (
+    LISTING_BATCH,
+    check_listing,
+    info_activity,
+    matches,
+    page_of,
+    told_status,
+)
 from ._names import damaged_name, delete_command, shell_quoted, validate_name
 from ._records import SessionInfo, SessionState, Status
 from ._session import LiveSession
@@ -79,7 +87,9 @@ async def read_session(store: Store, name: str) -> SessionState:
 
 
 async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, StoredSession]:
-    """The session as the store has it (snapshot + journal tail), without waking it."""
+    """The session as the store has it (snapshot + journal tail), without waking it;
+    its ``updated_at`` is the one its info holds, if the store gives the info (see
+    ``StoredSession``): the time its last writer had, whoever reads it, whenever."""
     stored = await store.load(session_id)
     if stored is None:
         raise advised(
@@ -100,6 +110,12 @@ async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, Store
         for event in load_journal_entry(entry.data, session_id):
             if event.seq > stored.snapshot_seq:
                 session.apply(event)
+    # The fold stamps the events that carry no time (a status, a turn's failure, an
+    # edit, metadata) with the time of this read; the info says the time its writer
+    # folded them at, which listings show.
+    written = info_activity(stored.info) if stored.info is not None else 0
+    if written:
+        session.updated_at = NO_TIME + datetime.timedelta(microseconds=written)
     return session, stored
 
 

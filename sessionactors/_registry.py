@@ -75,8 +75,9 @@ class RegistryStatistics:
     #: sessions woken after an unclean stop: the process that ran them last (another
     #: process, or this one before a lease it lost) stopped without storing them
     #: (``kill -9``, a crash, a lapsed lease), so the turns it had accepted and not
-    #: stored are lost; each is logged at WARNING as it wakes (a restart after a crash
-    #: in this process is counted in ``restarts`` instead)
+    #: stored are lost; each is logged as it wakes, at WARNING (past ten in a minute at
+    #: DEBUG, and counted in one WARNING as the minute ends); a restart after a crash
+    #: in this process is counted in ``restarts`` instead
     unclean_wakes: int = 0
     #: live sessions whose turn is under way now (a turn waiting on a review is not):
     #: a count that stays up while ``turns_*`` do not move shows turns that hang

@@ -54,6 +54,10 @@ log = logging.getLogger("sessionactors")
 #: How many sessions a line about many of them names (the others are counted).
 _NAMED: Final = 10
 
+#: Seconds in which at most ``_NAMED`` wakes after an unclean stop are logged one WARNING
+#: each: the others are logged at DEBUG, and told in one WARNING as the seconds end.
+_UNCLEAN_WINDOW: Final = 60.0
+
 #: A table whose live count has fallen to an eighth of a peak at least this
 #: high moves new sessions to a fresh generation nursery (see ``_run_generation``).
 GENERATION_PEAK = 1024
@@ -103,6 +107,12 @@ class Sessions:
         self._generation_pending = False
         self._live_peak = 64
         self._hubs_peak = 64
+        #: Wakes after an unclean stop (see ``unclean_woke``): when the window of the
+        #: latest ends (trio time), how many of it were logged one WARNING each, and
+        #: the names of the others, not told yet.
+        self._unclean_ends = -math.inf
+        self._unclean_told = 0
+        self._unclean_quiet: list[str] = []
 
     # ---- the actors' host -----------------------------------------------------------
 
@@ -493,6 +503,44 @@ class Sessions:
     @property
     def subscriber_count(self) -> int:
         return sum(h.subscriber_count for h in list(self.hubs.values()))  # (any thread)
+
+    def unclean_woke(self, session_id: str) -> bool:
+        """Whether to log the wake of ``session_id`` after an unclean stop at WARNING:
+        yes for the first ``_NAMED`` in ``_UNCLEAN_WINDOW`` seconds. After an outage
+        that stopped many sessions at once (a store that did not answer for longer
+        than their leases), each wakes so as its next request comes: the others of
+        the window are told in one line as it ends (``_tell_unclean``)."""
+        now = trio.current_time()
+        if now >= self._unclean_ends:
+            self._unclean_ends = now + _UNCLEAN_WINDOW
+            self._unclean_told = 0
+        if self._unclean_told < _NAMED:
+            self._unclean_told += 1
+            return True
+        if not self._unclean_quiet:
+            self._nursery.start_soon(self._tell_unclean, name="unclean wakes")
+        self._unclean_quiet.append(session_id)
+        return False
+
+    async def _tell_unclean(self) -> None:
+        """As the window ends (or the registry closes), one WARNING for the wakes
+        after an unclean stop that were logged at DEBUG only."""
+        try:
+            await trio.sleep_until(self._unclean_ends)
+        finally:
+            quiet, self._unclean_quiet = self._unclean_quiet, []
+            count = len(quiet)
+            log.warning(
+                "%d more %s woke after an unclean stop within %g s of the first one logged "
+                "above (%s), each logged at DEBUG: as for those above, the turns that their "
+                "last process had accepted and the store holds nothing of are lost, and "
+                "ref.turn_outcome(turn_id) reads lost for them; "
+                "registry.statistics().unclean_wakes counts every one",
+                count,
+                "session" if count == 1 else "sessions",
+                _UNCLEAN_WINDOW,
+                _first_names(quiet),
+            )
 
     # ---- shutdown and leases -----------------------------------------------------------
 

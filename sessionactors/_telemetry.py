@@ -99,7 +99,9 @@ class Telemetry:
 
     def store_write(self, *, operation: str, seconds: float, error: BaseException | None) -> None:
         """The store took ``seconds`` for one write: ``operation`` is ``"append"``
-        (journal entries) or ``"snapshot"``; ``error`` is what it raised."""
+        (journal entries) or ``"snapshot"``; ``error`` is what it raised, or, for a
+        write cut short because its session was stopped at once, why it was: its lease
+        lost (``FencedOutError``) or the session deleted (``SessionNotFoundError``)."""
 
     def subscriber_lagged(self, *, session_id: str) -> None:
         """A subscriber of the session fell behind and was cut off."""

@@ -31,8 +31,9 @@ import sessionactors as sa
 import unusable_stores
 from processes import reap, sessions, unprivileged
 from redis_keys import drop_prefix, keys_of, rot_name
+from redis_workers import open_worker
 from sessionactors.stores import RedisStore, SQLiteStore
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel, export_document
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, crash, export_document
 
 HERE = Path(__file__).resolve().parent
 SERVER = HERE / "sessions_server.py"
@@ -1375,3 +1376,41 @@ async def test_read_commands_work_on_a_redis_without_persistence_and_writes_do_n
         assert "appendonly is off" in line, line
         rows = json.loads(await trio.to_thread.run_sync(run, "list", "--json"))
         assert [r["name"] for r in rows] == ["v"]
+
+
+@pytest.mark.redis
+async def test_list_and_show_agree_on_updated_at_after_a_takeover(redis_url: str) -> None:
+    """A session whose worker died after a change that carries no time of its own (its
+    metadata set) and that another worker then took over has one updated_at: the time
+    of that change, in sessions list (its stored info) and sessions show (its snapshot
+    and journal), and in the new owner's ref.state() and listing alike."""
+    prefix = f"sa-test-cli-{uuid.uuid4().hex[:12]}"
+    store = f"{redis_url}?prefix={prefix}"
+    ttl = 0.5
+    try:
+        with trio.fail_after(60):
+            with trio.CancelScope() as process:
+                async with open_worker(redis_url, prefix, "a", lease_ttl=ttl) as a:
+                    ref = await a.spawn("s")
+                    await ref.send("hello")
+                    await ref.set_metadata({"tenant": "acme"})
+                    changed = (await ref.state()).updated_at
+                    crash(a)
+                    process.cancel()
+            await trio.sleep(ttl * 1.5)  # its lease lapses
+            async with open_worker(redis_url, prefix, "b", lease_ttl=ttl) as b:
+                taken = (await b.ref("s").state()).updated_at  # b takes it over
+                [info] = await b.sessions()
+                listed = await trio.to_thread.run_sync(ok, "list", "--json", "--store", store)
+                shown = await trio.to_thread.run_sync(ok, "show", "s", "--json", "--store", store)
+                assert b.live() == ["s"]
+        stamps = {
+            "a's state": changed.isoformat(),
+            "b's state": taken.isoformat(),
+            "b's listing": info.updated_at.isoformat(),
+            "list": json.loads(listed)[0]["updated_at"],
+            "show": json.loads(shown)["updated_at"],
+        }
+        assert set(stamps.values()) == {changed.isoformat()}, stamps
+    finally:
+        await drop_prefix(redis_url, prefix)

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from otel_sdk import Otel
 from sessionactors.http import create_app
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 from test_fencing_probes import StallingWorker
@@ -82,6 +83,41 @@ async def test_many_leases_that_lapse_together_are_one_warning_and_the_cut_turn_
     debug = [line for line in lease_lines(caplog, logging.DEBUG) if "lapsed" in line]
     assert sorted(debug) == sorted(d for d in debug if any(f"'{n}'" in d for n in names))
     assert len(debug) == 12, debug
+
+
+async def test_a_write_cut_by_a_lapsed_lease_is_recorded_as_fenced_out(
+    tmp_path: Path, otel: Otel
+) -> None:
+    """A turn's journal append under way as its session's lease lapses (the store did
+    not answer the renewals) is cut, and its caller gets FencedOutError: the store
+    write's metric records it as that, error.type FencedOutError, not as Cancelled."""
+    faulty = FaultyStore(sa.SQLiteStore(tmp_path / "shared.db"))
+    async with sa.open_registry(
+        store=faulty,
+        agents=agents(trio.Event()),
+        leases=True,
+        worker_id="a",
+        lease_ttl=TTL,
+        telemetry=otel.telemetry,
+    ) as a:
+        with trio.fail_after(30):
+            ref = await a.spawn("s", agent="echo")
+            gate = faulty.hold("append", session_id="s")
+            turn = await ref.submit("hello")
+            while gate.waiting < 1:
+                await trio.sleep(0.01)
+            faulty.fail("renew", times=None)
+            with pytest.raises(sa.FencedOutError):
+                await turn.reply()
+            faulty.fail("renew", times=0)
+            gate.open()
+    appends = [
+        p
+        for p in otel.points("sessionactors.store.write.duration")
+        if p.attributes["sessionactors.store.operation"] == "append"
+    ]
+    assert {p.attributes.get("error.type") for p in appends} == {"FencedOutError"}, appends
+    assert sum(p.count for p in appends) == 1
 
 
 async def test_a_turn_cut_by_a_lease_another_worker_took_names_it(tmp_path: Path) -> None:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import sessionactors as sa
 from durability_checks import die_mid_turn
 from otel_sdk import Otel
 from processes import reap
 from sessionactors.stores import RedisStore
-from sessionactors.testing import EchoModel, FaultyStore
+from sessionactors.testing import EchoModel, FaultyStore, crash
 
 CHILD = Path(__file__).with_name("unclean_child.py")
 ECHO = {"a": sa.Agent(model=EchoModel())}
@@ -142,3 +143,44 @@ async def test_a_worker_that_wakes_a_session_of_a_dead_worker_warns_and_counts(
             [record] = unclean(caplog)
             assert "session 's'" in record.getMessage()
             assert (b.statistics().unclean_wakes, c.statistics().unclean_wakes) == (1, 0)
+
+
+async def test_many_unclean_wakes_in_a_short_time_are_a_bounded_number_of_lines(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, otel: Otel
+) -> None:
+    """After an outage stopped many sessions at once, the first ten that wake after
+    their unclean stop are logged one WARNING each, the others in the next minute at
+    DEBUG and then in one WARNING with their count and the first names; the next wake
+    after that minute is logged whole again, and the statistics and the metric count
+    every one."""
+    caplog.set_level(logging.DEBUG, logger="sessionactors")
+    store = sa.MemoryStore()
+    names = [f"s{i:02}" for i in range(26)]
+    with trio.CancelScope() as process:
+        async with sa.open_registry(store=store, agents=ECHO) as registry:
+            for name in names:
+                await (await registry.spawn(name)).send("hello")
+            crash(registry)
+            process.cancel()
+    async with sa.open_registry(store=store, agents=ECHO, telemetry=otel.telemetry) as registry:
+        with trio.fail_after(600):
+            for name in names[:25]:
+                await registry.ref(name).state()
+            warned = [r.getMessage() for r in unclean(caplog) if r.levelno == logging.WARNING]
+            assert [line.split()[1] for line in warned] == [f"'{n}'" for n in names[:10]]
+            await trio.sleep(61)  # the minute ends: one line tells the others
+            warned = [r.getMessage() for r in unclean(caplog) if r.levelno == logging.WARNING]
+            assert len(warned) == 11, warned
+            summary = warned[-1]
+            assert "15 more sessions" in summary, summary
+            assert all(f"'{n}'" in summary for n in names[10:20]), summary
+            assert all(f"'{n}'" not in summary for n in names[20:25]), summary
+            assert "5 more" in summary, summary
+            debug = [r.getMessage() for r in unclean(caplog) if r.levelno == logging.DEBUG]
+            assert [line.split()[1] for line in debug] == [f"'{n}'" for n in names[10:25]]
+            await registry.ref(names[25]).state()  # a new minute: told whole again
+            last = unclean(caplog)[-1]
+            assert (last.levelno, last.getMessage().split()[1]) == (logging.WARNING, "'s25'")
+            assert registry.statistics().unclean_wakes == 26
+            [point] = otel.points("sessionactors.sessions.unclean_wakes")
+            assert point.value == 26

@@ -68,7 +68,9 @@ class AsyncioDictStore:
         if s is None:
             return None
         tail = tuple(e for e in s["journal"] if e.seq > s["snapshot_seq"])
-        return StoredSession(snapshot=s["snapshot"], snapshot_seq=s["snapshot_seq"], entries=tail)
+        return StoredSession(
+            snapshot=s["snapshot"], snapshot_seq=s["snapshot_seq"], entries=tail, info=s["info"]
+        )
 
     async def append(
         self,

@@ -111,7 +111,9 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
         "histogram",
         "s",
         "how long one store write took, by sessionactors.store.operation (append or"
-        " snapshot) and error.type when it failed",
+        " snapshot) and error.type when it failed, or was cut short because its session"
+        " was stopped at once (FencedOutError: its lease lost; SessionNotFoundError:"
+        " deleted)",
     ),
 }
 

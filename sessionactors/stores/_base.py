@@ -51,11 +51,21 @@ class JournalEntry:
 
 @attrs.frozen(kw_only=True)
 class StoredSession:
-    """What ``load`` returns: the latest snapshot and the entries after it."""
+    """What ``load`` returns: the latest snapshot and the entries after it, and the
+    info blob that the last write stored with them, or ``None`` from a store that
+    does not give it.
+
+    The info is what listings show (``sessions list``); a session read from the store
+    takes its ``updated_at`` from it, so that every reader sees the time its last
+    writer did. Without it, the journal's status changes, failed and cancelled turns,
+    history edits and metadata changes, which carry no time of their own, are read
+    as made at the time of the read.
+    """
 
     snapshot: bytes
     snapshot_seq: int
     entries: tuple[JournalEntry, ...] = ()
+    info: bytes | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -78,7 +88,8 @@ class Store(Protocol):
         ...
 
     async def load(self, session_id: str) -> StoredSession | None:
-        """The session's snapshot and the journal entries after it, or ``None``."""
+        """The session's snapshot and the journal entries after it, and the info
+        blob of its last write (see :class:`StoredSession`), or ``None``."""
         ...
 
     async def append(

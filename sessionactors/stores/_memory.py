@@ -318,6 +318,7 @@ class MemoryStore:
             snapshot=session.snapshot,
             snapshot_seq=session.snapshot_seq,
             entries=tuple(e for e in session.journal if e.seq > session.snapshot_seq),
+            info=session.info,
         )
 
     async def append(

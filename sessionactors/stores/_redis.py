@@ -265,14 +265,17 @@ return {0}
 """
 )
 
-# KEYS: meta, log.  Returns false, or {snapshot, seq, entries after seq} (no entries
-# if seq is not a number: the caller refuses it).
+# KEYS: meta, log, info.  Returns false, or {snapshot, seq, entries after seq, info}
+# (no entries if seq is not a number: the caller refuses it; info '' if there is none,
+# or it is damaged, a key of another type).
 _LOAD: Final = Script[bytes](
     script="""
 local m = redis.call('HMGET', KEYS[1], 'snap', 'seq')
 if not m[1] then return false end
-if not string.match(m[2] or '', '^%d+$') then return {m[1], m[2] or '', {}} end
-return {m[1], m[2], redis.call('XRANGE', KEYS[2], '(' .. m[2] .. '-0', '+')}
+local info = redis.pcall('GET', KEYS[3])
+if type(info) ~= 'string' then info = '' end
+if not string.match(m[2] or '', '^%d+$') then return {m[1], m[2] or '', {}, info} end
+return {m[1], m[2], redis.call('XRANGE', KEYS[2], '(' .. m[2] .. '-0', '+'), info}
 """
 )
 
@@ -1267,16 +1270,20 @@ class RedisStore:
         await self._index_activity(session_id, info)
 
     async def load(self, session_id: str) -> StoredSession | None:
-        meta, _info, log, _lease, _shard = self._keys(session_id)
-        reply: Any = await self._run("load", session_id, lambda c: _LOAD([meta, log], client=c))
+        meta, info_key, log, _lease, _shard = self._keys(session_id)
+        reply: Any = await self._run(
+            "load", session_id, lambda c: _LOAD([meta, log, info_key], client=c)
+        )
         if reply is None:
             return None
-        snapshot, seq, entries = reply
+        snapshot, seq, entries, info = reply
         seq = _check_stored_seq(session_id, _stored_int(seq), "the snapshot's seq")
         return StoredSession(
             snapshot=bytes(snapshot),
             snapshot_seq=seq,
             entries=tuple(_entries(session_id, entries, seq)),
+            # (b'': none, or damaged, of another type: listed as failed)
+            info=bytes(info) or None,
         )
 
     async def append(

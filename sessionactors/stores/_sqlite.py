@@ -1287,13 +1287,13 @@ class SQLiteStore:
     async def load(self, session_id: str) -> StoredSession | None:
         def op(conn: sqlite3.Connection, now: float) -> StoredSession | None:
             row = conn.execute(
-                "SELECT snapshots.data, sessions.snapshot_seq FROM sessions JOIN snapshots "
-                "USING (session_id) WHERE session_id = ?",
+                "SELECT snapshots.data, sessions.snapshot_seq, sessions.info FROM sessions "
+                "JOIN snapshots USING (session_id) WHERE session_id = ?",
                 (session_id,),
             ).fetchone()
             if row is None:
                 return None
-            snapshot, snapshot_seq = row
+            snapshot, snapshot_seq, info = row
             snapshot_seq = _check_stored_seq(session_id, snapshot_seq, "the snapshot's seq")
             if snapshot.__class__ is not bytes:
                 raise _stored_corrupt(session_id, "the snapshot is not bytes")
@@ -1305,6 +1305,8 @@ class SQLiteStore:
                 snapshot=snapshot,
                 snapshot_seq=snapshot_seq,
                 entries=tuple(_check_stored_entries(session_id, rows, snapshot_seq)),
+                # (damaged, not bytes: listed as failed, and read here as not given)
+                info=info if info.__class__ is bytes else None,
             )
 
         result: StoredSession | None = await self._call(session_id, op, writes=False)

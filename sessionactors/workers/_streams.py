@@ -1308,6 +1308,14 @@ class Streams:
         await self.transport.reset_events(name)
 
     async def deleted(self, name: str) -> None:
+        # Nothing more is written to its stream: not the lag markers still to write for
+        # events it published before (written after an end that the store refused, they
+        # would reach its subscribers elsewhere as a lag before they hear that it was
+        # deleted, and keep its stream for a day), nor a removal after an edit (the end
+        # marker's write removes what the stream held; a removal after it, the marker).
+        self._lost.pop(name, None)
+        self._failed.pop(name, None)
+        self._unerased.discard(name)
         # (if this fails, the workers that subscribe end the stream: their next watch
         # finds the session gone)
         with contextlib.suppress(StoreError, SnapshotError):  # (damaged: read by nobody)

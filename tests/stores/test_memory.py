@@ -211,6 +211,24 @@ class _FullJournalOnLoad(_Wrapped):
         )
 
 
+class _InfoOfCreate(_Wrapped):
+    """Gives the info that the session was created with, not its last write's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[str, bytes] = {}
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        await self.inner.create(session_id, snapshot, info)
+        self.created[session_id] = info
+
+    async def load(self, session_id: str) -> StoredSession | None:
+        stored = await self.inner.load(session_id)
+        if stored is None:
+            return None
+        return attrs.evolve(stored, info=self.created.get(session_id))
+
+
 class _ForgetsFencesOnDelete(_OwnLeases):
     async def delete(self, session_id: str) -> bool:
         self.leases.pop(session_id, None)
@@ -325,6 +343,7 @@ async def test_a_store_keeping_its_own_leases_passes() -> None:
         (_IgnoresFence, "expected it to raise FencedOutError"),
         (_RacyClaim, "exactly one winner"),
         (_FullJournalOnLoad, "only the journal entries after it"),
+        (_InfoOfCreate, "the info of the last write"),
         (_ForgetsFencesOnDelete, "delete removes"),
         (_NoTrim, "trim_upto drops"),
         (_AcceptsOldSeqs, "not above every stored one"),
@@ -366,7 +385,7 @@ async def test_memory_store_copies_nothing_it_does_not_own() -> None:
     snapshot[:] = b"XXXX"
     data[:] = b"YYYYY"
     assert await store.load("s") == StoredSession(
-        snapshot=b"snap", snapshot_seq=0, entries=(JournalEntry(1, b"entry"),)
+        snapshot=b"snap", snapshot_seq=0, entries=(JournalEntry(1, b"entry"),), info=b"info"
     )
 
 

@@ -107,11 +107,15 @@ async def test_create_load_exists_and_duplicate(make_store: MakeStore) -> None:
         assert not await store.exists("s")
         await store.create("s", b"snap", b"info")
         assert await store.exists("s")
-        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        assert await store.load("s") == StoredSession(
+            snapshot=b"snap", snapshot_seq=0, info=b"info"
+        )
         with pytest.raises(SessionExistsError, match="'s' is already stored") as caught:
             await store.create("s", b"other", b"other")
         assert caught.value.session_id == "s"
-        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        assert await store.load("s") == StoredSession(
+            snapshot=b"snap", snapshot_seq=0, info=b"info"
+        )
         assert await store.list_sessions() == [("s", b"info")]
 
 
@@ -182,11 +186,11 @@ async def test_write_snapshot_compacts_the_journal(make_store: MakeStore) -> Non
         await store.append("s", [E(seq, b"%d" % seq) for seq in range(1, 6)], b"i1")
         await store.write_snapshot("s", b"snap3", 3, b"i2", trim_upto=2)
         assert await store.load("s") == StoredSession(
-            snapshot=b"snap3", snapshot_seq=3, entries=(E(4, b"4"), E(5, b"5"))
+            snapshot=b"snap3", snapshot_seq=3, entries=(E(4, b"4"), E(5, b"5")), info=b"i2"
         )
         assert await store.read_journal("s", 0) == (2, [E(3, b"3"), E(4, b"4"), E(5, b"5")])
         await store.write_snapshot("s", b"snap5", 5, b"i3", trim_upto=5)
-        assert await store.load("s") == StoredSession(snapshot=b"snap5", snapshot_seq=5)
+        assert await store.load("s") == StoredSession(snapshot=b"snap5", snapshot_seq=5, info=b"i3")
         assert await store.read_journal("s", 0) == (5, [])
         with pytest.raises(StoreError):
             await store.append("s", [E(5, b"again")], b"bad")
@@ -198,7 +202,7 @@ async def test_write_snapshot_compacts_the_journal(make_store: MakeStore) -> Non
         with pytest.raises(StoreError, match="older"):
             await store.write_snapshot("s", b"x", 4, b"x", trim_upto=0)
         assert await store.load("s") == StoredSession(
-            snapshot=b"snap5", snapshot_seq=5, entries=(E(6, b"6"),)
+            snapshot=b"snap5", snapshot_seq=5, entries=(E(6, b"6"),), info=b"i4"
         )
 
 
@@ -233,7 +237,7 @@ async def test_delete_removes_everything(make_store: MakeStore, redis_url: str) 
         assert other is not None
         assert other.fence > lease.fence
         await store.create("s", b"fresh", b"i")
-        assert await store.load("s") == StoredSession(snapshot=b"fresh", snapshot_seq=0)
+        assert await store.load("s") == StoredSession(snapshot=b"fresh", snapshot_seq=0, info=b"i")
         await store.append("s", [E(1, b"one again")], b"i")
         assert await store.read_journal("s", 0) == (0, [E(1, b"one again")])
 
@@ -276,10 +280,13 @@ async def test_awkward_names_are_stored_exactly(make_store: MakeStore, redis_url
         assert await store.list_sessions() == sorted(
             (name, b"%d" % index) for index, name in enumerate(AWKWARD_NAMES)
         )
-        for name in AWKWARD_NAMES:
+        for index, name in enumerate(AWKWARD_NAMES):
             assert await store.exists(name)
             assert await store.load(name) == StoredSession(
-                snapshot=name.encode() + b"!", snapshot_seq=0, entries=(E(1, name.encode()),)
+                snapshot=name.encode() + b"!",
+                snapshot_seq=0,
+                entries=(E(1, name.encode()),),
+                info=b"%d" % index,
             )
         keys = await _keys_under(redis_url, store.prefix)
         escaped = re.compile(
@@ -335,7 +342,7 @@ async def test_expired_lease_can_be_taken_over(make_store: MakeStore) -> None:
         taken = await store.claim("s", "w2", 30)
         assert taken is not None
         assert taken.fence > short.fence
-        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0, info=b"i0")
 
 
 async def test_stale_token_is_rejected_and_nothing_written(make_store: MakeStore) -> None:
@@ -367,7 +374,7 @@ async def test_stale_token_is_rejected_and_nothing_written(make_store: MakeStore
         await store.write_snapshot("s", b"snap2", 2, b"i3", trim_upto=1, fence=new.fence)
         await store.append("s", [E(3, b"three")], b"i4")
         assert await store.load("s") == StoredSession(
-            snapshot=b"snap2", snapshot_seq=2, entries=(E(3, b"three"),)
+            snapshot=b"snap2", snapshot_seq=2, entries=(E(3, b"three"),), info=b"i4"
         )
 
 
@@ -519,7 +526,7 @@ async def test_reconnects_after_aclose(make_store: MakeStore) -> None:
         await store.create("s", b"snap", b"i")
         await store.aclose()
         await store.aclose()
-        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+        assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0, info=b"i")
         await store.append("s", [E(1, b"one")], b"i1")
         await store.aclose()
         assert await store.read_journal("s", 0) == (0, [E(1, b"one")])
@@ -545,7 +552,9 @@ def test_usable_from_a_new_trio_run(redis_url: str) -> None:
 
     async def second() -> None:
         with trio.fail_after(10):
-            assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+            assert await store.load("s") == StoredSession(
+                snapshot=b"snap", snapshot_seq=0, info=b"i"
+            )
             await store.aclose()
             await _drop_prefixes(redis_url, [store.prefix])
 
@@ -626,7 +635,9 @@ async def test_recovers_when_the_server_comes_back(
             await trio.to_thread.run_sync(second.enter_context, private_redis_server(port))
             assert not await store.exists("s")
             await store.create("s", b"again", b"i")
-            assert await store.load("s") == StoredSession(snapshot=b"again", snapshot_seq=0)
+            assert await store.load("s") == StoredSession(
+                snapshot=b"again", snapshot_seq=0, info=b"i"
+            )
             await store.aclose()
 
 

@@ -289,7 +289,9 @@ async def test_an_explicit_opt_out_accepts_a_weaker_server(
             store = RedisStore(url, prefix="sa-test", persistence=persistence)
         with trio.fail_after(10):
             await store.create("s", b"snap", b"i")
-            assert await store.load("s") == StoredSession(snapshot=b"snap", snapshot_seq=0)
+            assert await store.load("s") == StoredSession(
+                snapshot=b"snap", snapshot_seq=0, info=b"i"
+            )
             await store.aclose()
     finally:
         await trio.to_thread.run_sync(stop)

@@ -498,7 +498,9 @@ async def test_a_write_stands_when_only_the_listing_orders_master_is_down(
             assert [e.data for e in loaded.entries] == [b"one"]
             assert await store.delete(name)
             await store.create(name, b"again", b"i")
-            assert await store.load(name) == StoredSession(snapshot=b"again", snapshot_seq=0)
+            assert await store.load(name) == StoredSession(
+                snapshot=b"again", snapshot_seq=0, info=b"i"
+            )
             await store.aclose()
 
 

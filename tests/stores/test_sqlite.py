@@ -81,7 +81,7 @@ async def test_store_reopens_after_aclose(tmp_path: Path) -> None:
         await store.aclose()
         other = SQLiteStore(str(path))
         assert await other.load("s") == StoredSession(
-            snapshot=b"snap", snapshot_seq=0, entries=tuple(_entries(1, 2, 3))
+            snapshot=b"snap", snapshot_seq=0, entries=tuple(_entries(1, 2, 3)), info=b"info"
         )
         await other.aclose()
 
@@ -1047,7 +1047,10 @@ async def test_a_read_only_store_reads_a_file_in_use_and_changes_nothing(
             assert not reader.shared_by_workers
             assert await reader.list_sessions() == [("a", b"info")]
             assert await reader.load("a") == StoredSession(
-                snapshot=b"snapshot", snapshot_seq=0, entries=(JournalEntry(1, b"entry"),)
+                snapshot=b"snapshot",
+                snapshot_seq=0,
+                entries=(JournalEntry(1, b"entry"),),
+                info=b"info",
             )
             writes = [
                 reader.create("b", b"snap", b"info"),
@@ -1263,7 +1266,7 @@ async def test_a_close_cut_short_while_the_file_stalls_loses_nothing(tmp_path: P
         await _wait_until(lambda: not _worker_threads())
         other = SQLiteStore(path)
         assert (await other.load("s")) == StoredSession(
-            snapshot=b"snap", snapshot_seq=0, entries=tuple(_entries(1))
+            snapshot=b"snap", snapshot_seq=0, entries=tuple(_entries(1)), info=b"info"
         )
         await other.aclose()
 
