@@ -73,7 +73,7 @@ from ._history import rewind_end, split_for_keep_last
 from ._history_input import KnownIds, check_content, check_entry, check_new_ids
 from ._hub import SEQ_GAP, Hub, wake_seq
 from ._journal import Journal
-from ._metadata import check_info_room, check_metadata, merge_metadata
+from ._metadata import check_info_room, check_metadata, merge_metadata, replaced_keys
 from ._pending import Append, Pending
 from ._reading import read_stored, stored_cleanly, stored_seq
 from ._records import (
@@ -1255,7 +1255,8 @@ class Actor:
                 except (TypeError, ValueError) as exc:  # refused before any change
                     pending.set_error(exc)
                     return False
-                result = await self._set_metadata(merged)
+                replaced = replaced_keys(self.session.metadata, request.changes)
+                result = await self._set_metadata(merged, replaced)
             elif isinstance(request, AddMessages | ReplaceHistory):
                 replace = isinstance(request, ReplaceHistory)
                 try:  # here, where the history is: a message it holds is written back as it is
@@ -1540,10 +1541,16 @@ class Actor:
             ) from exc
         return merged
 
-    async def _set_metadata(self, merged: dict[str, Any]) -> dict[str, Any]:
-        """Journal the merged metadata, in mailbox order; returns the metadata now."""
+    async def _set_metadata(
+        self, merged: dict[str, Any], replaced: tuple[str, ...]
+    ) -> dict[str, Any]:
+        """Journal the merged metadata, in mailbox order; returns the metadata now. A
+        change that ``replaced`` values is a checkpoint (see ``erases``): the commit
+        writes the snapshot in place of the journal append."""
         sid = self.session_id
-        self.durable(MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged))
+        self.durable(
+            MetadataChanged(session_id=sid, seq=self.next_seq(), metadata=merged, replaced=replaced)
+        )
         await self.commit()
         return dict(merged)
 

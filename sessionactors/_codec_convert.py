@@ -35,6 +35,7 @@ from ._errors import shown
 from ._events import (
     Event,
     HistoryEdited,
+    MetadataChanged,
     StatusChanged,
 )
 from ._records import (
@@ -374,7 +375,10 @@ def _register_usage_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:
 #: (in the map form left out, in the compact form the array ends before it): records
 #: without it keep the bytes they had before the field existed, which an older
 #: sessionactors reads.
-TRAILING_OMITTED: Final[dict[type[Any], str]] = {StatusChanged: "skipped_from"}
+TRAILING_OMITTED: Final[dict[type[Any], str]] = {
+    StatusChanged: "skipped_from",
+    MetadataChanged: "replaced",
+}
 
 
 def _register_trailing_omitted(conv: cattrs.Converter, cls: type[Any]) -> None:

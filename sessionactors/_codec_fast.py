@@ -253,7 +253,8 @@ def _make_compact(cls: type[Any], tag: str) -> Callable[[Any], list[Any]]:
     builder.lines.append("def fast(o):")
     result = builder.record(cls, "o", "    ", False, skip="session_id", head=repr(tag))
     if cls in TRAILING_OMITTED:  # its array ends before that field while it is the default
-        default = builder.name("default", attrs.fields(cls)[-1].default)
+        # (as the array holds it: a tuple's default as a list)
+        default = builder.name("default", CONVERTER.unstructure(attrs.fields(cls)[-1].default))
         builder.lines.append(f"    if {result}[-1] == {default}: {result}.pop()")
     builder.lines.append(f"    return {result}")
     return _compiled(builder, f"compact {cls.__name__}")

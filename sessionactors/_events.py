@@ -270,17 +270,27 @@ class HistoryEdited(Event):
 
 @attrs.frozen(kw_only=True)
 class MetadataChanged(Event):
-    """The session's metadata was replaced."""
+    """The session's metadata was replaced: ``metadata`` is the whole new metadata.
+
+    ``replaced``: the keys whose value the change replaced by another or removed; such
+    a change is a checkpoint (see ``SessionRef.set_metadata``): no event before it is
+    replayed. Empty when it took no value out (it only added keys), and in older
+    journals.
+    """
 
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    replaced: tuple[str, ...] = ()
 
 
 def erases(event: Event) -> bool:
-    """Whether ``event`` takes text out of the history: a ``HistoryEdited`` that removes
-    messages or sets the summary (replacing the one before). Such an edit is a
+    """Whether ``event`` takes text out of what the session keeps: a ``HistoryEdited``
+    that removes messages or sets the summary (replacing the one before), or a
+    ``MetadataChanged`` that replaced or removed a key's value. Such an edit is a
     checkpoint: the session's snapshot is written with it, and no event before it is
     kept for replay any more (the journal, the hub's ring, other workers' copies)."""
-    return event.__class__ is HistoryEdited and (bool(event.removed) or event.summary is not None)
+    if event.__class__ is HistoryEdited:
+        return bool(event.removed) or event.summary is not None
+    return event.__class__ is MetadataChanged and bool(event.replaced)
 
 
 #: Fast constructors of the events a turn makes (see ``_records.maker``).

@@ -28,7 +28,6 @@ from ._errors import (
 from ._events import (
     Delta,
     Event,
-    HistoryEdited,
     MessageAdded,
     ToolResult,
     TurnFinished,
@@ -248,7 +247,7 @@ class Hub:
             text = event.text
             self._keep((event.seq, event.turn_id, text), _KEPT_BYTES + len(text))
         else:
-            if event.__class__ is HistoryEdited and erases(event):
+            if erases(event):
                 self._forget(event.seq)
             self._keep(event, _size(event))
         if self._subs:
@@ -278,9 +277,10 @@ class Hub:
 
     def _forget(self, seq: int) -> None:
         """Drop the ring's events before ``seq``: an edit that takes text out of the
-        history (see ``erases``) leaves nothing before it to replay, so a subscription
-        after an earlier seq reads on from the store, which refuses it (EventsExpiredError)
-        once the edit's snapshot is written, as the journal's floor does until then."""
+        history or the metadata (see ``erases``) leaves nothing before it to replay, so
+        a subscription after an earlier seq reads on from the store, which refuses it
+        (EventsExpiredError) once the edit's snapshot is written, as the journal's floor
+        does until then."""
         ring = self._ring
         if not ring:
             return

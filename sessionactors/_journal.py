@@ -128,9 +128,9 @@ class Journal:
         #: journal_keep_events events, counted, not measured in seq.
         self._journaled = 0
         self._marks: deque[tuple[int, int]] | None = None
-        #: An edit that takes text out of the history (see ``erases``) came since the last
-        #: snapshot: the next commit writes the snapshot in place of the journal append
-        #: (a checkpoint), and that snapshot trims the whole journal.
+        #: An edit that takes text out of the history or the metadata (see ``erases``)
+        #: came since the last snapshot: the next commit writes the snapshot in place of
+        #: the journal append (a checkpoint), and that snapshot trims the whole journal.
         self.erase_due = False
         #: The seq before the last such edit: nothing up to it is replayed any more, from
         #: memory or (once the checkpoint is written) from the store.
@@ -215,10 +215,11 @@ class Journal:
         refuses it, the journal waits for the next try. ``append`` stands in for the
         store's (see ``Pending.write_outcome``).
 
-        After an edit that takes text out of the history (``erase_due``), whatever the
-        durability, the snapshot is written in place of the append (a checkpoint): it
-        holds the unsaved events, and its write drops the whole journal before it, in
-        one atomic step of the store; it fails as an append does. Only a state too
+        After an edit that takes text out of the history or the metadata
+        (``erase_due``), whatever the durability, the snapshot is written in place of
+        the append (a checkpoint): it holds the unsaved events, and its write drops the
+        whole journal before it, in one atomic step of the store; it fails as an
+        append does. Only a state too
         large for a snapshot is journaled instead (the erasure then waits for the next
         snapshot that can be written: ``write_snapshot`` trims the whole journal while
         ``erase_due`` holds).

@@ -33,6 +33,7 @@ __all__ = [
     "merge_metadata",
     "non_finite",
     "plain_metadata",
+    "replaced_keys",
 ]
 
 
@@ -177,3 +178,25 @@ def merge_metadata(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
         else:
             merged[key] = value
     return merged
+
+
+def replaced_keys(current: Mapping[str, Any], changes: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys of ``current`` whose value merging ``changes`` takes out: removed (set to
+    ``None``) or set to another value. A value given again as it is takes nothing out."""
+    return tuple(
+        key
+        for key, value in changes.items()
+        if key in current and (value is None or not _same(current[key], value))
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same data, of the same types (``1`` is not
+    ``True`` nor ``1.0``: the store keeps them apart)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(value, b[key]) for key, value in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)

@@ -434,9 +434,18 @@ class SessionRef(metaclass=NoPublicConstructor):
         is removed, the others stay (``set_metadata({"tier": "gold", "trial":
         None})``). The change is journaled (it survives hibernation and restarts),
         published as a ``MetadataChanged`` event carrying the whole new metadata,
-        and served in mailbox order, after the turns queued before it. Metadata is
-        plain data, as for ``spawn(metadata=...)`` (floats finite): anything else raises
-        ``TypeError`` or ``ValueError`` naming the session, before anything is written.
+        and served in mailbox order, after the turns queued before it.
+
+        A checkpoint when it replaces a key's value by another or removes the key
+        (the event's ``replaced`` names them): the session's snapshot is written
+        with it (one snapshot write, where a change that only adds keys is a small
+        journal append), and the events before it leave the store's journal and the
+        replay buffers, so the old value is replayed by nothing (``subscribe(after=)``
+        a seq before it raises EventsExpiredError).
+
+        Metadata is plain data, as for ``spawn(metadata=...)`` (floats finite):
+        anything else raises ``TypeError`` or ``ValueError`` naming the session, before
+        anything is written.
 
         The metadata, as it is after the merge, is at most ``MAX_METADATA_BYTES``
         (64 KiB) encoded: labels, ids, flags. Every listing entry

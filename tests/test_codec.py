@@ -305,6 +305,12 @@ GOLDEN_COMPACT: dict[str, list[sa.Event]] = {
     "entry_compact_v1_skipped_from": [
         sa.StatusChanged(session_id=_SID, seq=2**40 + 35, status=sa.Status.IDLE, skipped_from=35),
     ],
+    # MetadataChanged with the field added since: the keys whose value it took out
+    "entry_compact_v1_replaced": [
+        sa.MetadataChanged(
+            session_id=_SID, seq=36, metadata={"tenant": "n"}, replaced=("tenant", "email")
+        ),
+    ],
 }
 
 GOLDEN_INFOS: dict[str, sa.SessionInfo] = {
@@ -787,6 +793,26 @@ def test_a_status_that_skipped_no_seq_is_written_as_before_the_field() -> None:
     assert msgpack.unpackb(dump_events([jumped]))[-1][-1] == 3
     assert load_events(dump_events([jumped])) == [jumped]
     assert load_events(dump_events([jumped, other])) == [jumped, other]
+
+
+def test_a_metadata_change_that_replaced_nothing_is_written_as_before_the_field() -> None:
+    """A MetadataChanged whose replaced is empty (its default) is written as it was before
+    the field existed, in the compact form and in the map form of events of several
+    sessions (an older sessionactors reads it); one that replaced keys loads back whole."""
+    event = GOLDEN_EVENTS["metadata_changed"]
+    assert isinstance(event, sa.MetadataChanged)
+    assert event.replaced == ()
+    assert msgpack.unpackb(dump_events([event])) == [
+        1,
+        _SID,
+        ["metadata_changed", event.seq, dict(event.metadata)],
+    ]
+    other = attrs.evolve(event, session_id="other")
+    assert ["replaced" in item for item in raw_of(dump_events([event, other]))] == [False, False]
+    replaced = attrs.evolve(event, replaced=("tags",))
+    assert msgpack.unpackb(dump_events([replaced]))[-1][-1] == ["tags"]
+    assert load_events(dump_events([replaced])) == [replaced]
+    assert load_events(dump_events([replaced, other])) == [replaced, other]
 
 
 @pytest.mark.parametrize("stem", sorted(GOLDEN_COMPACT))

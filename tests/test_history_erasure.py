@@ -1,7 +1,8 @@
 """An edit that takes text out of a history (replace_history, truncate, rewind, set_summary,
-compaction) is a checkpoint: the snapshot is written with it and the events before it leave
-the journal and the replay buffer, in every store and on every worker, so no replay, no
-journal read and no stored key hands the removed text out again."""
+compaction, retry) or a metadata value out of the metadata (set_metadata replacing or
+removing a key) is a checkpoint: the snapshot is written with it and the events before it
+leave the journal and the replay buffer, in every store and on every worker, so no replay,
+no journal read and no stored key hands the removed text out again."""
 
 from __future__ import annotations
 
@@ -270,6 +271,109 @@ async def test_without_a_journal_the_edit_writes_the_snapshot_at_once(tmp_path: 
         assert not [e for e in await replayed(ref, edited, last) if SECRET in repr(e)]
 
 
+# ---- metadata ----------------------------------------------------------------------------------
+
+#: The changes of set_metadata that take the value of "email" out of the metadata.
+METADATA_CHANGES: dict[str, dict[str, Any]] = {
+    "replace": {"email": "ada@example.com"},
+    "remove": {"email": None},
+}
+
+
+async def check_metadata_erased(
+    ref: sa.SessionRef, store: sa.stores.Store, edited: int, last: str, metadata: dict[str, Any]
+) -> None:
+    """As ``check_erased``, and the session keeps ``metadata`` and its whole history."""
+    await check_erased(ref, store, edited, last)
+    state = await ref.state()
+    assert state.metadata == metadata
+    users = [m.content for m in state.messages if m.role is sa.Role.USER]
+    assert users == ["hello", "thanks", "after the change"]
+
+
+@pytest.mark.parametrize("change", list(METADATA_CHANGES))
+async def test_a_metadata_change_erases_the_value_it_replaced_or_removed(
+    kept: Kept, change: str
+) -> None:
+    """A set_metadata that replaces or removes a key's value is a checkpoint: after it,
+    subscribe(after=0) raises EventsExpiredError (live, once hibernated, in another
+    process), and neither the journal nor any byte the store keeps holds the old value;
+    the history and the other keys stay, and a subscriber that was live got a
+    MetadataChanged naming the key replaced."""
+    store = kept.make()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("s", metadata={"tenant": "acme"})
+        with trio.fail_after(20):
+            await ref.send("hello")
+            await ref.set_metadata({"email": SECRET})
+            await ref.send("thanks")
+            assert SECRET.encode() in await kept.raw()  # (it was stored)
+            async with ref.subscribe() as live:
+                metadata = await ref.set_metadata(METADATA_CHANGES[change])
+                async for event in live:
+                    if isinstance(event, sa.MetadataChanged):
+                        changed = event
+                        break
+        expected = {"tenant": "acme"} | (
+            {"email": "ada@example.com"} if change == "replace" else {}
+        )
+        assert metadata == expected
+        edited = (await ref.state()).event_seq
+        last = (await ref.send("after the change")).turn_id
+        await check_metadata_erased(ref, store, edited, last, expected)  # live
+        assert SECRET.encode() not in await kept.raw()
+        await ref.hibernate()
+        await check_metadata_erased(ref, store, edited, last, expected)  # from the store
+        assert SECRET.encode() not in await kept.raw()
+        assert (changed.metadata, changed.replaced) == (expected, ("email",))
+    async with sa.open_registry(store=kept.make(), agents=ECHO) as registry:
+        ref = registry.ref("s")
+        await check_metadata_erased(ref, registry.store, edited, last, expected)  # another process
+        assert SECRET.encode() not in await kept.raw()
+
+
+async def test_a_metadata_change_that_takes_no_value_out_is_no_checkpoint(kept: Kept) -> None:
+    """A set_metadata that only adds keys, sets a key to the value it has, or removes a
+    key the metadata lacks is journaled as before: nothing is erased, subscribe(after=0)
+    replays from the session's first event, and the MetadataChanged names no key."""
+    store = kept.make()
+    async with sa.open_registry(store=store, agents=ECHO) as registry:
+        ref = await registry.spawn("s", metadata={"tenant": "acme"})
+        with trio.fail_after(20):
+            first = (await ref.send("hello")).turn_id
+            await ref.set_metadata({"email": SECRET})
+            await ref.set_metadata({"tenant": "acme", "email": SECRET, "absent": None})
+            last = (await ref.send("thanks")).turn_id
+        replay = await replayed(ref, 0, last)
+        assert isinstance(replay[0], sa.StatusChanged)
+        assert replay[0].status is sa.Status.NEW
+        assert [e.turn_id for e in replay if isinstance(e, sa.TurnStarted)] == [first, last]
+        changes = [e for e in replay if isinstance(e, sa.MetadataChanged)]
+        assert [e.replaced for e in changes] == [(), ()]
+        assert SECRET.encode() in await kept.raw()
+        await ref.hibernate()
+        assert (await replayed(ref, 0, last))[0].seq == replay[0].seq
+        assert len([e for e in await journal_events(store, "s") if SECRET in repr(e)]) == 2
+
+
+async def test_a_metadata_change_names_the_keys_whose_value_it_took_out() -> None:
+    """MetadataChanged.replaced names the keys removed or set to another value (of
+    another type too: True is not 1), in the order given; not a key set to the same
+    value, one added, or one removed that was not there."""
+    async with sa.open_registry(agents=ECHO) as registry:
+        ref = await registry.spawn("s", metadata={"a": 1, "b": [1, {"c": "x"}], "c": "k"})
+        with trio.fail_after(10):
+            async with ref.subscribe() as events:
+                await ref.set_metadata(
+                    {"c": None, "b": [1, {"c": "x"}], "a": True, "d": 5, "z": None}
+                )
+                async for event in events:
+                    if isinstance(event, sa.MetadataChanged):
+                        break
+        assert event.replaced == ("c", "a")
+        assert event.metadata == {"a": True, "b": [1, {"c": "x"}], "d": 5}
+
+
 # ---- two workers ---------------------------------------------------------------------------
 
 
@@ -323,5 +427,51 @@ async def test_an_edit_erases_what_another_worker_mirrors(
                     await replayed(ref, 0, last)
                 after = await replayed(ref, edited, last)
                 assert not [e for e in after if SECRET in repr(e)]
+            assert SECRET.encode() not in await _redis_bytes(redis_url, prefix)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.redis
+async def test_a_metadata_change_erases_the_value_another_worker_mirrors(
+    redis_url: str,
+    two_redis_workers: Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]],
+) -> None:
+    """With a subscriber on another worker, a set_metadata that removes a key (asked
+    through that worker) leaves its old value in neither worker's replay
+    (EventsExpiredError from after=0) and in no key under the prefix, the event stream
+    included; the metadata and the history stay."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with two_redis_workers(ECHO, prefix) as (a, b), trio.open_nursery() as nursery:
+            owner = await a.spawn("s", metadata={"tenant": "acme"})
+            await owner.send("hello")
+            reader = Reader()
+            await nursery.start(reader.run, b.ref("s"))
+            await owner.set_metadata({"email": SECRET})
+            await reader.wait_for(
+                lambda e: isinstance(e, sa.MetadataChanged) and "email" in e.metadata
+            )
+            await owner.send("thanks")
+            assert SECRET.encode() in await _redis_bytes(redis_url, prefix)  # the stream has it
+            assert await b.ref("s").set_metadata({"email": None}) == {"tenant": "acme"}
+            await reader.wait_for(
+                lambda e: isinstance(e, sa.MetadataChanged) and "email" not in e.metadata
+            )
+            edited = (await owner.state()).event_seq
+            last = (await b.ref("s").send("after the change")).turn_id
+            await reader.wait_for(lambda e: isinstance(e, sa.TurnFinished) and e.turn_id == last)
+            assert (a.live(), b.live()) == (["s"], [])
+            for ref in (a.ref("s"), b.ref("s")):
+                with pytest.raises(sa.EventsExpiredError):
+                    await replayed(ref, 0, last)
+                after = await replayed(ref, edited, last)
+                assert not [e for e in after if SECRET in repr(e)]
+                state = await ref.state()
+                assert state.metadata == {"tenant": "acme"}
+                assert [m.content for m in state.messages if m.role is sa.Role.USER] == [
+                    "hello",
+                    "thanks",
+                    "after the change",
+                ]
             assert SECRET.encode() not in await _redis_bytes(redis_url, prefix)
             nursery.cancel_scope.cancel()

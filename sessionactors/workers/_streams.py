@@ -31,7 +31,6 @@ from .._errors import (
 )
 from .._events import (
     Event,
-    HistoryEdited,
     ReviewRequested,
     StatusChanged,
     TurnCancelled,
@@ -107,9 +106,9 @@ class _Lost:
 
 
 class _Erase:
-    """An edit that takes text out of the history (see ``erases``), seq ``seq``: the
-    session's stream is removed before the edit is published to it (a stream left from
-    an earlier watch too), so that it holds nothing from before the edit."""
+    """An edit that takes text out of the history or the metadata (see ``erases``), seq
+    ``seq``: the session's stream is removed before the edit is published to it (a
+    stream left from an earlier watch too), so that it holds nothing from before it."""
 
     __slots__ = ("seq",)
 
@@ -773,7 +772,7 @@ class Streams:
 
         def tap(event: Event) -> None:
             nonlocal created, born
-            if event.__class__ is HistoryEdited and erases(event):
+            if erases(event):
                 # before the edit goes to the stream (watched or not: a stream may be
                 # left from an earlier watch), nothing before it may stay there
                 self._enqueue(name, born, _Erase(event.seq))
