@@ -114,7 +114,7 @@ from ._tool_calls import (
     run_tool_calls,
 )
 from ._tools import describe_exception
-from ._turns import new_turn_id, session_tag
+from ._turns import new_turn_id, now_us, session_tag, turn_id_time
 from .stores._base import Lease, Store
 
 __all__ = [
@@ -476,13 +476,20 @@ class Actor:
 
         ``given``: the id another process issued for the turn (the worker that forwarded
         it here, so that its caller can name the turn if this one dies before answering),
-        taken if this loaded session reads it ``lost``: of its form, within the clocks'
-        leeway, newer than every record it forgot, and neither recorded, under way,
-        queued nor refused. The outcome rules then answer for it as for an id of its own.
+        taken if this loaded session reads it ``lost``: of its form, newer than every
+        record it forgot, neither recorded, under way, queued nor refused, and stamped
+        no later than now here (one stamped ahead, within the clocks' leeway, would make
+        the ids issued here read as forgotten once its record is dropped). The outcome
+        rules then answer for it as for an id of its own.
         """
         if given is not None and self.is_ready:
+            stamped = turn_id_time(given)
             try:
-                if self.outcome(given).status is TurnStatus.LOST:
+                if (
+                    stamped is not None
+                    and stamped <= now_us()
+                    and self.outcome(given).status is TurnStatus.LOST
+                ):
                     return given
             except TurnNotFoundError:
                 pass

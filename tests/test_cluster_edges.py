@@ -195,7 +195,9 @@ async def test_a_forwarded_turn_runs_under_the_id_sent_with_it_only_if_its_sessi
     """A turn sent or submitted through another worker runs under the turn id that worker
     sent with it, and under an id of its owner's own when the one sent could not name a
     new turn of the session (garbage, another session's, one the session already used,
-    one stamped days from now): its reply, its turn and its outcome name that one, and
+    one stamped days from now, or minutes from now: within the clocks' leeway, but ahead
+    of the owner's clock, it would make the session's own later ids read as forgotten
+    once its record is dropped): its reply, its turn and its outcome name that one, and
     the id already used still names its own turn."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
     sent: list[str] = []
@@ -211,11 +213,13 @@ async def test_a_forwarded_turn_runs_under_the_id_sent_with_it_only_if_its_sessi
             other = await a.ref("other").send("elsewhere")
             _, tag, stamp, process = first.turn_id.split("_")  # turn_<tag>_<time>_<process>
             days_later = f"{int(stamp, 16) + 3 * 86_400 * 10**6:x}"
+            minutes_later = f"{int(stamp, 16) + 5 * 60 * 10**6:x}"
             refused = [
                 "nonsense",
                 other.turn_id,
                 first.turn_id,
                 f"turn_{tag}_{days_later}_{process}",
+                f"turn_{tag}_{minutes_later}_{process}",
             ]
             proxy.edit = forwarded_turn_ids(sent, instead)
             async with open_worker(proxied, prefix, "b") as b:
