@@ -16,7 +16,7 @@ import trio
 from ._agent import Agent
 from ._cli_copy import add_parser as add_copy_parser
 from ._cli_copy import read_target
-from ._cli_sessions import EXIT_PIPE_CLOSED, _quiet_stdout, add_store_arguments
+from ._cli_sessions import EXIT_PIPE_CLOSED, add_store_arguments, quiet_stdout
 from ._cli_sessions import add_parser as add_sessions_parser
 from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except KeyboardInterrupt:  # Ctrl-C: the conversation is stored; no traceback
             raise SystemExit(130) from None
         except BrokenPipeError:
-            _quiet_stdout()
+            quiet_stdout()
             raise SystemExit(EXIT_PIPE_CLOSED) from None
         except SessionActorsError as exc:  # one line, no traceback
             text = " ".join(str(exc).split())
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             while isinstance(error, BaseExceptionGroup) and error.exceptions:
                 error = error.exceptions[0]
             if isinstance(error, BrokenPipeError):  # the reader stopped (`... | head`)
-                _quiet_stdout()
+                quiet_stdout()
                 raise SystemExit(EXIT_PIPE_CLOSED) from None
             if not isinstance(error, SessionActorsError | OSError):
                 raise

@@ -8,7 +8,8 @@ bounded however many sessions it holds); each session is stored in the target as
 ``import`` stores it (same name, hibernated, its pending reviews with it: see
 ``as_imported``), through the workers on a target that connects them. A session the
 target already holds is skipped, one the source cannot read fails; both are said on
-stderr and the copy goes on. SIGINT or SIGTERM stop it between two sessions (a second
+stderr and the copy goes on (status 1 for a failure only: a re-run after an interruption
+skips what it copied and ends 0). SIGINT or SIGTERM stop it between two sessions (a second
 one, at once).
 """
 
@@ -29,15 +30,14 @@ import attrs
 import trio
 
 from ._cli_sessions import (
-    _joined,
-    _leased,
-    _not_a_url,
-    _open,
-    _say_if_empty,
-    _told_line,
     add_command,
+    joined,
+    not_a_url,
+    open_given,
+    say_if_empty,
+    store_imported,
+    told_line,
 )
-from ._codec import dump_info, dump_snapshot
 from ._errors import (
     InvalidSessionNameError,
     LeaseHeldError,
@@ -46,15 +46,12 @@ from ._errors import (
     SnapshotError,
 )
 from ._export import as_imported
-from ._journal import store_new
 from ._listing import LISTING_BATCH
 from ._names import damaged_name, shell_quoted
 from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_session
-from ._records import SessionState
-from ._registry import Registry, create_session
+from ._registry import Registry
 from ._router import RoutingStore
-from ._session import LiveSession
 from .stores._base import Store
 from .stores._sqlite import SQLiteStore
 from .stores._url import GivenStore, is_new_file, open_store, read_store
@@ -87,7 +84,7 @@ def add_parser(sub: Any) -> None:
         "names",
         metavar="NAME",
         nargs="*",
-        type=functools.partial(_not_a_url, store_option="--to"),
+        type=functools.partial(not_a_url, store_option="--to"),
         help="the sessions to copy (default: every one)",
     )
     parser.add_argument(
@@ -139,7 +136,7 @@ async def _copy(source: Store, args: argparse.Namespace) -> int:
     except ValueError as refused:  # not a store's URL: an argument, as for --store (2)
         _say(" ".join(str(refused).split()))
         return 2
-    target = _open(opened, given, write=True)
+    target = open_given(opened, given, write=True)
     if _same_store(source, target):
         raise ValueError(
             f"{args.given_store.shown()} and {given.shown()} are the same store, so "
@@ -191,14 +188,14 @@ async def _copy(source: Store, args: argparse.Namespace) -> int:
                 "(the sessions copied are skipped)"
             )
         return 128 + tally.stop
-    return 1 if tally.skipped or tally.failed else 0
+    return 1 if tally.failed else 0
 
 
 async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tally: _Tally) -> None:
     async with contextlib.AsyncExitStack() as stack:
         registry: Registry | None = None
         if isinstance(target, RoutingStore):  # stored as import stores it, by the workers
-            registry = await stack.enter_async_context(_joined(target))
+            registry = await stack.enter_async_context(joined(target))
         listed = False
         async with aclosing(_names(source, args, tally)) as names:
             async for name in names:
@@ -210,7 +207,7 @@ async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tall
                 await _copy_one(source, target, registry, name, args, tally)
                 tally.copying = None
         if not listed and not args.names:
-            await _say_if_empty(source, args.given_store, "copy")
+            await say_if_empty(source, args.given_store, "copy")
 
 
 async def _names(
@@ -260,10 +257,10 @@ async def _copy_one(
         state = as_imported(await read_session(source, name))
     except _UNREADABLE as exc:
         tally.failed += 1
-        _say(f"not copied: {_told_line(args, exc)}")
+        _say(f"not copied: {told_line(args, exc)}")
         return
     try:
-        await _store(target, registry, state)
+        await store_imported(target, registry, state, "copied")
     except SessionExistsError:
         tally.skipped += 1
         _say(
@@ -280,19 +277,6 @@ async def _copy_one(
         return
     tally.copied += 1
     _out(f"copied session {name!r} ({len(state.messages)} messages)")
-
-
-async def _store(target: Store, registry: Registry | None, state: SessionState) -> None:
-    """Store ``state`` in ``target`` as import does: through the workers (``registry``)
-    on a store that connects them, else under the session's lease on a shared file."""
-    if registry is not None:
-        await create_session(registry, state)
-        return
-    name = state.session_id
-    snapshot = dump_snapshot(state)
-    info = dump_info(LiveSession(state).info())
-    async with _leased(target, name, "copied"):
-        await store_new(target, name, snapshot, info, state.event_seq)
 
 
 def _same_store(a: Store, b: Store) -> bool:

@@ -80,7 +80,21 @@ from .stores._memory import MemoryStore
 from .stores._sqlite import SQLiteStore
 from .stores._url import STORE_VARIABLE, GivenStore, is_new_file, open_store
 
-__all__ = ["add_parser", "add_store_arguments", "run"]
+__all__ = [
+    "EXIT_PIPE_CLOSED",
+    "add_command",
+    "add_parser",
+    "add_store_arguments",
+    "joined",
+    "leased",
+    "not_a_url",
+    "open_given",
+    "quiet_stdout",
+    "run",
+    "say_if_empty",
+    "store_imported",
+    "told_line",
+]
 
 #: Seconds between two reads of the journal while ``tail`` follows a session.
 TAIL_INTERVAL: Final = 0.5
@@ -133,7 +147,7 @@ def add_parser(commands: Any) -> Any:
     imported.add_argument("file", metavar="FILE")
     imported.add_argument("--as", dest="rename", metavar="NAME", help="store it under NAME")
     delete = command("delete", "delete sessions from the store")
-    delete.add_argument("names", metavar="NAME", nargs="+", type=_not_a_url)
+    delete.add_argument("names", metavar="NAME", nargs="+", type=not_a_url)
     delete.add_argument("--yes", action="store_true", help="yes, delete them")
     tail = command("tail", "print a session's events as JSON lines as they are stored")
     tail.add_argument("name", metavar="NAME")
@@ -200,7 +214,7 @@ _STORE_URL: Final = re.compile(
 )
 
 
-def _not_a_url(text: str, store_option: str = "--store") -> str:
+def not_a_url(text: str, store_option: str = "--store") -> str:
     """A session's name to delete (or copy); one that holds a store's URL is refused: a
     URL given where a name goes (or an option with one that the parser took for a name:
     its value holds a space), whose password would be printed as the name's. The
@@ -261,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             text = _terminal_safe(" ".join(str(refused).split()))
             print(f"sessionactors sessions {name}: {text}", file=sys.stderr)
             return 2
-        store = _open(opened, given, write=name not in _READS)
+        store = open_given(opened, given, write=name not in _READS)
         if is_new_file(store) and name != "import" and not (name == "tail" and args.wait):
             missing = (
                 f"the sqlite store at {store.path!r} does not exist; check the path in "
@@ -294,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
         if isinstance(exc, BrokenPipeError):  # the reader stopped (`... | head`): no error
-            _quiet_stdout()
+            quiet_stdout()
             return EXIT_PIPE_CLOSED
         _say_error(args, exc)
         return 1
@@ -303,12 +317,12 @@ def run(args: argparse.Namespace) -> int:
 def _say_error(args: argparse.Namespace, exc: BaseException) -> None:
     """Tell ``exc`` on stderr, in one line, as the command's error."""
     print(
-        f"sessionactors sessions {args.sessions_command}: {_told_line(args, exc)}",
+        f"sessionactors sessions {args.sessions_command}: {told_line(args, exc)}",
         file=sys.stderr,
     )
 
 
-def _told_line(args: argparse.Namespace, exc: BaseException) -> str:
+def told_line(args: argparse.Namespace, exc: BaseException) -> str:
     """``exc`` told in one line, as the command line tells it (its advice names the
     command line's own commands on the store as it was given), safe for a terminal."""
     advise = functools.partial(_cli_advice, args.given_store)
@@ -348,7 +362,7 @@ def _listing(given: GivenStore) -> str:
     return _to_run(given, lambda option: f"python -m sessionactors sessions list {option}".strip())
 
 
-def _quiet_stdout() -> None:
+def quiet_stdout() -> None:
     """Point standard output at the null device, so that the interpreter's last flush
     of what is still buffered for a closed pipe raises nothing at exit."""
     with contextlib.suppress(OSError, ValueError):
@@ -357,7 +371,7 @@ def _quiet_stdout() -> None:
         os.close(null)
 
 
-def _open(store: Store, given: GivenStore, *, write: bool) -> Store:
+def open_given(store: Store, given: GivenStore, *, write: bool) -> Store:
     """The store ``given``, opened read-only for reads: for writes, a SQLite file that a
     process has opened shared (its lock file is there) is opened shared too."""
     if isinstance(store, MemoryStore):  # (an import there would be lost at exit)
@@ -425,7 +439,7 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         damaged=functools.partial(_say_damaged, args.given_store),
     )
     if not infos:
-        await _say_if_empty(store, args.given_store)
+        await say_if_empty(store, args.given_store)
     if args.json:
         _out(json_text([_info_json(i) for i in infos]))
         return 0
@@ -438,7 +452,7 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _say_if_empty(store: Store, given: GivenStore, command: str = "list") -> None:
+async def say_if_empty(store: Store, given: GivenStore, command: str = "list") -> None:
     """Say on stderr when the store holds no session at all: an empty listing of it
     means a wrong store URL (a mistyped ?prefix=, another database number) more often
     than a store emptied, and [] alone would pass a check that nothing is left."""
@@ -672,7 +686,7 @@ async def _tail(store: Store, args: argparse.Namespace) -> int:
                             last = (event.seq, text)
                         sys.stdout.flush()
                 except _Signalled:  # stopped as when it waits: what is unwritten is dropped
-                    _quiet_stdout()
+                    quiet_stdout()
                     nursery.cancel_scope.cancel()
                     return 0
                 if args.no_follow:
@@ -732,7 +746,7 @@ def _signals_raise() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _joined(store: Store) -> AsyncIterator[Registry]:
+async def joined(store: Store) -> AsyncIterator[Registry]:
     """An agentless registry on a store that connects workers: it joins them through
     the router, so a delete reaches the worker that holds the session's shard. It
     wakes nothing, so it holds no lease, and it leaves the workers on exit."""
@@ -741,7 +755,7 @@ async def _joined(store: Store) -> AsyncIterator[Registry]:
 
 
 @contextlib.asynccontextmanager
-async def _leased(store: Store, name: str, doing: str) -> AsyncIterator[None]:
+async def leased(store: Store, name: str, doing: str) -> AsyncIterator[None]:
     """Hold ``name``'s lease while a write command changes it, on a SQLite file that
     several processes share (refused while another process holds it); say clearly
     when a file held by another process refuses to open."""
@@ -850,14 +864,11 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
                 session_id=None,
             ) from None
     try:
-        if isinstance(store, RoutingStore):  # stored as a spawn is: it wakes where it is used
-            async with _joined(store) as registry:
-                await create_session(registry, state)
-        else:
-            snapshot = dump_snapshot(state)
-            info = dump_info(LiveSession(state).info())
-            async with _leased(store, name, "imported"):
-                await store_new(store, name, snapshot, info, state.event_seq)
+        async with contextlib.AsyncExitStack() as stack:
+            registry = None
+            if isinstance(store, RoutingStore):
+                registry = await stack.enter_async_context(joined(store))
+            await store_imported(store, registry, state, "imported")
     except SessionExistsError:
         raise SessionExistsError(
             f"session {name!r} already exists in this store; import it under another "
@@ -866,6 +877,24 @@ async def _import(store: Store, args: argparse.Namespace) -> int:
         ) from None
     _out(f"imported session {name!r} ({len(state.messages)} messages)")
     return 0
+
+
+async def store_imported(
+    store: Store, registry: Registry | None, state: SessionState, doing: str
+) -> None:
+    """Store ``state`` (made by ``as_imported``) in ``store`` as a new session: through
+    ``registry`` (``joined``) on a store that connects workers, stored as a spawn is
+    (it wakes where it is used); else under the session's lease on a file that
+    processes share (``leased``, which says it cannot be ``doing``). Raises
+    ``SessionExistsError`` if the store holds the name."""
+    if registry is not None:
+        await create_session(registry, state)
+        return
+    name = state.session_id
+    snapshot = dump_snapshot(state)
+    info = dump_info(LiveSession(state).info())
+    async with leased(store, name, doing):
+        await store_new(store, name, snapshot, info, state.event_seq)
 
 
 def _check_names(names: Sequence[str]) -> None:
@@ -897,7 +926,7 @@ async def _delete(store: Store, args: argparse.Namespace) -> int:
     async with contextlib.AsyncExitStack() as stack:
         registry = None
         if isinstance(store, RoutingStore):  # by the worker that runs it or holds its shard
-            registry = await stack.enter_async_context(_joined(store))
+            registry = await stack.enter_async_context(joined(store))
         for name in args.names:
             try:
                 await _delete_one(store, registry, name)
@@ -921,7 +950,7 @@ async def _delete_one(store: Store, registry: Registry | None, name: str) -> Non
     elif registry is not None:
         await registry.delete(name)
     else:
-        async with _leased(store, name, "deleted"):
+        async with leased(store, name, "deleted"):
             if not await store.delete(name):
                 raise SessionNotFoundError(f"session {name!r} is not stored", session_id=name)
 

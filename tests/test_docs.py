@@ -76,7 +76,7 @@ EXPECTED = {
     "howto_copy_store.py": [
         "copied session 'chat-3' (2 messages)\ncopied session 'chat-2' (2 messages)\n"
         "copied session 'chat-1' (2 messages)\n3 copied, 0 skipped, 0 failed\nexit status 0",
-        "again: 0 copied, 3 skipped, 0 failed (exit status 1)",
+        "again: 0 copied, 3 skipped, 0 failed (exit status 0)",
         "a replay from before the copy: EventsExpiredError",
         "followed on to the reply: Still there?",
         "the copy answers: Still there? (4 messages)",
