@@ -441,7 +441,8 @@ class SessionRef(metaclass=NoPublicConstructor):
         with it (one snapshot write, where a change that only adds keys is a small
         journal append), and the events before it leave the store's journal and the
         replay buffers, so the old value is replayed by nothing (``subscribe(after=)``
-        a seq before it raises EventsExpiredError).
+        a seq before it raises EventsExpiredError). The keys stay (``replaced`` names
+        them, in the event that stays): keep what is personal in values, not in keys.
 
         Metadata is plain data, as for ``spawn(metadata=...)`` (floats finite):
         anything else raises ``TypeError`` or ``ValueError`` naming the session, before
