@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import itertools
 import json
 import signal
@@ -27,6 +26,7 @@ from processes import reap, sessions
 from redis_keys import drop_prefix
 from sessionactors.stores import RedisStore, SQLiteStore, Store
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from test_cli_sessions import digests
 
 #: The call that the session "cust" of ``make_source`` waits to be reviewed.
 CALL = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
@@ -108,15 +108,6 @@ def held(state: sa.SessionState) -> tuple[Any, ...]:
         state.created_at,
         state.updated_at,
     )
-
-
-def digests(path: Path) -> dict[str, str | None]:
-    """The bytes of the database, its -wal and its -shm (None: absent)."""
-    out: dict[str, str | None] = {}
-    for suffix in ("", "-wal", "-shm"):
-        side = Path(f"{path}{suffix}")
-        out[suffix] = hashlib.sha256(side.read_bytes()).hexdigest() if side.exists() else None
-    return out
 
 
 def said(done: subprocess.CompletedProcess[str]) -> list[str]:
