@@ -1305,9 +1305,12 @@ class Streams:
             self._drop_mirror(name)
 
     async def created(self, name: str) -> None:
-        # (lag markers of a deleted namesake would take the new session's seqs)
+        # (lag markers of a deleted namesake would take the new session's seqs, and a
+        # removal of its stream still to make after an edit, the new session's events:
+        # the removal below takes the namesake's)
         self._lost.pop(name, None)
         self._failed.pop(name, None)
+        self._unerased.discard(name)
         await self.transport.reset_events(name)
 
     async def deleted(self, name: str) -> None:
