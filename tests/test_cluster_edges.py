@@ -302,6 +302,98 @@ async def test_a_forwarded_turn_stamped_before_the_records_its_session_drops_rea
                 await ref.turn_outcome(kept[0])
 
 
+SECRET = "card 4111-1111"
+
+
+#: How often a worker publishes an answer that nobody hears before it leaves it to the
+#: requester to ask after it.
+ANSWER_ATTEMPTS = 5
+
+
+def answers_lost(lost: trio.Event) -> Callable[[list[bytes]], list[bytes]]:
+    """An edit of the commands a worker sends (see net_proxy): every answer to another
+    worker's request that holds ``SECRET`` (a publish, or the journal write a turn's
+    answer goes with) goes to a channel nobody listens to, as an answer lost on the way
+    does; ``lost`` is set once such an answer was published (and so kept) as often as
+    the worker publishes an answer: its requester now has to ask after it."""
+    published = 0
+
+    def edit(words: list[bytes]) -> list[bytes]:
+        nonlocal published
+        if len(words) < 3 or SECRET.encode() not in words[-1]:
+            return words
+        try:
+            body = msgpack.unpackb(words[-1], raw=False)
+        except Exception:
+            return words
+        if not isinstance(body, dict) or "re" not in body:
+            return words
+        if words[0].upper() == b"PUBLISH":
+            published += 1
+            if published >= ANSWER_ATTEMPTS:
+                lost.set()
+        return [*words[:-2], b"nobody-listens", words[-1]]
+
+    return edit
+
+
+@pytest.mark.parametrize("erase", ["delete", "rewind", "set_metadata"])
+async def test_a_request_asked_again_after_an_erasure_gets_none_of_what_it_erased(
+    redis_url: str, erase: str
+) -> None:
+    """A request forwarded to the worker that runs its session, whose answer (a reply, or
+    the metadata) is lost on the way and then erased there (the session deleted, its
+    history truncated, the value removed from its metadata) before its requester asks
+    after it, gets a typed error that says what became of it when asked again, never the
+    erased text, and is not run again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    lost = trio.Event()
+    outcome: list[Any] = []
+    with trio.fail_after(30):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(proxied, prefix, "a", lease_ttl=2.0) as a,
+            open_worker(redis_url, prefix, "b", lease_ttl=2.0) as b,
+            trio.open_nursery() as nursery,
+        ):
+            owner = await a.spawn("s", metadata={"tenant": "acme"})
+            await owner.send("hello")  # live on a
+
+            async def ask() -> None:
+                try:
+                    if erase == "set_metadata":
+                        outcome.append(await b.ref("s").set_metadata({"email": SECRET}))
+                    else:
+                        outcome.append(await b.ref("s").send(f"my {SECRET}"))
+                except sa.SessionActorsError as exc:
+                    outcome.append(exc)
+
+            proxy.edit = answers_lost(lost)
+            nursery.start_soon(ask)
+            await lost.wait()  # a ran it and kept its answer, which went nowhere
+            if erase == "delete":
+                await a.delete("s")
+            elif erase == "rewind":
+                assert await owner.rewind((await owner.history())[1].id) == 2
+            else:
+                await owner.set_metadata({"email": None})
+            proxy.edit = None  # b asks after its request, and hears what a says now
+            while not outcome:
+                await trio.sleep(0.05)
+            if erase != "delete":
+                state = await owner.state()
+                assert state.metadata == {"tenant": "acme"}  # (not set again)
+                assert [m.content for m in state.messages] == ["hello"] * 2  # (nor sent again)
+    [told] = outcome
+    assert SECRET not in repr(told), told
+    if erase == "delete":
+        assert isinstance(told, sa.SessionNotFoundError), repr(told)
+        assert "was deleted" in str(told), told
+    else:
+        assert isinstance(told, sa.SessionCrashedError), repr(told)
+        assert "erased" in str(told), told
+
+
 async def test_metadata_of_any_storable_size_is_set_through_another_worker(
     redis_url: str,
 ) -> None:

@@ -32,7 +32,9 @@ registry:
   the last 10,000 answers, and this request's requester issued it no later than
   one whose answer it dropped: it may have run, so a turn without a key, or any
   request not safe to repeat, fails with SessionCrashedError instead of running
-  twice; a copy of it that arrives now is ignored).
+  twice; a copy of it that arrives now is ignored). An answer whose session is
+  deleted here, or an edit of which here erases what it held, is kept as the
+  error that says so (``_erase_answers``): asked again, it raises that error.
   If the incarnation is gone (it died, or restarted), a request with an idempotency
   key and every read is sent again, to the session's next owner; a turn without a
   key fails with SessionCrashedError, since it may or may not have run (naming
@@ -118,6 +120,7 @@ from .._errors import (
     Part,
     SessionActorsError,
     SessionCrashedError,
+    SessionNotFoundError,
     SessionStoppedError,
     SnapshotError,
     StoreConfigurationError,
@@ -283,7 +286,10 @@ class Cluster(metaclass=NoPublicConstructor):
         self._wake_sent: tuple[int, int] | None = None
         self._wake_heard = 0
         self._serving: set[str] = set()  # ids of the requests being served here
-        self._answered: dict[str, bytes] = {}  # the latest answers, by request id
+        #: The latest answers, by request id, with their session ("" once erased: see
+        #: _erase_answers); and the ids of each session's answers kept.
+        self._answered: dict[str, tuple[str, bytes]] = {}
+        self._answers_of: dict[str, set[str]] = {}
         #: Answers sent with their turn's outcome (see _answer_with_outcome), by request
         #: id, until their serving task keeps them.
         self._sent_answers: dict[str, bytes] = {}
@@ -297,6 +303,7 @@ class Cluster(metaclass=NoPublicConstructor):
             forward=self._forward,
             check=self._check,
             spawn=self._spawn,
+            erased=self._erase_answers,
         )
         self._inbox_last = "0-0"
         self._read_since_trim = 0
@@ -646,7 +653,7 @@ class Cluster(metaclass=NoPublicConstructor):
                 finally:
                     sent = self._sent_answers.pop(str(body.get("id")), None)
                 if sent is not None:  # sent with the outcome's journal write
-                    self._keep(str(body.get("id")), sent)
+                    self._keep(str(body.get("id")), name, sent)
                     return
                 await self._answer(body, {"ok": "reply", "reply": dump_reply(name, reply)})
                 return
@@ -728,17 +735,56 @@ class Cluster(metaclass=NoPublicConstructor):
         body["re"] = rid
         data = pack(body)
         if body.get("ok") != "ack" and request.get("op") not in _NOT_KEPT:
-            self._keep(rid, data)
+            self._keep(rid, str(request.get("s")), data)
         await self._post_answer(str(request.get("from")), str(request.get("fi")), data)
 
-    def _keep(self, rid: str, data: bytes) -> None:
-        """Keep the final answer to request ``rid`` for a requester that asks again."""
+    def _keep(self, rid: str, name: str, data: bytes) -> None:
+        """Keep the final answer to request ``rid`` of session ``name`` for a requester
+        that asks again."""
         answered = self._answered
-        answered[rid] = data
+        answered[rid] = (name, data)
+        self._answers_of.setdefault(name, set()).add(rid)
         if len(answered) > _ANSWERS_KEPT:
             dropped = next(iter(answered))
-            del answered[dropped]
+            of, _ = answered.pop(dropped)
+            rids = self._answers_of.get(of)
+            if rids is not None:
+                rids.discard(dropped)
+                if not rids:
+                    del self._answers_of[of]
             self._forget(dropped)
+
+    def _erase_answers(self, name: str, deleted: bool = False) -> None:
+        """Replace the answers kept for the requests of session ``name`` (a reply, its
+        metadata: what the session held) by an error that says what became of them:
+        the session was ``deleted``, or an edit erased what they held. Each keeps its
+        place, so a requester that asks again is told that, and a copy of its request
+        that arrives now is still ignored: nothing runs twice."""
+        rids = self._answers_of.pop(name, None)
+        if not rids:
+            return
+        if deleted:
+            error: SessionActorsError = SessionNotFoundError(
+                f"session {name!r} was deleted after worker {self.worker!r}, which ran it, "
+                "answered this request, and the answer, lost on the way, went with it; the "
+                "request is not run again",
+                session_id=name,
+            )
+        else:
+            error = advised(
+                SessionCrashedError,
+                f"session {name!r}: worker {self.worker!r}, which runs it, ran this request, "
+                "but its answer was lost on the way and is no longer kept there (an edit of "
+                "the session erased what it held before); look at the history or the metadata ",
+                Advice(kind=AdviceKind.OR_TURN_OUTCOME),
+                " before sending it again",
+                session_id=name,
+            )
+        body = dump_error(error)
+        answered = self._answered
+        for rid in rids:
+            if rid in answered:
+                answered[rid] = ("", pack({**body, "re": rid}))
 
     async def _post_answer(self, to: str, incarnation: str, data: bytes) -> None:
         for attempt in range(_ANSWER_ATTEMPTS):
@@ -773,8 +819,10 @@ class Cluster(metaclass=NoPublicConstructor):
     async def _pong(self, ping: Mapping[str, Any]) -> None:
         """Tell a requester how its request ``q`` stands here."""
         rid = str(ping.get("q"))
-        data = self._answered.get(rid)
-        if data is None:
+        kept = self._answered.get(rid)
+        if kept is not None:
+            data = kept[1]
+        else:
             if rid in self._serving:
                 state = "working"
             elif self._maybe_forgotten(rid):
@@ -1310,6 +1358,7 @@ class Cluster(metaclass=NoPublicConstructor):
         await self.streams.created(name)
 
     async def deleted(self, name: str) -> None:
+        self._erase_answers(name, deleted=True)
         await self.streams.deleted(name)
 
     def _spawn(self, fn: Callable[[], Awaitable[None]], name: str) -> None:

@@ -264,6 +264,7 @@ class Streams:
         forward: Forward,
         check: Check,
         spawn: Callable[[Callable[[], Awaitable[None]], str], None],
+        erased: Callable[[str], None],
     ) -> None:
         self.host = host
         self.transport = transport
@@ -273,6 +274,7 @@ class Streams:
         self._forward = forward
         self._check = check
         self._spawn = spawn
+        self._erased = erased  # (an edit erased what the session held before it)
         self._mirrors: dict[str, Hub] = {}
         #: Sessions whose events this worker publishes (another worker subscribes), and
         #: whether the stream must first catch up from the journal.
@@ -774,7 +776,9 @@ class Streams:
             nonlocal created, born
             if erases(event):
                 # before the edit goes to the stream (watched or not: a stream may be
-                # left from an earlier watch), nothing before it may stay there
+                # left from an earlier watch), nothing before it may stay there, nor in
+                # the answers kept for other workers' requests
+                self._erased(name)
                 self._enqueue(name, born, _Erase(event.seq))
             catch_up = watched.get(name)
             if catch_up is None:
@@ -1301,9 +1305,12 @@ class Streams:
             self._drop_mirror(name)
 
     async def created(self, name: str) -> None:
-        # (lag markers of a deleted namesake would take the new session's seqs)
+        # (lag markers of a deleted namesake would take the new session's seqs, and a
+        # removal of its stream still to make after an edit, the new session's events:
+        # the removal below takes the namesake's)
         self._lost.pop(name, None)
         self._failed.pop(name, None)
+        self._unerased.discard(name)
         await self.transport.reset_events(name)
 
     async def deleted(self, name: str) -> None:
