@@ -1013,7 +1013,7 @@ class Actor:
             )
         )
         before = self._compact_before if agent.compaction is not None else None
-        return self._drive(agent, mail.pending, key, before=before)
+        return self._drive(agent, mail.pending, key, before=before, queued=True)
 
     async def _compact_before(self, agent: Agent) -> bool:
         await maybe_compact(self, agent)
@@ -1025,12 +1025,14 @@ class Actor:
         pending: Pending,
         key: str | None,
         before: Callable[[Agent], Awaitable[bool]] | None = None,
+        queued: bool = False,
     ) -> None:
         """Run (or resume) the turn loop and settle its outcome.
 
         ``before`` runs first, inside the turn scope; if it returns False the turn
         pauses (a review) without asking the model. A cancellation leaves the turn
-        scope with ``_cut`` set, for ``run`` to settle outside it.
+        scope with ``_cut`` set, for ``run`` to settle outside it. ``queued``: a new
+        turn from the mailbox, whose wait since its id was issued its trace hears.
         """
         failure: BaseException | None = None
         final: Message | None = None
@@ -1039,12 +1041,16 @@ class Actor:
         self.in_turn = True
         telemetry = self.host.telemetry
         if telemetry is not None:
-            self.trace = telemetry.turn(
+            trace = self.trace = telemetry.turn(
                 session_id=self.session_id,
                 turn_id=self.turn_id,
                 agent=self.session.agent,
                 queued=self.receive.statistics().current_buffer_used,
             )
+            if queued and trace is not None:
+                stamped = turn_id_time(self.turn_id)  # (issued as it was accepted)
+                if stamped is not None:
+                    trace.waited(max(0, now_us() - stamped) / 1_000_000)
         try:
             if self.trace is None:
                 if before is None or await before(agent):

@@ -60,6 +60,19 @@ class TurnTrace:
         and their child tasks run inside)."""
         yield
 
+    def waited(self, seconds: float) -> None:
+        """The turn waited ``seconds`` before it started: from when its id was issued
+        to now. Called once, right after :meth:`Telemetry.turn` made this trace, for a
+        turn that starts from the mailbox; not for a turn resumed (after a review, or
+        found open on wake), a ``retry()`` or a stop that ends a turn waiting on a review.
+
+        An id is issued as the turn is accepted into the mailbox (also while its
+        session wakes, so the wake is part of the wait), or, when the mailbox is full,
+        as the caller begins to wait for room (that wait is part of it); a turn that
+        another worker forwarded may run under the id that worker issued as it sent
+        the turn on, so its wait counts from then, by that worker's clock.
+        """
+
     def model_call(self, model: Model, request: ModelRequest) -> ModelCallTrace:
         """The turn asks ``model``; its result hears how the call goes."""
         return ModelCallTrace()
@@ -223,6 +236,12 @@ class _TurnTrace(TurnTrace):
     def activate(self) -> Iterator[None]:
         with _safe_context(self._failures, "TurnTrace.activate", self._inner.activate, None):
             yield
+
+    def waited(self, seconds: float) -> None:
+        try:
+            self._inner.waited(seconds)
+        except Exception:
+            self._failures.report("TurnTrace.waited")
 
     def model_call(self, model: Model, request: ModelRequest) -> ModelCallTrace:
         try:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,7 +73,9 @@ async def test_a_turn_is_one_trace_with_chat_and_tool_spans_and_the_tools_own_sp
     turn = turns[0]
     assert turn.parent is None
     assert turns[1].context.trace_id != turn.context.trace_id
-    assert dict(turn.attributes) == {
+    attributes = dict(turn.attributes)
+    assert attributes.pop("sessionactors.turn.queue_wait") >= 0  # (its session woke first)
+    assert attributes == {
         "gen_ai.operation.name": "invoke_agent",
         "gen_ai.agent.name": "support",
         "gen_ai.conversation.id": "s-1",
@@ -431,6 +434,74 @@ async def test_requests_refused_by_a_full_mailbox_are_counted(otel: Otel) -> Non
         assert registry.statistics().requests_refused == refused
     # the counter goes on from what a closed registry counted (never a reset)
     assert otel.points("sessionactors.mailbox.refused")[0].value == refused
+
+
+async def test_the_time_a_turn_waited_in_the_mailbox_is_recorded(
+    otel: Otel, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn queued behind another records how long it waited, from its acceptance into
+    the mailbox to its start, in ``sessionactors.turn.queue_wait`` and on its span; a turn
+    that found its session free waited nothing, and a review's continuation records no
+    wait (its turn did not wait in the mailbox again)."""
+    # Turn ids carry the wall-clock time they were issued: have it follow trio's clock,
+    # which the autojump clock moves.
+    real_time_ns = time.time_ns
+    start = real_time_ns()
+
+    def time_ns() -> int:
+        try:
+            return start + round(trio.current_time() * 1e9)
+        except RuntimeError:  # (outside the run)
+            return real_time_ns()
+
+    monkeypatch.setattr(time, "time_ns", time_ns)
+
+    @sa.tool(requires_review=True)
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        return "refunded"
+
+    gate = trio.Event()
+    model = ScriptedModel(
+        [
+            Scripted(text="one", wait=gate),
+            "two",
+            Scripted(tool_calls=[call("refund", "c1", order_id="A1")]),
+            "Refunded.",
+        ]
+    )
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=model, tools=[refund])}, telemetry=otel.telemetry
+    ) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(1000):
+            first = await ref.submit("hello")
+            await trio.testing.wait_all_tasks_blocked()  # its turn runs, held by the gate
+            second = await ref.submit("again")  # waits in the mailbox behind it
+            await trio.sleep(30)
+            gate.set()
+            await first.reply()
+            reply = await second.reply()
+            await trio.sleep(60)  # the session is free again
+            waiting = await ref.send("refund A1")
+            await trio.sleep(60)  # the review waits: no mailbox wait
+            await ref.review(waiting.reviews[0].id, approve=True)
+
+    [point] = otel.points("sessionactors.turn.queue_wait")
+    assert point.attributes["gen_ai.agent.name"] == "a"
+    assert point.count == 3  # (the review's continuation records none)
+    assert point.max == pytest.approx(30, abs=0.001)
+    assert point.sum == pytest.approx(30, abs=0.003)  # the other two waited nothing
+    spans = {}
+    for span in otel.named("invoke_agent"):
+        spans.setdefault(span.attributes["sessionactors.turn.id"], []).append(span)
+    [queued] = spans[reply.turn_id]
+    assert queued.attributes["sessionactors.turn.queue_wait"] == pytest.approx(30, abs=0.001)
+    [free] = spans[(await first.reply()).turn_id]
+    assert free.attributes["sessionactors.turn.queue_wait"] < 0.001
+    paused, resumed = sorted(spans[waiting.turn_id], key=lambda s: s.start_time or 0)
+    assert paused.attributes["sessionactors.turn.queue_wait"] < 0.001
+    assert "sessionactors.turn.queue_wait" not in (resumed.attributes or {})
 
 
 async def test_tool_calls_are_counted_by_tool_and_failure(otel: Otel) -> None:

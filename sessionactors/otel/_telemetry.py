@@ -97,6 +97,13 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
         "requests refused because their session's mailbox was full (MailboxFullError) "
         "since the registries opened",
     ),
+    "sessionactors.turn.queue_wait": (
+        "histogram",
+        "s",
+        "how long a turn waited before it started, from its acceptance into the mailbox"
+        " (behind the session's other turns, or while the session woke), by"
+        " gen_ai.agent.name",
+    ),
     "sessionactors.mailbox.depth": (
         "histogram",
         "{request}",
@@ -120,6 +127,7 @@ METRICS: Final[dict[str, tuple[str, str, str]]] = {
 # The GenAI conventions' advice for durations (seconds) and token counts.
 _SECONDS: Final = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 _SECONDS_WIDE: Final = (*_SECONDS, 40.96, 81.92, 163.84, 327.68)
+_WAIT_SECONDS: Final = (0.001, 0.005, *_SECONDS_WIDE)  # (most turns wait for nothing)
 _STORE_SECONDS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 _TOKENS: Final = tuple(4.0**i for i in range(14))  # 1, 4, 16, ... 67108864
 _DEPTHS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
@@ -157,7 +165,8 @@ class OpenTelemetry(Telemetry):
 
     Spans follow the GenAI semantic conventions: one trace per turn, rooted at an
     ``invoke_agent {agent}`` span (``gen_ai.conversation.id`` = the session's name,
-    ``sessionactors.turn.id``), with a ``chat {model}`` span per model call and an
+    ``sessionactors.turn.id``, and ``sessionactors.turn.queue_wait``: the seconds it
+    waited in the mailbox), with a ``chat {model}`` span per model call and an
     ``execute_tool {tool}`` span per tool call. The turn's span is current while
     the turn runs and a tool's while it runs, so spans that tools make nest under
     them. Failures set the span's status to ERROR and ``error.type``.
@@ -190,6 +199,7 @@ class OpenTelemetry(Telemetry):
         self.call_duration = histogram("gen_ai.client.operation.duration", _SECONDS_WIDE)
         self.first_chunk = histogram("gen_ai.client.operation.time_to_first_chunk", _SECONDS)
         self.tokens = histogram("gen_ai.client.token.usage", _TOKENS)
+        self.queue_wait = histogram("sessionactors.turn.queue_wait", _WAIT_SECONDS)
         self.mailbox_depth = histogram("sessionactors.mailbox.depth", _DEPTHS)
         self.lagged = counter("sessionactors.subscribers.lagged")
         self.tool_calls = counter("sessionactors.tool.calls")
@@ -284,6 +294,12 @@ class _Turn(TurnTrace):
             self._span, end_on_exit=False, record_exception=False, set_status_on_exception=False
         ):
             yield
+
+    def waited(self, seconds: float) -> None:
+        self._span.set_attribute("sessionactors.turn.queue_wait", seconds)
+        agent = self._agent
+        attributes = None if agent is None else {"gen_ai.agent.name": agent}
+        self._otel.queue_wait.record(seconds, attributes)
 
     def model_call(self, model: Model, request: ModelRequest) -> ModelCallTrace:
         name = _model_name(model)
