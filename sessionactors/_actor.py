@@ -767,7 +767,7 @@ class Actor:
                 session_id=sid,
             )
         if session.status is Status.STOPPED:
-            raise advised(
+            stopped = advised(
                 SessionStoppedError,
                 f"session {sid!r} is stopped and takes no more requests; ",
                 Advice(kind=AdviceKind.NEW_SESSION),
@@ -775,6 +775,8 @@ class Actor:
                 Advice(kind=AdviceKind.DELETE),
                 session_id=sid,
             )
+            stopped._reason = "stop"
+            raise stopped
         journal = self.journal
         journal.loaded(stored, durable_seq, session)
         if journal.base is not None:  # (durability="hibernate") answered, not written

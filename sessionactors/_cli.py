@@ -26,7 +26,7 @@ from ._names import is_url, redact, redact_urls
 from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
-from .stores._url import STORE_VARIABLE, read_store
+from .stores._url import STORE_VARIABLE, GivenStore, read_store
 
 __all__ = ["main"]
 
@@ -186,6 +186,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {_refusal_shown(message)} (see {self.prog} --help)\n")
 
 
+def _given(
+    parser: argparse.ArgumentParser,
+    prog: str,
+    read: Callable[[], GivenStore | None],
+    missing: str,
+) -> GivenStore:
+    """The store that ``read`` reads from the command's options; the command ends with
+    status 2 if they are wrong (its error) or give none (``no {missing}``)."""
+    try:
+        given = read()
+    except ValueError as exc:
+        parser.exit(2, f"{prog}: {exc}\n")
+    if given is None:
+        parser.exit(2, f"{prog}: no {missing} (see {prog} --help)\n")
+    return given
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _Parser(
         prog="sessionactors",
@@ -325,27 +342,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         shown = _arguments_shown(unknown)
         parser.exit(2, f"{prog}: unrecognized arguments: {shown} (see {prog} --help)\n")
     if args.command in ("serve", "sessions"):  # its store: --store, --store-file or variable
-        try:
-            args.given_store = read_store(args.store, args.store_file)
-        except ValueError as exc:
-            parser.exit(2, f"{prog}: {exc}\n")
-        if args.given_store is None:
-            parser.exit(
-                2,
-                f"{prog}: no store given: pass --store URL or --store-file PATH, or set "
-                f"{STORE_VARIABLE} (see {prog} --help)\n",
-            )
+        args.given_store = _given(
+            parser,
+            prog,
+            lambda: read_store(args.store, args.store_file),
+            f"store given: pass --store URL or --store-file PATH, or set {STORE_VARIABLE}",
+        )
     if getattr(args, "sessions_command", None) == "copy":  # and the store to copy to
-        try:
-            args.given_target = read_target(args)
-        except ValueError as exc:
-            parser.exit(2, f"{prog}: {exc}\n")
-        if args.given_target is None:
-            parser.exit(
-                2,
-                f"{prog}: no store to copy to given: pass --to URL or --to-file PATH "
-                f"(see {prog} --help)\n",
-            )
+        args.given_target = _given(
+            parser,
+            prog,
+            lambda: read_target(args),
+            "store to copy to given: pass --to URL or --to-file PATH",
+        )
     if args.command == "sessions":
         raise SystemExit(run_sessions(args))
     if args.command == "serve":

@@ -124,7 +124,7 @@ def add_parser(commands: Any) -> Any:
     sub = sessions.add_subparsers(dest="sessions_command", required=True, metavar="COMMAND")
     command = functools.partial(add_command, sub)
 
-    listing = command("list", "list sessions, newest activity first")
+    listing = command("list", "list sessions, newest activity first", _list)
     listing.add_argument("--status", choices=[s.value for s in Status])
     listing.add_argument(
         "--meta",
@@ -137,19 +137,19 @@ def add_parser(commands: Any) -> Any:
     listing.add_argument("--limit", type=_positive, default=None, metavar="N")
     listing.add_argument("--after", metavar="NAME", help="start after this session (paging)")
     listing.add_argument("--json", action="store_true", help="one JSON array")
-    show = command("show", "a session's status, metadata, summary, reviews and messages")
+    show = command("show", "a session's status, metadata, summary, reviews and messages", _show)
     show.add_argument("name", metavar="NAME")
     show.add_argument("--events", action="store_true", help="also its journaled events")
     show.add_argument("--json", action="store_true", help="one JSON object")
-    export = command("export", "write a session as versioned JSON to standard output")
+    export = command("export", "write a session as versioned JSON to standard output", _export)
     export.add_argument("name", metavar="NAME")
-    imported = command("import", "store a session from an export (FILE, or - for stdin)")
+    imported = command("import", "store a session from an export (FILE, or - for stdin)", _import)
     imported.add_argument("file", metavar="FILE")
     imported.add_argument("--as", dest="rename", metavar="NAME", help="store it under NAME")
-    delete = command("delete", "delete sessions from the store")
+    delete = command("delete", "delete sessions from the store", _delete)
     delete.add_argument("names", metavar="NAME", nargs="+", type=not_a_url)
     delete.add_argument("--yes", action="store_true", help="yes, delete them")
-    tail = command("tail", "print a session's events as JSON lines as they are stored")
+    tail = command("tail", "print a session's events as JSON lines as they are stored", _tail)
     tail.add_argument("name", metavar="NAME")
     tail.add_argument(
         "--after",
@@ -174,17 +174,16 @@ def add_command(
     sub: Any,
     name: str,
     help: str,
-    run: Callable[[Store, argparse.Namespace], Awaitable[int]] | None = None,
+    run: Callable[[Store, argparse.Namespace], Awaitable[int]],
 ) -> argparse.ArgumentParser:
     """Add the ``sessions`` command ``name`` to ``sub`` (``add_parser``'s), with the store's
-    options; ``run`` runs it (for a command of another module; this one's are in
-    ``_COMMANDS``), given the store opened (read-only for a command in ``_READS``)."""
+    options; ``run`` runs it, given the store opened (read-only for a command in
+    ``_READS``)."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
     add_store_arguments(
         parser, "sqlite:///path.db (sqlite:////absolute.db) or redis://host:port/db"
     )
-    if run is not None:
-        parser.set_defaults(sessions_run=run)
+    parser.set_defaults(sessions_run=run)
     return parser
 
 
@@ -253,7 +252,7 @@ def _seq(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run one ``sessions`` command; its exit status (errors: one line on stderr)."""
     name = args.sessions_command
-    command = _COMMANDS.get(name) or args.sessions_run
+    command = args.sessions_run
     try:
         if name == "delete":
             _check_names(args.names)
@@ -957,11 +956,3 @@ async def _delete_one(store: Store, registry: Registry | None, name: str) -> Non
 
 #: The commands that only read their store (``copy`` writes another one: its target).
 _READS: Final = frozenset({"list", "show", "export", "tail", "copy"})
-_COMMANDS: Final[dict[str, Callable[[Store, argparse.Namespace], Awaitable[int]]]] = {
-    "list": _list,
-    "show": _show,
-    "export": _export,
-    "tail": _tail,
-    "import": _import,
-    "delete": _delete,
-}

@@ -368,8 +368,10 @@ class SessionStoppedError(_TurnError):
     #: (Internal, set by ``stopped_error``) why the session's registry stopped the
     #: request: "cut" (its shutdown grace ran out), "unsaved" (it closed before the store
     #: confirmed the turn), "interrupted" (a BaseException closed it), "crashed" (the test
-    #: kit's ``crash``), "stop", "closing"; empty if not said. A worker that ran the
-    #: request for another says it its way.
+    #: kit's ``crash``), "stop" (the session is stopped: ``ref.stop()``, under way, done
+    #: or read from the store), "closing"; empty if not said. It crosses between workers
+    #: with the error; a worker that ran the request for another rewords "cut" and
+    #: "unsaved" its way.
     _reason: str = ""
 
 
@@ -730,6 +732,16 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     error = advised(SessionStoppedError, *told, session_id=sid, turn_id=turn_id)
     error._reason = reason
     return error
+
+
+def stopped_for_good(error: SessionStoppedError) -> bool:
+    """Whether ``error`` says that its session is stopped (``ref.stop()``: it takes no
+    more requests, ever), rather than a registry or a worker under the request: its
+    reason, "stop". A worker of an earlier version sends no reason: its advice to go on
+    in a session of another name says it, if that crossed with it."""
+    if error._reason:
+        return error._reason == "stop"
+    return advises(error, AdviceKind.NEW_SESSION)
 
 
 def cut_off_error(sid: str, reason: str) -> SessionStoppedError:

@@ -33,6 +33,7 @@ from ._errors import (
     SessionStoppedError,
     StoreError,
     advised,
+    stopped_error,
 )
 from ._hub import SEQ_GAP, Hub, deleted_error, expired_error
 from ._journal import store_new
@@ -329,13 +330,7 @@ class Sessions:
                 session_id=name,
             )
         if actor.stopping:
-            return advised(
-                SessionStoppedError,
-                f"session {name!r} was stopped; ",
-                Advice(kind=AdviceKind.NEW_SESSION),
-                " to continue",
-                session_id=name,
-            )
+            return stopped_error(name, "stop")
         if self.is_failed(name):
             return self.failed_error(name)
         return None  # hibernated or restarted: try again

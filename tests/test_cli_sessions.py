@@ -199,6 +199,44 @@ def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:
         assert "'nobody'" in refused("show", "nobody", "--store", store)
 
 
+async def test_show_json_carries_the_turn_that_waits_on_a_review(tmp_path: Path) -> None:
+    """show --json of a session stored while a turn waits on a review carries that turn
+    as ``open_turn`` (its id, status waiting, the user message it answers, its key), as
+    the gateway's state does; null once the turn is over."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+
+    async def refund(order_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        return f"refunded {order_id}"
+
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
+    asked = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
+    model = ScriptedModel([Scripted(text="I will refund it.", tool_calls=[asked]), "done"])
+    agents = {"a": sa.Agent(model=model, tools=[tool])}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        with trio.fail_after(10):
+            ref = await registry.spawn("s")
+            waiting = await ref.send("Refund A1", idempotency_key="k1")
+            [review] = waiting.reviews
+            await ref.hibernate()
+            body = json.loads(
+                await trio.to_thread.run_sync(ok, "show", "s", "--store", store, "--json")
+            )
+            await ref.review(review.id, approve=True)
+            await ref.hibernate()
+            after = json.loads(
+                await trio.to_thread.run_sync(ok, "show", "s", "--store", store, "--json")
+            )
+    [user] = [m for m in body["messages"] if m["role"] == "user"]
+    turn = body["open_turn"]
+    assert (turn["turn_id"], turn["status"]) == (waiting.turn_id, "waiting"), turn
+    assert (turn["message_id"], turn["idempotency_key"]) == (user["id"], "k1"), turn
+    assert turn["started_at"] is not None, turn
+    assert [r["id"] for r in body["pending_reviews"]] == [review.id]
+    assert after["open_turn"] is None, after
+
+
 async def test_show_says_how_the_turn_of_an_interrupted_reply_ended(tmp_path: Path) -> None:
     """show marks a reply that its turn's failure or cancel cut off with the turn's id, its outcome and, for a failure, the error's kind (not its words, which may name secrets)."""
     path = tmp_path / "s.db"

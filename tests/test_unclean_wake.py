@@ -184,3 +184,32 @@ async def test_many_unclean_wakes_in_a_short_time_are_a_bounded_number_of_lines(
             assert registry.statistics().unclean_wakes == 26
             [point] = otel.points("sessionactors.sessions.unclean_wakes")
             assert point.value == 26
+
+
+async def test_the_unclean_wakes_not_told_yet_are_told_when_the_registry_closes(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wakes after an unclean stop logged at DEBUG only, whose minute has not ended
+    when the registry closes, are told in their one WARNING as it closes."""
+    caplog.set_level(logging.DEBUG, logger="sessionactors")
+    store = sa.MemoryStore()
+    names = [f"s{i:02}" for i in range(12)]
+    with trio.CancelScope() as process:
+        async with sa.open_registry(store=store, agents=ECHO) as registry:
+            for name in names:
+                await (await registry.spawn(name)).send("hello")
+            crash(registry)
+            process.cancel()
+    with trio.fail_after(600):
+        async with sa.open_registry(store=store, agents=ECHO) as registry:
+            opened = trio.current_time()
+            for name in names:
+                await registry.ref(name).state()
+            warned = [r.getMessage() for r in unclean(caplog) if r.levelno == logging.WARNING]
+            assert len(warned) == 10, warned
+        assert trio.current_time() - opened < 60  # (closed within the minute)
+    warned = [r.getMessage() for r in unclean(caplog) if r.levelno == logging.WARNING]
+    assert len(warned) == 11, warned
+    summary = warned[-1]
+    assert "2 more sessions" in summary, summary
+    assert all(f"'{n}'" in summary for n in names[10:]), summary

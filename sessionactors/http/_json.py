@@ -6,7 +6,7 @@ from typing import Any, Final
 import sessionactors as sa
 
 from .._actor import LOST_PREFIX
-from .._errors import AdviceKind, Private, advises
+from .._errors import Private, stopped_for_good
 from .._json import dumps as dumps
 from .._json import event_to_json as _event_json
 from .._json import metadata_json as metadata_json
@@ -185,18 +185,12 @@ def error_status(error: BaseException) -> int:
     (a turn its shutdown cut off, a request it did not run, a session changing hands),
     503, whichever worker's gateway answers: sent again, the request reaches the
     session's next worker, and a client's or a proxy's retries on 503 apply to it."""
-    if isinstance(error, sa.SessionStoppedError) and not _stopped_for_good(error):
+    if isinstance(error, sa.SessionStoppedError) and not stopped_for_good(error):
         return 503
     for cls, status in _STATUSES:
         if isinstance(error, cls):
             return status
     return 500
-
-
-def _stopped_for_good(error: sa.SessionStoppedError) -> bool:
-    """Whether ``error`` says that its session is stopped (``ref.stop()``), rather than
-    a worker under it: its advice is to go on in a session of another name."""
-    return advises(error, AdviceKind.NEW_SESSION)
 
 
 def error_json(error: BaseException, *, status: int | None = None) -> dict[str, Any]:

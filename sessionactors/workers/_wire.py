@@ -87,9 +87,11 @@ _BUILTIN_ERRORS: Final[dict[str, type[Exception]]] = {
     "AttributeError": AttributeError,
 }
 _ERROR_ATTRS: Final = ("turn_id", "last_seq", "oldest_seq", "status_code", "idempotency_key")
-#: The attributes of an error that hold a bool (``ModelError.public``,
-#: ``FencedOutError.lost_data``), carried too.
-_ERROR_FLAGS: Final = ("public", "lost_data")
+#: The attributes that errors of some classes have, with a default (``ModelError.public``,
+#: ``FencedOutError.lost_data``, ``SessionStoppedError._reason``: "stop" for a stopped
+#: session, which a gateway answers 409), by the type of their value: carried too, and
+#: set on an error of a class that has them.
+_ERROR_FLAGS: Final[dict[str, type]] = {"public": bool, "lost_data": bool, "_reason": str}
 #: The largest integer msgpack carries either way: a caller's seq or count above it
 #: travels as this one (every seq and count a record holds is far below it).
 MAX_WIRE_INT: Final = 2**63 - 1
@@ -253,15 +255,15 @@ def dump_error(exc: BaseException) -> dict[str, Any]:
 
 
 def _dump_one(exc: BaseException, limit: int | None = None) -> dict[str, Any]:
-    extra = {}
+    extra: dict[str, object] = {}
     for name in _ERROR_ATTRS:
         value = getattr(exc, name, None)
         if isinstance(value, str | int) and not isinstance(value, bool):
             extra[name] = storable(value) if isinstance(value, str) else value
-    for name in _ERROR_FLAGS:
+    for name, kind in _ERROR_FLAGS.items():
         value = getattr(exc, name, None)
-        if isinstance(value, bool):
-            extra[name] = value
+        if type(value) is kind:
+            extra[name] = storable(value) if isinstance(value, str) else value
     try:  # (an agent's exception may say anything: a str() that raises, lone surrogates)
         message = storable(str(exc))
     except Exception:
@@ -367,7 +369,7 @@ def _rebuilt(body: Mapping[str, Any], name: str | None) -> Exception | None:
     rebuilt._told = _load_told(body, sid if isinstance(sid, str) else None)
     for attr, value in dict(body.get("attrs") or {}).items():
         if attr in _ERROR_ATTRS or (
-            attr in _ERROR_FLAGS and isinstance(value, bool) and hasattr(rebuilt, attr)
+            type(value) is _ERROR_FLAGS.get(attr) and hasattr(rebuilt, attr)
         ):
             setattr(rebuilt, attr, value)
     return rebuilt

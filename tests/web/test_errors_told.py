@@ -568,3 +568,25 @@ async def test_a_turn_cut_by_its_workers_shutdown_answers_503_through_another_wo
     assert "send it again" in cut.json()["message"], cut.text
     assert cut.json()["turn_id"].startswith("turn_"), cut.text
     assert (stopped.status_code, stopped.json()["error"]) == (409, "SessionStoppedError")
+
+
+@pytest.mark.redis
+async def test_a_session_stopped_on_another_worker_answers_409(redis_url: str) -> None:
+    """A message to a session stopped (ref.stop()) on the worker that holds it, sent
+    through another worker's gateway, is answered 409 SessionStoppedError, as through
+    its own worker's: that the session is stopped crosses between the workers as a fact
+    of the error, not read off its wording."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", lease_ttl=30.0) as a,
+            open_worker(redis_url, prefix, "b", lease_ttl=30.0) as b,
+        ):
+            await (await a.spawn("t")).stop()
+            with pytest.raises(sa.SessionStoppedError) as raised:
+                await b.ref("t").send("hi")
+            assert "raised by worker 'a', which runs session 't'" in raised.value.__notes__
+            async with serve_trio(create_app(b)) as url, httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/sessions/t/messages", json={"text": "hi"})
+            assert (a.live(), b.live()) == ([], [])
+    assert (r.status_code, r.json()["error"]) == (409, "SessionStoppedError"), r.text
