@@ -28,7 +28,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, Final, TextIO
 
 import trio
@@ -136,6 +136,14 @@ def add_parser(commands: Any) -> Any:
     )
     listing.add_argument("--limit", type=_positive, default=None, metavar="N")
     listing.add_argument("--after", metavar="NAME", help="start after this session (paging)")
+    listing.add_argument(
+        "--active-before",
+        type=_active_before,
+        default=None,
+        metavar="WHEN",
+        help="only sessions last active before WHEN: an ISO 8601 time with its offset "
+        "(2025-01-31T00:00:00+00:00) or a duration before now (90d, 12h, 30m, 45s)",
+    )
     listing.add_argument("--json", action="store_true", help="one JSON array")
     show = command("show", "a session's status, metadata, summary, reviews and messages", _show)
     show.add_argument("name", metavar="NAME")
@@ -237,6 +245,32 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return value
+
+
+#: A duration before now, for ``list --active-before``: a whole number and its unit.
+_DURATION: Final = re.compile(r"([0-9]{1,9})([dhms])")
+_UNITS: Final = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
+
+
+def _active_before(text: str) -> datetime:
+    """``--active-before``'s WHEN: an ISO 8601 time with an offset, or a duration
+    (``90d``, ``12h``, ``30m``, ``45s``) before now."""
+    duration = _DURATION.fullmatch(text)
+    if duration is not None:
+        try:
+            return datetime.now(UTC) - timedelta(**{_UNITS[duration[2]]: int(duration[1])})
+        except OverflowError:
+            raise argparse.ArgumentTypeError(f"{text!r} reaches before the year 1") from None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        when = None
+    if when is None or when.utcoffset() is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an ISO 8601 time with an offset (2025-01-31T00:00:00+00:00, "
+            "...Z) nor a duration before now (90d, 12h, 30m, 45s)"
+        )
+    return when
 
 
 def _seq(text: str) -> int:
@@ -435,6 +469,7 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         metadata=_parse_meta(args.meta),
         limit=args.limit,
         after=args.after,
+        active_before=args.active_before,
         damaged=functools.partial(_say_damaged, args.given_store),
     )
     if not infos:

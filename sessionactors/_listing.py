@@ -12,6 +12,8 @@ integer and a Redis score alike); unreadable info sorts as the oldest, and the
 registry lists it as failed.
 """
 
+import bisect
+import datetime
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -22,7 +24,9 @@ from ._records import SessionInfo, Status
 
 __all__ = [
     "LISTING_BATCH",
+    "activity_micros",
     "after_not_found",
+    "check_active_before",
     "check_listing",
     "info_activity",
     "listing_key",
@@ -35,6 +39,7 @@ __all__ = [
 LISTING_BATCH: Final = 500
 
 _UPDATED_AT: Final = "updated_at"
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def info_activity(info: bytes) -> int:
@@ -83,16 +88,23 @@ def listing_key(session_id: str, info: bytes) -> tuple[int, str]:
 
 
 def page_of(
-    items: Iterable[tuple[str, bytes]], *, after: str | None, limit: int
+    items: Iterable[tuple[str, bytes]],
+    *,
+    after: str | None,
+    limit: int,
+    active_before: int | None = None,
 ) -> list[tuple[str, bytes]]:
     """A page of ``(session_id, info)`` in listing order, from every session at once
-    (for stores that offer only ``list_sessions``: it costs the whole listing)."""
+    (for stores that offer only ``list_sessions``: it costs the whole listing); only
+    the sessions whose activity time is below ``active_before``, if given."""
     keyed = sorted(((listing_key(name, info), name, info) for name, info in items), reverse=True)
     start = 0
     if after is not None:
         start = next((i + 1 for i, (_, name, _) in enumerate(keyed) if name == after), -1)
         if start < 0:
             raise after_not_found(after)
+    if active_before is not None:
+        start = max(start, bisect.bisect_right(keyed, -active_before, key=lambda k: -k[0][0]))
     return [(name, info) for _, name, info in keyed[start : start + limit]]
 
 
@@ -126,6 +138,29 @@ def check_listing(
     if after is not None and not isinstance(after, str):
         raise TypeError(f"after must be a session name (str) or None, not {after!r:.60}")
     return wanted, None if metadata is None else dict(metadata)
+
+
+def check_active_before(active_before: object) -> int | None:
+    """Check ``registry.sessions()``'s ``active_before``: an aware datetime, or None;
+    the time in microseconds since the epoch (as ``info_activity`` reads them)."""
+    if active_before is None:
+        return None
+    if not isinstance(active_before, datetime.datetime):
+        raise TypeError(
+            "active_before must be an aware datetime (datetime.datetime.now(datetime.UTC) "
+            f"- datetime.timedelta(days=90)) or None, not {active_before!r:.60}"
+        )
+    if active_before.utcoffset() is None:
+        raise ValueError(
+            f"active_before must be an aware datetime, not the naive {active_before!r:.60}: "
+            "give it a timezone (tzinfo=datetime.UTC)"
+        )
+    return activity_micros(active_before)
+
+
+def activity_micros(at: datetime.datetime) -> int:
+    """The aware datetime ``at`` in microseconds since the epoch."""
+    return (at - _EPOCH) // datetime.timedelta(microseconds=1)
 
 
 def matches(info: SessionInfo, status: Status | None, metadata: Mapping[str, Any] | None) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -29,6 +29,7 @@ from ._errors import (
 from ._events import NO_TIME, Event
 from ._listing import (
     LISTING_BATCH,
+    check_active_before,
     check_listing,
     info_activity,
     matches,
@@ -38,7 +39,7 @@ from ._listing import (
 from ._names import damaged_name, delete_command, shell_quoted, validate_name
 from ._records import SessionInfo, SessionState, Status
 from ._session import LiveSession
-from .stores._base import PagedStore, Store, StoredSession
+from .stores._base import IdlePageStore, PagedStore, Store, StoredSession
 
 __all__ = [
     "damaged_listed",
@@ -175,6 +176,7 @@ async def list_stored(
     metadata: Mapping[str, Any] | None = None,
     limit: int | None = None,
     after: str | None = None,
+    active_before: datetime.datetime | None = None,
     describe: Callable[[str, bytes], SessionInfo] = describe_stored,
     damaged: Callable[[bytes], None] | None = None,
 ) -> list[SessionInfo]:
@@ -184,22 +186,26 @@ async def list_stored(
     A stored name that is not UTF-8 (see ``damaged_name``) is left out, and its bytes
     given to ``damaged`` (by default: logged as a WARNING, see ``damaged_listed``)."""
     wanted, pairs = check_listing(status, metadata, limit, after)
+    before = check_active_before(active_before)
     if after is not None:
         validate_name(after)
     # unfiltered, a page reads `limit` sessions; filtered, twice that to start with
     # (doubling while matches are scarce): reading more costs more on a big store
-    batch = (
-        LISTING_BATCH
-        if limit is None
-        else min(limit * (1 if wanted is None and not pairs else 2), LISTING_BATCH)
-    )
+    # (so is a listing of the sessions idle since a time on a store that cannot start
+    # a page where they do: it reads the newer ones too, and leaves them out)
+    seeks = isinstance(store, IdlePageStore)
+    filtered = wanted is not None or pairs or (before is not None and not seeks)
+    batch = LISTING_BATCH if limit is None else min(limit * (2 if filtered else 1), LISTING_BATCH)
     out: list[SessionInfo] = []
-    async with aclosing(_listed(store, after, batch)) as listed:
+    async with aclosing(_listed(store, after, batch, before)) as listed:
         async for name, blob in listed:
             if is_damaged(name, damaged):
                 continue
             info = describe(name, blob)
-            if matches(info, wanted, pairs):
+            if matches(info, wanted, pairs) and (
+                # (a session live here may have been active since it was last stored)
+                active_before is None or info.updated_at < active_before
+            ):
                 out.append(info)
                 if limit is not None and len(out) >= limit:
                     break
@@ -230,37 +236,49 @@ def is_damaged(name: str, damaged: Callable[[bytes], None] | None = None) -> boo
 
 
 async def _listed(
-    store: Store, after: str | None, batch: int
+    store: Store, after: str | None, batch: int, before: int | None
 ) -> AsyncGenerator[tuple[str, bytes], None]:
-    """``(name, info)`` of the stored sessions after ``after``, in listing order."""
+    """``(name, info)`` of the stored sessions after ``after``, in listing order; only
+    those whose activity time is below ``before``, if given."""
     if not isinstance(store, PagedStore):  # a store of an older protocol: all at once
-        for item in page_of(await store.list_sessions(), after=after, limit=1 << 62):
+        every = await store.list_sessions()
+        for item in page_of(every, after=after, limit=1 << 62, active_before=before):
             yield item
         return
-    page = await store.list_page(after=after, limit=batch)
+
+    async def page(after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        if before is None:
+            return await store.list_page(after=after, limit=limit)
+        if isinstance(store, IdlePageStore):
+            return await store.list_idle_page(active_before=before, after=after, limit=limit)
+        return await store.list_page(after=after, limit=limit)  # filtered as it is read
+
+    listed = await page(after, batch)
     # A session that became active while this reads moves to the front: the next
     # page, after a name that moved, starts at the front again. What was listed is
     # not listed twice.
     seen: set[str] = set()
     while True:
-        for item in page:
-            if item[0] not in seen:
+        for item in listed:
+            if item[0] not in seen and (before is None or info_activity(item[1]) < before):
                 seen.add(item[0])
                 yield item
-        if len(page) < batch:
+        if len(listed) < batch:
             return
         batch = min(batch * 2, LISTING_BATCH)
-        page = await _next_page(store, page, batch)
+        listed = await _next_page(page, listed, batch)
 
 
 async def _next_page(
-    store: PagedStore, page: list[tuple[str, bytes]], batch: int
+    page: Callable[[str | None, int], Awaitable[list[tuple[str, bytes]]]],
+    listed: list[tuple[str, bytes]],
+    batch: int,
 ) -> list[tuple[str, bytes]]:
-    """The page after ``page``: after its last session, or, if that was deleted
+    """The page after ``listed``: after its last session, or, if that was deleted
     meanwhile, after the last one of it still stored."""
-    for name, _ in reversed(page):
+    for name, _ in reversed(listed):
         try:
-            return await store.list_page(after=name, limit=batch)
+            return await page(name, batch)
         except SessionNotFoundError:
             continue
-    return await store.list_page(after=None, limit=batch)  # all gone: start again
+    return await page(None, batch)  # all gone: start again

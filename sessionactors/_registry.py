@@ -8,6 +8,7 @@ table (``_sessions``) or, through the router seam, at the worker that runs it.
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import math
 import os
@@ -283,6 +284,7 @@ class Registry(metaclass=NoPublicConstructor):
         metadata: Mapping[str, Any] | None = None,
         limit: int | None = None,
         after: str | None = None,
+        active_before: datetime.datetime | None = None,
     ) -> list[SessionInfo]:
         """SessionInfos of the stored sessions, newest activity first.
 
@@ -296,6 +298,17 @@ class Registry(metaclass=NoPublicConstructor):
         A session that becomes active while pages are read moves to the front:
         list again from the start to see it. One call lists a session once, even
         if it moved while the call read the store.
+
+        ``active_before`` (an aware datetime) keeps the sessions whose
+        ``updated_at`` is before it, the sessions idle since then, in the same order
+        and paged with ``after=`` alike: what a retention job deletes
+        (``active_before=datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=90)``).
+        A naive datetime raises ``ValueError``, another type ``TypeError``, before
+        the store is read. On a store that starts a page at an activity time
+        (``IdlePageStore``: memory, SQLite, Redis) such a page costs about what the
+        first page of the listing does, however many sessions were active since; a
+        ``PagedStore`` without ``list_idle_page`` gives the same answer, but its pages
+        of the sessions active since are read first, and left out.
 
         Stores that list a page at a time (``PagedStore``: memory, SQLite, Redis)
         are read in pages, so a page costs the same however many sessions are
@@ -330,6 +343,7 @@ class Registry(metaclass=NoPublicConstructor):
             metadata=metadata,
             limit=limit,
             after=after,
+            active_before=active_before,
             # (where other workers run sessions too, as every one of them lists it)
             describe=describe_stored if self.config.leases else self._describe,
         )

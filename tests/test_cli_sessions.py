@@ -177,6 +177,57 @@ def test_list_orders_filters_and_pages(tmp_path: Path) -> None:
         assert "given as after=" in refused("list", "--store", store, "--after", "registry.spawn(")
 
 
+async def _store_aged(path: Path, ages: dict[str, datetime.timedelta]) -> None:
+    """A SQLite store of sessions, each last active that long ago (as a server left them)."""
+    now = datetime.datetime.now(datetime.UTC)
+    store = sa.SQLiteStore(path)
+    try:
+        for name, age in ages.items():
+            at = now - age
+            state = sa.SessionState(session_id=name, agent=None, created_at=at, updated_at=at)
+            info = sa.SessionInfo(
+                session_id=name, agent=None, status=sa.Status.IDLE, message_count=0, updated_at=at
+            )
+            await store.create(name, sa.dump_snapshot(state), sa.stores.dump_info(info))
+    finally:
+        await store.aclose()
+
+
+def test_list_active_before_finds_the_idle_sessions_to_delete(tmp_path: Path) -> None:
+    """list --active-before (a duration before now, or an ISO 8601 time with an offset)
+    lists the sessions last active before it, newest first, with --limit and --after;
+    their names given to delete --yes leave the others (the retention recipe). A time
+    without an offset is refused in one line, status 2."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    day = datetime.timedelta(days=1)
+    ages = {"new": day, "month": 30 * day, "old": 91 * day, "older": 200 * day, "x": 400 * day}
+    trio.run(_store_aged, path, ages)
+
+    def names(*args: str) -> list[str]:
+        return [r["name"] for r in json.loads(ok("list", "--store", store, "--json", *args))]
+
+    assert names("--active-before", "90d") == ["old", "older", "x"]
+    assert names("--active-before", "2160h") == ["old", "older", "x"]
+    assert names("--active-before", "90d", "--limit", "2") == ["old", "older"]
+    assert names("--active-before", "90d", "--after", "older") == ["x"]
+    assert names("--active-before", "90d", "--after", "new") == ["old", "older", "x"]
+    assert names("--active-before", "1000d") == []
+    when = datetime.datetime.now(datetime.UTC) - 100 * day
+    assert names("--active-before", when.isoformat()) == ["older", "x"]
+    zulu = when.astimezone(datetime.timezone(datetime.timedelta(hours=5)))
+    assert names("--active-before", zulu.isoformat()) == ["older", "x"]
+    assert names("--active-before", when.strftime("%Y-%m-%dT%H:%M:%SZ")) == ["older", "x"]
+    idle = names("--active-before", "90d")
+    ok("delete", "--store", store, "--yes", *idle)
+    assert names() == ["new", "month"]
+    done = sessions("list", "--store", store, "--active-before", "2025-01-01T00:00:00")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert "--active-before" in done.stderr
+    assert "offset" in done.stderr
+
+
 def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:
     """show prints the status, metadata, summary, pending reviews and messages; --json
     gives messages (with role and content) and metadata; --events adds the journal."""
@@ -563,6 +614,8 @@ def test_delete_needs_yes(tmp_path: Path) -> None:
         (["show", "x", "--store", "sqlite:///{tmp}/not-a-store.db"], "not a sessionactors store"),
         (["list", "--limit", "0", "--store", "sqlite:///{tmp}/s.db"], "--limit"),
         (["list", "--meta", "novalue", "--store", "sqlite:///{tmp}/s.db"], "KEY=VALUE"),
+        (["list", "--active-before", "soon", "--store", "sqlite:///{tmp}/s.db"], "duration"),
+        (["list", "--active-before", "12x", "--store", "sqlite:///{tmp}/s.db"], "ISO 8601"),
         (["show", "\x01", "--store", "sqlite:///{tmp}/s.db"], "control"),
         (["import", "{tmp}/missing.json", "--store", "sqlite:///{tmp}/s.db"], "missing.json"),
         (["import", "{tmp}/nested.json", "--store", "sqlite:///{tmp}/s.db"], "not JSON"),

@@ -484,3 +484,225 @@ async def test_one_listing_never_repeats_a_session_that_became_active_as_it_read
         listed = [i.session_id for i in await registry.sessions(metadata={"gold": True}, limit=3)]
     assert len(listed) == len(set(listed)), listed
     assert listed == ["s9", "s3", "s2"]
+
+
+class OnlyListPage:
+    """A user's own PagedStore: the Store protocol and list_page, nothing more (no
+    list_idle_page), over one of the library's stores."""
+
+    def __init__(self, store: sa.stores.Store) -> None:
+        self.inner = store
+        self.pages = 0
+
+    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
+        await self.inner.create(session_id, snapshot, info)
+
+    async def load(self, session_id: str) -> sa.stores.StoredSession | None:
+        return await self.inner.load(session_id)
+
+    async def append(
+        self,
+        session_id: str,
+        entries: Sequence[sa.stores.JournalEntry],
+        info: bytes,
+        *,
+        fence: int | None = None,
+    ) -> None:
+        await self.inner.append(session_id, entries, info, fence=fence)
+
+    async def write_snapshot(
+        self,
+        session_id: str,
+        snapshot: bytes,
+        seq: int,
+        info: bytes,
+        *,
+        trim_upto: int,
+        fence: int | None = None,
+    ) -> None:
+        await self.inner.write_snapshot(
+            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
+        )
+
+    async def read_journal(
+        self, session_id: str, after: int
+    ) -> tuple[int, list[sa.stores.JournalEntry]]:
+        return await self.inner.read_journal(session_id, after)
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        return await self.inner.list_sessions()
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        self.pages += 1
+        assert isinstance(self.inner, sa.stores.PagedStore)
+        return await self.inner.list_page(after=after, limit=limit)
+
+    async def exists(self, session_id: str) -> bool:
+        return await self.inner.exists(session_id)
+
+    async def delete(self, session_id: str) -> bool:
+        return await self.inner.delete(session_id)
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> sa.stores.Lease | None:
+        return await self.inner.claim(session_id, owner, ttl)
+
+    async def renew(self, session_id: str, lease: sa.stores.Lease, ttl: float) -> bool:
+        return await self.inner.renew(session_id, lease, ttl)
+
+    async def release(self, session_id: str, lease: sa.stores.Lease) -> None:
+        await self.inner.release(session_id, lease)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def idle_listings(registry: sa.Registry) -> dict[str, object]:
+    """Every listing of the sessions idle since a time that the tests below compare:
+    whole, in pages, combined with status and metadata, and after a name."""
+    everything = await registry.sessions()
+    times = sorted({i.updated_at for i in everything})
+    cuts = [times[0], times[3], times[-1], times[-1] + datetime.timedelta(microseconds=1)]
+    out: dict[str, object] = {"everything": [i.session_id for i in everything]}
+    for n, cut in enumerate(cuts):
+        out[f"whole {n}"] = [i.session_id for i in await registry.sessions(active_before=cut)]
+        out[f"pages {n}"] = await pages(registry, 2, active_before=cut)
+        out[f"gold {n}"] = joined(
+            await pages(registry, 2, active_before=cut, metadata={"tier": "gold"})
+        )
+        out[f"idle {n}"] = [
+            i.session_id for i in await registry.sessions(active_before=cut, status="idle", limit=3)
+        ]
+        out[f"hibernated {n}"] = [
+            i.session_id for i in await registry.sessions(active_before=cut, status="hibernated")
+        ]
+        for name in ("s7", "s1", "s0"):  # (the newest session; older ones)
+            page = await registry.sessions(active_before=cut, after=name, limit=4)
+            out[f"after {name} {n}"] = [i.session_id for i in page]
+    return out
+
+
+async def test_sessions_active_before_lists_the_idle_sessions_in_pages(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """active_before= lists the sessions whose updated_at is before it, in listing order,
+    paged with after= (after a session active since: from the first idle one), combined
+    with status and metadata, on every store."""
+    async with sa.open_registry(store=make_store(), agents=echo_agents) as registry:
+        with trio.fail_after(30):
+            await populate(registry)
+            everything = await registry.sessions()
+            listed = await idle_listings(registry)
+    times = sorted({i.updated_at for i in everything})
+    cuts = [times[0], times[3], times[-1], times[-1] + datetime.timedelta(microseconds=1)]
+    names = [i.session_id for i in everything]
+    assert listed["everything"] == names
+    for n, cut in enumerate(cuts):
+        idle = [i.session_id for i in everything if i.updated_at < cut]
+        assert listed[f"whole {n}"] == idle
+        assert joined(listed[f"pages {n}"]) == idle  # type: ignore[arg-type]
+        assert listed[f"gold {n}"] == [s for s in idle if int(s[1:]) % 2 == 0]
+        assert listed[f"idle {n}"] == [s for s in idle if s != "s5"][:3]
+        assert listed[f"hibernated {n}"] == [s for s in idle if s == "s5"]
+        for name in ("s7", "s1", "s0"):
+            start = names.index(name) + 1
+            assert listed[f"after {name} {n}"] == [s for s in names[start:] if s in idle][:4]
+    assert listed["whole 0"] == []
+    assert listed["whole 3"] == names
+    assert len(listed["whole 1"]) == 3  # type: ignore[arg-type]
+
+
+async def test_a_paged_store_without_list_idle_page_gives_the_same_idle_listings(
+    make_store: StoreFactory, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """A PagedStore without list_idle_page (a user's own) lists the sessions idle since
+    a time as the library's stores do, reading the newer pages and leaving them out."""
+    inner = make_store()
+    assert isinstance(inner, sa.stores.IdlePageStore)
+    own = OnlyListPage(inner)
+    assert isinstance(own, sa.stores.PagedStore)
+    assert not isinstance(own, sa.stores.IdlePageStore)
+    async with sa.open_registry(store=own, agents=echo_agents) as registry:
+        with trio.fail_after(30):
+            await populate(registry)
+            through_pages = await idle_listings(registry)
+            async with sa.open_registry(store=make_store()) as reader:  # the same store
+                seeking = await idle_listings(reader)
+    assert through_pages == seeking
+    assert own.pages > 0
+
+
+class ReadCounting(sa.MemoryStore):
+    """A MemoryStore that notes the names its pages hand out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[str] = []
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        page = await super().list_page(after=after, limit=limit)
+        self.read += [name for name, _ in page]
+        return page
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        page = await super().list_idle_page(active_before=active_before, after=after, limit=limit)
+        self.read += [name for name, _ in page]
+        return page
+
+
+async def test_sessions_active_before_seeks_past_the_sessions_active_since() -> None:
+    """On the library's stores a listing of the sessions idle since a time starts where
+    they do and reads none of the sessions active since; through list_page alone it
+    reads them all first."""
+    store = ReadCounting()
+    old = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
+    new = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+    async with sa.open_registry(store=store) as registry:
+        with trio.fail_after(30):
+            for i in range(5):
+                await make_stored(store, f"old{i}", old + datetime.timedelta(minutes=i))
+            for i in range(1200):  # more than the registry reads at a time
+                await make_stored(store, f"new{i:04}", new)
+            listed = await registry.sessions(active_before=new, limit=2)
+            assert [i.session_id for i in listed] == ["old4", "old3"]
+            assert store.read == ["old4", "old3"]
+            listed = await registry.sessions(active_before=new, after="old3")
+            assert [i.session_id for i in listed] == ["old2", "old1", "old0"]
+            assert store.read == ["old4", "old3", "old2", "old1", "old0"]
+    store.read.clear()
+    async with sa.open_registry(store=OnlyListPage(store)) as registry:
+        with trio.fail_after(30):
+            listed = await registry.sessions(active_before=new, limit=2)
+    assert [i.session_id for i in listed] == ["old4", "old3"]
+    assert len(store.read) > 1200
+
+
+async def make_stored(store: sa.MemoryStore, name: str, at: datetime.datetime) -> None:
+    """Store a new session ``name`` last active at ``at`` (as a server would have)."""
+    state = sa.SessionState(session_id=name, agent=None, created_at=at, updated_at=at)
+    info = sa.SessionInfo(
+        session_id=name, agent=None, status=sa.Status.IDLE, message_count=0, updated_at=at
+    )
+    await store.create(name, sa.dump_snapshot(state), sa.stores.dump_info(info))
+
+
+async def test_sessions_refuses_a_bad_active_before_before_reading_the_store(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """A naive datetime raises ValueError and any other type TypeError, naming
+    active_before, and the store is not read."""
+    store = FaultyStore(sa.MemoryStore())
+    async with sa.open_registry(store=store, agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            await registry.spawn("a")
+            read = store.calls["list_sessions"]
+            with pytest.raises(ValueError, match="active_before must be an aware datetime"):
+                await registry.sessions(active_before=datetime.datetime(2025, 1, 1))
+            for value in ("2025-01-01T00:00:00+00:00", 1735689600, datetime.date(2025, 1, 1)):
+                with pytest.raises(TypeError, match="active_before must be an aware datetime"):
+                    await registry.sessions(active_before=value)  # type: ignore[arg-type]
+            assert store.calls["list_sessions"] == read
+            other_zone = datetime.timezone(datetime.timedelta(hours=-5))
+            later = datetime.datetime.now(other_zone) + datetime.timedelta(hours=1)
+            assert [i.session_id for i in await registry.sessions(active_before=later)] == ["a"]

@@ -9,6 +9,7 @@ through a buffer bounded in events and in bytes.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import inspect
 from collections import deque
@@ -386,9 +387,11 @@ class Registry:
         metadata: Mapping[str, Any] | None = None,
         limit: int | None = None,
         after: str | None = None,
+        active_before: datetime.datetime | None = None,
     ) -> list[sa.SessionInfo]:
         """SessionInfos of the stored sessions, newest activity first, filtered and
-        paged as ``sessionactors.Registry.sessions`` does."""
+        paged as ``sessionactors.Registry.sessions`` does (``active_before=``: those
+        idle since then)."""
         infos: list[sa.SessionInfo] = await self._call(
             None,
             self._registry.sessions,
@@ -396,6 +399,7 @@ class Registry:
             metadata=metadata,
             limit=limit,
             after=after,
+            active_before=active_before,
         )
         return infos
 

@@ -6,8 +6,8 @@ asyncio task of the loop whose ``sessionactors.aio`` trio run makes the call (th
 of the registry that uses it), and waits for it in trio (``wait_asyncio``): a
 cancellation in trio cancels the task. A registry shields the writes that must not
 be cut half-way, so those run to their end. The wrapper has the optional methods of
-``PagedStore``, ``LeaseBatchStore`` and ``JournalPageStore`` only when the wrapped
-store has them, so that ``isinstance`` checks of those protocols answer as for the
+``PagedStore``, ``IdlePageStore``, ``LeaseBatchStore`` and ``JournalPageStore`` only
+when the wrapped store has them, so that ``isinstance`` checks of those protocols answer as for the
 store itself. Called in any other trio run, it sends nothing and raises
 ``StoreConfigurationError`` (``aclose`` does nothing there).
 """
@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 #: The methods of the optional store protocols, each of which the wrapper has only if
 #: the wrapped store has it.
-_OPTIONAL: Final = ("list_page", "renew_many", "read_journal_page")
+_OPTIONAL: Final = ("list_page", "list_idle_page", "renew_many", "read_journal_page")
 
 
 def asyncio_store(store: Any) -> Store:
@@ -50,12 +50,13 @@ def asyncio_store(store: Any) -> Store:
             ...
 
     The wrapper has the Store protocol's methods, and ``list_page``,
-    ``renew_many`` and ``read_journal_page`` only when ``store`` has them (so it
-    is a ``PagedStore``, ``LeaseBatchStore`` or ``JournalPageStore`` as ``store``
-    is); its ``shared_by_workers`` is the store's. Every method of ``store`` must be
-    asyncio code: a trio store (``sessionactors.SQLiteStore``, a store whose methods
-    await ``trio`` functions) is passed as it is, and wrapping one of the library's
-    raises ``TypeError``. Check it with ``sessionactors.aio.check_store``. Used by a registry of
+    ``list_idle_page``, ``renew_many`` and ``read_journal_page`` only when ``store``
+    has them (so it is a ``PagedStore``, ``IdlePageStore``, ``LeaseBatchStore`` or
+    ``JournalPageStore`` as ``store`` is); its ``shared_by_workers`` is the store's.
+    Every method of ``store`` must be asyncio code: a trio store
+    (``sessionactors.SQLiteStore``, a store whose methods await ``trio`` functions)
+    is passed as it is, and wrapping one of the library's raises ``TypeError``. Check
+    it with ``sessionactors.aio.check_store``. Used by a registry of
     ``sessionactors.open_registry`` (a plain trio run, with no asyncio loop), every
     call raises ``StoreConfigurationError`` and sends nothing to the store (but
     ``aclose``, which does nothing there, so that the registry's close adds no
@@ -185,6 +186,18 @@ class _ListPage(AsyncioStore):
         return page
 
 
+class _ListIdlePage(AsyncioStore):
+    __slots__ = ()
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        page: list[tuple[str, bytes]] = await self._run(
+            after, "list_idle_page", active_before=active_before, after=after, limit=limit
+        )
+        return page
+
+
 class _RenewMany(AsyncioStore):
     __slots__ = ()
 
@@ -205,7 +218,7 @@ class _ReadJournalPage(AsyncioStore):
         return page
 
 
-_MIXINS: Final = (_ListPage, _RenewMany, _ReadJournalPage)
+_MIXINS: Final = (_ListPage, _ListIdlePage, _RenewMany, _ReadJournalPage)
 
 
 @functools.cache

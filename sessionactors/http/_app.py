@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import hmac
 import http
@@ -1136,8 +1137,11 @@ class SessionsApp:
         async def handler(registry: AnyRegistry, _name: str) -> Response:
             limit = _int_param(request, "limit", 100, low=1, high=1000)
             after = request.query_params.get("after")
+            active_before = _time_param(request, "active_before")
             # newest activity first, read a page at a time (one more: is there a next?)
-            infos = await registry.sessions(limit=limit + 1, after=after)
+            infos = await registry.sessions(
+                limit=limit + 1, after=after, active_before=active_before
+            )
             page = infos[:limit]
             more = len(infos) > limit
             return self._json(
@@ -1993,6 +1997,25 @@ def _int_param(request: Request, key: str, default: int, *, low: int, high: int)
             f"?{key}= must be an integer from {low} to {high}, not {shown(raw)}",
         )
     return value
+
+
+def _time_param(request: Request, key: str) -> datetime.datetime | None:
+    """The query parameter ``key`` as an ISO 8601 time with an offset, if given."""
+    raw = request.query_params.get(key)
+    if raw is None:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(raw) if len(raw) <= 64 else None
+    except ValueError:
+        when = None
+    if when is None or when.utcoffset() is None:
+        raise _RequestError(
+            422,
+            "InvalidRequest",
+            f"?{key}= must be an ISO 8601 time with its offset (2025-01-31T00:00:00Z, or "
+            f"+00:00 written %2B00:00 in a URL), not {shown(raw)}",
+        )
+    return when
 
 
 async def _text_frame(websocket: WebSocket) -> str:

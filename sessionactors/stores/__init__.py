@@ -4,7 +4,8 @@ A store deals in bytes: ``dump_events`` / ``load_events`` are the codec of a
 journal entry (the events of one commit), ``dump_info`` / ``load_info`` of a
 session's info, as ``sessionactors.dump_snapshot`` / ``load_snapshot`` are of
 a snapshot, for store authors and for inspection; ``info_activity`` reads the
-activity time that a paged listing (``PagedStore.list_page``) orders by. ``MAX_SNAPSHOT_BYTES`` and
+activity time that a paged listing (``PagedStore.list_page``) orders by and
+``IdlePageStore.list_idle_page`` starts at. ``MAX_SNAPSHOT_BYTES`` and
 ``MAX_JOURNAL_ENTRY_BYTES`` are the sizes the codec writes and reads, and
 ``MAX_SEQ`` the largest seq (and count) a record holds: a store refuses to
 write a seq above it, and takes one read back above it for damage.
@@ -24,6 +25,7 @@ from .._codec import dump_info as dump_info
 from .._codec import load_events as load_events
 from .._codec import load_info as load_info
 from .._listing import info_activity as info_activity
+from ._base import IdlePageStore as IdlePageStore
 from ._base import JournalEntry as JournalEntry
 from ._base import JournalPageStore as JournalPageStore
 from ._base import Lease as Lease
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from ._sqlite import SQLiteStoreStatistics as SQLiteStoreStatistics
 
 __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
+    "IdlePageStore",
     "JournalEntry",
     "JournalPageStore",
     "Lease",

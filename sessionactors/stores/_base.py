@@ -13,7 +13,9 @@ Each session has
   with every successful claim.
 
 A store may also list its sessions a page at a time (:class:`PagedStore`); one
-that does not is listed through ``list_sessions``, all at once. Likewise a store
+that does not is listed through ``list_sessions``, all at once. A paged store may
+also start a page at an activity time (:class:`IdlePageStore`), for listings of the
+sessions idle since then; one that does not has its pages read and filtered. Likewise a store
 may read its journal a page at a time (:class:`JournalPageStore`); one that does
 not is replayed to a subscriber through ``read_journal``, all at once.
 
@@ -31,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 __all__ = [
+    "IdlePageStore",
     "JournalEntry",
     "JournalPageStore",
     "Lease",
@@ -186,6 +189,29 @@ class PagedStore(Store, Protocol):
         ``after`` is a stored session's name: the page starts just past it.
         Raises ``SessionNotFoundError`` if ``after`` is not stored. A page costs
         about the same however many sessions are stored.
+        """
+        ...
+
+
+@runtime_checkable
+class IdlePageStore(PagedStore, Protocol):
+    """A :class:`PagedStore` that starts a page at an activity time, for listings of
+    the sessions idle since then (``registry.sessions(active_before=...)``).
+
+    Through ``list_idle_page`` a page of the sessions idle since a time costs about
+    what the first page of the listing does, however many sessions were active since;
+    through ``list_page`` alone the registry reads every newer session's page first
+    and filters them. ``MemoryStore``, ``SQLiteStore`` and ``RedisStore`` have it.
+    """
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        """``list_page``'s answer less the sessions whose activity time (``info_activity``
+        of their info, microseconds since the epoch) is ``active_before`` or later: up
+        to ``limit`` (>= 1) of the others, in listing order, past ``after`` if given.
+        Raises ``SessionNotFoundError`` if ``after`` is not stored. A page costs about
+        the same however many sessions are stored, active since or not.
         """
         ...
 

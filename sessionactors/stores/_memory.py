@@ -395,14 +395,27 @@ class MemoryStore:
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         await trio.lowlevel.checkpoint()
+        return self._page(None, after, limit)
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        await trio.lowlevel.checkpoint()
+        return self._page((active_before, ""), after, limit)  # (every name sorts after "")
+
+    def _page(
+        self, below: tuple[int, str] | None, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        """The ``limit`` sessions whose place in ``_order`` is below ``below`` (if
+        given) and past ``after`` (if given), newest first."""
         self._reorder()
         order = self._order
-        end = len(order)
+        end = len(order) if below is None else bisect.bisect_left(order, below)
         if after is not None:
             session = self._sessions.get(after)
             if session is None:
                 raise after_not_found(after)
-            end = bisect.bisect_left(order, (session.activity, after))
+            end = min(end, bisect.bisect_left(order, (session.activity, after)))
         sessions = self._sessions
         return [
             (name, sessions[name].info) for _, name in reversed(order[max(0, end - limit) : end])

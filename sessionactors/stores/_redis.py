@@ -1490,6 +1490,18 @@ class RedisStore:
             log.warning("the listing order of %r is a step behind: %s", session_id, exc)
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        return await self._page(None, after, limit)
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        return await self._page(active_before, after, limit)
+
+    async def _page(
+        self, active_before: int | None, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        """A page of the listing, of the sessions active before ``active_before`` (if
+        given): the members of the listing order past the ones scored as active since."""
         key = self._activity_key
 
         async def run(client: Client) -> list[tuple[str, bytes]]:
@@ -1502,6 +1514,8 @@ class RedisStore:
                 if rank is None:
                     raise after_not_found(after)
                 start = int(rank) + 1  # type: ignore[arg-type]
+            if active_before is not None:  # the sessions active since come first
+                start = max(start, await client.zcount(key, active_before, "+inf"))
             page: list[tuple[str, bytes]] = []
             while len(page) < limit:
                 want = limit - len(page)

@@ -1425,30 +1425,47 @@ class SQLiteStore:
         return result
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        return await self._page(None, after, limit)
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        return await self._page(active_before, after, limit)
+
+    async def _page(
+        self, active_before: int | None, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        """A page of the listing, of the sessions active before ``active_before`` (if
+        given), on the index of ``(activity, session_id)``."""
+
         def op(conn: sqlite3.Connection, now: float) -> list[tuple[str, bytes]]:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
             if version < 2:  # an unmigrated file opened read-only: no index to page on
                 rows = conn.execute(f"SELECT {_NAME}, info FROM sessions")
-                return page_of(_named(rows), after=after, limit=limit)
-            if after is None:
-                rows = conn.execute(
-                    f"SELECT {_NAME}, info FROM sessions "
-                    "ORDER BY activity DESC, session_id DESC LIMIT ?",
-                    (limit,),
-                )
-            else:
+                return page_of(_named(rows), after=after, limit=limit, active_before=active_before)
+            bound: tuple[int, bytes] | None = None
+            if after is not None:
                 key = _key(after)  # (the last of a page may be a damaged name)
                 row = conn.execute(
                     f"SELECT activity FROM sessions WHERE session_id = {_BOUND}", (key,)
                 ).fetchone()
                 if row is None:
                     raise after_not_found(after)
+                bound = (row[0], key)
+            order = "ORDER BY activity DESC, session_id DESC LIMIT ?"
+            if bound is not None and (active_before is None or bound[0] < active_before):
                 rows = conn.execute(
                     f"SELECT {_NAME}, info FROM sessions "
-                    f"WHERE (activity, session_id) < (?, {_BOUND}) "
-                    "ORDER BY activity DESC, session_id DESC LIMIT ?",
-                    (row[0], key, limit),
+                    f"WHERE (activity, session_id) < (?, {_BOUND}) {order}",
+                    (*bound, limit),
                 )
+            elif active_before is not None:  # (past `after` too, if it was active since)
+                rows = conn.execute(
+                    f"SELECT {_NAME}, info FROM sessions WHERE activity < ? {order}",
+                    (active_before, limit),
+                )
+            else:
+                rows = conn.execute(f"SELECT {_NAME}, info FROM sessions {order}", (limit,))
             return _named(rows)
 
         result: list[tuple[str, bytes]] = await self._call(after, op, writes=False)

@@ -18,8 +18,17 @@ from .._errors import (
     SessionNotFoundError,
     StoreError,
 )
+from .._listing import info_activity
 from .._records import SessionInfo, Status
-from ..stores._base import JournalEntry, JournalPageStore, Lease, PagedStore, Store, StoredSession
+from ..stores._base import (
+    IdlePageStore,
+    JournalEntry,
+    JournalPageStore,
+    Lease,
+    PagedStore,
+    Store,
+    StoredSession,
+)
 
 __all__ = ["check_store"]
 
@@ -347,6 +356,57 @@ async def _check_list_page(store: Store) -> None:
         SessionNotFoundError,
         store.list_page(after="d", limit=10),
         "list_page after a deleted session",
+        "d",
+    )
+
+
+@_check("list_idle_page pages the sessions active before a time, in listing order, after a name")
+async def _check_list_idle_page(store: Store) -> None:
+    if not isinstance(store, IdlePageStore):
+        return  # a store without it is listed through list_page, filtered as it is read
+    minutes = {"a": 3, "b": 1, "c": 3, "d": 2, "e": 0, "f \u00fc": 3, "g": 1}
+    for name, minute in minutes.items():
+        await store.create(name, b"snap", _info_at(name, minute))
+    await store.append("e", _entries(1), _info_at("e", 5))  # moves to the front
+    await store.write_snapshot("b", b"snap-1", 1, _info_at("b", 4), trim_upto=0)
+    await store.delete("d")
+    await store.append("g", _entries(1), b"unreadable")  # counts as the oldest (0)
+    infos = {name: _info_at(name, minute) for name, minute in minutes.items()}
+    infos.update(g=b"unreadable")
+    at_3 = info_activity(_info_at("x", 3))
+    cases = [
+        (at_3 + 1, None, ["f \u00fc", "c", "a", "g"]),
+        (at_3, None, ["g"]),
+        (1, None, ["g"]),
+        (0, None, []),
+        (at_3 + 1, "c", ["a", "g"]),
+        (at_3 + 1, "e", ["f \u00fc", "c", "a", "g"]),  # after one active since: from the start
+        (at_3, "c", ["g"]),
+        (info_activity(_info_at("x", 6)), "b", ["f \u00fc", "c", "a", "g"]),
+    ]
+    for before, start, names in cases:
+        page = await store.list_idle_page(active_before=before, after=start, limit=100)
+        expected = [(name, infos[name]) for name in names]
+        _expect(
+            page == expected,
+            f"list_idle_page(active_before={before}, after={start!r}) returned {page!r}, "
+            f"expected {expected!r}",
+        )
+    pages: list[tuple[str, bytes]] = []
+    after: str | None = None
+    for _ in range(10):
+        page = await store.list_idle_page(active_before=at_3 + 1, after=after, limit=2)
+        _expect(len(page) <= 2, f"list_idle_page(limit=2) returned {len(page)} sessions")
+        if not page:
+            break
+        pages += page
+        after = page[-1][0]
+    expected = [(name, infos[name]) for name in ["f \u00fc", "c", "a", "g"]]
+    _expect(pages == expected, f"pages of 2 joined are {pages!r}, expected {expected!r}")
+    await _expect_raises(
+        SessionNotFoundError,
+        store.list_idle_page(active_before=at_3, after="d", limit=10),
+        "list_idle_page after a deleted session",
         "d",
     )
 

@@ -326,6 +326,20 @@ class _PagesByName(_Wrapped):
         return listed[start : start + limit]
 
 
+class _IdleUpToTheTime(_Wrapped):
+    """Lists the sessions idle since a time, but those active at that very time too."""
+
+    async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        return await self.inner.list_page(after=after, limit=limit)
+
+    async def list_idle_page(
+        self, *, active_before: int, after: str | None, limit: int
+    ) -> list[tuple[str, bytes]]:
+        return await self.inner.list_idle_page(
+            active_before=active_before + 1, after=after, limit=limit
+        )
+
+
 class _ForgetsOnClose(_Wrapped):
     async def aclose(self) -> None:
         self.inner = MemoryStore()  # reopens as an empty store
@@ -352,6 +366,7 @@ async def test_a_store_keeping_its_own_leases_passes() -> None:
         (_FailsTogether, "each succeed or fail alone"),
         (_ForgetsOnClose, "never reads empty"),
         (_PagesByName, "newest activity first"),
+        (_IdleUpToTheTime, "active before a time"),
     ],
 )
 async def test_check_store_catches_a_broken_store(

@@ -3,6 +3,7 @@ model and a tool that await asyncio."""
 
 import asyncio
 import contextlib
+import datetime
 import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -105,6 +106,13 @@ def test_an_asyncio_model_and_tool_run_in_asyncio_tasks_with_a_review() -> None:
             assert (await ref.state()).session_id == "a-1"
             assert registry.live() == ["a-1"]
             assert [i.session_id for i in await registry.sessions()] == ["a-1"]
+            [info] = await registry.sessions()
+            idle = await registry.sessions(active_before=info.updated_at)
+            assert idle == []
+            later = info.updated_at + datetime.timedelta(microseconds=1)
+            assert [i.session_id for i in await registry.sessions(active_before=later)] == ["a-1"]
+            with pytest.raises(ValueError, match="active_before must be an aware datetime"):
+                await registry.sessions(active_before=later.replace(tzinfo=None))
 
             fork = await registry.fork("a-1", "a-2", at=history[1].id)
             assert [m.content for m in await fork.history()] == [history[0].content] * 2

@@ -117,6 +117,33 @@ async def test_messages_and_session_routes_answer_json(serve: Serve) -> None:
             assert (await client.get("/sessions/chat-1")).status_code == 404
 
 
+async def test_sessions_lists_the_sessions_idle_since_active_before(serve: Serve) -> None:
+    """GET /sessions?active_before= (ISO 8601 with an offset) lists the sessions whose
+    updated_at is before it, newest first and paged with ?after=, on both registries; a
+    time without an offset, or no time, is refused with 422 naming the parameter."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            for name in ("a", "b", "c", "d"):
+                r = await client.post(f"/sessions/{name}/messages", json={"text": "hi"})
+                assert r.status_code == 200, r.text
+            listed = (await client.get("/sessions")).json()["sessions"]
+            assert [s["session_id"] for s in listed] == ["d", "c", "b", "a"]
+            cut = listed[1]["updated_at"]  # c's: c and the newer d are left out
+            idle = [s["session_id"] for s in listed if s["updated_at"] < cut]
+            assert idle == ["b", "a"]
+            page = (await client.get("/sessions", params={"active_before": cut, "limit": 1})).json()
+            assert [s["session_id"] for s in page["sessions"]] == ["b"]
+            rest = (
+                await client.get("/sessions", params={"active_before": cut, "after": page["next"]})
+            ).json()
+            assert ([s["session_id"] for s in rest["sessions"]], rest["next"]) == (["a"], None)
+            for bad in ("junk", "2025-01-01T00:00:00", "2025-01-01T00:00:00 00:00", ""):
+                r = await client.get("/sessions", params={"active_before": bad})
+                assert r.status_code == 422, (bad, r.text)
+                assert r.json()["error"] == "InvalidRequest"
+                assert "?active_before= must be an ISO 8601 time" in r.json()["message"]
+
+
 async def test_a_deleted_sessions_streams_end_saying_it_was_deleted(serve: Serve) -> None:
     """Deleting a session ends its event stream with an error frame, SessionNotFoundError
     (404) naming the session and saying it was deleted, and its WebSocket with that error
