@@ -145,9 +145,14 @@ def _value_shown(value: str, *, secret: bool = False) -> str:
 
 #: An option's name (``--store-file``, ``-h``), which a refusal shows as it is.
 _OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9_-]*|-[A-Za-z]")
-#: A plain word (``serv``, ``runing``, ``store-file``) or a short number (``-1``,
-#: ``0.5``), which a refusal shows as it is.
-_WORD = re.compile(r"[a-z]{1,32}(?:[-_][a-z]{1,32}){0,3}|[-+]?[0-9.]{1,12}")
+#: A plain word (``serv``, ``runing``, ``store-file``), a short number (``-1``,
+#: ``0.5``, ``90d``) or a date and time (``2026-13-01``, ``2026-01-31T25:00Z``), which a
+#: refusal shows as it is.
+_WORD = re.compile(
+    r"[a-z]{1,32}(?:[-_][a-z]{1,32}){0,3}|[-+]?[0-9.]{1,12}[a-z]{0,2}"
+    r"|[0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9]{2}(?::[0-9]{2}){0,2}(?:\.[0-9]{1,6})?)?"
+    r"(?:Z|[+-][0-9]{2}(?::?[0-9]{2})?)?"
+)
 #: The values argparse's refusals repeat, quoted as ``repr`` quotes them: its own, and
 #: those of the options' types (``argument --port: '80a' is not a port``).
 _REFUSED_VALUE = re.compile(

@@ -226,6 +226,7 @@ def test_list_active_before_finds_the_idle_sessions_to_delete(tmp_path: Path) ->
     assert done.stderr.count("\n") == 1
     assert "--active-before" in done.stderr
     assert "offset" in done.stderr
+    assert "'2025-01-01T00:00:00'" in done.stderr  # (a time is no secret: shown as given)
 
 
 def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:
