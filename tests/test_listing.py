@@ -13,6 +13,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from forwarding_store import Forwarding
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
@@ -486,74 +487,18 @@ async def test_one_listing_never_repeats_a_session_that_became_active_as_it_read
     assert listed == ["s9", "s3", "s2"]
 
 
-class OnlyListPage:
+class OnlyListPage(Forwarding):
     """A user's own PagedStore: the Store protocol and list_page, nothing more (no
     list_idle_page), over one of the library's stores."""
 
     def __init__(self, store: sa.stores.Store) -> None:
-        self.inner = store
+        super().__init__(store)
         self.pages = 0
-
-    async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
-        await self.inner.create(session_id, snapshot, info)
-
-    async def load(self, session_id: str) -> sa.stores.StoredSession | None:
-        return await self.inner.load(session_id)
-
-    async def append(
-        self,
-        session_id: str,
-        entries: Sequence[sa.stores.JournalEntry],
-        info: bytes,
-        *,
-        fence: int | None = None,
-    ) -> None:
-        await self.inner.append(session_id, entries, info, fence=fence)
-
-    async def write_snapshot(
-        self,
-        session_id: str,
-        snapshot: bytes,
-        seq: int,
-        info: bytes,
-        *,
-        trim_upto: int,
-        fence: int | None = None,
-    ) -> None:
-        await self.inner.write_snapshot(
-            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=fence
-        )
-
-    async def read_journal(
-        self, session_id: str, after: int
-    ) -> tuple[int, list[sa.stores.JournalEntry]]:
-        return await self.inner.read_journal(session_id, after)
-
-    async def list_sessions(self) -> list[tuple[str, bytes]]:
-        return await self.inner.list_sessions()
 
     async def list_page(self, *, after: str | None, limit: int) -> list[tuple[str, bytes]]:
         self.pages += 1
         assert isinstance(self.inner, sa.stores.PagedStore)
         return await self.inner.list_page(after=after, limit=limit)
-
-    async def exists(self, session_id: str) -> bool:
-        return await self.inner.exists(session_id)
-
-    async def delete(self, session_id: str) -> bool:
-        return await self.inner.delete(session_id)
-
-    async def claim(self, session_id: str, owner: str, ttl: float) -> sa.stores.Lease | None:
-        return await self.inner.claim(session_id, owner, ttl)
-
-    async def renew(self, session_id: str, lease: sa.stores.Lease, ttl: float) -> bool:
-        return await self.inner.renew(session_id, lease, ttl)
-
-    async def release(self, session_id: str, lease: sa.stores.Lease) -> None:
-        await self.inner.release(session_id, lease)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def idle_listings(registry: sa.Registry) -> dict[str, object]:
