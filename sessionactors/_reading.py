@@ -247,11 +247,9 @@ async def _listed(
         return
 
     async def page(after: str | None, limit: int) -> list[tuple[str, bytes]]:
-        if before is None:
-            return await store.list_page(after=after, limit=limit)
-        if isinstance(store, IdlePageStore):
+        if before is not None and isinstance(store, IdlePageStore):
             return await store.list_idle_page(active_before=before, after=after, limit=limit)
-        return await store.list_page(after=after, limit=limit)  # filtered as it is read
+        return await store.list_page(after=after, limit=limit)  # (filtered as it is read)
 
     listed = await page(after, batch)
     # A session that became active while this reads moves to the front: the next
