@@ -344,3 +344,43 @@ def test_a_message_the_server_never_answers_fails_after_a_few_tries_and_can_be_s
             ]
             page.close()
         assert not errors
+
+
+# Holds the answers to GET /sessions/{name} (not its events or messages) for 1.5 s, as a
+# slow network would: the state read when it was asked arrives late.
+SLOW_STATE = """() => {
+  const fetched = window.fetch.bind(window);
+  window.fetch = async (input, init) => {
+    const response = await fetched(input, init);
+    const path = new URL(response.url).pathname;
+    if ((init?.method ?? 'GET') === 'GET' && /^\\/sessions\\/[^/]+$/.test(path))
+      await new Promise((resolve) => setTimeout(resolve, 1500));
+    return response;
+  };
+}"""
+
+
+def test_a_message_typed_as_a_session_opens_comes_after_its_history(
+    browser: object, tmp_path: Path
+) -> None:
+    """A session opened over a slow connection takes no message until its history is
+    shown: a message typed meanwhile comes after the history, once (the page sent it at
+    once, and the history read before it came after its reply)."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'slow.db'}"
+    with serve_command(store, "--agent", "chat_agents:echo") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            r = client.post("/sessions/s/messages", json={"text": "hi"})
+            assert r.status_code == 200, r.text
+        page, errors = open_page(browser, f"{server.url}/")
+        page.evaluate(SLOW_STATE)
+        page.locator("#session-list button").first.click()
+        expect(page.locator("#title")).to_have_text("s")
+        page.fill("#text", "back again")
+        page.press("#text", "Enter")
+        shown = page.locator(".message")
+        expect(shown).to_have_count(4, timeout=10_000)
+        expect(shown).to_have_text(["hi", "hi", "back again", "back again"])
+        assert errors == []
