@@ -31,6 +31,7 @@ from ._events import (
     TurnFinished,
     TurnStarted,
 )
+from ._listing import activity_micros
 from ._records import (
     CompletedTurn,
     Message,
@@ -63,9 +64,6 @@ __all__ = ["MAX_COMPLETED_KEYS", "HistoryView", "LiveSession", "new_state", "sta
 MAX_COMPLETED_KEYS = 1000
 #: A turn's recorded error is cut to this many characters.
 MAX_ERROR_CHARS = 2000
-
-#: When microseconds are counted from (turn ids are stamped so).
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 class HistoryView(Sequence[Message]):
@@ -509,7 +507,7 @@ class LiveSession:
             status = TurnStatus.WAITING if self.reviews else TurnStatus.RUNNING
             return TurnOutcome(session_id=sid, turn_id=turn_id, status=status)
         issued = turn_id_time(turn_id, session_tag(sid))
-        created = (self.created_at - _EPOCH) // datetime.timedelta(microseconds=1)
+        created = activity_micros(self.created_at)
         if (
             issued is None
             or len(turn_id) > MAX_TURN_ID_CHARS
