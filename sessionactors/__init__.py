@@ -39,6 +39,7 @@ from ._errors import SubscriberLaggedError as SubscriberLaggedError
 from ._errors import TurnCancelledError as TurnCancelledError
 from ._errors import TurnFailedError as TurnFailedError
 from ._errors import TurnNotFoundError as TurnNotFoundError
+from ._errors import TurnTimeoutError as TurnTimeoutError
 from ._errors import WorkerUnreachableError as WorkerUnreachableError
 from ._events import Delta as Delta
 from ._events import Event as Event
@@ -174,6 +175,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "TurnRecord",
     "TurnStarted",
     "TurnStatus",
+    "TurnTimeoutError",
     "TurnTrace",
     "Usage",
     "UsageChunk",

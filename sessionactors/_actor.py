@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
@@ -45,6 +46,7 @@ from ._errors import (
     TurnCancelledError,
     TurnFailedError,
     TurnNotFoundError,
+    TurnTimeoutError,
     advised,
     cut_off_error,
     is_public,
@@ -135,6 +137,8 @@ log = logging.getLogger("sessionactors")
 #: What cancelled a turn (see ``Actor._cancelled_by``) when ``ref.cancel()`` did: the
 #: only cancel that ends a turn cancelled.
 CANCEL: Final = "cancel"
+#: What cancelled a turn when its agent's ``turn_timeout`` passed: the turn fails.
+TIMEOUT: Final = "timeout"
 
 
 class Phase(enum.Enum):
@@ -1041,6 +1045,11 @@ class Actor:
         self.partial.clear()
         self._cut = (pending, key)
         self.in_turn = True
+        # the agent's time limit: the turn scope's deadline while the turn runs
+        limit = agent.turn_timeout
+        scope = self.turn_scope if limit is not None else None
+        if scope is not None and limit is not None:
+            scope.deadline = trio.current_time() + limit
         telemetry = self.host.telemetry
         if telemetry is not None:
             trace = self.trace = telemetry.turn(
@@ -1067,6 +1076,12 @@ class Actor:
             failure = exc
         finally:
             self.in_turn = False
+            if scope is not None:
+                # no deadline from here on (no checkpoint came between: a limit that
+                # passed as the turn ended cuts nothing), unless it already cut the turn
+                scope.deadline = math.inf
+                if scope.cancel_called and self._cancelled_by is None:
+                    self._cancelled_by = TIMEOUT
         self._cut = None
         if self._cancelled_by is not None:  # (turn_scope.cancel_called, without the clock)
             # cancelled as the turn ended: settle it as it ended, and have the loop
@@ -1106,7 +1121,10 @@ class Actor:
         outcome: Outcome
         error: BaseException | None = None
         cut = None  # why the registry's close cut it off, if it did
-        if cancelled is not None and cancelled != CANCEL:
+        if cancelled == TIMEOUT:
+            cancelled = None
+            failure = self._timeout_error()
+        elif cancelled is not None and cancelled != CANCEL:
             cut, cancelled = cancelled, None
             failure = cut_off_error(sid, cut)
         if cancelled:
@@ -1226,6 +1244,19 @@ class Actor:
             pending.set_error(error)
         else:
             pending.set_result(reply)
+
+    def _timeout_error(self) -> TurnTimeoutError:
+        """The cause of a turn that ran past its agent's ``turn_timeout``."""
+        try:
+            limit = f"={self.host.agent_for(self.session).turn_timeout:g} s"
+        except LookupError:  # (the agent was found when the turn began)
+            limit = ""
+        return TurnTimeoutError(
+            f"turn {self.turn_id} of session {self.session_id!r} ran past its agent's "
+            f"turn_timeout{limit} and was cut off; raise Agent.turn_timeout if this "
+            "agent's turns take longer",
+            session_id=self.session_id,
+        )
 
     def end_trace(self, outcome: str, error: BaseException | None) -> None:
         """Tell the turn's telemetry how it ended (see ``TurnTrace.end``)."""

@@ -9,6 +9,7 @@ with text or ``max_steps`` is reached. It talks to the session only through a
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -147,7 +148,12 @@ def _check_model(what: str, value: object) -> None:
 class Agent:
     """What runs a session's turns: a model, a system prompt, tools and limits.
 
-    A frozen value: share one agent between many sessions.
+    A frozen value: share one agent between many sessions. ``max_steps`` bounds the
+    model requests of a turn (a turn still calling tools then fails with
+    ``MaxStepsError``); ``turn_timeout`` (seconds, None for none) bounds its time, from
+    its start to its outcome, not its wait in the mailbox nor on a review: a turn past
+    it is cut as ``ref.cancel()`` cuts it (what it streamed kept, marked
+    ``interrupted``) and fails with ``TurnTimeoutError`` as its cause.
     """
 
     model: Model = attrs.field()
@@ -155,6 +161,7 @@ class Agent:
     tools: tuple[Any, ...] = attrs.field(default=(), converter=_tools_converter)
     max_steps: int = attrs.field(default=8)
     compaction: Compaction | None = attrs.field(default=None)
+    turn_timeout: float | None = attrs.field(default=None, kw_only=True)
     # made once from ``tools``: what the model is told, and the tools by name
     _specs: tuple[ToolSpec, ...] = attrs.field(init=False, repr=False, eq=False, hash=False)
     _by_name: dict[str, Any] = attrs.field(init=False, repr=False, eq=False, hash=False)
@@ -178,6 +185,20 @@ class Agent:
             raise TypeError(
                 "Agent compaction must be an sa.Compaction(max_tokens=..., keep_last=...) "
                 f"or None, not {type(value).__name__}"
+            )
+
+    @turn_timeout.validator
+    def _check_turn_timeout(self, _: object, value: float | None) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(
+                "Agent turn_timeout must be a number of seconds or None, not "
+                f"{type(value).__name__} ({value!r:.60})"
+            )
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"Agent turn_timeout must be a finite number of seconds above 0, not {value!r}"
             )
 
     @max_steps.validator

@@ -559,6 +559,14 @@ class MaxStepsError(SessionActorsError, RuntimeError):
     """
 
 
+class TurnTimeoutError(SessionActorsError, TimeoutError):
+    """The turn ran past the agent's ``turn_timeout`` (a model that stopped answering, a
+    tool that hangs) and was cut: what it streamed is kept, marked ``interrupted``.
+
+    It becomes the ``__cause__`` of the turn's :class:`TurnFailedError`.
+    """
+
+
 class ModelError(SessionActorsError, RuntimeError):
     """A model adapter could not get an answer (HTTP error, malformed stream).
 

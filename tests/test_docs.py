@@ -116,6 +116,8 @@ EXPECTED = {
         "cancelled one: True",
         "the waiter gets TurnCancelledError",
         "interrupted=True",
+        "cut by the agent's limit: TurnTimeoutError",
+        "kept: 'two words' interrupted=True",
     ],
     "howto_idempotency.py": [
         "same reply: True | same turn: True",

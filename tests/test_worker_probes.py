@@ -133,6 +133,32 @@ async def test_a_turn_failed_through_another_worker_keeps_its_cause(redis_url: s
     assert remote.session_id == "s"
 
 
+async def test_a_turn_past_its_timeout_through_another_worker_keeps_its_cause(
+    redis_url: str,
+) -> None:
+    """A turn sent through another worker that runs past its agent's turn_timeout on the
+    owner raises TurnFailedError with TurnTimeoutError as its __cause__, as on the
+    owner, and the session goes on."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    agents = {"echo": sa.Agent(model=HoldLong(), turn_timeout=0.5)}
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "a", agents=agents) as a,
+            open_worker(redis_url, prefix, "b", agents=agents) as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            with pytest.raises(sa.TurnFailedError) as caught:
+                await b.ref("s").send("long")
+            reply = await b.ref("s").send("still here")
+            assert b.live() == []  # it ran on a
+    cause = caught.value.__cause__
+    assert isinstance(cause, sa.TurnTimeoutError), repr(cause)
+    assert "turn_timeout=0.5 s" in str(cause)
+    assert caught.value.turn_id
+    assert reply.text.strip() == "still here"
+
+
 @contextlib.asynccontextmanager
 async def worker_process(url: str, prefix: str, worker_id: str) -> AsyncIterator[SpareProcess]:
     """A tests/cluster_worker.py process (sessions stay where they woke) that has woken

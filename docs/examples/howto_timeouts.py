@@ -3,7 +3,7 @@
 import trio
 
 import sessionactors as sa
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel
 
 
 async def main() -> None:
@@ -40,6 +40,20 @@ async def main() -> None:
             print("the waiter gets TurnCancelledError")
         last = (await ref.history())[-1]
         print(f"kept so far: {last.content!r} interrupted={last.interrupted}")
+
+    # A limit of the agent's own: a turn that runs past turn_timeout (a model that
+    # stopped answering, a tool that hangs) is cut and fails, whoever waits for it.
+    never = trio.Event()
+    stalls = ScriptedModel([Scripted(text="two words then silence", wait=never, wait_after=2)])
+    limited = sa.Agent(model=stalls, turn_timeout=0.5)
+    async with sa.open_registry(agents={"limited": limited}) as registry:
+        ref = await registry.spawn("stalled")
+        try:
+            await ref.send("hello?")
+        except sa.TurnFailedError as exc:
+            print("cut by the agent's limit:", type(exc.__cause__).__name__)
+        last = (await ref.history())[-1]
+        print(f"kept: {last.content!r} interrupted={last.interrupted}")
 
 
 if __name__ == "__main__":
