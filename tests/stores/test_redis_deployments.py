@@ -109,7 +109,9 @@ async def test_a_cluster_over_tls_checks_the_nodes_against_the_urls_ca(
         stores: list[RedisStore] = []
 
         def make() -> RedisStore:
-            stores.append(RedisStore(url, prefix=f"{prefix}:{len(stores)}"))
+            # (20 s a call, as above: ten concurrent claims open ten TLS connections
+            # to fsyncing nodes, which a loaded CI machine was seen to take past 5 s)
+            stores.append(RedisStore(url, prefix=f"{prefix}:{len(stores)}", timeout=20.0))
             return stores[-1]
 
         with trio.fail_after(120):
