@@ -45,6 +45,7 @@ __all__ = [
     "TurnCancelledError",
     "TurnFailedError",
     "TurnNotFoundError",
+    "TurnTimeoutError",
     "WorkerUnreachableError",
 ]
 
