@@ -389,28 +389,39 @@ def _migrate(raw: dict[str, Any], version: int, session_id: str | None) -> dict[
 
 
 _PACKERS: Final = threading.local()
+#: A packer that packed more bytes than this at once is dropped after it: a Packer
+#: keeps its buffer as large as the largest record it packed (twice its size, say), for
+#: as long as it lives, and a new one costs less than that record's encoding did.
+_BIG_PACK: Final = 1 << 20
 
 
-def _packer() -> msgpack.Packer:
-    """This thread's packer (a Packer is not thread-safe; making one per call is slow)."""
+def _pack(raw: Any) -> bytes:
+    """``raw`` packed by this thread's packer (a Packer is not thread-safe; making one
+    per call is slow)."""
     try:
         packer: msgpack.Packer = _PACKERS.packer
     except AttributeError:
         packer = _PACKERS.packer = msgpack.Packer(datetime=True)
-    return packer
+    data: bytes = packer.pack(raw)
+    if len(data) > _BIG_PACK:
+        del _PACKERS.packer
+    return data
 
 
-def _exact_packer() -> msgpack.Packer:
-    """This thread's packer of exact types only (``strict_types``: no subclass checks,
-    about a third faster), for the maps the fast paths build, which hold only exact
-    dicts, lists, str, int, float, bool, bytes, None and aware datetimes. The same
-    bytes as :func:`_packer`'s; anything else raises TypeError (the general path then
-    says what is wrong, if anything is)."""
+def _pack_exact(raw: Any) -> bytes:
+    """``raw`` packed by this thread's packer of exact types only (``strict_types``: no
+    subclass checks, about a third faster), for the maps the fast paths build, which
+    hold only exact dicts, lists, str, int, float, bool, bytes, None and aware
+    datetimes. The same bytes as :func:`_pack`'s; anything else raises TypeError (the
+    general path then says what is wrong, if anything is)."""
     try:
         packer: msgpack.Packer = _PACKERS.exact
     except AttributeError:
         packer = _PACKERS.exact = msgpack.Packer(datetime=True, strict_types=True)
-    return packer
+    data: bytes = packer.pack(raw)
+    if len(data) > _BIG_PACK:
+        del _PACKERS.exact
+    return data
 
 
 def _encode(
@@ -427,7 +438,7 @@ def _encode(
     places)."""
     try:
         raw = unstructure(record)
-        data: bytes = _packer().pack(raw if form is None else form(raw))
+        data = _pack(raw if form is None else form(raw))
     except (ValueError, TypeError, AttributeError, OverflowError) as exc:
         # Only the unstructured data can say where the problem is.
         try:
@@ -545,7 +556,7 @@ def dump_snapshot(state: SessionState, *, max_size: int = DEFAULT_MAX_SNAPSHOT_B
     if not state.completed:  # (no key to write by reference: most states)
         try:
             raw, containers = fast_state(state)
-            data: bytes = _exact_packer().pack(_keys_whole(raw))
+            data: bytes = _pack_exact(_keys_whole(raw))
         except (Slow, ValueError, TypeError, AttributeError, OverflowError):
             pass  # the general path says what is wrong, if anything is
         else:
@@ -661,7 +672,6 @@ class SnapshotWriter:
 
     def _dump(self, state: SessionState, messages: tuple[Message, ...]) -> tuple[bytes, int]:
         """The snapshot's bytes and the maps and arrays in it; checks what it packs."""
-        packer = _packer()
         previous = self._messages
         if (
             previous
@@ -680,15 +690,14 @@ class SnapshotWriter:
             # alive at once (thousands of them would set the garbage collector going)
             parts = [body]
             count = 0
-            exact = _exact_packer()  # (the fast maps hold exact types only)
             try:
                 for message in new:
                     raw, n = fast_message(message)
-                    parts.append(exact.pack(raw))
+                    parts.append(_pack_exact(raw))  # (fast maps hold exact types only)
                     count += n
             except Slow:  # something unusual: the checker refuses it, or it is fine
                 count = sum(map(check_message, new))
-                parts[1:] = [packer.pack(unstructure_message(m)) for m in new]
+                parts[1:] = [_pack(unstructure_message(m)) for m in new]
             containers += count
             body = b"".join(parts)
         # Every field but the messages, packed as the state's own map would be.
@@ -701,13 +710,13 @@ class SnapshotWriter:
         keys = list(raw)
         at = keys.index("messages")
         # (both parts have fewer than 16 fields: each packs with a one-byte header)
-        head = packer.pack({k: raw[k] for k in keys[:at]})[1:]
-        tail = packer.pack({k: raw[k] for k in keys[at + 1 :]})[1:]
+        head = _pack({k: raw[k] for k in keys[:at]})[1:]
+        tail = _pack({k: raw[k] for k in keys[at + 1 :]})[1:]
         data = b"".join(
             (
                 _map_header(len(keys)),
                 head,
-                packer.pack("messages"),
+                _pack("messages"),
                 _array_header(len(messages)),
                 body,
                 tail,
@@ -798,7 +807,7 @@ def dump_events(events: Sequence[Event], *, max_size: int = DEFAULT_MAX_EVENT_BY
             if fast is None or event.session_id != session_id:
                 raise Slow
             arrays.append(fast(event))
-        data: bytes = _exact_packer().pack(arrays)
+        data: bytes = _pack_exact(arrays)
     except (Slow, ValueError, TypeError, AttributeError, OverflowError):
         pass  # the general path says what is wrong, if anything is
     else:
@@ -913,7 +922,7 @@ def dump_info(info: SessionInfo) -> bytes:
     """Encode a session's short description; raises as :func:`dump_snapshot` does."""
     try:
         raw, containers = fast_info(info)
-        data: bytes = _exact_packer().pack(raw)
+        data: bytes = _pack_exact(raw)
     except (Slow, ValueError, TypeError, AttributeError, OverflowError):
         pass  # the general path says what is wrong, if anything is
     else:
@@ -931,7 +940,7 @@ def metadata_size(metadata: Mapping[str, Any]) -> int:
     (and in the ``MetadataChanged`` event that journals it), whatever its size;
     ``TypeError`` or ``ValueError`` naming the key for what is not plain data."""
     try:
-        return len(_packer().pack(unstructure_metadata(metadata)))
+        return len(_pack(unstructure_metadata(metadata)))
     except OverflowError as exc:  # (an integer beyond 64 bits)
         raise ValueError(f"metadata holds an integer out of the 64-bit range: {exc}") from None
 
@@ -941,7 +950,7 @@ def dump_live_info(session: Any) -> bytes:
     :class:`SessionInfo` as attributes, and ``info()``), without making the record."""
     try:
         raw, containers = fast_live_info(session)
-        data: bytes = _exact_packer().pack(raw)
+        data: bytes = _pack_exact(raw)
     except (Slow, ValueError, TypeError, AttributeError, OverflowError):
         return dump_info(session.info())  # the general path says what is wrong
     if len(data) > MAX_INFO_BYTES or containers > FREE_CONTAINERS:
