@@ -394,6 +394,46 @@ async def test_a_request_asked_again_after_an_erasure_gets_none_of_what_it_erase
         assert "erased" in str(told), told
 
 
+#: Lease lifetimes a worker keeps an answer to another worker's request for, at most.
+ANSWER_LIFETIMES = 4
+
+
+async def test_a_worker_keeps_its_answers_to_other_workers_for_a_bounded_time(
+    redis_url: str,
+) -> None:
+    """The answers a worker keeps for requesters that ask again (a turn's reply: the
+    session's words) are let go once no requester can ask any more, a few lease
+    lifetimes after they were given: a worker that ran a session and hibernated it (or
+    handed it over, which no later delete of the session reaches) holds none of its
+    replies after that, however few requests came since."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = "x" * 1_000_000
+    turns = 10
+    with trio.fail_after(60):
+        async with (
+            open_worker(redis_url, prefix, "a") as a,
+            open_worker(redis_url, prefix, "b") as b,
+        ):
+            await a.spawn("s")
+            await a.ref("s").history()  # live on a
+            tracemalloc.start()
+            try:
+                for _ in range(turns):
+                    reply = await b.ref("s").send(text)  # run on a, which keeps its answer
+                    assert len(reply.text.strip()) == len(text)
+                del reply
+                assert a.live() == ["s"]
+                await a.ref("s").hibernate()  # (a holds its history no more)
+                gc.collect()
+                given = tracemalloc.get_traced_memory()[0]
+                await trio.sleep(ANSWER_LIFETIMES * TTL + 1)
+                gc.collect()
+                later = tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+    assert given - later > turns * len(text) * 0.8, (given, later)
+
+
 async def test_metadata_of_any_storable_size_is_set_through_another_worker(
     redis_url: str,
 ) -> None:

@@ -29,7 +29,8 @@ registry:
   owner's incarnation is still the live one, and the owner answers "working", its answer again (one
   whose send failed or was lost; a read's is not kept, it is read again),
   "unknown" (the request never reached it: sent again), or "forgotten" (it keeps
-  the last 10,000 answers, and this request's requester issued it no later than
+  the last 10,000 answers, each for four lease lifetimes at most, by when its
+  requester has heard it or given up, and this request's requester issued it no later than
   one whose answer it dropped: it may have run, so a turn without a key, or any
   request not safe to repeat, fails with SessionCrashedError instead of running
   twice; a copy of it that arrives now is ignored). An answer whose session is
@@ -171,6 +172,9 @@ log = logging.getLogger("sessionactors")
 
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
+#: Lease lifetimes an answer is kept for at most: a requester that has not heard it by
+#: then has given up (two lifetimes without word), so it keeps nothing for anyone.
+_ANSWER_LIFETIMES: Final = 4
 #: Requesting processes for which a worker remembers the last answer it dropped.
 _ISSUERS_KEPT: Final = 10_000
 #: Requests safe to serve again: their answers are not kept.
@@ -287,8 +291,9 @@ class Cluster(metaclass=NoPublicConstructor):
         self._wake_heard = 0
         self._serving: set[str] = set()  # ids of the requests being served here
         #: The latest answers, by request id, with their session ("" once erased: see
-        #: _erase_answers); and the ids of each session's answers kept.
-        self._answered: dict[str, tuple[str, bytes]] = {}
+        #: _erase_answers) and the time they were given (oldest first); and the ids of
+        #: each session's answers kept.
+        self._answered: dict[str, tuple[str, bytes, float]] = {}
         self._answers_of: dict[str, set[str]] = {}
         #: Answers sent with their turn's outcome (see _answer_with_outcome), by request
         #: id, until their serving task keeps them.
@@ -490,6 +495,7 @@ class Cluster(metaclass=NoPublicConstructor):
     async def _heartbeat_loop(self) -> None:
         for count in itertools.count(1):
             await trio.sleep(self.ttl / 3)
+            self._expire_answers()
             keep_from, self._keep_from = self._keep_from, None
             try:
                 await self.transport.heartbeat(self.worker, self.incarnation, self.ttl, keep_from)
@@ -742,17 +748,31 @@ class Cluster(metaclass=NoPublicConstructor):
         """Keep the final answer to request ``rid`` of session ``name`` for a requester
         that asks again."""
         answered = self._answered
-        answered[rid] = (name, data)
+        answered[rid] = (name, data, trio.current_time())
         self._answers_of.setdefault(name, set()).add(rid)
         if len(answered) > _ANSWERS_KEPT:
-            dropped = next(iter(answered))
-            of, _ = answered.pop(dropped)
-            rids = self._answers_of.get(of)
-            if rids is not None:
-                rids.discard(dropped)
-                if not rids:
-                    del self._answers_of[of]
-            self._forget(dropped)
+            self._drop_oldest_answer()
+        self._expire_answers()
+
+    def _expire_answers(self) -> None:
+        """Drop the answers kept longer than ``_ANSWER_LIFETIMES`` lease lifetimes: a
+        session's words stay in a worker's memory no longer than a requester may ask
+        for them (on a worker that ran the session before too, which no later edit or
+        delete reaches)."""
+        answered = self._answered
+        oldest = trio.current_time() - _ANSWER_LIFETIMES * self.ttl
+        while answered and next(iter(answered.values()))[2] < oldest:
+            self._drop_oldest_answer()
+
+    def _drop_oldest_answer(self) -> None:
+        dropped = next(iter(self._answered))
+        of, _, _ = self._answered.pop(dropped)
+        rids = self._answers_of.get(of)
+        if rids is not None:
+            rids.discard(dropped)
+            if not rids:
+                del self._answers_of[of]
+        self._forget(dropped)
 
     def _erase_answers(self, name: str, deleted: bool = False) -> None:
         """Replace the answers kept for the requests of session ``name`` (a reply, its
@@ -783,8 +803,9 @@ class Cluster(metaclass=NoPublicConstructor):
         body = dump_error(error)
         answered = self._answered
         for rid in rids:
-            if rid in answered:
-                answered[rid] = ("", pack({**body, "re": rid}))
+            kept = answered.get(rid)
+            if kept is not None:
+                answered[rid] = ("", pack({**body, "re": rid}), kept[2])
 
     async def _post_answer(self, to: str, incarnation: str, data: bytes) -> None:
         for attempt in range(_ANSWER_ATTEMPTS):
