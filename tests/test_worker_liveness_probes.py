@@ -17,9 +17,10 @@ import trio
 
 import sessionactors as sa
 from net_proxy import proxy_to
+from redis_keys import session_key
 from redis_workers import TTL, open_worker
 from sessionactors.http import create_app
-from sessionactors.testing import EchoModel
+from sessionactors.testing import EchoModel, crash
 from web.servers import serve_trio
 from worker_spares import SpareProcess, open_worker_process, start_spares
 
@@ -592,6 +593,58 @@ async def test_a_subscription_goes_on_to_the_next_owners_events_when_no_turn_was
     assert finished[0].turn_id == first.turn_id
     assert [e.message.content for e in finished] == ["first", "next"]
     assert _jumped(events, finished[0].seq), events  # (it did wake with a jump)
+
+
+def events_go_nowhere(key: str) -> Callable[[list[bytes]], list[bytes]]:
+    """An edit of the commands a worker sends (see net_proxy): the events it publishes to
+    the event stream ``key`` go to another key, as events that never reached the stream
+    (its worker died before it published them) do."""
+    stream = key.encode()
+
+    def edit(words: list[bytes]) -> list[bytes]:
+        # (the publishing script's call: that stream its only key, the entries after it)
+        if words[0].upper() in (b"EVALSHA", b"EVAL") and words[2:4] == [b"1", stream]:
+            return [*words[:3], stream + b":nowhere", *words[4:]]
+        return words
+
+    return edit
+
+
+async def test_a_subscription_gets_a_stored_turn_whose_events_its_dead_owner_never_published(
+    redis_url: str,
+) -> None:
+    """When the worker running a session dies after it stored a turn and before that
+    turn's events reached the session's event stream, a subscription on another worker
+    gets the turn's stored events (from the journal) before the next owner's, and goes
+    on without an error: it never skips a stored turn in silence."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    events: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            proxy_to(redis_url) as (proxy, proxied),
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+            trio.open_nursery() as nursery,
+        ):
+            with trio.CancelScope() as process:
+                async with open_worker(proxied, prefix, "a") as a:
+                    await a.spawn("s")
+                    await a.ref("s").history()  # live on a
+                    await nursery.start(
+                        collect_until,
+                        b.ref("s"),
+                        events,
+                        lambda e: isinstance(e, sa.TurnFinished) and e.message.content == "next",
+                    )
+                    proxy.edit = events_go_nowhere(session_key(prefix, "s", "ev"))
+                    first = await b.ref("s").send("first")  # stored on a, its events lost
+                    crash(a)
+                    process.cancel()
+            await c.ref("s").send("next")  # it takes the session over
+    finished = [e for e in events if isinstance(e, sa.TurnFinished)]
+    assert [e.message.content for e in finished] == ["first", "next"], events
+    assert finished[0].turn_id == first.turn_id
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
 
 
 async def test_a_subscription_follows_a_turn_sent_again_under_its_key_after_the_jump(

@@ -590,10 +590,11 @@ class Streams:
     async def _fill_from_journal(self, name: str, below: int | None = None) -> None:
         """Feed the mirror of ``name`` the durable events after its position (and below
         seq ``below``, if given) that the stream lacks (if the journal no longer holds
-        them all, its subscribers lag)."""
+        them all, its subscribers lag). A mirror at seq 0 followed a session that had
+        published nothing: every event the journal holds is after it."""
         hub = self._mirrors.get(name)
         position = self._positions.get(name, 0)
-        if hub is None or not position:
+        if hub is None:
             return
         try:
             trimmed, entries = await self.host.store.read_journal(name, position)
@@ -1202,12 +1203,13 @@ class Streams:
         )
 
     async def _check_gap(self, name: str, first: int) -> None:
-        """The stream skips seqs after a mirror's position (its next event is ``first``):
-        if it was trimmed past it (it outran the reader, or the store lost it), the
-        mirror's subscribers lag."""
+        """The stream skips seqs after a mirror's position (its next event is ``first``).
+        If it was trimmed past it (it outran the reader, or the store lost it), the
+        mirror's subscribers lag. Otherwise the seqs it skips never reached it: a new
+        owner's wake jumped over them, or the owner died after it stored a turn and
+        before it published that turn's events; what of them is stored, the mirror
+        takes from the journal first."""
         position = self._positions.get(name, 0)
-        if not position:
-            return  # a new mirror: its subscribers' replay came from the journal
         try:
             oldest = await self.transport.first_event_seq(name)
         except (StoreError, SnapshotError) as exc:
@@ -1215,7 +1217,8 @@ class Streams:
             if self.damaged(exc):
                 return
             oldest = 0
-        if 0 < oldest <= position + 1:
+        if not position or 0 < oldest <= position + 1:
+            await self._fill_from_journal(name, first)
             return
         if name in self._unread and await self._never_durable(name, position, first):
             return  # the new owner jumped over them: a followed subscription missed nothing
