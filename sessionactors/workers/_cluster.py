@@ -173,7 +173,7 @@ log = logging.getLogger("sessionactors")
 _ANSWER_ATTEMPTS: Final = 5
 _ANSWERS_KEPT: Final = 10_000  # answers kept for a requester that asks again
 #: Lease lifetimes an answer is kept for at most: a requester that has not heard it by
-#: then has given up (two lifetimes without word), so it keeps nothing for anyone.
+#: then has given up (two lifetimes without word), so nobody can ask for it any more.
 _ANSWER_LIFETIMES: Final = 4
 #: Requesting processes for which a worker remembers the last answer it dropped.
 _ISSUERS_KEPT: Final = 10_000
