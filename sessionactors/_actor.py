@@ -1045,11 +1045,11 @@ class Actor:
         self.partial.clear()
         self._cut = (pending, key)
         self.in_turn = True
-        # the agent's time limit: the turn scope's deadline while the turn runs
-        limit = agent.turn_timeout
-        scope = self.turn_scope if limit is not None else None
-        if scope is not None and limit is not None:
-            scope.deadline = trio.current_time() + limit
+        scope = None  # the agent's time limit: the turn scope's deadline while it runs
+        if agent.turn_timeout is not None:
+            scope = self.turn_scope
+            if scope is not None:
+                scope.deadline = trio.current_time() + agent.turn_timeout
         telemetry = self.host.telemetry
         if telemetry is not None:
             trace = self.trace = telemetry.turn(

@@ -408,19 +408,29 @@ def _pack(raw: Any) -> bytes:
     return data
 
 
-def _pack_exact(raw: Any) -> bytes:
-    """``raw`` packed by this thread's packer of exact types only (``strict_types``: no
-    subclass checks, about a third faster), for the maps the fast paths build, which
-    hold only exact dicts, lists, str, int, float, bool, bytes, None and aware
-    datetimes. The same bytes as :func:`_pack`'s; anything else raises TypeError (the
-    general path then says what is wrong, if anything is)."""
+def _exact_packer() -> msgpack.Packer:
+    """This thread's packer of exact types only (``strict_types``: no subclass checks,
+    about a third faster), for the maps the fast paths build, which hold only exact
+    dicts, lists, str, int, float, bool, bytes, None and aware datetimes. The same
+    bytes as :func:`_pack`'s; anything else raises TypeError (the general path then
+    says what is wrong, if anything is). Whoever packs more than ``_BIG_PACK`` bytes
+    at once with it drops it (``_drop_exact_packer``)."""
     try:
         packer: msgpack.Packer = _PACKERS.exact
     except AttributeError:
         packer = _PACKERS.exact = msgpack.Packer(datetime=True, strict_types=True)
-    data: bytes = packer.pack(raw)
+    return packer
+
+
+def _drop_exact_packer() -> None:
+    _PACKERS.__dict__.pop("exact", None)
+
+
+def _pack_exact(raw: Any) -> bytes:
+    """``raw`` packed by :func:`_exact_packer`."""
+    data: bytes = _exact_packer().pack(raw)
     if len(data) > _BIG_PACK:
-        del _PACKERS.exact
+        _drop_exact_packer()
     return data
 
 
@@ -690,11 +700,14 @@ class SnapshotWriter:
             # alive at once (thousands of them would set the garbage collector going)
             parts = [body]
             count = 0
+            exact = _exact_packer()  # (the fast maps hold exact types only)
             try:
                 for message in new:
                     raw, n = fast_message(message)
-                    parts.append(_pack_exact(raw))  # (fast maps hold exact types only)
+                    parts.append(exact.pack(raw))
                     count += n
+                if max(map(len, parts[1:])) > _BIG_PACK:
+                    _drop_exact_packer()
             except Slow:  # something unusual: the checker refuses it, or it is fine
                 count = sum(map(check_message, new))
                 parts[1:] = [_pack(unstructure_message(m)) for m in new]
