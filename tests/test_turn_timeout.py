@@ -170,3 +170,25 @@ async def test_the_limit_ends_with_its_turn(autojump_clock: trio.abc.Clock) -> N
         assert store.calls["load"] == loads  # never restarted
     assert state.metadata == {"k": "v"}
     assert reply.text == "again"
+
+
+async def test_a_turn_cut_by_its_limit_runs_again_with_retry(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``ref.retry()`` runs a turn that its limit cut again, in its place: the history
+    holds the user's message and the new reply, not the interrupted one."""
+    never = trio.Event()
+    model = ScriptedModel([Scripted(text="two words and more", wait=never, wait_after=2), "done"])
+    agent = sa.Agent(model=model, turn_timeout=5)
+    async with sa.open_registry(agents={"a": agent}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(60):
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("hello")
+            reply = await ref.retry()
+        history = await ref.history()
+    assert reply.text == "done"
+    assert [(m.role, m.content) for m in history] == [
+        (sa.Role.USER, "hello"),
+        (sa.Role.ASSISTANT, "done"),
+    ]
