@@ -752,13 +752,12 @@ class Cluster(metaclass=NoPublicConstructor):
         self._answers_of.setdefault(name, set()).add(rid)
         if len(answered) > _ANSWERS_KEPT:
             self._drop_oldest_answer()
-        self._expire_answers()
 
     def _expire_answers(self) -> None:
-        """Drop the answers kept longer than ``_ANSWER_LIFETIMES`` lease lifetimes: a
-        session's words stay in a worker's memory no longer than a requester may ask
-        for them (on a worker that ran the session before too, which no later edit or
-        delete reaches)."""
+        """Drop the answers kept longer than ``_ANSWER_LIFETIMES`` lease lifetimes (at
+        each heartbeat, a third of a lifetime apart): a session's words stay in a
+        worker's memory no longer than a requester may ask for them (on a worker that
+        ran the session before too, which no later edit or delete reaches)."""
         answered = self._answered
         oldest = trio.current_time() - _ANSWER_LIFETIMES * self.ttl
         while answered and next(iter(answered.values()))[2] < oldest:
