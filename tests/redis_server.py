@@ -38,6 +38,7 @@ __all__ = [
     "SENTINEL_URL_ENV",
     "URL_ENV",
     "Replicated",
+    "free_port",
     "ping",
     "private_redis_cluster",
     "private_redis_replicated",
@@ -93,7 +94,8 @@ def ping(host: str, port: int, *, timeout: float = 1.0) -> bool:
         return False
 
 
-def _free_port(highest: int = 65535) -> int:
+def free_port(highest: int = 65535) -> int:
+    """A loopback TCP port free at the time of asking, at most ``highest``."""
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -167,7 +169,7 @@ def private_redis_server(
             tempfile.TemporaryDirectory(prefix="sessionactors-redis-")
         )
         for attempt in range(1 if port else 3):  # another process may take a free port first
-            chosen = port or _free_port()
+            chosen = port or free_port()
             with contextlib.ExitStack() as stack:
                 try:
                     stack.enter_context(
@@ -196,8 +198,8 @@ def private_redis_cluster(
         tempfile.TemporaryDirectory(prefix="sessionactors-cluster-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        ports = [_free_port(_MAX_CLUSTER_PORT) for _ in range(masters * (1 + replicas))]
-        tls_ports = [_free_port(_MAX_CLUSTER_PORT) for _ in ports] if tls else []
+        ports = [free_port(_MAX_CLUSTER_PORT) for _ in range(masters * (1 + replicas))]
+        tls_ports = [free_port(_MAX_CLUSTER_PORT) for _ in ports] if tls else []
         for i, port in enumerate(ports):
             args = [*DURABLE, *SYNC_AT_ONCE, "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf"]  # fmt: skip
@@ -258,13 +260,13 @@ def private_redis_replicated(replicas: int = 1) -> Iterator[Replicated]:
         tempfile.TemporaryDirectory(prefix="sessionactors-replicated-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        primary = _free_port()
+        primary = free_port()
         args = [*DURABLE, *SYNC_AT_ONCE]
         stack.enter_context(_server(stack, Path(tmp), primary, args, "the primary"))
         ports: list[int] = []
         pids: list[int] = []
         for _ in range(replicas):
-            port = _free_port()
+            port = free_port()
             args = [*DURABLE, *SYNC_AT_ONCE, "--replicaof", "127.0.0.1", str(primary)]
             pids.append(stack.enter_context(_server(stack, Path(tmp), port, args, "a replica")).pid)
             ports.append(port)
@@ -291,10 +293,10 @@ def private_redis_sentinel(service: str = "sa-test", *, replicas: int = 0) -> It
         tempfile.TemporaryDirectory(prefix="sessionactors-sentinel-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        master, sentinel = _free_port(), _free_port()
+        master, sentinel = free_port(), free_port()
         args = [*DURABLE, *SYNC_AT_ONCE]
         stack.enter_context(_server(stack, Path(tmp), master, args, "redis-server"))
-        ports = [_free_port() for _ in range(replicas)]
+        ports = [free_port() for _ in range(replicas)]
         for port in ports:
             args = [*DURABLE, *SYNC_AT_ONCE, "--replicaof", "127.0.0.1", str(master)]
             stack.enter_context(_server(stack, Path(tmp), port, args, "a replica"))

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import tempfile
 import time
 import uuid
@@ -28,6 +27,7 @@ from coredis.connection import TCPLocation
 from coredis.tokens import PureToken
 
 import sessionactors as sa
+from redis_server import free_port
 from redis_workers import TTL, open_worker
 from sessionactors.http import create_app
 from sessionactors.stores import RedisStore, load_events
@@ -734,20 +734,13 @@ async def test_the_worker_channel_logs_in_as_the_store_user(
     assert all(int(c["sub"]) == 1 for c in channels)  # each subscribes (and publishes)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 async def test_the_worker_channel_runs_over_tls(
     private_redis_server: Callable[..., AbstractContextManager[str]],
     tls_certificate: tuple[Path, Path],
 ) -> None:
     """With a rediss:// url (a server that takes TLS, the certificate checked against the url's CA), the worker channel's own connections come in over TLS and carry a forwarded send."""
     cert, key = tls_certificate
-    tls_port = _free_port()
+    tls_port = free_port()
     config = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert),
               "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
               "--tls-auth-clients", "no")  # fmt: skip

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import uuid
 import warnings
@@ -22,19 +21,13 @@ import pytest
 import trio
 
 import sessionactors as sa
+from redis_server import free_port
 from sessionactors.stores import JournalEntry, RedisStore, StoredSession
 from test_cluster_faults import AOF_ALWAYS, TIMEOUT, lost_or_repeated, pid_of, run_through, untyped
 
 pytestmark = pytest.mark.redis
 
 PrivateServer = Callable[..., AbstractContextManager[str]]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _new_prefix() -> str:
@@ -147,7 +140,7 @@ async def test_redis_killed_and_restarted_keeps_every_acknowledged_turn(
     its files (appendonly yes, appendfsync always, as the Redis how-to asks): every send
     ends with a reply or a typed error, the workers go on once it is back, and nothing
     acknowledged is lost nor any keyed turn run twice."""
-    port = _free_port()
+    port = free_port()
     with contextlib.ExitStack() as servers:
         url = servers.enter_context(
             private_redis_server(port, config=AOF_ALWAYS, directory=str(tmp_path))
@@ -515,7 +508,7 @@ async def test_a_server_restarted_without_its_append_only_file_is_refused(
     and the new connection is checked before anything goes over it, so every call
     raises StoreNotDurableError and nothing lands until the server is fixed (before, it
     went on unchecked, acknowledging writes that the next restart loses)."""
-    port = _free_port()
+    port = free_port()
     with contextlib.ExitStack() as servers, trio.fail_after(30):
         url = servers.enter_context(private_redis_server(port, directory=str(tmp_path)))
         store = RedisStore(url, prefix=_new_prefix())
