@@ -651,23 +651,35 @@ async def test_event_streams_send_heartbeats_while_quiet(serve: Serve) -> None:
             assert lines[0] == "retry: 1000"
 
 
+async def _store_fat_session(path: Path) -> sa.SQLiteStore:
+    """A store at ``path`` holding the served agent's session "fat" of 10 large messages
+    and their replies: 5 MB of history, 5 MB of stored events to replay (more than the
+    sockets hold). Written here, not through a server that the test runs with a heartbeat
+    of 0.05 s: an answer of 500 KB has two heartbeats for each 64 KB its client takes, and
+    a loaded machine that pauses the test's process for longer cuts it."""
+    agents = {"shop": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        ref = await registry.spawn("fat")
+        for _ in range(10):
+            await ref.send("x" * 250_000)
+    return sa.SQLiteStore(path)
+
+
+def _port(served: Served) -> int:
+    return int(served.url.rsplit(":", 1)[1])
+
+
 async def _silent_reader_is_ended(
-    serve: Serve, request: str, caplog: pytest.LogCaptureFixture
+    serve: Serve, request: str, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> bytes:
     """A raw client that sends ``request`` (a GET of ``/sessions/fat...``) about a session
-    of large messages (2.5 MB of history, 5 MB of events) and reads nothing for 60
-    heartbeats (a WebSocket message of its events, up to 500 KB, may wait 16: two for each
-    64 KB): then what is left must end (the answer ended, the connection reset or
-    closed), within 30 s, and the server's log say so, naming the session; what the
-    client got."""
-    async with (
-        serve(heartbeat=0.05) as served,
-        httpx.AsyncClient(base_url=served.url, timeout=60) as client,
-    ):
-        big = "x" * 250_000
-        for _ in range(5):  # 5 MB of events to replay: more than the sockets hold
-            assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
-        port = int(served.url.rsplit(":", 1)[1])
+    of large messages (``_store_fat_session``) and reads nothing for 60 heartbeats (a
+    WebSocket message of its events, up to 500 KB, may wait 16: two for each 64 KB): then
+    what is left must end (the answer ended, the connection reset or closed), within
+    30 s, and the server's log say so, naming the session; what the client got."""
+    store = await _store_fat_session(tmp_path / "fat.db")
+    async with serve(heartbeat=0.05, store=store) as served:
+        port = _port(served)
         got = bytearray()
         with trio.socket.socket() as reader:
             reader.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
@@ -693,18 +705,18 @@ async def _silent_reader_is_ended(
 
 @pytest.mark.one_server  # (slow)
 async def test_an_event_stream_whose_client_takes_nothing_is_ended(
-    serve: Serve, caplog: pytest.LogCaptureFixture
+    serve: Serve, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """A client that replays a session of large messages and reads nothing (the server's
     write to it never done) does not hold its connection: after two heartbeat intervals
     without a write taken, the stream ends and the connection is reset."""
     request = "GET /sessions/fat/events?after=0 HTTP/1.1\r\nHost: {host}\r\n\r\n"
-    await _silent_reader_is_ended(serve, request, caplog)
+    await _silent_reader_is_ended(serve, request, caplog, tmp_path)
 
 
 @pytest.mark.one_server  # (slow)
 async def test_a_websocket_whose_client_takes_nothing_is_ended(
-    serve: Serve, caplog: pytest.LogCaptureFixture
+    serve: Serve, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """A WebSocket client that replays a session of large messages and reads nothing (the
     server's send to it never done) does not hold its connection: after two heartbeat
@@ -714,17 +726,7 @@ async def test_a_websocket_whose_client_takes_nothing_is_ended(
         "Upgrade: websocket\r\nConnection: Upgrade\r\n"
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
-    await _silent_reader_is_ended(serve, request, caplog)
-
-
-async def _fat_session(served: Served) -> int:
-    """Session "fat" of 5 large messages (5 MB of events to replay: more than the sockets
-    hold); the server's port."""
-    async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
-        big = "x" * 250_000
-        for _ in range(5):
-            assert (await client.post("/sessions/fat/messages", json={"text": big})).is_success
-    return int(served.url.rsplit(":", 1)[1])
+    await _silent_reader_is_ended(serve, request, caplog, tmp_path)
 
 
 #: A frame that the gateway answers (an error frame: no such review), by a task of its own.
@@ -733,14 +735,15 @@ UNKNOWN_REVIEW: dict[str, Any] = {"type": "review", "review_id": "rev_none", "ap
 
 @pytest.mark.one_server  # (slow)
 async def test_a_websocket_client_that_reads_nothing_is_ended_however_many_frames_it_sends(
-    serve: Serve,
+    serve: Serve, tmp_path: Path
 ) -> None:
     """A WebSocket client that replays a session of large messages and reads nothing, but
     sends a frame that is answered four times in each heartbeat interval, does not hold its
     connection: the answers wait behind the write that is not taken, which still has only
     its own allowance (two heartbeats for each 64 KB), and then the socket ends."""
-    async with serve(heartbeat=0.05) as served:
-        ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
+    store = await _store_fat_session(tmp_path / "fat.db")
+    async with serve(heartbeat=0.05, store=store) as served:
+        ws = await SilentWebSocket.connect(_port(served), "/sessions/fat/ws?after=0")
         try:
             with trio.move_on_after(30) as attack:  # (not an assertion: 600 heartbeats)
                 while True:
@@ -756,15 +759,16 @@ async def test_a_websocket_client_that_reads_nothing_is_ended_however_many_frame
 
 @pytest.mark.one_server  # (slow)
 async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
-    serve: Serve,
+    serve: Serve, tmp_path: Path
 ) -> None:
     """A WebSocket client that reads nothing but sends frames that are answered, each 8 KB,
     is read no further once a few answers wait: its frames stay in the network's buffers
     (its sends stop), rather than piling up answers in the server's memory."""
     frame = {**UNKNOWN_REVIEW, "note": "n" * 8192}
     sent = 0
-    async with serve(heartbeat=30) as served:  # (the writes' allowance: a minute each)
-        ws = await SilentWebSocket.connect(await _fat_session(served), "/sessions/fat/ws?after=0")
+    store = await _store_fat_session(tmp_path / "fat.db")
+    async with serve(heartbeat=30, store=store) as served:  # (the writes' allowance: a minute each)
+        ws = await SilentWebSocket.connect(_port(served), "/sessions/fat/ws?after=0")
         try:
             while sent < 4096:  # (32 MB)
                 with trio.move_on_after(2) as blocked:  # (not an assertion: a send that waits)
@@ -779,14 +783,14 @@ async def test_a_websocket_client_that_takes_no_answers_is_read_no_further(
 
 @pytest.mark.one_server  # (slow)
 async def test_a_json_answer_whose_client_takes_nothing_is_ended(
-    serve: Serve, caplog: pytest.LogCaptureFixture
+    serve: Serve, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    """A client that asks for a session of a long history (2.5 MB of JSON) and reads
+    """A client that asks for a session of a long history (5 MB of JSON) and reads
     nothing (the server's write to it never done) holds neither the answer nor its
     connection: after two heartbeat intervals without 64 KB of it taken, the answer ends
     and the connection is reset, before the client has it whole."""
     request = "GET /sessions/fat HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    got = await _silent_reader_is_ended(serve, request, caplog)
+    got = await _silent_reader_is_ended(serve, request, caplog, tmp_path)
     answer = h11.Connection(h11.CLIENT)
     answer.send(h11.Request(method="GET", target="/sessions/fat", headers=[("host", "x")]))
     answer.receive_data(got)
