@@ -819,7 +819,7 @@ async def test_a_client_that_reads_a_json_answer_slowly_but_steadily_gets_it(
         for _ in range(2):
             assert (await client.post("/sessions/big/messages", json={"text": big})).is_success
         expected = (await client.get("/sessions/big")).content
-        port = int(served.url.rsplit(":", 1)[1])
+        port = _port(served)
         with trio.fail_after(120):
             body = await get_slowly(port, "/sessions/big")
     assert len(expected) > 2_000_000
@@ -845,7 +845,7 @@ async def test_a_client_that_reads_slowly_but_steadily_gets_its_stream(
         assert (await client.post("/sessions/big/messages", json={"text": big})).is_success
         async with client.stream("GET", "/sessions/big/events?after=0") as r:
             expected = [data for _, data in await read_until(r, finished)]
-        port = int(served.url.rsplit(":", 1)[1])
+        port = _port(served)
         with trio.fail_after(120):
             events = await read_slowly(port, target, turns=1)
     assert [event["seq"] for event in events] == [event["seq"] for event in expected]
