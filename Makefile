@@ -17,13 +17,13 @@ demo: $(VENV)
 demo-cluster: .venv/.extra-redis-$(HASH)
 	$(PY) -m sessionactors demo-cluster
 
-# The tests run in three processes (pytest-xdist), on 2 cores too, as much of their time
-# is spent waiting on servers, subprocesses and timeouts: in two processes they kept 1.4
-# of 2 cores busy and took 633 s, in three 1.7 cores and 529-540 s. The soak runs, longer
-# fault runs, keep to two. TEST_PROCESSES=0 runs the tests in this one. (.ci/run starts
-# one set of Redis servers for each test process.)
-TEST_PROCESSES ?= 3
-SOAK_PROCESSES ?= 2
+# The tests (and the soak runs) run in two processes (pytest-xdist): much of their time
+# is spent waiting on servers, subprocesses and timeouts. Three were faster on 2 cores
+# (529-546 s against 633 s), but tests failed under that load that pass in two (one was
+# mended; one is not explained yet:
+# test_write_commands_on_redis_reach_the_worker_that_holds_the_shard). TEST_PROCESSES=0
+# runs them in this one. (.ci/run starts one set of Redis servers for each process.)
+TEST_PROCESSES ?= 2
 # Many tests run the command line, a server or a worker in a process of its own: the
 # package is compiled once first, or each such process compiles it again where Python
 # writes no bytecode (PYTHONDONTWRITEBYTECODE set), about 0.2 s of CPU each.
@@ -35,7 +35,7 @@ test: .venv/.extra-test-$(HASH)
 
 soak: .venv/.extra-test-$(HASH)
 	$(COMPILE)
-	$(PY) -m pytest -q -m soak -n $(SOAK_PROCESSES)
+	$(PY) -m pytest -q -m soak -n $(TEST_PROCESSES)
 
 lint: .venv/.extra-lint-$(HASH)
 	$(PY) -m ruff check sessionactors tests benchmarks docs && $(PY) -m ruff format --check sessionactors tests benchmarks docs && $(PY) -m mypy && $(PY) tests/check_layers.py
