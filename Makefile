@@ -19,7 +19,7 @@ demo-cluster: .venv/.extra-redis-$(HASH)
 
 # The tests (and the soak runs) run in two processes (pytest-xdist): much of their time
 # is spent waiting on servers, subprocesses and timeouts. Three were faster on 2 cores
-# (529-546 s against 633 s), but tests failed under that load that pass in two (one was
+# (507-546 s against 633 s), but tests failed under that load that pass in two (one was
 # mended; one is not explained yet:
 # test_write_commands_on_redis_reach_the_worker_that_holds_the_shard). TEST_PROCESSES=0
 # runs them in this one. (.ci/run starts one set of Redis servers for each process.)
