@@ -465,6 +465,10 @@ class Dispatcher:
     def grace_ends(self) -> float:
         return self.sessions.grace_ends
 
+    @property
+    def runs_turns(self) -> bool:
+        return bool(self.sessions.agents)
+
     def is_live(self, name: str) -> bool:
         return name in self.sessions.live
 

@@ -55,6 +55,12 @@ class RouterHost(Protocol):
         """When the shutdown grace ends (trio's clock; infinite before the shutdown)."""
         ...
 
+    @property
+    def runs_turns(self) -> bool:
+        """Whether the registry has agents: one without runs no turn, so it takes no
+        session of its own (its requests go to the workers that do)."""
+        ...
+
     def is_live(self, name: str) -> bool: ...
     def live_names(self) -> list[str]:
         """The names of the sessions live here."""

@@ -919,6 +919,29 @@ async def test_a_hibernated_session_wakes_on_its_preferred_worker(cluster: Clust
             assert b.statistics().hibernated == stats.hibernated
 
 
+@pytest.mark.parametrize("balance", [True, False], ids=["balance", "fixed"])
+async def test_a_registry_without_agents_takes_no_shard(cluster: Cluster, balance: bool) -> None:
+    """A registry without agents on the workers' store (a gateway that only forwards, an
+    operator's script, the command line) takes no shard: the worker with the agent keeps
+    its sessions live, and the agentless registry's requests, for sessions live or
+    hibernated, reach a worker that runs them, balancing or not."""
+    names = [f"front-{i}" for i in range(12)]
+    with trio.fail_after(40):
+        async with cluster.registry(worker_id="a") as a:
+            for name in names:
+                assert (await (await a.spawn(name)).send("one")).text == "one"
+            await a.ref(names[0]).hibernate()
+            async with open_worker(
+                cluster.url, cluster.prefix, "front", agents={}, balance=balance
+            ) as front:
+                await trio.sleep(2 * TTL)  # balancing rounds, each worker listed
+                assert sorted(a.live()) == sorted(names[1:])  # nothing handed over
+                for name in names:
+                    assert (await front.ref(name).send("two")).text == "two"
+                assert front.live() == []
+                assert sorted(a.live()) == sorted(names)
+
+
 class GatedEcho:
     """Echoes the user's words once ``gate`` is set: a turn that runs as long as a test wants."""
 

@@ -93,7 +93,10 @@ registry:
   ``lease_ttl`` (a long turn; a turn waiting on a review is at rest: the session
   hibernates with it) stays, its held requests are served here, and it is tried
   again later. Without a fresh list of the
-  workers (the store does not answer), a worker places nothing elsewhere.
+  workers (the store does not answer), a worker places nothing elsewhere. A
+  registry without agents (a gateway that only forwards, the command line, an
+  operator's script) runs no turn: it is not listed, so it takes no shard, and it
+  places the sessions it is asked for at the listed workers.
 """
 
 from __future__ import annotations
@@ -1242,10 +1245,12 @@ class Cluster(metaclass=NoPublicConstructor):
     # ---- balancing: shards go to their preferred workers ---------------------------------
 
     def _preferred_worker(self, shard: int) -> str:
-        """The live worker that ``shard`` prefers (this one without a fresh list)."""
+        """The live worker that ``shard`` prefers (this one without a fresh list). A
+        registry without agents is not listed, and places every session at the live
+        workers, balancing or not."""
         if (
-            not self.balance
-            or len(self._members) < 2
+            not self._members
+            or (not self.balance and self.host.runs_turns)
             or trio.current_time() - self._members_at > self.ttl
         ):
             return self.worker
@@ -1257,7 +1262,7 @@ class Cluster(metaclass=NoPublicConstructor):
         return found
 
     def _set_members(self, members: Sequence[str]) -> None:
-        found = tuple(sorted({*members, self.worker}))
+        found = tuple(sorted({*members, self.worker} if self.host.runs_turns else {*members}))
         if found != self._members:
             self._members = found
             self._preferred.clear()
@@ -1278,7 +1283,8 @@ class Cluster(metaclass=NoPublicConstructor):
         prefer another one."""
         while not self.host.closing:
             try:
-                members = await self.transport.members(self.worker, self.ttl)
+                ttl = self.ttl if self.host.runs_turns else None  # (None: not listed)
+                members = await self.transport.members(self.worker, ttl)
             except StoreError as exc:
                 fatal(exc)  # without a fresh list, nothing is placed elsewhere
             else:
