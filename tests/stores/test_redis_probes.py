@@ -368,7 +368,7 @@ async def test_a_cluster_master_killed_fails_calls_with_store_errors_only(
     StoreError, and a session whose keys live on a master still up keeps working."""
     with private_redis_cluster() as url, trio.fail_after(60):
         prefix = _new_prefix()
-        store = RedisStore(url, prefix=prefix, timeout=2)
+        store = RedisStore(url, prefix=prefix, timeout=20)
         await store.create("s", b"snap", b"i")
         lease = await store.claim("s", "me", 30)
         assert lease is not None
@@ -467,7 +467,7 @@ async def test_a_write_stands_when_only_the_listing_orders_master_is_down(
     (the how-to says how it is mended): the write now stands."""
     with private_redis_cluster() as url, trio.fail_after(60):
         prefix = _new_prefix()
-        store = RedisStore(url, prefix=prefix, timeout=2)
+        store = RedisStore(url, prefix=prefix, timeout=20)
         names = [f"s{i}" for i in range(12)]
         for name in names:
             await store.create(name, b"snap", b"i")
