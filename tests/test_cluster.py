@@ -924,7 +924,8 @@ async def test_a_registry_without_agents_takes_no_shard(cluster: Cluster, balanc
     """A registry without agents on the workers' store (a gateway that only forwards, an
     operator's script, the command line) takes no shard: the worker with the agent keeps
     its sessions live, and the agentless registry's requests, for sessions live or
-    hibernated, reach a worker that runs them, balancing or not."""
+    hibernated, reach a worker that runs them, balancing or not, from the moment it
+    opens."""
     names = [f"front-{i}" for i in range(12)]
     with trio.fail_after(40):
         async with cluster.registry(worker_id="a") as a:
@@ -934,9 +935,10 @@ async def test_a_registry_without_agents_takes_no_shard(cluster: Cluster, balanc
             async with open_worker(
                 cluster.url, cluster.prefix, "front", agents={}, balance=balance
             ) as front:
+                assert (await front.ref(names[0]).send("two")).text == "two"  # at once
                 await trio.sleep(2 * TTL)  # balancing rounds, each worker listed
-                assert sorted(a.live()) == sorted(names[1:])  # nothing handed over
-                for name in names:
+                assert sorted(a.live()) == sorted(names)  # nothing handed over
+                for name in names[1:]:
                     assert (await front.ref(name).send("two")).text == "two"
                 assert front.live() == []
                 assert sorted(a.live()) == sorted(names)

@@ -417,7 +417,7 @@ class Cluster(metaclass=NoPublicConstructor):
                 await trio.sleep(min(1.0, self.ttl / 3))
         nursery.start_soon(self._heartbeat_loop, name="cluster heartbeat")
         nursery.start_soon(self._read_loop, name="cluster inbox")
-        nursery.start_soon(self._balance_loop, name="cluster balance")
+        await nursery.start(self._balance_loop, name="cluster balance")
         task_status.started()
 
     async def _check_replaced(self, replaced: str | None) -> None:
@@ -1278,9 +1278,12 @@ class Cluster(metaclass=NoPublicConstructor):
         with contextlib.suppress(StoreError):
             await self.transport.members(self.worker, None)
 
-    async def _balance_loop(self) -> None:
+    async def _balance_loop(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """List the live workers every third of ``lease_ttl``; hand over shards that
-        prefer another one."""
+        prefer another one. Started once the first listing is done: the registry's first
+        requests are placed by it (a registry without agents places all of them)."""
         while not self.host.closing:
             try:
                 ttl = self.ttl if self.host.runs_turns else None  # (None: not listed)
@@ -1292,7 +1295,10 @@ class Cluster(metaclass=NoPublicConstructor):
                 self._set_members(members)
                 if self.balance and not self._closing:
                     self._start_handovers()
+            task_status.started()
+            task_status = trio.TASK_STATUS_IGNORED
             await trio.sleep(self.ttl / 3)
+        task_status.started()  # (closing before the first listing)
         await self._withdraw()
 
     def _start_handovers(self) -> None:
