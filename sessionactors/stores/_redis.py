@@ -857,7 +857,9 @@ class RedisStore:
     time, at their sessions' turn boundaries. When a worker joins, about 1/n of the
     shards move to it; when one leaves, its shards spread over the others. With
     ``balance=False`` a session wakes on the worker that was asked first and stays
-    there while it is live.
+    there while it is live. A registry without agents is no worker: it takes no
+    shard, and sends a session that is live nowhere to the worker its shard
+    prefers, with either setting.
 
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or
