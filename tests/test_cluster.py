@@ -944,6 +944,47 @@ async def test_a_registry_without_agents_takes_no_shard(cluster: Cluster, balanc
                 assert sorted(a.live()) == sorted(names)
 
 
+async def test_a_gateway_without_agents_in_front_of_a_worker_serves_its_sessions(
+    cluster: Cluster,
+) -> None:
+    """The HTTP gateway of a registry without agents, in front of a worker that has the
+    agent: new sessions (naming their agent), later messages, a session's state, the
+    listing, an event stream and a delete all go through it, and every session runs on
+    the worker, none in the gateway's process, across balancing rounds."""
+    names = [f"gw-{i}" for i in range(6)]
+    with trio.fail_after(60):
+        async with (
+            cluster.registry(worker_id="a") as a,
+            open_worker(cluster.url, cluster.prefix, "front", agents={}, balance=True) as front,
+            serve_trio(create_app(front)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            for name in names:
+                body = {"text": f"hello {name}", "agent": "echo"}
+                answer = await client.post(f"/sessions/{name}/messages", json=body)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["text"] == f"hello {name}"
+            await trio.sleep(2 * TTL)  # balancing rounds
+            answer = await client.post(f"/sessions/{names[0]}/messages", json={"text": "again"})
+            assert (answer.status_code, answer.json()["text"]) == (200, "again")
+            state = (await client.get(f"/sessions/{names[0]}")).json()
+            assert [m["content"] for m in state["messages"]][-1] == "again"
+            listed = (await client.get("/sessions")).json()["sessions"]
+            assert sorted(s["session_id"] for s in listed) == names
+            seen: list[str] = []
+            async with client.stream("GET", f"/sessions/{names[1]}/events?after=0") as stream:
+                assert stream.status_code == 200
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        seen.append(json.loads(line.removeprefix("data: "))["type"])
+                    if "TurnFinished" in seen:
+                        break
+            assert "TurnStarted" in seen
+            assert (await client.delete(f"/sessions/{names[2]}")).status_code == 200
+            assert front.live() == []
+            assert sorted(a.live()) == sorted(set(names) - {names[2]})
+
+
 class GatedEcho:
     """Echoes the user's words once ``gate`` is set: a turn that runs as long as a test wants."""
 
