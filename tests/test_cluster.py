@@ -393,10 +393,10 @@ async def test_forwarded_turns_to_a_full_mailbox_wait_for_room_and_run_once(
 async def answer_lost_in_transit(cluster: Cluster, mode: str) -> tuple[sa.Reply | None, list[str]]:
     """A send through this process to a session that worker "a" runs in ``mode``: its
     reply (None if it failed with WorkerUnreachableError) and the stored user texts."""
-    a = await cluster.start("a", mode=mode)
+    a = await cluster.start("a", mode=mode, balance=False)  # (s stays on a)
     assert (await a.call("spawn", names=["s"]))["ok"]
     reply = None
-    async with cluster.registry() as b:
+    async with cluster.registry(balance=False) as b:
         with contextlib.suppress(sa.WorkerUnreachableError):
             reply = await b.ref("s").send("one")  # no idempotency key: must not run again
         texts = user_texts(await b.ref("s").history())
@@ -430,10 +430,10 @@ async def test_the_gateway_answers_a_request_whose_answer_never_came_503(
     with the error's kind and advice, for a client to send it again with its key, and
     logged at WARNING in one line: not 500 "the server failed" with a traceback at ERROR."""
     with trio.fail_after(60):
-        a = await cluster.start("a", mode="lose-answers")
+        a = await cluster.start("a", mode="lose-answers", balance=False)  # (s stays on a)
         assert (await a.call("spawn", names=["s"]))["ok"]
         async with (
-            cluster.registry() as b,
+            cluster.registry(balance=False) as b,
             serve_trio(create_app(b)) as url,
             httpx.AsyncClient(base_url=url, timeout=30) as client,
         ):
@@ -653,9 +653,12 @@ async def test_a_request_sent_while_its_owner_listens_nowhere_arrives_once_it_li
 ) -> None:
     """A request sent while the owner is alive but not subscribed (its connection was killed while it was stopped) is sent again until the owner listens again, and runs once."""
     with trio.fail_after(30):
-        a = await cluster.start("a")
+        a = await cluster.start("a", balance=False)  # (s stays on a)
         assert (await a.call("spawn", names=["s"]))["ok"]
-        async with cluster.registry() as b, coredis.Redis.from_url(cluster.url) as admin:
+        async with (
+            cluster.registry(balance=False) as b,
+            coredis.Redis.from_url(cluster.url) as admin,
+        ):
             assert (await b.ref("s").send("warm up")).text == "warm up"
             resumed = False
             outcome: list[sa.Reply] = []
