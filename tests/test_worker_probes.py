@@ -361,11 +361,12 @@ class LeavingStore(RedisStore):
         transport = router.transport
         watch = transport.watch
 
-        async def watch_then_leave(names: Any, ttl: float) -> None:
-            await watch(names, ttl)
+        async def watch_then_leave(names: Any, ttl: float) -> set[str]:
+            lapsed: set[str] = await watch(names, ttl)
             if list(names) == ["s"] and not self.left and self.registry is not None:
                 self.left = True
                 await self.registry.ref("s").hibernate()
+            return lapsed
 
         transport.watch = watch_then_leave
         return router
