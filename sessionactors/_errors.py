@@ -529,7 +529,9 @@ class StoreConfigurationError(StoreError):
 class WorkerUnreachableError(_KeyedTurnError, TimeoutError):
     """A request sent to the worker that runs the session got no word from it within
     its deadline (the shared store or that worker did not answer), or never reached
-    it in that time (that worker said so whenever it was asked).
+    it in that time (that worker said so whenever it was asked). A turn sent through
+    a registry without agents while no worker is live is refused so too, and did not
+    run.
 
     The request may or may not have run there: send it again (a turn sent with
     ``idempotency_key=`` runs once however often it is sent). ``turn_id`` names the

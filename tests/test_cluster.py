@@ -988,6 +988,57 @@ async def test_a_gateway_without_agents_in_front_of_a_worker_serves_its_sessions
             assert sorted(a.live()) == sorted(set(names) - {names[2]})
 
 
+@pytest.mark.parametrize("balance", [True, False], ids=["balance", "fixed"])
+async def test_a_registry_without_agents_and_no_worker_live_refuses_turns_unreachable(
+    cluster: Cluster, balance: bool
+) -> None:
+    """While no worker that runs turns is live (a gateway in front during a rolling
+    restart), a registry without agents refuses a turn at once with the 503 of a worker
+    that cannot be reached, naming the session (sent again later, it runs), not with the
+    misconfiguration's ``AgentNotFoundError`` (a 500); nothing is written. It still reads
+    the session from the store."""
+    with trio.fail_after(40):
+        async with cluster.registry(worker_id="a") as a:
+            await (await a.spawn("lone")).send("one")
+        async with (
+            open_worker(cluster.url, cluster.prefix, "front", agents={}, balance=balance) as front,
+            serve_trio(create_app(front)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            with pytest.raises(sa.WorkerUnreachableError) as caught:
+                await front.ref("lone").send("two")
+            assert caught.value.session_id == "lone"
+            assert "no worker" in str(caught.value)
+            answer = await client.post("/sessions/lone/messages", json={"text": "two"})
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"] == "WorkerUnreachableError"
+            assert [m.content for m in await front.ref("lone").history()] == ["one", "one"]
+        async with cluster.registry(worker_id="a") as a:
+            assert [m.content for m in await a.ref("lone").history()] == ["one", "one"]
+
+
+@pytest.mark.parametrize("balance", [True, False], ids=["balance", "fixed"])
+async def test_a_registry_without_agents_hands_on_a_session_it_read_once_a_worker_is_live(
+    cluster: Cluster, balance: bool
+) -> None:
+    """A registry without agents that woke a session to read it while no worker was live
+    hands it on once it lists one: the session's next turn, sent through it, runs on the
+    worker, balancing or not."""
+    with trio.fail_after(40):
+        async with cluster.registry(worker_id="a") as a:
+            await (await a.spawn("read")).send("one")
+        async with open_worker(
+            cluster.url, cluster.prefix, "front", agents={}, balance=balance
+        ) as front:
+            assert len(await front.ref("read").history()) == 2
+            assert front.live() == ["read"]
+            async with cluster.registry(worker_id="a") as a:
+                await trio.sleep(TTL)  # the front lists worker a (every third of TTL)
+                assert (await front.ref("read").send("two")).text == "two"
+                assert front.live() == []
+                assert a.live() == ["read"]
+
+
 class GatedEcho:
     """Echoes the user's words once ``gate`` is set: a turn that runs as long as a test wants."""
 

@@ -859,7 +859,8 @@ class RedisStore:
     ``balance=False`` a session wakes on the worker that was asked first and stays
     there while it is live. A registry without agents is no worker: it takes no
     shard, and sends a session that is live nowhere to the worker its shard
-    prefers, with either setting.
+    prefers, with either setting; while no worker is live, it refuses turns with
+    :class:`~sessionactors.WorkerUnreachableError` and serves reads itself.
 
     ``timeout`` (seconds, default 5) bounds every call to redis, connecting
     included: a call that gets no answer in time (redis stopped, frozen, or

@@ -866,6 +866,13 @@ class Cluster(metaclass=NoPublicConstructor):
         shard = self.transport.shard(name)
         if shard in self._leaving:
             return True
+        if not self.host.runs_turns:
+            # every request goes by the forward, which sends it to a worker or, while
+            # none is live, serves it here (a read) or refuses it (a turn); a session
+            # woken here to be read goes to a worker as soon as one is listed
+            if self.host.is_live(name) and self._preferred_worker(shard) != self.worker:
+                self._start_handover(shard)
+            return True
         if self.host.is_live(name):
             return False
         return name in self._owners or self._preferred_worker(shard) != self.worker
@@ -892,7 +899,7 @@ class Cluster(metaclass=NoPublicConstructor):
         if key is None:
             request["t"] = new_turn_id(session_tag(name))
         if not ack:  # carried by the caller's task: a caller that gives up abandons it
-            answer = await self._forward(name, request, retry_safe=key is not None)
+            answer = await self._forward(name, request, retry_safe=key is not None, runs_turn=True)
             if answer is None:
                 return None
             pending = Pending()
@@ -938,7 +945,11 @@ class Cluster(metaclass=NoPublicConstructor):
 
         try:
             answer = await self._forward(
-                name, request, retry_safe=key is not None, on_ack=on_ack if ack else None
+                name,
+                request,
+                retry_safe=key is not None,
+                on_ack=on_ack if ack else None,
+                runs_turn=True,
             )
             if answer is None:
                 if not forwarded.settled.is_set():
@@ -985,7 +996,12 @@ class Cluster(metaclass=NoPublicConstructor):
         """Run a request other than a turn at the session's owner; NOT_ROUTED when no
         other worker holds the session."""
         body = {"op": "call", "s": name, "req": dump_call(name, request)}
-        answer = await self._forward(name, body, retry_safe=isinstance(request, _SAFE_CALLS))
+        answer = await self._forward(
+            name,
+            body,
+            retry_safe=isinstance(request, _SAFE_CALLS),
+            runs_turn=isinstance(request, ResolveReview | Retry),
+        )
         if answer is None:
             return NOT_ROUTED
         value = self._check(answer, name)["value"]
@@ -1010,15 +1026,18 @@ class Cluster(metaclass=NoPublicConstructor):
         *,
         retry_safe: bool,
         on_ack: Callable[[Mapping[str, Any]], None] | None = None,
+        runs_turn: bool = False,
     ) -> dict[str, Any] | None:
         """Send ``request`` to the owner of ``name`` and wait for its answer.
 
-        None if no other worker holds the session (the caller runs it here).
+        None if no other worker holds the session (the caller runs it here). A request
+        that ``runs_turn`` (a turn, a review's resolution, a retry) is refused with
+        ``WorkerUnreachableError`` instead when this registry runs no turns.
         """
         self._running(name)
         self._forwarding += 1
         try:
-            return await self._forward_until_answered(name, request, retry_safe, on_ack)
+            return await self._forward_until_answered(name, request, retry_safe, on_ack, runs_turn)
         finally:
             self._forwarding -= 1
             if not self._forwarding and self._drained is not None:
@@ -1030,6 +1049,7 @@ class Cluster(metaclass=NoPublicConstructor):
         request: dict[str, Any],
         retry_safe: bool,
         on_ack: Callable[[Mapping[str, Any]], None] | None,
+        runs_turn: bool,
     ) -> dict[str, Any] | None:
         shard = self.transport.shard(name)
         # The turn: the id issued here for it, or the one an owner accepted it under
@@ -1076,6 +1096,8 @@ class Cluster(metaclass=NoPublicConstructor):
                         self.stats.placed += 1
                 if owner == self.worker:
                     self._owners.pop(name, None)
+                    if runs_turn and not self.host.runs_turns:
+                        raise _no_worker_error(name, key)
                     return None
                 self.held_elsewhere(name)
                 self._owners[name] = owner
@@ -1293,7 +1315,7 @@ class Cluster(metaclass=NoPublicConstructor):
             else:
                 self._members_at = trio.current_time()
                 self._set_members(members)
-                if self.balance and not self._closing:
+                if self._moves_shards and not self._closing:
                     self._start_handovers()
             task_status.started()
             task_status = trio.TASK_STATUS_IGNORED
@@ -1305,8 +1327,8 @@ class Cluster(metaclass=NoPublicConstructor):
         """Hand over the shards held here that prefer another worker, a few at a time
         (the next as soon as one is done), those with the fewest live sessions first."""
         self._due.clear()
-        if len(self._members) < 2 or self._nursery is None:
-            return
+        if self.worker in self._members and len(self._members) < 2:
+            return  # (the only worker listed)
         now = trio.current_time()
         held: dict[int, int] = {}
         for name in self.host.live_names():
@@ -1324,19 +1346,24 @@ class Cluster(metaclass=NoPublicConstructor):
 
     def _next_handovers(self) -> None:
         """Start handing over due shards while fewer than ``_HANDOVERS`` are in flight."""
-        nursery = self._nursery
-        while len(self._leaving) < _HANDOVERS and self._due and nursery is not None:
+        while len(self._leaving) < _HANDOVERS and self._due:
             shard = self._due.popleft()
-            if (
-                shard in self._leaving
-                or self._closing
-                or self.host.closing
-                or not self.balance
-                or self._preferred_worker(shard) == self.worker
-            ):
-                continue  # (the workers changed since the round listed it)
-            self._leaving[shard] = _Handover()
-            nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
+            if self._moves_shards and self._preferred_worker(shard) != self.worker:
+                self._start_handover(shard)  # (unless the workers changed since the round)
+
+    @property
+    def _moves_shards(self) -> bool:
+        """Whether shards held here go to the workers they prefer: with balancing, and
+        always from a registry without agents (it holds a session only to read it)."""
+        return self.balance or not self.host.runs_turns
+
+    def _start_handover(self, shard: int) -> None:
+        """Hand ``shard`` over, unless it is under way or this worker closes."""
+        nursery = self._nursery
+        if shard in self._leaving or self._closing or self.host.closing or nursery is None:
+            return
+        self._leaving[shard] = _Handover()
+        nursery.start_soon(self._hand_over, shard, name=f"cluster handover {shard}")
 
     async def _hand_over(self, shard: int) -> None:
         """Hibernate the shard's sessions here at their next turn boundary (new requests
@@ -1453,6 +1480,18 @@ def _unreachable_error(
         *told,
         session_id=name,
         turn_id=turn_id,
+        idempotency_key=key,
+    )
+
+
+def _no_worker_error(name: str, key: str) -> WorkerUnreachableError:
+    """For a turn sent through a registry without agents while no worker is live."""
+    return advised(
+        WorkerUnreachableError,
+        f"session {name!r}: no worker that runs turns is live (this registry has no "
+        "agents: it sends turns to the workers on its store), so the request did not run; "
+        "start a worker, or send it again once one is running",
+        session_id=name,
         idempotency_key=key,
     )
 
