@@ -8,6 +8,11 @@ reply. The baseline is the least a wake needs on that store: the same
 every session once (wall clock, mean per wake), then hibernates them again
 (not timed); the median of the rounds is reported.
 
+Subscribing to a hibernated session reads where its events stand and its status
+from the store, without waking it: a subscription opened (and closed) on a
+10,000-message session against the same on a 50-message one, per store, wall
+clock, mean of 20 per round; the median of the rounds' ratios.
+
 RedisStore runs when ``SESSIONACTORS_REDIS_URL`` is set or a ``redis-server``
 binary can be started on a free port on 127.0.0.1 (stopped afterwards).
 """
@@ -88,6 +93,44 @@ async def run_store(kind: str, store: Any, sessions: int, count: int) -> Row:
     )
 
 
+async def subscribe_round(store: Any, names: tuple[str, str], times: int) -> tuple[float, float]:
+    """(long, short): seconds per subscription opened and closed on each session."""
+    spent = []
+    async with sa.open_registry(agents=agents(InstantModel()), store=store) as registry:
+        for name in names:
+            start = now()
+            for _ in range(times):
+                async with registry.ref(name).subscribe():
+                    pass
+            spent.append((now() - start) / times)
+        assert registry.live() == []
+    return spent[0], spent[1]
+
+
+async def run_subscribe(kind: str, store: Any, count: int) -> Row:
+    names = ("subscribe-long", "subscribe-short")
+    await build(store, [names[0]], 5000)
+    await build(store, [names[1]], 25)
+    longs: list[float] = []
+    shorts: list[float] = []
+    for _ in range(count):
+        long, short = await subscribe_round(store, names, 20)
+        longs.append(long)
+        shorts.append(short)
+    log(f"  {kind}: subscribe {median(longs) * 1e6:.0f} us, short {median(shorts) * 1e6:.0f} us")
+    return Row(
+        benchmark="4 wake a 50-message session",
+        name=f"subscribe to a hibernated 10,000-message session (not woken), {kind}",
+        measured=median(longs) * 1e6,
+        unit="us",
+        baseline=median(shorts) * 1e6,
+        baseline_name="the same on a 50-message session",
+        baseline_unit="us",
+        paired_ratio=paired(longs, shorts),
+        notes=f"20 subscriptions x {count} rounds; {spread(longs)}",
+    )
+
+
 def main(args: argparse.Namespace) -> list[Row]:
     sessions = 30 if args.quick else 100
     count = 3 if args.quick else 5
@@ -95,6 +138,10 @@ def main(args: argparse.Namespace) -> list[Row]:
     with temp_dir() as tmp:
         store = sa.SQLiteStore(tmp / "wake.db")
         rows.append(trio.run(run_store, "SQLiteStore", store, sessions, count))
+    rows.append(trio.run(run_subscribe, "MemoryStore", sa.MemoryStore(), count))
+    with temp_dir() as tmp:
+        store = sa.SQLiteStore(tmp / "subscribe.db")
+        rows.append(trio.run(run_subscribe, "SQLiteStore", store, count))
     with redis_url() as url:
         if url is None:
             log("  RedisStore: skipped (no SESSIONACTORS_REDIS_URL, no redis-server binary)")

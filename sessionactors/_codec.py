@@ -78,6 +78,7 @@ back equal (metadata as plain data: tuples come back as lists).
 """
 
 import datetime
+import io
 import itertools
 import operator
 import threading
@@ -774,6 +775,74 @@ def load_snapshot(
     except _DECODE_ERRORS as exc:
         raise _refusal("snapshot", session_id, exc) from exc
     return state
+
+
+def load_snapshot_head(
+    data: bytes, *, session_id: str | None = None, max_size: int = DEFAULT_MAX_SNAPSHOT_BYTES
+) -> SessionState:
+    """The snapshot's state without its history (``messages`` empty, and so a
+    completed key's reply that the history holds is None): for a reader of a
+    session's status, seqs and open turn, at a cost that does not grow with its
+    history. The messages are skipped unread, so damage in them goes unnoticed here;
+    the rest is decoded, migrated and checked as :func:`load_snapshot` does (which
+    says what is wrong when anything is)."""
+    raw = _unpack_head(data, max_size)
+    if raw is not None:
+        version = raw.get(VERSION_KEY)
+        if version.__class__ is int and 1 <= version <= SCHEMA_VERSION:
+            try:
+                state: SessionState = structure_state(
+                    _migrate(raw, version, session_id), SessionState
+                )
+            except (SnapshotError, *_DECODE_ERRORS):
+                pass
+            else:
+                return state
+    return attrs.evolve(load_snapshot(data, session_id=session_id, max_size=max_size), messages=())
+
+
+#: How much of a snapshot ``_unpack_head`` reads at a time.
+_HEAD_READ_SIZE: Final = 64 * 1024
+
+
+def _unpack_head(data: bytes, max_size: int) -> dict[str, Any] | None:
+    """The snapshot's map with its messages skipped (an empty list), under the limits
+    ``_unpack`` sets; None if it is not a map of string keys or breaks a limit."""
+    size = len(data) if isinstance(data, bytes) else 0
+    if not 0 < size <= max_size:
+        return None
+    hook = None if size <= FREE_CONTAINERS else _container_budget(_container_limit(size))
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(data),  # (which shares the bytes: no copy)
+        read_size=min(size, _HEAD_READ_SIZE),
+        timestamp=3,
+        strict_map_key=True,
+        ext_hook=_foreign_ext,
+        list_hook=hook,
+        object_hook=hook,
+        max_buffer_size=size,
+        max_str_len=size,
+        max_bin_len=size,
+        max_array_len=min(size, MAX_ARRAY_LEN),
+        max_map_len=min(size, MAX_MAP_LEN),
+        max_ext_len=MAX_EXT_LEN,
+    )
+    try:
+        raw: dict[str, Any] = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key.__class__ is not str:
+                return None
+            if key == "messages":
+                unpacker.skip()
+                raw[key] = []
+            else:
+                raw[key] = unpacker.unpack()
+        if unpacker.tell() != size:
+            return None  # (extra data)
+    except (msgpack.OutOfData, *_DECODE_ERRORS):
+        return None
+    return raw
 
 
 def dump_event(event: Event, *, max_size: int = DEFAULT_MAX_EVENT_BYTES) -> bytes:

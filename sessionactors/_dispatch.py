@@ -479,7 +479,7 @@ class Dispatcher:
         self.sessions.lagged(name)
 
     async def stored_status(self, name: str) -> Status:
-        return (await self.sessions.stored_session(name)).status
+        return (await self.sessions.stored_session(name, history=False)).status
 
     def event_seq_here(self, name: str) -> int | None:
         hub = self.sessions.hubs.get(name)

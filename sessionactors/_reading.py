@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ._codec import load_info, load_journal_entry, load_snapshot
+from ._codec import load_info, load_journal_entry, load_snapshot, load_snapshot_head
 from ._errors import (
     Advice,
     AdviceKind,
@@ -87,10 +87,16 @@ async def read_session(store: Store, name: str) -> SessionState:
     return session.to_state()
 
 
-async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, StoredSession]:
+async def read_stored(
+    store: Store, session_id: str, *, history: bool = True
+) -> tuple[LiveSession, StoredSession]:
     """The session as the store has it (snapshot + journal tail), without waking it;
     its ``updated_at`` is the one its info holds, if the store gives the info (see
-    ``StoredSession``): the time its last writer had, whoever reads it, whenever."""
+    ``StoredSession``): the time its last writer had, whoever reads it, whenever.
+
+    Without ``history``, for a caller that needs the session's status, seqs and open
+    turn: a session stored without a journal tail (hibernated, or never woken) comes
+    without its messages, which are not decoded (see ``load_snapshot_head``)."""
     stored = await store.load(session_id)
     if stored is None:
         raise advised(
@@ -99,7 +105,8 @@ async def read_stored(store: Store, session_id: str) -> tuple[LiveSession, Store
             Advice(kind=AdviceKind.CREATE),
             session_id=session_id,
         )
-    state = load_snapshot(stored.snapshot, session_id=session_id)
+    load = load_snapshot if history or stored.entries else load_snapshot_head
+    state = load(stored.snapshot, session_id=session_id)
     if state.session_id != session_id:
         raise SnapshotCorruptError(
             f"the snapshot stored for session {session_id!r} belongs to "

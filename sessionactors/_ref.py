@@ -521,9 +521,11 @@ class SessionRef(metaclass=NoPublicConstructor):
         gap and no duplicate. The replay reads the store a page at a time, as the
         reader takes it: a reader that a snapshot's trim of the journal overtakes
         gets EventsExpiredError there (reload the state with ``ref.state()``).
-        Subscribing does not wake an idle session; one whose process died in the
-        middle of a turn (a turn open, no review pending) is woken by a registry that
-        has its agent, so that the turn ends and the subscriber sees its outcome.
+        Subscribing does not wake an idle session, nor decode its history (it reads
+        where its events stand and its status: the same cost for a long conversation
+        as for a short one); one whose process died in the middle of a turn (a turn
+        open, no review pending) is woken by a registry that has its agent, so that
+        the turn ends and the subscriber sees its outcome.
 
         It ends when the session is stopped or the registry closes. When the
         session is deleted, iterating raises ``SessionNotFoundError`` after the last

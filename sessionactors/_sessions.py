@@ -310,9 +310,10 @@ class Sessions:
                 raise
             return await self.stored_session(name)
 
-    async def stored_session(self, name: str) -> LiveSession:
-        """The session's state read from the store, without waking it."""
-        session, _ = await read_stored(self.store, name)
+    async def stored_session(self, name: str, *, history: bool = True) -> LiveSession:
+        """The session's state read from the store, without waking it (without
+        ``history``, perhaps without its messages: see ``read_stored``)."""
+        session, _ = await read_stored(self.store, name, history=history)
         return session
 
     def closed_error(self, actor: Actor) -> Exception | None:
@@ -414,7 +415,7 @@ class Sessions:
         try:
             stored = None if after is None else await self._check_after(name, after, hub)
             if stored is None and name not in self.live:
-                stored = await self.stored_session(name)
+                stored = await self.stored_session(name, history=False)
             # (looked at after the store reads: a session woken meanwhile is followed
             # through its hub here, and its wake resumes a turn it left)
             if stored is not None and name not in self.live:
@@ -451,7 +452,7 @@ class Sessions:
         if actor is not None and actor.is_ready:
             refuse_beyond(name, after, max(actor.session.event_seq, hub.seq))
             return None
-        session, stored = await read_stored(self.store, name)
+        session, stored = await read_stored(self.store, name, history=False)
         durable = stored_seq(session, stored)
         if after <= max(durable, hub.seq):
             return session

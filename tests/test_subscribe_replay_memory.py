@@ -181,3 +181,45 @@ def test_an_asyncio_replay_holds_a_bounded_number_of_bytes(tmp_path: Path, kind:
     assert held < BOUND, f"an asyncio subscription held {held} bytes after its first event"
     assert got == sorted(got)
     assert got[-1] == last
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_subscription_to_a_hibernated_session_does_not_decode_its_history(
+    tmp_path: Path, kind: str
+) -> None:
+    """Opening a subscription to a hibernated session reads where its events stand and
+    its status from the store without decoding its history: what it allocates at its
+    peak is below twice the stored snapshot's bytes (its messages decoded would be many
+    times that), for a 20,000-message session as for a short one."""
+    store: sa.Store = sa.MemoryStore() if kind == "memory" else sa.SQLiteStore(tmp_path / "s.db")
+    agents = {"a": sa.Agent(model=ScriptedModel(["ok"] * 4))}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        for name, count in (("short", 2), ("long", 20_000)):
+            ref = await registry.spawn(name)
+            await ref.add_messages(
+                [sa.Message.create(sa.Role.USER, f"message {i} of many") for i in range(count)]
+            )
+            await ref.send("and one more")
+            await ref.hibernate()
+        for name in ("short", "long"):
+            stored = await store.load(name)
+            assert stored is not None
+            assert not stored.entries
+            size = len(stored.snapshot)
+            del stored
+            gc.collect()
+            tracemalloc.start()
+            try:
+                with trio.fail_after(60):
+                    async with registry.ref(name).subscribe() as events:
+                        peak = tracemalloc.get_traced_memory()[1]
+                        tracemalloc.stop()
+                        assert name not in registry.live()  # (not woken)
+                        await registry.ref(name).send("and again")  # followed once it wakes
+                        async for event in events:
+                            if isinstance(event, sa.TurnFinished):
+                                assert event.message.content == "ok"
+                                break
+            finally:
+                tracemalloc.stop()
+            assert peak < 2 * size + 200_000, (name, peak, size)

@@ -1054,7 +1054,7 @@ class Streams:
         if self.host.is_live(name):
             await trio.lowlevel.checkpoint()
             return True
-        session, stored = await read_stored(self.host.store, name)
+        session, stored = await read_stored(self.host.store, name, history=False)
         error = beyond_stored(name, after, session, stored)
         if error is not None:
             raise error
