@@ -299,26 +299,30 @@ def _unpack(data: bytes, what: str, session_id: str | None, max_size: int) -> An
     size = len(data)
     if size > max_size:
         raise _corrupt(what, session_id, f"{size} bytes is over the limit of {max_size} bytes")
-    # Data this small cannot hold more maps and arrays than the budget allows:
-    # no hooks (a call per map and array) for it.
-    hook = None if size <= FREE_CONTAINERS else _container_budget(_container_limit(size))
     try:
-        raw = msgpack.unpackb(
-            data,
-            timestamp=3,
-            strict_map_key=True,
-            ext_hook=_foreign_ext,
-            list_hook=hook,
-            object_hook=hook,
-            max_str_len=size,
-            max_bin_len=size,
-            max_array_len=min(size, MAX_ARRAY_LEN),
-            max_map_len=min(size, MAX_MAP_LEN),
-            max_ext_len=MAX_EXT_LEN,
-        )
+        raw = msgpack.unpackb(data, **_limits(size))
     except _DECODE_ERRORS as exc:
         raise _corrupt(what, session_id, _describe(exc)) from exc
     return raw
+
+
+def _limits(size: int) -> dict[str, Any]:
+    """msgpack's options for decoding ``size`` bytes of stored data: its tight limits."""
+    # Data this small cannot hold more maps and arrays than the budget allows:
+    # no hooks (a call per map and array) for it.
+    hook = None if size <= FREE_CONTAINERS else _container_budget(_container_limit(size))
+    return {
+        "timestamp": 3,
+        "strict_map_key": True,
+        "ext_hook": _foreign_ext,
+        "list_hook": hook,
+        "object_hook": hook,
+        "max_str_len": size,
+        "max_bin_len": size,
+        "max_array_len": min(size, MAX_ARRAY_LEN),
+        "max_map_len": min(size, MAX_MAP_LEN),
+        "max_ext_len": MAX_EXT_LEN,
+    }
 
 
 class _OverBudgetError(ValueError):
@@ -811,21 +815,11 @@ def _unpack_head(data: bytes, max_size: int) -> dict[str, Any] | None:
     size = len(data) if isinstance(data, bytes) else 0
     if not 0 < size <= max_size:
         return None
-    hook = None if size <= FREE_CONTAINERS else _container_budget(_container_limit(size))
     unpacker = msgpack.Unpacker(
         io.BytesIO(data),  # (which shares the bytes: no copy)
         read_size=min(size, _HEAD_READ_SIZE),
-        timestamp=3,
-        strict_map_key=True,
-        ext_hook=_foreign_ext,
-        list_hook=hook,
-        object_hook=hook,
         max_buffer_size=size,
-        max_str_len=size,
-        max_bin_len=size,
-        max_array_len=min(size, MAX_ARRAY_LEN),
-        max_map_len=min(size, MAX_MAP_LEN),
-        max_ext_len=MAX_EXT_LEN,
+        **_limits(size),
     )
     try:
         raw: dict[str, Any] = {}
