@@ -525,7 +525,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         where its events stand and its status: the same cost for a long conversation
         as for a short one); one whose process died in the middle of a turn (a turn
         open, no review pending) is woken by a registry that has its agent, so that
-        the turn ends and the subscriber sees its outcome.
+        the turn ends and the subscriber sees its outcome. With other workers (a
+        ``RedisStore``), a subscription to a session that runs nowhere wakes it where
+        a request would: its owner publishes its events.
 
         It ends when the session is stopped or the registry closes. When the
         session is deleted, iterating raises ``SessionNotFoundError`` after the last
