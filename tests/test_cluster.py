@@ -1015,6 +1015,7 @@ async def test_a_registry_without_agents_and_no_worker_live_refuses_turns_unreac
             assert [m.content for m in await front.ref("lone").history()] == ["one", "one"]
         async with cluster.registry(worker_id="a") as a:
             assert [m.content for m in await a.ref("lone").history()] == ["one", "one"]
+            assert (await a.ref("lone").send("two")).text == "two"
 
 
 @pytest.mark.parametrize("balance", [True, False], ids=["balance", "fixed"])
