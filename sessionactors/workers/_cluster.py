@@ -1272,7 +1272,7 @@ class Cluster(metaclass=NoPublicConstructor):
         workers, balancing or not."""
         if (
             not self._members
-            or (not self.balance and self.host.runs_turns)
+            or not self._moves_shards
             or trio.current_time() - self._members_at > self.ttl
         ):
             return self.worker
@@ -1327,8 +1327,8 @@ class Cluster(metaclass=NoPublicConstructor):
         """Hand over the shards held here that prefer another worker, a few at a time
         (the next as soon as one is done), those with the fewest live sessions first."""
         self._due.clear()
-        if self.worker in self._members and len(self._members) < 2:
-            return  # (the only worker listed)
+        if all(member == self.worker for member in self._members):
+            return  # (no other worker listed)
         now = trio.current_time()
         held: dict[int, int] = {}
         for name in self.host.live_names():
