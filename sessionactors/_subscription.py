@@ -59,6 +59,14 @@ async def _read_page(
     return trimmed, entries, False
 
 
+def _check_not_ended(sub: Subscriber) -> None:
+    """Raise the error that ended the subscription while a page of its replay was read
+    (its session deleted): the page may be of another session, made since under its
+    name, and the subscription ends before it, as the session's events do."""
+    if sub.error is not None:
+        raise sub.error
+
+
 class _Pages:
     """The rest of a replay from the store, merged with the events memory held when the
     subscription opened (the ring, durable events not stored yet) and those published
@@ -85,6 +93,7 @@ class _Pages:
         """The next events of the replay, in seq order (the last ones once ``done``)."""
         session_id = self._session_id
         trimmed, entries, more = await _read_page(self._store, session_id, self._position)
+        _check_not_ended(self._sub)
         if trimmed > self._position:  # (trimmed after the first page: see open_event_iterator)
             raise expired_error_at(session_id, cursor, trimmed)
         return self.take(entries, more, cursor)
@@ -251,6 +260,7 @@ async def open_event_iterator(
         found: dict[int, Event] = {e.seq: e for e in pending if after < e.seq <= published}
         found.update((e.seq, e) for e in hub.ring_after(after))
         trimmed, entries, more = await _read_page(store, session_id, after)
+        _check_not_ended(sub)
         trimmed = max(trimmed, floor)
         if trimmed > after:
             raise expired_error_at(session_id, after, trimmed)

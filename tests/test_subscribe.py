@@ -887,3 +887,51 @@ async def test_stream_ends_after_turn_cancelled(autojump_clock: trio.testing.Moc
     interrupted = [e.message for e in got if isinstance(e, sa.MessageAdded)][-1]
     assert interrupted.interrupted
     assert interrupted.content == "partial "
+
+
+@pytest.mark.parametrize("turns", [1, 300], ids=["first page", "later page"])
+async def test_a_replay_cut_by_a_delete_never_delivers_the_next_session_of_its_name(
+    autojump_clock: trio.testing.MockClock, echo_agents: dict[str, sa.Agent], turns: int
+) -> None:
+    """A subscription replaying a session from the store (a page of its journal read
+    slowly) while the session is deleted, and another is made under its name and runs a
+    turn, ends with the deletion: it delivers no event of the other session (another
+    conversation), whether the delete came during its first page or a later one."""
+    store = FaultyStore()
+    async with sa.open_registry(store=store, agents=echo_agents) as registry:
+        old = await registry.spawn("s")
+        with trio.fail_after(60):
+            for i in range(turns):
+                await old.send(f"old {i}")
+            await old.hibernate()
+        last = (await old.state()).event_seq
+        got: list[sa.Event] = []
+        ended: list[BaseException] = []
+
+        async def replay(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                async with old.subscribe(after=0) as events:
+                    task_status.started()
+                    async for event in events:
+                        got.append(event)
+            except sa.SessionNotFoundError as exc:
+                ended.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            if turns == 1:
+                gate = store.hold("read_journal")
+                nursery.start_soon(replay)
+            else:  # the first page read; the next one is held
+                await nursery.start(replay)
+                gate = store.hold("read_journal")
+            await trio.testing.wait_all_tasks_blocked()
+            assert gate.waiting == 1
+            await registry.delete("s")
+            new = await registry.spawn("s")
+            with trio.fail_after(10):
+                await new.send("another conversation")
+            gate.open()
+    assert [type(e) for e in ended] == [sa.SessionNotFoundError]
+    assert "deleted" in str(ended[0])
+    assert all(event.seq <= last for event in got), [e for e in got if e.seq > last]
+    assert "another conversation" not in repr(got)
