@@ -367,7 +367,10 @@ class Dispatcher:
         session = await self.sessions.ready(name)
         state = session.copy_out()
         hub = self.sessions.hubs.get(name)
-        if hub is not None and hub.seq > state.event_seq:
+        # Past the events its hub published since (a wake's seq jump, statuses), which
+        # a subscription after its seq need not see; not past a turn's deltas, which
+        # the messages do not hold: a subscription after its seq replays them.
+        if hub is not None and hub.seq > state.event_seq and state.open_turn is None:
             state = attrs.evolve(state, event_seq=hub.seq)
         return state
 

@@ -313,6 +313,11 @@ class SessionRef(metaclass=NoPublicConstructor):
     async def state(self) -> SessionState:
         """The session's whole state, without waiting behind queued turns.
 
+        Its ``event_seq`` is the seq of the last event its messages reflect: draw the
+        messages, then subscribe with ``after=state.event_seq`` to follow on. Read while
+        a turn streams its reply, the messages end with the turn's user message (the
+        reply so far is in no message), and ``event_seq`` is before the turn's deltas:
+        the subscription replays those its session still holds (see ``subscribe``).
         A stopped session's state is read from the store.
         """
         return await self._dispatcher.read(self.session_id)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import sessionactors as sa
 from memory import grow_trio_task_table, traced_memory
 from sessionactors.stores import JournalEntry, load_events
-from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, FaultyStore, Gate, Scripted, ScriptedModel
 from stream_checks import numbered_on
 
 OUTCOMES = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled)
@@ -256,6 +256,35 @@ async def test_after_replays_then_continues_live_with_no_gap_or_duplicate(
     assert got == [e for e in expected if e.seq > after]
 
 
+@pytest.mark.parametrize("durability", ["turn", "hibernate"])
+async def test_a_state_read_mid_turn_and_a_subscription_after_its_seq_draw_the_whole_reply(
+    autojump_clock: trio.testing.MockClock, durability: str
+) -> None:
+    """A page that loads while a reply streams draws ``ref.state()``'s messages, then
+    follows with ``after=state.event_seq`` (the how-tos' and the chat page's steps): the
+    state holds no draft of the reply, so the subscription replays every delta streamed
+    so far, and the deltas it draws make the whole reply."""
+    gate = Gate()
+    answer = Scripted(chunks=[f"w{i} " for i in range(8)], wait=gate, wait_after=5)
+    agents = {"scripted": sa.Agent(model=ScriptedModel([answer]))}
+    async with sa.open_registry(agents=agents, durability=durability) as registry:
+        ref = await registry.spawn("s")
+        turn = await ref.submit("hi")
+        await trio.testing.wait_all_tasks_blocked()
+        state = await ref.state()  # five deltas streamed, the turn held open
+        assert [m.content for m in state.messages] == ["hi"]
+        drawn = ""
+        async with ref.subscribe(after=state.event_seq) as events:
+            gate.open()
+            with trio.fail_after(10):
+                async for event in events:
+                    if isinstance(event, sa.Delta):
+                        drawn += event.text
+                    if isinstance(event, sa.TurnFinished):
+                        break
+        assert drawn == event.message.content == (await turn.reply()).text
+
+
 async def test_after_the_latest_seq_replays_nothing(
     autojump_clock: trio.testing.MockClock, echo_agents: dict[str, sa.Agent]
 ) -> None:
@@ -306,7 +335,10 @@ async def test_store_replay_seam_has_no_gap_or_duplicate(
                 await trio.testing.wait_all_tasks_blocked()  # five chunks streamed, then held
                 head = await read_until(reference, lambda e: isinstance(e, sa.TurnStarted))
             after = head[-1].seq  # the first turn's start
-            published_before = await latest_seq(ref)
+            head += await read_until(
+                reference, lambda e: isinstance(e, sa.Delta) and e.text == "c4 "
+            )
+            published_before = head[-1].seq  # the last event published so far
             assert published_before - after > 4  # more than the ring keeps: the journal is read
             got: list[sa.Event] = []
 

@@ -697,17 +697,21 @@ class Cluster(metaclass=NoPublicConstructor):
                 if beyond is not None:  # refused before a wake, if the store says so
                     await self.streams.may_run_ahead(name, int(beyond))
                 state = await host.read_here(name)  # wakes it here (or says it moved)
+                # the seq the hub had published as of that state (whose own seq is its
+                # messages': a turn's deltas go by after it)
+                published = max(state.event_seq, host.event_seq_here(name) or 0)
                 await self.transport.watch([name], self.ttl)  # for its next owners too
                 # (a subscription that follows the session from ``after`` on: the events
                 # since then that the hub still holds go first, deltas too)
                 since = body.get("after")
                 top = self.streams.publish_from(name, None if since is None else int(since))
                 answer = {"ok": "value", "value": top, "born": creation_stamp(state.created_at)}
-                if top > state.event_seq:  # events went by meanwhile: the state after them
+                if top > published:  # events went by meanwhile: the state after them
                     with contextlib.suppress(SessionActorsError):
                         state = await host.read_here(name)
+                        published = max(state.event_seq, host.event_seq_here(name) or 0)
                 running = state.open_turn
-                if running is not None and not state.reviews and top <= state.event_seq:
+                if running is not None and not state.reviews and top <= published:
                     # a turn under way: the subscriber's mirror watches it from the start
                     # (every event after this state reaches it: it reads from ``top`` on)
                     answer["turn"] = running.turn_id
