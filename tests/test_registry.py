@@ -539,6 +539,28 @@ async def test_delete_during_a_wake_fails_everyone_waiting_for_it(
 # ---- idle hibernation -------------------------------------------------------------------
 
 
+def test_an_idle_timeout_below_the_clocks_resolution_still_serves_every_request(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """An idle_timeout too small to move the clock's deadline (here, a clock far from its
+    start) serves each request that waits in the mailbox before it hibernates, rather
+    than hibernating again and again with the request unserved."""
+    clock = trio.testing.MockClock(rate=1.0)  # real time (a livelock never blocks)...
+    clock.jump(1e12)  # ...far from its start: a float this large steps by about 0.0001
+    store = FaultyStore()
+
+    async def main() -> None:
+        async with sa.open_registry(store=store, agents=echo_agents, idle_timeout=1e-7) as registry:
+            ref = await registry.spawn("brief")
+            with trio.fail_after(10):
+                for text in ("one", "two"):
+                    assert (await ref.send(text)).text == text
+                assert [m.content for m in await ref.history()] == ["one", "one", "two", "two"]
+
+    trio.run(main, clock=clock)
+    assert store.calls["write_snapshot"] < 10
+
+
 async def test_idle_session_hibernates_and_wakes_with_its_history(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
