@@ -322,6 +322,36 @@ def test_example_runs_and_prints_what_the_docs_say(example: Path, tmp_path: Path
     assert example.name in EXPECTED, f"add the expected output of {example.name} to EXPECTED"
     for line in EXPECTED[example.name]:
         assert line in done.stdout, f"{example.name} did not print {line!r}:\n{done.stdout}"
+    printed = done.stdout.splitlines()
+    for page, shown in shown_outputs(example):
+        told = f"{page.name} shows what {example.name} prints as {shown}, but it prints {printed}"
+        assert len(shown) == len(printed), told
+        assert all(re.fullmatch(_shown_line(a), b) for a, b in zip(shown, printed, strict=True)), (
+            told
+        )
+
+
+# What a page shows an example printing: "It prints:" and a text fence, after its quote.
+SHOWN = re.compile(r"\s*It prints:\n\n```text\n(?P<text>.*?)^```$", re.DOTALL | re.MULTILINE)
+
+
+def shown_outputs(example: Path) -> list[tuple[Path, list[str]]]:
+    """(page, lines) for each page that quotes ``example`` and shows what it prints."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in QUOTE.finditer(text):
+            if Path(match["path"]).name == example.name:
+                shown = SHOWN.match(text, match.end())
+                if shown is not None:
+                    found.append((page, shown["text"].splitlines()))
+    return found
+
+
+def _shown_line(line: str) -> str:
+    """A pattern for a printed line as a page shows it: a seq (ten digits or more, from
+    the clock: see resume-stream.md) stands for any."""
+    return r"\d{10,}".join(re.escape(part) for part in re.split(r"\d{10,}", line))
 
 
 def test_every_expectation_has_its_example() -> None:

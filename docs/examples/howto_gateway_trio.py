@@ -58,7 +58,7 @@ async def main() -> None:
                 resume = {**SSE, "last-event-id": str(middle)}
                 async with client.stream("GET", "/sessions/ada/events", headers=resume) as r:
                     rest = await read_events(r, until="TurnFinished")
-                print("after seq", middle, [e["type"] for e in rest])
+                print("after the first Delta:", [e["type"] for e in rest])
 
                 # Errors are JSON with a status; without the token, 401.
                 r = await client.get("/sessions/nobody")
