@@ -58,6 +58,7 @@ __all__ = [
     "check_after",
     "check_message",
     "check_text",
+    "check_type",
 ]
 
 
@@ -303,7 +304,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         issued: stamped more than 10 minutes before it was created or after now, or of
         over 200 characters), or no longer keeps its outcome.
         """
-        _check_type(self.session_id, "turn_id", turn_id, str)
+        check_type(self.session_id, "turn_id", turn_id, str)
         return await self._dispatcher.outcome(self.session_id, turn_id)
 
     async def history(self) -> list[Message]:
@@ -337,7 +338,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         is not a str raises TypeError.
         """
         if turn_id is not None:
-            _check_type(self.session_id, "turn_id", turn_id, str)
+            check_type(self.session_id, "turn_id", turn_id, str)
             if len(turn_id) > MAX_TURN_ID_CHARS or not turn_id.isascii():
                 await trio.lowlevel.checkpoint()
                 return False  # (no turn id looks like this)
@@ -374,8 +375,8 @@ class SessionRef(metaclass=NoPublicConstructor):
         review; the turn then goes on, and this returns its reply (which may list
         further reviews)."""
         sid = self.session_id
-        _check_type(sid, "review_id", review_id, str)
-        _check_type(sid, "approve", approve, bool)
+        check_type(sid, "review_id", review_id, str)
+        check_type(sid, "approve", approve, bool)
         if note is not None:
             check_text(sid, note, "note")
         request = ResolveReview(review_id=review_id, approve=approve, note=note)
@@ -401,7 +402,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         replay buffers, so the removed text is replayed by nothing
         (``subscribe(after=)`` a seq before it raises EventsExpiredError).
         """
-        _check_type(self.session_id, "keep_last", keep_last, int)
+        check_type(self.session_id, "keep_last", keep_last, int)
         if keep_last < 0:
             raise ValueError(
                 f"keep_last must be >= 0, not {keep_last} (session {self.session_id!r})"
@@ -418,7 +419,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         replay buffers, so the removed text is replayed by nothing
         (``subscribe(after=)`` a seq before it raises EventsExpiredError).
         """
-        _check_type(self.session_id, "message_id", message_id, str)
+        check_type(self.session_id, "message_id", message_id, str)
         removed: int = await self._dispatcher.call(self.session_id, Rewind(message_id=message_id))
         return removed
 
@@ -795,7 +796,7 @@ class _InBlock:
         raise not_in_block(self._form)
 
 
-def _check_type(session_id: str, what: str, value: object, kind: type) -> None:
+def check_type(session_id: str, what: str, value: object, kind: type) -> None:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(
             f"{what} for session {session_id!r} must be {kind.__name__}, "
@@ -813,7 +814,7 @@ def check_message(session_id: str, text: object, idempotency_key: object = None)
 def check_after(session_id: str, after: object) -> None:
     """TypeError or ValueError if ``subscribe`` would refuse this ``after``."""
     if after is not None:
-        _check_type(session_id, "after", after, int)
+        check_type(session_id, "after", after, int)
         assert isinstance(after, int)
         if after < 0:
             raise ValueError(

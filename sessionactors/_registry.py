@@ -40,7 +40,7 @@ from ._metadata import check_metadata
 from ._names import redact, validate_name
 from ._reading import describe_stored, is_damaged, list_stored
 from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
-from ._ref import SessionRef, check_text
+from ._ref import SessionRef, check_text, check_type
 from ._router import RoutingStore
 from ._session import LiveSession, new_state
 from ._sessions import Sessions
@@ -168,6 +168,8 @@ class Registry(metaclass=NoPublicConstructor):
         (all of it if None; a tool call keeps its results), agent, metadata,
         system prompt and summary."""
         validate_name(new_name)
+        if at is not None:
+            check_type(name, "at", at, str)
         self._sessions.check_open(new_name)
         source = await self._dispatcher.read(name)
         messages = list(source.messages)

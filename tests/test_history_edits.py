@@ -339,6 +339,9 @@ async def test_fork_refusals(autojump_clock: trio.abc.Clock) -> None:
             await ref.send("hello")
             with pytest.raises(LookupError, match="'msg_nope'"):
                 await registry.fork("s", "f1", at="msg_nope")
+            for at in (3, b"msg", ["msg"]):  # a message's id is a str
+                with pytest.raises(TypeError, match="at for session 's' must be str"):
+                    await registry.fork("s", "f1", at=at)  # type: ignore[arg-type]
             with pytest.raises(sa.SessionExistsError, match="'taken'"):
                 await registry.fork("s", "taken")
             waiting = await ref.send("refund")
