@@ -1818,7 +1818,23 @@ def _too_large(limit: int) -> _RequestError:
 
 
 def _wants_events(request: Request) -> bool:
-    return "text/event-stream" in request.headers.get("accept", "")
+    """Whether the request's Accept names an event stream (in any case; not with q=0)."""
+    for media_range in request.headers.get("accept", "").split(","):
+        kind, *parameters = media_range.split(";")
+        if kind.strip().lower() == "text/event-stream":
+            return not any(_refused(parameter) for parameter in parameters)
+    return False
+
+
+def _refused(parameter: str) -> bool:
+    """Whether a media range's ``parameter`` is a quality of 0 (``q=0``, ``q=0.000``)."""
+    name, _, value = parameter.partition("=")
+    if name.strip().lower() != "q":
+        return False
+    try:
+        return float(value) == 0
+    except ValueError:  # (not a quality: the range is taken as it is)
+        return False
 
 
 #: The fields of each JSON body the gateway reads, and of each WebSocket frame.

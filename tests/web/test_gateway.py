@@ -523,6 +523,27 @@ async def test_a_streamed_message_sends_its_turn_events_with_seq_ids(serve: Serv
             assert all(d["turn_id"] == turn and d["session_id"] == "s" for _, d in got)
 
 
+async def test_the_accept_header_is_read_as_http_reads_it(serve: Serve) -> None:
+    """A media type matches in any case, among others, with parameters; one refused with
+    q=0 is not chosen: the message is then answered in JSON."""
+    streamed = ("TEXT/Event-Stream", "application/json;q=0.5, text/event-stream; charset=utf-8")
+    answered = ("text/event-stream;q=0", "text/event-stream; q=0.0, application/json", "*/*")
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            for accept in streamed + answered:
+                headers = {"accept": accept}
+                body = {"text": "hi"}
+                async with client.stream(
+                    "POST", "/sessions/a/messages", json=body, headers=headers
+                ) as r:
+                    assert r.status_code == 200
+                    kind = r.headers["content-type"].split(";")[0]
+                    assert kind == (
+                        "text/event-stream" if accept in streamed else "application/json"
+                    ), accept
+                    await r.aread()
+
+
 async def test_a_turn_that_fails_mid_reply_keeps_what_it_streamed(serve: Serve) -> None:
     """A turn whose model fails after streaming words streams them, then the message
     that keeps them (marked interrupted) and TurnFailed; the session's state holds that
