@@ -232,6 +232,7 @@ EXPECTED = {
         "reply: hello over HTTP",
         "streamed: streamed word by word",
         "bad input: 422 a message to session 'bob' must be str, not int",
+        "not JSON: 422",
         "retried: 200 a keyed message",
         "key reused: 422 session 'ada' already took idempotency key 'k-1' for another message",
         "after a restart: 6 messages",

@@ -5,6 +5,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import httpx
 import uvicorn
@@ -27,11 +28,27 @@ class EchoModel:
             yield sa.TextChunk(word + " ")
 
 
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object; ValueError if the body is not one."""
+    body = await request.json()  # (json.JSONDecodeError is a ValueError)
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
 async def send_message(request: Request) -> JSONResponse:
     registry: sessionactors.aio.Registry = request.app.state.registry
-    ref = await registry.get_or_spawn(request.path_params["name"])
+    name = request.path_params["name"]
     try:
-        reply = await ref.send((await request.json())["text"])
+        text = (await json_body(request)).get("text")
+        # ref.stream checks the name and text when called (no I/O; not entered, it
+        # sends nothing): bad input is answered before get_or_spawn stores a session
+        registry.ref(name).stream(text)
+    except (TypeError, ValueError) as exc:  # (a bad name too: sa.InvalidSessionNameError)
+        return JSONResponse({"error": str(exc)}, status_code=422)
+    ref = await registry.get_or_spawn(name)
+    try:
+        reply = await ref.send(text)
     except sa.SessionBusyError as exc:
         return JSONResponse({"error": str(exc)}, status_code=409)
     return JSONResponse({"text": reply.text.strip()})
@@ -39,9 +56,10 @@ async def send_message(request: Request) -> JSONResponse:
 
 async def stream_message(request: Request) -> StreamingResponse | JSONResponse:
     registry: sessionactors.aio.Registry = request.app.state.registry
-    body = await request.json()
-    name, text, key = request.path_params["name"], body.get("text"), body.get("idempotency_key")
+    name = request.path_params["name"]
     try:
+        body = await json_body(request)
+        text, key = body.get("text"), body.get("idempotency_key")
         # ref.stream checks the text and key when called: bad input is answered here,
         # before the response starts and before get_or_spawn stores a session for it
         stream = registry.ref(name).stream(text, idempotency_key=key)
@@ -130,6 +148,8 @@ async def serve_and_call() -> None:
         print("streamed:", "".join(chunks).strip())
         r = await client.post("/chat/bob/stream", json={"text": 42})
         print("bad input:", r.status_code, r.json()["error"])
+        r = await client.post("/chat/carol/messages", content=b"not JSON")
+        print("not JSON:", r.status_code)
         body = {"text": "a keyed message", "idempotency_key": "k-1"}
         r = await client.post("/chat/ada/stream", json=body)
         r = await client.post("/chat/ada/stream", json=body)  # a retry: the same reply

@@ -24,8 +24,8 @@ async def main() -> None:
         slow_turn = await slow.submit("hi")
         queued_turn = await slow.submit("and then?")  # waits behind the slow turn
     # Leaving the block: no new requests; accepted turns get up to shutdown_grace seconds;
-    # then the turn still running is cancelled, whatever is queued fails, and every live
-    # session is hibernated to the store.
+    # then the turn still running is cut off (it fails with SessionStoppedError, what it
+    # streamed kept), whatever is queued fails, and every live session is hibernated.
     print("quick:", (await quick_turn.reply()).text)
     for name, turn in [("slow", slow_turn), ("queued", queued_turn)]:
         try:
