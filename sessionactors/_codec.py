@@ -96,6 +96,7 @@ from ._codec_convert import (
     EVENT_HOOKS,
     Extension,
     InvalidValueError,
+    datetime_problem,
     structure_event,
     structure_info,
     structure_state,
@@ -530,8 +531,8 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
             found = _find_unencodable(item, f"{path}[{index}]", depth + 1)
             if found:
                 return found
-    elif isinstance(value, datetime.datetime) and value.tzinfo is None:
-        return f"{path} is a naive datetime; use an aware one such as utcnow()"
+    elif isinstance(value, datetime.datetime) and datetime_problem(value) is not None:
+        return f"{path} {datetime_problem(value)}"
     elif isinstance(value, int) and not -(2**63) <= value < 2**64:
         return f"{path} is an integer out of the 64-bit range"
     elif isinstance(value, str):

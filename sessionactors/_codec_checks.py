@@ -12,6 +12,7 @@ from ._codec_convert import (
     SCALARS,
     PlainError,
     as_plain,
+    datetime_problem,
     is_enum,
     is_homogeneous_tuple,
     is_metadata,
@@ -50,7 +51,7 @@ def _refuse(value: Any, expected: str, at: str = "") -> None:
     if value.__class__ is int and expected == _COUNT:
         error = FieldError(ValueError, f"is {value}, out of range; expected {expected}")
     elif isinstance(value, datetime.datetime) and expected == _AWARE:
-        error = FieldError(ValueError, "is a naive datetime; use an aware one such as utcnow()")
+        error = FieldError(ValueError, datetime_problem(value) or "")
     else:
         error = FieldError(TypeError, f"is {with_article(type_name(value))}; expected {expected}")
     if at:
@@ -72,7 +73,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _is_aware(value: Any) -> bool:
-    return isinstance(value, datetime.datetime) and value.utcoffset() is not None
+    return isinstance(value, datetime.datetime) and datetime_problem(value) is None
 
 
 def check_records(values: Any, check: Callable[[Any], int], expected: str, at: str) -> int:
@@ -180,7 +181,7 @@ def _field_check(name: str, type_: Any, names: dict[str, Any]) -> list[str]:
         return [f"if v.__class__ is not bool: {refuse}"]
     if type_ is datetime.datetime:
         return [
-            "if v.__class__ is not _datetime or v.tzinfo is None:",
+            "if v.__class__ is not _datetime or v.tzinfo is not _UTC:",
             f"    if not _is_aware(v): {refuse}",
         ]
     if is_enum(type_):
@@ -240,6 +241,7 @@ class _Checks(dict[type[Any], Callable[[Any], int]]):
             "_is_count": _is_count,
             "_is_aware": _is_aware,
             "_datetime": datetime.datetime,
+            "_UTC": datetime.UTC,
             "_NO_METADATA": NO_METADATA,
             "check_metadata": check_metadata,
             "check_records": check_records,

@@ -121,6 +121,18 @@ def _structure_bytes(value: Any, _: object) -> bytes:
     raise InvalidValueError(f"expected bytes, got {type_name(value)}")
 
 
+def datetime_problem(value: datetime.datetime) -> str | None:
+    """What keeps the datetime ``value`` out of stored data, if anything: no time zone,
+    or one that puts it outside UTC's years 1 to 9999 (it is stored as a UTC time)."""
+    if value.utcoffset() is None:
+        return "is a naive datetime; use an aware one such as utcnow()"
+    try:
+        value.astimezone(datetime.UTC)
+    except OverflowError:
+        return f"is {value.isoformat()}, which in UTC is outside the years 1 to 9999"
+    return None
+
+
 def _structure_datetime(value: Any, _: object) -> datetime.datetime:
     # msgpack turns every Timestamp into an aware UTC datetime (timestamp=3).
     if value.__class__ is datetime.datetime and value.tzinfo is datetime.UTC:
@@ -322,8 +334,10 @@ def as_plain(value: Any, depth: int) -> Any:
                 raise
         return items
     if cls is datetime.datetime:
-        if value.tzinfo is None:
-            raise PlainError(ValueError, "is a naive datetime; use an aware one such as utcnow()")
+        if value.tzinfo is not datetime.UTC:
+            problem = datetime_problem(value)
+            if problem is not None:
+                raise PlainError(ValueError, problem)
         return value
     article = "an" if cls.__name__[:1].lower() in "aeiou" else "a"
     raise PlainError(

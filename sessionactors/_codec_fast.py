@@ -140,7 +140,10 @@ class _FastBuilder:
             lines.append(f"{indent}if {v}.__class__ is not bool: {slow}")
             return v
         if type_ is datetime.datetime:
-            lines.append(f"{indent}if {v}.__class__ is not _datetime or {v}.tzinfo is None: {slow}")
+            # (not UTC: the general path checks that UTC can tell it)
+            lines.append(
+                f"{indent}if {v}.__class__ is not _datetime or {v}.tzinfo is not _UTC: {slow}"
+            )
             return v
         if is_enum(type_):
             enum_name = self.name("enum", type_)
@@ -212,6 +215,7 @@ _NAMES: Final[dict[str, Any]] = {
     "Slow": Slow,
     "FieldError": FieldError,
     "_datetime": datetime.datetime,
+    "_UTC": datetime.UTC,
     "_NO_METADATA": NO_METADATA,
     "_EMPTY_MAP": _EMPTY_MAP,
     "check_metadata": check_metadata,

@@ -225,6 +225,11 @@ async def test_added_and_replaced_histories_survive_hibernation_and_a_sqlite_res
         await store.aclose()
 
 
+# Aware times whose UTC time is outside datetime's range (the codec stores UTC times).
+EARLY = datetime.datetime(1, 1, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=5)))
+LATE = datetime.datetime(9999, 12, 31, 23, tzinfo=datetime.timezone(datetime.timedelta(hours=-5)))
+
+
 def refusals(
     existing: sa.Message,
 ) -> list[tuple[str, object, type[Exception], str]]:
@@ -243,6 +248,13 @@ def refusals(
         ("content int", [attrs.evolve(m, content=5)], TypeError, "content"),
         ("role str", [attrs.evolve(m, role="user")], TypeError, "role"),
         ("naive time", [attrs.evolve(m, created_at=naive)], ValueError, "naive"),
+        (
+            "before UTC's years",
+            [attrs.evolve(m, created_at=EARLY)],
+            ValueError,
+            "in UTC is outside",
+        ),
+        ("after UTC's years", [attrs.evolve(m, created_at=LATE)], ValueError, "in UTC is outside"),
         ("bad metadata", [attrs.evolve(m, metadata={"x": object()})], TypeError, "metadata"),
         (
             "not finite metadata",

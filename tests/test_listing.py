@@ -415,17 +415,25 @@ async def test_metadata_errors_say_what_is_allowed_once_and_alike_at_spawn(
     echo_agents: dict[str, sa.Agent],
 ) -> None:
     """spawn(metadata=...) and set_metadata refuse the same values with the same error
-    type, and the message lists what metadata may hold once, not twice."""
+    type (a time whose UTC time is out of range too, the caller's error, not a stored
+    one), and the message lists what metadata may hold once, not twice."""
     naive = datetime.datetime(2026, 1, 1)
     async with sa.open_registry(agents=echo_agents) as registry:
         ref = await registry.spawn("meta")
-        for bad, error in (({"o": object()}, TypeError), ({"t": naive}, ValueError)):
+        early = datetime.datetime(1, 1, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=5)))
+        cases = (
+            ({"o": object()}, TypeError),
+            ({"t": naive}, ValueError),
+            ({"t": early}, ValueError),
+        )
+        for bad, error in cases:
             with pytest.raises(error) as at_set:
                 await ref.set_metadata(bad)
             with pytest.raises(error) as at_spawn:
                 await registry.spawn("other", metadata=bad)
             for info in (at_set, at_spawn):
                 text = str(info.value)
+                assert not isinstance(info.value, sa.SnapshotCorruptError), text
                 assert text.count("plain data") <= 1, text
                 assert "is a object" not in text
         assert [info.session_id for info in await registry.sessions()] == ["meta"]
