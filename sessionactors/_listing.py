@@ -39,12 +39,18 @@ __all__ = [
 LISTING_BATCH: Final = 500
 
 _UPDATED_AT: Final = "updated_at"
+#: The last microsecond a datetime holds, counted from the epoch.
+_LAST_MICROS: Final = (
+    datetime.datetime.max.replace(tzinfo=datetime.UTC)
+    - datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+) // datetime.timedelta(microseconds=1)
 _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def info_activity(info: bytes) -> int:
     """The session's activity time (``updated_at``) in microseconds since the epoch,
-    read from its encoded info; 0 if the info cannot be read."""
+    read from its encoded info; 0 if the info cannot be read (or says a time past any
+    a datetime holds)."""
     try:
         raw = msgpack.unpackb(
             info,
@@ -59,7 +65,7 @@ def info_activity(info: bytes) -> int:
     if stamp.__class__ is not msgpack.Timestamp:
         return 0
     micros: int = stamp.seconds * 1_000_000 + stamp.nanoseconds // 1000
-    return max(0, micros)
+    return micros if 0 < micros <= _LAST_MICROS else 0
 
 
 def told_status(status: Status, *, pending_reviews: int, open_turn: bool = False) -> Status:

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import msgpack
 import pytest
 import trio
 
@@ -269,6 +270,32 @@ async def test_unreadable_info_is_listed_as_failed(
             assert joined(await pages(registry, 1)) == ["c", "b", "a"]
             failed = await registry.sessions(status="failed")
             assert [i.session_id for i in failed] == ["b"]
+
+
+async def test_a_session_whose_info_holds_a_time_past_any_date_still_reads_and_wakes(
+    tmp_path: Path, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """A session whose stored info says it was active in a year past 9999 (damaged behind
+    the store's back) is read, woken and copied as the rest of its record holds it (its
+    time taken from its state), listed as failed: no OverflowError escapes."""
+    path = tmp_path / "sessions.db"
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            await (await registry.spawn("far")).send("hi")
+    with sqlite3.connect(path) as db:
+        (blob,) = db.execute("SELECT info FROM sessions WHERE session_id = 'far'").fetchone()
+        info = msgpack.unpackb(blob, timestamp=0)
+        info["updated_at"] = msgpack.Timestamp(2**40, 0)  # the year 36,812
+        db.execute("UPDATE sessions SET info = ? WHERE session_id = 'far'", (msgpack.packb(info),))
+    db.close()
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            stored = await sa.read_session(registry.store, "far")
+            assert [m.content for m in stored.messages] == ["hi", "hi"]
+            assert stored.updated_at.year < 9999
+            [listed] = await registry.sessions()
+            assert (listed.session_id, listed.status) == ("far", sa.Status.FAILED)
+            assert (await registry.ref("far").send("again")).text == "again"
 
 
 async def test_an_older_sqlite_file_is_migrated_and_read_only_lists_unmigrated(
