@@ -261,6 +261,11 @@ async def _copy_one(
         return
     try:
         await store_imported(target, registry, state, "copied")
+    except (SnapshotError, ValueError) as exc:  # (too large to write as one snapshot, its
+        # history past the limit a session keeps in its journal: nothing written)
+        tally.failed += 1
+        _say(f"not copied: {told_line(args, exc)}")
+        return
     except SessionExistsError:
         tally.skipped += 1
         _say(

@@ -408,6 +408,28 @@ async def test_copy_goes_on_past_damaged_sessions_and_says_which(tmp_path: Path)
     assert sorted(r["name"] for r in json.loads(listed.stdout)) == sorted(counts)
 
 
+async def test_copy_goes_on_past_a_session_too_large_for_one_snapshot(tmp_path: Path) -> None:
+    """A session whose history grew past the snapshot limit (a session keeps it, in its
+    journal) cannot be written as the one snapshot a copy writes: it is said on stderr,
+    with what to do, and counted as failed; the copy goes on with the others."""
+    source = tmp_path / "source.db"
+    counts = await make_source(source)
+    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
+        big = await registry.spawn("big", agent="echo")
+        with trio.fail_after(120):
+            for i in range(34):  # each turn 2 MB (the message and its echo): 68 MB
+                await big.send(f"{i:02d} " + "x" * (1024 * 1024 - 3))  # (the longest message)
+    target = tmp_path / "target.db"
+    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}")
+    assert done.returncode == 1
+    *lines, last = done.stdout.splitlines()
+    assert sorted(lines) == copied_lines(counts)
+    assert last == f"{len(counts)} copied, 0 skipped, 1 failed"
+    [too_large] = [line for line in said(done) if "'big'" in line]
+    assert "not copied" in too_large, too_large
+    assert "over the limit" in too_large, too_large
+
+
 async def test_copy_refuses_the_same_sqlite_file_before_writing(tmp_path: Path) -> None:
     """copy to the source's own file, however its path is written (another spelling, a
     link), is refused in one line and leaves the file byte for byte as it was."""
