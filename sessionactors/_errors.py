@@ -745,6 +745,21 @@ def stopped_error(sid: str, reason: str, turn_id: str = "") -> SessionStoppedErr
     return error
 
 
+def unanswered_error(sid: str | None) -> SessionStoppedError:
+    """The error of a caller whose own call of the store (``sid``'s, or a listing's) had
+    no answer when its registry closed and gave up on the store."""
+    what = "the listing of sessions" if sid is None else f"this request of session {sid!r}"
+    error = advised(
+        SessionStoppedError,
+        f"the registry closed and the store did not answer {what} by then (a write "
+        "it made may or may not have landed): ",
+        Advice(kind=AdviceKind.REOPEN),
+        session_id=sid,
+    )
+    error._reason = "closing"
+    return error
+
+
 def stopped_for_good(error: SessionStoppedError) -> bool:
     """Whether ``error`` says that its session is stopped (``ref.stop()``: it takes no
     more requests, ever), rather than a registry or a worker under the request: its

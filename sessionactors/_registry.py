@@ -229,7 +229,11 @@ class Registry(metaclass=NoPublicConstructor):
         actor = self._sessions.live.get(name)
         # (an actor still loading may be a read of a name that is not stored: spawn
         # waits for it to find nothing)
-        if (actor is not None and actor.is_ready) or await self.store.exists(name):
+        found = actor is not None and actor.is_ready
+        if not found:
+            with self._sessions.store_wait(name):
+                found = await self.store.exists(name)
+        if found:
             return await self._existing(name, wanted)
         try:
             self._sessions.check_open(name)
@@ -339,16 +343,17 @@ class Registry(metaclass=NoPublicConstructor):
         what its sessions' metadata weighs: at most ``MAX_METADATA_BYTES`` each (see
         ``SessionRef.set_metadata``).
         """
-        return await list_stored(
-            self.store,
-            status=status,
-            metadata=metadata,
-            limit=limit,
-            after=after,
-            active_before=active_before,
-            # (where other workers run sessions too, as every one of them lists it)
-            describe=describe_stored if self.config.leases else self._describe,
-        )
+        with self._sessions.store_wait(None):
+            return await list_stored(
+                self.store,
+                status=status,
+                metadata=metadata,
+                limit=limit,
+                after=after,
+                active_before=active_before,
+                # (where other workers run sessions too, as every one of them lists it)
+                describe=describe_stored if self.config.leases else self._describe,
+            )
 
     def _describe(self, name: str, blob: bytes) -> SessionInfo:
         """The listing's SessionInfo of ``name``: as it is live here, else as stored."""

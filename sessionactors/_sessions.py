@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, Final
 
 import trio
@@ -34,6 +34,7 @@ from ._errors import (
     StoreError,
     advised,
     stopped_error,
+    unanswered_error,
 )
 from ._hub import SEQ_GAP, Hub, deleted_error, expired_error
 from ._journal import store_new
@@ -99,6 +100,9 @@ class Sessions:
         self._closing = False
         self._grace_ends = math.inf
         self.given_up = False
+        #: The scopes of callers waiting on a call of the store they make themselves
+        #: (see ``store_wait``), cut when the registry gives up.
+        self._store_waits: set[trio.CancelScope] = set()
         self._dead = False  # (the test kit's crash: the process is gone)
         self._nursery = nursery
         #: Where session tasks start: the current generation's nursery, or the
@@ -292,6 +296,8 @@ class Sessions:
         except (TypeError, ValueError) as exc:  # the codec's message says what, where
             raise type(exc)(f"session {name!r} cannot be stored: {exc}") from exc
         try:
+            # (not under store_wait: a cancel scope would cost a spawn a seventh of its
+            # time; a spawn waits on a store that never answers, as a turn's write does)
             await store_new(self.store, name, snapshot, info, state.event_seq)
         except SessionExistsError:  # stored: say what to do in the registry's terms
             raise exists_error(name) from None
@@ -313,7 +319,8 @@ class Sessions:
     async def stored_session(self, name: str, *, history: bool = True) -> LiveSession:
         """The session's state read from the store, without waking it (without
         ``history``, perhaps without its messages: see ``read_stored``)."""
-        session, _ = await read_stored(self.store, name, history=history)
+        with self.store_wait(name):
+            session, _ = await read_stored(self.store, name, history=history)
         return session
 
     def closed_error(self, actor: Actor) -> Exception | None:
@@ -370,7 +377,8 @@ class Sessions:
             actor.kill(kill_error)
             await self.wait_gone(actor)
         elif self.config.leases and self.router is None:
-            lease = await self.store.claim(name, self.worker_id, self.config.lease_ttl)
+            with self.store_wait(name):
+                lease = await self.store.claim(name, self.worker_id, self.config.lease_ttl)
             if lease is None:
                 raise LeaseHeldError(
                     f"session {name!r} is live on another worker (another process holds "
@@ -385,7 +393,8 @@ class Sessions:
         was_failed = self.failed.pop(name, None) is not None
         self.retry_at.pop(name, None)
         try:
-            existed = await self.store.delete(name)  # (the lease goes with it)
+            with self.store_wait(name):
+                existed = await self.store.delete(name)  # (the lease goes with it)
         except BaseException:
             if lease is not None:  # not deleted: give the lease back
                 with (
@@ -403,6 +412,10 @@ class Sessions:
         """A subscription served from this process's hub (and the store's journal)."""
         if name in self.deleting:  # its hub is closed, or will be: nothing to follow
             raise _deleting_error(name)
+        with self.store_wait(name):
+            return await self._open_subscription(name, after)
+
+    async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
         hub = self.hub_for(name)
         iterator = await open_event_iterator(
             name,
@@ -411,6 +424,7 @@ class Sessions:
             after,
             lambda: self.release_hub(name),
             lambda: self.live[name].journal.replayable() if name in self.live else (0, ()),
+            lambda: self.store_wait(name),
         )
         try:
             stored = None if after is None else await self._check_after(name, after, hub)
@@ -566,6 +580,27 @@ class Sessions:
                 actor.run_scope.cancel()
         for hub in self.hubs.values():
             hub.close()
+        for scope in self._store_waits:
+            scope.cancel()
+
+    @contextlib.contextmanager
+    def store_wait(self, name: str | None) -> Iterator[None]:
+        """Around a call of the store that a caller makes itself, not a session's task (a
+        spawn's write, a delete's, a listing, a read of a session that is not live): if
+        the registry gives up on its sessions meanwhile (its close is over, the store
+        did not answer), the call is cut and raises SessionStoppedError naming
+        ``name``, as a request waiting on a session's write does."""
+        scope = trio.CancelScope()
+        if self.given_up:
+            scope.cancel()
+        self._store_waits.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._store_waits.discard(scope)
+        if scope.cancelled_caught:
+            raise unanswered_error(name)
 
     @property
     def dead(self) -> bool:

@@ -7,8 +7,10 @@ of the journal, not the whole journal after its ``after``.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Final, Protocol, runtime_checkable
 
 import trio
@@ -74,10 +76,17 @@ class _Pages:
     with a larger seq would make the iterator skip them)."""
 
     def __init__(
-        self, session_id: str, store: Store, sub: Subscriber, after: int, held: dict[int, Event]
+        self,
+        session_id: str,
+        store: Store,
+        sub: Subscriber,
+        after: int,
+        held: dict[int, Event],
+        store_wait: Callable[[], AbstractContextManager[None]],
     ) -> None:
         self._session_id = session_id
         self._store = store
+        self._store_wait = store_wait
         self._sub = sub
         self._after = after
         #: The last journal seq read.
@@ -92,7 +101,8 @@ class _Pages:
     async def next(self, cursor: int) -> list[Event]:
         """The next events of the replay, in seq order (the last ones once ``done``)."""
         session_id = self._session_id
-        trimmed, entries, more = await _read_page(self._store, session_id, self._position)
+        with self._store_wait():
+            trimmed, entries, more = await _read_page(self._store, session_id, self._position)
         _check_not_ended(self._sub)
         if trimmed > self._position:  # (trimmed after the first page: see open_event_iterator)
             raise expired_error_at(session_id, cursor, trimmed)
@@ -232,11 +242,14 @@ async def open_event_iterator(
     after: int | None,
     on_close: Callable[[], None],
     unsaved: Callable[[], tuple[int, Iterable[Event]]] = lambda: (0, ()),
+    store_wait: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> EventIterator:
     """Subscribe first (so nothing published meanwhile is missed), then gather the replay.
 
     ``unsaved`` gives the session's durable events that are not in the store yet, and
     the seq after which they begin (the events before it are in no replay any more).
+    ``store_wait`` is entered around each later read of the store (see
+    ``Sessions.store_wait``).
     """
     sub = hub.subscribe(after)
     try:
@@ -264,7 +277,7 @@ async def open_event_iterator(
         trimmed = max(trimmed, floor)
         if trimmed > after:
             raise expired_error_at(session_id, after, trimmed)
-        pages = _Pages(session_id, store, sub, after, found)
+        pages = _Pages(session_id, store, sub, after, found, store_wait)
         replay = pages.take(entries, more, after)
         return EventIterator(
             session_id, hub, sub, replay, after, on_close, None if pages.done else pages

@@ -209,6 +209,54 @@ async def test_a_registry_giving_up_answers_a_stop_and_a_wake_too(
     assert isinstance(outcomes["wake"], sa.SessionStoppedError)
 
 
+async def read_replay(reg: sa.Registry) -> object:
+    """Subscribe to the hibernated session "s" after seq 0 and read its first event."""
+    async with reg.ref("s").subscribe(after=0) as events:
+        return await anext(events)
+
+
+#: Calls whose caller waits on the store itself (no session's task makes them): a
+#: delete's write, a listing, get_or_spawn's look-up, a replay's read. (Not a spawn's
+#: write: it waits on the store as long as the store takes.)
+OWN_STORE_CALLS: list[tuple[str, Callable[[sa.Registry], Awaitable[object]]]] = [
+    ("delete", lambda reg: reg.delete("s")),
+    ("list_sessions", lambda reg: reg.sessions()),
+    ("exists", lambda reg: reg.get_or_spawn("other")),
+    ("read_journal", read_replay),
+]
+
+
+@pytest.mark.parametrize(
+    ("operation", "call"), OWN_STORE_CALLS, ids=[o for o, _ in OWN_STORE_CALLS]
+)
+async def test_a_registry_giving_up_answers_callers_waiting_on_the_store_themselves(
+    autojump_clock: trio.abc.Clock,
+    operation: str,
+    call: Callable[[sa.Registry], Awaitable[object]],
+) -> None:
+    """A caller whose own call of the store has no answer when the registry closes is
+    answered SessionStoppedError naming its session, once the registry gives up on the
+    store (after the grace and the store's bound), as a waiting turn is: none waits on
+    for ever."""
+    store = FaultyStore()
+    outcomes: dict[str, object] = {}
+    async with (  # (the registry closes first; the callers' nursery waits on them)
+        trio.open_nursery() as callers,
+        sa.open_registry(store=store, agents=ECHO, shutdown_grace=1) as reg,
+    ):
+        ref = await reg.spawn("s")
+        await ref.send("warm up")
+        await ref.hibernate()
+        store.hold(operation)  # never opened: the store stalls
+        callers.start_soon(settle, outcomes, operation, partial(call, reg))
+        await trio.testing.wait_all_tasks_blocked()
+        assert operation not in outcomes
+    assert trio.current_time() < 60  # grace + write_bound, not forever
+    error = outcomes[operation]
+    assert isinstance(error, sa.SessionStoppedError), error
+    assert "did not answer" in str(error)
+
+
 # The write that makes a stop: the journal's, or without one the snapshot's.
 STOP_WRITES = [("turn", "append"), ("hibernate", "write_snapshot")]
 

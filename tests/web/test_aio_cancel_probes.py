@@ -638,8 +638,11 @@ def test_a_call_cut_off_when_the_trio_run_ends_names_its_session(operation: str)
             await task
         name = named[operation]
         assert stopped.value.session_id == name
-        assert f"session {name!r}" in str(stopped.value)
-        assert "open_registry" in str(stopped.value)
+        text = str(stopped.value)
+        assert f"session {name!r}" in text
+        # (a call waiting on the store itself is cut as the close gives up on the
+        # store, before the trio run ends, with the trio registry's advice)
+        assert "open_registry" in text or "send it again once a registry is open" in text
 
     run(main)
 
@@ -676,3 +679,4 @@ def test_a_registry_cancelled_in_its_shutdown_grace_ends_at_once_and_keeps_the_t
             return [(m.content, m.interrupted) for m in await reg.ref("s").history()]
 
     assert run(main) == [("hi", False), ("thinking", True)]
+
