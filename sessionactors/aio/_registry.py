@@ -546,6 +546,21 @@ class _Subscription:
                 stream._end(error)
 
 
+async def _close(close: trio.Event, closed: asyncio.Future[None], task: Task, host: Host) -> None:
+    """Close the registry gracefully (its ``close`` set), waiting until it has closed;
+    a cancellation meanwhile cuts the grace short."""
+    host.run_sync_soon(close.set)
+    try:
+        await asyncio.shield(closed)
+    except asyncio.CancelledError:
+        if closed.done():
+            raise
+        await task.aclose()  # cancelled while closing: cut the grace short
+        if not closed.cancelled():
+            closed.exception()  # seen: the cancellation is what propagates
+        raise
+
+
 @asynccontextmanager
 async def open_registry(**options: Any) -> AsyncIterator[Registry]:
     """Open a registry from asyncio code; leaving the block shuts it down.
@@ -560,7 +575,10 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
     its calls run in asyncio tasks of the loop too. Leaving the block shuts the
     registry down as ``sessionactors.open_registry`` does: the accepted turns get
     ``shutdown_grace`` seconds, then every live session is hibernated. A
-    cancellation while it shuts down cuts the grace short, as in trio.
+    cancellation while it shuts down cuts the grace short, and one from outside
+    the block while it runs (a timeout around it, its task cancelled, Ctrl-C under
+    ``asyncio.run``) shuts it down at once, as if ``shutdown_grace`` were 0, as in
+    trio.
     """
     try:
         asyncio.get_running_loop()
@@ -616,16 +634,18 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
             raise
         try:
             yield Registry(host, registry, given)
-        finally:
-            host.run_sync_soon(close.set)
-            try:
-                await asyncio.shield(closed)
-            except asyncio.CancelledError:
-                if closed.done():
-                    raise
-                await task.aclose()  # cancelled while closing: cut the grace short
-                if not closed.cancelled():
-                    closed.exception()  # seen: the cancellation is what propagates
-                raise
+        except asyncio.CancelledError:
+            # Cancelled from outside the block (a timeout around it, its task cancelled,
+            # Ctrl-C under asyncio.run): it shuts down at once, as if shutdown_grace were
+            # 0, as a cancellation does in trio.
+            await task.aclose()
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # seen: the cancellation is what propagates
+            raise
+        except BaseException:
+            await _close(close, closed, task, host)
+            raise
+        else:
+            await _close(close, closed, task, host)
     finally:
         await release_host(host)

@@ -680,3 +680,31 @@ def test_a_registry_cancelled_in_its_shutdown_grace_ends_at_once_and_keeps_the_t
 
     assert run(main) == [("hi", False), ("thinking", True)]
 
+
+def test_a_registry_cancelled_inside_its_block_shuts_down_at_once() -> None:
+    """The task holding the block is cancelled while the block runs (a timeout around
+    it, the task cancelled, Ctrl-C under asyncio.run), a turn that never ends under way:
+    the registry shuts down at once, as if shutdown_grace were 0, as a cancellation from
+    outside the block does in trio (the turn is cut, kept interrupted, the session
+    hibernated), instead of waiting out the grace."""
+    store = sa.MemoryStore()
+    agents = {"a": sa.Agent(model=HungModel())}
+
+    async def main() -> list[tuple[str, bool]]:
+        async def body() -> None:
+            async with (
+                asyncio.timeout(1),
+                aio.open_registry(store=store, agents=agents, shutdown_grace=600) as reg,
+            ):
+                await (await reg.spawn("s")).submit("hi")
+                await asyncio.sleep(600)
+
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await body()
+        assert loop.time() - started < 20, "the registry waited out its grace"
+        async with aio.open_registry(store=store, agents=agents) as reg:
+            return [(m.content, m.interrupted) for m in await reg.ref("s").history()]
+
+    assert run(main) == [("hi", False), ("thinking", True)]
