@@ -114,9 +114,12 @@ async def read_stored(
             session_id=session_id,
         )
     session = LiveSession(state)
+    # (a snapshot is stored at its state's seq: a record set back behind the store's
+    # back would fold the entries the snapshot holds a second time)
+    covered = max(stored.snapshot_seq, state.event_seq)
     for entry in stored.entries:
         for event in load_journal_entry(entry.data, session_id):
-            if event.seq > stored.snapshot_seq:
+            if event.seq > covered:
                 session.apply(event)
     # The fold stamps the events that carry no time (a status, a turn's failure, an
     # edit, metadata) with the time of this read; the info says the time its writer

@@ -1337,3 +1337,29 @@ async def test_a_live_session_whose_rows_are_gone_says_its_data_may_be_lost(
     assert "create it first" not in said, said
     errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "sessionactors"]
     assert any("which this process had loaded" in r.getMessage() for r in errors), caplog.text
+
+
+async def test_a_snapshot_seq_set_back_behind_its_snapshot_folds_no_entry_twice(
+    tmp_path: Path, echo_agents: dict[str, sa.Agent]
+) -> None:
+    """A session's row whose snapshot seq was set back (damage to the store's record,
+    behind its back) reads the journal entries its snapshot already holds: they are not
+    folded in a second time (every message once), for a read and for a wake, and the
+    session goes on from there."""
+    path = tmp_path / "sessions.db"
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        ref = await registry.spawn("s")
+        for text in ("one", "two"):
+            await ref.send(text)
+        await ref.hibernate()  # the snapshot holds both turns; the journal still has them
+        expected = [m.id for m in await ref.history()]
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("UPDATE sessions SET snapshot_seq = 0 WHERE session_id = 's'")
+        db.commit()
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
+        with trio.fail_after(10):
+            assert [m.id for m in (await sa.read_session(registry.store, "s")).messages] == expected
+            ref = registry.ref("s")
+            assert [m.id for m in await ref.history()] == expected
+            await ref.send("three")
+            assert len(await ref.history()) == len(expected) + 2
