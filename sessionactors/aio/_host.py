@@ -341,11 +341,15 @@ async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
 
 def task_result(task: asyncio.Future[T]) -> T:
     """The task's result; an asyncio cancellation that did not come from trio becomes
-    a RuntimeError, so that it is not mistaken for trio's own cancellation."""
+    a SessionStoppedError (not mistaken for trio's own cancellation): the loop is going
+    away (asyncio.run's end, a server's second Ctrl-C), and a turn it cut fails as one
+    its registry's close cut off does (send the message again), not as a model's own
+    failure."""
     if task.cancelled():
-        raise RuntimeError(
-            "an asyncio task that sessionactors.aio ran for a model, tool or store was cancelled "
-            "by someone else (is the asyncio loop shutting down?)"
+        raise SessionStoppedError(
+            "an asyncio task that sessionactors.aio ran for a model, tool or store was "
+            "cancelled by someone else (the asyncio loop shutting down, say): send the "
+            "message again once a registry is open"
         )
     return task.result()
 

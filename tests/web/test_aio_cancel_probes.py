@@ -708,3 +708,35 @@ def test_a_registry_cancelled_inside_its_block_shuts_down_at_once() -> None:
             return [(m.content, m.interrupted) for m in await reg.ref("s").history()]
 
     assert run(main) == [("hi", False), ("thinking", True)]
+
+
+class CancelledByTheLoop:
+    """An asyncio model whose task is cancelled by someone else than sessionactors after
+    its first chunk, as the end of asyncio.run (or a server's second Ctrl-C) cancels
+    every task of the loop."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        yield sa.TextChunk("thinking")
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+
+
+def test_a_model_task_the_loop_cancels_fails_its_turn_as_stopped_not_as_the_model() -> None:
+    """A turn whose asyncio model task the loop cancelled (not sessionactors) fails with
+    SessionStoppedError, what a turn its registry's close cut off fails with (clients
+    send the message again), not as a failure of the model (a RuntimeError)."""
+
+    async def main() -> tuple[BaseException, sa.TurnOutcome]:
+        async with aio.open_registry(agents={"a": sa.Agent(model=CancelledByTheLoop())}) as reg:
+            ref = await reg.spawn("s")
+            turn = await ref.submit("hi")
+            with pytest.raises(sa.SessionActorsError) as caught:
+                await turn.reply()
+            return caught.value, await ref.turn_outcome(turn.id)
+
+    error, outcome = run(main)
+    assert outcome.status is sa.TurnStatus.FAILED
+    assert (outcome.error or "").startswith("SessionStoppedError: "), outcome.error
+    assert isinstance(error.__cause__ or error, sa.SessionStoppedError), repr(error)
