@@ -633,8 +633,10 @@ async def open_registry(
             "open_registry: telemetry must be a sessionactors.Telemetry (such as "
             f"sessionactors.otel.OpenTelemetry()), not {type(telemetry).__name__}"
         )
-    if store is not None and not isinstance(store, Store):
-        if isinstance(store, str | bytes | os.PathLike):
+    if store is not None and (isinstance(store, type) or not isinstance(store, Store)):
+        if isinstance(store, type):  # (a class has the methods too)
+            hint = f"{store.__name__} is the class; make one: {store.__name__}(...)"
+        elif isinstance(store, str | bytes | os.PathLike):
             # (every form of a URL shown with *** for its password, bytes too)
             text = os.fspath(store)
             if isinstance(text, bytes):

@@ -604,6 +604,16 @@ async def test_open_registry_checks_its_options(echo_agents: dict[str, sa.Agent]
             pass
 
 
+async def test_open_registry_refuses_a_store_class_for_a_store() -> None:
+    """A store's class given as store= (``sa.MemoryStore`` for ``sa.MemoryStore()``) is
+    refused at once with a TypeError that says to make one, not an error of its
+    methods called unbound as the registry closes."""
+    for cls in (sa.MemoryStore, sa.SQLiteStore):
+        with pytest.raises(TypeError, match=rf"{cls.__name__} is the class; make one"):
+            async with sa.open_registry(store=cls):  # type: ignore[arg-type]
+                pass
+
+
 async def test_open_registry_refuses_a_url_or_path_as_store(tmp_path: Path) -> None:
     """A store URL or a file path in store= is refused at once with a TypeError that names
     the store to build (and the URL, with *** in place of its password), and no file is
