@@ -531,8 +531,8 @@ def _find_unencodable(value: Any, path: str, depth: int = 0) -> str | None:
             found = _find_unencodable(item, f"{path}[{index}]", depth + 1)
             if found:
                 return found
-    elif isinstance(value, datetime.datetime) and datetime_problem(value) is not None:
-        return f"{path} {datetime_problem(value)}"
+    elif isinstance(value, datetime.datetime) and (problem := datetime_problem(value)):
+        return f"{path} {problem}"
     elif isinstance(value, int) and not -(2**63) <= value < 2**64:
         return f"{path} is an integer out of the 64-bit range"
     elif isinstance(value, str):

@@ -39,12 +39,11 @@ __all__ = [
 LISTING_BATCH: Final = 500
 
 _UPDATED_AT: Final = "updated_at"
-#: The last microsecond a datetime holds, counted from the epoch.
-_LAST_MICROS: Final = (
-    datetime.datetime.max.replace(tzinfo=datetime.UTC)
-    - datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-) // datetime.timedelta(microseconds=1)
 _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+#: The last microsecond a datetime holds, counted from the epoch.
+_LAST_MICROS: Final = (datetime.datetime.max.replace(tzinfo=datetime.UTC) - _EPOCH) // (
+    datetime.timedelta(microseconds=1)
+)
 
 
 def info_activity(info: bytes) -> int:

@@ -416,6 +416,7 @@ class Sessions:
             return await self._open_subscription(name, after)
 
     async def _open_subscription(self, name: str, after: int | None) -> EventIterator:
+        """``open_subscription``'s work, under ``store_wait``."""
         hub = self.hub_for(name)
         iterator = await open_event_iterator(
             name,
@@ -586,7 +587,7 @@ class Sessions:
     @contextlib.contextmanager
     def store_wait(self, name: str | None) -> Iterator[None]:
         """Around a call of the store that a caller makes itself, not a session's task (a
-        spawn's write, a delete's, a listing, a read of a session that is not live): if
+        delete's write, a listing, a read of a session that is not live): if
         the registry gives up on its sessions meanwhile (its close is over, the store
         did not answer), the call is cut and raises SessionStoppedError naming
         ``name``, as a request waiting on a session's write does."""
