@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-import unicodedata
 from typing import Final
 
 from ._errors import InvalidSessionNameError, shown
+from ._records import control_character, is_control
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -57,15 +57,13 @@ def validate_name(name: object) -> str:
             f"{MAX_NAME_BYTES}; use a shorter name (a hash of a long key works)",
             session_id=None,
         )
-    if name.isprintable():  # (then it holds none of the characters below: a C loop)
-        return name
-    for ch in name:
-        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") and ch != "\u200d":
-            raise InvalidSessionNameError(
-                f"session name {name!r} contains the control character {ch!r}; "
-                "use printable characters only",
-                session_id=name,
-            )
+    ch = control_character(name)
+    if ch is not None:
+        raise InvalidSessionNameError(
+            f"session name {name!r} contains the control character {ch!r}; "
+            "use printable characters only",
+            session_id=name,
+        )
     return name
 
 
@@ -209,7 +207,7 @@ def terminal_safe(text: str, *, one_line: bool = False) -> str:
 
 def _escape(match: re.Match[str]) -> str:
     ch = match.group()
-    if unicodedata.category(ch) not in _CONTROLS or ch == "\u200d":
+    if not is_control(ch):
         return ch
     code = ord(ch)
     if code <= 0xFFFF:
@@ -224,5 +222,3 @@ def _escape(match: re.Match[str]) -> str:
 _SUSPECT: Final = re.compile(
     "[^\t\n\x20-\x7e\xa0-\xac\xae-\u05ff\u0900-\u17ff\u3000-\u9fff\uac00-\ud7ff]"
 )
-#: The Unicode categories it escapes (as session names refuse them).
-_CONTROLS: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})

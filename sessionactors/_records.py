@@ -10,6 +10,7 @@ import enum
 import itertools
 import os
 import secrets
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -142,6 +143,25 @@ def _reseed_ids() -> None:
 
 
 os.register_at_fork(after_in_child=_reseed_ids)
+
+
+#: The Unicode categories of control characters: controls, format marks (such as
+#: right-to-left), line and paragraph separators.
+_CONTROLS: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def is_control(ch: str) -> bool:
+    """Whether the character ``ch`` is a control character (not the zero-width joiner,
+    a format mark that emoji are made with)."""
+    return ch != "\u200d" and unicodedata.category(ch) in _CONTROLS
+
+
+def control_character(text: str) -> str | None:
+    """The first control character of ``text`` (see ``is_control``), if any: the names
+    and ids that reach logs, JSON and keys hold none."""
+    if text.isprintable():  # (then it holds none of them: a C loop)
+        return None
+    return next((ch for ch in text if is_control(ch)), None)
 
 
 def check_unicode(text: str, subject: str) -> None:

@@ -39,7 +39,15 @@ from ._history import check_copyable, rewind_end
 from ._metadata import check_metadata
 from ._names import redact, validate_name
 from ._reading import describe_stored, is_damaged, list_stored
-from ._records import ReviewRequest, SessionInfo, SessionState, Status, check_unicode, new_id
+from ._records import (
+    ReviewRequest,
+    SessionInfo,
+    SessionState,
+    Status,
+    check_unicode,
+    control_character,
+    new_id,
+)
 from ._ref import SessionRef, check_text, check_type
 from ._router import RoutingStore
 from ._session import LiveSession, new_state
@@ -610,6 +618,12 @@ async def open_registry(
         if not key:
             raise ValueError("open_registry: agents' names must be non-empty; name each agent")
         check_unicode(key, f"open_registry: the name of agents[{key!r}]")
+        odd = control_character(key)
+        if odd is not None:
+            raise ValueError(
+                f"open_registry: the name of agents[{key!r}] contains the control character "
+                f"{odd!r}; use printable characters only"
+            )
         if not isinstance(value, Agent):
             raise TypeError(f"agents[{key!r}] must be an Agent, not {type(value).__name__}")
     config = make_config(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -602,6 +603,27 @@ async def test_open_registry_checks_its_options(echo_agents: dict[str, sa.Agent]
     with pytest.raises(TypeError):
         async with sa.open_registry(agents={"x": EchoModel()}):  # type: ignore[dict-item]
             pass
+
+
+@pytest.mark.parametrize("odd", ["\n", "\t", "\x00", "\u202e", "\u2028"])
+async def test_open_registry_refuses_agent_names_and_worker_ids_with_control_characters(
+    odd: str,
+) -> None:
+    """An agent's name or a worker id holding a control character (a newline, a tab,
+    a right-to-left mark, a line separator), which session names refuse too, is refused
+    at once with a ValueError naming the option and the character (they reach logs,
+    JSON and keys); a zero-width joiner, part of emoji, is a name's as it is a session's."""
+    echo = sa.Agent(model=EchoModel())
+    with pytest.raises(
+        ValueError, match=rf"agents\[.*\].*control character {re.escape(repr(odd))}"
+    ):
+        async with sa.open_registry(agents={f"chat{odd}bot": echo}):
+            pass  # pragma: no cover
+    with pytest.raises(ValueError, match=rf"worker_id.*control character {re.escape(repr(odd))}"):
+        async with sa.open_registry(worker_id=f"host{odd}1"):
+            pass  # pragma: no cover
+    async with sa.open_registry(agents={"\U0001f468\u200d\U0001f4bb": echo}, worker_id="w 1"):
+        pass
 
 
 async def test_open_registry_refuses_a_store_class_for_a_store() -> None:
