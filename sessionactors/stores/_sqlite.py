@@ -1100,7 +1100,8 @@ class SQLiteStore:
     A path that no retry can open fails every call with
     ``StoreConfigurationError``, which names the file and says what to do,
     before anything is written: a directory or a file in a directory that does
-    not exist (it is not made); a file that exists but is not a sessionactors
+    not exist (it is not made); a path that holds a NUL character or is a loop of
+    symbolic links; a file that exists but is not a sessionactors
     store (text, truncated to 0 bytes, or another program's database: it is
     never read as an empty store); a store of a newer schema version than this
     version reads; unless the store is ``readonly=True``, a file (or its

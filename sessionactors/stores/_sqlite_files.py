@@ -33,7 +33,21 @@ class _RefusedError(_OpenError):
 
 def _check_path(path: str) -> None:
     """Refuse a path that no retry opens: a directory, or one whose directory does not
-    exist (or is a file): a mistyped path, which is not made for the store."""
+    exist (or is a file): a mistyped path, which is not made for the store; one that
+    holds a NUL character, or a loop of symbolic links."""
+    if "\x00" in path:
+        raise _RefusedError(
+            f"the sqlite store at {path!r} cannot be opened: the path holds a NUL "
+            "character, which no file's path can hold; correct the store's path"
+        )
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _RefusedError(
+                f"the sqlite store at {path!r} cannot be opened: its path is a loop of "
+                "symbolic links; correct the link or the store's path"
+            ) from None
     if os.path.isdir(path):
         raise _RefusedError(
             f"the sqlite store at {path!r} is a directory, not a SQLite file; pass the "

@@ -510,16 +510,24 @@ def test_dropped_store_stops_its_thread(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("readonly", [False, True], ids=["writable", "readonly"])
-@pytest.mark.parametrize("where", ["missing directory", "file as directory", "directory"])
+@pytest.mark.parametrize(
+    "where", ["missing directory", "file as directory", "directory", "NUL", "symlink loop"]
+)
 async def test_a_path_no_retry_can_open_raises_store_configuration_error(
     tmp_path: Path, where: str, readonly: bool
 ) -> None:
-    """A path in a directory that does not exist (or under a file), or a path that is a
-    directory, fails the call with StoreConfigurationError (no retry can open it) that
-    names the session and the directory and says what to do, and creates nothing."""
+    """A path in a directory that does not exist (or under a file), a path that is a
+    directory, one that holds a NUL character or is a loop of symbolic links, fails
+    the call with StoreConfigurationError (no retry can open it) that names the
+    session and the path or its directory and says what to do, and creates nothing."""
     (tmp_path / "a-file").write_bytes(b"")
     (tmp_path / "a-directory").mkdir()
+    (tmp_path / "a-directory" / "loop-1").symlink_to(tmp_path / "a-directory" / "loop-2")
+    (tmp_path / "a-directory" / "loop-2").symlink_to(tmp_path / "a-directory" / "loop-1")
+    loop = tmp_path / "a-directory" / "loop-1"
     path, named, said = {
+        "NUL": (f"{tmp_path}/s\x00.db", f"{tmp_path}/s\x00.db", "holds a NUL character"),
+        "symlink loop": (loop, loop, "is a loop of symbolic links"),
         "missing directory": (tmp_path / "no-such-dir" / "s.db", tmp_path / "no-such-dir",
                               "does not exist: create it, or correct the store's path"),
         "file as directory": (tmp_path / "a-file" / "s.db", tmp_path / "a-file",
@@ -536,7 +544,7 @@ async def test_a_path_no_retry_can_open_raises_store_configuration_error(
     assert said in str(info.value), info.value
     await store.aclose()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory", "a-file"]
-    assert list((tmp_path / "a-directory").iterdir()) == []
+    assert sorted(p.name for p in (tmp_path / "a-directory").iterdir()) == ["loop-1", "loop-2"]
 
 
 async def test_unopenable_file_raises_store_error(tmp_path: Path) -> None:
