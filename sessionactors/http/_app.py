@@ -1474,6 +1474,10 @@ class SessionsApp:
                     except RecursionError as exc:  # a frame nested too deep to decode
                         await failed(_RequestError(422, "InvalidJSON", f"the frame is {exc}"))
                     except (ValueError, _RequestError, sa.SessionActorsError) as exc:
+                        if not isinstance(
+                            exc, _RequestError | sa.SessionActorsError | json.JSONDecodeError
+                        ):  # bad input, told as the HTTP routes tell it
+                            exc = _RequestError(422, "InvalidRequest", str(exc))
                         await failed(exc)
             finally:
                 self._untrack(group.cancel_scope)

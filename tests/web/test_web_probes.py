@@ -66,6 +66,35 @@ async def test_a_refused_first_message_creates_no_session(serve: Serve, body: by
                 assert (await client.get("/sessions")).json()["sessions"] == []
 
 
+async def test_a_websocket_frame_refused_as_bad_input_is_told_as_the_http_route_tells_it(
+    serve: Serve,
+) -> None:
+    """A message frame whose text or key the library refuses as bad input (an empty or
+    over-long key, text over 1 MiB) gets the error frame the HTTP route answers with:
+    InvalidRequest, 422, naming the session; the socket goes on."""
+    bad = [
+        {"text": "x", "idempotency_key": ""},
+        {"text": "x", "idempotency_key": "k" * 2000},
+        {"text": "a" * (1024 * 1024 + 1)},
+    ]
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        ws_url = served.url.replace("http://", "ws://")
+        with trio.fail_after(20):
+            await client.post("/sessions/w/messages", json={"text": "hi"})
+            async with open_websocket(f"{ws_url}/sessions/w/ws") as ws:
+                for fields in bad:
+                    await ws.send({"type": "message", **fields})
+                    frame = await ws.receive()
+                    while frame["type"] != "error":
+                        frame = await ws.receive()
+                    assert (frame["error"], frame["status"]) == ("InvalidRequest", 422), frame
+                    assert "'w'" in frame["message"], frame
+                await ws.send({"type": "message", "text": "still open"})
+                frame = await ws.receive()
+                while frame["type"] != "submitted":
+                    frame = await ws.receive()
+
+
 async def test_a_last_event_id_beyond_the_session_is_not_a_silent_stream(serve: Serve) -> None:
     """A client resuming with a Last-Event-ID the session never reached (the id came from
     a deleted session of the same name, which the chat page recreates) must not get a
