@@ -555,10 +555,17 @@ async def _close(close: trio.Event, closed: asyncio.Future[None], task: Task, ho
     except asyncio.CancelledError:
         if closed.done():
             raise
-        await task.aclose()  # cancelled while closing: cut the grace short
-        if not closed.cancelled():
-            closed.exception()  # seen: the cancellation is what propagates
+        await _cut(closed, task)
         raise
+
+
+async def _cut(closed: asyncio.Future[None], task: Task) -> None:
+    """Shut the registry down at once, without the grace (its trio task cancelled, as a
+    cancellation of its block does in trio), waiting until it has; the caller's
+    cancellation is what propagates then."""
+    await task.aclose()
+    if closed.done() and not closed.cancelled():
+        closed.exception()  # seen
 
 
 @asynccontextmanager
@@ -635,12 +642,9 @@ async def open_registry(**options: Any) -> AsyncIterator[Registry]:
         try:
             yield Registry(host, registry, given)
         except asyncio.CancelledError:
-            # Cancelled from outside the block (a timeout around it, its task cancelled,
-            # Ctrl-C under asyncio.run): it shuts down at once, as if shutdown_grace were
-            # 0, as a cancellation does in trio.
-            await task.aclose()
-            if closed.done() and not closed.cancelled():
-                closed.exception()  # seen: the cancellation is what propagates
+            # cancelled from outside the block (a timeout around it, its task cancelled,
+            # Ctrl-C under asyncio.run): no grace
+            await _cut(closed, task)
             raise
         except BaseException:
             await _close(close, closed, task, host)

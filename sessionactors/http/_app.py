@@ -1473,12 +1473,10 @@ class SessionsApp:
                         return
                     except RecursionError as exc:  # a frame nested too deep to decode
                         await failed(_RequestError(422, "InvalidJSON", f"the frame is {exc}"))
-                    except (ValueError, _RequestError, sa.SessionActorsError) as exc:
-                        if not isinstance(
-                            exc, _RequestError | sa.SessionActorsError | json.JSONDecodeError
-                        ):  # bad input, told as the HTTP routes tell it
-                            exc = _RequestError(422, "InvalidRequest", str(exc))
+                    except (_RequestError, sa.SessionActorsError, json.JSONDecodeError) as exc:
                         await failed(exc)
+                    except ValueError as exc:  # bad input, told as the HTTP routes tell it
+                        await failed(_RequestError(422, "InvalidRequest", str(exc)))
             finally:
                 self._untrack(group.cancel_scope)
         if writes.stalled:  # (its connection is reset: no closing frame)

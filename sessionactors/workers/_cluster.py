@@ -697,9 +697,7 @@ class Cluster(metaclass=NoPublicConstructor):
                 if beyond is not None:  # refused before a wake, if the store says so
                     await self.streams.may_run_ahead(name, int(beyond))
                 state = await host.read_here(name)  # wakes it here (or says it moved)
-                # the seq the hub had published as of that state (whose own seq is its
-                # messages': a turn's deltas go by after it)
-                published = max(state.event_seq, host.event_seq_here(name) or 0)
+                published = _published(host, name, state)
                 await self.transport.watch([name], self.ttl)  # for its next owners too
                 # (a subscription that follows the session from ``after`` on: the events
                 # since then that the hub still holds go first, deltas too)
@@ -709,7 +707,7 @@ class Cluster(metaclass=NoPublicConstructor):
                 if top > published:  # events went by meanwhile: the state after them
                     with contextlib.suppress(SessionActorsError):
                         state = await host.read_here(name)
-                        published = max(state.event_seq, host.event_seq_here(name) or 0)
+                        published = _published(host, name, state)
                 running = state.open_turn
                 if running is not None and not state.reviews and top <= published:
                     # a turn under way: the subscriber's mirror watches it from the start
@@ -1540,6 +1538,12 @@ def _abandoned_error(name: str, owner: str, turn_id: str) -> SessionStoppedError
         session_id=name,
         turn_id=turn_id,
     )
+
+
+def _published(host: RouterHost, name: str, state: SessionState) -> int:
+    """The seq the session's hub here had published as of ``state``, just read here (the
+    state's own seq is its messages': a turn's deltas go by after it)."""
+    return max(state.event_seq, host.event_seq_here(name) or 0)
 
 
 def _stopped_here_error(name: str, worker: str, exc: SessionStoppedError) -> SessionStoppedError:
