@@ -226,7 +226,7 @@ class Tool:
                 result = self.fn()
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
-        except (Exception, SystemExit) as exc:  # a tool's own exit fails its call only
+        except OWN_FAILURES as exc:  # a tool's own exit fails its call only
             if on_error is not None:
                 on_error(exc)
             return _outcome(content=describe_exception(exc), is_error=True)
@@ -365,6 +365,13 @@ def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
             is_error=True,
         )
     return parsed
+
+
+#: What a tool or a model raises that fails its own call or turn only: every
+#: Exception, and the two others user code raises as its own failure (``sys.exit()``,
+#: a GeneratorExit from a misused generator). A KeyboardInterrupt stops the registry,
+#: as trio's Cancelled stops what was cancelled.
+OWN_FAILURES: Final = (Exception, SystemExit, GeneratorExit)
 
 
 def describe_exception(exc: BaseException) -> str:

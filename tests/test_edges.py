@@ -43,33 +43,44 @@ async def test_errors_that_happened_together_stay_grouped() -> None:
 
 
 class ExitingModel:
-    """A model whose stream calls sys.exit()."""
+    """A model whose stream raises what it was given (``sys.exit()``, say)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
 
     async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
-        raise SystemExit(3)
+        raise self.exc
         yield sa.TextChunk("never")  # pragma: no cover
 
 
-async def test_a_model_that_exits_fails_its_turn_only() -> None:
-    """SystemExit from a model is that turn's failure; the session takes the next turn."""
-    agents = {"x": sa.Agent(model=ExitingModel()), "echo": sa.Agent(model=EchoModel())}
+#: What user code raises that is not an ``Exception`` and is still its own failure
+#: (a KeyboardInterrupt, trio's Cancelled are not: they stop the registry, or the turn).
+EXITS = [SystemExit(3), GeneratorExit()]
+
+
+@pytest.mark.parametrize("exc", EXITS, ids=lambda exc: type(exc).__name__)
+async def test_a_model_that_exits_fails_its_turn_only(exc: BaseException) -> None:
+    """SystemExit or GeneratorExit from a model is that turn's failure; the session
+    takes the next turn."""
+    agents = {"x": sa.Agent(model=ExitingModel(exc)), "echo": sa.Agent(model=EchoModel())}
     async with sa.open_registry(agents=agents) as registry:
         bad = await registry.spawn("bad", agent="x")
         good = await registry.spawn("good", agent="echo")
         with pytest.raises(sa.TurnFailedError) as info:
             await bad.send("hi")
-        assert isinstance(info.value.__cause__, SystemExit)
+        assert isinstance(info.value.__cause__, type(exc))
         assert (await good.send("still here")).text == "still here"
         assert registry.statistics().crashes == 0
 
 
-async def test_a_tool_that_exits_fails_its_call_only() -> None:
-    """SystemExit from a tool becomes an error result the model sees."""
+@pytest.mark.parametrize("exc", EXITS, ids=lambda exc: type(exc).__name__)
+async def test_a_tool_that_exits_fails_its_call_only(exc: BaseException) -> None:
+    """SystemExit or GeneratorExit from a tool becomes an error result the model sees."""
 
     @sa.tool
     async def leave() -> str:
         """Leave."""
-        raise SystemExit(1)
+        raise exc
 
     call = sa.ToolCall(id="c1", name="leave", arguments="{}")
     model = ScriptedModel([Scripted(tool_calls=[call]), Scripted(text="ok")])
@@ -78,7 +89,7 @@ async def test_a_tool_that_exits_fails_its_call_only() -> None:
         assert (await ref.send("go")).text == "ok"
         tool_messages = [m for m in await ref.history() if m.role is sa.Role.TOOL]
         assert tool_messages[0].is_error
-        assert "SystemExit" in tool_messages[0].content
+        assert type(exc).__name__ in tool_messages[0].content
 
 
 @pytest.mark.parametrize(

@@ -393,7 +393,7 @@ class _ModelCall(ModelCallTrace):
             if usage is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
                 span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
-            if isinstance(error, Exception | SystemExit):  # (a cancellation is no failure)
+            if isinstance(error, Exception | SystemExit | GeneratorExit):  # (not a cancellation)
                 attributes["error.type"] = _error_type(error)
                 _fail(span, error)
         finally:
