@@ -438,11 +438,15 @@ def _json_form(value: object) -> object:
     )
 
 
+#: A result's JSON (strict: a NaN or an infinity has no JSON form).
+_RESULT_ENCODER: Final = json.JSONEncoder(default=_json_form, ensure_ascii=False, allow_nan=False)
+
+
 def _encode_result(name: str, result: object) -> ToolOutcome:
     if isinstance(result, str):
         return ToolOutcome(content=result)
     try:
-        return ToolOutcome(content=json.dumps(result, default=_json_form, ensure_ascii=False))
+        return ToolOutcome(content=_RESULT_ENCODER.encode(result))
     except _NotJSONError as exc:
         return ToolOutcome(
             content=f"tool {name!r} returned a result that cannot be encoded as JSON: {exc}",

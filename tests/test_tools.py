@@ -580,14 +580,17 @@ async def test_a_pydantic_result_is_its_json_form() -> None:
         (b"raw", "bytes"),
         ({(1, 2): "a pair as a key"}, "tuple"),
         (object(), "object"),
+        ({"score": float("nan")}, "Out of range float"),
+        ([float("-inf")], "Out of range float"),
     ],
 )
 async def test_a_result_that_is_not_json_is_an_error_naming_the_tool_and_type(
     result: object, named: str
 ) -> None:
     """A result holding a value with no JSON form (an object of its own, bytes, a key
-    that is not a string) is an error result naming the tool and the value's type, as a
-    raising tool's is, never the value's str() or repr."""
+    that is not a string, a float that is not finite) is an error result naming the
+    tool and the value's type, as a raising tool's is, never the value's str() or
+    repr. (A NaN was sent as ``NaN``, which is not JSON.)"""
     outcome = await Tool(name="lookup", fn=lambda: result).invoke("{}")
     assert outcome.is_error
     assert "tool 'lookup'" in outcome.content, outcome.content
