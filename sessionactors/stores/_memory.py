@@ -175,10 +175,12 @@ def _stored_corrupt(session_id: str, problem: str) -> SnapshotCorruptError:
 
 
 def _check_stored_seq(session_id: str, seq: object, what: str, least: int = 0) -> int:
-    """A seq read back from the store: an integer from ``least`` to ``MAX_SEQ``, or corrupt."""
+    """A seq read back from the store: an integer from ``least`` to ``MAX_SEQ``, or
+    corrupt (None: missing)."""
     if seq.__class__ is not int or not least <= seq <= MAX_SEQ:
+        found = "missing" if seq is None else repr(str(seq)[:40])
         raise _stored_corrupt(
-            session_id, f"{what} is {str(seq)[:40]!r}, not an integer from {least} to 2**53 - 1"
+            session_id, f"{what} is {found}, not an integer from {least} to 2**53 - 1"
         )
     return seq
 

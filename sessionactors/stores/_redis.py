@@ -120,6 +120,14 @@ _FENCED: Final = 2
 _SEQ_CONFLICT: Final = 3
 _OLDER_SNAPSHOT: Final = 4
 _MOVED_ON: Final = 5
+_DAMAGED: Final = 6  # a seq field of the meta hash is missing or not a number
+
+#: What each seq field of a session's meta hash holds, as errors name it.
+_SEQ_FIELDS: Final = {
+    b"seq": "the snapshot's seq",
+    b"last": "the journal's last seq",
+    b"trimmed": "the journal's trimmed seq",
+}
 
 
 def _check_types(*kept: tuple[int, str]) -> str:
@@ -207,7 +215,10 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 local last = #ARGV - {after}
 if last >= 8 then
   local m = redis.call('HMGET', KEYS[1], 'last', 'seq')
-  local floor = math.max(tonumber(m[1]), tonumber(m[2]))
+  local l, s = tonumber(m[1]), tonumber(m[2])
+  if not l then return {{6, 'last', m[1] or ''}} end
+  if not s then return {{6, 'seq', m[2] or ''}} end
+  local floor = math.max(l, s)
   if tonumber(ARGV[8]) <= floor then return {{3, floor}} end
   for i = 8, last, 2 do
     redis.call('XADD', KEYS[3], ARGV[i] .. '-0', 'd', ARGV[i + 1])
@@ -250,10 +261,12 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 """
     + _check_fence(7)
     + """
-local stored = redis.call('HGET', KEYS[1], 'seq')
-if tonumber(ARGV[4]) < tonumber(stored) then return {4, stored} end
+local m = redis.call('HMGET', KEYS[1], 'seq', 'trimmed')
+if not tonumber(m[1]) then return {6, 'seq', m[1] or ''} end
+if not tonumber(m[2]) then return {6, 'trimmed', m[2] or ''} end
+if tonumber(ARGV[4]) < tonumber(m[1]) then return {4, m[1]} end
 redis.call('HSET', KEYS[1], 'snap', ARGV[3], 'seq', ARGV[4])
-if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'trimmed')) then
+if tonumber(ARGV[5]) > tonumber(m[2]) then
   redis.call('XTRIM', KEYS[3], 'MINID', ARGV[6])
   redis.call('HSET', KEYS[1], 'trimmed', ARGV[5])
 end
@@ -280,24 +293,30 @@ return {m[1], m[2], redis.call('XRANGE', KEYS[2], '(' .. m[2] .. '-0', '+'), inf
 )
 
 # KEYS: meta, log.  ARGV: first id ('(<after>-0' or '-').
-# Returns false, or {trimmed, entries}.
+# Returns false, or {trimmed ('' if the meta hash lost it: the caller refuses it), entries}.
 _READ_JOURNAL: Final = Script[bytes](
     script="""
 local t = redis.call('HGET', KEYS[1], 'trimmed')
-if not t then return false end
+if not t then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+  t = ''
+end
 return {t, redis.call('XRANGE', KEYS[2], ARGV[1], '+')}
 """
 )
 
 # KEYS: meta, log.  ARGV: first id ('(<after>-0' or '-'), most entries, most bytes.
-# Returns false, or {trimmed, entries}: the first entries of the journal from the first
+# Returns false, or {trimmed (or ''), entries}: the first entries of the journal from the first
 # id on, at most the most entries, and none after the one whose data brings theirs to
 # the most bytes. They are read a few at a time, so the script holds no more than that
 # either, however large the entries past the bound are.
 _READ_JOURNAL_PAGE: Final = Script[bytes](
     script="""
 local t = redis.call('HGET', KEYS[1], 'trimmed')
-if not t then return false end
+if not t then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+  t = ''
+end
 local most, bytes = tonumber(ARGV[2]), tonumber(ARGV[3])
 local page, size, first = {}, 0, ARGV[1]
 while #page < most do
@@ -694,6 +713,10 @@ def _check_status(
         return
     if status == _NOT_FOUND:
         raise _not_found_error(session_id)
+    if status == _DAMAGED:  # (nothing written)
+        what = _SEQ_FIELDS[bytes(reply[1])]
+        _check_stored_seq(session_id, _stored_int(reply[2]), what)  # raises, worded as reads
+        raise _stored_corrupt(session_id, f"{what} is {bytes(reply[2])[:40]!r}")
     if status == _MOVED_ON and fence is not None:
         last = _stored_int(reply[1] if len(reply) > 1 else None)
         if held is not None and isinstance(last, int) and last < int(held.last or 0):
@@ -723,7 +746,9 @@ def _check_status(
 
 def _stored_int(raw: Any) -> Any:
     """An integer read back from redis (its decimal digits), or ``raw`` as it is, for
-    the range check to refuse."""
+    the range check to refuse (None for the scripts' '': a field the hash lost)."""
+    if raw == b"":
+        return None
     try:
         text = bytes(raw).decode("ascii")
         if text.isdigit() or (text[:1] == "-" and text[1:].isdigit()):

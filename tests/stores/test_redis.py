@@ -693,6 +693,8 @@ def _key(store: RedisStore, name: str, part: str) -> str:
         ("snapshot seq", "the snapshot's seq"),
         ("negative snapshot seq", "the snapshot's seq"),
         ("trimmed", "trimmed seq"),
+        ("no trimmed", "trimmed seq"),
+        ("no snapshot seq", "the snapshot's seq"),
         ("journal seq", "journal seq"),
         ("journal layout", "foreign layout"),
     ],
@@ -700,8 +702,9 @@ def _key(store: RedisStore, name: str, part: str) -> str:
 async def test_values_read_back_are_range_checked(
     make_store: MakeStore, redis_url: str, change: str, match: str
 ) -> None:
-    """A seq out of range or not a number, or a journal entry of another layout, read
-    back from redis is SnapshotCorruptError naming the session."""
+    """A seq out of range, not a number or missing, or a journal entry of another
+    layout, read back from redis is SnapshotCorruptError naming the session. (A
+    missing trimmed seq read as a session not stored: "create it first".)"""
     store = make_store()
     with trio.fail_after(10):
         await store.create("s", b"snap", b"info")
@@ -713,6 +716,9 @@ async def test_values_read_back_are_range_checked(
                 await client.hset(_key(store, "s", "meta"), {"seq": "-3"})
             elif change == "trimmed":
                 await client.hset(_key(store, "s", "meta"), {"trimmed": "lots"})
+            elif change.startswith("no "):
+                field = "trimmed" if change == "no trimmed" else "seq"
+                await client.hdel(_key(store, "s", "meta"), [field])
             elif change == "journal seq":
                 await client.xadd(
                     _key(store, "s", "log"), {"d": b"x"}, identifier="2305843009213693952-0"
@@ -727,6 +733,44 @@ async def test_values_read_back_are_range_checked(
                 raised.append(exc)
         assert raised
         assert all(exc.session_id == "s" and match in str(exc) for exc in raised)
+
+
+@pytest.mark.parametrize("field", ["seq", "last", "trimmed"])
+@pytest.mark.parametrize("damage", ["missing", "not a number"])
+async def test_a_write_over_a_damaged_seq_field_is_refused_as_corrupt_writing_nothing(
+    make_store: MakeStore, redis_url: str, field: str, damage: str
+) -> None:
+    """A seq field of a session's meta hash lost or overwritten behind the store's
+    back: an append and a snapshot write raise SnapshotCorruptError naming the session
+    and the field, and change nothing. (They failed with a Lua error, as a StoreError
+    saying to check that redis is reachable and retry.)"""
+    store = make_store()
+    meta = _key(store, "s", "meta")
+    with trio.fail_after(10):
+        await store.create("s", b"snap", b"info")
+        await store.append("s", [E(1, b"one")], b"info")
+        async with coredis.Redis.from_url(redis_url) as client:
+            if damage == "missing":
+                await client.hdel(meta, [field])
+            else:
+                await client.hset(meta, {field: "lots"})
+            before = await client.hgetall(meta)
+
+            def append() -> Any:
+                return store.append("s", [E(2, b"two")], b"info")
+
+            def snapshot() -> Any:
+                return store.write_snapshot("s", b"snap2", 1, b"info", trim_upto=1)
+
+            writes = {"seq": [append, snapshot], "last": [append], "trimmed": [snapshot]}
+            for write in writes[field]:
+                with pytest.raises(SnapshotCorruptError) as info:
+                    await write()
+                assert info.value.session_id == "s"
+                named = {"seq": "the snapshot's seq", "last": "last seq", "trimmed": "trimmed"}
+                assert named[field] in str(info.value), str(info.value)
+                assert await client.hgetall(meta) == before
+                assert await client.xlen(_key(store, "s", "log")) == 1
 
 
 #: A server that keeps only what its last SAVE wrote (the backup a restore goes back to).
