@@ -115,7 +115,7 @@ from ._tool_calls import (
     run_batch,
     run_tool_calls,
 )
-from ._tools import OWN_FAILURES, describe_exception
+from ._tools import describe_exception, stops
 from ._turns import new_turn_id, now_us, session_tag, turn_id_time
 from .stores._base import Lease, Store
 
@@ -1074,8 +1074,8 @@ class Actor:
                 with self.trace.activate():
                     if before is None or await before(agent):
                         final = await run_turn(agent, self)
-        except OWN_FAILURES as exc:  # the agent's or model's: this turn's only
-            if exc is self.journal.fault:  # our write failed, not the agent: restart
+        except BaseException as exc:  # the agent's or model's: this turn's only
+            if exc is self.journal.fault or stops(exc):  # (our write failed: restart)
                 raise
             failure = exc
         finally:

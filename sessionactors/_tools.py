@@ -50,6 +50,7 @@ __all__ = [
     "describe_exception",
     "is_async_callable",
     "run_in_thread",
+    "stops",
     "tool",
 ]
 
@@ -226,7 +227,9 @@ class Tool:
                 result = self.fn()
             if result.__class__ is _CoroutineType or inspect.isawaitable(result):
                 result = await result
-        except OWN_FAILURES as exc:  # a tool's own exit fails its call only
+        except BaseException as exc:  # a tool's own exit fails its call only
+            if stops(exc):
+                raise
             if on_error is not None:
                 on_error(exc)
             return _outcome(content=describe_exception(exc), is_error=True)
@@ -367,11 +370,19 @@ def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
     return parsed
 
 
-#: What a tool or a model raises that fails its own call or turn only: every
-#: Exception, and the two others user code raises as its own failure (``sys.exit()``,
-#: a GeneratorExit from a misused generator). A KeyboardInterrupt stops the registry,
-#: as trio's Cancelled stops what was cancelled.
-OWN_FAILURES: Final = (Exception, SystemExit, GeneratorExit)
+#: What stops more than the code that raised it: trio's Cancelled (the scope that was
+#: cancelled handles it) and a KeyboardInterrupt (it stops the registry).
+_STOPS: Final = (trio.Cancelled, KeyboardInterrupt)
+
+
+def stops(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a tool or a model, is a cancellation or a
+    KeyboardInterrupt (or a group holding one), to let out; anything else it raises
+    (``sys.exit()``, a misused generator's GeneratorExit, an asyncio task's
+    CancelledError, any exception) fails its own call or turn only."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(_STOPS) is not None
+    return isinstance(exc, _STOPS)
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -3,6 +3,7 @@ come out as themselves, a failing final write is loud, crashes are logged."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import math
@@ -54,8 +55,16 @@ class ExitingModel:
 
 
 #: What user code raises that is not an ``Exception`` and is still its own failure
-#: (a KeyboardInterrupt, trio's Cancelled are not: they stop the registry, or the turn).
-EXITS = [SystemExit(3), GeneratorExit()]
+#: (a KeyboardInterrupt, trio's Cancelled are not: they stop the registry, or the turn):
+#: ``sys.exit()``, a misused generator's exit, an asyncio task's cancellation that code
+#: run with ``asyncio.run`` lets out, a bare BaseException, a group of them.
+EXITS = [
+    SystemExit(3),
+    GeneratorExit(),
+    asyncio.CancelledError("its own task"),
+    BaseException("bare"),
+    BaseExceptionGroup("its own", [GeneratorExit(), ValueError("v")]),
+]
 
 
 @pytest.mark.parametrize("exc", EXITS, ids=lambda exc: type(exc).__name__)
@@ -73,23 +82,65 @@ async def test_a_model_that_exits_fails_its_turn_only(exc: BaseException) -> Non
         assert registry.statistics().crashes == 0
 
 
+@pytest.mark.parametrize("in_thread", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize("exc", EXITS, ids=lambda exc: type(exc).__name__)
-async def test_a_tool_that_exits_fails_its_call_only(exc: BaseException) -> None:
-    """SystemExit or GeneratorExit from a tool becomes an error result the model sees."""
+async def test_a_tool_that_exits_fails_its_call_only(exc: BaseException, in_thread: bool) -> None:
+    """SystemExit, GeneratorExit, an asyncio CancelledError, any BaseException but a
+    KeyboardInterrupt from a tool, async or run in a thread, becomes an error result
+    the model sees; a session's turn beside it goes on. (All but SystemExit ended the
+    whole registry.)"""
 
-    @sa.tool
-    async def leave() -> str:
+    def leave_now() -> str:
         """Leave."""
         raise exc
 
+    async def leave_soon() -> str:
+        """Leave."""
+        raise exc
+
+    leave = sa.tool(name="leave")(leave_now if in_thread else leave_soon)
     call = sa.ToolCall(id="c1", name="leave", arguments="{}")
     model = ScriptedModel([Scripted(tool_calls=[call]), Scripted(text="ok")])
-    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[leave])}) as registry:
-        ref = await registry.spawn("s")
-        assert (await ref.send("go")).text == "ok"
+    agents = {"a": sa.Agent(model=model, tools=[leave]), "echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("s", agent="a")
+        beside = await (await registry.spawn("beside", agent="echo")).submit("meanwhile")
+        with trio.fail_after(10):
+            assert (await ref.send("go")).text == "ok"
+            assert (await beside.reply()).text == "meanwhile"
         tool_messages = [m for m in await ref.history() if m.role is sa.Role.TOOL]
         assert tool_messages[0].is_error
         assert type(exc).__name__ in tool_messages[0].content
+        assert registry.statistics().crashes == 0
+
+
+async def test_a_cancellation_through_a_tools_nursery_still_cancels_the_turn(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A turn cancelled while its tool waits in a nursery of its own (the cancellation
+    comes out of the tool as a group) is cancelled: its call is answered as one the
+    cancellation cut, not as the tool's failure ("BaseExceptionGroup: ...")."""
+
+    @sa.tool
+    async def fan_out() -> str:
+        """Wait on two things."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+        return "never"  # pragma: no cover
+
+    call = sa.ToolCall(id="c1", name="fan_out", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), Scripted(text="never")])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model, tools=[fan_out])}) as registry:
+        ref = await registry.spawn("s")
+        turn = await ref.submit("go")
+        await trio.testing.wait_all_tasks_blocked()
+        assert await ref.cancel(turn_id=turn.id)
+        with pytest.raises(sa.TurnCancelledError):
+            await turn.reply()
+        assert (await ref.turn_outcome(turn.id)).status is sa.TurnStatus.CANCELLED
+        [result] = [m for m in await ref.history() if m.role is sa.Role.TOOL]
+        assert result.content.startswith("this call was cancelled"), result.content
 
 
 @pytest.mark.parametrize(

@@ -116,8 +116,9 @@ async def test_cancelling_the_registry_block_after_a_wave_ends_every_session(
             await refs[0].send("after close")
 
 
-class Stop(BaseException):
-    """Not an Exception: a session does not handle it."""
+class Stop(KeyboardInterrupt):
+    """A Ctrl-C landing in a model: a session does not handle it (anything else a model
+    raises, a bare BaseException too, fails its turn only)."""
 
 
 class StopModel:
@@ -130,8 +131,8 @@ class StopModel:
 
 
 async def test_an_exception_escaping_a_session_ends_the_registry_as_itself() -> None:
-    """A BaseException that escapes a session's task ends the registry and comes out of
-    ``open_registry`` as itself (alone, it is not wrapped in a group)."""
+    """A KeyboardInterrupt that escapes a session's task ends the registry and comes out
+    of ``open_registry`` as itself (alone, it is not wrapped in a group)."""
 
     async def run() -> None:
         async with sa.open_registry(agents={"stop": sa.Agent(model=StopModel())}) as registry:
@@ -145,7 +146,7 @@ async def test_an_exception_escaping_a_session_ends_the_registry_as_itself() -> 
 async def test_a_base_exception_in_one_session_ends_the_registry_while_others_are_live(
     echo_agents: dict[str, sa.Agent], autojump_clock: trio.abc.Clock
 ) -> None:
-    """A BaseException (a Ctrl-C landing in a model) escaping one session ends the registry
+    """A KeyboardInterrupt (a Ctrl-C landing in a model) escaping one session ends the registry
     at once, as itself, even while other sessions are live (they are shut down in a hurry
     and hibernated: their answered turns are kept)."""
     store = MemoryStore()

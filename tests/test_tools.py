@@ -731,17 +731,23 @@ async def test_exception_from_fn_becomes_an_error_outcome(error: Exception, cont
     assert await fail.invoke("{}") == ToolOutcome(content=content, is_error=True)
 
 
-async def test_base_exception_propagates() -> None:
-    """A BaseException that is not an Exception is raised, not turned into an outcome."""
+async def test_a_keyboard_interrupt_propagates_and_another_base_exception_does_not() -> None:
+    """A KeyboardInterrupt (Ctrl-C) is raised, not turned into an outcome; another
+    BaseException that is not an Exception is the tool's own failure, an outcome."""
 
     class Stop(BaseException):
         pass
 
-    def stop() -> None:
-        raise Stop
+    def interrupt() -> None:
+        raise KeyboardInterrupt
 
-    with pytest.raises(Stop):
-        await Tool(name="stop", fn=stop).invoke("{}")
+    def stop() -> None:
+        raise Stop("stopped")
+
+    with pytest.raises(KeyboardInterrupt):
+        await Tool(name="interrupt", fn=interrupt).invoke("{}")
+    outcome = await Tool(name="stop", fn=stop).invoke("{}")
+    assert outcome == ToolOutcome(content="Stop: stopped", is_error=True)
 
 
 async def test_cancellation_propagates(autojump_clock: trio.abc.Clock) -> None:

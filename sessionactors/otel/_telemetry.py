@@ -23,6 +23,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from .._model import Model, ModelRequest
 from .._records import ToolCall, Usage, storable
 from .._telemetry import ModelCallTrace, Telemetry, ToolCallTrace, TurnTrace
+from .._tools import stops
 
 __all__ = ["METRICS", "OpenTelemetry"]
 
@@ -393,7 +394,7 @@ class _ModelCall(ModelCallTrace):
             if usage is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
                 span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
-            if isinstance(error, Exception | SystemExit | GeneratorExit):  # (not a cancellation)
+            if error is not None and not stops(error):  # (a cancellation is no failure)
                 attributes["error.type"] = _error_type(error)
                 _fail(span, error)
         finally:
