@@ -344,8 +344,9 @@ def task_result(task: asyncio.Future[T]) -> T:
     a SessionStoppedError (not mistaken for trio's own cancellation): the loop is going
     away (asyncio.run's end, a server's second Ctrl-C), and a turn it cut fails as one
     its registry's close cut off does (send the message again), not as a model's own
-    failure."""
-    if task.cancelled():
+    failure. A task that nobody cancelled let out a CancelledError of its own (an inner
+    task's that it awaited): that is raised as it is, the code's own failure."""
+    if task.cancelled() and (not isinstance(task, asyncio.Task) or task.cancelling()):
         raise SessionStoppedError(
             "an asyncio task that sessionactors.aio ran for a model, tool or store was "
             "cancelled by someone else (the asyncio loop shutting down, say): send the "

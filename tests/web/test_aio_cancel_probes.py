@@ -14,7 +14,7 @@ import trio
 
 import sessionactors as sa
 import sessionactors.aio as aio
-from sessionactors.testing import EchoModel, FaultyStore
+from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel
 
 #: Event-loop iterations after which a probe cancels its caller: 0 .. ITERATIONS - 1.
 ITERATIONS = 24
@@ -740,3 +740,36 @@ def test_a_model_task_the_loop_cancels_fails_its_turn_as_stopped_not_as_the_mode
     assert outcome.status is sa.TurnStatus.FAILED
     assert (outcome.error or "").startswith("SessionStoppedError: "), outcome.error
     assert isinstance(error.__cause__ or error, sa.SessionStoppedError), repr(error)
+
+
+def test_an_asyncio_tool_that_lets_out_its_own_inner_cancellation_fails_its_call_only() -> None:
+    """An asyncio tool whose inner task someone cancelled, and which lets that
+    CancelledError out (nobody cancelled the tool's own task): its call's error result
+    says so, as any exception a tool raises; the turn goes on. (It was told as the
+    loop cutting the turn: "SessionStoppedError ... send the message again".)"""
+
+    @sa.tool
+    async def fetch_price() -> str:
+        """The price, from a request whose task a pool closing cancels."""
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        asyncio.get_running_loop().call_soon(inner.cancel)
+        await inner
+        return "never"  # pragma: no cover
+
+    call = sa.ToolCall(id="c1", name="fetch_price", arguments="{}")
+    model = ScriptedModel([Scripted(tool_calls=[call]), Scripted(text="no price")])
+
+    async def main() -> tuple[str, list[sa.Message]]:
+        async with aio.open_registry(
+            agents={"a": sa.Agent(model=model, tools=[fetch_price])}
+        ) as reg:
+            ref = await reg.spawn("s")
+            async with asyncio.timeout(10):
+                reply = await ref.send("price?")
+            return reply.text, await ref.history()
+
+    text, history = run(main)
+    assert text == "no price"
+    [result] = [m for m in history if m.role is sa.Role.TOOL]
+    assert result.is_error
+    assert result.content.startswith("CancelledError"), result.content
