@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ._errors import SessionBusyError, shown
-from ._records import Message, Role
+from ._records import Message, OpenTurn, Role
 
 __all__ = [
+    "check_before_open_turn",
     "check_copyable",
     "default_estimate",
     "rewind_end",
@@ -106,6 +107,33 @@ def check_copyable(name: str, messages: Sequence[Message], refused: str, instead
         raise SessionBusyError(
             f"session {name!r} has a tool call without its result yet (a pending review "
             f"or a running tool), so {refused}; {instead}",
+            session_id=name,
+        )
+
+
+def check_before_open_turn(
+    name: str, history: Sequence[Message], open_turn: OpenTurn | None, kept: int
+) -> None:
+    """Refuse to fork the first ``kept`` messages of session ``name``'s ``history`` if
+    they reach into ``open_turn``, a turn under way (or waiting on a review, or left
+    open by a process that died): the fork would hold its user message without the
+    reply, and its next turn would send the model two user messages in a row.
+
+    Raises SessionBusyError naming the turn.
+    """
+    if open_turn is None:
+        return
+    ids = [m.id for m in history]
+    if open_turn.message_id in ids:
+        start = ids.index(open_turn.message_id)
+    else:  # (a state written before 0.3: its turn is the last user message's)
+        users = [i for i, m in enumerate(history) if m.role is Role.USER]
+        start = users[-1] if users else len(history)
+    if kept > start:
+        raise SessionBusyError(
+            f"session {name!r} has a turn under way ({open_turn.turn_id}): a fork holding "
+            "its message without the reply would send the model two user messages in a "
+            "row; fork at a message before the turn's, or after the turn ends",
             session_id=name,
         )
 

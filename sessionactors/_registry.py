@@ -35,7 +35,7 @@ from ._errors import (
     shown,
 )
 from ._final import NoPublicConstructor
-from ._history import check_copyable, rewind_end
+from ._history import check_before_open_turn, check_copyable, rewind_end
 from ._metadata import check_metadata
 from ._names import redact, validate_name
 from ._reading import describe_stored, is_damaged, list_stored
@@ -174,7 +174,11 @@ class Registry(metaclass=NoPublicConstructor):
     async def fork(self, name: str, new_name: str, *, at: str | None = None) -> SessionRef:
         """A new session ``new_name`` with ``name``'s history up to message ``at``
         (all of it if None; a tool call keeps its results), agent, metadata,
-        system prompt and summary."""
+        system prompt and summary.
+
+        Raises SessionBusyError if the fork would hold the message of a turn under
+        way (or waiting on a review) without its reply: fork at an earlier message,
+        or after the turn ends."""
         validate_name(new_name)
         if at is not None:
             check_type(name, "at", at, str)
@@ -195,6 +199,7 @@ class Registry(metaclass=NoPublicConstructor):
             "its history cannot be forked as it is",
             "fork at an earlier message, or after the call is answered",
         )
+        check_before_open_turn(name, source.messages, source.open_turn, len(messages))
         state = new_state(
             new_name,
             agent=source.agent,

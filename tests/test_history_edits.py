@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import sessionactors as sa
 from history_rules import kept_by_compaction, kept_by_rewind, kept_by_truncate, tool_pairs_intact
 from sessionactors.stores import MemoryStore
-from sessionactors.testing import Scripted, ScriptedModel
+from sessionactors.testing import Gate, Scripted, ScriptedModel
 
 # ---- a conversation with tool groups -------------------------------------------------------
 
@@ -358,6 +358,37 @@ async def test_fork_refusals(autojump_clock: trio.abc.Clock) -> None:
 
     assert roles(late_history) == "uaucta"
     assert tool_pairs_intact(late_history)
+
+
+async def test_fork_refuses_a_turn_under_way_and_forks_before_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A fork of a session whose text turn is under way would copy the turn's user
+    message without its reply, and the fork's next turn would send the model two user
+    messages in a row: refused with SessionBusyError naming the turn, also at the
+    turn's message; a fork at an earlier message, or after the turn, is whole."""
+    gate = Gate()
+    model = ScriptedModel(["hi", Scripted(text="slow words", wait=gate, wait_after=1), "more"])
+    async with sa.open_registry(agents={"a": sa.Agent(model=model)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.send("hello")
+            turn = await ref.submit("slow")
+            await trio.testing.wait_all_tasks_blocked()
+            history = await ref.history()
+            assert roles(history) == "uau"
+            for at in (None, history[-1].id):
+                with pytest.raises(sa.SessionBusyError, match=turn.id) as info:
+                    await registry.fork("s", "f1", at=at)
+                assert "after the turn ends" in str(info.value)
+            early = await registry.fork("s", "f2", at=history[1].id)
+            assert roles(await early.history()) == "ua"
+            gate.open()
+            await turn.reply()
+            late = await registry.fork("s", "f3")
+            assert roles(await late.history()) == "uaua"
+            await late.send("next")
+            assert roles(model.requests[-1].messages) == "uauau"
 
 
 # ---- durability -----------------------------------------------------------------------------
