@@ -1003,7 +1003,8 @@ class Actor:
             return None
         try:
             agent = self.host.agent_for(session)
-        except LookupError as exc:
+        except LookupError as exc:  # (a deployment's fault: logged where it is)
+            log.error("turn %s of session %r refused: %s", mail.turn_id, sid, exc)
             error = advised(AgentNotFoundError, str(exc), session_id=sid, turn_id=mail.turn_id)
             error.__cause__ = exc
             self._refuse(mail, error)
@@ -1375,6 +1376,7 @@ class Actor:
         try:
             agent = self.host.agent_for(session)
         except LookupError as exc:
+            log.error("review of session %r refused, it stays pending: %s", sid, exc)
             raise advised(
                 AgentNotFoundError,
                 f"{exc}; the review stays pending until the agent is back",
@@ -1662,7 +1664,7 @@ class Actor:
         try:
             agent = self.host.agent_for(self.session)
         except LookupError as exc:
-            log.warning("turn %r stays open until its agent is back: %s", open_turn.turn_id, exc)
+            log.error("turn %s stays open until its agent is back: %s", open_turn.turn_id, exc)
             error = advised(
                 AgentNotFoundError,
                 f"{exc}; the turn stays open until a registry with its agent wakes the session",

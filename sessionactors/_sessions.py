@@ -138,10 +138,17 @@ class Sessions:
                 if self.agents
                 else "it was opened without agents, to read and manage sessions"
             )
-            raise LookupError(
-                f"session {session.session_id!r} runs agent {key!r}, which this registry does "
-                f"not have ({has}); to run its turns, pass it in "
-                f"open_registry(agents={{{key!r}: Agent(...)}})"
+            if self.router is None:
+                raise LookupError(
+                    f"session {session.session_id!r} runs agent {key!r}, which this registry "
+                    f"does not have ({has}); to run its turns, pass it in "
+                    f"open_registry(agents={{{key!r}: Agent(...)}})"
+                )
+            raise LookupError(  # (named: the request may have come through another worker)
+                f"session {session.session_id!r} runs agent {key!r}, which worker "
+                f"{self.worker_id!r} does not have ({has}); every worker on a store needs "
+                f"the same agents: pass it in that worker's open_registry(agents="
+                f"{{{key!r}: Agent(...)}})"
             )
         return agent
 

@@ -988,6 +988,32 @@ async def test_a_gateway_without_agents_in_front_of_a_worker_serves_its_sessions
             assert sorted(a.live()) == sorted(set(names) - {names[2]})
 
 
+async def test_a_worker_without_a_sessions_agent_is_named_and_logs_the_refusal(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker deployed with other agents than the rest, which runs a session it has
+    no agent for: a turn sent through another worker fails with AgentNotFoundError
+    naming the worker that lacks the agent (not "this registry", which has it), and
+    that worker logs the refusal at ERROR (a 500 nobody saw in any log)."""
+    other = {"other": sa.Agent(model=EchoModel())}
+    with trio.fail_after(40):
+        async with (
+            cluster.registry(worker_id="a", balance=False) as a,
+            open_worker(cluster.url, cluster.prefix, "b", agents=other) as b,
+        ):
+            await (await a.spawn("s")).send("one")
+            await a.ref("s").hibernate()
+            assert len(await b.ref("s").history()) == 2  # b wakes it to read it: b runs it
+            assert b.live() == ["s"]
+            with pytest.raises(sa.AgentNotFoundError) as caught:
+                await a.ref("s").send("two")
+    message = str(caught.value)
+    assert "which worker 'b' does not have" in message, message
+    assert "this registry" not in message
+    [logged] = [r for r in caplog.records if r.levelname == "ERROR" and "'s'" in r.getMessage()]
+    assert "does not have" in logged.getMessage()
+
+
 @pytest.mark.parametrize("balance", [True, False], ids=["balance", "fixed"])
 async def test_a_registry_without_agents_and_no_worker_live_refuses_turns_unreachable(
     cluster: Cluster, balance: bool
