@@ -357,7 +357,9 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step, size: int) -> int:
         if call_id:
             p.id = call_id
         if name:
-            p.name = name
+            # a name repeated in every fragment is the name; one split across the first
+            # fragments, before the arguments, is joined (as the arguments are)
+            p.name = p.name + name if p.name and name != p.name and not p.arguments else name
         if arguments:
             p.arguments.append(arguments)
         size += len(arguments) + len(call_id or "") + len(name or "")

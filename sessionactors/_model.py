@@ -65,7 +65,9 @@ class ToolCallChunk:
     """A fragment of one tool call; fragments of one call share ``index``.
 
     The first fragment of a call usually carries ``id`` and ``name``; the
-    ``arguments`` of all fragments, joined, are the call's JSON arguments. A
+    ``arguments`` of all fragments, joined, are the call's JSON arguments (a name
+    split across the fragments before them is joined too; one repeated in every
+    fragment is the name). A
     fragment with a ``name`` and an ``id`` other than the one its index has
     begins a new call once the call at that index is whole (named, its
     arguments complete JSON): some servers stream every call at index 0, each

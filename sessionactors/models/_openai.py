@@ -532,8 +532,9 @@ class _StreamParser:
     usage: UsageChunk | None = None
 
     def feed(self, event: str, data: str) -> list[ModelChunk]:
-        if not data:
-            # A ``retry:``-only block, a keep-alive, or an event without data.
+        if not data or event not in ("message", "error"):
+            # A ``retry:``-only block, a keep-alive, an event without data, or one of a
+            # type of its own (a proxy's ``event: ping``), which an EventSource passes over.
             return []
         if data.strip() == "[DONE]":
             self.done = True

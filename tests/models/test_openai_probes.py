@@ -375,6 +375,33 @@ async def test_a_name_repeated_in_every_fragment_is_still_one_call(
     assert await run_tool_turn(fake, *chunks) == ["A1"]
 
 
+async def test_a_name_split_across_fragments_is_joined(fake: FakeOpenAI) -> None:
+    """A server that splits a call's name across its first fragments, as it splits the
+    arguments, gets the call of the joined name (the last piece named an unknown tool)."""
+    chunks = [
+        call_chunk({"name": "loo"}, index=0, id="call_1"),
+        call_chunk({"name": "kup"}, index=0),
+        call_chunk({"arguments": '{"order_id": '}, index=0),
+        call_chunk({"arguments": '"A1"}'}, index=0),
+    ]
+    assert await run_tool_turn(fake, *chunks) == ["A1"]
+
+
+async def test_an_event_of_another_type_is_passed_over(fake: FakeOpenAI) -> None:
+    """An SSE event of a type of its own (a proxy's ``event: ping``) is passed over, as
+    a browser's EventSource passes it over; it failed the turn as a malformed chunk."""
+    pieces = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "one "}}]}\n\n',
+        b"event: ping\ndata: {}\n\n",
+        b'data: {"choices": [{"index": 0, "delta": {"content": "two"}}]}\n\n',
+        b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+    )
+    fake.push(Reply(pieces=pieces))
+    reply = await send_one(OpenAIChatModel(fake.base_url, "m", max_retries=0))
+    assert reply.text == "one two"
+
+
 # -- cancel ----------------------------------------------------------------------
 
 
