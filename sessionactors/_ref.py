@@ -328,7 +328,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         band; whether it was cancelled.
 
         Its waiter gets TurnCancelledError; what it streamed is kept, marked
-        interrupted. Without ``turn_id`` it cancels whichever turn is in flight.
+        interrupted, once the turn has ended (its ``TurnCancelled`` event): this
+        returns as soon as the turn is told to stop. Without ``turn_id`` it cancels
+        whichever turn is in flight.
         With ``turn_id`` (``turn.id``, ``reply.turn_id``, or a ``TurnStarted``
         event's) it cancels only that turn, and answers False if another turn (or
         none) is in flight: a stop pressed as its turn ends does not cancel the
