@@ -2,6 +2,7 @@
 ``python -m sessionactors serve`` behind a proxy whose connections the test can drop."""
 
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,44 @@ def test_a_message_typed_as_a_session_opens_comes_after_its_history(
         expect(shown).to_have_count(4, timeout=10_000)
         expect(shown).to_have_text(["hi", "hi", "back again", "back again"])
         assert errors == []
+
+
+def test_a_message_whose_turn_a_crash_lost_is_offered_to_send_again(
+    browser: object, tmp_path: Path
+) -> None:
+    """The server is killed (kill -9) mid-reply and started again: the turn was never
+    stored, so the page shows the history without it, says so, and keeps the message
+    as not kept, with Send again; sent again, it is answered. (The message vanished
+    without a word: the page showed "connected" and an empty session.)"""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'crash.db'}"
+    words = " ".join(f"w{i}" for i in range(60))
+    with open_proxy(0) as proxy:
+        with serve_command(store, status=-signal.SIGKILL) as server:
+            proxy.target_port = server.port
+            page, errors = open_page(browser, f"http://127.0.0.1:{proxy.port}/#session=web-k")
+            expect(page.locator("#title")).to_have_text("web-k")
+            page.fill("#text", "kept first")
+            page.press("#text", "Enter")
+            expect(page.locator(".message.assistant")).to_have_text("kept first", timeout=10_000)
+            page.fill("#text", words)
+            page.press("#text", "Enter")
+            expect(page.locator(".message.streaming")).to_contain_text("w5", timeout=10_000)
+            server.process.kill()
+            server.process.wait()
+        expect(page.locator("#status")).to_have_text("reconnecting", timeout=10_000)
+        with serve_command(store) as again:
+            proxy.target_port = again.port
+            expect(page.locator("#status")).to_have_text("connected", timeout=15_000)
+            expect(page.locator(".message.user")).to_have_text(["kept first"], timeout=10_000)
+            expect(page.locator(".message.error")).to_contain_text("send it again")
+            lost = page.locator("#outbox .outgoing.failed")
+            expect(lost).to_contain_text(words)
+            expect(lost).to_contain_text("not kept")
+            lost.locator("button.resend").click()
+            expect(page.locator(".message.assistant").last).to_have_text(words, timeout=15_000)
+            expect(lost).to_have_count(0)
+            page.close()
+    assert not errors
