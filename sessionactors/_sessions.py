@@ -139,16 +139,13 @@ class Sessions:
                 else "it was opened without agents, to read and manage sessions"
             )
             if self.router is None:
-                raise LookupError(
-                    f"session {session.session_id!r} runs agent {key!r}, which this registry "
-                    f"does not have ({has}); to run its turns, pass it in "
-                    f"open_registry(agents={{{key!r}: Agent(...)}})"
-                )
-            raise LookupError(  # (named: the request may have come through another worker)
-                f"session {session.session_id!r} runs agent {key!r}, which worker "
-                f"{self.worker_id!r} does not have ({has}); every worker on a store needs "
-                f"the same agents: pass it in that worker's open_registry(agents="
-                f"{{{key!r}: Agent(...)}})"
+                who, fix = "this registry", "to run its turns, pass it in"
+            else:  # (named: the request may have come through another worker)
+                who = f"worker {self.worker_id!r}"
+                fix = "every worker on a store needs the same agents: pass it in that worker's"
+            raise LookupError(
+                f"session {session.session_id!r} runs agent {key!r}, which {who} does not "
+                f"have ({has}); {fix} open_registry(agents={{{key!r}: Agent(...)}})"
             )
         return agent
 
