@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
@@ -557,3 +557,70 @@ async def test_spans_the_models_own_code_makes_nest_under_its_chat_span(
     assert parent(tool) == "invoke_agent a"
     assert parent(otel.named("ping")[0]) == "execute_tool ping"
     assert turn.parent is None
+
+
+class _RaisingProcessor(SpanProcessor):
+    """A span processor of the SDK that raises as spans start, or as they end."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.when == "start":
+            raise RuntimeError("the span processor failed")
+
+    def on_end(self, span: Any) -> None:
+        if self.when == "end":
+            raise RuntimeError("the span processor failed")
+
+
+@pytest.mark.parametrize("when", ["start", "end"])
+async def test_a_span_processor_that_raises_leaves_the_metrics_whole(
+    when: str, caplog: pytest.LogCaptureFixture, autojump_clock: trio.abc.Clock
+) -> None:
+    """A span processor that raises as spans start or end (a broken trace pipeline)
+    leaves turns and their metrics alone: every turn, model call and tool call is
+    counted and timed, and one WARNING says so. (Every turn metric was missing: traces
+    and metrics share the turn's hook, which was given up after its first failure.)"""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(_RaisingProcessor(when))
+    reader = InMemoryMetricReader()
+    telemetry = OpenTelemetry(
+        tracer_provider=tracer_provider, meter_provider=MeterProvider(metric_readers=[reader])
+    )
+
+    @sa.tool
+    async def lookup() -> str:
+        """Looks up."""
+        return "found"
+
+    steps: list[Scripted | str] = []
+    for i in range(3):  # three turns, each a tool call and its answer
+        steps += [Scripted(tool_calls=[call("lookup", f"c{i}")]), "done"]
+    model = ScriptedModel(steps)
+    agents = {"a": sa.Agent(model=model, tools=[lookup])}
+    async with sa.open_registry(agents=agents, telemetry=telemetry) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            for _ in range(3):
+                assert (await ref.send("hi")).text == "done"
+    data = reader.get_metrics_data()
+    assert data is not None
+    counted = {
+        metric.name: sum(
+            getattr(p, "value", getattr(p, "count", 0)) for p in metric.data.data_points
+        )
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    assert counted.get("sessionactors.turns") == 3, counted
+    assert counted.get("sessionactors.turn.duration") == 3, counted
+    assert counted.get("gen_ai.client.operation.duration") == 6, counted
+    assert counted.get("sessionactors.tool.calls") == 3, counted
+    warned = [r for r in caplog.records if "span" in r.getMessage() and r.levelname == "WARNING"]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]

@@ -8,6 +8,7 @@ its exporters. Nothing in the core imports it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import traceback
@@ -24,6 +25,8 @@ from .._model import Model, ModelRequest
 from .._records import ToolCall, Usage, storable
 from .._telemetry import ModelCallTrace, Telemetry, ToolCallTrace, TurnTrace
 from .._tools import stops
+
+log = logging.getLogger("sessionactors")
 
 __all__ = ["METRICS", "OpenTelemetry"]
 
@@ -184,6 +187,7 @@ class OpenTelemetry(Telemetry):
         self._registries: list[Any] = []
         self._closed: dict[str, int] = {}  # what closed registries counted, by field
         self._lock = threading.Lock()  # (the registries' list and _closed change together)
+        self._spans_failed = False  # (said once: a span that failed to start or end)
 
         def histogram(name: str, bounds: Iterable[float]) -> metrics.Histogram:
             _, unit, description = METRICS[name]
@@ -224,6 +228,32 @@ class OpenTelemetry(Telemetry):
     def __repr__(self) -> str:
         return f"<OpenTelemetry registries={len(self._registries)}>"
 
+    def _start(self, name: str, **options: Any) -> Span:
+        """A span started by the tracer; a span that records nothing if the trace
+        pipeline raised (a span processor's ``on_start``): the metrics go on."""
+        try:
+            return self._tracer.start_span(name, **options)
+        except Exception as exc:
+            self._span_failed(exc)
+            return trace.INVALID_SPAN
+
+    def _end(self, span: Span) -> None:
+        """End ``span``; the trace pipeline raising (an ``on_end``) is said once."""
+        try:
+            span.end()
+        except Exception as exc:
+            self._span_failed(exc)
+
+    def _span_failed(self, exc: Exception) -> None:
+        if not self._spans_failed:
+            self._spans_failed = True
+            log.warning(
+                "the tracer raised as a span started or ended (%s: %s), so spans are "
+                "missing; the metrics go on (later failures of spans are not logged)",
+                type(exc).__name__,
+                exc,
+            )
+
     def _observer(self, field: str) -> Any:
         # (called in the metric reader's thread, a periodic reader's own one included)
         def observe(options: CallbackOptions) -> Iterable[Observation]:
@@ -260,7 +290,7 @@ class OpenTelemetry(Telemetry):
         }
         if agent is not None:
             attributes["gen_ai.agent.name"] = agent
-        span = self._tracer.start_span(
+        span = self._start(
             f"invoke_agent {agent}" if agent else "invoke_agent",
             # a root: one turn is one trace, whoever's context started the actor
             context=otel_context.Context(),
@@ -304,7 +334,7 @@ class _Turn(TurnTrace):
 
     def model_call(self, model: Model, request: ModelRequest) -> ModelCallTrace:
         name = _model_name(model)
-        span = self._otel._tracer.start_span(
+        span = self._otel._start(
             f"chat {name}",
             context=trace.set_span_in_context(self._span),
             kind=SpanKind.CLIENT,
@@ -317,7 +347,7 @@ class _Turn(TurnTrace):
 
     @contextlib.contextmanager
     def tool_call(self, call: ToolCall) -> Iterator[ToolCallTrace]:
-        span = self._otel._tracer.start_span(
+        span = self._otel._start(
             f"execute_tool {call.name}",
             context=trace.set_span_in_context(self._span),
             kind=SpanKind.INTERNAL,
@@ -343,7 +373,7 @@ class _Turn(TurnTrace):
             counted = False
             raise
         finally:
-            span.end()
+            self._otel._end(span)
             if counted:
                 attributes = {"gen_ai.tool.name": call.name}
                 if traced.error_type is not None:
@@ -361,7 +391,7 @@ class _Turn(TurnTrace):
                 attributes["error.type"] = _error_type(error)
                 _fail(span, error)
         finally:
-            span.end()
+            self._otel._end(span)
         self._otel.turns.add(1, attributes)
         self._otel.turn_duration.record(time.perf_counter() - self._start, attributes)
 
@@ -398,7 +428,7 @@ class _ModelCall(ModelCallTrace):
                 attributes["error.type"] = _error_type(error)
                 _fail(span, error)
         finally:
-            span.end()
+            self._otel._end(span)
             otel_context.detach(self._token)
         if usage is not None:
             tokens = self._otel.tokens
