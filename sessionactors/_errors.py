@@ -455,6 +455,18 @@ class StoreNotReplicatedError(StoreError, TimeoutError):
     """
 
 
+class LeasesUnrenewedError(StoreError):
+    """(Internal: a registry handles it) A renewal of many leases at once that reached
+    only part of the store (a master of a Redis Cluster down): it renewed the leases of
+    every session but ``unanswered``, whose renewal failed, and ``lost``, whose leases
+    it found held no more."""
+
+    def __init__(self, message: str, *, lost: frozenset[str], unanswered: frozenset[str]) -> None:
+        super().__init__(message)
+        self.lost = lost
+        self.unanswered = unanswered
+
+
 #: What a store that lost or rolled back data looks like, as the messages that may be
 #: explained by it say.
 LOST_DATA_CAUSES = (

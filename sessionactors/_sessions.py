@@ -24,6 +24,7 @@ from ._errors import (
     AdviceKind,
     FencedOutError,
     LeaseHeldError,
+    LeasesUnrenewedError,
     Private,
     SessionActorsError,
     SessionBusyError,
@@ -649,6 +650,9 @@ class Sessions:
             if isinstance(self.store, LeaseBatchStore):
                 try:
                     lost = await self.store.renew_many(held, ttl)
+                except LeasesUnrenewedError as exc:  # (some renewed: a cluster's master down)
+                    log.warning("%s; tried again each round until the leases lapse", exc)
+                    lost, unanswered = set(exc.lost), set(exc.unanswered)
                 except StoreError as exc:
                     # (the store's error says what it could not renew)
                     log.warning("%s; tried again each round until the leases lapse", exc)

@@ -68,6 +68,7 @@ from .._codec import MAX_SEQ
 from .._errors import (
     Advice,
     AdviceKind,
+    LeasesUnrenewedError,
     SnapshotCorruptError,
     StoreConfigurationError,
     StoreError,
@@ -1688,13 +1689,68 @@ class RedisStore:
             count = sum(len(names) for names in shards.values())
             about = "1 session" if count == 1 else f"{count} sessions"
             doing = "renew the lease of" if count == 1 else "renew the leases of"
-            held_still = await self._run(doing, None, run, about=about)
+            try:
+                held_still = await self._run(doing, None, run, about=about)
+            except StoreError:
+                if not self._on_cluster:
+                    raise
+                # A cluster's pipeline of scripts needs every master (the client asks
+                # each whether it has the script): one down fails it. Shard by shard,
+                # those on the masters still up are renewed.
+                held_still = await self._renew_apart(shards, owners, ms, lost)
             for names, ok in zip(shards.values(), held_still, strict=True):
                 if not ok:
                     lost.update(names)
         else:
             await trio.lowlevel.checkpoint()
         return lost
+
+    async def _renew_apart(
+        self,
+        shards: dict[tuple[int, str], list[str]],
+        owners: dict[str, str],
+        ms: str,
+        lost: set[str],
+    ) -> list[bool]:
+        """``renew_many``'s shards renewed one call each, all at once: whether each is
+        still held; LeasesUnrenewedError if some failed (the others were renewed)."""
+        held_still: list[bool | StoreError] = [False] * len(shards)
+
+        async def renew(i: int, group: int, epoch: str, names: list[str]) -> None:
+            args = [owners[names[0]], epoch, ms]
+            about = "1 session" if len(names) == 1 else f"{len(names)} sessions"
+            try:
+                reply: Any = await self._run(
+                    "renew the lease of" if len(names) == 1 else "renew the leases of",
+                    None,
+                    lambda c: _RENEW_SHARD([self._shard_key(group)], args, client=c),
+                    about=about,
+                )
+            except StoreError as exc:
+                held_still[i] = exc
+            else:
+                held_still[i] = bool(reply)
+
+        async with trio.open_nursery() as nursery:
+            for i, ((group, epoch), names) in enumerate(shards.items()):
+                nursery.start_soon(renew, i, group, epoch, names)
+        failed = [
+            (names, outcome)
+            for names, outcome in zip(shards.values(), held_still, strict=True)
+            if isinstance(outcome, StoreError)
+        ]
+        if not failed:
+            return [bool(outcome) for outcome in held_still]
+        unanswered = frozenset(name for names, _ in failed for name in names)
+        for names, outcome in zip(shards.values(), held_still, strict=True):
+            if outcome is False:
+                lost.update(names)
+        raise LeasesUnrenewedError(
+            f"{failed[0][1]} (the leases of {len(unanswered)} of {len(owners)} sessions; "
+            "the others were renewed)",
+            lost=frozenset(lost),
+            unanswered=unanswered,
+        )
 
     async def release(self, session_id: str, lease: Lease) -> None:
         args = [lease.owner, str(lease.fence)]

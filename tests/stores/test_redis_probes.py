@@ -365,7 +365,9 @@ async def test_a_cluster_master_killed_fails_calls_with_store_errors_only(
     master whether it has them; the dead master's answer, an exception, made the client
     fail inside its merge with a TypeError, which reached the registry as no error of
     sessionactors' and ended it. Now the calls that need the dead master raise
-    StoreError, and a session whose keys live on a master still up keeps working."""
+    StoreError, and a session whose keys live on a master still up keeps working: its
+    lease is renewed too (the pipeline failed, so the leases of every session of the
+    worker lapsed, whichever master held them)."""
     with private_redis_cluster() as url, trio.fail_after(60):
         prefix = _new_prefix()
         store = RedisStore(url, prefix=prefix, timeout=20)
@@ -377,13 +379,62 @@ async def test_a_cluster_master_killed_fails_calls_with_store_errors_only(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             for _ in range(3):
-                with contextlib.suppress(sa.StoreError):  # (typed: what the registry handles)
-                    assert await store.renew_many({"s": lease}, 30) in (set(), {"s"})
+                assert await store.renew_many({"s": lease}, 30) == set()
             await store.append("s", [JournalEntry(1, b"one")], b"i", fence=lease.fence)
             loaded = await store.load("s")
             assert loaded is not None
             assert [e.data for e in loaded.entries] == [b"one"]
             await store.aclose()
+
+
+async def test_leases_on_the_masters_still_up_are_renewed_when_one_master_is_lost(
+    private_redis_cluster: PrivateServer,
+) -> None:
+    """A master of a Redis Cluster killed that holds some of a worker's sessions: one
+    renewal of every lease fails for those (StoreError, saying the others were renewed),
+    and renews the leases of the sessions on the masters still up, which another owner
+    then cannot claim. (The whole renewal failed, and every lease lapsed.)"""
+    with private_redis_cluster() as url, trio.fail_after(60):
+        prefix = _new_prefix()
+        store = RedisStore(url, prefix=prefix, timeout=5)
+        names = [f"s{i}" for i in range(12)]
+        for name in names:
+            await store.create(name, b"snap", b"i")
+        migration = await trio.to_thread.run_sync(_Migration, url)
+        held_at: dict[int, set[str]] = {}
+        for port, _ in migration.masters.values():
+            keys = await trio.to_thread.run_sync(
+                lambda p=port: _cli(p, "--scan", "--pattern", f"{prefix}:*").split()
+            )
+            held_at[port] = {n for n in names if any(_session_part(n) in k for k in keys)}
+        lost_port, lost = next((p, held) for p, held in held_at.items() if held)
+        kept = set(names) - lost
+        assert kept, held_at
+        info = await trio.to_thread.run_sync(_cli, lost_port, "INFO", "server")
+        ttl = 4
+        first = trio.current_time()
+        leases = {}
+        for name in names:
+            lease = await store.claim(name, "me", ttl)
+            assert lease is not None
+            leases[name] = lease
+        claimed = trio.current_time()
+        assert claimed - first < 2, "the claims took too long for this test's timing"
+        os.kill(int(info.split("process_id:")[1].split()[0]), signal.SIGKILL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            await trio.sleep_until(first + 2.5)  # renewed late: the claims lapse before
+            with pytest.raises(sa.StoreError, match="the others were renewed"):
+                await store.renew_many(leases, ttl)
+            await trio.sleep_until(claimed + ttl + 0.5)  # past every lease as claimed
+            for name in kept:  # (another worker's claim, through this store's client)
+                assert await store.claim(name, "other", 3) is None, name
+            await store.aclose()
+
+
+def _session_part(name: str) -> str:
+    """What every key of session ``name`` holds (the store's documented layout)."""
+    return ":s:" + base64.urlsafe_b64encode(name.encode()).rstrip(b"=").decode() + ":"
 
 
 # -- listing while sessions come and go -------------------------------------------------
