@@ -91,6 +91,10 @@ AnyRef = sa.SessionRef | aio.SessionRef
 #: How long a server's startup waits for its store to answer (see ``_first_read``).
 STARTUP_STORE_WAIT: Final = 5.0
 
+#: The longest a server's startup waits for its store's first answer, retries included:
+#: a store whose calls never return (one of your own without timeouts) fails it then.
+STARTUP_STORE_BOUND: Final = 30.0
+
 #: How long ``GET /healthz`` waits for the store to answer before it answers 503.
 HEALTH_STORE_WAIT: Final = 2.0
 
@@ -141,26 +145,33 @@ async def _first_read(registry: AnyRegistry) -> None:
     after it. A store error a retry may fix is tried again for ``STARTUP_STORE_WAIT``
     seconds (a store restarting as the server starts); one that no retry fixes
     (``StoreConfigurationError``, or ``StoreNotDurableError``: the server's
-    persistence) fails at once."""
+    persistence) fails at once; a store that gives no answer in
+    ``STARTUP_STORE_BOUND`` seconds fails it with a StoreError."""
     deadline = anyio.current_time() + STARTUP_STORE_WAIT
     tried = False
-    while True:
-        try:
-            await registry.sessions(limit=1)
-            return
-        except (sa.StoreConfigurationError, sa.StoreNotDurableError):
-            raise
-        except sa.StoreError as exc:
-            if anyio.current_time() >= deadline:
+    with anyio.move_on_after(STARTUP_STORE_BOUND):
+        while True:
+            try:
+                await registry.sessions(limit=1)
+                return
+            except (sa.StoreConfigurationError, sa.StoreNotDurableError):
                 raise
-            if not tried:  # (once: the last error is the startup's failure, if it fails)
-                log.warning(
-                    "the store did not answer at startup; trying again for up to %g s: %s",
-                    STARTUP_STORE_WAIT,
-                    exc,
-                )
-                tried = True
-            await anyio.sleep(0.5)
+            except sa.StoreError as exc:
+                if anyio.current_time() >= deadline:
+                    raise
+                if not tried:  # (once: the last error is the startup's failure, if it fails)
+                    log.warning(
+                        "the store did not answer at startup; trying again for up to %g s: %s",
+                        STARTUP_STORE_WAIT,
+                        exc,
+                    )
+                    tried = True
+                await anyio.sleep(0.5)
+    raise sa.StoreError(
+        f"the store did not answer the server's first read of it within "
+        f"{STARTUP_STORE_BOUND:g} s: check that it is reachable; a store of your own "
+        "should bound its calls, as the built-in stores do (see the custom store how-to)"
+    )
 
 
 _OUTCOMES: Final = (sa.TurnFinished, sa.TurnFailed, sa.TurnCancelled, sa.ReviewRequested)

@@ -1701,3 +1701,20 @@ async def test_a_first_message_in_flight_at_shutdown_is_answered_or_stores_nothi
         assert [m.content for m in state.messages] == ["hello", "hello"]
     finally:
         await after.aclose()
+
+
+async def test_a_store_that_never_answers_fails_the_startup_instead_of_holding_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A store whose calls never return (a store of your own without timeouts, on a
+    host that stopped answering) fails the lifespan's startup within its bound, with a
+    StoreError saying so, instead of holding the server's startup for ever."""
+    store = FaultyStore(sa.MemoryStore())
+    store.hold("list_sessions")  # never opened
+    app = create_app(store=store, agents=trio_agents(delay=0))
+    start = trio.current_time()
+    with trio.fail_after(3600), pytest.raises(sa.StoreError, match="did not answer") as info:
+        async with app.lifespan():
+            pytest.fail("started")  # pragma: no cover
+    assert trio.current_time() - start < 600
+    assert "bound its calls" in str(info.value)
