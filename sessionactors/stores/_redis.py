@@ -789,6 +789,8 @@ class _Connection:
     client: Client | None = None
     error: BaseException | None = None
     opening: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    calls: int = 0  # the calls running on it
+    retired: bool = False  # closed once its last call ends
 
     def close(self) -> None:
         """Close the client; one still opening (connecting, checking) at once."""
@@ -1055,12 +1057,16 @@ class RedisStore:
             raise _Unavailable(str(conn.error)) from conn.error
         return conn.client
 
-    def _reconnect(self, conn: _Connection | None) -> None:
+    def _reconnect(self, conn: _Connection | None, *, at_once: bool = True) -> None:
         """Have the calls after this one open a new client (if ``conn`` is still the
-        current one); the calls running on it end with an error."""
+        current one); the calls running on it end with an error, or (not ``at_once``)
+        run to their end, and the client closes after the last."""
         if conn is not None and self._conn is conn:
             self._conn = None
-            conn.close()
+            if at_once or not conn.calls:
+                conn.close()
+            else:
+                conn.retired = True
 
     async def _run(
         self,
@@ -1089,101 +1095,17 @@ class RedisStore:
         else:
             where = f"session {session_id!r}" if session_id is not None else "sessions"
         conn: _Connection | None = None
-        client: Client | None = None
-        with trio.move_on_after(self.timeout + block):
-            try:
+        try:
+            with trio.move_on_after(self.timeout + block):
                 conn = self._connection()
-                client = await self._connected(conn)
-                return await call(client)
-            except (StoreNotDurableError, StoreConfigurationError):
-                raise
-            except ServerNotDurable as exc:
-                # A connection the client opened (to a server restarted, or to another
-                # master) failed its check: nothing went over it.
-                raise StoreNotDurableError(str(exc), session_id=session_id) from exc
-            except coredis.exceptions.ReplicationError as exc:
-                if self._target.sentinel:
-                    # A failover may have made another server the master and left this
-                    # one without replicas: the next calls ask the Sentinel again.
-                    self._reconnect(conn)
-                raise StoreNotReplicatedError(
-                    f"redis at {redact(self.url)} ran the write to {doing} {where}, but "
-                    f"fewer than {self.replicas} replica(s) confirmed it within "
-                    f"{self.replica_timeout:g} s (RedisStore(replicas=..., "
-                    "replica_timeout=...)): it is kept on the primary, and lost if the "
-                    "primary fails before a replica has it. Read the session before "
-                    "writing it again, and check that the replicas are connected and "
-                    "keeping up (INFO replication on the primary)",
-                    session_id=session_id,
-                ) from exc
-            except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
-                if trio.current_effective_deadline() == -math.inf:
-                    # cancelled meanwhile (coredis reports a connect it could not
-                    # finish as a ConnectionError): the cancellation, not an error
-                    await trio.lowlevel.checkpoint()
-                fix = _configuration_problem(exc, client)
-                if fix is _WRONG_TYPE_FIX and client is not None:
-                    fix = await self._wrong_type_fix(client, session_id, streams, exc)
-                if fix is not None and (
-                    isinstance(exc, _Unavailable) or fix in (_LOGIN_FIX, _DATABASE_FIX)
-                ):
-                    # refused as the client connected, or (nothing was asked of the
-                    # server at connect, as without a persistence check) when the call
-                    # opened its connection: the call itself never ran
-                    raise StoreConfigurationError(
-                        f"redis at {redact(self.url)} refused the store's connection: "
-                        f"{exc}; a retry cannot fix this: {fix}",
-                        session_id=session_id,
-                    ) from exc
-                if fix is not None:
-                    raise StoreConfigurationError(
-                        f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
-                        f"a retry cannot fix this: {fix}",
-                        session_id=session_id,
-                    ) from exc
-                if str(exc).startswith("OOM "):
-                    raise StoreError(
-                        f"could not {doing} {where}: redis at {redact(self.url)} is out of "
-                        f"memory and refused the call ({exc}); free memory in redis or raise "
-                        "its maxmemory, then retry",
-                        session_id=session_id,
-                    ) from exc
-                if isinstance(exc, coredis.exceptions.ClusterError):
-                    # (coredis raises it only once the servers kept redirecting the call)
-                    raise StoreError(
-                        f"could not {doing} {where} in redis at {redact(self.url)}: the "
-                        "cluster kept redirecting the call (its hash slot is being migrated "
-                        "to another master, or the cluster's layout is changing), so it did "
-                        "not run; retry once the resharding or failover is over",
-                        session_id=session_id,
-                    ) from exc
-                raise StoreError(
-                    f"could not {doing} {where} in redis at {redact(self.url)}: {exc}; "
-                    "check that redis-server is reachable, then retry",
-                    session_id=session_id,
-                ) from exc
-            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-                # coredis failing inside itself: a cluster client merges the answers of
-                # every master to a command sent to all of them (the SCRIPT EXISTS before
-                # a pipeline of scripts), and one master's lost connection makes the merge
-                # fail with a TypeError
-                if not _raised_by_client(exc):
-                    raise
-                raise StoreError(
-                    f"could not {doing} {where} in redis at {redact(self.url)}: the redis "
-                    f"client failed ({type(exc).__name__}: {exc}), as it does when a node "
-                    "of a Redis Cluster is down; check that every master is up (or has "
-                    "been replaced by its replica), then retry",
-                    session_id=session_id,
-                ) from exc
-            except RuntimeError as exc:
-                # coredis refuses commands once its pool has been closed under them.
-                if conn is None or not conn.done.is_set():
-                    raise
-                raise StoreError(
-                    f"could not {doing} {where}: the redis store was closed meanwhile; retry",
-                    session_id=session_id,
-                ) from exc
+                if conn is not None:
+                    conn.calls += 1
+                return await self._call(conn, doing, session_id, where, call, streams)
+        finally:
+            if conn is not None:
+                conn.calls -= 1
+                if conn.retired and not conn.calls:
+                    conn.close()
         # No answer in time: the next calls open a new client. Its connections may be
         # half-open (the server gone without a word, a firewall that dropped them),
         # which no reply would ever end.
@@ -1194,6 +1116,111 @@ class RedisStore:
             "and not overloaded, then retry",
             session_id=session_id,
         )
+
+    async def _call(
+        self,
+        conn: _Connection | None,
+        doing: str,
+        session_id: str | None,
+        where: str,
+        call: Callable[[Client], Awaitable[_T]],
+        streams: Sequence[str],
+    ) -> _T:
+        """``_run``'s call on ``conn``'s client, its errors translated."""
+        client: Client | None = None
+        try:
+            client = await self._connected(conn)
+            return await call(client)
+        except (StoreNotDurableError, StoreConfigurationError):
+            raise
+        except ServerNotDurable as exc:
+            # A connection the client opened (to a server restarted, or to another
+            # master) failed its check: nothing went over it.
+            raise StoreNotDurableError(str(exc), session_id=session_id) from exc
+        except coredis.exceptions.ReplicationError as exc:
+            if self._target.sentinel:
+                # A failover may have made another server the master and left this
+                # one without replicas: the next calls ask the Sentinel again (the
+                # calls on this client meanwhile run to their end)
+                self._reconnect(conn, at_once=False)
+            raise StoreNotReplicatedError(
+                f"redis at {redact(self.url)} ran the write to {doing} {where}, but "
+                f"fewer than {self.replicas} replica(s) confirmed it within "
+                f"{self.replica_timeout:g} s (RedisStore(replicas=..., "
+                "replica_timeout=...)): it is kept on the primary, and lost if the "
+                "primary fails before a replica has it. Read the session before "
+                "writing it again, and check that the replicas are connected and "
+                "keeping up (INFO replication on the primary)",
+                session_id=session_id,
+            ) from exc
+        except (*_TRANSPORT_ERRORS, _Unavailable) as exc:
+            if trio.current_effective_deadline() == -math.inf:
+                # cancelled meanwhile (coredis reports a connect it could not
+                # finish as a ConnectionError): the cancellation, not an error
+                await trio.lowlevel.checkpoint()
+            fix = _configuration_problem(exc, client)
+            if fix is _WRONG_TYPE_FIX and client is not None:
+                fix = await self._wrong_type_fix(client, session_id, streams, exc)
+            if fix is not None and (
+                isinstance(exc, _Unavailable) or fix in (_LOGIN_FIX, _DATABASE_FIX)
+            ):
+                # refused as the client connected, or (nothing was asked of the
+                # server at connect, as without a persistence check) when the call
+                # opened its connection: the call itself never ran
+                raise StoreConfigurationError(
+                    f"redis at {redact(self.url)} refused the store's connection: "
+                    f"{exc}; a retry cannot fix this: {fix}",
+                    session_id=session_id,
+                ) from exc
+            if fix is not None:
+                raise StoreConfigurationError(
+                    f"redis at {redact(self.url)} refused to {doing} {where}: {exc}; "
+                    f"a retry cannot fix this: {fix}",
+                    session_id=session_id,
+                ) from exc
+            if str(exc).startswith("OOM "):
+                raise StoreError(
+                    f"could not {doing} {where}: redis at {redact(self.url)} is out of "
+                    f"memory and refused the call ({exc}); free memory in redis or raise "
+                    "its maxmemory, then retry",
+                    session_id=session_id,
+                ) from exc
+            if isinstance(exc, coredis.exceptions.ClusterError):
+                # (coredis raises it only once the servers kept redirecting the call)
+                raise StoreError(
+                    f"could not {doing} {where} in redis at {redact(self.url)}: the "
+                    "cluster kept redirecting the call (its hash slot is being migrated "
+                    "to another master, or the cluster's layout is changing), so it did "
+                    "not run; retry once the resharding or failover is over",
+                    session_id=session_id,
+                ) from exc
+            raise StoreError(
+                f"could not {doing} {where} in redis at {redact(self.url)}: {exc}; "
+                "check that redis-server is reachable, then retry",
+                session_id=session_id,
+            ) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # coredis failing inside itself: a cluster client merges the answers of
+            # every master to a command sent to all of them (the SCRIPT EXISTS before
+            # a pipeline of scripts), and one master's lost connection makes the merge
+            # fail with a TypeError
+            if not _raised_by_client(exc):
+                raise
+            raise StoreError(
+                f"could not {doing} {where} in redis at {redact(self.url)}: the redis "
+                f"client failed ({type(exc).__name__}: {exc}), as it does when a node "
+                "of a Redis Cluster is down; check that every master is up (or has "
+                "been replaced by its replica), then retry",
+                session_id=session_id,
+            ) from exc
+        except RuntimeError as exc:
+            # coredis refuses commands once its pool has been closed under them.
+            if conn is None or not conn.done.is_set():
+                raise
+            raise StoreError(
+                f"could not {doing} {where}: the redis store was closed meanwhile; retry",
+                session_id=session_id,
+            ) from exc
 
     async def _wrong_type_fix(
         self,

@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import signal
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -196,6 +197,57 @@ async def test_a_frozen_replica_fails_acknowledged_writes_in_time(
         with trio.fail_after(10):
             await store.aclose()
             await control.aclose()
+
+
+def _replica_pid(sentinel_url: str) -> int:
+    """The process of the one replica of the master behind ``sentinel_url``."""
+    port = urlsplit(sentinel_url.replace("redis+sentinel", "redis", 1)).port
+    listed = subprocess.run(
+        ["redis-cli", "-p", str(port), "SENTINEL", "replicas", "sa-test"],
+        capture_output=True, text=True, timeout=10, check=True,
+    ).stdout.split()  # fmt: skip
+    replica = listed[listed.index("port") + 1]
+    info = subprocess.run(
+        ["redis-cli", "-p", replica, "INFO", "server"],
+        capture_output=True, text=True, timeout=10, check=True,
+    ).stdout  # fmt: skip
+    return int(info.split("process_id:")[1].split()[0])
+
+
+async def test_concurrent_writes_behind_a_sentinel_all_hear_their_replica_is_late(
+    private_redis_sentinel: Callable[..., AbstractContextManager[str]],
+) -> None:
+    """Behind a Sentinel, with the replica stopped: ten writes at once each raise
+    StoreNotReplicatedError. (The first to hear it closed the client under the others,
+    for the next calls to ask the Sentinel again: they failed with "Connection lost!",
+    told as a StoreError to check that redis is reachable, or with a RuntimeError of
+    the client.)"""
+    with private_redis_sentinel(replicas=1) as url:
+        prefix = _prefix()
+        store = RedisStore(url, prefix=prefix, replicas=1, replica_timeout=PATIENCE)
+        setup = RedisStore(url, prefix=prefix)  # (no wait: a busy machine's replica is slow)
+        raised: list[BaseException] = []
+
+        async def append(name: str) -> None:
+            try:
+                await store.append(name, [E(1, b"one")], b"info")
+            except Exception as exc:
+                raised.append(exc)
+
+        with trio.fail_after(30):
+            names = [f"s{i}" for i in range(10)]
+            for name in names:
+                await setup.create(name, b"snap", b"info")
+            await setup.aclose()
+            with frozen(await trio.to_thread.run_sync(_replica_pid, url)):
+                async with trio.open_nursery() as nursery:
+                    for name in names:
+                        nursery.start_soon(append, name)
+            await store.aclose()
+        assert len(raised) == 10
+        assert all(isinstance(exc, StoreNotReplicatedError) for exc in raised), [
+            f"{type(exc).__name__}: {exc}" for exc in raised
+        ]
 
 
 @pytest.mark.soak  # (slow: run by make soak)
