@@ -128,13 +128,24 @@ async def session_task(host: Host, actor: Actor) -> None:
             if failed:
                 for event in lost:  # no next incarnation: the store is not read again
                     actor.emit(event)
-                log.error(
-                    "session %r crashed %d times within %g s and is marked failed",
-                    actor.session_id,
-                    len(crashes),
-                    config.restart_window,
-                    exc_info=exc,
-                )
+                if retry_after is None:
+                    log.error(
+                        "session %r crashed %d times within %g s and is marked failed",
+                        actor.session_id,
+                        len(crashes),
+                        config.restart_window,
+                        exc_info=exc,
+                    )
+                else:  # (a store that comes back: not for good, and its error says all)
+                    log.warning(
+                        "session %r crashed %d times within %g s, its store failing (%s), "
+                        "and is marked failed; tried again on a request in %g s",
+                        actor.session_id,
+                        len(crashes),
+                        config.restart_window,
+                        exc,
+                        retry_after,
+                    )
                 actor.phase = Phase.LEFT
                 host.mark_failed(actor, cause_part(exc), retry_after)
                 return

@@ -597,9 +597,13 @@ async def test_restart_intensity_marks_the_session_failed(autojump_clock: trio.a
 
 
 async def test_a_session_failed_by_its_store_is_tried_again_after_the_window(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A session marked failed because its store kept failing (StoreError: a store can come back, as after a failover) rests for restart_window; then the next request starts it again from its durable state. One that crashed for another cause (here a store that raises RuntimeError: a bug) stays failed until the process restarts or it is deleted."""
+    """A session marked failed because its store kept failing (StoreError: a store can come back, as after a failover) rests for restart_window; then the next request starts it again from its durable state. One that crashed for another cause (here a store that raises RuntimeError: a bug) stays failed until the process restarts or it is deleted.
+
+    The first is said at WARNING, in one line that says it rests (a failover marked
+    every session so, each at ERROR with its traceback, as if it had stopped for good);
+    the second at ERROR, with its traceback."""
     store = FaultyStore()
     async with sa.open_registry(
         agents={"echo": sa.Agent(model=EchoModel())}, store=store, restart_window=5.0
@@ -628,6 +632,11 @@ async def test_a_session_failed_by_its_store_is_tried_again_after_the_window(
         assert pairs(await flaky.history()) == [("kept", "kept"), ("back", "back")]
         infos = {i.session_id: i.status for i in await registry.sessions()}
     assert infos == {"flaky": sa.Status.IDLE, "buggy": sa.Status.FAILED}
+    marked = {r.getMessage().split("'")[1]: r for r in caplog.records if "marked" in r.getMessage()}
+    assert (marked["flaky"].levelname, marked["flaky"].exc_info) == ("WARNING", None)
+    assert "tried again" in marked["flaky"].getMessage()
+    assert marked["buggy"].levelname == "ERROR"
+    assert marked["buggy"].exc_info
 
 
 async def test_sharing_an_abandoned_keyed_submit_does_not_wait_forever(
