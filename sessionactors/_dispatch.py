@@ -472,6 +472,9 @@ class Dispatcher:
     def runs_turns(self) -> bool:
         return bool(self.sessions.agents)
 
+    def agent_names(self) -> list[str]:
+        return sorted(self.sessions.agents)
+
     def is_live(self, name: str) -> bool:
         return name in self.sessions.live
 

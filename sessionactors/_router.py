@@ -61,6 +61,10 @@ class RouterHost(Protocol):
         session of its own (its requests go to the workers that do)."""
         ...
 
+    def agent_names(self) -> list[str]:
+        """The names of the registry's agents, sorted."""
+        ...
+
     def is_live(self, name: str) -> bool: ...
     def live_names(self) -> list[str]:
         """The names of the sessions live here."""

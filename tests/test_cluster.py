@@ -988,6 +988,31 @@ async def test_a_gateway_without_agents_in_front_of_a_worker_serves_its_sessions
             assert sorted(a.live()) == sorted(set(names) - {names[2]})
 
 
+async def test_workers_that_run_with_other_options_say_so_at_error(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two workers on one store, one with durability="hibernate" and another agent: a
+    session that runs on that one keeps its turns as that one says (a kill -9 there
+    lost turns the other's callers were told were kept, with no word of why). Each
+    worker says at ERROR, once, how the other's options differ; workers alike say
+    nothing."""
+    other = {"echo": sa.Agent(model=EchoModel()), "extra": sa.Agent(model=EchoModel())}
+    with trio.fail_after(40):
+        async with (
+            cluster.registry(worker_id="a"),
+            cluster.registry(worker_id="alike"),
+            open_worker(cluster.url, cluster.prefix, "b", agents=other, durability="hibernate"),
+        ):
+            await trio.sleep(2 * TTL)  # a few listings of the workers
+    said = [r for r in caplog.records if r.levelname == "ERROR" and "options" in r.getMessage()]
+    by = {(r.getMessage().split("'")[1], r.getMessage().split("'")[3]) for r in said}
+    assert by == {("b", "a"), ("a", "b"), ("b", "alike"), ("alike", "b")}, by
+    assert len(said) == 4  # once each
+    for message in [r.getMessage() for r in said if r.getMessage().startswith("worker 'b'")]:
+        assert "durability='hibernate' (here 'turn')" in message, message
+        assert "agents=['echo', 'extra'] (here ['echo'])" in message, message
+
+
 async def test_a_worker_without_a_sessions_agent_is_named_and_logs_the_refusal(
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:

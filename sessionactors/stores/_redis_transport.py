@@ -176,6 +176,18 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
 return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
+# What each worker runs with, as it said last: a hash of worker -> its words, kept for
+# ARGV[3] ms after the last. ARGV: worker, its words ('' withdraws them), ms. Returns
+# the whole hash.
+_OPTIONS: Final = """
+if ARGV[2] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return redis.call('HGETALL', KEYS[1])
+"""
 _LEAVE: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
@@ -449,7 +461,8 @@ class RedisTransport:
     ``<prefix>:w:<worker>:inbox`` (a stream, for wake-ups of the worker's reader),
     ``<prefix>:w:<worker>:msg:<token>`` (a large message to the worker, expiring),
     ``<prefix>:s:<name>:ev`` (a session's events), names escaped as the store
-    escapes them, ``<prefix>:workers`` (the live workers, for placing shards), and
+    escapes them, ``<prefix>:workers`` (the live workers, for placing shards),
+    ``<prefix>:worker-options`` (what each worker runs with, to compare), and
     channel ``<prefix>:w:<worker>:in:<incarnation>`` (requests and answers to that
     incarnation).
     """
@@ -461,6 +474,7 @@ class RedisTransport:
         self._repair_inbox = Script[bytes](script=_REPAIR_INBOX)
         self._leave = Script[bytes](script=_LEAVE)
         self._members = Script[bytes](script=_MEMBERS)
+        self._options = Script[bytes](script=_OPTIONS)
         self._publish = Script[bytes](script=_PUBLISH)
         self._events_after = Script[bytes](script=_EVENTS_AFTER)
         self._end_events = Script[bytes](script=_MARK_END)
@@ -513,6 +527,15 @@ class RedisTransport:
             "list", None, lambda c: self._members([key], args, client=c), about="the workers"
         )
         return [bytes(member).decode("utf-8", "surrogatepass") for member in reply]
+
+    async def options(self, worker: str, said: str | None, ttl: float) -> dict[str, str]:
+        key = f"{self._store.prefix}:worker-options"  # one key: single-key commands only
+        args = [worker, said or "", _ms(3 * ttl)]
+        reply: Any = await self._store._run(
+            "list", None, lambda c: self._options([key], args, client=c), about="the workers"
+        )
+        words = [bytes(part).decode("utf-8", "surrogatepass") for part in reply]
+        return dict(zip(words[::2], words[1::2], strict=True))
 
     def shard(self, session_id: str) -> int:
         return self._store._shard(session_id)

@@ -105,6 +105,7 @@ import collections
 import contextlib
 import hashlib
 import itertools
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -260,6 +261,42 @@ def _weight(shard: int, worker: str) -> int:
 _OWNER_DIED: Final[dict[str, Any]] = {"died": True}
 
 
+def said_options(host: RouterHost) -> str:
+    """What a worker runs with that every worker on a store must run with alike: a
+    session runs with the agents and options of whichever worker runs it (its turns
+    kept as that worker's ``durability`` says), as JSON."""
+    config = host.config
+    return json.dumps(
+        {
+            "agents": host.agent_names(),
+            "durability": config.durability,
+            "idle_timeout": config.idle_timeout,
+            "snapshot_every": config.snapshot_every,
+            "journal_keep_events": config.journal_keep_events,
+            "replay_events": config.hub.replay_events,
+            "shutdown_grace": config.shutdown_grace,
+        },
+        sort_keys=True,
+    )
+
+
+def options_differ(ours: str, theirs: str) -> str | None:
+    """How another worker's options (``theirs``, as ``said_options`` says them) differ
+    from ``ours``, in words; None if they do not (or cannot be read)."""
+    try:
+        mine, other = json.loads(ours), json.loads(theirs)
+    except ValueError:
+        return None
+    if not isinstance(other, dict):
+        return None
+    differ = [
+        f"{key}={other[key]!r} (here {mine[key]!r})"
+        for key in mine
+        if key in other and other[key] != mine[key]
+    ]
+    return ", ".join(differ) or None
+
+
 class Cluster(metaclass=NoPublicConstructor):
     """One worker's side of the cluster: inbox, forwarding, event streams, mirrors."""
 
@@ -285,6 +322,8 @@ class Cluster(metaclass=NoPublicConstructor):
         self._forwarding = 0
         self._drained: trio.Event | None = None
         self._owners: dict[str, str] = {}  # session -> owner hint ("": another, unknown)
+        self._said = said_options(host)
+        self._told: dict[str, str] = {}  # worker -> its options, once said to differ
         self._incarnations: dict[str, str] = {}  # worker -> its live incarnation, as last seen
         self._listening: trio.CancelScope | None = None
         #: Subscriptions made so far; the heartbeat's last wake to its own channel
@@ -1301,6 +1340,8 @@ class Cluster(metaclass=NoPublicConstructor):
         self._members = ()
         with contextlib.suppress(StoreError):
             await self.transport.members(self.worker, None)
+            if self.host.runs_turns:
+                await self.transport.options(self.worker, None, self.ttl)
 
     async def _balance_loop(
         self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -1319,11 +1360,38 @@ class Cluster(metaclass=NoPublicConstructor):
                 self._set_members(members)
                 if self._moves_shards and not self._closing:
                     self._start_handovers()
+                if ttl is not None:
+                    try:  # (a check only: tried again with the next listing)
+                        said = await self.transport.options(self.worker, self._said, ttl)
+                    except StoreError as exc:
+                        fatal(exc)
+                    else:
+                        self._compare_options(members, said)
             task_status.started()
             task_status = trio.TASK_STATUS_IGNORED
             await trio.sleep(self.ttl / 3)
         task_status.started()  # (closing before the first listing)
         await self._withdraw()
+
+    def _compare_options(self, members: Sequence[str], said: Mapping[str, str]) -> None:
+        """Log at ERROR, once for each, a live worker that runs with other agents or
+        options than this one: a session runs as the worker that runs it says."""
+        for worker in members:
+            theirs = said.get(worker)
+            if worker == self.worker or theirs is None or self._told.get(worker) == theirs:
+                continue
+            self._told[worker] = theirs
+            differ = options_differ(self._said, theirs)
+            if differ is not None:
+                log.error(
+                    "worker %r runs with other agents or options than this worker (%r): "
+                    "%s; a session runs with those of whichever worker runs it (its turns "
+                    "kept as that worker's durability says), so open every worker's "
+                    "registry with the same agents and options",
+                    worker,
+                    self.worker,
+                    differ,
+                )
 
     def _start_handovers(self) -> None:
         """Hand over the shards held here that prefer another worker, a few at a time

@@ -67,6 +67,12 @@ class Transport(Protocol):
         the live workers."""
         ...
 
+    async def options(self, worker: str, said: str | None, ttl: float) -> dict[str, str]:
+        """Say what ``worker`` runs with (``said``, for 3 * ttl; None: no longer); what
+        every worker said last, by worker (the workers of an earlier version say
+        nothing)."""
+        ...
+
     def shard(self, session_id: str) -> int:
         """The shard of a session: the sessions whose leases are held together."""
         ...
