@@ -19,6 +19,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -285,6 +286,7 @@ def create_app(
     max_body: int = 16 * 1024 * 1024,
     trusted_origins: Iterable[str] = (),
     cors_origins: Iterable[str] = (),
+    cors_headers: Iterable[str] = (),
     **registry_options: Any,
 ) -> SessionsApp:
     """An ASGI 3 application serving a registry's sessions over HTTP, SSE and WebSocket.
@@ -367,6 +369,10 @@ def create_app(
       option: its preflight is refused (403 ``"CrossOrigin"``), and nothing it
       is answered names its origin, so it reads nothing. With ``cors_origins``,
       every answer says ``Vary: Origin``.
+    - ``cors_headers``: headers of your own that ``authorize`` reads (an API key, a
+      user's id), which pages of ``cors_origins`` may then send too; any other is
+      refused in their preflights. A name that is not an HTTP header's raises
+      ``ValueError``.
     """
     if registry is not None and registry_options:
         raise TypeError(
@@ -396,6 +402,7 @@ def create_app(
         token=token,
         trusted_origins=_origins(trusted_origins, "trusted"),
         cors_origins=_origins(cors_origins, "CORS"),
+        cors_headers=_header_names(cors_headers),
         authorize=authorize,
         create_sessions=create_sessions,
         heartbeat=heartbeat,
@@ -423,6 +430,7 @@ class SessionsApp:
         token: str | None,
         trusted_origins: frozenset[str],
         cors_origins: frozenset[str],
+        cors_headers: tuple[str, ...],
         authorize: Authorize | None,
         create_sessions: bool,
         heartbeat: float,
@@ -433,6 +441,7 @@ class SessionsApp:
         self._options = registry_options
         self._token = token.encode() if token is not None else None
         self._cors = cors_origins
+        self._cors_headers = cors_headers
         self._trusted = trusted_origins | cors_origins  # (a page that may read may act)
         self._authorize = authorize
         self._create_sessions = create_sessions
@@ -504,10 +513,10 @@ class SessionsApp:
     async def _preflight(self, headers: Headers, scope: Any, receive: Any, send: Any) -> None:
         """Answer a CORS preflight (of request ``headers``): 204 allowing it, or 403
         saying why not."""
-        refused = _cors.refusal(headers, self._cors)
+        refused = _cors.refusal(headers, self._cors, self._cors_headers)
         answer: Response
         if refused is None:
-            answer = Response(status_code=204, headers=_cors.preflight(headers))
+            answer = Response(status_code=204, headers=_cors.preflight(headers, self._cors_headers))
         else:
             body = plain_error("CrossOrigin", refused, 403)
             answer = self._json(body, 403, _cors.preflight_vary())
@@ -1713,6 +1722,24 @@ async def _send_with_origin(send: Any, origin: str | None, message: Any) -> None
         message = {**message, "headers": list(message.get("headers", ()))}
         _cors.with_origin(message, origin)
     await send(message)
+
+
+#: What an HTTP header's name may hold (RFC 9110's token).
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _header_names(given: Iterable[str]) -> tuple[str, ...]:
+    """``cors_headers``, checked, in lower case (as preflights name them)."""
+    names: list[str] = []
+    for name in [given] if isinstance(given, str) else given:
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise ValueError(
+                f"cors_headers: {name!r} is not the name of an HTTP header; give names "
+                "such as 'X-API-Key'"
+            )
+        if name.lower() not in names and name.lower() not in _cors.ALLOWED_HEADERS:
+            names.append(name.lower())
+    return tuple(names)
 
 
 def _origins(given: Iterable[str], what: str) -> frozenset[str]:

@@ -58,9 +58,10 @@ def is_preflight(method: str, headers: Headers) -> bool:
     return method == "OPTIONS" and asks and "origin" in headers
 
 
-def refusal(headers: Headers, origins: frozenset[str]) -> str | None:
+def refusal(headers: Headers, origins: frozenset[str], extra: tuple[str, ...] = ()) -> str | None:
     """Why a preflight is refused, or None if it is allowed (refused: an origin not
-    in ``origins``, a method that is not the gateway's, a header that it does not read)."""
+    in ``origins``, a method that is not the gateway's, a header that neither it nor
+    the app's ``authorize`` reads: ``extra``, lower case)."""
     origin = headers["origin"]
     if origin not in origins:
         return (
@@ -76,21 +77,23 @@ def refusal(headers: Headers, origins: frozenset[str]) -> str | None:
         )
     requested = headers.get("access-control-request-headers", "")
     for header in (name.strip().lower() for name in requested.split(",")):
-        if header and header not in ALLOWED_HEADERS:
+        if header and header not in ALLOWED_HEADERS and header not in extra:
             return (
                 f"a preflight for the header {shown(header)} is refused: this server reads "
-                f"none such; a page may send {', '.join(ALLOWED_HEADERS)}"
+                f"none such; a page may send {', '.join(ALLOWED_HEADERS + extra)} (one "
+                "that an authorize hook reads goes in create_app(cors_headers=[...]))"
             )
     return None
 
 
-def preflight(headers: Headers) -> dict[str, str]:
-    """The headers that allow a preflight (of request ``headers``) that is allowed."""
+def preflight(headers: Headers, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """The headers that allow a preflight (of request ``headers``) that is allowed
+    (``extra``: the headers the app's ``authorize`` reads, allowed too)."""
     allowed = {
         "Access-Control-Allow-Origin": headers["origin"],
         "Access-Control-Allow-Credentials": "true",
         "Access-Control-Allow-Methods": ", ".join(ALLOWED_METHODS),
-        "Access-Control-Allow-Headers": ", ".join(ALLOWED_HEADERS),
+        "Access-Control-Allow-Headers": ", ".join(ALLOWED_HEADERS + extra),
         "Access-Control-Max-Age": str(MAX_AGE),
         "Vary": _PREFLIGHT_VARY,
     }

@@ -130,6 +130,52 @@ async def test_a_cors_origin_is_trusted_and_any_other_site_still_refused(serve: 
             assert closed.value.code == 4403
 
 
+async def test_a_header_an_authorize_hook_reads_can_be_allowed_to_cors_pages(
+    serve: Serve,
+) -> None:
+    """An ``authorize`` that reads a header of its own (an API key, a user's id) names
+    it in ``cors_headers``: a page of a CORS origin's preflight for it is answered, and
+    its request reaches the hook. (It was refused, saying the server reads none such;
+    the header is not allowed without it, and any other header is refused still.)"""
+    seen: list[str | None] = []
+
+    def authorize(request: Any, session: str | None, action: Any) -> bool:
+        seen.append(request.headers.get("x-api-key"))
+        return True
+
+    async with (
+        serve(authorize=authorize, cors_origins=[APP], cors_headers=["X-API-Key"]) as served,
+        httpx.AsyncClient(base_url=served.url) as client,
+    ):
+        with trio.fail_after(20):
+            asking = {
+                "origin": APP,
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "content-type,x-api-key",
+            }
+            r = await client.options("/sessions/k/messages", headers=asking)
+            assert r.status_code == 204, r.text
+            allowed = r.headers["access-control-allow-headers"].lower().split(", ")
+            assert "x-api-key" in allowed
+            sent = {"origin": APP, "x-api-key": "k-1"}
+            r = await client.post("/sessions/k/messages", json={"text": "hi"}, headers=sent)
+            assert r.status_code == 200, r.text
+            assert "k-1" in seen
+            other = {**asking, "access-control-request-headers": "x-other"}
+            r = await client.options("/sessions/k/messages", headers=other)
+            assert r.status_code == 403, r.text
+            assert "cors_headers" in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize("bad", ["", "X API Key", "x-key:", "x-k\u00e9y", 7])
+def test_a_cors_header_that_is_not_a_header_name_is_refused(bad: object) -> None:
+    """``cors_headers`` takes header names only: anything else is a ValueError that
+    shows it, before the app is made."""
+    with pytest.raises(ValueError, match="cors_headers") as refused:
+        create_app(agents={"echo": sa.Agent(model=EchoModel())}, cors_headers=[bad])
+    assert repr(bad) in str(refused.value)
+
+
 @pytest.mark.parametrize("bad", ["*", "null", "localhost:5173", "https://app.example.com/ui"])
 def test_a_cors_origin_that_is_not_one_is_refused(bad: str) -> None:
     """``cors_origins`` takes exact origins only: a wildcard (which with credentials would
