@@ -397,20 +397,11 @@ async def test_leases_on_the_masters_still_up_are_renewed_when_one_master_is_los
     with private_redis_cluster() as url, trio.fail_after(60):
         prefix = _new_prefix()
         store = RedisStore(url, prefix=prefix, timeout=5)
-        names = [f"s{i}" for i in range(12)]
-        for name in names:
-            await store.create(name, b"snap", b"i")
-        migration = await trio.to_thread.run_sync(_Migration, url)
-        held_at: dict[int, set[str]] = {}
-        for port, _ in migration.masters.values():
-            keys = await trio.to_thread.run_sync(
-                lambda p=port: _cli(p, "--scan", "--pattern", f"{prefix}:*").split()
-            )
-            held_at[port] = {n for n in names if any(_session_part(n) in k for k in keys)}
+        names = await _twelve_sessions(store)
+        held_at = await _held_at(url, prefix, names)
         lost_port, lost = next((p, held) for p, held in held_at.items() if held)
         kept = set(names) - lost
         assert kept, held_at
-        info = await trio.to_thread.run_sync(_cli, lost_port, "INFO", "server")
         ttl = 4
         first = trio.current_time()
         leases = {}
@@ -420,7 +411,7 @@ async def test_leases_on_the_masters_still_up_are_renewed_when_one_master_is_los
             leases[name] = lease
         claimed = trio.current_time()
         assert claimed - first < 2, "the claims took too long for this test's timing"
-        os.kill(int(info.split("process_id:")[1].split()[0]), signal.SIGKILL)
+        await trio.to_thread.run_sync(_kill, lost_port)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             await trio.sleep_until(first + 2.5)  # renewed late: the claims lapse before
@@ -432,9 +423,34 @@ async def test_leases_on_the_masters_still_up_are_renewed_when_one_master_is_los
             await store.aclose()
 
 
-def _session_part(name: str) -> str:
-    """What every key of session ``name`` holds (the store's documented layout)."""
-    return ":s:" + base64.urlsafe_b64encode(name.encode()).rstrip(b"=").decode() + ":"
+async def _twelve_sessions(store: RedisStore) -> list[str]:
+    """Twelve sessions created in ``store`` (on a cluster, spread over its masters)."""
+    names = [f"s{i}" for i in range(12)]
+    for name in names:
+        await store.create(name, b"snap", b"i")
+    return names
+
+
+async def _held_at(url: str, prefix: str, names: list[str]) -> dict[int, set[str]]:
+    """The sessions of ``names`` under ``prefix`` whose keys each master of the cluster
+    at ``url`` holds, by the master's port (the store's documented key layout)."""
+
+    def part(name: str) -> str:  # (what every key of the session holds)
+        return ":s:" + base64.urlsafe_b64encode(name.encode()).rstrip(b"=").decode() + ":"
+
+    held_at: dict[int, set[str]] = {}
+    for port, _ in (await trio.to_thread.run_sync(_Migration, url)).masters.values():
+        keys = await trio.to_thread.run_sync(
+            lambda p=port: _cli(p, "--scan", "--pattern", f"{prefix}:*").split()
+        )
+        held_at[port] = {n for n in names if any(part(n) in key for key in keys)}
+    return held_at
+
+
+def _kill(port: int) -> None:
+    """SIGKILL the redis-server at ``port``."""
+    info = _cli(port, "INFO", "server")
+    os.kill(int(info.split("process_id:")[1].split()[0]), signal.SIGKILL)
 
 
 # -- listing while sessions come and go -------------------------------------------------
@@ -519,21 +535,11 @@ async def test_a_write_stands_when_only_the_listing_orders_master_is_down(
     with private_redis_cluster() as url, trio.fail_after(60):
         prefix = _new_prefix()
         store = RedisStore(url, prefix=prefix, timeout=20)
-        names = [f"s{i}" for i in range(12)]
-        for name in names:
-            await store.create(name, b"snap", b"i")
-        masters = (await trio.to_thread.run_sync(_Migration, url)).masters
-        ports = [port for port, _ in masters.values()]
-        holder = next(p for p in ports if _cli(p, "EXISTS", f"{prefix}:activity") == "1")
-        elsewhere = set()
-        for port in ports:
-            if port != holder:
-                for key in _cli(port, "--scan", "--pattern", f"{prefix}:{{*:info").split():
-                    encoded = key.split(":")[-2]
-                    elsewhere.add(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)))
-        name = next(n for n in names if n.encode() in elsewhere)
-        info = _cli(holder, "INFO", "server")
-        os.kill(int(next(x for x in info.splitlines() if x.startswith("process_id:"))[11:]), 9)
+        names = await _twelve_sessions(store)
+        held_at = await _held_at(url, prefix, names)
+        holder = next(p for p in held_at if _cli(p, "EXISTS", f"{prefix}:activity") == "1")
+        name = next(n for p, held in held_at.items() if p != holder for n in sorted(held))
+        _kill(holder)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             await store.append(name, [JournalEntry(1, b"one")], b"i")
