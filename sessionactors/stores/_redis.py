@@ -925,6 +925,7 @@ class RedisStore:
     balance: bool = attrs.field(default=True, kw_only=True)
     _target: Target = attrs.field(init=False)
     _conn: _Connection | None = attrs.field(default=None, init=False)
+    _failover_said: bool = attrs.field(default=False, init=False)
     _client_checked: bool = attrs.field(default=False, init=False)
     _held: dict[str, _Held] = attrs.field(factory=dict, init=False)
     _listing_mended: bool = attrs.field(default=False, init=False)
@@ -1036,7 +1037,25 @@ class RedisStore:
             trio.lowlevel.spawn_system_task(
                 _own_client, conn, self._target, self.timeout, name=repr(self)
             )
+            self._say_what_a_failover_loses()
         return conn
+
+    def _say_what_a_failover_loses(self) -> None:
+        """Behind a Sentinel, whose failovers are its purpose, a store that waits for no
+        replica loses the writes a failover leaves behind: said once, as it connects."""
+        target = self._target
+        if self._failover_said or not target.sentinel or target.replicas:
+            return
+        if target.persistence == "volatile":  # (tests, caches: losing writes is fine)
+            return
+        self._failover_said = True
+        log.warning(
+            "RedisStore at %s waits for no replica (replicas=0): a Sentinel failover "
+            "loses the writes the old master acknowledged and had not yet sent to the "
+            "replica it promotes; pass replicas=1 (or ?replicas=1) to have each write "
+            "wait for a replica (see the Redis how-to)",
+            redact(self.url),
+        )
 
     async def _connected(self, conn: _Connection | None) -> Client:
         if conn is None:
