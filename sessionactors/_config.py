@@ -10,7 +10,7 @@ from typing import Literal
 
 import attrs
 
-from ._records import check_unicode, control_character
+from ._records import check_printable, check_unicode
 
 __all__ = ["Durability", "HubConfig", "RegistryConfig", "make_config"]
 
@@ -98,12 +98,7 @@ def make_config(
         )
     if worker_id is not None:
         check_unicode(worker_id, "open_registry: worker_id")
-        odd = control_character(worker_id)
-        if odd is not None:
-            raise ValueError(
-                f"open_registry: worker_id {worker_id!r} contains the control character "
-                f"{odd!r}; use printable characters only"
-            )
+        check_printable(worker_id, f"open_registry: worker_id {worker_id!r}")
     return RegistryConfig(
         idle_timeout=None if idle_timeout is None else _seconds("idle_timeout", idle_timeout),
         mailbox_size=_count("mailbox_size", mailbox_size, 1),

@@ -164,6 +164,15 @@ def control_character(text: str) -> str | None:
     return next((ch for ch in text if is_control(ch)), None)
 
 
+def check_printable(text: str, subject: str) -> None:
+    """ValueError, saying so of ``subject``, if ``text`` holds a control character."""
+    ch = control_character(text)
+    if ch is not None:
+        raise ValueError(
+            f"{subject} contains the control character {ch!r}; use printable characters only"
+        )
+
+
 def check_unicode(text: str, subject: str) -> None:
     """ValueError, saying so of ``subject``, if ``text`` holds a lone surrogate (no
     store can hold it)."""

@@ -44,8 +44,8 @@ from ._records import (
     SessionInfo,
     SessionState,
     Status,
+    check_printable,
     check_unicode,
-    control_character,
     new_id,
 )
 from ._ref import SessionRef, check_text, check_type
@@ -623,12 +623,7 @@ async def open_registry(
         if not key:
             raise ValueError("open_registry: agents' names must be non-empty; name each agent")
         check_unicode(key, f"open_registry: the name of agents[{key!r}]")
-        odd = control_character(key)
-        if odd is not None:
-            raise ValueError(
-                f"open_registry: the name of agents[{key!r}] contains the control character "
-                f"{odd!r}; use printable characters only"
-            )
+        check_printable(key, f"open_registry: the name of agents[{key!r}]")
         if not isinstance(value, Agent):
             raise TypeError(f"agents[{key!r}] must be an Agent, not {type(value).__name__}")
     config = make_config(

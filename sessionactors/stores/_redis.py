@@ -745,6 +745,13 @@ def _check_status(
     )
 
 
+def _renewing(count: int) -> tuple[str, str]:
+    """What a renewal of ``count`` sessions' leases does, and to what (as errors say)."""
+    if count == 1:
+        return "renew the lease of", "1 session"
+    return "renew the leases of", f"{count} sessions"
+
+
 def _stored_int(raw: Any) -> Any:
     """An integer read back from redis (its decimal digits), or ``raw`` as it is, for
     the range check to refuse (None for the scripts' '': a field the hash lost)."""
@@ -1731,43 +1738,49 @@ class RedisStore:
                 ]
             return [await reply for reply in replies]
 
-        if shards:
-            count = sum(len(names) for names in shards.values())
-            about = "1 session" if count == 1 else f"{count} sessions"
-            doing = "renew the lease of" if count == 1 else "renew the leases of"
-            try:
-                held_still = await self._run(doing, None, run, about=about)
-            except StoreError:
-                if not self._on_cluster:
-                    raise
-                # A cluster's pipeline of scripts needs every master (the client asks
-                # each whether it has the script): one down fails it. Shard by shard,
-                # those on the masters still up are renewed.
-                held_still = await self._renew_apart(shards, owners, ms, lost)
-            for names, ok in zip(shards.values(), held_still, strict=True):
-                if not ok:
-                    lost.update(names)
-        else:
+        if not shards:
             await trio.lowlevel.checkpoint()
+            return lost
+        held_still: list[bool | StoreError]
+        try:
+            doing, about = _renewing(sum(len(names) for names in shards.values()))
+            held_still = await self._run(doing, None, run, about=about)
+        except StoreError:
+            if not self._on_cluster:
+                raise
+            # A cluster's pipeline of scripts needs every master (the client asks each
+            # whether it has the script): one down fails it. Shard by shard, those on
+            # the masters still up are renewed.
+            held_still = await self._renew_apart(shards, owners, ms)
+        unanswered: set[str] = set()
+        for names, outcome in zip(shards.values(), held_still, strict=True):
+            if isinstance(outcome, StoreError):
+                unanswered.update(names)
+            elif not outcome:
+                lost.update(names)
+        if unanswered:
+            failure = next(o for o in held_still if isinstance(o, StoreError))
+            raise LeasesUnrenewedError(
+                f"{failure} (the leases of {len(unanswered)} of {len(owners)} sessions; "
+                "the others were renewed)",
+                lost=frozenset(lost),
+                unanswered=frozenset(unanswered),
+            )
         return lost
 
     async def _renew_apart(
-        self,
-        shards: dict[tuple[int, str], list[str]],
-        owners: dict[str, str],
-        ms: str,
-        lost: set[str],
-    ) -> list[bool]:
+        self, shards: dict[tuple[int, str], list[str]], owners: dict[str, str], ms: str
+    ) -> list[bool | StoreError]:
         """``renew_many``'s shards renewed one call each, all at once: whether each is
-        still held; LeasesUnrenewedError if some failed (the others were renewed)."""
+        still held, or the error its renewal met."""
         held_still: list[bool | StoreError] = [False] * len(shards)
 
         async def renew(i: int, group: int, epoch: str, names: list[str]) -> None:
             args = [owners[names[0]], epoch, ms]
-            about = "1 session" if len(names) == 1 else f"{len(names)} sessions"
+            doing, about = _renewing(len(names))
             try:
                 reply: Any = await self._run(
-                    "renew the lease of" if len(names) == 1 else "renew the leases of",
+                    doing,
                     None,
                     lambda c: _RENEW_SHARD([self._shard_key(group)], args, client=c),
                     about=about,
@@ -1780,23 +1793,7 @@ class RedisStore:
         async with trio.open_nursery() as nursery:
             for i, ((group, epoch), names) in enumerate(shards.items()):
                 nursery.start_soon(renew, i, group, epoch, names)
-        failed = [
-            (names, outcome)
-            for names, outcome in zip(shards.values(), held_still, strict=True)
-            if isinstance(outcome, StoreError)
-        ]
-        if not failed:
-            return [bool(outcome) for outcome in held_still]
-        unanswered = frozenset(name for names, _ in failed for name in names)
-        for names, outcome in zip(shards.values(), held_still, strict=True):
-            if outcome is False:
-                lost.update(names)
-        raise LeasesUnrenewedError(
-            f"{failed[0][1]} (the leases of {len(unanswered)} of {len(owners)} sessions; "
-            "the others were renewed)",
-            lost=frozenset(lost),
-            unanswered=unanswered,
-        )
+        return held_still
 
     async def release(self, session_id: str, lease: Lease) -> None:
         args = [lease.owner, str(lease.fence)]
