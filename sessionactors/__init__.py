@@ -55,6 +55,7 @@ from ._events import TurnCancelled as TurnCancelled
 from ._events import TurnFailed as TurnFailed
 from ._events import TurnFinished as TurnFinished
 from ._events import TurnStarted as TurnStarted
+from ._model import FinishChunk as FinishChunk
 from ._model import Model as Model
 from ._model import ModelChunk as ModelChunk
 from ._model import ModelRequest as ModelRequest
@@ -104,6 +105,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "Event",
     "EventsExpiredError",
     "FencedOutError",
+    "FinishChunk",
     "HistoryEdited",
     "IdempotencyKeyReusedError",
     "InvalidHistoryError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -19,12 +19,23 @@ import trio
 from ._codec import MAX_SEQ, MAX_TEXT_CHARS
 from ._errors import MaxStepsError, ModelError
 from ._history import Estimator, default_estimate
-from ._model import Model, TextChunk, ToolCallChunk, ToolSpec, UsageChunk, make_request
+from ._model import (
+    FinishChunk,
+    Model,
+    TextChunk,
+    ToolCallChunk,
+    ToolSpec,
+    UsageChunk,
+    make_request,
+)
 from ._records import (
+    NO_METADATA,
     Message,
     Role,
     ToolCall,
     Usage,
+    check_printable,
+    check_unicode,
     make_message,
     make_tool_call,
     new_id,
@@ -276,7 +287,8 @@ class _CallParts:
 
 @attrs.define
 class _Step:
-    """What one model call has streamed besides text: tool-call fragments, usage.
+    """What one model call has streamed besides text: tool-call fragments, usage, and
+    why it stopped (its ``FinishChunk``, if any).
 
     ``parts`` holds each index's call being streamed; ``calls`` every call, with its
     index, in the order they began (an index can have several: see ``_take_chunk``).
@@ -285,6 +297,32 @@ class _Step:
     parts: dict[int, _CallParts] = attrs.Factory(dict)
     calls: list[tuple[int, _CallParts]] = attrs.Factory(list)
     usage: Usage | None = None
+    finish_reason: str | None = None
+
+    def metadata(self) -> Mapping[str, Any]:
+        """The metadata of the step's message: its finish reason, if it has one."""
+        reason = self.finish_reason
+        return NO_METADATA if reason is None else {"finish_reason": reason}
+
+
+#: The most characters of a model's ``FinishChunk.reason``.
+MAX_FINISH_REASON_CHARS = 100
+
+
+def finish_reason_of(chunk: FinishChunk) -> str:
+    """The reason of a FinishChunk, or TypeError/ValueError saying why no message can
+    keep it."""
+    reason = chunk.reason
+    said = f"the model streamed a FinishChunk whose reason is {reason!r:.120}"
+    if reason.__class__ is not str:
+        raise TypeError(f"{said}, not a str")
+    if not reason:
+        raise ValueError(f"{said}: empty; send no FinishChunk for an answer that ended whole")
+    if len(reason) > MAX_FINISH_REASON_CHARS:
+        raise ValueError(f"{said}: over {MAX_FINISH_REASON_CHARS} characters")
+    check_printable(reason, said)
+    check_unicode(reason, said)
+    return reason
 
 
 def assemble_calls(calls: list[tuple[int, _CallParts]]) -> tuple[ToolCall, ...]:
@@ -370,7 +408,12 @@ def _take_chunk(chunk: object, ctx: TurnContext, step: _Step, size: int) -> int:
         usage = usage_of(chunk)
         step.usage = usage if step.usage is None else step.usage + usage
         return size
-    raise TypeError(f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk or UsageChunk")
+    if isinstance(chunk, FinishChunk):
+        step.finish_reason = finish_reason_of(chunk)
+        return size
+    raise TypeError(
+        f"the model streamed {chunk!r}, not a TextChunk, ToolCallChunk, UsageChunk or FinishChunk"
+    )
 
 
 def usage_of(chunk: UsageChunk) -> Usage:
@@ -474,8 +517,10 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 content=text,
                 created_at=utcnow(),
                 usage=usage,
+                metadata=NO_METADATA if step is None else step.metadata(),
             )
         calls = assemble_calls(step.calls)
+        metadata = step.metadata()
         # what the step streamed is not kept alive while its tools run (nor the model's
         # stream): fewer objects for the collector to visit meanwhile
         del request, stream, chunk, step
@@ -487,6 +532,7 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
                 created_at=utcnow(),
                 tool_calls=calls,
                 usage=usage,
+                metadata=metadata,
             )
         )
         if not await ctx.run_tool_calls(agent, calls):

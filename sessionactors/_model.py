@@ -4,7 +4,8 @@ A model is anything with ``stream(request)`` returning an async iterator of
 chunks. Text arrives as :class:`TextChunk`; tool calls as
 :class:`ToolCallChunk` fragments, which share an ``index`` per call, as
 OpenAI-compatible servers stream them; the tokens the model counted, if it
-reports them, as :class:`UsageChunk`.
+reports them, as :class:`UsageChunk`; why it stopped, if it cut its answer
+short, as :class:`FinishChunk`.
 """
 
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -15,6 +16,7 @@ import attrs
 from ._records import Message, maker
 
 __all__ = [
+    "FinishChunk",
     "Model",
     "ModelChunk",
     "ModelRequest",
@@ -95,7 +97,24 @@ class UsageChunk:
     output_tokens: int = 0
 
 
-ModelChunk = TextChunk | ToolCallChunk | UsageChunk
+@attrs.frozen
+class FinishChunk:
+    """Why the model stopped an answer short of its own end, as the provider says it:
+    ``"length"`` (its limit of output tokens), ``"content_filter"`` (its filter), or
+    another reason (printable, 1 to 100 characters).
+
+    The turn keeps it on the answer's assistant message, as its
+    ``metadata["finish_reason"]``, for a client to tell a reply that was cut off
+    from a whole one (the turn itself finishes: what was streamed is the answer).
+    Send none for an answer that ended of its own accord (OpenAI's ``"stop"``, or
+    to call tools): such a message carries no metadata. If a model sends several,
+    the last is kept.
+    """
+
+    reason: str
+
+
+ModelChunk = TextChunk | ToolCallChunk | UsageChunk | FinishChunk
 
 
 @runtime_checkable

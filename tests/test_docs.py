@@ -219,6 +219,7 @@ EXPECTED = {
     "howto_openai.py": [
         "reply: Order A1001 is shipped",
         "roles: ['user', 'assistant', 'tool', 'assistant']",
+        "cut short: It left the {'finish_reason': 'length'}",
     ],
     "howto_asyncio.py": [
         "reply: Order A1001 is shipped.",

@@ -18,7 +18,11 @@ def fake_server(request: httpx.Request) -> httpx.Response:
     """Answer POST /v1/chat/completions as a server-sent event stream."""
     body = json.loads(request.content)
     last = body["messages"][-1]
-    if last["role"] == "user" and body.get("tools"):
+    if last["content"].startswith("Describe"):
+        # An answer cut off by the server's limit of output tokens (max_tokens).
+        deltas = [{"content": word} for word in ["It ", "left ", "the"]]
+        finish = "length"
+    elif last["role"] == "user" and body.get("tools"):
         # First ask for a tool call, streamed in fragments as OpenAI does.
         call = {
             "index": 0,
@@ -61,6 +65,9 @@ async def main() -> None:
                 reply = await ref.send("Where is order A1001?")
             print("reply:", reply.text)
             print("roles:", [m.role.value for m in await ref.history()])
+            # A reply the server cut short says why in its message's metadata.
+            reply = await ref.send("Describe its journey.")
+            print("cut short:", reply.text, reply.message.metadata if reply.message else None)
 
 
 if __name__ == "__main__":

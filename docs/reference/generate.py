@@ -94,6 +94,7 @@ GROUPS = {
         "TextChunk",
         "ToolCallChunk",
         "UsageChunk",
+        "FinishChunk",
         "ToolSpec",
         "tool",
         "Tool",
@@ -159,7 +160,8 @@ VALUE_DOCS = {
         " the [observability how-to](../howto/observability.md) lists them."
     ),
     "ModelChunk": (
-        "What a model's `stream` yields: a `TextChunk`, a `ToolCallChunk` or a `UsageChunk`."
+        "What a model's `stream` yields: a `TextChunk`, a `ToolCallChunk`, a `UsageChunk`"
+        " or a `FinishChunk`."
     ),
 }
 

@@ -6,9 +6,12 @@
 values, exactly as they arrive, and the token counts the server reports
 (it asks for them with ``stream_options.include_usage``) into one
 :class:`~sessionactors.UsageChunk` at the end: usage is a running total, so
-a server that sends it with every chunk is counted once, by its last. It
-works with OpenAI itself and with the servers that copy its API (vLLM,
-llama.cpp, Ollama, LM Studio, ...).
+a server that sends it with every chunk is counted once, by its last. An
+answer that the server cut short (``finish_reason`` ``"length"``,
+``"content_filter"``, or any but ``"stop"`` and ``"tool_calls"``) ends with a
+:class:`~sessionactors.FinishChunk` of that reason. It works with OpenAI
+itself and with the servers that copy its API (vLLM, llama.cpp, Ollama, LM
+Studio, ...).
 
 Transient failures (HTTP 429 and 5xx, connection errors) are retried with
 exponential backoff, but only until the first chunk has been yielded: after
@@ -40,7 +43,15 @@ import httpx
 from httpx_sse import EventSource
 
 from .._errors import ModelError
-from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, ToolSpec, UsageChunk
+from .._model import (
+    FinishChunk,
+    ModelChunk,
+    ModelRequest,
+    TextChunk,
+    ToolCallChunk,
+    ToolSpec,
+    UsageChunk,
+)
 from .._records import Message, Role
 
 __all__ = ["OpenAIChatModel"]
@@ -55,6 +66,10 @@ _RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemotePro
 #: (a model may think for minutes between two chunks; the caller owns time
 #: with ``trio.fail_after``).
 _TIMEOUT = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=60.0)
+
+#: The finish reasons of an answer that ended of its own accord; any other (``"length"``,
+#: ``"content_filter"``, ...) comes as a FinishChunk.
+_NATURAL_ENDS = frozenset({"stop", "tool_calls", "function_call"})
 
 #: How much of an error response is read to find the server's message.
 _MAX_ERROR_BODY = 64 * 1024
@@ -563,27 +578,36 @@ class _StreamParser:
                 self._malformed(f"a choice is not a JSON object: {_quote(data)}")
             if choice.get("index") not in (0, None):
                 continue  # only the first choice is the answer
-            if choice.get("finish_reason"):
+            reason = choice.get("finish_reason")
+            if reason:
                 self.finished = True
             delta = choice.get("delta")
-            if delta is None:
-                continue
-            if not isinstance(delta, dict):
-                self._malformed(f"a choice's 'delta' is not a JSON object: {_quote(data)}")
-            for field in ("content", "refusal"):  # (a refusal is the answer's text too)
-                content = delta.get(field)
-                if content is not None:
-                    if not isinstance(content, str):
-                        self._malformed(f"'delta.{field}' is not a string: {_quote(data)}")
-                    if content:
-                        chunks.append(TextChunk(content))
-            tool_calls = delta.get("tool_calls")
-            if tool_calls is not None:
-                if not isinstance(tool_calls, list):
-                    self._malformed(f"'delta.tool_calls' is not a list: {_quote(data)}")
-                for position, fragment in enumerate(tool_calls):
-                    chunks.append(self._tool_call_chunk(fragment, position, data))
+            if delta is not None:
+                self._take_delta(delta, data, chunks)
+            if reason:  # (after the text it ends)
+                if not isinstance(reason, str):
+                    self._malformed(f"a choice's 'finish_reason' is not a string: {_quote(data)}")
+                if reason not in _NATURAL_ENDS:
+                    chunks.append(FinishChunk(reason))
         return chunks
+
+    def _take_delta(self, delta: object, data: str, chunks: list[ModelChunk]) -> None:
+        """Append the chunks of one choice's ``delta`` to ``chunks``."""
+        if not isinstance(delta, dict):
+            self._malformed(f"a choice's 'delta' is not a JSON object: {_quote(data)}")
+        for field in ("content", "refusal"):  # (a refusal is the answer's text too)
+            content = delta.get(field)
+            if content is not None:
+                if not isinstance(content, str):
+                    self._malformed(f"'delta.{field}' is not a string: {_quote(data)}")
+                if content:
+                    chunks.append(TextChunk(content))
+        tool_calls = delta.get("tool_calls")
+        if tool_calls is not None:
+            if not isinstance(tool_calls, list):
+                self._malformed(f"'delta.tool_calls' is not a list: {_quote(data)}")
+            for position, fragment in enumerate(tool_calls):
+                chunks.append(self._tool_call_chunk(fragment, position, data))
 
     def finish(self) -> None:
         """Check, once the stream has ended, that it ended properly."""

@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from .._errors import SessionActorsError
-from .._model import ModelChunk, ModelRequest, TextChunk, ToolCallChunk, UsageChunk
+from .._model import FinishChunk, ModelChunk, ModelRequest, TextChunk, ToolCallChunk, UsageChunk
 from .._records import Role, ToolCall, Usage
 from ._stores import Gate
 
@@ -60,6 +60,8 @@ class Scripted:
       test of an app that runs in the ``TestClient``'s thread); a ``trio.Event``
       is set only from trio code of the registry's run.
     - ``usage``: tokens to report, as a ``UsageChunk`` after the other chunks.
+    - ``finish_reason``: why the answer was cut short (``"length"``), as a
+      ``FinishChunk`` last: the turn keeps it in the message's metadata.
     - ``error``: raised after the chunks (a model failure).
     """
 
@@ -71,6 +73,7 @@ class Scripted:
     wait_after: int = 0
     error: BaseException | None = None
     usage: Usage | None = None
+    finish_reason: str | None = None
 
     def text_chunks(self) -> list[str]:
         """The text chunks this answer streams."""
@@ -145,6 +148,8 @@ async def _play(script: Scripted) -> AsyncGenerator[ModelChunk, None]:
         chunks.append(ToolCallChunk(index, arguments=call.arguments[half:]))
     if script.usage is not None:
         chunks.append(UsageChunk(script.usage.input_tokens, script.usage.output_tokens))
+    if script.finish_reason is not None:
+        chunks.append(FinishChunk(script.finish_reason))
     await trio.lowlevel.checkpoint()
     for i, chunk in enumerate(chunks):
         if script.wait is not None and i == script.wait_after:

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from sessionactors import (
+    FinishChunk,
     Message,
     Model,
     ModelChunk,
@@ -182,6 +183,34 @@ async def test_a_finish_reason_ends_a_stream_without_done(fake: FakeOpenAI) -> N
     """A stream that closes after a finish_reason but without [DONE] is complete."""
     fake.push(Reply(pieces=sse(delta(content="hi"), finish(), done=False)))
     assert await collect(make_model(fake)) == [TextChunk("hi")]
+
+
+@pytest.mark.parametrize("reason", ["length", "content_filter", "a_new_reason"])
+async def test_an_answer_cut_short_ends_with_its_finish_reason(
+    fake: FakeOpenAI, reason: str
+) -> None:
+    """A finish_reason other than the natural ends ("stop", "tool_calls") comes as a
+    FinishChunk, for the turn to keep on the answer's message."""
+    fake.push(Reply(pieces=sse(delta(content="hi"), finish(reason))))
+    assert await collect(make_model(fake)) == [TextChunk("hi"), FinishChunk(reason)]
+    fake.push(Reply(pieces=sse(delta(content="hi"), finish("tool_calls"))))
+    assert await collect(make_model(fake)) == [TextChunk("hi")]
+
+
+async def test_a_reply_cut_short_by_the_servers_limit_says_so(fake: FakeOpenAI) -> None:
+    """Through a registry: the reply's message carries the server's finish_reason."""
+    import sessionactors as sa
+
+    fake.push(Reply(pieces=sse(delta(content="The first"), finish("length"))))
+    agent = sa.Agent(model=make_model(fake))
+    with trio.fail_after(WAIT):
+        async with sa.open_registry(agents={"a": agent}) as registry:
+            reply = await (await registry.spawn("s")).send("List ten things.")
+    assert reply.message is not None
+    assert (reply.message.content, reply.message.metadata) == (
+        "The first",
+        {"finish_reason": "length"},
+    )
 
 
 # -- the request ---------------------------------------------------------------

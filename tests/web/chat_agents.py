@@ -4,7 +4,8 @@ The model echoes the user's words one at a time (``DELAY`` seconds apart), excep
 "refund ORDER", which calls the ``refund`` tool; that tool needs a person's
 review, and after it ran the model answers "Refunded: <the tool's result>"; and
 "fail WORDS", whose WORDS it streams before it fails (:data:`DROPPED`, a
-connection dropped mid-answer).
+connection dropped mid-answer); and "cut WORDS", whose WORDS it streams as an
+answer cut short by its output limit (finish reason "length").
 ``python -m sessionactors serve --agent chat_agents:agents`` serves the trio version.
 """
 
@@ -27,8 +28,8 @@ DROPPED = "the model's connection dropped"
 
 
 def _decide(messages: Sequence[sa.Message]) -> tuple[str, str]:
-    """("text", reply), ("call", order id) or ("fail", what is streamed first) for the
-    conversation so far."""
+    """("text", reply), ("call", order id), ("fail", what is streamed first) or ("cut",
+    what is streamed) for the conversation so far."""
     last = messages[-1]
     if last.role is sa.Role.TOOL:
         return "text", f"Refunded: {last.content}"
@@ -37,6 +38,8 @@ def _decide(messages: Sequence[sa.Message]) -> tuple[str, str]:
         return "call", text.removeprefix("refund ").strip()
     if text.startswith("fail "):
         return "fail", text.removeprefix("fail ")
+    if text.startswith("cut "):
+        return "cut", text.removeprefix("cut ")
     return "text", text
 
 
@@ -54,7 +57,8 @@ def trio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:
         if kind == "call":
             return Scripted(tool_calls=[_call(value)])
         error = ConnectionError(DROPPED) if kind == "fail" else None
-        return Scripted(text=value, delay=delay, error=error)
+        reason = "length" if kind == "cut" else None
+        return Scripted(text=value, delay=delay, error=error, finish_reason=reason)
 
     async def refund(order_id: str) -> str:
         await trio.sleep(0)
@@ -84,6 +88,8 @@ class AsyncioModel:
             yield sa.TextChunk(word)
         if kind == "fail":
             raise ConnectionError(DROPPED)
+        if kind == "cut":
+            yield sa.FinishChunk("length")
 
 
 def asyncio_agents(delay: float = DELAY) -> dict[str, sa.Agent]:

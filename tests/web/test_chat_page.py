@@ -130,6 +130,33 @@ def test_the_chat_page_keeps_what_a_failed_turn_streamed(browser: object, tmp_pa
         assert not errors
 
 
+def test_the_chat_page_marks_a_reply_the_model_cut_short(browser: object, tmp_path: Path) -> None:
+    """A reply that the model cut short (its output limit) is marked so, with the reason,
+    as it arrives and after a reload; a whole reply is not."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'cut.db'}"
+    with serve_command(store) as server:
+        page, errors = open_page(browser, f"{server.url}/#session=web-cut")
+        expect(page.locator("#title")).to_have_text("web-cut")
+        page.fill("#text", "cut the first words")
+        page.press("#text", "Enter")
+        cut = page.locator(".message.assistant.cut")
+        expect(cut).to_have_text("the first words", timeout=10_000)
+        expect(cut).to_have_attribute("data-finish", "length")
+        page.fill("#text", "whole")
+        page.press("#text", "Enter")
+        expect(page.locator(".message.assistant")).to_have_count(2, timeout=10_000)
+
+        page.reload()
+        expect(page.locator(".message.assistant")).to_have_text(["the first words", "whole"])
+        expect(cut).to_have_count(1)
+        expect(cut).to_have_attribute("data-finish", "length")
+        page.close()
+        assert not errors
+
+
 def test_the_chat_page_starts_a_session_on_a_server_of_several_agents(
     browser: object, tmp_path: Path
 ) -> None:
