@@ -509,20 +509,30 @@ async def _unwrapped() -> AsyncIterator[None]:
             del exc, group
 
 
-#: The stores (by id) that an open registry without leases writes: another registry
-#: on one of them would run its sessions too, and the two would overwrite each other.
-_STORES_IN_USE: set[int] = set()
+#: What the open registries without leases write (a store's ``writes_to``, such as
+#: a file's path, or the store object's id): another registry on one of them would
+#: run its sessions too, and the two would overwrite each other.
+_STORES_IN_USE: set[tuple[str, object]] = set()
+
+
+def _store_key(store: Store) -> tuple[str, object]:
+    """What ``store`` writes: its ``writes_to`` if it says (two objects of one file are
+    one store), else the object itself."""
+    place = getattr(store, "writes_to", None)
+    return ("id", id(store)) if place is None else ("place", place)
 
 
 def _claim_store(store: Store) -> None:
-    if id(store) in _STORES_IN_USE:
+    key = _store_key(store)
+    if key in _STORES_IN_USE:
+        place = "" if key[0] == "id" else f" of {key[1]!r}"
         raise ValueError(
-            f"open_registry: this {type(store).__name__} is already used by an open registry "
-            "without leases, which runs its sessions; two would overwrite each other's "
-            "writes. Open one registry per store, or leases=True in every registry that "
-            "shares it"
+            f"open_registry: this {type(store).__name__}{place} is already used by an open "
+            "registry without leases, which runs its sessions; two would overwrite each "
+            "other's writes. Open one registry per store, or leases=True in every registry "
+            "that shares it"
         )
-    _STORES_IN_USE.add(id(store))
+    _STORES_IN_USE.add(key)
 
 
 @asynccontextmanager
@@ -556,8 +566,9 @@ async def open_registry(
 
     - ``store``: where sessions are kept (default: a new ``MemoryStore``).
       The registry closes it on exit; stores reopen on next use. One open
-      registry writes a store object at a time, unless each has ``leases=True``
-      (a second one without raises ``ValueError``).
+      registry writes a store at a time, unless each has ``leases=True``
+      (a second one without raises ``ValueError``; two ``SQLiteStore`` objects of
+      one file are one store).
     - ``agents``: name -> Agent; names let a session find its agent after a restart.
       Only turns need them: without agents (the default), the registry reads and
       manages the store (listings, state and history, metadata, deletes, spawns
@@ -721,7 +732,7 @@ async def open_registry(
         if opened is not None and telemetry is not None:
             telemetry.registry_closed(opened)
         if not config.leases:
-            _STORES_IN_USE.discard(id(the_store))
+            _STORES_IN_USE.discard(_store_key(the_store))
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):
             await the_store.aclose()
     if sessions.unwritten_state:

@@ -693,6 +693,31 @@ async def test_a_store_serves_one_registry_at_a_time_without_leases(tmp_path: Pa
             await two.ref("y").send("b")
 
 
+async def test_two_store_objects_of_one_sqlite_file_serve_one_registry_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Two SQLiteStore objects on one file (an app's registry and an admin one in the same
+    process; the path spelled another way) are one store: the second registry without
+    leases is refused, naming the file, before it runs (and answers) a session the first
+    runs too; once the first closed, it opens."""
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "s.db"
+    other = tmp_path / "d" / ".." / "s.db"
+    async with sa.open_registry(agents=ECHO, store=sa.SQLiteStore(path)) as first:
+        await (await first.spawn("x")).send("hi")
+        with pytest.raises(
+            ValueError, match=r"SQLiteStore of '.*s\.db' is already used by an open"
+        ):
+            async with sa.open_registry(agents=ECHO, store=sa.SQLiteStore(str(other))):
+                pytest.fail("the second registry opened")  # pragma: no cover
+        assert (await first.ref("x").send("still here")).text == "still here"
+        reader = sa.SQLiteStore(path, readonly=True)  # (an operator's read: no registry)
+        assert await reader.load("x") is not None
+        await reader.aclose()
+    async with sa.open_registry(agents=ECHO, store=sa.SQLiteStore(str(other))) as again:
+        assert len(await again.ref("x").history()) == 4
+
+
 async def test_errors_repeat_only_the_start_of_a_long_value_from_the_caller(
     echo_agents: dict[str, sa.Agent],
 ) -> None:

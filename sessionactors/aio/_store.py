@@ -52,7 +52,8 @@ def asyncio_store(store: Any) -> Store:
     The wrapper has the Store protocol's methods, and ``list_page``,
     ``list_idle_page``, ``renew_many`` and ``read_journal_page`` only when ``store``
     has them (so it is a ``PagedStore``, ``IdlePageStore``, ``LeaseBatchStore`` or
-    ``JournalPageStore`` as ``store`` is); its ``shared_by_workers`` is the store's.
+    ``JournalPageStore`` as ``store`` is); its ``shared_by_workers`` and
+    ``writes_to`` are the store's.
     Every method of ``store`` must be asyncio code: a trio store
     (``sessionactors.SQLiteStore``, a store whose methods await ``trio`` functions)
     is passed as it is, and wrapping one of the library's raises ``TypeError``. Check
@@ -98,6 +99,11 @@ class AsyncioStore:
     def shared_by_workers(self) -> bool:
         """The wrapped store's (whether registries take leases on it by default)."""
         return bool(getattr(self._store, "shared_by_workers", False))
+
+    @property
+    def writes_to(self) -> object:
+        """The wrapped store's (what one registry without leases writes alone)."""
+        return getattr(self._store, "writes_to", None)
 
     async def _run(self, session_id: str | None, name: str, *args: Any, **kwargs: Any) -> Any:
         host = current_host()

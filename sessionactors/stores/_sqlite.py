@@ -1088,7 +1088,9 @@ class SQLiteStore:
     second process fails its first call with ``StoreError`` saying so (a lock
     file deleted meanwhile is taken again before the next transaction; if
     another process took it first, this store writes nothing more). Stores
-    of one process share the lock. With ``shared=True`` in every process,
+    of one process share the lock, but one registry without leases writes the
+    file at a time: a second one is refused, through this store object or
+    another of the same file (see ``writes_to``). With ``shared=True`` in every process,
     several processes may write the file: ``shared_by_workers`` is then true,
     so the registry turns leases on, and leases and fencing keep a session
     live in one of them at a time. ``readonly=True`` opens an existing file
@@ -1168,6 +1170,13 @@ class SQLiteStore:
         """Whether several processes may write the file (``shared=True``): the
         registry then claims a lease for every session it runs."""
         return self.shared
+
+    @property
+    def writes_to(self) -> str | None:
+        """The file this store writes, resolved (None if ``readonly``): a registry
+        without leases refuses to open on it while another registry of this process
+        writes it, through this store object or another."""
+        return None if self.readonly else os.path.realpath(self.path)
 
     def statistics(self) -> SQLiteStoreStatistics:
         """The store's counters (they survive ``aclose``)."""
