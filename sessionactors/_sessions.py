@@ -492,6 +492,14 @@ class Sessions:
             # elsewhere, and a wake here tells the loss (the jump).
             if self.config.leases:
                 return session
+            if session.agent in self.agents:
+                # woken here, its hub jumps to the seq its events go on from: the error
+                # names that, for a subscription after the seq before it to follow on
+                with contextlib.suppress(SessionActorsError):  # (deleted, closing, failed)
+                    self.activate(name)
+                await self._last_seq_here(name, hub)
+                if hub.lost(after):
+                    raise hub.lost_error(after)
             error = expired_error(name, after, durable + SEQ_GAP + 1)
         raise error
 

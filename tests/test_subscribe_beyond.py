@@ -187,25 +187,42 @@ async def test_the_last_event_id_before_a_store_was_restored_from_a_backup_raise
 async def test_after_a_seq_beyond_where_a_dead_process_could_reach_raises(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """After a process died mid-turn, a subscription after a seq inside the lost turn is
-    told the events are lost, and one after a seq no incarnation can have reached is
-    told it is beyond the session, both at once, before the session wakes."""
+    """After a process died mid-turn, a subscription after a seq no incarnation can have
+    reached is told it is beyond the session at once, before the session wakes; one after
+    a seq inside the lost turn is told the events are lost, by the session woken to name
+    the seq its events go on from."""
     store = sa.MemoryStore()
     death = await die_mid_turn(store)
     async with sa.open_registry(store=store, agents=ECHO) as registry:
         ref = registry.ref("s")
-        lost = await refused(ref, death.last)
-        assert lost.oldest_seq > death.last
-        assert "lost" in str(lost)
-        assert registry.live() == []
         error = await refused(ref, 10**30)
         assert error.session_id == "s"
         assert "no event after seq" in str(error)
         assert registry.live() == []
-        state = await ref.state()  # wakes it: past the jump
+        lost = await refused(ref, death.last)
+        assert lost.oldest_seq > death.last
+        assert "lost" in str(lost)
+        state = await ref.state()  # past the jump
         assert death.last < lost.oldest_seq <= state.event_seq + 1
         error = await refused(ref, 10**30)
         assert_told(error, "s", 10**30, (await ref.state()).event_seq)
+
+
+@pytest.mark.parametrize("durability", ["turn", "hibernate"])
+async def test_the_oldest_seq_a_lost_turn_names_is_one_to_resume_after(
+    autojump_clock: trio.testing.MockClock, durability: str
+) -> None:
+    """After a process died mid-turn, a subscription after a seq of the lost turn is told
+    the oldest seq available, and one after the seq before it follows on from there: it is
+    not refused again (as beyond the session), and it gets the session's next turn."""
+    store = sa.MemoryStore()
+    death = await die_mid_turn(store, durability=durability)
+    async with sa.open_registry(store=store, agents=ECHO, durability=durability) as registry:
+        ref = registry.ref("s")
+        lost = await refused(ref, death.last)
+        assert "lost" in str(lost)
+        assert lost.oldest_seq > death.last
+        await follow_on(ref, lost.oldest_seq - 1)
 
 
 @pytest.mark.redis
