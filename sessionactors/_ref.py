@@ -557,10 +557,13 @@ class SessionRef(metaclass=NoPublicConstructor):
         with its process (never stored; with ``leases=True``, unless another
         process holds the session's lease: it is live there). Reload the state
         with ``ref.state()``, which wakes the session (resuming a turn that died),
-        and subscribe with ``after=state.event_seq``. A session that is not live
-        is read from the store for this, without waking it (nor waiting for a
-        wake under way, for a seq the store holds); one live on another worker is
-        asked (it may be ahead of the store: deltas are not stored).
+        and subscribe with ``after=state.event_seq``, or with
+        ``after=exc.oldest_seq - 1``. A session that is not live is read from the
+        store for this, without waking it (nor waiting for a wake under way, for a
+        seq the store holds), but for a seq inside a turn that died with its
+        process: this registry, if it has the session's agent, wakes it then, to
+        name the seq its events go on from; one live on another worker is asked
+        (it may be ahead of the store: deltas are not stored).
         """
         check_after(self.session_id, after)
         return _Subscription(self._dispatcher, self.session_id, after)
