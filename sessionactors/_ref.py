@@ -755,12 +755,12 @@ class _Subscription:
         raise not_in_block("ref.subscribe()")
 
 
-def entered_twice(session_id: str, form: str) -> SessionStoppedError:
-    """The error for entering one ``{form}`` (a subscription or a stream) again."""
+def entered_twice(session_id: str, form: str) -> RuntimeError:
+    """The error for entering one ``{form}`` (a subscription or a stream) again: its
+    caller's bug, not the session's state (as trio's for a cancel scope used twice)."""
     what = "a subscription to" if form == "ref.subscribe()" else "a stream of"
-    return SessionStoppedError(
-        f"{what} session {session_id!r} is entered once; call {form} again for another",
-        session_id=session_id,
+    return RuntimeError(
+        f"{what} session {session_id!r} is entered once; call {form} again for another"
     )
 
 
