@@ -234,6 +234,17 @@ class Role(enum.Enum):
     TOOL = "tool"
 
 
+def _role_named(role: object) -> Role:
+    """The role that ``role`` names (``"user"``), or ValueError saying which there are."""
+    try:
+        return Role(role)
+    except ValueError:
+        names = ", ".join(repr(r.value) for r in Role)
+        raise ValueError(
+            f"a message's role is one of {names} (or sa.Role), not {role!r:.60}"
+        ) from None
+
+
 class Status(enum.Enum):
     """Where a session is in its life.
 
@@ -357,7 +368,7 @@ class Message:
     @classmethod
     def create(
         cls,
-        role: Role,
+        role: Role | str,
         content: str,
         *,
         tool_calls: tuple[ToolCall, ...] = (),
@@ -366,10 +377,11 @@ class Message:
         is_error: bool = False,
         usage: Usage | None = None,
     ) -> "Message":
-        """A new message with a fresh id, stamped now."""
+        """A new message with a fresh id, stamped now; ``role`` a :class:`Role` or its
+        name (``"user"``), anything else ``ValueError``."""
         return make_message(
             id=new_id("msg"),
-            role=role,
+            role=role if role.__class__ is Role else _role_named(role),
             content=content,
             created_at=utcnow(),
             tool_calls=tool_calls,

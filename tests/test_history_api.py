@@ -567,3 +567,21 @@ async def test_a_history_handed_out_cannot_change_the_session() -> None:
         handed = (await ref.history())[-1].metadata
         handed["k"].append(2)  # type: ignore[index]
         assert (await ref.history())[-1].metadata == {"k": [1]}
+
+
+async def test_message_create_takes_a_role_by_its_name_and_refuses_another(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``sa.Message.create("user", ...)`` (a role as a client's JSON names it) makes a
+    message of ``Role.USER``, which a session takes; a name that is no role is refused
+    when the message is made, saying which roles there are."""
+    message = sa.Message.create("user", "hi")
+    assert message.role is sa.Role.USER
+    async with sa.open_registry(agents={"a": sa.Agent(model=EchoModel())}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(5):
+            await ref.add_messages([message])
+            assert [m.role for m in await ref.history()] == [sa.Role.USER]
+    for wrong in ("usr", 5, None):
+        with pytest.raises(ValueError, match="'system', 'user', 'assistant', 'tool'"):
+            sa.Message.create(wrong, "hi")  # type: ignore[arg-type]
