@@ -583,6 +583,14 @@ class SessionRef(metaclass=NoPublicConstructor):
         that turn's events published so far that are still available (see
         ``subscribe``), from its ``TurnStarted``.
 
+        A turn that pauses for a review is followed through it: the stream yields its
+        ``ReviewRequested`` and then waits, for as long as the review does, for the
+        rest of the turn (the tool's result, the next answer, the outcome), where
+        ``send`` returns at once with ``reply.reviews``. A web handler that must not
+        hold its response while a person decides ends it at ``ReviewRequested``, as the
+        HTTP gateway's stream does, and the client follows the turn with
+        ``subscribe`` once it resolved the review.
+
         A text or key that ``send`` refuses raises its error here, when called, before
         anything is sent (a web handler can answer it before it starts a response).
         """

@@ -193,6 +193,9 @@ class SessionRef:
     ) -> AbstractAsyncContextManager[EventStream]:
         """Submit a turn and iterate over that turn's events only, ending with its outcome.
 
+        A turn that pauses for a review is followed through it, as
+        ``sessionactors.SessionRef.stream`` says: a handler that must not hold its
+        response while a person decides ends it at ``ReviewRequested``.
         A text or key that ``send`` refuses raises its error here, when called.
         """
         check_message(self.session_id, text, idempotency_key)
