@@ -34,7 +34,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException, WebSocketException
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -284,6 +284,7 @@ def create_app(
     heartbeat: float = 15.0,
     chat_page: bool = True,
     max_body: int = 16 * 1024 * 1024,
+    body_timeout: float = 30.0,
     trusted_origins: Iterable[str] = (),
     cors_origins: Iterable[str] = (),
     cors_headers: Iterable[str] = (),
@@ -346,6 +347,12 @@ def create_app(
     of the store runs wait for its answer rather than reading the store too; an
     answer is not kept once its read ended (the next probe reads again).
     - ``max_body``: the largest request body accepted, in bytes (413 above).
+    - ``body_timeout``: the seconds a request body may take to arrive once the
+      gateway reads it (408 ``RequestTimeout`` after, and the connection closed): a
+      client that sends a large body a byte at a time holds the server's memory for
+      no longer. Bodies of JSON are refused (422) if they hold over 100,000 objects
+      and arrays, before they are parsed (small containers swell as they are: a
+      few MiB of ``[{},{},...]`` are millions of dicts).
     - ``trusted_origins``: origins (``"https://app.example.com"``, as browsers
       send them in ``Origin``) whose pages may open WebSockets and send forms
       without a token, besides this server's own: the public origin of a
@@ -408,7 +415,16 @@ def create_app(
         heartbeat=heartbeat,
         chat_page=chat_page,
         max_body=max_body,
+        body_timeout=_body_timeout(body_timeout),
     )
+
+
+def _body_timeout(seconds: object) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ValueError(
+            f"create_app: body_timeout must be a number of seconds > 0, not {seconds!r:.60}"
+        )
+    return float(seconds)
 
 
 class SessionsApp:
@@ -436,6 +452,7 @@ class SessionsApp:
         heartbeat: float,
         chat_page: bool,
         max_body: int,
+        body_timeout: float = 30.0,
     ) -> None:
         self._registry = registry
         self._options = registry_options
@@ -447,6 +464,7 @@ class SessionsApp:
         self._create_sessions = create_sessions
         self._frames = FrameCache()
         self._max_body = max_body
+        self._body_timeout = body_timeout
         self._draining = False
         self._first_messages = 0  # (see ``_FirstMessage``)
         self._first_messages_done: anyio.Event | None = None
@@ -492,6 +510,9 @@ class SessionsApp:
             lifespan=lifespan,
             exception_handlers={HTTPException: self._http_exception},
         )
+        # (a path with a slash too many is not found: a redirect would name the caller's
+        # Host before the Host check of the routes, and a 307 posts the body there)
+        self._app.router.redirect_slashes = False
 
     def __repr__(self) -> str:
         return f"<SessionsApp registry={self._registry!r}>"
@@ -1032,10 +1053,24 @@ class SessionsApp:
         if size > self._max_body:
             raise _too_large(self._max_body)
         chunks = bytearray()
-        async for chunk in request.stream():
-            chunks += chunk
-            if len(chunks) > self._max_body:
-                raise _too_large(self._max_body)
+        try:
+            with anyio.fail_after(self._body_timeout):
+                async for chunk in request.stream():
+                    chunks += chunk
+                    if len(chunks) > self._max_body:
+                        raise _too_large(self._max_body)
+        except TimeoutError:
+            raise _RequestError(
+                408,
+                "RequestTimeout",
+                f"the request body did not arrive within {self._body_timeout:g} s "
+                "(body_timeout); send it whole at once",
+                {"connection": "close"},
+            ) from None
+        except ClientDisconnect:  # (gone: nobody reads an answer, nothing failed here)
+            raise _RequestError(
+                499, "ClientDisconnected", "the client closed its connection mid-body"
+            ) from None
         if not chunks:
             return {}
         try:
@@ -1996,7 +2031,40 @@ def _loads(text: str | bytes | bytearray, what: str) -> Any:
                 "or send it as a string",
             ) from None
 
+    if _containers(text) > MAX_JSON_CONTAINERS:
+        raise _RequestError(
+            422,
+            "InvalidJSON",
+            f"{what} holds over {MAX_JSON_CONTAINERS:,} JSON objects and arrays, more than "
+            "any request needs; send fewer",
+        )
     return json.loads(text, parse_int=number)
+
+
+#: The most JSON objects and arrays a request body or frame may hold: far more than
+#: any request needs (a session's metadata, at most 64 KiB, holds some 33,000), far
+#: fewer than a body of small ones swells to as it is parsed.
+MAX_JSON_CONTAINERS: Final = 100_000
+
+#: A JSON string (what its braces and brackets are text in).
+_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_BYTES_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def _containers(text: str | bytes | bytearray) -> int:
+    """How many objects and arrays JSON ``text`` opens (its brackets outside strings,
+    counted only when all of them are too many)."""
+    if isinstance(text, str):
+        count = text.count("{") + text.count("[")
+        if count > MAX_JSON_CONTAINERS:
+            bare = _JSON_STRING.sub("", text)
+            count = bare.count("{") + bare.count("[")
+        return count
+    count = text.count(b"{") + text.count(b"[")
+    if count > MAX_JSON_CONTAINERS:
+        stripped = _JSON_BYTES_STRING.sub(b"", text)
+        count = stripped.count(b"{") + stripped.count(b"[")
+    return count
 
 
 def _check_strings(data: dict[str, Any], what: str) -> None:
