@@ -44,7 +44,7 @@ import sessionactors as sa
 from .. import aio
 from .._errors import Advice, AdviceKind, has_private, shown, told, unmarked
 from .._names import as_session_id, validate_name
-from .._ref import check_message, joined, taken_back
+from .._ref import check_message, check_text, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
 from . import _cors
 from ._json import (
@@ -1310,6 +1310,11 @@ class SessionsApp:
                     422, "InvalidRequest", "'approve' must be true or false (a JSON boolean)"
                 )
             note = _optional_string(data, "note")
+            if note is not None:
+                try:  # (as a message's text is: before anything is looked up)
+                    check_text(name, note, "note")
+                except ValueError as exc:
+                    raise _RequestError(422, "InvalidRequest", str(exc)) from None
             ref = await self._existing_ref(registry, name, request.scope)
             if not _wants_events(request):
                 reply = await ref.review(review_id, approve, note)
@@ -1527,7 +1532,11 @@ class SessionsApp:
                         group.cancel_scope.cancel()
                         return
                     except RecursionError as exc:  # a frame nested too deep to decode
-                        await failed(_RequestError(422, "InvalidJSON", f"the frame is {exc}"))
+                        await failed(
+                            _RequestError(
+                                422, "InvalidJSON", f"the frame is not valid JSON ({exc})"
+                            )
+                        )
                     except (_RequestError, sa.SessionActorsError, json.JSONDecodeError) as exc:
                         await failed(exc)
                     except ValueError as exc:  # bad input, told as the HTTP routes tell it

@@ -141,3 +141,22 @@ def test_a_body_timeout_that_is_no_time_is_refused(seconds: object) -> None:
 
     with pytest.raises(ValueError, match="body_timeout must be a number of seconds > 0"):
         create_app(agents=echo, body_timeout=seconds)  # type: ignore[arg-type]
+
+
+async def test_a_review_note_over_the_limit_is_invalid_request_as_a_long_message_is(
+    serve: Serve,
+) -> None:
+    """A review's note that ``ref.review`` would refuse (over 1 MiB) is answered as a
+    message's text is: 422 ``InvalidRequest`` naming the session, before the review is
+    looked up."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(20):
+            r = await client.post("/sessions/rev/messages", json={"text": "hi"})
+            assert r.status_code == 200, r.text
+            r = await client.post(
+                "/sessions/rev/reviews/r1", json={"approve": True, "note": "n" * 1_100_000}
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["error"] == "InvalidRequest"
+            assert "'rev'" in r.json()["message"]
+            assert "over the limit" in r.json()["message"]
