@@ -507,6 +507,8 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
             raise
         usage = step.usage if step is not None else None
         if call is not None:
+            if step is not None and step.finish_reason is not None:
+                call.finished(step.finish_reason)
             call.end(usage, None)
         text = storable("".join(partial))
         partial.clear()

@@ -44,6 +44,10 @@ class ModelCallTrace:
     def first_chunk(self) -> None:
         """The model's first chunk arrived."""
 
+    def finished(self, reason: str) -> None:
+        """The model cut its answer short, saying why (its ``FinishChunk``: ``"length"``,
+        ``"content_filter"``): called before :meth:`end`, only for such an answer."""
+
     def end(self, usage: Usage | None, error: BaseException | None) -> None:
         """The call ended: the tokens the model reported (if it did), or its error."""
 
@@ -276,6 +280,15 @@ class _ModelCallTrace(ModelCallTrace):
             self._inner.first_chunk()
         except Exception:
             self._failures.report("ModelCallTrace.first_chunk")
+
+    def finished(self, reason: str) -> None:
+        finished = getattr(self._inner, "finished", None)  # (a trace written before it)
+        if finished is None:
+            return
+        try:
+            finished(reason)
+        except Exception:
+            self._failures.report("ModelCallTrace.finished")
 
     def end(self, usage: Usage | None, error: BaseException | None) -> None:
         try:

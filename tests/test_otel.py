@@ -533,3 +533,20 @@ async def test_tool_calls_are_counted_by_tool_and_failure(otel: Otel) -> None:
         (p.attributes["gen_ai.tool.name"], p.attributes.get("error.type")): p.value for p in calls
     }
     assert counted == {("lookup", None): 1, ("lookup", "ConnectionError"): 1}, counted
+
+
+async def test_a_model_call_cut_short_says_its_finish_reason(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """A chat span whose answer the model cut short (a FinishChunk) carries
+    ``gen_ai.response.finish_reasons``; one that ended of its own accord does not."""
+    model = ScriptedModel([Scripted(text="The first", finish_reason="length"), "Whole."])
+    agent = sa.Agent(model=model)
+    async with sa.open_registry(agents={"a": agent}, telemetry=otel.telemetry) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send("List ten things.")
+            await ref.send("Thanks")
+    cut, whole = [s for s in otel.spans() if s.name.startswith("chat")]
+    assert cut.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert "gen_ai.response.finish_reasons" not in whole.attributes

@@ -414,6 +414,9 @@ class _ModelCall(ModelCallTrace):
             {"gen_ai.operation.name": "chat", "gen_ai.request.model": self._name},
         )
 
+    def finished(self, reason: str) -> None:
+        self._span.set_attribute("gen_ai.response.finish_reasons", (reason,))
+
     def end(self, usage: Usage | None, error: BaseException | None) -> None:
         span = self._span
         attributes: dict[str, Any] = {
