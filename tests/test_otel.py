@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode
 
 import sessionactors as sa
 from otel_sdk import Otel
-from sessionactors.otel import METRICS
+from sessionactors.otel import METRICS, OpenTelemetry
 from sessionactors.testing import Scripted, ScriptedModel
 
 
@@ -550,3 +550,47 @@ async def test_a_model_call_cut_short_says_its_finish_reason(
     cut, whole = [s for s in otel.spans() if s.name.startswith("chat")]
     assert cut.attributes["gen_ai.response.finish_reasons"] == ("length",)
     assert "gen_ai.response.finish_reasons" not in whole.attributes
+
+
+async def test_exception_messages_can_be_kept_out_of_spans(
+    otel: Otel, autojump_clock: trio.abc.Clock
+) -> None:
+    """``OpenTelemetry(exception_messages=False)``: what an exception says (a model's error
+    quoting the user's words, a tool's failure) reaches no span, neither its status, its
+    ``exception`` event nor the stack trace; its type, status and frames still do."""
+    secret = "my card is 4111 1111 1111 1111"
+
+    @sa.tool
+    async def broken(text: str) -> str:
+        """Always fails."""
+        raise KeyError(text)
+
+    model = ScriptedModel(
+        [
+            ValueError(f"the provider refused: {secret}"),
+            Scripted(tool_calls=[call("broken", "c", text=secret)]),
+            "Sorry.",
+        ]
+    )
+    telemetry = OpenTelemetry(
+        tracer_provider=otel.tracer_provider,
+        meter_provider=otel.meter_provider,
+        exception_messages=False,
+    )
+    agent = sa.Agent(model=model, tools=[broken])
+    async with sa.open_registry(agents={"a": agent}, telemetry=telemetry) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send(secret)
+            await ref.send("again")
+    failing = [s for s in otel.spans() if s.status.status_code is StatusCode.ERROR]
+    assert {s.attributes["error.type"] for s in failing} == {"ValueError", "KeyError"}
+    for span in failing:
+        assert "4111" not in (span.status.description or "")
+        for event in span.events:
+            assert all("4111" not in str(value) for value in event.attributes.values())
+        [event] = [e for e in span.events if e.name == "exception"]
+        stacktrace = str(event.attributes["exception.stacktrace"])
+        assert 'File "' in stacktrace  # (its frames)
+        assert stacktrace.endswith(str(span.attributes["error.type"]))

@@ -179,9 +179,27 @@ class OpenTelemetry(Telemetry):
     ``meter_provider`` default to the global ones (set by the application's SDK
     setup); without an SDK every call is OpenTelemetry's no-op. One instance may
     serve several registries.
+
+    A failed span records what its exception says (its message, in the status, the
+    ``exception`` event and its stack trace), which may quote what a user wrote (a
+    provider's error that repeats the prompt, a tool's error about its arguments).
+    With ``exception_messages=False`` it records none of it: the exception's type
+    and the frames of its trace only, and a tool's error result by ``error.type``.
     """
 
-    def __init__(self, *, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
+        exception_messages: bool = True,
+    ) -> None:
+        if not isinstance(exception_messages, bool):
+            raise TypeError(
+                f"OpenTelemetry: exception_messages must be True or False, not "
+                f"{exception_messages!r:.60}"
+            )
+        self._messages = exception_messages
         self._tracer = trace.get_tracer(_SCOPE, tracer_provider=tracer_provider)
         meter = metrics.get_meter(_SCOPE, meter_provider=meter_provider)
         self._registries: list[Any] = []
@@ -358,7 +376,7 @@ class _Turn(TurnTrace):
                 "gen_ai.tool.type": "function",
             },
         )
-        traced = _ToolCall(span)
+        traced = _ToolCall(span, self._otel._messages)
         counted = True
         try:
             with trace.use_span(
@@ -366,7 +384,7 @@ class _Turn(TurnTrace):
             ):
                 yield traced
         except Exception as exc:  # (a tool's own errors come through ``failed``)
-            _fail(span, exc)
+            _fail(span, exc, self._otel._messages)
             traced.error_type = _error_type(exc)
             raise
         except BaseException:  # cancelled (its turn cut off): no call that ran or failed
@@ -389,7 +407,7 @@ class _Turn(TurnTrace):
             span.set_attribute("sessionactors.turn.outcome", outcome)
             if error is not None and outcome in ("failed", "crashed"):
                 attributes["error.type"] = _error_type(error)
-                _fail(span, error)
+                _fail(span, error, self._otel._messages)
         finally:
             self._otel._end(span)
         self._otel.turns.add(1, attributes)
@@ -429,7 +447,7 @@ class _ModelCall(ModelCallTrace):
                 span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
             if error is not None and not stops(error):  # (a cancellation is no failure)
                 attributes["error.type"] = _error_type(error)
-                _fail(span, error)
+                _fail(span, error, self._otel._messages)
         finally:
             self._otel._end(span)
             otel_context.detach(self._token)
@@ -441,21 +459,23 @@ class _ModelCall(ModelCallTrace):
 
 
 class _ToolCall(ToolCallTrace):
-    __slots__ = ("_span", "error_type")
+    __slots__ = ("_messages", "_span", "error_type")
 
-    def __init__(self, span: Span) -> None:
+    def __init__(self, span: Span, messages: bool) -> None:
         self._span = span
+        self._messages = messages  # (see OpenTelemetry's exception_messages)
         self.error_type: str | None = None  # (the call's failure, for its count)
 
     def failed(self, error: BaseException | None, message: str) -> None:
         span = self._span
         if error is not None:
-            _fail(span, error)
+            _fail(span, error, self._messages)
             self.error_type = _error_type(error)
         else:
             self.error_type = "_OTHER"
             span.set_attribute("error.type", "_OTHER")
-            span.set_status(Status(StatusCode.ERROR, storable(message[:200])))
+            said = storable(message[:200]) if self._messages else "the tool's error result"
+            span.set_status(Status(StatusCode.ERROR, said))
 
 
 def _bounded(text: str, limit: int) -> str:
@@ -467,34 +487,33 @@ def _bounded(text: str, limit: int) -> str:
     return storable(text)
 
 
-def _fail(span: Span, error: BaseException) -> None:
+def _fail(span: Span, error: BaseException, messages: bool) -> None:
     """Mark ``span`` failed by ``error``: its type, status and an ``exception`` event.
 
     The event is what ``Span.record_exception`` records, made here so that what an
     exception says (a model's megabyte response body, a tool's argument with a lone
     surrogate, a ``__str__`` that raises) reaches the exporter bounded and valid UTF-8.
     A model call cut by a cancellation (``trio.Cancelled``) is not failed: like the
-    turn it cuts (outcome ``cancelled``), it is not an error.
+    turn it cuts (outcome ``cancelled``), it is not an error. Without ``messages``,
+    nothing the exception says is recorded: its type, and the frames of its trace.
     """
-    try:
-        message = str(error)
-    except Exception:  # its own str() failed
-        message = "(its message could not be read)"
-    message = _bounded(message, _MAX_MESSAGE)
     kind = type(error)
     module = kind.__module__
+    name = kind.__qualname__ if module in (None, "builtins") else f"{module}.{kind.__qualname__}"
     span.set_attribute("error.type", _error_type(error))
-    span.add_event(
-        "exception",
-        {
-            "exception.type": kind.__qualname__
-            if module in (None, "builtins")
-            else f"{module}.{kind.__qualname__}",
-            "exception.message": message,
-            "exception.stacktrace": _bounded(
-                "".join(traceback.format_exception(error)), _MAX_STACKTRACE
-            ),
-            "exception.escaped": "False",
-        },
-    )
-    span.set_status(Status(StatusCode.ERROR, f"{kind.__name__}: {message}"[:200]))
+    event = {"exception.type": name, "exception.escaped": "False"}
+    if messages:
+        try:
+            message = str(error)
+        except Exception:  # its own str() failed
+            message = "(its message could not be read)"
+        message = _bounded(message, _MAX_MESSAGE)
+        stacktrace = "".join(traceback.format_exception(error))
+        status = f"{kind.__name__}: {message}"[:200]
+        event["exception.message"] = message
+    else:
+        stacktrace = "".join(traceback.format_tb(error.__traceback__)) + name
+        status = kind.__name__
+    event["exception.stacktrace"] = _bounded(stacktrace, _MAX_STACKTRACE)
+    span.add_event("exception", event)
+    span.set_status(Status(StatusCode.ERROR, status))
