@@ -19,7 +19,14 @@ from typing import Final
 import attrs
 import trio
 
-from ._codec import SnapshotWriter, dump_events, dump_info, dump_live_info, dump_snapshot
+from ._codec import (
+    MAX_SNAPSHOT_BYTES,
+    SnapshotWriter,
+    dump_events,
+    dump_info,
+    dump_live_info,
+    dump_snapshot,
+)
 from ._config import RegistryConfig
 from ._errors import LOST_DATA_CAUSES, SessionNotFoundError, SnapshotError, StoreError
 from ._events import Event, HistoryEdited, MetadataChanged, erases
@@ -33,6 +40,10 @@ from .stores._base import JournalEntry, Store, StoredSession
 __all__ = ["Journal", "store_new"]
 
 log = logging.getLogger("sessionactors")
+
+#: A snapshot this large (three quarters of MAX_SNAPSHOT_BYTES) is told in the log: its
+#: session is near what a snapshot may hold.
+_NEAR_SNAPSHOT_BYTES = MAX_SNAPSHOT_BYTES * 3 // 4
 
 _make_entry: Final = maker(JournalEntry)
 #: The events that can make a state smaller (a turn only adds to it).
@@ -58,6 +69,7 @@ class Journal:
     __slots__ = (
         "_journaled",
         "_marks",
+        "_near_told",
         "_since_snapshot",
         "_size",
         "_snapshot_size",
@@ -139,6 +151,8 @@ class Journal:
         #: make it smaller (an edit of the history or of the metadata) came since: a
         #: snapshot is not tried again (to compact, or at the idle timeout) until then.
         self.unwritable = False
+        #: A snapshot near MAX_SNAPSHOT_BYTES was told in the log (once an incarnation).
+        self._near_told = False
 
     def add(self, event: Event) -> None:
         """A durable event, folded into the state already: to be stored."""
@@ -312,12 +326,29 @@ class Journal:
             snapshot = dump_snapshot(state) if writer is None else writer.dump(state)
         except (ValueError, TypeError) as exc:
             # nothing is written, and retrying cannot help until the state shrinks
-            self.unwritable = True
-            raise SnapshotError(
+            error = SnapshotError(
                 f"the state of session {self.session_id!r} cannot be written as a snapshot "
                 f"(to hibernate or stop): {exc}",
                 session_id=self.session_id,
-            ) from exc
+            )
+            if not self.unwritable:  # (told once, whichever write found it: a compaction's)
+                log.warning(
+                    "%s; until then it stays live: it cannot hibernate, be forked or "
+                    "exported, and its journal grows without compaction",
+                    error,
+                )
+            self.unwritable = True
+            raise error from exc
+        if len(snapshot) > _NEAR_SNAPSHOT_BYTES and not self._near_told:
+            self._near_told = True
+            log.warning(
+                "session %r: its snapshot is %.1f MiB, near the %d MiB a snapshot may be; "
+                "past that it cannot hibernate, be forked or exported, nor its journal be "
+                "compacted: truncate or compact its history (or keep large values elsewhere)",
+                self.session_id,
+                len(snapshot) / 2**20,
+                MAX_SNAPSHOT_BYTES // 2**20,
+            )
         try:
             await self._timed(
                 "snapshot",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -475,3 +476,33 @@ async def test_a_session_stored_with_larger_metadata_before_the_limit_loads_and_
         state = await registry.ref("old").state()
         assert state.metadata == {"b": "small", "tier": "gold"}
         assert [m.content for m in state.messages] == ["hi", "hi", "again", "again"]
+
+
+async def test_a_session_growing_past_what_a_snapshot_holds_is_told_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A session whose state nears the 64 MiB a snapshot holds is named in one WARNING,
+    with what to do, once a snapshot of it passes three quarters of that (a compaction's);
+    one past it (it can no longer hibernate, fork or compact its journal) in one more, the
+    first time a snapshot of it fails, and not again while it stays that large."""
+    caplog.set_level(logging.WARNING, logger="sessionactors")
+    megabyte = "x" * (1024 * 1024 - 64)
+    async with sa.open_registry(
+        agents={"a": sa.Agent(model=EchoModel())}, snapshot_every=2
+    ) as registry:
+        ref = await registry.spawn("big")
+        with trio.fail_after(120):
+            for _ in range(70):
+                await ref.add_messages([sa.Message.create(sa.Role.USER, megabyte)])
+            with pytest.raises(sa.SnapshotError):
+                await ref.hibernate()
+            with pytest.raises(sa.SnapshotError):
+                await ref.hibernate()
+    said = [r.getMessage() for r in caplog.records if "'big'" in r.getMessage()]
+    near = [m for m in said if "near" in m]
+    past = [m for m in said if "until then it stays live" in m]
+    assert len(near) == 1, said
+    assert "truncate or compact" in near[0]
+    assert len(past) == 1, said
+    assert "cannot be written as a snapshot" in past[0]
+    assert "journal grows without compaction" in past[0]
