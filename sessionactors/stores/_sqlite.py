@@ -226,12 +226,38 @@ class _Request:
     def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
         """The abort function of the waiting caller (runs on its trio thread). The
         request itself is passed as that function: a bound method would be one more
-        object for each waiting call."""
-        assert self.worker is not None
-        if self.worker.withdraw(self):
+        object for each waiting call.
+
+        A request the thread runs already is waited for (its commit, if it writes,
+        lands), but for a bounded time: a disk that stalls (a frozen file system, a
+        hung network volume) would hold its caller, and a shutdown, for ever. After
+        ``busy_timeout`` and ``_STALL_GRACE`` seconds more, the caller is cancelled
+        all the same (a write's outcome is then unknown, as after a timeout of any
+        store), and the thread's answer, if it ever comes, is dropped."""
+        worker = self.worker
+        assert worker is not None
+        if worker.withdraw(self):
             return trio.lowlevel.Abort.SUCCEEDED
         self.raise_cancel = raise_cancel
+        trio.lowlevel.spawn_system_task(
+            _give_up, self, worker._busy_timeout + _STALL_GRACE, name="sqlite stall bound"
+        )
         return trio.lowlevel.Abort.FAILED
+
+
+#: How long past ``busy_timeout`` a cancelled caller waits for the request the thread
+#: runs (a write's commit) before it gives up on a stalled disk (see ``_Request``).
+_STALL_GRACE: Final = 5.0
+
+
+async def _give_up(request: _Request, seconds: float) -> None:
+    """Cancel the caller of ``request`` (cancelled while the thread ran it) if the
+    thread has not answered it in ``seconds``."""
+    await trio.sleep(seconds)
+    task = request.task
+    if task is not None:  # (answered, _deliver cleared it)
+        request.task = None
+        trio.lowlevel.reschedule(task, outcome.capture(request.raise_cancel))
 
 
 #: How long ago (in ns) a directory's entries must have last changed for its stamp to
@@ -257,6 +283,7 @@ def _deliver(answered: list[_Request]) -> None:
         if task is None:  # a close that stopped waiting (see SQLiteStore.aclose)
             continue
         if request.raise_cancel is not None:
+            request.task = None  # (answered: its stall bound has nothing to do)
             reschedule(task, outcome.capture(request.raise_cancel))
         elif request.result is None:
             reschedule(task)  # (trio's Value(None), made as the task runs)
@@ -1140,8 +1167,14 @@ class SQLiteStore:
     being written waits for its transaction to finish (milliseconds; at most
     ``busy_timeout`` more while another process holds the write lock) and then
     raises ``Cancelled``: its write happened completely or not at all, and
-    nothing of it is left running. :meth:`statistics` shows how well appends
-    are grouped.
+    nothing of it is left running. On a disk that stops answering (a frozen
+    file system, a hung network volume: the transaction blocks in the kernel)
+    it waits ``busy_timeout`` and 5 seconds more, then raises ``Cancelled``
+    all the same: whether that write lands is then unknown (as after any
+    store's timeout), and the connection's thread finishes it, or not, on its
+    own. So a registry's close over such a disk ends within its bounds (see
+    the shutdown how-to) rather than when the disk comes back. :meth:`statistics`
+    shows how well appends are grouped.
     """
 
     path: str = attrs.field(converter=_fspath)
