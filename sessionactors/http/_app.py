@@ -350,9 +350,9 @@ def create_app(
     - ``body_timeout``: the seconds a request body may take to arrive once the
       gateway reads it (408 ``RequestTimeout`` after, and the connection closed): a
       client that sends a large body a byte at a time holds the server's memory for
-      no longer. Bodies of JSON are refused (422) if they hold over 100,000 objects
-      and arrays, before they are parsed (small containers swell as they are: a
-      few MiB of ``[{},{},...]`` are millions of dicts).
+      no longer. Bodies of JSON are refused (422) if they hold over 100,000 values,
+      before they are parsed (small ones swell as they are, and take long: a few
+      MiB of ``[{},{},...]`` are millions of dicts).
     - ``trusted_origins``: origins (``"https://app.example.com"``, as browsers
       send them in ``Origin``) whose pages may open WebSockets and send forms
       without a token, besides this server's own: the public origin of a
@@ -2040,39 +2040,42 @@ def _loads(text: str | bytes | bytearray, what: str) -> Any:
                 "or send it as a string",
             ) from None
 
-    if _containers(text) > MAX_JSON_CONTAINERS:
+    if _values(text) > MAX_JSON_VALUES:
         raise _RequestError(
             422,
             "InvalidJSON",
-            f"{what} holds over {MAX_JSON_CONTAINERS:,} JSON objects and arrays, more than "
-            "any request needs; send fewer",
+            f"{what} holds over {MAX_JSON_VALUES:,} JSON values, objects and arrays, more "
+            "than any request needs; send fewer",
         )
     return json.loads(text, parse_int=number)
 
 
-#: The most JSON objects and arrays a request body or frame may hold: far more than
-#: any request needs (a session's metadata, at most 64 KiB, holds some 33,000), far
-#: fewer than a body of small ones swells to as it is parsed.
-MAX_JSON_CONTAINERS: Final = 100_000
+#: The most values (objects, arrays and the items in them) a request body or frame may
+#: hold: far more than any request needs (a session's metadata, at most 64 KiB, holds
+#: some 33,000), far fewer than a body of small ones swells to as it is parsed (a few
+#: MiB of ``[{},{},...]`` are millions of dicts, of ``[1.5,1.5,...]`` a second of
+#: parsing).
+MAX_JSON_VALUES: Final = 100_000
 
-#: A JSON string (what its braces and brackets are text in).
-_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_JSON_BYTES_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+#: A JSON string, its brackets and commas text; or the rest of a string that does not
+#: end (the closing quote optional: one try reaches the end, not one per escape).
+_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_JSON_BYTES_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 
 
-def _containers(text: str | bytes | bytearray) -> int:
-    """How many objects and arrays JSON ``text`` opens (its brackets outside strings,
-    counted only when all of them are too many)."""
+def _values(text: str | bytes | bytearray) -> int:
+    """About how many values JSON ``text`` holds: its brackets and commas outside strings
+    (counted apart from strings only when all of them are too many)."""
     if isinstance(text, str):
-        count = text.count("{") + text.count("[")
-        if count > MAX_JSON_CONTAINERS:
+        count = text.count("{") + text.count("[") + text.count(",")
+        if count > MAX_JSON_VALUES:
             bare = _JSON_STRING.sub("", text)
-            count = bare.count("{") + bare.count("[")
+            count = bare.count("{") + bare.count("[") + bare.count(",")
         return count
-    count = text.count(b"{") + text.count(b"[")
-    if count > MAX_JSON_CONTAINERS:
+    count = text.count(b"{") + text.count(b"[") + text.count(b",")
+    if count > MAX_JSON_VALUES:
         stripped = _JSON_BYTES_STRING.sub(b"", text)
-        count = stripped.count(b"{") + stripped.count(b"[")
+        count = stripped.count(b"{") + stripped.count(b"[") + stripped.count(b",")
     return count
 
 

@@ -74,7 +74,7 @@ async def test_a_body_of_a_million_empty_objects_is_refused_before_it_is_parsed(
             )
             assert r.status_code == 422, r.text
             assert r.json()["error"] == "InvalidJSON"
-            assert "objects and arrays" in r.json()["message"]
+            assert "JSON values" in r.json()["message"]
             r = await client.post(
                 "/sessions/swell/messages",
                 content=braces,
@@ -109,8 +109,7 @@ async def test_a_path_with_a_trailing_slash_is_not_redirected_to_the_callers_hos
 ) -> None:
     """``/sessions/`` (a slash too many) is not redirected (a redirect would name the
     caller's ``Host`` before the gateway's own check of it, and a 307 posts the body
-    again there): it is 404, and under a ``Host`` that DNS rebinding could point here,
-    403 ``UnknownHost`` as every route is."""
+    again there): it is 404, no route, under any ``Host``."""
     async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
         port = served.url.rsplit(":", 1)[1]
         with trio.fail_after(20):
@@ -126,9 +125,8 @@ async def test_a_path_with_a_trailing_slash_is_not_redirected_to_the_callers_hos
                 r = await client.request(
                     method, path, content=body, headers={"host": f"evil.example:{port}"}
                 )
-                assert r.status_code in (403, 404), (path, r.status_code)
+                assert r.status_code == 404, (path, r.status_code)
                 assert "location" not in r.headers
-                assert "evil.example" not in r.headers.get("location", "")
 
 
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), True, "30"])
@@ -160,3 +158,32 @@ async def test_a_review_note_over_the_limit_is_invalid_request_as_a_long_message
             assert r.json()["error"] == "InvalidRequest"
             assert "'rev'" in r.json()["message"]
             assert "over the limit" in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # an unterminated string of escaped quotes behind many brackets: a string
+        # pattern that must end in a quote tries again from every escape
+        b"[" * 100_001 + b'"' + b'\\"' * 200_000,
+        # small values, no containers: a parse of millions of floats
+        b'{"text": [' + b"1.5," * 3_000_000 + b"1.5]}",
+    ],
+    ids=["unterminated-escapes", "many-floats"],
+)
+async def test_bodies_built_to_be_slow_to_check_or_parse_are_refused_at_once(
+    serve: Serve, body: bytes
+) -> None:
+    """A body whose check or parse would take the event loop for seconds (a string of
+    escapes that never ends, millions of small values) is refused with 422 at once, and
+    the server answers its health check meanwhile."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(30):
+            r = await client.post(
+                "/sessions/slow/messages",
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+            assert r.status_code == 422, r.text[:300]
+            assert r.json()["error"] == "InvalidJSON"
+            assert (await client.get("/healthz")).status_code == 200
