@@ -522,7 +522,9 @@ def _store_key(store: Store) -> tuple[str, object]:
     return ("id", id(store)) if place is None else ("place", place)
 
 
-def _claim_store(store: Store) -> None:
+def _claim_store(store: Store) -> tuple[str, object]:
+    """Mark what ``store`` writes as used by an open registry without leases (its key,
+    for the close to free: worked out once, as a path may resolve otherwise later)."""
     key = _store_key(store)
     if key in _STORES_IN_USE:
         place = "" if key[0] == "id" else f" of {key[1]!r}"
@@ -533,6 +535,7 @@ def _claim_store(store: Store) -> None:
             "that shares it"
         )
     _STORES_IN_USE.add(key)
+    return key
 
 
 @asynccontextmanager
@@ -686,8 +689,7 @@ async def open_registry(
     the_store: Store = store if store is not None else MemoryStore()
     if leases is None:
         config = attrs.evolve(config, leases=bool(getattr(the_store, "shared_by_workers", False)))
-    if not config.leases:
-        _claim_store(the_store)
+    claimed = None if config.leases else _claim_store(the_store)
     opened: Registry | None = None  # (told to the telemetry, which must hear it closed)
     try:
         async with _unwrapped(), trio.open_nursery() as nursery:
@@ -731,8 +733,8 @@ async def open_registry(
         # short by a cancellation or an error, the telemetry hears it)
         if opened is not None and telemetry is not None:
             telemetry.registry_closed(opened)
-        if not config.leases:
-            _STORES_IN_USE.discard(_store_key(the_store))
+        if claimed is not None:
+            _STORES_IN_USE.discard(claimed)
         with trio.CancelScope(shield=True), trio.move_on_after(config.write_bound):
             await the_store.aclose()
     if sessions.unwritten_state:

@@ -718,6 +718,22 @@ async def test_two_store_objects_of_one_sqlite_file_serve_one_registry_at_a_time
         assert len(await again.ref("x").history()) == 4
 
 
+async def test_a_store_is_freed_at_close_though_its_path_now_resolves_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry on a relative path frees its store at close, as it claimed it, though
+    the process moved meanwhile (its path would resolve to another file now): the file
+    opens again."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    async with sa.open_registry(agents=ECHO, store=sa.SQLiteStore("s.db")) as first:
+        await (await first.spawn("x")).send("hi")
+        monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path)
+    async with sa.open_registry(agents=ECHO, store=sa.SQLiteStore("s.db")) as again:
+        assert len(await again.ref("x").history()) == 2
+
+
 async def test_errors_repeat_only_the_start_of_a_long_value_from_the_caller(
     echo_agents: dict[str, sa.Agent],
 ) -> None:
