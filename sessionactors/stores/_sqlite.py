@@ -195,6 +195,7 @@ class _Request:
         "session_id",
         "state",
         "task",
+        "timer",
         "token",
         "worker",
         "writes",
@@ -239,9 +240,10 @@ class _Request:
         if worker.withdraw(self):
             return trio.lowlevel.Abort.SUCCEEDED
         self.raise_cancel = raise_cancel
-        trio.lowlevel.spawn_system_task(
-            _give_up, self, worker._busy_timeout + _STALL_GRACE, name="sqlite stall bound"
-        )
+        # (the bound is real time, a thread's: the disk does not follow a test's clock)
+        timer = self.timer = threading.Timer(worker._busy_timeout + _STALL_GRACE, _give_up, (self,))
+        timer.daemon = True
+        timer.start()
         return trio.lowlevel.Abort.FAILED
 
 
@@ -250,12 +252,17 @@ class _Request:
 _STALL_GRACE: Final = 5.0
 
 
-async def _give_up(request: _Request, seconds: float) -> None:
-    """Cancel the caller of ``request`` (cancelled while the thread ran it) if the
-    thread has not answered it in ``seconds``."""
-    await trio.sleep(seconds)
+def _give_up(request: _Request) -> None:
+    """(On its timer's thread.) Cancel the caller of ``request``, cancelled while the
+    connection's thread ran it, which that thread has not answered in time."""
+    assert request.token is not None
+    with contextlib.suppress(trio.RunFinishedError):
+        request.token.run_sync_soon(_give_up_now, request)
+
+
+def _give_up_now(request: _Request) -> None:
     task = request.task
-    if task is not None:  # (answered, _deliver cleared it)
+    if task is not None:  # (not answered meanwhile: _deliver clears it)
         request.task = None
         trio.lowlevel.reschedule(task, outcome.capture(request.raise_cancel))
 
@@ -284,6 +291,7 @@ def _deliver(answered: list[_Request]) -> None:
             continue
         if request.raise_cancel is not None:
             request.task = None  # (answered: its stall bound has nothing to do)
+            request.timer.cancel()  # (set with raise_cancel: see _Request.__call__)
             reschedule(task, outcome.capture(request.raise_cancel))
         elif request.result is None:
             reschedule(task)  # (trio's Value(None), made as the task runs)

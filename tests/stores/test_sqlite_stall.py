@@ -20,6 +20,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from sessionactors.stores import JournalEntry, SQLiteStore
 from sessionactors.testing import EchoModel
 
 #: Real seconds after which the watchdog thaws the disk, whatever the test is doing.
@@ -42,7 +43,7 @@ def disk(tmp_path: Path) -> Iterator[Path]:
         file.truncate(64 * 1024 * 1024)
     _run("mkfs.ext4", "-q", "-F", str(image))
     try:
-        _run("mount", "-o", "loop", str(image), str(mountpoint))
+        _run("mount", "-o", "loop,noatime", str(image), str(mountpoint))
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"no loop device to mount a disk on: {exc.stderr.decode().strip()}")
     try:
@@ -60,8 +61,56 @@ def disk(tmp_path: Path) -> Iterator[Path]:
             if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode == 0:
                 break
             time.sleep(0.1)
-        else:
-            _run("umount", str(mountpoint))
+        else:  # (a store a failed test left open: detached once it closes)
+            _run("umount", "-l", str(mountpoint))
+
+
+async def test_a_write_the_frozen_disk_holds_gives_its_cancelled_caller_up_in_time(
+    disk: Path,
+) -> None:
+    """A write that the thread runs as the disk freezes blocks in the kernel; its caller,
+    cancelled, is given up after ``busy_timeout`` and 5 s (real time), not once the disk
+    comes back. (Before, it waited for the thaw.)"""
+    store = SQLiteStore(str(disk / "s.db"), busy_timeout=0.5)
+    await store.create("s", b"snapshot", b"")
+    done, thawed = _watchdog(disk)
+    scope = trio.CancelScope()
+
+    async def append() -> None:
+        with scope:
+            await store.append("s", [JournalEntry(1, b"entry")], b"")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            _run("fsfreeze", "-f", str(disk))
+            nursery.start_soon(append)
+            await trio.sleep(0.5)  # (real time: its thread runs it, blocked in the kernel)
+            assert store.statistics().requests_queued == 0
+            start = trio.current_time()
+            scope.cancel()
+    finally:
+        done.set()
+    waited = trio.current_time() - start
+    assert not thawed.is_set(), "the cancelled write waited for the disk to come back"
+    assert scope.cancelled_caught
+    assert waited >= 5.5, waited  # (busy_timeout and 5 s: not given up before)
+    subprocess.run(["fsfreeze", "-u", str(disk)], capture_output=True)
+    with trio.fail_after(30):
+        await store.aclose()
+
+
+def _watchdog(disk: Path) -> tuple[threading.Event, threading.Event]:
+    """(done, thawed): unless ``done`` is set within THAW_AFTER real seconds, the disk
+    is thawed, and ``thawed`` set (the test's own bound: it never waits for ever)."""
+    done, thawed = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        if not done.wait(THAW_AFTER):
+            subprocess.run(["fsfreeze", "-u", str(disk)], capture_output=True)
+            thawed.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done, thawed
 
 
 async def test_a_close_over_a_frozen_disk_stays_within_its_bounds(
@@ -69,21 +118,14 @@ async def test_a_close_over_a_frozen_disk_stays_within_its_bounds(
 ) -> None:
     """The disk freezes while a turn's write is in flight: its caller is not answered
     (the write's outcome is unknown), and the registry's close ends within its bounds
-    (the grace, then the write bound), the caller getting ``SessionStoppedError``, not
-    once the disk comes back; the turn acknowledged before is kept. (Before, the close
-    waited on the frozen write until the disk thawed, and a SIGTERM with it.)"""
+    (the grace, the frozen write's ``busy_timeout`` and 5 real seconds, then the write
+    bounds), the caller getting ``SessionStoppedError``, not once the disk comes back;
+    the turn acknowledged before is kept. (Before, the close waited on the frozen
+    write until the disk thawed, and a SIGTERM with it.)"""
     path = disk / "s.db"
-    thawed = threading.Event()
-
-    def watchdog() -> None:  # (the test's real-time bound: it never waits for ever)
-        if not closed.wait(THAW_AFTER):
-            subprocess.run(["fsfreeze", "-u", str(disk)], capture_output=True)
-            thawed.set()
-
-    closed = threading.Event()
+    done, thawed = _watchdog(disk)
     agents = {"a": sa.Agent(model=EchoModel())}
     outcomes: list[BaseException] = []
-    threading.Thread(target=watchdog, daemon=True).start()
 
     async def send(ref: sa.SessionRef) -> None:
         try:
@@ -95,19 +137,20 @@ async def test_a_close_over_a_frozen_disk_stays_within_its_bounds(
         async with (
             trio.open_nursery() as nursery,
             sa.open_registry(
-                store=sa.SQLiteStore(path), agents=agents, shutdown_grace=1
+                store=sa.SQLiteStore(path, busy_timeout=1), agents=agents, shutdown_grace=1
             ) as registry,
         ):
             ref = await registry.spawn("s")
             assert (await ref.send("kept")).text == "kept"
-            time.sleep(0.5)  # (real time: the store's thread is done, and idle)
+            # (real time, as the store's thread runs: done with all before, and idle)
+            await trio.to_thread.run_sync(time.sleep, 0.5)
             _run("fsfreeze", "-f", str(disk))
             nursery.start_soon(send, ref)
             await trio.testing.wait_all_tasks_blocked()
             await trio.sleep(60)  # (virtual: the write stays blocked in the kernel)
             assert outcomes == []
     finally:
-        closed.set()
+        done.set()
     assert not thawed.is_set(), "the close waited for the disk to come back"
     [error] = outcomes
     assert isinstance(error, sa.SessionStoppedError), error
