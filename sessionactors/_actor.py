@@ -1794,9 +1794,8 @@ class Actor:
             return False  # too large to snapshot, and nothing has made it smaller since
         try:
             return await self._hibernate_if_idle()
-        except SnapshotError as exc:  # nothing written: it stays live, as it was
-            log.warning("session %r stays live: %s", self.session_id, exc)
-            return False
+        except SnapshotError:  # nothing written: it stays live, as it was (the journal
+            return False  # logged why, and that it stays live, as it found it)
         except StoreError as exc:
             if isinstance(exc, FencedOutError):
                 raise  # another worker owns it: nothing of ours to keep
