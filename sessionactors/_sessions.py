@@ -463,7 +463,9 @@ class Sessions:
 
         A session live here knows its last seq; one that is not (or is still waking)
         is read from the store, without waking it or waiting for its wake: only a seq
-        beyond the store's waits for a wake under way. With other workers, a session
+        beyond the store's waits for a wake under way, and one inside a turn that died
+        with its process wakes the session, if this registry has its agent, for its
+        jump to name the seq its events go on from. With other workers, a session
         that is not live here may be further along elsewhere (deltas are not stored):
         the router asked its owner."""
         if after <= hub.seq:  # (a seq the hub gave, or jumped over: see Hub.lost)
@@ -497,9 +499,13 @@ class Sessions:
                 # names that, for a subscription after the seq before it to follow on
                 with contextlib.suppress(SessionActorsError):  # (deleted, closing, failed)
                     self.activate(name)
-                await self._last_seq_here(name, hub)
+                last = await self._last_seq_here(name, hub)
                 if hub.lost(after):
                     raise hub.lost_error(after)
+                if last is not None:  # (woken, not over that seq: as for any live one)
+                    refuse_beyond(name, after, last)
+                    return session
+            # (an observer, without its agent: the jump is a later wake's, elsewhere)
             error = expired_error(name, after, durable + SEQ_GAP + 1)
         raise error
 

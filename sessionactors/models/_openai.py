@@ -8,7 +8,8 @@ values, exactly as they arrive, and the token counts the server reports
 :class:`~sessionactors.UsageChunk` at the end: usage is a running total, so
 a server that sends it with every chunk is counted once, by its last. An
 answer that the server cut short (``finish_reason`` ``"length"``,
-``"content_filter"``, or any but ``"stop"`` and ``"tool_calls"``) ends with a
+``"content_filter"``, or any but the natural ends: ``"stop"``, ``"tool_calls"``,
+``"function_call"``, ``"eos_token"``, ``"stop_sequence"``, ``"end_turn"``) ends with a
 :class:`~sessionactors.FinishChunk` of that reason. It works with OpenAI
 itself and with the servers that copy its API (vLLM, llama.cpp, Ollama, LM
 Studio, ...).
@@ -67,9 +68,13 @@ _RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemotePro
 #: with ``trio.fail_after``).
 _TIMEOUT = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=60.0)
 
-#: The finish reasons of an answer that ended of its own accord; any other (``"length"``,
+#: The finish reasons of an answer that ended of its own accord (OpenAI's, its older
+#: ``"function_call"``, and those of servers that copy its API: TGI's ``"eos_token"``
+#: and ``"stop_sequence"``, ``"end_turn"``); any other (``"length"``,
 #: ``"content_filter"``, ...) comes as a FinishChunk.
-_NATURAL_ENDS = frozenset({"stop", "tool_calls", "function_call"})
+_NATURAL_ENDS = frozenset(
+    {"stop", "tool_calls", "function_call", "eos_token", "stop_sequence", "end_turn"}
+)
 
 #: How much of an error response is read to find the server's message.
 _MAX_ERROR_BODY = 64 * 1024
