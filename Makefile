@@ -19,7 +19,7 @@ demo-cluster: .venv/.extra-redis-$(HASH)
 
 # The tests (and the soak runs) run in three processes (pytest-xdist): much of their
 # time is spent waiting on servers, subprocesses and timeouts, so three are faster than
-# two on 2 cores (clean-clone runs: 482-562 s of pytest against 604-633 s).
+# two on 2 cores (clean-clone runs: 482-576 s of pytest against 604-633 s).
 # TEST_PROCESSES=0 runs them in this one.
 # (.ci/run starts one set of Redis servers for each process.)
 TEST_PROCESSES ?= 3

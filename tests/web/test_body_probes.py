@@ -23,6 +23,13 @@ async def _connect(url: str) -> trio.SocketStream:
     return await trio.open_tcp_stream(host, int(port))
 
 
+async def _post_bytes(client: httpx.AsyncClient, name: str, body: bytes) -> httpx.Response:
+    """POST ``body``, as JSON, as a message to session ``name``."""
+    return await client.post(
+        f"/sessions/{name}/messages", content=body, headers={"content-type": "application/json"}
+    )
+
+
 async def _response(stream: trio.SocketStream) -> bytes:
     """What the server sends until it closes the connection."""
     data = b""
@@ -67,19 +74,11 @@ async def test_a_body_of_a_million_empty_objects_is_refused_before_it_is_parsed(
     braces = b'{"text": "' + b"{}[]" * 200_000 + b'"}'
     async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
         with trio.fail_after(30):
-            r = await client.post(
-                "/sessions/swell/messages",
-                content=many,
-                headers={"content-type": "application/json"},
-            )
+            r = await _post_bytes(client, "swell", many)
             assert r.status_code == 422, r.text
             assert r.json()["error"] == "InvalidJSON"
             assert "JSON values" in r.json()["message"]
-            r = await client.post(
-                "/sessions/swell/messages",
-                content=braces,
-                headers={"content-type": "application/json"},
-            )
+            r = await _post_bytes(client, "swell", braces)
             assert r.status_code == 200, r.text[:300]
 
 
@@ -179,11 +178,7 @@ async def test_bodies_built_to_be_slow_to_check_or_parse_are_refused_at_once(
     the server answers its health check meanwhile."""
     async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
         with trio.fail_after(30):
-            r = await client.post(
-                "/sessions/slow/messages",
-                content=body,
-                headers={"content-type": "application/json"},
-            )
+            r = await _post_bytes(client, "slow", body)
             assert r.status_code == 422, r.text[:300]
             assert r.json()["error"] == "InvalidJSON"
             assert (await client.get("/healthz")).status_code == 200
