@@ -452,7 +452,7 @@ class SessionsApp:
         heartbeat: float,
         chat_page: bool,
         max_body: int,
-        body_timeout: float = 30.0,
+        body_timeout: float,
     ) -> None:
         self._registry = registry
         self._options = registry_options
@@ -2066,16 +2066,14 @@ _JSON_BYTES_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 def _values(text: str | bytes | bytearray) -> int:
     """About how many values JSON ``text`` holds: its brackets and commas outside strings
     (counted apart from strings only when all of them are too many)."""
-    if isinstance(text, str):
-        count = text.count("{") + text.count("[") + text.count(",")
-        if count > MAX_JSON_VALUES:
-            bare = _JSON_STRING.sub("", text)
-            count = bare.count("{") + bare.count("[") + bare.count(",")
-        return count
-    count = text.count(b"{") + text.count(b"[") + text.count(b",")
+    pattern: Any = _JSON_STRING
+    marks: tuple[Any, ...] = ("{", "[", ",")
+    if not isinstance(text, str):
+        pattern, marks = _JSON_BYTES_STRING, (b"{", b"[", b",")
+    count = sum(text.count(mark) for mark in marks)
     if count > MAX_JSON_VALUES:
-        stripped = _JSON_BYTES_STRING.sub(b"", text)
-        count = stripped.count(b"{") + stripped.count(b"[") + stripped.count(b",")
+        bare = pattern.sub(marks[0][:0], text)  # ("" or b"")
+        count = sum(bare.count(mark) for mark in marks)
     return count
 
 
