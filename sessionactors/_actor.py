@@ -52,6 +52,7 @@ from ._errors import (
     is_public,
     key_reused_error,
     naming_turn,
+    never_began_error,
     reply_removed_error,
     shown,
     stopped_error,
@@ -165,15 +166,19 @@ class Phase(enum.Enum):
 
 
 class TurnMail:
-    """A turn in the mailbox."""
+    """A turn in the mailbox (``forwarded``: by another worker, which sends it on to the
+    session's next worker if this registry closes before it begins)."""
 
-    __slots__ = ("key", "pending", "text", "turn_id")
+    __slots__ = ("forwarded", "key", "pending", "text", "turn_id")
 
-    def __init__(self, turn_id: str, text: str, key: str | None, pending: Pending) -> None:
+    def __init__(
+        self, turn_id: str, text: str, key: str | None, pending: Pending, forwarded: bool = False
+    ) -> None:
         self.turn_id = turn_id
         self.text = text
         self.key = key
         self.pending = pending
+        self.forwarded = forwarded
 
 
 class CallMail:
@@ -526,19 +531,24 @@ class Actor:
         for the outcome of a turn that never began.
         """
         mail.pending.set_error(error)
+        self._never_began(mail.turn_id, error)
+        _remember(self.host.refused, mail.turn_id, str(error), _REFUSED_KEPT)
+        if mail.key is not None:  # a retry with this key runs again once it can
+            self.inflight_keys.pop(mail.key, None)
+
+    def _never_began(self, turn_id: str, error: BaseException) -> None:
+        """Tell subscribers that turn ``turn_id``, which never began, failed with
+        ``error``: a ``TurnFailed``, published and never journaled."""
         self.emit(
             TurnFailed(
                 session_id=self.session_id,
                 seq=self.next_seq(),
-                turn_id=mail.turn_id,
+                turn_id=turn_id,
                 error=describe(error),
                 error_kind=type(error).__name__,
                 error_public=is_public(error),
             )
         )
-        _remember(self.host.refused, mail.turn_id, str(error), _REFUSED_KEPT)
-        if mail.key is not None:  # a retry with this key runs again once it can
-            self.inflight_keys.pop(mail.key, None)
 
     @property
     def deleted(self) -> bool:
@@ -893,7 +903,7 @@ class Actor:
                     await self._finish_stop()
                     return None
                 if self.phase is Phase.ABORTING:
-                    self._fail_queued(stopped_error(self.session_id, "closing"))
+                    self._fail_queued_at_close()
                     await self._hibernate_now()
                     return None
                 try:
@@ -1710,7 +1720,13 @@ class Actor:
         crash: BaseException | None = None,
         lost: list[TurnFailed] | None = None,
         refused: bool = False,
+        told: BaseException | None = None,
+        closing: bool = False,
     ) -> None:
+        """Fail every request in the mailbox with ``error``; tell the subscribers of
+        each turn among them that it failed with ``told``, if given (the session ends
+        with its hub open: they would otherwise wait for outcomes that never come),
+        but, ``closing``, of the turns other workers forwarded, which they send on."""
         while True:
             try:
                 mail = self.receive.receive_nowait()
@@ -1721,6 +1737,8 @@ class Actor:
                 self.note_queued(mail.turn_id, False)
                 if refused:
                     _remember(self.host.refused, mail.turn_id, str(error), _REFUSED_KEPT)
+                if told is not None and not (closing and mail.forwarded):
+                    self._never_began(mail.turn_id, told)
                 if crash is not None and lost is not None:
                     event = self.lost_event(mail.turn_id, crash)
                     if event is not None:
@@ -1728,6 +1746,10 @@ class Actor:
         for inflight in self.inflight_keys.values():
             inflight.pending.set_error(error)
         self.inflight_keys.clear()
+
+    def _fail_queued_at_close(self) -> None:
+        sid = self.session_id
+        self._fail_queued(stopped_error(sid, "closing"), told=never_began_error(sid), closing=True)
 
     def fail_waiters(
         self, error: SessionActorsError, *, crash: BaseException | None = None
@@ -1845,7 +1867,7 @@ class Actor:
                     delay = min(2 * delay, 1.0)
         stored = error is None and not writing.cancelled_caught
         self._answer_held(stored=stored)
-        self._fail_queued(stopped_error(self.session_id, "closing"))
+        self._fail_queued_at_close()
         if error is not None and not self.acknowledged_unsaved():
             log.warning(
                 "session %r closed without its hibernation snapshot (its journal holds "
@@ -1973,7 +1995,8 @@ class Actor:
                 session_id=sid,
             )
         self._answer_held(stored=True)
-        self._fail_queued(stopped_error(sid, "stop"))
+        stopped = stopped_error(sid, "stop")
+        self._fail_queued(stopped, told=stopped)
         self.emit(event)
         if journal:  # compaction only: the stop is stored already
             with self._bounded_write(), contextlib.suppress(Exception):

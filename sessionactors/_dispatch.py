@@ -141,7 +141,7 @@ class Dispatcher:
         actor = self.sessions.live.get(name)
         if actor is None or not actor.is_ready:
             return None
-        return _enqueue(actor, text, turn_id)
+        return _enqueue(actor, text, turn_id, forwarded=True)
 
     async def submit_here(
         self, name: str, text: str, key: str | None, turn_id: str | None = None
@@ -149,12 +149,20 @@ class Dispatcher:
         """A turn in the mailbox here, never routed (a request another worker forwarded,
         under the ``turn_id`` it names if it is a new turn that the session takes)."""
         turn: Turn = await self._route(
-            name, lambda: self._submit_here(name, text, key, ack=True, given=turn_id)
+            name,
+            lambda: self._submit_here(name, text, key, ack=True, given=turn_id, forwarded=True),
         )
         return turn
 
     async def _submit_here(
-        self, name: str, text: str, key: str | None, *, ack: bool, given: str | None = None
+        self,
+        name: str,
+        text: str,
+        key: str | None,
+        *,
+        ack: bool,
+        given: str | None = None,
+        forwarded: bool = False,
     ) -> Any:
         actor = self.sessions.activate(name)  # the live one, or a new one that wakes
         if not actor.is_ready and (key is not None or self.router is not None):
@@ -176,7 +184,7 @@ class Dispatcher:
             ack = False  # it checkpointed
         pending = Pending()
         turn_id = actor.new_turn_id(given)
-        mail = TurnMail(turn_id, text, key, pending)
+        mail = TurnMail(turn_id, text, key, pending, forwarded)
         send = actor.send
         actor.note_queued(turn_id)  # before: the actor may start it before send returns
         try:
@@ -573,14 +581,16 @@ async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:
     return NOT_ROUTED if result is None else result
 
 
-def _enqueue(actor: Actor, text: str, given: str | None = None) -> Pending | None:
+def _enqueue(
+    actor: Actor, text: str, given: str | None = None, *, forwarded: bool = False
+) -> Pending | None:
     """A turn without idempotency key in ``actor``'s mailbox at once (under ``given`` if
-    the session takes it): its result slot; None if the mailbox is full (the caller
-    waits for room) or closed (it looks again)."""
+    the session takes it; ``forwarded`` by another worker): its result slot; None if the
+    mailbox is full (the caller waits for room) or closed (it looks again)."""
     pending = Pending()
     turn_id = actor.new_turn_id(given)
     try:
-        actor.send.send_nowait(TurnMail(turn_id, text, None, pending))
+        actor.send.send_nowait(TurnMail(turn_id, text, None, pending, forwarded))
     except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
         return None
     actor.note_queued(turn_id)  # (the actor runs no sooner than our caller parks)

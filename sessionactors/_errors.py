@@ -800,6 +800,16 @@ def cut_off_error(sid: str, reason: str) -> SessionStoppedError:
     )
 
 
+def never_began_error(sid: str) -> SessionStoppedError:
+    """The failure a queued turn's ``TurnFailed`` carries when its registry closed before
+    the turn began, in words that every client follows (see ``cut_off_error``)."""
+    return SessionStoppedError(
+        f"the turn of session {sid!r} never began: the worker holding it stopped first "
+        "(its registry closed); nothing of it is kept: send the message again",
+        session_id=sid,
+    )
+
+
 # Tracebacks and reprs name the public path (``sessionactors.SessionNotFoundError``).
 for _name in __all__:
     globals()[_name].__module__ = "sessionactors"

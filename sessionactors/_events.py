@@ -132,7 +132,10 @@ class TurnFailed(Event):
 
     A turn the session refused before it began (a review pending, its agent
     missing) ends with one too, published and never journaled: it left nothing
-    in the history, and its caller got the same error.
+    in the history, and its caller got the same error. So does a turn still in the
+    mailbox when its registry closes (``error_kind`` ``"SessionStoppedError"``, its
+    public ``error`` saying that it never began and to send the message again) or
+    its session stops (the stop's error).
 
     A turn that its registry's close cut off while it ran (the ``shutdown_grace`` ran
     out, the registry was cancelled or interrupted: its worker stopped; a turn that a

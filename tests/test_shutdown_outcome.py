@@ -286,3 +286,69 @@ async def test_a_cut_turn_is_logged_once(
     assert told[0].levelno == logging.WARNING
     assert "'s'" in told[0].getMessage()
     assert "cut off" in told[0].getMessage()
+
+
+async def follow_turns(
+    ref: sa.SessionRef, seen: list[object], *, task_status: trio.TaskStatus[None]
+) -> None:
+    """Read ``ref``'s events into ``seen`` until they end (and the error that ended them,
+    if one did)."""
+    try:
+        async with ref.subscribe() as events:
+            task_status.started()
+            async for event in events:
+                seen.append(event)
+    except sa.SessionActorsError as exc:
+        seen.append(exc)
+
+
+@pytest.mark.parametrize("how", ["close", "stop"])
+async def test_turns_still_queued_when_their_session_ends_are_told_to_subscribers(
+    autojump_clock: trio.abc.Clock, how: str
+) -> None:
+    """Turns waiting in the mailbox when the registry closes (or the session stops) never
+    begin: their callers get SessionStoppedError, and their subscribers a TurnFailed of
+    kind SessionStoppedError each, whose public error says what to do (published, never
+    journaled: they left nothing in the history), so that a client that only watches the
+    event stream is not left waiting for outcomes that never come."""
+    store = MemoryStore()
+    gate = Gate()
+    agents = held_agents(gate)
+    seen: list[object] = []
+    with trio.fail_after(120):
+        async with (
+            trio.open_nursery() as nursery,
+            sa.open_registry(store=store, agents=agents, shutdown_grace=1) as registry,
+        ):
+            ref = await registry.spawn("s")
+            await nursery.start(follow_turns, ref, seen)
+            first = await ref.submit("hello")
+            queued = [await ref.submit(f"queued {i}") for i in range(2)]
+            await trio.testing.wait_all_tasks_blocked()
+            if how == "stop":
+                nursery.start_soon(ref.stop)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.open()
+        for turn in queued:
+            with pytest.raises(sa.SessionStoppedError):
+                await turn.reply()
+        async with sa.open_registry(store=store, agents=agents) as registry:
+            history = await registry.ref("s").history()
+    outcomes = {e.turn_id: e for e in seen if isinstance(e, OUTCOMES)}
+    assert set(outcomes) == {first.id, *(t.id for t in queued)}, seen
+    for turn in queued:
+        told = outcomes[turn.id]
+        assert isinstance(told, sa.TurnFailed), told
+        assert (told.error_kind, told.error_public, told.lost) == (
+            "SessionStoppedError",
+            True,
+            False,
+        )
+        if how == "close":
+            assert "never began" in told.error, told.error
+            assert "send the message again" in told.error, told.error
+        else:
+            assert "session 's' was stopped" in told.error, told.error
+    seqs = [e.seq for e in seen if isinstance(e, sa.Event)]
+    assert seqs == sorted(set(seqs)), seqs
+    assert not any("queued" in m.content for m in history), history
