@@ -470,7 +470,9 @@ class TurnRecord:
     """How one turn ended, as its session keeps it (durable, in ``SessionState.turns``).
 
     ``message_id`` is the user's message the turn answered, ``reply_id`` its
-    final reply (finished turns), ``error`` what went wrong (failed turns).
+    final reply (finished turns), ``error`` what went wrong (failed turns): once an
+    edit removed the user's message, the error's kind only (its words may quote the
+    message; see "What an edit erases" in the history how-to).
     """
 
     turn_id: str

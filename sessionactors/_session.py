@@ -65,6 +65,10 @@ MAX_COMPLETED_KEYS = 1000
 #: A turn's recorded error is cut to this many characters.
 MAX_ERROR_CHARS = 2000
 
+#: How the error of a failed turn ends once an edit removed the turn's user message: its
+#: kind is kept, its words are not (they may quote the message).
+ERASED = ": (what it said went with the messages an edit removed)"
+
 
 class HistoryView(Sequence[Message]):
     """A read-only view of the first ``length`` messages of a list, after a prefix.
@@ -400,6 +404,7 @@ class LiveSession:
                 self.messages = [m for m in self.messages if m.id not in gone]
                 if self.completed:
                     self._detach(gone)
+                self._forget_errors(gone)
             if event.summary is not None:
                 self.summary = event.summary or None
             if event.usage is not None:  # (a compaction's summarizer)
@@ -436,6 +441,16 @@ class LiveSession:
                     key=key, turn_id=turn.turn_id, reply=None, reply_id=reply.id
                 )
                 self.detached[reply.id] = key
+
+    def _forget_errors(self, gone: set[str]) -> None:
+        """Keep only the kind of the errors of the failed turns whose user messages an
+        edit removed (``gone``): a provider's error may quote the message."""
+        turns = self.turns
+        for turn_id, record in turns.items():
+            error = record.error
+            if error is not None and record.message_id in gone and not error.endswith(ERASED):
+                kind = error.partition(":")[0]
+                turns[turn_id] = attrs.evolve(record, error=f"{kind}{ERASED}")
 
     def _reattach(self, message: Message) -> None:
         """``message`` joined the history under the id of a removed reply (replace_history

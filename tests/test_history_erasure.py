@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,64 @@ async def test_a_retry_erases_the_failed_attempt_it_removed(kept: Kept) -> None:
             last = (await ref.send("and now")).turn_id
         await check_erased(ref, store, edited, last)
         assert SECRET.encode() not in await kept.raw()
+
+
+class QuotingModel:
+    """A model whose provider refuses a message holding the secret with an error that
+    quotes it (as providers' errors do), and echoes any other message."""
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        text = [m.content for m in request.messages if m.role is sa.Role.USER][-1]
+        if SECRET in text:
+            raise RuntimeError(f"400 content policy violation for prompt: {text!r}")
+        yield sa.TextChunk(text)
+
+
+async def failing_turn_then(ref: sa.SessionRef, edit: str) -> str:
+    """A turn that fails quoting the secret, more turns, then ``edit``, which removes the
+    failed turn's user message; the failed turn's id."""
+    await ref.send("hello")
+    with pytest.raises(sa.TurnFailedError):
+        await ref.send(f"my card is {SECRET}")
+    failed = (await ref.state()).turns[-1]
+    assert SECRET in (failed.error or "")
+    await ref.send("thanks")
+    history = await ref.history()
+    if edit == "replace_history":
+        await ref.replace_history(
+            [m for m in history if SECRET not in m.content and m.interrupted is False]
+        )
+    elif edit == "truncate":
+        assert await ref.truncate(2) == 4
+    else:
+        assert await ref.rewind(history[1].id) == 4
+    return failed.turn_id
+
+
+@pytest.mark.parametrize("edit", ["replace_history", "truncate", "rewind"])
+async def test_an_edit_erases_what_a_removed_turns_error_quoted(kept: Kept, edit: str) -> None:
+    """A failed turn's error may quote its user's message (a provider refusing it): an
+    edit that removes that message takes the error's words out of the turn's record too
+    (``turn_outcome``, ``state().turns``, the store), keeping that the turn failed and the
+    error's kind."""
+    store = kept.make()
+    agents = {"q": sa.Agent(model=QuotingModel())}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(20):
+            turn_id = await failing_turn_then(ref, edit)
+            for _ in range(2):  # live, then woken from the store
+                told = await ref.turn_outcome(turn_id)
+                assert told.status is sa.TurnStatus.FAILED
+                assert (told.error or "").startswith("RuntimeError: (what it said went")
+                assert SECRET not in told.error, told.error
+                assert SECRET not in repr((await ref.state()).turns)
+                assert SECRET.encode() not in await kept.raw()
+                await ref.hibernate()
+    async with sa.open_registry(store=kept.make(), agents=agents) as registry:
+        told = await registry.ref("s").turn_outcome(turn_id)
+        assert told.status is sa.TurnStatus.FAILED
+        assert SECRET not in (told.error or ""), told.error
 
 
 async def test_without_a_journal_the_edit_writes_the_snapshot_at_once(tmp_path: Path) -> None:
