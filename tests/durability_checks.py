@@ -69,6 +69,26 @@ async def acknowledged_turns_survive_a_death(wrap: Wrap) -> None:
     assert found == acknowledged, f"acknowledged {acknowledged}, the next process found {found}"
 
 
+async def a_long_message_survives_a_death(wrap: Wrap) -> None:
+    """A long message, not ASCII, answered before a process death is there whole in the
+    next process (a store that cuts or re-encodes what it keeps loses it)."""
+    disk = MemoryStore()
+    text = "déjà vu, " * 12_000  # (108,000 characters; its journal entry, twice that)
+    with trio.fail_after(3600), trio.CancelScope() as process:
+        async with sa.open_registry(store=wrap(disk), agents=ECHO) as registry:
+            ref = await registry.spawn("s")
+            try:
+                await ref.send(text)
+            except sa.SessionActorsError as exc:  # (what the spawn wrote did not read back)
+                raise AssertionError(f"the session failed on the store: {exc!r}") from exc
+            crash(registry)
+            process.cancel()
+    found = await stored_user_texts(wrap(disk), "s")
+    assert found == [text], (
+        f"acknowledged a message of {len(text):,} characters, found {found!r:.200}"
+    )
+
+
 async def a_hibernated_session_wakes_whole(wrap: Wrap, durability: str = "turn") -> None:
     """A session hibernated twice wakes in a new process with every turn it answered."""
     disk = MemoryStore()
@@ -268,6 +288,7 @@ async def a_session_leased_by_one_worker_is_busy_for_another(wrap: Wrap) -> None
 #: Every check, by name.
 CHECKS: dict[str, Check] = {
     "acknowledged turns survive a death": acknowledged_turns_survive_a_death,
+    "a long message survives a death": a_long_message_survives_a_death,
     "a hibernated session wakes whole": a_hibernated_session_wakes_whole,
     "a hibernated session wakes whole (durability=hibernate)": (
         lambda wrap: a_hibernated_session_wakes_whole(wrap, "hibernate")

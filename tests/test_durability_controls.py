@@ -35,6 +35,8 @@ CAUGHT: dict[str, list[str]] = {
         "a stale owner cannot stop the session",
         "a session leased by one worker is busy for another",
     ],
+    "cut_values": ["a long message survives a death"],
+    "text_values": ["a long message survives a death"],
 }
 
 

@@ -376,6 +376,39 @@ async def test_the_store_conformance_suite_catches_a_flawed_store(flaw: str) -> 
         await check_store(lambda: FlawedStore(flaw, MemoryStore()))
 
 
+async def test_check_store_with_reopen_catches_writes_acknowledged_before_they_last() -> None:
+    """Given ``reopen``, check_store reads what each write acknowledged through a second
+    store over the same data: a store that acknowledges an append before it is written
+    (lost with its process) fails that property, and an honest one passes."""
+    with trio.fail_after(60):
+        with pytest.raises(AssertionError, match="store check failed: what each write") as caught:
+            await check_store(
+                lambda: FlawedStore("ack_appends_early", MemoryStore()),
+                reopen=lambda first: FlawedStore("ack_appends_early", first.store),
+            )
+        assert "through another store" in str(caught.value)
+        # (two FaultyStores over one MemoryStore: a store whose data outlives the object)
+        await check_store(
+            lambda: FaultyStore(MemoryStore()), reopen=lambda first: FaultyStore(first.store)
+        )
+
+
+class _ClosesBadly(MemoryStore):
+    async def aclose(self) -> None:
+        await super().aclose()
+        raise sa.StoreError("the connection pool would not close")
+
+
+async def test_check_store_names_the_property_whose_store_failed_to_close() -> None:
+    """A store whose aclose raises fails check_store with an AssertionError naming the
+    property it was checked for, not with the store's own error."""
+    with trio.fail_after(60), pytest.raises(AssertionError) as caught:
+        await check_store(_ClosesBadly)
+    message = str(caught.value)
+    assert message.startswith("store check failed: a new store is empty"), message
+    assert "aclose raised StoreError: the connection pool would not close" in message
+
+
 async def test_appends_acknowledged_early_are_lost_with_the_process() -> None:
     """With ack_appends_early an append lands only when the same wrapper is called again,
     so a process that dies first (its wrapper dropped) loses it."""

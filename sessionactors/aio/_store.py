@@ -248,7 +248,11 @@ def _outside_error(store: Any, session_id: str | None) -> StoreConfigurationErro
     )
 
 
-async def check_store(make_store: Callable[[], Store | Awaitable[Store]]) -> None:
+async def check_store(
+    make_store: Callable[[], Store | Awaitable[Store]],
+    *,
+    reopen: Callable[[Store], Store | Awaitable[Store]] | None = None,
+) -> None:
     """Run the conformance suite of ``sessionactors.testing.check_store`` from asyncio.
 
     For a store on an asyncio client, wrapped by :func:`asyncio_store`; await it in
@@ -263,22 +267,30 @@ async def check_store(make_store: Callable[[], Store | Awaitable[Store]]) -> Non
     The suite runs in the trio run that ``sessionactors.aio`` keeps on the running
     loop (started for it if no registry has). ``make_store()`` may return a store,
     or an asyncio awaitable of one (``async def make(): return
-    asyncio_store(MyStore(await asyncpg.create_pool(...)))``), awaited on the loop.
-    Its failures and its time are those of ``sessionactors.testing.check_store``;
-    cancelling the caller (``asyncio.timeout``) cancels the suite.
+    asyncio_store(MyStore(await asyncpg.create_pool(...)))``), awaited on the loop;
+    so may ``reopen(store)``, which makes a second store over the data of ``store``
+    (see ``sessionactors.testing.check_store``). Its failures and its time are those
+    of ``sessionactors.testing.check_store``; cancelling the caller
+    (``asyncio.timeout``) cancels the suite.
     """
     from ..testing import check_store as check  # (the test kit, a plug-in beside this one)
 
     host = await acquire_host()
     try:
 
-        async def make() -> Store:
-            made = make_store()
-            if inspect.isawaitable(made):
-                store: Store = await wait_asyncio(host, made)
-                return store
-            return made
+        async def made(store: Store | Awaitable[Store]) -> Store:
+            if inspect.isawaitable(store):
+                done: Store = await wait_asyncio(host, store)
+                return done
+            return store
 
-        await host.call(check, make)
+        async def make() -> Store:
+            return await made(make_store())
+
+        async def again(store: Store) -> Store:
+            assert reopen is not None
+            return await made(reopen(store))
+
+        await host.call(functools.partial(check, make, reopen=None if reopen is None else again))
     finally:
         await release_host(host)

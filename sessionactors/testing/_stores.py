@@ -389,7 +389,12 @@ _FLAWS: Final = (
     "reorder_journal",
     "ignore_fences",
     "ignore_leases",
+    "cut_values",
+    "text_values",
 )
+
+#: Where ``FlawedStore("cut_values")`` cuts what it keeps (a column of a fixed size).
+_CUT_AT: Final = 64 * 1024
 
 
 def _check_flaw(instance: object, attribute: object, flaw: str) -> None:
@@ -422,6 +427,12 @@ class FlawedStore:
     - ``"ignore_leases"``: ``claim`` hands out a lease even when another owner
       holds one, ``renew`` always succeeds, and writes drop their fencing token:
       two workers can run one session.
+    - ``"cut_values"``: snapshots and journal entries are kept up to their first
+      64 KiB, the rest dropped in silence (as a column of a fixed size may): a long
+      conversation's next wake finds its data cut.
+    - ``"text_values"``: snapshots and journal entries are kept as UTF-8 text, bytes
+      that are not text replaced (as a text column keeps them): what is not ASCII
+      comes back changed.
     """
 
     FLAWS: ClassVar[tuple[str, ...]] = _FLAWS
@@ -444,6 +455,17 @@ class FlawedStore:
     def _fence(self, fence: int | None) -> int | None:
         return None if self.flaw in ("ignore_fences", "ignore_leases") else fence
 
+    def _kept(self, data: bytes) -> bytes:
+        """``data`` as this store keeps it."""
+        if self.flaw == "cut_values":
+            return data[:_CUT_AT]
+        if self.flaw == "text_values":
+            return data.decode("utf-8", "replace").encode()
+        return data
+
+    def _kept_entries(self, entries: Sequence[JournalEntry]) -> list[JournalEntry]:
+        return [JournalEntry(entry.seq, self._kept(entry.data)) for entry in entries]
+
     def _reordered(self, entries: Sequence[JournalEntry]) -> list[JournalEntry]:
         if self.flaw == "reorder_journal":
             return list(reversed(entries))
@@ -451,7 +473,7 @@ class FlawedStore:
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await self._catch_up()
-        await self.store.create(session_id, snapshot, info)
+        await self.store.create(session_id, self._kept(snapshot), info)
 
     async def load(self, session_id: str) -> StoredSession | None:
         await self._catch_up()
@@ -475,7 +497,8 @@ class FlawedStore:
             self._early.append((session_id, tuple(entries), bytes(info), fence))
             await trio.lowlevel.checkpoint()
         else:
-            await self.store.append(session_id, entries, info, fence=self._fence(fence))
+            kept = self._kept_entries(entries)
+            await self.store.append(session_id, kept, info, fence=self._fence(fence))
 
     async def write_snapshot(
         self,
@@ -493,7 +516,12 @@ class FlawedStore:
             if old is not None:
                 snapshot = old.snapshot
         await self.store.write_snapshot(
-            session_id, snapshot, seq, info, trim_upto=trim_upto, fence=self._fence(fence)
+            session_id,
+            self._kept(snapshot),
+            seq,
+            info,
+            trim_upto=trim_upto,
+            fence=self._fence(fence),
         )
 
     async def read_journal(self, session_id: str, after: int) -> tuple[int, list[JournalEntry]]:

@@ -260,14 +260,26 @@ def test_an_asyncio_store_keeps_a_session_through_a_turn_hibernation_wake_and_de
 
 def test_an_asyncio_store_passes_check_store_from_asyncio() -> None:
     """sessionactors.aio.check_store runs the conformance suite on a wrapped asyncio store,
-    made by a function or an asyncio coroutine, and catches one that ignores fences."""
+    made by a function or an asyncio coroutine (and reopened over its data by either),
+    and catches one that ignores fences."""
+    made: list[AsyncioDictStore] = []
+
+    def fresh() -> Store:
+        made.append(AsyncioDictStore())
+        return aio.asyncio_store(made[-1])
+
+    async def reopen(store: Store) -> Store:
+        await asyncio.sleep(0)  # (an asyncpg.create_pool, say)
+        again = AsyncioDictStore()
+        again.sessions, again.leases = made[-1].sessions, made[-1].leases
+        return aio.asyncio_store(again)
 
     async def make() -> Store:
-        await asyncio.sleep(0)  # (an asyncpg.create_pool, say)
+        await asyncio.sleep(0)
         return aio.asyncio_store(AsyncioPagedStore())
 
     async def main() -> None:
-        await aio.check_store(lambda: aio.asyncio_store(AsyncioDictStore()))
+        await aio.check_store(fresh, reopen=reopen)
         await aio.check_store(make)
         with pytest.raises(AssertionError, match="FencedOutError"):
             await aio.check_store(lambda: aio.asyncio_store(AsyncioDictStore(fencing=False)))
