@@ -8,6 +8,7 @@ with text or ``max_steps`` is reached. It talks to the session only through a
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -320,8 +321,9 @@ def finish_reason_of(chunk: FinishChunk) -> str:
         raise ValueError(f"{said}: empty; send no FinishChunk for an answer that ended whole")
     if len(reason) > MAX_FINISH_REASON_CHARS:
         raise ValueError(f"{said}: over {MAX_FINISH_REASON_CHARS} characters")
-    check_printable(reason, said)
-    check_unicode(reason, said)
+    streamed = f"the model streamed a FinishChunk whose reason {reason!r:.120}"
+    check_printable(reason, streamed)
+    check_unicode(reason, streamed)
     return reason
 
 
@@ -442,6 +444,20 @@ async def close_stream(stream: object) -> None:
             await aclose()
 
 
+def _not_a_stream(stream: object) -> TypeError:
+    """The error of a model whose ``stream()`` returned ``stream``, no async iterator (a
+    coroutine it returned is closed: it was never to be awaited)."""
+    kind = type(stream).__name__
+    if inspect.iscoroutine(stream):
+        stream.close()
+        kind = "coroutine (an async def without yield)"
+    return TypeError(
+        f"the model's stream() returned a {kind}, not an async iterator of chunks: write "
+        "stream as an async generator, `async def stream(self, request):` that yields "
+        "each chunk (or a method that returns an async iterator)"
+    )
+
+
 def _check_call_chunk(index: object, id_: object, name: object, arguments: object) -> None:
     """A fragment of a tool call (its fields) holds what a stored call can hold, or
     fails the turn."""
@@ -503,6 +519,8 @@ async def run_turn(agent: Agent, ctx: TurnContext) -> Message | None:
         except BaseException as exc:
             if call is not None:
                 call.end(step.usage if step is not None else None, exc)
+            if isinstance(exc, TypeError) and not hasattr(stream, "__aiter__"):
+                raise _not_a_stream(stream) from None
             await close_stream(stream)
             raise
         usage = step.usage if step is not None else None

@@ -329,9 +329,25 @@ async def run_in_thread(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> An
     except LookupError:
         limiter = trio.CapacityLimiter(TOOL_THREADS)
         _tool_threads.set(limiter)
-    return await trio.to_thread.run_sync(
-        functools.partial(fn, **kwargs), abandon_on_cancel=True, limiter=limiter
+    result = await trio.to_thread.run_sync(
+        _called, fn, kwargs, abandon_on_cancel=True, limiter=limiter
     )
+    return result.awaitable if result.__class__ is _Returned else result
+
+
+class _Returned:
+    """A coroutine that a function run in a thread returned, for its caller to await
+    (``trio.to_thread.run_sync`` refuses to hand one back as it is)."""
+
+    __slots__ = ("awaitable",)
+
+    def __init__(self, awaitable: Any) -> None:
+        self.awaitable = awaitable
+
+
+def _called(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
+    result = fn(**kwargs)
+    return _Returned(result) if result.__class__ is _CoroutineType else result
 
 
 def _reject_constant(constant: str) -> Any:
@@ -351,7 +367,7 @@ def _parse_arguments(name: str, arguments: str) -> dict[str, Any] | ToolOutcome:
         parsed = _DECODER.decode(arguments)
     except json.JSONDecodeError as exc:
         return ToolOutcome(
-            content=f"arguments for tool {name!r} are not valid JSON ({exc.msg} at "
+            content=f"arguments for tool {name!r} are not valid JSON ({exc.msg}: "
             f"line {exc.lineno} column {exc.colno}); send one JSON object of the arguments",
             is_error=True,
         )

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Sequence
+import warnings
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -564,6 +566,45 @@ class ChunkModel:
     async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
         for chunk in self.chunks:
             yield chunk  # type: ignore[misc]
+
+
+class ReturnsChunks:
+    """A model whose stream is an ``async def`` that returns its chunks (no ``yield``)."""
+
+    async def stream(self, request: sa.ModelRequest) -> list[sa.ModelChunk]:
+        return [sa.TextChunk("hi")]
+
+
+class SyncChunks:
+    """A model whose stream is a plain generator."""
+
+    def stream(self, request: sa.ModelRequest) -> Iterator[sa.ModelChunk]:
+        yield sa.TextChunk("hi")
+
+
+@pytest.mark.parametrize(
+    ("model", "kind"), [(ReturnsChunks(), "coroutine"), (SyncChunks(), "generator")]
+)
+async def test_a_model_whose_stream_is_no_async_iterator_fails_its_turn_saying_what_to_write(
+    model: object, kind: str
+) -> None:
+    """A model whose stream() returns no async iterator (an async def that returns, a
+    plain generator) fails its turn with a TypeError that says what stream must be,
+    not Python's words about ``async for``; a coroutine is closed (no warning that it was
+    never awaited), and the session goes on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a coroutine never awaited warns)
+        async with sa.open_registry(agents={"m": sa.Agent(model=model)}) as registry:  # type: ignore[arg-type]
+            ref = await registry.spawn("adapter")
+            with trio.fail_after(10), pytest.raises(sa.TurnFailedError) as caught:
+                await ref.send("hi")
+            gc.collect()
+    cause = caught.value.__cause__
+    assert isinstance(cause, TypeError), repr(cause)
+    told = str(cause)
+    assert f"returned a {kind}" in told, told
+    assert "async generator" in told, told
+    assert "yield" in told, told
 
 
 async def test_a_model_streaming_wrong_types_fails_its_turn_and_stores_nothing_bad() -> None:

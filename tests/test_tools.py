@@ -451,6 +451,21 @@ async def test_sync_fn_returning_an_awaitable_is_awaited() -> None:
     assert await t.invoke('{"name": "Ada"}') == ToolOutcome(content="hi Ada")
 
 
+async def test_a_plain_function_returning_a_coroutine_has_it_awaited() -> None:
+    """A plain def tool (run in a worker thread) that returns a coroutine has it awaited,
+    as any sync fn's awaitable is: its result, not trio's refusal of an async function."""
+
+    async def lookup(name: str) -> str:
+        await trio.lowlevel.checkpoint()
+        return f"found {name}"
+
+    @tool
+    def find(name: str) -> Any:
+        return lookup(name)
+
+    assert await find.invoke('{"name": "Ada"}') == ToolOutcome(content="found Ada")
+
+
 async def test_empty_arguments_mean_no_arguments() -> None:
     """Empty or blank argument text is taken as ``{}``."""
 
