@@ -119,7 +119,8 @@ ModelChunk = TextChunk | ToolCallChunk | UsageChunk | FinishChunk
 
 @runtime_checkable
 class Model(Protocol):
-    """A language model that streams its answer to a request."""
+    """A language model that streams its answer to a request (how to write one for a
+    provider's API: the model-adapter how-to)."""
 
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
         """Stream the answer to ``request`` as chunks."""

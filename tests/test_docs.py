@@ -221,6 +221,11 @@ EXPECTED = {
         "roles: ['user', 'assistant', 'tool', 'assistant']",
         "cut short: It left the {'finish_reason': 'length'}",
     ],
+    "howto_model_adapter.py": [
+        "reply: Order A1001 is shipped.",
+        "roles: ['user', 'assistant', 'tool', 'assistant']",
+        "cut short: It left the warehouse on {'finish_reason': 'max_tokens'}",
+    ],
     "howto_asyncio.py": [
         "reply: Order A1001 is shipped.",
         "roles: ['user', 'assistant', 'tool', 'assistant']",

@@ -176,10 +176,11 @@ class FaultyStore:
       reaching the wrapped store. With ``after=True`` the call reaches the
       wrapped store first and then raises: the write is done, its
       acknowledgement is lost (a timeout after the server applied it). A
-      failure for one session takes precedence over one for any. A call waits
-      at its gates before it fails.
+      failure for one session takes precedence over one for any; ``times=0``
+      clears the plan it names only. A call waits at its gates before it fails.
     - ``calls`` counts the calls of each operation; ``injected`` counts the
-      failures raised: a test asserts on it to prove its fault fired.
+      failures raised, of every operation together: a test asserts on it to
+      prove its fault fired.
 
     The operations (``OPERATIONS``) are the methods of the Store protocol:
     ``create``, ``load``, ``append``, ``write_snapshot``, ``read_journal``,
