@@ -108,6 +108,53 @@ async def test_a_stream_through_another_worker_follows_its_turn_sent_on_when_its
     assert last.message.content.strip() == text
 
 
+async def test_a_turn_its_own_worker_queued_when_it_closed_is_told_on_another_worker(
+    redis_url: str,
+) -> None:
+    """A turn queued on the session's own worker by a caller there, when that worker
+    closes, never runs (its caller gets SessionStoppedError): a subscriber on another
+    worker gets its TurnFailed (never began, send the message again), after the cut
+    turn's."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    seen: list[object] = []
+    model = HoldLong()
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "b") as b, trio.open_nursery() as outer:
+
+            async def follow(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    async with b.ref("s").subscribe() as events:
+                        task_status.started()
+                        async for event in events:
+                            seen.append(event)
+                            if getattr(event, "turn_id", None) == queued.id:
+                                return
+                except sa.SessionActorsError as exc:
+                    seen.append(exc)
+
+            async def long_turn(a: sa.Registry) -> None:
+                with pytest.raises(sa.SessionStoppedError):  # cut off by a's close
+                    await a.ref("s").send("long")
+
+            async with (
+                trio.open_nursery() as nursery,
+                open_worker(redis_url, prefix, "a", model, shutdown_grace=0.3) as a,
+            ):
+                await a.spawn("s")
+                await a.ref("s").history()  # live on a
+                await outer.start(follow)
+                nursery.start_soon(long_turn, a)
+                await model.started.wait()
+                queued = await a.ref("s").submit("queued on a")
+            with pytest.raises(sa.SessionStoppedError):
+                await queued.reply()
+    outcomes = [e for e in seen if isinstance(e, sa.TurnFailed)]
+    assert [e.turn_id for e in outcomes][-1] == queued.id, seen
+    assert len(outcomes) == 2, seen  # the cut turn's, then the queued one's
+    assert outcomes[-1].error_kind == "SessionStoppedError"
+    assert "never began" in outcomes[-1].error
+
+
 async def test_a_turn_failed_through_another_worker_keeps_its_cause(redis_url: str) -> None:
     """A turn sent through another worker whose model fails raises TurnFailedError with the model's error as its __cause__ (type, message, status_code), as it does on the owner's own worker."""
     prefix = f"sa-test:{uuid.uuid4().hex}"
