@@ -1995,9 +1995,9 @@ class Actor:
                 session_id=sid,
             )
         self._answer_held(stored=True)
+        self.emit(event)  # (its seq before those of the queued turns' outcomes)
         stopped = stopped_error(sid, "stop")
         self._fail_queued(stopped, told=stopped)
-        self.emit(event)
         if journal:  # compaction only: the stop is stored already
             with self._bounded_write(), contextlib.suppress(Exception):
                 await self._write_snapshot(Status.STOPPED)

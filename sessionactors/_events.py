@@ -134,8 +134,9 @@ class TurnFailed(Event):
     missing) ends with one too, published and never journaled: it left nothing
     in the history, and its caller got the same error. So does a turn still in the
     mailbox when its registry closes (``error_kind`` ``"SessionStoppedError"``, its
-    public ``error`` saying that it never began and to send the message again) or
-    its session stops (the stop's error).
+    public ``error`` saying that it never began and to send the message again; not
+    one of a session still waking then, which had published nothing) or its
+    session stops (the stop's error).
 
     A turn that its registry's close cut off while it ran (the ``shutdown_grace`` ran
     out, the registry was cancelled or interrupted: its worker stopped; a turn that a

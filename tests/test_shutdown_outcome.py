@@ -351,4 +351,10 @@ async def test_turns_still_queued_when_their_session_ends_are_told_to_subscriber
             assert "session 's' was stopped" in told.error, told.error
     seqs = [e.seq for e in seen if isinstance(e, sa.Event)]
     assert seqs == sorted(set(seqs)), seqs
+    if how == "stop":  # (published before the queued turns' outcomes: none is dropped)
+        stops = [
+            e for e in seen if isinstance(e, sa.StatusChanged) and e.status is sa.Status.STOPPED
+        ]
+        assert len(stops) == 1, seen
+        assert stops[0].seq < min(outcomes[t.id].seq for t in queued), seen
     assert not any("queued" in m.content for m in history), history
