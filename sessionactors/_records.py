@@ -471,8 +471,8 @@ class TurnRecord:
 
     ``message_id`` is the user's message the turn answered, ``reply_id`` its
     final reply (finished turns), ``error`` what went wrong (failed turns): once an
-    edit removed the user's message, the error's kind only (its words may quote the
-    message; see "What an edit erases" in the history how-to).
+    edit took out the user's message or one before it, the error's kind only (its
+    words may quote the prompt; see "What an edit erases" in the history how-to).
     """
 
     turn_id: str

@@ -67,7 +67,7 @@ MAX_ERROR_CHARS = 2000
 
 #: How the error of a failed turn ends once an edit removed the turn's user message: its
 #: kind is kept, its words are not (they may quote the message).
-ERASED = ": (what it said went with the messages an edit removed)"
+ERASED = ": (what it said went with messages taken out of the history)"
 
 
 class HistoryView(Sequence[Message]):
@@ -401,10 +401,11 @@ class LiveSession:
         elif isinstance(event, HistoryEdited):
             if event.removed:
                 gone = set(event.removed)
-                self.messages = [m for m in self.messages if m.id not in gone]
+                messages = self.messages
+                self._forget_errors(gone)
+                self.messages = [m for m in messages if m.id not in gone]
                 if self.completed:
                     self._detach(gone)
-                self._forget_errors(gone)
             if event.summary is not None:
                 self.summary = event.summary or None
             if event.usage is not None:  # (a compaction's summarizer)
@@ -443,14 +444,24 @@ class LiveSession:
                 self.detached[reply.id] = key
 
     def _forget_errors(self, gone: set[str]) -> None:
-        """Keep only the kind of the errors of the failed turns whose user messages an
-        edit removed (``gone``): a provider's error may quote the message."""
+        """Keep only the kind of the errors of the failed turns whose requests may have
+        held a message that an edit removes (``gone``, still in the history): a
+        provider's error may quote the prompt. Those are the turns of the first removed
+        message and after it, and those whose message the history no longer holds."""
         turns = self.turns
+        if not any(record.error is not None for record in turns.values()):
+            return
+        before: set[str] = set()  # the messages before the first removed one
+        for message in self.messages:
+            if message.id in gone:
+                break
+            before.add(message.id)
         for turn_id, record in turns.items():
             error = record.error
-            if error is not None and record.message_id in gone and not error.endswith(ERASED):
-                kind = error.partition(":")[0]
-                turns[turn_id] = attrs.evolve(record, error=f"{kind}{ERASED}")
+            if error is None or record.message_id in before or error.endswith(ERASED):
+                continue
+            kind = error.partition(":")[0]
+            turns[turn_id] = attrs.evolve(record, error=f"{kind}{ERASED}")
 
     def _reattach(self, message: Message) -> None:
         """``message`` joined the history under the id of a removed reply (replace_history

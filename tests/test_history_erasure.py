@@ -250,14 +250,14 @@ async def test_a_retry_erases_the_failed_attempt_it_removed(kept: Kept) -> None:
 
 
 class QuotingModel:
-    """A model whose provider refuses a message holding the secret with an error that
-    quotes it (as providers' errors do), and echoes any other message."""
+    """A model whose provider refuses a message that begins "fail" with an error that
+    quotes the whole prompt (as providers' errors may), and echoes any other."""
 
     async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
-        text = [m.content for m in request.messages if m.role is sa.Role.USER][-1]
-        if SECRET in text:
-            raise RuntimeError(f"400 content policy violation for prompt: {text!r}")
-        yield sa.TextChunk(text)
+        said = [m.content for m in request.messages]
+        if said[-1].startswith("fail"):
+            raise RuntimeError(f"400 content policy violation for prompt: {said!r}")
+        yield sa.TextChunk(said[-1])
 
 
 async def failing_turn_then(ref: sa.SessionRef, edit: str) -> str:
@@ -265,7 +265,7 @@ async def failing_turn_then(ref: sa.SessionRef, edit: str) -> str:
     failed turn's user message; the failed turn's id."""
     await ref.send("hello")
     with pytest.raises(sa.TurnFailedError):
-        await ref.send(f"my card is {SECRET}")
+        await ref.send(f"fail: my card is {SECRET}")
     failed = (await ref.state()).turns[-1]
     assert SECRET in (failed.error or "")
     await ref.send("thanks")
@@ -296,7 +296,7 @@ async def test_an_edit_erases_what_a_removed_turns_error_quoted(kept: Kept, edit
             for _ in range(2):  # live, then woken from the store
                 told = await ref.turn_outcome(turn_id)
                 assert told.status is sa.TurnStatus.FAILED
-                assert (told.error or "").startswith("RuntimeError: (what it said went")
+                assert (told.error or "").startswith("RuntimeError: (what it said went with")
                 assert SECRET not in told.error, told.error
                 assert SECRET not in repr((await ref.state()).turns)
                 assert SECRET.encode() not in await kept.raw()
@@ -305,6 +305,30 @@ async def test_an_edit_erases_what_a_removed_turns_error_quoted(kept: Kept, edit
         told = await registry.ref("s").turn_outcome(turn_id)
         assert told.status is sa.TurnStatus.FAILED
         assert SECRET not in (told.error or ""), told.error
+
+
+async def test_an_edit_erases_what_a_kept_turns_error_quoted_of_the_messages_before(
+    kept: Kept,
+) -> None:
+    """A failed turn's error may quote the whole prompt, the history before its own
+    message included: an edit that removes earlier messages takes the words of the
+    errors of the turns after them too, though their own messages stay."""
+    store = kept.make()
+    async with sa.open_registry(store=store, agents={"q": sa.Agent(model=QuotingModel())}) as r:
+        ref = await r.spawn("s")
+        with trio.fail_after(20):
+            await ref.send(f"my card is {SECRET}")
+            await ref.send("hello")
+            with pytest.raises(sa.TurnFailedError):
+                await ref.send("fail now")
+            failed = (await ref.state()).turns[-1]
+            assert SECRET in (failed.error or "")
+            assert await ref.truncate(4) == 2  # the secret's turn goes, the failed one stays
+            assert [m.content for m in await ref.history()][2] == "fail now"
+            told = await ref.turn_outcome(failed.turn_id)
+            assert told.status is sa.TurnStatus.FAILED
+            assert SECRET not in (told.error or ""), told.error
+            assert SECRET.encode() not in await kept.raw()
 
 
 async def test_without_a_journal_the_edit_writes_the_snapshot_at_once(tmp_path: Path) -> None:
