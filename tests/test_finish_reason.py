@@ -88,8 +88,8 @@ class _Finishing:
         (7, "not a str"),
         ("", "empty"),
         ("x" * 101, "over 100 characters"),
-        ("len\ngth", "control character"),
-        ("\ud800", "lone surrogate"),
+        ("len\ngth", "whose reason 'len\\ngth' contains the control character"),
+        ("\ud800", "whose reason '\\ud800' is not valid Unicode: it holds a lone surrogate"),
     ],
 )
 async def test_a_finish_reason_that_cannot_be_kept_fails_the_turn(

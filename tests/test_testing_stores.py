@@ -409,6 +409,29 @@ async def test_check_store_names_the_property_whose_store_failed_to_close() -> N
     assert "aclose raised StoreError: the connection pool would not close" in message
 
 
+class _Hangs(MemoryStore):
+    """A store whose listing never answers; it counts its closes."""
+
+    closed = 0
+
+    async def list_sessions(self) -> list[tuple[str, bytes]]:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        type(self).closed += 1
+        await super().aclose()
+
+
+async def test_check_store_cancelled_still_closes_the_store_it_checks() -> None:
+    """check_store cancelled (the fail_after its docs advise, around a store that hangs)
+    closes the store it was checking before the cancellation goes on."""
+    with trio.move_on_after(0.5) as scope:
+        await check_store(_Hangs)
+    assert scope.cancelled_caught
+    assert _Hangs.closed >= 1
+
+
 async def test_appends_acknowledged_early_are_lost_with_the_process() -> None:
     """With ack_appends_early an append lands only when the same wrapper is called again,
     so a process that dies first (its wrapper dropped) loses it."""

@@ -645,6 +645,7 @@ async def test_arguments_are_converted_to_annotated_types() -> None:
     ("arguments", "message"),
     [
         ("{not json", "are not valid JSON (Expecting property name"),
+        ('{"x": "1', "not valid JSON (Unterminated string starting at: line 1 column 7)"),
         ('{"x": NaN}', "NaN is not allowed"),
         ('{"x": Infinity}', "Infinity is not allowed"),
         ("[1, 2]", "must be a JSON object of the arguments, got an array"),

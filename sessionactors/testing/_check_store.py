@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import inspect
@@ -91,8 +92,7 @@ async def check_store(make_store: _Make, *, reopen: _Reopen | None = None) -> No
     if reopen is not None:  # (second: before properties a write-behind store may fail)
         checks.insert(1, (_REOPENED, functools.partial(_check_reopened, reopen=reopen)))
     for name, check in checks:
-        made = make_store()
-        store = await made if inspect.isawaitable(made) else made
+        store = await _made(make_store())
         failure: AssertionError | None = None
         try:
             await check(store)
@@ -104,10 +104,12 @@ async def check_store(make_store: _Make, *, reopen: _Reopen | None = None) -> No
                 f"store check failed: {name}: the store raised {type(exc).__name__}: {exc}"
             )
             failure.__cause__ = exc
+        except BaseException:  # cancelled, interrupted: the store is closed all the same
+            with contextlib.suppress(Exception):
+                await _close(store)
+            raise
         try:
-            with trio.move_on_after(10, shield=True):
-                await store.aclose()
-                await store.aclose()  # idempotent
+            await _close(store)
         except Exception as exc:
             told = f"aclose raised {type(exc).__name__}: {exc}"
             if failure is None:
@@ -117,6 +119,18 @@ async def check_store(make_store: _Make, *, reopen: _Reopen | None = None) -> No
                 failure.add_note(f"(then {told})")
         if failure is not None:
             raise failure
+
+
+async def _made(made: Store | Awaitable[Store]) -> Store:
+    """The store a factory's call gave (awaited if it gave an awaitable)."""
+    return await made if inspect.isawaitable(made) else made
+
+
+async def _close(store: Store) -> None:
+    """Close ``store``, twice (aclose is idempotent), shielded and bounded."""
+    with trio.move_on_after(10, shield=True):
+        await store.aclose()
+        await store.aclose()
 
 
 def _check(name: str) -> Callable[[_Check], _Check]:
@@ -771,7 +785,10 @@ def _expect_same(got: bytes, want: bytes, what: str) -> None:
 )
 async def _check_values_whole(store: Store) -> None:
     big_entry = _filler(MAX_JOURNAL_ENTRY_BYTES, 1)
-    await store.create("s", _ODD, b"info")
+    await store.create("s", _ODD, _ODD)
+    listed = await store.list_sessions()
+    _expect(len(listed) == 1, f"list_sessions() returned {len(listed)} sessions of 1")
+    _expect_same(listed[0][1], _ODD, "an info of odd bytes, as list_sessions read it")
     await store.append("s", [JournalEntry(1, _ODD), JournalEntry(2, big_entry)], b"info")
     stored = await _load(store, "s")
     _expect_same(stored.snapshot, _ODD, "the snapshot that create wrote, as load read it")
@@ -796,32 +813,46 @@ _REOPENED: Final = (
 
 
 async def _check_reopened(store: Store, *, reopen: _Reopen) -> None:
-    await store.create("gone", b"snap", b"info")
-    await store.delete("gone")
-    await store.create("last", b"snap-last", b"info-last")
-    await store.create("s", b"snap-0", b"info-0")
-    await store.append("s", _entries(1, 2), b"info-2")
-    await store.write_snapshot("s", b"snap-2", 2, b"info-3", trim_upto=1)
-    await store.append("s", _entries(3), b"info-4")  # (the last call: nothing after it)
-    made = reopen(store)
-    second = await made if inspect.isawaitable(made) else made
-    try:
-        stored = await second.load("s")
-        expected = StoredSession(snapshot=b"snap-2", snapshot_seq=2, entries=tuple(_entries(3)))
-        _expect(
-            stored is not None and attrs.evolve(stored, info=None) == expected,
-            f"load('s') through another store returned {stored!r}, expected {expected!r}",
-        )
+    async def another(check: Callable[[Store], Awaitable[None]]) -> None:
+        """Run ``check`` on a second store over the data (made just after the first
+        store's last write), and close it."""
+        second = await _made(reopen(store))
+        try:
+            await check(second)
+        finally:
+            await _close(second)
+
+    def holds(snapshot: bytes, seq: int, *seqs: int) -> Callable[[Store], Awaitable[None]]:
+        async def check(second: Store) -> None:
+            stored = await second.load("s")
+            want = StoredSession(
+                snapshot=snapshot, snapshot_seq=seq, entries=tuple(_entries(*seqs))
+            )
+            _expect(
+                stored is not None and attrs.evolve(stored, info=None) == want,
+                f"load('s') through another store returned {stored!r}, expected {want!r}",
+            )
+
+        return check
+
+    async def listed(second: Store) -> None:
+        got = await second.list_sessions()
+        _expect(got == [("s", _ODD)], f"list_sessions() through another store returned {got!r}")
+
+    async def journal(second: Store) -> None:
         got = await second.read_journal("s", 0)
-        _expect(
-            got == (1, _entries(2, 3)),
-            f"read_journal('s', 0) through another store returned {got!r}, "
-            f"expected {(1, _entries(2, 3))!r}",
-        )
-        listed = sorted(await second.list_sessions())
-        want = [("last", b"info-last"), ("s", b"info-4")]
-        _expect(listed == want, f"list_sessions() through another store returned {listed!r}")
-        _expect(await second.load("gone") is None, "a deleted session loads through another store")
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await second.aclose()
+        _expect(got == (1, _entries(2)), f"read_journal('s', 0) through another store: {got!r}")
+
+    async def gone(second: Store) -> None:
+        _expect(await second.load("s") is None, "a deleted session loads through another store")
+
+    await store.create("s", b"snap-0", _ODD)  # (an info of any bytes)
+    await another(holds(b"snap-0", 0))
+    await another(listed)
+    await store.append("s", _entries(1, 2), b"info-2")
+    await another(holds(b"snap-0", 0, 1, 2))
+    await store.write_snapshot("s", b"snap-2", 2, b"info-3", trim_upto=1)
+    await another(holds(b"snap-2", 2))
+    await another(journal)
+    await store.delete("s")
+    await another(gone)

@@ -262,16 +262,18 @@ def test_an_asyncio_store_passes_check_store_from_asyncio() -> None:
     """sessionactors.aio.check_store runs the conformance suite on a wrapped asyncio store,
     made by a function or an asyncio coroutine (and reopened over its data by either),
     and catches one that ignores fences."""
-    made: list[AsyncioDictStore] = []
+    inner: dict[int, AsyncioDictStore] = {}  # a wrapper's id: the store it wraps
 
     def fresh() -> Store:
-        made.append(AsyncioDictStore())
-        return aio.asyncio_store(made[-1])
+        store = AsyncioDictStore()
+        wrapped = aio.asyncio_store(store)
+        inner[id(wrapped)] = store
+        return wrapped
 
-    async def reopen(store: Store) -> Store:
+    async def reopen(wrapped: Store) -> Store:
         await asyncio.sleep(0)  # (an asyncpg.create_pool, say)
-        again = AsyncioDictStore()
-        again.sessions, again.leases = made[-1].sessions, made[-1].leases
+        first, again = inner[id(wrapped)], AsyncioDictStore()
+        again.sessions, again.leases = first.sessions, first.leases
         return aio.asyncio_store(again)
 
     async def make() -> Store:
