@@ -56,7 +56,9 @@ def asyncio_store(store: Any) -> Store:
     ``writes_to`` are the store's.
     Every method of ``store`` must be asyncio code: a trio store
     (``sessionactors.SQLiteStore``, a store whose methods await ``trio`` functions)
-    is passed as it is, and wrapping one of the library's raises ``TypeError``. Check
+    is passed as it is: wrapping one of the library's raises ``TypeError``, and a
+    wrapped store of your own that awaits trio fails its first call with
+    ``StoreConfigurationError`` saying so. Check
     it with ``sessionactors.aio.check_store``. Used by a registry of
     ``sessionactors.open_registry`` (a plain trio run, with no asyncio loop), every
     call raises ``StoreConfigurationError`` and sends nothing to the store (but
@@ -109,7 +111,12 @@ class AsyncioStore:
         host = current_host()
         if host is None:
             raise _outside_error(self._store, session_id)
-        return await wait_asyncio(host, getattr(self._store, name)(*args, **kwargs))
+        try:
+            return await wait_asyncio(host, getattr(self._store, name)(*args, **kwargs))
+        except RuntimeError as exc:
+            if not _trio_in_asyncio(exc):
+                raise
+            raise _trio_code_error(self._store, name, session_id) from exc
 
     async def create(self, session_id: str, snapshot: bytes, info: bytes) -> None:
         await self._run(session_id, "create", session_id, snapshot, info)
@@ -244,6 +251,26 @@ def _outside_error(store: Any, session_id: str | None) -> StoreConfigurationErro
         "sessionactors.aio, where it has no asyncio loop to run on; nothing was sent to "
         "it. Open its registry with sessionactors.aio.open_registry(store=...) inside the "
         "asyncio loop, and check it with sessionactors.aio.check_store",
+        session_id=session_id,
+    )
+
+
+def _trio_in_asyncio(error: RuntimeError) -> bool:
+    """Whether ``error`` is what trio code run as an asyncio task raises: asyncio's
+    refusal of a trio trap, or trio's of a call outside a trio run."""
+    said = str(error)
+    return said.startswith("Task got bad yield: <class 'trio.") or (
+        said == "must be called from async context"
+    )
+
+
+def _trio_code_error(store: Any, method: str, session_id: str | None) -> StoreConfigurationError:
+    about = f"session {session_id!r}: " if session_id is not None else ""
+    return StoreConfigurationError(
+        f"{about}the store {store!r}, wrapped by sessionactors.aio.asyncio_store, awaited "
+        f"trio code in its {method}(), as a store written for trio does; asyncio_store "
+        "runs a store's calls on the asyncio loop. Pass a store written for trio to "
+        "open_registry unwrapped (sessionactors.aio.open_registry takes it as it is)",
         session_id=session_id,
     )
 

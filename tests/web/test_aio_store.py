@@ -306,6 +306,58 @@ def test_the_wrapper_has_the_optional_methods_of_its_store_only() -> None:
         aio.asyncio_store(object())
 
 
+class TrioCodeStore:
+    """A store of an app's own written for trio (its methods await trio), over a
+    MemoryStore."""
+
+    def __init__(self) -> None:
+        self.inner = sa.MemoryStore()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            await trio.sleep(0)
+            return await method(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("trio_call", ["checkpoint", "to_thread"])
+def test_a_trio_store_wrapped_for_asyncio_fails_saying_to_pass_it_unwrapped(
+    trio_call: str,
+) -> None:
+    """A store written for trio that an app wraps with asyncio_store fails at its first
+    call with StoreConfigurationError naming the session and saying to pass it to
+    open_registry unwrapped (not asyncio's or trio's RuntimeError about foreign yields);
+    so does its aclose as the registry closes."""
+    store = TrioCodeStore()
+    if trio_call == "to_thread":
+
+        async def create(*args: Any) -> None:
+            await trio.to_thread.run_sync(lambda: None)
+
+        store.create = create  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with pytest.raises(sa.StoreConfigurationError) as caught:
+            async with aio.open_registry(
+                store=aio.asyncio_store(store), agents=echo_agents()
+            ) as registry:
+                await registry.spawn("web-1")
+        told = str(caught.value)  # (the close's, whose aclose failed alike, or the spawn's)
+        assert "written for trio" in told, told
+        assert "unwrapped" in told, told
+        chain: list[str] = []
+        error: BaseException | None = caught.value
+        while error is not None:
+            chain.append(str(error))
+            error = error.__context__
+        assert any("session 'web-1'" in said for said in chain), chain
+
+    run(main)
+
+
 class HangingModel:
     """An asyncio model: echoes the user's words, but streams "partial" and then waits
     for good on "hang"."""
