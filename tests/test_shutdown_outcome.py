@@ -4,6 +4,7 @@ store say that the server stopped mid-reply, where a user's cancel says it was c
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -26,16 +27,20 @@ def held_agents(gate: Gate, wait_after: int = 2) -> dict[str, sa.Agent]:
 
 
 async def follow(
-    ref: sa.SessionRef, seen: list[object], *, task_status: trio.TaskStatus[None]
+    ref: sa.SessionRef,
+    seen: list[object],
+    *,
+    every: bool = False,
+    task_status: trio.TaskStatus[None],
 ) -> None:
-    """Read ``ref``'s events into ``seen`` up to a turn's outcome, or to their end (and
-    the error that ended them, if one did)."""
+    """Read ``ref``'s events into ``seen`` up to a turn's outcome (``every``: past it),
+    or to their end (and the error that ended them, if one did)."""
     try:
         async with ref.subscribe() as events:
             task_status.started()
             async for event in events:
                 seen.append(event)
-                if isinstance(event, OUTCOMES):
+                if not every and isinstance(event, OUTCOMES):
                     return
     except sa.SessionActorsError as exc:  # (the registry closed before the outcome)
         seen.append(exc)
@@ -288,20 +293,6 @@ async def test_a_cut_turn_is_logged_once(
     assert "cut off" in told[0].getMessage()
 
 
-async def follow_turns(
-    ref: sa.SessionRef, seen: list[object], *, task_status: trio.TaskStatus[None]
-) -> None:
-    """Read ``ref``'s events into ``seen`` until they end (and the error that ended them,
-    if one did)."""
-    try:
-        async with ref.subscribe() as events:
-            task_status.started()
-            async for event in events:
-                seen.append(event)
-    except sa.SessionActorsError as exc:
-        seen.append(exc)
-
-
 @pytest.mark.parametrize("how", ["close", "stop"])
 async def test_turns_still_queued_when_their_session_ends_are_told_to_subscribers(
     autojump_clock: trio.abc.Clock, how: str
@@ -321,7 +312,7 @@ async def test_turns_still_queued_when_their_session_ends_are_told_to_subscriber
             sa.open_registry(store=store, agents=agents, shutdown_grace=1) as registry,
         ):
             ref = await registry.spawn("s")
-            await nursery.start(follow_turns, ref, seen)
+            await nursery.start(functools.partial(follow, every=True), ref, seen)
             first = await ref.submit("hello")
             queued = [await ref.submit(f"queued {i}") for i in range(2)]
             await trio.testing.wait_all_tasks_blocked()
