@@ -65,8 +65,8 @@ MAX_COMPLETED_KEYS = 1000
 #: A turn's recorded error is cut to this many characters.
 MAX_ERROR_CHARS = 2000
 
-#: How the error of a failed turn ends once an edit removed the turn's user message: its
-#: kind is kept, its words are not (they may quote the message).
+#: How the error of a failed turn ends once an edit took out its user message or one
+#: before it: its kind is kept, its words are not (they may quote the prompt).
 ERASED = ": (what it said went with messages taken out of the history)"
 
 
