@@ -3,6 +3,7 @@
 
 import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,78 @@ def test_a_message_typed_as_a_session_opens_comes_after_its_history(
         expect(shown).to_have_count(4, timeout=10_000)
         expect(shown).to_have_text(["hi", "hi", "back again", "back again"])
         assert errors == []
+
+
+def test_a_message_queued_when_the_server_stopped_is_offered_to_send_again(
+    browser: object, tmp_path: Path
+) -> None:
+    """A message sent while a long reply streams waits behind it; the server stops
+    (SIGTERM, a short grace) before its turn began, and its stream ends unanswered: the
+    page keeps it as not sent, with Send again, and sent again (with its key) to the
+    server started anew it is answered. (It vanished from the page, though it was never
+    in the history.)"""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'queued.db'}"
+    words = " ".join(f"w{i}" for i in range(200))  # (10 s of streaming)
+    with open_proxy(0) as proxy:
+        with serve_command(store, "--shutdown-grace", "0.5") as server:
+            proxy.target_port = server.port
+            page, errors = open_page(browser, f"http://127.0.0.1:{proxy.port}/#session=web-q")
+            expect(page.locator("#title")).to_have_text("web-q")
+            page.fill("#text", words)
+            page.press("#text", "Enter")
+            expect(page.locator(".message.streaming")).to_contain_text("w5", timeout=10_000)
+            page.fill("#text", "queued behind")
+            page.press("#text", "Enter")
+            expect(page.locator("#outbox .outgoing")).to_contain_text("queued behind")
+            time.sleep(0.5)  # (the message reached the session's mailbox)
+        unsent = page.locator("#outbox .outgoing.failed")
+        expect(unsent).to_contain_text("queued behind", timeout=10_000)
+        expect(unsent).to_contain_text("not sent")  # (its stream ended unanswered)
+        with serve_command(store) as again:
+            proxy.target_port = again.port
+            expect(page.locator("#status")).to_have_text("connected", timeout=15_000)
+            unsent.locator("button.resend").click()
+            expect(page.locator(".message.assistant").last).to_have_text(
+                "queued behind", timeout=15_000
+            )
+            expect(unsent).to_have_count(0)
+            page.close()
+    assert not errors
+
+
+def test_a_message_refused_while_a_review_waits_is_kept_to_send_again(
+    browser: object, tmp_path: Path
+) -> None:
+    """A message sent while the session waits on a review is refused (its turn never
+    began): the page says why and keeps the message as not kept, with Send again; once
+    the review is resolved, sent again, it is answered. (It vanished from the page.)"""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    store = f"sqlite:///{tmp_path / 'refused.db'}"
+    with serve_command(store) as server:
+        page, errors = open_page(browser, f"http://127.0.0.1:{server.port}/#session=web-r")
+        expect(page.locator("#title")).to_have_text("web-r")
+        page.fill("#text", "refund A1")
+        page.press("#text", "Enter")
+        review = page.locator(".review")
+        expect(review).to_contain_text('refund({"order_id": "A1"})', timeout=10_000)
+        page.fill("#text", "meanwhile")
+        page.press("#text", "Enter")
+        expect(page.locator(".message.error").last).to_contain_text("waiting on review")
+        unsent = page.locator("#outbox .outgoing.failed")
+        expect(unsent).to_contain_text("meanwhile", timeout=10_000)
+        expect(unsent).to_contain_text("not kept: refused")
+        review.locator("button.approve").click()
+        expect(review).to_have_count(0, timeout=10_000)
+        unsent.locator("button.resend").click()
+        expect(page.locator(".message.assistant").last).to_have_text("meanwhile", timeout=15_000)
+        expect(unsent).to_have_count(0)
+        page.close()
+    assert not errors
 
 
 def test_a_message_whose_turn_a_crash_lost_is_offered_to_send_again(
