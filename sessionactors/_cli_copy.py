@@ -5,7 +5,7 @@ one by one: to move from SQLite to Redis when one process becomes many workers.
 The source is read as the read commands read a store (opened read-only; each session
 with ``read_session``, page by page of the listing ``list`` uses, so memory stays
 bounded however many sessions it holds); each session is stored in the target as
-``import`` stores it (same name, hibernated, its pending reviews with it: see
+``import`` stores it (same name, hibernated or as it was left, its pending reviews with it: see
 ``as_imported``), through the workers on a target that connects them. A session the
 target already holds is skipped, one the source cannot read fails; both are said on
 stderr and the copy goes on (status 1 for a failure only: a re-run after an interruption

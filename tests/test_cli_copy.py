@@ -25,7 +25,7 @@ import sessionactors as sa
 from processes import reap, sessions
 from redis_keys import drop_prefix
 from sessionactors.stores import RedisStore, SQLiteStore, Store
-from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from sessionactors.testing import EchoModel, Scripted, ScriptedModel, crash
 from test_cli_sessions import digests
 
 #: The call that the session "cust" of ``make_source`` waits to be reviewed.
@@ -325,6 +325,42 @@ async def test_copy_reads_the_source_page_by_page_and_copies_the_names_given(
     assert len(said(done)) == 2
     listed = sessions("list", "--json", "--store", f"sqlite:///{target}")
     assert len(json.loads(listed.stdout)) == len(counts) + 2
+
+
+async def test_a_session_cut_off_mid_turn_is_listed_running_once_copied(tmp_path: Path) -> None:
+    """A session whose process died while its turn ran a tool that is not idempotent
+    (its turn left open in the store) is listed ``running`` in the copy, as in the
+    source (the next request resumes it), not ``hibernated``; so is one imported."""
+    source = tmp_path / "source.db"
+    started, release = trio.Event(), trio.Event()
+
+    async def charge(order_id: str) -> str:
+        started.set()
+        await release.wait()
+        return "charged"
+
+    tool = sa.Tool(name="charge", fn=charge, idempotent=False)
+    call = sa.ToolCall(id="c1", name="charge", arguments='{"order_id": "A1"}')
+    model = ScriptedModel([Scripted(tool_calls=[call]), "done"])
+    with trio.fail_after(30), trio.CancelScope() as process:
+        async with sa.open_registry(
+            store=SQLiteStore(source), agents={"shop": sa.Agent(model=model, tools=[tool])}
+        ) as registry:
+            await (await registry.spawn("mid", agent="shop")).submit("charge A1")
+            await started.wait()  # (the turn's start is stored before a tool like it runs)
+            crash(registry)
+            process.cancel()
+    target = tmp_path / "target.db"
+    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}")
+    assert done.returncode == 0, done.stderr
+    exported = sessions("export", "--store", f"sqlite:///{source}", "mid").stdout
+    imported = tmp_path / "imported.db"
+    assert (
+        sessions("import", "--store", f"sqlite:///{imported}", "-", stdin=exported).returncode == 0
+    )
+    for path in (source, target, imported):
+        listed = json.loads(sessions("list", "--json", "--store", f"sqlite:///{path}").stdout)
+        assert [(s["name"], s["status"]) for s in listed] == [("mid", "running")], path
 
 
 def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: Path) -> None:
