@@ -50,6 +50,7 @@ from ._listing import LISTING_BATCH
 from ._names import damaged_name, shell_quoted
 from ._names import terminal_safe as _terminal_safe
 from ._reading import list_stored, read_session
+from ._records import SessionState
 from ._registry import Registry
 from ._router import RoutingStore
 from .stores._base import Store
@@ -116,6 +117,8 @@ class _Tally:
     copied: int = 0
     skipped: int = 0
     failed: int = 0
+    #: Skipped sessions whose copy in the target is older than the source's (status 1).
+    out_of_date: int = 0
     #: The session being copied (None between two).
     copying: str | None = None
     #: A signal asked to stop between two sessions (its number).
@@ -188,7 +191,7 @@ async def _copy(source: Store, args: argparse.Namespace) -> int:
                 "(the sessions copied are skipped)"
             )
         return 128 + tally.stop
-    return 1 if tally.failed else 0
+    return 1 if tally.failed or tally.out_of_date else 0
 
 
 async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tally: _Tally) -> None:
@@ -268,10 +271,7 @@ async def _copy_one(
         return
     except SessionExistsError:
         tally.skipped += 1
-        _say(
-            f"session {name!r} is already in the store copied to; skipped (delete it "
-            "there first to copy it again)"
-        )
+        _say(await _already_there(target, state, tally))
         return
     except LeaseHeldError:  # (live in a process that shares the target's file)
         tally.skipped += 1
@@ -282,6 +282,36 @@ async def _copy_one(
         return
     tally.copied += 1
     _out(f"copied session {name!r} ({len(state.messages)} messages)")
+
+
+async def _already_there(target: Store, state: SessionState, tally: _Tally) -> str:
+    """What to say of session ``state`` (the source's), skipped because ``target`` holds
+    its name: another session under it, an earlier copy of it (the source's is newer:
+    counted in ``tally``), or the copy as it is."""
+    name = state.session_id
+    with contextlib.suppress(*_UNREADABLE):
+        there = await read_session(target, name)
+        if there.created_at != state.created_at:
+            return (
+                f"session {name!r} in the store copied to is another session (created "
+                f"{there.created_at:%Y-%m-%d %H:%M:%S %Z}; the source's, "
+                f"{state.created_at:%Y-%m-%d %H:%M:%S %Z}); skipped (to copy this one, "
+                "delete that one there first, or import an export of it under another "
+                "name with import --as)"
+            )
+        if state.updated_at > there.updated_at:
+            tally.out_of_date += 1
+            return (
+                f"session {name!r} in the store copied to is an earlier copy of it, older "
+                f"than the source's (last active {there.updated_at:%Y-%m-%d %H:%M:%S %Z}; "
+                f"the source's, {state.updated_at:%Y-%m-%d %H:%M:%S %Z}): skipped, so the "
+                "turns since are in the source only; once no server writes the source, "
+                "delete it there and copy it again"
+            )
+    return (
+        f"session {name!r} is already in the store copied to; skipped (delete it there "
+        "first to copy it again)"
+    )
 
 
 def _same_store(a: Store, b: Store) -> bool:

@@ -194,7 +194,8 @@ async def test_copy_into_redis_with_workers_running_goes_through_them(
     two_redis_workers: Callable[..., AbstractAsyncContextManager[tuple[sa.Registry, sa.Registry]]],
 ) -> None:
     """Into a Redis store that workers run, copy joins them as import does: a session
-    that a worker runs under the same name is skipped (said on stderr, status 0) and
+    that a worker runs under the same name is skipped (said on stderr as another
+    session, status 0) and
     keeps its own history; the others are stored, one in a shard that a worker holds
     (it runs a session of it) included, and the workers serve them with their whole
     history."""
@@ -218,7 +219,7 @@ async def test_copy_into_redis_with_workers_running_goes_through_them(
             assert sorted(lines) == copied_lines(counts)
             assert last == "4 copied, 1 skipped, 0 failed"
             [skipped] = said(done)
-            assert "session 'b' is already in the store copied to; skipped" in skipped
+            assert "session 'b' in the store copied to is another session" in skipped
             with trio.fail_after(60):
                 assert (await one.ref("a").send("and on")).text == "and on"
                 history = [m.content for m in await two.ref("a").history()]
@@ -325,6 +326,34 @@ async def test_copy_reads_the_source_page_by_page_and_copies_the_names_given(
     assert len(said(done)) == 2
     listed = sessions("list", "--json", "--store", f"sqlite:///{target}")
     assert len(json.loads(listed.stdout)) == len(counts) + 2
+
+
+async def test_a_copy_run_again_tells_an_out_of_date_copy_and_another_session_apart(
+    tmp_path: Path,
+) -> None:
+    """Run again, copy skips what the target holds, and says which kind each is: a copy
+    whose session took turns in the source since (it is out of date: status 1, with what
+    to do), another session that the target holds under the name (no failure), or the
+    copy as it is (no failure)."""
+    source = tmp_path / "source.db"
+    await make_source(source)
+    target = tmp_path / "target.db"
+    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b")
+    assert done.returncode == 0, done.stderr
+    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
+        await registry.ref("a").send("after the copy")  # the source goes on
+    async with sa.open_registry(store=SQLiteStore(target), agents=agents()) as registry:
+        await registry.spawn("c", agent="echo")  # the target's own "c"
+    again = await copy(
+        "--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b", "c"
+    )
+    assert again.returncode == 1, again.stderr
+    assert again.stdout == "0 copied, 3 skipped, 0 failed\n"
+    stale, same, other = said(again)
+    assert "session 'a' in the store copied to is an earlier copy" in stale, stale
+    assert "delete it there" in stale, stale
+    assert "session 'b' is already in the store copied to; skipped" in same, same
+    assert "session 'c' in the store copied to is another session" in other, other
 
 
 async def test_a_session_cut_off_mid_turn_is_listed_running_once_copied(tmp_path: Path) -> None:
