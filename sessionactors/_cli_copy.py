@@ -8,15 +8,17 @@ bounded however many sessions it holds); each session is stored in the target as
 ``import`` stores it (same name, hibernated or as it was left, its pending reviews with it: see
 ``as_imported``), through the workers on a target that connects them. A session the
 target already holds is skipped, one the source cannot read fails; both are said on
-stderr and the copy goes on (status 1 for a failure only: a re-run after an interruption
-skips what it copied and ends 0). SIGINT or SIGTERM stop it between two sessions (a second
-one, at once).
+stderr and the copy goes on (status 1 for a failure, a copy in the target older than the
+source's, or sessions of the source active while it was copied: a re-run after an
+interruption skips what it copied and ends 0). SIGINT or SIGTERM stop it between two
+sessions (a second one, at once).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import os
 import signal
@@ -119,6 +121,8 @@ class _Tally:
     failed: int = 0
     #: Skipped sessions whose copy in the target is older than the source's (status 1).
     out_of_date: int = 0
+    #: Sessions of the source active while it was copied (status 1).
+    active: int = 0
     #: The session being copied (None between two).
     copying: str | None = None
     #: A signal asked to stop between two sessions (its number).
@@ -191,7 +195,14 @@ async def _copy(source: Store, args: argparse.Namespace) -> int:
                 "(the sessions copied are skipped)"
             )
         return 128 + tally.stop
-    return 1 if tally.failed or tally.out_of_date else 0
+    if tally.active:
+        _say(
+            f"{tally.active} session{'s' if tally.active > 1 else ''} of the source "
+            f"{'were' if tally.active > 1 else 'was'} active while it was copied: the "
+            "store copied to may lack some of them, or hold them as they were before; "
+            "once no server writes the source, run the copy again"
+        )
+    return 1 if tally.failed or tally.out_of_date or tally.active else 0
 
 
 async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tally: _Tally) -> None:
@@ -200,6 +211,7 @@ async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tall
         if isinstance(target, RoutingStore):  # stored as import stores it, by the workers
             registry = await stack.enter_async_context(joined(target))
         listed = False
+        began = datetime.datetime.now(datetime.UTC)
         async with aclosing(_names(source, args, tally)) as names:
             async for name in names:
                 listed = True
@@ -211,6 +223,28 @@ async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tall
                 tally.copying = None
         if not listed and not args.names:
             await say_if_empty(source, args.given_store, "copy")
+        if not args.names:  # (whole: did the source change under it?)
+            tally.active = await _active_since(source, began)
+
+
+async def _active_since(source: Store, began: datetime.datetime) -> int:
+    """How many sessions of ``source`` were active since ``began`` (the listing's first
+    pages: newest activity first)."""
+    count = 0
+    after: str | None = None
+    while True:
+        page = await list_stored(source, limit=PAGE, after=after, damaged=_ignored)
+        for info in page:
+            if info.updated_at < began:
+                return count
+            count += 1
+        if len(page) < PAGE:
+            return count
+        after = page[-1].session_id
+
+
+def _ignored(raw: bytes) -> None:
+    """(A damaged name, said once already by the copy's own listing.)"""
 
 
 async def _names(

@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterable
@@ -438,6 +439,53 @@ def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: 
     assert [m.content for m in copied.messages] == ["hello", "hello"]
     assert copied.metadata == {"tenant": "acme"}
     assert [m.content for m in source.messages] == ["hello", "hello", "later", "later"]
+
+
+def test_a_copy_of_a_source_that_a_server_writes_meanwhile_ends_with_status_1(
+    tmp_path: Path,
+) -> None:
+    """copy of every session of a store that a server writes while it reads (a session
+    taking turns throughout) ends with status 1 and says that the target may lack them
+    or hold them as they were before, and what to do (it ended 0, and a listing copied
+    while its sessions moved may have passed some over)."""
+    path = tmp_path / "served.db"
+    target = tmp_path / "target.db"
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "sessions_server.py"), f"sqlite:{path}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdin is not None
+    assert server.stdout is not None
+
+    def ask(line: str) -> str:
+        assert server.stdin is not None
+        assert server.stdout is not None
+        server.stdin.write(line + "\n")
+        server.stdin.flush()
+        return server.stdout.readline().strip()
+
+    done: list[subprocess.CompletedProcess[str]] = []
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        assert ask("spawn a tenant=acme") == "ok"
+        copying = threading.Thread(
+            target=lambda: done.append(
+                sessions("copy", "--store", f"sqlite:///{path}", "--to", f"sqlite:///{target}")
+            )
+        )
+        copying.start()
+        while copying.is_alive():  # the session takes turns throughout
+            assert ask("send a busy") == "busy"
+        copying.join()
+    finally:
+        server.communicate("exit\n", timeout=60)
+    [copied] = done
+    assert copied.returncode == 1, copied.stderr
+    told = said(copied)[-1]
+    assert "1 session of the source was active while it was copied" in told, copied.stderr
+    assert "run the copy again" in told, told
 
 
 async def test_copy_goes_on_past_damaged_sessions_and_says_which(tmp_path: Path) -> None:
