@@ -211,7 +211,8 @@ async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tall
         if isinstance(target, RoutingStore):  # stored as import stores it, by the workers
             registry = await stack.enter_async_context(joined(target))
         listed = False
-        began = datetime.datetime.now(datetime.UTC)
+        # (the newest activity the source holds, by the clocks of what wrote it)
+        newest = None if args.names else await _newest_activity(source)
         async with aclosing(_names(source, args, tally)) as names:
             async for name in names:
                 listed = True
@@ -224,18 +225,24 @@ async def _copy_all(source: Store, target: Store, args: argparse.Namespace, tall
         if not listed and not args.names:
             await say_if_empty(source, args.given_store, "copy")
         if not args.names:  # (whole: did the source change under it?)
-            tally.active = await _active_since(source, began)
+            tally.active = await _active_since(source, newest)
 
 
-async def _active_since(source: Store, began: datetime.datetime) -> int:
-    """How many sessions of ``source`` were active since ``began`` (the listing's first
-    pages: newest activity first)."""
+async def _newest_activity(source: Store) -> datetime.datetime | None:
+    """The activity time of the session of ``source`` active last (None: it holds none)."""
+    first = await list_stored(source, limit=1, damaged=_ignored)
+    return first[0].updated_at if first else None
+
+
+async def _active_since(source: Store, newest: datetime.datetime | None) -> int:
+    """How many sessions of ``source`` were active after ``newest`` (every one, if None),
+    read from the listing's first pages (newest activity first)."""
     count = 0
     after: str | None = None
     while True:
         page = await list_stored(source, limit=PAGE, after=after, damaged=_ignored)
         for info in page:
-            if info.updated_at < began:
+            if newest is not None and info.updated_at <= newest:
                 return count
             count += 1
         if len(page) < PAGE:
