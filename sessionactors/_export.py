@@ -145,14 +145,13 @@ def as_imported(state: SessionState) -> SessionState:
     """``state`` (a stored session's, as ``read_session`` reads it, or an export's) as
     import stores it: without the source store's bookkeeping of its journal, which the
     new store starts afresh, and hibernated (it is stored, not live), unless it is
-    stopped or was never used, or running for a turn that a process left open when it
-    died (as that process left it: listed so, resumed by the next request). Its pending
-    reviews and open turn stay with it."""
+    stopped or was never used. Its pending reviews and open turn stay with it (a turn
+    that a process left open when it died is listed running: see ``LiveSession.info``,
+    and the next request resumes it)."""
     state = attrs.evolve(state, **_FRESH)
     unused = state.status is Status.NEW and not state.messages and not state.event_seq
     if state.status is not Status.STOPPED and not unused:  # stored: no process runs it
-        left_open = state.open_turn is not None and not state.reviews
-        state = attrs.evolve(state, status=Status.RUNNING if left_open else Status.HIBERNATED)
+        state = attrs.evolve(state, status=Status.HIBERNATED)
     return state
 
 

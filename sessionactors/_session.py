@@ -267,10 +267,15 @@ class LiveSession:
         return Status.IDLE
 
     def info(self, status: Status | None = None) -> SessionInfo:
+        status = status or self.status
+        if status is Status.HIBERNATED and self._open is not None and not self.reviews:
+            # a turn left open, hibernated with it (imported from another store, where
+            # a process died under it): running, for listings, till a request resumes it
+            status = Status.RUNNING
         return SessionInfo(
             session_id=self.session_id,
             agent=self.agent,
-            status=status or self.status,
+            status=status,
             message_count=len(self.messages),
             updated_at=self.updated_at,
             metadata=self.metadata,

@@ -391,6 +391,16 @@ async def test_a_session_cut_off_mid_turn_is_listed_running_once_copied(tmp_path
     for path in (source, target, imported):
         listed = json.loads(sessions("list", "--json", "--store", f"sqlite:///{path}").stdout)
         assert [(s["name"], s["status"]) for s in listed] == [("mid", "running")], path
+    # woken in the new store, it resumes its turn (the tool not run again), as stored
+    # cleanly there: no process of the new store died under it
+    release.set()
+    resumed = {"shop": sa.Agent(model=ScriptedModel(["done", "next"]), tools=[tool])}
+    async with sa.open_registry(store=SQLiteStore(target), agents=resumed) as registry:
+        with trio.fail_after(30):
+            assert (await registry.ref("mid").send("and then?")).text == "next"  # (after it)
+            history = [m.content for m in await registry.ref("mid").history()]
+        assert registry.statistics().unclean_wakes == 0
+    assert history[-3:] == ["done", "and then?", "next"], history
 
 
 def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: Path) -> None:
