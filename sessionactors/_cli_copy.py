@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import urllib.parse
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any, Final
 
@@ -51,8 +51,8 @@ from ._export import as_imported
 from ._listing import LISTING_BATCH
 from ._names import damaged_name, shell_quoted
 from ._names import terminal_safe as _terminal_safe
-from ._reading import list_stored, read_session
-from ._records import SessionState
+from ._reading import list_stored, read_session, read_stored
+from ._records import SessionInfo, SessionState
 from ._registry import Registry
 from ._router import RoutingStore
 from .stores._base import Store
@@ -238,16 +238,12 @@ async def _active_since(source: Store, newest: datetime.datetime | None) -> int:
     """How many sessions of ``source`` were active after ``newest`` (every one, if None),
     read from the listing's first pages (newest activity first)."""
     count = 0
-    after: str | None = None
-    while True:
-        page = await list_stored(source, limit=PAGE, after=after, damaged=_ignored)
-        for info in page:
+    async with aclosing(_listing(source, _ignored)) as listing:
+        async for info in listing:
             if newest is not None and info.updated_at <= newest:
-                return count
+                break
             count += 1
-        if len(page) < PAGE:
-            return count
-        after = page[-1].session_id
+    return count
 
 
 def _ignored(raw: bytes) -> None:
@@ -271,11 +267,21 @@ async def _names(
             "not copied (no request can reach a session under it)"
         )
 
+    async with aclosing(_listing(source, damaged)) as listing:
+        async for info in listing:
+            yield info.session_id
+
+
+async def _listing(
+    source: Store, damaged: Callable[[bytes], None]
+) -> AsyncGenerator[SessionInfo, None]:
+    """Every session of ``source`` in listing order (newest activity first), read page by
+    page (after the last name of the page before, as ``list --after`` pages)."""
     after: str | None = None
     while True:
         page = await list_stored(source, limit=PAGE, after=after, damaged=damaged)
         for info in page:
-            yield info.session_id
+            yield info
         if len(page) < PAGE:
             return
         after = page[-1].session_id
@@ -330,29 +336,36 @@ async def _already_there(target: Store, state: SessionState, tally: _Tally) -> s
     its name: another session under it, an earlier copy of it (the source's is newer:
     counted in ``tally``), or the copy as it is."""
     name = state.session_id
-    with contextlib.suppress(*_UNREADABLE):
-        there = await read_session(target, name)
-        if there.created_at != state.created_at:
-            return (
-                f"session {name!r} in the store copied to is another session (created "
-                f"{there.created_at:%Y-%m-%d %H:%M:%S %Z}; the source's, "
-                f"{state.created_at:%Y-%m-%d %H:%M:%S %Z}); skipped (to copy this one, "
-                "delete that one there first, or import an export of it under another "
-                "name with import --as)"
-            )
-        if state.updated_at > there.updated_at:
-            tally.out_of_date += 1
-            return (
-                f"session {name!r} in the store copied to is an earlier copy of it, older "
-                f"than the source's (last active {there.updated_at:%Y-%m-%d %H:%M:%S %Z}; "
-                f"the source's, {state.updated_at:%Y-%m-%d %H:%M:%S %Z}): skipped, so the "
-                "turns since are in the source only; once no server writes the source, "
-                "delete it there and copy it again"
-            )
+    try:
+        there, _ = await read_stored(target, name, history=False)
+    except _UNREADABLE:
+        return (
+            f"session {name!r} is in the store copied to, which cannot read it (damaged, "
+            "or deleted meanwhile); skipped (delete it there first to copy it again)"
+        )
+    if there.created_at != state.created_at:
+        return (
+            f"session {name!r} in the store copied to is another session (created "
+            f"{_when(there.created_at)}; the source's, {_when(state.created_at)}); skipped "
+            "(to copy this one, delete that one there first, or import an export of it "
+            "under another name with import --as)"
+        )
+    if state.updated_at > there.updated_at:
+        tally.out_of_date += 1
+        return (
+            f"session {name!r} in the store copied to is an earlier copy of it, older than "
+            f"the source's (last active {_when(there.updated_at)}; the source's, "
+            f"{_when(state.updated_at)}): skipped, so the turns since are in the source "
+            "only; once no server writes the source, delete it there and copy it again"
+        )
     return (
         f"session {name!r} is already in the store copied to; skipped (delete it there "
         "first to copy it again)"
     )
+
+
+def _when(at: datetime.datetime) -> str:
+    return at.isoformat(sep=" ", timespec="milliseconds")
 
 
 def _same_store(a: Store, b: Store) -> bool:
