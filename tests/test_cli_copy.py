@@ -14,7 +14,7 @@ import sys
 import threading
 import uuid
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -403,12 +403,10 @@ async def test_a_session_cut_off_mid_turn_is_listed_running_once_copied(tmp_path
     assert history[-3:] == ["done", "and then?", "next"], history
 
 
-def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: Path) -> None:
-    """copy reads a SQLite file that a server process holds (leaving it byte for byte as
-    it was) and copies a session live there as the store held it when read: its turns
-    until then, stored hibernated in the target; later turns stay in the source."""
-    path = tmp_path / "served.db"
-    target = tmp_path / "target.db"
+@contextlib.contextmanager
+def served(path: Path) -> Iterator[Callable[[str], str]]:
+    """A server process on the SQLite file at ``path`` (``sessions_server.py``), ready:
+    ``ask(line)`` sends it a command and returns its answer; it exits after the block."""
     server = subprocess.Popen(
         [sys.executable, str(Path(__file__).parent / "sessions_server.py"), f"sqlite:{path}"],
         stdin=subprocess.PIPE,
@@ -427,6 +425,18 @@ def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: 
 
     try:
         assert server.stdout.readline().strip() == "ready"
+        yield ask
+    finally:
+        server.communicate("exit\n", timeout=60)
+
+
+def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: Path) -> None:
+    """copy reads a SQLite file that a server process holds (leaving it byte for byte as
+    it was) and copies a session live there as the store held it when read: its turns
+    until then, stored hibernated in the target; later turns stay in the source."""
+    path = tmp_path / "served.db"
+    target = tmp_path / "target.db"
+    with served(path) as ask:
         assert ask("spawn a tenant=acme") == "ok"
         assert ask("send a hello") == "hello"
         before = digests(path)
@@ -436,8 +446,6 @@ def test_a_session_live_in_a_server_is_copied_as_far_as_it_is_durable(tmp_path: 
         assert digests(path) == before
         assert ask("send a later") == "later"
         assert ask("live") == "a"
-    finally:
-        server.communicate("exit\n", timeout=60)
 
     async def read_back() -> tuple[sa.SessionState, sa.SessionState]:
         copied = await read_all(SQLiteStore(target), ["a"])
@@ -460,25 +468,8 @@ def test_a_copy_of_a_source_that_a_server_writes_meanwhile_ends_with_status_1(
     while its sessions moved may have passed some over)."""
     path = tmp_path / "served.db"
     target = tmp_path / "target.db"
-    server = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "sessions_server.py"), f"sqlite:{path}"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert server.stdin is not None
-    assert server.stdout is not None
-
-    def ask(line: str) -> str:
-        assert server.stdin is not None
-        assert server.stdout is not None
-        server.stdin.write(line + "\n")
-        server.stdin.flush()
-        return server.stdout.readline().strip()
-
     done: list[subprocess.CompletedProcess[str]] = []
-    try:
-        assert server.stdout.readline().strip() == "ready"
+    with served(path) as ask:
         assert ask("spawn a tenant=acme") == "ok"
         copying = threading.Thread(
             target=lambda: done.append(
@@ -489,8 +480,6 @@ def test_a_copy_of_a_source_that_a_server_writes_meanwhile_ends_with_status_1(
         while copying.is_alive():  # the session takes turns throughout
             assert ask("send a busy") == "busy"
         copying.join()
-    finally:
-        server.communicate("exit\n", timeout=60)
     [copied] = done
     assert copied.returncode == 1, copied.stderr
     told = said(copied)[-1]
