@@ -314,16 +314,15 @@ def finish_reason_of(chunk: FinishChunk) -> str:
     """The reason of a FinishChunk, or TypeError/ValueError saying why no message can
     keep it."""
     reason = chunk.reason
-    said = f"the model streamed a FinishChunk whose reason is {reason!r:.120}"
+    said = f"the model streamed a FinishChunk whose reason {reason!r:.120}"
     if reason.__class__ is not str:
-        raise TypeError(f"{said}, not a str")
+        raise TypeError(f"{said} is not a str")
     if not reason:
-        raise ValueError(f"{said}: empty; send no FinishChunk for an answer that ended whole")
+        raise ValueError(f"{said} is empty; send no FinishChunk for an answer that ended whole")
     if len(reason) > MAX_FINISH_REASON_CHARS:
-        raise ValueError(f"{said}: over {MAX_FINISH_REASON_CHARS} characters")
-    streamed = f"the model streamed a FinishChunk whose reason {reason!r:.120}"
-    check_printable(reason, streamed)
-    check_unicode(reason, streamed)
+        raise ValueError(f"{said} is over {MAX_FINISH_REASON_CHARS} characters")
+    check_printable(reason, said)
+    check_unicode(reason, said)
     return reason
 
 
