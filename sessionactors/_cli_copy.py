@@ -55,6 +55,8 @@ from ._reading import list_stored, read_session, read_stored
 from ._records import SessionInfo, SessionState
 from ._registry import Registry
 from ._router import RoutingStore
+from ._session import LiveSession
+from ._turns import turn_id_time
 from .stores._base import Store
 from .stores._sqlite import SQLiteStore
 from .stores._url import GivenStore, is_new_file, open_store, read_store
@@ -350,7 +352,16 @@ async def _already_there(target: Store, state: SessionState, tally: _Tally) -> s
             "(to copy this one, delete that one there first, or import an export of it "
             "under another name with import --as)"
         )
-    if state.updated_at > there.updated_at:
+    course = _course(state, there)
+    if course == "apart":
+        tally.out_of_date += 1
+        return (
+            f"session {name!r} in the store copied to has gone on apart from the source: "
+            "each took turns since the copy that the other does not hold; skipped, so the "
+            "source's turns since are in the source only (to keep them too, export it from "
+            "the source and import it under another name with import --as)"
+        )
+    if course == "behind" or (course != "ahead" and state.updated_at > there.updated_at):
         tally.out_of_date += 1
         return (
             f"session {name!r} in the store copied to is an earlier copy of it, older than "
@@ -362,6 +373,28 @@ async def _already_there(target: Store, state: SessionState, tally: _Tally) -> s
         f"session {name!r} is already in the store copied to; skipped (delete it there "
         "first to copy it again)"
     )
+
+
+def _course(source: SessionState, there: LiveSession) -> str:
+    """How the target's copy ``there`` stands to the source's session, told by their
+    turns' ids (no clock): "behind" (the source took turns since), "ahead" (the copy
+    did), "apart" (both did), or "" when their turns do not tell (a session without
+    turns, the same last turn, or one that forgot the turn it would be told by)."""
+    mine = {record.turn_id for record in source.turns}
+    theirs = there.turns  # (by turn id, oldest first)
+    if not mine or not theirs:
+        return ""
+    my_last, their_last = source.turns[-1].turn_id, next(reversed(theirs))
+    if my_last == their_last:
+        return ""
+    if their_last in mine:
+        return "behind"
+    if my_last in theirs:
+        return "ahead"
+    forgotten = (turn_id_time(my_last) or 0) <= there.turns_forgotten or (
+        turn_id_time(their_last) or 0
+    ) <= source.turns_forgotten
+    return "" if forgotten else "apart"
 
 
 def _when(at: datetime.datetime) -> str:

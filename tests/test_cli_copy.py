@@ -357,6 +357,32 @@ async def test_a_copy_run_again_tells_an_out_of_date_copy_and_another_session_ap
     assert "session 'c' in the store copied to is another session" in other, other
 
 
+async def test_a_copy_run_again_tells_a_copy_that_went_on_apart_from_its_source(
+    tmp_path: Path,
+) -> None:
+    """A copy whose session took turns in both stores since (a server left writing the
+    source after the move) is neither the copy as it is nor merely out of date: each
+    store holds turns the other does not. Run again, copy says so, with status 1 and
+    what to do; a copy that alone went on is the copy as it is (status 0)."""
+    source = tmp_path / "source.db"
+    await make_source(source)
+    target = tmp_path / "target.db"
+    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b")
+    assert done.returncode == 0, done.stderr
+    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
+        await registry.ref("a").send("in the source after the copy")
+    async with sa.open_registry(store=SQLiteStore(target), agents=agents()) as registry:
+        await registry.ref("a").send("in the copy after the copy")  # (the later of the two)
+        await registry.ref("b").send("in the copy alone")
+    again = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b")
+    assert again.returncode == 1, again.stderr
+    assert again.stdout == "0 copied, 2 skipped, 0 failed\n", again.stderr
+    apart, ahead = said(again)
+    assert "session 'a' in the store copied to has gone on apart from the source" in apart, apart
+    assert "import --as" in apart, apart
+    assert "session 'b' is already in the store copied to" in ahead, ahead
+
+
 async def test_a_session_cut_off_mid_turn_is_listed_running_once_copied(tmp_path: Path) -> None:
     """A session whose process died while its turn ran a tool that is not idempotent
     (its turn left open in the store) is listed ``running`` in the copy, as in the
