@@ -1009,7 +1009,8 @@ class Actor:
                 mail.pending.set_result(waiting)
                 return None
         if session.reviews:
-            self._refuse(mail, _busy_error(sid, next(iter(session.reviews.values()))))
+            review = next(iter(session.reviews.values()))
+            self._refuse(mail, _busy_error(sid, review, mail.turn_id))
             return None
         try:
             agent = self.host.agent_for(session)
@@ -2116,13 +2117,14 @@ def waiting_reply(session: LiveSession, key: str) -> Reply | None:
     return Reply(turn_id=open_turn.turn_id, message=None, reviews=tuple(session.reviews.values()))
 
 
-def _busy_error(sid: str, review: ReviewRequest) -> SessionBusyError:
+def _busy_error(sid: str, review: ReviewRequest, turn_id: str) -> SessionBusyError:
     return advised(
         SessionBusyError,
         f"session {sid!r} is waiting on review {review.id!r} of tool {review.tool_call.name!r}; ",
         Advice(kind=AdviceKind.RESOLVE_REVIEW, review_id=review.id),
         " before sending a new message",
         session_id=sid,
+        turn_id=turn_id,
     )
 
 

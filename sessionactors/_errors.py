@@ -555,7 +555,19 @@ class WorkerUnreachableError(_KeyedTurnError, TimeoutError):
 
 
 class SessionBusyError(SessionActorsError):
-    """The session cannot take this request now (for example a review is pending)."""
+    """The session cannot take this request now (for example a review is pending).
+
+    ``turn_id`` names the turn refused when the request was one (``ref.send``,
+    ``submit``): its ``TurnFailed`` is published, and ``ref.turn_outcome`` says it
+    failed; empty for other requests.
+    """
+
+    #: (a class default too: an error rebuilt from another worker's account has it)
+    turn_id: str = ""
+
+    def __init__(self, message: str, *, session_id: str | None = None, turn_id: str = "") -> None:
+        super().__init__(message, session_id=session_id)
+        self.turn_id = turn_id
 
 
 class LeaseHeldError(SessionBusyError):

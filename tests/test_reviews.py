@@ -166,7 +166,8 @@ async def test_review_events_carry_the_turn_id(autojump_clock: trio.abc.Clock) -
 async def test_a_new_turn_while_a_review_is_pending_is_refused(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """A new message while a review is pending raises SessionBusyError naming the review."""
+    """A new message while a review is pending raises SessionBusyError naming the review,
+    and the turn it refused (whose outcome says it failed so)."""
     tools = Refunds()
     _, model = refund_script()
     model.add("second answer")
@@ -178,6 +179,9 @@ async def test_a_new_turn_while_a_review_is_pending_is_refused(
             with pytest.raises(sa.SessionBusyError, match=review_id) as info:
                 await ref.send("hello?")
             assert "'refund'" in str(info.value)
+            refused = await ref.turn_outcome(info.value.turn_id)
+            assert refused.status is sa.TurnStatus.FAILED
+            assert review_id in str(refused.error)
             reply = await ref.review(review_id, approve=True)
             after = await ref.send("thanks")
 

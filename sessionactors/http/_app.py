@@ -1293,7 +1293,7 @@ class SessionsApp:
                 # live one, unread, would fill up and be cut off as lagged
                 events = await _subscribe_from(stack, ref, since)
                 await live.aclose()
-            followed = _Followed(turn.id, key)
+            followed = _Followed(turn.id, key, began=False if since is None else None)
             yield Stream(
                 events,
                 select=self._turn_events(turn.id, joined_at, followed),
@@ -1587,6 +1587,12 @@ class SessionsApp:
                 return None, False
             if taken_back(event, joined_at):  # (the turn resumed after a crash)
                 return None, False
+            if isinstance(event, sa.TurnStarted):
+                followed.began = True
+            elif followed.began is False and isinstance(event, sa.TurnFailed) and not event.lost:
+                # refused before it began: the stream ends with the refusal that its
+                # caller gets (the side's error frame: its status, the gateway's words)
+                return None, False
             return frames(event), isinstance(event, _OUTCOMES)
 
         return select
@@ -1648,6 +1654,9 @@ class _Followed:
 
     turn_id: str | None
     key: str | None = None
+    #: Whether its TurnStarted came (None: the stream joined it under way): False until
+    #: then for a stream that subscribed before submitting it (see ``_turn_events``).
+    began: bool | None = None
 
 
 async def _sse_outcome(turn: sa.Turn | aio.Turn, followed: _Followed) -> bytes | None:

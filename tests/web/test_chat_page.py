@@ -460,7 +460,8 @@ def test_a_message_refused_while_a_review_waits_is_kept_to_send_again(
 ) -> None:
     """A message sent while the session waits on a review is refused (its turn never
     began): the page says why and keeps the message as not kept, with Send again; once
-    the review is resolved, sent again, it is answered. (It vanished from the page.)"""
+    the review is resolved, sent again, it is answered. (It vanished from the page; and
+    then its refusal was told twice.)"""
     from playwright.sync_api import Browser, expect
 
     assert isinstance(browser, Browser)
@@ -478,11 +479,16 @@ def test_a_message_refused_while_a_review_waits_is_kept_to_send_again(
         unsent = page.locator("#outbox .outgoing.failed")
         expect(unsent).to_contain_text("meanwhile", timeout=10_000)
         expect(unsent).to_contain_text("not kept: refused")
+        expect(page.locator(".message.error")).to_have_count(1)  # (told once, not twice)
         review.locator("button.approve").click()
         expect(review).to_have_count(0, timeout=10_000)
         unsent.locator("button.resend").click()
         expect(page.locator(".message.assistant").last).to_have_text("meanwhile", timeout=15_000)
         expect(unsent).to_have_count(0)
+        # the refusal told once (its stream's error and the session's TurnFailed both
+        # came by now: the events after it did), in the gateway's words
+        expect(page.locator(".message.error")).to_have_count(1)
+        expect(page.locator(".message.error")).to_contain_text("POST /sessions/web-r/reviews/")
         page.close()
     assert not errors
 

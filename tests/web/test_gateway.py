@@ -1169,6 +1169,31 @@ async def test_the_idempotency_key_header_keys_a_message(serve: Serve) -> None:
     assert [m["content"] for m in state["messages"]] == ["once", "once", "twice", "twice"]
 
 
+async def test_a_streamed_message_refused_before_its_turn_began_ends_with_the_refusal(
+    serve: Serve,
+) -> None:
+    """A message streamed while its session waits on a review is refused: its stream
+    ends with the error frame (409, the gateway's words, the refused turn's id), every
+    time; its ``TurnFailed``, which tells the refusal in a Python caller's words and
+    raced the error, is the session's subscribers' (it ended some streams first)."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(30):
+            reply = (await client.post("/sessions/w/messages", json={"text": "refund A7"})).json()
+            [review] = reply["reviews"]
+            for k in range(20):
+                body = {"text": f"hello {k}?"}
+                async with client.stream(
+                    "POST", "/sessions/w/messages", json=body, headers=SSE
+                ) as r:
+                    assert r.status_code == 200
+                    [(_, told)] = await SSEReader(r).until(lambda d: True)
+                assert told["type"] == "error", told
+                assert (told["status"], told["error"]) == (409, "SessionBusyError"), told
+                assert f"POST /sessions/w/reviews/{review['id']}" in told["message"], told
+                outcome = await client.get(f"/sessions/w/turns/{told['turn_id']}")
+                assert outcome.json()["status"] == "failed", outcome.json()
+
+
 async def test_a_message_whose_header_and_body_keys_differ_is_refused(serve: Serve) -> None:
     """A message whose ``Idempotency-Key`` header and ``"idempotency_key"`` differ, or
     whose header is no key (an unclosed string, two keys), is refused with 400 before
