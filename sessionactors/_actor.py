@@ -77,6 +77,7 @@ from ._history_input import KnownIds, check_content, check_entry, check_new_ids
 from ._hub import SEQ_GAP, Hub, wake_seq
 from ._journal import Journal
 from ._metadata import check_info_room, check_metadata, merge_metadata, replaced_keys
+from ._nesting import WITHIN, Within
 from ._pending import Append, Pending
 from ._reading import read_stored, stored_cleanly, stored_seq
 from ._records import (
@@ -169,16 +170,24 @@ class TurnMail:
     """A turn in the mailbox (``forwarded``: by another worker, which sends it on to the
     session's next worker if this registry closes before it begins)."""
 
-    __slots__ = ("forwarded", "key", "pending", "text", "turn_id")
+    __slots__ = ("forwarded", "key", "pending", "text", "turn_id", "within")
 
     def __init__(
-        self, turn_id: str, text: str, key: str | None, pending: Pending, forwarded: bool = False
+        self,
+        turn_id: str,
+        text: str,
+        key: str | None,
+        pending: Pending,
+        forwarded: bool = False,
+        within: Within = (),
     ) -> None:
         self.turn_id = turn_id
         self.text = text
         self.key = key
         self.pending = pending
         self.forwarded = forwarded
+        #: The turns its caller's code was part of (see ``_nesting``): they wait on it.
+        self.within = within
 
 
 class CallMail:
@@ -550,6 +559,14 @@ class Actor:
             )
         )
 
+    def within(self) -> Within:
+        """The turns that code of this actor's task is part of (see ``_nesting``): its
+        turn's while one runs (its tools and model), and those that turn's caller was."""
+        if not self.in_turn:
+            return ()
+        mail = self.turn_mail
+        return ((self.host, self.session_id), *(mail.within if mail is not None else ()))
+
     @property
     def deleted(self) -> bool:
         return self.phase is Phase.KILLED and isinstance(self.kill_error, SessionNotFoundError)
@@ -834,6 +851,7 @@ class Actor:
         """
         journal = self.journal
         mail: Mail | _Signal | None = None
+        WITHIN.set(self)  # (its task began in whatever code woke it: its own, from here)
         if self._ready is not None:
             ready = self._ready
             loading = self._load_scope = trio.CancelScope()

@@ -32,6 +32,7 @@ from ._errors import (
 )
 from ._events import Event
 from ._names import validate_name
+from ._nesting import Within, refuse_within, within, within_error
 from ._pending import Pending
 from ._records import SessionState, Status, TurnOutcome, TurnStatus
 from ._ref import Turn, new_turn
@@ -102,6 +103,11 @@ class Dispatcher:
             session_id=name,
         )
 
+    def refuse_wait(self, name: str) -> None:
+        """Raise SessionBusyError if the running code is part of a turn that a request
+        in the mailbox of session ``name`` would wait behind, forever (see ``_nesting``)."""
+        refuse_within(self.sessions, name)
+
     # ---- turns ---------------------------------------------------------------------------
 
     async def submit(self, name: str, text: str, key: str | None, *, ack: bool) -> Turn:
@@ -110,6 +116,8 @@ class Dispatcher:
         With ``ack`` the caller returns now; without, it waits on the reply next (a
         turn forwarded to another worker then returns once answered).
         """
+        if not ack:
+            self.refuse_wait(name)
         if self.router is None:
             turn = await self._submit_here(name, text, key, ack=ack)
             if turn is not _AGAIN:  # the common case: served here at the first try
@@ -131,7 +139,11 @@ class Dispatcher:
         """
         if self.router is not None:
             return None
-        return _enqueue(self.sessions.activate(name), text)  # the live one, or one waking
+        sessions = self.sessions
+        chain = within()
+        if chain and (sessions, name) in chain:
+            raise within_error(chain, sessions, name)
+        return _enqueue(sessions.activate(name), text, chain=chain)  # (live, or waking)
 
     def enqueue_here(self, name: str, text: str, turn_id: str | None = None) -> Pending | None:
         """A turn without idempotency key in the mailbox of a session live and loaded
@@ -184,7 +196,10 @@ class Dispatcher:
             ack = False  # it checkpointed
         pending = Pending()
         turn_id = actor.new_turn_id(given)
-        mail = TurnMail(turn_id, text, key, pending, forwarded)
+        chain = () if forwarded else within()
+        if chain:  # (a wait on its reply from within those turns is refused)
+            pending.owner = (self.sessions, name)
+        mail = TurnMail(turn_id, text, key, pending, forwarded, chain)
         send = actor.send
         actor.note_queued(turn_id)  # before: the actor may start it before send returns
         try:
@@ -233,7 +248,10 @@ class Dispatcher:
             return turn
         pending = Pending()
         turn_id = actor.new_turn_id()
-        mail = TurnMail(turn_id, text, key, pending)
+        chain = within()
+        if chain:  # (a wait on its reply from within those turns is refused)
+            pending.owner = (sessions, name)
+        mail = TurnMail(turn_id, text, key, pending, within=chain)
         try:
             actor.send.send_nowait(mail)
             actor.note_queued(turn_id)
@@ -269,6 +287,7 @@ class Dispatcher:
     async def call(self, name: str, request: Call | Cancel | Stop) -> Any:
         if isinstance(request, Cancel):
             return await self._cancel(name, request)
+        self.refuse_wait(name)  # (in mailbox order: behind a turn it may be part of)
         if isinstance(request, Hibernate):
             return await self._hibernate(name)
         return await self._route(
@@ -582,15 +601,21 @@ async def _or_not_routed(awaitable: Awaitable[Any]) -> Any:
 
 
 def _enqueue(
-    actor: Actor, text: str, given: str | None = None, *, forwarded: bool = False
+    actor: Actor,
+    text: str,
+    given: str | None = None,
+    *,
+    forwarded: bool = False,
+    chain: Within = (),
 ) -> Pending | None:
     """A turn without idempotency key in ``actor``'s mailbox at once (under ``given`` if
-    the session takes it; ``forwarded`` by another worker): its result slot; None if the
-    mailbox is full (the caller waits for room) or closed (it looks again)."""
+    the session takes it; ``forwarded`` by another worker; asked for from within the
+    turns of ``chain``): its result slot; None if the mailbox is full (the caller waits for
+    room) or closed (it looks again)."""
     pending = Pending()
     turn_id = actor.new_turn_id(given)
     try:
-        actor.send.send_nowait(TurnMail(turn_id, text, None, pending, forwarded))
+        actor.send.send_nowait(TurnMail(turn_id, text, None, pending, forwarded, chain))
     except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
         return None
     actor.note_queued(turn_id)  # (the actor runs no sooner than our caller parks)

@@ -8,6 +8,8 @@ from typing import Any
 import outcome
 import trio
 
+from ._nesting import refuse_within
+
 __all__ = ["Append", "Pending"]
 
 #: An append of journal entries with the session's info: (entries, info, fence).
@@ -23,7 +25,7 @@ class Pending:
     idempotency key) queue behind it. Cancelling a wait only abandons it.
     """
 
-    __slots__ = ("_others", "_task", "done", "error", "result", "write_outcome")
+    __slots__ = ("_others", "_task", "done", "error", "owner", "result", "write_outcome")
 
     def __init__(self) -> None:
         self._task: trio.lowlevel.Task | None = None  # the first waiter
@@ -35,6 +37,9 @@ class Pending:
         #: reply, it returns the call that journals the turn's outcome in place of the
         #: store's ``append`` (the same arguments but the session), or None.
         self.write_outcome: Callable[[Any], Append | None] | None = None
+        #: ``(registry's sessions, session name)`` of a turn submitted from within a
+        #: turn (see ``_nesting``): a wait on it from within its session's turn is refused.
+        self.owner: tuple[object, str] | None = None
 
     @classmethod
     def resolved(cls, result: Any) -> Pending:
@@ -78,6 +83,8 @@ class Pending:
         the result (a turn waiting for its commit keeps one frame less alive, and
         a thousand of them wait at once).
         """
+        if self.owner is not None:
+            refuse_within(*self.owner)
         if self.done or self._task is not None:
             return self._wait_known_or_behind()
         self._task = trio.lowlevel.current_task()

@@ -73,6 +73,7 @@ class Dispatcher(Protocol):
     async def outcome(self, name: str, turn_id: str) -> TurnOutcome: ...
     async def open_subscription(self, name: str, after: int | None) -> EventIterator: ...
     def runs_here(self, name: str) -> bool: ...
+    def refuse_wait(self, name: str) -> None: ...
 
     #: How requests reach other workers (None: this registry is alone).
     router: Any
@@ -595,6 +596,7 @@ class SessionRef(metaclass=NoPublicConstructor):
         anything is sent (a web handler can answer it before it starts a response).
         """
         check_message(self.session_id, text, idempotency_key)
+        self._dispatcher.refuse_wait(self.session_id)  # (it waits on the turn)
         return _InBlock(self._stream(text, idempotency_key), "ref.stream(text)", self.session_id)
 
     @asynccontextmanager

@@ -56,6 +56,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "_hub",
                 "_subscription",
                 "_pending",
+                "_nesting",
                 "_reading",
                 "_telemetry",
             }

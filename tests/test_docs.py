@@ -221,6 +221,11 @@ EXPECTED = {
         "roles: ['user', 'assistant', 'tool', 'assistant']",
         "cut short: It left the {'finish_reason': 'length'}",
     ],
+    "howto_nested_sessions.py": [
+        'The workers said: {"w1": "on it: summarise the report", "w2": "on it: summarise',
+        "(refused: session 'boss' is running the turn this request comes from",
+        '"w1": "on it: and you?"',
+    ],
     "howto_model_adapter.py": [
         "reply: Order A1001 is shipped.",
         "roles: ['user', 'assistant', 'tool', 'assistant']",

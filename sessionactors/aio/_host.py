@@ -27,6 +27,7 @@ import outcome
 import trio
 
 from .._errors import Advice, AdviceKind, SessionStoppedError, advised
+from .._nesting import WITHIN, Fixed, Within, within
 
 __all__ = [
     "Host",
@@ -109,7 +110,8 @@ class Host:
         that the end of the trio run cuts off), None for a call about no one session.
         """
         self._check_running()
-        call: _Call[T] = _Call(self.loop.create_future(), session_id)
+        # (an asyncio tool of a turn calls in the turns that its task's context holds)
+        call: _Call[T] = _Call(self.loop.create_future(), session_id, within())
         self.run_sync_soon(lambda: self._spawn(call, fn, args))
         try:
             return await call.future
@@ -181,15 +183,19 @@ class Host:
 @attrs.define(eq=False)
 class _Call(Generic[T]):
     """One asyncio-to-trio call: its future, the session it is about (None: no one
-    session), and its trio cancel scope once it runs."""
+    session), the turns its caller's code is part of (see ``sessionactors._nesting``),
+    and its trio cancel scope once it runs."""
 
     future: asyncio.Future[T]
     session_id: str | None
+    within: Within = ()
     scope: trio.CancelScope | None = None
 
     async def run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:
         if self.future.done():
             return
+        if self.within:
+            WITHIN.set(Fixed(self.within))  # (its own task's context)
         with trio.CancelScope() as self.scope:
             try:
                 result = await fn(*args)

@@ -21,6 +21,7 @@ from starlette.routing import Route
 import sessionactors as sa
 import sessionactors.aio as aio
 from sessionactors.testing import EchoModel, Scripted, ScriptedModel
+from test_nested_sends import Relay
 
 from .chat_agents import AsyncioModel, asyncio_agents
 from .servers import serve_asyncio
@@ -124,6 +125,35 @@ def test_an_asyncio_model_and_tool_run_in_asyncio_tasks_with_a_review() -> None:
             assert registry.statistics().subscribers == 0
 
     run(main)
+
+
+def test_an_asyncio_tool_that_sends_to_a_session_its_turn_waits_on_is_refused() -> None:
+    """An asyncio tool's send to its own session, or to one whose turn waits on its
+    own, is refused at once with SessionBusyError, as a trio tool's is (it waited
+    forever); a send to another session is answered."""
+    opened: list[aio.Registry] = []
+
+    async def ask(session: str, question: str) -> str:
+        await asyncio.sleep(0)  # (asyncio code)
+        return (await opened[0].ref(session).send(question)).text
+
+    tool = sa.Tool(name="ask", fn=ask, description="Ask another session.")
+
+    async def main() -> tuple[str, str, str]:
+        agents = {name: sa.Agent(model=Relay(name), tools=[tool]) for name in "AB"}
+        async with aio.open_registry(agents=agents) as registry:
+            opened.append(registry)
+            a = await registry.spawn("A", agent="A")
+            await registry.spawn("B", agent="B")
+            own = (await a.send("ask A: hello me")).text
+            cycle = (await a.send("ask B: ask A: back to you")).text
+            other = (await a.send("ask B: hello B")).text
+            return own, cycle, other
+
+    own, cycle, other = run(main)
+    assert own.startswith("got: SessionBusyError: session 'A' is running the turn"), own
+    assert cycle.startswith("got: got: SessionBusyError: session 'A' waits on"), cycle
+    assert other == "got: [B] hello B"
 
 
 def test_library_errors_reach_asyncio_code_as_themselves() -> None:

@@ -1,0 +1,184 @@
+"""Sessions that talk to sessions: a tool (or a model) of one session's turn that
+sends to another session of the same registry, as an orchestrator agent asks worker
+agents. A request that would wait on the turn it is made from (its own session's
+mailbox, or that of a session whose turn waits on this one) is refused at once with
+SessionBusyError naming the sessions, before anything is sent: it would wait forever
+(a session serves its mailbox one request at a time)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import sessionactors as sa
+
+#: A user message "ask NAME: QUESTION" has the model call ``ask`` with them.
+_ASK = "ask "
+
+
+class Relay:
+    """A model that, for a user message "ask NAME: QUESTION", calls the tool ``ask``
+    (session NAME, question QUESTION), and then answers "got: " and the tool's result;
+    for any other message, answers "[SESSION] " and the message. It awaits nothing, so
+    it serves a trio registry and an asyncio one alike."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        last = request.messages[-1]
+        if last.role is sa.Role.TOOL:
+            yield sa.TextChunk(f"got: {last.content}")
+            return
+        if last.content.startswith(_ASK):
+            name, _, question = last.content[len(_ASK) :].partition(": ")
+            arguments = json.dumps({"session": name, "question": question})
+            yield sa.ToolCallChunk(index=0, id="call-1", name="ask", arguments=arguments)
+            return
+        yield sa.TextChunk(f"[{self.session}] {last.content}")
+
+
+def orchestra(
+    names: str, ask: Callable[[sa.Registry, str, str], Awaitable[str]]
+) -> tuple[dict[str, sa.Agent], list[sa.Registry]]:
+    """An agent per name in ``names`` (named after it), each with the tool ``ask``,
+    which calls ``ask(registry, session, question)`` on the registry put in the list."""
+    opened: list[sa.Registry] = []
+
+    async def tool_ask(session: str, question: str) -> str:
+        return await ask(opened[0], session, question)
+
+    tool = sa.Tool(name="ask", fn=tool_ask, description="Ask another session.")
+    agents = {name: sa.Agent(model=Relay(name), tools=[tool]) for name in names}
+    return agents, opened
+
+
+async def send(registry: sa.Registry, session: str, question: str) -> str:
+    return (await registry.ref(session).send(question)).text
+
+
+async def users(ref: sa.SessionRef) -> list[str]:
+    return [m.content for m in await ref.history() if m.role is sa.Role.USER]
+
+
+def tool_result(history: list[sa.Message]) -> sa.Message:
+    [result] = [m for m in history if m.role is sa.Role.TOOL]
+    return result
+
+
+async def test_a_tool_that_sends_to_its_own_session_is_refused_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A tool that sends to the session whose turn runs it gets SessionBusyError at
+    once (it waited forever); its turn goes on, and nothing was queued behind it."""
+    agents, opened = orchestra("A", send)
+    async with sa.open_registry(agents=agents) as registry:
+        opened.append(registry)
+        ref = await registry.spawn("A", agent="A")
+        with trio.fail_after(5):
+            reply = await ref.send("ask A: hello me")
+        result = tool_result(await ref.history())
+        assert result.is_error, result
+        assert result.content.startswith("SessionBusyError: session 'A' "), result.content
+        assert "its own turn" in result.content, result.content
+        assert reply.text == f"got: {result.content}"
+        await trio.testing.wait_all_tasks_blocked()
+        assert await users(ref) == ["ask A: hello me"]  # nothing ran after it
+        assert registry.statistics().turns_running == 0
+
+
+async def test_a_cycle_of_sessions_is_refused_where_it_closes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A's tool sends to B, whose tool sends to A: B's send is refused at once, naming
+    both (it waited forever, and so did A); each turn goes on. Later, B sends to A
+    from a turn of its own (not one A waits on), and is answered."""
+    agents, opened = orchestra("AB", send)
+    async with sa.open_registry(agents=agents) as registry:
+        opened.append(registry)
+        a = await registry.spawn("A", agent="A")
+        b = await registry.spawn("B", agent="B")
+        with trio.fail_after(5):
+            reply = await a.send("ask B: ask A: back to you")
+        result = tool_result(await b.history())
+        assert result.is_error, result
+        assert result.content.startswith(
+            "SessionBusyError: session 'A' waits on the turn this request comes from (its "
+            "turn waits on 'B', whose turn makes this request)"
+        ), result.content
+        assert reply.text == f"got: got: {result.content}"
+        await trio.testing.wait_all_tasks_blocked()
+        assert await users(a) == ["ask B: ask A: back to you"]
+        # B's actor began in A's turn; its own turns since are not part of A's
+        with trio.fail_after(5):
+            again = await b.send("ask A: and now?")
+        assert again.text == "got: [A] and now?"
+
+
+async def test_a_turn_may_queue_a_turn_of_its_own_session_but_not_wait_for_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A tool may submit a turn to its own session (it runs after this one), but
+    waiting for that turn's reply inside the turn is refused."""
+    waited: list[str] = []
+
+    async def follow_up(registry: sa.Registry, session: str, question: str) -> str:
+        turn = await registry.ref(session).submit(question)
+        try:
+            await turn.reply()
+        except sa.SessionBusyError as exc:
+            waited.append(str(exc))
+        return turn.id
+
+    agents, opened = orchestra("A", follow_up)
+    async with sa.open_registry(agents=agents) as registry:
+        opened.append(registry)
+        ref = await registry.spawn("A", agent="A")
+        with trio.fail_after(5):
+            reply = await ref.send("ask A: later")
+            queued = reply.text.removeprefix("got: ")
+            while (await ref.turn_outcome(queued)).status is not sa.TurnStatus.FINISHED:
+                await trio.sleep(0.01)
+        [refused] = waited
+        assert refused.startswith("session 'A' "), refused
+        assert await users(ref) == ["ask A: later", "later"]
+
+
+@pytest.mark.parametrize("request_kind", ["stream", "retry", "truncate", "add_messages"])
+async def test_a_request_in_mailbox_order_from_its_own_turn_is_refused(
+    autojump_clock: trio.abc.Clock, request_kind: str
+) -> None:
+    """Every request that waits its turn in the mailbox (a streamed turn, a retry, a
+    history edit) is refused from the session's own turn, before anything is done."""
+    calls: dict[str, Callable[[sa.SessionRef], Awaitable[Any]]] = {
+        "stream": lambda ref: _drain(ref.stream("more")),
+        "retry": lambda ref: ref.retry(),
+        "truncate": lambda ref: ref.truncate(keep_last=0),
+        "add_messages": lambda ref: ref.add_messages([sa.Message.create("user", "more")]),
+    }
+
+    async def mailbox(registry: sa.Registry, session: str, question: str) -> str:
+        await calls[request_kind](registry.ref(session))
+        return "it was served"
+
+    agents, opened = orchestra("A", mailbox)
+    async with sa.open_registry(agents=agents) as registry:
+        opened.append(registry)
+        ref = await registry.spawn("A", agent="A")
+        with trio.fail_after(5):
+            await ref.send("ask A: anything")
+        result = tool_result(await ref.history())
+        assert result.content.startswith("SessionBusyError: session 'A' "), result.content
+        await trio.testing.wait_all_tasks_blocked()
+        assert await users(ref) == ["ask A: anything"]
+
+
+async def _drain(stream: Any) -> None:
+    async with stream as events:
+        async for _ in events:
+            pass
