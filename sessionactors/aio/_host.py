@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import threading
+import types
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
@@ -62,6 +65,8 @@ class Host:
     finished: asyncio.Future[None] = attrs.field(init=False)
     token: trio.lowlevel.TrioToken | None = None
     nursery: trio.Nursery | None = None
+    #: The SIGINT handler the run installed (see ``_take_interrupts``), or None.
+    interrupt: Any = None
     _stop: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -92,6 +97,8 @@ class Host:
         # already done, which does not yield: the loop spun there forever.)
         if _HOSTS.get(self.loop) is self:
             del _HOSTS[self.loop]
+        if self.interrupt is not None and signal.getsignal(signal.SIGINT) is self.interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if isinstance(result, outcome.Error):
             _fail(self.started, result.error)
             _fail(self.finished, result.error)
@@ -256,6 +263,7 @@ async def acquire_host() -> Host:
         host = _HOSTS.get(loop)
     if host is None:
         host = Host(loop)
+        host.interrupt = _take_interrupts(loop)
         try:
             trio.lowlevel.start_guest_run(
                 host._main,
@@ -266,6 +274,8 @@ async def acquire_host() -> Host:
                 strict_exception_groups=True,
             )
         except RuntimeError as exc:
+            if host.interrupt is not None:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             raise RuntimeError(
                 "sessionactors.aio could not start trio on this asyncio loop's thread: "
                 f"{exc}; a thread runs at most one trio run (from trio code, use "
@@ -281,6 +291,38 @@ async def acquire_host() -> Host:
     if host.state == "starting":
         host.state = "running"
     return host
+
+
+def _take_interrupts(loop: asyncio.AbstractEventLoop) -> Any:
+    """A SIGINT handler of the library's own, for a loop that leaves SIGINT to Python's
+    (IPython's terminal, ``python -m asyncio``, a script that runs its loop itself; not
+    ``asyncio.run``, which has one); None elsewhere.
+
+    Without it trio's guest run installs its own, which hands every Ctrl-C to the trio
+    run: the registry died under the user's code, which went on. This one raises
+    KeyboardInterrupt where Python's would, in the code the loop runs, except inside a
+    step of the trio run (which it would leave half done): one that comes there is
+    raised in the loop as soon as that step ends.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+
+    def interrupt(signum: int, frame: types.FrameType | None) -> None:
+        while frame is not None:
+            if frame.f_globals.get("__name__", "").startswith("trio."):
+                loop.call_soon_threadsafe(_raise_interrupt)
+                return
+            frame = frame.f_back
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return interrupt
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 def current_host() -> Host | None:

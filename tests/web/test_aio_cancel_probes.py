@@ -779,3 +779,75 @@ def test_an_asyncio_tool_that_lets_out_its_own_inner_cancellation_fails_its_call
     [result] = [m for m in history if m.role is sa.Role.TOOL]
     assert result.is_error
     assert result.content.startswith("CancelledError"), result.content
+
+
+#: An asyncio loop run cell by cell (``loop.run_until_complete``), as IPython's terminal,
+#: ``python -m asyncio`` and scripts driving their own loop run it, leaving SIGINT to
+#: Python's default handler; a Ctrl-C while a cell streams a reply.
+CTRL_C_SCRIPT = """
+import asyncio, contextlib, os, signal, threading
+import sessionactors as sa, sessionactors.aio as aio
+
+class Slow:
+    async def stream(self, request):
+        for word in request.messages[-1].content.split():
+            await asyncio.sleep(0.05)
+            yield sa.TextChunk(word + " ")
+
+loop = asyncio.new_event_loop()
+run = loop.run_until_complete
+stack = contextlib.AsyncExitStack()
+
+async def open_cell():
+    registry = await stack.enter_async_context(aio.open_registry(agents={"a": sa.Agent(model=Slow())}))
+    return await registry.spawn("demo")
+
+ref = run(open_cell())
+started = threading.Event()
+
+async def stream_cell():
+    async with ref.stream(" ".join(["word"] * 40)) as events:
+        async for event in events:
+            if isinstance(event, sa.Delta):
+                started.set()
+
+def press_ctrl_c():
+    started.wait(10)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=press_ctrl_c).start()
+try:
+    run(stream_cell())
+    print("stream: not interrupted")
+except KeyboardInterrupt:
+    print("stream: interrupted")
+
+async def send_cell():
+    async with asyncio.timeout(10):
+        return (await ref.send("still there?")).text
+print("send:", run(send_cell()))
+run(stack.aclose())
+print("closed")
+print("handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_ctrl_c_in_a_loop_that_leaves_sigint_alone_interrupts_the_cell_not_the_registry() -> None:
+    """A Ctrl-C in an asyncio loop that leaves SIGINT to Python (IPython's terminal, ``python
+    -m asyncio``) interrupts the code it ran (a cell) with KeyboardInterrupt, as it would
+    without the registry; the registry's trio run goes on: the next call is answered and
+    the close is clean. (The trio run took the interrupt: the registry died, the call
+    raised SessionStoppedError and the close a group of KeyboardInterrupt.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.stdout.splitlines() == [
+        "stream: interrupted",
+        "send: still there? ",
+        "closed",
+        "handler restored: True",
+    ], done.stdout + done.stderr
