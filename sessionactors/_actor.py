@@ -761,9 +761,10 @@ class Actor:
         lease = await host.store.claim(self.session_id, host.worker_id, host.config.lease_ttl)
         if lease is None:
             raise LeaseHeldError(
-                f"session {self.session_id!r} is live on another worker (another process "
-                "holds the session's lease); send the request through that worker, or retry "
-                "after it hibernates the session or its lease expires",
+                f"session {self.session_id!r} is live on another worker (another registry, "
+                "in this process or another, holds the session's lease); send the request "
+                "through that worker, or retry after it hibernates the session or its lease "
+                "expires",
                 session_id=self.session_id,
             )
         self.lease = lease

@@ -571,7 +571,8 @@ class SessionBusyError(SessionActorsError):
 
 
 class LeaseHeldError(SessionBusyError):
-    """Another process holds the session's lease: it is live there, not here.
+    """Another registry holds the session's lease (in another process, or in this one
+    on the same store): the session is live there, not here.
 
     Send the request through that process (a registry on a store that connects
     workers does so itself), or retry once it hibernates the session or its

@@ -386,8 +386,9 @@ class Sessions:
                 lease = await self.store.claim(name, self.worker_id, self.config.lease_ttl)
             if lease is None:
                 raise LeaseHeldError(
-                    f"session {name!r} is live on another worker (another process holds "
-                    "the session's lease), so it cannot be deleted from here; delete it "
+                    f"session {name!r} is live on another worker (another registry, in "
+                    "this process or another, holds the session's lease), so it cannot be "
+                    "deleted from here; delete it "
                     "through that worker, or retry once it hibernates the session or its "
                     "lease expires",
                     session_id=name,
