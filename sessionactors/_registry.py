@@ -56,9 +56,14 @@ from ._telemetry import Telemetry, guarded
 from .stores._base import Store
 from .stores._memory import MemoryStore
 
-__all__ = ["Registry", "RegistryStatistics", "create_session", "open_registry"]
+__all__ = ["Registry", "RegistryStatistics", "closed", "create_session", "open_registry"]
 
 log = logging.getLogger("sessionactors")
+
+
+def closed(registry: Registry) -> bool:
+    """Whether ``registry`` takes no more requests: its block is ending, or has ended."""
+    return registry._sessions.closing
 
 
 @attrs.frozen(kw_only=True)
@@ -105,7 +110,8 @@ class Registry(metaclass=NoPublicConstructor):
         self._dispatcher = dispatcher
 
     def __repr__(self) -> str:
-        return f"<Registry live={len(self._sessions.live)} store={type(self.store).__name__}>"
+        shown = f"<Registry live={len(self._sessions.live)} store={type(self.store).__name__}"
+        return f"{shown} closed>" if closed(self) else f"{shown}>"
 
     @property
     def store(self) -> Store:

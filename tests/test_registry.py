@@ -136,6 +136,17 @@ async def test_a_crash_in_one_of_many_sessions_touches_no_other(
 # ---- shutdown -------------------------------------------------------------------------
 
 
+async def test_a_registry_says_in_its_repr_once_it_is_closed(
+    echo_agents: dict[str, sa.Agent],
+) -> None:
+    """A registry kept after its block (a notebook's variable, an app's state) says it is
+    closed when shown, as its next request's error does."""
+    async with sa.open_registry(agents=echo_agents) as registry:
+        await (await registry.spawn("s")).send("hi")
+        assert repr(registry) == "<Registry live=1 store=MemoryStore>"
+    assert repr(registry) == "<Registry live=0 store=MemoryStore closed>"
+
+
 async def test_shutdown_lets_accepted_turns_finish_within_the_grace(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -26,6 +26,7 @@ import sessionactors as sa
 from .._config import RegistryConfig
 from .._hub import event_size, lagged_error
 from .._ref import check_after, check_message, entered_twice, known_reply, not_in_block
+from .._registry import closed
 from ..stores import Store
 from ._adapters import adapt_agent
 from ._host import Host, Task, acquire_host, ended_error, release_host
@@ -290,7 +291,8 @@ class Registry:
     _agents: Mapping[str, sa.Agent] = attrs.field(alias="agents")
 
     def __repr__(self) -> str:
-        return f"<aio Registry live={len(self._registry.live())}>"
+        shown = f"<aio Registry live={len(self._registry.live())}"
+        return f"{shown} closed>" if closed(self._registry) else f"{shown}>"
 
     def __getattr__(self, name: str) -> Any:
         return _forward(self._host, self._registry, name, None)

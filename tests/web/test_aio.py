@@ -156,6 +156,18 @@ def test_an_asyncio_tool_that_sends_to_a_session_its_turn_waits_on_is_refused() 
     assert other == "got: [B] hello B"
 
 
+def test_an_asyncio_registry_says_in_its_repr_once_it_is_closed() -> None:
+    """An asyncio registry kept after its block says it is closed when shown."""
+
+    async def main() -> tuple[str, str]:
+        async with aio.open_registry(agents={"e": sa.Agent(model=EchoModel())}) as registry:
+            await (await registry.spawn("s")).send("hi")
+            live = repr(registry)
+        return live, repr(registry)
+
+    assert run(main) == ("<aio Registry live=1>", "<aio Registry live=0 closed>")
+
+
 def test_library_errors_reach_asyncio_code_as_themselves() -> None:
     """Errors raised by the registry, the refs and the turns arrive as the library's own
     exceptions, not wrapped; an asyncio model's error is the turn error's cause."""
