@@ -149,17 +149,22 @@ async def test_a_turn_may_queue_a_turn_of_its_own_session_but_not_wait_for_it(
         assert await users(ref) == ["ask A: later", "later"]
 
 
-@pytest.mark.parametrize("request_kind", ["stream", "retry", "truncate", "add_messages"])
+@pytest.mark.parametrize(
+    "request_kind", ["stream", "retry", "truncate", "add_messages", "stop", "hibernate"]
+)
 async def test_a_request_in_mailbox_order_from_its_own_turn_is_refused(
     autojump_clock: trio.abc.Clock, request_kind: str
 ) -> None:
     """Every request that waits its turn in the mailbox (a streamed turn, a retry, a
-    history edit) is refused from the session's own turn, before anything is done."""
+    history edit, a stop, a hibernation) is refused from the session's own turn,
+    before anything is done."""
     calls: dict[str, Callable[[sa.SessionRef], Awaitable[Any]]] = {
         "stream": lambda ref: _drain(ref.stream("more")),
         "retry": lambda ref: ref.retry(),
         "truncate": lambda ref: ref.truncate(keep_last=0),
         "add_messages": lambda ref: ref.add_messages([sa.Message.create("user", "more")]),
+        "stop": lambda ref: ref.stop(),
+        "hibernate": lambda ref: ref.hibernate(),
     }
 
     async def mailbox(registry: sa.Registry, session: str, question: str) -> str:
