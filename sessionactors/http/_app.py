@@ -1978,11 +1978,20 @@ def _header_key(value: str) -> str:
     """The key that an ``Idempotency-Key`` header's ``value`` gives: a structured-field
     string (RFC 8941) as the draft writes it, ``"8e03978e"``, with its
     ``\\"`` and ``\\\\`` escapes (parameters after it are ignored); or, unquoted, the
-    value itself (``8e03978e``, as many clients send it). Refused (raise
-    _RequestError, 400): a quoted value that is not such a string."""
+    value itself (``8e03978e``, as many clients send it), its bytes read as UTF-8 (as
+    the body's key is written). Refused (raise _RequestError, 400): a quoted value that
+    is not such a string, an unquoted one that is not UTF-8."""
     value = value.strip(" \t")
     if not value.startswith('"'):
-        return value
+        try:  # (the server read the header's bytes as Latin-1)
+            return value.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            raise _RequestError(
+                400,
+                "InvalidRequest",
+                "the Idempotency-Key header is not UTF-8 text; send the key as UTF-8 "
+                '(or in the body\'s "idempotency_key"); nothing ran',
+            ) from None
     chars: list[str] = []
     at = 1
     while at < len(value):

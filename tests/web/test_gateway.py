@@ -1165,8 +1165,29 @@ async def test_the_idempotency_key_header_keys_a_message(serve: Serve) -> None:
                 "/sessions/h/messages", json={"text": "twice", "idempotency_key": 'a\\"b'}
             )
             assert r.status_code == 200, r.text
+            # a key of UTF-8 text, unquoted in the header (its bytes as they come), is the
+            # body's key: a retry that moves it from one to the other runs nothing again
+            r = await client.post(
+                "/sessions/h/messages", json={"text": "utf", "idempotency_key": "заказ-7"}
+            )
+            assert r.status_code == 200, r.text
+            moved = {"idempotency-key": "заказ-7".encode()}
+            for body in ({"text": "utf"}, {"text": "utf", "idempotency_key": "заказ-7"}):
+                again = await client.post("/sessions/h/messages", json=body, headers=moved)
+                assert (again.status_code, again.json()["turn_id"]) == (200, r.json()["turn_id"])
+            latin = {"idempotency-key": b"k-\xe9"}  # (no UTF-8: refused, not guessed)
+            r = await client.post("/sessions/h/messages", json={"text": "x"}, headers=latin)
+            assert (r.status_code, r.json()["error"]) == (400, "InvalidRequest"), r.text
+            assert "UTF-8" in r.json()["message"], r.text
             state = (await client.get("/sessions/h")).json()
-    assert [m["content"] for m in state["messages"]] == ["once", "once", "twice", "twice"]
+    assert [m["content"] for m in state["messages"]] == [
+        "once",
+        "once",
+        "twice",
+        "twice",
+        "utf",
+        "utf",
+    ]
 
 
 async def test_a_streamed_message_refused_before_its_turn_began_ends_with_the_refusal(
