@@ -1502,7 +1502,9 @@ class SessionsApp:
                             turn = await self._submit(registry, ref, text, key)
                             again = turn.replayed
                             await say({"type": "submitted", "turn_id": turn.id, "replayed": again})
-                            if not again:
+                            if again:  # no events come for it: its stored reply
+                                group.start_soon(wait_resolved, turn.reply)
+                            else:
                                 group.start_soon(wait_turn, turn)
                         elif kind == "cancel":
                             turn_id = _optional_string(data, "turn_id")

@@ -1341,6 +1341,57 @@ async def test_a_replayed_websocket_message_to_a_waking_session_gets_its_stored_
             assert frame["text"] == "only once"
 
 
+async def test_a_websocket_message_sent_again_after_its_turn_finished_gets_its_reply(
+    serve: Serve,
+) -> None:
+    """A WebSocket message sent again with its idempotency key after its turn finished
+    (a client whose socket dropped before the answer came, on a new socket) is answered
+    ``submitted`` with ``replayed`` and then a "reply" frame with the stored reply, as
+    the same retry over HTTP is (no events come for it: it got nothing it could show)."""
+    async with serve() as served:
+        ws_url = served.url.replace("http://", "ws://") + "/sessions/r/ws"
+        with trio.fail_after(10):
+            async with open_websocket(ws_url) as ws:
+                await ws.send({"type": "message", "text": "only once", "idempotency_key": "k"})
+                while (await ws.receive())["type"] != "TurnFinished":
+                    pass
+            async with open_websocket(ws_url) as ws:
+                await ws.send({"type": "message", "text": "only once", "idempotency_key": "k"})
+                submitted, reply = await ws.receive(), await ws.receive()
+        assert (submitted["type"], submitted["replayed"]) == ("submitted", True), submitted
+        assert reply["type"] == "reply", reply
+        assert (reply["turn_id"], reply["text"]) == (submitted["turn_id"], "only once")
+
+
+async def test_a_websocket_message_sent_again_mid_turn_after_the_last_seq_gets_the_rest(
+    serve: Serve,
+) -> None:
+    """A client whose socket dropped mid-turn opens a new one with ``?after=`` the last
+    seq it received and sends its message again with its key: it joins the turn, and
+    the two sockets' deltas make the whole reply, none twice."""
+    words = " ".join(f"w{i}" for i in range(20))
+    async with serve(delay=0.05) as served:
+        ws_url = served.url.replace("http://", "ws://") + "/sessions/m/ws"
+        message = {"type": "message", "text": words, "idempotency_key": "k"}
+        with trio.fail_after(20):
+            async with open_websocket(ws_url) as ws:
+                await ws.send(message)
+                first: list[dict[str, Any]] = []
+                while sum(f["type"] == "Delta" for f in first) < 5:
+                    first.append(await ws.receive())
+            last = max(f["seq"] for f in first if "seq" in f)
+            async with open_websocket(f"{ws_url}?after={last}") as ws:
+                await ws.send(message)
+                rest: list[dict[str, Any]] = []
+                while not rest or rest[-1]["type"] != "TurnFinished":
+                    rest.append(await ws.receive())
+        submitted = next(f for f in rest if f["type"] == "submitted")
+        assert submitted["replayed"] is False  # (joined: not a new turn)
+        deltas = [f["text"] for f in first + rest if f["type"] == "Delta"]
+        assert "".join(deltas) == words
+        assert rest[-1]["message"]["content"] == words
+
+
 async def test_a_streamed_review_answer_sends_the_rest_of_the_turn(serve: Serve) -> None:
     """Approving a review with Accept: text/event-stream streams the turn's remaining events."""
     async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
