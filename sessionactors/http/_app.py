@@ -495,8 +495,8 @@ class SessionsApp:
         routes += [
             Route("/healthz", self._health, methods=["GET"]),
             Route("/sessions", self._list, methods=["GET"]),
-            Route("/sessions/{name}", self._read, methods=["GET"]),
-            Route("/sessions/{name}", self._delete, methods=["DELETE"]),
+            # (one route: a 405 of another method lists both in its Allow)
+            Route("/sessions/{name}", self._session, methods=["GET", "DELETE"]),
             Route("/sessions/{name}/messages", self._message, methods=["POST"]),
             Route("/sessions/{name}/events", self._events, methods=["GET"]),
             Route("/sessions/{name}/cancel", self._cancel, methods=["POST"]),
@@ -1207,6 +1207,11 @@ class SessionsApp:
             )
 
         return await self._handle(request, "list", handler)
+
+    async def _session(self, request: Request) -> Response:
+        if request.method == "DELETE":
+            return await self._delete(request)
+        return await self._read(request)
 
     async def _read(self, request: Request) -> Response:
         async def handler(registry: AnyRegistry, name: str) -> Response:

@@ -920,6 +920,9 @@ async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
             r = await client.put("/sessions/e/messages", json={"text": "x"})
             assert (r.status_code, r.json()["error"]) == (405, "MethodNotAllowed")
             assert "POST" in r.headers["allow"]
+            r = await client.put("/sessions/e", json={})
+            assert (r.status_code, r.json()["error"]) == (405, "MethodNotAllowed")
+            assert set(r.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}, r.headers
 
             r = await client.post("/sessions/e/reviews/r-none", json={"approve": True})
             assert r.status_code == 404
