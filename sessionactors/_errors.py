@@ -67,6 +67,7 @@ class AdviceKind(enum.Enum):
     RESUME_AFTER = "resume_after"  #: subscribe again after event ``seq``
     LOST_TURNS = "lost_turns"  #: what became of each lost turn (its outcome says)
     LOST_OUTCOME = "lost_outcome"  #: the lost turn's outcome says so
+    TURN_IDS = "turn_ids"  #: where turn ids come from
     TURN_OUTCOME = "turn_outcome"  #: look up what became of turn ``turn_id``
     OR_TURN_OUTCOME = "or_turn_outcome"  #: or look up the turn's outcome (``turn_id``'s)
     FOLLOW_TURN = "follow_turn"  #: follow the turn by the session's events
@@ -134,6 +135,7 @@ _PYTHON_ADVICE: dict[AdviceKind, str] = {
     AdviceKind.RESUME_AFTER: "subscribe again with after={seq}",
     AdviceKind.LOST_TURNS: " (ref.turn_outcome(turn_id) says so of each)",
     AdviceKind.LOST_OUTCOME: "ref.turn_outcome reads lost: ",
+    AdviceKind.TURN_IDS: "take turn ids from reply.turn_id or turn.id of this session",
     AdviceKind.TURN_OUTCOME: "ask ref.turn_outcome({turn})",
     AdviceKind.OR_TURN_OUTCOME: "(or ref.turn_outcome)",
     AdviceKind.FOLLOW_TURN: "follow it with ref.subscribe() and ref.turn_outcome()",

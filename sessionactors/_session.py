@@ -15,7 +15,7 @@ from typing import Any, overload
 
 import attrs
 
-from ._errors import TurnNotFoundError, shown
+from ._errors import Advice, AdviceKind, TurnNotFoundError, advised, shown
 from ._events import (
     Event,
     HistoryEdited,
@@ -544,9 +544,10 @@ class LiveSession:
             or len(turn_id) > MAX_TURN_ID_CHARS
             or not created - CLOCK_SKEW_US <= issued <= time.time_ns() // 1000 + CLOCK_SKEW_US
         ):
-            raise TurnNotFoundError(
-                f"session {sid!r} never issued a turn id {shown(turn_id)}; take turn ids from "
-                "reply.turn_id or turn.id of this session",
+            raise advised(
+                TurnNotFoundError,
+                f"session {sid!r} never issued a turn id {shown(turn_id)}; ",
+                Advice(kind=AdviceKind.TURN_IDS),
                 session_id=sid,
             )
         status = TurnStatus.LOST

@@ -860,6 +860,8 @@ class SessionsApp:
                 return f"{resume}{seq}" + ("" if after == "?after=" else f" (or ?after={seq})")
             case Kind.LOST_TURNS | Kind.LOST_OUTCOME | Kind.AIO_LIFESPAN:
                 return ""
+            case Kind.TURN_IDS:
+                return 'take turn ids from the "turn_id" of a message\'s answer or of its events'
             case Kind.TURN_OUTCOME:
                 return f"ask GET {route}/turns/{quote(advice.turn_id, safe='')}"
             case Kind.OR_TURN_OUTCOME if advice.turn_id:

@@ -284,6 +284,22 @@ async def test_request_errors_speak_of_json_not_python(
             assert python not in str(error)
 
 
+async def test_an_unknown_turn_id_is_told_where_an_http_client_finds_turn_ids(
+    serve: Serve,
+) -> None:
+    """A turn id the session never issued (a typo) answers 404 saying where an HTTP
+    client takes turn ids from, not a Python caller's ``reply.turn_id``."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            await client.post("/sessions/t/messages", json={"text": "hi"})
+            r = await client.get("/sessions/t/turns/turn_from_a_typo")
+    assert (r.status_code, r.json()["error"]) == (404, "TurnNotFoundError"), r.text
+    told = r.json()["message"]
+    assert "session 't' never issued a turn id 'turn_from_a_typo'" in told, told
+    assert '"turn_id" of a message\'s answer or of its events' in told, told
+    assert "reply.turn_id" not in told, told
+
+
 class StoreError(Exception):
     """An exception of the app's own that bears the name of one of the library's."""
 
