@@ -1006,7 +1006,11 @@ class SessionsApp:
             )
         return ref
 
-    async def _ref_to_write(self, registry: AnyRegistry, name: str, agent: str | None) -> AnyRef:
+    async def _ref_to_write(
+        self, registry: AnyRegistry, name: str, agent: str | None, *, socket: bool = False
+    ) -> AnyRef:
+        """The session ``name``, created with ``agent`` if it is new (and this server
+        creates sessions); ``socket``: for a WebSocket, which names its agent in its URL."""
         if not self._create_sessions:
             return registry.ref(name)
         # (not "live, so it exists": a read of a name not stored has a live actor while
@@ -1016,26 +1020,28 @@ class SessionsApp:
         except ValueError as exc:  # no agent named, or one the registry lacks
             if isinstance(exc, sa.SessionActorsError):
                 raise
+            if socket:
+                first, where = "the WebSocket", "as ?agent= on the WebSocket's URL"
+            else:
+                first, where = "its first message", "in the message's JSON"
             agents = sorted(await _agents(registry))
             if not agents:  # (a registry that manages sessions: any agent, run elsewhere)
                 raise _RequestError(
                     422,
                     "ValueError",
-                    f"session {name!r} is new, and its first message names no agent; this "
-                    "server has no agents of its own (servers with the agent run its turns): "
-                    'send "agent" naming the one it runs with (in the message\'s JSON, or '
-                    "?agent= on the WebSocket)",
+                    f"session {name!r} is new, and {first} names no agent; this server has "
+                    "no agents of its own (servers with the agent run its turns): send "
+                    f'"agent" naming the one it runs with ({where})',
                 ) from None
             if agent is not None:
-                what = f"the message names the agent {shown(agent)}, which this server lacks"
+                what = f"{first} names the agent {shown(agent)}, which this server lacks"
             else:
-                what = "it is new, and its first message names no agent"
+                what = f"it is new, and {first} names no agent"
             raise _RequestError(
                 422,
                 "InvalidRequest",
                 f"session {name!r}: {what}; this server's agents are {agents}: send "
-                '"agent" as one of them (in the message\'s JSON, or ?agent= on the '
-                "WebSocket)",
+                f'"agent" as one of them ({where})',
             ) from None
 
     async def _submit(
@@ -1405,7 +1411,9 @@ class SessionsApp:
             registry = self._registry_now()
             after = _after(websocket)
             if self._create_sessions and not after:  # (a seq to resume after: not new)
-                ref = await self._ref_to_write(registry, name, websocket.query_params.get("agent"))
+                ref = await self._ref_to_write(
+                    registry, name, websocket.query_params.get("agent"), socket=True
+                )
             else:
                 ref = await self._existing_ref(registry, name, websocket.scope)
             async with ref.subscribe(after) as events:

@@ -14,6 +14,7 @@ from sessionactors.testing import FaultyStore
 
 from .chat_agents import asyncio_agents, trio_agents
 from .servers import serve_asyncio, serve_trio
+from .wsclient import Closed, open_websocket
 
 
 @pytest.mark.parametrize("kind", ["hypercorn-trio", "uvicorn-asyncio"])
@@ -110,6 +111,18 @@ async def test_a_first_message_without_a_known_agent_says_what_to_send(kind: str
                     assert '"agent"' in answer["message"]
                     assert "spawn(" not in answer["message"]
                     assert "open_registry" not in answer["message"]
+            # a WebSocket, which creates its session as it connects: told to name the
+            # agent in its URL (a message frame with "agent" is refused)
+            base = url.replace("http://", "ws://")
+            for query in ("", "?agent=suport"):
+                async with open_websocket(f"{base}/sessions/ada/ws{query}") as ws:
+                    error = await ws.receive()
+                    with pytest.raises(Closed) as closed:
+                        await ws.receive()
+                assert (error["status"], closed.value.code) == (422, 4422), error
+                assert "['sales', 'support']" in error["message"], error
+                assert "?agent= on the WebSocket's URL" in error["message"], error
+                assert "message's JSON" not in error["message"], error
             listed = (await client.get("/sessions")).json()
     assert listed["sessions"] == []
 
