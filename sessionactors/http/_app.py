@@ -2200,6 +2200,10 @@ async def _text_frame(websocket: WebSocket) -> str:
     return str(text)
 
 
+#: The largest number ``_digits`` reads (20 digits).
+_LAST_DIGITS: Final = 10**20 - 1
+
+
 def _digits(raw: str, otherwise: int) -> int:
     """``raw`` read as a number written in ASCII digits only (``int`` would also take
     ``1_0``, `` 5 ``, ``+1`` and other scripts' digits), else ``otherwise``."""
@@ -2216,6 +2220,8 @@ def _after(request: HTTPConnection) -> int | None:
     if raw is None or raw == "":
         return None
     value = _digits(raw, -1)
+    if value < 0 and raw.isascii() and raw.isdigit():  # (past every seq: told so, 410)
+        value = _LAST_DIGITS
     if value < 0:
         raise _RequestError(
             422,

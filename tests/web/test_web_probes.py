@@ -843,8 +843,8 @@ async def test_an_error_raised_by_the_worker_that_runs_the_session_is_told_for_h
 
 @pytest.mark.redis
 async def test_a_last_event_id_past_64_bits_is_told_alike_by_every_worker(redis_url: str) -> None:
-    """A Last-Event-ID or ``?after=`` of 20 digits, past what the wire between workers
-    carries, is answered 410 by a gateway on a worker that does not run the session, as
+    """A Last-Event-ID or ``?after=`` of 20 digits (or more), past what the wire between
+    workers carries, is answered 410 by a gateway on a worker that does not run the session, as
     by one on the worker that does: the session's last seq, named, and the advice to
     reload; a WebSocket is closed with that error."""
     store_options = {"prefix": f"sa-test:{uuid.uuid4().hex}", "balance": False}
@@ -866,6 +866,7 @@ async def test_a_last_event_id_past_64_bits_is_told_alike_by_every_worker(redis_
                     for options in (
                         {"headers": {"last-event-id": seq}},
                         {"params": {"after": seq}},
+                        {"headers": {"last-event-id": seq + "999"}},  # (past any int of 20)
                     ):
                         r = await client.get("/sessions/s/events", **options)
                         assert r.status_code == 410, r.text
@@ -883,4 +884,4 @@ async def test_a_last_event_id_past_64_bits_is_told_alike_by_every_worker(redis_
             last + 1,
         ), body
         assert f"after seq {seq}" in body["message"], body
-    assert {body["message"] for body in told[3:]} == {body["message"] for body in told[:3]}
+    assert {body["message"] for body in told[4:]} == {body["message"] for body in told[:4]}
