@@ -329,6 +329,19 @@ async def test_copy_reads_the_source_page_by_page_and_copies_the_names_given(
     assert len(json.loads(listed.stdout)) == len(counts) + 2
 
 
+async def copied_then_gone_on(tmp_path: Path, text: str) -> tuple[Path, Path]:
+    """``(source, target)``: "a" and "b" of ``make_source`` copied to the target, and
+    then "a" sent ``text`` in the source (which goes on after the copy)."""
+    source = tmp_path / "source.db"
+    await make_source(source)
+    target = tmp_path / "target.db"
+    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b")
+    assert done.returncode == 0, done.stderr
+    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
+        await registry.ref("a").send(text)
+    return source, target
+
+
 async def test_a_copy_run_again_tells_an_out_of_date_copy_and_another_session_apart(
     tmp_path: Path,
 ) -> None:
@@ -336,13 +349,7 @@ async def test_a_copy_run_again_tells_an_out_of_date_copy_and_another_session_ap
     whose session took turns in the source since (it is out of date: status 1, with what
     to do), another session that the target holds under the name (no failure), or the
     copy as it is (no failure)."""
-    source = tmp_path / "source.db"
-    await make_source(source)
-    target = tmp_path / "target.db"
-    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b")
-    assert done.returncode == 0, done.stderr
-    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
-        await registry.ref("a").send("after the copy")  # the source goes on
+    source, target = await copied_then_gone_on(tmp_path, "after the copy")
     async with sa.open_registry(store=SQLiteStore(target), agents=agents()) as registry:
         await registry.spawn("c", agent="echo")  # the target's own "c"
     again = await copy(
@@ -364,13 +371,7 @@ async def test_a_copy_run_again_tells_a_copy_that_went_on_apart_from_its_source(
     source after the move) is neither the copy as it is nor merely out of date: each
     store holds turns the other does not. Run again, copy says so, with status 1 and
     what to do; a copy that alone went on is the copy as it is (status 0)."""
-    source = tmp_path / "source.db"
-    await make_source(source)
-    target = tmp_path / "target.db"
-    done = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "a", "b")
-    assert done.returncode == 0, done.stderr
-    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
-        await registry.ref("a").send("in the source after the copy")
+    source, target = await copied_then_gone_on(tmp_path, "in the source after the copy")
     async with sa.open_registry(store=SQLiteStore(target), agents=agents()) as registry:
         await registry.ref("a").send("in the copy after the copy")  # (the later of the two)
         await registry.ref("b").send("in the copy alone")

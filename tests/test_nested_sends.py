@@ -7,6 +7,7 @@ SessionBusyError naming the sessions, before anything is sent: it would wait for
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -43,11 +44,12 @@ class Relay:
         yield sa.TextChunk(f"[{self.session}] {last.content}")
 
 
-def orchestra(
+@contextlib.asynccontextmanager
+async def orchestra(
     names: str, ask: Callable[[sa.Registry, str, str], Awaitable[str]]
-) -> tuple[dict[str, sa.Agent], list[sa.Registry]]:
-    """An agent per name in ``names`` (named after it), each with the tool ``ask``,
-    which calls ``ask(registry, session, question)`` on the registry put in the list."""
+) -> AsyncIterator[tuple[sa.Registry, list[sa.SessionRef]]]:
+    """A registry with a session per name in ``names``, each with an agent named after
+    it whose tool ``ask`` calls ``ask(registry, session, question)``."""
     opened: list[sa.Registry] = []
 
     async def tool_ask(session: str, question: str) -> str:
@@ -55,7 +57,9 @@ def orchestra(
 
     tool = sa.Tool(name="ask", fn=tool_ask, description="Ask another session.")
     agents = {name: sa.Agent(model=Relay(name), tools=[tool]) for name in names}
-    return agents, opened
+    async with sa.open_registry(agents=agents) as registry:
+        opened.append(registry)
+        yield registry, [await registry.spawn(name, agent=name) for name in names]
 
 
 async def send(registry: sa.Registry, session: str, question: str) -> str:
@@ -76,10 +80,7 @@ async def test_a_tool_that_sends_to_its_own_session_is_refused_at_once(
 ) -> None:
     """A tool that sends to the session whose turn runs it gets SessionBusyError at
     once (it waited forever); its turn goes on, and nothing was queued behind it."""
-    agents, opened = orchestra("A", send)
-    async with sa.open_registry(agents=agents) as registry:
-        opened.append(registry)
-        ref = await registry.spawn("A", agent="A")
+    async with orchestra("A", send) as (registry, [ref]):
         with trio.fail_after(5):
             reply = await ref.send("ask A: hello me")
         result = tool_result(await ref.history())
@@ -98,11 +99,7 @@ async def test_a_cycle_of_sessions_is_refused_where_it_closes(
     """A's tool sends to B, whose tool sends to A: B's send is refused at once, naming
     both (it waited forever, and so did A); each turn goes on. Later, B sends to A
     from a turn of its own (not one A waits on), and is answered."""
-    agents, opened = orchestra("AB", send)
-    async with sa.open_registry(agents=agents) as registry:
-        opened.append(registry)
-        a = await registry.spawn("A", agent="A")
-        b = await registry.spawn("B", agent="B")
+    async with orchestra("AB", send) as (_, [a, b]):
         with trio.fail_after(5):
             reply = await a.send("ask B: ask A: back to you")
         result = tool_result(await b.history())
@@ -135,10 +132,7 @@ async def test_a_turn_may_queue_a_turn_of_its_own_session_but_not_wait_for_it(
             waited.append(str(exc))
         return turn.id
 
-    agents, opened = orchestra("A", follow_up)
-    async with sa.open_registry(agents=agents) as registry:
-        opened.append(registry)
-        ref = await registry.spawn("A", agent="A")
+    async with orchestra("A", follow_up) as (_, [ref]):
         with trio.fail_after(5):
             reply = await ref.send("ask A: later")
             queued = reply.text.removeprefix("got: ")
@@ -171,10 +165,7 @@ async def test_a_request_in_mailbox_order_from_its_own_turn_is_refused(
         await calls[request_kind](registry.ref(session))
         return "it was served"
 
-    agents, opened = orchestra("A", mailbox)
-    async with sa.open_registry(agents=agents) as registry:
-        opened.append(registry)
-        ref = await registry.spawn("A", agent="A")
+    async with orchestra("A", mailbox) as (_, [ref]):
         with trio.fail_after(5):
             await ref.send("ask A: anything")
         result = tool_result(await ref.history())
