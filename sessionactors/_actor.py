@@ -559,11 +559,9 @@ class Actor:
             )
         )
 
-    def within(self) -> Within:
-        """The turns that code of this actor's task is part of (see ``_nesting``): its
-        turn's while one runs (its tools and model), and those that turn's caller was."""
-        if not self.in_turn:
-            return ()
+    def chain(self) -> Within:
+        """The turns that its running turn's tools are part of (see ``_nesting``): its
+        own, and those its caller's chain named."""
         mail = self.turn_mail
         return ((self.host, self.session_id), *(mail.within if mail is not None else ()))
 
@@ -852,7 +850,7 @@ class Actor:
         """
         journal = self.journal
         mail: Mail | _Signal | None = None
-        WITHIN.set(self)  # (its task began in whatever code woke it: its own, from here)
+        WITHIN.set(None)  # (its task began in whatever code woke it: a tool's, maybe)
         if self._ready is not None:
             ready = self._ready
             loading = self._load_scope = trio.CancelScope()

@@ -197,8 +197,11 @@ class Dispatcher:
         pending = Pending()
         turn_id = actor.new_turn_id(given)
         chain = () if forwarded else within()
-        if chain:  # (a wait on its reply from within those turns is refused)
+        if ack and chain:
+            # submitted: no one waits on it, so it waits on no turn (it carries no chain);
+            # a wait on its reply from within those turns is refused
             pending.owner = (self.sessions, name)
+            chain = ()
         mail = TurnMail(turn_id, text, key, pending, forwarded, chain)
         send = actor.send
         actor.note_queued(turn_id)  # before: the actor may start it before send returns
@@ -248,10 +251,9 @@ class Dispatcher:
             return turn
         pending = Pending()
         turn_id = actor.new_turn_id()
-        chain = within()
-        if chain:  # (a wait on its reply from within those turns is refused)
+        if within():  # (as submit's: see _submit_here)
             pending.owner = (sessions, name)
-        mail = TurnMail(turn_id, text, key, pending, within=chain)
+        mail = TurnMail(turn_id, text, key, pending)
         try:
             actor.send.send_nowait(mail)
             actor.note_queued(turn_id)

@@ -1,80 +1,76 @@
 """The turns that running code is part of, so that a request that would wait on one of
 them is refused: it would wait forever.
 
-A session serves its mailbox one request at a time, so code that runs inside one of
-its turns (its model, its tools, the tasks they start) cannot wait for a request in
-that mailbox: the request comes after the turn, which waits on it. Nor can it wait
+A session serves its mailbox one request at a time, so a tool of one of its turns
+(and the tasks the tool starts and waits for) cannot wait for a request in that
+mailbox: the request comes after the turn, which waits on the tool. Nor can it wait
 for one in the mailbox of a session whose turn waits on this one (A's tool sends to
-B, whose tool sends to A). Each turn runs with the chain of turns that wait on it
-(``within()``): its own session's, then those its caller's chain named, which a turn
-carries from its ``send`` into the mailbox. Sessions are named with the registry's
-own object (its sessions), as two registries may each have one of the same name.
+B, whose tool sends to A). While a turn's tools run, their code runs with a
+``Frame`` in ``WITHIN``: the chain of turns that wait on them, the turn's own session
+first, then those its caller's chain named, which a turn that its caller waits for
+carries from its ``send`` into the mailbox. The frame ends with the tools' step, so a
+task a tool started that outlives it (a job handed to the app) is part of no turn.
+Sessions are named with the registry's own object (its sessions), as two registries
+may each have one of the same name.
 
-A turn forwarded to another worker does not carry its chain: a cycle through other
-workers is cut by the agents' ``turn_timeout``.
+What it does not see, a turn's ``turn_timeout`` cuts: a cycle through a request that
+waits in the mailbox of a session busy with another turn (A's tool asks B while B's
+own turn asks A), through a turn submitted and then waited on, through a turn that a
+review or a retry resumed, or through another worker (a forwarded turn carries no
+chain).
 """
 
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Final, Protocol
+from typing import Final
 
 from ._errors import SessionBusyError
 
-__all__ = ["WITHIN", "Chain", "Fixed", "Within", "refuse_within", "within", "within_error"]
+__all__ = ["WITHIN", "Frame", "Within", "refuse_within", "within", "within_error"]
 
 #: ``(the registry's sessions, session name)`` of each turn the running code is part
 #: of, the innermost first.
 Within = tuple[tuple[object, str], ...]
 
 
-class Chain(Protocol):
-    """What ``WITHIN`` holds: the chain of turns, told when asked (an actor tells its
-    turn's, none between turns, at no cost to a turn that makes no request)."""
+class Frame:
+    """The chain of turns that the code of one step of a turn's tools is part of, while
+    ``active`` (until the step ends)."""
 
-    def within(self) -> Within: ...
-
-
-class Fixed:
-    """A chain that does not change (that of an asyncio caller, carried into trio)."""
-
-    __slots__ = ("chain",)
+    __slots__ = ("active", "chain")
 
     def __init__(self, chain: Within) -> None:
         self.chain = chain
-
-    def within(self) -> Within:
-        return self.chain
+        self.active = True
 
 
-#: Set by each actor for its own task (whose turns' tools and models, and the tasks
-#: they start, inherit it); None outside every actor.
-WITHIN: Final[ContextVar[Chain | None]] = ContextVar("sessionactors_within", default=None)
+#: Set for the tools of each step of a turn (and the tasks they start, which inherit
+#: it); None outside them.
+WITHIN: Final[ContextVar[Frame | None]] = ContextVar("sessionactors_within", default=None)
 
 
 def within() -> Within:
-    """The turns the running code is part of (none outside any turn)."""
-    chain = WITHIN.get()
-    return () if chain is None else chain.within()
+    """The turns the running code is part of (none outside a turn's tools)."""
+    frame = WITHIN.get()
+    return frame.chain if frame is not None and frame.active else ()
 
 
 def refuse_within(host: object, name: str) -> None:
     """Raise SessionBusyError if the running code is part of a turn that a request in
     the mailbox of session ``name`` (of ``host``) would wait behind."""
-    holder = WITHIN.get()
-    if holder is not None:
-        chain = holder.within()
-        if (host, name) in chain:
-            raise within_error(chain, host, name)
+    frame = WITHIN.get()
+    if frame is not None and frame.active and (host, name) in frame.chain:
+        raise within_error(frame.chain, host, name)
 
 
 def within_error(chain: Within, host: object, name: str) -> SessionBusyError:
     """The error of a request to session ``name`` made inside ``chain``, which holds it."""
     if chain[0] == (host, name):
         told = (
-            f"session {name!r} is running the turn this request comes from (a tool or "
-            "model of its own turn): the request would wait in its mailbox behind that "
-            "turn, which waits on it, forever"
+            f"session {name!r} is running the turn this request comes from (a tool of "
+            "its own turn): the request would wait in its mailbox behind that turn, which "
+            "waits on it, forever"
         )
     else:
         path = []

@@ -83,7 +83,7 @@ class Pending:
         the result (a turn waiting for its commit keeps one frame less alive, and
         a thousand of them wait at once).
         """
-        if self.owner is not None:
+        if self.owner is not None and not self.done:
             refuse_within(*self.owner)
         if self.done or self._task is not None:
             return self._wait_known_or_behind()

@@ -24,6 +24,7 @@ from ._events import (
 )
 from ._history import split_for_compaction
 from ._model import Model, ModelRequest, TextChunk, UsageChunk
+from ._nesting import WITHIN, Frame, Within
 from ._records import Message, ReviewRequest, Role, ToolCall, Usage, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
@@ -59,6 +60,7 @@ class TurnHost(Protocol):
     def commit(self, *, compact: bool = True) -> Awaitable[None]: ...
     def bounded(self, write: Awaitable[_T]) -> Awaitable[_T]: ...
     async def compact(self) -> None: ...
+    def chain(self) -> Within: ...
 
 
 def _needs_review(agent: Agent, call: ToolCall) -> bool:
@@ -195,11 +197,17 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
         # snapshot that may follow it is optional)
         await actor.bounded(actor.commit(compact=False))
         await actor.compact()
-    if tool is not None and actor.trace is None:  # _invoke's common case, inline
-        await trio.lowlevel.checkpoint_if_cancelled()
-        content, is_error = _result(await tool._run(call.arguments))
-    else:
-        content, is_error = await _invoke(agent, call, actor.trace)
+    frame = Frame(actor.chain())  # (the turns its requests would wait on: _nesting)
+    entered = WITHIN.set(frame)
+    try:
+        if tool is not None and actor.trace is None:  # _invoke's common case, inline
+            await trio.lowlevel.checkpoint_if_cancelled()
+            content, is_error = _result(await tool._run(call.arguments))
+        else:
+            content, is_error = await _invoke(agent, call, actor.trace)
+    finally:
+        frame.active = False  # (a task the tool started may outlive it)
+        WITHIN.reset(entered)
     record_result(actor, call, content, is_error)
 
 
@@ -213,11 +221,15 @@ async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
     async def one(i: int, call: ToolCall) -> None:
         results[i] = await _invoke(agent, call, actor.trace)
 
+    frame = Frame(actor.chain())  # (as _run_one's)
+    entered = WITHIN.set(frame)
     try:
         async with trio.open_nursery() as nursery:
             for i, call in enumerate(calls):
                 nursery.start_soon(one, i, call)
     finally:
+        frame.active = False
+        WITHIN.reset(entered)
         # (cut short, too: a call that finished keeps its result; run_batch answers the rest)
         for call, result in zip(calls, results, strict=True):
             if result is not None:

@@ -178,3 +178,75 @@ async def _drain(stream: Any) -> None:
     async with stream as events:
         async for _ in events:
             pass
+
+
+async def test_a_turn_submitted_without_waiting_may_later_ask_its_sender(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """O's tool submits work to W without waiting, and O's turn ends; W's tool then
+    reports to O, which is idle: answered (the submitted turn waits on no one)."""
+
+    async def hand_off(registry: sa.Registry, session: str, question: str) -> str:
+        if question.startswith("work"):
+            turn = await registry.ref(session).submit(f"ask O: done with {question}")
+            return f"queued {turn.id}"
+        return await send(registry, session, question)
+
+    async with orchestra("OW", hand_off) as (_, [o, w]):
+        with trio.fail_after(5):
+            await o.send("ask W: work X")
+            while len(await users(o)) < 2:
+                await trio.sleep(0.01)
+        assert tool_result(await w.history()).content == "[O] done with work X"
+
+
+async def test_a_task_a_tool_started_that_outlives_its_turn_is_part_of_no_turn(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A tool starts a job in the app's nursery and returns; the job, which sends to the
+    session while it runs another turn (unrelated), waits its turn and is answered."""
+    go = trio.Event()
+    told: list[str] = []
+
+    async def job(registry: sa.Registry) -> None:
+        await go.wait()
+        told.append(await send(registry, "A", "job finished"))
+
+    async with trio.open_nursery() as app:
+
+        async def start_or_dawdle(registry: sa.Registry, session: str, question: str) -> str:
+            if question == "start job":
+                app.start_soon(job, registry)
+                return "started"
+            go.set()  # (the job sends while this turn runs)
+            await trio.sleep(1)
+            return "slow done"
+
+        async with orchestra("A", start_or_dawdle) as (_, [a]):
+            with trio.fail_after(10):
+                await a.send("ask A: start job")
+                await a.send("ask A: dawdle")
+                while not told:
+                    await trio.sleep(0.01)
+    assert told == ["[A] job finished"]
+
+
+async def test_a_wait_on_a_turn_of_its_own_session_that_finished_is_answered(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A turn's tool queues a follow-up on its own session and keeps its Turn; a later
+    turn's tool reads the follow-up's reply, long finished: answered, not refused."""
+    kept: list[sa.Turn] = []
+
+    async def schedule_or_read(registry: sa.Registry, session: str, question: str) -> str:
+        if question == "schedule":
+            kept.append(await registry.ref(session).submit("follow-up"))
+            return "scheduled"
+        return (await kept[0].reply()).text
+
+    async with orchestra("A", schedule_or_read) as (_, [a]):
+        with trio.fail_after(10):
+            await a.send("ask A: schedule")
+            while (await a.turn_outcome(kept[0].id)).status is not sa.TurnStatus.FINISHED:
+                await trio.sleep(0.01)
+            assert (await a.send("ask A: read")).text == "got: [A] follow-up"
