@@ -138,6 +138,7 @@ class _ChunkStream:
     async def __anext__(self) -> sa.ModelChunk:
         if self._task is None:
             self._task = self._host.loop.create_task(self._produce())
+            self._host.tasks.add(self._task)  # (see _host._take_interrupts)
             self._task.add_done_callback(lambda _: self._host.run_sync_soon(self._on_gone))
         if self._chunks:
             await trio.lowlevel.checkpoint()  # before taking: a cancelled read loses nothing

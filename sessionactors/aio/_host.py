@@ -67,6 +67,8 @@ class Host:
     nursery: trio.Nursery | None = None
     #: The SIGINT handler the run installed (see ``_take_interrupts``), or None.
     interrupt: Any = None
+    #: The asyncio tasks that run the registry's models, tools and stores.
+    tasks: weakref.WeakSet[asyncio.Future[Any]] = attrs.field(factory=weakref.WeakSet)
     _stop: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
@@ -263,7 +265,7 @@ async def acquire_host() -> Host:
         host = _HOSTS.get(loop)
     if host is None:
         host = Host(loop)
-        host.interrupt = _take_interrupts(loop)
+        host.interrupt = _take_interrupts(host)
         try:
             trio.lowlevel.start_guest_run(
                 host._main,
@@ -293,7 +295,7 @@ async def acquire_host() -> Host:
     return host
 
 
-def _take_interrupts(loop: asyncio.AbstractEventLoop) -> Any:
+def _take_interrupts(host: Host) -> Any:
     """A SIGINT handler of the library's own, for a loop that leaves SIGINT to Python's
     (IPython's terminal, ``python -m asyncio``, a script that runs its loop itself; not
     ``asyncio.run``, which has one); None elsewhere.
@@ -301,15 +303,20 @@ def _take_interrupts(loop: asyncio.AbstractEventLoop) -> Any:
     Without it trio's guest run installs its own, which hands every Ctrl-C to the trio
     run: the registry died under the user's code, which went on. This one raises
     KeyboardInterrupt where Python's would, in the code the loop runs, except inside a
-    step of the trio run (which it would leave half done): one that comes there is
-    raised in the loop as soon as that step ends.
+    step of the trio run (which it would leave half done) or in a task that runs the
+    registry's models, tools and stores (whose failure it would be): one that comes
+    there is raised in the loop as soon as that step ends.
     """
+    loop = host.loop
     if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return None
 
     def interrupt(signum: int, frame: types.FrameType | None) -> None:
+        if asyncio.current_task(loop) in host.tasks:
+            loop.call_soon_threadsafe(_raise_interrupt)
+            return
         while frame is not None:
             if frame.f_globals.get("__name__", "").startswith("trio."):
                 loop.call_soon_threadsafe(_raise_interrupt)
@@ -374,6 +381,7 @@ async def wait_asyncio(host: Host, awaitable: Awaitable[T]) -> T:
     checkpoint.
     """
     task = asyncio.ensure_future(awaitable, loop=host.loop)
+    host.tasks.add(task)  # (an interrupt in it is the loop's: see _take_interrupts)
     done = trio.Event()
     task.add_done_callback(lambda _: host.run_sync_soon(done.set))
     try:

@@ -785,13 +785,17 @@ def test_an_asyncio_tool_that_lets_out_its_own_inner_cancellation_fails_its_call
 #: ``python -m asyncio`` and scripts driving their own loop run it, leaving SIGINT to
 #: Python's default handler; a Ctrl-C while a cell streams a reply.
 CTRL_C_SCRIPT = """
-import asyncio, contextlib, os, signal, threading
+import asyncio, contextlib, os, signal, sys, threading, time
 import sessionactors as sa, sessionactors.aio as aio
 
 class Slow:
     async def stream(self, request):
         for word in request.messages[-1].content.split():
-            await asyncio.sleep(0.05)
+            if sys.argv[1] == "busy":  # (the interrupt comes while the model's task runs)
+                time.sleep(0.05)
+                await asyncio.sleep(0)
+            else:  # (it comes while the loop waits)
+                await asyncio.sleep(0.05)
             yield sa.TextChunk(word + " ")
 
 loop = asyncio.new_event_loop()
@@ -832,14 +836,19 @@ print("handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int
 """
 
 
-def test_ctrl_c_in_a_loop_that_leaves_sigint_alone_interrupts_the_cell_not_the_registry() -> None:
+@pytest.mark.parametrize("model", ["waiting", "busy"])
+def test_ctrl_c_in_a_loop_that_leaves_sigint_alone_interrupts_the_cell_not_the_registry(
+    model: str,
+) -> None:
     """A Ctrl-C in an asyncio loop that leaves SIGINT to Python (IPython's terminal, ``python
     -m asyncio``) interrupts the code it ran (a cell) with KeyboardInterrupt, as it would
     without the registry; the registry's trio run goes on: the next call is answered and
-    the close is clean. (The trio run took the interrupt: the registry died, the call
-    raised SessionStoppedError and the close a group of KeyboardInterrupt.)"""
+    the close is clean, whether the interrupt comes while the loop waits or while the
+    model's asyncio task runs. (The trio run took the interrupt: the registry died, the
+    call raised SessionStoppedError and the close a group of KeyboardInterrupt; then
+    one in the model's task was the model's failure, and it closed the registry.)"""
     done = subprocess.run(
-        [sys.executable, "-c", CTRL_C_SCRIPT],
+        [sys.executable, "-c", CTRL_C_SCRIPT, model],
         capture_output=True,
         text=True,
         timeout=60,
