@@ -361,7 +361,7 @@ async def _already_there(target: Store, state: SessionState, tally: _Tally) -> s
             "source's turns since are in the source only (to keep them too, export it from "
             "the source and import it under another name with import --as)"
         )
-    if course == "behind" or (course != "ahead" and state.updated_at > there.updated_at):
+    if course == "behind" or state.updated_at > there.updated_at:
         tally.out_of_date += 1
         return (
             f"session {name!r} in the store copied to is an earlier copy of it, older than "
@@ -377,9 +377,10 @@ async def _already_there(target: Store, state: SessionState, tally: _Tally) -> s
 
 def _course(source: SessionState, there: LiveSession) -> str:
     """How the target's copy ``there`` stands to the source's session, told by their
-    turns' ids (no clock): "behind" (the source took turns since), "ahead" (the copy
-    did), "apart" (both did), or "" when their turns do not tell (a session without
-    turns, the same last turn, or one that forgot the turn it would be told by)."""
+    turns' ids (no clock): "behind" (the source took turns since), "apart" (both did),
+    or "" when their turns do not tell (a session without turns, the same last turn,
+    only the copy took turns since, or one forgot the turn it would be told by): then
+    their last activity tells (the source's edits since, which no turn id shows)."""
     mine = {record.turn_id for record in source.turns}
     theirs = there.turns  # (by turn id, oldest first)
     if not mine or not theirs:
@@ -390,7 +391,7 @@ def _course(source: SessionState, there: LiveSession) -> str:
     if their_last in mine:
         return "behind"
     if my_last in theirs:
-        return "ahead"
+        return ""
     forgotten = (turn_id_time(my_last) or 0) <= there.turns_forgotten or (
         turn_id_time(their_last) or 0
     ) <= source.turns_forgotten

@@ -384,6 +384,23 @@ async def test_a_copy_run_again_tells_a_copy_that_went_on_apart_from_its_source(
     assert "session 'b' is already in the store copied to" in ahead, ahead
 
 
+async def test_a_copy_run_again_tells_a_source_edited_after_the_copy_went_on(
+    tmp_path: Path,
+) -> None:
+    """The copy took a turn, and then the source took messages without a turn (which
+    no turn id shows): the copy is told out of date by the source's later activity,
+    status 1, not the copy as it is."""
+    source, target = await copied_then_gone_on(tmp_path, "in the source after the copy")
+    async with sa.open_registry(store=SQLiteStore(target), agents=agents()) as registry:
+        await registry.ref("b").send("in the copy after the copy")
+    async with sa.open_registry(store=SQLiteStore(source), agents=agents()) as registry:
+        await registry.ref("b").add_messages([sa.Message.create("user", "added later")])
+    again = await copy("--store", f"sqlite:///{source}", "--to", f"sqlite:///{target}", "b")
+    assert again.returncode == 1, again.stderr
+    [stale] = said(again)
+    assert "session 'b' in the store copied to is an earlier copy" in stale, stale
+
+
 async def test_a_session_cut_off_mid_turn_is_listed_running_once_copied(tmp_path: Path) -> None:
     """A session whose process died while its turn ran a tool that is not idempotent
     (its turn left open in the store) is listed ``running`` in the copy, as in the
