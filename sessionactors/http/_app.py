@@ -2219,7 +2219,7 @@ def _after(request: HTTPConnection) -> int | None:
         source = "?after="
     if raw is None or raw == "":
         return None
-    value = _digits(raw, -1)
+    value = _digits(raw.lstrip("0") or "0", -1)
     if value < 0 and raw.isascii() and raw.isdigit():  # (past every seq: told so, 410)
         value = _LAST_DIGITS
     if value < 0:

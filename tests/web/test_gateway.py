@@ -1475,6 +1475,24 @@ async def test_a_streamed_retry_of_a_turn_waiting_on_a_review_sends_its_review(
             assert seen[1][-1] == seen[0][-1]  # the same review, with the same seq
 
 
+async def test_a_resume_seq_is_read_whatever_its_leading_zeros_and_length(serve: Serve) -> None:
+    """``?after=`` (as Last-Event-ID) is a seq in ASCII digits: with leading zeros it is
+    the seq they lead (resumed after it); past 20 digits it is past every seq, 410, as
+    a 20-digit one is."""
+    async with serve() as served, httpx.AsyncClient(base_url=served.url) as client:
+        with trio.fail_after(10):
+            await client.post("/sessions/z/messages", json={"text": "one two"})
+            last = (await client.get("/sessions/z")).json()["event_seq"]
+            padded = str(last - 1).rjust(30, "0")
+            async with client.stream("GET", "/sessions/z/events", params={"after": padded}) as r:
+                assert r.status_code == 200, await r.aread()
+                [(seq, _)] = await SSEReader(r).until(lambda d: True)
+            assert seq == last
+            for digits in ("9" * 20, "9" * 23):
+                r = await client.get("/sessions/z/events", params={"after": digits})
+                assert (r.status_code, r.json()["error"]) == (410, "EventsExpiredError"), r.text
+
+
 async def test_the_websocket_carries_events_and_takes_messages(serve: Serve) -> None:
     """A WebSocket gets the session's events in their JSON form and takes messages and
     cancels; bad frames get error frames, and the connection lives on."""
