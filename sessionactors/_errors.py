@@ -559,9 +559,9 @@ class WorkerUnreachableError(_KeyedTurnError, TimeoutError):
 class SessionBusyError(SessionActorsError):
     """The session cannot take this request now (for example a review is pending).
 
-    ``turn_id`` names the turn refused when the request was one (``ref.send``,
-    ``submit``): its ``TurnFailed`` is published, and ``ref.turn_outcome`` says it
-    failed; empty for other requests.
+    ``turn_id`` names the turn that the session refused as it came to it (a review
+    pending): its ``TurnFailed`` is published, and ``ref.turn_outcome`` says it failed;
+    empty for a request refused before it reached the session.
     """
 
     #: (a class default too: an error rebuilt from another worker's account has it)
