@@ -250,3 +250,22 @@ async def test_a_wait_on_a_turn_of_its_own_session_that_finished_is_answered(
             while (await a.turn_outcome(kept[0].id)).status is not sa.TurnStatus.FINISHED:
                 await trio.sleep(0.01)
             assert (await a.send("ask A: read")).text == "got: [A] follow-up"
+
+
+async def test_a_def_tool_that_calls_back_into_trio_is_refused_as_an_async_one() -> None:
+    """A plain ``def`` tool (run in a worker thread) whose call back into trio
+    (``trio.from_thread.run``) sends to its own session is refused as an async tool's
+    send is (it waited forever)."""
+    opened: list[sa.Registry] = []
+
+    def ask(session: str, question: str) -> str:
+        return trio.from_thread.run(send, opened[0], session, question)
+
+    tool = sa.Tool(name="ask", fn=ask, description="Ask another session.")
+    async with sa.open_registry(agents={"A": sa.Agent(model=Relay("A"), tools=[tool])}) as reg:
+        opened.append(reg)
+        ref = await reg.spawn("A", agent="A")
+        with trio.fail_after(10):
+            await ref.send("ask A: hello me")
+        result = tool_result(await ref.history())
+        assert result.content.startswith("SessionBusyError: session 'A' "), result.content
