@@ -798,6 +798,9 @@ class Slow:
                 await asyncio.sleep(0.05)
             yield sa.TextChunk(word + " ")
 
+# (as in a terminal: a process started in the background, as CI starts the tests,
+# inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 loop = asyncio.new_event_loop()
 run = loop.run_until_complete
 stack = contextlib.AsyncExitStack()
