@@ -6,10 +6,11 @@ A session serves its mailbox one request at a time, so a tool of one of its turn
 mailbox: the request comes after the turn, which waits on the tool. Nor can it wait
 for one in the mailbox of a session whose turn waits on this one (A's tool sends to
 B, whose tool sends to A). While a turn's tools run, their code runs with a
-``Frame`` in ``WITHIN``: the chain of turns that wait on them, the turn's own session
-first, then those its caller's chain named, which a turn that its caller waits for
-carries from its ``send`` into the mailbox. The frame ends with the tools' step, so a
-task a tool started that outlives it (a job handed to the app) is part of no turn.
+``Frame`` in ``WITHIN``, which tells, when a request asks, the chain of turns that
+wait on them: the turn's own session first, then those its caller's chain named,
+which a turn that its caller waits for carries from its ``send`` into the mailbox.
+The frame ends with the tools' step, so a task a tool started that outlives it (a
+job handed to the app) is part of no turn.
 Sessions are named with the registry's own object (its sessions), as two registries
 may each have one of the same name.
 
@@ -23,27 +24,48 @@ chain).
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Final
+from typing import Final, Protocol
 
 from ._errors import SessionBusyError
 
-__all__ = ["WITHIN", "Frame", "Within", "refuse_within", "within", "within_error"]
+__all__ = [
+    "WITHIN",
+    "Chained",
+    "Fixed",
+    "Frame",
+    "Within",
+    "refuse_within",
+    "within",
+    "within_error",
+]
 
 #: ``(the registry's sessions, session name)`` of each turn the running code is part
 #: of, the innermost first.
 Within = tuple[tuple[object, str], ...]
 
 
-class Frame:
-    """The chain of turns that the code of one step of a turn's tools is part of, while
-    ``active`` (until the step ends)."""
+class Chained(Protocol):
+    """What a frame holds: the turns that wait on its code, told when asked (an actor
+    tells its turn's; ``Fixed``, a chain taken into another task)."""
 
-    __slots__ = ("active", "chain")
+    def chain(self) -> Within: ...
+
+
+class Fixed:
+    """A chain taken from one task into another (an asyncio caller's, into trio)."""
+
+    __slots__ = ("_chain",)
 
     def __init__(self, chain: Within) -> None:
-        self.chain = chain
-        self.active = True
+        self._chain = chain
 
+    def chain(self) -> Within:
+        return self._chain
+
+
+#: A frame: a one-item list of what tells the chain of turns its code is part of, or
+#: of None once that code's step has ended (a task it started may outlive it).
+Frame = list[Chained | None]
 
 #: Set for the tools of each step of a turn (and the tasks they start, which inherit
 #: it); None outside them.
@@ -53,15 +75,18 @@ WITHIN: Final[ContextVar[Frame | None]] = ContextVar("sessionactors_within", def
 def within() -> Within:
     """The turns the running code is part of (none outside a turn's tools)."""
     frame = WITHIN.get()
-    return frame.chain if frame is not None and frame.active else ()
+    if frame is None:
+        return ()
+    holder = frame[0]
+    return () if holder is None else holder.chain()
 
 
 def refuse_within(host: object, name: str) -> None:
     """Raise SessionBusyError if the running code is part of a turn that a request in
     the mailbox of session ``name`` (of ``host``) would wait behind."""
-    frame = WITHIN.get()
-    if frame is not None and frame.active and (host, name) in frame.chain:
-        raise within_error(frame.chain, host, name)
+    chain = within()
+    if (host, name) in chain:
+        raise within_error(chain, host, name)
 
 
 def within_error(chain: Within, host: object, name: str) -> SessionBusyError:

@@ -197,7 +197,7 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
         # snapshot that may follow it is optional)
         await actor.bounded(actor.commit(compact=False))
         await actor.compact()
-    frame = Frame(actor.chain())  # (the turns its requests would wait on: _nesting)
+    frame: Frame = [actor]  # (it tells the turns its requests would wait on: _nesting)
     entered = WITHIN.set(frame)
     try:
         if tool is not None and actor.trace is None:  # _invoke's common case, inline
@@ -206,7 +206,7 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
         else:
             content, is_error = await _invoke(agent, call, actor.trace)
     finally:
-        frame.active = False  # (a task the tool started may outlive it)
+        frame[0] = None  # (a task the tool started may outlive it)
         WITHIN.reset(entered)
     record_result(actor, call, content, is_error)
 
@@ -221,14 +221,14 @@ async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
     async def one(i: int, call: ToolCall) -> None:
         results[i] = await _invoke(agent, call, actor.trace)
 
-    frame = Frame(actor.chain())  # (as _run_one's)
+    frame: Frame = [actor]  # (as _run_one's)
     entered = WITHIN.set(frame)
     try:
         async with trio.open_nursery() as nursery:
             for i, call in enumerate(calls):
                 nursery.start_soon(one, i, call)
     finally:
-        frame.active = False
+        frame[0] = None
         WITHIN.reset(entered)
         # (cut short, too: a call that finished keeps its result; run_batch answers the rest)
         for call, result in zip(calls, results, strict=True):

@@ -30,7 +30,7 @@ import outcome
 import trio
 
 from .._errors import Advice, AdviceKind, SessionStoppedError, advised
-from .._nesting import WITHIN, Frame, Within, within
+from .._nesting import WITHIN, Fixed, Within, within
 
 __all__ = [
     "Host",
@@ -204,7 +204,7 @@ class _Call(Generic[T]):
         if self.future.done():
             return
         if self.within:
-            WITHIN.set(Frame(self.within))  # (its own task's context)
+            WITHIN.set([Fixed(self.within)])  # (its own task's context)
         with trio.CancelScope() as self.scope:
             try:
                 result = await fn(*args)
