@@ -32,7 +32,7 @@ from ._errors import (
 )
 from ._events import Event
 from ._names import validate_name
-from ._nesting import Within, refuse_within, within, within_error
+from ._nesting import Within, refuse_within, within
 from ._pending import Pending
 from ._records import SessionState, Status, TurnOutcome, TurnStatus
 from ._ref import Turn, new_turn
@@ -140,9 +140,7 @@ class Dispatcher:
         if self.router is not None:
             return None
         sessions = self.sessions
-        chain = within()
-        if chain and (sessions, name) in chain:
-            raise within_error(chain, sessions, name)
+        chain = refuse_within(sessions, name)
         return _enqueue(sessions.activate(name), text, chain=chain)  # (live, or waking)
 
     def enqueue_here(self, name: str, text: str, turn_id: str | None = None) -> Pending | None:

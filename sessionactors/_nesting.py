@@ -81,12 +81,13 @@ def within() -> Within:
     return () if holder is None else holder.chain()
 
 
-def refuse_within(host: object, name: str) -> None:
-    """Raise SessionBusyError if the running code is part of a turn that a request in
-    the mailbox of session ``name`` (of ``host``) would wait behind."""
+def refuse_within(host: object, name: str) -> Within:
+    """The turns the running code is part of; raise SessionBusyError if a request in
+    the mailbox of session ``name`` (of ``host``) would wait behind one of them."""
     chain = within()
     if (host, name) in chain:
         raise within_error(chain, host, name)
+    return chain
 
 
 def within_error(chain: Within, host: object, name: str) -> SessionBusyError:
@@ -98,9 +99,7 @@ def within_error(chain: Within, host: object, name: str) -> SessionBusyError:
             "waits on it, forever"
         )
     else:
-        path = []
-        for link in reversed(chain[: chain.index((host, name)) + 1]):
-            path.append(repr(link[1]))
+        path = [repr(link[1]) for link in reversed(chain[: chain.index((host, name)) + 1])]
         told = (
             f"session {name!r} waits on the turn this request comes from (its turn "
             f"waits on {' -> '.join(path[1:])}, whose turn makes this request): the "

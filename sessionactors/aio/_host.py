@@ -314,18 +314,22 @@ def _take_interrupts(host: Host) -> Any:
         return None
 
     def interrupt(signum: int, frame: types.FrameType | None) -> None:
-        if asyncio.current_task(loop) in host.tasks:
+        if asyncio.current_task(loop) in host.tasks or _in_trio(frame):
             loop.call_soon_threadsafe(_raise_interrupt)
-            return
-        while frame is not None:
-            if frame.f_globals.get("__name__", "").startswith("trio."):
-                loop.call_soon_threadsafe(_raise_interrupt)
-                return
-            frame = frame.f_back
-        raise KeyboardInterrupt
+        else:
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
     return interrupt
+
+
+def _in_trio(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a step of a trio run (a frame of trio's below it)."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("trio."):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _raise_interrupt() -> None:
