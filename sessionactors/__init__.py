@@ -88,6 +88,7 @@ from ._telemetry import Telemetry as Telemetry
 from ._telemetry import ToolCallTrace as ToolCallTrace
 from ._telemetry import TurnTrace as TurnTrace
 from ._tools import Tool as Tool
+from ._tools import ToolContext as ToolContext
 from ._tools import ToolOutcome as ToolOutcome
 from ._tools import tool as tool
 from .stores._memory import MemoryStore as MemoryStore
@@ -163,6 +164,7 @@ __all__ = [  # noqa: RUF022 (sorted plainly, as tests/test_public_api.py checks)
     "ToolCallChunk",
     "ToolCallStarted",
     "ToolCallTrace",
+    "ToolContext",
     "ToolOutcome",
     "ToolResult",
     "ToolSpec",

@@ -28,7 +28,7 @@ from ._nesting import WITHIN, Frame, Within
 from ._records import Message, ReviewRequest, Role, ToolCall, Usage, new_id, storable, utcnow
 from ._session import LiveSession
 from ._telemetry import TurnTrace
-from ._tools import Tool, ToolOutcome, describe_exception
+from ._tools import Tool, ToolContext, ToolOutcome, describe_exception
 
 __all__ = [
     "TurnHost",
@@ -80,20 +80,27 @@ def _idempotent(agent: Agent, call: ToolCall) -> bool:
 MAX_TOOL_RESULT_CHARS = MAX_TEXT_CHARS
 
 
-async def _invoke(agent: Agent, call: ToolCall, trace: TurnTrace | None) -> tuple[str, bool]:
+async def _invoke(actor: TurnHost, agent: Agent, call: ToolCall) -> tuple[str, bool]:
     tool = agent.find_tool(call.name)
     if tool is None:
         names = ", ".join(t.name for t in agent.tools) or "none"
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     await trio.lowlevel.checkpoint_if_cancelled()
+    context = _context(actor, tool, call)
+    trace = actor.trace
     if trace is None:
-        return _result(await tool._run(call.arguments))
+        return _result(await tool._run(call.arguments, None, context))
     errors: list[BaseException] = []
     with trace.tool_call(call) as traced:  # current in this task: the tool's spans nest
-        outcome = await tool._run(call.arguments, errors.append)
+        outcome = await tool._run(call.arguments, errors.append, context)
         if outcome.is_error:
             traced.failed(errors[0] if errors else None, outcome.content)
     return _result(outcome)
+
+
+def _context(actor: TurnHost, tool: Tool, call: ToolCall) -> ToolContext | None:
+    """What ``call`` of ``tool`` is given of its turn (None: the tool takes nothing)."""
+    return tool._context_for(actor.session_id, actor.turn_id, call.id, actor.session.metadata)
 
 
 def _result(outcome: ToolOutcome) -> tuple[str, bool]:
@@ -202,9 +209,10 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
     try:
         if tool is not None and actor.trace is None:  # _invoke's common case, inline
             await trio.lowlevel.checkpoint_if_cancelled()
-            content, is_error = _result(await tool._run(call.arguments))
+            context = _context(actor, tool, call)
+            content, is_error = _result(await tool._run(call.arguments, None, context))
         else:
-            content, is_error = await _invoke(agent, call, actor.trace)
+            content, is_error = await _invoke(actor, agent, call)
     finally:
         frame[0] = None  # (a task the tool started may outlive it)
         WITHIN.reset(entered)
@@ -219,7 +227,7 @@ async def _run_many(actor: TurnHost, agent: Agent, calls: Sequence[ToolCall]) ->
     results: list[tuple[str, bool] | None] = [None] * len(calls)
 
     async def one(i: int, call: ToolCall) -> None:
-        results[i] = await _invoke(agent, call, actor.trace)
+        results[i] = await _invoke(actor, agent, call)
 
     frame: Frame = [actor]  # (as _run_one's)
     entered = WITHIN.set(frame)

@@ -21,6 +21,7 @@ checks makes them itself and raises: the message reaches the model.
 """
 
 import collections.abc
+import copy
 import dataclasses
 import datetime
 import decimal
@@ -46,6 +47,7 @@ from ._records import maker
 
 __all__ = [
     "Tool",
+    "ToolContext",
     "ToolOutcome",
     "describe_exception",
     "is_async_callable",
@@ -72,6 +74,32 @@ class ToolOutcome:
 
 
 _outcome: Final = maker(ToolOutcome)
+
+
+@attrs.frozen(kw_only=True)
+class ToolContext:
+    """Which call, of which turn of which session, a tool is running for.
+
+    A tool function that declares a parameter annotated ``ToolContext`` (of any
+    name) is given one there for each call; the parameter is not one of the
+    arguments the model is told of or sends. A tool acts with it for the session's
+    user (whom the session's metadata names, as the app set it with
+    ``registry.spawn(metadata=...)``), and tags the work it does or the requests
+    it sends on with the turn and the call.
+    """
+
+    #: The session whose turn called the tool.
+    session_id: str
+    #: That turn's id (``Reply.turn_id``, the events' ``turn_id``).
+    turn_id: str
+    #: The call's id, as the model gave it (``ToolCall.id``, ``Message.tool_call_id``).
+    call_id: str
+    #: A copy of the session's metadata as the call began (a metadata change is
+    #: a request in the session's mailbox: it comes after the turn).
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+_context: Final = maker(ToolContext)
 
 
 def _check_name(_instance: object, _attribute: object, name: Any) -> None:
@@ -131,6 +159,9 @@ class Tool:
     naming the tool and the type, as an exception raised by ``fn`` is: the
     model sees it, and the turn goes on.
 
+    A parameter of ``fn`` annotated :class:`ToolContext` is given the call's
+    context (its session, turn and call ids) and is not one of the arguments.
+
     ``parameters`` is the JSON schema (``"type": "object"``) of the
     arguments; when ``None`` it is derived from ``fn``'s signature and
     docstring, and arguments typed as an :class:`enum.Enum`, a tuple or a
@@ -150,6 +181,8 @@ class Tool:
     _spec: ToolSpec = attrs.field(init=False, repr=False, eq=False, hash=False)
     _converters: Mapping[str, _Convert] = attrs.field(init=False, repr=False, eq=False, hash=False)
     _in_thread: bool = attrs.field(init=False, repr=False, eq=False, hash=False)
+    #: The name of ``fn``'s ToolContext parameter, if it has one.
+    _context_parameter: str | None = attrs.field(init=False, repr=False, eq=False, hash=False)
     #: Whether a call without arguments is checked against the schema: no arguments
     #: always fit a schema derived from a signature that requires none.
     _check_empty: bool = attrs.field(init=False, repr=False, eq=False, hash=False)
@@ -161,8 +194,9 @@ class Tool:
         converters: dict[str, _Convert] = {}
         schema: Mapping[str, Any]
         if self.parameters is None:
-            schema, converters = _signature_schema(self.name, self.fn, doc)
+            schema, converters, context = _signature_schema(self.name, self.fn, doc)
         else:
+            context = _find_context(self.name, self.fn)
             if not isinstance(self.parameters, Mapping):
                 raise TypeError(
                     f"tool {self.name!r}: parameters must be a JSON schema mapping, "
@@ -177,6 +211,7 @@ class Tool:
         spec = ToolSpec(name=self.name, description=description, parameters=schema)
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_converters", converters)
+        object.__setattr__(self, "_context_parameter", context)
         check_empty = self.parameters is not None or bool(schema.get("required"))
         object.__setattr__(self, "_check_empty", check_empty)
 
@@ -185,23 +220,54 @@ class Tool:
         """What the model is told about this tool: name, description and argument schema."""
         return self._spec
 
-    async def invoke(self, arguments: str) -> ToolOutcome:
+    async def invoke(self, arguments: str, *, context: ToolContext | None = None) -> ToolOutcome:
         """Call the tool with ``arguments``, the model's JSON text, and return the outcome.
 
         Empty ``arguments`` (as some models send for a tool without
         parameters) mean ``{}``. Bad arguments and exceptions raised by the
         function (``SystemExit`` included) become an outcome with ``is_error=True``;
         ``trio.Cancelled``, ``KeyboardInterrupt`` and the like propagate.
+        ``context`` is given to a tool whose function has a :class:`ToolContext`
+        parameter, and is required for it (``TypeError`` without one).
         """
+        if context is not None and not isinstance(context, ToolContext):
+            raise TypeError(
+                f"tool {self.name!r}: context must be a sessionactors.ToolContext or None, "
+                f"not {type(context).__name__}"
+            )
+        if context is None and self._context_parameter is not None:
+            raise TypeError(
+                f"tool {self.name!r} takes a ToolContext (its parameter "
+                f"{self._context_parameter!r}): pass invoke(arguments, "
+                "context=sessionactors.ToolContext(session_id=..., turn_id=..., call_id=...))"
+            )
         await trio.lowlevel.checkpoint()
-        return await self._run(arguments)
+        return await self._run(arguments, None, context)
+
+    def _context_for(
+        self, session_id: str, turn_id: str, call_id: str, metadata: Mapping[str, Any]
+    ) -> ToolContext | None:
+        """The context a call is given (None if the tool takes none): ``metadata``, the
+        session's, is copied."""
+        if self._context_parameter is None:
+            return None
+        return _context(
+            session_id=session_id,
+            turn_id=turn_id,
+            call_id=call_id,
+            metadata=copy.deepcopy(metadata) if metadata else {},
+        )
 
     async def _run(
-        self, arguments: str, on_error: Callable[[BaseException], None] | None = None
+        self,
+        arguments: str,
+        on_error: Callable[[BaseException], None] | None = None,
+        context: ToolContext | None = None,
     ) -> ToolOutcome:
         """:meth:`invoke` without its own checkpoint: the turn loop's path (it checks
         for cancellation itself; a tool that blocks yields anyway). ``on_error`` hears
-        the exception a failing function raised."""
+        the exception a failing function raised; ``context`` is given to a tool that
+        takes one."""
         parsed = _parse_arguments(self.name, arguments)
         if isinstance(parsed, ToolOutcome):  # not valid JSON
             return parsed
@@ -213,6 +279,8 @@ class Tool:
                     content=f"arguments for tool {self.name!r} are invalid: " + "; ".join(errors),
                     is_error=True,
                 )
+        if self._context_parameter is not None:  # (the model's arguments never name it)
+            parsed[self._context_parameter] = context
         try:
             if parsed:
                 converters = self._converters
@@ -759,9 +827,39 @@ def _type_hints(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
     return {}
 
 
+def _find_context(name: str, fn: Callable[..., Any]) -> str | None:
+    """The name of ``fn``'s ToolContext parameter, if it has one (a tool given its
+    parameters' schema: its function's signature is read only for that)."""
+    try:
+        signature = inspect.signature(fn)
+        hints = _type_hints(name, fn)
+    except (TypeError, ValueError):
+        return None
+    found = None
+    for param in signature.parameters.values():
+        if hints.get(param.name, param.annotation) is ToolContext:
+            found = _one_context(name, param, found)
+    return found
+
+
+def _one_context(name: str, param: inspect.Parameter, found: str | None) -> str:
+    """``param``, a ToolContext parameter, unless one was ``found`` before it."""
+    if found is not None:
+        raise TypeError(
+            f"tool {name!r}: parameters {found!r} and {param.name!r} are both annotated "
+            "ToolContext; declare one"
+        )
+    if param.kind is param.POSITIONAL_ONLY or param.kind is param.VAR_POSITIONAL:
+        raise TypeError(
+            f"tool {name!r}: parameter {param.name!r} (a ToolContext) is given by name: "
+            "make it a named parameter"
+        )
+    return param.name
+
+
 def _signature_schema(
     name: str, fn: Callable[..., Any], doc: str
-) -> tuple[dict[str, Any], dict[str, _Convert]]:
+) -> tuple[dict[str, Any], dict[str, _Convert], str | None]:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
@@ -773,8 +871,12 @@ def _signature_schema(
     properties: dict[str, Any] = {}
     required: list[str] = []
     converters: dict[str, _Convert] = {}
+    context = None
     for param in signature.parameters.values():
         where = f"tool {name!r}: parameter {param.name!r}"
+        if hints.get(param.name, param.annotation) is ToolContext:
+            context = _one_context(name, param, context)
+            continue
         if param.kind is param.VAR_POSITIONAL or param.kind is param.VAR_KEYWORD:
             stars = "*" if param.kind is param.VAR_POSITIONAL else "**"
             raise TypeError(
@@ -807,7 +909,7 @@ def _signature_schema(
         "required": required,
         "additionalProperties": False,
     }
-    return schema, converters
+    return schema, converters, context
 
 
 _NO_DEFAULT = object()

@@ -136,6 +136,11 @@ EXPECTED = {
         "nothing to retry: NothingToRetryError",
         "unknown id: TurnNotFoundError",
     ],
+    "howto_tool_context.py": [
+        "[tool for chat-42, call call-7]",
+        'Your orders: ["A1002 (open)"]',
+        "ToolOutcome(content='[\"B2001 (open)\"]', is_error=False)",
+    ],
     "howto_tools_review.py": [
         "the model is told about: ['lookup_order', 'refund']",
         "waiting on reviews: 1 | refunds so far: []",
