@@ -96,6 +96,9 @@ STARTUP_STORE_WAIT: Final = 5.0
 #: a store whose calls never return (one of your own without timeouts) fails it then.
 STARTUP_STORE_BOUND: Final = 30.0
 
+#: The statuses of a request to send again in a moment (``Retry-After``).
+_RETRY_SOON: Final = frozenset({429, 503})
+
 #: How long ``GET /healthz`` waits for the store to answer before it answers 503.
 HEALTH_STORE_WAIT: Final = 2.0
 
@@ -709,10 +712,14 @@ class SessionsApp:
         self, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
     ) -> Response:
         """A JSON answer, which no cache may store (it holds a conversation, or tells
-        what is true now), unless ``headers`` say otherwise (in whatever case)."""
+        what is true now), unless ``headers`` say otherwise (in whatever case). A 429
+        or a 503 (a full mailbox; a server starting, stopping, or whose store failed)
+        says when to try again: ``Retry-After: 1``, the moment its message speaks of."""
         given = headers or {}
         if not any(key.lower() == "cache-control" for key in given):
             given = {"cache-control": "no-store", **given}
+        if status in _RETRY_SOON and not any(key.lower() == "retry-after" for key in given):
+            given = {**given, "retry-after": "1"}
         return self._answer(dumps(data), "application/json", status, given)
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:

@@ -148,6 +148,7 @@ async def test_a_store_failure_answers_503_without_the_store_internals(
             r = await client.post("/sessions/s/messages", json={"text": "hi"})
             assert r.status_code == 503, r.text
             assert "secret-dir" not in r.text
+            assert r.headers["retry-after"] == "1"
             body = r.json()
             assert (body["error"], body["session_id"]) == ("StoreError", "s"), body
             assert "retry" in body["message"], body

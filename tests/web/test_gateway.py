@@ -962,6 +962,7 @@ async def test_errors_answer_json_with_fitting_statuses(serve: Serve) -> None:
                 r = await client.post("/sessions/e/messages", json={"text": "one too many"})
                 assert r.status_code == 429, r.text
                 assert r.json()["error"] == "MailboxFullError"
+                assert r.headers["retry-after"] == "1"  # (the moment the message speaks of)
 
 
 async def test_a_token_is_required_when_set(serve: Serve) -> None:
@@ -1553,6 +1554,7 @@ async def test_a_draining_app_ends_streams_and_answers_503(serve: Serve) -> None
             r = await client.get("/sessions/z")
             assert r.status_code == 503
             assert r.json()["error"] == "ShuttingDown"
+            assert r.headers["retry-after"] == "1"
 
 
 async def test_an_open_trio_registry_can_be_served_under_hypercorn() -> None:
