@@ -42,8 +42,9 @@ def open_page(browser: Any, url: str) -> tuple[Any, list[str]]:
 def test_the_chat_page_streams_resumes_reloads_and_reviews(browser: object, tmp_path: Path) -> None:
     """On the chat page a person opens a session, sends with Enter and sees the reply grow
     word by word; after a dropped connection the page resumes with Last-Event-ID and shows
-    what happened meanwhile exactly once; a reload shows the history; a refund waits for
-    the Approve button and then finishes."""
+    what happened meanwhile exactly once; a reload shows the history, and so does a session
+    opened while the network is down, once it is back; a refund waits for the Approve
+    button and then finishes."""
     from playwright.sync_api import Browser, expect
 
     assert isinstance(browser, Browser)
@@ -87,6 +88,16 @@ def test_the_chat_page_streams_resumes_reloads_and_reviews(browser: object, tmp_
 
         # a reload shows the history
         page.reload()
+        expect(page.locator(".message")).to_have_text([texts[0], texts[0], texts[1], texts[1]])
+
+        # a session opened while the server gives no answer is read again until it does
+        # (the page stayed empty, "connecting", for good)
+        proxy.drop()
+        page.fill("#new-session", "web-1")
+        page.press("#new-session", "Enter")
+        expect(page.locator("#status")).to_have_text("reconnecting", timeout=10_000)
+        proxy.restore()
+        expect(page.locator("#status")).to_have_text("connected", timeout=15_000)
         expect(page.locator(".message")).to_have_text([texts[0], texts[0], texts[1], texts[1]])
 
         # a refund waits for a person; Approve lets it run and the reply arrives
