@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Mapping
 
 import pytest
 import trio
+
+import forked_cli
 
 
 def sessions(
@@ -17,16 +18,11 @@ def sessions(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m sessionactors sessions ARGS`` (``stdin`` its input), to its end,
     with ``env`` added to the environment (whose SESSIONACTORS_STORE, if the tests were
-    given one, is left out: the tests name their stores)."""
+    given one, is left out: the tests name their stores), in a process forked from one
+    that has imported the package (``forked_cli``)."""
     inherited = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
-    return subprocess.run(
-        [sys.executable, "-m", "sessionactors", "sessions", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**inherited, **(env or {})},
+    return forked_cli.run(
+        ["sessions", *args], stdin=stdin, env={**inherited, **(env or {})}, timeout=120
     )
 
 

@@ -12,11 +12,11 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
+import forked_cli
 import sessionactors as sa
 from models.fake_openai_server import open_fake_openai, text_reply
 from net_proxy import proxy_to
@@ -43,16 +43,12 @@ PYTHON_M_CTRL_C = (
 RAW = ("\x1b", "\r", "\x9b", "\u202e", "\x07")
 
 
-def command(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m sessionactors ARGS``."""
-    return subprocess.run(
-        [sys.executable, "-m", "sessionactors", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        **kwargs,
-    )
+def command(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m sessionactors ARGS``, its input empty (in a process that
+    ``forked_cli`` forks)."""
+    return forked_cli.run(args, env=env, cwd=cwd)
 
 
 def one_line(done: subprocess.CompletedProcess[str], status: int) -> str:
@@ -153,7 +149,7 @@ def test_bad_arguments_are_one_line_without_a_traceback(
         busy.listen()
         port = str(busy.getsockname()[1])
         args = [a.replace("{tmp}", str(tmp_path)).replace("{busy}", port) for a in args]
-        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        done = command(*args, cwd=tmp_path)
     line = one_line(done, status)
     assert expected.replace("{busy}", port) in line, line
     assert "serving" not in done.stdout
@@ -179,7 +175,7 @@ def test_an_option_a_command_does_not_take_is_named_with_that_command(
     """An option a command does not take (``export --json``, ``serve --workers``) is
     refused in one line that names that command and its --help, which lists the options
     it does take, rather than the top command, whose --help lists none of them."""
-    done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    done = command(*args, cwd=tmp_path)
     line = one_line(done, 2)
     assert line.startswith(f"{prog}: unrecognized arguments: "), line
     assert line.rstrip().endswith(f"(see {prog} --help)"), line
@@ -208,7 +204,7 @@ def test_a_store_url_that_is_refused_is_named_without_its_password(
         ["sessions", "list", "--store", store],
         ["serve", "--store", store, "--agent", "agents:a"],
     ):
-        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        done = command(*args, cwd=tmp_path)
         line = one_line(done, 2)  # (an argument it cannot use, for every command)
         assert SECRET not in done.stderr + done.stdout, done.stderr
         assert "***" in line, line
@@ -222,7 +218,7 @@ def test_arguments_a_command_does_not_take_are_named_without_a_password(tmp_path
         (["sessions", "list", "--store", "memory://", "--stroe-url", url], "--stroe-url "),
         (["serve", "--store", "memory://", "--agent", "agents:a", f"--redis={url}"], "--redis="),
     ]:
-        done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        done = command(*args, cwd=tmp_path)
         line = one_line(done, 2)
         assert SECRET not in done.stderr, done.stderr
         assert f"unrecognized arguments: {shown}redis://:***@127.0.0.1:6379/0" in line, line
@@ -253,7 +249,7 @@ def test_a_secret_given_where_a_command_refuses_it_is_not_shown(
     """A secret given where the command line refuses it (to a misspelt option, to a
     flag, before the command) is not repeated in the refusal, which shows *** in its
     place and still names the option."""
-    done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    done = command(*args, cwd=tmp_path)
     line = one_line(done, 2)
     assert SECRET not in done.stderr + done.stdout, done.stderr
     assert SECRET[2:-2] not in done.stderr, done.stderr
@@ -270,7 +266,7 @@ def test_a_misspelt_command_or_choice_is_still_named() -> None:
         (["sessions", "list", "--store", "memory://", "extra"], "unrecognized arguments: extra"),
         (["serve", "--store", "memory://", "--agent", "agents:a", "--port", "70000"], "'70000' is not a port"),
     ]:  # fmt: skip
-        line = one_line(command(*args, stdin=subprocess.DEVNULL), 2)
+        line = one_line(command(*args), 2)
         assert shown in line, line
 
 
@@ -322,24 +318,10 @@ def test_every_parser_refuses_arguments_without_the_password_of_a_url_among_them
     not take), its one line names what was wrong with *** in place of the password of a
     store URL in it, never the password."""
     env = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
-    cases = [args for url in URLS for args in refusals_with_a_password(url)]
-    processes = [  # at once: each takes a moment to start
-        subprocess.Popen(
-            [*PYTHON_M, *args],
-            cwd=tmp_path,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in cases
-    ]
-    for process, args in zip(processes, cases, strict=True):
-        stdout, stderr = process.communicate(timeout=120)
-        done = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+    for args in [args for url in URLS for args in refusals_with_a_password(url)]:
+        done = command(*args, cwd=tmp_path, env=env)
         line = one_line(done, 2)
-        assert SECRET not in stdout + stderr, (args, stderr)
+        assert SECRET not in done.stdout + done.stderr, (args, done.stderr)
         assert "redis://:***@127.0.0.1:6379/0" in line, (args, line)
 
 
@@ -640,5 +622,5 @@ def test_a_bad_store_url_is_a_usage_error_for_every_command(
         args += ["--store", "ftp://x"]
     else:
         env["SESSIONACTORS_STORE"] = "ftp://x"
-    done = command(*args, cwd=tmp_path, stdin=subprocess.DEVNULL, env=env)
+    done = command(*args, cwd=tmp_path, env=env)
     assert "not a store URL" in one_line(done, 2)

@@ -5,8 +5,6 @@ import ast
 import datetime
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ import pytest
 import trio
 
 import sessionactors as sa
+from processes import sessions
 from sessionactors.stores import dump_info
 from sessionactors.testing import EchoModel
 
@@ -51,13 +50,7 @@ async def test_get_or_spawn_refuses_an_existing_session_of_another_agent(where: 
 
 def sessions_cli(*args: str) -> str:
     """The standard output of ``python -m sessionactors sessions ARGS`` (which must succeed)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "sessionactors", "sessions", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = sessions(*args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

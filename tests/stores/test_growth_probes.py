@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -18,6 +16,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from processes import sessions
 from sessionactors.stores import MAX_SNAPSHOT_BYTES, JournalEntry, RedisStore
 from sessionactors.testing import EchoModel, export_document, journal_events
 
@@ -184,17 +183,6 @@ async def test_a_turn_of_a_session_with_the_largest_metadata_writes_a_bounded_in
         assert info_bytes / appends <= sa.MAX_METADATA_BYTES + 1024
 
 
-def _sessions_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sessionactors", "sessions", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 async def test_an_export_carries_no_journal_bookkeeping_and_older_exports_still_import(
     tmp_path: Path,
 ) -> None:
@@ -217,7 +205,7 @@ async def test_an_export_carries_no_journal_bookkeeping_and_older_exports_still_
     assert older == document
     target = f"sqlite:///{tmp_path / 'target.db'}"
     done = await trio.to_thread.run_sync(
-        lambda: _sessions_cli("import", "-", "--store", target, stdin=json.dumps(older))
+        lambda: sessions("import", "-", "--store", target, stdin=json.dumps(older))
     )
     assert done.returncode == 0, done.stderr
     imported = await sa.read_session(sa.SQLiteStore(tmp_path / "target.db", readonly=True), "often")

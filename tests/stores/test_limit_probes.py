@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import base64
+import functools
 import gc
 import sqlite3
-import sys
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from processes import sessions
 from sessionactors.stores import MAX_JOURNAL_ENTRY_BYTES, MAX_SEQ, MAX_SNAPSHOT_BYTES, RedisStore
 from sessionactors.testing import EchoModel, FaultyStore, Scripted, ScriptedModel, crash
 
@@ -296,16 +297,9 @@ async def test_a_stray_member_of_the_redis_listing_order_is_skipped(redis_url: s
 
 async def _sessions_command(*args: str, stdin: str | None = None) -> str:
     """The output of ``python -m sessionactors sessions ARGS``, which must succeed."""
-    with trio.fail_after(120):
-        done = await trio.run_process(
-            [sys.executable, "-m", "sessionactors", "sessions", *args],
-            stdin=None if stdin is None else stdin.encode(),
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-        )
+    done = await trio.to_thread.run_sync(functools.partial(sessions, *args, stdin=stdin))
     assert done.returncode == 0, done.stderr
-    return done.stdout.decode()
+    return done.stdout
 
 
 async def _refund(order_id: str) -> str:

@@ -12,6 +12,7 @@ from urllib.parse import quote
 import pytest
 import trio
 
+from processes import sessions
 from sessionactors import StoreError
 from sessionactors.stores import RedisStore
 
@@ -60,13 +61,7 @@ def test_the_command_line_never_prints_the_password(
     with private_redis_server(config=("--requirepass", "right")) as url:
         store = spell(url.removeprefix("redis://"))
         for command in (["list"], ["show", "x"], ["delete", "x", "--yes"]):
-            done = subprocess.run(
-                [sys.executable, "-m", "sessionactors", "sessions", *command, "--store", store],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
+            done = sessions(*command, "--store", store)
             # (a wrong password: the store refused, 1; a URL that cannot be parsed: a
             # usage error, 2)
             assert done.returncode == (2 if "hunter2/" in store else 1), done.stdout
