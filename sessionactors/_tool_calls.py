@@ -86,7 +86,7 @@ async def _invoke(actor: TurnHost, agent: Agent, call: ToolCall) -> tuple[str, b
         names = ", ".join(t.name for t in agent.tools) or "none"
         return f"unknown tool {call.name!r}; the tools available are: {names}", True
     await trio.lowlevel.checkpoint_if_cancelled()
-    context = _context(actor, tool, call)
+    context = _context_of(actor, tool, call)
     trace = actor.trace
     if trace is None:
         return _result(await tool._run(call.arguments, None, context))
@@ -98,7 +98,7 @@ async def _invoke(actor: TurnHost, agent: Agent, call: ToolCall) -> tuple[str, b
     return _result(outcome)
 
 
-def _context(actor: TurnHost, tool: Tool, call: ToolCall) -> ToolContext | None:
+def _context_of(actor: TurnHost, tool: Tool, call: ToolCall) -> ToolContext | None:
     """What ``call`` of ``tool`` is given of its turn (None: the tool takes nothing)."""
     return tool._context_for(actor.session_id, actor.turn_id, call.id, actor.session.metadata)
 
@@ -209,7 +209,7 @@ async def _run_one(actor: TurnHost, agent: Agent, call: ToolCall, tool: Tool | N
     try:
         if tool is not None and actor.trace is None:  # _invoke's common case, inline
             await trio.lowlevel.checkpoint_if_cancelled()
-            context = _context(actor, tool, call)
+            context = _context_of(actor, tool, call)
             content, is_error = _result(await tool._run(call.arguments, None, context))
         else:
             content, is_error = await _invoke(actor, agent, call)

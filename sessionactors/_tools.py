@@ -49,6 +49,7 @@ __all__ = [
     "Tool",
     "ToolContext",
     "ToolOutcome",
+    "adapted",
     "describe_exception",
     "is_async_callable",
     "run_in_thread",
@@ -100,6 +101,16 @@ class ToolContext:
 
 
 _context: Final = maker(ToolContext)
+
+
+def _plain_copy(value: Any) -> Any:
+    """A copy of plain data (as metadata is: dicts, lists and scalars), several times
+    quicker than ``copy.deepcopy``."""
+    if value.__class__ is dict:
+        return {key: _plain_copy(item) for key, item in value.items()}
+    if value.__class__ is list:
+        return [_plain_copy(item) for item in value]
+    return value
 
 
 def _check_name(_instance: object, _attribute: object, name: Any) -> None:
@@ -160,7 +171,8 @@ class Tool:
     model sees it, and the turn goes on.
 
     A parameter of ``fn`` annotated :class:`ToolContext` is given the call's
-    context (its session, turn and call ids) and is not one of the arguments.
+    context (its session's id and metadata, its turn's id and its own) and is not
+    one of the arguments.
 
     ``parameters`` is the JSON schema (``"type": "object"``) of the
     arguments; when ``None`` it is derived from ``fn``'s signature and
@@ -208,6 +220,12 @@ class Tool:
                     '"type": "object" (tool arguments are always a JSON object)'
                 )
             schema = self.parameters
+            named = schema.get("properties") or {}
+            if context is not None and (context in named or context in schema.get("required", ())):
+                raise TypeError(
+                    f"tool {self.name!r}: parameter {context!r} is the tool's ToolContext: "
+                    "the model is not told of it and cannot send it; take it out of parameters="
+                )
         spec = ToolSpec(name=self.name, description=description, parameters=schema)
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_converters", converters)
@@ -255,7 +273,7 @@ class Tool:
             session_id=session_id,
             turn_id=turn_id,
             call_id=call_id,
-            metadata=copy.deepcopy(metadata) if metadata else {},
+            metadata=_plain_copy(metadata) if metadata else {},
         )
 
     async def _run(
@@ -365,6 +383,16 @@ def tool(
     if fn is None:
         return make
     return make(fn)
+
+
+def adapted(tool: Tool, fn: Callable[..., Any]) -> Tool:
+    """``tool``, with ``fn`` called in place of its function (an adapter that calls it
+    with the same keyword arguments): what the model is told of it, how its arguments
+    are read and whether it takes a context stay the tool's own."""
+    clone = copy.copy(tool)
+    object.__setattr__(clone, "fn", fn)
+    object.__setattr__(clone, "_in_thread", not is_async_callable(fn))
+    return clone
 
 
 # -- running a call -----------------------------------------------------------
@@ -828,18 +856,42 @@ def _type_hints(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 def _find_context(name: str, fn: Callable[..., Any]) -> str | None:
-    """The name of ``fn``'s ToolContext parameter, if it has one (a tool given its
-    parameters' schema: its function's signature is read only for that)."""
+    """The name of ``fn``'s ToolContext parameter, if it has one, for a tool given its
+    parameters' schema: its annotations are not evaluated (they may be any text), a
+    context parameter is told by its class or by its name as written."""
     try:
         signature = inspect.signature(fn)
-        hints = _type_hints(name, fn)
     except (TypeError, ValueError):
         return None
     found = None
     for param in signature.parameters.values():
-        if hints.get(param.name, param.annotation) is ToolContext:
+        if _is_context(name, param, param.annotation):
             found = _one_context(name, param, found)
     return found
+
+
+#: An annotation written as text that names ToolContext (``"sa.ToolContext"``; quoted
+#: again under ``from __future__ import annotations``).
+_CONTEXT_TEXT: Final = re.compile(r"""\s*(['"]?)(?:[A-Za-z_][\w.]*\.)?ToolContext\1\s*""")
+
+
+def _is_context(name: str, param: inspect.Parameter, annotation: Any) -> bool:
+    """Whether ``param``, annotated ``annotation`` (resolved, or as written), is a
+    ToolContext parameter; refused (TypeError) if it may be one or not."""
+    if annotation is ToolContext:
+        return True
+    if isinstance(annotation, str):
+        if _CONTEXT_TEXT.fullmatch(annotation):
+            return True
+        maybe = re.search(r"\bToolContext\b", annotation) is not None
+    else:
+        maybe = ToolContext in typing.get_args(annotation)
+    if maybe:
+        raise TypeError(
+            f"tool {name!r}: parameter {param.name!r} may be a ToolContext or something "
+            "else: annotate it ToolContext: a tool is always given one"
+        )
+    return False
 
 
 def _one_context(name: str, param: inspect.Parameter, found: str | None) -> str:
@@ -849,7 +901,7 @@ def _one_context(name: str, param: inspect.Parameter, found: str | None) -> str:
             f"tool {name!r}: parameters {found!r} and {param.name!r} are both annotated "
             "ToolContext; declare one"
         )
-    if param.kind is param.POSITIONAL_ONLY or param.kind is param.VAR_POSITIONAL:
+    if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
         raise TypeError(
             f"tool {name!r}: parameter {param.name!r} (a ToolContext) is given by name: "
             "make it a named parameter"
@@ -873,10 +925,10 @@ def _signature_schema(
     converters: dict[str, _Convert] = {}
     context = None
     for param in signature.parameters.values():
-        where = f"tool {name!r}: parameter {param.name!r}"
-        if hints.get(param.name, param.annotation) is ToolContext:
+        if _is_context(name, param, hints.get(param.name, param.annotation)):
             context = _one_context(name, param, context)
             continue
+        where = f"tool {name!r}: parameter {param.name!r}"
         if param.kind is param.VAR_POSITIONAL or param.kind is param.VAR_KEYWORD:
             stars = "*" if param.kind is param.VAR_POSITIONAL else "**"
             raise TypeError(

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import trio
 
 import sessionactors as sa
 import sessionactors.aio as aio
@@ -213,3 +215,95 @@ async def test_a_traced_turn_gives_the_context_too() -> None:
         ref = await registry.spawn("s", agent="a")
         await ref.send("go")
     assert seen == telemetry.wrapped == ["c1"]
+
+
+def test_a_tool_given_its_schema_reads_no_annotation_but_its_context_parameters() -> None:
+    """With ``parameters=``, annotations are not evaluated (free-form text is fine); a
+    context parameter is found as a class or as its name in text (an annotation under
+    ``from __future__ import annotations`` whose ToolContext is imported for type
+    checkers only); a schema that names it, and a context parameter that is optional or
+    ``**kwargs``, are refused when the tool is made."""
+
+    async def free(order: str) -> str:
+        return order
+
+    free.__annotations__["order"] = "the order's id, as the customer wrote it"  # (free text)
+
+    schema = {"type": "object", "properties": {"order": {"type": "string"}}}
+    assert sa.Tool(name="free", fn=free, parameters=schema).spec.parameters == schema
+
+    async def named_in_text(order: str, context: "sa.ToolContext") -> str:  # noqa: UP037
+        return f"{order} {context.call_id}"
+
+    async def named_bare(order: str, context: sa.ToolContext) -> str:
+        return f"{order} {context.call_id}"
+
+    named_bare.__annotations__["context"] = "ToolContext"  # (imported for type checkers only)
+
+    context = sa.ToolContext(session_id="s", turn_id="t", call_id="c")
+    for fn in (named_in_text, named_bare):
+        t = sa.Tool(name="t", fn=fn, parameters=schema)
+        assert trio.run(functools.partial(t.invoke, '{"order": "A1"}', context=context)) == (
+            sa.ToolOutcome(content="A1 c")
+        )
+
+    async def told(order: str, context: sa.ToolContext) -> str:
+        return order
+
+    naming = {"type": "object", "properties": {"context": {"type": "string"}}}
+    with pytest.raises(TypeError, match="'context' is the tool's ToolContext: the model"):
+        sa.Tool(name="told", fn=told, parameters=naming)
+
+    async def optional(context: sa.ToolContext | None = None) -> str:
+        return ""
+
+    async def keywords(**context: sa.ToolContext) -> str:
+        return ""
+
+    with pytest.raises(TypeError, match="annotate it ToolContext: a tool is always given one"):
+        sa.tool(optional)
+    with pytest.raises(TypeError, match=r"'context' \(a ToolContext\) is given by name"):
+        sa.Tool(name="keywords", fn=keywords, parameters={"type": "object"})
+
+
+class Lookup:
+    """A tool that is an object (its ``__call__``), as a class of tools with state."""
+
+    def __init__(self, seen: list[sa.ToolContext]) -> None:
+        self.seen = seen
+
+    async def __call__(self, order: str, context: sa.ToolContext) -> str:
+        self.seen.append(context)
+        await asyncio.sleep(0)
+        return f"{order} for {context.metadata['user']}"
+
+
+async def _lookup(seen: list[str], order: str, context: sa.ToolContext) -> str:
+    seen.append(context.call_id)
+    await asyncio.sleep(0)
+    return order
+
+
+def test_an_asyncio_tool_that_is_an_object_or_a_partial_is_given_its_context() -> None:
+    """Under ``sessionactors.aio``, a tool whose function is a callable object or a
+    ``functools.partial`` works as under trio, its context given (the adapter that runs
+    it on the loop read its own annotations instead: the registry did not open)."""
+    seen: list[sa.ToolContext] = []
+    called: list[str] = []
+    tools = [
+        sa.tool(name="lookup")(Lookup(seen)),
+        sa.tool(name="partial")(functools.partial(_lookup, called)),
+    ]
+    calls = [call("c1", "lookup", order="A1"), call("c2", "partial", order="B2")]
+    model = ScriptedModel([Scripted(tool_calls=calls), "ok"])
+    agents = {"a": sa.Agent(model=model, tools=tools)}
+
+    async def main() -> None:
+        async with aio.open_registry(agents=agents) as registry:
+            ref = await registry.spawn("s", agent="a", metadata={"user": "ada"})
+            reply = await ref.send("go")
+            assert [c.turn_id for c in seen] == [reply.turn_id]
+            assert called == ["c2"]
+            assert results(await ref.history()) == {"c1": "A1 for ada", "c2": "B2"}
+
+    asyncio.run(main())

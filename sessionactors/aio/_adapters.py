@@ -25,7 +25,7 @@ import trio
 
 import sessionactors as sa
 
-from .._tools import is_async_callable, run_in_thread
+from .._tools import adapted, is_async_callable, run_in_thread
 from ._host import Host, task_result, wait_asyncio
 
 __all__ = ["adapt_agent", "trio_native"]
@@ -101,7 +101,7 @@ def _adapt_tool(host: Host, tool: Any) -> Any:
         await trio.lowlevel.checkpoint()
         return result
 
-    return attrs.evolve(tool, fn=on_asyncio)
+    return adapted(tool, on_asyncio)  # (its schema and context read from its own fn)
 
 
 @attrs.define(eq=False)
