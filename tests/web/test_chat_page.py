@@ -3,6 +3,7 @@
 
 import re
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,34 @@ def test_the_chat_page_reaches_every_session(browser: object, tmp_path: Path) ->
         expect(listed.first).to_have_text("s000", timeout=10_000)
         expect(listed).to_have_count(105)
         expect(more).to_be_hidden()
+        page.close()
+        assert not errors
+
+
+def test_a_session_whose_data_is_damaged_is_told_at_once(browser: object, tmp_path: Path) -> None:
+    """A session the server cannot read (its stored snapshot garbled: a 500 every time)
+    is told on the page at once, as failed, and other sessions still open (it was read
+    again for good, "reconnecting", the error hidden)."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    path = tmp_path / "damaged.db"
+    with (
+        serve_command(f"sqlite:///{path}", "--agent", "chat_agents:echo") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        for name in ("bad", "good"):
+            r = client.post(f"/sessions/{name}/messages", json={"text": f"hi {name}"})
+            assert r.status_code == 200, r.text
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE snapshots SET data = ? WHERE session_id = 'bad'", (b"\xc1junk",))
+    with serve_command(f"sqlite:///{path}", "--agent", "chat_agents:echo") as server:
+        page, errors = open_page(browser, f"{server.url}/#session=bad")
+        expect(page.locator("#status")).to_have_text("failed", timeout=10_000)
+        expect(page.locator(".message.error")).to_have_count(1)
+        page.locator("#session-list button", has_text="good").click()
+        expect(page.locator(".message")).to_have_text(["hi good", "hi good"], timeout=10_000)
+        expect(page.locator("#status")).to_have_text("connected", timeout=10_000)
         page.close()
         assert not errors
 
