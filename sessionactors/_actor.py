@@ -1329,6 +1329,8 @@ class Actor:
                 return False
             result: Any
             if isinstance(request, SetMetadata):
+                # (the call a review waits on acts for the metadata its turn was made with)
+                self._refuse_while_reviewing("change its metadata")
                 try:
                     merged = self._merged_metadata(request)
                 except (TypeError, ValueError) as exc:  # refused before any change

@@ -443,7 +443,9 @@ class SessionRef(metaclass=NoPublicConstructor):
         is removed, the others stay (``set_metadata({"tier": "gold", "trial":
         None})``). The change is journaled (it survives hibernation and restarts),
         published as a ``MetadataChanged`` event carrying the whole new metadata,
-        and served in mailbox order, after the turns queued before it.
+        and served in mailbox order, after the turns queued before it. Refused with
+        ``SessionBusyError`` while a tool call waits on its review: the call acts for
+        the metadata its turn was made with (its ``ToolContext``).
 
         A checkpoint when it replaces a key's value by another or removes the key
         (the event's ``replaced`` names them): the session's snapshot is written

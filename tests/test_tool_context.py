@@ -128,6 +128,29 @@ async def test_a_call_approved_by_a_review_is_given_the_turn_that_waited_for_it(
         assert reply.turn_id == waiting.turn_id
 
 
+async def test_the_metadata_cannot_change_under_a_call_that_waits_on_its_review() -> None:
+    """While a call waits on its review, a metadata change is refused (as a history edit
+    is): approved, the call acts for the customer whose turn made it (the change was
+    taken, and bob's refund ran for ada)."""
+    ran: list[tuple[str, str]] = []
+
+    @sa.tool(requires_review=True, idempotent=False)
+    async def refund(order_id: str, context: sa.ToolContext) -> str:
+        ran.append((context.metadata["customer"], order_id))
+        return "refunded"
+
+    model = ScriptedModel([Scripted(tool_calls=[call("r1", "refund", order_id="B2")]), "done"])
+    agents = {"a": sa.Agent(model=model, tools=[refund])}
+    async with sa.open_registry(agents=agents) as registry:
+        ref = await registry.spawn("s", agent="a", metadata={"customer": "bob"})
+        [review] = (await ref.send("refund B2")).reviews
+        with pytest.raises(sa.SessionBusyError, match="cannot change its metadata while review"):
+            await ref.set_metadata({"customer": "ada"})
+        await ref.review(review.id, approve=True)
+        assert ran == [("bob", "B2")]
+        assert await ref.set_metadata({"customer": "ada"}) == {"customer": "ada"}
+
+
 async def test_invoke_gives_a_context_to_a_tool_that_takes_one_and_requires_it() -> None:
     @sa.tool
     async def whose(context: sa.ToolContext) -> str:
