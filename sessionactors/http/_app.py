@@ -972,7 +972,8 @@ class SessionsApp:
         """Refuse (raise _RequestError) what ``authorize`` does not allow: a request,
         or one frame of a WebSocket (as the action it does). A ``WebSocketException``
         it raises is raised on for a WebSocket (which closes with its code and
-        reason), and refuses a request with 403."""
+        reason), and refuses a request with 403. A library error it lets out (reading
+        the session's metadata) is answered as the route answers it."""
         if self._authorize is not None:
             try:
                 allowed = self._authorize(request, name, action)
@@ -986,6 +987,8 @@ class SessionsApp:
                 what = f"session {_name_shown(name)}" if name is not None else "the sessions"
                 message = exc.reason or f"this request may not {action} {what}"
                 raise _RequestError(403, "Forbidden", message) from exc
+            except sa.SessionActorsError:  # (reading the session: as the route answers it)
+                raise
             except Exception as exc:  # the app's fault: its kind to the client, all to the log
                 log.error("authorize(%r, %r) raised", name, action, exc_info=exc)
                 raise _RequestError(

@@ -157,6 +157,41 @@ async def test_a_store_failure_answers_503_without_the_store_internals(
     assert len(logged(caplog, "secret-dir")) == 1
 
 
+async def test_a_library_error_out_of_authorize_is_answered_as_the_route_answers_it(
+    tmp_path: Path,
+) -> None:
+    """An ``authorize`` that reads the session's metadata, as the how-to suggests, lets
+    the library's errors out: each is answered as the route answers it (a store that
+    fails 503 with Retry-After, an unknown session 404), not as the app's fault (500,
+    which a client does not retry)."""
+    store = FaultyStore(sa.SQLiteStore(str(tmp_path / "s.db")))
+    opened: list[Any] = []
+
+    async def authorize(request: Any, name: str | None, action: str) -> bool:
+        if name is None:
+            return True
+        state = await opened[0].registry.ref(name).state()
+        return bool(state.metadata.get("customer") == request.headers.get("x-customer"))
+
+    app = create_app(store=store, agents=trio_agents(), authorize=authorize)
+    opened.append(app)
+    async with serve_trio(app) as url, httpx.AsyncClient(base_url=url) as client:
+        with trio.fail_after(10):
+            await app.registry.spawn("s", metadata={"customer": "ada"})
+            await app.registry.ref("s").hibernate()
+            ada = {"x-customer": "ada"}
+            store.fail("load", session_id="s", error=sa.StoreError("disk lost", session_id="s"))
+            r = await client.get("/sessions/s", headers=ada)
+            assert (r.status_code, r.json()["error"]) == (503, "StoreError"), r.text
+            assert r.headers["retry-after"] == "1"
+            r = await client.get("/sessions/nobody", headers=ada)
+            assert (r.status_code, r.json()["error"]) == (404, "SessionNotFoundError"), r.text
+            r = await client.get("/sessions/s", headers=ada)
+            assert r.status_code == 200, r.text
+            r = await client.get("/sessions/s", headers={"x-customer": "bob"})
+            assert r.status_code == 403, r.text
+
+
 class JournalLostStore(sa.MemoryStore):
     """A MemoryStore whose replays fail, once ``pages_left`` pages were read, with an
     exception that is not the library's (its message holds SECRET)."""
