@@ -230,9 +230,12 @@ def _in_use_message(path: str, lock_path: str, fd: int, *, shared: bool) -> str:
     return (
         f"the sqlite store at {path!r} is in use by {who}; two processes writing one"
         " file without leases would both change the same sessions. Run one process per"
-        " file, or open the store with SQLiteStore(path, shared=True) in every process"
-        " (leases then keep each session in one of them); to look at it while it is in"
-        f" use, open it with readonly=True. The lock is {lock_path!r}"
+        " file (a server of several worker processes, such as uvicorn --workers, runs on"
+        " a RedisStore with sessionactors.workers: see the many-workers how-to); a few"
+        " processes behind routing that sends each session's requests to one of them"
+        " open the store with SQLiteStore(path, shared=True) in every one (leases keep"
+        " each session in one process: another refuses it with LeaseHeldError); to look"
+        f" at it while it is in use, open it with readonly=True. The lock is {lock_path!r}"
     )
 
 

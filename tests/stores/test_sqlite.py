@@ -1002,7 +1002,10 @@ async def test_a_second_process_is_refused_by_default(tmp_path: Path) -> None:
             assert second.first_line.startswith("refused ")
             assert f"process {first.process.pid} (exclusive)" in second.first_line
             here = SQLiteStore(path)
-            with pytest.raises(StoreError, match=r"in use by .*shared=True.*readonly=True"):
+            with pytest.raises(
+                StoreError,
+                match=r"in use by .*--workers.*RedisStore.*shared=True.*LeaseHeldError.*readonly=True",
+            ):
                 await here.list_sessions()
             await here.aclose()
             await first.stop()
