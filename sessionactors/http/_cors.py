@@ -109,10 +109,12 @@ def preflight_vary() -> dict[str, str]:
 
 def with_origin(message: dict[str, Any], origin: str | None) -> None:
     """Add to a response's start ``message`` that it varies on ``Origin``, and, for a
-    request from an origin allowed (``origin``), that its page may read it."""
+    request from an origin allowed (``origin``), that its page may read it (and its
+    ``Retry-After``)."""
     message.setdefault("headers", [])
     headers = MutableHeaders(scope=message)
     headers.add_vary_header("Origin")
     if origin is not None:
         headers["Access-Control-Allow-Origin"] = origin
         headers["Access-Control-Allow-Credentials"] = "true"
+        headers["Access-Control-Expose-Headers"] = "Retry-After"  # (of a 429 or a 503)

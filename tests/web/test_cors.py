@@ -74,6 +74,8 @@ async def test_a_cors_origin_is_answered_its_preflights_and_may_read_the_answers
             assert r.status_code == 200, r.text
             assert r.headers["access-control-allow-origin"] == APP
             assert r.headers["access-control-allow-credentials"] == "true"
+            # (its page may read when a 429 or a 503 says to try again)
+            assert r.headers["access-control-expose-headers"] == "Retry-After"
             assert "origin" in _vary(r)
             for refused, headers in [(401, {"origin": APP}), (404, page)]:
                 r = await client.get("/sessions/nobody", headers=headers)
