@@ -9,7 +9,9 @@ start the command line in other ways (servers, workers, signals, another user) s
 start a new interpreter each time.
 
 A forking process serves one command at a time; a command asked for while every one is
-busy (from another thread) starts another.
+busy (from another thread) starts another. A command whose environment changes what an
+interpreter reads as it starts (``PYTHON*``, ``LC_*``, ``LANG``, ``TZ``) runs in a new
+interpreter, as the forked one would keep its forker's.
 """
 
 from __future__ import annotations
@@ -18,81 +20,98 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Final
 
 # The forking process: it imports what the command line imports (the Redis client if it
-# is installed), then for each request (a JSON line) forks a child that runs the
-# command with its files as its standard streams; it answers with the child's pid, then
-# with its exit status. It starts no thread (a fork copies only the thread that calls it).
+# is installed; the command line's own modules are imported by each command, so that
+# what they note as they load is the command's), then for each request (a JSON line)
+# forks a child that runs the command with its files as its standard streams, and ends
+# as an interpreter ends (its SystemExit and the exit handlers; an exception's traceback
+# and Ctrl-C through the interpreter's own end). It answers with the child's pid, then with its exit status, killing it
+# past its timeout (it owns the child: no other process is hit). It starts no thread (a
+# fork copies only the thread that calls it).
 _FORKER = r"""
-import json, os, random, runpy, sys, threading, traceback
-import sessionactors, sessionactors._cli
+import atexit, json, os, random, runpy, select, sys, threading
+import sessionactors, sessionactors.stores
 try:
-    import sessionactors.stores._redis
-except ImportError:
+    sessionactors.stores.RedisStore
+except (AttributeError, ImportError):
     pass
 assert threading.active_count() == 1, threading.enumerate()
 requests = os.fdopen(int(sys.argv[1]), "r")
 answers = os.fdopen(int(sys.argv[2]), "w")
+
+
+def command(request):
+    requests.close()
+    answers.close()
+    streams = [(request["stdin"], os.O_RDONLY), (request["stdout"], os.O_WRONLY),
+               (request["stderr"], os.O_WRONLY)]
+    for fd, (path, flags) in enumerate(streams):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    sys.argv = ["-m", *request["args"]]
+    try:
+        runpy.run_module("sessionactors", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:  # (as the interpreter ends on it, without its slow teardown)
+        code = exc.code
+    atexit._run_exitfuncs()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 for line in requests:
     request = json.loads(line)
     pid = os.fork()
     if pid == 0:
-        code = 70
-        try:
-            requests.close()
-            answers.close()
-            for fd, (path, flags) in enumerate(
-                [(request["stdin"], os.O_RDONLY), (request["stdout"], os.O_WRONLY),
-                 (request["stderr"], os.O_WRONLY)]
-            ):
-                opened = os.open(path, flags)
-                os.dup2(opened, fd)
-                os.close(opened)
-            os.chdir(request["cwd"])
-            os.environ.clear()
-            os.environ.update(request["env"])
-            random.seed()
-            sys.argv = ["-m", *request["args"]]
-            code = 0
-            try:
-                runpy.run_module("sessionactors", run_name="__main__", alter_sys=True)
-            except SystemExit as exc:  # (as the interpreter ends on it)
-                if exc.code is None:
-                    code = 0
-                elif isinstance(exc.code, int):
-                    code = exc.code
-                else:
-                    print(exc.code, file=sys.stderr)
-                    code = 1
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except BaseException:
-                    pass
-            os._exit(code)
+        command(request)
     answers.write(json.dumps({"pid": pid}) + "\n")
     answers.flush()
+    ended = os.pidfd_open(pid)
+    timed_out = not select.select([ended], [], [], request["timeout"])[0]
+    if timed_out:
+        os.kill(pid, 9)
     _, status = os.waitpid(pid, 0)
-    answers.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
+    os.close(ended)
+    answers.write(
+        json.dumps({"status": os.waitstatus_to_exitcode(status), "timed_out": timed_out}) + "\n"
+    )
     answers.flush()
 """
+
+#: What the interpreter reads of its environment as it starts (a forked command keeps
+#: its forker's): a command whose environment sets these otherwise starts an interpreter.
+_STARTUP: Final = re.compile(r"PYTHON.*|LC_.*|LANG|LANGUAGE|TZ")
+
+
+def _startup(env: Mapping[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if _STARTUP.fullmatch(key)}
 
 
 class _Forker:
     """A forking process, and the pipes that ask it for commands."""
 
     def __init__(self) -> None:
+        self.startup = _startup(os.environ)
         requests, self._requests_w = os.pipe()
         self._answers_r, answers = os.pipe()
         self.process = subprocess.Popen(
@@ -123,37 +142,43 @@ class _Forker:
                 "args": list(args),
                 "env": env,
                 "cwd": cwd,
+                "timeout": timeout,
                 **{name: str(path) for name, path in streams.items()},
             }
-            self._requests.write(json.dumps(request) + "\n")
-            self._requests.flush()
-            pid = json.loads(self._answers.readline())["pid"]
-            killed: list[bool] = []
-            timer = threading.Timer(timeout, _kill, (pid, killed))
-            timer.start()
             try:
-                status = json.loads(self._answers.readline())["status"]
-            finally:
-                timer.cancel()
+                self._requests.write(json.dumps(request) + "\n")
+                self._requests.flush()
+            except BrokenPipeError:
+                raise self._ended() from None
+            self._answer()  # (its pid)
+            answer = self._answer()
             command = [sys.executable, "-m", "sessionactors", *args]
             stdout = streams["stdout"].read_text(encoding="utf-8")
             stderr = streams["stderr"].read_text(encoding="utf-8")
-            if killed:
+            if answer["timed_out"]:
                 raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-            return subprocess.CompletedProcess(command, status, stdout, stderr)
+            return subprocess.CompletedProcess(command, answer["status"], stdout, stderr)
+
+    def _answer(self) -> dict[str, Any]:
+        line = self._answers.readline()
+        if not line:
+            raise self._ended()
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def _ended(self) -> RuntimeError:
+        return RuntimeError(
+            f"the forking process of tests/forked_cli.py ended (status "
+            f"{self.process.wait(10)}): see its traceback above, if any"
+        )
 
     def close(self) -> None:
-        self._requests.close()  # (its end of input: it exits)
+        with contextlib.suppress(BrokenPipeError):  # (ended already)
+            self._requests.close()  # (its end of input: it exits)
         try:
             self.process.wait(10)
         finally:
             self._answers.close()
-
-
-def _kill(pid: int, killed: list[bool]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 9)
-        killed.append(True)
 
 
 _idle: list[_Forker] = []
@@ -201,4 +226,15 @@ def run(
     environment = dict(os.environ if env is None else env)
     directory = os.fspath(cwd) if cwd is not None else os.getcwd()
     with _forker() as forker:
+        if _startup(environment) != forker.startup:  # (see _STARTUP)
+            return subprocess.run(
+                [sys.executable, "-m", "sessionactors", *args],
+                input=stdin or "",
+                env=environment,
+                cwd=directory,
+                timeout=timeout,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
         return forker.run(args, stdin, environment, directory, timeout)
