@@ -247,7 +247,18 @@ class Tool:
         ``trio.Cancelled``, ``KeyboardInterrupt`` and the like propagate.
         ``context`` is given to a tool whose function has a :class:`ToolContext`
         parameter, and is required for it (``TypeError`` without one).
+
+        It is trio code (``trio.run``, a pytest-trio test), as the turn that calls a
+        tool is: an asyncio test calls the tool's function itself,
+        ``await tool.fn(**arguments, context=...)`` (``RuntimeError`` outside trio).
         """
+        if not trio.lowlevel.in_trio_run():
+            raise RuntimeError(
+                f"Tool.invoke runs in trio (trio.run, pytest-trio), as a turn does: to "
+                f"test tool {self.name!r} from asyncio, call its function: "
+                "await tool.fn(**arguments) (with context=sessionactors.ToolContext(...) "
+                "for a tool that takes one)"
+            )
         if context is not None and not isinstance(context, ToolContext):
             raise TypeError(
                 f"tool {self.name!r}: context must be a sessionactors.ToolContext or None, "

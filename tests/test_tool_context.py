@@ -330,3 +330,22 @@ def test_an_asyncio_tool_that_is_an_object_or_a_partial_is_given_its_context() -
             assert results(await ref.history()) == {"c1": "A1 for ada", "c2": "B2"}
 
     asyncio.run(main())
+
+
+def test_invoke_outside_trio_says_how_to_test_a_tool_of_an_asyncio_app() -> None:
+    """``Tool.invoke`` is trio code: awaited in asyncio (a test of an asyncio app) it
+    says so and how to call the tool there (it raised "Task got bad yield")."""
+
+    @sa.tool
+    async def whose(context: sa.ToolContext) -> str:
+        await asyncio.sleep(0)
+        return context.session_id
+
+    context = sa.ToolContext(session_id="s", turn_id="t", call_id="c")
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match=r"Tool\.invoke runs in trio .* tool\.fn\("):
+            await whose.invoke("{}", context=context)
+        assert await whose.fn(context=context) == "s"  # (as the message says)
+
+    asyncio.run(main())
