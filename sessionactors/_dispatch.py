@@ -103,10 +103,11 @@ class Dispatcher:
             session_id=name,
         )
 
-    def refuse_wait(self, name: str) -> None:
+    def refuse_wait(self, name: str, *, turn: bool = True) -> None:
         """Raise SessionBusyError if the running code is part of a turn that a request
-        in the mailbox of session ``name`` would wait behind, forever (see ``_nesting``)."""
-        refuse_within(self.sessions, name)
+        in the mailbox of session ``name`` would wait behind, forever (see ``_nesting``;
+        ``turn``: the request is a turn)."""
+        refuse_within(self.sessions, name, turn=turn)
 
     # ---- turns ---------------------------------------------------------------------------
 
@@ -287,7 +288,7 @@ class Dispatcher:
     async def call(self, name: str, request: Call | Cancel | Stop) -> Any:
         if isinstance(request, Cancel):
             return await self._cancel(name, request)
-        self.refuse_wait(name)  # (in mailbox order: behind a turn it may be part of)
+        self.refuse_wait(name, turn=False)  # (in mailbox order: behind a turn it may be part of)
         if isinstance(request, Hibernate):
             return await self._hibernate(name)
         return await self._route(

@@ -81,17 +81,19 @@ def within() -> Within:
     return () if holder is None else holder.chain()
 
 
-def refuse_within(host: object, name: str) -> Within:
+def refuse_within(host: object, name: str, *, turn: bool = True) -> Within:
     """The turns the running code is part of; raise SessionBusyError if a request in
-    the mailbox of session ``name`` (of ``host``) would wait behind one of them."""
+    the mailbox of session ``name`` (of ``host``) would wait behind one of them
+    (``turn``: the request is a turn, which may be submitted without waiting)."""
     chain = within()
     if (host, name) in chain:
-        raise within_error(chain, host, name)
+        raise within_error(chain, host, name, turn=turn)
     return chain
 
 
-def within_error(chain: Within, host: object, name: str) -> SessionBusyError:
-    """The error of a request to session ``name`` made inside ``chain``, which holds it."""
+def within_error(chain: Within, host: object, name: str, *, turn: bool = True) -> SessionBusyError:
+    """The error of a request to session ``name`` made inside ``chain``, which holds it
+    (``turn``: as ``refuse_within``'s)."""
     if chain[0] == (host, name):
         told = (
             f"session {name!r} is running the turn this request comes from (a tool of "
@@ -105,8 +107,13 @@ def within_error(chain: Within, host: object, name: str) -> SessionBusyError:
             f"waits on {' -> '.join(path[1:])}, whose turn makes this request): the "
             f"request would wait in the mailbox of {name!r} behind that turn forever"
         )
-    return SessionBusyError(
-        f"{told}; submit it without waiting for its reply (ref.submit), or make it from "
-        "outside the turn",
-        session_id=name,
-    )
+    if turn:
+        advice = (
+            "submit it without waiting for its reply (ref.submit), or make it from outside the turn"
+        )
+    else:  # (a tool's: its result is how a turn's work reaches the app)
+        advice = (
+            "make it from outside the turn (a tool returns what the app should do in its "
+            "result, or the app makes the request once the reply is back)"
+        )
+    return SessionBusyError(f"{told}; {advice}", session_id=name)

@@ -144,19 +144,22 @@ async def test_a_turn_may_queue_a_turn_of_its_own_session_but_not_wait_for_it(
 
 
 @pytest.mark.parametrize(
-    "request_kind", ["stream", "retry", "truncate", "add_messages", "stop", "hibernate"]
+    "request_kind",
+    ["stream", "retry", "truncate", "add_messages", "set_metadata", "stop", "hibernate"],
 )
 async def test_a_request_in_mailbox_order_from_its_own_turn_is_refused(
     autojump_clock: trio.abc.Clock, request_kind: str
 ) -> None:
     """Every request that waits its turn in the mailbox (a streamed turn, a retry, a
-    history edit, a stop, a hibernation) is refused from the session's own turn,
-    before anything is done."""
+    history edit, a metadata change, a stop, a hibernation) is refused from the
+    session's own turn, before anything is done; only a turn is told it may be
+    submitted without waiting (a metadata change was told so too)."""
     calls: dict[str, Callable[[sa.SessionRef], Awaitable[Any]]] = {
         "stream": lambda ref: _drain(ref.stream("more")),
         "retry": lambda ref: ref.retry(),
         "truncate": lambda ref: ref.truncate(keep_last=0),
         "add_messages": lambda ref: ref.add_messages([sa.Message.create("user", "more")]),
+        "set_metadata": lambda ref: ref.set_metadata({"verified": True}),
         "stop": lambda ref: ref.stop(),
         "hibernate": lambda ref: ref.hibernate(),
     }
@@ -170,6 +173,8 @@ async def test_a_request_in_mailbox_order_from_its_own_turn_is_refused(
             await ref.send("ask A: anything")
         result = tool_result(await ref.history())
         assert result.content.startswith("SessionBusyError: session 'A' "), result.content
+        assert ("ref.submit" in result.content) == (request_kind == "stream"), result.content
+        assert "from outside the turn" in result.content
         await trio.testing.wait_all_tasks_blocked()
         assert await users(ref) == ["ask A: anything"]
 
