@@ -746,3 +746,62 @@ async def test_a_failed_renewal_of_the_leases_is_logged_once_in_plain_words(
     assert message.count("renew the lease") == 1, message
     assert "1 session" in message, message
     assert "1 sessions" not in message, message
+
+
+async def test_a_review_resolved_as_its_worker_dies_is_told_to_be_resolved_again(
+    redis_url: str,
+) -> None:
+    """A review approved through another worker whose worker is killed (SIGKILL) as it
+    answers raises SessionCrashedError saying to resolve the review again the same way
+    (it said to send the request again with an idempotency key, which a review takes
+    none of); resolved again, it runs on the session's next owner."""
+    from cluster_worker import EchoOrFail, _guarded
+
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    tools = [sa.Tool(name="guarded", fn=_guarded, requires_review=True)]
+    agents = {"echo": sa.Agent(model=EchoOrFail(), tools=tools)}
+    text = "review " + " ".join(f"w{i}" for i in range(50))
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b", agents=agents) as b,
+        ):
+            ref = b.ref("s")
+            answering = trio.Event()
+            resolved: list[sa.Event] = []
+
+            def seen(event: sa.Event) -> None:
+                if isinstance(event, sa.ReviewResolved):
+                    resolved.append(event)
+                elif resolved and isinstance(event, sa.Delta):
+                    answering.set()
+
+            paused = await ref.send(text)
+            [review] = paused.reviews
+            crashed: list[sa.SessionCrashedError] = []
+
+            async def approve() -> None:
+                try:
+                    await ref.review(review.id, True)
+                except sa.SessionCrashedError as exc:
+                    crashed.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe_until_error, ref, [], seen)
+                nursery.start_soon(approve)
+                await answering.wait()  # a resolved it and answers
+                a.kill()  # SIGKILL: the approval is never answered
+                while not crashed:
+                    await trio.sleep(0.05)
+                told = str(crashed[0])
+                assert f"resolve it with ref.review({review.id!r}, approve=...) again" in told
+                assert "idempotency_key" not in told
+                while True:  # (as told: again, until the session's next owner takes it)
+                    with contextlib.suppress(sa.SessionCrashedError):
+                        reply = await ref.review(review.id, True)
+                        break
+                    await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+            assert reply.turn_id == paused.turn_id
+            history = await ref.history()
+            assert [m.content for m in history if m.role is sa.Role.TOOL] == ["done"]

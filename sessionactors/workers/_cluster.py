@@ -1042,6 +1042,7 @@ class Cluster(metaclass=NoPublicConstructor):
             body,
             retry_safe=isinstance(request, _SAFE_CALLS),
             runs_turn=isinstance(request, ResolveReview | Retry),
+            review_id=request.review_id if isinstance(request, ResolveReview) else "",
         )
         if answer is None:
             return NOT_ROUTED
@@ -1068,17 +1069,21 @@ class Cluster(metaclass=NoPublicConstructor):
         retry_safe: bool,
         on_ack: Callable[[Mapping[str, Any]], None] | None = None,
         runs_turn: bool = False,
+        review_id: str = "",
     ) -> dict[str, Any] | None:
         """Send ``request`` to the owner of ``name`` and wait for its answer.
 
         None if no other worker holds the session (the caller runs it here). A request
         that ``runs_turn`` (a turn, a review's resolution, a retry) is refused with
-        ``WorkerUnreachableError`` instead when this registry runs no turns.
+        ``WorkerUnreachableError`` instead when this registry runs no turns
+        (``review_id``: the review the request resolves, if it does).
         """
         self._running(name)
         self._forwarding += 1
         try:
-            return await self._forward_until_answered(name, request, retry_safe, on_ack, runs_turn)
+            return await self._forward_until_answered(
+                name, request, retry_safe, on_ack, runs_turn, review_id
+            )
         finally:
             self._forwarding -= 1
             if not self._forwarding and self._drained is not None:
@@ -1091,6 +1096,7 @@ class Cluster(metaclass=NoPublicConstructor):
         retry_safe: bool,
         on_ack: Callable[[Mapping[str, Any]], None] | None,
         runs_turn: bool,
+        review_id: str = "",
     ) -> dict[str, Any] | None:
         shard = self.transport.shard(name)
         # The turn: the id issued here for it, or the one an owner accepted it under
@@ -1221,7 +1227,7 @@ class Cluster(metaclass=NoPublicConstructor):
                 self._forget_owner(name, owner, incarnation)
                 self.stats.owner_deaths += 1
                 if not retry_safe:
-                    raise _owner_died_error(name, owner, accepted)
+                    raise _owner_died_error(name, owner, accepted, review_id)
                 continue
             if moved:
                 self._owners.pop(name, None)
@@ -1566,9 +1572,23 @@ def _no_worker_error(name: str, key: str) -> WorkerUnreachableError:
     )
 
 
-def _owner_died_error(name: str, owner: str, turn_id: str) -> SessionCrashedError:
+def _owner_died_error(
+    name: str, owner: str, turn_id: str, review_id: str = ""
+) -> SessionCrashedError:
     """For a request, not safe to send again, whose ``owner`` died before answering
-    (``turn_id``: the turn it accepted, if it said so: what the caller asks about)."""
+    (``turn_id``: the turn it accepted, if it said so: what the caller asks about;
+    ``review_id``: the review it resolves, if it does)."""
+    if review_id:  # (resolved again the same way, a review's call runs once)
+        return advised(
+            SessionCrashedError,
+            f"session {name!r}: worker {owner!r}, which ran it, died before answering, so "
+            f"the resolution of review {review_id!r} may or may not have run; ",
+            Advice(kind=AdviceKind.RESOLVE_REVIEW, review_id=review_id),
+            " again, the same way: a call that is not idempotent never runs twice (a "
+            "review that was resolved there is not pending any more: then look at the "
+            "history)",
+            session_id=name,
+        )
     if not turn_id:
         return advised(
             SessionCrashedError,
