@@ -102,12 +102,15 @@ def test_an_option_named_in_the_url_and_as_an_argument_differently_is_refused(
 
 
 async def test_passes_check_store_waiting_for_a_replica(redis_replicated: Any) -> None:
-    """The store contract holds when every write waits for one replica."""
+    """The store contract holds when every write waits for one replica (given 10 s: the
+    check writes values as large as a session may, which a replica of a busy 2-core
+    machine took over the default second to confirm once)."""
     stores: list[RedisStore] = []
 
     def make() -> RedisStore:
-        stores.append(RedisStore(redis_replicated.url, prefix=_prefix(), replicas=1))
-        return stores[-1]
+        store = RedisStore(redis_replicated.url, prefix=_prefix(), replicas=1, replica_timeout=10)
+        stores.append(store)
+        return store
 
     try:
         with trio.fail_after(120):
