@@ -102,6 +102,21 @@ async def subscribe_until_error(
         ended.append(exc)
 
 
+def answering_after_review() -> tuple[trio.Event, Callable[[sa.Event], None]]:
+    """An event set at the first Delta after a ReviewResolved (the approved turn is
+    answering), and the ``seen`` of ``subscribe_until_error`` that sets it."""
+    answering = trio.Event()
+    resolved: list[sa.Event] = []
+
+    def seen(event: sa.Event) -> None:
+        if isinstance(event, sa.ReviewResolved):
+            resolved.append(event)
+        elif resolved and isinstance(event, sa.Delta):
+            answering.set()
+
+    return answering, seen
+
+
 async def wait_for_an_end(ended: list[BaseException], within: float) -> None:
     """Until a subscription put its error in ``ended``; TooSlowError after ``within`` s."""
     with trio.fail_after(within):
@@ -469,14 +484,7 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
             open_worker(redis_url, prefix, "b") as b,
         ):
             ref = b.ref("s")
-            answering = trio.Event()
-            resolved: list[sa.Event] = []
-
-            def seen(event: sa.Event) -> None:
-                if isinstance(event, sa.ReviewResolved):
-                    resolved.append(event)
-                elif resolved and isinstance(event, sa.Delta):
-                    answering.set()
+            answering, seen = answering_after_review()
 
             async def approve(review_id: str) -> None:
                 with contextlib.suppress(sa.SessionActorsError):
@@ -767,14 +775,7 @@ async def test_a_review_resolved_as_its_worker_dies_is_told_to_be_resolved_again
             open_worker(redis_url, prefix, "b", agents=agents) as b,
         ):
             ref = b.ref("s")
-            answering = trio.Event()
-            resolved: list[sa.Event] = []
-
-            def seen(event: sa.Event) -> None:
-                if isinstance(event, sa.ReviewResolved):
-                    resolved.append(event)
-                elif resolved and isinstance(event, sa.Delta):
-                    answering.set()
+            answering, seen = answering_after_review()
 
             paused = await ref.send(text)
             [review] = paused.reviews
