@@ -34,9 +34,9 @@ from typing import IO, Any, Final
 # what they note as they load is the command's), then for each request (a JSON line)
 # forks a child that runs the command with its files as its standard streams, and ends
 # as an interpreter ends (its SystemExit and the exit handlers; an exception's traceback
-# and Ctrl-C through the interpreter's own end). It answers with the child's pid, then with its exit status, killing it
-# past its timeout (it owns the child: no other process is hit). It starts no thread (a
-# fork copies only the thread that calls it).
+# and Ctrl-C through the interpreter's own end). It answers with its exit status, killing
+# it past its timeout (it owns the child: no other process is hit). It starts no thread
+# (a fork copies only the thread that calls it).
 _FORKER = r"""
 import atexit, json, os, random, runpy, select, sys, threading
 import sessionactors, sessionactors.stores
@@ -84,8 +84,6 @@ for line in requests:
     pid = os.fork()
     if pid == 0:
         command(request)
-    answers.write(json.dumps({"pid": pid}) + "\n")
-    answers.flush()
     ended = os.pidfd_open(pid)
     timed_out = not select.select([ended], [], [], request["timeout"])[0]
     if timed_out:
@@ -150,7 +148,6 @@ class _Forker:
                 self._requests.flush()
             except BrokenPipeError:
                 raise self._ended() from None
-            self._answer()  # (its pid)
             answer = self._answer()
             command = [sys.executable, "-m", "sessionactors", *args]
             stdout = streams["stdout"].read_text(encoding="utf-8")
