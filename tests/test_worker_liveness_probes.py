@@ -501,6 +501,57 @@ async def test_subscribers_elsewhere_hear_of_a_worker_killed_after_a_review(
             assert isinstance(ended[0], sa.SubscriberLaggedError), repr(ended[0])
 
 
+@pytest.mark.parametrize("taker", ["a third worker", "its own worker"])
+async def test_a_subscription_hears_that_an_approved_turns_answer_was_lost_when_a_worker_took_over(
+    redis_url: str, taker: str
+) -> None:
+    """A turn that paused on a review and goes on once approved, whose worker is killed (SIGKILL) mid-answer, before the answer was durable; another worker then takes the session over (a third one, or the subscription's own), and the turn is back where the store has it: waiting on its review. A subscription on another worker, which read the lost answer's deltas, ends with SubscriberLaggedError at the last of them, before any event of the new owner: it never passes from the lost deltas on to the new owner's events in silence (they would read as one answer). Subscribing again after it is refused as expired, and the reloaded state shows the review pending again."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = "review " + " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    events: list[sa.Event] = []
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c") as c,
+        ):
+            ref = b.ref("s")
+            new_owner = c if taker == "a third worker" else b
+            answering, answer_seen = answering_after_review()
+
+            def seen(event: sa.Event) -> None:
+                events.append(event)
+                answer_seen(event)
+
+            async def approve(review_id: str) -> None:
+                with contextlib.suppress(sa.SessionActorsError):
+                    await ref.review(review_id, True)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe_until_error, ref, ended, seen)
+                paused = await ref.send(text)
+                assert len(paused.reviews) == 1, paused
+                nursery.start_soon(approve, paused.reviews[0].id)
+                await answering.wait()
+                a.kill()  # SIGKILL, mid-answer after the review
+                state = await new_owner.ref("s").state()  # it takes the session over
+                assert new_owner.live() == ["s"]
+                assert [r.id for r in state.reviews] == [paused.reviews[0].id], state.reviews
+                with trio.move_on_after(6 * TTL):
+                    await wait_for_an_end(ended, 6 * TTL)
+                nursery.cancel_scope.cancel()
+            last = max(e.seq for e in events if isinstance(e, sa.Delta))
+            assert ended, f"no error; after the lost answer came {_jumped(events, last)}"
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert lagged.last_seq == last == events[-1].seq, (lagged, events[-3:])
+            assert paused.turn_id in str(lagged), str(lagged)
+            with pytest.raises(sa.EventsExpiredError):
+                async with ref.subscribe(after=lagged.last_seq):
+                    pass
+
+
 def _jumped(events: list[sa.Event], last: int) -> list[sa.Event]:
     """The events of ``events`` a wake's seq jump past seq ``last`` numbered."""
     return [e for e in events if e.seq > last + (1 << 19)]

@@ -730,7 +730,11 @@ class Cluster(metaclass=NoPublicConstructor):
                 await self._answer(body, {"ok": "state", "state": dump_snapshot(state)})
             elif op == "outcome":
                 outcome = await host.outcome_here(name, str(body["t"]))
-                await self._answer(body, {"ok": "value", "value": dump_outcome(outcome)})
+                after = body.get("after")  # (a mirror's position: did the session lose it?)
+                lost = isinstance(after, int) and host.lost_here(name, after) is not None
+                await self._answer(
+                    body, {"ok": "value", "value": dump_outcome(outcome), "lost": lost}
+                )
             elif op == "watch":  # another worker subscribes: publish from now on
                 beyond = body.get("beyond")  # (its subscription's ``after``, if any)
                 if beyond is not None:  # refused before a wake, if the store says so

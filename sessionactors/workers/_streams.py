@@ -173,6 +173,9 @@ class _OpenTurn:
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
 
 
+#: What a turn's new owner may say of one that runs there.
+_RUNS: Final = (TurnStatus.QUEUED, TurnStatus.RUNNING)
+
 #: What a turn's new owner may say of it once its outcome is durable.
 _ENDED: Final = (TurnStatus.WAITING, TurnStatus.FINISHED, TurnStatus.FAILED, TurnStatus.CANCELLED)
 
@@ -473,15 +476,19 @@ class Streams:
         or to have ended, and lags at its last event before the jump if it was lost
         (unless a retry under its key started after the jump: see ``_find_retry``)."""
         status: TurnStatus | None = None
+        position = self._positions.get(name, 0)
+        cut = False  # whether the session, woken there, lost the events after position
         try:
             if owner == self.worker:  # it woke here
                 status = (await self.host.outcome_here(name, seen.turn_id)).status
+                cut = self.host.lost_here(name, position) is not None
             else:
-                request = {"op": "outcome", "s": name, "t": seen.turn_id}
+                request = {"op": "outcome", "s": name, "t": seen.turn_id, "after": position}
                 answer = await self._forward(name, request, retry_safe=True)
                 if answer is not None:
                     value = self._check(answer, name)["value"]
                     status = load_outcome(name, seen.turn_id, value).status
+                    cut = answer.get("lost") is True
         except Exception as exc:
             fatal(exc)
             if self._open_turns.get(name) is seen:  # unknown: it follows the session
@@ -494,6 +501,13 @@ class Streams:
             self._rejoin(name)
             return  # its outcome, or another turn, came meanwhile
         seen.asking = False
+        if cut and (status is TurnStatus.WAITING or (status in _RUNS and seen.key is None)):
+            # The turn goes on under its id from what the store held of it (its review,
+            # which a worker that died had resolved): the events the mirror passed on
+            # after that were lost, and would read as the start of what comes next.
+            # (A turn run again under its key starts over with a TurnStarted.)
+            self._turn_cut(name, seen, owner, status)
+            return
         if status is TurnStatus.LOST:
             seen.owner = owner
             if seen.key is None:
@@ -618,6 +632,20 @@ class Streams:
                 for event in events
                 if event.seq > position and (below is None or event.seq < below)
             ],
+        )
+
+    def _turn_cut(self, name: str, seen: _OpenTurn, owner: str, status: TurnStatus) -> None:
+        where = "this worker" if owner == self.worker else f"worker {owner!r}"
+        now = "waits on its review again" if status is TurnStatus.WAITING else "goes on from there"
+        self._turn_ended(
+            name,
+            f"the events of turn {seen.turn_id} of session {name!r} after the last one "
+            f"stored were lost: the worker that ran the turn died before it stored them, "
+            f"and {where} took the session over, where the turn, as stored, {now}",
+            " to go on (if that is refused as expired, EventsExpiredError, the events "
+            "after it were lost: then ",
+            Advice(kind=AdviceKind.RELOAD_STATE),
+            ")",
         )
 
     def _turn_lost(self, name: str, seen: _OpenTurn) -> None:
