@@ -25,7 +25,16 @@ class Pending:
     idempotency key) queue behind it. Cancelling a wait only abandons it.
     """
 
-    __slots__ = ("_others", "_task", "done", "error", "owner", "result", "write_outcome")
+    __slots__ = (
+        "_others",
+        "_task",
+        "done",
+        "error",
+        "owner",
+        "renamed",
+        "result",
+        "write_outcome",
+    )
 
     def __init__(self) -> None:
         self._task: trio.lowlevel.Task | None = None  # the first waiter
@@ -40,6 +49,9 @@ class Pending:
         #: ``(registry's sessions, session name)`` of a turn submitted from within a
         #: turn (see ``_nesting``): a wait on it from within its session's turn is refused.
         self.owner: tuple[object, str] | None = None
+        #: Set by a router for a turn another worker accepted and then sent on to the
+        #: session's next worker (it closed before starting it): the turn's id there.
+        self.renamed: str | None = None
 
     @classmethod
     def resolved(cls, result: Any) -> Pending:

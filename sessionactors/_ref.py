@@ -119,11 +119,13 @@ class Turn(metaclass=NoPublicConstructor):
     def id(self) -> str:
         """The turn's id: the ``turn_id`` of its events, its reply and its outcome.
 
-        For a replayed turn, the id of the turn that completed with its key.
+        For a replayed turn, the id of the turn that completed with its key. For a
+        turn that another worker accepted and, closing before it began, sent on to
+        the session's next worker: the id it runs under there, once that worker took it.
         """
         if self._replayed:
             return self._id
-        return self._replayed_as() or self._id
+        return self._replayed_as() or self._pending.renamed or self._id
 
     @property
     def replayed(self) -> bool:
@@ -618,13 +620,13 @@ class SessionRef(metaclass=NoPublicConstructor):
             async def only_this_turn() -> AsyncGenerator[Event, None]:
                 if turn.replayed:  # no new turn ran: nothing to stream
                     return
-                following = turn.id
+                following = named = turn.id
                 # a turn that runs here publishes its outcome even if its actor crashes
                 # (lost=True); one whose worker dies or loses the session may end
                 # without one, or run under a new id (sent on to the session's next
                 # worker when the first closed before starting it): where the turns
                 # that started since began, to read a renamed one's events again once
-                # its reply names it
+                # ``turn.id`` names it (the next worker took it) or its reply does
                 source: EventIterator = events
                 starts: dict[str, int] = {}
                 runs_here, name = self._dispatcher.runs_here, self.session_id
@@ -644,6 +646,17 @@ class SessionRef(metaclass=NoPublicConstructor):
                                     event = await source.__anext__()
                                 except StopAsyncIteration:
                                     break
+                        if event is None or getattr(event, "turn_id", None) != following:
+                            renamed = turn.id
+                            if renamed != named and not turn.done:
+                                # sent on to the session's next worker under this id
+                                following = named = renamed
+                                start = starts.get(renamed)
+                                if start is not None:  # its events went by: again
+                                    source = await stack.enter_async_context(
+                                        self.subscribe(after=start - 1)
+                                    )
+                                    continue
                         if event is None:  # a quiet while: is the turn over elsewhere?
                             if turn.done:
                                 ran_as = await _ran_as(turn, runs_here(name))

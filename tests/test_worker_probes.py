@@ -14,14 +14,17 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
 
 import sessionactors as sa
 from redis_workers import TTL, open_worker
+from sessionactors.http import create_app
 from sessionactors.stores import RedisStore
 from sessionactors.testing import EchoModel
+from web.servers import serve_trio
 from worker_spares import SpareProcess, open_worker_process, start_spares
 
 pytestmark = pytest.mark.redis
@@ -106,6 +109,106 @@ async def test_a_stream_through_another_worker_follows_its_turn_sent_on_when_its
     assert isinstance(last, sa.TurnFinished), seen
     assert last.turn_id == seen[0].turn_id
     assert last.message.content.strip() == text
+
+
+class GatedAfterFirstWord:
+    """Streams a turn's first word, then waits for ``go`` before the rest."""
+
+    def __init__(self) -> None:
+        self.go = trio.Event()
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        first, *rest = last_user_text(request).split()
+        yield sa.TextChunk(first + " ")
+        await self.go.wait()
+        for word in rest:
+            yield sa.TextChunk(word + " ")
+
+
+async def test_a_stream_follows_its_turn_sent_on_when_its_owner_closes_as_it_runs(
+    redis_url: str,
+) -> None:
+    """ref.stream() through another worker, whose turn waits in the owner's mailbox when the owner closes and is sent on to the session's next worker under a new turn id, yields that turn's events as they come, not all at once when it ended: its first delta arrives while the model still answers."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    seen: list[sa.Event] = []
+    model = GatedAfterFirstWord()
+    text = "queued behind the long turn"
+    with trio.fail_after(30):
+        async with open_worker(redis_url, prefix, "b", model) as b, trio.open_nursery() as outer:
+
+            async def give_up() -> None:  # (the turn ends either way)
+                await trio.sleep(10)
+                model.go.set()
+
+            outer.start_soon(give_up)
+            async with owner_closing_on_a_long_turn(redis_url, prefix) as nursery:
+
+                async def stream(task_status: trio.TaskStatus[None]) -> None:
+                    async with b.ref("s").stream(text) as events:
+                        task_status.started()  # accepted into a's mailbox
+                        async for event in events:
+                            seen.append(event)
+                            if isinstance(event, sa.Delta) and not model.go.is_set():
+                                live.append(event)
+                                model.go.set()
+
+                live: list[sa.Event] = []
+                await nursery.start(stream)
+            # a closed, the turn ran on b, and the stream ended
+            outer.cancel_scope.cancel()
+    assert live, f"no delta while the turn ran; the stream had {seen}"
+    last = seen[-1]
+    assert isinstance(last, sa.TurnFinished), seen
+    assert [e.turn_id for e in seen] == [last.turn_id] * len(seen)
+    assert last.message.content.strip() == text
+
+
+async def test_a_message_streamed_over_http_follows_its_turn_sent_on_as_it_runs(
+    redis_url: str,
+) -> None:
+    """A message POSTed as an event stream to the gateway of a worker that does not run the session, whose turn waits in the owner's mailbox when the owner closes and is sent on to the session's next worker under a new turn id, streams that turn's events as they come (its TurnStarted, a delta while the model still answers, its TurnFinished), as ref.stream does, not only its reply once it ended."""
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    seen: list[dict[str, Any]] = []
+    live: list[dict[str, Any]] = []
+    model = GatedAfterFirstWord()
+    text = "queued behind the long turn"
+    with trio.fail_after(30):
+        async with (
+            open_worker(redis_url, prefix, "b", model) as b,
+            serve_trio(create_app(b)) as url,
+            httpx.AsyncClient(base_url=url, timeout=None) as client,
+            trio.open_nursery() as outer,
+        ):
+
+            async def give_up() -> None:  # (the turn ends either way)
+                await trio.sleep(10)
+                model.go.set()
+
+            outer.start_soon(give_up)
+            async with owner_closing_on_a_long_turn(redis_url, prefix) as nursery:
+
+                async def post(task_status: trio.TaskStatus[None]) -> None:
+                    body = {"text": text}
+                    headers = {"accept": "text/event-stream"}
+                    async with client.stream(
+                        "POST", "/sessions/s/messages", json=body, headers=headers
+                    ) as response:
+                        assert response.status_code == 200
+                        task_status.started()  # accepted into a's mailbox
+                        async for line in response.aiter_lines():
+                            if line.startswith("data:"):
+                                seen.append(json.loads(line.removeprefix("data:")))
+                                if seen[-1]["type"] == "Delta" and not model.go.is_set():
+                                    live.append(seen[-1])
+                                    model.go.set()
+
+                await nursery.start(post)
+            outer.cancel_scope.cancel()
+    assert live, f"no delta while the turn ran; the stream had {seen}"
+    assert [e["type"] for e in seen[:1]] == ["TurnStarted"], seen
+    assert seen[-1]["type"] == "TurnFinished", seen
+    assert {e["turn_id"] for e in seen} == {seen[0]["turn_id"]}
+    assert seen[-1]["message"]["content"].strip() == text
 
 
 async def test_a_turn_its_own_worker_queued_when_it_closed_is_told_on_another_worker(

@@ -1316,7 +1316,7 @@ class SessionsApp:
                 # live one, unread, would fill up and be cut off as lagged
                 events = await _subscribe_from(stack, ref, since)
                 await live.aclose()
-            followed = _Followed(turn.id, key, began=False if since is None else None)
+            followed = _Followed(turn.id, key, began=False if since is None else None, turn=turn)
             yield Stream(
                 events,
                 select=self._turn_events(turn.id, joined_at, followed),
@@ -1610,6 +1610,16 @@ class SessionsApp:
                 and event_turn != followed.turn_id
             ):
                 followed.turn_id = event_turn  # the key ran it again: a second TurnStarted
+            elif (
+                followed.began is False
+                and followed.turn is not None
+                and isinstance(event, sa.TurnStarted)
+                and event_turn != followed.turn_id
+                and event_turn == followed.turn.id
+            ):
+                # it never began where it was accepted: that worker closed and sent it on
+                # to the session's next worker, which runs it under this id
+                followed.turn_id = event_turn
             if followed.turn_id is not None and event_turn != followed.turn_id:
                 return None, False
             if taken_back(event, joined_at):  # (the turn resumed after a crash)
@@ -1684,6 +1694,8 @@ class _Followed:
     #: Whether its TurnStarted came (None: the stream joined it under way): False until
     #: then for a stream that subscribed before submitting it (see ``_turn_events``).
     began: bool | None = None
+    #: The turn submitted, whose ``id`` names the turn it runs as where it was sent on.
+    turn: sa.Turn | aio.Turn | None = None
 
 
 async def _sse_outcome(turn: sa.Turn | aio.Turn, followed: _Followed) -> bytes | None:

@@ -978,7 +978,12 @@ class Cluster(metaclass=NoPublicConstructor):
         key: str | None = request["key"]
 
         def on_ack(body: Mapping[str, Any]) -> None:
-            forwarded.turn_id = str(body["turn_id"])
+            turn_id = str(body["turn_id"])
+            if forwarded.accepted and turn_id != forwarded.turn_id:
+                # sent on to the session's next worker, which runs it under this id:
+                # a stream of the turn follows it there (see ``ref.stream``)
+                forwarded.pending.renamed = turn_id
+            forwarded.turn_id = turn_id
             forwarded.owner = str(body.get("_owner", "?"))
             forwarded.replayed = bool(body.get("replayed"))
             since = body.get("since")
@@ -1000,8 +1005,10 @@ class Cluster(metaclass=NoPublicConstructor):
                 if not forwarded.settled.is_set():
                     forwarded.local = True
                     return
-                # accepted by an owner that died; the session is free now: run it here
+                # accepted by an owner that died or closed; the session is free now: run
+                # it here (under an id of this worker's: a stream follows it)
                 turn = await self.host.submit(name, text, key, ack=False)
+                forwarded.pending.renamed = turn.id
                 forwarded.pending.set_result(await turn.reply())
                 return
             result = load_reply(name, self._check(answer, name)["reply"])
