@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import io
 import math
 import os
 import re
@@ -22,7 +24,7 @@ from ._cli_sessions import run as run_sessions
 from ._errors import SessionActorsError
 from ._events import Delta, TurnFailed
 from ._model import Model
-from ._names import is_url, redact, redact_urls
+from ._names import is_url, json_escape, redact, redact_urls
 from ._names import terminal_safe as _terminal_safe
 from ._registry import open_registry
 from .stores._sqlite import SQLiteStore
@@ -208,7 +210,23 @@ def _given(
     return given
 
 
+def _escape_unwritable(error: UnicodeError) -> tuple[str, int]:
+    """The codec error handler of standard output: a character its encoding cannot
+    write (an ASCII or Latin-1 locale) as JSON escapes it, which in a JSON string
+    means the same character."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    chars = error.object[error.start : error.end]
+    return "".join(json_escape(ch) for ch in chars), error.end
+
+
+_UNWRITABLE = "sessionactors.escape"
+codecs.register_error(_UNWRITABLE, _escape_unwritable)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    if isinstance(sys.stdout, io.TextIOWrapper):  # (what a command prints, any text)
+        sys.stdout.reconfigure(errors=_UNWRITABLE)
     parser = _Parser(
         prog="sessionactors",
         description="Run LLM conversations as actors: a demo, a chat, an HTTP server, and "

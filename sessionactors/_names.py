@@ -14,6 +14,7 @@ __all__ = [
     "damaged_name",
     "delete_command",
     "is_url",
+    "json_escape",
     "name_bytes",
     "redact",
     "redact_urls",
@@ -207,8 +208,12 @@ def terminal_safe(text: str, *, one_line: bool = False) -> str:
 
 def _escape(match: re.Match[str]) -> str:
     ch = match.group()
-    if not is_control(ch):
-        return ch
+    return json_escape(ch) if is_control(ch) else ch
+
+
+def json_escape(ch: str) -> str:
+    """The character ``ch`` as JSON escapes it: ``\\uXXXX``, a UTF-16 surrogate pair
+    past the first 65,536."""
     code = ord(ch)
     if code <= 0xFFFF:
         return f"\\u{code:04x}"

@@ -251,6 +251,59 @@ def test_show_prints_state_messages_and_events(tmp_path: Path) -> None:
         assert "'nobody'" in refused("show", "nobody", "--store", store)
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+async def test_commands_print_any_text_to_an_output_that_cannot_encode_it(
+    tmp_path: Path, encoding: str
+) -> None:
+    """list, show, export and tail print a session whose name, metadata and messages hold
+    characters that standard output's encoding cannot write (PYTHONIOENCODING=ascii, a
+    Latin-1 locale) as JSON escapes (\\u00e9), instead of failing: their JSON reads back
+    as the same values as a UTF-8 output's."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    name = "café ☕"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        ref = await registry.spawn(name, metadata={"who": "zoë 🙂"})
+        await ref.send("héllo wörld ✓ 😀")
+    env = {key: value for key, value in os.environ.items() if key != "SESSIONACTORS_STORE"}
+    env["PYTHONIOENCODING"] = encoding
+
+    def narrow(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "sessionactors", "sessions", *args],
+            capture_output=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+        assert (done.returncode, done.stderr) == (0, b""), done.stderr
+        return done.stdout.decode(encoding)  # (written in it)
+
+    commands = [
+        ["list", "--store", store, "--json"],
+        ["show", name, "--store", store, "--json", "--events"],
+        ["export", name, "--store", store],
+        ["tail", name, "--store", store, "--after", "0", "--no-follow"],
+    ]
+    for args in commands:
+        wide = await trio.to_thread.run_sync(ok, *args)
+        told = await trio.to_thread.run_sync(narrow, *args)
+        assert "\\u" in told, told
+        if args[0] == "tail":  # (a JSON line an event)
+            assert [json.loads(line) for line in told.splitlines()] == [
+                json.loads(line) for line in wide.splitlines()
+            ]
+        elif args[0] == "export":  # (the time of the export differs)
+            assert json.loads(told)["session"] == json.loads(wide)["session"]
+        else:
+            assert json.loads(told) == json.loads(wide), args
+    for args in (["list", "--store", store], ["show", name, "--store", store]):
+        told = await trio.to_thread.run_sync(narrow, *args)
+        escaped = "".join(c if c.encode(encoding, "ignore") else f"\\u{ord(c):04x}" for c in name)
+        assert escaped in told, told
+
+
 async def test_show_json_carries_the_turn_that_waits_on_a_review(tmp_path: Path) -> None:
     """show --json of a session stored while a turn waits on a review carries that turn
     as ``open_turn`` (its id, status waiting, the user message it answers, its key), as
