@@ -1,14 +1,20 @@
 """The chat page at / in headless Chromium (Debian's chromium driven by Playwright), against
 ``python -m sessionactors serve`` behind a proxy whose connections the test can drop."""
 
+import asyncio
+import base64
+import concurrent.futures
 import re
 import signal
 import sqlite3
 import time
+import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from .browser import needs_chromium
 from .proxy import open_proxy
@@ -572,3 +578,65 @@ def test_a_message_whose_turn_a_crash_lost_is_offered_to_send_again(
             expect(lost).to_have_count(0)
             page.close()
     assert not errors
+
+
+@pytest.mark.redis
+def test_a_turn_sent_again_after_its_worker_died_replaces_what_the_page_drew_of_it(
+    browser: object, redis_url: str
+) -> None:
+    """Two `serve` workers on Redis; the page follows a session through worker B while
+    the session runs on worker A. A is killed (kill -9) mid-reply; B sends the message
+    again under its idempotency key, and the turn runs again on B under a new turn id
+    (a second TurnStarted). The page drops what it drew of the first run: one user
+    message, one answer, no draft left streaming. (The first run's partial answer and
+    a second copy of the user's message stayed for good.)"""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    store = f"{redis_url}?prefix={prefix}"
+    words = " ".join(f"w{i}" for i in range(60))
+    ttl = ("--lease-ttl", "2")
+    with (
+        serve_command(store, *ttl, status=-signal.SIGKILL) as a,
+        serve_command(store, *ttl) as b,
+    ):
+        worker_a = re.search(r"as worker (\S+) on", a.line)
+        assert worker_a, a.line
+        # a session that runs on A (sessions wake on their shard's worker of the two)
+        names = [f"web-{i}" for i in range(24)]
+        for name in names:
+            reply = httpx.post(f"{b.url}/sessions/{name}/messages", json={"text": "hi"}, timeout=30)
+            assert reply.status_code == 200, reply.text
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (the page's loop runs here)
+            owners = pool.submit(asyncio.run, lease_owners(redis_url, prefix, names)).result()
+        name = next(n for n in names if owners[n] == worker_a.group(1))
+        page, errors = open_page(browser, f"{b.url}/#session={name}")
+        expect(page.locator("#title")).to_have_text(name)
+        expect(page.locator(".message.assistant")).to_have_text("hi", timeout=10_000)
+        page.fill("#text", words)
+        page.press("#text", "Enter")
+        expect(page.locator(".message.streaming")).to_contain_text("w5", timeout=10_000)
+        a.process.kill()
+        a.process.wait()
+        expect(page.locator(".message.assistant").last).to_have_text(words, timeout=30_000)
+        expect(page.locator(".message.user")).to_have_text(["hi", words])
+        expect(page.locator(".message.assistant")).to_have_text(["hi", words])
+        expect(page.locator(".message.streaming")).to_have_count(0)
+        page.close()
+    assert not errors
+
+
+async def lease_owners(url: str, prefix: str, names: list[str]) -> dict[str, str | None]:
+    """The worker that holds the lease of each session of ``names`` on the Redis at
+    ``url`` under ``prefix`` (the store's documented layout), if any."""
+    import coredis
+
+    owners: dict[str, str | None] = {}
+    async with coredis.Redis.from_url(url, decode_responses=True) as client:
+        for name in names:
+            raw = name.encode()
+            encoded = base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+            key = f"{prefix}:{{g{zlib.crc32(raw) % 1024}}}:s:{encoded}:lease"
+            owners[name] = await client.hget(key, "owner")
+    return owners
