@@ -471,6 +471,7 @@ async def _list(store: Store, args: argparse.Namespace) -> int:
         after=args.after,
         active_before=args.active_before,
         damaged=functools.partial(_say_damaged, args.given_store),
+        unreadable=_say_unreadable,
     )
     if not infos:
         await say_if_empty(store, args.given_store)
@@ -525,6 +526,13 @@ def _say_damaged(given: GivenStore, raw: bytes) -> None:
         f"of the listing and no request can reach it; remove it with "
         f"{_to_run(given, functools.partial(delete_command, shown))}"
     )
+    print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
+
+
+def _say_unreadable(name: str, why: str) -> None:
+    """Say on stderr that the listing entry of session ``name`` cannot be read, and
+    how it was listed (``why``)."""
+    text = f"session {name!r}: {why}"
     print(f"sessionactors sessions list: {_terminal_safe(text)}", file=sys.stderr)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import shlex
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -162,21 +163,61 @@ async def read_events(store: Store, session_id: str, after: int) -> tuple[int, l
 
 
 def describe_stored(name: str, blob: bytes) -> SessionInfo:
-    """The SessionInfo stored for ``name``; ``FAILED`` (and a log line) if unreadable."""
+    """The SessionInfo stored for ``name``; SnapshotError if it cannot be read (then a
+    listing reads the session's history instead: see ``list_stored``)."""
+    if not isinstance(blob, bytes | bytearray | memoryview):  # a damaged store's value
+        raise SnapshotCorruptError(
+            f"the info of session {name!r} is stored as a {type(blob).__name__}, not bytes",
+            session_id=name,
+        )
+    info = load_info(blob, session_id=name)
+    told = told_status(info.status, pending_reviews=info.pending_reviews)
+    return info if told is info.status else attrs.evolve(info, status=told)
+
+
+async def _described_anew(
+    store: Store, name: str, unreadable: Callable[[str, str], None] | None = None
+) -> SessionInfo:
+    """The listing's SessionInfo of ``name``, whose stored info (a copy of what its
+    history says, kept for listings) cannot be read: as its history says, read as
+    ``read_session`` reads it; ``FAILED`` if that cannot be read either. Either way
+    ``unreadable`` is told why (by default: logged as a WARNING)."""
+    tell = unreadable or _unreadable_listed
+    entry = (
+        "its listing entry (the copy of its status, size and metadata kept for listings) "
+        "cannot be read"
+    )
     try:
-        if not isinstance(blob, bytes | bytearray | memoryview):  # a damaged store's value
-            raise SnapshotCorruptError(
-                f"the info of session {name!r} is stored as a {type(blob).__name__}, not bytes",
-                session_id=name,
-            )
-        info = load_info(blob, session_id=name)
-    except SnapshotError as exc:
-        log.warning("session %r is listed as failed: its info is unreadable: %s", name, exc)
+        state = await read_session(store, name)
+    except (SnapshotError, SessionNotFoundError) as exc:
+        tell(
+            name,
+            f"{entry}, nor can its history ({exc}); it is listed as failed: restore it "
+            f"from a backup, or delete it (registry.delete(name), or "
+            f"`{delete_command(shlex.quote(name))}`)",
+        )
         return SessionInfo(
             session_id=name, agent=None, status=Status.FAILED, message_count=0, updated_at=NO_TIME
         )
-    told = told_status(info.status, pending_reviews=info.pending_reviews)
-    return info if told is info.status else attrs.evolve(info, status=told)
+    tell(
+        name,
+        f"{entry}; it is listed as its history says, which reads whole (the session's "
+        "next write puts the entry right)",
+    )
+    return SessionInfo(
+        session_id=name,
+        agent=state.agent,
+        status=state.status,
+        message_count=len(state.messages),
+        updated_at=state.updated_at,
+        metadata=state.metadata,
+        pending_reviews=len(state.reviews),
+        usage=state.usage,
+    )
+
+
+def _unreadable_listed(name: str, why: str) -> None:
+    log.warning("session %r: %s", name, why)
 
 
 async def list_stored(
@@ -189,12 +230,15 @@ async def list_stored(
     active_before: datetime.datetime | None = None,
     describe: Callable[[str, bytes], SessionInfo] = describe_stored,
     damaged: Callable[[bytes], None] | None = None,
+    unreadable: Callable[[str, str], None] | None = None,
 ) -> list[SessionInfo]:
     """A listing of ``store`` as ``Registry.sessions`` documents it, read without waking
     any session; ``describe`` turns a stored ``(name, info)`` into the listed info.
 
     A stored name that is not UTF-8 (see ``damaged_name``) is left out, and its bytes
-    given to ``damaged`` (by default: logged as a WARNING, see ``damaged_listed``)."""
+    given to ``damaged`` (by default: logged as a WARNING, see ``damaged_listed``). A
+    session whose info cannot be read is listed as its history says (see
+    ``_described_anew``), and ``unreadable`` is given its name and what was done."""
     wanted, pairs = check_listing(status, metadata, limit, after)
     before = check_active_before(active_before)
     if after is not None:
@@ -211,7 +255,10 @@ async def list_stored(
         async for name, blob in listed:
             if is_damaged(name, damaged):
                 continue
-            info = describe(name, blob)
+            try:
+                info = describe(name, blob)
+            except SnapshotError:
+                info = await _described_anew(store, name, unreadable)
             if matches(info, wanted, pairs) and (
                 # (a session live here may have been active since it was last stored)
                 active_before is None or info.updated_at < active_before

@@ -353,8 +353,12 @@ class Registry(metaclass=NoPublicConstructor):
         shows once it ends (with ``durability="turn"``), as ``sessions list`` shows
         it; ``ref.state()`` asks the worker that runs the session for its status
         now. A session whose
-        stored description cannot be read is listed with status ``FAILED`` and
-        logged, so one bad record never fails the listing; one whose stored name
+        stored description (the copy of its status, size and metadata kept for
+        listings) cannot be read is listed as its history says, read as
+        ``read_session`` reads it, with a WARNING (its next write puts the
+        description right); one whose history cannot be read either is listed with
+        status ``FAILED`` and logged, so one bad record never fails the listing;
+        one whose stored name
         is not UTF-8 (damage in the store's file) names no session a request can
         reach: it is left out, with a WARNING that says how to remove it.
 
@@ -399,16 +403,17 @@ class Registry(metaclass=NoPublicConstructor):
         for name, blob in await self.store.list_sessions():
             if is_damaged(name):  # (no session can be reached under it)
                 continue
-            info = self._describe(name, blob)
-            if info.pending_reviews:
+            try:
+                waits = self._describe(name, blob).pending_reviews > 0
+            except SnapshotError:  # (its listing entry is unreadable: its state tells)
+                waits = True
+            if waits:
                 try:
-                    out.extend((await self._dispatcher.read(info.session_id)).reviews)
+                    out.extend((await self._dispatcher.read(name)).reviews)
                 except SessionNotFoundError:
                     continue  # deleted since it was listed: it waits on nothing now
                 except (SnapshotError, SessionCrashedError) as exc:  # its own fault only
-                    log.warning(
-                        "pending reviews of session %r are unreadable: %s", info.session_id, exc
-                    )
+                    log.warning("pending reviews of session %r are unreadable: %s", name, exc)
         return sorted(out, key=lambda r: r.created_at)
 
     def statistics(self) -> RegistryStatistics:

@@ -304,6 +304,34 @@ async def test_commands_print_any_text_to_an_output_that_cannot_encode_it(
         assert escaped in told, told
 
 
+async def test_list_tells_of_a_session_whose_listing_entry_is_unreadable(tmp_path: Path) -> None:
+    """list shows a session whose stored info was damaged, its history intact, as its
+    history says, and says so on stderr (not as failed, silently: an operator cleaning
+    up failed sessions would delete an intact conversation); one whose history is
+    damaged too is listed as failed, with the command that deletes it."""
+    path = tmp_path / "s.db"
+    store = f"sqlite:///{path}"
+    agents = {"echo": sa.Agent(model=EchoModel())}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        for name in ("kept", "gone"):
+            await (await registry.spawn(name)).send("hi")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE sessions SET info = x'00'")
+        db.execute("UPDATE snapshots SET data = x'00' WHERE session_id = 'gone'")
+    db.close()
+    done = await trio.to_thread.run_sync(sessions, "list", "--store", store)
+    assert done.returncode == 0, done.stderr
+    listed = sorted(line.split("\t")[:3] for line in done.stdout.splitlines())
+    assert listed == [["gone", "failed", "0 messages"], ["kept", "hibernated", "2 messages"]]
+    told = done.stderr.splitlines()
+    assert len(told) == 2, told
+    [kept] = [line for line in told if "'kept'" in line]
+    assert "as its history says" in kept, kept
+    assert "delete" not in kept, kept
+    [gone] = [line for line in told if "'gone'" in line]
+    assert "sessions delete --store URL --yes gone" in gone, gone
+
+
 async def test_show_json_carries_the_turn_that_waits_on_a_review(tmp_path: Path) -> None:
     """show --json of a session stored while a turn waits on a review carries that turn
     as ``open_turn`` (its id, status waiting, the user message it answers, its key), as

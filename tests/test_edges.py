@@ -508,7 +508,8 @@ async def test_turns_a_crash_takes_with_it_are_marked_lost_for_subscribers() -> 
 async def test_one_unreadable_record_does_not_fail_the_listing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A session whose stored info is garbage is listed as failed, and logged; the
+    """A session whose stored info is garbage is listed as its snapshot says, and
+    logged; one whose snapshot is garbage too is listed as failed, and logged; the
     other sessions are listed as they are."""
     store = MemoryStore()
     async with sa.open_registry(store=store, agents=ECHO) as registry:
@@ -516,11 +517,15 @@ async def test_one_unreadable_record_does_not_fail_the_listing(
         now = datetime.datetime.now(datetime.UTC)
         state = sa.SessionState(session_id="bad", agent="echo", created_at=now, updated_at=now)
         await store.create("bad", sa.dump_snapshot(state), b"\xc1 not msgpack")
+        await store.create("worse", b"\xc1 not msgpack", b"\xc1 not msgpack")
         infos = {info.session_id: info for info in await registry.sessions()}
-        assert infos["bad"].status is sa.Status.FAILED
+        assert (infos["bad"].status, infos["bad"].agent) == (sa.Status.NEW, "echo")
+        assert infos["worse"].status is sa.Status.FAILED
         assert infos["good"].message_count == 2
         assert await registry.pending_reviews() == []
-    assert any("bad" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'bad'" in t for t in told), told
+    assert any("'worse'" in t for t in told), told
 
 
 async def test_a_client_connected_before_an_unclean_stop_resumes() -> None:

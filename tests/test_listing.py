@@ -246,30 +246,47 @@ async def test_a_store_without_list_page_is_listed_whole(
     assert sorted(old_listing[0]) == sorted(paged_listing[0])
 
 
-async def test_unreadable_info_is_listed_as_failed(
-    tmp_path: Path, echo_agents: dict[str, sa.Agent]
+async def test_unreadable_info_is_listed_from_the_sessions_history(
+    tmp_path: Path, echo_agents: dict[str, sa.Agent], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A session whose stored info was damaged behind the store's back is listed as FAILED
-    in its place, and the rest of the listing (and its pages) is unaffected."""
+    """A session whose stored info (the copy of its status, size and metadata kept for
+    listings) was damaged behind the store's back, its history intact, is listed as its
+    history says, with a WARNING that says so, not as failed (which invites deleting an
+    intact conversation); only one whose history cannot be read either is listed as
+    FAILED. The rest of the listing (and its pages) is unaffected."""
     path = tmp_path / "sessions.db"
     async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
         with trio.fail_after(10):
-            for name in ("a", "b", "c"):
-                await (await registry.spawn(name)).send("hi")
+            for name in ("a", "b", "c", "d"):
+                await (await registry.spawn(name, metadata={"n": name})).send("hi")
     with sqlite3.connect(path) as db:
-        db.execute("UPDATE sessions SET info = x'c1' WHERE session_id = 'b'")
+        db.execute("UPDATE sessions SET info = x'c1' WHERE session_id IN ('b', 'd')")
+        db.execute("UPDATE snapshots SET data = x'c1' WHERE session_id = 'd'")
     db.close()
-    async with sa.open_registry(store=sa.SQLiteStore(path)) as registry:
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=echo_agents) as registry:
         with trio.fail_after(10):
             infos = await registry.sessions()
             assert [(i.session_id, i.status) for i in infos] == [
+                ("d", sa.Status.FAILED),
                 ("c", sa.Status.HIBERNATED),
-                ("b", sa.Status.FAILED),
+                ("b", sa.Status.HIBERNATED),
                 ("a", sa.Status.HIBERNATED),
             ]
-            assert joined(await pages(registry, 1)) == ["c", "b", "a"]
+            b = infos[2]
+            assert (b.message_count, b.metadata, b.agent) == (2, {"n": "b"}, "echo")
+            assert joined(await pages(registry, 1)) == ["d", "c", "b", "a"]
             failed = await registry.sessions(status="failed")
-            assert [i.session_id for i in failed] == ["b"]
+            assert [i.session_id for i in failed] == ["d"]
+            told = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            [about_b] = {t for t in told if "'b'" in t}
+            assert "history" in about_b, about_b
+            assert "delete" not in about_b, about_b
+            assert any("'d'" in t and "delete" in t for t in told), told
+            # its next write puts the info right
+            assert (await registry.ref("b").send("again")).text == "again"
+            assert [i.message_count for i in await registry.sessions() if i.session_id == "b"] == [
+                4
+            ]
 
 
 async def test_a_session_whose_info_holds_a_time_past_any_date_still_reads_and_wakes(
@@ -293,8 +310,8 @@ async def test_a_session_whose_info_holds_a_time_past_any_date_still_reads_and_w
             stored = await sa.read_session(registry.store, "far")
             assert [m.content for m in stored.messages] == ["hi", "hi"]
             assert stored.updated_at.year < 9999
-            [listed] = await registry.sessions()
-            assert (listed.session_id, listed.status) == ("far", sa.Status.FAILED)
+            [listed] = await registry.sessions()  # (as its history says: see above)
+            assert (listed.session_id, listed.status) == ("far", sa.Status.HIBERNATED)
             assert (await registry.ref("far").send("again")).text == "again"
 
 

@@ -229,11 +229,11 @@ async def test_without_a_journal_replay_from_before_a_fold_expires_instead_of_sk
 
 
 @pytest.mark.parametrize("damage", ["'not bytes'", "42", "4.5"])
-async def test_a_stored_info_of_the_wrong_sql_type_fails_only_its_own_listing_row(
+async def test_a_stored_info_of_the_wrong_sql_type_is_listed_from_its_history(
     tmp_path: Path, damage: str
 ) -> None:
-    """An SQLite row whose info is not a blob (text, a number) is listed as failed; the
-    listing and every other session go on."""
+    """An SQLite row whose info is not a blob (text, a number) is listed as its intact
+    history says; the listing and every other session go on."""
     path = tmp_path / "sessions.db"
     agents = {"echo": sa.Agent(model=EchoModel())}
     async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
@@ -244,7 +244,7 @@ async def test_a_stored_info_of_the_wrong_sql_type_fails_only_its_own_listing_ro
     db.close()
     async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
         listed = {info.session_id: info.status for info in await registry.sessions()}
-        assert listed == {"victim": sa.Status.FAILED, "other": sa.Status.HIBERNATED}
+        assert listed == {"victim": sa.Status.HIBERNATED, "other": sa.Status.HIBERNATED}
         assert await registry.pending_reviews() == []
         assert (await registry.ref("other").send("still here")).text == "still here"
 
@@ -269,11 +269,11 @@ async def _listed_after(redis_url: str, prefix: str) -> dict[str, sa.Status]:
 
 
 @pytest.mark.redis
-async def test_a_redis_info_key_of_the_wrong_type_fails_only_its_own_listing_row(
+async def test_a_redis_info_key_of_the_wrong_type_is_listed_from_its_history(
     redis_url: str,
 ) -> None:
-    """A session whose info key holds a hash instead of a string is listed as failed; the
-    listing and the other sessions go on."""
+    """A session whose info key holds a hash instead of a string is listed as its intact
+    history says; the listing and the other sessions go on."""
     prefix = await _two_sessions_in_redis(redis_url)
     victim = base64.urlsafe_b64encode(b"victim").rstrip(b"=").decode()
     async with coredis.Redis.from_url(redis_url) as client:
@@ -281,7 +281,7 @@ async def test_a_redis_info_key_of_the_wrong_type_fails_only_its_own_listing_row
         await client.delete([key])
         await client.hset(key, {"not": "a string"})
     listed = await _listed_after(redis_url, prefix)
-    assert listed == {"victim": sa.Status.FAILED, "other": sa.Status.HIBERNATED}
+    assert listed == {"victim": sa.Status.HIBERNATED, "other": sa.Status.HIBERNATED}
 
 
 @pytest.mark.redis
