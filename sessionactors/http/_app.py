@@ -43,7 +43,7 @@ import sessionactors as sa
 
 from .. import aio
 from .._errors import Advice, AdviceKind, has_private, shown, told, unmarked
-from .._names import as_session_id, validate_name
+from .._names import as_session_id, terminal_safe, validate_name
 from .._ref import check_message, check_text, joined, taken_back
 from ..aio._registry import on_trio, trio_turn
 from . import _cors
@@ -791,7 +791,13 @@ class SessionsApp:
             whole = told(error, advice) if has_private(error) else message
             log.warning("a request met a crashed session: %s", " ".join(whole.split()))
         elif isinstance(error, sa.StoreError) and not isinstance(error, sa.FencedOutError):
-            log.warning("a request failed in the store: %s", message)
+            # (one that no retry fixes, until the operator does: an ERROR, to act on)
+            wrong = isinstance(error, sa.StoreConfigurationError)
+            log.log(
+                logging.ERROR if wrong else logging.WARNING,
+                "a request failed in the store: %s",
+                message,
+            )
             session = error.session_id
             about = f"session {session!r}: " if session is not None else ""
             message = (
@@ -813,7 +819,13 @@ class SessionsApp:
             )
         elif body["status"] >= 500 and not isinstance(error, sa.TurnFailedError):
             # (a failed turn was logged whole when it failed)
-            log.error("request failed", exc_info=error)
+            log.error(
+                "%s failed: %s%s",
+                _request_line(scope),
+                type(error).__name__,
+                _of_session(error),
+                exc_info=error,
+            )
             if not isinstance(error, sa.SessionActorsError):
                 message = failed_told(error)
         body["message"] = message
@@ -1637,6 +1649,20 @@ class SessionsApp:
 
 #: The attribute that names a turn on a span (as the turn's own span has it).
 _TURN_ID: Final = "sessionactors.turn.id"
+
+
+def _request_line(scope: Mapping[str, Any]) -> str:
+    """The request of ``scope`` as a log line names it: its method and path (one line,
+    no control character of the client's)."""
+    method = scope.get("method") or str(scope.get("type", "")).upper()
+    return terminal_safe(f"{method} {scope.get('path', '')}", one_line=True)
+
+
+def _of_session(error: BaseException) -> str:
+    """What names the session of an error about one in a log line (" of session 'NAME'");
+    "" for any other error."""
+    name = getattr(error, "session_id", None)
+    return f" of session {name!r}" if isinstance(name, str) else ""
 
 
 def _name_turn(turn_id: str) -> None:

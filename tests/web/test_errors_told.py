@@ -5,6 +5,7 @@ and request errors in HTTP's terms, not Python's."""
 import json
 import logging
 import re
+import sqlite3
 import uuid
 from pathlib import Path
 from typing import Any
@@ -642,3 +643,68 @@ async def test_a_session_stopped_on_another_worker_answers_409(redis_url: str) -
                 r = await client.post("/sessions/t/messages", json={"text": "hi"})
             assert (a.live(), b.live()) == ([], [])
     assert (r.status_code, r.json()["error"]) == (409, "SessionStoppedError"), r.text
+
+
+async def test_a_request_that_failed_on_the_server_is_logged_with_its_route_and_session(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request answered 500 for the server's own failure (a session whose stored
+    snapshot is damaged) is logged as an ERROR whose line names the request's method and
+    path, the error's kind and its session, not "request failed" alone (an operator
+    searching the log for a session, or alerting on ERROR lines, finds it)."""
+    path = tmp_path / "s.db"
+    agents = trio_agents()
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        await (await registry.spawn("b1")).send("hi")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE snapshots SET data = x'c1'")
+    db.close()
+    async with (
+        sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry,
+        serve_trio(create_app(registry)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with trio.fail_after(10):
+            r = await client.get("/sessions/b1")
+    assert r.status_code == 500, r.text
+    lines = [x.getMessage() for x in caplog.records if x.levelno == logging.ERROR]
+    [line] = [x for x in lines if "GET /sessions/b1" in x]
+    assert "SnapshotCorruptError" in line, line
+    assert "session 'b1'" in line, line
+
+
+async def test_a_request_the_stores_configuration_refused_is_logged_as_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request that fails with StoreConfigurationError (another program's key where
+    the store keeps its sessions' listing, say: no retry fixes it until the operator
+    does) is answered 503, as any failure of the store, and logged as an ERROR, which is
+    what operators alert on; a store that failed for a moment is a WARNING."""
+    store = FaultyStore()
+    agents = trio_agents()
+    async with (
+        sa.open_registry(store=store, agents=agents) as registry,
+        serve_trio(create_app(registry)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with trio.fail_after(10):
+            store.fail("list_sessions", error=sa.StoreConfigurationError("the key holds a string"))
+            r = await client.get("/sessions")
+            assert r.status_code == 503, r.text
+            store.fail("list_sessions", error=sa.StoreError("down for a moment"))
+            r = await client.get("/sessions")
+            assert r.status_code == 503, r.text
+    levels = {
+        x.levelname
+        for x in caplog.records
+        if x.getMessage().startswith("a request failed in the store")
+        and "holds a string" in x.getMessage()
+    }
+    assert levels == {"ERROR"}, levels
+    levels = {
+        x.levelname
+        for x in caplog.records
+        if x.getMessage().startswith("a request failed in the store")
+        and "for a moment" in x.getMessage()
+    }
+    assert levels == {"WARNING"}, levels
