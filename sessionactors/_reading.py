@@ -190,11 +190,15 @@ async def _described_anew(
     try:
         state = await read_session(store, name)
     except (SnapshotError, SessionNotFoundError) as exc:
+        history = (
+            "and the store holds no history of it (an entry left without its session)"
+            if isinstance(exc, SessionNotFoundError)
+            else f"nor can its history ({exc})"
+        )
         tell(
             name,
-            f"{entry}, nor can its history ({exc}); it is listed as failed: restore it "
-            f"from a backup, or delete it (registry.delete(name), or "
-            f"`{delete_command(shlex.quote(name))}`)",
+            f"{entry}, {history}; it is listed as failed: restore it from a backup, or "
+            f"delete it (registry.delete({name!r}), or `{delete_command(shlex.quote(name))}`)",
         )
         return SessionInfo(
             session_id=name, agent=None, status=Status.FAILED, message_count=0, updated_at=NO_TIME
