@@ -420,8 +420,14 @@ async def maybe_compact(actor: TurnHost, agent: Agent) -> None:
             "Compaction.max_tokens) and send the message again",
             session_id=actor.session_id,
         ) from exc
-    if not summary:
-        return
+    if not summary:  # (blanks, nothing, or only tool calls: nothing to keep in place)
+        raise ModelError(
+            f"session {actor.session_id!r}: compaction failed, so the turn did not run: its "
+            "summarizer answered with no summary (no text; a summary is text, not tool "
+            "calls); fix the summarizer (or raise Compaction.max_tokens) and send the "
+            "message again",
+            session_id=actor.session_id,
+        )
     actor.durable(
         HistoryEdited(
             session_id=actor.session_id,

@@ -182,6 +182,39 @@ async def test_a_failing_summarizer_fails_the_turn_saying_compaction_failed(
     assert len(state.messages) == 4
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        [],
+        [sa.TextChunk("   ")],
+        [sa.ToolCallChunk(index=0, id="c1", name="search", arguments="{}")],
+    ],
+    ids=["nothing", "blank", "a tool call"],
+)
+async def test_a_summarizer_that_answers_no_summary_fails_the_turn_saying_compaction_failed(
+    autojump_clock: trio.abc.Clock, answer: list[sa.ModelChunk]
+) -> None:
+    """A summarizer that answers with no text (nothing, blanks, only a tool call) fails
+    the turn with a ModelError that names the compaction, as one that raises does: the
+    turn never went on in silence with the whole history over its budget (the summarizer
+    asked again at every turn)."""
+    summarizer = ChunkModel(answer, answer)
+    async with sa.open_registry(agents={"a": compacting_agent(summarizer)}) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send(LONG)
+            with pytest.raises(sa.TurnFailedError) as failed:
+                await ref.send(LONG)
+        error = failed.value.__cause__
+        assert isinstance(error, sa.ModelError)
+        assert "compaction failed" in str(error)
+        assert "no summary" in str(error)
+        assert "'s'" in str(error)
+        state = await ref.state()
+    assert state.summary is None
+    assert len(state.messages) == 4
+
+
 async def test_a_cancelled_step_keeps_the_results_of_its_calls_that_finished(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -292,20 +292,6 @@ async def test_the_agents_model_summarizes_by_default(autojump_clock: trio.abc.C
     assert contents(state.messages) == ["two", "a2", "three", "a3"]
 
 
-async def test_an_empty_summary_changes_nothing(autojump_clock: trio.abc.Clock) -> None:
-    """A summarizer that returns only whitespace leaves the history as it was."""
-    summarizer = ScriptedModel(["  \n "], repeat=True)
-    the_agent, _ = agent(sa.Compaction(max_tokens=1, keep_last=1, summarizer=summarizer))
-    async with sa.open_registry(agents={"a": the_agent}) as registry:
-        ref = await registry.spawn("s")
-        await converse(ref, "one", "two")
-        state = await ref.state()
-
-    assert len(summarizer.requests) == 1
-    assert state.summary is None
-    assert contents(state.messages) == ["one", "answer to one", "two", "answer to two"]
-
-
 async def long_conversation(
     compaction: sa.Compaction | None,
 ) -> tuple[list[sa.Event], sa.SessionState, ScriptedModel]:
