@@ -552,6 +552,56 @@ async def test_a_subscription_hears_that_an_approved_turns_answer_was_lost_when_
                     pass
 
 
+@pytest.mark.parametrize("key", [None, "k1"])
+async def test_a_subscription_hears_that_an_approved_turns_answer_was_lost_though_it_was_approved_again(
+    redis_url: str, key: str | None
+) -> None:
+    """As above, but the worker that takes the session over approves the review again at once, and the turn runs to its end there before the subscription's worker asks what became of it (finished): the subscription still ends with SubscriberLaggedError at the last lost delta, before any event of the new owner, with or without an idempotency key (the turn goes on under its id: no TurnStarted of its own would tell a client to drop the lost part)."""
+    from cluster_worker import EchoOrFail, _guarded
+
+    prefix = f"sa-test:{uuid.uuid4().hex}"
+    text = "review " + " ".join(f"w{i}" for i in range(50))
+    ended: list[BaseException] = []
+    events: list[sa.Event] = []
+    tools = [sa.Tool(name="guarded", fn=_guarded, requires_review=True)]
+    fast = {"echo": sa.Agent(model=EchoOrFail(delay=0.0), tools=tools)}
+    with trio.fail_after(60):
+        async with (
+            worker_process(redis_url, prefix, "a", ["s"], 0.2) as a,
+            open_worker(redis_url, prefix, "b") as b,
+            open_worker(redis_url, prefix, "c", agents=fast) as c,
+        ):
+            ref = b.ref("s")
+            answering, answer_seen = answering_after_review()
+
+            def seen(event: sa.Event) -> None:
+                events.append(event)
+                answer_seen(event)
+
+            async def approve(through: sa.SessionRef, review_id: str) -> None:
+                with contextlib.suppress(sa.SessionActorsError):
+                    await through.review(review_id, True)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscribe_until_error, ref, ended, seen)
+                paused = await ref.send(text, idempotency_key=key)
+                [review] = paused.reviews
+                nursery.start_soon(approve, ref, review.id)
+                await answering.wait()
+                a.kill()  # SIGKILL, mid-answer after the review
+                await c.ref("s").state()  # c takes the session over
+                nursery.start_soon(approve, c.ref("s"), review.id)  # and approves it again
+                with trio.move_on_after(6 * TTL):
+                    await wait_for_an_end(ended, 6 * TTL)
+                nursery.cancel_scope.cancel()
+            last = max(e.seq for e in events if isinstance(e, sa.Delta))
+            assert ended, f"no error; after the lost answer came {_jumped(events, last)}"
+            lagged = ended[0]
+            assert isinstance(lagged, sa.SubscriberLaggedError), repr(lagged)
+            assert lagged.last_seq == last == events[-1].seq, (lagged, events[-3:])
+            assert paused.turn_id in str(lagged), str(lagged)
+
+
 def _jumped(events: list[sa.Event], last: int) -> list[sa.Event]:
     """The events of ``events`` a wake's seq jump past seq ``last`` numbered."""
     return [e for e in events if e.seq > last + (1 << 19)]

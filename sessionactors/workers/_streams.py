@@ -173,9 +173,6 @@ class _OpenTurn:
 _AT_REST: Final = (TurnFinished, TurnFailed, TurnCancelled, ReviewRequested)
 
 
-#: What a turn's new owner may say of one that runs there.
-_RUNS: Final = (TurnStatus.QUEUED, TurnStatus.RUNNING)
-
 #: What a turn's new owner may say of it once its outcome is durable.
 _ENDED: Final = (TurnStatus.WAITING, TurnStatus.FINISHED, TurnStatus.FAILED, TurnStatus.CANCELLED)
 
@@ -501,11 +498,17 @@ class Streams:
             self._rejoin(name)
             return  # its outcome, or another turn, came meanwhile
         seen.asking = False
-        if cut and (status is TurnStatus.WAITING or (status in _RUNS and seen.key is None)):
-            # The turn goes on under its id from what the store held of it (its review,
-            # which a worker that died had resolved): the events the mirror passed on
-            # after that were lost, and would read as the start of what comes next.
-            # (A turn run again under its key starts over with a TurnStarted.)
+        if (
+            cut
+            and status not in (None, TurnStatus.LOST)
+            and (status is TurnStatus.WAITING or seen.key is None)
+        ):
+            # The turn went on under its id from what the store held of it (its review,
+            # which a worker that died had resolved; it may have ended since): the
+            # events the mirror passed on after that were lost, and would read as the
+            # start of what came next. (A turn the mirror knows the key of, read from
+            # its TurnStarted, ran again under its key, which starts over with a
+            # TurnStarted of its own.)
             self._turn_cut(name, seen, owner, status)
             return
         if status is TurnStatus.LOST:
@@ -636,7 +639,11 @@ class Streams:
 
     def _turn_cut(self, name: str, seen: _OpenTurn, owner: str, status: TurnStatus) -> None:
         where = "this worker" if owner == self.worker else f"worker {owner!r}"
-        now = "waits on its review again" if status is TurnStatus.WAITING else "goes on from there"
+        now = {
+            TurnStatus.WAITING: "waits on its review again",
+            TurnStatus.QUEUED: "goes on from there",
+            TurnStatus.RUNNING: "goes on from there",
+        }.get(status, f"went on from there and is {status.value} now")
         self._turn_ended(
             name,
             f"the events of turn {seen.turn_id} of session {name!r} after the last one "
