@@ -211,9 +211,8 @@ def _given(
 
 
 def _escape_unwritable(error: UnicodeError) -> tuple[str, int]:
-    """The codec error handler of standard output: a character its encoding cannot
-    write (an ASCII or Latin-1 locale) as JSON escapes it, which in a JSON string
-    means the same character."""
+    """The codec error handler of a standard output that is not UTF-8: a character
+    past ASCII as JSON escapes it, which in a JSON string means the same character."""
     if not isinstance(error, UnicodeEncodeError):
         raise error
     chars = error.object[error.start : error.end]
@@ -225,8 +224,11 @@ codecs.register_error(_UNWRITABLE, _escape_unwritable)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    if isinstance(sys.stdout, io.TextIOWrapper):  # (what a command prints, any text)
-        sys.stdout.reconfigure(errors=_UNWRITABLE)
+    out = sys.stdout
+    if isinstance(out, io.TextIOWrapper) and codecs.lookup(out.encoding).name != "utf-8":
+        # (an ASCII or Latin-1 locale: what a command prints, any text, is written as
+        # ASCII, so that its JSON, an export's, reads back as UTF-8 as well)
+        out.reconfigure(encoding="ascii", errors=_UNWRITABLE)
     parser = _Parser(
         prog="sessionactors",
         description="Run LLM conversations as actors: a demo, a chat, an HTTP server, and "
