@@ -588,8 +588,9 @@ def test_a_turn_sent_again_after_its_worker_died_replaces_what_the_page_drew_of_
     the session runs on worker A. A is killed (kill -9) mid-reply; B sends the message
     again under its idempotency key, and the turn runs again on B under a new turn id
     (a second TurnStarted). The page drops what it drew of the first run: one user
-    message, one answer, no draft left streaming. (The first run's partial answer and
-    a second copy of the user's message stayed for good.)"""
+    message, one answer, no draft left streaming; so does a tab opened as the first run
+    streamed. (The first run's partial answer and a second copy of the user's message
+    stayed for good.)"""
     from playwright.sync_api import Browser, expect
 
     assert isinstance(browser, Browser)
@@ -617,14 +618,19 @@ def test_a_turn_sent_again_after_its_worker_died_replaces_what_the_page_drew_of_
         page.fill("#text", words)
         page.press("#text", "Enter")
         expect(page.locator(".message.streaming")).to_contain_text("w5", timeout=10_000)
+        # a tab opened as the first run streams (it did not draw that turn's start)
+        late, late_errors = open_page(browser, f"{b.url}/#session={name}")
+        expect(late.locator(".message.streaming")).to_contain_text("w9", timeout=10_000)
         a.process.kill()
         a.process.wait()
-        expect(page.locator(".message.assistant").last).to_have_text(words, timeout=30_000)
-        expect(page.locator(".message.user")).to_have_text(["hi", words])
-        expect(page.locator(".message.assistant")).to_have_text(["hi", words])
-        expect(page.locator(".message.streaming")).to_have_count(0)
-        page.close()
+        for tab in (page, late):
+            expect(tab.locator(".message.assistant").last).to_have_text(words, timeout=30_000)
+            expect(tab.locator(".message.user")).to_have_text(["hi", words])
+            expect(tab.locator(".message.assistant")).to_have_text(["hi", words])
+            expect(tab.locator(".message.streaming")).to_have_count(0)
+            tab.close()
     assert not errors
+    assert not late_errors
 
 
 async def lease_owners(url: str, prefix: str, names: list[str]) -> dict[str, str | None]:
