@@ -22,6 +22,7 @@ from ._codec import load_info, load_journal_entry, load_snapshot, load_snapshot_
 from ._errors import (
     Advice,
     AdviceKind,
+    InvalidSessionNameError,
     SessionNotFoundError,
     SnapshotCorruptError,
     SnapshotError,
@@ -189,7 +190,7 @@ async def _described_anew(
     )
     try:
         state = await read_session(store, name)
-    except (SnapshotError, SessionNotFoundError) as exc:
+    except (SnapshotError, SessionNotFoundError, InvalidSessionNameError) as exc:
         history = (
             "and the store holds no history of it (an entry left without its session)"
             if isinstance(exc, SessionNotFoundError)

@@ -25,6 +25,7 @@ from ._dispatch import Dispatcher
 from ._errors import (
     Advice,
     AdviceKind,
+    InvalidSessionNameError,
     MessageNotFoundError,
     SessionCrashedError,
     SessionExistsError,
@@ -38,7 +39,7 @@ from ._final import NoPublicConstructor
 from ._history import check_before_open_turn, check_copyable, rewind_end
 from ._metadata import check_metadata
 from ._names import redact, validate_name
-from ._reading import describe_stored, is_damaged, list_stored
+from ._reading import describe_stored, is_damaged, list_stored, read_session
 from ._records import (
     ReviewRequest,
     SessionInfo,
@@ -405,8 +406,12 @@ class Registry(metaclass=NoPublicConstructor):
                 continue
             try:
                 waits = self._describe(name, blob).pending_reviews > 0
-            except SnapshotError:  # (its listing entry is unreadable: its state tells)
-                waits = True
+            except SnapshotError:  # its listing entry is unreadable: its history tells
+                try:  # (read, not woken: a turn left open would run on)
+                    out.extend((await read_session(self.store, name)).reviews)
+                except (SnapshotError, SessionNotFoundError, InvalidSessionNameError) as exc:
+                    log.warning("pending reviews of session %r are unreadable: %s", name, exc)
+                continue
             if waits:
                 try:
                     out.extend((await self._dispatcher.read(name)).reviews)

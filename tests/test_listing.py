@@ -289,6 +289,35 @@ async def test_unreadable_info_is_listed_from_the_sessions_history(
             ]
 
 
+async def test_the_pending_review_of_a_session_whose_listing_entry_is_unreadable_is_found(
+    tmp_path: Path,
+) -> None:
+    """registry.pending_reviews() finds the review a session waits on whose stored info
+    (which says how many reviews it waits on) was damaged, reading its history without
+    waking it (a session left mid-turn would run on)."""
+    path = tmp_path / "sessions.db"
+
+    async def refund(order_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        return f"refunded {order_id}"
+
+    tool = sa.Tool(name="refund", fn=refund, requires_review=True, idempotent=False)
+    asked = sa.ToolCall(id="c1", name="refund", arguments='{"order_id": "A1"}')
+    model = ScriptedModel([Scripted(text="", tool_calls=[asked]), "done"])
+    agents = {"a": sa.Agent(model=model, tools=[tool])}
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        with trio.fail_after(10):
+            waiting = await (await registry.spawn("r")).send("Refund A1")
+            [review] = waiting.reviews
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE sessions SET info = x'c1' WHERE session_id = 'r'")
+    db.close()
+    async with sa.open_registry(store=sa.SQLiteStore(path), agents=agents) as registry:
+        with trio.fail_after(10):
+            assert [r.id for r in await registry.pending_reviews()] == [review.id]
+            assert registry.live() == []  # (read, not woken)
+
+
 async def test_a_session_whose_info_holds_a_time_past_any_date_still_reads_and_wakes(
     tmp_path: Path, echo_agents: dict[str, sa.Agent]
 ) -> None:
