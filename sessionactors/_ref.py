@@ -632,6 +632,15 @@ class SessionRef(metaclass=NoPublicConstructor):
                 runs_here, name = self._dispatcher.runs_here, self.session_id
                 alone = self._dispatcher.router is None  # (no other worker)
                 async with AsyncExitStack() as stack:
+
+                    async def again(read: EventIterator, start: int) -> EventIterator:
+                        """The session's events again from ``start`` on (those still
+                        available); ``read``, read no more, is closed (it would fill)."""
+                        read.close()
+                        source = await self._open_from(start - 1)
+                        stack.callback(source.close)
+                        return source
+
                     while True:
                         event: Event | None = None
                         if alone and not turn.done and runs_here(name):
@@ -653,9 +662,7 @@ class SessionRef(metaclass=NoPublicConstructor):
                                 following = named = renamed
                                 start = starts.get(renamed)
                                 if start is not None:  # its events went by: again
-                                    source = await stack.enter_async_context(
-                                        self.subscribe(after=start - 1)
-                                    )
+                                    source = await again(source, start)
                                     continue
                         if event is None:  # a quiet while: is the turn over elsewhere?
                             if turn.done:
@@ -666,9 +673,7 @@ class SessionRef(metaclass=NoPublicConstructor):
                                     following = ran_as
                                     start = starts.get(ran_as)
                                     if start is not None:  # its events went by: again
-                                        source = await stack.enter_async_context(
-                                            self.subscribe(after=start - 1)
-                                        )
+                                        source = await again(source, start)
                             continue
                         turn_id = getattr(event, "turn_id", None)
                         if (
