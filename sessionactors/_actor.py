@@ -697,11 +697,18 @@ class Actor:
         not acknowledged, and it may or may not have landed: it fails with a StoreError
         naming the session (the journal's fault), so the session crashes and restarts
         from its durable state, and the turn's caller hears that the store may hold what
-        the write held (``unanswered``: see ``crashed_error``'s ``storing``)."""
-        with self._bounded_write():
-            return await write
-        sid = self.session_id
+        the write held (``unanswered``: see ``crashed_error``'s ``storing``). So does the
+        caller of a write the store refused (a StoreError: it may have applied it, as a
+        timeout after the server did), but for one fenced out (it wrote nothing)."""
         mail = self.turn_mail
+        try:
+            with self._bounded_write():
+                return await write
+        except StoreError as exc:
+            if mail is not None and not isinstance(exc, FencedOutError):
+                self.unanswered = mail.turn_id
+            raise
+        sid = self.session_id
         self.unanswered = "" if mail is None else mail.turn_id
         error = self.journal.fault = StoreError(
             f"session {sid!r}: the store did not answer a write in time (within "

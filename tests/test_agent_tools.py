@@ -655,3 +655,43 @@ async def test_cancelling_a_turn_in_a_blocked_sync_tool_ends_it_at_once() -> Non
         blocking.release.set()
     assert result.is_error
     assert "may or may not have taken effect" in result.content
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["kept", "not kept"])
+async def test_a_refused_write_of_a_calls_start_tells_the_caller_to_ask_about_the_turn(
+    landed: bool,
+) -> None:
+    """The store refuses the write that records a non-idempotent call's start before it
+    runs (with ``landed``: after it kept the write, as a timeout after the server
+    applied it). The caller's SessionCrashedError names the turn and says to ask
+    turn_outcome before sending the message again, as for a write the store did not
+    answer in time: never "retry the request", which, the start kept, runs the payment
+    a second time (the restarted session resumes the turn, and the retry is a new one)."""
+    paid: list[int] = []
+
+    async def pay(amount: int) -> str:
+        await trio.lowlevel.checkpoint()
+        paid.append(amount)
+        return "paid"
+
+    tool = sa.Tool(name="pay", fn=pay, idempotent=False)
+    call = sa.ToolCall(id="c1", name="pay", arguments='{"amount": 5}')
+    model = ScriptedModel(["hello", Scripted(tool_calls=[call]), "the call was cut"])
+    store = FaultyStore()
+    agents = {"a": sa.Agent(model=model, tools=[tool])}
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        ref = await registry.spawn("s")
+        with trio.fail_after(10):
+            await ref.send("hi")
+            store.fail("append", session_id="s", after=landed)
+            with pytest.raises(sa.SessionCrashedError) as crashed:
+                await ref.send("pay 5")
+            assert store.injected == 1
+            error = crashed.value
+            assert error.turn_id, str(error)
+            assert "turn_outcome" in str(error), str(error)
+            assert "retry the request" not in str(error), str(error)
+            # what it says to ask answers for the turn, whatever the store kept of it
+            outcome = await ref.turn_outcome(error.turn_id)
+            assert outcome.status is not sa.TurnStatus.QUEUED, outcome
+    assert paid == []  # (a call whose start the store may not hold never runs)
