@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 import sessionactors as sa
+from sessionactors.testing import EchoModel, FaultyStore
 
 #: A user message "ask NAME: QUESTION" has the model call ``ask`` with them.
 _ASK = "ask "
@@ -274,3 +275,85 @@ async def test_a_def_tool_that_calls_back_into_trio_is_refused_as_an_async_one()
             await ref.send("ask A: hello me")
         result = tool_result(await ref.history())
         assert result.content.startswith("SessionBusyError: session 'A' "), result.content
+
+
+def _nested_sessions_example() -> Any:
+    """docs/examples/howto_nested_sessions.py, imported (its tool and orchestrator)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "docs" / "examples" / "howto_nested_sessions.py"
+    spec = importlib.util.spec_from_file_location("howto_nested_sessions", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Pondering:
+    """A worker's model that thinks until its turn is cancelled."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def stream(self, request: sa.ModelRequest) -> AsyncIterator[sa.ModelChunk]:
+        self.asked += 1
+        yield sa.TextChunk("thinking")
+        await trio.sleep_forever()
+
+
+async def test_the_docs_orchestrator_cancels_its_workers_turns_when_its_turn_is_cancelled(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The how-to's orchestrator tool (docs/examples/howto_nested_sessions.py), its turn
+    cancelled while its workers think, cancels the workers' turns as the how-to says it
+    does: they end cancelled, not run on (a tool that catches trio.Cancelled alone
+    never sees the cancellation, which comes in its nursery's exception group, and one
+    that cancels unshielded is cancelled itself before it can)."""
+    example = _nested_sessions_example()
+    worker = Pondering()
+    agents = {
+        "orchestrator": sa.Agent(model=example.Orchestrator(), tools=[example.ask_workers]),
+        "worker": sa.Agent(model=worker),
+    }
+    async with sa.open_registry(agents=agents) as registry:
+        example.REGISTRY.append(registry)
+        boss = await registry.spawn("boss", agent="orchestrator")
+        for name in ("w1", "w2"):
+            await registry.spawn(name, agent="worker")
+        turn = await boss.submit("ask w1,w2: think it over")
+        with trio.fail_after(10):
+            while worker.asked < 2:
+                await trio.sleep(0.01)
+            assert await boss.cancel()
+            with pytest.raises(sa.TurnCancelledError):
+                await turn.reply()
+            for name in ("w1", "w2"):
+                while (state := await registry.ref(name).state()).status is not sa.Status.IDLE:
+                    await trio.sleep(0.01)
+                assert [t.status for t in state.turns] == [sa.TurnStatus.CANCELLED], name
+
+
+async def test_the_docs_orchestrator_keeps_every_answer_when_one_worker_crashes() -> None:
+    """The how-to's orchestrator tool, one of whose workers crashes (its store refuses
+    the turn's write: SessionCrashedError, not TurnFailedError), tells its model that
+    worker's failure by its kind and keeps the other workers' answers (an error that
+    escaped its nursery lost them all, and the model read only "ExceptionGroup")."""
+    example = _nested_sessions_example()
+    store = FaultyStore()
+    agents = {
+        "orchestrator": sa.Agent(model=example.Orchestrator(), tools=[example.ask_workers]),
+        "worker": sa.Agent(model=EchoModel(prefix="on it: ")),
+    }
+    async with sa.open_registry(store=store, agents=agents) as registry:
+        example.REGISTRY.append(registry)
+        boss = await registry.spawn("boss", agent="orchestrator")
+        for name in ("w1", "w2", "w3"):
+            await registry.spawn(name, agent="worker")
+        store.fail("append", session_id="w2")
+        with trio.fail_after(10):
+            reply = await boss.send("ask w1,w2,w3: go")
+        assert store.injected == 1
+    said = json.loads(reply.text.removeprefix("The workers said: "))
+    assert said == {"w1": "on it: go", "w2": "(failed: SessionCrashedError)", "w3": "on it: go"}

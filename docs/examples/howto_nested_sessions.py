@@ -37,18 +37,31 @@ async def ask_workers(workers: list[str], question: str) -> dict[str, str]:
     """
     registry = REGISTRY[0]
     answers: dict[str, str] = {}
+    asked: dict[str, str] = {}  # worker -> the id of the turn that asks it
 
     async def ask(name: str) -> None:
         try:
-            answers[name] = (await registry.ref(name).send(question)).text
+            turn = await registry.ref(name).submit(question)
+            asked[name] = turn.id
+            answers[name] = (await turn.reply()).text
         except sa.TurnFailedError as exc:  # told in your words: its text may quote secrets
             answers[name] = f"(failed: {type(exc.__cause__).__name__})"
         except sa.SessionBusyError as exc:  # its own session, or one waiting on this turn
             answers[name] = f"(refused: {str(exc)[:60]}...)"
+        except sa.SessionActorsError as exc:  # any other (a crash, the store): the rest go on
+            answers[name] = f"(failed: {type(exc).__name__})"
 
-    async with trio.open_nursery() as nursery:  # the workers answer concurrently
-        for name in workers:
-            nursery.start_soon(ask, name)
+    try:
+        async with trio.open_nursery() as nursery:  # the workers answer concurrently
+            for name in workers:
+                nursery.start_soon(ask, name)
+    except BaseException:  # (cancelled: it comes in the nursery's exception group)
+        # This turn was cancelled (ref.cancel(), its turn_timeout, the registry's close):
+        # cancel the workers' turns too, or they run on. Shielded: this task is cancelled.
+        with trio.CancelScope(shield=True):
+            for name, turn_id in asked.items():
+                await registry.ref(name).cancel(turn_id=turn_id)
+        raise
     return {name: answers[name] for name in workers}  # (in the order asked)
 
 
