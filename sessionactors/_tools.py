@@ -509,13 +509,24 @@ def stops(exc: BaseException) -> bool:
 
 
 def describe_exception(exc: BaseException) -> str:
-    """``exc`` as "Kind: message" (its kind alone if its ``str()`` is empty)."""
+    """``exc`` as "Kind: message" (its kind alone if its ``str()`` is empty); a group
+    (a nursery's) followed by what its exceptions say, each so, after a colon."""
     try:
         message = str(exc)
     except Exception:  # its own str() failed: the model is still told what failed
         message = "(its message could not be read)"
     kind = type(exc).__name__
-    return f"{kind}: {message}" if message else kind
+    told = f"{kind}: {message}" if message else kind
+    if isinstance(exc, BaseExceptionGroup):
+        inner = exc.exceptions
+        told += ": " + "; ".join(describe_exception(e) for e in inner[:_GROUP_TOLD])
+        if len(inner) > _GROUP_TOLD:
+            told += f"; and {len(inner) - _GROUP_TOLD} more"
+    return told
+
+
+#: How many of a group's exceptions ``describe_exception`` tells.
+_GROUP_TOLD: Final = 5
 
 
 #: Values whose JSON form is their ``str()`` (exact: a Decimal keeps its digits).

@@ -735,6 +735,17 @@ async def test_every_problem_is_reported_at_once() -> None:
         (ValueError("order A1 not found"), "ValueError: order A1 not found"),
         (KeyError("A1"), "KeyError: 'A1'"),
         (RuntimeError(), "RuntimeError"),
+        # a nursery's group: what failed inside it (the model read only the group's words)
+        (
+            ExceptionGroup("Exceptions from Trio nursery", [ValueError("w2 crashed")]),
+            "ExceptionGroup: Exceptions from Trio nursery (1 sub-exception): "
+            "ValueError: w2 crashed",
+        ),
+        (
+            ExceptionGroup("many", [KeyError("a"), ExceptionGroup("inner", [OSError(5, "io")])]),
+            "ExceptionGroup: many (2 sub-exceptions): KeyError: 'a'; "
+            "ExceptionGroup: inner (1 sub-exception): OSError: [Errno 5] io",
+        ),
     ],
 )
 async def test_exception_from_fn_becomes_an_error_outcome(error: Exception, content: str) -> None:
