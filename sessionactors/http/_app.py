@@ -795,7 +795,8 @@ class SessionsApp:
             wrong = isinstance(error, sa.StoreConfigurationError)
             log.log(
                 logging.ERROR if wrong else logging.WARNING,
-                "a request failed in the store: %s",
+                "a request (%s) failed in the store: %s",
+                _request_line(scope),
                 message,
             )
             session = error.session_id

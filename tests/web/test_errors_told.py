@@ -697,14 +697,14 @@ async def test_a_request_the_stores_configuration_refused_is_logged_as_an_error(
     levels = {
         x.levelname
         for x in caplog.records
-        if x.getMessage().startswith("a request failed in the store")
+        if x.getMessage().startswith("a request (GET /sessions) failed in the store")
         and "holds a string" in x.getMessage()
     }
     assert levels == {"ERROR"}, levels
     levels = {
         x.levelname
         for x in caplog.records
-        if x.getMessage().startswith("a request failed in the store")
+        if x.getMessage().startswith("a request (GET /sessions) failed in the store")
         and "for a moment" in x.getMessage()
     }
     assert levels == {"WARNING"}, levels
