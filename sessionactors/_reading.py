@@ -40,7 +40,7 @@ from ._listing import (
 )
 from ._names import damaged_name, delete_command, shell_quoted, validate_name
 from ._records import SessionInfo, SessionState, Status
-from ._session import LiveSession
+from ._session import LiveSession, state_info
 from .stores._base import IdlePageStore, PagedStore, Store, StoredSession
 
 __all__ = [
@@ -209,16 +209,7 @@ async def _described_anew(
         f"{entry}; it is listed as its history says, which reads whole (the session's "
         "next write puts the entry right)",
     )
-    return SessionInfo(
-        session_id=name,
-        agent=state.agent,
-        status=state.status,
-        message_count=len(state.messages),
-        updated_at=state.updated_at,
-        metadata=state.metadata,
-        pending_reviews=len(state.reviews),
-        usage=state.usage,
-    )
+    return state_info(state)
 
 
 def _unreadable_listed(name: str, why: str) -> None:

@@ -124,6 +124,11 @@ class GatedAfterFirstWord:
         for word in rest:
             yield sa.TextChunk(word + " ")
 
+    async def go_after(self, seconds: float) -> None:
+        """Let the turn go on after ``seconds``, whatever happens meanwhile."""
+        await trio.sleep(seconds)
+        self.go.set()
+
 
 async def test_a_stream_follows_its_turn_sent_on_when_its_owner_closes_as_it_runs(
     redis_url: str,
@@ -135,12 +140,7 @@ async def test_a_stream_follows_its_turn_sent_on_when_its_owner_closes_as_it_run
     text = "queued behind the long turn"
     with trio.fail_after(30):
         async with open_worker(redis_url, prefix, "b", model) as b, trio.open_nursery() as outer:
-
-            async def give_up() -> None:  # (the turn ends either way)
-                await trio.sleep(10)
-                model.go.set()
-
-            outer.start_soon(give_up)
+            outer.start_soon(model.go_after, 10)  # (the turn ends either way)
             async with owner_closing_on_a_long_turn(redis_url, prefix) as nursery:
 
                 async def stream(task_status: trio.TaskStatus[None]) -> None:
@@ -179,12 +179,7 @@ async def test_a_message_streamed_over_http_follows_its_turn_sent_on_as_it_runs(
             httpx.AsyncClient(base_url=url, timeout=None) as client,
             trio.open_nursery() as outer,
         ):
-
-            async def give_up() -> None:  # (the turn ends either way)
-                await trio.sleep(10)
-                model.go.set()
-
-            outer.start_soon(give_up)
+            outer.start_soon(model.go_after, 10)  # (the turn ends either way)
             async with owner_closing_on_a_long_turn(redis_url, prefix) as nursery:
 
                 async def post(task_status: trio.TaskStatus[None]) -> None:

@@ -694,17 +694,14 @@ async def test_a_request_the_stores_configuration_refused_is_logged_as_an_error(
             store.fail("list_sessions", error=sa.StoreError("down for a moment"))
             r = await client.get("/sessions")
             assert r.status_code == 503, r.text
-    levels = {
-        x.levelname
-        for x in caplog.records
-        if x.getMessage().startswith("a request (GET /sessions) failed in the store")
-        and "holds a string" in x.getMessage()
-    }
-    assert levels == {"ERROR"}, levels
-    levels = {
-        x.levelname
-        for x in caplog.records
-        if x.getMessage().startswith("a request (GET /sessions) failed in the store")
-        and "for a moment" in x.getMessage()
-    }
-    assert levels == {"WARNING"}, levels
+
+    def levels(said: str) -> set[str]:
+        start = "a request (GET /sessions) failed in the store"
+        return {
+            x.levelname
+            for x in caplog.records
+            if x.getMessage().startswith(start) and said in x.getMessage()
+        }
+
+    assert levels("holds a string") == {"ERROR"}
+    assert levels("for a moment") == {"WARNING"}
