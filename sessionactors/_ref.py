@@ -655,7 +655,8 @@ class SessionRef(metaclass=NoPublicConstructor):
                                     event = await source.__anext__()
                                 except StopAsyncIteration:
                                     break
-                        if event is None or getattr(event, "turn_id", None) != following:
+                        turn_id = getattr(event, "turn_id", None)  # (None: a quiet while)
+                        if turn_id != following:
                             renamed = turn.id
                             if renamed != named and not turn.done:
                                 # sent on to the session's next worker under this id
@@ -675,7 +676,6 @@ class SessionRef(metaclass=NoPublicConstructor):
                                     if start is not None:  # its events went by: again
                                         source = await again(source, start)
                             continue
-                        turn_id = getattr(event, "turn_id", None)
                         if (
                             turn_id != following
                             and idempotency_key is not None

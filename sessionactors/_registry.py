@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -404,20 +405,19 @@ class Registry(metaclass=NoPublicConstructor):
         for name, blob in await self.store.list_sessions():
             if is_damaged(name):  # (no session can be reached under it)
                 continue
+            read: Callable[[str], Awaitable[SessionState]] = self._dispatcher.read
             try:
                 waits = self._describe(name, blob).pending_reviews > 0
             except SnapshotError:  # its listing entry is unreadable: its history tells
-                try:  # (read, not woken: a turn left open would run on)
-                    out.extend((await read_session(self.store, name)).reviews)
-                except (SnapshotError, SessionNotFoundError, InvalidSessionNameError) as exc:
-                    log.warning("pending reviews of session %r are unreadable: %s", name, exc)
-                continue
+                # (read, not woken: a turn left open would run on)
+                waits, read = True, functools.partial(read_session, self.store)
             if waits:
                 try:
-                    out.extend((await self._dispatcher.read(name)).reviews)
+                    out.extend((await read(name)).reviews)
                 except SessionNotFoundError:
                     continue  # deleted since it was listed: it waits on nothing now
-                except (SnapshotError, SessionCrashedError) as exc:  # its own fault only
+                except (SnapshotError, SessionCrashedError, InvalidSessionNameError) as exc:
+                    # its own fault only
                     log.warning("pending reviews of session %r are unreadable: %s", name, exc)
         return sorted(out, key=lambda r: r.created_at)
 
